@@ -1,0 +1,143 @@
+"""EngineConfig and SamplingParams: the two plain dataclasses every layer shares.
+
+They live here, not in engine.py, so that the pure-Python layers (scheduler.py, the
+block allocator) can take the config whole without importing JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Scheduling = Literal["continuous", "static"]
+KVAdmission = Literal["on-demand", "reserve", "reserve-max-len"]
+AttentionBackend = Literal["auto", "pallas", "xla"]
+
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+_MIN_TOKEN_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine knob, one field per CLI flag (vLLM's flag names where vLLM has it).
+
+    Frozen and hashable so jitted code may take it as a static argument. Fields left as
+    None are filled from the model by `resolved()` (max_model_len) or from the other
+    fields (max_num_batched_tokens).
+    """
+
+    model: str = "tiny"
+    dtype: str = "float32"  # float32 | bfloat16 | auto (the checkpoint's torch_dtype)
+    seed: int = 0
+    max_num_seqs: int = 32
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = False
+    scheduling: Scheduling = "continuous"
+    kv_admission: KVAdmission = "on-demand"
+    attention_backend: AttentionBackend = "auto"
+    max_waiting_requests: int | None = None
+    warmup: bool = True  # compile every shape bucket before serving
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.dtype in ("float32", "bfloat16", "auto"), f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two, got {self.block_size}")
+        need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+             f"num_kv_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_kv_blocks}")
+        need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0 bytes")
+        need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.scheduling in ("continuous", "static"), f"scheduling must be continuous or static, got {self.scheduling!r}")
+        need(self.kv_admission in ("on-demand", "reserve", "reserve-max-len"),
+             f"kv_admission must be on-demand, reserve or reserve-max-len, got {self.kv_admission!r}")
+        need(self.attention_backend in ("auto", "pallas", "xla"),
+             f"attention_backend must be auto, pallas or xla, got {self.attention_backend!r}")
+        need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
+        if self.max_num_batched_tokens is not None:
+            need(self.max_num_batched_tokens >= self.max_num_seqs,
+                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "
+                 "every running sequence needs one token of the budget per decode step")
+            if not self.enable_chunked_prefill and self.max_model_len is not None:
+                need(self.max_num_batched_tokens >= self.max_model_len,
+                     f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                     f"({self.max_model_len}): without --enable-chunked-prefill a whole prompt must fit in one step; "
+                     "raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill")
+
+    def resolved(self, model_max_len: int) -> "EngineConfig":
+        """Fill the fields that depend on the model; validate against it."""
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
+                             f"max_position_embeddings ({model_max_len})")
+        mnbt = self.max_num_batched_tokens
+        if mnbt is None:
+            # vLLM's defaults: a small budget keeps decode steps short when chunking;
+            # without chunking, one whole prompt of max_model_len must fit.
+            mnbt = max(512, self.max_num_seqs) if self.enable_chunked_prefill else max(max_model_len, 2048, self.max_num_seqs)
+        return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=mnbt)
+
+    # ---- derived (valid once resolved) -------------------------------------------
+    @property
+    def max_blocks_per_seq(self) -> int:
+        assert self.max_model_len is not None, "call resolved() first"
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """Flattened token counts a prefill/mixed step is padded to: powers of two up to
+        max_num_batched_tokens (which is always the last bucket)."""
+        assert self.max_num_batched_tokens is not None, "call resolved() first"
+        out, b = [], _MIN_TOKEN_BUCKET
+        while b < self.max_num_batched_tokens:
+            out.append(b)
+            b *= 2
+        out.append(self.max_num_batched_tokens)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, as vLLM's SamplingParams (token-level fields only; stop
+    strings are text and are handled by the server's detokenizer)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per sampled position
+
+    def __post_init__(self) -> None:
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,102 @@
+"""What the engine measures about itself: plain counters, gauges and histograms.
+
+The engine thread writes them; the server's /metrics, the benches and the tests read
+`EngineStats.snapshot()`. No Prometheus here: server.py renders a snapshot in the
+Prometheus text format, so the engine stays usable offline with no client library.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+# Buckets as vLLM uses for the same histograms (seconds), so dashboards carry over.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+WAIT_REASONS = ("kv_blocks", "max_num_seqs", "token_budget", "static_batch")
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram, Prometheus semantics (le buckets, +Inf implied)."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, NOT cumulative; last is +Inf
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """[(upper bound, cumulative count)], ending with (inf, count)."""
+        out, acc = [], 0
+        for le, c in zip(list(self.buckets) + [float("inf")], self.counts):
+            acc += c
+            out.append((le, acc))
+        return out
+
+    def copy(self) -> "Histogram":
+        return Histogram(self.buckets, list(self.counts), self.sum, self.count)
+
+
+@dataclass
+class EngineStats:
+    """Everything a researcher asks about the scheduler, without a profiler."""
+
+    # gauges (set every step)
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    waiting_by_reason: dict[str, int] = field(default_factory=lambda: {r: 0 for r in WAIT_REASONS})
+    kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use, 0..1
+    num_kv_blocks: int = 0  # usable blocks (the null block excluded)
+    # counters
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)
+    generation_tokens: int = 0
+    request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    num_compilations: int = 0
+    num_steps: int = 0
+    num_decode_steps: int = 0  # steps that carried no prompt tokens
+    useful_slot_steps: int = 0  # slots whose sequence made progress in the step
+    total_slot_steps: int = 0  # max_num_seqs per step
+    prefill_tokens: int = 0  # prompt tokens computed (recompute included)
+    decode_tokens: int = 0
+    padded_tokens: int = 0  # token rows computed only to fill a shape bucket
+    # histograms
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    request_queue_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKEN_BUCKETS))
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def slot_utilization(self) -> float:
+        return self.useful_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
+
+    def snapshot(self) -> "EngineStats":
+        """A consistent copy, safe to read from another thread."""
+        with self.lock:
+            snap = EngineStats(**{k: v for k, v in self.__dict__.items()
+                                  if k not in ("waiting_by_reason", "request_success", "lock")
+                                  and not isinstance(v, Histogram)})
+            snap.waiting_by_reason = dict(self.waiting_by_reason)
+            snap.request_success = dict(self.request_success)
+            for k, v in self.__dict__.items():
+                if isinstance(v, Histogram):
+                    setattr(snap, k, v.copy())
+            return snap
