@@ -1,0 +1,377 @@
+"""The decoder-only transformer (Llama 2/3, Mistral, Qwen2, Qwen3) and its loading.
+
+The four families are one network with a few switches: GQA, q/k/v biases (Qwen2),
+per-head q/k RMSNorm (Qwen3), Llama 3.1's RoPE frequency scaling, tied embeddings. Each
+forward step takes a flat batch of T tokens from any number of sequences; the layers
+write the step's K/V into the paged cache and call the attention backend (see
+docs/CONTRACTS.md for the cache layout and kernels_pallas.py for the backends).
+
+Numerics: matmuls run in the parameter dtype (float32 or bfloat16); RMSNorm, RoPE,
+softmax (inside the backend) and the logits are float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kernels_pallas import AttentionBackend
+from tokenizer import ByteTokenizer, load_tokenizer
+
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture, hashable so jitted code can take it as a static argument."""
+
+    architecture: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3 parameters, as sorted items
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on q/k/v_proj
+    o_proj_bias: bool = False  # Llama/Qwen3 `attention_bias` also puts one on o_proj; Qwen2 does not
+    qk_norm: bool = False
+    sliding_window: int | None = None  # attention is exact only while a sequence fits in it
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence this engine runs exactly: a sliding window caps it, since
+        the kernels attend to the whole context."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """From a Hugging Face config.json dict; raises ValueError on what we do not run."""
+        arch = d.get("model_type")
+        if arch not in _FAMILIES:
+            raise ValueError(f"unsupported model_type {arch!r} (architectures={d.get('architectures')}); "
+                             f"supported: {', '.join(_FAMILIES)}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
+        window = d.get("sliding_window")
+        if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+            window = None  # Qwen configs carry a window size that is off unless use_sliding_window
+        heads = d["num_attention_heads"]
+        theta, scaling = _rope_from_hf(d)
+        bias = bool(d.get("attention_bias", False))
+        eos = d.get("eos_token_id")
+        return cls(
+            architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=d["max_position_embeddings"],
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bias or arch == "qwen2", o_proj_bias=bias and arch != "qwen2",
+            qk_norm=arch == "qwen3", sliding_window=window, bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_id_tuple(eos),
+        )
+
+
+def _id_tuple(x: int | list[int] | None) -> tuple[int, ...]:
+    return () if x is None else (x,) if isinstance(x, int) else tuple(x)
+
+
+def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ...] | None]:
+    # transformers 5.x writes `rope_parameters` (rope_type, rope_theta, ...); older configs
+    # have a top-level rope_theta and `rope_scaling` (with "type" or "rope_type").
+    p = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    if any(isinstance(v, dict) for v in p.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    if p.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    theta = float(p.get("rope_theta", d.get("rope_theta", 10000.0)))
+    rope_type = p.get("rope_type", p.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported RoPE type {rope_type!r} (supported: default, llama3)")
+    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in p]
+    if missing:
+        raise ValueError(f"llama3 RoPE scaling lacks {missing}")
+    return theta, tuple(sorted((k, float(p[k])) for k in _LLAMA3_ROPE_KEYS))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class AttentionInputs:
+    """Where this step's K/V go and what each query attends to (see docs/CONTRACTS.md)."""
+
+    slot_mapping: jax.Array  # [T] i32: flat cache index of token t's K/V
+    block_tables: jax.Array  # [S, W] i32
+    kv_lens: jax.Array  # [S] i32, including this step's tokens
+    cu_q_lens: jax.Array | None = None  # [S+1] i32; None => decode, one token per slot (T == S)
+
+
+# ---- layers ----------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[head_dim/2] float32 inverse frequencies, a trace-time constant (not a param)."""
+    d = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    if cfg.rope_scaling is not None:
+        # Llama 3.1: wavelengths longer than the original context are stretched by
+        # `factor`, short ones are kept, and the band between is interpolated.
+        s = dict(cfg.rope_scaling)
+        old, factor = s["original_max_position_embeddings"], s["factor"]
+        lo, hi = s["low_freq_factor"], s["high_freq_factor"]
+        wavelen = 2 * np.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        inv = np.where(wavelen > old / lo, inv / factor, np.where(wavelen < old / hi, inv, blended))
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [T, H, D] rotated by position, in HF's "rotate half" layout (pairs are (i, i+D/2))."""
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return y.astype(x.dtype) * self.weight[...]  # as HF: normalise in f32, scale in dtype
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    # std 1/sqrt(fan_in) keeps every sublayer's output O(1), so a random model's context
+    # visibly moves its logits (real weights are loaded over this anyway).
+    return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                      kernel_init=nnx.initializers.normal(n_in ** -0.5), rngs=rngs)
+
+
+def _write_cache(cache: jax.Array, x: jax.Array, slots: jax.Array) -> jax.Array:
+    """Scatter x [T, Hkv, D] into cache rows `slots`; a pure update XLA does in place when
+    the cache buffer is donated."""
+    nb, bs, h, d = cache.shape
+    return cache.reshape(nb * bs, h, d).at[slots].set(x.astype(cache.dtype)).reshape(cache.shape)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.q_proj = _linear(h, nq * d, cfg.attention_bias, dtype, rngs)
+        self.k_proj = _linear(h, nkv * d, cfg.attention_bias, dtype, rngs)
+        self.v_proj = _linear(h, nkv * d, cfg.attention_bias, dtype, rngs)
+        self.o_proj = _linear(nq * d, h, cfg.o_proj_bias, dtype, rngs)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: tuple[jax.Array, jax.Array],
+                 attn: AttentionInputs, backend: AttentionBackend) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        cfg, t = self.cfg, x.shape[0]
+        q = self.q_proj(x).reshape(t, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inv_freq(cfg)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        # The step's K/V go into the cache first; attention then reads everything from it.
+        k_cache = _write_cache(kv_cache[0], k, attn.slot_mapping)
+        v_cache = _write_cache(kv_cache[1], v, attn.slot_mapping)
+        scale = cfg.head_dim ** -0.5
+        if attn.cu_q_lens is None:
+            o = backend.decode(q, k_cache, v_cache, attn.block_tables, attn.kv_lens, scale=scale)
+        else:
+            o = backend.ragged(q, k_cache, v_cache, attn.block_tables, attn.cu_q_lens, attn.kv_lens, scale=scale)
+        return self.o_proj(o.reshape(t, -1)), (k_cache, v_cache)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(h, i, False, dtype, rngs)
+        self.up_proj = _linear(h, i, False, dtype, rngs)
+        self.down_proj = _linear(i, h, False, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: tuple[jax.Array, jax.Array],
+                 attn: AttentionInputs, backend: AttentionBackend) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn, backend)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+class Llama(nnx.Module):
+    """Attribute names mirror HF's parameter names, so loading is a mechanical mapping
+    (see _hf_name)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype | str = jnp.float32, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(dtype)
+        self.config = cfg
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                                      embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, kv_caches: list[tuple[jax.Array, jax.Array]],
+                 attn: AttentionInputs, backend: AttentionBackend) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        """tokens, positions [T] -> (final-normed hidden [T, H], updated kv_caches)."""
+        x = self.embed_tokens(tokens)
+        new_caches = []
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, kv = layer(x, positions, kv, attn, backend)
+            new_caches.append(kv)
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [N, H] (rows of __call__'s output) -> [N, vocab] float32."""
+        if self.lm_head is None:
+            w = self.embed_tokens.embedding[...]  # [V, H]
+            return jnp.einsum("nh,vh->nv", hidden, w, preferred_element_type=jnp.float32)
+        return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+
+
+def init_model(cfg: ModelConfig, dtype: jnp.dtype | str = jnp.float32, seed: int = 0) -> Llama:
+    """Random weights (the built-in models, tests)."""
+    return Llama(cfg, dtype, rngs=nnx.Rngs(seed))
+
+
+def param_bytes(model: Llama) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+# ---- built-in models and loading -------------------------------------------------
+
+_BYTE = ByteTokenizer()
+BUILTIN_MODELS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                        bos_token_id=_BYTE.bos_token_id, eos_token_ids=(_BYTE.eos_token_id,)),
+    # 57,942,528 params: embed + lm_head 2 * 32000*512 = 32,768,000; per layer q,o 2 * 512*512 +
+    # k,v 2 * 512*256 + mlp 3 * 512*1536 + 2 norms * 512 = 3,146,752, * 8 = 25,174,016; final norm 512.
+    "bench": ModelConfig("llama", vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-5,
+                         max_position_embeddings=16384,
+                         bos_token_id=_BYTE.bos_token_id, eos_token_ids=(_BYTE.eos_token_id,)),
+}
+_DTYPES = {"float32": jnp.dtype(jnp.float32), "bfloat16": jnp.dtype(jnp.bfloat16)}
+
+
+@dataclass
+class LoadedModel:
+    model: Llama
+    config: ModelConfig
+    tokenizer: Any | None  # ByteTokenizer, a transformers tokenizer, or None (token ids only)
+    name: str
+    dtype: jnp.dtype
+
+
+def _resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> jnp.dtype:
+    if dtype == "auto":
+        # float16 checkpoints run in float32: exact, and without fp16's overflow risk.
+        dtype = "bfloat16" if checkpoint_dtype == "bfloat16" else "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be float32, bfloat16 or auto, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0) -> LoadedModel:
+    """A built-in random model ("tiny", "bench") or an HF checkpoint directory."""
+    if model in BUILTIN_MODELS:
+        cfg, dt = BUILTIN_MODELS[model], _resolve_dtype(dtype, None)
+        return LoadedModel(init_model(cfg, dt, seed), cfg, ByteTokenizer(), model, dt)
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise FileNotFoundError(f"model {model!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                                "nor a directory with a config.json")
+    with open(os.path.join(model, "config.json")) as f:
+        hf = json.load(f)
+    cfg = ModelConfig.from_hf(hf)
+    gen_path = os.path.join(model, "generation_config.json")
+    if os.path.isfile(gen_path):  # chat models often list extra stop ids (e.g. <|eot_id|>) only here
+        with open(gen_path) as f:
+            extra = _id_tuple(json.load(f).get("eos_token_id"))
+        cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
+    dt = _resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
+    return LoadedModel(_load_weights(cfg, dt, model), cfg, load_tokenizer(model), model, dt)
+
+
+def _hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
+    """NNX param path -> (HF tensor name, whether to transpose: torch Linear is [out, in])."""
+    *mods, leaf = (str(p) for p in path)
+    prefix = "" if mods[0] == "lm_head" else "model."
+    return prefix + ".".join(mods) + (".bias" if leaf == "bias" else ".weight"), leaf == "kernel"
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path} "
+                            "(only safetensors checkpoints are supported)")
+
+
+def _load_weights(cfg: ModelConfig, dtype: jnp.dtype, path: str) -> Llama:
+    from safetensors import safe_open
+
+    # Build the module abstractly (no random init), then fill each param from the files.
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype, rngs=nnx.Rngs(0))))
+    wanted = {_hf_name(p)[0]: (p, v) for p, v in nnx.to_flat_state(abstract)}
+    filled: dict[tuple[Any, ...], nnx.Variable] = {}
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="flax") as st:  # the flax reader handles bfloat16
+            for name in st.keys():
+                if name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                    continue  # derived from the config / a copy of the embedding
+                if name not in wanted:
+                    raise ValueError(f"unexpected tensor {name!r} in {file}")
+                p, var = wanted[name]
+                transpose, x = _hf_name(p)[1], st.get_tensor(name)
+                want = var.get_value().shape[::-1] if transpose else var.get_value().shape
+                if x.shape != want:
+                    raise ValueError(f"tensor {name!r} has shape {x.shape}, expected {want}")
+                filled[p] = var.replace((x.T if transpose else x).astype(dtype))
+    missing = [n for n, (p, _) in wanted.items() if p not in filled]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensors: {', '.join(missing)}")
+    return nnx.merge(graphdef, nnx.from_flat_state(list(filled.items())))

@@ -1,0 +1,102 @@
+"""Shared helpers: tiny random Hugging Face checkpoints (no hub access) and HF reference
+outputs to compare against."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+# Small enough to build and run in well under a second; GQA (4 heads over 2 KV heads).
+_BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+             initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+
+# family -> (transformers class names, config overrides). Between them: tied and untied
+# embeddings, llama3 RoPE scaling, a (stored, inactive at these lengths) sliding window,
+# q/k/v biases, Qwen3's qk-norm with a head_dim that is not hidden/heads.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama2": ("Llama", dict(rms_norm_eps=1e-5)),
+    "llama3": ("Llama", dict(tie_word_embeddings=True, eos_token_id=[2, 3], max_position_embeddings=16384,
+                             rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                                  low_freq_factor=1.0, high_freq_factor=4.0,
+                                                  original_max_position_embeddings=64))),
+    "mistral": ("Mistral", dict(sliding_window=1024)),
+    "qwen2": ("Qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3", dict(head_dim=32, num_key_value_heads=1)),
+}
+
+
+def make_hf_checkpoint(path: str | os.PathLike, family: str = "llama2", *, seed: int = 0, dtype: str = "float32",
+                       max_shard_size: str | None = None, tokenizer: bool = False, **overrides: Any) -> str:
+    """A random-weight HF checkpoint of `family` (see FAMILIES) saved as safetensors under
+    `path`; returns the directory. `overrides` go to the transformers config."""
+    import torch
+    import transformers
+
+    prefix, fam = FAMILIES[family]
+    cfg = getattr(transformers, f"{prefix}Config")(**{**_BASE, **fam, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb them so they are tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    model = model.to(getattr(torch, dtype)).eval()
+    out = str(path)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kw)
+    if tokenizer:
+        make_hf_tokenizer(out)
+    return out
+
+
+def make_hf_tokenizer(path: str) -> None:
+    """A byte-level BPE tokenizer (vocab <= 300, <unk>/<s>/</s> = 0/1/2) with a ChatML
+    chat template, saved next to a checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            chat_template=template).save_pretrained(path)
+
+
+def hf_logits(path: str, token_ids: list[int]) -> np.ndarray:
+    """[len(token_ids), vocab] float32 logits of the checkpoint at `path`, run by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].numpy()
+
+
+def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation (ignoring eos), for end-to-end engine checks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """Factory fixture: hf_checkpoint(family, **kw) -> path under this test's tmp dir."""
+    counter = iter(range(1_000_000))
+    return lambda family="llama2", **kw: make_hf_checkpoint(tmp_path / f"ckpt{next(counter)}", family, **kw)

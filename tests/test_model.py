@@ -1,0 +1,207 @@
+"""model.py and tokenizer.py against transformers: every family's logits through the
+paged ragged and decode paths, loading (sharded, bf16, errors), the tokenizers."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import hf_logits, make_hf_checkpoint
+from flax import nnx
+
+from kernels_pallas import get_attention_backend
+from model import BUILTIN_MODELS, AttentionInputs, Llama, ModelConfig, load_model, param_bytes
+from tokenizer import ByteTokenizer, load_tokenizer
+
+BS = 4  # block size: small, so a prompt spans several blocks
+BACKEND = get_attention_backend("xla")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens, positions, caches, attn):
+    model = nnx.merge(graphdef, state)
+    hidden, caches = model(tokens, positions, caches, attn, BACKEND)
+    return model.compute_logits(hidden), caches
+
+
+class Paged:
+    """A model with its paged KV caches and per-sequence (shuffled) block tables."""
+
+    def __init__(self, model: Llama, num_seqs: int, max_len: int, seed: int = 0):
+        cfg, width = model.config, -(-max_len // BS)
+        dtype = model.embed_tokens.embedding[...].dtype
+        num_blocks = 1 + num_seqs * width + 3  # block 0 is the null block; a few spare
+        shape = (num_blocks, BS, cfg.num_key_value_heads, cfg.head_dim)
+        self.caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers)]
+        blocks = np.random.default_rng(seed).permutation(np.arange(1, num_blocks))
+        self.block_tables = blocks[: num_seqs * width].reshape(num_seqs, width).astype(np.int32)
+        self.graphdef, self.state = nnx.split(model)
+
+    def step(self, chunks: list[tuple[int, list[int]] | None], decode: bool = False,
+             pad_to: int = 0) -> list[np.ndarray]:
+        """chunks[s] = (first position, token ids) for sequence s this step, or None for an
+        idle slot. Returns each sequence's logits [q_len, vocab]."""
+        tokens, positions, slots, kv_lens, cu = [], [], [], [], [0]
+        for s, chunk in enumerate(chunks):
+            start, toks = chunk or (0, [])
+            pos = list(range(start, start + len(toks)))
+            tokens += toks
+            positions += pos
+            slots += [int(self.block_tables[s, p // BS]) * BS + p % BS for p in pos]
+            kv_lens.append(start + len(toks))
+            cu.append(len(tokens))
+            if decode and chunk is None:  # an idle decode slot still has a row: it writes to the null block
+                tokens, positions, slots = tokens + [0], positions + [0], slots + [0]
+        pad = max(pad_to - len(tokens), 0)  # padding rows write to the null block too
+        i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+        attn = AttentionInputs(i32(slots + [0] * pad), i32(self.block_tables), i32(kv_lens),
+                               None if decode else i32(cu))
+        logits, self.caches = _forward(self.graphdef, self.state, i32(tokens + [0] * pad),
+                                       i32(positions + [0] * pad), self.caches, attn)
+        logits = np.asarray(logits)
+        if decode:
+            return [logits[s : s + 1] for s in range(len(chunks))]
+        return [logits[cu[s] : cu[s + 1]] for s in range(len(chunks))]
+
+
+def _prompt(n: int, seed: int, vocab: int = 300) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+@pytest.mark.parametrize("family", ["llama2", "llama3", "mistral", "qwen2", "qwen3"])
+def test_prefill_matches_hf(hf_checkpoint, family):
+    path = hf_checkpoint(family)
+    lm = load_model(path)
+    a, b = _prompt(20, 1), _prompt(13, 2)
+    paged = Paged(lm.model, num_seqs=2, max_len=20)
+    got_a, got_b = paged.step([(0, a), (0, b)], pad_to=40)
+    np.testing.assert_allclose(got_a, hf_logits(path, a), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got_b, hf_logits(path, b), atol=1e-4, rtol=0)
+
+
+def test_chunked_prefill_and_decode_match_hf(hf_checkpoint):
+    """A's prompt in two chunks, the second in a mixed step with B's first decode; then
+    decode steps with an idle slot. Every logit row equals HF's on the whole sequence."""
+    path = hf_checkpoint("llama3")
+    lm = load_model(path)
+    a, b = _prompt(17, 3), _prompt(14, 4)
+    ref_a, ref_b = hf_logits(path, a), hf_logits(path, b)
+    paged = Paged(lm.model, num_seqs=3, max_len=17)
+    got = paged.step([(0, a[:8]), (0, b[:11]), None], pad_to=24)
+    np.testing.assert_allclose(got[0], ref_a[:8], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got[1], ref_b[:11], atol=1e-4, rtol=0)
+    got = paged.step([(8, a[8:15]), (11, b[11:12]), None])
+    np.testing.assert_allclose(got[0], ref_a[8:15], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got[1], ref_b[11:12], atol=1e-4, rtol=0)
+    for i in range(2):
+        got = paged.step([(15 + i, a[15 + i : 16 + i]), (12 + i, b[12 + i : 13 + i]), None], decode=True)
+        np.testing.assert_allclose(got[0], ref_a[15 + i : 16 + i], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(got[1], ref_b[12 + i : 13 + i], atol=1e-4, rtol=0)
+
+
+def _params(lm) -> dict:
+    return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(lm.model, nnx.Param))}
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path):
+    whole = load_model(make_hf_checkpoint(tmp_path / "whole", "qwen2"))
+    sharded_dir = make_hf_checkpoint(tmp_path / "sharded", "qwen2", max_shard_size="40KB")
+    assert os.path.exists(os.path.join(sharded_dir, "model.safetensors.index.json"))
+    sharded = load_model(sharded_dir)
+    a, b = _params(whole), _params(sharded)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
+
+
+def test_bf16_checkpoint(hf_checkpoint):
+    path = hf_checkpoint("llama2", dtype="bfloat16")
+    lm = load_model(path, dtype="auto")
+    assert lm.dtype == jnp.bfloat16 and lm.model.embed_tokens.embedding[...].dtype == jnp.bfloat16
+    assert param_bytes(lm.model) == 2 * sum(v.size for v in _params(lm).values())
+    prompt = _prompt(20, 5)
+    (got,) = Paged(lm.model, num_seqs=1, max_len=20).step([(0, prompt)])
+    ref = hf_logits(path, prompt)  # the same bf16 weights, run in f32
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    assert load_model(path).dtype == jnp.float32  # an explicit dtype overrides the checkpoint's
+
+
+def test_checkpoint_errors(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    path = make_hf_checkpoint(tmp_path / "c", "llama2")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    save_file({**tensors, "model.extra.weight": np.zeros(3, np.float32)}, file)
+    with pytest.raises(ValueError, match="unexpected tensor 'model.extra.weight'"):
+        load_model(path)
+    del tensors["model.norm.weight"]
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match="lacks tensors: model.norm.weight"):
+        load_model(path)
+    with pytest.raises(FileNotFoundError, match="neither a built-in"):
+        load_model(str(tmp_path / "nowhere"))
+
+
+def test_config_from_hf_variants():
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=4096)
+    # pre-5.x layout: top-level rope_theta, rope_scaling with "type"; eos as a list
+    scaling = dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    cfg = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": scaling, "eos_token_id": [5, 6]})
+    assert cfg.rope_theta == 5e5 and dict(cfg.rope_scaling)["factor"] == 8.0 and cfg.eos_token_ids == (5, 6)
+    assert cfg.num_key_value_heads == 2 and cfg.head_dim == 4 and hash(cfg)
+    assert ModelConfig.from_hf({**base, "eos_token_id": 7}).eos_token_ids == (7,)
+    qwen = {**base, "model_type": "qwen2", "sliding_window": 1024}
+    assert ModelConfig.from_hf(qwen).sliding_window is None  # use_sliding_window defaults to off
+    on = ModelConfig.from_hf({**qwen, "use_sliding_window": True})
+    assert on.sliding_window == 1024 and on.max_model_len == 1024 and on.attention_bias and not on.o_proj_bias
+    for bad, msg in [({"model_type": "gpt2"}, "unsupported model_type"),
+                     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "unsupported RoPE type 'yarn'"),
+                     ({"hidden_act": "gelu"}, "unsupported hidden_act")]:
+        with pytest.raises(ValueError, match=msg):
+            ModelConfig.from_hf({**base, **bad})
+
+
+def test_tokenizer_files(tmp_path):
+    assert load_model(make_hf_checkpoint(tmp_path / "bare", "llama2")).tokenizer is None
+    tok = load_model(make_hf_checkpoint(tmp_path / "tok", "llama2", tokenizer=True)).tokenizer
+    assert tok is not None and tok.eos_token_id == 2 and len(tok) <= 300
+    ids = tok.encode("the lazy fox", add_special_tokens=False)
+    assert tok.decode(ids) == "the lazy fox"
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert load_tokenizer(str(tmp_path / "bare")) is None
+
+
+def test_byte_tokenizer():
+    tok = ByteTokenizer()
+    text = "héllo, wörld ✓"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id and tok.decode(ids) == text
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
+    assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=False) == f"<|bos|>{text}<|eos|>"
+    assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut multi-byte char is replaced, not an error
+    assert tok.decode([104, 400, 105]) == "hi"  # ids past the tokenizer's vocab decode to nothing
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(msgs)
+    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template(msgs, tokenize=True) == tok.encode(text)
+
+
+def test_builtin_models():
+    bench = nnx.eval_shape(lambda: Llama(BUILTIN_MODELS["bench"], rngs=nnx.Rngs(0)))
+    assert sum(v.size for v in jax.tree.leaves(nnx.state(bench, nnx.Param))) == 57_942_528
+    lm = load_model("tiny")
+    assert lm.config.vocab_size > lm.tokenizer.vocab_size and lm.config.eos_token_ids == (lm.tokenizer.eos_token_id,)
+    prompt = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    (logits,) = Paged(lm.model, num_seqs=1, max_len=len(prompt)).step([(0, prompt)])
+    assert np.isfinite(logits).all() and len(set(logits.argmax(-1).tolist())) > len(prompt) // 2  # not degenerate
+    same = load_model("tiny", seed=0).model.embed_tokens.embedding[...]
+    assert np.array_equal(same, lm.model.embed_tokens.embedding[...])
+    assert not np.array_equal(same, load_model("tiny", seed=1).model.embed_tokens.embedding[...])
