@@ -1,0 +1,374 @@
+"""The scheduler: which sequences compute which tokens in the next step. Pure Python.
+
+The engine loop calls `schedule()`, runs the step it describes, then `update()` with the
+sampled tokens. The scheduler owns the waiting queue, the running list, the slots
+(0..max_num_seqs-1: a running sequence's row in the fixed-shape decode arrays) and the
+block allocator; it knows blocks, never arrays.
+
+continuous (default): every step, decodes first (one token per running sequence), then
+    prompt chunks of running sequences, then admissions from the waiting queue while a
+    slot, the token budget and KV blocks allow. A finished sequence frees its slot and
+    blocks in the update() of its last token, so a queued request joins the next step.
+static: the seed's bus. A batch boards only when nothing runs, prefills, then decodes;
+    finished sequences keep their slot as padding until the whole batch is done.
+
+KV admission (config.kv_admission): "on-demand" (vLLM) allocates blocks as tokens are
+computed and preempts by recompute when they run out; "reserve" (TGI) allocates prompt +
+max_tokens at admission; "reserve-max-len" (contiguous slots) allocates max_model_len.
+The reserve modes never preempt: every block a sequence will use is held from the start.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from config import EngineConfig, SamplingParams
+from kvcache import BlockAllocator, blocks_needed
+from metrics import WAIT_REASONS
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+WAITING, RUNNING, FINISHED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)  # identity semantics: one object per request, however its fields change
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = WAITING
+    slot: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    wait_reason: str | None = None  # one of metrics.WAIT_REASONS, set by each schedule()
+    num_preemptions: int = 0
+    admitted_seq_no: int = -1  # order of the latest admission: the highest is preempted first
+    seed: int | None = None  # this request's sampling stream (set by the engine)
+    # Filled by the engine.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_decode(self) -> bool:
+        """Everything but the last sampled token is cached: the next step computes one
+        token. After a preemption the prompt *and* the outputs are a prefill again."""
+        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # positions seq.num_computed_tokens .. + num_new_tokens - 1
+    samples: bool  # a token comes out: a decode, or the chunk that completes the prompt
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prompt chunks
+    preempted: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_prefill_tokens == 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: tuple[int, ...]) -> None:
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None, \
+            "pass config.resolved(...)"
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.allocator = BlockAllocator(num_kv_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order; under static, finished padding too
+        self._free_slots = list(range(config.max_num_seqs))  # a heap: the lowest free slot first
+        self._seqs: dict[str, Sequence] = {}  # every request not yet released, by id
+        self._admissions = itertools.count()
+        self._static = config.scheduling == "static"
+        self._budget = 0  # tokens left in the step being scheduled
+
+    # ---- requests ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        cfg, n = self.config, seq.num_prompt_tokens
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already in flight")
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n + seq.params.max_tokens > cfg.max_model_len:
+            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({seq.params.max_tokens}) is "
+                             f"{n + seq.params.max_tokens} tokens, over max_model_len ({cfg.max_model_len})")
+        # On-demand too: a sequence larger than the whole cache would preempt itself forever.
+        need = blocks_needed(self._lifetime_tokens(seq), cfg.block_size)
+        if need > self.allocator.num_usable:
+            raise ValueError(f"the request needs {need} KV blocks of {cfg.block_size} tokens "
+                             f"({cfg.kv_admission}), the whole cache has {self.allocator.num_usable}")
+        assert seq.status is WAITING and seq.num_computed_tokens == 0 and not seq.block_table
+        self.waiting.append(seq)
+        self._seqs[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is; its slot and blocks are free on return."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is WAITING:
+            self.waiting.remove(seq)
+            del self._seqs[request_id]
+        else:
+            self._retire(seq)
+        seq.status, seq.finish_reason, seq.wait_reason = FINISHED, "abort", None
+        self._assert_step_invariants()
+        return seq
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._budget = self.config.max_num_batched_tokens
+        if self._static:
+            self._schedule_static(out)
+        elif self.config.enable_chunked_prefill:
+            # Decodes first, so a long prompt joining costs streaming users no stutter.
+            self._schedule_decodes(out)
+            self._schedule_prompts(out)
+            self._admit(out)
+        else:
+            # vLLM v0: a step that admits prompts runs only those prompts; the running
+            # sequences' decodes stall for that step (the stutter chunking removes).
+            self._admit(out)
+            if not out.scheduled:
+                self._schedule_decodes(out)
+        out.num_decode_tokens = sum(1 for s in out.scheduled if s.seq.is_decode)
+        out.num_prefill_tokens = sum(s.num_new_tokens for s in out.scheduled) - out.num_decode_tokens
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Record the step's work and tokens. Returns the sequences released this step:
+        the finished ones (continuous), or the whole batch once all of it is done (static)."""
+        released = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is not RUNNING:  # aborted between schedule() and update()
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            assert seq.num_computed_tokens <= seq.num_tokens
+            if not s.samples:
+                continue
+            token = sampled[seq.request_id]
+            seq.output_token_ids.append(token)
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason is not None:
+                seq.status = FINISHED
+                if not self._static:
+                    self._retire(seq)
+                    released.append(seq)
+        if self._static and self.running and all(s.status is FINISHED for s in self.running):
+            released = list(self.running)  # the bus arrives: everyone gets off at once
+            for seq in released:
+                self._retire(seq)
+        self._assert_step_invariants()
+        return released
+
+    # ---- introspection -----------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.allocator.usage
+
+    def waiting_by_reason(self) -> dict[str, int]:
+        counts = dict.fromkeys(WAIT_REASONS, 0)
+        for seq in self.waiting:
+            if seq.wait_reason is not None:
+                counts[seq.wait_reason] += 1
+        return counts
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_invariants(self) -> None:
+        """Everything, O(num_blocks): for tests. update() checks the per-step subset."""
+        self.allocator.check_invariants()
+        self._assert_step_invariants()
+        for seq in self.running:
+            assert seq.block_table == self.allocator.blocks_of(seq.request_id), seq.request_id
+        for seq in self.waiting:
+            assert seq.status is WAITING and seq.slot is None and not seq.block_table
+            assert not self.allocator.blocks_of(seq.request_id), f"waiting {seq.request_id} owns blocks"
+        assert self._seqs.keys() == {s.request_id for s in [*self.waiting, *self.running]}
+
+    # ---- internals ---------------------------------------------------------------------
+    def _schedule_static(self, out: SchedulerOutput) -> None:
+        if not self.running:
+            self._admit(out)
+        else:
+            for seq in self.waiting:
+                seq.wait_reason = "static_batch"
+        # The bus boards everyone before it leaves: no decode until every prompt is in.
+        if any(s.status is RUNNING and not s.is_decode for s in self.running):
+            self._schedule_prompts(out)
+        else:
+            self._schedule_decodes(out)
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        for seq in list(self.running):  # admission order; preemption edits the list
+            if seq.status is RUNNING and seq.is_decode and self._make_room(out, seq, 1):
+                self._add(out, seq, 1)
+
+    def _schedule_prompts(self, out: SchedulerOutput) -> None:
+        """Prompt work of admitted sequences, admission order: the next chunk with chunked
+        prefill (as much as the budget allows), else the whole remaining prompt."""
+        for seq in list(self.running):
+            if seq.status is not RUNNING or seq.is_decode:
+                continue
+            n = seq.num_tokens - seq.num_computed_tokens
+            if self.config.enable_chunked_prefill:
+                n = min(n, self._budget)
+            if n == 0 or n > self._budget:
+                break
+            if self._make_room(out, seq, n):
+                self._add(out, seq, n)
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Move waiting sequences to running, FIFO, while a slot, KV blocks and (continuous)
+        the token budget allow; stop at the first that cannot go and record why the rest
+        wait. Continuous schedules the first chunk at once; static boards the whole batch
+        and prefills it over the next steps."""
+        cfg = self.config
+        reason = "kv_blocks" if out.preempted else None  # as vLLM: a step that preempts admits nobody
+        while self.waiting and reason is None:
+            seq = self.waiting[0]
+            n = seq.num_tokens  # the prompt, plus the outputs of a preempted sequence
+            if cfg.enable_chunked_prefill and not self._static:
+                n = min(n, self._budget)
+            num_blocks = self._blocks_at_admission(seq, n)
+            if not self._free_slots:
+                reason = "max_num_seqs"
+            elif not self._static and not 0 < n <= self._budget:
+                reason = "token_budget"
+            elif not self.allocator.can_allocate(num_blocks):
+                reason = "kv_blocks"
+            else:
+                self._start(seq, num_blocks)
+                if not self._static:
+                    self._add(out, seq, n)
+        for seq in self.waiting:
+            seq.wait_reason = reason
+
+    def _lifetime_tokens(self, seq: Sequence) -> int:
+        """The most tokens seq can ever hold: what the reserve modes allocate up front."""
+        if self.config.kv_admission == "reserve-max-len":
+            return self.config.max_model_len
+        return seq.num_prompt_tokens + seq.params.max_tokens
+
+    def _blocks_at_admission(self, seq: Sequence, num_new_tokens: int) -> int:
+        tokens = num_new_tokens if self.config.kv_admission == "on-demand" else self._lifetime_tokens(seq)
+        return blocks_needed(tokens, self.config.block_size)
+
+    def _start(self, seq: Sequence, num_blocks: int) -> None:
+        assert self.waiting.popleft() is seq
+        seq.slot = heapq.heappop(self._free_slots)
+        seq.block_table = self.allocator.allocate(seq.request_id, num_blocks)
+        seq.status, seq.wait_reason = RUNNING, None
+        seq.admitted_seq_no = next(self._admissions)
+        self.running.append(seq)
+
+    def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        assert 0 < n <= self._budget
+        out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+        self._budget -= n
+
+    def _make_room(self, out: SchedulerOutput, seq: Sequence, n: int) -> bool:
+        """Blocks for seq's next n tokens. On-demand, when none are free, preempt the
+        latest admitted running sequence and retry; False if that was seq itself."""
+        need = blocks_needed(seq.num_computed_tokens + n, self.config.block_size) - len(seq.block_table)
+        while not self.allocator.can_allocate(need):
+            assert self.config.kv_admission == "on-demand", "reserve modes hold every block from admission"
+            victim = next(s for s in reversed(self.running) if s.status is RUNNING)
+            self._preempt(out, victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table += self.allocator.allocate(seq.request_id, need)
+        return True
+
+    def _preempt(self, out: SchedulerOutput, victim: Sequence) -> None:
+        """Preemption by recompute: drop the cache, keep the outputs, queue at the front."""
+        self.running.remove(victim)
+        self._release(victim)
+        victim.status, victim.wait_reason = WAITING, "kv_blocks"
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        # Never one already in this step: decodes are scheduled in admission order, and a
+        # sequence still in prefill is the latest admitted (it takes all the budget left
+        # before any later admission can start), so the victim is the requester or later.
+        assert all(s.seq is not victim for s in out.scheduled)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.request_id)
+        seq.block_table = []
+        heapq.heappush(self._free_slots, seq.slot)
+        seq.slot = None
+
+    def _retire(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        del self._seqs[seq.request_id]
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or (p.stop_token_ids and token in p.stop_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _assert_step_invariants(self) -> None:
+        """O(running): slot ownership, and every block in use belongs to a running
+        sequence and covers its computed tokens. (allocate/free assert per block.)"""
+        slots = [s.slot for s in self.running]
+        assert sorted([*slots, *self._free_slots]) == list(range(self.config.max_num_seqs)), "slot leaked or shared"
+        assert sum(len(s.block_table) for s in self.running) == self.allocator.num_used, "KV block leaked"
+        for seq in self.running:
+            assert seq.status is not WAITING
+            assert len(seq.block_table) >= blocks_needed(seq.num_computed_tokens, self.config.block_size)
