@@ -79,8 +79,8 @@ class EngineConfig:
         """Fill the fields that depend on the model; validate against it."""
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
-            raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
-                             f"max_position_embeddings ({model_max_len})")
+            raise ValueError(f"max_model_len ({max_model_len}) is larger than the model allows ({model_max_len}: "
+                             "its max_position_embeddings, or its sliding window, which taxirank does not implement)")
         mnbt = self.max_num_batched_tokens
         if mnbt is None:
             # vLLM's defaults: a small budget keeps decode steps short when chunking;

@@ -100,3 +100,14 @@ def hf_checkpoint(tmp_path):
     """Factory fixture: hf_checkpoint(family, **kw) -> path under this test's tmp dir."""
     counter = iter(range(1_000_000))
     return lambda family="llama2", **kw: make_hf_checkpoint(tmp_path / f"ckpt{next(counter)}", family, **kw)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Many tests build an engine on the same small shapes: a persistent compilation cache
+    # turns every compile after the first into a cache hit (traces still count).
+    import jax
+
+    cache = os.path.join(str(config.rootpath), ".pytest_cache", "jax")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

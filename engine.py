@@ -1,0 +1,434 @@
+"""The engine: one loop of schedule -> run -> postprocess, and its two front doors.
+
+  LLMEngine    the synchronous core: add_request, abort, step.
+  LLM          offline batch generation, vLLM's API: LLM(model=...).generate(prompts, params).
+  AsyncEngine  for the server: the step loop on its own thread, an async stream of token
+               deltas per request, abort at any time.
+
+EngineConfig and SamplingParams live in config.py (re-exported here) so that the
+scheduler can take the config without importing JAX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Sequence as Seq
+
+from config import EngineConfig, SamplingParams
+from kvcache import describe, num_kv_blocks_for
+from metrics import WAIT_REASONS, EngineStats
+from model import LoadedModel, load_model, param_bytes
+from runner import ModelRunner, StepResult
+from scheduler import Scheduler, ScheduledSeq, Sequence
+
+__all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
+           "RequestOutputDelta", "TokenLogprob", "QueueFullError"]
+
+
+class QueueFullError(RuntimeError):
+    """max_waiting_requests requests are already waiting."""
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutputDelta:
+    """What one step produced for one request: streamed by AsyncEngine."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, as LLM.generate returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float
+    num_preemptions: int
+
+
+@dataclass
+class StepTrace:
+    """One step as the scheduler decided it: what tests and researchers read to see
+    who was in the batch, who left, who joined."""
+
+    step: int
+    scheduled: list[tuple[str, int]]  # (request id, tokens computed for it this step)
+    sampled: list[str]  # requests that got a token
+    released: list[str]  # requests whose result was released (left the batch)
+    preempted: list[str]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+
+
+class LLMEngine:
+    """Synchronous core. Not thread-safe: one thread drives it (AsyncEngine's loop).
+
+    record_trace=True keeps a StepTrace per step in `self.trace`."""
+
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] = print, record_trace: bool = False):
+        self.log = log
+        self.trace: list[StepTrace] | None = [] if record_trace else None
+        loaded: LoadedModel = load_model(config.model, config.dtype, config.seed)
+        self.loaded = loaded
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        config = config.resolved(loaded.config.max_model_len)
+        self.config = config
+        self.stats = EngineStats()
+        num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, param_bytes(loaded.model))
+        self.num_kv_blocks = num_blocks
+        self.stats.num_kv_blocks = num_blocks - 1
+        log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
+            f"of weights), dtype {loaded.dtype.__name__ if hasattr(loaded.dtype, '__name__') else loaded.dtype}, "
+            f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
+            f"scheduling {config.scheduling}, chunked prefill {'on' if config.enable_chunked_prefill else 'off'}")
+        log(describe(config, loaded.config, num_blocks, loaded.dtype))
+        self.scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids)
+        self.runner = ModelRunner(config, loaded, num_blocks, self.stats)
+        self._rng = random.Random(config.seed)
+        if config.warmup:
+            self.runner.warmup(log)
+
+    # ---- requests ------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Config-only checks, safe from any thread; raises ValueError saying why."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if n + params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
+                             f"{n + params.max_tokens} tokens, over max_model_len ({self.config.max_model_len})")
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> Sequence:
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        # A request without a seed still gets its own stream, drawn from the engine's seed.
+        seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            seq.finished_time = time.monotonic()
+            with self.stats.lock:
+                self.stats.request_success["abort"] += 1
+            self._refresh_gauges()
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------
+    def step(self) -> list[RequestOutputDelta]:
+        """schedule -> run -> postprocess. Returns one delta per request that produced a
+        token or whose result was released this step."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            # Nothing to run, but update() may still release a static batch whose last
+            # running member was aborted.
+            released = self.scheduler.update(out, {})
+            now = time.monotonic()
+            with self.stats.lock:
+                deltas = [self._release(seq, None, now) for seq in released]
+            self._refresh_gauges()
+            return deltas
+        now = time.monotonic()
+        for sch in out.scheduled:
+            if sch.seq.first_scheduled_time is None:
+                sch.seq.first_scheduled_time = now
+                with self.stats.lock:
+                    self.stats.request_queue_time.observe(now - sch.seq.arrival_time)
+                    self.stats.prompt_tokens += sch.seq.num_prompt_tokens
+        result = self.runner.execute(out)
+        sampled = {sch.seq.request_id: int(result.tokens[sch.seq.slot]) for sch in out.scheduled if sch.samples}
+        logprobs = self._logprobs(out.scheduled, result)
+        released = self.scheduler.update(out, sampled)
+        now = time.monotonic()
+        deltas: dict[str, RequestOutputDelta] = {}
+        with self.stats.lock:
+            st = self.stats
+            st.num_steps += 1
+            st.num_decode_steps += out.is_decode_only
+            st.useful_slot_steps += len(out.scheduled)
+            st.total_slot_steps += self.config.max_num_seqs
+            st.prefill_tokens += out.num_prefill_tokens
+            st.decode_tokens += out.num_decode_tokens
+            st.num_preemptions += len(out.preempted)
+            st.generation_tokens += len(sampled)
+            st.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
+            for sch in out.scheduled:
+                seq = sch.seq
+                if not sch.samples:
+                    continue
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                    st.time_to_first_token.observe(now - seq.arrival_time)
+                else:
+                    st.inter_token_latency.observe(now - seq.last_token_time)
+                seq.last_token_time = now
+                rid = seq.request_id
+                deltas[rid] = RequestOutputDelta(rid, [sampled[rid]], [logprobs[rid]] if rid in logprobs else None,
+                                                 False, None, seq.num_prompt_tokens, seq.num_output_tokens)
+            for seq in released:
+                deltas[seq.request_id] = self._release(seq, deltas.get(seq.request_id), now)
+        self._refresh_gauges()
+        if self.trace is not None:
+            self.trace.append(StepTrace(
+                self.stats.num_steps, [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled], list(sampled),
+                [s.request_id for s in released], [s.request_id for s in out.preempted], out.num_prefill_tokens,
+                out.num_decode_tokens, self.scheduler.num_running, self.scheduler.num_waiting))
+        return list(deltas.values())
+
+    def _release(self, seq: Sequence, delta: RequestOutputDelta | None, now: float) -> RequestOutputDelta:
+        """A finished request leaves: record it, mark its (possibly empty) delta final.
+        Called with the stats lock held."""
+        seq.finished_time = now
+        self.stats.e2e_request_latency.observe(now - seq.arrival_time)
+        self.stats.request_success[seq.finish_reason] += 1
+        d = delta or RequestOutputDelta(seq.request_id, [], None, False, None, seq.num_prompt_tokens,
+                                        seq.num_output_tokens)
+        d.finished, d.finish_reason = True, seq.finish_reason
+        return d
+
+    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult) -> dict[str, TokenLogprob]:
+        if result.logprobs is None:
+            return {}
+        tok_lp, top_ids, top_lp = result.logprobs
+        out = {}
+        for sch in scheduled:
+            k = sch.seq.params.logprobs
+            if sch.samples and k is not None:
+                s = sch.seq.slot
+                out[sch.seq.request_id] = TokenLogprob(int(result.tokens[s]), float(tok_lp[s]),
+                                                       [(int(i), float(v)) for i, v in zip(top_ids[s, :k], top_lp[s, :k])])
+        return out
+
+    def _refresh_gauges(self) -> None:
+        sch = self.scheduler
+        by_reason = sch.waiting_by_reason()
+        with self.stats.lock:
+            self.stats.num_requests_running = sch.num_running
+            self.stats.num_requests_waiting = sch.num_waiting
+            self.stats.waiting_by_reason = {r: by_reason.get(r, 0) for r in WAIT_REASONS}
+            self.stats.kv_cache_usage = sch.allocator.usage
+
+
+class LLM:
+    """Offline generation, as vLLM's `LLM`: LLM(model="tiny", max_num_seqs=...).generate(...)."""
+
+    def __init__(self, model: str = "tiny", log: Callable[[str], None] = print, record_trace: bool = False,
+                 **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), log=log, record_trace=record_trace)
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        params = params if params is not None else SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        seqs: dict[str, Sequence] = {}
+        for prompt, p in zip(prompts, plist):
+            rid = f"offline-{self._counter}"
+            self._counter += 1
+            seqs[rid] = self.engine.add_request(rid, self._encode(prompt), p)
+        done: set[str] = set()
+        logprobs: dict[str, list[TokenLogprob]] = {}
+        bar = None
+        if use_tqdm or (use_tqdm is None and len(prompts) >= 16):
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        while self.engine.has_unfinished():
+            for d in self.engine.step():
+                if d.new_logprobs:
+                    logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
+                if d.finished and d.request_id in seqs:
+                    done.add(d.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        assert done == set(seqs), "every request must finish"
+        return [self._output(seq, logprobs.get(rid)) for rid, seq in seqs.items()]
+
+    def _encode(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _output(self, seq: Sequence, logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else None
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
+                             seq.finish_reason, logprobs, seq.arrival_time, seq.first_token_time,
+                             seq.finished_time, seq.num_preemptions)
+
+
+class AsyncEngine:
+    """The engine loop on its own thread, so HTTP stays responsive while a step runs.
+
+    Only the loop thread touches the LLMEngine; add_request and abort hand work to it
+    through a lock-guarded inbox, and deltas come back on the event loop through
+    call_soon_threadsafe."""
+
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
+        self.engine = LLMEngine(config, log=log)
+        self.config = self.engine.config
+        self.model_config = self.engine.model_config
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.loaded.name
+        self.stats = self.engine.stats
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._num_waiting_inbox = 0
+        self.error: BaseException | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="taxirank-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop taking work, abort everything in flight (each stream gets a final event)."""
+        with self._lock:
+            for rid in list(self._queues):
+                self._inbox.append(("abort", rid))
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
+                    ) -> AsyncIterator[RequestOutputDelta]:
+        self.engine.validate(prompt_token_ids, params)
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shutting down")
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop died: {self.error!r}")
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            limit = self.config.max_waiting_requests
+            if limit is not None and self.stats.num_requests_waiting + self._num_waiting_inbox >= limit:
+                raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
+            queue: asyncio.Queue = asyncio.Queue()
+            self._queues[request_id] = queue
+            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic())))
+            self._num_waiting_inbox += 1
+        self._wake.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutputDelta]:
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the consumer went away (client disconnect): free the slot now
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    # ---- the loop thread -----------------------------------------------------------
+    def _deliver(self, delta: RequestOutputDelta) -> None:
+        with self._lock:
+            queue = self._queues.get(delta.request_id)
+            if delta.finished:
+                self._queues.pop(delta.request_id, None)
+        if queue is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, delta)
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            work = list(self._inbox)
+            self._inbox.clear()
+            self._num_waiting_inbox = 0
+        for kind, arg in work:
+            if kind == "add":
+                rid, prompt, params, arrival = arg
+                try:
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                except ValueError as e:  # validated already; a scheduler-level refusal
+                    with self._lock:
+                        queue = self._queues.pop(rid, None)
+                    if queue is not None:
+                        self._loop.call_soon_threadsafe(queue.put_nowait, e)
+            else:
+                seq = self.engine.abort(arg)
+                if seq is not None:
+                    self._deliver(RequestOutputDelta(arg, [], None, True, "abort", seq.num_prompt_tokens,
+                                                     seq.num_output_tokens))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain_inbox()
+                if self._stop.is_set() and not self.engine.has_unfinished():
+                    return
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for delta in self.engine.step():
+                    self._deliver(delta)
+        except BaseException as e:  # surface engine failures to every waiting stream
+            self.error = e
+            with self._lock:
+                queues = list(self._queues.values())
+                self._queues.clear()
+            for q in queues:
+                self._loop.call_soon_threadsafe(q.put_nowait, RuntimeError(f"engine failure: {e!r}"))
+            raise

@@ -1,0 +1,93 @@
+"""Per-request sampling inside the jitted step.
+
+Every slot carries its own temperature, top_p, top_k, min_p and seed. A slot's random
+key is fold_in(key(seed), number of tokens it has generated): a seeded request draws the
+same tokens whatever else shares the batch, and after a preemption it resumes the same
+stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from config import MAX_LOGPROBS, SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingTensors:
+    temperature: jax.Array  # [S] f32, 0 = greedy
+    top_p: jax.Array  # [S] f32
+    top_k: jax.Array  # [S] i32, -1 = off
+    min_p: jax.Array  # [S] f32
+    seed: jax.Array  # [S] u32
+    step: jax.Array  # [S] i32: tokens generated so far (the fold_in counter)
+    want_logprobs: jax.Array  # [] bool: compute top-k logprobs this step
+
+
+def empty_sampling_arrays(num_slots: int) -> dict[str, np.ndarray]:
+    """Host-side arrays for one step; idle slots stay greedy and cost nothing extra."""
+    return {
+        "temperature": np.zeros(num_slots, np.float32),
+        "top_p": np.ones(num_slots, np.float32),
+        "top_k": np.full(num_slots, -1, np.int32),
+        "min_p": np.zeros(num_slots, np.float32),
+        "seed": np.zeros(num_slots, np.uint32),
+        "step": np.zeros(num_slots, np.int32),
+    }
+
+
+def fill_slot(arrays: dict[str, np.ndarray], slot: int, params: SamplingParams, seed: int, step: int) -> None:
+    arrays["temperature"][slot] = params.temperature
+    arrays["top_p"][slot] = params.top_p
+    arrays["top_k"][slot] = params.top_k
+    arrays["min_p"][slot] = params.min_p
+    arrays["seed"][slot] = seed
+    arrays["step"][slot] = step
+
+
+def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Temperature, then top-k, top-p and min-p filters on one descending sort, then a
+    Gumbel-max draw from each slot's own key."""
+    S, V = logits.shape
+    scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
+    sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)  # descending
+    rank = jnp.arange(V)[None, :]
+    keep = (t.top_k[:, None] < 0) | (rank < t.top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # top_p: keep the smallest prefix whose mass reaches top_p (the first token always).
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]
+    keep &= probs >= t.min_p[:, None] * probs[:, :1]
+    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(t.seed, t.step)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    choice = jnp.argmax(filtered + gumbel, axis=-1)
+    return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
+
+
+def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [S, V] f32 -> (token [S], its logprob [S], top ids [S, K], top logprobs [S, K]).
+
+    The sort is skipped (lax.cond) on steps where every slot is greedy, which is the
+    common case in tests and benches."""
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    all_greedy = jnp.all(t.temperature == 0.0)
+    tok = jax.lax.cond(all_greedy, lambda: greedy_tok,
+                       lambda: jnp.where(t.temperature == 0.0, greedy_tok, _sample_random(logits, t).astype(jnp.int32)))
+    S = logits.shape[0]
+
+    def logprobs():
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        return jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+    def no_logprobs():
+        return (jnp.zeros((S,), jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+
+    tok_lp, top_ids, top_lp = jax.lax.cond(t.want_logprobs, logprobs, no_logprobs)
+    return tok, tok_lp, top_ids, top_lp
