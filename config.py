@@ -95,6 +95,17 @@ class EngineConfig:
         return math.ceil(self.max_model_len / self.block_size)
 
     @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        """Row counts a decode step is padded to: powers of two up to max_num_seqs. A
+        decode step computes the occupied slots, not all max_num_seqs of them."""
+        out, b = [], 1
+        while b < self.max_num_seqs:
+            out.append(b)
+            b *= 2
+        out.append(self.max_num_seqs)
+        return tuple(out)
+
+    @property
     def token_buckets(self) -> tuple[int, ...]:
         """Flattened token counts a prefill/mixed step is padded to: powers of two up to
         max_num_batched_tokens (which is always the last bucket)."""

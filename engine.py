@@ -139,12 +139,16 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
+        """Drop a request now (idempotent). reason "stop" is for a caller that ended it on
+        purpose (a stop string matched), so it counts as a success, not an abort."""
+        assert reason in ("abort", "stop")
         seq = self.scheduler.abort(request_id)
         if seq is not None:
             seq.finished_time = time.monotonic()
+            seq.finish_reason = reason
             with self.stats.lock:
-                self.stats.request_success["abort"] += 1
+                self.stats.request_success[reason] += 1
             self._refresh_gauges()
         return seq
 
@@ -172,8 +176,8 @@ class LLMEngine:
                 with self.stats.lock:
                     self.stats.request_queue_time.observe(now - sch.seq.arrival_time)
                     self.stats.prompt_tokens += sch.seq.num_prompt_tokens
-        result = self.runner.execute(out)
-        sampled = {sch.seq.request_id: int(result.tokens[sch.seq.slot]) for sch in out.scheduled if sch.samples}
+        result = self.runner.execute(out, self.scheduler.num_running)
+        sampled = {sch.seq.request_id: int(result.tokens[i]) for i, sch in enumerate(out.scheduled) if sch.samples}
         logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)
         now = time.monotonic()
@@ -228,10 +232,9 @@ class LLMEngine:
             return {}
         tok_lp, top_ids, top_lp = result.logprobs
         out = {}
-        for sch in scheduled:
+        for s, sch in enumerate(scheduled):
             k = sch.seq.params.logprobs
             if sch.samples and k is not None:
-                s = sch.seq.slot
                 out[sch.seq.request_id] = TokenLogprob(int(result.tokens[s]), float(tok_lp[s]),
                                                        [(int(i), float(v)) for i, v in zip(top_ids[s, :k], top_lp[s, :k])])
         return out
@@ -336,7 +339,7 @@ class AsyncEngine:
         """Stop taking work, abort everything in flight (each stream gets a final event)."""
         with self._lock:
             for rid in list(self._queues):
-                self._inbox.append(("abort", rid))
+                self._inbox.append(("abort", (rid, "abort")))
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -377,9 +380,9 @@ class AsyncEngine:
             if not finished:  # the consumer went away (client disconnect): free the slot now
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
         with self._lock:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", (request_id, reason)))
         self._wake.set()
 
     # ---- the loop thread -----------------------------------------------------------
@@ -407,9 +410,10 @@ class AsyncEngine:
                     if queue is not None:
                         self._loop.call_soon_threadsafe(queue.put_nowait, e)
             else:
-                seq = self.engine.abort(arg)
+                rid, reason = arg
+                seq = self.engine.abort(rid, reason)
                 if seq is not None:
-                    self._deliver(RequestOutputDelta(arg, [], None, True, "abort", seq.num_prompt_tokens,
+                    self._deliver(RequestOutputDelta(rid, [], None, True, reason, seq.num_prompt_tokens,
                                                      seq.num_output_tokens))
 
     def _run(self) -> None:

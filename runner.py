@@ -3,14 +3,15 @@
 Two jitted programs, both over fixed shapes, both with the KV cache donated (updated in
 place) and both returning only the sampled tokens (and logprobs) to the host:
 
-  decode  one token per slot: token[S], pos[S], slot_mapping[S], block_tables[S, W], kv_lens[S]
+  decode  one token per occupied slot: token[R], pos[R], slot_mapping[R], block_tables[R, W], kv_lens[R]
   ragged  steps that carry prompt tokens (prefill, or chunks mixed with decodes): the
           step's tokens flattened and padded to a bucket T, cu_q_lens[S+1] per slot
 
 W is max_model_len / block_size, but attention loops only over the blocks actually in
 context (see kernels_pallas.py), so the width costs host->device bytes, not FLOPs.
-The only shape that varies is T, from a few power-of-two buckets, all compiled by
-warmup(): after it, a step never compiles.
+The shapes that vary are the decode row count R (occupied slots, padded to a power of
+two) and T, each from a few buckets, all compiled by warmup(): after it, a step never
+compiles.
 """
 
 from __future__ import annotations
@@ -34,10 +35,17 @@ from scheduler import SchedulerOutput, Sequence
 
 @dataclass
 class StepResult:
-    """What came back from the device for one step, indexed by slot."""
+    """What came back from the device for one step, in SchedulerOutput.scheduled order."""
 
-    tokens: np.ndarray  # [S] i32
-    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # ([S], [S,K] ids, [S,K]) when asked
+    tokens: np.ndarray  # [n] i32
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # ([n], [n,K] ids, [n,K]) when asked
+
+
+def _bucket(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise AssertionError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 def token_slice(seq: Sequence, start: int, n: int) -> list[int]:
@@ -85,62 +93,56 @@ class ModelRunner:
         self._ragged = jax.jit(ragged_fn, donate_argnums=1)
 
     # ------------------------------------------------------------------------------
-    def bucket(self, num_tokens: int) -> int:
-        for b in self.config.token_buckets:
-            if b >= num_tokens:
-                return b
-        raise AssertionError(f"{num_tokens} tokens exceed max_num_batched_tokens")
-
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, num_occupied: int) -> StepResult:
+        """Run one step. Row i of every array is out.scheduled[i]: a sequence's slot is
+        its seat in the scheduler's accounting; on the device only rows exist, so a
+        decode step computes num_occupied rows (padded to a bucket), not max_num_seqs.
+        Static batching passes its finished-but-seated sequences in num_occupied: the
+        bus computes its empty seats. Results come back in out.scheduled order."""
         cfg = self.config
-        S, W, BS = cfg.max_num_seqs, cfg.max_blocks_per_seq, self.block_size
-        block_tables = np.zeros((S, W), np.int32)
-        kv_lens = np.zeros(S, np.int32)
-        samp = empty_sampling_arrays(S)
+        W, BS = cfg.max_blocks_per_seq, self.block_size
+        n_seqs = len(out.scheduled)
+        R = _bucket(cfg.decode_buckets, max(num_occupied, n_seqs)) if out.is_decode_only else cfg.max_num_seqs
+        block_tables = np.zeros((R, W), np.int32)
+        kv_lens = np.zeros(R, np.int32)
+        q_lens = np.zeros(R, np.int32)
+        samp = empty_sampling_arrays(R)
         want_logprobs = False
-        rows: list[tuple[int, Sequence, int, int]] = []  # (slot, seq, start, n)
-        for sch in out.scheduled:
-            seq = sch.seq
-            s, start, n = seq.slot, seq.num_computed_tokens, sch.num_new_tokens
-            assert s is not None and 0 <= s < S and n >= 1
-            assert len(seq.block_table) * BS >= start + n, "blocks must be allocated before the step"
-            block_tables[s, :len(seq.block_table)] = seq.block_table
-            kv_lens[s] = start + n
-            fill_slot(samp, s, seq.params, seq.seed, seq.num_output_tokens)
+        for r, sch in enumerate(out.scheduled):
+            seq, n = sch.seq, sch.num_new_tokens
+            start = seq.num_computed_tokens
+            assert n >= 1 and len(seq.block_table) * BS >= start + n, "blocks must be allocated before the step"
+            block_tables[r, :len(seq.block_table)] = seq.block_table
+            kv_lens[r] = start + n
+            q_lens[r] = n
+            fill_slot(samp, r, seq.params, seq.seed, seq.num_output_tokens)
             want_logprobs |= sch.samples and seq.params.logprobs is not None
-            rows.append((s, seq, start, n))
         sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs))
 
-        num_real = sum(n for _, _, _, n in rows)
+        num_real = int(q_lens.sum())
+        T = R if out.is_decode_only else _bucket(cfg.token_buckets, num_real)
+        cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        tokens, positions, slot_mapping = (np.zeros(T, np.int32) for _ in range(3))
+        for r, sch in enumerate(out.scheduled):
+            seq, n, lo = sch.seq, sch.num_new_tokens, cu_q_lens[r]
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + n, dtype=np.int32)
+            tokens[lo:lo + n] = token_slice(seq, start, n)
+            positions[lo:lo + n] = pos
+            slot_mapping[lo:lo + n] = np.asarray(seq.block_table, np.int32)[pos // BS] * BS + pos % BS
         if out.is_decode_only:
-            T = S
-            tokens, positions, slot_mapping = (np.zeros(S, np.int32) for _ in range(3))
-            for s, seq, start, _ in rows:
-                tokens[s] = token_slice(seq, start, 1)[0]
-                positions[s] = start
-                slot_mapping[s] = seq.block_table[start // BS] * BS + start % BS
             self.kv_caches, res = self._decode(self.state, self.kv_caches, tokens, positions, slot_mapping,
                                                block_tables, kv_lens, sampling)
         else:
-            T = self.bucket(num_real)
-            tokens, positions, slot_mapping = (np.zeros(T, np.int32) for _ in range(3))
-            q_lens = np.zeros(S, np.int32)
-            for s, _, _, n in rows:
-                q_lens[s] = n
-            cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-            for s, seq, start, n in rows:
-                lo = cu_q_lens[s]
-                pos = np.arange(start, start + n, dtype=np.int32)
-                tokens[lo:lo + n] = token_slice(seq, start, n)
-                positions[lo:lo + n] = pos
-                slot_mapping[lo:lo + n] = np.asarray(seq.block_table, np.int32)[pos // BS] * BS + pos % BS
             self.kv_caches, res = self._ragged(self.state, self.kv_caches, tokens, positions, slot_mapping,
                                                block_tables, kv_lens, cu_q_lens, sampling)
         with self.stats.lock:
             self.stats.padded_tokens += T - num_real
         tok, tok_lp, top_ids, top_lp = res
-        logprobs = (np.asarray(tok_lp), np.asarray(top_ids), np.asarray(top_lp)) if want_logprobs else None
-        return StepResult(np.asarray(tok), logprobs)
+        logprobs = None
+        if want_logprobs:
+            logprobs = (np.asarray(tok_lp)[:n_seqs], np.asarray(top_ids)[:n_seqs], np.asarray(top_lp)[:n_seqs])
+        return StepResult(np.asarray(tok)[:n_seqs], logprobs)
 
     # ------------------------------------------------------------------------------
     def warmup(self, log=print) -> None:
@@ -149,16 +151,20 @@ class ModelRunner:
         cfg = self.config
         S, W = cfg.max_num_seqs, cfg.max_blocks_per_seq
         t0 = time.perf_counter()
-        zeros_s = np.zeros(S, np.int32)
-        bt = np.zeros((S, W), np.int32)
-        samp = SamplingTensors(**empty_sampling_arrays(S), want_logprobs=np.bool_(False))
-        self.kv_caches, res = self._decode(self.state, self.kv_caches, zeros_s, zeros_s, zeros_s, bt, zeros_s, samp)
-        jax.block_until_ready(res)
-        buckets = cfg.token_buckets
-        for i, T in enumerate(buckets):
-            log(f"warm-up: compiling step programs {i + 2}/{len(buckets) + 1} (prefill bucket {T} tokens)")
-            zeros_t = np.zeros(T, np.int32)
-            self.kv_caches, res = self._ragged(self.state, self.kv_caches, zeros_t, zeros_t, zeros_t, bt, zeros_s,
-                                               np.zeros(S + 1, np.int32), samp)
+        total = len(cfg.decode_buckets) + len(cfg.token_buckets)
+
+        def idle(rows: int, T: int) -> tuple:
+            zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(rows, np.int32)
+            samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False))
+            return zeros_t, zeros_t, zeros_t, np.zeros((rows, W), np.int32), zeros_r, samp
+
+        for i, R in enumerate(cfg.decode_buckets):
+            log(f"warm-up: compiling step program {i + 1}/{total} (decode, {R} rows)")
+            self.kv_caches, res = self._decode(self.state, self.kv_caches, *idle(R, R))
+            jax.block_until_ready(res)
+        for i, T in enumerate(cfg.token_buckets):
+            log(f"warm-up: compiling step program {len(cfg.decode_buckets) + i + 1}/{total} (prefill, {T} tokens)")
+            *arrays, samp = idle(S, T)
+            self.kv_caches, res = self._ragged(self.state, self.kv_caches, *arrays, np.zeros(S + 1, np.int32), samp)
             jax.block_until_ready(res)
         log(f"warm-up: {self.stats.num_compilations} programs compiled in {time.perf_counter() - t0:.1f}s")

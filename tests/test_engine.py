@@ -109,7 +109,7 @@ def test_chunked_prefill_gives_the_same_greedy_tokens(prompt_len):
 def test_no_compilation_after_warmup_during_a_mixed_workload():
     llm = make_llm(warmup=True, max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=True)
     compiled = llm.stats.num_compilations
-    assert compiled == 1 + len(llm.engine.config.token_buckets)
+    assert compiled == len(llm.engine.config.decode_buckets) + len(llm.engine.config.token_buckets)
     ps = prompts(10, seed=5, lo=1, hi=120)
     params = [SamplingParams(max_tokens=int(n), temperature=t, top_p=0.9, top_k=k, seed=i, logprobs=lp, ignore_eos=True)
               for i, (n, t, k, lp) in enumerate(zip([1, 5, 20, 3, 40, 8, 2, 13, 6, 9], [0, 0.7, 1.0] * 4,

@@ -1,0 +1,187 @@
+"""OpenAI's wire format, the server's half that needs no HTTP: a JSON body in (checked
+field by field, into token ids, SamplingParams and stop strings), logprobs out, and
+every refusal as an ApiError carrying OpenAI's error JSON.
+
+No aiohttp and no JAX here, so the rules can be read (and tested) on their own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import TYPE_CHECKING, Any
+
+from config import SamplingParams
+
+if TYPE_CHECKING:
+    from engine import TokenLogprob
+
+
+class ApiError(Exception):
+    """A request the server refuses: an HTTP status and OpenAI's error JSON."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---- requests in ------------------------------------------------------------------
+
+_JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+              list: "an array", dict: "an object"}
+
+# Options this server does not implement: set to anything but their neutral value they
+# get a 400, never a silently different answer.
+_NEUTRAL: dict[str, tuple] = {
+    "echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
+}
+
+
+def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    """body[name] when set (null counts as unset) and of one of `kinds`, else a 400 naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    # JSON true is a bool, and bool is an int in Python: refuse it where a number is due.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        want = " or ".join(_JSON_TYPE[k] for k in kinds)
+        raise ApiError(f"'{name}' must be {want}, got {_JSON_TYPE.get(type(value), type(value).__name__)}", param=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(f"'{name}' must be a finite number", param=name)
+    return value
+
+
+def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:
+    """The completions prompt as token ids: a string, or a list of token ids."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError("'prompt' is required", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("'prompt' is empty", param="prompt")
+        if tokenizer is None:
+            raise ApiError("this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
+        return tokenizer.encode(prompt)
+    if not isinstance(prompt, list) or any(isinstance(p, (str, list)) for p in prompt):
+        what = "batched prompts are not supported, send one per request" if isinstance(prompt, list) else \
+            f"'prompt' must be a string or a list of token ids, got {_JSON_TYPE.get(type(prompt), 'null')}"
+        raise ApiError(what, param="prompt")
+    if not prompt:
+        raise ApiError("'prompt' is empty", param="prompt")
+    for t in prompt:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ApiError(f"prompt token id {t!r} is not in the vocabulary [0, {vocab_size})", param="prompt")
+    return prompt
+
+
+def parse_messages(body: dict, tokenizer: Any) -> list[int]:
+    """Chat messages through the model's chat template, as token ids."""
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError("'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty array", param="messages")
+    if tokenizer is None:
+        raise ApiError("this model has no tokenizer, so no chat template: use /v1/completions with token ids",
+                       param="messages")
+    chat = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):  # OpenAI's content parts: only text ones mean anything here
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(f"messages[{i}]: only text content parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
+        chat.append({"role": m["role"], "content": content})
+    try:
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # no template, or the template refuses these messages (jinja raise)
+        raise ApiError(f"chat template failed: {e}", param="messages") from e
+    # The template already carries BOS and the other special tokens it wants.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
+                   has_tokenizer: bool) -> tuple[SamplingParams, list[str]]:
+    """SamplingParams and stop strings from the OpenAI fields; a 400 for anything off."""
+    for name, neutral in _NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise ApiError(f"'{name}' is not supported by this server", param=name)
+    if field(body, "n", (int,), 1) != 1:
+        raise ApiError("only n=1 is supported: send one request per sample", param="n")
+
+    max_tokens = field(body, "max_tokens", (int,))
+    if chat:  # the newer name wins; chat defaults to whatever room the context leaves (as vLLM)
+        max_tokens = field(body, "max_completion_tokens", (int,), max_tokens)
+    if max_tokens is None:
+        max_tokens = max(max_model_len - prompt_len, 1) if chat else 16
+    if max_tokens <= 0:
+        raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    if prompt_len + max_tokens > max_model_len:
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens, but you asked for "
+                       f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion); "
+                       "shorten the prompt or lower max_tokens", param="max_tokens")
+
+    stop = field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ApiError("'stop' must be a non-empty string or an array of them", param="stop")
+    if stop and not has_tokenizer:
+        raise ApiError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids",
+                       param="stop")
+    stop_token_ids = field(body, "stop_token_ids", (list,))
+    if stop_token_ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
+        raise ApiError("'stop_token_ids' must be an array of integers", param="stop_token_ids")
+
+    if chat:  # chat: logprobs is a flag, top_logprobs how many alternatives
+        logprobs = field(body, "top_logprobs", (int,), 0) if field(body, "logprobs", (bool,), False) else None
+    else:
+        logprobs = field(body, "logprobs", (int,))
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=field(body, "temperature", (int, float), 1.0),  # OpenAI's default
+            top_p=field(body, "top_p", (int, float), 1.0),
+            top_k=field(body, "top_k", (int,), -1),
+            min_p=field(body, "min_p", (int, float), 0.0),
+            seed=field(body, "seed", (int,)),
+            stop_token_ids=stop_token_ids,
+            ignore_eos=field(body, "ignore_eos", (bool,), False),
+            logprobs=logprobs,
+        )
+    except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]..."
+        name = str(e).split()[0]
+        raise ApiError(str(e), param=name if name in body else None) from e
+    return params, stop
+
+
+# ---- logprobs out -----------------------------------------------------------------
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
+
+
+def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) -> dict:
+    """OpenAI's legacy completions logprobs; `offset` is where this text starts."""
+    tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
+
+
+def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps]}

@@ -1,0 +1,456 @@
+"""OpenAI-compatible HTTP server over AsyncEngine (aiohttp).
+
+    python server.py                           # built-in tiny model on 127.0.0.1:8000
+    python server.py --model /path/to/hf_dir   # a checkpoint, its tokenizer and chat template
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
+GET /v1/models, GET /health, GET /metrics (Prometheus text).
+
+The engine speaks token ids only; everything textual happens here: tokenizing prompts,
+chat templates, incremental detokenization and stop strings. A request the server no
+longer needs (stop string matched, client gone, shutdown) is aborted in the engine at
+once, so its slot and KV blocks go to the next request within a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import signal
+import time
+import typing
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from config import EngineConfig, SamplingParams
+from engine import AsyncEngine, QueueFullError, TokenLogprob
+from metrics import EngineStats
+from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
+                      parse_sampling)
+
+log = logging.getLogger("taxirank.server")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024  # ~500k token ids as JSON; anything larger is a 413
+DETOKENIZE_CONTEXT = 5  # prompt tokens decoded as left context (as vLLM's detokenizer)
+
+
+# ---- detokenizer ------------------------------------------------------------------
+
+class IncrementalDetokenizer:
+    """Token ids in, text safe to send out, one engine step at a time.
+
+    Decoding is not append-only: a multi-byte character arrives over several byte tokens
+    (decoding to '\\ufffd' until it is complete), and SentencePiece drops a word's leading
+    space when a piece is decoded alone. So, as vLLM does, decode a short window that
+    starts a few tokens back and take only what the newest tokens added, once it does not
+    end in '\\ufffd'. Stop strings are matched on the accumulated text, so one split across
+    tokens is still found; text that may be the start of a stop string is held back until
+    the next token decides, so a stop string is never partly sent.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        # Left context from the prompt, so the first output token decodes as it would
+        # mid-text; never emitted itself.
+        self.ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
+        self.prefix_offset = 0  # window start
+        self.read_offset = len(self.ids)  # tokens up to here are already in self.text
+        self.text = ""  # decoded output, cut at a stop string
+        self.sent = 0  # characters of self.text already handed out
+
+    def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
+        """Add one step's tokens; return (new text to send, whether a stop string matched)."""
+        if self.tokenizer is None:
+            return "", False
+        self.ids += new_ids
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        old_len = len(self.text)
+        if len(window) > len(prefix) and (final or not window.endswith("\ufffd")):
+            self.text += window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+        # A stop string found now must end in the new text, so start looking len(s)-1 back.
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
+        stopped = bool(hits)
+        if stopped:
+            self.text = self.text[:min(hits)]
+            assert len(self.text) >= self.sent, "held-back text was sent"
+        end = len(self.text) if final or stopped else len(self.text) - partial_stop_len(self.text, self.stop)
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out, stopped
+
+
+def partial_stop_len(text: str, stop: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+# ---- generation -------------------------------------------------------------------
+
+@dataclass
+class Chunk:
+    """What one engine step added to a response."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # set on the last chunk only
+    num_output_tokens: int
+
+
+class Generation:
+    """One engine request, seen as text.
+
+    Created before any response byte is written, so a refusal by the engine (bad
+    request, full queue, shutting down) still becomes a proper 4xx/503.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams, stop: list[str]) -> None:
+        self.engine, self.request_id = engine, request_id
+        self.num_prompt_tokens = len(prompt_ids)
+        self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop)
+        try:
+            self.stream = self.engine.add_request(request_id, prompt_ids, params)
+        except QueueFullError as e:
+            raise ApiError(f"server is at capacity ({e}); retry later", status=503,
+                           type="service_unavailable", code="queue_full") from e
+        except ValueError as e:
+            raise ApiError(str(e)) from e
+        except RuntimeError as e:  # shutting down, or the engine loop died
+            raise ApiError(str(e), status=503, type="service_unavailable") from e
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
+        done = False
+        try:
+            async for delta in self.stream:
+                text, stopped = self.detokenizer.push(delta.new_token_ids, final=delta.finished)
+                if stopped and not delta.finished:
+                    self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
+                done = stopped or delta.finished
+                reason = ("stop" if stopped else delta.finish_reason) if done else None
+                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens)
+                if done:
+                    return
+        except ValueError as e:  # refused by the scheduler after add_request accepted it
+            raise ApiError(str(e)) from e
+        finally:
+            if not done:  # the client went away (its handler was cancelled): free the slot now
+                self.engine.abort(self.request_id)
+
+
+async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
+    """Run one completion (chat or not) and answer it whole or as an SSE stream."""
+    app, engine = request.app, request.app["engine"]
+    params, stop = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
+                                  engine.tokenizer is not None)
+    stream = field(body, "stream", (bool,), False)
+    stream_options = field(body, "stream_options", (dict,), {})
+    if stream_options and not stream:
+        raise ApiError("'stream_options' is only allowed with stream=true", param="stream_options")
+    include_usage = field(stream_options, "include_usage", (bool,), False)
+
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    gen = Generation(engine, request_id, prompt_ids, params, stop)
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
+    model = body.get("model") or app["model_names"][0]  # read_body checked it
+    head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
+
+    def usage(completion_tokens: int) -> dict:
+        return {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": gen.num_prompt_tokens + completion_tokens}
+
+    def logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict | None:
+        if lps is None:
+            return None
+        return chat_logprobs(engine.tokenizer, lps) if chat else completion_logprobs(engine.tokenizer, lps, offset)
+
+    if not stream:
+        text, lps, last = "", [], None
+        async with contextlib.aclosing(gen.chunks()) as chunks:
+            async for last in chunks:
+                text += last.text
+                lps += last.logprobs or []
+        assert last is not None and last.finish_reason is not None
+        lp = logprobs(lps, 0) if params.logprobs is not None else None
+        choice = {"index": 0, "logprobs": lp, "finish_reason": last.finish_reason}
+        choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)})
+
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(choices: list[dict], **extra: Any) -> None:
+        await response.write(b"data: " + json.dumps(head | {"choices": choices} | extra).encode() + b"\n\n")
+
+    try:
+        if chat:
+            await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}])
+        offset = 0
+        async with contextlib.aclosing(gen.chunks()) as chunks:
+            async for c in chunks:
+                if not (c.text or c.logprobs or c.finish_reason):
+                    continue  # held back: part of a character, or maybe the start of a stop string
+                choice = {"index": 0, "logprobs": logprobs(c.logprobs, offset), "finish_reason": c.finish_reason}
+                choice |= {"delta": {"content": c.text} if c.text else {}} if chat else {"text": c.text}
+                offset += len(c.text)
+                await send([choice])
+                if c.finish_reason and include_usage:
+                    await send([], usage=usage(c.num_output_tokens))
+    except ConnectionResetError:
+        return response  # the client left; the request is aborted already
+    except Exception as e:  # the status line is gone: report the error in the stream
+        err = e if isinstance(e, ApiError) else ApiError("internal server error (see the server log)", 500,
+                                                         type="internal_server_error")
+        if err is not e:
+            log.exception("error while streaming %s", request_id)
+        await response.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+# ---- handlers ---------------------------------------------------------------------
+
+async def read_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ApiError(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError("request body must be a JSON object")
+    model = field(body, "model", (str,))
+    if model is not None and model not in request.app["model_names"]:
+        raise ApiError(f"model '{model}' does not exist; this server serves {request.app['model_names']}",
+                       status=404, param="model", type="not_found_error", code="model_not_found")
+    return body
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request)
+    engine = request.app["engine"]
+    prompt_ids = parse_prompt(body, engine.tokenizer, engine.model_config.vocab_size)
+    return await respond(request, body, prompt_ids, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request)
+    prompt_ids = parse_messages(body, request.app["engine"].tokenizer)
+    return await respond(request, body, prompt_ids, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app["engine"]
+    data = [{"id": name, "object": "model", "created": request.app["started"], "owned_by": "taxirank",
+             "root": engine.config.model, "max_model_len": engine.config.max_model_len}
+            for name in request.app["model_names"]]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    # The server listens only once the engine has warmed up (AsyncEngine.__init__).
+    error = request.app["engine"].error
+    if error is not None:
+        raise ApiError(f"the engine loop died: {error!r}", 503, type="service_unavailable")
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app["registry"])
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Shutdown, --api-key and every error as OpenAI's error JSON, never a crash."""
+    app = request.app
+    try:
+        if app["stopping"].is_set():
+            raise ApiError("server is shutting down", status=503, type="service_unavailable")
+        key = app["api_key"]
+        if key and request.path.startswith("/v1/") and not hmac.compare_digest(  # constant time
+                request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
+            raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
+                           type="authentication_error", code="invalid_api_key")
+        return await handler(request)
+    except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body over the limit
+        if e.status < 400:
+            raise
+        error = ApiError(e.text or e.reason, e.status)
+    except ApiError as e:
+        error = e
+    except Exception:
+        log.exception("error serving %s %s", request.method, request.path)
+        error = ApiError("internal server error (see the server log)", 500, type="internal_server_error")
+    return web.json_response(error.body(), status=error.status)
+
+
+# ---- metrics ----------------------------------------------------------------------
+
+PREFIX = "taxirank:"
+_GAUGES = [  # (metric, EngineStats attribute, help)
+    ("num_requests_running", "num_requests_running", "Requests in the running batch."),
+    ("num_requests_waiting", "num_requests_waiting", "Requests waiting to be admitted."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of usable KV cache blocks in use (0..1)."),
+    ("slot_utilization", "slot_utilization", "Useful slot-steps / total slot-steps since start."),
+    ("num_kv_blocks", "num_kv_blocks", "Usable KV cache blocks (the null block excluded)."),
+]
+_COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
+    ("num_preemptions", "num_preemptions", "Sequences preempted (to be recomputed)."),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
+    ("generation_tokens", "generation_tokens", "Generated tokens."),
+    ("num_compilations", "num_compilations", "XLA compilations of step functions."),
+    ("num_steps", "num_steps", "Engine steps."),
+    ("num_decode_steps", "num_decode_steps", "Engine steps that carried no prompt tokens."),
+    ("prefill_tokens", "prefill_tokens", "Prompt tokens computed, recompute after preemption included."),
+    ("decode_tokens", "decode_tokens", "Decode tokens computed."),
+    ("padded_tokens", "padded_tokens", "Token rows computed only to fill a shape bucket."),
+    ("useful_slot_steps", "useful_slot_steps", "Slot-steps whose sequence made progress."),
+    ("total_slot_steps", "total_slot_steps", "Slot-steps run (max_num_seqs per step)."),
+]
+_HISTOGRAMS = [
+    ("time_to_first_token_seconds", "time_to_first_token", "Time to first token."),
+    ("inter_token_latency_seconds", "inter_token_latency", "Time between consecutive output tokens."),
+    ("e2e_request_latency_seconds", "e2e_request_latency", "Arrival to last token."),
+    ("request_queue_time_seconds", "request_queue_time", "Arrival to first scheduled."),
+    ("iteration_tokens_total", "iteration_tokens", "Tokens computed per engine step."),
+]
+
+
+class EngineCollector:
+    """Renders EngineStats.snapshot() at scrape time, so there is one set of numbers: the engine's."""
+
+    def __init__(self, stats: EngineStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats.snapshot()
+        for name, attr, doc in _GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
+        for name, attr, doc in _COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
+        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
+                                      "Waiting requests by what they wait for.", labels=["reason"])
+        for reason, n in s.waiting_by_reason.items():
+            by_reason.add_metric([reason], n)
+        yield by_reason
+        success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
+                                      labels=["finished_reason"])
+        for reason, n in s.request_success.items():
+            success.add_metric([reason], n)
+        yield success
+        for name, attr, doc in _HISTOGRAMS:
+            h = getattr(s, attr)
+            yield HistogramMetricFamily(PREFIX + name, doc, sum_value=h.sum,
+                                        buckets=[(floatToGoString(le), n) for le, n in h.cumulative()])
+
+
+# ---- app, CLI, main ---------------------------------------------------------------
+
+def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine.stats))
+    app.update(engine=engine, model_names=model_names, api_key=api_key, registry=registry,
+               started=int(time.time()), stopping=asyncio.Event())
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+_HELP = {  # EngineConfig fields; config.py says more
+    "model": "'tiny', 'bench' (built-in random weights) or a Hugging Face model directory",
+    "dtype": "weights and KV cache dtype; auto: the checkpoint's torch_dtype",
+    "seed": "weights seed of the built-in models, and sampling seed of unseeded requests",
+    "max_num_seqs": "slots: most sequences in one step",
+    "max_model_len": "longest prompt + output; None: the model's max_position_embeddings",
+    "block_size": "tokens per KV cache block (a power of two)",
+    "num_kv_blocks": "KV cache size in blocks, the null block 0 included; None: from the memory budget",
+    "kv_cache_memory": "KV cache budget in bytes; None: from --gpu-memory-utilization",
+    "gpu_memory_utilization": "fraction of device memory for weights, activations and the KV cache",
+    "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
+    "enable_chunked_prefill": "split long prompts across steps, decodes first",
+    "scheduling": "continuous (iteration-level) or static (the whole batch leaves together)",
+    "kv_admission": "on-demand (grow, preempt when out), reserve (prompt + max_tokens), reserve-max-len",
+    "attention_backend": "paged attention: auto (Pallas on GPU, jnp on CPU), pallas or xla",
+    "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
+    "warmup": "compile every step shape before serving",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per EngineConfig field (same name, dashes for underscores), then the server's own."""
+    p = argparse.ArgumentParser(description="taxirank: OpenAI-compatible server",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        kind, kw = hints[f.name], {"default": f.default, "help": _HELP.get(f.name, f"EngineConfig.{f.name}")}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is Literal:
+            kw["choices"] = typing.get_args(kind)
+        else:  # int, float, str, or `X | None`
+            kw["type"] = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        p.add_argument("--" + f.name.replace("_", "-"), **kw)
+    p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
+    app = build_app(engine, args.served_model_name or [engine.model_name], args.api_key)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts
+    # its request in the engine (Generation.chunks) instead of generating on for nobody.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,
+                           access_log=logging.getLogger("taxirank.access") if args.log_level == "debug" else None)
+    await engine.start()
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("ready: http://%s:%d  (model names: %s)", args.host, args.port, ", ".join(app["model_names"]))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, app["stopping"].set)
+    await app["stopping"].wait()  # from here on, new requests get a 503
+    log.info("shutting down: refusing new requests, aborting those in flight")
+    await engine.shutdown()  # every in-flight stream gets a last event, finish_reason "abort"
+    await runner.cleanup()  # lets the handlers send that event (up to shutdown_timeout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("taxirank").setLevel(args.log_level.upper())
+    try:
+        config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+        # Loads, sizes the KV cache and compiles every shape (blocking); it logs the model,
+        # dtype, KV blocks and tokens, and the max concurrency at max_model_len as it goes.
+        engine = AsyncEngine(config, log=log.info)
+    except (ValueError, FileNotFoundError) as e:  # a bad flag or model path: say so, no traceback
+        parser.error(str(e))
+    asyncio.run(serve(engine, args))
+
+
+if __name__ == "__main__":
+    main()

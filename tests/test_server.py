@@ -1,0 +1,480 @@
+"""The OpenAI-compatible server, end to end: a real `python server.py` subprocess serving
+the built-in tiny model, driven by the real `openai` client and by raw HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import make_hf_checkpoint
+from prometheus_client.parser import text_string_to_metric_families
+
+from protocol import ApiError, parse_messages, parse_prompt, parse_sampling
+from server import IncrementalDetokenizer
+from tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+API_KEY = "test-key"
+MAX_MODEL_LEN = 4096
+# Small shapes keep warm-up short on a CPU (token buckets 16..256, 4 slots), while a
+# long max_model_len lets a request run for seconds, so tests can watch it in flight.
+SMALL = ["--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill",
+         "--max-num-batched-tokens", "256", "--block-size", "16", "--num-kv-blocks", "1024"]
+LONG = MAX_MODEL_LEN - 16  # max_tokens of a request meant to be still running when looked at
+# For the small Hugging Face checkpoints of conftest (max_position_embeddings 2048).
+HF_SMALL = ["--max-model-len", "128", "--max-num-batched-tokens", "128", "--num-kv-blocks", "64", "--no-warmup"]
+
+
+@dataclass
+class Server:
+    port: int
+    proc: subprocess.Popen
+    log_path: str
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(server: Server, method: str, path: str, body: object = None, key: str | None = API_KEY,
+            raw: bytes | None = None) -> tuple[int, dict | str]:
+    """One plain HTTP request; returns (status, parsed JSON or text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read().decode()
+    finally:
+        conn.close()
+    try:
+        return resp.status, json.loads(text)
+    except json.JSONDecodeError:
+        return resp.status, text
+
+
+@contextlib.contextmanager
+def running_server(*flags: str, startup_timeout: float = 600) -> Iterator[Server]:
+    """`python server.py --port P ...` in a subprocess, ready once /health answers 200."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w", prefix="taxirank-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--port", str(port), *SMALL, *flags],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    server = Server(port, proc, log.name)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            assert proc.poll() is None, f"server exited during start-up:\n{server.log()}"
+            assert time.monotonic() < deadline, f"server not healthy in {startup_timeout}s:\n{server.log()}"
+            with contextlib.suppress(OSError):
+                if request(server, "GET", "/health")[0] == 200:
+                    break
+            time.sleep(0.5)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        os.unlink(log.name)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with running_server("--api-key", API_KEY, "--max-waiting-requests", "1") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def scrape(server: Server) -> dict[tuple[str, tuple], float]:
+    """Every /metrics sample, keyed by (name, sorted labels), through Prometheus' own parser."""
+    status, text = request(server, "GET", "/metrics", key=None)
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples[("taxirank:" + name, tuple(sorted(labels.items())))]
+
+
+def wait_for(cond, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def wait_idle(server: Server) -> None:
+    def idle() -> bool:
+        m = scrape(server)
+        return metric(m, "num_requests_running") == metric(m, "num_requests_waiting") == 0
+    wait_for(idle)
+
+
+@contextlib.contextmanager
+def open_stream(server: Server, body: dict) -> Iterator[Iterator[dict]]:
+    """A raw SSE stream (so the test controls when the connection drops): yields events."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps(body | {"stream": True}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+
+    def events() -> Iterator[dict]:
+        for line in resp:
+            line = line.strip()
+            if line == b"data: [DONE]":
+                return
+            if line.startswith(b"data: "):
+                yield json.loads(line[6:])
+    try:
+        yield events()
+    finally:
+        conn.close()  # mid-stream: the client is gone
+
+
+def greedy(**kw) -> dict:
+    return dict(model="tiny", temperature=0.0, extra_body={"ignore_eos": True}) | kw
+
+
+# ---- the happy paths, through the openai client ----------------------------------------
+
+def test_health_and_models_list_the_served_model(server: Server, client: openai.OpenAI) -> None:
+    assert request(server, "GET", "/health", key=None) == (200, {"status": "ok"})
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_completion_carries_text_usage_and_length_finish(client: openai.OpenAI) -> None:
+    out = client.completions.create(prompt="Hello", max_tokens=8, **greedy())
+    assert out.object == "text_completion" and out.model == "tiny"
+    assert out.choices[0].finish_reason == "length"
+    assert isinstance(out.choices[0].text, str)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(b"Hello") + 1, 8)  # + bos
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 8
+
+
+def test_prompt_as_token_ids(client: openai.OpenAI) -> None:
+    out = client.completions.create(prompt=[256, 72, 105], max_tokens=4, **greedy())
+    assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 4
+
+
+def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(client: openai.OpenAI) -> None:
+    whole = client.completions.create(prompt="The taxi rank", max_tokens=24, **greedy())
+    chunks = list(client.completions.create(prompt="The taxi rank", max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True}, **greedy()))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 24
+    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_completion_whole_and_streamed(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    whole = client.chat.completions.create(messages=messages, max_tokens=12, **greedy())
+    msg = whole.choices[0]
+    assert msg.message.role == "assistant" and msg.finish_reason == "length"
+    assert whole.usage.completion_tokens == 12
+
+    chunks = list(client.chat.completions.create(messages=messages, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}, **greedy()))
+    assert chunks[0].choices[0].delta.role == "assistant"  # role first, then content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == msg.message.content
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def sample() -> tuple[str, list[float]]:
+        out = client.completions.create(model="tiny", prompt="Once", max_tokens=16, temperature=1.0, seed=1234,
+                                        logprobs=1, extra_body={"ignore_eos": True})
+        return out.choices[0].text, out.choices[0].logprobs.token_logprobs
+    first, second = sample(), sample()
+    assert first == second and len(first[1]) == 16
+
+
+def test_logprobs_cover_each_sampled_token(client: openai.OpenAI) -> None:
+    out = client.completions.create(prompt="abc", max_tokens=5, logprobs=3, **greedy())
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(top) <= 3 and v <= 0 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2, **greedy())
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_stop_string_across_token_boundaries_is_cut_and_never_partly_streamed(client: openai.OpenAI) -> None:
+    # One byte per token (the tiny model's tokenizer): every multi-character stop string
+    # spans token boundaries. Take the stop string from the run without one.
+    kw = dict(model="tiny", prompt="Stop here", max_tokens=64, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    stop = next((text[i:i + 3] for i in range(1, len(text) - 3) if "\ufffd" not in text[i:i + 3]), text[1:3])
+    assert len(stop.encode()) >= 2, f"the sample text is too short to pick a stop string: {text!r}"
+    expected = text[:text.find(stop)]
+
+    whole = client.completions.create(stop=[stop], **kw).choices[0]
+    assert (whole.text, whole.finish_reason) == (expected, "stop")
+    chunks = list(client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == expected  # nothing of the stop string leaked
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ---- errors: status, OpenAI error JSON, and the next request still served ----------------
+
+TOO_LONG = list(range(1, 201))  # + max_tokens 3900 = 4100 > 4096
+BAD_REQUESTS = [  # (path, body or raw bytes, status, param)
+    ("/v1/completions", b'{"prompt": "hi", ', 400, None),
+    ("/v1/completions", b'["a", "list"]', 400, None),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": TOO_LONG, "max_tokens": 3900}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 0}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    ("/v1/completions", {"prompt": [1, 2, 100_000]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}', 413, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS,
+                         ids=[f"{i}-{p}" for i, (_, _, _, p) in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_a_clear_error_and_the_next_request_is_served(
+        server: Server, client: openai.OpenAI, path: str, body: object, status: int, param: str | None) -> None:
+    got, err = request(server, "POST", path, **({"raw": body} if isinstance(body, bytes) else {"body": body}))
+    assert got == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+    assert err["error"]["param"] == param
+    assert client.completions.create(prompt="ok", max_tokens=1, **greedy()).choices[0].finish_reason == "length"
+
+
+def test_too_long_says_both_numbers(server: Server) -> None:
+    _, err = request(server, "POST", "/v1/completions", {"prompt": TOO_LONG, "max_tokens": 3900})
+    assert str(MAX_MODEL_LEN) in err["error"]["message"] and "4100" in err["error"]["message"]
+
+
+def test_api_key_missing_or_wrong_gets_401(server: Server) -> None:
+    for key in (None, "wrong"):
+        status, err = request(server, "POST", "/v1/completions", {"prompt": "hi"}, key=key)
+        assert status == 401 and err["error"]["type"] == "authentication_error"
+        assert request(server, "GET", "/v1/models", key=key)[0] == 401
+    assert request(server, "GET", "/metrics", key=None)[0] == 200  # only /v1/* is guarded
+
+
+def test_full_queue_answers_503_at_once(server: Server, client: openai.OpenAI) -> None:
+    long = {"model": "tiny", "prompt": "x", "max_tokens": LONG, "ignore_eos": True}
+    with contextlib.ExitStack() as stack:
+        for i in range(4):  # fill the 4 slots, one admission at a time
+            stack.enter_context(open_stream(server, long))
+            wait_for(lambda: metric(scrape(server), "num_requests_running") == i + 1)
+        stack.enter_context(open_stream(server, long))  # the one that may wait
+        wait_for(lambda: metric(scrape(server), "num_requests_waiting") == 1)
+        status, err = request(server, "POST", "/v1/completions", long)
+        assert status == 503 and err["error"]["code"] == "queue_full"
+    wait_idle(server)
+    assert client.completions.create(prompt="ok", max_tokens=1, **greedy()).choices[0].finish_reason == "length"
+
+
+# ---- disconnects and metrics ------------------------------------------------------------
+
+def test_client_disconnect_aborts_and_frees_slot_and_blocks(server: Server) -> None:
+    wait_idle(server)
+    before = scrape(server)
+    # logprobs: every token makes an event, even one whose text is held back.
+    with open_stream(server, {"prompt": "go on", "max_tokens": LONG, "ignore_eos": True, "logprobs": 0}) as events:
+        for _ in range(3):
+            next(events)
+        m = scrape(server)
+        assert metric(m, "num_requests_running") == 1
+        assert metric(m, "kv_cache_usage_perc") > metric(before, "kv_cache_usage_perc")
+    # The connection dropped: the engine aborts the request, frees its slot and blocks.
+    wait_idle(server)
+    after = scrape(server)
+    assert metric(after, "kv_cache_usage_perc") == metric(before, "kv_cache_usage_perc")
+    assert metric(after, "request_success_total", finished_reason="abort") == \
+        metric(before, "request_success_total", finished_reason="abort") + 1
+    assert metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") < LONG
+
+
+METRIC_NAMES = (
+    [f"taxirank:{g}" for g in ("num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason",
+                               "kv_cache_usage_perc", "slot_utilization")]
+    + [f"taxirank:{c}_total" for c in ("num_preemptions", "prompt_tokens", "generation_tokens",
+                                       "request_success", "num_compilations", "num_steps", "prefill_tokens",
+                                       "decode_tokens", "padded_tokens")]
+    + [f"taxirank:{h}{suffix}" for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                                         "e2e_request_latency_seconds", "request_queue_time_seconds",
+                                         "iteration_tokens_total") for suffix in ("_bucket", "_sum", "_count")]
+)
+
+
+def test_metrics_parse_and_carry_every_name(server: Server) -> None:
+    names = {name for name, _ in scrape(server)}
+    assert not set(METRIC_NAMES) - names
+    m = scrape(server)
+    assert {dict(labels)["reason"] for name, labels in m if name.endswith("waiting_by_reason")} >= {"kv_blocks"}
+    assert 0.0 <= metric(m, "kv_cache_usage_perc") <= 1.0
+
+
+def test_counters_move_by_exactly_what_was_served(server: Server, client: openai.OpenAI) -> None:
+    wait_idle(server)
+    before = scrape(server)
+    usages = [client.completions.create(prompt="count me", max_tokens=n, **greedy()).usage for n in (3, 7)]
+    usages.append(client.chat.completions.create(messages=[{"role": "user", "content": "and me"}],
+                                                 max_tokens=5, **greedy()).usage)
+    usages.append(list(client.completions.create(prompt="streamed", max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}, **greedy()))[-1].usage)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(scrape(server), name, **labels) - metric(before, name, **labels)
+    wait_for(lambda: delta("request_success_total", finished_reason="length") == 4)
+    assert delta("prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("generation_tokens_total") == sum(u.completion_tokens for u in usages) == 3 + 7 + 5 + 4
+    assert delta("e2e_request_latency_seconds_count") == 4
+
+
+# ---- shutdown ---------------------------------------------------------------------------
+
+def test_sigterm_aborts_in_flight_with_a_final_event_and_exits_cleanly() -> None:
+    with running_server("--api-key", API_KEY, "--no-warmup") as srv:
+        with open_stream(srv, {"prompt": "long", "max_tokens": LONG, "ignore_eos": True, "logprobs": 0}) as events:
+            next(events)
+            srv.proc.send_signal(signal.SIGTERM)
+            last = list(events)[-1]
+        assert last["choices"][0]["finish_reason"] == "abort"
+        assert srv.proc.wait(60) == 0, srv.log()
+
+
+# ---- Hugging Face checkpoints: their tokenizer and chat template, or none -----------------
+
+def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    path = make_hf_checkpoint(tmp_path / "ckpt", tokenizer=True)
+    with running_server("--model", path, *HF_SMALL) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        kw = dict(model=model, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+        whole = client.completions.create(prompt="the quick brown fox", **kw)
+        streamed = client.completions.create(prompt="the quick brown fox", stream=True, **kw)
+        assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+        chat = client.chat.completions.create(messages=[{"role": "user", "content": "the lazy dog"}], **kw)
+    templated = "<|im_start|>user\nthe lazy dog<|im_end|>\n<|im_start|>assistant\n"  # conftest's ChatML
+    tok = AutoTokenizer.from_pretrained(path)
+    assert chat.usage.prompt_tokens == len(tok.encode(templated, add_special_tokens=False))
+    assert chat.usage.completion_tokens == 12
+
+
+def test_a_checkpoint_without_tokenizer_takes_token_ids_and_answers_empty_text(tmp_path: Path) -> None:
+    path = make_hf_checkpoint(tmp_path / "ckpt")
+    with running_server("--model", path, *HF_SMALL) as srv:
+        for path_, body in (("/v1/completions", {"prompt": "hi"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            status, err = request(srv, "POST", path_, body)
+            assert status == 400 and "tokenizer" in err["error"]["message"]
+        status, out = request(srv, "POST", "/v1/completions",
+                              {"prompt": [1, 5, 7], "max_tokens": 4, "ignore_eos": True, "logprobs": 0})
+    assert status == 200, out
+    assert out["choices"][0]["text"] == "" and out["usage"]["completion_tokens"] == 4
+    assert all(t.startswith("token_id:") for t in out["choices"][0]["logprobs"]["tokens"])
+
+
+# ---- the pieces, without a server ---------------------------------------------------------
+
+def detokenize(steps: list[bytes], stop: list[str] = ()) -> tuple[list[str], bool]:
+    """Feed byte tokens step by step (the last step is final); the text each step sent."""
+    detok, sent = IncrementalDetokenizer(ByteTokenizer(), [ByteTokenizer.bos_token_id], list(stop)), []
+    for i, step in enumerate(steps):
+        text, stopped = detok.push(list(step), final=i == len(steps) - 1)
+        sent.append(text)
+        if stopped:
+            return sent, True
+    return sent, False
+
+
+def one_byte_each(text: str) -> list[bytes]:
+    return [bytes([b]) for b in text.encode()]
+
+
+def test_detokenizer_never_sends_half_a_character() -> None:
+    sent, _ = detokenize(one_byte_each("héllo 世界!"))
+    assert "".join(sent) == "héllo 世界!" and not any("\ufffd" in t for t in sent)
+
+
+def test_detokenizer_cuts_a_stop_string_split_across_tokens_without_sending_any_of_it() -> None:
+    sent, stopped = detokenize(one_byte_each("abc STOP def"), ["STOP"])
+    assert stopped and "".join(sent) == "abc "
+
+
+def test_text_held_back_as_a_maybe_stop_string_goes_out_once_it_is_not_one() -> None:
+    sent, stopped = detokenize(one_byte_each("ab STxy"), ["STOP"])
+    assert not stopped and sent == ["a", "b", " ", "", "", "STx", "y"]
+    sent, _ = detokenize(one_byte_each("ab ST"), ["STOP"])
+    assert "".join(sent) == "ab ST"  # the last token flushes it
+
+
+def test_the_earliest_stop_string_wins_within_one_step() -> None:
+    assert detokenize([b"xx END yy STOP zz"], ["STOP", "END"]) == (["xx "], True)
+
+
+def test_without_a_tokenizer_text_prompts_chat_and_stop_strings_are_refused() -> None:
+    refused = [lambda: parse_prompt({"prompt": "hi"}, None, 512),
+               lambda: parse_messages({"messages": [{"role": "user", "content": "hi"}]}, None),
+               lambda: parse_sampling({"stop": "x"}, 3, 256, chat=False, has_tokenizer=False)]
+    for call in refused:
+        with pytest.raises(ApiError) as e:
+            call()
+        assert e.value.status == 400 and "tokenizer" in str(e.value)
+    assert parse_prompt({"prompt": [1, 2, 3]}, None, 512) == [1, 2, 3]
+    assert IncrementalDetokenizer(None, [1], []).push([5], final=True) == ("", False)
