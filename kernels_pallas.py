@@ -18,16 +18,23 @@ The references loop over the context in groups of blocks with a *traced* trip co
 (the longest kv_len in the step), with an online softmax (m, l, acc in f32): the cost
 follows the tokens actually in context, not the block table's width, and one compiled
 program serves every context length.
+
+The Pallas kernels (below the references; design, lowering and tolerances in
+docs/KERNELS.md) do the same per program: paged_decode_attention over (slot, kv head,
+context split) with a jnp combine of the splits, ragged_paged_attention over (query tile,
+kv head). Both read each block's [block_size, head_dim] tile of one kv head once for all
+the query heads of its GQA group.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 # A large finite negative rather than -inf: exp(NEG - NEG) stays finite for rows that
 # are fully masked so far, and the where() below zeroes them.
@@ -127,6 +134,274 @@ def ragged_paged_attention_ref(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     return out.reshape(T, Hq, D).astype(q.dtype)
 
 
+# --------------------------------------------------------------------------------------
+# Pallas kernels
+#
+# Written for Pallas' generic `pallas_call` API and lowered on GPU through its Triton
+# backend, selected explicitly by passing the Triton CompilerParams. JAX 0.11 deprecates
+# that backend (Mosaic GPU is the way forward, on Hopper above all; see docs/KERNELS.md).
+# Off GPU the kernels run in interpret mode. The Triton lowering shapes the code: every
+# array a kernel touches has power-of-two dims; matmuls need M, N, K >= 16 (tl.dot); there
+# is no scalar prefetch or scratch memory, so block tables and lengths are plain
+# whole-array inputs read with scalar loads, and the carried (m, l, acc) live in registers
+# across dynamic-trip loops.
+# --------------------------------------------------------------------------------------
+
+try:  # the Triton backend's CompilerParams: its presence selects that lowering on GPU
+    from jax.experimental.pallas import triton as _pl_triton
+except ImportError:  # pragma: no cover - a JAX without the Triton backend
+    _pl_triton = None
+
+MIN_DOT = 16  # tl.dot needs every matmul dim >= 16
+# Triton lowers a DEFAULT-precision f32 dot as TF32; HIGHEST keeps f32 caches exact (IEEE)
+# and changes nothing for bf16 inputs (bf16 products are exact, accumulation is f32).
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    if _pl_triton is None:
+        return None
+    return _pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _check_shapes(q, k_cache, v_cache, interpret: bool):
+    _, Hq, D = q.shape
+    _, BS, Hkv, Dk = k_cache.shape
+    if k_cache.shape != v_cache.shape or Dk != D or Hq % Hkv:
+        raise ValueError(f"bad attention shapes: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    if not interpret and (D & (D - 1) or BS & (BS - 1)):
+        raise ValueError(f"the Triton lowering needs power-of-two head_dim and block_size, "
+                         f"got {D} and {BS}")
+    return Hq, D, BS, Hkv, Hq // Hkv
+
+
+def _default_pages_per_iter(block_size: int) -> int:
+    """Blocks gathered per inner-loop step: 64 keys per step (>= MIN_DOT for tl.dot)."""
+    return max(1, 64 // block_size)
+
+
+def _attend_chunk(carry, q, k_ref, v_ref, ids, h, k_start, mask_fn, scale):
+    """One online-softmax step over the keys of `ids` (P blocks) for kv head h.
+
+    q: [M, D] in the cache dtype; mask_fn(kpos[1, N]) -> bool [M, N]. Scores, m, l and the
+    accumulator are f32; p is cast to the value dtype for the second matmul (as flash
+    attention does on GPU: bf16 tensor-core inputs, f32 accumulation)."""
+    m, l, acc = carry
+    P, BS, D = ids.shape[0], k_ref.shape[1], k_ref.shape[3]
+    k = k_ref[ids, :, h, :].reshape(P * BS, D)          # gather P blocks of one kv head
+    v = v_ref[ids, :, h, :].reshape(P * BS, D)
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
+                            preferred_element_type=jnp.float32) * scale     # [M, N]
+    kpos = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, P * BS), 1)
+    mask = mask_fn(kpos)
+    s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + p.sum(axis=1)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_HIGHEST,
+                             preferred_element_type=jnp.float32)
+    return m_new, l, acc * corr[:, None] + pv
+
+
+def _block_ids(bt_ref, s, chunk, P, num_blocks):
+    """Block ids of chunk `chunk` (P consecutive table entries) of sequence s, clamped so
+    a stale table entry can never address memory outside the cache."""
+    return jnp.clip(bt_ref[s, pl.ds(chunk * P, P)], 0, num_blocks - 1)
+
+
+# ---- decode: one query token per slot ------------------------------------------------
+
+def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref, *,
+                   scale, pages_per_iter, chunks_per_split):
+    """Program (s, h, split): the RP query rows of kv head h of slot s (the R real heads
+    of the group, zero-padded), over this split's chunks of the context. Writes the
+    unnormalised partial (acc, m, l); splits past the context (and idle slots) run zero
+    iterations and write the empty partial (0, NEG_INF, 0)."""
+    s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    P, BS = pages_per_iter, k_ref.shape[1]
+    chunk_len = P * BS
+    kv_len = lens_ref[s]
+    first = split * chunks_per_split
+    n = jnp.clip(pl.cdiv(kv_len, chunk_len) - first, 0, chunks_per_split)
+    q = q_ref[...]                                                        # [RP, D]
+    rows = q.shape[0]
+
+    def body(i, carry):
+        c = first + i
+        ids = _block_ids(bt_ref, s, c, P, k_ref.shape[0])
+        return _attend_chunk(carry, q, k_ref, v_ref, ids, h, c * chunk_len,
+                             lambda kpos: jnp.broadcast_to(kpos < kv_len, (rows, chunk_len)),
+                             scale)
+
+    init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros(q.shape, jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, n, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def default_num_splits(num_slots: int, num_kv_heads: int, num_chunks: int,
+                       target_programs: int = 264) -> int:
+    """Split the context when slots x kv heads alone would leave the GPU's SMs idle
+    (H100/H200: 132 SMs; aim for ~2 programs each). Splits past a short context exit
+    at once, so a generous count costs little."""
+    return int(max(1, min(num_chunks, -(-target_programs // max(1, num_slots * num_kv_heads)))))
+
+
+def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                           block_tables: jax.Array, kv_lens: jax.Array, *, scale: float,
+                           interpret: bool = False, num_splits: int | None = None,
+                           pages_per_iter: int | None = None, num_warps: int = 4,
+                           num_stages: int = 2) -> jax.Array:
+    """Pallas version of paged_decode_attention_ref (same signature and result).
+
+    Grid (slot, kv head, split). Each program reads its kv head's [block_size, D] tile
+    of each block once for all R = Hq/Hkv query heads of the group (no K/V repeat);
+    a jnp combine step merges the splits' partial softmax states."""
+    S, _, _ = q.shape
+    Hq, D, BS, Hkv, R = _check_shapes(q, k_cache, v_cache, interpret)
+    P = pages_per_iter or _default_pages_per_iter(BS)
+    W = block_tables.shape[1]
+    num_chunks = max(1, -(-W // P))
+    splits = num_splits or default_num_splits(S, Hkv, num_chunks)
+    splits = max(1, min(splits, num_chunks))
+    cps = -(-num_chunks // splits)                       # chunks per split
+    bt = _pad_cols(block_tables.astype(jnp.int32), splits * cps * P)  # width covers the grid
+    RP = max(MIN_DOT, _next_pow2(R))                     # query rows per program
+    qg = jnp.pad(q.reshape(S, Hkv, R, D), ((0, 0), (0, 0), (0, RP - R), (0, 0)))
+
+    kernel = functools.partial(_decode_kernel, scale=float(scale), pages_per_iter=P,
+                               chunks_per_split=cps)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(S, Hkv, splits),
+        in_specs=[pl.BlockSpec((None, None, RP, D), lambda s, h, k: (s, h, 0, 0)),
+                  pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec()],
+        out_specs=[pl.BlockSpec((None, None, None, RP, D), lambda s, h, k: (s, h, k, 0, 0)),
+                   pl.BlockSpec((None, None, None, RP), lambda s, h, k: (s, h, k, 0)),
+                   pl.BlockSpec((None, None, None, RP), lambda s, h, k: (s, h, k, 0))],
+        out_shape=[jax.ShapeDtypeStruct((S, Hkv, splits, RP, D), jnp.float32),
+                   jax.ShapeDtypeStruct((S, Hkv, splits, RP), jnp.float32),
+                   jax.ShapeDtypeStruct((S, Hkv, splits, RP), jnp.float32)],
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(qg, k_cache, v_cache, bt, kv_lens.astype(jnp.int32))
+    out = combine_splits(acc[..., :R, :], m[..., :R], l[..., :R])       # [S, Hkv, R, D]
+    return out.reshape(S, Hq, D).astype(q.dtype)
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Merge per-split partial softmax states along axis 2: acc [..., K, R, D], m/l
+    [..., K, R] -> normalised [..., R, D]. Empty splits carry (0, NEG_INF, 0) and get
+    weight 0; a row with no keys at all (idle slot) comes out 0."""
+    m_max = m.max(axis=2, keepdims=True)
+    w = jnp.exp(m - m_max)
+    l_tot = (l * w).sum(axis=2)
+    acc_tot = (acc * w[..., None]).sum(axis=2)
+    return acc_tot / jnp.maximum(l_tot, 1e-30)[..., None]
+
+
+# ---- ragged: flattened prompt chunks and decodes -------------------------------------
+
+def ragged_tile_sequences(cu_q_lens: jax.Array, num_tiles: int, tile: int):
+    """For each query tile of `tile` consecutive flattened tokens: the first sequence
+    with a row in it and how many sequences (an interval, empty ones included) it spans.
+    Tiles wholly past cu_q_lens[S] span none."""
+    S = cu_q_lens.shape[0] - 1
+    starts = jnp.arange(num_tiles, dtype=jnp.int32) * tile
+    total = cu_q_lens[S]
+    ends = jnp.minimum(starts + tile, total)
+    first = jnp.searchsorted(cu_q_lens[1:], starts, side="right").astype(jnp.int32)
+    last = jnp.searchsorted(cu_q_lens[1:], ends - 1, side="right").astype(jnp.int32)
+    count = jnp.where(starts < total, last - first + 1, 0).astype(jnp.int32)
+    return jnp.minimum(first, S - 1), count
+
+
+def _ragged_kernel(q_ref, k_ref, v_ref, bt_ref, cu_ref, lens_ref, first_ref, count_ref,
+                   o_ref, *, scale, pages_per_iter, tile):
+    """Program (i, h): query tile i (`tile` flattened tokens x RP head rows) of kv head h.
+    The tile may hold rows of several sequences (a prompt's tail, decode tokens, the next
+    prompt's head); it visits each of them in turn with that sequence's block table,
+    masking the rows that are not its own, and reads keys only up to the last position
+    any of its rows of that sequence attends to (causal, counting the cached prefix:
+    the row of token t of sequence s sits at kv_len - q_len + (t - cu_q_lens[s]))."""
+    i, h = pl.program_id(0), pl.program_id(1)
+    P, BS = pages_per_iter, k_ref.shape[1]
+    chunk_len = P * BS
+    TQ, RP, D = q_ref.shape
+    M = TQ * RP
+    q = q_ref[...].reshape(M, D)
+    tile_start = i * tile
+    tok = tile_start + jax.lax.broadcasted_iota(jnp.int32, (M,), 0) // RP   # row -> token
+    first = first_ref[i]
+
+    def seq_body(j, carry):
+        s = first + j
+        q_start, q_end, kv_len = cu_ref[s], cu_ref[s + 1], lens_ref[s]
+        lo, hi = jnp.maximum(q_start, tile_start), jnp.minimum(q_end, tile_start + tile)
+        last_pos = kv_len - q_end + hi - 1            # position of this tile's last row of s
+        n = jnp.where(hi > lo, pl.cdiv(last_pos + 1, chunk_len), 0)
+        q_pos = (kv_len - q_end + tok)[:, None]       # [M, 1]
+        mine = ((tok >= q_start) & (tok < q_end))[:, None]
+
+        def kv_body(c, carry):
+            ids = _block_ids(bt_ref, s, c, P, k_ref.shape[0])
+            return _attend_chunk(carry, q, k_ref, v_ref, ids, h, c * chunk_len,
+                                 lambda kpos: mine & (kpos <= q_pos), scale)
+
+        return jax.lax.fori_loop(0, n, kv_body, carry)
+
+    init = (jnp.full((M,), NEG_INF, jnp.float32), jnp.zeros((M,), jnp.float32),
+            jnp.zeros((M, D), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, count_ref[i], seq_body, init)
+    out = acc / jnp.maximum(l, 1e-30)[:, None]        # rows of no sequence: 0
+    o_ref[...] = out.reshape(TQ, RP, D).astype(o_ref.dtype)
+
+
+def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                           block_tables: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array,
+                           *, scale: float, interpret: bool = False,
+                           block_q: int = 64, pages_per_iter: int | None = None,
+                           num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """Pallas version of ragged_paged_attention_ref (same signature and result).
+
+    Grid (query tile, kv head) over the flattened tokens, no host-side planning: a tile
+    holds block_q // RP tokens x the RP (padded) query heads of one kv head, so K/V are
+    read once per tile for the whole GQA group."""
+    T = q.shape[0]
+    Hq, D, BS, Hkv, R = _check_shapes(q, k_cache, v_cache, interpret)
+    P = pages_per_iter or _default_pages_per_iter(BS)
+    RP = _next_pow2(R)
+    TQ = max(1, max(block_q, MIN_DOT) // RP)               # tokens per tile
+    num_tiles = max(1, -(-T // TQ))
+    Tp = num_tiles * TQ
+    qg = jnp.pad(q.reshape(T, Hkv, R, D), ((0, Tp - T), (0, 0), (0, RP - R), (0, 0)))
+    bt = _pad_cols(block_tables.astype(jnp.int32), P)
+    cu = cu_q_lens.astype(jnp.int32)
+    first, count = ragged_tile_sequences(cu, num_tiles, TQ)
+
+    kernel = functools.partial(_ragged_kernel, scale=float(scale), pages_per_iter=P, tile=TQ)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, Hkv),
+        in_specs=[pl.BlockSpec((TQ, None, RP, D), lambda i, h: (i, h, 0, 0))]
+        + [pl.BlockSpec() for _ in range(7)],
+        out_specs=pl.BlockSpec((TQ, None, RP, D), lambda i, h: (i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((Tp, Hkv, RP, D), q.dtype),
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(qg, k_cache, v_cache, bt, cu, kv_lens.astype(jnp.int32), first, count)
+    return out[:T, :, :R].reshape(T, Hq, D)
+
+
 @dataclass(frozen=True)
 class AttentionBackend:
     """The pair of attention functions the model calls; chosen once per engine."""
@@ -136,14 +411,24 @@ class AttentionBackend:
     ragged: Callable[..., jax.Array]
 
 
-def get_attention_backend(name: str = "auto") -> AttentionBackend:
+def get_attention_backend(name: str = "auto", interpret: bool | None = None) -> AttentionBackend:
     """auto: Pallas on GPU, the jnp reference elsewhere. pallas off-GPU runs the kernels
-    in interpret mode (slow, for checking)."""
+    in interpret mode (slow, for checking); `interpret` forces it either way."""
     platform = jax.default_backend()
     if name == "auto":
         name = "pallas" if platform == "gpu" else "xla"
     if name == "xla":
         return AttentionBackend("xla", paged_decode_attention_ref, ragged_paged_attention_ref)
     if name == "pallas":
-        raise NotImplementedError("the Pallas kernels are not written yet")
+        if interpret is None:
+            interpret = platform != "gpu"
+        # jitted, so that the model's identical per-layer calls lower (and compile the
+        # Triton kernel) once per shape instead of once per layer
+        decode = jax.jit(functools.partial(paged_decode_attention, interpret=interpret),
+                         static_argnames=("scale", "num_splits", "pages_per_iter",
+                                          "num_warps", "num_stages"))
+        ragged = jax.jit(functools.partial(ragged_paged_attention, interpret=interpret),
+                         static_argnames=("scale", "block_q", "pages_per_iter",
+                                          "num_warps", "num_stages"))
+        return AttentionBackend("pallas", decode, ragged)
     raise ValueError(f"unknown attention backend {name!r} (expected auto, pallas or xla)")

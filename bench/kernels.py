@@ -1,0 +1,338 @@
+"""Paged-attention kernels on the GPU: time, KV bandwidth and % of the HBM roofline.
+
+Part 1 (decode attention, one layer): a Llama-3-8B-shaped attention (32 query heads,
+8 KV heads, head_dim 128, bf16, block_size 16) at batch 1/16/64/256 x context
+512/2k/8k, every slot's context full. For the Pallas kernel and the jnp reference:
+time per call, KV bytes read per second, and that as % of the peak HBM bandwidth
+(H200: 4.8 TB/s, the vendor's datasheet figure; --peak-tbps to change).
+
+Part 2 (ragged attention, one layer): a 2k-token prompt alone, and a 512-token prompt
+chunk mixed with 63 decodes; time and attention TFLOP/s.
+
+Part 3 (the whole decode step, --skip-step to leave out): a Llama-3-8B-shaped model with
+random bf16 weights at batch 1/32/256 over a --step-context cache: tokens/s and % of the
+memory roofline, (weight bytes read + KV bytes read) / bandwidth, the weights counted
+without the embedding table (a decode step reads only its batch's rows of it).
+
+Timing: each measured call is chained `reps` times inside one jitted fori_loop (the
+output feeds the next call's query), after a warm-up; the median of several such runs is
+divided by reps. The decode bench rotates among block tables over disjoint blocks so
+that the cache read by consecutive calls spans >= 256 MiB (the H200's L2 is 50 MB):
+small shapes are not timed out of L2. Times are the whole op (the jnp pad/reshape and
+split-combine around the kernel included).
+
+    python bench/kernels.py [--out results.json] [--skip-step] [--quick]
+Writes JSON to --out, else $OUT/kernels.json when $OUT is set; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kernels_pallas as kp  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+DTYPE = jnp.bfloat16
+LLAMA3_8B_HF = dict(  # Meta-Llama-3-8B's config.json, the fields that shape the step
+    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+    tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, hidden_act="silu")
+ROTATE_BYTES = 256 << 20
+
+
+class Results:
+    """Collects rows and rewrites the JSON after each, so a timeout keeps what ran."""
+
+    def __init__(self, path: str | None, meta: dict[str, Any]):
+        self.path, self.data = path, {"meta": meta, "decode": [], "ragged": [], "step": []}
+
+    def add(self, part: str, row: dict[str, Any]) -> None:
+        self.data[part].append(row)
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(self.data, f, indent=1)
+
+
+def timed(fn: Callable[[], Any], runs: int = 5) -> float:
+    """Median seconds of fn() (which returns device arrays), after one warm-up call."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def chained(attn: Callable[..., jax.Array], reps: int, pick: Callable[[jax.Array, jax.Array], Any]):
+    """jit(q, tables, ...) running attn reps times, each output the next query; pick(tables,
+    i) selects the i-th call's block table (rotation)."""
+
+    @jax.jit
+    def run(q, tables, *args):
+        def body(i, q):
+            return attn(q, pick(tables, i), *args)
+        return jax.lax.fori_loop(0, reps, body, q)
+
+    return run
+
+
+def disjoint_tables(rng: np.random.Generator, n: int, S: int, W: int) -> tuple[np.ndarray, int]:
+    """n block tables [S, W] over disjoint shuffled blocks 1..n*S*W (block 0 = null)."""
+    ids = rng.permutation(np.arange(1, n * S * W + 1)).astype(np.int32)
+    return ids.reshape(n, S, W), n * S * W + 1
+
+
+def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: float,
+                 interpret: bool, backends: list[str]) -> None:
+    rng = np.random.default_rng(0)
+    itemsize = jnp.dtype(DTYPE).itemsize
+    for ctx in contexts:
+        for S in batches:
+            W = -(-ctx // BS)
+            kv_bytes = S * ctx * HKV * D * 2 * itemsize  # K and V, each read once
+            n_tables = int(min(64, max(1, -(-ROTATE_BYTES // kv_bytes))))
+            tables, nb = disjoint_tables(rng, n_tables, S, W)
+            key = jax.random.key(ctx * 1000 + S)
+            kc = jax.random.normal(key, (nb, BS, HKV, D), DTYPE)
+            vc = jax.random.normal(jax.random.fold_in(key, 1), (nb, BS, HKV, D), DTYPE)
+            q = jax.random.normal(jax.random.fold_in(key, 2), (S, HQ, D), DTYPE)
+            lens = jnp.full((S,), ctx, jnp.int32)
+            tables = jnp.asarray(tables)
+            reps = max(n_tables, 10)
+            row: dict[str, Any] = dict(batch=S, context=ctx, kv_bytes=kv_bytes, reps=reps,
+                                       rotated_tables=n_tables)
+            for name in backends:
+                if name == "pallas":
+                    attn = functools.partial(kp.paged_decode_attention, interpret=interpret)
+                else:
+                    attn = kp.paged_decode_attention_ref
+                f = functools.partial(attn, scale=D ** -0.5)
+                run = chained(lambda q, bt, kc, vc, lens, f=f: f(q, kc, vc, bt, lens), reps,
+                              lambda t, i: t[i % t.shape[0]])
+                try:
+                    sec = timed(lambda: run(q, tables, kc, vc, lens)) / reps
+                except Exception as e:  # a failure is a result too; keep benchmarking
+                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    continue
+                bw = kv_bytes / sec
+                row[name] = dict(us=sec * 1e6, gbps=bw / 1e9, pct_peak=100 * bw / peak)
+            if "pallas" in row and "ref" in row and "us" in row["pallas"] and "us" in row["ref"]:
+                row["speedup_vs_ref"] = row["ref"]["us"] / row["pallas"]["us"]
+            res.add("decode", row)
+            print(_decode_line(row), flush=True)
+            del kc, vc
+
+
+def _decode_line(r: dict[str, Any]) -> str:
+    def cell(x):
+        if not isinstance(x, dict):
+            return f"{'-':>28}"
+        if "error" in x:
+            return f"{'ERROR':>28}"
+        return f"{x['us']:9.1f} us {x['gbps']:7.0f} GB/s {x['pct_peak']:4.0f}%"
+    sp = r.get("speedup_vs_ref")
+    return (f"decode  batch {r['batch']:4d} ctx {r['context']:5d}  KV {r['kv_bytes'] / 2**20:8.1f} MiB | "
+            f"pallas {cell(r.get('pallas'))} | ref {cell(r.get('ref'))} | "
+            f"{'x%.2f' % sp if sp else ''}")
+
+
+RAGGED_CASES = {  # label: (q_lens, kv_lens) per sequence
+    "prefill 1x2048": ([2048], [2048]),
+    "chunk 512 + 63 decodes @2k": ([512] + [1] * 63, [1024] + [2048] * 63),
+}
+
+
+def bench_ragged(res: Results, interpret: bool, backends: list[str],
+                 cases: dict[str, tuple[list[int], list[int]]] = RAGGED_CASES) -> None:
+    """Prompt-carrying steps, one layer's attention."""
+    rng = np.random.default_rng(1)
+    for label, (q_lens, kv_lens) in cases.items():
+        S, T = len(q_lens), sum(q_lens)
+        W = -(-max(kv_lens) // BS)
+        tables, nb = disjoint_tables(rng, 1, S, W)
+        key = jax.random.key(7)
+        kc = jax.random.normal(key, (nb, BS, HKV, D), DTYPE)
+        vc = jax.random.normal(jax.random.fold_in(key, 1), (nb, BS, HKV, D), DTYPE)
+        q = jax.random.normal(jax.random.fold_in(key, 2), (T, HQ, D), DTYPE)
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        lens = jnp.asarray(kv_lens, jnp.int32)
+        # causal FLOPs: each query row attends to (its position + 1) keys; QK^T and PV
+        keys = sum(sum(k - ql + i + 1 for i in range(ql)) for ql, k in zip(q_lens, kv_lens))
+        flops = 4 * HQ * D * keys
+        row: dict[str, Any] = dict(case=label, tokens=T, seqs=S, attn_flops=flops)
+        reps = 10
+        for name in backends:
+            attn = (functools.partial(kp.ragged_paged_attention, interpret=interpret)
+                    if name == "pallas" else kp.ragged_paged_attention_ref)
+            f = functools.partial(attn, scale=D ** -0.5)
+            run = chained(lambda q, bt, kc, vc, cu, lens, f=f: f(q, kc, vc, bt, cu, lens), reps,
+                          lambda t, i: t[0])
+            try:
+                sec = timed(lambda: run(q, jnp.asarray(tables), kc, vc, cu, lens)) / reps
+            except Exception as e:
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
+            row[name] = dict(us=sec * 1e6, tflops=flops / sec / 1e12)
+        res.add("ragged", row)
+        cells = " | ".join(f"{n} " + (f"{row[n]['us']:9.1f} us {row[n]['tflops']:6.1f} TFLOP/s"
+                                      if "us" in row.get(n, {}) else "ERROR") for n in backends)
+        print(f"ragged  {label:28s} | {cells}", flush=True)
+
+
+def bench_step(res: Results, batches: list[int], context: int, peak: float,
+               backends: list[str], steps: int, hf_config: dict[str, Any] = LLAMA3_8B_HF) -> None:
+    """The whole decode step of a Llama-3-8B-shaped model (model.py, imported here only)."""
+    from flax import nnx
+
+    import model as model_lib
+
+    cfg = model_lib.ModelConfig.from_hf(hf_config)
+    t0 = time.perf_counter()
+    llama = model_lib.init_model(cfg, DTYPE, 0)
+    graphdef, state = nnx.split(llama)
+    del llama
+    params = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(state)]
+    weight_bytes = sum(x.nbytes for _, x in params)
+    embed_bytes = sum(x.nbytes for p, x in params if "embed" in p) if not cfg.tie_word_embeddings else 0
+    print(f"step    model: {weight_bytes / 1e9:.2f} GB of weights ({len(params)} arrays), "
+          f"init {time.perf_counter() - t0:.1f}s", flush=True)
+    itemsize = jnp.dtype(DTYPE).itemsize
+    L, hkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    for name in backends:
+        backend = kp.get_attention_backend(name if name == "pallas" else "xla")
+
+        @functools.partial(jax.jit, donate_argnums=(2,))
+        def step(state, tokens, kv_caches, attn):
+            m = nnx.merge(graphdef, state)
+            hidden, kv_caches = m(tokens, attn.kv_lens - 1, kv_caches, attn, backend)
+            return jnp.argmax(m.compute_logits(hidden), axis=-1).astype(jnp.int32), kv_caches
+
+        for S in batches:
+            W = -(-context // BS)
+            bt = (1 + np.arange(S * W, dtype=np.int32)).reshape(S, W)
+            nb = S * W + 1
+            pos = context - 1
+            attn = model_lib.AttentionInputs(
+                slot_mapping=jnp.asarray(bt[:, pos // BS] * BS + pos % BS),
+                block_tables=jnp.asarray(bt), kv_lens=jnp.full((S,), context, jnp.int32))
+            try:
+                # random K/V (timing on zeros can flatter); one random block pattern, tiled
+                pattern = jax.random.normal(jax.random.key(S), (nb, BS, hkv, hd), DTYPE)
+                kv = [(pattern + 0, pattern * 0.5) for _ in range(L)]
+                del pattern
+                tokens = jnp.zeros((S,), jnp.int32)
+                t0 = time.perf_counter()
+                tokens, kv = step(state, tokens, kv, attn)
+                jax.block_until_ready(tokens)
+                compile_s = time.perf_counter() - t0
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        tokens, kv = step(state, tokens, kv, attn)
+                    jax.block_until_ready(tokens)
+                    times.append((time.perf_counter() - t0) / steps)
+                sec = statistics.median(times)
+            except Exception as e:
+                row = dict(backend=name, batch=S, context=context,
+                           error=f"{type(e).__name__}: {str(e)[:300]}")
+                res.add("step", row)
+                print(f"step    {name:6s} batch {S:4d}: ERROR {row['error']}", flush=True)
+                continue
+            finally:
+                kv = None
+            kv_bytes = L * S * context * hkv * hd * 2 * itemsize
+            w_read = weight_bytes - embed_bytes + S * cfg.hidden_size * itemsize
+            floor = (w_read + kv_bytes) / peak
+            row = dict(backend=name, batch=S, context=context, step_ms=sec * 1e3,
+                       tokens_per_s=S / sec, weight_bytes_read=w_read, kv_bytes_read=kv_bytes,
+                       roofline_ms=floor * 1e3, pct_roofline=100 * floor / sec,
+                       first_call_s=compile_s)
+            res.add("step", row)
+            print(f"step    {name:6s} batch {S:4d} ctx {context:5d} | {sec * 1e3:8.2f} ms/step "
+                  f"{S / sec:9.0f} tok/s | roofline {floor * 1e3:6.2f} ms "
+                  f"({(w_read + kv_bytes) / 1e9:.1f} GB) -> {100 * floor / sec:5.1f}% "
+                  f"| first call {compile_s:.0f}s", flush=True)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/kernels.json if $OUT is set)")
+    ap.add_argument("--batches", type=_ints, default=[1, 16, 64, 256])
+    ap.add_argument("--contexts", type=_ints, default=[512, 2048, 8192])
+    ap.add_argument("--backends", default="pallas,ref", help="of the kernel benches: pallas,ref")
+    ap.add_argument("--peak-tbps", type=float, default=4.8, help="peak HBM TB/s (H200 datasheet: 4.8)")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-ragged", action="store_true")
+    ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--step-batches", type=_ints, default=[1, 32, 256])
+    ap.add_argument("--step-context", type=int, default=1024)
+    ap.add_argument("--step-backends", default="pallas", help="pallas,xla")
+    ap.add_argument("--step-iters", type=int, default=10)
+    ap.add_argument("--quick", action="store_true",
+                    help="toy shapes, a smoke run of every part (on CPU the kernels are interpreted)")
+    ap.add_argument("--require-gpu", action="store_true", help="fail at once when JAX sees no GPU")
+    args = ap.parse_args()
+
+    on_gpu = jax.default_backend() == "gpu"
+    if args.require_gpu and not on_gpu:
+        sys.exit(f"--require-gpu: JAX sees no GPU ({jax.devices()})")
+    interpret = not on_gpu
+    step_config, ragged_cases = LLAMA3_8B_HF, RAGGED_CASES
+    if args.quick:  # every code path on toy shapes (the step on a 2-layer scaled-down model)
+        args.batches, args.contexts = [1, 4], [64]
+        ragged_cases = {"prefill 1x32": ([32], [32]), "chunk 8 + 3 decodes": ([8, 1, 1, 1], [24, 40, 40, 40])}
+        args.step_batches, args.step_context, args.step_iters = [1, 4], 64, 2
+        step_config = dict(LLAMA3_8B_HF, num_hidden_layers=2, hidden_size=256, intermediate_size=512,
+                           vocab_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    out = args.out or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else None)
+    dev = jax.devices()[0]
+    meta = dict(jax=jax.__version__, python=platform.python_version(), backend=jax.default_backend(),
+                device=getattr(dev, "device_kind", str(dev)), peak_tbps=args.peak_tbps,
+                peak_note="vendor datasheet peak HBM bandwidth (H200: 4.8 TB/s), not a measured ceiling",
+                lowering="pallas_call + Triton backend" if on_gpu else "pallas interpret mode (CPU)",
+                shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16"),
+                time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    if not on_gpu:
+        print("note: no GPU; the Pallas kernels run in interpret mode: these numbers say nothing "
+              "about GPU performance", flush=True)
+    print(f"# {meta['device']}  jax {meta['jax']}  peak {args.peak_tbps} TB/s  ({meta['lowering']})",
+          flush=True)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    res = Results(out, meta)
+    backends = [b for b in args.backends.split(",") if b]
+    peak = args.peak_tbps * 1e12
+    if not args.skip_decode:
+        bench_decode(res, args.batches, args.contexts, peak, interpret, backends)
+    if not args.skip_ragged:
+        bench_ragged(res, interpret, backends, ragged_cases)
+    if not args.skip_step:
+        bench_step(res, args.step_batches, args.step_context, peak,
+                   [b for b in args.step_backends.split(",") if b], args.step_iters, step_config)
+    if out:
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
