@@ -14,10 +14,16 @@ Two entry points, used by model.py through `AttentionBackend`:
       own K/V is written to the cache before attention). Causal. Rows at or past
       cu_q_lens[S] are padding and come back as zeros.
 
-The references loop over the context in groups of blocks with a *traced* trip count
-(the longest kv_len in the step), with an online softmax (m, l, acc in f32): the cost
-follows the tokens actually in context, not the block table's width, and one compiled
-program serves every context length.
+The references keep an online softmax (m, l, acc in f32) and loop with *traced* trip
+counts, so the cost follows the tokens actually in context, not the block table's width,
+and one compiled program serves every context length. ragged splits the keys three ways
+and merges the partial softmax states:
+  - in-step: the step's own tokens, causal, as varlen flash attention over tiles of the
+    flattened tokens (a query tile visits only the key tiles of its own sequences);
+  - decodes (q_len 1) over their cached context, one row per sequence, as decode does;
+  - prompt chunks over the prefix cached by earlier chunks, one sequence at a time.
+Without chunked prefill a prompt step has no cached prefix at all, and attention costs
+what causal attention over the prompts costs; nothing scales with T x context.
 
 The Pallas kernels (below the references; design, lowering and tolerances in
 docs/KERNELS.md) do the same per program: paged_decode_attention over (slot, kv head,
@@ -66,28 +72,48 @@ def _pad_cols(block_tables: jax.Array, g: int) -> jax.Array:
     return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
 
 
-def paged_decode_attention_ref(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                               block_tables: jax.Array, kv_lens: jax.Array, *, scale: float) -> jax.Array:
-    S, Hq, D = q.shape
-    _, BS, Hkv, _ = k_cache.shape
-    R = Hq // Hkv
+_TILE = 128  # query/key tile of the in-step (prefill) part
+
+
+def _merge(a, b):
+    """Merge two partial softmax states (m, l, acc) over disjoint key sets."""
+    (ma, la, acca), (mb, lb, accb) = a, b
+    m = jnp.maximum(ma, mb)
+    ca, cb = jnp.exp(ma - m), jnp.exp(mb - m)
+    return m, la * ca + lb * cb, acca * ca[..., None] + accb * cb[..., None]
+
+
+def _empty_state(shape, D):
+    return (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (D,), jnp.float32))
+
+
+def _paged_partial(qg, k_cache, v_cache, block_tables, lens):
+    """Softmax state of each row's query heads qg[S, Hkv, R, D] over the first lens[s]
+    cached tokens of row s (its block table), looping over the longest."""
+    S, Hkv, R, D = qg.shape
+    _, BS, _, _ = k_cache.shape
     G = _group_size(S, BS, Hkv, D, block_tables.shape[1])
     bt = _pad_cols(block_tables, G)
-    qg = q.reshape(S, Hkv, R, D).astype(jnp.float32) * scale
-    n_iter = (jnp.max(kv_lens) + G * BS - 1) // (G * BS)
 
     def body(i, carry):
-        cols = jax.lax.dynamic_slice_in_dim(bt, i * G, G, axis=1)            # [S, G]
+        cols = jax.lax.dynamic_slice_in_dim(bt, i * G, G, axis=1)
         k = k_cache[cols].reshape(S, G * BS, Hkv, D).astype(jnp.float32)
         v = v_cache[cols].reshape(S, G * BS, Hkv, D).astype(jnp.float32)
         s = jnp.einsum("shrd,skhd->shrk", qg, k)
         kpos = i * G * BS + jnp.arange(G * BS)
-        mask = (kpos[None, :] < kv_lens[:, None])[:, None, None, :]
+        mask = (kpos[None, :] < lens[:, None])[:, None, None, :]
         return _online_softmax_step(*carry, s, mask, v, "shrk,skhd->shrd")
 
-    init = (jnp.full((S, Hkv, R), NEG_INF, jnp.float32), jnp.zeros((S, Hkv, R), jnp.float32),
-            jnp.zeros((S, Hkv, R, D), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_iter, body, init)
+    n_iter = (jnp.max(lens) + G * BS - 1) // (G * BS)
+    return jax.lax.fori_loop(0, n_iter, body, _empty_state((S, Hkv, R), D))
+
+
+def paged_decode_attention_ref(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                               block_tables: jax.Array, kv_lens: jax.Array, *, scale: float) -> jax.Array:
+    S, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    qg = q.reshape(S, Hkv, Hq // Hkv, D).astype(jnp.float32) * scale
+    _, l, acc = _paged_partial(qg, k_cache, v_cache, block_tables, kv_lens)
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     return out.reshape(S, Hq, D).astype(q.dtype)
 
@@ -103,6 +129,74 @@ def ragged_token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: in
     return seq, q_pos, valid
 
 
+def _in_step_partial(qg, k_new, v_new, seq, valid, cu_q_lens):
+    """Causal attention among the step's own tokens (varlen flash attention): query tile
+    i visits only key tiles from the start of its first token's sequence up to itself."""
+    T, Hkv, R, D = qg.shape
+    tile = min(_TILE, T)
+    n_tiles = -(-T // tile)
+    pad = n_tiles * tile - T
+    if pad:  # T need not be a multiple of the tile (max_num_batched_tokens is any number)
+        qg, k_new, v_new = (jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) for x in (qg, k_new, v_new))
+        seq, valid = jnp.pad(seq, (0, pad), constant_values=seq[-1]), jnp.pad(valid, (0, pad))
+    S = cu_q_lens.shape[0] - 1
+
+    def q_tile(i):
+        q0 = i * tile
+        qt = jax.lax.dynamic_slice_in_dim(qg, q0, tile)
+        qseq = jax.lax.dynamic_slice_in_dim(seq, q0, tile)
+        qidx = q0 + jnp.arange(tile)
+        first_key = cu_q_lens[seq[q0]]
+        j0 = first_key // tile
+        j1 = jnp.where(q0 < cu_q_lens[S], i + 1, j0)  # padding tiles do nothing
+
+        def body(j, carry):
+            k0 = j * tile
+            kt = jax.lax.dynamic_slice_in_dim(k_new, k0, tile)
+            vt = jax.lax.dynamic_slice_in_dim(v_new, k0, tile)
+            kseq = jax.lax.dynamic_slice_in_dim(seq, k0, tile)
+            kval = jax.lax.dynamic_slice_in_dim(valid, k0, tile)
+            kidx = k0 + jnp.arange(tile)
+            mask = (qseq[:, None] == kseq[None, :]) & (kidx[None, :] <= qidx[:, None]) & kval[None, :]
+            s = jnp.einsum("thrd,khd->thrk", qt, kt)
+            return _online_softmax_step(*carry, s, mask[:, None, None, :], vt, "thrk,khd->thrd")
+
+        return jax.lax.fori_loop(j0, j1, body, _empty_state((tile, Hkv, R), D))
+
+    m, l, acc = jax.lax.map(q_tile, jnp.arange(n_tiles))
+    return m.reshape(-1, Hkv, R)[:T], l.reshape(-1, Hkv, R)[:T], acc.reshape(-1, Hkv, R, D)[:T]
+
+
+def _chunk_prefix_partial(qg, k_cache, v_cache, block_tables, seq, prefix, multi):
+    """For sequences with several query tokens AND a cached prefix (a prompt chunk after
+    earlier chunks): their tokens over that prefix, one sequence at a time (few per step)."""
+    T, Hkv, R, D = qg.shape
+    _, BS, _, _ = k_cache.shape
+    S = prefix.shape[0]
+    G = _group_size(T, BS, Hkv, D, block_tables.shape[1])
+    bt = _pad_cols(block_tables, G)
+    todo = multi & (prefix > 0)
+    order = jnp.argsort(~todo)  # rows to visit first
+    count = jnp.sum(todo)
+
+    def per_row(n, state):
+        r = order[n]
+        mine = (seq == r)[:, None, None, None]
+
+        def body(i, carry):
+            cols = jax.lax.dynamic_slice_in_dim(bt[r], i * G, G)
+            k = k_cache[cols].reshape(G * BS, Hkv, D).astype(jnp.float32)
+            v = v_cache[cols].reshape(G * BS, Hkv, D).astype(jnp.float32)
+            s = jnp.einsum("thrd,khd->thrk", qg, k)
+            kpos = i * G * BS + jnp.arange(G * BS)
+            mask = mine & (kpos < prefix[r])[None, None, None, :]
+            return _online_softmax_step(*carry, s, mask, v, "thrk,khd->thrd")
+
+        return jax.lax.fori_loop(0, (prefix[r] + G * BS - 1) // (G * BS), body, state)
+
+    return jax.lax.fori_loop(0, count, per_row, _empty_state((T, Hkv, R), D))
+
+
 def ragged_paged_attention_ref(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                block_tables: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array,
                                *, scale: float) -> jax.Array:
@@ -110,27 +204,27 @@ def ragged_paged_attention_ref(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     S = kv_lens.shape[0]
     _, BS, Hkv, _ = k_cache.shape
     R = Hq // Hkv
-    G = _group_size(T, BS, Hkv, D, block_tables.shape[1])
-    bt = _pad_cols(block_tables, G)
     seq, q_pos, valid = ragged_token_layout(cu_q_lens, kv_lens, T)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    prefix = kv_lens - q_lens  # tokens cached before this step
     qg = q.reshape(T, Hkv, R, D).astype(jnp.float32) * scale
-    has_q = (cu_q_lens[1:] - cu_q_lens[:-1]) > 0
-    max_kv = jnp.max(jnp.where(has_q, kv_lens, 0))
-    n_iter = (max_kv + G * BS - 1) // (G * BS)
-
-    def body(i, carry):
-        cols = jax.lax.dynamic_slice_in_dim(bt, i * G, G, axis=1)[seq]     # [T, G]
-        k = k_cache[cols].reshape(T, G * BS, Hkv, D).astype(jnp.float32)
-        v = v_cache[cols].reshape(T, G * BS, Hkv, D).astype(jnp.float32)
-        s = jnp.einsum("thrd,tkhd->thrk", qg, k)
-        kpos = i * G * BS + jnp.arange(G * BS)
-        mask = ((kpos[None, :] <= q_pos[:, None]) & valid[:, None])[:, None, None, :]
-        return _online_softmax_step(*carry, s, mask, v, "thrk,tkhd->thrd")
-
-    init = (jnp.full((T, Hkv, R), NEG_INF, jnp.float32), jnp.zeros((T, Hkv, R), jnp.float32),
-            jnp.zeros((T, Hkv, R, D), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_iter, body, init)
+    # The step's own K/V, read back from the cache rows the model just wrote.
+    rows = block_tables[seq, q_pos // BS] * BS + q_pos % BS
+    k_new = k_cache.reshape(-1, Hkv, D)[rows].astype(jnp.float32)
+    v_new = v_cache.reshape(-1, Hkv, D)[rows].astype(jnp.float32)
+    state = _in_step_partial(qg, k_new, v_new, seq, valid, cu_q_lens)
+    # Decodes (one query token) over their cached context: one row each.
+    single = q_lens == 1
+    first = jnp.minimum(cu_q_lens[:-1], T - 1)
+    dec = _paged_partial(qg[first], k_cache, v_cache, block_tables, jnp.where(single, prefix, 0))
+    is_dec = (single[seq] & valid)[:, None, None]
+    m_d, l_d, acc_d = dec
+    state = _merge(state, (jnp.where(is_dec, m_d[seq], NEG_INF), jnp.where(is_dec, l_d[seq], 0.0),
+                           jnp.where(is_dec[..., None], acc_d[seq], 0.0)))
+    state = _merge(state, _chunk_prefix_partial(qg, k_cache, v_cache, block_tables, seq, prefix, q_lens > 1))
+    _, l, acc = state
     out = acc / jnp.maximum(l, 1e-30)[..., None]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(T, Hq, D).astype(q.dtype)
 
 
