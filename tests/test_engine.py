@@ -188,3 +188,15 @@ def test_async_engine_streams_and_abort_frees_slot_and_blocks():
             await eng.shutdown()
 
     asyncio.run(main())
+
+
+def test_pallas_backend_in_interpret_mode_gives_the_same_greedy_tokens():
+    """--attention-backend pallas on CPU runs the kernels interpreted: slow, so a short
+    mixed run (a prefill step with several prompts, a chunked prompt, decodes)."""
+    ps = prompts(3, seed=10, lo=5, hi=30)
+    params = [greedy(n) for n in (4, 6, 3)]
+    kw = dict(enable_chunked_prefill=True, max_num_batched_tokens=32)
+    ref = make_llm(attention_backend="xla", **kw).generate(ps, params)
+    pallas = make_llm(attention_backend="pallas", **kw)
+    assert pallas.engine.runner.backend.name == "pallas"
+    assert [o.token_ids for o in pallas.generate(ps, params)] == [o.token_ids for o in ref]
