@@ -19,8 +19,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence as Seq
 
+import numpy as np
+
 from config import EngineConfig, SamplingParams
-from kvcache import describe, num_kv_blocks_for
+from kvcache import create_kv_caches, describe, measure_activation_bytes, num_kv_blocks_for
 from metrics import WAIT_REASONS, EngineStats
 from model import LoadedModel, load_model, param_bytes
 from runner import ModelRunner, StepResult
@@ -101,16 +103,26 @@ class LLMEngine:
         config = config.resolved(loaded.config.max_model_len)
         self.config = config
         self.stats = EngineStats()
-        num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, param_bytes(loaded.model))
+        # On an accelerator sized by --gpu-memory-utilization, the KV cache gets what the
+        # weights and the largest step's activations leave: measure that step first.
+        runner, activation_bytes = None, 0
+        if _needs_activation_profile(config):
+            runner, activation_bytes = _profile_activations(config, loaded, self.stats, log)
+        num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, param_bytes(loaded.model),
+                                       activation_bytes)
         self.num_kv_blocks = num_blocks
         self.stats.num_kv_blocks = num_blocks - 1
         log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
-            f"of weights), dtype {loaded.dtype.__name__ if hasattr(loaded.dtype, '__name__') else loaded.dtype}, "
+            f"of weights), dtype {np.dtype(loaded.dtype).name}, "
             f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
             f"scheduling {config.scheduling}, chunked prefill {'on' if config.enable_chunked_prefill else 'off'}")
         log(describe(config, loaded.config, num_blocks, loaded.dtype))
         self.scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids)
-        self.runner = ModelRunner(config, loaded, num_blocks, self.stats)
+        if runner is None:
+            self.runner = ModelRunner(config, loaded, num_blocks, self.stats)
+        else:  # the profiling runner: its small cache is gone, the real one takes its place
+            runner.kv_caches = create_kv_caches(loaded.config, num_blocks, config.block_size, loaded.dtype)
+            self.runner = runner
         self._rng = random.Random(config.seed)
         if config.warmup:
             self.runner.warmup(log)
@@ -247,6 +259,53 @@ class LLMEngine:
             self.stats.num_requests_waiting = sch.num_waiting
             self.stats.waiting_by_reason = {r: by_reason.get(r, 0) for r in WAIT_REASONS}
             self.stats.kv_cache_usage = sch.allocator.usage
+
+
+def _needs_activation_profile(config: EngineConfig) -> bool:
+    """KV blocks come from --gpu-memory-utilization (no --num-kv-blocks, no
+    --kv-cache-memory, not CPU): the same test num_kv_blocks_for makes."""
+    import jax
+
+    return (config.num_kv_blocks is None and config.kv_cache_memory is None
+            and jax.devices()[0].platform != "cpu")
+
+
+def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: EngineStats,
+                         log: Callable[[str], None]) -> tuple[ModelRunner, int]:
+    """The activation peak of the largest step, measured on the device.
+
+    Builds the runner with a minimal KV cache (one max_model_len sequence plus the null
+    block), runs the ragged program once at max_num_batched_tokens on idle inputs (as
+    warmup does: every write lands in the null block) and reads the allocator's peak
+    above what was in use before (weights + the small cache). Returns the runner, its
+    small cache already freed, and the activation bytes (0 if the device keeps no
+    counters). Unverified on a GPU so far; the arithmetic is unit-tested on CPU."""
+    import jax
+
+    from sampler import SamplingTensors, empty_sampling_arrays
+
+    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats)
+    S, W, T = config.max_num_seqs, config.max_blocks_per_seq, config.max_num_batched_tokens
+
+    def largest_step() -> None:
+        zeros_t = np.zeros(T, np.int32)
+        samp = SamplingTensors(**empty_sampling_arrays(S), want_logprobs=np.bool_(False))
+        runner.kv_caches, res = runner._ragged(runner.state, runner.kv_caches, zeros_t, zeros_t, zeros_t,
+                                               np.zeros((S, W), np.int32), np.zeros(S, np.int32),
+                                               np.zeros(S + 1, np.int32), samp)
+        jax.block_until_ready(res)
+
+    compiled = stats.num_compilations
+    profile = measure_activation_bytes(largest_step, jax.devices()[0].memory_stats)
+    # That program was compiled for the small cache's shape and is never used again:
+    # num_compilations counts the programs the engine serves with.
+    stats.num_compilations = compiled
+    runner.kv_caches = []  # free the small cache before the real one is allocated
+    if profile is None:
+        log("KV sizing: the device reports no memory counters; no activation reserve is subtracted")
+        return runner, 0
+    log(f"KV sizing: {profile.describe(T)}")
+    return runner, profile.activation_bytes
 
 
 class LLM:
