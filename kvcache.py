@@ -10,7 +10,8 @@ scheduler owns a BlockAllocator and must stay importable (and testable) without 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
     import jax
@@ -143,6 +144,54 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
                          f"{config.block_size} tokens ({per_block} bytes each), but one sequence of max_model_len "
                          f"{config.max_model_len} needs {need}: raise the budget or lower --max-model-len")
     return num
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What one profiling step cost on the device, from the allocator's own counters.
+
+    JAX cannot reset peak_bytes_in_use, so the peak is the process's high-water mark: if
+    something before the step (loading the weights, say) already went higher, the step
+    sets no new peak and `activation_bytes` is an upper bound. Likewise, the step's first
+    call compiles it, and whatever the compiler allocates on the device (autotuning
+    scratch) counts too. Both err on the safe side: fewer KV blocks, never an
+    out-of-memory error in the first long prefill.
+    """
+
+    bytes_in_use_before: int  # weights + the small profiling cache + whatever else is live
+    peak_before: int
+    peak_after: int
+
+    @property
+    def activation_bytes(self) -> int:
+        """The step's transient memory: its peak above what was already in use."""
+        return max(self.peak_after - self.bytes_in_use_before, 0)
+
+    @property
+    def is_upper_bound(self) -> bool:
+        return self.peak_after <= self.peak_before
+
+    def describe(self, num_tokens: int) -> str:
+        mib = 2**20
+        bound = (" (an upper bound: the step set no new peak, an earlier allocation went higher)"
+                 if self.is_upper_bound else "")
+        return (f"activation peak of a {num_tokens}-token step: {self.activation_bytes / mib:.1f} MiB = peak "
+                f"{self.peak_after / mib:.1f} MiB - {self.bytes_in_use_before / mib:.1f} MiB in use before{bound}")
+
+
+def measure_activation_bytes(run_step: Callable[[], None],
+                             memory_stats: Callable[[], Mapping[str, int] | None]) -> ActivationProfile | None:
+    """Run `run_step` once (the largest step the engine will ever run, finished before it
+    returns) and read the device allocator before and after. `memory_stats` is the
+    source, e.g. `jax.devices()[0].memory_stats`; injected so the arithmetic is testable
+    without a GPU. None when the device keeps no such counters (CPU)."""
+    before = memory_stats()
+    if not before or "bytes_in_use" not in before or "peak_bytes_in_use" not in before:
+        return None
+    run_step()
+    after = memory_stats() or {}
+    return ActivationProfile(int(before["bytes_in_use"]), int(before["peak_bytes_in_use"]),
+                             int(after["peak_bytes_in_use"]))
 
 
 def create_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int,

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from config import EngineConfig
+from config import EngineConfig, SamplingParams
 from kvcache import (BlockAllocator, OutOfBlocksError, blocks_needed, create_kv_caches, describe,
-                     kv_cache_bytes_per_block, num_kv_blocks_for)
+                     kv_cache_bytes_per_block, measure_activation_bytes, num_kv_blocks_for)
 
 # Only the attributes kvcache reads from model.ModelConfig.
 CFG = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=4, head_dim=8)
@@ -139,3 +139,83 @@ def test_describe_states_blocks_tokens_memory_and_concurrency(admission, concurr
     assert line.startswith(f"KV cache: 40 blocks x 16 tokens = 640 tokens ({41 * PER_BLOCK_F32 / 2**20:.1f} MiB); "
                            "max concurrency at max_model_len 256: ")
     assert concurrency in line and line.endswith(f"with max_num_seqs 4, sequences at once: {at_once} (KV-bound)")
+
+
+# ---- the activation peak (GPU sizing), with the device's counters faked ------------------
+def fake_memory_stats(before: dict, after: dict, ran: list):
+    """A memory_stats source: `before` until the step has run, `after` from then on."""
+    return lambda: dict(after if ran else before)
+
+
+def test_activation_bytes_are_the_steps_peak_above_what_was_in_use_before():
+    ran: list = []
+    stats = fake_memory_stats({"bytes_in_use": 700, "peak_bytes_in_use": 750},
+                              {"bytes_in_use": 710, "peak_bytes_in_use": 1000}, ran)
+    profile = measure_activation_bytes(lambda: ran.append(1), stats)
+    assert ran == [1]  # the step ran once, between the two readings
+    assert (profile.bytes_in_use_before, profile.peak_before, profile.peak_after) == (700, 750, 1000)
+    assert profile.activation_bytes == 300 and not profile.is_upper_bound
+    assert profile.describe(4096).startswith("activation peak of a 4096-token step: ")
+
+
+def test_a_step_below_an_earlier_peak_gives_a_safe_upper_bound():
+    ran: list = []
+    stats = fake_memory_stats({"bytes_in_use": 700, "peak_bytes_in_use": 2000},
+                              {"bytes_in_use": 700, "peak_bytes_in_use": 2000}, ran)
+    profile = measure_activation_bytes(lambda: ran.append(1), stats)
+    assert profile.activation_bytes == 1300 and profile.is_upper_bound
+    assert "upper bound" in profile.describe(16)
+
+
+@pytest.mark.parametrize("stats", [None, {}, {"bytes_limit": 10}])
+def test_no_memory_counters_means_no_measurement_and_no_step(stats):
+    ran: list = []
+    assert measure_activation_bytes(lambda: ran.append(1), lambda: stats) is None
+    assert ran == []
+
+
+def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatch):
+    """The GPU start-up path, run on CPU with a fake device: the engine profiles the
+    largest step on a one-sequence cache, subtracts its peak, rebuilds the cache at the
+    budgeted size, and then generates exactly as an engine sized by --num-kv-blocks."""
+    from engine import LLM
+    from model import BUILTIN_MODELS
+
+    tiny = BUILTIN_MODELS["tiny"]
+    per_block = kv_cache_bytes_per_block(tiny, 16, jnp.float32)
+    weights, in_use, act = 40 * per_block, 50 * per_block, 30 * per_block
+    calls: list = []
+    ran: list = []
+
+    def memory_stats():
+        calls.append(1)
+        after = len(calls) > 1  # the first reading is the one before the step
+        return {"bytes_limit": 1000 * per_block, "bytes_in_use": in_use,
+                "peak_bytes_in_use": in_use + (act if after else 0)}
+
+    device = SimpleNamespace(platform="gpu", memory_stats=memory_stats)
+    monkeypatch.setattr(jax, "devices", lambda: [device])
+    monkeypatch.setattr("engine.param_bytes", lambda model: weights)
+    import engine as engine_mod
+    real = engine_mod.ModelRunner
+
+    def spy(config, loaded, num_blocks, stats):
+        ran.append(num_blocks)
+        return real(config, loaded, num_blocks, stats)
+
+    monkeypatch.setattr(engine_mod, "ModelRunner", spy)
+    logs: list[str] = []
+    kw = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, warmup=True)
+    llm = LLM("tiny", log=logs.append, gpu_memory_utilization=0.5, **kw)
+    eng = llm.engine
+    assert ran == [128 // 16 + 1]  # one runner, built with the one-sequence cache
+    assert eng.num_kv_blocks == 500 - 40 - 30  # 0.5 x limit - weights - activations, in blocks
+    assert eng.runner.kv_caches[0][0].shape[0] == eng.num_kv_blocks
+    assert any("activation peak of a 128-token step: " in line for line in logs)
+    # the profiling program is not counted: the served programs are the buckets
+    assert eng.stats.num_compilations == len(eng.config.decode_buckets) + len(eng.config.token_buckets)
+    monkeypatch.undo()
+    prompts = [[5, 6, 7, 8], list(range(3, 60))]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = LLM("tiny", log=lambda *_: None, num_kv_blocks=430, **kw).generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref]

@@ -1,0 +1,324 @@
+"""Stutter bench: a long prompt joins while users stream, with and without chunked prefill.
+
+    python bench/stutter.py                    # bench model, 16 users, an 8192-token joiner, budget 512
+    python bench/stutter.py --prompt-len 4096  # a shorter joiner
+    python bench/stutter.py --tiny             # seconds: the tiny model, 4 users, a 384-token joiner
+
+The seed's claim 2: "A new 8k-token prompt joining the batch triggers one heavy prefill
+step. Every streaming user's tokens hitch at that moment. Fix: --enable-chunked-prefill."
+
+One process, the same weights for both runs (load_model is deterministic from the seed).
+It drives LLMEngine directly, no HTTP: what is measured is the engine, and every token is
+stamped with time.perf_counter() when the step that produced it returns.
+
+Each run: `--users` requests with short random prompts decode continuously (greedy,
+ignore_eos, max_tokens large enough never to finish during the run). After the users'
+prefill and `--steady-steps` decode steps, the long request arrives and joins; the
+run stops once it has produced `--after-tokens` tokens after its first.
+  off  chunked prefill off, max_num_batched_tokens = max_model_len: the whole prompt is
+       one step, and that step carries no decode (the users stall).
+  on   chunked prefill on, max_num_batched_tokens = --budget: decodes first, the prompt
+       in chunks of what is left of the budget, one chunk per step.
+
+Measured, per run:
+  users' ITL   the gaps between consecutive tokens of each streaming user, for the tokens
+               that arrive in the window: from `--window` steps before the join step (the
+               first step the long request could be in) to `--window` steps after the step
+               of the long request's first token. p50 / p99 / max over all users' gaps.
+  TTFT         of the joiner: from add_request to the return of the step with its first token.
+  ratio        max gap off / max gap on. Target: >= 4x.
+Warm-up compiles every program before the run (a compile inside the window would be a
+false stutter); the JSON records that stats.num_compilations did not move while measuring.
+
+Writes <out>/stutter.json (figures, config, machine, every token's arrival time) and
+<out>/stutter.png (the users' token arrivals across the join, both runs, one above the other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import machine_info, summarize  # noqa: E402
+
+TARGET_RATIO = 4.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: bench (tiny with --tiny)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompt-len", type=int, default=None, help="the joiner's prompt (default 8192; 384 with --tiny)")
+    p.add_argument("--users", type=int, default=None, help="streaming users (default 16; 4 with --tiny)")
+    p.add_argument("--budget", type=int, default=None,
+                   help="max_num_batched_tokens with chunked prefill (default 512; 64 with --tiny)")
+    p.add_argument("--user-prompt-len", type=int, default=32)
+    p.add_argument("--steady-steps", type=int, default=8, help="decode steps before the long prompt joins")
+    p.add_argument("--after-tokens", type=int, default=None,
+                   help="run until the joiner has this many tokens after its first (default: --window)")
+    p.add_argument("--window", type=int, default=5, help="steps either side of the join measured (see above)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="off,on", help="comma separated: off (unchunked), on (chunked)")
+    p.add_argument("--tiny", action="store_true", help="the tiny model and small sizes: a fast smoke run")
+    p.add_argument("--out", default=None, help="output folder (default bench/results/stutter[-tiny])")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an earlier run's stutter.json; no run")
+    a = p.parse_args(argv)
+    small = a.tiny
+    a.model = a.model or ("tiny" if small else "bench")
+    a.prompt_len = a.prompt_len or (384 if small else 8192)
+    a.users = a.users or (4 if small else 16)
+    a.budget = a.budget or (64 if small else 512)
+    a.after_tokens = a.window if a.after_tokens is None else a.after_tokens
+    a.out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                  "stutter-tiny" if small else "stutter")
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not set(a.modes) <= {"off", "on"} or not a.modes:
+        p.error("--modes takes off and/or on")
+    if a.budget <= a.users:
+        p.error(f"--budget ({a.budget}) must exceed --users ({a.users}): the decodes take one token each")
+    return a
+
+
+def sizes(a: argparse.Namespace) -> dict[str, int]:
+    """Lengths shared by both runs, so both see the very same requests and cache."""
+    chunk = a.budget - a.users  # prompt tokens per chunked step once every user decodes
+    steps_to_first = math.ceil(a.prompt_len / chunk)
+    # The users must outlive the run: their prefill, the steady steps, the joiner's chunks
+    # (at worst), its remaining tokens, with a margin.
+    user_prefill_steps = math.ceil(a.users * a.user_prompt_len / a.budget)
+    user_max_tokens = user_prefill_steps + a.steady_steps + steps_to_first + a.after_tokens + a.window + 16
+    long_max_tokens = a.after_tokens + 1
+    max_model_len = max(a.prompt_len + long_max_tokens, a.user_prompt_len + user_max_tokens)
+    bs = a.block_size
+    blocks = (math.ceil((a.prompt_len + long_max_tokens) / bs)
+              + a.users * math.ceil((a.user_prompt_len + user_max_tokens) / bs))
+    return dict(user_max_tokens=user_max_tokens, long_max_tokens=long_max_tokens, max_model_len=max_model_len,
+                num_kv_blocks=blocks + 1, expected_chunk_steps=steps_to_first)
+
+
+def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int], log) -> dict[str, Any]:
+    import random
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    chunked = mode == "on"
+    budget = a.budget if chunked else sz["max_model_len"]
+    cfg = EngineConfig(model=a.model, dtype=a.dtype, seed=a.seed, max_num_seqs=a.users + 1,
+                       max_model_len=sz["max_model_len"], block_size=a.block_size, num_kv_blocks=sz["num_kv_blocks"],
+                       max_num_batched_tokens=budget, enable_chunked_prefill=chunked, warmup=True)
+    t0 = time.perf_counter()
+    eng = LLMEngine(cfg, log=lambda m: log(f"  [{mode}] {m}"), record_trace=True)
+    startup_s = time.perf_counter() - t0
+    vocab = eng.model_config.vocab_size
+    rng = random.Random(a.seed)  # the same prompts in both runs
+    users = [f"user-{i:02d}" for i in range(a.users)]
+    user_prompts = [[rng.randrange(3, vocab) for _ in range(a.user_prompt_len)] for _ in users]
+    long_prompt = [rng.randrange(3, vocab) for _ in range(a.prompt_len)]
+
+    arrivals: dict[str, list[tuple[int, float]]] = {}  # request -> [(step, perf_counter at step return)]
+    steps: list[dict[str, Any]] = []
+    t_origin = time.perf_counter()
+
+    def step() -> None:
+        ts = time.perf_counter()
+        deltas = eng.step()
+        te = time.perf_counter()
+        tr = eng.trace[-1]
+        steps.append(dict(step=tr.step, start=ts, end=te, num_prefill_tokens=tr.num_prefill_tokens,
+                          num_decode_tokens=tr.num_decode_tokens, scheduled=len(tr.scheduled)))
+        for d in deltas:
+            for _ in d.new_token_ids:
+                arrivals.setdefault(d.request_id, []).append((tr.step, te))
+
+    for rid, prompt in zip(users, user_prompts):
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=sz["user_max_tokens"], ignore_eos=True))
+    compilations_before = eng.stats.num_compilations
+    while not all(u in arrivals for u in users):  # the users' prefill (a few steps when chunked)
+        step()
+    for _ in range(a.steady_steps):
+        step()
+    assert all(set(users) <= set(t.sampled) for t in eng.trace[-a.steady_steps:]), "steady: everyone decodes"
+    join_step = eng.stats.num_steps + 1
+    t_join = time.perf_counter()
+    eng.add_request("long", long_prompt, SamplingParams(max_tokens=sz["long_max_tokens"], ignore_eos=True))
+    while len(arrivals.get("long", ())) < 1 + a.after_tokens:
+        step()
+    first_step, t_first = arrivals["long"][0]
+    compilations_after = eng.stats.num_compilations
+    for rid in users + ["long"]:
+        eng.abort(rid)
+    assert eng.stats.num_preemptions == 0, "the cache is sized for everyone: nothing should be preempted"
+
+    lo, hi = join_step - a.window, first_step + a.window
+    gaps, gaps_before = [], []
+    for u in users:
+        toks = arrivals[u]
+        for (_, prev), (s, t) in zip(toks, toks[1:]):
+            if lo <= s <= hi:
+                gaps.append(t - prev)
+            elif s < lo:
+                gaps_before.append(t - prev)
+    chunk_steps = [st for st in steps if st["step"] >= join_step and st["step"] <= first_step]
+    stalls = [st["step"] for st in steps if st["step"] > 1 and st["num_decode_tokens"] == 0]
+    res = dict(
+        mode=mode, chunked_prefill=chunked, max_num_batched_tokens=budget,
+        startup_s=startup_s, num_compilations_warmup=compilations_before,
+        compilations_during_run=compilations_after - compilations_before,
+        join_step=join_step, first_token_step=first_step, window_steps=[lo, hi],
+        prefill_steps=len(chunk_steps), prefill_step_tokens=[st["num_prefill_tokens"] for st in chunk_steps],
+        stall_steps=stalls,
+        ttft_s=t_first - t_join,
+        itl_window=summarize(gaps), itl_window_count=len(gaps),
+        itl_steady_before=summarize(gaps_before),
+        max_gap_s=max(gaps),
+        steps=[{**st, "start": st["start"] - t_join, "end": st["end"] - t_join} for st in steps],
+        arrivals={rid: [(s, t - t_join) for s, t in toks] for rid, toks in arrivals.items()},
+        run_s=time.perf_counter() - t_origin,
+    )
+    del eng
+    gc.collect()
+    return res
+
+
+def plot(results: dict[str, dict[str, Any]], a: argparse.Namespace, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in ("off", "on") if m in results]
+    fig, axes = plt.subplots(len(modes) + 1, 1, figsize=(12, 3.2 * len(modes) + 3.2), sharex=True, squeeze=False,
+                             gridspec_kw=dict(height_ratios=[3] * len(modes) + [2.2]))
+    # The same time axis for both: from a few steady steps before the join to the later end.
+    t_lo = min(min(t for s, t in results[m]["arrivals"]["user-00"] if s >= results[m]["window_steps"][0])
+               for m in modes)
+    t_hi = max(max(t for toks in results[m]["arrivals"].values() for _, t in toks) for m in modes)
+    t_lo, t_hi = t_lo - 0.03 * (t_hi - t_lo), t_hi + 0.03 * (t_hi - t_lo)
+    users = sorted(r for r in results[modes[0]]["arrivals"] if r != "long")
+    for ax, m in zip(axes[:-1, 0], modes):
+        r = results[m]
+        for i, u in enumerate(users):
+            ts = [t for _, t in r["arrivals"][u]]
+            ax.plot(ts, [i] * len(ts), "|", ms=9, mew=1.4, color="tab:blue")
+        lt = [t for _, t in r["arrivals"]["long"]]
+        ax.plot(lt, [len(users)] * len(lt), "|", ms=9, mew=2, color="tab:red")
+        ax.axvline(0.0, color="k", ls="--", lw=1)
+        ax.axvline(r["ttft_s"], color="tab:red", ls=":", lw=1)
+        ax.set_yticks(list(range(len(users))) + [len(users)], [u.replace("user-", "u") for u in users] + ["joiner"],
+                      fontsize=7)
+        ax.set_ylim(-0.8, len(users) + 0.8)
+        how = (f"budget {r['max_num_batched_tokens']} tokens/step" if r["chunked_prefill"]
+               else "whole prompt in one step")
+        ax.set_title(f"chunked prefill {m} ({how}): "
+                     f"users' ITL around the join p50 {r['itl_window']['p50'] * 1e3:.0f} ms, "
+                     f"max {r['max_gap_s'] * 1e3:.0f} ms; joiner TTFT {r['ttft_s']:.2f} s", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    # Bottom: every user's gap before each token, both runs (the users move in lockstep).
+    ax = axes[-1, 0]
+    for m, color in (("off", "tab:orange"), ("on", "tab:green")):
+        if m not in results:
+            continue
+        pts = sorted((t, t - prev) for rid, toks in results[m]["arrivals"].items() if rid != "long"
+                     for (_, prev), (_, t) in zip(toks, toks[1:]))
+        ax.step([t for t, _ in pts], [g * 1e3 for _, g in pts], where="pre", color=color,
+                label=f"chunked prefill {m}: max {results[m]['max_gap_s'] * 1e3:.0f} ms")
+        ax.axvline(results[m]["ttft_s"], color=color, ls=":", lw=1)
+    ax.axvline(0.0, color="k", ls="--", lw=1)
+    ax.set_yscale("log")
+    ax.set_ylabel("users' inter-token gap (ms)", fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlim(t_lo, t_hi)
+    axes[-1, 0].set_xlabel(f"time since the {a.prompt_len}-token prompt arrived (s); dashed: it arrives, "
+                           "dotted: its first token")
+    fig.suptitle(f"Per-token arrival times of {len(users)} streaming users ({a.model} model) as a "
+                 f"{a.prompt_len}-token prompt joins", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    if a.plot_only:
+        with open(a.plot_only) as f:
+            out = json.load(f)
+        saved = argparse.Namespace(**out["args"])
+        png = os.path.join(os.path.dirname(os.path.abspath(a.plot_only)), "stutter.png")
+        plot(out["results"], saved, png)
+        print(f"wrote {png}")
+        return out
+    os.makedirs(a.out, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    sz = sizes(a)
+    log(f"stutter: model {a.model}, {a.users} users (prompts of {a.user_prompt_len}), a {a.prompt_len}-token prompt "
+        f"joins after {a.steady_steps} steady steps; chunked budget {a.budget}; max_model_len {sz['max_model_len']}, "
+        f"{sz['num_kv_blocks'] - 1} KV blocks")
+    results: dict[str, dict[str, Any]] = {}
+    for mode in a.modes:
+        log(f"run: chunked prefill {mode}")
+        r = run_mode(a, mode, sz, log)
+        results[mode] = r
+        w = r["itl_window"]
+        lo, hi = r["window_steps"]
+        log(f"  [{mode}] users' ITL in steps {lo}..{hi}: p50 {w['p50'] * 1e3:.1f} ms, "
+            f"p99 {w['p99'] * 1e3:.1f} ms, max {w['max'] * 1e3:.1f} ms (steady before: p50 "
+            f"{r['itl_steady_before'].get('p50', float('nan')) * 1e3:.1f} ms); joiner TTFT {r['ttft_s']:.2f} s over "
+            f"{r['prefill_steps']} step(s); compilations during the run: {r['compilations_during_run']}")
+    summary: dict[str, Any] = {}
+    if {"off", "on"} <= set(results):
+        off, on = results["off"], results["on"]
+        ratio = off["max_gap_s"] / on["max_gap_s"]
+        summary = dict(max_gap_ratio=ratio, target_ratio=TARGET_RATIO, meets_target=ratio >= TARGET_RATIO,
+                       p99_ratio=off["itl_window"]["p99"] / on["itl_window"]["p99"],
+                       ttft_ratio_on_over_off=on["ttft_s"] / off["ttft_s"])
+        log("")
+        log(f"{'':24}{'ITL p50':>10}{'ITL p99':>10}{'ITL max':>10}{'TTFT':>10}{'steps':>7}")
+        for m, r in (("chunked prefill off", off), ("chunked prefill on", on)):
+            w = r["itl_window"]
+            log(f"{m:24}{w['p50'] * 1e3:>8.0f}ms{w['p99'] * 1e3:>8.0f}ms{w['max'] * 1e3:>8.0f}ms{r['ttft_s']:>9.2f}s"
+                f"{r['prefill_steps']:>7}")
+        log(f"max inter-token gap cut {ratio:.1f}x by chunked prefill (target >= {TARGET_RATIO:.0f}x: "
+            f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}); the joiner's TTFT is "
+            f"{summary['ttft_ratio_on_over_off']:.2f}x the unchunked one")
+    moved = {m: r["compilations_during_run"] for m, r in results.items() if r["compilations_during_run"]}
+    if moved:
+        log(f"WARNING: programs compiled during the measured run ({moved}): a compile is a false stutter")
+    out = dict(
+        bench="stutter",
+        args={k: v for k, v in vars(a).items()},
+        sizes=sz,
+        window=(f"users' tokens arriving from {a.window} steps before the join step to {a.window} steps after "
+                "the step of the joiner's first token; each gap is from the user's previous token"),
+        machine=machine_info(),
+        summary=summary,
+        results=results,
+    )
+    json_path = os.path.join(a.out, "stutter.json")
+    with open(json_path, "w") as f:
+        json.dump(out, f, indent=1)
+    log(f"wrote {json_path}")
+    if not a.no_plot:
+        png = os.path.join(a.out, "stutter.png")
+        plot(results, a, png)
+        log(f"wrote {png}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
