@@ -44,6 +44,7 @@ class EngineConfig:
     attention_backend: AttentionBackend = "auto"
     max_waiting_requests: int | None = None
     warmup: bool = True  # compile every shape bucket before serving
+    compilation_cache_dir: str = "~/.cache/taxirank/jax"  # persistent XLA cache; "" turns it off
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:

@@ -12,6 +12,7 @@ scheduler can take the config without importing JAX.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 import time
@@ -96,6 +97,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print, record_trace: bool = False):
         self.log = log
         self.trace: list[StepTrace] | None = [] if record_trace else None
+        _use_compilation_cache(config.compilation_cache_dir)
         loaded: LoadedModel = load_model(config.model, config.dtype, config.seed)
         self.loaded = loaded
         self.model_config = loaded.config
@@ -261,6 +263,16 @@ class LLMEngine:
             self.stats.kv_cache_usage = sch.allocator.usage
 
 
+def _use_compilation_cache(path: str) -> None:
+    """Persist compiled step programs across restarts (warm-up then takes seconds, not
+    minutes). Leaves a cache directory the process already chose (tests set one)."""
+    import jax
+
+    if path and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def _needs_activation_profile(config: EngineConfig) -> bool:
     """KV blocks come from --gpu-memory-utilization (no --num-kv-blocks, no
     --kv-cache-memory, not CPU): the same test num_kv_blocks_for makes."""
@@ -282,21 +294,10 @@ def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: Engin
     counters). Unverified on a GPU so far; the arithmetic is unit-tested on CPU."""
     import jax
 
-    from sampler import SamplingTensors, empty_sampling_arrays
-
     runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats)
-    S, W, T = config.max_num_seqs, config.max_blocks_per_seq, config.max_num_batched_tokens
-
-    def largest_step() -> None:
-        zeros_t = np.zeros(T, np.int32)
-        samp = SamplingTensors(**empty_sampling_arrays(S), want_logprobs=np.bool_(False))
-        runner.kv_caches, res = runner._ragged(runner.state, runner.kv_caches, zeros_t, zeros_t, zeros_t,
-                                               np.zeros((S, W), np.int32), np.zeros(S, np.int32),
-                                               np.zeros(S + 1, np.int32), samp)
-        jax.block_until_ready(res)
-
+    T = config.max_num_batched_tokens
     compiled = stats.num_compilations
-    profile = measure_activation_bytes(largest_step, jax.devices()[0].memory_stats)
+    profile = measure_activation_bytes(lambda: runner.idle_step(tokens=T), jax.devices()[0].memory_stats)
     # That program was compiled for the small cache's shape and is never used again:
     # num_compilations counts the programs the engine serves with.
     stats.num_compilations = compiled

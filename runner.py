@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -145,26 +146,29 @@ class ModelRunner:
         return StepResult(np.asarray(tok)[:n_seqs], logprobs)
 
     # ------------------------------------------------------------------------------
-    def warmup(self, log=print) -> None:
-        """Compile the decode program and every token bucket of the ragged program, on
-        all-idle inputs (every write lands in the null block)."""
+    def idle_step(self, decode_rows: int | None = None, tokens: int | None = None) -> None:
+        """Run one program on all-idle inputs (every write lands in the null block): a
+        decode step of `decode_rows` rows, or a ragged step of `tokens` tokens."""
+        rows = decode_rows or self.config.max_num_seqs
+        T = decode_rows or tokens
+        zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(rows, np.int32)
+        samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False))
+        args = (zeros_t, zeros_t, zeros_t, np.zeros((rows, self.config.max_blocks_per_seq), np.int32), zeros_r)
+        if decode_rows:
+            self.kv_caches, res = self._decode(self.state, self.kv_caches, *args, samp)
+        else:
+            self.kv_caches, res = self._ragged(self.state, self.kv_caches, *args, np.zeros(rows + 1, np.int32), samp)
+        jax.block_until_ready(res)
+
+    def warmup(self, log: Callable[[str], None] = print) -> None:
+        """Compile every decode bucket and every token bucket before serving."""
         cfg = self.config
-        S, W = cfg.max_num_seqs, cfg.max_blocks_per_seq
         t0 = time.perf_counter()
         total = len(cfg.decode_buckets) + len(cfg.token_buckets)
-
-        def idle(rows: int, T: int) -> tuple:
-            zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(rows, np.int32)
-            samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False))
-            return zeros_t, zeros_t, zeros_t, np.zeros((rows, W), np.int32), zeros_r, samp
-
         for i, R in enumerate(cfg.decode_buckets):
             log(f"warm-up: compiling step program {i + 1}/{total} (decode, {R} rows)")
-            self.kv_caches, res = self._decode(self.state, self.kv_caches, *idle(R, R))
-            jax.block_until_ready(res)
+            self.idle_step(decode_rows=R)
         for i, T in enumerate(cfg.token_buckets):
             log(f"warm-up: compiling step program {len(cfg.decode_buckets) + i + 1}/{total} (prefill, {T} tokens)")
-            *arrays, samp = idle(S, T)
-            self.kv_caches, res = self._ragged(self.state, self.kv_caches, *arrays, np.zeros(S + 1, np.int32), samp)
-            jax.block_until_ready(res)
+            self.idle_step(tokens=T)
         log(f"warm-up: {self.stats.num_compilations} programs compiled in {time.perf_counter() - t0:.1f}s")

@@ -392,6 +392,7 @@ _HELP = {  # EngineConfig fields; config.py says more
     "attention_backend": "paged attention: auto (Pallas on GPU, jnp on CPU), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
+    "compilation_cache_dir": "persistent cache of compiled step programs (fast restarts); '' turns it off",
 }
 
 
