@@ -86,25 +86,48 @@ def _empty_state(shape, D):
     return (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (D,), jnp.float32))
 
 
-def _paged_partial(qg, k_cache, v_cache, block_tables, lens):
-    """Softmax state of each row's query heads qg[S, Hkv, R, D] over the first lens[s]
-    cached tokens of row s (its block table), looping over the longest."""
+def _paged_partial(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                   lens: jax.Array, blocks_per_iter: int = 64):
+    """Softmax state (m, l, acc) of each row's query heads qg[S, Hkv, R, D] over the first
+    lens[s] cached tokens of row s.
+
+    The (row, block) pairs actually in context are flattened (row-major) and visited
+    `blocks_per_iter` at a time; each visit's per-block statistics merge into their row
+    with sorted segment reductions. The cost is the sum of the rows' contexts, not rows x
+    the longest one: a batch of short requests beside one long one pays for what it reads."""
     S, Hkv, R, D = qg.shape
     _, BS, _, _ = k_cache.shape
-    G = _group_size(S * BS * Hkv * D * 4, block_tables.shape[1])  # the gathered K per row
-    bt = _pad_cols(block_tables, G)
+    W = block_tables.shape[1]
+    C = min(blocks_per_iter, S * W)
+    num_blocks = (lens + BS - 1) // BS
+    total = jnp.sum(num_blocks)
+    live = jnp.arange(W)[None, :] < num_blocks[:, None]
+    flat = jnp.nonzero(live.ravel(), size=S * W + C, fill_value=0)[0]  # + C: every slice stays in range
+    rows_all, cols_all = flat // W, flat % W
+    blocks_all = block_tables[rows_all, cols_all]
+    segment = dict(num_segments=S, indices_are_sorted=True)
 
-    def body(i, carry):
-        cols = jax.lax.dynamic_slice_in_dim(bt, i * G, G, axis=1)
-        k = k_cache[cols].reshape(S, G * BS, Hkv, D).astype(jnp.float32)
-        v = v_cache[cols].reshape(S, G * BS, Hkv, D).astype(jnp.float32)
-        s = jnp.einsum("shrd,skhd->shrk", qg, k)
-        kpos = i * G * BS + jnp.arange(G * BS)
-        mask = (kpos[None, :] < lens[:, None])[:, None, None, :]
-        return _online_softmax_step(*carry, s, mask, v, "shrk,skhd->shrd")
+    def body(i, state):
+        r, c, b = (jax.lax.dynamic_slice_in_dim(x, i * C, C) for x in (rows_all, cols_all, blocks_all))
+        k = k_cache[b].astype(jnp.float32)  # [C, BS, Hkv, D]
+        v = v_cache[b].astype(jnp.float32)
+        s = jnp.einsum("chrd,ckhd->chrk", qg[r], k)
+        kpos = c[:, None] * BS + jnp.arange(BS)
+        in_range = (i * C + jnp.arange(C)) < total
+        mask = ((kpos < lens[r][:, None]) & in_range[:, None])[:, None, None, :]
+        s = jnp.where(mask, s, NEG_INF)
+        m_b = s.max(-1)
+        p = jnp.where(mask, jnp.exp(s - m_b[..., None]), 0.0)
+        m, l, acc = state
+        m_new = jnp.maximum(m, jax.ops.segment_max(m_b, r, **segment))
+        scale = jnp.exp(m_b - m_new[r])
+        corr = jnp.exp(m - m_new)
+        l = l * corr + jax.ops.segment_sum(p.sum(-1) * scale, r, **segment)
+        pv = jnp.einsum("chrk,ckhd->chrd", p, v) * scale[..., None]
+        acc = acc * corr[..., None] + jax.ops.segment_sum(pv, r, **segment)
+        return m_new, l, acc
 
-    n_iter = (jnp.max(lens) + G * BS - 1) // (G * BS)
-    return jax.lax.fori_loop(0, n_iter, body, _empty_state((S, Hkv, R), D))
+    return jax.lax.fori_loop(0, (total + C - 1) // C, body, _empty_state((S, Hkv, R), D))
 
 
 def paged_decode_attention_ref(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
