@@ -1,0 +1,554 @@
+"""Offline bench: continuous vs static batching, and taxirank vs Hugging Face transformers.
+
+    python bench/offline.py                  # the full run (bench model, fp32, CPU)
+    python bench/offline.py --tiny           # seconds: the tiny model and a handful of requests
+    python bench/offline.py --sections mix32,peers --num-requests 40
+
+One process, one run, the same `bench` weights everywhere (load_model("bench") is
+deterministic from seed 0; the Hugging Face peer gets a copy of those very arrays).
+Every request arrives at t=0 (one llm.generate call), greedy, ignore_eos, so output
+lengths are exactly the requested max_tokens and only scheduling and engine speed differ.
+
+Each measured ratio is printed next to its *ideal*: the same ratio computed from the
+engine's own step counts (EngineStats.num_steps; for completion times, the step at which
+each request finished). The ideal is what the ratio would be if every step cost the
+same; the measured figure falls short of it where steps differ in cost (a prefill step
+costs more than a decode step; a step of 32 live sequences more than one of 3).
+
+Sections (--sections, comma separated; default all):
+  mix32   the seed's mix (50 x 16 + 50 x 512 tokens, shuffled), max_num_seqs 32:
+          output tokens/s, continuous / static. Target >= 1.8x.
+  p99-64  the same mix at max_num_seqs 64: short-request (max_tokens 16) completion-time
+          p99, static / continuous. Target >= 15x.
+  exp32   300 requests, output lengths Exponential(mean 128) capped at 1536, max_num_seqs
+          32: output tokens/s, continuous / static. Target >= 3x.
+  peers   taxirank vs transformers on a slice of the mix (see PEER_SLICE below): its
+          continuous batching (the manager under `generate_batch`) and its padded static
+          `generate`. Targets >= 5x and >= 2x output tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import Request, exponential_mix, machine_info, seed_mix, summarize  # noqa: E402
+
+SECTIONS = ("mix32", "p99-64", "exp32", "peers")
+TORCH_THREADS = 2  # the bench machine has 2 cores; JAX's CPU client uses all cores too
+
+
+@dataclass(frozen=True)
+class Sizes:
+    model: str
+    num_requests: int  # the short/long mix
+    short: int
+    long: int
+    prompt_len: tuple[int, int]
+    seqs_throughput: int  # max_num_seqs of mix32 and exp32
+    seqs_latency: int  # max_num_seqs of p99-64
+    max_model_len: int  # engines running the mix
+    exp_requests: int
+    exp_mean: float
+    exp_cap: int
+    exp_max_model_len: int
+    peer_requests: int  # PEER_SLICE: the first peer_requests/2 short and long requests of the mix
+    peer_seqs: int  # max_num_seqs / max_requests_per_batch / static batch size, same for all three
+    peer_long: int  # max_tokens of the slice's long requests
+    max_num_batched_tokens: int | None  # None: the engine's default
+
+
+# The peers run a slice of the mix, not all 100 requests: transformers on 2 CPU cores would
+# take most of an hour for the whole mix. 24 requests (12 x 16 + 12 x 512 tokens, in the
+# mix's shuffled order) at 8 sequences per batch keep the shape of the mix (the static
+# batches still wait for their longest member) in a few minutes per peer.
+FULL = Sizes(model="bench", num_requests=100, short=16, long=512, prompt_len=(32, 256), seqs_throughput=32,
+             seqs_latency=64, max_model_len=1024, exp_requests=300, exp_mean=128, exp_cap=1536,
+             exp_max_model_len=2048, peer_requests=24, peer_seqs=8, peer_long=512, max_num_batched_tokens=None)
+TINY = Sizes(model="tiny", num_requests=8, short=4, long=24, prompt_len=(8, 24), seqs_throughput=4, seqs_latency=4,
+             max_model_len=64, exp_requests=12, exp_mean=8, exp_cap=32, exp_max_model_len=64, peer_requests=4,
+             peer_seqs=4, peer_long=24, max_num_batched_tokens=64)
+TARGETS = {"mix32": 1.8, "p99-64": 15.0, "exp32": 3.0, "peers_cb": 5.0, "peers_static": 2.0}
+
+
+# ---- taxirank ------------------------------------------------------------------------
+
+class Engines:
+    """One LLM per (max_num_seqs, scheduling, max_model_len), built once with warm-up
+    (compilation) outside every timed region; sections that share a configuration share
+    the engine."""
+
+    def __init__(self, sizes: Sizes, log):
+        self.sizes, self.log = sizes, log
+        self.engines: dict[tuple[int, str, int], Any] = {}
+        self.build_s: dict[str, float] = {}
+
+    def keep_only(self, keys: set[tuple[int, str, int]]) -> None:
+        for k in [k for k in self.engines if k not in keys]:
+            del self.engines[k]
+        gc.collect()
+
+    def get(self, max_num_seqs: int, scheduling: str, max_model_len: int):
+        key = (max_num_seqs, scheduling, max_model_len)
+        if key not in self.engines:
+            from engine import LLM
+
+            # KV never limits: every slot can hold a whole max_model_len sequence (we measure
+            # scheduling here, not memory). The null block is the +1.
+            num_kv_blocks = max_num_seqs * math.ceil(max_model_len / 16) + 1
+            t0 = time.perf_counter()
+            llm = LLM(self.sizes.model, log=lambda s: self.log(f"    [engine] {s}"), dtype="float32",
+                      max_num_seqs=max_num_seqs, scheduling=scheduling, max_model_len=max_model_len,
+                      block_size=16, num_kv_blocks=num_kv_blocks,
+                      max_num_batched_tokens=self.sizes.max_num_batched_tokens)
+            # One small untimed request warms what compilation does not (first dispatches).
+            llm.generate([[1] * 8, [2] * 8], _params([2, 3]), use_tqdm=False)
+            self.build_s[f"{scheduling}-{max_num_seqs}-{max_model_len}"] = round(time.perf_counter() - t0, 2)
+            self.engines[key] = llm
+        return self.engines[key]
+
+
+def _params(max_tokens: list[int]):
+    from config import SamplingParams
+
+    return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+
+
+_COUNTERS = ("num_steps", "num_decode_steps", "useful_slot_steps", "total_slot_steps", "prefill_tokens",
+             "decode_tokens", "padded_tokens", "num_preemptions", "num_compilations", "generation_tokens")
+
+
+def run_taxirank(llm, reqs: list[Request], short: int | None = None) -> dict[str, Any]:
+    """One timed llm.generate over all requests (all arrive together). Also records, per
+    request, the engine step at which it finished: the step-count ideal for latencies."""
+    engine = llm.engine
+    finish_step: dict[str, int] = {}
+    before = llm.stats.snapshot()
+    inner = engine.step
+
+    def counting_step():
+        deltas = inner()
+        for d in deltas:
+            if d.finished:
+                finish_step[d.request_id] = engine.stats.num_steps - before.num_steps
+        return deltas
+
+    engine.step = counting_step  # an instance attribute over the method, removed below
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate([r.prompt_token_ids for r in reqs], _params([r.max_tokens for r in reqs]),
+                            use_tqdm=False)
+        wall = time.perf_counter() - t0
+    finally:
+        del engine.step
+    after = llm.stats.snapshot()
+    stats = {k: getattr(after, k) - getattr(before, k) for k in _COUNTERS}
+    bad = [o.request_id for o, r in zip(outs, reqs) if len(o.token_ids) != r.max_tokens]
+    assert not bad, f"requests {bad[:5]} did not produce exactly max_tokens (ignore_eos)"
+    assert stats["num_compilations"] == 0, "a timed run compiled: warm-up missed a shape"
+    completion = [o.finished_time - o.arrival_time for o in outs]
+    steps = [finish_step[o.request_id] for o in outs]
+    n_out = sum(len(o.token_ids) for o in outs)
+    res: dict[str, Any] = {
+        "scheduling": llm.engine.config.scheduling, "max_num_seqs": llm.engine.config.max_num_seqs,
+        "max_model_len": llm.engine.config.max_model_len, "num_requests": len(reqs), "output_tokens": n_out,
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs), "wall_s": wall, "output_tok_s": n_out / wall,
+        "stats": stats, "slot_utilization": stats["useful_slot_steps"] / max(stats["total_slot_steps"], 1),
+        "ms_per_step": 1000 * wall / max(stats["num_steps"], 1),
+        "completion_s": summarize(completion), "completion_s_all": completion, "finish_step_all": steps,
+        "token_ids": [o.token_ids for o in outs],
+    }
+    if short is not None:
+        is_short = [r.max_tokens == short for r in reqs]
+        res["short_completion_s"] = summarize([c for c, s in zip(completion, is_short) if s])
+        res["long_completion_s"] = summarize([c for c, s in zip(completion, is_short) if not s])
+        res["short_finish_step"] = summarize([float(k) for k, s in zip(steps, is_short) if s])
+    return res
+
+
+# ---- the Hugging Face peer -------------------------------------------------------------
+
+def hf_model_from(model_name: str):
+    """transformers' LlamaForCausalLM holding the very arrays of taxirank's model
+    (load_model is deterministic from seed 0), named with the loader's own mapping."""
+    import numpy as np
+    import torch
+    from flax import nnx
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import model as tx_model
+
+    loaded = tx_model.load_model(model_name, "float32", 0)
+    c = loaded.config
+    assert c.architecture == "llama" and not c.attention_bias and not c.qk_norm, c
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling is not None:
+        rope = {**dict(c.rope_scaling), "rope_type": "llama3", "rope_theta": c.rope_theta}
+    hf_cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                         rope_parameters=rope, max_position_embeddings=c.max_position_embeddings,
+                         tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
+                         eos_token_id=None, pad_token_id=0)
+    hf_cfg._attn_implementation = "sdpa"
+    state = {}
+    for path, var in nnx.to_flat_state(nnx.state(loaded.model, nnx.Param)):
+        name, transpose = tx_model._hf_name(path)
+        x = np.array(var.get_value(), np.float32)  # a writable copy for torch
+        state[name] = torch.from_numpy(np.ascontiguousarray(x.T if transpose else x))
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(hf_cfg)  # random init, overwritten in full just below
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def run_hf_static(hf, reqs: list[Request], batch_size: int) -> dict[str, Any]:
+    """Padded static batching, the way `generate` does it: batches of batch_size prompts,
+    left-padded, each batch running to its longest max_tokens. Only the requested tokens
+    count as output."""
+    import torch
+    from transformers import GenerationConfig
+
+    def batch_inputs(batch: list[Request]):
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[i, width - n:] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - n:] = 1
+        return ids, mask
+
+    def gen(batch: list[Request]):
+        ids, mask = batch_inputs(batch)
+        n = max(r.max_tokens for r in batch)
+        cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+        return [out[i, ids.shape[1]:ids.shape[1] + r.max_tokens].tolist() for i, r in enumerate(batch)]
+
+    with torch.inference_mode():
+        # Untimed warm-up at the real shapes: torch's first calls at a new size are slow.
+        gen([replace(r, max_tokens=min(r.max_tokens, 4)) for r in reqs[:batch_size]])
+        tokens, steps = [], 0
+        t0 = time.perf_counter()
+        for i in range(0, len(reqs), batch_size):
+            batch = reqs[i:i + batch_size]
+            tokens += gen(batch)
+            steps += max(r.max_tokens for r in batch)
+        wall = time.perf_counter() - t0
+    n_out = sum(r.max_tokens for r in reqs)
+    assert all(len(t) == r.max_tokens for t, r in zip(tokens, reqs))
+    return {"peer": "transformers generate (padded static)", "batch_size": batch_size, "wall_s": wall,
+            "output_tokens": n_out, "output_tok_s": n_out / wall, "decode_steps": steps, "token_ids": tokens}
+
+
+def run_hf_continuous(hf, reqs: list[Request], max_requests: int, max_batch_tokens: int) -> dict[str, Any]:
+    """transformers' continuous batching. `generate_batch` takes one max_new_tokens for all
+    requests, so this drives the manager it wraps (continuous_batching_context_manager,
+    add_request(..., max_new_tokens=n), get_result): same scheduler, same runner, per-request
+    lengths. Manager start-up and a warm-up request stay outside the timed region."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    page = 256  # its default page size
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
+    cb = ContinuousBatchingConfig(
+        max_requests_per_batch=max_requests, max_batch_tokens=max_batch_tokens, page_size=page,
+        num_blocks=max_requests * (math.ceil(longest / page) + 1) + 2,  # KV never limits, as for taxirank
+        allow_block_sharing=False,  # no prefix caching: random prompts share nothing, and taxirank has none
+    )
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=-1,
+                               pad_token_id=0)
+    results: dict[str, Any] = {}
+    with torch.inference_mode(), hf.continuous_batching_context_manager(
+            generation_config=gen_cfg, continuous_batching_config=cb, block=True, timeout=30) as manager:
+        resolved = manager.continuous_batching_config
+        # Untimed warm-up at the real shapes: torch's first calls at a new size are slow.
+        warm = {f"warmup{i}" for i in range(min(max_requests, len(reqs)))}
+        for i, r in enumerate(reqs[:len(warm)]):
+            manager.add_request(r.prompt_token_ids, request_id=f"warmup{i}", max_new_tokens=min(r.max_tokens, 4))
+        while warm:
+            out = manager.get_result(timeout=60)
+            assert out is not None or manager.is_running(), "transformers' generation thread died in warm-up"
+            if out is not None and out.is_finished():
+                warm.discard(out.request_id)
+        t0 = time.perf_counter()
+        for i, r in enumerate(reqs):
+            manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.max_tokens)
+        while len(results) < len(reqs):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                assert out.error is None, out.error
+                results[out.request_id] = out
+            elif out is None:
+                assert manager.is_running(), "transformers' generation thread died"
+        wall = time.perf_counter() - t0
+    tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(reqs))]
+    assert all(len(t) == r.max_tokens for t, r in zip(tokens, reqs)), "transformers CB: wrong output lengths"
+    n_out = sum(len(t) for t in tokens)
+    return {"peer": "transformers continuous batching (generate_batch's manager)", "wall_s": wall,
+            "output_tokens": n_out, "output_tok_s": n_out / wall, "attn_implementation": hf.config._attn_implementation,
+            "config": {k: str(v) for k, v in vars(resolved).items()}, "token_ids": tokens}
+
+
+def _agreement(a: list[list[int]], b: list[list[int]], k: int) -> float:
+    """Fraction of requests whose first k greedy tokens match: both sides run one model."""
+    return sum(x[:k] == y[:k] for x, y in zip(a, b)) / max(len(a), 1)
+
+
+# ---- sections ----------------------------------------------------------------------------
+
+def ratio(name: str, measured: float, ideal: float | None, target: float | None, a: str, b: str,
+          unit: str) -> dict[str, Any]:
+    return {"name": name, "a": a, "b": b, "unit": unit, "measured": measured, "ideal": ideal, "target": target,
+            "pass": None if target is None else bool(measured >= target)}
+
+
+def section_mix32(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
+    vocab = _vocab(sz)
+    reqs = seed_mix(sz.num_requests, vocab, short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
+    s = sz.seqs_throughput
+    engines.keep_only({(s, "continuous", sz.max_model_len), (s, "static", sz.max_model_len)})
+    runs = {m: run_taxirank(engines.get(s, m, sz.max_model_len), reqs, sz.short) for m in ("continuous", "static")}
+    for m, r in runs.items():
+        log(_run_line(f"mix32 {m}", r))
+    c, st = runs["continuous"], runs["static"]
+    return {"workload": _describe_mix(sz, len(reqs)), "runs": _strip(runs), "ratios": [
+        ratio(f"output tok/s, continuous / static, max_num_seqs {s}", c["output_tok_s"] / st["output_tok_s"],
+              st["stats"]["num_steps"] / c["stats"]["num_steps"], TARGETS["mix32"], "continuous", "static", "tok/s"),
+        ratio(f"short p99 completion, static / continuous, max_num_seqs {s}",
+              st["short_completion_s"]["p99"] / c["short_completion_s"]["p99"],
+              st["short_finish_step"]["p99"] / c["short_finish_step"]["p99"], None, "static", "continuous", "s"),
+    ]}
+
+
+def section_p99_64(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
+    reqs = seed_mix(sz.num_requests, _vocab(sz), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
+    s = sz.seqs_latency
+    engines.keep_only({(s, "continuous", sz.max_model_len), (s, "static", sz.max_model_len)})
+    runs = {m: run_taxirank(engines.get(s, m, sz.max_model_len), reqs, sz.short) for m in ("continuous", "static")}
+    for m, r in runs.items():
+        log(_run_line(f"p99-64 {m}", r))
+    c, st = runs["continuous"], runs["static"]
+    return {"workload": _describe_mix(sz, len(reqs)), "runs": _strip(runs), "ratios": [
+        ratio(f"short p99 completion, static / continuous, max_num_seqs {s}",
+              st["short_completion_s"]["p99"] / c["short_completion_s"]["p99"],
+              st["short_finish_step"]["p99"] / c["short_finish_step"]["p99"], TARGETS["p99-64"],
+              "static", "continuous", "s"),
+        ratio(f"output tok/s, continuous / static, max_num_seqs {s}", c["output_tok_s"] / st["output_tok_s"],
+              st["stats"]["num_steps"] / c["stats"]["num_steps"], None, "continuous", "static", "tok/s"),
+    ]}
+
+
+def section_exp32(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
+    reqs = exponential_mix(sz.exp_requests, _vocab(sz), mean=sz.exp_mean, cap=sz.exp_cap, prompt_len=sz.prompt_len)
+    s, L = sz.seqs_throughput, sz.exp_max_model_len
+    assert max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) <= L
+    engines.keep_only({(s, "continuous", L), (s, "static", L)})
+    runs = {m: run_taxirank(engines.get(s, m, L), reqs) for m in ("continuous", "static")}
+    for m, r in runs.items():
+        log(_run_line(f"exp32 {m}", r))
+    c, st = runs["continuous"], runs["static"]
+    lens = [r.max_tokens for r in reqs]
+    return {"workload": {"num_requests": len(reqs), "output_len": f"exponential, mean {sz.exp_mean}, "
+                         f"capped at {sz.exp_cap}", "drawn_mean": sum(lens) / len(lens), "drawn_max": max(lens),
+                         "prompt_len": sz.prompt_len}, "runs": _strip(runs), "ratios": [
+        ratio(f"output tok/s, continuous / static, max_num_seqs {s} (exponential lengths)",
+              c["output_tok_s"] / st["output_tok_s"], st["stats"]["num_steps"] / c["stats"]["num_steps"],
+              TARGETS["exp32"], "continuous", "static", "tok/s"),
+    ]}
+
+
+def peer_slice(sz: Sizes) -> list[Request]:
+    """PEER_SLICE: the first peer_requests/2 short and peer_requests/2 long requests of the
+    mix, in its shuffled order (long ones cut to peer_long tokens)."""
+    reqs = seed_mix(sz.num_requests, _vocab(sz), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
+    half, out, n_short, n_long = sz.peer_requests // 2, [], 0, 0
+    for r in reqs:
+        if r.max_tokens == sz.short and n_short < half:
+            out.append(r)
+            n_short += 1
+        elif r.max_tokens == sz.long and n_long < sz.peer_requests - half:
+            out.append(replace(r, max_tokens=sz.peer_long))
+            n_long += 1
+    return out
+
+
+def section_peers(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(TORCH_THREADS)
+    reqs = peer_slice(sz)
+    s, L = sz.peer_seqs, sz.max_model_len
+    engines.keep_only({(s, "continuous", L), (s, "static", L)})
+    tx = {m: run_taxirank(engines.get(s, m, L), reqs, sz.short) for m in ("continuous", "static")}
+    for m, r in tx.items():
+        log(_run_line(f"peers taxirank {m}", r))
+    engines.keep_only(set())  # free the JAX engines' KV caches before torch allocates its own
+    t0 = time.perf_counter()
+    hf = hf_model_from(sz.model)
+    log(f"  transformers model built from taxirank's arrays in {time.perf_counter() - t0:.1f}s "
+        f"(attn {hf.config._attn_implementation}, torch threads {torch.get_num_threads()})")
+    hf_static = run_hf_static(hf, reqs, s)
+    log(f"  peers transformers generate (padded static, batch {s}): {hf_static['output_tok_s']:.1f} tok/s, "
+        f"{hf_static['wall_s']:.1f}s")
+    mnbt = sz.max_num_batched_tokens or max(L, 2048, s)  # taxirank's default token budget
+    hf_cb = run_hf_continuous(hf, reqs, s, mnbt)
+    log(f"  peers transformers continuous batching ({s} requests/batch): {hf_cb['output_tok_s']:.1f} tok/s, "
+        f"{hf_cb['wall_s']:.1f}s")
+    c, st = tx["continuous"], tx["static"]
+    k = min(8, sz.short)
+    agreement = {f"first_{k}_tokens_taxirank_vs_hf_cb": _agreement(c["token_ids"], hf_cb["token_ids"], k),
+                 f"first_{k}_tokens_taxirank_vs_hf_generate": _agreement(c["token_ids"], hf_static["token_ids"], k),
+                 f"first_{k}_tokens_hf_cb_vs_hf_generate": _agreement(hf_cb["token_ids"], hf_static["token_ids"], k)}
+    log(f"  greedy agreement (same weights): {agreement}")
+    for r in (hf_static, hf_cb):
+        r.pop("token_ids")
+    lens = [r.max_tokens for r in reqs]
+    return {"workload": {"slice": f"the first {sz.peer_requests // 2} requests of max_tokens {sz.short} and "
+                         f"{sz.peer_requests - sz.peer_requests // 2} of max_tokens {sz.long} (run as {sz.peer_long}) "
+                         f"of the {sz.num_requests}-request mix, in its shuffled order",
+                         "max_tokens": lens, "prompt_len": [len(r.prompt_token_ids) for r in reqs],
+                         "max_num_seqs": s, "torch_threads": torch.get_num_threads()},
+            "runs": {**_strip(tx), "hf_generate": hf_static, "hf_continuous": hf_cb},
+            "greedy_agreement": agreement, "ratios": [
+        ratio(f"output tok/s, taxirank continuous / transformers continuous batching, {s} seqs",
+              c["output_tok_s"] / hf_cb["output_tok_s"], None, TARGETS["peers_cb"], "taxirank", "hf_cb", "tok/s"),
+        ratio(f"output tok/s, taxirank continuous / transformers padded generate, batch {s}",
+              c["output_tok_s"] / hf_static["output_tok_s"], hf_static["decode_steps"] / c["stats"]["num_steps"],
+              TARGETS["peers_static"], "taxirank", "hf_generate", "tok/s"),
+        ratio(f"output tok/s, taxirank static / transformers padded generate, batch {s} (same schedule)",
+              st["output_tok_s"] / hf_static["output_tok_s"], hf_static["decode_steps"] / st["stats"]["num_steps"],
+              None, "taxirank_static", "hf_generate", "tok/s"),
+    ]}
+
+
+SECTION_FNS = {"mix32": section_mix32, "p99-64": section_p99_64, "exp32": section_exp32, "peers": section_peers}
+
+
+# ---- helpers and output ---------------------------------------------------------------------
+
+def _vocab(sz: Sizes) -> int:
+    from model import BUILTIN_MODELS
+
+    return BUILTIN_MODELS[sz.model].vocab_size
+
+
+def _describe_mix(sz: Sizes, n: int) -> dict[str, Any]:
+    return {"num_requests": n, "max_tokens": {str(sz.short): n // 2, str(sz.long): n - n // 2},
+            "prompt_len": sz.prompt_len, "shuffle_seed": 0}
+
+
+def _strip(runs: dict[str, dict]) -> dict[str, dict]:
+    """Per-run results for the JSON: token ids out (long and not a figure)."""
+    return {m: {k: v for k, v in r.items() if k != "token_ids"} for m, r in runs.items()}
+
+
+def _run_line(label: str, r: dict[str, Any]) -> str:
+    st = r["stats"]
+    line = (f"  {label:<28} {r['output_tok_s']:8.1f} tok/s  {r['wall_s']:7.1f}s  steps {st['num_steps']:5d} "
+            f"(decode-only {st['num_decode_steps']}) {r['ms_per_step']:.0f} ms/step, "
+            f"slot util {r['slot_utilization']:.2f}, preemptions {st['num_preemptions']}")
+    if "short_completion_s" in r:
+        line += (f", short p50/p99 {r['short_completion_s']['p50']:.2f}/{r['short_completion_s']['p99']:.2f}s, "
+                 f"long p99 {r['long_completion_s']['p99']:.2f}s")
+    return line
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = [("section", "ratio", "measured", "ideal (steps)", "target", "")]
+    for name, sec in results["sections"].items():
+        if "error" in sec:
+            rows.append((name, f"ERROR: {sec['error'][:80]}", "", "", "", ""))
+            continue
+        for r in sec["ratios"]:
+            rows.append((name, r["name"], f"{r['measured']:.2f}x",
+                         "-" if r["ideal"] is None else f"{r['ideal']:.2f}x",
+                         "-" if r["target"] is None else f">= {r['target']:g}x",
+                         "" if r["pass"] is None else ("PASS" if r["pass"] else "MISS")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def header(results: dict[str, Any]) -> str:
+    m, sz = results["machine"], results["sizes"]
+    end = f", at end {results['loadavg_end'][0]:.1f}" if "loadavg_end" in results else ""
+    return (f"taxirank offline bench: model {sz['model']} (float32, random weights, seed 0), "
+            f"{m['cpu']} x {m['cores']} cores, jax {m['jax']} ({m.get('jax_backend')}), transformers "
+            f"{m['transformers']}, torch {m['torch']} ({TORCH_THREADS} threads); load average at start "
+            f"{results['loadavg_start'][0]:.1f}" + end)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="requests in the short/long mix (default 100; the exponential variant runs 3x as many)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="max_model_len of the engines running the mix "
+                    "(default 1024; the exponential variant uses 2048)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny model and a handful of requests (tests)")
+    ap.add_argument("--out", default=None, help="JSON results (default bench/results/offline-<timestamp>.json)")
+    args = ap.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    sz = TINY if args.tiny else FULL
+    if args.num_requests is not None:
+        sz = replace(sz, num_requests=args.num_requests, exp_requests=3 * args.num_requests)
+    if args.max_model_len is not None:
+        sz = replace(sz, max_model_len=args.max_model_len)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+
+    results: dict[str, Any] = {"machine": machine_info(), "sizes": asdict(sz), "torch_threads": TORCH_THREADS,
+                               "argv": sys.argv[1:] if argv is None else argv, "loadavg_start": os.getloadavg(),
+                               "sections": {}}
+    log(header(results))
+    engines = Engines(sz, log)
+    t_all = time.perf_counter()
+    for name in sections:
+        log(f"== {name}")
+        t0 = time.perf_counter()
+        try:
+            results["sections"][name] = SECTION_FNS[name](sz, engines, log)
+        except Exception as e:  # one broken section must not lose the others' figures
+            traceback.print_exc()
+            results["sections"][name] = {"error": f"{type(e).__name__}: {e}"}
+        results["sections"][name]["section_s"] = round(time.perf_counter() - t0, 1)
+    engines.keep_only(set())
+    results["engine_build_s"] = engines.build_s
+    results["loadavg_end"] = os.getloadavg()  # other work on the machine skews every figure
+    results["total_s"] = round(time.perf_counter() - t_all, 1)
+    log("")
+    log(header(results))
+    log(table(results))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+    log(f"results: {out} ({results['total_s']}s in all; engine build + warm-up times in engine_build_s)")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(1 if any("error" in sec for sec in main()["sections"].values()) else 0)
