@@ -2,8 +2,9 @@
 
 The engine loop calls `schedule()`, runs the step it describes, then `update()` with the
 sampled tokens. The scheduler owns the waiting queue, the running list, the slots
-(0..max_num_seqs-1: a running sequence's row in the fixed-shape decode arrays) and the
-block allocator; it knows blocks, never arrays.
+(0..max_num_seqs-1: the seats; a running sequence holds one, and under static batching a
+finished one keeps it until its batch leaves) and the block allocator; it knows blocks,
+never arrays (the runner packs the occupied slots into device rows).
 
 continuous (default): every step, decodes first (one token per running sequence), then
     prompt chunks of running sequences, then admissions from the waiting queue while a
