@@ -4,7 +4,7 @@ The four families are one network with a few switches: GQA, q/k/v biases (Qwen2)
 per-head q/k RMSNorm (Qwen3), Llama 3.1's RoPE frequency scaling, tied embeddings. Each
 forward step takes a flat batch of T tokens from any number of sequences; the layers
 write the step's K/V into the paged cache and call the attention backend (see
-docs/CONTRACTS.md for the cache layout and kernels_pallas.py for the backends).
+docs/ARCHITECTURE.md for the cache layout and kernels_pallas.py for the backends).
 
 Numerics: matmuls run in the parameter dtype (float32 or bfloat16); RMSNorm, RoPE,
 softmax (inside the backend) and the logits are float32.
@@ -119,7 +119,7 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ..
 @jax.tree_util.register_dataclass
 @dataclass
 class AttentionInputs:
-    """Where this step's K/V go and what each query attends to (see docs/CONTRACTS.md)."""
+    """Where this step's K/V go and what each query attends to (see docs/ARCHITECTURE.md, "KV cache")."""
 
     slot_mapping: jax.Array  # [T] i32: flat cache index of token t's K/V
     block_tables: jax.Array  # [S, W] i32
