@@ -319,15 +319,22 @@ def ratio(name: str, measured: float, ideal: float | None, target: float | None,
             "pass": None if target is None else bool(measured >= target)}
 
 
+def run_pair(name: str, engines: Engines, reqs: list[Request], seqs: int, max_model_len: int, log,
+             short: int | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The same requests through a continuous and a static engine of the same size:
+    (runs by scheduling, continuous run, static run)."""
+    engines.keep_only({(seqs, "continuous", max_model_len), (seqs, "static", max_model_len)})
+    runs = {m: run_taxirank(engines.get(seqs, m, max_model_len), reqs, short) for m in ("continuous", "static")}
+    for m, r in runs.items():
+        log(_run_line(f"{name} {m}", r))
+    return runs, runs["continuous"], runs["static"]
+
+
 def section_mix32(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
     vocab = _vocab(sz)
     reqs = seed_mix(sz.num_requests, vocab, short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
     s = sz.seqs_throughput
-    engines.keep_only({(s, "continuous", sz.max_model_len), (s, "static", sz.max_model_len)})
-    runs = {m: run_taxirank(engines.get(s, m, sz.max_model_len), reqs, sz.short) for m in ("continuous", "static")}
-    for m, r in runs.items():
-        log(_run_line(f"mix32 {m}", r))
-    c, st = runs["continuous"], runs["static"]
+    runs, c, st = run_pair("mix32", engines, reqs, s, sz.max_model_len, log, sz.short)
     return {"workload": _describe_mix(sz, len(reqs)), "runs": _strip(runs), "ratios": [
         ratio(f"output tok/s, continuous / static, max_num_seqs {s}", c["output_tok_s"] / st["output_tok_s"],
               st["stats"]["num_steps"] / c["stats"]["num_steps"], TARGETS["mix32"], "continuous", "static", "tok/s"),
@@ -340,11 +347,7 @@ def section_mix32(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
 def section_p99_64(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
     reqs = seed_mix(sz.num_requests, _vocab(sz), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
     s = sz.seqs_latency
-    engines.keep_only({(s, "continuous", sz.max_model_len), (s, "static", sz.max_model_len)})
-    runs = {m: run_taxirank(engines.get(s, m, sz.max_model_len), reqs, sz.short) for m in ("continuous", "static")}
-    for m, r in runs.items():
-        log(_run_line(f"p99-64 {m}", r))
-    c, st = runs["continuous"], runs["static"]
+    runs, c, st = run_pair("p99-64", engines, reqs, s, sz.max_model_len, log, sz.short)
     return {"workload": _describe_mix(sz, len(reqs)), "runs": _strip(runs), "ratios": [
         ratio(f"short p99 completion, static / continuous, max_num_seqs {s}",
               st["short_completion_s"]["p99"] / c["short_completion_s"]["p99"],
@@ -359,11 +362,7 @@ def section_exp32(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
     reqs = exponential_mix(sz.exp_requests, _vocab(sz), mean=sz.exp_mean, cap=sz.exp_cap, prompt_len=sz.prompt_len)
     s, L = sz.seqs_throughput, sz.exp_max_model_len
     assert max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) <= L
-    engines.keep_only({(s, "continuous", L), (s, "static", L)})
-    runs = {m: run_taxirank(engines.get(s, m, L), reqs) for m in ("continuous", "static")}
-    for m, r in runs.items():
-        log(_run_line(f"exp32 {m}", r))
-    c, st = runs["continuous"], runs["static"]
+    runs, c, st = run_pair("exp32", engines, reqs, s, L, log)
     lens = [r.max_tokens for r in reqs]
     return {"workload": {"num_requests": len(reqs), "output_len": f"exponential, mean {sz.exp_mean}, "
                          f"capped at {sz.exp_cap}", "drawn_mean": sum(lens) / len(lens), "drawn_max": max(lens),
@@ -395,10 +394,7 @@ def section_peers(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
     torch.set_num_threads(TORCH_THREADS)
     reqs = peer_slice(sz)
     s, L = sz.peer_seqs, sz.max_model_len
-    engines.keep_only({(s, "continuous", L), (s, "static", L)})
-    tx = {m: run_taxirank(engines.get(s, m, L), reqs, sz.short) for m in ("continuous", "static")}
-    for m, r in tx.items():
-        log(_run_line(f"peers taxirank {m}", r))
+    tx, c, st = run_pair("peers taxirank", engines, reqs, s, L, log, sz.short)
     engines.keep_only(set())  # free the JAX engines' KV caches before torch allocates its own
     t0 = time.perf_counter()
     hf = hf_model_from(sz.model)
@@ -411,7 +407,6 @@ def section_peers(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
     hf_cb = run_hf_continuous(hf, reqs, s, mnbt)
     log(f"  peers transformers continuous batching ({s} requests/batch): {hf_cb['output_tok_s']:.1f} tok/s, "
         f"{hf_cb['wall_s']:.1f}s")
-    c, st = tx["continuous"], tx["static"]
     k = min(8, sz.short)
     agreement = {f"first_{k}_tokens_taxirank_vs_hf_cb": _agreement(c["token_ids"], hf_cb["token_ids"], k),
                  f"first_{k}_tokens_taxirank_vs_hf_generate": _agreement(c["token_ids"], hf_static["token_ids"], k),
