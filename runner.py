@@ -104,33 +104,29 @@ class ModelRunner:
         W, BS = cfg.max_blocks_per_seq, self.block_size
         n_seqs = len(out.scheduled)
         R = _bucket(cfg.decode_buckets, max(num_occupied, n_seqs)) if out.is_decode_only else cfg.max_num_seqs
+        q_lens = np.zeros(R, np.int32)
+        q_lens[:n_seqs] = [sch.num_new_tokens for sch in out.scheduled]
+        cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        num_real = int(cu_q_lens[-1])
+        T = R if out.is_decode_only else _bucket(cfg.token_buckets, num_real)
+        tokens, positions, slot_mapping = (np.zeros(T, np.int32) for _ in range(3))
         block_tables = np.zeros((R, W), np.int32)
         kv_lens = np.zeros(R, np.int32)
-        q_lens = np.zeros(R, np.int32)
         samp = empty_sampling_arrays(R)
         want_logprobs = False
         for r, sch in enumerate(out.scheduled):
-            seq, n = sch.seq, sch.num_new_tokens
+            seq, n, lo = sch.seq, sch.num_new_tokens, cu_q_lens[r]
             start = seq.num_computed_tokens
             assert n >= 1 and len(seq.block_table) * BS >= start + n, "blocks must be allocated before the step"
             block_tables[r, :len(seq.block_table)] = seq.block_table
             kv_lens[r] = start + n
-            q_lens[r] = n
-            fill_slot(samp, r, seq.params, seq.seed, seq.num_output_tokens)
-            want_logprobs |= sch.samples and seq.params.logprobs is not None
-        sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs))
-
-        num_real = int(q_lens.sum())
-        T = R if out.is_decode_only else _bucket(cfg.token_buckets, num_real)
-        cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        tokens, positions, slot_mapping = (np.zeros(T, np.int32) for _ in range(3))
-        for r, sch in enumerate(out.scheduled):
-            seq, n, lo = sch.seq, sch.num_new_tokens, cu_q_lens[r]
-            start = seq.num_computed_tokens
             pos = np.arange(start, start + n, dtype=np.int32)
             tokens[lo:lo + n] = token_slice(seq, start, n)
             positions[lo:lo + n] = pos
-            slot_mapping[lo:lo + n] = np.asarray(seq.block_table, np.int32)[pos // BS] * BS + pos % BS
+            slot_mapping[lo:lo + n] = block_tables[r, pos // BS] * BS + pos % BS
+            fill_slot(samp, r, seq.params, seq.seed, seq.num_output_tokens)
+            want_logprobs |= sch.samples and seq.params.logprobs is not None
+        sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs))
         if out.is_decode_only:
             self.kv_caches, res = self._decode(self.state, self.kv_caches, tokens, positions, slot_mapping,
                                                block_tables, kv_lens, sampling)
