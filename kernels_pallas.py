@@ -194,7 +194,6 @@ def _chunk_prefix_partial(qg, k_cache, v_cache, block_tables, seq, prefix, multi
     earlier chunks): their tokens over that prefix, one sequence at a time (few per step)."""
     T, Hkv, R, D = qg.shape
     _, BS, _, _ = k_cache.shape
-    S = prefix.shape[0]
     # One sequence's K is gathered per iteration and the [T, Hq, keys] scores set the
     # size; small groups measured fastest on CPU (cache-resident scores).
     G = _group_size(T * BS * Hkv * R * 4, block_tables.shape[1], most=4)
@@ -225,7 +224,6 @@ def ragged_paged_attention_ref(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
                                block_tables: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array,
                                *, scale: float) -> jax.Array:
     T, Hq, D = q.shape
-    S = kv_lens.shape[0]
     _, BS, Hkv, _ = k_cache.shape
     R = Hq // Hkv
     seq, q_pos, valid = ragged_token_layout(cu_q_lens, kv_lens, T)
