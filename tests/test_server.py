@@ -254,6 +254,21 @@ def test_stop_string_across_token_boundaries_is_cut_and_never_partly_streamed(cl
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_finish_counts_as_a_stop_not_an_abort(server: Server, client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", prompt="Count me", max_tokens=64, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    stop = next((text[i:i + 2] for i in range(1, len(text) - 2) if "\ufffd" not in text[i:i + 2]), text[1:3])
+    wait_idle(server)
+    before = scrape(server)
+    assert client.completions.create(stop=[stop], **kw).choices[0].finish_reason == "stop"
+    wait_idle(server)
+    after = scrape(server)
+    moved = {r: metric(after, "request_success_total", finished_reason=r)
+             - metric(before, "request_success_total", finished_reason=r) for r in ("stop", "abort", "length")}
+    assert moved == {"stop": 1, "abort": 0, "length": 0}
+
+
 # ---- errors: status, OpenAI error JSON, and the next request still served ----------------
 
 TOO_LONG = list(range(1, 201))  # + max_tokens 3900 = 4100 > 4096
