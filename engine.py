@@ -183,13 +183,7 @@ class LLMEngine:
                 deltas = [self._release(seq, None, now) for seq in released]
             self._refresh_gauges()
             return deltas
-        now = time.monotonic()
-        for sch in out.scheduled:
-            if sch.seq.first_scheduled_time is None:
-                sch.seq.first_scheduled_time = now
-                with self.stats.lock:
-                    self.stats.request_queue_time.observe(now - sch.seq.arrival_time)
-                    self.stats.prompt_tokens += sch.seq.num_prompt_tokens
+        scheduled_at = time.monotonic()
         result = self.runner.execute(out, self.scheduler.num_running)
         sampled = {sch.seq.request_id: int(result.tokens[i]) for i, sch in enumerate(out.scheduled) if sch.samples}
         logprobs = self._logprobs(out.scheduled, result)
@@ -209,6 +203,10 @@ class LLMEngine:
             st.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
             for sch in out.scheduled:
                 seq = sch.seq
+                if seq.first_scheduled_time is None:  # its first step: it stops queueing
+                    seq.first_scheduled_time = scheduled_at
+                    st.request_queue_time.observe(scheduled_at - seq.arrival_time)
+                    st.prompt_tokens += seq.num_prompt_tokens
                 if not sch.samples:
                     continue
                 if seq.first_token_time is None:
