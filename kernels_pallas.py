@@ -354,6 +354,13 @@ def _block_ids(bt_ref, s, chunk, P, num_blocks):
 
 # ---- decode: one query token per slot ------------------------------------------------
 
+def split_chunk_count(num_chunks, split, num_splits: int):
+    """How many of chunks split, split + K, split + 2K, ... (K = num_splits) lie below
+    num_chunks: the decode program's trip count. Never negative: split < K, so the
+    numerator of the ceiling division is >= 0 and truncation is the floor."""
+    return pl.cdiv(num_chunks - split, num_splits)
+
+
 def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, lens_ref, *out_refs,
                    scale, pages_per_iter, num_splits):
     """Program (s, h, split): the RP query rows of kv head h of slot s (the R real heads
@@ -367,8 +374,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, lens_ref, *out_refs,
     P, BS = pages_per_iter, k_ref.shape[1]
     chunk_len = P * BS
     kv_len = lens_ref[s]
-    # chunks split, split + K, ... below cdiv(kv_len, chunk_len); never negative
-    n = pl.cdiv(pl.cdiv(kv_len, chunk_len) - split, num_splits)
+    n = split_chunk_count(pl.cdiv(kv_len, chunk_len), split, num_splits)
     q = q_ref[...]                                                        # [RP, D]
     rows = q.shape[0]
 
