@@ -271,10 +271,16 @@ except ImportError as e:  # pragma: no cover - a JAX without the Triton backend
     _pl_triton = None
     _TRITON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-# JAX 0.11 warns at every Triton lowering that the backend is deprecated; we know (see
-# docs/KERNELS.md), and a user can do nothing about it. Only that one message is hidden.
-warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
-                        category=DeprecationWarning)
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+
+
+def hide_triton_deprecation() -> None:
+    """JAX 0.11 warns at every Triton lowering that the backend is deprecated; we know
+    (docs/KERNELS.md), and a user can do nothing about it. Only that message is hidden."""
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+hide_triton_deprecation()
 
 MIN_DOT = 16  # tl.dot needs every matmul dim >= 16
 # Triton lowers a DEFAULT-precision f32 dot as TF32; HIGHEST keeps f32 caches exact (IEEE)

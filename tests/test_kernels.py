@@ -363,6 +363,21 @@ def test_ragged_tile_sequences():
     assert np.asarray(count).tolist() == [4, 1, 1, 0]
 
 
+def test_only_the_triton_deprecation_warning_is_hidden():
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kp.hide_triton_deprecation()
+        # JAX 0.11.2's exact text (jax/_src/pallas/triton/pallas_call_registration.py)
+        warnings.warn("The Pallas Triton backend is deprecated and will be removed in a future JAX "
+                      "version. To keep using Pallas on GPU, please migrate to the Mosaic GPU backend.",
+                      DeprecationWarning)
+        warnings.warn("The Pallas Mosaic GPU thing is deprecated", DeprecationWarning)
+        warnings.warn("The Pallas Triton backend is deprecated (but as a UserWarning)", UserWarning)
+    assert [str(w.message)[:25] for w in seen] == ["The Pallas Mosaic GPU thi", "The Pallas Triton backend"]
+    assert seen[1].category is UserWarning
+
+
 # ---- the GPU lowering, checked from CPU ------------------------------------------------
 
 def _jaxlib_version():
