@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The prepared GPU check, within 5 minutes on an H200 (stage limits add up to 285 s):
 #   1 smoke    both kernels compiled on small inputs of four model shapes and checked
-#              against the references (the engine's own start-up probe)           25 s
+#              against the references (the engine's own start-up probe)           35 s
 #   2 tests    tests/test_kernels.py compiled for real (TAXIRANK_KERNEL_INTERPRET=0:
-#              without a GPU it fails, it does not pass on CPU); hypothesis cases out 55 s
-#   3 kernels  copy bandwidth, then the decode grid (batch 1/16/64/256 x context
-#              512/2k/8k) with a tuning sweep (warps 4/8 x stages 2/3/4 x 64/128 keys
-#              per step) on the cases reading >= 0.5 GiB; two ragged steps          70 s
-#   4 step     the Llama-3-8B-shaped decode step at batch 1/32/256 vs its roofline  55 s
+#              without a GPU it fails, it does not pass on CPU); hypothesis cases out 45 s
+#   3 kernels  copy bandwidth, then the decode grid (context 8k/2k/512 x batch
+#              256/64/16/1, largest first so a cut-off loses the least telling cases)
+#              with a tuning sweep (warps 4/8 x stages 2/3/4 x 64/128 keys per step)
+#              on the cases reading >= 0.5 GiB; two ragged steps                     75 s
+#   4 step     the Llama-3-8B-shaped decode step at batch 1/32/256 vs its roofline  50 s
 #   5 mix      the seed's mix, continuous vs static, 8B-shaped random bf16 model,
 #              200 requests (bench/gpu_mix.py)                                       80 s
 # A stage that fails or times out does not stop the next one. After every stage,
@@ -61,12 +62,12 @@ report
 if [ "$MODE" = gpu ]; then
   export TAXIRANK_KERNEL_INTERPRET=0
   GPU=--require-gpu
-  stage smoke "${T_SMOKE:-25}" "$PY" bench/kernels.py $GPU --smoke --out "$WORK/smoke.json"
-  stage tests "${T_TESTS:-55}" "$PY" -m pytest tests/test_kernels.py -m "not hypothesis" -q -rfE \
+  stage smoke "${T_SMOKE:-35}" "$PY" bench/kernels.py $GPU --smoke --out "$WORK/smoke.json"
+  stage tests "${T_TESTS:-45}" "$PY" -m pytest tests/test_kernels.py -m "not hypothesis" -v -rfE \
     -p no:cacheprovider --durations=5
-  stage kernels "${T_KERNELS:-70}" "$PY" bench/kernels.py $GPU --sweep --backends pallas --skip-step \
-    --out "$WORK/kernels.json"
-  stage step "${T_STEP:-55}" "$PY" bench/kernels.py $GPU --skip-decode --skip-ragged --step-backends pallas \
+  stage kernels "${T_KERNELS:-75}" "$PY" bench/kernels.py $GPU --sweep --backends pallas --skip-step \
+    --contexts 8192,2048,512 --batches 256,64,16,1 --out "$WORK/kernels.json"
+  stage step "${T_STEP:-50}" "$PY" bench/kernels.py $GPU --skip-decode --skip-ragged --step-backends pallas \
     --out "$WORK/step.json"
   stage mix "${T_MIX:-80}" "$PY" bench/gpu_mix.py $GPU --out "$WORK/mix.json"
 else  # every stage's plumbing on CPU: interpreted kernels, toy shapes

@@ -54,13 +54,15 @@ def _stages(work: str) -> dict[str, dict[str, Any]]:
             name, rc, secs, limit = parts
             out[name] = {"exit": int(rc), "seconds": int(secs), "timeout_s": int(limit),
                          "timed_out": int(rc) in (124, 137) or int(rc) == 130}
+            if int(rc) != 0:  # the end of its log says why
+                out[name]["log_tail"] = _read(os.path.join(work, f"{name}.log")).splitlines()[-12:]
     return out
 
 
 def _tests(log: str) -> dict[str, Any]:
     """pytest's closing line, and the ids of failing tests."""
-    m = None
-    for m in re.finditer(r"=+ (.*\d+ (?:passed|failed|error|errors|skipped|deselected).*?) in ([\d.]+)s", log):
+    m = None  # the last line like "[== ]3 passed, 1 failed, 2 deselected in 9.1s[ (0:00:09)][ ==]"
+    for m in re.finditer(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected)[^\n]*?) in ([\d.]+)s", log, re.M):
         pass
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", m.group(1))} if m else {}
     failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)))
@@ -119,6 +121,10 @@ def markdown(res: dict[str, Any]) -> str:
         secs = "" if st is None else f"{st['seconds']} ({st['timeout_s']})"
         L.append(f"| {name} | {what} | {cell} | {secs} |")
     L.append("")
+    for name, st in res["stages"].items():
+        if st.get("log_tail"):
+            L += [f"`{name}` ended with exit {st['exit']}; the end of its log:", "```"] + [
+                line[:200] for line in st["log_tail"]] + ["```", ""]
     smoke = res.get("smoke")
     if isinstance(smoke, dict):
         L += ["## Smoke (both kernels vs the references)", ""]
