@@ -73,7 +73,7 @@ def _probe_inputs(shape: AttentionShape, seed: int = 0):
     BS, D, hkv = shape.block_size, shape.head_dim, 2
     hq = hkv * (shape.num_q_heads // shape.num_kv_heads)
     chunk = max(1, 64 // BS) * BS  # keys per kernel step at the default tiling
-    long = 2 * chunk + BS + 3      # three chunks, the last partial
+    long = 2 * chunk + BS + 3      # three chunks (the last partial): 3 splits by default
     dec_lens = [0, 1, BS + 1, long]
     # ragged (q_len, kv_len): decode, fresh prompt over a block edge, chunk after a prefix
     seqs = [(1, long), (BS + 1, BS + 1), (7, chunk + 7), (0, 0)]
@@ -122,7 +122,7 @@ ref_ragged = jax.jit(kp.ragged_paged_attention_ref, static_argnames="scale")
 
 
 def probe_kernels(shape: AttentionShape, candidate: kp.AttentionBackend) -> str | None:
-    """Run candidate.decode (with its default split count and with one split) and
+    """Run candidate.decode (with its default split count, two splits and one) and
     candidate.ragged once on small inputs of `shape`, and compare with the jnp
     references at full f32 matmul precision. None when all match, else one line saying
     what failed (exceptions included: compile errors surface here, not in warm-up)."""
@@ -131,6 +131,9 @@ def probe_kernels(shape: AttentionShape, candidate: kp.AttentionBackend) -> str 
     decode, ragged = _probe_inputs(shape)
     runs: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = [
         ("decode kernel", lambda: candidate.decode(*decode, scale=scale),
+         lambda: ref_decode(*decode, scale=scale)),
+        # the long context has 3 chunks: 2 splits take chunks (0, 2) and (1), a second lap
+        ("decode kernel (two splits)", lambda: candidate.decode(*decode, scale=scale, num_splits=2),
          lambda: ref_decode(*decode, scale=scale)),
         ("decode kernel (one split)", lambda: candidate.decode(*decode, scale=scale, num_splits=1),
          lambda: ref_decode(*decode, scale=scale)),
