@@ -132,8 +132,9 @@ def bench_copy(res: Results, gib: float, peak: float) -> float:
         return jax.lax.fori_loop(0, reps, lambda i, x: x + jnp.asarray(1, x.dtype), x)
 
     @jax.jit
-    def read(x):
-        return jax.lax.fori_loop(0, reps, lambda i, a: a + jnp.sum(x, dtype=jnp.float32), jnp.float32(0))
+    def read(x):  # "+ i": a loop-invariant sum could be hoisted out of the loop
+        return jax.lax.fori_loop(
+            0, reps, lambda i, a: a + jnp.sum(x + i.astype(x.dtype), dtype=jnp.float32), jnp.float32(0))
 
     x = jnp.zeros((n,), DTYPE)
     box = [x]
