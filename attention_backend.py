@@ -144,8 +144,7 @@ def probe_kernels(shape: AttentionShape, candidate: kp.AttentionBackend) -> str 
         try:
             got = jax.block_until_ready(run())
         except Exception as e:  # any failure to compile or run is a verdict, not a crash
-            first = (str(e).strip().splitlines() or [""])[0]
-            return f"{what} raised {type(e).__name__}: {first[:300]}"
+            return f"{what} raised {type(e).__name__}: {' '.join(str(e).split())[:400]}"
         with jax.default_matmul_precision("highest"):  # no TF32 in the reference on GPU
             want = ref()
         bad = _mismatch(got, want, tol)
