@@ -98,7 +98,7 @@ class LLMEngine:
         self.log = log
         self.trace: list[StepTrace] | None = [] if record_trace else None
         _use_compilation_cache(config.compilation_cache_dir)
-        loaded: LoadedModel = load_model(config.model, config.dtype, config.seed)
+        loaded: LoadedModel = load_model(config.model, config.dtype, config.seed, log=log)
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
