@@ -31,7 +31,7 @@ API_KEY = "test-key"
 MAX_MODEL_LEN = 4096
 # Small shapes keep warm-up short on a CPU (token buckets 16..256, 4 slots), while a
 # long max_model_len lets a request run for seconds, so tests can watch it in flight.
-SMALL = ["--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill",
+SMALL = ["--model", "tiny", "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill",
          "--max-num-batched-tokens", "256", "--block-size", "16", "--num-kv-blocks", "1024"]
 LONG = MAX_MODEL_LEN - 16  # max_tokens of a request meant to be still running when looked at
 # For the small Hugging Face checkpoints of conftest (max_position_embeddings 2048).
