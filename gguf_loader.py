@@ -56,6 +56,7 @@ class GGUFCheckpoint:
     path: str
     hf_config: dict[str, Any]  # as a config.json would say it
     file_type: str  # the dominant tensor type, e.g. "Q4_1" (for the start-up line and dtype=auto)
+    has_tokenizer: bool  # the file carries a tokenizer (tokenizer.ggml.*), as model files do
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array in HF's [out, in] layout), one tensor at a time."""
@@ -145,7 +146,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
         hf["attention_bias"] = False  # Qwen2's q/k/v biases (and no o_proj bias) come with the family
     types = [gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1]
     file_type = max(set(types), key=types.count) if types else "F32"
-    return GGUFCheckpoint(path, hf, file_type)
+    return GGUFCheckpoint(path, hf, file_type, "tokenizer.ggml.model" in reader.fields)
 
 
 # ---- the built-in real model -----------------------------------------------------

@@ -328,7 +328,9 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
         ckpt = gguf_loader.read_gguf(path)
         cfg = ModelConfig.from_hf(ckpt.hf_config)
         dt = _resolve_dtype(dtype, "bfloat16" if ckpt.file_type == "BF16" else None)
-        return LoadedModel(_load_weights(cfg, dt, ckpt.tensors(), path), cfg, load_tokenizer(path), model, dt)
+        tokenizer = load_tokenizer(path) if ckpt.has_tokenizer else None
+        log(f"model: {path} ({ckpt.file_type} GGUF, dequantized to {np.dtype(dt).name})")
+        return LoadedModel(_load_weights(cfg, dt, ckpt.tensors(), path), cfg, tokenizer, model, dt)
     # ---- end GGUF
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise FileNotFoundError(f"model {model!r} is neither a built-in model "

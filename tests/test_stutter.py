@@ -23,7 +23,7 @@ def run(chunked: bool) -> tuple[list[StepTrace], int, dict[str, list[int]], LLME
     Returns the trace, the number of the first step the long prompt could be in, every
     request's tokens, and the engine."""
     budget = dict(enable_chunked_prefill=True, max_num_batched_tokens=BUDGET) if chunked else \
-        dict(max_num_batched_tokens=512)
+        dict(enable_chunked_prefill=False, max_num_batched_tokens=512)
     eng = LLMEngine(EngineConfig(**BASE, **budget), log=lambda *_: None, record_trace=True)
     rng = np.random.default_rng(0)
     tokens: dict[str, list[int]] = {}
