@@ -273,7 +273,9 @@ class LLMEngine:
             ok.append(sch)
             tokens.append(int(r.tokens[0]))
             lps.append(r.logprobs)
-        if not self.failed:  # the whole batch fails, but no request does alone: not a request's fault
+        if not self.failed or (not ok and len(out.scheduled) > 1):
+            # No request fails alone, or every one does: the engine is broken, not a request.
+            self.failed.clear()
             raise error
         for rid, _ in self.failed:
             seq = self.scheduler.abort(rid)

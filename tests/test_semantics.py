@@ -57,14 +57,14 @@ def test_reserve_holds_exactly_the_blocks_a_sequence_can_write() -> None:
 
 
 def test_cpu_kv_default_is_a_budget_not_max_num_seqs_times_max_model_len() -> None:
-    big = ModelConfig("llama", vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+    big = ModelConfig("llama", vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=16,
                       num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072)
     cfg = EngineConfig(max_num_seqs=4, max_model_len=32768).resolved(big.max_model_len)
     per_block = kv_cache_bytes_per_block(big, 16, np.float32)
     assert num_kv_blocks_for(cfg, big, np.float32, 0) == CPU_DEFAULT_KV_BYTES // per_block + 1  # 4 GiB, not 4 x 32768
     small_need = EngineConfig(max_num_seqs=2, max_model_len=256).resolved(big.max_model_len)
     assert num_kv_blocks_for(small_need, big, np.float32, 0) == 2 * 16 + 1  # never more than can be used
-    too_long = EngineConfig(max_num_seqs=1).resolved(big.max_model_len)  # one 131,072-token sequence: 16 GiB
+    too_long = EngineConfig(max_num_seqs=1).resolved(big.max_model_len)  # one 131,072-token sequence: 8 GiB
     with pytest.raises(ValueError, match="one sequence of max_model_len 131072 needs"):
         num_kv_blocks_for(too_long, big, np.float32, 0)
 

@@ -291,7 +291,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "top_k": 0}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 1.5}, 400, "top_k"),  # 0 disables it, as in vLLM
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
     ("/v1/completions", {"prompt": [1, 2, 100_000]}, 400, "prompt"),
