@@ -49,13 +49,16 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(llm: LLM) -> None:
 
 
 def test_it_knows_the_capital_of_france_and_stops_cleanly(llm: LLM) -> None:
-    out = llm.generate([chat_ids(llm, QUESTIONS[0])], SamplingParams(max_tokens=48, temperature=0.0))[0]
+    # Three rows, as above: the same compiled step shapes, no new compilation.
+    france = chat_ids(llm, QUESTIONS[0])
+    out, raw, _ = llm.generate([france, france, chat_ids(llm, QUESTIONS[1])],
+                               [SamplingParams(max_tokens=48, temperature=0.0),
+                                SamplingParams(max_tokens=48, temperature=0.0, skip_special_tokens=False),
+                                SamplingParams(max_tokens=8, temperature=0.0)])
     assert "Paris" in out.text and out.finish_reason == "stop"
     eos = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert out.token_ids[-1] == eos  # the token that ended it is in token_ids, never in the text
     assert "<|im_end|>" not in out.text and "<|im" not in out.text
-    raw = llm.generate([chat_ids(llm, QUESTIONS[0])],
-                       SamplingParams(max_tokens=48, temperature=0.0, skip_special_tokens=False))[0]
     assert raw.text == out.text and raw.token_ids == out.token_ids  # EOS stays out even unskipped
 
 
