@@ -493,7 +493,7 @@ class AsyncEngine:
         self._num_waiting_inbox = 0  # adds handed over but not yet in the scheduler's waiting queue
         self.error: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None  # called on the event loop
-        # Test-only fault injection (documented in tests/test_real_use.py): when this file
+        # Test-only fault injection (documented in tests/test_hostile.py): when this file
         # exists, the next step raises, as a broken engine would.
         self._fault_file = os.environ.get("TAXIRANK_TEST_FAULT_FILE")
 
