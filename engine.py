@@ -12,6 +12,7 @@ scheduler can take the config without importing JAX.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import threading
@@ -22,19 +23,23 @@ from typing import AsyncIterator, Callable, Sequence as Seq
 
 import numpy as np
 
-from config import EngineConfig, SamplingParams
+from config import MAX_LOGPROBS, EngineConfig, SamplingParams
 from kvcache import create_kv_caches, describe, measure_activation_bytes, num_kv_blocks_for
 from metrics import WAIT_REASONS, EngineStats
 from model import LoadedModel, load_model, param_bytes
 from runner import ModelRunner, StepResult
-from scheduler import Scheduler, ScheduledSeq, Sequence
+from scheduler import Scheduler, ScheduledSeq, SchedulerOutput, Sequence
 
 __all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
-           "RequestOutputDelta", "TokenLogprob", "QueueFullError"]
+           "RequestOutputDelta", "TokenLogprob", "QueueFullError", "EngineDeadError"]
 
 
 class QueueFullError(RuntimeError):
     """max_waiting_requests requests are already waiting."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; every open stream gets this, and the server exits."""
 
 
 @dataclass
@@ -98,7 +103,7 @@ class LLMEngine:
         self.log = log
         self.trace: list[StepTrace] | None = [] if record_trace else None
         _use_compilation_cache(config.compilation_cache_dir)
-        loaded: LoadedModel = load_model(config.model, config.dtype, config.seed)
+        loaded: LoadedModel = load_model(config.model, config.dtype, config.seed, log=log)
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -126,6 +131,7 @@ class LLMEngine:
             runner.kv_caches = create_kv_caches(loaded.config, num_blocks, config.block_size, loaded.dtype)
             self.runner = runner
         self._rng = random.Random(config.seed)
+        self.failed: list[tuple[str, Exception]] = []  # requests a step failed on; the caller reports and clears
         if config.warmup:
             self.runner.warmup(log)
 
@@ -136,9 +142,12 @@ class LLMEngine:
         if n == 0:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids
+               if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab}) or not an integer")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if n + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
                              f"{n + params.max_tokens} tokens, over max_model_len ({self.config.max_model_len})")
@@ -146,23 +155,30 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None) -> Sequence:
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+        if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
+            params = dataclasses.replace(params, top_k=-1)
+        seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time)
-        # A request without a seed still gets its own stream, drawn from the engine's seed.
-        seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        # A request without a seed still gets its own stream, drawn from the engine's seed;
+        # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
+        seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
         """Drop a request now (idempotent). reason "stop" is for a caller that ended it on
-        purpose (a stop string matched), so it counts as a success, not an abort."""
+        purpose (a stop string matched): a normal finish in every metric, as an EOS is."""
         assert reason in ("abort", "stop")
         seq = self.scheduler.abort(request_id)
         if seq is not None:
-            seq.finished_time = time.monotonic()
             seq.finish_reason = reason
+            now = time.monotonic()
             with self.stats.lock:
-                self.stats.request_success[reason] += 1
+                if reason == "stop":
+                    self._release(seq, None, now)
+                else:
+                    seq.finished_time = now
+                    self.stats.request_success[reason] += 1
             self._refresh_gauges()
         return seq
 
@@ -184,7 +200,10 @@ class LLMEngine:
             self._refresh_gauges()
             return deltas
         scheduled_at = time.monotonic()
-        result = self.runner.execute(out, self.scheduler.num_running)
+        try:
+            result = self.runner.execute(out, self.scheduler.num_running)
+        except Exception as e:
+            result = self._isolate_failure(out, e)
         sampled = {sch.seq.request_id: int(result.tokens[i]) for i, sch in enumerate(out.scheduled) if sch.samples}
         logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)
@@ -206,12 +225,12 @@ class LLMEngine:
                 if seq.first_scheduled_time is None:  # its first step: it stops queueing
                     seq.first_scheduled_time = scheduled_at
                     st.request_queue_time.observe(scheduled_at - seq.arrival_time)
-                    st.prompt_tokens += seq.num_prompt_tokens
                 if not sch.samples:
                     continue
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                     st.time_to_first_token.observe(now - seq.arrival_time)
+                    st.prompt_tokens += seq.num_prompt_tokens  # as vLLM V1: once its prefill completes
                 else:
                     st.inter_token_latency.observe(now - seq.last_token_time)
                 seq.last_token_time = now
@@ -227,6 +246,52 @@ class LLMEngine:
                 [s.request_id for s in released], [s.request_id for s in out.preempted], out.num_prefill_tokens,
                 out.num_decode_tokens, self.scheduler.num_running, self.scheduler.num_waiting))
         return list(deltas.values())
+
+    # ---- issue 9: one request's bad inputs end that request, not the engine -------------
+    def _isolate_failure(self, out: SchedulerOutput, error: Exception) -> StepResult:
+        """The step failed. If it failed before the device ran (the KV cache was not
+        donated), it was preparing some request's inputs: run each scheduled request alone
+        to find the culprits, end them with an error (`self.failed`), and return the
+        others' results as if the step had run whole. Otherwise the engine is broken:
+        re-raise, and the loop dies loudly."""
+        import jax
+
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches)):
+            raise error
+        tokens, lps, ok = [], [], []
+        for sch in out.scheduled:
+            one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.seq.is_decode else sch.num_new_tokens,
+                                  num_decode_tokens=int(sch.seq.is_decode))
+            try:
+                r = self.runner.execute(one, 1)
+            except Exception as e:
+                if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches)):
+                    raise
+                self.log(f"request {sch.seq.request_id} failed while preparing its step inputs: {e!r}")
+                self.failed.append((sch.seq.request_id, e))
+                continue
+            ok.append(sch)
+            tokens.append(int(r.tokens[0]))
+            lps.append(r.logprobs)
+        if not self.failed or (not ok and len(out.scheduled) > 1):
+            # No request fails alone, or every one does: the engine is broken, not a request.
+            self.failed.clear()
+            raise error
+        for rid, _ in self.failed:
+            seq = self.scheduler.abort(rid)
+            if seq is not None:
+                seq.finished_time = time.monotonic()
+                with self.stats.lock:
+                    self.stats.request_success["abort"] += 1
+        out.scheduled = ok
+        out.num_decode_tokens = sum(1 for s in ok if s.seq.is_decode)
+        out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens
+        logprobs = None
+        if any(lp is not None for lp in lps):
+            z = (np.zeros(1, np.float32), np.zeros((1, MAX_LOGPROBS), np.int32), np.zeros((1, MAX_LOGPROBS), np.float32))
+            parts = [lp if lp is not None else z for lp in lps]
+            logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+        return StepResult(np.asarray(tokens, np.int32), logprobs)
 
     def _release(self, seq: Sequence, delta: RequestOutputDelta | None, now: float) -> RequestOutputDelta:
         """A finished request leaves: record it, mark its (possibly empty) delta final.
@@ -326,11 +391,18 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        # Every prompt is checked before any is added: a bad one leaves nothing queued.
+        encoded = [self._encode(prompt) for prompt in prompts]
+        for i, (ids, p) in enumerate(zip(encoded, plist)):
+            try:
+                self.engine.validate(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
         seqs: dict[str, Sequence] = {}
-        for prompt, p in zip(prompts, plist):
+        for ids, p in zip(encoded, plist):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            seqs[rid] = self.engine.add_request(rid, self._encode(prompt), p)
+            seqs[rid] = self.engine.add_request(rid, ids, p)
         done: set[str] = set()
         logprobs: dict[str, list[TokenLogprob]] = {}
         bar = None
@@ -338,7 +410,14 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=len(prompts), desc="generate", unit="req")
         while self.engine.has_unfinished():
-            for d in self.engine.step():
+            deltas = self.engine.step()
+            if self.engine.failed:  # offline there is no stream to end: abort the rest, raise
+                rid, err = self.engine.failed[0]
+                self.engine.failed.clear()
+                for other in seqs:
+                    self.engine.abort(other)
+                raise RuntimeError(f"request {rid} failed: {err!r}") from err
+            for d in deltas:
                 if d.new_logprobs:
                     logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
                 if d.finished and d.request_id in seqs:
@@ -358,10 +437,36 @@ class LLM:
         return list(prompt)
 
     def _output(self, seq: Sequence, logprobs: list[TokenLogprob] | None) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else None
+        text = None
+        if self.tokenizer is not None:
+            text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
+                                 self.engine.model_config.eos_token_ids)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
                              seq.finish_reason, logprobs, seq.arrival_time, seq.first_token_time,
                              seq.finished_time, seq.num_preemptions)
+
+
+def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,
+                  eos_token_ids: Seq[int] = ()) -> str:
+    """A whole output as text, as vLLM: the EOS or stop token that ended it is never text
+    (token_ids still has it); other special tokens follow params.skip_special_tokens."""
+    ids = list(token_ids)
+    if ids and (ids[-1] in eos_token_ids and not params.ignore_eos or ids[-1] in (params.stop_token_ids or ())):
+        ids = ids[:-1]
+    return detokenize(tokenizer, ids, params)
+
+
+def detokenize(tokenizer: object, ids: list[int], params: SamplingParams) -> str:
+    kw = {"skip_special_tokens": params.skip_special_tokens}
+    if not params.spaces_between_special_tokens:
+        # transformers' slow tokenizers honour this; the fast ones join tokens without
+        # spaces already, as vLLM's default output for them does.
+        kw["spaces_between_special_tokens"] = False
+    try:
+        return tokenizer.decode(ids, **kw)
+    except TypeError:  # a tokenizer without the keyword
+        kw.pop("spaces_between_special_tokens", None)
+        return tokenizer.decode(ids, **kw)
 
 
 class AsyncEngine:
@@ -385,8 +490,12 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._num_waiting_inbox = 0
+        self._num_waiting_inbox = 0  # adds handed over but not yet in the scheduler's waiting queue
         self.error: BaseException | None = None
+        self.on_death: Callable[[BaseException], None] | None = None  # called on the event loop
+        # Test-only fault injection (documented in tests/test_hostile.py): when this file
+        # exists, the next step raises, as a broken engine would.
+        self._fault_file = os.environ.get("TAXIRANK_TEST_FAULT_FILE")
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -414,7 +523,10 @@ class AsyncEngine:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             limit = self.config.max_waiting_requests
-            if limit is not None and self.stats.num_requests_waiting + self._num_waiting_inbox >= limit:
+            # Requests handed over but not yet scheduled: those in the inbox and those in the
+            # scheduler's queue right now (len() of a deque is atomic), not the gauge of the
+            # last step, which a burst during a long step would outrun.
+            if limit is not None and len(self.engine.scheduler.waiting) + self._num_waiting_inbox >= limit:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
@@ -456,23 +568,29 @@ class AsyncEngine:
         with self._lock:
             work = list(self._inbox)
             self._inbox.clear()
-            self._num_waiting_inbox = 0
         for kind, arg in work:
             if kind == "add":
                 rid, prompt, params, arrival = arg
                 try:
                     self.engine.add_request(rid, prompt, params, arrival_time=arrival)
                 except ValueError as e:  # validated already; a scheduler-level refusal
+                    self._fail(rid, e)
+                finally:
                     with self._lock:
-                        queue = self._queues.pop(rid, None)
-                    if queue is not None:
-                        self._loop.call_soon_threadsafe(queue.put_nowait, e)
+                        self._num_waiting_inbox -= 1
             else:
                 rid, reason = arg
                 seq = self.engine.abort(rid, reason)
                 if seq is not None:
                     self._deliver(RequestOutputDelta(rid, [], None, True, reason, seq.num_prompt_tokens,
                                                      seq.num_output_tokens))
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """End one request's stream with an error (the engine goes on)."""
+        with self._lock:
+            queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def _run(self) -> None:
         try:
@@ -484,13 +602,20 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                if self._fault_file and os.path.exists(self._fault_file):
+                    raise RuntimeError("injected fault (TAXIRANK_TEST_FAULT_FILE)")
                 for delta in self.engine.step():
                     self._deliver(delta)
+                for rid, err in self.engine.failed:  # one request's inputs failed: it alone ends
+                    self._fail(rid, RuntimeError(f"request failed: {err!r}"))
+                self.engine.failed.clear()
         except BaseException as e:  # surface engine failures to every waiting stream
             self.error = e
             with self._lock:
                 queues = list(self._queues.values())
                 self._queues.clear()
             for q in queues:
-                self._loop.call_soon_threadsafe(q.put_nowait, RuntimeError(f"engine failure: {e!r}"))
+                self._loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine failure: {e!r}"))
+            if self.on_death is not None:  # after the errors above, so they are delivered first
+                self._loop.call_soon_threadsafe(self.on_death, e)
             raise

@@ -103,6 +103,9 @@ class BlockAllocator:
 
 
 # ---- sizing ----------------------------------------------------------------------------
+CPU_DEFAULT_KV_BYTES = 4 * 2**30  # vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4)
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -136,8 +139,13 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
                   f"GiB minus {weight_bytes / 2**30:.2f} GiB of weights and {activation_bytes / 2**30:.2f} GiB "
                   "of activations")
     else:
-        # CPU with no budget given: room for max_num_seqs sequences of max_model_len.
-        return config.max_num_seqs * config.max_blocks_per_seq + 1
+        # CPU with no budget given: vLLM's CPU default of 4 GiB, or less when max_num_seqs
+        # sequences of max_model_len need less (the engine could never use more). Not
+        # max_num_seqs x max_model_len alone: a 131,072-position config would exhaust memory.
+        budget = min(CPU_DEFAULT_KV_BYTES // per_block, config.max_num_seqs * config.max_blocks_per_seq)
+        num = budget + 1
+        source = (f"the CPU default of {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB (set --kv-cache-memory or "
+                  "--num-kv-blocks)")
     need = config.max_blocks_per_seq
     if num - 1 < need:
         raise ValueError(f"the KV cache budget ({source}) gives {max(num - 1, 0)} usable blocks of "

@@ -295,10 +295,12 @@ class Scheduler:
             seq.wait_reason = reason
 
     def _lifetime_tokens(self, seq: Sequence) -> int:
-        """The most tokens seq can ever hold: what the reserve modes allocate up front."""
+        """The most tokens seq can ever write to the cache: what the reserve modes allocate
+        up front. The last sampled token is never computed (the sequence ends on it), so a
+        16-token prompt with max_tokens 1 at block size 16 needs one block, not two."""
         if self.config.kv_admission == "reserve-max-len":
-            return self.config.max_model_len
-        return seq.num_prompt_tokens + seq.params.max_tokens
+            return self.config.max_model_len - 1
+        return seq.num_prompt_tokens + seq.params.max_tokens - 1
 
     def _blocks_at_admission(self, seq: Sequence, num_new_tokens: int) -> int:
         tokens = num_new_tokens if self.config.kv_admission == "on-demand" else self._lifetime_tokens(seq)

@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP server over AsyncEngine (aiohttp).
 
-    python server.py                           # built-in tiny model on 127.0.0.1:8000
+    python server.py                           # built-in smollm2 (a real chat model) on 127.0.0.1:8000
+    python server.py --model tiny              # built-in random weights (tests)
+    python server.py --model FILE.gguf         # a GGUF checkpoint (llama.cpp's format)
     python server.py --model /path/to/hf_dir   # a checkpoint, its tokenizer and chat template
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
@@ -35,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from config import EngineConfig, SamplingParams
-from engine import AsyncEngine, QueueFullError, TokenLogprob
+from engine import AsyncEngine, QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
                       parse_sampling)
@@ -60,9 +62,14 @@ class IncrementalDetokenizer:
     the next token decides, so a stop string is never partly sent.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str],
+                 params: SamplingParams | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.params = params or SamplingParams()
+        # Tokens that end a request with "stop" are never text (vLLM): not even with
+        # skip_special_tokens=False, and not when a tokenizer does not mark them special.
+        self.stop_ids = set(eos_token_ids if not self.params.ignore_eos else ()) | set(self.params.stop_token_ids or ())
         # Left context from the prompt, so the first output token decodes as it would
         # mid-text; never emitted itself.
         self.ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
@@ -75,9 +82,11 @@ class IncrementalDetokenizer:
         """Add one step's tokens; return (new text to send, whether a stop string matched)."""
         if self.tokenizer is None:
             return "", False
+        if final and new_ids and new_ids[-1] in self.stop_ids:
+            new_ids = new_ids[:-1]
         self.ids += new_ids
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        window = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = detokenize(self.tokenizer, self.ids[self.prefix_offset:self.read_offset], self.params)
+        window = detokenize(self.tokenizer, self.ids[self.prefix_offset:], self.params)
         old_len = len(self.text)
         if len(window) > len(prefix) and (final or not window.endswith("\ufffd")):
             self.text += window[len(prefix):]
@@ -95,8 +104,24 @@ class IncrementalDetokenizer:
 
 
 def partial_stop_len(text: str, stop: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string.
+
+    Linear in the stop strings' length (KMP's prefix function over `s + NUL + the last
+    len(s) - 1 characters`), where trying every prefix of every stop string is quadratic."""
+    best = 0
+    for s in stop:
+        if len(s) < 2:
+            continue
+        tail = text[-(len(s) - 1):]
+        pattern = s + "\0" + tail
+        pi = [0] * len(pattern)
+        for i in range(1, len(pattern)):
+            k = pi[i - 1]
+            while k and pattern[i] != pattern[k]:
+                k = pi[k - 1]
+            pi[i] = k + (pattern[i] == pattern[k])
+        best = max(best, pi[-1])
+    return best
 
 
 # ---- generation -------------------------------------------------------------------
@@ -122,7 +147,8 @@ class Generation:
                  params: SamplingParams, stop: list[str]) -> None:
         self.engine, self.request_id = engine, request_id
         self.num_prompt_tokens = len(prompt_ids)
-        self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop)
+        self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop, params,
+                                                  self.engine.model_config.eos_token_ids)
         try:
             self.stream = self.engine.add_request(request_id, prompt_ids, params)
         except QueueFullError as e:
@@ -148,6 +174,8 @@ class Generation:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it
             raise ApiError(str(e)) from e
+        except RuntimeError as e:  # this request failed in the engine, or the engine loop died
+            raise ApiError(str(e), 500, type="internal_server_error") from e
         finally:
             if not done:  # the client went away (its handler was cancelled): free the slot now
                 self.engine.abort(self.request_id)
@@ -231,8 +259,16 @@ async def read_body(request: web.Request) -> dict:
         body = await request.json()
     except ValueError as e:  # not JSON, or not UTF-8
         raise ApiError(f"request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # nested deeper than the JSON parser goes
+        raise ApiError("request body is nested too deeply") from e
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object")
+    try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer can encode
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(f"request body has a string that is not valid Unicode (a lone surrogate): {e}") from e
+    except RecursionError as e:
+        raise ApiError("request body is nested too deeply") from e
     model = field(body, "model", (str,))
     if model is not None and model not in request.app["model_names"]:
         raise ApiError(f"model '{model}' does not exist; this server serves {request.app['model_names']}",
@@ -376,14 +412,15 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
 
 
 _HELP = {  # EngineConfig fields; config.py says more
-    "model": "'tiny', 'bench' (built-in random weights) or a Hugging Face model directory",
+    "model": "'smollm2' (built-in SmolLM2-135M-Instruct, fetched on first use), 'tiny', 'bench' (built-in "
+             "random weights), a .gguf file or a Hugging Face model directory",
     "dtype": "weights and KV cache dtype; auto: the checkpoint's torch_dtype",
     "seed": "weights seed of the built-in models, and sampling seed of unseeded requests",
     "max_num_seqs": "slots: most sequences in one step",
     "max_model_len": "longest prompt + output; None: the model's max_position_embeddings",
     "block_size": "tokens per KV cache block (a power of two)",
     "num_kv_blocks": "KV cache size in blocks, the null block 0 included; None: from the memory budget",
-    "kv_cache_memory": "KV cache budget in bytes; None: from --gpu-memory-utilization",
+    "kv_cache_memory": "KV cache budget in bytes; None: --gpu-memory-utilization on an accelerator, 4 GiB on CPU",
     "gpu_memory_utilization": "fraction of device memory for weights, activations and the KV cache",
     "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
@@ -431,10 +468,23 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, app["stopping"].set)
+    died: list[BaseException] = []
+
+    def on_death(error: BaseException) -> None:
+        # As vLLM: a dead engine loop ends the process (non-zero) so a supervisor restarts
+        # it; every open stream has its error event queued already. /health says 503 meanwhile.
+        log.error("engine loop died: %r; exiting", error)
+        died.append(error)
+        app["stopping"].set()
+
+    engine.on_death = on_death
     await app["stopping"].wait()  # from here on, new requests get a 503
-    log.info("shutting down: refusing new requests, aborting those in flight")
-    await engine.shutdown()  # every in-flight stream gets a last event, finish_reason "abort"
-    await runner.cleanup()  # lets the handlers send that event (up to shutdown_timeout)
+    if not died:
+        log.info("shutting down: refusing new requests, aborting those in flight")
+        await engine.shutdown()  # every in-flight stream gets a last event, finish_reason "abort"
+    await runner.cleanup()  # lets the handlers send their last event (up to shutdown_timeout)
+    if died:
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -448,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         # Loads, sizes the KV cache and compiles every shape (blocking); it logs the model,
         # dtype, KV blocks and tokens, and the max concurrency at max_model_len as it goes.
         engine = AsyncEngine(config, log=log.info)
-    except (ValueError, FileNotFoundError) as e:  # a bad flag or model path: say so, no traceback
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad flag, model path or download: say so
         parser.error(str(e))
     asyncio.run(serve(engine, args))
 

@@ -24,7 +24,7 @@ def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]
 
 
 def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("family", ["llama2", "llama3", "mistral", "qwen2", "qwen3"])
@@ -151,7 +151,7 @@ def test_stop_token_id_finishes_with_stop():
     p = prompts(1, seed=9)
     free = llm.generate(p, greedy(10))[0].token_ids
     stop = free[4]
-    out = llm.generate(p, SamplingParams(max_tokens=10, stop_token_ids=[stop], ignore_eos=True))[0]
+    out = llm.generate(p, SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop], ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.token_ids == free[:free.index(stop) + 1]
 
 
@@ -165,7 +165,7 @@ def test_request_over_max_model_len_is_a_clear_error():
 
 def test_async_engine_streams_and_abort_frees_slot_and_blocks():
     async def main():
-        eng = AsyncEngine(EngineConfig(**SMALL), log=lambda *_: None)
+        eng = AsyncEngine(EngineConfig(model="tiny", **SMALL), log=lambda *_: None)
         await eng.start()
         try:
             stream = eng.add_request("a", [5, 6, 7], greedy(200))

@@ -20,6 +20,7 @@ TOKEN = 7  # any token that is not EOS
 
 def make(max_num_seqs: int = 4, block_size: int = 4, max_model_len: int = 64, num_blocks: int | None = None,
          **kw) -> Scheduler:
+    kw.setdefault("enable_chunked_prefill", False)  # these tests start from vLLM v0's whole-prompt steps
     cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
                        **kw).resolved(max_model_len)
     if num_blocks is None:

@@ -31,7 +31,7 @@ API_KEY = "test-key"
 MAX_MODEL_LEN = 4096
 # Small shapes keep warm-up short on a CPU (token buckets 16..256, 4 slots), while a
 # long max_model_len lets a request run for seconds, so tests can watch it in flight.
-SMALL = ["--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill",
+SMALL = ["--model", "tiny", "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill",
          "--max-num-batched-tokens", "256", "--block-size", "16", "--num-kv-blocks", "1024"]
 LONG = MAX_MODEL_LEN - 16  # max_tokens of a request meant to be still running when looked at
 # For the small Hugging Face checkpoints of conftest (max_position_embeddings 2048).
@@ -291,7 +291,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "top_k": 0}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 1.5}, 400, "top_k"),  # 0 disables it, as in vLLM
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
     ("/v1/completions", {"prompt": [1, 2, 100_000]}, 400, "prompt"),

@@ -15,7 +15,7 @@ USERS = [f"user-{i}" for i in range(4)]
 LONG = "long"
 LONG_LEN, BUDGET = 300, 64  # the long prompt is ~4.7 budgets
 STEADY_STEPS = 3  # decode steps before the long prompt joins
-BASE = dict(max_num_seqs=8, max_model_len=512, warmup=False)
+BASE = dict(model="tiny", max_num_seqs=8, max_model_len=512, warmup=False)
 
 
 def run(chunked: bool) -> tuple[list[StepTrace], int, dict[str, list[int]], LLMEngine]:
@@ -23,17 +23,17 @@ def run(chunked: bool) -> tuple[list[StepTrace], int, dict[str, list[int]], LLME
     Returns the trace, the number of the first step the long prompt could be in, every
     request's tokens, and the engine."""
     budget = dict(enable_chunked_prefill=True, max_num_batched_tokens=BUDGET) if chunked else \
-        dict(max_num_batched_tokens=512)
+        dict(enable_chunked_prefill=False, max_num_batched_tokens=512)
     eng = LLMEngine(EngineConfig(**BASE, **budget), log=lambda *_: None, record_trace=True)
     rng = np.random.default_rng(0)
     tokens: dict[str, list[int]] = {}
     for rid in USERS:
-        eng.add_request(rid, rng.integers(3, 500, 10).tolist(), SamplingParams(max_tokens=40, ignore_eos=True))
+        eng.add_request(rid, rng.integers(3, 500, 10).tolist(), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     for _ in range(1 + STEADY_STEPS):  # the users' prefill, then steady decoding
         for d in eng.step():
             tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
     join_step = eng.stats.num_steps + 1
-    eng.add_request(LONG, rng.integers(3, 500, LONG_LEN).tolist(), SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.add_request(LONG, rng.integers(3, 500, LONG_LEN).tolist(), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while eng.has_unfinished():
         for d in eng.step():
             tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
@@ -99,7 +99,7 @@ def test_engine_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back(admi
     a_len, b_len = (4, 40) if admission == "reserve" else (100, 40)
     eng.add_request("a", list(range(3, 3 + a_len)), SamplingParams(max_tokens=128 - a_len if admission == "reserve"
                                                                     else 8, ignore_eos=True))
-    eng.add_request("b", list(range(3, 3 + b_len)), SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.add_request("b", list(range(3, 3 + b_len)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     eng.step()
     st = eng.stats
     assert (st.num_requests_running, st.num_requests_waiting) == (1, 1)
