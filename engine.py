@@ -24,10 +24,10 @@ import numpy as np
 
 from config import EngineConfig, SamplingParams
 from kvcache import create_kv_caches, describe, measure_activation_bytes, num_kv_blocks_for
-from metrics import WAIT_REASONS, EngineStats
+from metrics import WAIT_REASONS, EngineStats, StepTrace
 from model import LoadedModel, load_model, param_bytes
 from runner import ModelRunner, StepResult
-from scheduler import Scheduler, ScheduledSeq, Sequence
+from scheduler import Scheduler, ScheduledSeq, SchedulerOutput, Sequence
 
 __all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
            "RequestOutputDelta", "TokenLogprob", "QueueFullError"]
@@ -71,22 +71,6 @@ class RequestOutput:
     first_token_time: float | None
     finished_time: float
     num_preemptions: int
-
-
-@dataclass
-class StepTrace:
-    """One step as the scheduler decided it: what tests and researchers read to see
-    who was in the batch, who left, who joined."""
-
-    step: int
-    scheduled: list[tuple[str, int]]  # (request id, tokens computed for it this step)
-    sampled: list[str]  # requests that got a token
-    released: list[str]  # requests whose result was released (left the batch)
-    preempted: list[str]
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int
-    num_waiting: int
 
 
 class LLMEngine:
@@ -171,76 +155,38 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
-        """schedule -> run -> postprocess. Returns one delta per request that produced a
+        """schedule -> run -> update. Returns one delta per request that produced a
         token or whose result was released this step."""
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            # Nothing to run, but update() may still release a static batch whose last
-            # running member was aborted.
-            released = self.scheduler.update(out, {})
-            now = time.monotonic()
-            with self.stats.lock:
-                deltas = [self._release(seq, None, now) for seq in released]
-            self._refresh_gauges()
-            return deltas
         scheduled_at = time.monotonic()
-        result = self.runner.execute(out, self.scheduler.num_running)
+        # An empty step runs nothing, but update() may still release a static batch whose
+        # last running member was aborted.
+        result = self.runner.execute(out, self.scheduler.num_running) if out.scheduled else None
         sampled = {sch.seq.request_id: int(result.tokens[i]) for i, sch in enumerate(out.scheduled) if sch.samples}
-        logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)
-        now = time.monotonic()
+        self.stats.record_step(out, sampled, released, scheduled_at, time.monotonic(), self.config.max_num_seqs)
+        self._refresh_gauges()
+        if self.trace is not None and out.scheduled:
+            self.trace.append(StepTrace.of(self.stats.num_steps, out, sampled, released, self.scheduler.num_running,
+                                           self.scheduler.num_waiting))
+        return self._deltas(out, sampled, self._logprobs(out.scheduled, result), released)
+
+    def _deltas(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprob],
+                released: list[Sequence]) -> list[RequestOutputDelta]:
         deltas: dict[str, RequestOutputDelta] = {}
-        with self.stats.lock:
-            st = self.stats
-            st.num_steps += 1
-            st.num_decode_steps += out.is_decode_only
-            st.useful_slot_steps += len(out.scheduled)
-            st.total_slot_steps += self.config.max_num_seqs
-            st.prefill_tokens += out.num_prefill_tokens
-            st.decode_tokens += out.num_decode_tokens
-            st.num_preemptions += len(out.preempted)
-            st.generation_tokens += len(sampled)
-            st.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
-            for sch in out.scheduled:
-                seq = sch.seq
-                if seq.first_scheduled_time is None:  # its first step: it stops queueing
-                    seq.first_scheduled_time = scheduled_at
-                    st.request_queue_time.observe(scheduled_at - seq.arrival_time)
-                    st.prompt_tokens += seq.num_prompt_tokens
-                if not sch.samples:
-                    continue
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                    st.time_to_first_token.observe(now - seq.arrival_time)
-                else:
-                    st.inter_token_latency.observe(now - seq.last_token_time)
-                seq.last_token_time = now
-                rid = seq.request_id
+        for sch in out.scheduled:
+            seq, rid = sch.seq, sch.seq.request_id
+            if sch.samples:
                 deltas[rid] = RequestOutputDelta(rid, [sampled[rid]], [logprobs[rid]] if rid in logprobs else None,
                                                  False, None, seq.num_prompt_tokens, seq.num_output_tokens)
-            for seq in released:
-                deltas[seq.request_id] = self._release(seq, deltas.get(seq.request_id), now)
-        self._refresh_gauges()
-        if self.trace is not None:
-            self.trace.append(StepTrace(
-                self.stats.num_steps, [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled], list(sampled),
-                [s.request_id for s in released], [s.request_id for s in out.preempted], out.num_prefill_tokens,
-                out.num_decode_tokens, self.scheduler.num_running, self.scheduler.num_waiting))
+        for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
+            d = deltas.setdefault(seq.request_id, RequestOutputDelta(seq.request_id, [], None, False, None,
+                                                                     seq.num_prompt_tokens, seq.num_output_tokens))
+            d.finished, d.finish_reason = True, seq.finish_reason
         return list(deltas.values())
 
-    def _release(self, seq: Sequence, delta: RequestOutputDelta | None, now: float) -> RequestOutputDelta:
-        """A finished request leaves: record it, mark its (possibly empty) delta final.
-        Called with the stats lock held."""
-        seq.finished_time = now
-        self.stats.e2e_request_latency.observe(now - seq.arrival_time)
-        self.stats.request_success[seq.finish_reason] += 1
-        d = delta or RequestOutputDelta(seq.request_id, [], None, False, None, seq.num_prompt_tokens,
-                                        seq.num_output_tokens)
-        d.finished, d.finish_reason = True, seq.finish_reason
-        return d
-
-    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult) -> dict[str, TokenLogprob]:
-        if result.logprobs is None:
+    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult | None) -> dict[str, TokenLogprob]:
+        if result is None or result.logprobs is None:
             return {}
         tok_lp, top_ids, top_lp = result.logprobs
         out = {}

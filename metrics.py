@@ -10,6 +10,10 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # scheduler.py imports this module: types only
+    from scheduler import SchedulerOutput, Sequence
 
 # Buckets as vLLM uses for the same histograms (seconds), so dashboards carry over.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -54,6 +58,30 @@ class Histogram:
 
 
 @dataclass
+class StepTrace:
+    """One step as the scheduler decided it: what tests and researchers read to see
+    who was in the batch, who left, who joined (LLMEngine(record_trace=True) and
+    bench/simulate.py keep one per step)."""
+
+    step: int
+    scheduled: list[tuple[str, int]]  # (request id, tokens computed for it this step)
+    sampled: list[str]  # requests that got a token
+    released: list[str]  # requests whose result was released (left the batch)
+    preempted: list[str]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+
+    @classmethod
+    def of(cls, step: int, out: SchedulerOutput, sampled: dict[str, int], released: list[Sequence],
+           num_running: int, num_waiting: int) -> "StepTrace":
+        return cls(step, [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled], list(sampled),
+                   [s.request_id for s in released], [s.request_id for s in out.preempted], out.num_prefill_tokens,
+                   out.num_decode_tokens, num_running, num_waiting)
+
+
+@dataclass
 class EngineStats:
     """Everything a researcher asks about the scheduler, without a profiler."""
 
@@ -87,6 +115,42 @@ class EngineStats:
     @property
     def slot_utilization(self) -> float:
         return self.useful_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
+
+    def record_step(self, out: SchedulerOutput, sampled: dict[str, int], released: list[Sequence],
+                    scheduled_at: float, now: float, max_num_seqs: int) -> None:
+        """All of one step's bookkeeping, after scheduler.update(): counters, each
+        request's timestamps (first scheduled, first and last token, finished) and the
+        latency histograms. The engine passes wall-clock times; bench/simulate.py passes
+        simulated ones, so both count the same way."""
+        with self.lock:
+            if out.scheduled:  # an empty step (a static batch released after an abort) ran nothing
+                self.num_steps += 1
+                self.num_decode_steps += out.is_decode_only
+                self.useful_slot_steps += len(out.scheduled)
+                self.total_slot_steps += max_num_seqs
+                self.prefill_tokens += out.num_prefill_tokens
+                self.decode_tokens += out.num_decode_tokens
+                self.num_preemptions += len(out.preempted)
+                self.generation_tokens += len(sampled)
+                self.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
+            for sch in out.scheduled:
+                seq = sch.seq
+                if seq.first_scheduled_time is None:  # its first step: it stops queueing
+                    seq.first_scheduled_time = scheduled_at
+                    self.request_queue_time.observe(scheduled_at - seq.arrival_time)
+                    self.prompt_tokens += seq.num_prompt_tokens
+                if not sch.samples:
+                    continue
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                    self.time_to_first_token.observe(now - seq.arrival_time)
+                else:
+                    self.inter_token_latency.observe(now - seq.last_token_time)
+                seq.last_token_time = now
+            for seq in released:
+                seq.finished_time = now
+                self.e2e_request_latency.observe(now - seq.arrival_time)
+                self.request_success[seq.finish_reason] += 1
 
     def snapshot(self) -> "EngineStats":
         """A consistent copy, safe to read from another thread."""
