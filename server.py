@@ -387,6 +387,7 @@ _HELP = {  # EngineConfig fields; config.py says more
     "gpu_memory_utilization": "fraction of device memory for weights, activations and the KV cache",
     "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
+    "enable_prefix_caching": "reuse the cached KV blocks of a shared prompt prefix",
     "scheduling": "continuous (iteration-level) or static (the whole batch leaves together)",
     "kv_admission": "on-demand (grow, preempt when out), reserve (prompt + max_tokens), reserve-max-len",
     "attention_backend": "paged attention: auto (Pallas on GPU, jnp on CPU), pallas or xla",
