@@ -74,6 +74,7 @@ class BlockAllocator:
         self._block_hash: list[bytes | None] = [None] * num_blocks  # a block's name
         self._cached: dict[bytes, int] = {}  # name -> block (the inverse of _block_hash)
         self._num_named: dict[str, int] = {}  # owner -> leading blocks already offered a name
+        self.num_evictions = 0  # cached blocks whose memory was handed out again
 
     @property
     def num_usable(self) -> int:
@@ -179,6 +180,7 @@ class BlockAllocator:
             if (h := self._block_hash[b]) is not None:  # evict
                 del self._cached[h]
                 self._block_hash[b] = None
+                self.num_evictions += 1
             self._ref_counts[b] = 1
             new.append(b)
         if new:

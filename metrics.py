@@ -67,6 +67,8 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)
     generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
+    prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     num_compilations: int = 0
     num_steps: int = 0
