@@ -105,7 +105,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.a.check_invariants()
 
 
-AllocatorMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_allocator_state_machine = AllocatorMachine.TestCase
 
 
@@ -280,7 +280,7 @@ def workload() -> tuple[list[list[int]], list[SamplingParams], list[list[int]]]:
     questions = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(4, 12, 6)]
     exact = rng.integers(3, 500, 32).tolist()
     first = [system + q for q in questions] + [exact]
-    params = [SamplingParams(max_tokens=int(n), ignore_eos=True) for n in (9, 17, 5, 24, 12, 7, 10)]
+    params = [SamplingParams(max_tokens=int(n), ignore_eos=True) for n in (30, 40, 20, 50, 35, 25, 40)]
     return first, params, exact
 
 
@@ -304,7 +304,7 @@ def reference():
 
 @pytest.mark.parametrize("case", [
     dict(),
-    dict(num_kv_blocks=12),  # tight: cached blocks are evicted and sequences preempted
+    dict(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128),  # as test_engine: evict, preempt
     dict(enable_chunked_prefill=True, max_num_batched_tokens=32),
     dict(scheduling="static"),
 ])
@@ -336,7 +336,7 @@ def reference_prefill(outs) -> int:
 
 
 def test_reset_prefix_cache_forgets_everything():
-    llm = make_llm(max_num_seqs=2)
+    llm = make_llm()
     prompt = list(range(3, 40))
     llm.generate([prompt], SamplingParams(max_tokens=2))
     assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].num_cached_tokens == 32
