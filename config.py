@@ -39,6 +39,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix (vLLM V1's default)
     scheduling: Scheduling = "continuous"
     kv_admission: KVAdmission = "on-demand"
     attention_backend: AttentionBackend = "auto"

@@ -55,6 +55,7 @@ class RequestOutputDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class RequestOutput:
     first_token_time: float | None
     finished_time: float
     num_preemptions: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (vLLM's field)
 
 
 class LLMEngine:
@@ -153,6 +155,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache). False, and nothing
+        changed, while a request holds KV blocks."""
+        ok = self.scheduler.reset_prefix_cache()
+        self.log(f"prefix cache {'reset' if ok else 'NOT reset: requests still hold KV blocks'}")
+        return ok
+
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
         """schedule -> run -> update. Returns one delta per request that produced a
@@ -164,7 +173,7 @@ class LLMEngine:
         result = self.runner.execute(out, self.scheduler.num_running) if out.scheduled else None
         sampled = {sch.seq.request_id: int(result.tokens[i]) for i, sch in enumerate(out.scheduled) if sch.samples}
         released = self.scheduler.update(out, sampled)
-        self.stats.record_step(out, sampled, released, scheduled_at, time.monotonic(), self.config.max_num_seqs)
+        self.stats.record_step(out, sampled, released, scheduled_at, time.monotonic(), self.config)
         self._refresh_gauges()
         if self.trace is not None and out.scheduled:
             self.trace.append(StepTrace.of(self.stats.num_steps, out, sampled, released, self.scheduler.num_running,
@@ -178,10 +187,12 @@ class LLMEngine:
             seq, rid = sch.seq, sch.seq.request_id
             if sch.samples:
                 deltas[rid] = RequestOutputDelta(rid, [sampled[rid]], [logprobs[rid]] if rid in logprobs else None,
-                                                 False, None, seq.num_prompt_tokens, seq.num_output_tokens)
+                                                 False, None, seq.num_prompt_tokens, seq.num_output_tokens,
+                                                 max(seq.num_cached_tokens, 0))
         for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
-            d = deltas.setdefault(seq.request_id, RequestOutputDelta(seq.request_id, [], None, False, None,
-                                                                     seq.num_prompt_tokens, seq.num_output_tokens))
+            d = deltas.setdefault(seq.request_id, RequestOutputDelta(
+                seq.request_id, [], None, False, None, seq.num_prompt_tokens, seq.num_output_tokens,
+                max(seq.num_cached_tokens, 0)))
             d.finished, d.finish_reason = True, seq.finish_reason
         return list(deltas.values())
 
@@ -266,6 +277,9 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         params = params if params is not None else SamplingParams()
@@ -307,7 +321,7 @@ class LLM:
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else None
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
                              seq.finish_reason, logprobs, seq.arrival_time, seq.first_token_time,
-                             seq.finished_time, seq.num_preemptions)
+                             seq.finished_time, seq.num_preemptions, max(seq.num_cached_tokens, 0))
 
 
 class AsyncEngine:
@@ -389,6 +403,16 @@ class AsyncEngine:
             self._inbox.append(("abort", (request_id, reason)))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine.reset_prefix_cache, run on the loop thread between two steps."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop died: {self.error!r}")
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._inbox.append(("reset_prefix_cache", done))
+        self._wake.set()
+        return await done
+
     # ---- the loop thread -----------------------------------------------------------
     def _deliver(self, delta: RequestOutputDelta) -> None:
         with self._lock:
@@ -413,12 +437,15 @@ class AsyncEngine:
                         queue = self._queues.pop(rid, None)
                     if queue is not None:
                         self._loop.call_soon_threadsafe(queue.put_nowait, e)
+            elif kind == "reset_prefix_cache":
+                ok = self.engine.reset_prefix_cache()
+                self._loop.call_soon_threadsafe(lambda f=arg, ok=ok: f.done() or f.set_result(ok))
             else:
                 rid, reason = arg
                 seq = self.engine.abort(rid, reason)
                 if seq is not None:
                     self._deliver(RequestOutputDelta(rid, [], None, True, reason, seq.num_prompt_tokens,
-                                                     seq.num_output_tokens))
+                                                     seq.num_output_tokens, max(seq.num_cached_tokens, 0)))
 
     def _run(self) -> None:
         try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # scheduler.py imports this module: types only
+    from config import EngineConfig
     from scheduler import SchedulerOutput, Sequence
 
 # Buckets as vLLM uses for the same histograms (seconds), so dashboards carry over.
@@ -95,6 +96,8 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)
     generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
+    prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     num_compilations: int = 0
     num_steps: int = 0
@@ -117,7 +120,7 @@ class EngineStats:
         return self.useful_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
 
     def record_step(self, out: SchedulerOutput, sampled: dict[str, int], released: list[Sequence],
-                    scheduled_at: float, now: float, max_num_seqs: int) -> None:
+                    scheduled_at: float, now: float, config: EngineConfig) -> None:
         """All of one step's bookkeeping, after scheduler.update(): counters, each
         request's timestamps (first scheduled, first and last token, finished) and the
         latency histograms. The engine passes wall-clock times; bench/simulate.py passes
@@ -127,7 +130,7 @@ class EngineStats:
                 self.num_steps += 1
                 self.num_decode_steps += out.is_decode_only
                 self.useful_slot_steps += len(out.scheduled)
-                self.total_slot_steps += max_num_seqs
+                self.total_slot_steps += config.max_num_seqs
                 self.prefill_tokens += out.num_prefill_tokens
                 self.decode_tokens += out.num_decode_tokens
                 self.num_preemptions += len(out.preempted)
@@ -139,6 +142,9 @@ class EngineStats:
                     seq.first_scheduled_time = scheduled_at
                     self.request_queue_time.observe(scheduled_at - seq.arrival_time)
                     self.prompt_tokens += seq.num_prompt_tokens
+                    if config.enable_prefix_caching:  # as vLLM: a request's first admission only
+                        self.prefix_cache_queries += seq.num_prompt_tokens
+                        self.prefix_cache_hits += seq.num_cached_tokens
                 if not sch.samples:
                     continue
                 if seq.first_token_time is None:

@@ -17,6 +17,12 @@ KV admission (config.kv_admission): "on-demand" (vLLM) allocates blocks as token
 computed and preempts by recompute when they run out; "reserve" (TGI) allocates prompt +
 max_tokens at admission; "reserve-max-len" (contiguous slots) allocates max_model_len.
 The reserve modes never preempt: every block a sequence will use is held from the start.
+
+Prefix caching (config.enable_prefix_caching, kvcache.py): at admission a sequence takes
+the longest cached prefix of its full blocks (shared, ref-counted) and computes only the
+rest, always at least its last token (whose logits are sampled). A block is named when
+the step that computes it is scheduled (`_add`), so a sequence admitted later in the same
+step can already share it: each layer writes the step's K/V before it attends.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from config import EngineConfig, SamplingParams
-from kvcache import BlockAllocator, blocks_needed
+from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS
 
 
@@ -53,6 +59,8 @@ class Sequence:
     slot: int | None = None
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int = -1  # prompt tokens the prefix cache served at first admission; -1: not admitted yet
+    block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks so far (kvcache.py)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     wait_reason: str | None = None  # one of metrics.WAIT_REASONS, set by each schedule()
     num_preemptions: int = 0
@@ -112,7 +120,7 @@ class Scheduler:
             "pass config.resolved(...)"
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.allocator = BlockAllocator(num_kv_blocks)
+        self.allocator = BlockAllocator(num_kv_blocks, enable_caching=config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order; under static, finished padding too
         self._free_slots = list(range(config.max_num_seqs))  # a heap: the lowest free slot first
@@ -225,6 +233,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block name (vLLM's reset_prefix_cache): False, and nothing
+        changed, while any request holds blocks."""
+        return self.allocator.reset_prefix_cache()
+
     def check_invariants(self) -> None:
         """Everything, O(num_blocks): for tests. update() checks the per-step subset."""
         self.allocator.check_invariants()
@@ -277,18 +290,22 @@ class Scheduler:
         reason = "kv_blocks" if out.preempted else None  # as vLLM: a step that preempts admits nobody
         while self.waiting and reason is None:
             seq = self.waiting[0]
-            n = seq.num_tokens  # the prompt, plus the outputs of a preempted sequence
+            cached = self._cached_prefix(seq)
+            num_cached = len(cached) * cfg.block_size
+            n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
             if cfg.enable_chunked_prefill and not self._static:
                 n = min(n, self._budget)
-            num_blocks = self._blocks_at_admission(seq, n)
+            num_new_blocks = self._blocks_at_admission(seq, num_cached + n) - len(cached)
             if not self._free_slots:
                 reason = "max_num_seqs"
             elif not self._static and not 0 < n <= self._budget:
                 reason = "token_budget"
-            elif not self.allocator.can_allocate(num_blocks):
+            # A cached block nobody holds is taken out of the free queue: it counts like a
+            # fresh one. A cached block another sequence holds costs nothing: counted once.
+            elif not self.allocator.can_allocate(num_new_blocks + self.allocator.num_revived(cached)):
                 reason = "kv_blocks"
             else:
-                self._start(seq, num_blocks)
+                self._start(seq, cached, num_new_blocks)
                 if not self._static:
                     self._add(out, seq, n)
         for seq in self.waiting:
@@ -300,14 +317,37 @@ class Scheduler:
             return self.config.max_model_len
         return seq.num_prompt_tokens + seq.params.max_tokens
 
-    def _blocks_at_admission(self, seq: Sequence, num_new_tokens: int) -> int:
-        tokens = num_new_tokens if self.config.kv_admission == "on-demand" else self._lifetime_tokens(seq)
+    def _blocks_at_admission(self, seq: Sequence, num_tokens: int) -> int:
+        """Block-table length at admission: blocks for the first num_tokens (cached + this
+        step's), or, in the reserve modes, for the sequence's whole lifetime."""
+        tokens = num_tokens if self.config.kv_admission == "on-demand" else self._lifetime_tokens(seq)
         return blocks_needed(tokens, self.config.block_size)
 
-    def _start(self, seq: Sequence, num_blocks: int) -> None:
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The names of seq's first num_blocks full blocks, extending seq.block_hashes."""
+        hashes, bs = seq.block_hashes, self.config.block_size
+        if len(hashes) < num_blocks:
+            tokens = seq.all_token_ids
+            for i in range(len(hashes), num_blocks):
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks seq can start from: its longest cached prefix of full blocks,
+        never its last token (that one's logits are needed, so it is always computed).
+        A preempted sequence finds its own blocks here, unless they were evicted."""
+        if not self.config.enable_prefix_caching:
+            return []
+        return self.allocator.cached_prefix(self._block_hashes(seq, (seq.num_tokens - 1) // self.config.block_size))
+
+    def _start(self, seq: Sequence, cached: list[int], num_new_blocks: int) -> None:
         assert self.waiting.popleft() is seq
         seq.slot = heapq.heappop(self._free_slots)
-        seq.block_table = self.allocator.allocate(seq.request_id, num_blocks)
+        self.allocator.share(seq.request_id, cached)  # before allocate, which could evict them
+        seq.block_table = cached + self.allocator.allocate(seq.request_id, num_new_blocks)
+        seq.num_computed_tokens = len(cached) * self.config.block_size
+        if seq.num_cached_tokens < 0:  # as vLLM: the first admission's hit is the request's
+            seq.num_cached_tokens = seq.num_computed_tokens
         seq.status, seq.wait_reason = RUNNING, None
         seq.admitted_seq_no = next(self._admissions)
         self.running.append(seq)
@@ -316,6 +356,9 @@ class Scheduler:
         assert 0 < n <= self._budget
         out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
         self._budget -= n
+        if self.config.enable_prefix_caching:  # name the full blocks this step completes
+            full = (seq.num_computed_tokens + n) // self.config.block_size
+            self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, full))
 
     def _make_room(self, out: SchedulerOutput, seq: Sequence, n: int) -> bool:
         """Blocks for seq's next n tokens. On-demand, when none are free, preempt the
@@ -369,7 +412,8 @@ class Scheduler:
         sequence and covers its computed tokens. (allocate/free assert per block.)"""
         slots = [s.slot for s in self.running]
         assert sorted([*slots, *self._free_slots]) == list(range(self.config.max_num_seqs)), "slot leaked or shared"
-        assert sum(len(s.block_table) for s in self.running) == self.allocator.num_used, "KV block leaked"
+        # A block shared by several sequences is one block in use.
+        assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
         for seq in self.running:
             assert seq.status is not WAITING
             assert len(seq.block_table) >= blocks_needed(seq.num_computed_tokens, self.config.block_size)

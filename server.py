@@ -4,7 +4,7 @@
     python server.py --model /path/to/hf_dir   # a checkpoint, its tokenizer and chat template
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-GET /v1/models, GET /health, GET /metrics (Prometheus text).
+GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache.
 
 The engine speaks token ids only; everything textual happens here: tokenizing prompts,
 chat templates, incremental detokenization and stop strings. A request the server no
@@ -122,6 +122,7 @@ class Generation:
                  params: SamplingParams, stop: list[str]) -> None:
         self.engine, self.request_id = engine, request_id
         self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop)
         try:
             self.stream = self.engine.add_request(request_id, prompt_ids, params)
@@ -138,6 +139,7 @@ class Generation:
         done = False
         try:
             async for delta in self.stream:
+                self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
                 text, stopped = self.detokenizer.push(delta.new_token_ids, final=delta.finished)
                 if stopped and not delta.finished:
                     self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
@@ -172,7 +174,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
 
     def usage(completion_tokens: int) -> dict:
         return {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": gen.num_prompt_tokens + completion_tokens}
+                "total_tokens": gen.num_prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens}}
 
     def logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict | None:
         if lps is None:
@@ -269,6 +272,17 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's POST /reset_prefix_cache: 200 once every cached prefix is forgotten; 409
+    while requests hold KV blocks (nothing is reset then)."""
+    if request.query:
+        raise ApiError(f"query parameters are not supported here, got {sorted(request.query)}")
+    if not await request.app["engine"].reset_prefix_cache():
+        raise ApiError("the prefix cache cannot be reset while requests hold KV blocks; retry when idle", 409,
+                       type="conflict_error")
+    return web.Response(status=200)
+
+
 async def metrics(request: web.Request) -> web.Response:
     data = generate_latest(request.app["registry"])
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -282,7 +296,7 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         if app["stopping"].is_set():
             raise ApiError("server is shutting down", status=503, type="service_unavailable")
         key = app["api_key"]
-        if key and request.path.startswith("/v1/") and not hmac.compare_digest(  # constant time
+        if key and (request.path.startswith("/v1/") or request.path == "/reset_prefix_cache") and not hmac.compare_digest(  # constant time
                 request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
             raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
                            type="authentication_error", code="invalid_api_key")
@@ -313,6 +327,8 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (to be recomputed)."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache (first admissions)."),
     ("num_compilations", "num_compilations", "XLA compilations of step functions."),
     ("num_steps", "num_steps", "Engine steps."),
     ("num_decode_steps", "num_decode_steps", "Engine steps that carried no prompt tokens."),
@@ -372,6 +388,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
 
 
@@ -387,6 +404,7 @@ _HELP = {  # EngineConfig fields; config.py says more
     "gpu_memory_utilization": "fraction of device memory for weights, activations and the KV cache",
     "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
+    "enable_prefix_caching": "reuse the cached KV blocks of a shared prompt prefix",
     "scheduling": "continuous (iteration-level) or static (the whole batch leaves together)",
     "kv_admission": "on-demand (grow, preempt when out), reserve (prompt + max_tokens), reserve-max-len",
     "attention_backend": "paged attention: auto (Pallas on GPU, jnp on CPU), pallas or xla",

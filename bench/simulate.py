@@ -260,7 +260,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
         start, t = t, t + dt
         sampled = {s.seq.request_id: NOT_EOS for s in out.scheduled if s.samples}
         released = sched.update(out, sampled)
-        stats.record_step(out, sampled, released, start, t, config.max_num_seqs)
+        stats.record_step(out, sampled, released, start, t, config)
         for rid in sampled:
             token_times.setdefault(rid, []).append(t)
         for reason, n in sched.waiting_by_reason().items():

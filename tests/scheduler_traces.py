@@ -49,6 +49,9 @@ MAX_NUM_SEQS, BLOCK_SIZE, MAX_MODEL_LEN = 4, 4, 48
 
 def make_scheduler(overrides: dict[str, Any], **extra: Any) -> Scheduler:
     kw = {k: v for k, v in overrides.items() if k != "kv_seqs"}
+    # Recorded before prefix caching existed: a preempted sequence would find its own
+    # freed blocks in the cache and recompute less.
+    kw.setdefault("enable_prefix_caching", False)
     cfg = EngineConfig(max_num_seqs=MAX_NUM_SEQS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                        **kw, **extra).resolved(MAX_MODEL_LEN)
     per_seq = blocks_needed(MAX_MODEL_LEN, BLOCK_SIZE)

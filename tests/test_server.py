@@ -366,7 +366,7 @@ METRIC_NAMES = (
     [f"taxirank:{g}" for g in ("num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason",
                                "kv_cache_usage_perc", "slot_utilization")]
     + [f"taxirank:{c}_total" for c in ("num_preemptions", "prompt_tokens", "generation_tokens",
-                                       "request_success", "num_compilations", "num_steps", "prefill_tokens",
+                                       "prefix_cache_queries", "prefix_cache_hits", "request_success", "num_compilations", "num_steps", "prefill_tokens",
                                        "decode_tokens", "padded_tokens")]
     + [f"taxirank:{h}{suffix}" for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                                          "e2e_request_latency_seconds", "request_queue_time_seconds",
@@ -397,6 +397,30 @@ def test_counters_move_by_exactly_what_was_served(server: Server, client: openai
     assert delta("prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta("generation_tokens_total") == sum(u.completion_tokens for u in usages) == 3 + 7 + 5 + 4
     assert delta("e2e_request_latency_seconds_count") == 4
+
+
+def test_prefix_cache_hits_show_in_cached_tokens_and_metrics_and_reset_forgets_them(
+        server: Server, client: openai.OpenAI) -> None:
+    wait_idle(server)
+    assert request(server, "POST", "/reset_prefix_cache", key=None)[0] == 401  # --api-key guards it too
+    assert request(server, "POST", "/reset_prefix_cache?reset_running_requests=true")[0] == 400
+    assert request(server, "POST", "/reset_prefix_cache") == (200, "")
+    before = scrape(server)
+    prompt = list(range(3, 43))  # 40 tokens: 2 full blocks of 16 can be reused, never the last token
+
+    def cached() -> int:
+        return client.completions.create(prompt=prompt, max_tokens=2, **greedy()).usage.prompt_tokens_details.cached_tokens
+    assert [cached(), cached()] == [0, 32]
+    after = scrape(server)
+    assert metric(after, "prefix_cache_queries_total") - metric(before, "prefix_cache_queries_total") == 80
+    assert metric(after, "prefix_cache_hits_total") - metric(before, "prefix_cache_hits_total") == 32
+    with open_stream(server, {"model": "tiny", "prompt": "x", "max_tokens": LONG, "ignore_eos": True}) as events:
+        next(events)  # in flight: it holds KV blocks, so nothing may be reset
+        status, body = request(server, "POST", "/reset_prefix_cache")
+        assert status == 409 and "hold KV blocks" in body["error"]["message"]
+    wait_idle(server)
+    assert request(server, "POST", "/reset_prefix_cache") == (200, "")
+    assert cached() == 0
 
 
 # ---- shutdown ---------------------------------------------------------------------------
