@@ -116,8 +116,13 @@ class LLMEngine:
             self.runner.warmup(log)
 
     # ---- requests ------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
         """Config-only checks, safe from any thread; raises ValueError saying why."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} was given, but priority scheduling is not enabled "
+                             "(--scheduling-policy priority)")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -130,10 +135,11 @@ class LLMEngine:
                              f"{n + params.max_tokens} tokens, over max_model_len ({self.config.max_model_len})")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Sequence:
-        self.validate(prompt_token_ids, params)
+                    arrival_time: float | None = None, priority: int = 0) -> Sequence:
+        """priority: with --scheduling-policy priority, lower runs first (ties by arrival)."""
+        self.validate(prompt_token_ids, params, priority)
         seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority)
         # A request without a seed still gets its own stream, drawn from the engine's seed.
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         self.scheduler.add(seq)
@@ -281,16 +287,20 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """priority: one integer per prompt (vLLM's), with scheduling_policy="priority"."""
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         seqs: dict[str, Sequence] = {}
-        for prompt, p in zip(prompts, plist):
+        for prompt, p, prio in zip(prompts, plist, priorities):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            seqs[rid] = self.engine.add_request(rid, self._encode(prompt), p)
+            seqs[rid] = self.engine.add_request(rid, self._encode(prompt), p, priority=prio)
         done: set[str] = set()
         logprobs: dict[str, list[TokenLogprob]] = {}
         bar = None
@@ -363,9 +373,9 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
-                    ) -> AsyncIterator[RequestOutputDelta]:
-        self.engine.validate(prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    priority: int = 0) -> AsyncIterator[RequestOutputDelta]:
+        self.engine.validate(prompt_token_ids, params, priority)
         if self._stop.is_set():
             raise RuntimeError("the engine is shutting down")
         if self.error is not None:
@@ -378,7 +388,7 @@ class AsyncEngine:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
-            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic())))
+            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority)))
             self._num_waiting_inbox += 1
         self._wake.set()
         return self._stream(request_id, queue)
@@ -429,9 +439,9 @@ class AsyncEngine:
             self._num_waiting_inbox = 0
         for kind, arg in work:
             if kind == "add":
-                rid, prompt, params, arrival = arg
+                rid, prompt, params, arrival, priority = arg
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority)
                 except ValueError as e:  # validated already; a scheduler-level refusal
                     with self._lock:
                         queue = self._queues.pop(rid, None)

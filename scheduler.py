@@ -31,12 +31,12 @@ import enum
 import heapq
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from config import EngineConfig, SamplingParams
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS
+from policy import FCFSQueue, SortedQueue, make_policy
 
 
 class SequenceStatus(enum.Enum):
@@ -64,6 +64,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     wait_reason: str | None = None  # one of metrics.WAIT_REASONS, set by each schedule()
     num_preemptions: int = 0
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's per-request field)
+    arrival_order: int = -1  # set by Scheduler.add: breaks ties between equal arrival times
     admitted_seq_no: int = -1  # order of the latest admission: the highest is preempted first
     seed: int | None = None  # this request's sampling stream (set by the engine)
     # Filled by the engine.
@@ -121,12 +123,17 @@ class Scheduler:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = BlockAllocator(num_kv_blocks, enable_caching=config.enable_prefix_caching)
-        self.waiting: deque[Sequence] = deque()
+        self.policy = make_policy(config)  # admission order, KV victim, boarding rule (policy.py)
+        self.waiting: FCFSQueue | SortedQueue = self.policy.new_queue()
         self.running: list[Sequence] = []  # admission order; under static, finished padding too
         self._free_slots = list(range(config.max_num_seqs))  # a heap: the lowest free slot first
         self._seqs: dict[str, Sequence] = {}  # every request not yet released, by id
         self._admissions = itertools.count()
-        self._static = config.scheduling == "static"
+        self._arrivals = itertools.count()
+        # The boarding rule's consequences are mechanics: finished sequences keep their
+        # seats as padding and the batch is released together.
+        self._static = self.policy.boards_only_when_empty
+        self._room_preempted = False  # this step preempted to find blocks for running sequences
         self._budget = 0  # tokens left in the step being scheduled
 
     # ---- requests ----------------------------------------------------------------------
@@ -144,8 +151,12 @@ class Scheduler:
         if need > self.allocator.num_usable:
             raise ValueError(f"the request needs {need} KV blocks of {cfg.block_size} tokens "
                              f"({cfg.kv_admission}), the whole cache has {self.allocator.num_usable}")
+        if seq.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {seq.priority} was given, but priority scheduling is not enabled "
+                             "(--scheduling-policy priority)")
         assert seq.status is WAITING and seq.num_computed_tokens == 0 and not seq.block_table
-        self.waiting.append(seq)
+        seq.arrival_order = next(self._arrivals)
+        self.waiting.add(seq)
         self._seqs[seq.request_id] = seq
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -166,16 +177,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
+        self._room_preempted = False
         if self._static:
             self._schedule_static(out)
         elif self.config.enable_chunked_prefill:
             # Decodes first, so a long prompt joining costs streaming users no stutter.
+            self._preempt_for_waiting(out)
             self._schedule_decodes(out)
             self._schedule_prompts(out)
             self._admit(out)
         else:
             # vLLM v0: a step that admits prompts runs only those prompts; the running
             # sequences' decodes stall for that step (the stutter chunking removes).
+            self._preempt_for_waiting(out)
             self._admit(out)
             if not out.scheduled:
                 self._schedule_decodes(out)
@@ -287,15 +301,11 @@ class Scheduler:
         wait. Continuous schedules the first chunk at once; static boards the whole batch
         and prefills it over the next steps."""
         cfg = self.config
-        reason = "kv_blocks" if out.preempted else None  # as vLLM: a step that preempts admits nobody
+        # As vLLM: a step that preempted running sequences for blocks admits nobody.
+        reason = "kv_blocks" if self._room_preempted else None
         while self.waiting and reason is None:
-            seq = self.waiting[0]
-            cached = self._cached_prefix(seq)
-            num_cached = len(cached) * cfg.block_size
-            n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
-            if cfg.enable_chunked_prefill and not self._static:
-                n = min(n, self._budget)
-            num_new_blocks = self._blocks_at_admission(seq, num_cached + n) - len(cached)
+            seq = self.waiting.peek()
+            cached, n, num_new_blocks = self._admission_need(seq)
             if not self._free_slots:
                 reason = "max_num_seqs"
             elif not self._static and not 0 < n <= self._budget:
@@ -310,6 +320,58 @@ class Scheduler:
                     self._add(out, seq, n)
         for seq in self.waiting:
             seq.wait_reason = reason
+
+    def _admission_need(self, seq: Sequence) -> tuple[list[int], int, int]:
+        """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
+        waiting sequence's admission now."""
+        cached = self._cached_prefix(seq)
+        num_cached = len(cached) * self.config.block_size
+        n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
+        if self.config.enable_chunked_prefill and not self._static:
+            n = min(n, self._budget)
+        return cached, n, self._blocks_at_admission(seq, num_cached + n) - len(cached)
+
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Waiting requests that outrank running ones (the priority policy) take seats and
+        KV blocks from the lowest ranked of them when slots or blocks are full, before
+        anything is scheduled. Walks the queue in admission order as _admit will, counting
+        the room each admission takes; a request whose admission preempting cannot make
+        room stops the walk, and nobody is preempted for it (no preemption for nothing)."""
+        running = [r for r in self.running if r.status is RUNNING]
+        if not self.waiting or not any(self.policy.outranks(self.waiting.peek(), r) for r in running):
+            return  # FCFS always returns here: it outranks nobody
+        bs, chunked = self.config.block_size, self.config.enable_chunked_prefill
+
+        def growth(r: Sequence) -> int:  # chunked: decodes go first and take their next block
+            return blocks_needed(r.num_computed_tokens + 1, bs) - len(r.block_table) if chunked and r.is_decode else 0
+
+        def freed(r: Sequence) -> int:  # blocks another sequence also holds (a shared prefix) free nothing
+            return growth(r) + sum(1 for b in r.block_table if self.allocator.ref_count(b) == 1)
+
+        slots = len(self._free_slots)
+        blocks = self.allocator.num_free - sum(growth(r) for r in running)
+        budget = self._budget - (sum(1 for r in running if r.is_decode) if chunked else 0)
+        victims: list[Sequence] = []
+        for seq in self.waiting:
+            cached, n, num_new_blocks = self._admission_need(seq)
+            need = num_new_blocks + self.allocator.num_revived(cached)
+            if not 0 < n <= budget:
+                break  # the token budget holds it back, not a seat or blocks
+            lower = [r for r in running if self.policy.outranks(seq, r)]
+            chosen, s_, b_ = [], slots, blocks
+            while (s_ < 1 or b_ < need) and lower:
+                r = self.policy.victim(lower)  # the lowest ranked first
+                lower.remove(r)
+                chosen.append(r)
+                s_, b_ = s_ + 1, b_ + freed(r)
+            if s_ < 1 or b_ < need:
+                break
+            for r in chosen:
+                running.remove(r)
+            victims += chosen
+            slots, blocks, budget = s_ - 1, b_ - need, budget - n
+        for r in victims:
+            self._preempt(out, r)
 
     def _lifetime_tokens(self, seq: Sequence) -> int:
         """The most tokens seq can ever hold: what the reserve modes allocate up front."""
@@ -341,7 +403,7 @@ class Scheduler:
         return self.allocator.cached_prefix(self._block_hashes(seq, (seq.num_tokens - 1) // self.config.block_size))
 
     def _start(self, seq: Sequence, cached: list[int], num_new_blocks: int) -> None:
-        assert self.waiting.popleft() is seq
+        assert self.waiting.pop_head() is seq
         seq.slot = heapq.heappop(self._free_slots)
         self.allocator.share(seq.request_id, cached)  # before allocate, which could evict them
         seq.block_table = cached + self.allocator.allocate(seq.request_id, num_new_blocks)
@@ -362,12 +424,15 @@ class Scheduler:
 
     def _make_room(self, out: SchedulerOutput, seq: Sequence, n: int) -> bool:
         """Blocks for seq's next n tokens. On-demand, when none are free, preempt the
-        latest admitted running sequence and retry; False if that was seq itself."""
+        policy's victim among the running sequences not yet in this step (FCFS: the latest
+        admitted) and retry; False if that was seq itself."""
         need = blocks_needed(seq.num_computed_tokens + n, self.config.block_size) - len(seq.block_table)
         while not self.allocator.can_allocate(need):
             assert self.config.kv_admission == "on-demand", "reserve modes hold every block from admission"
-            victim = next(s for s in reversed(self.running) if s.status is RUNNING)
+            in_step = {id(s.seq) for s in out.scheduled}
+            victim = self.policy.victim([s for s in self.running if s.status is RUNNING and id(s) not in in_step])
             self._preempt(out, victim)
+            self._room_preempted = True
             if victim is seq:
                 return False
         if need > 0:
@@ -375,17 +440,17 @@ class Scheduler:
         return True
 
     def _preempt(self, out: SchedulerOutput, victim: Sequence) -> None:
-        """Preemption by recompute: drop the cache, keep the outputs, queue at the front."""
+        """Preemption by recompute: drop the cache, keep the outputs, back to the waiting
+        queue where the policy puts it (FCFS: the front)."""
         self.running.remove(victim)
         self._release(victim)
         victim.status, victim.wait_reason = WAITING, "kv_blocks"
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.requeue(victim)
         out.preempted.append(victim)
-        # Never one already in this step: decodes are scheduled in admission order, and a
-        # sequence still in prefill is the latest admitted (it takes all the budget left
-        # before any later admission can start), so the victim is the requester or later.
+        # Never one already in this step: the full blocks a scheduled chunk completes are
+        # already named in the prefix cache, and their K/V must then be computed.
         assert all(s.seq is not victim for s in out.scheduled)
 
     def _release(self, seq: Sequence) -> None:

@@ -119,13 +119,13 @@ class Generation:
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, stop: list[str]) -> None:
+                 params: SamplingParams, stop: list[str], priority: int = 0) -> None:
         self.engine, self.request_id = engine, request_id
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop)
         try:
-            self.stream = self.engine.add_request(request_id, prompt_ids, params)
+            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -167,7 +167,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     include_usage = field(stream_options, "include_usage", (bool,), False)
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    gen = Generation(engine, request_id, prompt_ids, params, stop)
+    priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
+    gen = Generation(engine, request_id, prompt_ids, params, stop, priority)
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
     model = body.get("model") or app["model_names"][0]  # read_body checked it
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
@@ -406,6 +407,8 @@ _HELP = {  # EngineConfig fields; config.py says more
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
     "enable_prefix_caching": "reuse the cached KV blocks of a shared prompt prefix",
     "scheduling": "continuous (iteration-level) or static (the whole batch leaves together)",
+    "scheduling_policy": "fcfs (arrival order) or priority (the request's 'priority' field, lower first; "
+                         "may preempt lower-priority running requests)",
     "kv_admission": "on-demand (grow, preempt when out), reserve (prompt + max_tokens), reserve-max-len",
     "attention_backend": "paged attention: auto (Pallas on GPU, jnp on CPU), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
