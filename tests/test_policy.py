@@ -202,3 +202,34 @@ class PriorityMachine(RuleBasedStateMachine):
 
 PriorityMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
 test_priority_state_machine = PriorityMachine.TestCase
+
+
+def test_priority_changes_who_runs_when_not_the_tokens():
+    """The engine: low-priority requests run, high-priority ones arrive and preempt them
+    (slots full); every request's greedy tokens equal the FCFS engine's."""
+    import numpy as np
+
+    from engine import LLM, LLMEngine
+
+    rng = np.random.default_rng(5)
+    ps = [rng.integers(3, 250, rng.integers(4, 30)).tolist() for _ in range(6)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 20, 6, 9, 15, 4)]
+    kw = dict(max_num_seqs=2, max_model_len=128, max_num_batched_tokens=128, warmup=False)
+    fcfs = LLM("tiny", log=lambda *_: None, **kw)
+    expected = [o.token_ids for o in fcfs.generate(ps, params)]
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        fcfs.generate(ps[:1], params[:1], priority=[1])
+
+    engine = LLMEngine(EngineConfig(model="tiny", scheduling_policy="priority", **kw), log=lambda *_: None)
+    seqs = [engine.add_request(f"low{i}", ps[i], params[i], priority=1) for i in range(3)]
+    for _ in range(3):
+        engine.step()
+    seqs += [engine.add_request(f"high{i}", ps[i], params[i], priority=-1) for i in range(3, 6)]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.num_preemptions >= 2  # both seats were taken from low-priority requests
+    assert [s.output_token_ids for s in seqs] == expected
+    high_done = max(s.finished_time for s in seqs[3:])
+    assert sum(s.finished_time > high_done for s in seqs[:3]) >= 2  # the low ones mostly finish last
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        engine.add_request("bad", ps[0], params[0], priority=True)
