@@ -228,7 +228,10 @@ class SimResult:
                 "steps": self.steps, "preemptions": self.preemptions, "slot_utilization": self.slot_utilization,
                 "waiting_mean": self.waiting_mean, "waiting_max": self.waiting_max,
                 "per_class": {c: {k: self.latency(c, k) for k in ("ttft_s", "itl_s", "e2e_s", "queue_s")}
-                              for c in classes}}
+                              for c in classes},
+                "per_priority": {p: {k: summarize([r[k] for r in self.per_request if r["priority"] == p])
+                                     for k in ("ttft_s", "e2e_s", "queue_s")}
+                                 for p in sorted({r["priority"] for r in self.per_request})}}
 
 
 def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest], cost_model: CostModel,
@@ -670,7 +673,10 @@ def main(argv: list[str] | None = None) -> int:
           f"slot utilisation {res.slot_utilization:.2f} ({summary['cpu_s']:.2f} s of CPU)")
     print("waiting (time-weighted mean / max): " + ", ".join(
         f"{k} {res.waiting_mean[k]:.1f}/{res.waiting_max[k]}" for k in WAIT_REASONS))
-    for c, lat in summary["per_class"].items():
+    groups = list(summary["per_class"].items())
+    if len(summary["per_priority"]) > 1:
+        groups += [(f"prio {p}", lat) for p, lat in summary["per_priority"].items()]
+    for c, lat in groups:
         print(f"  {c:>6}: " + "  ".join(f"{k[:-2]} p50 {v.get('p50', math.nan):.3f} p99 {v.get('p99', math.nan):.3f}"
                                          for k, v in lat.items()))
     return 0

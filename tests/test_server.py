@@ -517,3 +517,14 @@ def test_without_a_tokenizer_text_prompts_chat_and_stop_strings_are_refused() ->
         assert e.value.status == 400 and "tokenizer" in str(e.value)
     assert parse_prompt({"prompt": [1, 2, 3]}, None, 512) == [1, 2, 3]
     assert IncrementalDetokenizer(None, [1], []).push([5], final=True) == ("", False)
+
+
+def test_priority_is_an_extra_field_of_both_endpoints_checked_where_it_enters(server: Server) -> None:
+    """vLLM's `priority`: an integer; this server runs fcfs, so only 0 (the default) is taken."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat)):
+        status, err = request(server, "POST", path, body | {"priority": "high"})
+        assert status == 400 and err["error"]["param"] == "priority", err
+        status, err = request(server, "POST", path, body | {"priority": 3})
+        assert status == 400 and "--scheduling-policy priority" in err["error"]["message"], err
+        assert request(server, "POST", path, body | {"priority": 0})[0] == 200
