@@ -18,6 +18,10 @@ computed and preempts by recompute when they run out; "reserve" (TGI) allocates 
 max_tokens at admission; "reserve-max-len" (contiguous slots) allocates max_model_len.
 The reserve modes never preempt: every block a sequence will use is held from the start.
 
+Policy (policy.py, chosen by config): the waiting queue's order, the KV victim, whether a
+waiting request may preempt a running one (priority), and the boarding rule (static).
+Everything else here is mechanics every policy shares.
+
 Prefix caching (config.enable_prefix_caching, kvcache.py): at admission a sequence takes
 the longest cached prefix of its full blocks (shared, ref-counted) and computes only the
 rest, always at least its last token (whose logits are sampled). A block is named when
@@ -296,9 +300,9 @@ class Scheduler:
                 self._add(out, seq, n)
 
     def _admit(self, out: SchedulerOutput) -> None:
-        """Move waiting sequences to running, FIFO, while a slot, KV blocks and (continuous)
-        the token budget allow; stop at the first that cannot go and record why the rest
-        wait. Continuous schedules the first chunk at once; static boards the whole batch
+        """Move waiting sequences to running, in the queue's order, while a slot, KV
+        blocks and (continuous) the token budget allow; stop at the first that cannot go
+        and record why the rest wait. Continuous schedules the first chunk at once; static boards the whole batch
         and prefills it over the next steps."""
         cfg = self.config
         # As vLLM: a step that preempted running sequences for blocks admits nobody.
