@@ -440,37 +440,30 @@ def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict
     to a separate calibration run first. Each case is measured by both clocks in the one
     run; "wall" is the headline (the fields the issue names), "cpu" sits beside it."""
     seed = synthetic("seed", s.num_requests, s.vocab_size, short=s.short, long=s.long, prompt_len=s.prompt_len)
-    cases = [("seed-continuous", engine_kw(s, "continuous")), ("seed-static", engine_kw(s, "static")),
-             ("seed-tight-kv", engine_kw(s, "continuous", s.tight_kv_seqs))]
+    cases = [("seed-continuous", engine_kw(s, "continuous")), ("seed-tight-kv", engine_kw(s, "continuous", s.tight_kv_seqs)),
+             ("seed-static", engine_kw(s, "static"))]
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    engine, engine_blocks = None, None
-    cost_models: dict[str, CostModel] = {}
+    # One engine for every case: its KV arrays hold the ample budget, and the tight case's
+    # scheduler is handed fewer blocks (the runner reads only the blocks it is given; a
+    # step's cost follows the context, not the array): no second compilation.
+    log("[validate] building the engine ...")
+    engine = build_engine(s.model, {k: v for k, v in engine_kw(s).items() if k != "scheduling"})
+    log("[validate] calibrating the cost model on the real engine ...")
+    engine.scheduler = _fresh_scheduler(engine, "continuous", engine.num_kv_blocks)
+    cost_models = calibrate(engine, calibration_workload(s), f"calibrated on {s.model}, {os.uname().nodename}")
+    for k, cm in cost_models.items():
+        cm.save(os.path.join(out_dir, f"cost_model_{k}.json"))
+        log(f"[validate] cost model ({k} clock): {cm.coef}; fit {cm.fit}")
     results = []
     for name, kw in cases:
-        if kw["num_kv_blocks"] != engine_blocks:  # continuous and static share one engine's shapes
-            engine = None
-            log(f"[validate] building the engine for {name} ...")
-            engine = build_engine(s.model, {k: v for k, v in kw.items() if k != "scheduling"})
-            engine_blocks = kw["num_kv_blocks"]
-            if cost_models:  # untimed: the first run of each program pays one-off costs
-                engine.scheduler = _fresh_scheduler(engine, "continuous")
-                warm = calibration_workload(s)[:s.max_num_seqs]
-                run_engine(engine, [SimRequest(0.0, r.prompt_token_ids, min(r.max_tokens, 8)) for r in warm], "warm")
-        if not cost_models:
-            log("[validate] calibrating the cost model on the real engine ...")
-            engine.scheduler = _fresh_scheduler(engine, "continuous")
-            cost_models = calibrate(engine, calibration_workload(s), f"calibrated on {s.model}, {os.uname().nodename}")
-            for k, cm in cost_models.items():
-                cm.save(os.path.join(out_dir, f"cost_model_{k}.json"))
-                log(f"[validate] cost model ({k} clock): {cm.coef}; fit {cm.fit}")
-        engine.scheduler = _fresh_scheduler(engine, kw["scheduling"])
+        engine.scheduler = _fresh_scheduler(engine, kw["scheduling"], kw["num_kv_blocks"])
         log(f"[validate] {name}: real engine ...")
         measured = run_engine(engine, seed, name)
         row: dict[str, Any] = {"case": name, "scheduling": kw["scheduling"], "num_kv_blocks": kw["num_kv_blocks"],
                                "max_num_seqs": kw["max_num_seqs"], "loadavg": os.getloadavg()}
         for clock in CLOCKS:
-            m, p = measured[clock], simulate(engine.config, engine.num_kv_blocks, seed, cost_models[clock])
+            m, p = measured[clock], simulate(engine.config, kw["num_kv_blocks"], seed, cost_models[clock])
             fig = {"measured_tok_s": m.tok_s, "predicted_tok_s": p.tok_s,
                    "measured_short_p99_s": m.latency("short")["p99"], "predicted_short_p99_s": p.latency("short")["p99"],
                    "measured_steps": m.steps, "predicted_steps": p.steps,
@@ -503,15 +496,16 @@ def _write_validation(out_dir: str, s: Sizes, cost_models: dict[str, CostModel],
     return report
 
 
-def _fresh_scheduler(engine, scheduling: str) -> Scheduler:
-    """A new scheduler on the same engine (same compiled programs and KV arrays): the
-    validation runs continuous and static without compiling twice."""
+def _fresh_scheduler(engine, scheduling: str, num_kv_blocks: int) -> Scheduler:
+    """A new scheduler on the same engine (same compiled programs and KV arrays), with
+    `num_kv_blocks` of them (at most the arrays' own): the validation runs continuous,
+    static and a tight KV budget without compiling twice."""
     import dataclasses
 
-    assert not engine.has_unfinished()
+    assert not engine.has_unfinished() and num_kv_blocks <= engine.num_kv_blocks
     engine.config = dataclasses.replace(engine.config, scheduling=scheduling)
     engine.runner.config = engine.config
-    return Scheduler(engine.config, engine.num_kv_blocks, engine.model_config.eos_token_ids)
+    return Scheduler(engine.config, num_kv_blocks, engine.model_config.eos_token_ids)
 
 
 # ---- --report: the seed's question at scale ---------------------------------------------

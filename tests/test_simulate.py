@@ -16,16 +16,21 @@ from engine import LLMEngine, EngineConfig, SamplingParams  # noqa: E402
 
 def workload() -> list[SimRequest]:
     """Arrival times are step numbers (the unit cost model: one step, one second)."""
-    lens = [(5, 3), (30, 12), (12, 1), (40, 20), (7, 9), (22, 30), (3, 2), (50, 6)]
-    return [SimRequest(float(2 * (i // 3)), [3 + (7 * i + j) % 500 for j in range(p)], n)
+    lens = [(5, 3), (30, 12), (12, 1), (40, 40), (7, 9), (22, 30), (3, 2), (50, 36), (33, 20), (9, 44)]
+    return [SimRequest(float(2 * (i // 3)), [3 + (7 * i + j) % 250 for j in range(p)], n)
             for i, (p, n) in enumerate(lens)]
 
 
-@pytest.mark.parametrize("case", [dict(scheduling="continuous"), dict(scheduling="static"),
-                                  dict(scheduling="continuous", max_model_len=64, num_kv_blocks=10, enable_chunked_prefill=True,
-                                       max_num_batched_tokens=16)], ids=["continuous", "static", "tight-chunked"])
+# The shapes of test_engine.py's engines, so the persistent compilation cache serves them.
+SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False)
+CASES = {"continuous": dict(scheduling="continuous"), "static": dict(scheduling="static"),
+         "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=32),
+         "tight-kv": dict(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128)}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_the_simulator_makes_the_real_engines_decisions_step_for_step(case):
-    kw = dict(max_num_seqs=3, max_model_len=96, block_size=8, num_kv_blocks=40, warmup=False) | case
+    kw = SMALL | case
     engine = LLMEngine(EngineConfig(model="tiny", **kw), log=lambda *_: None, record_trace=True)
     work = workload()
     pending = list(enumerate(work))
@@ -45,6 +50,8 @@ def test_the_simulator_makes_the_real_engines_decisions_step_for_step(case):
     assert sim.steps == engine.stats.num_steps and sim.preemptions == engine.stats.num_preemptions
     if "num_kv_blocks" in case:
         assert sim.preemptions > 0  # the tight case does exercise preemption
+    if case.get("enable_chunked_prefill"):
+        assert any(len(t.scheduled) > 1 and t.num_prefill_tokens for t in sim.trace)  # chunks beside decodes
     assert sim.makespan_s == sim.steps  # every step cost one unit
 
 
