@@ -103,7 +103,8 @@ class LLMEngine:
         log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
             f"of weights), dtype {np.dtype(loaded.dtype).name}, "
             f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
-            f"scheduling {config.scheduling} ({config.scheduling_policy}), chunked prefill {'on' if config.enable_chunked_prefill else 'off'}, "
+            f"scheduling {config.scheduling} ({config.scheduling_policy}), "
+            f"chunked prefill {'on' if config.enable_chunked_prefill else 'off'}, "
             f"prefix caching {'on' if config.enable_prefix_caching else 'off'}")
         log(describe(config, loaded.config, num_blocks, loaded.dtype))
         self.scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids)
