@@ -408,14 +408,13 @@ class Sizes:
     max_num_seqs: int
     max_model_len: int
     tight_kv_seqs: int  # the tight-KV case: blocks for this many max_model_len sequences
-    calib_requests: int
     calib_prompt_len: tuple[int, int]
     calib_mean: float
     calib_cap: int
 
 
-FULL = Sizes("bench", 32000, 100, 16, 512, (32, 256), 32, 1024, 6, 40, (16, 512), 128, 512)
-TINY = Sizes("tiny", 512, 12, 4, 24, (8, 24), 4, 64, 1, 10, (4, 40), 8, 24)
+FULL = Sizes("bench", 32000, 100, 16, 512, (32, 256), 32, 1024, 6, (16, 512), 48, 384)
+TINY = Sizes("tiny", 512, 12, 4, 24, (8, 24), 4, 64, 1, (4, 40), 8, 24)
 
 
 def engine_kw(s: Sizes, scheduling: str = "continuous", kv_seqs: float | None = None) -> dict[str, Any]:
@@ -425,9 +424,11 @@ def engine_kw(s: Sizes, scheduling: str = "continuous", kv_seqs: float | None = 
 
 
 def calibration_workload(s: Sizes) -> list[SimRequest]:
-    """Not the validation workloads: exponential output lengths and a wider prompt range,
-    so the fit sees decode steps of every row bucket and prefills of many sizes."""
-    reqs = exponential_mix(s.calib_requests, s.vocab_size, mean=s.calib_mean, cap=s.calib_cap,
+    """Not the validation workloads: 3 x max_num_seqs requests at t=0 with exponential
+    output lengths and a wide prompt range. The first max_num_seqs board in a few large
+    prefill steps; the rest join one or two at a time as seats free (small prefill steps
+    of many sizes), and the tail drains through every decode row bucket."""
+    reqs = exponential_mix(3 * s.max_num_seqs, s.vocab_size, mean=s.calib_mean, cap=s.calib_cap,
                            prompt_len=s.calib_prompt_len, seed=7)
     return [SimRequest(0.0, r.prompt_token_ids, r.max_tokens) for r in reqs]
 
@@ -517,12 +518,12 @@ REPORT_KV = (("tight", 0.25), ("half", 0.5), ("ample", 1.0))  # KV budget: this 
 def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...] = REPORT_SEQS,
            log: Callable[[str], None] = print, max_model_len: int = 1024) -> dict[str, Any]:
     """continuous/static tokens/s and short-request p99 for each max_num_seqs, KV budget
-    and cost model. The workload is the seed's mix scaled to the slots: 4 x max_num_seqs
+    and cost model. The workload is the seed's mix scaled to the slots: 2 x max_num_seqs
     requests (at least 100), all at t=0."""
     rows = []
     for cm_name, cm in cost_models.items():
         for n in seqs:
-            work = synthetic("seed", max(100, 4 * n), 32000)
+            work = synthetic("seed", max(100, 2 * n), 32000)
             for kv_name, frac in REPORT_KV:
                 blocks = max(int(frac * n) * math.ceil(max_model_len / 16), math.ceil(max_model_len / 16)) + 1
                 r = {"cost_model": cm_name, "max_num_seqs": n, "kv": kv_name, "num_kv_blocks": blocks}
