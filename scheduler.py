@@ -302,8 +302,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput) -> None:
         """Move waiting sequences to running, in the queue's order, while a slot, KV
         blocks and (continuous) the token budget allow; stop at the first that cannot go
-        and record why the rest wait. Continuous schedules the first chunk at once; static boards the whole batch
-        and prefills it over the next steps."""
+        and record why the rest wait. Continuous schedules the first chunk at once;
+        static boards the whole batch and prefills it over the next steps."""
         cfg = self.config
         # As vLLM: a step that preempted running sequences for blocks admits nobody.
         reason = "kv_blocks" if self._room_preempted else None
