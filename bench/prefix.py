@@ -23,14 +23,17 @@ Sections (--sections, comma separated; default all):
              are --turn-output (64) tokens. All conversations' turn k arrive together once turn
              k-1 is done. TTFT p50 of the last turn; target >= 3x lower.
   mix        no sharing: the seed's mix (common.seed_mix, random prompts of 32..256 tokens,
-             half --mix-short, half --mix-long output tokens), --mix-requests requests at 32
-             slots. Both engines stay alive and run alternately --mix-repeats times (the
-             cache reset before each run); best output tokens/s of each. Target: on within
-             3% of off.
+             half --mix-short, half --mix-long output tokens), --mix-requests requests.
+             Off and on run alternately --mix-repeats times each (a fresh engine per run,
+             so nothing is cached from the last); best output tokens/s of each, and output
+             tokens per CPU-second of the process (less sensitive to other work on a shared
+             machine). Target: on within 3% of off.
 
-KV cache: each section gets enough blocks for all of its requests at once *without*
-sharing, so the run with caching off is never short of KV and the comparison is compute
-only. Writes <out>/prefix.json and <out>/prefix.md.
+Every engine has one configuration (`shape()`): max_num_seqs, max_model_len and KV blocks
+are the largest any section needs, so the step programs compile once (warm-up of the
+first engine) and every later engine loads them from the compilation cache. KV holds all
+of a section's requests at once *without* sharing: the run with caching off is never
+short of KV and the comparison is compute only. Writes <out>/prefix.json and prefix.md.
 """
 
 from __future__ import annotations
@@ -97,14 +100,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def build(a: argparse.Namespace, caching: bool, max_num_seqs: int, max_model_len: int, num_tokens: int, log):
-    """An LLM sized so that num_tokens (every request of the section, no sharing) fit in KV."""
+def shape(a: argparse.Namespace) -> dict[str, int]:
+    """The one engine shape every section runs on (see the module doc)."""
+    mix = seed_mix(a.mix_requests, vocab(a), short=a.mix_short, long=a.mix_long, seed=a.seed)
+    need = {  # section -> (sequences at once, longest sequence, all tokens at once)
+        "shared": (a.shared_requests, a.system_len + a.question_len + a.shared_output),
+        "multiturn": (a.conversations, multiturn_len(a)),
+        "mix": (a.mix_requests, max(len(r.prompt_token_ids) + r.max_tokens for r in mix)),
+    }
+    # Over all sections, even those not run: a rerun of one section finds its programs compiled.
+    seqs = max(n for n, _ in need.values())
+    max_len = max(length for _, length in need.values())
+    blocks = max(n * math.ceil(length / BLOCK) for n, length in need.values())
+    return dict(max_num_seqs=seqs, max_model_len=max_len, num_kv_blocks=blocks + 1)
+
+
+def multiturn_len(a: argparse.Namespace) -> int:
+    return a.first_len + (a.turns - 1) * a.question_len + a.turns * a.turn_output
+
+
+def build(a: argparse.Namespace, caching: bool, log):
     from engine import LLM
 
-    llm = LLM(a.model, log=lambda s: log(f"    [engine] {s}"), dtype="float32", seed=a.seed,
-              max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=BLOCK,
-              num_kv_blocks=math.ceil(num_tokens / BLOCK) + max_num_seqs + 1,
-              enable_chunked_prefill=a.chunked_prefill, enable_prefix_caching=caching)
+    llm = LLM(a.model, log=lambda s: log(f"    [engine] {s}"), dtype="float32", seed=a.seed, block_size=BLOCK,
+              enable_chunked_prefill=a.chunked_prefill, enable_prefix_caching=caching, **a.shape)
     llm.generate([[1] * 8, [2] * 8], params([2, 2]), use_tqdm=False)  # first dispatches, untimed
     llm.reset_prefix_cache()
     return llm
@@ -148,10 +167,9 @@ def section_shared(a: argparse.Namespace, log) -> dict[str, Any]:
     v = vocab(a)
     system = [rng.randrange(3, v) for _ in range(a.system_len)]
     prompts = [system + [rng.randrange(3, v) for _ in range(a.question_len)] for _ in range(a.shared_requests)]
-    max_len = a.system_len + a.question_len + a.shared_output
     runs = {}
     for mode in ("off", "on"):
-        llm = build(a, mode == "on", a.shared_requests, max_len, a.shared_requests * max_len, log)
+        llm = build(a, mode == "on", log)
         runs[mode] = timed(llm, prompts, [a.shared_output] * len(prompts))
         del llm
         gc.collect()
@@ -168,10 +186,9 @@ def section_multiturn(a: argparse.Namespace, log) -> dict[str, Any]:
     firsts = [[rng.randrange(3, v) for _ in range(a.first_len)] for _ in range(a.conversations)]
     news = [[[rng.randrange(3, v) for _ in range(a.question_len)] for _ in range(a.conversations)]
             for _ in range(a.turns - 1)]
-    max_len = a.first_len + (a.turns - 1) * a.question_len + a.turns * a.turn_output
     runs = {}
     for mode in ("off", "on"):
-        llm = build(a, mode == "on", a.conversations, max_len, a.conversations * max_len, log)
+        llm = build(a, mode == "on", log)
         convs = [list(f) for f in firsts]
         turns = []
         for k in range(a.turns):
@@ -191,17 +208,14 @@ def section_multiturn(a: argparse.Namespace, log) -> dict[str, Any]:
 def section_mix(a: argparse.Namespace, log) -> dict[str, Any]:
     reqs = seed_mix(a.mix_requests, vocab(a), short=a.mix_short, long=a.mix_long, seed=a.seed)
     prompts, max_tokens = [r.prompt_token_ids for r in reqs], [r.max_tokens for r in reqs]
-    max_len = max(len(p) for p in prompts) + a.mix_long
-    total = sum(len(p) + n for p, n in zip(prompts, max_tokens))
-    llms = {mode: build(a, mode == "on", 32, max_len, total, log) for mode in ("off", "on")}
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     for i in range(a.mix_repeats):
-        for mode in ("off", "on"):
-            llms[mode].reset_prefix_cache()  # every run starts cold: no hits from the last one
-            runs[mode].append(timed(llms[mode], prompts, max_tokens))
+        for mode in ("off", "on"):  # one engine alive at a time: the KV cache is the largest section's
+            llm = build(a, mode == "on", log)
+            runs[mode].append(timed(llm, prompts, max_tokens))
+            del llm
+            gc.collect()
             log(line(f"mix {mode} #{i + 1}", runs[mode][-1]))
-    del llms
-    gc.collect()
     best = {m: max(rs, key=lambda r: r["tok_s"]) for m, rs in runs.items()}
     best_cpu = {m: max(r["tok_per_cpu_s"] for r in rs) for m, rs in runs.items()}
     return dict(runs=runs, best=best, ratios=dict(tok_s=best["on"]["tok_s"] / best["off"]["tok_s"],
@@ -258,6 +272,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    a.shape = shape(a)
+    log(f"engine shape for every run: {a.shape}, block size {BLOCK}, chunked prefill "
+        f"{'on' if a.chunked_prefill else 'off'}")
     res: dict[str, Any] = dict(bench="prefix", args=vars(a), machine=machine_info(),
                                loadavg_start=os.getloadavg()[0], sections={})
     run = {"shared": section_shared, "multiturn": section_multiturn, "mix": section_mix}
