@@ -65,3 +65,28 @@ def test_the_cost_model_fit_recovers_known_coefficients_and_round_trips(tmp_path
         assert fit.coef[prog] == pytest.approx(truth.coef[prog], rel=1e-6, abs=1e-9)
     fit.save(str(tmp_path / "cm.json"))
     assert CostModel.load(str(tmp_path / "cm.json")).coef == fit.coef
+
+
+def test_the_command_line_replays_a_recorded_log_and_writes_the_report(tmp_path):
+    """No model: a JSON request log (bench/mixed.py's per-request records) through the
+    priority policy, and the scale report (one slot count) with its table and plot."""
+    import json
+
+    from simulate import load_workload, main
+
+    log = {"variants": {"continuous": {"per_request": [
+        {"class": "short" if i % 2 else "long", "max_tokens": 4 if i % 2 else 40, "prompt_len": 20 + i,
+         "start": 1.5 + 0.01 * i} for i in range(12)]}}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(log))
+    work = load_workload(str(path))
+    assert [r.arrival_s for r in work][:2] == [0.0, pytest.approx(0.01)] and len(work[3].prompt_token_ids) == 23
+    out = tmp_path / "sim"
+    assert main(["--workload", str(path), "--cost-model", "gpu-like", "--scheduling-policy", "priority",
+                 "--priority-fraction", "0.5", "--max-num-seqs", "4", "--out", str(out)]) == 0
+    summary = json.loads((out / "simulate.json").read_text())
+    assert summary["output_tokens"] == 6 * 4 + 6 * 40 and set(summary["per_class"]) == {"short", "long"}
+    assert set(summary["per_priority"]) == {"-1", "0"}
+    assert main(["--report", "--report-seqs", "8", "--cost-model", "gpu-like", "--out", str(out)]) == 0
+    assert (out / "simulate_scales.png").stat().st_size > 0
+    assert (out / "simulate_report.md").read_text().count("| GPU-like | 8 |") == 3
