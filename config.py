@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Scheduling = Literal["continuous", "static"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 KVAdmission = Literal["on-demand", "reserve", "reserve-max-len"]
 AttentionBackend = Literal["auto", "pallas", "xla"]
 
@@ -39,7 +40,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True  # vLLM V1's default; --no-enable-chunked-prefill turns it off
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix (vLLM V1's default)
     scheduling: Scheduling = "continuous"
+    scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's --scheduling-policy: admission order, KV victim
     kv_admission: KVAdmission = "on-demand"
     attention_backend: AttentionBackend = "auto"
     max_waiting_requests: int | None = None
@@ -61,6 +64,8 @@ class EngineConfig:
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0 bytes")
         need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.scheduling in ("continuous", "static"), f"scheduling must be continuous or static, got {self.scheduling!r}")
+        need(self.scheduling_policy in ("fcfs", "priority"),
+             f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         need(self.kv_admission in ("on-demand", "reserve", "reserve-max-len"),
              f"kv_admission must be on-demand, reserve or reserve-max-len, got {self.kv_admission!r}")
         need(self.attention_backend in ("auto", "pallas", "xla"),

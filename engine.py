@@ -25,7 +25,7 @@ import numpy as np
 
 from config import MAX_LOGPROBS, EngineConfig, SamplingParams
 from kvcache import create_kv_caches, describe, measure_activation_bytes, num_kv_blocks_for
-from metrics import WAIT_REASONS, EngineStats
+from metrics import WAIT_REASONS, EngineStats, StepTrace
 from model import LoadedModel, load_model, param_bytes
 from runner import ModelRunner, StepResult
 from scheduler import Scheduler, ScheduledSeq, SchedulerOutput, Sequence
@@ -60,6 +60,7 @@ class RequestOutputDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
 
 @dataclass
@@ -76,22 +77,7 @@ class RequestOutput:
     first_token_time: float | None
     finished_time: float
     num_preemptions: int
-
-
-@dataclass
-class StepTrace:
-    """One step as the scheduler decided it: what tests and researchers read to see
-    who was in the batch, who left, who joined."""
-
-    step: int
-    scheduled: list[tuple[str, int]]  # (request id, tokens computed for it this step)
-    sampled: list[str]  # requests that got a token
-    released: list[str]  # requests whose result was released (left the batch)
-    preempted: list[str]
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int
-    num_waiting: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (vLLM's field)
 
 
 class LLMEngine:
@@ -122,7 +108,9 @@ class LLMEngine:
         log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
             f"of weights), dtype {np.dtype(loaded.dtype).name}, "
             f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
-            f"scheduling {config.scheduling}, chunked prefill {'on' if config.enable_chunked_prefill else 'off'}")
+            f"scheduling {config.scheduling} ({config.scheduling_policy}), "
+            f"chunked prefill {'on' if config.enable_chunked_prefill else 'off'}, "
+            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}")
         log(describe(config, loaded.config, num_blocks, loaded.dtype))
         self.scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids)
         if runner is None:
@@ -136,8 +124,13 @@ class LLMEngine:
             self.runner.warmup(log)
 
     # ---- requests ------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
         """Config-only checks, safe from any thread; raises ValueError saying why."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} was given, but priority scheduling is not enabled "
+                             "(--scheduling-policy priority)")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -153,12 +146,13 @@ class LLMEngine:
                              f"{n + params.max_tokens} tokens, over max_model_len ({self.config.max_model_len})")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Sequence:
-        self.validate(prompt_token_ids, params)
+                    arrival_time: float | None = None, priority: int = 0) -> Sequence:
+        """priority: with --scheduling-policy priority, lower runs first (ties by arrival)."""
+        self.validate(prompt_token_ids, params, priority)
         if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
         seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority)
         # A request without a seed still gets its own stream, drawn from the engine's seed;
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
@@ -173,78 +167,57 @@ class LLMEngine:
         if seq is not None:
             seq.finish_reason = reason
             now = time.monotonic()
-            with self.stats.lock:
-                if reason == "stop":
-                    self._release(seq, None, now)
-                else:
-                    seq.finished_time = now
-                    self.stats.request_success[reason] += 1
+            self.stats.record_finished(seq, now, latency=reason == "stop")
             self._refresh_gauges()
         return seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache). False, and nothing
+        changed, while a request holds KV blocks."""
+        ok = self.scheduler.reset_prefix_cache()
+        self.log(f"prefix cache {'reset' if ok else 'NOT reset: requests still hold KV blocks'}")
+        return ok
+
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
-        """schedule -> run -> postprocess. Returns one delta per request that produced a
+        """schedule -> run -> update. Returns one delta per request that produced a
         token or whose result was released this step."""
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            # Nothing to run, but update() may still release a static batch whose last
-            # running member was aborted.
-            released = self.scheduler.update(out, {})
-            now = time.monotonic()
-            with self.stats.lock:
-                deltas = [self._release(seq, None, now) for seq in released]
-            self._refresh_gauges()
-            return deltas
         scheduled_at = time.monotonic()
-        try:
-            result = self.runner.execute(out, self.scheduler.num_running)
-        except Exception as e:
-            result = self._isolate_failure(out, e)
+        # An empty step runs nothing, but update() may still release a static batch whose
+        # last running member was aborted.
+        result = None
+        if out.scheduled:
+            try:
+                result = self.runner.execute(out, self.scheduler.num_running)
+            except Exception as e:
+                result = self._isolate_failure(out, e)
         sampled = {sch.seq.request_id: int(result.tokens[i]) for i, sch in enumerate(out.scheduled) if sch.samples}
-        logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)
-        now = time.monotonic()
-        deltas: dict[str, RequestOutputDelta] = {}
-        with self.stats.lock:
-            st = self.stats
-            st.num_steps += 1
-            st.num_decode_steps += out.is_decode_only
-            st.useful_slot_steps += len(out.scheduled)
-            st.total_slot_steps += self.config.max_num_seqs
-            st.prefill_tokens += out.num_prefill_tokens
-            st.decode_tokens += out.num_decode_tokens
-            st.num_preemptions += len(out.preempted)
-            st.generation_tokens += len(sampled)
-            st.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
-            for sch in out.scheduled:
-                seq = sch.seq
-                if seq.first_scheduled_time is None:  # its first step: it stops queueing
-                    seq.first_scheduled_time = scheduled_at
-                    st.request_queue_time.observe(scheduled_at - seq.arrival_time)
-                if not sch.samples:
-                    continue
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                    st.time_to_first_token.observe(now - seq.arrival_time)
-                    st.prompt_tokens += seq.num_prompt_tokens  # as vLLM V1: once its prefill completes
-                else:
-                    st.inter_token_latency.observe(now - seq.last_token_time)
-                seq.last_token_time = now
-                rid = seq.request_id
-                deltas[rid] = RequestOutputDelta(rid, [sampled[rid]], [logprobs[rid]] if rid in logprobs else None,
-                                                 False, None, seq.num_prompt_tokens, seq.num_output_tokens)
-            for seq in released:
-                deltas[seq.request_id] = self._release(seq, deltas.get(seq.request_id), now)
+        self.stats.record_step(out, sampled, released, scheduled_at, time.monotonic(), self.config)
         self._refresh_gauges()
-        if self.trace is not None:
-            self.trace.append(StepTrace(
-                self.stats.num_steps, [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled], list(sampled),
-                [s.request_id for s in released], [s.request_id for s in out.preempted], out.num_prefill_tokens,
-                out.num_decode_tokens, self.scheduler.num_running, self.scheduler.num_waiting))
+        if self.trace is not None and out.scheduled:
+            self.trace.append(StepTrace.of(self.stats.num_steps, out, sampled, released, self.scheduler.num_running,
+                                           self.scheduler.num_waiting))
+        return self._deltas(out, sampled, self._logprobs(out.scheduled, result), released)
+
+    def _deltas(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprob],
+                released: list[Sequence]) -> list[RequestOutputDelta]:
+        deltas: dict[str, RequestOutputDelta] = {}
+        for sch in out.scheduled:
+            seq, rid = sch.seq, sch.seq.request_id
+            if sch.samples:
+                deltas[rid] = RequestOutputDelta(rid, [sampled[rid]], [logprobs[rid]] if rid in logprobs else None,
+                                                 False, None, seq.num_prompt_tokens, seq.num_output_tokens,
+                                                 max(seq.num_cached_tokens, 0))
+        for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
+            d = deltas.setdefault(seq.request_id, RequestOutputDelta(
+                seq.request_id, [], None, False, None, seq.num_prompt_tokens, seq.num_output_tokens,
+                max(seq.num_cached_tokens, 0)))
+            d.finished, d.finish_reason = True, seq.finish_reason
         return list(deltas.values())
 
     # ---- issue 9: one request's bad inputs end that request, not the engine -------------
@@ -280,9 +253,8 @@ class LLMEngine:
         for rid, _ in self.failed:
             seq = self.scheduler.abort(rid)
             if seq is not None:
-                seq.finished_time = time.monotonic()
-                with self.stats.lock:
-                    self.stats.request_success["abort"] += 1
+                seq.finish_reason = "abort"
+                self.stats.record_finished(seq, time.monotonic(), latency=False)
         out.scheduled = ok
         out.num_decode_tokens = sum(1 for s in ok if s.seq.is_decode)
         out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens
@@ -293,19 +265,8 @@ class LLMEngine:
             logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
         return StepResult(np.asarray(tokens, np.int32), logprobs)
 
-    def _release(self, seq: Sequence, delta: RequestOutputDelta | None, now: float) -> RequestOutputDelta:
-        """A finished request leaves: record it, mark its (possibly empty) delta final.
-        Called with the stats lock held."""
-        seq.finished_time = now
-        self.stats.e2e_request_latency.observe(now - seq.arrival_time)
-        self.stats.request_success[seq.finish_reason] += 1
-        d = delta or RequestOutputDelta(seq.request_id, [], None, False, None, seq.num_prompt_tokens,
-                                        seq.num_output_tokens)
-        d.finished, d.finish_reason = True, seq.finish_reason
-        return d
-
-    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult) -> dict[str, TokenLogprob]:
-        if result.logprobs is None:
+    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult | None) -> dict[str, TokenLogprob]:
+        if result is None or result.logprobs is None:
             return {}
         tok_lp, top_ids, top_lp = result.logprobs
         out = {}
@@ -385,24 +346,31 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """priority: one integer per prompt (vLLM's), with scheduling_policy="priority"."""
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         # Every prompt is checked before any is added: a bad one leaves nothing queued.
         encoded = [self._encode(prompt) for prompt in prompts]
-        for i, (ids, p) in enumerate(zip(encoded, plist)):
+        for i, (ids, p, prio) in enumerate(zip(encoded, plist, priorities)):
             try:
-                self.engine.validate(ids, p)
+                self.engine.validate(ids, p, prio)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         seqs: dict[str, Sequence] = {}
-        for ids, p in zip(encoded, plist):
+        for ids, p, prio in zip(encoded, plist, priorities):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            seqs[rid] = self.engine.add_request(rid, ids, p)
+            seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio)
         done: set[str] = set()
         logprobs: dict[str, list[TokenLogprob]] = {}
         bar = None
@@ -443,7 +411,7 @@ class LLM:
                                  self.engine.model_config.eos_token_ids)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
                              seq.finish_reason, logprobs, seq.arrival_time, seq.first_token_time,
-                             seq.finished_time, seq.num_preemptions)
+                             seq.finished_time, seq.num_preemptions, max(seq.num_cached_tokens, 0))
 
 
 def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,
@@ -512,9 +480,9 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
-                    ) -> AsyncIterator[RequestOutputDelta]:
-        self.engine.validate(prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    priority: int = 0) -> AsyncIterator[RequestOutputDelta]:
+        self.engine.validate(prompt_token_ids, params, priority)
         if self._stop.is_set():
             raise RuntimeError("the engine is shutting down")
         if self.error is not None:
@@ -530,7 +498,7 @@ class AsyncEngine:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
-            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic())))
+            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority)))
             self._num_waiting_inbox += 1
         self._wake.set()
         return self._stream(request_id, queue)
@@ -555,6 +523,16 @@ class AsyncEngine:
             self._inbox.append(("abort", (request_id, reason)))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine.reset_prefix_cache, run on the loop thread between two steps."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop died: {self.error!r}")
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._inbox.append(("reset_prefix_cache", done))
+        self._wake.set()
+        return await done
+
     # ---- the loop thread -----------------------------------------------------------
     def _deliver(self, delta: RequestOutputDelta) -> None:
         with self._lock:
@@ -570,20 +548,23 @@ class AsyncEngine:
             self._inbox.clear()
         for kind, arg in work:
             if kind == "add":
-                rid, prompt, params, arrival = arg
+                rid, prompt, params, arrival, priority = arg
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority)
                 except ValueError as e:  # validated already; a scheduler-level refusal
                     self._fail(rid, e)
                 finally:
                     with self._lock:
                         self._num_waiting_inbox -= 1
+            elif kind == "reset_prefix_cache":
+                ok = self.engine.reset_prefix_cache()
+                self._loop.call_soon_threadsafe(lambda f=arg, ok=ok: f.done() or f.set_result(ok))
             else:
                 rid, reason = arg
                 seq = self.engine.abort(rid, reason)
                 if seq is not None:
                     self._deliver(RequestOutputDelta(rid, [], None, True, reason, seq.num_prompt_tokens,
-                                                     seq.num_output_tokens))
+                                                     seq.num_output_tokens, max(seq.num_cached_tokens, 0)))
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End one request's stream with an error (the engine goes on)."""

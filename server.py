@@ -6,7 +6,7 @@
     python server.py --model /path/to/hf_dir   # a checkpoint, its tokenizer and chat template
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-GET /v1/models, GET /health, GET /metrics (Prometheus text).
+GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache.
 
 The engine speaks token ids only; everything textual happens here: tokenizing prompts,
 chat templates, incremental detokenization and stop strings. A request the server no
@@ -144,13 +144,14 @@ class Generation:
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, stop: list[str]) -> None:
+                 params: SamplingParams, stop: list[str], priority: int = 0) -> None:
         self.engine, self.request_id = engine, request_id
         self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop, params,
                                                   self.engine.model_config.eos_token_ids)
         try:
-            self.stream = self.engine.add_request(request_id, prompt_ids, params)
+            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -164,6 +165,7 @@ class Generation:
         done = False
         try:
             async for delta in self.stream:
+                self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
                 text, stopped = self.detokenizer.push(delta.new_token_ids, final=delta.finished)
                 if stopped and not delta.finished:
                     self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
@@ -193,14 +195,16 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     include_usage = field(stream_options, "include_usage", (bool,), False)
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    gen = Generation(engine, request_id, prompt_ids, params, stop)
+    priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
+    gen = Generation(engine, request_id, prompt_ids, params, stop, priority)
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
     model = body.get("model") or app["model_names"][0]  # read_body checked it
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
 
     def usage(completion_tokens: int) -> dict:
         return {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": gen.num_prompt_tokens + completion_tokens}
+                "total_tokens": gen.num_prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens}}
 
     def logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict | None:
         if lps is None:
@@ -305,6 +309,17 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's POST /reset_prefix_cache: 200 once every cached prefix is forgotten; 409
+    while requests hold KV blocks (nothing is reset then)."""
+    if request.query:
+        raise ApiError(f"query parameters are not supported here, got {sorted(request.query)}")
+    if not await request.app["engine"].reset_prefix_cache():
+        raise ApiError("the prefix cache cannot be reset while requests hold KV blocks; retry when idle", 409,
+                       type="conflict_error")
+    return web.Response(status=200)
+
+
 async def metrics(request: web.Request) -> web.Response:
     data = generate_latest(request.app["registry"])
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -318,7 +333,7 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         if app["stopping"].is_set():
             raise ApiError("server is shutting down", status=503, type="service_unavailable")
         key = app["api_key"]
-        if key and request.path.startswith("/v1/") and not hmac.compare_digest(  # constant time
+        if key and (request.path.startswith("/v1/") or request.path == "/reset_prefix_cache") and not hmac.compare_digest(  # constant time
                 request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
             raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
                            type="authentication_error", code="invalid_api_key")
@@ -349,6 +364,8 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (to be recomputed)."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache (first admissions)."),
     ("num_compilations", "num_compilations", "XLA compilations of step functions."),
     ("num_steps", "num_steps", "Engine steps."),
     ("num_decode_steps", "num_decode_steps", "Engine steps that carried no prompt tokens."),
@@ -408,6 +425,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
 
 
@@ -424,7 +442,10 @@ _HELP = {  # EngineConfig fields; config.py says more
     "gpu_memory_utilization": "fraction of device memory for weights, activations and the KV cache",
     "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
+    "enable_prefix_caching": "reuse the cached KV blocks of a shared prompt prefix",
     "scheduling": "continuous (iteration-level) or static (the whole batch leaves together)",
+    "scheduling_policy": "fcfs (arrival order) or priority (the request's 'priority' field, lower first; "
+                         "may preempt lower-priority running requests)",
     "kv_admission": "on-demand (grow, preempt when out), reserve (prompt + max_tokens), reserve-max-len",
     "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",

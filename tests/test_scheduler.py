@@ -218,7 +218,8 @@ def test_without_chunking_a_step_that_admits_a_prompt_stalls_the_decodes():
 
 
 def test_chunked_prefill_splits_a_long_prompt_decodes_first_within_the_budget():
-    s = make(max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    # Prefix caching off: the two prompts start alike (tests/test_prefix_cache.py covers sharing).
+    s = make(max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=False)
     s.add(seq("streaming", max_tokens=50))
     step(s)
     s.add(seq("long", prompt_len=50))
@@ -254,7 +255,7 @@ def test_waiting_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back():
 
 
 def test_waiting_reports_token_budget_when_the_step_is_full():
-    s = make(max_num_seqs=4, max_model_len=32, max_num_batched_tokens=32)
+    s = make(max_num_seqs=4, max_model_len=32, max_num_batched_tokens=32, enable_prefix_caching=False)
     s.add(seq("a", prompt_len=20))
     s.add(seq("b", prompt_len=20))
     out, _ = step(s)
@@ -306,15 +307,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(scheduling=st.sampled_from(["continuous", "static"]),
                 kv_admission=st.sampled_from(["on-demand", "reserve", "reserve-max-len"]),
                 chunked=st.booleans(), max_num_seqs=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
-                max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 4), budget_extra=st.integers(0, 16))
+                max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 4), budget_extra=st.integers(0, 16),
+                prefix_caching=st.booleans())
     def setup(self, scheduling, kv_admission, chunked, max_num_seqs, block_size, max_model_len, spare_blocks,
-              budget_extra):
+              budget_extra, prefix_caching):
         # Just enough blocks for one max_model_len sequence, plus a few: preemption is common.
         num_blocks = blocks_needed(max_model_len, block_size) + 1 + spare_blocks
         floor = max_num_seqs if chunked else max_model_len
         self.s = make(max_num_seqs, block_size, max_model_len, num_blocks, scheduling=scheduling,
                       kv_admission=kv_admission, enable_chunked_prefill=chunked,
-                      max_num_batched_tokens=floor + budget_extra)
+                      max_num_batched_tokens=floor + budget_extra, enable_prefix_caching=prefix_caching)
         self.seqs: list[Sequence] = []
         self.released: list[Sequence] = []
 

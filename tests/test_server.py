@@ -366,7 +366,7 @@ METRIC_NAMES = (
     [f"taxirank:{g}" for g in ("num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason",
                                "kv_cache_usage_perc", "slot_utilization")]
     + [f"taxirank:{c}_total" for c in ("num_preemptions", "prompt_tokens", "generation_tokens",
-                                       "request_success", "num_compilations", "num_steps", "prefill_tokens",
+                                       "prefix_cache_queries", "prefix_cache_hits", "request_success", "num_compilations", "num_steps", "prefill_tokens",
                                        "decode_tokens", "padded_tokens")]
     + [f"taxirank:{h}{suffix}" for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                                          "e2e_request_latency_seconds", "request_queue_time_seconds",
@@ -397,6 +397,30 @@ def test_counters_move_by_exactly_what_was_served(server: Server, client: openai
     assert delta("prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta("generation_tokens_total") == sum(u.completion_tokens for u in usages) == 3 + 7 + 5 + 4
     assert delta("e2e_request_latency_seconds_count") == 4
+
+
+def test_prefix_cache_hits_show_in_cached_tokens_and_metrics_and_reset_forgets_them(
+        server: Server, client: openai.OpenAI) -> None:
+    wait_idle(server)
+    assert request(server, "POST", "/reset_prefix_cache", key=None)[0] == 401  # --api-key guards it too
+    assert request(server, "POST", "/reset_prefix_cache?reset_running_requests=true")[0] == 400
+    assert request(server, "POST", "/reset_prefix_cache") == (200, "")
+    before = scrape(server)
+    prompt = list(range(3, 43))  # 40 tokens: 2 full blocks of 16 can be reused, never the last token
+
+    def cached() -> int:
+        return client.completions.create(prompt=prompt, max_tokens=2, **greedy()).usage.prompt_tokens_details.cached_tokens
+    assert [cached(), cached()] == [0, 32]
+    after = scrape(server)
+    assert metric(after, "prefix_cache_queries_total") - metric(before, "prefix_cache_queries_total") == 80
+    assert metric(after, "prefix_cache_hits_total") - metric(before, "prefix_cache_hits_total") == 32
+    with open_stream(server, {"model": "tiny", "prompt": "x", "max_tokens": LONG, "ignore_eos": True}) as events:
+        next(events)  # in flight: it holds KV blocks, so nothing may be reset
+        status, body = request(server, "POST", "/reset_prefix_cache")
+        assert status == 409 and "hold KV blocks" in body["error"]["message"]
+    wait_idle(server)
+    assert request(server, "POST", "/reset_prefix_cache") == (200, "")
+    assert cached() == 0
 
 
 # ---- shutdown ---------------------------------------------------------------------------
@@ -493,3 +517,14 @@ def test_without_a_tokenizer_text_prompts_chat_and_stop_strings_are_refused() ->
         assert e.value.status == 400 and "tokenizer" in str(e.value)
     assert parse_prompt({"prompt": [1, 2, 3]}, None, 512) == [1, 2, 3]
     assert IncrementalDetokenizer(None, [1], []).push([5], final=True) == ("", False)
+
+
+def test_priority_is_an_extra_field_of_both_endpoints_checked_where_it_enters(server: Server) -> None:
+    """vLLM's `priority`: an integer; this server runs fcfs, so only 0 (the default) is taken."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat)):
+        status, err = request(server, "POST", path, body | {"priority": "high"})
+        assert status == 400 and err["error"]["param"] == "priority", err
+        status, err = request(server, "POST", path, body | {"priority": 3})
+        assert status == 400 and "--scheduling-policy priority" in err["error"]["message"], err
+        assert request(server, "POST", path, body | {"priority": 0})[0] == 200
