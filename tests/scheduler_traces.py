@@ -52,6 +52,8 @@ def make_scheduler(overrides: dict[str, Any], **extra: Any) -> Scheduler:
     # Recorded before prefix caching existed: a preempted sequence would find its own
     # freed blocks in the cache and recompute less.
     kw.setdefault("enable_prefix_caching", False)
+    # ... and while chunked prefill was off by default (issue 9 made it vLLM V1's default).
+    kw.setdefault("enable_chunked_prefill", False)
     cfg = EngineConfig(max_num_seqs=MAX_NUM_SEQS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                        **kw, **extra).resolved(MAX_MODEL_LEN)
     per_seq = blocks_needed(MAX_MODEL_LEN, BLOCK_SIZE)
