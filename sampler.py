@@ -51,17 +51,20 @@ def fill_slot(arrays: dict[str, np.ndarray], slot: int, params: SamplingParams, 
 
 
 def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Temperature, then top-k, top-p and min-p filters on one descending sort, then a
-    Gumbel-max draw from each slot's own key."""
+    """vLLM's order: temperature, min_p, top_k, then top_p on the mass the first two
+    leave; all on one descending sort, then a Gumbel-max draw from each slot's own key."""
     S, V = logits.shape
     scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
     sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)  # descending
     rank = jnp.arange(V)[None, :]
     keep = (t.top_k[:, None] < 0) | (rank < t.top_k[:, None])
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # min_p and top_k both keep a prefix of the sort, so they commute, and p / p_max does
+    # not depend on renormalisation: min_p on the top-k mass is min_p on the whole.
+    keep &= probs >= t.min_p[:, None] * probs[:, :1]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     # top_p: keep the smallest prefix whose mass reaches top_p (the first token always).
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]
-    keep &= probs >= t.min_p[:, None] * probs[:, :1]
     filtered = jnp.where(keep, sorted_logits, -jnp.inf)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(t.seed, t.step)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)

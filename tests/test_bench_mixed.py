@@ -3,22 +3,15 @@ a handful of requests, and results.json, report.md and the plots say what the fu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, load_bench
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_mixed", os.path.join(ROOT, "bench", "mixed.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("mixed")
 
 
 def test_parse_metrics_reads_taxirank_and_vllm_names():

@@ -72,13 +72,16 @@ def test_static_slot_steps_follow_the_seed_arithmetic():
 
 
 def test_too_few_kv_blocks_preempts_and_recomputes_to_the_same_tokens():
+    """Greedy and seeded requests alike: a seeded request's key is fold_in(seed, tokens
+    generated), so after its recompute it resumes the same stream (sampler.py's claim)."""
     ps = prompts(4, seed=3, lo=20, hi=40)
-    params = [greedy(60)] * 4
+    params = [greedy(60), SamplingParams(max_tokens=60, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)] * 2
     ample = [o.token_ids for o in make_llm().generate(ps, params)]
     # 4 sequences of up to ~100 tokens need ~28 blocks of 16; give 14 (one is the null block)
     tight = make_llm(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128)
     outs = tight.generate(ps, params)
     assert tight.stats.num_preemptions > 0
+    assert any(o.num_preemptions for o, p in zip(outs, params) if not p.greedy), "a seeded request was preempted"
     assert [o.finish_reason for o in outs] == ["length"] * 4
     assert [o.token_ids for o in outs] == ample
     assert tight.engine.scheduler.allocator.num_used == 0

@@ -112,16 +112,11 @@ def test_engine_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back(admi
 # ---- bench/stutter.py, at a smoke size -------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_stutter_bench_tiny_run_writes_the_figures_and_the_plot(tmp_path):
-    import importlib.util
     import json
-    import os
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_stutter", os.path.join(root, "bench", "stutter.py"))
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    from conftest import load_bench
+
+    bench = load_bench("stutter")
     bench.main(["--tiny", "--users", "2", "--prompt-len", "120", "--budget", "32", "--user-prompt-len", "8",
                 "--steady-steps", "2", "--window", "2", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "stutter.json").read_text())
