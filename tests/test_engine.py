@@ -109,19 +109,6 @@ def test_chunked_prefill_gives_the_same_greedy_tokens(prompt_len):
     assert all(t.num_prefill_tokens + t.num_decode_tokens <= 32 for t in chunked_llm.engine.trace)
 
 
-def test_no_compilation_after_warmup_during_a_mixed_workload():
-    llm = make_llm(warmup=True, max_num_batched_tokens=64, max_num_seqs=4, enable_chunked_prefill=True)
-    compiled = llm.stats.num_compilations
-    assert compiled == len(llm.engine.config.decode_buckets) + len(llm.engine.config.token_buckets)
-    ps = prompts(10, seed=5, lo=1, hi=120)
-    params = [SamplingParams(max_tokens=int(n), temperature=t, top_p=0.9, top_k=k, seed=i, logprobs=lp, ignore_eos=True)
-              for i, (n, t, k, lp) in enumerate(zip([1, 5, 20, 3, 40, 8, 2, 13, 6, 9], [0, 0.7, 1.0] * 4,
-                                                    [-1, 5, 50] * 4, [None, 3, None, 1] * 3))]
-    outs = llm.generate(ps, params)
-    assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
-    assert llm.stats.num_compilations == compiled
-
-
 def test_seeded_sampling_does_not_depend_on_the_batch():
     sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
     target = prompts(1, seed=6)[0]
