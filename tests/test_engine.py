@@ -1,5 +1,6 @@
-"""The engine end to end on CPU: tokens against transformers, step traces, slot-step
-accounting, preemption, chunked prefill, compilation count, sampling, abort."""
+"""The engine end to end on CPU: tokens against transformers, step traces, slot-step and
+padding accounting, preemption, chunked prefill, sampling, abort. (Compilations are
+counted in test_compilation.py, sampling distributions in test_sampling.py.)"""
 
 from __future__ import annotations
 
@@ -58,17 +59,22 @@ def test_mixed_batch_equals_each_request_alone_and_static_equals_continuous():
     assert [len(t) for t in mixed] == [5, 17, 2, 9, 30, 12]
 
 
-def test_static_slot_steps_follow_the_seed_arithmetic():
-    """The seed's bus: output lengths [20, 25, 30, 40, 50, 60, 700, 800] in 8 slots run
-    800 steps; 1725 of the 6400 slot-steps do useful work."""
-    lengths = [20, 25, 30, 40, 50, 60, 700, 800]
-    llm = make_llm(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=1024, scheduling="static")
-    outs = llm.generate(prompts(8, seed=2, hi=16), [greedy(n) for n in lengths])
-    assert [len(o.token_ids) for o in outs] == lengths
+@pytest.mark.parametrize("scheduling", ["continuous", "static"])
+def test_decode_rows_follow_the_occupied_slots_and_static_computes_its_empty_seats(scheduling):
+    """Prompts of 5, 7 and 9 tokens, 2, 4 and 6 output tokens, 4 slots. Step 1 prefills all
+    three: 21 tokens in the 32 bucket, 11 padding rows. Continuous then decodes 3, 2, 2, 1,
+    1 rows (buckets 4, 2, 2, 1, 1: one padding row in all); static keeps its finished
+    passengers seated, so it computes 3 rows (bucket 4) every step for 3, 2, 2, 1, 1 real
+    tokens: 11 padding rows. (The slot-step arithmetic itself is test_scheduler's.)"""
+    llm = make_llm(scheduling=scheduling)
+    outs = llm.generate([list(range(3, 3 + n)) for n in (5, 7, 9)], [greedy(n) for n in (2, 4, 6)])
+    assert [len(o.token_ids) for o in outs] == [2, 4, 6]
     st = llm.stats
-    assert (st.useful_slot_steps, st.total_slot_steps, st.num_steps) == (1725, 6400, 800)
-    # and every request's result came out at the end, with the longest
-    assert len({o.finished_time for o in outs}) == 1
+    assert (st.num_steps, st.useful_slot_steps, st.total_slot_steps) == (6, 3 + 3 + 2 + 2 + 1 + 1, 6 * 4)
+    assert (st.prefill_tokens, st.decode_tokens) == (21, 9)
+    assert st.padded_tokens == {"continuous": 11 + 1, "static": 11 + 1 + 2 + 2 + 3 + 3}[scheduling]
+    # static releases everyone with the last token; continuous each request as it finishes
+    assert len({o.finished_time for o in outs}) == {"continuous": 3, "static": 1}[scheduling]
 
 
 def test_too_few_kv_blocks_preempts_and_recomputes_to_the_same_tokens():
