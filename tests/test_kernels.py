@@ -230,34 +230,40 @@ def test_block_size_8_and_all_idle():
 # ---- random ragged batches (hypothesis; few examples: interpret mode is slow) ---------
 
 @st.composite
-def ragged_batches(draw, num_seqs=5, max_tokens=48, max_ctx=WIDTH * BS):
+def ragged_batches(draw, num_seqs=len(RAGGED_SEQS), max_tokens=48, max_ctx=WIDTH * BS):
+    """The shapes of the edge-case batches (so the configurations above compiled them
+    already): num_seqs sequences whose contexts fit the NUM_BLOCKS - 1 usable blocks."""
     seqs = []
-    budget = max_tokens
+    budget, blocks_left = max_tokens, NUM_BLOCKS - 1
     for _ in range(num_seqs):
-        q_len = draw(st.integers(0, min(budget, 24)))
+        q_len = draw(st.integers(0, min(budget, 24, blocks_left * BS)))
         budget -= q_len
         prefix = draw(st.sampled_from([0, 1, BS - 1, BS, BS + 1, 50, max_ctx - 24]))
         kv_len = min(prefix + q_len, max_ctx) if q_len else draw(st.sampled_from([0, prefix]))
-        seqs.append((q_len, max(kv_len, q_len)))
+        kv_len = max(min(kv_len, blocks_left * BS), q_len)
+        blocks_left -= -(-kv_len // BS)
+        seqs.append((q_len, kv_len))
     return seqs
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(seqs=ragged_batches(), seed=st.integers(0, 2**16))
-def test_random_ragged_batches(seqs, seed):
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=ragged_batches(), seed=st.integers(0, 2**16), R=st.sampled_from([1, 4, 8]),
+       D=st.sampled_from([64, 128]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
+def test_random_ragged_batches(seqs, seed, R, D, dtype):
+    """Random batches over the GQA group sizes, head dims and dtypes of CONFIGS; not
+    derandomized, so every run explores new ones (a failure is kept in hypothesis' example
+    database and replayed first)."""
     rng = np.random.default_rng(seed)
-    q, kc, vc, bt, cu, kv_lens = ragged_case(rng, 4, 64, jnp.float32, seqs=seqs, T=48,
-                                             num_blocks=5 * WIDTH + 1)
-    want = dense_oracle(q, kc, vc, bt, cu, kv_lens, 0.125)
-    assert_close(ref_ragged(q, kc, vc, bt, cu, kv_lens, scale=0.125), want, jnp.float32, "ref")
-    assert_close(pl_ragged(q, kc, vc, bt, cu, kv_lens, scale=0.125), want, jnp.float32,
-                 "kernel")
+    scale = D ** -0.5
+    q, kc, vc, bt, cu, kv_lens = ragged_case(rng, R, D, dtype, seqs=seqs)
+    want = dense_oracle(q, kc, vc, bt, cu, kv_lens, scale)
+    assert_close(ref_ragged(q, kc, vc, bt, cu, kv_lens, scale=scale), want, dtype, "ref")
+    assert_close(pl_ragged(q, kc, vc, bt, cu, kv_lens, scale=scale), want, dtype, "kernel")
     # the same context lengths as a decode step (one query per slot)
-    kvd = jnp.asarray([b for _, b in seqs], jnp.int32)
-    qd = q[:len(seqs)]
-    want = decode_oracle(qd, kc, vc, bt, kvd, 0.125)
-    assert_close(pl_decode(qd, kc, vc, bt, kvd, scale=0.125), want, jnp.float32, "decode")
+    n = len(DECODE_LENS)  # the decode configurations' shapes
+    kvd, qd, btd = jnp.asarray([b for _, b in seqs[:n]], jnp.int32), q[:n], bt[:n]
+    want = decode_oracle(qd, kc, vc, btd, kvd, scale)
+    assert_close(pl_decode(qd, kc, vc, btd, kvd, scale=scale), want, dtype, "decode")
 
 
 # ---- backend selection ----------------------------------------------------------------
