@@ -7,8 +7,8 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,12 +52,6 @@ class Server:
         return Path(self.log_path).read_text()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def request(server: Server, method: str, path: str, body: object = None, key: str | None = API_KEY,
             raw: bytes | None = None) -> tuple[int, dict | str]:
     """One plain HTTP request; returns (status, parsed JSON or text)."""
@@ -78,21 +72,21 @@ def request(server: Server, method: str, path: str, body: object = None, key: st
 
 @contextlib.contextmanager
 def running_server(*flags: str, startup_timeout: float = 600) -> Iterator[Server]:
-    """`python server.py --port P ...` in a subprocess, ready once /health answers 200."""
-    port = free_port()
+    """`python server.py --port 0 ...` in a subprocess: the server binds a free port itself
+    (no pick-release-bind race) and its 'ready' log line says which; ready once /health
+    answers 200. It inherits the tests' JAX compilation cache (conftest)."""
     log = tempfile.NamedTemporaryFile("w", prefix="taxirank-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--port", str(port), *SMALL, *flags],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--port", "0", *SMALL, *flags],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    server = Server(port, proc, log.name)
+    server = Server(0, proc, log.name)
     try:
         deadline = time.monotonic() + startup_timeout
-        while True:
+        while not (ready := re.search(r"ready: http://127\.0\.0\.1:(\d+)", server.log())):
             assert proc.poll() is None, f"server exited during start-up:\n{server.log()}"
-            assert time.monotonic() < deadline, f"server not healthy in {startup_timeout}s:\n{server.log()}"
-            with contextlib.suppress(OSError):
-                if request(server, "GET", "/health")[0] == 200:
-                    break
-            time.sleep(0.5)
+            assert time.monotonic() < deadline, f"server not ready in {startup_timeout}s:\n{server.log()}"
+            time.sleep(0.2)
+        server.port = int(ready.group(1))
+        assert request(server, "GET", "/health")[0] == 200
         yield server
     finally:
         if proc.poll() is None:
