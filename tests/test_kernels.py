@@ -348,10 +348,23 @@ def _jaxlib_version():
     return tuple(int(x) for x in jaxlib.__version__.split(".")[:3])
 
 
-@pytest.mark.skipif(ON_GPU or _jaxlib_version() > (0, 10, 2),
-                    reason="cross-lowering to Triton IR without a GPU needs jaxlib <= 0.10.2 "
-                           "(later versions compile to PTX at lowering time); on a GPU the "
-                           "tests above run the compiled kernels instead")
+def _lower_for_cuda(traced) -> str:
+    """The CUDA lowering's text, from a CPU-only machine. Known to work up to jaxlib
+    0.10.2, where a failure is a failure. A later jaxlib is tried too; if it cannot
+    lower for CUDA without a GPU, the test is skipped with its exact error, not
+    silently dropped by a version check."""
+    try:
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:
+        if _jaxlib_version() <= (0, 10, 2):
+            raise
+        import jaxlib
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        pytest.skip(f"jaxlib {jaxlib.__version__} cannot cross-lower the kernels for CUDA without a GPU: "
+                    f"{type(e).__name__}: {first_line}")
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above run the compiled kernels instead")
 @pytest.mark.parametrize("R,D,dtype", [(4, 128, jnp.bfloat16), (1, 64, jnp.float32),
                                        (8, 64, jnp.bfloat16), (7, 128, jnp.bfloat16)])
 def test_lowers_to_triton(R, D, dtype):
@@ -367,11 +380,11 @@ def test_lowers_to_triton(R, D, dtype):
     dec = jax.jit(functools.partial(kp.paged_decode_attention, scale=0.1))
     rag = jax.jit(functools.partial(kp.ragged_paged_attention, scale=0.1))
     for f, args in ((dec, (q, kc, kc, bt, lens)), (rag, (qr, kc, kc, bt, cu, lens))):
-        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = _lower_for_cuda(f.trace(*args))
         assert "xla.gpu.triton" in text
 
 
-@pytest.mark.skipif(ON_GPU or _jaxlib_version() > (0, 10, 2), reason="as test_lowers_to_triton")
+@pytest.mark.skipif(ON_GPU, reason="as test_lowers_to_triton")
 def test_backend_kernel_lowered_once_per_shape():
     """The model calls attention once per layer with the same shapes: the jitted backend
     functions make that one Triton kernel in the module, not one per layer."""
@@ -386,5 +399,5 @@ def test_backend_kernel_lowered_once_per_shape():
             q = be.decode(q, kc, vc, bt, lens, scale=0.1)
         return q
 
-    text = jax.jit(layers).trace(q, kc, kc, bt, lens).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lower_for_cuda(jax.jit(layers).trace(q, kc, kc, bt, lens))
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
