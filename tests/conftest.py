@@ -155,26 +155,6 @@ def count_compilations() -> Iterator[list[str]]:
         monitoring.unregister_event_duration_listener(on_duration)
 
 
-@contextmanager
-def count_cache_events() -> Iterator[dict[str, int]]:
-    """Persistent compilation cache hits and misses (JAX's own events) while inside."""
-    from jax import monitoring
-
-    counts = {"hits": 0, "misses": 0}
-
-    def on_event(event: str, **kw: Any) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            counts["hits"] += 1
-        elif event == "/jax/compilation_cache/cache_misses":
-            counts["misses"] += 1
-
-    monitoring.register_event_listener(on_event)
-    try:
-        yield counts
-    finally:
-        monitoring.unregister_event_listener(on_event)
-
-
 _JAX_CACHE: str | None = None
 
 
