@@ -51,8 +51,8 @@ def fill_slot(arrays: dict[str, np.ndarray], slot: int, params: SamplingParams, 
 
 
 def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Temperature, then top-k, top-p and min-p filters on one descending sort, then a
-    Gumbel-max draw from each slot's own key."""
+    """vLLM's order: temperature, min_p, top_k, then top_p on the mass the first two
+    leave; all on one descending sort, then a Gumbel-max draw from each slot's own key."""
     S, V = logits.shape
     scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
     sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)  # descending

@@ -485,7 +485,8 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
     await engine.start()
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
-    log.info("ready: http://%s:%d  (model names: %s)", args.host, args.port, ", ".join(app["model_names"]))
+    port = runner.addresses[0][1]  # the bound one: --port 0 lets the OS pick a free port
+    log.info("ready: http://%s:%d  (model names: %s)", args.host, port, ", ".join(app["model_names"]))
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, app["stopping"].set)

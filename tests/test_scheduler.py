@@ -155,7 +155,9 @@ def test_continuous_batching_fills_the_seats_static_leaves_empty():
     cont_useful, cont_total = useful_and_total_slot_steps("continuous", lengths)
     assert static_useful == cont_useful == 2 * 1725
     assert static_total == 2 * 6400
-    assert cont_total < 0.6 * static_total
+    # Deterministic: 866 steps. The second 800-token request boards at step 51, when the
+    # sixth slot frees, and each of the 8 admission steps (unchunked) stalls the decodes.
+    assert cont_total == 8 * 866
 
 
 # ---- KV admission ----------------------------------------------------------------------------
@@ -177,8 +179,10 @@ def test_on_demand_preempts_the_latest_admitted_by_recompute_and_everything_comp
             still_running = [before[r.request_id] for r in s.running if r.request_id in before]
             assert before[victim.request_id] > max(still_running, default=-1), "the victim is the latest admitted"
             assert victim.num_computed_tokens == 0 and victim.output_token_ids  # outputs are kept
-            assert s.waiting[0] is victim or victim.status is RUNNING
+            assert victim.status is WAITING and victim.slot is None and not victim.block_table
             first_victim = first_victim or victim
+        # the step's victims wait at the front of the queue, the latest preempted first
+        assert list(s.waiting)[:len(out.preempted)] == out.preempted[::-1]
         for x in out.scheduled:  # a re-admitted victim recomputes its prompt and its outputs
             if x.seq.num_preemptions and x.seq.num_computed_tokens == 0:
                 assert x.num_new_tokens == x.seq.num_tokens and x.samples
@@ -202,6 +206,19 @@ def test_reserve_max_len_concurrency_is_blocks_over_blocks_per_max_model_len():
     out, _ = step(s)
     assert len(out.scheduled) == 3 == 29 // blocks_needed(32, 4)
     assert s.waiting_by_reason()["kv_blocks"] == 3
+
+
+def test_halving_max_model_len_doubles_reserve_max_len_concurrency_at_every_length():
+    """The seed's question, on the scheduler: the same 64 usable blocks of 4 tokens hold
+    2, 4, 8, 16, 32 requests at max_model_len 128, 64, 32, 16, 8."""
+    def admitted(max_model_len: int) -> int:
+        s = make(max_num_seqs=64, max_model_len=max_model_len, num_blocks=65, kv_admission="reserve-max-len")
+        for i in range(64):
+            s.add(seq(f"r{i}", prompt_len=1, max_tokens=1))
+        return len(step(s)[0].scheduled)
+
+    lengths = [128, 64, 32, 16, 8]
+    assert [admitted(n) for n in lengths] == [2, 4, 8, 16, 32]
 
 
 # ---- prefill: stall vs chunks -------------------------------------------------------------
@@ -330,14 +347,32 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.lists(st.integers(EOS, 15), min_size=4, max_size=4), abort_mid_step=st.integers(-1, 3))
     def step(self, tokens, abort_mid_step):
+        cfg = self.s.config
+        riding = [r.request_id for r in self.s.running]
         out = self.s.schedule()
-        assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
+        assert sum(x.num_new_tokens for x in out.scheduled) <= cfg.max_num_batched_tokens
         kinds = [x.seq.is_decode for x in out.scheduled]
         assert kinds == sorted(kinds, reverse=True), "decodes come first"
+        for x in out.scheduled:  # blocks are allocated for this step's tokens, before it runs
+            seq, lifetime = x.seq, self.s._lifetime_tokens(x.seq)
+            covered = seq.num_computed_tokens + x.num_new_tokens
+            if cfg.kv_admission == "on-demand":  # as it goes (static boards a whole prompt's worth)
+                lo, hi = covered, covered if cfg.scheduling == "continuous" else max(covered, seq.num_tokens)
+            else:  # everything it will ever hold, from admission
+                lo = hi = lifetime
+            held = len(seq.block_table)
+            assert blocks_needed(lo, cfg.block_size) <= held <= blocks_needed(hi, cfg.block_size), seq.request_id
+        if cfg.scheduling == "static" and riding:  # the bus admits nobody while it runs
+            assert {r.request_id for r in self.s.running} <= set(riding)
+            assert {x.seq.request_id for x in out.scheduled} <= set(riding)
         if 0 <= abort_mid_step < len(out.scheduled):
             self.released.append(self.s.abort(out.scheduled[abort_mid_step].seq.request_id))
+        aboard = [r.request_id for r in self.s.running]
         sampled = {x.seq.request_id: tokens[x.seq.slot or 0] for x in out.scheduled if x.samples}
-        self.released += self.s.update(out, sampled)
+        released = self.s.update(out, sampled)
+        if cfg.scheduling == "static" and released:  # ... and releases its batch together
+            assert [r.request_id for r in released] == aboard and not self.s.running
+        self.released += released
 
     @rule(index=st.integers(0, 30))
     def abort(self, index):

@@ -6,6 +6,8 @@ last chunk. Plus: why requests wait, at the engine level (EngineStats.waiting_by
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ STEADY_STEPS = 3  # decode steps before the long prompt joins
 BASE = dict(model="tiny", max_num_seqs=8, max_model_len=512, warmup=False)
 
 
+@functools.cache  # each run once per session: the tests below read the same two runs
 def run(chunked: bool) -> tuple[list[StepTrace], int, dict[str, list[int]], LLMEngine]:
     """Users decode, the long prompt joins after STEADY_STEPS steps, run to the end.
     Returns the trace, the number of the first step the long prompt could be in, every
@@ -112,16 +115,11 @@ def test_engine_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back(admi
 # ---- bench/stutter.py, at a smoke size -------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_stutter_bench_tiny_run_writes_the_figures_and_the_plot(tmp_path):
-    import importlib.util
     import json
-    import os
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_stutter", os.path.join(root, "bench", "stutter.py"))
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    from conftest import load_bench
+
+    bench = load_bench("stutter")
     bench.main(["--tiny", "--users", "2", "--prompt-len", "120", "--budget", "32", "--user-prompt-len", "8",
                 "--steady-steps", "2", "--window", "2", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "stutter.json").read_text())
@@ -133,4 +131,7 @@ def test_stutter_bench_tiny_run_writes_the_figures_and_the_plot(tmp_path):
     for r in (off, on):
         assert r["compilations_during_run"] == 0  # warm-up compiled everything: no false stutter
         assert r["ttft_s"] > 0 and r["itl_window"]["max"] == r["max_gap_s"] > 0
-    assert res["summary"]["max_gap_ratio"] == pytest.approx(off["max_gap_s"] / on["max_gap_s"])
+    # the verdict is the one the figure gives (the figure itself is timing: bench territory)
+    summary = res["summary"]
+    assert set(summary) == {"max_gap_ratio", "target_ratio", "meets_target", "p99_ratio", "ttft_ratio_on_over_off"}
+    assert summary["meets_target"] == (summary["max_gap_ratio"] >= summary["target_ratio"])
