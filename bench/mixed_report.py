@@ -390,12 +390,15 @@ def side_by_side_md(results: dict[str, Any]) -> list[str]:
         lines += [f"### {ref} vs {name}", "", _md_table(rows), "",
                   f"Ratios: output tokens/s {ref} / {name}; latencies {name} / {ref}. Greedy texts: "
                   f"{g['identical']} of {g['compared']} requests identical"
-                  + (f", the rest agree on their first {100 * g['mean_common_prefix']:.0f}% on average (all requests)"
-                     if g["first_difference"] and g["mean_common_prefix"] is not None else "")
+                  + (f" (common prefix, over all requests: {100 * g['mean_common_prefix']:.0f}% of the longer text on "
+                     "average)" if g["first_difference"] and g["mean_common_prefix"] is not None else "")
                   + (f"; first difference in request {g['first_difference']['request']} after "
                      f"{g['first_difference']['common_prefix_chars']} characters: {g['first_difference']['a']!r} vs "
                      f"{g['first_difference']['b']!r}" if g["first_difference"] else "") + ".", ""]
     return lines
+
+
+FIELD = {"include_usage": "stream_options.include_usage", "logprobs": "logprobs=0"}
 
 
 def server_text(v: dict) -> str:
@@ -406,7 +409,7 @@ def server_text(v: dict) -> str:
     said.append(f"model `{caps['model']}`" if caps["model"] else "no model name from /v1/models (requests name none)")
     said.append(f"{caps['prompts']} prompts")
     for f, answer in caps["refused"].items():
-        said.append(f"refused {f} ({answer[:120]})")
+        said.append(f"refused {FIELD.get(f, f)} ({answer[:120]})")
     missing = []
     fr = ", ".join(f"{k} {n}" for k, n in v["finish_reasons"].items())
     lengths = (f"finish reasons {fr}; mean output tokens short "
@@ -482,7 +485,8 @@ def write_plots(results: dict[str, Any], out_dir: str) -> list[str]:
     ax.set(xscale="log", xlabel="short-request end-to-end latency (s, log)", ylabel="fraction of short requests",
            title=f"CDF of short-request (max_tokens={results['settings']['short']}) e2e latency")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.lines:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "cdf_short_e2e.png"), dpi=110)
     plt.close(fig)
