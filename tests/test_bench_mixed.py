@@ -25,7 +25,9 @@ def _load():
 
 
 def test_parse_metrics_reads_taxirank_and_vllm_names():
-    mixed = _load()
+    _load()
+    import server_metrics as mixed  # bench/ is on sys.path once mixed.py is loaded
+
     taxirank = mixed.pick(mixed.parse_metrics(
         "# HELP taxirank:num_requests_running Requests in the running batch.\n"
         "taxirank:num_requests_running 3.0\ntaxirank:num_requests_waiting 5.0\n"
