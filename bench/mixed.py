@@ -291,8 +291,8 @@ def summarize_variant(records: list[Record], samples: list[dict], duration: floa
             "output_tokens": tokens, "output_tokens_per_s": tokens / span if span > 0 else 0.0,
             "prompt_tokens": summarize([float(x) for x in prompt_tokens]) | {"total": sum(prompt_tokens)}
             if prompt_tokens else None,  # only what the server's usage reports
-            "finish_reasons": {f: sum(r.finish_reason == f for r in ok) for f in sorted({r.finish_reason or "?"
-                                                                                         for r in ok})},
+            "finish_reasons": {f: sum((r.finish_reason or "?") == f for r in ok)
+                               for f in sorted({r.finish_reason or "?" for r in ok})},
             "short": class_stats([r for r in records if r.cls == "short"]),
             "long": class_stats([r for r in records if r.cls == "long"]),
             "metrics": metric_figures(tl, samples), "timeline": tl,

@@ -196,7 +196,11 @@ def text_agreement(a: dict, b: dict) -> dict[str, Any]:
         i, x, y = diff[0]
         k = _prefix(x, y)
         first = {"request": i, "common_prefix_chars": k, "a": x[max(0, k - 20):k + 40], "b": y[max(0, k - 20):k + 40]}
+    counts = [(x.get("prompt_tokens"), y.get("prompt_tokens")) for x, y in zip(a["per_request"], b["per_request"])]
+    known = [(x, y) for x, y in counts if x is not None and y is not None]
     return {"compared": len(pairs), "identical": len(pairs) - len(diff),
+            # the same prompt text made the same number of tokens on both (from usage; None: not reported)
+            "prompt_tokens_equal": sum(x == y for x, y in known) if known else None, "prompt_tokens_compared": len(known),
             "mean_common_prefix": (sum(_prefix(x, y) / max(len(x), len(y), 1) for _, x, y in pairs) / len(pairs)
                                    if pairs else None),
             "first_difference": first}
@@ -394,7 +398,9 @@ def side_by_side_md(results: dict[str, Any]) -> list[str]:
                      "average)" if g["first_difference"] and g["mean_common_prefix"] is not None else "")
                   + (f"; first difference in request {g['first_difference']['request']} after "
                      f"{g['first_difference']['common_prefix_chars']} characters: {g['first_difference']['a']!r} vs "
-                     f"{g['first_difference']['b']!r}" if g["first_difference"] else "") + ".", ""]
+                     f"{g['first_difference']['b']!r}" if g["first_difference"] else "") + ". Prompt tokens (usage): "
+                  + (f"the same count on both in {g['prompt_tokens_equal']} of {g['prompt_tokens_compared']} requests."
+                     if g["prompt_tokens_equal"] is not None else "not reported by both servers."), ""]
     return lines
 
 

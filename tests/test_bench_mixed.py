@@ -265,6 +265,7 @@ def test_side_by_side_sends_identical_requests_and_marks_a_server_without_usage(
     odd = sum(r["prompt_len"] % 2 == 1 and r["tokens"] >= 3 for r in a["per_request"])
     g = c["greedy_texts"]
     assert g["compared"] == 6 and g["identical"] == 6 - odd and (g["first_difference"] is None) == (odd == 0)
+    assert g["prompt_tokens_equal"] is None, "b reports no usage: nothing to compare"
     assert set(res["plots"]) == {"cdf_short_e2e.png", "timeline-a.png", "timeline-b.png", "timeline_side_by_side.png"}
     for p in res["plots"]:
         assert (tmp_path / p).stat().st_size > 1000, p
