@@ -313,8 +313,9 @@ def test_against_a_real_transformers_serve_with_continuous_batching(tmp_path, ti
     assert os.path.exists(cli), "the transformers CLI sits next to the interpreter"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a local directory: nothing to download
     mixed = _load()
-    cmd = (f"{cli} serve {tiny_hf_checkpoint} --continuous-batching --host 127.0.0.1 --port {{port}} "
-           "--device cpu --dtype float32")
+    # On CPU, transformers sizes its KV cache from free RAM (90% of it: 12 GB here) unless told.
+    cmd = (f"{cli} serve {tiny_hf_checkpoint} --continuous-batching --cb-num-blocks 8 --cb-max-batch-tokens 256 "
+           "--host 127.0.0.1 --port {port} --device cpu --dtype float32")
     res = mixed.main(["--compare", f"hf={cmd}", *WORKLOAD, "--startup-timeout", "240", "--out", str(tmp_path)])
     v = res["variants"]["hf"]
     assert "error" not in v and v["errors"] == 0, (v.get("error"), v.get("first_errors"))
