@@ -326,6 +326,7 @@ async def measure(session: aiohttp.ClientSession, url: str, entry: dict[str, Any
 async def bench(args: argparse.Namespace, variants: list[Variant], requests: list[Request],
                 results: dict[str, Any]) -> None:
     """Each taxirank variant, or each target, in turn: one server up at a time."""
+    t_start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=args.request_timeout)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         extra = shlex.split(args.server_args)
@@ -360,6 +361,10 @@ async def bench(args: argparse.Namespace, variants: list[Variant], requests: lis
             finally:
                 if server:
                     server.stop()
+            # what is done so far, should a later server hang or the run be stopped: --report renders it
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump(results | {"partial": True, "total_s": round(time.perf_counter() - t_start, 1),
+                                     "loadavg_end": os.getloadavg()}, f, indent=1)
 
 
 _NAME = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
