@@ -45,7 +45,8 @@ def _reason_text(v: dict) -> str:
         return "no request waited"
     share = by[m["dominant_wait_reason"]] / max(sum(by.values()), 1e-9)
     return (f"{total:.0f} request-s spent waiting, {share:.0%} of it on {m['dominant_wait_reason']}"
-            + (f" (max running {m['max_running']:.0f} of {v['flags'].get('max_num_seqs', '?')} slots)"
+            + (f" (max running {m['max_running']:.0f}" + (f" of {v['flags']['max_num_seqs']} slots)"
+                                                         if "max_num_seqs" in (v.get("flags") or {}) else ")")
                if m["max_running"] is not None else ""))
 
 
