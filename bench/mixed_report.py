@@ -28,7 +28,9 @@ def _x(ratio: float | None) -> str:
 
 
 def _num(x: float | None, unit: str = "", fmt: str = "{:.3g}") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x) + unit
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return (f"{x:.0f}" if fmt == "{:.3g}" and abs(x) >= 1000 else fmt.format(x)) + unit  # 13744 ms, not 1.37e+04
 
 
 def _times(ratio: float) -> str:
