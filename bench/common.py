@@ -1,8 +1,9 @@
 """What the benches share: the seed's workloads, percentiles, and the machine they ran on.
 
-Workloads are lists of `Request` (prompt token ids + max_tokens), drawn from a fixed
-seed so every run, engine and peer sees the same requests. Prompts are random token ids:
-with random weights and ignore_eos, only lengths matter.
+Workloads are lists of `Request` (a prompt + max_tokens), drawn from a fixed seed so every
+run, engine and peer sees the same requests. Prompts are random token ids (with random
+weights and ignore_eos, only lengths matter) or, for servers that only take text, English-
+looking text from a small fixed-seed generator (so any tokenizer and any model get words).
 """
 
 from __future__ import annotations
@@ -16,21 +17,58 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Request:
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # empty when the prompt is text
     max_tokens: int
+    prompt_text: str | None = None
+
+    @property
+    def prompt(self) -> list[int] | str:
+        """What goes in the request body's "prompt"."""
+        return self.prompt_text if self.prompt_text is not None else self.prompt_token_ids
 
 
 def _prompt(rng: random.Random, vocab_size: int, prompt_len: tuple[int, int]) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_len))]
 
 
+# A tiny grammar, enough for text that reads like prose to any tokenizer (and that a real
+# model continues as prose): sentences of a subject, a verb, an object and a place.
+_WORDS = {
+    "adj": "quiet old small bright narrow green wooden cold busy distant heavy gentle broken patient".split(),
+    "noun": ("river town market road baker teacher window garden letter lantern bridge harbor child "
+             "farmer train village mountain book clock kitchen sailor painter orchard").split(),
+    "verb": ("carried found watched repaired opened followed painted crossed remembered described "
+             "visited built").split(),
+    "place": ("near the station|under the old bridge|before the storm|after the long winter|"
+              "along the coast|behind the school|at the edge of the forest|in the morning light").split("|"),
+    "link": "Later,|Meanwhile,|Every evening|Without a word,|By noon|Once again".split("|"),
+}
+
+
+def _sentence(rng: random.Random) -> str:
+    c = rng.choice
+    s = f"the {c(_WORDS['adj'])} {c(_WORDS['noun'])} {c(_WORDS['verb'])} a {c(_WORDS['noun'])} {c(_WORDS['place'])}."
+    return (f"{c(_WORDS['link'])} {s}" if rng.random() < 0.3 else s[0].upper() + s[1:])
+
+
+def text_prompt(rng: random.Random, num_words: int) -> str:
+    """About num_words words of prose (cut mid-sentence, so a model has something to continue)."""
+    words: list[str] = []
+    while len(words) < num_words:
+        words += _sentence(rng).split()
+    return " ".join(words[:num_words])
+
+
 def seed_mix(num_requests: int, vocab_size: int, *, short: int = 16, long: int = 512,
-             prompt_len: tuple[int, int] = (32, 256), seed: int = 0) -> list[Request]:
+             prompt_len: tuple[int, int] = (32, 256), seed: int = 0, text: bool = False) -> list[Request]:
     """The seed's exercise: half max_tokens=short, half long (the odd one out is long),
-    shuffled with a fixed seed; prompts of prompt_len[0]..prompt_len[1] random tokens."""
+    shuffled with a fixed seed; prompts of prompt_len[0]..prompt_len[1] random tokens, or
+    with text=True that many words of text_prompt (the server's usage says how many tokens)."""
     lengths = [short] * (num_requests // 2) + [long] * (num_requests - num_requests // 2)
     random.Random(seed).shuffle(lengths)
     rng = random.Random(seed + 1)  # prompts: a stream of their own, so lengths do not depend on them
+    if text:
+        return [Request([], n, text_prompt(rng, rng.randint(*prompt_len))) for n in lengths]
     return [Request(_prompt(rng, vocab_size, prompt_len), n) for n in lengths]
 
 

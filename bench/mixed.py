@@ -1,28 +1,45 @@
-"""Online bench: the seed's exercise against an OpenAI-compatible server.
+"""Online bench: the seed's exercise against OpenAI-compatible servers, taxirank's or any other.
 
     python bench/mixed.py                      # start taxirank servers (bench model, CPU), every variant
     python bench/mixed.py --quick              # a smaller mix and lengths: 5-10 minutes on 2 cores
-    python bench/mixed.py --url http://host:8000 --vocab-size 128256   # measure a running server (any)
+    python bench/mixed.py --url http://host:8000                   # measure a running server (any)
+    python bench/mixed.py --url a=http://host:8000 --url b=http://host:8001    # two, side by side
+    python bench/mixed.py --compare "taxirank=python server.py --model DIR --port {port}" \
+        --compare "hf=transformers serve DIR --continuous-batching --port {port}"  # started in turn
 
 Workload (fixed seed): --num-requests requests (default 100), half max_tokens=--short (16),
-half --long (512), shuffled, prompts of --prompt-len random token ids (32,256), greedy,
-ignore_eos (so output lengths are exact), streamed. All sent at once (a burst), or as a
-Poisson process with --rate. Per request class (short / long): TTFT, inter-token latency,
-end-to-end latency; output tokens/s overall. While it runs, /metrics is sampled ~10x a
-second: running, waiting (and by reason), KV usage, preemptions (taxirank's names, else
-vLLM's, SGLang's, TGI's or llama.cpp's where the server has them).
+half --long (512), shuffled, greedy, streamed. All sent at once (a burst), or as a Poisson
+process with --rate. Per request class (short / long): TTFT, inter-token latency, time per
+output token, end-to-end latency; output tokens/s overall. While it runs, /metrics is
+sampled ~10x a second where the server has it: running, waiting (and by reason), KV usage,
+preemptions (taxirank's names, else vLLM's, SGLang's, TGI's or llama.cpp's).
 
-Variants (each one a taxirank server started with its flags, one at a time):
+taxirank variants (no --url or --compare; each one a taxirank server started with its flags,
+one at a time): prompts of --prompt-len random token ids, ignore_eos (exact output lengths).
   continuous, static        max_num_seqs 32, max_model_len 2048, the server's default KV cache
   <mode>/full, <mode>/half  continuous under each KV admission mode (on-demand, reserve,
                             reserve-max-len) at max_model_len 2048 and 1024, all with the same
                             tight KV budget (--kv-budget-seqs 8 sequences of 2048 tokens = 1024
                             blocks of 16): the seed's "rerun with --max-model-len cut in half".
-With --url, one variant: whatever that server runs.
+
+Other servers (--url URL or NAME=URL, --compare NAME=COMMAND; repeatable, in the order given,
+one after the other, the same requests to each; a COMMAND is started with {port} replaced by
+a free port, and stopped before the next starts): prompts are --prompt-len words of prose
+from a fixed-seed generator (--prompts ids sends token ids, to servers that take them), and
+a probe first finds what the server takes: the model name its /v1/models gives, whether it
+refuses stream_options or ignore_eos, whether it sends usage, whether it has /metrics. The
+workload sends only what it took. ignore_eos goes to a lone server that takes it; side by
+side (--extensions auto), no server gets it, so every server receives identical requests and
+output lengths follow the model. Output tokens come from usage, or are counted from the
+stream where the server sends none; what a server does not give is marked in the report as
+not measured. With two or more servers the report puts them side by side: ratios of output
+tokens/s and of TTFT / ITL / e2e p50 and p99 per class against the first, and whether their
+greedy texts agree.
 
 Writes to --out (default bench/results/<timestamp>/): results.json, report.md (the table,
-the answer to the seed's question, the settings, the machine), cdf_short_e2e.png,
-timeline-<variant>.png, and each server's log.
+the answer to the seed's question or the comparison, the settings, the machine),
+cdf_short_e2e.png, timeline-<variant>.png (side by side: timeline_side_by_side.png), and
+each started server's log.
 
 Duration (bench model, 2 idle CPU cores): each variant runs 1-2 minutes, plus its server's
 start: ~15 s, or 1-2 minutes where the warm-up compiles a new set of shapes (cached across
@@ -45,7 +62,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
@@ -56,24 +73,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import Request, machine_info, seed_mix, summarize  # noqa: E402
 from mixed_report import analyze, print_table, write_plots, write_report  # noqa: E402
+from openai_client import Capabilities, Record, Refused, probe, stream_one  # noqa: E402
+from server_metrics import known_metrics, metric_figures, sample_metrics, timeline  # noqa: E402
 
 ADMISSION_MODES = ("on-demand", "reserve", "reserve-max-len")
 BUILTIN_VOCAB = {"tiny": 512, "bench": 32000}
-SAMPLE_PERIOD_S = 0.1  # /metrics every 100 ms
 
-# What each timeline series is called by the servers we know: first name found wins.
-# (vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc; both are 0..1.)
-METRIC_ALIASES: dict[str, tuple[str, ...]] = {
-    "running": ("taxirank:num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs",
-                "tgi_batch_current_size", "llamacpp:requests_processing"),
-    "waiting": ("taxirank:num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs",
-                "tgi_queue_size", "llamacpp:requests_deferred"),
-    "kv_usage": ("taxirank:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
-                 "sglang:token_usage", "llamacpp:kv_cache_usage_ratio"),
-    "preemptions": ("taxirank:num_preemptions_total", "vllm:num_preemptions_total"),
-    "num_kv_blocks": ("taxirank:num_kv_blocks",),
-}
-WAITING_BY_REASON = "taxirank:num_requests_waiting_by_reason"
+
+@dataclass
+class Target:
+    """A server that is not one of taxirank's variants: running at `url`, or started from
+    `command` (with {port} in it) for its turn only."""
+
+    name: str
+    url: str | None = None
+    command: str | None = None
 
 
 @dataclass
@@ -137,32 +151,35 @@ def free_port() -> int:
 
 
 class Server:
-    """taxirank's server.py as a subprocess on a free loopback port; its log to a file."""
+    """A server as a subprocess (its own session, so stopping it stops its children too) on
+    a loopback `port` the caller picked; its log to a file."""
 
-    def __init__(self, variant: Variant, extra_argv: list[str], log_path: str, jax_cache: str | None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, os.path.join(ROOT, "server.py"), "--host", "127.0.0.1", "--port", str(self.port),
-                     *flags_to_argv(variant.flags), *extra_argv]
-        env = dict(os.environ)
-        if jax_cache:  # warm-up compiles once per set of shapes, not once per variant
-            env |= {"JAX_COMPILATION_CACHE_DIR": jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-        self.log_path = log_path
+    def __init__(self, argv: list[str], port: int, log_path: str, env: dict[str, str] | None = None,
+                 cwd: str | None = None) -> None:
+        self.port, self.argv, self.log_path = port, argv, log_path
+        self.url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        except OSError:
+            self._log.close()
+            raise
 
     async def wait_ready(self, session: aiohttp.ClientSession, timeout: float) -> float:
+        """Seconds until /health (or, for servers without it, /v1/models) answers 200."""
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode} while starting: "
                                    f"{tail(self.log_path)}")
-            try:
-                async with session.get(self.url + "/health") as r:
-                    if r.status == 200:
-                        return time.perf_counter() - t0
-            except aiohttp.ClientError:
-                pass
+            for path in ("/health", "/v1/models"):
+                try:
+                    async with session.get(self.url + path) as r:
+                        if r.status == 200:
+                            return time.perf_counter() - t0
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    break  # not listening yet
             await asyncio.sleep(0.5)
         raise RuntimeError(f"the server was not ready after {timeout:.0f}s (see {self.log_path})")
 
@@ -178,13 +195,24 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+
+def taxirank_server(variant: Variant, extra_argv: list[str], log_path: str, jax_cache: str | None) -> Server:
+    """taxirank's server.py with the variant's flags."""
+    port = free_port()
+    argv = [sys.executable, os.path.join(ROOT, "server.py"), "--host", "127.0.0.1", "--port", str(port),
+            *flags_to_argv(variant.flags), *extra_argv]
+    env = dict(os.environ)
+    if jax_cache:  # warm-up compiles once per set of shapes, not once per variant
+        env |= {"JAX_COMPILATION_CACHE_DIR": jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    return Server(argv, port, log_path, env, cwd=ROOT)
 
 
 def tail(path: str, n: int = 1500) -> str:
@@ -192,148 +220,7 @@ def tail(path: str, n: int = 1500) -> str:
         return f.read()[-n:]
 
 
-# ---- metrics -----------------------------------------------------------------------
-
-_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {name: value}; labelled samples also as 'name{k=v,...}'. Labelled
-    samples of one name are summed under the bare name (vLLM labels by model_name)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if not m or line.startswith("#"):
-            continue
-        name, labels, value = m.groups()
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        if labels:
-            out[name + "{" + ",".join(f"{k}={x}" for k, x in _LABEL.findall(labels)) + "}"] = v
-            out[name] = out.get(name, 0.0) + v
-        else:
-            out[name] = v
-    return out
-
-
-def pick(metrics: dict[str, float]) -> dict[str, Any]:
-    """One timeline sample: the series METRIC_ALIASES names, plus waiting by reason."""
-    s: dict[str, Any] = {}
-    for key, names in METRIC_ALIASES.items():
-        s[key] = next((metrics[n] for n in names if n in metrics), None)
-    prefix = WAITING_BY_REASON + "{reason="
-    s["waiting_by_reason"] = {k[len(prefix):-1]: v for k, v in metrics.items() if k.startswith(prefix)}
-    return s
-
-
-async def sample_metrics(session: aiohttp.ClientSession, url: str, t0: float, samples: list[dict],
-                         stop: asyncio.Event) -> None:
-    """GET /metrics every SAMPLE_PERIOD_S until `stop`, then once more."""
-    while True:
-        t = time.perf_counter()
-        try:
-            async with session.get(url + "/metrics") as r:
-                if r.status == 200:
-                    samples.append({"t": t - t0} | pick(parse_metrics(await r.text())))
-        except aiohttp.ClientError:
-            pass
-        if stop.is_set():
-            return
-        try:
-            await asyncio.wait_for(stop.wait(), max(0.0, SAMPLE_PERIOD_S - (time.perf_counter() - t)))
-        except asyncio.TimeoutError:
-            pass
-
-
 # ---- the client --------------------------------------------------------------------
-
-@dataclass
-class Record:
-    """One request as the client saw it; times in seconds from the variant's start."""
-
-    cls: str  # "short" | "long"
-    max_tokens: int
-    prompt_len: int
-    start: float = 0.0
-    ttft: float | None = None
-    e2e: float | None = None
-    tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-    error: str | None = None
-
-
-async def stream_one(session: aiohttp.ClientSession, url: str, model: str | None, req: Request,
-                     timing: str, t0: float, rec: Record) -> Record:
-    """POST one streaming completion; record when each token arrived."""
-    body: dict[str, Any] = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0.0,
-                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    if model:
-        body["model"] = model
-    if timing == "logprobs":
-        body["logprobs"] = 0
-    rec.start = time.perf_counter() - t0
-    last, usage = None, None
-    try:
-        async with session.post(url + "/v1/completions", json=body) as r:
-            if r.status != 200:
-                rec.error = f"HTTP {r.status}: {(await r.text())[:300]}"
-                return rec
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                now = time.perf_counter() - t0
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    rec.error = str(chunk["error"].get("message", chunk["error"]))[:300]
-                    continue
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or []:
-                    lp = choice.get("logprobs")
-                    n = len(lp["tokens"]) if timing == "logprobs" and lp else int(bool(choice.get("text")))
-                    if n:
-                        if last is None:
-                            rec.ttft = now - rec.start
-                        else:  # a chunk of n tokens: its gap shared among them
-                            rec.itl += [(now - last) / n] * n
-                        last, rec.tokens = now, rec.tokens + n
-                    if choice.get("finish_reason"):
-                        rec.e2e = now - rec.start
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        rec.error = f"{type(e).__name__}: {e}"
-    if usage and usage.get("completion_tokens") is not None:
-        rec.tokens = usage["completion_tokens"]
-    if rec.error is None and rec.e2e is None:
-        rec.error = "the stream ended without a finish_reason"
-    return rec
-
-
-async def probe(session: aiohttp.ClientSession, url: str, model: str | None, req: Request) -> str:
-    """How to time tokens on this server (and a warm-up request): "text" when every token
-    arrives as a chunk with text; "logprobs" when some tokens decode to no text (random
-    weights: most ids of the bench model's vocabulary have none) and asking for logprobs=0
-    makes the server send each one; "chunks" (approximate) otherwise."""
-    req = Request(req.prompt_token_ids[:8], 8)
-    for timing in ("text", "logprobs"):
-        rec = await stream_one(session, url, model, req, timing, time.perf_counter(), Record("probe", 8, 8))
-        if rec.error:
-            raise RuntimeError(f"probe request failed: {rec.error}")
-        if rec.tokens == 8 and len(rec.itl) == 7:
-            return timing
-    return "chunks"
-
-
-async def served_model(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    try:
-        async with session.get(url + "/v1/models") as r:
-            data = (await r.json()).get("data") or [{}]
-            return data[0]
-    except (aiohttp.ClientError, ValueError):
-        return {}
-
 
 def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
     """0 for a burst; else a Poisson process of `rate` requests/s (first at 0)."""
@@ -346,124 +233,172 @@ def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
     return out
 
 
-async def run_variant(session: aiohttp.ClientSession, url: str, model: str | None, requests: list[Request],
+async def run_variant(session: aiohttp.ClientSession, url: str, caps: Capabilities, requests: list[Request],
                       args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """Send the workload, sample /metrics meanwhile; the variant's figures."""
-    timing = await probe(session, url, model, requests[0])
+    """Send the workload as `caps` says the server takes it, sample /metrics meanwhile (where
+    it has them); the variant's figures."""
     arrivals = arrival_times(len(requests), args.rate, args.seed)
     samples: list[dict] = []
     stop = asyncio.Event()
     bar = tqdm(total=len(requests), desc=f"{name:>20}", unit="req", mininterval=1.0, file=sys.stderr)
     t0 = time.perf_counter()
-    sampler = asyncio.create_task(sample_metrics(session, url, t0, samples, stop))
+    sampler = asyncio.create_task(sample_metrics(session, url, t0, samples, stop)) if caps.metrics else None
 
     async def one(req: Request, at: float) -> Record:
         await asyncio.sleep(at)
-        rec = Record("short" if req.max_tokens == args.short else "long", req.max_tokens, len(req.prompt_token_ids))
-        await stream_one(session, url, model, req, timing, t0, rec)
+        rec = Record("short" if req.max_tokens == args.short else "long", req.max_tokens,
+                     len(req.prompt_token_ids) if caps.prompts == "ids" else len(req.prompt_text.split()))
+        await stream_one(session, url, caps.body(req), caps.timing, t0, rec)
         bar.update(1)
         return rec
 
     records = await asyncio.gather(*(one(r, a) for r, a in zip(requests, arrivals)))
     duration = time.perf_counter() - t0
     stop.set()
-    await sampler
+    if sampler:
+        await sampler
     bar.close()
-    return summarize_variant(records, samples, duration, timing)
+    return summarize_variant(records, samples, duration, caps)
 
 
 # ---- figures -----------------------------------------------------------------------
 
 def class_stats(records: list[Record]) -> dict[str, Any]:
+    """TTFT, ITL, TPOT ((e2e - TTFT) / (tokens - 1), vLLM's), e2e and output tokens of one class."""
     ok = [r for r in records if r.error is None]
     return {"n": len(records), "n_ok": len(ok),
             "ttft": summarize([r.ttft for r in ok if r.ttft is not None]),
             "itl": summarize([x for r in ok for x in r.itl]),
-            "e2e": summarize([r.e2e for r in ok])}
+            "tpot": summarize([(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]),
+            "e2e": summarize([r.e2e for r in ok]),
+            "output_tokens": summarize([float(r.tokens) for r in ok])}
 
 
-def timeline(samples: list[dict]) -> dict[str, Any]:
-    """Columns of the /metrics samples; preemptions counted from the first sample."""
-    tl: dict[str, Any] = {"t": [round(s["t"], 3) for s in samples]}
-    for key in ("running", "waiting", "kv_usage"):
-        tl[key] = [s[key] for s in samples]
-    p0 = next((s["preemptions"] for s in samples if s["preemptions"] is not None), None)
-    tl["preemptions"] = [None if s["preemptions"] is None else s["preemptions"] - p0 for s in samples]
-    reasons = sorted({r for s in samples for r in s["waiting_by_reason"]})
-    tl["waiting_by_reason"] = {r: [s["waiting_by_reason"].get(r, 0.0) for s in samples] for r in reasons}
-    return tl
-
-
-def metric_figures(tl: dict[str, Any], samples: list[dict]) -> dict[str, Any]:
-    """Peaks and means of the timeline; request-seconds spent waiting, by reason."""
-    def vals(key: str) -> list[float]:
-        return [v for v in tl[key] if v is not None]
-
-    dt = [b - a for a, b in zip(tl["t"], tl["t"][1:])] + [0.0]
-    by_reason = {r: round(sum(n * d for n, d in zip(col, dt)), 2) for r, col in tl["waiting_by_reason"].items()}
-    waiting_s = round(sum((w or 0.0) * d for w, d in zip(tl["waiting"], dt)), 2)
-    dominant = max(by_reason, key=by_reason.get) if by_reason and max(by_reason.values()) > 0 else None
-    kv, pre = vals("kv_usage"), vals("preemptions")
-    return {"samples": len(samples),
-            "series": [k for k in ("running", "waiting", "kv_usage", "preemptions") if vals(k)]
-            + (["waiting_by_reason"] if by_reason else []),
-            "num_kv_blocks": next((s["num_kv_blocks"] for s in samples if s["num_kv_blocks"] is not None), None),
-            "max_running": max(vals("running"), default=None), "max_waiting": max(vals("waiting"), default=None),
-            "mean_kv_usage": sum(kv) / len(kv) if kv else None, "max_kv_usage": max(kv, default=None),
-            "preemptions": pre[-1] if pre else None, "waiting_request_s": waiting_s,
-            "waiting_by_reason_s": by_reason, "dominant_wait_reason": dominant}
-
-
-def summarize_variant(records: list[Record], samples: list[dict], duration: float, timing: str) -> dict[str, Any]:
+def summarize_variant(records: list[Record], samples: list[dict], duration: float,
+                      caps: Capabilities) -> dict[str, Any]:
     ok = [r for r in records if r.error is None]
     span = max((r.start + r.e2e for r in ok), default=0.0) - min((r.start for r in ok), default=0.0)
     tokens = sum(r.tokens for r in ok)
     tl = timeline(samples)
     errors = [r.error for r in records if r.error]
-    return {"duration_s": round(duration, 2), "token_timing": timing, "requests": len(records),
-            "errors": len(errors), "first_errors": errors[:3],
+    from_usage = [r.tokens_from_usage for r in ok]
+    prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    return {"duration_s": round(duration, 2), "token_timing": caps.timing, "capabilities": asdict(caps),
+            "requests": len(records), "errors": len(errors), "first_errors": errors[:3],
             "exact_lengths": all(r.tokens == r.max_tokens for r in ok),
+            # where the output token counts came from: the server's usage, or the stream's chunks
+            "tokens_counted_from": ("usage" if all(from_usage) else "chunks" if not any(from_usage) else "mixed"),
             "output_tokens": tokens, "output_tokens_per_s": tokens / span if span > 0 else 0.0,
+            "prompt_tokens": summarize([float(x) for x in prompt_tokens]) | {"total": sum(prompt_tokens)}
+            if prompt_tokens else None,  # only what the server's usage reports
+            "finish_reasons": {f: sum((r.finish_reason or "?") == f for r in ok)
+                               for f in sorted({r.finish_reason or "?" for r in ok})},
             "short": class_stats([r for r in records if r.cls == "short"]),
             "long": class_stats([r for r in records if r.cls == "long"]),
             "metrics": metric_figures(tl, samples), "timeline": tl,
             "per_request": [{"class": r.cls, "max_tokens": r.max_tokens, "prompt_len": r.prompt_len,
-                             "start": round(r.start, 4), "ttft": r.ttft, "e2e": r.e2e, "tokens": r.tokens,
+                             "prompt_tokens": r.prompt_tokens, "start": round(r.start, 4), "ttft": r.ttft,
+                             "e2e": r.e2e, "tokens": r.tokens, "finish_reason": r.finish_reason, "text": r.text,
                              "error": r.error} for r in records]}
 
 
 # ---- main --------------------------------------------------------------------------
 
+async def measure(session: aiohttp.ClientSession, url: str, entry: dict[str, Any], requests: list[Request],
+                  args: argparse.Namespace, name: str, server: Server | None) -> None:
+    """Probe the server at `url`, run the workload on it, and add the figures to `entry`."""
+    caps = await probe(session, url, requests[0], prompts=args.prompt_kind, extensions=args.send_extensions,
+                       metrics_known=known_metrics)
+    if args.extensions == "on" and "ignore_eos" in caps.refused:
+        raise Refused(f"the server refuses ignore_eos ({caps.refused['ignore_eos']}); --extensions auto or off "
+                      "measures it with output lengths that follow the model")
+    print(f"   {name}: model {caps.model or '(not named)'}, {caps.prompts} prompts, token timing {caps.timing}"
+          + (f", refused {sorted(caps.refused)}" if caps.refused else "")
+          + ("" if caps.metrics else ", no /metrics") + ("" if caps.usage else ", no usage"), flush=True)
+    cpu0, load0 = server.cpu_seconds() if server else None, os.getloadavg()[0]
+    entry |= await run_variant(session, url, caps, requests, args, name)
+    cpu1 = server.cpu_seconds() if server else None
+    entry["load"] = {"loadavg_1m_start": load0, "loadavg_1m_end": os.getloadavg()[0],
+                     "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 1),
+                     "cores": os.cpu_count()}
+
+
 async def bench(args: argparse.Namespace, variants: list[Variant], requests: list[Request],
                 results: dict[str, Any]) -> None:
+    """Each taxirank variant, or each target, in turn: one server up at a time."""
+    t_start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=args.request_timeout)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        if args.url:
-            info = await served_model(session, args.url)
-            results["server"] = {"url": args.url, "model": info}
-            res = await run_variant(session, args.url, info.get("id"), requests, args, "server")
-            results["variants"]["server"] = {"flags": {}, "admission": None, "length": None} | res
-            return
         extra = shlex.split(args.server_args)
+        runs: list[tuple[str, dict[str, Any], Any]] = []
         for v in variants:
-            entry: dict[str, Any] = {"flags": v.flags, "extra_server_args": extra, "admission": v.admission,
-                                     "length": v.length}
-            results["variants"][v.name] = entry
-            server = Server(v, extra, os.path.join(args.out, f"server-{v.name.replace('/', '-')}.log"), args.jax_cache)
+            runs.append((v.name, {"flags": v.flags, "extra_server_args": extra, "admission": v.admission,
+                                  "length": v.length}, v))
+        for t in args.targets:
+            runs.append((t.name, {"flags": {}, "admission": None, "length": None, "url": t.url,
+                                  "command": t.command}, t))
+        for name, entry, what in runs:
+            results["variants"][name] = entry
+            server, log = None, os.path.join(args.out, f"server-{name.replace('/', '-')}.log")
             try:
-                print(f"== {v.name}: {' '.join(flags_to_argv(v.flags) + extra)}", flush=True)
-                entry["startup_s"] = round(await server.wait_ready(session, args.startup_timeout), 1)
-                cpu0, load0 = server.cpu_seconds(), os.getloadavg()[0]
-                entry |= await run_variant(session, server.url, None, requests, args, v.name)
-                cpu1 = server.cpu_seconds()
-                entry["load"] = {"loadavg_1m_start": load0, "loadavg_1m_end": os.getloadavg()[0],
-                                 "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 1),
-                                 "cores": os.cpu_count()}
-            except Exception as e:  # one broken variant must not lose the others' figures
+                if isinstance(what, Variant):
+                    print(f"== {name}: {' '.join(flags_to_argv(what.flags) + extra)}", flush=True)
+                    server = taxirank_server(what, extra, log, args.jax_cache)
+                elif what.command:
+                    port = free_port()
+                    argv = shlex.split(what.command.replace("{port}", str(port)))
+                    print(f"== {name}: {' '.join(argv)}", flush=True)
+                    server = Server(argv, port, log)
+                    entry["url"] = server.url
+                else:
+                    print(f"== {name}: {what.url}", flush=True)
+                if server:
+                    entry["startup_s"] = round(await server.wait_ready(session, args.startup_timeout), 1)
+                await measure(session, server.url if server else what.url, entry, requests, args, name, server)
+            except Exception as e:  # one broken server must not lose the others' figures
                 entry["error"] = f"{type(e).__name__}: {e}"
-                print(f"   {v.name} failed: {entry['error']}", flush=True)
+                print(f"   {name} failed: {entry['error']}", flush=True)
             finally:
-                server.stop()
+                if server:
+                    server.stop()
+            # what is done so far, should a later server hang or the run be stopped: --report renders it
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump(results | {"partial": True, "total_s": round(time.perf_counter() - t_start, 1),
+                                     "loadavg_end": os.getloadavg()}, f, indent=1)
+
+
+_NAME = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
+
+
+class TargetAction(argparse.Action):
+    """--url [NAME=]URL and --compare NAME=COMMAND, into one list in the order given."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any,
+                 option: str | None = None) -> None:
+        targets = list(getattr(ns, self.dest) or [])
+        m = _NAME.match(value)
+        if option == "--compare":
+            if not m:
+                parser.error(f"--compare wants NAME=COMMAND, got {value!r}")
+            if "{port}" not in m.group(2):
+                parser.error(f"--compare {m.group(1)}: the command must contain {{port}} (the bench picks a free port)")
+            targets.append(Target(m.group(1), command=m.group(2)))
+        else:
+            name, url = (m.group(1), m.group(2)) if m else (None, value)
+            if not re.match(r"^https?://[^/\s]+", url):
+                parser.error(f"--url wants [NAME=]http://host:port, got {value!r}")
+            targets.append(Target(name, url=url.rstrip("/")))
+        setattr(ns, self.dest, targets)
+
+
+def name_targets(targets: list[Target], ap: argparse.ArgumentParser) -> None:
+    """Unnamed URLs become server, or server1, server2, ...; names must differ."""
+    unnamed = [t for t in targets if t.name is None]
+    for i, t in enumerate(unnamed, 1):
+        t.name = "server" if len(targets) == 1 else f"server{i}"
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        ap.error(f"server names must differ: {names}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -472,14 +407,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=Formatter)
-    ap.add_argument("--url", help="measure this running OpenAI-compatible server instead of starting taxirank")
+    ap.add_argument("--url", dest="targets", action=TargetAction, metavar="[NAME=]URL", default=[],
+                    help="measure this running OpenAI-compatible server instead of starting taxirank; repeat it "
+                    "(or mix it with --compare) to measure several side by side")
+    ap.add_argument("--compare", dest="targets", action=TargetAction, metavar="NAME=COMMAND", default=[],
+                    help="start this server command, with {port} replaced by a free port, measure it and stop "
+                    "it before the next; repeatable, e.g. 'hf=transformers serve DIR --continuous-batching "
+                    "--port {port}'")
+    ap.add_argument("--prompts", default="auto", choices=("auto", "text", "ids"),
+                    help="auto: random token ids for taxirank variants, text for --url/--compare servers")
+    ap.add_argument("--extensions", default="auto", choices=("auto", "on", "off"),
+                    help="vLLM's ignore_eos (exact output lengths). auto: to taxirank variants and to a lone "
+                    "--url/--compare server that takes it; none side by side, so every server gets identical "
+                    "requests. on: a server that refuses it fails. off: never")
     ap.add_argument("--model", default="bench", help="taxirank model to serve: tiny, bench or an HF directory")
     ap.add_argument("--vocab-size", type=int,
-                    help="prompt token ids are drawn below it (default: --model's; 32000 for --url)")
+                    help="prompt token ids are drawn below it (default: --model's; 32000 for --url/--compare)")
     ap.add_argument("--num-requests", type=int, default=100)
     ap.add_argument("--short", type=int, default=16, help="max_tokens of the short half")
     ap.add_argument("--long", type=int, default=512, help="max_tokens of the long half")
-    ap.add_argument("--prompt-len", default="32,256", help="prompt lengths: MIN,MAX random token ids")
+    ap.add_argument("--prompt-len", default="32,256", help="prompt lengths: MIN,MAX random token ids, or words "
+                    "of text prompts")
     ap.add_argument("--rate", type=float, help="requests/s as a Poisson process (default: all at once)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=32)
@@ -492,7 +440,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "'--enable-chunked-prefill'")
     ap.add_argument("--quick", action="store_true", help="40 requests, --long 128, --prompt-len 16,64, "
                     "--max-model-len 512 (unless given)")
-    ap.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    ap.add_argument("--startup-timeout", type=float, default=900.0,
+                    help="seconds to wait for a started server's /health (or /v1/models)")
     ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds of silence before a request fails")
     ap.add_argument("--jax-cache", default=os.path.join(ROOT, "bench", "results", ".jax-cache"),
                     help="persistent compilation cache for the servers ('' for none)")
@@ -501,17 +450,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "its results.json")
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     args = ap.parse_args(argv)
-    args.url = args.url.rstrip("/") if args.url else None
     if args.report:
         return args
+    if args.targets and args.variants:
+        ap.error("--variants picks taxirank variants; with --url or --compare the servers given are measured")
+    name_targets(args.targets, ap)
     if args.quick:
         for opt, value in (("num_requests", 40), ("long", 128), ("prompt_len", "16,64"), ("max_model_len", 512)):
             if "--" + opt.replace("_", "-") not in given:
                 setattr(args, opt, value)
-    lo, hi = (int(x) for x in args.prompt_len.split(","))
+    try:
+        lo, hi = (int(x) for x in args.prompt_len.split(","))
+    except ValueError:
+        ap.error(f"--prompt-len wants MIN,MAX, got {args.prompt_len!r}")
+    if not 1 <= lo <= hi:
+        ap.error(f"--prompt-len wants 1 <= MIN <= MAX, got {args.prompt_len!r}")
+    for opt in ("num_requests", "short", "long"):
+        if getattr(args, opt) < 1:
+            ap.error(f"--{opt.replace('_', '-')} must be at least 1")
     args.prompt_range = (lo, hi)
+    args.prompt_kind = args.prompts if args.prompts != "auto" else "text" if args.targets else "ids"
+    args.send_extensions = {"on": True, "off": False, "auto": len(args.targets) <= 1}[args.extensions]
     need = hi + max(args.short, args.long)
-    if not args.url and need > args.max_model_len // 2:
+    if not args.targets and need > args.max_model_len // 2:
         ap.error(f"the halved max_model_len ({args.max_model_len // 2}) must hold the longest request "
                  f"({hi} prompt + {max(args.short, args.long)} output tokens): raise --max-model-len")
     args.out = args.out or os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S"))
@@ -537,12 +498,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         finish(results, args.report)
         return results
     os.makedirs(args.out, exist_ok=True)
-    variants = [] if args.url else build_variants(args)
+    variants = [] if args.targets else build_variants(args)
     vocab = args.vocab_size or vocab_size_of(args.model)
     requests = seed_mix(args.num_requests, vocab, short=args.short, long=args.long, prompt_len=args.prompt_range,
-                        seed=args.seed)
-    settings = {k: v for k, v in vars(args).items() if k not in ("prompt_range",)} | {"vocab_size": vocab}
-    if not args.url:
+                        seed=args.seed, text=args.prompt_kind == "text")
+    settings = {k: v for k, v in vars(args).items() if k not in ("prompt_range", "targets")} | {
+        "vocab_size": vocab, "targets": [asdict(t) for t in args.targets]}
+    if not args.targets:
         settings["kv_budget_blocks"] = args.kv_budget_seqs * math.ceil(args.max_model_len / args.block_size) + 1
         settings["kv_budget_tokens"] = (settings["kv_budget_blocks"] - 1) * args.block_size
     results: dict[str, Any] = {"machine": machine_info(), "settings": settings, "loadavg_start": os.getloadavg(),

@@ -20,7 +20,17 @@ def _ok(v: dict | None) -> bool:
 
 
 def _p(v: dict, cls: str, metric: str, q: str) -> float | None:
-    return v[cls][metric].get(q)
+    return v[cls].get(metric, {}).get(q)
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _num(x: float | None, unit: str = "", fmt: str = "{:.3g}") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return (f"{x:.0f}" if fmt == "{:.3g}" and abs(x) >= 1000 else fmt.format(x)) + unit  # 13744 ms, not 1.37e+04
 
 
 def _times(ratio: float) -> str:
@@ -37,7 +47,8 @@ def _reason_text(v: dict) -> str:
         return "no request waited"
     share = by[m["dominant_wait_reason"]] / max(sum(by.values()), 1e-9)
     return (f"{total:.0f} request-s spent waiting, {share:.0%} of it on {m['dominant_wait_reason']}"
-            + (f" (max running {m['max_running']:.0f} of {v['flags'].get('max_num_seqs', '?')} slots)"
+            + (f" (max running {m['max_running']:.0f}" + (f" of {v['flags']['max_num_seqs']} slots)"
+                                                         if "max_num_seqs" in (v.get("flags") or {}) else ")")
                if m["max_running"] is not None else ""))
 
 
@@ -133,8 +144,87 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
             f"Requests queued on KV blocks under {', '.join(kv) or 'no mode'}"
             + (f"; under {'; '.join(other)}" if other else "")
             + f". Halving let more requests run at once only under {', '.join(more) or 'no mode'}.")
-    if "server" in vs and _ok(vs["server"]):
-        out["answer"].append(f"The server: {_reason_text(vs['server'])}.")
+    targets = [t["name"] for t in results["settings"].get("targets") or []]
+    for name in targets:
+        v = vs.get(name)
+        if not _ok(v):
+            out["answer"].append(f"{name}: not measured ({(v or {}).get('error', 'no figures')}).")
+            continue
+        out["answer"].append(
+            f"{name}: {v['output_tokens_per_s']:.1f} output tokens/s; short-request e2e p50 "
+            f"{_num(_p(v, 'short', 'e2e', 'p50'), ' s')}, p99 {_num(_p(v, 'short', 'e2e', 'p99'), ' s')}; "
+            f"{v['errors']} of {v['requests']} requests failed"
+            + (f"; {_reason_text(v)}" if v["metrics"]["waiting_by_reason_s"] else "") + ".")
+    ok = [n for n in targets if _ok(vs.get(n))]
+    if len(ok) >= 2:
+        out["comparison"] = compare(vs, ok)
+        ref = ok[0]
+        for name, c in out["comparison"]["vs"].items():
+            tps, p99, g = c["output_tokens_per_s"], c["short"]["e2e"]["p99"], c["greedy_texts"]
+            out["answer"].append(
+                f"{ref} vs {name}: {_x(tps['ratio'])} the output tokens/s ({tps[ref]:.1f} vs {tps[name]:.1f}); "
+                f"short-request p99 e2e {_times(p99['ratio']) if p99['ratio'] else 'not comparable'} under {ref} "
+                f"({_num(p99[ref], ' s')} vs {_num(p99[name], ' s')}); greedy texts identical in {g['identical']} "
+                f"of {g['compared']} requests.")
+    return out
+
+
+# ---- side by side --------------------------------------------------------------------
+
+RATIO_MEANING = ("ratio > 1: the reference (the first server) is better: its output tokens/s over the other's, "
+                 "the other's latency over its own")
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    ok = num is not None and den is not None and not math.isnan(num) and not math.isnan(den) and den > 0
+    return num / den if ok else None
+
+
+def _prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def text_agreement(a: dict, b: dict) -> dict[str, Any]:
+    """Do two servers' greedy completions of the same requests match, text for text?"""
+    pairs = [(i, x["text"], y["text"]) for i, (x, y) in enumerate(zip(a["per_request"], b["per_request"]))
+             if not x["error"] and not y["error"] and x.get("text") is not None and y.get("text") is not None]
+    diff = [(i, x, y) for i, x, y in pairs if x != y]
+    first = None
+    if diff:
+        i, x, y = diff[0]
+        k = _prefix(x, y)
+        first = {"request": i, "common_prefix_chars": k, "a": x[max(0, k - 20):k + 40], "b": y[max(0, k - 20):k + 40]}
+    counts = [(x.get("prompt_tokens"), y.get("prompt_tokens")) for x, y in zip(a["per_request"], b["per_request"])]
+    known = [(x, y) for x, y in counts if x is not None and y is not None]
+    return {"compared": len(pairs), "identical": len(pairs) - len(diff),
+            # the same prompt text made the same number of tokens on both (from usage; None: not reported)
+            "prompt_tokens_equal": sum(x == y for x, y in known) if known else None, "prompt_tokens_compared": len(known),
+            "mean_common_prefix": (sum(_prefix(x, y) / max(len(x), len(y), 1) for _, x, y in pairs) / len(pairs)
+                                   if pairs else None),
+            "first_difference": first}
+
+
+def compare(vs: dict[str, dict], names: list[str]) -> dict[str, Any]:
+    """Each server against the first: output tokens/s, TTFT / ITL / TPOT / e2e p50 and p99
+    per class, each as both values and a ratio (> 1: the first is better), and the texts."""
+    ref, out = names[0], {"reference": names[0], "ratio_meaning": RATIO_MEANING, "vs": {}}
+    a = vs[ref]
+    for name in names[1:]:
+        b = vs[name]
+        c: dict[str, Any] = {"output_tokens_per_s": {ref: a["output_tokens_per_s"], name: b["output_tokens_per_s"],
+                                                     "ratio": _ratio(a["output_tokens_per_s"],
+                                                                     b["output_tokens_per_s"])}}
+        for cls in ("short", "long"):
+            c[cls] = {m: {q: {ref: a[cls][m].get(q), name: b[cls][m].get(q),
+                              "ratio": _ratio(b[cls][m].get(q), a[cls][m].get(q))} for q in ("p50", "p99")}
+                      for m in ("ttft", "itl", "tpot", "e2e")}
+        c["greedy_texts"] = text_agreement(a, b)
+        out["vs"][name] = c
     return out
 
 
@@ -147,6 +237,8 @@ COLUMNS = [  # (header, function of a variant, format)
                                                   for q in ("mean", "p50", "p99")), "{:.0f}/{:.0f}/{:.0f}"),
     ("short e2e p50/p90/p99 s", lambda v: tuple(_p(v, "short", "e2e", q) for q in ("p50", "p90", "p99")),
      "{:.1f}/{:.1f}/{:.1f}"),
+    ("out tok short/long", lambda v: (_p(v, "short", "output_tokens", "mean"), _p(v, "long", "output_tokens", "mean")),
+     "{:.0f}/{:.0f}"),
     ("long TTFT p50 s", lambda v: _p(v, "long", "ttft", "p50"), "{:.2f}"),
     ("long ITL mean ms", lambda v: 1000 * (_p(v, "long", "itl", "mean") or math.nan), "{:.0f}"),
     ("long e2e p50/p90/p99 s", lambda v: tuple(_p(v, "long", "e2e", q) for q in ("p50", "p90", "p99")),
@@ -222,17 +314,24 @@ def _budget_text(results: dict[str, Any]) -> str:
 
 def write_report(results: dict[str, Any], out_dir: str) -> str:
     st, m, an = results["settings"], results["machine"], results["analysis"]
+    targets = st.get("targets") or []
     lines = ["# Mixed short/long online bench", "",
-             f"{results['started']}, {results['total_s'] / 60:.1f} minutes. Generated by `python bench/mixed.py`.", "",
-             "## Answer", ""] + [f"- {a}" for a in an["answer"]] + [""]
-    lines += [f"A \"sharp fall\" is short-request p99 e2e at least {SHARP}x lower at half max_model_len. Waiting "
-              "reasons are request-seconds integrated from the server's "
-              "`taxirank:num_requests_waiting_by_reason` samples (~10 per second), not inferred.", "",
-              "## Results", "", _md_table(table_rows(results)), "",
+             f"{results['started']}, {results['total_s'] / 60:.1f} minutes. Generated by `python bench/mixed.py`"
+             + (" from a run that did not finish: only the servers before it stopped are here." if results.get("partial")
+                else "."), "", "## Answer", ""] + [f"- {a}" for a in an["answer"]] + [""]
+    if not targets:
+        lines += [f"A \"sharp fall\" is short-request p99 e2e at least {SHARP}x lower at half max_model_len. Waiting "
+                  "reasons are request-seconds integrated from the server's "
+                  "`taxirank:num_requests_waiting_by_reason` samples (~10 per second), not inferred.", ""]
+    if an.get("comparison"):
+        lines += side_by_side_md(results)
+    lines += ["## Results", "", _md_table(table_rows(results)), "",
               "TTFT, ITL and e2e as the client measured them (streamed tokens); tok/s: output tokens over the time "
-              "from the first request sent to the last token. `waited on`: the reason with the most waiting "
+              "from the first request sent to the last token. `out tok`: mean output tokens per request of each "
+              "class. `waited on`: the reason with the most waiting "
               "request-seconds. `server cores`: the server process's CPU seconds over the run's wall time; a "
-              "variant that got fewer cores than its peers ran while something else competed for the machine.", ""]
+              "variant that got fewer cores than its peers ran while something else competed for the machine. "
+              "`-`: not measured (see below).", ""]
     if an["halving"]:
         lines += ["### Halving max_model_len, per KV admission mode", "",
                   _md_table([["mode", "short p99 e2e full -> half", "fall", "short p99 TTFT full -> half",
@@ -246,19 +345,24 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
                                 f"{h['dominant_wait_reason_full']} / {h['dominant_wait_reason_half']}",
                                 f"{h['preemptions_full']:.0f} / {h['preemptions_half']:.0f}"]
                                for mode, h in an["halving"].items()]), ""]
+    text = st.get("prompt_kind") == "text"
+    prompts = (f"{st['prompt_len'].replace(',', '..')} words of generated prose (the servers' usage counts their "
+               "tokens)" if text else f"{st['prompt_len'].replace(',', '..')} random token ids (vocabulary "
+                                      f"{st['vocab_size']})")
     lines += ["## Settings", "",
               f"- Workload: {st['num_requests']} requests, half max_tokens={st['short']} and half {st['long']}, "
-              f"shuffled (seed {st['seed']}); prompts of {st['prompt_len'].replace(',', '..')} random token ids "
-              f"(vocabulary {st['vocab_size']}); temperature 0, ignore_eos, streamed; "
+              f"shuffled (seed {st['seed']}); prompts of {prompts}; temperature 0, streamed; "
               + (f"Poisson arrivals at {st['rate']} requests/s." if st["rate"] else "all sent at once."),
               f"- Token timing: {_timing_text(results)}."]
-    if st["url"]:
-        info = results.get("server", {}).get("model", {})
-        lines.append(f"- Server: {st['url']}, model `{info.get('id', '?')}`"
-                     + (f", max_model_len {info['max_model_len']}" if info.get("max_model_len") else "")
-                     + f", {_blocks(results, 'server')} KV blocks (from /metrics; ? where it has no such gauge).")
+    if targets:
+        lines += ["- Servers, one after the other, the same requests to each:", ""]
+        lines += [f"  - {t['name']}: " + (f"`{t['command']}` (at {results['variants'].get(t['name'], {}).get('url')})"
+                                          if t.get("command") else t["url"]) for t in targets]
+        lines += ["", "### What each server took, and what could not be measured", ""]
+        lines += [f"- {t['name']}: {server_text(results['variants'].get(t['name']) or {})}" for t in targets]
     else:
-        lines += [f"- Model `{st['model']}`; every variant: max_num_seqs {st['max_num_seqs']}, block size "
+        lines += ["- ignore_eos on every request, so output lengths are exact.",
+                  f"- Model `{st['model']}`; every variant: max_num_seqs {st['max_num_seqs']}, block size "
                   f"{st['block_size']}, max_model_len {st['max_model_len']} (full) or {st['max_model_len'] // 2} (half)"
                   + (f", extra server flags `{st['server_args']}`" if st["server_args"] else "") + ".",
                   "- continuous / static: the server's default KV cache for its config "
@@ -276,6 +380,74 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
     return path
 
 
+def side_by_side_md(results: dict[str, Any]) -> list[str]:
+    """One table per server against the first: values, and ratios (> 1: the first is better)."""
+    comp = results["analysis"]["comparison"]
+    ref, lines = comp["reference"], ["## Side by side", ""]
+    for name, c in comp["vs"].items():
+        def row(label: str, d: dict, unit: str, scale: float = 1.0, fmt: str = "{:.3g}") -> list[str]:
+            val = [None if d[k] is None else d[k] * scale for k in (ref, name)]
+            return [label, _num(val[0], unit, fmt), _num(val[1], unit, fmt), _x(d["ratio"])]
+
+        rows = [["", ref, name, f"{ref} better by"], row("output tokens/s", c["output_tokens_per_s"], "", fmt="{:.1f}")]
+        for cls in ("short", "long"):
+            for metric, unit, scale in (("ttft", " s", 1), ("itl", " ms", 1000), ("tpot", " ms", 1000), ("e2e", " s", 1)):
+                for q in ("p50", "p99"):
+                    rows.append(row(f"{cls} {metric.upper()} {q}", c[cls][metric][q], unit, scale))
+        g = c["greedy_texts"]
+        lines += [f"### {ref} vs {name}", "", _md_table(rows), "",
+                  f"Ratios: output tokens/s {ref} / {name}; latencies {name} / {ref}. Greedy texts: "
+                  f"{g['identical']} of {g['compared']} requests identical"
+                  + (f" (common prefix, over all requests: {100 * g['mean_common_prefix']:.0f}% of the longer text on "
+                     "average)" if g["first_difference"] and g["mean_common_prefix"] is not None else "")
+                  + (f"; first difference in request {g['first_difference']['request']} after "
+                     f"{g['first_difference']['common_prefix_chars']} characters: {g['first_difference']['a']!r} vs "
+                     f"{g['first_difference']['b']!r}" if g["first_difference"] else "") + ". Prompt tokens (usage): "
+                  + (f"the same count on both in {g['prompt_tokens_equal']} of {g['prompt_tokens_compared']} requests."
+                     if g["prompt_tokens_equal"] is not None else "not reported by both servers."), ""]
+    return lines
+
+
+FIELD = {"include_usage": "stream_options.include_usage", "logprobs": "logprobs=0"}
+
+
+def server_text(v: dict) -> str:
+    """In words: how the bench talked to this server, and what it could not measure there."""
+    if "capabilities" not in v:
+        return f"not measured: {v.get('error', 'no figures')}"
+    caps, said = v["capabilities"], []
+    said.append(f"model `{caps['model']}`" if caps["model"] else "no model name from /v1/models (requests name none)")
+    said.append(f"{caps['prompts']} prompts")
+    for f, answer in caps["refused"].items():
+        said.append(f"refused {FIELD.get(f, f)} ({answer[:120]})")
+    missing = []
+    fr = ", ".join(f"{k} {n}" for k, n in v["finish_reasons"].items())
+    lengths = (f"finish reasons {fr}; mean output tokens short "
+               f"{_num(_p(v, 'short', 'output_tokens', 'mean'), '', '{:.1f}')}, "
+               f"long {_num(_p(v, 'long', 'output_tokens', 'mean'), '', '{:.1f}')}")
+    if caps["ignore_eos"]:
+        said.append("ignore_eos sent" + (", output lengths exact" if v["exact_lengths"] else
+                                         f", but output lengths were not exact ({lengths}): the server ignored it"))
+    else:
+        said.append(f"no ignore_eos sent, so output lengths follow the model ({lengths})")
+    if not caps["usage"]:
+        missing.append("usage: prompt tokens not known, output tokens counted from the streamed chunks "
+                       "(a chunk may hold several tokens)")
+    elif v.get("prompt_tokens"):
+        said.append(f"prompt tokens from usage: mean {v['prompt_tokens']['mean']:.0f}, "
+                    f"total {v['prompt_tokens']['total']:.0f}")
+    if caps["timing"] == "chunks":
+        missing.append("per-token ITL (timed per streamed chunk)")
+    if not caps["metrics"]:
+        missing.append("running / waiting / KV usage / preemptions (no /metrics with a series the bench knows; "
+                       "the timeline shows the client's view)")
+    elif not v["metrics"]["waiting_by_reason_s"]:
+        missing.append("why requests waited (no waiting-by-reason series)")
+    if v.get("error"):
+        missing.append(f"the run: {v['error']}")
+    return "; ".join(said) + ". Not measured: " + ("; ".join(missing) if missing else "nothing") + "."
+
+
 def _flags(flags: dict) -> list[str]:
     return [f"--{k.replace('_', '-')} {v}" for k, v in flags.items()]
 
@@ -290,13 +462,19 @@ def _load(la: Any) -> str:
     return "/".join(f"{x:.1f}" for x in la)
 
 
+TIMING_TEXT = {"text": "one chunk per token, from the stream's text chunks",
+               "logprobs": "each token's chunk; requests ask for logprobs=0 because some tokens (most of a random "
+                           "model's) decode to no text, and a server sends no chunk for those otherwise",
+               "chunks": "per SSE chunk (approximate: the server may merge tokens into one chunk, and sends no usage "
+                         "or no per-token count to check it by)"}
+
+
 def _timing_text(results: dict) -> str:
-    t = {v.get("token_timing") for v in results["variants"].values()} - {None}
-    return {"text": "one chunk per token, from the stream's text chunks",
-            "logprobs": "each token's chunk; requests ask for logprobs=0 because most of the random model's tokens "
-                        "decode to no text, and a server sends no chunk for those otherwise",
-            "chunks": "per SSE chunk (approximate: this server merges or drops tokens)"}.get(
-        next(iter(t), ""), ", ".join(sorted(t)) or "none")
+    by = {n: v["token_timing"] for n, v in results["variants"].items() if v.get("token_timing")}
+    kinds = set(by.values())
+    if len(kinds) <= 1:
+        return TIMING_TEXT.get(next(iter(kinds), ""), "none")
+    return "; ".join(f"{n}: {TIMING_TEXT[t]}" for n, t in by.items())
 
 
 # ---- plots -------------------------------------------------------------------------
@@ -317,7 +495,8 @@ def write_plots(results: dict[str, Any], out_dir: str) -> list[str]:
     ax.set(xscale="log", xlabel="short-request end-to-end latency (s, log)", ylabel="fraction of short requests",
            title=f"CDF of short-request (max_tokens={results['settings']['short']}) e2e latency")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.lines:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "cdf_short_e2e.png"), dpi=110)
     plt.close(fig)
@@ -325,7 +504,16 @@ def write_plots(results: dict[str, Any], out_dir: str) -> list[str]:
 
     for name, v in results["variants"].items():
         tl = v.get("timeline")
-        if not tl or not tl["t"]:
+        if not tl or not tl["t"]:  # no /metrics: what the client saw
+            if client_view(v):
+                fig, ax = plt.subplots(figsize=(9, 4))
+                _plot_client_view(ax, v)
+                ax.set(title=f"{name}: no /metrics, the client's view", xlabel="seconds since the first request")
+                fig.tight_layout()
+                fname = f"timeline-{name.replace('/', '-')}.png"
+                fig.savefig(os.path.join(out_dir, fname), dpi=110)
+                plt.close(fig)
+                written.append(fname)
             continue
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, height_ratios=(2, 1))
         t = tl["t"]
@@ -350,7 +538,48 @@ def write_plots(results: dict[str, Any], out_dir: str) -> list[str]:
         fig.savefig(os.path.join(out_dir, fname), dpi=110)
         plt.close(fig)
         written.append(fname)
+    side = [t["name"] for t in results["settings"].get("targets") or [] if client_view(results["variants"][t["name"]])]
+    if len(side) >= 2:
+        fig, axes = plt.subplots(len(side), 1, figsize=(9, 2.6 * len(side)), sharex=True, sharey=True, squeeze=False)
+        for ax, name in zip(axes[:, 0], side):
+            v = results["variants"][name]
+            _plot_client_view(ax, v)
+            tl = v.get("timeline") or {}
+            if any(x is not None for x in tl.get("running") or []):
+                ax.step(tl["t"], [x or 0 for x in tl["running"]], where="post", color="black", lw=1,
+                        label="running (server /metrics)")
+                ax.legend(fontsize=8, loc="upper right")
+            ax.set_title(f"{name}: {v['output_tokens_per_s']:.1f} output tok/s", fontsize=10)
+        axes[-1, 0].set_xlabel("seconds since the first request")
+        fig.suptitle("The same workload, one server after the other (client's view)", fontsize=11)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "timeline_side_by_side.png"), dpi=110)
+        plt.close(fig)
+        written.append("timeline_side_by_side.png")
     return written
+
+
+def client_view(v: dict, points: int = 300) -> dict[str, list[float]] | None:
+    """Requests in flight over time as the client saw them: waiting for their first token,
+    and streaming (first token in, not finished). Needs no server metrics."""
+    reqs = [r for r in v.get("per_request") or [] if r["e2e"] is not None]
+    if not reqs:
+        return None
+    end = max(r["start"] + r["e2e"] for r in reqs)
+    ts = [end * i / points for i in range(points + 1)]
+    first = [r["start"] + (r["ttft"] if r["ttft"] is not None else r["e2e"]) for r in reqs]
+    return {"t": ts,
+            "awaiting": [sum(r["start"] <= t < f for r, f in zip(reqs, first)) for t in ts],
+            "streaming": [sum(f <= t < r["start"] + r["e2e"] for r, f in zip(reqs, first)) for t in ts]}
+
+
+def _plot_client_view(ax: Any, v: dict) -> None:
+    cv = client_view(v)
+    ax.stackplot(cv["t"], cv["streaming"], cv["awaiting"], step="post", alpha=0.6,
+                 labels=["streaming tokens", "waiting for the first token"])
+    ax.set_ylabel("requests")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
 
 
 def _flags_short(v: dict) -> str:
