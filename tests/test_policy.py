@@ -33,6 +33,7 @@ TOKEN = 7
 
 def make(max_num_seqs: int = 2, block_size: int = 4, max_model_len: int = 32, num_blocks: int | None = None,
          **kw) -> Scheduler:
+    kw.setdefault("enable_chunked_prefill", False)  # written before chunking became the default
     cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
                        scheduling_policy="priority", enable_prefix_caching=False, **kw).resolved(max_model_len)
     if num_blocks is None:
