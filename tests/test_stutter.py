@@ -102,7 +102,8 @@ def test_engine_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back(admi
     a_len, b_len = (4, 40) if admission == "reserve" else (100, 40)
     eng.add_request("a", list(range(3, 3 + a_len)), SamplingParams(max_tokens=128 - a_len if admission == "reserve"
                                                                     else 8, ignore_eos=True))
-    eng.add_request("b", list(range(3, 3 + b_len)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    # A prompt of its own: one starting like "a"'s would share a's cached blocks (prefix caching).
+    eng.add_request("b", list(range(300, 300 + b_len)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     eng.step()
     st = eng.stats
     assert (st.num_requests_running, st.num_requests_waiting) == (1, 1)
