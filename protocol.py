@@ -40,6 +40,11 @@ _NEUTRAL: dict[str, tuple] = {
     "echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
+    # vLLM's own extras that taxirank does not implement: refused, never silently ignored
+    "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
+    "length_penalty": (1,), "prompt_logprobs": (), "bad_words": ([],), "allowed_token_ids": (),
+    "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (),
 }
 
 

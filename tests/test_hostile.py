@@ -68,6 +68,8 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, {"prompt": "hi", "stop_token_ids": [1.5]}, 400),
     (C, {"prompt": "hi", "stop_token_ids": [2**80]}, 200),
     (C, {"prompt": "hi", "logit_bias": {"1": 5}}, 400),
+    (C, {"prompt": "hi", "min_tokens": 4}, 400),  # a vLLM extra taxirank lacks: refused, not ignored
+    (C, {"prompt": "hi", "min_tokens": 0}, 200),
     (C, {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "x"}}, 400),
     # lone surrogates (JSON escapes that are not Unicode)
     (C, raw('{"prompt": "a\\ud800b"}'), 400),
