@@ -299,7 +299,7 @@ def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: Engin
     # That program was compiled for the small cache's shape and is never used again:
     # num_compilations counts the programs the engine serves with.
     stats.num_compilations = compiled
-    runner.kv_caches = []  # free the small cache before the real one is allocated
+    runner.kv_caches = ()  # free the small cache before the real one is allocated
     if profile is None:
         log("KV sizing: the device reports no memory counters; no activation reserve is subtracted")
         return runner, 0
