@@ -184,7 +184,7 @@ class LLMEngine:
             self._refresh_gauges()
             return deltas
         scheduled_at = time.monotonic()
-        result = self.runner.execute(out, self.scheduler.num_running)
+        result = self.runner.execute(out, self.scheduler.num_running).result()
         sampled = {sch.seq.request_id: int(result.tokens[i]) for i, sch in enumerate(out.scheduled) if sch.samples}
         logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)

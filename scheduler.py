@@ -33,6 +33,11 @@ from kvcache import BlockAllocator, blocks_needed
 from metrics import WAIT_REASONS
 
 
+# An output token sampled by a step the host has not seen the result of yet (async
+# scheduling): it stands in output_token_ids until update() writes the real token.
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
