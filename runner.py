@@ -7,11 +7,17 @@ place) and both returning only the sampled tokens (and logprobs) to the host:
   ragged  steps that carry prompt tokens (prefill, or chunks mixed with decodes): the
           step's tokens flattened and padded to a bucket T, cu_q_lens[S+1] per slot
 
+Both also take and return `last_tokens[max_num_seqs + 1]` (donated): each slot's latest
+sampled token, kept on the device. An input token the host does not know yet (async
+scheduling: sampled by the step still running) is passed as token_src = its slot and
+read from there; every sampling row writes its token back (sample_slot).
+
 W is max_model_len / block_size, but attention loops only over the blocks actually in
 context (see kernels_pallas.py), so the width costs host->device bytes, not FLOPs.
 The shapes that vary are the decode row count R (occupied slots, padded to a power of
 two) and T, each from a few buckets, all compiled by warmup(): after it, a step never
-compiles.
+compiles. execute() dispatches and returns at once (JAX's async dispatch); the host
+waits only in InFlightStep.result().
 """
 
 from __future__ import annotations
