@@ -41,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SECTIONS = ("roofline", "host", "steps", "warmup", "e2e")
 HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+BASELINE = ""  # --baseline DIR: another checkout whose cold warm-up runs beside this one's
 
 # SmolLM2-135M's shape (the model issue 9 makes the default): 30 layers, width 576.
 SMOL = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -309,8 +311,10 @@ def section_steps() -> dict:
 
 # ---- warmup ------------------------------------------------------------------------------
 
-def _warmup_child(layers: int, cache_dir: str) -> None:
-    """In a fresh process: build the engine, report warm-up seconds and programs as JSON."""
+def _warmup_child(layers: int, cache_dir: str, root: str) -> None:
+    """In a fresh process: build the engine from the code at `root`, report warm-up
+    seconds and programs as JSON."""
+    sys.path.insert(0, root)
     import jax
 
     jax.config.update("jax_compilation_cache_dir", cache_dir)
@@ -327,8 +331,8 @@ def _warmup_child(layers: int, cache_dir: str) -> None:
                           programs=eng.stats.num_compilations)))
 
 
-def _warmup_run(layers: int, cache_dir: str) -> dict:
-    out = subprocess.run([sys.executable, HERE, "--_warmup-child", str(layers), cache_dir], capture_output=True,
+def _warmup_run(layers: int, cache_dir: str, root: str = ROOT) -> dict:
+    out = subprocess.run([sys.executable, HERE, "--_warmup-child", str(layers), cache_dir, root], capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -345,7 +349,14 @@ def section_warmup() -> dict:
           f"restart from the cache {restart['warmup_s']:.1f}s (target <= 10)")
     print(f"warmup  cold, 4 layers {four['warmup_s']:.1f}s, 32 layers {thirty_two['warmup_s']:.1f}s: "
           f"ratio {ratio:.2f} (target <= 2)")
-    return dict(cold=cold, restart=restart, layers4=four, layers32=thirty_two, ratio_32_4=ratio)
+    res = dict(cold=cold, restart=restart, layers4=four, layers32=thirty_two, ratio_32_4=ratio)
+    if BASELINE:  # the same cold 30-layer warm-up by another checkout (e.g. the unrolled layers), same run
+        with tempfile.TemporaryDirectory() as d:
+            base = _warmup_run(30, d, BASELINE)
+        res["baseline_cold"] = base
+        print(f"warmup  baseline {BASELINE}: 30 layers cold {base['warmup_s']:.1f}s "
+              f"({base['warmup_s'] / cold['warmup_s']:.1f}x this tree's)")
+    return res
 
 
 # ---- e2e ---------------------------------------------------------------------------------
@@ -385,15 +396,16 @@ def main() -> None:
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results", "step_profile.json"))
     ap.add_argument("--quick", action="store_true", help="fewer buckets, a smaller mix")
-    ap.add_argument("--_warmup-child", nargs=2, metavar=("LAYERS", "CACHE_DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", default="", help="warmup: also time a cold 30-layer warm-up of this checkout")
+    ap.add_argument("--_warmup-child", nargs=3, metavar=("LAYERS", "CACHE_DIR", "ROOT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._warmup_child:
-        _warmup_child(int(args._warmup_child[0]), args._warmup_child[1])
+        _warmup_child(int(args._warmup_child[0]), args._warmup_child[1], args._warmup_child[2])
         return
     from common import machine_info
 
-    global QUICK
-    QUICK = args.quick
+    global QUICK, BASELINE
+    QUICK, BASELINE = args.quick, args.baseline
 
     results: dict = {"machine": machine_info(), "load_before": os.getloadavg()}
     for name in args.sections.split(","):
