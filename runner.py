@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from attention_backend import AttentionShape, select_attention_backend
 from config import EngineConfig
-from kernels_pallas import get_attention_backend
 from kvcache import create_kv_caches
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel
@@ -99,7 +99,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, stats: EngineStats):
         self.config = config
         self.stats = stats
-        self.backend = get_attention_backend(config.attention_backend)
+        # auto: the Pallas kernels on GPU if they pass a start-up check at these shapes, else xla
+        self.backend = select_attention_backend(
+            config.attention_backend, AttentionShape.of(loaded.config, config.block_size, loaded.dtype))
         self.block_size = config.block_size
         graphdef, self.state = nnx.split(loaded.model)
         self.kv_caches = create_kv_caches(loaded.config, num_kv_blocks, config.block_size, loaded.dtype)
