@@ -343,7 +343,8 @@ def section_steps() -> dict:
     eng = engines[False]
     for t in PREFILL_SIZES:
         def one() -> None:
-            eng.add_request(f"prefill-{t}-{time.perf_counter()}", [5] * t, SamplingParams(max_tokens=1, ignore_eos=True))
+            n = min(t, eng.config.max_model_len - 1)  # the prompt plus its one token fit max_model_len
+            eng.add_request(f"prefill-{t}-{time.perf_counter()}", [5] * n, SamplingParams(max_tokens=1, ignore_eos=True))
             eng.step()
         one()
         w = Watcher(eng.runner)
