@@ -1,8 +1,8 @@
 """Where a step's time goes: host vs device, async scheduling on and off, start-up.
 
-    python bench/step_profile.py                        # every section (~15 min on 2 CPU cores)
+    python bench/step_profile.py                        # every section (long: the warm-up runs alone are ~15 min)
     python bench/step_profile.py --sections host,steps  # some of them
-    python bench/step_profile.py --quick                # fewer buckets, smaller mix (~3 min)
+    python bench/step_profile.py --quick                # decode buckets 1, 32, 256; a 40-request mix
 
 One run, side by side. Sections (--sections, comma separated):
   roofline  this machine's limits, measured here: memory copy GB/s (read + write bytes of a
