@@ -167,6 +167,12 @@ class LLMEngine:
             self._refresh_gauges()
         return seq
 
+    def _num_occupied(self, out: SchedulerOutput) -> int:
+        """Rows a decode step computes: static, every seated passenger (the bus computes its
+        empty seats); continuous, the sequences scheduled (under async scheduling one whose
+        last token is still in flight holds its seat but computes nothing)."""
+        return self.scheduler.num_running if self.config.scheduling == "static" else len(out.scheduled)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
@@ -182,7 +188,7 @@ class LLMEngine:
         step = None
         if out.scheduled:
             scheduled_at = time.monotonic()
-            step = (out, self.runner.execute(out, self.scheduler.num_running), scheduled_at)
+            step = (out, self.runner.execute(out, self._num_occupied(out)), scheduled_at)
         if not self.config.async_scheduling:
             return self._postprocess(*step) if step else self._postprocess_empty(out)
         if step is not None:
