@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Scheduling = Literal["continuous", "static"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 KVAdmission = Literal["on-demand", "reserve", "reserve-max-len"]
 AttentionBackend = Literal["auto", "pallas", "xla"]
 
@@ -28,7 +29,7 @@ class EngineConfig:
     fields (max_num_batched_tokens).
     """
 
-    model: str = "tiny"
+    model: str = "smollm2"  # the built-in real model; "tiny" for tests
     dtype: str = "float32"  # float32 | bfloat16 | auto (the checkpoint's torch_dtype)
     seed: int = 0
     max_num_seqs: int = 32
@@ -38,8 +39,10 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True  # vLLM V1's default; --no-enable-chunked-prefill turns it off
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix (vLLM V1's default)
     scheduling: Scheduling = "continuous"
+    scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's --scheduling-policy: admission order, KV victim
     kv_admission: KVAdmission = "on-demand"
     attention_backend: AttentionBackend = "auto"
     max_waiting_requests: int | None = None
@@ -63,6 +66,8 @@ class EngineConfig:
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0 bytes")
         need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.scheduling in ("continuous", "static"), f"scheduling must be continuous or static, got {self.scheduling!r}")
+        need(self.scheduling_policy in ("fcfs", "priority"),
+             f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         need(self.kv_admission in ("on-demand", "reserve", "reserve-max-len"),
              f"kv_admission must be on-demand, reserve or reserve-max-len, got {self.kv_admission!r}")
         need(self.attention_backend in ("auto", "pallas", "xla"),
@@ -123,35 +128,58 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling, as vLLM's SamplingParams (token-level fields only; stop
-    strings are text and are handled by the server's detokenizer)."""
+    """Per-request sampling, as vLLM's SamplingParams, with vLLM's defaults (temperature
+    1.0: random sampling unless asked otherwise). Stop strings are text and are matched
+    by the server's detokenizer; skip_special_tokens and spaces_between_special_tokens say
+    how token ids become text (server and LLM.generate)."""
 
     max_tokens: int = 16
-    temperature: float = 0.0
+    temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # 0 or -1: disabled (vLLM); above the vocabulary: clipped by the engine
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # any integer; the engine maps it into the sampler's 32-bit seeds
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per sampled position
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
+
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: object) -> bool:
+            try:  # float() of a huge JSON integer overflows: not a usable number either
+                return (is_int(x) or isinstance(x, float)) and math.isfinite(float(x))
+            except OverflowError:
+                return False
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.stop_token_ids is not None and not all(is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
+
+
+SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this samples greedily

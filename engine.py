@@ -12,6 +12,7 @@ scheduler can take the config without importing JAX.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import threading
@@ -22,19 +23,23 @@ from typing import AsyncIterator, Callable, Sequence as Seq
 
 import numpy as np
 
-from config import EngineConfig, SamplingParams
+from config import MAX_LOGPROBS, EngineConfig, SamplingParams
 from kvcache import create_kv_caches, describe, measure_activation_bytes, num_kv_blocks_for
-from metrics import WAIT_REASONS, EngineStats
+from metrics import WAIT_REASONS, EngineStats, StepTrace
 from model import LoadedModel, load_model, param_bytes
 from runner import InFlightStep, ModelRunner, StepResult
 from scheduler import Scheduler, ScheduledSeq, SchedulerOutput, Sequence
 
 __all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
-           "RequestOutputDelta", "TokenLogprob", "QueueFullError"]
+           "RequestOutputDelta", "TokenLogprob", "QueueFullError", "EngineDeadError"]
 
 
 class QueueFullError(RuntimeError):
     """max_waiting_requests requests are already waiting."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; every open stream gets this, and the server exits."""
 
 
 @dataclass
@@ -55,6 +60,7 @@ class RequestOutputDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
 
 @dataclass
@@ -71,22 +77,7 @@ class RequestOutput:
     first_token_time: float | None
     finished_time: float
     num_preemptions: int
-
-
-@dataclass
-class StepTrace:
-    """One step as the scheduler decided it: what tests and researchers read to see
-    who was in the batch, who left, who joined."""
-
-    step: int
-    scheduled: list[tuple[str, int]]  # (request id, tokens computed for it this step)
-    sampled: list[str]  # requests that got a token
-    released: list[str]  # requests whose result was released (left the batch)
-    preempted: list[str]
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int
-    num_waiting: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (vLLM's field)
 
 
 class LLMEngine:
@@ -98,7 +89,7 @@ class LLMEngine:
         self.log = log
         self.trace: list[StepTrace] | None = [] if record_trace else None
         _use_compilation_cache(config.compilation_cache_dir)
-        loaded: LoadedModel = load_model(config.model, config.dtype, config.seed)
+        loaded: LoadedModel = load_model(config.model, config.dtype, config.seed, log=log)
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -117,7 +108,9 @@ class LLMEngine:
         log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
             f"of weights), dtype {np.dtype(loaded.dtype).name}, "
             f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
-            f"scheduling {config.scheduling}, chunked prefill {'on' if config.enable_chunked_prefill else 'off'}")
+            f"scheduling {config.scheduling} ({config.scheduling_policy}), "
+            f"chunked prefill {'on' if config.enable_chunked_prefill else 'off'}, "
+            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}")
         log(describe(config, loaded.config, num_blocks, loaded.dtype))
         self.scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids)
         if runner is None:
@@ -126,44 +119,56 @@ class LLMEngine:
             runner.kv_caches = create_kv_caches(loaded.config, num_blocks, config.block_size, loaded.dtype)
             self.runner = runner
         self._rng = random.Random(config.seed)
-        self._in_flight: tuple[SchedulerOutput, InFlightStep, float] | None = None  # async: the step the device runs
+        self.failed: list[tuple[str, Exception]] = []  # requests a step failed on; the caller reports and clears
+        self._in_flight: tuple[SchedulerOutput, InFlightStep | StepResult, float] | None = None  # async: on the device
         if config.warmup:
             self.runner.warmup(log)
 
     # ---- requests ------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
         """Config-only checks, safe from any thread; raises ValueError saying why."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} was given, but priority scheduling is not enabled "
+                             "(--scheduling-policy priority)")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids
+               if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab}) or not an integer")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if n + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
                              f"{n + params.max_tokens} tokens, over max_model_len ({self.config.max_model_len})")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Sequence:
-        self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time)
-        # A request without a seed still gets its own stream, drawn from the engine's seed.
-        seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+                    arrival_time: float | None = None, priority: int = 0) -> Sequence:
+        """priority: with --scheduling-policy priority, lower runs first (ties by arrival)."""
+        self.validate(prompt_token_ids, params, priority)
+        if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
+            params = dataclasses.replace(params, top_k=-1)
+        seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority)
+        # A request without a seed still gets its own stream, drawn from the engine's seed;
+        # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
+        seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
         """Drop a request now (idempotent). reason "stop" is for a caller that ended it on
-        purpose (a stop string matched), so it counts as a success, not an abort."""
+        purpose (a stop string matched): a normal finish in every metric, as an EOS is."""
         assert reason in ("abort", "stop")
         seq = self.scheduler.abort(request_id)
         if seq is not None:
-            seq.finished_time = time.monotonic()
             seq.finish_reason = reason
-            with self.stats.lock:
-                self.stats.request_success[reason] += 1
+            now = time.monotonic()
+            self.stats.record_finished(seq, now, latency=reason == "stop")
             self._refresh_gauges()
         return seq
 
@@ -176,118 +181,133 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache). False, and nothing
+        changed, while a request holds KV blocks."""
+        ok = self.scheduler.reset_prefix_cache()
+        self.log(f"prefix cache {'reset' if ok else 'NOT reset: requests still hold KV blocks'}")
+        return ok
+
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
-        """schedule -> run -> postprocess. Returns one delta per request that produced a
+        """schedule -> run -> update. Returns one delta per request that produced a
         token or whose result was released this step.
 
         With async scheduling a call schedules and dispatches step N+1, then waits for
         step N (which the device ran meanwhile) and postprocesses it: the host's work
         overlaps the device's, and the host learns each step's tokens one call later."""
         out = self.scheduler.schedule()
+        scheduled_at = time.monotonic()
         step = None
         if out.scheduled:
-            scheduled_at = time.monotonic()
-            step = (out, self.runner.execute(out, self._num_occupied(out)), scheduled_at)
+            try:
+                step = self.runner.execute(out, self._num_occupied(out))
+            except Exception as e:
+                step = self._isolate_failure(out, e)
         if not self.config.async_scheduling:
-            return self._postprocess(*step) if step else self._postprocess_empty(out)
+            return self._postprocess(out, step, scheduled_at)
         if step is not None:
             self.scheduler.update_after_schedule(out)
-        prev, self._in_flight = self._in_flight, step
+        prev, self._in_flight = self._in_flight, ((out, step, scheduled_at) if step is not None else None)
         if prev is not None:
             return self._postprocess(*prev)
         if step is None:
-            return self._postprocess_empty(out)
+            return self._postprocess(out, None, scheduled_at)
         self._refresh_gauges()  # the first step of a run: nothing came back yet, but who runs and waits moved
         return []
 
-    def _postprocess_empty(self, out: SchedulerOutput) -> list[RequestOutputDelta]:
-        # Nothing ran, but update() may still release a static batch whose last running
-        # member was aborted.
-        released = self.scheduler.update(out, {})
-        now = time.monotonic()
-        with self.stats.lock:
-            deltas = [self._release(seq, None, now) for seq in released]
-        self._refresh_gauges()
-        return deltas
-
-    def _postprocess(self, out: SchedulerOutput, step: InFlightStep, scheduled_at: float) -> list[RequestOutputDelta]:
-        result = step.result()
-        tokens = result.tokens.tolist()
+    def _postprocess(self, out: SchedulerOutput, step: InFlightStep | StepResult | None,
+                     scheduled_at: float) -> list[RequestOutputDelta]:
+        # An empty step runs nothing, but update() may still release a static batch whose
+        # last running member was aborted.
+        result = step.result() if isinstance(step, InFlightStep) else step
+        tokens = result.tokens.tolist() if result is not None else []
         sampled = {sch.seq.request_id: tokens[i] for i, sch in enumerate(out.scheduled) if sch.samples}
         logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)
-        accepted = out.accepted
         # Rows whose sequence ended before this step came back (aborted, or under async
         # scheduling finished by the step before) computed nothing anyone sees: they are
-        # counted nowhere.
-        rows = out.scheduled
-        num_prefill, num_decode = out.num_prefill_tokens, out.num_decode_tokens
+        # counted nowhere and produce no delta.
+        seen = out
         if out.discarded:
             dropped = {id(s) for s in out.discarded}
             rows = [s for s in out.scheduled if id(s) not in dropped]
-            for s in out.discarded:
-                if s.seq.is_decode if s.is_decode is None else s.is_decode:
-                    num_decode -= 1
-                else:
-                    num_prefill -= s.num_new_tokens
-        now = time.monotonic()
-        deltas: dict[str, RequestOutputDelta] = {}
-        with self.stats.lock:
-            st = self.stats
-            if rows:
-                st.num_steps += 1
-                st.num_decode_steps += out.is_decode_only
-                st.useful_slot_steps += len(rows)
-                st.total_slot_steps += self.config.max_num_seqs
-                st.prefill_tokens += num_prefill
-                st.decode_tokens += num_decode
-                st.iteration_tokens.observe(num_prefill + num_decode)
-            st.num_preemptions += len(out.preempted)
-            st.generation_tokens += len(accepted)
-            for sch in out.scheduled:
-                seq = sch.seq
-                if seq.first_scheduled_time is None:  # its first step: it stops queueing
-                    seq.first_scheduled_time = scheduled_at
-                    st.request_queue_time.observe(scheduled_at - seq.arrival_time)
-                    st.prompt_tokens += seq.num_prompt_tokens
-            for sch in rows:
-                seq = sch.seq
-                if not sch.samples:
-                    continue
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                    st.time_to_first_token.observe(now - seq.arrival_time)
-                else:
-                    st.inter_token_latency.observe(now - seq.last_token_time)
-                seq.last_token_time = now
-                rid = seq.request_id
-                num_out = sch.output_index + 1 if out.advanced else seq.num_output_tokens
-                deltas[rid] = RequestOutputDelta(rid, [accepted[rid]], [logprobs[rid]] if rid in logprobs else None,
-                                                 False, None, seq.num_prompt_tokens, num_out)
-            for seq in released:
-                deltas[seq.request_id] = self._release(seq, deltas.get(seq.request_id), now)
+            dec = sum(1 for s in out.discarded if (s.seq.is_decode if s.is_decode is None else s.is_decode))
+            pre = sum(s.num_new_tokens for s in out.discarded) - dec
+            seen = dataclasses.replace(out, scheduled=rows, num_decode_tokens=out.num_decode_tokens - dec,
+                                       num_prefill_tokens=out.num_prefill_tokens - pre)
+            seen.accepted, seen.advanced = out.accepted, out.advanced
+        self.stats.record_step(seen, out.accepted, released, scheduled_at, time.monotonic(), self.config)
         self._refresh_gauges()
-        if self.trace is not None:
-            self.trace.append(StepTrace(
-                self.stats.num_steps, [(s.seq.request_id, s.num_new_tokens) for s in rows], list(accepted),
-                [s.request_id for s in released], [s.request_id for s in out.preempted], num_prefill,
-                num_decode, self.scheduler.num_running, self.scheduler.num_waiting))
+        if self.trace is not None and seen.scheduled:
+            self.trace.append(StepTrace.of(self.stats.num_steps, seen, out.accepted, released,
+                                           self.scheduler.num_running, self.scheduler.num_waiting))
+        return self._deltas(seen, out.accepted, logprobs, released)
+
+    def _deltas(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprob],
+                released: list[Sequence]) -> list[RequestOutputDelta]:
+        deltas: dict[str, RequestOutputDelta] = {}
+        for sch in out.scheduled:
+            seq, rid = sch.seq, sch.seq.request_id
+            if sch.samples and rid in sampled:
+                num_out = sch.output_index + 1 if out.advanced else seq.num_output_tokens
+                deltas[rid] = RequestOutputDelta(rid, [sampled[rid]], [logprobs[rid]] if rid in logprobs else None,
+                                                 False, None, seq.num_prompt_tokens, num_out,
+                                                 max(seq.num_cached_tokens, 0))
+        for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
+            d = deltas.setdefault(seq.request_id, RequestOutputDelta(
+                seq.request_id, [], None, False, None, seq.num_prompt_tokens, seq.num_output_tokens,
+                max(seq.num_cached_tokens, 0)))
+            d.finished, d.finish_reason = True, seq.finish_reason
         return list(deltas.values())
 
-    def _release(self, seq: Sequence, delta: RequestOutputDelta | None, now: float) -> RequestOutputDelta:
-        """A finished request leaves: record it, mark its (possibly empty) delta final.
-        Called with the stats lock held."""
-        seq.finished_time = now
-        self.stats.e2e_request_latency.observe(now - seq.arrival_time)
-        self.stats.request_success[seq.finish_reason] += 1
-        d = delta or RequestOutputDelta(seq.request_id, [], None, False, None, seq.num_prompt_tokens,
-                                        seq.num_output_tokens)
-        d.finished, d.finish_reason = True, seq.finish_reason
-        return d
+    # ---- issue 9: one request's bad inputs end that request, not the engine -------------
+    def _isolate_failure(self, out: SchedulerOutput, error: Exception) -> StepResult:
+        """The step failed. If it failed before the device ran (the KV cache was not
+        donated), it was preparing some request's inputs: run each scheduled request alone
+        to find the culprits, end them with an error (`self.failed`), and return the
+        others' results as if the step had run whole. Otherwise the engine is broken:
+        re-raise, and the loop dies loudly."""
+        import jax
 
-    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult) -> dict[str, TokenLogprob]:
-        if result.logprobs is None:
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches)):
+            raise error
+        tokens, lps, ok = [], [], []
+        for sch in out.scheduled:
+            one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.seq.is_decode else sch.num_new_tokens,
+                                  num_decode_tokens=int(sch.seq.is_decode))
+            try:
+                r = self.runner.execute(one, 1).result()
+            except Exception as e:
+                if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches)):
+                    raise
+                self.log(f"request {sch.seq.request_id} failed while preparing its step inputs: {e!r}")
+                self.failed.append((sch.seq.request_id, e))
+                continue
+            ok.append(sch)
+            tokens.append(int(r.tokens[0]))
+            lps.append(r.logprobs)
+        if not self.failed or (not ok and len(out.scheduled) > 1):
+            # No request fails alone, or every one does: the engine is broken, not a request.
+            self.failed.clear()
+            raise error
+        for rid, _ in self.failed:
+            seq = self.scheduler.abort(rid)
+            if seq is not None:
+                seq.finish_reason = "abort"
+                self.stats.record_finished(seq, time.monotonic(), latency=False)
+        out.scheduled = ok
+        out.num_decode_tokens = sum(1 for s in ok if s.seq.is_decode)
+        out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens
+        logprobs = None
+        if any(lp is not None for lp in lps):
+            z = (np.zeros(1, np.float32), np.zeros((1, MAX_LOGPROBS), np.int32), np.zeros((1, MAX_LOGPROBS), np.float32))
+            parts = [lp if lp is not None else z for lp in lps]
+            logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+        return StepResult(np.asarray(tokens, np.int32), logprobs)
+
+    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult | None) -> dict[str, TokenLogprob]:
+        if result is None or result.logprobs is None:
             return {}
         tok_lp, top_ids, top_lp = result.logprobs
         out = {}
@@ -346,7 +366,7 @@ def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: Engin
     # That program was compiled for the small cache's shape and is never used again:
     # num_compilations counts the programs the engine serves with.
     stats.num_compilations = compiled
-    runner.kv_caches = ()  # free the small cache before the real one is allocated
+    runner.kv_caches = []  # free the small cache before the real one is allocated
     if profile is None:
         log("KV sizing: the device reports no memory counters; no activation reserve is subtracted")
         return runner, 0
@@ -367,17 +387,31 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """priority: one integer per prompt (vLLM's), with scheduling_policy="priority"."""
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        # Every prompt is checked before any is added: a bad one leaves nothing queued.
+        encoded = [self._encode(prompt) for prompt in prompts]
+        for i, (ids, p, prio) in enumerate(zip(encoded, plist, priorities)):
+            try:
+                self.engine.validate(ids, p, prio)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
         seqs: dict[str, Sequence] = {}
-        for prompt, p in zip(prompts, plist):
+        for ids, p, prio in zip(encoded, plist, priorities):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            seqs[rid] = self.engine.add_request(rid, self._encode(prompt), p)
+            seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio)
         done: set[str] = set()
         logprobs: dict[str, list[TokenLogprob]] = {}
         bar = None
@@ -385,7 +419,14 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=len(prompts), desc="generate", unit="req")
         while self.engine.has_unfinished():
-            for d in self.engine.step():
+            deltas = self.engine.step()
+            if self.engine.failed:  # offline there is no stream to end: abort the rest, raise
+                rid, err = self.engine.failed[0]
+                self.engine.failed.clear()
+                for other in seqs:
+                    self.engine.abort(other)
+                raise RuntimeError(f"request {rid} failed: {err!r}") from err
+            for d in deltas:
                 if d.new_logprobs:
                     logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
                 if d.finished and d.request_id in seqs:
@@ -405,10 +446,36 @@ class LLM:
         return list(prompt)
 
     def _output(self, seq: Sequence, logprobs: list[TokenLogprob] | None) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else None
+        text = None
+        if self.tokenizer is not None:
+            text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
+                                 self.engine.model_config.eos_token_ids)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
                              seq.finish_reason, logprobs, seq.arrival_time, seq.first_token_time,
-                             seq.finished_time, seq.num_preemptions)
+                             seq.finished_time, seq.num_preemptions, max(seq.num_cached_tokens, 0))
+
+
+def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,
+                  eos_token_ids: Seq[int] = ()) -> str:
+    """A whole output as text, as vLLM: the EOS or stop token that ended it is never text
+    (token_ids still has it); other special tokens follow params.skip_special_tokens."""
+    ids = list(token_ids)
+    if ids and (ids[-1] in eos_token_ids and not params.ignore_eos or ids[-1] in (params.stop_token_ids or ())):
+        ids = ids[:-1]
+    return detokenize(tokenizer, ids, params)
+
+
+def detokenize(tokenizer: object, ids: list[int], params: SamplingParams) -> str:
+    kw = {"skip_special_tokens": params.skip_special_tokens}
+    if not params.spaces_between_special_tokens:
+        # transformers' slow tokenizers honour this; the fast ones join tokens without
+        # spaces already, as vLLM's default output for them does.
+        kw["spaces_between_special_tokens"] = False
+    try:
+        return tokenizer.decode(ids, **kw)
+    except TypeError:  # a tokenizer without the keyword
+        kw.pop("spaces_between_special_tokens", None)
+        return tokenizer.decode(ids, **kw)
 
 
 class AsyncEngine:
@@ -432,8 +499,12 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._num_waiting_inbox = 0
+        self._num_waiting_inbox = 0  # adds handed over but not yet in the scheduler's waiting queue
         self.error: BaseException | None = None
+        self.on_death: Callable[[BaseException], None] | None = None  # called on the event loop
+        # Test-only fault injection (documented in tests/test_hostile.py): when this file
+        # exists, the next step raises, as a broken engine would.
+        self._fault_file = os.environ.get("TAXIRANK_TEST_FAULT_FILE")
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -450,9 +521,9 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams
-                    ) -> AsyncIterator[RequestOutputDelta]:
-        self.engine.validate(prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    priority: int = 0) -> AsyncIterator[RequestOutputDelta]:
+        self.engine.validate(prompt_token_ids, params, priority)
         if self._stop.is_set():
             raise RuntimeError("the engine is shutting down")
         if self.error is not None:
@@ -461,11 +532,14 @@ class AsyncEngine:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             limit = self.config.max_waiting_requests
-            if limit is not None and self.stats.num_requests_waiting + self._num_waiting_inbox >= limit:
+            # Requests handed over but not yet scheduled: those in the inbox and those in the
+            # scheduler's queue right now (len() of a deque is atomic), not the gauge of the
+            # last step, which a burst during a long step would outrun.
+            if limit is not None and len(self.engine.scheduler.waiting) + self._num_waiting_inbox >= limit:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
-            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic())))
+            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority)))
             self._num_waiting_inbox += 1
         self._wake.set()
         return self._stream(request_id, queue)
@@ -490,6 +564,16 @@ class AsyncEngine:
             self._inbox.append(("abort", (request_id, reason)))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine.reset_prefix_cache, run on the loop thread between two steps."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop died: {self.error!r}")
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._inbox.append(("reset_prefix_cache", done))
+        self._wake.set()
+        return await done
+
     # ---- the loop thread -----------------------------------------------------------
     def _deliver(self, delta: RequestOutputDelta) -> None:
         with self._lock:
@@ -503,23 +587,32 @@ class AsyncEngine:
         with self._lock:
             work = list(self._inbox)
             self._inbox.clear()
-            self._num_waiting_inbox = 0
         for kind, arg in work:
             if kind == "add":
-                rid, prompt, params, arrival = arg
+                rid, prompt, params, arrival, priority = arg
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority)
                 except ValueError as e:  # validated already; a scheduler-level refusal
+                    self._fail(rid, e)
+                finally:
                     with self._lock:
-                        queue = self._queues.pop(rid, None)
-                    if queue is not None:
-                        self._loop.call_soon_threadsafe(queue.put_nowait, e)
+                        self._num_waiting_inbox -= 1
+            elif kind == "reset_prefix_cache":
+                ok = self.engine.reset_prefix_cache()
+                self._loop.call_soon_threadsafe(lambda f=arg, ok=ok: f.done() or f.set_result(ok))
             else:
                 rid, reason = arg
                 seq = self.engine.abort(rid, reason)
                 if seq is not None:
                     self._deliver(RequestOutputDelta(rid, [], None, True, reason, seq.num_prompt_tokens,
-                                                     seq.num_output_tokens))
+                                                     seq.num_output_tokens, max(seq.num_cached_tokens, 0)))
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """End one request's stream with an error (the engine goes on)."""
+        with self._lock:
+            queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, error)
 
     def _run(self) -> None:
         try:
@@ -531,13 +624,20 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                if self._fault_file and os.path.exists(self._fault_file):
+                    raise RuntimeError("injected fault (TAXIRANK_TEST_FAULT_FILE)")
                 for delta in self.engine.step():
                     self._deliver(delta)
+                for rid, err in self.engine.failed:  # one request's inputs failed: it alone ends
+                    self._fail(rid, RuntimeError(f"request failed: {err!r}"))
+                self.engine.failed.clear()
         except BaseException as e:  # surface engine failures to every waiting stream
             self.error = e
             with self._lock:
                 queues = list(self._queues.values())
                 self._queues.clear()
             for q in queues:
-                self._loop.call_soon_threadsafe(q.put_nowait, RuntimeError(f"engine failure: {e!r}"))
+                self._loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine failure: {e!r}"))
+            if self.on_death is not None:  # after the errors above, so they are delivered first
+                self._loop.call_soon_threadsafe(self.on_death, e)
             raise

@@ -190,14 +190,21 @@ def _in_step_partial(qg, k_new, v_new, seq, valid, cu_q_lens):
     return m.reshape(-1, Hkv, R)[:T], l.reshape(-1, Hkv, R)[:T], acc.reshape(-1, Hkv, R, D)[:T]
 
 
-def _chunk_prefix_partial(qg, k_cache, v_cache, block_tables, seq, prefix, multi):
+_PREFIX_Q_TILE = 64  # query rows per visit of a sequence's cached prefix
+
+
+def _chunk_prefix_partial(qg, k_cache, v_cache, block_tables, cu_q_lens, prefix, multi):
     """For sequences with several query tokens AND a cached prefix (a prompt chunk after
-    earlier chunks): their tokens over that prefix, one sequence at a time (few per step)."""
+    earlier chunks, or a prompt after a prefix-cache hit): their tokens over that prefix,
+    one sequence at a time, its own query rows only, a tile of them per visit. (Prefix
+    caching puts dozens of such sequences in one step: scoring all T rows against each
+    one's prefix would cost T x prefix per sequence instead of its q_len x prefix.)"""
     T, Hkv, R, D = qg.shape
     _, BS, _, _ = k_cache.shape
-    # One sequence's K is gathered per iteration and the [T, Hq, keys] scores set the
+    QT = min(_PREFIX_Q_TILE, T)
+    # One sequence's K is gathered per iteration and the [QT, Hq, keys] scores set the
     # size; small groups measured fastest on CPU (cache-resident scores).
-    G = _group_size(T * BS * Hkv * R * 4, block_tables.shape[1], most=4)
+    G = _group_size(QT * BS * Hkv * R * 4, block_tables.shape[1], most=16)
     bt = _pad_cols(block_tables, G)
     todo = multi & (prefix > 0)
     order = jnp.argsort(~todo)  # rows to visit first
@@ -205,18 +212,29 @@ def _chunk_prefix_partial(qg, k_cache, v_cache, block_tables, seq, prefix, multi
 
     def per_row(n, state):
         r = order[n]
-        mine = (seq == r)[:, None, None, None]
+        q_lo, q_hi = cu_q_lens[r], cu_q_lens[r + 1]
 
-        def body(i, carry):
-            cols = jax.lax.dynamic_slice_in_dim(bt[r], i * G, G)
-            k = k_cache[cols].reshape(G * BS, Hkv, D).astype(jnp.float32)
-            v = v_cache[cols].reshape(G * BS, Hkv, D).astype(jnp.float32)
-            s = jnp.einsum("thrd,khd->thrk", qg, k)
-            kpos = i * G * BS + jnp.arange(G * BS)
-            mask = mine & (kpos < prefix[r])[None, None, None, :]
-            return _online_softmax_step(*carry, s, mask, v, "thrk,khd->thrd")
+        def q_tile(j, state):
+            want = q_lo + j * QT
+            s0 = jnp.minimum(want, T - QT)  # a tile never runs past T: clamp, mask the overlap
+            qt = jax.lax.dynamic_slice_in_dim(qg, s0, QT)
+            qidx = s0 + jnp.arange(QT)
+            mine = ((qidx >= want) & (qidx < q_hi))[:, None, None, None]
 
-        return jax.lax.fori_loop(0, (prefix[r] + G * BS - 1) // (G * BS), body, state)
+            def body(i, carry):
+                cols = jax.lax.dynamic_slice_in_dim(bt[r], i * G, G)
+                k = k_cache[cols].reshape(G * BS, Hkv, D).astype(jnp.float32)
+                v = v_cache[cols].reshape(G * BS, Hkv, D).astype(jnp.float32)
+                s = jnp.einsum("thrd,khd->thrk", qt, k)
+                kpos = i * G * BS + jnp.arange(G * BS)
+                mask = mine & (kpos < prefix[r])[None, None, None, :]
+                return _online_softmax_step(*carry, s, mask, v, "thrk,khd->thrd")
+
+            part = jax.lax.fori_loop(0, (prefix[r] + G * BS - 1) // (G * BS), body, _empty_state((QT, Hkv, R), D))
+            merged = _merge(tuple(jax.lax.dynamic_slice_in_dim(x, s0, QT) for x in state), part)
+            return tuple(jax.lax.dynamic_update_slice_in_dim(x, y, s0, 0) for x, y in zip(state, merged))
+
+        return jax.lax.fori_loop(0, (q_hi - q_lo + QT - 1) // QT, q_tile, state)
 
     return jax.lax.fori_loop(0, count, per_row, _empty_state((T, Hkv, R), D))
 
@@ -244,7 +262,7 @@ def ragged_paged_attention_ref(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     m_d, l_d, acc_d = dec
     state = _merge(state, (jnp.where(is_dec, m_d[seq], NEG_INF), jnp.where(is_dec, l_d[seq], 0.0),
                            jnp.where(is_dec[..., None], acc_d[seq], 0.0)))
-    state = _merge(state, _chunk_prefix_partial(qg, k_cache, v_cache, block_tables, seq, prefix, q_lens > 1))
+    state = _merge(state, _chunk_prefix_partial(qg, k_cache, v_cache, block_tables, cu_q_lens, prefix, q_lens > 1))
     _, l, acc = state
     out = acc / jnp.maximum(l, 1e-30)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)

@@ -9,9 +9,11 @@ scheduler owns a BlockAllocator and must stay importable (and testable) without 
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
     import jax
@@ -22,26 +24,57 @@ if TYPE_CHECKING:
 NULL_BLOCK = 0
 
 
+def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int], extra_key: object = None) -> bytes:
+    """The name of a full block: SHA-256 over its parent's name, its token ids and an
+    extra key (anything besides the tokens that changes the block's K/V: a LoRA adapter,
+    image features; None today). Chaining the parent makes the name stand for the whole
+    prefix, so equal names mean equal prefixes and a hit needs no token comparison.
+
+    Why a cryptographic hash: two different prefixes with one name would silently serve
+    one request the other's K/V. Python's 64-bit hash() can be collided on purpose by a
+    client; finding a SHA-256 collision is not feasible (vLLM's --prefix-caching-hash-algo
+    sha256 makes the same argument). Cost: about a microsecond per block."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", token_ids).tobytes())
+    if extra_key is not None:
+        h.update(repr(extra_key).encode())
+    return h.digest()
+
+
 class OutOfBlocksError(RuntimeError):
     """allocate() was asked for more blocks than are free."""
 
 
 class BlockAllocator:
-    """Free list plus an owner map (request id -> its blocks, in block-table order).
+    """The block pool: reference counts, an owner map (request id -> its blocks, in
+    block-table order), and the prefix cache (vLLM V1's design, as in nano-vllm).
 
-    Every block carries a reference count. Today a block has at most one owner (count 0
-    or 1); a prefix cache would share full blocks between requests by counting owners.
+    Prefix cache: a full block can be given a name (`hash_block_tokens`, chained over the
+    prefix) once its K/V is written or being written in the scheduled step. A named block
+    is shared: every sequence whose prefix has the same names references it (ref count =
+    number of owners). A block nobody references is *free* but keeps its contents and
+    its name; it waits in the free queue and still serves hits until its memory is handed
+    out again (lazy eviction). The free queue is the eviction order, front first:
+    unnamed blocks (nothing worth keeping) at the front, then named blocks, least recently
+    freed first; a sequence frees its blocks tail first, so its last blocks (least likely
+    shared) go before its first. `enable_caching=False` never names a block: a plain free
+    list.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
-        # FIFO: a freed block goes to the back, so the blocks freed longest ago are reused
-        # first (the eviction order a prefix cache wants for the contents they still hold).
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self.enable_caching = enable_caching
+        # An ordered dict as a doubly linked list: O(1) pop at the front (eviction),
+        # append at the back (free), and removal from the middle (a hit revives a block).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._ref_counts = [0] * num_blocks
         self._owned: dict[str, list[int]] = {}
+        self._block_hash: list[bytes | None] = [None] * num_blocks  # a block's name
+        self._cached: dict[bytes, int] = {}  # name -> block (the inverse of _block_hash)
+        self._num_named: dict[str, int] = {}  # owner -> leading blocks already offered a name
+        self.num_evictions = 0  # cached blocks whose memory was handed out again
 
     @property
     def num_usable(self) -> int:
@@ -49,11 +82,18 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
+        """Blocks no sequence references, cached ones included: all can be handed out."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
+        """Blocks referenced by at least one sequence; a shared block counts once."""
         return self.num_usable - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Named blocks, in use or free (the prefix cache's size)."""
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
@@ -65,44 +105,129 @@ class BlockAllocator:
     def blocks_of(self, owner: str) -> list[int]:
         return list(self._owned.get(owner, ()))
 
+    def ref_count(self, block: int) -> int:
+        return self._ref_counts[block]
+
+    # ---- prefix cache ----------------------------------------------------------------
+    def cached_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """The blocks named block_hashes[0], [1], ... up to the first name not cached:
+        the longest cached prefix. Changes nothing (see share)."""
+        if not self.enable_caching:
+            return []
+        out = []
+        for h in block_hashes:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def num_revived(self, blocks: Sequence[int]) -> int:
+        """How many of these cached blocks are free: sharing them takes them out of the
+        free queue, so admission must count them like fresh blocks."""
+        return sum(1 for b in blocks if self._ref_counts[b] == 0)
+
+    def share(self, owner: str, blocks: Sequence[int]) -> None:
+        """Append cached blocks (a cached_prefix result) to owner's list, one reference each."""
+        for b in blocks:
+            assert self._block_hash[b] is not None, f"block {b} is not cached"
+            if self._ref_counts[b] == 0:
+                del self._free[b]
+            self._ref_counts[b] += 1
+        if blocks:
+            lst = self._owned.setdefault(owner, [])
+            assert self._num_named.get(owner, 0) == len(lst), "share only a prefix"
+            lst.extend(blocks)
+            self._num_named[owner] = len(lst)
+
+    def cache_blocks(self, owner: str, block_hashes: Sequence[bytes]) -> None:
+        """Name owner's first len(block_hashes) blocks (those not named yet), i.e. its full
+        blocks whose K/V is computed or computed in the step being scheduled. A name
+        already held by another block stays there: this block stays unnamed (it holds
+        the same K/V, and a name has one block)."""
+        if not self.enable_caching:
+            return
+        blocks = self._owned.get(owner, [])
+        assert len(block_hashes) <= len(blocks), "naming blocks that are not allocated"
+        for i in range(self._num_named.get(owner, 0), len(block_hashes)):
+            b, h = blocks[i], block_hashes[i]
+            if h not in self._cached and self._block_hash[b] is None:
+                self._block_hash[b] = h
+                self._cached[h] = b
+        self._num_named[owner] = max(self._num_named.get(owner, 0), len(block_hashes))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every name (after a weight update, or to benchmark a cold cache). As
+        vLLM, it fails (False, nothing changed) while any block is in use."""
+        if self.num_used:
+            return False
+        for b in self._cached.values():
+            self._block_hash[b] = None
+        self._cached.clear()
+        return True
+
+    # ---- allocate / free -------------------------------------------------------------
     def allocate(self, owner: str, n: int) -> list[int]:
-        """Append n fresh blocks to owner's list and return them."""
+        """Append n fresh blocks to owner's list and return them. A cached free block
+        handed out loses its name here (the lazy eviction)."""
         if n > len(self._free):
             raise OutOfBlocksError(f"{owner!r} needs {n} KV blocks, only {len(self._free)} of "
                                    f"{self.num_usable} are free")
-        new = [self._free.popleft() for _ in range(n)]
-        for b in new:
+        new = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
             assert self._ref_counts[b] == 0, f"block {b} on the free list is referenced"
+            if (h := self._block_hash[b]) is not None:  # evict
+                del self._cached[h]
+                self._block_hash[b] = None
+                self.num_evictions += 1
             self._ref_counts[b] = 1
+            new.append(b)
         if new:
             self._owned.setdefault(owner, []).extend(new)
         return new
 
     def free(self, owner: str) -> int:
-        """Return all of owner's blocks; the count returned. Freeing twice frees nothing."""
+        """Drop owner's references; the count returned. Freeing twice frees nothing.
+        Blocks left unreferenced join the free queue, tail first (see the class doc)."""
         blocks = self._owned.pop(owner, [])
-        for b in blocks:
+        self._num_named.pop(owner, None)
+        for b in reversed(blocks):
             assert self._ref_counts[b] > 0, f"block {b} freed by {owner!r} is not referenced"
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+                if self._block_hash[b] is None:
+                    self._free.move_to_end(b, last=False)
         return len(blocks)
 
     def check_invariants(self) -> None:
         """O(num_blocks): for tests and debugging, not for every step."""
-        owned = [b for blocks in self._owned.values() for b in blocks]
+        refs = [0] * self.num_blocks
+        for owner, blocks in self._owned.items():
+            assert blocks, f"owner {owner!r} with no blocks is still listed"
+            assert len(blocks) == len(set(blocks)), f"{owner!r} holds a block twice"
+            assert self._num_named.get(owner, 0) <= len(blocks)
+            for b in blocks:
+                refs[b] += 1
         free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
-        assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert NULL_BLOCK not in free and NULL_BLOCK not in owned, "the null block was handed out"
-        assert free.isdisjoint(owned), "a block is both free and owned"
-        assert len(free) + len(owned) == self.num_usable, "free + used != usable: a block leaked"
-        for b in range(1, self.num_blocks):
-            assert self._ref_counts[b] == (b not in free), f"block {b}: ref count {self._ref_counts[b]}"
-        assert all(self._owned.values()), "an owner with no blocks is still listed"
+        assert NULL_BLOCK not in free and refs[NULL_BLOCK] == 0, "the null block was handed out"
+        assert refs == self._ref_counts, "a reference count disagrees with the owners"
+        assert free == {b for b in range(1, self.num_blocks) if refs[b] == 0}, \
+            "a referenced block is free, or an unreferenced one leaked"
+        named = {b: h for b, h in enumerate(self._block_hash) if h is not None}
+        assert {h: b for b, h in named.items()} == self._cached, "a name and its block disagree"
+        assert len(named) == len(self._cached), "two blocks hold one name"
+        assert self.enable_caching or not named, "a block was named with caching off"
+        # The free queue: unnamed blocks before named ones.
+        kinds = [self._block_hash[b] is not None for b in self._free]
+        assert kinds == sorted(kinds), "an unnamed free block sits behind a cached one"
 
 
 # ---- sizing ----------------------------------------------------------------------------
+CPU_DEFAULT_KV_BYTES = 4 * 2**30  # vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE=4)
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -136,8 +261,13 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
                   f"GiB minus {weight_bytes / 2**30:.2f} GiB of weights and {activation_bytes / 2**30:.2f} GiB "
                   "of activations")
     else:
-        # CPU with no budget given: room for max_num_seqs sequences of max_model_len.
-        return config.max_num_seqs * config.max_blocks_per_seq + 1
+        # CPU with no budget given: vLLM's CPU default of 4 GiB, or less when max_num_seqs
+        # sequences of max_model_len need less (the engine could never use more). Not
+        # max_num_seqs x max_model_len alone: a 131,072-position config would exhaust memory.
+        budget = min(CPU_DEFAULT_KV_BYTES // per_block, config.max_num_seqs * config.max_blocks_per_seq)
+        num = budget + 1
+        source = (f"the CPU default of {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB (set --kv-cache-memory or "
+                  "--num-kv-blocks)")
     need = config.max_blocks_per_seq
     if num - 1 < need:
         raise ValueError(f"the KV cache budget ({source}) gives {max(num - 1, 0)} usable blocks of "

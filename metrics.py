@@ -10,6 +10,11 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # scheduler.py imports this module: types only
+    from config import EngineConfig
+    from scheduler import SchedulerOutput, Sequence
 
 # Buckets as vLLM uses for the same histograms (seconds), so dashboards carry over.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -54,6 +59,30 @@ class Histogram:
 
 
 @dataclass
+class StepTrace:
+    """One step as the scheduler decided it: what tests and researchers read to see
+    who was in the batch, who left, who joined (LLMEngine(record_trace=True) and
+    bench/simulate.py keep one per step)."""
+
+    step: int
+    scheduled: list[tuple[str, int]]  # (request id, tokens computed for it this step)
+    sampled: list[str]  # requests that got a token
+    released: list[str]  # requests whose result was released (left the batch)
+    preempted: list[str]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+
+    @classmethod
+    def of(cls, step: int, out: SchedulerOutput, sampled: dict[str, int], released: list[Sequence],
+           num_running: int, num_waiting: int) -> "StepTrace":
+        return cls(step, [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled], list(sampled),
+                   [s.request_id for s in released], [s.request_id for s in out.preempted], out.num_prefill_tokens,
+                   out.num_decode_tokens, num_running, num_waiting)
+
+
+@dataclass
 class EngineStats:
     """Everything a researcher asks about the scheduler, without a profiler."""
 
@@ -67,6 +96,8 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)
     generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
+    prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     num_compilations: int = 0
     num_steps: int = 0
@@ -87,6 +118,56 @@ class EngineStats:
     @property
     def slot_utilization(self) -> float:
         return self.useful_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
+
+    def record_step(self, out: SchedulerOutput, sampled: dict[str, int], released: list[Sequence],
+                    scheduled_at: float, now: float, config: EngineConfig) -> None:
+        """All of one step's bookkeeping, after scheduler.update(): counters, each
+        request's timestamps (first scheduled, first and last token, finished) and the
+        latency histograms. The engine passes wall-clock times; bench/simulate.py passes
+        simulated ones, so both count the same way."""
+        with self.lock:
+            if out.scheduled:  # an empty step (a static batch released after an abort) ran nothing
+                self.num_steps += 1
+                self.num_decode_steps += out.is_decode_only
+                self.useful_slot_steps += len(out.scheduled)
+                self.total_slot_steps += config.max_num_seqs
+                self.prefill_tokens += out.num_prefill_tokens
+                self.decode_tokens += out.num_decode_tokens
+                self.num_preemptions += len(out.preempted)
+                self.generation_tokens += len(sampled)
+                self.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
+            for sch in out.scheduled:
+                seq = sch.seq
+                if seq.first_scheduled_time is None:  # its first step: it stops queueing
+                    seq.first_scheduled_time = scheduled_at
+                    self.request_queue_time.observe(scheduled_at - seq.arrival_time)
+                    if config.enable_prefix_caching:  # as vLLM: a request's first admission only
+                        self.prefix_cache_queries += seq.num_prompt_tokens
+                        self.prefix_cache_hits += seq.num_cached_tokens
+                if not sch.samples:
+                    continue
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                    self.time_to_first_token.observe(now - seq.arrival_time)
+                    self.prompt_tokens += seq.num_prompt_tokens  # as vLLM V1: once its prefill completes
+                else:
+                    self.inter_token_latency.observe(now - seq.last_token_time)
+                seq.last_token_time = now
+            for seq in released:
+                self._finished(seq, now, latency=True)
+
+    def record_finished(self, seq: Sequence, now: float, latency: bool) -> None:
+        """A request that ended outside a step (an abort, a stop string matched by the
+        server, a request failed alone). latency: a normal finish (a stop string is one, as
+        an EOS is) also enters the e2e histogram, so it agrees with request_success."""
+        with self.lock:
+            self._finished(seq, now, latency)
+
+    def _finished(self, seq: Sequence, now: float, latency: bool) -> None:
+        seq.finished_time = now
+        if latency:
+            self.e2e_request_latency.observe(now - seq.arrival_time)
+        self.request_success[seq.finish_reason] += 1
 
     def snapshot(self) -> "EngineStats":
         """A consistent copy, safe to read from another thread."""

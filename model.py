@@ -16,7 +16,8 @@ import functools
 import json
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -350,13 +351,28 @@ def _resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> jnp.dtype:
     return _DTYPES[dtype]
 
 
-def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0) -> LoadedModel:
-    """A built-in random model ("tiny", "bench") or an HF checkpoint directory."""
+def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
+               log: Callable[[str], None] = print) -> LoadedModel:
+    """A built-in random model ("tiny", "bench"), the built-in real model ("smollm2", a
+    GGUF fetched on first use), a .gguf file, or an HF checkpoint directory."""
     if model in BUILTIN_MODELS:
         cfg, dt = BUILTIN_MODELS[model], _resolve_dtype(dtype, None)
         return LoadedModel(init_model(cfg, dt, seed), cfg, ByteTokenizer(), model, dt)
+    # ---- GGUF (issue 9): the same HF config dict and HF-named tensors as a checkpoint directory
+    import gguf_loader
+
+    if model in gguf_loader.BUILTIN_GGUF or model.endswith(".gguf"):
+        path = gguf_loader.resolve_builtin(model, log) if model in gguf_loader.BUILTIN_GGUF else model
+        ckpt = gguf_loader.read_gguf(path)
+        cfg = ModelConfig.from_hf(ckpt.hf_config)
+        dt = _resolve_dtype(dtype, "bfloat16" if ckpt.file_type == "BF16" else None)
+        tokenizer = load_tokenizer(path) if ckpt.has_tokenizer else None
+        log(f"model: {path} ({ckpt.file_type} GGUF, dequantized to {np.dtype(dt).name})")
+        return LoadedModel(_load_weights(cfg, dt, ckpt.tensors(), path), cfg, tokenizer, model, dt)
+    # ---- end GGUF
     if not os.path.isfile(os.path.join(model, "config.json")):
-        raise FileNotFoundError(f"model {model!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+        raise FileNotFoundError(f"model {model!r} is neither a built-in model "
+                                f"({', '.join([*BUILTIN_MODELS, *gguf_loader.BUILTIN_GGUF])}), a .gguf file, "
                                 "nor a directory with a config.json")
     with open(os.path.join(model, "config.json")) as f:
         hf = json.load(f)
@@ -367,7 +383,7 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0) -> Lo
             extra = _id_tuple(json.load(f).get("eos_token_id"))
         cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
     dt = _resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
-    return LoadedModel(_load_weights(cfg, dt, model), cfg, load_tokenizer(model), model, dt)
+    return LoadedModel(_load_weights(cfg, dt, _safetensors_tensors(model), model), cfg, load_tokenizer(model), model, dt)
 
 
 def hf_tensor_names(path: tuple[Any, ...], num_layers: int) -> tuple[list[str], bool]:
@@ -445,13 +461,16 @@ def _safetensors_files(path: str) -> list[str]:
                             "(only safetensors checkpoints are supported)")
 
 
-def _load_weights(cfg: ModelConfig, dtype: jnp.dtype, path: str) -> Llama:
+def _safetensors_tensors(path: str) -> Iterator[tuple[str, Any]]:
+    """(HF name, array) for every tensor of a checkpoint directory, one at a time."""
     from safetensors import safe_open
 
-    def tensors() -> Iterator[tuple[str, Any]]:
-        for file in _safetensors_files(path):
-            with safe_open(file, framework="flax") as st:  # the flax reader handles bfloat16
-                for name in st.keys():
-                    yield name, st.get_tensor(name)
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="flax") as st:  # the flax reader handles bfloat16
+            for name in st.keys():
+                yield name, st.get_tensor(name)
 
-    return model_from_hf_tensors(cfg, dtype, tensors(), source=f"checkpoint {path}")
+
+def _load_weights(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[tuple[str, Any]], path: str) -> Llama:
+    """Fill the model from HF-named tensors (a safetensors directory or a GGUF file)."""
+    return model_from_hf_tensors(cfg, dtype, tensors, source=f"checkpoint {path}")

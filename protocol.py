@@ -43,6 +43,12 @@ _NEUTRAL: dict[str, tuple] = {
 }
 
 
+MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
     """body[name] when set (null counts as unset) and of one of `kinds`, else a 400 naming it."""
     value = body.get(name)
@@ -102,6 +108,9 @@ def parse_messages(body: dict, tokenizer: Any) -> list[int]:
             content = "".join(p["text"] for p in content)
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
+        if m["role"] not in CHAT_ROLES:
+            raise ApiError(f"messages[{i}]: unknown role {m['role'][:40]!r} (expected one of {', '.join(CHAT_ROLES)})",
+                           param="messages")
         chat.append({"role": m["role"], "content": content})
     try:
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
@@ -136,12 +145,17 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
         raise ApiError("'stop' must be a non-empty string or an array of them", param="stop")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+        raise ApiError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
+                       "characters each", param="stop")
     if stop and not has_tokenizer:
         raise ApiError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids",
                        param="stop")
     stop_token_ids = field(body, "stop_token_ids", (list,))
     if stop_token_ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
         raise ApiError("'stop_token_ids' must be an array of integers", param="stop_token_ids")
+    if stop_token_ids is not None and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
 
     if chat:  # chat: logprobs is a flag, top_logprobs how many alternatives
         logprobs = field(body, "top_logprobs", (int,), 0) if field(body, "logprobs", (bool,), False) else None
@@ -152,12 +166,14 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
             max_tokens=max_tokens,
             temperature=field(body, "temperature", (int, float), 1.0),  # OpenAI's default
             top_p=field(body, "top_p", (int, float), 1.0),
-            top_k=field(body, "top_k", (int,), -1),
+            top_k=field(body, "top_k", (int,), -1),  # 0 and -1 disable; above the vocabulary, clipped
             min_p=field(body, "min_p", (int, float), 0.0),
-            seed=field(body, "seed", (int,)),
+            seed=field(body, "seed", (int,)),  # any integer: the engine maps it to 32 bits
             stop_token_ids=stop_token_ids,
             ignore_eos=field(body, "ignore_eos", (bool,), False),
             logprobs=logprobs,
+            skip_special_tokens=field(body, "skip_special_tokens", (bool,), True),
+            spaces_between_special_tokens=field(body, "spaces_between_special_tokens", (bool,), True),
         )
     except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]..."
         name = str(e).split()[0]

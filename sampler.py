@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from config import MAX_LOGPROBS, SamplingParams
+from config import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -22,9 +22,9 @@ from config import MAX_LOGPROBS, SamplingParams
 class SamplingTensors:
     temperature: jax.Array  # [S] f32, 0 = greedy
     top_p: jax.Array  # [S] f32
-    top_k: jax.Array  # [S] i32, -1 = off
+    top_k: jax.Array  # [S] i32, -1 = off (the engine clips values above the vocabulary to -1)
     min_p: jax.Array  # [S] f32
-    seed: jax.Array  # [S] u32
+    seed: jax.Array  # [S] u32 (the engine maps any integer seed into it)
     step: jax.Array  # [S] i32: tokens generated so far (the fold_in counter)
     want_logprobs: jax.Array  # [] bool: compute top-k logprobs this step
 
@@ -51,17 +51,20 @@ def fill_slot(arrays: dict[str, np.ndarray], slot: int, params: SamplingParams, 
 
 
 def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Temperature, then top-k, top-p and min-p filters on one descending sort, then a
-    Gumbel-max draw from each slot's own key."""
+    """vLLM's order: temperature, min_p, top_k, then top_p on the mass the first two
+    leave; all on one descending sort, then a Gumbel-max draw from each slot's own key."""
     S, V = logits.shape
     scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
     sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)  # descending
     rank = jnp.arange(V)[None, :]
     keep = (t.top_k[:, None] < 0) | (rank < t.top_k[:, None])
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # min_p before top_p, as vLLM: top_p's mass is measured over what min_p leaves.
+    # (p / p_max does not depend on the normalisation, so top-k first changes nothing.)
+    keep &= probs >= t.min_p[:, None] * probs[:, :1]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     # top_p: keep the smallest prefix whose mass reaches top_p (the first token always).
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]
-    keep &= probs >= t.min_p[:, None] * probs[:, :1]
     filtered = jnp.where(keep, sorted_logits, -jnp.inf)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(t.seed, t.step)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
@@ -75,9 +78,9 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array,
     The sort is skipped (lax.cond) on steps where every slot is greedy, which is the
     common case in tests and benches."""
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    all_greedy = jnp.all(t.temperature == 0.0)
-    tok = jax.lax.cond(all_greedy, lambda: greedy_tok,
-                       lambda: jnp.where(t.temperature == 0.0, greedy_tok, _sample_random(logits, t).astype(jnp.int32)))
+    is_greedy = t.temperature < SAMPLING_EPS
+    tok = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tok,
+                       lambda: jnp.where(is_greedy, greedy_tok, _sample_random(logits, t).astype(jnp.int32)))
     S = logits.shape[0]
 
     def logprobs():

@@ -17,6 +17,16 @@ KV admission (config.kv_admission): "on-demand" (vLLM) allocates blocks as token
 computed and preempts by recompute when they run out; "reserve" (TGI) allocates prompt +
 max_tokens at admission; "reserve-max-len" (contiguous slots) allocates max_model_len.
 The reserve modes never preempt: every block a sequence will use is held from the start.
+
+Policy (policy.py, chosen by config): the waiting queue's order, the KV victim, whether a
+waiting request may preempt a running one (priority), and the boarding rule (static).
+Everything else here is mechanics every policy shares.
+
+Prefix caching (config.enable_prefix_caching, kvcache.py): at admission a sequence takes
+the longest cached prefix of its full blocks (shared, ref-counted) and computes only the
+rest, always at least its last token (whose logits are sampled). A block is named when
+the step that computes it is scheduled (`_add`), so a sequence admitted later in the same
+step can already share it: each layer writes the step's K/V before it attends.
 """
 
 from __future__ import annotations
@@ -25,12 +35,12 @@ import enum
 import heapq
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from config import EngineConfig, SamplingParams
-from kvcache import BlockAllocator, blocks_needed
+from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS
+from policy import FCFSQueue, SortedQueue, make_policy
 
 
 # An output token sampled by a step the host has not seen the result of yet (async
@@ -58,9 +68,13 @@ class Sequence:
     slot: int | None = None
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int = -1  # prompt tokens the prefix cache served at first admission; -1: not admitted yet
+    block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks so far (kvcache.py)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     wait_reason: str | None = None  # one of metrics.WAIT_REASONS, set by each schedule()
     num_preemptions: int = 0
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's per-request field)
+    arrival_order: int = -1  # set by Scheduler.add: breaks ties between equal arrival times
     admitted_seq_no: int = -1  # order of the latest admission: the highest is preempted first
     seed: int | None = None  # this request's sampling stream (set by the engine)
     # Filled by the engine.
@@ -125,13 +139,18 @@ class Scheduler:
             "pass config.resolved(...)"
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.allocator = BlockAllocator(num_kv_blocks)
-        self.waiting: deque[Sequence] = deque()
+        self.allocator = BlockAllocator(num_kv_blocks, enable_caching=config.enable_prefix_caching)
+        self.policy = make_policy(config)  # admission order, KV victim, boarding rule (policy.py)
+        self.waiting: FCFSQueue | SortedQueue = self.policy.new_queue()
         self.running: list[Sequence] = []  # admission order; under static, finished padding too
         self._free_slots = list(range(config.max_num_seqs))  # a heap: the lowest free slot first
         self._seqs: dict[str, Sequence] = {}  # every request not yet released, by id
         self._admissions = itertools.count()
-        self._static = config.scheduling == "static"
+        self._arrivals = itertools.count()
+        # The boarding rule's consequences are mechanics: finished sequences keep their
+        # seats as padding and the batch is released together.
+        self._static = self.policy.boards_only_when_empty
+        self._room_preempted = False  # this step preempted to find blocks for running sequences
         self._budget = 0  # tokens left in the step being scheduled
 
     # ---- requests ----------------------------------------------------------------------
@@ -149,8 +168,12 @@ class Scheduler:
         if need > self.allocator.num_usable:
             raise ValueError(f"the request needs {need} KV blocks of {cfg.block_size} tokens "
                              f"({cfg.kv_admission}), the whole cache has {self.allocator.num_usable}")
+        if seq.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {seq.priority} was given, but priority scheduling is not enabled "
+                             "(--scheduling-policy priority)")
         assert seq.status is WAITING and seq.num_computed_tokens == 0 and not seq.block_table
-        self.waiting.append(seq)
+        seq.arrival_order = next(self._arrivals)
+        self.waiting.add(seq)
         self._seqs[seq.request_id] = seq
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -173,16 +196,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
+        self._room_preempted = False
         if self._static:
             self._schedule_static(out)
         elif self.config.enable_chunked_prefill:
             # Decodes first, so a long prompt joining costs streaming users no stutter.
+            self._preempt_for_waiting(out)
             self._schedule_decodes(out)
             self._schedule_prompts(out)
             self._admit(out)
         else:
             # vLLM v0: a step that admits prompts runs only those prompts; the running
             # sequences' decodes stall for that step (the stutter chunking removes).
+            self._preempt_for_waiting(out)
             self._admit(out)
             if not out.scheduled:
                 self._schedule_decodes(out)
@@ -287,6 +313,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block name (vLLM's reset_prefix_cache): False, and nothing
+        changed, while any request holds blocks."""
+        return self.allocator.reset_prefix_cache()
+
     def check_invariants(self) -> None:
         """Everything, O(num_blocks): for tests. update() checks the per-step subset."""
         self.allocator.check_invariants()
@@ -331,45 +362,121 @@ class Scheduler:
                 self._add(out, seq, n)
 
     def _admit(self, out: SchedulerOutput) -> None:
-        """Move waiting sequences to running, FIFO, while a slot, KV blocks and (continuous)
-        the token budget allow; stop at the first that cannot go and record why the rest
-        wait. Continuous schedules the first chunk at once; static boards the whole batch
-        and prefills it over the next steps."""
-        cfg = self.config
-        reason = "kv_blocks" if out.preempted else None  # as vLLM: a step that preempts admits nobody
+        """Move waiting sequences to running, in the queue's order, while a slot, KV
+        blocks and (continuous) the token budget allow; stop at the first that cannot go
+        and record why the rest wait. Continuous schedules the first chunk at once;
+        static boards the whole batch and prefills it over the next steps."""
+        # As vLLM: a step that preempted running sequences for blocks admits nobody.
+        reason = "kv_blocks" if self._room_preempted else None
         while self.waiting and reason is None:
-            seq = self.waiting[0]
-            n = seq.num_tokens  # the prompt, plus the outputs of a preempted sequence
-            if cfg.enable_chunked_prefill and not self._static:
-                n = min(n, self._budget)
-            num_blocks = self._blocks_at_admission(seq, n)
+            seq = self.waiting.peek()
+            cached, n, num_new_blocks = self._admission_need(seq)
             if not self._free_slots:
                 reason = "max_num_seqs"
             elif not self._static and not 0 < n <= self._budget:
                 reason = "token_budget"
-            elif not self.allocator.can_allocate(num_blocks):
+            # A cached block nobody holds is taken out of the free queue: it counts like a
+            # fresh one. A cached block another sequence holds costs nothing: counted once.
+            elif not self.allocator.can_allocate(num_new_blocks + self.allocator.num_revived(cached)):
                 reason = "kv_blocks"
             else:
-                self._start(seq, num_blocks)
+                self._start(seq, cached, num_new_blocks)
                 if not self._static:
                     self._add(out, seq, n)
         for seq in self.waiting:
             seq.wait_reason = reason
 
-    def _lifetime_tokens(self, seq: Sequence) -> int:
-        """The most tokens seq can ever hold: what the reserve modes allocate up front."""
-        if self.config.kv_admission == "reserve-max-len":
-            return self.config.max_model_len
-        return seq.num_prompt_tokens + seq.params.max_tokens
+    def _admission_need(self, seq: Sequence) -> tuple[list[int], int, int]:
+        """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
+        waiting sequence's admission now."""
+        cached = self._cached_prefix(seq)
+        num_cached = len(cached) * self.config.block_size
+        n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
+        if self.config.enable_chunked_prefill and not self._static:
+            n = min(n, self._budget)
+        return cached, n, self._blocks_at_admission(seq, num_cached + n) - len(cached)
 
-    def _blocks_at_admission(self, seq: Sequence, num_new_tokens: int) -> int:
-        tokens = num_new_tokens if self.config.kv_admission == "on-demand" else self._lifetime_tokens(seq)
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Waiting requests that outrank running ones (the priority policy) take seats and
+        KV blocks from the lowest ranked of them when slots or blocks are full, before
+        anything is scheduled. Walks the queue in admission order as _admit will, counting
+        the room each admission takes; a request whose admission preempting cannot make
+        room stops the walk, and nobody is preempted for it (no preemption for nothing)."""
+        running = [r for r in self.running if r.status is RUNNING]
+        if not self.waiting or not any(self.policy.outranks(self.waiting.peek(), r) for r in running):
+            return  # FCFS always returns here: it outranks nobody
+        bs, chunked = self.config.block_size, self.config.enable_chunked_prefill
+
+        def growth(r: Sequence) -> int:  # chunked: decodes go first and take their next block
+            return blocks_needed(r.num_computed_tokens + 1, bs) - len(r.block_table) if chunked and r.is_decode else 0
+
+        def freed(r: Sequence) -> int:  # blocks another sequence also holds (a shared prefix) free nothing
+            return growth(r) + sum(1 for b in r.block_table if self.allocator.ref_count(b) == 1)
+
+        slots = len(self._free_slots)
+        blocks = self.allocator.num_free - sum(growth(r) for r in running)
+        budget = self._budget - (sum(1 for r in running if r.is_decode) if chunked else 0)
+        victims: list[Sequence] = []
+        for seq in self.waiting:
+            cached, n, num_new_blocks = self._admission_need(seq)
+            need = num_new_blocks + self.allocator.num_revived(cached)
+            if not 0 < n <= budget:
+                break  # the token budget holds it back, not a seat or blocks
+            lower = [r for r in running if self.policy.outranks(seq, r)]
+            chosen, s_, b_ = [], slots, blocks
+            while (s_ < 1 or b_ < need) and lower:
+                r = self.policy.victim(lower)  # the lowest ranked first
+                lower.remove(r)
+                chosen.append(r)
+                s_, b_ = s_ + 1, b_ + freed(r)
+            if s_ < 1 or b_ < need:
+                break
+            for r in chosen:
+                running.remove(r)
+            victims += chosen
+            slots, blocks, budget = s_ - 1, b_ - need, budget - n
+        for r in victims:
+            self._preempt(out, r)
+
+    def _lifetime_tokens(self, seq: Sequence) -> int:
+        """The most tokens seq can ever write to the cache: what the reserve modes allocate
+        up front. The last sampled token is never computed (the sequence ends on it), so a
+        16-token prompt with max_tokens 1 at block size 16 needs one block, not two."""
+        if self.config.kv_admission == "reserve-max-len":
+            return self.config.max_model_len - 1
+        return seq.num_prompt_tokens + seq.params.max_tokens - 1
+
+    def _blocks_at_admission(self, seq: Sequence, num_tokens: int) -> int:
+        """Block-table length at admission: blocks for the first num_tokens (cached + this
+        step's), or, in the reserve modes, for the sequence's whole lifetime."""
+        tokens = num_tokens if self.config.kv_admission == "on-demand" else self._lifetime_tokens(seq)
         return blocks_needed(tokens, self.config.block_size)
 
-    def _start(self, seq: Sequence, num_blocks: int) -> None:
-        assert self.waiting.popleft() is seq
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The names of seq's first num_blocks full blocks, extending seq.block_hashes."""
+        hashes, bs = seq.block_hashes, self.config.block_size
+        if len(hashes) < num_blocks:
+            tokens = seq.all_token_ids
+            for i in range(len(hashes), num_blocks):
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks seq can start from: its longest cached prefix of full blocks,
+        never its last token (that one's logits are needed, so it is always computed).
+        A preempted sequence finds its own blocks here, unless they were evicted."""
+        if not self.config.enable_prefix_caching:
+            return []
+        return self.allocator.cached_prefix(self._block_hashes(seq, (seq.num_tokens - 1) // self.config.block_size))
+
+    def _start(self, seq: Sequence, cached: list[int], num_new_blocks: int) -> None:
+        assert self.waiting.pop_head() is seq
         seq.slot = heapq.heappop(self._free_slots)
-        seq.block_table = self.allocator.allocate(seq.request_id, num_blocks)
+        self.allocator.share(seq.request_id, cached)  # before allocate, which could evict them
+        seq.block_table = cached + self.allocator.allocate(seq.request_id, num_new_blocks)
+        seq.num_computed_tokens = len(cached) * self.config.block_size
+        if seq.num_cached_tokens < 0:  # as vLLM: the first admission's hit is the request's
+            seq.num_cached_tokens = seq.num_computed_tokens
         seq.status, seq.wait_reason = RUNNING, None
         seq.admitted_seq_no = next(self._admissions)
         self.running.append(seq)
@@ -378,15 +485,21 @@ class Scheduler:
         assert 0 < n <= self._budget
         out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
         self._budget -= n
+        if self.config.enable_prefix_caching:  # name the full blocks this step completes
+            full = (seq.num_computed_tokens + n) // self.config.block_size
+            self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, full))
 
     def _make_room(self, out: SchedulerOutput, seq: Sequence, n: int) -> bool:
         """Blocks for seq's next n tokens. On-demand, when none are free, preempt the
-        latest admitted running sequence and retry; False if that was seq itself."""
+        policy's victim among the running sequences not yet in this step (FCFS: the latest
+        admitted) and retry; False if that was seq itself."""
         need = blocks_needed(seq.num_computed_tokens + n, self.config.block_size) - len(seq.block_table)
         while not self.allocator.can_allocate(need):
             assert self.config.kv_admission == "on-demand", "reserve modes hold every block from admission"
-            victim = next(s for s in reversed(self.running) if s.status is RUNNING)
+            in_step = {id(s.seq) for s in out.scheduled}
+            victim = self.policy.victim([s for s in self.running if s.status is RUNNING and id(s) not in in_step])
             self._preempt(out, victim)
+            self._room_preempted = True
             if victim is seq:
                 return False
         if need > 0:
@@ -394,17 +507,17 @@ class Scheduler:
         return True
 
     def _preempt(self, out: SchedulerOutput, victim: Sequence) -> None:
-        """Preemption by recompute: drop the cache, keep the outputs, queue at the front."""
+        """Preemption by recompute: drop the cache, keep the outputs, back to the waiting
+        queue where the policy puts it (FCFS: the front)."""
         self.running.remove(victim)
         self._release(victim)
         victim.status, victim.wait_reason = WAITING, "kv_blocks"
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.requeue(victim)
         out.preempted.append(victim)
-        # Never one already in this step: decodes are scheduled in admission order, and a
-        # sequence still in prefill is the latest admitted (it takes all the budget left
-        # before any later admission can start), so the victim is the requester or later.
+        # Never one already in this step: the full blocks a scheduled chunk completes are
+        # already named in the prefix cache, and their K/V must then be computed.
         assert all(s.seq is not victim for s in out.scheduled)
 
     def _release(self, seq: Sequence) -> None:
@@ -439,7 +552,8 @@ class Scheduler:
         sequence and covers its computed tokens. (allocate/free assert per block.)"""
         slots = [s.slot for s in self.running]
         assert sorted([*slots, *self._free_slots]) == list(range(self.config.max_num_seqs)), "slot leaked or shared"
-        assert sum(len(s.block_table) for s in self.running) == self.allocator.num_used, "KV block leaked"
+        # A block shared by several sequences is one block in use.
+        assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
         for seq in self.running:
             assert seq.status is not WAITING
             assert len(seq.block_table) >= blocks_needed(seq.num_computed_tokens, self.config.block_size)

@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP server over AsyncEngine (aiohttp).
 
-    python server.py                           # built-in tiny model on 127.0.0.1:8000
+    python server.py                           # built-in smollm2 (a real chat model) on 127.0.0.1:8000
+    python server.py --model tiny              # built-in random weights (tests)
+    python server.py --model FILE.gguf         # a GGUF checkpoint (llama.cpp's format)
     python server.py --model /path/to/hf_dir   # a checkpoint, its tokenizer and chat template
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-GET /v1/models, GET /health, GET /metrics (Prometheus text).
+GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache.
 
 The engine speaks token ids only; everything textual happens here: tokenizing prompts,
 chat templates, incremental detokenization and stop strings. A request the server no
@@ -35,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from config import EngineConfig, SamplingParams
-from engine import AsyncEngine, QueueFullError, TokenLogprob
+from engine import AsyncEngine, QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
                       parse_sampling)
@@ -60,9 +62,14 @@ class IncrementalDetokenizer:
     the next token decides, so a stop string is never partly sent.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str],
+                 params: SamplingParams | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.params = params or SamplingParams()
+        # Tokens that end a request with "stop" are never text (vLLM): not even with
+        # skip_special_tokens=False, and not when a tokenizer does not mark them special.
+        self.stop_ids = set(eos_token_ids if not self.params.ignore_eos else ()) | set(self.params.stop_token_ids or ())
         # Left context from the prompt, so the first output token decodes as it would
         # mid-text; never emitted itself.
         self.ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
@@ -75,9 +82,11 @@ class IncrementalDetokenizer:
         """Add one step's tokens; return (new text to send, whether a stop string matched)."""
         if self.tokenizer is None:
             return "", False
+        if final and new_ids and new_ids[-1] in self.stop_ids:
+            new_ids = new_ids[:-1]
         self.ids += new_ids
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        window = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = detokenize(self.tokenizer, self.ids[self.prefix_offset:self.read_offset], self.params)
+        window = detokenize(self.tokenizer, self.ids[self.prefix_offset:], self.params)
         old_len = len(self.text)
         if len(window) > len(prefix) and (final or not window.endswith("\ufffd")):
             self.text += window[len(prefix):]
@@ -95,8 +104,24 @@ class IncrementalDetokenizer:
 
 
 def partial_stop_len(text: str, stop: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string.
+
+    Linear in the stop strings' length (KMP's prefix function over `s + NUL + the last
+    len(s) - 1 characters`), where trying every prefix of every stop string is quadratic."""
+    best = 0
+    for s in stop:
+        if len(s) < 2:
+            continue
+        tail = text[-(len(s) - 1):]
+        pattern = s + "\0" + tail
+        pi = [0] * len(pattern)
+        for i in range(1, len(pattern)):
+            k = pi[i - 1]
+            while k and pattern[i] != pattern[k]:
+                k = pi[k - 1]
+            pi[i] = k + (pattern[i] == pattern[k])
+        best = max(best, pi[-1])
+    return best
 
 
 # ---- generation -------------------------------------------------------------------
@@ -119,12 +144,14 @@ class Generation:
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, stop: list[str]) -> None:
+                 params: SamplingParams, stop: list[str], priority: int = 0) -> None:
         self.engine, self.request_id = engine, request_id
         self.num_prompt_tokens = len(prompt_ids)
-        self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop)
+        self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
+        self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop, params,
+                                                  self.engine.model_config.eos_token_ids)
         try:
-            self.stream = self.engine.add_request(request_id, prompt_ids, params)
+            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -138,6 +165,7 @@ class Generation:
         done = False
         try:
             async for delta in self.stream:
+                self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
                 text, stopped = self.detokenizer.push(delta.new_token_ids, final=delta.finished)
                 if stopped and not delta.finished:
                     self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
@@ -148,6 +176,8 @@ class Generation:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it
             raise ApiError(str(e)) from e
+        except RuntimeError as e:  # this request failed in the engine, or the engine loop died
+            raise ApiError(str(e), 500, type="internal_server_error") from e
         finally:
             if not done:  # the client went away (its handler was cancelled): free the slot now
                 self.engine.abort(self.request_id)
@@ -165,14 +195,16 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     include_usage = field(stream_options, "include_usage", (bool,), False)
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    gen = Generation(engine, request_id, prompt_ids, params, stop)
+    priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
+    gen = Generation(engine, request_id, prompt_ids, params, stop, priority)
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
     model = body.get("model") or app["model_names"][0]  # read_body checked it
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
 
     def usage(completion_tokens: int) -> dict:
         return {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": gen.num_prompt_tokens + completion_tokens}
+                "total_tokens": gen.num_prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens}}
 
     def logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict | None:
         if lps is None:
@@ -231,8 +263,16 @@ async def read_body(request: web.Request) -> dict:
         body = await request.json()
     except ValueError as e:  # not JSON, or not UTF-8
         raise ApiError(f"request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # nested deeper than the JSON parser goes
+        raise ApiError("request body is nested too deeply") from e
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object")
+    try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer can encode
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(f"request body has a string that is not valid Unicode (a lone surrogate): {e}") from e
+    except RecursionError as e:
+        raise ApiError("request body is nested too deeply") from e
     model = field(body, "model", (str,))
     if model is not None and model not in request.app["model_names"]:
         raise ApiError(f"model '{model}' does not exist; this server serves {request.app['model_names']}",
@@ -269,6 +309,17 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's POST /reset_prefix_cache: 200 once every cached prefix is forgotten; 409
+    while requests hold KV blocks (nothing is reset then)."""
+    if request.query:
+        raise ApiError(f"query parameters are not supported here, got {sorted(request.query)}")
+    if not await request.app["engine"].reset_prefix_cache():
+        raise ApiError("the prefix cache cannot be reset while requests hold KV blocks; retry when idle", 409,
+                       type="conflict_error")
+    return web.Response(status=200)
+
+
 async def metrics(request: web.Request) -> web.Response:
     data = generate_latest(request.app["registry"])
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -282,7 +333,7 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         if app["stopping"].is_set():
             raise ApiError("server is shutting down", status=503, type="service_unavailable")
         key = app["api_key"]
-        if key and request.path.startswith("/v1/") and not hmac.compare_digest(  # constant time
+        if key and (request.path.startswith("/v1/") or request.path == "/reset_prefix_cache") and not hmac.compare_digest(  # constant time
                 request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
             raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
                            type="authentication_error", code="invalid_api_key")
@@ -313,6 +364,8 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (to be recomputed)."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache (first admissions)."),
     ("num_compilations", "num_compilations", "XLA compilations of step functions."),
     ("num_steps", "num_steps", "Engine steps."),
     ("num_decode_steps", "num_decode_steps", "Engine steps that carried no prompt tokens."),
@@ -372,22 +425,27 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
 
 
 _HELP = {  # EngineConfig fields; config.py says more
-    "model": "'tiny', 'bench' (built-in random weights) or a Hugging Face model directory",
+    "model": "'smollm2' (built-in SmolLM2-135M-Instruct, fetched on first use), 'tiny', 'bench' (built-in "
+             "random weights), a .gguf file or a Hugging Face model directory",
     "dtype": "weights and KV cache dtype; auto: the checkpoint's torch_dtype",
     "seed": "weights seed of the built-in models, and sampling seed of unseeded requests",
     "max_num_seqs": "slots: most sequences in one step",
     "max_model_len": "longest prompt + output; None: the model's max_position_embeddings",
     "block_size": "tokens per KV cache block (a power of two)",
     "num_kv_blocks": "KV cache size in blocks, the null block 0 included; None: from the memory budget",
-    "kv_cache_memory": "KV cache budget in bytes; None: from --gpu-memory-utilization",
+    "kv_cache_memory": "KV cache budget in bytes; None: --gpu-memory-utilization on an accelerator, 4 GiB on CPU",
     "gpu_memory_utilization": "fraction of device memory for weights, activations and the KV cache",
     "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
+    "enable_prefix_caching": "reuse the cached KV blocks of a shared prompt prefix",
     "scheduling": "continuous (iteration-level) or static (the whole batch leaves together)",
+    "scheduling_policy": "fcfs (arrival order) or priority (the request's 'priority' field, lower first; "
+                         "may preempt lower-priority running requests)",
     "kv_admission": "on-demand (grow, preempt when out), reserve (prompt + max_tokens), reserve-max-len",
     "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
@@ -427,14 +485,28 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
     await engine.start()
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
-    log.info("ready: http://%s:%d  (model names: %s)", args.host, args.port, ", ".join(app["model_names"]))
+    port = runner.addresses[0][1]  # the bound one: --port 0 lets the OS pick a free port
+    log.info("ready: http://%s:%d  (model names: %s)", args.host, port, ", ".join(app["model_names"]))
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, app["stopping"].set)
+    died: list[BaseException] = []
+
+    def on_death(error: BaseException) -> None:
+        # As vLLM: a dead engine loop ends the process (non-zero) so a supervisor restarts
+        # it; every open stream has its error event queued already. /health says 503 meanwhile.
+        log.error("engine loop died: %r; exiting", error)
+        died.append(error)
+        app["stopping"].set()
+
+    engine.on_death = on_death
     await app["stopping"].wait()  # from here on, new requests get a 503
-    log.info("shutting down: refusing new requests, aborting those in flight")
-    await engine.shutdown()  # every in-flight stream gets a last event, finish_reason "abort"
-    await runner.cleanup()  # lets the handlers send that event (up to shutdown_timeout)
+    if not died:
+        log.info("shutting down: refusing new requests, aborting those in flight")
+        await engine.shutdown()  # every in-flight stream gets a last event, finish_reason "abort"
+    await runner.cleanup()  # lets the handlers send their last event (up to shutdown_timeout)
+    if died:
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -448,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
         # Loads, sizes the KV cache and compiles every shape (blocking); it logs the model,
         # dtype, KV blocks and tokens, and the max concurrency at max_model_len as it goes.
         engine = AsyncEngine(config, log=log.info)
-    except (ValueError, FileNotFoundError) as e:  # a bad flag or model path: say so, no traceback
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad flag, model path or download: say so
         parser.error(str(e))
     asyncio.run(serve(engine, args))
 

@@ -53,8 +53,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def load_tokenizer(path: str) -> Any | None:
-    """transformers' AutoTokenizer when `path` holds tokenizer files, else None (the
-    engine then takes token-id prompts only)."""
+    """transformers' AutoTokenizer when `path` holds tokenizer files or is a GGUF file
+    (transformers reads the tokenizer and chat template from its metadata), else None
+    (the engine then takes token-id prompts only)."""
+    if path.endswith(".gguf"):
+        from transformers import AutoTokenizer
+
+        folder, name = os.path.split(os.path.abspath(path))
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer  # slow import: only when needed

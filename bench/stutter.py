@@ -145,7 +145,7 @@ def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int], log) -> dict[
                 arrivals.setdefault(d.request_id, []).append((tr.step, te))
 
     for rid, prompt in zip(users, user_prompts):
-        eng.add_request(rid, prompt, SamplingParams(max_tokens=sz["user_max_tokens"], ignore_eos=True))
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=sz["user_max_tokens"], temperature=0.0, ignore_eos=True))
     compilations_before = eng.stats.num_compilations
     while not all(u in arrivals for u in users):  # the users' prefill (a few steps when chunked)
         step()
@@ -154,7 +154,7 @@ def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int], log) -> dict[
     assert all(set(users) <= set(t.sampled) for t in eng.trace[-a.steady_steps:]), "steady: everyone decodes"
     join_step = eng.stats.num_steps + 1
     t_join = time.perf_counter()
-    eng.add_request("long", long_prompt, SamplingParams(max_tokens=sz["long_max_tokens"], ignore_eos=True))
+    eng.add_request("long", long_prompt, SamplingParams(max_tokens=sz["long_max_tokens"], temperature=0.0, ignore_eos=True))
     while len(arrivals.get("long", ())) < 1 + a.after_tokens:
         step()
     first_step, t_first = arrivals["long"][0]

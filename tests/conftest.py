@@ -3,8 +3,14 @@ outputs to compare against."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from typing import Any
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -95,19 +101,80 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int
     return out[0, len(prompt_ids):].tolist()
 
 
-@pytest.fixture
-def hf_checkpoint(tmp_path):
-    """Factory fixture: hf_checkpoint(family, **kw) -> path under this test's tmp dir."""
-    counter = iter(range(1_000_000))
-    return lambda family="llama2", **kw: make_hf_checkpoint(tmp_path / f"ckpt{next(counter)}", family, **kw)
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory fixture: hf_checkpoint(family, **kw) -> path of a checkpoint built once per
+    session for each (family, kw) and shared: treat it as read-only (a test that edits its
+    files builds its own with make_hf_checkpoint)."""
+    built: dict[tuple, str] = {}
+
+    def get(family: str = "llama2", **kw: Any) -> str:
+        key = (family, tuple(sorted(kw.items())))
+        if key not in built:
+            built[key] = make_hf_checkpoint(tmp_path_factory.mktemp(f"ckpt-{family}"), family, **kw)
+        return built[key]
+    return get
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_bench(name: str) -> ModuleType:
+    """bench/<name>.py as module bench_<name> (bench/ is scripts, not a package); loaded
+    once per session."""
+    mod_name = f"bench_{name}"
+    if mod_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(mod_name, os.path.join(ROOT, "bench", f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = mod  # dataclasses look their module up while the file runs
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[mod_name]
+            raise
+    return sys.modules[mod_name]
+
+
+@contextmanager
+def count_compilations() -> Iterator[list[str]]:
+    """XLA compilations as JAX itself reports them (its backend-compile event, which fires
+    for every program handed to the compiler, persistent-cache hits included), not the
+    engine's own count: yields the list of compiled function names, filled while inside."""
+    from jax import monitoring
+
+    names: list[str] = []
+
+    def on_duration(event: str, duration: float, **kw: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(str(kw.get("fun_name")))
+
+    monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        yield names
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+
+
+_JAX_CACHE: str | None = None
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Many tests build an engine on the same small shapes: a persistent compilation cache
-    # turns every compile after the first into a cache hit (traces still count).
+    # turns every compile after the first into a cache hit (traces still count). It lives
+    # in a temporary directory for the session, shared with the server subprocesses
+    # through JAX's environment variables (the engine leaves a directory already chosen),
+    # so tests never write to the user's ~/.cache.
+    global _JAX_CACHE
+    _JAX_CACHE = tempfile.mkdtemp(prefix="taxirank-test-jax-")
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_JAX_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     import jax
 
-    cache = os.path.join(str(config.rootpath), ".pytest_cache", "jax")
-    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _JAX_CACHE is not None:
+        shutil.rmtree(_JAX_CACHE, ignore_errors=True)

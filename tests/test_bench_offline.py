@@ -3,22 +3,10 @@ what the full run reports (ratios next to their step-count ideals and targets)."
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import load_bench as _load
 
 
 def test_seed_mix_is_the_seeds_exercise():

@@ -258,34 +258,40 @@ def test_block_size_8_and_all_idle():
 # ---- random ragged batches (hypothesis; few examples: interpret mode is slow) ---------
 
 @st.composite
-def ragged_batches(draw, num_seqs=5, max_tokens=48, max_ctx=WIDTH * BS):
+def ragged_batches(draw, num_seqs=len(RAGGED_SEQS), max_tokens=48, max_ctx=WIDTH * BS):
+    """The shapes of the edge-case batches (so the configurations above compiled them
+    already): num_seqs sequences whose contexts fit the NUM_BLOCKS - 1 usable blocks."""
     seqs = []
-    budget = max_tokens
+    budget, blocks_left = max_tokens, NUM_BLOCKS - 1
     for _ in range(num_seqs):
-        q_len = draw(st.integers(0, min(budget, 24)))
+        q_len = draw(st.integers(0, min(budget, 24, blocks_left * BS)))
         budget -= q_len
         prefix = draw(st.sampled_from([0, 1, BS - 1, BS, BS + 1, 50, max_ctx - 24]))
         kv_len = min(prefix + q_len, max_ctx) if q_len else draw(st.sampled_from([0, prefix]))
-        seqs.append((q_len, max(kv_len, q_len)))
+        kv_len = max(min(kv_len, blocks_left * BS), q_len)
+        blocks_left -= -(-kv_len // BS)
+        seqs.append((q_len, kv_len))
     return seqs
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(seqs=ragged_batches(), seed=st.integers(0, 2**16))
-def test_random_ragged_batches(seqs, seed):
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=ragged_batches(), seed=st.integers(0, 2**16), R=st.sampled_from([1, 4, 8]),
+       D=st.sampled_from([64, 128]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
+def test_random_ragged_batches(seqs, seed, R, D, dtype):
+    """Random batches over the GQA group sizes, head dims and dtypes of CONFIGS; not
+    derandomized, so every run explores new ones (a failure is kept in hypothesis' example
+    database and replayed first)."""
     rng = np.random.default_rng(seed)
-    q, kc, vc, bt, cu, kv_lens = ragged_case(rng, 4, 64, jnp.float32, seqs=seqs, T=48,
-                                             num_blocks=5 * WIDTH + 1)
-    want = dense_oracle(q, kc, vc, bt, cu, kv_lens, 0.125)
-    assert_close(ref_ragged(q, kc, vc, bt, cu, kv_lens, scale=0.125), want, jnp.float32, "ref")
-    assert_close(pl_ragged(q, kc, vc, bt, cu, kv_lens, scale=0.125), want, jnp.float32,
-                 "kernel")
+    scale = D ** -0.5
+    q, kc, vc, bt, cu, kv_lens = ragged_case(rng, R, D, dtype, seqs=seqs)
+    want = dense_oracle(q, kc, vc, bt, cu, kv_lens, scale)
+    assert_close(ref_ragged(q, kc, vc, bt, cu, kv_lens, scale=scale), want, dtype, "ref")
+    assert_close(pl_ragged(q, kc, vc, bt, cu, kv_lens, scale=scale), want, dtype, "kernel")
     # the same context lengths as a decode step (one query per slot)
-    kvd = jnp.asarray([b for _, b in seqs], jnp.int32)
-    qd = q[:len(seqs)]
-    want = decode_oracle(qd, kc, vc, bt, kvd, 0.125)
-    assert_close(pl_decode(qd, kc, vc, bt, kvd, scale=0.125), want, jnp.float32, "decode")
+    n = len(DECODE_LENS)  # the decode configurations' shapes
+    kvd, qd, btd = jnp.asarray([b for _, b in seqs[:n]], jnp.int32), q[:n], bt[:n]
+    want = decode_oracle(qd, kc, vc, btd, kvd, scale)
+    assert_close(pl_decode(qd, kc, vc, btd, kvd, scale=scale), want, dtype, "decode")
 
 
 # ---- backend selection ----------------------------------------------------------------
@@ -385,10 +391,23 @@ def _jaxlib_version():
     return tuple(int(x) for x in jaxlib.__version__.split(".")[:3])
 
 
-@pytest.mark.skipif(ON_GPU or _jaxlib_version() > (0, 10, 2),
-                    reason="cross-lowering to Triton IR without a GPU needs jaxlib <= 0.10.2 "
-                           "(later versions compile to PTX at lowering time); on a GPU the "
-                           "tests above run the compiled kernels instead")
+def _lower_for_cuda(traced) -> str:
+    """The CUDA lowering's text, from a CPU-only machine. Known to work up to jaxlib
+    0.10.2, where a failure is a failure. A later jaxlib is tried too; if it cannot
+    lower for CUDA without a GPU, the test is skipped with its exact error, not
+    silently dropped by a version check."""
+    try:
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:
+        if _jaxlib_version() <= (0, 10, 2):
+            raise
+        import jaxlib
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        pytest.skip(f"jaxlib {jaxlib.__version__} cannot cross-lower the kernels for CUDA without a GPU: "
+                    f"{type(e).__name__}: {first_line}")
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above run the compiled kernels instead")
 @pytest.mark.parametrize("R,D,dtype", [(4, 128, jnp.bfloat16), (1, 64, jnp.float32),
                                        (8, 64, jnp.bfloat16), (7, 128, jnp.bfloat16)])
 def test_lowers_to_triton(R, D, dtype):
@@ -404,11 +423,11 @@ def test_lowers_to_triton(R, D, dtype):
     dec = jax.jit(functools.partial(kp.paged_decode_attention, scale=0.1))
     rag = jax.jit(functools.partial(kp.ragged_paged_attention, scale=0.1))
     for f, args in ((dec, (q, kc, kc, bt, lens)), (rag, (qr, kc, kc, bt, cu, lens))):
-        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = _lower_for_cuda(f.trace(*args))
         assert "xla.gpu.triton" in text
 
 
-@pytest.mark.skipif(ON_GPU or _jaxlib_version() > (0, 10, 2), reason="as test_lowers_to_triton")
+@pytest.mark.skipif(ON_GPU, reason="as test_lowers_to_triton")
 def test_one_split_decode_lowers_to_triton():
     """The one-split decode (normalise and store bf16 in the kernel) lowers too."""
     q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
@@ -416,10 +435,10 @@ def test_one_split_decode_lowers_to_triton():
     bt = jax.ShapeDtypeStruct((4, 16), jnp.int32)
     lens = jax.ShapeDtypeStruct((4,), jnp.int32)
     dec = jax.jit(functools.partial(kp.paged_decode_attention, scale=0.1, num_splits=1))
-    assert "xla.gpu.triton" in dec.trace(q, kc, kc, bt, lens).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in _lower_for_cuda(dec.trace(q, kc, kc, bt, lens))
 
 
-@pytest.mark.skipif(ON_GPU or _jaxlib_version() > (0, 10, 2), reason="as test_lowers_to_triton")
+@pytest.mark.skipif(ON_GPU, reason="as test_lowers_to_triton")
 def test_backend_kernel_lowered_once_per_shape():
     """The model calls attention once per layer with the same shapes: the jitted backend
     functions make that one Triton kernel in the module, not one per layer."""
@@ -434,5 +453,5 @@ def test_backend_kernel_lowered_once_per_shape():
             q = be.decode(q, kc, vc, bt, lens, scale=0.1)
         return q
 
-    text = jax.jit(layers).trace(q, kc, kc, bt, lens).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lower_for_cuda(jax.jit(layers).trace(q, kc, kc, bt, lens))
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 1

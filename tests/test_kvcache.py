@@ -14,7 +14,8 @@ from kvcache import (BlockAllocator, OutOfBlocksError, blocks_needed, create_kv_
 
 # Only the attributes kvcache reads from model.ModelConfig.
 CFG = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=4, head_dim=8)
-PER_BLOCK_F32 = 2 * 2 * 16 * 4 * 8 * 4  # K and V, layers, block_size, kv heads, head_dim, bytes
+# The unit of the sizing tests: the bytes one block of 16 tokens really takes, measured.
+PER_BLOCK_F32 = sum(k.nbytes + v.nbytes for k, v in create_kv_caches(CFG, 1, 16, jnp.float32))
 
 
 def config(**kw) -> EngineConfig:
@@ -84,9 +85,21 @@ def test_blocks_needed_rounds_up():
     assert [blocks_needed(n, 16) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
 
 
-def test_bytes_per_block_counts_k_and_v_of_every_layer():
-    assert kv_cache_bytes_per_block(CFG, 16, jnp.float32) == PER_BLOCK_F32
-    assert kv_cache_bytes_per_block(CFG, 16, "bfloat16") == PER_BLOCK_F32 // 2
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bytes_per_block_are_what_the_created_cache_takes(dtype):
+    """On a real model config whose head_dim (32) is not hidden_size / heads (16), GQA with
+    one KV head: the sizing arithmetic equals the nbytes of the arrays created."""
+    import transformers
+    from conftest import _BASE, FAMILIES
+
+    from model import ModelConfig
+
+    cfg = ModelConfig.from_hf(transformers.Qwen3Config(**{**_BASE, **FAMILIES["qwen3"][1]}).to_dict())
+    assert cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads
+    caches = create_kv_caches(cfg, num_blocks=5, block_size=16, dtype=dtype)
+    assert len(caches) == cfg.num_hidden_layers
+    assert 5 * kv_cache_bytes_per_block(cfg, 16, dtype) == sum(k.nbytes + v.nbytes for k, v in caches)
+    assert kv_cache_bytes_per_block(cfg, 16, jnp.dtype(dtype).name) == kv_cache_bytes_per_block(cfg, 16, dtype)
 
 
 def test_num_kv_blocks_is_taken_as_given():
@@ -214,6 +227,6 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
     assert eng.stats.num_compilations == len(eng.config.decode_buckets) + len(eng.config.token_buckets)
     monkeypatch.undo()
     prompts = [[5, 6, 7, 8], list(range(3, 60))]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     ref = LLM("tiny", log=lambda *_: None, num_kv_blocks=430, **kw).generate(prompts, params)
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref]

@@ -126,7 +126,15 @@ def test_bf16_checkpoint(hf_checkpoint):
     prompt = _prompt(20, 5)
     (got,) = Paged(lm.model, num_seqs=1, max_len=20).step([(0, prompt)])
     ref = hf_logits(path, prompt)  # the same bf16 weights, run in f32
-    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    # bf16 activations: each rounding is within eps = 2^-8 relative; a few of them deep
+    # (embedding, two layers, norm, LM head) bound the logits' error by ~4 eps of their scale.
+    tol = 4 * 2.0 ** -8 * np.abs(ref).max()
+    assert np.abs(got - ref).max() <= tol
+    # and the same top-1 token wherever the reference's top-2 margin exceeds that error twice
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * tol
+    assert clear.sum() >= len(prompt) // 2, "too few positions to compare the top-1"
+    np.testing.assert_array_equal(got[clear].argmax(-1), ref[clear].argmax(-1))
     assert load_model(path).dtype == jnp.float32  # an explicit dtype overrides the checkpoint's
 
 

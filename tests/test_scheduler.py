@@ -20,6 +20,7 @@ TOKEN = 7  # any token that is not EOS
 
 def make(max_num_seqs: int = 4, block_size: int = 4, max_model_len: int = 64, num_blocks: int | None = None,
          **kw) -> Scheduler:
+    kw.setdefault("enable_chunked_prefill", False)  # these tests start from vLLM v0's whole-prompt steps
     cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
                        **kw).resolved(max_model_len)
     if num_blocks is None:
@@ -154,7 +155,9 @@ def test_continuous_batching_fills_the_seats_static_leaves_empty():
     cont_useful, cont_total = useful_and_total_slot_steps("continuous", lengths)
     assert static_useful == cont_useful == 2 * 1725
     assert static_total == 2 * 6400
-    assert cont_total < 0.6 * static_total
+    # Deterministic: 866 steps. The second 800-token request boards at step 51, when the
+    # sixth slot frees, and each of the 8 admission steps (unchunked) stalls the decodes.
+    assert cont_total == 8 * 866
 
 
 # ---- KV admission ----------------------------------------------------------------------------
@@ -176,8 +179,10 @@ def test_on_demand_preempts_the_latest_admitted_by_recompute_and_everything_comp
             still_running = [before[r.request_id] for r in s.running if r.request_id in before]
             assert before[victim.request_id] > max(still_running, default=-1), "the victim is the latest admitted"
             assert victim.num_computed_tokens == 0 and victim.output_token_ids  # outputs are kept
-            assert s.waiting[0] is victim or victim.status is RUNNING
+            assert victim.status is WAITING and victim.slot is None and not victim.block_table
             first_victim = first_victim or victim
+        # the step's victims wait at the front of the queue, the latest preempted first
+        assert list(s.waiting)[:len(out.preempted)] == out.preempted[::-1]
         for x in out.scheduled:  # a re-admitted victim recomputes its prompt and its outputs
             if x.seq.num_preemptions and x.seq.num_computed_tokens == 0:
                 assert x.num_new_tokens == x.seq.num_tokens and x.samples
@@ -203,6 +208,19 @@ def test_reserve_max_len_concurrency_is_blocks_over_blocks_per_max_model_len():
     assert s.waiting_by_reason()["kv_blocks"] == 3
 
 
+def test_halving_max_model_len_doubles_reserve_max_len_concurrency_at_every_length():
+    """The seed's question, on the scheduler: the same 64 usable blocks of 4 tokens hold
+    2, 4, 8, 16, 32 requests at max_model_len 128, 64, 32, 16, 8."""
+    def admitted(max_model_len: int) -> int:
+        s = make(max_num_seqs=64, max_model_len=max_model_len, num_blocks=65, kv_admission="reserve-max-len")
+        for i in range(64):
+            s.add(seq(f"r{i}", prompt_len=1, max_tokens=1))
+        return len(step(s)[0].scheduled)
+
+    lengths = [128, 64, 32, 16, 8]
+    assert [admitted(n) for n in lengths] == [2, 4, 8, 16, 32]
+
+
 # ---- prefill: stall vs chunks -------------------------------------------------------------
 def test_without_chunking_a_step_that_admits_a_prompt_stalls_the_decodes():
     s = make()
@@ -217,7 +235,8 @@ def test_without_chunking_a_step_that_admits_a_prompt_stalls_the_decodes():
 
 
 def test_chunked_prefill_splits_a_long_prompt_decodes_first_within_the_budget():
-    s = make(max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    # Prefix caching off: the two prompts start alike (tests/test_prefix_cache.py covers sharing).
+    s = make(max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=False)
     s.add(seq("streaming", max_tokens=50))
     step(s)
     s.add(seq("long", prompt_len=50))
@@ -253,7 +272,7 @@ def test_waiting_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back():
 
 
 def test_waiting_reports_token_budget_when_the_step_is_full():
-    s = make(max_num_seqs=4, max_model_len=32, max_num_batched_tokens=32)
+    s = make(max_num_seqs=4, max_model_len=32, max_num_batched_tokens=32, enable_prefix_caching=False)
     s.add(seq("a", prompt_len=20))
     s.add(seq("b", prompt_len=20))
     out, _ = step(s)
@@ -305,15 +324,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(scheduling=st.sampled_from(["continuous", "static"]),
                 kv_admission=st.sampled_from(["on-demand", "reserve", "reserve-max-len"]),
                 chunked=st.booleans(), max_num_seqs=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
-                max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 4), budget_extra=st.integers(0, 16))
+                max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 4), budget_extra=st.integers(0, 16),
+                prefix_caching=st.booleans())
     def setup(self, scheduling, kv_admission, chunked, max_num_seqs, block_size, max_model_len, spare_blocks,
-              budget_extra):
+              budget_extra, prefix_caching):
         # Just enough blocks for one max_model_len sequence, plus a few: preemption is common.
         num_blocks = blocks_needed(max_model_len, block_size) + 1 + spare_blocks
         floor = max_num_seqs if chunked else max_model_len
         self.s = make(max_num_seqs, block_size, max_model_len, num_blocks, scheduling=scheduling,
                       kv_admission=kv_admission, enable_chunked_prefill=chunked,
-                      max_num_batched_tokens=floor + budget_extra)
+                      max_num_batched_tokens=floor + budget_extra, enable_prefix_caching=prefix_caching)
         self.seqs: list[Sequence] = []
         self.released: list[Sequence] = []
 
@@ -327,14 +347,32 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.lists(st.integers(EOS, 15), min_size=4, max_size=4), abort_mid_step=st.integers(-1, 3))
     def step(self, tokens, abort_mid_step):
+        cfg = self.s.config
+        riding = [r.request_id for r in self.s.running]
         out = self.s.schedule()
-        assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
+        assert sum(x.num_new_tokens for x in out.scheduled) <= cfg.max_num_batched_tokens
         kinds = [x.seq.is_decode for x in out.scheduled]
         assert kinds == sorted(kinds, reverse=True), "decodes come first"
+        for x in out.scheduled:  # blocks are allocated for this step's tokens, before it runs
+            seq, lifetime = x.seq, self.s._lifetime_tokens(x.seq)
+            covered = seq.num_computed_tokens + x.num_new_tokens
+            if cfg.kv_admission == "on-demand":  # as it goes (static boards a whole prompt's worth)
+                lo, hi = covered, covered if cfg.scheduling == "continuous" else max(covered, seq.num_tokens)
+            else:  # everything it will ever hold, from admission
+                lo = hi = lifetime
+            held = len(seq.block_table)
+            assert blocks_needed(lo, cfg.block_size) <= held <= blocks_needed(hi, cfg.block_size), seq.request_id
+        if cfg.scheduling == "static" and riding:  # the bus admits nobody while it runs
+            assert {r.request_id for r in self.s.running} <= set(riding)
+            assert {x.seq.request_id for x in out.scheduled} <= set(riding)
         if 0 <= abort_mid_step < len(out.scheduled):
             self.released.append(self.s.abort(out.scheduled[abort_mid_step].seq.request_id))
+        aboard = [r.request_id for r in self.s.running]
         sampled = {x.seq.request_id: tokens[x.seq.slot or 0] for x in out.scheduled if x.samples}
-        self.released += self.s.update(out, sampled)
+        released = self.s.update(out, sampled)
+        if cfg.scheduling == "static" and released:  # ... and releases its batch together
+            assert [r.request_id for r in released] == aboard and not self.s.running
+        self.released += released
 
     @rule(index=st.integers(0, 30))
     def abort(self, index):

@@ -4,11 +4,12 @@ the built-in tiny model, driven by the real `openai` client and by raw HTTP."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,10 +20,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import make_hf_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
-from protocol import ApiError, parse_messages, parse_prompt, parse_sampling
+from config import SamplingParams
+from metrics import WAIT_REASONS
+from protocol import ApiError, parse_messages, parse_prompt, parse_sampling, token_text
 from server import IncrementalDetokenizer
 from tokenizer import ByteTokenizer
 
@@ -31,7 +33,7 @@ API_KEY = "test-key"
 MAX_MODEL_LEN = 4096
 # Small shapes keep warm-up short on a CPU (token buckets 16..256, 4 slots), while a
 # long max_model_len lets a request run for seconds, so tests can watch it in flight.
-SMALL = ["--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill",
+SMALL = ["--model", "tiny", "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill",
          "--max-num-batched-tokens", "256", "--block-size", "16", "--num-kv-blocks", "1024"]
 LONG = MAX_MODEL_LEN - 16  # max_tokens of a request meant to be still running when looked at
 # For the small Hugging Face checkpoints of conftest (max_position_embeddings 2048).
@@ -50,12 +52,6 @@ class Server:
 
     def log(self) -> str:
         return Path(self.log_path).read_text()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request(server: Server, method: str, path: str, body: object = None, key: str | None = API_KEY,
@@ -78,21 +74,21 @@ def request(server: Server, method: str, path: str, body: object = None, key: st
 
 @contextlib.contextmanager
 def running_server(*flags: str, startup_timeout: float = 600) -> Iterator[Server]:
-    """`python server.py --port P ...` in a subprocess, ready once /health answers 200."""
-    port = free_port()
+    """`python server.py --port 0 ...` in a subprocess: the server binds a free port itself
+    (no pick-release-bind race) and its 'ready' log line says which; ready once /health
+    answers 200. It inherits the tests' JAX compilation cache (conftest)."""
     log = tempfile.NamedTemporaryFile("w", prefix="taxirank-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--port", str(port), *SMALL, *flags],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--port", "0", *SMALL, *flags],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    server = Server(port, proc, log.name)
+    server = Server(0, proc, log.name)
     try:
         deadline = time.monotonic() + startup_timeout
-        while True:
+        while not (ready := re.search(r"ready: http://127\.0\.0\.1:(\d+)", server.log())):
             assert proc.poll() is None, f"server exited during start-up:\n{server.log()}"
-            assert time.monotonic() < deadline, f"server not healthy in {startup_timeout}s:\n{server.log()}"
-            with contextlib.suppress(OSError):
-                if request(server, "GET", "/health")[0] == 200:
-                    break
-            time.sleep(0.5)
+            assert time.monotonic() < deadline, f"server not ready in {startup_timeout}s:\n{server.log()}"
+            time.sleep(0.2)
+        server.port = int(ready.group(1))
+        assert request(server, "GET", "/health")[0] == 200
         yield server
     finally:
         if proc.poll() is None:
@@ -165,6 +161,15 @@ def open_stream(server: Server, body: dict) -> Iterator[Iterator[dict]]:
         conn.close()  # mid-stream: the client is gone
 
 
+@functools.cache
+def tiny_reference():
+    """The served model offline (LLM.generate), at the server's shapes."""
+    from engine import LLM
+
+    return LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
+               max_num_batched_tokens=256, num_kv_blocks=1024, warmup=False)
+
+
 def greedy(**kw) -> dict:
     return dict(model="tiny", temperature=0.0, extra_body={"ignore_eos": True}) | kw
 
@@ -180,7 +185,9 @@ def test_completion_carries_text_usage_and_length_finish(client: openai.OpenAI) 
     out = client.completions.create(prompt="Hello", max_tokens=8, **greedy())
     assert out.object == "text_completion" and out.model == "tiny"
     assert out.choices[0].finish_reason == "length"
-    assert isinstance(out.choices[0].text, str)
+    # the text is the 8 tokens LLM.generate gives for the same prompt, decoded
+    ref = tiny_reference().generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert out.choices[0].text == ref.text and len(ref.token_ids) == 8
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(b"Hello") + 1, 8)  # + bos
     assert out.usage.total_tokens == out.usage.prompt_tokens + 8
 
@@ -230,7 +237,16 @@ def test_logprobs_cover_each_sampled_token(client: openai.OpenAI) -> None:
     out = client.completions.create(prompt="abc", max_tokens=5, logprobs=3, **greedy())
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert all(len(top) <= 3 and v <= 0 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    ref = tiny_reference().generate(["abc"], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3,
+                                                             ignore_eos=True))[0]
+    text = functools.partial(token_text, tiny_reference().tokenizer)
+    for tok, v, top, want in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, ref.logprobs):
+        assert tok == text(want.token_id) and v == pytest.approx(want.logprob, abs=1e-5) and v < 0
+        assert want.top[0][0] == want.token_id  # greedy: the chosen token is the top one
+        # the top 3 by text (tokens that decode alike, such as lone UTF-8 bytes, share a key)
+        assert top == pytest.approx({text(i): x for i, x in want.top}, abs=1e-5)
+    # each token's text starts where the previous one's ends, from 0
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                           logprobs=True, top_logprobs=2, **greedy())
     content = chat.choices[0].logprobs.content
@@ -291,7 +307,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "top_k": 0}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 1.5}, 400, "top_k"),  # 0 disables it, as in vLLM
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
     ("/v1/completions", {"prompt": [1, 2, 100_000]}, 400, "prompt"),
@@ -366,7 +382,7 @@ METRIC_NAMES = (
     [f"taxirank:{g}" for g in ("num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason",
                                "kv_cache_usage_perc", "slot_utilization")]
     + [f"taxirank:{c}_total" for c in ("num_preemptions", "prompt_tokens", "generation_tokens",
-                                       "request_success", "num_compilations", "num_steps", "prefill_tokens",
+                                       "prefix_cache_queries", "prefix_cache_hits", "request_success", "num_compilations", "num_steps", "prefill_tokens",
                                        "decode_tokens", "padded_tokens")]
     + [f"taxirank:{h}{suffix}" for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                                          "e2e_request_latency_seconds", "request_queue_time_seconds",
@@ -378,7 +394,7 @@ def test_metrics_parse_and_carry_every_name(server: Server) -> None:
     names = {name for name, _ in scrape(server)}
     assert not set(METRIC_NAMES) - names
     m = scrape(server)
-    assert {dict(labels)["reason"] for name, labels in m if name.endswith("waiting_by_reason")} >= {"kv_blocks"}
+    assert {dict(labels)["reason"] for name, labels in m if name.endswith("waiting_by_reason")} == set(WAIT_REASONS)
     assert 0.0 <= metric(m, "kv_cache_usage_perc") <= 1.0
 
 
@@ -399,24 +415,61 @@ def test_counters_move_by_exactly_what_was_served(server: Server, client: openai
     assert delta("e2e_request_latency_seconds_count") == 4
 
 
+def test_prefix_cache_hits_show_in_cached_tokens_and_metrics_and_reset_forgets_them(
+        server: Server, client: openai.OpenAI) -> None:
+    wait_idle(server)
+    assert request(server, "POST", "/reset_prefix_cache", key=None)[0] == 401  # --api-key guards it too
+    assert request(server, "POST", "/reset_prefix_cache?reset_running_requests=true")[0] == 400
+    assert request(server, "POST", "/reset_prefix_cache") == (200, "")
+    before = scrape(server)
+    prompt = list(range(3, 43))  # 40 tokens: 2 full blocks of 16 can be reused, never the last token
+
+    def cached() -> int:
+        return client.completions.create(prompt=prompt, max_tokens=2, **greedy()).usage.prompt_tokens_details.cached_tokens
+    assert [cached(), cached()] == [0, 32]
+    after = scrape(server)
+    assert metric(after, "prefix_cache_queries_total") - metric(before, "prefix_cache_queries_total") == 80
+    assert metric(after, "prefix_cache_hits_total") - metric(before, "prefix_cache_hits_total") == 32
+    with open_stream(server, {"model": "tiny", "prompt": "x", "max_tokens": LONG, "ignore_eos": True}) as events:
+        next(events)  # in flight: it holds KV blocks, so nothing may be reset
+        status, body = request(server, "POST", "/reset_prefix_cache")
+        assert status == 409 and "hold KV blocks" in body["error"]["message"]
+    wait_idle(server)
+    assert request(server, "POST", "/reset_prefix_cache") == (200, "")
+    assert cached() == 0
+
+
 # ---- shutdown ---------------------------------------------------------------------------
 
 def test_sigterm_aborts_in_flight_with_a_final_event_and_exits_cleanly() -> None:
-    with running_server("--api-key", API_KEY, "--no-warmup") as srv:
-        with open_stream(srv, {"prompt": "long", "max_tokens": LONG, "ignore_eos": True, "logprobs": 0}) as events:
-            next(events)
+    """Three streams and a non-streaming request in flight (all 4 slots): each stream ends
+    with a final "abort" event, the non-streaming request gets its whole response with
+    finish_reason "abort", and the process exits 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"prompt": "long", "max_tokens": LONG, "ignore_eos": True, "logprobs": 0}
+    with running_server("--api-key", API_KEY, "--no-warmup") as srv, ThreadPoolExecutor(1) as pool:
+        with contextlib.ExitStack() as stack:
+            streams = [stack.enter_context(open_stream(srv, body)) for _ in range(3)]
+            for events in streams:
+                next(events)
+            whole = pool.submit(request, srv, "POST", "/v1/completions", body)
+            wait_for(lambda: metric(scrape(srv), "num_requests_running") == 4)
             srv.proc.send_signal(signal.SIGTERM)
-            last = list(events)[-1]
-        assert last["choices"][0]["finish_reason"] == "abort"
+            lasts = [list(events)[-1] for events in streams]
+        status, out = whole.result(timeout=60)
+        assert [last["choices"][0]["finish_reason"] for last in lasts] == ["abort"] * 3
+        assert status == 200 and out["choices"][0]["finish_reason"] == "abort", out
+        assert 0 < out["usage"]["completion_tokens"] < LONG
         assert srv.proc.wait(60) == 0, srv.log()
 
 
 # ---- Hugging Face checkpoints: their tokenizer and chat template, or none -----------------
 
-def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template(tmp_path: Path) -> None:
+def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template(hf_checkpoint) -> None:
     from transformers import AutoTokenizer
 
-    path = make_hf_checkpoint(tmp_path / "ckpt", tokenizer=True)
+    path = hf_checkpoint("llama2", tokenizer=True)
     with running_server("--model", path, *HF_SMALL) as srv:
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
@@ -431,8 +484,8 @@ def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template(tmp_path: P
     assert chat.usage.completion_tokens == 12
 
 
-def test_a_checkpoint_without_tokenizer_takes_token_ids_and_answers_empty_text(tmp_path: Path) -> None:
-    path = make_hf_checkpoint(tmp_path / "ckpt")
+def test_a_checkpoint_without_tokenizer_takes_token_ids_and_answers_empty_text(hf_checkpoint) -> None:
+    path = hf_checkpoint("llama2")
     with running_server("--model", path, *HF_SMALL) as srv:
         for path_, body in (("/v1/completions", {"prompt": "hi"}),
                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
@@ -493,3 +546,14 @@ def test_without_a_tokenizer_text_prompts_chat_and_stop_strings_are_refused() ->
         assert e.value.status == 400 and "tokenizer" in str(e.value)
     assert parse_prompt({"prompt": [1, 2, 3]}, None, 512) == [1, 2, 3]
     assert IncrementalDetokenizer(None, [1], []).push([5], final=True) == ("", False)
+
+
+def test_priority_is_an_extra_field_of_both_endpoints_checked_where_it_enters(server: Server) -> None:
+    """vLLM's `priority`: an integer; this server runs fcfs, so only 0 (the default) is taken."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}), ("/v1/chat/completions", chat)):
+        status, err = request(server, "POST", path, body | {"priority": "high"})
+        assert status == 400 and err["error"]["param"] == "priority", err
+        status, err = request(server, "POST", path, body | {"priority": 3})
+        assert status == 400 and "--scheduling-policy priority" in err["error"]["message"], err
+        assert request(server, "POST", path, body | {"priority": 0})[0] == 200

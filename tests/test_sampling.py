@@ -1,0 +1,137 @@
+"""Sampling draws from the distribution it claims to, in vLLM's order.
+
+On fixed logits, N = 10^4 draws of `sampler.sample` (one per (seed, step) pair, as the
+engine folds them) are compared with the exact filtered distribution computed in float64:
+temperature, then min_p, top_k and top_p (vLLM v1's order: min_p is a logits processor
+applied before its top-k/top-p sampler). The threshold is derived from the multinomial
+noise, not guessed: Pearson's chi-square statistic over the kept tokens follows a
+chi-square law with (kept - 1) degrees of freedom, so a correct sampler exceeds its
+1 - 1e-6 quantile once in a million runs (and the draws are seeded: a pass is stable).
+A token outside the filtered set must never be drawn at all. (That a seeded request
+resumes its stream after a preemption is checked in test_engine's preemption test.)"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from sampler import SamplingTensors, empty_sampling_arrays, sample
+
+N = 10_000
+ALPHA = 1e-6
+# Distinct values, not in sorted order (the sampler sorts: token ids must map back); a
+# vocabulary of 24 (at least MAX_LOGPROBS), half of it a low tail.
+LOGITS = np.array([2.0, -0.5, 3.0, 1.0, 2.2, 0.0, 2.5, -1.0, 1.5, -3.0, 0.5, -2.0,
+                   -3.5, -2.5, -4.0, -1.5, -4.5, -2.2, -5.0, -3.2, -5.5, -2.8, -6.0, -3.8], np.float32)
+VLLM_ORDER = ("min_p", "top_k", "top_p")
+
+
+def exact(logits: np.ndarray, temperature: float, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
+          order: tuple[str, ...] = VLLM_ORDER) -> np.ndarray:
+    """The filtered distribution in float64: each filter sees the distribution the
+    previous ones left (renormalised)."""
+    z = logits.astype(np.float64) / temperature
+    keep = np.ones(len(z), bool)
+
+    def probs() -> np.ndarray:
+        e = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+        return e / e.sum()
+
+    for f in order:
+        p = probs()
+        ranked = np.argsort(-p, kind="stable")
+        if f == "min_p":
+            keep &= p >= min_p * p.max()
+        elif f == "top_k" and top_k > 0:
+            keep[ranked[top_k:]] = False
+        elif f == "top_p":  # the smallest prefix whose mass reaches top_p (vLLM: mass before < top_p)
+            before = np.cumsum(p[ranked]) - p[ranked]
+            keep[ranked[before >= top_p]] = False
+    return probs()
+
+
+_sample = jax.jit(sample)
+
+
+def draw(logits: np.ndarray, n: int = N, step: int = 0, **params) -> np.ndarray:
+    """n draws on the same logits, row i with seed i (the engine's per-request stream)."""
+    arrays = empty_sampling_arrays(n)
+    for name, value in params.items():
+        arrays[name][:] = value
+    arrays["seed"][:] = np.arange(n, dtype=np.uint32)
+    arrays["step"][:] = step
+    t = SamplingTensors(**arrays, want_logprobs=np.bool_(False))
+    return np.asarray(_sample(np.broadcast_to(logits, (n, len(logits))).copy(), t)[0])
+
+
+def chi_square(counts: np.ndarray, p: np.ndarray) -> tuple[float, float]:
+    """(Pearson's statistic over the kept tokens, its 1 - ALPHA quantile). Tokens expected
+    fewer than 20 times are pooled into one bin, where the chi-square law holds."""
+    kept = p > 0
+    expected, observed = counts.sum() * p[kept], counts[kept]
+    rare = expected < 20
+    if rare.any():
+        expected = np.append(expected[~rare], expected[rare].sum())
+        observed = np.append(observed[~rare], observed[rare].sum())
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    return stat, float(stats.chi2.isf(ALPHA, df=len(expected) - 1))
+
+
+CASES = {  # name: (params, how many tokens the filters keep)
+    "temperature": (dict(temperature=0.7), 24),
+    "hot temperature": (dict(temperature=2.0), 24),
+    "top_k": (dict(temperature=1.0, top_k=4), 4),
+    "top_p": (dict(temperature=1.0, top_p=0.8), 4),
+    "min_p": (dict(temperature=1.0, min_p=0.2), 5),
+    # min_p binds harder than top_k: top_p must see min_p's renormalised mass (vLLM order)
+    "min_p, then top_p": (dict(temperature=2.0, top_k=8, top_p=0.8, min_p=0.5), 3),
+    # top_k binds harder than min_p, top_p after both
+    "all four": (dict(temperature=1.5, top_k=6, top_p=0.9, min_p=0.1), 5),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_draws_follow_the_exact_filtered_distribution(name):
+    params, num_kept = CASES[name]
+    p = exact(LOGITS, **params)
+    assert (p > 0).sum() == num_kept, "the case exercises the filter it names"
+    counts = np.bincount(draw(LOGITS, **params), minlength=len(LOGITS))
+    assert not counts[p == 0].any(), f"drew filtered-out tokens: {np.flatnonzero(counts * (p == 0))}"
+    stat, limit = chi_square(counts, p)
+    assert stat <= limit, f"chi-square {stat:.1f} > {limit:.1f}: {counts / N} vs {p}"
+
+
+def test_the_order_is_vllms_and_the_test_would_see_another():
+    """With top_p before min_p (vLLM v0's order) the same parameters keep a fourth token
+    with ~0.2 of the mass: the draws reject that distribution by far."""
+    params = CASES["min_p, then top_p"][0]
+    other = exact(LOGITS, **params, order=("top_k", "top_p", "min_p"))
+    assert (other > 0).sum() == 4
+    counts = np.bincount(draw(LOGITS, **params), minlength=len(LOGITS))
+    assert counts[other > 0].min() == 0  # the token only the other order keeps never comes out
+    stat, limit = chi_square(counts + (other > 0), other)  # +1: a defined statistic
+    assert stat > 10 * limit
+
+
+def test_the_step_counter_gives_fresh_draws_of_the_same_distribution():
+    params = CASES["all four"][0]
+    a, b = draw(LOGITS, step=0, **params), draw(LOGITS, step=1, **params)
+    assert (a != b).mean() > 0.3  # independent streams, not one replayed
+    stat, limit = chi_square(np.bincount(b, minlength=len(LOGITS)), exact(LOGITS, **params))
+    assert stat <= limit
+
+
+def test_temperature_zero_rows_in_a_mixed_batch_are_the_argmax():
+    rng = np.random.default_rng(0)
+    S, V = 64, 50
+    logits = rng.standard_normal((S, V)).astype(np.float32)
+    arrays = empty_sampling_arrays(S)
+    hot = np.arange(S) % 2 == 1  # every other row samples, hot, with no filter
+    arrays["temperature"][hot] = 5.0
+    arrays["seed"][:] = np.arange(S)
+    tok = np.asarray(_sample(logits, SamplingTensors(**arrays, want_logprobs=np.bool_(True)))[0])
+    np.testing.assert_array_equal(tok[~hot], logits[~hot].argmax(-1))
+    assert (tok[hot] != logits[hot].argmax(-1)).sum() >= S // 4  # the sampling rows did sample
+

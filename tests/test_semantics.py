@@ -1,0 +1,162 @@
+"""vLLM's semantics where a vLLM user would expect them, and the engine's defence in depth:
+SamplingParams defaults and normalisation, exact reserve admission, the CPU KV default,
+one request's failure ending that request alone, LLM.generate validating before adding."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from config import EngineConfig, SamplingParams
+from engine import LLM, AsyncEngine, LLMEngine, QueueFullError
+from kvcache import CPU_DEFAULT_KV_BYTES, kv_cache_bytes_per_block, num_kv_blocks_for
+from model import ModelConfig
+from scheduler import Scheduler, Sequence
+
+SMALL = dict(model="tiny", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, warmup=False)
+
+
+def quiet(*_: object) -> None:
+    pass
+
+
+def test_sampling_params_defaults_and_normalisation_are_vllms() -> None:
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1.0, 1.0, -1, 0.0, 16)
+    assert p.skip_special_tokens and p.spaces_between_special_tokens and not p.greedy
+    assert SamplingParams(top_k=0).top_k == -1 and SamplingParams(temperature=1e-6).greedy
+    for bad in (dict(seed=1.5), dict(seed=True), dict(max_tokens=True), dict(temperature=float("nan")),
+                dict(top_p=float("inf")), dict(temperature=10**400), dict(top_k=-2), dict(stop_token_ids=[1.0])):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_chunked_prefill_is_on_by_default_and_the_flag_turns_it_off() -> None:
+    from server import build_parser
+
+    assert EngineConfig().enable_chunked_prefill
+    assert build_parser().parse_args([]).enable_chunked_prefill
+    assert not build_parser().parse_args(["--no-enable-chunked-prefill"]).enable_chunked_prefill
+    assert build_parser().parse_args([]).model == "smollm2"
+
+
+def test_reserve_holds_exactly_the_blocks_a_sequence_can_write() -> None:
+    """The last sampled token is never computed: 16 prompt tokens + max_tokens 1 at block
+    size 16 is one block; + max_tokens 2 is two."""
+    for admission, max_tokens, blocks in [("reserve", 1, 1), ("reserve", 2, 2), ("reserve", 17, 2),
+                                          ("reserve-max-len", 1, 2)]:
+        cfg = EngineConfig(max_num_seqs=2, block_size=16, max_model_len=33, max_num_batched_tokens=64,
+                           kv_admission=admission).resolved(4096)
+        s = Scheduler(cfg, 10, eos_token_ids=())
+        s.add(Sequence("a", list(range(1, 17)), SamplingParams(max_tokens=max_tokens)))
+        s.schedule()
+        assert len(s.running[0].block_table) == blocks, (admission, max_tokens)
+
+
+def test_cpu_kv_default_is_a_budget_not_max_num_seqs_times_max_model_len() -> None:
+    big = ModelConfig("llama", vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=16,
+                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072)
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=32768).resolved(big.max_model_len)
+    per_block = kv_cache_bytes_per_block(big, 16, np.float32)
+    assert num_kv_blocks_for(cfg, big, np.float32, 0) == CPU_DEFAULT_KV_BYTES // per_block + 1  # 4 GiB, not 4 x 32768
+    small_need = EngineConfig(max_num_seqs=2, max_model_len=256).resolved(big.max_model_len)
+    assert num_kv_blocks_for(small_need, big, np.float32, 0) == 2 * 16 + 1  # never more than can be used
+    too_long = EngineConfig(max_num_seqs=1).resolved(big.max_model_len)  # one 131,072-token sequence: 8 GiB
+    with pytest.raises(ValueError, match="one sequence of max_model_len 131072 needs"):
+        num_kv_blocks_for(too_long, big, np.float32, 0)
+
+
+def test_generate_validates_every_prompt_before_adding_any() -> None:
+    llm = LLM(log=quiet, **{k: v for k, v in SMALL.items() if k != "model"})
+    with pytest.raises(ValueError, match="prompt 2: token id 100000"):
+        llm.generate([[5, 6], [7, 8], [100000]], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="prompt 0: token id 1.5"):
+        llm.generate([[1.5]], SamplingParams(max_tokens=2))
+
+
+def test_any_integer_seed_and_huge_top_k_run() -> None:
+    llm = LLM(log=quiet, **{k: v for k, v in SMALL.items() if k != "model"})
+    outs = llm.generate([[5, 6]] * 4, [SamplingParams(max_tokens=4, seed=s, top_k=k, ignore_eos=True)
+                                       for s, k in [(-1, 2**40), (2**32 - 1, 0), (2**64, -1), (-(2**80), 7)]])
+    assert all(len(o.token_ids) == 4 for o in outs)
+    again = llm.generate([[5, 6]], SamplingParams(max_tokens=4, seed=-1, top_k=2**40, ignore_eos=True))[0]
+    assert again.token_ids == outs[0].token_ids  # seed -1 is a seed like any other: reproducible
+
+
+def test_a_failure_preparing_one_request_ends_it_alone(monkeypatch) -> None:
+    prompts = {f"r{i}": [5 + i, 6, 7] for i in range(3)}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(poison: str | None) -> tuple[dict[str, list[int]], list[str]]:
+        eng = LLMEngine(EngineConfig(**SMALL), log=quiet)
+        real = eng.runner.execute
+
+        def execute(out, n):  # a fault in one request's inputs, before the device runs
+            if any(s.seq.request_id == poison for s in out.scheduled):
+                raise OverflowError("bad input for " + str(poison))
+            return real(out, n)
+        monkeypatch.setattr(eng.runner, "execute", execute)
+        for rid, p in prompts.items():
+            eng.add_request(rid, p, params)
+        tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+        failed = []
+        for _ in range(50):
+            if not eng.has_unfinished():
+                break
+            for d in eng.step():
+                tokens[d.request_id] += d.new_token_ids
+            failed += [rid for rid, _ in eng.failed]
+            eng.failed.clear()
+        eng.scheduler.check_invariants()
+        assert eng.scheduler.allocator.num_used == 0
+        return tokens, failed
+
+    clean, none = run(None)
+    got, failed = run("r1")
+    assert none == [] and failed == ["r1"] and got["r1"] == []
+    assert got["r0"] == clean["r0"] and got["r2"] == clean["r2"]  # the others are served as if nothing happened
+
+
+def test_max_waiting_requests_counts_requests_not_yet_scheduled() -> None:
+    async def go() -> None:
+        eng = AsyncEngine(EngineConfig(max_waiting_requests=2, **SMALL), log=quiet)
+        # The loop thread is not started: everything handed over is still unscheduled.
+        eng.add_request("a", [5], SamplingParams(max_tokens=2))
+        eng.add_request("b", [5], SamplingParams(max_tokens=2))
+        with pytest.raises(QueueFullError):
+            eng.add_request("c", [5], SamplingParams(max_tokens=2))
+        eng._drain_inbox()  # now in the scheduler's waiting queue: still not scheduled
+        with pytest.raises(QueueFullError):
+            eng.add_request("c", [5], SamplingParams(max_tokens=2))
+        eng.engine.step()  # both scheduled: room again
+        eng.add_request("c", [5], SamplingParams(max_tokens=2))
+    asyncio.run(go())
+
+
+def test_a_stop_string_finish_is_a_normal_finish_in_every_metric() -> None:
+    eng = LLMEngine(EngineConfig(**SMALL), log=quiet)
+    eng.add_request("a", [5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.step()
+    assert eng.stats.prompt_tokens == 2  # counted once its prefill completes, as vLLM
+    eng.abort("a", reason="stop")  # what the server does when a stop string matches
+    st = eng.stats
+    assert st.request_success["stop"] == 1 and st.request_success["abort"] == 0
+    assert st.e2e_request_latency.count == 1 == sum(st.request_success.values())
+
+
+def test_decode_output_drops_the_eos_that_ended_it() -> None:
+    from engine import decode_output
+    from tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    ids = [*b"hi", tok.eos_token_id]
+    assert decode_output(tok, ids, SamplingParams(), (tok.eos_token_id,)) == "hi"
+    assert decode_output(tok, ids, SamplingParams(skip_special_tokens=False), (tok.eos_token_id,)) == "hi"
+    mid = [*b"a", tok.bos_token_id, *b"b"]
+    assert decode_output(tok, mid, SamplingParams(skip_special_tokens=False)) == "a<|bos|>b"
+    ignored = dataclasses.replace(SamplingParams(), ignore_eos=True)
+    assert decode_output(tok, ids, ignored, (tok.eos_token_id,)) == "hi"  # skipped as special anyway

@@ -1,0 +1,79 @@
+"""Concurrency over HTTP: streams in flight together each get exactly the tokens
+LLM.generate gives for the same requests (greedy and seeded), and a stopping server
+answers 503.
+
+The server runs a tokenizer-less checkpoint, so the completions' logprobs name each
+token by id ("token_id:N"): the streamed ids are compared exactly, not through text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+from test_server import HF_SMALL, open_stream, request, running_server
+
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+
+PROMPTS = [[1, 5, 7, 9], [1, 42], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 30],
+           [1, 8, 16, 32, 64, 128], [1, 100, 101], [1, 2], [1, 77, 66, 55, 44], [1, 250, 251, 252]]
+# 8 requests over 4 slots: some wait, join mid-flight, share steps with prefills.
+BODIES = [dict(prompt=p, max_tokens=12 + 3 * i, ignore_eos=True, logprobs=0,
+               **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 1.0, "top_p": 0.9, "seed": 1000 + i}))
+          for i, p in enumerate(PROMPTS)]
+
+
+def stream_ids(server, body: dict) -> tuple[list[int], str]:
+    """One streamed completion: its token ids (from the logprobs) and finish reason."""
+    ids, reason = [], None
+    with open_stream(server, body) as events:
+        for ev in events:
+            choice = ev["choices"][0]
+            ids += [int(t.removeprefix("token_id:")) for t in (choice["logprobs"] or {}).get("tokens", [])]
+            reason = choice["finish_reason"] or reason
+    return ids, reason
+
+
+def test_concurrent_streams_each_get_exactly_what_llm_generate_gives(hf_checkpoint):
+    path = hf_checkpoint("llama2")
+    # The server's shapes (so its programs come from the compilation cache this run
+    # fills), but all eight requests queued at once: other batches than the server's.
+    ref = LLM(path, log=lambda *_: None, max_num_seqs=4, enable_chunked_prefill=True, max_model_len=128,
+              max_num_batched_tokens=128, num_kv_blocks=64, warmup=False).generate(PROMPTS, [SamplingParams(max_tokens=b["max_tokens"], temperature=b["temperature"],
+                                                              top_p=b.get("top_p", 1.0), seed=b.get("seed"),
+                                                              ignore_eos=True) for b in BODIES])
+    with running_server("--model", path, "--api-key", "test-key", *HF_SMALL) as srv:
+        with ThreadPoolExecutor(len(BODIES)) as pool:
+            got = list(pool.map(lambda b: stream_ids(srv, b), BODIES))
+        status, metrics = request(srv, "GET", "/metrics", key=None)
+    assert [reason for _, reason in got] == ["length"] * len(BODIES)
+    assert [ids for ids, _ in got] == [o.token_ids for o in ref]
+    assert status == 200 and "taxirank:num_requests_running 0.0" in metrics
+
+
+def test_a_stopping_server_answers_503_to_new_requests():
+    """Between SIGTERM and the listener closing, the server refuses new work with an
+    OpenAI error body (server.guard), /health included."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from server import build_app
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, warmup=False),
+                             log=lambda *_: None)
+        await engine.start()
+        app = build_app(engine, ["tiny"])
+        async with TestClient(TestServer(app)) as client:
+            ok = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "temperature": 0.0})
+            assert ok.status == 200, await ok.text()
+            app["stopping"].set()  # what SIGTERM does (server.serve)
+            for method, path, body in (("POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2}),
+                                       ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                                       ("GET", "/health", None)):
+                resp = await client.request(method, path, json=body)
+                err = json.loads(await resp.text())
+                assert resp.status == 503, (path, err)
+                assert err["error"]["type"] == "service_unavailable" and "shutting down" in err["error"]["message"]
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,92 @@
+"""bench/simulate.py: the simulator's scheduler decisions are the real engine's."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+from simulate import UNIT_STEPS, CostModel, SimRequest, fit_cost_model, simulate, step_features  # noqa: E402
+
+from engine import LLMEngine, EngineConfig, SamplingParams  # noqa: E402
+
+
+def workload() -> list[SimRequest]:
+    """Arrival times are step numbers (the unit cost model: one step, one second)."""
+    lens = [(5, 3), (30, 12), (12, 1), (40, 40), (7, 9), (22, 30), (3, 2), (50, 36), (33, 20), (9, 44)]
+    return [SimRequest(float(2 * (i // 3)), [3 + (7 * i + j) % 250 for j in range(p)], n)
+            for i, (p, n) in enumerate(lens)]
+
+
+# The shapes of test_engine.py's engines, so the persistent compilation cache serves them.
+SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False)
+CASES = {"continuous": dict(scheduling="continuous"), "static": dict(scheduling="static"),
+         "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=32),
+         "tight-kv": dict(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128)}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_the_simulator_makes_the_real_engines_decisions_step_for_step(case):
+    kw = SMALL | case
+    engine = LLMEngine(EngineConfig(model="tiny", **kw), log=lambda *_: None, record_trace=True)
+    work = workload()
+    pending = list(enumerate(work))
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1].arrival_s <= step:
+            i, r = pending.pop(0)
+            engine.add_request(f"sim-{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+                               arrival_time=r.arrival_s)
+        if not engine.has_unfinished():
+            step = int(pending[0][1].arrival_s)
+            continue
+        engine.step()
+        step += 1
+    sim = simulate(engine.config, engine.num_kv_blocks, work, UNIT_STEPS, record_trace=True)
+    assert sim.trace == engine.trace
+    assert sim.steps == engine.stats.num_steps and sim.preemptions == engine.stats.num_preemptions
+    if "num_kv_blocks" in case:
+        assert sim.preemptions > 0  # the tight case does exercise preemption
+    if case.get("enable_chunked_prefill"):
+        assert any(len(t.scheduled) > 1 and t.num_prefill_tokens for t in sim.trace)  # chunks beside decodes
+    assert sim.makespan_s == sim.steps  # every step cost one unit
+
+
+def test_the_cost_model_fit_recovers_known_coefficients_and_round_trips(tmp_path):
+    truth = CostModel({"decode": (0.01, 0.002, 1e-5, 0.0), "ragged": (0.02, 0.001, 2e-5, 3e-4)})
+    samples = [("decode", r, c, 0, truth.cost("decode", r, c, 0)) for r in (1, 2, 4, 8) for c in (10, 500, 3000)]
+    samples += [("ragged", t, c, p, truth.cost("ragged", t, c, p)) for t, p in ((16, 10), (64, 60), (256, 200),
+                                                                               (512, 500)) for c in (p, p + 900)]
+    fit = fit_cost_model(samples, "synthetic")
+    for prog in truth.coef:
+        assert fit.coef[prog] == pytest.approx(truth.coef[prog], rel=1e-6, abs=1e-9)
+    fit.save(str(tmp_path / "cm.json"))
+    assert CostModel.load(str(tmp_path / "cm.json")).coef == fit.coef
+
+
+def test_the_command_line_replays_a_recorded_log_and_writes_the_report(tmp_path):
+    """No model: a JSON request log (bench/mixed.py's per-request records) through the
+    priority policy, and the scale report (one slot count) with its table and plot."""
+    import json
+
+    from simulate import load_workload, main
+
+    log = {"variants": {"continuous": {"per_request": [
+        {"class": "short" if i % 2 else "long", "max_tokens": 4 if i % 2 else 40, "prompt_len": 20 + i,
+         "start": 1.5 + 0.01 * i} for i in range(12)]}}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(log))
+    work = load_workload(str(path))
+    assert [r.arrival_s for r in work][:2] == [0.0, pytest.approx(0.01)] and len(work[3].prompt_token_ids) == 23
+    out = tmp_path / "sim"
+    assert main(["--workload", str(path), "--cost-model", "gpu-like", "--scheduling-policy", "priority",
+                 "--priority-fraction", "0.5", "--max-num-seqs", "4", "--out", str(out)]) == 0
+    summary = json.loads((out / "simulate.json").read_text())
+    assert summary["output_tokens"] == 6 * 4 + 6 * 40 and set(summary["per_class"]) == {"short", "long"}
+    assert set(summary["per_priority"]) == {"-1", "0"}
+    assert main(["--report", "--report-seqs", "8", "--cost-model", "gpu-like", "--out", str(out)]) == 0
+    assert (out / "simulate_scales.png").stat().st_size > 0
+    assert (out / "simulate_report.md").read_text().count("| GPU-like | 8 |") == 3
