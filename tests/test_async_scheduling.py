@@ -139,8 +139,8 @@ def test_async_server_path_stop_strings_and_clients_leaving_mid_stream():
 
 def test_under_async_a_queued_request_takes_a_freed_seat_one_step_later():
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=256,
-              warmup=False, record_trace=True)
-    assert llm.engine.config.async_scheduling  # the default
+              warmup=False, record_trace=True, async_scheduling=True)
+    assert llm.engine.config.async_scheduling
     llm.generate(mix_prompts(3), [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 10, 4)])
     trace = llm.engine.trace
     left = next(t for t in trace if "offline-0" in t.released)
