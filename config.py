@@ -47,6 +47,8 @@ class EngineConfig:
     attention_backend: AttentionBackend = "auto"
     max_waiting_requests: int | None = None
     warmup: bool = True  # compile every shape bucket before serving
+    # Schedule and prepare step N+1 while the device runs step N (vLLM's --async-scheduling).
+    async_scheduling: bool = False  # off by default until prefix caching names blocks whose last token is in flight
     compilation_cache_dir: str = "~/.cache/taxirank/jax"  # persistent XLA cache; "" turns it off
 
     def __post_init__(self) -> None:

@@ -27,7 +27,7 @@ from config import MAX_LOGPROBS, EngineConfig, SamplingParams
 from kvcache import create_kv_caches, describe, measure_activation_bytes, num_kv_blocks_for
 from metrics import WAIT_REASONS, EngineStats, StepTrace
 from model import LoadedModel, load_model, param_bytes
-from runner import ModelRunner, StepResult
+from runner import InFlightStep, ModelRunner, StepResult
 from scheduler import Scheduler, ScheduledSeq, SchedulerOutput, Sequence
 
 __all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
@@ -120,6 +120,7 @@ class LLMEngine:
             self.runner = runner
         self._rng = random.Random(config.seed)
         self.failed: list[tuple[str, Exception]] = []  # requests a step failed on; the caller reports and clears
+        self._in_flight: tuple[SchedulerOutput, InFlightStep | StepResult, float] | None = None  # async: on the device
         if config.warmup:
             self.runner.warmup(log)
 
@@ -171,8 +172,14 @@ class LLMEngine:
             self._refresh_gauges()
         return seq
 
+    def _num_occupied(self, out: SchedulerOutput) -> int:
+        """Rows a decode step computes: static, every seated passenger (the bus computes its
+        empty seats); continuous, the sequences scheduled (under async scheduling one whose
+        last token is still in flight holds its seat but computes nothing)."""
+        return self.scheduler.num_running if self.config.scheduling == "static" else len(out.scheduled)
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache). False, and nothing
@@ -184,34 +191,68 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
         """schedule -> run -> update. Returns one delta per request that produced a
-        token or whose result was released this step."""
+        token or whose result was released this step.
+
+        With async scheduling a call schedules and dispatches step N+1, then waits for
+        step N (which the device ran meanwhile) and postprocesses it: the host's work
+        overlaps the device's, and the host learns each step's tokens one call later."""
         out = self.scheduler.schedule()
         scheduled_at = time.monotonic()
-        # An empty step runs nothing, but update() may still release a static batch whose
-        # last running member was aborted.
-        result = None
+        step = None
         if out.scheduled:
             try:
-                result = self.runner.execute(out, self.scheduler.num_running)
+                step = self.runner.execute(out, self._num_occupied(out))
             except Exception as e:
-                result = self._isolate_failure(out, e)
-        sampled = {sch.seq.request_id: int(result.tokens[i]) for i, sch in enumerate(out.scheduled) if sch.samples}
+                step = self._isolate_failure(out, e)
+        if not self.config.async_scheduling:
+            return self._postprocess(out, step, scheduled_at)
+        if step is not None:
+            self.scheduler.update_after_schedule(out)
+        prev, self._in_flight = self._in_flight, ((out, step, scheduled_at) if step is not None else None)
+        if prev is not None:
+            return self._postprocess(*prev)
+        if step is None:
+            return self._postprocess(out, None, scheduled_at)
+        self._refresh_gauges()  # the first step of a run: nothing came back yet, but who runs and waits moved
+        return []
+
+    def _postprocess(self, out: SchedulerOutput, step: InFlightStep | StepResult | None,
+                     scheduled_at: float) -> list[RequestOutputDelta]:
+        # An empty step runs nothing, but update() may still release a static batch whose
+        # last running member was aborted.
+        result = step.result() if isinstance(step, InFlightStep) else step
+        tokens = result.tokens.tolist() if result is not None else []
+        sampled = {sch.seq.request_id: tokens[i] for i, sch in enumerate(out.scheduled) if sch.samples}
+        logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)
-        self.stats.record_step(out, sampled, released, scheduled_at, time.monotonic(), self.config)
+        # Rows whose sequence ended before this step came back (aborted, or under async
+        # scheduling finished by the step before) computed nothing anyone sees: they are
+        # counted nowhere and produce no delta.
+        seen = out
+        if out.discarded:
+            dropped = {id(s) for s in out.discarded}
+            rows = [s for s in out.scheduled if id(s) not in dropped]
+            dec = sum(1 for s in out.discarded if (s.seq.is_decode if s.is_decode is None else s.is_decode))
+            pre = sum(s.num_new_tokens for s in out.discarded) - dec
+            seen = dataclasses.replace(out, scheduled=rows, num_decode_tokens=out.num_decode_tokens - dec,
+                                       num_prefill_tokens=out.num_prefill_tokens - pre)
+            seen.accepted, seen.advanced = out.accepted, out.advanced
+        self.stats.record_step(seen, out.accepted, released, scheduled_at, time.monotonic(), self.config)
         self._refresh_gauges()
-        if self.trace is not None and out.scheduled:
-            self.trace.append(StepTrace.of(self.stats.num_steps, out, sampled, released, self.scheduler.num_running,
-                                           self.scheduler.num_waiting))
-        return self._deltas(out, sampled, self._logprobs(out.scheduled, result), released)
+        if self.trace is not None and seen.scheduled:
+            self.trace.append(StepTrace.of(self.stats.num_steps, seen, out.accepted, released,
+                                           self.scheduler.num_running, self.scheduler.num_waiting))
+        return self._deltas(seen, out.accepted, logprobs, released)
 
     def _deltas(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprob],
                 released: list[Sequence]) -> list[RequestOutputDelta]:
         deltas: dict[str, RequestOutputDelta] = {}
         for sch in out.scheduled:
             seq, rid = sch.seq, sch.seq.request_id
-            if sch.samples:
+            if sch.samples and rid in sampled:
+                num_out = sch.output_index + 1 if out.advanced else seq.num_output_tokens
                 deltas[rid] = RequestOutputDelta(rid, [sampled[rid]], [logprobs[rid]] if rid in logprobs else None,
-                                                 False, None, seq.num_prompt_tokens, seq.num_output_tokens,
+                                                 False, None, seq.num_prompt_tokens, num_out,
                                                  max(seq.num_cached_tokens, 0))
         for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
             d = deltas.setdefault(seq.request_id, RequestOutputDelta(
@@ -236,7 +277,7 @@ class LLMEngine:
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.seq.is_decode else sch.num_new_tokens,
                                   num_decode_tokens=int(sch.seq.is_decode))
             try:
-                r = self.runner.execute(one, 1)
+                r = self.runner.execute(one, 1).result()
             except Exception as e:
                 if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches)):
                     raise

@@ -1,7 +1,7 @@
 """The paged KV cache: the block allocator (pure Python) and the device arrays.
 
-Per layer, K and V are each [num_blocks, block_size, num_kv_heads, head_dim]. Block 0 is
-the null block: idle slots and padding tokens point at it, so it is never handed out.
+K and V are each [num_layers, num_blocks, block_size, num_kv_heads, head_dim] (the layers
+stacked for the model's scan). Block 0 of every layer is the null block: idle slots and padding tokens point at it, so it is never handed out.
 
 JAX is imported inside the functions that size or create arrays, not at the top: the
 scheduler owns a BlockAllocator and must stay importable (and testable) without JAX.
@@ -324,12 +324,13 @@ def measure_activation_bytes(run_step: Callable[[], None],
                              int(after["peak_bytes_in_use"]))
 
 
-def create_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int,
-                     dtype: Any) -> list[tuple[jax.Array, jax.Array]]:
+def create_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """K and V, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]: the
+    layers stacked, as the model's scanned layer stack takes them (see model.Llama)."""
     import jax.numpy as jnp
 
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers)]
+    shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
 def describe(config: EngineConfig, cfg: ModelConfig, num_blocks: int, dtype: Any) -> str:

@@ -193,7 +193,10 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: tuple[jax.Array, jax.Array],
-                 attn: AttentionInputs, backend: AttentionBackend) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                 attn: AttentionInputs, backend: AttentionBackend,
+                 block_offset: jax.Array | int = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """kv_cache: every layer's blocks in one [L * num_blocks, block_size, Hkv, D]
+        array per K and V; this layer's block b is block_offset + b (see Llama.__call__)."""
         cfg, t = self.cfg, x.shape[0]
         q = self.q_proj(x).reshape(t, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
@@ -203,13 +206,15 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(cfg)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         # The step's K/V go into the cache first; attention then reads everything from it.
-        k_cache = _write_cache(kv_cache[0], k, attn.slot_mapping)
-        v_cache = _write_cache(kv_cache[1], v, attn.slot_mapping)
+        slots = attn.slot_mapping + block_offset * kv_cache[0].shape[1]
+        block_tables = attn.block_tables + block_offset
+        k_cache = _write_cache(kv_cache[0], k, slots)
+        v_cache = _write_cache(kv_cache[1], v, slots)
         scale = cfg.head_dim ** -0.5
         if attn.cu_q_lens is None:
-            o = backend.decode(q, k_cache, v_cache, attn.block_tables, attn.kv_lens, scale=scale)
+            o = backend.decode(q, k_cache, v_cache, block_tables, attn.kv_lens, scale=scale)
         else:
-            o = backend.ragged(q, k_cache, v_cache, attn.block_tables, attn.cu_q_lens, attn.kv_lens, scale=scale)
+            o = backend.ragged(q, k_cache, v_cache, block_tables, attn.cu_q_lens, attn.kv_lens, scale=scale)
         return self.o_proj(o.reshape(t, -1)), (k_cache, v_cache)
 
 
@@ -232,34 +237,67 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: tuple[jax.Array, jax.Array],
-                 attn: AttentionInputs, backend: AttentionBackend) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn, backend)
+                 attn: AttentionInputs, backend: AttentionBackend,
+                 block_offset: jax.Array | int = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn, backend, block_offset)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
+KVCache = tuple[jax.Array, jax.Array]  # K and V, each [num_layers, num_blocks, block_size, Hkv, head_dim]
+
+
 class Llama(nnx.Module):
     """Attribute names mirror HF's parameter names, so loading is a mechanical mapping
-    (see _hf_name)."""
+    (see hf_tensor_names).
+
+    Parameter layout (nnx.state(model, nnx.Param), every leaf one array):
+      embed_tokens.embedding  [V, H]
+      layers.<HF sublayer path>  the decoder layers STACKED: every leaf has a leading
+          [num_layers] axis, e.g. layers.self_attn.q_proj.kernel [L, H, Hq*D],
+          layers.mlp.down_proj.kernel [L, I, H], layers.input_layernorm.weight [L, H].
+          Kernels are [in, out] (x @ W, HF's torch weight transposed).
+      norm.weight [H];  lm_head.kernel [H, V] (absent with tied embeddings)
+    The forward is one lax.scan over the stacked layers, so a step program's compile
+    time does not grow with depth."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype | str = jnp.float32, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(dtype)
         self.config = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                       embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_hidden_layers)])
+
+        @nnx.split_rngs(splits=cfg.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked_layers(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, dtype, rngs)
+
+        self.layers = stacked_layers(rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, kv_caches: list[tuple[jax.Array, jax.Array]],
-                 attn: AttentionInputs, backend: AttentionBackend) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+    def __call__(self, tokens: jax.Array, positions: jax.Array, kv_caches: KVCache,
+                 attn: AttentionInputs, backend: AttentionBackend) -> tuple[jax.Array, KVCache]:
         """tokens, positions [T] -> (final-normed hidden [T, H], updated kv_caches)."""
         x = self.embed_tokens(tokens)
-        new_caches = []
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, kv = layer(x, positions, kv, attn, backend)
-            new_caches.append(kv)
-        return self.norm(x), new_caches
+        k_all, v_all = kv_caches
+        L, NB = k_all.shape[:2]
+        assert L == self.config.num_hidden_layers, (k_all.shape, L)
+        # The scan carries the whole cache, its layer axis folded into the block axis (a
+        # free reshape): layer l's block b is row l * NB + b. Each layer scatters into the
+        # carry in place and hands the attention backend block tables offset by l * NB,
+        # so the kernels see an ordinary paged cache and no per-layer slice is copied.
+        flat = lambda c: c.reshape(L * NB, *c.shape[2:])
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x, k, v = carry
+            state, l = xs
+            x, (k, v) = nnx.merge(layer_def, state)(x, positions, (k, v), attn, backend, l * NB)
+            return (x, k, v), None
+
+        (x, k, v), _ = jax.lax.scan(body, (x, flat(k_all), flat(v_all)), (layer_state, jnp.arange(L)))
+        return self.norm(x), (k.reshape(k_all.shape), v.reshape(v_all.shape))
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, H] (rows of __call__'s output) -> [N, vocab] float32."""
@@ -348,11 +386,67 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
     return LoadedModel(_load_weights(cfg, dt, _safetensors_tensors(model), model), cfg, load_tokenizer(model), model, dt)
 
 
-def _hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
-    """NNX param path -> (HF tensor name, whether to transpose: torch Linear is [out, in])."""
+def hf_tensor_names(path: tuple[Any, ...], num_layers: int) -> tuple[list[str], bool]:
+    """NNX param path -> (the HF tensor names it holds, whether each is transposed: torch
+    Linear is [out, in]). A stacked layer param holds one tensor per layer, in order."""
     *mods, leaf = (str(p) for p in path)
-    prefix = "" if mods[0] == "lm_head" else "model."
-    return prefix + ".".join(mods) + (".bias" if leaf == "bias" else ".weight"), leaf == "kernel"
+    suffix = ".bias" if leaf == "bias" else ".weight"
+    if mods[0] == "layers":
+        rest = ".".join(mods[1:])
+        names = [f"model.layers.{i}.{rest}{suffix}" for i in range(num_layers)]
+    else:
+        names = [("" if mods[0] == "lm_head" else "model.") + ".".join(mods) + suffix]
+    return names, leaf == "kernel"
+
+
+def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
+    """The model's weights under HF names and layouts (unstacked, torch [out, in])."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names, transpose = hf_tensor_names(path, model.config.num_hidden_layers)
+        x = np.asarray(var.get_value())
+        for i, name in enumerate(names):
+            t = x[i] if path[0] == "layers" else x
+            out[name] = np.ascontiguousarray(t.T if transpose else t)
+    return out
+
+
+def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[tuple[str, Any]],
+                          source: str = "the checkpoint") -> Llama:
+    """Build the model from (HF tensor name, array) pairs, the one loading path for every
+    checkpoint format: per-layer tensors are copied into their layer of the stacked
+    params. Raises ValueError on an unexpected, misshapen or missing tensor."""
+    # Build the module abstractly (no random init), then fill each param from the tensors.
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype, rngs=nnx.Rngs(0))))
+    L = cfg.num_hidden_layers
+    wanted: dict[str, tuple[tuple[Any, ...], int | None, bool]] = {}
+    buffers: dict[tuple[Any, ...], np.ndarray] = {}
+    variables = dict(nnx.to_flat_state(abstract))
+    for p, var in variables.items():
+        names, transpose = hf_tensor_names(p, L)
+        stacked = p[0] == "layers"
+        for i, name in enumerate(names):
+            wanted[name] = (p, i if stacked else None, transpose)
+        buffers[p] = np.empty(var.get_value().shape, dtype)
+    seen: set[str] = set()
+    for name, x in tensors:
+        if name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue  # derived from the config / a copy of the embedding
+        if name not in wanted:
+            raise ValueError(f"unexpected tensor {name!r} in {source}")
+        p, layer, transpose = wanted[name]
+        x = np.asarray(x)
+        dest = buffers[p] if layer is None else buffers[p][layer]
+        want = dest.shape[::-1] if transpose else dest.shape
+        if x.shape != want:
+            raise ValueError(f"tensor {name!r} has shape {x.shape}, expected {want}")
+        dest[...] = (x.T if transpose else x).astype(dtype)
+        seen.add(name)
+    missing = [n for n in wanted if n not in seen]
+    if missing:
+        raise ValueError(f"{source} lacks tensors: {', '.join(missing)}")
+    filled = [(p, var.replace(jnp.asarray(buffers[p]))) for p, var in variables.items()]
+    return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -379,22 +473,4 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, Any]]:
 
 def _load_weights(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[tuple[str, Any]], path: str) -> Llama:
     """Fill the model from HF-named tensors (a safetensors directory or a GGUF file)."""
-    # Build the module abstractly (no random init), then fill each param from the files.
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype, rngs=nnx.Rngs(0))))
-    wanted = {_hf_name(p)[0]: (p, v) for p, v in nnx.to_flat_state(abstract)}
-    filled: dict[tuple[Any, ...], nnx.Variable] = {}
-    for name, x in tensors:
-        if name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-            continue  # derived from the config / a copy of the embedding
-        if name not in wanted:
-            raise ValueError(f"unexpected tensor {name!r} in {path}")
-        p, var = wanted[name]
-        transpose = _hf_name(p)[1]
-        want = var.get_value().shape[::-1] if transpose else var.get_value().shape
-        if x.shape != want:
-            raise ValueError(f"tensor {name!r} has shape {x.shape}, expected {want}")
-        filled[p] = var.replace(jnp.asarray(x.T if transpose else x, dtype=dtype))
-    missing = [n for n, (p, _) in wanted.items() if p not in filled]
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks tensors: {', '.join(missing)}")
-    return nnx.merge(graphdef, nnx.from_flat_state(list(filled.items())))
+    return model_from_hf_tensors(cfg, dtype, tensors, source=f"checkpoint {path}")

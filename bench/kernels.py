@@ -327,7 +327,7 @@ def bench_step(res: Results, batches: list[int], context: int, peak: float,
             try:
                 # random K/V (timing on zeros can flatter); one random block pattern, tiled
                 pattern = jax.random.normal(jax.random.key(S), (nb, BS, hkv, hd), DTYPE)
-                kv = [(pattern + 0, pattern * 0.5) for _ in range(L)]
+                kv = (jnp.broadcast_to(pattern, (L, *pattern.shape)) + 0, jnp.broadcast_to(pattern, (L, *pattern.shape)) * 0.5)
                 del pattern
                 tokens = jnp.zeros((S,), jnp.int32)
                 t0 = time.perf_counter()

@@ -184,7 +184,6 @@ def hf_model_from(model_name: str):
     (load_model is deterministic from seed 0), named with the loader's own mapping."""
     import numpy as np
     import torch
-    from flax import nnx
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import model as tx_model
@@ -202,11 +201,8 @@ def hf_model_from(model_name: str):
                          tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
                          eos_token_id=None, pad_token_id=0)
     hf_cfg._attn_implementation = "sdpa"
-    state = {}
-    for path, var in nnx.to_flat_state(nnx.state(loaded.model, nnx.Param)):
-        name, transpose = tx_model._hf_name(path)
-        x = np.array(var.get_value(), np.float32)  # a writable copy for torch
-        state[name] = torch.from_numpy(np.ascontiguousarray(x.T if transpose else x))
+    # a writable float32 copy for torch
+    state = {name: torch.from_numpy(np.array(x, np.float32)) for name, x in tx_model.hf_state_dict(loaded.model).items()}
     torch.manual_seed(0)
     hf = LlamaForCausalLM(hf_cfg)  # random init, overwritten in full just below
     missing, unexpected = hf.load_state_dict(state, strict=False)

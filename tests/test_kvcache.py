@@ -134,12 +134,10 @@ def test_a_budget_below_one_max_model_len_sequence_is_a_clear_error(monkeypatch)
         num_kv_blocks_for(config(), CFG, jnp.float32, weight_bytes=20 * PER_BLOCK_F32)
 
 
-def test_create_kv_caches_lays_out_blocks_tokens_heads_dims_per_layer():
-    caches = create_kv_caches(CFG, num_blocks=3, block_size=16, dtype=jnp.bfloat16)
-    assert len(caches) == 2
-    for k, v in caches:
-        assert k.shape == v.shape == (3, 16, 4, 8) and k.dtype == jnp.bfloat16
-        assert not k.any()
+def test_create_kv_caches_stacks_layers_blocks_tokens_heads_dims():
+    k, v = create_kv_caches(CFG, num_blocks=3, block_size=16, dtype=jnp.bfloat16)
+    assert k.shape == v.shape == (CFG.num_hidden_layers, 3, 16, 4, 8) and k.dtype == jnp.bfloat16
+    assert not k.any() and not v.any()
 
 
 @pytest.mark.parametrize("admission, concurrency, at_once", [
@@ -223,7 +221,7 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
     eng = llm.engine
     assert ran == [128 // 16 + 1]  # one runner, built with the one-sequence cache
     assert eng.num_kv_blocks == 500 - 40 - 30  # 0.5 x limit - weights - activations, in blocks
-    assert eng.runner.kv_caches[0][0].shape[0] == eng.num_kv_blocks
+    assert eng.runner.kv_caches[0].shape[1] == eng.num_kv_blocks  # K: [layers, blocks, ...]
     assert any("activation peak of a 128-token step: " in line for line in logs)
     # the profiling program is not counted: the served programs are the buckets
     assert eng.stats.num_compilations == len(eng.config.decode_buckets) + len(eng.config.token_buckets)

@@ -35,8 +35,8 @@ class Paged:
         cfg, width = model.config, -(-max_len // BS)
         dtype = model.embed_tokens.embedding[...].dtype
         num_blocks = 1 + num_seqs * width + 3  # block 0 is the null block; a few spare
-        shape = (num_blocks, BS, cfg.num_key_value_heads, cfg.head_dim)
-        self.caches = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers)]
+        shape = (cfg.num_hidden_layers, num_blocks, BS, cfg.num_key_value_heads, cfg.head_dim)
+        self.caches = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         blocks = np.random.default_rng(seed).permutation(np.arange(1, num_blocks))
         self.block_tables = blocks[: num_seqs * width].reshape(num_seqs, width).astype(np.int32)
         self.graphdef, self.state = nnx.split(model)
@@ -213,3 +213,25 @@ def test_builtin_models():
     same = load_model("tiny", seed=0).model.embed_tokens.embedding[...]
     assert np.array_equal(same, lm.model.embed_tokens.embedding[...])
     assert not np.array_equal(same, load_model("tiny", seed=1).model.embed_tokens.embedding[...])
+
+
+def test_hf_tensors_map_into_the_stacked_layers_and_back(hf_checkpoint):
+    """hf_state_dict and model_from_hf_tensors are inverses: the per-layer HF tensors land
+    in their layer of the stacked params (every layer leaf has a leading [L] axis)."""
+    from safetensors.numpy import load_file
+
+    from model import hf_state_dict, model_from_hf_tensors
+
+    path = hf_checkpoint("qwen2")  # tied embeddings and q/k/v biases
+    lm = load_model(path)
+    L = lm.config.num_hidden_layers
+    for p, x in _params(lm).items():
+        assert (x.shape[0] == L) == (p[0] == "layers"), p
+    hf = hf_state_dict(lm.model)
+    ckpt = load_file(os.path.join(path, "model.safetensors"))
+    assert hf.keys() == ckpt.keys() - {"lm_head.weight"}
+    for name, x in hf.items():
+        np.testing.assert_array_equal(x, ckpt[name], err_msg=name)
+    again = model_from_hf_tensors(lm.config, jnp.float32, hf.items())
+    a, b = _params(lm), {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(again, nnx.Param))}
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
