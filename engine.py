@@ -21,11 +21,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence as Seq
 
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
 
 from config import EngineConfig, SamplingParams
-from kvcache import create_kv_caches, describe, measure_activation_bytes, num_kv_blocks_for
+from kvcache import describe, measure_activation_bytes, num_kv_blocks_for
 from metrics import WAIT_REASONS, EngineStats
 from model import LoadedModel, load_model, param_bytes
+from parallel import make_mesh, max_bytes_per_device, shard_model
 from runner import ModelRunner, StepResult
 from scheduler import Scheduler, ScheduledSeq, Sequence
 
@@ -98,7 +101,11 @@ class LLMEngine:
         self.log = log
         self.trace: list[StepTrace] | None = [] if record_trace else None
         _use_compilation_cache(config.compilation_cache_dir)
+        # Tensor parallelism: the weights go onto the mesh here, the cache in the runner.
+        mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         loaded: LoadedModel = load_model(config.model, config.dtype, config.seed)
+        if mesh is not None:
+            loaded = shard_model(loaded, mesh)
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -109,21 +116,26 @@ class LLMEngine:
         # weights and the largest step's activations leave: measure that step first.
         runner, activation_bytes = None, 0
         if _needs_activation_profile(config):
-            runner, activation_bytes = _profile_activations(config, loaded, self.stats, log)
-        num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, param_bytes(loaded.model),
-                                       activation_bytes)
+            runner, activation_bytes = _profile_activations(config, loaded, self.stats, log, mesh)
+        # Each device's share: KV sizing is per device, as the budget is.
+        weight_bytes = max_bytes_per_device(nnx.state(loaded.model, nnx.Param))
+        num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, weight_bytes, activation_bytes)
         self.num_kv_blocks = num_blocks
         self.stats.num_kv_blocks = num_blocks - 1
         log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
             f"of weights), dtype {np.dtype(loaded.dtype).name}, "
             f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
             f"scheduling {config.scheduling}, chunked prefill {'on' if config.enable_chunked_prefill else 'off'}")
+        if mesh is not None:
+            log(f"tensor parallel: {mesh.size} devices, {weight_bytes / 2**20:.1f} MiB of weights per device, "
+                f"{loaded.config.num_attention_heads // mesh.size} query and "
+                f"{loaded.config.num_key_value_heads // mesh.size} KV head(s) per device")
         log(describe(config, loaded.config, num_blocks, loaded.dtype))
         self.scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids)
         if runner is None:
-            self.runner = ModelRunner(config, loaded, num_blocks, self.stats)
+            self.runner = ModelRunner(config, loaded, num_blocks, self.stats, mesh)
         else:  # the profiling runner: its small cache is gone, the real one takes its place
-            runner.kv_caches = create_kv_caches(loaded.config, num_blocks, config.block_size, loaded.dtype)
+            runner.kv_caches = runner.allocate_kv_caches(num_blocks)
             self.runner = runner
         self._rng = random.Random(config.seed)
         if config.warmup:
@@ -281,7 +293,7 @@ def _needs_activation_profile(config: EngineConfig) -> bool:
 
 
 def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: EngineStats,
-                         log: Callable[[str], None]) -> tuple[ModelRunner, int]:
+                         log: Callable[[str], None], mesh: Mesh | None) -> tuple[ModelRunner, int]:
     """The activation peak of the largest step, measured on the device.
 
     Builds the runner with a minimal KV cache (one max_model_len sequence plus the null
@@ -292,7 +304,7 @@ def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: Engin
     counters). Unverified on a GPU so far; the arithmetic is unit-tested on CPU."""
     import jax
 
-    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats)
+    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats, mesh)
     T = config.max_num_batched_tokens
     compiled = stats.num_compilations
     profile = measure_activation_bytes(lambda: runner.idle_step(tokens=T), jax.devices()[0].memory_stats)

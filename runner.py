@@ -16,20 +16,23 @@ compiles.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from config import EngineConfig
 from kernels_pallas import get_attention_backend
 from kvcache import create_kv_caches
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel
+from parallel import constrain_kv_caches, create_sharded_kv_caches, shard_attention
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, sample
 from scheduler import SchedulerOutput, Sequence
 
@@ -60,14 +63,22 @@ def token_slice(seq: Sequence, start: int, n: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, stats: EngineStats):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, stats: EngineStats,
+                 mesh: Mesh | None = None):
+        """mesh: tensor parallelism (parallel.py); loaded's params must already be on it."""
         self.config = config
         self.stats = stats
+        self.loaded = loaded
+        self.mesh = mesh
         self.backend = get_attention_backend(config.attention_backend)
+        if mesh is not None:
+            self.backend = shard_attention(self.backend, mesh)
         self.block_size = config.block_size
         graphdef, self.state = nnx.split(loaded.model)
-        self.kv_caches = create_kv_caches(loaded.config, num_kv_blocks, config.block_size, loaded.dtype)
+        self.kv_caches = self.allocate_kv_caches(num_kv_blocks)
         backend = self.backend
+        # Under TP the updated cache must come back split as it went in (it is donated).
+        keep = (lambda kv: kv) if mesh is None else functools.partial(constrain_kv_caches, mesh=mesh)
 
         def count_compile() -> None:
             # Runs only while jax traces, i.e. once per compiled program.
@@ -78,7 +89,7 @@ class ModelRunner:
             model = nnx.merge(graphdef, state)
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, None)
             hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
-            return kv_caches, sample(model.compute_logits(hidden), sampling)
+            return keep(kv_caches), sample(model.compute_logits(hidden), sampling)
 
         def ragged_fn(state, kv_caches, tokens, positions, slot_mapping, block_tables, kv_lens, cu_q_lens, sampling):
             count_compile()
@@ -88,10 +99,15 @@ class ModelRunner:
             # Only each slot's last token of the step can be sampled: the LM head runs on
             # S rows, not T.
             last = jnp.maximum(cu_q_lens[1:] - 1, 0)
-            return kv_caches, sample(model.compute_logits(hidden[last]), sampling)
+            return keep(kv_caches), sample(model.compute_logits(hidden[last]), sampling)
 
         self._decode = jax.jit(decode_fn, donate_argnums=1)
         self._ragged = jax.jit(ragged_fn, donate_argnums=1)
+
+    def allocate_kv_caches(self, num_blocks: int) -> Any:
+        loaded, bs = self.loaded, self.config.block_size
+        create = functools.partial(create_kv_caches, loaded.config, num_blocks, bs, loaded.dtype)
+        return create() if self.mesh is None else create_sharded_kv_caches(create, self.mesh)
 
     # ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, num_occupied: int) -> StepResult:
