@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+import checkpoint
 from config import EngineConfig, SamplingParams
 from kvcache import describe, measure_activation_bytes, num_kv_blocks_for
 from metrics import WAIT_REASONS, EngineStats
@@ -103,7 +104,10 @@ class LLMEngine:
         _use_compilation_cache(config.compilation_cache_dir)
         # Tensor parallelism: the weights go onto the mesh here, the cache in the runner.
         mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
-        loaded: LoadedModel = load_model(config.model, config.dtype, config.seed)
+        if checkpoint.is_checkpoint(config.model):  # orbax: restored straight onto the mesh
+            loaded: LoadedModel = checkpoint.load(config.model, config.dtype, mesh)
+        else:
+            loaded = load_model(config.model, config.dtype, config.seed)
         if mesh is not None:
             loaded = shard_model(loaded, mesh)
         self.loaded = loaded
