@@ -57,6 +57,18 @@ def _worker(spec: dict) -> dict:
             kv_devices=len(bytes_per_device(runner.kv_caches)),
             seconds=round(time.perf_counter() - t0, 1),
         )
+    if "orbax" in spec:  # restored onto a 2-device mesh, gathered: the same bits as the source
+        import numpy as np
+
+        import checkpoint
+        from model import load_model
+        from parallel import make_mesh
+
+        src = nnx.to_flat_state(nnx.state(load_model(spec["orbax"]["src"]).model, nnx.Param))
+        got = dict(nnx.to_flat_state(nnx.state(checkpoint.load(spec["orbax"]["dst"], mesh=make_mesh(2)).model,
+                                               nnx.Param)))
+        report["orbax_tp2_bit_identical"] = all(
+            np.array_equal(np.asarray(v.get_value()), np.asarray(got[p].get_value())) for p, v in src)
     return report
 
 
@@ -70,7 +82,9 @@ def run_worker(spec: dict, devices: int = 8, timeout: float = 900) -> dict:
 
 @pytest.fixture(scope="module")
 def tp_report(tmp_path_factory):
+    import checkpoint
     from conftest import make_hf_checkpoint
+    from model import load_model
 
     d = tmp_path_factory.mktemp("tp")
     models = {
@@ -85,8 +99,13 @@ def tp_report(tmp_path_factory):
     cases = {f"{m}-tp{tp}": dict(model=path, kw=dict(tensor_parallel_size=tp))
              for m, path in models.items() for tp in (1, 2, 4)}
     cases["llama-static-tp4"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=4, scheduling="static"))
+    # orbax, saved from a single device, loaded onto 4 (KV heads copied after loading)
+    orbax_dir = str(d / "llama-orbax")
+    checkpoint.save(load_model(models["llama"]), orbax_dir)
+    cases["llama-orbax-tp4"] = dict(model=orbax_dir, kw=dict(tensor_parallel_size=4))
     cases["llama-pallas-tp2"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=2, attention_backend="pallas"))
-    return run_worker({"cases": cases, "cache": os.path.join(ROOT, ".pytest_cache", "jax")})
+    return run_worker({"cases": cases, "cache": os.path.join(ROOT, ".pytest_cache", "jax"),
+                       "orbax": {"src": models["llama"], "dst": orbax_dir}})
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
@@ -103,6 +122,32 @@ def test_static_scheduling_and_pallas_kernels_identical_under_tp(tp_report):
     assert tp_report["llama-static-tp4"]["tokens"] == tp_report["llama-tp1"]["tokens"]
     pallas = tp_report["llama-pallas-tp2"]
     assert pallas["backend"].startswith("pallas") and pallas["tokens"] == tp_report["llama-tp1"]["tokens"]
+
+
+def test_orbax_checkpoint_loads_bit_identical_onto_another_tp_size(tp_report):
+    assert tp_report["orbax_tp2_bit_identical"]
+    assert tp_report["llama-orbax-tp4"]["tokens"] == tp_report["llama-tp1"]["tokens"]
+
+
+def test_orbax_save_then_load_is_bit_identical(tmp_path):
+    import numpy as np
+    from flax import nnx
+
+    import checkpoint
+    from model import load_model
+
+    src = load_model("tiny", "bfloat16")
+    checkpoint.main(["convert", "tiny", str(tmp_path / "ck"), "--dtype", "bfloat16"])
+    got = checkpoint.load(str(tmp_path / "ck"))
+    assert got.config == src.config and got.dtype == src.dtype
+    a = nnx.to_flat_state(nnx.state(src.model, nnx.Param))
+    b = dict(nnx.to_flat_state(nnx.state(got.model, nnx.Param)))
+    assert len(a) == len(b)
+    for p, v in a:
+        x, y = np.asarray(v.get_value()), np.asarray(b[p].get_value())
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), p
+    with pytest.raises(FileExistsError):
+        checkpoint.save(src, str(tmp_path / "ck"))
 
 
 @pytest.mark.parametrize("case,tp", [("llama-tp2", 2), ("llama-tp4", 4), ("qwen3-tp4", 4)])
