@@ -12,6 +12,7 @@ scheduler can take the config without importing JAX.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import random
 import threading
@@ -25,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import checkpoint
+import distributed
 from config import EngineConfig, SamplingParams
 from kvcache import describe, measure_activation_bytes, num_kv_blocks_for
 from metrics import WAIT_REASONS, EngineStats
@@ -102,6 +104,7 @@ class LLMEngine:
         self.log = log
         self.trace: list[StepTrace] | None = [] if record_trace else None
         _use_compilation_cache(config.compilation_cache_dir)
+        distributed.initialize(config)  # multi-host: before JAX picks its devices
         # Tensor parallelism: the weights go onto the mesh here, the cache in the runner.
         mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         if checkpoint.is_checkpoint(config.model):  # orbax: restored straight onto the mesh
@@ -124,6 +127,8 @@ class LLMEngine:
         # Each device's share: KV sizing is per device, as the budget is.
         weight_bytes = max_bytes_per_device(nnx.state(loaded.model, nnx.Param))
         num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, weight_bytes, activation_bytes)
+        if config.num_processes > 1:  # every process's cache has process 0's shape
+            num_blocks = distributed.StepChannel().share_int("num_kv_blocks", num_blocks)
         self.num_kv_blocks = num_blocks
         self.stats.num_kv_blocks = num_blocks - 1
         log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
@@ -144,6 +149,17 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         if config.warmup:
             self.runner.warmup(log)
+        if config.num_processes > 1 and config.process_id == 0:
+            # the other processes wait for steps until process 0 says it is done
+            atexit.register(self.runner.stop_followers)
+
+    def follow(self) -> None:
+        """Multi-host, processes other than 0: run process 0's steps until it stops.
+        They schedule nothing and serve no HTTP."""
+        if self.config.process_id == 0:
+            raise RuntimeError("process 0 schedules; only the other processes follow")
+        self.log(f"process {self.config.process_id}: following process 0's steps")
+        self.runner.follow()
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:

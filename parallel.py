@@ -135,9 +135,11 @@ def create_sharded_kv_caches(create: Any, mesh: Mesh) -> Any:
     return jax.jit(create, out_shardings=jax.tree.map(lambda s: kv_cache_sharding(mesh, s.ndim), shapes))()
 
 
-def constrain_kv_caches(kv_caches: Any, mesh: Mesh) -> Any:
-    """Inside the step: the updated cache keeps the input's sharding (it is donated)."""
-    return jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, kv_cache_sharding(mesh, c.ndim)), kv_caches)
+def constrain_step_outputs(kv_caches: Any, sampled: Any, mesh: Mesh) -> tuple[Any, Any]:
+    """Inside the step: the updated cache keeps the input's sharding (it is donated), and
+    the sampled tokens are replicated, so any process can read them."""
+    kv = jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, kv_cache_sharding(mesh, c.ndim)), kv_caches)
+    return kv, jax.lax.with_sharding_constraint(sampled, NamedSharding(mesh, P()))
 
 
 def shard_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:

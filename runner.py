@@ -28,11 +28,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from config import EngineConfig
+from distributed import DECODE, RAGGED, STOP, StepChannel
 from kernels_pallas import get_attention_backend
 from kvcache import create_kv_caches
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel
-from parallel import constrain_kv_caches, create_sharded_kv_caches, shard_attention
+from parallel import constrain_step_outputs, create_sharded_kv_caches, shard_attention
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, sample
 from scheduler import SchedulerOutput, Sequence
 
@@ -76,9 +77,11 @@ class ModelRunner:
         self.block_size = config.block_size
         graphdef, self.state = nnx.split(loaded.model)
         self.kv_caches = self.allocate_kv_caches(num_kv_blocks)
+        # Multi-host: process 0 posts each scheduled step's inputs; the others follow().
+        self.channel = StepChannel() if jax.process_count() > 1 else None
         backend = self.backend
         # Under TP the updated cache must come back split as it went in (it is donated).
-        keep = (lambda kv: kv) if mesh is None else functools.partial(constrain_kv_caches, mesh=mesh)
+        keep = (lambda kv, res: (kv, res)) if mesh is None else functools.partial(constrain_step_outputs, mesh=mesh)
 
         def count_compile() -> None:
             # Runs only while jax traces, i.e. once per compiled program.
@@ -89,7 +92,7 @@ class ModelRunner:
             model = nnx.merge(graphdef, state)
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, None)
             hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
-            return keep(kv_caches), sample(model.compute_logits(hidden), sampling)
+            return keep(kv_caches, sample(model.compute_logits(hidden), sampling))
 
         def ragged_fn(state, kv_caches, tokens, positions, slot_mapping, block_tables, kv_lens, cu_q_lens, sampling):
             count_compile()
@@ -99,7 +102,7 @@ class ModelRunner:
             # Only each slot's last token of the step can be sampled: the LM head runs on
             # S rows, not T.
             last = jnp.maximum(cu_q_lens[1:] - 1, 0)
-            return keep(kv_caches), sample(model.compute_logits(hidden[last]), sampling)
+            return keep(kv_caches, sample(model.compute_logits(hidden[last]), sampling))
 
         self._decode = jax.jit(decode_fn, donate_argnums=1)
         self._ragged = jax.jit(ragged_fn, donate_argnums=1)
@@ -144,11 +147,9 @@ class ModelRunner:
             want_logprobs |= sch.samples and seq.params.logprobs is not None
         sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs))
         if out.is_decode_only:
-            self.kv_caches, res = self._decode(self.state, self.kv_caches, tokens, positions, slot_mapping,
-                                               block_tables, kv_lens, sampling)
+            res = self._run(DECODE, R, T, (tokens, positions, slot_mapping, block_tables, kv_lens, sampling))
         else:
-            self.kv_caches, res = self._ragged(self.state, self.kv_caches, tokens, positions, slot_mapping,
-                                               block_tables, kv_lens, cu_q_lens, sampling)
+            res = self._run(RAGGED, R, T, (tokens, positions, slot_mapping, block_tables, kv_lens, cu_q_lens, sampling))
         with self.stats.lock:
             self.stats.padded_tokens += T - num_real
         tok, tok_lp, top_ids, top_lp = res
@@ -161,16 +162,42 @@ class ModelRunner:
     def idle_step(self, decode_rows: int | None = None, tokens: int | None = None) -> None:
         """Run one program on all-idle inputs (every write lands in the null block): a
         decode step of `decode_rows` rows, or a ragged step of `tokens` tokens."""
+        kind = DECODE if decode_rows else RAGGED
         rows = decode_rows or self.config.max_num_seqs
         T = decode_rows or tokens
+        assert T is not None
+        # Not posted to other processes: every process runs warm-up (and profiling) itself.
+        jax.block_until_ready(self._call(kind, self._idle_args(kind, rows, T)))
+
+    def _idle_args(self, kind: int, rows: int, T: int) -> tuple:
+        """All-idle inputs of one step's shape (also the template a follower fills)."""
         zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(rows, np.int32)
         samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False))
         args = (zeros_t, zeros_t, zeros_t, np.zeros((rows, self.config.max_blocks_per_seq), np.int32), zeros_r)
-        if decode_rows:
-            self.kv_caches, res = self._decode(self.state, self.kv_caches, *args, samp)
-        else:
-            self.kv_caches, res = self._ragged(self.state, self.kv_caches, *args, np.zeros(rows + 1, np.int32), samp)
-        jax.block_until_ready(res)
+        return args + ((samp,) if kind == DECODE else (np.zeros(rows + 1, np.int32), samp))
+
+    def _call(self, kind: int, args: tuple) -> Any:
+        fn = self._decode if kind == DECODE else self._ragged
+        self.kv_caches, res = fn(self.state, self.kv_caches, *args)
+        return res
+
+    def _run(self, kind: int, rows: int, T: int, args: tuple) -> Any:
+        """One scheduled step; multi-host, its inputs go to the other processes first."""
+        if self.channel is not None:
+            self.channel.post(kind, rows, T, args)
+        return self._call(kind, args)
+
+    # ---- multi-host (distributed.py) ----------------------------------------------
+    def follow(self) -> None:
+        """Processes other than 0: run process 0's steps, in order, until it stops."""
+        assert self.channel is not None and jax.process_index() > 0
+        while (step := self.channel.take(self._idle_args)) is not None:
+            jax.block_until_ready(self._call(*step))
+
+    def stop_followers(self) -> None:
+        if self.channel is not None and jax.process_index() == 0:
+            self.channel.post(STOP, 0, 0, ())
+            self.channel = None
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
         """Compile every decode bucket and every token bucket before serving."""

@@ -454,6 +454,9 @@ def main(argv: list[str] | None = None) -> None:
         engine = AsyncEngine(config, log=log.info)
     except (ValueError, FileNotFoundError) as e:  # a bad flag or model path: say so, no traceback
         parser.error(str(e))
+    if config.process_id > 0:  # multi-host: only process 0 serves; the others run its steps
+        engine.engine.follow()
+        return
     asyncio.run(serve(engine, args))
 
 
