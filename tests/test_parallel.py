@@ -104,8 +104,9 @@ def tp_report(tmp_path_factory):
     checkpoint.save(load_model(models["llama"]), orbax_dir)
     cases["llama-orbax-tp4"] = dict(model=orbax_dir, kw=dict(tensor_parallel_size=4))
     cases["llama-pallas-tp2"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=2, attention_backend="pallas"))
-    return run_worker({"cases": cases, "cache": os.path.join(ROOT, ".pytest_cache", "jax"),
-                       "orbax": {"src": models["llama"], "dst": orbax_dir}})
+    report = run_worker({"cases": cases, "cache": os.path.join(ROOT, ".pytest_cache", "jax"),
+                         "orbax": {"src": models["llama"], "dst": orbax_dir}})
+    return {**report, "models": models}
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
@@ -171,5 +172,56 @@ def test_tp_size_the_heads_do_not_allow_is_refused():
         kv_head_replicas(cfg, 8)
 
 
+def _host(pid: int, port: int, model: str, cache: str) -> None:
+    """Child process `pid` of a 2-process group (2 CPU devices each, TP 4 across both):
+    process 0 prints the tokens, then keeps generating until the group fails."""
+    sys.path.insert(0, ROOT)
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, log=lambda s: None, compilation_cache_dir=cache, tensor_parallel_size=4,
+              distributed_coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid, **BASE)
+    if pid > 0:
+        llm.engine.follow()
+        return
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    print(json.dumps([o.token_ids for o in outs]), flush=True)
+    while True:
+        llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_tp4_same_tokens_and_a_dead_process_ends_the_other(tp_report):
+    model = tp_report["models"]["llama"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    port, cache = _free_port(), os.path.join(ROOT, ".pytest_cache", "jax")
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host", str(i), str(port), model, cache],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in (0, 1)]
+    try:
+        line = ""
+        while not line.startswith("[["):  # gloo logs its connections on stdout too
+            line = procs[0].stdout.readline()
+            assert line, procs[0].stderr.read()[-3000:]
+        assert json.loads(line) == tp_report["llama-tp1"]["tokens"]
+        procs[1].kill()  # process 0 is generating: it must fail, not wait forever
+        rc = procs[0].wait(timeout=120)
+        err = procs[0].stderr.read()
+        assert rc != 0 and "another task died" in err, err[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 if __name__ == "__main__":
-    print(json.dumps(_worker(json.loads(sys.argv[1]))))
+    if sys.argv[1] == "--host":
+        _host(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    else:
+        print(json.dumps(_worker(json.loads(sys.argv[1]))))
