@@ -59,8 +59,9 @@ class GroupFailedError(RuntimeError):
 
 class StepChannel:
     """Process 0 posts each step's (kind, rows, tokens, input arrays); the others take
-    them in order. A step's key is deleted two steps later: by then every process has
-    run it, since step n + 1 cannot finish without all of them."""
+    them in order. A step's key is deleted four steps later: process 0 has by then
+    read back the results of step n + 1 at least (async scheduling keeps at most two
+    steps in flight), which no process could have computed without reading step n."""
 
     def __init__(self) -> None:
         import jax
@@ -76,8 +77,8 @@ class StepChannel:
         body = np.array([kind, rows, tokens], np.int64).tobytes()
         body += b"".join(np.ascontiguousarray(x).tobytes() for x in jax.tree.leaves(args))
         self.client.key_value_set_bytes(f"{_PREFIX}step/{self.n}", body)
-        if self.n >= 2:
-            self.client.key_value_delete(f"{_PREFIX}step/{self.n - 2}")
+        if self.n >= 4:
+            self.client.key_value_delete(f"{_PREFIX}step/{self.n - 4}")
         self.n += 1
 
     def take(self, template: Callable[[int, int, int], Any]) -> tuple[int, Any] | None:

@@ -32,8 +32,8 @@ from kvcache import describe, measure_activation_bytes, num_kv_blocks_for
 from metrics import WAIT_REASONS, EngineStats
 from model import LoadedModel, load_model, param_bytes
 from parallel import make_mesh, max_bytes_per_device, shard_model
-from runner import ModelRunner, StepResult
-from scheduler import Scheduler, ScheduledSeq, Sequence
+from runner import InFlightStep, ModelRunner, StepResult
+from scheduler import Scheduler, ScheduledSeq, SchedulerOutput, Sequence
 
 __all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
            "RequestOutputDelta", "TokenLogprob", "QueueFullError"]
@@ -147,6 +147,7 @@ class LLMEngine:
             runner.kv_caches = runner.allocate_kv_caches(num_blocks)
             self.runner = runner
         self._rng = random.Random(config.seed)
+        self._in_flight: tuple[SchedulerOutput, InFlightStep, float] | None = None  # async: the step the device runs
         if config.warmup:
             self.runner.warmup(log)
         if config.num_processes > 1 and config.process_id == 0:
@@ -199,46 +200,81 @@ class LLMEngine:
         return seq
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
         """schedule -> run -> postprocess. Returns one delta per request that produced a
-        token or whose result was released this step."""
+        token or whose result was released this step.
+
+        With async scheduling a call schedules and dispatches step N+1, then waits for
+        step N (which the device ran meanwhile) and postprocesses it: the host's work
+        overlaps the device's, and the host learns each step's tokens one call later."""
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            # Nothing to run, but update() may still release a static batch whose last
-            # running member was aborted.
-            released = self.scheduler.update(out, {})
-            now = time.monotonic()
-            with self.stats.lock:
-                deltas = [self._release(seq, None, now) for seq in released]
-            self._refresh_gauges()
-            return deltas
-        scheduled_at = time.monotonic()
-        result = self.runner.execute(out, self.scheduler.num_running)
+        step = None
+        if out.scheduled:
+            scheduled_at = time.monotonic()
+            step = (out, self.runner.execute(out, self.scheduler.num_running), scheduled_at)
+        if not self.config.async_scheduling:
+            return self._postprocess(*step) if step else self._postprocess_empty(out)
+        if step is not None:
+            self.scheduler.update_after_schedule(out)
+        prev, self._in_flight = self._in_flight, step
+        if prev is not None:
+            return self._postprocess(*prev)
+        return [] if step is not None else self._postprocess_empty(out)
+
+    def _postprocess_empty(self, out: SchedulerOutput) -> list[RequestOutputDelta]:
+        # Nothing ran, but update() may still release a static batch whose last running
+        # member was aborted.
+        released = self.scheduler.update(out, {})
+        now = time.monotonic()
+        with self.stats.lock:
+            deltas = [self._release(seq, None, now) for seq in released]
+        self._refresh_gauges()
+        return deltas
+
+    def _postprocess(self, out: SchedulerOutput, step: InFlightStep, scheduled_at: float) -> list[RequestOutputDelta]:
+        result = step.result()
         sampled = {sch.seq.request_id: int(result.tokens[i]) for i, sch in enumerate(out.scheduled) if sch.samples}
         logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)
+        accepted = out.accepted
+        # Rows whose sequence ended before this step came back (aborted, or under async
+        # scheduling finished by the step before) computed nothing anyone sees: they are
+        # counted nowhere.
+        rows = out.scheduled
+        num_prefill, num_decode = out.num_prefill_tokens, out.num_decode_tokens
+        if out.discarded:
+            dropped = {id(s) for s in out.discarded}
+            rows = [s for s in out.scheduled if id(s) not in dropped]
+            for s in out.discarded:
+                if s.seq.is_decode if s.is_decode is None else s.is_decode:
+                    num_decode -= 1
+                else:
+                    num_prefill -= s.num_new_tokens
         now = time.monotonic()
         deltas: dict[str, RequestOutputDelta] = {}
         with self.stats.lock:
             st = self.stats
-            st.num_steps += 1
-            st.num_decode_steps += out.is_decode_only
-            st.useful_slot_steps += len(out.scheduled)
-            st.total_slot_steps += self.config.max_num_seqs
-            st.prefill_tokens += out.num_prefill_tokens
-            st.decode_tokens += out.num_decode_tokens
+            if rows:
+                st.num_steps += 1
+                st.num_decode_steps += out.is_decode_only
+                st.useful_slot_steps += len(rows)
+                st.total_slot_steps += self.config.max_num_seqs
+                st.prefill_tokens += num_prefill
+                st.decode_tokens += num_decode
+                st.iteration_tokens.observe(num_prefill + num_decode)
             st.num_preemptions += len(out.preempted)
-            st.generation_tokens += len(sampled)
-            st.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
+            st.generation_tokens += len(accepted)
             for sch in out.scheduled:
                 seq = sch.seq
                 if seq.first_scheduled_time is None:  # its first step: it stops queueing
                     seq.first_scheduled_time = scheduled_at
                     st.request_queue_time.observe(scheduled_at - seq.arrival_time)
                     st.prompt_tokens += seq.num_prompt_tokens
+            for sch in rows:
+                seq = sch.seq
                 if not sch.samples:
                     continue
                 if seq.first_token_time is None:
@@ -248,16 +284,17 @@ class LLMEngine:
                     st.inter_token_latency.observe(now - seq.last_token_time)
                 seq.last_token_time = now
                 rid = seq.request_id
-                deltas[rid] = RequestOutputDelta(rid, [sampled[rid]], [logprobs[rid]] if rid in logprobs else None,
-                                                 False, None, seq.num_prompt_tokens, seq.num_output_tokens)
+                num_out = sch.output_index + 1 if out.advanced else seq.num_output_tokens
+                deltas[rid] = RequestOutputDelta(rid, [accepted[rid]], [logprobs[rid]] if rid in logprobs else None,
+                                                 False, None, seq.num_prompt_tokens, num_out)
             for seq in released:
                 deltas[seq.request_id] = self._release(seq, deltas.get(seq.request_id), now)
         self._refresh_gauges()
         if self.trace is not None:
             self.trace.append(StepTrace(
-                self.stats.num_steps, [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled], list(sampled),
-                [s.request_id for s in released], [s.request_id for s in out.preempted], out.num_prefill_tokens,
-                out.num_decode_tokens, self.scheduler.num_running, self.scheduler.num_waiting))
+                self.stats.num_steps, [(s.seq.request_id, s.num_new_tokens) for s in rows], list(accepted),
+                [s.request_id for s in released], [s.request_id for s in out.preempted], num_prefill,
+                num_decode, self.scheduler.num_running, self.scheduler.num_waiting))
         return list(deltas.values())
 
     def _release(self, seq: Sequence, delta: RequestOutputDelta | None, now: float) -> RequestOutputDelta:

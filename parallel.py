@@ -135,11 +135,16 @@ def create_sharded_kv_caches(create: Any, mesh: Mesh) -> Any:
     return jax.jit(create, out_shardings=jax.tree.map(lambda s: kv_cache_sharding(mesh, s.ndim), shapes))()
 
 
-def constrain_step_outputs(kv_caches: Any, sampled: Any, mesh: Mesh) -> tuple[Any, Any]:
+def constrain_step_outputs(kv_caches: Any, rest: tuple, mesh: Mesh) -> tuple:
     """Inside the step: the updated cache keeps the input's sharding (it is donated), and
-    the sampled tokens are replicated, so any process can read them."""
+    the rest (sampled tokens, last_tokens) is replicated, so any process can read it."""
     kv = jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, kv_cache_sharding(mesh, c.ndim)), kv_caches)
-    return kv, jax.lax.with_sharding_constraint(sampled, NamedSharding(mesh, P()))
+    return kv, *jax.lax.with_sharding_constraint(rest, NamedSharding(mesh, P()))
+
+
+def replicate(x: np.ndarray, mesh: Mesh) -> jax.Array:
+    """A host array, whole on every device of the mesh."""
+    return _put(x, NamedSharding(mesh, P()))
 
 
 def shard_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:

@@ -7,11 +7,17 @@ place) and both returning only the sampled tokens (and logprobs) to the host:
   ragged  steps that carry prompt tokens (prefill, or chunks mixed with decodes): the
           step's tokens flattened and padded to a bucket T, cu_q_lens[S+1] per slot
 
+Both also take and return `last_tokens[max_num_seqs + 1]` (donated): each slot's latest
+sampled token, kept on the device. An input token the host does not know yet (async
+scheduling: sampled by the step still running) is passed as token_src = its slot and
+read from there; every sampling row writes its token back (sample_slot).
+
 W is max_model_len / block_size, but attention loops only over the blocks actually in
 context (see kernels_pallas.py), so the width costs host->device bytes, not FLOPs.
 The shapes that vary are the decode row count R (occupied slots, padded to a power of
 two) and T, each from a few buckets, all compiled by warmup(): after it, a step never
-compiles.
+compiles. execute() dispatches and returns at once (JAX's async dispatch); the host
+waits only in InFlightStep.result().
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ from kernels_pallas import get_attention_backend
 from kvcache import create_kv_caches
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel
-from parallel import constrain_step_outputs, create_sharded_kv_caches, shard_attention
+from parallel import constrain_step_outputs, create_sharded_kv_caches, replicate, shard_attention
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, sample
-from scheduler import SchedulerOutput, Sequence
+from scheduler import PLACEHOLDER, SchedulerOutput, Sequence
 
 
 @dataclass
@@ -44,6 +50,26 @@ class StepResult:
 
     tokens: np.ndarray  # [n] i32
     logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # ([n], [n,K] ids, [n,K]) when asked
+
+
+class InFlightStep:
+    """A dispatched step: its outputs are device arrays still being computed. result()
+    waits for them and copies them to the host (the only host<-device copy of a step)."""
+
+    def __init__(self, res: tuple[jax.Array, ...], num_seqs: int, want_logprobs: bool):
+        self._res, self.num_seqs, self.want_logprobs = res, num_seqs, want_logprobs
+        self.dispatched_at = time.perf_counter()
+
+    def block_until_ready(self) -> None:
+        jax.block_until_ready(self._res[0])
+
+    def result(self) -> StepResult:
+        n = self.num_seqs
+        tok, tok_lp, top_ids, top_lp = self._res
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = (np.asarray(tok_lp)[:n], np.asarray(top_ids)[:n], np.asarray(top_lp)[:n])
+        return StepResult(np.asarray(tok)[:n], logprobs)
 
 
 def _bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -64,6 +90,16 @@ def token_slice(seq: Sequence, start: int, n: int) -> list[int]:
 
 
 class ModelRunner:
+    """Host state lives in persistent per-slot buffers (row `slot` of each, plus one idle
+    row that padding rows read): a sequence's block table is written when it takes its
+    slot and then only its newly appended blocks; its sampling parameters once. A step
+    gathers the scheduled slots' rows with numpy indexing, so its Python cost is one
+    short loop over the scheduled sequences, not per-element assignments.
+
+    The device keeps `last_tokens[slot]`, each slot's latest sampled token: a step
+    writes its sampled tokens there, and an input token the host does not know yet (a
+    PLACEHOLDER, under async scheduling) is read from it on the device."""
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, stats: EngineStats,
                  mesh: Mesh | None = None):
         """mesh: tensor parallelism (parallel.py); loaded's params must already be on it."""
@@ -79,33 +115,47 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_caches(num_kv_blocks)
         # Multi-host: process 0 posts each scheduled step's inputs; the others follow().
         self.channel = StepChannel() if jax.process_count() > 1 else None
+        N, W = config.max_num_seqs, config.max_blocks_per_seq
+        self._idle = N  # the idle row: null block table, greedy, never a sampled token's home
+        self.last_tokens = jnp.zeros(N + 1, jnp.int32) if mesh is None else replicate(np.zeros(N + 1, np.int32), mesh)
+        self._bt = np.zeros((N + 1, W), np.int32)
+        self._bt_len = [0] * (N + 1)
+        self._bt_owner: list[list[int] | None] = [None] * (N + 1)  # the block_table list written there
+        self._samp = empty_sampling_arrays(N + 1)
+        self._wants_logprobs = np.zeros(N + 1, bool)
         backend = self.backend
         # Under TP the updated cache must come back split as it went in (it is donated).
-        keep = (lambda kv, res: (kv, res)) if mesh is None else functools.partial(constrain_step_outputs, mesh=mesh)
+        keep = (lambda kv, rest: (kv, *rest)) if mesh is None else functools.partial(constrain_step_outputs, mesh=mesh)
 
         def count_compile() -> None:
             # Runs only while jax traces, i.e. once per compiled program.
             self.stats.num_compilations += 1
 
-        def decode_fn(state, kv_caches, tokens, positions, slot_mapping, block_tables, kv_lens, sampling):
-            count_compile()
+        def run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, rows, sample_slot, sampling):
             model = nnx.merge(graphdef, state)
-            attn = AttentionInputs(slot_mapping, block_tables, kv_lens, None)
+            tokens = jnp.where(token_src >= 0, last_tokens[jnp.maximum(token_src, 0)], tokens)
             hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
-            return keep(kv_caches, sample(model.compute_logits(hidden), sampling))
+            res = sample(model.compute_logits(hidden if rows is None else hidden[rows]), sampling)
+            # Padding rows and rows that do not sample all write the idle entry.
+            return keep(kv_caches, (last_tokens.at[sample_slot].set(res[0]), res))
 
-        def ragged_fn(state, kv_caches, tokens, positions, slot_mapping, block_tables, kv_lens, cu_q_lens, sampling):
+        def decode_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
+                      kv_lens, sample_slot, sampling):
             count_compile()
-            model = nnx.merge(graphdef, state)
+            attn = AttentionInputs(slot_mapping, block_tables, kv_lens, None)
+            return run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, None, sample_slot, sampling)
+
+        def ragged_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
+                      kv_lens, cu_q_lens, sample_slot, sampling):
+            count_compile()
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens)
-            hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
             # Only each slot's last token of the step can be sampled: the LM head runs on
             # S rows, not T.
             last = jnp.maximum(cu_q_lens[1:] - 1, 0)
-            return keep(kv_caches, sample(model.compute_logits(hidden[last]), sampling))
+            return run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, last, sample_slot, sampling)
 
-        self._decode = jax.jit(decode_fn, donate_argnums=1)
-        self._ragged = jax.jit(ragged_fn, donate_argnums=1)
+        self._decode = jax.jit(decode_fn, donate_argnums=(1, 2))
+        self._ragged = jax.jit(ragged_fn, donate_argnums=(1, 2))
 
     def allocate_kv_caches(self, num_blocks: int) -> Any:
         loaded, bs = self.loaded, self.config.block_size
@@ -113,50 +163,92 @@ class ModelRunner:
         return create() if self.mesh is None else create_sharded_kv_caches(create, self.mesh)
 
     # ------------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, num_occupied: int) -> StepResult:
-        """Run one step. Row i of every array is out.scheduled[i]: a sequence's slot is
-        its seat in the scheduler's accounting; on the device only rows exist, so a
-        decode step computes num_occupied rows (padded to a bucket), not max_num_seqs.
-        Static batching passes its finished-but-seated sequences in num_occupied: the
-        bus computes its empty seats. Results come back in out.scheduled order."""
-        cfg = self.config
-        W, BS = cfg.max_blocks_per_seq, self.block_size
-        n_seqs = len(out.scheduled)
-        R = _bucket(cfg.decode_buckets, max(num_occupied, n_seqs)) if out.is_decode_only else cfg.max_num_seqs
-        q_lens = np.zeros(R, np.int32)
-        q_lens[:n_seqs] = [sch.num_new_tokens for sch in out.scheduled]
-        cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        num_real = int(cu_q_lens[-1])
-        T = R if out.is_decode_only else _bucket(cfg.token_buckets, num_real)
-        tokens, positions, slot_mapping = (np.zeros(T, np.int32) for _ in range(3))
-        block_tables = np.zeros((R, W), np.int32)
-        kv_lens = np.zeros(R, np.int32)
-        samp = empty_sampling_arrays(R)
-        want_logprobs = False
-        for r, sch in enumerate(out.scheduled):
-            seq, n, lo = sch.seq, sch.num_new_tokens, cu_q_lens[r]
-            start = seq.num_computed_tokens
-            assert n >= 1 and len(seq.block_table) * BS >= start + n, "blocks must be allocated before the step"
-            block_tables[r, :len(seq.block_table)] = seq.block_table
-            kv_lens[r] = start + n
-            pos = np.arange(start, start + n, dtype=np.int32)
-            tokens[lo:lo + n] = token_slice(seq, start, n)
-            positions[lo:lo + n] = pos
-            slot_mapping[lo:lo + n] = block_tables[r, pos // BS] * BS + pos % BS
-            fill_slot(samp, r, seq.params, seq.seed, seq.num_output_tokens)
-            want_logprobs |= sch.samples and seq.params.logprobs is not None
-        sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs))
-        if out.is_decode_only:
-            res = self._run(DECODE, R, T, (tokens, positions, slot_mapping, block_tables, kv_lens, sampling))
+    def _sync_slot(self, seq: Sequence) -> int:
+        """Bring seq's slot row up to date: everything when it is a new occupant (its
+        block_table is a list this row has not seen: an admission or a re-admission after
+        preemption), else only the blocks appended since the last step."""
+        s, bt = seq.slot, seq.block_table
+        assert s is not None, f"{seq.request_id} is scheduled without a slot"
+        if self._bt_owner[s] is not bt:
+            self._bt_owner[s] = bt
+            n = len(bt)
+            self._bt[s, :n] = bt
+            self._bt[s, n:] = 0
+            self._bt_len[s] = n
+            fill_slot(self._samp, s, seq.params, seq.seed, 0)  # "step" is set per step
+            self._wants_logprobs[s] = seq.params.logprobs is not None
         else:
-            res = self._run(RAGGED, R, T, (tokens, positions, slot_mapping, block_tables, kv_lens, cu_q_lens, sampling))
+            n, m = self._bt_len[s], len(bt)
+            if m != n:  # blocks are only ever appended while a sequence holds its slot
+                assert m > n and (n == 0 or self._bt[s, n - 1] == bt[n - 1]), f"{seq.request_id}: block table rewritten"
+                self._bt[s, n:m] = bt[n:m]
+                self._bt_len[s] = m
+        return s
+
+    def execute(self, out: SchedulerOutput, num_occupied: int) -> InFlightStep:
+        """Dispatch one step and return without waiting for it. Row i of every array is
+        out.scheduled[i]: a sequence's slot is its seat in the scheduler's accounting; on
+        the device only rows exist, so a decode step computes num_occupied rows (padded
+        to a bucket), not max_num_seqs. Static batching passes its finished-but-seated
+        sequences in num_occupied: the bus computes its empty seats."""
+        cfg, BS = self.config, self.block_size
+        n = len(out.scheduled)
+        decode = out.is_decode_only
+        R = _bucket(cfg.decode_buckets, max(num_occupied, n)) if decode else cfg.max_num_seqs
+        seqs = [sch.seq for sch in out.scheduled]
+        owner, bt_len = self._bt_owner, self._bt_len
+        for seq in seqs:  # most rows: one identity and one length check
+            if owner[seq.slot] is not seq.block_table or bt_len[seq.slot] != len(seq.block_table):
+                self._sync_slot(seq)
+        # per row: slot, first position, new tokens, tokens generated so far, samples?
+        rows = np.array([(sch.seq.slot, sch.seq.num_computed_tokens, sch.num_new_tokens,
+                          len(sch.seq.output_token_ids), sch.samples) for sch in out.scheduled], np.int32).reshape(n, 5)
+        slots, start, q = rows[:, 0], rows[:, 1], rows[:, 2]
+        assert n == 0 or (q >= 1).all(), "every scheduled sequence computes a token"
+        assert (np.array(bt_len)[slots] * BS >= start + q).all(), "blocks must be allocated before the step"
+        if decode:  # every row is a decode: its input is its latest output token
+            toks = np.array([seq.output_token_ids[-1] for seq in seqs], np.int32)
+        else:
+            toks = np.array([t for sch in out.scheduled for t in token_slice(sch.seq, sch.seq.num_computed_tokens,
+                                                                              sch.num_new_tokens)], np.int32)
+        num_real = len(toks)
+        T = R if decode else _bucket(cfg.token_buckets, num_real)
+        # per row
+        row_slots = np.full(R, self._idle, np.int32)
+        row_slots[:n] = slots
+        kv_lens = np.zeros(R, np.int32)
+        kv_lens[:n] = start + q
+        block_tables = self._bt[row_slots]
+        cu_q_lens = np.zeros(R + 1, np.int32)
+        np.cumsum(q, out=cu_q_lens[1:n + 1])
+        cu_q_lens[n + 1:] = num_real
+        # per token
+        if decode:
+            row_of, pos = np.arange(n), start
+        else:
+            row_of = np.repeat(np.arange(n), q)
+            pos = np.arange(num_real, dtype=np.int32) + np.repeat(start - cu_q_lens[:n], q)
+        tokens, positions, slot_mapping = (np.zeros(T, np.int32) for _ in range(3))
+        token_src = np.full(T, -1, np.int32)
+        positions[:num_real] = pos
+        slot_mapping[:num_real] = self._bt[slots[row_of], pos // BS] * BS + pos % BS
+        unknown = toks == PLACEHOLDER  # sampled by the step still running: read on the device
+        tokens[:num_real] = np.where(unknown, 0, toks)
+        token_src[:num_real] = np.where(unknown, slots[row_of], -1)
+        # sampling
+        samples = rows[:, 4].astype(bool)
+        samp = {k: v[row_slots] for k, v in self._samp.items()}
+        samp["step"][:n] = rows[:, 3]
+        sample_slot = np.full(R, self._idle, np.int32)
+        sample_slot[:n] = np.where(samples, slots, self._idle)
+        want_logprobs = bool((self._wants_logprobs[slots] & samples).any())
+        sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs))
+        ragged = () if decode else (cu_q_lens,)
+        res = self._run(DECODE if decode else RAGGED, R, T, (tokens, token_src, positions, slot_mapping, block_tables,
+                                                             kv_lens, *ragged, sample_slot, sampling))
         with self.stats.lock:
             self.stats.padded_tokens += T - num_real
-        tok, tok_lp, top_ids, top_lp = res
-        logprobs = None
-        if want_logprobs:
-            logprobs = (np.asarray(tok_lp)[:n_seqs], np.asarray(top_ids)[:n_seqs], np.asarray(top_lp)[:n_seqs])
-        return StepResult(np.asarray(tok)[:n_seqs], logprobs)
+        return InFlightStep(res, n, want_logprobs)
 
     # ------------------------------------------------------------------------------
     def idle_step(self, decode_rows: int | None = None, tokens: int | None = None) -> None:
@@ -173,12 +265,14 @@ class ModelRunner:
         """All-idle inputs of one step's shape (also the template a follower fills)."""
         zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(rows, np.int32)
         samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False))
-        args = (zeros_t, zeros_t, zeros_t, np.zeros((rows, self.config.max_blocks_per_seq), np.int32), zeros_r)
-        return args + ((samp,) if kind == DECODE else (np.zeros(rows + 1, np.int32), samp))
+        args = (zeros_t, np.full(T, -1, np.int32), zeros_t, zeros_t,
+                np.zeros((rows, self.config.max_blocks_per_seq), np.int32), zeros_r)
+        ragged = () if kind == DECODE else (np.zeros(rows + 1, np.int32),)
+        return (*args, *ragged, np.full(rows, self._idle, np.int32), samp)
 
     def _call(self, kind: int, args: tuple) -> Any:
         fn = self._decode if kind == DECODE else self._ragged
-        self.kv_caches, res = fn(self.state, self.kv_caches, *args)
+        self.kv_caches, self.last_tokens, res = fn(self.state, self.kv_caches, self.last_tokens, *args)
         return res
 
     def _run(self, kind: int, rows: int, T: int, args: tuple) -> Any:

@@ -33,6 +33,11 @@ from kvcache import BlockAllocator, blocks_needed
 from metrics import WAIT_REASONS
 
 
+# An output token sampled by a step the host has not seen the result of yet (async
+# scheduling): it stands in output_token_ids until update() writes the real token.
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -92,6 +97,8 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # positions seq.num_computed_tokens .. + num_new_tokens - 1
     samples: bool  # a token comes out: a decode, or the chunk that completes the prompt
+    output_index: int = -1  # async scheduling: where its token stands (a PLACEHOLDER) in output_token_ids
+    is_decode: bool | None = None  # async scheduling: seq.is_decode when scheduled (it moves on before update)
 
 
 @dataclass
@@ -100,6 +107,12 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # Async scheduling: update_after_schedule() advanced the sequences before the step ran.
+    advanced: bool = False
+    # Set by update(): the tokens kept, by request id, and the rows whose work was dropped
+    # (their sequence was aborted, or finished in an earlier step, before this one came back).
+    accepted: dict[str, int] = field(default_factory=dict)
+    discarded: list[ScheduledSeq] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -151,6 +164,8 @@ class Scheduler:
         else:
             self._retire(seq)
         seq.status, seq.finish_reason, seq.wait_reason = FINISHED, "abort", None
+        while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
+            seq.output_token_ids.pop()  # tokens of steps in flight: never delivered
         self._assert_step_invariants()
         return seq
 
@@ -175,13 +190,34 @@ class Scheduler:
         out.num_prefill_tokens = sum(s.num_new_tokens for s in out.scheduled) - out.num_decode_tokens
         return out
 
+    def update_after_schedule(self, out: SchedulerOutput) -> None:
+        """Async scheduling: the step has been dispatched and the next one is scheduled
+        before its tokens are known. Advance its sequences now, each sampled token a
+        PLACEHOLDER that update() fills in. A sequence whose placeholder is its last token
+        by length is not scheduled again (_schedule_decodes); one that stops on a token
+        (EOS, a stop id) may be computed one step more, and update() drops that token."""
+        for s in out.scheduled:
+            seq = s.seq
+            s.is_decode = seq.is_decode
+            seq.num_computed_tokens += s.num_new_tokens
+            assert seq.num_computed_tokens <= seq.num_tokens
+            if s.samples:
+                s.output_index = seq.num_output_tokens
+                seq.output_token_ids.append(PLACEHOLDER)
+        out.advanced = True
+
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
         """Record the step's work and tokens. Returns the sequences released this step:
         the finished ones (continuous), or the whole batch once all of it is done (static)."""
-        released = []
+        released: list[Sequence] = []
         for s in out.scheduled:
             seq = s.seq
-            if seq.status is not RUNNING:  # aborted between schedule() and update()
+            if seq.status is FINISHED or (seq.status is WAITING and not out.advanced):
+                out.discarded.append(s)  # aborted (or, async, finished) before this step came back
+                continue
+            if out.advanced:
+                if s.samples:
+                    self._accept_placeholder(out, s, sampled[seq.request_id], released)
                 continue
             seq.num_computed_tokens += s.num_new_tokens
             assert seq.num_computed_tokens <= seq.num_tokens
@@ -189,6 +225,7 @@ class Scheduler:
                 continue
             token = sampled[seq.request_id]
             seq.output_token_ids.append(token)
+            out.accepted[seq.request_id] = token
             seq.finish_reason = self._finish_reason(seq, token)
             if seq.finish_reason is not None:
                 seq.status = FINISHED
@@ -201,6 +238,31 @@ class Scheduler:
                 self._retire(seq)
         self._assert_step_invariants()
         return released
+
+    def _accept_placeholder(self, out: SchedulerOutput, s: ScheduledSeq, token: int,
+                            released: list[Sequence]) -> None:
+        """Async: the token of an advanced step arrives. The sequence may have been
+        preempted since (it waits, keeping its outputs), and it may have placeholders of
+        later steps behind this one: if this token ends it, those are dropped."""
+        seq, i = s.seq, s.output_index
+        assert seq.output_token_ids[i] == PLACEHOLDER and (i == 0 or seq.output_token_ids[i - 1] != PLACEHOLDER)
+        seq.output_token_ids[i] = token
+        out.accepted[seq.request_id] = token
+        reason = self._finish_reason(seq, token, num_output_tokens=i + 1)
+        if reason is None:
+            return
+        del seq.output_token_ids[i + 1:]
+        seq.finish_reason = reason
+        if seq.status is WAITING:  # preempted after this step was scheduled: it holds nothing
+            self.waiting.remove(seq)
+            del self._seqs[seq.request_id]
+            seq.status, seq.wait_reason = FINISHED, None
+            released.append(seq)
+            return
+        seq.status = FINISHED
+        if not self._static:
+            self._retire(seq)
+            released.append(seq)
 
     # ---- introspection -----------------------------------------------------------------
     @property
@@ -251,7 +313,7 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         for seq in list(self.running):  # admission order; preemption edits the list
-            if seq.status is RUNNING and seq.is_decode and self._make_room(out, seq, 1):
+            if seq.status is RUNNING and seq.is_decode and not self._length_done(seq) and self._make_room(out, seq, 1):
                 self._add(out, seq, 1)
 
     def _schedule_prompts(self, out: SchedulerOutput) -> None:
@@ -356,13 +418,21 @@ class Scheduler:
         self._release(seq)
         del self._seqs[seq.request_id]
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, num_output_tokens: int | None = None) -> str | None:
+        """Why seq ends with `token` as its output number num_output_tokens (default:
+        its last), or None."""
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or (p.stop_token_ids and token in p.stop_token_ids):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        n = seq.num_output_tokens if num_output_tokens is None else num_output_tokens
+        if n >= p.max_tokens or seq.num_prompt_tokens + n >= self.config.max_model_len:
             return "length"
         return None
+
+    def _length_done(self, seq: Sequence) -> bool:
+        """Its latest token (async: maybe still a placeholder) is its last by length. Never
+        true of a running sequence under synchronous scheduling: update() retired it."""
+        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len
 
     def _assert_step_invariants(self) -> None:
         """O(running): slot ownership, and every block in use belongs to a running
