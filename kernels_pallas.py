@@ -35,6 +35,7 @@ the query heads of its GQA group.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -263,10 +264,23 @@ def ragged_paged_attention_ref(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
 # across dynamic-trip loops.
 # --------------------------------------------------------------------------------------
 
-try:  # the Triton backend's CompilerParams: its presence selects that lowering on GPU
+try:  # the Triton backend's CompilerParams: passing them selects that lowering on GPU
     from jax.experimental.pallas import triton as _pl_triton
-except ImportError:  # pragma: no cover - a JAX without the Triton backend
+    _TRITON_IMPORT_ERROR: str | None = None
+except ImportError as e:  # pragma: no cover - a JAX without the Triton backend
     _pl_triton = None
+    _TRITON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+TRITON_DEPRECATION = "The Pallas Triton backend is deprecated"
+
+
+def hide_triton_deprecation() -> None:
+    """JAX 0.11 warns at every Triton lowering that the backend is deprecated; we know
+    (docs/KERNELS.md), and a user can do nothing about it. Only that message is hidden."""
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+hide_triton_deprecation()
 
 MIN_DOT = 16  # tl.dot needs every matmul dim >= 16
 # Triton lowers a DEFAULT-precision f32 dot as TF32; HIGHEST keeps f32 caches exact (IEEE)
@@ -278,9 +292,23 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _compiler_params(num_warps: int, num_stages: int):
+def triton_unavailable() -> str | None:
+    """Why the Pallas Triton backend cannot be used here, or None when it can."""
     if _pl_triton is None:
+        return (f"jax.experimental.pallas.triton failed to import under jax {jax.__version__} "
+                f"({_TRITON_IMPORT_ERROR}); taxirank's kernels need Pallas' Triton backend")
+    return None
+
+
+def _compiler_params(num_warps: int, num_stages: int, interpret: bool):
+    """The Triton CompilerParams, which select that lowering on GPU. Never None there: a
+    pallas_call without them falls to Mosaic GPU (JAX 0.9/0.10's default), which rejects
+    the block-table gather with an error about something else entirely."""
+    if interpret:
         return None
+    reason = triton_unavailable()
+    if reason is not None:
+        raise RuntimeError(reason + " (use --attention-backend xla)")
     return _pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -332,23 +360,32 @@ def _block_ids(bt_ref, s, chunk, P, num_blocks):
 
 # ---- decode: one query token per slot ------------------------------------------------
 
-def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref, *,
-                   scale, pages_per_iter, chunks_per_split):
+def split_chunk_count(num_chunks, split, num_splits: int):
+    """How many of chunks split, split + K, split + 2K, ... (K = num_splits) lie below
+    num_chunks: the decode program's trip count. Never negative: split < K, so the
+    numerator of the ceiling division is >= 0 and truncation is the floor."""
+    return pl.cdiv(num_chunks - split, num_splits)
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, lens_ref, *out_refs,
+                   scale, pages_per_iter, num_splits):
     """Program (s, h, split): the RP query rows of kv head h of slot s (the R real heads
-    of the group, zero-padded), over this split's chunks of the context. Writes the
-    unnormalised partial (acc, m, l); splits past the context (and idle slots) run zero
-    iterations and write the empty partial (0, NEG_INF, 0)."""
+    of the group, zero-padded), over this split's chunks of the context, dealt round-robin
+    (split k takes chunks k, k + K, k + 2K, ...): every split below the context's chunk
+    count has work, so batch 1 at a short context still spreads over K programs.
+    With K > 1 it writes the unnormalised partial (acc, m, l); a split past the context
+    (and an idle slot) runs zero iterations and writes the empty partial (0, NEG_INF, 0).
+    With K == 1 it writes the normalised output in the output ref's (the cache's) dtype."""
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     P, BS = pages_per_iter, k_ref.shape[1]
     chunk_len = P * BS
     kv_len = lens_ref[s]
-    first = split * chunks_per_split
-    n = jnp.clip(pl.cdiv(kv_len, chunk_len) - first, 0, chunks_per_split)
+    n = split_chunk_count(pl.cdiv(kv_len, chunk_len), split, num_splits)
     q = q_ref[...]                                                        # [RP, D]
     rows = q.shape[0]
 
     def body(i, carry):
-        c = first + i
+        c = split + i * num_splits
         ids = _block_ids(bt_ref, s, c, P, k_ref.shape[0])
         return _attend_chunk(carry, q, k_ref, v_ref, ids, h, c * chunk_len,
                              lambda kpos: jnp.broadcast_to(kpos < kv_len, (rows, chunk_len)),
@@ -357,9 +394,14 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, lens_ref, o_ref, m_ref, l_ref, *
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, n, body, init)
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)  # idle: 0
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
 
 
 def default_num_splits(num_slots: int, num_kv_heads: int, num_chunks: int,
@@ -379,7 +421,8 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
     Grid (slot, kv head, split). Each program reads its kv head's [block_size, D] tile
     of each block once for all R = Hq/Hkv query heads of the group (no K/V repeat);
-    a jnp combine step merges the splits' partial softmax states."""
+    a jnp combine step merges the splits' partial softmax states. With one split the
+    kernel normalises and writes the cache dtype itself (no f32 round trip)."""
     S, _, _ = q.shape
     Hq, D, BS, Hkv, R = _check_shapes(q, k_cache, v_cache, interpret)
     P = pages_per_iter or _default_pages_per_iter(BS)
@@ -387,29 +430,38 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     num_chunks = max(1, -(-W // P))
     splits = num_splits or default_num_splits(S, Hkv, num_chunks)
     splits = max(1, min(splits, num_chunks))
-    cps = -(-num_chunks // splits)                       # chunks per split
-    bt = _pad_cols(block_tables.astype(jnp.int32), splits * cps * P)  # width covers the grid
+    bt = _pad_cols(block_tables.astype(jnp.int32), P)    # every chunk's P entries exist
     RP = max(MIN_DOT, _next_pow2(R))                     # query rows per program
     qg = jnp.pad(q.reshape(S, Hkv, R, D), ((0, 0), (0, 0), (0, RP - R), (0, 0)))
 
     kernel = functools.partial(_decode_kernel, scale=float(scale), pages_per_iter=P,
-                               chunks_per_split=cps)
-    acc, m, l = pl.pallas_call(
+                               num_splits=splits)
+    if splits == 1:  # the kernel normalises: no f32 partials, no combine step
+        out_specs = pl.BlockSpec((None, None, RP, D), lambda s, h, k: (s, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((S, Hkv, RP, D), k_cache.dtype)
+    else:
+        out_specs = [pl.BlockSpec((None, None, None, RP, D), lambda s, h, k: (s, h, k, 0, 0)),
+                     pl.BlockSpec((None, None, None, RP), lambda s, h, k: (s, h, k, 0)),
+                     pl.BlockSpec((None, None, None, RP), lambda s, h, k: (s, h, k, 0))]
+        out_shape = [jax.ShapeDtypeStruct((S, Hkv, splits, RP, D), jnp.float32),
+                     jax.ShapeDtypeStruct((S, Hkv, splits, RP), jnp.float32),
+                     jax.ShapeDtypeStruct((S, Hkv, splits, RP), jnp.float32)]
+    res = pl.pallas_call(
         kernel,
         grid=(S, Hkv, splits),
         in_specs=[pl.BlockSpec((None, None, RP, D), lambda s, h, k: (s, h, 0, 0)),
                   pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec()],
-        out_specs=[pl.BlockSpec((None, None, None, RP, D), lambda s, h, k: (s, h, k, 0, 0)),
-                   pl.BlockSpec((None, None, None, RP), lambda s, h, k: (s, h, k, 0)),
-                   pl.BlockSpec((None, None, None, RP), lambda s, h, k: (s, h, k, 0))],
-        out_shape=[jax.ShapeDtypeStruct((S, Hkv, splits, RP, D), jnp.float32),
-                   jax.ShapeDtypeStruct((S, Hkv, splits, RP), jnp.float32),
-                   jax.ShapeDtypeStruct((S, Hkv, splits, RP), jnp.float32)],
-        compiler_params=_compiler_params(num_warps, num_stages),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(num_warps, num_stages, interpret),
         interpret=interpret,
         name="paged_decode_attention",
     )(qg, k_cache, v_cache, bt, kv_lens.astype(jnp.int32))
-    out = combine_splits(acc[..., :R, :], m[..., :R], l[..., :R])       # [S, Hkv, R, D]
+    if splits == 1:
+        out = res[:, :, :R, :]
+    else:
+        acc, m, l = res
+        out = combine_splits(acc[..., :R, :], m[..., :R], l[..., :R])   # [S, Hkv, R, D]
     return out.reshape(S, Hq, D).astype(q.dtype)
 
 
@@ -511,7 +563,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         + [pl.BlockSpec() for _ in range(7)],
         out_specs=pl.BlockSpec((TQ, None, RP, D), lambda i, h: (i, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((Tp, Hkv, RP, D), q.dtype),
-        compiler_params=_compiler_params(num_warps, num_stages),
+        compiler_params=_compiler_params(num_warps, num_stages, interpret),
         interpret=interpret,
         name="ragged_paged_attention",
     )(qg, k_cache, v_cache, bt, cu, kv_lens.astype(jnp.int32), first, count)

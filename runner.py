@@ -33,9 +33,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from attention_backend import AttentionShape, select_attention_backend
 from config import EngineConfig
 from distributed import DECODE, RAGGED, STOP, StepChannel
-from kernels_pallas import get_attention_backend
 from kvcache import create_kv_caches
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel
@@ -107,7 +107,10 @@ class ModelRunner:
         self.stats = stats
         self.loaded = loaded
         self.mesh = mesh
-        self.backend = get_attention_backend(config.attention_backend)
+        # auto: the Pallas kernels on GPU if they pass a start-up check at these shapes, else
+        # xla (the check depends only on the GQA group, the same on every TP shard)
+        self.backend = select_attention_backend(
+            config.attention_backend, AttentionShape.of(loaded.config, config.block_size, loaded.dtype))
         if mesh is not None:
             self.backend = shard_attention(self.backend, mesh)
         self.block_size = config.block_size

@@ -389,7 +389,7 @@ _HELP = {  # EngineConfig fields; config.py says more
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
     "scheduling": "continuous (iteration-level) or static (the whole batch leaves together)",
     "kv_admission": "on-demand (grow, preempt when out), reserve (prompt + max_tokens), reserve-max-len",
-    "attention_backend": "paged attention: auto (Pallas on GPU, jnp on CPU), pallas or xla",
+    "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
     "compilation_cache_dir": "persistent cache of compiled step programs (fast restarts); '' turns it off",

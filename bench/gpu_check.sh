@@ -1,45 +1,88 @@
 #!/usr/bin/env bash
-# One prepared GPU check for the paged-attention kernels, inside ~8 minutes:
-#   1. tests/test_kernels.py with the kernels compiled for the GPU (not interpreted):
-#      TAXIRANK_KERNEL_INTERPRET=0 makes a run without a visible GPU fail, not pass on CPU;
-#   2. bench/kernels.py: decode kernel vs reference (batch x context), two ragged steps,
-#      then the whole Llama-3-8B-shaped decode step (random bf16 weights).
-# Each part has its own timeout and the next part runs even if one fails or times out;
-# the bench rewrites its JSON after every row, so a timeout keeps what finished.
-# Results go to $OUT when set (the device tool brings that folder back), else to
-# bench/results/gpu_check/ (git-ignored). Exit status: non-zero if any part failed.
+# The prepared GPU check, within 5 minutes on an H200 (stage limits add up to 285 s):
+#   1 smoke    both kernels compiled on small inputs of four model shapes and checked
+#              against the references (the engine's own start-up probe)           35 s
+#   2 tests    tests/test_kernels.py compiled for real (TAXIRANK_KERNEL_INTERPRET=0:
+#              without a GPU it fails, it does not pass on CPU); hypothesis cases out 45 s
+#   3 kernels  copy bandwidth, then the decode grid (context 8k/2k/512 x batch
+#              256/64/16/1, largest first so a cut-off loses the least telling cases)
+#              with a tuning sweep (warps 4/8 x stages 2/3/4 x 64/128 keys per step)
+#              on the cases reading >= 0.5 GiB; two ragged steps                     75 s
+#   4 step     the Llama-3-8B-shaped decode step at batch 1/32/256 vs its roofline  50 s
+#   5 mix      the seed's mix, continuous vs static, 8B-shaped random bf16 model,
+#              200 requests (bench/gpu_mix.py)                                       80 s
+# A stage that fails or times out does not stop the next one. After every stage,
+# bench/gpu_check_report.py rewrites results.json and summary.md from what exists, and
+# raw.tgz holds every stage's JSON and log: a run cut off anywhere keeps what finished.
+# Output: $OUT when set (the device tool brings it back; at most 8 files), else
+# bench/results/gpu_check/. Stage limits can be changed: T_SMOKE=40 bash bench/gpu_check.sh
 #
-#   bash bench/gpu_check.sh                 # PYTHON=python3 by default
-set -euo pipefail
+#   bash bench/gpu_check.sh               # on a GPU
+#   bash bench/gpu_check.sh --cpu-smoke   # here: the same plumbing, interpreted kernels, tiny shapes
+set -uo pipefail  # no -e: a failing stage is a result, not the end
 cd "$(dirname "$0")/.."
 
+MODE=gpu
+if [ "${1:-}" = "--cpu-smoke" ]; then MODE=cpu-smoke; fi
 PY=${PYTHON:-python3}
 DEST=${OUT:-bench/results/gpu_check}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 mkdir -p "$DEST"
-export PYTHONPATH=.
-export TAXIRANK_KERNEL_INTERPRET=0
+export PYTHONPATH=. PYTHONUNBUFFERED=1
 status=0
 
-part() {  # part NAME SECONDS CMD...: run with a timeout, log to $DEST/NAME.log, keep going
+report() {
+  "$PY" bench/gpu_check_report.py "$WORK" "$DEST" --mode "$MODE" || echo "gpu_check: the report failed"
+  tar czf "$DEST/raw.tgz" -C "$WORK" . 2>/dev/null || true
+}
+
+stage() {  # stage NAME SECONDS CMD...: run with a time limit, log, record, report
   local name=$1 secs=$2
   shift 2
-  echo "== $name (timeout ${secs}s): $*"
+  echo "== $name (limit ${secs}s): $*"
   local t0=$SECONDS rc=0
-  timeout --signal=INT --kill-after=15 "$secs" "$@" >"$DEST/$name.log" 2>&1 || rc=$?
-  tail -n 25 "$DEST/$name.log"
+  timeout --signal=INT --kill-after=10 "$secs" "$@" >"$WORK/$name.log" 2>&1 || rc=$?
+  tail -n 30 "$WORK/$name.log"
   echo "== $name: exit $rc after $((SECONDS - t0))s"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$secs" >>"$WORK/stages.tsv"
   if [ "$rc" -ne 0 ]; then status=1; fi
+  report
 }
 
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
-  "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
-} >"$DEST/env.txt" 2>&1 || status=1
-cat "$DEST/env.txt"
+  echo "mode $MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>/dev/null \
+    || echo "nvidia-smi: not available"
+  "$PY" -c "import sys, jax, jaxlib; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+  "$PY" -c "import kernels_pallas as kp; print('pallas triton:', kp.triton_unavailable() or 'importable')"
+} >"$WORK/env.txt" 2>&1
+cat "$WORK/env.txt"
+report
 
-part tests 120 "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider --durations=10
-part bench_kernels 190 "$PY" bench/kernels.py --require-gpu --skip-step --out "$DEST/kernels.json"
-part bench_step 150 "$PY" bench/kernels.py --require-gpu --skip-decode --skip-ragged --out "$DEST/step.json"
+if [ "$MODE" = gpu ]; then
+  export TAXIRANK_KERNEL_INTERPRET=0
+  GPU=--require-gpu
+  stage smoke "${T_SMOKE:-35}" "$PY" bench/kernels.py $GPU --smoke --out "$WORK/smoke.json"
+  stage tests "${T_TESTS:-45}" "$PY" -m pytest tests/test_kernels.py -m "not hypothesis" -v -rfE \
+    -p no:cacheprovider --durations=5
+  stage kernels "${T_KERNELS:-75}" "$PY" bench/kernels.py $GPU --sweep --backends pallas --skip-step \
+    --contexts 8192,2048,512 --batches 256,64,16,1 --out "$WORK/kernels.json"
+  stage step "${T_STEP:-50}" "$PY" bench/kernels.py $GPU --skip-decode --skip-ragged --step-backends pallas \
+    --out "$WORK/step.json"
+  stage mix "${T_MIX:-80}" "$PY" bench/gpu_mix.py $GPU --out "$WORK/mix.json"
+else  # every stage's plumbing on CPU: interpreted kernels, toy shapes
+  export TAXIRANK_KERNEL_INTERPRET=1
+  stage smoke "${T_SMOKE:-150}" "$PY" bench/kernels.py --quick --smoke --out "$WORK/smoke.json"
+  stage tests "${T_TESTS:-150}" "$PY" -m pytest tests/test_kernels.py -m "not hypothesis" -q -rfE \
+    -p no:cacheprovider -k "split_k or one_split"
+  stage kernels "${T_KERNELS:-150}" "$PY" bench/kernels.py --quick --sweep --backends pallas --skip-step \
+    --out "$WORK/kernels.json"
+  stage step "${T_STEP:-150}" "$PY" bench/kernels.py --quick --skip-decode --skip-ragged --step-backends xla \
+    --out "$WORK/step.json"
+  stage mix "${T_MIX:-150}" "$PY" bench/gpu_mix.py --tiny --out "$WORK/mix.json"
+fi
 
-echo "gpu_check: results in $DEST (status $status)"
+echo "gpu_check: results in $DEST (summary.md, results.json, raw.tgz; status $status)"
+cat "$DEST/summary.md" 2>/dev/null
+rm -rf "$WORK"
 exit "$status"

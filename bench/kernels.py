@@ -28,6 +28,7 @@ Writes JSON to --out, else $OUT/kernels.json when $OUT is set; prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -35,6 +36,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,7 +45,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import attention_backend as ab  # noqa: E402
 import kernels_pallas as kp  # noqa: E402
+from attention_backend import AttentionShape  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
@@ -59,10 +63,10 @@ class Results:
     """Collects rows and rewrites the JSON after each, so a timeout keeps what ran."""
 
     def __init__(self, path: str | None, meta: dict[str, Any]):
-        self.path, self.data = path, {"meta": meta, "decode": [], "ragged": [], "step": []}
+        self.path, self.data = path, {"meta": meta}
 
     def add(self, part: str, row: dict[str, Any]) -> None:
-        self.data[part].append(row)
+        self.data.setdefault(part, []).append(row)
         if self.path:
             with open(self.path, "w") as f:
                 json.dump(self.data, f, indent=1)
@@ -98,8 +102,65 @@ def disjoint_tables(rng: np.random.Generator, n: int, S: int, W: int) -> tuple[n
     return ids.reshape(n, S, W), n * S * W + 1
 
 
+@dataclass(frozen=True)
+class KernelConfig:
+    """The decode kernel's tuning knobs: Triton warps and pipeline stages, keys per
+    inner-loop step (pages_per_iter = keys // block_size)."""
+
+    num_warps: int = 4
+    num_stages: int = 2
+    keys_per_step: int = 64
+
+    def kwargs(self) -> dict[str, int]:
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages,
+                    pages_per_iter=max(1, self.keys_per_step // BS))
+
+    def label(self) -> str:
+        return f"w{self.num_warps}/s{self.num_stages}/k{self.keys_per_step}"
+
+
+def bench_copy(res: Results, gib: float, peak: float) -> float:
+    """Device copy bandwidth measured here (x -> x + 1 over a bf16 buffer, bytes read +
+    written, as KINDS.md's figure counts them) and read-only bandwidth (a sum): the
+    ceilings the attention kernel, which only reads, is judged against besides the
+    datasheet. Returns the copy bandwidth in bytes/s."""
+    n = int(gib * 2**30) // 2
+    reps = 10
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def copy(x):
+        return jax.lax.fori_loop(0, reps, lambda i, x: x + jnp.asarray(1, x.dtype), x)
+
+    @jax.jit
+    def read(x):  # "+ i": a loop-invariant sum could be hoisted out of the loop
+        return jax.lax.fori_loop(
+            0, reps, lambda i, a: a + jnp.sum(x + i.astype(x.dtype), dtype=jnp.float32), jnp.float32(0))
+
+    x = jnp.zeros((n,), DTYPE)
+    box = [x]
+
+    def run_copy():
+        box[0] = copy(box[0])
+        return box[0]
+
+    copy_s = timed(run_copy) / reps
+    read_s = timed(lambda: read(box[0])) / reps
+    nbytes = n * 2
+    row = dict(bytes=nbytes, copy_gbps=2 * nbytes / copy_s / 1e9, read_gbps=nbytes / read_s / 1e9)
+    row["copy_pct_peak"] = 100 * row["copy_gbps"] * 1e9 / peak
+    res.add("copy", row)
+    print(f"copy    {nbytes / 2**30:.1f} GiB buffer: copy {row['copy_gbps']:7.0f} GB/s (read + written, "
+          f"{row['copy_pct_peak']:.0f}% of peak) | read-only {row['read_gbps']:7.0f} GB/s", flush=True)
+    del box, x
+    return row["copy_gbps"] * 1e9
+
+
 def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: float,
-                 interpret: bool, backends: list[str]) -> None:
+                 interpret: bool, backends: list[str], sweep: list[KernelConfig] | None = None,
+                 judge_bytes: int = 1 << 29, copy_bw: float | None = None) -> None:
+    """The decode grid. Cases reading at least judge_bytes of KV are *judged* (smaller
+    ones measure launch and tail effects, not bandwidth) and, with `sweep`, run every
+    kernel configuration in it; the best is the row's pallas figure."""
     rng = np.random.default_rng(0)
     itemsize = jnp.dtype(DTYPE).itemsize
     for ctx in contexts:
@@ -115,28 +176,57 @@ def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: fl
             lens = jnp.full((S,), ctx, jnp.int32)
             tables = jnp.asarray(tables)
             reps = max(n_tables, 10)
+            judged = kv_bytes >= judge_bytes
             row: dict[str, Any] = dict(batch=S, context=ctx, kv_bytes=kv_bytes, reps=reps,
-                                       rotated_tables=n_tables)
-            for name in backends:
-                if name == "pallas":
-                    attn = functools.partial(kp.paged_decode_attention, interpret=interpret)
-                else:
-                    attn = kp.paged_decode_attention_ref
+                                       rotated_tables=n_tables, judged=judged)
+
+            def measure(attn):
                 f = functools.partial(attn, scale=D ** -0.5)
                 run = chained(lambda q, bt, kc, vc, lens, f=f: f(q, kc, vc, bt, lens), reps,
                               lambda t, i: t[i % t.shape[0]])
                 try:
                     sec = timed(lambda: run(q, tables, kc, vc, lens)) / reps
                 except Exception as e:  # a failure is a result too; keep benchmarking
-                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                    continue
+                    return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 bw = kv_bytes / sec
-                row[name] = dict(us=sec * 1e6, gbps=bw / 1e9, pct_peak=100 * bw / peak)
+                out = dict(us=sec * 1e6, gbps=bw / 1e9, pct_peak=100 * bw / peak)
+                if copy_bw:
+                    out["pct_copy"] = 100 * bw / copy_bw
+                return out
+
+            for name in backends:
+                if name != "pallas":
+                    row[name] = measure(kp.paged_decode_attention_ref)
+                    continue
+                configs = sweep if (sweep and judged) else [KernelConfig()]
+                tried = []
+                for c in configs:
+                    r = measure(functools.partial(kp.paged_decode_attention, interpret=interpret, **c.kwargs()))
+                    tried.append(dict(config=c.label(), **r))
+                ok = [t for t in tried if "us" in t]
+                row[name] = min(ok, key=lambda t: t["us"]) if ok else tried[0]
+                if len(tried) > 1:
+                    row["sweep"] = tried
             if "pallas" in row and "ref" in row and "us" in row["pallas"] and "us" in row["ref"]:
                 row["speedup_vs_ref"] = row["ref"]["us"] / row["pallas"]["us"]
             res.add("decode", row)
             print(_decode_line(row), flush=True)
             del kc, vc
+
+
+def best_configs(res: Results) -> None:
+    """The best configuration per swept shape, and how often each configuration won."""
+    rows = [r for r in res.data.get("decode", []) if "sweep" in r and "config" in r.get("pallas", {})]
+    if not rows:
+        return
+    wins: dict[str, int] = {}
+    for r in rows:
+        wins[r["pallas"]["config"]] = wins.get(r["pallas"]["config"], 0) + 1
+        print(f"best    batch {r['batch']:4d} ctx {r['context']:5d}: {r['pallas']['config']} "
+              f"({r['pallas']['gbps']:.0f} GB/s)", flush=True)
+    res.add("best_config_wins", wins)
+    print("best    wins (warps/stages/keys per step): "
+          + ", ".join(f"{k} x{v}" for k, v in sorted(wins.items(), key=lambda kv: -kv[1])), flush=True)
 
 
 def _decode_line(r: dict[str, Any]) -> str:
@@ -145,11 +235,14 @@ def _decode_line(r: dict[str, Any]) -> str:
             return f"{'-':>28}"
         if "error" in x:
             return f"{'ERROR':>28}"
-        return f"{x['us']:9.1f} us {x['gbps']:7.0f} GB/s {x['pct_peak']:4.0f}%"
+        copy = f" {x['pct_copy']:4.0f}% copy" if "pct_copy" in x else ""
+        return f"{x['us']:9.1f} us {x['gbps']:7.0f} GB/s {x['pct_peak']:4.0f}% peak{copy}"
     sp = r.get("speedup_vs_ref")
-    return (f"decode  batch {r['batch']:4d} ctx {r['context']:5d}  KV {r['kv_bytes'] / 2**20:8.1f} MiB | "
-            f"pallas {cell(r.get('pallas'))} | ref {cell(r.get('ref'))} | "
-            f"{'x%.2f' % sp if sp else ''}")
+    best = r.get("pallas", {}).get("config")
+    return (f"decode  batch {r['batch']:4d} ctx {r['context']:5d}  KV {r['kv_bytes'] / 2**20:8.1f} MiB"
+            f"{' *' if r.get('judged') else '  '}| pallas {cell(r.get('pallas'))}"
+            f"{' best of %d: %s' % (len(r['sweep']), best) if 'sweep' in r else ''} | "
+            f"ref {cell(r.get('ref'))} | {'x%.2f' % sp if sp else ''}")
 
 
 RAGGED_CASES = {  # label: (q_lens, kv_lens) per sequence
@@ -271,6 +364,33 @@ def bench_step(res: Results, batches: list[int], context: int, peak: float,
                   f"| first call {compile_s:.0f}s", flush=True)
 
 
+SMOKE_SHAPES = [  # (q heads, kv heads, head_dim, block_size, dtype) of models people serve
+    AttentionShape(32, 8, 128, 16, "bfloat16"),    # Llama-3-8B
+    AttentionShape(28, 4, 128, 16, "bfloat16"),    # Qwen2-7B: a GQA group of 7, padded to 8
+    AttentionShape(32, 32, 128, 16, "bfloat16"),   # Llama-2-7B: no GQA
+    AttentionShape(16, 8, 64, 32, "float32"),      # f32, head_dim 64, block 32
+]
+
+
+def bench_smoke(res: Results, interpret: bool, shapes: list[AttentionShape]) -> None:
+    """Compile (or interpret) both kernels on small inputs of each shape and check them
+    against the references: the engine's own start-up probe (attention_backend.py)."""
+    for shape in shapes:
+        t0 = time.perf_counter()
+        reason = None if interpret else ab.unsupported_reason(shape)
+        if reason is None:
+            reason = ab.probe_kernels(shape, kp.get_attention_backend("pallas", interpret=interpret))
+        row = dict(shape=dataclasses.asdict(shape), ok=reason is None, reason=reason,
+                   seconds=round(time.perf_counter() - t0, 2))
+        res.add("smoke", row)
+        print(f"smoke   {shape}: {'ok' if row['ok'] else 'FAILED: ' + str(reason)} ({row['seconds']}s)",
+              flush=True)
+    if not interpret:  # what `--attention-backend auto` serves for the first shape
+        chosen = ab.select_attention_backend("auto", shapes[0]).name
+        res.add("smoke_auto", dict(shape=dataclasses.asdict(shapes[0]), backend=chosen))
+        print(f"smoke   --attention-backend auto serves: {chosen}", flush=True)
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
@@ -289,6 +409,17 @@ def main() -> None:
     ap.add_argument("--step-context", type=int, default=1024)
     ap.add_argument("--step-backends", default="pallas", help="pallas,xla")
     ap.add_argument("--step-iters", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true",
+                    help="only the compile smoke test: both kernels vs the references on small inputs")
+    ap.add_argument("--sweep", action="store_true",
+                    help="tune the decode kernel on the judged cases over the --sweep-* lists")
+    ap.add_argument("--sweep-warps", type=_ints, default=[4, 8])
+    ap.add_argument("--sweep-stages", type=_ints, default=[2, 3, 4])
+    ap.add_argument("--sweep-keys", type=_ints, default=[64, 128], help="keys per inner-loop step")
+    ap.add_argument("--judge-gib", type=float, default=0.5,
+                    help="decode cases reading at least this much KV are judged (and swept)")
+    ap.add_argument("--copy-gib", type=float, default=2.0, help="buffer of the copy-bandwidth measurement")
+    ap.add_argument("--skip-copy", action="store_true")
     ap.add_argument("--quick", action="store_true",
                     help="toy shapes, a smoke run of every part (on CPU the kernels are interpreted)")
     ap.add_argument("--require-gpu", action="store_true", help="fail at once when JAX sees no GPU")
@@ -305,6 +436,8 @@ def main() -> None:
         args.step_batches, args.step_context, args.step_iters = [1, 4], 64, 2
         step_config = dict(LLAMA3_8B_HF, num_hidden_layers=2, hidden_size=256, intermediate_size=512,
                            vocab_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+        args.judge_gib, args.copy_gib = 0.0, 1 / 16  # every case judged: the sweep path runs
+        args.sweep_warps, args.sweep_stages = args.sweep_warps[:1], args.sweep_stages[:1]
     out = args.out or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else None)
     dev = jax.devices()[0]
     meta = dict(jax=jax.__version__, python=platform.python_version(), backend=jax.default_backend(),
@@ -323,8 +456,20 @@ def main() -> None:
     res = Results(out, meta)
     backends = [b for b in args.backends.split(",") if b]
     peak = args.peak_tbps * 1e12
+    if args.smoke:
+        bench_smoke(res, interpret, SMOKE_SHAPES[:2] if args.quick else SMOKE_SHAPES)
+        if out:
+            print(f"wrote {out}")
+        sys.exit(0 if all(r["ok"] for r in res.data["smoke"]) else 1)
+    copy_bw = None
+    if not args.skip_decode and not args.skip_copy:
+        copy_bw = bench_copy(res, args.copy_gib, peak)
     if not args.skip_decode:
-        bench_decode(res, args.batches, args.contexts, peak, interpret, backends)
+        sweep = ([KernelConfig(w, st, k) for w in args.sweep_warps for st in args.sweep_stages
+                  for k in args.sweep_keys] if args.sweep else None)
+        bench_decode(res, args.batches, args.contexts, peak, interpret, backends, sweep,
+                     int(args.judge_gib * 2**30), copy_bw)
+        best_configs(res)
     if not args.skip_ragged:
         bench_ragged(res, interpret, backends, ragged_cases)
     if not args.skip_step:

@@ -7,7 +7,7 @@ and start-up time from safetensors vs from an orbax checkpoint.
 On CPU this is a correctness-and-memory figure, not a speed claim: forced host devices
 share the same cores, so TP adds collectives and no compute. Per device it prints the
 weight bytes and the KV cache bytes (from the arrays' shardings), and whether the greedy
-tokens equal TP 1's. Start-up: the same weights written once as an HF safetensors
+tokens equal TP 1's; tok/s is the second of two identical runs (the first compiles). Start-up: the same weights written once as an HF safetensors
 directory and once as an orbax checkpoint (checkpoint.py convert), each loaded twice,
 alternating; the figure is the faster of the two loads (both come from the page cache).
 """
@@ -76,9 +76,10 @@ def main() -> None:
     print(f"{'tp':>3} {'weights/device MiB':>19} {'KV/device MiB':>14} {'KV blocks':>9} {'tok/s':>8} {'same as tp1':>11}")
     for tp in (int(x) for x in args.tp.split(",")):
         llm = LLM(args.model, log=lambda s: None, tensor_parallel_size=tp, max_num_seqs=args.requests,
-                  max_model_len=args.prompt_len + args.max_tokens, compilation_cache_dir="")
+                  max_model_len=args.prompt_len + args.max_tokens, compilation_cache_dir="", warmup=False)
         w = max(bytes_per_device(nnx.state(llm.engine.loaded.model, nnx.Param)).values())
         kv = max(bytes_per_device(llm.engine.runner.kv_caches).values())
+        llm.generate(prompts, params)  # compiles the programs this workload uses
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         dt = time.perf_counter() - t0

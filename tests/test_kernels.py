@@ -195,6 +195,34 @@ def test_decode_split_k(num_splits):
     assert_close(out, want, jnp.float32, f"decode with {num_splits} splits")
 
 
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(num_chunks=st.integers(0, 40), num_splits=st.integers(1, 40))
+def test_decode_splits_deal_chunks_round_robin(num_chunks, num_splits):
+    """Split k takes chunks k, k + K, ...: together the splits cover every chunk of the
+    context exactly once, their loads differ by at most one chunk, and so every split
+    below the chunk count has work (batch 1 at a short context still spreads out)."""
+    counts = [int(kp.split_chunk_count(jnp.int32(num_chunks), k, num_splits)) for k in range(num_splits)]
+    dealt = sorted(k + i * num_splits for k in range(num_splits) for i in range(counts[k]))
+    assert dealt == list(range(num_chunks))
+    assert max(counts) - min(counts) <= 1
+    assert all(c >= 1 for c in counts[:num_chunks])
+
+
+def test_decode_one_split_writes_the_cache_dtype():
+    """With one split the kernel normalises in place and writes bf16: no f32 partials
+    and no combine step; exact against the oracle like the split path."""
+    rng = np.random.default_rng(17)
+    q, kc, vc, bt, kv_lens = decode_case(rng, 4, 64, jnp.bfloat16)
+    f = functools.partial(kp.paged_decode_attention, scale=0.125, interpret=True)
+    for splits, want_outs in ((1, [jnp.bfloat16]), (3, [jnp.float32] * 3)):
+        jaxpr = jax.make_jaxpr(functools.partial(f, num_splits=splits))(q, kc, vc, bt, kv_lens)
+        [call] = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        assert [v.aval.dtype for v in call.outvars] == want_outs
+        out = pl_decode(q, kc, vc, bt, kv_lens, scale=0.125, num_splits=splits)
+        assert out.dtype == jnp.bfloat16
+        assert_close(out, decode_oracle(q, kc, vc, bt, kv_lens, 0.125), jnp.bfloat16, f"{splits} splits")
+
+
 @pytest.mark.parametrize("pages_per_iter,block_q", [(1, 16), (2, 32), (8, 128)])
 def test_tiling_knobs(pages_per_iter, block_q):
     rng = np.random.default_rng(11)
@@ -335,6 +363,21 @@ def test_ragged_tile_sequences():
     assert np.asarray(count).tolist() == [4, 1, 1, 0]
 
 
+def test_only_the_triton_deprecation_warning_is_hidden():
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kp.hide_triton_deprecation()
+        # JAX 0.11.2's exact text (jax/_src/pallas/triton/pallas_call_registration.py)
+        warnings.warn("The Pallas Triton backend is deprecated and will be removed in a future JAX "
+                      "version. To keep using Pallas on GPU, please migrate to the Mosaic GPU backend.",
+                      DeprecationWarning)
+        warnings.warn("The Pallas Mosaic GPU thing is deprecated", DeprecationWarning)
+        warnings.warn("The Pallas Triton backend is deprecated (but as a UserWarning)", UserWarning)
+    assert [str(w.message)[:25] for w in seen] == ["The Pallas Mosaic GPU thi", "The Pallas Triton backend"]
+    assert seen[1].category is UserWarning
+
+
 # ---- the GPU lowering, checked from CPU ------------------------------------------------
 
 def _jaxlib_version():
@@ -363,6 +406,17 @@ def test_lowers_to_triton(R, D, dtype):
     for f, args in ((dec, (q, kc, kc, bt, lens)), (rag, (qr, kc, kc, bt, cu, lens))):
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text
+
+
+@pytest.mark.skipif(ON_GPU or _jaxlib_version() > (0, 10, 2), reason="as test_lowers_to_triton")
+def test_one_split_decode_lowers_to_triton():
+    """The one-split decode (normalise and store bf16 in the kernel) lowers too."""
+    q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
+    kc = jax.ShapeDtypeStruct((64, BS, 8, 128), jnp.bfloat16)
+    bt = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    dec = jax.jit(functools.partial(kp.paged_decode_attention, scale=0.1, num_splits=1))
+    assert "xla.gpu.triton" in dec.trace(q, kc, kc, bt, lens).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.skipif(ON_GPU or _jaxlib_version() > (0, 10, 2), reason="as test_lowers_to_triton")
