@@ -73,7 +73,9 @@ class StepChannel:
     def post(self, kind: int, rows: int, tokens: int, args: Any) -> None:
         import jax
 
-        assert self.process_index == 0
+        if self.process_index != 0:
+            raise RuntimeError(f"process {self.process_index} tried to schedule a step: in a multi-host group only "
+                               "process 0 schedules; the others call LLMEngine.follow()")
         body = np.array([kind, rows, tokens], np.int64).tobytes()
         body += b"".join(np.ascontiguousarray(x).tobytes() for x in jax.tree.leaves(args))
         self.client.key_value_set_bytes(f"{_PREFIX}step/{self.n}", body)
