@@ -72,6 +72,15 @@ def _read_meta(path: str) -> tuple[dict[str, Any], ModelConfig]:
             d["rope_scaling"] = tuple((str(k), float(v)) for k, v in d["rope_scaling"])
         d["eos_token_ids"] = tuple(int(x) for x in d.get("eos_token_ids", ()))
         cfg = ModelConfig(**d)
+        kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
+        for f in dataclasses.fields(ModelConfig):
+            v = getattr(cfg, f.name)
+            if f.type in kinds and (not isinstance(v, kinds[f.type]) or (f.type != "bool" and isinstance(v, bool))):
+                raise ValueError(f"{f.name} must be {f.type}, got {v!r}")
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+        if any(getattr(cfg, k) < 1 for k in sizes):
+            raise ValueError(f"sizes must be >= 1: {', '.join(f'{k}={getattr(cfg, k)}' for k in sizes)}")
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}/{META}: bad model_config ({e})") from None
     if meta.get("dtype") not in ("float32", "bfloat16"):

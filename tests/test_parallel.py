@@ -149,6 +149,29 @@ def test_orbax_save_then_load_is_bit_identical(tmp_path):
         assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), p
     with pytest.raises(FileExistsError):
         checkpoint.save(src, str(tmp_path / "ck"))
+    meta_path = tmp_path / "ck" / checkpoint.META
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "model_config": {**meta["model_config"], "hidden_size": "wide"}}))
+    with pytest.raises(ValueError, match="bad model_config|parameters do not match"):
+        checkpoint.load(str(tmp_path / "ck"))
+    meta_path.write_text(json.dumps({**meta, "format": 99}))
+    with pytest.raises(ValueError, match="format"):
+        checkpoint.load(str(tmp_path / "ck"))
+
+
+def test_parallel_flags_are_checked_where_they_enter():
+    from config import EngineConfig
+    from parallel import make_mesh
+
+    for bad in (dict(tensor_parallel_size=0), dict(num_processes=2), dict(distributed_coordinator="h:1"),
+                dict(distributed_coordinator="nohost", num_processes=2),
+                dict(distributed_coordinator="h:99999", num_processes=2),
+                dict(distributed_coordinator="h:1", num_processes=2, process_id=2)):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
+    EngineConfig(distributed_coordinator="10.0.0.1:1234", num_processes=2, process_id=1)
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
+        make_mesh(64)  # this pytest process has one CPU device
 
 
 @pytest.mark.parametrize("case,tp", [("llama-tp2", 2), ("llama-tp4", 4), ("qwen3-tp4", 4)])
