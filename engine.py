@@ -222,7 +222,10 @@ class LLMEngine:
         prev, self._in_flight = self._in_flight, step
         if prev is not None:
             return self._postprocess(*prev)
-        return [] if step is not None else self._postprocess_empty(out)
+        if step is None:
+            return self._postprocess_empty(out)
+        self._refresh_gauges()  # the first step of a run: nothing came back yet, but who runs and waits moved
+        return []
 
     def _postprocess_empty(self, out: SchedulerOutput) -> list[RequestOutputDelta]:
         # Nothing ran, but update() may still release a static batch whose last running
@@ -236,7 +239,8 @@ class LLMEngine:
 
     def _postprocess(self, out: SchedulerOutput, step: InFlightStep, scheduled_at: float) -> list[RequestOutputDelta]:
         result = step.result()
-        sampled = {sch.seq.request_id: int(result.tokens[i]) for i, sch in enumerate(out.scheduled) if sch.samples}
+        tokens = result.tokens.tolist()
+        sampled = {sch.seq.request_id: tokens[i] for i, sch in enumerate(out.scheduled) if sch.samples}
         logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)
         accepted = out.accepted

@@ -9,7 +9,8 @@ One run, side by side. Sections (--sections, comma separated):
             large jitted copy) and matmul GFLOP/s (a large f32 jitted matmul). Every step
             below is reported as a fraction of them, so on a GPU the script reads as a
             roofline.
-  host      the host-only step (schedule, build the step's arrays, update, stats) with the
+  host      (with --baseline DIR: also DIR's code, alternating fresh processes)
+            the host-only step (schedule, build the step's arrays, update, stats) with the
             device programs replaced by an instant stub: steady decode at each decode
             bucket, and prefill steps of a few sizes. Target: <= 0.5 ms at 256 sequences.
   steps     the real programs (the `bench` model) per decode bucket and prefill size: the
@@ -28,6 +29,7 @@ One run, side by side. Sections (--sections, comma separated):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -41,6 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SECTIONS = ("roofline", "host", "steps", "warmup", "e2e")
 HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+BASELINE = ""  # --baseline DIR: another checkout whose cold warm-up runs beside this one's
 
 # SmolLM2-135M's shape (the model issue 9 makes the default): 30 layers, width 576.
 SMOL = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -136,7 +140,7 @@ def fill(eng, n: int, prompt_len: int = 64, start: int = 0) -> None:
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
-    b = [1, 4, 32, 256] if QUICK else [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    b = [1, 32, 256] if QUICK else [1, 2, 4, 8, 16, 32, 64, 128, 256]
     return [x for x in b if x <= max_num_seqs]
 
 
@@ -148,13 +152,16 @@ def host_decode_ms(n: int, async_scheduling: bool) -> float:
     stub_device(eng.runner)
     fill(eng, n)
     steps = 200
-    return 1e3 * _best(lambda: [eng.step() for _ in range(steps)], reps=3) / steps
+    ms = 1e3 * _best(lambda: [eng.step() for _ in range(steps)], reps=3) / steps
+    del eng
+    gc.collect()  # the next measurement's collections must not walk this engine's objects
+    return ms
 
 
 def host_prefill_ms(tokens: int) -> float:
     from config import SamplingParams
 
-    eng = make_engine("tiny", 32, False, warmup=False, max_model_len=2048)
+    eng = make_engine("tiny", 32, False, warmup=False, max_model_len=4096, max_num_batched_tokens=4096)
     stub_device(eng.runner)
     k = [0]
 
@@ -169,6 +176,41 @@ def host_prefill_ms(tokens: int) -> float:
     return 1e3 * _best(one, reps=20)
 
 
+def _host_child(n: int, root: str) -> None:
+    """In a fresh process: the synchronous host-only decode step of the code at `root`
+    (which may predate async scheduling and the device-side token buffer)."""
+    sys.path.insert(0, root)
+    import numpy as np
+
+    import runner as runner_mod
+    from config import EngineConfig, SamplingParams
+    from engine import LLMEngine
+
+    new = hasattr(runner_mod, "InFlightStep")
+    extra = {"async_scheduling": False} if new else {}
+    eng = LLMEngine(EngineConfig(model="tiny", max_num_seqs=n, max_model_len=2048, max_num_batched_tokens=2048,
+                                 num_kv_blocks=n * 128 + 1, warmup=False, **extra), log=lambda *_: None)
+
+    def instant(state, kv_caches, *args):
+        k = args[-1].temperature.shape[0]
+        res = (np.full(k, 7, np.int32), np.zeros(k, np.float32), np.zeros((k, 20), np.int32),
+               np.zeros((k, 20), np.float32))
+        return (kv_caches, args[0], res) if new else (kv_caches, res)
+
+    eng.runner._decode = eng.runner._ragged = instant
+    for i in range(n):
+        eng.add_request(f"r{i}", [5] * 64, SamplingParams(max_tokens=1984, ignore_eos=True))
+    while eng.scheduler.num_waiting or any(not s.is_decode for s in eng.scheduler.running):
+        eng.step()
+    print(json.dumps(1e3 * _best(lambda: [eng.step() for _ in range(200)], reps=3) / 200))
+
+
+def _host_run(n: int, root: str) -> float:
+    out = subprocess.run([sys.executable, HERE, "--_host-child", str(n), root], capture_output=True, text=True,
+                         check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def section_host() -> dict:
     out: dict = {"decode": {}, "prefill": {}}
     for n in decode_buckets(256):
@@ -176,6 +218,15 @@ def section_host() -> dict:
         out["decode"][n] = dict(sync_ms=sync, async_ms=asyn)
         target = "  (target <= 0.5 ms)" if n == 256 else ""
         print(f"host    decode, {n:3d} sequences: {sync:.3f} ms/step sync, {asyn:.3f} ms async{target}")
+    if BASELINE:  # this tree vs another checkout, alternating fresh processes (the machine is shared)
+        for n in (32, 256):
+            mine, base = [], []
+            for _ in range(2):
+                base.append(_host_run(n, BASELINE))
+                mine.append(_host_run(n, ROOT))
+            out["decode"][n].update(sync_ms_fresh=min(mine), baseline_sync_ms=min(base))
+            print(f"host    decode, {n:3d} sequences, fresh processes side by side: {min(mine):.3f} ms this tree, "
+                  f"{min(base):.3f} ms baseline ({min(base) / min(mine):.2f}x)")
     for t in PREFILL_SIZES:
         out["prefill"][t] = host_prefill_ms(t)
         print(f"host    prefill step of {t} tokens: {out['prefill'][t]:.3f} ms")
@@ -257,7 +308,7 @@ def section_steps() -> dict:
     from config import SamplingParams
 
     out: dict = {"decode": {}, "prefill": {}}
-    N = 32 if QUICK else 256
+    N = 256
     context = 64
     engines = {}
     for on in (False, True):  # the same programs: the second engine's warm-up loads them from the cache
@@ -309,8 +360,10 @@ def section_steps() -> dict:
 
 # ---- warmup ------------------------------------------------------------------------------
 
-def _warmup_child(layers: int, cache_dir: str) -> None:
-    """In a fresh process: build the engine, report warm-up seconds and programs as JSON."""
+def _warmup_child(layers: int, cache_dir: str, root: str) -> None:
+    """In a fresh process: build the engine from the code at `root`, report warm-up
+    seconds and programs as JSON."""
+    sys.path.insert(0, root)
     import jax
 
     jax.config.update("jax_compilation_cache_dir", cache_dir)
@@ -321,14 +374,15 @@ def _warmup_child(layers: int, cache_dir: str) -> None:
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model=name, warmup=False, compilation_cache_dir="", **WARMUP_ENGINE), log=lambda *_: None)
     built = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     eng.runner.warmup(log=lambda *_: None)
-    print(json.dumps(dict(layers=layers, warmup_s=time.perf_counter() - t0, build_s=built,
-                          programs=eng.stats.num_compilations)))
+    # CPU seconds too: on a shared machine the wall time mostly measures the neighbours
+    print(json.dumps(dict(layers=layers, warmup_s=time.perf_counter() - t0, warmup_cpu_s=time.process_time() - c0,
+                          build_s=built, programs=eng.stats.num_compilations)))
 
 
-def _warmup_run(layers: int, cache_dir: str) -> dict:
-    out = subprocess.run([sys.executable, HERE, "--_warmup-child", str(layers), cache_dir], capture_output=True,
+def _warmup_run(layers: int, cache_dir: str, root: str = ROOT) -> dict:
+    out = subprocess.run([sys.executable, HERE, "--_warmup-child", str(layers), cache_dir, root], capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -341,11 +395,22 @@ def section_warmup() -> dict:
         four = _warmup_run(4, d4)
         thirty_two = _warmup_run(32, d32)
     ratio = thirty_two["warmup_s"] / four["warmup_s"]
-    print(f"warmup  30 layers ({cold['programs']} programs): cold {cold['warmup_s']:.1f}s (target <= 40), "
-          f"restart from the cache {restart['warmup_s']:.1f}s (target <= 10)")
-    print(f"warmup  cold, 4 layers {four['warmup_s']:.1f}s, 32 layers {thirty_two['warmup_s']:.1f}s: "
-          f"ratio {ratio:.2f} (target <= 2)")
-    return dict(cold=cold, restart=restart, layers4=four, layers32=thirty_two, ratio_32_4=ratio)
+    cpu_ratio = thirty_two["warmup_cpu_s"] / four["warmup_cpu_s"]
+    print(f"warmup  30 layers ({cold['programs']} programs): cold {cold['warmup_s']:.1f}s wall, "
+          f"{cold['warmup_cpu_s']:.1f}s CPU (target <= 40), restart from the cache {restart['warmup_s']:.1f}s wall, "
+          f"{restart['warmup_cpu_s']:.1f}s CPU (target <= 10)")
+    print(f"warmup  cold, 4 layers {four['warmup_s']:.1f}s ({four['warmup_cpu_s']:.1f}s CPU), 32 layers "
+          f"{thirty_two['warmup_s']:.1f}s ({thirty_two['warmup_cpu_s']:.1f}s CPU): ratio {ratio:.2f} wall, "
+          f"{cpu_ratio:.2f} CPU (target <= 2)")
+    res = dict(cold=cold, restart=restart, layers4=four, layers32=thirty_two, ratio_32_4=ratio,
+               cpu_ratio_32_4=cpu_ratio)
+    if BASELINE:  # the same cold 30-layer warm-up by another checkout (e.g. the unrolled layers), same run
+        with tempfile.TemporaryDirectory() as d:
+            base = _warmup_run(30, d, BASELINE)
+        res["baseline_cold"] = base
+        print(f"warmup  baseline {BASELINE}: 30 layers cold {base['warmup_s']:.1f}s wall, {base['warmup_cpu_s']:.1f}s "
+              f"CPU ({base['warmup_cpu_s'] / cold['warmup_cpu_s']:.1f}x this tree's CPU)")
+    return res
 
 
 # ---- e2e ---------------------------------------------------------------------------------
@@ -385,15 +450,20 @@ def main() -> None:
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results", "step_profile.json"))
     ap.add_argument("--quick", action="store_true", help="fewer buckets, a smaller mix")
-    ap.add_argument("--_warmup-child", nargs=2, metavar=("LAYERS", "CACHE_DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", default="", help="warmup: also time a cold 30-layer warm-up of this checkout")
+    ap.add_argument("--_host-child", nargs=2, metavar=("SEQS", "ROOT"), help=argparse.SUPPRESS)
+    ap.add_argument("--_warmup-child", nargs=3, metavar=("LAYERS", "CACHE_DIR", "ROOT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args._host_child:
+        _host_child(int(args._host_child[0]), args._host_child[1])
+        return
     if args._warmup_child:
-        _warmup_child(int(args._warmup_child[0]), args._warmup_child[1])
+        _warmup_child(int(args._warmup_child[0]), args._warmup_child[1], args._warmup_child[2])
         return
     from common import machine_info
 
-    global QUICK
-    QUICK = args.quick
+    global QUICK, BASELINE
+    QUICK, BASELINE = args.quick, args.baseline
 
     results: dict = {"machine": machine_info(), "load_before": os.getloadavg()}
     for name in args.sections.split(","):

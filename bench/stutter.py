@@ -117,7 +117,9 @@ def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int], log) -> dict[
     budget = a.budget if chunked else sz["max_model_len"]
     cfg = EngineConfig(model=a.model, dtype=a.dtype, seed=a.seed, max_num_seqs=a.users + 1,
                        max_model_len=sz["max_model_len"], block_size=a.block_size, num_kv_blocks=sz["num_kv_blocks"],
-                       max_num_batched_tokens=budget, enable_chunked_prefill=chunked, warmup=True)
+                       max_num_batched_tokens=budget, enable_chunked_prefill=chunked, warmup=True,
+                       # step by step, each step's tokens read as it returns: the synchronous loop
+                       async_scheduling=False)
     t0 = time.perf_counter()
     eng = LLMEngine(cfg, log=lambda m: log(f"  [{mode}] {m}"), record_trace=True)
     startup_s = time.perf_counter() - t0

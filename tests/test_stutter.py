@@ -15,7 +15,9 @@ USERS = [f"user-{i}" for i in range(4)]
 LONG = "long"
 LONG_LEN, BUDGET = 300, 64  # the long prompt is ~4.7 budgets
 STEADY_STEPS = 3  # decode steps before the long prompt joins
-BASE = dict(max_num_seqs=8, max_model_len=512, warmup=False)
+# Synchronous scheduling: the traces number steps as their results come back, and these
+# tests read the scheduler's decisions step by step (async shifts them by one step).
+BASE = dict(max_num_seqs=8, max_model_len=512, warmup=False, async_scheduling=False)
 
 
 def run(chunked: bool) -> tuple[list[StepTrace], int, dict[str, list[int]], LLMEngine]:
