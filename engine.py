@@ -125,7 +125,8 @@ class LLMEngine:
         if _needs_activation_profile(config):
             runner, activation_bytes = _profile_activations(config, loaded, self.stats, log, mesh)
         # Each device's share: KV sizing is per device, as the budget is.
-        weight_bytes = max_bytes_per_device(nnx.state(loaded.model, nnx.Param))
+        weight_bytes = param_bytes(loaded.model) if mesh is None else max_bytes_per_device(
+            nnx.state(loaded.model, nnx.Param))
         num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, weight_bytes, activation_bytes)
         if config.num_processes > 1:  # every process's cache has process 0's shape
             num_blocks = distributed.StepChannel().share_int("num_kv_blocks", num_blocks)
