@@ -50,6 +50,12 @@ class EngineConfig:
     # Schedule and prepare step N+1 while the device runs step N (vLLM's --async-scheduling).
     async_scheduling: bool = False  # off by default until prefix caching names blocks whose last token is in flight
     compilation_cache_dir: str = "~/.cache/taxirank/jax"  # persistent XLA cache; "" turns it off
+    # Beyond one device (parallel.py): a mesh of tensor_parallel_size devices, over
+    # num_processes hosts when distributed_coordinator is set (jax.distributed).
+    tensor_parallel_size: int = 1
+    distributed_coordinator: str | None = None  # HOST:PORT of process 0's coordination service
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -73,6 +79,16 @@ class EngineConfig:
         need(self.attention_backend in ("auto", "pallas", "xla"),
              f"attention_backend must be auto, pallas or xla, got {self.attention_backend!r}")
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
+        need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")
+        need(0 <= self.process_id < self.num_processes,
+             f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
+        need((self.distributed_coordinator is None) == (self.num_processes == 1),
+             "--distributed-coordinator HOST:PORT and --num-processes > 1 go together")
+        if self.distributed_coordinator is not None:
+            host, _, port = self.distributed_coordinator.rpartition(":")
+            need(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                 f"distributed_coordinator must be HOST:PORT, got {self.distributed_coordinator!r}")
         if self.max_num_batched_tokens is not None:
             need(self.max_num_batched_tokens >= self.max_num_seqs,
                  f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "

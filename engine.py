@@ -12,6 +12,7 @@ scheduler can take the config without importing JAX.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import os
 import random
@@ -22,11 +23,16 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence as Seq
 
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
 
+import checkpoint
+import distributed
 from config import MAX_LOGPROBS, EngineConfig, SamplingParams
-from kvcache import create_kv_caches, describe, measure_activation_bytes, num_kv_blocks_for
+from kvcache import describe, measure_activation_bytes, num_kv_blocks_for
 from metrics import WAIT_REASONS, EngineStats, StepTrace
 from model import LoadedModel, load_model, param_bytes
+from parallel import make_mesh, max_bytes_per_device, shard_model
 from runner import InFlightStep, ModelRunner, StepResult
 from scheduler import Scheduler, ScheduledSeq, SchedulerOutput, Sequence
 
@@ -89,7 +95,15 @@ class LLMEngine:
         self.log = log
         self.trace: list[StepTrace] | None = [] if record_trace else None
         _use_compilation_cache(config.compilation_cache_dir)
-        loaded: LoadedModel = load_model(config.model, config.dtype, config.seed, log=log)
+        distributed.initialize(config)  # multi-host: before JAX picks its devices
+        # Tensor parallelism: the weights go onto the mesh here, the cache in the runner.
+        mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        if checkpoint.is_checkpoint(config.model):  # orbax: restored straight onto the mesh
+            loaded: LoadedModel = checkpoint.load(config.model, config.dtype, mesh)
+        else:
+            loaded = load_model(config.model, config.dtype, config.seed, log=log)
+        if mesh is not None:
+            loaded = shard_model(loaded, mesh)
         self.loaded = loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -100,9 +114,13 @@ class LLMEngine:
         # weights and the largest step's activations leave: measure that step first.
         runner, activation_bytes = None, 0
         if _needs_activation_profile(config):
-            runner, activation_bytes = _profile_activations(config, loaded, self.stats, log)
-        num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, param_bytes(loaded.model),
-                                       activation_bytes)
+            runner, activation_bytes = _profile_activations(config, loaded, self.stats, log, mesh)
+        # Each device's share: KV sizing is per device, as the budget is.
+        weight_bytes = param_bytes(loaded.model) if mesh is None else max_bytes_per_device(
+            nnx.state(loaded.model, nnx.Param))
+        num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, weight_bytes, activation_bytes)
+        if config.num_processes > 1:  # every process's cache has process 0's shape
+            num_blocks = distributed.StepChannel().share_int("num_kv_blocks", num_blocks)
         self.num_kv_blocks = num_blocks
         self.stats.num_kv_blocks = num_blocks - 1
         log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
@@ -111,18 +129,33 @@ class LLMEngine:
             f"scheduling {config.scheduling} ({config.scheduling_policy}), "
             f"chunked prefill {'on' if config.enable_chunked_prefill else 'off'}, "
             f"prefix caching {'on' if config.enable_prefix_caching else 'off'}")
+        if mesh is not None:
+            log(f"tensor parallel: {mesh.size} devices, {weight_bytes / 2**20:.1f} MiB of weights per device, "
+                f"{loaded.config.num_attention_heads // mesh.size} query and "
+                f"{loaded.config.num_key_value_heads // mesh.size} KV head(s) per device")
         log(describe(config, loaded.config, num_blocks, loaded.dtype))
         self.scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids)
         if runner is None:
-            self.runner = ModelRunner(config, loaded, num_blocks, self.stats)
+            self.runner = ModelRunner(config, loaded, num_blocks, self.stats, mesh)
         else:  # the profiling runner: its small cache is gone, the real one takes its place
-            runner.kv_caches = create_kv_caches(loaded.config, num_blocks, config.block_size, loaded.dtype)
+            runner.kv_caches = runner.allocate_kv_caches(num_blocks)
             self.runner = runner
         self._rng = random.Random(config.seed)
         self.failed: list[tuple[str, Exception]] = []  # requests a step failed on; the caller reports and clears
         self._in_flight: tuple[SchedulerOutput, InFlightStep | StepResult, float] | None = None  # async: on the device
         if config.warmup:
             self.runner.warmup(log)
+        if config.num_processes > 1 and config.process_id == 0:
+            # the other processes wait for steps until process 0 says it is done
+            atexit.register(self.runner.stop_followers)
+
+    def follow(self) -> None:
+        """Multi-host, processes other than 0: run process 0's steps until it stops.
+        They schedule nothing and serve no HTTP."""
+        if self.config.process_id == 0:
+            raise RuntimeError("process 0 schedules; only the other processes follow")
+        self.log(f"process {self.config.process_id}: following process 0's steps")
+        self.runner.follow()
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
@@ -348,7 +381,7 @@ def _needs_activation_profile(config: EngineConfig) -> bool:
 
 
 def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: EngineStats,
-                         log: Callable[[str], None]) -> tuple[ModelRunner, int]:
+                         log: Callable[[str], None], mesh: Mesh | None) -> tuple[ModelRunner, int]:
     """The activation peak of the largest step, measured on the device.
 
     Builds the runner with a minimal KV cache (one max_model_len sequence plus the null
@@ -359,7 +392,7 @@ def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: Engin
     counters). Unverified on a GPU so far; the arithmetic is unit-tested on CPU."""
     import jax
 
-    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats)
+    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats, mesh)
     T = config.max_num_batched_tokens
     compiled = stats.num_compilations
     profile = measure_activation_bytes(lambda: runner.idle_step(tokens=T), jax.devices()[0].memory_stats)

@@ -245,7 +245,10 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
     num_kv_blocks, kv_cache_memory, or (on an accelerator) gpu_memory_utilization."""
     import jax
 
-    per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype)
+    # Per device: under tensor parallelism each device holds 1/tp of every block (its KV
+    # heads; cfg counts heads after any replication, see parallel.py), and the budgets
+    # below (--kv-cache-memory, --gpu-memory-utilization, weight_bytes) are per device too.
+    per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype) // config.tensor_parallel_size
     if config.num_kv_blocks is not None:
         num, source = config.num_kv_blocks, f"--num-kv-blocks {config.num_kv_blocks}"
     elif config.kv_cache_memory is not None:

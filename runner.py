@@ -22,20 +22,24 @@ waits only in InFlightStep.result().
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from attention_backend import AttentionShape, select_attention_backend
 from config import EngineConfig
+from distributed import DECODE, RAGGED, STOP, StepChannel
 from kvcache import create_kv_caches
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel
+from parallel import constrain_step_outputs, create_sharded_kv_caches, replicate, shard_attention
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, sample
 from scheduler import PLACEHOLDER, SchedulerOutput, Sequence
 
@@ -96,24 +100,35 @@ class ModelRunner:
     writes its sampled tokens there, and an input token the host does not know yet (a
     PLACEHOLDER, under async scheduling) is read from it on the device."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, stats: EngineStats):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, stats: EngineStats,
+                 mesh: Mesh | None = None):
+        """mesh: tensor parallelism (parallel.py); loaded's params must already be on it."""
         self.config = config
         self.stats = stats
-        # auto: the Pallas kernels on GPU if they pass a start-up check at these shapes, else xla
+        self.loaded = loaded
+        self.mesh = mesh
+        # auto: the Pallas kernels on GPU if they pass a start-up check at these shapes, else
+        # xla (the check depends only on the GQA group, the same on every TP shard)
         self.backend = select_attention_backend(
             config.attention_backend, AttentionShape.of(loaded.config, config.block_size, loaded.dtype))
+        if mesh is not None:
+            self.backend = shard_attention(self.backend, mesh)
         self.block_size = config.block_size
         graphdef, self.state = nnx.split(loaded.model)
-        self.kv_caches = create_kv_caches(loaded.config, num_kv_blocks, config.block_size, loaded.dtype)
+        self.kv_caches = self.allocate_kv_caches(num_kv_blocks)
+        # Multi-host: process 0 posts each scheduled step's inputs; the others follow().
+        self.channel = StepChannel() if jax.process_count() > 1 else None
         N, W = config.max_num_seqs, config.max_blocks_per_seq
         self._idle = N  # the idle row: null block table, greedy, never a sampled token's home
-        self.last_tokens = jnp.zeros(N + 1, jnp.int32)
+        self.last_tokens = jnp.zeros(N + 1, jnp.int32) if mesh is None else replicate(np.zeros(N + 1, np.int32), mesh)
         self._bt = np.zeros((N + 1, W), np.int32)
         self._bt_len = [0] * (N + 1)
         self._bt_owner: list[list[int] | None] = [None] * (N + 1)  # the block_table list written there
         self._samp = empty_sampling_arrays(N + 1)
         self._wants_logprobs = np.zeros(N + 1, bool)
         backend = self.backend
+        # Under TP the updated cache must come back split as it went in (it is donated).
+        keep = (lambda kv, rest: (kv, *rest)) if mesh is None else functools.partial(constrain_step_outputs, mesh=mesh)
 
         def count_compile() -> None:
             # Runs only while jax traces, i.e. once per compiled program.
@@ -125,7 +140,7 @@ class ModelRunner:
             hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
             res = sample(model.compute_logits(hidden if rows is None else hidden[rows]), sampling)
             # Padding rows and rows that do not sample all write the idle entry.
-            return kv_caches, last_tokens.at[sample_slot].set(res[0]), res
+            return keep(kv_caches, (last_tokens.at[sample_slot].set(res[0]), res))
 
         def decode_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
                       kv_lens, sample_slot, sampling):
@@ -144,6 +159,11 @@ class ModelRunner:
 
         self._decode = jax.jit(decode_fn, donate_argnums=(1, 2))
         self._ragged = jax.jit(ragged_fn, donate_argnums=(1, 2))
+
+    def allocate_kv_caches(self, num_blocks: int) -> Any:
+        loaded, bs = self.loaded, self.config.block_size
+        create = functools.partial(create_kv_caches, loaded.config, num_blocks, bs, loaded.dtype)
+        return create() if self.mesh is None else create_sharded_kv_caches(create, self.mesh)
 
     # ------------------------------------------------------------------------------
     def _sync_slot(self, seq: Sequence) -> int:
@@ -226,14 +246,9 @@ class ModelRunner:
         sample_slot[:n] = np.where(samples, slots, self._idle)
         want_logprobs = bool((self._wants_logprobs[slots] & samples).any())
         sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs))
-        if decode:
-            self.kv_caches, self.last_tokens, res = self._decode(
-                self.state, self.kv_caches, self.last_tokens, tokens, token_src, positions, slot_mapping,
-                block_tables, kv_lens, sample_slot, sampling)
-        else:
-            self.kv_caches, self.last_tokens, res = self._ragged(
-                self.state, self.kv_caches, self.last_tokens, tokens, token_src, positions, slot_mapping,
-                block_tables, kv_lens, cu_q_lens, sample_slot, sampling)
+        ragged = () if decode else (cu_q_lens,)
+        res = self._run(DECODE if decode else RAGGED, R, T, (tokens, token_src, positions, slot_mapping, block_tables,
+                                                             kv_lens, *ragged, sample_slot, sampling))
         with self.stats.lock:
             self.stats.padded_tokens += T - num_real
         return InFlightStep(res, n, want_logprobs)
@@ -242,20 +257,44 @@ class ModelRunner:
     def idle_step(self, decode_rows: int | None = None, tokens: int | None = None) -> None:
         """Run one program on all-idle inputs (every write lands in the null block): a
         decode step of `decode_rows` rows, or a ragged step of `tokens` tokens."""
+        kind = DECODE if decode_rows else RAGGED
         rows = decode_rows or self.config.max_num_seqs
         T = decode_rows or tokens
+        assert T is not None
+        # Not posted to other processes: every process runs warm-up (and profiling) itself.
+        jax.block_until_ready(self._call(kind, self._idle_args(kind, rows, T)))
+
+    def _idle_args(self, kind: int, rows: int, T: int) -> tuple:
+        """All-idle inputs of one step's shape (also the template a follower fills)."""
         zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(rows, np.int32)
         samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False))
         args = (zeros_t, np.full(T, -1, np.int32), zeros_t, zeros_t,
                 np.zeros((rows, self.config.max_blocks_per_seq), np.int32), zeros_r)
-        idle = np.full(rows, self._idle, np.int32)
-        if decode_rows:
-            self.kv_caches, self.last_tokens, res = self._decode(self.state, self.kv_caches, self.last_tokens,
-                                                                 *args, idle, samp)
-        else:
-            self.kv_caches, self.last_tokens, res = self._ragged(self.state, self.kv_caches, self.last_tokens,
-                                                                 *args, np.zeros(rows + 1, np.int32), idle, samp)
-        jax.block_until_ready(res)
+        ragged = () if kind == DECODE else (np.zeros(rows + 1, np.int32),)
+        return (*args, *ragged, np.full(rows, self._idle, np.int32), samp)
+
+    def _call(self, kind: int, args: tuple) -> Any:
+        fn = self._decode if kind == DECODE else self._ragged
+        self.kv_caches, self.last_tokens, res = fn(self.state, self.kv_caches, self.last_tokens, *args)
+        return res
+
+    def _run(self, kind: int, rows: int, T: int, args: tuple) -> Any:
+        """One scheduled step; multi-host, its inputs go to the other processes first."""
+        if self.channel is not None:
+            self.channel.post(kind, rows, T, args)
+        return self._call(kind, args)
+
+    # ---- multi-host (distributed.py) ----------------------------------------------
+    def follow(self) -> None:
+        """Processes other than 0: run process 0's steps, in order, until it stops."""
+        assert self.channel is not None and jax.process_index() > 0
+        while (step := self.channel.take(self._idle_args)) is not None:
+            jax.block_until_ready(self._call(*step))
+
+    def stop_followers(self) -> None:
+        if self.channel is not None and jax.process_index() == 0:
+            self.channel.post(STOP, 0, 0, ())
+            self.channel = None
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
         """Compile every decode bucket and every token bucket before serving."""

@@ -451,6 +451,10 @@ _HELP = {  # EngineConfig fields; config.py says more
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
     "compilation_cache_dir": "persistent cache of compiled step programs (fast restarts); '' turns it off",
+    "tensor_parallel_size": "devices the model is sharded over (Megatron-style, KV cache by KV heads)",
+    "distributed_coordinator": "HOST:PORT of process 0 for a multi-host run (jax.distributed); None: one process",
+    "num_processes": "processes in a multi-host run (one per host); process 0 schedules and serves HTTP",
+    "process_id": "this process's rank in a multi-host run",
 }
 
 
@@ -522,6 +526,9 @@ def main(argv: list[str] | None = None) -> None:
         engine = AsyncEngine(config, log=log.info)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad flag, model path or download: say so
         parser.error(str(e))
+    if config.process_id > 0:  # multi-host: only process 0 serves; the others run its steps
+        engine.engine.follow()
+        return
     asyncio.run(serve(engine, args))
 
 

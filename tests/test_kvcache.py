@@ -210,9 +210,9 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
     import engine as engine_mod
     real = engine_mod.ModelRunner
 
-    def spy(config, loaded, num_blocks, stats):
+    def spy(config, loaded, num_blocks, stats, *mesh):
         ran.append(num_blocks)
-        return real(config, loaded, num_blocks, stats)
+        return real(config, loaded, num_blocks, stats, *mesh)
 
     monkeypatch.setattr(engine_mod, "ModelRunner", spy)
     logs: list[str] = []

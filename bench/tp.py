@@ -1,0 +1,105 @@
+"""Tensor parallelism on forced CPU devices: memory per device and tokens/s at TP 1/2/4,
+and start-up time from safetensors vs from an orbax checkpoint.
+
+    python bench/tp.py                 # the bench model (58M params), TP 1, 2, 4
+    python bench/tp.py --model tiny --tp 1,2 --requests 4 --max-tokens 8
+
+On CPU this is a correctness-and-memory figure, not a speed claim: forced host devices
+share the same cores, so TP adds collectives and no compute. Per device it prints the
+weight bytes and the KV cache bytes (from the arrays' shardings), and whether the greedy
+tokens equal TP 1's; tok/s is the second of two identical runs (the first compiles). Start-up: the same weights written once as an HF safetensors
+directory and once as an orbax checkpoint (checkpoint.py convert), each loaded twice,
+alternating; the figure is the faster of the two loads (both come from the page cache).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import checkpoint  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from model import BUILTIN_MODELS, hf_state_dict, load_model  # noqa: E402
+from parallel import bytes_per_device  # noqa: E402
+
+
+def write_safetensors(name: str, path: str) -> None:
+    """The built-in model `name` as an HF Llama checkpoint directory."""
+    from safetensors.numpy import save_file
+
+    cfg = BUILTIN_MODELS[name]
+    loaded = load_model(name)
+    os.makedirs(path, exist_ok=True)
+    save_file(hf_state_dict(loaded.model), os.path.join(path, "model.safetensors"))
+    hf = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size,
+              hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+              num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+              num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+              rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+              tie_word_embeddings=cfg.tie_word_embeddings, hidden_act="silu", torch_dtype="float32",
+              bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+
+
+def timed_load(fn) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.tree.leaves(nnx.state(fn().model, nnx.Param)))
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="bench", choices=sorted(BUILTIN_MODELS))
+    p.add_argument("--tp", default="1,2,4")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    args = p.parse_args()
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
+          f"load {os.getloadavg()[0]:.1f}")
+    prompts = [[1] + [(7 * i + 3 * j) % 500 + 3 for j in range(args.prompt_len - 1)] for i in range(args.requests)]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    ref = None
+    print(f"{'tp':>3} {'weights/device MiB':>19} {'KV/device MiB':>14} {'KV blocks':>9} {'tok/s':>8} {'same as tp1':>11}")
+    for tp in (int(x) for x in args.tp.split(",")):
+        llm = LLM(args.model, log=lambda s: None, tensor_parallel_size=tp, max_num_seqs=args.requests,
+                  max_model_len=args.prompt_len + args.max_tokens, compilation_cache_dir="", warmup=False)
+        w = max(bytes_per_device(nnx.state(llm.engine.loaded.model, nnx.Param)).values())
+        kv = max(bytes_per_device(llm.engine.runner.kv_caches).values())
+        llm.generate(prompts, params)  # compiles the programs this workload uses
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        dt = time.perf_counter() - t0
+        toks = [o.token_ids for o in outs]
+        ref = ref or toks
+        print(f"{tp:>3} {w / 2**20:>19.2f} {kv / 2**20:>14.2f} {llm.engine.num_kv_blocks:>9} "
+              f"{sum(map(len, toks)) / dt:>8.1f} {str(toks == ref):>11}", flush=True)
+        del llm
+    with tempfile.TemporaryDirectory() as d:
+        st, ob = os.path.join(d, "safetensors"), os.path.join(d, "orbax")
+        write_safetensors(args.model, st)
+        checkpoint.main(["convert", st, ob])
+        times: dict[str, list[float]] = {"safetensors": [], "orbax": []}
+        for _ in range(2):
+            times["safetensors"].append(timed_load(lambda: load_model(st)))
+            times["orbax"].append(timed_load(lambda: checkpoint.load(ob)))
+        a, b = min(times["safetensors"]), min(times["orbax"])
+        print(f"start-up (weights to device, best of 2): safetensors {a:.2f}s, orbax {b:.2f}s, "
+              f"orbax/safetensors {b / a:.2f}x (load {os.getloadavg()[0]:.1f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Converted, sharded parameters in an orbax checkpoint: fast restarts, straight onto the mesh.
+
+    python checkpoint.py convert SRC DST [--dtype bfloat16]
+
+SRC is anything `--model` takes (a built-in model, an HF safetensors directory); DST gets
+the parameters already in taxirank's layout (stacked layers, [in, out] kernels, cast to
+the dtype) as one orbax array per parameter, plus taxirank_checkpoint.json (the
+ModelConfig and dtype) and the tokenizer. `--model DST` then restores each parameter with
+its target sharding, so every device reads only its own slice from disk (tensorstore):
+no full copy of the model on one device or host, and no conversion at start-up. The KV
+head copies tensor parallelism may need are made after loading (parallel.shard_model), so
+a checkpoint loads onto any tensor-parallel size, whatever size it was saved from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from model import Llama, LoadedModel, ModelConfig, _resolve_dtype, load_model
+from tokenizer import ByteTokenizer, load_tokenizer
+
+META = "taxirank_checkpoint.json"
+_FORMAT = 1
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META))
+
+
+def _key(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def save(loaded: LoadedModel, dst: str) -> None:
+    """Write loaded's parameters (as loaded: no tensor-parallel KV head copies) to dst."""
+    import orbax.checkpoint as ocp
+
+    dst = os.path.abspath(dst)
+    if os.path.exists(dst) and os.listdir(dst):
+        raise FileExistsError(f"{dst} exists and is not empty")
+    params = {_key(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(loaded.model, nnx.Param))}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(dst, "params"), params)
+    tok = loaded.tokenizer
+    if hasattr(tok, "save_pretrained"):
+        tok.save_pretrained(dst)
+    meta = dict(format=_FORMAT, source=loaded.name, dtype=np.dtype(loaded.dtype).name,
+                tokenizer="byte" if isinstance(tok, ByteTokenizer) else "hf" if tok is not None else None,
+                model_config=dataclasses.asdict(loaded.config))
+    with open(os.path.join(dst, META), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def _read_meta(path: str) -> tuple[dict[str, Any], ModelConfig]:
+    with open(os.path.join(path, META)) as f:
+        meta = json.load(f)
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this taxirank reads {_FORMAT}")
+    d = dict(meta.get("model_config") or {})
+    try:
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = tuple((str(k), float(v)) for k, v in d["rope_scaling"])
+        d["eos_token_ids"] = tuple(int(x) for x in d.get("eos_token_ids", ()))
+        cfg = ModelConfig(**d)
+        kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
+        for f in dataclasses.fields(ModelConfig):
+            v = getattr(cfg, f.name)
+            if f.type in kinds and (not isinstance(v, kinds[f.type]) or (f.type != "bool" and isinstance(v, bool))):
+                raise ValueError(f"{f.name} must be {f.type}, got {v!r}")
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+        if any(getattr(cfg, k) < 1 for k in sizes):
+            raise ValueError(f"sizes must be >= 1: {', '.join(f'{k}={getattr(cfg, k)}' for k in sizes)}")
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}/{META}: bad model_config ({e})") from None
+    if meta.get("dtype") not in ("float32", "bfloat16"):
+        raise ValueError(f"{path}/{META}: dtype must be float32 or bfloat16, got {meta.get('dtype')!r}")
+    return meta, cfg
+
+
+def load(path: str, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
+    """Restore a converted checkpoint, each parameter directly with its target sharding
+    (split over `mesh` as parallel.param_spec says, or on the default device). dtype
+    "auto" keeps the saved dtype; another casts while restoring."""
+    import orbax.checkpoint as ocp
+
+    from parallel import kv_head_replicas, param_spec
+
+    path = os.path.abspath(path)
+    meta, cfg = _read_meta(path)
+    dt = _resolve_dtype(dtype, meta["dtype"])
+    abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, dt, rngs=nnx.Rngs(0))), nnx.Param)
+    # KV heads that must be copied for this mesh load whole on each device and are
+    # copied (and split) by parallel.shard_model.
+    copy_kv = mesh is not None and kv_head_replicas(cfg, mesh.size) > 1
+
+    def target(p: tuple[Any, ...], shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+        if mesh is None:
+            sharding = SingleDeviceSharding(jax.devices()[0])
+        elif copy_kv and {str(x) for x in p} & {"k_proj", "v_proj"}:
+            sharding = NamedSharding(mesh, P())
+        else:
+            sharding = NamedSharding(mesh, param_spec(p, len(shape), cfg, mesh.size))
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+    flat = nnx.to_flat_state(abstract)
+    want = {_key(p): target(p, v.get_value().shape) for p, v in flat}
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            got = ckptr.restore(os.path.join(path, "params"), want)
+        except (ValueError, KeyError) as e:  # a tree or shape that does not match the config
+            raise ValueError(f"{path}: parameters do not match its {META} ({e})") from None
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dt, rngs=nnx.Rngs(0))))
+    model = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(got[_key(p)])) for p, v in flat]))
+    tok = ByteTokenizer() if meta.get("tokenizer") == "byte" else load_tokenizer(path)
+    return LoadedModel(model, cfg, tok, path, dt)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="convert a model to an orbax checkpoint of taxirank's parameters")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert", help="load SRC (a built-in model or an HF directory), save it to DST")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    c.add_argument("--seed", type=int, default=0, help="weights seed of a built-in model")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    loaded = load_model(args.src, args.dtype, args.seed)
+    save(loaded, args.dst)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)))
+    print(f"saved {args.src} ({n:,} parameters, {np.dtype(loaded.dtype).name}) to {args.dst} "
+          f"in {time.perf_counter() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

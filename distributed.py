@@ -1,0 +1,121 @@
+"""More than one host: jax.distributed's multi-controller runtime, process 0 in charge.
+
+Every process (one per host) runs the same program over one global mesh
+(--tensor-parallel-size = every process's devices together). Process 0 owns the
+scheduler, the block allocator and the HTTP server; before each step it posts the step's
+host inputs (the very numpy arrays it hands the jitted program), and every other process
+takes them in order and runs the same program with them: XLA's collectives inside the
+step then keep the processes in lockstep. Loading, KV sizing and warm-up are
+deterministic, so each process does them itself; only the KV block count, which depends
+on each device's free memory, is taken from process 0.
+
+The inputs travel through the key-value store of jax.distributed's coordination service
+(the distributed runtime's own channel): a process waiting for the next step waits on
+that store in short polls, not inside an XLA collective, so an idle server holds no
+collective open, and no broadcast program is compiled per input shape. A process that
+dies stops sending heartbeats; the coordination service then fails every other process
+(HEARTBEAT_TIMEOUT_S bounds how long that takes), and a process waiting for a step sees
+the coordinator go away as an error, not a hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from config import EngineConfig
+
+HEARTBEAT_TIMEOUT_S = 10  # jax.distributed's default is 100 s: a dead peer should fail the group sooner
+_POLL_MS = 1000
+_PREFIX = "taxirank/"
+STOP, DECODE, RAGGED = 0, 1, 2
+_HEADER = np.dtype(np.int64).itemsize * 3
+
+
+def initialize(config: EngineConfig) -> None:
+    """jax.distributed.initialize from the config; must run before JAX picks its devices."""
+    import jax
+
+    if config.distributed_coordinator is None or jax.distributed.is_initialized():
+        return
+    # CPU devices of different processes need a collectives transport (GPUs use NCCL).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=config.distributed_coordinator,
+                               num_processes=config.num_processes, process_id=config.process_id,
+                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+
+
+def _client() -> Any:
+    from jax._src.distributed import global_state  # the initialized runtime's client
+
+    assert global_state.client is not None, "jax.distributed is not initialized"
+    return global_state.client
+
+
+class GroupFailedError(RuntimeError):
+    """Another process of the group is gone (or never answered)."""
+
+
+class StepChannel:
+    """Process 0 posts each step's (kind, rows, tokens, input arrays); the others take
+    them in order. A step's key is deleted four steps later: process 0 has by then
+    read back the results of step n + 1 at least (async scheduling keeps at most two
+    steps in flight), which no process could have computed without reading step n."""
+
+    def __init__(self) -> None:
+        import jax
+
+        self.client = _client()
+        self.process_index = jax.process_index()
+        self.n = 0
+
+    def post(self, kind: int, rows: int, tokens: int, args: Any) -> None:
+        import jax
+
+        if self.process_index != 0:
+            raise RuntimeError(f"process {self.process_index} tried to schedule a step: in a multi-host group only "
+                               "process 0 schedules; the others call LLMEngine.follow()")
+        body = np.array([kind, rows, tokens], np.int64).tobytes()
+        body += b"".join(np.ascontiguousarray(x).tobytes() for x in jax.tree.leaves(args))
+        self.client.key_value_set_bytes(f"{_PREFIX}step/{self.n}", body)
+        if self.n >= 4:
+            self.client.key_value_delete(f"{_PREFIX}step/{self.n - 4}")
+        self.n += 1
+
+    def take(self, template: Callable[[int, int, int], Any]) -> tuple[int, Any] | None:
+        """The next step's (kind, args), args shaped like template(kind, rows, tokens);
+        None when process 0 stopped."""
+        import jax
+
+        body = self._wait(f"{_PREFIX}step/{self.n}")
+        self.n += 1
+        kind, rows, tokens = (int(x) for x in np.frombuffer(body[:_HEADER], np.int64))
+        if kind == STOP:
+            return None
+        leaves, treedef = jax.tree.flatten(template(kind, rows, tokens))
+        out, off = [], _HEADER
+        for x in leaves:
+            x = np.asarray(x)
+            out.append(np.frombuffer(body[off:off + x.nbytes], x.dtype).reshape(x.shape))
+            off += x.nbytes
+        assert off == len(body), (off, len(body))
+        return kind, jax.tree.unflatten(treedef, out)
+
+    def share_int(self, name: str, value: int) -> int:
+        """Process 0's value of `value`, on every process."""
+        key = f"{_PREFIX}{name}"
+        if self.process_index == 0:
+            self.client.key_value_set_bytes(key, np.int64(value).tobytes())
+            return value
+        return int(np.frombuffer(self._wait(key), np.int64)[0])
+
+    def _wait(self, key: str) -> bytes:
+        while True:
+            try:
+                return self.client.blocking_key_value_get_bytes(key, _POLL_MS)
+            except Exception as e:  # jax raises its runtime error type, matched by status
+                if "DEADLINE_EXCEEDED" in str(e):
+                    continue  # nothing posted yet: poll again
+                raise GroupFailedError(f"process {self.process_index}: lost process 0 (the coordinator) "
+                                       f"while waiting for {key}: {e}") from e

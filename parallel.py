@@ -1,0 +1,180 @@
+"""Tensor parallelism over a jax.sharding mesh (one axis, "tp"), as the JAX engines do it.
+
+Megatron-style: q/k/v and gate/up are split by output features (whole heads per device),
+o and down by input features, so each decoder layer needs exactly one all-reduce after
+attention and one after the MLP; XLA inserts them for the sharded matmuls. The embedding
+and the LM head are split by vocabulary (replicated when the vocabulary does not divide),
+norms are replicated. The KV cache is split over KV heads, and the attention backend (the
+jnp reference or a Pallas kernel, unchanged) runs per shard under shard_map, so each
+device reads only its own heads' blocks.
+
+KV heads that do not divide the mesh: when N is a multiple of the KV head count, each KV
+head is replicated to N / num_kv_heads devices (its k/v projection columns are copied, as
+tpu-inference and vLLM do), so every device holds one head; any other combination is
+refused. The scheduler and the block allocator never see any of this: one block table
+indexes every device's slice of the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kernels_pallas import AttentionBackend
+from model import Llama, LoadedModel, ModelConfig
+
+AXIS = "tp"
+_COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})  # split by output features
+_ROW = frozenset({"o_proj", "down_proj"})  # split by input features
+
+
+def make_mesh(tp: int) -> Mesh:
+    """A one-axis mesh over the first `tp` devices (all processes' devices, multi-host)."""
+    devices = jax.devices()
+    if tp > len(devices):
+        hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)"
+                if devices[0].platform == "cpu" else "")
+        raise ValueError(f"tensor_parallel_size {tp} needs {tp} devices, {len(devices)} "
+                         f"{devices[0].platform} device(s) are visible{hint}")
+    if jax.process_count() > 1 and tp != len(devices):
+        raise ValueError(f"multi-host: tensor_parallel_size ({tp}) must span every process's devices "
+                         f"({len(devices)} in all)")
+    return Mesh(np.array(devices[:tp]), (AXIS,))
+
+
+def kv_head_replicas(cfg: ModelConfig, tp: int) -> int:
+    """How many devices hold each KV head: 1 when the KV heads split evenly over tp,
+    tp / num_kv_heads when tp is a multiple of them. Raises ValueError otherwise."""
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if hq % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the {hq} attention heads")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide intermediate_size {cfg.intermediate_size}")
+    if hkv % tp == 0:
+        return 1
+    if tp % hkv == 0:
+        return tp // hkv
+    raise ValueError(f"tensor_parallel_size {tp} and the {hkv} KV heads: one must divide the other "
+                     "(KV heads are split over devices, or each copied to tp / num_kv_heads devices)")
+
+
+def param_spec(path: tuple[Any, ...], ndim: int, cfg: ModelConfig, tp: int) -> P:
+    """Where one parameter is split. Negative axes, so a stacked layer param ([L, in, out])
+    and an unstacked one ([in, out]) get the same rule; kernels are [in, out]."""
+    names = {str(p) for p in path}
+
+    def split(axis: int) -> P:
+        spec: list[str | None] = [None] * ndim
+        spec[axis] = AXIS
+        return P(*spec)
+
+    if names & _COLUMN:
+        return split(-1)  # kernel [.., in, out] and bias [.., out] alike
+    if names & _ROW:
+        return split(-2) if str(path[-1]) == "kernel" else P()  # the bias is added once, after the sum
+    if "embed_tokens" in names:  # [V, H]
+        return split(0) if cfg.vocab_size % tp == 0 else P()
+    if "lm_head" in names:  # [H, V]
+        return split(-1) if cfg.vocab_size % tp == 0 else P()
+    return P()  # norms
+
+
+def _repeat_heads(x: jax.Array, num_heads: int, r: int) -> jax.Array:
+    """[.., heads * D] -> [.., heads * r * D], each head's columns copied r times in place
+    (head h becomes heads h*r .. h*r+r-1), so query head i still reads KV head i // group."""
+    *lead, f = x.shape
+    x = x.reshape(*lead, num_heads, f // num_heads)
+    return jnp.repeat(x, r, axis=-2).reshape(*lead, f * r)
+
+
+def _put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """Place x with `sharding`. From host memory each device receives only its own slice
+    (make_array_from_callback), which also works when the mesh spans processes."""
+    if isinstance(x, jax.Array) and x.is_fully_addressable and not sharding.is_fully_addressable:
+        x = np.asarray(x)  # a process-local copy (every process holds the same values)
+    if isinstance(x, np.ndarray):
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+    return jax.device_put(x, sharding)
+
+
+def shard_model(loaded: LoadedModel, mesh: Mesh) -> LoadedModel:
+    """The loaded model with every parameter placed on the mesh (KV heads replicated
+    first when the mesh needs it); its config then counts the replicated KV heads, which
+    is what the cache is sized and shaped by."""
+    cfg, tp = loaded.config, mesh.size
+    r = kv_head_replicas(cfg, tp)
+    run_cfg = replace(cfg, num_key_value_heads=cfg.num_key_value_heads * r)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(run_cfg, loaded.dtype, rngs=nnx.Rngs(0))))
+    placed = []
+    for path, var in nnx.to_flat_state(nnx.state(loaded.model, nnx.Param)):
+        x = var.get_value()
+        if r > 1 and {str(p) for p in path} & {"k_proj", "v_proj"}:
+            x = _repeat_heads(jnp.asarray(x), cfg.num_key_value_heads, r)
+        placed.append((path, var.replace(_put(x, NamedSharding(mesh, param_spec(path, x.ndim, run_cfg, tp))))))
+    model = nnx.merge(graphdef, nnx.from_flat_state(placed))
+    return replace(loaded, model=model, config=run_cfg)
+
+
+def kv_cache_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """K or V, [..., num_blocks, block_size, num_kv_heads, head_dim]: split over KV heads."""
+    return NamedSharding(mesh, P(*([None] * (ndim - 2)), AXIS, None))
+
+
+def create_sharded_kv_caches(create: Any, mesh: Mesh) -> Any:
+    """Run `create()` (kvcache.create_kv_caches bound to its arguments) so that each
+    device allocates only its slice: the whole cache never exists on one device."""
+    shapes = jax.eval_shape(create)
+    return jax.jit(create, out_shardings=jax.tree.map(lambda s: kv_cache_sharding(mesh, s.ndim), shapes))()
+
+
+def constrain_step_outputs(kv_caches: Any, rest: tuple, mesh: Mesh) -> tuple:
+    """Inside the step: the updated cache keeps the input's sharding (it is donated), and
+    the rest (sampled tokens, last_tokens) is replicated, so any process can read it."""
+    kv = jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, kv_cache_sharding(mesh, c.ndim)), kv_caches)
+    return kv, *jax.lax.with_sharding_constraint(rest, NamedSharding(mesh, P()))
+
+
+def replicate(x: np.ndarray, mesh: Mesh) -> jax.Array:
+    """A host array, whole on every device of the mesh."""
+    return _put(x, NamedSharding(mesh, P()))
+
+
+def shard_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
+    """The same backend, run per KV-head shard: q [T, Hq, D] split over query heads, the
+    caches [N, BS, Hkv, D] over KV heads (group g = Hq / Hkv is the same on every shard),
+    block tables and lengths replicated. No collective inside: heads are independent."""
+    heads, cache, rep = P(None, AXIS, None), P(None, None, AXIS, None), P()
+
+    def decode(q, k_cache, v_cache, block_tables, kv_lens, **kw):
+        f = functools.partial(backend.decode, **kw)
+        return jax.shard_map(f, mesh=mesh, in_specs=(heads, cache, cache, rep, rep), out_specs=heads,
+                             check_vma=False)(q, k_cache, v_cache, block_tables, kv_lens)
+
+    def ragged(q, k_cache, v_cache, block_tables, cu_q_lens, kv_lens, **kw):
+        f = functools.partial(backend.ragged, **kw)
+        return jax.shard_map(f, mesh=mesh, in_specs=(heads, cache, cache, rep, rep, rep), out_specs=heads,
+                             check_vma=False)(q, k_cache, v_cache, block_tables, cu_q_lens, kv_lens)
+
+    return AttentionBackend(f"{backend.name} (tp={mesh.size}, shard_map)", decode, ragged)
+
+
+def bytes_per_device(tree: Any) -> dict[Any, int]:
+    """Bytes each device holds of the arrays in `tree`, from their shardings."""
+    out: dict[Any, int] = {}
+    for x in jax.tree.leaves(tree):
+        shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for d in x.sharding.device_set:
+            out[d] = out.get(d, 0) + shard
+    return out
+
+
+def max_bytes_per_device(tree: Any) -> int:
+    return max(bytes_per_device(tree).values(), default=0)

@@ -1,0 +1,250 @@
+"""Tensor parallelism on forced CPU devices: the same greedy tokens at TP 1, 2 and 4, and
+each device holding 1/N of the sharded weights and of the KV cache.
+
+JAX fixes its device count when it starts, so the multi-device runs happen in one child
+process (this file run as a script) with XLA_FLAGS=--xla_force_host_platform_device_count=8,
+as MaxText and tpu-inference test; the parent builds the checkpoints and checks the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Each workload in one run: 3 prompts over 4 slots, a KV cache too small for all of them
+# (preemption), chunked prefill with an 8-token budget (a 21-token prompt takes 3 steps).
+PROMPTS = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37], [1, 100, 200, 150, 250], [1] + list(range(40, 60))]
+MAX_TOKENS = 10
+BASE = dict(max_num_seqs=4, max_model_len=32, block_size=4, num_kv_blocks=14, enable_chunked_prefill=True,
+            max_num_batched_tokens=8, warmup=False)
+
+
+def _worker(spec: dict) -> dict:
+    """Child process: run every case in spec, report tokens and per-device bytes."""
+    sys.path.insert(0, ROOT)
+    import jax
+    from flax import nnx
+
+    from engine import LLM, SamplingParams
+    from parallel import bytes_per_device
+
+    report = {}
+    for name, case in spec["cases"].items():
+        t0 = time.perf_counter()
+        llm = LLM(case["model"], log=lambda s: None, compilation_cache_dir=spec["cache"], **{**BASE, **case["kw"]})
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        runner = llm.engine.runner
+        params = nnx.state(llm.engine.loaded.model, nnx.Param)
+        split = [x for x in jax.tree.leaves(params) if len(x.sharding.device_set) > 1
+                 and not x.sharding.is_fully_replicated]
+        report[name] = dict(
+            tokens=[o.token_ids for o in outs],
+            preemptions=llm.stats.num_preemptions,
+            backend=runner.backend.name,
+            # bytes of the split weights / of the whole cache: on each device, and in all
+            weight_split_total=sum(x.nbytes for x in split),
+            weight_split_per_device=sorted(set(bytes_per_device(split).values())),
+            num_split_weights=len(split),
+            kv_total=sum(x.nbytes for x in jax.tree.leaves(runner.kv_caches)),
+            kv_per_device=sorted(set(bytes_per_device(runner.kv_caches).values())),
+            kv_devices=len(bytes_per_device(runner.kv_caches)),
+            seconds=round(time.perf_counter() - t0, 1),
+        )
+    if "orbax" in spec:  # restored onto a 2-device mesh, gathered: the same bits as the source
+        import numpy as np
+
+        import checkpoint
+        from model import load_model
+        from parallel import make_mesh
+
+        src = nnx.to_flat_state(nnx.state(load_model(spec["orbax"]["src"]).model, nnx.Param))
+        got = dict(nnx.to_flat_state(nnx.state(checkpoint.load(spec["orbax"]["dst"], mesh=make_mesh(2)).model,
+                                               nnx.Param)))
+        report["orbax_tp2_bit_identical"] = all(
+            np.array_equal(np.asarray(v.get_value()), np.asarray(got[p].get_value())) for p, v in src)
+    return report
+
+
+def run_worker(spec: dict, devices: int = 8, timeout: float = 900) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(spec)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def tp_report(tmp_path_factory):
+    import checkpoint
+    from conftest import make_hf_checkpoint
+    from model import load_model
+
+    d = tmp_path_factory.mktemp("tp")
+    models = {
+        "llama": make_hf_checkpoint(d / "llama", "llama2"),  # GQA: 4 query heads over 2 KV heads
+        "qwen2": make_hf_checkpoint(d / "qwen2", "qwen2"),  # q/k/v biases, tied embeddings
+        # qk-norm, tied embeddings, one KV head: copied to every device at TP 2 and 4
+        "qwen3": make_hf_checkpoint(d / "qwen3", "qwen3", tie_word_embeddings=True),
+    }
+    # Every family at TP 1, 2, 4 (continuous); static scheduling and the Pallas kernels
+    # (interpret mode) at one TP size each, against the same TP 1 tokens: greedy tokens do
+    # not depend on the schedule, and the kernels match the jnp reference (test_kernels.py).
+    cases = {f"{m}-tp{tp}": dict(model=path, kw=dict(tensor_parallel_size=tp))
+             for m, path in models.items() for tp in (1, 2, 4)}
+    cases["llama-static-tp4"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=4, scheduling="static"))
+    # orbax, saved from a single device, loaded onto 4 (KV heads copied after loading)
+    orbax_dir = str(d / "llama-orbax")
+    checkpoint.save(load_model(models["llama"]), orbax_dir)
+    cases["llama-orbax-tp4"] = dict(model=orbax_dir, kw=dict(tensor_parallel_size=4))
+    cases["llama-pallas-tp2"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=2, attention_backend="pallas"))
+    report = run_worker({"cases": cases, "cache": os.path.join(ROOT, ".pytest_cache", "jax"),
+                         "orbax": {"src": models["llama"], "dst": orbax_dir}})
+    return {**report, "models": models}
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
+def test_greedy_tokens_identical_at_tp_1_2_4(tp_report, model):
+    ref = tp_report[f"{model}-tp1"]
+    assert ref["preemptions"] > 0, "the workload must preempt"
+    for tp in (2, 4):
+        got = tp_report[f"{model}-tp{tp}"]
+        assert f"tp={tp}" in got["backend"]
+        assert got["tokens"] == ref["tokens"], f"{model} tp={tp}"
+
+
+def test_static_scheduling_and_pallas_kernels_identical_under_tp(tp_report):
+    assert tp_report["llama-static-tp4"]["tokens"] == tp_report["llama-tp1"]["tokens"]
+    pallas = tp_report["llama-pallas-tp2"]
+    assert pallas["backend"].startswith("pallas") and pallas["tokens"] == tp_report["llama-tp1"]["tokens"]
+
+
+def test_orbax_checkpoint_loads_bit_identical_onto_another_tp_size(tp_report):
+    assert tp_report["orbax_tp2_bit_identical"]
+    assert tp_report["llama-orbax-tp4"]["tokens"] == tp_report["llama-tp1"]["tokens"]
+
+
+def test_orbax_save_then_load_is_bit_identical(tmp_path):
+    import numpy as np
+    from flax import nnx
+
+    import checkpoint
+    from model import load_model
+
+    src = load_model("tiny", "bfloat16")
+    checkpoint.main(["convert", "tiny", str(tmp_path / "ck"), "--dtype", "bfloat16"])
+    got = checkpoint.load(str(tmp_path / "ck"))
+    assert got.config == src.config and got.dtype == src.dtype
+    a = nnx.to_flat_state(nnx.state(src.model, nnx.Param))
+    b = dict(nnx.to_flat_state(nnx.state(got.model, nnx.Param)))
+    assert len(a) == len(b)
+    for p, v in a:
+        x, y = np.asarray(v.get_value()), np.asarray(b[p].get_value())
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), p
+    with pytest.raises(FileExistsError):
+        checkpoint.save(src, str(tmp_path / "ck"))
+    meta_path = tmp_path / "ck" / checkpoint.META
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "model_config": {**meta["model_config"], "hidden_size": "wide"}}))
+    with pytest.raises(ValueError, match="bad model_config|parameters do not match"):
+        checkpoint.load(str(tmp_path / "ck"))
+    meta_path.write_text(json.dumps({**meta, "format": 99}))
+    with pytest.raises(ValueError, match="format"):
+        checkpoint.load(str(tmp_path / "ck"))
+
+
+def test_parallel_flags_are_checked_where_they_enter():
+    from config import EngineConfig
+    from parallel import make_mesh
+
+    for bad in (dict(tensor_parallel_size=0), dict(num_processes=2), dict(distributed_coordinator="h:1"),
+                dict(distributed_coordinator="nohost", num_processes=2),
+                dict(distributed_coordinator="h:99999", num_processes=2),
+                dict(distributed_coordinator="h:1", num_processes=2, process_id=2)):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
+    EngineConfig(distributed_coordinator="10.0.0.1:1234", num_processes=2, process_id=1)
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
+        make_mesh(64)  # this pytest process has one CPU device
+
+
+@pytest.mark.parametrize("case,tp", [("llama-tp2", 2), ("llama-tp4", 4), ("qwen3-tp4", 4)])
+def test_each_device_holds_one_nth_of_weights_and_kv_cache(tp_report, case, tp):
+    r = tp_report[case]
+    # every q/k/v/o/gate/up/down kernel (stacked over layers) and the embedding at least
+    assert r["num_split_weights"] >= 8
+    assert r["weight_split_per_device"] == [r["weight_split_total"] // tp]
+    assert r["kv_devices"] == tp and r["kv_per_device"] == [r["kv_total"] // tp]
+
+
+def test_tp_size_the_heads_do_not_allow_is_refused():
+    from model import BUILTIN_MODELS
+    from parallel import kv_head_replicas
+
+    cfg = BUILTIN_MODELS["tiny"]  # 4 query heads, 2 KV heads
+    assert kv_head_replicas(cfg, 2) == 1 and kv_head_replicas(cfg, 4) == 2
+    with pytest.raises(ValueError, match="attention heads"):
+        kv_head_replicas(cfg, 3)
+    with pytest.raises(ValueError, match="attention heads"):
+        kv_head_replicas(cfg, 8)
+
+
+def _host(pid: int, port: int, model: str, cache: str) -> None:
+    """Child process `pid` of a 2-process group (2 CPU devices each, TP 4 across both):
+    process 0 prints the tokens, then keeps generating until the group fails."""
+    sys.path.insert(0, ROOT)
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, log=lambda s: None, compilation_cache_dir=cache, tensor_parallel_size=4,
+              distributed_coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid, **BASE)
+    if pid > 0:
+        llm.engine.follow()
+        return
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    print(json.dumps([o.token_ids for o in outs]), flush=True)
+    while True:
+        llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_tp4_same_tokens_and_a_dead_process_ends_the_other(tp_report):
+    model = tp_report["models"]["llama"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    port, cache = _free_port(), os.path.join(ROOT, ".pytest_cache", "jax")
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host", str(i), str(port), model, cache],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in (0, 1)]
+    try:
+        line = ""
+        while not line.startswith("[["):  # gloo logs its connections on stdout too
+            line = procs[0].stdout.readline()
+            assert line, procs[0].stderr.read()[-3000:]
+        assert json.loads(line) == tp_report["llama-tp1"]["tokens"]
+        procs[1].kill()  # process 0 is generating: it must fail, not wait forever
+        rc = procs[0].wait(timeout=120)
+        err = procs[0].stderr.read()
+        assert rc != 0 and "another task died" in err, err[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--host":
+        _host(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    else:
+        print(json.dumps(_worker(json.loads(sys.argv[1]))))
