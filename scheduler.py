@@ -453,12 +453,19 @@ class Scheduler:
         return blocks_needed(tokens, self.config.block_size)
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The names of seq's first num_blocks full blocks, extending seq.block_hashes."""
+        """The names of seq's first num_blocks full blocks (fewer when one holds a token still
+        in flight), extending seq.block_hashes."""
         hashes, bs = seq.block_hashes, self.config.block_size
         if len(hashes) < num_blocks:
             tokens = seq.all_token_ids
             for i in range(len(hashes), num_blocks):
-                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+                block = tokens[i * bs:(i + 1) * bs]
+                if PLACEHOLDER in block:
+                    # Async: a token still in flight. The block is named by a later step's
+                    # _add, once its tokens are known: a name over a placeholder would
+                    # match another sequence's block whose real token differs.
+                    break
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block))
         return hashes[:num_blocks]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

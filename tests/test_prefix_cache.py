@@ -331,6 +331,33 @@ def test_greedy_tokens_are_identical_with_prefix_caching_on_and_off(reference, c
         assert st.prefill_tokens == reference_prefill(outs)
 
 
+def test_async_scheduling_names_a_block_only_once_its_tokens_are_known(reference):
+    """Async scheduling: a block whose last token is still in flight (a placeholder) gets
+    its name a step later, never a name over the placeholder (that name would match
+    another sequence's block whose real token differs). Same tokens as sync, same hits on
+    the prompts."""
+    llm = make_llm(async_scheduling=True)
+    toks1, toks2, outs = run(llm)
+    assert (toks1, toks2) == reference[:2]
+    st = llm.stats
+    assert st.prefix_cache_hits == sum(o.num_cached_tokens for o in outs) > 0
+    assert [o.num_cached_tokens for o in outs[:7]] == [0] + [32] * 5 + [0]
+    assert outs[7].num_cached_tokens == 16
+    assert llm.engine.scheduler.allocator.num_used == 0
+
+
+def test_a_block_holding_a_placeholder_is_not_named():
+    from scheduler import PLACEHOLDER
+
+    s = Scheduler(EngineConfig(max_num_seqs=2, block_size=4, max_model_len=32).resolved(32), 17, (0,))
+    seq = Sequence("a", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=8))
+    seq.output_token_ids = [11, PLACEHOLDER]
+    assert len(s._block_hashes(seq, 2)) == 1  # tokens 4..7 hold the placeholder
+    seq.output_token_ids[1] = 12
+    assert s._block_hashes(seq, 2)[1] == hash_block_tokens(s._block_hashes(seq, 1)[0], [9, 10, 11, 12])
+    assert len(s._block_hashes(seq, 2)) == 2
+
+
 def reference_prefill(outs) -> int:
     return sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in outs)
 
