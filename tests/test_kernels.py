@@ -324,10 +324,11 @@ def test_model_forward_pallas_matches_xla():
     from flax import nnx
 
     import model as model_lib
+    from kvcache import create_kv_caches
 
     cfg = model_lib.BUILTIN_MODELS["tiny"]
     graphdef, state = nnx.split(model_lib.init_model(cfg, "float32", 0))
-    bs, hkv, hd = 4, cfg.num_key_value_heads, cfg.head_dim
+    bs = 4
     bt = np.array([[3, 1, 7, 0, 0], [2, 5, 4, 6, 8]], np.int32)  # shuffled; 0 = null
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
 
@@ -351,8 +352,7 @@ def test_model_forward_pallas_matches_xla():
         def fwd(state, tokens, positions, caches, attn, be=be):
             return nnx.merge(graphdef, state)(tokens, positions, caches, attn, be)
 
-        caches = [(jnp.zeros((9, bs, hkv, hd)), jnp.zeros((9, bs, hkv, hd)))
-                  for _ in range(cfg.num_hidden_layers)]
+        caches = create_kv_caches(cfg, 9, bs, jnp.float32)  # [L, blocks, bs, hkv, hd], the scanned layout
         with jax.default_matmul_precision("highest"):  # no TF32 in XLA's matmuls on GPU
             h_pre, caches = fwd(state, toks, pos, caches, pre)
             h_dec, _ = fwd(state, toks[:2], i32([6, 17]), caches, dec)
