@@ -451,6 +451,7 @@ _HELP = {  # EngineConfig fields; config.py says more
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
     "compilation_cache_dir": "persistent cache of compiled step programs (fast restarts); '' turns it off",
+    "async_scheduling": "schedule step N+1 while the device runs step N (sampled tokens stay on the device)",
     "tensor_parallel_size": "devices the model is sharded over (Megatron-style, KV cache by KV heads)",
     "distributed_coordinator": "HOST:PORT of process 0 for a multi-host run (jax.distributed); None: one process",
     "num_processes": "processes in a multi-host run (one per host); process 0 schedules and serves HTTP",
