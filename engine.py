@@ -295,15 +295,19 @@ class LLMEngine:
         return list(deltas.values())
 
     # ---- issue 9: one request's bad inputs end that request, not the engine -------------
+    def _cache_donated(self) -> bool:
+        """True once a failed step got as far as the device: its donated KV cache is gone."""
+        import jax
+
+        return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches))
+
     def _isolate_failure(self, out: SchedulerOutput, error: Exception) -> StepResult:
         """The step failed. If it failed before the device ran (the KV cache was not
         donated), it was preparing some request's inputs: run each scheduled request alone
         to find the culprits, end them with an error (`self.failed`), and return the
         others' results as if the step had run whole. Otherwise the engine is broken:
         re-raise, and the loop dies loudly."""
-        import jax
-
-        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches)):
+        if self._cache_donated():
             raise error
         tokens, lps, ok = [], [], []
         for sch in out.scheduled:
@@ -312,7 +316,7 @@ class LLMEngine:
             try:
                 r = self.runner.execute(one, 1).result()
             except Exception as e:
-                if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches)):
+                if self._cache_donated():
                     raise
                 self.log(f"request {sch.seq.request_id} failed while preparing its step inputs: {e!r}")
                 self.failed.append((sch.seq.request_id, e))
