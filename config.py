@@ -48,7 +48,7 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     warmup: bool = True  # compile every shape bucket before serving
     # Schedule and prepare step N+1 while the device runs step N (vLLM's --async-scheduling).
-    async_scheduling: bool = False  # off by default until the whole suite has run with it on (docs/ARCHITECTURE.md)
+    async_scheduling: bool = True  # --no-async-scheduling gives the synchronous loop (same tokens)
     compilation_cache_dir: str = "~/.cache/taxirank/jax"  # persistent XLA cache; "" turns it off
     # Beyond one device (parallel.py): a mesh of tensor_parallel_size devices, over
     # num_processes hosts when distributed_coordinator is set (jax.distributed).

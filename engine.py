@@ -55,7 +55,7 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step: slots make it cheap to build
 class RequestOutputDelta:
     """What one step produced for one request: streamed by AsyncEngine."""
 
@@ -255,7 +255,10 @@ class LLMEngine:
         # last running member was aborted.
         result = step.result() if isinstance(step, InFlightStep) else step
         tokens = result.tokens.tolist() if result is not None else []
-        sampled = {sch.seq.request_id: tokens[i] for i, sch in enumerate(out.scheduled) if sch.samples}
+        if out.is_decode_only:  # every row samples
+            sampled = dict(zip([sch.seq.request_id for sch in out.scheduled], tokens))
+        else:
+            sampled = {sch.seq.request_id: tokens[i] for i, sch in enumerate(out.scheduled) if sch.samples}
         logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)
         # Rows whose sequence ended before this step came back (aborted, or under async
@@ -265,7 +268,7 @@ class LLMEngine:
         if out.discarded:
             dropped = {id(s) for s in out.discarded}
             rows = [s for s in out.scheduled if id(s) not in dropped]
-            dec = sum(1 for s in out.discarded if (s.seq.is_decode if s.is_decode is None else s.is_decode))
+            dec = sum(1 for s in out.discarded if s.is_decode)
             pre = sum(s.num_new_tokens for s in out.discarded) - dec
             seen = dataclasses.replace(out, scheduled=rows, num_decode_tokens=out.num_decode_tokens - dec,
                                        num_prefill_tokens=out.num_prefill_tokens - pre)
@@ -279,20 +282,31 @@ class LLMEngine:
 
     def _deltas(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprob],
                 released: list[Sequence]) -> list[RequestOutputDelta]:
-        deltas: dict[str, RequestOutputDelta] = {}
-        for sch in out.scheduled:
-            seq, rid = sch.seq, sch.seq.request_id
-            if sch.samples and rid in sampled:
-                num_out = sch.output_index + 1 if out.advanced else seq.num_output_tokens
-                deltas[rid] = RequestOutputDelta(rid, [sampled[rid]], [logprobs[rid]] if rid in logprobs else None,
-                                                 False, None, seq.num_prompt_tokens, num_out,
-                                                 max(seq.num_cached_tokens, 0))
-        for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
-            d = deltas.setdefault(seq.request_id, RequestOutputDelta(
-                seq.request_id, [], None, False, None, seq.num_prompt_tokens, seq.num_output_tokens,
-                max(seq.num_cached_tokens, 0)))
-            d.finished, d.finish_reason = True, seq.finish_reason
-        return list(deltas.values())
+        deltas: list[RequestOutputDelta] = []
+        advanced = out.advanced
+        # (A sequence that sampled was admitted: its num_cached_tokens is set, >= 0.)
+        for sch in out.scheduled:  # once per running sequence in a decode step: kept lean
+            if not sch.samples:
+                continue
+            seq = sch.seq
+            rid = seq.request_id
+            token = sampled.get(rid)
+            if token is None:
+                continue
+            lp = logprobs.get(rid) if logprobs else None
+            deltas.append(RequestOutputDelta(
+                rid, [token], None if lp is None else [lp], False, None, len(seq.prompt_token_ids),
+                sch.output_index + 1 if advanced else len(seq.output_token_ids), seq.num_cached_tokens))
+        if released:
+            by_id = {d.request_id: d for d in deltas}
+            for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
+                d = by_id.get(seq.request_id)
+                if d is None:
+                    d = RequestOutputDelta(seq.request_id, [], None, False, None, seq.num_prompt_tokens,
+                                           seq.num_output_tokens, max(seq.num_cached_tokens, 0))
+                    deltas.append(d)
+                d.finished, d.finish_reason = True, seq.finish_reason
+        return deltas
 
     # ---- issue 9: one request's bad inputs end that request, not the engine -------------
     def _cache_donated(self) -> bool:
@@ -311,8 +325,8 @@ class LLMEngine:
             raise error
         tokens, lps, ok = [], [], []
         for sch in out.scheduled:
-            one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.seq.is_decode else sch.num_new_tokens,
-                                  num_decode_tokens=int(sch.seq.is_decode))
+            one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
+                                  num_decode_tokens=int(sch.is_decode))
             try:
                 r = self.runner.execute(one, 1).result()
             except Exception as e:
@@ -334,7 +348,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.stats.record_finished(seq, time.monotonic(), latency=False)
         out.scheduled = ok
-        out.num_decode_tokens = sum(1 for s in ok if s.seq.is_decode)
+        out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
         out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens
         logprobs = None
         if any(lp is not None for lp in lps):

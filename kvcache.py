@@ -140,6 +140,10 @@ class BlockAllocator:
             lst.extend(blocks)
             self._num_named[owner] = len(lst)
 
+    def num_named(self, owner: str) -> int:
+        """owner's leading blocks already offered a name (cache_blocks names the rest)."""
+        return self._num_named.get(owner, 0)
+
     def cache_blocks(self, owner: str, block_hashes: Sequence[bytes]) -> None:
         """Name owner's first len(block_hashes) blocks (those not named yet), i.e. its full
         blocks whose K/V is computed or computed in the step being scheduled. A name

@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:  # scheduler.py imports this module: types only
     from config import EngineConfig
     from scheduler import SchedulerOutput, Sequence
@@ -45,6 +47,19 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
         self.count += 1
+
+    def observe_many(self, values: list[float]) -> None:
+        """observe() each value; vectorised (a decode step observes one ITL per sequence)."""
+        if len(values) < 8:
+            for v in values:
+                self.observe(v)
+            return
+        v = np.asarray(values, np.float64)
+        idx = np.searchsorted(np.asarray(self.buckets), v, side="left")  # = bisect_left
+        for i, c in enumerate(np.bincount(idx, minlength=len(self.counts)).tolist()):
+            self.counts[i] += c
+        self.sum += float(v.sum())
+        self.count += len(values)
 
     def cumulative(self) -> list[tuple[float, int]]:
         """[(upper bound, cumulative count)], ending with (inf, count)."""
@@ -136,6 +151,7 @@ class EngineStats:
                 self.num_preemptions += len(out.preempted)
                 self.generation_tokens += len(sampled)
                 self.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
+            itl = []  # one inter-token latency per sequence that got a later token
             for sch in out.scheduled:
                 seq = sch.seq
                 if seq.first_scheduled_time is None:  # its first step: it stops queueing
@@ -151,8 +167,9 @@ class EngineStats:
                     self.time_to_first_token.observe(now - seq.arrival_time)
                     self.prompt_tokens += seq.num_prompt_tokens  # as vLLM V1: once its prefill completes
                 else:
-                    self.inter_token_latency.observe(now - seq.last_token_time)
+                    itl.append(now - seq.last_token_time)
                 seq.last_token_time = now
+            self.inter_token_latency.observe_many(itl)
             for seq in released:
                 self._finished(seq, now, latency=True)
 

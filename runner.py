@@ -122,7 +122,8 @@ class ModelRunner:
         self._idle = N  # the idle row: null block table, greedy, never a sampled token's home
         self.last_tokens = jnp.zeros(N + 1, jnp.int32) if mesh is None else replicate(np.zeros(N + 1, np.int32), mesh)
         self._bt = np.zeros((N + 1, W), np.int32)
-        self._bt_len = [0] * (N + 1)
+        self._bt_len = [0] * (N + 1)  # a list for the per-row checks, mirrored in numpy for the vector one
+        self._bt_len_np = np.zeros(N + 1, np.int32)
         self._bt_owner: list[list[int] | None] = [None] * (N + 1)  # the block_table list written there
         self._samp = empty_sampling_arrays(N + 1)
         self._wants_logprobs = np.zeros(N + 1, bool)
@@ -177,7 +178,7 @@ class ModelRunner:
             n = len(bt)
             self._bt[s, :n] = bt
             self._bt[s, n:] = 0
-            self._bt_len[s] = n
+            self._bt_len[s] = self._bt_len_np[s] = n
             fill_slot(self._samp, s, seq.params, seq.seed, 0)  # "step" is set per step
             self._wants_logprobs[s] = seq.params.logprobs is not None
         else:
@@ -185,7 +186,7 @@ class ModelRunner:
             if m != n:  # blocks are only ever appended while a sequence holds its slot
                 assert m > n and (n == 0 or self._bt[s, n - 1] == bt[n - 1]), f"{seq.request_id}: block table rewritten"
                 self._bt[s, n:m] = bt[n:m]
-                self._bt_len[s] = m
+                self._bt_len[s] = self._bt_len_np[s] = m
         return s
 
     def execute(self, out: SchedulerOutput, num_occupied: int) -> InFlightStep:
@@ -198,19 +199,23 @@ class ModelRunner:
         n = len(out.scheduled)
         decode = out.is_decode_only
         R = _bucket(cfg.decode_buckets, max(num_occupied, n)) if decode else cfg.max_num_seqs
-        seqs = [sch.seq for sch in out.scheduled]
         owner, bt_len = self._bt_owner, self._bt_len
-        for seq in seqs:  # most rows: one identity and one length check
-            if owner[seq.slot] is not seq.block_table or bt_len[seq.slot] != len(seq.block_table):
+        # The one Python loop over the step's sequences: most rows need one identity and
+        # one length check of their block table, and five numbers into a flat list.
+        flat: list[int] = []
+        for sch in out.scheduled:
+            seq = sch.seq
+            bt = seq.block_table
+            if owner[seq.slot] is not bt or bt_len[seq.slot] != len(bt):
                 self._sync_slot(seq)
-        # per row: slot, first position, new tokens, tokens generated so far, samples?
-        rows = np.array([(sch.seq.slot, sch.seq.num_computed_tokens, sch.num_new_tokens,
-                          len(sch.seq.output_token_ids), sch.samples) for sch in out.scheduled], np.int32).reshape(n, 5)
+            # per row: slot, first position, new tokens, tokens generated so far, samples?
+            flat += (seq.slot, seq.num_computed_tokens, sch.num_new_tokens, len(seq.output_token_ids), sch.samples)
+        rows = np.array(flat, np.int32).reshape(n, 5)
         slots, start, q = rows[:, 0], rows[:, 1], rows[:, 2]
         assert n == 0 or (q >= 1).all(), "every scheduled sequence computes a token"
-        assert (np.array(bt_len)[slots] * BS >= start + q).all(), "blocks must be allocated before the step"
+        assert (self._bt_len_np[slots] * BS >= start + q).all(), "blocks must be allocated before the step"
         if decode:  # every row is a decode: its input is its latest output token
-            toks = np.array([seq.output_token_ids[-1] for seq in seqs], np.int32)
+            toks = np.array([sch.seq.output_token_ids[-1] for sch in out.scheduled], np.int32)
         else:
             toks = np.array([t for sch in out.scheduled for t in token_slice(sch.seq, sch.seq.num_computed_tokens,
                                                                               sch.num_new_tokens)], np.int32)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +47,14 @@ from policy import FCFSQueue, SortedQueue, make_policy
 # An output token sampled by a step the host has not seen the result of yet (async
 # scheduling): it stands in output_token_ids until update() writes the real token.
 PLACEHOLDER = -1
+
+# The scheduler's global invariants (every slot owned once, no KV block leaked, blocks
+# cover every computed token) cost O(running + blocks in use) a step: at 256 sequences,
+# more than the rest of a decode step's host work. They are checked after every step
+# when TAXIRANK_CHECK_INVARIANTS=1 (the test suite sets it, tests/conftest.py), and by
+# check_invariants(); the local asserts (each block allocated or freed, each sequence's
+# token counts) run always.
+CHECK_ALL_INVARIANTS = os.environ.get("TAXIRANK_CHECK_INVARIANTS", "") == "1"
 
 
 class SequenceStatus(enum.Enum):
@@ -106,13 +115,13 @@ class Sequence:
         return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
 
 
-@dataclass
+@dataclass(slots=True)  # one per scheduled sequence per step: slots make it cheap to build
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # positions seq.num_computed_tokens .. + num_new_tokens - 1
     samples: bool  # a token comes out: a decode, or the chunk that completes the prompt
+    is_decode: bool  # seq.is_decode when scheduled (async scheduling advances seq before update)
     output_index: int = -1  # async scheduling: where its token stands (a PLACEHOLDER) in output_token_ids
-    is_decode: bool | None = None  # async scheduling: seq.is_decode when scheduled (it moves on before update)
 
 
 @dataclass
@@ -202,8 +211,8 @@ class Scheduler:
         elif self.config.enable_chunked_prefill:
             # Decodes first, so a long prompt joining costs streaming users no stutter.
             self._preempt_for_waiting(out)
-            self._schedule_decodes(out)
-            self._schedule_prompts(out)
+            prompts = self._schedule_decodes(out)
+            self._schedule_prompts(out, prompts)
             self._admit(out)
         else:
             # vLLM v0: a step that admits prompts runs only those prompts; the running
@@ -212,9 +221,7 @@ class Scheduler:
             self._admit(out)
             if not out.scheduled:
                 self._schedule_decodes(out)
-        out.num_decode_tokens = sum(1 for s in out.scheduled if s.seq.is_decode)
-        out.num_prefill_tokens = sum(s.num_new_tokens for s in out.scheduled) - out.num_decode_tokens
-        return out
+        return out  # _add counted num_decode_tokens and num_prefill_tokens
 
     def update_after_schedule(self, out: SchedulerOutput) -> None:
         """Async scheduling: the step has been dispatched and the next one is scheduled
@@ -224,7 +231,6 @@ class Scheduler:
         (EOS, a stop id) may be computed one step more, and update() drops that token."""
         for s in out.scheduled:
             seq = s.seq
-            s.is_decode = seq.is_decode
             seq.num_computed_tokens += s.num_new_tokens
             assert seq.num_computed_tokens <= seq.num_tokens
             if s.samples:
@@ -236,22 +242,31 @@ class Scheduler:
         """Record the step's work and tokens. Returns the sequences released this step:
         the finished ones (continuous), or the whole batch once all of it is done (static)."""
         released: list[Sequence] = []
-        for s in out.scheduled:
+        advanced, accepted, eos, max_len = out.advanced, out.accepted, self.eos_token_ids, self.config.max_model_len
+        for s in out.scheduled:  # once per running sequence in a decode step: kept lean
             seq = s.seq
-            if seq.status is FINISHED or (seq.status is WAITING and not out.advanced):
+            if seq.status is FINISHED or (seq.status is WAITING and not advanced):
                 out.discarded.append(s)  # aborted (or, async, finished) before this step came back
                 continue
-            if out.advanced:
+            if advanced:
                 if s.samples:
                     self._accept_placeholder(out, s, sampled[seq.request_id], released)
                 continue
             seq.num_computed_tokens += s.num_new_tokens
-            assert seq.num_computed_tokens <= seq.num_tokens
             if not s.samples:
+                assert seq.num_computed_tokens < seq.num_tokens
                 continue
             token = sampled[seq.request_id]
-            seq.output_token_ids.append(token)
-            out.accepted[seq.request_id] = token
+            out_ids = seq.output_token_ids
+            out_ids.append(token)
+            # all but the new token are cached
+            assert seq.num_computed_tokens == len(seq.prompt_token_ids) + len(out_ids) - 1
+            accepted[seq.request_id] = token
+            p = seq.params
+            # _finish_reason's tests, inlined: most tokens end nothing
+            if not (token in eos or p.stop_token_ids or len(out_ids) >= p.max_tokens
+                    or len(seq.prompt_token_ids) + len(out_ids) >= max_len):
+                continue
             seq.finish_reason = self._finish_reason(seq, token)
             if seq.finish_reason is not None:
                 seq.status = FINISHED
@@ -274,6 +289,10 @@ class Scheduler:
         assert seq.output_token_ids[i] == PLACEHOLDER and (i == 0 or seq.output_token_ids[i - 1] != PLACEHOLDER)
         seq.output_token_ids[i] = token
         out.accepted[seq.request_id] = token
+        p = seq.params
+        if not (token in self.eos_token_ids or p.stop_token_ids or i + 1 >= p.max_tokens
+                or len(seq.prompt_token_ids) + i + 1 >= self.config.max_model_len):
+            return  # _finish_reason's tests, inlined: most tokens end nothing
         reason = self._finish_reason(seq, token, num_output_tokens=i + 1)
         if reason is None:
             return
@@ -321,7 +340,7 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Everything, O(num_blocks): for tests. update() checks the per-step subset."""
         self.allocator.check_invariants()
-        self._assert_step_invariants()
+        self._check_step_invariants()
         for seq in self.running:
             assert seq.block_table == self.allocator.blocks_of(seq.request_id), seq.request_id
         for seq in self.waiting:
@@ -342,18 +361,46 @@ class Scheduler:
         else:
             self._schedule_decodes(out)
 
-    def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        for seq in list(self.running):  # admission order; preemption edits the list
-            if seq.status is RUNNING and seq.is_decode and not self._length_done(seq) and self._make_room(out, seq, 1):
-                self._add(out, seq, 1)
+    def _schedule_decodes(self, out: SchedulerOutput) -> list[Sequence]:
+        """One token for every running decode, admission order. Returns the running
+        sequences with prompt work left (for _schedule_prompts).
 
-    def _schedule_prompts(self, out: SchedulerOutput) -> None:
-        """Prompt work of admitted sequences, admission order: the next chunk with chunked
-        prefill (as much as the budget allows), else the whole remaining prompt."""
-        for seq in list(self.running):
-            if seq.status is not RUNNING or seq.is_decode:
+        The hot loop of a steady decode step, one pass over every running sequence, so
+        is_decode, _length_done, _make_room's "room already" case and _add are inlined."""
+        bs, max_len = self.config.block_size, self.config.max_model_len
+        caching, num_named = self.config.enable_prefix_caching, self.allocator.num_named
+        scheduled, prompts = out.scheduled, []
+        assert self._budget >= len(self.running), "config: max_num_batched_tokens >= max_num_seqs"
+        for seq in list(self.running):  # preemption edits the list
+            if seq.status is not RUNNING:
                 continue
-            n = seq.num_tokens - seq.num_computed_tokens
+            num_out = len(seq.output_token_ids)
+            num_tokens = len(seq.prompt_token_ids) + num_out
+            computed = seq.num_computed_tokens
+            if not num_out or computed != num_tokens - 1:
+                prompts.append(seq)  # a prompt, or a preempted sequence's recompute
+                continue
+            if num_out >= seq.params.max_tokens or num_tokens >= max_len:
+                continue  # its latest token (async: in flight) is its last
+            if computed >= len(seq.block_table) * bs and not self._make_room(out, seq, 1):
+                continue  # it needed a block, and was itself preempted for one
+            scheduled.append(ScheduledSeq(seq, 1, True, True))  # = _add(out, seq, 1)
+            self._budget -= 1
+            out.num_decode_tokens += 1
+            if caching and (computed + 1) // bs > num_named(seq.request_id):  # completes a block: name it
+                self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
+        return prompts
+
+    def _schedule_prompts(self, out: SchedulerOutput, candidates: list[Sequence] | None = None) -> None:
+        """Prompt work of admitted sequences, admission order: the next chunk with chunked
+        prefill (as much as the budget allows), else the whole remaining prompt.
+        candidates: the running sequences that may have prompt work (default: all)."""
+        for seq in list(self.running) if candidates is None else candidates:
+            if seq.status is not RUNNING:
+                continue  # preempted meanwhile
+            n = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
+            if n <= 1 and seq.output_token_ids:
+                continue  # a decode (or, async, one whose latest token is in flight): not prompt work
             if self.config.enable_chunked_prefill:
                 n = min(n, self._budget)
             if n == 0 or n > self._budget:
@@ -490,11 +537,19 @@ class Scheduler:
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         assert 0 < n <= self._budget
-        out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+        computed, num_tokens = seq.num_computed_tokens, len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        end = computed + n
+        is_decode = computed == num_tokens - 1 and bool(seq.output_token_ids)
+        out.scheduled.append(ScheduledSeq(seq, n, end == num_tokens, is_decode))
         self._budget -= n
+        if is_decode:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += n
         if self.config.enable_prefix_caching:  # name the full blocks this step completes
-            full = (seq.num_computed_tokens + n) // self.config.block_size
-            self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, full))
+            full = end // self.config.block_size
+            if full > self.allocator.num_named(seq.request_id):  # most decode steps complete none
+                self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, full))
 
     def _make_room(self, out: SchedulerOutput, seq: Sequence, n: int) -> bool:
         """Blocks for seq's next n tokens. On-demand, when none are free, preempt the
@@ -544,8 +599,8 @@ class Scheduler:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or (p.stop_token_ids and token in p.stop_token_ids):
             return "stop"
-        n = seq.num_output_tokens if num_output_tokens is None else num_output_tokens
-        if n >= p.max_tokens or seq.num_prompt_tokens + n >= self.config.max_model_len:
+        n = len(seq.output_token_ids) if num_output_tokens is None else num_output_tokens
+        if n >= p.max_tokens or len(seq.prompt_token_ids) + n >= self.config.max_model_len:
             return "length"
         return None
 
@@ -555,12 +610,20 @@ class Scheduler:
         return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len
 
     def _assert_step_invariants(self) -> None:
-        """O(running): slot ownership, and every block in use belongs to a running
-        sequence and covers its computed tokens. (allocate/free assert per block.)"""
+        """After a step (with CHECK_ALL_INVARIANTS): slot ownership, and every block in use
+        belongs to a running sequence and covers its computed tokens."""
+        if CHECK_ALL_INVARIANTS:
+            self._check_step_invariants()
+
+    def _check_step_invariants(self) -> None:
         slots = [s.slot for s in self.running]
         assert sorted([*slots, *self._free_slots]) == list(range(self.config.max_num_seqs)), "slot leaked or shared"
-        # A block shared by several sequences is one block in use.
-        assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
+        self._assert_no_block_leaked()
+        bs = self.config.block_size
         for seq in self.running:
             assert seq.status is not WAITING
-            assert len(seq.block_table) >= blocks_needed(seq.num_computed_tokens, self.config.block_size)
+            assert len(seq.block_table) * bs >= seq.num_computed_tokens, f"{seq.request_id}: K/V beyond its blocks"
+
+    def _assert_no_block_leaked(self) -> None:
+        # A block shared by several sequences is one block in use.
+        assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"

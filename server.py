@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import hmac
 import json
 import logging
@@ -527,6 +528,11 @@ def main(argv: list[str] | None = None) -> None:
         engine = AsyncEngine(config, log=log.info)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad flag, model path or download: say so
         parser.error(str(e))
+    # As vLLM after warm-up (freeze_gc_heap): the start-up heap (the model's Python objects,
+    # the tokenizer, JAX's caches) moves to the permanent generation, so the collections
+    # the step loop's per-step objects trigger never walk it again.
+    gc.collect()
+    gc.freeze()
     if config.process_id > 0:  # multi-host: only process 0 serves; the others run its steps
         engine.engine.follow()
         return

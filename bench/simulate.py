@@ -14,7 +14,10 @@ non-EOS token: the benches run ignore_eos, so lengths are max_tokens), and
 `EngineStats.record_step` counts it with the simulated clock, exactly as the engine
 counts its own steps with the wall clock. So everything the engine decides (admission,
 chunks, preemption, the static bus, any scheduling policy) is the real code; only the
-model's time is modelled:
+model's time is modelled. It is the synchronous loop (`--no-async-scheduling`): async
+scheduling's overlap and one-step boarding lag are not modelled, and the real engine it
+is calibrated and validated against runs synchronously too.
+
 
     cost(step) = a + b * rows + c * context_tokens_read + d * prefill_tokens
 
@@ -291,9 +294,12 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
 # ---- the real engine: calibration and measurement ---------------------------------------
 
 def build_engine(model: str, config_kw: dict[str, Any], log: Callable[[str], None] = lambda s: None):
+    """The real engine, synchronous: the simulator replays the synchronous loop (one
+    step's tokens known before the next is scheduled). Async scheduling shifts boarding
+    by one step and overlaps steps, which the cost model does not model."""
     from engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=model, **config_kw), log=log)
+    return LLMEngine(EngineConfig(model=model, **{"async_scheduling": False, **config_kw}), log=log)
 
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.monotonic, "cpu": time.process_time}

@@ -15,6 +15,11 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
+# Every scheduler step checks the global invariants (slots, no KV block leaked, block
+# coverage: scheduler.CHECK_ALL_INVARIANTS), which production skips for speed; server
+# subprocesses inherit it. Set before any test module imports the scheduler.
+os.environ["TAXIRANK_CHECK_INVARIANTS"] = "1"
+
 # Small enough to build and run in well under a second; GQA (4 heads over 2 KV heads).
 _BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,

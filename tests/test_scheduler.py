@@ -400,3 +400,25 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def test_the_suite_checks_the_block_leak_invariant_every_step():
+    """tests/conftest.py turns on the per-step global invariant checks that production skips;
+    a block held by no running sequence then fails the very next update()."""
+    import scheduler as scheduler_mod
+
+    assert scheduler_mod.CHECK_ALL_INVARIANTS, "tests/conftest.py sets TAXIRANK_CHECK_INVARIANTS=1"
+    s = make()
+    s.add(seq("a"))
+    step(s)
+    s.allocator.allocate("ghost", 1)  # a block in use that no running sequence holds
+    out = s.schedule()
+    with pytest.raises(AssertionError, match="KV block leaked"):
+        s.update(out, {x.seq.request_id: TOKEN for x in out.scheduled if x.samples})
+
+
+def test_the_leak_check_is_off_in_a_process_without_the_flag():
+    code = ("import scheduler; assert not scheduler.CHECK_ALL_INVARIANTS")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TAXIRANK_CHECK_INVARIANTS"}
+    subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": str(root)}, check=True)

@@ -138,7 +138,9 @@ def test_max_waiting_requests_counts_requests_not_yet_scheduled() -> None:
 
 
 def test_a_stop_string_finish_is_a_normal_finish_in_every_metric() -> None:
-    eng = LLMEngine(EngineConfig(**SMALL), log=quiet)
+    # Synchronous: the first token (and its prompt-token count) is seen by the step that
+    # computes it; async sees it one step() later (tests/test_async_scheduling.py).
+    eng = LLMEngine(EngineConfig(**SMALL, async_scheduling=False), log=quiet)
     eng.add_request("a", [5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
     eng.step()
     assert eng.stats.prompt_tokens == 2  # counted once its prefill completes, as vLLM

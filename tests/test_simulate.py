@@ -22,7 +22,8 @@ def workload() -> list[SimRequest]:
 
 
 # The shapes of test_engine.py's engines, so the persistent compilation cache serves them.
-SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False)
+# Synchronous: the simulator replays the synchronous loop (bench/simulate.py's docstring).
+SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False, async_scheduling=False)
 CASES = {"continuous": dict(scheduling="continuous"), "static": dict(scheduling="static"),
          "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=32),
          "tight-kv": dict(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128)}
