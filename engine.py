@@ -255,10 +255,7 @@ class LLMEngine:
         # last running member was aborted.
         result = step.result() if isinstance(step, InFlightStep) else step
         tokens = result.tokens.tolist() if result is not None else []
-        if out.is_decode_only:  # every row samples
-            sampled = dict(zip([sch.seq.request_id for sch in out.scheduled], tokens))
-        else:
-            sampled = {sch.seq.request_id: tokens[i] for i, sch in enumerate(out.scheduled) if sch.samples}
+        sampled = {sch.seq.request_id: tokens[i] for i, sch in enumerate(out.scheduled) if sch.samples}
         logprobs = self._logprobs(out.scheduled, result)
         released = self.scheduler.update(out, sampled)
         # Rows whose sequence ended before this step came back (aborted, or under async

@@ -122,8 +122,7 @@ class ModelRunner:
         self._idle = N  # the idle row: null block table, greedy, never a sampled token's home
         self.last_tokens = jnp.zeros(N + 1, jnp.int32) if mesh is None else replicate(np.zeros(N + 1, np.int32), mesh)
         self._bt = np.zeros((N + 1, W), np.int32)
-        self._bt_len = [0] * (N + 1)  # a list for the per-row checks, mirrored in numpy for the vector one
-        self._bt_len_np = np.zeros(N + 1, np.int32)
+        self._bt_len = [0] * (N + 1)  # entries at and past it are 0 (the null block, never handed out)
         self._bt_owner: list[list[int] | None] = [None] * (N + 1)  # the block_table list written there
         self._samp = empty_sampling_arrays(N + 1)
         self._wants_logprobs = np.zeros(N + 1, bool)
@@ -178,7 +177,7 @@ class ModelRunner:
             n = len(bt)
             self._bt[s, :n] = bt
             self._bt[s, n:] = 0
-            self._bt_len[s] = self._bt_len_np[s] = n
+            self._bt_len[s] = n
             fill_slot(self._samp, s, seq.params, seq.seed, 0)  # "step" is set per step
             self._wants_logprobs[s] = seq.params.logprobs is not None
         else:
@@ -186,7 +185,7 @@ class ModelRunner:
             if m != n:  # blocks are only ever appended while a sequence holds its slot
                 assert m > n and (n == 0 or self._bt[s, n - 1] == bt[n - 1]), f"{seq.request_id}: block table rewritten"
                 self._bt[s, n:m] = bt[n:m]
-                self._bt_len[s] = self._bt_len_np[s] = m
+                self._bt_len[s] = m
         return s
 
     def execute(self, out: SchedulerOutput, num_occupied: int) -> InFlightStep:
@@ -213,7 +212,8 @@ class ModelRunner:
         rows = np.array(flat, np.int32).reshape(n, 5)
         slots, start, q = rows[:, 0], rows[:, 1], rows[:, 2]
         assert n == 0 or (q >= 1).all(), "every scheduled sequence computes a token"
-        assert (self._bt_len_np[slots] * BS >= start + q).all(), "blocks must be allocated before the step"
+        # The block of each row's last position is a real one: past a row's length, _bt holds the null block.
+        assert (self._bt[slots, (start + q - 1) // BS] != 0).all(), "blocks must be allocated before the step"
         if decode:  # every row is a decode: its input is its latest output token
             toks = np.array([sch.seq.output_token_ids[-1] for sch in out.scheduled], np.int32)
         else:

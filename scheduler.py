@@ -242,7 +242,7 @@ class Scheduler:
         """Record the step's work and tokens. Returns the sequences released this step:
         the finished ones (continuous), or the whole batch once all of it is done (static)."""
         released: list[Sequence] = []
-        advanced, accepted, eos, max_len = out.advanced, out.accepted, self.eos_token_ids, self.config.max_model_len
+        advanced, accepted = out.advanced, out.accepted
         for s in out.scheduled:  # once per running sequence in a decode step: kept lean
             seq = s.seq
             if seq.status is FINISHED or (seq.status is WAITING and not advanced):
@@ -262,11 +262,6 @@ class Scheduler:
             # all but the new token are cached
             assert seq.num_computed_tokens == len(seq.prompt_token_ids) + len(out_ids) - 1
             accepted[seq.request_id] = token
-            p = seq.params
-            # _finish_reason's tests, inlined: most tokens end nothing
-            if not (token in eos or p.stop_token_ids or len(out_ids) >= p.max_tokens
-                    or len(seq.prompt_token_ids) + len(out_ids) >= max_len):
-                continue
             seq.finish_reason = self._finish_reason(seq, token)
             if seq.finish_reason is not None:
                 seq.status = FINISHED
@@ -289,10 +284,6 @@ class Scheduler:
         assert seq.output_token_ids[i] == PLACEHOLDER and (i == 0 or seq.output_token_ids[i - 1] != PLACEHOLDER)
         seq.output_token_ids[i] = token
         out.accepted[seq.request_id] = token
-        p = seq.params
-        if not (token in self.eos_token_ids or p.stop_token_ids or i + 1 >= p.max_tokens
-                or len(seq.prompt_token_ids) + i + 1 >= self.config.max_model_len):
-            return  # _finish_reason's tests, inlined: most tokens end nothing
         reason = self._finish_reason(seq, token, num_output_tokens=i + 1)
         if reason is None:
             return
@@ -366,7 +357,7 @@ class Scheduler:
         sequences with prompt work left (for _schedule_prompts).
 
         The hot loop of a steady decode step, one pass over every running sequence, so
-        is_decode, _length_done, _make_room's "room already" case and _add are inlined."""
+        is_decode, the length check, _make_room's "room already" case and _add are inlined."""
         bs, max_len = self.config.block_size, self.config.max_model_len
         caching, num_named = self.config.enable_prefix_caching, self.allocator.num_named
         scheduled, prompts = out.scheduled, []
@@ -381,7 +372,9 @@ class Scheduler:
                 prompts.append(seq)  # a prompt, or a preempted sequence's recompute
                 continue
             if num_out >= seq.params.max_tokens or num_tokens >= max_len:
-                continue  # its latest token (async: in flight) is its last
+                # Its latest token (async: maybe still a placeholder) is its last by length.
+                # Never so under synchronous scheduling: update() retired it.
+                continue
             if computed >= len(seq.block_table) * bs and not self._make_room(out, seq, 1):
                 continue  # it needed a block, and was itself preempted for one
             scheduled.append(ScheduledSeq(seq, 1, True, True))  # = _add(out, seq, 1)
@@ -604,11 +597,6 @@ class Scheduler:
             return "length"
         return None
 
-    def _length_done(self, seq: Sequence) -> bool:
-        """Its latest token (async: maybe still a placeholder) is its last by length. Never
-        true of a running sequence under synchronous scheduling: update() retired it."""
-        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len
-
     def _assert_step_invariants(self) -> None:
         """After a step (with CHECK_ALL_INVARIANTS): slot ownership, and every block in use
         belongs to a running sequence and covers its computed tokens."""
@@ -618,12 +606,9 @@ class Scheduler:
     def _check_step_invariants(self) -> None:
         slots = [s.slot for s in self.running]
         assert sorted([*slots, *self._free_slots]) == list(range(self.config.max_num_seqs)), "slot leaked or shared"
-        self._assert_no_block_leaked()
+        # A block shared by several sequences is one block in use.
+        assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
         bs = self.config.block_size
         for seq in self.running:
             assert seq.status is not WAITING
             assert len(seq.block_table) * bs >= seq.num_computed_tokens, f"{seq.request_id}: K/V beyond its blocks"
-
-    def _assert_no_block_leaked(self) -> None:
-        # A block shared by several sequences is one block in use.
-        assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
