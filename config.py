@@ -11,9 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Scheduling = Literal["continuous", "static"]
-SchedulingPolicy = Literal["fcfs", "priority"]
-KVAdmission = Literal["on-demand", "reserve", "reserve-max-len"]
+from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
+
 AttentionBackend = Literal["auto", "pallas", "xla"]
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
@@ -41,9 +40,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True  # vLLM V1's default; --no-enable-chunked-prefill turns it off
     enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix (vLLM V1's default)
-    scheduling: Scheduling = "continuous"
-    scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's --scheduling-policy: admission order, KV victim
-    kv_admission: KVAdmission = "on-demand"
+    # The scheduling decisions: each a name in one of policy.py's registries (default: its first).
+    scheduling: str = BATCHING.default  # how a step is composed, when a finished sequence's seat frees
+    scheduling_policy: str = POLICIES.default  # vLLM's --scheduling-policy: admission order, KV victim
+    kv_admission: str = KV_ADMISSION.default  # the KV blocks a sequence holds from admission
     attention_backend: AttentionBackend = "auto"
     max_waiting_requests: int | None = None
     warmup: bool = True  # compile every shape bucket before serving
@@ -71,11 +71,8 @@ class EngineConfig:
              f"num_kv_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_kv_blocks}")
         need(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0 bytes")
         need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        need(self.scheduling in ("continuous", "static"), f"scheduling must be continuous or static, got {self.scheduling!r}")
-        need(self.scheduling_policy in ("fcfs", "priority"),
-             f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        need(self.kv_admission in ("on-demand", "reserve", "reserve-max-len"),
-             f"kv_admission must be on-demand, reserve or reserve-max-len, got {self.kv_admission!r}")
+        for registry in REGISTRIES:
+            registry.check(getattr(self, registry.field))
         need(self.attention_backend in ("auto", "pallas", "xla"),
              f"attention_backend must be auto, pallas or xla, got {self.attention_backend!r}")
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")

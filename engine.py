@@ -1,6 +1,7 @@
-"""The engine: one loop of schedule -> run -> postprocess, and its two front doors.
+"""The engine: one loop of schedule -> run -> update -> record, and its two front doors.
 
-  LLMEngine    the synchronous core: add_request, abort, step.
+  LLMEngine    the synchronous core: add_request, abort, step (its parts are built by
+               startup.py: the model, the sized KV cache, the scheduler, the runner).
   LLM          offline batch generation, vLLM's API: LLM(model=...).generate(prompts, params).
   AsyncEngine  for the server: the step loop on its own thread, an async stream of token
                deltas per request, abort at any time.
@@ -12,9 +13,7 @@ scheduler can take the config without importing JAX.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import dataclasses
-import os
 import random
 import threading
 import time
@@ -22,19 +21,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence as Seq
 
+import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh
 
-import checkpoint
-import distributed
 from config import MAX_LOGPROBS, EngineConfig, SamplingParams
-from kvcache import describe, measure_activation_bytes, num_kv_blocks_for
 from metrics import WAIT_REASONS, EngineStats, StepTrace
-from model import LoadedModel, load_model, param_bytes
-from parallel import make_mesh, max_bytes_per_device, shard_model
-from runner import InFlightStep, ModelRunner, StepResult
-from scheduler import Scheduler, ScheduledSeq, SchedulerOutput, Sequence
+from runner import InFlightStep, StepResult
+from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
+from startup import build_engine
 
 __all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
            "RequestOutputDelta", "TokenLogprob", "QueueFullError", "EngineDeadError"]
@@ -92,62 +86,19 @@ class LLMEngine:
     record_trace=True keeps a StepTrace per step in `self.trace`."""
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print, record_trace: bool = False):
+        parts = build_engine(config, log)
         self.log = log
+        self.config, self.loaded, self.stats = parts.config, parts.loaded, parts.stats
+        self.scheduler, self.runner, self.num_kv_blocks = parts.scheduler, parts.runner, parts.num_kv_blocks
+        self.model_config = parts.loaded.config
+        self.tokenizer = parts.loaded.tokenizer
         self.trace: list[StepTrace] | None = [] if record_trace else None
-        _use_compilation_cache(config.compilation_cache_dir)
-        distributed.initialize(config)  # multi-host: before JAX picks its devices
-        # Tensor parallelism: the weights go onto the mesh here, the cache in the runner.
-        mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
-        if checkpoint.is_checkpoint(config.model):  # orbax: restored straight onto the mesh
-            loaded: LoadedModel = checkpoint.load(config.model, config.dtype, mesh)
-        else:
-            loaded = load_model(config.model, config.dtype, config.seed, log=log)
-        if mesh is not None:
-            loaded = shard_model(loaded, mesh)
-        self.loaded = loaded
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        config = config.resolved(loaded.config.max_model_len)
-        self.config = config
-        self.stats = EngineStats()
-        # On an accelerator sized by --gpu-memory-utilization, the KV cache gets what the
-        # weights and the largest step's activations leave: measure that step first.
-        runner, activation_bytes = None, 0
-        if _needs_activation_profile(config):
-            runner, activation_bytes = _profile_activations(config, loaded, self.stats, log, mesh)
-        # Each device's share: KV sizing is per device, as the budget is.
-        weight_bytes = param_bytes(loaded.model) if mesh is None else max_bytes_per_device(
-            nnx.state(loaded.model, nnx.Param))
-        num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, weight_bytes, activation_bytes)
-        if config.num_processes > 1:  # every process's cache has process 0's shape
-            num_blocks = distributed.StepChannel().share_int("num_kv_blocks", num_blocks)
-        self.num_kv_blocks = num_blocks
-        self.stats.num_kv_blocks = num_blocks - 1
-        log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
-            f"of weights), dtype {np.dtype(loaded.dtype).name}, "
-            f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
-            f"scheduling {config.scheduling} ({config.scheduling_policy}), "
-            f"chunked prefill {'on' if config.enable_chunked_prefill else 'off'}, "
-            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}")
-        if mesh is not None:
-            log(f"tensor parallel: {mesh.size} devices, {weight_bytes / 2**20:.1f} MiB of weights per device, "
-                f"{loaded.config.num_attention_heads // mesh.size} query and "
-                f"{loaded.config.num_key_value_heads // mesh.size} KV head(s) per device")
-        log(describe(config, loaded.config, num_blocks, loaded.dtype))
-        self.scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids)
-        if runner is None:
-            self.runner = ModelRunner(config, loaded, num_blocks, self.stats, mesh)
-        else:  # the profiling runner: its small cache is gone, the real one takes its place
-            runner.kv_caches = runner.allocate_kv_caches(num_blocks)
-            self.runner = runner
-        self._rng = random.Random(config.seed)
         self.failed: list[tuple[str, Exception]] = []  # requests a step failed on; the caller reports and clears
-        self._in_flight: tuple[SchedulerOutput, InFlightStep | StepResult, float] | None = None  # async: on the device
-        if config.warmup:
-            self.runner.warmup(log)
-        if config.num_processes > 1 and config.process_id == 0:
-            # the other processes wait for steps until process 0 says it is done
-            atexit.register(self.runner.stop_followers)
+        # Steps dispatched and not yet collected, oldest first: with async scheduling one
+        # stays on the device while the next is scheduled.
+        self._in_flight: deque[tuple[SchedulerOutput, float, InFlightStep | StepResult | None]] = deque()
+        self._max_in_flight = 1 if config.async_scheduling else 0
+        self._rng = random.Random(config.seed)
 
     def follow(self) -> None:
         """Multi-host, processes other than 0: run process 0's steps until it stops.
@@ -159,30 +110,13 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
-        """Config-only checks, safe from any thread; raises ValueError saying why."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority {priority} was given, but priority scheduling is not enabled "
-                             "(--scheduling-policy priority)")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids
-               if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab}) or not an integer")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-        if n + params.max_tokens > self.config.max_model_len:
-            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
-                             f"{n + params.max_tokens} tokens, over max_model_len ({self.config.max_model_len})")
+        """Raises ValueError saying why the request cannot run; safe from any thread."""
+        self.scheduler.validate(prompt_token_ids, params, priority)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> Sequence:
-        """priority: with --scheduling-policy priority, lower runs first (ties by arrival)."""
-        self.validate(prompt_token_ids, params, priority)
+        """priority: under a policy that reads it (--scheduling-policy), lower runs first."""
+        self.scheduler.validate(prompt_token_ids, params, priority)
         if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
         seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
@@ -205,14 +139,8 @@ class LLMEngine:
             self._refresh_gauges()
         return seq
 
-    def _num_occupied(self, out: SchedulerOutput) -> int:
-        """Rows a decode step computes: static, every seated passenger (the bus computes its
-        empty seats); continuous, the sequences scheduled (under async scheduling one whose
-        last token is still in flight holds its seat but computes nothing)."""
-        return self.scheduler.num_running if self.config.scheduling == "static" else len(out.scheduled)
-
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache). False, and nothing
@@ -223,77 +151,62 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
-        """schedule -> run -> update. Returns one delta per request that produced a
-        token or whose result was released this step.
-
-        With async scheduling a call schedules and dispatches step N+1, then waits for
-        step N (which the device ran meanwhile) and postprocesses it: the host's work
-        overlaps the device's, and the host learns each step's tokens one call later."""
+        """schedule -> run -> update -> record. Returns one delta per request that got a
+        token or whose result was released. With async scheduling the step dispatched here
+        is collected by the next call, so the host schedules step N+1 while the device runs
+        step N (an empty step dispatches nothing and collects the one in flight)."""
         out = self.scheduler.schedule()
-        scheduled_at = time.monotonic()
-        step = None
-        if out.scheduled:
-            try:
-                step = self.runner.execute(out, self._num_occupied(out))
-            except Exception as e:
-                step = self._isolate_failure(out, e)
-        if not self.config.async_scheduling:
-            return self._postprocess(out, step, scheduled_at)
-        if step is not None:
-            self.scheduler.update_after_schedule(out)
-        prev, self._in_flight = self._in_flight, ((out, step, scheduled_at) if step is not None else None)
-        if prev is not None:
-            return self._postprocess(*prev)
-        if step is None:
-            return self._postprocess(out, None, scheduled_at)
-        self._refresh_gauges()  # the first step of a run: nothing came back yet, but who runs and waits moved
-        return []
-
-    def _postprocess(self, out: SchedulerOutput, step: InFlightStep | StepResult | None,
-                     scheduled_at: float) -> list[RequestOutputDelta]:
-        # An empty step runs nothing, but update() may still release a static batch whose
-        # last running member was aborted.
+        if out.scheduled or not self._in_flight:
+            self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
+        if out.scheduled and len(self._in_flight) <= self._max_in_flight:
+            self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
+            return []
+        out, scheduled_at, step = self._in_flight.popleft()
         result = step.result() if isinstance(step, InFlightStep) else step
-        tokens = result.tokens.tolist() if result is not None else []
-        sampled = {sch.seq.request_id: tokens[i] for i, sch in enumerate(out.scheduled) if sch.samples}
-        logprobs = self._logprobs(out.scheduled, result)
-        released = self.scheduler.update(out, sampled)
-        # Rows whose sequence ended before this step came back (aborted, or under async
-        # scheduling finished by the step before) computed nothing anyone sees: they are
-        # counted nowhere and produce no delta.
-        seen = out
-        if out.discarded:
-            dropped = {id(s) for s in out.discarded}
-            rows = [s for s in out.scheduled if id(s) not in dropped]
-            dec = sum(1 for s in out.discarded if s.is_decode)
-            pre = sum(s.num_new_tokens for s in out.discarded) - dec
-            seen = dataclasses.replace(out, scheduled=rows, num_decode_tokens=out.num_decode_tokens - dec,
-                                       num_prefill_tokens=out.num_prefill_tokens - pre)
-            seen.accepted, seen.advanced = out.accepted, out.advanced
-        self.stats.record_step(seen, out.accepted, released, scheduled_at, time.monotonic(), self.config)
-        self._refresh_gauges()
-        if self.trace is not None and seen.scheduled:
-            self.trace.append(StepTrace.of(self.stats.num_steps, seen, out.accepted, released,
-                                           self.scheduler.num_running, self.scheduler.num_waiting))
-        return self._deltas(seen, out.accepted, logprobs, released)
+        outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [])
+        return self._record(out, result, outcome, scheduled_at)
 
-    def _deltas(self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprob],
-                released: list[Sequence]) -> list[RequestOutputDelta]:
+    def _dispatch(self, out: SchedulerOutput) -> InFlightStep | StepResult | None:
+        if not out.scheduled:  # nothing runs, but update() may still release a static batch
+            return None
+        try:
+            return self.runner.execute(out)
+        except Exception as e:
+            return self._isolate_failure(out, e)
+
+    def _record(self, out: SchedulerOutput, result: StepResult | None, outcome: StepOutcome,
+                scheduled_at: float) -> list[RequestOutputDelta]:
+        """Count the step, keep its trace, and turn it into deltas."""
+        logprobs = self._logprobs(out.scheduled, result)
+        if outcome.discarded:
+            # Rows whose sequence ended before this step came back computed nothing anyone
+            # sees: they are counted nowhere and produce no delta.
+            dropped = {id(s) for s in outcome.discarded}
+            dec = sum(1 for s in outcome.discarded if s.is_decode)
+            pre = sum(s.num_new_tokens for s in outcome.discarded) - dec
+            out = dataclasses.replace(out, scheduled=[s for s in out.scheduled if id(s) not in dropped],
+                                      num_decode_tokens=out.num_decode_tokens - dec,
+                                      num_prefill_tokens=out.num_prefill_tokens - pre)
+        accepted, released = outcome.accepted, outcome.finished
+        self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config)
+        self._refresh_gauges()
+        if self.trace is not None and out.scheduled:
+            self.trace.append(StepTrace.of(self.stats.num_steps, out, accepted, released,
+                                           self.scheduler.num_running, self.scheduler.num_waiting))
         deltas: list[RequestOutputDelta] = []
-        advanced = out.advanced
         # (A sequence that sampled was admitted: its num_cached_tokens is set, >= 0.)
         for sch in out.scheduled:  # once per running sequence in a decode step: kept lean
             if not sch.samples:
                 continue
             seq = sch.seq
             rid = seq.request_id
-            token = sampled.get(rid)
+            token = accepted.get(rid)
             if token is None:
                 continue
             lp = logprobs.get(rid) if logprobs else None
-            deltas.append(RequestOutputDelta(
-                rid, [token], None if lp is None else [lp], False, None, len(seq.prompt_token_ids),
-                sch.output_index + 1 if advanced else len(seq.output_token_ids), seq.num_cached_tokens))
+            deltas.append(RequestOutputDelta(rid, [token], None if lp is None else [lp], False, None,
+                                             len(seq.prompt_token_ids), len(seq.output_token_ids),
+                                             seq.num_cached_tokens))
         if released:
             by_id = {d.request_id: d for d in deltas}
             for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
@@ -305,11 +218,9 @@ class LLMEngine:
                 d.finished, d.finish_reason = True, seq.finish_reason
         return deltas
 
-    # ---- issue 9: one request's bad inputs end that request, not the engine -------------
+    # ---- one request's bad inputs end that request, not the engine -----------------
     def _cache_donated(self) -> bool:
         """True once a failed step got as far as the device: its donated KV cache is gone."""
-        import jax
-
         return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches))
 
     def _isolate_failure(self, out: SchedulerOutput, error: Exception) -> StepResult:
@@ -325,7 +236,7 @@ class LLMEngine:
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
                                   num_decode_tokens=int(sch.is_decode))
             try:
-                r = self.runner.execute(one, 1).result()
+                r = self.runner.execute(one).result()
             except Exception as e:
                 if self._cache_donated():
                     raise
@@ -376,52 +287,6 @@ class LLMEngine:
             self.stats.kv_cache_usage = sch.allocator.usage
 
 
-def _use_compilation_cache(path: str) -> None:
-    """Persist compiled step programs across restarts (warm-up then takes seconds, not
-    minutes). Leaves a cache directory the process already chose (tests set one)."""
-    import jax
-
-    if path and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-def _needs_activation_profile(config: EngineConfig) -> bool:
-    """KV blocks come from --gpu-memory-utilization (no --num-kv-blocks, no
-    --kv-cache-memory, not CPU): the same test num_kv_blocks_for makes."""
-    import jax
-
-    return (config.num_kv_blocks is None and config.kv_cache_memory is None
-            and jax.devices()[0].platform != "cpu")
-
-
-def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: EngineStats,
-                         log: Callable[[str], None], mesh: Mesh | None) -> tuple[ModelRunner, int]:
-    """The activation peak of the largest step, measured on the device.
-
-    Builds the runner with a minimal KV cache (one max_model_len sequence plus the null
-    block), runs the ragged program once at max_num_batched_tokens on idle inputs (as
-    warmup does: every write lands in the null block) and reads the allocator's peak
-    above what was in use before (weights + the small cache). Returns the runner, its
-    small cache already freed, and the activation bytes (0 if the device keeps no
-    counters). Unverified on a GPU so far; the arithmetic is unit-tested on CPU."""
-    import jax
-
-    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats, mesh)
-    T = config.max_num_batched_tokens
-    compiled = stats.num_compilations
-    profile = measure_activation_bytes(lambda: runner.idle_step(tokens=T), jax.devices()[0].memory_stats)
-    # That program was compiled for the small cache's shape and is never used again:
-    # num_compilations counts the programs the engine serves with.
-    stats.num_compilations = compiled
-    runner.kv_caches = []  # free the small cache before the real one is allocated
-    if profile is None:
-        log("KV sizing: the device reports no memory counters; no activation reserve is subtracted")
-        return runner, 0
-    log(f"KV sizing: {profile.describe(T)}")
-    return runner, profile.activation_bytes
-
-
 class LLM:
     """Offline generation, as vLLM's `LLM`: LLM(model="tiny", max_num_seqs=...).generate(...)."""
 
@@ -440,7 +305,7 @@ class LLM:
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        """priority: one integer per prompt (vLLM's), with scheduling_policy="priority"."""
+        """priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -550,9 +415,10 @@ class AsyncEngine:
         self._num_waiting_inbox = 0  # adds handed over but not yet in the scheduler's waiting queue
         self.error: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None  # called on the event loop
-        # Test-only fault injection (documented in tests/test_hostile.py): when this file
-        # exists, the next step raises, as a broken engine would.
-        self._fault_file = os.environ.get("TAXIRANK_TEST_FAULT_FILE")
+
+    def follow(self) -> None:
+        """Multi-host, processes other than 0: run process 0's steps (LLMEngine.follow)."""
+        self.engine.follow()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -672,8 +538,6 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                if self._fault_file and os.path.exists(self._fault_file):
-                    raise RuntimeError("injected fault (TAXIRANK_TEST_FAULT_FILE)")
                 for delta in self.engine.step():
                     self._deliver(delta)
                 for rid, err in self.engine.failed:  # one request's inputs failed: it alone ends

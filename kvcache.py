@@ -15,6 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from policy import KV_ADMISSION
+
 if TYPE_CHECKING:
     import jax
 
@@ -344,14 +346,10 @@ def describe(config: EngineConfig, cfg: ModelConfig, num_blocks: int, dtype: Any
     """One start-up line: what the cache holds and how many max_model_len sequences fit."""
     usable, bs, max_len, max_seqs = num_blocks - 1, config.block_size, config.max_model_len, config.max_num_seqs
     mib = num_blocks * kv_cache_bytes_per_block(cfg, bs, dtype) / 2**20
-    if config.kv_admission == "reserve-max-len":
-        # Every request holds max_model_len worth of blocks: a whole number of slots.
-        fit: float = usable // config.max_blocks_per_seq
-        fit_text, policy = f"{fit}", f"reserve-max-len: every request reserves {config.max_blocks_per_seq} blocks"
-    else:
-        fit = usable * bs / max_len
-        how = "blocks grow as tokens arrive" if config.kv_admission == "on-demand" else "prompt + max_tokens reserved"
-        fit_text, policy = f"{fit:.2f}", f"{config.kv_admission}: {how}, shorter sequences fit more"
+    admission = KV_ADMISSION[config.kv_admission]()
+    fit = admission.max_concurrency(config, usable)
+    fit_text = f"{fit}" if isinstance(fit, int) else f"{fit:.2f}"
+    policy = f"{admission.name}: {admission.summary}"
     at_once = f"{fit_text} (KV-bound)" if fit < max_seqs else f"{max_seqs} (slot-bound)"
     return (f"KV cache: {usable} blocks x {bs} tokens = {usable * bs} tokens ({mib:.1f} MiB); "
             f"max concurrency at max_model_len {max_len}: {fit_text}x ({policy}); "

@@ -1,32 +1,69 @@
-"""Scheduling policies: the decisions that differ between schedulers, one small class each.
+"""Scheduling decisions: one small class each, one registration each.
 
-The Scheduler (scheduler.py) owns the mechanics every policy shares: slots, KV blocks,
-the token budget, chunked prefill, preemption by recompute, the invariants. A policy
-answers four questions and nothing else:
+The Scheduler (scheduler.py) owns the mechanics every decision shares: slots, KV blocks,
+the token budget, chunked prefill, preemption by recompute, the invariants. What differs
+between schedulers is asked of three objects, each chosen by one config field and found
+in one registry here (EngineConfig validates the field against it, so a registered name
+is a valid flag value with no edit anywhere else):
 
-  new_queue()              the waiting queue: the order in which requests are admitted,
-                           and where a preempted one goes back
-  victim(candidates)       which running sequence gives up its blocks when KV runs out
-  outranks(waiting, run)   may a waiting request preempt a running one for its seat or
-                           its blocks? (FCFS: never; priority: when it ranks higher)
-  boards_only_when_empty   the boarding rule: static batching admits a batch only when
-                           nothing runs (and its seats stay taken until all of it is done)
+  POLICIES      --scheduling-policy (vLLM's flag): the waiting queue's order, the KV
+                victim, whether a waiting request may preempt a running one, and whether
+                requests carry a priority.
+  BATCHING      --scheduling: how a step is composed from the scheduler's mechanics
+                (continuous: every step; static: a batch boards only when nothing runs)
+                and when a finished sequence gives up its seat.
+  KV_ADMISSION  --kv-admission: how many KV blocks a sequence holds from admission
+                (on-demand: as tokens arrive; the reserve modes: its whole lifetime).
 
-Chosen by config: --scheduling-policy picks the class (fcfs | priority, vLLM's flag),
---scheduling static|continuous the boarding rule. Adding a policy is one class here and
-one entry in POLICIES (docs/ARCHITECTURE.md, "Adding a scheduling policy").
+Adding one is a class and its decorator (docs/ARCHITECTURE.md, "Adding a scheduling
+policy"); tests/test_recipes.py follows that recipe literally.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, TypeVar
 
 if TYPE_CHECKING:
     from config import EngineConfig
-    from scheduler import Sequence
+    from scheduler import Scheduler, SchedulerOutput, Sequence
 
+T = TypeVar("T")
+
+
+class Registry(dict, Generic[T]):
+    """name -> class for one EngineConfig field; `register` is the one place a name is written."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__()
+        self.field = field
+
+    def register(self, name: str) -> Callable[[type[T]], type[T]]:
+        def add(cls: type[T]) -> type[T]:
+            assert name not in self, f"{self.field} {name!r} is registered twice"
+            cls.name = name
+            self[name] = cls
+            return cls
+        return add
+
+    @property
+    def default(self) -> str:
+        """The first registered name: the field's default."""
+        return next(iter(self))
+
+    def check(self, name: object) -> None:
+        """A ValueError naming the registered choices, unless `name` is one."""
+        if name not in self:
+            *rest, last = list(self)
+            choices = f"{', '.join(rest)} or {last}" if rest else last
+            raise ValueError(f"{self.field} must be {choices}, got {name!r}")
+
+    def create(self, config: EngineConfig) -> T:
+        return self[getattr(config, self.field)]()
+
+
+# ---- the waiting queue -------------------------------------------------------------------
 
 class FCFSQueue(deque):
     """Arrival order; a preempted sequence goes back to the front (vLLM's FCFS)."""
@@ -47,11 +84,11 @@ class FCFSQueue(deque):
 class SortedQueue:
     """Kept sorted by a policy's key; a preempted sequence goes back to the place its key
     gives it, not to the front or the back (vLLM #41951: a preempted request must keep
-    its place by priority and arrival)."""
+    its place by priority and arrival). A key must not change while its request waits."""
 
-    def __init__(self, key: Any) -> None:
+    def __init__(self, key: Callable[[Sequence], Any]) -> None:
         self._key = key
-        self._keys: list[tuple] = []
+        self._keys: list[Any] = []
         self._seqs: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
@@ -86,11 +123,18 @@ class SortedQueue:
         return bool(self._seqs)
 
 
-class FCFS:
-    """First come, first served: vLLM's default. KV victim: the latest admitted."""
+# ---- policies: --scheduling-policy -------------------------------------------------------
 
-    def __init__(self, boards_only_when_empty: bool = False) -> None:
-        self.boards_only_when_empty = boards_only_when_empty
+POLICIES: Registry[FCFS] = Registry("scheduling_policy")
+
+
+@POLICIES.register("fcfs")
+class FCFS:
+    """First come, first served (vLLM's default): arrival order; the KV victim is the
+    latest admitted; a waiting request never preempts a running one."""
+
+    name: str
+    uses_priority = False  # requests may carry a `priority` only under a policy that reads it
 
     def new_queue(self) -> FCFSQueue | SortedQueue:
         return FCFSQueue()
@@ -101,17 +145,19 @@ class FCFS:
         return max(candidates, key=lambda s: s.admitted_seq_no)
 
     def outranks(self, waiting: Sequence, running: Sequence) -> bool:
+        """May `waiting` preempt `running` for its seat or its blocks?"""
         return False
 
 
-class Priority(FCFS):
-    """vLLM's --scheduling-policy priority: lower `priority` first, ties by arrival. The
-    KV victim is the lowest ranked; a waiting request that outranks running ones may
-    preempt them when slots or KV blocks are full."""
+class Ranked(FCFS):
+    """A policy that orders requests by `key` (lower first): the queue is sorted by it,
+    the KV victim is the lowest ranked, and a waiting request that ranks higher than
+    running ones may preempt them when slots or KV blocks are full."""
 
     @staticmethod
-    def key(seq: Sequence) -> tuple[int, float, int]:
-        return (seq.priority, seq.arrival_time, seq.arrival_order)
+    def key(seq: Sequence) -> Any:
+        """The rank: lower runs first. Must not change while its request waits."""
+        raise NotImplementedError
 
     def new_queue(self) -> SortedQueue:
         return SortedQueue(self.key)
@@ -123,8 +169,134 @@ class Priority(FCFS):
         return self.key(waiting) < self.key(running)
 
 
-POLICIES: dict[str, type[FCFS]] = {"fcfs": FCFS, "priority": Priority}
+@POLICIES.register("priority")
+class Priority(Ranked):
+    """vLLM's --scheduling-policy priority: lower `priority` first, ties by arrival; may
+    preempt lower-priority running requests."""
+
+    uses_priority = True
+
+    @staticmethod
+    def key(seq: Sequence) -> tuple[int, float, int]:
+        return (seq.priority, seq.arrival_time, seq.arrival_order)
 
 
-def make_policy(config: EngineConfig) -> FCFS:
-    return POLICIES[config.scheduling_policy](boards_only_when_empty=config.scheduling == "static")
+# ---- batching: --scheduling ----------------------------------------------------------------
+
+BATCHING: Registry[Continuous] = Registry("scheduling")
+
+
+@BATCHING.register("continuous")
+class Continuous:
+    """Iteration-level: every step, decodes first, then prompt chunks, then admissions
+    while a slot, the token budget and KV blocks allow; a finished sequence leaves in the
+    update() of its last token, so a queued request joins the next step."""
+
+    name: str
+
+    def schedule(self, s: Scheduler, out: SchedulerOutput) -> None:
+        s.preempt_for_waiting(out)
+        if s.config.enable_chunked_prefill:
+            # Decodes first, so a long prompt joining costs streaming users no stutter.
+            s.schedule_prompts(out, s.schedule_decodes(out))
+            s.admit(out)
+        else:
+            # vLLM v0: a step that admits prompts runs only those prompts; the running
+            # sequences' decodes stall for that step (the stutter chunking removes).
+            s.admit(out)
+            if not out.scheduled:
+                s.schedule_decodes(out)
+
+    def release(self, s: Scheduler, finished: list[Sequence]) -> list[Sequence]:
+        """Sequences that finished this step -> those that leave now (slot and blocks freed)."""
+        for seq in finished:
+            s.retire(seq)
+        return finished
+
+
+@BATCHING.register("static")
+class Static:
+    """The naive baseline (a bus leaves when its last passenger is on board): a batch
+    boards only when nothing runs, prefills, then decodes; finished sequences keep their
+    seats as padding (the decode step computes them) until the whole batch is done.
+    Never preempts for boarding: the bus does not stop mid-route."""
+
+    name: str
+
+    def schedule(self, s: Scheduler, out: SchedulerOutput) -> None:
+        if not s.running:
+            s.admit(out, schedule=False)
+        else:
+            for seq in s.waiting:
+                seq.wait_reason = "static_batch"
+        # Everyone boards before it leaves: no decode until every prompt is in.
+        if any(not seq.finished and not seq.is_decode for seq in s.running):
+            s.schedule_prompts(out)
+        else:
+            s.schedule_decodes(out)
+        out.num_occupied = len(s.running)
+
+    def release(self, s: Scheduler, finished: list[Sequence]) -> list[Sequence]:
+        if not s.running or not all(seq.finished for seq in s.running):
+            return []
+        batch = list(s.running)  # the bus arrives: everyone gets off at once
+        for seq in batch:
+            s.retire(seq)
+        return batch
+
+
+# ---- KV admission: --kv-admission ----------------------------------------------------------
+
+KV_ADMISSION: Registry[OnDemand] = Registry("kv_admission")
+
+
+@KV_ADMISSION.register("on-demand")
+class OnDemand:
+    """vLLM: blocks are allocated as tokens are computed; when they run out, the policy's
+    victim is preempted by recompute."""
+
+    name: str
+    preempts = True
+    summary = "blocks grow as tokens arrive, shorter sequences fit more"
+
+    def lifetime_tokens(self, num_prompt_tokens: int, max_tokens: int, config: EngineConfig) -> int:
+        """The most tokens a request can ever write to the cache. The last sampled token is
+        never computed (the sequence ends on it), so a 16-token prompt with max_tokens 1 at
+        block size 16 needs one block, not two."""
+        return num_prompt_tokens + max_tokens - 1
+
+    def tokens_at_admission(self, seq: Sequence, num_tokens: int, config: EngineConfig) -> int:
+        """Tokens whose blocks seq holds from admission, given it computes its first
+        num_tokens (cached + its first step's) then."""
+        return num_tokens
+
+    def max_concurrency(self, config: EngineConfig, num_usable_blocks: int) -> float:
+        """max_model_len sequences the cache holds at once (the start-up line)."""
+        return num_usable_blocks * config.block_size / config.max_model_len
+
+
+@KV_ADMISSION.register("reserve")
+class Reserve(OnDemand):
+    """TGI: prompt + max_tokens allocated at admission; never preempts."""
+
+    preempts = False
+    summary = "prompt + max_tokens reserved, shorter sequences fit more"
+
+    def tokens_at_admission(self, seq: Sequence, num_tokens: int, config: EngineConfig) -> int:
+        return self.lifetime_tokens(seq.num_prompt_tokens, seq.params.max_tokens, config)
+
+
+@KV_ADMISSION.register("reserve-max-len")
+class ReserveMaxLen(Reserve):
+    """Contiguous slots: every request holds max_model_len worth of blocks."""
+
+    summary = "every request reserves max_model_len worth of blocks"
+
+    def lifetime_tokens(self, num_prompt_tokens: int, max_tokens: int, config: EngineConfig) -> int:
+        return config.max_model_len - 1
+
+    def max_concurrency(self, config: EngineConfig, num_usable_blocks: int) -> float:
+        return num_usable_blocks // config.max_blocks_per_seq
+
+
+REGISTRIES = (POLICIES, BATCHING, KV_ADMISSION)

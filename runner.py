@@ -9,8 +9,9 @@ place) and both returning only the sampled tokens (and logprobs) to the host:
 
 Both also take and return `last_tokens[max_num_seqs + 1]` (donated): each slot's latest
 sampled token, kept on the device. An input token the host does not know yet (async
-scheduling: sampled by the step still running) is passed as token_src = its slot and
-read from there; every sampling row writes its token back (sample_slot).
+scheduling: sampled by the step still running, one of the sequence's
+num_output_placeholders) is passed as token_src = its slot and read from there; every
+sampling row writes its token back (sample_slot).
 
 W is max_model_len / block_size, but attention loops only over the blocks actually in
 context (see kernels_pallas.py), so the width costs host->device bytes, not FLOPs.
@@ -41,7 +42,7 @@ from metrics import EngineStats
 from model import AttentionInputs, LoadedModel
 from parallel import constrain_step_outputs, create_sharded_kv_caches, replicate, shard_attention
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, sample
-from scheduler import PLACEHOLDER, SchedulerOutput, Sequence
+from scheduler import SchedulerOutput, Sequence
 
 
 @dataclass
@@ -58,7 +59,6 @@ class InFlightStep:
 
     def __init__(self, res: tuple[jax.Array, ...], num_seqs: int, want_logprobs: bool):
         self._res, self.num_seqs, self.want_logprobs = res, num_seqs, want_logprobs
-        self.dispatched_at = time.perf_counter()
 
     def block_until_ready(self) -> None:
         jax.block_until_ready(self._res[0])
@@ -80,13 +80,16 @@ def _bucket(buckets: tuple[int, ...], n: int) -> int:
 
 
 def token_slice(seq: Sequence, start: int, n: int) -> list[int]:
-    """seq.all_token_ids[start:start+n] without building the whole list."""
+    """seq's tokens at positions start..start+n-1 without building the whole list; 0 for
+    a position whose token is still in flight (the step reads it on the device)."""
     p = seq.num_prompt_tokens
-    if start >= p:
-        return seq.output_token_ids[start - p:start - p + n]
     if start + n <= p:
         return seq.prompt_token_ids[start:start + n]
-    return seq.prompt_token_ids[start:] + seq.output_token_ids[:start + n - p]
+    if start >= p:
+        out = seq.output_token_ids[start - p:start - p + n]
+    else:
+        out = seq.prompt_token_ids[start:] + seq.output_token_ids[:start + n - p]
+    return out + [0] * (n - len(out)) if len(out) < n else out
 
 
 class ModelRunner:
@@ -97,8 +100,8 @@ class ModelRunner:
     short loop over the scheduled sequences, not per-element assignments.
 
     The device keeps `last_tokens[slot]`, each slot's latest sampled token: a step
-    writes its sampled tokens there, and an input token the host does not know yet (a
-    PLACEHOLDER, under async scheduling) is read from it on the device."""
+    writes its sampled tokens there, and an input token the host does not know yet (in
+    flight, under async scheduling) is read from it on the device."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, stats: EngineStats,
                  mesh: Mesh | None = None):
@@ -188,44 +191,50 @@ class ModelRunner:
                 self._bt_len[s] = m
         return s
 
-    def execute(self, out: SchedulerOutput, num_occupied: int) -> InFlightStep:
+    def execute(self, out: SchedulerOutput) -> InFlightStep:
         """Dispatch one step and return without waiting for it. Row i of every array is
         out.scheduled[i]: a sequence's slot is its seat in the scheduler's accounting; on
-        the device only rows exist, so a decode step computes num_occupied rows (padded
-        to a bucket), not max_num_seqs. Static batching passes its finished-but-seated
-        sequences in num_occupied: the bus computes its empty seats."""
+        the device only rows exist, so a decode step computes its scheduled rows (at least
+        out.num_occupied: static batching's finished-but-seated sequences), padded to a
+        bucket, not max_num_seqs. The scheduler has advanced each sequence past its row."""
         cfg, BS = self.config, self.block_size
         n = len(out.scheduled)
         decode = out.is_decode_only
-        R = _bucket(cfg.decode_buckets, max(num_occupied, n)) if decode else cfg.max_num_seqs
+        R = _bucket(cfg.decode_buckets, max(out.num_occupied, n)) if decode else cfg.max_num_seqs
         owner, bt_len = self._bt_owner, self._bt_len
         # The one Python loop over the step's sequences: most rows need one identity and
-        # one length check of their block table, and five numbers into a flat list.
+        # one length check of their block table, and six numbers into a flat list.
         flat: list[int] = []
         for sch in out.scheduled:
             seq = sch.seq
             bt = seq.block_table
             if owner[seq.slot] is not bt or bt_len[seq.slot] != len(bt):
                 self._sync_slot(seq)
-            # per row: slot, first position, new tokens, tokens generated so far, samples?
-            flat += (seq.slot, seq.num_computed_tokens, sch.num_new_tokens, len(seq.output_token_ids), sch.samples)
-        rows = np.array(flat, np.int32).reshape(n, 5)
-        slots, start, q = rows[:, 0], rows[:, 1], rows[:, 2]
+            # per row: slot, end position, new tokens, outputs known, outputs in flight, samples?
+            flat += (seq.slot, seq.num_computed_tokens, sch.num_new_tokens, len(seq.output_token_ids),
+                     seq.num_output_placeholders, sch.samples)
+        rows = np.array(flat, np.int32).reshape(n, 6)
+        slots, end, q, samples = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 5]
+        start = end - q
+        # A sampling row's own token is one of the in-flight ones: positions from here on
+        # hold tokens sampled by a step still running, read on the device.
+        num_known = end + samples - rows[:, 4]
         assert n == 0 or (q >= 1).all(), "every scheduled sequence computes a token"
         # The block of each row's last position is a real one: past a row's length, _bt holds the null block.
-        assert (self._bt[slots, (start + q - 1) // BS] != 0).all(), "blocks must be allocated before the step"
-        if decode:  # every row is a decode: its input is its latest output token
-            toks = np.array([sch.seq.output_token_ids[-1] for sch in out.scheduled], np.int32)
+        assert (self._bt[slots, (end - 1) // BS] != 0).all(), "blocks must be allocated before the step"
+        if decode:  # every row is a decode: its input is its latest known token, unless one is in flight
+            toks = np.array([(sch.seq.output_token_ids or sch.seq.prompt_token_ids)[-1] for sch in out.scheduled],
+                            np.int32)
         else:
-            toks = np.array([t for sch in out.scheduled for t in token_slice(sch.seq, sch.seq.num_computed_tokens,
-                                                                              sch.num_new_tokens)], np.int32)
+            toks = np.array([t for sch in out.scheduled for t in token_slice(
+                sch.seq, sch.seq.num_computed_tokens - sch.num_new_tokens, sch.num_new_tokens)], np.int32)
         num_real = len(toks)
         T = R if decode else _bucket(cfg.token_buckets, num_real)
         # per row
         row_slots = np.full(R, self._idle, np.int32)
         row_slots[:n] = slots
         kv_lens = np.zeros(R, np.int32)
-        kv_lens[:n] = start + q
+        kv_lens[:n] = end
         block_tables = self._bt[row_slots]
         cu_q_lens = np.zeros(R + 1, np.int32)
         np.cumsum(q, out=cu_q_lens[1:n + 1])
@@ -240,13 +249,13 @@ class ModelRunner:
         token_src = np.full(T, -1, np.int32)
         positions[:num_real] = pos
         slot_mapping[:num_real] = self._bt[slots[row_of], pos // BS] * BS + pos % BS
-        unknown = toks == PLACEHOLDER  # sampled by the step still running: read on the device
+        unknown = pos >= num_known[row_of]
         tokens[:num_real] = np.where(unknown, 0, toks)
         token_src[:num_real] = np.where(unknown, slots[row_of], -1)
-        # sampling
-        samples = rows[:, 4].astype(bool)
+        # sampling: "step" is the index of the output token a row samples (its seed's stream)
         samp = {k: v[row_slots] for k, v in self._samp.items()}
-        samp["step"][:n] = rows[:, 3]
+        samp["step"][:n] = rows[:, 3] + rows[:, 4] - samples
+        samples = samples.astype(bool)
         sample_slot = np.full(R, self._idle, np.int32)
         sample_slot[:n] = np.where(samples, slots, self._idle)
         want_logprobs = bool((self._wants_logprobs[slots] & samples).any())

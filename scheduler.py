@@ -2,25 +2,20 @@
 
 The engine loop calls `schedule()`, runs the step it describes, then `update()` with the
 sampled tokens. The scheduler owns the waiting queue, the running list, the slots
-(0..max_num_seqs-1: the seats; a running sequence holds one, and under static batching a
-finished one keeps it until its batch leaves) and the block allocator; it knows blocks,
-never arrays (the runner packs the occupied slots into device rows).
+(0..max_num_seqs-1: the seats; a running sequence holds one) and the block allocator; it
+knows blocks, never arrays (the runner packs the occupied slots into device rows).
 
-continuous (default): every step, decodes first (one token per running sequence), then
-    prompt chunks of running sequences, then admissions from the waiting queue while a
-    slot, the token budget and KV blocks allow. A finished sequence frees its slot and
-    blocks in the update() of its last token, so a queued request joins the next step.
-static: the seed's bus. A batch boards only when nothing runs, prefills, then decodes;
-    finished sequences keep their slot as padding until the whole batch is done.
+`schedule()` advances the sequences it schedules at once: their computed tokens, and one
+in-flight output token (`num_output_placeholders`) for each that samples. `update()`
+turns those into real tokens. Between the two, the next step may already be scheduled
+(async scheduling): a sequence's next decode then reads a token the host has not seen,
+which the runner takes from the device.
 
-KV admission (config.kv_admission): "on-demand" (vLLM) allocates blocks as tokens are
-computed and preempts by recompute when they run out; "reserve" (TGI) allocates prompt +
-max_tokens at admission; "reserve-max-len" (contiguous slots) allocates max_model_len.
-The reserve modes never preempt: every block a sequence will use is held from the start.
-
-Policy (policy.py, chosen by config): the waiting queue's order, the KV victim, whether a
-waiting request may preempt a running one (priority), and the boarding rule (static).
-Everything else here is mechanics every policy shares.
+What differs between schedulers is asked of three objects from policy.py, chosen by
+config: the policy (the waiting queue's order, the KV victim, whether a waiting request
+may preempt a running one), the batching (how the mechanics below compose a step, when
+a finished sequence gives up its seat) and the KV admission (the blocks a sequence holds
+from admission). Everything here is mechanics they share.
 
 Prefix caching (config.enable_prefix_caching, kvcache.py): at admission a sequence takes
 the longest cached prefix of its full blocks (shared, ref-counted) and computes only the
@@ -37,16 +32,14 @@ import itertools
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import numpy as np
 
 from config import EngineConfig, SamplingParams
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS
-from policy import FCFSQueue, SortedQueue, make_policy
-
-
-# An output token sampled by a step the host has not seen the result of yet (async
-# scheduling): it stands in output_token_ids until update() writes the real token.
-PLACEHOLDER = -1
+from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
 
 # The scheduler's global invariants (every slot owned once, no KV block leaked, blocks
 # cover every computed token) cost O(running + blocks in use) a step: at 256 sequences,
@@ -72,17 +65,21 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # the sampled tokens the host has
+    # Output tokens sampled by scheduled steps whose result has not come back (vLLM's
+    # num_output_placeholders): 1 between schedule() and update() of a sampling step, 2
+    # while async scheduling has scheduled the next one too.
+    num_output_placeholders: int = 0
     status: SequenceStatus = WAITING
     slot: int | None = None
     block_table: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache, or is computed by a scheduled step
     num_cached_tokens: int = -1  # prompt tokens the prefix cache served at first admission; -1: not admitted yet
     block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks so far (kvcache.py)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     wait_reason: str | None = None  # one of metrics.WAIT_REASONS, set by each schedule()
     num_preemptions: int = 0
-    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's per-request field)
+    priority: int = 0  # read by a policy that declares uses_priority: lower runs first (vLLM's field)
     arrival_order: int = -1  # set by Scheduler.add: breaks ties between equal arrival times
     admitted_seq_no: int = -1  # order of the latest admission: the highest is preempted first
     seed: int | None = None  # this request's sampling stream (set by the engine)
@@ -102,6 +99,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known to the host: the prompt and the outputs that came back."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -109,19 +107,24 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def finished(self) -> bool:
+        return self.status is FINISHED
+
+    @property
     def is_decode(self) -> bool:
-        """Everything but the last sampled token is cached: the next step computes one
-        token. After a preemption the prompt *and* the outputs are a prefill again."""
-        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
+        """Everything but the latest output token (known or in flight) is cached: the next
+        step computes one token. After a preemption the prompt *and* the outputs are a
+        prefill again."""
+        num_out = len(self.output_token_ids) + self.num_output_placeholders
+        return num_out > 0 and self.num_computed_tokens == len(self.prompt_token_ids) + num_out - 1
 
 
 @dataclass(slots=True)  # one per scheduled sequence per step: slots make it cheap to build
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # positions seq.num_computed_tokens .. + num_new_tokens - 1
+    num_new_tokens: int  # positions seq.num_computed_tokens - num_new_tokens .. seq.num_computed_tokens - 1
     samples: bool  # a token comes out: a decode, or the chunk that completes the prompt
-    is_decode: bool  # seq.is_decode when scheduled (async scheduling advances seq before update)
-    output_index: int = -1  # async scheduling: where its token stands (a PLACEHOLDER) in output_token_ids
+    is_decode: bool  # a one-token step of a sequence past its prompt
 
 
 @dataclass
@@ -130,57 +133,83 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    # Async scheduling: update_after_schedule() advanced the sequences before the step ran.
-    advanced: bool = False
-    # Set by update(): the tokens kept, by request id, and the rows whose work was dropped
-    # (their sequence was aborted, or finished in an earlier step, before this one came back).
-    accepted: dict[str, int] = field(default_factory=dict)
-    discarded: list[ScheduledSeq] = field(default_factory=list)
+    # Rows a decode step computes at least: a batching that keeps finished sequences
+    # seated (static) computes their seats too.
+    num_occupied: int = 0
 
     @property
     def is_decode_only(self) -> bool:
         return self.num_prefill_tokens == 0
 
 
+@dataclass(slots=True)
+class StepOutcome:
+    """What update() made of one step."""
+
+    accepted: dict[str, int]  # the tokens kept, by request id
+    finished: list[Sequence]  # the sequences released this step, their results complete
+    # Rows whose sequence ended (aborted, or finished by an earlier step's token under
+    # async scheduling) before this step came back: their work is seen by nobody.
+    discarded: list[ScheduledSeq]
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: tuple[int, ...],
+                 vocab_size: int | None = None) -> None:
+        """vocab_size: the model's, for validate() (None: token ids are not checked)."""
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None, \
             "pass config.resolved(...)"
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
         self.allocator = BlockAllocator(num_kv_blocks, enable_caching=config.enable_prefix_caching)
-        self.policy = make_policy(config)  # admission order, KV victim, boarding rule (policy.py)
+        self.policy = POLICIES.create(config)  # admission order, KV victim, who may preempt (policy.py)
+        self.batching = BATCHING.create(config)  # how a step is composed, when a seat frees
+        self.kv_admission = KV_ADMISSION.create(config)  # the blocks a sequence holds from admission
         self.waiting: FCFSQueue | SortedQueue = self.policy.new_queue()
-        self.running: list[Sequence] = []  # admission order; under static, finished padding too
+        self.running: list[Sequence] = []  # admission order; finished ones a batching keeps seated too
         self._free_slots = list(range(config.max_num_seqs))  # a heap: the lowest free slot first
         self._seqs: dict[str, Sequence] = {}  # every request not yet released, by id
         self._admissions = itertools.count()
         self._arrivals = itertools.count()
-        # The boarding rule's consequences are mechanics: finished sequences keep their
-        # seats as padding and the batch is released together.
-        self._static = self.policy.boards_only_when_empty
         self._room_preempted = False  # this step preempted to find blocks for running sequences
         self._budget = 0  # tokens left in the step being scheduled
 
     # ---- requests ----------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        cfg, n = self.config, seq.num_prompt_tokens
-        if seq.request_id in self._seqs:
-            raise ValueError(f"request id {seq.request_id!r} is already in flight")
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
+        """Everything a request must satisfy that the config decides; raises ValueError
+        saying why. Reads only what never changes after start-up: safe from any thread."""
+        cfg, n = self.config, len(prompt_token_ids)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and not self.policy.uses_priority:
+            raise ValueError(f"priority {priority} was given, but the {self.policy.name} scheduling policy "
+                             "does not read it (priority scheduling is not enabled: --scheduling-policy)")
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n + seq.params.max_tokens > cfg.max_model_len:
-            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({seq.params.max_tokens}) is "
-                             f"{n + seq.params.max_tokens} tokens, over max_model_len ({cfg.max_model_len})")
+        if self.vocab_size is not None:
+            vocab = self.vocab_size
+            bad = [t for t in prompt_token_ids
+                   if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab}) or not an integer")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if n + params.max_tokens > cfg.max_model_len:
+            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
+                             f"{n + params.max_tokens} tokens, over max_model_len ({cfg.max_model_len})")
         # On-demand too: a sequence larger than the whole cache would preempt itself forever.
-        need = blocks_needed(self._lifetime_tokens(seq), cfg.block_size)
+        need = blocks_needed(self.kv_admission.lifetime_tokens(n, params.max_tokens, cfg), cfg.block_size)
         if need > self.allocator.num_usable:
             raise ValueError(f"the request needs {need} KV blocks of {cfg.block_size} tokens "
-                             f"({cfg.kv_admission}), the whole cache has {self.allocator.num_usable}")
-        if seq.priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority {seq.priority} was given, but priority scheduling is not enabled "
-                             "(--scheduling-policy priority)")
+                             f"({self.kv_admission.name}), the whole cache has {self.allocator.num_usable}")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request that passed validate()."""
+        if seq.request_id in self._seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already in flight")
         assert seq.status is WAITING and seq.num_computed_tokens == 0 and not seq.block_table
+        assert 0 < seq.num_prompt_tokens and seq.num_prompt_tokens + seq.params.max_tokens <= self.config.max_model_len
         seq.arrival_order = next(self._arrivals)
         self.waiting.add(seq)
         self._seqs[seq.request_id] = seq
@@ -194,111 +223,55 @@ class Scheduler:
             self.waiting.remove(seq)
             del self._seqs[request_id]
         else:
-            self._retire(seq)
+            self.retire(seq)
         seq.status, seq.finish_reason, seq.wait_reason = FINISHED, "abort", None
-        while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
-            seq.output_token_ids.pop()  # tokens of steps in flight: never delivered
+        seq.num_output_placeholders = 0  # tokens of steps in flight: never delivered
         self._assert_step_invariants()
         return seq
 
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step, its sequences advanced (see the module docstring)."""
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
         self._room_preempted = False
-        if self._static:
-            self._schedule_static(out)
-        elif self.config.enable_chunked_prefill:
-            # Decodes first, so a long prompt joining costs streaming users no stutter.
-            self._preempt_for_waiting(out)
-            prompts = self._schedule_decodes(out)
-            self._schedule_prompts(out, prompts)
-            self._admit(out)
-        else:
-            # vLLM v0: a step that admits prompts runs only those prompts; the running
-            # sequences' decodes stall for that step (the stutter chunking removes).
-            self._preempt_for_waiting(out)
-            self._admit(out)
-            if not out.scheduled:
-                self._schedule_decodes(out)
+        self.batching.schedule(self, out)
         return out  # _add counted num_decode_tokens and num_prefill_tokens
 
-    def update_after_schedule(self, out: SchedulerOutput) -> None:
-        """Async scheduling: the step has been dispatched and the next one is scheduled
-        before its tokens are known. Advance its sequences now, each sampled token a
-        PLACEHOLDER that update() fills in. A sequence whose placeholder is its last token
-        by length is not scheduled again (_schedule_decodes); one that stops on a token
-        (EOS, a stop id) may be computed one step more, and update() drops that token."""
-        for s in out.scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            assert seq.num_computed_tokens <= seq.num_tokens
-            if s.samples:
-                s.output_index = seq.num_output_tokens
-                seq.output_token_ids.append(PLACEHOLDER)
-        out.advanced = True
-
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Record the step's work and tokens. Returns the sequences released this step:
-        the finished ones (continuous), or the whole batch once all of it is done (static)."""
+    def update(self, out: SchedulerOutput, tokens: Seq[int]) -> StepOutcome:
+        """Record the step's sampled tokens: tokens[i] is out.scheduled[i]'s (read only
+        where it samples). A token may end its sequence; the batching says who leaves."""
+        accepted: dict[str, int] = {}
+        finished: list[Sequence] = []
         released: list[Sequence] = []
-        advanced, accepted = out.advanced, out.accepted
-        for s in out.scheduled:  # once per running sequence in a decode step: kept lean
+        discarded: list[ScheduledSeq] = []
+        assert len(tokens) == len(out.scheduled)
+        for s, token in zip(out.scheduled, tokens):  # once per running sequence in a decode step: kept lean
             seq = s.seq
-            if seq.status is FINISHED or (seq.status is WAITING and not advanced):
-                out.discarded.append(s)  # aborted (or, async, finished) before this step came back
+            if seq.status is FINISHED:
+                discarded.append(s)
                 continue
-            if advanced:
-                if s.samples:
-                    self._accept_placeholder(out, s, sampled[seq.request_id], released)
-                continue
-            seq.num_computed_tokens += s.num_new_tokens
             if not s.samples:
-                assert seq.num_computed_tokens < seq.num_tokens
                 continue
-            token = sampled[seq.request_id]
-            out_ids = seq.output_token_ids
-            out_ids.append(token)
-            # all but the new token are cached
-            assert seq.num_computed_tokens == len(seq.prompt_token_ids) + len(out_ids) - 1
+            seq.num_output_placeholders -= 1
+            seq.output_token_ids.append(token)
             accepted[seq.request_id] = token
-            seq.finish_reason = self._finish_reason(seq, token)
-            if seq.finish_reason is not None:
+            reason = self._finish_reason(seq, token)
+            if reason is None:
+                continue
+            seq.finish_reason = reason
+            seq.num_output_placeholders = 0  # tokens of a later step still in flight: dropped
+            if seq.status is WAITING:  # preempted after this step was scheduled: it holds nothing
+                self.waiting.remove(seq)
+                del self._seqs[seq.request_id]
+                seq.status, seq.wait_reason = FINISHED, None
+                released.append(seq)
+            else:
                 seq.status = FINISHED
-                if not self._static:
-                    self._retire(seq)
-                    released.append(seq)
-        if self._static and self.running and all(s.status is FINISHED for s in self.running):
-            released = list(self.running)  # the bus arrives: everyone gets off at once
-            for seq in released:
-                self._retire(seq)
+                finished.append(seq)
+        released += self.batching.release(self, finished)
         self._assert_step_invariants()
-        return released
-
-    def _accept_placeholder(self, out: SchedulerOutput, s: ScheduledSeq, token: int,
-                            released: list[Sequence]) -> None:
-        """Async: the token of an advanced step arrives. The sequence may have been
-        preempted since (it waits, keeping its outputs), and it may have placeholders of
-        later steps behind this one: if this token ends it, those are dropped."""
-        seq, i = s.seq, s.output_index
-        assert seq.output_token_ids[i] == PLACEHOLDER and (i == 0 or seq.output_token_ids[i - 1] != PLACEHOLDER)
-        seq.output_token_ids[i] = token
-        out.accepted[seq.request_id] = token
-        reason = self._finish_reason(seq, token, num_output_tokens=i + 1)
-        if reason is None:
-            return
-        del seq.output_token_ids[i + 1:]
-        seq.finish_reason = reason
-        if seq.status is WAITING:  # preempted after this step was scheduled: it holds nothing
-            self.waiting.remove(seq)
-            del self._seqs[seq.request_id]
-            seq.status, seq.wait_reason = FINISHED, None
-            released.append(seq)
-            return
-        seq.status = FINISHED
-        if not self._static:
-            self._retire(seq)
-            released.append(seq)
+        return StepOutcome(accepted, released, discarded)
 
     # ---- introspection -----------------------------------------------------------------
     @property
@@ -308,10 +281,6 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    @property
-    def kv_usage(self) -> float:
-        return self.allocator.usage
 
     def waiting_by_reason(self) -> dict[str, int]:
         counts = dict.fromkeys(WAIT_REASONS, 0)
@@ -339,22 +308,10 @@ class Scheduler:
             assert not self.allocator.blocks_of(seq.request_id), f"waiting {seq.request_id} owns blocks"
         assert self._seqs.keys() == {s.request_id for s in [*self.waiting, *self.running]}
 
-    # ---- internals ---------------------------------------------------------------------
-    def _schedule_static(self, out: SchedulerOutput) -> None:
-        if not self.running:
-            self._admit(out)
-        else:
-            for seq in self.waiting:
-                seq.wait_reason = "static_batch"
-        # The bus boards everyone before it leaves: no decode until every prompt is in.
-        if any(s.status is RUNNING and not s.is_decode for s in self.running):
-            self._schedule_prompts(out)
-        else:
-            self._schedule_decodes(out)
-
-    def _schedule_decodes(self, out: SchedulerOutput) -> list[Sequence]:
+    # ---- the mechanics a batching composes a step from (policy.py) ----------------------
+    def schedule_decodes(self, out: SchedulerOutput) -> list[Sequence]:
         """One token for every running decode, admission order. Returns the running
-        sequences with prompt work left (for _schedule_prompts).
+        sequences with prompt work left (for schedule_prompts).
 
         The hot loop of a steady decode step, one pass over every running sequence, so
         is_decode, the length check, _make_room's "room already" case and _add are inlined."""
@@ -365,35 +322,36 @@ class Scheduler:
         for seq in list(self.running):  # preemption edits the list
             if seq.status is not RUNNING:
                 continue
-            num_out = len(seq.output_token_ids)
+            num_out = len(seq.output_token_ids) + seq.num_output_placeholders
             num_tokens = len(seq.prompt_token_ids) + num_out
             computed = seq.num_computed_tokens
             if not num_out or computed != num_tokens - 1:
                 prompts.append(seq)  # a prompt, or a preempted sequence's recompute
                 continue
             if num_out >= seq.params.max_tokens or num_tokens >= max_len:
-                # Its latest token (async: maybe still a placeholder) is its last by length.
-                # Never so under synchronous scheduling: update() retired it.
+                # Its latest token, still in flight, is its last by length: update() retires it.
                 continue
             if computed >= len(seq.block_table) * bs and not self._make_room(out, seq, 1):
                 continue  # it needed a block, and was itself preempted for one
             scheduled.append(ScheduledSeq(seq, 1, True, True))  # = _add(out, seq, 1)
+            seq.num_computed_tokens = computed + 1
+            seq.num_output_placeholders += 1
             self._budget -= 1
             out.num_decode_tokens += 1
             if caching and (computed + 1) // bs > num_named(seq.request_id):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
         return prompts
 
-    def _schedule_prompts(self, out: SchedulerOutput, candidates: list[Sequence] | None = None) -> None:
+    def schedule_prompts(self, out: SchedulerOutput, candidates: list[Sequence] | None = None) -> None:
         """Prompt work of admitted sequences, admission order: the next chunk with chunked
         prefill (as much as the budget allows), else the whole remaining prompt.
         candidates: the running sequences that may have prompt work (default: all)."""
         for seq in list(self.running) if candidates is None else candidates:
             if seq.status is not RUNNING:
-                continue  # preempted meanwhile
-            n = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
-            if n <= 1 and seq.output_token_ids:
-                continue  # a decode (or, async, one whose latest token is in flight): not prompt work
+                continue  # preempted meanwhile (or finished, seated until its batch leaves)
+            if seq.is_decode:
+                continue  # not prompt work (async: maybe a decode whose input is in flight)
+            n = seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens
             if self.config.enable_chunked_prefill:
                 n = min(n, self._budget)
             if n == 0 or n > self._budget:
@@ -401,45 +359,39 @@ class Scheduler:
             if self._make_room(out, seq, n):
                 self._add(out, seq, n)
 
-    def _admit(self, out: SchedulerOutput) -> None:
+    def admit(self, out: SchedulerOutput, schedule: bool = True) -> None:
         """Move waiting sequences to running, in the queue's order, while a slot, KV
-        blocks and (continuous) the token budget allow; stop at the first that cannot go
-        and record why the rest wait. Continuous schedules the first chunk at once;
-        static boards the whole batch and prefills it over the next steps."""
+        blocks and (schedule) the token budget allow; stop at the first that cannot go
+        and record why the rest wait. schedule: its first chunk is in this step; else it
+        only boards, with blocks for its whole prompt, and prefills over the next steps."""
         # As vLLM: a step that preempted running sequences for blocks admits nobody.
         reason = "kv_blocks" if self._room_preempted else None
         while self.waiting and reason is None:
             seq = self.waiting.peek()
-            cached, n, num_new_blocks = self._admission_need(seq)
+            cached, n, num_new_blocks = self._admission_need(seq, chunk=schedule)
             if not self._free_slots:
                 reason = "max_num_seqs"
-            elif not self._static and not 0 < n <= self._budget:
+            elif schedule and not 0 < n <= self._budget:
                 reason = "token_budget"
             # A cached block nobody holds is taken out of the free queue: it counts like a
             # fresh one. A cached block another sequence holds costs nothing: counted once.
             elif not self.allocator.can_allocate(num_new_blocks + self.allocator.num_revived(cached)):
                 reason = "kv_blocks"
+            elif seq.num_output_placeholders:
+                # Preempted while its latest token was in flight: that token is part of
+                # its prefill, so it boards once the token is known (the next update()).
+                reason = "kv_blocks"
             else:
                 self._start(seq, cached, num_new_blocks)
-                if not self._static:
+                if schedule:
                     self._add(out, seq, n)
         for seq in self.waiting:
             seq.wait_reason = reason
 
-    def _admission_need(self, seq: Sequence) -> tuple[list[int], int, int]:
-        """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
-        waiting sequence's admission now."""
-        cached = self._cached_prefix(seq)
-        num_cached = len(cached) * self.config.block_size
-        n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
-        if self.config.enable_chunked_prefill and not self._static:
-            n = min(n, self._budget)
-        return cached, n, self._blocks_at_admission(seq, num_cached + n) - len(cached)
-
-    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
-        """Waiting requests that outrank running ones (the priority policy) take seats and
-        KV blocks from the lowest ranked of them when slots or blocks are full, before
-        anything is scheduled. Walks the queue in admission order as _admit will, counting
+    def preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Waiting requests that outrank running ones (a ranked policy) take seats and KV
+        blocks from the lowest ranked of them when slots or blocks are full, before
+        anything is scheduled. Walks the queue in admission order as admit will, counting
         the room each admission takes; a request whose admission preempting cannot make
         room stops the walk, and nobody is preempted for it (no preemption for nothing)."""
         running = [r for r in self.running if r.status is RUNNING]
@@ -478,34 +430,35 @@ class Scheduler:
         for r in victims:
             self._preempt(out, r)
 
-    def _lifetime_tokens(self, seq: Sequence) -> int:
-        """The most tokens seq can ever write to the cache: what the reserve modes allocate
-        up front. The last sampled token is never computed (the sequence ends on it), so a
-        16-token prompt with max_tokens 1 at block size 16 needs one block, not two."""
-        if self.config.kv_admission == "reserve-max-len":
-            return self.config.max_model_len - 1
-        return seq.num_prompt_tokens + seq.params.max_tokens - 1
+    def retire(self, seq: Sequence) -> None:
+        """seq leaves the running list: its slot and blocks are free."""
+        self.running.remove(seq)
+        self._release(seq)
+        del self._seqs[seq.request_id]
 
-    def _blocks_at_admission(self, seq: Sequence, num_tokens: int) -> int:
-        """Block-table length at admission: blocks for the first num_tokens (cached + this
-        step's), or, in the reserve modes, for the sequence's whole lifetime."""
-        tokens = num_tokens if self.config.kv_admission == "on-demand" else self._lifetime_tokens(seq)
-        return blocks_needed(tokens, self.config.block_size)
+    # ---- internals ---------------------------------------------------------------------
+    def _admission_need(self, seq: Sequence, chunk: bool = True) -> tuple[list[int], int, int]:
+        """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
+        waiting sequence's admission now. chunk: with chunked prefill, its first step is
+        what the token budget allows."""
+        cached = self._cached_prefix(seq)
+        num_cached = len(cached) * self.config.block_size
+        n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
+        if chunk and self.config.enable_chunked_prefill:
+            n = min(n, self._budget)
+        tokens = self.kv_admission.tokens_at_admission(seq, num_cached + n, self.config)
+        return cached, n, blocks_needed(tokens, self.config.block_size) - len(cached)
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The names of seq's first num_blocks full blocks (fewer when one holds a token still
-        in flight), extending seq.block_hashes."""
+        """The names of seq's first num_blocks full blocks, extending seq.block_hashes;
+        fewer when a block holds a token still in flight: it is named by a later step's
+        _add, once its tokens are known (a name over an unknown token would match another
+        sequence's block whose real token differs)."""
         hashes, bs = seq.block_hashes, self.config.block_size
         if len(hashes) < num_blocks:
             tokens = seq.all_token_ids
-            for i in range(len(hashes), num_blocks):
-                block = tokens[i * bs:(i + 1) * bs]
-                if PLACEHOLDER in block:
-                    # Async: a token still in flight. The block is named by a later step's
-                    # _add, once its tokens are known: a name over a placeholder would
-                    # match another sequence's block whose real token differs.
-                    break
-                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block))
+            for i in range(len(hashes), min(num_blocks, len(tokens) // bs)):
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
         return hashes[:num_blocks]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -529,11 +482,17 @@ class Scheduler:
         self.running.append(seq)
 
     def _add(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        """Schedule seq's next n tokens, and advance it past them."""
         assert 0 < n <= self._budget
-        computed, num_tokens = seq.num_computed_tokens, len(seq.prompt_token_ids) + len(seq.output_token_ids)
-        end = computed + n
-        is_decode = computed == num_tokens - 1 and bool(seq.output_token_ids)
-        out.scheduled.append(ScheduledSeq(seq, n, end == num_tokens, is_decode))
+        computed = seq.num_computed_tokens
+        num_out = len(seq.output_token_ids) + seq.num_output_placeholders
+        end, num_tokens = computed + n, len(seq.prompt_token_ids) + num_out
+        assert end <= num_tokens
+        is_decode = num_out > 0 and computed == num_tokens - 1
+        samples = end == num_tokens
+        out.scheduled.append(ScheduledSeq(seq, n, samples, is_decode))
+        seq.num_computed_tokens = end
+        seq.num_output_placeholders += samples
         self._budget -= n
         if is_decode:
             out.num_decode_tokens += 1
@@ -545,12 +504,12 @@ class Scheduler:
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, full))
 
     def _make_room(self, out: SchedulerOutput, seq: Sequence, n: int) -> bool:
-        """Blocks for seq's next n tokens. On-demand, when none are free, preempt the
-        policy's victim among the running sequences not yet in this step (FCFS: the latest
-        admitted) and retry; False if that was seq itself."""
+        """Blocks for seq's next n tokens. When none are free, preempt the policy's victim
+        among the running sequences not yet in this step (FCFS: the latest admitted) and
+        retry; False if that was seq itself."""
         need = blocks_needed(seq.num_computed_tokens + n, self.config.block_size) - len(seq.block_table)
         while not self.allocator.can_allocate(need):
-            assert self.config.kv_admission == "on-demand", "reserve modes hold every block from admission"
+            assert self.kv_admission.preempts, "a reserving admission holds every block from admission"
             in_step = {id(s.seq) for s in out.scheduled}
             victim = self.policy.victim([s for s in self.running if s.status is RUNNING and id(s) not in in_step])
             self._preempt(out, victim)
@@ -581,18 +540,12 @@ class Scheduler:
         heapq.heappush(self._free_slots, seq.slot)
         seq.slot = None
 
-    def _retire(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self._release(seq)
-        del self._seqs[seq.request_id]
-
-    def _finish_reason(self, seq: Sequence, token: int, num_output_tokens: int | None = None) -> str | None:
-        """Why seq ends with `token` as its output number num_output_tokens (default:
-        its last), or None."""
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why seq ends with `token`, its latest output, or None."""
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or (p.stop_token_ids and token in p.stop_token_ids):
             return "stop"
-        n = len(seq.output_token_ids) if num_output_tokens is None else num_output_tokens
+        n = len(seq.output_token_ids)
         if n >= p.max_tokens or len(seq.prompt_token_ids) + n >= self.config.max_model_len:
             return "length"
         return None
@@ -612,3 +565,5 @@ class Scheduler:
         for seq in self.running:
             assert seq.status is not WAITING
             assert len(seq.block_table) * bs >= seq.num_computed_tokens, f"{seq.request_id}: K/V beyond its blocks"
+            # the latest output token (known or in flight) is never computed
+            assert seq.finished or seq.num_computed_tokens < seq.num_tokens + seq.num_output_placeholders

@@ -40,6 +40,7 @@ from prometheus_client.utils import floatToGoString
 from config import EngineConfig, SamplingParams
 from engine import AsyncEngine, QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats
+from policy import REGISTRIES
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
                       parse_sampling)
 
@@ -444,10 +445,9 @@ _HELP = {  # EngineConfig fields; config.py says more
     "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
     "enable_prefix_caching": "reuse the cached KV blocks of a shared prompt prefix",
-    "scheduling": "continuous (iteration-level) or static (the whole batch leaves together)",
-    "scheduling_policy": "fcfs (arrival order) or priority (the request's 'priority' field, lower first; "
-                         "may preempt lower-priority running requests)",
-    "kv_admission": "on-demand (grow, preempt when out), reserve (prompt + max_tokens), reserve-max-len",
+    "scheduling": "how a step is composed and when a finished sequence's seat frees (policy.BATCHING)",
+    "scheduling_policy": "the waiting queue's order, the KV victim, who may preempt whom (policy.POLICIES)",
+    "kv_admission": "the KV blocks a sequence holds from admission (policy.KV_ADMISSION)",
     "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
@@ -465,9 +465,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="taxirank: OpenAI-compatible server",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(EngineConfig)
+    registries = {r.field: r for r in REGISTRIES}
     for f in dataclasses.fields(EngineConfig):
         kind, kw = hints[f.name], {"default": f.default, "help": _HELP.get(f.name, f"EngineConfig.{f.name}")}
-        if kind is bool:
+        if f.name in registries:  # every registered name, read when the parser is built
+            kw["choices"] = list(registries[f.name])
+        elif kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is Literal:
             kw["choices"] = typing.get_args(kind)
@@ -534,7 +537,7 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     if config.process_id > 0:  # multi-host: only process 0 serves; the others run its steps
-        engine.engine.follow()
+        engine.follow()
         return
     asyncio.run(serve(engine, args))
 

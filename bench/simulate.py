@@ -129,13 +129,13 @@ def _bucket(buckets: tuple[int, ...], n: int) -> int:
 
 
 def step_features(out: SchedulerOutput, num_occupied: int, config: EngineConfig) -> tuple[str, int, int, int]:
-    """(program, rows, context_tokens_read, prefill_tokens) of a step, read right after
-    schedule() (before update() moves num_computed_tokens): runner.execute's shapes."""
+    """(program, rows, context_tokens_read, prefill_tokens) of a step, read after
+    schedule() (which advanced each sequence past its tokens): runner.execute's shapes."""
     if out.is_decode_only:
         program, rows = "decode", _bucket(config.decode_buckets, max(num_occupied, len(out.scheduled)))
     else:
         program, rows = "ragged", _bucket(config.token_buckets, sum(s.num_new_tokens for s in out.scheduled))
-    context = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
+    context = sum(s.seq.num_computed_tokens for s in out.scheduled)
     return program, rows, context, out.num_prefill_tokens
 
 
@@ -264,8 +264,8 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
         out = sched.schedule()
         dt = cost_model.cost(*step_features(out, sched.num_running, config)) if out.scheduled else 0.0
         start, t = t, t + dt
-        sampled = {s.seq.request_id: NOT_EOS for s in out.scheduled if s.samples}
-        released = sched.update(out, sampled)
+        outcome = sched.update(out, [NOT_EOS] * len(out.scheduled))
+        sampled, released = outcome.accepted, outcome.finished
         stats.record_step(out, sampled, released, start, t, config)
         for rid in sampled:
             token_times.setdefault(rid, []).append(t)

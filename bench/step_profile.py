@@ -259,8 +259,8 @@ class Watcher:
         self.thread = threading.Thread(target=self.watch, daemon=True)
         self.thread.start()
 
-    def execute(self, out, num_occupied):
-        step = self.inner(out, num_occupied)
+    def execute(self, *args):
+        step = self.inner(*args)
         self.dispatched.append(time.perf_counter())
         self.q.put(step)
         return step

@@ -7,8 +7,8 @@ Python, no model) and returns one line of text per step: who was scheduled with 
 many tokens, who sampled, who was preempted or released, and why the rest wait.
 
 tests/fixtures/scheduler_traces.json was written by `python tests/scheduler_traces.py`
-from the scheduler *before* the policy seam (issue 14); test_policy.py checks that
-today's scheduler reproduces it step for step. Regenerate it only for a change that is
+from a scheduler that had no policy objects; test_policy.py checks that today's
+scheduler reproduces it step for step. Regenerate it only for a change that is
 meant to alter scheduling decisions, and say so in the commit.
 """
 
@@ -49,10 +49,10 @@ MAX_NUM_SEQS, BLOCK_SIZE, MAX_MODEL_LEN = 4, 4, 48
 
 def make_scheduler(overrides: dict[str, Any], **extra: Any) -> Scheduler:
     kw = {k: v for k, v in overrides.items() if k != "kv_seqs"}
-    # Recorded before prefix caching existed: a preempted sequence would find its own
-    # freed blocks in the cache and recompute less.
+    # Without prefix caching (a preempted sequence would find its own freed blocks in the
+    # cache and recompute less) and chunked prefill, unless a case turns them on: the
+    # traces pin the mechanics those features change.
     kw.setdefault("enable_prefix_caching", False)
-    # ... and while chunked prefill was off by default (issue 9 made it vLLM V1's default).
     kw.setdefault("enable_chunked_prefill", False)
     cfg = EngineConfig(max_num_seqs=MAX_NUM_SEQS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                        **kw, **extra).resolved(MAX_MODEL_LEN)
@@ -92,9 +92,8 @@ def trace_of(config: str, seed: int, **extra: Any) -> list[str]:
             if r.get("abort_at") == step and s.abort(r["id"]) is not None:
                 lines.append(f"{step} abort {r['id']}")
         out = s.schedule()
-        sampled = {x.seq.request_id: token_for(x.seq.request_id, x.seq.num_output_tokens)
-                   for x in out.scheduled if x.samples}
-        released = s.update(out, sampled)
+        tokens = [token_for(x.seq.request_id, x.seq.num_output_tokens) for x in out.scheduled]
+        released = s.update(out, tokens).finished
         s.check_invariants()
         waits = s.waiting_by_reason()
         lines.append(" ".join([

@@ -3,8 +3,9 @@ one real server, a flood of streams whose clients hang up at random, and the dea
 (a fault injected into the step: every open stream gets an error event, the process exits
 non-zero).
 
-TAXIRANK_TEST_FAULT_FILE is a test-only hook (engine.AsyncEngine): when the file it names
-exists, the next engine step raises.
+The fault is the test's own: the server process starts with a sitecustomize module on
+its path that wraps ModelRunner.execute to raise once a file exists (production code has
+no hook for it).
 """
 
 from __future__ import annotations
@@ -179,9 +180,30 @@ def test_a_flood_with_random_hang_ups_serves_everyone_who_stays_and_leaks_nothin
     assert request(server, "GET", "/health")[0] == 200
 
 
+FAULT_HOOK = """
+import os
+import runner
+
+_execute = runner.ModelRunner.execute
+
+
+def execute(self, out):  # every step fails once the file exists, as on a broken device
+    if os.path.exists({fault!r}):
+        raise RuntimeError("injected fault")
+    return _execute(self, out)
+
+
+runner.ModelRunner.execute = execute
+"""
+
+
 def test_an_engine_that_dies_sends_an_error_on_every_stream_and_exits_non_zero(tmp_path, monkeypatch) -> None:
     fault = tmp_path / "fault"
-    monkeypatch.setenv("TAXIRANK_TEST_FAULT_FILE", str(fault))
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAULT_HOOK.format(fault=str(fault)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(hook), root, os.environ.get("PYTHONPATH")) if p))
     with running_server(*FLAGS, "--no-warmup") as srv:
         body = {"prompt": "long", "max_tokens": 400, "ignore_eos": True, "logprobs": 0}
         with open_stream(srv, body) as a, open_stream(srv, body) as b, open_stream(srv, body) as c:

@@ -206,15 +206,15 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
 
     device = SimpleNamespace(platform="gpu", memory_stats=memory_stats)
     monkeypatch.setattr(jax, "devices", lambda: [device])
-    monkeypatch.setattr("engine.param_bytes", lambda model: weights)
-    import engine as engine_mod
-    real = engine_mod.ModelRunner
+    monkeypatch.setattr("startup.param_bytes", lambda model: weights)
+    import startup
+    real = startup.ModelRunner
 
     def spy(config, loaded, num_blocks, stats, *mesh):
         ran.append(num_blocks)
         return real(config, loaded, num_blocks, stats, *mesh)
 
-    monkeypatch.setattr(engine_mod, "ModelRunner", spy)
+    monkeypatch.setattr(startup, "ModelRunner", spy)
     logs: list[str] = []
     kw = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, warmup=True)
     llm = LLM("tiny", log=logs.append, gpu_memory_utilization=0.5, **kw)

@@ -33,7 +33,7 @@ TOKEN = 7
 
 def make(max_num_seqs: int = 2, block_size: int = 4, max_model_len: int = 32, num_blocks: int | None = None,
          **kw) -> Scheduler:
-    kw.setdefault("enable_chunked_prefill", False)  # written before chunking became the default
+    kw.setdefault("enable_chunked_prefill", False)  # whole-prompt steps: admissions are easy to count
     cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
                        scheduling_policy="priority", enable_prefix_caching=False, **kw).resolved(max_model_len)
     if num_blocks is None:
@@ -61,7 +61,7 @@ def run(s: Scheduler, arrivals: dict[int, list[Sequence]] | None = None, max_ste
             seen[x.seq.request_id].setdefault("scheduled", step)
             if x.samples:
                 seen[x.seq.request_id].setdefault("first_token", step)
-        for r in s.update(out, {x.seq.request_id: TOKEN for x in out.scheduled if x.samples}):
+        for r in s.update(out, [TOKEN] * len(out.scheduled)).finished:
             seen[r.request_id]["finished"] = step
         s.check_invariants()
         step += 1
@@ -72,8 +72,8 @@ def run(s: Scheduler, arrivals: dict[int, list[Sequence]] | None = None, max_ste
 def test_priority_is_refused_unless_the_priority_policy_is_on():
     fcfs = Scheduler(EngineConfig(max_num_seqs=2, max_model_len=32).resolved(32), 20, (0,))
     with pytest.raises(ValueError, match="priority scheduling is not enabled"):
-        fcfs.add(seq("a", priority=1))
-    fcfs.add(seq("b", priority=0))  # the default is fine
+        fcfs.validate([1, 2], SamplingParams(), priority=1)
+    fcfs.validate([1, 2], SamplingParams(), priority=0)  # the default is fine
     with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority"):
         EngineConfig(scheduling_policy="sjf")
 
@@ -164,7 +164,7 @@ class PriorityMachine(RuleBasedStateMachine):
         assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
         for x in out.scheduled:
             self.first_admitted.setdefault(x.seq.request_id, self.t)
-        self.s.update(out, {x.seq.request_id: 0 if eos else TOKEN for x in out.scheduled if x.samples})
+        self.s.update(out, [0 if eos else TOKEN] * len(out.scheduled))
 
     @rule(index=st.integers(0, 30))
     def abort(self, index):

@@ -178,7 +178,7 @@ def make(num_blocks: int, **kw) -> Scheduler:
 
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    s.update(out, {x.seq.request_id: token for x in out.scheduled if x.samples})
+    s.update(out, [token] * len(out.scheduled))
     s.check_invariants()
     return out
 
@@ -346,14 +346,13 @@ def test_async_scheduling_names_a_block_only_once_its_tokens_are_known(reference
     assert llm.engine.scheduler.allocator.num_used == 0
 
 
-def test_a_block_holding_a_placeholder_is_not_named():
-    from scheduler import PLACEHOLDER
-
+def test_a_block_holding_a_token_in_flight_is_not_named():
     s = Scheduler(EngineConfig(max_num_seqs=2, block_size=4, max_model_len=32).resolved(32), 17, (0,))
     seq = Sequence("a", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=8))
-    seq.output_token_ids = [11, PLACEHOLDER]
-    assert len(s._block_hashes(seq, 2)) == 1  # tokens 4..7 hold the placeholder
-    seq.output_token_ids[1] = 12
+    seq.output_token_ids, seq.num_output_placeholders = [11], 1
+    assert len(s._block_hashes(seq, 2)) == 1  # tokens 4..7 hold the one in flight
+    seq.output_token_ids.append(12)
+    seq.num_output_placeholders = 0
     assert s._block_hashes(seq, 2)[1] == hash_block_tokens(s._block_hashes(seq, 1)[0], [9, 10, 11, 12])
     assert len(s._block_hashes(seq, 2)) == 2
 

@@ -34,7 +34,7 @@ def seq(rid: str, prompt_len: int = 4, max_tokens: int = 8, **params) -> Sequenc
 
 def step(s: Scheduler, token: int = TOKEN) -> tuple[SchedulerOutput, list[Sequence]]:
     out = s.schedule()
-    released = s.update(out, {x.seq.request_id: token for x in out.scheduled if x.samples})
+    released = s.update(out, [token] * len(out.scheduled)).finished
     s.check_invariants()
     return out, released
 
@@ -59,22 +59,26 @@ def test_the_scheduler_imports_no_jax():
 
 
 # ---- admission checks ------------------------------------------------------------------
-def test_add_refuses_requests_that_can_never_run_saying_why():
+def validate(s: Scheduler, x: Sequence) -> None:
+    s.validate(x.prompt_token_ids, x.params)
+
+
+def test_validate_refuses_requests_that_can_never_run_saying_why():
     s = make(max_model_len=32, num_blocks=9)  # 8 usable blocks of 4 = 32 tokens
     with pytest.raises(ValueError, match="empty"):
-        s.add(seq("a", prompt_len=0))
+        validate(s, seq("a", prompt_len=0))
     too_long = r"\(30 tokens\) plus max_tokens \(3\) is 33 tokens, over max_model_len \(32\)"
     with pytest.raises(ValueError, match=too_long):
-        s.add(seq("a", prompt_len=30, max_tokens=3))
+        validate(s, seq("a", prompt_len=30, max_tokens=3))
     s.add(seq("a"))
     with pytest.raises(ValueError, match="already in flight"):
         s.add(seq("a"))
     small = make(max_model_len=32, num_blocks=5)  # 4 usable blocks: 16 tokens
     with pytest.raises(ValueError, match="needs 5 KV blocks of 4 tokens \\(on-demand\\), the whole cache has 4"):
-        small.add(seq("b", prompt_len=10, max_tokens=10))
+        validate(small, seq("b", prompt_len=10, max_tokens=10))
     rml = make(max_model_len=32, num_blocks=5, kv_admission="reserve-max-len")
     with pytest.raises(ValueError, match="needs 8 KV blocks .*reserve-max-len"):
-        rml.add(seq("c", prompt_len=1, max_tokens=1))
+        validate(rml, seq("c", prompt_len=1, max_tokens=1))
 
 
 # ---- continuous: the taxi rank -----------------------------------------------------------
@@ -106,8 +110,8 @@ def test_finish_reasons_eos_stop_tokens_ignore_eos_and_max_tokens():
     reasons: dict[str, tuple[str, int]] = {}
     while s.has_unfinished():
         out = s.schedule()
-        sampled = {x.seq.request_id: streams[x.seq.request_id][x.seq.num_output_tokens] for x in out.scheduled}
-        for r in s.update(out, sampled):
+        sampled = [streams[x.seq.request_id][x.seq.num_output_tokens] for x in out.scheduled]
+        for r in s.update(out, sampled).finished:
             reasons[r.request_id] = (r.finish_reason, r.num_output_tokens)
     assert reasons == {"eos": ("stop", 1), "ignore_eos": ("length", 3), "stop_id": ("stop", 2),
                        "length": ("length", 2)}
@@ -303,7 +307,7 @@ def test_abort_is_idempotent_and_frees_slot_and_blocks_at_once():
     aborted = s.abort("a")  # from the running list, between schedule() and update()
     assert aborted.status is FINISHED and aborted.slot is None and s.allocator.num_used == 0
     assert s.abort("a") is None and s.abort("never-seen") is None
-    assert s.update(out, {"a": TOKEN}) == [] and aborted.num_output_tokens == 0
+    assert s.update(out, [TOKEN]).finished == [] and aborted.num_output_tokens == 0
     s.check_invariants()
     assert not s.has_unfinished()
 
@@ -316,7 +320,7 @@ def test_static_batch_whose_last_runner_is_aborted_is_released_by_the_next_updat
     s.abort("b")
     out = s.schedule()
     assert out.scheduled == []
-    assert [r.request_id for r in s.update(out, {})] == ["a"] and not s.has_unfinished()
+    assert [r.request_id for r in s.update(out, []).finished] == ["a"] and not s.has_unfinished()
 
 
 # ---- every mode, random traffic: the invariants hold and everything completes -----------------
@@ -354,8 +358,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         kinds = [x.seq.is_decode for x in out.scheduled]
         assert kinds == sorted(kinds, reverse=True), "decodes come first"
         for x in out.scheduled:  # blocks are allocated for this step's tokens, before it runs
-            seq, lifetime = x.seq, self.s._lifetime_tokens(x.seq)
-            covered = seq.num_computed_tokens + x.num_new_tokens
+            seq = x.seq
+            lifetime = self.s.kv_admission.lifetime_tokens(seq.num_prompt_tokens, seq.params.max_tokens, cfg)
+            covered = seq.num_computed_tokens  # schedule() advanced it past this step's tokens
             if cfg.kv_admission == "on-demand":  # as it goes (static boards a whole prompt's worth)
                 lo, hi = covered, covered if cfg.scheduling == "continuous" else max(covered, seq.num_tokens)
             else:  # everything it will ever hold, from admission
@@ -368,8 +373,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if 0 <= abort_mid_step < len(out.scheduled):
             self.released.append(self.s.abort(out.scheduled[abort_mid_step].seq.request_id))
         aboard = [r.request_id for r in self.s.running]
-        sampled = {x.seq.request_id: tokens[x.seq.slot or 0] for x in out.scheduled if x.samples}
-        released = self.s.update(out, sampled)
+        sampled = [tokens[x.seq.slot or 0] for x in out.scheduled]
+        released = self.s.update(out, sampled).finished
         if cfg.scheduling == "static" and released:  # ... and releases its batch together
             assert [r.request_id for r in released] == aboard and not self.s.running
         self.released += released
@@ -414,7 +419,7 @@ def test_the_suite_checks_the_block_leak_invariant_every_step():
     s.allocator.allocate("ghost", 1)  # a block in use that no running sequence holds
     out = s.schedule()
     with pytest.raises(AssertionError, match="KV block leaked"):
-        s.update(out, {x.seq.request_id: TOKEN for x in out.scheduled if x.samples})
+        s.update(out, [TOKEN] * len(out.scheduled))
 
 
 def test_the_leak_check_is_off_in_a_process_without_the_flag():

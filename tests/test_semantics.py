@@ -95,10 +95,10 @@ def test_a_failure_preparing_one_request_ends_it_alone(monkeypatch) -> None:
         eng = LLMEngine(EngineConfig(**SMALL), log=quiet)
         real = eng.runner.execute
 
-        def execute(out, n):  # a fault in one request's inputs, before the device runs
+        def execute(out):  # a fault in one request's inputs, before the device runs
             if any(s.seq.request_id == poison for s in out.scheduled):
                 raise OverflowError("bad input for " + str(poison))
-            return real(out, n)
+            return real(out)
         monkeypatch.setattr(eng.runner, "execute", execute)
         for rid, p in prompts.items():
             eng.add_request(rid, p, params)

@@ -1,0 +1,127 @@
+"""Start-up: from an EngineConfig to the parts LLMEngine runs. Load the model (onto a
+mesh for tensor parallelism), size the KV cache, build the scheduler and the runner,
+and compile every step program.
+
+On an accelerator sized by --gpu-memory-utilization the KV cache gets what the weights
+and the largest step's activations leave, so that step is measured first, on a runner
+with a one-sequence cache; the runner then takes the real cache.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+import checkpoint
+import distributed
+from config import EngineConfig
+from kvcache import describe, measure_activation_bytes, num_kv_blocks_for
+from metrics import EngineStats
+from model import LoadedModel, load_model, param_bytes
+from parallel import make_mesh, max_bytes_per_device, shard_model
+from runner import ModelRunner
+from scheduler import Scheduler
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig  # resolved against the model
+    loaded: LoadedModel
+    scheduler: Scheduler
+    runner: ModelRunner
+    stats: EngineStats
+    num_kv_blocks: int  # the null block included
+
+
+def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> EngineParts:
+    use_compilation_cache(config.compilation_cache_dir)
+    distributed.initialize(config)  # multi-host: before JAX picks its devices
+    # Tensor parallelism: the weights go onto the mesh here, the cache in the runner.
+    mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+    if checkpoint.is_checkpoint(config.model):  # orbax: restored straight onto the mesh
+        loaded: LoadedModel = checkpoint.load(config.model, config.dtype, mesh)
+    else:
+        loaded = load_model(config.model, config.dtype, config.seed, log=log)
+    if mesh is not None:
+        loaded = shard_model(loaded, mesh)
+    config = config.resolved(loaded.config.max_model_len)
+    stats = EngineStats()
+    runner, activation_bytes = None, 0
+    if _needs_activation_profile(config):
+        runner, activation_bytes = _profile_activations(config, loaded, stats, log, mesh)
+    # Each device's share: KV sizing is per device, as the budget is.
+    weight_bytes = param_bytes(loaded.model) if mesh is None else max_bytes_per_device(
+        nnx.state(loaded.model, nnx.Param))
+    num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, weight_bytes, activation_bytes)
+    if config.num_processes > 1:  # every process's cache has process 0's shape
+        num_blocks = distributed.StepChannel().share_int("num_kv_blocks", num_blocks)
+    stats.num_kv_blocks = num_blocks - 1
+    log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
+        f"of weights), dtype {np.dtype(loaded.dtype).name}, "
+        f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
+        f"scheduling {config.scheduling} ({config.scheduling_policy}), "
+        f"chunked prefill {'on' if config.enable_chunked_prefill else 'off'}, "
+        f"prefix caching {'on' if config.enable_prefix_caching else 'off'}")
+    if mesh is not None:
+        log(f"tensor parallel: {mesh.size} devices, {weight_bytes / 2**20:.1f} MiB of weights per device, "
+            f"{loaded.config.num_attention_heads // mesh.size} query and "
+            f"{loaded.config.num_key_value_heads // mesh.size} KV head(s) per device")
+    log(describe(config, loaded.config, num_blocks, loaded.dtype))
+    scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids, loaded.config.vocab_size)
+    if runner is None:
+        runner = ModelRunner(config, loaded, num_blocks, stats, mesh)
+    else:  # the profiling runner: its small cache is gone, the real one takes its place
+        runner.kv_caches = runner.allocate_kv_caches(num_blocks)
+    if config.warmup:
+        runner.warmup(log)
+    if config.num_processes > 1 and config.process_id == 0:
+        # the other processes wait for steps until process 0 says it is done
+        atexit.register(runner.stop_followers)
+    return EngineParts(config, loaded, scheduler, runner, stats, num_blocks)
+
+
+def use_compilation_cache(path: str) -> None:
+    """Persist compiled step programs across restarts (warm-up then takes seconds, not
+    minutes). Leaves a cache directory the process already chose (tests set one)."""
+    if path and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def _needs_activation_profile(config: EngineConfig) -> bool:
+    """KV blocks come from --gpu-memory-utilization (no --num-kv-blocks, no
+    --kv-cache-memory, not CPU): the same test num_kv_blocks_for makes."""
+    return (config.num_kv_blocks is None and config.kv_cache_memory is None
+            and jax.devices()[0].platform != "cpu")
+
+
+def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: EngineStats,
+                         log: Callable[[str], None], mesh: Mesh | None) -> tuple[ModelRunner, int]:
+    """The activation peak of the largest step, measured on the device.
+
+    Builds the runner with a minimal KV cache (one max_model_len sequence plus the null
+    block), runs the ragged program once at max_num_batched_tokens on idle inputs (as
+    warmup does: every write lands in the null block) and reads the allocator's peak
+    above what was in use before (weights + the small cache). Returns the runner, its
+    small cache already freed, and the activation bytes (0 if the device keeps no
+    counters). Unverified on a GPU so far; the arithmetic is unit-tested on CPU."""
+    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats, mesh)
+    T = config.max_num_batched_tokens
+    compiled = stats.num_compilations
+    profile = measure_activation_bytes(lambda: runner.idle_step(tokens=T), jax.devices()[0].memory_stats)
+    # That program was compiled for the small cache's shape and is never used again:
+    # num_compilations counts the programs the engine serves with.
+    stats.num_compilations = compiled
+    runner.kv_caches = []  # free the small cache before the real one is allocated
+    if profile is None:
+        log("KV sizing: the device reports no memory counters; no activation reserve is subtracted")
+        return runner, 0
+    log(f"KV sizing: {profile.describe(T)}")
+    return runner, profile.activation_bytes
