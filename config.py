@@ -11,10 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import attention_backend
+
 Scheduling = Literal["continuous", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 KVAdmission = Literal["on-demand", "reserve", "reserve-max-len"]
-AttentionBackend = Literal["auto", "pallas", "xla"]
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 _MIN_TOKEN_BUCKET = 16
@@ -44,7 +45,7 @@ class EngineConfig:
     scheduling: Scheduling = "continuous"
     scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's --scheduling-policy: admission order, KV victim
     kv_admission: KVAdmission = "on-demand"
-    attention_backend: AttentionBackend = "auto"
+    attention_backend: str = "auto"  # or a backend registered in attention_backend.py
     max_waiting_requests: int | None = None
     warmup: bool = True  # compile every shape bucket before serving
     # Schedule and prepare step N+1 while the device runs step N (vLLM's --async-scheduling).
@@ -76,8 +77,7 @@ class EngineConfig:
              f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         need(self.kv_admission in ("on-demand", "reserve", "reserve-max-len"),
              f"kv_admission must be on-demand, reserve or reserve-max-len, got {self.kv_admission!r}")
-        need(self.attention_backend in ("auto", "pallas", "xla"),
-             f"attention_backend must be auto, pallas or xla, got {self.attention_backend!r}")
+        attention_backend.check_name(self.attention_backend)
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")

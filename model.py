@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels_pallas import AttentionBackend
+from attention_backend import AttentionBackend
 from tokenizer import ByteTokenizer, load_tokenizer
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kernels_pallas import AttentionBackend
+from attention_backend import AttentionBackend
 from model import Llama, LoadedModel, ModelConfig
 
 AXIS = "tp"

@@ -13,7 +13,7 @@ import pytest
 from conftest import hf_logits, make_hf_checkpoint
 from flax import nnx
 
-from kernels_pallas import get_attention_backend
+from attention_backend import get_attention_backend
 from model import BUILTIN_MODELS, AttentionInputs, Llama, ModelConfig, load_model, param_bytes
 from tokenizer import ByteTokenizer, load_tokenizer
 
