@@ -24,9 +24,9 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from model import Llama, LoadedModel, ModelConfig, _resolve_dtype, load_model
+from model import Decoder, LoadedModel, ModelConfig, load_model, resolve_dtype
 from tokenizer import ByteTokenizer, load_tokenizer
 
 META = "taxirank_checkpoint.json"
@@ -90,27 +90,22 @@ def _read_meta(path: str) -> tuple[dict[str, Any], ModelConfig]:
 
 def load(path: str, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
     """Restore a converted checkpoint, each parameter directly with its target sharding
-    (split over `mesh` as parallel.param_spec says, or on the default device). dtype
+    (split over `mesh` as parallel.load_spec says, or on the default device). dtype
     "auto" keeps the saved dtype; another casts while restoring."""
     import orbax.checkpoint as ocp
 
-    from parallel import kv_head_replicas, param_spec
+    from parallel import load_spec
 
     path = os.path.abspath(path)
     meta, cfg = _read_meta(path)
-    dt = _resolve_dtype(dtype, meta["dtype"])
-    abstract = nnx.state(nnx.eval_shape(lambda: Llama(cfg, dt, rngs=nnx.Rngs(0))), nnx.Param)
-    # KV heads that must be copied for this mesh load whole on each device and are
-    # copied (and split) by parallel.shard_model.
-    copy_kv = mesh is not None and kv_head_replicas(cfg, mesh.size) > 1
+    dt = resolve_dtype(dtype, meta["dtype"])
+    abstract = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, dt, rngs=nnx.Rngs(0))), nnx.Param)
 
     def target(p: tuple[Any, ...], shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
         if mesh is None:
             sharding = SingleDeviceSharding(jax.devices()[0])
-        elif copy_kv and {str(x) for x in p} & {"k_proj", "v_proj"}:
-            sharding = NamedSharding(mesh, P())
         else:
-            sharding = NamedSharding(mesh, param_spec(p, len(shape), cfg, mesh.size))
+            sharding = NamedSharding(mesh, load_spec(p, cfg, mesh.size))
         return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
 
     flat = nnx.to_flat_state(abstract)
@@ -120,7 +115,7 @@ def load(path: str, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedMode
             got = ckptr.restore(os.path.join(path, "params"), want)
         except (ValueError, KeyError) as e:  # a tree or shape that does not match the config
             raise ValueError(f"{path}: parameters do not match its {META} ({e})") from None
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dt, rngs=nnx.Rngs(0))))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dt, rngs=nnx.Rngs(0))))
     model = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(got[_key(p)])) for p, v in flat]))
     tok = ByteTokenizer() if meta.get("tokenizer") == "byte" else load_tokenizer(path)
     return LoadedModel(model, cfg, tok, path, dt)

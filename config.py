@@ -11,9 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import attention_backend
 from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
-
-AttentionBackend = Literal["auto", "pallas", "xla"]
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 _MIN_TOKEN_BUCKET = 16
@@ -44,7 +43,7 @@ class EngineConfig:
     scheduling: str = BATCHING.default  # how a step is composed, when a finished sequence's seat frees
     scheduling_policy: str = POLICIES.default  # vLLM's --scheduling-policy: admission order, KV victim
     kv_admission: str = KV_ADMISSION.default  # the KV blocks a sequence holds from admission
-    attention_backend: AttentionBackend = "auto"
+    attention_backend: str = "auto"  # or a backend registered in attention_backend.py
     max_waiting_requests: int | None = None
     warmup: bool = True  # compile every shape bucket before serving
     # Schedule and prepare step N+1 while the device runs step N (vLLM's --async-scheduling).
@@ -73,8 +72,7 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for registry in REGISTRIES:
             registry.check(getattr(self, registry.field))
-        need(self.attention_backend in ("auto", "pallas", "xla"),
-             f"attention_backend must be auto, pallas or xla, got {self.attention_backend!r}")
+        attention_backend.check_name(self.attention_backend)
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")

@@ -2,8 +2,10 @@
 
 A GGUF file holds the architecture as metadata, the tensors (often quantized) and the
 tokenizer. This module turns it into what the Hugging Face path of model.py already
-consumes: an HF config.json dict and HF-named, dequantized tensors. The tokenizer and
-chat template come through transformers' own GGUF support (tokenizer.py).
+consumes: an HF config.json dict and HF-named, dequantized tensors. Which architectures
+it reads and every tensor's GGUF name come from model.py (its family table and the
+weights each layer declares). The tokenizer and chat template come through transformers'
+own GGUF support (tokenizer.py).
 
 Named `gguf_loader`, not `gguf`, so that the `gguf` library stays importable.
 """
@@ -20,35 +22,33 @@ from typing import Any
 
 import numpy as np
 
+from model import FAMILIES, Decoder, Family
+
 # The quantization types we dequantize (all through gguf.quants); anything else is a
 # clear error naming the type rather than a silently wrong tensor.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-_ARCHS = ("llama", "qwen2", "qwen3")  # Mistral's GGUF files say "llama"
-
-# llama.cpp tensor names -> Hugging Face names ({} is the layer index).
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+# GGUF name -> HF name of every weight the decoder declares ("{}": the layer index).
+_HF_NAMES = {w.gguf: w.hf for w in Decoder.WEIGHTS.values()}
 
 
 def hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    """A GGUF tensor's HF name (model.py's declarations of each weight)."""
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise ValueError(f"unexpected tensor {gguf_name!r} in the GGUF file")
+    layer = len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit()
+    hf = _HF_NAMES.get(f"blk.{{}}.{parts[2]}" if layer else gguf_name)
+    if hf is None:
+        raise ValueError(f"unexpected tensor {gguf_name!r} in the GGUF file")
+    return hf.format(parts[1]) if layer else hf
+
+
+def gguf_family(arch: str | None) -> Family:
+    """The family whose GGUF files say general.architecture = arch."""
+    family = next((f for f in FAMILIES.values() if f.gguf_arch and f.gguf_arch == arch), None)
+    if family is None:
+        supported = ", ".join(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch)
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {supported})")
+    return family
 
 
 @dataclass
@@ -64,16 +64,14 @@ class GGUFCheckpoint:
 
         reader = gguf.GGUFReader(self.path)
         cfg = self.hf_config
+        permuted = FAMILIES[cfg["model_type"]].gguf_qk_permuted
         for t in reader.tensors:
-            if t.name == "rope_freqs.weight":
-                continue  # refused in read_gguf; never reached
-            name = hf_name(t.name)
             x = dequantize(t.data, t.tensor_type, t.name).reshape(tuple(int(d) for d in reversed(t.shape)))
-            if cfg["model_type"] == "llama" and ".attn_q." in t.name:
+            if permuted and ".attn_q." in t.name:
                 x = unpermute_qk(x, cfg["num_attention_heads"])
-            elif cfg["model_type"] == "llama" and ".attn_k." in t.name:
+            elif permuted and ".attn_k." in t.name:
                 x = unpermute_qk(x, cfg["num_key_value_heads"])
-            yield name, x
+            yield hf_name(t.name), x
 
 
 def dequantize(data: np.ndarray, qtype: Any, name: str) -> np.ndarray:
@@ -110,8 +108,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
         return default if f is None else f.contents()
 
     arch = get("general.architecture")
-    if arch not in _ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)})")
+    family = gguf_family(arch)
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError("this GGUF file scales RoPE frequencies per dimension (rope_freqs, Llama 3.1 style), "
@@ -126,7 +123,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
     hf = {
-        "model_type": arch,
+        "model_type": family.model_type,
         "vocab_size": int(vocab) if vocab is not None else reader.get_tensor(0).shape[-1],
         "hidden_size": hidden,
         "intermediate_size": int(get(f"{arch}.feed_forward_length")),
@@ -142,8 +139,6 @@ def read_gguf(path: str) -> GGUFCheckpoint:
         "bos_token_id": get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": list(dict.fromkeys(eos)) or None,
     }
-    if arch == "qwen2":
-        hf["attention_bias"] = False  # Qwen2's q/k/v biases (and no o_proj bias) come with the family
     types = [gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1]
     file_type = max(set(types), key=types.count) if types else "F32"
     return GGUFCheckpoint(path, hf, file_type, "tokenizer.ggml.model" in reader.fields)

@@ -5,7 +5,8 @@ KV cache layout, per layer: k_cache, v_cache of shape [num_blocks, block_size,
 num_kv_heads, head_dim]. Block 0 is the null block: idle slots and padding tokens point
 at it, and every read of it is masked.
 
-Two entry points, used by model.py through `AttentionBackend`:
+Two entry points, which attention_backend.py registers as backends (the references as
+`xla`, the kernels as `pallas`) and model.py calls through an `AttentionBackend`:
   decode(q[S,Hq,D], k_cache, v_cache, block_tables[S,W], kv_lens[S])            -> [S,Hq,D]
       one query token per slot, at position kv_lens[s]-1; kv_lens[s] == 0 is an idle slot.
   ragged(q[T,Hq,D], k_cache, v_cache, block_tables[S,W], cu_q_lens[S+1], kv_lens[S]) -> [T,Hq,D]
@@ -36,8 +37,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -330,14 +329,13 @@ def _compiler_params(num_warps: int, num_stages: int, interpret: bool):
     return _pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _check_shapes(q, k_cache, v_cache, interpret: bool):
+def _check_shapes(q, k_cache, v_cache):
+    """The kernels' shapes. Compiled (not interpreted), head_dim and block_size must also
+    be powers of two: attention_backend.py's registration of the kernels declares it."""
     _, Hq, D = q.shape
     _, BS, Hkv, Dk = k_cache.shape
     if k_cache.shape != v_cache.shape or Dk != D or Hq % Hkv:
         raise ValueError(f"bad attention shapes: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
-    if not interpret and (D & (D - 1) or BS & (BS - 1)):
-        raise ValueError(f"the Triton lowering needs power-of-two head_dim and block_size, "
-                         f"got {D} and {BS}")
     return Hq, D, BS, Hkv, Hq // Hkv
 
 
@@ -442,7 +440,7 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     a jnp combine step merges the splits' partial softmax states. With one split the
     kernel normalises and writes the cache dtype itself (no f32 round trip)."""
     S, _, _ = q.shape
-    Hq, D, BS, Hkv, R = _check_shapes(q, k_cache, v_cache, interpret)
+    Hq, D, BS, Hkv, R = _check_shapes(q, k_cache, v_cache)
     P = pages_per_iter or _default_pages_per_iter(BS)
     W = block_tables.shape[1]
     num_chunks = max(1, -(-W // P))
@@ -562,7 +560,7 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     holds block_q // RP tokens x the RP (padded) query heads of one kv head, so K/V are
     read once per tile for the whole GQA group."""
     T = q.shape[0]
-    Hq, D, BS, Hkv, R = _check_shapes(q, k_cache, v_cache, interpret)
+    Hq, D, BS, Hkv, R = _check_shapes(q, k_cache, v_cache)
     P = pages_per_iter or _default_pages_per_iter(BS)
     RP = _next_pow2(R)
     TQ = max(1, max(block_q, MIN_DOT) // RP)               # tokens per tile
@@ -586,35 +584,3 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         name="ragged_paged_attention",
     )(qg, k_cache, v_cache, bt, cu, kv_lens.astype(jnp.int32), first, count)
     return out[:T, :, :R].reshape(T, Hq, D)
-
-
-@dataclass(frozen=True)
-class AttentionBackend:
-    """The pair of attention functions the model calls; chosen once per engine."""
-
-    name: str
-    decode: Callable[..., jax.Array]
-    ragged: Callable[..., jax.Array]
-
-
-def get_attention_backend(name: str = "auto", interpret: bool | None = None) -> AttentionBackend:
-    """auto: Pallas on GPU, the jnp reference elsewhere. pallas off-GPU runs the kernels
-    in interpret mode (slow, for checking); `interpret` forces it either way."""
-    platform = jax.default_backend()
-    if name == "auto":
-        name = "pallas" if platform == "gpu" else "xla"
-    if name == "xla":
-        return AttentionBackend("xla", paged_decode_attention_ref, ragged_paged_attention_ref)
-    if name == "pallas":
-        if interpret is None:
-            interpret = platform != "gpu"
-        # jitted, so that the model's identical per-layer calls lower (and compile the
-        # Triton kernel) once per shape instead of once per layer
-        decode = jax.jit(functools.partial(paged_decode_attention, interpret=interpret),
-                         static_argnames=("scale", "num_splits", "pages_per_iter",
-                                          "num_warps", "num_stages"))
-        ragged = jax.jit(functools.partial(ragged_paged_attention, interpret=interpret),
-                         static_argnames=("scale", "block_q", "pages_per_iter",
-                                          "num_warps", "num_stages"))
-        return AttentionBackend("pallas", decode, ragged)
-    raise ValueError(f"unknown attention backend {name!r} (expected auto, pallas or xla)")

@@ -335,7 +335,7 @@ def measure_activation_bytes(run_step: Callable[[], None],
 
 def create_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
     """K and V, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]: the
-    layers stacked, as the model's scanned layer stack takes them (see model.Llama)."""
+    layers stacked, as the model's scanned layer stack takes them (see model.Decoder)."""
     import jax.numpy as jnp
 
     shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)

@@ -1,10 +1,13 @@
-"""The decoder-only transformer (Llama 2/3, Mistral, Qwen2, Qwen3) and its loading.
+"""The decoder-only transformer every supported family runs on, the family table, and loading.
 
-The four families are one network with a few switches: GQA, q/k/v biases (Qwen2),
-per-head q/k RMSNorm (Qwen3), Llama 3.1's RoPE frequency scaling, tied embeddings. Each
-forward step takes a flat batch of T tokens from any number of sequences; the layers
-write the step's K/V into the paged cache and call the attention backend (see
-docs/ARCHITECTURE.md for the cache layout and kernels_pallas.py for the backends).
+The families (FAMILIES: Llama 2/3, Mistral, Qwen2, Qwen3) are one network, `Decoder`, with
+a few switches their config adapters set: GQA, q/k/v biases (Qwen2), per-head q/k RMSNorm
+(Qwen3), Llama 3.1's RoPE frequency scaling, tied embeddings. Each layer declares its
+weights (`WEIGHTS`): their Hugging Face and GGUF names and their logical axes, which
+parallel.py maps onto a device mesh. Each forward step takes a flat batch of T tokens
+from any number of sequences; the layers write the step's K/V into the paged cache and
+call the attention backend (see docs/ARCHITECTURE.md for the cache layout and
+attention_backend.py for the backends).
 
 Numerics: matmuls run in the parameter dtype (float32 or bfloat16); RMSNorm, RoPE,
 softmax (inside the backend) and the logits are float32.
@@ -24,10 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels_pallas import AttentionBackend
+from attention_backend import AttentionBackend
 from tokenizer import ByteTokenizer, load_tokenizer
 
-_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -35,7 +37,7 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 class ModelConfig:
     """The architecture, hashable so jitted code can take it as a static argument."""
 
-    architecture: str  # llama | mistral | qwen2 | qwen3
+    architecture: str  # the family's model_type (a key of FAMILIES)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -48,9 +50,10 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3 parameters, as sorted items
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    # The per-family options (set by the family's config adapter):
     attention_bias: bool = False  # biases on q/k/v_proj
-    o_proj_bias: bool = False  # Llama/Qwen3 `attention_bias` also puts one on o_proj; Qwen2 does not
-    qk_norm: bool = False
+    o_proj_bias: bool = False  # and on o_proj
+    qk_norm: bool = False  # RMSNorm of each q and k head before RoPE
     sliding_window: int | None = None  # attention is exact only while a sequence fits in it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -64,33 +67,83 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         """From a Hugging Face config.json dict; raises ValueError on what we do not run."""
-        arch = d.get("model_type")
-        if arch not in _FAMILIES:
-            raise ValueError(f"unsupported model_type {arch!r} (architectures={d.get('architectures')}); "
-                             f"supported: {', '.join(_FAMILIES)}")
+        family = FAMILIES.get(d.get("model_type"))
+        if family is None:
+            raise ValueError(f"unsupported model_type {d.get('model_type')!r} (architectures={d.get('architectures')}); "
+                             f"supported: {', '.join(FAMILIES)}")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported")
-        window = d.get("sliding_window")
-        if arch in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
-            window = None  # Qwen configs carry a window size that is off unless use_sliding_window
         heads = d["num_attention_heads"]
         theta, scaling = _rope_from_hf(d)
-        bias = bool(d.get("attention_bias", False))
-        eos = d.get("eos_token_id")
         return cls(
-            architecture=arch, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            architecture=family.model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=d["max_position_embeddings"],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bias or arch == "qwen2", o_proj_bias=bias and arch != "qwen2",
-            qk_norm=arch == "qwen3", sliding_window=window, bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=_id_tuple(eos),
+            bos_token_id=d.get("bos_token_id"), eos_token_ids=_id_tuple(d.get("eos_token_id")),
+            **family.options(d),
         )
+
+
+# ---- model families ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Family:
+    """A supported model family, as its checkpoints describe it. Every family runs on the
+    one `Decoder` below, whose layers declare the tensor names (HF and GGUF) and the
+    sharding of each weight; a family's `options` maps its config.json onto the decoder's
+    switches (the ModelConfig fields attention_bias, o_proj_bias, qk_norm, sliding_window)."""
+
+    model_type: str  # config.json's model_type
+    options: Callable[[dict[str, Any]], dict[str, Any]]  # config.json -> the decoder's switches
+    gguf_arch: str | None = None  # its GGUF files' general.architecture; None: not read from GGUF
+    gguf_qk_permuted: bool = False  # llama.cpp's converter permuted its q/k rows (gguf_loader.unpermute_qk)
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add a family: config.json files with its model_type (and GGUF files with its
+    gguf_arch) then load."""
+    if family.model_type in FAMILIES:
+        raise ValueError(f"model family {family.model_type!r} is already registered")
+    FAMILIES[family.model_type] = family
+    return family
+
+
+def llama_options(d: dict[str, Any]) -> dict[str, Any]:
+    """Llama and Mistral: `attention_bias` puts biases on q/k/v and o; a sliding window
+    is on whenever the config gives one."""
+    bias = bool(d.get("attention_bias", False))
+    return dict(attention_bias=bias, o_proj_bias=bias, sliding_window=d.get("sliding_window"))
+
+
+def _qwen_window(d: dict[str, Any]) -> int | None:
+    # Qwen configs carry a window size that is off unless use_sliding_window
+    return d.get("sliding_window") if d.get("use_sliding_window", False) else None
+
+
+def qwen2_options(d: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2: q/k/v biases always, none on o_proj."""
+    return dict(attention_bias=True, o_proj_bias=False, sliding_window=_qwen_window(d))
+
+
+def qwen3_options(d: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3: RMSNorm on each q and k head; biases as Llama's."""
+    bias = bool(d.get("attention_bias", False))
+    return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=True, sliding_window=_qwen_window(d))
+
+
+register_family(Family("llama", llama_options, gguf_arch="llama", gguf_qk_permuted=True))
+register_family(Family("mistral", llama_options))  # Mistral's GGUF files say "llama"
+register_family(Family("qwen2", qwen2_options, gguf_arch="qwen2"))
+register_family(Family("qwen3", qwen3_options, gguf_arch="qwen3"))
 
 
 def _id_tuple(x: int | list[int] | None) -> tuple[int, ...]:
@@ -126,6 +179,38 @@ class AttentionInputs:
     block_tables: jax.Array  # [S, W] i32
     kv_lens: jax.Array  # [S] i32, including this step's tokens
     cu_q_lens: jax.Array | None = None  # [S+1] i32; None => decode, one token per slot (T == S)
+
+
+# ---- weights: declared by the layer that owns them -------------------------------
+
+@dataclass(frozen=True)
+class Weight:
+    """One parameter as checkpoints name it and as tensor parallelism splits it."""
+
+    hf: str  # its Hugging Face name; "{}" stands for the layer index
+    gguf: str  # its name in llama.cpp's GGUF files
+    axes: tuple[str, ...]  # the logical axis of each dim; parallel.RULES maps them onto the mesh
+    transposed: bool = False  # checkpoints store it [out, in] (torch Linear); here it is [in, out]
+
+    @property
+    def stacked(self) -> bool:
+        """A decoder layer's parameter: one array for all layers, layer first."""
+        return self.axes[:1] == ("layers",)
+
+
+def _linear_weights(name: str, gguf: str, axes: tuple[str, str]) -> dict[str, Weight]:
+    """An nnx.Linear's kernel [in, out] and (if it has one) bias [out]."""
+    return {f"{name}.kernel": Weight(f"{name}.weight", f"{gguf}.weight", axes, transposed=True),
+            f"{name}.bias": Weight(f"{name}.bias", f"{gguf}.bias", axes[1:])}
+
+
+def _sublayer(attr: str, weights: dict[str, Weight], hf: str, gguf: str,
+              stacked: bool = False) -> dict[str, Weight]:
+    """A sublayer's declarations under its attribute path and name prefixes; `stacked`
+    layers carry a leading "layers" axis."""
+    lead = ("layers",) if stacked else ()
+    return {f"{attr}.{path}": replace(w, hf=hf + w.hf, gguf=gguf + w.gguf, axes=lead + w.axes)
+            for path, w in weights.items()}
 
 
 # ---- layers ----------------------------------------------------------------------
@@ -182,6 +267,15 @@ def _write_cache(cache: jax.Array, x: jax.Array, slots: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
+    # Q heads and KV heads are split over devices, whole; o_proj by its input (the heads),
+    # so its bias is added once, after the sum.
+    WEIGHTS = {**_linear_weights("q_proj", "attn_q", ("embed", "heads")),
+               **_linear_weights("k_proj", "attn_k", ("embed", "kv_heads")),
+               **_linear_weights("v_proj", "attn_v", ("embed", "kv_heads")),
+               **_linear_weights("o_proj", "attn_output", ("heads", "embed")),
+               "q_norm.weight": Weight("q_norm.weight", "attn_q_norm.weight", ("head_dim",)),
+               "k_norm.weight": Weight("k_norm.weight", "attn_k_norm.weight", ("head_dim",))}
+
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -196,7 +290,7 @@ class Attention(nnx.Module):
                  attn: AttentionInputs, backend: AttentionBackend,
                  block_offset: jax.Array | int = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """kv_cache: every layer's blocks in one [L * num_blocks, block_size, Hkv, D]
-        array per K and V; this layer's block b is block_offset + b (see Llama.__call__)."""
+        array per K and V; this layer's block b is block_offset + b (see Decoder.__call__)."""
         cfg, t = self.cfg, x.shape[0]
         q = self.q_proj(x).reshape(t, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(t, cfg.num_key_value_heads, cfg.head_dim)
@@ -219,6 +313,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    WEIGHTS = {**_linear_weights("gate_proj", "ffn_gate", ("embed", "mlp")),
+               **_linear_weights("up_proj", "ffn_up", ("embed", "mlp")),
+               **_linear_weights("down_proj", "ffn_down", ("mlp", "embed"))}
+
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = _linear(h, i, False, dtype, rngs)
@@ -230,6 +328,12 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    WEIGHTS = {"input_layernorm.weight": Weight("input_layernorm.weight", "attn_norm.weight", ("embed",)),
+               "post_attention_layernorm.weight": Weight("post_attention_layernorm.weight", "ffn_norm.weight",
+                                                         ("embed",)),
+               **_sublayer("self_attn", Attention.WEIGHTS, "self_attn.", ""),
+               **_sublayer("mlp", MLP.WEIGHTS, "mlp.", "")}
+
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs)
@@ -247,9 +351,10 @@ class DecoderLayer(nnx.Module):
 KVCache = tuple[jax.Array, jax.Array]  # K and V, each [num_layers, num_blocks, block_size, Hkv, head_dim]
 
 
-class Llama(nnx.Module):
-    """Attribute names mirror HF's parameter names, so loading is a mechanical mapping
-    (see hf_tensor_names).
+class Decoder(nnx.Module):
+    """The decoder-only transformer of every family in FAMILIES. Attribute names mirror
+    HF's parameter names; WEIGHTS declares every parameter (by its attribute path) with
+    its checkpoint names and logical axes.
 
     Parameter layout (nnx.state(model, nnx.Param), every leaf one array):
       embed_tokens.embedding  [V, H]
@@ -260,6 +365,11 @@ class Llama(nnx.Module):
       norm.weight [H];  lm_head.kernel [H, V] (absent with tied embeddings)
     The forward is one lax.scan over the stacked layers, so a step program's compile
     time does not grow with depth."""
+
+    WEIGHTS = {"embed_tokens.embedding": Weight("model.embed_tokens.weight", "token_embd.weight", ("vocab", "embed")),
+               **_sublayer("layers", DecoderLayer.WEIGHTS, "model.layers.{}.", "blk.{}.", stacked=True),
+               "norm.weight": Weight("model.norm.weight", "output_norm.weight", ("embed",)),
+               "lm_head.kernel": Weight("lm_head.weight", "output.weight", ("embed", "vocab"), transposed=True)}
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype | str = jnp.float32, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(dtype)
@@ -307,12 +417,12 @@ class Llama(nnx.Module):
         return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
 
 
-def init_model(cfg: ModelConfig, dtype: jnp.dtype | str = jnp.float32, seed: int = 0) -> Llama:
+def init_model(cfg: ModelConfig, dtype: jnp.dtype | str = jnp.float32, seed: int = 0) -> Decoder:
     """Random weights (the built-in models, tests)."""
-    return Llama(cfg, dtype, rngs=nnx.Rngs(seed))
+    return Decoder(cfg, dtype, rngs=nnx.Rngs(seed))
 
 
-def param_bytes(model: Llama) -> int:
+def param_bytes(model: Decoder) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
@@ -335,14 +445,15 @@ _DTYPES = {"float32": jnp.dtype(jnp.float32), "bfloat16": jnp.dtype(jnp.bfloat16
 
 @dataclass
 class LoadedModel:
-    model: Llama
+    model: Decoder
     config: ModelConfig
     tokenizer: Any | None  # ByteTokenizer, a transformers tokenizer, or None (token ids only)
     name: str
     dtype: jnp.dtype
 
 
-def _resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> jnp.dtype:
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> jnp.dtype:
+    """The parameter dtype for `--dtype` (float32, bfloat16, or auto: the checkpoint's)."""
     if dtype == "auto":
         # float16 checkpoints run in float32: exact, and without fp16's overflow risk.
         dtype = "bfloat16" if checkpoint_dtype == "bfloat16" else "float32"
@@ -356,20 +467,20 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
     """A built-in random model ("tiny", "bench"), the built-in real model ("smollm2", a
     GGUF fetched on first use), a .gguf file, or an HF checkpoint directory."""
     if model in BUILTIN_MODELS:
-        cfg, dt = BUILTIN_MODELS[model], _resolve_dtype(dtype, None)
+        cfg, dt = BUILTIN_MODELS[model], resolve_dtype(dtype, None)
         return LoadedModel(init_model(cfg, dt, seed), cfg, ByteTokenizer(), model, dt)
-    # ---- GGUF (issue 9): the same HF config dict and HF-named tensors as a checkpoint directory
+    # A GGUF file comes as the same HF config dict and HF-named tensors as a checkpoint directory.
     import gguf_loader
 
     if model in gguf_loader.BUILTIN_GGUF or model.endswith(".gguf"):
         path = gguf_loader.resolve_builtin(model, log) if model in gguf_loader.BUILTIN_GGUF else model
         ckpt = gguf_loader.read_gguf(path)
         cfg = ModelConfig.from_hf(ckpt.hf_config)
-        dt = _resolve_dtype(dtype, "bfloat16" if ckpt.file_type == "BF16" else None)
+        dt = resolve_dtype(dtype, "bfloat16" if ckpt.file_type == "BF16" else None)
         tokenizer = load_tokenizer(path) if ckpt.has_tokenizer else None
         log(f"model: {path} ({ckpt.file_type} GGUF, dequantized to {np.dtype(dt).name})")
-        return LoadedModel(_load_weights(cfg, dt, ckpt.tensors(), path), cfg, tokenizer, model, dt)
-    # ---- end GGUF
+        return LoadedModel(model_from_hf_tensors(cfg, dt, ckpt.tensors(), f"checkpoint {path}"),
+                           cfg, tokenizer, model, dt)
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise FileNotFoundError(f"model {model!r} is neither a built-in model "
                                 f"({', '.join([*BUILTIN_MODELS, *gguf_loader.BUILTIN_GGUF])}), a .gguf file, "
@@ -382,51 +493,49 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
         with open(gen_path) as f:
             extra = _id_tuple(json.load(f).get("eos_token_id"))
         cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
-    dt = _resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
-    return LoadedModel(_load_weights(cfg, dt, _safetensors_tensors(model), model), cfg, load_tokenizer(model), model, dt)
+    dt = resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
+    return LoadedModel(model_from_hf_tensors(cfg, dt, _safetensors_tensors(model), f"checkpoint {model}"),
+                       cfg, load_tokenizer(model), model, dt)
 
 
-def hf_tensor_names(path: tuple[Any, ...], num_layers: int) -> tuple[list[str], bool]:
-    """NNX param path -> (the HF tensor names it holds, whether each is transposed: torch
-    Linear is [out, in]). A stacked layer param holds one tensor per layer, in order."""
-    *mods, leaf = (str(p) for p in path)
-    suffix = ".bias" if leaf == "bias" else ".weight"
-    if mods[0] == "layers":
-        rest = ".".join(mods[1:])
-        names = [f"model.layers.{i}.{rest}{suffix}" for i in range(num_layers)]
-    else:
-        names = [("" if mods[0] == "lm_head" else "model.") + ".".join(mods) + suffix]
-    return names, leaf == "kernel"
+def declared_weight(path: tuple[Any, ...]) -> Weight:
+    """The declaration (Decoder.WEIGHTS) of the parameter at an nnx state path."""
+    return Decoder.WEIGHTS[".".join(str(p) for p in path)]
 
 
-def hf_state_dict(model: Llama) -> dict[str, np.ndarray]:
+def hf_tensor_names(path: tuple[Any, ...], num_layers: int) -> list[str]:
+    """The HF tensor names the parameter at `path` holds: one per layer, in order, for
+    a stacked layer parameter."""
+    w = declared_weight(path)
+    return [w.hf.format(i) for i in range(num_layers)] if w.stacked else [w.hf]
+
+
+def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
     """The model's weights under HF names and layouts (unstacked, torch [out, in])."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        names, transpose = hf_tensor_names(path, model.config.num_hidden_layers)
-        x = np.asarray(var.get_value())
-        for i, name in enumerate(names):
-            t = x[i] if path[0] == "layers" else x
-            out[name] = np.ascontiguousarray(t.T if transpose else t)
+        w, x = declared_weight(path), np.asarray(var.get_value())
+        for i, name in enumerate(hf_tensor_names(path, model.config.num_hidden_layers)):
+            t = x[i] if w.stacked else x
+            out[name] = np.ascontiguousarray(t.T if w.transposed else t)
     return out
 
 
 def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[tuple[str, Any]],
-                          source: str = "the checkpoint") -> Llama:
+                          source: str = "the checkpoint") -> Decoder:
     """Build the model from (HF tensor name, array) pairs, the one loading path for every
     checkpoint format: per-layer tensors are copied into their layer of the stacked
     params. Raises ValueError on an unexpected, misshapen or missing tensor."""
     # Build the module abstractly (no random init), then fill each param from the tensors.
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype, rngs=nnx.Rngs(0))))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype, rngs=nnx.Rngs(0))))
     L = cfg.num_hidden_layers
     wanted: dict[str, tuple[tuple[Any, ...], int | None, bool]] = {}
     buffers: dict[tuple[Any, ...], np.ndarray] = {}
     variables = dict(nnx.to_flat_state(abstract))
     for p, var in variables.items():
-        names, transpose = hf_tensor_names(p, L)
-        stacked = p[0] == "layers"
-        for i, name in enumerate(names):
-            wanted[name] = (p, i if stacked else None, transpose)
+        w = declared_weight(p)
+        for i, name in enumerate(hf_tensor_names(p, L)):
+            wanted[name] = (p, i if w.stacked else None, w.transposed)
         buffers[p] = np.empty(var.get_value().shape, dtype)
     seen: set[str] = set()
     for name, x in tensors:
@@ -469,8 +578,3 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, Any]]:
         with safe_open(file, framework="flax") as st:  # the flax reader handles bfloat16
             for name in st.keys():
                 yield name, st.get_tensor(name)
-
-
-def _load_weights(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[tuple[str, Any]], path: str) -> Llama:
-    """Fill the model from HF-named tensors (a safetensors directory or a GGUF file)."""
-    return model_from_hf_tensors(cfg, dtype, tensors, source=f"checkpoint {path}")

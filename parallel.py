@@ -28,12 +28,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kernels_pallas import AttentionBackend
-from model import Llama, LoadedModel, ModelConfig
+from attention_backend import AttentionBackend
+from model import Decoder, LoadedModel, ModelConfig, declared_weight
 
 AXIS = "tp"
-_COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})  # split by output features
-_ROW = frozenset({"o_proj", "down_proj"})  # split by input features
+# Logical axes (declared beside each weight in model.py) split over the mesh; every other
+# axis (embed, head_dim, layers) is replicated. The vocabulary is split when it divides.
+_SPLIT = frozenset({"heads", "kv_heads", "mlp"})
 
 
 def make_mesh(tp: int) -> Mesh:
@@ -66,33 +67,26 @@ def kv_head_replicas(cfg: ModelConfig, tp: int) -> int:
                      "(KV heads are split over devices, or each copied to tp / num_kv_heads devices)")
 
 
-def param_spec(path: tuple[Any, ...], ndim: int, cfg: ModelConfig, tp: int) -> P:
-    """Where one parameter is split. Negative axes, so a stacked layer param ([L, in, out])
-    and an unstacked one ([in, out]) get the same rule; kernels are [in, out]."""
-    names = {str(p) for p in path}
-
-    def split(axis: int) -> P:
-        spec: list[str | None] = [None] * ndim
-        spec[axis] = AXIS
-        return P(*spec)
-
-    if names & _COLUMN:
-        return split(-1)  # kernel [.., in, out] and bias [.., out] alike
-    if names & _ROW:
-        return split(-2) if str(path[-1]) == "kernel" else P()  # the bias is added once, after the sum
-    if "embed_tokens" in names:  # [V, H]
-        return split(0) if cfg.vocab_size % tp == 0 else P()
-    if "lm_head" in names:  # [H, V]
-        return split(-1) if cfg.vocab_size % tp == 0 else P()
-    return P()  # norms
+def param_spec(path: tuple[Any, ...], cfg: ModelConfig, tp: int) -> P:
+    """Where one parameter is split: its declared logical axes mapped onto the mesh."""
+    split = _SPLIT | ({"vocab"} if cfg.vocab_size % tp == 0 else set())
+    return P(*(AXIS if a in split else None for a in declared_weight(path).axes))
 
 
-def _repeat_heads(x: jax.Array, num_heads: int, r: int) -> jax.Array:
-    """[.., heads * D] -> [.., heads * r * D], each head's columns copied r times in place
-    (head h becomes heads h*r .. h*r+r-1), so query head i still reads KV head i // group."""
-    *lead, f = x.shape
-    x = x.reshape(*lead, num_heads, f // num_heads)
-    return jnp.repeat(x, r, axis=-2).reshape(*lead, f * r)
+def load_spec(path: tuple[Any, ...], cfg: ModelConfig, tp: int) -> P:
+    """Where a parameter goes as it is read, before shard_model: KV heads that the mesh
+    needs copied load whole on each device (shard_model copies and splits them)."""
+    if kv_head_replicas(cfg, tp) > 1 and "kv_heads" in declared_weight(path).axes:
+        return P()
+    return param_spec(path, cfg, tp)
+
+
+def _repeat_heads(x: jax.Array, axis: int, num_heads: int, r: int) -> jax.Array:
+    """x's `axis` of heads * D -> heads * r * D, each head copied r times in place (head h
+    becomes heads h*r .. h*r+r-1), so query head i still reads KV head i // group."""
+    shape = x.shape
+    x = x.reshape(*shape[:axis], num_heads, shape[axis] // num_heads, *shape[axis + 1:])
+    return jnp.repeat(x, r, axis=axis).reshape(*shape[:axis], shape[axis] * r, *shape[axis + 1:])
 
 
 def _put(x: Any, sharding: NamedSharding) -> jax.Array:
@@ -112,13 +106,13 @@ def shard_model(loaded: LoadedModel, mesh: Mesh) -> LoadedModel:
     cfg, tp = loaded.config, mesh.size
     r = kv_head_replicas(cfg, tp)
     run_cfg = replace(cfg, num_key_value_heads=cfg.num_key_value_heads * r)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(run_cfg, loaded.dtype, rngs=nnx.Rngs(0))))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(run_cfg, loaded.dtype, rngs=nnx.Rngs(0))))
     placed = []
     for path, var in nnx.to_flat_state(nnx.state(loaded.model, nnx.Param)):
-        x = var.get_value()
-        if r > 1 and {str(p) for p in path} & {"k_proj", "v_proj"}:
-            x = _repeat_heads(jnp.asarray(x), cfg.num_key_value_heads, r)
-        placed.append((path, var.replace(_put(x, NamedSharding(mesh, param_spec(path, x.ndim, run_cfg, tp))))))
+        x, axes = var.get_value(), declared_weight(path).axes
+        if r > 1 and "kv_heads" in axes:
+            x = _repeat_heads(jnp.asarray(x), axes.index("kv_heads"), cfg.num_key_value_heads, r)
+        placed.append((path, var.replace(_put(x, NamedSharding(mesh, param_spec(path, run_cfg, tp))))))
     model = nnx.merge(graphdef, nnx.from_flat_state(placed))
     return replace(loaded, model=model, config=run_cfg)
 

@@ -308,7 +308,7 @@ def bench_step(res: Results, batches: list[int], context: int, peak: float,
     itemsize = jnp.dtype(DTYPE).itemsize
     L, hkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     for name in backends:
-        backend = kp.get_attention_backend(name if name == "pallas" else "xla")
+        backend = ab.get_attention_backend(name if name == "pallas" else "xla")
 
         @functools.partial(jax.jit, donate_argnums=(2,))
         def step(state, tokens, kv_caches, attn):
@@ -377,9 +377,10 @@ def bench_smoke(res: Results, interpret: bool, shapes: list[AttentionShape]) -> 
     against the references: the engine's own start-up probe (attention_backend.py)."""
     for shape in shapes:
         t0 = time.perf_counter()
-        reason = None if interpret else ab.unsupported_reason(shape)
+        spec = ab.BACKENDS["pallas"]
+        reason = None if interpret else ab.unsupported_reason(spec, shape)
         if reason is None:
-            reason = ab.probe_kernels(shape, kp.get_attention_backend("pallas", interpret=interpret))
+            reason = ab.probe_kernels(shape, spec.make(interpret), spec.decode_variants)
         row = dict(shape=dataclasses.asdict(shape), ok=reason is None, reason=reason,
                    seconds=round(time.perf_counter() - t0, 2))
         res.add("smoke", row)

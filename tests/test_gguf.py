@@ -13,9 +13,9 @@ from conftest import hf_greedy
 
 import gguf_loader
 from engine import LLM, SamplingParams
-from model import load_model
+from model import Decoder, load_model
 
-HF_TO_GGUF = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
+HF_TO_GGUF = {w.hf: w.gguf for w in Decoder.WEIGHTS.values()}  # "{}": the layer index
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -45,13 +45,12 @@ def write_gguf(ckpt_dir: str, out: str, quant: str = "F32", raw_type_of: dict[st
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
-    glob = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
     for name, x in tensors.items():
-        if name in glob:
-            gname = glob[name]
+        if name in HF_TO_GGUF:
+            gname = HF_TO_GGUF[name]
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gname = f"blk.{layer}.{HF_TO_GGUF[rest]}"
+            gname = HF_TO_GGUF["model.layers.{}." + rest].format(layer)
         x = x.astype(np.float32)
         if ".attn_q." in gname:
             x = permute_qk(x, cfg["num_attention_heads"])

@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import attention_backend as ab
 import kernels_pallas as kp
 
 _MODE = os.environ.get("TAXIRANK_KERNEL_INTERPRET", "auto")
@@ -297,12 +298,12 @@ def test_random_ragged_batches(seqs, seed, R, D, dtype):
 # ---- backend selection ----------------------------------------------------------------
 
 def test_backend_selection():
-    auto = kp.get_attention_backend("auto")
+    auto = ab.select_attention_backend("auto", ab.AttentionShape(8, 2, 64, BS, "float32"))
     assert auto.name == ("pallas" if ON_GPU else "xla")
-    assert kp.get_attention_backend("xla").decode is kp.paged_decode_attention_ref
+    assert ab.get_attention_backend("xla").decode is kp.paged_decode_attention_ref
     with pytest.raises(ValueError):
-        kp.get_attention_backend("cuda")
-    be = kp.get_attention_backend("pallas")  # interpret mode chosen by the platform
+        ab.get_attention_backend("cuda")
+    be = ab.get_attention_backend("pallas")  # interpret mode chosen by the platform
     assert be.name == "pallas"
 
     rng = np.random.default_rng(5)
@@ -346,7 +347,7 @@ def test_model_forward_pallas_matches_xla():
 
     outs = {}
     for name in ("xla", "pallas"):
-        be = kp.get_attention_backend(name)
+        be = ab.get_attention_backend(name)
 
         @jax.jit
         def fwd(state, tokens, positions, caches, attn, be=be):
@@ -442,7 +443,7 @@ def test_one_split_decode_lowers_to_triton():
 def test_backend_kernel_lowered_once_per_shape():
     """The model calls attention once per layer with the same shapes: the jitted backend
     functions make that one Triton kernel in the module, not one per layer."""
-    be = kp.get_attention_backend("pallas", interpret=False)
+    be = ab.get_attention_backend("pallas", interpret=False)
     q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
     kc = jax.ShapeDtypeStruct((64, BS, 8, 128), jnp.bfloat16)
     bt = jax.ShapeDtypeStruct((4, 16), jnp.int32)

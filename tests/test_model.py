@@ -13,8 +13,8 @@ import pytest
 from conftest import hf_logits, make_hf_checkpoint
 from flax import nnx
 
-from kernels_pallas import get_attention_backend
-from model import BUILTIN_MODELS, AttentionInputs, Llama, ModelConfig, load_model, param_bytes
+from attention_backend import get_attention_backend
+from model import BUILTIN_MODELS, AttentionInputs, Decoder, ModelConfig, load_model, param_bytes
 from tokenizer import ByteTokenizer, load_tokenizer
 
 BS = 4  # block size: small, so a prompt spans several blocks
@@ -31,7 +31,7 @@ def _forward(graphdef, state, tokens, positions, caches, attn):
 class Paged:
     """A model with its paged KV caches and per-sequence (shuffled) block tables."""
 
-    def __init__(self, model: Llama, num_seqs: int, max_len: int, seed: int = 0):
+    def __init__(self, model: Decoder, num_seqs: int, max_len: int, seed: int = 0):
         cfg, width = model.config, -(-max_len // BS)
         dtype = model.embed_tokens.embedding[...].dtype
         num_blocks = 1 + num_seqs * width + 3  # block 0 is the null block; a few spare
@@ -203,7 +203,7 @@ def test_byte_tokenizer():
 
 
 def test_builtin_models():
-    bench = nnx.eval_shape(lambda: Llama(BUILTIN_MODELS["bench"], rngs=nnx.Rngs(0)))
+    bench = nnx.eval_shape(lambda: Decoder(BUILTIN_MODELS["bench"], rngs=nnx.Rngs(0)))
     assert sum(v.size for v in jax.tree.leaves(nnx.state(bench, nnx.Param))) == 57_942_528
     lm = load_model("tiny")
     assert lm.config.vocab_size > lm.tokenizer.vocab_size and lm.config.eos_token_ids == (lm.tokenizer.eos_token_id,)
