@@ -188,7 +188,7 @@ WORKLOAD = ["--num-requests", "6", "--short", "3", "--long", "12", "--prompt-len
 
 def test_text_prompts_are_prose_of_the_asked_length_and_fixed_by_the_seed():
     _load()
-    from common import seed_mix  # bench/ is on sys.path once mixed.py is loaded
+    from workload import seed_mix  # bench/ is on sys.path once mixed.py is loaded
 
     a = seed_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=7, text=True)
     assert a == seed_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=7, text=True)
@@ -282,7 +282,7 @@ def tiny_hf_checkpoint(tmp_path_factory):
     from save_pretrained: a real checkpoint directory for a real server, made offline."""
     torch = pytest.importorskip("torch")
     _load()
-    from common import seed_mix
+    from workload import seed_mix
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
