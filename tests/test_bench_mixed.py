@@ -204,8 +204,10 @@ def test_strict_server_gets_only_what_it_takes_and_the_report_says_what_that_cos
     pytest.importorskip("matplotlib")
     mixed = _load()
     url, seen = fake_servers("fake-strict", strict=True, usage=True, twist=False)
-    res = mixed.main(["--url", url, *WORKLOAD, "--out", str(tmp_path)])
+    res = mixed.main(["--url", url, *WORKLOAD, "--rate", "200", "--out", str(tmp_path)])
     v = res["variants"]["server"]
+    starts = sorted(r["start"] for r in v["per_request"])  # a Poisson process at 200/s, not a burst
+    assert starts[-1] - starts[0] > 0.001 and v["short"]["n"] + v["long"]["n"] == 6
     assert "error" not in v and v["errors"] == 0, v.get("first_errors")
     caps = v["capabilities"]
     assert caps["model"] == "fake-strict" and caps["prompts"] == "text"
