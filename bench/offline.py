@@ -46,19 +46,19 @@ TORCH_THREADS = 2  # the bench machine has 2 cores; JAX's CPU client uses all co
 @dataclass(frozen=True)
 class Sizes:
     model: str
-    num_requests: int  # the short/long mix
+    num_requests: int  # the short/long mix: half `short`, half `long` output tokens
     short: int
     long: int
     prompt_len: tuple[int, int]
     seqs_throughput: int  # max_num_seqs of mix32 and exp32
     seqs_latency: int  # max_num_seqs of p99-64
     max_model_len: int  # engines running the mix
-    exp_requests: int
+    exp_requests: int  # exp32: lengths ~ Exponential(exp_mean), capped at exp_cap
     exp_mean: float
     exp_cap: int
     exp_max_model_len: int
-    peer_requests: int  # PEER_SLICE: the first peer_requests/2 short and long requests of the mix
-    peer_seqs: int  # max_num_seqs / max_requests_per_batch / static batch size, same for all three
+    peer_requests: int  # the slice the peers run: the first peer_requests/2 short and long requests
+    peer_seqs: int  # max_num_seqs / max_requests_per_batch / static batch size, the same for all three
     peer_long: int  # max_tokens of the slice's long requests
     max_num_batched_tokens: int | None  # None: the engine's default
 

@@ -400,7 +400,7 @@ class Sizes:
 
 
 FULL = Sizes("bench", 32000, 100, 16, 512, (32, 256), 32, 1024, 6, (16, 512), 48, 384)
-TINY = Sizes("tiny", 512, 12, 4, 24, (8, 24), 4, 64, 1, (4, 40), 8, 24)
+TINY = Sizes("tiny", 512, 12, 4, 24, (8, 24), 4, 64, 1, (4, 16), 16, 40)  # calibration long enough for decode-only steps
 
 
 def engine_kw(s: Sizes, scheduling: str = "continuous", kv_seqs: float | None = None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from simulate import UNIT_STEPS, CostModel, SimRequest, fit_cost_model, simulate, step_features  # noqa: E402
+from simulate import UNIT_STEPS, CostModel, SimRequest, fit_cost_model, simulate  # noqa: E402
 
 from engine import LLMEngine, EngineConfig, SamplingParams  # noqa: E402
 
