@@ -1,4 +1,5 @@
-"""Online bench: the seed's exercise against OpenAI-compatible servers, taxirank's or any other.
+"""Online bench: how do TTFT, ITL and e2e of short and long streaming requests compare across
+scheduling, KV admission and max_model_len, or across OpenAI-compatible servers?
 
     python bench/mixed.py                      # taxirank servers (bench model, CPU), every variant
     python bench/mixed.py --quick              # a smaller mix and lengths: 5-10 minutes on 2 cores

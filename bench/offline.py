@@ -1,4 +1,4 @@
-"""Offline bench: how much does continuous batching beat static, and taxirank transformers?
+"""Offline bench: how much does continuous batching beat static, and taxirank beat transformers?
 
     python bench/offline.py                  # the full run (bench model, fp32, CPU)
     python bench/offline.py --tiny           # seconds: the tiny model and a handful of requests
