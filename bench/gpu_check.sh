@@ -82,7 +82,7 @@ else  # every stage's plumbing on CPU: interpreted kernels, toy shapes
   stage mix "${T_MIX:-150}" "$PY" bench/gpu_mix.py --tiny --out "$WORK/mix.json"
 fi
 
-# ---- tensor parallelism (issue 11): TP=1 vs TP=N, only when more than one GPU is visible ----
+# ---- tensor parallelism: TP=1 vs TP=N, only when more than one GPU is visible ----
 NGPU=$("$PY" -c "import jax; print(jax.local_device_count() if jax.default_backend() == 'gpu' else 0)" 2>/dev/null || echo 0)
 if [ "$MODE" = gpu ] && [ "${NGPU:-0}" -gt 1 ]; then
   stage tp "${T_TP:-120}" "$PY" bench/tp.py --tp "1,$NGPU" --requests 32 --prompt-len 512 --max-tokens 64

@@ -1,28 +1,18 @@
-"""Paged-attention kernels on the GPU: time, KV bandwidth and % of the HBM roofline.
+"""Paged-attention kernels on the GPU: how close do they come to the HBM roofline?
 
-Part 1 (decode attention, one layer): a Llama-3-8B-shaped attention (32 query heads,
-8 KV heads, head_dim 128, bf16, block_size 16) at batch 1/16/64/256 x context
-512/2k/8k, every slot's context full. For the Pallas kernel and the jnp reference:
-time per call, KV bytes read per second, and that as % of the peak HBM bandwidth
-(H200: 4.8 TB/s, the vendor's datasheet figure; --peak-tbps to change).
+Decode attention (one layer, Llama-3-8B-shaped: 32 q / 8 kv heads, head_dim 128, bf16, block
+16) at batch 1/16/64/256 x context 512/2k/8k: time, KV bytes read per second, and % of the
+datasheet bandwidth (--peak-tbps, H200: 4.8) and of the copy bandwidth measured here; with
+--sweep, a tuning sweep on the cases reading >= --judge-gib. Ragged attention: a 2k prompt,
+and a 512-token chunk beside 63 decodes (TFLOP/s). The whole decode step of a random
+Llama-3-8B-shaped model at batch 1/32/256 vs its roofline (weights without the embedding
+table, plus KV) unless --skip-step; --smoke only checks both kernels against the references.
 
-Part 2 (ragged attention, one layer): a 2k-token prompt alone, and a 512-token prompt
-chunk mixed with 63 decodes; time and attention TFLOP/s.
-
-Part 3 (the whole decode step, --skip-step to leave out): a Llama-3-8B-shaped model with
-random bf16 weights at batch 1/32/256 over a --step-context cache: tokens/s and % of the
-memory roofline, (weight bytes read + KV bytes read) / bandwidth, the weights counted
-without the embedding table (a decode step reads only its batch's rows of it).
-
-Timing: each measured call is chained `reps` times inside one jitted fori_loop (the
-output feeds the next call's query), after a warm-up; the median of several such runs is
-divided by reps. The decode bench rotates among block tables over disjoint blocks so
-that the cache read by consecutive calls spans >= 256 MiB (the H200's L2 is 50 MB):
-small shapes are not timed out of L2. Times are the whole op (the jnp pad/reshape and
-split-combine around the kernel included).
+Each call is chained `reps` times in one jitted fori_loop after a warm-up; the median of
+several runs is divided by reps. Decode rotates among block tables over disjoint blocks so
+consecutive calls read >= 256 MiB (the H200's L2 is 50 MB).
 
     python bench/kernels.py [--out results.json] [--skip-step] [--quick]
-Writes JSON to --out, else $OUT/kernels.json when $OUT is set; prints a table.
 """
 
 from __future__ import annotations

@@ -1,50 +1,29 @@
-"""Online bench: the seed's exercise against OpenAI-compatible servers, taxirank's or any other.
+"""Online bench: how do TTFT, ITL and e2e of short and long streaming requests compare across
+scheduling, KV admission and max_model_len, or across OpenAI-compatible servers?
 
-    python bench/mixed.py                      # start taxirank servers (bench model, CPU), every variant
+    python bench/mixed.py                      # taxirank servers (bench model, CPU), every variant
     python bench/mixed.py --quick              # a smaller mix and lengths: 5-10 minutes on 2 cores
-    python bench/mixed.py --url http://host:8000                   # measure a running server (any)
+    python bench/mixed.py --url http://host:8000                   # a running server (any)
     python bench/mixed.py --url a=http://host:8000 --url b=http://host:8001    # two, side by side
     python bench/mixed.py --compare "taxirank=python server.py --model DIR --port {port}" \
         --compare "hf=transformers serve DIR --continuous-batching --port {port}"  # started in turn
 
-Workload (fixed seed): --num-requests requests (default 100), half max_tokens=--short (16),
-half --long (512), shuffled, greedy, streamed. All sent at once (a burst), or as a Poisson
-process with --rate. Per request class (short / long): TTFT, inter-token latency, time per
-output token, end-to-end latency; output tokens/s overall. While it runs, /metrics is
-sampled ~10x a second where the server has it: running, waiting (and by reason), KV usage,
-preemptions (taxirank's names, else vLLM's, SGLang's, TGI's or llama.cpp's).
+Workload (fixed seed): --num-requests streamed greedy requests, half max_tokens=--short, half
+--long, all at once or a Poisson process (--rate). Per class: TTFT, ITL, TPOT, e2e; output
+tokens/s; /metrics sampled ~10x a second where the server has it.
 
-taxirank variants (no --url or --compare; each one a taxirank server started with its flags,
-one at a time): prompts of --prompt-len random token ids, ignore_eos (exact output lengths).
+taxirank variants (one server at a time; random token-id prompts, ignore_eos):
   continuous, static        max_num_seqs 32, max_model_len 2048, the server's default KV cache
-  <mode>/full, <mode>/half  continuous under each KV admission mode (on-demand, reserve,
-                            reserve-max-len) at max_model_len 2048 and 1024, all with the same
-                            tight KV budget (--kv-budget-seqs 8 sequences of 2048 tokens = 1024
-                            blocks of 16): the seed's "rerun with --max-model-len cut in half".
+  <mode>/full, <mode>/half  continuous under each KV admission mode at max_model_len 2048 and
+                            1024, one tight KV budget (--kv-budget-seqs sequences of 2048):
+                            the seed's "rerun with --max-model-len cut in half".
 
-Other servers (--url URL or NAME=URL, --compare NAME=COMMAND; repeatable, in the order given,
-one after the other, the same requests to each; a COMMAND is started with {port} replaced by
-a free port, and stopped before the next starts): prompts are --prompt-len words of prose
-from a fixed-seed generator (--prompts ids sends token ids, to servers that take them), and
-a probe first finds what the server takes: the model name its /v1/models gives, whether it
-refuses stream_options or ignore_eos, whether it sends usage, whether it has /metrics. The
-workload sends only what it took. ignore_eos goes to a lone server that takes it; side by
-side (--extensions auto), no server gets it, so every server receives identical requests and
-output lengths follow the model. Output tokens come from usage, or are counted from the
-stream where the server sends none; what a server does not give is marked in the report as
-not measured. With two or more servers the report puts them side by side: ratios of output
-tokens/s and of TTFT / ITL / e2e p50 and p99 per class against the first, and whether their
-greedy texts agree.
+Other servers (--url, --compare): prose prompts, and a probe first finds what each takes (the
+model name, stream_options, ignore_eos, usage, /metrics); the report says what that cost.
+Side by side no server gets ignore_eos, so all receive identical requests.
 
-Writes to --out (default bench/results/<timestamp>/): results.json, report.md (the table,
-the answer to the seed's question or the comparison, the settings, the machine),
-cdf_short_e2e.png, timeline-<variant>.png (side by side: timeline_side_by_side.png), and
-each started server's log.
-
-Duration (bench model, 2 idle CPU cores): each variant runs 1-2 minutes, plus its server's
-start: ~15 s, or 1-2 minutes where the warm-up compiles a new set of shapes (cached across
-variants and runs in --jax-cache). The default run takes 10-20 minutes, --quick 5-10; a
-busy machine takes longer (and skews the timings: see the report's "server cores").
+Writes to --out: results.json, report.md, cdf_short_e2e.png, timeline-<variant>.png and each
+started server's log.
 """
 
 from __future__ import annotations
@@ -54,12 +33,8 @@ import asyncio
 import json
 import math
 import os
-import random
 import re
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -71,13 +46,13 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import Request, machine_info, seed_mix, summarize  # noqa: E402
-from mixed_report import analyze, print_table, write_plots, write_report  # noqa: E402
-from openai_client import Capabilities, Record, Refused, probe, stream_one  # noqa: E402
+from client import Capabilities, Record, Refused, Server, free_port, probe, stream_one  # noqa: E402
+from mixed_report import analyze, flags_to_argv, print_table, write_plots, write_report  # noqa: E402
+from report import machine_info, summarize, write_json  # noqa: E402
 from server_metrics import known_metrics, metric_figures, sample_metrics, timeline  # noqa: E402
+from workload import Request, arrival_times, seed_mix, vocab_size_of  # noqa: E402
 
 ADMISSION_MODES = ("on-demand", "reserve", "reserve-max-len")
-BUILTIN_VOCAB = {"tiny": 512, "bench": 32000}
 
 
 @dataclass
@@ -120,90 +95,6 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
     return out
 
 
-def flags_to_argv(flags: dict[str, Any]) -> list[str]:
-    argv = []
-    for k, v in flags.items():
-        opt = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            argv.append(opt if v else "--no-" + k.replace("_", "-"))
-        elif v is not None:
-            argv += [opt, str(v)]
-    return argv
-
-
-def vocab_size_of(model: str) -> int:
-    if model in BUILTIN_VOCAB:
-        return BUILTIN_VOCAB[model]
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            cfg = json.load(f)
-        return int(cfg.get("vocab_size") or cfg.get("text_config", {})["vocab_size"])
-    except (OSError, KeyError, ValueError):
-        return 32000
-
-
-# ---- the server under test ---------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server as a subprocess (its own session, so stopping it stops its children too) on
-    a loopback `port` the caller picked; its log to a file."""
-
-    def __init__(self, argv: list[str], port: int, log_path: str, env: dict[str, str] | None = None,
-                 cwd: str | None = None) -> None:
-        self.port, self.argv, self.log_path = port, argv, log_path
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log_path, "w")
-        try:
-            self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        except OSError:
-            self._log.close()
-            raise
-
-    async def wait_ready(self, session: aiohttp.ClientSession, timeout: float) -> float:
-        """Seconds until /health (or, for servers without it, /v1/models) answers 200."""
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} while starting: "
-                                   f"{tail(self.log_path)}")
-            for path in ("/health", "/v1/models"):
-                try:
-                    async with session.get(self.url + path) as r:
-                        if r.status == 200:
-                            return time.perf_counter() - t0
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    break  # not listening yet
-            await asyncio.sleep(0.5)
-        raise RuntimeError(f"the server was not ready after {timeout:.0f}s (see {self.log_path})")
-
-    def cpu_seconds(self) -> float | None:
-        """The server process's CPU time so far (Linux): with wall time, how much of the
-        machine it got, which shows when something else was competing for the cores."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-        except (OSError, ValueError, IndexError):
-            return None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-
-
 def taxirank_server(variant: Variant, extra_argv: list[str], log_path: str, jax_cache: str | None) -> Server:
     """taxirank's server.py with the variant's flags."""
     port = free_port()
@@ -213,24 +104,6 @@ def taxirank_server(variant: Variant, extra_argv: list[str], log_path: str, jax_
     if jax_cache:  # warm-up compiles once per set of shapes, not once per variant
         env |= {"JAX_COMPILATION_CACHE_DIR": jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     return Server(argv, port, log_path, env, cwd=ROOT)
-
-
-def tail(path: str, n: int = 1500) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()[-n:]
-
-
-# ---- the client --------------------------------------------------------------------
-
-def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
-    """0 for a burst; else a Poisson process of `rate` requests/s (first at 0)."""
-    if not rate:
-        return [0.0] * n
-    rng, t, out = random.Random(seed + 2), 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
 
 
 async def run_variant(session: aiohttp.ClientSession, url: str, caps: Capabilities, requests: list[Request],
@@ -260,8 +133,6 @@ async def run_variant(session: aiohttp.ClientSession, url: str, caps: Capabiliti
     bar.close()
     return summarize_variant(records, samples, duration, caps)
 
-
-# ---- figures -----------------------------------------------------------------------
 
 def class_stats(records: list[Record]) -> dict[str, Any]:
     """TTFT, ITL, TPOT ((e2e - TTFT) / (tokens - 1), vLLM's), e2e and output tokens of one class."""
@@ -302,8 +173,6 @@ def summarize_variant(records: list[Record], samples: list[dict], duration: floa
                              "error": r.error} for r in records]}
 
 
-# ---- main --------------------------------------------------------------------------
-
 async def measure(session: aiohttp.ClientSession, url: str, entry: dict[str, Any], requests: list[Request],
                   args: argparse.Namespace, name: str, server: Server | None) -> None:
     """Probe the server at `url`, run the workload on it, and add the figures to `entry`."""
@@ -328,15 +197,12 @@ async def bench(args: argparse.Namespace, variants: list[Variant], requests: lis
     """Each taxirank variant, or each target, in turn: one server up at a time."""
     t_start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=args.request_timeout)
+    extra = shlex.split(args.server_args)
+    runs = [(v.name, {"flags": v.flags, "extra_server_args": extra, "admission": v.admission, "length": v.length}, v)
+            for v in variants]
+    runs += [(t.name, {"flags": {}, "admission": None, "length": None, "url": t.url, "command": t.command}, t)
+             for t in args.targets]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        extra = shlex.split(args.server_args)
-        runs: list[tuple[str, dict[str, Any], Any]] = []
-        for v in variants:
-            runs.append((v.name, {"flags": v.flags, "extra_server_args": extra, "admission": v.admission,
-                                  "length": v.length}, v))
-        for t in args.targets:
-            runs.append((t.name, {"flags": {}, "admission": None, "length": None, "url": t.url,
-                                  "command": t.command}, t))
         for name, entry, what in runs:
             results["variants"][name] = entry
             server, log = None, os.path.join(args.out, f"server-{name.replace('/', '-')}.log")
@@ -362,9 +228,8 @@ async def bench(args: argparse.Namespace, variants: list[Variant], requests: lis
                 if server:
                     server.stop()
             # what is done so far, should a later server hang or the run be stopped: --report renders it
-            with open(os.path.join(args.out, "results.json"), "w") as f:
-                json.dump(results | {"partial": True, "total_s": round(time.perf_counter() - t_start, 1),
-                                     "loadavg_end": os.getloadavg()}, f, indent=1)
+            write_json(os.path.join(args.out, "results.json"), results | {
+                "partial": True, "total_s": round(time.perf_counter() - t_start, 1), "loadavg_end": os.getloadavg()})
 
 
 _NAME = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
@@ -483,8 +348,7 @@ def finish(results: dict[str, Any], out: str) -> None:
     """Analysis, plots, results.json, report.md and the terminal table, from the figures."""
     results["analysis"] = analyze(results)
     results["plots"] = write_plots(results, out)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(os.path.join(out, "results.json"), results)
     write_report(results, out)
     print_table(results)
     print(f"\nresults: {out}")

@@ -1,49 +1,43 @@
-"""Offline bench: continuous vs static batching, and taxirank vs Hugging Face transformers.
+"""Offline bench: how much does continuous batching beat static, and taxirank beat transformers?
 
     python bench/offline.py                  # the full run (bench model, fp32, CPU)
     python bench/offline.py --tiny           # seconds: the tiny model and a handful of requests
     python bench/offline.py --sections mix32,peers --num-requests 40
 
-One process, one run, the same `bench` weights everywhere (load_model("bench") is
-deterministic from seed 0; the Hugging Face peer gets a copy of those very arrays).
-Every request arrives at t=0 (one llm.generate call), greedy, ignore_eos, so output
-lengths are exactly the requested max_tokens and only scheduling and engine speed differ.
+One process, the same `bench` weights everywhere (the Hugging Face peer gets a copy of the
+very arrays); every request arrives at t=0, greedy, ignore_eos, so only scheduling and engine
+speed differ. Each measured ratio is printed next to its ideal from the engine's own step
+counts: what it would be if every step cost the same.
 
-Each measured ratio is printed next to its *ideal*: the same ratio computed from the
-engine's own step counts (EngineStats.num_steps; for completion times, the step at which
-each request finished). The ideal is what the ratio would be if every step cost the
-same; the measured figure falls short of it where steps differ in cost (a prefill step
-costs more than a decode step; a step of 32 live sequences more than one of 3).
-
-Sections (--sections, comma separated; default all):
-  mix32   the seed's mix (50 x 16 + 50 x 512 tokens, shuffled), max_num_seqs 32:
-          output tokens/s, continuous / static. Target >= 1.8x.
-  p99-64  the same mix at max_num_seqs 64: short-request (max_tokens 16) completion-time
-          p99, static / continuous. Target >= 15x.
-  exp32   300 requests, output lengths Exponential(mean 128) capped at 1536, max_num_seqs
-          32: output tokens/s, continuous / static. Target >= 3x.
-  peers   taxirank vs transformers on a slice of the mix (see PEER_SLICE below): its
-          continuous batching (the manager under `generate_batch`) and its padded static
-          `generate`. Targets >= 5x and >= 2x output tokens/s.
+Sections (--sections):
+  mix32   the seed's mix (50 x 16 + 50 x 512 tokens) at max_num_seqs 32: output tok/s,
+          continuous / static. Target >= 1.8x.
+  p99-64  the same mix at max_num_seqs 64: short-request p99 completion, static / continuous.
+          Target >= 15x.
+  exp32   300 requests, output lengths Exponential(mean 128) capped at 1536, 32 seqs:
+          output tok/s, continuous / static. Target >= 3x.
+  peers   taxirank vs transformers on a slice of the mix: its continuous batching and its
+          padded `generate`. Targets >= 5x and >= 2x output tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import Request, exponential_mix, machine_info, seed_mix, summarize  # noqa: E402
+from report import (continuous_vs_static, machine_info, ratio_rows, results_dir, run_line, side_by_side,  # noqa: E402
+                    text_table, timed_generate, warm, write_json)
+from workload import Request, exponential_mix, seed_mix  # noqa: E402
 
 SECTIONS = ("mix32", "p99-64", "exp32", "peers")
 TORCH_THREADS = 2  # the bench machine has 2 cores; JAX's CPU client uses all cores too
@@ -52,19 +46,19 @@ TORCH_THREADS = 2  # the bench machine has 2 cores; JAX's CPU client uses all co
 @dataclass(frozen=True)
 class Sizes:
     model: str
-    num_requests: int  # the short/long mix
+    num_requests: int  # the short/long mix: half `short`, half `long` output tokens
     short: int
     long: int
     prompt_len: tuple[int, int]
     seqs_throughput: int  # max_num_seqs of mix32 and exp32
     seqs_latency: int  # max_num_seqs of p99-64
     max_model_len: int  # engines running the mix
-    exp_requests: int
+    exp_requests: int  # exp32: lengths ~ Exponential(exp_mean), capped at exp_cap
     exp_mean: float
     exp_cap: int
     exp_max_model_len: int
-    peer_requests: int  # PEER_SLICE: the first peer_requests/2 short and long requests of the mix
-    peer_seqs: int  # max_num_seqs / max_requests_per_batch / static batch size, same for all three
+    peer_requests: int  # the slice the peers run: the first peer_requests/2 short and long requests
+    peer_seqs: int  # max_num_seqs / max_requests_per_batch / static batch size, the same for all three
     peer_long: int  # max_tokens of the slice's long requests
     max_num_batched_tokens: int | None  # None: the engine's default
 
@@ -82,14 +76,11 @@ TINY = Sizes(model="tiny", num_requests=8, short=4, long=24, prompt_len=(8, 24),
 TARGETS = {"mix32": 1.8, "p99-64": 15.0, "exp32": 3.0, "peers_cb": 5.0, "peers_static": 2.0}
 
 
-# ---- taxirank ------------------------------------------------------------------------
-
 class Engines:
-    """One LLM per (max_num_seqs, scheduling, max_model_len), built once with warm-up
-    (compilation) outside every timed region; sections that share a configuration share
-    the engine."""
+    """One LLM per (max_num_seqs, scheduling, max_model_len), built and warmed up outside every
+    timed region; sections that share a configuration share the engine."""
 
-    def __init__(self, sizes: Sizes, log):
+    def __init__(self, sizes: Sizes, log: Callable[[str], None]) -> None:
         self.sizes, self.log = sizes, log
         self.engines: dict[tuple[int, str, int], Any] = {}
         self.build_s: dict[str, float] = {}
@@ -99,82 +90,21 @@ class Engines:
             del self.engines[k]
         gc.collect()
 
-    def get(self, max_num_seqs: int, scheduling: str, max_model_len: int):
+    def get(self, max_num_seqs: int, scheduling: str, max_model_len: int) -> Any:
         key = (max_num_seqs, scheduling, max_model_len)
         if key not in self.engines:
             from engine import LLM
 
-            # KV never limits: every slot can hold a whole max_model_len sequence (we measure
-            # scheduling here, not memory). The null block is the +1.
-            num_kv_blocks = max_num_seqs * math.ceil(max_model_len / 16) + 1
             t0 = time.perf_counter()
+            # KV never limits (scheduling is measured here, not memory); the +1 is the null block
             llm = LLM(self.sizes.model, log=lambda s: self.log(f"    [engine] {s}"), dtype="float32",
-                      max_num_seqs=max_num_seqs, scheduling=scheduling, max_model_len=max_model_len,
-                      block_size=16, num_kv_blocks=num_kv_blocks,
+                      max_num_seqs=max_num_seqs, scheduling=scheduling, max_model_len=max_model_len, block_size=16,
+                      num_kv_blocks=max_num_seqs * math.ceil(max_model_len / 16) + 1,
                       max_num_batched_tokens=self.sizes.max_num_batched_tokens)
-            # One small untimed request warms what compilation does not (first dispatches).
-            llm.generate([[1] * 8, [2] * 8], _params([2, 3]), use_tqdm=False)
+            warm(llm)
             self.build_s[f"{scheduling}-{max_num_seqs}-{max_model_len}"] = round(time.perf_counter() - t0, 2)
             self.engines[key] = llm
         return self.engines[key]
-
-
-def _params(max_tokens: list[int]):
-    from config import SamplingParams
-
-    return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
-
-
-_COUNTERS = ("num_steps", "num_decode_steps", "useful_slot_steps", "total_slot_steps", "prefill_tokens",
-             "decode_tokens", "padded_tokens", "num_preemptions", "num_compilations", "generation_tokens")
-
-
-def run_taxirank(llm, reqs: list[Request], short: int | None = None) -> dict[str, Any]:
-    """One timed llm.generate over all requests (all arrive together). Also records, per
-    request, the engine step at which it finished: the step-count ideal for latencies."""
-    engine = llm.engine
-    finish_step: dict[str, int] = {}
-    before = llm.stats.snapshot()
-    inner = engine.step
-
-    def counting_step():
-        deltas = inner()
-        for d in deltas:
-            if d.finished:
-                finish_step[d.request_id] = engine.stats.num_steps - before.num_steps
-        return deltas
-
-    engine.step = counting_step  # an instance attribute over the method, removed below
-    try:
-        t0 = time.perf_counter()
-        outs = llm.generate([r.prompt_token_ids for r in reqs], _params([r.max_tokens for r in reqs]),
-                            use_tqdm=False)
-        wall = time.perf_counter() - t0
-    finally:
-        del engine.step
-    after = llm.stats.snapshot()
-    stats = {k: getattr(after, k) - getattr(before, k) for k in _COUNTERS}
-    bad = [o.request_id for o, r in zip(outs, reqs) if len(o.token_ids) != r.max_tokens]
-    assert not bad, f"requests {bad[:5]} did not produce exactly max_tokens (ignore_eos)"
-    assert stats["num_compilations"] == 0, "a timed run compiled: warm-up missed a shape"
-    completion = [o.finished_time - o.arrival_time for o in outs]
-    steps = [finish_step[o.request_id] for o in outs]
-    n_out = sum(len(o.token_ids) for o in outs)
-    res: dict[str, Any] = {
-        "scheduling": llm.engine.config.scheduling, "max_num_seqs": llm.engine.config.max_num_seqs,
-        "max_model_len": llm.engine.config.max_model_len, "num_requests": len(reqs), "output_tokens": n_out,
-        "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs), "wall_s": wall, "output_tok_s": n_out / wall,
-        "stats": stats, "slot_utilization": stats["useful_slot_steps"] / max(stats["total_slot_steps"], 1),
-        "ms_per_step": 1000 * wall / max(stats["num_steps"], 1),
-        "completion_s": summarize(completion), "completion_s_all": completion, "finish_step_all": steps,
-        "token_ids": [o.token_ids for o in outs],
-    }
-    if short is not None:
-        is_short = [r.max_tokens == short for r in reqs]
-        res["short_completion_s"] = summarize([c for c, s in zip(completion, is_short) if s])
-        res["long_completion_s"] = summarize([c for c, s in zip(completion, is_short) if not s])
-        res["short_finish_step"] = summarize([float(k) for k, s in zip(steps, is_short) if s])
-    return res
 
 
 # ---- the Hugging Face peer -------------------------------------------------------------
@@ -309,64 +239,47 @@ def _agreement(a: list[list[int]], b: list[list[int]], k: int) -> float:
 
 # ---- sections ----------------------------------------------------------------------------
 
-def ratio(name: str, measured: float, ideal: float | None, target: float | None, a: str, b: str,
-          unit: str) -> dict[str, Any]:
-    return {"name": name, "a": a, "b": b, "unit": unit, "measured": measured, "ideal": ideal, "target": target,
-            "pass": None if target is None else bool(measured >= target)}
-
-
-def run_pair(name: str, engines: Engines, reqs: list[Request], seqs: int, max_model_len: int, log,
-             short: int | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The same requests through a continuous and a static engine of the same size:
-    (runs by scheduling, continuous run, static run)."""
+def run_pair(name: str, engines: Engines, reqs: list[Request], seqs: int, max_model_len: int, log: Callable,
+             short: int | None = None) -> dict[str, dict[str, Any]]:
+    """The same requests through a continuous and a static engine of the same size."""
     engines.keep_only({(seqs, "continuous", max_model_len), (seqs, "static", max_model_len)})
-    runs = {m: run_taxirank(engines.get(seqs, m, max_model_len), reqs, short) for m in ("continuous", "static")}
-    for m, r in runs.items():
-        log(_run_line(f"{name} {m}", r))
-    return runs, runs["continuous"], runs["static"]
+    classes = None if short is None else ["short" if r.max_tokens == short else "long" for r in reqs]
+    runs = {}
+    for m in ("continuous", "static"):
+        runs[m] = timed_generate(engines.get(seqs, m, max_model_len), [r.prompt_token_ids for r in reqs],
+                                 [r.max_tokens for r in reqs], classes)
+        assert runs[m]["stats"]["num_compilations"] == 0, "a timed run compiled: warm-up missed a shape"
+        log(run_line(f"{name} {m}", runs[m]))
+    return runs
 
 
-def section_mix32(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
-    vocab = _vocab(sz)
-    reqs = seed_mix(sz.num_requests, vocab, short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
-    s = sz.seqs_throughput
-    runs, c, st = run_pair("mix32", engines, reqs, s, sz.max_model_len, log, sz.short)
-    return {"workload": _describe_mix(sz, len(reqs)), "runs": _strip(runs), "ratios": [
-        ratio(f"output tok/s, continuous / static, max_num_seqs {s}", c["output_tok_s"] / st["output_tok_s"],
-              st["stats"]["num_steps"] / c["stats"]["num_steps"], TARGETS["mix32"], "continuous", "static", "tok/s"),
-        ratio(f"short p99 completion, static / continuous, max_num_seqs {s}",
-              st["short_completion_s"]["p99"] / c["short_completion_s"]["p99"],
-              st["short_finish_step"]["p99"] / c["short_finish_step"]["p99"], None, "static", "continuous", "s"),
-    ]}
+def _mix(sz: Sizes) -> list[Request]:
+    return seed_mix(sz.num_requests, _vocab(sz), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
 
 
-def section_p99_64(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
-    reqs = seed_mix(sz.num_requests, _vocab(sz), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
-    s = sz.seqs_latency
-    runs, c, st = run_pair("p99-64", engines, reqs, s, sz.max_model_len, log, sz.short)
-    return {"workload": _describe_mix(sz, len(reqs)), "runs": _strip(runs), "ratios": [
-        ratio(f"short p99 completion, static / continuous, max_num_seqs {s}",
-              st["short_completion_s"]["p99"] / c["short_completion_s"]["p99"],
-              st["short_finish_step"]["p99"] / c["short_finish_step"]["p99"], TARGETS["p99-64"],
-              "static", "continuous", "s"),
-        ratio(f"output tok/s, continuous / static, max_num_seqs {s}", c["output_tok_s"] / st["output_tok_s"],
-              st["stats"]["num_steps"] / c["stats"]["num_steps"], None, "continuous", "static", "tok/s"),
-    ]}
+def section_mix32(sz: Sizes, engines: Engines, log: Callable) -> dict[str, Any]:
+    runs = run_pair("mix32", engines, _mix(sz), sz.seqs_throughput, sz.max_model_len, log, sz.short)
+    return {"workload": _describe_mix(sz), "runs": _strip(runs), "ratios": continuous_vs_static(
+        runs["continuous"], runs["static"], TARGETS["mix32"], None, f", max_num_seqs {sz.seqs_throughput}")}
 
 
-def section_exp32(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
+def section_p99_64(sz: Sizes, engines: Engines, log: Callable) -> dict[str, Any]:
+    runs = run_pair("p99-64", engines, _mix(sz), sz.seqs_latency, sz.max_model_len, log, sz.short)
+    tok_s, p99 = continuous_vs_static(runs["continuous"], runs["static"], None, TARGETS["p99-64"],
+                                      f", max_num_seqs {sz.seqs_latency}")
+    return {"workload": _describe_mix(sz), "runs": _strip(runs), "ratios": [p99, tok_s]}
+
+
+def section_exp32(sz: Sizes, engines: Engines, log: Callable) -> dict[str, Any]:
     reqs = exponential_mix(sz.exp_requests, _vocab(sz), mean=sz.exp_mean, cap=sz.exp_cap, prompt_len=sz.prompt_len)
-    s, L = sz.seqs_throughput, sz.exp_max_model_len
-    assert max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) <= L
-    runs, c, st = run_pair("exp32", engines, reqs, s, L, log)
+    assert max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) <= sz.exp_max_model_len
+    runs = run_pair("exp32", engines, reqs, sz.seqs_throughput, sz.exp_max_model_len, log)
     lens = [r.max_tokens for r in reqs]
-    return {"workload": {"num_requests": len(reqs), "output_len": f"exponential, mean {sz.exp_mean}, "
-                         f"capped at {sz.exp_cap}", "drawn_mean": sum(lens) / len(lens), "drawn_max": max(lens),
-                         "prompt_len": sz.prompt_len}, "runs": _strip(runs), "ratios": [
-        ratio(f"output tok/s, continuous / static, max_num_seqs {s} (exponential lengths)",
-              c["output_tok_s"] / st["output_tok_s"], st["stats"]["num_steps"] / c["stats"]["num_steps"],
-              TARGETS["exp32"], "continuous", "static", "tok/s"),
-    ]}
+    return {"workload": {"num_requests": len(reqs), "output_len": f"exponential, mean {sz.exp_mean}, capped at "
+                         f"{sz.exp_cap}", "drawn_mean": sum(lens) / len(lens), "drawn_max": max(lens),
+                         "prompt_len": sz.prompt_len}, "runs": _strip(runs),
+            "ratios": continuous_vs_static(runs["continuous"], runs["static"], TARGETS["exp32"], None,
+                                           f", max_num_seqs {sz.seqs_throughput} (exponential lengths)")}
 
 
 def peer_slice(sz: Sizes) -> list[Request]:
@@ -390,7 +303,8 @@ def section_peers(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
     torch.set_num_threads(TORCH_THREADS)
     reqs = peer_slice(sz)
     s, L = sz.peer_seqs, sz.max_model_len
-    tx, c, st = run_pair("peers taxirank", engines, reqs, s, L, log, sz.short)
+    tx = run_pair("peers taxirank", engines, reqs, s, L, log, sz.short)
+    c, st = tx["continuous"], tx["static"]
     engines.keep_only(set())  # free the JAX engines' KV caches before torch allocates its own
     t0 = time.perf_counter()
     hf = hf_model_from(sz.model)
@@ -418,15 +332,13 @@ def section_peers(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
                          "max_num_seqs": s, "torch_threads": torch.get_num_threads()},
             "runs": {**_strip(tx), "hf_generate": hf_static, "hf_continuous": hf_cb},
             "greedy_agreement": agreement, "ratios": [
-        ratio(f"output tok/s, taxirank continuous / transformers continuous batching, {s} seqs",
-              c["output_tok_s"] / hf_cb["output_tok_s"], None, TARGETS["peers_cb"], "taxirank", "hf_cb", "tok/s"),
-        ratio(f"output tok/s, taxirank continuous / transformers padded generate, batch {s}",
-              c["output_tok_s"] / hf_static["output_tok_s"], hf_static["decode_steps"] / c["stats"]["num_steps"],
-              TARGETS["peers_static"], "taxirank", "hf_generate", "tok/s"),
-        ratio(f"output tok/s, taxirank static / transformers padded generate, batch {s} (same schedule)",
-              st["output_tok_s"] / hf_static["output_tok_s"], hf_static["decode_steps"] / st["stats"]["num_steps"],
-              None, "taxirank_static", "hf_generate", "tok/s"),
-    ]}
+        side_by_side(f"output tok/s, taxirank continuous / transformers continuous batching, {s} seqs",
+                     c["output_tok_s"] / hf_cb["output_tok_s"], None, TARGETS["peers_cb"]),
+        side_by_side(f"output tok/s, taxirank continuous / transformers padded generate, batch {s}",
+                     c["output_tok_s"] / hf_static["output_tok_s"], hf_static["decode_steps"] / c["stats"]["num_steps"],
+                     TARGETS["peers_static"]),
+        side_by_side(f"output tok/s, taxirank static / transformers padded generate, batch {s} (same schedule)",
+                     st["output_tok_s"] / hf_static["output_tok_s"], hf_static["decode_steps"] / st["stats"]["num_steps"])]}
 
 
 SECTION_FNS = {"mix32": section_mix32, "p99-64": section_p99_64, "exp32": section_exp32, "peers": section_peers}
@@ -440,7 +352,8 @@ def _vocab(sz: Sizes) -> int:
     return BUILTIN_MODELS[sz.model].vocab_size
 
 
-def _describe_mix(sz: Sizes, n: int) -> dict[str, Any]:
+def _describe_mix(sz: Sizes) -> dict[str, Any]:
+    n = sz.num_requests
     return {"num_requests": n, "max_tokens": {str(sz.short): n // 2, str(sz.long): n - n // 2},
             "prompt_len": sz.prompt_len, "shuffle_seed": 0}
 
@@ -450,32 +363,12 @@ def _strip(runs: dict[str, dict]) -> dict[str, dict]:
     return {m: {k: v for k, v in r.items() if k != "token_ids"} for m, r in runs.items()}
 
 
-def _run_line(label: str, r: dict[str, Any]) -> str:
-    st = r["stats"]
-    line = (f"  {label:<28} {r['output_tok_s']:8.1f} tok/s  {r['wall_s']:7.1f}s  steps {st['num_steps']:5d} "
-            f"(decode-only {st['num_decode_steps']}) {r['ms_per_step']:.0f} ms/step, "
-            f"slot util {r['slot_utilization']:.2f}, preemptions {st['num_preemptions']}")
-    if "short_completion_s" in r:
-        line += (f", short p50/p99 {r['short_completion_s']['p50']:.2f}/{r['short_completion_s']['p99']:.2f}s, "
-                 f"long p99 {r['long_completion_s']['p99']:.2f}s")
-    return line
-
-
 def table(results: dict[str, Any]) -> str:
-    rows = [("section", "ratio", "measured", "ideal (steps)", "target", "")]
+    rows = [["section", "ratio", "measured", "ideal (steps)", "target", ""]]
     for name, sec in results["sections"].items():
-        if "error" in sec:
-            rows.append((name, f"ERROR: {sec['error'][:80]}", "", "", "", ""))
-            continue
-        for r in sec["ratios"]:
-            rows.append((name, r["name"], f"{r['measured']:.2f}x",
-                         "-" if r["ideal"] is None else f"{r['ideal']:.2f}x",
-                         "-" if r["target"] is None else f">= {r['target']:g}x",
-                         "" if r["pass"] is None else ("PASS" if r["pass"] else "MISS")))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+        rows += ([[name, f"ERROR: {sec['error'][:80]}", "", "", "", ""]] if "error" in sec
+                 else ratio_rows(sec["ratios"], name))
+    return text_table(rows)
 
 
 def header(results: dict[str, Any]) -> str:
@@ -506,8 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sz = replace(sz, num_requests=args.num_requests, exp_requests=3 * args.num_requests)
     if args.max_model_len is not None:
         sz = replace(sz, max_model_len=args.max_model_len)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = args.out or results_dir(f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json")
 
     def log(s: str) -> None:
         print(s, flush=True)
@@ -534,9 +426,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log("")
     log(header(results))
     log(table(results))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(out, results)
     log(f"results: {out} ({results['total_s']}s in all; engine build + warm-up times in engine_build_s)")
     return results
 

@@ -1,4 +1,5 @@
-"""The simulator: a workload through the real Scheduler, without the model, in seconds of CPU.
+"""The simulator: what would the scheduler do, and how long would it take, at scales this
+machine cannot run? A workload through the real Scheduler, without the model, in seconds of CPU.
 
     python bench/simulate.py                                    # the seed's mix, this machine's cost model
     python bench/simulate.py --scheduling static --max-num-seqs 64 --num-kv-blocks 600
@@ -6,39 +7,24 @@
     python bench/simulate.py --workload bench/results/X/results.json   # a request log bench/mixed.py recorded
     python bench/simulate.py --calibrate                        # fit the cost model on this machine, save it
     python bench/simulate.py --validate                         # real engine vs simulator -> validation.json
-    python bench/simulate.py --report                           # the seed's question at scales this machine can't run
+    python bench/simulate.py --report                           # the seed's question at 8..256 slots
 
-Each step is what the engine's would be: `Scheduler.schedule()` decides it, the cost
-model says how long it takes, `Scheduler.update()` records it (every sampled token is a
-non-EOS token: the benches run ignore_eos, so lengths are max_tokens), and
-`EngineStats.record_step` counts it with the simulated clock, exactly as the engine
-counts its own steps with the wall clock. So everything the engine decides (admission,
-chunks, preemption, the static bus, any scheduling policy) is the real code; only the
-model's time is modelled. It is the synchronous loop (`--no-async-scheduling`): async
-scheduling's overlap and one-step boarding lag are not modelled, and the real engine it
-is calibrated and validated against runs synchronously too.
-
+Each step is the engine's: `Scheduler.schedule()` decides it, the cost model says how long it
+takes, `Scheduler.update()` records it (every sampled token is a non-EOS token: the benches run
+ignore_eos) and `EngineStats.record_step` counts it on the simulated clock. Only the model's
+time is modelled, for the synchronous loop (async scheduling's overlap is not):
 
     cost(step) = a + b * rows + c * context_tokens_read + d * prefill_tokens
 
-  rows                 token rows the step program computes: a decode step's occupied
-                       slots padded to a decode bucket, a ragged step's tokens padded to a
-                       token bucket (runner.py's shapes)
-  context_tokens_read  the KV each scheduled sequence attends over (its computed tokens
-                       plus this step's)
-  prefill_tokens       prompt (or recompute) tokens in the step
+rows: the token rows the step program computes (runner.py's padded buckets); context: the KV
+every scheduled sequence attends over; one coefficient set per program (decode, ragged),
+fitted by non-negative least squares to a calibration run of the real engine and saved as
+JSON (--cost-model reads one back). `GPU_LIKE` is written down, not measured.
 
-with one coefficient set per step program (decode, ragged), fitted by non-negative
-least squares to the steps of a short calibration run of the real engine on this
-machine, and saved as JSON (--cost-model reads one back: a GPU calibration can be
-reused anywhere). `GPU_LIKE` is a cost model written down, not measured: a
-weight-bandwidth-bound accelerator, whose step costs the same whatever its rows.
-
-Workloads (--workload): `seed` (the seed's mix: half 16, half 512 output tokens, prompts
-32..256, all at t=0), `exp` (exponential output lengths), or a JSON file: a list of
-{"arrival_s", "prompt_len" (or "prompt_token_ids"), "max_tokens", optional "priority",
-"class"}, or a bench/mixed.py results.json (its per-request log: start, prompt_len,
-max_tokens, class). --rate spreads the synthetic workloads as a Poisson process.
+Workloads (--workload): `seed`, `exp`, or a JSON file: a list of {"arrival_s", "prompt_len"
+(or "prompt_token_ids"), "max_tokens", optional "priority", "class"}, or bench/mixed.py's
+results.json. --rate spreads the synthetic ones as a Poisson process. docs/SIMULATION.md
+has the validation and the report.
 """
 
 from __future__ import annotations
@@ -56,15 +42,15 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import exponential_mix, percentile, seed_mix, summarize  # noqa: E402
+from report import md_table, pyplot, results_dir, save_figure, summarize, write_json  # noqa: E402
+from workload import arrival_times, exponential_mix, seed_mix  # noqa: E402
 from config import EngineConfig, SamplingParams  # noqa: E402
 from metrics import WAIT_REASONS, EngineStats, StepTrace  # noqa: E402
 from scheduler import Scheduler, SchedulerOutput, Sequence  # noqa: E402
 
 NOT_EOS = 7  # the token every simulated step samples: any id that is not an EOS
 PROGRAMS = ("decode", "ragged")
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_COST_MODEL = os.path.join(HERE, "results", "cost_model.json")
+DEFAULT_COST_MODEL = results_dir("cost_model.json")
 
 
 # ---- workload --------------------------------------------------------------------------
@@ -80,7 +66,7 @@ class SimRequest:
 
 def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16, long: int = 512,
               prompt_len: tuple[int, int] = (32, 256), rate: float | None = None, seed: int = 0) -> list[SimRequest]:
-    """The benches' workloads (bench/common.py), all at t=0 or as a Poisson process."""
+    """The benches' workloads (bench/workload.py), all at t=0 or as a Poisson process."""
     if kind == "seed":
         reqs = seed_mix(num_requests, vocab_size, short=short, long=long, prompt_len=prompt_len, seed=seed)
         classes = ["short" if r.max_tokens == short else "long" for r in reqs]
@@ -89,12 +75,8 @@ def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16,
         classes = ["all"] * len(reqs)
     else:
         raise ValueError(f"unknown workload {kind!r}: seed, exp or a JSON file")
-    draw, t, out = random.Random(seed + 2), 0.0, []
-    for r, c in zip(reqs, classes):
-        out.append(SimRequest(t, r.prompt_token_ids, r.max_tokens, cls=c))
-        if rate:
-            t += draw.expovariate(rate)
-    return out
+    return [SimRequest(t, r.prompt_token_ids, r.max_tokens, cls=c)
+            for r, c, t in zip(reqs, classes, arrival_times(len(reqs), rate, seed))]
 
 
 def load_workload(path: str, vocab_size: int = 32000) -> list[SimRequest]:
@@ -152,10 +134,8 @@ class CostModel:
         return a + b * rows + c * context + d * prefill
 
     def save(self, path: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"coef": {k: dict(zip("abcd", v)) for k, v in self.coef.items()}, "source": self.source,
-                       "fit": self.fit}, f, indent=1)
+        write_json(path, {"coef": {k: dict(zip("abcd", v)) for k, v in self.coef.items()}, "source": self.source,
+                          "fit": self.fit})
 
     @classmethod
     def load(cls, path: str) -> "CostModel":
@@ -420,7 +400,7 @@ class Sizes:
 
 
 FULL = Sizes("bench", 32000, 100, 16, 512, (32, 256), 32, 1024, 6, (16, 512), 48, 384)
-TINY = Sizes("tiny", 512, 12, 4, 24, (8, 24), 4, 64, 1, (4, 40), 8, 24)
+TINY = Sizes("tiny", 512, 12, 4, 24, (8, 24), 4, 64, 1, (4, 16), 16, 40)  # calibration long enough for decode-only steps
 
 
 def engine_kw(s: Sizes, scheduling: str = "continuous", kv_seqs: float | None = None) -> dict[str, Any]:
@@ -496,10 +476,9 @@ def _write_validation(out_dir: str, s: Sizes, cost_models: dict[str, CostModel],
                       t0: float, load_before: tuple[float, ...]) -> dict[str, Any]:
     """After every case, so a run cut short still leaves what it measured."""
     report = {"sizes": asdict(s), "cost_models": {k: {"coef": v.coef, "fit": v.fit} for k, v in cost_models.items()},
-              "cases": results, "wall_s": time.perf_counter() - t0,
-              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cores": os.cpu_count()}
-    with open(os.path.join(out_dir, "validation.json"), "w") as f:
-        json.dump(report, f, indent=1)
+              "cases": results, "wall_s": time.perf_counter() - t0, "loadavg_before": load_before,
+              "loadavg_after": os.getloadavg(), "cores": os.cpu_count()}
+    write_json(os.path.join(out_dir, "validation.json"), report)
     return report
 
 
@@ -523,9 +502,9 @@ REPORT_KV = (("tight", 0.25), ("half", 0.5), ("ample", 1.0))  # KV budget: this 
 
 def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...] = REPORT_SEQS,
            log: Callable[[str], None] = print, max_model_len: int = 1024) -> dict[str, Any]:
-    """continuous/static tokens/s and short-request p99 for each max_num_seqs, KV budget
-    and cost model. The workload is the seed's mix scaled to the slots: 2 x max_num_seqs
-    requests (at least 100), all at t=0."""
+    """continuous/static tokens/s and short-request p99 for each max_num_seqs, KV budget and
+    cost model, on the seed's mix scaled to the slots: 2 x max_num_seqs requests (at least
+    100), all at t=0."""
     rows = []
     for cm_name, cm in cost_models.items():
         for n in seqs:
@@ -544,65 +523,46 @@ def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...
                 log(f"[report] {cm_name:>12} seqs {n:>3} kv {kv_name:>5}: tok/s x{r['tok_s_ratio']:.2f}, "
                     f"short p99 /{r['short_p99_ratio']:.1f}")
                 rows.append(r)
-    _plot(rows, cost_models, os.path.join(out_dir, "simulate_scales.png"))
-    md = _report_md(rows, cost_models)
-    with open(os.path.join(out_dir, "simulate_report.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(out_dir, "simulate_report.json"), "w") as f:
-        json.dump({"rows": rows, "cost_models": {k: {"coef": v.coef, "source": v.source}
-                                                 for k, v in cost_models.items()}}, f, indent=1)
-    return {"rows": rows}
-
-
-def _plot(rows: list[dict[str, Any]], cost_models: dict[str, CostModel], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, len(cost_models), figsize=(5.5 * len(cost_models), 7), squeeze=False)
     for j, cm in enumerate(cost_models):
         for kv_name, _ in REPORT_KV:
             rs = [r for r in rows if r["cost_model"] == cm and r["kv"] == kv_name]
-            xs = [r["max_num_seqs"] for r in rs]
-            axes[0][j].plot(xs, [r["tok_s_ratio"] for r in rs], marker="o", label=f"KV {kv_name}")
-            axes[1][j].plot(xs, [r["short_p99_ratio"] for r in rs], marker="o", label=f"KV {kv_name}")
+            for ax, key in zip(axes[:, j], ("tok_s_ratio", "short_p99_ratio")):
+                ax.plot([r["max_num_seqs"] for r in rs], [r[key] for r in rs], marker="o", label=f"KV {kv_name}")
         axes[0][j].set_title(f"{cm}: output tok/s, continuous / static")
         axes[1][j].set_title(f"{cm}: short p99 e2e, static / continuous")
-        for ax in (axes[0][j], axes[1][j]):
+        for ax in axes[:, j]:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("max_num_seqs")
             ax.axhline(1.0, color="grey", lw=0.8)
             ax.grid(alpha=0.3)
             ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-def _report_md(rows: list[dict[str, Any]], cost_models: dict[str, CostModel]) -> str:
-    lines = ["| cost model | max_num_seqs | KV budget (blocks) | continuous tok/s | static tok/s | ratio | "
-             "short p99 cont. (s) | short p99 static (s) | ratio | preemptions cont./static |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        c, s = r["continuous"], r["static"]
-        lines.append(f"| {r['cost_model']} | {r['max_num_seqs']} | {r['kv']} ({r['num_kv_blocks']}) | {c['tok_s']:.0f} | "
-                     f"{s['tok_s']:.0f} | {r['tok_s_ratio']:.2f} | {c['short_p99_s']:.2f} | {s['short_p99_s']:.2f} | "
-                     f"{r['short_p99_ratio']:.1f} | {c['preemptions']}/{s['preemptions']} |")
-    models = "\n".join(f"- **{k}**: {v.source}; per step (a, b, c, d) = "
-                       + "; ".join(f"{p} ({', '.join(f'{x:.3g}' for x in v.coef[p])})" for p in PROGRAMS)
-                       for k, v in cost_models.items())
-    return f"Cost models:\n\n{models}\n\n" + "\n".join(lines) + "\n"
+    save_figure(fig, os.path.join(out_dir, "simulate_scales.png"), dpi=90)
+    table = md_table([["cost model", "max_num_seqs", "KV budget (blocks)", "continuous tok/s", "static tok/s", "ratio",
+                       "short p99 cont. (s)", "short p99 static (s)", "ratio", "preemptions cont./static"]] + [
+        [r["cost_model"], str(r["max_num_seqs"]), f"{r['kv']} ({r['num_kv_blocks']})", f"{c['tok_s']:.0f}",
+         f"{st['tok_s']:.0f}", f"{r['tok_s_ratio']:.2f}", f"{c['short_p99_s']:.2f}", f"{st['short_p99_s']:.2f}",
+         f"{r['short_p99_ratio']:.1f}", f"{c['preemptions']}/{st['preemptions']}"]
+        for r in rows for c, st in [(r["continuous"], r["static"])]])
+    models = "\n".join(f"- **{k}**: {v.source}; per step (a, b, c, d) = " + "; ".join(
+        f"{p} ({', '.join(f'{x:.3g}' for x in v.coef[p])})" for p in PROGRAMS) for k, v in cost_models.items())
+    with open(os.path.join(out_dir, "simulate_report.md"), "w") as f:
+        f.write(f"Cost models:\n\n{models}\n\n{table}\n")
+    write_json(os.path.join(out_dir, "simulate_report.json"), {
+        "rows": rows, "cost_models": {k: {"coef": v.coef, "source": v.source} for k, v in cost_models.items()}})
+    return {"rows": rows}
 
 
 # ---- main --------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="the tiny model and a handful of requests (seconds)")
-    p.add_argument("--validate", action="store_true", help="real engine vs simulator: writes validation.json")
-    p.add_argument("--calibrate", action="store_true", help="fit the cost model on this machine and save it")
-    p.add_argument("--report", action="store_true", help="the seed's question at max_num_seqs 8..256")
+    for flag, what in (("tiny", "the tiny model and a handful of requests (seconds)"),
+                       ("validate", "real engine vs simulator: writes validation.json"),
+                       ("calibrate", "fit the cost model on this machine and save it"),
+                       ("report", "the seed's question at max_num_seqs 8..256"), ("enable-chunked-prefill", None)):
+        p.add_argument(f"--{flag}", action="store_true", help=what)
     p.add_argument("--report-seqs", default=",".join(map(str, REPORT_SEQS)))
     p.add_argument("--cost-model", default=None,
                    help=f"a cost-model JSON (default {os.path.relpath(DEFAULT_COST_MODEL)}), or 'gpu-like'")
@@ -616,13 +576,12 @@ def main(argv: list[str] | None = None) -> int:
                                 ("num-kv-blocks", int, None), ("max-num-batched-tokens", int, None),
                                 ("block-size", int, 16)):
         p.add_argument(f"--{name}", type=kind, default=default)
-    p.add_argument("--enable-chunked-prefill", action="store_true")
     p.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
     p.add_argument("--scheduling-policy", default="fcfs")
     p.add_argument("--kv-admission", default="on-demand", choices=["on-demand", "reserve", "reserve-max-len"])
     args = p.parse_args(argv)
     sizes = TINY if args.tiny else FULL
-    out_dir = args.out or os.path.join(HERE, "results", time.strftime("simulate-%Y%m%d-%H%M%S"))
+    out_dir = args.out or results_dir(time.strftime("simulate-%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
 
     if args.validate:
@@ -668,8 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     res = simulate(cfg, blocks, work, cm)
     summary = res.summary() | {"cpu_s": time.process_time() - t0, "config": kw, "num_kv_blocks": blocks,
                                "cost_model": cm.source}
-    with open(os.path.join(out_dir, "simulate.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_json(os.path.join(out_dir, "simulate.json"), summary)
     print(f"{len(work)} requests, {res.steps} steps, {res.preemptions} preemptions, {res.tok_s:.1f} output tok/s, "
           f"slot utilisation {res.slot_utilization:.2f} ({summary['cpu_s']:.2f} s of CPU)")
     print("waiting (time-weighted mean / max): " + ", ".join(

@@ -1,29 +1,23 @@
-"""Where a step's time goes: host vs device, async scheduling on and off, start-up.
+"""Where does a step's time go: host or device, with async scheduling on and off, and start-up?
 
-    python bench/step_profile.py                        # every section (long: the warm-up runs alone are ~15 min)
+    python bench/step_profile.py                        # every section (the warm-up runs alone are ~15 min)
     python bench/step_profile.py --sections host,steps  # some of them
     python bench/step_profile.py --quick                # decode buckets 1, 32, 256; a 40-request mix
 
-One run, side by side. Sections (--sections, comma separated):
-  roofline  this machine's limits, measured here: memory copy GB/s (read + write bytes of a
-            large jitted copy) and matmul GFLOP/s (a large f32 jitted matmul). Every step
-            below is reported as a fraction of them, so on a GPU the script reads as a
-            roofline.
-  host      (with --baseline DIR: also DIR's code, alternating fresh processes)
-            the host-only step (schedule, build the step's arrays, update, stats) with the
-            device programs replaced by an instant stub: steady decode at each decode
-            bucket, and prefill steps of a few sizes. Target: <= 0.5 ms at 256 sequences.
-  steps     the real programs (the `bench` model) per decode bucket and prefill size: the
-            device step time alone, the host share of a synchronous step, and with async
-            scheduling on and off the device idle gap between consecutive programs, from
-            each program's dispatch time and the time its result was ready (a watcher
-            thread waits on every step). Target: async idle < 5% of the step at 32 and 256.
-  warmup    warm-up (every step program compiled) of a SmolLM2-135M-shaped model (30 layers,
-            random weights): cold (an empty compilation cache) and a restart from the cache,
-            then 4 vs 32 layers of the same width, cold. Each in a fresh process. Targets:
-            <= 40 s, <= 10 s, ratio <= 2.
-  e2e       end-to-end output tokens/s on the seed's mix (bench/offline.py's run, continuous,
-            32 sequences), async scheduling on vs off. Target: on >= off.
+Sections (--sections), side by side in one run:
+  roofline  this machine's memory copy GB/s and f32 matmul GFLOP/s: every step below is also
+            a fraction of them, so on a GPU the script reads as a roofline.
+  host      the host-only step (schedule, build the step's arrays, update, stats) with the
+            device programs stubbed: steady decode per decode bucket, prefill steps of a few
+            sizes; with --baseline DIR also DIR's code, alternating fresh processes. Target:
+            <= 0.5 ms at 256 sequences.
+  steps     the real programs (`bench` model) per decode bucket and prefill size: device time,
+            the host share of a synchronous step, and the device idle gap between programs
+            with async scheduling on and off. Target: async idle < 5% at 32 and 256.
+  warmup    warm-up of a SmolLM2-135M-shaped model (30 layers): cold and from the cache, then
+            4 vs 32 layers cold, each in a fresh process. Targets: <= 40 s, <= 10 s, ratio <= 2.
+  e2e       output tokens/s on the seed's mix (bench/offline.py's run, 32 sequences), async on
+            vs off. Target: on >= off.
 """
 
 from __future__ import annotations
@@ -41,12 +35,14 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from report import machine_info, results_dir, timer, write_json  # noqa: E402
+
 SECTIONS = ("roofline", "host", "steps", "warmup", "e2e")
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 BASELINE = ""  # --baseline DIR: another checkout whose cold warm-up runs beside this one's
 
-# SmolLM2-135M's shape (the model issue 9 makes the default): 30 layers, width 576.
+# SmolLM2-135M's shape (the server's default model): 30 layers, width 576.
 SMOL = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
             max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
@@ -73,17 +69,6 @@ def run_steps(eng, steps: int) -> None:
         eng.step()
 
 
-def _best(fn, reps: int = 5) -> float:
-    """Best of reps timings of fn() in seconds (the machine is shared: the minimum is the
-    least disturbed)."""
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return min(out)
-
-
 # ---- roofline ----------------------------------------------------------------------------
 
 LIMITS: dict[str, float] = {}
@@ -97,13 +82,13 @@ def section_roofline() -> dict:
     x = jnp.ones((n,), jnp.float32)
     copy = jax.jit(lambda a: a + 0.0)  # reads and writes every byte once
     copy(x).block_until_ready()
-    t = _best(lambda: copy(x).block_until_ready())
+    t = timer(lambda: copy(x).block_until_ready())
     gbs = 2 * 4 * n / t / 1e9
     m = 2048
     a = jnp.ones((m, m), jnp.float32)
     mm = jax.jit(lambda u, v: u @ v)
     mm(a, a).block_until_ready()
-    t = _best(lambda: mm(a, a).block_until_ready())
+    t = timer(lambda: mm(a, a).block_until_ready())
     gflops = 2 * m ** 3 / t / 1e9
     LIMITS.update(copy_gbs=gbs, matmul_gflops=gflops)
     print(f"roofline  memory copy {gbs:.1f} GB/s (read + write), matmul {gflops:.1f} GFLOP/s (f32, {m}^3), "
@@ -160,7 +145,7 @@ def host_decode_ms(n: int, async_scheduling: bool) -> float:
     stub_device(eng.runner)
     fill(eng, n)
     steps = 200
-    ms = 1e3 * _best(lambda: run_steps(eng, steps), reps=3) / steps
+    ms = 1e3 * timer(lambda: run_steps(eng, steps), reps=3) / steps
     del eng
     gc.collect()  # the next measurement's collections must not walk this engine's objects
     return ms
@@ -181,36 +166,13 @@ def host_prefill_ms(tokens: int) -> float:
         eng.abort(rid)
 
     one()
-    return 1e3 * _best(one, reps=20)
+    return 1e3 * timer(one, reps=20)
 
 
 def _host_child(n: int, root: str) -> None:
-    """In a fresh process: the synchronous host-only decode step of the code at `root`
-    (which may predate async scheduling and the device-side token buffer)."""
+    """In a fresh process: the synchronous host-only decode step of the code at `root`."""
     sys.path.insert(0, root)
-    import numpy as np
-
-    import runner as runner_mod
-    from config import EngineConfig, SamplingParams
-    from engine import LLMEngine
-
-    new = hasattr(runner_mod, "InFlightStep")
-    extra = {"async_scheduling": False} if new else {}
-    eng = LLMEngine(EngineConfig(model="tiny", max_num_seqs=n, max_model_len=2048, max_num_batched_tokens=2048,
-                                 num_kv_blocks=n * 128 + 1, warmup=False, **extra), log=lambda *_: None)
-
-    def instant(state, kv_caches, *args):
-        k = args[-1].temperature.shape[0]
-        res = (np.full(k, 7, np.int32), np.zeros(k, np.float32), np.zeros((k, 20), np.int32),
-               np.zeros((k, 20), np.float32))
-        return (kv_caches, args[0], res) if new else (kv_caches, res)
-
-    eng.runner._decode = eng.runner._ragged = instant
-    for i in range(n):
-        eng.add_request(f"r{i}", [5] * 64, SamplingParams(max_tokens=1984, ignore_eos=True))
-    while eng.scheduler.num_waiting or any(not s.is_decode for s in eng.scheduler.running):
-        eng.step()
-    print(json.dumps(1e3 * _best(lambda: run_steps(eng, 200), reps=3) / 200))
+    print(json.dumps(host_decode_ms(n, False)))
 
 
 def _host_run(n: int, root: str) -> float:
@@ -356,7 +318,7 @@ def section_steps() -> dict:
             eng.step()
         one()
         w = Watcher(eng.runner)
-        best = _best(one, reps=3)
+        best = timer(one, reps=3)
         d, r = w.stop()
         dev = min(b - a for a, b in zip(d, r))
         flops, _ = step_flops_bytes(eng, 1, t, t // 2)
@@ -425,10 +387,10 @@ def section_warmup() -> dict:
 # ---- e2e ---------------------------------------------------------------------------------
 
 def section_e2e() -> dict:
-    from common import seed_mix
-    from config import SamplingParams
     from engine import LLM
-    from offline import FULL, run_taxirank
+    from offline import FULL
+    from report import timed_generate, warm
+    from workload import seed_mix
 
     sz = replace(FULL, num_requests=40, long=128) if QUICK else FULL
     reqs = seed_mix(sz.num_requests, 32000, short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
@@ -438,9 +400,8 @@ def section_e2e() -> dict:
         llm = LLM(sz.model, log=lambda *_: None, dtype="float32", max_num_seqs=sz.seqs_throughput,
                   max_model_len=sz.max_model_len, num_kv_blocks=sz.seqs_throughput * (sz.max_model_len // 16) + 1,
                   async_scheduling=on)
-        llm.generate([[1] * 8, [2] * 8], [SamplingParams(max_tokens=n, ignore_eos=True) for n in (2, 3)],
-                     use_tqdm=False)
-        r = run_taxirank(llm, reqs)
+        warm(llm)
+        r = timed_generate(llm, [q.prompt_token_ids for q in reqs], [q.max_tokens for q in reqs])
         out["async" if on else "sync"] = dict(output_tok_s=r["output_tok_s"], wall_s=r["wall_s"],
                                               ms_per_step=r["ms_per_step"], steps=r["stats"]["num_steps"],
                                               token_ids=r["token_ids"])
@@ -457,7 +418,7 @@ def section_e2e() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default=",".join(SECTIONS))
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results", "step_profile.json"))
+    ap.add_argument("--out", default=results_dir("step_profile.json"))
     ap.add_argument("--quick", action="store_true", help="fewer buckets, a smaller mix")
     ap.add_argument("--baseline", default="", help="warmup: also time a cold 30-layer warm-up of this checkout")
     ap.add_argument("--_host-child", nargs=2, metavar=("SEQS", "ROOT"), help=argparse.SUPPRESS)
@@ -469,8 +430,6 @@ def main() -> None:
     if args._warmup_child:
         _warmup_child(int(args._warmup_child[0]), args._warmup_child[1], args._warmup_child[2])
         return
-    from common import machine_info
-
     global QUICK, BASELINE
     QUICK, BASELINE = args.quick, args.baseline
 
@@ -481,10 +440,7 @@ def main() -> None:
         results[name] = globals()[f"section_{name}"]()
     results["load_after"] = os.getloadavg()
     print(f"load average before/after: {results['load_before'][0]:.2f} / {results['load_after'][0]:.2f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-
+    write_json(args.out, results)
 
 if __name__ == "__main__":
     main()

@@ -1,37 +1,21 @@
-"""Stutter bench: a long prompt joins while users stream, with and without chunked prefill.
+"""Stutter bench: does a long prompt joining stall the streaming users, and does chunked
+prefill stop it?
 
     python bench/stutter.py                    # bench model, 16 users, an 8192-token joiner, budget 512
     python bench/stutter.py --prompt-len 4096  # a shorter joiner
     python bench/stutter.py --tiny             # seconds: the tiny model, 4 users, a 384-token joiner
 
-The seed's claim 2: "A new 8k-token prompt joining the batch triggers one heavy prefill
-step. Every streaming user's tokens hitch at that moment. Fix: --enable-chunked-prefill."
+The seed's claim: an 8k-token prompt joining triggers one heavy prefill step and every
+streaming user's tokens hitch; chunked prefill fixes it. LLMEngine is driven directly (no
+HTTP), every token stamped when the step that produced it returns. `--users` requests decode
+steadily; after `--steady-steps` steps the long prompt joins; the run stops once it has
+`--after-tokens` tokens after its first. Mode off: the whole prompt in one step (no decode in
+it); on: --budget tokens a step, decodes first, the prompt in chunks of what is left.
 
-One process, the same weights for both runs (load_model is deterministic from the seed).
-It drives LLMEngine directly, no HTTP: what is measured is the engine, and every token is
-stamped with time.perf_counter() when the step that produced it returns.
-
-Each run: `--users` requests with short random prompts decode continuously (greedy,
-ignore_eos, max_tokens large enough never to finish during the run). After the users'
-prefill and `--steady-steps` decode steps, the long request arrives and joins; the
-run stops once it has produced `--after-tokens` tokens after its first.
-  off  chunked prefill off, max_num_batched_tokens = max_model_len: the whole prompt is
-       one step, and that step carries no decode (the users stall).
-  on   chunked prefill on, max_num_batched_tokens = --budget: decodes first, the prompt
-       in chunks of what is left of the budget, one chunk per step.
-
-Measured, per run:
-  users' ITL   the gaps between consecutive tokens of each streaming user, for the tokens
-               that arrive in the window: from `--window` steps before the join step (the
-               first step the long request could be in) to `--window` steps after the step
-               of the long request's first token. p50 / p99 / max over all users' gaps.
-  TTFT         of the joiner: from add_request to the return of the step with its first token.
-  ratio        max gap off / max gap on. Target: >= 4x.
-Warm-up compiles every program before the run (a compile inside the window would be a
-false stutter); the JSON records that stats.num_compilations did not move while measuring.
-
-Writes <out>/stutter.json (figures, config, machine, every token's arrival time) and
-<out>/stutter.png (the users' token arrivals across the join, both runs, one above the other).
+Measured: the users' inter-token gaps from `--window` steps before the join to `--window`
+steps after the joiner's first token (p50 / p99 / max), the joiner's TTFT, and max gap off /
+on (target >= 4x). Warm-up compiles every program first: a compile in the window would be a
+false stutter. Writes <out>/stutter.json and <out>/stutter.png.
 """
 
 from __future__ import annotations
@@ -48,7 +32,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import machine_info, summarize  # noqa: E402
+from report import machine_info, pyplot, results_dir, save_figure, summarize, write_json  # noqa: E402
 
 TARGET_RATIO = 4.0
 
@@ -81,8 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.users = a.users or (4 if small else 16)
     a.budget = a.budget or (64 if small else 512)
     a.after_tokens = a.window if a.after_tokens is None else a.after_tokens
-    a.out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                  "stutter-tiny" if small else "stutter")
+    a.out = a.out or results_dir("stutter-tiny" if small else "stutter")
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not set(a.modes) <= {"off", "on"} or not a.modes:
         p.error("--modes takes off and/or on")
@@ -195,11 +178,7 @@ def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int], log) -> dict[
 
 
 def plot(results: dict[str, dict[str, Any]], a: argparse.Namespace, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     modes = [m for m in ("off", "on") if m in results]
     fig, axes = plt.subplots(len(modes) + 1, 1, figsize=(12, 3.2 * len(modes) + 3.2), sharex=True, squeeze=False,
                              gridspec_kw=dict(height_ratios=[3] * len(modes) + [2.2]))
@@ -247,9 +226,7 @@ def plot(results: dict[str, dict[str, Any]], a: argparse.Namespace, path: str) -
                            "dotted: its first token")
     fig.suptitle(f"Per-token arrival times of {len(users)} streaming users ({a.model} model) as a "
                  f"{a.prompt_len}-token prompt joins", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -301,20 +278,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     moved = {m: r["compilations_during_run"] for m, r in results.items() if r["compilations_during_run"]}
     if moved:
         log(f"WARNING: programs compiled during the measured run ({moved}): a compile is a false stutter")
-    out = dict(
-        bench="stutter",
-        args={k: v for k, v in vars(a).items()},
-        sizes=sz,
-        window=(f"users' tokens arriving from {a.window} steps before the join step to {a.window} steps after "
-                "the step of the joiner's first token; each gap is from the user's previous token"),
-        machine=machine_info(),
-        summary=summary,
-        results=results,
-    )
-    json_path = os.path.join(a.out, "stutter.json")
-    with open(json_path, "w") as f:
-        json.dump(out, f, indent=1)
-    log(f"wrote {json_path}")
+    out = dict(bench="stutter", args=vars(a), sizes=sz, machine=machine_info(), summary=summary, results=results)
+    log(f"wrote {write_json(os.path.join(a.out, 'stutter.json'), out)}")
     if not a.no_plot:
         png = os.path.join(a.out, "stutter.png")
         plot(results, a, png)

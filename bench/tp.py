@@ -1,5 +1,5 @@
-"""Tensor parallelism on forced CPU devices: memory per device and tokens/s at TP 1/2/4,
-and start-up time from safetensors vs from an orbax checkpoint.
+"""What does tensor parallelism cost and save? Memory per device and tokens/s at TP 1/2/4 on
+forced CPU devices, and start-up time from safetensors vs from an orbax checkpoint.
 
     python bench/tp.py                 # the bench model (58M params), TP 1, 2, 4
     python bench/tp.py --model tiny --tp 1,2 --requests 4 --max-tokens 8

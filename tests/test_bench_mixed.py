@@ -10,6 +10,7 @@ import socket
 import sys
 import threading
 
+import numpy as np
 import pytest
 from conftest import load_bench
 
@@ -37,59 +38,56 @@ def test_parse_metrics_reads_taxirank_and_vllm_names():
                     "waiting_by_reason": {}}
 
 
+VARIANTS = ["continuous", "static", "reserve-max-len/full", "reserve-max-len/half"]
+
+
 @pytest.mark.timeout(300)
-def test_tiny_run_writes_every_variant_and_plot(tmp_path):
+def test_tiny_run_reports_per_class_figures_that_match_the_requests_sent(tmp_path):
+    """6 requests (3 x 2 and 3 x 8 tokens) against a server per variant: the smallest run with
+    both schedules and one admission mode at both lengths. A KV budget of 2 sequences of 32
+    tokens is 4 usable blocks: under reserve-max-len a request holds 2 blocks at
+    max_model_len 32 (2 run at once) and 1 at 16 (4 run, as many as the slots)."""
     pytest.importorskip("matplotlib")
     mixed = _load()
-    import mixed_report  # bench/mixed.py put bench/ on sys.path for it
-
-    res = mixed.main(["--model", "tiny", "--num-requests", "6", "--short", "2", "--long", "8", "--prompt-len", "4,8",
+    mixed.main(["--model", "tiny", "--num-requests", "6", "--short", "2", "--long", "8", "--prompt-len", "4,8",
                       "--max-model-len", "32", "--max-num-seqs", "4", "--kv-budget-seqs", "2",
-                      "--server-args", "--max-num-batched-tokens 32", "--out", str(tmp_path),
-                      "--jax-cache", os.environ["JAX_COMPILATION_CACHE_DIR"]])  # the tests' (conftest)
+                      "--variants", ",".join(VARIANTS), "--server-args", "--max-num-batched-tokens 32",
+                      "--out", str(tmp_path), "--jax-cache", os.environ["JAX_COMPILATION_CACHE_DIR"]])
     on_disk = json.loads((tmp_path / "results.json").read_text())
-    assert on_disk["analysis"] == json.loads(json.dumps(res["analysis"]))
-    names = ["continuous", "static"] + [f"{m}/{n}" for m in mixed.ADMISSION_MODES for n in ("full", "half")]
-    assert list(on_disk["variants"]) == names
-    assert {"cpu", "cores", "jax"} <= set(on_disk["machine"])
+    assert list(on_disk["variants"]) == VARIANTS and on_disk["settings"]["kv_budget_blocks"] == 5
     for name, v in on_disk["variants"].items():
-        assert "error" not in v, (name, v.get("error"))
-        assert v["errors"] == 0 and v["exact_lengths"], (name, v["first_errors"])
-        assert v["token_timing"] == "logprobs", "random tiny tokens mostly decode to no text"
-        assert v["output_tokens"] == 3 * 2 + 3 * 8 and v["output_tokens_per_s"] > 0
-        for cls in ("short", "long"):
-            c = v[cls]
-            assert c["n"] == c["n_ok"] == 3, (name, cls)
-            assert {"mean", "p50", "p99"} <= set(c["itl"]) and {"p50", "p90", "p99"} <= set(c["e2e"])
-            assert 0 < c["ttft"]["p50"] <= c["e2e"]["p50"], (name, cls)
+        assert "error" not in v and v["errors"] == 0 and v["exact_lengths"], (name, v.get("first_errors"))
+        reqs = v["per_request"]
+        assert sorted(r["max_tokens"] for r in reqs) == [2, 2, 2, 8, 8, 8]
+        assert [r["tokens"] for r in reqs] == [r["max_tokens"] for r in reqs]  # ignore_eos: exact lengths
+        assert v["output_tokens"] == 3 * 2 + 3 * 8
+        span = max(r["start"] + r["e2e"] for r in reqs) - min(r["start"] for r in reqs)
+        assert 30 / v["output_tokens_per_s"] == pytest.approx(span, abs=2e-4)  # starts are rounded to 0.1 ms
+        for cls, n in (("short", 2), ("long", 8)):
+            mine = [r for r in reqs if r["max_tokens"] == n]
+            assert all(r["class"] == cls for r in mine) and v[cls]["n"] == v[cls]["n_ok"] == 3
+            for metric in ("ttft", "e2e"):
+                raw = [r[metric] for r in mine]
+                for q in (50, 90, 99):
+                    assert v[cls][metric][f"p{q}"] == pytest.approx(np.percentile(raw, q)), (name, cls, metric)
+            assert all(0 < r["ttft"] <= r["e2e"] for r in mine)
         m = v["metrics"]
-        assert m["samples"] >= 2 and set(m["series"]) == {"running", "waiting", "kv_usage", "preemptions",
-                                                           "waiting_by_reason"}
-        assert m["preemptions"] is not None and set(m["waiting_by_reason_s"]) >= {"kv_blocks", "max_num_seqs"}
-        assert len(v["timeline"]["t"]) == m["samples"] == len(v["timeline"]["kv_usage"])
-        assert len(v["per_request"]) == 6
-        # the server's CPU time was read (from /proc), not skipped; a tiny run may take < 1 clock tick
-        assert isinstance(v["load"]["server_cpu_s"], float) and v["startup_s"] > 0
-        assert v["load"]["cores"] == os.cpu_count()
-    budget = on_disk["settings"]["kv_budget_blocks"]
-    assert budget == 2 * 2 + 1
-    for mode in mixed.ADMISSION_MODES:  # the same tight budget at both lengths
-        full, half = on_disk["variants"][f"{mode}/full"], on_disk["variants"][f"{mode}/half"]
-        assert full["flags"]["num_kv_blocks"] == half["flags"]["num_kv_blocks"] == budget
-        assert (full["flags"]["max_model_len"], half["flags"]["max_model_len"]) == (32, 16)
-        assert full["metrics"]["num_kv_blocks"] == budget - 1
-    an = on_disk["analysis"]
-    assert set(an["halving"]) == set(mixed.ADMISSION_MODES) and "continuous_vs_static" in an
-    for h in an["halving"].values():
-        assert h["short_p99_e2e_full"] > 0 and h["short_p99_e2e_half"] > 0
-        # the verdict is the one its figures give (the report states both)
-        assert h["fell_sharply"] == (h["fall"] >= mixed_report.SHARP)
-        assert h["seed_rule_holds"] == (h["fell_sharply"] == (h["dominant_wait_reason_full"] == "kv_blocks"))
-    assert on_disk["plots"] == ["cdf_short_e2e.png"] + [f"timeline-{n.replace('/', '-')}.png" for n in names]
+        assert m["samples"] == len(v["timeline"]["t"]) >= 2 and m["max_running"] <= 4
+        assert set(m["series"]) == {"running", "waiting", "kv_usage", "preemptions", "waiting_by_reason"}
+        assert v["load"]["server_cpu_s"] is not None and v["startup_s"] > 0
+    full, half = (on_disk["variants"][f"reserve-max-len/{n}"] for n in ("full", "half"))
+    assert (full["flags"]["max_model_len"], half["flags"]["max_model_len"]) == (32, 16)
+    assert full["metrics"]["num_kv_blocks"] == half["metrics"]["num_kv_blocks"] == 4
+    assert full["metrics"]["max_running"] <= 2
+    assert on_disk["variants"]["continuous"]["metrics"]["num_kv_blocks"] > 4  # the server's default cache
+    h = on_disk["analysis"]["halving"]["reserve-max-len"]
+    e2e_p99 = [np.percentile([r["e2e"] for r in v["per_request"] if r["max_tokens"] == 2], 99) for v in (full, half)]
+    assert h["fall"] == pytest.approx(e2e_p99[0] / e2e_p99[1])
+    assert on_disk["plots"] == ["cdf_short_e2e.png"] + [f"timeline-{n.replace('/', '-')}.png" for n in VARIANTS]
     for p in on_disk["plots"]:
         assert (tmp_path / p).stat().st_size > 1000, p
     report = (tmp_path / "report.md").read_text()
-    assert "## Answer" in report and "reserve-max-len" in report and "## Machine" in report
+    assert "## Answer" in report and "reserve-max-len: short-request p99 e2e" in report and "## Machine" in report
     (tmp_path / "report.md").unlink()
     again = mixed.main(["--report", str(tmp_path)])  # re-rendered from results.json alone
     assert json.loads(json.dumps(again["analysis"])) == on_disk["analysis"]
@@ -188,7 +186,7 @@ WORKLOAD = ["--num-requests", "6", "--short", "3", "--long", "12", "--prompt-len
 
 def test_text_prompts_are_prose_of_the_asked_length_and_fixed_by_the_seed():
     _load()
-    from common import seed_mix  # bench/ is on sys.path once mixed.py is loaded
+    from workload import seed_mix  # bench/ is on sys.path once mixed.py is loaded
 
     a = seed_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=7, text=True)
     assert a == seed_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=7, text=True)
@@ -206,8 +204,10 @@ def test_strict_server_gets_only_what_it_takes_and_the_report_says_what_that_cos
     pytest.importorskip("matplotlib")
     mixed = _load()
     url, seen = fake_servers("fake-strict", strict=True, usage=True, twist=False)
-    res = mixed.main(["--url", url, *WORKLOAD, "--out", str(tmp_path)])
+    res = mixed.main(["--url", url, *WORKLOAD, "--rate", "200", "--out", str(tmp_path)])
     v = res["variants"]["server"]
+    starts = sorted(r["start"] for r in v["per_request"])  # a Poisson process at 200/s, not a burst
+    assert starts[-1] - starts[0] > 0.001 and v["short"]["n"] + v["long"]["n"] == 6
     assert "error" not in v and v["errors"] == 0, v.get("first_errors")
     caps = v["capabilities"]
     assert caps["model"] == "fake-strict" and caps["prompts"] == "text"
@@ -282,7 +282,7 @@ def tiny_hf_checkpoint(tmp_path_factory):
     from save_pretrained: a real checkpoint directory for a real server, made offline."""
     torch = pytest.importorskip("torch")
     _load()
-    from common import seed_mix
+    from workload import seed_mix
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 

@@ -55,3 +55,10 @@ def test_missing_and_half_written_files_are_reported_not_fatal(tmp_path):
     res = report.build(str(tmp_path), "cpu-smoke")
     assert "unreadable" in res["kernels"] and res["step"] is None and res["targets"] == {}
     assert "CPU smoke run" in report.markdown(res)
+
+
+def test_the_mix_verdict_is_its_ratio_against_1_8(tmp_path):
+    for ratio, verdict in ((1.79, "MISSED"), (1.8, "MET"), (2.5, "MET")):
+        (tmp_path / "mix.json").write_text(json.dumps({"ratios": {"tok_s_continuous_over_static": ratio}}))
+        assert report.build(str(tmp_path), "gpu")["targets"]["mix_tok_s_ratio"] == {"ratio": ratio,
+                                                                                     "target_1.8": verdict}

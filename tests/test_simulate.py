@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from simulate import UNIT_STEPS, CostModel, SimRequest, fit_cost_model, simulate, step_features  # noqa: E402
+from simulate import UNIT_STEPS, CostModel, SimRequest, fit_cost_model, simulate  # noqa: E402
 
 from engine import LLMEngine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -91,3 +91,18 @@ def test_the_command_line_replays_a_recorded_log_and_writes_the_report(tmp_path)
     assert main(["--report", "--report-seqs", "8", "--cost-model", "gpu-like", "--out", str(out)]) == 0
     assert (out / "simulate_scales.png").stat().st_size > 0
     assert (out / "simulate_report.md").read_text().count("| GPU-like | 8 |") == 3
+
+
+def test_step_counts_match_a_hand_count_under_the_unit_cost_model():
+    """No model, counted by hand: a request's first token comes from its prefill step, then one
+    token a step. Two requests of 3 and 7 tokens in one slot run back to back: 3 + 7 steps,
+    the second waiting 3; with two slots they share steps: 7, and the short one's e2e is 3."""
+    from config import EngineConfig
+
+    work = [SimRequest(0.0, [5] * 10, 3), SimRequest(0.0, [6] * 10, 7)]
+    for seqs, steps, e2e in ((1, 10, [3, 10]), (2, 7, [3, 7])):
+        cfg = EngineConfig(max_num_seqs=seqs, max_model_len=64, block_size=16).resolved(64)
+        res = simulate(cfg, 9, work, UNIT_STEPS)
+        assert (res.steps, res.makespan_s, res.output_tokens, res.preemptions) == (steps, steps, 10, 0)
+        assert sorted(r["e2e_s"] for r in res.per_request) == e2e
+        assert sorted(r["ttft_s"] for r in res.per_request) == ([1, 4] if seqs == 1 else [1, 1])

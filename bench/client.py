@@ -1,5 +1,5 @@
-"""Portable streaming requests to any OpenAI-compatible /v1/completions server, and the probe
-that finds what a server takes before the workload runs.
+"""One OpenAI client for every bench: portable streaming completions timed per token, the
+probe that finds what a server takes before the workload runs, and a server subprocess.
 
 A server we did not write may refuse token-id prompts, vLLM's extensions (ignore_eos) or
 stream_options, may send no usage, and may name its model anything. The probe sends one
@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from common import Request
+from workload import Request
 
 PROBE_TOKENS = 8
 
@@ -197,3 +201,64 @@ async def probe(session: aiohttp.ClientSession, url: str, req: Request, *, promp
         elif lp.tokens > 1 and len(lp.itl) + 1 == lp.tokens:
             caps.logprobs, caps.timing = True, "logprobs"
     return caps
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server as a subprocess (its own session, so stopping it stops its children too) on a
+    loopback `port` the caller picked; its log to a file."""
+
+    def __init__(self, argv: list[str], port: int, log_path: str, env: dict[str, str] | None = None,
+                 cwd: str | None = None) -> None:
+        self.port, self.argv, self.log_path = port, argv, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "w")
+        try:
+            self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        except OSError:
+            self._log.close()
+            raise
+
+    async def wait_ready(self, session: aiohttp.ClientSession, timeout: float) -> float:
+        """Seconds until /health (or, for servers without it, /v1/models) answers 200."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                with open(self.log_path, errors="replace") as f:
+                    raise RuntimeError(f"the server exited with {self.proc.returncode} while starting: "
+                                       f"{f.read()[-1500:]}")
+            for path in ("/health", "/v1/models"):
+                try:
+                    async with session.get(self.url + path) as r:
+                        if r.status == 200:
+                            return time.perf_counter() - t0
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    break  # not listening yet
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"the server was not ready after {timeout:.0f}s (see {self.log_path})")
+
+    def cpu_seconds(self) -> float | None:
+        """The process's CPU time so far (Linux): beside the wall time, how much of the machine
+        it got, which shows when something else competed for the cores."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
