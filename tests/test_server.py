@@ -442,13 +442,15 @@ def test_prefix_cache_hits_show_in_cached_tokens_and_metrics_and_reset_forgets_t
 # ---- shutdown ---------------------------------------------------------------------------
 
 def test_sigterm_aborts_in_flight_with_a_final_event_and_exits_cleanly() -> None:
-    """Three streams and a non-streaming request in flight (all 4 slots): each stream ends
-    with a final "abort" event, the non-streaming request gets its whole response with
+    """Three streams and a non-streaming request in flight (all 4 slots), a short
+    --shutdown-timeout: once it has passed, each stream ends with a final "abort" event, the non-streaming request gets its whole response with
     finish_reason "abort", and the process exits 0."""
     from concurrent.futures import ThreadPoolExecutor
 
     body = {"prompt": "long", "max_tokens": LONG, "ignore_eos": True, "logprobs": 0}
-    with running_server("--api-key", API_KEY, "--no-warmup") as srv, ThreadPoolExecutor(1) as pool:
+    # A grace period far shorter than these requests take: they are aborted when it ends.
+    with running_server("--api-key", API_KEY, "--no-warmup", "--shutdown-timeout", "0.2") as srv, \
+            ThreadPoolExecutor(1) as pool:
         with contextlib.ExitStack() as stack:
             streams = [stack.enter_context(open_stream(srv, body)) for _ in range(3)]
             for events in streams:
@@ -462,6 +464,57 @@ def test_sigterm_aborts_in_flight_with_a_final_event_and_exits_cleanly() -> None
         assert status == 200 and out["choices"][0]["finish_reason"] == "abort", out
         assert 0 < out["usage"]["completion_tokens"] < LONG
         assert srv.proc.wait(60) == 0, srv.log()
+
+
+def sse_events(resp: http.client.HTTPResponse) -> tuple[list[dict], bool]:
+    """Every event of an SSE stream read to its end, and whether it ended with [DONE]."""
+    events, done = [], False
+    for line in resp:
+        line = line.strip()
+        if not line:
+            continue
+        assert not done, f"data after [DONE]: {line!r}"
+        if line == b"data: [DONE]":
+            done = True
+        elif line.startswith(b"data: "):
+            events.append(json.loads(line[6:]))
+    return events, done
+
+
+def test_sigterm_lets_requests_in_flight_finish_refuses_new_ones_and_a_second_signal_aborts_the_rest() -> None:
+    """Two streams in flight at SIGTERM, a long grace period: new requests and /health get
+    503 at once; the short stream gets every one of its tokens; the long one keeps running
+    until a second SIGTERM aborts it (a final "abort" event, then [DONE]); exit code 0."""
+    short, long_ = ({"prompt": p, "max_tokens": n, "ignore_eos": True, "logprobs": 0, "stream": True}
+                    for p, n in (("short", 200), ("long", LONG)))
+    with running_server("--api-key", API_KEY, "--no-warmup", "--shutdown-timeout", "600") as srv:
+        conns, resps, firsts = [], [], []
+        for body in (short, long_):
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+            conn.request("POST", "/v1/completions", body=json.dumps(body),
+                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+            conns.append(conn)
+            resps.append(conn.getresponse())
+            assert resps[-1].status == 200
+            firsts.append(json.loads(resps[-1].readline()[len(b"data: "):]))  # the first event: it runs
+        srv.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: request(srv, "GET", "/health", key=None)[0] == 503)
+        status, err = request(srv, "POST", "/v1/completions", {"prompt": "late", "max_tokens": 2})
+        assert status == 503 and err["error"]["type"] == "service_unavailable", err
+        wait_for(lambda: "2 in flight get up to 600 s to finish" in srv.log())  # both were running at SIGTERM
+
+        events, done = sse_events(resps[0])
+        assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in [firsts[0], *events]
+                   if e["choices"][0]["logprobs"]) == 200
+        assert srv.proc.poll() is None  # the long one is still being served
+
+        srv.proc.send_signal(signal.SIGTERM)
+        events, done = sse_events(resps[1])
+        assert done and events[-1]["choices"][0]["finish_reason"] == "abort"
+        assert srv.proc.wait(60) == 0, srv.log()
+        for conn in conns:
+            conn.close()
 
 
 # ---- Hugging Face checkpoints: their tokenizer and chat template, or none -----------------
