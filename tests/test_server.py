@@ -73,13 +73,15 @@ def request(server: Server, method: str, path: str, body: object = None, key: st
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, startup_timeout: float = 600) -> Iterator[Server]:
+def running_server(*flags: str, startup_timeout: float = 600, env: dict[str, str] | None = None) -> Iterator[Server]:
     """`python server.py --port 0 ...` in a subprocess: the server binds a free port itself
     (no pick-release-bind race) and its 'ready' log line says which; ready once /health
-    answers 200. It inherits the tests' JAX compilation cache (conftest)."""
+    answers 200. It inherits the tests' JAX compilation cache (conftest) unless `env`
+    replaces the environment."""
     log = tempfile.NamedTemporaryFile("w", prefix="taxirank-server-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--port", "0", *SMALL, *flags],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env=(os.environ if env is None else env) | {"PYTHONUNBUFFERED": "1"})
     server = Server(0, proc, log.name)
     try:
         deadline = time.monotonic() + startup_timeout
