@@ -555,6 +555,9 @@ def main(argv: list[str] | None = None) -> None:
     # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("taxirank").setLevel(args.log_level.upper())
+    # A signal during start-up (download, warm-up) stops it as Ctrl-C does: nothing is in
+    # flight yet, so there is nothing to wait for; the exit is as clean as a later one.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
         # Loads, sizes the KV cache and compiles every shape (blocking); it logs the model,
@@ -562,6 +565,9 @@ def main(argv: list[str] | None = None) -> None:
         engine = AsyncEngine(config, log=log.info)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad flag, model path or download: say so
         parser.error(str(e))
+    except KeyboardInterrupt:
+        log.info("stopped during start-up")
+        raise SystemExit(0) from None
     # As vLLM after warm-up (freeze_gc_heap): the start-up heap (the model's Python objects,
     # the tokenizer, JAX's caches) moves to the permanent generation, so the collections
     # the step loop's per-step objects trigger never walk it again.
@@ -570,7 +576,10 @@ def main(argv: list[str] | None = None) -> None:
     if config.process_id > 0:  # multi-host: only process 0 serves; the others run its steps
         engine.engine.follow()
         return
-    asyncio.run(serve(engine, args))
+    try:
+        asyncio.run(serve(engine, args))
+    except KeyboardInterrupt:  # a signal before serve() took the signals over: nothing was admitted yet
+        raise SystemExit(0) from None
 
 
 if __name__ == "__main__":

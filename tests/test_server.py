@@ -33,8 +33,10 @@ API_KEY = "test-key"
 MAX_MODEL_LEN = 4096
 # Small shapes keep warm-up short on a CPU (token buckets 16..256, 4 slots), while a
 # long max_model_len lets a request run for seconds, so tests can watch it in flight.
+# A server stopped at the end of a test aborts what still runs at once (the shutdown
+# tests give their own --shutdown-timeout).
 SMALL = ["--model", "tiny", "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill",
-         "--max-num-batched-tokens", "256", "--block-size", "16", "--num-kv-blocks", "1024"]
+         "--max-num-batched-tokens", "256", "--block-size", "16", "--num-kv-blocks", "1024", "--shutdown-timeout", "0"]
 LONG = MAX_MODEL_LEN - 16  # max_tokens of a request meant to be still running when looked at
 # For the small Hugging Face checkpoints of conftest (max_position_embeddings 2048).
 HF_SMALL = ["--max-model-len", "128", "--max-num-batched-tokens", "128", "--num-kv-blocks", "64", "--no-warmup"]
