@@ -48,7 +48,8 @@ class EngineConfig:
     warmup: bool = True  # compile every shape bucket before serving
     # Schedule and prepare step N+1 while the device runs step N (vLLM's --async-scheduling).
     async_scheduling: bool = True  # --no-async-scheduling gives the synchronous loop (same tokens)
-    compilation_cache_dir: str = "~/.cache/taxirank/jax"  # persistent XLA cache; "" turns it off
+    # persistent XLA cache; None: $TAXIRANK_CACHE/jax (~/.cache/taxirank/jax); "" turns it off
+    compilation_cache_dir: str | None = None
     # Beyond one device (parallel.py): a mesh of tensor_parallel_size devices, over
     # num_processes hosts when distributed_coordinator is set (jax.distributed).
     tensor_parallel_size: int = 1

@@ -351,6 +351,32 @@ class LLM:
         assert done == set(seqs), "every request must finish"
         return [self._output(seq, logprobs.get(rid)) for rid, seq in seqs.items()]
 
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list
+        of them, each rendered by the model's chat template (or `chat_template`), then
+        generated as generate() does; one RequestOutput per conversation."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
+                             "opens a new assistant turn, the second continues the last message")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # Only what differs from the defaults is passed: ByteTokenizer's template takes nothing else.
+        kw = dict(chat_template_kwargs or {})
+        if chat_template is not None:
+            kw["chat_template"] = chat_template
+        if continue_final_message:
+            kw["continue_final_message"] = True
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **kw)
+            # The template already carries BOS and the other special tokens it wants.
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:

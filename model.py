@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from attention_backend import AttentionBackend
-from tokenizer import ByteTokenizer, load_tokenizer
+from tokenizer import ByteTokenizer, gguf_tokenizer, load_tokenizer
 
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -477,7 +477,7 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
         ckpt = gguf_loader.read_gguf(path)
         cfg = ModelConfig.from_hf(ckpt.hf_config)
         dt = resolve_dtype(dtype, "bfloat16" if ckpt.file_type == "BF16" else None)
-        tokenizer = load_tokenizer(path) if ckpt.has_tokenizer else None
+        tokenizer = gguf_tokenizer(ckpt.tokenizer_metadata) if ckpt.tokenizer_metadata else None
         log(f"model: {path} ({ckpt.file_type} GGUF, dequantized to {np.dtype(dt).name})")
         return LoadedModel(model_from_hf_tensors(cfg, dt, ckpt.tensors(), f"checkpoint {path}"),
                            cfg, tokenizer, model, dt)

@@ -339,7 +339,12 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
                 request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
             raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
                            type="authentication_error", code="invalid_api_key")
-        return await handler(request)
+        task = asyncio.current_task()  # admitted: a shutdown lets it finish (--shutdown-timeout)
+        app["in_flight"].add(task)
+        try:
+            return await handler(request)
+        finally:
+            app["in_flight"].discard(task)
     except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body over the limit
         if e.status < 400:
             raise
@@ -421,7 +426,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine.stats))
     app.update(engine=engine, model_names=model_names, api_key=api_key, registry=registry,
-               started=int(time.time()), stopping=asyncio.Event())
+               started=int(time.time()), stopping=asyncio.Event(), in_flight=set())
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -451,7 +456,8 @@ _HELP = {  # EngineConfig fields; config.py says more
     "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
-    "compilation_cache_dir": "persistent cache of compiled step programs (fast restarts); '' turns it off",
+    "compilation_cache_dir": "persistent cache of compiled step programs (fast restarts); None: $TAXIRANK_CACHE/jax "
+                             "(TAXIRANK_CACHE defaults to ~/.cache/taxirank); '' turns it off",
     "async_scheduling": "schedule step N+1 while the device runs step N (sampled tokens stay on the device)",
     "tensor_parallel_size": "devices the model is sharded over (Megatron-style, KV cache by KV heads)",
     "distributed_coordinator": "HOST:PORT of process 0 for a multi-host run (jax.distributed); None: one process",
@@ -482,6 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/*")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
+                        "seconds to finish before the rest are aborted (0: abort at once; a second signal "
+                        "also aborts at once)")
     return p
 
 
@@ -497,8 +507,16 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
     port = runner.addresses[0][1]  # the bound one: --port 0 lets the OS pick a free port
     log.info("ready: http://%s:%d  (model names: %s)", args.host, port, ", ".join(app["model_names"]))
 
+    loop = asyncio.get_running_loop()
+    abort_now = asyncio.Event()
+
+    def on_signal() -> None:
+        if app["stopping"].is_set():
+            abort_now.set()  # a second signal: do not wait out the grace period
+        app["stopping"].set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, app["stopping"].set)
+        loop.add_signal_handler(sig, on_signal)
     died: list[BaseException] = []
 
     def on_death(error: BaseException) -> None:
@@ -509,21 +527,40 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
         app["stopping"].set()
 
     engine.on_death = on_death
-    await app["stopping"].wait()  # from here on, new requests get a 503
+    await app["stopping"].wait()  # from here on, new requests (and /health) get a 503
     if not died:
-        log.info("shutting down: refusing new requests, aborting those in flight")
-        await engine.shutdown()  # every in-flight stream gets a last event, finish_reason "abort"
-    await runner.cleanup()  # lets the handlers send their last event (up to shutdown_timeout)
+        await drain(app, args.shutdown_timeout, abort_now)
+        await engine.shutdown()  # what is left ends now: each stream's last event says finish_reason "abort"
+    await runner.cleanup()  # lets the handlers send their last event (up to 5 s)
     if died:
         raise SystemExit(1)
+
+
+async def drain(app: web.Application, timeout: float, abort_now: asyncio.Event) -> None:
+    """Wait for the requests in flight to finish, for up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    if app["in_flight"]:
+        log.info("shutting down: refusing new requests; %d in flight get up to %.0f s to finish",
+                 len(app["in_flight"]), timeout)
+    while app["in_flight"] and time.monotonic() < deadline and not abort_now.is_set():
+        await asyncio.sleep(0.05)
+    if app["in_flight"]:
+        log.info("shutting down: aborting %d request(s) still in flight", len(app["in_flight"]))
+    else:
+        log.info("shutting down: no request in flight")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.shutdown_timeout >= 0:  # also refuses nan
+        parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("taxirank").setLevel(args.log_level.upper())
+    # A signal during start-up (download, warm-up) stops it as Ctrl-C does: nothing is in
+    # flight yet, so there is nothing to wait for; the exit is as clean as a later one.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
         # Loads, sizes the KV cache and compiles every shape (blocking); it logs the model,
@@ -531,6 +568,9 @@ def main(argv: list[str] | None = None) -> None:
         engine = AsyncEngine(config, log=log.info)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad flag, model path or download: say so
         parser.error(str(e))
+    except KeyboardInterrupt:
+        log.info("stopped during start-up")
+        raise SystemExit(0) from None
     # As vLLM after warm-up (freeze_gc_heap): the start-up heap (the model's Python objects,
     # the tokenizer, JAX's caches) moves to the permanent generation, so the collections
     # the step loop's per-step objects trigger never walk it again.
@@ -539,7 +579,10 @@ def main(argv: list[str] | None = None) -> None:
     if config.process_id > 0:  # multi-host: only process 0 serves; the others run its steps
         engine.follow()
         return
-    asyncio.run(serve(engine, args))
+    try:
+        asyncio.run(serve(engine, args))
+    except KeyboardInterrupt:  # a signal before serve() took the signals over: nothing was admitted yet
+        raise SystemExit(0) from None
 
 
 if __name__ == "__main__":

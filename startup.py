@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 import checkpoint
 import distributed
+import gguf_loader
 from config import EngineConfig
 from kvcache import describe, measure_activation_bytes, num_kv_blocks_for
 from metrics import EngineStats
@@ -87,9 +88,12 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     return EngineParts(config, loaded, scheduler, runner, stats, num_blocks)
 
 
-def use_compilation_cache(path: str) -> None:
+def use_compilation_cache(path: str | None) -> None:
     """Persist compiled step programs across restarts (warm-up then takes seconds, not
-    minutes). Leaves a cache directory the process already chose (tests set one)."""
+    minutes). None: under $TAXIRANK_CACHE (~/.cache/taxirank), beside the built-in models.
+    Leaves a cache directory the process already chose (tests set one)."""
+    if path is None:
+        path = os.path.join(gguf_loader.cache_dir(), "jax")
     if path and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

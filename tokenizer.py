@@ -1,8 +1,13 @@
 """Tokenizers: a byte-level one for the built-in random-weight models, and transformers'
-AutoTokenizer for real checkpoints.
+fast tokenizers for real checkpoints (from a directory's tokenizer files, or built from a
+GGUF file's metadata).
 
 Both expose the same small surface the engine and server use: encode, decode,
 apply_chat_template, bos_token_id, eos_token_id.
+
+Nothing here needs torch: transformers' own GGUF reader does (it dequantizes tensors with
+it), so a GGUF file's tokenizer is built from metadata the `gguf` library reads, through
+transformers' torch-free GGUF-to-tokenizers converter.
 """
 
 from __future__ import annotations
@@ -53,16 +58,46 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def load_tokenizer(path: str) -> Any | None:
-    """transformers' AutoTokenizer when `path` holds tokenizer files or is a GGUF file
-    (transformers reads the tokenizer and chat template from its metadata), else None
-    (the engine then takes token-id prompts only)."""
+    """A transformers fast tokenizer when `path` holds tokenizer files or is a GGUF file
+    with a tokenizer, else None (the engine then takes token-id prompts only)."""
     if path.endswith(".gguf"):
-        from transformers import AutoTokenizer
+        import gguf_loader
 
-        folder, name = os.path.split(os.path.abspath(path))
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        metadata = gguf_loader.read_tokenizer_metadata(path)
+        return gguf_tokenizer(metadata) if metadata is not None else None
     if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         return None
+    _quiet_transformers()
     from transformers import AutoTokenizer  # slow import: only when needed
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def gguf_tokenizer(metadata: dict[str, Any]) -> Any:
+    """The tokenizer a GGUF file describes, from its `tokenizer.*` keys and
+    `general.architecture` (as gguf_loader.read_tokenizer_metadata returns them): the
+    same vocabulary, merges, special tokens, BOS/EOS and chat template that
+    `AutoTokenizer.from_pretrained(folder, gguf_file=name)` gives, without its torch import."""
+    _quiet_transformers()
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING, _SPECIAL_TOKENS,
+                                                                       convert_gguf_tokenizer)
+
+    # What transformers' get_gguf_tokenizer does with the metadata its own reader returns.
+    grouped = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in metadata}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokens, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokens.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary by default
+        config.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        config[name] = tokens["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokens)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+
+
+def _quiet_transformers() -> None:
+    # Without torch, importing transformers advises that "models won't be available":
+    # true, and irrelevant here (only its tokenizers are used).
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

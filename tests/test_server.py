@@ -33,8 +33,10 @@ API_KEY = "test-key"
 MAX_MODEL_LEN = 4096
 # Small shapes keep warm-up short on a CPU (token buckets 16..256, 4 slots), while a
 # long max_model_len lets a request run for seconds, so tests can watch it in flight.
+# A server stopped at the end of a test aborts what still runs at once (the shutdown
+# tests give their own --shutdown-timeout).
 SMALL = ["--model", "tiny", "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--enable-chunked-prefill",
-         "--max-num-batched-tokens", "256", "--block-size", "16", "--num-kv-blocks", "1024"]
+         "--max-num-batched-tokens", "256", "--block-size", "16", "--num-kv-blocks", "1024", "--shutdown-timeout", "0"]
 LONG = MAX_MODEL_LEN - 16  # max_tokens of a request meant to be still running when looked at
 # For the small Hugging Face checkpoints of conftest (max_position_embeddings 2048).
 HF_SMALL = ["--max-model-len", "128", "--max-num-batched-tokens", "128", "--num-kv-blocks", "64", "--no-warmup"]
@@ -73,13 +75,15 @@ def request(server: Server, method: str, path: str, body: object = None, key: st
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, startup_timeout: float = 600) -> Iterator[Server]:
+def running_server(*flags: str, startup_timeout: float = 600, env: dict[str, str] | None = None) -> Iterator[Server]:
     """`python server.py --port 0 ...` in a subprocess: the server binds a free port itself
     (no pick-release-bind race) and its 'ready' log line says which; ready once /health
-    answers 200. It inherits the tests' JAX compilation cache (conftest)."""
+    answers 200. It inherits the tests' JAX compilation cache (conftest) unless `env`
+    replaces the environment."""
     log = tempfile.NamedTemporaryFile("w", prefix="taxirank-server-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--port", "0", *SMALL, *flags],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env=(os.environ if env is None else env) | {"PYTHONUNBUFFERED": "1"})
     server = Server(0, proc, log.name)
     try:
         deadline = time.monotonic() + startup_timeout
@@ -442,13 +446,15 @@ def test_prefix_cache_hits_show_in_cached_tokens_and_metrics_and_reset_forgets_t
 # ---- shutdown ---------------------------------------------------------------------------
 
 def test_sigterm_aborts_in_flight_with_a_final_event_and_exits_cleanly() -> None:
-    """Three streams and a non-streaming request in flight (all 4 slots): each stream ends
-    with a final "abort" event, the non-streaming request gets its whole response with
+    """Three streams and a non-streaming request in flight (all 4 slots), a short
+    --shutdown-timeout: once it has passed, each stream ends with a final "abort" event, the non-streaming request gets its whole response with
     finish_reason "abort", and the process exits 0."""
     from concurrent.futures import ThreadPoolExecutor
 
     body = {"prompt": "long", "max_tokens": LONG, "ignore_eos": True, "logprobs": 0}
-    with running_server("--api-key", API_KEY, "--no-warmup") as srv, ThreadPoolExecutor(1) as pool:
+    # A grace period far shorter than these requests take: they are aborted when it ends.
+    with running_server("--api-key", API_KEY, "--no-warmup", "--shutdown-timeout", "0.2") as srv, \
+            ThreadPoolExecutor(1) as pool:
         with contextlib.ExitStack() as stack:
             streams = [stack.enter_context(open_stream(srv, body)) for _ in range(3)]
             for events in streams:
@@ -462,6 +468,57 @@ def test_sigterm_aborts_in_flight_with_a_final_event_and_exits_cleanly() -> None
         assert status == 200 and out["choices"][0]["finish_reason"] == "abort", out
         assert 0 < out["usage"]["completion_tokens"] < LONG
         assert srv.proc.wait(60) == 0, srv.log()
+
+
+def sse_events(resp: http.client.HTTPResponse) -> tuple[list[dict], bool]:
+    """Every event of an SSE stream read to its end, and whether it ended with [DONE]."""
+    events, done = [], False
+    for line in resp:
+        line = line.strip()
+        if not line:
+            continue
+        assert not done, f"data after [DONE]: {line!r}"
+        if line == b"data: [DONE]":
+            done = True
+        elif line.startswith(b"data: "):
+            events.append(json.loads(line[6:]))
+    return events, done
+
+
+def test_sigterm_lets_requests_in_flight_finish_refuses_new_ones_and_a_second_signal_aborts_the_rest() -> None:
+    """Two streams in flight at SIGTERM, a long grace period: new requests and /health get
+    503 at once; the short stream gets every one of its tokens; the long one keeps running
+    until a second SIGTERM aborts it (a final "abort" event, then [DONE]); exit code 0."""
+    short, long_ = ({"prompt": p, "max_tokens": n, "ignore_eos": True, "logprobs": 0, "stream": True}
+                    for p, n in (("short", 200), ("long", LONG)))
+    with running_server("--api-key", API_KEY, "--no-warmup", "--shutdown-timeout", "600") as srv:
+        conns, resps, firsts = [], [], []
+        for body in (short, long_):
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+            conn.request("POST", "/v1/completions", body=json.dumps(body),
+                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+            conns.append(conn)
+            resps.append(conn.getresponse())
+            assert resps[-1].status == 200
+            firsts.append(json.loads(resps[-1].readline()[len(b"data: "):]))  # the first event: it runs
+        srv.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: request(srv, "GET", "/health", key=None)[0] == 503)
+        status, err = request(srv, "POST", "/v1/completions", {"prompt": "late", "max_tokens": 2})
+        assert status == 503 and err["error"]["type"] == "service_unavailable", err
+        wait_for(lambda: "2 in flight get up to 600 s to finish" in srv.log())  # both were running at SIGTERM
+
+        events, done = sse_events(resps[0])
+        assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in [firsts[0], *events]
+                   if e["choices"][0]["logprobs"]) == 200
+        assert srv.proc.poll() is None  # the long one is still being served
+
+        srv.proc.send_signal(signal.SIGTERM)
+        events, done = sse_events(resps[1])
+        assert done and events[-1]["choices"][0]["finish_reason"] == "abort"
+        assert srv.proc.wait(60) == 0, srv.log()
+        for conn in conns:
+            conn.close()
 
 
 # ---- Hugging Face checkpoints: their tokenizer and chat template, or none -----------------

