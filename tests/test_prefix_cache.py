@@ -280,7 +280,7 @@ def workload() -> tuple[list[list[int]], list[SamplingParams], list[list[int]]]:
     questions = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(4, 12, 6)]
     exact = rng.integers(3, 500, 32).tolist()
     first = [system + q for q in questions] + [exact]
-    params = [SamplingParams(max_tokens=int(n), ignore_eos=True) for n in (30, 40, 20, 50, 35, 25, 40)]
+    params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in (30, 40, 20, 50, 35, 25, 40)]
     return first, params, exact
 
 
@@ -289,7 +289,7 @@ def run(llm) -> tuple[list[list[int]], list[list[int]], list]:
     outs1 = llm.generate(first, params)
     rng = np.random.default_rng(1)
     turns = [first[i] + outs1[i].token_ids + rng.integers(3, 500, 6).tolist() for i in range(3)]
-    outs2 = llm.generate([exact] + turns, SamplingParams(max_tokens=8, ignore_eos=True))
+    outs2 = llm.generate([exact] + turns, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     return [o.token_ids for o in outs1], [o.token_ids for o in outs2], outs1 + outs2
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -155,10 +156,34 @@ def open_stream(server: Server, body: dict) -> Iterator[Iterator[dict]]:
                 return
             if line.startswith(b"data: "):
                 yield json.loads(line[6:])
+        raise AssertionError("the stream ended without its data: [DONE] terminator")
     try:
         yield events()
     finally:
         conn.close()  # mid-stream: the client is gone
+
+
+def sse(server: Server, path: str, body: dict) -> list[dict]:
+    """A whole SSE stream read to its end: its events, after checking that it ended with
+    OpenAI's `data: [DONE]` terminator and that every line was an event."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", path, body=json.dumps(body | {"stream": True}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    resp = conn.getresponse()
+    try:
+        assert resp.status == 200, resp.read()
+        assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+        lines = [line for line in resp.read().decode().split("\n\n") if line]
+    finally:
+        conn.close()
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    assert all(line.startswith("data: {") for line in lines[:-1]), lines
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def greedy_body(kw: dict) -> dict:
+    """The openai-client keyword arguments of a request as a raw JSON body."""
+    return {k: v for k, v in kw.items() if k != "extra_body"} | kw.get("extra_body", {})
 
 
 @functools.cache
@@ -378,24 +403,17 @@ def test_client_disconnect_aborts_and_frees_slot_and_blocks(server: Server) -> N
     assert metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") < LONG
 
 
-METRIC_NAMES = (
-    [f"taxirank:{g}" for g in ("num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason",
-                               "kv_cache_usage_perc", "slot_utilization")]
-    + [f"taxirank:{c}_total" for c in ("num_preemptions", "prompt_tokens", "generation_tokens",
-                                       "prefix_cache_queries", "prefix_cache_hits", "request_success", "num_compilations", "num_steps", "prefill_tokens",
-                                       "decode_tokens", "padded_tokens")]
-    + [f"taxirank:{h}{suffix}" for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                                         "e2e_request_latency_seconds", "request_queue_time_seconds",
-                                         "iteration_tokens_total") for suffix in ("_bucket", "_sum", "_count")]
-)
+def test_metrics_endpoint_exports_exactly_the_pinned_families(server: Server) -> None:
+    from test_metrics import EXPORTED
 
-
-def test_metrics_parse_and_carry_every_name(server: Server) -> None:
-    names = {name for name, _ in scrape(server)}
-    assert not set(METRIC_NAMES) - names
+    status, text = request(server, "GET", "/metrics", key=None)
+    assert status == 200
+    families = {f.name: (f.type, f.documentation) for f in text_string_to_metric_families(text)}
+    assert families == EXPORTED
     m = scrape(server)
     assert {dict(labels)["reason"] for name, labels in m if name.endswith("waiting_by_reason")} == set(WAIT_REASONS)
     assert 0.0 <= metric(m, "kv_cache_usage_perc") <= 1.0
+    assert metric(m, "num_kv_blocks") == 1024 - 1  # --num-kv-blocks counts the null block
 
 
 def test_counters_move_by_exactly_what_was_served(server: Server, client: openai.OpenAI) -> None:
@@ -466,22 +484,82 @@ def test_sigterm_aborts_in_flight_with_a_final_event_and_exits_cleanly() -> None
 
 # ---- Hugging Face checkpoints: their tokenizer and chat template, or none -----------------
 
-def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template(hf_checkpoint) -> None:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template_and_transformers_logprobs(hf_checkpoint) -> None:
+    """The served numbers are transformers' numbers: every chosen token's logprob and the
+    top 5 equal a NumPy log_softmax of transformers' logits on the same checkpoint, in the
+    completion format and in the chat format, whole and streamed. And the length rules
+    at max_model_len 128: prompt + max_tokens exactly 128 runs to the end, one more is a
+    400; chat without max_tokens gets the rest of the context (vLLM's default);
+    max_completion_tokens is chat's newer name for max_tokens."""
+    from conftest import hf_greedy, hf_logits
     from transformers import AutoTokenizer
 
     path = hf_checkpoint("llama2", tokenizer=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    templated = "<|im_start|>user\nthe lazy dog<|im_end|>\n<|im_start|>assistant\n"  # conftest's ChatML
+    chat_prompt = tok.encode(templated, add_special_tokens=False)
+    prompt = [1, 5, 17, 42, 99, 7, 256, 31, 64, 11]
+    messages = [{"role": "user", "content": "the lazy dog"}]
     with running_server("--model", path, *HF_SMALL) as srv:
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         kw = dict(model=model, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
         whole = client.completions.create(prompt="the quick brown fox", **kw)
-        streamed = client.completions.create(prompt="the quick brown fox", stream=True, **kw)
-        assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
-        chat = client.chat.completions.create(messages=[{"role": "user", "content": "the lazy dog"}], **kw)
-    templated = "<|im_start|>user\nthe lazy dog<|im_end|>\n<|im_start|>assistant\n"  # conftest's ChatML
-    tok = AutoTokenizer.from_pretrained(path)
-    assert chat.usage.prompt_tokens == len(tok.encode(templated, add_special_tokens=False))
-    assert chat.usage.completion_tokens == 12
+        streamed = sse(srv, "/v1/completions", dict(prompt="the quick brown fox", **greedy_body(kw)))
+        assert "".join(c["choices"][0]["text"] for c in streamed) == whole.choices[0].text
+        chat = client.chat.completions.create(messages=messages, **kw)
+        lp_whole = request(srv, "POST", "/v1/completions", dict(prompt=prompt, logprobs=5, **greedy_body(kw)))[1]
+        lp_stream = sse(srv, "/v1/completions", dict(prompt=prompt, logprobs=5, **greedy_body(kw)))
+        chat_lp = request(srv, "POST", "/v1/chat/completions",
+                          dict(messages=messages, logprobs=True, top_logprobs=5, **greedy_body(kw)))[1]
+        chat_stream = sse(srv, "/v1/chat/completions",
+                          dict(messages=messages, logprobs=True, top_logprobs=5, **greedy_body(kw)))
+        exact = request(srv, "POST", "/v1/completions", {"prompt": list(range(3, 103)), "max_tokens": 28,
+                                                         "ignore_eos": True})
+        over = request(srv, "POST", "/v1/completions", {"prompt": list(range(3, 103)), "max_tokens": 29})
+        chat_default = request(srv, "POST", "/v1/chat/completions", {"messages": messages, "ignore_eos": True})[1]
+        newer = request(srv, "POST", "/v1/chat/completions", {"messages": messages, "ignore_eos": True,
+                                                              "max_completion_tokens": 5, "max_tokens": 9})[1]
+    assert chat.usage.prompt_tokens == len(chat_prompt) and chat.usage.completion_tokens == 12
+
+    def reference(prompt_ids: list[int]) -> tuple[list[int], np.ndarray]:
+        ids = hf_greedy(path, prompt_ids, 12)
+        return ids, log_softmax(hf_logits(path, prompt_ids + ids))[len(prompt_ids) - 1:-1]
+    ids, lsm = reference(prompt)
+    want_chosen = [lsm[i, t] for i, t in enumerate(ids)]
+    want_top = [np.sort(row)[::-1][:5] for row in lsm]
+    lp = lp_whole["choices"][0]["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    np.testing.assert_allclose(lp["token_logprobs"], want_chosen, atol=2e-4)
+    for top, want in zip(lp["top_logprobs"], want_top):  # keyed by text: tokens that decode alike share a key
+        assert all(np.isclose(want, v, atol=2e-4).any() for v in top.values()) and len(top) <= 5
+    streamed_lp = [c["choices"][0]["logprobs"] for c in lp_stream]
+    assert sum((x["tokens"] for x in streamed_lp), []) == lp["tokens"]
+    assert sum((x["token_logprobs"] for x in streamed_lp), []) == lp["token_logprobs"]
+    assert sum((x["top_logprobs"] for x in streamed_lp), []) == lp["top_logprobs"]
+
+    ids, lsm = reference(chat_prompt)
+    content = chat_lp["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tok.decode([t]) for t in ids]
+    np.testing.assert_allclose([c["logprob"] for c in content], [lsm[i, t] for i, t in enumerate(ids)], atol=2e-4)
+    np.testing.assert_allclose([[x["logprob"] for x in c["top_logprobs"]] for c in content],
+                               [np.sort(row)[::-1][:5] for row in lsm], atol=2e-4)
+    assert sum((c["choices"][0]["logprobs"]["content"] for c in chat_stream if c["choices"][0]["logprobs"]), []) \
+        == content
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chat_stream) == \
+        chat_lp["choices"][0]["message"]["content"]
+
+    assert exact[0] == 200 and exact[1]["usage"]["completion_tokens"] == 28, exact
+    assert exact[1]["choices"][0]["finish_reason"] == "length"
+    assert over[0] == 400 and over[1]["error"]["param"] == "max_tokens" and "129" in over[1]["error"]["message"]
+    assert chat_default["usage"]["completion_tokens"] == 128 - len(chat_prompt), chat_default
+    assert chat_default["choices"][0]["finish_reason"] == "length"
+    assert newer["usage"]["completion_tokens"] == 5, newer
 
 
 def test_a_checkpoint_without_tokenizer_takes_token_ids_and_answers_empty_text(hf_checkpoint) -> None:
