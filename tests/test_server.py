@@ -181,6 +181,23 @@ def sse(server: Server, path: str, body: dict) -> list[dict]:
     return [json.loads(line[6:]) for line in lines[:-1]]
 
 
+def assert_same_logprobs(got: object, want: object) -> None:
+    """The same JSON structure, strings and token ids equal, logprob values equal up to
+    float noise (two runs of one request may batch it into differently shaped steps)."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-5)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (got, want)
+        for k in want:
+            assert_same_logprobs(got[k], want[k])
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), (got, want)
+        for g, w in zip(got, want):
+            assert_same_logprobs(g, w)
+    else:
+        assert got == want
+
+
 def greedy_body(kw: dict) -> dict:
     """The openai-client keyword arguments of a request as a raw JSON body."""
     return {k: v for k, v in kw.items() if k != "extra_body"} | kw.get("extra_body", {})
@@ -222,31 +239,47 @@ def test_prompt_as_token_ids(client: openai.OpenAI) -> None:
     assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 4
 
 
-def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(client: openai.OpenAI) -> None:
-    whole = client.completions.create(prompt="The taxi rank", max_tokens=24, **greedy())
-    chunks = list(client.completions.create(prompt="The taxi rank", max_tokens=24, stream=True,
-                                            stream_options={"include_usage": True}, **greedy()))
-    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
-    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
-    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
-    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
-    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 24
-    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(server: Server) -> None:
+    """The tiny model's bytes are mostly not text, so the tokens are compared by their
+    logprobs (each token's value and its top 3): a different token shows there."""
+    body = dict(model="tiny", prompt="The taxi rank", max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    status, whole = request(server, "POST", "/v1/completions", body)
+    assert status == 200, whole
+    events = sse(server, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+    chunks, usage_chunk = events[:-1], events[-1]
+    choices = [c["choices"][0] for c in chunks]
+    want = whole["choices"][0]
+    assert "".join(c["text"] for c in choices) == want["text"]
+    assert_same_logprobs({k: sum((c["logprobs"][k] for c in choices), []) for k in ("tokens", "token_logprobs",
+                                                                                   "top_logprobs")},
+                         {k: want["logprobs"][k] for k in ("tokens", "token_logprobs", "top_logprobs")})
+    assert len(want["logprobs"]["token_logprobs"]) == 24
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # the rerun may hit the prefix cache
+    assert usage_chunk["choices"] == [] and [usage_chunk["usage"][k] for k in counts] == \
+        [whole["usage"][k] for k in counts]
+    assert whole["usage"]["completion_tokens"] == 24
 
 
-def test_chat_completion_whole_and_streamed(client: openai.OpenAI) -> None:
+def test_chat_completion_whole_and_streamed(server: Server) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    whole = client.chat.completions.create(messages=messages, max_tokens=12, **greedy())
-    msg = whole.choices[0]
-    assert msg.message.role == "assistant" and msg.finish_reason == "length"
-    assert whole.usage.completion_tokens == 12
+    body = dict(model="tiny", messages=messages, max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True,
+                top_logprobs=2)
+    status, whole = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 200, whole
+    msg = whole["choices"][0]
+    assert msg["message"]["role"] == "assistant" and msg["finish_reason"] == "length"
+    assert whole["usage"]["completion_tokens"] == 12 and len(msg["logprobs"]["content"]) == 12
 
-    chunks = list(client.chat.completions.create(messages=messages, max_tokens=12, stream=True,
-                                                 stream_options={"include_usage": True}, **greedy()))
-    assert chunks[0].choices[0].delta.role == "assistant"  # role first, then content
-    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == msg.message.content
-    assert chunks[-2].choices[0].finish_reason == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    events = sse(server, "/v1/chat/completions", body | {"stream_options": {"include_usage": True}})
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # role first, then content
+    choices = [e["choices"][0] for e in events[1:-1]]
+    assert "".join(c["delta"].get("content", "") for c in choices) == msg["message"]["content"]
+    assert_same_logprobs(sum((c["logprobs"]["content"] for c in choices if c["logprobs"]), []),
+                         msg["logprobs"]["content"])
+    assert choices[-1]["finish_reason"] == "length"
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # the rerun may hit the prefix cache
+    assert events[-1]["choices"] == [] and [events[-1]["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
@@ -538,10 +571,9 @@ def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template_and_transfo
     np.testing.assert_allclose(lp["token_logprobs"], want_chosen, atol=2e-4)
     for top, want in zip(lp["top_logprobs"], want_top):  # keyed by text: tokens that decode alike share a key
         assert all(np.isclose(want, v, atol=2e-4).any() for v in top.values()) and len(top) <= 5
+    keys = ("tokens", "token_logprobs", "top_logprobs")
     streamed_lp = [c["choices"][0]["logprobs"] for c in lp_stream]
-    assert sum((x["tokens"] for x in streamed_lp), []) == lp["tokens"]
-    assert sum((x["token_logprobs"] for x in streamed_lp), []) == lp["token_logprobs"]
-    assert sum((x["top_logprobs"] for x in streamed_lp), []) == lp["top_logprobs"]
+    assert_same_logprobs({k: sum((x[k] for x in streamed_lp), []) for k in keys}, {k: lp[k] for k in keys})
 
     ids, lsm = reference(chat_prompt)
     content = chat_lp["choices"][0]["logprobs"]["content"]
@@ -549,8 +581,8 @@ def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template_and_transfo
     np.testing.assert_allclose([c["logprob"] for c in content], [lsm[i, t] for i, t in enumerate(ids)], atol=2e-4)
     np.testing.assert_allclose([[x["logprob"] for x in c["top_logprobs"]] for c in content],
                                [np.sort(row)[::-1][:5] for row in lsm], atol=2e-4)
-    assert sum((c["choices"][0]["logprobs"]["content"] for c in chat_stream if c["choices"][0]["logprobs"]), []) \
-        == content
+    assert_same_logprobs(sum((c["choices"][0]["logprobs"]["content"] for c in chat_stream
+                              if c["choices"][0]["logprobs"]), []), content)
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chat_stream) == \
         chat_lp["choices"][0]["message"]["content"]
 
