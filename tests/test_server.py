@@ -393,6 +393,43 @@ def test_too_long_says_both_numbers(server: Server) -> None:
     assert str(MAX_MODEL_LEN) in err["error"]["message"] and "4100" in err["error"]["message"]
 
 
+def test_requests_as_large_as_the_whole_kv_cache_take_turns_and_a_larger_one_is_a_400() -> None:
+    """A cache of 8 usable blocks (128 tokens) at max_model_len 128, the smallest the
+    engine accepts (one whole sequence must fit). Two requests of exactly 128 tokens
+    each need all of it: they take turns, both finish, nothing hangs. One token more is
+    refused where it enters, streamed or not, before any status line."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from engine import AsyncEngine, EngineConfig
+    from server import build_app
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, max_num_batched_tokens=128,
+                                          num_kv_blocks=9, warmup=False), log=lambda *_: None)
+        await engine.start()
+        try:
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as client:
+                async def complete(prompt: list[int], max_tokens: int, **extra) -> tuple[int, dict]:
+                    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
+                    resp = await client.post("/v1/completions", json=body | extra)
+                    return resp.status, json.loads(await resp.text())
+                whole = [list(range(3, 103)), list(range(103, 203))]  # 100 prompt tokens + 28 = 128
+                outs = await asyncio.wait_for(asyncio.gather(*(complete(p, 28) for p in whole)), 300)
+                assert [(status, o["usage"]["completion_tokens"], o["choices"][0]["finish_reason"])
+                        for status, o in outs] == [(200, 28, "length")] * 2, outs
+                for extra in ({}, {"stream": True}):
+                    status, err = await complete(whole[0], 29, **extra)
+                    assert status == 400 and err["error"]["param"] == "max_tokens", (extra, err)
+                    assert "128" in err["error"]["message"] and "129" in err["error"]["message"]
+        finally:
+            await engine.shutdown()
+        assert engine.engine.scheduler.allocator.num_used == 0
+
+    asyncio.run(main())
+
+
 def test_api_key_missing_or_wrong_gets_401(server: Server) -> None:
     for key in (None, "wrong"):
         status, err = request(server, "POST", "/v1/completions", {"prompt": "hi"}, key=key)
