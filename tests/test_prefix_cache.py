@@ -369,3 +369,42 @@ def test_reset_prefix_cache_forgets_everything():
     assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].num_cached_tokens == 32
     assert llm.reset_prefix_cache()
     assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("aborted", ["first", "second"])
+def test_aborting_a_request_whose_blocks_are_shared_leaks_nothing_and_the_other_finishes_alike(aborted):
+    """Two requests share their first two blocks through the prefix cache. Aborting
+    either one mid-decode: the other still gives the tokens it gives alone, every block
+    comes back, and the shared prefix stays cached for the next request."""
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 500, 32).tolist()
+    prompts = {"first": prefix + rng.integers(3, 500, 5).tolist(), "second": prefix + rng.integers(3, 500, 7).tolist()}
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ref = make_llm(enable_prefix_caching=False)
+    alone = {rid: ref.generate([p], params)[0].token_ids for rid, p in prompts.items()}
+
+    llm = make_llm()
+    eng = llm.engine
+    got: dict[str, list[int]] = {"first": [], "second": []}
+
+    def step() -> None:
+        for d in eng.step():
+            got[d.request_id] += d.new_token_ids
+    eng.add_request("first", prompts["first"], params)
+    while len(got["first"]) < 3:
+        step()
+    eng.add_request("second", prompts["second"], params)
+    while len(got["second"]) < 3:
+        step()
+    first, second = eng.scheduler._seqs["first"], eng.scheduler._seqs["second"]
+    assert second.num_cached_tokens == 32 and first.block_table[:2] == second.block_table[:2]
+    eng.abort(aborted)
+    while eng.has_unfinished():
+        step()
+    other = "second" if aborted == "first" else "first"
+    assert got[other] == alone[other]
+    assert got[aborted] == alone[aborted][:len(got[aborted])] and len(got[aborted]) < 30
+    assert eng.scheduler.allocator.num_used == 0 and llm.stats.request_success["abort"] == 1
+    again = llm.generate([prompts[aborted]], params)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == alone[aborted]
+    assert eng.scheduler.allocator.num_used == 0
