@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Iterator
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 # Every scheduler step checks the global invariants (slots, no KV block leaked, block
 # coverage: scheduler.CHECK_ALL_INVARIANTS), which production skips for speed; server
@@ -160,26 +159,37 @@ def count_compilations() -> Iterator[list[str]]:
         monitoring.unregister_event_duration_listener(on_duration)
 
 
-_JAX_CACHE: str | None = None
+def jax_test_cache_dir() -> str:
+    """The tests' persistent compilation cache: kept between runs (a compile is the
+    biggest cost of a CPU test run, and the same small shapes recur in every run), beside
+    the user's model cache, keyed by the jaxlib version, since a cache written by another
+    XLA is never read back. Separate from the engine's default ~/.cache/taxirank/jax so
+    that tests never fill a user's serving cache, and the tests that need a cold cache
+    (restarts) make their own."""
+    import jaxlib
+
+    root = os.environ.get("TAXIRANK_CACHE") or os.path.expanduser("~/.cache/taxirank")
+    return os.path.join(root, f"jax-tests-{jaxlib.__version__}")
+
+
+# Hypothesis: the same examples on every run (derandomized), so a red suite is red for
+# the same reason when rerun. `pytest --hypothesis-profile=explore` draws new ones.
+settings.register_profile("derandomized", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("derandomized")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Many tests build an engine on the same small shapes: a persistent compilation cache
-    # turns every compile after the first into a cache hit (traces still count). It lives
-    # in a temporary directory for the session, shared with the server subprocesses
-    # through JAX's environment variables (the engine leaves a directory already chosen),
-    # so tests never write to the user's ~/.cache.
-    global _JAX_CACHE
-    _JAX_CACHE = tempfile.mkdtemp(prefix="taxirank-test-jax-")
-    os.environ.update(JAX_COMPILATION_CACHE_DIR=_JAX_CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    # Many tests build an engine on the same small shapes: with a persistent compilation
+    # cache every compile after the first (in this run or any earlier one) is a cache hit
+    # (traces still count). Server subprocesses share it through JAX's environment
+    # variables (the engine leaves a directory already chosen).
+    cache = jax_test_cache_dir()
+    os.makedirs(cache, exist_ok=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
+    jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    if _JAX_CACHE is not None:
-        shutil.rmtree(_JAX_CACHE, ignore_errors=True)

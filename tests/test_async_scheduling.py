@@ -137,10 +137,19 @@ def test_async_server_path_stop_strings_and_clients_leaving_mid_stream():
         assert reason == "stop" and stop[0] not in text and text == free[i][0][:free[i][0].find(stop[0])]
 
 
-def test_under_async_a_queued_request_takes_a_freed_seat_one_step_later():
+def test_async_scheduling_is_the_default_of_the_engine_and_of_the_server_flags():
+    from server import build_parser
+
+    assert EngineConfig().async_scheduling is True
+    assert build_parser().parse_args([]).async_scheduling is True
+    assert build_parser().parse_args(["--no-async-scheduling"]).async_scheduling is False
+
+
+def test_by_default_a_queued_request_takes_a_freed_seat_one_step_later():
+    """No async_scheduling argument: what LLM() does by default is what async scheduling
+    does (the synchronous loop would seat it one step earlier)."""
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=256, max_num_batched_tokens=256,
-              warmup=False, record_trace=True, async_scheduling=True)
-    assert llm.engine.config.async_scheduling
+              warmup=False, record_trace=True)
     llm.generate(mix_prompts(3), [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 10, 4)])
     trace = llm.engine.trace
     left = next(t for t in trace if "offline-0" in t.released)

@@ -150,18 +150,19 @@ def test_a_flood_with_random_hang_ups_serves_everyone_who_stays_and_leaks_nothin
                 "stream": True, "temperature": 0.8, "seed": i}
         async with session.post(f"{server.base}{C}", json=body) as resp:
             assert resp.status == 200
-            tokens, reason = 0, None
+            tokens, reason, done = 0, None, False
             async for line in resp.content:
                 if leaves and tokens >= hang_at[i]:
                     resp.close()  # the client hangs up mid-stream
                     return None
                 line = line.strip()
+                done = done or line == b"data: [DONE]"
                 if not line.startswith(b"data: {"):
                     continue
                 choice = json.loads(line[6:])["choices"][0]
                 tokens += len(choice["logprobs"]["tokens"]) if choice["logprobs"] else 0
                 reason = choice["finish_reason"] or reason
-            return tokens, reason
+            return tokens, reason if done else "no [DONE]"
 
     async def flood() -> list:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:

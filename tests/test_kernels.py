@@ -279,9 +279,8 @@ def ragged_batches(draw, num_seqs=len(RAGGED_SEQS), max_tokens=48, max_ctx=WIDTH
 @given(seqs=ragged_batches(), seed=st.integers(0, 2**16), R=st.sampled_from([1, 4, 8]),
        D=st.sampled_from([64, 128]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
 def test_random_ragged_batches(seqs, seed, R, D, dtype):
-    """Random batches over the GQA group sizes, head dims and dtypes of CONFIGS; not
-    derandomized, so every run explores new ones (a failure is kept in hypothesis' example
-    database and replayed first)."""
+    """Random batches over the GQA group sizes, head dims and dtypes of CONFIGS (the same
+    ones every run: conftest derandomizes; `--hypothesis-profile=explore` draws new ones)."""
     rng = np.random.default_rng(seed)
     scale = D ** -0.5
     q, kc, vc, bt, cu, kv_lens = ragged_case(rng, R, D, dtype, seqs=seqs)

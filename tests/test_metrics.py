@@ -1,9 +1,140 @@
-"""metrics.Histogram: the vectorised observe_many counts exactly as observe() one by one."""
+"""What /metrics exports: every name, its type, HELP line and histogram buckets pinned
+here (a dashboard breaks on any rename), and values that make sense after a workload
+(a request's first token comes before its last; counters only grow). Rendered through
+the collector the server registers and read back with Prometheus' own parser; the
+server test checks /metrics itself carries the same families."""
 
+from __future__ import annotations
+
+import math
+
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from metrics import ITL_BUCKETS, Histogram
+from engine import LLM, SamplingParams
+from metrics import ITL_BUCKETS, WAIT_REASONS, EngineStats, Histogram
+from server import EngineCollector
+
+# name (as the parser reports a family: counters without _total) -> (type, HELP)
+EXPORTED = {
+    "taxirank:num_requests_running": ("gauge", "Requests in the running batch."),
+    "taxirank:num_requests_waiting": ("gauge", "Requests waiting to be admitted."),
+    "taxirank:kv_cache_usage_perc": ("gauge", "Fraction of usable KV cache blocks in use (0..1)."),
+    "taxirank:slot_utilization": ("gauge", "Useful slot-steps / total slot-steps since start."),
+    "taxirank:num_kv_blocks": ("gauge", "Usable KV cache blocks (the null block excluded)."),
+    "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by what they wait for."),
+    "taxirank:num_preemptions": ("counter", "Sequences preempted (to be recomputed)."),
+    "taxirank:prompt_tokens": ("counter", "Prompt tokens of admitted requests."),
+    "taxirank:generation_tokens": ("counter", "Generated tokens."),
+    "taxirank:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache (first admissions)."),
+    "taxirank:prefix_cache_hits": ("counter", "Prompt tokens served from the prefix cache (first admissions)."),
+    "taxirank:num_compilations": ("counter", "XLA compilations of step functions."),
+    "taxirank:num_steps": ("counter", "Engine steps."),
+    "taxirank:num_decode_steps": ("counter", "Engine steps that carried no prompt tokens."),
+    "taxirank:prefill_tokens": ("counter", "Prompt tokens computed, recompute after preemption included."),
+    "taxirank:decode_tokens": ("counter", "Decode tokens computed."),
+    "taxirank:padded_tokens": ("counter", "Token rows computed only to fill a shape bucket."),
+    "taxirank:useful_slot_steps": ("counter", "Slot-steps whose sequence made progress."),
+    "taxirank:total_slot_steps": ("counter", "Slot-steps run (max_num_seqs per step)."),
+    "taxirank:request_success": ("counter", "Finished requests by finish reason."),
+    "taxirank:time_to_first_token_seconds": ("histogram", "Time to first token."),
+    "taxirank:inter_token_latency_seconds": ("histogram", "Time between consecutive output tokens."),
+    "taxirank:e2e_request_latency_seconds": ("histogram", "Arrival to last token."),
+    "taxirank:request_queue_time_seconds": ("histogram", "Arrival to first scheduled."),
+    "taxirank:iteration_tokens_total": ("histogram", "Tokens computed per engine step."),
+}
+# vLLM's bucket bounds for the same histograms, so its dashboards carry over.
+E2E = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+       1920.0, 7680.0]
+BUCKETS = {
+    "taxirank:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                             2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+    "taxirank:inter_token_latency_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                                             5.0, 7.5, 10.0, 20.0, 40.0, 80.0],
+    "taxirank:e2e_request_latency_seconds": E2E,
+    "taxirank:request_queue_time_seconds": E2E,
+    "taxirank:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+}
+LABELS = {"taxirank:num_requests_waiting_by_reason": ("reason", set(WAIT_REASONS)),
+          "taxirank:request_success": ("finished_reason", {"stop", "length", "abort"})}
+
+
+def render(stats: EngineStats) -> dict:
+    """family name -> parsed family, from the text the server's collector renders."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(stats))
+    return {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+
+
+def samples(families: dict) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+
+
+def cumulative(families: dict, name: str) -> list[tuple[float, float]]:
+    return [(float(s.labels["le"]), s.value) for s in families[name].samples if s.name == name + "_bucket"]
+
+
+def test_every_exported_name_type_help_and_bucket_bound_is_pinned():
+    fams = render(EngineStats())
+    assert {n: (f.type, f.documentation) for n, f in fams.items()} == EXPORTED
+    for name, bounds in BUCKETS.items():
+        assert [le for le, _ in cumulative(fams, name)] == [*bounds, math.inf], name
+    for name, (label, values) in LABELS.items():
+        assert {s.labels[label] for s in fams[name].samples} == values, name
+    for name, (kind, _) in EXPORTED.items():
+        suffixes = {"gauge": {""}, "counter": {"_total"}, "histogram": {"_bucket", "_sum", "_count"}}[kind]
+        assert {s.name.removeprefix(name) for s in fams[name].samples} == suffixes, name
+
+
+def test_values_after_a_workload_are_sane_and_counters_only_grow():
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256,
+              num_kv_blocks=64, warmup=False)
+    rng = np.random.default_rng(0)
+    lens = [3, 9, 17, 5, 12, 7]
+    prompts = [rng.integers(3, 250, int(n)).tolist() for n in rng.integers(4, 40, len(lens))]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
+    llm.generate(prompts[:3], params[:3])
+    first = render(llm.stats.snapshot())
+    llm.generate(prompts, params)
+    second = render(llm.stats.snapshot())
+    a, b = samples(first), samples(second)
+    assert a.keys() == b.keys()
+    grew = [k for k in a if not k[0].startswith(("taxirank:num_requests", "taxirank:kv_cache", "taxirank:slot",
+                                                 "taxirank:num_kv"))]
+    assert [k for k in grew if b[k] < a[k]] == [], "a counter or histogram went down"
+
+    def val(name: str, **labels: str) -> float:
+        return b[(name, tuple(sorted(labels.items())))]
+    n = 3 + len(lens)
+    assert val("taxirank:generation_tokens_total") == 2 * sum(lens[:3]) + sum(lens[3:])
+    assert val("taxirank:generation_tokens_total") - a[("taxirank:generation_tokens_total", ())] == sum(lens)
+    assert val("taxirank:request_success_total", finished_reason="length") == n
+    assert val("taxirank:num_kv_blocks") == 63 and val("taxirank:kv_cache_usage_perc") == 0
+    assert val("taxirank:num_requests_running") == val("taxirank:num_requests_waiting") == 0
+    assert 0 < val("taxirank:slot_utilization") <= 1
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert val(f"taxirank:{h}_count") == n, h
+    # every request's ITLs: one per token after its first
+    assert val("taxirank:inter_token_latency_seconds_count") == 2 * sum(lens[:3]) + sum(lens[3:]) - n
+    # Per request, queue time <= TTFT <= e2e: so at every bound, at least as many requests
+    # had queued by then as had their first token, and at least as many of those as had finished.
+    queue, ttft, e2e = (dict(cumulative(second, f"taxirank:{h}")) for h in
+                        ("request_queue_time_seconds", "time_to_first_token_seconds", "e2e_request_latency_seconds"))
+    for le in sorted(set(queue) & set(ttft) & set(e2e)):
+        assert queue[le] >= ttft[le] >= e2e[le], le
+    sums = [val(f"taxirank:{h}_sum") for h in ("request_queue_time_seconds", "time_to_first_token_seconds",
+                                                "e2e_request_latency_seconds")]
+    assert 0 <= sums[0] <= sums[1] <= sums[2]
+    steps = val("taxirank:num_steps_total")
+    assert val("taxirank:iteration_tokens_total_count") == steps
+    assert val("taxirank:iteration_tokens_total_sum") == val("taxirank:prefill_tokens_total") + \
+        val("taxirank:decode_tokens_total")
+    assert val("taxirank:total_slot_steps_total") == 4 * steps
+    assert val("taxirank:num_decode_steps_total") < steps
+
 
 # Values on and around the bucket bounds (Prometheus' `le`: a value equal to a bound
 # belongs to that bucket), far outside them, and anything in between.
@@ -20,3 +151,10 @@ def test_observe_many_equals_observe_one_by_one(vals):
     many.observe_many(vals)
     assert many.counts == one.counts and many.count == one.count
     assert abs(many.sum - one.sum) <= 1e-9 * max(1.0, abs(one.sum))
+
+
+@given(st.lists(values, max_size=50))
+def test_a_bucket_counts_the_values_at_or_below_its_bound(vals):
+    h = Histogram(ITL_BUCKETS)
+    h.observe_many(vals)
+    assert h.cumulative() == [(le, sum(v <= le for v in vals)) for le in [*ITL_BUCKETS, math.inf]]

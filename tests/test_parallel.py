@@ -39,7 +39,7 @@ def _worker(spec: dict) -> dict:
     for name, case in spec["cases"].items():
         t0 = time.perf_counter()
         llm = LLM(case["model"], log=lambda s: None, compilation_cache_dir=spec["cache"], **{**BASE, **case["kw"]})
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
         runner = llm.engine.runner
         params = nnx.state(llm.engine.loaded.model, nnx.Param)
         split = [x for x in jax.tree.leaves(params) if len(x.sharding.device_set) > 1
@@ -206,10 +206,10 @@ def _host(pid: int, port: int, model: str, cache: str) -> None:
     if pid > 0:
         llm.engine.follow()
         return
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     print(json.dumps([o.token_ids for o in outs]), flush=True)
     while True:
-        llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 
 
 def _free_port() -> int:

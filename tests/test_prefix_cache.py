@@ -280,7 +280,7 @@ def workload() -> tuple[list[list[int]], list[SamplingParams], list[list[int]]]:
     questions = [rng.integers(3, 500, int(n)).tolist() for n in rng.integers(4, 12, 6)]
     exact = rng.integers(3, 500, 32).tolist()
     first = [system + q for q in questions] + [exact]
-    params = [SamplingParams(max_tokens=int(n), ignore_eos=True) for n in (30, 40, 20, 50, 35, 25, 40)]
+    params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True) for n in (30, 40, 20, 50, 35, 25, 40)]
     return first, params, exact
 
 
@@ -289,7 +289,7 @@ def run(llm) -> tuple[list[list[int]], list[list[int]], list]:
     outs1 = llm.generate(first, params)
     rng = np.random.default_rng(1)
     turns = [first[i] + outs1[i].token_ids + rng.integers(3, 500, 6).tolist() for i in range(3)]
-    outs2 = llm.generate([exact] + turns, SamplingParams(max_tokens=8, ignore_eos=True))
+    outs2 = llm.generate([exact] + turns, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     return [o.token_ids for o in outs1], [o.token_ids for o in outs2], outs1 + outs2
 
 
@@ -368,3 +368,42 @@ def test_reset_prefix_cache_forgets_everything():
     assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].num_cached_tokens == 32
     assert llm.reset_prefix_cache()
     assert llm.generate([prompt], SamplingParams(max_tokens=2))[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("aborted", ["first", "second"])
+def test_aborting_a_request_whose_blocks_are_shared_leaks_nothing_and_the_other_finishes_alike(aborted):
+    """Two requests share their first two blocks through the prefix cache. Aborting
+    either one mid-decode: the other still gives the tokens it gives alone, every block
+    comes back, and the shared prefix stays cached for the next request."""
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 500, 32).tolist()
+    prompts = {"first": prefix + rng.integers(3, 500, 5).tolist(), "second": prefix + rng.integers(3, 500, 7).tolist()}
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ref = make_llm(enable_prefix_caching=False)
+    alone = {rid: ref.generate([p], params)[0].token_ids for rid, p in prompts.items()}
+
+    llm = make_llm()
+    eng = llm.engine
+    got: dict[str, list[int]] = {"first": [], "second": []}
+
+    def step() -> None:
+        for d in eng.step():
+            got[d.request_id] += d.new_token_ids
+    eng.add_request("first", prompts["first"], params)
+    while len(got["first"]) < 3:
+        step()
+    eng.add_request("second", prompts["second"], params)
+    while len(got["second"]) < 3:
+        step()
+    first, second = eng.scheduler._seqs["first"], eng.scheduler._seqs["second"]
+    assert second.num_cached_tokens == 32 and first.block_table[:2] == second.block_table[:2]
+    eng.abort(aborted)
+    while eng.has_unfinished():
+        step()
+    other = "second" if aborted == "first" else "first"
+    assert got[other] == alone[other]
+    assert got[aborted] == alone[aborted][:len(got[aborted])] and len(got[aborted]) < 30
+    assert eng.scheduler.allocator.num_used == 0 and llm.stats.request_success["abort"] == 1
+    again = llm.generate([prompts[aborted]], params)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == alone[aborted]
+    assert eng.scheduler.allocator.num_used == 0

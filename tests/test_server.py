@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -159,10 +160,51 @@ def open_stream(server: Server, body: dict) -> Iterator[Iterator[dict]]:
                 return
             if line.startswith(b"data: "):
                 yield json.loads(line[6:])
+        raise AssertionError("the stream ended without its data: [DONE] terminator")
     try:
         yield events()
     finally:
         conn.close()  # mid-stream: the client is gone
+
+
+def sse(server: Server, path: str, body: dict) -> list[dict]:
+    """A whole SSE stream read to its end: its events, after checking that it ended with
+    OpenAI's `data: [DONE]` terminator and that every line was an event."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", path, body=json.dumps(body | {"stream": True}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    resp = conn.getresponse()
+    try:
+        assert resp.status == 200, resp.read()
+        assert resp.getheader("Content-Type", "").startswith("text/event-stream")
+        lines = [line for line in resp.read().decode().split("\n\n") if line]
+    finally:
+        conn.close()
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    assert all(line.startswith("data: {") for line in lines[:-1]), lines
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def assert_same_logprobs(got: object, want: object) -> None:
+    """The same JSON structure, strings and token ids equal, logprob values equal up to
+    float noise (two runs of one request may batch it into differently shaped steps)."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-5)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (got, want)
+        for k in want:
+            assert_same_logprobs(got[k], want[k])
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), (got, want)
+        for g, w in zip(got, want):
+            assert_same_logprobs(g, w)
+    else:
+        assert got == want
+
+
+def greedy_body(kw: dict) -> dict:
+    """The openai-client keyword arguments of a request as a raw JSON body."""
+    return {k: v for k, v in kw.items() if k != "extra_body"} | kw.get("extra_body", {})
 
 
 @functools.cache
@@ -201,31 +243,47 @@ def test_prompt_as_token_ids(client: openai.OpenAI) -> None:
     assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 4
 
 
-def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(client: openai.OpenAI) -> None:
-    whole = client.completions.create(prompt="The taxi rank", max_tokens=24, **greedy())
-    chunks = list(client.completions.create(prompt="The taxi rank", max_tokens=24, stream=True,
-                                            stream_options={"include_usage": True}, **greedy()))
-    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
-    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
-    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
-    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
-    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 24
-    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(server: Server) -> None:
+    """The tiny model's bytes are mostly not text, so the tokens are compared by their
+    logprobs (each token's value and its top 3): a different token shows there."""
+    body = dict(model="tiny", prompt="The taxi rank", max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    status, whole = request(server, "POST", "/v1/completions", body)
+    assert status == 200, whole
+    events = sse(server, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+    chunks, usage_chunk = events[:-1], events[-1]
+    choices = [c["choices"][0] for c in chunks]
+    want = whole["choices"][0]
+    assert "".join(c["text"] for c in choices) == want["text"]
+    assert_same_logprobs({k: sum((c["logprobs"][k] for c in choices), []) for k in ("tokens", "token_logprobs",
+                                                                                   "top_logprobs")},
+                         {k: want["logprobs"][k] for k in ("tokens", "token_logprobs", "top_logprobs")})
+    assert len(want["logprobs"]["token_logprobs"]) == 24
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # the rerun may hit the prefix cache
+    assert usage_chunk["choices"] == [] and [usage_chunk["usage"][k] for k in counts] == \
+        [whole["usage"][k] for k in counts]
+    assert whole["usage"]["completion_tokens"] == 24
 
 
-def test_chat_completion_whole_and_streamed(client: openai.OpenAI) -> None:
+def test_chat_completion_whole_and_streamed(server: Server) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    whole = client.chat.completions.create(messages=messages, max_tokens=12, **greedy())
-    msg = whole.choices[0]
-    assert msg.message.role == "assistant" and msg.finish_reason == "length"
-    assert whole.usage.completion_tokens == 12
+    body = dict(model="tiny", messages=messages, max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True,
+                top_logprobs=2)
+    status, whole = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 200, whole
+    msg = whole["choices"][0]
+    assert msg["message"]["role"] == "assistant" and msg["finish_reason"] == "length"
+    assert whole["usage"]["completion_tokens"] == 12 and len(msg["logprobs"]["content"]) == 12
 
-    chunks = list(client.chat.completions.create(messages=messages, max_tokens=12, stream=True,
-                                                 stream_options={"include_usage": True}, **greedy()))
-    assert chunks[0].choices[0].delta.role == "assistant"  # role first, then content
-    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == msg.message.content
-    assert chunks[-2].choices[0].finish_reason == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    events = sse(server, "/v1/chat/completions", body | {"stream_options": {"include_usage": True}})
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # role first, then content
+    choices = [e["choices"][0] for e in events[1:-1]]
+    assert "".join(c["delta"].get("content", "") for c in choices) == msg["message"]["content"]
+    assert_same_logprobs(sum((c["logprobs"]["content"] for c in choices if c["logprobs"]), []),
+                         msg["logprobs"]["content"])
+    assert choices[-1]["finish_reason"] == "length"
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # the rerun may hit the prefix cache
+    assert events[-1]["choices"] == [] and [events[-1]["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
@@ -339,6 +397,43 @@ def test_too_long_says_both_numbers(server: Server) -> None:
     assert str(MAX_MODEL_LEN) in err["error"]["message"] and "4100" in err["error"]["message"]
 
 
+def test_requests_as_large_as_the_whole_kv_cache_take_turns_and_a_larger_one_is_a_400() -> None:
+    """A cache of 8 usable blocks (128 tokens) at max_model_len 128, the smallest the
+    engine accepts (one whole sequence must fit). Two requests of exactly 128 tokens
+    each need all of it: they take turns, both finish, nothing hangs. One token more is
+    refused where it enters, streamed or not, before any status line."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from engine import AsyncEngine, EngineConfig
+    from server import build_app
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, max_num_batched_tokens=128,
+                                          num_kv_blocks=9, warmup=False), log=lambda *_: None)
+        await engine.start()
+        try:
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as client:
+                async def complete(prompt: list[int], max_tokens: int, **extra) -> tuple[int, dict]:
+                    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
+                    resp = await client.post("/v1/completions", json=body | extra)
+                    return resp.status, json.loads(await resp.text())
+                whole = [list(range(3, 103)), list(range(103, 203))]  # 100 prompt tokens + 28 = 128
+                outs = await asyncio.wait_for(asyncio.gather(*(complete(p, 28) for p in whole)), 300)
+                assert [(status, o["usage"]["completion_tokens"], o["choices"][0]["finish_reason"])
+                        for status, o in outs] == [(200, 28, "length")] * 2, outs
+                for extra in ({}, {"stream": True}):
+                    status, err = await complete(whole[0], 29, **extra)
+                    assert status == 400 and err["error"]["param"] == "max_tokens", (extra, err)
+                    assert "128" in err["error"]["message"] and "129" in err["error"]["message"]
+        finally:
+            await engine.shutdown()
+        assert engine.engine.scheduler.allocator.num_used == 0
+
+    asyncio.run(main())
+
+
 def test_api_key_missing_or_wrong_gets_401(server: Server) -> None:
     for key in (None, "wrong"):
         status, err = request(server, "POST", "/v1/completions", {"prompt": "hi"}, key=key)
@@ -382,24 +477,17 @@ def test_client_disconnect_aborts_and_frees_slot_and_blocks(server: Server) -> N
     assert metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") < LONG
 
 
-METRIC_NAMES = (
-    [f"taxirank:{g}" for g in ("num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason",
-                               "kv_cache_usage_perc", "slot_utilization")]
-    + [f"taxirank:{c}_total" for c in ("num_preemptions", "prompt_tokens", "generation_tokens",
-                                       "prefix_cache_queries", "prefix_cache_hits", "request_success", "num_compilations", "num_steps", "prefill_tokens",
-                                       "decode_tokens", "padded_tokens")]
-    + [f"taxirank:{h}{suffix}" for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                                         "e2e_request_latency_seconds", "request_queue_time_seconds",
-                                         "iteration_tokens_total") for suffix in ("_bucket", "_sum", "_count")]
-)
+def test_metrics_endpoint_exports_exactly_the_pinned_families(server: Server) -> None:
+    from test_metrics import EXPORTED
 
-
-def test_metrics_parse_and_carry_every_name(server: Server) -> None:
-    names = {name for name, _ in scrape(server)}
-    assert not set(METRIC_NAMES) - names
+    status, text = request(server, "GET", "/metrics", key=None)
+    assert status == 200
+    families = {f.name: (f.type, f.documentation) for f in text_string_to_metric_families(text)}
+    assert families == EXPORTED
     m = scrape(server)
     assert {dict(labels)["reason"] for name, labels in m if name.endswith("waiting_by_reason")} == set(WAIT_REASONS)
     assert 0.0 <= metric(m, "kv_cache_usage_perc") <= 1.0
+    assert metric(m, "num_kv_blocks") == 1024 - 1  # --num-kv-blocks counts the null block
 
 
 def test_counters_move_by_exactly_what_was_served(server: Server, client: openai.OpenAI) -> None:
@@ -523,22 +611,81 @@ def test_sigterm_lets_requests_in_flight_finish_refuses_new_ones_and_a_second_si
 
 # ---- Hugging Face checkpoints: their tokenizer and chat template, or none -----------------
 
-def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template(hf_checkpoint) -> None:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template_and_transformers_logprobs(hf_checkpoint) -> None:
+    """The served numbers are transformers' numbers: every chosen token's logprob and the
+    top 5 equal a NumPy log_softmax of transformers' logits on the same checkpoint, in the
+    completion format and in the chat format, whole and streamed. And the length rules
+    at max_model_len 128: prompt + max_tokens exactly 128 runs to the end, one more is a
+    400; chat without max_tokens gets the rest of the context (vLLM's default);
+    max_completion_tokens is chat's newer name for max_tokens."""
+    from conftest import hf_greedy, hf_logits
     from transformers import AutoTokenizer
 
     path = hf_checkpoint("llama2", tokenizer=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    templated = "<|im_start|>user\nthe lazy dog<|im_end|>\n<|im_start|>assistant\n"  # conftest's ChatML
+    chat_prompt = tok.encode(templated, add_special_tokens=False)
+    prompt = [1, 5, 17, 42, 99, 7, 256, 31, 64, 11]
+    messages = [{"role": "user", "content": "the lazy dog"}]
     with running_server("--model", path, *HF_SMALL) as srv:
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         kw = dict(model=model, temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
         whole = client.completions.create(prompt="the quick brown fox", **kw)
-        streamed = client.completions.create(prompt="the quick brown fox", stream=True, **kw)
-        assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
-        chat = client.chat.completions.create(messages=[{"role": "user", "content": "the lazy dog"}], **kw)
-    templated = "<|im_start|>user\nthe lazy dog<|im_end|>\n<|im_start|>assistant\n"  # conftest's ChatML
-    tok = AutoTokenizer.from_pretrained(path)
-    assert chat.usage.prompt_tokens == len(tok.encode(templated, add_special_tokens=False))
-    assert chat.usage.completion_tokens == 12
+        streamed = sse(srv, "/v1/completions", dict(prompt="the quick brown fox", **greedy_body(kw)))
+        assert "".join(c["choices"][0]["text"] for c in streamed) == whole.choices[0].text
+        chat = client.chat.completions.create(messages=messages, **kw)
+        lp_whole = request(srv, "POST", "/v1/completions", dict(prompt=prompt, logprobs=5, **greedy_body(kw)))[1]
+        lp_stream = sse(srv, "/v1/completions", dict(prompt=prompt, logprobs=5, **greedy_body(kw)))
+        chat_lp = request(srv, "POST", "/v1/chat/completions",
+                          dict(messages=messages, logprobs=True, top_logprobs=5, **greedy_body(kw)))[1]
+        chat_stream = sse(srv, "/v1/chat/completions",
+                          dict(messages=messages, logprobs=True, top_logprobs=5, **greedy_body(kw)))
+        exact = request(srv, "POST", "/v1/completions", {"prompt": list(range(3, 103)), "max_tokens": 28,
+                                                         "ignore_eos": True})
+        over = request(srv, "POST", "/v1/completions", {"prompt": list(range(3, 103)), "max_tokens": 29})
+        chat_default = request(srv, "POST", "/v1/chat/completions", {"messages": messages, "ignore_eos": True})[1]
+        newer = request(srv, "POST", "/v1/chat/completions", {"messages": messages, "ignore_eos": True,
+                                                              "max_completion_tokens": 5, "max_tokens": 9})[1]
+    assert chat.usage.prompt_tokens == len(chat_prompt) and chat.usage.completion_tokens == 12
+
+    def reference(prompt_ids: list[int]) -> tuple[list[int], np.ndarray]:
+        ids = hf_greedy(path, prompt_ids, 12)
+        return ids, log_softmax(hf_logits(path, prompt_ids + ids))[len(prompt_ids) - 1:-1]
+    ids, lsm = reference(prompt)
+    want_chosen = [lsm[i, t] for i, t in enumerate(ids)]
+    want_top = [np.sort(row)[::-1][:5] for row in lsm]
+    lp = lp_whole["choices"][0]["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    np.testing.assert_allclose(lp["token_logprobs"], want_chosen, atol=2e-4)
+    for top, want in zip(lp["top_logprobs"], want_top):  # keyed by text: tokens that decode alike share a key
+        assert all(np.isclose(want, v, atol=2e-4).any() for v in top.values()) and len(top) <= 5
+    keys = ("tokens", "token_logprobs", "top_logprobs")
+    streamed_lp = [c["choices"][0]["logprobs"] for c in lp_stream]
+    assert_same_logprobs({k: sum((x[k] for x in streamed_lp), []) for k in keys}, {k: lp[k] for k in keys})
+
+    ids, lsm = reference(chat_prompt)
+    content = chat_lp["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tok.decode([t]) for t in ids]
+    np.testing.assert_allclose([c["logprob"] for c in content], [lsm[i, t] for i, t in enumerate(ids)], atol=2e-4)
+    np.testing.assert_allclose([[x["logprob"] for x in c["top_logprobs"]] for c in content],
+                               [np.sort(row)[::-1][:5] for row in lsm], atol=2e-4)
+    assert_same_logprobs(sum((c["choices"][0]["logprobs"]["content"] for c in chat_stream
+                              if c["choices"][0]["logprobs"]), []), content)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chat_stream) == \
+        chat_lp["choices"][0]["message"]["content"]
+
+    assert exact[0] == 200 and exact[1]["usage"]["completion_tokens"] == 28, exact
+    assert exact[1]["choices"][0]["finish_reason"] == "length"
+    assert over[0] == 400 and over[1]["error"]["param"] == "max_tokens" and "129" in over[1]["error"]["message"]
+    assert chat_default["usage"]["completion_tokens"] == 128 - len(chat_prompt), chat_default
+    assert chat_default["choices"][0]["finish_reason"] == "length"
+    assert newer["usage"]["completion_tokens"] == 5, newer
 
 
 def test_a_checkpoint_without_tokenizer_takes_token_ids_and_answers_empty_text(hf_checkpoint) -> None:
