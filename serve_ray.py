@@ -45,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.schema import LoggingConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -120,7 +121,10 @@ class PrefixAffinityRouter(RequestRouter):
         self.held: dict[ReplicaID, collections.OrderedDict[int, None]] = {}
 
     def _chunk_hashes(self, request: PendingRequest | None) -> list[int]:
-        prompt = next((a.prompt for a in request.args if isinstance(a, HttpRequest)), None) if request else None
+        # Read by attribute, as Ray Serve LLM's routers do: Ray Serve ships a router class by
+        # value, so HttpRequest here is a copy of the class the Ingress builds its requests from.
+        prompt = next((p for a in request.args if isinstance(p := getattr(a, "prompt", None), str)), None) \
+            if request else None
         hashes, h, n = [], 0, self.chunk_chars
         for i in range(0, len(prompt or "") - n + 1, n):  # whole chunks only
             h = hash((h, prompt[i:i + n]))
@@ -135,24 +139,31 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        # Ray Serve takes the shortest queue within the first rank that has room, so the
-        # fallback rank is "least loaded"; shuffled so that ties spread.
-        everyone = random.sample(candidate_replicas, len(candidate_replicas))
+        # The choice is made (and recorded) here rather than left to Ray Serve's pick within
+        # a rank, because the record must be in place before the next request is routed: a
+        # burst that shares a new prefix then follows its first request instead of spreading.
+        # Ray Serve tracks queue lengths from what it sent and what finished; unknown is idle.
+        queue = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas}
+        room = [r for r in candidate_replicas if queue[r.replica_id] < r.max_ongoing_requests] or candidate_replicas
+        shortest = min(queue[r.replica_id] for r in room)
         hashes = self._chunk_hashes(pending_request)
-        if not hashes:
-            return [everyone]
-        queue = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0 for r in everyone}
-        shortest = min(queue.values())
-        balanced = [r for r in everyone if queue[r.replica_id] - shortest <= self.imbalanced_threshold]
-        held = {r.replica_id: self._held_prefix(r.replica_id, hashes) for r in balanced}
+        held = {r.replica_id: self._held_prefix(r.replica_id, hashes) for r in room
+                if queue[r.replica_id] - shortest <= self.imbalanced_threshold}
         longest = max(held.values(), default=0)
-        if longest == 0:
-            return [everyone]
-        return [[r for r in balanced if held[r.replica_id] == longest], everyone]
+        if longest > 0:
+            best = [r for r in room if held.get(r.replica_id) == longest]
+        else:  # nothing held, or only by replicas too far behind: the least loaded
+            best = [r for r in room if queue[r.replica_id] == shortest]
+        best = [r for r in best if queue[r.replica_id] == min(queue[b.replica_id] for b in best)]
+        chosen = random.choice(best)
+        self._record(chosen.replica_id, hashes)
+        # Should the chosen one turn the request down (full), Ray Serve tries the rest,
+        # shortest queue first.
+        return [[chosen], [r for r in candidate_replicas if r is not chosen]]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+    def _record(self, replica_id: ReplicaID, hashes: list[int]) -> None:
         held = self.held.setdefault(replica_id, collections.OrderedDict())
-        for h in self._chunk_hashes(pending_request):
+        for h in hashes:
             held[h] = None
             held.move_to_end(h)
         while len(held) > self.max_chunks:
@@ -416,9 +427,12 @@ def plan(args: argparse.Namespace) -> Plan:
 def start(args: argparse.Namespace, the_plan: Plan) -> str:
     """Deploy the application on the connected Ray cluster; returns its base URL once every
     replica has warmed up."""
-    serve.start(http_options={"host": args.host, "port": args.port})
+    # Ray Serve's own INFO lines (one per request and per call) only under --log-level debug.
+    ray_logging = LoggingConfig(log_level="INFO" if args.log_level == "debug" else "WARNING",
+                                enable_access_log=args.log_level == "debug")
+    serve.start(http_options={"host": args.host, "port": args.port}, logging_config=ray_logging)
     engines = EngineReplica.options(**the_plan.options).bind(args, the_plan.config)
-    serve.run(Ingress.bind(engines), name=APP_NAME, route_prefix="/")
+    serve.run(Ingress.bind(engines), name=APP_NAME, route_prefix="/", logging_config=ray_logging)
     return f"http://{args.host}:{args.port}"
 
 
@@ -452,4 +466,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Through the module, not __main__: Ray pickles __main__'s classes by value, and the
+    # replicas must see the same HttpRequest class as the router.
+    import serve_ray
+
+    serve_ray.main()
