@@ -6,6 +6,7 @@ mid-run."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -24,6 +26,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]'")
 
 import serve_ray  # noqa: E402
+from ray.serve.request_router import PendingRequest  # noqa: E402
 from test_server import (API_KEY, ROOT, SMALL, Server, client, request, scrape,  # noqa: E402,F401
                          test_api_key_missing_or_wrong_gets_401, test_bad_input_gets_a_clear_error_and_the_next_request_is_served,
                          test_chat_completion_whole_and_streamed, test_completion_carries_text_usage_and_length_finish,
@@ -233,3 +236,49 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
 def test_server_py_never_imports_ray() -> None:
     code = "import sys, server; assert not [m for m in sys.modules if m.split('.')[0] == 'ray'], 'ray imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
+
+
+# ---- the routing policy alone ----------------------------------------------------------
+
+@dataclass
+class FakeReplica:
+    replica_id: str
+    max_ongoing_requests: int = 16
+
+
+class FakeQueueLengths(dict):
+    def get(self, replica_id: str) -> int | None:  # Ray Serve's cache: None when it does not know
+        return super().get(replica_id)
+
+
+def pending(prompt: str) -> PendingRequest:
+    body = json.dumps({"prompt": prompt}).encode()
+    request = serve_ray.HttpRequest("POST", "/v1/completions", (), body, serve_ray.routing_prompt(body))
+    return PendingRequest(args=[request], kwargs={}, metadata=None, future=None)
+
+
+def routed(router: serve_ray.PrefixAffinityRouter, replicas: list[FakeReplica], prompt: str) -> str:
+    ranks = asyncio.run(router.choose_replicas(replicas, pending(prompt)))
+    assert len(ranks[0]) == 1 and {r.replica_id for rank in ranks for r in rank} == {r.replica_id for r in replicas}
+    return ranks[0][0].replica_id
+
+
+def test_router_follows_the_longest_held_prefix_until_its_queue_runs_ahead_then_the_least_loaded() -> None:
+    router = serve_ray.PrefixAffinityRouter.__new__(serve_ray.PrefixAffinityRouter)
+    router.initialize_state(imbalanced_threshold=2)
+    router._replica_queue_len_cache = queue = FakeQueueLengths(a=0, b=1, c=5)
+    replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+    assert routed(router, replicas, "fresh " * 40) == "a"  # nothing held anywhere: the shortest queue
+    router.held.clear()
+    router._record("c", router._chunk_hashes(pending(SYSTEM)))
+    queue.update(a=0, b=0, c=1)
+    assert routed(router, replicas, SYSTEM + "one") == "c"  # held by c, within the threshold
+    queue["c"] = 3  # now 3 ahead of the shortest: load wins
+    second = routed(router, replicas, SYSTEM + "two")
+    assert second in {"a", "b"}  # which now holds the prefix too
+    queue.update(a=1, b=1)
+    del queue["c"]  # unknown counts as idle
+    assert routed(router, replicas, SYSTEM + "three") == "c"
+    queue["c"] = 1
+    assert routed(router, replicas, "x" * 10) in {"a", "b", "c"}  # too short to match: the least loaded
+    assert routed(router, replicas, SYSTEM + "four") in {"c", second}  # a holder, never the third replica
