@@ -392,12 +392,20 @@ _HISTOGRAMS = [
 
 
 class EngineCollector:
-    """Renders EngineStats.snapshot() at scrape time, so there is one set of numbers: the engine's."""
+    """Renders EngineStats.snapshot() at scrape time, so there is one set of numbers: the engine's.
 
-    def __init__(self, stats: EngineStats) -> None:
-        self.stats = stats
+    `labels` go on every sample (e.g. which replica of a fleet), so one scrape of several
+    engines keeps their series apart."""
+
+    def __init__(self, stats: EngineStats, labels: dict[str, str] | None = None) -> None:
+        self.stats, self.labels = stats, labels or {}
 
     def collect(self) -> Iterator[Metric]:
+        for family in self._families():
+            family.samples = [s._replace(labels=self.labels | s.labels) for s in family.samples]
+            yield family
+
+    def _families(self) -> Iterator[Metric]:
         s = self.stats.snapshot()
         for name, attr, doc in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
@@ -421,10 +429,11 @@ class EngineCollector:
 
 # ---- app, CLI, main ---------------------------------------------------------------
 
-def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None) -> web.Application:
+def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
+              metric_labels: dict[str, str] | None = None) -> web.Application:
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine.stats))
+    registry.register(EngineCollector(engine.stats, metric_labels))
     app.update(engine=engine, model_names=model_names, api_key=api_key, registry=registry,
                started=int(time.time()), stopping=asyncio.Event(), in_flight=set())
     app.router.add_post("/v1/completions", completions)
@@ -495,6 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags of build_parser() describe (raises ValueError if invalid)."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
     app = build_app(engine, args.served_model_name or [engine.model_name], args.api_key)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts
@@ -562,7 +576,7 @@ def main(argv: list[str] | None = None) -> None:
     # flight yet, so there is nothing to wait for; the exit is as clean as a later one.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+        config = engine_config(args)
         # Loads, sizes the KV cache and compiles every shape (blocking); it logs the model,
         # dtype, KV blocks and tokens, and the max concurrency at max_model_len as it goes.
         engine = AsyncEngine(config, log=log.info)

@@ -1,0 +1,201 @@
+"""Prefix-aware routing vs power-of-two choices over taxirank replicas under Ray Serve.
+
+    python bench/ray_routing.py                      # 2 replicas of tiny, ~5 min on 2 CPU cores
+    python bench/ray_routing.py --model bench --num-requests 96
+
+A shared-prefix workload: a few long system prompts, many requests each starting with one of
+them, in a fixed shuffled order, a fixed number in flight. The same requests go through
+`serve_ray.py --routing prefix` and `--routing power-of-two`, each started afresh, and the
+report puts side by side the fleet's prefix-cache hit rate (hits / queries summed over the
+replicas' /metrics, this run only) and TTFT p50/p90. Each replica's KV cache holds about half
+of the system prompts, as a fleet's caches do when the working set outgrows one replica:
+routing by prefix then keeps each prompt where it is cached, while spreading them makes every
+replica cycle through all of them. Start-up (launch to /health 200) of the Ray app is timed
+beside `server.py`'s with the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from client import Record, Server, free_port, stream_one
+from report import md_table, results_dir, summarize, text_table, write_json
+from workload import Request, token_ids, vocab_size_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def workload(args: argparse.Namespace) -> list[Request]:
+    rng = random.Random(args.seed)
+    vocab = vocab_size_of(args.model)
+    systems = [token_ids(rng, vocab, args.prefix_len) for _ in range(args.num_prefixes)]
+    return [Request(systems[rng.randrange(args.num_prefixes)] + token_ids(rng, vocab, args.suffix_len),
+                    args.max_tokens) for _ in range(args.num_requests)]
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
+            "--max-num-batched-tokens", "512", "--block-size", "16", "--num-kv-blocks", str(args.num_kv_blocks)]
+
+
+async def fleet_prefix_counts(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """(hits, queries) in prompt tokens, summed over every replica of the scrape."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    total = {"taxirank:prefix_cache_hits_total": 0.0, "taxirank:prefix_cache_queries_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in total:
+                total[s.name] += s.value
+    return total["taxirank:prefix_cache_hits_total"], total["taxirank:prefix_cache_queries_total"]
+
+
+async def wait_replicas(session: aiohttp.ClientSession, url: str, n: int, timeout: float = 300) -> None:
+    """Until /metrics carries n replicas (each announces itself to the Ingress on start)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+        if len({s.labels.get("replica") for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "taxirank:num_kv_blocks"}) >= n:
+            return
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"{n} replicas did not show in /metrics within {timeout:.0f}s")
+
+
+async def run_requests(session: aiohttp.ClientSession, url: str, requests: list[Request],
+                       concurrency: int) -> list[Record]:
+    t0, gate = time.perf_counter(), asyncio.Semaphore(concurrency)
+
+    async def one(req: Request) -> Record:
+        async with gate:
+            body = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0.0,
+                    "ignore_eos": True, "stream": True, "logprobs": 0}
+            return await stream_one(session, url, body, "logprobs", t0, Record("shared", req.max_tokens,
+                                                                                len(req.prompt_token_ids)))
+    return await asyncio.gather(*(one(r) for r in requests))
+
+
+def start(argv: list[str], port: int, log_dir: str, name: str) -> Server:
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    return Server([sys.executable, *argv], port, os.path.join(log_dir, f"{name}.log"), env=env, cwd=ROOT)
+
+
+def stop(server: Server) -> None:
+    """SIGTERM to the launcher alone first: serve_ray.py then shuts Ray Serve and Ray down in order."""
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            pass
+    server.stop()
+
+
+async def measure(args: argparse.Namespace, routing: str, requests: list[Request], log_dir: str) -> dict[str, Any]:
+    port = free_port()
+    argv = ["serve_ray.py", *engine_flags(args), "--num-replicas", str(args.num_replicas), "--routing", routing,
+            "--port", str(port), "--replica-cpus", "0"]
+    launched = time.perf_counter()
+    server = start(argv, port, log_dir, f"ray-{routing}")
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+            await server.wait_ready(session, timeout=1800)
+            await wait_replicas(session, server.url, args.num_replicas)
+            startup = time.perf_counter() - launched  # every replica serving
+            hits0, queries0 = await fleet_prefix_counts(session, server.url)
+            t0 = time.perf_counter()
+            records = await run_requests(session, server.url, requests, args.concurrency)
+            wall = time.perf_counter() - t0
+            hits, queries = await fleet_prefix_counts(session, server.url)
+    finally:
+        stop(server)
+    errors = [r.error for r in records if r.error]
+    if errors:
+        raise RuntimeError(f"{routing}: {len(errors)} requests failed, e.g. {errors[0]} (see {server.log_path})")
+    return {"routing": routing, "startup_s": startup, "wall_s": wall,
+            "hit_rate": (hits - hits0) / max(queries - queries0, 1),
+            "ttft": summarize([r.ttft for r in records]), "e2e": summarize([r.e2e for r in records])}
+
+
+async def server_startup(args: argparse.Namespace, log_dir: str) -> float:
+    port = free_port()
+    server = start(["server.py", *engine_flags(args), "--port", str(port)], port, log_dir, "server")
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            return await server.wait_ready(session, timeout=1800)
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--num-replicas", type=int, default=2)
+    p.add_argument("--num-prefixes", type=int, default=8, help="distinct system prompts")
+    p.add_argument("--prefix-len", type=int, default=1024, help="tokens per system prompt")
+    p.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own question")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--num-kv-blocks", type=int,
+                   help="per replica; default: room for half the system prompts plus the requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    for name in ("num_replicas", "num_prefixes", "prefix_len", "suffix_len", "num_requests", "max_tokens",
+                 "concurrency", "max_num_seqs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    blocks_per_prompt = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // 16)
+    if args.num_kv_blocks is None:
+        args.num_kv_blocks = 1 + blocks_per_prompt * (args.num_prefixes // 2 + args.max_num_seqs)
+    if args.num_kv_blocks <= blocks_per_prompt * args.max_num_seqs:
+        p.error(f"--num-kv-blocks {args.num_kv_blocks} cannot hold --max-num-seqs requests of {blocks_per_prompt} blocks")
+
+    requests = workload(args)
+    log_dir = tempfile.mkdtemp(prefix="taxirank-ray-routing-")
+    # server.py first fills the compilation cache, so every start-up timed below compiles
+    # nothing: the figures compare what each launcher adds, not compile times.
+    cold = asyncio.run(server_startup(args, log_dir))
+    runs = [asyncio.run(measure(args, routing, requests, log_dir)) for routing in ("prefix", "power-of-two")]
+    plain = asyncio.run(server_startup(args, log_dir))
+
+    prefix, pow2 = runs
+    rows = [["routing", "prefix-cache hit rate", "TTFT p50", "TTFT p90", "e2e p50", "wall", "start-up"]]
+    for r in runs:
+        rows.append([r["routing"], f"{r['hit_rate']:.1%}", f"{r['ttft']['p50']:.3f} s", f"{r['ttft']['p90']:.3f} s",
+                     f"{r['e2e']['p50']:.3f} s", f"{r['wall_s']:.1f} s", f"{r['startup_s']:.1f} s"])
+    rows.append(["server.py (1 engine, no Ray)", "", "", "", "", "", f"{plain:.1f} s"])
+    caption = (f"start-up: launch until every engine serves (/health 200; the Ray app: every replica in "
+               f"/metrics), with the compilation cache warm (server.py's first start: {cold:.1f} s)")
+    hit_ratio = prefix["hit_rate"] / pow2["hit_rate"] if pow2["hit_rate"] else float("inf")
+    ttft_ratio = pow2["ttft"]["p50"] / prefix["ttft"]["p50"]
+    summary = (f"prefix / power-of-two hit rate: {hit_ratio:.2f}x (target >= 1.5x: {'PASS' if hit_ratio >= 1.5 else 'MISS'}); "
+               f"TTFT p50 power-of-two / prefix: {ttft_ratio:.2f}x (target > 1: {'PASS' if ttft_ratio > 1 else 'MISS'})")
+    setting = (f"{args.num_replicas} replicas of {args.model}, {args.num_requests} requests over {args.num_prefixes} "
+               f"system prompts of {args.prefix_len} tokens (+{args.suffix_len}, {args.max_tokens} out), "
+               f"{args.concurrency} in flight, {args.num_kv_blocks} KV blocks of 16 per replica")
+    print(setting + "\n\n" + text_table(rows) + "\n" + caption + "\n\n" + summary)
+    out = results_dir("ray_routing")
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(f"# Ray Serve routing\n\n{setting}\n\n{md_table(rows)}\n\n{caption}\n\n{summary}\n")
+    write_json(os.path.join(out, "results.json"), {"args": vars(args), "runs": runs, "server_startup_s": plain, "server_cold_startup_s": cold,
+                                                   "hit_ratio": hit_ratio, "ttft_p50_ratio": ttft_ratio})
+    print(f"\nwritten to {out}/ (servers' logs in {log_dir})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+"""taxirank replicas under Ray Serve: one OpenAI endpoint, N engines, routed by prefix and load.
+
+    python serve_ray.py --model tiny --num-replicas 2                  # a local Ray instance
+    python serve_ray.py --model bench --min-replicas 1 --max-replicas 4  # autoscaled
+    python serve_ray.py --ray-address auto ...                         # join a running cluster
+
+Every server.py flag means the same here; `python serve_ray.py --help` lists the Ray ones.
+
+Two deployments. `Engine` replicas each run one AsyncEngine behind server.py's own aiohttp
+app (same routes, streaming, error JSON, /health, per-replica /metrics), bound to the node's
+address on a free port. `Ingress` (one replica, no engine) takes HTTP from Ray Serve's proxy
+and hands each request to an Engine replica through a deployment handle. The hop through a
+handle is what lets a router read the prompt: Ray Serve's proxy routes on the URL alone. The
+Engine replica relays the request to its own aiohttp app over loopback, so request handling
+lives in server.py only. The Ingress answers GET /metrics itself, merging every replica's
+metrics (each series labelled with its replica), and sends POST /reset_prefix_cache to all.
+
+Routing: PrefixAffinityRouter (the default) sends a prompt to the replica that was sent the
+longest prefix of it, unless that replica's queue is longer than the shortest by more than
+--imbalanced-threshold; otherwise to the least loaded. `--routing power-of-two` is Ray
+Serve's default router, the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import logging
+import os
+import random
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import ray
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.schema import LoggingConfig
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+import server
+from config import EngineConfig
+from engine import AsyncEngine
+from protocol import ApiError
+
+log = logging.getLogger("taxirank.serve_ray")
+
+APP_NAME = "taxirank"
+REPLICA_HEADER = "x-taxirank-replica"  # which replica answered: for clients, tests and benches
+ANNOUNCE_INTERVAL_S = 5.0  # an Engine replica re-announces its address to the Ingress this often
+# Headers that belong to one HTTP hop, not to the request or response they travel with.
+HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+
+
+# ---- the request as it travels from the Ingress to an Engine replica ---------------
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """One HTTP request, relayed whole. `prompt` is what the router matches prefixes on
+    (None: nothing to match); the name is the one Ray Serve LLM's routers read too."""
+
+    method: str
+    path: str  # with the query string
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    prompt: str | None
+
+
+@dataclass(frozen=True)
+class HttpHead:
+    status: int
+    headers: tuple[tuple[str, str], ...]
+
+
+def routing_prompt(body: bytes) -> str | None:
+    """The body's prompt (completions) or messages (chat) as one string whose prefixes are
+    shared exactly when the requests' prompts share a prefix. JSON keeps the structure: a
+    shared system message is a shared prefix of the serialized message list."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return None  # the replica answers the 400
+    if not isinstance(parsed, dict):
+        return None
+    prompt = parsed.get("messages", parsed.get("prompt"))
+    return None if prompt is None else json.dumps(prompt, ensure_ascii=False, separators=(",", ":"))
+
+
+# ---- routing ----------------------------------------------------------------------
+
+class PrefixAffinityRouter(RequestRouter):
+    """Prefers the replica that holds the longest prefix of the prompt, unless its queue is
+    longer than the shortest by more than `imbalanced_threshold`; else the least loaded.
+
+    What a replica holds is what was routed to it: the chained hashes of the prompt's first
+    k * `chunk_chars` characters, k = 1, 2, ..., kept per replica up to `max_chunks` (LRU),
+    as SGLang's cache-aware router and Ray Serve LLM's PrefixCacheAffinityRouter keep theirs.
+    It runs in the caller's process (the Ingress) and asks the replicas nothing beyond the
+    queue lengths Ray Serve already tracks; a replica's own LRU may have evicted a prefix the
+    router still credits it with, which costs one miss, never a wrong answer.
+    """
+
+    def initialize_state(self, imbalanced_threshold: int = 8, chunk_chars: int = 64,
+                         max_chunks: int = 1 << 16) -> None:
+        if imbalanced_threshold < 0 or chunk_chars < 1 or max_chunks < 1:
+            raise ValueError(f"PrefixAffinityRouter: imbalanced_threshold >= 0, chunk_chars >= 1 and "
+                             f"max_chunks >= 1, got {imbalanced_threshold}, {chunk_chars}, {max_chunks}")
+        self.imbalanced_threshold, self.chunk_chars, self.max_chunks = imbalanced_threshold, chunk_chars, max_chunks
+        self.held: dict[ReplicaID, collections.OrderedDict[int, None]] = {}
+
+    def _chunk_hashes(self, request: PendingRequest | None) -> list[int]:
+        # Read by attribute, as Ray Serve LLM's routers do: Ray Serve ships a router class by
+        # value, so HttpRequest here is a copy of the class the Ingress builds its requests from.
+        prompt = next((p for a in request.args if isinstance(p := getattr(a, "prompt", None), str)), None) \
+            if request else None
+        hashes, h, n = [], 0, self.chunk_chars
+        for i in range(0, len(prompt or "") - n + 1, n):  # whole chunks only
+            h = hash((h, prompt[i:i + n]))
+            hashes.append(h)
+        return hashes
+
+    def _held_prefix(self, replica_id: ReplicaID, hashes: list[int]) -> int:
+        held, n = self.held.get(replica_id, {}), 0
+        while n < len(hashes) and hashes[n] in held:
+            n += 1
+        return n
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        # The choice is made (and recorded) here rather than left to Ray Serve's pick within
+        # a rank, because the record must be in place before the next request is routed: a
+        # burst that shares a new prefix then follows its first request instead of spreading.
+        # Ray Serve tracks queue lengths from what it sent and what finished; unknown is idle.
+        queue = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas}
+        room = [r for r in candidate_replicas if queue[r.replica_id] < r.max_ongoing_requests] or candidate_replicas
+        shortest = min(queue[r.replica_id] for r in room)
+        hashes = self._chunk_hashes(pending_request)
+        held = {r.replica_id: self._held_prefix(r.replica_id, hashes) for r in room
+                if queue[r.replica_id] - shortest <= self.imbalanced_threshold}
+        longest = max(held.values(), default=0)
+        if longest > 0:
+            best = [r for r in room if held.get(r.replica_id) == longest]
+        else:  # nothing held, or only by replicas too far behind: the least loaded
+            best = [r for r in room if queue[r.replica_id] == shortest]
+        best = [r for r in best if queue[r.replica_id] == min(queue[b.replica_id] for b in best)]
+        chosen = random.choice(best)
+        self._record(chosen.replica_id, hashes)
+        # Should the chosen one turn the request down (full), Ray Serve tries the rest,
+        # shortest queue first.
+        return [[chosen], [r for r in candidate_replicas if r is not chosen]]
+
+    def _record(self, replica_id: ReplicaID, hashes: list[int]) -> None:
+        held = self.held.setdefault(replica_id, collections.OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.max_chunks:
+            held.popitem(last=False)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        for gone in set(self.held) - {r.replica_id for r in replicas}:
+            del self.held[gone]  # a replaced replica starts with an empty cache
+
+
+# ---- the deployments --------------------------------------------------------------
+
+@serve.deployment(name="Engine", health_check_period_s=2.0, health_check_timeout_s=30.0)
+class EngineReplica:
+    """One AsyncEngine behind server.py's app, on this node's address and a free port."""
+
+    async def __init__(self, args: argparse.Namespace, config: EngineConfig) -> None:
+        logging.getLogger("taxirank").setLevel(args.log_level.upper())
+        context = serve.get_replica_context()
+        self.replica = context.replica_id.unique_id
+        # Loading and warm-up block for a while: off the event loop, so Ray Serve's calls
+        # into this replica are answered meanwhile.
+        self.engine = await asyncio.to_thread(AsyncEngine, config, log=log.info)
+        self.engine.on_death = lambda e: log.error("engine loop died: %r; check_health fails from now on", e)
+        app = server.build_app(self.engine, args.served_model_name or [self.engine.model_name], args.api_key,
+                               metric_labels={"replica": self.replica})
+        # handler_cancellation: a relay that goes away (client gone) aborts the request in the engine.
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
+        await self.engine.start()
+        await self.runner.setup()
+        host = ray.util.get_node_ip_address()
+        await web.TCPSite(self.runner, host, 0).start()
+        self.url = f"http://{host}:{self.runner.addresses[0][1]}"
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        ingress = serve.get_deployment_handle("Ingress", app_name=context.app_name)
+        self.announcer = asyncio.create_task(self._announce(ingress))
+        log.info("replica %s ready at %s", self.replica, self.url)
+
+    async def _announce(self, ingress: DeploymentHandle) -> None:
+        while True:  # again and again: a restarted Ingress learns the fleet within one interval
+            try:
+                await ingress.register.remote(self.url)
+            except Exception as e:  # the Ingress is (re)starting; the next round tells it
+                log.debug("announcing to the Ingress failed: %r", e)
+            await asyncio.sleep(ANNOUNCE_INTERVAL_S)
+
+    async def handle(self, request: HttpRequest) -> AsyncIterator[HttpHead | bytes]:
+        """The response to `request` from this replica's app: its head, then body bytes as
+        the app writes them (an SSE stream event by event)."""
+        async with self.session.request(request.method, self.url + request.path, headers=list(request.headers),
+                                        data=request.body) as resp:
+            headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS]
+            yield HttpHead(resp.status, tuple(headers) + ((REPLICA_HEADER, self.replica),))
+            async for data in resp.content.iter_any():
+                yield data
+
+    def check_health(self) -> None:
+        """Ray Serve replaces a replica whose check fails; its open streams already have
+        their error event (AsyncEngine ends each one when the loop dies)."""
+        if self.engine.error is not None:
+            raise RuntimeError(f"the engine loop died: {self.engine.error!r}")
+
+    async def __del__(self) -> None:
+        self.announcer.cancel()
+        await self.engine.shutdown()  # every in-flight stream gets its last event
+        await self.runner.cleanup()
+        await self.session.close()
+
+
+def _error(e: ApiError) -> Response:
+    return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
+
+
+def _replica_died(e: BaseException) -> ApiError:
+    return ApiError(f"the replica serving this request failed ({type(e).__name__}); retry it", 503,
+                    type="service_unavailable", code="replica_failed")
+
+
+@serve.deployment(name="Ingress", num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
+class Ingress:
+    """HTTP in, one Engine replica's answer out; /metrics and /reset_prefix_cache span all."""
+
+    def __init__(self, engines: DeploymentHandle) -> None:
+        self.engines = engines.options(stream=True)
+        self.replica_urls: set[str] = set()  # as each Engine replica announced itself
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+
+    def register(self, url: str) -> None:
+        self.replica_urls.add(url)
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS)
+        if request.method == "GET" and request.url.path == "/metrics":
+            return await self.fleet_metrics()
+        body = await request.body()
+        if request.method == "POST" and request.url.path == "/reset_prefix_cache":
+            return await self.reset_every_prefix_cache(path, headers)
+        responses: DeploymentResponseGenerator = self.engines.handle.remote(
+            HttpRequest(request.method, path, headers, body, routing_prompt(body)))
+        try:
+            head = await responses.__anext__()
+        except Exception as e:
+            log.warning("request to %s failed before its answer began: %r", path, e)
+            return _error(_replica_died(e))
+        if dict((k.lower(), v) for k, v in head.headers).get("content-type", "").startswith("text/event-stream"):
+            return StreamingResponse(self._relay(responses), status_code=head.status, headers=dict(head.headers))
+        try:
+            data = b"".join([chunk async for chunk in responses])
+        except Exception as e:
+            log.warning("request to %s failed mid-answer: %r", path, e)
+            return _error(_replica_died(e))
+        return Response(data, status_code=head.status, headers=dict(head.headers))
+
+    async def _relay(self, responses: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+        """An SSE stream as it comes; if the replica dies, an error event and [DONE], as
+        server.py ends a stream whose request failed after the status line went out."""
+        last = b"\n\n"
+        try:
+            async for last in responses:
+                yield last
+        except Exception as e:
+            log.warning("stream failed mid-answer: %r", e)
+            event = b"data: " + json.dumps(_replica_died(e).body()).encode() + b"\n\n"
+            yield (b"" if last.endswith(b"\n\n") else b"\n\n") + event + b"data: [DONE]\n\n"
+        finally:
+            responses.cancel()  # the client left early: the replica aborts the request
+
+    async def _each_replica(self, method: str, path: str, headers: tuple = ()) -> dict[str, tuple[int, bytes]]:
+        """`method path` on every announced replica: url -> (status, body); a replica that
+        does not answer is dropped until it announces itself again."""
+
+        async def one(url: str) -> tuple[int, bytes]:
+            async with self.session.request(method, url + path, headers=list(headers)) as resp:
+                return resp.status, await resp.read()
+
+        urls = sorted(self.replica_urls)
+        results = await asyncio.gather(*(one(url) for url in urls), return_exceptions=True)
+        answers = {}
+        for url, result in zip(urls, results):
+            if isinstance(result, BaseException):
+                log.info("replica at %s did not answer (%r); forgotten until it announces itself", url, result)
+                self.replica_urls.discard(url)
+            else:
+                answers[url] = result
+        return answers
+
+    async def fleet_metrics(self) -> Response:
+        families: dict[str, Metric] = {}
+        for status, text in (await self._each_replica("GET", "/metrics")).values():
+            for family in text_string_to_metric_families(text.decode()) if status == 200 else ():
+                if family.name in families:
+                    families[family.name].samples += family.samples
+                else:
+                    families[family.name] = family
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(list(families.values())))
+        return Response(generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def reset_every_prefix_cache(self, path: str, headers: tuple) -> Response:
+        answers = await self._each_replica("POST", path, headers)
+        if not answers:
+            return _error(ApiError("no replica is ready", 503, type="service_unavailable"))
+        status, body = max(answers.values(), key=lambda a: a[0])  # any refusal wins over the 200s
+        return Response(body, status_code=status, media_type="application/json" if body else None)
+
+
+class _Families:
+    """Already-collected metric families, for generate_latest."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+# ---- the application, CLI, main -------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """server.py's flags (the same meaning per replica; --host/--port are Ray Serve's
+    proxy) and the fleet's own."""
+    p = server.build_parser()
+    p.description = "taxirank: OpenAI-compatible server, N replicas under Ray Serve"
+    g = p.add_argument_group("Ray Serve")
+    g.add_argument("--num-replicas", type=int, help="fixed number of engine replicas (default 1; "
+                   "exclusive with --min-replicas/--max-replicas)")
+    g.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas")
+    g.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas")
+    g.add_argument("--target-ongoing-requests", type=float,
+                   help="autoscaling: requests per replica it aims at (default: --max-num-seqs)")
+    g.add_argument("--max-ongoing-requests", type=int,
+                   help="requests one replica is sent at most; the rest wait in the router (default: 2 x --max-num-seqs)")
+    g.add_argument("--routing", choices=["prefix", "power-of-two"], default="prefix",
+                   help="prefix: the replica holding the longest prefix of the prompt unless its queue is "
+                        "--imbalanced-threshold longer than the shortest, else the least loaded; "
+                        "power-of-two: Ray Serve's default (the shorter queue of two random replicas)")
+    g.add_argument("--imbalanced-threshold", type=int,
+                   help="prefix routing: queue-length lead at which load wins over a prefix (default: --max-num-seqs)")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per engine replica")
+    g.add_argument("--replica-gpus", type=float, default=0.0,
+                   help="Ray GPUs per engine replica (>= --tensor-parallel-size on GPUs)")
+    g.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` runs here); "
+                   "default: start a local Ray instance")
+    return p
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The Engine deployment's options, from validated flags."""
+
+    config: EngineConfig
+    options: dict[str, Any]
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Validate the flags (ValueError says which and why) and turn them into deployment options."""
+    config = server.engine_config(args)
+    if config.num_processes > 1 or config.distributed_coordinator is not None:
+        raise ValueError("multi-host replicas are not supported under Ray Serve: one replica is one process "
+                         "(use --tensor-parallel-size over its local devices)")
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be a fixed port (1..65535) for Ray Serve's proxy, got {args.port}")
+    autoscale = args.min_replicas is not None or args.max_replicas is not None
+    if autoscale and args.num_replicas is not None:
+        raise ValueError("--num-replicas is a fixed count; --min-replicas/--max-replicas autoscale: give one or the other")
+    if args.target_ongoing_requests is not None and not autoscale:
+        raise ValueError("--target-ongoing-requests needs autoscaling (--min-replicas/--max-replicas)")
+    if args.imbalanced_threshold is not None and args.routing != "prefix":
+        raise ValueError("--imbalanced-threshold applies to --routing prefix only")
+    for name in ("num_replicas", "max_ongoing_requests"):
+        if (v := getattr(args, name)) is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    for name in ("replica_cpus", "replica_gpus", "imbalanced_threshold"):
+        if (v := getattr(args, name)) is not None and v < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    options: dict[str, Any] = {
+        "max_ongoing_requests": args.max_ongoing_requests or 2 * config.max_num_seqs,
+        "ray_actor_options": {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
+    }
+    if autoscale:
+        lo = args.min_replicas if args.min_replicas is not None else 1
+        hi = args.max_replicas if args.max_replicas is not None else max(lo, 1)
+        if not 0 <= lo <= hi or hi < 1:
+            raise ValueError(f"need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1, got {lo}, {hi}")
+        target = args.target_ongoing_requests or float(config.max_num_seqs)
+        if target <= 0:
+            raise ValueError(f"--target-ongoing-requests must be > 0, got {target}")
+        options["autoscaling_config"] = AutoscalingConfig(min_replicas=lo, max_replicas=hi,
+                                                          target_ongoing_requests=target)
+    else:
+        options["num_replicas"] = args.num_replicas or 1
+    if args.routing == "prefix":
+        threshold = config.max_num_seqs if args.imbalanced_threshold is None else args.imbalanced_threshold
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter, request_router_kwargs={"imbalanced_threshold": threshold})
+    return Plan(config, options)
+
+
+def start(args: argparse.Namespace, the_plan: Plan) -> str:
+    """Deploy the application on the connected Ray cluster; returns its base URL once every
+    replica has warmed up."""
+    # Ray Serve's own INFO lines (one per request and per call) only under --log-level debug.
+    ray_logging = LoggingConfig(log_level="INFO" if args.log_level == "debug" else "WARNING",
+                                enable_access_log=args.log_level == "debug")
+    serve.start(http_options={"host": args.host, "port": args.port}, logging_config=ray_logging)
+    engines = EngineReplica.options(**the_plan.options).bind(args, the_plan.config)
+    serve.run(Ingress.bind(engines), name=APP_NAME, route_prefix="/", logging_config=ray_logging)
+    return f"http://{args.host}:{args.port}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        the_plan = plan(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("taxirank").setLevel(args.log_level.upper())
+    if args.ray_address is None:
+        # A local instance's workers start from this process's environment: let them import
+        # this checkout's modules as we do. On a cluster, install taxirank[ray] on every node.
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    ray.init(address=args.ray_address, include_dashboard=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        url = start(args, the_plan)
+        log.info("ready: %s  (%s)", url, "autoscaling" if "autoscaling_config" in the_plan.options
+                 else f"{the_plan.options['num_replicas']} replicas")
+        stop.wait()
+        log.info("shutting down")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    # Through the module, not __main__: Ray pickles __main__'s classes by value, and the
+    # replicas must see the same HttpRequest class as the router.
+    import serve_ray
+
+    serve_ray.main()

@@ -1,0 +1,284 @@
+"""taxirank under Ray Serve (serve_ray.py): two replicas of the tiny model on a local Ray
+instance that this module starts and stops. The same server tests run against it as
+against server.py (imported from tests/test_server.py, so they are the same code), then
+what only a fleet has: prefix routing, one /metrics for every replica, a replica killed
+mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]' (the test extra has it)")
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]'")
+
+import serve_ray  # noqa: E402
+from ray.serve.request_router import PendingRequest  # noqa: E402
+from test_server import (API_KEY, ROOT, SMALL, Server, client, request, scrape,  # noqa: E402,F401
+                         test_api_key_missing_or_wrong_gets_401, test_bad_input_gets_a_clear_error_and_the_next_request_is_served,
+                         test_chat_completion_whole_and_streamed, test_completion_carries_text_usage_and_length_finish,
+                         test_health_and_models_list_the_served_model, test_logprobs_cover_each_sampled_token,
+                         test_prompt_as_token_ids, test_seeded_sampling_is_reproducible,
+                         test_stop_string_across_token_boundaries_is_cut_and_never_partly_streamed,
+                         test_streamed_completion_equals_the_whole_one_and_ends_with_usage, test_too_long_says_both_numbers)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    """The Ray app, as a Server the imported tests can talk to."""
+    # The replicas are Ray workers started from this process's environment: they import
+    # this checkout's modules (and share the tests' JAX compilation cache) through it.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    port = free_port()
+    args = serve_ray.build_parser().parse_args([*SMALL, "--num-replicas", "2", "--port", str(port),
+                                                "--api-key", API_KEY])
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        serve_ray.start(args, serve_ray.plan(args))
+        yield Server(port, None, "")
+    finally:
+        serve_ray.serve.shutdown()
+        ray.shutdown()
+
+
+# ---- what only a fleet has -------------------------------------------------------------
+
+def by_replica(samples: dict, name: str) -> dict[str, float]:
+    """replica -> value of an unlabelled-per-replica metric in a fleet scrape."""
+    return {dict(labels)["replica"]: v for (n, labels), v in samples.items() if n == "taxirank:" + name}
+
+
+def post(server: Server, body: dict) -> tuple[int, dict, str]:
+    """POST /v1/completions: (status, JSON body, the replica that answered)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read()), resp.getheader(serve_ray.REPLICA_HEADER)
+    finally:
+        conn.close()
+
+
+def wait_for(cond, what: str, timeout: float = 600.0, every: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not reached: {what}"
+        time.sleep(every)
+
+
+def two_replicas_announced(server: Server) -> dict[str, float]:
+    wait_for(lambda: len(by_replica(scrape(server), "num_kv_blocks")) == 2, "both replicas in /metrics")
+    return by_replica(scrape(server), "num_kv_blocks")
+
+
+def test_one_metrics_scrape_sees_every_replica_by_label(server: Server) -> None:
+    replicas = two_replicas_announced(server)
+    samples = scrape(server)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hits_total",
+                 "time_to_first_token_seconds_count"):
+        assert set(by_replica(samples, name)) == set(replicas), name
+
+
+SYSTEM = "You are the dispatcher of a taxi rank. Answer in one short sentence, naming the rank. " * 3
+
+
+def test_prompts_sharing_a_prefix_go_to_the_replica_that_holds_it(server: Server) -> None:
+    two_replicas_announced(server)
+    first = post(server, {"prompt": SYSTEM + "Where is the rank?", "max_tokens": 2})
+    assert first[0] == 200
+    for question in ("How far is it?", "Is it open at night?", "Who runs it?"):
+        status, body, replica = post(server, {"prompt": SYSTEM + question, "max_tokens": 2})
+        assert (status, replica) == (200, first[2])
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(SYSTEM) // 16 * 16 - 16
+
+
+def test_reset_prefix_cache_reaches_every_replica(server: Server) -> None:
+    two_replicas_announced(server)
+    assert request(server, "POST", "/reset_prefix_cache")[0] == 200
+    status, body, _ = post(server, {"prompt": SYSTEM + "Where is the rank?", "max_tokens": 2})
+    assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@contextlib.contextmanager
+def streaming(server: Server, body: dict) -> Iterator[dict]:
+    """A streaming completion read on a thread: `state` has the replica once the head is in,
+    `events` as they come, `done` once the stream ended."""
+    state: dict = {"events": [], "done": threading.Event(), "replica": None, "head": threading.Event()}
+
+    def read() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body | {"stream": True}),
+                         {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+            resp = conn.getresponse()
+            state["status"], state["replica"] = resp.status, resp.getheader(serve_ray.REPLICA_HEADER)
+            state["head"].set()
+            for line in resp:
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    state["events"].append(json.loads(line[6:]))
+        finally:
+            conn.close()
+            state["head"].set()
+            state["done"].set()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        thread.join(600)
+
+
+def replica_pid(replica: str) -> int:
+    actor = ray.get_actor(f"SERVE_REPLICA::{serve_ray.APP_NAME}#Engine#{replica}", namespace="serve")
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def test_a_killed_replica_fails_its_requests_cleanly_the_other_serves_on_and_it_comes_back(server: Server) -> None:
+    replicas = set(two_replicas_announced(server))
+    # Two prompts held by different replicas: prefix routing then keeps each on its own.
+    homes: dict[str, str] = {}
+    for i in range(40):
+        prompt = f"Rank {i}: " + SYSTEM
+        status, _, replica = post(server, {"prompt": prompt, "max_tokens": 1})
+        assert status == 200
+        homes.setdefault(replica, prompt)
+        if len(homes) == 2:
+            break
+    assert len(homes) == 2, "40 fresh prompts all went to one replica: the router does not balance"
+    victim, survivor = sorted(homes)
+    long = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    short = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    with contextlib.ExitStack() as stack:
+        doomed = [stack.enter_context(streaming(server, {"prompt": homes[victim] + f" {i}"} | long)) for i in range(2)]
+        spared = [stack.enter_context(streaming(server, {"prompt": homes[survivor] + f" {i}"} | short))
+                  for i in range(2)]
+        wait_for(lambda: all(s["events"] or s["done"].is_set() for s in doomed + spared), "every stream under way")
+        assert [(s["status"], s["replica"]) for s in doomed + spared] == [(200, victim)] * 2 + [(200, survivor)] * 2
+        assert not any(s["done"].is_set() for s in doomed)
+        killed = time.monotonic()
+        os.kill(replica_pid(victim), signal.SIGKILL)
+        wait_for(lambda: all(s["done"].is_set() for s in doomed), "the victim's streams ended")
+        failed = time.monotonic() - killed
+        for s in doomed:  # a clear error event, after the tokens that made it out
+            assert s["status"] == 200 and s["events"][-1]["error"]["code"] == "replica_failed", s["events"][-1]
+        wait_for(lambda: all(s["done"].is_set() for s in spared), "the survivor's streams ended")
+    for s in spared:
+        assert s["events"][-1]["choices"][0]["finish_reason"] == "length"
+        assert not any("error" in e for e in s["events"])
+    # The fleet serves on while the victim is replaced.
+    status, _, replica = post(server, {"prompt": "still there?", "max_tokens": 2})
+    assert (status, replica) == (200, survivor)
+    wait_for(lambda: len(by_replica(scrape(server), "num_kv_blocks")) == 2
+             and set(by_replica(scrape(server), "num_kv_blocks")) != replicas, "a new replica in /metrics")
+    back = time.monotonic() - killed
+    assert victim not in by_replica(scrape(server), "num_kv_blocks")
+
+    def idle() -> bool:
+        samples = scrape(server)
+        return all(set(by_replica(samples, name).values()) == {0.0}
+                   for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+    wait_for(idle, "every replica's running, waiting and KV usage back to 0")
+    print(f"\nkilled replica: its streams ended with an error {failed:.2f} s after the kill; "
+          f"a replacement was serving {back:.1f} s after it")
+
+
+# ---- flags, and the plain install ------------------------------------------------------
+
+def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused() -> None:
+    def plan(*flags: str) -> serve_ray.Plan:
+        return serve_ray.plan(serve_ray.build_parser().parse_args(["--model", "tiny", *flags]))
+
+    fixed = plan("--num-replicas", "3", "--max-num-seqs", "8")
+    assert fixed.options["num_replicas"] == 3 and fixed.options["max_ongoing_requests"] == 16
+    assert fixed.options["request_router_config"].request_router_kwargs == {"imbalanced_threshold": 8}
+    auto = plan("--min-replicas", "1", "--max-replicas", "4", "--target-ongoing-requests", "6")
+    assert "num_replicas" not in auto.options
+    scaling = auto.options["autoscaling_config"]
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 4, 6)
+    assert "request_router_config" not in plan("--routing", "power-of-two").options  # Ray Serve's default
+    for flags, says in [(("--num-replicas", "2", "--max-replicas", "3"), "one or the other"),
+                        (("--target-ongoing-requests", "4"), "needs autoscaling"),
+                        (("--min-replicas", "3", "--max-replicas", "2"), "min-replicas"),
+                        (("--routing", "power-of-two", "--imbalanced-threshold", "2"), "prefix only"),
+                        (("--num-replicas", "0"), "num-replicas must be >= 1"),
+                        (("--replica-gpus", "-1"), "replica-gpus must be >= 0"),
+                        (("--port", "0"), "fixed port"),
+                        (("--distributed-coordinator", "h:1", "--num-processes", "2"), "multi-host"),
+                        (("--max-num-seqs", "0"), "max_num_seqs")]:
+        with pytest.raises(ValueError, match=says):
+            plan(*flags)
+    with pytest.raises(SystemExit) as exit_:  # main says so before it starts Ray
+        serve_ray.main(["--model", "tiny", "--port", "0"])
+    assert exit_.value.code == 2
+
+
+def test_server_py_never_imports_ray() -> None:
+    code = "import sys, server; assert not [m for m in sys.modules if m.split('.')[0] == 'ray'], 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
+
+
+# ---- the routing policy alone ----------------------------------------------------------
+
+@dataclass
+class FakeReplica:
+    replica_id: str
+    max_ongoing_requests: int = 16
+
+
+class FakeQueueLengths(dict):
+    def get(self, replica_id: str) -> int | None:  # Ray Serve's cache: None when it does not know
+        return super().get(replica_id)
+
+
+def pending(prompt: str) -> PendingRequest:
+    body = json.dumps({"prompt": prompt}).encode()
+    request = serve_ray.HttpRequest("POST", "/v1/completions", (), body, serve_ray.routing_prompt(body))
+    return PendingRequest(args=[request], kwargs={}, metadata=None, future=None)
+
+
+def routed(router: serve_ray.PrefixAffinityRouter, replicas: list[FakeReplica], prompt: str) -> str:
+    ranks = asyncio.run(router.choose_replicas(replicas, pending(prompt)))
+    assert len(ranks[0]) == 1 and {r.replica_id for rank in ranks for r in rank} == {r.replica_id for r in replicas}
+    return ranks[0][0].replica_id
+
+
+def test_router_follows_the_longest_held_prefix_until_its_queue_runs_ahead_then_the_least_loaded() -> None:
+    router = serve_ray.PrefixAffinityRouter.__new__(serve_ray.PrefixAffinityRouter)
+    router.initialize_state(imbalanced_threshold=2)
+    router._replica_queue_len_cache = queue = FakeQueueLengths(a=0, b=1, c=5)
+    replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+    assert routed(router, replicas, "fresh " * 40) == "a"  # nothing held anywhere: the shortest queue
+    router.held.clear()
+    router._record("c", router._chunk_hashes(pending(SYSTEM)))
+    queue.update(a=0, b=0, c=1)
+    assert routed(router, replicas, SYSTEM + "one") == "c"  # held by c, within the threshold
+    queue["c"] = 3  # now 3 ahead of the shortest: load wins
+    second = routed(router, replicas, SYSTEM + "two")
+    assert second in {"a", "b"}  # which now holds the prefix too
+    queue.update(a=1, b=1)
+    del queue["c"]  # unknown counts as idle
+    assert routed(router, replicas, SYSTEM + "three") == "c"
+    queue["c"] = 1
+    assert routed(router, replicas, "x" * 10) in {"a", "b", "c"}  # too short to match: the least loaded
+    assert routed(router, replicas, SYSTEM + "four") in {"c", second}  # a holder, never the third replica
