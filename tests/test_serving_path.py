@@ -112,12 +112,13 @@ OFFLINE = textwrap.dedent('''
     [answer] = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=48))
     continued = llm.chat(conversations, one, add_generation_prompt=False, continue_final_message=True)
     [templated] = llm.chat(question, one, chat_template=template)
+    [generated] = llm.generate(["The capital of France is"], one)
     hf = LLM(hf_dir, log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128,
              num_kv_blocks=64, warmup=False)
     [fox] = hf.generate(["the quick brown fox"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     print(json.dumps(dict(
         answer=[answer.text, answer.finish_reason], continued=[o.prompt_token_ids for o in continued],
-        templated=templated.prompt_token_ids, fox=[fox.prompt_token_ids, fox.token_ids, fox.text],
+        templated=templated.prompt_token_ids, generated=[generated.prompt_token_ids, generated.token_ids], fox=[fox.prompt_token_ids, fox.token_ids, fox.text],
         torch_loaded="torch" in sys.modules)))
 ''')
 
@@ -141,6 +142,8 @@ def test_without_torch_llm_chats_and_generates_from_a_gguf_file_and_an_hf_direct
                                        tokenize=False)
         assert ids == ref.encode(want, add_special_tokens=False)
     assert got["templated"] == ref.encode("[user] What is the capital of France?\n", add_special_tokens=False)
+    prompt, tokens = got["generated"]
+    assert prompt == ref.encode("The capital of France is") and len(tokens) == 1
 
     prompt, tokens, fox_text = got["fox"]
     assert tokens == hf_greedy(hf_dir, prompt, 8) and isinstance(fox_text, str)
