@@ -177,8 +177,6 @@ def text_agreement(a: dict, b: dict) -> dict[str, Any]:
     return {"compared": len(pairs), "identical": len(pairs) - len(diff),
             # the same prompt text made the same number of tokens on both (from usage; None: not reported)
             "prompt_tokens_equal": sum(x == y for x, y in known) if known else None, "prompt_tokens_compared": len(known),
-            "mean_common_prefix": (sum(len(os.path.commonprefix([x, y])) / max(len(x), len(y), 1) for _, x, y in pairs)
-                                   / len(pairs) if pairs else None),
             "first_difference": first}
 
 

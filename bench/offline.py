@@ -368,7 +368,7 @@ def table(results: dict[str, Any]) -> str:
     for name, sec in results["sections"].items():
         rows += ([[name, f"ERROR: {sec['error'][:80]}", "", "", "", ""]] if "error" in sec
                  else ratio_rows(sec["ratios"], name))
-    return text_table(rows)
+    return text_table(rows, left=2)
 
 
 def header(results: dict[str, Any]) -> str:

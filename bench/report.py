@@ -51,10 +51,11 @@ def ratio_rows(ratios: list[dict[str, Any]], label: str = "") -> list[list[str]]
              "" if r["pass"] is None else ("PASS" if r["pass"] else "MISS")] for r in ratios]
 
 
-def text_table(rows: list[list[str]]) -> str:
-    """Aligned columns, a rule under the header; the first column left, the rest right."""
+def text_table(rows: list[list[str]], left: int = 1) -> str:
+    """Aligned columns, a rule under the header; the first `left` columns (the names) to the
+    left, the figures to the right."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(x.ljust(n) if j == 0 else x.rjust(n) for j, (x, n) in enumerate(zip(r, widths))).rstrip()
+    lines = ["  ".join(x.ljust(n) if j < left else x.rjust(n) for j, (x, n) in enumerate(zip(r, widths))).rstrip()
              for r in rows]
     return "\n".join(lines[:1] + ["  ".join("-" * w for w in widths)] + lines[1:])
 

@@ -32,7 +32,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import machine_info, pyplot, results_dir, save_figure, summarize, write_json  # noqa: E402
+from report import machine_info, pyplot, results_dir, save_figure, summarize, text_table, write_json  # noqa: E402
+from workload import token_ids  # noqa: E402
 
 TARGET_RATIO = 4.0
 
@@ -109,8 +110,8 @@ def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int], log) -> dict[
     vocab = eng.model_config.vocab_size
     rng = random.Random(a.seed)  # the same prompts in both runs
     users = [f"user-{i:02d}" for i in range(a.users)]
-    user_prompts = [[rng.randrange(3, vocab) for _ in range(a.user_prompt_len)] for _ in users]
-    long_prompt = [rng.randrange(3, vocab) for _ in range(a.prompt_len)]
+    user_prompts = [token_ids(rng, vocab, a.user_prompt_len) for _ in users]
+    long_prompt = token_ids(rng, vocab, a.prompt_len)
 
     arrivals: dict[str, list[tuple[int, float]]] = {}  # request -> [(step, perf_counter at step return)]
     steps: list[dict[str, Any]] = []
@@ -266,12 +267,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary = dict(max_gap_ratio=ratio, target_ratio=TARGET_RATIO, meets_target=ratio >= TARGET_RATIO,
                        p99_ratio=off["itl_window"]["p99"] / on["itl_window"]["p99"],
                        ttft_ratio_on_over_off=on["ttft_s"] / off["ttft_s"])
-        log("")
-        log(f"{'':24}{'ITL p50':>10}{'ITL p99':>10}{'ITL max':>10}{'TTFT':>10}{'steps':>7}")
-        for m, r in (("chunked prefill off", off), ("chunked prefill on", on)):
-            w = r["itl_window"]
-            log(f"{m:24}{w['p50'] * 1e3:>8.0f}ms{w['p99'] * 1e3:>8.0f}ms{w['max'] * 1e3:>8.0f}ms{r['ttft_s']:>9.2f}s"
-                f"{r['prefill_steps']:>7}")
+        log("\n" + text_table([["", "ITL p50", "ITL p99", "ITL max", "TTFT", "steps"]] + [
+            [f"chunked prefill {m}", *(f"{r['itl_window'][q] * 1e3:.0f}ms" for q in ("p50", "p99", "max")),
+             f"{r['ttft_s']:.2f}s", str(r["prefill_steps"])] for m, r in (("off", off), ("on", on))]))
         log(f"max inter-token gap cut {ratio:.1f}x by chunked prefill (target >= {TARGET_RATIO:.0f}x: "
             f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}); the joiner's TTFT is "
             f"{summary['ttft_ratio_on_over_off']:.2f}x the unchunked one")

@@ -1,5 +1,6 @@
-"""bench/mixed.py at a tiny size: every variant starts a real server (the tiny model), streams
-a handful of requests, and results.json, report.md and the plots say what the full run does."""
+"""bench/mixed.py at a tiny size against real servers (taxirank's, transformers') and fake ones
+whose answers are known: the figures must match the requests sent (per-class counts, exact
+lengths, numpy's percentiles of the raw samples), and a server gets only what it takes."""
 
 from __future__ import annotations
 
