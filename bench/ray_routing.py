@@ -1,6 +1,6 @@
 """Prefix-aware routing vs power-of-two choices over taxirank replicas under Ray Serve.
 
-    python bench/ray_routing.py                      # 2 replicas of tiny, ~5 min on 2 CPU cores
+    python bench/ray_routing.py                      # 2 replicas of tiny, ~7 min on 2 busy CPU cores
     python bench/ray_routing.py --model bench --num-requests 96
 
 A shared-prefix workload: a few long system prompts, many requests each starting with one of
@@ -144,10 +144,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--num-replicas", type=int, default=2)
-    p.add_argument("--num-prefixes", type=int, default=8, help="distinct system prompts")
+    p.add_argument("--num-prefixes", type=int, default=16, help="distinct system prompts")
     p.add_argument("--prefix-len", type=int, default=1024, help="tokens per system prompt")
     p.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own question")
-    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--max-num-seqs", type=int, default=8)
