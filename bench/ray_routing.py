@@ -1,6 +1,6 @@
 """Prefix-aware routing vs power-of-two choices over taxirank replicas under Ray Serve.
 
-    python bench/ray_routing.py                      # 2 replicas of tiny, ~5 min on 2 CPU cores
+    python bench/ray_routing.py                      # 2 replicas of tiny, ~7 min on 2 busy CPU cores
     python bench/ray_routing.py --model bench --num-requests 96
 
 A shared-prefix workload: a few long system prompts, many requests each starting with one of
@@ -31,7 +31,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import Record, Server, free_port, stream_one
-from report import md_table, results_dir, summarize, text_table, write_json
+from report import md_table, summarize, text_table, write_json
 from workload import Request, token_ids, vocab_size_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,26 +144,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--num-replicas", type=int, default=2)
-    p.add_argument("--num-prefixes", type=int, default=8, help="distinct system prompts")
+    p.add_argument("--num-prefixes", type=int, default=16, help="distinct system prompts")
     p.add_argument("--prefix-len", type=int, default=1024, help="tokens per system prompt")
     p.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own question")
-    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--num-kv-blocks", type=int,
-                   help="per replica; default: room for half the system prompts plus the requests in flight")
+                   help="per replica; default: room for half the system prompts and one more, plus the "
+                        "in-flight requests' own tokens")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     for name in ("num_replicas", "num_prefixes", "prefix_len", "suffix_len", "num_requests", "max_tokens",
                  "concurrency", "max_num_seqs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    blocks_per_prompt = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // 16)
+    blocks_per_request = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // 16)
+    own_blocks = -(-(args.suffix_len + args.max_tokens) // 16) + 1  # beyond the shared prefix's full blocks
     if args.num_kv_blocks is None:
-        args.num_kv_blocks = 1 + blocks_per_prompt * (args.num_prefixes // 2 + args.max_num_seqs)
-    if args.num_kv_blocks <= blocks_per_prompt * args.max_num_seqs:
-        p.error(f"--num-kv-blocks {args.num_kv_blocks} cannot hold --max-num-seqs requests of {blocks_per_prompt} blocks")
+        args.num_kv_blocks = 1 + blocks_per_request * (args.num_prefixes // 2 + 1) + own_blocks * args.max_num_seqs
+    if args.num_kv_blocks <= blocks_per_request:
+        p.error(f"--num-kv-blocks {args.num_kv_blocks} cannot hold one request of {blocks_per_request} blocks")
 
     requests = workload(args)
     log_dir = tempfile.mkdtemp(prefix="taxirank-ray-routing-")
@@ -189,7 +191,8 @@ def main() -> None:
                f"system prompts of {args.prefix_len} tokens (+{args.suffix_len}, {args.max_tokens} out), "
                f"{args.concurrency} in flight, {args.num_kv_blocks} KV blocks of 16 per replica")
     print(setting + "\n\n" + text_table(rows) + "\n" + caption + "\n\n" + summary)
-    out = results_dir("ray_routing")
+    out = os.path.join(ROOT, "bench", "results", "ray_routing")  # this checkout's, whichever report.py is imported
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(f"# Ray Serve routing\n\n{setting}\n\n{md_table(rows)}\n\n{caption}\n\n{summary}\n")
     write_json(os.path.join(out, "results.json"), {"args": vars(args), "runs": runs, "server_startup_s": plain, "server_cold_startup_s": cold,

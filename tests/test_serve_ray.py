@@ -203,6 +203,28 @@ def test_a_killed_replica_fails_its_requests_cleanly_the_other_serves_on_and_it_
           f"a replacement was serving {back:.1f} s after it")
 
 
+
+def test_a_replica_whose_engine_loop_dies_fails_its_health_check_and_is_replaced(server: Server) -> None:
+    two_replicas_announced(server)
+    prompt = "Engine room: " + SYSTEM
+    status, _, victim = post(server, {"prompt": prompt, "max_tokens": 1})
+    assert status == 200
+
+    def break_the_engine(replica_actor: object) -> None:  # runs inside the replica's process
+        from ray import serve as ray_serve
+
+        def step() -> None:
+            raise RuntimeError("injected: the device fell over")
+        ray_serve.get_replica_context().servable_object.engine.engine.step = step
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{serve_ray.APP_NAME}#Engine#{victim}", namespace="serve")
+    ray.get(actor.__ray_call__.remote(break_the_engine))
+    status, body, replica = post(server, {"prompt": prompt + " again", "max_tokens": 4})  # the prefix's home
+    assert (status, replica) == (500, victim) and body["error"]["type"] == "internal_server_error", body
+    wait_for(lambda: len(fleet := by_replica(scrape(server), "num_kv_blocks")) == 2 and victim not in fleet,
+             "Ray Serve replaced the replica whose engine died")
+    assert post(server, {"prompt": prompt, "max_tokens": 2})[0] == 200
+
 # ---- flags, and the plain install ------------------------------------------------------
 
 def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused() -> None:
