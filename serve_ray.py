@@ -398,12 +398,17 @@ def plan(args: argparse.Namespace) -> Plan:
     for name in ("num_replicas", "max_ongoing_requests"):
         if (v := getattr(args, name)) is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if not args.shutdown_timeout >= 0:  # also refuses nan
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     for name in ("replica_cpus", "replica_gpus", "imbalanced_threshold"):
         if (v := getattr(args, name)) is not None and v < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
     options: dict[str, Any] = {
         "max_ongoing_requests": args.max_ongoing_requests or 2 * config.max_num_seqs,
         "ray_actor_options": {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
+        # server.py's --shutdown-timeout, kept by Ray Serve: a stopping replica takes no new
+        # requests and gives those in flight this long before __del__ aborts the rest.
+        "graceful_shutdown_timeout_s": args.shutdown_timeout,
     }
     if autoscale:
         lo = args.min_replicas if args.min_replicas is not None else 1

@@ -234,6 +234,8 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
     fixed = plan("--num-replicas", "3", "--max-num-seqs", "8")
     assert fixed.options["num_replicas"] == 3 and fixed.options["max_ongoing_requests"] == 16
     assert fixed.options["request_router_config"].request_router_kwargs == {"imbalanced_threshold": 8}
+    assert fixed.options["graceful_shutdown_timeout_s"] == 30.0  # server.py's --shutdown-timeout default
+    assert plan("--shutdown-timeout", "2.5").options["graceful_shutdown_timeout_s"] == 2.5
     auto = plan("--min-replicas", "1", "--max-replicas", "4", "--target-ongoing-requests", "6")
     assert "num_replicas" not in auto.options
     scaling = auto.options["autoscaling_config"]
@@ -245,6 +247,7 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
                         (("--routing", "power-of-two", "--imbalanced-threshold", "2"), "prefix only"),
                         (("--num-replicas", "0"), "num-replicas must be >= 1"),
                         (("--replica-gpus", "-1"), "replica-gpus must be >= 0"),
+                        (("--shutdown-timeout", "-1"), "shutdown-timeout must be >= 0"),
                         (("--port", "0"), "fixed port"),
                         (("--distributed-coordinator", "h:1", "--num-processes", "2"), "multi-host"),
                         (("--max-num-seqs", "0"), "max_num_seqs")]:
