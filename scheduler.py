@@ -183,8 +183,9 @@ class Scheduler:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and not self.policy.uses_priority:
-            raise ValueError(f"priority {priority} was given, but the {self.policy.name} scheduling policy "
-                             "does not read it (priority scheduling is not enabled: --scheduling-policy)")
+            readers = " or ".join(name for name, cls in POLICIES.items() if cls.uses_priority)
+            raise ValueError(f"priority {priority} was given, but priority scheduling is not enabled "
+                             f"(--scheduling-policy {readers}; {self.policy.name} does not read it)")
         if n == 0:
             raise ValueError("the prompt is empty")
         if self.vocab_size is not None:

@@ -301,7 +301,7 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
     seqs: dict[str, tuple[Sequence, SimRequest]] = {}
     times: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in CLOCKS}  # clock -> rid -> queue/first/tokens/done
 
-    def schedule():  # the step's features, read before update() moves the sequences on
+    def schedule():  # the step's features, read as schedule() returns it
         out = inner()
         feats.append(step_features(out, sched.num_running, cfg) if out.scheduled else None)
         for k, c in CLOCKS.items():
