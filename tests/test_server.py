@@ -183,9 +183,10 @@ def sse(server: Server, path: str, body: dict) -> list[dict]:
 
 def assert_same_logprobs(got: object, want: object) -> None:
     """The same JSON structure, strings and token ids equal, logprob values equal up to
-    float noise (two runs of one request may batch it into differently shaped steps)."""
+    float noise (two runs of one request may batch it into differently shaped steps, or
+    read its prompt from the prefix cache)."""
     if isinstance(want, float):
-        assert got == pytest.approx(want, abs=1e-5)
+        assert got == pytest.approx(want, abs=1e-4)
     elif isinstance(want, dict):
         assert isinstance(got, dict) and got.keys() == want.keys(), (got, want)
         for k in want:
