@@ -128,6 +128,16 @@ def hf_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def hf_server(hf_checkpoint):
+    """One server of the llama2 checkpoint without a tokenizer (prompts and answers by
+    token id) at test_server's HF_SMALL shapes, shared by every test that asks for it."""
+    from test_server import API_KEY, HF_SMALL, running_server
+
+    with running_server("--model", hf_checkpoint("llama2"), "--api-key", API_KEY, *HF_SMALL) as s:
+        yield s
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -632,15 +632,13 @@ def test_a_checkpoint_is_served_with_its_tokenizer_and_chat_template_and_transfo
     assert newer["usage"]["completion_tokens"] == 5, newer
 
 
-def test_a_checkpoint_without_tokenizer_takes_token_ids_and_answers_empty_text(hf_checkpoint) -> None:
-    path = hf_checkpoint("llama2")
-    with running_server("--model", path, *HF_SMALL) as srv:
-        for path_, body in (("/v1/completions", {"prompt": "hi"}),
-                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
-            status, err = request(srv, "POST", path_, body)
-            assert status == 400 and "tokenizer" in err["error"]["message"]
-        status, out = request(srv, "POST", "/v1/completions",
-                              {"prompt": [1, 5, 7], "max_tokens": 4, "ignore_eos": True, "logprobs": 0})
+def test_a_checkpoint_without_tokenizer_takes_token_ids_and_answers_empty_text(hf_server: Server) -> None:
+    for path_, body in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        status, err = request(hf_server, "POST", path_, body)
+        assert status == 400 and "tokenizer" in err["error"]["message"]
+    status, out = request(hf_server, "POST", "/v1/completions",
+                          {"prompt": [1, 5, 7], "max_tokens": 4, "ignore_eos": True, "logprobs": 0})
     assert status == 200, out
     assert out["choices"][0]["text"] == "" and out["usage"]["completion_tokens"] == 4
     assert all(t.startswith("token_id:") for t in out["choices"][0]["logprobs"]["tokens"])
