@@ -225,12 +225,17 @@ def test_health_and_models_list_the_served_model(server: Server, client: openai.
 
 
 def test_completion_carries_text_usage_and_length_finish(client: openai.OpenAI) -> None:
-    out = client.completions.create(prompt="Hello", max_tokens=8, **greedy())
+    out = client.completions.create(prompt="Hello", max_tokens=8, logprobs=0, **greedy())
     assert out.object == "text_completion" and out.model == "tiny"
     assert out.choices[0].finish_reason == "length"
-    # the text is the 8 tokens LLM.generate gives for the same prompt, decoded
-    ref = tiny_reference().generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    # the 8 tokens LLM.generate gives for the same prompt: the same text (mostly not
+    # characters, on the byte tokenizer) and the same tokens, told apart by their logprobs
+    ref = tiny_reference().generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                               logprobs=0))[0]
     assert out.choices[0].text == ref.text and len(ref.token_ids) == 8
+    text = functools.partial(token_text, tiny_reference().tokenizer)
+    assert out.choices[0].logprobs.tokens == [text(t) for t in ref.token_ids]
+    assert out.choices[0].logprobs.token_logprobs == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-5)
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(b"Hello") + 1, 8)  # + bos
     assert out.usage.total_tokens == out.usage.prompt_tokens + 8
 
