@@ -49,8 +49,8 @@ def test_a_multibyte_answer_streams_exactly_the_whole_answers_text_and_logprobs(
 
 
 def test_a_multibyte_prompt_is_answered_whole_and_streamed_alike(server: Server) -> None:
-    body = {"prompt": "Grüße aus Köln 😀, 你好世界! Résumé:", "max_tokens": 24, "temperature": 0.0, "ignore_eos": True,
-            "logprobs": 2}
+    body = {"prompt": "Grüße aus Köln 😀, 你好世界! Résumé:", "max_tokens": 24, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": 2}
     status, whole = request(server, "POST", "/v1/completions", body)
     assert status == 200, whole
     events = sse(server, "/v1/completions", body)
