@@ -3,6 +3,7 @@ outputs to compare against."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -83,25 +84,32 @@ def make_hf_tokenizer(path: str) -> None:
                             chat_template=template).save_pretrained(path)
 
 
-def hf_logits(path: str, token_ids: list[int]) -> np.ndarray:
-    """[len(token_ids), vocab] float32 logits of the checkpoint at `path`, run by transformers."""
+@functools.cache
+def _hf_model(path: str) -> Any:
+    """transformers' float32 model of the checkpoint at `path`, loaded once per session
+    (checkpoints are read-only once built: a test that edits one builds its own)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(path: str, token_ids: list[int]) -> np.ndarray:
+    """[len(token_ids), vocab] float32 logits of the checkpoint at `path`, run by transformers."""
+    import torch
+
     with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].numpy()
+        return _hf_model(str(path))(torch.tensor([token_ids])).logits[0].numpy()
 
 
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation (ignoring eos), for end-to-end engine checks."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = _hf_model(str(path)).generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                                            min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                                            pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -118,6 +126,16 @@ def hf_checkpoint(tmp_path_factory):
             built[key] = make_hf_checkpoint(tmp_path_factory.mktemp(f"ckpt-{family}"), family, **kw)
         return built[key]
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_server(hf_checkpoint):
+    """One server of the llama2 checkpoint without a tokenizer (prompts and answers by
+    token id) at test_server's HF_SMALL shapes, shared by every test that asks for it."""
+    from test_server import API_KEY, HF_SMALL, running_server
+
+    with running_server("--model", hf_checkpoint("llama2"), "--api-key", API_KEY, *HF_SMALL) as s:
+        yield s
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

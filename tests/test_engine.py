@@ -54,7 +54,7 @@ def test_mixed_batch_equals_each_request_alone_and_static_equals_continuous():
     ps = prompts(6, seed=1)
     params = [greedy(n) for n in (5, 17, 2, 9, 30, 12)]
     mixed = [o.token_ids for o in make_llm().generate(ps, params)]
-    alone_llm = make_llm(max_num_seqs=1)
+    alone_llm = make_llm()  # the same shapes: one request per generate() has the batch to itself
     alone = [alone_llm.generate([p], sp)[0].token_ids for p, sp in zip(ps, params)]
     static = [o.token_ids for o in make_llm(scheduling="static").generate(ps, params)]
     assert mixed == alone == static

@@ -83,7 +83,7 @@ def run_worker(spec: dict, devices: int = 8, timeout: float = 900) -> dict:
 @pytest.fixture(scope="module")
 def tp_report(tmp_path_factory):
     import checkpoint
-    from conftest import make_hf_checkpoint
+    from conftest import jax_test_cache_dir, make_hf_checkpoint
     from model import load_model
 
     d = tmp_path_factory.mktemp("tp")
@@ -104,7 +104,7 @@ def tp_report(tmp_path_factory):
     checkpoint.save(load_model(models["llama"]), orbax_dir)
     cases["llama-orbax-tp4"] = dict(model=orbax_dir, kw=dict(tensor_parallel_size=4))
     cases["llama-pallas-tp2"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=2, attention_backend="pallas"))
-    report = run_worker({"cases": cases, "cache": os.path.join(ROOT, ".pytest_cache", "jax"),
+    report = run_worker({"cases": cases, "cache": jax_test_cache_dir(),
                          "orbax": {"src": models["llama"], "dst": orbax_dir}})
     return {**report, "models": models}
 
@@ -221,9 +221,11 @@ def _free_port() -> int:
 
 
 def test_two_processes_tp4_same_tokens_and_a_dead_process_ends_the_other(tp_report):
+    from conftest import jax_test_cache_dir
+
     model = tp_report["models"]["llama"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    port, cache = _free_port(), os.path.join(ROOT, ".pytest_cache", "jax")
+    port, cache = _free_port(), jax_test_cache_dir()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host", str(i), str(port), model, cache],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in (0, 1)]

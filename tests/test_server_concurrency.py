@@ -11,7 +11,7 @@ import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-from test_server import HF_SMALL, open_stream, request, running_server
+from test_server import open_stream, request
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 
@@ -34,7 +34,7 @@ def stream_ids(server, body: dict) -> tuple[list[int], str]:
     return ids, reason
 
 
-def test_concurrent_streams_each_get_exactly_what_llm_generate_gives(hf_checkpoint):
+def test_concurrent_streams_each_get_exactly_what_llm_generate_gives(hf_checkpoint, hf_server):
     path = hf_checkpoint("llama2")
     # The server's shapes (so its programs come from the compilation cache this run
     # fills), but all eight requests queued at once: other batches than the server's.
@@ -42,10 +42,9 @@ def test_concurrent_streams_each_get_exactly_what_llm_generate_gives(hf_checkpoi
               max_num_batched_tokens=128, num_kv_blocks=64, warmup=False).generate(PROMPTS, [SamplingParams(max_tokens=b["max_tokens"], temperature=b["temperature"],
                                                               top_p=b.get("top_p", 1.0), seed=b.get("seed"),
                                                               ignore_eos=True) for b in BODIES])
-    with running_server("--model", path, "--api-key", "test-key", *HF_SMALL) as srv:
-        with ThreadPoolExecutor(len(BODIES)) as pool:
-            got = list(pool.map(lambda b: stream_ids(srv, b), BODIES))
-        status, metrics = request(srv, "GET", "/metrics", key=None)
+    with ThreadPoolExecutor(len(BODIES)) as pool:
+        got = list(pool.map(lambda b: stream_ids(hf_server, b), BODIES))
+    status, metrics = request(hf_server, "GET", "/metrics", key=None)
     assert [reason for _, reason in got] == ["length"] * len(BODIES)
     assert [ids for ids, _ in got] == [o.token_ids for o in ref]
     assert status == 200 and "taxirank:num_requests_running 0.0" in metrics
