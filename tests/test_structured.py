@@ -263,11 +263,12 @@ def test_no_sampled_token_is_outside_the_mask_and_the_step_applies_llguidances_m
             applied.append(np.array(sampling.token_bitmask))
         return call(kind, args)
 
-    monkeypatch.setattr(runner, "_call", spy)
     specs = [SO(regex=p) for p in patterns]
     params = [SamplingParams(max_tokens=12, temperature=1.0, seed=seed + i, structured_outputs=s)
               for i, s in enumerate(specs)]
-    outs = tiny.generate([[1, 2, 3 + i] for i in range(len(specs))], params)
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "_call", spy)
+        outs = tiny.generate([[1, 2, 3 + i] for i in range(len(specs))], params)
     # Replay each output on a fresh matcher: every token was allowed when it was sampled,
     # and the mask llguidance computes at each position is one the step applied.
     tok = tiny.engine.grammars._tokenizer_for_llguidance()
