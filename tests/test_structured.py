@@ -344,3 +344,19 @@ def test_offline_refuses_an_invalid_constraint_before_anything_is_queued(tiny):
     with pytest.raises(ValueError, match="unclosed group"):
         tiny.generate([[1, 2], [1, 3]], [SamplingParams(), SamplingParams(structured_outputs=SO(regex="a(b"))])
     assert not tiny.engine.has_unfinished()
+
+
+def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_synchronous_loop(tiny):
+    """The rule (LLMEngine.step): while a constrained request is in the engine the step in
+    flight is collected before the next is scheduled, so its mask sees its last token;
+    every row still advances one token per step, as in the synchronous loop."""
+    sync = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
+               async_scheduling=False, warmup=False)
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=i == 0,
+                             structured_outputs=SO(regex="[ab]{4,12}(x|y)") if i % 2 else None) for i in range(4)]
+    prompts = [[1, 9 + i] for i in range(4)]
+    steps = tiny.stats.num_steps
+    got = tiny.generate(prompts, params)
+    assert tiny.stats.num_steps - steps == 20  # the prefill samples token 1, then one token a step: 20 for the longest
+    want = sync.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
