@@ -273,7 +273,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
 # ---- forced tool calls (tool_choice) ------------------------------------------------
 
 def _tool_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def _required_calls(text: str) -> list[dict] | None:
