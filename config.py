@@ -7,6 +7,7 @@ block allocator) can take the config whole without importing JAX.
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -15,6 +16,10 @@ import attention_backend
 from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+# A constraint's text (schema JSON, regex, grammar, choices together): larger is refused
+# where it enters, so that compiling it stays within llguidance's limits (structured.py).
+MAX_STRUCTURED_CHARS = 64 * 1024
+MAX_CHOICES = 256
 _MIN_TOKEN_BUCKET = 16
 
 
@@ -139,6 +144,63 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint, as vLLM's StructuredOutputsParams: exactly one of a JSON
+    schema (a dict or its JSON text), any JSON object, a regex, a choice of strings, or a
+    Lark / GBNF grammar. Hashable: the JSON schema is kept as canonical text, which is
+    also the key of the compiled-grammar cache (structured.py)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, regex, choice, grammar or json_object, "
+                             f"got {', '.join(set_) or 'none'}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = _json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+            object.__setattr__(self, "json", _json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{k} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not 0 < len(self.choice) <= MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice takes 1 to {MAX_CHOICES} strings")
+        if len(self.text) > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"the {self.kind} constraint is {len(self.text)} characters, over the limit of "
+                             f"{MAX_STRUCTURED_CHARS}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+
+    @property
+    def text(self) -> str:
+        if self.choice is not None:
+            return "".join(self.choice)
+        return self.json or self.regex or self.grammar or ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling, as vLLM's SamplingParams, with vLLM's defaults (temperature
     1.0: random sampling unless asked otherwise). Stop strings are text and are matched
@@ -156,6 +218,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per sampled position
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (structured.py)
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
@@ -188,6 +251,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     @property
     def greedy(self) -> bool:

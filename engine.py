@@ -29,6 +29,7 @@ from metrics import WAIT_REASONS, EngineStats, StepTrace
 from runner import InFlightStep, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from startup import build_engine
+from structured import GrammarCompiler
 
 __all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
            "RequestOutputDelta", "TokenLogprob", "QueueFullError", "EngineDeadError"]
@@ -99,6 +100,7 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, float, InFlightStep | StepResult | None]] = deque()
         self._max_in_flight = 1 if config.async_scheduling else 0
         self._rng = random.Random(config.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
 
     def follow(self) -> None:
         """Multi-host, processes other than 0: run process 0's steps until it stops.
@@ -110,13 +112,18 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
-        """Raises ValueError saying why the request cannot run; safe from any thread."""
+        """Raises ValueError saying why the request cannot run; safe from any thread. A
+        structured-output constraint is compiled here (cached): a caller that must not
+        block (the server's event loop) compiles it first with `self.grammars.compile` on
+        another thread."""
         self.scheduler.validate(prompt_token_ids, params, priority)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> Sequence:
         """priority: under a policy that reads it (--scheduling-policy), lower runs first."""
-        self.scheduler.validate(prompt_token_ids, params, priority)
+        self.validate(prompt_token_ids, params, priority)
         if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
         seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
@@ -124,6 +131,8 @@ class LLMEngine:
         # A request without a seed still gets its own stream, drawn from the engine's seed;
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
+        if params.structured_outputs is not None:
+            seq.constraint = self.grammars.constraint(params.structured_outputs)
         self.scheduler.add(seq)
         return seq
 
@@ -154,13 +163,29 @@ class LLMEngine:
         """schedule -> run -> update -> record. Returns one delta per request that got a
         token or whose result was released. With async scheduling the step dispatched here
         is collected by the next call, so the host schedules step N+1 while the device runs
-        step N (an empty step dispatches nothing and collects the one in flight)."""
+        step N (an empty step dispatches nothing and collects the one in flight).
+
+        Structured outputs: a constrained row's bitmask depends on its previous token, so
+        while any constrained request is in the engine the step in flight is collected
+        before the next is scheduled (the synchronous order): every row still advances
+        one token a step; only the host/device overlap is given up."""
+        if self._in_flight and self.scheduler.num_constrained:
+            deltas = self._collect()
+            out = self.scheduler.schedule()
+            if out.scheduled:
+                self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
+            self._refresh_gauges()
+            return deltas
         out = self.scheduler.schedule()
         if out.scheduled or not self._in_flight:
             self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
         if out.scheduled and len(self._in_flight) <= self._max_in_flight:
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
             return []
+        return self._collect()
+
+    def _collect(self) -> list[RequestOutputDelta]:
+        """Wait for the oldest step in flight, update the scheduler with it, record it."""
         out, scheduled_at, step = self._in_flight.popleft()
         result = step.result() if isinstance(step, InFlightStep) else step
         outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [])
@@ -431,6 +456,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.loaded.name
         self.stats = self.engine.stats
+        self.grammars = self.engine.grammars  # the server compiles constraints on its executor
         self._inbox: deque[tuple[str, object]] = deque()
         self._queues: dict[str, asyncio.Queue] = {}
         self._lock = threading.Lock()

@@ -11,7 +11,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Any
 
-from config import SamplingParams
+from config import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine import TokenLogprob
@@ -39,12 +39,11 @@ _JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a s
 _NEUTRAL: dict[str, tuple] = {
     "echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
+    "functions": ([],),
     # vLLM's own extras that taxirank does not implement: refused, never silently ignored
     "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
     "length_penalty": (1,), "prompt_logprobs": (), "bad_words": ([],), "allowed_token_ids": (),
-    "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "structured_outputs": (),
+    "truncate_prompt_tokens": (),
 }
 
 
@@ -179,11 +178,115 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
             logprobs=logprobs,
             skip_special_tokens=field(body, "skip_special_tokens", (bool,), True),
             spaces_between_special_tokens=field(body, "spaces_between_special_tokens", (bool,), True),
+            structured_outputs=parse_structured(body, chat),
         )
     except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]..."
         name = str(e).split()[0]
         raise ApiError(str(e), param=name if name in body else None) from e
     return params, stop
+
+
+# ---- structured outputs in ----------------------------------------------------------
+
+# vLLM's older names for the fields of structured_outputs
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def tool_choice(body: dict, chat: bool) -> tuple[str, dict] | None:
+    """The tool call a chat request forces: ("named", the tool) for tool_choice naming one
+    function, ("required", {"tools": [...]}) for "required", None for no tool call
+    (tool_choice absent with no tools, or "none"). Other forms are refused: taxirank parses
+    no free-form tool calls out of text ("auto")."""
+    tools = field(body, "tools", (list,), [])
+    choice = body.get("tool_choice")
+    if not chat and (tools or choice is not None):
+        raise ApiError("'tools' and 'tool_choice' are only for /v1/chat/completions", param="tools")
+    if choice is None and not tools or choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        raise ApiError("tool_choice 'auto' is not supported by this server: name a function or use 'required'",
+                       param="tool_choice")
+    if not tools:
+        raise ApiError("'tool_choice' needs 'tools'", param="tool_choice")
+    by_name = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
+        by_name[fn["name"]] = params
+    if choice == "required":
+        return "required", by_name
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise ApiError("'tool_choice' must be 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                       param="tool_choice")
+    if name not in by_name:
+        raise ApiError(f"tool_choice names function {name[:80]!r}, which is not in 'tools'", param="tool_choice")
+    return "named", {name: by_name[name]}
+
+
+def required_tools_schema(tools: dict[str, dict]) -> dict:
+    """vLLM's schema for tool_choice "required": a non-empty array of calls, each
+    {"name": one of the tools, "parameters": that tool's parameters}."""
+    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+         "required": ["name", "parameters"]} for name, params in tools.items()]}}
+
+
+def parse_structured(body: dict, chat: bool) -> StructuredOutputsParams | None:
+    """The one output constraint a request asks for, from whichever of OpenAI's
+    response_format, vLLM's structured_outputs or guided_* fields, or a forced tool call
+    carries it; a 400 for more than one, or for any malformed one. Whether the schema,
+    regex or grammar itself is valid is llguidance's to say (the server compiles it next)."""
+    found: list[tuple[str, dict]] = []
+    fmt = field(body, "response_format", (dict,))
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            js = fmt.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+                raise ApiError("response_format json_schema must be {'name': ..., 'schema': {...}, 'strict': ...}",
+                               param="response_format")
+            if js.get("strict") is not None and not isinstance(js["strict"], bool):
+                raise ApiError("response_format.json_schema.strict must be a boolean", param="response_format")
+            found.append(("response_format", {"json": js.get("schema", {})}))  # OpenAI: no schema, any JSON
+        elif kind != "text":
+            raise ApiError("response_format type must be 'text', 'json_object' or 'json_schema'",
+                           param="response_format")
+    so = field(body, "structured_outputs", (dict,))
+    if so is not None:
+        unknown = set(so) - set(_STRUCTURED_KEYS)
+        if unknown:
+            raise ApiError(f"structured_outputs: unsupported key(s) {', '.join(sorted(unknown))[:200]}",
+                           param="structured_outputs")
+        found.append(("structured_outputs", {k: so[k] for k in _STRUCTURED_KEYS if so.get(k) is not None}))
+    for name, key in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, {key: body[name]}))
+    tools = tool_choice(body, chat)
+    if tools is not None:
+        kind, by_name = tools
+        found.append(("tool_choice", {"json": next(iter(by_name.values())) if kind == "named"
+                                      else required_tools_schema(by_name)}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ApiError(f"only one output constraint per request, got {', '.join(n for n, _ in found)}",
+                       param=found[1][0])
+    name, kw = found[0]
+    if not isinstance(kw.get("choice", []), list):
+        raise ApiError(f"'{name}': choice must be an array of strings", param=name)
+    try:
+        return StructuredOutputsParams(**kw)
+    except (ValueError, TypeError) as e:
+        raise ApiError(f"'{name}': {e}", param=name) from e
 
 
 # ---- logprobs out -----------------------------------------------------------------

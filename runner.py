@@ -43,6 +43,7 @@ from model import AttentionInputs, LoadedModel
 from parallel import constrain_step_outputs, create_sharded_kv_caches, replicate, shard_attention
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, sample
 from scheduler import SchedulerOutput, Sequence
+from structured import bitmask_width, fill_bitmask
 
 
 @dataclass
@@ -129,6 +130,10 @@ class ModelRunner:
         self._bt_owner: list[list[int] | None] = [None] * (N + 1)  # the block_table list written there
         self._samp = empty_sampling_arrays(N + 1)
         self._wants_logprobs = np.zeros(N + 1, bool)
+        # Structured outputs: a step with no constrained row passes an all-ones bitmask
+        # kept on the device per row count (no host->device bytes), and skips applying it.
+        self._mask_width = bitmask_width(loaded.config.vocab_size)
+        self._no_mask: dict[int, jax.Array] = {}
         backend = self.backend
         # Under TP the updated cache must come back split as it went in (it is donated).
         keep = (lambda kv, rest: (kv, *rest)) if mesh is None else functools.partial(constrain_step_outputs, mesh=mesh)
@@ -205,11 +210,16 @@ class ModelRunner:
         # The one Python loop over the step's sequences: most rows need one identity and
         # one length check of their block table, and six numbers into a flat list.
         flat: list[int] = []
+        constrained = []  # (constraint, row) of the rows that sample under a constraint
         for sch in out.scheduled:
             seq = sch.seq
             bt = seq.block_table
             if owner[seq.slot] is not bt or bt_len[seq.slot] != len(bt):
                 self._sync_slot(seq)
+            if seq.constraint is not None and sch.samples:
+                # its matcher has every output token: the engine runs no constrained row ahead
+                assert seq.num_output_placeholders == 1, f"{seq.request_id}: constrained with a token in flight"
+                constrained.append((seq.constraint, len(flat) // 6))
             # per row: slot, end position, new tokens, outputs known, outputs in flight, samples?
             flat += (seq.slot, seq.num_computed_tokens, sch.num_new_tokens, len(seq.output_token_ids),
                      seq.num_output_placeholders, sch.samples)
@@ -259,13 +269,23 @@ class ModelRunner:
         sample_slot = np.full(R, self._idle, np.int32)
         sample_slot[:n] = np.where(samples, slots, self._idle)
         want_logprobs = bool((self._wants_logprobs[slots] & samples).any())
-        sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs))
+        sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs), **self._bitmask(R, constrained))
         ragged = () if decode else (cu_q_lens,)
         res = self._run(DECODE if decode else RAGGED, R, T, (tokens, token_src, positions, slot_mapping, block_tables,
                                                              kv_lens, *ragged, sample_slot, sampling))
         with self.stats.lock:
             self.stats.padded_tokens += T - num_real
         return InFlightStep(res, n, want_logprobs)
+
+    def _bitmask(self, rows: int, constrained: list) -> dict[str, Any]:
+        if not constrained:
+            if rows not in self._no_mask:
+                ones = np.full((rows, self._mask_width), -1, np.int32)
+                self._no_mask[rows] = jax.device_put(ones) if self.mesh is None else replicate(ones, self.mesh)
+            return {"token_bitmask": self._no_mask[rows], "use_bitmask": np.bool_(False)}
+        bitmask = np.full((rows, self._mask_width), -1, np.int32)
+        fill_bitmask(constrained, bitmask)
+        return {"token_bitmask": bitmask, "use_bitmask": np.bool_(True)}
 
     # ------------------------------------------------------------------------------
     def idle_step(self, decode_rows: int | None = None, tokens: int | None = None) -> None:
@@ -281,7 +301,7 @@ class ModelRunner:
     def _idle_args(self, kind: int, rows: int, T: int) -> tuple:
         """All-idle inputs of one step's shape (also the template a follower fills)."""
         zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(rows, np.int32)
-        samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False))
+        samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False), **self._bitmask(rows, []))
         args = (zeros_t, np.full(T, -1, np.int32), zeros_t, zeros_t,
                 np.zeros((rows, self.config.max_blocks_per_seq), np.int32), zeros_r)
         ragged = () if kind == DECODE else (np.zeros(rows + 1, np.int32),)

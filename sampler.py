@@ -27,6 +27,11 @@ class SamplingTensors:
     seed: jax.Array  # [S] u32 (the engine maps any integer seed into it)
     step: jax.Array  # [S] i32: tokens generated so far (the fold_in counter)
     want_logprobs: jax.Array  # [] bool: compute top-k logprobs this step
+    # Structured outputs: bit t % 32 of word t // 32 says whether token t may come next
+    # (llguidance's packed layout; all ones for unconstrained rows). use_bitmask says
+    # whether any row is constrained, so unconstrained steps skip the unpacking.
+    token_bitmask: jax.Array | None = None  # [S, ceil(V / 32)] i32
+    use_bitmask: jax.Array | None = None  # [] bool
 
 
 def empty_sampling_arrays(num_slots: int) -> dict[str, np.ndarray]:
@@ -48,6 +53,14 @@ def fill_slot(arrays: dict[str, np.ndarray], slot: int, params: SamplingParams, 
     arrays["min_p"][slot] = params.min_p
     arrays["seed"][slot] = seed
     arrays["step"][slot] = step
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [S, V] with every token whose bit is clear in bitmask [S, ceil(V/32)] at -inf."""
+    V = logits.shape[1]
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :V].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -77,6 +90,8 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array,
 
     The sort is skipped (lax.cond) on steps where every slot is greedy, which is the
     common case in tests and benches."""
+    if t.token_bitmask is not None:
+        logits = jax.lax.cond(t.use_bitmask, lambda: apply_token_bitmask(logits, t.token_bitmask), lambda: logits)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = t.temperature < SAMPLING_EPS
     tok = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tok,

@@ -32,7 +32,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Sequence as Seq
+from typing import Any, Sequence as Seq
 
 import numpy as np
 
@@ -83,6 +83,10 @@ class Sequence:
     arrival_order: int = -1  # set by Scheduler.add: breaks ties between equal arrival times
     admitted_seq_no: int = -1  # order of the latest admission: the highest is preempted first
     seed: int | None = None  # this request's sampling stream (set by the engine)
+    # Structured outputs: the request's matcher (structured.Constraint, set by the engine),
+    # advanced by update() with each output token; its state is the outputs, so a
+    # preemption (which recomputes K/V, never outputs) leaves it as it is.
+    constraint: Any = None
     # Filled by the engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -174,6 +178,9 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._room_preempted = False  # this step preempted to find blocks for running sequences
         self._budget = 0  # tokens left in the step being scheduled
+        # Requests with a structured-output constraint, waiting or running: while there is
+        # one, the engine runs the synchronous loop (LLMEngine.step).
+        self.num_constrained = 0
 
     # ---- requests ----------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
@@ -214,6 +221,7 @@ class Scheduler:
         seq.arrival_order = next(self._arrivals)
         self.waiting.add(seq)
         self._seqs[seq.request_id] = seq
+        self.num_constrained += seq.constraint is not None
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request wherever it is; its slot and blocks are free on return."""
@@ -222,7 +230,7 @@ class Scheduler:
             return None
         if seq.status is WAITING:
             self.waiting.remove(seq)
-            del self._seqs[request_id]
+            self._forget(seq)
         else:
             self.retire(seq)
         seq.status, seq.finish_reason, seq.wait_reason = FINISHED, "abort", None
@@ -257,14 +265,17 @@ class Scheduler:
             seq.num_output_placeholders -= 1
             seq.output_token_ids.append(token)
             accepted[seq.request_id] = token
-            reason = self._finish_reason(seq, token)
+            if seq.constraint is not None and not seq.constraint.accept(token):
+                reason = "abort"  # over the grammar's per-token limits (the mask allows only what it accepts)
+            else:
+                reason = self._finish_reason(seq, token)
             if reason is None:
                 continue
             seq.finish_reason = reason
             seq.num_output_placeholders = 0  # tokens of a later step still in flight: dropped
             if seq.status is WAITING:  # preempted after this step was scheduled: it holds nothing
                 self.waiting.remove(seq)
-                del self._seqs[seq.request_id]
+                self._forget(seq)
                 seq.status, seq.wait_reason = FINISHED, None
                 released.append(seq)
             else:
@@ -435,7 +446,11 @@ class Scheduler:
         """seq leaves the running list: its slot and blocks are free."""
         self.running.remove(seq)
         self._release(seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
         del self._seqs[seq.request_id]
+        self.num_constrained -= seq.constraint is not None
 
     # ---- internals ---------------------------------------------------------------------
     def _admission_need(self, seq: Sequence, chunk: bool = True) -> tuple[list[int], int, int]:
@@ -546,6 +561,8 @@ class Scheduler:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or (p.stop_token_ids and token in p.stop_token_ids):
             return "stop"
+        if seq.constraint is not None and seq.constraint.stopped:
+            return "stop"  # the output is complete: the grammar allows nothing more
         n = len(seq.output_token_ids)
         if n >= p.max_tokens or len(seq.prompt_token_ids) + n >= self.config.max_model_len:
             return "length"

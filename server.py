@@ -42,7 +42,7 @@ from engine import AsyncEngine, QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats
 from policy import REGISTRIES
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
-                      parse_sampling)
+                      parse_sampling, tool_choice)
 
 log = logging.getLogger("taxirank.server")
 
@@ -195,6 +195,14 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     if stream_options and not stream:
         raise ApiError("'stream_options' is only allowed with stream=true", param="stream_options")
     include_usage = field(stream_options, "include_usage", (bool,), False)
+    tools = tool_choice(body, chat)  # a forced tool call: its arguments come out as tool_calls
+    if params.structured_outputs is not None:
+        # Compiled off the event loop (a large schema takes tens of ms); cached, so the
+        # engine's own check in add_request finds it ready.
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile, params.structured_outputs)
+        except ValueError as e:
+            raise ApiError(str(e), param="tool_choice" if tools else None) from e
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
@@ -221,8 +229,9 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                 lps += last.logprobs or []
         assert last is not None and last.finish_reason is not None
         lp = logprobs(lps, 0) if params.logprobs is not None else None
-        choice = {"index": 0, "logprobs": lp, "finish_reason": last.finish_reason}
-        choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        message, reason = tool_message(tools, text, last.finish_reason)
+        choice = {"index": 0, "logprobs": lp, "finish_reason": reason}
+        choice |= {"message": message} if chat else {"text": text}
         return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)})
 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -235,13 +244,16 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         if chat:
             await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}])
-        offset = 0
+        offset, calls = 0, ToolCallStream(tools)
         async with contextlib.aclosing(gen.chunks()) as chunks:
             async for c in chunks:
                 if not (c.text or c.logprobs or c.finish_reason):
                     continue  # held back: part of a character, or maybe the start of a stop string
                 choice = {"index": 0, "logprobs": logprobs(c.logprobs, offset), "finish_reason": c.finish_reason}
-                choice |= {"delta": {"content": c.text} if c.text else {}} if chat else {"text": c.text}
+                if chat:
+                    choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
+                else:
+                    choice["text"] = c.text
                 offset += len(c.text)
                 await send([choice])
                 if c.finish_reason and include_usage:
@@ -256,6 +268,63 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         await response.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     return response
+
+
+# ---- forced tool calls (tool_choice) ------------------------------------------------
+
+def _tool_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _required_calls(text: str) -> list[dict] | None:
+    """The calls of a tool_choice "required" output ([{"name", "parameters"}, ...]), or
+    None if it did not complete (max_tokens)."""
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
+    return [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+def tool_message(tools: tuple[str, dict] | None, text: str, reason: str) -> tuple[dict, str]:
+    """The assistant message and finish_reason of a whole response, as vLLM: a named tool's
+    arguments are the output text, finish_reason the engine's; "required"'s calls are
+    parsed from the output, finish_reason "tool_calls" when it completed."""
+    if tools is not None:
+        kind, by_name = tools
+        if kind == "named":
+            return {"role": "assistant", "content": "", "tool_calls": [_tool_call(next(iter(by_name)), text)]}, reason
+        calls = _required_calls(text) if reason == "stop" else None
+        if calls is not None:
+            return {"role": "assistant", "content": "", "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": text}, reason
+
+
+class ToolCallStream:
+    """A streamed response's deltas: content, or a named tool's arguments as they come
+    (vLLM's form); "required" calls are sent whole with the last chunk (they are parsed
+    from the complete output)."""
+
+    def __init__(self, tools: tuple[str, dict] | None) -> None:
+        self.tools, self.text, self.started = tools, "", False
+
+    def delta(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        if self.tools is None:
+            return ({"content": text} if text else {}), reason
+        kind, by_name = self.tools
+        if kind == "named":
+            call: dict = {"index": 0, "function": {"arguments": text}}
+            if not self.started:
+                self.started = True
+                call = _tool_call(next(iter(by_name)), text) | {"index": 0}
+            return ({"tool_calls": [call]} if text or call.get("id") else {}), reason
+        self.text += text
+        if reason is None:
+            return {}, None
+        message, reason = tool_message(self.tools, self.text, reason)
+        calls = [c | {"index": i} for i, c in enumerate(message.get("tool_calls", []))]
+        return ({"tool_calls": calls} if calls else {"content": self.text}), reason
 
 
 # ---- handlers ---------------------------------------------------------------------

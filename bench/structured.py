@@ -1,0 +1,146 @@
+"""Structured outputs bench: what does constraining half the batch by a JSON schema cost?
+
+    python bench/structured.py                         # 32 requests on smollm2, 64 tokens each
+    python bench/structured.py --max-tokens 24         # shorter
+
+One process, one engine, the same prompts in two runs side by side: every request free
+(ignore_eos, so each runs to max_tokens), then half of them constrained by a JSON schema
+(each its own schema, so each compiles once: a cache miss). Reported per run: output
+tokens/s, engine steps, host time per step (the step's wall time minus the time the host
+waited for the device), and the mask fill's share of it; and the grammar compile times
+(p50/p99). Target: constrained tokens/s >= 0.9 x free.
+
+While a constrained request is in the engine the loop runs synchronously (LLMEngine.step:
+a constrained row's mask needs its previous token), so the constrained run also gives up
+the host/device overlap of async scheduling; the host time per step says what that costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from typing import Any
+
+# The repo root first and bench/ last: this file's name is also the engine's structured.py.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
+
+import runner as runner_module  # noqa: E402
+from config import StructuredOutputsParams  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from report import machine_info, ratio_rows, results_dir, side_by_side, summarize, text_table, write_json  # noqa: E402
+from workload import text_prompt  # noqa: E402
+
+
+def schema(i: int) -> dict:
+    """A distinct small schema per request: nested object, enum, bounded integers, array."""
+    return {"type": "object", "additionalProperties": False, "required": [f"name{i}", "age", "tags", "home"],
+            "properties": {f"name{i}": {"type": "string", "maxLength": 16},
+                           "age": {"type": "integer", "minimum": 0, "maximum": 120 + i},
+                           "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b", "c"]}},
+                           "home": {"type": "object", "additionalProperties": False, "required": ["city"],
+                                    "properties": {"city": {"type": "string", "maxLength": 12}}}}}
+
+
+class StepClock:
+    """Host time per step: each LLMEngine.step's wall time minus the time it spent waiting
+    for the device (InFlightStep.result), and the mask fill's time."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm, self.host, self.fill, self._wait = llm, [], [], 0.0
+        result, fill = runner_module.InFlightStep.result, runner_module.fill_bitmask
+
+        def timed_result(step):
+            t0 = time.perf_counter()
+            try:
+                return result(step)
+            finally:
+                self._wait += time.perf_counter() - t0
+
+        def timed_fill(*a):
+            t0 = time.perf_counter()
+            fill(*a)
+            self.fill.append(time.perf_counter() - t0)
+
+        runner_module.InFlightStep.result = timed_result
+        runner_module.fill_bitmask = timed_fill
+        step = llm.engine.step
+
+        def timed_step():
+            self._wait, t0 = 0.0, time.perf_counter()
+            out = step()
+            self.host.append(time.perf_counter() - t0 - self._wait)
+            return out
+
+        llm.engine.step = timed_step
+
+
+def run(llm: LLM, clock: StepClock, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
+    clock.host.clear()
+    clock.fill.clear()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall, "steps": len(clock.host),
+            "host_ms_per_step": 1e3 * sum(clock.host) / max(len(clock.host), 1),
+            "mask_fill_ms_per_step": 1e3 * sum(clock.fill) / max(len(clock.host), 1),
+            "finish": {r: sum(o.finish_reason == r for o in outs) for r in ("stop", "length", "abort")}}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each, alternated; the best is reported")
+    p.add_argument("--out", default=results_dir("structured"))
+    args = p.parse_args(argv)
+    n = args.num_requests
+    llm = LLM(args.model, log=lambda *_: None, max_num_seqs=n, max_model_len=256, max_num_batched_tokens=max(256, n))
+    tok = llm.tokenizer
+    rng = random.Random(0)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": "Describe a person as JSON: "
+                                                    + text_prompt(rng, 12)}], add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False) for _ in range(n)]
+    free = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]
+    constrained = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=i,
+                                  structured_outputs=StructuredOutputsParams(json=schema(i))) if i % 2 else free[i]
+                   for i in range(n)]
+    clock = StepClock(llm)
+    run(llm, clock, prompts[:2], free[:2])  # the first steps pay one-off costs (allocations, caches)
+    compiles_before = llm.stats.num_compilations
+    # Alternated, best of --repeats each: a loaded machine's noise hits both alike.
+    runs: dict[str, list[dict[str, Any]]] = {"free": [], "constrained": []}
+    for _ in range(args.repeats):
+        runs["free"].append(run(llm, clock, prompts, free))
+        runs["constrained"].append(run(llm, clock, prompts, constrained))
+    results = {"machine": machine_info(), "args": vars(args), "runs": runs}
+    results |= {k: max(v, key=lambda r: r["tok_s"]) for k, v in runs.items()}
+    results["compile_s"] = summarize(llm.engine.grammars.compile_seconds)
+    results["compilations_during_runs"] = llm.stats.num_compilations - compiles_before
+    ratio = results["constrained"]["tok_s"] / results["free"]["tok_s"]
+    results["ratios"] = [side_by_side("constrained / free output tok/s", ratio, target=0.9)]
+    rows = [["run", "tok/s", "tokens", "steps", "host ms/step", "mask fill ms/step", "stop/length"]]
+    for name in ("free", "constrained"):
+        r = results[name]
+        rows.append([name, f"{r['tok_s']:.1f}", str(r["output_tokens"]), str(r["steps"]),
+                     f"{r['host_ms_per_step']:.2f}", f"{r['mask_fill_ms_per_step']:.2f}",
+                     f"{r['finish']['stop']}/{r['finish']['length']}"])
+    c = results["compile_s"]
+    print(f"{n} requests, max_tokens {args.max_tokens}, {args.model}; half constrained by a JSON schema each; "
+          f"best of {args.repeats}")
+    print(text_table(rows))
+    print(f"grammar compile: p50 {1e3 * c['p50']:.1f} ms, p99 {1e3 * c['p99']:.1f} ms over "
+          f"{len(llm.engine.grammars.compile_seconds)} schemas; step programs compiled during the runs: "
+          f"{results['compilations_during_runs']}")
+    print(text_table([["", "ratio", "measured", "ideal", "target", ""]] + ratio_rows(results["ratios"])))
+    print("wrote", write_json(os.path.join(args.out, "structured.json"), results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Structured outputs: llguidance glue. A constraint (JSON schema, regex, choice, Lark or
+GBNF grammar) is compiled once into a matcher over the model's vocabulary; each request
+gets a copy, which advances with every accepted token and fills the request's row of the
+packed token bitmask the step applies to the logits before sampling.
+
+llguidance, not xgrammar: no torch, NumPy bitmasks, the engine vLLM, SGLang and llama.cpp
+already use. Compiling is the slow part (a large schema: tens of milliseconds), so a
+compiled matcher is cached by the constraint's text (LRU, MAX_CACHED_GRAMMARS) and a
+request's own matcher is a `deep_copy` of it (microseconds).
+
+Limits, so that no request can stall the engine loop (the matcher's work per token runs on
+the loop thread):
+  - the constraint's text: config.MAX_STRUCTURED_CHARS characters (checked where it enters);
+  - compile: llguidance's LLParserLimits (LIMITS below): grammar size, the lexer fuel to
+    build it; over them the request is refused with llguidance's message;
+  - per token: the fuel and Earley items one mask may take (LIMITS); a request whose
+    grammar exceeds them mid-way ends with finish_reason "abort" (its matcher errors).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+
+from config import StructuredOutputsParams
+
+MAX_CACHED_GRAMMARS = 128  # compiled matchers kept; a big schema's lexer is a few MB at most
+# llguidance's own defaults, written out so they are documented here: ~20 ms of lexer work
+# to build a grammar, ~14 ms and ~2.5 ms of lexer and parser work per token at most.
+LIMITS = dict(max_grammar_size=500_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+              step_max_items=50_000, max_lexer_states=250_000, max_items_in_row=2_000)
+# JSON without free whitespace between tokens: a small model at temperature 1 can spend its
+# whole budget on newlines (vLLM's default allows it); compact JSON is valid and shortest.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """llguidance's grammar for `spec` (not yet checked: LLMatcher reports errors)."""
+    M = llguidance.LLMatcher
+    if spec.json is not None:
+        return M.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+    if spec.json_object:
+        return M.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
+    if spec.regex is not None:
+        return M.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    assert spec.grammar is not None
+    return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """The model's vocabulary as llguidance sees it, `vocab_size` ids (the logits' width):
+    a transformers fast tokenizer, or taxirank's ByteTokenizer (ids 0..255 are bytes, the
+    rest special, never allowed by a grammar)."""
+    if hasattr(tokenizer, "backend_tokenizer"):
+        from llguidance.hf import from_tokenizer  # imports transformers: only for its tokenizers
+
+        return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+    from tokenizer import ByteTokenizer
+
+    if not isinstance(tokenizer, ByteTokenizer):
+        raise ValueError(f"structured outputs need a fast (tokenizers) tokenizer, not {type(tokenizer).__name__}")
+
+    class _Bytes:
+        eos_token_id, bos_token_id = eos_token_ids[0], tokenizer.bos_token_id
+        tokens = [bytes([i]) for i in range(256)] + [b"<|special_%d|>" % i for i in range(256, vocab_size)]
+        special_token_ids = list(range(256, vocab_size))
+
+        def __call__(self, s: bytes | str) -> list[int]:
+            return list(s if isinstance(s, bytes) else s.encode())
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=vocab_size,
+                                  eos_token=list(eos_token_ids))
+
+
+class Constraint:
+    """One request's matcher: its state is the request's output tokens so far (a
+    preemption recomputes K/V, never the outputs, so the matcher is never reset)."""
+
+    __slots__ = ("matcher", "num_tokens")
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher, self.num_tokens = matcher, 0
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token; False if the grammar refuses it (the mask makes
+        that impossible) or ran out of its per-token limits."""
+        self.num_tokens += 1
+        return self.matcher.consume_token(token)
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and allows nothing more (an accepting state with no
+        continuation, or EOS taken in an accepting state)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's vocabulary; thread-safe (the server compiles on
+    its executor, the engine loop copies matchers). Built on first use: wrapping a 50k
+    vocabulary takes about a second, which an engine that never sees a constraint skips."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, tuple(eos_token_ids)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[StructuredOutputsParams, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compile_seconds: list[float] = []  # each cache miss's compile time (bench/structured.py)
+
+    def _tokenizer_for_llguidance(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self._tokenizer is None:
+                    raise ValueError("this model has no tokenizer, so no structured outputs")
+                self._ll_tokenizer = ll_tokenizer(self._tokenizer, self.vocab_size, self._eos)
+            return self._ll_tokenizer
+
+    def compile(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The compiled (fresh) matcher for spec, from the cache or built now; a ValueError
+        with llguidance's message if the constraint is invalid or over the limits."""
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        tok = self._tokenizer_for_llguidance()
+        t0 = time.perf_counter()
+        try:
+            text = grammar_text(spec)
+        except ValueError as e:  # not JSON, or a GBNF grammar that does not convert
+            raise ValueError(f"invalid {spec.kind}: {e}") from e
+        # Never raises for a bad grammar: the matcher is born in its error state instead.
+        matcher = llguidance.LLMatcher(tok, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
+        if matcher.is_error():
+            raise ValueError(f"invalid {spec.kind}: {matcher.get_error()}")
+        with self._lock:
+            self.compile_seconds.append(time.perf_counter() - t0)
+            self._cache[spec] = matcher
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def constraint(self, spec: StructuredOutputsParams) -> Constraint:
+        return Constraint(self.compile(spec).deep_copy())
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_bitmask(rows: list[tuple[Constraint, int]], bitmask: np.ndarray) -> None:
+    """Row r of bitmask [R, ceil(vocab/32)] int32 := the tokens row r's matcher allows next
+    (bit t % 32 of word t // 32), for each (constraint, r); computed in parallel by
+    llguidance's threads. Called from the engine loop thread only."""
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    llnp.fill_next_token_bitmask_par(_executor, [(c.matcher, r) for c, r in rows], bitmask)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32

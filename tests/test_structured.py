@@ -1,0 +1,362 @@
+"""Structured outputs (structured.py, the bitmask in sampler.py, the matcher in scheduler.py).
+
+Claims: with smollm2 at temperature 0 and 1, every output under a JSON schema, regex or
+choice parses and validates, streamed or not, through the OpenAI API (response_format,
+structured_outputs, guided_*, a forced tool call); a bad constraint is a 400 with
+llguidance's message before admission; on random small grammars over the tiny model's
+vocabulary no sampled token is ever outside llguidance's mask and the mask the step
+applies is llguidance's; unconstrained requests in a batch with constrained ones give the
+tokens they give alone; preemption leaves the matcher consistent; nothing compiles after
+warm-up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from typing import Iterator
+
+import jsonschema
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+import openai
+import pytest
+from conftest import count_compilations
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from config import StructuredOutputsParams as SO
+from engine import LLM, SamplingParams
+
+OBJ = {"type": "object", "additionalProperties": False}
+
+
+def obj(props: dict, required: list[str] | None = None) -> dict:
+    return OBJ | {"properties": props, "required": list(props) if required is None else required}
+
+
+NAME = {"type": "string", "maxLength": 12}
+SCHEMAS = [
+    obj({"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
+    obj({"city": NAME, "country": NAME}),
+    obj({"answer": {"type": "boolean"}}),
+    obj({"color": {"enum": ["red", "green", "blue"]}}),
+    obj({"level": {"type": "integer", "minimum": 1, "maximum": 5}, "ok": {"type": "boolean"}}),
+    obj({"score": {"type": "number", "minimum": 0, "maximum": 10}}),
+    obj({"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}}),
+    obj({"point": obj({"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                       "y": {"type": "integer", "minimum": -9, "maximum": 9}})}),
+    obj({"user": obj({"name": NAME, "admin": {"type": "boolean"}})}),
+    obj({"items": {"type": "array", "maxItems": 2, "items": obj({"id": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 999}})}}),
+    obj({"status": {"enum": ["open", "closed"]}, "count": {"type": "integer", "minimum": 0, "maximum": 50}}),
+    obj({"a": NAME, "b": NAME}, required=["a"]),
+    obj({"temperature": {"type": "integer", "minimum": -40, "maximum": 50}, "unit": {"enum": ["C", "F"]}}),
+    obj({"yes": {"type": "boolean"}, "no": {"type": "boolean"}}),
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 4},
+    {"enum": ["cat", "dog", "bird"]},
+    {"type": "integer", "minimum": 100, "maximum": 999},
+    obj({"matrix": {"type": "array", "maxItems": 2, "items": {"type": "array", "maxItems": 2,
+                                                              "items": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 9}}}}),
+    obj({"day": {"type": "string", "pattern": "^(mon|tue|wed)$"}}),
+    obj({"first": NAME, "last": NAME, "age": {"type": "integer", "minimum": 18, "maximum": 99}}),
+    obj({"price": {"type": "number", "minimum": 1, "maximum": 100}, "currency": {"enum": ["EUR", "USD"]}}),
+    obj({"address": obj({"street": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}})}),
+]
+REGEXES = [r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])",  # a date
+           r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)",  # an email
+           r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}",  # a phone number
+           r"(yes|no), because [a-z ]{1,20}\."]
+CHOICES = [["Paris", "London", "Berlin"], ["positive", "negative", "neutral"]]
+MAX_TOKENS = 80
+
+
+# ---- smollm2 behind the OpenAI API ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    """One smollm2 engine and server for the module, in a thread with its own event loop."""
+    from aiohttp import web
+
+    from engine import AsyncEngine, EngineConfig
+    from server import build_app
+
+    started, stop, port = threading.Event(), None, []
+
+    async def serve() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        # test_real_model.py's shapes: their programs are in the persistent compilation cache
+        engine = AsyncEngine(EngineConfig(model="smollm2", max_num_seqs=4, max_model_len=512,
+                                          max_num_batched_tokens=128, num_kv_blocks=96, warmup=False),
+                             log=lambda *_: None)
+        await engine.start()
+        runner = web.AppRunner(build_app(engine, ["smollm2"]))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port.append(runner.addresses[0][1])
+        started.set()
+        await stop.wait()
+        await engine.shutdown()
+        await runner.cleanup()
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(600), "the server did not start"
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port[0]}/v1", api_key="x", max_retries=0, timeout=300)
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(60)
+
+
+def chat(client: openai.OpenAI, question: str, stream: bool, temperature: float, seed: int, **extra) -> tuple[str, str]:
+    """(content, finish_reason) of one chat completion, streamed or not."""
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS,
+              temperature=temperature, seed=seed, stream=stream, extra_body=extra.pop("extra_body", None), **extra)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, reason = "", None
+    for chunk in client.chat.completions.create(**kw):
+        text += chunk.choices[0].delta.content or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+def run_all(jobs: list) -> list:
+    """Run the jobs 4 at a time (the engine's max_num_seqs): one engine run, batched."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda job: job(), jobs))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_constrained_output_parses_and_validates_streamed_or_not(client, temperature):
+    jobs, checks = [], []
+    for i, schema in enumerate(SCHEMAS):
+        stream = i % 2 == 1
+        # OpenAI's response_format, vLLM's structured_outputs and guided_json in turn
+        how = [dict(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                                              "strict": True}}),
+               dict(extra_body={"structured_outputs": {"json": schema}}),
+               dict(extra_body={"guided_json": schema})][i % 3]
+        jobs.append(lambda s=stream, h=how, i=i: chat(client, "Describe something as JSON.", s, temperature, i, **h))
+        checks.append(lambda text, schema=schema: jsonschema.validate(json.loads(text), schema))
+    for i, rx in enumerate(REGEXES):
+        how = {"extra_body": {"structured_outputs": {"regex": rx}} if i % 2 else {"guided_regex": rx}}
+        jobs.append(lambda s=i % 2 == 0, h=how, i=i: chat(client, "Give an example.", s, temperature, i, **h))
+        checks.append(lambda text, rx=rx: re.fullmatch(rx, text) or pytest.fail(f"{text!r} !~ {rx}"))
+    for i, choice in enumerate(CHOICES):
+        how = {"extra_body": {"structured_outputs": {"choice": choice}} if i % 2 else {"guided_choice": choice}}
+        jobs.append(lambda s=i % 2 == 1, h=how, i=i: chat(client, "Pick one.", s, temperature, i, **h))
+        checks.append(lambda text, choice=choice: text in choice or pytest.fail(f"{text!r} not in {choice}"))
+    results = run_all(jobs)
+    for (text, reason), check in zip(results, checks):
+        assert reason == "stop", (text, reason)
+        check(text)
+
+
+def test_json_object_and_a_grammar(client):
+    grammar = 'start: "The answer is " ("yes" | "no") "."'
+    text, reason = chat(client, "Is water wet?", False, 0.0, 0, extra_body={"guided_grammar": grammar})
+    assert reason == "stop" and text in ("The answer is yes.", "The answer is no."), text
+    gbnf = 'root ::= "x" [0-9] [0-9]'  # llama.cpp's GBNF is converted to Lark
+    text, reason = chat(client, "Go.", True, 1.0, 0, extra_body={"structured_outputs": {"grammar": gbnf}})
+    assert reason == "stop" and re.fullmatch(r"x[0-9]{2}", text), text
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "A JSON object."}],
+                                       max_tokens=MAX_TOKENS, temperature=0.0, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":  # any object: the model may run to max_tokens
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": obj(
+    {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}})}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": obj({"zone": {"enum": ["UTC", "CET"]}})}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_call_comes_back_as_tool_calls(client, stream):
+    def call(tool_choice) -> tuple[list[tuple[str, str]], str]:
+        kw = dict(model="smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=MAX_TOKENS,
+                  temperature=0.0, tools=[WEATHER, TIME], tool_choice=tool_choice, stream=stream)
+        if not stream:
+            m = (r := client.chat.completions.create(**kw)).choices[0]
+            return [(c.function.name, c.function.arguments) for c in m.message.tool_calls], m.finish_reason
+        calls, reason = {}, None
+        for chunk in client.chat.completions.create(**kw):
+            for c in chunk.choices[0].delta.tool_calls or []:
+                name, args = calls.get(c.index, ("", ""))
+                calls[c.index] = (name + (c.function.name or ""), args + (c.function.arguments or ""))
+            reason = chunk.choices[0].finish_reason or reason
+        return [calls[i] for i in sorted(calls)], reason
+
+    # named: the arguments follow that function's parameters; finish_reason the engine's (vLLM)
+    calls, reason = call({"type": "function", "function": {"name": "get_weather"}})
+    assert reason == "stop" and [n for n, _ in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
+    # required: one or more calls of any of the tools; finish_reason "tool_calls"
+    calls, reason = call("required")
+    assert reason == "tool_calls" and calls
+    for name, args in calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[name]
+        jsonschema.validate(json.loads(args), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"guided_regex": "a(b"}, "unclosed group"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "strin"}}}}, "strin"),
+    ({"guided_json": "{not json"}, "not valid JSON"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "undefined_rule"),
+    ({"guided_choice": []}, "choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "only one output constraint"),
+    ({"guided_regex": "a" * 70000}, "over the limit"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "unsupported"),
+    ({"tool_choice": "auto", "tools": [WEATHER]}, "auto"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "nope"),
+])
+def test_a_bad_constraint_is_a_400_with_the_reason(client, body, message):
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, "Hi.", stream, 0.0, 0, extra_body=body)
+        assert message in str(e.value), (body, str(e.value))
+
+
+# ---- the tiny model: the mask, the batch, preemption, compilation ---------------
+
+@pytest.fixture(scope="module")
+def tiny() -> LLM:
+    return LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+
+
+ALPHABET = "ab01"
+
+
+def regexes() -> st.SearchStrategy[str]:
+    """Small regexes over a few bytes: literals, classes, alternation, bounded repeats."""
+    atom = st.sampled_from(list(ALPHABET) + ["[ab]", "[01]", "."])
+    return st.recursive(atom, lambda inner: st.one_of(
+        st.tuples(inner, inner).map("".join),
+        st.tuples(inner, inner).map(lambda t: f"({t[0]}|{t[1]})"),
+        st.tuples(inner, st.integers(0, 3)).map(lambda t: f"({t[0]}){{0,{t[1]}}}")), max_leaves=6)
+
+
+def unpack(bitmask_row: np.ndarray, vocab: int) -> np.ndarray:
+    return np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(patterns=st.lists(regexes(), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_no_sampled_token_is_outside_the_mask_and_the_step_applies_llguidances_mask(tiny, monkeypatch, patterns,
+                                                                                    seed):
+    runner = tiny.engine.runner
+    vocab = tiny.engine.model_config.vocab_size
+    applied: list[np.ndarray] = []  # every constrained step's bitmask, as passed to the jitted program
+    call = runner._call
+
+    def spy(kind, args):
+        sampling = args[-1]
+        if bool(sampling.use_bitmask):
+            applied.append(np.array(sampling.token_bitmask))
+        return call(kind, args)
+
+    specs = [SO(regex=p) for p in patterns]
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=seed + i, structured_outputs=s)
+              for i, s in enumerate(specs)]
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "_call", spy)
+        outs = tiny.generate([[1, 2, 3 + i] for i in range(len(specs))], params)
+    # Replay each output on a fresh matcher: every token was allowed when it was sampled,
+    # and the mask llguidance computes at each position is one the step applied.
+    tok = tiny.engine.grammars._tokenizer_for_llguidance()
+    applied_rows = {r.tobytes() for a in applied for r in a}
+    for spec, out in zip(specs, outs):
+        m = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_regex(spec.regex), log_level=0)
+        mask = llnp.allocate_token_bitmask(1, vocab)
+        for t in out.token_ids:
+            llnp.fill_next_token_bitmask(m, mask, 0)
+            assert unpack(mask[0], vocab)[t], (spec.regex, out.token_ids, t)
+            assert mask[0].tobytes() in applied_rows, "the step applied a different mask"
+            assert m.consume_token(t)
+        if out.finish_reason == "stop":  # the grammar's end, or EOS where it accepts
+            assert m.is_stopped() or m.is_accepting(), (spec.regex, out.token_ids)
+        else:
+            assert out.finish_reason == "length" and len(out.token_ids) == 12
+
+
+def test_sampler_applies_the_packed_bitmask_as_llguidance_does():
+    from sampler import apply_token_bitmask
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 70)).astype(np.float32)
+    bitmask = rng.integers(-2**31, 2**31, size=(3, 3), dtype=np.int64).astype(np.int32)
+    want = logits.copy()
+    llnp.apply_token_bitmask_inplace(want, bitmask)
+    np.testing.assert_array_equal(np.asarray(apply_token_bitmask(logits, bitmask)), want)
+
+
+def test_unconstrained_outputs_are_the_same_with_constrained_requests_in_the_batch(tiny):
+    prompts = [[1, 5, 9], [1, 7], [1, 4, 4, 4], [1, 8]]
+    free = [SamplingParams(max_tokens=16, temperature=t, seed=3, ignore_eos=True) for t in (0.0, 1.0)]
+    alone = tiny.generate(prompts[:2], free)
+    constrained = [SamplingParams(max_tokens=16, temperature=1.0, seed=1, structured_outputs=SO(regex="[ab]{3,9}")),
+                   SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=SO(choice=["yes", "no"]))]
+    mixed = tiny.generate(prompts, free + constrained)
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
+    assert re.fullmatch("[ab]{3,9}", mixed[2].text) and mixed[3].text in ("yes", "no")
+
+
+def test_preemption_by_recompute_keeps_the_matcher_with_the_outputs():
+    """A cache too small for all four: sequences are preempted and recomputed, and each
+    constrained output still matches (its matcher was not reset, nor advanced twice)."""
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
+              num_kv_blocks=9)
+    rx = "[ab]{20,30}"
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured_outputs=SO(regex=rx))
+              for i in range(4)]
+    outs = llm.generate([[1] + [3 + i] * 12 for i in range(4)], params)
+    assert llm.stats.num_preemptions > 0
+    for o in outs:
+        assert o.finish_reason == "stop" and re.fullmatch(rx, o.text), (o.text, o.finish_reason)
+
+
+def test_max_tokens_before_the_grammar_ends_is_length_and_its_end_is_stop(tiny):
+    short, whole = tiny.generate([[1, 2], [1, 3]], [
+        SamplingParams(max_tokens=3, structured_outputs=SO(regex="abcdef")),
+        SamplingParams(max_tokens=30, structured_outputs=SO(regex="abcdef"))])
+    assert (short.text, short.finish_reason) == ("abc", "length")
+    assert (whole.text, whole.finish_reason, len(whole.token_ids)) == ("abcdef", "stop", 6)
+
+
+def test_nothing_compiles_after_warm_up_with_constraints(tiny):
+    params = [SamplingParams(max_tokens=10, temperature=t, seed=i, logprobs=1 if i == 2 else None,
+                             structured_outputs=SO(regex="[01]{2,8}") if i % 2 else None)
+              for i, t in enumerate([0.0, 1.0, 1.0, 0.0, 1.0])]
+    with count_compilations() as compiled:
+        tiny.generate([[1] * n for n in (3, 20, 5, 40, 2)], params)
+    assert compiled == []
+
+
+def test_offline_refuses_an_invalid_constraint_before_anything_is_queued(tiny):
+    with pytest.raises(ValueError, match="unclosed group"):
+        tiny.generate([[1, 2], [1, 3]], [SamplingParams(), SamplingParams(structured_outputs=SO(regex="a(b"))])
+    assert not tiny.engine.has_unfinished()
+
+
+def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_synchronous_loop(tiny):
+    """The rule (LLMEngine.step): while a constrained request is in the engine the step in
+    flight is collected before the next is scheduled, so its mask sees its last token;
+    every row still advances one token per step, as in the synchronous loop."""
+    sync = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
+               async_scheduling=False, warmup=False)
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=i == 0,
+                             structured_outputs=SO(regex="[ab]{4,12}(x|y)") if i % 2 else None) for i in range(4)]
+    prompts = [[1, 9 + i] for i in range(4)]
+    steps = tiny.stats.num_steps
+    got = tiny.generate(prompts, params)
+    assert tiny.stats.num_steps - steps == 20  # the prefill samples token 1, then one token a step: 20 for the longest
+    want = sync.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
