@@ -25,13 +25,13 @@ import jax
 import numpy as np
 
 from config import MAX_LOGPROBS, EngineConfig, SamplingParams
-from metrics import WAIT_REASONS, EngineStats, StepTrace
+from metrics import WAIT_REASONS, EngineStats, RequestMetrics, StepTrace
 from runner import InFlightStep, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from startup import build_engine
 
 __all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
-           "RequestOutputDelta", "TokenLogprob", "QueueFullError", "EngineDeadError"]
+           "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError", "EngineDeadError"]
 
 
 class QueueFullError(RuntimeError):
@@ -61,6 +61,7 @@ class RequestOutputDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    metrics: RequestMetrics | None = None  # on the request's last delta
 
 
 @dataclass
@@ -78,6 +79,7 @@ class RequestOutput:
     finished_time: float
     num_preemptions: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (vLLM's field)
+    metrics: RequestMetrics  # its timings and scheduling history (vLLM's RequestOutput.metrics)
 
 
 class LLMEngine:
@@ -156,6 +158,8 @@ class LLMEngine:
         is collected by the next call, so the host schedules step N+1 while the device runs
         step N (an empty step dispatches nothing and collects the one in flight)."""
         out = self.scheduler.schedule()
+        if out.preempted:
+            self._log_preemptions(out)
         if out.scheduled or not self._in_flight:
             self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
         if out.scheduled and len(self._in_flight) <= self._max_in_flight:
@@ -215,8 +219,18 @@ class LLMEngine:
                     d = RequestOutputDelta(seq.request_id, [], None, False, None, seq.num_prompt_tokens,
                                            seq.num_output_tokens, max(seq.num_cached_tokens, 0))
                     deltas.append(d)
-                d.finished, d.finish_reason = True, seq.finish_reason
+                d.finished, d.finish_reason, d.metrics = True, seq.finish_reason, RequestMetrics.of(seq)
         return deltas
+
+    def _log_preemptions(self, out: SchedulerOutput) -> None:
+        """One line per preemption (vLLM's): who, the computed tokens it gives up, KV usage
+        after, and the running totals, so the recompute tax is visible as it is paid."""
+        usage = self.scheduler.allocator.usage
+        total = self.stats.num_preemptions + len(out.preempted)
+        for seq, lost in zip(out.preempted, out.preempted_tokens):
+            self.log(f"preempted {seq.request_id} (recompute): {lost} computed tokens dropped "
+                     f"({seq.num_prompt_tokens} prompt + {seq.num_output_tokens} output), KV usage {usage:.0%}, "
+                     f"{seq.num_preemptions} preemption(s) of it, {total} in all")
 
     # ---- one request's bad inputs end that request, not the engine -----------------
     def _cache_donated(self) -> bool:
@@ -391,7 +405,8 @@ class LLM:
                                  self.engine.model_config.eos_token_ids)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
                              seq.finish_reason, logprobs, seq.arrival_time, seq.first_token_time,
-                             seq.finished_time, seq.num_preemptions, max(seq.num_cached_tokens, 0))
+                             seq.finished_time, seq.num_preemptions, max(seq.num_cached_tokens, 0),
+                             RequestMetrics.of(seq))
 
 
 def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,
@@ -545,7 +560,8 @@ class AsyncEngine:
                 seq = self.engine.abort(rid, reason)
                 if seq is not None:
                     self._deliver(RequestOutputDelta(rid, [], None, True, reason, seq.num_prompt_tokens,
-                                                     seq.num_output_tokens, max(seq.num_cached_tokens, 0)))
+                                                     seq.num_output_tokens, max(seq.num_cached_tokens, 0),
+                                                     RequestMetrics.of(seq)))
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End one request's stream with an error (the engine goes on)."""

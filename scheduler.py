@@ -79,6 +79,10 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     wait_reason: str | None = None  # one of metrics.WAIT_REASONS, set by each schedule()
     num_preemptions: int = 0
+    # Positions below this were computed once: computing them again is the recompute tax
+    # (set at each preemption from num_computed_tokens, read by _add).
+    num_computed_high: int = 0
+    num_recomputed_tokens: int = 0  # tokens computed again after a preemption (prefix-cache hits excluded)
     priority: int = 0  # read by a policy that declares uses_priority: lower runs first (vLLM's field)
     arrival_order: int = -1  # set by Scheduler.add: breaks ties between equal arrival times
     admitted_seq_no: int = -1  # order of the latest admission: the highest is preempted first
@@ -87,6 +91,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    max_itl: float = 0.0  # the longest gap between two of its output tokens (seconds)
     finished_time: float | None = None
 
     @property
@@ -131,7 +136,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prompt chunks
     preempted: list[Sequence] = field(default_factory=list)
+    preempted_tokens: list[int] = field(default_factory=list)  # per preempted: computed tokens it lost
     num_prefill_tokens: int = 0
+    num_recomputed_tokens: int = 0  # of num_prefill_tokens, computed before a preemption dropped them
     num_decode_tokens: int = 0
     # Rows a decode step computes at least: a batching that keeps finished sequences
     # seated (static) computes their seats too.
@@ -498,6 +505,10 @@ class Scheduler:
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += n
+            if computed < seq.num_computed_high:  # recomputing what a preemption dropped
+                again = min(end, seq.num_computed_high) - computed
+                seq.num_recomputed_tokens += again
+                out.num_recomputed_tokens += again
         if self.config.enable_prefix_caching:  # name the full blocks this step completes
             full = end // self.config.block_size
             if full > self.allocator.num_named(seq.request_id):  # most decode steps complete none
@@ -526,6 +537,8 @@ class Scheduler:
         self.running.remove(victim)
         self._release(victim)
         victim.status, victim.wait_reason = WAITING, "kv_blocks"
+        out.preempted_tokens.append(victim.num_computed_tokens)
+        victim.num_computed_high = max(victim.num_computed_high, victim.num_computed_tokens)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.waiting.requeue(victim)

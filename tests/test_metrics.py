@@ -27,6 +27,7 @@ EXPORTED = {
     "taxirank:num_kv_blocks": ("gauge", "Usable KV cache blocks (the null block excluded)."),
     "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by what they wait for."),
     "taxirank:num_preemptions": ("counter", "Sequences preempted (to be recomputed)."),
+    "taxirank:recomputed_tokens": ("counter", "Tokens computed again after a preemption dropped them."),
     "taxirank:prompt_tokens": ("counter", "Prompt tokens of admitted requests."),
     "taxirank:generation_tokens": ("counter", "Generated tokens."),
     "taxirank:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache (first admissions)."),

@@ -1,0 +1,99 @@
+"""Per-request metrics (RequestOutput.metrics, the response's `metrics` object) and the
+recompute tax: each record agrees with itself (queue <= TTFT <= e2e) and with what the
+scheduler did (its preemptions in the step trace, the tokens it computed again)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine import LLM, SamplingParams
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_each_request_s_metrics_are_ordered_and_count_its_preemptions_and_recomputed_tokens():
+    """A KV cache too small for four ~100-token sequences, no chunking and no prefix cache:
+    every re-admission recomputes exactly the tokens its preemption dropped."""
+    lines: list[str] = []
+    llm = LLM("tiny", log=lines.append, record_trace=True, async_scheduling=False, warmup=False, max_num_seqs=4,
+              max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=14, enable_chunked_prefill=False,
+              enable_prefix_caching=False)
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(3, 250, rng.integers(20, 40)).tolist() for _ in range(4)]
+    outs = llm.generate(ps, greedy(60))
+    preempted = [rid for t in llm.engine.trace for rid in t.preempted]
+    assert preempted, "the cache is small enough to force preemptions"
+    for o in outs:
+        m = o.metrics
+        assert 0 <= m.queue_time_ms <= m.time_to_first_token_ms <= m.e2e_latency_ms
+        assert m.time_to_first_token_ms + m.generation_time_ms <= m.e2e_latency_ms + 1e-6
+        assert 0 < m.mean_itl_ms <= m.max_itl_ms
+        assert abs(m.tokens_per_second * m.generation_time_ms / 1e3 - (len(o.token_ids) - 1)) < 1e-6
+        assert m.num_preemptions == o.num_preemptions == preempted.count(o.request_id)
+        assert (m.num_recomputed_tokens > 0) == (m.num_preemptions > 0)
+        assert m.num_cached_tokens == 0
+    lost = {}  # computed tokens each request gave up, from the log lines
+    assert len(lines_of := [x for x in lines if x.startswith("preempted ")]) == len(preempted)
+    for line in lines_of:
+        rid, n = line.split()[1], int(line.split(": ")[1].split()[0])
+        lost[rid] = lost.get(rid, 0) + n
+    assert {o.request_id: o.metrics.num_recomputed_tokens for o in outs if o.num_preemptions} == lost
+    assert llm.stats.recomputed_tokens == sum(lost.values())
+    # Prefill = the prompts + what was computed twice + per re-admission its newest token,
+    # computed for the first time in the prefill instead of a decode.
+    assert llm.stats.prefill_tokens == sum(map(len, ps)) + sum(lost.values()) + len(preempted)
+
+
+def test_prefix_cache_hits_are_not_recompute():
+    """With the prefix cache, a preempted request gets back its named blocks that nobody
+    evicted: only the rest is recomputed, and the counters agree."""
+    llm = LLM("tiny", log=lambda *_: None, warmup=False, max_num_seqs=4, max_model_len=128,
+              max_num_batched_tokens=128, num_kv_blocks=14)
+    rng = np.random.default_rng(3)
+    outs = llm.generate([rng.integers(3, 250, rng.integers(20, 40)).tolist() for _ in range(4)], greedy(60))
+    assert llm.stats.num_preemptions > 0
+    assert sum(o.metrics.num_recomputed_tokens for o in outs) == llm.stats.recomputed_tokens
+    assert llm.stats.recomputed_tokens <= llm.stats.prefill_tokens - sum(len(o.prompt_token_ids) for o in outs)
+
+
+def test_the_server_returns_metrics_only_when_enabled_and_asked_in_the_body_or_the_last_chunk():
+    import asyncio
+    import json
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from engine import AsyncEngine, EngineConfig
+    from server import build_app
+
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False),
+                             log=lambda *_: None)
+        await engine.start()
+        try:
+            for enabled in (False, True):
+                async with TestClient(TestServer(build_app(engine, ["tiny"], per_request_metrics=enabled))) as c:
+                    plain = await (await c.post("/v1/completions", json=body)).json()
+                    assert "metrics" not in plain  # opt-in
+                    asked = await (await c.post("/v1/completions", json=body | {"include_metrics": True})).json()
+                    assert ("metrics" in asked) == enabled, asked
+                    if enabled:
+                        m = asked["metrics"]
+                        assert 0 <= m["queue_time_ms"] <= m["time_to_first_token_ms"] <= m["e2e_latency_ms"]
+                        assert m["num_preemptions"] == 0 and m["tokens_per_second"] > 0
+                    for usage in (False, True):
+                        extra = {"stream": True, "include_metrics": True,
+                                 "stream_options": {"include_usage": True} if usage else None}
+                        text = await (await c.post("/v1/completions", json=body | extra)).text()
+                        events = [json.loads(x[6:]) for x in text.split("\n\n") if x.startswith("data: {")]
+                        with_metrics = [i for i, e in enumerate(events) if "metrics" in e]
+                        assert with_metrics == ([len(events) - 1] if enabled else []), events
+                    bad = await c.post("/v1/completions", json=body | {"include_metrics": 1})
+                    assert bad.status == 400
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
