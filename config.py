@@ -43,6 +43,9 @@ class EngineConfig:
     scheduling: str = BATCHING.default  # how a step is composed, when a finished sequence's seat frees
     scheduling_policy: str = POLICIES.default  # vLLM's --scheduling-policy: admission order, KV victim
     kv_admission: str = KV_ADMISSION.default  # the KV blocks a sequence holds from admission
+    # Defaults of a request's SLO (ms) for a policy that reads SLOs (--scheduling-policy slo).
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     attention_backend: str = "auto"  # or a backend registered in attention_backend.py
     max_waiting_requests: int | None = None
     warmup: bool = True  # compile every shape bucket before serving
@@ -74,6 +77,13 @@ class EngineConfig:
         for registry in REGISTRIES:
             registry.check(getattr(self, registry.field))
         attention_backend.check_name(self.attention_backend)
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, (int, float)) and math.isfinite(value) and value > 0),
+                 f"{name} must be a number > 0, got {value!r}")
+            need(value is None or POLICIES[self.scheduling_policy].uses_slo,
+                 f"{name} is set, but the {self.scheduling_policy} scheduling policy does not read SLOs "
+                 "(--scheduling-policy slo)")
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")
@@ -136,6 +146,22 @@ class EngineConfig:
             b *= 2
         out.append(self.max_num_batched_tokens)
         return tuple(out)
+
+
+@dataclass(frozen=True)
+class SLOTarget:
+    """A request's service-level objective, read by the slo policy: its first token within
+    ttft_ms of arrival, then on average one token per tpot_ms (None: no target)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ValueError(f"slo.{name} must be a number > 0, got {v!r}")
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,13 @@ from typing import AsyncIterator, Callable, Sequence as Seq
 import jax
 import numpy as np
 
-from config import MAX_LOGPROBS, EngineConfig, SamplingParams
+from config import MAX_LOGPROBS, EngineConfig, SamplingParams, SLOTarget
 from metrics import WAIT_REASONS, EngineStats, RequestMetrics, StepTrace
 from runner import InFlightStep, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from startup import build_engine
 
-__all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
+__all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
            "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError", "EngineDeadError"]
 
 
@@ -111,18 +111,26 @@ class LLMEngine:
         self.runner.follow()
 
     # ---- requests ------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
+                 slo: SLOTarget | None = None) -> None:
         """Raises ValueError saying why the request cannot run; safe from any thread."""
-        self.scheduler.validate(prompt_token_ids, params, priority)
+        self.scheduler.validate(prompt_token_ids, params, priority, slo)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> Sequence:
-        """priority: under a policy that reads it (--scheduling-policy), lower runs first."""
-        self.scheduler.validate(prompt_token_ids, params, priority)
+                    arrival_time: float | None = None, priority: int = 0, user: str | None = None,
+                    slo: SLOTarget | None = None) -> Sequence:
+        """priority: under a policy that reads it (--scheduling-policy), lower runs first.
+        user: the client, for the fair policy (None: the shared anonymous client).
+        slo: its targets, for the slo policy (None: the server-wide defaults)."""
+        self.scheduler.validate(prompt_token_ids, params, priority, slo)
         if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
         seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority)
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority,
+                       user=user)
+        if slo is not None:
+            seq.slo_ttft = None if slo.ttft_ms is None else slo.ttft_ms / 1e3
+            seq.slo_tpot = None if slo.tpot_ms is None else slo.tpot_ms / 1e3
         # A request without a seed still gets its own stream, drawn from the engine's seed;
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
@@ -477,8 +485,9 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    priority: int = 0) -> AsyncIterator[RequestOutputDelta]:
-        self.engine.validate(prompt_token_ids, params, priority)
+                    priority: int = 0, user: str | None = None,
+                    slo: SLOTarget | None = None) -> AsyncIterator[RequestOutputDelta]:
+        self.engine.validate(prompt_token_ids, params, priority, slo)
         if self._stop.is_set():
             raise RuntimeError("the engine is shutting down")
         if self.error is not None:
@@ -494,7 +503,8 @@ class AsyncEngine:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
-            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority)))
+            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority,
+                                        user, slo)))
             self._num_waiting_inbox += 1
         self._wake.set()
         return self._stream(request_id, queue)
@@ -544,9 +554,10 @@ class AsyncEngine:
             self._inbox.clear()
         for kind, arg in work:
             if kind == "add":
-                rid, prompt, params, arrival, priority = arg
+                rid, prompt, params, arrival, priority, user, slo = arg
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority)
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority, user=user,
+                                            slo=slo)
                 except ValueError as e:  # validated already; a scheduler-level refusal
                     self._fail(rid, e)
                 finally:

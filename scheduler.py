@@ -36,10 +36,10 @@ from typing import Sequence as Seq
 
 import numpy as np
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig, SamplingParams, SLOTarget
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS
-from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
+from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, ScanQueue, SortedQueue
 
 # The scheduler's global invariants (every slot owned once, no KV block leaked, blocks
 # cover every computed token) cost O(running + blocks in use) a step: at 256 sequences,
@@ -84,6 +84,9 @@ class Sequence:
     num_computed_high: int = 0
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption (prefix-cache hits excluded)
     priority: int = 0  # read by a policy that declares uses_priority: lower runs first (vLLM's field)
+    user: str | None = None  # the client (OpenAI's `user`), read by the fair policy
+    slo_ttft: float | None = None  # SLO targets in seconds, read by a policy that declares uses_slo
+    slo_tpot: float | None = None
     arrival_order: int = -1  # set by Scheduler.add: breaks ties between equal arrival times
     admitted_seq_no: int = -1  # order of the latest admission: the highest is preempted first
     seed: int | None = None  # this request's sampling stream (set by the engine)
@@ -173,7 +176,7 @@ class Scheduler:
         self.policy = POLICIES.create(config)  # admission order, KV victim, who may preempt (policy.py)
         self.batching = BATCHING.create(config)  # how a step is composed, when a seat frees
         self.kv_admission = KV_ADMISSION.create(config)  # the blocks a sequence holds from admission
-        self.waiting: FCFSQueue | SortedQueue = self.policy.new_queue()
+        self.waiting: FCFSQueue | SortedQueue | ScanQueue = self.policy.new_queue()
         self.running: list[Sequence] = []  # admission order; finished ones a batching keeps seated too
         self._free_slots = list(range(config.max_num_seqs))  # a heap: the lowest free slot first
         self._seqs: dict[str, Sequence] = {}  # every request not yet released, by id
@@ -183,7 +186,8 @@ class Scheduler:
         self._budget = 0  # tokens left in the step being scheduled
 
     # ---- requests ----------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
+                 slo: SLOTarget | None = None) -> None:
         """Everything a request must satisfy that the config decides; raises ValueError
         saying why. Reads only what never changes after start-up: safe from any thread."""
         cfg, n = self.config, len(prompt_token_ids)
@@ -192,6 +196,11 @@ class Scheduler:
         if priority != 0 and not self.policy.uses_priority:
             raise ValueError(f"priority {priority} was given, but the {self.policy.name} scheduling policy "
                              "does not read it (priority scheduling is not enabled: --scheduling-policy)")
+        if slo is not None and not isinstance(slo, SLOTarget):
+            raise ValueError(f"slo must be an SLOTarget, got {type(slo).__name__}")
+        if slo is not None and not self.policy.uses_slo:
+            raise ValueError(f"an slo was given, but the {self.policy.name} scheduling policy does not read it "
+                             "(--scheduling-policy slo)")
         if n == 0:
             raise ValueError("the prompt is empty")
         if self.vocab_size is not None:
@@ -218,6 +227,12 @@ class Scheduler:
         assert seq.status is WAITING and seq.num_computed_tokens == 0 and not seq.block_table
         assert 0 < seq.num_prompt_tokens and seq.num_prompt_tokens + seq.params.max_tokens <= self.config.max_model_len
         seq.arrival_order = next(self._arrivals)
+        if self.policy.uses_slo:  # the server-wide targets, where the request set none
+            cfg = self.config
+            if seq.slo_ttft is None and cfg.slo_ttft_ms is not None:
+                seq.slo_ttft = cfg.slo_ttft_ms / 1e3
+            if seq.slo_tpot is None and cfg.slo_tpot_ms is not None:
+                seq.slo_tpot = cfg.slo_tpot_ms / 1e3
         self.waiting.add(seq)
         self._seqs[seq.request_id] = seq
 
@@ -242,7 +257,9 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
         self._room_preempted = False
+        self.policy.begin_step()
         self.batching.schedule(self, out)
+        self.policy.charge(out)
         return out  # _add counted num_decode_tokens and num_prefill_tokens
 
     def update(self, out: SchedulerOutput, tokens: Seq[int]) -> StepOutcome:
@@ -353,7 +370,10 @@ class Scheduler:
         """Prompt work of admitted sequences, admission order: the next chunk with chunked
         prefill (as much as the budget allows), else the whole remaining prompt.
         candidates: the running sequences that may have prompt work (default: all)."""
-        for seq in list(self.running) if candidates is None else candidates:
+        candidates = list(self.running) if candidates is None else candidates
+        if self.policy.orders_prompts:
+            candidates = sorted(candidates, key=self.policy.key)
+        for seq in candidates:
             if seq.status is not RUNNING:
                 continue  # preempted meanwhile (or finished, seated until its batch leaves)
             if seq.is_decode:

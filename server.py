@@ -37,12 +37,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig, SamplingParams, SLOTarget
 from engine import AsyncEngine, QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
-                      parse_sampling)
+                      parse_sampling, parse_slo)
 
 log = logging.getLogger("taxirank.server")
 
@@ -147,7 +147,8 @@ class Generation:
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, stop: list[str], priority: int = 0, want_metrics: bool = False) -> None:
+                 params: SamplingParams, stop: list[str], priority: int = 0, want_metrics: bool = False,
+                 user: str | None = None, slo: SLOTarget | None = None) -> None:
         """want_metrics: the last chunk carries the request's RequestMetrics."""
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
@@ -155,7 +156,7 @@ class Generation:
         self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop, params,
                                                   self.engine.model_config.eos_token_ids)
         try:
-            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority)
+            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -213,7 +214,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
     want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
-    gen = Generation(engine, request_id, prompt_ids, params, stop, priority, want_metrics)
+    user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
+    gen = Generation(engine, request_id, prompt_ids, params, stop, priority, want_metrics, user, parse_slo(body))
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
     model = body.get("model") or app["model_names"][0]  # read_body checked it
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
@@ -484,6 +486,8 @@ _HELP = {  # EngineConfig fields; config.py says more
     "scheduling": "how a step is composed and when a finished sequence's seat frees (policy.BATCHING)",
     "scheduling_policy": "the waiting queue's order, the KV victim, who may preempt whom (policy.POLICIES)",
     "kv_admission": "the KV blocks a sequence holds from admission (policy.KV_ADMISSION)",
+    "slo_ttft_ms": "--scheduling-policy slo: a request's time-to-first-token target when its body sets none",
+    "slo_tpot_ms": "--scheduling-policy slo: a request's time-per-output-token target when its body sets none",
     "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",

@@ -93,6 +93,15 @@ def test_the_server_returns_metrics_only_when_enabled_and_asked_in_the_body_or_t
                         assert with_metrics == ([len(events) - 1] if enabled else []), events
                     bad = await c.post("/v1/completions", json=body | {"include_metrics": 1})
                     assert bad.status == 400
+            # Scheduling fields: `user` is OpenAI's and always accepted; an `slo` only under a
+            # policy that reads it (this engine's is fcfs), and a malformed one never.
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as c:
+                assert (await c.post("/v1/completions", json=body | {"user": "alice"})).status == 200
+                for slo, words in (({"ttft_ms": 100}, "does not read it"), ({"ttft_ms": -1}, "must be a number > 0"),
+                                   ({"ttft": 1}, "takes ttft_ms and tpot_ms"), (5, "must be an object")):
+                    resp = await c.post("/v1/completions", json=body | {"slo": slo})
+                    assert resp.status == 400 and words in (await resp.json())["error"]["message"], slo
+                assert (await c.post("/v1/completions", json=body | {"user": 5})).status == 400
         finally:
             await engine.shutdown()
 
