@@ -43,6 +43,11 @@ class EngineConfig:
     scheduling: str = BATCHING.default  # how a step is composed, when a finished sequence's seat frees
     scheduling_policy: str = POLICIES.default  # vLLM's --scheduling-policy: admission order, KV victim
     kv_admission: str = KV_ADMISSION.default  # the KV blocks a sequence holds from admission
+    # How a preempted sequence gives up its KV blocks (vLLM V0's names): recompute drops them
+    # (its prompt and outputs are computed again on re-admission); swap copies them to a
+    # host pool of swap_space GiB and back (recompute when the pool is full).
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (vLLM's default)
     # Defaults of a request's SLO (ms) for a policy that reads SLOs (--scheduling-policy slo).
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -77,6 +82,12 @@ class EngineConfig:
         for registry in REGISTRIES:
             registry.check(getattr(self, registry.field))
         attention_backend.check_name(self.attention_backend)
+        need(self.preemption_mode in ("recompute", "swap"),
+             f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        need(isinstance(self.swap_space, (int, float)) and math.isfinite(self.swap_space) and self.swap_space >= 0,
+             f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        need(self.preemption_mode == "recompute" or (self.tensor_parallel_size == 1 and self.num_processes == 1),
+             "--preemption-mode swap runs on one device: the host pool is not sharded")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             value = getattr(self, name)
             need(value is None or (isinstance(value, (int, float)) and math.isfinite(value) and value > 0),

@@ -168,6 +168,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.preempted:
             self._log_preemptions(out)
+        if out.swap_out or out.swap_in:  # before the step, which may write where a swapped-out block was
+            self.runner.swap(out.swap_out, out.swap_in)
         if out.scheduled or not self._in_flight:
             self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
         if out.scheduled and len(self._in_flight) <= self._max_in_flight:
@@ -235,8 +237,9 @@ class LLMEngine:
         after, and the running totals, so the recompute tax is visible as it is paid."""
         usage = self.scheduler.allocator.usage
         total = self.stats.num_preemptions + len(out.preempted)
-        for seq, lost in zip(out.preempted, out.preempted_tokens):
-            self.log(f"preempted {seq.request_id} (recompute): {lost} computed tokens dropped "
+        for seq, n, swapped in zip(out.preempted, out.preempted_tokens, out.preempted_swapped):
+            how = "swap): {} computed tokens moved to the host pool" if swapped else "recompute): {} computed tokens dropped"
+            self.log(f"preempted {seq.request_id} ({how.format(n)} "
                      f"({seq.num_prompt_tokens} prompt + {seq.num_output_tokens} output), KV usage {usage:.0%}, "
                      f"{seq.num_preemptions} preemption(s) of it, {total} in all")
 

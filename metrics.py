@@ -160,6 +160,11 @@ class EngineStats:
     # counters
     num_preemptions: int = 0
     recomputed_tokens: int = 0  # the recompute tax: tokens computed again after a preemption dropped them
+    swapped_out_blocks: int = 0  # KV blocks copied to the host pool (--preemption-mode swap)
+    swapped_in_blocks: int = 0  # KV blocks copied back
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    swap_fallbacks: int = 0  # preemptions under swap that recomputed: the host pool was full
     prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
@@ -201,6 +206,7 @@ class EngineStats:
                 self.decode_tokens += out.num_decode_tokens
                 self.num_preemptions += len(out.preempted)
                 self.recomputed_tokens += out.num_recomputed_tokens
+                self.swap_fallbacks += out.num_swap_fallbacks
                 self.generation_tokens += len(sampled)
                 self.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
             itl = []  # one inter-token latency per sequence that got a later token

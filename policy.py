@@ -243,13 +243,14 @@ class Fair(FCFS):
     """Fair share between clients by a virtual token counter (VTC; Sheng et al., "Fairness
     in Serving Large Language Models", OSDI 2024). A client (the request's OpenAI `user`;
     none: one shared "anonymous" client) is charged `prompt_weight` per prompt token
-    computed for it and `output_weight` per output token, as each step is scheduled. The
+    computed for it (a recompute after a preemption is not charged) and `output_weight` per
+    output token, as each step is scheduled. The
     waiting request of the least-served client goes first (ties: arrival). A client that
     starts waiting again is lifted to the least counter of the clients already waiting, so
     idle time banks no credit. A waiting request preempts a running one whose client has
     been served more than `preempt_gap` weighted tokens more than its own (the gap keeps
     two clients from taking a seat back and forth every step: each preemption is paid for
-    by that much service in between). At most `max_clients` clients are tracked: the least
+    by that much new service in between, so every request progresses and finishes). At most `max_clients` clients are tracked: the least
     recently active is forgotten, and comes back like a new one: at the least counter
     tracked, lifted as above (so a client that sprays new names ties with the least-served
     client, never overtakes it)."""
@@ -274,7 +275,10 @@ class Fair(FCFS):
         return self.counters.get(client, 0.0)
 
     def key(self, seq: Sequence) -> tuple[float, float, int]:
-        return (self.counters.get(seq.user or ANONYMOUS, 0.0), seq.arrival_time, seq.arrival_order)
+        c = self.counters.get(seq.user or ANONYMOUS)
+        if c is None:  # forgotten while its request was in the system: as a new client
+            c = min(self.counters.values(), default=0.0)
+        return (c, seq.arrival_time, seq.arrival_order)
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         return max(candidates, key=self.key)
@@ -285,8 +289,12 @@ class Fair(FCFS):
     def charge(self, out: SchedulerOutput) -> None:
         pw, ow, counters = self.prompt_weight, self.output_weight, self.counters
         for s in out.scheduled:
-            c = self._track(self.client(s.seq))
-            counters[c] += (0 if s.is_decode else pw * s.num_new_tokens) + ow * s.samples
+            seq, n = s.seq, s.num_new_tokens
+            if not s.is_decode:  # a recompute is not charged: each preemption is then paid for by new work
+                end = seq.num_computed_tokens
+                n -= max(0, min(end, seq.num_computed_high) - (end - n))
+            c = self._track(self.client(seq))
+            counters[c] += (0 if s.is_decode else pw * n) + ow * s.samples
 
     def _arrive(self, seq: Sequence) -> None:
         c = self.client(seq)

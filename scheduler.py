@@ -83,6 +83,8 @@ class Sequence:
     # (set at each preemption from num_computed_tokens, read by _add).
     num_computed_high: int = 0
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption (prefix-cache hits excluded)
+    # Swapped out (--preemption-mode swap): (host blocks holding its K/V, tokens they hold).
+    swapped: tuple[list[int], int] | None = None
     priority: int = 0  # read by a policy that declares uses_priority: lower runs first (vLLM's field)
     user: str | None = None  # the client (OpenAI's `user`), read by the fair policy
     slo_ttft: float | None = None  # SLO targets in seconds, read by a policy that declares uses_slo
@@ -139,7 +141,12 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prompt chunks
     preempted: list[Sequence] = field(default_factory=list)
-    preempted_tokens: list[int] = field(default_factory=list)  # per preempted: computed tokens it lost
+    preempted_tokens: list[int] = field(default_factory=list)  # per preempted: computed tokens it lost or moved
+    preempted_swapped: list[bool] = field(default_factory=list)  # per preempted: moved to the host pool
+    # KV copies the runner makes before the step: (device blocks, host blocks) each.
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    num_swap_fallbacks: int = 0  # preemptions under swap that recomputed: the host pool was full
     num_prefill_tokens: int = 0
     num_recomputed_tokens: int = 0  # of num_prefill_tokens, computed before a preemption dropped them
     num_decode_tokens: int = 0
@@ -165,8 +172,9 @@ class StepOutcome:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: tuple[int, ...],
-                 vocab_size: int | None = None) -> None:
-        """vocab_size: the model's, for validate() (None: token ids are not checked)."""
+                 vocab_size: int | None = None, num_swap_blocks: int = 0) -> None:
+        """vocab_size: the model's, for validate() (None: token ids are not checked).
+        num_swap_blocks: the host pool's size in KV blocks (--preemption-mode swap)."""
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None, \
             "pass config.resolved(...)"
         self.config = config
@@ -184,6 +192,9 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._room_preempted = False  # this step preempted to find blocks for running sequences
         self._budget = 0  # tokens left in the step being scheduled
+        self.num_swap_blocks = num_swap_blocks if config.preemption_mode == "swap" else 0
+        self._host_free = list(range(self.num_swap_blocks))  # free blocks of the host pool
+        self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
 
     # ---- requests ----------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
@@ -244,6 +255,7 @@ class Scheduler:
         if seq.status is WAITING:
             self.waiting.remove(seq)
             del self._seqs[request_id]
+            self._drop_swapped(seq)
         else:
             self.retire(seq)
         seq.status, seq.finish_reason, seq.wait_reason = FINISHED, "abort", None
@@ -260,6 +272,12 @@ class Scheduler:
         self.policy.begin_step()
         self.batching.schedule(self, out)
         self.policy.charge(out)
+        if self._swap_in:
+            # Their host blocks are free only now, so no swap-out of this step overwrites
+            # them before the runner has read them.
+            out.swap_in, self._swap_in = self._swap_in, []
+            for _, host in out.swap_in:
+                self._host_free += host
         return out  # _add counted num_decode_tokens and num_prefill_tokens
 
     def update(self, out: SchedulerOutput, tokens: Seq[int]) -> StepOutcome:
@@ -285,9 +303,10 @@ class Scheduler:
                 continue
             seq.finish_reason = reason
             seq.num_output_placeholders = 0  # tokens of a later step still in flight: dropped
-            if seq.status is WAITING:  # preempted after this step was scheduled: it holds nothing
+            if seq.status is WAITING:  # preempted after this step was scheduled: it holds no device blocks
                 self.waiting.remove(seq)
                 del self._seqs[seq.request_id]
+                self._drop_swapped(seq)
                 seq.status, seq.wait_reason = FINISHED, None
                 released.append(seq)
             else:
@@ -468,13 +487,19 @@ class Scheduler:
         """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
         waiting sequence's admission now. chunk: with chunked prefill, its first step is
         what the token budget allows."""
-        cached = self._cached_prefix(seq)
-        num_cached = len(cached) * self.config.block_size
+        cached = [] if seq.swapped else self._cached_prefix(seq)
+        # A swapped-out sequence's K/V comes back from the host pool: like a cache hit, in fresh blocks.
+        num_cached = seq.swapped[1] if seq.swapped else len(cached) * self.config.block_size
         n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
         if chunk and self.config.enable_chunked_prefill:
             n = min(n, self._budget)
         tokens = self.kv_admission.tokens_at_admission(seq, num_cached + n, self.config)
         return cached, n, blocks_needed(tokens, self.config.block_size) - len(cached)
+
+    def _drop_swapped(self, seq: Sequence) -> None:
+        if seq.swapped:
+            self._host_free += seq.swapped[0]
+            seq.swapped = None
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The names of seq's first num_blocks full blocks, extending seq.block_hashes;
@@ -502,6 +527,10 @@ class Scheduler:
         self.allocator.share(seq.request_id, cached)  # before allocate, which could evict them
         seq.block_table = cached + self.allocator.allocate(seq.request_id, num_new_blocks)
         seq.num_computed_tokens = len(cached) * self.config.block_size
+        if seq.swapped:  # its K/V is copied back into its first fresh blocks before the step
+            host, seq.num_computed_tokens = seq.swapped
+            self._swap_in.append((seq.block_table[:len(host)], host))
+            seq.swapped = None
         if seq.num_cached_tokens < 0:  # as vLLM: the first admission's hit is the request's
             seq.num_cached_tokens = seq.num_computed_tokens
         seq.status, seq.wait_reason = RUNNING, None
@@ -552,13 +581,27 @@ class Scheduler:
         return True
 
     def _preempt(self, out: SchedulerOutput, victim: Sequence) -> None:
-        """Preemption by recompute: drop the cache, keep the outputs, back to the waiting
-        queue where the policy puts it (FCFS: the front)."""
+        """Back to the waiting queue where the policy puts it (FCFS: the front), outputs
+        kept, its device blocks freed. By recompute: its K/V is dropped and computed again
+        on re-admission. By swap: its K/V blocks are copied to the host pool and back on
+        re-admission; a full pool falls back to recompute (counted)."""
+        computed = victim.num_computed_tokens
+        blocks = victim.block_table[:blocks_needed(computed, self.config.block_size)]
+        swap = self.config.preemption_mode == "swap" and 0 < len(blocks)
+        if swap and len(blocks) > len(self._host_free):
+            swap = False
+            out.num_swap_fallbacks += 1
+        if swap:  # the runner copies them out before the step, before anyone writes there
+            host = [self._host_free.pop() for _ in blocks]
+            out.swap_out.append((blocks, host))
+            victim.swapped = (host, computed)
+        else:
+            victim.num_computed_high = max(victim.num_computed_high, computed)
         self.running.remove(victim)
         self._release(victim)
         victim.status, victim.wait_reason = WAITING, "kv_blocks"
-        out.preempted_tokens.append(victim.num_computed_tokens)
-        victim.num_computed_high = max(victim.num_computed_high, victim.num_computed_tokens)
+        out.preempted_tokens.append(computed)
+        out.preempted_swapped.append(swap)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.waiting.requeue(victim)
@@ -592,6 +635,8 @@ class Scheduler:
     def _check_step_invariants(self) -> None:
         slots = [s.slot for s in self.running]
         assert sorted([*slots, *self._free_slots]) == list(range(self.config.max_num_seqs)), "slot leaked or shared"
+        host = [b for s in self.waiting if s.swapped for b in s.swapped[0]] + self._host_free
+        assert sorted(host) == list(range(self.num_swap_blocks)), "host swap block leaked or shared"
         # A block shared by several sequences is one block in use.
         assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
         bs = self.config.block_size

@@ -391,6 +391,11 @@ _GAUGES = [  # (metric, EngineStats attribute, help)
 _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (to be recomputed)."),
     ("recomputed_tokens", "recomputed_tokens", "Tokens computed again after a preemption dropped them."),
+    ("swapped_out_blocks", "swapped_out_blocks", "KV blocks copied to the host pool by swap preemption."),
+    ("swapped_in_blocks", "swapped_in_blocks", "KV blocks copied back from the host pool."),
+    ("swapped_out_bytes", "swapped_out_bytes", "Bytes of KV copied to the host pool."),
+    ("swapped_in_bytes", "swapped_in_bytes", "Bytes of KV copied back from the host pool."),
+    ("swap_fallbacks", "swap_fallbacks", "Swap preemptions that recomputed: the host pool was full."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)."),
@@ -486,6 +491,9 @@ _HELP = {  # EngineConfig fields; config.py says more
     "scheduling": "how a step is composed and when a finished sequence's seat frees (policy.BATCHING)",
     "scheduling_policy": "the waiting queue's order, the KV victim, who may preempt whom (policy.POLICIES)",
     "kv_admission": "the KV blocks a sequence holds from admission (policy.KV_ADMISSION)",
+    "preemption_mode": "how a preempted sequence gives up its KV: recompute (dropped, computed again) or swap "
+                       "(copied to a host pool of --swap-space GiB and back; recompute when it is full)",
+    "swap_space": "GiB of host memory for KV blocks swapped out by --preemption-mode swap",
     "slo_ttft_ms": "--scheduling-policy slo: a request's time-to-first-token target when its body sets none",
     "slo_tpot_ms": "--scheduling-policy slo: a request's time-per-output-token target when its body sets none",
     "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",

@@ -106,3 +106,35 @@ def test_the_server_returns_metrics_only_when_enabled_and_asked_in_the_body_or_t
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_swap_preemption_gives_the_same_greedy_tokens_with_no_recompute_and_a_full_pool_falls_back():
+    """The tight cache of the first test, where two requests are preempted: swapped out and in, the
+    tokens equal recompute's and an ample cache's; with a pool of three blocks one of the
+    two preemptions falls back to recompute, counted, and the tokens are still the same."""
+    from kvcache import kv_cache_bytes_per_block
+
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(3, 250, rng.integers(20, 40)).tolist() for _ in range(4)]
+    kw = dict(log=lambda *_: None, warmup=False, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
+    ample = [o.token_ids for o in LLM("tiny", **kw).generate(ps, greedy(60))]
+    tight = dict(kw, num_kv_blocks=14)
+    recompute = LLM("tiny", **tight)
+    assert [o.token_ids for o in recompute.generate(ps, greedy(60))] == ample
+    per_block = kv_cache_bytes_per_block(recompute.engine.model_config, 16, recompute.engine.loaded.dtype)
+    for blocks, lines in ((None, []), (3, [])):
+        space = {} if blocks is None else {"swap_space": blocks * per_block / 2**30}
+        llm = LLM("tiny", **dict(tight, log=lines.append), preemption_mode="swap", **space)
+        outs = llm.generate(ps, greedy(60))
+        st = llm.stats
+        assert [o.token_ids for o in outs] == ample
+        assert st.num_preemptions > 0 and st.swapped_out_blocks > 0
+        assert st.swapped_in_blocks == st.swapped_out_blocks  # every request finished: all came back
+        assert st.swapped_out_bytes == st.swapped_out_blocks * per_block
+        if blocks is None:
+            assert st.recomputed_tokens == 0 and st.swap_fallbacks == 0
+            assert all("(swap)" in x for x in lines if x.startswith("preempted "))
+        else:
+            assert st.swap_fallbacks > 0 and st.recomputed_tokens > 0
+        assert llm.engine.scheduler.allocator.num_used == 0
+        assert len(llm.engine.scheduler._host_free) == llm.engine.scheduler.num_swap_blocks
