@@ -93,6 +93,23 @@ def test_the_server_returns_metrics_only_when_enabled_and_asked_in_the_body_or_t
                         assert with_metrics == ([len(events) - 1] if enabled else []), events
                     bad = await c.post("/v1/completions", json=body | {"include_metrics": 1})
                     assert bad.status == 400
+            # A stop string ends the request in the server: the record still comes, taken
+            # from the engine's last delta for it (greedy, so the text is known in advance).
+            text_body = {"prompt": "hello", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True,
+                         "include_metrics": True}
+            async with TestClient(TestServer(build_app(engine, ["tiny"], per_request_metrics=True))) as c:
+                whole = (await (await c.post("/v1/completions", json=text_body)).json())["choices"][0]["text"]
+                stop = whole[3:5]
+                assert stop and whole.index(stop) == 3, whole
+                for stream in (False, True):
+                    resp = await c.post("/v1/completions", json=text_body | {"stop": [stop], "stream": stream})
+                    if stream:
+                        text = await resp.text()
+                        out = [json.loads(x[6:]) for x in text.split("\n\n") if x.startswith("data: {")][-1]
+                    else:
+                        out = await resp.json()
+                        assert out["choices"][0]["text"] == whole[:3] and out["choices"][0]["finish_reason"] == "stop"
+                    assert out["metrics"]["time_to_first_token_ms"] <= out["metrics"]["e2e_latency_ms"], out
             # Scheduling fields: `user` is OpenAI's and always accepted; an `slo` only under a
             # policy that reads it (this engine's is fcfs), and a malformed one never.
             async with TestClient(TestServer(build_app(engine, ["tiny"]))) as c:
