@@ -193,7 +193,7 @@ class Scheduler:
         self._room_preempted = False  # this step preempted to find blocks for running sequences
         self._budget = 0  # tokens left in the step being scheduled
         self.num_swap_blocks = num_swap_blocks if config.preemption_mode == "swap" else 0
-        self._host_free = list(range(self.num_swap_blocks))  # free blocks of the host pool
+        self._host_free = set(range(self.num_swap_blocks))  # free blocks of the host pool
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
 
     # ---- requests ----------------------------------------------------------------------
@@ -277,7 +277,7 @@ class Scheduler:
             # them before the runner has read them.
             out.swap_in, self._swap_in = self._swap_in, []
             for _, host in out.swap_in:
-                self._host_free += host
+                self._host_free.update(host)
         return out  # _add counted num_decode_tokens and num_prefill_tokens
 
     def update(self, out: SchedulerOutput, tokens: Seq[int]) -> StepOutcome:
@@ -498,7 +498,7 @@ class Scheduler:
 
     def _drop_swapped(self, seq: Sequence) -> None:
         if seq.swapped:
-            self._host_free += seq.swapped[0]
+            self._host_free.update(seq.swapped[0])
             seq.swapped = None
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -635,8 +635,11 @@ class Scheduler:
     def _check_step_invariants(self) -> None:
         slots = [s.slot for s in self.running]
         assert sorted([*slots, *self._free_slots]) == list(range(self.config.max_num_seqs)), "slot leaked or shared"
-        host = [b for s in self.waiting if s.swapped for b in s.swapped[0]] + self._host_free
-        assert sorted(host) == list(range(self.num_swap_blocks)), "host swap block leaked or shared"
+        # O(swapped), not O(pool): a pool of a few GiB holds hundreds of thousands of blocks.
+        swapped = [b for s in self.waiting if s.swapped for b in s.swapped[0]]
+        assert len(swapped) + len(self._host_free) == self.num_swap_blocks and len(set(swapped)) == len(swapped) \
+            and self._host_free.isdisjoint(swapped) and all(0 <= b < self.num_swap_blocks for b in swapped), \
+            "host swap block leaked or shared"
         # A block shared by several sequences is one block in use.
         assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
         bs = self.config.block_size
