@@ -233,13 +233,14 @@ class LLMEngine:
         return deltas
 
     def _log_preemptions(self, out: SchedulerOutput) -> None:
-        """One line per preemption (vLLM's): who, the computed tokens it gives up, KV usage
-        after, and the running totals, so the recompute tax is visible as it is paid."""
+        """One line per preemption (vLLM's): who, how, the computed tokens it gives up or
+        moves, KV usage after, and the running totals, so the recompute tax is visible as it
+        is paid."""
         usage = self.scheduler.allocator.usage
         total = self.stats.num_preemptions + len(out.preempted)
         for seq, n, swapped in zip(out.preempted, out.preempted_tokens, out.preempted_swapped):
-            how = "swap): {} computed tokens moved to the host pool" if swapped else "recompute): {} computed tokens dropped"
-            self.log(f"preempted {seq.request_id} ({how.format(n)} "
+            mode, what = ("swap", "moved to the host pool") if swapped else ("recompute", "dropped")
+            self.log(f"preempted {seq.request_id} ({mode}): {n} computed tokens {what} "
                      f"({seq.num_prompt_tokens} prompt + {seq.num_output_tokens} output), KV usage {usage:.0%}, "
                      f"{seq.num_preemptions} preemption(s) of it, {total} in all")
 

@@ -153,11 +153,12 @@ class ScanQueue:
     def remove(self, seq: Sequence) -> None:
         self._seqs.remove(seq)
 
-    def __getitem__(self, i: int) -> Sequence:
-        return sorted(self._seqs, key=self._key)[i]
-
     def __iter__(self) -> Iterator[Sequence]:
+        """In the order they would be admitted now."""
         return iter(sorted(self._seqs, key=self._key))
+
+    def in_arrival_order(self) -> list[Sequence]:
+        return list(self._seqs)
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -298,7 +299,7 @@ class Fair(FCFS):
 
     def _arrive(self, seq: Sequence) -> None:
         c = self.client(seq)
-        waiting = {self.client(q) for q in self._queue}
+        waiting = {self.client(q) for q in self._queue.in_arrival_order()}
         if c not in waiting:
             floor = min((self.counter(w) for w in waiting), default=self.counter(c))
             self._track(c)
