@@ -48,6 +48,14 @@ class EngineConfig:
     scheduling: str = BATCHING.default  # how a step is composed, when a finished sequence's seat frees
     scheduling_policy: str = POLICIES.default  # vLLM's --scheduling-policy: admission order, KV victim
     kv_admission: str = KV_ADMISSION.default  # the KV blocks a sequence holds from admission
+    # How a preempted sequence gives up its KV blocks (vLLM V0's names): recompute drops them
+    # (its prompt and outputs are computed again on re-admission); swap copies them to a
+    # host pool of swap_space GiB and back (recompute when the pool is full).
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (vLLM's default)
+    # Defaults of a request's SLO (ms) for a policy that reads SLOs (--scheduling-policy slo).
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     attention_backend: str = "auto"  # or a backend registered in attention_backend.py
     max_waiting_requests: int | None = None
     warmup: bool = True  # compile every shape bucket before serving
@@ -79,6 +87,19 @@ class EngineConfig:
         for registry in REGISTRIES:
             registry.check(getattr(self, registry.field))
         attention_backend.check_name(self.attention_backend)
+        need(self.preemption_mode in ("recompute", "swap"),
+             f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        need(isinstance(self.swap_space, (int, float)) and math.isfinite(self.swap_space) and self.swap_space >= 0,
+             f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        need(self.preemption_mode == "recompute" or (self.tensor_parallel_size == 1 and self.num_processes == 1),
+             "--preemption-mode swap runs on one device: the host pool is not sharded")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, (int, float)) and math.isfinite(value) and value > 0),
+                 f"{name} must be a number > 0, got {value!r}")
+            need(value is None or POLICIES[self.scheduling_policy].uses_slo,
+                 f"{name} is set, but the {self.scheduling_policy} scheduling policy does not read SLOs "
+                 "(--scheduling-policy slo)")
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")
@@ -198,6 +219,22 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return "".join(self.choice)
         return self.json or self.regex or self.grammar or ""
+
+
+@dataclass(frozen=True)
+class SLOTarget:
+    """A request's service-level objective, read by the slo policy: its first token within
+    ttft_ms of arrival, then on average one token per tpot_ms (None: no target)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ValueError(f"slo.{name} must be a number > 0, got {v!r}")
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,15 @@ from typing import AsyncIterator, Callable, Sequence as Seq
 import jax
 import numpy as np
 
-from config import MAX_LOGPROBS, EngineConfig, SamplingParams
-from metrics import WAIT_REASONS, EngineStats, StepTrace
+from config import MAX_LOGPROBS, EngineConfig, SamplingParams, SLOTarget
+from metrics import WAIT_REASONS, EngineStats, RequestMetrics, StepTrace
 from runner import InFlightStep, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from startup import build_engine
 from structured import GrammarCompiler
 
-__all__ = ["EngineConfig", "SamplingParams", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
-           "RequestOutputDelta", "TokenLogprob", "QueueFullError", "EngineDeadError"]
+__all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "AsyncEngine", "RequestOutput",
+           "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError", "EngineDeadError"]
 
 
 class QueueFullError(RuntimeError):
@@ -62,6 +62,7 @@ class RequestOutputDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    metrics: RequestMetrics | None = None  # on the request's last delta
 
 
 @dataclass
@@ -79,6 +80,7 @@ class RequestOutput:
     finished_time: float
     num_preemptions: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (vLLM's field)
+    metrics: RequestMetrics  # its timings and scheduling history (vLLM's RequestOutput.metrics)
 
 
 class LLMEngine:
@@ -111,23 +113,31 @@ class LLMEngine:
         self.runner.follow()
 
     # ---- requests ------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
+                 slo: SLOTarget | None = None) -> None:
         """Raises ValueError saying why the request cannot run; safe from any thread. A
         structured-output constraint is compiled here (cached): a caller that must not
         block (the server's event loop) compiles it first with `self.grammars.compile` on
         another thread."""
-        self.scheduler.validate(prompt_token_ids, params, priority)
+        self.scheduler.validate(prompt_token_ids, params, priority, slo)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> Sequence:
-        """priority: under a policy that reads it (--scheduling-policy), lower runs first."""
-        self.validate(prompt_token_ids, params, priority)
+                    arrival_time: float | None = None, priority: int = 0, user: str | None = None,
+                    slo: SLOTarget | None = None) -> Sequence:
+        """priority: under a policy that reads it (--scheduling-policy), lower runs first.
+        user: the client, for the fair policy (None: the shared anonymous client).
+        slo: its targets, for the slo policy (None: the server-wide defaults)."""
+        self.validate(prompt_token_ids, params, priority, slo)
         if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
         seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority)
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority,
+                       user=user)
+        if slo is not None:
+            seq.slo_ttft = None if slo.ttft_ms is None else slo.ttft_ms / 1e3
+            seq.slo_tpot = None if slo.tpot_ms is None else slo.tpot_ms / 1e3
         # A request without a seed still gets its own stream, drawn from the engine's seed;
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
@@ -169,20 +179,18 @@ class LLMEngine:
         while any constrained request is in the engine the step in flight is collected
         before the next is scheduled (the synchronous order): every row still advances
         one token a step; only the host/device overlap is given up."""
-        if self._in_flight and self.scheduler.num_constrained:
-            deltas = self._collect()
-            out = self.scheduler.schedule()
-            if out.scheduled:
-                self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
-            self._refresh_gauges()
-            return deltas
+        deltas = self._collect() if self._in_flight and self.scheduler.num_constrained else []
         out = self.scheduler.schedule()
+        if out.preempted:
+            self._log_preemptions(out)
+        if out.swap_out or out.swap_in:  # before the step, which may write where a swapped-out block was
+            self.runner.swap(out.swap_out, out.swap_in)
         if out.scheduled or not self._in_flight:
             self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
         if out.scheduled and len(self._in_flight) <= self._max_in_flight:
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
-            return []
-        return self._collect()
+            return deltas
+        return deltas + self._collect()
 
     def _collect(self) -> list[RequestOutputDelta]:
         """Wait for the oldest step in flight, update the scheduler with it, record it."""
@@ -240,8 +248,20 @@ class LLMEngine:
                     d = RequestOutputDelta(seq.request_id, [], None, False, None, seq.num_prompt_tokens,
                                            seq.num_output_tokens, max(seq.num_cached_tokens, 0))
                     deltas.append(d)
-                d.finished, d.finish_reason = True, seq.finish_reason
+                d.finished, d.finish_reason, d.metrics = True, seq.finish_reason, RequestMetrics.of(seq)
         return deltas
+
+    def _log_preemptions(self, out: SchedulerOutput) -> None:
+        """One line per preemption (vLLM's): who, how, the computed tokens it gives up or
+        moves, KV usage after, and the running totals, so the recompute tax is visible as it
+        is paid."""
+        usage = self.scheduler.allocator.usage
+        total = self.stats.num_preemptions + len(out.preempted)
+        for seq, n, swapped in zip(out.preempted, out.preempted_tokens, out.preempted_swapped):
+            mode, what = ("swap", "moved to the host pool") if swapped else ("recompute", "dropped")
+            self.log(f"preempted {seq.request_id} ({mode}): {n} computed tokens {what} "
+                     f"({seq.num_prompt_tokens} prompt + {seq.num_output_tokens} output), KV usage {usage:.0%}, "
+                     f"{seq.num_preemptions} preemption(s) of it, {total} in all")
 
     # ---- one request's bad inputs end that request, not the engine -----------------
     def _cache_donated(self) -> bool:
@@ -416,7 +436,8 @@ class LLM:
                                  self.engine.model_config.eos_token_ids)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
                              seq.finish_reason, logprobs, seq.arrival_time, seq.first_token_time,
-                             seq.finished_time, seq.num_preemptions, max(seq.num_cached_tokens, 0))
+                             seq.finished_time, seq.num_preemptions, max(seq.num_cached_tokens, 0),
+                             RequestMetrics.of(seq))
 
 
 def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,
@@ -488,8 +509,9 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    priority: int = 0) -> AsyncIterator[RequestOutputDelta]:
-        self.engine.validate(prompt_token_ids, params, priority)
+                    priority: int = 0, user: str | None = None,
+                    slo: SLOTarget | None = None) -> AsyncIterator[RequestOutputDelta]:
+        self.engine.validate(prompt_token_ids, params, priority, slo)
         if self._stop.is_set():
             raise RuntimeError("the engine is shutting down")
         if self.error is not None:
@@ -505,7 +527,8 @@ class AsyncEngine:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
-            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority)))
+            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority,
+                                        user, slo)))
             self._num_waiting_inbox += 1
         self._wake.set()
         return self._stream(request_id, queue)
@@ -555,9 +578,10 @@ class AsyncEngine:
             self._inbox.clear()
         for kind, arg in work:
             if kind == "add":
-                rid, prompt, params, arrival, priority = arg
+                rid, prompt, params, arrival, priority, user, slo = arg
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority)
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority, user=user,
+                                            slo=slo)
                 except ValueError as e:  # validated already; a scheduler-level refusal
                     self._fail(rid, e)
                 finally:
@@ -571,7 +595,8 @@ class AsyncEngine:
                 seq = self.engine.abort(rid, reason)
                 if seq is not None:
                     self._deliver(RequestOutputDelta(rid, [], None, True, reason, seq.num_prompt_tokens,
-                                                     seq.num_output_tokens, max(seq.num_cached_tokens, 0)))
+                                                     seq.num_output_tokens, max(seq.num_cached_tokens, 0),
+                                                     RequestMetrics.of(seq)))
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End one request's stream with an error (the engine goes on)."""

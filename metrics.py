@@ -97,6 +97,56 @@ class StepTrace:
                    out.num_decode_tokens, num_running, num_waiting)
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """One request's timings and scheduling history: `RequestOutput.metrics` offline, the
+    response's `metrics` object online (`--enable-per-request-metrics` and the body's
+    `"include_metrics": true`, vLLM's two gates). The first five are vLLM's names; the rest
+    have no vLLM counterpart. Times in milliseconds, measured by the engine's clock:
+
+      queue_time_ms           arrival -> first scheduled (arrival -> end if never scheduled)
+      time_to_first_token_ms  arrival -> first output token (None: it produced none)
+      generation_time_ms      first -> last output token: the decode phase
+      mean_itl_ms, max_itl_ms the gaps between consecutive output tokens (None: < 2 tokens)
+      tokens_per_second       decode tokens/s: (output tokens - 1) / generation time
+      e2e_latency_ms          arrival -> finished
+      num_preemptions         times it was preempted
+      num_recomputed_tokens   tokens it computed again after preemptions (its recompute tax)
+      num_cached_tokens       prompt tokens the prefix cache served at its first admission
+    """
+
+    queue_time_ms: float
+    time_to_first_token_ms: float | None
+    generation_time_ms: float
+    mean_itl_ms: float | None
+    tokens_per_second: float | None
+    max_itl_ms: float | None
+    e2e_latency_ms: float
+    num_preemptions: int
+    num_recomputed_tokens: int
+    num_cached_tokens: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestMetrics":
+        """From a finished sequence (finished_time set)."""
+        end = seq.finished_time
+        assert end is not None, "a request's metrics are taken when it has finished"
+        queued_until = seq.first_scheduled_time if seq.first_scheduled_time is not None else end
+        first, last, n = seq.first_token_time, seq.last_token_time, seq.num_output_tokens
+        gen = (last - first) if first is not None and last is not None else 0.0
+        gaps = n >= 2 and gen > 0
+        return cls(queue_time_ms=1e3 * (queued_until - seq.arrival_time),
+                   time_to_first_token_ms=None if first is None else 1e3 * (first - seq.arrival_time),
+                   generation_time_ms=1e3 * gen,
+                   mean_itl_ms=1e3 * gen / (n - 1) if gaps else None,
+                   tokens_per_second=(n - 1) / gen if gaps else None,
+                   max_itl_ms=1e3 * seq.max_itl if gaps else None,
+                   e2e_latency_ms=1e3 * (end - seq.arrival_time),
+                   num_preemptions=seq.num_preemptions,
+                   num_recomputed_tokens=seq.num_recomputed_tokens,
+                   num_cached_tokens=max(seq.num_cached_tokens, 0))
+
+
 @dataclass
 class EngineStats:
     """Everything a researcher asks about the scheduler, without a profiler."""
@@ -109,6 +159,12 @@ class EngineStats:
     num_kv_blocks: int = 0  # usable blocks (the null block excluded)
     # counters
     num_preemptions: int = 0
+    recomputed_tokens: int = 0  # the recompute tax: tokens computed again after a preemption dropped them
+    swapped_out_blocks: int = 0  # KV blocks copied to the host pool (--preemption-mode swap)
+    swapped_in_blocks: int = 0  # KV blocks copied back
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    swap_fallbacks: int = 0  # preemptions under swap that recomputed: the host pool was full
     prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
@@ -149,6 +205,8 @@ class EngineStats:
                 self.prefill_tokens += out.num_prefill_tokens
                 self.decode_tokens += out.num_decode_tokens
                 self.num_preemptions += len(out.preempted)
+                self.recomputed_tokens += out.num_recomputed_tokens
+                self.swap_fallbacks += out.num_swap_fallbacks
                 self.generation_tokens += len(sampled)
                 self.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
             itl = []  # one inter-token latency per sequence that got a later token
@@ -167,7 +225,10 @@ class EngineStats:
                     self.time_to_first_token.observe(now - seq.arrival_time)
                     self.prompt_tokens += seq.num_prompt_tokens  # as vLLM V1: once its prefill completes
                 else:
-                    itl.append(now - seq.last_token_time)
+                    gap = now - seq.last_token_time
+                    itl.append(gap)
+                    if gap > seq.max_itl:
+                        seq.max_itl = gap
                 seq.last_token_time = now
             self.inter_token_latency.observe_many(itl)
             for seq in released:

@@ -8,7 +8,7 @@ is a valid flag value with no edit anywhere else):
 
   POLICIES      --scheduling-policy (vLLM's flag): the waiting queue's order, the KV
                 victim, whether a waiting request may preempt a running one, and whether
-                requests carry a priority.
+                requests carry a priority or an SLO.
   BATCHING      --scheduling: how a step is composed from the scheduler's mechanics
                 (continuous: every step; static: a batch boards only when nothing runs)
                 and when a finished sequence gives up its seat.
@@ -22,7 +22,8 @@ policy"); tests/test_recipes.py follows that recipe literally.
 from __future__ import annotations
 
 import bisect
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, TypeVar
 
 if TYPE_CHECKING:
@@ -123,6 +124,49 @@ class SortedQueue:
         return bool(self._seqs)
 
 
+class ScanQueue:
+    """Arrival order, taken by a key read when asked: for a policy whose order moves while
+    its requests wait (service received, deadlines passing), which a sorted list cannot
+    keep. peek is a scan, O(waiting), paid only by the policies that use this queue."""
+
+    def __init__(self, key: Callable[[Sequence], Any], on_arrival: Callable[[Sequence], None] | None = None) -> None:
+        """on_arrival(seq): told of each new request before it is queued (not of a requeue)."""
+        self._key, self._on_arrival = key, on_arrival
+        self._seqs: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        if self._on_arrival is not None:
+            self._on_arrival(seq)
+        self._seqs.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        self._seqs.append(seq)
+
+    def peek(self) -> Sequence:
+        return min(self._seqs, key=self._key)
+
+    def pop_head(self) -> Sequence:
+        seq = self.peek()
+        self._seqs.remove(seq)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        self._seqs.remove(seq)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        """In the order they would be admitted now."""
+        return iter(sorted(self._seqs, key=self._key))
+
+    def in_arrival_order(self) -> list[Sequence]:
+        return list(self._seqs)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self._seqs)
+
+
 # ---- policies: --scheduling-policy -------------------------------------------------------
 
 POLICIES: Registry[FCFS] = Registry("scheduling_policy")
@@ -135,9 +179,20 @@ class FCFS:
 
     name: str
     uses_priority = False  # requests may carry a `priority` only under a policy that reads it
+    uses_slo = False  # requests may carry an `slo` only under a policy that reads it
+    orders_prompts = False  # True: the step's prompt chunks go by `key`, not by admission
+    # The policy's clock, the one arrival times are read on (the simulator sets its own).
+    clock: Callable[[], float] = staticmethod(time.monotonic)
 
-    def new_queue(self) -> FCFSQueue | SortedQueue:
+    def new_queue(self) -> FCFSQueue | SortedQueue | ScanQueue:
         return FCFSQueue()
+
+    def begin_step(self) -> None:
+        """Called as each step's scheduling starts (a policy that reads the time reads it here,
+        so one step sees one instant)."""
+
+    def charge(self, out: SchedulerOutput) -> None:
+        """Called with each step as scheduled (a policy that accounts for service does it here)."""
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         """candidates: the running sequences not yet scheduled this step, admission order
@@ -179,6 +234,142 @@ class Priority(Ranked):
     @staticmethod
     def key(seq: Sequence) -> tuple[int, float, int]:
         return (seq.priority, seq.arrival_time, seq.arrival_order)
+
+
+ANONYMOUS = "anonymous"  # the fair policy's client for requests without a `user`, and for overflow
+
+
+@POLICIES.register("fair")
+class Fair(FCFS):
+    """Fair share between clients by a virtual token counter (VTC; Sheng et al., "Fairness
+    in Serving Large Language Models", OSDI 2024). A client (the request's OpenAI `user`;
+    none: one shared "anonymous" client) is charged `prompt_weight` per prompt token
+    computed for it (a recompute after a preemption is not charged) and `output_weight` per
+    output token, as each step is scheduled. The
+    waiting request of the least-served client goes first (ties: arrival). A client that
+    starts waiting again is lifted to the least counter of the clients already waiting, so
+    idle time banks no credit. A waiting request preempts a running one whose client has
+    been served more than `preempt_gap` weighted tokens more than its own (the gap keeps
+    two clients from taking a seat back and forth every step: each preemption is paid for
+    by that much new service in between, so every request progresses and finishes). At most `max_clients` clients are tracked: the least
+    recently active is forgotten, and comes back like a new one: at the least counter
+    tracked, lifted as above (so a client that sprays new names ties with the least-served
+    client, never overtakes it)."""
+
+    prompt_weight, output_weight = 1.0, 2.0  # the paper's: an output token costs about two prompt tokens
+    preempt_gap = 1024.0
+    max_clients = 1024
+
+    def __init__(self) -> None:
+        self.counters: OrderedDict[str, float] = OrderedDict()  # least recently active first
+        self._queue: ScanQueue | None = None
+
+    def new_queue(self) -> ScanQueue:
+        self._queue = ScanQueue(self.key, on_arrival=self._arrive)
+        return self._queue
+
+    @staticmethod
+    def client(seq: Sequence) -> str:
+        return seq.user or ANONYMOUS
+
+    def counter(self, client: str) -> float:
+        return self.counters.get(client, 0.0)
+
+    def key(self, seq: Sequence) -> tuple[float, float, int]:
+        c = self.counters.get(seq.user or ANONYMOUS)
+        if c is None:  # forgotten while its request was in the system: as a new client
+            c = min(self.counters.values(), default=0.0)
+        return (c, seq.arrival_time, seq.arrival_order)
+
+    def victim(self, candidates: list[Sequence]) -> Sequence:
+        return max(candidates, key=self.key)
+
+    def outranks(self, waiting: Sequence, running: Sequence) -> bool:
+        return self.key(waiting)[0] + self.preempt_gap < self.key(running)[0]
+
+    def charge(self, out: SchedulerOutput) -> None:
+        pw, ow, counters = self.prompt_weight, self.output_weight, self.counters
+        for s in out.scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            if not s.is_decode:  # a recompute is not charged: each preemption is then paid for by new work
+                end = seq.num_computed_tokens
+                n -= max(0, min(end, seq.num_computed_high) - (end - n))
+            c = self._track(self.client(seq))
+            counters[c] += (0 if s.is_decode else pw * n) + ow * s.samples
+
+    def _arrive(self, seq: Sequence) -> None:
+        c = self.client(seq)
+        waiting = {self.client(q) for q in self._queue.in_arrival_order()}
+        if c not in waiting:
+            floor = min((self.counter(w) for w in waiting), default=self.counter(c))
+            self._track(c)
+            self.counters[c] = max(self.counters[c], floor)
+        else:
+            self._track(c)
+
+    def _track(self, client: str) -> str:
+        """client, counted as just active; forgets the least recently active when full."""
+        if client in self.counters:
+            self.counters.move_to_end(client)
+        else:
+            if len(self.counters) >= self.max_clients:
+                self.counters.popitem(last=False)
+            self.counters[client] = min(self.counters.values(), default=0.0)
+        return client
+
+
+@POLICIES.register("slo")
+class SLOAware(FCFS):
+    """Goodput first: the most requests meeting their SLO (first token within slo.ttft_ms
+    of arrival, then one token per slo.tpot_ms on average; server-wide defaults
+    --slo-ttft-ms/--slo-tpot-ms; no target: never urgent). A request is *lost* once it
+    missed its first-token target (its first token came late, or it has none and the
+    deadline has passed): nothing it gets can save its SLO. The rule: lost requests rank
+    below every request that can still make it, so they never take a seat, a chunk of the
+    budget or KV blocks another needs; among themselves they keep arrival order (by
+    deadline), and run on whatever capacity the others leave, so they still finish. Others
+    go earliest deadline first: the first token's (arrival + ttft) while it has none, then
+    the next token's (+ tpot per output token), for admission and for the step's prompt
+    chunks. The KV victim is the lowest ranked (lost first, then the most slack); a
+    waiting request that can still make it preempts a lost running one for its seat or
+    blocks. A lost request never preempts, and preempting one makes no request lost, so it
+    cannot cycle."""
+
+    uses_slo = True
+    orders_prompts = True
+
+    def __init__(self) -> None:
+        self.now = self.clock()
+
+    def begin_step(self) -> None:
+        self.now = self.clock()
+
+    def new_queue(self) -> ScanQueue:
+        return ScanQueue(self.key)
+
+    def lost(self, seq: Sequence) -> bool:
+        if seq.slo_ttft is None:
+            return False
+        due = seq.arrival_time + seq.slo_ttft
+        if seq.output_token_ids or seq.num_output_placeholders:
+            return seq.first_token_time is not None and seq.first_token_time > due
+        return self.now > due
+
+    def key(self, seq: Sequence) -> tuple[bool, float, float, int]:
+        n = len(seq.output_token_ids)
+        if n == 0:
+            deadline = seq.arrival_time + seq.slo_ttft if seq.slo_ttft is not None else float("inf")
+        elif seq.slo_tpot is None:
+            deadline = float("inf")
+        else:
+            deadline = seq.arrival_time + (seq.slo_ttft or 0.0) + seq.slo_tpot * n
+        return (self.lost(seq), deadline, seq.arrival_time, seq.arrival_order)
+
+    def victim(self, candidates: list[Sequence]) -> Sequence:
+        return max(candidates, key=self.key)
+
+    def outranks(self, waiting: Sequence, running: Sequence) -> bool:
+        return not self.lost(waiting) and self.lost(running)
 
 
 # ---- batching: --scheduling ----------------------------------------------------------------

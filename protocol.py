@@ -11,7 +11,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Any
 
-from config import SamplingParams, StructuredOutputsParams
+from config import SamplingParams, SLOTarget, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine import TokenLogprob
@@ -287,6 +287,23 @@ def parse_structured(body: dict, chat: bool) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(**kw)
     except (ValueError, TypeError) as e:
         raise ApiError(f"'{name}': {e}", param=name) from e
+
+
+def parse_slo(body: dict) -> SLOTarget | None:
+    """The `slo` object, {"ttft_ms": number, "tpot_ms": number} (either may be left out), for
+    the slo scheduling policy; a policy that does not read it refuses it (the engine says so)."""
+    slo = field(body, "slo", (dict,))
+    if slo is None:
+        return None
+    unknown = sorted(set(slo) - {"ttft_ms", "tpot_ms"})
+    if unknown:
+        raise ApiError(f"'slo' takes ttft_ms and tpot_ms, not {unknown[0][:40]!r}", param="slo")
+    try:
+        return SLOTarget(ttft_ms=field(slo, "ttft_ms", (int, float)), tpot_ms=field(slo, "tpot_ms", (int, float)))
+    except ApiError as e:
+        raise ApiError(f"slo.{e}".replace("slo.'", "'slo.", 1), param="slo") from e
+    except ValueError as e:
+        raise ApiError(str(e), param="slo") from e
 
 
 # ---- logprobs out -----------------------------------------------------------------

@@ -105,8 +105,9 @@ class ModelRunner:
     flight, under async scheduling) is read from it on the device."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, stats: EngineStats,
-                 mesh: Mesh | None = None):
-        """mesh: tensor parallelism (parallel.py); loaded's params must already be on it."""
+                 mesh: Mesh | None = None, num_swap_blocks: int = 0):
+        """mesh: tensor parallelism (parallel.py); loaded's params must already be on it.
+        num_swap_blocks: the host pool's size in KV blocks (--preemption-mode swap)."""
         self.config = config
         self.stats = stats
         self.loaded = loaded
@@ -167,6 +168,48 @@ class ModelRunner:
 
         self._decode = jax.jit(decode_fn, donate_argnums=(1, 2))
         self._ragged = jax.jit(ragged_fn, donate_argnums=(1, 2))
+        # Swap preemption: KV blocks [layers, block, ...] to and from a host pool of numpy arrays.
+        self.num_swap_blocks = num_swap_blocks
+        self.host_kv: list[np.ndarray] | None = None
+        self._gather_blocks = jax.jit(lambda caches, idx: [c[:, idx] for c in caches])
+        self._scatter_blocks = jax.jit(lambda caches, idx, data: [c.at[:, idx].set(d) for c, d in zip(caches, data)],
+                                       donate_argnums=0)
+
+    def swap(self, swap_out: list[tuple[list[int], list[int]]], swap_in: list[tuple[list[int], list[int]]]) -> None:
+        """Copy KV blocks (device block, host block) to the host pool, then others back:
+        in that order, because a block swapped in may be one just swapped out. The copy out
+        waits for the steps in flight (they may still write those blocks); numbers of
+        blocks are padded to powers of two (the padding reads and writes the null block),
+        so the two copy programs compile once per bucket."""
+        leaves, treedef = jax.tree.flatten(self.kv_caches)
+        if self.host_kv is None:  # zeros: the OS maps the pages when first written
+            self.host_kv = [np.zeros((x.shape[0], self.num_swap_blocks, *x.shape[2:]), x.dtype) for x in leaves]
+        per_block = sum(x.nbytes // x.shape[1] for x in leaves)
+
+        def padded(blocks: list[int]) -> np.ndarray:
+            idx = np.zeros(1 << (len(blocks) - 1).bit_length(), np.int32)
+            idx[:len(blocks)] = blocks
+            return idx
+
+        if swap_out:
+            dev = [b for d, _ in swap_out for b in d]
+            host = [b for _, h in swap_out for b in h]
+            for pool, data in zip(self.host_kv, self._gather_blocks(leaves, padded(dev))):
+                pool[:, host] = np.asarray(data)[:, :len(dev)]
+        if swap_in:
+            dev = [b for d, _ in swap_in for b in d]
+            host = [b for _, h in swap_in for b in h]
+            idx = padded(dev)
+            data = [np.zeros((p.shape[0], len(idx), *p.shape[2:]), p.dtype) for p in self.host_kv]
+            for d, pool in zip(data, self.host_kv):
+                d[:, :len(dev)] = pool[:, host]
+            self.kv_caches = jax.tree.unflatten(treedef, self._scatter_blocks(leaves, idx, data))
+        with self.stats.lock:
+            n_out, n_in = sum(len(d) for d, _ in swap_out), sum(len(d) for d, _ in swap_in)
+            self.stats.swapped_out_blocks += n_out
+            self.stats.swapped_in_blocks += n_in
+            self.stats.swapped_out_bytes += n_out * per_block
+            self.stats.swapped_in_bytes += n_in * per_block
 
     def allocate_kv_caches(self, num_blocks: int) -> Any:
         loaded, bs = self.loaded, self.config.block_size

@@ -36,10 +36,10 @@ from typing import Any, Sequence as Seq
 
 import numpy as np
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig, SamplingParams, SLOTarget
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS
-from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
+from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, ScanQueue, SortedQueue
 
 # The scheduler's global invariants (every slot owned once, no KV block leaked, blocks
 # cover every computed token) cost O(running + blocks in use) a step: at 256 sequences,
@@ -79,7 +79,16 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     wait_reason: str | None = None  # one of metrics.WAIT_REASONS, set by each schedule()
     num_preemptions: int = 0
+    # Positions below this were computed once: computing them again is the recompute tax
+    # (set at each preemption from num_computed_tokens, read by _add).
+    num_computed_high: int = 0
+    num_recomputed_tokens: int = 0  # tokens computed again after a preemption (prefix-cache hits excluded)
+    # Swapped out (--preemption-mode swap): (host blocks holding its K/V, tokens they hold).
+    swapped: tuple[list[int], int] | None = None
     priority: int = 0  # read by a policy that declares uses_priority: lower runs first (vLLM's field)
+    user: str | None = None  # the client (OpenAI's `user`), read by the fair policy
+    slo_ttft: float | None = None  # SLO targets in seconds, read by a policy that declares uses_slo
+    slo_tpot: float | None = None
     arrival_order: int = -1  # set by Scheduler.add: breaks ties between equal arrival times
     admitted_seq_no: int = -1  # order of the latest admission: the highest is preempted first
     seed: int | None = None  # this request's sampling stream (set by the engine)
@@ -91,6 +100,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    max_itl: float = 0.0  # the longest gap between two of its output tokens (seconds)
     finished_time: float | None = None
 
     @property
@@ -135,7 +145,14 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prompt chunks
     preempted: list[Sequence] = field(default_factory=list)
+    preempted_tokens: list[int] = field(default_factory=list)  # per preempted: computed tokens it lost or moved
+    preempted_swapped: list[bool] = field(default_factory=list)  # per preempted: moved to the host pool
+    # KV copies the runner makes before the step: (device blocks, host blocks) each.
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    num_swap_fallbacks: int = 0  # preemptions under swap that recomputed: the host pool was full
     num_prefill_tokens: int = 0
+    num_recomputed_tokens: int = 0  # of num_prefill_tokens, computed before a preemption dropped them
     num_decode_tokens: int = 0
     # Rows a decode step computes at least: a batching that keeps finished sequences
     # seated (static) computes their seats too.
@@ -159,8 +176,9 @@ class StepOutcome:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_ids: tuple[int, ...],
-                 vocab_size: int | None = None) -> None:
-        """vocab_size: the model's, for validate() (None: token ids are not checked)."""
+                 vocab_size: int | None = None, num_swap_blocks: int = 0) -> None:
+        """vocab_size: the model's, for validate() (None: token ids are not checked).
+        num_swap_blocks: the host pool's size in KV blocks (--preemption-mode swap)."""
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None, \
             "pass config.resolved(...)"
         self.config = config
@@ -170,7 +188,7 @@ class Scheduler:
         self.policy = POLICIES.create(config)  # admission order, KV victim, who may preempt (policy.py)
         self.batching = BATCHING.create(config)  # how a step is composed, when a seat frees
         self.kv_admission = KV_ADMISSION.create(config)  # the blocks a sequence holds from admission
-        self.waiting: FCFSQueue | SortedQueue = self.policy.new_queue()
+        self.waiting: FCFSQueue | SortedQueue | ScanQueue = self.policy.new_queue()
         self.running: list[Sequence] = []  # admission order; finished ones a batching keeps seated too
         self._free_slots = list(range(config.max_num_seqs))  # a heap: the lowest free slot first
         self._seqs: dict[str, Sequence] = {}  # every request not yet released, by id
@@ -181,9 +199,13 @@ class Scheduler:
         # Requests with a structured-output constraint, waiting or running: while there is
         # one, the engine runs the synchronous loop (LLMEngine.step).
         self.num_constrained = 0
+        self.num_swap_blocks = num_swap_blocks if config.preemption_mode == "swap" else 0
+        self._host_free = set(range(self.num_swap_blocks))  # free blocks of the host pool
+        self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
 
     # ---- requests ----------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0) -> None:
+    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
+                 slo: SLOTarget | None = None) -> None:
         """Everything a request must satisfy that the config decides; raises ValueError
         saying why. Reads only what never changes after start-up: safe from any thread."""
         cfg, n = self.config, len(prompt_token_ids)
@@ -193,6 +215,12 @@ class Scheduler:
             readers = " or ".join(name for name, cls in POLICIES.items() if cls.uses_priority)
             raise ValueError(f"priority {priority} was given, but priority scheduling is not enabled "
                              f"(--scheduling-policy {readers}; {self.policy.name} does not read it)")
+        if slo is not None and not isinstance(slo, SLOTarget):
+            raise ValueError(f"slo must be an SLOTarget, got {type(slo).__name__}")
+        if slo is not None and not self.policy.uses_slo:
+            readers = " or ".join(name for name, cls in POLICIES.items() if cls.uses_slo)
+            raise ValueError(f"an slo was given, but the {self.policy.name} scheduling policy does not read it "
+                             f"(--scheduling-policy {readers})")
         if n == 0:
             raise ValueError("the prompt is empty")
         if self.vocab_size is not None:
@@ -219,6 +247,12 @@ class Scheduler:
         assert seq.status is WAITING and seq.num_computed_tokens == 0 and not seq.block_table
         assert 0 < seq.num_prompt_tokens and seq.num_prompt_tokens + seq.params.max_tokens <= self.config.max_model_len
         seq.arrival_order = next(self._arrivals)
+        if self.policy.uses_slo:  # the server-wide targets, where the request set none
+            cfg = self.config
+            if seq.slo_ttft is None and cfg.slo_ttft_ms is not None:
+                seq.slo_ttft = cfg.slo_ttft_ms / 1e3
+            if seq.slo_tpot is None and cfg.slo_tpot_ms is not None:
+                seq.slo_tpot = cfg.slo_tpot_ms / 1e3
         self.waiting.add(seq)
         self._seqs[seq.request_id] = seq
         self.num_constrained += seq.constraint is not None
@@ -231,6 +265,7 @@ class Scheduler:
         if seq.status is WAITING:
             self.waiting.remove(seq)
             self._forget(seq)
+            self._drop_swapped(seq)
         else:
             self.retire(seq)
         seq.status, seq.finish_reason, seq.wait_reason = FINISHED, "abort", None
@@ -244,7 +279,15 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
         self._room_preempted = False
+        self.policy.begin_step()
         self.batching.schedule(self, out)
+        self.policy.charge(out)
+        if self._swap_in:
+            # Their host blocks are free only now, so no swap-out of this step overwrites
+            # them before the runner has read them.
+            out.swap_in, self._swap_in = self._swap_in, []
+            for _, host in out.swap_in:
+                self._host_free.update(host)
         return out  # _add counted num_decode_tokens and num_prefill_tokens
 
     def update(self, out: SchedulerOutput, tokens: Seq[int]) -> StepOutcome:
@@ -273,9 +316,10 @@ class Scheduler:
                 continue
             seq.finish_reason = reason
             seq.num_output_placeholders = 0  # tokens of a later step still in flight: dropped
-            if seq.status is WAITING:  # preempted after this step was scheduled: it holds nothing
+            if seq.status is WAITING:  # preempted after this step was scheduled: it holds no device blocks
                 self.waiting.remove(seq)
                 self._forget(seq)
+                self._drop_swapped(seq)
                 seq.status, seq.wait_reason = FINISHED, None
                 released.append(seq)
             else:
@@ -358,7 +402,10 @@ class Scheduler:
         """Prompt work of admitted sequences, admission order: the next chunk with chunked
         prefill (as much as the budget allows), else the whole remaining prompt.
         candidates: the running sequences that may have prompt work (default: all)."""
-        for seq in list(self.running) if candidates is None else candidates:
+        candidates = list(self.running) if candidates is None else candidates
+        if self.policy.orders_prompts:
+            candidates = sorted(candidates, key=self.policy.key)
+        for seq in candidates:
             if seq.status is not RUNNING:
                 continue  # preempted meanwhile (or finished, seated until its batch leaves)
             if seq.is_decode:
@@ -457,13 +504,19 @@ class Scheduler:
         """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
         waiting sequence's admission now. chunk: with chunked prefill, its first step is
         what the token budget allows."""
-        cached = self._cached_prefix(seq)
-        num_cached = len(cached) * self.config.block_size
+        cached = [] if seq.swapped else self._cached_prefix(seq)
+        # A swapped-out sequence's K/V comes back from the host pool: like a cache hit, in fresh blocks.
+        num_cached = seq.swapped[1] if seq.swapped else len(cached) * self.config.block_size
         n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
         if chunk and self.config.enable_chunked_prefill:
             n = min(n, self._budget)
         tokens = self.kv_admission.tokens_at_admission(seq, num_cached + n, self.config)
         return cached, n, blocks_needed(tokens, self.config.block_size) - len(cached)
+
+    def _drop_swapped(self, seq: Sequence) -> None:
+        if seq.swapped:
+            self._host_free.update(seq.swapped[0])
+            seq.swapped = None
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The names of seq's first num_blocks full blocks, extending seq.block_hashes;
@@ -491,6 +544,10 @@ class Scheduler:
         self.allocator.share(seq.request_id, cached)  # before allocate, which could evict them
         seq.block_table = cached + self.allocator.allocate(seq.request_id, num_new_blocks)
         seq.num_computed_tokens = len(cached) * self.config.block_size
+        if seq.swapped:  # its K/V is copied back into its first fresh blocks before the step
+            host, seq.num_computed_tokens = seq.swapped
+            self._swap_in.append((seq.block_table[:len(host)], host))
+            seq.swapped = None
         if seq.num_cached_tokens < 0:  # as vLLM: the first admission's hit is the request's
             seq.num_cached_tokens = seq.num_computed_tokens
         seq.status, seq.wait_reason = RUNNING, None
@@ -514,6 +571,10 @@ class Scheduler:
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += n
+            if computed < seq.num_computed_high:  # recomputing what a preemption dropped
+                again = min(end, seq.num_computed_high) - computed
+                seq.num_recomputed_tokens += again
+                out.num_recomputed_tokens += again
         if self.config.enable_prefix_caching:  # name the full blocks this step completes
             full = end // self.config.block_size
             if full > self.allocator.num_named(seq.request_id):  # most decode steps complete none
@@ -537,11 +598,27 @@ class Scheduler:
         return True
 
     def _preempt(self, out: SchedulerOutput, victim: Sequence) -> None:
-        """Preemption by recompute: drop the cache, keep the outputs, back to the waiting
-        queue where the policy puts it (FCFS: the front)."""
+        """Back to the waiting queue where the policy puts it (FCFS: the front), outputs
+        kept, its device blocks freed. By recompute: its K/V is dropped and computed again
+        on re-admission. By swap: its K/V blocks are copied to the host pool and back on
+        re-admission; a full pool falls back to recompute (counted)."""
+        computed = victim.num_computed_tokens
+        blocks = victim.block_table[:blocks_needed(computed, self.config.block_size)]
+        swap = self.config.preemption_mode == "swap" and 0 < len(blocks)
+        if swap and len(blocks) > len(self._host_free):
+            swap = False
+            out.num_swap_fallbacks += 1
+        if swap:  # the runner copies them out before the step, before anyone writes there
+            host = [self._host_free.pop() for _ in blocks]
+            out.swap_out.append((blocks, host))
+            victim.swapped = (host, computed)
+        else:
+            victim.num_computed_high = max(victim.num_computed_high, computed)
         self.running.remove(victim)
         self._release(victim)
         victim.status, victim.wait_reason = WAITING, "kv_blocks"
+        out.preempted_tokens.append(computed)
+        out.preempted_swapped.append(swap)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.waiting.requeue(victim)
@@ -577,6 +654,11 @@ class Scheduler:
     def _check_step_invariants(self) -> None:
         slots = [s.slot for s in self.running]
         assert sorted([*slots, *self._free_slots]) == list(range(self.config.max_num_seqs)), "slot leaked or shared"
+        # O(swapped), not O(pool): a pool of a few GiB holds hundreds of thousands of blocks.
+        swapped = [b for s in self.waiting if s.swapped for b in s.swapped[0]]
+        assert len(swapped) + len(self._host_free) == self.num_swap_blocks and len(set(swapped)) == len(swapped) \
+            and self._host_free.isdisjoint(swapped) and all(0 <= b < self.num_swap_blocks for b in swapped), \
+            "host swap block leaked or shared"
         # A block shared by several sequences is one block in use.
         assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
         bs = self.config.block_size

@@ -37,12 +37,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig, SamplingParams, SLOTarget
 from engine import AsyncEngine, QueueFullError, TokenLogprob, detokenize
-from metrics import EngineStats
+from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
-                      parse_sampling, tool_choice)
+                      parse_sampling, parse_slo, tool_choice)
 
 log = logging.getLogger("taxirank.server")
 
@@ -136,6 +136,7 @@ class Chunk:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None  # set on the last chunk only
     num_output_tokens: int
+    metrics: RequestMetrics | None = None  # on the last chunk, when the request asked for them
 
 
 class Generation:
@@ -146,14 +147,16 @@ class Generation:
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, stop: list[str], priority: int = 0) -> None:
-        self.engine, self.request_id = engine, request_id
+                 params: SamplingParams, stop: list[str], priority: int = 0, want_metrics: bool = False,
+                 user: str | None = None, slo: SLOTarget | None = None) -> None:
+        """want_metrics: the last chunk carries the request's RequestMetrics."""
+        self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop, params,
                                                   self.engine.model_config.eos_token_ids)
         try:
-            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority)
+            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -161,6 +164,14 @@ class Generation:
             raise ApiError(str(e)) from e
         except RuntimeError as e:  # shutting down, or the engine loop died
             raise ApiError(str(e), status=503, type="service_unavailable") from e
+
+    async def _metrics_after_stop(self) -> RequestMetrics | None:
+        """A stop string ended the request here: the engine's last delta (its abort, after
+        any tokens already in flight) carries its metrics."""
+        async for delta in self.stream:
+            if delta.finished:
+                return delta.metrics
+        return None
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
@@ -173,7 +184,10 @@ class Generation:
                     self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
                 done = stopped or delta.finished
                 reason = ("stop" if stopped else delta.finish_reason) if done else None
-                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens)
+                metrics = delta.metrics
+                if stopped and not delta.finished and self.want_metrics:
+                    metrics = await self._metrics_after_stop()
+                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, metrics)
                 if done:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it
@@ -206,7 +220,10 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
-    gen = Generation(engine, request_id, prompt_ids, params, stop, priority)
+    # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
+    want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
+    user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
+    gen = Generation(engine, request_id, prompt_ids, params, stop, priority, want_metrics, user, parse_slo(body))
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
     model = body.get("model") or app["model_names"][0]  # read_body checked it
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
@@ -232,7 +249,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         message, reason = tool_message(tools, text, last.finish_reason)
         choice = {"index": 0, "logprobs": lp, "finish_reason": reason}
         choice |= {"message": message} if chat else {"text": text}
-        return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)})
+        extra = {"metrics": dataclasses.asdict(last.metrics)} if want_metrics and last.metrics else {}
+        return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)} | extra)
 
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -255,9 +273,12 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                 else:
                     choice["text"] = c.text
                 offset += len(c.text)
-                await send([choice])
+                metrics = {"metrics": dataclasses.asdict(c.metrics)} if want_metrics and c.metrics else {}
                 if c.finish_reason and include_usage:
-                    await send([], usage=usage(c.num_output_tokens))
+                    await send([choice])
+                    await send([], usage=usage(c.num_output_tokens), **metrics)
+                else:  # without usage, the metrics ride on the chunk with the finish_reason
+                    await send([choice], **metrics)
     except ConnectionResetError:
         return response  # the client left; the request is aborted already
     except Exception as e:  # the status line is gone: report the error in the stream
@@ -438,6 +459,12 @@ _GAUGES = [  # (metric, EngineStats attribute, help)
 ]
 _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (to be recomputed)."),
+    ("recomputed_tokens", "recomputed_tokens", "Tokens computed again after a preemption dropped them."),
+    ("swapped_out_blocks", "swapped_out_blocks", "KV blocks copied to the host pool by swap preemption."),
+    ("swapped_in_blocks", "swapped_in_blocks", "KV blocks copied back from the host pool."),
+    ("swapped_out_bytes", "swapped_out_bytes", "Bytes of KV copied to the host pool."),
+    ("swapped_in_bytes", "swapped_in_bytes", "Bytes of KV copied back from the host pool."),
+    ("swap_fallbacks", "swap_fallbacks", "Swap preemptions that recomputed: the host pool was full."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)."),
@@ -499,12 +526,14 @@ class EngineCollector:
 # ---- app, CLI, main ---------------------------------------------------------------
 
 def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
-              metric_labels: dict[str, str] | None = None) -> web.Application:
+              metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False) -> web.Application:
+    """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`)."""
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine.stats, metric_labels))
     app.update(engine=engine, model_names=model_names, api_key=api_key, registry=registry,
-               started=int(time.time()), stopping=asyncio.Event(), in_flight=set())
+               started=int(time.time()), stopping=asyncio.Event(), in_flight=set(),
+               per_request_metrics=per_request_metrics)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -531,6 +560,11 @@ _HELP = {  # EngineConfig fields; config.py says more
     "scheduling": "how a step is composed and when a finished sequence's seat frees (policy.BATCHING)",
     "scheduling_policy": "the waiting queue's order, the KV victim, who may preempt whom (policy.POLICIES)",
     "kv_admission": "the KV blocks a sequence holds from admission (policy.KV_ADMISSION)",
+    "preemption_mode": "how a preempted sequence gives up its KV: recompute (dropped, computed again) or swap "
+                       "(copied to a host pool of --swap-space GiB and back; recompute when it is full)",
+    "swap_space": "GiB of host memory for KV blocks swapped out by --preemption-mode swap",
+    "slo_ttft_ms": "--scheduling-policy slo: a request's time-to-first-token target when its body sets none",
+    "slo_tpot_ms": "--scheduling-policy slo: a request's time-per-output-token target when its body sets none",
     "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
@@ -565,6 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="a request with \"include_metrics\": true gets its timings and scheduling history "
+                        "(metrics.RequestMetrics) in the response, or in the last chunk of a stream")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
@@ -579,7 +616,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
-    app = build_app(engine, args.served_model_name or [engine.model_name], args.api_key)
+    app = build_app(engine, args.served_model_name or [engine.model_name], args.api_key,
+                    per_request_metrics=args.enable_per_request_metrics)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts
     # its request in the engine (Generation.chunks) instead of generating on for nobody.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,

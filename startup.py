@@ -23,7 +23,7 @@ import checkpoint
 import distributed
 import gguf_loader
 from config import EngineConfig
-from kvcache import describe, measure_activation_bytes, num_kv_blocks_for
+from kvcache import describe, kv_cache_bytes_per_block, measure_activation_bytes, num_kv_blocks_for
 from metrics import EngineStats
 from model import LoadedModel, load_model, param_bytes
 from parallel import make_mesh, max_bytes_per_device, shard_model
@@ -75,11 +75,17 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
             f"{loaded.config.num_attention_heads // mesh.size} query and "
             f"{loaded.config.num_key_value_heads // mesh.size} KV head(s) per device")
     log(describe(config, loaded.config, num_blocks, loaded.dtype))
-    scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids, loaded.config.vocab_size)
+    num_swap_blocks = 0
+    if config.preemption_mode == "swap":
+        per_block = kv_cache_bytes_per_block(loaded.config, config.block_size, loaded.dtype)
+        num_swap_blocks = int(config.swap_space * 2**30) // per_block
+        log(f"swap preemption: a host pool of {num_swap_blocks} KV blocks ({config.swap_space:g} GiB)")
+    scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids, loaded.config.vocab_size, num_swap_blocks)
     if runner is None:
-        runner = ModelRunner(config, loaded, num_blocks, stats, mesh)
+        runner = ModelRunner(config, loaded, num_blocks, stats, mesh, num_swap_blocks)
     else:  # the profiling runner: its small cache is gone, the real one takes its place
         runner.kv_caches = runner.allocate_kv_caches(num_blocks)
+        runner.num_swap_blocks = num_swap_blocks
     if config.warmup:
         runner.warmup(log)
     if config.num_processes > 1 and config.process_id == 0:

@@ -62,6 +62,9 @@ class SimRequest:
     max_tokens: int
     priority: int = 0
     cls: str = "all"
+    user: str | None = None  # the client, for the fair policy
+    slo_ttft_s: float | None = None  # targets, for the slo policy (None: the config's defaults)
+    slo_tpot_s: float | None = None
 
 
 def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16, long: int = 512,
@@ -222,6 +225,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
     """Replay `workload` through the real Scheduler with simulated time. `config` must be
     resolved (config.resolved(max_model_len))."""
     sched = Scheduler(config, num_kv_blocks, eos_token_ids=())
+    sched.policy.clock = lambda: t  # a policy that reads the time (slo) reads the simulated one
     stats = EngineStats()
     pending = sorted(enumerate(workload), key=lambda p: (p[1].arrival_s, p[0]))[::-1]  # pop() = next
     seqs: dict[str, tuple[Sequence, SimRequest]] = {}
@@ -235,7 +239,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
             i, r = pending.pop()
             seq = Sequence(f"sim-{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
                            arrival_time=r.arrival_s)
-            seq.priority = r.priority
+            seq.priority, seq.user, seq.slo_ttft, seq.slo_tpot = r.priority, r.user, r.slo_ttft_s, r.slo_tpot_s
             sched.add(seq)
             seqs[seq.request_id] = (seq, r)
         if not sched.has_unfinished():

@@ -74,7 +74,7 @@ def test_priority_is_refused_unless_the_priority_policy_is_on():
     with pytest.raises(ValueError, match="priority scheduling is not enabled"):
         fcfs.validate([1, 2], SamplingParams(), priority=1)
     fcfs.validate([1, 2], SamplingParams(), priority=0)  # the default is fine
-    with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority"):
+    with pytest.raises(ValueError, match="scheduling_policy must be fcfs, priority, fair or slo"):
         EngineConfig(scheduling_policy="sjf")
 
 

@@ -56,5 +56,5 @@ def test_adding_a_scheduling_policy_is_one_class_and_one_registration(sjf_regist
 def test_an_unregistered_policy_name_is_refused_naming_the_registered_ones():
     from config import EngineConfig
 
-    with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority, got 'sjf'"):
+    with pytest.raises(ValueError, match="scheduling_policy must be fcfs, priority, fair or slo, got 'sjf'"):
         EngineConfig(scheduling_policy="sjf")

@@ -1,0 +1,288 @@
+"""The fair (virtual token counter) and slo (goodput) policies, on the scheduler alone:
+who is admitted first, who is preempted for whom, and, under random traffic, that every
+request finishes with no slot or block leaked."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from config import EngineConfig, SamplingParams
+from kvcache import blocks_needed
+from policy import ANONYMOUS
+from scheduler import FINISHED, Scheduler, Sequence
+
+TOKEN = 7
+
+
+def make(policy: str, max_num_seqs: int = 2, max_model_len: int = 64, block_size: int = 4, **kw) -> Scheduler:
+    kw.setdefault("enable_chunked_prefill", False)
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
+                       scheduling_policy=policy, enable_prefix_caching=False, **kw).resolved(max_model_len)
+    return Scheduler(cfg, max_num_seqs * cfg.max_blocks_per_seq + 1, (0,))
+
+
+def seq(rid: str, prompt_len: int = 4, max_tokens: int = 8, arrival: float = 0.0, user: str | None = None,
+        ttft: float | None = None, tpot: float | None = None) -> Sequence:
+    base = 1000 * (sum(map(ord, rid)) % 100)
+    return Sequence(rid, list(range(base + 1, base + prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+                    arrival_time=arrival, user=user, slo_ttft=ttft, slo_tpot=tpot)
+
+
+def step(s: Scheduler, now: float | None = None) -> tuple[list[str], list[str]]:
+    """One step; (scheduled ids, preempted ids). A sampled first token is stamped with `now`."""
+    out = s.schedule()
+    s.update(out, [TOKEN] * len(out.scheduled))
+    for x in out.scheduled:
+        if x.samples and x.seq.first_token_time is None:
+            x.seq.first_token_time = now
+    s.check_invariants()
+    return [x.seq.request_id for x in out.scheduled], [q.request_id for q in out.preempted]
+
+
+# ---- fair ------------------------------------------------------------------------------
+
+def test_fair_admits_a_light_client_ahead_of_a_heavy_client_s_queue():
+    """Two seats; the heavy client queues six requests at once, the light one sends one at
+    step 3. FCFS seats it after the whole flood; fair at the first seat that frees."""
+    first: dict[str, dict[str, int]] = {}
+    for policy in ("fcfs", "fair"):
+        s = make(policy)
+        for i in range(6):
+            s.add(seq(f"heavy{i}", max_tokens=10, user="heavy"))
+        seen: dict[str, int] = {}
+        for t in range(200):
+            if t == 3:
+                s.add(seq("light", max_tokens=4, arrival=3.0, user="light"))
+            for rid in step(s)[0]:
+                seen.setdefault(rid, t)
+            if not s.has_unfinished():
+                break
+        first[policy] = seen
+    assert first["fcfs"]["light"] > max(first["fcfs"][f"heavy{i}"] for i in range(6))
+    assert first["fair"]["light"] == min(first["fair"][f"heavy{i}"] for i in range(2, 6))  # the first seats that free
+
+
+def test_fair_preempts_a_client_served_far_more_and_charges_prompt_and_output_tokens():
+    s = make("fair", max_model_len=512, max_num_batched_tokens=512)
+    s.add(seq("light0", max_tokens=2, user="light"))
+    while s.has_unfinished():
+        step(s)
+    light = s.policy.counters["light"]
+    assert light == 4 * 1.0 + 2 * 2.0  # 4 prompt tokens at weight 1, 2 output tokens at weight 2
+    for i in range(2):
+        s.add(seq(f"heavy{i}", prompt_len=200, max_tokens=300, user="heavy"))
+    for _ in range(250):  # both seats busy, nobody waiting: the heavy client's counter grows
+        step(s)
+    assert s.policy.counters["heavy"] > light + s.policy.preempt_gap
+    s.add(seq("light1", max_tokens=2, user="light"))
+    scheduled, preempted = step(s)
+    assert preempted == ["heavy1"] and "light1" in scheduled  # the later of the heavy client's two
+    while s.has_unfinished():
+        step(s)
+    assert s.allocator.num_used == 0
+
+
+def test_fair_requests_without_a_user_share_one_client_and_the_tracked_clients_are_bounded():
+    s = make("fair", max_num_seqs=4)
+    s.policy.max_clients = 3
+    s.add(seq("a", user=None))
+    s.add(seq("b", user=None))
+    step(s)
+    assert list(s.policy.counters) == [ANONYMOUS]
+    for i in range(6):
+        s.add(seq(f"u{i}", user=f"user{i}"))
+        step(s)
+        assert len(s.policy.counters) <= 3
+    while s.has_unfinished():
+        step(s)
+    assert s.allocator.num_used == 0
+
+
+# ---- slo -------------------------------------------------------------------------------
+
+def clocked(s: Scheduler) -> list[float]:
+    """The policy reads now[0] as its clock."""
+    now = [0.0]
+    s.policy.clock = lambda: now[0]
+    return now
+
+
+def test_slo_admits_earliest_deadline_first_and_requests_that_missed_theirs_last():
+    s = make("slo", max_num_seqs=1)
+    now = clocked(s)
+    s.add(seq("loose", ttft=100.0, arrival=0.0))
+    s.add(seq("missed", ttft=1.0, arrival=0.0))
+    s.add(seq("tight", ttft=20.0, arrival=1.0))
+    s.add(seq("none", arrival=0.0))  # no target: never urgent, never lost
+    now[0] = 5.0  # "missed" can no longer make its first token in time
+    order = []
+    while s.has_unfinished():
+        for rid in step(s, now[0])[0]:
+            if rid not in order:
+                order.append(rid)
+    assert order == ["tight", "loose", "none", "missed"]
+
+
+def test_slo_preempts_a_running_request_that_missed_its_target_for_one_that_can_still_make_it():
+    s = make("slo", max_num_seqs=1)
+    now = clocked(s)
+    s.add(seq("late", ttft=1.0, max_tokens=20))
+    now[0] = 2.0
+    step(s, now[0])  # its first token at 2.0: past its 1.0 target
+    s.add(seq("fresh", ttft=5.0, arrival=2.0))
+    scheduled, preempted = step(s, now[0])
+    assert preempted == ["late"] and scheduled == ["fresh"]
+    s.add(seq("fresh2", ttft=50.0, arrival=2.0))
+    while s.has_unfinished():  # "late" still finishes, after those that could make it
+        step(s, now[0])
+    assert s.allocator.num_used == 0
+
+
+def test_slo_is_refused_under_a_policy_that_does_not_read_it():
+    import pytest
+
+    from config import SLOTarget
+
+    fcfs = make("fcfs")
+    with pytest.raises(ValueError, match="does not read it"):
+        fcfs.validate([1, 2], SamplingParams(), slo=SLOTarget(ttft_ms=100))
+    make("slo").validate([1, 2], SamplingParams(), slo=SLOTarget(ttft_ms=100))
+    with pytest.raises(ValueError, match="slo_ttft_ms is set"):
+        EngineConfig(slo_ttft_ms=100)
+    with pytest.raises(ValueError, match="slo.tpot_ms must be a number > 0"):
+        SLOTarget(tpot_ms=0)
+
+
+# ---- random traffic ----------------------------------------------------------------------
+
+class PolicyMachine(RuleBasedStateMachine):
+    """Random traffic, clients and targets under every policy, tight KV, chunked or not,
+    prefix caching or not, preemption by recompute or by swap into a host pool of 0-16
+    blocks: no slot, device block or host block leaks after any step, every swapped-in
+    sequence resumes with the tokens it had, and everything finishes."""
+
+    @initialize(policy=st.sampled_from(["fcfs", "priority", "fair", "slo"]), chunked=st.booleans(),
+                max_num_seqs=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
+                max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 6), caching=st.booleans(),
+                max_clients=st.integers(1, 3), swap=st.booleans(), swap_blocks=st.integers(0, 16))
+    def setup(self, policy, chunked, max_num_seqs, block_size, max_model_len, spare_blocks, caching, max_clients,
+              swap, swap_blocks):
+        num_blocks = blocks_needed(max_model_len, block_size) + 1 + spare_blocks
+        cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
+                           scheduling_policy=policy, enable_chunked_prefill=chunked,
+                           max_num_batched_tokens=max_num_seqs if chunked else max_model_len,
+                           enable_prefix_caching=caching, preemption_mode="swap" if swap else "recompute")
+        self.s = Scheduler(cfg.resolved(max_model_len), num_blocks, (0,), num_swap_blocks=swap_blocks)
+        self.now = [0.0]
+        self.s.policy.clock = lambda: self.now[0]
+        if policy == "fair":
+            self.s.policy.max_clients = max_clients
+            self.s.policy.preempt_gap = 4.0  # small: preemptions happen within a few steps
+        self.seqs: list[Sequence] = []
+
+    @rule(prompt_len=st.integers(1, 23), max_tokens=st.integers(1, 23), user=st.sampled_from([None, "a", "b", "c"]),
+          ttft=st.sampled_from([None, 0.5, 2.0, 10.0]), tpot=st.sampled_from([None, 0.5, 3.0]), shared=st.booleans(),
+          priority=st.integers(-1, 1))
+    def add(self, prompt_len, max_tokens, user, ttft, tpot, shared, priority):
+        mml = self.s.config.max_model_len
+        prompt_len = min(prompt_len, mml - 1)
+        max_tokens = min(max_tokens, mml - prompt_len)
+        n = len(self.seqs)
+        prompt = list(range(1, prompt_len + 1)) if shared else [1000 * (n + 1) + j for j in range(prompt_len)]
+        self.seqs.append(seq(f"r{n}", arrival=self.now[0], user=user, ttft=ttft, tpot=tpot))
+        self.seqs[-1].prompt_token_ids, self.seqs[-1].params = prompt, SamplingParams(max_tokens=max_tokens)
+        if self.s.policy.uses_priority:
+            self.seqs[-1].priority = priority
+        self.s.add(self.seqs[-1])
+
+    @rule(eos=st.booleans())
+    def step(self, eos):
+        self.now[0] += 1.0
+        out = self.s.schedule()
+        assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
+        bs = self.s.config.block_size
+        for dev, host in out.swap_in:  # back into the first blocks of a running sequence, covering its tokens
+            owner = next(q for q in self.s.running if q.block_table[:len(dev)] == dev)
+            assert len(dev) == len(host) and blocks_needed(owner.num_computed_tokens, bs) >= len(dev)
+        assert self.s.num_swap_blocks == (len(self.s._host_free)
+                                          + sum(len(q.swapped[0]) for q in self.s.waiting if q.swapped))
+        self.s.update(out, [0 if eos else TOKEN] * len(out.scheduled))
+        for x in out.scheduled:
+            if x.samples and x.seq.first_token_time is None:
+                x.seq.first_token_time = self.now[0]
+
+    @rule(index=st.integers(0, 30))
+    def abort(self, index):
+        if index < len(self.seqs):
+            self.s.abort(self.seqs[index].request_id)
+
+    @invariant()
+    def nothing_leaks(self):
+        if hasattr(self, "s"):
+            self.s.check_invariants()
+
+    def teardown(self):
+        if not hasattr(self, "s"):
+            return
+        steps = 0
+        while self.s.has_unfinished():
+            self.step(eos=False)
+            steps += 1
+            assert steps < 3000, "a request starved"
+        assert self.s.allocator.num_used == 0 and len(self.s._host_free) == self.s.num_swap_blocks
+        assert all(q.status is FINISHED for q in self.seqs)
+
+
+PolicyMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+test_every_policy_with_recompute_or_swap_state_machine = PolicyMachine.TestCase
+
+
+def test_fair_and_slo_change_who_runs_when_not_the_tokens():
+    """The engine under each policy, two seats, a tight KV cache (preemptions), users and
+    SLOs: every request's greedy tokens equal FCFS's."""
+    import numpy as np
+
+    from config import SLOTarget
+    from engine import LLMEngine
+
+    rng = np.random.default_rng(5)
+    ps = [rng.integers(3, 250, rng.integers(4, 30)).tolist() for _ in range(6)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 20, 6, 9, 15, 4)]
+    kw = dict(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=6,
+              warmup=False)
+    tokens = {}
+    for policy in ("fcfs", "fair", "slo"):
+        engine = LLMEngine(EngineConfig(scheduling_policy=policy, **kw), log=lambda *_: None)
+        extra = [{} if policy == "fcfs" else {"user": "heavy" if i < 3 else f"light{i}"} if policy == "fair"
+                 else {"slo": SLOTarget(ttft_ms=1e-3 if i < 3 else 1e6)} for i in range(6)]
+        seqs = [engine.add_request(f"r{i}", ps[i], params[i], **extra[i]) for i in range(6)]
+        while engine.has_unfinished():
+            engine.step()
+        tokens[policy] = [s.output_token_ids for s in seqs]
+        assert engine.scheduler.allocator.num_used == 0
+        if policy == "slo":  # the first three missed their first-token target at once: they go last
+            start = [s.first_scheduled_time for s in seqs]
+            assert max(start[3:]) <= min(start[:3])
+    assert tokens["fair"] == tokens["slo"] == tokens["fcfs"]
+
+
+def test_the_simulator_gives_the_slo_policy_its_simulated_clock():
+    """One seat, 1 s of simulated time a step. Four batch requests (2 tokens, 100 s target)
+    at t=0, four interactive ones (1 token, 6 s target) at t=0.5. FCFS serves the batch
+    first and every interactive request misses; slo seats them as the first batch request
+    leaves, and all eight meet their targets (goodput 8 against 4)."""
+    from conftest import load_bench
+
+    sim = load_bench("simulate")
+    prompt = list(range(1, 9))
+    work = [sim.SimRequest(0.0, prompt, 2, cls="batch", slo_ttft_s=100.0) for _ in range(4)]
+    work += [sim.SimRequest(0.5, prompt, 1, cls="interactive", slo_ttft_s=6.0) for _ in range(4)]
+    cm = sim.CostModel({"decode": (1.0, 0, 0, 0), "ragged": (1.0, 0, 0, 0)}, "unit")
+    met = {}
+    for policy in ("fcfs", "slo"):
+        cfg = EngineConfig(max_num_seqs=1, max_model_len=16, scheduling_policy=policy).resolved(16)
+        res = sim.simulate(cfg, 3, work, cm)
+        met[policy] = sum(r["ttft_s"] <= (6.0 if r["class"] == "interactive" else 100.0) for r in res.per_request)
+    assert met == {"fcfs": 4, "slo": 8}

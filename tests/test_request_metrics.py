@@ -1,0 +1,157 @@
+"""Per-request metrics (RequestOutput.metrics, the response's `metrics` object) and the
+recompute tax: each record agrees with itself (queue <= TTFT <= e2e) and with what the
+scheduler did (its preemptions in the step trace, the tokens it computed again)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine import LLM, SamplingParams
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_each_request_s_metrics_are_ordered_and_count_its_preemptions_and_recomputed_tokens():
+    """A KV cache too small for four ~100-token sequences, no chunking and no prefix cache:
+    every re-admission recomputes exactly the tokens its preemption dropped."""
+    lines: list[str] = []
+    llm = LLM("tiny", log=lines.append, record_trace=True, async_scheduling=False, warmup=False, max_num_seqs=4,
+              max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=14, enable_chunked_prefill=False,
+              enable_prefix_caching=False)
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(3, 250, rng.integers(20, 40)).tolist() for _ in range(4)]
+    outs = llm.generate(ps, greedy(60))
+    preempted = [rid for t in llm.engine.trace for rid in t.preempted]
+    assert preempted, "the cache is small enough to force preemptions"
+    for o in outs:
+        m = o.metrics
+        assert 0 <= m.queue_time_ms <= m.time_to_first_token_ms <= m.e2e_latency_ms
+        assert m.time_to_first_token_ms + m.generation_time_ms <= m.e2e_latency_ms + 1e-6
+        assert 0 < m.mean_itl_ms <= m.max_itl_ms
+        assert abs(m.tokens_per_second * m.generation_time_ms / 1e3 - (len(o.token_ids) - 1)) < 1e-6
+        assert m.num_preemptions == o.num_preemptions == preempted.count(o.request_id)
+        assert (m.num_recomputed_tokens > 0) == (m.num_preemptions > 0)
+        assert m.num_cached_tokens == 0
+    lost = {}  # computed tokens each request gave up, from the log lines
+    assert len(lines_of := [x for x in lines if x.startswith("preempted ")]) == len(preempted)
+    for line in lines_of:
+        rid, n = line.split()[1], int(line.split(": ")[1].split()[0])
+        lost[rid] = lost.get(rid, 0) + n
+    assert {o.request_id: o.metrics.num_recomputed_tokens for o in outs if o.num_preemptions} == lost
+    assert llm.stats.recomputed_tokens == sum(lost.values())
+    # Prefill = the prompts + what was computed twice + per re-admission its newest token,
+    # computed for the first time in the prefill instead of a decode.
+    assert llm.stats.prefill_tokens == sum(map(len, ps)) + sum(lost.values()) + len(preempted)
+
+
+def test_prefix_cache_hits_are_not_recompute():
+    """With the prefix cache, a preempted request gets back its named blocks that nobody
+    evicted: only the rest is recomputed, and the counters agree."""
+    llm = LLM("tiny", log=lambda *_: None, warmup=False, max_num_seqs=4, max_model_len=128,
+              max_num_batched_tokens=128, num_kv_blocks=14)
+    rng = np.random.default_rng(3)
+    outs = llm.generate([rng.integers(3, 250, rng.integers(20, 40)).tolist() for _ in range(4)], greedy(60))
+    assert llm.stats.num_preemptions > 0
+    assert sum(o.metrics.num_recomputed_tokens for o in outs) == llm.stats.recomputed_tokens
+    assert llm.stats.recomputed_tokens <= llm.stats.prefill_tokens - sum(len(o.prompt_token_ids) for o in outs)
+
+
+def test_the_server_returns_metrics_only_when_enabled_and_asked_in_the_body_or_the_last_chunk():
+    import asyncio
+    import json
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from engine import AsyncEngine, EngineConfig
+    from server import build_app
+
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False),
+                             log=lambda *_: None)
+        await engine.start()
+        try:
+            for enabled in (False, True):
+                async with TestClient(TestServer(build_app(engine, ["tiny"], per_request_metrics=enabled))) as c:
+                    plain = await (await c.post("/v1/completions", json=body)).json()
+                    assert "metrics" not in plain  # opt-in
+                    asked = await (await c.post("/v1/completions", json=body | {"include_metrics": True})).json()
+                    assert ("metrics" in asked) == enabled, asked
+                    if enabled:
+                        m = asked["metrics"]
+                        assert 0 <= m["queue_time_ms"] <= m["time_to_first_token_ms"] <= m["e2e_latency_ms"]
+                        assert m["num_preemptions"] == 0 and m["tokens_per_second"] > 0
+                    for usage in (False, True):
+                        extra = {"stream": True, "include_metrics": True,
+                                 "stream_options": {"include_usage": True} if usage else None}
+                        text = await (await c.post("/v1/completions", json=body | extra)).text()
+                        events = [json.loads(x[6:]) for x in text.split("\n\n") if x.startswith("data: {")]
+                        with_metrics = [i for i, e in enumerate(events) if "metrics" in e]
+                        assert with_metrics == ([len(events) - 1] if enabled else []), events
+                    bad = await c.post("/v1/completions", json=body | {"include_metrics": 1})
+                    assert bad.status == 400
+            # A stop string ends the request in the server: the record still comes, taken
+            # from the engine's last delta for it (greedy, so the text is known in advance).
+            text_body = {"prompt": "hello", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True,
+                         "include_metrics": True}
+            async with TestClient(TestServer(build_app(engine, ["tiny"], per_request_metrics=True))) as c:
+                whole = (await (await c.post("/v1/completions", json=text_body)).json())["choices"][0]["text"]
+                stop = whole[3:5]
+                assert stop and whole.index(stop) == 3, whole
+                for stream in (False, True):
+                    resp = await c.post("/v1/completions", json=text_body | {"stop": [stop], "stream": stream})
+                    if stream:
+                        text = await resp.text()
+                        out = [json.loads(x[6:]) for x in text.split("\n\n") if x.startswith("data: {")][-1]
+                    else:
+                        out = await resp.json()
+                        assert out["choices"][0]["text"] == whole[:3] and out["choices"][0]["finish_reason"] == "stop"
+                    assert out["metrics"]["time_to_first_token_ms"] <= out["metrics"]["e2e_latency_ms"], out
+            # Scheduling fields: `user` is OpenAI's and always accepted; an `slo` only under a
+            # policy that reads it (this engine's is fcfs), and a malformed one never.
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as c:
+                assert (await c.post("/v1/completions", json=body | {"user": "alice"})).status == 200
+                for slo, words in (({"ttft_ms": 100}, "does not read it"), ({"ttft_ms": -1}, "must be a number > 0"),
+                                   ({"ttft": 1}, "takes ttft_ms and tpot_ms"), (5, "must be an object")):
+                    resp = await c.post("/v1/completions", json=body | {"slo": slo})
+                    assert resp.status == 400 and words in (await resp.json())["error"]["message"], slo
+                assert (await c.post("/v1/completions", json=body | {"user": 5})).status == 400
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_swap_preemption_gives_the_same_greedy_tokens_with_no_recompute_and_a_full_pool_falls_back():
+    """The tight cache of the first test, where two requests are preempted: swapped out and in, the
+    tokens equal recompute's and an ample cache's; with a pool of three blocks one of the
+    two preemptions falls back to recompute, counted, and the tokens are still the same."""
+    from kvcache import kv_cache_bytes_per_block
+
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(3, 250, rng.integers(20, 40)).tolist() for _ in range(4)]
+    kw = dict(log=lambda *_: None, warmup=False, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
+    ample = [o.token_ids for o in LLM("tiny", **kw).generate(ps, greedy(60))]
+    tight = dict(kw, num_kv_blocks=14)
+    recompute = LLM("tiny", **tight)
+    assert [o.token_ids for o in recompute.generate(ps, greedy(60))] == ample
+    per_block = kv_cache_bytes_per_block(recompute.engine.model_config, 16, recompute.engine.loaded.dtype)
+    for blocks, lines in ((None, []), (3, [])):
+        space = {} if blocks is None else {"swap_space": blocks * per_block / 2**30}
+        llm = LLM("tiny", **dict(tight, log=lines.append), preemption_mode="swap", **space)
+        outs = llm.generate(ps, greedy(60))
+        st = llm.stats
+        assert [o.token_ids for o in outs] == ample
+        assert st.num_preemptions > 0 and st.swapped_out_blocks > 0
+        assert st.swapped_in_blocks == st.swapped_out_blocks  # every request finished: all came back
+        assert st.swapped_out_bytes == st.swapped_out_blocks * per_block
+        if blocks is None:
+            assert st.recomputed_tokens == 0 and st.swap_fallbacks == 0
+            assert all("(swap)" in x for x in lines if x.startswith("preempted "))
+        else:
+            assert st.swap_fallbacks > 0 and st.recomputed_tokens > 0
+        assert llm.engine.scheduler.allocator.num_used == 0
+        assert len(llm.engine.scheduler._host_free) == llm.engine.scheduler.num_swap_blocks
