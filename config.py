@@ -154,6 +154,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per sampled position
+    # number of top logprobs per prompt position (besides the prompt token's own); such a
+    # request never takes a prefix-cache hit: its prompt's logits are all computed
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
@@ -188,6 +191,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

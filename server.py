@@ -42,6 +42,7 @@ from engine import AsyncEngine, QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats
 from policy import REGISTRIES
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
+                      prompt_logprobs_json,
                       parse_sampling)
 
 log = logging.getLogger("taxirank.server")
@@ -136,6 +137,7 @@ class Chunk:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None  # set on the last chunk only
     num_output_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked
 
 
 class Generation:
@@ -173,7 +175,7 @@ class Generation:
                     self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
                 done = stopped or delta.finished
                 reason = ("stop" if stopped else delta.finish_reason) if done else None
-                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens)
+                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, delta.prompt_logprobs)
                 if done:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it
@@ -214,14 +216,17 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         return chat_logprobs(engine.tokenizer, lps) if chat else completion_logprobs(engine.tokenizer, lps, offset)
 
     if not stream:
-        text, lps, last = "", [], None
+        text, lps, last, prompt_lps = "", [], None, None
         async with contextlib.aclosing(gen.chunks()) as chunks:
             async for last in chunks:
                 text += last.text
                 lps += last.logprobs or []
+                prompt_lps = last.prompt_logprobs or prompt_lps
         assert last is not None and last.finish_reason is not None
         lp = logprobs(lps, 0) if params.logprobs is not None else None
         choice = {"index": 0, "logprobs": lp, "finish_reason": last.finish_reason}
+        if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
+            choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)})
 
@@ -238,9 +243,11 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         offset = 0
         async with contextlib.aclosing(gen.chunks()) as chunks:
             async for c in chunks:
-                if not (c.text or c.logprobs or c.finish_reason):
+                if not (c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
                     continue  # held back: part of a character, or maybe the start of a stop string
                 choice = {"index": 0, "logprobs": logprobs(c.logprobs, offset), "finish_reason": c.finish_reason}
+                if c.prompt_logprobs is not None:  # once, with the first token
+                    choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, c.prompt_logprobs)
                 choice |= {"delta": {"content": c.text} if c.text else {}} if chat else {"text": c.text}
                 offset += len(c.text)
                 await send([choice])
