@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
 import attention_backend
 from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
 
+# --kv-cache-dtype values (vLLM's; int8 as JetStream's); kernels_pallas.KV_CACHE_DTYPES maps them to dtypes
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
+KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KVCacheDtype)
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 _MIN_TOKEN_BUCKET = 16
 
@@ -44,6 +48,8 @@ class EngineConfig:
     scheduling_policy: str = POLICIES.default  # vLLM's --scheduling-policy: admission order, KV victim
     kv_admission: str = KV_ADMISSION.default  # the KV blocks a sequence holds from admission
     attention_backend: str = "auto"  # or a backend registered in attention_backend.py
+    # vLLM's --kv-cache-dtype: auto (the model dtype), or 8 bits with a scale per token and KV head
+    kv_cache_dtype: KVCacheDtype = "auto"
     max_waiting_requests: int | None = None
     warmup: bool = True  # compile every shape bucket before serving
     # Schedule and prepare step N+1 while the device runs step N (vLLM's --async-scheduling).
@@ -74,6 +80,8 @@ class EngineConfig:
         for registry in REGISTRIES:
             registry.check(getattr(self, registry.field))
         attention_backend.check_name(self.attention_backend)
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")

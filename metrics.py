@@ -107,6 +107,7 @@ class EngineStats:
     waiting_by_reason: dict[str, int] = field(default_factory=lambda: {r: 0 for r in WAIT_REASONS})
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use, 0..1
     num_kv_blocks: int = 0  # usable blocks (the null block excluded)
+    kv_cache_dtype: str = ""  # what the cache stores: the model dtype's name, or --kv-cache-dtype
     # counters
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)

@@ -158,7 +158,8 @@ class ModelRunner:
         # auto: the Pallas kernels on GPU if they pass a start-up check at these shapes, else
         # xla (the check depends only on the GQA group, the same on every TP shard)
         self.backend = select_attention_backend(
-            config.attention_backend, AttentionShape.of(loaded.config, config.block_size, loaded.dtype))
+            config.attention_backend,
+            AttentionShape.of(loaded.config, config.block_size, loaded.dtype, config.kv_cache_dtype))
         if mesh is not None:
             self.backend = shard_attention(self.backend, mesh)
         self.block_size = config.block_size
@@ -215,7 +216,8 @@ class ModelRunner:
 
     def allocate_kv_caches(self, num_blocks: int) -> Any:
         loaded, bs = self.loaded, self.config.block_size
-        create = functools.partial(create_kv_caches, loaded.config, num_blocks, bs, loaded.dtype)
+        create = functools.partial(create_kv_caches, loaded.config, num_blocks, bs, loaded.dtype,
+                                   self.config.kv_cache_dtype)
         return create() if self.mesh is None else create_sharded_kv_caches(create, self.mesh)
 
     # ------------------------------------------------------------------------------

@@ -418,6 +418,10 @@ class EngineCollector:
             yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
         for name, attr, doc in _COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
+        info = GaugeMetricFamily(PREFIX + "cache_config_info", "KV cache configuration (value 1): its stored dtype.",
+                                 labels=["cache_dtype"])
+        info.add_metric([s.kv_cache_dtype], 1)
+        yield info
         by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
                                       "Waiting requests by what they wait for.", labels=["reason"])
         for reason, n in s.waiting_by_reason.items():
@@ -469,6 +473,8 @@ _HELP = {  # EngineConfig fields; config.py says more
     "scheduling": "how a step is composed and when a finished sequence's seat frees (policy.BATCHING)",
     "scheduling_policy": "the waiting queue's order, the KV victim, who may preempt whom (policy.POLICIES)",
     "kv_admission": "the KV blocks a sequence holds from admission (policy.KV_ADMISSION)",
+    "kv_cache_dtype": "KV cache storage: auto (the model dtype), or 8 bits (fp8 = fp8_e4m3, fp8_e5m2, int8) with an "
+                      "f32 scale per token and KV head: ~4x (from f32) or ~2x (from bf16) the blocks in the same memory",
     "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
