@@ -164,12 +164,13 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # numpy dtype name of the KV cache
+    dtype: str  # numpy dtype name of the model (the queries; the KV cache's under kv_cache_dtype auto)
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: an 8-bit cache is probed quantized
 
     @classmethod
-    def of(cls, model_config: Any, block_size: int, dtype: Any) -> "AttentionShape":
+    def of(cls, model_config: Any, block_size: int, dtype: Any, kv_cache_dtype: str = "auto") -> "AttentionShape":
         return cls(model_config.num_attention_heads, model_config.num_key_value_heads,
-                   model_config.head_dim, block_size, np.dtype(dtype).name)
+                   model_config.head_dim, block_size, np.dtype(dtype).name, kv_cache_dtype)
 
 
 def unsupported_reason(spec: BackendSpec, shape: AttentionShape) -> str | None:
@@ -216,6 +217,10 @@ def _probe_inputs(shape: AttentionShape, seed: int = 0):
     cache = (num_blocks, BS, hkv, D)
     kc = jnp.asarray(rng.standard_normal(cache), dt)
     vc = jnp.asarray(rng.standard_normal(cache), dt)
+    if shape.kv_cache_dtype != "auto":
+        import kernels_pallas as kp
+
+        kc, vc = (kp.QuantizedKV(*kp.quantize_kv(c, kp.KV_CACHE_DTYPES[shape.kv_cache_dtype])) for c in (kc, vc))
     decode = (jnp.asarray(rng.standard_normal((len(dec_lens), hq, D)), dt), kc, vc,
               table(dec_lens), jnp.asarray(dec_lens, jnp.int32))
     q_lens = [a for a, _ in seqs]

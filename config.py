@@ -9,12 +9,16 @@ from __future__ import annotations
 import dataclasses
 import json as _json
 import math
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
 import attention_backend
 from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
 
+# --kv-cache-dtype values (vLLM's; int8 as JetStream's); kernels_pallas.KV_CACHE_DTYPES maps them to dtypes
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
+KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KVCacheDtype)
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 # A constraint's text (schema JSON, regex, grammar, choices together): larger is refused
 # where it enters, so that compiling it stays within llguidance's limits (structured.py).
@@ -57,6 +61,8 @@ class EngineConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     attention_backend: str = "auto"  # or a backend registered in attention_backend.py
+    # vLLM's --kv-cache-dtype: auto (the model dtype), or 8 bits with a scale per token and KV head
+    kv_cache_dtype: KVCacheDtype = "auto"
     max_waiting_requests: int | None = None
     warmup: bool = True  # compile every shape bucket before serving
     # Schedule and prepare step N+1 while the device runs step N (vLLM's --async-scheduling).
@@ -100,6 +106,8 @@ class EngineConfig:
             need(value is None or POLICIES[self.scheduling_policy].uses_slo,
                  f"{name} is set, but the {self.scheduling_policy} scheduling policy does not read SLOs "
                  "(--scheduling-policy slo)")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")
@@ -253,6 +261,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per sampled position
+    # number of top logprobs per prompt position (besides the prompt token's own); such a
+    # request never takes a prefix-cache hit: its prompt's logits are all computed
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (structured.py)
@@ -290,6 +301,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

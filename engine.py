@@ -26,7 +26,7 @@ import numpy as np
 
 from config import MAX_LOGPROBS, EngineConfig, SamplingParams, SLOTarget
 from metrics import WAIT_REASONS, EngineStats, RequestMetrics, StepTrace
-from runner import InFlightStep, StepResult
+from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from startup import build_engine
 from structured import GrammarCompiler
@@ -48,6 +48,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # the token's rank in the vocabulary (1: most likely); set for prompt tokens
 
 
 @dataclass(slots=True)  # one per request per step: slots make it cheap to build
@@ -63,6 +64,9 @@ class RequestOutputDelta:
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     metrics: RequestMetrics | None = None  # on the request's last delta
+    # With a request's first token, when it asked: one entry per prompt token, the first None
+    # (nothing precedes it), as vLLM's prompt_logprobs.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -81,6 +85,7 @@ class RequestOutput:
     num_preemptions: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (vLLM's field)
     metrics: RequestMetrics  # its timings and scheduling history (vLLM's RequestOutput.metrics)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: first entry None, as vLLM
 
 
 class LLMEngine:
@@ -103,6 +108,9 @@ class LLMEngine:
         self._max_in_flight = 1 if config.async_scheduling else 0
         self._rng = random.Random(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        # Requests that asked prompt_logprobs, until their first token: filled chunk by chunk,
+        # by position (a preempted prompt's recomputation writes the same values again).
+        self._prompt_lps: dict[str, list[TokenLogprob | None]] = {}
 
     def follow(self) -> None:
         """Multi-host, processes other than 0: run process 0's steps until it stops.
@@ -144,6 +152,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             seq.constraint = self.grammars.constraint(params.structured_outputs)
         self.scheduler.add(seq)
+        if params.prompt_logprobs is not None:
+            self._prompt_lps[request_id] = [None] * len(seq.prompt_token_ids)
         return seq
 
     def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
@@ -151,6 +161,7 @@ class LLMEngine:
         purpose (a stop string matched): a normal finish in every metric, as an EOS is."""
         assert reason in ("abort", "stop")
         seq = self.scheduler.abort(request_id)
+        self._prompt_lps.pop(request_id, None)
         if seq is not None:
             seq.finish_reason = reason
             now = time.monotonic()
@@ -211,6 +222,8 @@ class LLMEngine:
                 scheduled_at: float) -> list[RequestOutputDelta]:
         """Count the step, keep its trace, and turn it into deltas."""
         logprobs = self._logprobs(out.scheduled, result)
+        if result is not None and result.prompt_logprobs:
+            self._collect_prompt_logprobs(out.scheduled, result.prompt_logprobs)
         if outcome.discarded:
             # Rows whose sequence ended before this step came back computed nothing anyone
             # sees: they are counted nowhere and produce no delta.
@@ -239,7 +252,8 @@ class LLMEngine:
             lp = logprobs.get(rid) if logprobs else None
             deltas.append(RequestOutputDelta(rid, [token], None if lp is None else [lp], False, None,
                                              len(seq.prompt_token_ids), len(seq.output_token_ids),
-                                             seq.num_cached_tokens))
+                                             seq.num_cached_tokens,
+                                             prompt_logprobs=self._prompt_lps.pop(rid, None) if self._prompt_lps else None))
         if released:
             by_id = {d.request_id: d for d in deltas}
             for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
@@ -276,7 +290,7 @@ class LLMEngine:
         re-raise, and the loop dies loudly."""
         if self._cache_donated():
             raise error
-        tokens, lps, ok = [], [], []
+        tokens, lps, ok, prompt = [], [], [], {}
         for sch in out.scheduled:
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
                                   num_decode_tokens=int(sch.is_decode))
@@ -288,6 +302,8 @@ class LLMEngine:
                 self.log(f"request {sch.seq.request_id} failed while preparing its step inputs: {e!r}")
                 self.failed.append((sch.seq.request_id, e))
                 continue
+            if r.prompt_logprobs:
+                prompt[len(ok)] = r.prompt_logprobs[0]
             ok.append(sch)
             tokens.append(int(r.tokens[0]))
             lps.append(r.logprobs)
@@ -308,7 +324,19 @@ class LLMEngine:
             z = (np.zeros(1, np.float32), np.zeros((1, MAX_LOGPROBS), np.int32), np.zeros((1, MAX_LOGPROBS), np.float32))
             parts = [lp if lp is not None else z for lp in lps]
             logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
-        return StepResult(np.asarray(tokens, np.int32), logprobs)
+        return StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None)
+
+    def _collect_prompt_logprobs(self, scheduled: list[ScheduledSeq], rows: dict[int, PromptLogprobs]) -> None:
+        for row, p in rows.items():
+            seq = scheduled[row].seq
+            dest = self._prompt_lps.get(seq.request_id)
+            if dest is None:  # aborted meanwhile
+                continue
+            k = seq.params.prompt_logprobs
+            targets = seq.prompt_token_ids[p.start + 1:p.start + 1 + len(p.logprob)]
+            for j, (tok, lp, rank) in enumerate(zip(targets, p.logprob.tolist(), p.rank.tolist())):
+                dest[p.start + 1 + j] = TokenLogprob(tok, lp, list(zip(p.top_ids[j, :k].tolist(),
+                                                                       p.top_logprobs[j, :k].tolist())), rank)
 
     def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult | None) -> dict[str, TokenLogprob]:
         if result is None or result.logprobs is None:
@@ -372,6 +400,7 @@ class LLM:
             seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio)
         done: set[str] = set()
         logprobs: dict[str, list[TokenLogprob]] = {}
+        prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         bar = None
         if use_tqdm or (use_tqdm is None and len(prompts) >= 16):
             from tqdm import tqdm
@@ -387,6 +416,8 @@ class LLM:
             for d in deltas:
                 if d.new_logprobs:
                     logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
+                if d.prompt_logprobs is not None:
+                    prompt_logprobs[d.request_id] = d.prompt_logprobs
                 if d.finished and d.request_id in seqs:
                     done.add(d.request_id)
                     if bar is not None:
@@ -394,7 +425,7 @@ class LLM:
         if bar is not None:
             bar.close()
         assert done == set(seqs), "every request must finish"
-        return [self._output(seq, logprobs.get(rid)) for rid, seq in seqs.items()]
+        return [self._output(seq, logprobs.get(rid), prompt_logprobs.get(rid)) for rid, seq in seqs.items()]
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool | None = None, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -429,7 +460,8 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def _output(self, seq: Sequence, logprobs: list[TokenLogprob] | None) -> RequestOutput:
+    def _output(self, seq: Sequence, logprobs: list[TokenLogprob] | None,
+                prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
         text = None
         if self.tokenizer is not None:
             text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
@@ -437,7 +469,7 @@ class LLM:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
                              seq.finish_reason, logprobs, seq.arrival_time, seq.first_token_time,
                              seq.finished_time, seq.num_preemptions, max(seq.num_cached_tokens, 0),
-                             RequestMetrics.of(seq))
+                             RequestMetrics.of(seq), prompt_logprobs)
 
 
 def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,

@@ -3,7 +3,10 @@ and Pallas kernels with the same signatures.
 
 KV cache layout, per layer: k_cache, v_cache of shape [num_blocks, block_size,
 num_kv_heads, head_dim]. Block 0 is the null block: idle slots and padding tokens point
-at it, and every read of it is masked.
+at it, and every read of it is masked. A quantized cache (--kv-cache-dtype int8/fp8) is
+a `QuantizedKV` instead: 8-bit values of that shape and one f32 scale per token and KV
+head; every function here takes either, and dequantizes inside attention (the scores
+and the probabilities are scaled, m, l and the accumulator stay f32).
 
 Two entry points, which attention_backend.py registers as backends (the references as
 `xla`, the kernels as `pallas`) and model.py calls through an `AttentionBackend`:
@@ -37,6 +40,8 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +50,58 @@ from jax.experimental import pallas as pl
 # A large finite negative rather than -inf: exp(NEG - NEG) stays finite for rows that
 # are fully masked so far, and the where() below zeroes them.
 NEG_INF = -1e30
+
+
+# ---- quantized KV cache ------------------------------------------------------------
+
+# --kv-cache-dtype -> storage dtype (None: the model dtype). fp8 is e4m3, as vLLM's.
+KV_CACHE_DTYPES: dict[str, Any] = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+                                   "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
+_QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class QuantizedKV:
+    """A K or V cache in 8 bits: `values` [..., Hkv, D] (int8 or fp8) and `scales`
+    [..., Hkv] f32, one per token and KV head (value = values * scales[..., None]). Per
+    token, because a token is written once and never rescaled: the step that writes it
+    knows its whole range. (No trailing axis of 1 on the scales: XLA then copies them
+    around the in-place scatter.)"""
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.values.dtype
+
+
+def quantize_kv(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (values [..., D] in `dtype`, scales [...] f32): absmax per row,
+    mapped to the dtype's largest finite value (int8: round to nearest)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), 1e-30) / _QMAX[jnp.dtype(dtype)]
+    y = x / scale
+    if jnp.dtype(dtype) == jnp.int8:
+        y = jnp.clip(jnp.round(y), -127, 127)
+    return y.astype(dtype), scale[..., 0]
+
+
+def dequantize_kv(cache: Any) -> jax.Array:
+    """A cache (or a gathered part of one) as f32."""
+    if isinstance(cache, QuantizedKV):
+        return cache.values.astype(jnp.float32) * cache.scales[..., None]
+    return cache.astype(jnp.float32)
+
+
+def _take(cache: Any, idx: jax.Array) -> jax.Array:
+    """cache[idx] along the first axis, dequantized to f32: only what attention reads."""
+    return dequantize_kv(jax.tree.map(lambda c: c[idx], cache))
 
 
 def _online_softmax_step(m, l, acc, s, mask, v, eq_pv: str):
@@ -109,8 +166,8 @@ def _paged_partial(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
 
     def body(i, state):
         r, c, b = (jax.lax.dynamic_slice_in_dim(x, i * C, C) for x in (rows_all, cols_all, blocks_all))
-        k = k_cache[b].astype(jnp.float32)  # [C, BS, Hkv, D]
-        v = v_cache[b].astype(jnp.float32)
+        k = _take(k_cache, b)  # [C, BS, Hkv, D]
+        v = _take(v_cache, b)
         s = jnp.einsum("chrd,ckhd->chrk", qg[r], k)
         kpos = c[:, None] * BS + jnp.arange(BS)
         in_range = (i * C + jnp.arange(C)) < total
@@ -222,8 +279,8 @@ def _chunk_prefix_partial(qg, k_cache, v_cache, block_tables, cu_q_lens, prefix,
 
             def body(i, carry):
                 cols = jax.lax.dynamic_slice_in_dim(bt[r], i * G, G)
-                k = k_cache[cols].reshape(G * BS, Hkv, D).astype(jnp.float32)
-                v = v_cache[cols].reshape(G * BS, Hkv, D).astype(jnp.float32)
+                k = _take(k_cache, cols).reshape(G * BS, Hkv, D)
+                v = _take(v_cache, cols).reshape(G * BS, Hkv, D)
                 s = jnp.einsum("thrd,khd->thrk", qt, k)
                 kpos = i * G * BS + jnp.arange(G * BS)
                 mask = mine & (kpos < prefix[r])[None, None, None, :]
@@ -250,8 +307,9 @@ def ragged_paged_attention_ref(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     qg = q.reshape(T, Hkv, R, D).astype(jnp.float32) * scale
     # The step's own K/V, read back from the cache rows the model just wrote.
     rows = block_tables[seq, q_pos // BS] * BS + q_pos % BS
-    k_new = k_cache.reshape(-1, Hkv, D)[rows].astype(jnp.float32)
-    v_new = v_cache.reshape(-1, Hkv, D)[rows].astype(jnp.float32)
+    by_row = lambda cache: jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), cache)
+    k_new = _take(by_row(k_cache), rows)
+    v_new = _take(by_row(v_cache), rows)
     state = _in_step_partial(qg, k_new, v_new, seq, valid, cu_q_lens)
     # Decodes (one query token) over their cached context: one row each.
     single = q_lens == 1
@@ -344,18 +402,22 @@ def _default_pages_per_iter(block_size: int) -> int:
     return max(1, 64 // block_size)
 
 
-def _attend_chunk(carry, q, k_ref, v_ref, ids, h, k_start, mask_fn, scale):
+def _attend_chunk(carry, q, k_ref, v_ref, ids, h, k_start, mask_fn, scale, ks_ref=None, vs_ref=None):
     """One online-softmax step over the keys of `ids` (P blocks) for kv head h.
 
-    q: [M, D] in the cache dtype; mask_fn(kpos[1, N]) -> bool [M, N]. Scores, m, l and the
-    accumulator are f32; p is cast to the value dtype for the second matmul (as flash
-    attention does on GPU: bf16 tensor-core inputs, f32 accumulation)."""
+    q: [M, D] in the model dtype; mask_fn(kpos[1, N]) -> bool [M, N]. Scores, m, l and the
+    accumulator are f32; p is cast to the model dtype for the second matmul (as flash
+    attention does on GPU: bf16 tensor-core inputs, f32 accumulation). A quantized cache
+    (ks_ref, vs_ref: its per-token scales) is converted to the model dtype as loaded and
+    its scales applied to the scores' columns and to p: q.(s k) = s (q.k)."""
     m, l, acc = carry
     P, BS, D = ids.shape[0], k_ref.shape[1], k_ref.shape[3]
-    k = k_ref[ids, :, h, :].reshape(P * BS, D)          # gather P blocks of one kv head
-    v = v_ref[ids, :, h, :].reshape(P * BS, D)
+    k = k_ref[ids, :, h, :].reshape(P * BS, D).astype(q.dtype)   # gather P blocks of one kv head
+    v = v_ref[ids, :, h, :].reshape(P * BS, D).astype(q.dtype)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                             preferred_element_type=jnp.float32) * scale     # [M, N]
+    if ks_ref is not None:
+        s = s * ks_ref[ids, :, h].reshape(1, P * BS)
     kpos = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, P * BS), 1)
     mask = mask_fn(kpos)
     s = jnp.where(mask, s, NEG_INF)
@@ -363,9 +425,17 @@ def _attend_chunk(carry, q, k_ref, v_ref, ids, h, k_start, mask_fn, scale):
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + p.sum(axis=1)
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_HIGHEST,
+    pv = p if vs_ref is None else p * vs_ref[ids, :, h].reshape(1, P * BS)
+    pv = jax.lax.dot_general(pv.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_HIGHEST,
                              preferred_element_type=jnp.float32)
     return m_new, l, acc * corr[:, None] + pv
+
+
+def _kernel_cache_inputs(k_cache: Any, v_cache: Any) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """((k values, v values), (k scales, v scales) or () when not quantized)."""
+    if isinstance(k_cache, QuantizedKV):
+        return (k_cache.values, v_cache.values), (k_cache.scales, v_cache.scales)
+    return (k_cache, v_cache), ()
 
 
 def _block_ids(bt_ref, s, chunk, P, num_blocks):
@@ -383,8 +453,8 @@ def split_chunk_count(num_chunks, split, num_splits: int):
     return pl.cdiv(num_chunks - split, num_splits)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, lens_ref, *out_refs,
-                   scale, pages_per_iter, num_splits):
+def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, lens_ref, *refs,
+                   scale, pages_per_iter, num_splits, quantized):
     """Program (s, h, split): the RP query rows of kv head h of slot s (the R real heads
     of the group, zero-padded), over this split's chunks of the context, dealt round-robin
     (split k takes chunks k, k + K, k + 2K, ...): every split below the context's chunk
@@ -392,6 +462,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, lens_ref, *out_refs,
     With K > 1 it writes the unnormalised partial (acc, m, l); a split past the context
     (and an idle slot) runs zero iterations and writes the empty partial (0, NEG_INF, 0).
     With K == 1 it writes the normalised output in the output ref's (the cache's) dtype."""
+    ks_ref, vs_ref, *out_refs = refs if quantized else (None, None, *refs)
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     P, BS = pages_per_iter, k_ref.shape[1]
     chunk_len = P * BS
@@ -405,7 +476,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, bt_ref, lens_ref, *out_refs,
         ids = _block_ids(bt_ref, s, c, P, k_ref.shape[0])
         return _attend_chunk(carry, q, k_ref, v_ref, ids, h, c * chunk_len,
                              lambda kpos: jnp.broadcast_to(kpos < kv_len, (rows, chunk_len)),
-                             scale)
+                             scale, ks_ref, vs_ref)
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
@@ -450,11 +521,12 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     RP = max(MIN_DOT, _next_pow2(R))                     # query rows per program
     qg = jnp.pad(q.reshape(S, Hkv, R, D), ((0, 0), (0, 0), (0, RP - R), (0, 0)))
 
+    kv, scales = _kernel_cache_inputs(k_cache, v_cache)
     kernel = functools.partial(_decode_kernel, scale=float(scale), pages_per_iter=P,
-                               num_splits=splits)
+                               num_splits=splits, quantized=bool(scales))
     if splits == 1:  # the kernel normalises: no f32 partials, no combine step
         out_specs = pl.BlockSpec((None, None, RP, D), lambda s, h, k: (s, h, 0, 0))
-        out_shape = jax.ShapeDtypeStruct((S, Hkv, RP, D), k_cache.dtype)
+        out_shape = jax.ShapeDtypeStruct((S, Hkv, RP, D), q.dtype)
     else:
         out_specs = [pl.BlockSpec((None, None, None, RP, D), lambda s, h, k: (s, h, k, 0, 0)),
                      pl.BlockSpec((None, None, None, RP), lambda s, h, k: (s, h, k, 0)),
@@ -466,13 +538,14 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         kernel,
         grid=(S, Hkv, splits),
         in_specs=[pl.BlockSpec((None, None, RP, D), lambda s, h, k: (s, h, 0, 0)),
-                  pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec()],
+                  pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec()]
+        + [pl.BlockSpec() for _ in scales],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_compiler_params(num_warps, num_stages, interpret),
         interpret=interpret,
         name="paged_decode_attention",
-    )(qg, k_cache, v_cache, bt, kv_lens.astype(jnp.int32))
+    )(qg, *kv, bt, kv_lens.astype(jnp.int32), *scales)
     if splits == 1:
         out = res[:, :, :R, :]
     else:
@@ -509,13 +582,14 @@ def ragged_tile_sequences(cu_q_lens: jax.Array, num_tiles: int, tile: int):
 
 
 def _ragged_kernel(q_ref, k_ref, v_ref, bt_ref, cu_ref, lens_ref, first_ref, count_ref,
-                   o_ref, *, scale, pages_per_iter, tile):
+                   *refs, scale, pages_per_iter, tile, quantized):
     """Program (i, h): query tile i (`tile` flattened tokens x RP head rows) of kv head h.
     The tile may hold rows of several sequences (a prompt's tail, decode tokens, the next
     prompt's head); it visits each of them in turn with that sequence's block table,
     masking the rows that are not its own, and reads keys only up to the last position
     any of its rows of that sequence attends to (causal, counting the cached prefix:
     the row of token t of sequence s sits at kv_len - q_len + (t - cu_q_lens[s]))."""
+    ks_ref, vs_ref, o_ref = refs if quantized else (None, None, *refs)
     i, h = pl.program_id(0), pl.program_id(1)
     P, BS = pages_per_iter, k_ref.shape[1]
     chunk_len = P * BS
@@ -538,7 +612,7 @@ def _ragged_kernel(q_ref, k_ref, v_ref, bt_ref, cu_ref, lens_ref, first_ref, cou
         def kv_body(c, carry):
             ids = _block_ids(bt_ref, s, c, P, k_ref.shape[0])
             return _attend_chunk(carry, q, k_ref, v_ref, ids, h, c * chunk_len,
-                                 lambda kpos: mine & (kpos <= q_pos), scale)
+                                 lambda kpos: mine & (kpos <= q_pos), scale, ks_ref, vs_ref)
 
         return jax.lax.fori_loop(0, n, kv_body, carry)
 
@@ -571,16 +645,18 @@ def ragged_paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     cu = cu_q_lens.astype(jnp.int32)
     first, count = ragged_tile_sequences(cu, num_tiles, TQ)
 
-    kernel = functools.partial(_ragged_kernel, scale=float(scale), pages_per_iter=P, tile=TQ)
+    kv, scales = _kernel_cache_inputs(k_cache, v_cache)
+    kernel = functools.partial(_ragged_kernel, scale=float(scale), pages_per_iter=P, tile=TQ,
+                               quantized=bool(scales))
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, Hkv),
         in_specs=[pl.BlockSpec((TQ, None, RP, D), lambda i, h: (i, h, 0, 0))]
-        + [pl.BlockSpec() for _ in range(7)],
+        + [pl.BlockSpec() for _ in range(7 + len(scales))],
         out_specs=pl.BlockSpec((TQ, None, RP, D), lambda i, h: (i, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((Tp, Hkv, RP, D), q.dtype),
         compiler_params=_compiler_params(num_warps, num_stages, interpret),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(qg, k_cache, v_cache, bt, cu, kv_lens.astype(jnp.int32), first, count)
+    )(qg, *kv, bt, cu, kv_lens.astype(jnp.int32), first, count, *scales)
     return out[:T, :, :R].reshape(T, Hq, D)

@@ -238,11 +238,16 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block, K and V, every layer: as the arrays hold them (a quantized
+    cache's f32 scale per token and KV head included)."""
     import jax.numpy as jnp
 
-    itemsize = jnp.dtype(dtype).itemsize
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    from kernels_pallas import KV_CACHE_DTYPES
+
+    stored = KV_CACHE_DTYPES[kv_cache_dtype]
+    per_head = cfg.head_dim * jnp.dtype(dtype if stored is None else stored).itemsize + (0 if stored is None else 4)
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * per_head
 
 
 def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight_bytes: int,
@@ -254,7 +259,7 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
     # Per device: under tensor parallelism each device holds 1/tp of every block (its KV
     # heads; cfg counts heads after any replication, see parallel.py), and the budgets
     # below (--kv-cache-memory, --gpu-memory-utilization, weight_bytes) are per device too.
-    per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype) // config.tensor_parallel_size
+    per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype, config.kv_cache_dtype) // config.tensor_parallel_size
     if config.num_kv_blocks is not None:
         num, source = config.num_kv_blocks, f"--num-kv-blocks {config.num_kv_blocks}"
     elif config.kv_cache_memory is not None:
@@ -333,24 +338,35 @@ def measure_activation_bytes(run_step: Callable[[], None],
                              int(after["peak_bytes_in_use"]))
 
 
-def create_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
+def create_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: Any,
+                     kv_cache_dtype: str = "auto") -> tuple[Any, Any]:
     """K and V, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]: the
-    layers stacked, as the model's scanned layer stack takes them (see model.Decoder)."""
+    layers stacked, as the model's scanned layer stack takes them (see model.Decoder); in
+    the model dtype, or a kernels_pallas.QuantizedKV of that shape for an 8-bit cache."""
     import jax.numpy as jnp
 
+    from kernels_pallas import KV_CACHE_DTYPES, QuantizedKV
+
     shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    stored = KV_CACHE_DTYPES[kv_cache_dtype]
+    if stored is None:
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    make = lambda: QuantizedKV(jnp.zeros(shape, stored), jnp.zeros(shape[:-1], jnp.float32))
+    return make(), make()
 
 
 def describe(config: EngineConfig, cfg: ModelConfig, num_blocks: int, dtype: Any) -> str:
     """One start-up line: what the cache holds and how many max_model_len sequences fit."""
     usable, bs, max_len, max_seqs = num_blocks - 1, config.block_size, config.max_model_len, config.max_num_seqs
-    mib = num_blocks * kv_cache_bytes_per_block(cfg, bs, dtype) / 2**20
+    mib = num_blocks * kv_cache_bytes_per_block(cfg, bs, dtype, config.kv_cache_dtype) / 2**20
     admission = KV_ADMISSION[config.kv_admission]()
     fit = admission.max_concurrency(config, usable)
     fit_text = f"{fit}" if isinstance(fit, int) else f"{fit:.2f}"
     policy = f"{admission.name}: {admission.summary}"
     at_once = f"{fit_text} (KV-bound)" if fit < max_seqs else f"{max_seqs} (slot-bound)"
-    return (f"KV cache: {usable} blocks x {bs} tokens = {usable * bs} tokens ({mib:.1f} MiB); "
+    import numpy as np
+
+    stored = np.dtype(dtype).name if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} + f32 scales"
+    return (f"KV cache ({stored}): {usable} blocks x {bs} tokens = {usable * bs} tokens ({mib:.1f} MiB); "
             f"max concurrency at max_model_len {max_len}: {fit_text}x ({policy}); "
             f"with max_num_seqs {max_seqs}, sequences at once: {at_once}")

@@ -157,6 +157,7 @@ class EngineStats:
     waiting_by_reason: dict[str, int] = field(default_factory=lambda: {r: 0 for r in WAIT_REASONS})
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use, 0..1
     num_kv_blocks: int = 0  # usable blocks (the null block excluded)
+    kv_cache_dtype: str = ""  # what the cache stores: the model dtype's name, or --kv-cache-dtype
     # counters
     num_preemptions: int = 0
     recomputed_tokens: int = 0  # the recompute tax: tokens computed again after a preemption dropped them

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from attention_backend import AttentionBackend
+from kernels_pallas import QuantizedKV, quantize_kv
 from tokenizer import ByteTokenizer, gguf_tokenizer, load_tokenizer
 
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -259,11 +260,14 @@ def _linear(n_in: int, n_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs)
                       kernel_init=nnx.initializers.normal(n_in ** -0.5), rngs=rngs)
 
 
-def _write_cache(cache: jax.Array, x: jax.Array, slots: jax.Array) -> jax.Array:
+def _write_cache(cache: jax.Array | QuantizedKV, x: jax.Array, slots: jax.Array) -> jax.Array | QuantizedKV:
     """Scatter x [T, Hkv, D] into cache rows `slots`; a pure update XLA does in place when
-    the cache buffer is donated."""
-    nb, bs, h, d = cache.shape
-    return cache.reshape(nb * bs, h, d).at[slots].set(x.astype(cache.dtype)).reshape(cache.shape)
+    the cache buffer is donated. A quantized cache gets x's 8-bit values and their scales."""
+    if isinstance(cache, QuantizedKV):
+        values, scales = quantize_kv(x, cache.values.dtype)
+        return QuantizedKV(_write_cache(cache.values, values, slots), _write_cache(cache.scales, scales, slots))
+    nb, bs, *rest = cache.shape
+    return cache.reshape(nb * bs, *rest).at[slots].set(x.astype(cache.dtype)).reshape(cache.shape)
 
 
 class Attention(nnx.Module):
@@ -348,7 +352,8 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
-KVCache = tuple[jax.Array, jax.Array]  # K and V, each [num_layers, num_blocks, block_size, Hkv, head_dim]
+# K and V, each [num_layers, num_blocks, block_size, Hkv, head_dim] (or a QuantizedKV of that shape)
+KVCache = tuple[jax.Array | QuantizedKV, jax.Array | QuantizedKV]
 
 
 class Decoder(nnx.Module):
@@ -397,7 +402,7 @@ class Decoder(nnx.Module):
         # free reshape): layer l's block b is row l * NB + b. Each layer scatters into the
         # carry in place and hands the attention backend block tables offset by l * NB,
         # so the kernels see an ordinary paged cache and no per-layer slice is copied.
-        flat = lambda c: c.reshape(L * NB, *c.shape[2:])
+        flat = lambda cache: jax.tree.map(lambda c: c.reshape(L * NB, *c.shape[2:]), cache)
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -407,7 +412,8 @@ class Decoder(nnx.Module):
             return (x, k, v), None
 
         (x, k, v), _ = jax.lax.scan(body, (x, flat(k_all), flat(v_all)), (layer_state, jnp.arange(L)))
-        return self.norm(x), (k.reshape(k_all.shape), v.reshape(v_all.shape))
+        unflat = lambda cache, like: jax.tree.map(lambda c, a: c.reshape(a.shape), cache, like)
+        return self.norm(x), (unflat(k, k_all), unflat(v, v_all))
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, H] (rows of __call__'s output) -> [N, vocab] float32."""

@@ -28,6 +28,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from kernels_pallas import QuantizedKV
+
 from attention_backend import AttentionBackend
 from model import Decoder, LoadedModel, ModelConfig, declared_weight
 
@@ -117,22 +119,31 @@ def shard_model(loaded: LoadedModel, mesh: Mesh) -> LoadedModel:
     return replace(loaded, model=model, config=run_cfg)
 
 
-def kv_cache_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """K or V, [..., num_blocks, block_size, num_kv_heads, head_dim]: split over KV heads."""
-    return NamedSharding(mesh, P(*([None] * (ndim - 2)), AXIS, None))
+def kv_cache_specs(caches: Any) -> Any:
+    """PartitionSpecs for K or V caches (any pytree of them): [..., num_kv_heads, head_dim]
+    split over KV heads; a quantized cache's scales [..., num_kv_heads] with their values."""
+    def heads_at(ndim: int, axis: int) -> P:
+        return P(*(AXIS if i == ndim + axis else None for i in range(ndim)))
+
+    def one(c: Any) -> Any:
+        if isinstance(c, QuantizedKV):
+            return QuantizedKV(heads_at(c.values.ndim, -2), heads_at(c.scales.ndim, -1))
+        return heads_at(c.ndim, -2)
+    return jax.tree.map(one, caches, is_leaf=lambda c: isinstance(c, QuantizedKV))
 
 
 def create_sharded_kv_caches(create: Any, mesh: Mesh) -> Any:
     """Run `create()` (kvcache.create_kv_caches bound to its arguments) so that each
     device allocates only its slice: the whole cache never exists on one device."""
-    shapes = jax.eval_shape(create)
-    return jax.jit(create, out_shardings=jax.tree.map(lambda s: kv_cache_sharding(mesh, s.ndim), shapes))()
+    specs = kv_cache_specs(jax.eval_shape(create))
+    return jax.jit(create, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), specs))()
 
 
 def constrain_step_outputs(kv_caches: Any, rest: tuple, mesh: Mesh) -> tuple:
     """Inside the step: the updated cache keeps the input's sharding (it is donated), and
     the rest (sampled tokens, last_tokens) is replicated, so any process can read it."""
-    kv = jax.tree.map(lambda c: jax.lax.with_sharding_constraint(c, kv_cache_sharding(mesh, c.ndim)), kv_caches)
+    kv = jax.tree.map(lambda c, s: jax.lax.with_sharding_constraint(c, NamedSharding(mesh, s)), kv_caches,
+                      kv_cache_specs(kv_caches))
     return kv, *jax.lax.with_sharding_constraint(rest, NamedSharding(mesh, P()))
 
 
@@ -145,15 +156,17 @@ def shard_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
     """The same backend, run per KV-head shard: q [T, Hq, D] split over query heads, the
     caches [N, BS, Hkv, D] over KV heads (group g = Hq / Hkv is the same on every shard),
     block tables and lengths replicated. No collective inside: heads are independent."""
-    heads, cache, rep = P(None, AXIS, None), P(None, None, AXIS, None), P()
+    heads, rep = P(None, AXIS, None), P()
 
     def decode(q, k_cache, v_cache, block_tables, kv_lens, **kw):
         f = functools.partial(backend.decode, **kw)
+        cache = kv_cache_specs(k_cache)
         return jax.shard_map(f, mesh=mesh, in_specs=(heads, cache, cache, rep, rep), out_specs=heads,
                              check_vma=False)(q, k_cache, v_cache, block_tables, kv_lens)
 
     def ragged(q, k_cache, v_cache, block_tables, cu_q_lens, kv_lens, **kw):
         f = functools.partial(backend.ragged, **kw)
+        cache = kv_cache_specs(k_cache)
         return jax.shard_map(f, mesh=mesh, in_specs=(heads, cache, cache, rep, rep, rep), out_specs=heads,
                              check_vma=False)(q, k_cache, v_cache, block_tables, cu_q_lens, kv_lens)
 

@@ -42,7 +42,7 @@ _NEUTRAL: dict[str, tuple] = {
     "functions": ([],),
     # vLLM's own extras that taxirank does not implement: refused, never silently ignored
     "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
-    "length_penalty": (1,), "prompt_logprobs": (), "bad_words": ([],), "allowed_token_ids": (),
+    "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (),
 }
 
@@ -176,6 +176,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
             stop_token_ids=stop_token_ids,
             ignore_eos=field(body, "ignore_eos", (bool,), False),
             logprobs=logprobs,
+            prompt_logprobs=field(body, "prompt_logprobs", (int,)),  # vLLM's extra field
             skip_special_tokens=field(body, "skip_special_tokens", (bool,), True),
             spaces_between_special_tokens=field(body, "spaces_between_special_tokens", (bool,), True),
             structured_outputs=parse_structured(body, chat),
@@ -318,6 +319,16 @@ def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) ->
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
+
+
+def prompt_logprobs_json(tokenizer: Any, lps: list[TokenLogprob | None]) -> list[dict | None]:
+    """vLLM's prompt_logprobs in a response: per prompt token (the first None) a dict from
+    token id (a string, as JSON keys are) to its logprob, rank and text: the prompt token
+    and the top N."""
+    def entry(token_id: int, logprob: float, rank: int) -> tuple[str, dict]:
+        return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
+    return [None if lp is None else dict([entry(lp.token_id, lp.logprob, lp.rank),
+                                          *(entry(t, v, r) for r, (t, v) in enumerate(lp.top, 1))]) for lp in lps]
 
 
 def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict:

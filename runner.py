@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attention_backend import AttentionShape, select_attention_backend
-from config import EngineConfig
+from config import MAX_LOGPROBS, EngineConfig
 from distributed import DECODE, RAGGED, STOP, StepChannel
 from kvcache import create_kv_caches
 from metrics import EngineStats
@@ -52,25 +52,70 @@ class StepResult:
 
     tokens: np.ndarray  # [n] i32
     logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # ([n], [n,K] ids, [n,K]) when asked
+    # Row i -> (first position, logprob [q], rank [q], top ids [q, K], top logprobs [q, K]) of
+    # the prompt tokens after each of its q computed positions, for rows that asked.
+    prompt_logprobs: dict[int, PromptLogprobs] | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """For the prompt tokens at positions start+1 .. start+len: each one's logprob given
+    the tokens before it, its rank in the vocabulary (1 = the most likely), and the top K."""
+
+    start: int
+    logprob: np.ndarray  # [q] f32
+    rank: np.ndarray  # [q] i32
+    top_ids: np.ndarray  # [q, K] i32
+    top_logprobs: np.ndarray  # [q, K] f32
+
+
+def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array,
+                    targets: jax.Array) -> tuple[jax.Array, ...]:
+    """Inside the ragged step: for each token t, the logprob of targets[t] (the next prompt
+    token; -1: none asked) under the logits of t, its rank, and the top MAX_LOGPROBS. The LM
+    head runs on all T rows only when some row asks (lax.cond), so other steps pay nothing."""
+    T = hidden.shape[0]
+
+    def compute() -> tuple[jax.Array, ...]:
+        lp = jax.nn.log_softmax(logits_fn(hidden).astype(jnp.float32), axis=-1)
+        tlp = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+        rank = (jnp.sum(lp > tlp[:, None], axis=-1) + 1).astype(jnp.int32)
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        return tlp, rank, top_ids.astype(jnp.int32), top_lp
+
+    def skip() -> tuple[jax.Array, ...]:
+        return (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32), jnp.zeros((T, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((T, MAX_LOGPROBS), jnp.float32))
+
+    return jax.lax.cond(jnp.any(targets >= 0), compute, skip)
 
 
 class InFlightStep:
     """A dispatched step: its outputs are device arrays still being computed. result()
     waits for them and copies them to the host (the only host<-device copy of a step)."""
 
-    def __init__(self, res: tuple[jax.Array, ...], num_seqs: int, want_logprobs: bool):
+    def __init__(self, res: tuple[jax.Array, ...], num_seqs: int, want_logprobs: bool,
+                 prompt_rows: list[tuple[int, int, int, int]] | None = None):
+        """prompt_rows: (row, first flat token, first position, tokens) of the rows whose
+        prompt logprobs this step computed."""
         self._res, self.num_seqs, self.want_logprobs = res, num_seqs, want_logprobs
+        self.prompt_rows = prompt_rows
 
     def block_until_ready(self) -> None:
         jax.block_until_ready(self._res[0])
 
     def result(self) -> StepResult:
         n = self.num_seqs
-        tok, tok_lp, top_ids, top_lp = self._res
+        tok, tok_lp, top_ids, top_lp = self._res[:4]
         logprobs = None
         if self.want_logprobs:
             logprobs = (np.asarray(tok_lp)[:n], np.asarray(top_ids)[:n], np.asarray(top_lp)[:n])
-        return StepResult(np.asarray(tok)[:n], logprobs)
+        prompt = None
+        if self.prompt_rows:
+            arrays = [np.asarray(x) for x in self._res[4]]
+            prompt = {row: PromptLogprobs(pos, *(x[flat:flat + q] for x in arrays))
+                      for row, flat, pos, q in self.prompt_rows}
+        return StepResult(np.asarray(tok)[:n], logprobs, prompt)
 
 
 def _bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -115,7 +160,8 @@ class ModelRunner:
         # auto: the Pallas kernels on GPU if they pass a start-up check at these shapes, else
         # xla (the check depends only on the GQA group, the same on every TP shard)
         self.backend = select_attention_backend(
-            config.attention_backend, AttentionShape.of(loaded.config, config.block_size, loaded.dtype))
+            config.attention_backend,
+            AttentionShape.of(loaded.config, config.block_size, loaded.dtype, config.kv_cache_dtype))
         if mesh is not None:
             self.backend = shard_attention(self.backend, mesh)
         self.block_size = config.block_size
@@ -135,6 +181,7 @@ class ModelRunner:
         # kept on the device per row count (no host->device bytes), and skips applying it.
         self._mask_width = bitmask_width(loaded.config.vocab_size)
         self._no_mask: dict[int, jax.Array] = {}
+        self._wants_prompt_logprobs = np.zeros(N + 1, bool)
         backend = self.backend
         # Under TP the updated cache must come back split as it went in (it is donated).
         keep = (lambda kv, rest: (kv, *rest)) if mesh is None else functools.partial(constrain_step_outputs, mesh=mesh)
@@ -143,11 +190,14 @@ class ModelRunner:
             # Runs only while jax traces, i.e. once per compiled program.
             self.stats.num_compilations += 1
 
-        def run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, rows, sample_slot, sampling):
+        def run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, rows, sample_slot, sampling,
+                prompt_targets=None):
             model = nnx.merge(graphdef, state)
             tokens = jnp.where(token_src >= 0, last_tokens[jnp.maximum(token_src, 0)], tokens)
             hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
             res = sample(model.compute_logits(hidden if rows is None else hidden[rows]), sampling)
+            if prompt_targets is not None:
+                res = (*res, prompt_logprobs(model.compute_logits, hidden, prompt_targets))
             # Padding rows and rows that do not sample all write the idle entry.
             return keep(kv_caches, (last_tokens.at[sample_slot].set(res[0]), res))
 
@@ -158,13 +208,14 @@ class ModelRunner:
             return run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, None, sample_slot, sampling)
 
         def ragged_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
-                      kv_lens, cu_q_lens, sample_slot, sampling):
+                      kv_lens, cu_q_lens, sample_slot, sampling, prompt_targets):
             count_compile()
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens)
             # Only each slot's last token of the step can be sampled: the LM head runs on
-            # S rows, not T.
+            # S rows, not T (all T only for prompt_logprobs, when asked).
             last = jnp.maximum(cu_q_lens[1:] - 1, 0)
-            return run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, last, sample_slot, sampling)
+            return run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, last, sample_slot, sampling,
+                       prompt_targets)
 
         self._decode = jax.jit(decode_fn, donate_argnums=(1, 2))
         self._ragged = jax.jit(ragged_fn, donate_argnums=(1, 2))
@@ -213,7 +264,8 @@ class ModelRunner:
 
     def allocate_kv_caches(self, num_blocks: int) -> Any:
         loaded, bs = self.loaded, self.config.block_size
-        create = functools.partial(create_kv_caches, loaded.config, num_blocks, bs, loaded.dtype)
+        create = functools.partial(create_kv_caches, loaded.config, num_blocks, bs, loaded.dtype,
+                                   self.config.kv_cache_dtype)
         return create() if self.mesh is None else create_sharded_kv_caches(create, self.mesh)
 
     # ------------------------------------------------------------------------------
@@ -231,6 +283,7 @@ class ModelRunner:
             self._bt_len[s] = n
             fill_slot(self._samp, s, seq.params, seq.seed, 0)  # "step" is set per step
             self._wants_logprobs[s] = seq.params.logprobs is not None
+            self._wants_prompt_logprobs[s] = seq.params.prompt_logprobs is not None
         else:
             n, m = self._bt_len[s], len(bt)
             if m != n:  # blocks are only ever appended while a sequence holds its slot
@@ -313,12 +366,37 @@ class ModelRunner:
         sample_slot[:n] = np.where(samples, slots, self._idle)
         want_logprobs = bool((self._wants_logprobs[slots] & samples).any())
         sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs), **self._bitmask(R, constrained))
-        ragged = () if decode else (cu_q_lens,)
+        prompt_rows = None
+        if decode:
+            extra: tuple = ()
+        else:
+            targets = np.full(T, -1, np.int32)
+            prompt_rows = self._prompt_targets(out, slots, start, q, cu_q_lens, targets)
+            extra = (cu_q_lens,)
         res = self._run(DECODE if decode else RAGGED, R, T, (tokens, token_src, positions, slot_mapping, block_tables,
-                                                             kv_lens, *ragged, sample_slot, sampling))
+                                                             kv_lens, *extra, sample_slot, sampling,
+                                                             *(() if decode else (targets,))))
         with self.stats.lock:
             self.stats.padded_tokens += T - num_real
-        return InFlightStep(res, n, want_logprobs)
+        return InFlightStep(res, n, want_logprobs, prompt_rows)
+
+    def _prompt_targets(self, out: SchedulerOutput, slots: np.ndarray, start: np.ndarray, q: np.ndarray, cu_q_lens: np.ndarray,
+                        targets: np.ndarray) -> list[tuple[int, int, int, int]]:
+        """Fill targets[t] with the prompt token after token t, for the rows that ask
+        prompt_logprobs; return those rows as (row, first flat token, first position, count)."""
+        rows = []
+        if not self._wants_prompt_logprobs[slots].any():
+            return rows
+        for i, sch in enumerate(out.scheduled):
+            seq = sch.seq
+            if seq.params.prompt_logprobs is None:
+                continue
+            a, b = int(start[i]), min(int(start[i] + q[i]), seq.num_prompt_tokens - 1)  # positions a..b-1 predict a+1..b
+            if b > a:
+                flat = int(cu_q_lens[i])
+                targets[flat:flat + b - a] = seq.prompt_token_ids[a + 1:b + 1]
+                rows.append((i, flat, a, b - a))
+        return rows
 
     def _bitmask(self, rows: int, constrained: list) -> dict[str, Any]:
         if not constrained:
@@ -347,8 +425,9 @@ class ModelRunner:
         samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False), **self._bitmask(rows, []))
         args = (zeros_t, np.full(T, -1, np.int32), zeros_t, zeros_t,
                 np.zeros((rows, self.config.max_blocks_per_seq), np.int32), zeros_r)
-        ragged = () if kind == DECODE else (np.zeros(rows + 1, np.int32),)
-        return (*args, *ragged, np.full(rows, self._idle, np.int32), samp)
+        if kind == DECODE:
+            return (*args, np.full(rows, self._idle, np.int32), samp)
+        return (*args, np.zeros(rows + 1, np.int32), np.full(rows, self._idle, np.int32), samp, np.full(T, -1, np.int32))
 
     def _call(self, kind: int, args: tuple) -> Any:
         fn = self._decode if kind == DECODE else self._ragged

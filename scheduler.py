@@ -533,8 +533,10 @@ class Scheduler:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks seq can start from: its longest cached prefix of full blocks,
         never its last token (that one's logits are needed, so it is always computed).
-        A preempted sequence finds its own blocks here, unless they were evicted."""
-        if not self.config.enable_prefix_caching:
+        A preempted sequence finds its own blocks here, unless they were evicted. None
+        for a request asking prompt_logprobs (vLLM's rule): every prompt position's logits
+        must be computed."""
+        if not self.config.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         return self.allocator.cached_prefix(self._block_hashes(seq, (seq.num_tokens - 1) // self.config.block_size))
 

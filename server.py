@@ -42,7 +42,7 @@ from engine import AsyncEngine, QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
-                      parse_sampling, parse_slo, tool_choice)
+                      parse_sampling, parse_slo, prompt_logprobs_json, tool_choice)
 
 log = logging.getLogger("taxirank.server")
 
@@ -137,6 +137,7 @@ class Chunk:
     finish_reason: str | None  # set on the last chunk only
     num_output_tokens: int
     metrics: RequestMetrics | None = None  # on the last chunk, when the request asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked
 
 
 class Generation:
@@ -187,7 +188,7 @@ class Generation:
                 metrics = delta.metrics
                 if stopped and not delta.finished and self.want_metrics:
                     metrics = await self._metrics_after_stop()
-                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, metrics)
+                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, metrics, delta.prompt_logprobs)
                 if done:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it
@@ -239,15 +240,18 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         return chat_logprobs(engine.tokenizer, lps) if chat else completion_logprobs(engine.tokenizer, lps, offset)
 
     if not stream:
-        text, lps, last = "", [], None
+        text, lps, last, prompt_lps = "", [], None, None
         async with contextlib.aclosing(gen.chunks()) as chunks:
             async for last in chunks:
                 text += last.text
                 lps += last.logprobs or []
+                prompt_lps = last.prompt_logprobs or prompt_lps
         assert last is not None and last.finish_reason is not None
         lp = logprobs(lps, 0) if params.logprobs is not None else None
         message, reason = tool_message(tools, text, last.finish_reason)
         choice = {"index": 0, "logprobs": lp, "finish_reason": reason}
+        if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
+            choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
         choice |= {"message": message} if chat else {"text": text}
         extra = {"metrics": dataclasses.asdict(last.metrics)} if want_metrics and last.metrics else {}
         return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)} | extra)
@@ -265,9 +269,11 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         offset, calls = 0, ToolCallStream(tools)
         async with contextlib.aclosing(gen.chunks()) as chunks:
             async for c in chunks:
-                if not (c.text or c.logprobs or c.finish_reason):
+                if not (c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
                     continue  # held back: part of a character, or maybe the start of a stop string
                 choice = {"index": 0, "logprobs": logprobs(c.logprobs, offset), "finish_reason": c.finish_reason}
+                if c.prompt_logprobs is not None:  # once, with the first token
+                    choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, c.prompt_logprobs)
                 if chat:
                     choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
                 else:
@@ -507,6 +513,10 @@ class EngineCollector:
             yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
         for name, attr, doc in _COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
+        info = GaugeMetricFamily(PREFIX + "cache_config_info", "KV cache configuration (value 1): its stored dtype.",
+                                 labels=["cache_dtype"])
+        info.add_metric([s.kv_cache_dtype], 1)
+        yield info
         by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
                                       "Waiting requests by what they wait for.", labels=["reason"])
         for reason, n in s.waiting_by_reason.items():
@@ -565,6 +575,8 @@ _HELP = {  # EngineConfig fields; config.py says more
     "swap_space": "GiB of host memory for KV blocks swapped out by --preemption-mode swap",
     "slo_ttft_ms": "--scheduling-policy slo: a request's time-to-first-token target when its body sets none",
     "slo_tpot_ms": "--scheduling-policy slo: a request's time-per-output-token target when its body sets none",
+    "kv_cache_dtype": "KV cache storage: auto (the model dtype), or 8 bits (fp8 = fp8_e4m3, fp8_e5m2, int8) with an "
+                      "f32 scale per token and KV head: ~4x (from f32) or ~2x (from bf16) the blocks in the same memory",
     "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",

@@ -64,6 +64,7 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     if config.num_processes > 1:  # every process's cache has process 0's shape
         num_blocks = distributed.StepChannel().share_int("num_kv_blocks", num_blocks)
     stats.num_kv_blocks = num_blocks - 1
+    stats.kv_cache_dtype = np.dtype(loaded.dtype).name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
         f"of weights), dtype {np.dtype(loaded.dtype).name}, "
         f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "

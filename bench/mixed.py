@@ -17,6 +17,9 @@ taxirank variants (one server at a time; random token-id prompts, ignore_eos):
   <mode>/full, <mode>/half  continuous under each KV admission mode at max_model_len 2048 and
                             1024, one tight KV budget (--kv-budget-seqs sequences of 2048):
                             the seed's "rerun with --max-model-len cut in half".
+  kv-auto, kv-fp8, kv-int8  continuous at one --kv-cache-memory (the bytes of that tight budget
+                            in the model dtype), the cache stored in the model dtype, fp8 or
+                            int8: the 8-bit caches fit more blocks in the same bytes.
 
 Other servers (--url, --compare): prose prompts, and a probe first finds what each takes (the
 model name, stream_options, ignore_eos, usage, /metrics); the report says what that cost.
@@ -52,6 +55,10 @@ from report import machine_info, summarize, write_json  # noqa: E402
 from server_metrics import known_metrics, metric_figures, sample_metrics, timeline  # noqa: E402
 from workload import Request, arrival_times, seed_mix, vocab_size_of  # noqa: E402
 
+sys.path.insert(0, ROOT)
+from kvcache import kv_cache_bytes_per_block  # noqa: E402
+from model import BUILTIN_MODELS  # noqa: E402
+
 ADMISSION_MODES = ("on-demand", "reserve", "reserve-max-len")
 
 
@@ -86,6 +93,11 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
         for length, mml in (("full", full), ("half", half)):
             out.append(Variant(f"{mode}/{length}", base | {"kv_admission": mode, "max_model_len": mml,
                                                             "num_kv_blocks": budget}, mode, length))
+    # The same bytes for each --kv-cache-dtype: those of the tight budget in the model dtype.
+    kv_bytes = (budget - 1) * kv_cache_bytes_per_block(BUILTIN_MODELS[args.model], args.block_size, "float32") \
+        if args.model in BUILTIN_MODELS else None
+    for dtype in ("auto", "fp8", "int8") if kv_bytes else ():
+        out.append(Variant(f"kv-{dtype}", base | {"kv_cache_memory": kv_bytes, "kv_cache_dtype": dtype}))
     if args.variants:
         keep = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = sorted(set(keep) - {v.name for v in out})

@@ -216,6 +216,7 @@ COLUMNS = [  # (header, figures of a variant, format)
     ("long TTFT p50 s", _q("long", "ttft", ("p50",)), "{:.2f}"),
     ("long ITL mean ms", _q("long", "itl", ("mean",), 1000), "{:.0f}"),
     ("long e2e p50/p90/p99 s", _q("long", "e2e", ("p50", "p90", "p99")), "{:.1f}/{:.1f}/{:.1f}"),
+    ("KV blocks", lambda v: (v["metrics"]["num_kv_blocks"],), "{:.0f}"),
     ("max run", lambda v: (v["metrics"]["max_running"],), "{:.0f}"),
     ("KV max", lambda v: (100 * v["metrics"]["max_kv_usage"],), "{:.0f}%"),
     ("preempt", lambda v: (v["metrics"]["preemptions"],), "{:.0f}"),

@@ -23,12 +23,13 @@ from runner import ModelRunner
 NUM_BLOCKS = 129  # large enough that no per-step temporary (gathered blocks, scores) is cache-sized
 
 
-@pytest.fixture(scope="module")
-def compiled_steps():
+@pytest.fixture(scope="module", params=["auto", "int8"])
+def compiled_steps(request):
     """{program: (optimised HLO text, [cache leaf shapes])} for the runner's two programs,
-    compiled with the exact arguments the runner passes (captured from idle steps)."""
+    compiled with the exact arguments the runner passes (captured from idle steps); for
+    a cache in the model dtype and an 8-bit one (values and scales, each updated in place)."""
     cfg = EngineConfig(model="tiny", max_num_seqs=4, max_model_len=64, num_kv_blocks=NUM_BLOCKS,
-                       warmup=False).resolved(2048)
+                       warmup=False, kv_cache_dtype=request.param).resolved(2048)
     runner = ModelRunner(cfg, load_model("tiny"), NUM_BLOCKS, EngineStats())
     captured = {}
     for name in ("_decode", "_ragged"):

@@ -147,7 +147,7 @@ def test_create_kv_caches_stacks_layers_blocks_tokens_heads_dims():
 ])
 def test_describe_states_blocks_tokens_memory_and_concurrency(admission, concurrency, at_once):
     line = describe(config(kv_admission=admission), CFG, 41, jnp.float32)
-    assert line.startswith(f"KV cache: 40 blocks x 16 tokens = 640 tokens ({41 * PER_BLOCK_F32 / 2**20:.1f} MiB); "
+    assert line.startswith(f"KV cache (float32): 40 blocks x 16 tokens = 640 tokens ({41 * PER_BLOCK_F32 / 2**20:.1f} MiB); "
                            "max concurrency at max_model_len 256: ")
     assert concurrency in line and line.endswith(f"with max_num_seqs 4, sequences at once: {at_once} (KV-bound)")
 

@@ -25,6 +25,7 @@ EXPORTED = {
     "taxirank:kv_cache_usage_perc": ("gauge", "Fraction of usable KV cache blocks in use (0..1)."),
     "taxirank:slot_utilization": ("gauge", "Useful slot-steps / total slot-steps since start."),
     "taxirank:num_kv_blocks": ("gauge", "Usable KV cache blocks (the null block excluded)."),
+    "taxirank:cache_config_info": ("gauge", "KV cache configuration (value 1): its stored dtype."),
     "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by what they wait for."),
     "taxirank:num_preemptions": ("counter", "Sequences preempted (to be recomputed)."),
     "taxirank:recomputed_tokens": ("counter", "Tokens computed again after a preemption dropped them."),
@@ -108,7 +109,7 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
     second = render(llm.stats.snapshot())
     a, b = samples(first), samples(second)
     assert a.keys() == b.keys()
-    grew = [k for k in a if not k[0].startswith(("taxirank:num_requests", "taxirank:kv_cache", "taxirank:slot",
+    grew = [k for k in a if not k[0].startswith(("taxirank:num_requests", "taxirank:kv_cache", "taxirank:slot", "taxirank:cache",
                                                  "taxirank:num_kv"))]
     assert [k for k in grew if b[k] < a[k]] == [], "a counter or histogram went down"
 
@@ -119,6 +120,7 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
     assert val("taxirank:generation_tokens_total") - a[("taxirank:generation_tokens_total", ())] == sum(lens)
     assert val("taxirank:request_success_total", finished_reason="length") == n
     assert val("taxirank:num_kv_blocks") == 63 and val("taxirank:kv_cache_usage_perc") == 0
+    assert val("taxirank:cache_config_info", cache_dtype="float32") == 1  # the tiny model's dtype
     assert val("taxirank:num_requests_running") == val("taxirank:num_requests_waiting") == 0
     assert 0 < val("taxirank:slot_utilization") <= 1
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):

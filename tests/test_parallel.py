@@ -104,7 +104,10 @@ def tp_report(tmp_path_factory):
     checkpoint.save(load_model(models["llama"]), orbax_dir)
     cases["llama-orbax-tp4"] = dict(model=orbax_dir, kw=dict(tensor_parallel_size=4))
     cases["llama-pallas-tp2"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=2, attention_backend="pallas"))
-    report = run_worker({"cases": cases, "cache": jax_test_cache_dir(),
+    # an 8-bit KV cache: values and their scales split over KV heads together
+    for tp in (1, 4):
+        cases[f"llama-kvint8-tp{tp}"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=tp, kv_cache_dtype="int8"))
+        report = run_worker({"cases": cases, "cache": jax_test_cache_dir(),
                          "orbax": {"src": models["llama"], "dst": orbax_dir}})
     return {**report, "models": models}
 
@@ -174,7 +177,12 @@ def test_parallel_flags_are_checked_where_they_enter():
         make_mesh(64)  # this pytest process has one CPU device
 
 
-@pytest.mark.parametrize("case,tp", [("llama-tp2", 2), ("llama-tp4", 4), ("qwen3-tp4", 4)])
+def test_an_int8_kv_cache_gives_the_same_tokens_at_tp_4_as_at_tp_1(tp_report):
+    ref, got = tp_report["llama-kvint8-tp1"], tp_report["llama-kvint8-tp4"]
+    assert ref["preemptions"] > 0 and got["tokens"] == ref["tokens"]
+
+
+@pytest.mark.parametrize("case,tp", [("llama-tp2", 2), ("llama-tp4", 4), ("qwen3-tp4", 4), ("llama-kvint8-tp4", 4)])
 def test_each_device_holds_one_nth_of_weights_and_kv_cache(tp_report, case, tp):
     r = tp_report[case]
     # every q/k/v/o/gate/up/down kernel (stacked over layers) and the embedding at least

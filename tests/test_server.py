@@ -322,6 +322,24 @@ def test_logprobs_cover_each_sampled_token(client: openai.OpenAI) -> None:
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_prompt_logprobs_score_the_prompt_whole_and_streamed(server: Server) -> None:
+    """vLLM's extra field: per prompt token (the first None) its logprob, rank and top N,
+    equal to the offline engine's; streamed, once, in the first chunk."""
+    body = greedy_body(greedy(prompt="score me", max_tokens=2, prompt_logprobs=2))
+    status, whole = request(server, "POST", "/v1/completions", body)
+    assert status == 200, whole
+    got = whole["choices"][0]["prompt_logprobs"]
+    ref = tiny_reference().generate(["score me"], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))[0]
+    assert len(got) == whole["usage"]["prompt_tokens"] == len(ref.prompt_token_ids) and got[0] is None
+    for entry, want in zip(got[1:], ref.prompt_logprobs[1:]):
+        assert entry[str(want.token_id)]["logprob"] == pytest.approx(want.logprob, abs=1e-5)
+        assert entry[str(want.token_id)]["rank"] == want.rank >= 1
+        assert all(str(t) in entry for t, _ in want.top) and len(want.top) == 2
+    events = sse(server, "/v1/completions", body | {"stream": True})
+    firsts = [e["choices"][0].get("prompt_logprobs") for e in events if e["choices"]]
+    assert firsts[0] == got and all(f is None for f in firsts[1:])
+
+
 def test_stop_string_across_token_boundaries_is_cut_and_never_partly_streamed(client: openai.OpenAI) -> None:
     # One byte per token (the tiny model's tokenizer): every multi-character stop string
     # spans token boundaries. Take the stop string from the run without one.

@@ -1,0 +1,125 @@
+"""8-bit KV caches (--kv-cache-dtype): quantization error, both Pallas kernels (interpret
+mode) against the jnp references on the same quantized cache, and both against a float64
+oracle over the dequantized values; sizing by the real bytes."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_pallas as kp
+from config import KV_CACHE_DTYPES, EngineConfig
+from test_kernels import (BS, INTERPRET, cu_from, decode_oracle, dense_oracle, make_block_tables, make_cache,
+                          ref_decode, ref_ragged)
+
+def quantized(cache: jnp.ndarray, name: str) -> kp.QuantizedKV:
+    return kp.QuantizedKV(*kp.quantize_kv(cache, kp.KV_CACHE_DTYPES[name]))
+
+
+def test_flag_values_are_the_kernels_dtypes_and_checked_where_they_enter():
+    assert tuple(kp.KV_CACHE_DTYPES) == KV_CACHE_DTYPES
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp4")
+
+
+@pytest.mark.parametrize("name,rel", [("int8", 0.008), ("fp8_e4m3", 0.07), ("fp8_e5m2", 0.13)])
+def test_per_token_scales_bound_the_rounding_error(name, rel):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 2, 64)) * 3, jnp.float32)
+    got = np.asarray(kp.dequantize_kv(quantized(x, name)))
+    amax = np.abs(np.asarray(x)).max(-1, keepdims=True)
+    assert (np.abs(got - np.asarray(x)) <= rel * amax).all()
+    zeros = quantized(jnp.zeros((3, 2, 64)), name)
+    assert np.isfinite(np.asarray(kp.dequantize_kv(zeros))).all() and not np.asarray(kp.dequantize_kv(zeros)).any()
+
+
+@pytest.mark.parametrize("name,dtype,kernels", [("int8", jnp.float32, True), ("fp8_e4m3", jnp.bfloat16, True),
+                                                ("fp8_e5m2", jnp.float32, False)])
+def test_kernels_equal_references_on_a_quantized_cache(name, dtype, kernels):
+    """(Interpreted kernels are slow on CPU: fp8_e5m2 differs from e4m3 only in the
+    quantizer, so its case checks the reference alone.)"""
+    rng = np.random.default_rng(1)
+    hkv, R, D = 2, 4, 64
+    kc, vc = (quantized(c, name) for c in make_cache(rng, hkv, D, jnp.float32))
+    kd, vd = np.asarray(kp.dequantize_kv(kc)), np.asarray(kp.dequantize_kv(vc))
+    scale = D ** -0.5
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    # decode: idle, first token, a block edge, a long context
+    lens = [0, 1, BS + 1, 5 * BS + 3]  # the last: two kernel steps of 64 keys
+    bt = make_block_tables(rng, lens)
+    q = jnp.asarray(rng.standard_normal((len(lens), hkv * R, D)), dtype)
+    kl = jnp.asarray(lens, jnp.int32)
+    want = decode_oracle(np.asarray(q, np.float32), kd, vd, bt, kl, scale)
+    ref = ref_decode(q, kc, vc, bt, kl, scale=scale)
+    for splits in (None, 1) if kernels else ():
+        got = kp.paged_decode_attention(q, kc, vc, bt, kl, scale=scale, interpret=INTERPRET, num_splits=splits)
+        assert got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=tol)
+    np.testing.assert_allclose(np.asarray(ref, np.float32), want, atol=tol)
+    # ragged: a decode, a fresh prompt over a block edge, a chunk over a cached prefix
+    seqs = [(1, 5 * BS + 3), (BS + 1, BS + 1), (7, 2 * BS + 7)]
+    bt = make_block_tables(rng, [kv for _, kv in seqs])
+    T = sum(a for a, _ in seqs) + 3
+    q = jnp.asarray(rng.standard_normal((T, hkv * R, D)), dtype)
+    cu, kl = cu_from([a for a, _ in seqs]), jnp.asarray([kv for _, kv in seqs], jnp.int32)
+    want = dense_oracle(np.asarray(q, np.float32), kd, vd, bt, cu, kl, scale)
+    ref = ref_ragged(q, kc, vc, bt, cu, kl, scale=scale)
+    if kernels:
+        got = kp.ragged_paged_attention(q, kc, vc, bt, cu, kl, scale=scale, interpret=INTERPRET)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=tol)
+    np.testing.assert_allclose(np.asarray(ref, np.float32), want, atol=tol)
+
+
+def _engine(kv_cache_dtype: str, **kw):
+    from engine import LLM
+
+    return LLM("tiny", log=lambda _: None, kv_cache_dtype=kv_cache_dtype, max_num_seqs=2, max_model_len=128,
+               max_num_batched_tokens=32, **kw)
+
+
+@pytest.fixture(scope="module")
+def auto_run():
+    return _run(_engine("auto", num_kv_blocks=32, warmup=False))
+
+
+def _run(llm):
+    from engine import SamplingParams
+
+    prompt = np.random.default_rng(3).integers(3, 250, 50).tolist()
+    compiled = llm.stats.num_compilations
+    out = llm.generate([prompt, prompt[:9]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                            prompt_logprobs=0))
+    return out, llm.stats.num_compilations - compiled
+
+
+@pytest.mark.parametrize("name", ["int8"])  # fp8: the kernels tests above
+def test_an_8bit_cache_scores_and_generates_as_the_model_dtype_does_and_never_recompiles(auto_run, name):
+    """The same prompts through a cache of the model dtype and an 8-bit one: prompt
+    logprobs (a 50-token prompt in chunks of 32, so the second chunk reads the first from
+    the quantized cache) within quantization noise, the same greedy tokens for a short
+    output; warmed up, the workload compiles nothing."""
+    (want, short_want), _ = auto_run
+    (got, short_got), compiled = _run(_engine(name, num_kv_blocks=32))
+    assert compiled == 0
+    a = np.array([lp.logprob for lp in want.prompt_logprobs[1:]])
+    b = np.array([lp.logprob for lp in got.prompt_logprobs[1:]])
+    tol = {"int8": 0.02, "fp8": 0.15}[name]
+    assert np.abs(a - b).max() < tol and np.abs(a - b).mean() < tol / 4, np.abs(a - b).max()
+    assert got.token_ids[:4] == want.token_ids[:4] and short_got.token_ids[:4] == short_want.token_ids[:4]
+
+
+def test_kv_memory_buys_blocks_by_the_byte_ratio_and_the_arrays_say_so():
+    """At one --kv-cache-memory an int8 cache of the tiny model (f32, head_dim 16) holds
+    16 + 4 bytes per token and head where f32 holds 64: 3.2x the blocks, and the device
+    arrays' own bytes are what the sizing counted."""
+    from kvcache import kv_cache_bytes_per_block
+
+    budget = 2**20
+    engines = {name: _engine(name, kv_cache_memory=budget, warmup=False) for name in ("auto", "int8")}
+    blocks = {name: e.engine.num_kv_blocks - 1 for name, e in engines.items()}
+    assert blocks["int8"] == pytest.approx(3.2 * blocks["auto"], rel=0.02)
+    for name, e in engines.items():
+        runner = e.engine.runner
+        nbytes = sum(x.nbytes for x in __import__("jax").tree.leaves(runner.kv_caches))
+        per_block = kv_cache_bytes_per_block(e.engine.model_config, 16, runner.loaded.dtype, name)
+        assert nbytes == per_block * e.engine.num_kv_blocks <= budget + per_block

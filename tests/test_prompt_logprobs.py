@@ -1,0 +1,59 @@
+"""prompt_logprobs: the logprob of every prompt token given the ones before it, as vLLM
+returns it (first entry None), checked against transformers' logits."""
+
+import numpy as np
+import pytest
+
+from conftest import hf_logits
+from engine import LLM, SamplingParams
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf_checkpoint):
+    return hf_checkpoint("llama2")
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    # A small token budget: a 70-token prompt is computed in several chunks, and a prefix
+    # cached by an earlier request must not be used.
+    return LLM(checkpoint, log=lambda _: None, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+               num_kv_blocks=64, warmup=False)
+
+
+def test_prompt_logprobs_equal_log_softmax_of_transformers_logits(llm, checkpoint):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 250, 70).tolist()
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))  # now its prefix is cached
+    short = [5, 6, 7]
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=5)
+    out, other, plain = llm.generate([prompt, short, prompt[:40]], [params, params, SamplingParams(max_tokens=2)])
+    assert plain.prompt_logprobs is None
+    assert out.num_cached_tokens == 0  # recomputed: a cache hit would skip those positions' logits
+    ref = _log_softmax(hf_logits(checkpoint, prompt))
+    lps = out.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    for i in range(1, len(prompt)):
+        lp = lps[i]
+        assert lp.token_id == prompt[i]
+        np.testing.assert_allclose(lp.logprob, ref[i - 1, prompt[i]], atol=2e-4)
+        top = np.argsort(-ref[i - 1])[:5]
+        assert [t for t, _ in lp.top] == top.tolist()
+        np.testing.assert_allclose([v for _, v in lp.top], ref[i - 1, top], atol=2e-4)
+        assert lp.rank == 1 + int((ref[i - 1] > ref[i - 1, prompt[i]] + 1e-6).sum())
+    assert len(other.prompt_logprobs) == 3 and other.prompt_logprobs[0] is None
+    # the step that sampled also scored the prompt: tokens are unchanged by asking
+    assert out.token_ids == llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids
+
+
+def test_prompt_logprobs_validated():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
