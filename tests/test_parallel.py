@@ -107,7 +107,7 @@ def tp_report(tmp_path_factory):
     # an 8-bit KV cache: values and their scales split over KV heads together
     for tp in (1, 4):
         cases[f"llama-kvint8-tp{tp}"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=tp, kv_cache_dtype="int8"))
-        report = run_worker({"cases": cases, "cache": jax_test_cache_dir(),
+    report = run_worker({"cases": cases, "cache": jax_test_cache_dir(),
                          "orbax": {"src": models["llama"], "dst": orbax_dir}})
     return {**report, "models": models}
 
