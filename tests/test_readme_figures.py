@@ -43,7 +43,7 @@ def simulate(reqs, max_num_seqs: int, max_model_len: int, scheduling: str = "con
 
 
 def seed_mix():
-    return load_bench("common").seed_mix(100, VOCAB, short=16, long=512, prompt_len=(32, 256))
+    return load_bench("workload").seed_mix(100, VOCAB, short=16, long=512, prompt_len=(32, 256))
 
 
 def test_offline_step_count_ideals_continuous_over_static():
@@ -56,7 +56,7 @@ def test_offline_step_count_ideals_continuous_over_static():
     c64, s64 = simulate(mix, 64, 1024), simulate(mix, 64, 1024, "static")
     p99 = s64.latency("16")["p99"] / c64.latency("16")["p99"]  # time = steps: the finish step
     assert round(p99, 1) == quoted(r"10\.5x lower \(ideal (\d+\.\d+)x\)")
-    exp = load_bench("common").exponential_mix(300, VOCAB, mean=128, cap=1536, prompt_len=(32, 256))
+    exp = load_bench("workload").exponential_mix(300, VOCAB, mean=128, cap=1536, prompt_len=(32, 256))
     c, s = simulate(exp, 32, 2048), simulate(exp, 32, 2048, "static")
     assert round(s.steps / c.steps, 2) == quoted(r"exponential lengths \(ideal (\d+\.\d+)x\)")
 
@@ -117,7 +117,7 @@ def test_prefix_cache_hit_rate_of_the_fourth_turn_of_16_conversations():
         while sched.has_unfinished():
             out = sched.schedule()
             computed += out.num_prefill_tokens
-            sched.update(out, {s.seq.request_id: sim.NOT_EOS for s in out.scheduled if s.samples})
+            sched.update(out, [sim.NOT_EOS] * len(out.scheduled))
         if turn < 3:
             convs = [c + [sim.NOT_EOS] * 64 + new for c, new in zip(convs, news[turn])]
     assert sum(s.num_preemptions for s in seqs) == 0
