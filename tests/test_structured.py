@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from config import StructuredOutputsParams as SO
 from engine import LLM, SamplingParams
+from sampler import SamplingTensors
 
 OBJ = {"type": "object", "additionalProperties": False}
 
@@ -258,7 +259,7 @@ def test_no_sampled_token_is_outside_the_mask_and_the_step_applies_llguidances_m
     call = runner._call
 
     def spy(kind, args):
-        sampling = args[-1]
+        sampling = next(a for a in args if isinstance(a, SamplingTensors))
         if bool(sampling.use_bitmask):
             applied.append(np.array(sampling.token_bitmask))
         return call(kind, args)
