@@ -113,7 +113,7 @@ def stub_device(runner) -> None:
     import numpy as np
 
     def instant(state, kv_caches, last_tokens, *args):
-        n = args[-1].temperature.shape[0]
+        n = next(a for a in args if hasattr(a, "temperature")).temperature.shape[0]  # the SamplingTensors
         res = (np.full(n, 7, np.int32), np.zeros(n, np.float32), np.zeros((n, 20), np.int32),
                np.zeros((n, 20), np.float32))
         return kv_caches, last_tokens, res
