@@ -97,6 +97,9 @@ class EngineConfig:
              f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         need(isinstance(self.swap_space, (int, float)) and math.isfinite(self.swap_space) and self.swap_space >= 0,
              f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        need(self.preemption_mode == "recompute" or KV_ADMISSION[self.kv_admission].preempts,
+             f"--preemption-mode swap needs a KV admission that preempts; {self.kv_admission} reserves every "
+             "block at admission and never preempts")
         need(self.preemption_mode == "recompute" or (self.tensor_parallel_size == 1 and self.num_processes == 1),
              "--preemption-mode swap runs on one device: the host pool is not sharded")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):

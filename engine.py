@@ -196,7 +196,7 @@ class LLMEngine:
             self._log_preemptions(out)
         if out.swap_out or out.swap_in:  # before the step, which may write where a swapped-out block was
             self.runner.swap(out.swap_out, out.swap_in)
-        if out.scheduled or not self._in_flight:
+        if out.scheduled or out.preempted or not self._in_flight:  # a preemption is recorded with its step
             self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
         if out.scheduled and len(self._in_flight) <= self._max_in_flight:
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
@@ -312,6 +312,7 @@ class LLMEngine:
             self.failed.clear()
             raise error
         for rid, _ in self.failed:
+            self._prompt_lps.pop(rid, None)
             seq = self.scheduler.abort(rid)
             if seq is not None:
                 seq.finish_reason = "abort"

@@ -198,6 +198,10 @@ class EngineStats:
         latency histograms. The engine passes wall-clock times; bench/simulate.py passes
         simulated ones, so both count the same way."""
         with self.lock:
+            # A step that only preempted (the lone running sequence giving up its blocks) still
+            # counts its preemptions.
+            self.num_preemptions += len(out.preempted)
+            self.swap_fallbacks += out.num_swap_fallbacks
             if out.scheduled:  # an empty step (a static batch released after an abort) ran nothing
                 self.num_steps += 1
                 self.num_decode_steps += out.is_decode_only
@@ -205,9 +209,7 @@ class EngineStats:
                 self.total_slot_steps += config.max_num_seqs
                 self.prefill_tokens += out.num_prefill_tokens
                 self.decode_tokens += out.num_decode_tokens
-                self.num_preemptions += len(out.preempted)
                 self.recomputed_tokens += out.num_recomputed_tokens
-                self.swap_fallbacks += out.num_swap_fallbacks
                 self.generation_tokens += len(sampled)
                 self.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
             itl = []  # one inter-token latency per sequence that got a later token

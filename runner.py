@@ -389,8 +389,8 @@ class ModelRunner:
             return rows
         for i, sch in enumerate(out.scheduled):
             seq = sch.seq
-            if seq.params.prompt_logprobs is None:
-                continue
+            if seq.params.prompt_logprobs is None or seq.output_token_ids:
+                continue  # (after its first token, a recomputed prompt's logprobs are known already)
             a, b = int(start[i]), min(int(start[i] + q[i]), seq.num_prompt_tokens - 1)  # positions a..b-1 predict a+1..b
             if b > a:
                 flat = int(cu_q_lens[i])

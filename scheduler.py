@@ -453,8 +453,10 @@ class Scheduler:
         anything is scheduled. Walks the queue in admission order as admit will, counting
         the room each admission takes; a request whose admission preempting cannot make
         room stops the walk, and nobody is preempted for it (no preemption for nothing)."""
+        if not self.waiting:
+            return
         running = [r for r in self.running if r.status is RUNNING]
-        if not self.waiting or not any(self.policy.outranks(self.waiting.peek(), r) for r in running):
+        if not any(self.policy.outranks(self.waiting.peek(), r) for r in running):
             return  # FCFS always returns here: it outranks nobody
         bs, chunked = self.config.block_size, self.config.enable_chunked_prefill
 

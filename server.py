@@ -464,7 +464,7 @@ _GAUGES = [  # (metric, EngineStats attribute, help)
     ("num_kv_blocks", "num_kv_blocks", "Usable KV cache blocks (the null block excluded)."),
 ]
 _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
-    ("num_preemptions", "num_preemptions", "Sequences preempted (to be recomputed)."),
+    ("num_preemptions", "num_preemptions", "Sequences preempted (recompute or swap)."),
     ("recomputed_tokens", "recomputed_tokens", "Tokens computed again after a preemption dropped them."),
     ("swapped_out_blocks", "swapped_out_blocks", "KV blocks copied to the host pool by swap preemption."),
     ("swapped_in_blocks", "swapped_in_blocks", "KV blocks copied back from the host pool."),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Sequence
 
 import llguidance
@@ -85,15 +85,14 @@ class Constraint:
     """One request's matcher: its state is the request's output tokens so far (a
     preemption recomputes K/V, never the outputs, so the matcher is never reset)."""
 
-    __slots__ = ("matcher", "num_tokens")
+    __slots__ = ("matcher",)
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
-        self.matcher, self.num_tokens = matcher, 0
+        self.matcher = matcher
 
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False if the grammar refuses it (the mask makes
         that impossible) or ran out of its per-token limits."""
-        self.num_tokens += 1
         return self.matcher.consume_token(token)
 
     @property
@@ -101,10 +100,6 @@ class Constraint:
         """The grammar is complete and allows nothing more (an accepting state with no
         continuation, or EOS taken in an accepting state)."""
         return self.matcher.is_stopped()
-
-    @property
-    def error(self) -> str:
-        return self.matcher.get_error()
 
 
 class GrammarCompiler:
@@ -117,7 +112,8 @@ class GrammarCompiler:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[StructuredOutputsParams, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        self.compile_seconds: list[float] = []  # each cache miss's compile time (bench/structured.py)
+        # the latest cache misses' compile times (bench/structured.py reads their percentiles)
+        self.compile_seconds: deque[float] = deque(maxlen=1024)
 
     def _tokenizer_for_llguidance(self) -> llguidance.LLTokenizer:
         with self._lock:

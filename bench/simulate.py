@@ -224,6 +224,8 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
              record_trace: bool = False) -> SimResult:
     """Replay `workload` through the real Scheduler with simulated time. `config` must be
     resolved (config.resolved(max_model_len))."""
+    if config.preemption_mode != "recompute":
+        raise ValueError("the simulator has no host pool: it models --preemption-mode recompute only")
     sched = Scheduler(config, num_kv_blocks, eos_token_ids=())
     sched.policy.clock = lambda: t  # a policy that reads the time (slo) reads the simulated one
     stats = EngineStats()

@@ -27,7 +27,7 @@ EXPORTED = {
     "taxirank:num_kv_blocks": ("gauge", "Usable KV cache blocks (the null block excluded)."),
     "taxirank:cache_config_info": ("gauge", "KV cache configuration (value 1): its stored dtype."),
     "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by what they wait for."),
-    "taxirank:num_preemptions": ("counter", "Sequences preempted (to be recomputed)."),
+    "taxirank:num_preemptions": ("counter", "Sequences preempted (recompute or swap)."),
     "taxirank:recomputed_tokens": ("counter", "Tokens computed again after a preemption dropped them."),
     "taxirank:swapped_out_blocks": ("counter", "KV blocks copied to the host pool by swap preemption."),
     "taxirank:swapped_in_blocks": ("counter", "KV blocks copied back from the host pool."),

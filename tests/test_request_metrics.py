@@ -5,6 +5,7 @@ scheduler did (its preemptions in the step trace, the tokens it computed again).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from engine import LLM, SamplingParams
 
@@ -155,3 +156,18 @@ def test_swap_preemption_gives_the_same_greedy_tokens_with_no_recompute_and_a_fu
             assert st.swap_fallbacks > 0 and st.recomputed_tokens > 0
         assert llm.engine.scheduler.allocator.num_used == 0
         assert len(llm.engine.scheduler._host_free) == llm.engine.scheduler.num_swap_blocks
+
+
+def test_the_swap_pool_is_counted_in_the_caches_own_bytes_and_swap_needs_an_admission_that_preempts():
+    """--swap-space buys as many blocks as the KV dtype's real bytes allow (an 8-bit cache:
+    ~4x those of float32); a reserving admission never preempts, so swap there is refused."""
+    from config import EngineConfig
+    from kvcache import kv_cache_bytes_per_block
+
+    kw = dict(log=lambda *_: None, warmup=False, max_num_seqs=4, max_model_len=128, num_kv_blocks=14)
+    llm = LLM("tiny", **kw, preemption_mode="swap", kv_cache_dtype="int8", swap_space=2**-10)  # 1 MiB
+    cfg, dtype = llm.engine.model_config, llm.engine.loaded.dtype
+    assert llm.engine.scheduler.num_swap_blocks == 2**20 // kv_cache_bytes_per_block(cfg, 16, dtype, "int8")
+    assert llm.engine.scheduler.num_swap_blocks > 3 * (2**20 // kv_cache_bytes_per_block(cfg, 16, dtype))
+    with pytest.raises(ValueError, match="never preempts"):
+        EngineConfig(model="tiny", preemption_mode="swap", kv_admission="reserve")
