@@ -199,10 +199,10 @@ class Weight:
         return self.axes[:1] == ("layers",)
 
 
-def _linear_weights(name: str, gguf: str, axes: tuple[str, str]) -> dict[str, Weight]:
-    """An nnx.Linear's kernel [in, out] and (if it has one) bias [out]."""
-    return {f"{name}.kernel": Weight(f"{name}.weight", f"{gguf}.weight", axes, transposed=True),
-            f"{name}.bias": Weight(f"{name}.bias", f"{gguf}.bias", axes[1:])}
+def _linear_weights(name: str, gguf: str, axes: tuple[str, str], bias: bool = True) -> dict[str, Weight]:
+    """An nnx.Linear's kernel [in, out] and, where a config may give it one, its bias [out]."""
+    kernel = {f"{name}.kernel": Weight(f"{name}.weight", f"{gguf}.weight", axes, transposed=True)}
+    return kernel | ({f"{name}.bias": Weight(f"{name}.bias", f"{gguf}.bias", axes[1:])} if bias else {})
 
 
 def _sublayer(attr: str, weights: dict[str, Weight], hf: str, gguf: str,
@@ -317,9 +317,9 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    WEIGHTS = {**_linear_weights("gate_proj", "ffn_gate", ("embed", "mlp")),
-               **_linear_weights("up_proj", "ffn_up", ("embed", "mlp")),
-               **_linear_weights("down_proj", "ffn_down", ("mlp", "embed"))}
+    WEIGHTS = {**_linear_weights("gate_proj", "ffn_gate", ("embed", "mlp"), bias=False),
+               **_linear_weights("up_proj", "ffn_up", ("embed", "mlp"), bias=False),
+               **_linear_weights("down_proj", "ffn_down", ("mlp", "embed"), bias=False)}
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         h, i = cfg.hidden_size, cfg.intermediate_size

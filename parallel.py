@@ -1,16 +1,17 @@
 """Tensor parallelism over a jax.sharding mesh (one axis, "tp"), as the JAX engines do it.
 
-Megatron-style: q/k/v and gate/up are split by output features (whole heads per device),
-o and down by input features, so each decoder layer needs exactly one all-reduce after
-attention and one after the MLP; XLA inserts them for the sharded matmuls. The embedding
-and the LM head are split by vocabulary (replicated when the vocabulary does not divide),
-norms are replicated. The KV cache is split over KV heads, and the attention backend (the
+Megatron-style, as each layer declares its weights' logical axes (model.py, `WEIGHTS`)
+and param_spec maps them: q/k/v and gate/up are split by output features (whole heads per
+device), o and down by input features, so each decoder layer needs exactly one all-reduce
+after attention and one after the MLP; XLA inserts them for the sharded matmuls. The
+embedding and the LM head are split by vocabulary (replicated when the vocabulary does
+not divide), norms are replicated. The KV cache is split over KV heads, and the attention backend (the
 jnp reference or a Pallas kernel, unchanged) runs per shard under shard_map, so each
 device reads only its own heads' blocks.
 
 KV heads that do not divide the mesh: when N is a multiple of the KV head count, each KV
-head is replicated to N / num_kv_heads devices (its k/v projection columns are copied, as
-tpu-inference and vLLM do), so every device holds one head; any other combination is
+head is replicated to N / num_kv_heads devices (the weights with a `kv_heads` axis are
+copied along it, as tpu-inference and vLLM do), so every device holds one head; any other combination is
 refused. The scheduler and the block allocator never see any of this: one block table
 indexes every device's slice of the cache.
 """

@@ -235,3 +235,32 @@ def test_hf_tensors_map_into_the_stacked_layers_and_back(hf_checkpoint):
     again = model_from_hf_tensors(lm.config, jnp.float32, hf.items())
     a, b = _params(lm), {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(again, nnx.Param))}
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_every_parameter_is_declared_once_with_axes_of_its_rank():
+    """Decoder.WEIGHTS covers every parameter of the fullest configuration (biases,
+    qk-norm, an untied LM head) with one HF and one GGUF name each and one logical axis
+    per dim; tensor parallelism splits exactly the axes it declares."""
+    from dataclasses import replace
+
+    from jax.sharding import PartitionSpec as P
+
+    from model import declared_weight, hf_tensor_names
+    from parallel import param_spec
+
+    cfg = replace(BUILTIN_MODELS["tiny"], attention_bias=True, o_proj_bias=True, qk_norm=True)
+    flat = nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param))
+    hf, gguf = [], []
+    for path, var in flat:
+        w = declared_weight(path)
+        assert len(w.axes) == var.get_value().ndim, (path, w.axes)
+        hf += hf_tensor_names(path, cfg.num_hidden_layers)
+        gguf.append(w.gguf)
+    assert len(hf) == len(set(hf)) and len(gguf) == len(set(gguf))
+    assert len(flat) == len(Decoder.WEIGHTS)  # no declaration without its parameter
+    spec = {".".join(map(str, p)): param_spec(p, cfg, 2) for p, _ in flat}
+    assert spec["layers.self_attn.k_proj.kernel"] == P(None, None, "tp")
+    assert spec["layers.self_attn.o_proj.kernel"] == P(None, "tp", None)
+    assert spec["layers.self_attn.o_proj.bias"] == P(None, None)  # added once, after the sum
+    assert spec["layers.mlp.down_proj.kernel"] == P(None, "tp", None)
+    assert spec["embed_tokens.embedding"] == P("tp", None) and spec["norm.weight"] == P(None)
