@@ -124,47 +124,28 @@ class SortedQueue:
         return bool(self._seqs)
 
 
-class ScanQueue:
-    """Arrival order, taken by a key read when asked: for a policy whose order moves while
-    its requests wait (service received, deadlines passing), which a sorted list cannot
-    keep. peek is a scan, O(waiting), paid only by the policies that use this queue."""
+class ResortedQueue(SortedQueue):
+    """Sorted by a key that moves while its requests wait (service received, deadlines
+    passing): the policy resorts it once as each step begins (`begin_step`), so one step
+    sees one order and pays one sort, O(waiting log waiting); within the step the keys
+    hold still, and an arrival or a requeue is inserted in its place as in SortedQueue."""
 
     def __init__(self, key: Callable[[Sequence], Any], on_arrival: Callable[[Sequence], None] | None = None) -> None:
         """on_arrival(seq): told of each new request before it is queued (not of a requeue)."""
-        self._key, self._on_arrival = key, on_arrival
-        self._seqs: list[Sequence] = []
+        super().__init__(key)
+        self._on_arrival = on_arrival
 
     def add(self, seq: Sequence) -> None:
         if self._on_arrival is not None:
             self._on_arrival(seq)
-        self._seqs.append(seq)
+        super().add(seq)
 
     def requeue(self, seq: Sequence) -> None:
-        self._seqs.append(seq)
+        super().add(seq)
 
-    def peek(self) -> Sequence:
-        return min(self._seqs, key=self._key)
-
-    def pop_head(self) -> Sequence:
-        seq = self.peek()
-        self._seqs.remove(seq)
-        return seq
-
-    def remove(self, seq: Sequence) -> None:
-        self._seqs.remove(seq)
-
-    def __iter__(self) -> Iterator[Sequence]:
-        """In the order they would be admitted now."""
-        return iter(sorted(self._seqs, key=self._key))
-
-    def in_arrival_order(self) -> list[Sequence]:
-        return list(self._seqs)
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
-    def __bool__(self) -> bool:
-        return bool(self._seqs)
+    def resort(self) -> None:
+        keyed = sorted(zip(map(self._key, self._seqs), self._seqs), key=lambda p: p[0])
+        self._keys, self._seqs = [k for k, _ in keyed], [s for _, s in keyed]
 
 
 # ---- policies: --scheduling-policy -------------------------------------------------------
@@ -184,12 +165,13 @@ class FCFS:
     # The policy's clock, the one arrival times are read on (the simulator sets its own).
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
-    def new_queue(self) -> FCFSQueue | SortedQueue | ScanQueue:
+    def new_queue(self) -> FCFSQueue | SortedQueue:
         return FCFSQueue()
 
-    def begin_step(self) -> None:
-        """Called as each step's scheduling starts (a policy that reads the time reads it here,
-        so one step sees one instant)."""
+    def begin_step(self, running: list[Sequence]) -> None:
+        """Called as each step's scheduling starts, with the running sequences (a policy
+        whose order moves reads the time or the seats here and resorts its queue, so one
+        step sees one instant and one order)."""
 
     def charge(self, out: SchedulerOutput) -> None:
         """Called with each step as scheduled (a policy that accounts for service does it here)."""
@@ -245,16 +227,25 @@ class Fair(FCFS):
     in Serving Large Language Models", OSDI 2024). A client (the request's OpenAI `user`;
     none: one shared "anonymous" client) is charged `prompt_weight` per prompt token
     computed for it (a recompute after a preemption is not charged) and `output_weight` per
-    output token, as each step is scheduled. The
-    waiting request of the least-served client goes first (ties: arrival). A client that
-    starts waiting again is lifted to the least counter of the clients already waiting, so
-    idle time banks no credit. A waiting request preempts a running one whose client has
-    been served more than `preempt_gap` weighted tokens more than its own (the gap keeps
-    two clients from taking a seat back and forth every step: each preemption is paid for
-    by that much new service in between, so every request progresses and finishes). At most `max_clients` clients are tracked: the least
-    recently active is forgotten, and comes back like a new one: at the least counter
-    tracked, lifted as above (so a client that sprays new names ties with the least-served
-    client, never overtakes it)."""
+    output token, as each step is scheduled. The waiting request of the least-served client
+    goes first; at equal service, the client holding fewer seats (it will be served less
+    from now on), then arrival. A client that starts waiting again is lifted to the least
+    counter of the clients already waiting, so idle time banks no credit.
+
+    A waiting request preempts a running one (for its seat or blocks) in two cases:
+    - seat share: its client holds no seat, was served no more than the running one's
+      client, and that client holds two or more. This is what keeps an interactive client's
+      first token one step away while another floods every seat. Only the head request of
+      each seatless client qualifies in a step, and a seat only ever moves from a client
+      with two or more to one with none, so the number of clients holding a seat grows with
+      each such preemption: at most max_num_seqs of them happen between two events that
+      free a seat by progress (a finish, an admission to a free seat);
+    - service gap: its client was served more than `preempt_gap` weighted tokens less. A
+      recompute is not charged, so each such preemption is paid for by that much new service
+      in between: every request progresses and finishes.
+    At most `max_clients` clients are tracked: the least recently active is forgotten, and
+    comes back like a new one: at the least counter tracked, lifted as above (so a client
+    that sprays new names ties with the least-served client, never overtakes it)."""
 
     prompt_weight, output_weight = 1.0, 2.0  # the paper's: an output token costs about two prompt tokens
     preempt_gap = 1024.0
@@ -262,10 +253,12 @@ class Fair(FCFS):
 
     def __init__(self) -> None:
         self.counters: OrderedDict[str, float] = OrderedDict()  # least recently active first
-        self._queue: ScanQueue | None = None
+        self.seats: dict[str, int] = {}  # running sequences per client, as this step began
+        self._heads: set[int] = set()  # id() of each seatless client's first waiting request, this step
+        self._queue: ResortedQueue | None = None
 
-    def new_queue(self) -> ScanQueue:
-        self._queue = ScanQueue(self.key, on_arrival=self._arrive)
+    def new_queue(self) -> ResortedQueue:
+        self._queue = ResortedQueue(self.key, on_arrival=self._arrive)
         return self._queue
 
     @staticmethod
@@ -275,17 +268,35 @@ class Fair(FCFS):
     def counter(self, client: str) -> float:
         return self.counters.get(client, 0.0)
 
-    def key(self, seq: Sequence) -> tuple[float, float, int]:
-        c = self.counters.get(seq.user or ANONYMOUS)
+    def key(self, seq: Sequence) -> tuple[float, int, float, int]:
+        client = seq.user or ANONYMOUS
+        c = self.counters.get(client)
         if c is None:  # forgotten while its request was in the system: as a new client
             c = min(self.counters.values(), default=0.0)
-        return (c, seq.arrival_time, seq.arrival_order)
+        return (c, self.seats.get(client, 0), seq.arrival_time, seq.arrival_order)
+
+    def begin_step(self, running: list[Sequence]) -> None:
+        seats: dict[str, int] = {}
+        for seq in running:
+            c = self.client(seq)
+            seats[c] = seats.get(c, 0) + 1
+        self.seats = seats
+        self._queue.resort()
+        heads: dict[str, Sequence] = {}
+        for seq in self._queue:
+            c = self.client(seq)
+            if c not in seats:
+                heads.setdefault(c, seq)
+        self._heads = {id(s) for s in heads.values()}
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         return max(candidates, key=self.key)
 
     def outranks(self, waiting: Sequence, running: Sequence) -> bool:
-        return self.key(waiting)[0] + self.preempt_gap < self.key(running)[0]
+        w, r = self.key(waiting), self.key(running)
+        if w[0] + self.preempt_gap < r[0]:
+            return True
+        return id(waiting) in self._heads and r[1] >= 2 and w[0] <= r[0] and self.client(waiting) != self.client(running)
 
     def charge(self, out: SchedulerOutput) -> None:
         pw, ow, counters = self.prompt_weight, self.output_weight, self.counters
@@ -299,7 +310,7 @@ class Fair(FCFS):
 
     def _arrive(self, seq: Sequence) -> None:
         c = self.client(seq)
-        waiting = {self.client(q) for q in self._queue.in_arrival_order()}
+        waiting = {self.client(q) for q in self._queue}
         if c not in waiting:
             floor = min((self.counter(w) for w in waiting), default=self.counter(c))
             self._track(c)
@@ -340,12 +351,15 @@ class SLOAware(FCFS):
 
     def __init__(self) -> None:
         self.now = self.clock()
+        self._queue: ResortedQueue | None = None
 
-    def begin_step(self) -> None:
+    def begin_step(self, running: list[Sequence]) -> None:
         self.now = self.clock()
+        self._queue.resort()
 
-    def new_queue(self) -> ScanQueue:
-        return ScanQueue(self.key)
+    def new_queue(self) -> ResortedQueue:
+        self._queue = ResortedQueue(self.key)
+        return self._queue
 
     def lost(self, seq: Sequence) -> bool:
         if seq.slo_ttft is None:

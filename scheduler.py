@@ -39,7 +39,7 @@ import numpy as np
 from config import EngineConfig, SamplingParams, SLOTarget
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS
-from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, ScanQueue, SortedQueue
+from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
 
 # The scheduler's global invariants (every slot owned once, no KV block leaked, blocks
 # cover every computed token) cost O(running + blocks in use) a step: at 256 sequences,
@@ -188,7 +188,7 @@ class Scheduler:
         self.policy = POLICIES.create(config)  # admission order, KV victim, who may preempt (policy.py)
         self.batching = BATCHING.create(config)  # how a step is composed, when a seat frees
         self.kv_admission = KV_ADMISSION.create(config)  # the blocks a sequence holds from admission
-        self.waiting: FCFSQueue | SortedQueue | ScanQueue = self.policy.new_queue()
+        self.waiting: FCFSQueue | SortedQueue = self.policy.new_queue()
         self.running: list[Sequence] = []  # admission order; finished ones a batching keeps seated too
         self._free_slots = list(range(config.max_num_seqs))  # a heap: the lowest free slot first
         self._seqs: dict[str, Sequence] = {}  # every request not yet released, by id
@@ -279,7 +279,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
         self._room_preempted = False
-        self.policy.begin_step()
+        self.policy.begin_step(self.running)
         self.batching.schedule(self, out)
         self.policy.charge(out)
         if self._swap_in:

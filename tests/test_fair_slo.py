@@ -43,25 +43,31 @@ def step(s: Scheduler, now: float | None = None) -> tuple[list[str], list[str]]:
 
 # ---- fair ------------------------------------------------------------------------------
 
-def test_fair_admits_a_light_client_ahead_of_a_heavy_client_s_queue():
-    """Two seats; the heavy client queues six requests at once, the light one sends one at
-    step 3. FCFS seats it after the whole flood; fair at the first seat that frees."""
+def test_fair_seats_a_seatless_light_client_the_step_it_arrives():
+    """Two seats, both the heavy client's; it queues six requests at once, the light one
+    sends one at step 3. FCFS seats it after the whole flood; fair the step it arrives (it
+    takes a seat from the heavy client: equal service, and heavy holds both seats), and
+    with one seat each the heavy client's waiting requests do not take it back."""
     first: dict[str, dict[str, int]] = {}
+    preempted: dict[str, list[str]] = {}
     for policy in ("fcfs", "fair"):
         s = make(policy)
         for i in range(6):
             s.add(seq(f"heavy{i}", max_tokens=10, user="heavy"))
         seen: dict[str, int] = {}
+        preempted[policy] = []
         for t in range(200):
             if t == 3:
                 s.add(seq("light", max_tokens=4, arrival=3.0, user="light"))
-            for rid in step(s)[0]:
+            scheduled, out = step(s)
+            preempted[policy] += out
+            for rid in scheduled:
                 seen.setdefault(rid, t)
             if not s.has_unfinished():
                 break
         first[policy] = seen
     assert first["fcfs"]["light"] > max(first["fcfs"][f"heavy{i}"] for i in range(6))
-    assert first["fair"]["light"] == min(first["fair"][f"heavy{i}"] for i in range(2, 6))  # the first seats that free
+    assert first["fair"]["light"] == 3 and preempted["fair"] == ["heavy1"] and preempted["fcfs"] == []
 
 
 def test_fair_preempts_a_client_served_far_more_and_charges_prompt_and_output_tokens():
