@@ -39,8 +39,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root first: its modules win over bench/structured.py
 
 from report import md_table, pyplot, results_dir, save_figure, summarize, write_json  # noqa: E402
 from workload import arrival_times, exponential_mix, seed_mix  # noqa: E402
@@ -126,19 +126,22 @@ def step_features(out: SchedulerOutput, num_occupied: int, config: EngineConfig)
 
 @dataclass
 class CostModel:
-    """Seconds per step, per program: a + b*rows + c*context_tokens_read + d*prefill_tokens."""
+    """Seconds per step, per program: a + b*rows + c*context_tokens_read + d*prefill_tokens;
+    a step that swaps adds swap[0] + swap[1] * tokens of KV copied (out and in)."""
 
     coef: dict[str, tuple[float, float, float, float]]  # program -> (a, b, c, d)
     source: str = ""
     fit: dict[str, Any] = field(default_factory=dict)  # residuals, step counts: how good the fit was
+    swap: tuple[float, float] = (0.0, 0.0)  # (seconds per step that copies, seconds per token of KV copied)
 
-    def cost(self, program: str, rows: int, context: int, prefill: int) -> float:
+    def cost(self, program: str, rows: int, context: int, prefill: int, swapped_tokens: int = 0) -> float:
         a, b, c, d = self.coef[program]
-        return a + b * rows + c * context + d * prefill
+        copy = self.swap[0] + self.swap[1] * swapped_tokens if swapped_tokens else 0.0
+        return a + b * rows + c * context + d * prefill + copy
 
     def save(self, path: str) -> None:
         write_json(path, {"coef": {k: dict(zip("abcd", v)) for k, v in self.coef.items()}, "source": self.source,
-                          "fit": self.fit})
+                          "fit": self.fit, "swap": list(self.swap)})
 
     @classmethod
     def load(cls, path: str) -> "CostModel":
@@ -148,17 +151,21 @@ class CostModel:
         missing = set(PROGRAMS) - coef.keys()
         if missing:
             raise ValueError(f"{path}: no coefficients for {sorted(missing)}")
-        return cls(coef, d.get("source", path), d.get("fit", {}))
+        return cls(coef, d.get("source", path), d.get("fit", {}), tuple(d.get("swap", (0.0, 0.0))))
 
 
 # Llama-3-8B in bf16 on one H200, by the roofline (written down, not measured): every step
 # reads the 16.1 GB of weights at ~80% of 4.8 TB/s (4.2 ms), each context token's K/V
 # (128 KiB) at the same rate (27 ns), and each prompt token costs its 16 GFLOP at ~60%
 # of 989 TFLOP/s (27 us). Flat in rows: a decode step of 256 rows costs what one of 8
-# does (true up to a few hundred rows, where decode turns compute-bound).
-_GPU_A, _GPU_C, _GPU_D = 16.06e9 / (0.8 * 4.8e12), 131072 / (0.8 * 4.8e12), 16.06e9 / (0.6 * 989e12)
+# does (true up to a few hundred rows, where decode turns compute-bound). A swap copies
+# each token's 128 KiB over PCIe Gen5 x16 at the ~50 GB/s a pinned copy achieves of its
+# 64 GB/s (2.6 us a token, 10x less than recomputing it), after ~20 us of launch.
+GPU_KV_TOKEN_BYTES, GPU_LINK_BYTES_S = 131072, 50e9
+_GPU_A, _GPU_C, _GPU_D = 16.06e9 / (0.8 * 4.8e12), GPU_KV_TOKEN_BYTES / (0.8 * 4.8e12), 16.06e9 / (0.6 * 989e12)
 GPU_LIKE = CostModel({p: (_GPU_A, 0.0, _GPU_C, _GPU_D) for p in PROGRAMS},
-                     "GPU-like (weight-bound roofline: Llama-3-8B bf16 on H200, written down, not measured)")
+                     "GPU-like (weight-bound roofline: Llama-3-8B bf16 on H200, PCIe Gen5 swap; written down)",
+                     swap=(20e-6, GPU_KV_TOKEN_BYTES / GPU_LINK_BYTES_S))
 UNIT_STEPS = CostModel({p: (1.0, 0.0, 0.0, 0.0) for p in PROGRAMS}, "one unit per step (time = step count)")
 
 
@@ -197,6 +204,8 @@ class SimResult:
     waiting_max: dict[str, int]
     per_request: list[dict[str, Any]]  # class, priority, arrival_s, ttft_s, e2e_s, queue_s, itl_s
     trace: list[StepTrace] = field(default_factory=list)
+    recomputed_tokens: int = 0  # the recompute tax
+    swapped_blocks: int = 0  # KV blocks copied out and in (--preemption-mode swap)
 
     @property
     def tok_s(self) -> float:
@@ -212,6 +221,7 @@ class SimResult:
         classes = sorted({r["class"] for r in self.per_request})
         return {"tok_s": self.tok_s, "makespan_s": self.makespan_s, "output_tokens": self.output_tokens,
                 "steps": self.steps, "preemptions": self.preemptions, "slot_utilization": self.slot_utilization,
+                "recomputed_tokens": self.recomputed_tokens, "swapped_blocks": self.swapped_blocks,
                 "waiting_mean": self.waiting_mean, "waiting_max": self.waiting_max,
                 "per_class": {c: {k: self.latency(c, k) for k in ("ttft_s", "itl_s", "e2e_s", "queue_s")}
                               for c in classes},
@@ -221,12 +231,11 @@ class SimResult:
 
 
 def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest], cost_model: CostModel,
-             record_trace: bool = False) -> SimResult:
+             record_trace: bool = False, num_swap_blocks: int = 0) -> SimResult:
     """Replay `workload` through the real Scheduler with simulated time. `config` must be
-    resolved (config.resolved(max_model_len))."""
-    if config.preemption_mode != "recompute":
-        raise ValueError("the simulator has no host pool: it models --preemption-mode recompute only")
-    sched = Scheduler(config, num_kv_blocks, eos_token_ids=())
+    resolved (config.resolved(max_model_len)); num_swap_blocks: the host pool under
+    --preemption-mode swap, each step's copies costed by cost_model.swap."""
+    sched = Scheduler(config, num_kv_blocks, eos_token_ids=(), num_swap_blocks=num_swap_blocks)
     sched.policy.clock = lambda: t  # a policy that reads the time (slo) reads the simulated one
     stats = EngineStats()
     pending = sorted(enumerate(workload), key=lambda p: (p[1].arrival_s, p[0]))[::-1]  # pop() = next
@@ -235,7 +244,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
     wait_area = dict.fromkeys(WAIT_REASONS, 0.0)
     wait_max = dict.fromkeys(WAIT_REASONS, 0)
     trace: list[StepTrace] = []
-    t = 0.0
+    t, swapped = 0.0, 0
     while pending or sched.has_unfinished():
         while pending and pending[-1][1].arrival_s <= t:
             i, r = pending.pop()
@@ -248,7 +257,10 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
             t = pending[-1][1].arrival_s
             continue
         out = sched.schedule()
-        dt = cost_model.cost(*step_features(out, sched.num_running, config)) if out.scheduled else 0.0
+        copied = sum(len(d) for d, _ in out.swap_out + out.swap_in)
+        swapped += copied
+        copied *= config.block_size
+        dt = cost_model.cost(*step_features(out, sched.num_running, config), copied) if out.scheduled else 0.0
         start, t = t, t + dt
         outcome = sched.update(out, [NOT_EOS] * len(out.scheduled))
         sampled, released = outcome.accepted, outcome.finished
@@ -274,7 +286,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
     makespan = t - min((r.arrival_s for r in workload), default=0.0)
     return SimResult(makespan, stats.generation_tokens, stats.num_steps, stats.num_preemptions,
                      stats.slot_utilization, {k: v / makespan if makespan else 0.0 for k, v in wait_area.items()},
-                     wait_max, per_request, trace)
+                     wait_max, per_request, trace, stats.recomputed_tokens, swapped)
 
 
 # ---- the real engine: calibration and measurement ---------------------------------------
@@ -324,7 +336,7 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
                 i, r = pending.pop()
                 seq = engine.add_request(f"{tag}-{i}", r.prompt_token_ids,
                                          SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                                         arrival_time=t0["wall"] + r.arrival_s, **_priority_kw(r))
+                                         arrival_time=t0["wall"] + r.arrival_s, **request_kw(r))
                 seqs[seq.request_id] = (seq, r)
             if not engine.has_unfinished():
                 time.sleep(max(0.0, min(0.01, pending[-1][1].arrival_s - now)))
@@ -365,8 +377,18 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
     return results
 
 
-def _priority_kw(r: SimRequest) -> dict[str, int]:
-    return {"priority": r.priority} if r.priority else {}
+def request_kw(r: SimRequest) -> dict[str, Any]:
+    """The request's priority, client and SLO, as add_request takes them (only those set:
+    a policy refuses a field it does not read)."""
+    from config import SLOTarget
+
+    kw: dict[str, Any] = {"priority": r.priority} if r.priority else {}
+    if r.user is not None:
+        kw["user"] = r.user
+    if r.slo_ttft_s is not None or r.slo_tpot_s is not None:
+        kw["slo"] = SLOTarget(ttft_ms=None if r.slo_ttft_s is None else 1e3 * r.slo_ttft_s,
+                              tpot_ms=None if r.slo_tpot_s is None else 1e3 * r.slo_tpot_s)
+    return kw
 
 
 def calibrate(engine, workload: list[SimRequest], source: str) -> dict[str, CostModel]:
@@ -384,7 +406,37 @@ def calibrate(engine, workload: list[SimRequest], source: str) -> dict[str, Cost
         seen.add((f[0], f[1]))
 
     run_engine(engine, workload, "calib", on_step=on_step)
-    return {k: fit_cost_model(v, f"{source} ({k} clock)") for k, v in samples.items()}
+    models = {k: fit_cost_model(v, f"{source} ({k} clock)") for k, v in samples.items()}
+    if engine.runner.num_swap_blocks:
+        swap = measure_swap(engine)
+        for cm in models.values():
+            cm.swap, cm.fit["swap"] = swap["coef"], swap
+    return models
+
+
+def measure_swap(engine, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), reps: int = 5) -> dict[str, Any]:
+    """The runner's KV copy on this machine, wall clock: blocks 1..n copied to the host pool
+    and back (the engine idle: they hold nothing), fitted as seconds = a + b * tokens copied;
+    the bandwidth is the KV bytes per token over b."""
+    import jax
+    import numpy as np
+
+    runner, bs = engine.runner, engine.config.block_size
+    assert not engine.has_unfinished() and runner.num_swap_blocks >= max(sizes)
+    xs, ys = [], []
+    for n in sizes:
+        pair = [(list(range(1, n + 1)), list(range(n)))]
+        for rep in range(reps + 1):  # the first compiles this bucket's copy programs
+            t = time.perf_counter()
+            runner.swap(pair, pair)
+            jax.block_until_ready(runner.kv_caches)
+            if rep:
+                xs.append(2 * n * bs)
+                ys.append(time.perf_counter() - t)
+    b, a = np.polyfit(xs, ys, 1)
+    token_bytes = sum(x.nbytes // x.shape[1] for x in jax.tree.leaves(runner.kv_caches)) / bs
+    return {"coef": (max(float(a), 0.0), float(b)), "kv_bytes_per_token": token_bytes,
+            "bandwidth_bytes_s": token_bytes / b, "max_tokens_timed": 2 * max(sizes) * bs}
 
 
 # ---- sizes -----------------------------------------------------------------------------
@@ -443,14 +495,14 @@ def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict
     log("[validate] building the engine ...")
     engine = build_engine(s.model, {k: v for k, v in engine_kw(s).items() if k != "scheduling"})
     log("[validate] calibrating the cost model on the real engine ...")
-    engine.scheduler = _fresh_scheduler(engine, "continuous", engine.num_kv_blocks)
+    engine.scheduler = fresh_scheduler(engine, engine.num_kv_blocks, scheduling="continuous")
     cost_models = calibrate(engine, calibration_workload(s), f"calibrated on {s.model}, {os.uname().nodename}")
     for k, cm in cost_models.items():
         cm.save(os.path.join(out_dir, f"cost_model_{k}.json"))
         log(f"[validate] cost model ({k} clock): {cm.coef}; fit {cm.fit}")
     results = []
     for name, kw in cases:
-        engine.scheduler = _fresh_scheduler(engine, kw["scheduling"], kw["num_kv_blocks"])
+        engine.scheduler = fresh_scheduler(engine, kw["num_kv_blocks"], scheduling=kw["scheduling"])
         log(f"[validate] {name}: real engine ...")
         measured = run_engine(engine, seed, name)
         row: dict[str, Any] = {"case": name, "scheduling": kw["scheduling"], "num_kv_blocks": kw["num_kv_blocks"],
@@ -488,16 +540,18 @@ def _write_validation(out_dir: str, s: Sizes, cost_models: dict[str, CostModel],
     return report
 
 
-def _fresh_scheduler(engine, scheduling: str, num_kv_blocks: int) -> Scheduler:
-    """A new scheduler on the same engine (same compiled programs and KV arrays), with
-    `num_kv_blocks` of them (at most the arrays' own): the validation runs continuous,
-    static and a tight KV budget without compiling twice."""
+def fresh_scheduler(engine, num_kv_blocks: int, **config: Any) -> Scheduler:
+    """A new scheduler on the same engine (same compiled programs, KV arrays and host swap
+    pool), with `num_kv_blocks` of them (at most the arrays' own) and `config` changed
+    (scheduling, scheduling_policy, preemption_mode): continuous, static, every policy and a
+    tight KV budget run without compiling twice."""
     import dataclasses
 
     assert not engine.has_unfinished() and num_kv_blocks <= engine.num_kv_blocks
-    engine.config = dataclasses.replace(engine.config, scheduling=scheduling)
+    engine.config = dataclasses.replace(engine.config, **config)
     engine.runner.config = engine.config
-    return Scheduler(engine.config, num_kv_blocks, engine.model_config.eos_token_ids)
+    return Scheduler(engine.config, num_kv_blocks, engine.model_config.eos_token_ids,
+                     num_swap_blocks=engine.runner.num_swap_blocks)
 
 
 # ---- --report: the seed's question at scale ---------------------------------------------

@@ -1,17 +1,12 @@
-"""The fair (virtual token counter) and slo (goodput) policies, on the scheduler alone:
-who is admitted first, who is preempted for whom, and, under random traffic, that every
-request finishes with no slot or block leaked."""
+"""The fair (virtual token counter) and slo (goodput) policies, on the scheduler alone: who
+is admitted first, who is preempted for whom (tests/test_policy.py's state machine runs
+them under random traffic)."""
 
 from __future__ import annotations
 
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-
 from config import EngineConfig, SamplingParams
-from kvcache import blocks_needed
 from policy import ANONYMOUS
-from scheduler import FINISHED, Scheduler, Sequence
+from scheduler import Scheduler, Sequence
 
 TOKEN = 7
 
@@ -159,90 +154,6 @@ def test_slo_is_refused_under_a_policy_that_does_not_read_it():
         EngineConfig(slo_ttft_ms=100)
     with pytest.raises(ValueError, match="slo.tpot_ms must be a number > 0"):
         SLOTarget(tpot_ms=0)
-
-
-# ---- random traffic ----------------------------------------------------------------------
-
-class PolicyMachine(RuleBasedStateMachine):
-    """Random traffic, clients and targets under every policy, tight KV, chunked or not,
-    prefix caching or not, preemption by recompute or by swap into a host pool of 0-16
-    blocks: no slot, device block or host block leaks after any step, every swapped-in
-    sequence resumes with the tokens it had, and everything finishes."""
-
-    @initialize(policy=st.sampled_from(["fcfs", "priority", "fair", "slo"]), chunked=st.booleans(),
-                max_num_seqs=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
-                max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 6), caching=st.booleans(),
-                max_clients=st.integers(1, 3), swap=st.booleans(), swap_blocks=st.integers(0, 16))
-    def setup(self, policy, chunked, max_num_seqs, block_size, max_model_len, spare_blocks, caching, max_clients,
-              swap, swap_blocks):
-        num_blocks = blocks_needed(max_model_len, block_size) + 1 + spare_blocks
-        cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
-                           scheduling_policy=policy, enable_chunked_prefill=chunked,
-                           max_num_batched_tokens=max_num_seqs if chunked else max_model_len,
-                           enable_prefix_caching=caching, preemption_mode="swap" if swap else "recompute")
-        self.s = Scheduler(cfg.resolved(max_model_len), num_blocks, (0,), num_swap_blocks=swap_blocks)
-        self.now = [0.0]
-        self.s.policy.clock = lambda: self.now[0]
-        if policy == "fair":
-            self.s.policy.max_clients = max_clients
-            self.s.policy.preempt_gap = 4.0  # small: preemptions happen within a few steps
-        self.seqs: list[Sequence] = []
-
-    @rule(prompt_len=st.integers(1, 23), max_tokens=st.integers(1, 23), user=st.sampled_from([None, "a", "b", "c"]),
-          ttft=st.sampled_from([None, 0.5, 2.0, 10.0]), tpot=st.sampled_from([None, 0.5, 3.0]), shared=st.booleans(),
-          priority=st.integers(-1, 1))
-    def add(self, prompt_len, max_tokens, user, ttft, tpot, shared, priority):
-        mml = self.s.config.max_model_len
-        prompt_len = min(prompt_len, mml - 1)
-        max_tokens = min(max_tokens, mml - prompt_len)
-        n = len(self.seqs)
-        prompt = list(range(1, prompt_len + 1)) if shared else [1000 * (n + 1) + j for j in range(prompt_len)]
-        self.seqs.append(seq(f"r{n}", arrival=self.now[0], user=user, ttft=ttft, tpot=tpot))
-        self.seqs[-1].prompt_token_ids, self.seqs[-1].params = prompt, SamplingParams(max_tokens=max_tokens)
-        if self.s.policy.uses_priority:
-            self.seqs[-1].priority = priority
-        self.s.add(self.seqs[-1])
-
-    @rule(eos=st.booleans())
-    def step(self, eos):
-        self.now[0] += 1.0
-        out = self.s.schedule()
-        assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
-        bs = self.s.config.block_size
-        for dev, host in out.swap_in:  # back into the first blocks of a running sequence, covering its tokens
-            owner = next(q for q in self.s.running if q.block_table[:len(dev)] == dev)
-            assert len(dev) == len(host) and blocks_needed(owner.num_computed_tokens, bs) >= len(dev)
-        assert self.s.num_swap_blocks == (len(self.s._host_free)
-                                          + sum(len(q.swapped[0]) for q in self.s.waiting if q.swapped))
-        self.s.update(out, [0 if eos else TOKEN] * len(out.scheduled))
-        for x in out.scheduled:
-            if x.samples and x.seq.first_token_time is None:
-                x.seq.first_token_time = self.now[0]
-
-    @rule(index=st.integers(0, 30))
-    def abort(self, index):
-        if index < len(self.seqs):
-            self.s.abort(self.seqs[index].request_id)
-
-    @invariant()
-    def nothing_leaks(self):
-        if hasattr(self, "s"):
-            self.s.check_invariants()
-
-    def teardown(self):
-        if not hasattr(self, "s"):
-            return
-        steps = 0
-        while self.s.has_unfinished():
-            self.step(eos=False)
-            steps += 1
-            assert steps < 3000, "a request starved"
-        assert self.s.allocator.num_used == 0 and len(self.s._host_free) == self.s.num_swap_blocks
-        assert all(q.status is FINISHED for q in self.seqs)
-
-
-PolicyMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
-test_every_policy_with_recompute_or_swap_state_machine = PolicyMachine.TestCase
 
 
 def test_fair_and_slo_change_who_runs_when_not_the_tokens():

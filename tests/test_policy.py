@@ -1,4 +1,5 @@
-"""Scheduling policies: the refactor changed nothing, and priority does what vLLM's does."""
+"""Scheduling policies: the refactor changed nothing, priority does what vLLM's does, and every
+policy, batching, KV admission and preemption mode keeps the scheduler's invariants (one machine)."""
 
 from __future__ import annotations
 
@@ -126,45 +127,74 @@ def test_no_preemption_when_it_would_not_make_room():
     assert s.waiting_by_reason()["kv_blocks"] == 1
 
 
-class PriorityMachine(RuleBasedStateMachine):
-    """Random traffic with random priorities, tight KV: nothing leaks, the waiting queue
-    stays in (priority, arrival) order, equal priorities are admitted first come first
-    served, and everything finishes."""
+class PolicyMachine(RuleBasedStateMachine):
+    """Random traffic under every policy (random priorities, clients, SLO targets) x
+    continuous or static batching x chunked prefill or not x prefix caching or not x every
+    KV admission x preemption by recompute or by swap into a host pool of 0-16 blocks, on a
+    tight KV cache: no slot, device block or host block leaks after any step, a swapped-in
+    sequence resumes into blocks covering its tokens, the priority queue stays in (priority,
+    arrival) order and admits equal priorities first come first served, and everything
+    finishes."""
 
-    @initialize(chunked=st.booleans(), max_num_seqs=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
-                max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 6), caching=st.booleans(),
-                static=st.booleans())
-    def setup(self, chunked, max_num_seqs, block_size, max_model_len, spare_blocks, caching, static):
+    @initialize(policy=st.sampled_from(["fcfs", "priority", "fair", "slo"]), static=st.booleans(),
+                chunked=st.booleans(), caching=st.booleans(),
+                kv_admission=st.sampled_from(["on-demand", "on-demand", "reserve", "reserve-max-len"]),
+                swap=st.booleans(), swap_blocks=st.integers(0, 16), max_num_seqs=st.integers(1, 4),
+                block_size=st.sampled_from([1, 2, 4]), max_model_len=st.integers(8, 24),
+                spare_blocks=st.integers(0, 6), max_clients=st.integers(1, 3))
+    def setup(self, policy, static, chunked, caching, kv_admission, swap, swap_blocks, max_num_seqs, block_size,
+              max_model_len, spare_blocks, max_clients):
+        swap = swap and kv_admission == "on-demand"  # a reserving admission never preempts: nothing to swap
         num_blocks = blocks_needed(max_model_len, block_size) + 1 + spare_blocks
         cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
-                           scheduling_policy="priority", enable_chunked_prefill=chunked,
+                           scheduling_policy=policy, enable_chunked_prefill=chunked,
                            max_num_batched_tokens=max_num_seqs if chunked else max_model_len,
-                           enable_prefix_caching=caching, scheduling="static" if static else "continuous")
-        self.s = Scheduler(cfg.resolved(max_model_len), num_blocks, (0,))
+                           enable_prefix_caching=caching, scheduling="static" if static else "continuous",
+                           kv_admission=kv_admission, preemption_mode="swap" if swap else "recompute")
+        self.s = Scheduler(cfg.resolved(max_model_len), num_blocks, (0,), num_swap_blocks=swap_blocks)
+        self.now = 0.0
+        self.s.policy.clock = lambda: self.now  # slo reads the step count as its clock
+        if policy == "fair":
+            self.s.policy.max_clients = max_clients
+            self.s.policy.preempt_gap = 4.0  # small: the service-gap preemptions happen within a few steps
         self.seqs: list[Sequence] = []
-        self.first_admitted: dict[str, int] = {}
-        self.t = 0
+        self.first_admitted: dict[str, float] = {}
 
     @rule(prompt_len=st.integers(1, 23), max_tokens=st.integers(1, 23), priority=st.integers(-2, 2),
-          shared=st.booleans())
-    def add(self, prompt_len, max_tokens, priority, shared):
+          user=st.sampled_from([None, "a", "b", "c"]), ttft=st.sampled_from([None, 0.5, 2.0, 10.0]),
+          tpot=st.sampled_from([None, 0.5, 3.0]), shared=st.booleans())
+    def add(self, prompt_len, max_tokens, priority, user, ttft, tpot, shared):
         mml = self.s.config.max_model_len
         prompt_len = min(prompt_len, mml - 1)
         max_tokens = min(max_tokens, mml - prompt_len)
-        rid = f"r{len(self.seqs)}"
-        prompt = list(range(1, prompt_len + 1)) if shared else [1000 * (len(self.seqs) + 1) + j for j in range(prompt_len)]
-        self.seqs.append(Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens), arrival_time=float(self.t),
-                                  priority=priority))
+        n = len(self.seqs)
+        prompt = list(range(1, prompt_len + 1)) if shared else [1000 * (n + 1) + j for j in range(prompt_len)]
+        params = SamplingParams(max_tokens=max_tokens)
+        try:
+            self.s.validate(prompt, params)
+        except ValueError:
+            return  # more blocks than the cache has, under a reserving admission
+        pol = self.s.policy
+        self.seqs.append(Sequence(f"r{n}", prompt, params, arrival_time=self.now, user=user,
+                                  priority=priority if pol.uses_priority else 0,
+                                  slo_ttft=ttft if pol.uses_slo else None, slo_tpot=tpot if pol.uses_slo else None))
         self.s.add(self.seqs[-1])
 
     @rule(eos=st.booleans())
     def step(self, eos):
-        self.t += 1
+        self.now += 1.0
         out = self.s.schedule()
         assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
+        bs = self.s.config.block_size
+        for dev, host in out.swap_in:  # back into the first blocks of a running sequence, covering its tokens
+            owner = next(q for q in self.s.running if q.block_table[:len(dev)] == dev)
+            assert len(dev) == len(host) and blocks_needed(owner.num_computed_tokens, bs) >= len(dev)
         for x in out.scheduled:
-            self.first_admitted.setdefault(x.seq.request_id, self.t)
+            self.first_admitted.setdefault(x.seq.request_id, self.now)
         self.s.update(out, [0 if eos else TOKEN] * len(out.scheduled))
+        for x in out.scheduled:
+            if x.samples and x.seq.first_token_time is None:
+                x.seq.first_token_time = self.now
 
     @rule(index=st.integers(0, 30))
     def abort(self, index):
@@ -172,22 +202,22 @@ class PriorityMachine(RuleBasedStateMachine):
             self.s.abort(self.seqs[index].request_id)
 
     @invariant()
-    def nothing_leaks_and_the_queue_is_in_rank_order(self):
-        if not hasattr(self, "s"):
-            return
-        self.s.check_invariants()
-        keys = [Priority.key(q) for q in self.s.waiting]
-        assert keys == sorted(keys)
+    def nothing_leaks(self):
+        if hasattr(self, "s"):
+            self.s.check_invariants()
 
     @invariant()
-    def equal_priorities_are_admitted_first_come_first_served(self):
-        if not hasattr(self, "s"):
+    def priority_queues_in_rank_order_and_admits_equal_priorities_first_come_first_served(self):
+        if not hasattr(self, "s") or self.s.policy.name != "priority":
             return
+        keys = [Priority.key(q) for q in self.s.waiting]
+        assert keys == sorted(keys)
+        first = self.first_admitted
         for a in self.seqs:
             for b in self.seqs:
-                if (a.priority == b.priority and a.arrival_order < b.arrival_order and b.request_id in self.first_admitted
-                        and a.finish_reason != "abort" and a.request_id in self.first_admitted):
-                    assert self.first_admitted[a.request_id] <= self.first_admitted[b.request_id]
+                if (a.priority == b.priority and a.arrival_order < b.arrival_order and b.request_id in first
+                        and a.finish_reason != "abort" and a.request_id in first):
+                    assert first[a.request_id] <= first[b.request_id]
 
     def teardown(self):
         if not hasattr(self, "s"):
@@ -197,12 +227,12 @@ class PriorityMachine(RuleBasedStateMachine):
             self.step(eos=False)
             steps += 1
             assert steps < 3000, "a request starved"
-        assert self.s.allocator.num_used == 0
-        assert all(q.finish_reason is not None for q in self.seqs)
+        assert self.s.allocator.num_used == 0 and len(self.s._host_free) == self.s.num_swap_blocks
+        assert all(q.status is FINISHED for q in self.seqs)
 
 
-PriorityMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
-test_priority_state_machine = PriorityMachine.TestCase
+PolicyMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
+test_every_policy_batching_admission_and_preemption_mode_state_machine = PolicyMachine.TestCase
 
 
 def test_priority_changes_who_runs_when_not_the_tokens():
