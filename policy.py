@@ -233,13 +233,13 @@ class Fair(FCFS):
     counter of the clients already waiting, so idle time banks no credit.
 
     A waiting request preempts a running one (for its seat or blocks) in two cases:
-    - seat share: its client holds no seat, was served no more than the running one's
-      client, and that client holds two or more. This is what keeps an interactive client's
-      first token one step away while another floods every seat. Only the head request of
-      each seatless client qualifies in a step, and a seat only ever moves from a client
-      with two or more to one with none, so the number of clients holding a seat grows with
-      each such preemption: at most max_num_seqs of them happen between two events that
-      free a seat by progress (a finish, an admission to a free seat);
+    - seat share: it heads the queue (the least-served client's), its client was served no
+      more than the running one's and holds at least two seats fewer (counted as the step
+      began). This keeps an interactive client's first token one step away while another
+      floods every seat. One request a step qualifies, and it takes seats only from clients
+      holding two or more than its own, which lowers the sum over clients of seats squared
+      (a client of a seats taking one from one of b >= a + 2: by 2(b - a - 1) or more), so
+      such preemptions cannot cycle: between two of them a seat must be freed by progress;
     - service gap: its client was served more than `preempt_gap` weighted tokens less. A
       recompute is not charged, so each such preemption is paid for by that much new service
       in between: every request progresses and finishes.
@@ -254,7 +254,7 @@ class Fair(FCFS):
     def __init__(self) -> None:
         self.counters: OrderedDict[str, float] = OrderedDict()  # least recently active first
         self.seats: dict[str, int] = {}  # running sequences per client, as this step began
-        self._heads: set[int] = set()  # id() of each seatless client's first waiting request, this step
+        self._head: Sequence | None = None  # the waiting queue's head as this step began
         self._queue: ResortedQueue | None = None
 
     def new_queue(self) -> ResortedQueue:
@@ -282,21 +282,14 @@ class Fair(FCFS):
             seats[c] = seats.get(c, 0) + 1
         self.seats = seats
         self._queue.resort()
-        heads: dict[str, Sequence] = {}
-        for seq in self._queue:
-            c = self.client(seq)
-            if c not in seats:
-                heads.setdefault(c, seq)
-        self._heads = {id(s) for s in heads.values()}
+        self._head = self._queue.peek() if self._queue else None
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         return max(candidates, key=self.key)
 
     def outranks(self, waiting: Sequence, running: Sequence) -> bool:
         w, r = self.key(waiting), self.key(running)
-        if w[0] + self.preempt_gap < r[0]:
-            return True
-        return id(waiting) in self._heads and r[1] >= 2 and w[0] <= r[0] and self.client(waiting) != self.client(running)
+        return w[0] + self.preempt_gap < r[0] or (waiting is self._head and w[0] <= r[0] and w[1] + 2 <= r[1])
 
     def charge(self, out: SchedulerOutput) -> None:
         pw, ow, counters = self.prompt_weight, self.output_weight, self.counters
