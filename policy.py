@@ -255,11 +255,11 @@ class Fair(FCFS):
         self.counters: OrderedDict[str, float] = OrderedDict()  # least recently active first
         self.seats: dict[str, int] = {}  # running sequences per client, as this step began
         self._head: Sequence | None = None  # the waiting queue's head as this step began
-        self._queue: ResortedQueue | None = None
+        self.queue: ResortedQueue | None = None
 
     def new_queue(self) -> ResortedQueue:
-        self._queue = ResortedQueue(self.key, on_arrival=self._arrive)
-        return self._queue
+        self.queue = ResortedQueue(self.key, on_arrival=self._arrive)
+        return self.queue
 
     @staticmethod
     def client(seq: Sequence) -> str:
@@ -281,8 +281,8 @@ class Fair(FCFS):
             c = self.client(seq)
             seats[c] = seats.get(c, 0) + 1
         self.seats = seats
-        self._queue.resort()
-        self._head = self._queue.peek() if self._queue else None
+        self.queue.resort()
+        self._head = self.queue.peek() if self.queue else None
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         return max(candidates, key=self.key)
@@ -303,7 +303,7 @@ class Fair(FCFS):
 
     def _arrive(self, seq: Sequence) -> None:
         c = self.client(seq)
-        waiting = {self.client(q) for q in self._queue}
+        waiting = {self.client(q) for q in self.queue}
         if c not in waiting:
             floor = min((self.counter(w) for w in waiting), default=self.counter(c))
             self._track(c)
@@ -344,15 +344,15 @@ class SLOAware(FCFS):
 
     def __init__(self) -> None:
         self.now = self.clock()
-        self._queue: ResortedQueue | None = None
+        self.queue: ResortedQueue | None = None
 
     def begin_step(self, running: list[Sequence]) -> None:
         self.now = self.clock()
-        self._queue.resort()
+        self.queue.resort()
 
     def new_queue(self) -> ResortedQueue:
-        self._queue = ResortedQueue(self.key)
-        return self._queue
+        self.queue = ResortedQueue(self.key)
+        return self.queue
 
     def lost(self, seq: Sequence) -> bool:
         if seq.slo_ttft is None:

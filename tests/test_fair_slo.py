@@ -203,3 +203,37 @@ def test_the_simulator_gives_the_slo_policy_its_simulated_clock():
         res = sim.simulate(cfg, 3, work, cm)
         met[policy] = sum(r["ttft_s"] <= (6.0 if r["class"] == "interactive" else 100.0) for r in res.per_request)
     assert met == {"fcfs": 4, "slo": 8}
+
+
+def test_the_recipe_for_a_policy_whose_order_moves_runs_as_written():
+    """docs/ARCHITECTURE.md's second policy recipe (priority with aging), taken from the doc
+    and run: a low-priority request that has waited 30 s outranks a fresh high-priority
+    one (ranks move while requests wait: the queue is resorted as each step begins)."""
+    from test_recipes import DOC, recipe_code
+
+    from policy import POLICIES
+
+    exec(compile(recipe_code("Adding a scheduling policy whose order moves"), str(DOC), "exec"), {"__name__": "recipe"})
+    try:
+        s = make("aging", max_num_seqs=1)
+        now = clocked(s)
+        s.add(seq("busy", max_tokens=40))
+        step(s)
+        old, new = seq("old", arrival=0.0), seq("new", arrival=0.0)
+        old.priority, new.priority = 1, -1
+        s.add(old)
+        s.add(new)
+        step(s)
+        assert [q.request_id for q in s.waiting] == ["new", "old"]  # at t=0 priority decides
+        now[0] = 30.0  # both waited 30 s, three levels each: "new" (-4) still ahead of "old" (-2)
+        step(s)
+        assert [q.request_id for q in s.waiting] == ["new", "old"]
+        late = seq("late", arrival=30.0)
+        late.priority = -1
+        s.add(late)
+        step(s)  # "old", low priority but long waiting (-2), ahead of a fresh high-priority one (-1)
+        assert [q.request_id for q in s.waiting] == ["new", "old", "late"]
+        while s.has_unfinished():
+            step(s)
+    finally:
+        POLICIES.pop("aging")

@@ -9,15 +9,16 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from simulate import UNIT_STEPS, CostModel, SimRequest, fit_cost_model, simulate  # noqa: E402
+from simulate import UNIT_STEPS, CostModel, SimRequest, fit_cost_model, request_kw, simulate  # noqa: E402
 
 from engine import LLMEngine, EngineConfig, SamplingParams  # noqa: E402
 
 
 def workload() -> list[SimRequest]:
-    """Arrival times are step numbers (the unit cost model: one step, one second)."""
+    """Arrival times are step numbers (the unit cost model: one step, one second); three
+    clients (the fair policy reads them, the others ignore them)."""
     lens = [(5, 3), (30, 12), (12, 1), (40, 40), (7, 9), (22, 30), (3, 2), (50, 36), (33, 20), (9, 44)]
-    return [SimRequest(float(2 * (i // 3)), [3 + (7 * i + j) % 250 for j in range(p)], n)
+    return [SimRequest(float(2 * (i // 3)), [3 + (7 * i + j) % 250 for j in range(p)], n, user="abc"[i % 3])
             for i, (p, n) in enumerate(lens)]
 
 
@@ -26,7 +27,10 @@ def workload() -> list[SimRequest]:
 SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False, async_scheduling=False)
 CASES = {"continuous": dict(scheduling="continuous"), "static": dict(scheduling="static"),
          "chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=32),
-         "tight-kv": dict(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128)}
+         "tight-kv": dict(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128),
+         "tight-kv-swap": dict(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128, preemption_mode="swap",
+                               swap_space=0.01),
+         "fair": dict(scheduling_policy="fair", max_num_seqs=2)}
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -40,17 +44,22 @@ def test_the_simulator_makes_the_real_engines_decisions_step_for_step(case):
         while pending and pending[0][1].arrival_s <= step:
             i, r = pending.pop(0)
             engine.add_request(f"sim-{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                               arrival_time=r.arrival_s)
+                               arrival_time=r.arrival_s, **request_kw(r))
         if not engine.has_unfinished():
             step = int(pending[0][1].arrival_s)
             continue
         engine.step()
         step += 1
-    sim = simulate(engine.config, engine.num_kv_blocks, work, UNIT_STEPS, record_trace=True)
+    sim = simulate(engine.config, engine.num_kv_blocks, work, UNIT_STEPS, record_trace=True,
+                   num_swap_blocks=engine.runner.num_swap_blocks)
     assert sim.trace == engine.trace
     assert sim.steps == engine.stats.num_steps and sim.preemptions == engine.stats.num_preemptions
+    assert sim.recomputed_tokens == engine.stats.recomputed_tokens
+    assert sim.swapped_blocks == engine.stats.swapped_out_blocks + engine.stats.swapped_in_blocks
     if "num_kv_blocks" in case:
-        assert sim.preemptions > 0  # the tight case does exercise preemption
+        assert sim.preemptions > 0  # the tight cases do exercise preemption
+        assert (sim.swapped_blocks > 0 and sim.recomputed_tokens == 0) if "preemption_mode" in case \
+            else sim.recomputed_tokens > 0
     if case.get("enable_chunked_prefill"):
         assert any(len(t.scheduled) > 1 and t.num_prefill_tokens for t in sim.trace)  # chunks beside decodes
     assert sim.makespan_s == sim.steps  # every step cost one unit
