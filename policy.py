@@ -285,7 +285,9 @@ class Fair(FCFS):
         self._head = self.queue.peek() if self.queue else None
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
-        return max(candidates, key=self.key)
+        """The most-served client's sequence (then the one holding more seats) with the least
+        computed: the least work lost or moved."""
+        return max(candidates, key=lambda s: (self.key(s)[:2], -s.num_computed_tokens, s.arrival_order))
 
     def outranks(self, waiting: Sequence, running: Sequence) -> bool:
         w, r = self.key(waiting), self.key(running)

@@ -1,20 +1,24 @@
-"""Every scheduling policy on the same three workloads, side by side, on the real engine
-(in-process, the synchronous loop: one engine, compiled once, a fresh scheduler per run):
-`python bench/policies.py [--model bench] [--scale 2]` (default: the tiny model, minutes on CPU).
+"""Every scheduling policy on the same three workloads, side by side: on the real engine
+(in-process, synchronous loop: one engine compiled once, a fresh scheduler per run), or with
+--simulate gpu-like (or a cost-model JSON) in the simulator (bench/simulate.py).
+
+    python bench/policies.py [--model bench] [--scale 2] [--simulate gpu-like]
 
 1. fairness: a heavy client floods `long`-token requests at t=0, a light client sends short
-   ones at a steady rate. The light client's p99 TTFT alone, then beside the flood per policy.
-2. overload: 1.5x the capacity FCFS measured (a burst's completions/s), Poisson arrivals,
-   each request a tight interactive or a loose batch SLO: goodput (requests meeting both).
-3. a KV budget that forces preemption: recompute vs swap (recomputed tokens, tok/s).
+   ones at a steady rate: the light client's p99 TTFT alone, then beside the flood.
+2. overload: 1.5x the capacity FCFS measured (a burst's completions/s), Poisson arrivals, the
+   seed's mix as a tight interactive and a loose batch SLO class: goodput (both targets met).
+3. a KV budget that forces preemption: recompute vs swap (recomputed tokens, tok/s); this
+   machine's measured copy rate, and the simulator's GPU-like recompute/swap crossover.
 
-Every run must finish every request (run_engine checks each one's token count) and leave
-no slot, device block or host block held. Writes results.json, policies.md, policies.png.
+Every run must finish every request (each one's token count is checked) and leave no slot,
+device block or host block held. Writes results.json, policies.md, policies.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -24,46 +28,32 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root first
 
-from report import machine_info, md_table, pyplot, results_dir, save_figure, summarize, write_json  # noqa: E402
-from simulate import (GPU_KV_TOKEN_BYTES, GPU_LIKE, GPU_LINK_BYTES_S, SimRequest, build_engine,  # noqa: E402
-                      fresh_scheduler, measure_swap, run_engine, simulate)
-from workload import arrival_times, seed_mix, token_ids, vocab_size_of  # noqa: E402
+from report import machine_info, md_table, pyplot, results_dir, save_figure, write_json  # noqa: E402
+from simulate import (GPU_KV_TOKEN_BYTES, GPU_LIKE, GPU_LINK_BYTES_S, SimRequest, load_cost_model,  # noqa: E402
+                      build_engine, fresh_scheduler, measure_swap, run_engine, simulate, synthetic)
+from workload import token_ids, vocab_size_of  # noqa: E402
+
+from config import EngineConfig  # noqa: E402
 
 POLICIES = ("fcfs", "priority", "fair", "slo")
-COUNTERS = ("recomputed_tokens", "swapped_out_blocks", "swapped_in_blocks", "swap_fallbacks")
 
 
-def run(engine, work: list[SimRequest], tag: str, num_kv_blocks: int, **config: Any) -> dict[str, Any]:
-    """One run on a fresh scheduler; the client and SLO fields go only to a policy that reads them."""
-    engine.scheduler = s = fresh_scheduler(engine, num_kv_blocks, **{"preemption_mode": "recompute"} | config)
-    fair, slo = s.policy.name == "fair", s.policy.uses_slo
-    sent = [SimRequest(r.arrival_s, r.prompt_token_ids, r.max_tokens, cls=r.cls, user=r.user if fair else None,
-                       slo_ttft_s=r.slo_ttft_s if slo else None, slo_tpot_s=r.slo_tpot_s if slo else None)
-            for r in work]
-    before = [getattr(engine.stats, k) for k in COUNTERS]
-    res = run_engine(engine, sent, tag)["wall"]  # asserts every request made all its tokens
-    s.check_invariants()  # with nobody left: every slot, device block and host block free
-    assert not s.has_unfinished() and s.allocator.num_used == 0, f"{tag}: blocks leaked"
-    moved = {k: getattr(engine.stats, k) - b for k, b in zip(COUNTERS, before)}
+def figures(res: Any, tag: str) -> dict[str, Any]:
     out = {"tok_s": res.tok_s, "makespan_s": res.makespan_s, "steps": res.steps, "preemptions": res.preemptions,
-           "finished": len(res.per_request), "requests": len(work), **moved, "per_request": res.per_request,
-           "ttft_s": {c: summarize([r["ttft_s"] for r in res.per_request if r["class"] == c])
-                      for c in sorted({r.cls for r in work})}}
-    print(f"[{tag}] {res.tok_s:.1f} tok/s, {res.preemptions} preemptions, {moved}, p99 TTFT "
-          + ", ".join(f"{c} {v['p99']:.3f}s" for c, v in out["ttft_s"].items()), flush=True)
+           "recomputed_tokens": res.recomputed_tokens, "swapped_blocks": res.swapped_blocks, "goodput": res.goodput,
+           "requests": len(res.per_request), "ttft_s": {c: res.latency(c, "ttft_s") for c in
+                                                        sorted({r["class"] for r in res.per_request})},
+           "goodput_by_class": {c: sum(bool(r["slo_met"]) for r in res.per_request if r["class"] == c)
+                                for c in sorted({r["class"] for r in res.per_request})}}
+    print(f"[{tag}] {res.tok_s:.1f} tok/s, {res.preemptions} preemptions, {res.recomputed_tokens} recomputed, "
+          f"{res.swapped_blocks} blocks swapped, goodput {res.goodput}, p99 TTFT "
+          + ", ".join(f"{c} {v['p99']:.4f}s" for c, v in out["ttft_s"].items()), flush=True)
     return out
 
 
-def met_slo(r: dict[str, Any], ttft: float, tpot: float) -> bool:
-    n = r["tokens"]
-    return r["ttft_s"] <= ttft and (n < 2 or (r["e2e_s"] - r["ttft_s"]) / (n - 1) <= tpot)
-
-
-def gpu_crossover(config, num_kv_blocks: int, work: list[SimRequest]) -> dict[str, Any]:
+def gpu_crossover(config: EngineConfig, num_kv_blocks: int, work: list[SimRequest]) -> dict[str, Any]:
     """The simulator's GPU-like prediction for workload 3: tok/s by recompute and by swap at
     the stated PCIe figure, and the host link bandwidth below which recomputing wins."""
-    import dataclasses
-
     def tok_s(mode: str, bandwidth: float = GPU_LINK_BYTES_S) -> float:
         cm = dataclasses.replace(GPU_LIKE, swap=(GPU_LIKE.swap[0], GPU_KV_TOKEN_BYTES / bandwidth))
         return simulate(dataclasses.replace(config, preemption_mode=mode), num_kv_blocks, work, cm,
@@ -81,60 +71,60 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, kind, default, what in (("model", str, "tiny", None), ("scale", float, 1.0, "multiplies request counts"),
                                       ("long", int, 512, "the heavy client's max_tokens"),
-                                      ("max-num-seqs", int, 8, None), ("out", str, None, None)):
+                                      ("max-num-seqs", int, 8, None), ("out", str, None, None),
+                                      ("simulate", str, None, "gpu-like or a cost-model JSON: no engine")):
         p.add_argument(f"--{flag}", type=kind, default=default, help=what)
     a = p.parse_args(argv)
     out_dir = a.out or results_dir(time.strftime("policies-%Y%m%d-%H%M%S"))
     vocab, rng, n = vocab_size_of(a.model), random.Random(0), lambda k: max(2, round(k * a.scale))
     mml = 256 + max(a.long, 128)
     blocks = a.max_num_seqs * (mml // 16) + 1
-    engine = build_engine(a.model, dict(max_num_seqs=a.max_num_seqs, max_model_len=mml, num_kv_blocks=blocks,
-                                        dtype="float32", preemption_mode="swap", swap_space=0.25), print)
-    results: dict[str, Any] = {"machine": machine_info(), "args": vars(a), "loadavg": [os.getloadavg()]}
+    kw = dict(max_num_seqs=a.max_num_seqs, max_model_len=mml, num_kv_blocks=blocks, dtype="float32")
+    cm = load_cost_model(a.simulate) if a.simulate else None
+    engine = None if cm else build_engine(a.model, kw | dict(preemption_mode="swap", swap_space=0.25), print)
+    base = EngineConfig(**kw).resolved(mml) if cm else engine.config
 
+    def run(work: list[SimRequest], tag: str, num_kv_blocks: int, **config: Any) -> dict[str, Any]:
+        config = {"scheduling_policy": "fcfs", "preemption_mode": "recompute"} | config
+        if cm:
+            return figures(simulate(dataclasses.replace(base, **config), num_kv_blocks, work, cm,
+                                    num_swap_blocks=1 << 20), tag)
+        engine.scheduler = s = fresh_scheduler(engine, num_kv_blocks, **config)
+        res = run_engine(engine, work, tag)["wall"]  # asserts every request made all its tokens
+        s.check_invariants()  # with nobody left: every slot, device block and host block free
+        assert not s.has_unfinished() and s.allocator.num_used == 0, f"{tag}: blocks leaked"
+        return figures(res, tag)
+
+    results: dict[str, Any] = {"machine": machine_info(), "args": vars(a), "loadavg": [os.getloadavg()],
+                               "engine": cm.source if cm else "measured, wall clock"}
     # 1. fairness: the light client alone, then beside the heavy flood.
     heavy = [SimRequest(0.0, token_ids(rng, vocab, rng.randint(32, 256)), a.long, cls="heavy", user="heavy")
              for _ in range(n(2 * a.max_num_seqs))]
-    light = [SimRequest(0.5 + 0.25 * i, token_ids(rng, vocab, rng.randint(16, 32)), 16, cls="light", user="light")
-             for i in range(n(40))]
-    w1 = {"alone": run(engine, light, "w1-alone", blocks)}
+    gap = 0.25 if engine else 0.1  # the light client's period: about one request of its in flight at a time
+    light = [SimRequest(0.5 * gap + gap * i, token_ids(rng, vocab, rng.randint(16, 32)), 16, cls="light",
+                        user="light") for i in range(n(40))]
+    w1 = results["fairness"] = {"alone": run(light, "w1-alone", blocks)}
     for pol in POLICIES:
-        w1[pol] = run(engine, heavy + light, f"w1-{pol}", blocks, scheduling_policy=pol)
-    results["fairness"] = w1
-
+        w1[pol] = run(heavy + light, f"w1-{pol}", blocks, scheduling_policy=pol)
     # 2. overload at 1.5x FCFS's measured capacity, SLOs from the measured step time.
-    mix = seed_mix(n(144), vocab, short=16, long=128, prompt_len=(32, 256), seed=3)
-    burst = [SimRequest(0.0, r.prompt_token_ids, r.max_tokens) for r in mix]
-    cap = run(engine, burst, "w2-capacity", blocks)
-    capacity, step_s = len(burst) / cap["makespan_s"], cap["makespan_s"] / cap["steps"]
+    cap = run(synthetic("seed", n(144), vocab, long=128, seed=3), "w2-capacity", blocks)
+    capacity, step_s = cap["requests"] / cap["makespan_s"], cap["makespan_s"] / cap["steps"]
     targets = {"interactive": (20 * step_s, 3 * step_s), "batch": (200 * step_s, 8 * step_s)}
-    times = arrival_times(len(mix), 1.5 * capacity, seed=4)
-    classes = ["interactive" if r.max_tokens == 16 else "batch" for r in mix]
-    w2work = [SimRequest(t, r.prompt_token_ids, r.max_tokens, cls=c, slo_ttft_s=targets[c][0], slo_tpot_s=targets[c][1])
-              for r, t, c in zip(mix, times, classes)]
-    w2 = {"capacity_req_s": capacity, "rate_req_s": 1.5 * capacity, "step_s": step_s, "targets_s": targets}
+    w2work = synthetic("slo-mix", n(144), vocab, long=128, rate=1.5 * capacity, seed=3, slo=targets)
+    w2 = results["overload"] = {"capacity_req_s": capacity, "rate_req_s": 1.5 * capacity, "targets_s": targets}
     for pol in POLICIES:
-        r = run(engine, w2work, f"w2-{pol}", blocks, scheduling_policy=pol)
-        r["goodput"] = sum(met_slo(x, *targets[x["class"]]) for x in r["per_request"])
-        r["goodput_by_class"] = {c: sum(met_slo(x, *targets[c]) for x in r["per_request"] if x["class"] == c)
-                                 for c in targets}
-        w2[pol] = r
-    results["overload"] = w2
-
+        w2[pol] = run(w2work, f"w2-{pol}", blocks, scheduling_policy=pol)
     # 3. a tight KV budget: blocks for a third of the seats' worst case.
     tight = a.max_num_seqs * (mml // 16) // 3 + 1
-    w3work = [SimRequest(0.0, r.prompt_token_ids, r.max_tokens)
-              for r in seed_mix(n(2 * a.max_num_seqs), vocab, short=16, long=a.long // 2, seed=5)]
-    run(engine, w3work[:a.max_num_seqs], "w3-warmup", tight, preemption_mode="swap")  # compiles the copy programs
-    w3: dict[str, Any] = {"num_kv_blocks": tight}
+    w3work = synthetic("seed", n(2 * a.max_num_seqs), vocab, long=a.long // 2, seed=5)
+    if engine:
+        run(w3work[:a.max_num_seqs], "w3-warmup", tight, preemption_mode="swap")  # compiles the copy programs
+    w3 = results["preemption"] = {"num_kv_blocks": tight, "gpu": gpu_crossover(base, tight, w3work)}
     for mode in ("recompute", "swap"):
-        w3[mode] = run(engine, w3work, f"w3-{mode}", tight, scheduling_policy="fcfs", preemption_mode=mode)
-    w3["copy"] = measure_swap(engine)  # this machine's host<->device copy rate
-    w3["gpu"] = gpu_crossover(engine.config, tight, w3work)
-    results["preemption"] = w3
+        w3[mode] = run(w3work, f"w3-{mode}", tight, preemption_mode=mode)
+    if engine:
+        w3["copy"] = measure_swap(engine)  # this machine's host<->device copy rate
     results["loadavg"].append(os.getloadavg())
-    for v in (v for w in (w1, w2, w3) for v in w.values() if isinstance(v, dict)):
-        v.pop("per_request", None)
     write_json(os.path.join(out_dir, "results.json"), results)
     report(results, out_dir)
     return 0
@@ -149,30 +139,29 @@ def report(res: dict[str, Any], out_dir: str) -> None:
         verdict = ("PASS" if ok else "MISS") if target else ""
         return [name, k, f"{m['tok_s']:.1f}", str(m["preemptions"]), figure, target, verdict]
 
-    rows = [row("1 fairness", k, w1[k], f"light p99 TTFT {x:.3f}s = {x / alone:.1f}x alone",
+    rows = [row("1 fairness", k, w1[k], f"light p99 TTFT {x:.4f}s = {x / alone:.1f}x alone",
                 "<= 2x alone" * (k == "fair"), x <= 2 * alone)
             for k in POLICIES for x in [w1[k]["ttft_s"]["light"]["p99"]]]
     rows += [row("2 overload", k, m, f"goodput {m['goodput']}/{m['requests']} = {m['goodput'] / max(base, 1):.2f}x "
                  "fcfs; " + ", ".join(f"{c} {g}" for c, g in m["goodput_by_class"].items()),
                  ">= 1.3x fcfs" * (k == "slo"), m["goodput"] >= 1.3 * base) for k in POLICIES for m in [w2[k]]]
-    rows += [row("3 tight KV", k, m, f"recomputed {m['recomputed_tokens']} tokens, swapped out/in "
-                 f"{m['swapped_out_blocks']}/{m['swapped_in_blocks']} blocks, fallbacks {m['swap_fallbacks']}",
-                 "0 recomputed, tok/s >= recompute" * (k == "swap"),
+    rows += [row("3 tight KV", k, m, f"recomputed {m['recomputed_tokens']} tokens, {m['swapped_blocks']} blocks "
+                 "swapped out and in", "0 recomputed, tok/s >= recompute" * (k == "swap"),
                  m["recomputed_tokens"] == 0 and m["tok_s"] >= w3["recompute"]["tok_s"])
              for k in ("recompute", "swap") for m in [w3[k]]]
-    g, c = w3["gpu"], w3["copy"]
-    table = md_table([["workload", "run", "output tok/s", "preemptions", "figure", "target", "verdict"], *rows])
-    head = (f"{res['args']['model']} model, light client alone: p99 TTFT {alone:.3f}s; workload 2 at "
-            f"{w2['rate_req_s']:.2f} req/s (capacity {w2['capacity_req_s']:.2f}); KV copy here "
-            f"{c['bandwidth_bytes_s'] / 1e9:.2f} GB/s + {1e3 * c['coef'][0]:.2f} ms a copy; GPU-like prediction "
-            f"for workload 3: recompute {g['recompute_tok_s']:.0f} tok/s, swap {g['swap_tok_s']:.0f} at "
+    g, c = w3["gpu"], w3.get("copy")
+    copy = f"KV copy here {c['bandwidth_bytes_s'] / 1e9:.2f} GB/s + {1e3 * c['coef'][0]:.2f} ms a step; " if c else ""
+    head = (f"{res['args']['model']} model, {res['engine']}; light client alone: p99 TTFT {alone:.4f}s; workload 2 "
+            f"at {w2['rate_req_s']:.2f} req/s (capacity {w2['capacity_req_s']:.2f}); {copy}GPU-like prediction for "
+            f"workload 3: recompute {g['recompute_tok_s']:.0f} tok/s, swap {g['swap_tok_s']:.0f} at "
             f"{g['link_bytes_s'] / 1e9:.0f} GB/s, recompute wins below {g['crossover_bytes_s'] / 1e9:.2f} GB/s; "
             f"load average {res['loadavg'][0][0]:.1f} -> {res['loadavg'][-1][0]:.1f}")
+    table = md_table([["workload", "run", "output tok/s", "preemptions", "figure", "target", "verdict"], *rows])
     with open(os.path.join(out_dir, "policies.md"), "w") as f:
         f.write(head + "\n\n" + table + "\n")
     print(head + "\n" + table)
     fig, ax = pyplot().subplots(1, 3, figsize=(15, 4))
-    ax[0].bar(["alone", *POLICIES], [w1[k]["ttft_s"]["light"]["p99"] for k in ("alone", *POLICIES)])
+    ax[0].bar(["alone", *POLICIES], [w1[k]["ttft_s"]["light"]["p99"] for k in ("alone", *POLICIES)], log=True)
     ax[0].set_title("1: light client's p99 TTFT (s) under the flood")
     ax[1].bar(POLICIES, [w2[k]["goodput"] for k in POLICIES])
     ax[1].set_title(f"2: goodput at 1.5x capacity (of {w2['fcfs']['requests']})")

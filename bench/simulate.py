@@ -66,23 +66,28 @@ class SimRequest:
 
 
 def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16, long: int = 512,
-              prompt_len: tuple[int, int] = (32, 256), rate: float | None = None, seed: int = 0) -> list[SimRequest]:
-    """The benches' workloads (bench/workload.py), all at t=0 or as a Poisson process; or
-    two-clients: a "heavy" client's `long` requests (5 of 6) at t=0, a "light" one's `short`
-    requests with 16-32 token prompts one every 1/rate s (default 10/s)."""
+              prompt_len: tuple[int, int] = (32, 256), rate: float | None = None, seed: int = 0,
+              slo: dict[str, tuple[float, float]] | None = None) -> list[SimRequest]:
+    """The benches' workloads (bench/workload.py), all at t=0 or as a Poisson process;
+    slo-mix: the seed's, its short requests class "interactive", its long ones "batch", each
+    with the targets slo[class] (ttft_s, tpot_s); two-clients: a "heavy" client's `long`
+    requests (5 of 6) at t=0, a "light" one's `short` ones (16-32 token prompts) one every
+    1/rate s (default 10/s)."""
     if kind == "two-clients":
         n_light, rng = num_requests // 6, random.Random(seed)
         heavy = [SimRequest(0.0, token_ids(rng, vocab_size, rng.randint(*prompt_len)), long, cls="heavy", user="heavy")
                  for _ in range(num_requests - n_light)]
         return heavy + [SimRequest(0.1 + i / (rate or 10.0), token_ids(rng, vocab_size, rng.randint(16, 32)), short,
                                    cls="light", user="light") for i in range(n_light)]
-    if kind not in ("seed", "exp"):
-        raise ValueError(f"unknown workload {kind!r}: seed, exp, two-clients or a JSON file")
-    reqs = (seed_mix(num_requests, vocab_size, short=short, long=long, prompt_len=prompt_len, seed=seed) if kind == "seed"
-            else exponential_mix(num_requests, vocab_size, prompt_len=prompt_len, seed=seed))
-    classes = [("short" if r.max_tokens == short else "long") if kind == "seed" else "all" for r in reqs]
-    return [SimRequest(t, r.prompt_token_ids, r.max_tokens, cls=c)
-            for r, c, t in zip(reqs, classes, arrival_times(len(reqs), rate, seed))]
+    if kind not in ("seed", "exp", "slo-mix"):
+        raise ValueError(f"unknown workload {kind!r}: seed, exp, slo-mix, two-clients or a JSON file")
+    reqs = (exponential_mix(num_requests, vocab_size, prompt_len=prompt_len, seed=seed) if kind == "exp"
+            else seed_mix(num_requests, vocab_size, short=short, long=long, prompt_len=prompt_len, seed=seed))
+    names = ("interactive", "batch") if kind == "slo-mix" else ("short", "long")
+    classes = [names[r.max_tokens != short] if kind != "exp" else "all" for r in reqs]
+    targets = [(slo or {}).get(c, (None, None)) for c in classes]
+    return [SimRequest(t, r.prompt_token_ids, r.max_tokens, 0, c, None, *g)
+            for r, c, t, g in zip(reqs, classes, arrival_times(len(reqs), rate, seed), targets)]
 
 
 def load_workload(path: str, vocab_size: int = 32000) -> list[SimRequest]:
@@ -203,6 +208,11 @@ class SimResult:
     def tok_s(self) -> float:
         return self.output_tokens / self.makespan_s if self.makespan_s > 0 else float("inf")
 
+    @property
+    def goodput(self) -> int:
+        """Requests that met their SLO."""
+        return sum(bool(r["slo_met"]) for r in self.per_request)
+
     def latency(self, cls: str | None = None, key: str = "e2e_s", by: str = "class") -> dict[str, float]:
         rs = [r for r in self.per_request if cls is None or r[by] == cls]
         return summarize([x for r in rs for x in r["itl_s"]] if key == "itl_s" else [r[key] for r in rs])
@@ -210,7 +220,7 @@ class SimResult:
     def summary(self) -> dict[str, Any]:
         keys = ("ttft_s", "itl_s", "e2e_s", "queue_s")
         return {k: getattr(self, k) for k in ("tok_s", "makespan_s", "output_tokens", "steps", "preemptions",
-                                              "slot_utilization", "recomputed_tokens", "swapped_blocks",
+                                              "slot_utilization", "recomputed_tokens", "swapped_blocks", "goodput",
                                               "waiting_mean", "waiting_max")} | {
             f"per_{by}": {c: {k: self.latency(c, k, by) for k in keys} for c in sorted({r[by] for r in self.per_request})}
             for by in ("class", "priority")}
@@ -233,7 +243,9 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
             i, r = pending.pop()
             seq = Sequence(f"sim-{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
                            arrival_time=r.arrival_s)
-            seq.priority, seq.user, seq.slo_ttft, seq.slo_tpot = r.priority, r.user, r.slo_ttft_s, r.slo_tpot_s
+            seq.priority, seq.user = r.priority if sched.policy.uses_priority else 0, r.user
+            if sched.policy.uses_slo:
+                seq.slo_ttft, seq.slo_tpot = r.slo_ttft_s, r.slo_tpot_s
             sched.add(seq)
             seqs[seq.request_id] = (seq, r)
         if not sched.has_unfinished():
@@ -268,9 +280,14 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
 
 
 def record(r: SimRequest, seq: Sequence, scheduled: float, token_times: list[float], done: float) -> dict[str, Any]:
-    """One request's figures, from the times (on one clock) it was first scheduled, got each token, finished."""
-    return {"class": r.cls, "priority": r.priority, "user": r.user, "arrival_s": r.arrival_s,
-            "queue_s": scheduled - r.arrival_s, "ttft_s": token_times[0] - r.arrival_s, "e2e_s": done - r.arrival_s,
+    """One request's figures, from the times (on one clock) it was first scheduled, got each
+    token, finished; slo_met: whether it met its targets (None: it has none)."""
+    ttft, n = token_times[0] - r.arrival_s, len(token_times)
+    tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+    met = None if r.slo_ttft_s is None and r.slo_tpot_s is None else \
+        ttft <= (r.slo_ttft_s or math.inf) and tpot <= (r.slo_tpot_s or math.inf)
+    return {"class": r.cls, "priority": r.priority, "user": r.user, "arrival_s": r.arrival_s, "slo_met": met,
+            "queue_s": scheduled - r.arrival_s, "ttft_s": ttft, "e2e_s": done - r.arrival_s, "tpot_s": tpot,
             "itl_s": [b - a for a, b in zip(token_times, token_times[1:])], "tokens": seq.num_output_tokens,
             "preemptions": seq.num_preemptions}
 
@@ -320,7 +337,7 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
                 i, r = pending.pop()
                 seq = engine.add_request(f"{tag}-{i}", r.prompt_token_ids,
                                          SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                                         arrival_time=t0["wall"] + r.arrival_s, **request_kw(r))
+                                         arrival_time=t0["wall"] + r.arrival_s, **request_kw(r, sched.policy))
                 seqs[seq.request_id] = (seq, r)
             if not engine.has_unfinished():
                 time.sleep(max(0.0, min(0.01, pending[-1][1].arrival_s - now)))
@@ -351,11 +368,12 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
                                             for d in ("out", "in"))) for k in CLOCKS}
 
 
-def request_kw(r: SimRequest) -> dict[str, Any]:
-    """The request's priority, client and SLO, as add_request takes them (only those set:
-    a policy refuses a field it does not read)."""
+def request_kw(r: SimRequest, policy: Any) -> dict[str, Any]:
+    """The request's priority, client and SLO as add_request takes them, each only to a
+    policy that reads it (the others refuse them; the SLO is still what goodput is scored on)."""
     ms = [None if x is None else 1e3 * x for x in (r.slo_ttft_s, r.slo_tpot_s)]
-    kw = {"priority": r.priority, "user": r.user, "slo": SLOTarget(*ms) if ms != [None, None] else None}
+    kw = {"priority": r.priority if policy.uses_priority else 0, "user": r.user,
+          "slo": SLOTarget(*ms) if policy.uses_slo and ms != [None, None] else None}
     return {k: v for k, v in kw.items() if v}
 
 
@@ -594,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         cm["cpu"].save(path.replace(".json", "_cpu.json"))
         print(f"cost model -> {path}: {cm['wall'].coef}, swap {cm['wall'].swap}\nfit: {cm['wall'].fit}")
         return 0
-    cm = _cost_model(args.cost_model)
+    cm = load_cost_model(args.cost_model)
     if args.report:
         report({"this machine": cm, "GPU-like": GPU_LIKE}, out_dir, tuple(int(x) for x in args.report_seqs.split(",")))
         return 0
@@ -630,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cost_model(arg: str | None) -> CostModel:
+def load_cost_model(arg: str | None) -> CostModel:
     if arg == "gpu-like":
         return GPU_LIKE
     path = arg or DEFAULT_COST_MODEL

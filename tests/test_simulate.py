@@ -44,7 +44,7 @@ def test_the_simulator_makes_the_real_engines_decisions_step_for_step(case):
         while pending and pending[0][1].arrival_s <= step:
             i, r = pending.pop(0)
             engine.add_request(f"sim-{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                               arrival_time=r.arrival_s, **request_kw(r))
+                               arrival_time=r.arrival_s, **request_kw(r, engine.scheduler.policy))
         if not engine.has_unfinished():
             step = int(pending[0][1].arrival_s)
             continue
