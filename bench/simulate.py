@@ -1,10 +1,8 @@
 """The simulator: what would the scheduler do, and how long would it take, at scales this
 machine cannot run? A workload through the real Scheduler, without the model, in seconds of CPU.
 
-    python bench/simulate.py                                    # the seed's mix, this machine's cost model
-    python bench/simulate.py --scheduling static --max-num-seqs 64 --num-kv-blocks 600
+    python bench/simulate.py [--scheduling static --max-num-seqs 64 --num-kv-blocks 600]  # the seed's mix
     python bench/simulate.py --workload two-clients --scheduling-policy fair --cost-model gpu-like
-    python bench/simulate.py --preemption-mode swap --num-kv-blocks 200 --cost-model gpu-like
     python bench/simulate.py --workload bench/results/X/results.json   # a request log bench/mixed.py recorded
     python bench/simulate.py --calibrate | --validate | --report  # fit the cost model here; engine vs simulator; scales
 
@@ -29,6 +27,7 @@ docs/SIMULATION.md has the validation and the report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root first: its modules win over bench/structured.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root's modules first
 
 from report import md_table, pyplot, results_dir, save_figure, summarize, write_json  # noqa: E402
 from workload import arrival_times, exponential_mix, seed_mix, token_ids  # noqa: E402
@@ -69,8 +68,8 @@ def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16,
               prompt_len: tuple[int, int] = (32, 256), rate: float | None = None, seed: int = 0,
               slo: dict[str, tuple[float, float]] | None = None) -> list[SimRequest]:
     """The benches' workloads (bench/workload.py), all at t=0 or as a Poisson process;
-    slo-mix: the seed's, its short requests class "interactive", its long ones "batch", each
-    with the targets slo[class] (ttft_s, tpot_s); two-clients: a "heavy" client's `long`
+    slo-mix: the seed's, its short requests class "interactive" (priority -1), its long ones
+    "batch", each with the targets slo[class] (ttft_s, tpot_s); two-clients: a "heavy" client's `long`
     requests (5 of 6) at t=0, a "light" one's `short` ones (16-32 token prompts) one every
     1/rate s (default 10/s)."""
     if kind == "two-clients":
@@ -86,7 +85,7 @@ def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16,
     names = ("interactive", "batch") if kind == "slo-mix" else ("short", "long")
     classes = [names[r.max_tokens != short] if kind != "exp" else "all" for r in reqs]
     targets = [(slo or {}).get(c, (None, None)) for c in classes]
-    return [SimRequest(t, r.prompt_token_ids, r.max_tokens, 0, c, None, *g)
+    return [SimRequest(t, r.prompt_token_ids, r.max_tokens, -(c == "interactive"), c, None, *g)
             for r, c, t, g in zip(reqs, classes, arrival_times(len(reqs), rate, seed), targets)]
 
 
@@ -109,9 +108,7 @@ def load_workload(path: str, vocab_size: int = 32000) -> list[SimRequest]:
         out.append(SimRequest(float(r.get("arrival_s", r.get("start", 0.0))), list(ids), int(r["max_tokens"]),
                               int(r.get("priority", 0)), str(r.get("class", r.get("cls", "all"))), r.get("user"), *slo))
     t0 = min(r.arrival_s for r in out)
-    for r in out:
-        r.arrival_s -= t0
-    return out
+    return [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in out]
 
 
 def step_features(out: SchedulerOutput, num_occupied: int, config: EngineConfig) -> tuple[str, int, int, int]:
@@ -241,11 +238,10 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
     while pending or sched.has_unfinished():
         while pending and pending[-1][1].arrival_s <= t:
             i, r = pending.pop()
+            pol, slo = sched.policy, (r.slo_ttft_s, r.slo_tpot_s) if sched.policy.uses_slo else (None, None)
             seq = Sequence(f"sim-{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                           arrival_time=r.arrival_s)
-            seq.priority, seq.user = r.priority if sched.policy.uses_priority else 0, r.user
-            if sched.policy.uses_slo:
-                seq.slo_ttft, seq.slo_tpot = r.slo_ttft_s, r.slo_tpot_s
+                           arrival_time=r.arrival_s, priority=r.priority * pol.uses_priority, user=r.user,
+                           slo_ttft=slo[0], slo_tpot=slo[1])
             sched.add(seq)
             seqs[seq.request_id] = (seq, r)
         if not sched.has_unfinished():
@@ -268,8 +264,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
         if record_trace and out.scheduled:
             trace.append(StepTrace.of(stats.num_steps, out, sampled, released, sched.num_running, sched.num_waiting))
         if not out.scheduled and not released:
-            if not pending:
-                raise RuntimeError("the scheduler made no progress with nothing left to arrive")
+            assert pending, "the scheduler made no progress with nothing left to arrive"
             t = max(t, pending[-1][1].arrival_s)
     per_request = [record(r, seq, seq.first_scheduled_time, token_times[rid], seq.finished_time)
                    for rid, (seq, r) in seqs.items()]
@@ -516,8 +511,6 @@ def fresh_scheduler(engine, num_kv_blocks: int, **config: Any) -> Scheduler:
     pool), with `num_kv_blocks` of them (at most the arrays' own) and `config` changed
     (scheduling, scheduling_policy, preemption_mode): continuous, static, every policy and a
     tight KV budget run without compiling twice."""
-    import dataclasses
-
     assert not engine.has_unfinished() and num_kv_blocks <= engine.num_kv_blocks
     engine.config = dataclasses.replace(engine.config, **config)
     engine.runner.config = engine.config
@@ -549,16 +542,12 @@ def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...
             f"short p99 /{r['short_p99_ratio']:.1f}")
         rows.append(r)
     fig, axes = pyplot().subplots(2, len(cost_models), figsize=(5.5 * len(cost_models), 7), squeeze=False)
-    for j, cm in enumerate(cost_models):
-        for (kv_name, _), (i, key) in itertools.product(REPORT_KV, enumerate(("tok_s_ratio", "short_p99_ratio"))):
-            rs = [r for r in rows if r["cost_model"] == cm and r["kv"] == kv_name]
-            axes[i][j].plot([r["max_num_seqs"] for r in rs], [r[key] for r in rs], marker="o", label=f"KV {kv_name}")
-        axes[0][j].set_title(f"{cm}: output tok/s, continuous / static")
-        axes[1][j].set_title(f"{cm}: short p99 e2e, static / continuous")
-        for ax in axes[:, j]:
-            ax.set(xscale="log", xlabel="max_num_seqs")
-            ax.axhline(1.0, color="grey", lw=0.8)
-            ax.legend()
+    for (j, cm), (kv_name, _), (i, (key, title)) in itertools.product(enumerate(cost_models), REPORT_KV, enumerate(
+            (("tok_s_ratio", "output tok/s, continuous / static"), ("short_p99_ratio", "short p99 e2e, static / continuous")))):
+        rs = [r for r in rows if r["cost_model"] == cm and r["kv"] == kv_name]
+        axes[i][j].plot([r["max_num_seqs"] for r in rs], [r[key] for r in rs], marker="o", label=f"KV {kv_name}")
+        axes[i][j].set(xscale="log", xlabel="max_num_seqs", title=f"{cm}: {title}")
+        axes[i][j].legend()
     save_figure(fig, os.path.join(out_dir, "simulate_scales.png"), dpi=90)
     table = md_table([["cost model", "max_num_seqs", "KV budget (blocks)", "continuous tok/s", "static tok/s", "ratio",
                        "short p99 cont. (s)", "short p99 static (s)", "ratio", "preemptions cont./static"]] + [
@@ -633,16 +622,13 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.num_kv_blocks or cfg.max_num_seqs * cfg.max_blocks_per_seq + 1
     t0 = time.process_time()
     res = simulate(cfg, blocks, work, cm, num_swap_blocks=args.num_swap_blocks)
-    summary = res.summary() | {"cpu_s": time.process_time() - t0, "config": kw, "num_kv_blocks": blocks,
-                               "cost_model": cm.source}
-    write_json(os.path.join(out_dir, "simulate.json"), summary)
+    s = write_json(os.path.join(out_dir, "simulate.json"), res.summary() | {
+        "cpu_s": time.process_time() - t0, "config": kw, "num_kv_blocks": blocks, "cost_model": cm.source})
     print(f"{len(work)} requests, {res.steps} steps, {res.preemptions} preemptions ({res.recomputed_tokens} tokens "
-          f"recomputed, {res.swapped_blocks} blocks swapped), {res.tok_s:.1f} output tok/s, slot utilisation "
-          f"{res.slot_utilization:.2f} ({summary['cpu_s']:.2f} s of CPU)")
-    print("waiting (time-weighted mean / max): " + ", ".join(
-        f"{k} {res.waiting_mean[k]:.1f}/{res.waiting_max[k]}" for k in WAIT_REASONS))
-    for c, lat in [*summary["per_class"].items(), *[(f"prio {p}", v) for p, v in summary["per_priority"].items()
-                                                      if len(summary["per_priority"]) > 1]]:
+          f"recomputed, {res.swapped_blocks} blocks swapped), {res.tok_s:.1f} output tok/s, goodput {res.goodput}, "
+          f"slot utilisation {res.slot_utilization:.2f}; waiting (time-weighted mean / max): " + ", ".join(
+              f"{k} {res.waiting_mean[k]:.1f}/{res.waiting_max[k]}" for k in WAIT_REASONS) + f"; {s}")
+    for c, lat in res.summary()["per_class"].items():
         print(f"  {c:>6}: " + "  ".join(f"{k[:-2]} p50 {v.get('p50', math.nan):.3f} p99 {v.get('p99', math.nan):.3f}"
                                          for k, v in lat.items()))
     return 0
