@@ -222,9 +222,10 @@ class ModelRunner:
         # Swap preemption: KV blocks [layers, block, ...] to and from a host pool of numpy arrays.
         self.num_swap_blocks = num_swap_blocks
         self.host_kv: list[np.ndarray] | None = None
-        self._gather_blocks = jax.jit(lambda caches, idx: [c[:, idx] for c in caches])
-        self._scatter_blocks = jax.jit(lambda caches, idx, data: [c.at[:, idx].set(d) for c, d in zip(caches, data)],
-                                       donate_argnums=0)
+        self._gather_blocks = jax.jit(lambda caches, idx: count_compile() or [c[:, idx] for c in caches])
+        self._scatter_blocks = jax.jit(
+            lambda caches, idx, data: count_compile() or [c.at[:, idx].set(d) for c, d in zip(caches, data)],
+            donate_argnums=0)
 
     def swap(self, swap_out: list[tuple[list[int], list[int]]], swap_in: list[tuple[list[int], list[int]]]) -> None:
         """Copy KV blocks (device block, host block) to the host pool, then others back:
@@ -463,4 +464,12 @@ class ModelRunner:
         for i, T in enumerate(cfg.token_buckets):
             log(f"warm-up: compiling step program {len(cfg.decode_buckets) + i + 1}/{total} (prefill, {T} tokens)")
             self.idle_step(tokens=T)
+        if self.num_swap_blocks:  # swap's copy programs: one pair per power-of-two count of blocks a step moves
+            leaves, treedef = jax.tree.flatten(self.kv_caches)
+            sizes = [1 << k for k in range((leaves[0].shape[1] - 1).bit_length() + 1)]
+            log(f"warm-up: compiling the KV copy programs for {len(sizes)} block counts (swap preemption)")
+            for n in sizes:  # the null block, read and written back as swap() does (host arrays): no K/V changes
+                idx = np.zeros(n, np.int32)
+                leaves = self._scatter_blocks(leaves, idx, [np.asarray(d) for d in self._gather_blocks(leaves, idx)])
+            self.kv_caches = jax.tree.unflatten(treedef, leaves)
         log(f"warm-up: {self.stats.num_compilations} programs compiled in {time.perf_counter() - t0:.1f}s")

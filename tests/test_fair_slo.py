@@ -237,3 +237,21 @@ def test_the_recipe_for_a_policy_whose_order_moves_runs_as_written():
             step(s)
     finally:
         POLICIES.pop("aging")
+
+
+def test_swap_preemption_compiles_nothing_after_warm_up():
+    """The KV copy programs are compiled at warm-up, one pair per power-of-two block count a
+    step can move; a tight cache that swaps many times then compiles nothing."""
+    from engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4, max_model_len=128, num_kv_blocks=14,
+                                    max_num_batched_tokens=128, preemption_mode="swap", swap_space=0.01,
+                                    async_scheduling=False), log=lambda *_: None)
+    warm = engine.stats.num_compilations
+    for i in range(8):
+        engine.add_request(f"r{i}", [3 + (7 * i + j) % 250 for j in range(30 + i)],
+                           SamplingParams(max_tokens=60, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.swapped_out_blocks > 0 and engine.stats.recomputed_tokens == 0
+    assert engine.stats.num_compilations == warm
