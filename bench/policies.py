@@ -117,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     # 3. a tight KV budget: blocks for a third of the seats' worst case.
     tight = a.max_num_seqs * (mml // 16) // 3 + 1
     w3work = synthetic("seed", n(2 * a.max_num_seqs), vocab, long=a.long // 2, seed=5)
-    if engine:
-        run(w3work[:a.max_num_seqs], "w3-warmup", tight, preemption_mode="swap")  # compiles the copy programs
     w3 = results["preemption"] = {"num_kv_blocks": tight, "gpu": gpu_crossover(base, tight, w3work)}
     for mode in ("recompute", "swap"):
         w3[mode] = run(w3work, f"w3-{mode}", tight, preemption_mode=mode)
