@@ -18,7 +18,7 @@ rows: the token rows the step program computes (runner.py's padded buckets); con
 every scheduled sequence attends over; one coefficient set per program (decode, ragged),
 fitted by non-negative least squares to a calibration run of the real engine, the swap terms
 to timed KV copies (--calibrate, saved as JSON; --cost-model reads one back). `GPU_LIKE` is
-written down, not measured. Workloads (--workload): `seed`, `exp`, `two-clients`, or a JSON
+written down, not measured. Workloads (--workload): `seed`, `exp`, `slo-mix`, `two-clients`, or a JSON
 list of {"arrival_s", "prompt_len" (or "prompt_token_ids"), "max_tokens", optional
 "priority", "class", "user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json.
 docs/SIMULATION.md has the validation and the report.
@@ -219,7 +219,8 @@ class SimResult:
         return {k: getattr(self, k) for k in ("tok_s", "makespan_s", "output_tokens", "steps", "preemptions",
                                               "slot_utilization", "recomputed_tokens", "swapped_blocks", "goodput",
                                               "waiting_mean", "waiting_max")} | {
-            f"per_{by}": {c: {k: self.latency(c, k, by) for k in keys} for c in sorted({r[by] for r in self.per_request})}
+            f"per_{by}": {c: {k: self.latency(c, k, by) for k in keys}
+                          for c in sorted({r[by] for r in self.per_request})}
             for by in ("class", "priority")}
 
 
@@ -359,8 +360,8 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
                          [record(r, seq, times[k][rid]["queue"], times[k][rid]["tokens"], times[k][rid]["done"])
                           for rid, (seq, r) in seqs.items()],
                          recomputed_tokens=after.recomputed_tokens - before.recomputed_tokens,
-                         swapped_blocks=sum(getattr(after, f"swapped_{d}_blocks") - getattr(before, f"swapped_{d}_blocks")
-                                            for d in ("out", "in"))) for k in CLOCKS}
+                         swapped_blocks=after.swapped_out_blocks + after.swapped_in_blocks
+                         - before.swapped_out_blocks - before.swapped_in_blocks) for k in CLOCKS}
 
 
 def request_kw(r: SimRequest, policy: Any) -> dict[str, Any]:
@@ -433,7 +434,7 @@ class Sizes(NamedTuple):
 
 
 FULL = Sizes("bench", 32000, 100, 16, 512, (32, 256), 32, 1024, 6, ((16, 512), 48, 384))
-TINY = Sizes("tiny", 512, 12, 4, 24, (8, 24), 4, 64, 1, ((4, 16), 16, 40))  # calibration long enough for decode-only steps
+TINY = Sizes("tiny", 512, 12, 4, 24, (8, 24), 4, 64, 1, ((4, 16), 16, 40))  # calibrates decode-only steps too
 
 
 def kv_blocks(s: Sizes, kv_seqs: float) -> int:
@@ -465,14 +466,15 @@ def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict
     two-clients workload under fair. The cost model is fitted to a separate calibration run
     first. Each case is measured by both clocks in the one run; "wall" is the headline,
     "cpu" sits beside it. validation.json is rewritten after every case."""
-    seed = synthetic("seed", s.num_requests, s.vocab_size, short=s.short, long=s.long, prompt_len=s.prompt_len)
-    clients = synthetic("two-clients", s.num_requests, s.vocab_size, short=s.short, long=s.long, prompt_len=s.prompt_len)
+    seed, clients = (synthetic(k, s.num_requests, s.vocab_size, short=s.short, long=s.long, prompt_len=s.prompt_len)
+                     for k in ("seed", "two-clients"))
     full, tight = kv_blocks(s, s.max_num_seqs), kv_blocks(s, s.tight_kv_seqs)
     cases = [("seed-continuous", seed, full, {}), ("seed-tight-kv", seed, tight, {}),
              ("seed-tight-kv-swap", seed, tight, {"preemption_mode": "swap"}),
              ("seed-static", seed, full, {"scheduling": "static"}),
              ("two-clients-fair", clients, full, {"scheduling_policy": "fair"})]
-    rep: dict[str, Any] = {"sizes": s._asdict(), "loadavg_before": os.getloadavg(), "cores": os.cpu_count(), "cases": []}
+    rep: dict[str, Any] = {"sizes": s._asdict(), "loadavg_before": os.getloadavg(), "cores": os.cpu_count(),
+                           "cases": []}
     t0 = time.perf_counter()
     log("[validate] building the engine, calibrating the cost model on it ...")
     engine = build_sized(s)
@@ -542,8 +544,9 @@ def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...
             f"short p99 /{r['short_p99_ratio']:.1f}")
         rows.append(r)
     fig, axes = pyplot().subplots(2, len(cost_models), figsize=(5.5 * len(cost_models), 7), squeeze=False)
-    for (j, cm), (kv_name, _), (i, (key, title)) in itertools.product(enumerate(cost_models), REPORT_KV, enumerate(
-            (("tok_s_ratio", "output tok/s, continuous / static"), ("short_p99_ratio", "short p99 e2e, static / continuous")))):
+    panels = enumerate((("tok_s_ratio", "output tok/s, continuous / static"),
+                        ("short_p99_ratio", "short p99 e2e, static / continuous")))
+    for (j, cm), (kv_name, _), (i, (key, title)) in itertools.product(enumerate(cost_models), REPORT_KV, list(panels)):
         rs = [r for r in rows if r["cost_model"] == cm and r["kv"] == kv_name]
         axes[i][j].plot([r["max_num_seqs"] for r in rs], [r[key] for r in rs], marker="o", label=f"KV {kv_name}")
         axes[i][j].set(xscale="log", xlabel="max_num_seqs", title=f"{cm}: {title}")
@@ -575,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             ("report-seqs", str, ",".join(map(str, REPORT_SEQS)), None),
             ("cost-model", str, None, f"a cost-model JSON (default {os.path.relpath(DEFAULT_COST_MODEL)}) or gpu-like"),
             ("out", str, None, "output directory (default bench/results/simulate-<time>)"),
-            ("workload", str, "seed", "seed | exp | two-clients | a JSON file (see the docstring)"),
+            ("workload", str, "seed", "seed | exp | slo-mix | two-clients | a JSON file (see the docstring)"),
             ("num-requests", int, None, None), ("rate", float, None, "arrivals per second (synthetic workloads)"),
             ("priority-fraction", float, 0.0, "this fraction of requests (every k-th) gets priority -1, the rest 0"),
             ("max-num-seqs", int, None, None), ("max-model-len", int, None, None), ("num-kv-blocks", int, None, None),
@@ -605,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         report({"this machine": cm, "GPU-like": GPU_LIKE}, out_dir, tuple(int(x) for x in args.report_seqs.split(",")))
         return 0
-    if args.workload in ("seed", "exp", "two-clients"):
+    if args.workload in ("seed", "exp", "slo-mix", "two-clients"):
         work = synthetic(args.workload, args.num_requests or sizes.num_requests, sizes.vocab_size, short=sizes.short,
                          long=sizes.long, prompt_len=sizes.prompt_len, rate=args.rate)
     else:
