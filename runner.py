@@ -222,6 +222,7 @@ class ModelRunner:
         # Swap preemption: KV blocks [layers, block, ...] to and from a host pool of numpy arrays.
         self.num_swap_blocks = num_swap_blocks
         self.host_kv: list[np.ndarray] | None = None
+        # Counted like the step programs (count_compile returns None), so a copy compiled after warm-up shows.
         self._gather_blocks = jax.jit(lambda caches, idx: count_compile() or [c[:, idx] for c in caches])
         self._scatter_blocks = jax.jit(
             lambda caches, idx, data: count_compile() or [c.at[:, idx].set(d) for c, d in zip(caches, data)],
