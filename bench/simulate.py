@@ -6,22 +6,20 @@ machine cannot run? A workload through the real Scheduler, without the model, in
     python bench/simulate.py --workload bench/results/X/results.json   # a request log bench/mixed.py recorded
     python bench/simulate.py --calibrate | --validate | --report  # fit the cost model here; engine vs simulator; scales
 
-Each step is the engine's: `Scheduler.schedule()` decides it (every policy, batching, KV
-admission and preemption mode: the simulator hands the policy its simulated clock), the cost
-model says how long it takes, `Scheduler.update()` records it (every sampled token is a
-non-EOS token: the benches run ignore_eos) and `EngineStats.record_step` counts it on the
-simulated clock. Only the synchronous loop is modelled (async scheduling's overlap is not):
+Each step is the engine's: `Scheduler.schedule()` decides it (any policy, batching, KV admission,
+preemption mode; the policy reads the simulated clock), the cost model times it, `update()` records
+it (every token a non-EOS: the benches run ignore_eos), `EngineStats.record_step` counts it. Only the
+synchronous loop is modelled (async scheduling's overlap is not):
 
     cost(step) = a + b * rows + c * context_tokens_read + d * prefill_tokens [+ s0 + s1 * tokens swapped]
 
-rows: the token rows the step program computes (runner.py's padded buckets); context: the KV
-every scheduled sequence attends over; one coefficient set per program (decode, ragged),
-fitted by non-negative least squares to a calibration run of the real engine, the swap terms
-to timed KV copies (--calibrate, saved as JSON; --cost-model reads one back). `GPU_LIKE` is
-written down, not measured. Workloads (--workload): `seed`, `exp`, `slo-mix`, `two-clients`, or a JSON
-list of {"arrival_s", "prompt_len" (or "prompt_token_ids"), "max_tokens", optional
-"priority", "class", "user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json.
-docs/SIMULATION.md has the validation and the report.
+rows: the token rows the step program computes (runner.py's padded buckets); context: the KV every
+scheduled sequence attends over; one coefficient set per program (decode, ragged), fitted by
+non-negative least squares to a calibration run of the real engine, the swap terms to timed KV
+copies (--calibrate, saved as JSON; --cost-model reads one back); `GPU_LIKE` is written down.
+Workloads (--workload): `seed`, `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s",
+"prompt_len" (or "prompt_token_ids"), "max_tokens", optional "priority", "class", "user",
+"slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json. docs/SIMULATION.md has the figures.
 """
 
 from __future__ import annotations
@@ -289,9 +287,8 @@ def record(r: SimRequest, seq: Sequence, scheduled: float, token_times: list[flo
 
 
 def build_engine(model: str, config_kw: dict[str, Any], log: Callable[[str], None] = lambda s: None):
-    """The real engine, synchronous: the simulator replays the synchronous loop (one
-    step's tokens known before the next is scheduled). Async scheduling shifts boarding
-    by one step and overlaps steps, which the cost model does not model."""
+    """The real engine, synchronous as the simulator (async scheduling shifts boarding by a
+    step and overlaps steps, which the cost model does not model)."""
     from engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=model, **{"async_scheduling": False, **config_kw}), log=log)
@@ -442,10 +439,8 @@ def kv_blocks(s: Sizes, kv_seqs: float) -> int:
 
 
 def calibration_workload(s: Sizes) -> list[SimRequest]:
-    """Not the validation workloads: 3 x max_num_seqs requests at t=0 with exponential
-    output lengths and a wide prompt range. The first max_num_seqs board in a few large
-    prefill steps; the rest join one or two at a time as seats free (small prefill steps
-    of many sizes), and the tail drains through every decode row bucket."""
+    """3 x max_num_seqs requests at t=0, exponential output lengths, wide prompts: a few large
+    prefill steps, then small ones of many sizes as seats free, then every decode bucket."""
     (prompt_len, mean, cap) = s.calib
     reqs = exponential_mix(3 * s.max_num_seqs, s.vocab_size, mean=mean, cap=cap, prompt_len=prompt_len, seed=7)
     return [SimRequest(0.0, r.prompt_token_ids, r.max_tokens) for r in reqs]
@@ -509,10 +504,8 @@ def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict
 
 
 def fresh_scheduler(engine, num_kv_blocks: int, **config: Any) -> Scheduler:
-    """A new scheduler on the same engine (same compiled programs, KV arrays and host swap
-    pool), with `num_kv_blocks` of them (at most the arrays' own) and `config` changed
-    (scheduling, scheduling_policy, preemption_mode): continuous, static, every policy and a
-    tight KV budget run without compiling twice."""
+    """A new scheduler on the same engine (compiled programs, KV arrays, host swap pool) with
+    num_kv_blocks (at most the arrays') and `config` changed (scheduling, policy, preemption)."""
     assert not engine.has_unfinished() and num_kv_blocks <= engine.num_kv_blocks
     engine.config = dataclasses.replace(engine.config, **config)
     engine.runner.config = engine.config
