@@ -6,11 +6,13 @@ Schemes (a `QuantLinear` holds one; model.py declares the arrays beside each lin
         kernel converted to the activation dtype and multiplies its [T, out] result:
         dequantization in the dot's epilogue.
   q8_0  GGUF Q8_0 served as the file stores it: int8 in blocks of 32 input features,
-        `block_scale` [in/32, out] (w = q * d).
+        `block_scale` [in/32, out] float16, the file's own scales (w = q * d): 8.5 bits
+        a weight.
   q4_0  GGUF Q4_0: 4-bit codes packed two per byte, kernel uint8 [in/2, out], in the
         file's nibble order (byte k of a block: element k low, element k+16 high),
-        w = (q - 8) * d.
-  q4_1  GGUF Q4_1: packed as q4_0, w = q * d + m (`block_min` [in/32, out]).
+        w = (q - 8) * d: 4.5 bits a weight.
+  q4_1  GGUF Q4_1: packed as q4_0, w = q * d + m (`block_min` [in/32, out] float16):
+        5 bits a weight.
 A block scale varies along the dot's reduction axis, so the blocked schemes unpack and
 scale one layer's kernel inside the jitted step, just before its dot (the layers run
 in a lax.scan: one layer's float kernel is live at a time, never the model's).
@@ -87,9 +89,9 @@ class QuantLinear(nnx.Module):
         if scheme == "int8":
             self.scale = nnx.Param(jnp.ones((n_out,), jnp.float32))
         else:
-            self.block_scale = nnx.Param(jnp.ones((n_in // GGUF_BLOCK, n_out), jnp.float32))
+            self.block_scale = nnx.Param(jnp.ones((n_in // GGUF_BLOCK, n_out), jnp.float16))
         if scheme == "q4_1":
-            self.block_min = nnx.Param(jnp.zeros((n_in // GGUF_BLOCK, n_out), jnp.float32))
+            self.block_min = nnx.Param(jnp.zeros((n_in // GGUF_BLOCK, n_out), jnp.float16))
         self.bias = nnx.Param(jnp.zeros((n_out,), dtype)) if bias else None
 
     def dequantized_kernel(self, dtype: jnp.dtype) -> jax.Array:
@@ -104,9 +106,9 @@ class QuantLinear(nnx.Module):
         q = q.reshape(nb, GGUF_BLOCK, n_out).astype(jnp.float32)
         if self.scheme == "q4_0":
             q = q - 8.0
-        w = q * self.block_scale[...][:, None, :]
+        w = q * self.block_scale[...].astype(jnp.float32)[:, None, :]
         if self.scheme == "q4_1":
-            w = w + self.block_min[...][:, None, :]
+            w = w + self.block_min[...].astype(jnp.float32)[:, None, :]
         return w.reshape(self.n_in, n_out).astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -123,7 +125,7 @@ class QuantLinear(nnx.Module):
 @dataclass
 class GGUFBlocks:
     """A GGUF Q8_0 / Q4_0 / Q4_1 tensor as stored, unpacked to [out, in] codes (HF's
-    layout): q int8 (Q8_0) or uint8 0..15 (Q4), d and m [out, in/32] float32."""
+    layout): q int8 (Q8_0) or uint8 0..15 (Q4), d and m [out, in/32] (float16 values, as float32)."""
 
     kind: str  # "q8_0", "q4_0", "q4_1"
     q: np.ndarray
@@ -192,9 +194,10 @@ def encode(x: np.ndarray | GGUFBlocks, scheme: str) -> dict[str, np.ndarray]:
     if not isinstance(x, GGUFBlocks) or x.kind != scheme:
         got = x.kind if isinstance(x, GGUFBlocks) else "a float tensor"
         raise ValueError(f"a {scheme} kernel is read from GGUF {scheme.upper()} blocks, got {got}")
-    parts = {"block_scale": x.d.T.copy()}
+    # the file's scales are float16: kept so, exactly
+    parts = {"block_scale": x.d.T.astype(np.float16)}
     if scheme == "q4_1":
-        parts["block_min"] = x.m.T.copy()
+        parts["block_min"] = x.m.T.astype(np.float16)
     q = x.q
     if scheme in PACKED:
         out, n_in = q.shape
