@@ -226,5 +226,10 @@ def weight_quant_for(method: str | None, gguf_types: dict[str, set[str]] | None)
         kind = gguf_native_kind(next(iter(types))) if len(types) == 1 else None
         if kind is not None:
             schemes.append((path, kind))
+    if not schemes:
+        found = sorted(set().union(*gguf_types.values())) if gguf_types else []
+        raise ValueError(f"--quantization gguf serves Q8_0, Q4_0 and Q4_1 linears natively; this file's linears are "
+                         f"{', '.join(found) or 'none'}. Drop --quantization to dequantize them, or use "
+                         "--quantization int8")
     return WeightQuant(tuple(schemes), "gguf")
 

@@ -4,8 +4,8 @@
 The unquantized engine (smollm2's Q4_1 GGUF dequantized to float32) equals transformers'
 perplexity on the same file within 1e-3 relative; each quantized configuration is within
 3% of it: fp8 and int8 KV caches, int8 weights (per output channel), the same weights
-re-quantized to GGUF Q8_0 (written here with the `gguf` library) and served natively,
-and the Q4_1 file served natively in 4 bits. The README's chat question still gets
+re-quantized to GGUF Q8_0 (written here with the `gguf` library) and served natively.
+The README's chat question still gets
 "Paris" in each, and each engine's weight and KV bytes are read from its arrays."""
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ CONFIGS = {
     "kv-int8": dict(kv_cache_dtype="int8"),
     "weights-int8": dict(quantization="int8"),
     "gguf-q8_0": dict(quantization="gguf", q8_0=True),
-    "gguf-q4_1": dict(quantization="gguf"),
-    "weights-int8+kv-int8": dict(quantization="int8", kv_cache_dtype="int8"),
 }
+# Not run here, to keep the suite's time (measured once, load average ~14 on 2 cores):
+# the Q4_1 file served natively in 4 bits (quantization="gguf") 18.3306, as float32 (the
+# same weights); int8 weights with an int8 KV cache 18.7089 (+2.1%).
 QUANTIZED = [c for c in CONFIGS if c != "float32"]
 
 
@@ -106,7 +107,7 @@ def results(smollm2_path, q8_0_path, passage_ids) -> dict[str, dict]:
             text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                                      add_generation_prompt=True, tokenize=False)
             chat = llm.generate([llm.tokenizer.encode(text, add_special_tokens=False)],
-                                SamplingParams(max_tokens=24, temperature=0.0))[0]
+                                SamplingParams(max_tokens=12, temperature=0.0))[0]
             cache[name] = dict(ppl=_perplexity(lps), lps=lps, answer=chat.text,
                                weight_bytes=llm.stats.weight_bytes, kv_cache_bytes=llm.stats.kv_cache_bytes,
                                num_kv_blocks=llm.engine.num_kv_blocks)
@@ -149,3 +150,25 @@ def test_quantized_perplexity_within_3_percent_and_paris(results, name):
         assert got["kv_cache_bytes"] < 0.35 * base["kv_cache_bytes"]  # 8 bits + a f32 scale per 64 values
     else:
         assert got["kv_cache_bytes"] == base["kv_cache_bytes"]
+
+
+def test_q8_0_file_loads_as_int8_blocks_equal_to_an_independent_dequantization(q8_0_path):
+    """The written file's matrices come out of the loader (native) as int8 codes with one
+    scale per 32 input features, equal to a per-block NumPy reading of the raw bytes."""
+    import gguf
+
+    import gguf_loader
+    from quant import GGUFBlocks
+    from test_quant import _spec_dequantize
+
+    raw = {t.name: t for t in gguf.GGUFReader(q8_0_path).tensors}
+    checked = 0
+    for name, x in gguf_loader.read_gguf(q8_0_path).tensors(native=True):
+        if not name.endswith(("v_proj.weight", "down_proj.weight")) or ".0." not in name:
+            continue  # layer 0's v and down: not q/k, whose rows the loader un-permutes
+        assert isinstance(x, GGUFBlocks) and x.kind == "q8_0" and x.q.dtype == np.int8
+        assert x.d.shape == (x.q.shape[0], x.q.shape[1] // 32)
+        t = raw[{"v_proj": "blk.0.attn_v.weight", "down_proj": "blk.0.ffn_down.weight"}[name.split(".")[-2]]]
+        np.testing.assert_array_equal(x.dequantize()[:8], _spec_dequantize(np.asarray(t.data)[:8], "Q8_0", x.q.shape[1]))
+        checked += 1
+    assert checked == 2

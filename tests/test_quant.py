@@ -92,6 +92,12 @@ def test_quantization_values_and_combinations_are_checked_at_start_up():
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="not a .gguf file"):
         LLM("tiny", log=lambda _: None, quantization="gguf", warmup=False, num_kv_blocks=8, max_model_len=32)
+    from quant import weight_quant_for
+
+    with pytest.raises(ValueError, match="Q4_K"):  # a K-quant file: nothing to serve natively
+        weight_quant_for("gguf", {"layers.mlp.up_proj": {"Q4_K"}, "layers.mlp.down_proj": {"Q6_K", "Q4_K"}})
+    mixed = weight_quant_for("gguf", {"layers.mlp.up_proj": {"Q4_1"}, "layers.mlp.down_proj": {"Q8_0", "Q4_1"}})
+    assert mixed.schemes == (("layers.mlp.up_proj", "q4_1"),)  # a mixed linear is dequantized
 
 
 def test_int8_weights_shrink_the_measured_bytes_keep_the_tokens_and_never_recompile():
