@@ -88,8 +88,14 @@ def test_gguf_blocks_parse_as_the_format_says_and_the_jitted_unpacking_matches(k
 
 
 def test_quantization_values_and_combinations_are_checked_at_start_up():
+    from server import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["--quantization", "int8"])).quantization == "int8"
+    assert engine_config(build_parser().parse_args([])).quantization is None
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="int4")
+        engine_config(build_parser().parse_args(["--quantization", "int4"]))
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="fp8")
     with pytest.raises(ValueError, match="not a .gguf file"):
         LLM("tiny", log=lambda _: None, quantization="gguf", warmup=False, num_kv_blocks=8, max_model_len=32)
     from quant import weight_quant_for
