@@ -10,7 +10,8 @@ call the attention backend (see docs/ARCHITECTURE.md for the cache layout and
 attention_backend.py for the backends).
 
 Numerics: matmuls run in the parameter dtype (float32 or bfloat16); RMSNorm, RoPE,
-softmax (inside the backend) and the logits are float32.
+softmax (inside the backend) and the logits are float32. Quantized linears (quant.py)
+convert their codes to that dtype inside the step.
 """
 
 from __future__ import annotations
