@@ -45,6 +45,8 @@ def save(loaded: LoadedModel, dst: str) -> None:
     """Write loaded's parameters (as loaded: no tensor-parallel KV head copies) to dst."""
     import orbax.checkpoint as ocp
 
+    if loaded.quant is not None:  # the orbax layout holds float parameters; quantize when loading
+        raise ValueError("checkpoint convert saves float weights; pass --quantization when serving the result")
     dst = os.path.abspath(dst)
     if os.path.exists(dst) and os.listdir(dst):
         raise FileExistsError(f"{dst} exists and is not empty")

@@ -75,6 +75,9 @@ class EngineConfig:
     distributed_coordinator: str | None = None  # HOST:PORT of process 0's coordination service
     num_processes: int = 1
     process_id: int = 0
+    # vLLM's --quantization (weight-only, quant.py): int8 (per output channel, any checkpoint)
+    # or gguf (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks served as stored); None: model dtype
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -122,6 +125,8 @@ class EngineConfig:
             host, _, port = self.distributed_coordinator.rpartition(":")
             need(bool(host) and port.isdigit() and 0 < int(port) < 65536,
                  f"distributed_coordinator must be HOST:PORT, got {self.distributed_coordinator!r}")
+        need(self.quantization in (None, "int8", "gguf"),
+             f"quantization must be int8 or gguf (or unset), got {self.quantization!r}")
         if self.max_num_batched_tokens is not None:
             need(self.max_num_batched_tokens >= self.max_num_seqs,
                  f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "

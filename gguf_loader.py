@@ -2,7 +2,8 @@
 
 A GGUF file holds the architecture as metadata, the tensors (often quantized) and the
 tokenizer. This module turns it into what the Hugging Face path of model.py already
-consumes: an HF config.json dict and HF-named, dequantized tensors. Which architectures
+consumes: an HF config.json dict and HF-named tensors, dequantized to float32, or, served
+natively (--quantization gguf), the Q8_0 / Q4_0 / Q4_1 blocks as stored (quant.GGUFBlocks). Which architectures
 it reads and every tensor's GGUF name come from model.py (its family table and the
 weights each layer declares). The tokenizer and chat template are built from the file's
 `tokenizer.*` metadata (tokenizer.py).
@@ -25,13 +26,16 @@ from typing import Any
 import numpy as np
 
 from model import FAMILIES, Decoder, Family
+from quant import LAYER_LINEARS, GGUFBlocks, gguf_native_kind, parse_gguf_blocks
 
 # The quantization types we dequantize (all through gguf.quants); anything else is a
 # clear error naming the type rather than a silently wrong tensor.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # GGUF name -> HF name of every weight the decoder declares ("{}": the layer index).
-_HF_NAMES = {w.gguf: w.hf for w in Decoder.WEIGHTS.values()}
+_HF_NAMES = {w.gguf: w.hf for w in Decoder.WEIGHTS.values() if w.gguf}
+# GGUF name of each decoder-layer linear's weight ("blk.{}.attn_q.weight") -> its nnx path
+_LINEAR_PATHS = {Decoder.WEIGHTS[f"{p}.kernel"].gguf: p for p in LAYER_LINEARS}
 
 
 def hf_name(gguf_name: str) -> str:
@@ -60,20 +64,38 @@ class GGUFCheckpoint:
     file_type: str  # the dominant tensor type, e.g. "Q4_1" (for the start-up line and dtype=auto)
     tokenizer_metadata: dict[str, Any] | None  # tokenizer.* keys (tokenizer.gguf_tokenizer); None: the file has none
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(HF name, float32 array in HF's [out, in] layout), one tensor at a time."""
+    def tensors(self, native: bool = False) -> Iterator[tuple[str, np.ndarray | GGUFBlocks]]:
+        """(HF name, float32 array in HF's [out, in] layout), one tensor at a time;
+        native: Q8_0 / Q4_0 / Q4_1 matrices as their blocks (GGUFBlocks, same layout)."""
         import gguf
 
         reader = gguf.GGUFReader(self.path)
         cfg = self.hf_config
         permuted = FAMILIES[cfg["model_type"]].gguf_qk_permuted
         for t in reader.tensors:
-            x = dequantize(t.data, t.tensor_type, t.name).reshape(tuple(int(d) for d in reversed(t.shape)))
-            if permuted and ".attn_q." in t.name:
-                x = unpermute_qk(x, cfg["num_attention_heads"])
-            elif permuted and ".attn_k." in t.name:
-                x = unpermute_qk(x, cfg["num_key_value_heads"])
+            shape = tuple(int(d) for d in reversed(t.shape))
+            kind = gguf.GGMLQuantizationType(t.tensor_type).name
+            if native and len(shape) == 2 and gguf_native_kind(kind):
+                x: np.ndarray | GGUFBlocks = parse_gguf_blocks(t.data, kind, shape)
+            else:
+                x = dequantize(t.data, t.tensor_type, t.name).reshape(shape)
+            heads = (cfg["num_attention_heads"] if ".attn_q." in t.name
+                     else cfg["num_key_value_heads"] if ".attn_k." in t.name else None)
+            if permuted and heads is not None:
+                x = x.map_rows(lambda r: unpermute_qk(r, heads)) if isinstance(x, GGUFBlocks) else unpermute_qk(x, heads)
             yield hf_name(t.name), x
+
+    def linear_types(self) -> dict[str, set[str]]:
+        """Each decoder-layer linear (quant.LAYER_LINEARS path) -> the GGUF types its layers are stored in."""
+        import gguf
+
+        out: dict[str, set[str]] = {}
+        for t in gguf.GGUFReader(self.path).tensors:
+            parts = t.name.split(".", 2)
+            path = _LINEAR_PATHS.get(f"blk.{{}}.{parts[2]}") if len(parts) == 3 and parts[0] == "blk" else None
+            if path is not None:
+                out.setdefault(path, set()).add(gguf.GGMLQuantizationType(t.tensor_type).name)
+        return out
 
 
 def dequantize(data: np.ndarray, qtype: Any, name: str) -> np.ndarray:

@@ -158,6 +158,9 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use, 0..1
     num_kv_blocks: int = 0  # usable blocks (the null block excluded)
     kv_cache_dtype: str = ""  # what the cache stores: the model dtype's name, or --kv-cache-dtype
+    # device bytes, measured from the live arrays' shards on this process's devices (all of them)
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
     # counters
     num_preemptions: int = 0
     recomputed_tokens: int = 0  # the recompute tax: tokens computed again after a preemption dropped them

@@ -10,7 +10,8 @@ call the attention backend (see docs/ARCHITECTURE.md for the cache layout and
 attention_backend.py for the backends).
 
 Numerics: matmuls run in the parameter dtype (float32 or bfloat16); RMSNorm, RoPE,
-softmax (inside the backend) and the logits are float32.
+softmax (inside the backend) and the logits are float32. Quantized linears (quant.py)
+convert their codes to that dtype inside the step.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from flax import nnx
 
 from attention_backend import AttentionBackend
 from kernels_pallas import QuantizedKV, quantize_kv
+from quant import GGUFBlocks, QuantLinear, WeightQuant, encode, weight_quant_for
 from tokenizer import ByteTokenizer, gguf_tokenizer, load_tokenizer
 
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -192,6 +194,9 @@ class Weight:
     gguf: str  # its name in llama.cpp's GGUF files
     axes: tuple[str, ...]  # the logical axis of each dim; parallel.RULES maps them onto the mesh
     transposed: bool = False  # checkpoints store it [out, in] (torch Linear); here it is [in, out]
+    # A quantized kernel's scales (quant.py): computed from, or stored inside the blocks of,
+    # the kernel's checkpoint tensor; never a tensor of their own.
+    derived: bool = False
 
     @property
     def stacked(self) -> bool:
@@ -200,9 +205,14 @@ class Weight:
 
 
 def _linear_weights(name: str, gguf: str, axes: tuple[str, str], bias: bool = True) -> dict[str, Weight]:
-    """An nnx.Linear's kernel [in, out] and, where a config may give it one, its bias [out]."""
+    """A linear's kernel [in, out] and, where a config may give it one, its bias [out];
+    quantized (quant.QuantLinear), the kernel holds codes and beside it go a per-channel
+    scale [out] or per-block scales (and minima) [in/32, out], split over the mesh with it."""
     kernel = {f"{name}.kernel": Weight(f"{name}.weight", f"{gguf}.weight", axes, transposed=True)}
-    return kernel | ({f"{name}.bias": Weight(f"{name}.bias", f"{gguf}.bias", axes[1:])} if bias else {})
+    scales = {f"{name}.scale": Weight(f"{name}.weight_scale", "", axes[1:], derived=True),
+              f"{name}.block_scale": Weight(f"{name}.weight_block_scale", "", axes, derived=True),
+              f"{name}.block_min": Weight(f"{name}.weight_block_min", "", axes, derived=True)}
+    return kernel | scales | ({f"{name}.bias": Weight(f"{name}.bias", f"{gguf}.bias", axes[1:])} if bias else {})
 
 
 def _sublayer(attr: str, weights: dict[str, Weight], hf: str, gguf: str,
@@ -253,7 +263,10 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype) * self.weight[...]  # as HF: normalise in f32, scale in dtype
 
 
-def _linear(n_in: int, n_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+def _linear(n_in: int, n_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
+            scheme: str | None = None) -> nnx.Linear | QuantLinear:
+    if scheme is not None:  # filled by loading (model_from_hf_tensors)
+        return QuantLinear(n_in, n_out, bias, dtype, scheme)
     # std 1/sqrt(fan_in) keeps every sublayer's output O(1), so a random model's context
     # visibly moves its logits (real weights are loaded over this anyway).
     return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
@@ -280,13 +293,14 @@ class Attention(nnx.Module):
                "q_norm.weight": Weight("q_norm.weight", "attn_q_norm.weight", ("head_dim",)),
                "k_norm.weight": Weight("k_norm.weight", "attn_k_norm.weight", ("head_dim",))}
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: WeightQuant | None = None):
         self.cfg = cfg
         h, d, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        self.q_proj = _linear(h, nq * d, cfg.attention_bias, dtype, rngs)
-        self.k_proj = _linear(h, nkv * d, cfg.attention_bias, dtype, rngs)
-        self.v_proj = _linear(h, nkv * d, cfg.attention_bias, dtype, rngs)
-        self.o_proj = _linear(nq * d, h, cfg.o_proj_bias, dtype, rngs)
+        s = (lambda name: quant.scheme(f"layers.self_attn.{name}")) if quant else (lambda name: None)
+        self.q_proj = _linear(h, nq * d, cfg.attention_bias, dtype, rngs, s("q_proj"))
+        self.k_proj = _linear(h, nkv * d, cfg.attention_bias, dtype, rngs, s("k_proj"))
+        self.v_proj = _linear(h, nkv * d, cfg.attention_bias, dtype, rngs, s("v_proj"))
+        self.o_proj = _linear(nq * d, h, cfg.o_proj_bias, dtype, rngs, s("o_proj"))
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -321,11 +335,12 @@ class MLP(nnx.Module):
                **_linear_weights("up_proj", "ffn_up", ("embed", "mlp"), bias=False),
                **_linear_weights("down_proj", "ffn_down", ("mlp", "embed"), bias=False)}
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: WeightQuant | None = None):
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(h, i, False, dtype, rngs)
-        self.up_proj = _linear(h, i, False, dtype, rngs)
-        self.down_proj = _linear(i, h, False, dtype, rngs)
+        s = (lambda name: quant.scheme(f"layers.mlp.{name}")) if quant else (lambda name: None)
+        self.gate_proj = _linear(h, i, False, dtype, rngs, s("gate_proj"))
+        self.up_proj = _linear(h, i, False, dtype, rngs, s("up_proj"))
+        self.down_proj = _linear(i, h, False, dtype, rngs, s("down_proj"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -338,11 +353,11 @@ class DecoderLayer(nnx.Module):
                **_sublayer("self_attn", Attention.WEIGHTS, "self_attn.", ""),
                **_sublayer("mlp", MLP.WEIGHTS, "mlp.", "")}
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, quant: WeightQuant | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, rngs, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, quant)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv_cache: tuple[jax.Array, jax.Array],
                  attn: AttentionInputs, backend: AttentionBackend,
@@ -376,7 +391,10 @@ class Decoder(nnx.Module):
                "norm.weight": Weight("model.norm.weight", "output_norm.weight", ("embed",)),
                "lm_head.kernel": Weight("lm_head.weight", "output.weight", ("embed", "vocab"), transposed=True)}
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype | str = jnp.float32, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype | str = jnp.float32, quant: WeightQuant | None = None, *,
+                 rngs: nnx.Rngs):
+        """quant: the linears stored quantized (quant.py); their arrays are placeholders
+        until model_from_hf_tensors fills them."""
         dtype = jnp.dtype(dtype)
         self.config = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
@@ -385,7 +403,7 @@ class Decoder(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_hidden_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def stacked_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, dtype, rngs)
+            return DecoderLayer(cfg, dtype, rngs, quant)
 
         self.layers = stacked_layers(rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -432,6 +450,12 @@ def param_bytes(model: Decoder) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def device_bytes(tree: Any) -> int:
+    """Bytes the live arrays of `tree` occupy on this process's devices, read from their
+    addressable shards (so replicated arrays count once per device holding them)."""
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards)
+
+
 # ---- built-in models and loading -------------------------------------------------
 
 _BYTE = ByteTokenizer()
@@ -456,6 +480,7 @@ class LoadedModel:
     tokenizer: Any | None  # ByteTokenizer, a transformers tokenizer, or None (token ids only)
     name: str
     dtype: jnp.dtype
+    quant: WeightQuant | None = None  # the linears stored quantized (quant.py)
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> jnp.dtype:
@@ -469,12 +494,14 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> jnp.dtype:
 
 
 def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
-               log: Callable[[str], None] = print) -> LoadedModel:
+               log: Callable[[str], None] = print, quantization: str | None = None) -> LoadedModel:
     """A built-in random model ("tiny", "bench"), the built-in real model ("smollm2", a
-    GGUF fetched on first use), a .gguf file, or an HF checkpoint directory."""
+    GGUF fetched on first use), a .gguf file, or an HF checkpoint directory; its decoder
+    layers' linears quantized as --quantization says (quant.py)."""
     if model in BUILTIN_MODELS:
         cfg, dt = BUILTIN_MODELS[model], resolve_dtype(dtype, None)
-        return LoadedModel(init_model(cfg, dt, seed), cfg, ByteTokenizer(), model, dt)
+        loaded = LoadedModel(init_model(cfg, dt, seed), cfg, ByteTokenizer(), model, dt)
+        return quantize_loaded(loaded, weight_quant_for(quantization, None))
     # A GGUF file comes as the same HF config dict and HF-named tensors as a checkpoint directory.
     import gguf_loader
 
@@ -484,9 +511,13 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
         cfg = ModelConfig.from_hf(ckpt.hf_config)
         dt = resolve_dtype(dtype, "bfloat16" if ckpt.file_type == "BF16" else None)
         tokenizer = gguf_tokenizer(ckpt.tokenizer_metadata) if ckpt.tokenizer_metadata else None
-        log(f"model: {path} ({ckpt.file_type} GGUF, dequantized to {np.dtype(dt).name})")
-        return LoadedModel(model_from_hf_tensors(cfg, dt, ckpt.tensors(), f"checkpoint {path}"),
-                           cfg, tokenizer, model, dt)
+        quant = weight_quant_for(quantization, ckpt.linear_types())
+        native = quant is not None and quant.method == "gguf"
+        served = (f"{quant.describe()}, the rest dequantized to {np.dtype(dt).name}" if native
+                  else f"dequantized to {np.dtype(dt).name}" + (f", then {quant.describe()}" if quant else ""))
+        log(f"model: {path} ({ckpt.file_type} GGUF, {served})")
+        return LoadedModel(model_from_hf_tensors(cfg, dt, ckpt.tensors(native=native), f"checkpoint {path}", quant),
+                           cfg, tokenizer, model, dt, quant)
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise FileNotFoundError(f"model {model!r} is neither a built-in model "
                                 f"({', '.join([*BUILTIN_MODELS, *gguf_loader.BUILTIN_GGUF])}), a .gguf file, "
@@ -500,8 +531,20 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
             extra = _id_tuple(json.load(f).get("eos_token_id"))
         cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
     dt = resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
-    return LoadedModel(model_from_hf_tensors(cfg, dt, _safetensors_tensors(model), f"checkpoint {model}"),
-                       cfg, load_tokenizer(model), model, dt)
+    quant = weight_quant_for(quantization, None)
+    return LoadedModel(model_from_hf_tensors(cfg, dt, _safetensors_tensors(model), f"checkpoint {model}", quant),
+                       cfg, load_tokenizer(model), model, dt, quant)
+
+
+def quantize_loaded(loaded: LoadedModel, quant: WeightQuant | None) -> LoadedModel:
+    """A float model already in memory (a built-in model, an orbax checkpoint) with its
+    linears quantized as `quant` says, through the same loading path as a checkpoint."""
+    if quant is None:
+        return loaded
+    assert loaded.quant is None, "the model is quantized already"
+    model = model_from_hf_tensors(loaded.config, loaded.dtype, hf_state_dict(loaded.model).items(),
+                                  loaded.name, quant)
+    return replace(loaded, model=model, quant=quant)
 
 
 def declared_weight(path: tuple[Any, ...]) -> Weight:
@@ -511,8 +554,10 @@ def declared_weight(path: tuple[Any, ...]) -> Weight:
 
 def hf_tensor_names(path: tuple[Any, ...], num_layers: int) -> list[str]:
     """The HF tensor names the parameter at `path` holds: one per layer, in order, for
-    a stacked layer parameter."""
+    a stacked layer parameter (none for a quantized kernel's scales: they come with it)."""
     w = declared_weight(path)
+    if w.derived:
+        return []
     return [w.hf.format(i) for i in range(num_layers)] if w.stacked else [w.hf]
 
 
@@ -521,6 +566,8 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         w, x = declared_weight(path), np.asarray(var.get_value())
+        if w.derived or x.dtype in (np.int8, np.uint8):
+            raise ValueError("a model with quantized weights has no HF state dict (its float weights are gone)")
         for i, name in enumerate(hf_tensor_names(path, model.config.num_hidden_layers)):
             t = x[i] if w.stacked else x
             out[name] = np.ascontiguousarray(t.T if w.transposed else t)
@@ -528,12 +575,15 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
 
 
 def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[tuple[str, Any]],
-                          source: str = "the checkpoint") -> Decoder:
+                          source: str = "the checkpoint", quant: WeightQuant | None = None) -> Decoder:
     """Build the model from (HF tensor name, array) pairs, the one loading path for every
     checkpoint format: per-layer tensors are copied into their layer of the stacked
-    params. Raises ValueError on an unexpected, misshapen or missing tensor."""
+    params; a quantized linear's tensor (float, or GGUF blocks: quant.GGUFBlocks) is
+    encoded into its codes and scales one layer at a time, so no float copy of a
+    quantized parameter is ever whole. Raises ValueError on an unexpected, misshapen or
+    missing tensor."""
     # Build the module abstractly (no random init), then fill each param from the tensors.
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype, rngs=nnx.Rngs(0))))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype, quant, rngs=nnx.Rngs(0))))
     L = cfg.num_hidden_layers
     wanted: dict[str, tuple[tuple[Any, ...], int | None, bool]] = {}
     buffers: dict[tuple[Any, ...], np.ndarray] = {}
@@ -542,7 +592,9 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
         w = declared_weight(p)
         for i, name in enumerate(hf_tensor_names(p, L)):
             wanted[name] = (p, i if w.stacked else None, w.transposed)
-        buffers[p] = np.empty(var.get_value().shape, dtype)
+        buffers[p] = np.empty(var.get_value().shape, var.get_value().dtype)
+    # A quantized linear: its kernel's path -> its scheme
+    schemes = {p: quant.scheme(".".join(map(str, p[:-1]))) for p in variables if quant and p[-1] == "kernel"}
     seen: set[str] = set()
     for name, x in tensors:
         if name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight"):
@@ -550,8 +602,19 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
         if name not in wanted:
             raise ValueError(f"unexpected tensor {name!r} in {source}")
         p, layer, transpose = wanted[name]
-        x = np.asarray(x)
-        dest = buffers[p] if layer is None else buffers[p][layer]
+        at = (lambda q: buffers[q]) if layer is None else (lambda q: buffers[q][layer])
+        scheme = schemes.get(p)
+        if scheme is not None:
+            lin = variables[p[:-1] + ("kernel",)].get_value().shape  # [(L,) in or in/2, out]
+            want = (lin[-1], lin[-2] * (2 if scheme in ("q4_0", "q4_1") else 1))
+            if tuple(x.shape) != want:
+                raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}, expected {want}")
+            for part, arr in encode(x, scheme).items():
+                at(p[:-1] + (part,))[...] = arr
+            seen.add(name)
+            continue
+        x = x.dequantize() if isinstance(x, GGUFBlocks) else np.asarray(x)
+        dest = at(p)
         want = dest.shape[::-1] if transpose else dest.shape
         if x.shape != want:
             raise ValueError(f"tensor {name!r} has shape {x.shape}, expected {want}")

@@ -109,13 +109,22 @@ def shard_model(loaded: LoadedModel, mesh: Mesh) -> LoadedModel:
     cfg, tp = loaded.config, mesh.size
     r = kv_head_replicas(cfg, tp)
     run_cfg = replace(cfg, num_key_value_heads=cfg.num_key_value_heads * r)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(run_cfg, loaded.dtype, rngs=nnx.Rngs(0))))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(run_cfg, loaded.dtype, loaded.quant, rngs=nnx.Rngs(0))))
     placed = []
     for path, var in nnx.to_flat_state(nnx.state(loaded.model, nnx.Param)):
         x, axes = var.get_value(), declared_weight(path).axes
         if r > 1 and "kv_heads" in axes:
             x = _repeat_heads(jnp.asarray(x), axes.index("kv_heads"), cfg.num_key_value_heads, r)
-        placed.append((path, var.replace(_put(x, NamedSharding(mesh, param_spec(path, run_cfg, tp))))))
+        spec = param_spec(path, run_cfg, tp)
+        for dim, name in zip(x.shape, spec):
+            # a quantized kernel's codes, scales and blocks go with their features: a split
+            # that would cut a GGUF block of 32 input features is refused here
+            if name == AXIS and dim % tp:
+                raise ValueError(f"tensor_parallel_size {tp} cannot split {'.'.join(map(str, path))} "
+                                 f"{tuple(x.shape)} evenly (quantized in blocks: {loaded.quant.describe()})"
+                                 if loaded.quant else f"tensor_parallel_size {tp} cannot split "
+                                 f"{'.'.join(map(str, path))} {tuple(x.shape)} evenly")
+        placed.append((path, var.replace(_put(x, NamedSharding(mesh, spec)))))
     model = nnx.merge(graphdef, nnx.from_flat_state(placed))
     return replace(loaded, model=model, config=run_cfg)
 

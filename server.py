@@ -462,6 +462,8 @@ _GAUGES = [  # (metric, EngineStats attribute, help)
     ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of usable KV cache blocks in use (0..1)."),
     ("slot_utilization", "slot_utilization", "Useful slot-steps / total slot-steps since start."),
     ("num_kv_blocks", "num_kv_blocks", "Usable KV cache blocks (the null block excluded)."),
+    ("weight_bytes", "weight_bytes", "Device bytes of the weights, from the arrays' shards (all local devices)."),
+    ("kv_cache_bytes", "kv_cache_bytes", "Device bytes of the KV cache, from the arrays' shards (all local devices)."),
 ]
 _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (recompute or swap)."),
@@ -587,6 +589,9 @@ _HELP = {  # EngineConfig fields; config.py says more
     "distributed_coordinator": "HOST:PORT of process 0 for a multi-host run (jax.distributed); None: one process",
     "num_processes": "processes in a multi-host run (one per host); process 0 schedules and serves HTTP",
     "process_id": "this process's rank in a multi-host run",
+    "quantization": "weight-only quantization of the decoder layers' linears: int8 (per output channel, any "
+                    "checkpoint) or gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored); None: the model dtype "
+                    "(a GGUF file dequantized)",
 }
 
 

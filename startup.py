@@ -21,11 +21,12 @@ from jax.sharding import Mesh
 
 import checkpoint
 import distributed
+from quant import weight_quant_for
 import gguf_loader
 from config import EngineConfig
 from kvcache import describe, kv_cache_bytes_per_block, measure_activation_bytes, num_kv_blocks_for
 from metrics import EngineStats
-from model import LoadedModel, load_model, param_bytes
+from model import LoadedModel, device_bytes, load_model, param_bytes, quantize_loaded
 from parallel import make_mesh, max_bytes_per_device, shard_model
 from runner import ModelRunner
 from scheduler import Scheduler
@@ -48,8 +49,9 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
     if checkpoint.is_checkpoint(config.model):  # orbax: restored straight onto the mesh
         loaded: LoadedModel = checkpoint.load(config.model, config.dtype, mesh)
+        loaded = quantize_loaded(loaded, weight_quant_for(config.quantization, None))
     else:
-        loaded = load_model(config.model, config.dtype, config.seed, log=log)
+        loaded = load_model(config.model, config.dtype, config.seed, log=log, quantization=config.quantization)
     if mesh is not None:
         loaded = shard_model(loaded, mesh)
     config = config.resolved(loaded.config.max_model_len)
@@ -87,6 +89,10 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     else:  # the profiling runner: its small cache is gone, the real one takes its place
         runner.kv_caches = runner.allocate_kv_caches(num_blocks)
         runner.num_swap_blocks = num_swap_blocks
+    stats.weight_bytes = device_bytes(nnx.state(loaded.model, nnx.Param))
+    stats.kv_cache_bytes = device_bytes(runner.kv_caches)
+    log(f"memory (measured on the devices): weights {stats.weight_bytes / 2**20:.1f} MiB"
+        f"{f' ({loaded.quant.describe()})' if loaded.quant else ''}, KV cache {stats.kv_cache_bytes / 2**20:.1f} MiB")
     if config.warmup:
         runner.warmup(log)
     if config.num_processes > 1 and config.process_id == 0:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
@@ -25,6 +27,8 @@ EXPORTED = {
     "taxirank:kv_cache_usage_perc": ("gauge", "Fraction of usable KV cache blocks in use (0..1)."),
     "taxirank:slot_utilization": ("gauge", "Useful slot-steps / total slot-steps since start."),
     "taxirank:num_kv_blocks": ("gauge", "Usable KV cache blocks (the null block excluded)."),
+    "taxirank:weight_bytes": ("gauge", "Device bytes of the weights, from the arrays' shards (all local devices)."),
+    "taxirank:kv_cache_bytes": ("gauge", "Device bytes of the KV cache, from the arrays' shards (all local devices)."),
     "taxirank:cache_config_info": ("gauge", "KV cache configuration (value 1): its stored dtype."),
     "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by what they wait for."),
     "taxirank:num_preemptions": ("counter", "Sequences preempted (recompute or swap)."),
@@ -121,6 +125,10 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
     assert val("taxirank:request_success_total", finished_reason="length") == n
     assert val("taxirank:num_kv_blocks") == 63 and val("taxirank:kv_cache_usage_perc") == 0
     assert val("taxirank:cache_config_info", cache_dtype="float32") == 1  # the tiny model's dtype
+    # memory, as the arrays hold it: the tiny model's parameters and the cache's blocks
+    assert val("taxirank:weight_bytes") == 4 * sum(p.size for p in jax.tree.leaves(nnx.state(llm.engine.loaded.model,
+                                                                                              nnx.Param)))
+    assert val("taxirank:kv_cache_bytes") == 2 * 2 * 64 * 16 * 2 * 16 * 4  # K,V x layers x blocks x bs x heads x D x f32
     assert val("taxirank:num_requests_running") == val("taxirank:num_requests_waiting") == 0
     assert 0 < val("taxirank:slot_utilization") <= 1
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):

@@ -257,10 +257,25 @@ def test_every_parameter_is_declared_once_with_axes_of_its_rank():
         hf += hf_tensor_names(path, cfg.num_hidden_layers)
         gguf.append(w.gguf)
     assert len(hf) == len(set(hf)) and len(gguf) == len(set(gguf))
-    assert len(flat) == len(Decoder.WEIGHTS)  # no declaration without its parameter
+    # quantized linears (quant.py): codes under the kernel's declaration, scales their own
+    from quant import LAYER_LINEARS, WeightQuant
+
+    seen = {p for p, _ in flat}
+    for scheme in ("int8", "q4_1"):
+        quant = WeightQuant(tuple((path, scheme) for path in LAYER_LINEARS), scheme)
+        for path, var in nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: Decoder(cfg, quant=quant,
+                                                                                     rngs=nnx.Rngs(0))), nnx.Param)):
+            assert len(declared_weight(path).axes) == var.get_value().ndim, (path, scheme)
+            seen.add(path)
+    assert len(seen) == len(Decoder.WEIGHTS)  # no declaration without its parameter
     spec = {".".join(map(str, p)): param_spec(p, cfg, 2) for p, _ in flat}
     assert spec["layers.self_attn.k_proj.kernel"] == P(None, None, "tp")
     assert spec["layers.self_attn.o_proj.kernel"] == P(None, "tp", None)
     assert spec["layers.self_attn.o_proj.bias"] == P(None, None)  # added once, after the sum
     assert spec["layers.mlp.down_proj.kernel"] == P(None, "tp", None)
+    # a quantized kernel's scales split with its features: per output channel with the
+    # output (column-parallel) or replicated (row-parallel), per input block with the input
+    assert param_spec(("layers", "self_attn", "q_proj", "scale"), cfg, 2) == P(None, "tp")
+    assert param_spec(("layers", "self_attn", "o_proj", "scale"), cfg, 2) == P(None, None)
+    assert param_spec(("layers", "mlp", "down_proj", "block_scale"), cfg, 2) == P(None, "tp", None)
     assert spec["embed_tokens.embedding"] == P("tp", None) and spec["norm.weight"] == P(None)

@@ -107,6 +107,10 @@ def tp_report(tmp_path_factory):
     # an 8-bit KV cache: values and their scales split over KV heads together
     for tp in (1, 4):
         cases[f"llama-kvint8-tp{tp}"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=tp, kv_cache_dtype="int8"))
+    # int8 weights (codes and per-channel scales split together) over an int8 KV cache
+    for tp in (1, 2, 4):
+        cases[f"llama-wint8-tp{tp}"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=tp,
+                                                                           kv_cache_dtype="int8", quantization="int8"))
     report = run_worker({"cases": cases, "cache": jax_test_cache_dir(),
                          "orbax": {"src": models["llama"], "dst": orbax_dir}})
     return {**report, "models": models}
@@ -182,7 +186,15 @@ def test_an_int8_kv_cache_gives_the_same_tokens_at_tp_4_as_at_tp_1(tp_report):
     assert ref["preemptions"] > 0 and got["tokens"] == ref["tokens"]
 
 
-@pytest.mark.parametrize("case,tp", [("llama-tp2", 2), ("llama-tp4", 4), ("qwen3-tp4", 4), ("llama-kvint8-tp4", 4)])
+def test_int8_weights_and_kv_give_the_same_tokens_at_tp_2_and_4_as_at_tp_1(tp_report):
+    ref = tp_report["llama-wint8-tp1"]
+    assert ref["preemptions"] > 0
+    for tp in (2, 4):
+        assert tp_report[f"llama-wint8-tp{tp}"]["tokens"] == ref["tokens"], tp
+
+
+@pytest.mark.parametrize("case,tp", [("llama-tp2", 2), ("llama-tp4", 4), ("qwen3-tp4", 4), ("llama-kvint8-tp4", 4),
+                                     ("llama-wint8-tp2", 2), ("llama-wint8-tp4", 4)])
 def test_each_device_holds_one_nth_of_weights_and_kv_cache(tp_report, case, tp):
     r = tp_report[case]
     # every q/k/v/o/gate/up/down kernel (stacked over layers) and the embedding at least

@@ -57,3 +57,19 @@ def test_prompt_logprobs_validated():
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_prompt_logprobs_in_row_chunks_with_a_ragged_last_chunk(checkpoint):
+    """A 200-token bucket is scored 128 rows at a time (runner.PROMPT_LOGPROB_ROWS), the
+    last chunk padded: every position still equals transformers'."""
+    import runner
+
+    assert 200 % runner.PROMPT_LOGPROB_ROWS
+    llm = LLM(checkpoint, log=lambda _: None, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=200,
+              num_kv_blocks=40, warmup=False, enable_prefix_caching=False)
+    prompt = np.random.default_rng(1).integers(3, 250, 190).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))[0]
+    ref = _log_softmax(hf_logits(checkpoint, prompt))
+    got = np.array([lp.logprob for lp in out.prompt_logprobs[1:]])
+    np.testing.assert_allclose(got, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-4)
+    assert [lp.top[0][0] for lp in out.prompt_logprobs[1:]] == ref[:-1].argmax(-1).tolist()
