@@ -240,20 +240,21 @@ class LLMEngine:
             self.trace.append(StepTrace.of(self.stats.num_steps, out, accepted, released,
                                            self.scheduler.num_running, self.scheduler.num_waiting))
         deltas: list[RequestOutputDelta] = []
+        add, delta, get = deltas.append, RequestOutputDelta, accepted.get  # locals: read per row
+        prompt_lps = self._prompt_lps
         # (A sequence that sampled was admitted: its num_cached_tokens is set, >= 0.)
         for sch in out.scheduled:  # once per running sequence in a decode step: kept lean
             if not sch.samples:
                 continue
             seq = sch.seq
             rid = seq.request_id
-            token = accepted.get(rid)
+            token = get(rid)
             if token is None:
                 continue
             lp = logprobs.get(rid) if logprobs else None
-            deltas.append(RequestOutputDelta(rid, [token], None if lp is None else [lp], False, None,
-                                             len(seq.prompt_token_ids), len(seq.output_token_ids),
-                                             seq.num_cached_tokens,
-                                             prompt_logprobs=self._prompt_lps.pop(rid, None) if self._prompt_lps else None))
+            add(delta(rid, [token], None if lp is None else [lp], False, None, len(seq.prompt_token_ids),
+                      len(seq.output_token_ids), seq.num_cached_tokens, None,
+                      prompt_lps.pop(rid, None) if prompt_lps else None))
         if released:
             by_id = {d.request_id: d for d in deltas}
             for seq in released:  # its last delta, possibly empty (static: padding released with its batch)

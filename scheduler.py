@@ -298,16 +298,24 @@ class Scheduler:
         released: list[Sequence] = []
         discarded: list[ScheduledSeq] = []
         assert len(tokens) == len(out.scheduled)
+        eos, max_len, finished_ = self.eos_token_ids, self.config.max_model_len, FINISHED  # locals: read per row
         for s, token in zip(out.scheduled, tokens):  # once per running sequence in a decode step: kept lean
             seq = s.seq
-            if seq.status is FINISHED:
+            if seq.status is finished_:
                 discarded.append(s)
                 continue
             if not s.samples:
                 continue
             seq.num_output_placeholders -= 1
-            seq.output_token_ids.append(token)
+            out_ids = seq.output_token_ids
+            out_ids.append(token)
             accepted[seq.request_id] = token
+            p = seq.params
+            # Most rows end nothing: only one that could (an end token, stop tokens, a grammar,
+            # its length) pays for _finish_reason.
+            if not (token in eos or p.stop_token_ids or seq.constraint is not None
+                    or len(out_ids) >= p.max_tokens or len(seq.prompt_token_ids) + len(out_ids) >= max_len):
+                continue
             if seq.constraint is not None and not seq.constraint.accept(token):
                 reason = "abort"  # over the grammar's per-token limits (the mask allows only what it accepts)
             else:
@@ -373,10 +381,11 @@ class Scheduler:
         is_decode, the length check, _make_room's "room already" case and _add are inlined."""
         bs, max_len = self.config.block_size, self.config.max_model_len
         caching, num_named = self.config.enable_prefix_caching, self.allocator.num_named
-        scheduled, prompts = out.scheduled, []
+        add, prompts, running, row = out.scheduled.append, [], RUNNING, ScheduledSeq  # locals: read per row
+        n = 0
         assert self._budget >= len(self.running), "config: max_num_batched_tokens >= max_num_seqs"
         for seq in list(self.running):  # preemption edits the list
-            if seq.status is not RUNNING:
+            if seq.status is not running:
                 continue
             num_out = len(seq.output_token_ids) + seq.num_output_placeholders
             num_tokens = len(seq.prompt_token_ids) + num_out
@@ -389,13 +398,14 @@ class Scheduler:
                 continue
             if computed >= len(seq.block_table) * bs and not self._make_room(out, seq, 1):
                 continue  # it needed a block, and was itself preempted for one
-            scheduled.append(ScheduledSeq(seq, 1, True, True))  # = _add(out, seq, 1)
+            add(row(seq, 1, True, True))  # = _add(out, seq, 1), the budget and count summed below
             seq.num_computed_tokens = computed + 1
             seq.num_output_placeholders += 1
-            self._budget -= 1
-            out.num_decode_tokens += 1
+            n += 1
             if caching and (computed + 1) // bs > num_named(seq.request_id):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
+        self._budget -= n
+        out.num_decode_tokens += n
         return prompts
 
     def schedule_prompts(self, out: SchedulerOutput, candidates: list[Sequence] | None = None) -> None:
