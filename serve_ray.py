@@ -52,7 +52,7 @@ from starlette.responses import Response, StreamingResponse
 
 import server
 from config import EngineConfig
-from engine import AsyncEngine
+from async_engine import AsyncEngine
 from protocol import ApiError
 
 log = logging.getLogger("taxirank.serve_ray")
