@@ -368,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix routing: queue-length lead at which load wins over a prefix (default: --max-num-seqs)")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per engine replica")
     g.add_argument("--replica-gpus", type=float, default=0.0,
-                   help="Ray GPUs per engine replica: 0 (CPU replicas), a fraction of one (a shared GPU), or a whole number >= --tensor-parallel-size")
+                   help="Ray GPUs per engine replica: 0 (CPU replicas), a fraction of one (a shared GPU), "
+                        "or a whole number >= --tensor-parallel-size")
     g.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` runs here); "
                    "default: start a local Ray instance")
     return p
