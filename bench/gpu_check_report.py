@@ -1,12 +1,9 @@
-"""Did the GPU check meet its targets? bench/gpu_check.sh's stage outputs into results.json
-and summary.md, rerun after every stage so whatever finished is summarised even when a
-later stage fails or the run is cut off; a missing or half-written file is reported, never fatal.
+"""Did the GPU check meet its targets? bench/gpu_check.sh's stage outputs -> results.json and
+summary.md, rerun after every stage (a missing or half-written file is reported, never fatal).
 
     python bench/gpu_check_report.py WORK_DIR DEST_DIR [--mode gpu|cpu-smoke]
 
-Targets (on an H200): decode attention >= 50% of the copy bandwidth measured in the same run
-(stretch 75%) at context >= 2k and batch >= 16, counting only cases that read >= 0.5 GiB;
-the decode step at batch 256 >= 70% of its roofline; the seed's mix continuous / static >= 1.8x.
+Targets: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
