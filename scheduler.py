@@ -298,7 +298,7 @@ class Scheduler:
         released: list[Sequence] = []
         discarded: list[ScheduledSeq] = []
         assert len(tokens) == len(out.scheduled)
-        eos, max_len, finished_ = self.eos_token_ids, self.config.max_model_len, FINISHED  # locals: read per row
+        eos, finished_ = self.eos_token_ids, FINISHED  # locals: read per row
         for s, token in zip(out.scheduled, tokens):  # once per running sequence in a decode step: kept lean
             seq = s.seq
             if seq.status is finished_:
@@ -312,9 +312,9 @@ class Scheduler:
             accepted[seq.request_id] = token
             p = seq.params
             # Most rows end nothing: only one that could (an end token, stop tokens, a grammar,
-            # its length) pays for _finish_reason.
-            if not (token in eos or p.stop_token_ids or seq.constraint is not None
-                    or len(out_ids) >= p.max_tokens or len(seq.prompt_token_ids) + len(out_ids) >= max_len):
+            # its length: max_tokens comes first, as add() asserts prompt + max_tokens <=
+            # max_model_len) pays for _finish_reason.
+            if not (token in eos or p.stop_token_ids or seq.constraint is not None or len(out_ids) >= p.max_tokens):
                 continue
             if seq.constraint is not None and not seq.constraint.accept(token):
                 reason = "abort"  # over the grammar's per-token limits (the mask allows only what it accepts)
@@ -379,7 +379,7 @@ class Scheduler:
 
         The hot loop of a steady decode step, one pass over every running sequence, so
         is_decode, the length check, _make_room's "room already" case and _add are inlined."""
-        bs, max_len = self.config.block_size, self.config.max_model_len
+        bs = self.config.block_size
         caching, num_named = self.config.enable_prefix_caching, self.allocator.num_named
         add, prompts, running, row = out.scheduled.append, [], RUNNING, ScheduledSeq  # locals: read per row
         n = 0
@@ -393,7 +393,7 @@ class Scheduler:
             if not num_out or computed != num_tokens - 1:
                 prompts.append(seq)  # a prompt, or a preempted sequence's recompute
                 continue
-            if num_out >= seq.params.max_tokens or num_tokens >= max_len:
+            if num_out >= seq.params.max_tokens:  # (never past max_model_len first: add() asserts it)
                 # Its latest token, still in flight, is its last by length: update() retires it.
                 continue
             if computed >= len(seq.block_table) * bs and not self._make_room(out, seq, 1):

@@ -100,10 +100,9 @@ class KernelConfig:
 
 
 def bench_copy(res: Results, gib: float, peak: float) -> float:
-    """Device copy bandwidth measured here (x -> x + 1 over a bf16 buffer, bytes read +
-    written, as KINDS.md's figure counts them) and read-only bandwidth (a sum): the
-    ceilings the attention kernel, which only reads, is judged against besides the
-    datasheet. Returns the copy bandwidth in bytes/s."""
+    """Copy (x -> x + 1, bytes read + written) and read-only (a sum) bandwidth measured here:
+    the ceilings the attention kernel is judged against besides the datasheet. Returns the
+    copy bandwidth in bytes/s."""
     n = int(gib * 2**30) // 2
     reps = 10
 
