@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from config import MAX_LOGPROBS, EngineConfig, SamplingParams, SLOTarget
-from metrics import WAIT_REASONS, EngineStats, RequestMetrics, StepTrace
+from metrics import EngineStats, RequestMetrics, StepTrace
 from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from startup import build_engine
@@ -356,7 +356,7 @@ class LLMEngine:
         with self.stats.lock:
             self.stats.num_requests_running = sch.num_running
             self.stats.num_requests_waiting = sch.num_waiting
-            self.stats.waiting_by_reason = {r: by_reason.get(r, 0) for r in WAIT_REASONS}
+            self.stats.waiting_by_reason = by_reason  # a fresh dict of every WAIT_REASONS key
             self.stats.kv_cache_usage = sch.allocator.usage
 
 
