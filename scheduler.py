@@ -298,16 +298,24 @@ class Scheduler:
         released: list[Sequence] = []
         discarded: list[ScheduledSeq] = []
         assert len(tokens) == len(out.scheduled)
+        eos, finished_ = self.eos_token_ids, FINISHED  # locals: read per row
         for s, token in zip(out.scheduled, tokens):  # once per running sequence in a decode step: kept lean
             seq = s.seq
-            if seq.status is FINISHED:
+            if seq.status is finished_:
                 discarded.append(s)
                 continue
             if not s.samples:
                 continue
             seq.num_output_placeholders -= 1
-            seq.output_token_ids.append(token)
+            out_ids = seq.output_token_ids
+            out_ids.append(token)
             accepted[seq.request_id] = token
+            p = seq.params
+            # Most rows end nothing: only one that could (an end token, stop tokens, a grammar,
+            # its length: max_tokens comes first, as add() asserts prompt + max_tokens <=
+            # max_model_len) pays for _finish_reason.
+            if not (token in eos or p.stop_token_ids or seq.constraint is not None or len(out_ids) >= p.max_tokens):
+                continue
             if seq.constraint is not None and not seq.constraint.accept(token):
                 reason = "abort"  # over the grammar's per-token limits (the mask allows only what it accepts)
             else:
@@ -371,12 +379,13 @@ class Scheduler:
 
         The hot loop of a steady decode step, one pass over every running sequence, so
         is_decode, the length check, _make_room's "room already" case and _add are inlined."""
-        bs, max_len = self.config.block_size, self.config.max_model_len
+        bs = self.config.block_size
         caching, num_named = self.config.enable_prefix_caching, self.allocator.num_named
-        scheduled, prompts = out.scheduled, []
+        add, prompts, running, row = out.scheduled.append, [], RUNNING, ScheduledSeq  # locals: read per row
+        n = 0
         assert self._budget >= len(self.running), "config: max_num_batched_tokens >= max_num_seqs"
         for seq in list(self.running):  # preemption edits the list
-            if seq.status is not RUNNING:
+            if seq.status is not running:
                 continue
             num_out = len(seq.output_token_ids) + seq.num_output_placeholders
             num_tokens = len(seq.prompt_token_ids) + num_out
@@ -384,18 +393,19 @@ class Scheduler:
             if not num_out or computed != num_tokens - 1:
                 prompts.append(seq)  # a prompt, or a preempted sequence's recompute
                 continue
-            if num_out >= seq.params.max_tokens or num_tokens >= max_len:
+            if num_out >= seq.params.max_tokens:  # (never past max_model_len first: add() asserts it)
                 # Its latest token, still in flight, is its last by length: update() retires it.
                 continue
             if computed >= len(seq.block_table) * bs and not self._make_room(out, seq, 1):
                 continue  # it needed a block, and was itself preempted for one
-            scheduled.append(ScheduledSeq(seq, 1, True, True))  # = _add(out, seq, 1)
+            add(row(seq, 1, True, True))  # = _add(out, seq, 1), the budget and count summed below
             seq.num_computed_tokens = computed + 1
             seq.num_output_placeholders += 1
-            self._budget -= 1
-            out.num_decode_tokens += 1
+            n += 1
             if caching and (computed + 1) // bs > num_named(seq.request_id):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
+        self._budget -= n
+        out.num_decode_tokens += n
         return prompts
 
     def schedule_prompts(self, out: SchedulerOutput, candidates: list[Sequence] | None = None) -> None:

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -52,7 +53,7 @@ from starlette.responses import Response, StreamingResponse
 
 import server
 from config import EngineConfig
-from engine import AsyncEngine
+from async_engine import AsyncEngine
 from protocol import ApiError
 
 log = logging.getLogger("taxirank.serve_ray")
@@ -367,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix routing: queue-length lead at which load wins over a prefix (default: --max-num-seqs)")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per engine replica")
     g.add_argument("--replica-gpus", type=float, default=0.0,
-                   help="Ray GPUs per engine replica (>= --tensor-parallel-size on GPUs)")
+                   help="Ray GPUs per engine replica: 0 (CPU replicas), a fraction of one (a shared GPU), "
+                        "or a whole number >= --tensor-parallel-size")
     g.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` runs here); "
                    "default: start a local Ray instance")
     return p
@@ -402,8 +404,15 @@ def plan(args: argparse.Namespace) -> Plan:
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     for name in ("replica_cpus", "replica_gpus", "imbalanced_threshold"):
-        if (v := getattr(args, name)) is not None and v < 0:
+        if (v := getattr(args, name)) is not None and not v >= 0:  # also refuses nan
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    gpus, tp = args.replica_gpus, config.tensor_parallel_size
+    if gpus > 1 and gpus != int(gpus):
+        raise ValueError(f"--replica-gpus above 1 must be a whole number of GPUs (Ray's rule), got {gpus}")
+    if 0 < gpus and math.ceil(gpus) < tp:  # a fraction of one GPU (a shared GPU) is one visible device
+        # Ray makes only a replica's own GPUs visible to it: the mesh would not find its devices.
+        raise ValueError(f"--replica-gpus {gpus:g} is fewer GPUs than --tensor-parallel-size {tp} shards each "
+                         f"replica over: give --replica-gpus >= {tp} (or 0 for CPU replicas)")
     options: dict[str, Any] = {
         "max_ongoing_requests": args.max_ongoing_requests or 2 * config.max_num_seqs,
         "ray_actor_options": {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},

@@ -37,8 +37,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from async_engine import AsyncEngine
 from config import EngineConfig, SamplingParams, SLOTarget
-from engine import AsyncEngine, QueueFullError, TokenLogprob, detokenize
+from engine import QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,

@@ -1,12 +1,6 @@
-"""One OpenAI client for every bench: portable streaming completions timed per token, the
-probe that finds what a server takes before the workload runs, and a server subprocess.
-
-A server we did not write may refuse token-id prompts, vLLM's extensions (ignore_eos) or
-stream_options, may send no usage, and may name its model anything. The probe sends one
-short greedy request with everything the bench would like, and when the server answers 4xx
-it finds out, field by field, which one it refused. The workload then sends only what the
-server took, and `Capabilities` says what that costs the measurement (exact lengths, usage
-counts, per-token timing) so the report can mark it rather than guess.
+"""One OpenAI client for every bench: streaming completions timed per token, the probe that
+finds what a server takes (token-id prompts, ignore_eos, stream_options, usage) before the
+workload runs, and a server subprocess. Why the probe: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
-"""Did the GPU check meet its targets? bench/gpu_check.sh's stage outputs into results.json
-and summary.md, rerun after every stage so whatever finished is summarised even when a
-later stage fails or the run is cut off; a missing or half-written file is reported, never fatal.
+"""Did the GPU check meet its targets? bench/gpu_check.sh's stage outputs -> results.json and
+summary.md, rerun after every stage (a missing or half-written file is reported, never fatal).
 
     python bench/gpu_check_report.py WORK_DIR DEST_DIR [--mode gpu|cpu-smoke]
 
-Targets (on an H200): decode attention >= 50% of the copy bandwidth measured in the same run
-(stretch 75%) at context >= 2k and batch >= 16, counting only cases that read >= 0.5 GiB;
-the decode step at batch 256 >= 70% of its roofline; the seed's mix continuous / static >= 1.8x.
+Targets: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
-import sys
 from typing import Any
 
 STAGES = [("smoke", "compile smoke test: both kernels vs the references"),
@@ -195,10 +192,14 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(L) + "\n"
 
 
-def main() -> None:
-    work, dest = sys.argv[1], sys.argv[2]
-    mode = sys.argv[sys.argv.index("--mode") + 1] if "--mode" in sys.argv else "gpu"
-    res = build(work, mode)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("work", help="the stages' outputs (bench/gpu_check.sh's work folder)")
+    ap.add_argument("dest", help="where results.json and summary.md go")
+    ap.add_argument("--mode", choices=("gpu", "cpu-smoke"), default="gpu")
+    args = ap.parse_args(argv)
+    work, dest = args.work, args.dest
+    res = build(work, args.mode)
     os.makedirs(dest, exist_ok=True)
     with open(os.path.join(dest, "results.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -1,13 +1,7 @@
 """The seed's mix on a GPU: how much does continuous batching beat static on a Llama-3-8B-shaped
 model with random bf16 weights? (bench/gpu_check.sh's stage that runs the whole engine.)
 
-    python bench/gpu_mix.py [--num-requests 200] [--max-num-seqs 32] [--out mix.json]
-    python bench/gpu_mix.py --tiny      # the tiny model, a handful of requests (CPU dry run)
-
-bench/offline.py's workload and figures: output tok/s continuous / static (target >= 1.8x)
-and short-request p99 static / continuous, each beside its ideal from the engine's step
-counts. The static engine loads the continuous one's programs from the compilation cache;
-the JSON is rewritten after each run, so a timeout after the first still leaves it.
+    python bench/gpu_mix.py [--tiny] [--num-requests 200] [--max-num-seqs 32] [--out mix.json]
 """
 
 from __future__ import annotations

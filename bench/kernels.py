@@ -1,18 +1,8 @@
 """Paged-attention kernels on the GPU: how close do they come to the HBM roofline?
 
-Decode attention (one layer, Llama-3-8B-shaped: 32 q / 8 kv heads, head_dim 128, bf16, block
-16) at batch 1/16/64/256 x context 512/2k/8k: time, KV bytes read per second, and % of the
-datasheet bandwidth (--peak-tbps, H200: 4.8) and of the copy bandwidth measured here; with
---sweep, a tuning sweep on the cases reading >= --judge-gib. Ragged attention: a 2k prompt,
-and a 512-token chunk beside 63 decodes (TFLOP/s). The whole decode step of a random
-Llama-3-8B-shaped model at batch 1/32/256 vs its roofline (weights without the embedding
-table, plus KV) unless --skip-step; --smoke only checks both kernels against the references.
+    python bench/kernels.py [--out results.json] [--skip-step] [--quick] [--sweep] [--smoke]
 
-Each call is chained `reps` times in one jitted fori_loop after a warm-up; the median of
-several runs is divided by reps. Decode rotates among block tables over disjoint blocks so
-consecutive calls read >= 256 MiB (the H200's L2 is 50 MB).
-
-    python bench/kernels.py [--out results.json] [--skip-step] [--quick]
+What each part measures and how: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -110,10 +100,9 @@ class KernelConfig:
 
 
 def bench_copy(res: Results, gib: float, peak: float) -> float:
-    """Device copy bandwidth measured here (x -> x + 1 over a bf16 buffer, bytes read +
-    written, as KINDS.md's figure counts them) and read-only bandwidth (a sum): the
-    ceilings the attention kernel, which only reads, is judged against besides the
-    datasheet. Returns the copy bandwidth in bytes/s."""
+    """Copy (x -> x + 1, bytes read + written) and read-only (a sum) bandwidth measured here:
+    the ceilings the attention kernel is judged against besides the datasheet. Returns the
+    copy bandwidth in bytes/s."""
     n = int(gib * 2**30) // 2
     reps = 10
 

@@ -1,23 +1,8 @@
 """Offline bench: how much does continuous batching beat static, and taxirank beat transformers?
 
-    python bench/offline.py                  # the full run (bench model, fp32, CPU)
-    python bench/offline.py --tiny           # seconds: the tiny model and a handful of requests
-    python bench/offline.py --sections mix32,peers --num-requests 40
+    python bench/offline.py [--tiny] [--sections mix32,p99-64,exp32,peers] [--num-requests N]
 
-One process, the same `bench` weights everywhere (the Hugging Face peer gets a copy of the
-very arrays); every request arrives at t=0, greedy, ignore_eos, so only scheduling and engine
-speed differ. Each measured ratio is printed next to its ideal from the engine's own step
-counts: what it would be if every step cost the same.
-
-Sections (--sections):
-  mix32   the seed's mix (50 x 16 + 50 x 512 tokens) at max_num_seqs 32: output tok/s,
-          continuous / static. Target >= 1.8x.
-  p99-64  the same mix at max_num_seqs 64: short-request p99 completion, static / continuous.
-          Target >= 15x.
-  exp32   300 requests, output lengths Exponential(mean 128) capped at 1536, 32 seqs:
-          output tok/s, continuous / static. Target >= 3x.
-  peers   taxirank vs transformers on a slice of the mix: its continuous batching and its
-          padded `generate`. Targets >= 5x and >= 2x output tokens/s.
+Sections, workloads and targets: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Prefix-caching bench: what does --enable-prefix-caching save when prompts share a prefix,
 and what does it cost when they share nothing?
 
-    python bench/prefix.py              # the full run (bench model, fp32, CPU)
-    python bench/prefix.py --tiny       # seconds: the tiny model, small sizes
-    python bench/prefix.py --sections shared --shared-requests 16
+    python bench/prefix.py [--tiny] [--sections shared,multiturn,mix]
 
-One process, the same weights for both settings, LLM.generate (greedy, ignore_eos), caching
-off then on, side by side in time. The hit rate (cached / looked-up prompt tokens) and the
-prompt tokens actually computed are printed beside each figure.
-
-Sections (--sections):
-  shared     --shared-requests requests: one --system-len system prompt, then a
-             --question-len question each; --shared-output tokens out. TTFT p50 / p99 and
-             output tok/s. Targets: TTFT p50 >= 5x lower, tok/s >= 2x higher with caching.
-  multiturn  --conversations of --turns turns: a --first-len message, then each turn resends
-             the conversation so far plus a --question-len message; answers of --turn-output
-             tokens. TTFT p50 of the last turn; target >= 3x lower.
-  mix        no sharing: the seed's mix (--mix-requests, --mix-short / --mix-long tokens),
-             off and on alternately --mix-repeats times (a fresh engine each); best tok/s and
-             tokens per CPU-second. Target: on within 3% of off.
-
-Every engine has the one shape the largest section needs, so the programs compile once and
-later engines load them from the compilation cache; KV holds a section's requests without
-sharing, so caching off is never short of KV. Writes <out>/prefix.json and prefix.md.
+Sections, workloads and targets: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Prefix-aware routing vs power-of-two choices over taxirank replicas under Ray Serve.
 
-    python bench/ray_routing.py                      # 2 replicas of tiny, ~7 min on 2 busy CPU cores
-    python bench/ray_routing.py --model bench --num-requests 96
+    python bench/ray_routing.py [--model bench] [--num-requests 96]
 
-A shared-prefix workload: a few long system prompts, many requests each starting with one of
-them, in a fixed shuffled order, a fixed number in flight. The same requests go through
-`serve_ray.py --routing prefix` and `--routing power-of-two`, each started afresh, and the
-report puts side by side the fleet's prefix-cache hit rate (hits / queries summed over the
-replicas' /metrics, this run only) and TTFT p50/p90. Each replica's KV cache holds about half
-of the system prompts, as a fleet's caches do when the working set outgrows one replica:
-routing by prefix then keeps each prompt where it is cached, while spreading them makes every
-replica cycle through all of them. Start-up (launch to /health 200) of the Ray app is timed
-beside `server.py`'s with the same flags.
+The workload and why each replica holds half the prompts: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a server's Prometheus /metrics say while bench/mixed.py runs: the series it knows
-(taxirank's names, else vLLM's, SGLang's, TGI's or llama.cpp's), sampled ~10x a second, and
-the timeline and peaks made from the samples. A server without /metrics simply has none.
+(taxirank's, vLLM's, SGLang's, TGI's or llama.cpp's names), sampled ~10x a second, and the
+timeline and peaks made from them.
 """
 
 from __future__ import annotations

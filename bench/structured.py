@@ -1,18 +1,8 @@
 """Structured outputs bench: what does constraining half the batch by a JSON schema cost?
 
-    python bench/structured.py                         # 32 requests on smollm2, 64 tokens each
-    python bench/structured.py --max-tokens 24         # shorter
+    python bench/structured.py [--max-tokens 24]
 
-One process, one engine, the same prompts in two runs side by side: every request free
-(ignore_eos, so each runs to max_tokens), then half of them constrained by a JSON schema
-(each its own schema, so each compiles once: a cache miss). Reported per run: output
-tokens/s, engine steps, host time per step (the step's wall time minus the time the host
-waited for the device), and the mask fill's share of it; and the grammar compile times
-(p50/p99). Target: constrained tokens/s >= 0.9 x free.
-
-While a constrained request is in the engine the loop runs synchronously (LLMEngine.step:
-a constrained row's mask needs its previous token), so the constrained run also gives up
-the host/device overlap of async scheduling; the host time per step says what that costs.
+What is reported, and why constrained steps run synchronously: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

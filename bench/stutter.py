@@ -1,21 +1,9 @@
 """Stutter bench: does a long prompt joining stall the streaming users, and does chunked
 prefill stop it?
 
-    python bench/stutter.py                    # bench model, 16 users, an 8192-token joiner, budget 512
-    python bench/stutter.py --prompt-len 4096  # a shorter joiner
-    python bench/stutter.py --tiny             # seconds: the tiny model, 4 users, a 384-token joiner
+    python bench/stutter.py [--tiny] [--prompt-len 8192] [--users 16] [--budget 512]
 
-The seed's claim: an 8k-token prompt joining triggers one heavy prefill step and every
-streaming user's tokens hitch; chunked prefill fixes it. LLMEngine is driven directly (no
-HTTP), every token stamped when the step that produced it returns. `--users` requests decode
-steadily; after `--steady-steps` steps the long prompt joins; the run stops once it has
-`--after-tokens` tokens after its first. Mode off: the whole prompt in one step (no decode in
-it); on: --budget tokens a step, decodes first, the prompt in chunks of what is left.
-
-Measured: the users' inter-token gaps from `--window` steps before the join to `--window`
-steps after the joiner's first token (p50 / p99 / max), the joiner's TTFT, and max gap off /
-on (target >= 4x). Warm-up compiles every program first: a compile in the window would be a
-false stutter. Writes <out>/stutter.json and <out>/stutter.png.
+How it is driven and what is measured: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """What does tensor parallelism cost and save? Memory per device and tokens/s at TP 1/2/4 on
-forced CPU devices, and start-up time from safetensors vs from an orbax checkpoint.
+forced CPU devices, and start-up from safetensors vs an orbax checkpoint.
 
-    python bench/tp.py                 # the bench model (58M params), TP 1, 2, 4
-    python bench/tp.py --model tiny --tp 1,2 --requests 4 --max-tokens 8
+    python bench/tp.py [--model tiny --tp 1,2 --requests 4 --max-tokens 8]
 
-On CPU this is a correctness-and-memory figure, not a speed claim: forced host devices
-share the same cores, so TP adds collectives and no compute. Per device it prints the
-weight bytes and the KV cache bytes (from the arrays' shardings), and whether the greedy
-tokens equal TP 1's; tok/s is the second of two identical runs (the first compiles). Start-up: the same weights written once as an HF safetensors
-directory and once as an orbax checkpoint (checkpoint.py convert), each loaded twice,
-alternating; the figure is the faster of the two loads (both come from the page cache).
+Why it is a memory figure, not a speed claim, on CPU: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ import asyncio
 
 import numpy as np
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from async_engine import AsyncEngine
+from engine import LLM, EngineConfig, SamplingParams
 from server import Generation
 
 # The seed's mix scaled down: short and long outputs, chunked prefill under a small

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import hf_greedy
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from async_engine import AsyncEngine
+from engine import LLM, EngineConfig, SamplingParams
 
 SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False)
 

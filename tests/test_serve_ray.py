@@ -241,12 +241,19 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
     scaling = auto.options["autoscaling_config"]
     assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 4, 6)
     assert "request_router_config" not in plan("--routing", "power-of-two").options  # Ray Serve's default
+    for gpus, tp in (("0", "2"), ("0.5", "1"), ("2", "2"), ("4", "2")):  # CPU replicas, a shared GPU, enough GPUs
+        assert plan("--replica-gpus", gpus, "--tensor-parallel-size", tp).options["ray_actor_options"]["num_gpus"] \
+            == float(gpus)
     for flags, says in [(("--num-replicas", "2", "--max-replicas", "3"), "one or the other"),
                         (("--target-ongoing-requests", "4"), "needs autoscaling"),
                         (("--min-replicas", "3", "--max-replicas", "2"), "min-replicas"),
                         (("--routing", "power-of-two", "--imbalanced-threshold", "2"), "prefix only"),
                         (("--num-replicas", "0"), "num-replicas must be >= 1"),
                         (("--replica-gpus", "-1"), "replica-gpus must be >= 0"),
+                        (("--replica-gpus", "nan"), "replica-gpus must be >= 0"),
+                        (("--replica-gpus", "1", "--tensor-parallel-size", "2"), "fewer GPUs than --tensor-parallel"),
+                        (("--replica-gpus", "0.5", "--tensor-parallel-size", "2"), "fewer GPUs than --tensor-parallel"),
+                        (("--replica-gpus", "2.5", "--tensor-parallel-size", "2"), "whole number"),
                         (("--shutdown-timeout", "-1"), "shutdown-timeout must be >= 0"),
                         (("--port", "0"), "fixed port"),
                         (("--distributed-coordinator", "h:1", "--num-processes", "2"), "multi-host"),

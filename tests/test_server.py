@@ -431,7 +431,8 @@ def test_requests_as_large_as_the_whole_kv_cache_take_turns_and_a_larger_one_is_
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from engine import AsyncEngine, EngineConfig
+    from async_engine import AsyncEngine
+    from engine import EngineConfig
     from server import build_app
 
     async def main() -> None:

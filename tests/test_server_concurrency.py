@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from test_server import open_stream, request
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from async_engine import AsyncEngine
+from engine import LLM, EngineConfig, SamplingParams
 
 PROMPTS = [[1, 5, 7, 9], [1, 42], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 30],
            [1, 8, 16, 32, 64, 128], [1, 100, 101], [1, 2], [1, 77, 66, 55, 44], [1, 250, 251, 252]]

@@ -81,7 +81,8 @@ def client() -> Iterator[openai.OpenAI]:
     """One smollm2 engine and server for the module, in a thread with its own event loop."""
     from aiohttp import web
 
-    from engine import AsyncEngine, EngineConfig
+    from async_engine import AsyncEngine
+    from engine import EngineConfig
     from server import build_app
 
     started, stop, port = threading.Event(), None, []

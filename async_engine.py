@@ -1,0 +1,189 @@
+"""AsyncEngine: the engine loop on its own thread, for the servers (server.py, serve_ray.py).
+
+HTTP handlers hand requests and aborts to the loop thread through a lock-guarded inbox and
+read each request's token deltas from an asyncio queue, so the event loop stays responsive
+while a step runs. Only the loop thread touches the LLMEngine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from typing import AsyncIterator, Callable, Sequence as Seq
+
+from config import EngineConfig, SamplingParams, SLOTarget
+from engine import EngineDeadError, LLMEngine, QueueFullError, RequestOutputDelta
+from metrics import RequestMetrics
+
+__all__ = ["AsyncEngine"]
+
+
+class AsyncEngine:
+    """The engine loop on its own thread, so HTTP stays responsive while a step runs.
+
+    Only the loop thread touches the LLMEngine; add_request and abort hand work to it
+    through a lock-guarded inbox, and deltas come back on the event loop through
+    call_soon_threadsafe."""
+
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
+        self.engine = LLMEngine(config, log=log)
+        self.config = self.engine.config
+        self.model_config = self.engine.model_config
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.loaded.name
+        self.stats = self.engine.stats
+        self.grammars = self.engine.grammars  # the server compiles constraints on its executor
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._num_waiting_inbox = 0  # adds handed over but not yet in the scheduler's waiting queue
+        self.error: BaseException | None = None
+        self.on_death: Callable[[BaseException], None] | None = None  # called on the event loop
+
+    def follow(self) -> None:
+        """Multi-host, processes other than 0: run process 0's steps (LLMEngine.follow)."""
+        self.engine.follow()
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="taxirank-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop taking work, abort everything in flight (each stream gets a final event)."""
+        with self._lock:
+            for rid in list(self._queues):
+                self._inbox.append(("abort", (rid, "abort")))
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    priority: int = 0, user: str | None = None,
+                    slo: SLOTarget | None = None) -> AsyncIterator[RequestOutputDelta]:
+        self.engine.validate(prompt_token_ids, params, priority, slo)
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shutting down")
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop died: {self.error!r}")
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            limit = self.config.max_waiting_requests
+            # Requests handed over but not yet scheduled: those in the inbox and those in the
+            # scheduler's queue right now (len() of a deque is atomic), not the gauge of the
+            # last step, which a burst during a long step would outrun.
+            if limit is not None and len(self.engine.scheduler.waiting) + self._num_waiting_inbox >= limit:
+                raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
+            queue: asyncio.Queue = asyncio.Queue()
+            self._queues[request_id] = queue
+            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority,
+                                        user, slo)))
+            self._num_waiting_inbox += 1
+        self._wake.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutputDelta]:
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the consumer went away (client disconnect): free the slot now
+                self.abort(request_id)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        with self._lock:
+            self._inbox.append(("abort", (request_id, reason)))
+        self._wake.set()
+
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine.reset_prefix_cache, run on the loop thread between two steps."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop died: {self.error!r}")
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._inbox.append(("reset_prefix_cache", done))
+        self._wake.set()
+        return await done
+
+    # ---- the loop thread -----------------------------------------------------------
+    def _deliver(self, delta: RequestOutputDelta) -> None:
+        with self._lock:
+            queue = self._queues.get(delta.request_id)
+            if delta.finished:
+                self._queues.pop(delta.request_id, None)
+        if queue is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, delta)
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            work = list(self._inbox)
+            self._inbox.clear()
+        for kind, arg in work:
+            if kind == "add":
+                rid, prompt, params, arrival, priority, user, slo = arg
+                try:
+                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority, user=user,
+                                            slo=slo)
+                except ValueError as e:  # validated already; a scheduler-level refusal
+                    self._fail(rid, e)
+                finally:
+                    with self._lock:
+                        self._num_waiting_inbox -= 1
+            elif kind == "reset_prefix_cache":
+                ok = self.engine.reset_prefix_cache()
+                self._loop.call_soon_threadsafe(lambda f=arg, ok=ok: f.done() or f.set_result(ok))
+            else:
+                rid, reason = arg
+                seq = self.engine.abort(rid, reason)
+                if seq is not None:
+                    self._deliver(RequestOutputDelta(rid, [], None, True, reason, seq.num_prompt_tokens,
+                                                     seq.num_output_tokens, max(seq.num_cached_tokens, 0),
+                                                     RequestMetrics.of(seq)))
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """End one request's stream with an error (the engine goes on)."""
+        with self._lock:
+            queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, error)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain_inbox()
+                if self._stop.is_set() and not self.engine.has_unfinished():
+                    return
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for delta in self.engine.step():
+                    self._deliver(delta)
+                for rid, err in self.engine.failed:  # one request's inputs failed: it alone ends
+                    self._fail(rid, RuntimeError(f"request failed: {err!r}"))
+                self.engine.failed.clear()
+        except BaseException as e:  # surface engine failures to every waiting stream
+            self.error = e
+            with self._lock:
+                queues = list(self._queues.values())
+                self._queues.clear()
+            for q in queues:
+                self._loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine failure: {e!r}"))
+            if self.on_death is not None:  # after the errors above, so they are delivered first
+                self._loop.call_soon_threadsafe(self.on_death, e)
+            raise
