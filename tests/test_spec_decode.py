@@ -399,3 +399,32 @@ def test_metrics_carry_vllms_spec_decode_names(tiny_pair):
     assert "taxirank:spec_decode_num_draft_tokens_total" in text
     assert f'taxirank:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} ' \
            f'{float(s.spec_decode_num_accepted_tokens_per_pos[0])}' in text
+
+
+# ---- the real model ---------------------------------------------------------------------
+
+PASSAGE = ("The river rises in the northern hills, runs south past the old mill and the stone bridge, "
+           "and reaches the sea at the harbour town, where the fishing boats wait for the tide.")
+
+
+def test_smollm2_greedy_output_is_the_same_with_ngram_speculation():
+    """The real model asked to repeat and to edit a passage (where prompt lookup pays),
+    under a KV budget that preempts, with chunked prefill, prefix caching and async."""
+    kw = dict(max_num_seqs=3, max_model_len=192, num_kv_blocks=14, max_num_batched_tokens=64, warmup=False,
+              log=lambda *_: None)
+    base = LLM("smollm2", **kw)
+    tok = base.tokenizer
+    asks = [f"Repeat this text exactly: {PASSAGE}", f"Rewrite this text with 'river' replaced by 'canal': {PASSAGE}",
+            f"Copy this sentence: {PASSAGE}"]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False) for a in asks]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)  # 7 blocks each, 13 in the cache
+    want = base.generate(prompts, params)
+    del base
+    spec = LLM("smollm2", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                              "prompt_lookup_max": 3, "prompt_lookup_min": 2}, **kw)
+    got = spec.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    s = spec.stats.snapshot()
+    assert s.num_preemptions > 0
+    assert s.spec_decode_num_accepted_tokens > 0.3 * s.spec_decode_num_draft_tokens  # repeating pays
