@@ -428,3 +428,22 @@ def test_smollm2_greedy_output_is_the_same_with_ngram_speculation():
     s = spec.stats.snapshot()
     assert s.num_preemptions > 0
     assert s.spec_decode_num_accepted_tokens > 0.3 * s.spec_decode_num_draft_tokens  # repeating pays
+
+
+def test_constrained_rows_never_speculate():
+    """A constrained row's next mask depends on each token: it decodes one token a step."""
+
+    class AnyToken:  # a constraint that allows everything and never completes
+        stopped = False
+
+        def accept(self, token: int) -> bool:
+            return True
+
+    s = scheduler({})
+    free, constrained = Sequence("free", [5, 6, 7], SamplingParams(max_tokens=20)), \
+        Sequence("json", [5, 6, 7], SamplingParams(max_tokens=20))
+    constrained.constraint = AnyToken()
+    s.add(free)
+    s.add(constrained)
+    run_step(s, True)
+    assert [x.seq.request_id for x in run_step(s, True)] == ["free"]
