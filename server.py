@@ -525,11 +525,12 @@ class EngineCollector:
         for reason, n in s.waiting_by_reason.items():
             by_reason.add_metric([reason], n)
         yield by_reason
-        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                      "Draft tokens accepted, by position in the proposal.", labels=["position"])
-        for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-            per_pos.add_metric([str(pos)], n)
-        yield per_pos
+        if s.spec_decode_num_accepted_tokens_per_pos:  # with speculative decoding: one per draft position
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the proposal.", labels=["position"])
+            for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([str(pos)], n)
+            yield per_pos
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                       labels=["finished_reason"])
         for reason, n in s.request_success.items():
