@@ -226,6 +226,7 @@ class ModelRunner:
         spec = config.speculative_config
         self.spec_k = spec.k if spec is not None else 0
         self.draft_probs = draft_probs
+        self._zero_q: jax.Array | None = None  # draft_probs of a step with no verified row
         # Verified rows are padded to one of a few counts; one program (lax.switch) holds them all.
         self.spec_buckets = _spec_buckets(N) if spec is not None else ()
 
@@ -483,7 +484,7 @@ class ModelRunner:
         return sp
 
     def _no_draft_probs(self) -> jax.Array:
-        if not hasattr(self, "_zero_q"):
+        if self._zero_q is None:
             V = self.loaded.config.vocab_size
             self._zero_q = jnp.zeros((self.config.max_num_seqs, self.spec_k, V), jnp.float32)
         return self._zero_q
