@@ -15,6 +15,7 @@ from typing import Literal
 
 import attention_backend
 from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
+from spec_decode import SpeculativeConfig
 
 # --kv-cache-dtype values (vLLM's; int8 as JetStream's); kernels_pallas.KV_CACHE_DTYPES maps them to dtypes
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
@@ -78,11 +79,15 @@ class EngineConfig:
     # vLLM's --quantization (weight-only, quant.py): int8 (per output channel, any checkpoint)
     # or gguf (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks served as stored); None: model dtype
     quantization: str | None = None
+    # vLLM's --speculative-config: JSON text, a dict or a SpeculativeConfig (spec_decode.py)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
+
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
         need(self.dtype in ("float32", "bfloat16", "auto"), f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -119,6 +124,8 @@ class EngineConfig:
         need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")
         need(0 <= self.process_id < self.num_processes,
              f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
+        need(self.speculative_config is None or self.num_processes == 1,
+             "--speculative-config runs on one host: the step channel does not carry proposals")
         need((self.distributed_coordinator is None) == (self.num_processes == 1),
              "--distributed-coordinator HOST:PORT and --num-processes > 1 go together")
         if self.distributed_coordinator is not None:

@@ -96,6 +96,7 @@ class LLMEngine:
         self.log = log
         self.config, self.loaded, self.stats = parts.config, parts.loaded, parts.stats
         self.scheduler, self.runner, self.num_kv_blocks = parts.scheduler, parts.runner, parts.num_kv_blocks
+        self.proposer = parts.proposer  # speculative decoding (spec_decode.py), or None
         self.model_config = parts.loaded.config
         self.tokenizer = parts.loaded.tokenizer
         self.trace: list[StepTrace] | None = [] if record_trace else None
@@ -161,6 +162,8 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id)
         self._prompt_lps.pop(request_id, None)
         if seq is not None:
+            if self.proposer is not None:
+                self.proposer.free(seq)
             seq.finish_reason = reason
             now = time.monotonic()
             self.stats.record_finished(seq, now, latency=reason == "stop")
@@ -187,25 +190,47 @@ class LLMEngine:
         Structured outputs: a constrained row's bitmask depends on its previous token, so
         while any constrained request is in the engine the step in flight is collected
         before the next is scheduled (the synchronous order): every row still advances
-        one token a step; only the host/device overlap is given up."""
-        deltas = self._collect() if self._in_flight and self.scheduler.num_constrained else []
+        one token a step; only the host/device overlap is given up.
+
+        Speculative decoding: proposals are made from every token of a sequence, so while
+        the scheduler may speculate (below disable_by_batch_size) the loop is synchronous
+        too, and a step that verifies proposals is collected before step() returns."""
+        sync = self.scheduler.num_constrained or (self.proposer is not None and self.scheduler.speculating)
+        deltas = self._collect() if self._in_flight and sync else []
         out = self.scheduler.schedule()
         if out.preempted:
             self._log_preemptions(out)
+        if self.proposer is not None:
+            for seq in out.preempted:  # its blocks, and so its draft K/V, are gone
+                self.proposer.free(seq)
+            if out.num_spec_tokens:
+                self._propose(out)
         if out.swap_out or out.swap_in:  # before the step, which may write where a swapped-out block was
             self.runner.swap(out.swap_out, out.swap_in)
         if out.scheduled or out.preempted or not self._in_flight:  # a preemption is recorded with its step
             self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
-        if out.scheduled and len(self._in_flight) <= self._max_in_flight:
+        if out.scheduled and len(self._in_flight) <= self._max_in_flight and not out.num_spec_tokens:
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
             return deltas
         return deltas + self._collect()
+
+    def _propose(self, out: SchedulerOutput) -> None:
+        """The drafts of the rows the scheduler reserved room for; it trims each row to them."""
+        spec = self.config.speculative_config
+        assert self.proposer is not None and spec is not None
+        rows = [s.seq for s in out.scheduled if s.spec_token_ids]
+        proposals = self.proposer.propose(rows, spec.k)
+        self.scheduler.take_proposals(out, proposals.token_ids, proposals.draft_probs)
 
     def _collect(self) -> list[RequestOutputDelta]:
         """Wait for the oldest step in flight, update the scheduler with it, record it."""
         out, scheduled_at, step = self._in_flight.popleft()
         result = step.result() if isinstance(step, InFlightStep) else step
-        outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [])
+        spec = {i: t for i, (t, _) in result.spec.items()} if result is not None and result.spec else None
+        outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [], spec)
+        if spec:
+            self.stats.record_spec_decode([(len(out.scheduled[i].spec_token_ids), len(t) - 1) for i, t in spec.items()],
+                                          sum(len(t) - 1 for t in outcome.emitted.values()))
         return self._record(out, result, outcome, scheduled_at)
 
     def _dispatch(self, out: SchedulerOutput) -> InFlightStep | StepResult | None:
@@ -227,10 +252,12 @@ class LLMEngine:
             # sees: they are counted nowhere and produce no delta.
             dropped = {id(s) for s in outcome.discarded}
             dec = sum(1 for s in outcome.discarded if s.is_decode)
-            pre = sum(s.num_new_tokens for s in outcome.discarded) - dec
+            drafts = sum(len(s.spec_token_ids) for s in outcome.discarded)
+            pre = sum(s.num_new_tokens for s in outcome.discarded) - dec - drafts
             out = dataclasses.replace(out, scheduled=[s for s in out.scheduled if id(s) not in dropped],
                                       num_decode_tokens=out.num_decode_tokens - dec,
-                                      num_prefill_tokens=out.num_prefill_tokens - pre)
+                                      num_prefill_tokens=out.num_prefill_tokens - pre,
+                                      num_spec_tokens=out.num_spec_tokens - drafts)
         accepted, released = outcome.accepted, outcome.finished
         self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config)
         self._refresh_gauges()
@@ -250,12 +277,15 @@ class LLMEngine:
             if token is None:
                 continue
             lp = logprobs.get(rid) if logprobs else None
-            add(delta(rid, [token], None if lp is None else [lp], False, None, len(seq.prompt_token_ids),
+            tokens = outcome.emitted.get(rid, [token]) if sch.spec_token_ids else [token]
+            add(delta(rid, tokens, None if lp is None else lp[:len(tokens)], False, None, len(seq.prompt_token_ids),
                       len(seq.output_token_ids), seq.num_cached_tokens, None,
                       prompt_lps.pop(rid, None) if prompt_lps else None))
         if released:
             by_id = {d.request_id: d for d in deltas}
             for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
+                if self.proposer is not None:
+                    self.proposer.free(seq)
                 d = by_id.get(seq.request_id)
                 if d is None:
                     d = RequestOutputDelta(seq.request_id, [], None, False, None, seq.num_prompt_tokens,
@@ -289,10 +319,12 @@ class LLMEngine:
         re-raise, and the loop dies loudly."""
         if self._cache_donated():
             raise error
-        tokens, lps, ok, prompt = [], [], [], {}
+        tokens, lps, ok, prompt, spec = [], [], [], {}, {}
         for sch in out.scheduled:
+            num_spec = len(sch.spec_token_ids)
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
-                                  num_decode_tokens=int(sch.is_decode))
+                                  num_decode_tokens=int(sch.is_decode), num_spec_tokens=num_spec,
+                                  draft_probs=out.draft_probs)
             try:
                 r = self.runner.execute(one).result()
             except Exception as e:
@@ -303,6 +335,8 @@ class LLMEngine:
                 continue
             if r.prompt_logprobs:
                 prompt[len(ok)] = r.prompt_logprobs[0]
+            if r.spec:
+                spec[len(ok)] = r.spec[0]
             ok.append(sch)
             tokens.append(int(r.tokens[0]))
             lps.append(r.logprobs)
@@ -318,13 +352,14 @@ class LLMEngine:
                 self.stats.record_finished(seq, time.monotonic(), latency=False)
         out.scheduled = ok
         out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
-        out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens
+        out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)
+        out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens - out.num_spec_tokens
         logprobs = None
         if any(lp is not None for lp in lps):
             z = (np.zeros(1, np.float32), np.zeros((1, MAX_LOGPROBS), np.int32), np.zeros((1, MAX_LOGPROBS), np.float32))
             parts = [lp if lp is not None else z for lp in lps]
             logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
-        return StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None)
+        return StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None, spec or None)
 
     def _collect_prompt_logprobs(self, scheduled: list[ScheduledSeq], rows: dict[int, PromptLogprobs]) -> None:
         for row, p in rows.items():
@@ -338,16 +373,25 @@ class LLMEngine:
                 dest[p.start + 1 + j] = TokenLogprob(tok, lp, list(zip(p.top_ids[j, :k].tolist(),
                                                                        p.top_logprobs[j, :k].tolist())), rank)
 
-    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult | None) -> dict[str, TokenLogprob]:
+    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult | None) -> dict[str, list[TokenLogprob]]:
+        """Each sampling row's tokens' logprobs (a verified row's: one per emitted token)."""
         if result is None or result.logprobs is None:
             return {}
         tok_lp, top_ids, top_lp = result.logprobs
+        spec = result.spec or {}
         out = {}
         for s, sch in enumerate(scheduled):
             k = sch.seq.params.logprobs
-            if sch.samples and k is not None:
-                out[sch.seq.request_id] = TokenLogprob(int(result.tokens[s]), float(tok_lp[s]),
-                                                       [(int(i), float(v)) for i, v in zip(top_ids[s, :k], top_lp[s, :k])])
+            if not sch.samples or k is None:
+                continue
+            if s in spec:
+                toks, (lp, ids, tlp) = spec[s]
+                out[sch.seq.request_id] = [TokenLogprob(t, float(lp[j]), [(int(i), float(v)) for i, v in
+                                                                        zip(ids[j, :k], tlp[j, :k])])
+                                           for j, t in enumerate(toks)]
+            else:
+                out[sch.seq.request_id] = [TokenLogprob(int(result.tokens[s]), float(tok_lp[s]),
+                                                        [(int(i), float(v)) for i, v in zip(top_ids[s, :k], top_lp[s, :k])])]
         return out
 
     def _refresh_gauges(self) -> None:

@@ -181,7 +181,17 @@ class Generation:
         try:
             async for delta in self.stream:
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-                text, stopped = self.detokenizer.push(delta.new_token_ids, final=delta.finished)
+                ids, text, stopped = delta.new_token_ids, "", False
+                for j in range(len(ids) or 1):  # a speculative step's delta has several: the stop is at one
+                    piece, stopped = self.detokenizer.push(ids[j:j + 1], final=delta.finished and j >= len(ids) - 1)
+                    text += piece
+                    if stopped:
+                        break
+                if stopped and j < len(ids) - 1:  # the tokens after the one that completed the stop string
+                    cut = len(ids) - 1 - j
+                    delta = dataclasses.replace(delta, new_token_ids=ids[:j + 1],
+                                                new_logprobs=delta.new_logprobs and delta.new_logprobs[:j + 1],
+                                                num_output_tokens=delta.num_output_tokens - cut)
                 if stopped and not delta.finished:
                     self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
                 done = stopped or delta.finished
@@ -468,6 +478,9 @@ _GAUGES = [  # (metric, EngineStats attribute, help)
 ]
 _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (recompute or swap)."),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Speculative proposals verified."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
     ("recomputed_tokens", "recomputed_tokens", "Tokens computed again after a preemption dropped them."),
     ("swapped_out_blocks", "swapped_out_blocks", "KV blocks copied to the host pool by swap preemption."),
     ("swapped_in_blocks", "swapped_in_blocks", "KV blocks copied back from the host pool."),
@@ -525,6 +538,12 @@ class EngineCollector:
         for reason, n in s.waiting_by_reason.items():
             by_reason.add_metric([reason], n)
         yield by_reason
+        if s.spec_decode_num_accepted_tokens_per_pos:  # with speculative decoding: one per draft position
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the proposal.", labels=["position"])
+            for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([str(pos)], n)
+            yield per_pos
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                       labels=["finished_reason"])
         for reason, n in s.request_success.items():
@@ -593,6 +612,10 @@ _HELP = {  # EngineConfig fields; config.py says more
     "quantization": "weight-only quantization of the decoder layers' linears: int8 (per output channel, any "
                     "checkpoint) or gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored); None: the model dtype "
                     "(a GGUF file dequantized)",
+    "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": ..., "
+                          "\"num_speculative_tokens\": 4}; also disable_by_batch_size, min_acceptance_rate "
+                          "(spec_decode.SpeculativeConfig)",
 }
 
 
@@ -610,8 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is Literal:
             kw["choices"] = typing.get_args(kind)
-        else:  # int, float, str, or `X | None`
-            kw["type"] = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        else:  # int, float, str, or `X | None`; a type that parses its own text gets the text
+            arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+            kw["type"] = str if hasattr(arg, "parse") else arg
         p.add_argument("--" + f.name.replace("_", "-"), **kw)
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")
     p.add_argument("--host", default="127.0.0.1")

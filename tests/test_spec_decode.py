@@ -1,0 +1,480 @@
+"""Speculative decoding: the config, the ngram proposer, the exactness of verification,
+and the engine's output with speculation equal to its output without.
+
+The rejection sampler is checked at the function level against the exact filtered
+distributions of tests/test_sampling.py: with synthetic target logits per position and a
+draft distribution q deliberately far from the target's p, every emitted token at run
+position j (among the runs that reach j) must follow p_j, whatever was accepted before.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from config import EngineConfig
+from sampler import SamplingTensors, empty_sampling_arrays, rejection_sample
+from spec_decode import SpeculativeConfig, ngram_lookup
+from test_sampling import LOGITS, chi_square, exact
+
+
+# ---- config -----------------------------------------------------------------------------
+
+def test_speculative_config_follows_vllm_and_names_bad_keys():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    c = SpeculativeConfig.parse({"model": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", None, 4, 4)
+    assert SpeculativeConfig.parse({"model": "draft.gguf", "num_speculative_tokens": 2}).method == "draft_model"
+    bad = {'{"method": "ngram"}': "num_speculative_tokens",
+           '{"method": "eagle", "num_speculative_tokens": 2}': "method",
+           '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}': "bogus",
+           '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}':
+               "prompt_lookup_min",
+           '{"method": "ngram", "num_speculative_tokens": true}': "num_speculative_tokens",
+           '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}': "disable_by_batch_size",
+           '{"method": "draft_model", "num_speculative_tokens": 2}': "model",
+           '{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}': "min_acceptance_rate",
+           '[1, 2]': "JSON object", '{"method": ': "not valid JSON"}
+    for text, word in bad.items():
+        with pytest.raises(ValueError, match=word):
+            EngineConfig(speculative_config=text)
+
+
+# ---- ngram ------------------------------------------------------------------------------
+
+def test_ngram_lookup_is_vllms_prompt_lookup():
+    a = lambda *x: np.array(x)  # noqa: E731
+    assert ngram_lookup(a(1, 2, 3, 4, 2, 3), 2, 3, 4) == [4, 2, 3]  # vLLM's docstring example
+    assert ngram_lookup(a(1, 2, 3, 4, 1, 2, 3, 5, 6), 2, 2, 2) == []  # [5, 6] never occurred before
+    assert ngram_lookup(a(1, 2, 3, 4, 1, 2, 3), 2, 2, 2) == [4, 1]  # the earliest occurrence
+    # the longest match wins over an earlier shorter one: [9, 2, 3] matches at 4, [2, 3] at 0
+    assert ngram_lookup(a(2, 3, 7, 9, 9, 2, 3, 8, 9, 2, 3), 1, 3, 2) == [8, 9]
+    assert ngram_lookup(a(5, 5, 5), 1, 1, 3) == [5, 5]  # overlapping the suffix is allowed
+    assert ngram_lookup(a(1, 2, 1, 2), 3, 4, 2) == []  # shorter than prompt_lookup_min
+    assert ngram_lookup(a(1, 2, 1, 2), 1, 4, 0) == []
+
+
+def brute_ngram(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    for n in range(hi, lo - 1, -1):
+        if len(tokens) < n + 1:
+            continue
+        suffix = tokens[-n:]
+        for s in range(len(tokens) - n):
+            if tokens[s:s + n] == suffix:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+def test_ngram_lookup_matches_a_brute_force_search():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        toks = rng.integers(0, 4, rng.integers(1, 40)).tolist()
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        assert ngram_lookup(np.array(toks), lo, hi, 3) == brute_ngram(toks, lo, hi, 3), (toks, lo, hi)
+
+
+# ---- verification: exact ---------------------------------------------------------------
+
+K = 3
+V = len(LOGITS)
+_verify = jax.jit(rejection_sample)
+
+
+def position_logits() -> np.ndarray:
+    """[K+1, V]: a different target distribution at each run position."""
+    return np.stack([np.roll(LOGITS, 5 * j) for j in range(K + 1)])
+
+
+def verify(n: int, draft: np.ndarray, draft_probs: np.ndarray | None, **params) -> tuple[np.ndarray, np.ndarray]:
+    arrays = empty_sampling_arrays(n)
+    for name, value in params.items():
+        arrays[name][:] = value
+    arrays["seed"][:] = np.arange(n, dtype=np.uint32)
+    t = SamplingTensors(**arrays, want_logprobs=np.bool_(False))
+    logits = np.broadcast_to(position_logits(), (n, K + 1, V)).copy()
+    tokens, num = _verify(logits, draft.astype(np.int32), np.full(n, K, np.int32), t, draft_probs)
+    return np.asarray(tokens), np.asarray(num)
+
+
+def check_positions(tokens: np.ndarray, num: np.ndarray, params: dict) -> None:
+    assert ((num >= 1) & (num <= K + 1)).all()
+    for j in range(K + 1):
+        p = exact(position_logits()[j], **params)
+        reached = num > j
+        assert reached.sum() >= 1000, f"position {j}: only {reached.sum()} runs reach it"
+        counts = np.bincount(tokens[reached, j], minlength=V)
+        assert counts[p == 0].sum() == 0, f"position {j}: a token outside the filtered set was emitted"
+        stat, limit = chi_square(counts, p)
+        assert stat < limit, f"position {j}: chi-square {stat:.1f} over {limit:.1f} ({reached.sum()} runs)"
+
+
+FILTERS = [dict(temperature=1.0), dict(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02)]
+
+
+@pytest.mark.parametrize("params", FILTERS)
+def test_a_draft_far_from_the_target_still_emits_the_target_distribution(params):
+    """Half of q's mass is the reversed target (the target's unlikely tokens made
+    likely): a total variation of about half from p. Drafts are drawn from q, as a draft
+    model draws them."""
+    n, rng = 40_000, np.random.default_rng(1)
+    q = np.stack([0.5 * exact(-position_logits()[j], temperature=1.0) + 0.5 * exact(position_logits()[j], **params)
+                  for j in range(K)])  # [K, V]
+    draft = np.stack([rng.choice(V, size=n, p=q[j]) for j in range(K)], axis=1)
+    tokens, num = verify(n, draft, np.broadcast_to(q, (n, K, V)).astype(np.float32).copy(), **params)
+    check_positions(tokens, num, params)
+    assert 0.2 < (num == 1).mean() < 0.8  # the draft is far: many runs are rejected at once
+
+
+@pytest.mark.parametrize("params", FILTERS)
+def test_deterministic_proposals_emit_the_target_distribution(params):
+    """ngram's q is one-hot at its proposal, whatever the proposal is: here the target's
+    most likely token 90% of the time, an arbitrary one otherwise."""
+    n, rng = 200_000, np.random.default_rng(2)
+    best = position_logits()[:K].argmax(axis=1)
+    draft = np.where(rng.random((n, K)) < 0.9, best[None, :], rng.integers(0, V, (n, K)))
+    tokens, num = verify(n, draft, None, **params)
+    check_positions(tokens, num, params)
+    assert (num == K + 1).mean() > 0.01  # some runs are accepted whole (and sample the bonus)
+
+
+def test_greedy_accepts_while_the_draft_is_the_argmax():
+    best = position_logits().argmax(axis=1)  # [K+1]
+    draft = np.array([best[:K], [best[0], best[1], (best[2] + 1) % V], [(best[0] + 1) % V, best[1], best[2]]])
+    tokens, num = verify(3, draft, None, temperature=0.0)
+    assert num.tolist() == [K + 1, 3, 1]
+    for row in range(3):
+        assert tokens[row, :num[row]].tolist() == best[:num[row]].tolist()
+
+
+# ---- the scheduler: speculative allocation and rejection ---------------------------------
+
+from hypothesis import settings, strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
+
+from config import SamplingParams  # noqa: E402
+from kvcache import blocks_needed, hash_block_tokens  # noqa: E402
+from scheduler import Scheduler, Sequence  # noqa: E402
+
+EOS = 0
+
+
+def token(data: st.DataObject) -> int:
+    """A sampled token: EOS one time in eight."""
+    return EOS if data.draw(st.integers(0, 7)) == 0 else 7
+
+
+class SpeculativeAllocatorMachine(RuleBasedStateMachine):
+    """Random traffic under a tight KV budget with random proposals and random
+    acceptance: no block or slot leaks, every computed token has its block, a sequence
+    holds no block past what it needs, a named block holds only accepted tokens (its name
+    is the hash of the sequence's own tokens), and everything finishes."""
+
+    @initialize(chunked=st.booleans(), max_num_seqs=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
+                max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 6), caching=st.booleans(),
+                k=st.integers(1, 4), budget_extra=st.integers(0, 6))
+    def setup(self, chunked, max_num_seqs, block_size, max_model_len, spare_blocks, caching, k, budget_extra):
+        num_blocks = blocks_needed(max_model_len, block_size) + 1 + spare_blocks
+        cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
+                           enable_chunked_prefill=chunked,
+                           max_num_batched_tokens=max_num_seqs + budget_extra if chunked else max_model_len,
+                           enable_prefix_caching=caching,
+                           speculative_config={"method": "ngram", "num_speculative_tokens": k})
+        self.s = Scheduler(cfg.resolved(max_model_len), num_blocks, (EOS,))
+        self.seqs: list[Sequence] = []
+
+    @rule(prompt_len=st.integers(1, 23), max_tokens=st.integers(1, 23), shared=st.booleans())
+    def add(self, prompt_len, max_tokens, shared):
+        mml = self.s.config.max_model_len
+        prompt_len = min(prompt_len, mml - 1)
+        max_tokens = min(max_tokens, mml - prompt_len)
+        n = len(self.seqs)
+        prompt = [5 + j % 3 for j in range(prompt_len)] if shared else [1000 * (n + 1) + j for j in range(prompt_len)]
+        self.seqs.append(Sequence(f"r{n}", prompt, SamplingParams(max_tokens=max_tokens)))
+        self.s.add(self.seqs[-1])
+
+    @rule(data=st.data())
+    def step(self, data):
+        out = self.s.schedule()
+        assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
+        rows = [x for x in out.scheduled if x.spec_token_ids]
+        # mostly as many drafts as reserved, sometimes fewer (none: a plain decode) or more (cut)
+        proposals = [data.draw(st.lists(st.integers(3, 9), min_size=data.draw(st.integers(0, len(x.spec_token_ids) + 1)),
+                                        max_size=len(x.spec_token_ids) + 1)) for x in rows]
+        self.s.take_proposals(out, proposals)
+        for x in out.scheduled:  # blocks cover what the step computes, drafts included
+            assert len(x.seq.block_table) * self.s.config.block_size >= x.seq.num_computed_tokens
+        spec = {}
+        for i, x in enumerate(out.scheduled):
+            if x.spec_token_ids:
+                a = data.draw(st.integers(0, len(x.spec_token_ids)))
+                spec[i] = list(x.spec_token_ids[:a]) + [token(data)]
+        self.s.update(out, [token(data) for _ in out.scheduled], spec)
+
+    @rule(index=st.integers(0, 30))
+    def abort(self, index):
+        if index < len(self.seqs):
+            self.s.abort(self.seqs[index].request_id)
+
+    @invariant()
+    def nothing_leaks_and_names_are_of_accepted_tokens(self):
+        if not hasattr(self, "s"):
+            return
+        s = self.s
+        s.check_invariants()
+        bs = s.config.block_size
+        for seq in s.running:
+            if seq.finished:
+                continue
+            # no block past its computed tokens': rejected drafts gave theirs back
+            assert len(seq.block_table) <= blocks_needed(seq.num_computed_tokens, bs), seq.request_id
+            tokens, h = seq.all_token_ids, None
+            for i in range(s.allocator.num_named(seq.request_id)):
+                h = hash_block_tokens(h, tokens[i * bs:(i + 1) * bs])
+                name = s.allocator._block_hash[seq.block_table[i]]
+                assert name is None or name == h, f"{seq.request_id}: block {i} named for tokens it does not hold"
+
+    def teardown(self):
+        if not hasattr(self, "s"):
+            return
+        for _ in range(3000):
+            if not self.s.has_unfinished():
+                break
+            out = self.s.schedule()
+            self.s.take_proposals(out, [[] for x in out.scheduled if x.spec_token_ids])
+            self.s.update(out, [7] * len(out.scheduled), {})
+        assert not self.s.has_unfinished(), "a request starved"
+        assert self.s.allocator.num_used == 0
+        assert all(q.finish_reason is not None for q in self.seqs)
+
+
+SpeculativeAllocatorMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+test_speculative_allocation_state_machine = SpeculativeAllocatorMachine.TestCase
+
+
+# ---- the engine: the same greedy tokens, fewer steps -------------------------------------
+
+from conftest import count_compilations  # noqa: E402
+
+from engine import LLM  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Tight: 4 running sequences of up to 96 tokens need 96 blocks of 4; the cache has 47.
+TIGHT = dict(max_num_seqs=4, max_model_len=128, block_size=4, num_kv_blocks=48, max_num_batched_tokens=32,
+             enable_chunked_prefill=True, enable_prefix_caching=True, async_scheduling=True, log=lambda *_: None)
+
+
+def grounded_prompts(n: int = 6, seed: int = 3) -> list[list[int]]:
+    """Input-grounded prompts: a shared prefix (prefix-cache hits) and a passage repeated
+    (prompt lookup pays), of several lengths."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 250, 8).tolist()
+    return [shared + rng.integers(3, 250, int(rng.integers(6, 14))).tolist() * 3 for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair() -> tuple[LLM, LLM]:
+    return LLM("tiny", **TIGHT), LLM("tiny", speculative_config=NGRAM, **TIGHT)
+
+
+def test_greedy_tokens_and_logprobs_are_the_same_with_ngram_speculation(tiny_pair):
+    """Under preemption (tight KV), chunked prefill, prefix caching and async scheduling;
+    max_tokens of every length, logprobs on half of the requests; nothing compiles after
+    warm-up."""
+    base, spec = tiny_pair
+    prompts = grounded_prompts()
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2 if i % 2 else None)
+              for i, m in enumerate([40, 7, 33, 1, 50, 21])]
+    want = base.generate(prompts, params)
+    with count_compilations() as compiled:
+        got = spec.generate(prompts, params)
+    assert compiled == []
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        if w.logprobs is not None:
+            assert [x.token_id for x in g.logprobs] == w.token_ids
+            np.testing.assert_allclose([x.logprob for x in g.logprobs], [x.logprob for x in w.logprobs], atol=2e-4)
+            assert [[i for i, _ in x.top] for x in g.logprobs] == [[i for i, _ in x.top] for x in w.logprobs]
+    s = spec.stats.snapshot()
+    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0  # the budget was tight, the prefix shared
+    assert s.spec_decode_num_accepted_tokens > 0 and s.num_steps < base.stats.num_steps
+    assert sum(s.spec_decode_num_accepted_tokens_per_pos) == s.spec_decode_num_accepted_tokens
+    assert s.spec_decode_num_accepted_tokens <= s.spec_decode_num_draft_tokens
+    assert s.generation_tokens == base.stats.generation_tokens == sum(len(w.token_ids) for w in want)
+    assert all(g.metrics.spec_acceptance_rate is None or 0 <= g.metrics.spec_acceptance_rate <= 1 for g in got)
+    assert spec.engine.scheduler.allocator.num_used == 0
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(tiny_pair):
+    base, spec = tiny_pair
+    prompt = grounded_prompts(1, seed=7)[0]
+    free = base.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].token_ids
+    stop = free[20]  # a token of the repeating part: proposed and accepted inside runs
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    want, got = base.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    assert got.token_ids == want.token_ids == free[:free.index(stop) + 1] and got.finish_reason == "stop"
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_pair):
+    _, spec = tiny_pair
+    prompts = grounded_prompts(3, seed=11)
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=40, seed=5, ignore_eos=True)
+    a = [o.token_ids for o in spec.generate(prompts, params)]
+    b = [o.token_ids for o in spec.generate(prompts[::-1], params)][::-1]  # other rows, other batch order
+    assert a == b and all(len(t) == 24 for t in a)
+
+
+# ---- knowing when not to ----------------------------------------------------------------
+
+def scheduler(spec: dict, max_num_seqs: int = 4) -> Scheduler:
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=4, max_model_len=64, max_num_batched_tokens=64,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 2, **spec})
+    return Scheduler(cfg.resolved(64), 64, (EOS,))
+
+
+def run_step(s: Scheduler, accept: bool) -> list:
+    out = s.schedule()
+    rows = [x for x in out.scheduled if x.spec_token_ids]
+    s.take_proposals(out, [[9, 9] for _ in rows])
+    spec = {i: ([9, 9, 7] if accept else [7]) for i, x in enumerate(out.scheduled) if x.spec_token_ids}
+    s.update(out, [7] * len(out.scheduled), spec)
+    return rows
+
+
+def test_no_speculation_at_or_above_disable_by_batch_size():
+    s = scheduler({"disable_by_batch_size": 3})
+    for i in range(3):
+        s.add(Sequence(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=20)))
+    run_step(s, True)  # the prompts
+    assert run_step(s, True) == []  # 3 running: off
+    s.abort("r0")
+    assert len(run_step(s, True)) == 2  # 2 running: on
+
+
+def test_a_sequence_whose_drafts_keep_failing_stops_speculating():
+    s = scheduler({"min_acceptance_rate": 0.3, "acceptance_window": 4}, max_num_seqs=2)
+    s.add(Sequence("bad", [5, 6, 7], SamplingParams(max_tokens=40)))
+    s.add(Sequence("good", [5, 6, 8], SamplingParams(max_tokens=40)))
+    run_step(s, True)
+    for _ in range(4):
+        out = s.schedule()
+        rows = [x for x in out.scheduled if x.spec_token_ids]
+        s.take_proposals(out, [[9, 9] for _ in rows])
+        s.update(out, [7] * len(out.scheduled),
+                 {i: ([7] if x.seq.request_id == "bad" else [9, 9, 7]) for i, x in enumerate(out.scheduled)})
+    bad, good = (next(q for q in s.running if q.request_id == r) for r in ("bad", "good"))
+    assert (bad.num_drafts, bad.num_accepted_tokens) == (4, 0) and not bad.speculates
+    assert good.speculates and [x.seq.request_id for x in run_step(s, True)] == ["good"]
+
+
+# ---- the server's flag and metrics ------------------------------------------------------
+
+def test_the_flag_takes_vllms_json_and_refuses_bad_json_clearly():
+    from server import build_parser, engine_config
+
+    parse = build_parser().parse_args
+    cfg = engine_config(parse(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']))
+    assert cfg.speculative_config.k == 4
+    assert engine_config(parse([])).speculative_config is None
+    for bad, word in (('{"method": "ngram"', "not valid JSON"), ('{"num_speculative_tokens": 4}', "method"),
+                      ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens")):
+        with pytest.raises(ValueError, match=word):
+            engine_config(parse(["--speculative-config", bad]))
+
+
+def test_metrics_carry_vllms_spec_decode_names(tiny_pair):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server import EngineCollector
+
+    _, spec = tiny_pair
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(spec.stats))
+    text = generate_latest(registry).decode()
+    s = spec.stats.snapshot()
+    assert f"taxirank:spec_decode_num_drafts_total {float(s.spec_decode_num_drafts)}" in text
+    assert f"taxirank:spec_decode_num_accepted_tokens_total {float(s.spec_decode_num_accepted_tokens)}" in text
+    assert "taxirank:spec_decode_num_draft_tokens_total" in text
+    assert f'taxirank:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} ' \
+           f'{float(s.spec_decode_num_accepted_tokens_per_pos[0])}' in text
+
+
+# ---- the real model ---------------------------------------------------------------------
+
+PASSAGE = ("The river rises in the northern hills, runs south past the old mill and the stone bridge, "
+           "and reaches the sea at the harbour town, where the fishing boats wait for the tide.")
+
+
+def test_smollm2_greedy_output_is_the_same_with_ngram_speculation():
+    """The real model asked to repeat and to edit a passage (where prompt lookup pays),
+    under a KV budget that preempts, with chunked prefill, prefix caching and async."""
+    kw = dict(max_num_seqs=3, max_model_len=192, num_kv_blocks=14, max_num_batched_tokens=64, warmup=False,
+              log=lambda *_: None)
+    base = LLM("smollm2", **kw)
+    tok = base.tokenizer
+    asks = [f"Repeat this text exactly: {PASSAGE}", f"Rewrite this text with 'river' replaced by 'canal': {PASSAGE}",
+            f"Copy this sentence: {PASSAGE}"]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False) for a in asks]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)  # 7 blocks each, 13 in the cache
+    want = base.generate(prompts, params)
+    del base
+    spec = LLM("smollm2", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                              "prompt_lookup_max": 3, "prompt_lookup_min": 2}, **kw)
+    got = spec.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    s = spec.stats.snapshot()
+    assert s.num_preemptions > 0
+    assert s.spec_decode_num_accepted_tokens > 0.3 * s.spec_decode_num_draft_tokens  # repeating pays
+
+
+def test_constrained_rows_never_speculate():
+    """A constrained row's next mask depends on each token: it decodes one token a step."""
+
+    class AnyToken:  # a constraint that allows everything and never completes
+        stopped = False
+
+        def accept(self, token: int) -> bool:
+            return True
+
+    s = scheduler({})
+    free, constrained = Sequence("free", [5, 6, 7], SamplingParams(max_tokens=20)), \
+        Sequence("json", [5, 6, 7], SamplingParams(max_tokens=20))
+    constrained.constraint = AnyToken()
+    s.add(free)
+    s.add(constrained)
+    run_step(s, True)
+    assert [x.seq.request_id for x in run_step(s, True)] == ["free"]
+
+
+def test_a_stop_string_inside_a_speculative_delta_ends_the_response_at_its_token():
+    """A verified step's delta carries several tokens: the response stops at the token that
+    completes the stop string (its text, logprobs and token count), and the request is aborted."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine import RequestOutputDelta, TokenLogprob
+    from server import Generation
+    from tokenizer import ByteTokenizer
+
+    ids = list(b"ab STOP cd")
+    aborted = []
+
+    async def stream():
+        yield RequestOutputDelta("r", ids[:2], [TokenLogprob(t, -1.0, []) for t in ids[:2]], False, None, 1, 2)
+        yield RequestOutputDelta("r", ids[2:], [TokenLogprob(t, -1.0, []) for t in ids[2:]], False, None, 1, len(ids))
+
+    engine = SimpleNamespace(tokenizer=ByteTokenizer(), model_config=SimpleNamespace(eos_token_ids=(2,)),
+                             add_request=lambda *a: stream(), abort=lambda rid, reason="abort": aborted.append(reason))
+    gen = Generation(engine, "r", [ByteTokenizer.bos_token_id], SamplingParams(max_tokens=20), ["STOP"])
+
+    async def collect():
+        return [c async for c in gen.chunks()]
+
+    chunks = asyncio.run(collect())
+    assert "".join(c.text for c in chunks) == "ab " and chunks[-1].finish_reason == "stop"
+    assert chunks[-1].num_output_tokens == len(b"ab STOP")  # the tokens after the stop string are not counted
+    assert [t.token_id for c in chunks for t in c.logprobs] == list(b"ab STOP")
+    assert aborted == ["stop"]
