@@ -1,0 +1,164 @@
+"""The draft_model proposer (draft_model.py): a layer-skip draft cut from a checkpoint
+proposes what transformers' greedy decoding of that same truncated checkpoint gives,
+before and after rejections (its cache past the accepted point is rewritten, never read
+stale), across preemption and long catch-ups; its sampled proposals come with the exact
+filtered distribution they were drawn from; a draft of another vocabulary is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import hf_greedy, hf_logits, make_hf_checkpoint
+
+from config import EngineConfig, SamplingParams
+from draft_model import DraftModel, check_vocabulary, load_draft, write_layer_skip
+from kvcache import BlockAllocator, blocks_needed
+from metrics import EngineStats
+from model import load_model
+from scheduler import Sequence
+
+K = 4
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def target_ckpt(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("target"), "llama2", seed=3, num_hidden_layers=4,
+                              tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(target_ckpt, tmp_path_factory):
+    return write_layer_skip(target_ckpt, 2, str(tmp_path_factory.mktemp("d") / "layer-skip-2"), log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def drafter(target_ckpt, draft_dir):
+    # a small token budget: a 40-token prompt is caught up in several passes
+    config = EngineConfig(model=target_ckpt, max_num_seqs=4, max_model_len=128, block_size=BS,
+                          max_num_batched_tokens=32, attention_backend="xla").resolved(2048)
+    target = load_model(target_ckpt)
+    draft = load_draft(draft_dir, config, target, log=lambda _: None)
+    dm = DraftModel(config, draft, K, EngineStats())
+    dm.allocate_kv_caches(64)
+    dm.warmup(log=lambda _: None)
+    return dm, BlockAllocator(64, enable_caching=False)
+
+
+def _grow(alloc: BlockAllocator, seq: Sequence, upto: int) -> None:
+    """Blocks for positions < upto, appended to its table in place (as the scheduler)."""
+    need = blocks_needed(upto, BS) - len(seq.block_table)
+    if need > 0:
+        seq.block_table += alloc.allocate(seq.request_id, need)
+
+
+def test_layer_skip_is_the_first_layers(target_ckpt, draft_dir):
+    cfg = json.load(open(os.path.join(draft_dir, "config.json")))
+    assert cfg["num_hidden_layers"] == 2 and cfg["taxirank_layer_skip"]["source_layers"] == 4
+    full, cut = load_model(target_ckpt), load_model(draft_dir)
+    from model import hf_state_dict
+
+    a, b = hf_state_dict(full.model), hf_state_dict(cut.model)
+    assert set(b) == {n for n in a if not n.startswith(("model.layers.2.", "model.layers.3."))}
+    for name, x in b.items():
+        np.testing.assert_array_equal(x, a[name])
+
+
+def test_greedy_proposals_match_transformers_across_rejections(drafter, draft_dir):
+    dm, alloc = drafter
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (5, 40, 17)]
+    seqs = [Sequence(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=64)) for i, p in enumerate(prompts)]
+    compiled = dm.stats.num_compilations
+
+    def propose_and_check() -> list[list[int]]:
+        for s in seqs:
+            _grow(alloc, s, s.num_tokens + K)  # the verify step's positions: the last token .. + K
+        proposals, q = dm.propose(seqs, K)
+        assert q.shape == (4, K, 300)
+        for s, d in zip(seqs, proposals):
+            assert d == hf_greedy(draft_dir, s.all_token_ids, K), s.request_id
+            np.testing.assert_array_equal(np.asarray(q[seqs.index(s)]).argmax(-1), d)  # greedy q: one-hot
+        return proposals
+
+    d = propose_and_check()
+    # r0: 2 accepted then a recovered token that differs; r1: all accepted + a bonus; r2: none accepted.
+    seqs[0].output_token_ids += d[0][:2] + [(d[0][2] + 1) % 300]
+    seqs[1].output_token_ids += d[1] + [7]
+    seqs[2].output_token_ids += [(d[2][0] + 1) % 300]
+    d = propose_and_check()
+    # r1 is preempted and readmitted: new blocks, whatever the draft cache held there is stale.
+    alloc.free("r1")
+    seqs[1].block_table = []
+    seqs[0].output_token_ids += d[0][:1] + [(d[0][1] + 5) % 300]
+    seqs[2].output_token_ids += d[2][:3] + [(d[2][3] + 1) % 300]
+    propose_and_check()
+    assert dm.stats.num_compilations == compiled, "a proposal compiled a program after warm-up"
+    for s in seqs:
+        alloc.free(s.request_id)
+        dm.free(s)
+
+
+def test_proposals_stop_at_the_block_table_and_max_model_len(drafter):
+    dm, alloc = drafter
+    s = Sequence("edge", list(range(10, 30)), SamplingParams(temperature=0.0))  # 20 tokens
+    _grow(alloc, s, 22)  # 3 blocks = 24 positions: d_1..d_3's K/V at 20..22 fit
+    assert len(dm.propose([s], K)[0][0]) == K
+    alloc.free("edge")
+    s = Sequence("edge2", list(range(10, 30)), SamplingParams(temperature=0.0))
+    s.output_token_ids += [5, 6, 7]  # 23 tokens known: d_1's K/V at 23, d_2's at 24, past the table
+    _grow(alloc, s, 24)
+    assert len(dm.propose([s], K)[0][0]) == 2
+    alloc.free("edge2")
+
+
+def _filtered(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """NumPy: vLLM's temperature, top_k, top_p (min_p 0) distribution over the vocabulary."""
+    x = logits.astype(np.float64) / temperature
+    order = np.argsort(-x, kind="stable")
+    p = np.exp(x[order] - x[order].max())
+    p[top_k:] = 0
+    p /= p.sum()
+    keep = (np.cumsum(p) - p) < top_p
+    p = np.where(keep, p, 0)
+    out = np.zeros_like(p)
+    out[order] = p / p.sum()
+    return out
+
+
+def test_sampled_proposals_carry_their_distribution(drafter, draft_dir):
+    dm, alloc = drafter
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, max_tokens=64)
+    seqs = [Sequence(f"s{i}", list(range(20 + i, 31 + i)), params, seed=i) for i in range(2)]
+    for s in seqs:
+        _grow(alloc, s, s.num_tokens + K)
+    proposals, q = dm.propose(seqs, K)
+    q = np.asarray(q)
+    for i, (s, d) in enumerate(zip(seqs, proposals)):
+        assert len(d) == K
+        logits = hf_logits(draft_dir, s.all_token_ids + d[:-1])[s.num_tokens - 1:]
+        for j in range(K):
+            want = _filtered(logits[j], 0.7, 40, 0.9)
+            np.testing.assert_allclose(q[i, j], want, atol=2e-5)
+            assert want[d[j]] > 0, "a draft token outside the distribution it was drawn from"
+    # Same seed and position: the same draws (the draft's stream is the request's own).
+    again = Sequence("again", list(seqs[0].prompt_token_ids), params, seed=0)
+    _grow(alloc, again, again.num_tokens + K)
+    assert dm.propose([again], K)[0][0] == proposals[0]
+    for s in [*seqs, again]:
+        alloc.free(s.request_id)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(target_ckpt, tmp_path):
+    target = load_model(target_ckpt)
+    other = load_model(make_hf_checkpoint(tmp_path / "v", "llama2", vocab_size=320, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="vocabulary sizes"):
+        check_vocabulary(target, other)
+    other = load_model(make_hf_checkpoint(tmp_path / "e", "llama2", eos_token_id=5, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="special ids"):
+        check_vocabulary(target, other)
+    with pytest.raises(ValueError, match="vocabulary sizes"):
+        check_vocabulary(target, load_model("tiny"))
