@@ -15,6 +15,7 @@ from typing import Literal
 
 import attention_backend
 from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
+from spec_decode import SpeculativeConfig
 
 # --kv-cache-dtype values (vLLM's; int8 as JetStream's); kernels_pallas.KV_CACHE_DTYPES maps them to dtypes
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
@@ -75,11 +76,15 @@ class EngineConfig:
     distributed_coordinator: str | None = None  # HOST:PORT of process 0's coordination service
     num_processes: int = 1
     process_id: int = 0
+    # vLLM's --speculative-config: JSON text, a dict or a SpeculativeConfig (spec_decode.py)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
+
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
         need(self.dtype in ("float32", "bfloat16", "auto"), f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -587,6 +587,10 @@ _HELP = {  # EngineConfig fields; config.py says more
     "distributed_coordinator": "HOST:PORT of process 0 for a multi-host run (jax.distributed); None: one process",
     "num_processes": "processes in a multi-host run (one per host); process 0 schedules and serves HTTP",
     "process_id": "this process's rank in a multi-host run",
+    "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": ..., "
+                          "\"num_speculative_tokens\": 4}; also disable_by_batch_size, min_acceptance_rate "
+                          "(spec_decode.SpeculativeConfig)",
 }
 
 
@@ -604,8 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is Literal:
             kw["choices"] = typing.get_args(kind)
-        else:  # int, float, str, or `X | None`
-            kw["type"] = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        else:  # int, float, str, or `X | None`; a type that parses its own text gets the text
+            arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+            kw["type"] = str if hasattr(arg, "parse") else arg
         p.add_argument("--" + f.name.replace("_", "-"), **kw)
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")
     p.add_argument("--host", default="127.0.0.1")
