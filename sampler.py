@@ -109,3 +109,102 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array,
 
     tok_lp, top_ids, top_lp = jax.lax.cond(t.want_logprobs, logprobs, no_logprobs)
     return tok, tok_lp, top_ids, top_lp
+
+
+# ---- speculative decoding: verification (spec_decode.py proposes) -----------------------
+
+def filtered_probs(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """[S, V] the distribution a random row samples from, in vocabulary order: the
+    filters of _sample_random (temperature, min_p, top_k, then top_p on what the first
+    two leave), renormalised. Greedy rows get the one-hot of their argmax."""
+    S, V = logits.shape
+    scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
+    sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)
+    rank = jnp.arange(V)[None, :]
+    keep = (t.top_k[:, None] < 0) | (rank < t.top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    keep &= probs >= t.min_p[:, None] * probs[:, :1]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    out = jnp.zeros((S, V), jnp.float32).at[jnp.arange(S)[:, None], sorted_ids].set(probs)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    return jnp.where((t.temperature < SAMPLING_EPS)[:, None], greedy, out)
+
+
+def rejection_sample(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, t: SamplingTensors,
+                     draft_probs: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Verify R rows of proposals: logits [R, K+1, V] the target's at the row's last known
+    token and at each of its K draft tokens draft [R, K] (num_draft [R] of them real);
+    t holds each row's sampling parameters ([R]; step = index of its first emitted token).
+
+    Returns (tokens [R, K+1], num_emitted [R] in 1..num_draft+1): the accepted drafts,
+    then one token of the target's (Leviathan et al. 2023, Chen et al. 2023). Draft j is
+    accepted with probability min(1, p_j(x) / q_j(x)) under the target's filtered p_j and
+    the draft's q_j (draft_probs [R, K, V]; None: q_j one-hot at x, so the test is
+    u <= p_j(x)); at the first rejection the token comes from norm(max(p_j - q_j, 0)),
+    after K acceptances from p_K (the bonus), so every emitted token is distributed as
+    non-speculative sampling would draw it. Greedy rows accept while the draft is the
+    argmax and emit the argmax after, token for token what greedy decoding emits."""
+    R, K1, V = logits.shape
+    K = K1 - 1
+    j = jnp.arange(K)[None, :]
+    real = j < num_draft[:, None]
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, K+1]
+
+    def leading(ok: jax.Array) -> jax.Array:  # the count of leading Trues of each row
+        return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+
+    def greedy_only() -> tuple[jax.Array, jax.Array]:
+        return argmax, leading((draft == argmax[:, :K]) & real)
+
+    def with_random() -> tuple[jax.Array, jax.Array]:
+        rep = lambda x: jnp.repeat(x, K1)  # noqa: E731 (each row's parameters at its K+1 positions)
+        tk = SamplingTensors(rep(t.temperature), rep(t.top_p), rep(t.top_k), rep(t.min_p), rep(t.seed), rep(t.step),
+                             t.want_logprobs)
+        p = filtered_probs(logits.reshape(R * K1, V), tk).reshape(R, K1, V)
+        px = jnp.take_along_axis(p[:, :K], draft[:, :, None], axis=-1)[:, :, 0]
+        if draft_probs is None:
+            qx = jnp.ones_like(px)
+            q = jax.nn.one_hot(draft, V, dtype=jnp.float32)
+        else:
+            q = draft_probs[:R]
+            qx = jnp.take_along_axis(q, draft[:, :, None], axis=-1)[:, :, 0]
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(t.seed, t.step)
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (K,), jnp.float32))(keys)
+        accepted = leading((u * qx <= px) & real)  # [R]
+        # The token after the accepted run: from the residual at a rejection, from p after all.
+        p_a = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
+        q_a = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), accepted[:, None, None], axis=1)[:, 0]
+        rejected = accepted < num_draft
+        resid = jnp.where(rejected[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
+        # p == q exactly leaves no residual mass, and then nothing is ever rejected; guard the log.
+        resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p_a)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 2), (V,), jnp.float32))(keys)
+        extra = jnp.argmax(jnp.where(resid > 0, jnp.log(resid), -jnp.inf) + gumbel, axis=-1).astype(jnp.int32)
+        jj = jnp.arange(K1)[None, :]
+        padded = jnp.pad(draft, ((0, 0), (0, 1)))
+        tokens = jnp.where(jj < accepted[:, None], padded, jnp.where(jj == accepted[:, None], extra[:, None], 0))
+        g_tok, g_acc = greedy_only()
+        is_greedy = t.temperature < SAMPLING_EPS
+        return (jnp.where(is_greedy[:, None], g_tok, tokens), jnp.where(is_greedy, g_acc, accepted))
+
+    tokens, accepted = jax.lax.cond(jnp.all(t.temperature < SAMPLING_EPS), greedy_only, with_random)
+    return tokens.astype(jnp.int32), accepted + 1
+
+
+def emitted_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The target's logprobs of tokens [R, K+1] under logits [R, K+1, V] and the top
+    MAX_LOGPROBS at each position (zeros unless `want`), as sample() reports them."""
+    R, K1, V = logits.shape
+
+    def compute() -> tuple[jax.Array, jax.Array, jax.Array]:
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        return jnp.take_along_axis(lp, tokens[:, :, None], axis=-1)[:, :, 0], top_ids.astype(jnp.int32), top_lp
+
+    def skip() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.zeros((R, K1), jnp.float32), jnp.zeros((R, K1, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((R, K1, MAX_LOGPROBS), jnp.float32))
+
+    return jax.lax.cond(want, compute, skip)

@@ -1,0 +1,149 @@
+"""Speculative decoding: the config, the ngram proposer, the exactness of verification,
+and the engine's output with speculation equal to its output without.
+
+The rejection sampler is checked at the function level against the exact filtered
+distributions of tests/test_sampling.py: with synthetic target logits per position and a
+draft distribution q deliberately far from the target's p, every emitted token at run
+position j (among the runs that reach j) must follow p_j, whatever was accepted before.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from config import EngineConfig
+from sampler import SamplingTensors, empty_sampling_arrays, rejection_sample
+from spec_decode import SpeculativeConfig, ngram_lookup
+from test_sampling import LOGITS, chi_square, exact
+
+
+# ---- config -----------------------------------------------------------------------------
+
+def test_speculative_config_follows_vllm_and_names_bad_keys():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    c = SpeculativeConfig.parse({"model": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", None, 4, 4)
+    assert SpeculativeConfig.parse({"model": "draft.gguf", "num_speculative_tokens": 2}).method == "draft_model"
+    bad = {'{"method": "ngram"}': "num_speculative_tokens",
+           '{"method": "eagle", "num_speculative_tokens": 2}': "method",
+           '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}': "bogus",
+           '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}':
+               "prompt_lookup_min",
+           '{"method": "ngram", "num_speculative_tokens": true}': "num_speculative_tokens",
+           '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}': "disable_by_batch_size",
+           '{"method": "draft_model", "num_speculative_tokens": 2}': "model",
+           '{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}': "min_acceptance_rate",
+           '[1, 2]': "JSON object", '{"method": ': "not valid JSON"}
+    for text, word in bad.items():
+        with pytest.raises(ValueError, match=word):
+            EngineConfig(speculative_config=text)
+
+
+# ---- ngram ------------------------------------------------------------------------------
+
+def test_ngram_lookup_is_vllms_prompt_lookup():
+    a = lambda *x: np.array(x)  # noqa: E731
+    assert ngram_lookup(a(1, 2, 3, 4, 2, 3), 2, 3, 4) == [4, 2, 3]  # vLLM's docstring example
+    assert ngram_lookup(a(1, 2, 3, 4, 1, 2, 3, 5, 6), 2, 2, 2) == []  # [5, 6] never occurred before
+    assert ngram_lookup(a(1, 2, 3, 4, 1, 2, 3), 2, 2, 2) == [4, 1]  # the earliest occurrence
+    # the longest match wins over an earlier shorter one: [9, 2, 3] matches at 4, [2, 3] at 0
+    assert ngram_lookup(a(2, 3, 7, 9, 9, 2, 3, 8, 9, 2, 3), 1, 3, 2) == [8, 9]
+    assert ngram_lookup(a(5, 5, 5), 1, 1, 3) == [5, 5]  # overlapping the suffix is allowed
+    assert ngram_lookup(a(1, 2, 1, 2), 3, 4, 2) == []  # shorter than prompt_lookup_min
+    assert ngram_lookup(a(1, 2, 1, 2), 1, 4, 0) == []
+
+
+def brute_ngram(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    for n in range(hi, lo - 1, -1):
+        if len(tokens) < n + 1:
+            continue
+        suffix = tokens[-n:]
+        for s in range(len(tokens) - n):
+            if tokens[s:s + n] == suffix:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+def test_ngram_lookup_matches_a_brute_force_search():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        toks = rng.integers(0, 4, rng.integers(1, 40)).tolist()
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        assert ngram_lookup(np.array(toks), lo, hi, 3) == brute_ngram(toks, lo, hi, 3), (toks, lo, hi)
+
+
+# ---- verification: exact ---------------------------------------------------------------
+
+K = 3
+V = len(LOGITS)
+_verify = jax.jit(rejection_sample)
+
+
+def position_logits() -> np.ndarray:
+    """[K+1, V]: a different target distribution at each run position."""
+    return np.stack([np.roll(LOGITS, 5 * j) for j in range(K + 1)])
+
+
+def verify(n: int, draft: np.ndarray, draft_probs: np.ndarray | None, **params) -> tuple[np.ndarray, np.ndarray]:
+    arrays = empty_sampling_arrays(n)
+    for name, value in params.items():
+        arrays[name][:] = value
+    arrays["seed"][:] = np.arange(n, dtype=np.uint32)
+    t = SamplingTensors(**arrays, want_logprobs=np.bool_(False))
+    logits = np.broadcast_to(position_logits(), (n, K + 1, V)).copy()
+    tokens, num = _verify(logits, draft.astype(np.int32), np.full(n, K, np.int32), t, draft_probs)
+    return np.asarray(tokens), np.asarray(num)
+
+
+def check_positions(tokens: np.ndarray, num: np.ndarray, params: dict) -> None:
+    assert ((num >= 1) & (num <= K + 1)).all()
+    for j in range(K + 1):
+        p = exact(position_logits()[j], **params)
+        reached = num > j
+        assert reached.sum() >= 1000, f"position {j}: only {reached.sum()} runs reach it"
+        counts = np.bincount(tokens[reached, j], minlength=V)
+        assert counts[p == 0].sum() == 0, f"position {j}: a token outside the filtered set was emitted"
+        stat, limit = chi_square(counts, p)
+        assert stat < limit, f"position {j}: chi-square {stat:.1f} over {limit:.1f} ({reached.sum()} runs)"
+
+
+FILTERS = [dict(temperature=1.0), dict(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02)]
+
+
+@pytest.mark.parametrize("params", FILTERS)
+def test_a_draft_far_from_the_target_still_emits_the_target_distribution(params):
+    """Half of q's mass is the reversed target (the target's unlikely tokens made
+    likely): a total variation of about half from p. Drafts are drawn from q, as a draft
+    model draws them."""
+    n, rng = 40_000, np.random.default_rng(1)
+    q = np.stack([0.5 * exact(-position_logits()[j], temperature=1.0) + 0.5 * exact(position_logits()[j], **params)
+                  for j in range(K)])  # [K, V]
+    draft = np.stack([rng.choice(V, size=n, p=q[j]) for j in range(K)], axis=1)
+    tokens, num = verify(n, draft, np.broadcast_to(q, (n, K, V)).astype(np.float32).copy(), **params)
+    check_positions(tokens, num, params)
+    assert 0.2 < (num == 1).mean() < 0.8  # the draft is far: many runs are rejected at once
+
+
+@pytest.mark.parametrize("params", FILTERS)
+def test_deterministic_proposals_emit_the_target_distribution(params):
+    """ngram's q is one-hot at its proposal, whatever the proposal is: here the target's
+    most likely token 90% of the time, an arbitrary one otherwise."""
+    n, rng = 200_000, np.random.default_rng(2)
+    best = position_logits()[:K].argmax(axis=1)
+    draft = np.where(rng.random((n, K)) < 0.9, best[None, :], rng.integers(0, V, (n, K)))
+    tokens, num = verify(n, draft, None, **params)
+    check_positions(tokens, num, params)
+    assert (num == K + 1).mean() > 0.01  # some runs are accepted whole (and sample the bonus)
+
+
+def test_greedy_accepts_while_the_draft_is_the_argmax():
+    best = position_logits().argmax(axis=1)  # [K+1]
+    draft = np.array([best[:K], [best[0], best[1], (best[2] + 1) % V], [(best[0] + 1) % V, best[1], best[2]]])
+    tokens, num = verify(3, draft, None, temperature=0.0)
+    assert num.tolist() == [K + 1, 3, 1]
+    for row in range(3):
+        assert tokens[row, :num[row]].tolist() == best[:num[row]].tolist()
