@@ -6,7 +6,7 @@ layers, heads and head_dim) indexed by the SAME block tables and slot mapping as
 target's, with the same block size and number of blocks, so the scheduler allocates and
 frees once for both. Its bytes per block count in the KV sizing.
 
-Per step, `DraftModel.propose(seqs, k)` dispatches two kinds of programs:
+Per step, `DraftModelProposer.propose(seqs, k)` dispatches two kinds of programs:
 
 - **catch-up** (one per token bucket, as the target's ragged step): a ragged pass over
   each sequence's tokens the draft has not seen yet: the whole prompt the first time (or
@@ -15,7 +15,7 @@ Per step, `DraftModel.propose(seqs, k)` dispatches two kinds of programs:
   last draft token when all k were accepted). More than max_num_batched_tokens of them go
   in several passes; the last pass holds each sequence's last token, whose hidden state
   the draft program starts from.
-- **draft** (one per decode bucket): k autoregressive steps inside one program (a
+- **draft** (one per row bucket, powers of two): k autoregressive steps inside one program (a
   `lax.scan` over k - 1 decodes; the LM head k times), each token drawn from the draft's
   filtered distribution with the request's sampling parameters (greedy: argmax), and the
   distribution q it was drawn from returned beside it, [rows, k, V] on the device.
@@ -54,14 +54,19 @@ from attention_backend import AttentionShape, select_attention_backend
 from config import SAMPLING_EPS, EngineConfig
 from kvcache import create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
-from model import AttentionInputs, LoadedModel, hf_state_dict, load_model
-from sampler import empty_sampling_arrays, fill_slot
+from model import AttentionInputs, LoadedModel, hf_state_dict, load_model, param_bytes
+from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
 from scheduler import Sequence
+from spec_decode import PROPOSERS, Proposals
 from tokenizer import ByteTokenizer
 
 # The draft's random stream is fold_in(fold_in(key(seed), output index), DRAFT_STREAM):
-# apart from every stream the target's sampling and the verifier draw from, as the
-# rejection rule needs (the draft's choice must be independent of the acceptance test).
+# apart from every stream the target's sampling and the verifier draw from (fold_in(key,
+# index) itself, and its folds 1 and 2), as the rejection rule needs: the draft's choice
+# must be independent of the acceptance test. A proposal for an output index is drawn
+# again with the same key after a rejection, which is still independent of everything
+# emitted: no token at or past that index had been emitted, so the earlier draw decided
+# nothing that was kept.
 DRAFT_STREAM = 0x64726674
 
 
@@ -164,41 +169,30 @@ def write_layer_skip(source: str, num_layers: int, out: str, log: Callable[[str]
 
 # ---- sampling the draft tokens ------------------------------------------------------------
 
-def filtered_probs(logits: jax.Array, s: dict[str, jax.Array]) -> jax.Array:
-    """logits [S, V] -> [S, V] the distribution the sampler draws from, in vocabulary
-    order: vLLM's order (temperature, min_p, top_k, then top_p on the mass left), as
-    sampler.py applies it."""
-    S, V = logits.shape
-    scaled = logits / jnp.maximum(s["temperature"], 1e-6)[:, None]
-    sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)
-    rank = jnp.arange(V)[None, :]
-    keep = (s["top_k"][:, None] < 0) | (rank < s["top_k"][:, None])
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    keep &= probs >= s["min_p"][:, None] * probs[:, :1]
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < s["top_p"][:, None]
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    return jnp.zeros((S, V), jnp.float32).at[jnp.arange(S)[:, None], sorted_ids].set(probs)
-
-
-def sample_draft(logits: jax.Array, s: dict[str, jax.Array], step: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(token [S], q [S, V]): each row's draft token and the distribution it was drawn
-    from; step [S] is the output index the token is proposed for. Greedy rows take the
-    argmax (q one-hot there); the sort is skipped when every row is greedy."""
+def sample_draft(logits: jax.Array, t: SamplingTensors, step: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(token [S], q [S, V]): each row's draft token and the filtered distribution it was
+    drawn from (sampler.filtered_probs: the target's own filters; one-hot at the argmax
+    for a greedy row); step [S] is the output index the token is proposed for. The sort
+    is skipped when every row is greedy."""
     V = logits.shape[1]
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    one_hot = jax.nn.one_hot(greedy_tok, V, dtype=jnp.float32)
-    is_greedy = s["temperature"] < SAMPLING_EPS
+    is_greedy = t.temperature < SAMPLING_EPS
 
     def sampled() -> tuple[jax.Array, jax.Array]:
-        q = filtered_probs(logits, s)
+        q = filtered_probs(logits, t)
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), n),
-                                                           DRAFT_STREAM))(s["seed"], step)
+                                                           DRAFT_STREAM))(t.seed, step)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-        tok = jnp.argmax(jnp.log(q) + gumbel, axis=-1).astype(jnp.int32)
-        return jnp.where(is_greedy, greedy_tok, tok), jnp.where(is_greedy[:, None], one_hot, q)
+        tok = jnp.argmax(jnp.where(q > 0, jnp.log(q), -jnp.inf) + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(is_greedy, greedy_tok, tok), q
 
-    return jax.lax.cond(jnp.all(is_greedy), lambda: (greedy_tok, one_hot), sampled)
+    return jax.lax.cond(jnp.all(is_greedy), lambda: (greedy_tok, jax.nn.one_hot(greedy_tok, V, dtype=jnp.float32)),
+                        sampled)
+
+
+def spec_rows(n: int) -> int:
+    """The rows of a step's proposals: len(seqs) rounded up to a power of two."""
+    return 1 << (n - 1).bit_length()
 
 
 # ---- the draft model in the engine ------------------------------------------------------
@@ -212,17 +206,21 @@ class _DraftKV:
     speculated: list[int]  # draft tokens written at valid, valid + 1, ...: valid while accepted
 
 
-class DraftModel:
-    """The draft's weights, KV cache and programs (module docstring). propose() returns,
-    for each sequence, up to k draft tokens and, on the device, the distributions they
-    were drawn from."""
+@PROPOSERS.register("draft_model")
+class DraftModelProposer:
+    """The draft's weights, KV cache and programs (module docstring), behind spec_decode's
+    Proposer protocol: propose() returns, for each sequence, up to k draft tokens and, on
+    the device, the distributions they were drawn from."""
 
-    def __init__(self, config: EngineConfig, draft: LoadedModel, num_speculative_tokens: int,
-                 stats: EngineStats) -> None:
-        assert num_speculative_tokens >= 1
+    def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats,
+                 log: Callable[[str], None] = print) -> None:
+        spec = config.speculative_config
+        assert spec is not None and spec.model is not None and config.max_model_len is not None
+        draft = load_draft(spec.model, config, target, log)
         self.config, self.loaded, self.stats = config, draft, stats
-        self.k = num_speculative_tokens
+        self.k = spec.k
         self.block_size = config.block_size
+        self.row_buckets = tuple(1 << i for i in range(spec_rows(config.max_num_seqs).bit_length()))
         self.backend = select_attention_backend(
             config.attention_backend,
             AttentionShape.of(draft.config, config.block_size, draft.dtype, config.kv_cache_dtype))
@@ -241,13 +239,14 @@ class DraftModel:
                                       AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens), backend)
             return kv_caches, hidden[jnp.maximum(cu_q_lens[1:] - 1, 0)]  # each row's last token
 
-        def draft(state, kv_caches, last_hidden, hidden_row, block_tables, first_pos, num_draft, sampling):
+        def draft(state, kv_caches, last_hidden, hidden_row, block_tables, first_pos, num_draft, samp):
             """d_1 from each row's last hidden state, then d_j (j < num_draft) decoded at
             first_pos + j - 1 to give d_{j+1}. Rows write K/V only for j < num_draft."""
             count_compile()
             model = nnx.merge(graphdef, state)
             W = block_tables.shape[1]
-            tok, q = sample_draft(model.compute_logits(last_hidden[hidden_row]), sampling, sampling["step"])
+            sampling = SamplingTensors(**samp, want_logprobs=jnp.bool_(False))
+            tok, q = sample_draft(model.compute_logits(last_hidden[hidden_row]), sampling, sampling.step)
 
             def body(carry, j):
                 kv_caches, tok = carry
@@ -257,7 +256,7 @@ class DraftModel:
                 attn = AttentionInputs(jnp.where(write, block * BS + pos % BS, 0), block_tables,
                                        jnp.where(write, pos + 1, 0), None)
                 hidden, kv_caches = model(tok, pos, kv_caches, attn, backend)
-                tok, q = sample_draft(model.compute_logits(hidden), sampling, sampling["step"] + j)
+                tok, q = sample_draft(model.compute_logits(hidden), sampling, sampling.step + j)
                 return (kv_caches, tok), (tok, q)
 
             toks, qs = [tok[:, None]], [q[:, None]]
@@ -270,26 +269,30 @@ class DraftModel:
         self._catch_up = jax.jit(catch_up, donate_argnums=1)
         self._draft = jax.jit(draft, donate_argnums=1)
 
+    def weight_bytes(self) -> int:
+        return param_bytes(self.loaded.model)
+
     def kv_bytes_per_block(self) -> int:
         """What one block costs in the draft's cache (added to the target's in KV sizing)."""
         return kv_cache_bytes_per_block(self.loaded.config, self.block_size, self.loaded.dtype,
                                         self.config.kv_cache_dtype)
 
-    def allocate_kv_caches(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int) -> None:
         """The draft's cache: as many blocks as the target's (the same block tables index both)."""
         self.kv_caches = create_kv_caches(self.loaded.config, num_blocks, self.block_size, self.loaded.dtype,
                                           self.config.kv_cache_dtype)
 
     def free(self, seq: Sequence) -> None:
-        """Forget seq (finished or aborted); its cache rows go with its blocks."""
+        """Forget seq (finished, or preempted: its blocks are gone)."""
         self._seqs.pop(seq, None)
 
     # ---- one proposal -------------------------------------------------------------------
-    def propose(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], jax.Array]:
-        """Up to min(k, self.k) draft tokens per sequence (fewer where its block table or
-        max_model_len ends), from its known tokens (prompt + outputs), and q [R, self.k, V]
-        on the device: row i the distributions sequence i's tokens were drawn from (R the
-        decode bucket of len(seqs); the rows and columns past the proposals are padding)."""
+    def propose(self, seqs: list[Sequence], k: int) -> Proposals:
+        """Up to min(k, num_speculative_tokens) draft tokens per sequence (fewer where its
+        block table or max_model_len ends), from its known tokens (prompt + outputs), and
+        q [spec_rows(len(seqs)), num_speculative_tokens, V] on the device: row i the
+        distributions sequence i's tokens were drawn from (rows and columns past the
+        proposals are padding)."""
         cfg, BS = self.config, self.block_size
         n = len(seqs)
         assert 0 < n <= cfg.max_num_seqs and 1 <= k
@@ -315,7 +318,7 @@ class DraftModel:
             segments.append([i, start, end])
             tokens_of.append(ids)
         last_hidden, hidden_row = self._run_catch_up(seqs, segments, tokens_of)
-        R = next(b for b in cfg.decode_buckets if b >= n)
+        R = spec_rows(n)
         W = cfg.max_blocks_per_seq
         block_tables = np.zeros((R, W), np.int32)
         first_pos, nd, rows = np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, np.int32)
@@ -332,7 +335,7 @@ class DraftModel:
             d = toks[i, :num_draft[i]].tolist()
             proposals.append(d)
             self._seqs[seq] = _DraftKV(seq.block_table, segments[i][2], d[:-1])
-        return proposals, q
+        return Proposals(proposals, q)
 
     def _run_catch_up(self, seqs: list[Sequence], segments: list[list[int]],
                       tokens_of: list[list[int]]) -> tuple[jax.Array, np.ndarray]:
@@ -388,7 +391,7 @@ class DraftModel:
         return last_hidden
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile the draft's programs: catch-up per token bucket, draft per decode bucket."""
+        """Compile the draft's programs: catch-up per token bucket, draft per row bucket."""
         cfg, t0 = self.config, time.perf_counter()
         before = self.stats.num_compilations
         S, W = cfg.max_num_seqs, cfg.max_blocks_per_seq
@@ -397,7 +400,7 @@ class DraftModel:
             z = np.zeros(T, np.int32)
             self.kv_caches, last_hidden = self._catch_up(self.state, self.kv_caches, z, z, z, np.zeros((S, W), np.int32),
                                                          np.zeros(S, np.int32), np.zeros(S + 1, np.int32))
-        for R in cfg.decode_buckets:
+        for R in self.row_buckets:
             z = np.zeros(R, np.int32)
             self.kv_caches, toks, _ = self._draft(self.state, self.kv_caches, last_hidden, z,
                                                   np.zeros((R, W), np.int32), z, z, empty_sampling_arrays(R))

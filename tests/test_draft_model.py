@@ -14,7 +14,8 @@ import pytest
 from conftest import hf_greedy, hf_logits, make_hf_checkpoint
 
 from config import EngineConfig, SamplingParams
-from draft_model import DraftModel, check_vocabulary, load_draft, write_layer_skip
+from draft_model import check_vocabulary, write_layer_skip
+from spec_decode import create_proposer
 from kvcache import BlockAllocator, blocks_needed
 from metrics import EngineStats
 from model import load_model
@@ -38,12 +39,13 @@ def draft_dir(target_ckpt, tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafter(target_ckpt, draft_dir):
     # a small token budget: a 40-token prompt is caught up in several passes
-    config = EngineConfig(model=target_ckpt, max_num_seqs=4, max_model_len=128, block_size=BS,
-                          max_num_batched_tokens=32, attention_backend="xla").resolved(2048)
-    target = load_model(target_ckpt)
-    draft = load_draft(draft_dir, config, target, log=lambda _: None)
-    dm = DraftModel(config, draft, K, EngineStats())
-    dm.allocate_kv_caches(64)
+    config = EngineConfig(model=target_ckpt, max_num_seqs=3, max_model_len=128, block_size=BS,
+                          max_num_batched_tokens=32, attention_backend="xla",
+                          speculative_config={"method": "draft_model", "model": draft_dir,
+                                              "num_speculative_tokens": K}).resolved(2048)
+    dm = create_proposer(config, load_model(target_ckpt), EngineStats())
+    assert dm.kv_bytes_per_block() == 2 * 2 * BS * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, f32
+    dm.allocate(64)
     dm.warmup(log=lambda _: None)
     return dm, BlockAllocator(64, enable_caching=False)
 
@@ -77,8 +79,9 @@ def test_greedy_proposals_match_transformers_across_rejections(drafter, draft_di
     def propose_and_check() -> list[list[int]]:
         for s in seqs:
             _grow(alloc, s, s.num_tokens + K)  # the verify step's positions: the last token .. + K
-        proposals, q = dm.propose(seqs, K)
-        assert q.shape == (4, K, 300)
+        out = dm.propose(seqs, K)
+        proposals, q = out.token_ids, out.draft_probs
+        assert q.shape == (4, K, 300)  # rows: 3 sequences rounded up to a power of two
         for s, d in zip(seqs, proposals):
             assert d == hf_greedy(draft_dir, s.all_token_ids, K), s.request_id
             np.testing.assert_array_equal(np.asarray(q[seqs.index(s)]).argmax(-1), d)  # greedy q: one-hot
@@ -106,12 +109,12 @@ def test_proposals_stop_at_the_block_table_and_max_model_len(drafter):
     dm, alloc = drafter
     s = Sequence("edge", list(range(10, 30)), SamplingParams(temperature=0.0))  # 20 tokens
     _grow(alloc, s, 22)  # 3 blocks = 24 positions: d_1..d_3's K/V at 20..22 fit
-    assert len(dm.propose([s], K)[0][0]) == K
+    assert len(dm.propose([s], K).token_ids[0]) == K
     alloc.free("edge")
     s = Sequence("edge2", list(range(10, 30)), SamplingParams(temperature=0.0))
     s.output_token_ids += [5, 6, 7]  # 23 tokens known: d_1's K/V at 23, d_2's at 24, past the table
     _grow(alloc, s, 24)
-    assert len(dm.propose([s], K)[0][0]) == 2
+    assert len(dm.propose([s], K).token_ids[0]) == 2
     alloc.free("edge2")
 
 
@@ -135,8 +138,8 @@ def test_sampled_proposals_carry_their_distribution(drafter, draft_dir):
     seqs = [Sequence(f"s{i}", list(range(20 + i, 31 + i)), params, seed=i) for i in range(2)]
     for s in seqs:
         _grow(alloc, s, s.num_tokens + K)
-    proposals, q = dm.propose(seqs, K)
-    q = np.asarray(q)
+    out = dm.propose(seqs, K)
+    proposals, q = out.token_ids, np.asarray(out.draft_probs)
     for i, (s, d) in enumerate(zip(seqs, proposals)):
         assert len(d) == K
         logits = hf_logits(draft_dir, s.all_token_ids + d[:-1])[s.num_tokens - 1:]
@@ -147,7 +150,7 @@ def test_sampled_proposals_carry_their_distribution(drafter, draft_dir):
     # Same seed and position: the same draws (the draft's stream is the request's own).
     again = Sequence("again", list(seqs[0].prompt_token_ids), params, seed=0)
     _grow(alloc, again, again.num_tokens + K)
-    assert dm.propose([again], K)[0][0] == proposals[0]
+    assert dm.propose([again], K).token_ids[0] == proposals[0]
     for s in [*seqs, again]:
         alloc.free(s.request_id)
 
