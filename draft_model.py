@@ -25,11 +25,13 @@ it wrote past the known ones, and at the next proposal keeps the positions whose
 the sequence really has (the accepted prefix); every later position is written again
 before it is read (attention reads a row's first kv_len positions only).
 
-A draft that exists for smollm2 here is a **layer-skip** of the same checkpoint: its
-first N decoder layers, the final norm and the LM head, unchanged and untrained (an early
-exit). `python draft_model.py layer-skip smollm2 8 DIR` writes it as a Hugging Face
-safetensors directory, which `"model": "DIR"` then names in the speculative config, and
-which any loader (transformers too) reads as an ordinary N-layer model.
+A draft that exists for smollm2 here is a **layer-skip** of the same checkpoint: a subset
+of its decoder layers with its embeddings, final norm and LM head, unchanged and untrained
+(the first N: an early exit; first and last layers: the middle skipped, as in
+self-speculative decoding, Zhang et al. 2023). `python draft_model.py layer-skip smollm2
+0-5,24-29 DIR` writes it as a Hugging Face safetensors directory, which `"model": "DIR"`
+then names in the speculative config, and which any loader (transformers too) reads as an
+ordinary model of that many layers.
 """
 
 from __future__ import annotations
@@ -115,12 +117,27 @@ def _vocabulary(tokenizer: Any) -> Any:
     return sorted(tokenizer.get_vocab().items())
 
 
-def write_layer_skip(source: str, num_layers: int, out: str, log: Callable[[str], None] = print) -> str:
-    """Write the first `num_layers` decoder layers of `source` (a GGUF file, a built-in
-    GGUF name such as smollm2, or an HF directory), with its embeddings, final norm and LM
-    head, as an HF safetensors directory `out` (config.json with num_hidden_layers =
-    num_layers, model.safetensors, the tokenizer). Weights are copied as loaded (a GGUF
-    file's dequantized to float32), untrained. Returns out."""
+def parse_layers(text: str) -> list[int]:
+    """"8" -> the first 8 layers; "0-5,24-29" -> those layers (ranges inclusive), in order."""
+    try:
+        if text.isdigit():
+            return list(range(int(text)))
+        out = []
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += list(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"layers must be a count (8) or ranges (0-5,24-29), got {text!r}") from None
+    return out
+
+
+def write_layer_skip(source: str, layers: list[int], out: str, log: Callable[[str], None] = print) -> str:
+    """Write the decoder layers `layers` (indices into source's, increasing) of `source`
+    (a GGUF file, a built-in GGUF name such as smollm2, or an HF directory), with its
+    embeddings, final norm and LM head, as an HF safetensors directory `out` (config.json
+    with num_hidden_layers = len(layers), model.safetensors, the tokenizer): the model
+    that skips every other layer. Weights are copied as loaded (a GGUF file's dequantized
+    to float32), untrained. Returns out."""
     from safetensors.numpy import save_file
 
     import gguf_loader
@@ -137,16 +154,24 @@ def write_layer_skip(source: str, num_layers: int, out: str, log: Callable[[str]
         raise ValueError(f"{source!r} is neither a GGUF file (or built-in GGUF name) nor an HF directory: "
                          "a layer-skip draft is cut from a trained checkpoint")
     full = hf_config["num_hidden_layers"]
-    if not 1 <= num_layers < full:
-        raise ValueError(f"num_layers must be in 1..{full - 1} ({source} has {full} layers), got {num_layers}")
+    if not (layers and layers == sorted(set(layers)) and 0 <= layers[0] and layers[-1] < full
+            and len(layers) < full):
+        raise ValueError(f"layers must be increasing indices in 0..{full - 1}, fewer than all {full} "
+                         f"({source}'s), got {layers}")
     loaded = load_model(source, "float32", log=log)
-    kept = {f"model.layers.{i}." for i in range(num_layers)}
-    tensors = {name: x for name, x in hf_state_dict(loaded.model).items()
-               if not name.startswith("model.layers.") or any(name.startswith(p) for p in kept)}
+    renamed = {f"model.layers.{old}.": f"model.layers.{new}." for new, old in enumerate(layers)}
+    tensors = {}
+    for name, x in hf_state_dict(loaded.model).items():
+        if name.startswith("model.layers."):
+            prefix = ".".join(name.split(".")[:3]) + "."
+            if prefix not in renamed:
+                continue
+            name = renamed[prefix] + name[len(prefix):]
+        tensors[name] = x
     if isinstance(hf_config.get("layer_types"), list):  # transformers' per-layer attention kinds
-        hf_config["layer_types"] = hf_config["layer_types"][:num_layers]
-    hf_config.update(num_hidden_layers=num_layers, torch_dtype="float32",
-                     taxirank_layer_skip={"source": source, "source_layers": full, "kept_layers": num_layers})
+        hf_config["layer_types"] = [hf_config["layer_types"][i] for i in layers]
+    hf_config.update(num_hidden_layers=len(layers), torch_dtype="float32",
+                     taxirank_layer_skip={"source": source, "source_layers": full, "kept_layers": layers})
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".layer-skip-", dir=parent)  # renamed into place when complete
@@ -163,7 +188,7 @@ def write_layer_skip(source: str, num_layers: int, out: str, log: Callable[[str]
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"layer-skip draft: the first {num_layers} of {full} layers of {source} (+ final norm and LM head) in {out}")
+    log(f"layer-skip draft: layers {layers} of the {full} of {source} (+ embeddings, final norm, LM head) in {out}")
     return out
 
 
@@ -412,12 +437,12 @@ class DraftModelProposer:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="build a draft model for speculative decoding")
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("layer-skip", help="the first NUM_LAYERS layers of SRC (+ final norm, LM head) into DST")
+    c = sub.add_parser("layer-skip", help="LAYERS of SRC (+ embeddings, final norm, LM head) into DST")
     c.add_argument("src", help="a GGUF file, a built-in GGUF name (smollm2) or an HF directory")
-    c.add_argument("num_layers", type=int)
+    c.add_argument("layers", help="a count (8: the first 8) or ranges (0-5,24-29)")
     c.add_argument("dst", help="a new directory: pass it as the speculative config's \"model\"")
     a = p.parse_args(argv)
-    write_layer_skip(a.src, a.num_layers, os.path.expanduser(a.dst))
+    write_layer_skip(a.src, parse_layers(a.layers), os.path.expanduser(a.dst))
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ import pytest
 from conftest import hf_greedy, hf_logits, make_hf_checkpoint
 
 from config import EngineConfig, SamplingParams
-from draft_model import check_vocabulary, write_layer_skip
+from draft_model import check_vocabulary, parse_layers, write_layer_skip
 from spec_decode import create_proposer
 from kvcache import BlockAllocator, blocks_needed
 from metrics import EngineStats
-from model import load_model
+from model import hf_state_dict, load_model
 from scheduler import Sequence
 
 K = 4
@@ -33,7 +33,8 @@ def target_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def draft_dir(target_ckpt, tmp_path_factory):
-    return write_layer_skip(target_ckpt, 2, str(tmp_path_factory.mktemp("d") / "layer-skip-2"), log=lambda _: None)
+    # layers 0 and 3 of 4: the cut renumbers them 0 and 1
+    return write_layer_skip(target_ckpt, [0, 3], str(tmp_path_factory.mktemp("d") / "layer-skip"), log=lambda _: None)
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +58,18 @@ def _grow(alloc: BlockAllocator, seq: Sequence, upto: int) -> None:
         seq.block_table += alloc.allocate(seq.request_id, need)
 
 
-def test_layer_skip_is_the_first_layers(target_ckpt, draft_dir):
+def test_layer_skip_keeps_the_chosen_layers(target_ckpt, draft_dir):
     cfg = json.load(open(os.path.join(draft_dir, "config.json")))
     assert cfg["num_hidden_layers"] == 2 and cfg["taxirank_layer_skip"]["source_layers"] == 4
-    full, cut = load_model(target_ckpt), load_model(draft_dir)
-    from model import hf_state_dict
-
-    a, b = hf_state_dict(full.model), hf_state_dict(cut.model)
-    assert set(b) == {n for n in a if not n.startswith(("model.layers.2.", "model.layers.3."))}
-    for name, x in b.items():
-        np.testing.assert_array_equal(x, a[name])
+    full, cut = hf_state_dict(load_model(target_ckpt).model), hf_state_dict(load_model(draft_dir).model)
+    source = {n.replace("layers.3.", "layers.1."): x for n, x in full.items()
+              if not n.startswith(("model.layers.1.", "model.layers.2."))}
+    assert set(cut) == set(source)
+    for name, x in cut.items():
+        np.testing.assert_array_equal(x, source[name])
+    assert parse_layers("3") == [0, 1, 2] and parse_layers("0-1,5,7-8") == [0, 1, 5, 7, 8]
+    with pytest.raises(ValueError, match="increasing"):
+        write_layer_skip(target_ckpt, [2, 1], str(draft_dir) + "-bad", log=lambda _: None)
 
 
 def test_greedy_proposals_match_transformers_across_rejections(drafter, draft_dir):
