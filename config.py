@@ -121,6 +121,8 @@ class EngineConfig:
         need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")
         need(0 <= self.process_id < self.num_processes,
              f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
+        need(self.speculative_config is None or self.num_processes == 1,
+             "--speculative-config runs on one host: the step channel does not carry proposals")
         need((self.distributed_coordinator is None) == (self.num_processes == 1),
              "--distributed-coordinator HOST:PORT and --num-processes > 1 go together")
         if self.distributed_coordinator is not None:

@@ -98,6 +98,7 @@ class LLMEngine:
         self.log = log
         self.config, self.loaded, self.stats = parts.config, parts.loaded, parts.stats
         self.scheduler, self.runner, self.num_kv_blocks = parts.scheduler, parts.runner, parts.num_kv_blocks
+        self.proposer = parts.proposer  # speculative decoding (spec_decode.py), or None
         self.model_config = parts.loaded.config
         self.tokenizer = parts.loaded.tokenizer
         self.trace: list[StepTrace] | None = [] if record_trace else None
@@ -163,6 +164,8 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id)
         self._prompt_lps.pop(request_id, None)
         if seq is not None:
+            if self.proposer is not None:
+                self.proposer.free(seq)
             seq.finish_reason = reason
             now = time.monotonic()
             self.stats.record_finished(seq, now, latency=reason == "stop")
@@ -189,25 +192,47 @@ class LLMEngine:
         Structured outputs: a constrained row's bitmask depends on its previous token, so
         while any constrained request is in the engine the step in flight is collected
         before the next is scheduled (the synchronous order): every row still advances
-        one token a step; only the host/device overlap is given up."""
-        deltas = self._collect() if self._in_flight and self.scheduler.num_constrained else []
+        one token a step; only the host/device overlap is given up.
+
+        Speculative decoding: proposals are made from every token of a sequence, so while
+        the scheduler may speculate (below disable_by_batch_size) the loop is synchronous
+        too, and a step that verifies proposals is collected before step() returns."""
+        sync = self.scheduler.num_constrained or (self.proposer is not None and self.scheduler.speculating)
+        deltas = self._collect() if self._in_flight and sync else []
         out = self.scheduler.schedule()
         if out.preempted:
             self._log_preemptions(out)
+        if self.proposer is not None:
+            for seq in out.preempted:  # its blocks, and so its draft K/V, are gone
+                self.proposer.free(seq)
+            if out.num_spec_tokens:
+                self._propose(out)
         if out.swap_out or out.swap_in:  # before the step, which may write where a swapped-out block was
             self.runner.swap(out.swap_out, out.swap_in)
         if out.scheduled or out.preempted or not self._in_flight:  # a preemption is recorded with its step
             self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
-        if out.scheduled and len(self._in_flight) <= self._max_in_flight:
+        if out.scheduled and len(self._in_flight) <= self._max_in_flight and not out.num_spec_tokens:
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
             return deltas
         return deltas + self._collect()
+
+    def _propose(self, out: SchedulerOutput) -> None:
+        """The drafts of the rows the scheduler reserved room for; it trims each row to them."""
+        spec = self.config.speculative_config
+        assert self.proposer is not None and spec is not None
+        rows = [s.seq for s in out.scheduled if s.spec_token_ids]
+        proposals = self.proposer.propose(rows, spec.k)
+        self.scheduler.take_proposals(out, proposals.token_ids, proposals.draft_probs)
 
     def _collect(self) -> list[RequestOutputDelta]:
         """Wait for the oldest step in flight, update the scheduler with it, record it."""
         out, scheduled_at, step = self._in_flight.popleft()
         result = step.result() if isinstance(step, InFlightStep) else step
-        outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [])
+        spec = {i: t for i, (t, _) in result.spec.items()} if result is not None and result.spec else None
+        outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [], spec)
+        if spec:
+            self.stats.record_spec_decode([(len(out.scheduled[i].spec_token_ids), len(t) - 1) for i, t in spec.items()],
+                                          sum(len(t) - 1 for t in outcome.emitted.values()))
         return self._record(out, result, outcome, scheduled_at)
 
     def _dispatch(self, out: SchedulerOutput) -> InFlightStep | StepResult | None:
@@ -250,13 +275,16 @@ class LLMEngine:
             if token is None:
                 continue
             lp = logprobs.get(rid) if logprobs else None
-            deltas.append(RequestOutputDelta(rid, [token], None if lp is None else [lp], False, None,
+            tokens = outcome.emitted.get(rid, [token]) if sch.spec_token_ids else [token]
+            deltas.append(RequestOutputDelta(rid, tokens, None if lp is None else lp[:len(tokens)], False, None,
                                              len(seq.prompt_token_ids), len(seq.output_token_ids),
                                              seq.num_cached_tokens,
                                              prompt_logprobs=self._prompt_lps.pop(rid, None) if self._prompt_lps else None))
         if released:
             by_id = {d.request_id: d for d in deltas}
             for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
+                if self.proposer is not None:
+                    self.proposer.free(seq)
                 d = by_id.get(seq.request_id)
                 if d is None:
                     d = RequestOutputDelta(seq.request_id, [], None, False, None, seq.num_prompt_tokens,
@@ -339,16 +367,25 @@ class LLMEngine:
                 dest[p.start + 1 + j] = TokenLogprob(tok, lp, list(zip(p.top_ids[j, :k].tolist(),
                                                                        p.top_logprobs[j, :k].tolist())), rank)
 
-    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult | None) -> dict[str, TokenLogprob]:
+    def _logprobs(self, scheduled: list[ScheduledSeq], result: StepResult | None) -> dict[str, list[TokenLogprob]]:
+        """Each sampling row's tokens' logprobs (a verified row's: one per emitted token)."""
         if result is None or result.logprobs is None:
             return {}
         tok_lp, top_ids, top_lp = result.logprobs
+        spec = result.spec or {}
         out = {}
         for s, sch in enumerate(scheduled):
             k = sch.seq.params.logprobs
-            if sch.samples and k is not None:
-                out[sch.seq.request_id] = TokenLogprob(int(result.tokens[s]), float(tok_lp[s]),
-                                                       [(int(i), float(v)) for i, v in zip(top_ids[s, :k], top_lp[s, :k])])
+            if not sch.samples or k is None:
+                continue
+            if s in spec:
+                toks, (lp, ids, tlp) = spec[s]
+                out[sch.seq.request_id] = [TokenLogprob(t, float(lp[j]), [(int(i), float(v)) for i, v in
+                                                                        zip(ids[j, :k], tlp[j, :k])])
+                                           for j, t in enumerate(toks)]
+            else:
+                out[sch.seq.request_id] = [TokenLogprob(int(result.tokens[s]), float(tok_lp[s]),
+                                                        [(int(i), float(v)) for i, v in zip(top_ids[s, :k], top_lp[s, :k])])]
         return out
 
     def _refresh_gauges(self) -> None:

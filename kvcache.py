@@ -207,6 +207,18 @@ class BlockAllocator:
                     self._free.move_to_end(b, last=False)
         return len(blocks)
 
+    def free_tail(self, owner: str, keep: int) -> None:
+        """Give back owner's blocks past its first `keep`: blocks taken for speculative
+        tokens that were not kept. They are its own (never shared, never named)."""
+        blocks = self._owned[owner]
+        assert 0 < keep < len(blocks) and self._num_named.get(owner, 0) <= keep
+        for b in reversed(blocks[keep:]):
+            assert self._ref_counts[b] == 1 and self._block_hash[b] is None, f"block {b} is shared or named"
+            self._ref_counts[b] = 0
+            self._free[b] = None
+            self._free.move_to_end(b, last=False)
+        del blocks[keep:]
+
     def check_invariants(self) -> None:
         """O(num_blocks): for tests and debugging, not for every step."""
         refs = [0] * self.num_blocks
@@ -251,15 +263,17 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any, kv_c
 
 
 def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight_bytes: int,
-                      activation_bytes: int = 0) -> int:
+                      activation_bytes: int = 0, extra_bytes_per_block: int = 0) -> int:
     """Total blocks (null block included) for a resolved config, from the first knob set:
-    num_kv_blocks, kv_cache_memory, or (on an accelerator) gpu_memory_utilization."""
+    num_kv_blocks, kv_cache_memory, or (on an accelerator) gpu_memory_utilization.
+    extra_bytes_per_block: a second cache indexed by the same blocks (a draft model's)."""
     import jax
 
     # Per device: under tensor parallelism each device holds 1/tp of every block (its KV
     # heads; cfg counts heads after any replication, see parallel.py), and the budgets
     # below (--kv-cache-memory, --gpu-memory-utilization, weight_bytes) are per device too.
     per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype, config.kv_cache_dtype) // config.tensor_parallel_size
+    per_block += extra_bytes_per_block
     if config.num_kv_blocks is not None:
         num, source = config.num_kv_blocks, f"--num-kv-blocks {config.num_kv_blocks}"
     elif config.kv_cache_memory is not None:

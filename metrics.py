@@ -113,6 +113,7 @@ class RequestMetrics:
       num_preemptions         times it was preempted
       num_recomputed_tokens   tokens it computed again after preemptions (its recompute tax)
       num_cached_tokens       prompt tokens the prefix cache served at its first admission
+      spec_acceptance_rate    speculative decoding: its accepted / proposed draft tokens (None: none proposed)
     """
 
     queue_time_ms: float
@@ -125,6 +126,7 @@ class RequestMetrics:
     num_preemptions: int
     num_recomputed_tokens: int
     num_cached_tokens: int
+    spec_acceptance_rate: float | None = None
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestMetrics":
@@ -144,7 +146,9 @@ class RequestMetrics:
                    e2e_latency_ms=1e3 * (end - seq.arrival_time),
                    num_preemptions=seq.num_preemptions,
                    num_recomputed_tokens=seq.num_recomputed_tokens,
-                   num_cached_tokens=max(seq.num_cached_tokens, 0))
+                   num_cached_tokens=max(seq.num_cached_tokens, 0),
+                   spec_acceptance_rate=seq.num_accepted_tokens / seq.num_draft_tokens if seq.num_draft_tokens
+                   else None)
 
 
 @dataclass
@@ -179,6 +183,12 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt tokens computed (recompute included)
     decode_tokens: int = 0
     padded_tokens: int = 0  # token rows computed only to fill a shape bucket
+    # Speculative decoding, vLLM's spec_decode_* counters: verified proposals, their draft
+    # tokens, the accepted ones, and accepted ones by draft position (0 = the first draft).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # histograms
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
@@ -237,6 +247,21 @@ class EngineStats:
             for seq in released:
                 self._finished(seq, now, latency=True)
 
+    def record_spec_decode(self, drafts: list[tuple[int, int]], extra_tokens: int) -> None:
+        """One step's verified rows, (draft tokens, accepted) each; extra_tokens: the
+        tokens they emitted beyond one each (generation_tokens counts one per sampling row)."""
+        with self.lock:
+            per_pos = self.spec_decode_num_accepted_tokens_per_pos
+            for num_draft, num_accepted in drafts:
+                self.spec_decode_num_drafts += 1
+                self.spec_decode_num_draft_tokens += num_draft
+                self.spec_decode_num_accepted_tokens += num_accepted
+                if len(per_pos) < num_draft:
+                    per_pos.extend([0] * (num_draft - len(per_pos)))
+                for j in range(num_accepted):
+                    per_pos[j] += 1
+            self.generation_tokens += extra_tokens
+
     def record_finished(self, seq: Sequence, now: float, latency: bool) -> None:
         """A request that ended outside a step (an abort, a stop string matched by the
         server, a request failed alone). latency: a normal finish (a stop string is one, as
@@ -257,6 +282,7 @@ class EngineStats:
                                   if k not in ("waiting_by_reason", "request_success", "lock")
                                   and not isinstance(v, Histogram)})
             snap.waiting_by_reason = dict(self.waiting_by_reason)
+            snap.spec_decode_num_accepted_tokens_per_pos = list(self.spec_decode_num_accepted_tokens_per_pos)
             snap.request_success = dict(self.request_success)
             for k, v in self.__dict__.items():
                 if isinstance(v, Histogram):

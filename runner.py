@@ -41,7 +41,7 @@ from kvcache import create_kv_caches
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel
 from parallel import constrain_step_outputs, create_sharded_kv_caches, replicate, shard_attention
-from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, sample
+from sampler import SamplingTensors, emitted_logprobs, empty_sampling_arrays, fill_slot, rejection_sample, sample
 from scheduler import SchedulerOutput, Sequence
 from structured import bitmask_width, fill_bitmask
 
@@ -55,6 +55,8 @@ class StepResult:
     # Row i -> (first position, logprob [q], rank [q], top ids [q, K], top logprobs [q, K]) of
     # the prompt tokens after each of its q computed positions, for rows that asked.
     prompt_logprobs: dict[int, PromptLogprobs] | None = None
+    # Speculative rows: row i -> (its emitted tokens, their logprobs ([n], [n, K], [n, K]) when asked)
+    spec: dict[int, tuple[list[int], tuple[np.ndarray, np.ndarray, np.ndarray] | None]] | None = None
 
 
 @dataclass
@@ -95,11 +97,12 @@ class InFlightStep:
     waits for them and copies them to the host (the only host<-device copy of a step)."""
 
     def __init__(self, res: tuple[jax.Array, ...], num_seqs: int, want_logprobs: bool,
-                 prompt_rows: list[tuple[int, int, int, int]] | None = None):
+                 prompt_rows: list[tuple[int, int, int, int]] | None = None, spec_rows: list[int] | None = None):
         """prompt_rows: (row, first flat token, first position, tokens) of the rows whose
-        prompt logprobs this step computed."""
+        prompt logprobs this step computed. spec_rows: the rows verified, in their order."""
         self._res, self.num_seqs, self.want_logprobs = res, num_seqs, want_logprobs
         self.prompt_rows = prompt_rows
+        self.spec_rows = spec_rows
 
     def block_until_ready(self) -> None:
         jax.block_until_ready(self._res[0])
@@ -115,7 +118,36 @@ class InFlightStep:
             arrays = [np.asarray(x) for x in self._res[4]]
             prompt = {row: PromptLogprobs(pos, *(x[flat:flat + q] for x in arrays))
                       for row, flat, pos, q in self.prompt_rows}
-        return StepResult(np.asarray(tok)[:n], logprobs, prompt)
+        spec = None
+        if self.spec_rows:
+            toks, num, lp, ids, tlp = (np.asarray(x) for x in self._res[5])
+            spec = {row: (toks[r, :num[r]].tolist(),
+                          (lp[r, :num[r]], ids[r, :num[r]], tlp[r, :num[r]]) if self.want_logprobs else None)
+                    for r, row in enumerate(self.spec_rows)}
+        return StepResult(np.asarray(tok)[:n], logprobs, prompt, spec)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SpecInputs:
+    """A ragged step's verified rows, in the first `rows of bucket` entries (the rest padding)."""
+
+    row: np.ndarray  # [N] i32: the step row (sequence) verified
+    slot: np.ndarray  # [N] i32: its slot (padding: the idle one), for last_tokens
+    draft: np.ndarray  # [N, K] i32: its draft tokens
+    num: np.ndarray  # [N] i32: how many of them are real
+    src: np.ndarray  # [N] i32: its row in draft_probs
+    bucket: np.ndarray  # [] i32: 0 = no verified row, else 1 + the index of the row-count bucket
+    draft_probs: jax.Array | None  # [N, K, V] f32, the proposer's (spec_decode.Proposals)
+
+
+def _spec_buckets(n: int) -> tuple[int, ...]:
+    """Verified-row counts: powers of four up to n (each a branch of one program)."""
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 4
+    return (*out, n)
 
 
 def _bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -150,9 +182,10 @@ class ModelRunner:
     flight, under async scheduling) is read from it on the device."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, num_kv_blocks: int, stats: EngineStats,
-                 mesh: Mesh | None = None, num_swap_blocks: int = 0):
+                 mesh: Mesh | None = None, num_swap_blocks: int = 0, draft_probs: bool = False):
         """mesh: tensor parallelism (parallel.py); loaded's params must already be on it.
-        num_swap_blocks: the host pool's size in KV blocks (--preemption-mode swap)."""
+        num_swap_blocks: the host pool's size in KV blocks (--preemption-mode swap).
+        draft_probs: speculative proposals come with their draft distribution (else one-hot)."""
         self.config = config
         self.stats = stats
         self.loaded = loaded
@@ -190,8 +223,14 @@ class ModelRunner:
             # Runs only while jax traces, i.e. once per compiled program.
             self.stats.num_compilations += 1
 
+        spec = config.speculative_config
+        self.spec_k = spec.k if spec is not None else 0
+        self.draft_probs = draft_probs
+        # Verified rows are padded to one of a few counts; one program (lax.switch) holds them all.
+        self.spec_buckets = _spec_buckets(N) if spec is not None else ()
+
         def run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, rows, sample_slot, sampling,
-                prompt_targets=None):
+                prompt_targets=None, spec_in=None):
             model = nnx.merge(graphdef, state)
             tokens = jnp.where(token_src >= 0, last_tokens[jnp.maximum(token_src, 0)], tokens)
             hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
@@ -199,7 +238,38 @@ class ModelRunner:
             if prompt_targets is not None:
                 res = (*res, prompt_logprobs(model.compute_logits, hidden, prompt_targets))
             # Padding rows and rows that do not sample all write the idle entry.
-            return keep(kv_caches, (last_tokens.at[sample_slot].set(res[0]), res))
+            last_tokens = last_tokens.at[sample_slot].set(res[0])
+            if spec_in is not None:
+                spec_out = verify(model.compute_logits, hidden, attn.cu_q_lens, sampling, spec_in)
+                last = jnp.take_along_axis(spec_out[0], (spec_out[1] - 1)[:, None], axis=1)[:, 0]
+                last_tokens = last_tokens.at[spec_in.slot].set(last)
+                res = (*res, spec_out)
+            return keep(kv_caches, (last_tokens, res))
+
+        def verify(logits_fn, hidden, cu_q_lens, sampling, sp):
+            """The LM head on each verified row's 1 + K positions (its last known token and
+            its drafts), then rejection sampling; outputs padded to max_num_seqs rows."""
+            K, n_max = self.spec_k, self.config.max_num_seqs
+
+            def rows(b):
+                def branch():
+                    r = sp.row[:b]
+                    idx = cu_q_lens[r][:, None] + jnp.minimum(jnp.arange(K + 1)[None, :], sp.num[:b, None])
+                    logits = logits_fn(hidden[idx.reshape(-1)]).astype(jnp.float32).reshape(b, K + 1, -1)
+                    t = SamplingTensors(sampling.temperature[r], sampling.top_p[r], sampling.top_k[r],
+                                        sampling.min_p[r], sampling.seed[r], sampling.step[r], sampling.want_logprobs)
+                    q = None if sp.draft_probs is None else sp.draft_probs[sp.src[:b]]
+                    toks, num = rejection_sample(logits, sp.draft[:b], sp.num[:b], t, q)
+                    out = (toks, num, *emitted_logprobs(logits, toks, sampling.want_logprobs))
+                    return tuple(jnp.pad(x, [(0, n_max - b)] + [(0, 0)] * (x.ndim - 1)) for x in out)
+                return branch
+
+            def none():
+                return (jnp.zeros((n_max, K + 1), jnp.int32), jnp.ones(n_max, jnp.int32),
+                        jnp.zeros((n_max, K + 1), jnp.float32), jnp.zeros((n_max, K + 1, MAX_LOGPROBS), jnp.int32),
+                        jnp.zeros((n_max, K + 1, MAX_LOGPROBS), jnp.float32))
+
+            return jax.lax.switch(sp.bucket, [none] + [rows(b) for b in self.spec_buckets])
 
         def decode_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
                       kv_lens, sample_slot, sampling):
@@ -208,14 +278,15 @@ class ModelRunner:
             return run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, None, sample_slot, sampling)
 
         def ragged_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
-                      kv_lens, cu_q_lens, sample_slot, sampling, prompt_targets):
+                      kv_lens, cu_q_lens, sample_slot, sampling, prompt_targets, spec_in=None):
             count_compile()
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens)
             # Only each slot's last token of the step can be sampled: the LM head runs on
-            # S rows, not T (all T only for prompt_logprobs, when asked).
+            # S rows, not T (all T only for prompt_logprobs, when asked; 1 + K for a
+            # verified row: spec_in).
             last = jnp.maximum(cu_q_lens[1:] - 1, 0)
             return run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, last, sample_slot, sampling,
-                       prompt_targets)
+                       prompt_targets, spec_in)
 
         self._decode = jax.jit(decode_fn, donate_argnums=(1, 2))
         self._ragged = jax.jit(ragged_fn, donate_argnums=(1, 2))
@@ -331,9 +402,10 @@ class ModelRunner:
         if decode:  # every row is a decode: its input is its latest known token, unless one is in flight
             toks = np.array([(sch.seq.output_token_ids or sch.seq.prompt_token_ids)[-1] for sch in out.scheduled],
                             np.int32)
-        else:
-            toks = np.array([t for sch in out.scheduled for t in token_slice(
-                sch.seq, sch.seq.num_computed_tokens - sch.num_new_tokens, sch.num_new_tokens)], np.int32)
+        else:  # a verified row: its latest token, then its drafts
+            toks = np.array([t for sch in out.scheduled for t in (
+                token_slice(sch.seq, sch.seq.num_computed_tokens - sch.num_new_tokens, sch.num_new_tokens)
+                if not sch.spec_token_ids else [sch.seq.all_token_ids[-1], *sch.spec_token_ids])], np.int32)
         num_real = len(toks)
         T = R if decode else _bucket(cfg.token_buckets, num_real)
         # per row
@@ -366,19 +438,46 @@ class ModelRunner:
         sample_slot[:n] = np.where(samples, slots, self._idle)
         want_logprobs = bool((self._wants_logprobs[slots] & samples).any())
         sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs), **self._bitmask(R, constrained))
-        prompt_rows = None
+        prompt_rows, spec_rows = None, None
         if decode:
             extra: tuple = ()
         else:
             targets = np.full(T, -1, np.int32)
             prompt_rows = self._prompt_targets(out, slots, start, q, cu_q_lens, targets)
             extra = (cu_q_lens,)
+            if self.spec_buckets:
+                spec_rows = [i for i, sch in enumerate(out.scheduled) if sch.spec_token_ids]
+                targets = (targets, self._spec_inputs(out, spec_rows, slots))
         res = self._run(DECODE if decode else RAGGED, R, T, (tokens, token_src, positions, slot_mapping, block_tables,
                                                              kv_lens, *extra, sample_slot, sampling,
-                                                             *(() if decode else (targets,))))
+                                                             *(() if decode else targets if spec_rows is not None
+                                                               else (targets,))))
         with self.stats.lock:
             self.stats.padded_tokens += T - num_real
-        return InFlightStep(res, n, want_logprobs, prompt_rows)
+        return InFlightStep(res, n, want_logprobs, prompt_rows, spec_rows)
+
+    def _spec_inputs(self, out: SchedulerOutput, spec_rows: list[int], slots: np.ndarray) -> SpecInputs:
+        """The verified rows' drafts, padded to the smallest bucket that holds them."""
+        N, K = self.config.max_num_seqs, self.spec_k
+        sp = SpecInputs(np.zeros(N, np.int32), np.full(N, self._idle, np.int32), np.zeros((N, K), np.int32),
+                        np.zeros(N, np.int32), np.zeros(N, np.int32), np.int32(0), out.draft_probs)
+        for r, i in enumerate(spec_rows):
+            sch = out.scheduled[i]
+            d = sch.spec_token_ids
+            sp.row[r], sp.slot[r], sp.num[r], sp.src[r] = i, slots[i], len(d), sch.spec_src
+            sp.draft[r, :len(d)] = d
+        if spec_rows:
+            sp.bucket = np.int32(1 + self.spec_buckets.index(_bucket(self.spec_buckets, len(spec_rows))))
+        assert (out.draft_probs is not None) == self.draft_probs or not spec_rows, "draft_probs and the proposer disagree"
+        if self.draft_probs and out.draft_probs is None:  # no verified row: any array of the shape
+            sp.draft_probs = self._no_draft_probs()
+        return sp
+
+    def _no_draft_probs(self) -> jax.Array:
+        if not hasattr(self, "_zero_q"):
+            V = self.loaded.config.vocab_size
+            self._zero_q = jnp.zeros((self.config.max_num_seqs, self.spec_k, V), jnp.float32)
+        return self._zero_q
 
     def _prompt_targets(self, out: SchedulerOutput, slots: np.ndarray, start: np.ndarray, q: np.ndarray, cu_q_lens: np.ndarray,
                         targets: np.ndarray) -> list[tuple[int, int, int, int]]:
@@ -427,7 +526,10 @@ class ModelRunner:
                 np.zeros((rows, self.config.max_blocks_per_seq), np.int32), zeros_r)
         if kind == DECODE:
             return (*args, np.full(rows, self._idle, np.int32), samp)
-        return (*args, np.zeros(rows + 1, np.int32), np.full(rows, self._idle, np.int32), samp, np.full(T, -1, np.int32))
+        args = (*args, np.zeros(rows + 1, np.int32), np.full(rows, self._idle, np.int32), samp, np.full(T, -1, np.int32))
+        if self.spec_buckets:
+            args = (*args, self._spec_inputs(SchedulerOutput(), [], np.zeros(0, np.int32)))
+        return args
 
     def _call(self, kind: int, args: tuple) -> Any:
         fn = self._decode if kind == DECODE else self._ragged
@@ -453,7 +555,8 @@ class ModelRunner:
             self.channel = None
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile every decode bucket and every token bucket before serving."""
+        """Compile every decode bucket and every token bucket before serving (with
+        speculation, each token bucket's program holds every verified-row bucket)."""
         cfg = self.config
         t0 = time.perf_counter()
         total = len(cfg.decode_buckets) + len(cfg.token_buckets)
@@ -461,6 +564,7 @@ class ModelRunner:
             log(f"warm-up: compiling step program {i + 1}/{total} (decode, {R} rows)")
             self.idle_step(decode_rows=R)
         for i, T in enumerate(cfg.token_buckets):
-            log(f"warm-up: compiling step program {len(cfg.decode_buckets) + i + 1}/{total} (prefill, {T} tokens)")
+            log(f"warm-up: compiling step program {len(cfg.decode_buckets) + i + 1}/{total} (prefill, {T} tokens"
+                + (f", verifying up to {cfg.max_num_seqs} x {1 + self.spec_k})" if self.spec_buckets else ")"))
             self.idle_step(tokens=T)
         log(f"warm-up: {self.stats.num_compilations} programs compiled in {time.perf_counter() - t0:.1f}s")

@@ -102,6 +102,12 @@ class Sequence:
     last_token_time: float | None = None
     max_itl: float = 0.0  # the longest gap between two of its output tokens (seconds)
     finished_time: float | None = None
+    # Speculative decoding (spec_decode.py): its verified proposals so far, and whether it
+    # still speculates (SpeculativeConfig.min_acceptance_rate turns it off).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    speculates: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -138,7 +144,11 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # positions seq.num_computed_tokens - num_new_tokens .. seq.num_computed_tokens - 1
     samples: bool  # a token comes out: a decode, or the chunk that completes the prompt
-    is_decode: bool  # a one-token step of a sequence past its prompt
+    is_decode: bool  # a decode step of a sequence past its prompt (one token, or one + its drafts)
+    # Speculative decoding: the drafts computed after its latest token (num_new_tokens is
+    # 1 + their number), and its row in the step's Proposals.draft_probs.
+    spec_token_ids: list[int] | tuple[()] = ()
+    spec_src: int = 0
 
 
 @dataclass
@@ -157,21 +167,24 @@ class SchedulerOutput:
     # Rows a decode step computes at least: a batching that keeps finished sequences
     # seated (static) computes their seats too.
     num_occupied: int = 0
+    num_spec_tokens: int = 0  # draft tokens verified (besides the decode tokens)
+    draft_probs: Any = None  # the proposer's draft distributions (spec_decode.Proposals), on the device
 
     @property
     def is_decode_only(self) -> bool:
-        return self.num_prefill_tokens == 0
+        return self.num_prefill_tokens == 0 and self.num_spec_tokens == 0
 
 
 @dataclass(slots=True)
 class StepOutcome:
     """What update() made of one step."""
 
-    accepted: dict[str, int]  # the tokens kept, by request id
+    accepted: dict[str, int]  # the tokens kept, by request id (a verified row's: its last)
     finished: list[Sequence]  # the sequences released this step, their results complete
     # Rows whose sequence ended (aborted, or finished by an earlier step's token under
     # async scheduling) before this step came back: their work is seen by nobody.
     discarded: list[ScheduledSeq]
+    emitted: dict[str, list[int]]  # verified rows: every token kept, by request id
 
 
 class Scheduler:
@@ -202,6 +215,7 @@ class Scheduler:
         self.num_swap_blocks = num_swap_blocks if config.preemption_mode == "swap" else 0
         self._host_free = set(range(self.num_swap_blocks))  # free blocks of the host pool
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
+        self.spec = config.speculative_config
 
     # ---- requests ----------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
@@ -290,15 +304,17 @@ class Scheduler:
                 self._host_free.update(host)
         return out  # _add counted num_decode_tokens and num_prefill_tokens
 
-    def update(self, out: SchedulerOutput, tokens: Seq[int]) -> StepOutcome:
+    def update(self, out: SchedulerOutput, tokens: Seq[int], spec: dict[int, list[int]] | None = None) -> StepOutcome:
         """Record the step's sampled tokens: tokens[i] is out.scheduled[i]'s (read only
-        where it samples). A token may end its sequence; the batching says who leaves."""
+        where it samples), spec[i] the tokens a verified row emitted (its accepted drafts
+        and one more). A token may end its sequence; the batching says who leaves."""
         accepted: dict[str, int] = {}
         finished: list[Sequence] = []
         released: list[Sequence] = []
         discarded: list[ScheduledSeq] = []
+        emitted: dict[str, list[int]] = {}
         assert len(tokens) == len(out.scheduled)
-        for s, token in zip(out.scheduled, tokens):  # once per running sequence in a decode step: kept lean
+        for i, (s, token) in enumerate(zip(out.scheduled, tokens)):  # once per running sequence: kept lean
             seq = s.seq
             if seq.status is FINISHED:
                 discarded.append(s)
@@ -306,12 +322,17 @@ class Scheduler:
             if not s.samples:
                 continue
             seq.num_output_placeholders -= 1
-            seq.output_token_ids.append(token)
-            accepted[seq.request_id] = token
-            if seq.constraint is not None and not seq.constraint.accept(token):
-                reason = "abort"  # over the grammar's per-token limits (the mask allows only what it accepts)
+            if s.spec_token_ids:
+                assert spec is not None
+                reason = self._update_verified(seq, s, spec[i], emitted)
+                accepted[seq.request_id] = seq.output_token_ids[-1]
             else:
-                reason = self._finish_reason(seq, token)
+                seq.output_token_ids.append(token)
+                accepted[seq.request_id] = token
+                if seq.constraint is not None and not seq.constraint.accept(token):
+                    reason = "abort"  # over the grammar's per-token limits (the mask allows only what it accepts)
+                else:
+                    reason = self._finish_reason(seq, token)
             if reason is None:
                 continue
             seq.finish_reason = reason
@@ -327,7 +348,70 @@ class Scheduler:
                 finished.append(seq)
         released += self.batching.release(self, finished)
         self._assert_step_invariants()
-        return StepOutcome(accepted, released, discarded)
+        return StepOutcome(accepted, released, discarded, emitted)
+
+    # ---- speculative decoding ----------------------------------------------------------
+    @property
+    def speculating(self) -> bool:
+        """Whether the next step may verify proposals: speculation is configured and the
+        batch is below disable_by_batch_size (vLLM's rule: at large batches the step is
+        compute-bound and verifying k rejected tokens costs more than it saves)."""
+        spec = self.spec
+        return spec is not None and (spec.disable_by_batch_size is None
+                                     or len(self.running) < spec.disable_by_batch_size)
+
+    def take_proposals(self, out: SchedulerOutput, proposals: list[list[int]], draft_probs: Any = None) -> None:
+        """The proposer's drafts for out's speculating rows (in their order): each row
+        keeps as many as it reserved room for, and gives back the budget's blocks it does
+        not use (a row with no draft is a plain decode)."""
+        rows = [s for s in out.scheduled if s.spec_token_ids]
+        assert len(proposals) == len(rows)
+        bs = self.config.block_size
+        for r, (s, draft) in enumerate(zip(rows, proposals)):
+            reserved = len(s.spec_token_ids)
+            draft = list(draft[:reserved])
+            unused = reserved - len(draft)
+            s.spec_token_ids, s.spec_src = draft or (), r
+            if unused:
+                seq = s.seq
+                s.num_new_tokens -= unused
+                seq.num_computed_tokens -= unused
+                out.num_spec_tokens -= unused
+                self._free_tail(seq, blocks_needed(seq.num_computed_tokens, bs))
+        out.draft_probs = draft_probs
+
+    def _update_verified(self, seq: Sequence, s: ScheduledSeq, tokens: list[int],
+                         emitted: dict[str, list[int]]) -> str | None:
+        """A verified row's emitted tokens, each checked as a sampled one (the first that
+        ends the sequence is its last); the K/V of its rejected drafts is given back."""
+        num_draft, num_accepted = len(s.spec_token_ids), len(tokens) - 1
+        assert 0 <= num_accepted <= num_draft and tokens[:num_accepted] == list(s.spec_token_ids[:num_accepted])
+        seq.num_drafts += 1
+        seq.num_draft_tokens += num_draft
+        seq.num_accepted_tokens += num_accepted
+        seq.num_computed_tokens -= num_draft - num_accepted
+        reason = None
+        start = len(seq.output_token_ids)
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            if (reason := self._finish_reason(seq, token)) is not None:
+                break
+        emitted[seq.request_id] = seq.output_token_ids[start:]
+        spec = self.spec
+        assert spec is not None
+        if (spec.min_acceptance_rate and seq.num_drafts >= spec.acceptance_window
+                and seq.num_accepted_tokens < spec.min_acceptance_rate * seq.num_draft_tokens):
+            seq.speculates = False
+        if reason is None:
+            self._free_tail(seq, blocks_needed(seq.num_computed_tokens, self.config.block_size))
+        return reason
+
+    def _free_tail(self, seq: Sequence, keep: int) -> None:
+        """Give back seq's blocks past its first `keep` (never named: they held drafts)."""
+        if len(seq.block_table) > keep:
+            assert keep >= self.allocator.num_named(seq.request_id), f"{seq.request_id}: a named block in the tail"
+            self.allocator.free_tail(seq.request_id, keep)
+            del seq.block_table[keep:]
 
     # ---- introspection -----------------------------------------------------------------
     @property
@@ -375,6 +459,10 @@ class Scheduler:
         caching, num_named = self.config.enable_prefix_caching, self.allocator.num_named
         scheduled, prompts = out.scheduled, []
         assert self._budget >= len(self.running), "config: max_num_batched_tokens >= max_num_seqs"
+        # Speculation: each eligible decode reserves up to k more tokens of the budget (and
+        # their blocks, never by preempting); the engine's proposals trim the reservation.
+        spec_k = self.spec.k if self.speculating else 0
+        spare = self._budget - len(self.running)
         for seq in list(self.running):  # preemption edits the list
             if seq.status is not RUNNING:
                 continue
@@ -389,10 +477,23 @@ class Scheduler:
                 continue
             if computed >= len(seq.block_table) * bs and not self._make_room(out, seq, 1):
                 continue  # it needed a block, and was itself preempted for one
-            scheduled.append(ScheduledSeq(seq, 1, True, True))  # = _add(out, seq, 1)
-            seq.num_computed_tokens = computed + 1
+            k = 0
+            if spec_k and spare and seq.speculates and seq.constraint is None and not seq.num_output_placeholders:
+                # every emitted token within max_tokens and max_model_len
+                k = min(spec_k, spare, seq.params.max_tokens - num_out - 1, max_len - num_tokens - 1)
+                need = blocks_needed(computed + 1 + k, bs) - len(seq.block_table)
+                if k > 0 and need > 0:
+                    if self.allocator.can_allocate(need):
+                        seq.block_table += self.allocator.allocate(seq.request_id, need)
+                    else:
+                        k = 0
+                k = max(k, 0)
+                spare -= k
+                out.num_spec_tokens += k
+            scheduled.append(ScheduledSeq(seq, 1 + k, True, True, [0] * k if k else ()))  # = _add(out, seq, 1 + k)
+            seq.num_computed_tokens = computed + 1 + k
             seq.num_output_placeholders += 1
-            self._budget -= 1
+            self._budget -= 1 + k
             out.num_decode_tokens += 1
             if caching and (computed + 1) // bs > num_named(seq.request_id):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))

@@ -465,6 +465,9 @@ _GAUGES = [  # (metric, EngineStats attribute, help)
 ]
 _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (recompute or swap)."),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Speculative proposals verified."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
     ("recomputed_tokens", "recomputed_tokens", "Tokens computed again after a preemption dropped them."),
     ("swapped_out_blocks", "swapped_out_blocks", "KV blocks copied to the host pool by swap preemption."),
     ("swapped_in_blocks", "swapped_in_blocks", "KV blocks copied back from the host pool."),
@@ -522,6 +525,11 @@ class EngineCollector:
         for reason, n in s.waiting_by_reason.items():
             by_reason.add_metric([reason], n)
         yield by_reason
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the proposal.", labels=["position"])
+        for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([str(pos)], n)
+        yield per_pos
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                       labels=["finished_reason"])
         for reason, n in s.request_success.items():

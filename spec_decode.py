@@ -157,6 +157,8 @@ class Proposals:
 
 
 class Proposer(Protocol):
+    draft_probs: bool  # its Proposals carry draft_probs (else the verifier takes q one-hot)
+
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats) -> None: ...
 
     def weight_bytes(self) -> int: ...
@@ -188,6 +190,8 @@ class NgramProposer:
     [prompt_lookup_min, prompt_lookup_max], that ends the sequence's tokens (prompt and
     outputs) and occurs earlier in them; propose the (up to) k tokens that followed its
     earliest occurrence. Host-only: no weights, no KV cache, nothing to compile."""
+
+    draft_probs = False
 
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats) -> None:
         spec = config.speculative_config

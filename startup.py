@@ -29,6 +29,7 @@ from model import LoadedModel, load_model, param_bytes
 from parallel import make_mesh, max_bytes_per_device, shard_model
 from runner import ModelRunner
 from scheduler import Scheduler
+from spec_decode import Proposer, create_proposer
 
 
 @dataclass
@@ -39,6 +40,7 @@ class EngineParts:
     runner: ModelRunner
     stats: EngineStats
     num_kv_blocks: int  # the null block included
+    proposer: Proposer | None  # speculative decoding's (config.speculative_config)
 
 
 def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> EngineParts:
@@ -54,13 +56,18 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
         loaded = shard_model(loaded, mesh)
     config = config.resolved(loaded.config.max_model_len)
     stats = EngineStats()
+    # A draft model's weights and its cache (indexed by the same blocks) share the KV budget.
+    proposer = create_proposer(config, loaded, stats) if config.speculative_config is not None else None
+    draft_probs = proposer is not None and proposer.draft_probs
     runner, activation_bytes = None, 0
     if _needs_activation_profile(config):
-        runner, activation_bytes = _profile_activations(config, loaded, stats, log, mesh)
+        runner, activation_bytes = _profile_activations(config, loaded, stats, log, mesh, draft_probs)
     # Each device's share: KV sizing is per device, as the budget is.
     weight_bytes = param_bytes(loaded.model) if mesh is None else max_bytes_per_device(
         nnx.state(loaded.model, nnx.Param))
-    num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype, weight_bytes, activation_bytes)
+    num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype,
+                                   weight_bytes + (proposer.weight_bytes() if proposer else 0), activation_bytes,
+                                   proposer.kv_bytes_per_block() if proposer else 0)
     if config.num_processes > 1:  # every process's cache has process 0's shape
         num_blocks = distributed.StepChannel().share_int("num_kv_blocks", num_blocks)
     stats.num_kv_blocks = num_blocks - 1
@@ -83,16 +90,23 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
         log(f"swap preemption: a host pool of {num_swap_blocks} KV blocks ({config.swap_space:g} GiB)")
     scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids, loaded.config.vocab_size, num_swap_blocks)
     if runner is None:
-        runner = ModelRunner(config, loaded, num_blocks, stats, mesh, num_swap_blocks)
+        runner = ModelRunner(config, loaded, num_blocks, stats, mesh, num_swap_blocks, draft_probs)
     else:  # the profiling runner: its small cache is gone, the real one takes its place
         runner.kv_caches = runner.allocate_kv_caches(num_blocks)
         runner.num_swap_blocks = num_swap_blocks
+    if proposer is not None:
+        proposer.allocate(num_blocks)
+        spec = config.speculative_config
+        log(f"speculative decoding: {spec.method}, {spec.k} tokens per step"
+            + (f", off at {spec.disable_by_batch_size}+ running sequences" if spec.disable_by_batch_size else ""))
     if config.warmup:
         runner.warmup(log)
+        if proposer is not None:
+            proposer.warmup()
     if config.num_processes > 1 and config.process_id == 0:
         # the other processes wait for steps until process 0 says it is done
         atexit.register(runner.stop_followers)
-    return EngineParts(config, loaded, scheduler, runner, stats, num_blocks)
+    return EngineParts(config, loaded, scheduler, runner, stats, num_blocks, proposer)
 
 
 def use_compilation_cache(path: str | None) -> None:
@@ -114,7 +128,8 @@ def _needs_activation_profile(config: EngineConfig) -> bool:
 
 
 def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: EngineStats,
-                         log: Callable[[str], None], mesh: Mesh | None) -> tuple[ModelRunner, int]:
+                         log: Callable[[str], None], mesh: Mesh | None,
+                         draft_probs: bool = False) -> tuple[ModelRunner, int]:
     """The activation peak of the largest step, measured on the device.
 
     Builds the runner with a minimal KV cache (one max_model_len sequence plus the null
@@ -123,7 +138,7 @@ def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: Engin
     above what was in use before (weights + the small cache). Returns the runner, its
     small cache already freed, and the activation bytes (0 if the device keeps no
     counters). Unverified on a GPU so far; the arithmetic is unit-tested on CPU."""
-    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats, mesh)
+    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats, mesh, draft_probs=draft_probs)
     T = config.max_num_batched_tokens
     compiled = stats.num_compilations
     profile = measure_activation_bytes(lambda: runner.idle_step(tokens=T), jax.devices()[0].memory_stats)

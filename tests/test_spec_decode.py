@@ -147,3 +147,108 @@ def test_greedy_accepts_while_the_draft_is_the_argmax():
     assert num.tolist() == [K + 1, 3, 1]
     for row in range(3):
         assert tokens[row, :num[row]].tolist() == best[:num[row]].tolist()
+
+
+# ---- the scheduler: speculative allocation and rejection ---------------------------------
+
+from hypothesis import settings, strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
+
+from config import SamplingParams  # noqa: E402
+from kvcache import blocks_needed, hash_block_tokens  # noqa: E402
+from scheduler import Scheduler, Sequence  # noqa: E402
+
+EOS = 0
+
+
+def token(data: st.DataObject) -> int:
+    """A sampled token: EOS one time in eight."""
+    return EOS if data.draw(st.integers(0, 7)) == 0 else 7
+
+
+class SpeculativeAllocatorMachine(RuleBasedStateMachine):
+    """Random traffic under a tight KV budget with random proposals and random
+    acceptance: no block or slot leaks, every computed token has its block, a sequence
+    holds no block past what it needs, a named block holds only accepted tokens (its name
+    is the hash of the sequence's own tokens), and everything finishes."""
+
+    @initialize(chunked=st.booleans(), max_num_seqs=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
+                max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 6), caching=st.booleans(),
+                k=st.integers(1, 4), budget_extra=st.integers(0, 6))
+    def setup(self, chunked, max_num_seqs, block_size, max_model_len, spare_blocks, caching, k, budget_extra):
+        num_blocks = blocks_needed(max_model_len, block_size) + 1 + spare_blocks
+        cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
+                           enable_chunked_prefill=chunked,
+                           max_num_batched_tokens=max_num_seqs + budget_extra if chunked else max_model_len,
+                           enable_prefix_caching=caching,
+                           speculative_config={"method": "ngram", "num_speculative_tokens": k})
+        self.s = Scheduler(cfg.resolved(max_model_len), num_blocks, (EOS,))
+        self.seqs: list[Sequence] = []
+
+    @rule(prompt_len=st.integers(1, 23), max_tokens=st.integers(1, 23), shared=st.booleans())
+    def add(self, prompt_len, max_tokens, shared):
+        mml = self.s.config.max_model_len
+        prompt_len = min(prompt_len, mml - 1)
+        max_tokens = min(max_tokens, mml - prompt_len)
+        n = len(self.seqs)
+        prompt = [5 + j % 3 for j in range(prompt_len)] if shared else [1000 * (n + 1) + j for j in range(prompt_len)]
+        self.seqs.append(Sequence(f"r{n}", prompt, SamplingParams(max_tokens=max_tokens)))
+        self.s.add(self.seqs[-1])
+
+    @rule(data=st.data())
+    def step(self, data):
+        out = self.s.schedule()
+        assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
+        rows = [x for x in out.scheduled if x.spec_token_ids]
+        # mostly as many drafts as reserved, sometimes fewer (none: a plain decode) or more (cut)
+        proposals = [data.draw(st.lists(st.integers(3, 9), min_size=data.draw(st.integers(0, len(x.spec_token_ids) + 1)),
+                                        max_size=len(x.spec_token_ids) + 1)) for x in rows]
+        self.s.take_proposals(out, proposals)
+        for x in out.scheduled:  # blocks cover what the step computes, drafts included
+            assert len(x.seq.block_table) * self.s.config.block_size >= x.seq.num_computed_tokens
+        spec = {}
+        for i, x in enumerate(out.scheduled):
+            if x.spec_token_ids:
+                a = data.draw(st.integers(0, len(x.spec_token_ids)))
+                spec[i] = list(x.spec_token_ids[:a]) + [token(data)]
+        self.s.update(out, [token(data) for _ in out.scheduled], spec)
+
+    @rule(index=st.integers(0, 30))
+    def abort(self, index):
+        if index < len(self.seqs):
+            self.s.abort(self.seqs[index].request_id)
+
+    @invariant()
+    def nothing_leaks_and_names_are_of_accepted_tokens(self):
+        if not hasattr(self, "s"):
+            return
+        s = self.s
+        s.check_invariants()
+        bs = s.config.block_size
+        for seq in s.running:
+            if seq.finished:
+                continue
+            # no block past its computed tokens': rejected drafts gave theirs back
+            assert len(seq.block_table) <= blocks_needed(seq.num_computed_tokens, bs), seq.request_id
+            tokens, h = seq.all_token_ids, None
+            for i in range(s.allocator.num_named(seq.request_id)):
+                h = hash_block_tokens(h, tokens[i * bs:(i + 1) * bs])
+                name = s.allocator._block_hash[seq.block_table[i]]
+                assert name is None or name == h, f"{seq.request_id}: block {i} named for tokens it does not hold"
+
+    def teardown(self):
+        if not hasattr(self, "s"):
+            return
+        for _ in range(3000):
+            if not self.s.has_unfinished():
+                break
+            out = self.s.schedule()
+            self.s.take_proposals(out, [[] for x in out.scheduled if x.spec_token_ids])
+            self.s.update(out, [7] * len(out.scheduled), {})
+        assert not self.s.has_unfinished(), "a request starved"
+        assert self.s.allocator.num_used == 0
+        assert all(q.finish_reason is not None for q in self.seqs)
+
+
+SpeculativeAllocatorMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+test_speculative_allocation_state_machine = SpeculativeAllocatorMachine.TestCase
