@@ -15,7 +15,7 @@ Per step, `DraftModelProposer.propose(seqs, k)` dispatches two kinds of programs
   last draft token when all k were accepted). More than max_num_batched_tokens of them go
   in several passes; the last pass holds each sequence's last token, whose hidden state
   the draft program starts from.
-- **draft** (one per row bucket, powers of two): k autoregressive steps inside one program (a
+- **draft** (one per decode bucket): k autoregressive steps inside one program (a
   `lax.scan` over k - 1 decodes; the LM head k times), each token drawn from the draft's
   filtered distribution with the request's sampling parameters (greedy: argmax), and the
   distribution q it was drawn from returned beside it, [rows, k, V] on the device.
@@ -215,11 +215,6 @@ def sample_draft(logits: jax.Array, t: SamplingTensors, step: jax.Array) -> tupl
                         sampled)
 
 
-def spec_rows(n: int) -> int:
-    """The rows of a step's proposals: len(seqs) rounded up to a power of two."""
-    return 1 << (n - 1).bit_length()
-
-
 # ---- the draft model in the engine ------------------------------------------------------
 
 @dataclass
@@ -237,6 +232,8 @@ class DraftModelProposer:
     Proposer protocol: propose() returns, for each sequence, up to k draft tokens and, on
     the device, the distributions they were drawn from."""
 
+    draft_probs = True  # its proposals are sampled: the verifier reads q
+
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats,
                  log: Callable[[str], None] = print) -> None:
         spec = config.speculative_config
@@ -245,14 +242,13 @@ class DraftModelProposer:
         self.config, self.loaded, self.stats = config, draft, stats
         self.k = spec.k
         self.block_size = config.block_size
-        self.row_buckets = tuple(1 << i for i in range(spec_rows(config.max_num_seqs).bit_length()))
         self.backend = select_attention_backend(
             config.attention_backend,
             AttentionShape.of(draft.config, config.block_size, draft.dtype, config.kv_cache_dtype))
         graphdef, self.state = nnx.split(draft.model)
         self.kv_caches: Any = None
         self._seqs: weakref.WeakKeyDictionary[Sequence, _DraftKV] = weakref.WeakKeyDictionary()
-        backend, K, BS = self.backend, self.k, config.block_size
+        backend, K, BS, N = self.backend, self.k, config.block_size, config.max_num_seqs
 
         def count_compile() -> None:
             self.stats.num_compilations += 1  # runs only while jax traces
@@ -289,7 +285,10 @@ class DraftModelProposer:
                 (kv_caches, _), (more_toks, more_qs) = jax.lax.scan(body, (kv_caches, tok), jnp.arange(1, K))
                 toks.append(more_toks.T)
                 qs.append(jnp.swapaxes(more_qs, 0, 1))
-            return kv_caches, jnp.concatenate(toks, axis=1), jnp.concatenate(qs, axis=1)
+            q = jnp.concatenate(qs, axis=1)
+            if q.shape[0] < N:  # the verifier's programs take q at one shape: max_num_seqs rows
+                q = jnp.zeros((N, *q.shape[1:]), q.dtype).at[:q.shape[0]].set(q)
+            return kv_caches, jnp.concatenate(toks, axis=1), q
 
         self._catch_up = jax.jit(catch_up, donate_argnums=1)
         self._draft = jax.jit(draft, donate_argnums=1)
@@ -315,9 +314,9 @@ class DraftModelProposer:
     def propose(self, seqs: list[Sequence], k: int) -> Proposals:
         """Up to min(k, num_speculative_tokens) draft tokens per sequence (fewer where its
         block table or max_model_len ends), from its known tokens (prompt + outputs), and
-        q [spec_rows(len(seqs)), num_speculative_tokens, V] on the device: row i the
-        distributions sequence i's tokens were drawn from (rows and columns past the
-        proposals are padding)."""
+        q [max_num_seqs, num_speculative_tokens, V] on the device: row i the distributions
+        sequence i's tokens were drawn from (rows and columns past the proposals are
+        padding). The draft program computes the decode bucket of len(seqs) rows."""
         cfg, BS = self.config, self.block_size
         n = len(seqs)
         assert 0 < n <= cfg.max_num_seqs and 1 <= k
@@ -343,7 +342,7 @@ class DraftModelProposer:
             segments.append([i, start, end])
             tokens_of.append(ids)
         last_hidden, hidden_row = self._run_catch_up(seqs, segments, tokens_of)
-        R = spec_rows(n)
+        R = next(b for b in cfg.decode_buckets if b >= n)
         W = cfg.max_blocks_per_seq
         block_tables = np.zeros((R, W), np.int32)
         first_pos, nd, rows = np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, np.int32)
@@ -416,7 +415,7 @@ class DraftModelProposer:
         return last_hidden
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile the draft's programs: catch-up per token bucket, draft per row bucket."""
+        """Compile the draft's programs: catch-up per token bucket, draft per decode bucket."""
         cfg, t0 = self.config, time.perf_counter()
         before = self.stats.num_compilations
         S, W = cfg.max_num_seqs, cfg.max_blocks_per_seq
@@ -425,7 +424,7 @@ class DraftModelProposer:
             z = np.zeros(T, np.int32)
             self.kv_caches, last_hidden = self._catch_up(self.state, self.kv_caches, z, z, z, np.zeros((S, W), np.int32),
                                                          np.zeros(S, np.int32), np.zeros(S + 1, np.int32))
-        for R in self.row_buckets:
+        for R in cfg.decode_buckets:
             z = np.zeros(R, np.int32)
             self.kv_caches, toks, _ = self._draft(self.state, self.kv_caches, last_hidden, z,
                                                   np.zeros((R, W), np.int32), z, z, empty_sampling_arrays(R))

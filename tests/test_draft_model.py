@@ -84,7 +84,7 @@ def test_greedy_proposals_match_transformers_across_rejections(drafter, draft_di
             _grow(alloc, s, s.num_tokens + K)  # the verify step's positions: the last token .. + K
         out = dm.propose(seqs, K)
         proposals, q = out.token_ids, out.draft_probs
-        assert q.shape == (4, K, 300)  # rows: 3 sequences rounded up to a power of two
+        assert q.shape == (3, K, 300)  # max_num_seqs rows
         for s, d in zip(seqs, proposals):
             assert d == hf_greedy(draft_dir, s.all_token_ids, K), s.request_id
             np.testing.assert_array_equal(np.asarray(q[seqs.index(s)]).argmax(-1), d)  # greedy q: one-hot
