@@ -411,7 +411,9 @@ class Scheduler:
         if len(seq.block_table) > keep:
             assert keep >= self.allocator.num_named(seq.request_id), f"{seq.request_id}: a named block in the tail"
             self.allocator.free_tail(seq.request_id, keep)
-            del seq.block_table[keep:]
+            # A new list: the runner rewrites a slot's block-table row when its list changes
+            # (it otherwise only appends), and a block given back may return as another.
+            seq.block_table = seq.block_table[:keep]
 
     # ---- introspection -----------------------------------------------------------------
     @property

@@ -252,3 +252,179 @@ class SpeculativeAllocatorMachine(RuleBasedStateMachine):
 
 SpeculativeAllocatorMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
 test_speculative_allocation_state_machine = SpeculativeAllocatorMachine.TestCase
+
+
+# ---- the engine: the same greedy tokens, fewer steps -------------------------------------
+
+from conftest import count_compilations  # noqa: E402
+
+from engine import LLM  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Tight: 4 running sequences of up to 96 tokens need 96 blocks of 4; the cache has 47.
+TIGHT = dict(max_num_seqs=4, max_model_len=128, block_size=4, num_kv_blocks=48, max_num_batched_tokens=32,
+             enable_chunked_prefill=True, enable_prefix_caching=True, async_scheduling=True, log=lambda *_: None)
+
+
+def grounded_prompts(n: int = 6, seed: int = 3) -> list[list[int]]:
+    """Input-grounded prompts: a shared prefix (prefix-cache hits) and a passage repeated
+    (prompt lookup pays), of several lengths."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, 250, 8).tolist()
+    return [shared + rng.integers(3, 250, int(rng.integers(6, 14))).tolist() * 3 for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair() -> tuple[LLM, LLM]:
+    return LLM("tiny", **TIGHT), LLM("tiny", speculative_config=NGRAM, **TIGHT)
+
+
+def test_greedy_tokens_and_logprobs_are_the_same_with_ngram_speculation(tiny_pair):
+    """Under preemption (tight KV), chunked prefill, prefix caching and async scheduling;
+    max_tokens of every length, logprobs on half of the requests; nothing compiles after
+    warm-up."""
+    base, spec = tiny_pair
+    prompts = grounded_prompts()
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2 if i % 2 else None)
+              for i, m in enumerate([40, 7, 33, 1, 50, 21])]
+    want = base.generate(prompts, params)
+    with count_compilations() as compiled:
+        got = spec.generate(prompts, params)
+    assert compiled == []
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        if w.logprobs is not None:
+            assert [x.token_id for x in g.logprobs] == w.token_ids
+            np.testing.assert_allclose([x.logprob for x in g.logprobs], [x.logprob for x in w.logprobs], atol=2e-4)
+            assert [[i for i, _ in x.top] for x in g.logprobs] == [[i for i, _ in x.top] for x in w.logprobs]
+    s = spec.stats.snapshot()
+    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0  # the budget was tight, the prefix shared
+    assert s.spec_decode_num_accepted_tokens > 0 and s.num_steps < base.stats.num_steps
+    assert sum(s.spec_decode_num_accepted_tokens_per_pos) == s.spec_decode_num_accepted_tokens
+    assert s.spec_decode_num_accepted_tokens <= s.spec_decode_num_draft_tokens
+    assert s.generation_tokens == base.stats.generation_tokens == sum(len(w.token_ids) for w in want)
+    assert all(g.metrics.spec_acceptance_rate is None or 0 <= g.metrics.spec_acceptance_rate <= 1 for g in got)
+    assert spec.engine.scheduler.allocator.num_used == 0
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(tiny_pair):
+    base, spec = tiny_pair
+    prompt = grounded_prompts(1, seed=7)[0]
+    free = base.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].token_ids
+    stop = free[20]  # a token of the repeating part: proposed and accepted inside runs
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    want, got = base.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    assert got.token_ids == want.token_ids == free[:free.index(stop) + 1] and got.finish_reason == "stop"
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_pair):
+    _, spec = tiny_pair
+    prompts = grounded_prompts(3, seed=11)
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=40, seed=5, ignore_eos=True)
+    a = [o.token_ids for o in spec.generate(prompts, params)]
+    b = [o.token_ids for o in spec.generate(prompts[::-1], params)][::-1]  # other rows, other batch order
+    assert a == b and all(len(t) == 24 for t in a)
+
+
+# ---- knowing when not to ----------------------------------------------------------------
+
+def scheduler(spec: dict, max_num_seqs: int = 4) -> Scheduler:
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=4, max_model_len=64, max_num_batched_tokens=64,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 2, **spec})
+    return Scheduler(cfg.resolved(64), 64, (EOS,))
+
+
+def run_step(s: Scheduler, accept: bool) -> list:
+    out = s.schedule()
+    rows = [x for x in out.scheduled if x.spec_token_ids]
+    s.take_proposals(out, [[9, 9] for _ in rows])
+    spec = {i: ([9, 9, 7] if accept else [7]) for i, x in enumerate(out.scheduled) if x.spec_token_ids}
+    s.update(out, [7] * len(out.scheduled), spec)
+    return rows
+
+
+def test_no_speculation_at_or_above_disable_by_batch_size():
+    s = scheduler({"disable_by_batch_size": 3})
+    for i in range(3):
+        s.add(Sequence(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=20)))
+    run_step(s, True)  # the prompts
+    assert run_step(s, True) == []  # 3 running: off
+    s.abort("r0")
+    assert len(run_step(s, True)) == 2  # 2 running: on
+
+
+def test_a_sequence_whose_drafts_keep_failing_stops_speculating():
+    s = scheduler({"min_acceptance_rate": 0.3, "acceptance_window": 4}, max_num_seqs=2)
+    s.add(Sequence("bad", [5, 6, 7], SamplingParams(max_tokens=40)))
+    s.add(Sequence("good", [5, 6, 8], SamplingParams(max_tokens=40)))
+    run_step(s, True)
+    for _ in range(4):
+        out = s.schedule()
+        rows = [x for x in out.scheduled if x.spec_token_ids]
+        s.take_proposals(out, [[9, 9] for _ in rows])
+        s.update(out, [7] * len(out.scheduled),
+                 {i: ([7] if x.seq.request_id == "bad" else [9, 9, 7]) for i, x in enumerate(out.scheduled)})
+    bad, good = (next(q for q in s.running if q.request_id == r) for r in ("bad", "good"))
+    assert (bad.num_drafts, bad.num_accepted_tokens) == (4, 0) and not bad.speculates
+    assert good.speculates and [x.seq.request_id for x in run_step(s, True)] == ["good"]
+
+
+# ---- the server's flag and metrics ------------------------------------------------------
+
+def test_the_flag_takes_vllms_json_and_refuses_bad_json_clearly():
+    from server import build_parser, engine_config
+
+    parse = build_parser().parse_args
+    cfg = engine_config(parse(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']))
+    assert cfg.speculative_config.k == 4
+    assert engine_config(parse([])).speculative_config is None
+    for bad, word in (('{"method": "ngram"', "not valid JSON"), ('{"num_speculative_tokens": 4}', "method"),
+                      ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens")):
+        with pytest.raises(ValueError, match=word):
+            engine_config(parse(["--speculative-config", bad]))
+
+
+def test_metrics_carry_vllms_spec_decode_names(tiny_pair):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server import EngineCollector
+
+    _, spec = tiny_pair
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(spec.stats))
+    text = generate_latest(registry).decode()
+    s = spec.stats.snapshot()
+    assert f"taxirank:spec_decode_num_drafts_total {float(s.spec_decode_num_drafts)}" in text
+    assert f"taxirank:spec_decode_num_accepted_tokens_total {float(s.spec_decode_num_accepted_tokens)}" in text
+    assert "taxirank:spec_decode_num_draft_tokens_total" in text
+    assert f'taxirank:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} ' \
+           f'{float(s.spec_decode_num_accepted_tokens_per_pos[0])}' in text
+
+
+# ---- the real model ---------------------------------------------------------------------
+
+PASSAGE = ("The river rises in the northern hills, runs south past the old mill and the stone bridge, "
+           "and reaches the sea at the harbour town, where the fishing boats wait for the tide.")
+
+
+def test_smollm2_greedy_output_is_the_same_with_ngram_speculation():
+    """The real model asked to repeat and to edit a passage (where prompt lookup pays),
+    under a KV budget that preempts, with chunked prefill, prefix caching and async."""
+    kw = dict(max_num_seqs=3, max_model_len=192, num_kv_blocks=14, max_num_batched_tokens=64, warmup=False,
+              log=lambda *_: None)
+    base = LLM("smollm2", **kw)
+    tok = base.tokenizer
+    asks = [f"Repeat this text exactly: {PASSAGE}", f"Rewrite this text with 'river' replaced by 'canal': {PASSAGE}",
+            f"Copy this sentence: {PASSAGE}"]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
+                                                  tokenize=False), add_special_tokens=False) for a in asks]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)  # 7 blocks each, 13 in the cache
+    want = base.generate(prompts, params)
+    del base
+    spec = LLM("smollm2", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                              "prompt_lookup_max": 3, "prompt_lookup_min": 2}, **kw)
+    got = spec.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    s = spec.stats.snapshot()
+    assert s.num_preemptions > 0
+    assert s.spec_decode_num_accepted_tokens > 0.3 * s.spec_decode_num_draft_tokens  # repeating pays

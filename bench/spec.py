@@ -1,0 +1,118 @@
+"""Speculative decoding on the real model, side by side in one run: off vs ngram (prompt
+lookup) vs a draft model (--draft-config, the JSON of --speculative-config).
+
+Workload A is input-grounded (the model is asked to repeat or lightly edit a given
+passage: where prompt lookup pays); workload B is open chat (little to look up). Each
+runs at batch sizes 1, 8 and 32 (all requests at once, greedy, ignore_eos so every
+variant computes the same tokens), and reports output tok/s, TPOT p50/p99 (per request:
+its mean gap between output tokens) and the acceptance rate of the drafts.
+
+Targets: A at batch 1, ngram >= 1.5x off's output tok/s; B at batch 32, ngram never more
+than 5% slower than off (the disable rule: disable_by_batch_size).
+
+  python bench/spec.py [--quick] [--ngram-config JSON] [--draft-config JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from report import machine_info, md_table, num, percentile, results_dir, write_json  # noqa: E402
+from workload import text_prompt  # noqa: E402
+
+from config import SamplingParams  # noqa: E402
+from engine import LLM  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+         "disable_by_batch_size": 16}
+ASKS_A = ["Repeat the following passage exactly, word for word:\n\n{}",
+          "Rewrite the following passage, changing only 'the' to 'a' where it starts a sentence:\n\n{}",
+          "Copy this text out again:\n\n{}"]
+TOPICS_B = ["Write a short poem about {}.", "Give me three tips for {}.", "Explain to a child what {} is.",
+            "Tell me a story that involves {}."]
+THINGS = ["the sea", "baking bread", "a thunderstorm", "learning to swim", "an old clock", "a busy market",
+          "planting a garden", "a lighthouse"]
+
+
+def prompts(llm: LLM, workload: str, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    tok = llm.tokenizer
+    if workload == "A":
+        asks = [rng.choice(ASKS_A).format(text_prompt(rng, rng.randint(60, 90)) + ".") for _ in range(n)]
+    else:
+        asks = [rng.choice(TOPICS_B).format(rng.choice(THINGS)) for _ in range(n)]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False) for a in asks]
+
+
+def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> dict:
+    before = llm.stats.snapshot()
+    t0 = time.perf_counter()
+    outs = llm.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = llm.stats.snapshot()
+    tpot = [o.metrics.mean_itl_ms for o in outs if o.metrics.mean_itl_ms is not None]
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    return {"output_tok_s": sum(len(o.token_ids) for o in outs) / wall, "wall_s": wall,
+            "tpot_p50_ms": percentile(tpot, 50), "tpot_p99_ms": percentile(tpot, 99),
+            "steps": after.num_steps - before.num_steps, "draft_tokens": drafted,
+            "acceptance": accepted / drafted if drafted else None, "token_ids": [o.token_ids for o in outs],
+            "loadavg": os.getloadavg()[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--quick", action="store_true", help="fewer output tokens (32 instead of 96)")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--workloads", default="A,B")
+    ap.add_argument("--ngram-config", default=json.dumps(NGRAM))
+    ap.add_argument("--draft-config", default=None, help="a draft_model --speculative-config JSON (off: skipped)")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    max_tokens = 32 if args.quick else 96
+    variants = {"off": None, "ngram": json.loads(args.ngram_config)}
+    if args.draft_config:
+        variants["draft"] = json.loads(args.draft_config)
+    kw = dict(max_num_seqs=max(batches), max_model_len=512, max_num_batched_tokens=512, log=lambda *_: None)
+    results: dict = {"machine": machine_info(), "variants": variants, "max_tokens": max_tokens, "runs": {}}
+    for name, spec in variants.items():
+        llm = LLM(args.model, speculative_config=spec, **kw)
+        run(llm, prompts(llm, "B", 2, seed=99), 4)  # untimed: first dispatches
+        for w in args.workloads.split(","):
+            for b in batches:
+                r = run(llm, prompts(llm, w, b, seed=b), max_tokens)
+                results["runs"][f"{name}/{w}/{b}"] = r
+                print(f"{name:6} {w} batch {b:3d}: {r['output_tok_s']:7.1f} tok/s, TPOT p50 {r['tpot_p50_ms']:.1f} "
+                      f"p99 {r['tpot_p99_ms']:.1f} ms, acceptance {num(r['acceptance'])}, load {r['loadavg']:.1f}",
+                      flush=True)
+        del llm
+    rows = [["workload", "batch", "variant", "out tok/s", "vs off", "TPOT p50 ms", "TPOT p99 ms", "acceptance",
+             "same tokens as off"]]
+    for w in args.workloads.split(","):
+        for b in batches:
+            off = results["runs"][f"off/{w}/{b}"]
+            for name in variants:
+                r = results["runs"][f"{name}/{w}/{b}"]
+                rows.append([w, str(b), name, f"{r['output_tok_s']:.1f}", f"{r['output_tok_s'] / off['output_tok_s']:.2f}x",
+                             f"{r['tpot_p50_ms']:.1f}", f"{r['tpot_p99_ms']:.1f}", num(r["acceptance"]),
+                             str(r["token_ids"] == off["token_ids"])])
+    table = md_table(rows)
+    print(table)
+    for r in results["runs"].values():
+        del r["token_ids"]
+    results["table"] = table
+    print("wrote", write_json(os.path.join(results_dir("spec"), "spec.json"), results))
+
+
+if __name__ == "__main__":
+    main()
