@@ -23,7 +23,12 @@ Per step, `DraftModelProposer.propose(seqs, k)` dispatches two kinds of programs
 Which draft K/V is valid needs no hook from the verifier: the draft remembers the tokens
 it wrote past the known ones, and at the next proposal keeps the positions whose tokens
 the sequence really has (the accepted prefix); every later position is written again
-before it is read (attention reads a row's first kv_len positions only).
+before it is read (attention reads a row's first kv_len positions only). free(seq) on a
+preemption or a finish forgets the sequence; so does a change in the blocks under its
+trusted positions. A sequence admitted with a prefix-cache hit has its whole prefix
+computed again by the draft: the cached blocks' draft K/V may never have been written
+(their owner did not speculate), and rewriting a position with the same tokens writes
+the same values.
 
 A draft that exists for smollm2 here is a **layer-skip** of the same checkpoint: a subset
 of its decoder layers with its embeddings, final norm and LM head, unchanged and untrained
@@ -54,7 +59,7 @@ from flax import nnx
 import checkpoint
 from attention_backend import AttentionShape, select_attention_backend
 from config import SAMPLING_EPS, EngineConfig
-from kvcache import create_kv_caches, kv_cache_bytes_per_block
+from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel, hf_state_dict, load_model, param_bytes
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
@@ -221,9 +226,9 @@ def sample_draft(logits: jax.Array, t: SamplingTensors, step: jax.Array) -> tupl
 class _DraftKV:
     """What the draft's cache holds for one sequence."""
 
-    block_table: list[int]  # the list it was written through (a new one: the blocks changed hands)
     valid: int  # positions 0..valid-1 hold the K/V of the sequence's own tokens
     speculated: list[int]  # draft tokens written at valid, valid + 1, ...: valid while accepted
+    blocks: list[int]  # the blocks those positions were written in
 
 
 @PROPOSERS.register("draft_model")
@@ -329,12 +334,18 @@ class DraftModelProposer:
             known, covered = len(ids), len(seq.block_table) * BS
             track = self._seqs.get(seq)
             valid = 0
-            if track is not None and track.block_table is seq.block_table:
+            if track is not None:
                 valid = track.valid
                 for t, want in zip(track.speculated, ids[valid:]):
                     if t != want:
                         break
                     valid += 1
+                # The verifier gives back the blocks past its computed tokens, never those
+                # below: a block of the trusted positions that changed means the sequence
+                # lost its blocks (free() was not told), and nothing is trusted.
+                n_blocks = blocks_needed(valid, BS)
+                if seq.block_table[:n_blocks] != track.blocks[:n_blocks]:
+                    valid = 0
             end = min(known, covered)
             start = min(valid, end - 1) if end == known else min(valid, end)
             # d_1 sits at position `known`; d_j's K/V is written at known + j - 1 for j < num_draft.
@@ -358,7 +369,9 @@ class DraftModelProposer:
         for i, seq in enumerate(seqs):
             d = toks[i, :num_draft[i]].tolist()
             proposals.append(d)
-            self._seqs[seq] = _DraftKV(seq.block_table, segments[i][2], d[:-1])
+            end = segments[i][2]
+            written = blocks_needed(end + max(len(d) - 1, 0), cfg.block_size)
+            self._seqs[seq] = _DraftKV(end, d[:-1], seq.block_table[:written])
         return Proposals(proposals, q)
 
     def _run_catch_up(self, seqs: list[Sequence], segments: list[list[int]],

@@ -96,14 +96,18 @@ def test_greedy_proposals_match_transformers_across_rejections(drafter, draft_di
     seqs[1].output_token_ids += d[1] + [7]
     seqs[2].output_token_ids += [(d[2][0] + 1) % 300]
     d = propose_and_check()
-    # r1 is preempted and readmitted: new blocks, whatever the draft cache held there is stale.
+    # r1 loses its blocks (a preemption the draft is not told of), another sequence takes
+    # them and writes its own draft K/V there, and r1 comes back in other blocks.
     alloc.free("r1")
     seqs[1].block_table = []
+    intruder = Sequence("intruder", rng.integers(3, 300, 60).tolist(), SamplingParams(temperature=0.0))
+    _grow(alloc, intruder, intruder.num_tokens + K)
+    dm.propose([intruder], K)
     seqs[0].output_token_ids += d[0][:1] + [(d[0][1] + 5) % 300]
     seqs[2].output_token_ids += d[2][:3] + [(d[2][3] + 1) % 300]
     propose_and_check()
     assert dm.stats.num_compilations == compiled, "a proposal compiled a program after warm-up"
-    for s in seqs:
+    for s in [*seqs, intruder]:
         alloc.free(s.request_id)
         dm.free(s)
 
