@@ -184,8 +184,8 @@ def _engine_prompts() -> list[list[int]]:
 def _run_speculative(target: str, draft: str, **kw):
     from engine import LLM
 
-    llm = LLM(target, log=lambda _: None, max_num_seqs=4, max_model_len=128, block_size=BS,
-              max_num_batched_tokens=32, attention_backend="xla",
+    llm = LLM(target, log=lambda _: None, max_num_seqs=2, max_model_len=96, block_size=BS,
+              max_num_batched_tokens=16, attention_backend="xla",
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3}, **kw)
     compiled = llm.stats.num_compilations
     outs = llm.generate(_engine_prompts(), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
@@ -197,7 +197,7 @@ def _run_speculative(target: str, draft: str, **kw):
 def test_greedy_output_with_the_target_as_its_own_draft_is_greedy_decoding(target_ckpt):
     """A tight KV cache (preemptions), chunked prefill, prefix caching, async scheduling:
     the tokens are transformers' greedy ones, and every draft token is accepted."""
-    stats, outs = _run_speculative(target_ckpt, target_ckpt, num_kv_blocks=24)
+    stats, outs = _run_speculative(target_ckpt, target_ckpt, num_kv_blocks=14)
     for p, o in zip(_engine_prompts(), outs):
         assert o == hf_greedy(target_ckpt, p, 40)
     assert stats.num_preemptions > 0
@@ -209,7 +209,7 @@ def test_greedy_output_with_a_far_draft_is_greedy_decoding(target_ckpt, tmp_path
     """Another random model of the same vocabulary: most drafts are rejected, and the
     output is still exactly greedy decoding's."""
     far = make_hf_checkpoint(tmp_path_factory.mktemp("far"), "llama2", seed=9, num_hidden_layers=1, tokenizer=True)
-    stats, outs = _run_speculative(target_ckpt, far, num_kv_blocks=24)
+    stats, outs = _run_speculative(target_ckpt, far, num_kv_blocks=14)
     for p, o in zip(_engine_prompts(), outs):
         assert o == hf_greedy(target_ckpt, p, 40)
     assert stats.num_preemptions > 0
