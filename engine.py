@@ -254,10 +254,12 @@ class LLMEngine:
             # sees: they are counted nowhere and produce no delta.
             dropped = {id(s) for s in outcome.discarded}
             dec = sum(1 for s in outcome.discarded if s.is_decode)
-            pre = sum(s.num_new_tokens for s in outcome.discarded) - dec
+            drafts = sum(len(s.spec_token_ids) for s in outcome.discarded)
+            pre = sum(s.num_new_tokens for s in outcome.discarded) - dec - drafts
             out = dataclasses.replace(out, scheduled=[s for s in out.scheduled if id(s) not in dropped],
                                       num_decode_tokens=out.num_decode_tokens - dec,
-                                      num_prefill_tokens=out.num_prefill_tokens - pre)
+                                      num_prefill_tokens=out.num_prefill_tokens - pre,
+                                      num_spec_tokens=out.num_spec_tokens - drafts)
         accepted, released = outcome.accepted, outcome.finished
         self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config)
         self._refresh_gauges()
@@ -318,10 +320,12 @@ class LLMEngine:
         re-raise, and the loop dies loudly."""
         if self._cache_donated():
             raise error
-        tokens, lps, ok, prompt = [], [], [], {}
+        tokens, lps, ok, prompt, spec = [], [], [], {}, {}
         for sch in out.scheduled:
+            num_spec = len(sch.spec_token_ids)
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
-                                  num_decode_tokens=int(sch.is_decode))
+                                  num_decode_tokens=int(sch.is_decode), num_spec_tokens=num_spec,
+                                  draft_probs=out.draft_probs)
             try:
                 r = self.runner.execute(one).result()
             except Exception as e:
@@ -332,6 +336,8 @@ class LLMEngine:
                 continue
             if r.prompt_logprobs:
                 prompt[len(ok)] = r.prompt_logprobs[0]
+            if r.spec:
+                spec[len(ok)] = r.spec[0]
             ok.append(sch)
             tokens.append(int(r.tokens[0]))
             lps.append(r.logprobs)
@@ -347,13 +353,14 @@ class LLMEngine:
                 self.stats.record_finished(seq, time.monotonic(), latency=False)
         out.scheduled = ok
         out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
-        out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens
+        out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)
+        out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens - out.num_spec_tokens
         logprobs = None
         if any(lp is not None for lp in lps):
             z = (np.zeros(1, np.float32), np.zeros((1, MAX_LOGPROBS), np.int32), np.zeros((1, MAX_LOGPROBS), np.float32))
             parts = [lp if lp is not None else z for lp in lps]
             logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
-        return StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None)
+        return StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None, spec or None)
 
     def _collect_prompt_logprobs(self, scheduled: list[ScheduledSeq], rows: dict[int, PromptLogprobs]) -> None:
         for row, p in rows.items():

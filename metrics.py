@@ -221,7 +221,7 @@ class EngineStats:
                 self.decode_tokens += out.num_decode_tokens
                 self.recomputed_tokens += out.num_recomputed_tokens
                 self.generation_tokens += len(sampled)
-                self.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens)
+                self.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens + out.num_spec_tokens)
             itl = []  # one inter-token latency per sequence that got a later token
             for sch in out.scheduled:
                 seq = sch.seq

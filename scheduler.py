@@ -353,12 +353,14 @@ class Scheduler:
     # ---- speculative decoding ----------------------------------------------------------
     @property
     def speculating(self) -> bool:
-        """Whether the next step may verify proposals: speculation is configured and the
+        """Whether the next step may verify proposals: speculation is configured, the
         batch is below disable_by_batch_size (vLLM's rule: at large batches the step is
-        compute-bound and verifying k rejected tokens costs more than it saves)."""
+        compute-bound and verifying k rejected tokens costs more than it saves), and some
+        running sequence still speculates (min_acceptance_rate)."""
         spec = self.spec
         return spec is not None and (spec.disable_by_batch_size is None
-                                     or len(self.running) < spec.disable_by_batch_size)
+                                     or len(self.running) < spec.disable_by_batch_size) \
+            and any(seq.speculates for seq in self.running)
 
     def take_proposals(self, out: SchedulerOutput, proposals: list[list[int]], draft_probs: Any = None) -> None:
         """The proposer's drafts for out's speculating rows (in their order): each row

@@ -180,7 +180,17 @@ class Generation:
         try:
             async for delta in self.stream:
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-                text, stopped = self.detokenizer.push(delta.new_token_ids, final=delta.finished)
+                ids, text, stopped = delta.new_token_ids, "", False
+                for j in range(len(ids) or 1):  # a speculative step's delta has several: the stop is at one
+                    piece, stopped = self.detokenizer.push(ids[j:j + 1], final=delta.finished and j >= len(ids) - 1)
+                    text += piece
+                    if stopped:
+                        break
+                if stopped and j < len(ids) - 1:  # the tokens after the one that completed the stop string
+                    cut = len(ids) - 1 - j
+                    delta = dataclasses.replace(delta, new_token_ids=ids[:j + 1],
+                                                new_logprobs=delta.new_logprobs and delta.new_logprobs[:j + 1],
+                                                num_output_tokens=delta.num_output_tokens - cut)
                 if stopped and not delta.finished:
                     self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
                 done = stopped or delta.finished
@@ -525,11 +535,12 @@ class EngineCollector:
         for reason, n in s.waiting_by_reason.items():
             by_reason.add_metric([reason], n)
         yield by_reason
-        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                      "Draft tokens accepted, by position in the proposal.", labels=["position"])
-        for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-            per_pos.add_metric([str(pos)], n)
-        yield per_pos
+        if s.spec_decode_num_accepted_tokens_per_pos:  # with speculative decoding: one per draft position
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the proposal.", labels=["position"])
+            for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([str(pos)], n)
+            yield per_pos
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                       labels=["finished_reason"])
         for reason, n in s.request_success.items():

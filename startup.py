@@ -97,6 +97,7 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     if proposer is not None:
         proposer.allocate(num_blocks)
         spec = config.speculative_config
+        stats.spec_decode_num_accepted_tokens_per_pos = [0] * spec.k
         log(f"speculative decoding: {spec.method}, {spec.k} tokens per step"
             + (f", off at {spec.disable_by_batch_size}+ running sequences" if spec.disable_by_batch_size else ""))
     if config.warmup:
@@ -138,7 +139,7 @@ def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: Engin
     above what was in use before (weights + the small cache). Returns the runner, its
     small cache already freed, and the activation bytes (0 if the device keeps no
     counters). Unverified on a GPU so far; the arithmetic is unit-tested on CPU."""
-    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats, mesh, draft_probs=draft_probs)
+    runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats, mesh, 0, draft_probs)
     T = config.max_num_batched_tokens
     compiled = stats.num_compilations
     profile = measure_activation_bytes(lambda: runner.idle_step(tokens=T), jax.devices()[0].memory_stats)

@@ -22,14 +22,13 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from report import machine_info, md_table, num, percentile, results_dir, write_json  # noqa: E402
-from workload import text_prompt  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from config import SamplingParams  # noqa: E402
 from engine import LLM  # noqa: E402
+
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the root: bench/structured.py is a bench
+from report import machine_info, md_table, num, percentile, results_dir, write_json  # noqa: E402
+from workload import text_prompt  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
          "disable_by_batch_size": 16}

@@ -428,3 +428,53 @@ def test_smollm2_greedy_output_is_the_same_with_ngram_speculation():
     s = spec.stats.snapshot()
     assert s.num_preemptions > 0
     assert s.spec_decode_num_accepted_tokens > 0.3 * s.spec_decode_num_draft_tokens  # repeating pays
+
+
+def test_constrained_rows_never_speculate():
+    """A constrained row's next mask depends on each token: it decodes one token a step."""
+
+    class AnyToken:  # a constraint that allows everything and never completes
+        stopped = False
+
+        def accept(self, token: int) -> bool:
+            return True
+
+    s = scheduler({})
+    free, constrained = Sequence("free", [5, 6, 7], SamplingParams(max_tokens=20)), \
+        Sequence("json", [5, 6, 7], SamplingParams(max_tokens=20))
+    constrained.constraint = AnyToken()
+    s.add(free)
+    s.add(constrained)
+    run_step(s, True)
+    assert [x.seq.request_id for x in run_step(s, True)] == ["free"]
+
+
+def test_a_stop_string_inside_a_speculative_delta_ends_the_response_at_its_token():
+    """A verified step's delta carries several tokens: the response stops at the token that
+    completes the stop string (its text, logprobs and token count), and the request is aborted."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine import RequestOutputDelta, TokenLogprob
+    from server import Generation
+    from tokenizer import ByteTokenizer
+
+    ids = list(b"ab STOP cd")
+    aborted = []
+
+    async def stream():
+        yield RequestOutputDelta("r", ids[:2], [TokenLogprob(t, -1.0, []) for t in ids[:2]], False, None, 1, 2)
+        yield RequestOutputDelta("r", ids[2:], [TokenLogprob(t, -1.0, []) for t in ids[2:]], False, None, 1, len(ids))
+
+    engine = SimpleNamespace(tokenizer=ByteTokenizer(), model_config=SimpleNamespace(eos_token_ids=(2,)),
+                             add_request=lambda *a: stream(), abort=lambda rid, reason="abort": aborted.append(reason))
+    gen = Generation(engine, "r", [ByteTokenizer.bos_token_id], SamplingParams(max_tokens=20), ["STOP"])
+
+    async def collect():
+        return [c async for c in gen.chunks()]
+
+    chunks = asyncio.run(collect())
+    assert "".join(c.text for c in chunks) == "ab " and chunks[-1].finish_reason == "stop"
+    assert chunks[-1].num_output_tokens == len(b"ab STOP")  # the tokens after the stop string are not counted
+    assert [t.token_id for c in chunks for t in c.logprobs] == list(b"ab STOP")
+    assert aborted == ["stop"]
