@@ -191,25 +191,37 @@ def _run_speculative(target: str, draft: str, **kw):
     outs = llm.generate(_engine_prompts(), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert llm.stats.num_compilations == compiled, "a step compiled a program after warm-up"
     assert llm.engine.scheduler.allocator.num_used == 0
-    return llm.stats, [o.token_ids for o in outs]
+    return llm, [o.token_ids for o in outs]
 
 
 def test_greedy_output_with_the_target_as_its_own_draft_is_greedy_decoding(target_ckpt):
     """A tight KV cache (preemptions), chunked prefill, prefix caching, async scheduling:
     the tokens are transformers' greedy ones, and every draft token is accepted."""
-    stats, outs = _run_speculative(target_ckpt, target_ckpt, num_kv_blocks=14)
+    llm, outs = _run_speculative(target_ckpt, target_ckpt, num_kv_blocks=14)
+    stats = llm.stats
     for p, o in zip(_engine_prompts(), outs):
         assert o == hf_greedy(target_ckpt, p, 40)
     assert stats.num_preemptions > 0
     assert stats.spec_decode_num_drafts > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    # Sampled: q is the distribution the verifier's p is (same model, same filters, the
+    # row and position it belongs to), so p(x)/q(x) = 1 up to rounding and drafts are
+    # accepted; a q of another row or position would be rejected most of the time.
+    before = stats.snapshot()
+    llm.generate(_engine_prompts()[:3], [SamplingParams(temperature=t, top_k=40, seed=i, max_tokens=30, ignore_eos=True)
+                                         for i, t in enumerate((0.2, 0.4, 0.6))])
+    after = stats.snapshot()
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert drafted > 0 and accepted >= 0.97 * drafted, (accepted, drafted)
 
 
 def test_greedy_output_with_a_far_draft_is_greedy_decoding(target_ckpt, tmp_path_factory):
     """Another random model of the same vocabulary: most drafts are rejected, and the
     output is still exactly greedy decoding's."""
     far = make_hf_checkpoint(tmp_path_factory.mktemp("far"), "llama2", seed=9, num_hidden_layers=1, tokenizer=True)
-    stats, outs = _run_speculative(target_ckpt, far, num_kv_blocks=14)
+    llm, outs = _run_speculative(target_ckpt, far, num_kv_blocks=14)
+    stats = llm.stats
     for p, o in zip(_engine_prompts(), outs):
         assert o == hf_greedy(target_ckpt, p, 40)
     assert stats.num_preemptions > 0
