@@ -226,6 +226,7 @@ class ModelRunner:
         spec = config.speculative_config
         self.spec_k = spec.k if spec is not None else 0
         self.draft_probs = draft_probs
+        self._zero_q: jax.Array | None = None  # draft_probs of a step with no verified row
         # Verified rows are padded to one of a few counts; one program (lax.switch) holds them all.
         self.spec_buckets = _spec_buckets(N) if spec is not None else ()
 
@@ -250,6 +251,7 @@ class ModelRunner:
             """The LM head on each verified row's 1 + K positions (its last known token and
             its drafts), then rejection sampling; outputs padded to max_num_seqs rows."""
             K, n_max = self.spec_k, self.config.max_num_seqs
+            branches = self._spec_branches(cu_q_lens.shape[0] - 1)
 
             def rows(b):
                 def branch():
@@ -269,7 +271,7 @@ class ModelRunner:
                         jnp.zeros((n_max, K + 1), jnp.float32), jnp.zeros((n_max, K + 1, MAX_LOGPROBS), jnp.int32),
                         jnp.zeros((n_max, K + 1, MAX_LOGPROBS), jnp.float32))
 
-            return jax.lax.switch(sp.bucket, [none] + [rows(b) for b in self.spec_buckets])
+            return jax.lax.switch(sp.bucket, [none] + [rows(b) for b in branches])
 
         def decode_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
                       kv_lens, sample_slot, sampling):
@@ -372,7 +374,10 @@ class ModelRunner:
         cfg, BS = self.config, self.block_size
         n = len(out.scheduled)
         decode = out.is_decode_only
-        R = _bucket(cfg.decode_buckets, max(out.num_occupied, n)) if decode else cfg.max_num_seqs
+        # Decodes and verified rows only: the ragged program at the decode row buckets, each
+        # row up to 1 + k tokens (a step with prompt tokens: max_num_seqs rows, token buckets).
+        verify = not decode and out.num_prefill_tokens == 0
+        R = _bucket(cfg.decode_buckets, max(out.num_occupied, n)) if decode or verify else cfg.max_num_seqs
         owner, bt_len = self._bt_owner, self._bt_len
         # The one Python loop over the step's sequences: most rows need one identity and
         # one length check of their block table, and six numbers into a flat list.
@@ -407,7 +412,7 @@ class ModelRunner:
                 token_slice(sch.seq, sch.seq.num_computed_tokens - sch.num_new_tokens, sch.num_new_tokens)
                 if not sch.spec_token_ids else [sch.seq.all_token_ids[-1], *sch.spec_token_ids])], np.int32)
         num_real = len(toks)
-        T = R if decode else _bucket(cfg.token_buckets, num_real)
+        T = R if decode else R * (1 + self.spec_k) if verify else _bucket(cfg.token_buckets, num_real)
         # per row
         row_slots = np.full(R, self._idle, np.int32)
         row_slots[:n] = slots
@@ -447,7 +452,7 @@ class ModelRunner:
             extra = (cu_q_lens,)
             if self.spec_buckets:
                 spec_rows = [i for i, sch in enumerate(out.scheduled) if sch.spec_token_ids]
-                targets = (targets, self._spec_inputs(out, spec_rows, slots))
+                targets = (targets, self._spec_inputs(out, spec_rows, slots, R))
         res = self._run(DECODE if decode else RAGGED, R, T, (tokens, token_src, positions, slot_mapping, block_tables,
                                                              kv_lens, *extra, sample_slot, sampling,
                                                              *(() if decode else targets if spec_rows is not None
@@ -456,8 +461,12 @@ class ModelRunner:
             self.stats.padded_tokens += T - num_real
         return InFlightStep(res, n, want_logprobs, prompt_rows, spec_rows)
 
-    def _spec_inputs(self, out: SchedulerOutput, spec_rows: list[int], slots: np.ndarray) -> SpecInputs:
-        """The verified rows' drafts, padded to the smallest bucket that holds them."""
+    def _spec_branches(self, rows: int) -> tuple[int, ...]:
+        """The verified-row counts a program of `rows` rows has a branch for."""
+        return (*(b for b in self.spec_buckets if b < rows), rows)
+
+    def _spec_inputs(self, out: SchedulerOutput, spec_rows: list[int], slots: np.ndarray, rows: int) -> SpecInputs:
+        """The verified rows' drafts, padded to the smallest branch that holds them."""
         N, K = self.config.max_num_seqs, self.spec_k
         sp = SpecInputs(np.zeros(N, np.int32), np.full(N, self._idle, np.int32), np.zeros((N, K), np.int32),
                         np.zeros(N, np.int32), np.zeros(N, np.int32), np.int32(0), out.draft_probs)
@@ -467,14 +476,15 @@ class ModelRunner:
             sp.row[r], sp.slot[r], sp.num[r], sp.src[r] = i, slots[i], len(d), sch.spec_src
             sp.draft[r, :len(d)] = d
         if spec_rows:
-            sp.bucket = np.int32(1 + self.spec_buckets.index(_bucket(self.spec_buckets, len(spec_rows))))
+            branches = self._spec_branches(rows)
+            sp.bucket = np.int32(1 + branches.index(_bucket(branches, len(spec_rows))))
         assert (out.draft_probs is not None) == self.draft_probs or not spec_rows, "draft_probs and the proposer disagree"
         if self.draft_probs and out.draft_probs is None:  # no verified row: any array of the shape
             sp.draft_probs = self._no_draft_probs()
         return sp
 
     def _no_draft_probs(self) -> jax.Array:
-        if not hasattr(self, "_zero_q"):
+        if self._zero_q is None:
             V = self.loaded.config.vocab_size
             self._zero_q = jnp.zeros((self.config.max_num_seqs, self.spec_k, V), jnp.float32)
         return self._zero_q
@@ -508,12 +518,13 @@ class ModelRunner:
         return {"token_bitmask": bitmask, "use_bitmask": np.bool_(True)}
 
     # ------------------------------------------------------------------------------
-    def idle_step(self, decode_rows: int | None = None, tokens: int | None = None) -> None:
+    def idle_step(self, decode_rows: int | None = None, tokens: int | None = None, verify_rows: int | None = None) -> None:
         """Run one program on all-idle inputs (every write lands in the null block): a
-        decode step of `decode_rows` rows, or a ragged step of `tokens` tokens."""
+        decode step of `decode_rows` rows, a ragged step of `tokens` tokens, or a verify
+        step of `verify_rows` rows of 1 + k tokens."""
         kind = DECODE if decode_rows else RAGGED
-        rows = decode_rows or self.config.max_num_seqs
-        T = decode_rows or tokens
+        rows = decode_rows or verify_rows or self.config.max_num_seqs
+        T = decode_rows or tokens or (verify_rows and verify_rows * (1 + self.spec_k))
         assert T is not None
         # Not posted to other processes: every process runs warm-up (and profiling) itself.
         jax.block_until_ready(self._call(kind, self._idle_args(kind, rows, T)))
@@ -528,7 +539,7 @@ class ModelRunner:
             return (*args, np.full(rows, self._idle, np.int32), samp)
         args = (*args, np.zeros(rows + 1, np.int32), np.full(rows, self._idle, np.int32), samp, np.full(T, -1, np.int32))
         if self.spec_buckets:
-            args = (*args, self._spec_inputs(SchedulerOutput(), [], np.zeros(0, np.int32)))
+            args = (*args, self._spec_inputs(SchedulerOutput(), [], np.zeros(0, np.int32), rows))
         return args
 
     def _call(self, kind: int, args: tuple) -> Any:
@@ -567,4 +578,7 @@ class ModelRunner:
             log(f"warm-up: compiling step program {len(cfg.decode_buckets) + i + 1}/{total} (prefill, {T} tokens"
                 + (f", verifying up to {cfg.max_num_seqs} x {1 + self.spec_k})" if self.spec_buckets else ")"))
             self.idle_step(tokens=T)
+        for R in cfg.decode_buckets if self.spec_buckets else ():
+            log(f"warm-up: compiling verify program ({R} rows of up to {1 + self.spec_k} tokens)")
+            self.idle_step(verify_rows=R)
         log(f"warm-up: {self.stats.num_compilations} programs compiled in {time.perf_counter() - t0:.1f}s")

@@ -146,7 +146,8 @@ class ScheduledSeq:
     samples: bool  # a token comes out: a decode, or the chunk that completes the prompt
     is_decode: bool  # a decode step of a sequence past its prompt (one token, or one + its drafts)
     # Speculative decoding: the drafts computed after its latest token (num_new_tokens is
-    # 1 + their number), and its row in the step's Proposals.draft_probs.
+    # 1 + their number; from schedule() to take_proposals(), zeros holding the reserved
+    # room), and its row in the step's Proposals.draft_probs.
     spec_token_ids: list[int] | tuple[()] = ()
     spec_src: int = 0
 

@@ -4,7 +4,8 @@ lookup) vs a draft model (--draft-config, the JSON of --speculative-config).
 Workload A is input-grounded (the model is asked to repeat or lightly edit a given
 passage: where prompt lookup pays); workload B is open chat (little to look up). Each
 runs at batch sizes 1, 8 and 32 (all requests at once, greedy, ignore_eos so every
-variant computes the same tokens), and reports output tok/s, TPOT p50/p99 (per request:
+variant computes the same tokens; the variants' runs interleaved, the fastest of --reps
+kept), and reports output tok/s, TPOT p50/p99 (per request:
 its mean gap between output tokens) and the acceptance rate of the drafts.
 
 Targets: A at batch 1, ngram >= 1.5x off's output tok/s; B at batch 32, ngram never more
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--quick", action="store_true", help="fewer output tokens (32 instead of 96)")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--reps", type=int, default=2, help="runs of each variant, interleaved; the fastest is kept")
     ap.add_argument("--workloads", default="A,B")
     ap.add_argument("--ngram-config", default=json.dumps(NGRAM))
     ap.add_argument("--draft-config", default=None, help="a draft_model --speculative-config JSON (off: skipped)")
@@ -84,17 +86,22 @@ def main() -> None:
         variants["draft"] = json.loads(args.draft_config)
     kw = dict(max_num_seqs=max(batches), max_model_len=512, max_num_batched_tokens=512, log=lambda *_: None)
     results: dict = {"machine": machine_info(), "variants": variants, "max_tokens": max_tokens, "runs": {}}
-    for name, spec in variants.items():
-        llm = LLM(args.model, speculative_config=spec, **kw)
+    # Every engine at once, runs interleaved and the fastest of --reps kept: on a shared
+    # machine the load drifts by several x over minutes, and side by side it drifts for all.
+    llms = {name: LLM(args.model, speculative_config=spec, **kw) for name, spec in variants.items()}
+    for llm in llms.values():
         run(llm, prompts(llm, "B", 2, seed=99), 4)  # untimed: first dispatches
-        for w in args.workloads.split(","):
-            for b in batches:
-                r = run(llm, prompts(llm, w, b, seed=b), max_tokens)
-                results["runs"][f"{name}/{w}/{b}"] = r
-                print(f"{name:6} {w} batch {b:3d}: {r['output_tok_s']:7.1f} tok/s, TPOT p50 {r['tpot_p50_ms']:.1f} "
-                      f"p99 {r['tpot_p99_ms']:.1f} ms, acceptance {num(r['acceptance'])}, load {r['loadavg']:.1f}",
-                      flush=True)
-        del llm
+    for w in args.workloads.split(","):
+        for b in batches:
+            for _ in range(args.reps):
+                for name, llm in llms.items():
+                    r = run(llm, prompts(llm, w, b, seed=b), max_tokens)
+                    print(f"{name:6} {w} batch {b:3d}: {r['output_tok_s']:7.1f} tok/s, TPOT p50 {r['tpot_p50_ms']:.1f} "
+                          f"p99 {r['tpot_p99_ms']:.1f} ms, acceptance {num(r['acceptance'])}, load {r['loadavg']:.1f}",
+                          flush=True)
+                    best = results["runs"].get(f"{name}/{w}/{b}")
+                    if best is None or r["output_tok_s"] > best["output_tok_s"]:
+                        results["runs"][f"{name}/{w}/{b}"] = r
     rows = [["workload", "batch", "variant", "out tok/s", "vs off", "TPOT p50 ms", "TPOT p99 ms", "acceptance",
              "same tokens as off"]]
     for w in args.workloads.split(","):
@@ -102,9 +109,9 @@ def main() -> None:
             off = results["runs"][f"off/{w}/{b}"]
             for name in variants:
                 r = results["runs"][f"{name}/{w}/{b}"]
-                rows.append([w, str(b), name, f"{r['output_tok_s']:.1f}", f"{r['output_tok_s'] / off['output_tok_s']:.2f}x",
-                             f"{r['tpot_p50_ms']:.1f}", f"{r['tpot_p99_ms']:.1f}", num(r["acceptance"]),
-                             str(r["token_ids"] == off["token_ids"])])
+                rows.append([w, str(b), name, f"{r['output_tok_s']:.1f}",
+                             f"{r['output_tok_s'] / off['output_tok_s']:.2f}x", f"{r['tpot_p50_ms']:.1f}",
+                             f"{r['tpot_p99_ms']:.1f}", num(r["acceptance"]), str(r["token_ids"] == off["token_ids"])])
     table = md_table(rows)
     print(table)
     for r in results["runs"].values():
