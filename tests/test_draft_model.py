@@ -1,0 +1,228 @@
+"""The draft_model proposer (draft_model.py): a layer-skip draft cut from a checkpoint
+proposes what transformers' greedy decoding of that same truncated checkpoint gives,
+before and after rejections (its cache past the accepted point is rewritten, never read
+stale), across preemption and long catch-ups; its sampled proposals come with the exact
+filtered distribution they were drawn from; a draft of another vocabulary is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import hf_greedy, hf_logits, make_hf_checkpoint
+
+from config import EngineConfig, SamplingParams
+from draft_model import check_vocabulary, parse_layers, write_layer_skip
+from spec_decode import create_proposer
+from kvcache import BlockAllocator, blocks_needed
+from metrics import EngineStats
+from model import hf_state_dict, load_model
+from scheduler import Sequence
+
+K = 4
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def target_ckpt(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("target"), "llama2", seed=3, num_hidden_layers=4,
+                              tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(target_ckpt, tmp_path_factory):
+    # layers 0 and 3 of 4: the cut renumbers them 0 and 1
+    return write_layer_skip(target_ckpt, [0, 3], str(tmp_path_factory.mktemp("d") / "layer-skip"), log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def drafter(target_ckpt, draft_dir):
+    # a small token budget: a 40-token prompt is caught up in several passes
+    config = EngineConfig(model=target_ckpt, max_num_seqs=3, max_model_len=128, block_size=BS,
+                          max_num_batched_tokens=32, attention_backend="xla",
+                          speculative_config={"method": "draft_model", "model": draft_dir,
+                                              "num_speculative_tokens": K}).resolved(2048)
+    dm = create_proposer(config, load_model(target_ckpt), EngineStats())
+    assert dm.kv_bytes_per_block() == 2 * 2 * BS * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, f32
+    dm.allocate(64)
+    dm.warmup(log=lambda _: None)
+    return dm, BlockAllocator(64, enable_caching=False)
+
+
+def _grow(alloc: BlockAllocator, seq: Sequence, upto: int) -> None:
+    """Blocks for positions < upto, appended to its table in place (as the scheduler)."""
+    need = blocks_needed(upto, BS) - len(seq.block_table)
+    if need > 0:
+        seq.block_table += alloc.allocate(seq.request_id, need)
+
+
+def test_layer_skip_keeps_the_chosen_layers(target_ckpt, draft_dir):
+    cfg = json.load(open(os.path.join(draft_dir, "config.json")))
+    assert cfg["num_hidden_layers"] == 2 and cfg["taxirank_layer_skip"]["source_layers"] == 4
+    full, cut = hf_state_dict(load_model(target_ckpt).model), hf_state_dict(load_model(draft_dir).model)
+    source = {n.replace("layers.3.", "layers.1."): x for n, x in full.items()
+              if not n.startswith(("model.layers.1.", "model.layers.2."))}
+    assert set(cut) == set(source)
+    for name, x in cut.items():
+        np.testing.assert_array_equal(x, source[name])
+    assert parse_layers("3") == [0, 1, 2] and parse_layers("0-1,5,7-8") == [0, 1, 5, 7, 8]
+    with pytest.raises(ValueError, match="increasing"):
+        write_layer_skip(target_ckpt, [2, 1], str(draft_dir) + "-bad", log=lambda _: None)
+
+
+def test_greedy_proposals_match_transformers_across_rejections(drafter, draft_dir):
+    dm, alloc = drafter
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (5, 40, 17)]
+    seqs = [Sequence(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=64)) for i, p in enumerate(prompts)]
+    compiled = dm.stats.num_compilations
+
+    def propose_and_check() -> list[list[int]]:
+        for s in seqs:
+            _grow(alloc, s, s.num_tokens + K)  # the verify step's positions: the last token .. + K
+        out = dm.propose(seqs, K)
+        proposals, q = out.token_ids, out.draft_probs
+        assert q.shape == (3, K, 300)  # max_num_seqs rows
+        for s, d in zip(seqs, proposals):
+            assert d == hf_greedy(draft_dir, s.all_token_ids, K), s.request_id
+            np.testing.assert_array_equal(np.asarray(q[seqs.index(s)]).argmax(-1), d)  # greedy q: one-hot
+        return proposals
+
+    d = propose_and_check()
+    # r0: 2 accepted then a recovered token that differs; r1: all accepted + a bonus; r2: none accepted.
+    seqs[0].output_token_ids += d[0][:2] + [(d[0][2] + 1) % 300]
+    seqs[1].output_token_ids += d[1] + [7]
+    seqs[2].output_token_ids += [(d[2][0] + 1) % 300]
+    d = propose_and_check()
+    # r1 loses its blocks (a preemption the draft is not told of), another sequence takes
+    # them and writes its own draft K/V there, and r1 comes back in other blocks.
+    alloc.free("r1")
+    seqs[1].block_table = []
+    intruder = Sequence("intruder", rng.integers(3, 300, 60).tolist(), SamplingParams(temperature=0.0))
+    _grow(alloc, intruder, intruder.num_tokens + K)
+    dm.propose([intruder], K)
+    seqs[0].output_token_ids += d[0][:1] + [(d[0][1] + 5) % 300]
+    seqs[2].output_token_ids += d[2][:3] + [(d[2][3] + 1) % 300]
+    propose_and_check()
+    assert dm.stats.num_compilations == compiled, "a proposal compiled a program after warm-up"
+    for s in [*seqs, intruder]:
+        alloc.free(s.request_id)
+        dm.free(s)
+
+
+def test_proposals_stop_at_the_block_table_and_max_model_len(drafter):
+    dm, alloc = drafter
+    s = Sequence("edge", list(range(10, 30)), SamplingParams(temperature=0.0))  # 20 tokens
+    _grow(alloc, s, 22)  # 3 blocks = 24 positions: d_1..d_3's K/V at 20..22 fit
+    assert len(dm.propose([s], K).token_ids[0]) == K
+    alloc.free("edge")
+    s = Sequence("edge2", list(range(10, 30)), SamplingParams(temperature=0.0))
+    s.output_token_ids += [5, 6, 7]  # 23 tokens known: d_1's K/V at 23, d_2's at 24, past the table
+    _grow(alloc, s, 24)
+    assert len(dm.propose([s], K).token_ids[0]) == 2
+    alloc.free("edge2")
+
+
+def _filtered(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """NumPy: vLLM's temperature, top_k, top_p (min_p 0) distribution over the vocabulary."""
+    x = logits.astype(np.float64) / temperature
+    order = np.argsort(-x, kind="stable")
+    p = np.exp(x[order] - x[order].max())
+    p[top_k:] = 0
+    p /= p.sum()
+    keep = (np.cumsum(p) - p) < top_p
+    p = np.where(keep, p, 0)
+    out = np.zeros_like(p)
+    out[order] = p / p.sum()
+    return out
+
+
+def test_sampled_proposals_carry_their_distribution(drafter, draft_dir):
+    dm, alloc = drafter
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, max_tokens=64)
+    seqs = [Sequence(f"s{i}", list(range(20 + i, 31 + i)), params, seed=i) for i in range(2)]
+    for s in seqs:
+        _grow(alloc, s, s.num_tokens + K)
+    out = dm.propose(seqs, K)
+    proposals, q = out.token_ids, np.asarray(out.draft_probs)
+    for i, (s, d) in enumerate(zip(seqs, proposals)):
+        assert len(d) == K
+        logits = hf_logits(draft_dir, s.all_token_ids + d[:-1])[s.num_tokens - 1:]
+        for j in range(K):
+            want = _filtered(logits[j], 0.7, 40, 0.9)
+            np.testing.assert_allclose(q[i, j], want, atol=2e-5)
+            assert want[d[j]] > 0, "a draft token outside the distribution it was drawn from"
+    # Same seed and position: the same draws (the draft's stream is the request's own).
+    again = Sequence("again", list(seqs[0].prompt_token_ids), params, seed=0)
+    _grow(alloc, again, again.num_tokens + K)
+    assert dm.propose([again], K).token_ids[0] == proposals[0]
+    for s in [*seqs, again]:
+        alloc.free(s.request_id)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(target_ckpt, tmp_path):
+    target = load_model(target_ckpt)
+    other = load_model(make_hf_checkpoint(tmp_path / "v", "llama2", vocab_size=320, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="vocabulary sizes"):
+        check_vocabulary(target, other)
+    other = load_model(make_hf_checkpoint(tmp_path / "e", "llama2", eos_token_id=5, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="special ids"):
+        check_vocabulary(target, other)
+    with pytest.raises(ValueError, match="vocabulary sizes"):
+        check_vocabulary(target, load_model("tiny"))
+
+
+# ---- end to end: the engine with a draft model ----------------------------------------------
+
+def _engine_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, 250, n).tolist() for n in (9, 30, 17, 4, 25, 12)]
+
+
+def _run_speculative(target: str, draft: str, **kw):
+    from engine import LLM
+
+    llm = LLM(target, log=lambda _: None, max_num_seqs=2, max_model_len=96, block_size=BS,
+              max_num_batched_tokens=16, attention_backend="xla",
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3}, **kw)
+    compiled = llm.stats.num_compilations
+    outs = llm.generate(_engine_prompts(), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert llm.stats.num_compilations == compiled, "a step compiled a program after warm-up"
+    assert llm.engine.scheduler.allocator.num_used == 0
+    return llm, [o.token_ids for o in outs]
+
+
+def test_greedy_output_with_the_target_as_its_own_draft_is_greedy_decoding(target_ckpt):
+    """A tight KV cache (preemptions), chunked prefill, prefix caching, async scheduling:
+    the tokens are transformers' greedy ones, and every draft token is accepted."""
+    llm, outs = _run_speculative(target_ckpt, target_ckpt, num_kv_blocks=14)
+    stats = llm.stats
+    for p, o in zip(_engine_prompts(), outs):
+        assert o == hf_greedy(target_ckpt, p, 40)
+    assert stats.num_preemptions > 0
+    assert stats.spec_decode_num_drafts > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    # Sampled: q is the distribution the verifier's p is (same model, same filters, the
+    # row and position it belongs to), so p(x)/q(x) = 1 up to rounding and drafts are
+    # accepted; a q of another row or position would be rejected most of the time.
+    before = stats.snapshot()
+    llm.generate(_engine_prompts()[:3], [SamplingParams(temperature=t, top_k=40, seed=i, max_tokens=30, ignore_eos=True)
+                                         for i, t in enumerate((0.2, 0.4, 0.6))])
+    after = stats.snapshot()
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert drafted > 0 and accepted >= 0.97 * drafted, (accepted, drafted)
+
+
+def test_greedy_output_with_a_far_draft_is_greedy_decoding(target_ckpt, tmp_path_factory):
+    """Another random model of the same vocabulary: most drafts are rejected, and the
+    output is still exactly greedy decoding's."""
+    far = make_hf_checkpoint(tmp_path_factory.mktemp("far"), "llama2", seed=9, num_hidden_layers=1, tokenizer=True)
+    llm, outs = _run_speculative(target_ckpt, far, num_kv_blocks=14)
+    stats = llm.stats
+    for p, o in zip(_engine_prompts(), outs):
+        assert o == hf_greedy(target_ckpt, p, 40)
+    assert stats.num_preemptions > 0
+    assert stats.spec_decode_num_accepted_tokens < 0.5 * stats.spec_decode_num_draft_tokens
