@@ -179,6 +179,12 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt tokens computed (recompute included)
     decode_tokens: int = 0
     padded_tokens: int = 0  # token rows computed only to fill a shape bucket
+    # Every step's token rows through the model (its bucket, padding included) vs the real ones,
+    # and its LM-head rows vs the rows that sample: computed - useful is the padding's FLOPs.
+    computed_tokens: int = 0
+    useful_tokens: int = 0
+    computed_logit_rows: int = 0
+    useful_logit_rows: int = 0
     # histograms
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))

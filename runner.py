@@ -125,6 +125,13 @@ def _bucket(buckets: tuple[int, ...], n: int) -> int:
     raise AssertionError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def ragged_rows(config: EngineConfig, T: int) -> int:
+    """The sequence rows (and LM-head rows) of a ragged step of T tokens: every scheduled
+    sequence computes at least one token, so a step of T tokens has at most T of them.
+    A function of T alone, so it adds no program to the token buckets'."""
+    return min(T, config.max_num_seqs)
+
+
 def token_slice(seq: Sequence, start: int, n: int) -> list[int]:
     """seq's tokens at positions start..start+n-1 without building the whole list; 0 for
     a position whose token is still in flight (the step reads it on the device)."""
@@ -301,7 +308,6 @@ class ModelRunner:
         cfg, BS = self.config, self.block_size
         n = len(out.scheduled)
         decode = out.is_decode_only
-        R = _bucket(cfg.decode_buckets, max(out.num_occupied, n)) if decode else cfg.max_num_seqs
         owner, bt_len = self._bt_owner, self._bt_len
         # The one Python loop over the step's sequences: most rows need one identity and
         # one length check of their block table, and six numbers into a flat list.
@@ -335,7 +341,11 @@ class ModelRunner:
             toks = np.array([t for sch in out.scheduled for t in token_slice(
                 sch.seq, sch.seq.num_computed_tokens - sch.num_new_tokens, sch.num_new_tokens)], np.int32)
         num_real = len(toks)
-        T = R if decode else _bucket(cfg.token_buckets, num_real)
+        if decode:
+            R = T = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
+        else:
+            T = _bucket(cfg.token_buckets, num_real)
+            R = ragged_rows(cfg, T)
         # per row
         row_slots = np.full(R, self._idle, np.int32)
         row_slots[:n] = slots
@@ -378,6 +388,10 @@ class ModelRunner:
                                                              *(() if decode else (targets,))))
         with self.stats.lock:
             self.stats.padded_tokens += T - num_real
+            self.stats.computed_tokens += T
+            self.stats.useful_tokens += num_real
+            self.stats.computed_logit_rows += R
+            self.stats.useful_logit_rows += int(samples.sum())
         return InFlightStep(res, n, want_logprobs, prompt_rows)
 
     def _prompt_targets(self, out: SchedulerOutput, slots: np.ndarray, start: np.ndarray, q: np.ndarray, cu_q_lens: np.ndarray,
@@ -413,9 +427,9 @@ class ModelRunner:
         """Run one program on all-idle inputs (every write lands in the null block): a
         decode step of `decode_rows` rows, or a ragged step of `tokens` tokens."""
         kind = DECODE if decode_rows else RAGGED
-        rows = decode_rows or self.config.max_num_seqs
         T = decode_rows or tokens
         assert T is not None
+        rows = decode_rows or ragged_rows(self.config, T)
         # Not posted to other processes: every process runs warm-up (and profiling) itself.
         jax.block_until_ready(self._call(kind, self._idle_args(kind, rows, T)))
 
