@@ -1,23 +1,22 @@
-"""Where does a step's time go: host or device, with async scheduling on and off, and start-up?
+"""Where does a step's time go: weight matmuls, attention, sampling, KV writes, host, idle?
 
-    python bench/step_profile.py                        # every section (the warm-up runs alone are ~15 min)
-    python bench/step_profile.py --sections host,steps  # some of them
-    python bench/step_profile.py --quick                # decode buckets 1, 32, 256; a 40-request mix
+    python bench/step_profile.py                          # every section (~20 min on 2 busy cores)
+    python bench/step_profile.py --sections roofline,parts  # the table of docs/PERFORMANCE.md
 
 Sections (--sections), side by side in one run:
   roofline  this machine's memory copy GB/s and f32 matmul GFLOP/s: every step below is also
             a fraction of them, so on a GPU the script reads as a roofline.
   host      the host-only step (schedule, build the step's arrays, update, stats) with the
-            device programs stubbed: steady decode per decode bucket, prefill steps of a few
-            sizes; with --baseline DIR also DIR's code, alternating fresh processes. Target:
-            <= 0.5 ms at 256 sequences.
-  steps     the real programs (`bench` model) per decode bucket and prefill size: device time,
-            the host share of a synchronous step, and the device idle gap between programs
-            with async scheduling on and off. Target: async idle < 5% at 32 and 256.
-  warmup    warm-up of a SmolLM2-135M-shaped model (30 layers): cold and from the cache, then
-            4 vs 32 layers cold, each in a fresh process. Targets: <= 40 s, <= 10 s, ratio <= 2.
-  e2e       output tokens/s on the seed's mix (bench/offline.py's run, 32 sequences), async on
-            vs off. Target: on >= off.
+            device programs stubbed, per decode bucket. Target: <= 0.5 ms at 256 sequences.
+  parts     smollm2 (the real model) decoding 1, 8, 32 and 64 sequences, a mixed step and
+            prefill chunks of 64-512 tokens: the whole step program (device time from a watcher
+            thread), then each part as its own jitted program over the real weights at that
+            step's shapes: weight matmuls, LM head, attention, KV writes, sampling; `other` is
+            the step less the parts (norms, RoPE, embedding, residuals), host_idle the wall
+            time less the device's. Useful FLOPs (real tokens, sampling rows) vs computed
+            (bucket padding and every LM-head row included), against the roofline.
+  warmup    warm-up of a SmolLM2-135M-shaped model (30 layers), cold and from the cache, in
+            fresh processes; with --baseline DIR also DIR's code cold. Targets: <= 40 s, <= 10 s.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root first (structured.py)
@@ -46,7 +44,7 @@ BASELINE = ""  # --baseline DIR: another checkout whose cold warm-up runs beside
 SMOL = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
             max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
-# The engine's defaults: 32 sequences, max_model_len 2048 => 6 decode + 8 token buckets.
+# The engine's defaults: 32 sequences, max_model_len 2048 => 7 decode + 8 token buckets.
 WARMUP_ENGINE = dict(max_num_seqs=32, max_model_len=2048, num_kv_blocks=256)
 
 
@@ -58,14 +56,11 @@ def register_model(name: str, **overrides) -> str:
     return name
 
 
-QUICK = False  # --quick: fewer buckets and a smaller mix
+HOST_SEQS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def run_steps(eng, steps: int) -> None:
-    """`steps` engine steps, each step's deltas dropped at once as a server's loop drops
-    them after delivery (keeping 200 steps x 256 deltas alive would time the garbage
-    collector walking them, not the step)."""
-    for _ in range(steps):
+    for _ in range(steps):  # each step's deltas dropped at once, as a server's loop drops them
         eng.step()
 
 
@@ -81,14 +76,11 @@ def section_roofline() -> dict:
     n = 64 << 20  # 256 MiB of f32
     x = jnp.ones((n,), jnp.float32)
     copy = jax.jit(lambda a: a + 0.0)  # reads and writes every byte once
-    copy(x).block_until_ready()
-    t = timer(lambda: copy(x).block_until_ready())
+    t = timer(lambda: copy(x).block_until_ready())  # best of 5: the first call compiles
     gbs = 2 * 4 * n / t / 1e9
     m = 2048
-    a = jnp.ones((m, m), jnp.float32)
-    mm = jax.jit(lambda u, v: u @ v)
-    mm(a, a).block_until_ready()
-    t = timer(lambda: mm(a, a).block_until_ready())
+    a, mm = jnp.ones((m, m), jnp.float32), jax.jit(lambda u, v: u @ v)
+    t = timer(lambda: mm(a, a).block_until_ready(), reps=9)
     gflops = 2 * m ** 3 / t / 1e9
     LIMITS.update(copy_gbs=gbs, matmul_gflops=gflops)
     print(f"roofline  memory copy {gbs:.1f} GB/s (read + write), matmul {gflops:.1f} GFLOP/s (f32, {m}^3), "
@@ -132,14 +124,6 @@ def fill(eng, n: int, prompt_len: int = 64, start: int = 0, **params) -> None:
         eng.step()
 
 
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    b = [1, 32, 256] if QUICK else [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    return [x for x in b if x <= max_num_seqs]
-
-
-PREFILL_SIZES = (128, 512, 2048)
-
-
 def host_decode_ms(n: int, async_scheduling: bool) -> float:
     eng = make_engine("tiny", max(n, 1), async_scheduling, warmup=False, max_model_len=2048)
     stub_device(eng.runner)
@@ -151,34 +135,13 @@ def host_decode_ms(n: int, async_scheduling: bool) -> float:
     return ms
 
 
-def host_prefill_ms(tokens: int) -> float:
-    from config import SamplingParams
-
-    eng = make_engine("tiny", 32, False, warmup=False, max_model_len=4096, max_num_batched_tokens=4096)
-    stub_device(eng.runner)
-    k = [0]
-
-    def one() -> None:  # one prompt of `tokens`, prefilled in one step, then aborted
-        rid = f"p{k[0]}"
-        k[0] += 1
-        eng.add_request(rid, [5] * tokens, SamplingParams(max_tokens=4, ignore_eos=True))
-        eng.step()
-        eng.abort(rid)
-
-    one()
-    return 1e3 * timer(one, reps=20)
-
-
 def section_host() -> dict:
-    out: dict = {"decode": {}, "prefill": {}}
-    for n in decode_buckets(256):
+    out: dict = {"decode": {}}
+    for n in HOST_SEQS:
         sync, asyn = host_decode_ms(n, False), host_decode_ms(n, True)
         out["decode"][n] = dict(sync_ms=sync, async_ms=asyn)
         target = "  (target <= 0.5 ms)" if n == 256 else ""
         print(f"host    decode, {n:3d} sequences: {sync:.3f} ms/step sync, {asyn:.3f} ms async{target}")
-    for t in PREFILL_SIZES:
-        out["prefill"][t] = host_prefill_ms(t)
-        print(f"host    prefill step of {t} tokens: {out['prefill'][t]:.3f} ms")
     return out
 
 
@@ -192,8 +155,7 @@ class Watcher:
         import queue
         import threading
 
-        self.runner, self.inner = runner, runner.execute
-        self.q: queue.Queue = queue.Queue()
+        self.runner, self.inner, self.q = runner, runner.execute, queue.Queue()
         self.dispatched: list[float] = []
         self.ready: list[float] = []
         runner.execute = self.execute
@@ -201,9 +163,8 @@ class Watcher:
         self.thread.start()
 
     def execute(self, *args):
-        step = self.inner(*args)
+        self.q.put(step := self.inner(*args))
         self.dispatched.append(time.perf_counter())
-        self.q.put(step)
         return step
 
     def watch(self) -> None:
@@ -244,8 +205,7 @@ def part_programs(eng) -> dict:
         return jax.lax.scan(body, x, ws)[0]
 
     def attention(q, kv, bt, kv_lens, cu_q_lens):  # every layer's paged attention over the step's context
-        k_all, v_all = (c.reshape(-1, *c.shape[2:]) for c in kv)
-        nb = kv[0].shape[1]
+        (k_all, v_all), nb = (c.reshape(-1, *c.shape[2:]) for c in kv), kv[0].shape[1]
 
         def body(acc, l):
             if cu_q_lens is None:
@@ -255,35 +215,31 @@ def part_programs(eng) -> dict:
 
     def kv_writes(kv, new, slots):  # every layer's K and V rows of the step into the paged cache
         shape = kv[0].shape
-        per_layer = shape[1] * shape[2]
 
         def body(c, l):
-            return tuple(x.at[slots + l * per_layer].set(new) for x in c), None
+            return tuple(x.at[slots + l * shape[1] * shape[2]].set(new) for x in c), None
         flat = tuple(c.reshape(-1, *shape[3:]) for c in kv)
         return tuple(c.reshape(shape) for c in jax.lax.scan(body, flat, jnp.arange(L))[0])
 
+    lm_head = jax.jit(lambda h, e: jnp.einsum("nh,vh->nv", h, e, preferred_element_type=jnp.float32))  # tied
     return dict(ws=ws, emb=m.embed_tokens.embedding[...], matmuls=jax.jit(matmuls), attention=jax.jit(attention),
-                kv_writes=jax.jit(kv_writes, donate_argnums=0), sample=jax.jit(sample),
-                lm_head=jax.jit(lambda h, e: jnp.einsum("nh,vh->nv", h, e, preferred_element_type=jnp.float32)))
+                kv_writes=jax.jit(kv_writes, donate_argnums=0), sample=jax.jit(sample), lm_head=lm_head)
 
 
 def step_flops(cfg, args: tuple, decode: bool, idle: int) -> dict:
     """Useful (real tokens, sampling rows) and computed (padded rows included) FLOPs of the step
     whose inputs are `args`; attention counted once, over the real context (padding rows have none)."""
-    import numpy as np
-
     H, L = cfg.hidden_size, cfg.num_hidden_layers
     body = L * (H * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
                 + cfg.num_attention_heads * cfg.head_dim * H + 3 * H * cfg.intermediate_size)
     head = cfg.vocab_size * H
     kv_lens, sample_slot = args[5], args[-2 if decode else -3]
     real = int((kv_lens > 0).sum()) if decode else int(args[6][-1])
-    q = np.ones_like(kv_lens) if decode else np.diff(args[6])
-    ctx = sum(int(k) * int(n) - n * (n - 1) // 2 for k, n in zip(kv_lens, q) if n)  # causal: each query its prefix
+    q = (kv_lens > 0) if decode else args[6][1:] - args[6][:-1]
+    ctx = sum(k * n - n * (n - 1) // 2 for k, n in zip(kv_lens.tolist(), q.astype(int).tolist()))  # causal: each query its prefix
     attn = 4 * L * cfg.num_attention_heads * cfg.head_dim * ctx
     T, R, sampled = len(args[0]), len(kv_lens), int((sample_slot != idle).sum())
-    body, head, attn = int(body), int(head), int(attn)
-    return dict(real=real, T=T, sampled=sampled, R=R, useful=2 * body * real + 2 * head * sampled + attn,
+    return dict(real=real, T=T, sampled=sampled, R=R, body=2 * body, useful=2 * body * real + 2 * head * sampled + attn,
                 computed=2 * body * T + 2 * head * R + attn)
 
 
@@ -309,7 +265,7 @@ def profile_step(eng, progs: dict, run_step, label: str) -> dict:
     args, decode = seen["args"], seen["kind"] == DECODE
     f = step_flops(cfg, args, decode, r._idle)
     T, R = f["T"], f["R"]
-    ready = lambda x: jax.block_until_ready(x)
+    ready = jax.block_until_ready
     x = jnp.asarray(np.random.default_rng(0).normal(0, 0.1, (T, cfg.hidden_size)), jnp.float32)
     q = jnp.asarray(np.random.default_rng(1).normal(0, 1, (T, cfg.num_attention_heads, cfg.head_dim)), jnp.float32)
     new = jnp.zeros((T, cfg.num_key_value_heads, cfg.head_dim), jnp.float32)
@@ -325,18 +281,15 @@ def profile_step(eng, progs: dict, run_step, label: str) -> dict:
              "lm_head": lambda: ready(progs["lm_head"](x[:R], progs["emb"])),
              "attention": lambda: ready(progs["attention"](q, r.kv_caches, bt, kv_lens, cu)),
              "kv_writes": kv, "sampling": lambda: ready(progs["sample"](logits, sampling))}
-    ms = {}
-    for name, fn in parts.items():
-        fn()
-        ms[name] = 1e3 * timer(fn, reps=3)
+    ms = {name: 1e3 * timer(fn, reps=6) for name, fn in parts.items()}  # best of 6: the first call compiles
     ms.update(step=1e3 * device, other=1e3 * device - sum(ms.values()), wall=1e3 * wall)
     ms["host_idle"] = ms["wall"] - ms["step"]
-    row = dict(label=label, ms=ms, **f, gflops_useful=f["useful"] / device / 1e9,
-               waste=1 - f["useful"] / f["computed"])
+    row = dict(label=label, ms=ms, **f, gflops_useful=f["useful"] / device / 1e9, waste=1 - f["useful"] / f["computed"],
+               matmul_gflops_here=f["body"] * T / ms["matmuls"] / 1e6)  # the matmul program's own rate
     lim = f", {row['gflops_useful'] / LIMITS['matmul_gflops']:.0%} of the matmul rate" if LIMITS else ""
     print(f"parts   {label:24s} T {f['real']}/{T}, head rows {f['sampled']}/{R}: " +
-          ", ".join(f"{k} {v:.1f}" for k, v in ms.items()) +
-          f" ms; useful {row['gflops_useful']:.1f} GFLOP/s{lim}, padding waste {row['waste']:.0%}")
+          ", ".join(f"{k} {v:.1f}" for k, v in ms.items()) + f" ms; useful {row['gflops_useful']:.1f} GFLOP/s{lim} "
+          f"({row['matmul_gflops_here']:.0f} in the matmul program), padding waste {row['waste']:.0%}")
     return row
 
 
@@ -358,7 +311,9 @@ def section_parts() -> dict:
 
     def prefill(n: int) -> float:  # one fresh prompt of n tokens, computed in one step
         k[0] += 1
-        eng.add_request(f"prefill-{k[0]}", [5 + (k[0] + j) % 500 for j in range(n)], SamplingParams(max_tokens=1, **greedy))
+        # distinct first tokens: no prefix-cache hit on fill()'s prompts or each other
+        eng.add_request(f"prefill-{k[0]}", [1000 + (131 * k[0] + j) % 40000 for j in range(n)],
+                        SamplingParams(max_tokens=1, **greedy))
         return timed_step()
 
     for n in PART_SEQS:
@@ -366,8 +321,7 @@ def section_parts() -> dict:
         rows.append(profile_step(eng, progs, timed_step, f"decode {n} seqs"))
         if n == 32:  # the workload's typical mixed step: 32 decodes and a 100-token chunk (bucket 256)
             rows.append(profile_step(eng, progs, lambda: prefill(100), "mixed 32 + 100-token chunk"))
-        for rid in [s.request_id for s in list(eng.scheduler.running)]:
-            eng.abort(rid)
+        [eng.abort(s.request_id) for s in list(eng.scheduler.running)]
         while eng.has_unfinished():
             eng.step()
     for t in PART_CHUNKS:
@@ -404,22 +358,13 @@ def _warmup_run(layers: int, cache_dir: str, root: str = ROOT) -> dict:
 
 
 def section_warmup() -> dict:
-    with tempfile.TemporaryDirectory() as d30, tempfile.TemporaryDirectory() as d4, \
-            tempfile.TemporaryDirectory() as d32:
+    with tempfile.TemporaryDirectory() as d30:
         cold = _warmup_run(30, d30)
         restart = _warmup_run(30, d30)
-        four = _warmup_run(4, d4)
-        thirty_two = _warmup_run(32, d32)
-    ratio = thirty_two["warmup_s"] / four["warmup_s"]
-    cpu_ratio = thirty_two["warmup_cpu_s"] / four["warmup_cpu_s"]
     print(f"warmup  30 layers ({cold['programs']} programs): cold {cold['warmup_s']:.1f}s wall, "
           f"{cold['warmup_cpu_s']:.1f}s CPU (target <= 40), restart from the cache {restart['warmup_s']:.1f}s wall, "
           f"{restart['warmup_cpu_s']:.1f}s CPU (target <= 10)")
-    print(f"warmup  cold, 4 layers {four['warmup_s']:.1f}s ({four['warmup_cpu_s']:.1f}s CPU), 32 layers "
-          f"{thirty_two['warmup_s']:.1f}s ({thirty_two['warmup_cpu_s']:.1f}s CPU): ratio {ratio:.2f} wall, "
-          f"{cpu_ratio:.2f} CPU (target <= 2)")
-    res = dict(cold=cold, restart=restart, layers4=four, layers32=thirty_two, ratio_32_4=ratio,
-               cpu_ratio_32_4=cpu_ratio)
+    res = dict(cold=cold, restart=restart)
     if BASELINE:  # the same cold 30-layer warm-up by another checkout (e.g. the unrolled layers), same run
         with tempfile.TemporaryDirectory() as d:
             base = _warmup_run(30, d, BASELINE)
@@ -433,15 +378,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default=results_dir("step_profile.json"))
-    ap.add_argument("--quick", action="store_true", help="fewer buckets, a smaller mix")
     ap.add_argument("--baseline", default="", help="warmup: also time a cold 30-layer warm-up of this checkout")
     ap.add_argument("--_warmup-child", nargs=3, metavar=("LAYERS", "CACHE_DIR", "ROOT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._warmup_child:
         _warmup_child(int(args._warmup_child[0]), args._warmup_child[1], args._warmup_child[2])
         return
-    global QUICK, BASELINE
-    QUICK, BASELINE = args.quick, args.baseline
+    global BASELINE
+    BASELINE = args.baseline
 
     results: dict = {"machine": machine_info(), "load_before": os.getloadavg()}
     for name in args.sections.split(","):
