@@ -115,9 +115,16 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array,
     """logits [S, V] f32 -> (token [S], its logprob [S], top ids [S, K], top logprobs [S, K]).
 
     Steps where every slot is greedy draw nothing (lax.cond), and steps without a top_k,
-    top_p or min_p filter sort nothing."""
-    if t.token_bitmask is not None:
-        logits = jax.lax.cond(t.use_bitmask, lambda: apply_token_bitmask(logits, t.token_bitmask), lambda: logits)
+    top_p or min_p filter sort nothing. No lax.cond here returns the [S, V] logits (a branch
+    that hands back its vocabulary-wide operand costs a copy of it on a CPU), so the bitmask
+    selects between two whole samplers, whose outputs are small."""
+    if t.token_bitmask is None:
+        return _sample_unmasked(logits, t)
+    return jax.lax.cond(t.use_bitmask, lambda: _sample_unmasked(apply_token_bitmask(logits, t.token_bitmask), t),
+                        lambda: _sample_unmasked(logits, t))
+
+
+def _sample_unmasked(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     greedy_tok = argmax(logits).astype(jnp.int32)
     is_greedy = t.temperature < SAMPLING_EPS
     tok = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tok,
