@@ -192,6 +192,12 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Every step's token rows through the model (its bucket, padding included) vs the real ones,
+    # and its LM-head rows vs the rows that sample: computed - useful is the padding's FLOPs.
+    computed_tokens: int = 0
+    useful_tokens: int = 0
+    computed_logit_rows: int = 0
+    useful_logit_rows: int = 0
     # histograms
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))

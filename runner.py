@@ -175,6 +175,13 @@ def _bucket(buckets: tuple[int, ...], n: int) -> int:
     raise AssertionError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def ragged_rows(config: EngineConfig, T: int) -> int:
+    """The sequence rows (and LM-head rows) of a ragged step of T tokens: every scheduled
+    sequence computes at least one token, so a step of T tokens has at most T of them.
+    A function of T alone, so it adds no program to the token buckets'."""
+    return min(T, config.max_num_seqs)
+
+
 def token_slice(seq: Sequence, start: int, n: int) -> list[int]:
     """seq's tokens at positions start..start+n-1 without building the whole list; 0 for
     a position whose token is still in flight (the step reads it on the device)."""
@@ -395,9 +402,8 @@ class ModelRunner:
         n = len(out.scheduled)
         decode = out.is_decode_only
         # Decodes and verified rows only: the ragged program at the decode row buckets, each
-        # row up to 1 + k tokens (a step with prompt tokens: max_num_seqs rows, token buckets).
+        # row up to 1 + k tokens (a step with prompt tokens: token buckets, ragged_rows rows).
         verify = not decode and out.num_prefill_tokens == 0
-        R = _bucket(cfg.decode_buckets, max(out.num_occupied, n)) if decode or verify else cfg.max_num_seqs
         owner, bt_len = self._bt_owner, self._bt_len
         # The one Python loop over the step's sequences: most rows need one identity and
         # one length check of their block table, and six numbers into a flat list.
@@ -432,7 +438,14 @@ class ModelRunner:
                 token_slice(sch.seq, sch.seq.num_computed_tokens - sch.num_new_tokens, sch.num_new_tokens)
                 if not sch.spec_token_ids else [sch.seq.all_token_ids[-1], *sch.spec_token_ids])], np.int32)
         num_real = len(toks)
-        T = R if decode else R * (1 + self.spec_k) if verify else _bucket(cfg.token_buckets, num_real)
+        if decode:
+            R = T = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
+        elif verify:
+            R = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
+            T = R * (1 + self.spec_k)
+        else:
+            T = _bucket(cfg.token_buckets, num_real)
+            R = ragged_rows(cfg, T)
         # per row
         row_slots = np.full(R, self._idle, np.int32)
         row_slots[:n] = slots
@@ -479,6 +492,10 @@ class ModelRunner:
                                                                else (targets,))))
         with self.stats.lock:
             self.stats.padded_tokens += T - num_real
+            self.stats.computed_tokens += T
+            self.stats.useful_tokens += num_real
+            self.stats.computed_logit_rows += R
+            self.stats.useful_logit_rows += int(samples.sum())
         return InFlightStep(res, n, want_logprobs, prompt_rows, spec_rows)
 
     def _spec_branches(self, rows: int) -> tuple[int, ...]:
@@ -543,9 +560,9 @@ class ModelRunner:
         decode step of `decode_rows` rows, a ragged step of `tokens` tokens, or a verify
         step of `verify_rows` rows of 1 + k tokens."""
         kind = DECODE if decode_rows else RAGGED
-        rows = decode_rows or verify_rows or self.config.max_num_seqs
         T = decode_rows or tokens or (verify_rows and verify_rows * (1 + self.spec_k))
         assert T is not None
+        rows = decode_rows or verify_rows or ragged_rows(self.config, T)
         # Not posted to other processes: every process runs warm-up (and profiling) itself.
         jax.block_until_ready(self._call(kind, self._idle_args(kind, rows, T)))
 

@@ -63,11 +63,27 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """vLLM's order: temperature, min_p, top_k, then top_p on the mass the first two
-    leave; all on one descending sort, then a Gumbel-max draw from each slot's own key."""
-    S, V = logits.shape
-    scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
+def argmax(x: jax.Array) -> jax.Array:
+    """The first index of each row's maximum, as jnp.argmax, from two plain reductions: XLA's
+    CPU argmax (one reduction over (value, index) pairs) is not vectorized, 20x slower over a
+    vocabulary-wide row."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    best = jnp.max(x, axis=-1, keepdims=True)
+    # (a NaN row matches nothing: clipped, its index stays a valid token id)
+    return jnp.minimum(jnp.min(jnp.where(x == best, iota, x.shape[-1]), axis=-1), x.shape[-1] - 1)
+
+
+def _gumbel(t: SamplingTensors, V: int) -> jax.Array:
+    """[S, V] Gumbel noise in vocabulary order from each row's own key, so a row's draw
+    does not depend on which path (sorted or not) its step takes."""
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(t.seed, t.step)
+    return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+
+
+def _sample_filtered(scaled: jax.Array, gumbel: jax.Array, t: SamplingTensors) -> jax.Array:
+    """vLLM's order: temperature (already applied), min_p, top_k, then top_p on the mass the
+    first two leave; all on one descending sort, then a Gumbel-max draw."""
+    V = scaled.shape[1]
     sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)  # descending
     rank = jnp.arange(V)[None, :]
     keep = (t.top_k[:, None] < 0) | (rank < t.top_k[:, None])
@@ -79,20 +95,37 @@ def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     # top_p: keep the smallest prefix whose mass reaches top_p (the first token always).
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]
     filtered = jnp.where(keep, sorted_logits, -jnp.inf)
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(t.seed, t.step)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-    choice = jnp.argmax(filtered + gumbel, axis=-1)
+    choice = argmax(filtered + jnp.take_along_axis(gumbel, sorted_ids, axis=-1))
     return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
+
+
+def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """A draw per row at its temperature. The full-vocabulary sort (seconds on a CPU) runs
+    only in steps where some row has a top_k, top_p or min_p filter; without one, Gumbel-max
+    over the scaled logits draws from the same distribution, with the same noise."""
+    S, V = logits.shape
+    scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
+    gumbel = _gumbel(t, V)
+    no_filter = (t.top_k < 0) & (t.top_p >= 1.0) & (t.min_p <= 0.0)
+    return jax.lax.cond(jnp.all(no_filter), lambda: argmax(scaled + gumbel),
+                        lambda: _sample_filtered(scaled, gumbel, t))
 
 
 def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 -> (token [S], its logprob [S], top ids [S, K], top logprobs [S, K]).
 
-    The sort is skipped (lax.cond) on steps where every slot is greedy, which is the
-    common case in tests and benches."""
-    if t.token_bitmask is not None:
-        logits = jax.lax.cond(t.use_bitmask, lambda: apply_token_bitmask(logits, t.token_bitmask), lambda: logits)
-    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    Steps where every slot is greedy draw nothing (lax.cond), and steps without a top_k,
+    top_p or min_p filter sort nothing. No lax.cond here returns the [S, V] logits (a branch
+    that hands back its vocabulary-wide operand costs a copy of it on a CPU), so the bitmask
+    selects between two whole samplers, whose outputs are small."""
+    if t.token_bitmask is None:
+        return _sample_unmasked(logits, t)
+    return jax.lax.cond(t.use_bitmask, lambda: _sample_unmasked(apply_token_bitmask(logits, t.token_bitmask), t),
+                        lambda: _sample_unmasked(logits, t))
+
+
+def _sample_unmasked(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    greedy_tok = argmax(logits).astype(jnp.int32)
     is_greedy = t.temperature < SAMPLING_EPS
     tok = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tok,
                        lambda: jnp.where(is_greedy, greedy_tok, _sample_random(logits, t).astype(jnp.int32)))

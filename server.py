@@ -497,6 +497,10 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("prefill_tokens", "prefill_tokens", "Prompt tokens computed, recompute after preemption included."),
     ("decode_tokens", "decode_tokens", "Decode tokens computed."),
     ("padded_tokens", "padded_tokens", "Token rows computed only to fill a shape bucket."),
+    ("computed_tokens", "computed_tokens", "Token rows computed by the model, bucket padding included."),
+    ("useful_tokens", "useful_tokens", "Token rows computed for a scheduled sequence's real token."),
+    ("computed_logit_rows", "computed_logit_rows", "Rows the LM head and sampler computed, padding included."),
+    ("useful_logit_rows", "useful_logit_rows", "LM-head rows whose token was sampled."),
     ("useful_slot_steps", "useful_slot_steps", "Slot-steps whose sequence made progress."),
     ("total_slot_steps", "total_slot_steps", "Slot-steps run (max_num_seqs per step)."),
 ]

@@ -5,8 +5,9 @@ scheduling, KV admission and max_model_len, or across OpenAI-compatible servers?
     python bench/mixed.py --quick              # a smaller mix and lengths: 5-10 minutes on 2 cores
     python bench/mixed.py --url http://host:8000                   # a running server (any)
     python bench/mixed.py --url a=http://host:8000 --url b=http://host:8001    # two, side by side
-    python bench/mixed.py --compare "taxirank=python server.py --model DIR --port {port}" \
-        --compare "hf=transformers serve DIR --continuous-batching --port {port}"  # started in turn
+    python bench/mixed.py --peer --compare "taxirank=python server.py --model DIR --max-model-len 1024 \
+        --max-num-seqs 32 --port {port}" --compare "hf=transformers serve DIR --continuous-batching \
+        --dtype float32 --port {port}"      # started in turn, at their defaults (docs/PERFORMANCE.md)
 
 Workload (fixed seed): --num-requests streamed greedy requests, half max_tokens=--short, half
 --long, all at once or a Poisson process (--rate). Per class: TTFT, ITL, TPOT, e2e; output
@@ -317,6 +318,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "'--enable-chunked-prefill'")
     ap.add_argument("--quick", action="store_true", help="40 requests, --long 128, --prompt-len 16,64, "
                     "--max-model-len 512 (unless given)")
+    ap.add_argument("--peer", action="store_true", help="the side by side of docs/PERFORMANCE.md: 32 requests, "
+                    "16 x 16 and 16 x 128 tokens, prompts of 20-120 words (unless given)")
     ap.add_argument("--startup-timeout", type=float, default=900.0,
                     help="seconds to wait for a started server's /health (or /v1/models)")
     ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds of silence before a request fails")
@@ -332,10 +335,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.targets and args.variants:
         ap.error("--variants picks taxirank variants; with --url or --compare the servers given are measured")
     name_targets(args.targets, ap)
-    if args.quick:
-        for opt, value in (("num_requests", 40), ("long", 128), ("prompt_len", "16,64"), ("max_model_len", 512)):
-            if "--" + opt.replace("_", "-") not in given:
-                setattr(args, opt, value)
+    presets = (("num_requests", 40), ("long", 128), ("prompt_len", "16,64"), ("max_model_len", 512)) if args.quick \
+        else (("num_requests", 32), ("short", 16), ("long", 128), ("prompt_len", "20,120")) if args.peer else ()
+    for opt, value in presets:
+        if "--" + opt.replace("_", "-") not in given:
+            setattr(args, opt, value)
     try:
         lo, hi = (int(x) for x in args.prompt_len.split(","))
     except ValueError:

@@ -1,23 +1,22 @@
-"""Where does a step's time go: host or device, with async scheduling on and off, and start-up?
+"""Where does a step's time go: weight matmuls, attention, sampling, KV writes, host, idle?
 
-    python bench/step_profile.py                        # every section (the warm-up runs alone are ~15 min)
-    python bench/step_profile.py --sections host,steps  # some of them
-    python bench/step_profile.py --quick                # decode buckets 1, 32, 256; a 40-request mix
+    python bench/step_profile.py                          # every section (~20 min on 2 busy cores)
+    python bench/step_profile.py --sections roofline,parts  # the table of docs/PERFORMANCE.md
 
 Sections (--sections), side by side in one run:
   roofline  this machine's memory copy GB/s and f32 matmul GFLOP/s: every step below is also
             a fraction of them, so on a GPU the script reads as a roofline.
   host      the host-only step (schedule, build the step's arrays, update, stats) with the
-            device programs stubbed: steady decode per decode bucket, prefill steps of a few
-            sizes; with --baseline DIR also DIR's code, alternating fresh processes. Target:
-            <= 0.5 ms at 256 sequences.
-  steps     the real programs (`bench` model) per decode bucket and prefill size: device time,
-            the host share of a synchronous step, and the device idle gap between programs
-            with async scheduling on and off. Target: async idle < 5% at 32 and 256.
-  warmup    warm-up of a SmolLM2-135M-shaped model (30 layers): cold and from the cache, then
-            4 vs 32 layers cold, each in a fresh process. Targets: <= 40 s, <= 10 s, ratio <= 2.
-  e2e       output tokens/s on the seed's mix (bench/offline.py's run, 32 sequences), async on
-            vs off. Target: on >= off.
+            device programs stubbed, per decode bucket. Target: <= 0.5 ms at 256 sequences.
+  parts     smollm2 (the real model) decoding 1, 8, 32 and 64 sequences, a mixed step and
+            prefill chunks of 64-512 tokens: the whole step program (device time from a watcher
+            thread), then each part as its own jitted program over the real weights at that
+            step's shapes: weight matmuls, LM head, attention, KV writes, sampling; `other` is
+            the step less the parts (norms, RoPE, embedding, residuals), host_idle the wall
+            time less the device's. Useful FLOPs (real tokens, sampling rows) vs computed
+            (bucket padding and every LM-head row included), against the roofline.
+  warmup    warm-up of a SmolLM2-135M-shaped model (30 layers), cold and from the cache, in
+            fresh processes; with --baseline DIR also DIR's code cold. Targets: <= 40 s, <= 10 s.
 """
 
 from __future__ import annotations
@@ -30,14 +29,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root first (structured.py)
 
 from report import machine_info, results_dir, timer, write_json  # noqa: E402
 
-SECTIONS = ("roofline", "host", "steps", "warmup", "e2e")
+SECTIONS = ("roofline", "host", "parts", "warmup")
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 BASELINE = ""  # --baseline DIR: another checkout whose cold warm-up runs beside this one's
@@ -46,7 +44,7 @@ BASELINE = ""  # --baseline DIR: another checkout whose cold warm-up runs beside
 SMOL = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
             max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
-# The engine's defaults: 32 sequences, max_model_len 2048 => 6 decode + 8 token buckets.
+# The engine's defaults: 32 sequences, max_model_len 2048 => 7 decode + 8 token buckets.
 WARMUP_ENGINE = dict(max_num_seqs=32, max_model_len=2048, num_kv_blocks=256)
 
 
@@ -58,14 +56,11 @@ def register_model(name: str, **overrides) -> str:
     return name
 
 
-QUICK = False  # --quick: fewer buckets and a smaller mix
+HOST_SEQS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def run_steps(eng, steps: int) -> None:
-    """`steps` engine steps, each step's deltas dropped at once as a server's loop drops
-    them after delivery (keeping 200 steps x 256 deltas alive would time the garbage
-    collector walking them, not the step)."""
-    for _ in range(steps):
+    for _ in range(steps):  # each step's deltas dropped at once, as a server's loop drops them
         eng.step()
 
 
@@ -81,14 +76,11 @@ def section_roofline() -> dict:
     n = 64 << 20  # 256 MiB of f32
     x = jnp.ones((n,), jnp.float32)
     copy = jax.jit(lambda a: a + 0.0)  # reads and writes every byte once
-    copy(x).block_until_ready()
-    t = timer(lambda: copy(x).block_until_ready())
+    t = timer(lambda: copy(x).block_until_ready())  # best of 5: the first call compiles
     gbs = 2 * 4 * n / t / 1e9
     m = 2048
-    a = jnp.ones((m, m), jnp.float32)
-    mm = jax.jit(lambda u, v: u @ v)
-    mm(a, a).block_until_ready()
-    t = timer(lambda: mm(a, a).block_until_ready())
+    a, mm = jnp.ones((m, m), jnp.float32), jax.jit(lambda u, v: u @ v)
+    t = timer(lambda: mm(a, a).block_until_ready(), reps=9)
     gflops = 2 * m ** 3 / t / 1e9
     LIMITS.update(copy_gbs=gbs, matmul_gflops=gflops)
     print(f"roofline  memory copy {gbs:.1f} GB/s (read + write), matmul {gflops:.1f} GFLOP/s (f32, {m}^3), "
@@ -121,23 +113,15 @@ def stub_device(runner) -> None:
     runner._decode = runner._ragged = instant
 
 
-def fill(eng, n: int, prompt_len: int = 64, start: int = 0) -> None:
+def fill(eng, n: int, prompt_len: int = 64, start: int = 0, **params) -> None:
     """n requests that never finish during the measurement; run until all decode."""
     from config import SamplingParams
 
     for i in range(n):
-        eng.add_request(f"fill-{start + i}", [5 + (i + j) % 200 for j in range(prompt_len)],
-                        SamplingParams(max_tokens=eng.config.max_model_len - prompt_len, ignore_eos=True))
+        eng.add_request(f"fill-{start + i}", [5 + (i + j) % 200 for j in range(prompt_len)], SamplingParams(
+            **{"max_tokens": eng.config.max_model_len - prompt_len, "ignore_eos": True, **params}))
     while eng.scheduler.num_waiting or any(not s.is_decode for s in eng.scheduler.running):
         eng.step()
-
-
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    b = [1, 32, 256] if QUICK else [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    return [x for x in b if x <= max_num_seqs]
-
-
-PREFILL_SIZES = (128, 512, 2048)
 
 
 def host_decode_ms(n: int, async_scheduling: bool) -> float:
@@ -151,59 +135,17 @@ def host_decode_ms(n: int, async_scheduling: bool) -> float:
     return ms
 
 
-def host_prefill_ms(tokens: int) -> float:
-    from config import SamplingParams
-
-    eng = make_engine("tiny", 32, False, warmup=False, max_model_len=4096, max_num_batched_tokens=4096)
-    stub_device(eng.runner)
-    k = [0]
-
-    def one() -> None:  # one prompt of `tokens`, prefilled in one step, then aborted
-        rid = f"p{k[0]}"
-        k[0] += 1
-        eng.add_request(rid, [5] * tokens, SamplingParams(max_tokens=4, ignore_eos=True))
-        eng.step()
-        eng.abort(rid)
-
-    one()
-    return 1e3 * timer(one, reps=20)
-
-
-def _host_child(n: int, root: str) -> None:
-    """In a fresh process: the synchronous host-only decode step of the code at `root`."""
-    sys.path.insert(0, root)
-    print(json.dumps(host_decode_ms(n, False)))
-
-
-def _host_run(n: int, root: str) -> float:
-    out = subprocess.run([sys.executable, HERE, "--_host-child", str(n), root], capture_output=True, text=True,
-                         check=True)
-    return float(out.stdout.strip().splitlines()[-1])
-
-
 def section_host() -> dict:
-    out: dict = {"decode": {}, "prefill": {}}
-    for n in decode_buckets(256):
+    out: dict = {"decode": {}}
+    for n in HOST_SEQS:
         sync, asyn = host_decode_ms(n, False), host_decode_ms(n, True)
         out["decode"][n] = dict(sync_ms=sync, async_ms=asyn)
         target = "  (target <= 0.5 ms)" if n == 256 else ""
         print(f"host    decode, {n:3d} sequences: {sync:.3f} ms/step sync, {asyn:.3f} ms async{target}")
-    if BASELINE:  # this tree vs another checkout, alternating fresh processes (the machine is shared)
-        for n in (32, 256):
-            mine, base = [], []
-            for _ in range(2):
-                base.append(_host_run(n, BASELINE))
-                mine.append(_host_run(n, ROOT))
-            out["decode"][n].update(sync_ms_fresh=min(mine), baseline_sync_ms=min(base))
-            print(f"host    decode, {n:3d} sequences, fresh processes side by side: {min(mine):.3f} ms this tree, "
-                  f"{min(base):.3f} ms baseline ({min(base) / min(mine):.2f}x)")
-    for t in PREFILL_SIZES:
-        out["prefill"][t] = host_prefill_ms(t)
-        print(f"host    prefill step of {t} tokens: {out['prefill'][t]:.3f} ms")
     return out
 
 
-# ---- steps: real programs ----------------------------------------------------------------
+# ---- parts: where a smollm2 step goes ----------------------------------------------------
 
 class Watcher:
     """Wraps runner.execute: records each step's dispatch time, and on a thread of its own
@@ -213,8 +155,7 @@ class Watcher:
         import queue
         import threading
 
-        self.runner, self.inner = runner, runner.execute
-        self.q: queue.Queue = queue.Queue()
+        self.runner, self.inner, self.q = runner, runner.execute, queue.Queue()
         self.dispatched: list[float] = []
         self.ready: list[float] = []
         runner.execute = self.execute
@@ -222,9 +163,8 @@ class Watcher:
         self.thread.start()
 
     def execute(self, *args):
-        step = self.inner(*args)
+        self.q.put(step := self.inner(*args))
         self.dispatched.append(time.perf_counter())
-        self.q.put(step)
         return step
 
     def watch(self) -> None:
@@ -239,95 +179,154 @@ class Watcher:
         return self.dispatched, self.ready
 
 
-def idle_gaps(dispatched: list[float], ready: list[float]) -> tuple[float, float]:
-    """(mean device idle between consecutive programs, mean program period), seconds:
-    program i+1 can start at max(ready_i, dispatched_{i+1}); the device idles from ready_i
-    until then."""
-    gaps = [max(0.0, d - r) for r, d in zip(ready[:-1], dispatched[1:])]
-    period = (ready[-1] - ready[0]) / max(len(ready) - 1, 1)
-    return sum(gaps) / max(len(gaps), 1), period
+PART_SEQS = (1, 8, 32, 64)
+PART_CHUNKS = (64, 128, 256, 512)
 
 
-def step_flops_bytes(eng, rows: int, tokens: int, context: int) -> tuple[float, float]:
-    """Model FLOPs (2 x params x tokens + attention) and bytes (weights once + KV read) of a step."""
-    from model import param_bytes
+def part_programs(eng) -> dict:
+    """Each part of a step as its own jitted program over the model's real weights (passed
+    as arguments, not baked in as constants), at the shapes of the step just run."""
+    import jax
+    import jax.numpy as jnp
 
-    cfg = eng.model_config
-    params = param_bytes(eng.loaded.model) / 4  # f32
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
-    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * tokens * context
-    return 2 * params * tokens + attn, params * 4 + kv_per_token * rows * context
+    from sampler import sample
+
+    m, cfg, backend = eng.loaded.model, eng.model_config, eng.runner.backend
+    at, mlp = m.layers.self_attn, m.layers.mlp
+    ws = tuple(x.kernel[...] for x in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj,
+                                       mlp.down_proj))
+    L, scale = cfg.num_hidden_layers, cfg.head_dim ** -0.5
+
+    def matmuls(x, ws):  # the seven weight matmuls of every layer on T rows
+        def body(x, w):
+            q, k, v, o, g, u, d = w
+            kv = jnp.sum(x @ k) + jnp.sum(x @ v)  # their outputs feed attention, timed on its own
+            return 0.5 * x + (x @ q) @ o + (jax.nn.silu(x @ g) * (x @ u)) @ d + 1e-9 * kv, None
+        return jax.lax.scan(body, x, ws)[0]
+
+    def attention(q, kv, bt, kv_lens, cu_q_lens):  # every layer's paged attention over the step's context
+        (k_all, v_all), nb = (c.reshape(-1, *c.shape[2:]) for c in kv), kv[0].shape[1]
+
+        def body(acc, l):
+            if cu_q_lens is None:
+                return acc + backend.decode(q, k_all, v_all, bt + l * nb, kv_lens, scale=scale), None
+            return acc + backend.ragged(q, k_all, v_all, bt + l * nb, cu_q_lens, kv_lens, scale=scale), None
+        return jax.lax.scan(body, jnp.zeros_like(q), jnp.arange(L))[0]
+
+    def kv_writes(kv, new, slots):  # every layer's K and V rows of the step into the paged cache
+        shape = kv[0].shape
+
+        def body(c, l):
+            return tuple(x.at[slots + l * shape[1] * shape[2]].set(new) for x in c), None
+        flat = tuple(c.reshape(-1, *shape[3:]) for c in kv)
+        return tuple(c.reshape(shape) for c in jax.lax.scan(body, flat, jnp.arange(L))[0])
+
+    lm_head = jax.jit(lambda h, e: jnp.einsum("nh,vh->nv", h, e, preferred_element_type=jnp.float32))  # tied
+    return dict(ws=ws, emb=m.embed_tokens.embedding[...], matmuls=jax.jit(matmuls), attention=jax.jit(attention),
+                kv_writes=jax.jit(kv_writes, donate_argnums=0), sample=jax.jit(sample), lm_head=lm_head)
 
 
-def measure(eng, steps: int) -> dict:
-    """Run `steps` steps; from the watcher's timestamps: wall per step, device busy per
-    program (ready - max(dispatch, previous ready)), device idle between programs."""
-    w = Watcher(eng.runner)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    wall = (time.perf_counter() - t0) / steps
-    dispatched, ready = w.stop()
-    busy = [r - max(d, p) for d, r, p in zip(dispatched, ready, [0.0] + ready[:-1])]
-    gap, period = idle_gaps(dispatched, ready)
-    return dict(step_ms=1e3 * wall, device_ms=1e3 * sum(busy) / len(busy), idle_ms=1e3 * gap,
-                period_ms=1e3 * period, idle_frac=gap / period if period else 0.0)
+def step_flops(cfg, args: tuple, decode: bool, idle: int) -> dict:
+    """Useful (real tokens, sampling rows) and computed (padded rows included) FLOPs of the step
+    whose inputs are `args`; attention counted once, over the real context (padding rows have none)."""
+    H, L = cfg.hidden_size, cfg.num_hidden_layers
+    body = L * (H * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+                + cfg.num_attention_heads * cfg.head_dim * H + 3 * H * cfg.intermediate_size)
+    head = cfg.vocab_size * H
+    kv_lens, sample_slot = args[5], args[-2 if decode else -3]
+    real = int((kv_lens > 0).sum()) if decode else int(args[6][-1])
+    q = (kv_lens > 0) if decode else args[6][1:] - args[6][:-1]
+    ctx = sum(k * n - n * (n - 1) // 2 for k, n in zip(kv_lens.tolist(), q.astype(int).tolist()))  # causal: each query its prefix
+    attn = 4 * L * cfg.num_attention_heads * cfg.head_dim * ctx
+    T, R, sampled = len(args[0]), len(kv_lens), int((sample_slot != idle).sum())
+    return dict(real=real, T=T, sampled=sampled, R=R, body=2 * body, useful=2 * body * real + 2 * head * sampled + attn,
+                computed=2 * body * T + 2 * head * R + attn)
 
 
-def section_steps() -> dict:
+def profile_step(eng, progs: dict, run_step, label: str) -> dict:
+    """Run the step (run_step() schedules it and returns its wall seconds), then time each
+    part at its shapes; `other` = the whole program less the parts (norms, RoPE, embedding,
+    residuals, the step's gathers)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from distributed import DECODE
+
+    r, cfg = eng.runner, eng.model_config
+    seen: dict = {}
+    inner = r._run
+    r._run = lambda kind, rows, T, args: seen.update(args=args, kind=kind) or inner(kind, rows, T, args)
+    w = Watcher(r)
+    wall = min(run_step() for _ in range(3))
+    d, rd = w.stop()
+    r._run = inner
+    device = min(b - a for a, b in zip(d, rd))
+    args, decode = seen["args"], seen["kind"] == DECODE
+    f = step_flops(cfg, args, decode, r._idle)
+    T, R = f["T"], f["R"]
+    ready = jax.block_until_ready
+    x = jnp.asarray(np.random.default_rng(0).normal(0, 0.1, (T, cfg.hidden_size)), jnp.float32)
+    q = jnp.asarray(np.random.default_rng(1).normal(0, 1, (T, cfg.num_attention_heads, cfg.head_dim)), jnp.float32)
+    new = jnp.zeros((T, cfg.num_key_value_heads, cfg.head_dim), jnp.float32)
+    bt, kv_lens = jnp.asarray(args[4]), jnp.asarray(args[5])
+    cu = None if decode else jnp.asarray(args[6])
+    logits = progs["lm_head"](x[:R], progs["emb"])
+    sampling = args[-1] if decode else args[-2]
+
+    def kv() -> None:
+        r.kv_caches = ready(progs["kv_writes"](r.kv_caches, new, jnp.asarray(args[3])))
+
+    parts = {"matmuls": lambda: ready(progs["matmuls"](x, progs["ws"])),
+             "lm_head": lambda: ready(progs["lm_head"](x[:R], progs["emb"])),
+             "attention": lambda: ready(progs["attention"](q, r.kv_caches, bt, kv_lens, cu)),
+             "kv_writes": kv, "sampling": lambda: ready(progs["sample"](logits, sampling))}
+    ms = {name: 1e3 * timer(fn, reps=6) for name, fn in parts.items()}  # best of 6: the first call compiles
+    ms.update(step=1e3 * device, other=1e3 * device - sum(ms.values()), wall=1e3 * wall)
+    ms["host_idle"] = ms["wall"] - ms["step"]
+    row = dict(label=label, ms=ms, **f, gflops_useful=f["useful"] / device / 1e9, waste=1 - f["useful"] / f["computed"],
+               matmul_gflops_here=f["body"] * T / ms["matmuls"] / 1e6)  # the matmul program's own rate
+    lim = f", {row['gflops_useful'] / LIMITS['matmul_gflops']:.0%} of the matmul rate" if LIMITS else ""
+    print(f"parts   {label:24s} T {f['real']}/{T}, head rows {f['sampled']}/{R}: " +
+          ", ".join(f"{k} {v:.1f}" for k, v in ms.items()) + f" ms; useful {row['gflops_useful']:.1f} GFLOP/s{lim} "
+          f"({row['matmul_gflops_here']:.0f} in the matmul program), padding waste {row['waste']:.0%}")
+    return row
+
+
+def section_parts() -> dict:
+    """smollm2 at the issue's server shape (max_num_batched_tokens 512), greedy."""
     from config import SamplingParams
 
-    out: dict = {"decode": {}, "prefill": {}}
-    N = 256
-    context = 64
-    engines = {}
-    for on in (False, True):  # the same programs: the second engine's warm-up loads them from the cache
-        # contexts stay short (64 + a few dozen tokens each): room for N of them and one 2048-token prompt
-        eng = make_engine("bench", N, on, warmup=True, max_model_len=2048, num_kv_blocks=N * 12 + 200)
-        engines[on] = eng
-    for n in decode_buckets(N):
-        row: dict = {}
-        for on, eng in engines.items():
-            fill(eng, n, prompt_len=context, start=10_000 * n)
-            for _ in range(3):
-                eng.step()
-            row["async" if on else "sync"] = measure(eng, 6 if n >= 128 else 12)
-            for rid in [s.request_id for s in list(eng.scheduler.running)]:
-                eng.abort(rid)
-            while eng.has_unfinished():
-                eng.step()
-        sync, asyn = row["sync"], row["async"]
-        flops, nbytes = step_flops_bytes(engines[False], n, n, context)
-        dev = sync["device_ms"] / 1e3
-        row.update(gflops=flops / dev / 1e9, gbs=nbytes / dev / 1e9,
-                   host_share_sync=1 - sync["device_ms"] / sync["step_ms"],
-                   host_share_async=max(0.0, 1 - asyn["device_ms"] / asyn["step_ms"]))
-        out["decode"][n] = row
-        lim = (f" = {row['gbs'] / LIMITS['copy_gbs']:.0%} of copy GB/s, {row['gflops'] / LIMITS['matmul_gflops']:.0%} "
-               "of matmul GFLOP/s") if LIMITS else ""
-        target = " (target < 5%)" if n in (32, 256) else ""
-        print(f"steps   decode {n:3d} seqs: device {sync['device_ms']:.1f} ms{lim}")
-        print(f"          sync  step {sync['step_ms']:.1f} ms, host share {row['host_share_sync']:.0%}, "
-              f"device idle {sync['idle_frac']:.1%} of the step")
-        print(f"          async step {asyn['step_ms']:.1f} ms, device idle {asyn['idle_frac']:.1%} of the step{target}")
-    eng = engines[False]
-    for t in PREFILL_SIZES:
-        def one() -> None:
-            n = min(t, eng.config.max_model_len - 1)  # the prompt plus its one token fit max_model_len
-            eng.add_request(f"prefill-{t}-{time.perf_counter()}", [5] * n, SamplingParams(max_tokens=1, ignore_eos=True))
-            eng.step()
-        one()
-        w = Watcher(eng.runner)
-        best = timer(one, reps=3)
-        d, r = w.stop()
-        dev = min(b - a for a, b in zip(d, r))
-        flops, _ = step_flops_bytes(eng, 1, t, t // 2)
-        out["prefill"][t] = dict(step_ms=1e3 * best, device_ms=1e3 * dev, gflops=flops / dev / 1e9,
-                                 host_share=1 - dev / best)
-        lim = f" = {flops / dev / 1e9 / LIMITS['matmul_gflops']:.0%} of matmul GFLOP/s" if LIMITS else ""
-        print(f"steps   prefill {t:4d} tokens: device {1e3 * dev:.1f} ms{lim}, host share {1 - dev / best:.1%}")
-    return out
+    seqs = max(PART_SEQS)
+    eng = make_engine("smollm2", seqs, False, warmup=False, max_model_len=1024, max_num_batched_tokens=512,
+                      num_kv_blocks=seqs * 20 + 64)
+    progs = part_programs(eng)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    rows, k = [], [0]
 
+    def timed_step() -> float:
+        t0 = time.perf_counter()
+        eng.step()
+        return time.perf_counter() - t0
+
+    def prefill(n: int) -> float:  # one fresh prompt of n tokens, computed in one step
+        k[0] += 1
+        # distinct first tokens: no prefix-cache hit on fill()'s prompts or each other
+        eng.add_request(f"prefill-{k[0]}", [1000 + (131 * k[0] + j) % 40000 for j in range(n)],
+                        SamplingParams(max_tokens=1, **greedy))
+        return timed_step()
+
+    for n in PART_SEQS:
+        fill(eng, n, prompt_len=192, start=1000 * n, temperature=0.0, max_tokens=64)
+        rows.append(profile_step(eng, progs, timed_step, f"decode {n} seqs"))
+        if n == 32:  # the workload's typical mixed step: 32 decodes and a 100-token chunk (bucket 256)
+            rows.append(profile_step(eng, progs, lambda: prefill(100), "mixed 32 + 100-token chunk"))
+        [eng.abort(s.request_id) for s in list(eng.scheduler.running)]
+        while eng.has_unfinished():
+            eng.step()
+    for t in PART_CHUNKS:
+        rows.append(profile_step(eng, progs, lambda: prefill(t), f"prefill {t} tokens"))
+    return {"rows": rows, "limits": dict(LIMITS)}
 
 # ---- warmup ------------------------------------------------------------------------------
 
@@ -359,22 +358,13 @@ def _warmup_run(layers: int, cache_dir: str, root: str = ROOT) -> dict:
 
 
 def section_warmup() -> dict:
-    with tempfile.TemporaryDirectory() as d30, tempfile.TemporaryDirectory() as d4, \
-            tempfile.TemporaryDirectory() as d32:
+    with tempfile.TemporaryDirectory() as d30:
         cold = _warmup_run(30, d30)
         restart = _warmup_run(30, d30)
-        four = _warmup_run(4, d4)
-        thirty_two = _warmup_run(32, d32)
-    ratio = thirty_two["warmup_s"] / four["warmup_s"]
-    cpu_ratio = thirty_two["warmup_cpu_s"] / four["warmup_cpu_s"]
     print(f"warmup  30 layers ({cold['programs']} programs): cold {cold['warmup_s']:.1f}s wall, "
           f"{cold['warmup_cpu_s']:.1f}s CPU (target <= 40), restart from the cache {restart['warmup_s']:.1f}s wall, "
           f"{restart['warmup_cpu_s']:.1f}s CPU (target <= 10)")
-    print(f"warmup  cold, 4 layers {four['warmup_s']:.1f}s ({four['warmup_cpu_s']:.1f}s CPU), 32 layers "
-          f"{thirty_two['warmup_s']:.1f}s ({thirty_two['warmup_cpu_s']:.1f}s CPU): ratio {ratio:.2f} wall, "
-          f"{cpu_ratio:.2f} CPU (target <= 2)")
-    res = dict(cold=cold, restart=restart, layers4=four, layers32=thirty_two, ratio_32_4=ratio,
-               cpu_ratio_32_4=cpu_ratio)
+    res = dict(cold=cold, restart=restart)
     if BASELINE:  # the same cold 30-layer warm-up by another checkout (e.g. the unrolled layers), same run
         with tempfile.TemporaryDirectory() as d:
             base = _warmup_run(30, d, BASELINE)
@@ -384,54 +374,18 @@ def section_warmup() -> dict:
     return res
 
 
-# ---- e2e ---------------------------------------------------------------------------------
-
-def section_e2e() -> dict:
-    from engine import LLM
-    from offline import FULL
-    from report import timed_generate, warm
-    from workload import seed_mix
-
-    sz = replace(FULL, num_requests=40, long=128) if QUICK else FULL
-    reqs = seed_mix(sz.num_requests, 32000, short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
-    out = {}
-    for on in (False, True):
-        # as bench/offline.py builds its engines: KV never limits, one untimed request first
-        llm = LLM(sz.model, log=lambda *_: None, dtype="float32", max_num_seqs=sz.seqs_throughput,
-                  max_model_len=sz.max_model_len, num_kv_blocks=sz.seqs_throughput * (sz.max_model_len // 16) + 1,
-                  async_scheduling=on)
-        warm(llm)
-        r = timed_generate(llm, [q.prompt_token_ids for q in reqs], [q.max_tokens for q in reqs])
-        out["async" if on else "sync"] = dict(output_tok_s=r["output_tok_s"], wall_s=r["wall_s"],
-                                              ms_per_step=r["ms_per_step"], steps=r["stats"]["num_steps"],
-                                              token_ids=r["token_ids"])
-        del llm
-    same = out["async"].pop("token_ids") == out["sync"].pop("token_ids")
-    ratio = out["async"]["output_tok_s"] / out["sync"]["output_tok_s"]
-    print(f"e2e     seed mix ({sz.num_requests} requests, {sz.short}/{sz.long} tokens, 32 seqs): "
-          f"async {out['async']['output_tok_s']:.1f} tok/s vs sync {out['sync']['output_tok_s']:.1f}: {ratio:.3f}x "
-          f"(target >= 1), identical tokens: {same}")
-    out.update(ratio=ratio, identical_tokens=same)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default=results_dir("step_profile.json"))
-    ap.add_argument("--quick", action="store_true", help="fewer buckets, a smaller mix")
     ap.add_argument("--baseline", default="", help="warmup: also time a cold 30-layer warm-up of this checkout")
-    ap.add_argument("--_host-child", nargs=2, metavar=("SEQS", "ROOT"), help=argparse.SUPPRESS)
     ap.add_argument("--_warmup-child", nargs=3, metavar=("LAYERS", "CACHE_DIR", "ROOT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args._host_child:
-        _host_child(int(args._host_child[0]), args._host_child[1])
-        return
     if args._warmup_child:
         _warmup_child(int(args._warmup_child[0]), args._warmup_child[1], args._warmup_child[2])
         return
-    global QUICK, BASELINE
-    QUICK, BASELINE = args.quick, args.baseline
+    global BASELINE
+    BASELINE = args.baseline
 
     results: dict = {"machine": machine_info(), "load_before": os.getloadavg()}
     for name in args.sections.split(","):

@@ -76,8 +76,23 @@ def test_decode_rows_follow_the_occupied_slots_and_static_computes_its_empty_sea
     assert (st.num_steps, st.useful_slot_steps, st.total_slot_steps) == (6, 3 + 3 + 2 + 2 + 1 + 1, 6 * 4)
     assert (st.prefill_tokens, st.decode_tokens) == (21, 9)
     assert st.padded_tokens == {"continuous": 11 + 1, "static": 11 + 1 + 2 + 2 + 3 + 3}[scheduling]
+    # the model's token rows: 32 for the prefill, then the decode buckets; its LM-head rows: 4
+    # (min(32 tokens, 4 slots)) for the prefill, of which 3 sample, then every decode row
+    decode_rows = {"continuous": 4 + 2 + 2 + 1 + 1, "static": 5 * 4}[scheduling]
+    assert (st.computed_tokens, st.useful_tokens) == (32 + decode_rows, 21 + 9)
+    assert st.computed_tokens - st.useful_tokens == st.padded_tokens
+    assert (st.computed_logit_rows, st.useful_logit_rows) == (4 + decode_rows, 3 + 9)
     # static releases everyone with the last token; continuous each request as it finishes
     assert len({o.finished_time for o in outs}) == {"continuous": 3, "static": 1}[scheduling]
+
+
+def test_a_ragged_step_runs_the_lm_head_on_at_most_its_token_count():
+    """A 5-token prompt with 32 slots: the 16-token bucket, 16 LM-head rows (a step of 16
+    tokens holds at most 16 sequences), not 32; one of them samples."""
+    llm = make_llm(max_num_seqs=32, async_scheduling=False)
+    llm.generate([[5, 6, 7, 8, 9]], [greedy(1)])
+    st = llm.stats
+    assert (st.computed_tokens, st.useful_tokens, st.computed_logit_rows, st.useful_logit_rows) == (16, 5, 16, 1)
 
 
 def test_too_few_kv_blocks_preempts_and_recomputes_to_the_same_tokens():

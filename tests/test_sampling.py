@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sampler import SamplingTensors, empty_sampling_arrays, sample
+from sampler import SamplingTensors, argmax, empty_sampling_arrays, sample
 
 N = 10_000
 ALPHA = 1e-6
@@ -135,3 +135,27 @@ def test_temperature_zero_rows_in_a_mixed_batch_are_the_argmax():
     np.testing.assert_array_equal(tok[~hot], logits[~hot].argmax(-1))
     assert (tok[hot] != logits[hot].argmax(-1)).sum() >= S // 4  # the sampling rows did sample
 
+
+
+def test_an_unfiltered_row_draws_the_same_token_whether_its_step_sorts_or_not():
+    """A step sorts the vocabulary only when some row filters; an unfiltered row's seeded
+    draw must not depend on its batch-mates, so both paths use the same noise."""
+    rng = np.random.default_rng(1)
+    S, V = 256, 40
+    logits = rng.standard_normal((S, V)).astype(np.float32)
+    arrays = empty_sampling_arrays(S)
+    arrays["temperature"][:] = 1.3
+    arrays["seed"][:] = np.arange(S)
+    alone = np.asarray(_sample(logits, SamplingTensors(**arrays, want_logprobs=np.bool_(False)))[0])
+    arrays["top_k"][0] = 3  # row 0 filters: the whole step takes the sorted path
+    mixed = np.asarray(_sample(logits, SamplingTensors(**arrays, want_logprobs=np.bool_(False)))[0])
+    np.testing.assert_array_equal(mixed[1:], alone[1:])
+    assert mixed[0] in np.argsort(-logits[0])[:3]
+    assert (alone != logits.argmax(-1)).sum() >= S // 4  # they did sample
+
+
+def test_argmax_is_numpys_first_index_of_the_maximum():
+    x = np.random.default_rng(2).integers(0, 4, (64, 300)).astype(np.float32)  # many ties
+    x[3] = -np.inf  # a fully masked row: index 0, as numpy
+    x[5, 7:] = np.inf
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), x.argmax(-1))
