@@ -184,20 +184,15 @@ class LLMEngine:
         """schedule -> run -> update -> record. Returns one delta per request that got a
         token or whose result was released. With async scheduling the step dispatched here
         is collected by the next call, so the host schedules step N+1 while the device runs
-        step N (an empty step dispatches nothing and collects the one in flight).
-
-        Structured outputs: a constrained row's bitmask depends on its previous token, so
-        while any constrained request is in the engine the step in flight is collected
-        before the next is scheduled (the synchronous order): every row still advances
-        one token a step; only the host/device overlap is given up."""
-        deltas = self._collect() if self._in_flight and self.scheduler.num_constrained else []
+        step N (an empty step dispatches nothing and collects the one in flight)."""
+        deltas: list[RequestOutputDelta] = []
         out = self.scheduler.schedule()
         if out.preempted:
             self._log_preemptions(out)
         if out.swap_out or out.swap_in:  # before the step, which may write where a swapped-out block was
             self.runner.swap(out.swap_out, out.swap_in)
         if out.scheduled or out.preempted or not self._in_flight:  # a preemption is recorded with its step
-            self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
+            self._in_flight.append((out, time.monotonic(), self._dispatch(out, deltas)))
         if out.scheduled and len(self._in_flight) <= self._max_in_flight:
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
             return deltas
@@ -210,13 +205,33 @@ class LLMEngine:
         outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [])
         return self._record(out, result, outcome, scheduled_at)
 
-    def _dispatch(self, out: SchedulerOutput) -> InFlightStep | StepResult | None:
+    def _dispatch(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep | StepResult | None:
+        """Dispatch out's step; the steps collected meanwhile add their deltas to `deltas`."""
         if not out.scheduled:  # nothing runs, but update() may still release a static batch
             return None
         try:
-            return self.runner.execute(out)
+            return self._execute(out, deltas)
         except Exception as e:
+            deltas += self._drain()  # rows run alone may sample under a constraint: see _execute
             return self._isolate_failure(out, e)
+
+    def _execute(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep:
+        """Structured outputs: a constrained row's bitmask needs its previous token, which
+        the step in flight may still be computing. Its step's forward is dispatched first;
+        the earlier steps are collected while it runs (their tokens advance the matchers),
+        then the bitmask is filled and the sample program dispatched. Unconstrained steps
+        keep the whole overlap; a constrained one overlaps the host's work with its forward."""
+        step = self.runner.execute(out)
+        if step.awaits_mask:
+            deltas += self._drain()
+            self.runner.sample(step)
+        return step
+
+    def _drain(self) -> list[RequestOutputDelta]:
+        deltas = []
+        while self._in_flight:
+            deltas += self._collect()
+        return deltas
 
     def _record(self, out: SchedulerOutput, result: StepResult | None, outcome: StepOutcome,
                 scheduled_at: float) -> list[RequestOutputDelta]:
@@ -295,7 +310,7 @@ class LLMEngine:
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
                                   num_decode_tokens=int(sch.is_decode))
             try:
-                r = self.runner.execute(one).result()
+                r = self._execute(one, []).result()  # (nothing is in flight: no deltas)
             except Exception as e:
                 if self._cache_donated():
                     raise

@@ -179,6 +179,8 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt tokens computed (recompute included)
     decode_tokens: int = 0
     padded_tokens: int = 0  # token rows computed only to fill a shape bucket
+    structured_output_steps: int = 0  # steps that sampled a row under a structured-output bitmask
+    structured_output_bitmask_seconds: float = 0.0  # host time filling those bitmasks
     # histograms
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))

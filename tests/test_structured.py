@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from config import StructuredOutputsParams as SO
 from engine import LLM, SamplingParams
-from sampler import SamplingTensors
+from distributed import SAMPLE, SAMPLE_MASKED
 
 OBJ = {"type": "object", "additionalProperties": False}
 
@@ -259,9 +259,8 @@ def test_no_sampled_token_is_outside_the_mask_and_the_step_applies_llguidances_m
     call = runner._call
 
     def spy(kind, args):
-        sampling = next(a for a in args if isinstance(a, SamplingTensors))
-        if bool(sampling.use_bitmask):
-            applied.append(np.array(sampling.token_bitmask))
+        if kind == SAMPLE_MASKED:
+            applied.append(np.array(args[2]))
         return call(kind, args)
 
     specs = [SO(regex=p) for p in patterns]
@@ -347,17 +346,38 @@ def test_offline_refuses_an_invalid_constraint_before_anything_is_queued(tiny):
     assert not tiny.engine.has_unfinished()
 
 
-def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_synchronous_loop(tiny):
-    """The rule (LLMEngine.step): while a constrained request is in the engine the step in
-    flight is collected before the next is scheduled, so its mask sees its last token;
-    every row still advances one token per step, as in the synchronous loop."""
+def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_synchronous_loop(tiny, monkeypatch):
+    """Under async scheduling a constrained step's forward is dispatched before the step in
+    flight is collected; its sample program waits for the matchers (LLMEngine._execute).
+    Every row still advances one token a step and draws what the synchronous loop draws."""
+    import runner as runner_module
+
     sync = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
                async_scheduling=False, warmup=False)
     params = [SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=i == 0,
                              structured_outputs=SO(regex="[ab]{4,12}(x|y)") if i % 2 else None) for i in range(4)]
     prompts = [[1, 9 + i] for i in range(4)]
+    events: list[str] = []  # the host's order: forwards, sample programs, results read back
+    call, result = tiny.engine.runner._call, runner_module.InFlightStep.result
+
+    def spy_call(kind, args):
+        events.append({SAMPLE: "sample", SAMPLE_MASKED: "masked"}.get(kind, "forward"))
+        return call(kind, args)
+
+    def spy_result(step):
+        events.append("result")
+        return result(step)
+
     steps = tiny.stats.num_steps
-    got = tiny.generate(prompts, params)
+    with monkeypatch.context() as patch:
+        patch.setattr(tiny.engine.runner, "_call", spy_call)
+        patch.setattr(runner_module.InFlightStep, "result", spy_result)
+        got = tiny.generate(prompts, params)
     assert tiny.stats.num_steps - steps == 20  # the prefill samples token 1, then one token a step: 20 for the longest
+    masked = [i for i, e in enumerate(events) if e == "masked"]
+    assert len(masked) >= 5  # the constrained outputs are at least 5 tokens long
+    # After the first step, each masked sample comes after its own forward and the previous
+    # step's result: the forward ran while the host waited for that result and filled the mask.
+    assert all(events[i - 2:i] == ["forward", "result"] for i in masked[1:]), events
     want = sync.generate(prompts, params)
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
