@@ -381,3 +381,55 @@ def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_sync
     assert all(events[i - 2:i] == ["forward", "result"] for i in masked[1:]), events
     want = sync.generate(prompts, params)
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+
+
+def test_multi_host_posts_each_program_and_the_bitmask_only_when_a_row_is_constrained(tiny, monkeypatch):
+    """Process 0's posts (distributed.StepChannel, over an in-memory key-value store) read
+    back, with the follower's templates, as exactly the inputs process 0 ran; a step is a
+    forward then a sample program, and only a step with a constrained row sends a bitmask."""
+    import jax
+
+    from distributed import DECODE, RAGGED, StepChannel
+
+    store: dict[str, bytes] = {}
+
+    class Store:  # the coordination service's key-value calls StepChannel makes
+        def key_value_set_bytes(self, key: str, value: bytes) -> None:
+            store[key] = value
+
+        def key_value_delete(self, key: str) -> None:
+            pass  # kept: the follower below reads them all afterwards
+
+        def blocking_key_value_get_bytes(self, key: str, timeout_ms: int) -> bytes:
+            return store[key]
+
+    def channel(process_index: int) -> StepChannel:
+        ch = object.__new__(StepChannel)
+        ch.client, ch.process_index, ch.n = Store(), process_index, 0
+        return ch
+
+    runner = tiny.engine.runner
+    ran: list[tuple[int, tuple]] = []
+    call = runner._call
+
+    def spy(kind, args):
+        ran.append((kind, args))
+        return call(kind, args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "channel", channel(0))
+        patch.setattr(runner, "_call", spy)
+        tiny.generate([[1, 2, 3], [1, 4]], [SamplingParams(max_tokens=4, structured_outputs=SO(regex="[ab]{3}")),
+                                            SamplingParams(max_tokens=12, ignore_eos=True)])
+    follower = channel(1)
+    taken = [follower.take(runner._idle_args) for _ in range(len(store))]
+    assert [k for k, _ in taken] == [k for k, _ in ran]
+    for (_, got), (_, want) in zip(taken, ran):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, np.asarray(b))
+    kinds = [k for k, _ in ran]
+    assert all(k in (DECODE, RAGGED) for k in kinds[::2]) and all(k in (SAMPLE, SAMPLE_MASKED) for k in kinds[1::2])
+    assert kinds[1::2].count(SAMPLE_MASKED) == 3  # the constrained row's 3 letters (then its grammar stops it)
+    width = runner._mask_width * 4
+    sizes = [len(store[f"taxirank/step/{i}"]) for i in range(1, len(kinds), 2)]
+    assert all((size > width) == (kind == SAMPLE_MASKED) for size, kind in zip(sizes, kinds[1::2]))
