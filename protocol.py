@@ -246,7 +246,8 @@ def required_tools_schema(tools: dict[str, dict]) -> dict:
 def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsParams | None:
     """The one output constraint a request asks for, from whichever of OpenAI's
     response_format, vLLM's structured_outputs or guided_* fields, or a forced tool call
-    (tools: the request's, from tool_choice()) carries it; a 400 for more than one, or for any malformed one. Whether the schema,
+    (tools: the request's, from tool_choice()) carries it; a 400 for more than one, or
+    for any malformed one. Whether the schema,
     regex or grammar itself is valid is llguidance's to say (the server compiles it next)."""
     found: list[tuple[str, dict]] = []
     fmt = field(body, "response_format", (dict,))

@@ -203,8 +203,7 @@ class ModelRunner:
         self._wants_logprobs = np.zeros(N + 1, bool)
         # Structured outputs: a step with no constrained row passes an all-ones bitmask
         # kept on the device per row count (no host->device bytes), and skips applying it.
-        # Between a forward and its sample program the logits wait here (the follower's
-        # forward, multi-host; process 0 keeps them in the InFlightStep).
+        # Between a forward and its sample program the forward's logits wait here.
         self._mask_width = bitmask_width(loaded.config.vocab_size)
         self._no_mask: dict[int, jax.Array] = {}
         self._logits: jax.Array | None = None
@@ -432,8 +431,10 @@ class ModelRunner:
                 self.stats.structured_output_steps += 1
                 self.stats.structured_output_bitmask_seconds += time.perf_counter() - t0
         # Multi-host, the all-ones bitmask of an unconstrained step is each process's own.
-        kind, args = (SAMPLE, (sample_slot, sampling)) if bitmask is None else (SAMPLE_MASKED, (sample_slot, sampling, bitmask))
-        step._res = self._run(kind, len(sample_slot), 0, args)
+        if bitmask is None:
+            step._res = self._run(SAMPLE, len(sample_slot), 0, (sample_slot, sampling))
+        else:
+            step._res = self._run(SAMPLE_MASKED, len(sample_slot), 0, (sample_slot, sampling, bitmask))
 
     def _prompt_targets(self, out: SchedulerOutput, slots: np.ndarray, start: np.ndarray, q: np.ndarray, cu_q_lens: np.ndarray,
                         targets: np.ndarray) -> list[tuple[int, int, int, int]]:

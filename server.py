@@ -430,7 +430,8 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("padded_tokens", "padded_tokens", "Token rows computed only to fill a shape bucket."),
     ("useful_slot_steps", "useful_slot_steps", "Slot-steps whose sequence made progress."),
     ("total_slot_steps", "total_slot_steps", "Slot-steps run (max_num_seqs per step)."),
-    ("structured_output_steps", "structured_output_steps", "Steps that sampled a row under a structured-output bitmask."),
+    ("structured_output_steps", "structured_output_steps",
+     "Steps that sampled a row under a structured-output bitmask."),
     ("structured_output_bitmask_seconds", "structured_output_bitmask_seconds",
      "Host time filling structured-output bitmasks (it overlaps the step's forward)."),
 ]

@@ -32,6 +32,7 @@ from typing import Callable
 
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_ARGS = {key: re.compile(r'\s*,\s*"%s"\s*:\s*' % key) for key in ("arguments", "parameters")}
 
 
 @dataclass(frozen=True)
@@ -59,24 +60,21 @@ def _call(text: str, key: str, done: bool) -> CallView:
         try:
             obj = json.loads(text)
         except ValueError:
+            obj = None
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(key), dict)):
             return CallView(None, "", True, False)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get(key), dict):
-            return CallView(None, "", True, False)
+        whole = CallView(obj["name"], json.dumps(obj[key], ensure_ascii=False), True)
     m = _NAME.match(text)
-    if m is None:  # the name is not written yet, or not first: the call counts once complete
-        return CallView(obj["name"], json.dumps(obj[key], ensure_ascii=False), True) if done else CallView(None, "", False)
-    name = json.loads(m.group(1))
-    a = re.compile(r'\s*,\s*"%s"\s*:\s*' % key).match(text, m.end())
-    if a is None:
-        return CallView(name, "", done) if not done else CallView(name, json.dumps(obj[key], ensure_ascii=False), True)
+    a = _ARGS[key].match(text, m.end()) if m else None
+    if a is None:  # name or arguments not written yet, or not in that order: the call counts once complete
+        return whole if done else CallView(json.loads(m.group(1)) if m else None, "", False)
     value = text[a.end():]
     try:  # a complete value ends where the decoder stops; until then all that follows is the value
-        _, end = _DECODER.raw_decode(value)
-        value = value[:end]
+        value = value[:_DECODER.raw_decode(value)[1]]
     except ValueError:
         if done:
-            return CallView(name, json.dumps(obj[key], ensure_ascii=False), True)
-    return CallView(name, value, done)
+            return whole
+    return CallView(json.loads(m.group(1)), value, done)
 
 
 def _elements(text: str) -> list[tuple[int, int | None]]:

@@ -82,7 +82,8 @@ def run(llm: LLM, clock: StepClock, prompts: list[list[int]], params: list[Sampl
     tokens = sum(len(o.token_ids) for o in outs)
     return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall, "steps": len(clock.host),
             "host_ms_per_step": 1e3 * sum(clock.host) / max(len(clock.host), 1),
-            "mask_fill_ms_per_step": 1e3 * (llm.stats.structured_output_bitmask_seconds - fill0) / max(len(clock.host), 1),
+            "mask_fill_ms_per_step": 1e3 * (llm.stats.structured_output_bitmask_seconds - fill0)
+            / max(len(clock.host), 1),
             "finish": {r: sum(o.finish_reason == r for o in outs) for r in ("stop", "length", "abort")}}
 
 

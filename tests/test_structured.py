@@ -77,8 +77,9 @@ MAX_TOKENS = 80
 # ---- smollm2 behind the OpenAI API ------------------------------------------------
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    """One smollm2 engine and server for the module, in a thread with its own event loop."""
+def servers() -> Iterator[tuple[openai.OpenAI, openai.OpenAI]]:
+    """One smollm2 engine for the module, in a thread with its own event loop, behind two
+    servers: a plain one, and one with --enable-auto-tool-choice --tool-call-parser hermes."""
     from aiohttp import web
 
     from engine import AsyncEngine, EngineConfig
@@ -94,22 +95,30 @@ def client() -> Iterator[openai.OpenAI]:
                                           max_num_batched_tokens=128, num_kv_blocks=96, warmup=False),
                              log=lambda *_: None)
         await engine.start()
-        runner = web.AppRunner(build_app(engine, ["smollm2"]))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port.append(runner.addresses[0][1])
+        runners = [web.AppRunner(build_app(engine, ["smollm2"], tool_call_parser=p)) for p in (None, "hermes")]
+        for runner in runners:
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            port.append(runner.addresses[0][1])
         started.set()
         await stop.wait()
         await engine.shutdown()
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
     assert started.wait(600), "the server did not start"
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port[0]}/v1", api_key="x", max_retries=0, timeout=300)
+    yield tuple(openai.OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key="x", max_retries=0, timeout=300)
+                for p in port)
     loop.call_soon_threadsafe(stop.set)
     thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def client(servers) -> openai.OpenAI:
+    return servers[0]
 
 
 def chat(client: openai.OpenAI, question: str, stream: bool, temperature: float, seed: int, **extra) -> tuple[str, str]:
@@ -178,32 +187,65 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": obj({"zone": {"enum": ["UTC", "CET"]}})}}
 
 
+def tool_calls(client: openai.OpenAI, stream: bool, **kw) -> tuple[str | None, list[tuple[str, str]], str, int]:
+    """(content, [(name, arguments)], finish_reason, chunks that named a call or sent its
+    arguments before the last chunk) of one chat completion, as the OpenAI client sees it."""
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=MAX_TOKENS,
+              temperature=0.0, tools=[WEATHER, TIME], stream=stream) | kw
+    if not stream:
+        m = client.chat.completions.create(**kw).choices[0]
+        return (m.message.content, [(c.function.name, c.function.arguments) for c in m.message.tool_calls or []],
+                m.finish_reason)
+    content, calls, reason, early = "", {}, None, 0
+    for chunk in client.chat.completions.create(**kw):
+        for c in chunk.choices[0].delta.tool_calls or []:
+            name, args = calls.get(c.index, ("", ""))
+            calls[c.index] = (name + (c.function.name or ""), args + (c.function.arguments or ""))
+            early += chunk.choices[0].finish_reason is None
+        content += chunk.choices[0].delta.content or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return content or None, [calls[i] for i in sorted(calls)], reason, early
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_tool_call_comes_back_as_tool_calls(client, stream):
-    def call(tool_choice) -> tuple[list[tuple[str, str]], str]:
-        kw = dict(model="smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=MAX_TOKENS,
-                  temperature=0.0, tools=[WEATHER, TIME], tool_choice=tool_choice, stream=stream)
-        if not stream:
-            m = (r := client.chat.completions.create(**kw)).choices[0]
-            return [(c.function.name, c.function.arguments) for c in m.message.tool_calls], m.finish_reason
-        calls, reason = {}, None
-        for chunk in client.chat.completions.create(**kw):
-            for c in chunk.choices[0].delta.tool_calls or []:
-                name, args = calls.get(c.index, ("", ""))
-                calls[c.index] = (name + (c.function.name or ""), args + (c.function.arguments or ""))
-            reason = chunk.choices[0].finish_reason or reason
-        return [calls[i] for i in sorted(calls)], reason
-
     # named: the arguments follow that function's parameters; finish_reason the engine's (vLLM)
-    calls, reason = call({"type": "function", "function": {"name": "get_weather"}})
+    _, calls, reason, *early = tool_calls(client, stream, tool_choice={"type": "function",
+                                                                       "function": {"name": "get_weather"}})
     assert reason == "stop" and [n for n, _ in calls] == ["get_weather"]
     jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
-    # required: one or more calls of any of the tools; finish_reason "tool_calls"
-    calls, reason = call("required")
+    # required: one or more calls of any of the tools; finish_reason "tool_calls"; streamed,
+    # each call is named, then its arguments come, in chunks before the last
+    _, calls, reason, *early = tool_calls(client, stream, tool_choice="required")
     assert reason == "tool_calls" and calls
     for name, args in calls:
         tool = {"get_weather": WEATHER, "get_time": TIME}[name]
         jsonschema.validate(json.loads(args), tool["function"]["parameters"])
+    if stream:
+        assert early[0] >= 2 * len(calls), "the calls came whole with the last chunk"
+
+
+HERMES = (r'(I will check\. )?<tool_call>\n\{"name": "get_weather", "arguments": '
+          r'\{"city": "(Paris|Oslo)", "unit": "(C|F)"\}\}\n</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_finds_the_hermes_call_in_the_output(servers, stream):
+    """The output is made a hermes tool call by a regex (SmolLM2-135M's chat template renders
+    no tools, so the model would not write one by itself): the server's hermes parser turns
+    it into tool_calls, content the text before it; plain text stays content."""
+    plain, hermes = servers
+    content, calls, reason, *early = tool_calls(hermes, stream, temperature=1.0, seed=3,
+                                                extra_body={"structured_outputs": {"regex": HERMES}})
+    assert reason == "tool_calls" and [n for n, _ in calls] == ["get_weather"], (content, calls)
+    jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
+    assert content in (None, "I will check. ")
+    if stream:
+        assert early[0] >= 2  # the name, then argument deltas before the last chunk
+    content, calls, reason, *_ = tool_calls(hermes, stream, extra_body={"guided_choice": ["Sunny.", "Rain."]})
+    assert (content, calls, reason) in (("Sunny.", [], "stop"), ("Rain.", [], "stop"))
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+        tool_calls(plain, stream)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -216,7 +258,7 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(client, stream):
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "only one output constraint"),
     ({"guided_regex": "a" * 70000}, "over the limit"),
     ({"structured_outputs": {"structural_tag": "x"}}, "unsupported"),
-    ({"tool_choice": "auto", "tools": [WEATHER]}, "auto"),
+    ({"tool_choice": "auto", "tools": [WEATHER]}, '"auto" tool choice requires --enable-auto-tool-choice'),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "nope"),
 ])
 def test_a_bad_constraint_is_a_400_with_the_reason(client, body, message):

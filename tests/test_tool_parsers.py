@@ -69,7 +69,8 @@ def test_hermes_a_json_array_in_one_block_is_one_call_each():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
 
 
-@pytest.mark.parametrize("text", ["no calls here", 'x <tool_call>{"name": "get_weather", "arguments": {"a": </tool_call>',
+@pytest.mark.parametrize("text", ["no calls here",
+                                  'x <tool_call>{"name": "get_weather", "arguments": {"a": </tool_call>',
                                   '<tool_call>{"name": "get_weather", "arguments": {"a": 1}', "ends with <tool_c"])
 def test_text_without_calls_that_parse_is_content(text):
     message, reason = ToolCallStream(AUTO, HermesToolParser).message(text, "length")
