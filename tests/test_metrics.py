@@ -46,6 +46,9 @@ EXPORTED = {
     "taxirank:padded_tokens": ("counter", "Token rows computed only to fill a shape bucket."),
     "taxirank:useful_slot_steps": ("counter", "Slot-steps whose sequence made progress."),
     "taxirank:total_slot_steps": ("counter", "Slot-steps run (max_num_seqs per step)."),
+    "taxirank:structured_output_steps": ("counter", "Steps that sampled a row under a structured-output bitmask."),
+    "taxirank:structured_output_bitmask_seconds": (
+        "counter", "Host time filling structured-output bitmasks (it overlaps the step's forward)."),
     "taxirank:request_success": ("counter", "Finished requests by finish reason."),
     "taxirank:time_to_first_token_seconds": ("histogram", "Time to first token."),
     "taxirank:inter_token_latency_seconds": ("histogram", "Time between consecutive output tokens."),

@@ -410,7 +410,8 @@ def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_sync
         events.append("result")
         return result(step)
 
-    steps = tiny.stats.num_steps
+    steps, masked_steps = tiny.stats.num_steps, tiny.stats.structured_output_steps
+    fill_s = tiny.stats.structured_output_bitmask_seconds
     with monkeypatch.context() as patch:
         patch.setattr(tiny.engine.runner, "_call", spy_call)
         patch.setattr(runner_module.InFlightStep, "result", spy_result)
@@ -418,6 +419,8 @@ def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_sync
     assert tiny.stats.num_steps - steps == 20  # the prefill samples token 1, then one token a step: 20 for the longest
     masked = [i for i, e in enumerate(events) if e == "masked"]
     assert len(masked) >= 5  # the constrained outputs are at least 5 tokens long
+    assert tiny.stats.structured_output_steps - masked_steps == len(masked)  # the engine counts them
+    assert tiny.stats.structured_output_bitmask_seconds > fill_s
     # After the first step, each masked sample comes after its own forward and the previous
     # step's result: the forward ran while the host waited for that result and filled the mask.
     assert all(events[i - 2:i] == ["forward", "result"] for i in masked[1:]), events
