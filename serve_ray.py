@@ -388,6 +388,8 @@ def plan(args: argparse.Namespace) -> Plan:
     if config.num_processes > 1 or config.distributed_coordinator is not None:
         raise ValueError("multi-host replicas are not supported under Ray Serve: one replica is one process "
                          "(use --tensor-parallel-size over its local devices)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # as server.py
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be a fixed port (1..65535) for Ray Serve's proxy, got {args.port}")
     autoscale = args.min_replicas is not None or args.max_replicas is not None

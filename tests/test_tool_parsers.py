@@ -133,3 +133,15 @@ def test_tool_choice_auto_needs_the_servers_parser_and_is_parsed_once():
     assert json.loads(params.structured_outputs.json) == {"type": "object"}
     with pytest.raises(ApiError, match="only for /v1/chat/completions"):
         tool_choice({"tools": [WEATHER]}, chat=False, auto=True)
+
+
+def test_the_servers_tool_flags_are_checked_where_they_enter(capsys):
+    import server
+
+    with pytest.raises(SystemExit):  # vLLM's rule: auto tool choice needs a parser
+        server.main(["--enable-auto-tool-choice"])
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        server.build_parser().parse_args(["--tool-call-parser", "nope"])
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
+        server.build_app(None, ["m"], tool_call_parser="nope")
