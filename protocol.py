@@ -107,6 +107,16 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None) 
     chat = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
+        extra = {}  # a tool conversation's fields, for a template that renders them (as vLLM)
+        if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") is not None:
+            if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
+                raise ApiError(f"messages[{i}].tool_calls must be an array of objects", param="messages")
+            extra["tool_calls"] = m["tool_calls"]
+            content = "" if content is None else content  # OpenAI: null content beside the calls
+        if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise ApiError(f"messages[{i}].tool_call_id must be a string", param="messages")
+            extra["tool_call_id"] = m["tool_call_id"]
         if isinstance(content, list):  # OpenAI's content parts: only text ones mean anything here
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
@@ -117,7 +127,7 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None) 
         if m["role"] not in CHAT_ROLES:
             raise ApiError(f"messages[{i}]: unknown role {m['role'][:40]!r} (expected one of {', '.join(CHAT_ROLES)})",
                            param="messages")
-        chat.append({"role": m["role"], "content": content})
+        chat.append({"role": m["role"], "content": content, **extra})
     try:
         kw = {"tools": tools.definitions} if tools is not None else {}
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **kw)

@@ -14,8 +14,8 @@ templates that render tools: `<tool_call>{"name": ..., "arguments": {...}}</tool
 one block per call (a block holding a JSON array of such objects counts each); content is
 the text before the first block, as vLLM's Hermes2ProToolParser.
 
-Streaming, as vLLM: a call's first delta carries its index, id, type and name; its
-arguments follow as string deltas as the model writes them; text that may be the start of
+Streaming, as vLLM: a call's first delta carries its index, id, type and name (and the
+arguments written by then, if any); the rest follow as string deltas as the model writes them; text that may be the start of
 a `<tool_call>` tag is held back until it is known not to be. A call's arguments are the
 model's own JSON text of them (valid JSON, its spacing kept), the same whole and streamed.
 Every delta is derived from the whole text so far (`_view`), then diffed with what was
@@ -196,7 +196,11 @@ class ToolCallStream:
                 deltas.append(call | {"index": i})
                 self.sent.append((call["id"], 0))
             if i < len(self.sent) and len(c.arguments) > self.sent[i][1]:
-                deltas.append({"index": i, "function": {"arguments": c.arguments[self.sent[i][1]:]}})
+                more = c.arguments[self.sent[i][1]:]
+                if deltas and deltas[-1]["index"] == i:  # named in this very chunk: one delta per call
+                    deltas[-1]["function"]["arguments"] = more
+                else:
+                    deltas.append({"index": i, "function": {"arguments": more}})
                 self.sent[i] = (self.sent[i][0], len(c.arguments))
         if deltas:
             out["tool_calls"] = deltas

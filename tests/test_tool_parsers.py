@@ -45,11 +45,13 @@ def add_up(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
     content, calls = "", {}
     for d in deltas:
         content += d.get("content", "")
+        assert len({c["index"] for c in d.get("tool_calls", [])}) == len(d.get("tool_calls", []))  # one per call
         for c in d.get("tool_calls", []):
             if "id" in c:
-                assert c["index"] not in calls and "arguments" not in c["function"], "a call's first delta names it"
-                calls[c["index"]] = [c["function"]["name"], ""]
+                assert c["index"] not in calls and c["type"] == "function", "a call's first delta names it"
+                calls[c["index"]] = [c["function"]["name"], c["function"].get("arguments", "")]
             else:
+                assert set(c["function"]) == {"arguments"}
                 calls[c["index"]][1] += c["function"]["arguments"]
     return content, [tuple(calls[i]) for i in sorted(calls)]
 
@@ -145,3 +147,28 @@ def test_the_servers_tool_flags_are_checked_where_they_enter(capsys):
         server.build_parser().parse_args(["--tool-call-parser", "nope"])
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         server.build_app(None, ["m"], tool_call_parser="nope")
+
+
+def test_a_tool_conversation_goes_through_the_chat_template():
+    """The assistant's calls (content null, as OpenAI sends them back) and the tool's answer
+    reach the template; malformed ones are a 400."""
+    from protocol import parse_messages
+    from tokenizer import ByteTokenizer
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."}]
+    seen = []
+
+    class Template(ByteTokenizer):
+        def apply_chat_template(self, chat, **kw):
+            seen.append((chat, kw))
+            return super().apply_chat_template(chat, **kw)
+
+    ids = parse_messages({"messages": messages}, Template(), tool_choice({"tools": [WEATHER]}, True, True))
+    assert bytes(ids[1:]).decode().endswith("<|im_start|>tool\nSunny.<|im_end|>\n<|im_start|>assistant\n")
+    chat, kw = seen[0]
+    assert chat[1] == {"role": "assistant", "content": "", "tool_calls": [call]} and chat[2]["tool_call_id"] == "call_1"
+    assert kw["tools"] == [WEATHER]
+    with pytest.raises(ApiError, match="tool_calls must be an array"):
+        parse_messages({"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}, Template())
