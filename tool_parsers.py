@@ -101,9 +101,11 @@ def _elements(text: str) -> list[tuple[int, int | None]]:
     return out
 
 
-def _array_calls(text: str, key: str, done: bool) -> list[CallView]:
-    return [_call(text[a:b], key, b is not None) if b is not None else _call(text[a:], key, False)
-            for a, b in _elements(text)] if text.lstrip().startswith("[") else []
+def _array_calls(text: str, key: str) -> list[CallView]:
+    """The calls of a JSON array of call objects written so far (an open one: not done)."""
+    if not text.lstrip().startswith("["):
+        return []
+    return [_call(text[a:] if b is None else text[a:b], key, b is not None) for a, b in _elements(text)]
 
 
 class HermesToolParser:
@@ -124,7 +126,7 @@ class HermesToolParser:
             body = text[i + len(self.start):j if j >= 0 else len(text)]
             done = j >= 0 or final
             if body.lstrip().startswith("["):
-                calls += _array_calls(body, "arguments", done)
+                calls += _array_calls(body, "arguments")
             else:
                 calls.append(_call(body.strip() if done else body, "arguments", done))
             i = text.find(self.start, j) if j >= 0 else -1
@@ -155,7 +157,7 @@ class ToolCallStream:
         if self.tools.mode == "named":
             return "", [CallView(next(iter(self.tools.tools)), self.text, final)]
         if self.tools.mode == "required":
-            return "", _array_calls(self.text, "parameters", final)
+            return "", _array_calls(self.text, "parameters")
         return self.parser.view(self.text, final)
 
     def _reason(self, calls: list[CallView], reason: str) -> str:
