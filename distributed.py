@@ -29,8 +29,12 @@ from config import EngineConfig
 HEARTBEAT_TIMEOUT_S = 10  # jax.distributed's default is 100 s: a dead peer should fail the group sooner
 _POLL_MS = 1000
 _PREFIX = "taxirank/"
-STOP, DECODE, RAGGED = 0, 1, 2
+# A step is two posts: its forward (DECODE or RAGGED), then its sample program, whose
+# bitmask travels only when a row is constrained (SAMPLE_MASKED; else each process uses
+# its own all-ones bitmask, already on its devices).
+STOP, DECODE, RAGGED, SAMPLE, SAMPLE_MASKED = 0, 1, 2, 3, 4
 _HEADER = np.dtype(np.int64).itemsize * 3
+KEEP_POSTS = 8
 
 
 def initialize(config: EngineConfig) -> None:
@@ -58,10 +62,10 @@ class GroupFailedError(RuntimeError):
 
 
 class StepChannel:
-    """Process 0 posts each step's (kind, rows, tokens, input arrays); the others take
-    them in order. A step's key is deleted four steps later: process 0 has by then
-    read back the results of step n + 1 at least (async scheduling keeps at most two
-    steps in flight), which no process could have computed without reading step n."""
+    """Process 0 posts each program's (kind, rows, tokens, input arrays); the others take
+    them in order. A post's key is deleted four steps (eight posts) later: process 0 has
+    by then read back the results of step n + 1 at least (async scheduling keeps at most
+    two steps in flight), which no process could have computed without reading step n."""
 
     def __init__(self) -> None:
         import jax
@@ -79,8 +83,8 @@ class StepChannel:
         body = np.array([kind, rows, tokens], np.int64).tobytes()
         body += b"".join(np.ascontiguousarray(x).tobytes() for x in jax.tree.leaves(args))
         self.client.key_value_set_bytes(f"{_PREFIX}step/{self.n}", body)
-        if self.n >= 4:
-            self.client.key_value_delete(f"{_PREFIX}step/{self.n - 4}")
+        if self.n >= KEEP_POSTS:
+            self.client.key_value_delete(f"{_PREFIX}step/{self.n - KEEP_POSTS}")
         self.n += 1
 
     def take(self, template: Callable[[int, int, int], Any]) -> tuple[int, Any] | None:

@@ -187,15 +187,10 @@ class LLMEngine:
         is collected by the next call, so the host schedules step N+1 while the device runs
         step N (an empty step dispatches nothing and collects the one in flight).
 
-        Structured outputs: a constrained row's bitmask depends on its previous token, so
-        while any constrained request is in the engine the step in flight is collected
-        before the next is scheduled (the synchronous order): every row still advances
-        one token a step; only the host/device overlap is given up.
-
         Speculative decoding: proposals are made from every token of a sequence, so while
-        the scheduler may speculate (below disable_by_batch_size) the loop is synchronous
-        too, and a step that verifies proposals is collected before step() returns."""
-        sync = self.scheduler.num_constrained or (self.proposer is not None and self.scheduler.speculating)
+        the scheduler may speculate (below disable_by_batch_size) the loop is synchronous,
+        and a step that verifies proposals is collected before step() returns."""
+        sync = self.proposer is not None and self.scheduler.speculating
         deltas = self._collect() if self._in_flight and sync else []
         out = self.scheduler.schedule()
         if out.preempted:
@@ -208,7 +203,7 @@ class LLMEngine:
         if out.swap_out or out.swap_in:  # before the step, which may write where a swapped-out block was
             self.runner.swap(out.swap_out, out.swap_in)
         if out.scheduled or out.preempted or not self._in_flight:  # a preemption is recorded with its step
-            self._in_flight.append((out, time.monotonic(), self._dispatch(out)))
+            self._in_flight.append((out, time.monotonic(), self._dispatch(out, deltas)))
         if out.scheduled and len(self._in_flight) <= self._max_in_flight and not out.num_spec_tokens:
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
             return deltas
@@ -233,13 +228,33 @@ class LLMEngine:
                                           sum(len(t) - 1 for t in outcome.emitted.values()))
         return self._record(out, result, outcome, scheduled_at)
 
-    def _dispatch(self, out: SchedulerOutput) -> InFlightStep | StepResult | None:
+    def _dispatch(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep | StepResult | None:
+        """Dispatch out's step; the steps collected meanwhile add their deltas to `deltas`."""
         if not out.scheduled:  # nothing runs, but update() may still release a static batch
             return None
         try:
-            return self.runner.execute(out)
+            return self._execute(out, deltas)
         except Exception as e:
+            deltas += self._drain()  # rows run alone may sample under a constraint: see _execute
             return self._isolate_failure(out, e)
+
+    def _execute(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep:
+        """Structured outputs: a constrained row's bitmask needs its previous token, which
+        the step in flight may still be computing. Its step's forward is dispatched first;
+        the earlier steps are collected while it runs (their tokens advance the matchers),
+        then the bitmask is filled and the sample program dispatched. Unconstrained steps
+        keep the whole overlap; a constrained one overlaps the host's work with its forward."""
+        step = self.runner.execute(out)
+        if step.awaits_mask:
+            deltas += self._drain()
+            self.runner.sample(step)
+        return step
+
+    def _drain(self) -> list[RequestOutputDelta]:
+        deltas = []
+        while self._in_flight:
+            deltas += self._collect()
+        return deltas
 
     def _record(self, out: SchedulerOutput, result: StepResult | None, outcome: StepOutcome,
                 scheduled_at: float) -> list[RequestOutputDelta]:
@@ -326,7 +341,7 @@ class LLMEngine:
                                   num_decode_tokens=int(sch.is_decode), num_spec_tokens=num_spec,
                                   draft_probs=out.draft_probs)
             try:
-                r = self.runner.execute(one).result()
+                r = self._execute(one, []).result()  # (nothing is in flight: no deltas)
             except Exception as e:
                 if self._cache_donated():
                     raise

@@ -198,6 +198,8 @@ class EngineStats:
     useful_tokens: int = 0
     computed_logit_rows: int = 0
     useful_logit_rows: int = 0
+    structured_output_steps: int = 0  # steps that sampled a row under a structured-output bitmask
+    structured_output_bitmask_seconds: float = 0.0  # host time filling those bitmasks
     # histograms
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))

@@ -12,6 +12,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from config import SamplingParams, SLOTarget, StructuredOutputsParams
+from tool_parsers import ToolChoice
 
 if TYPE_CHECKING:
     from engine import TokenLogprob
@@ -92,8 +93,9 @@ def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:
     return prompt
 
 
-def parse_messages(body: dict, tokenizer: Any) -> list[int]:
-    """Chat messages through the model's chat template, as token ids."""
+def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None) -> list[int]:
+    """Chat messages through the model's chat template, as token ids; with the request's
+    tools (tool_choice()) for a template that renders them, as vLLM."""
     messages = body.get("messages")
     if messages is None:
         raise ApiError("'messages' is required", param="messages")
@@ -105,6 +107,16 @@ def parse_messages(body: dict, tokenizer: Any) -> list[int]:
     chat = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
+        extra = {}  # a tool conversation's fields, for a template that renders them (as vLLM)
+        if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") is not None:
+            if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
+                raise ApiError(f"messages[{i}].tool_calls must be an array of objects", param="messages")
+            extra["tool_calls"] = m["tool_calls"]
+            content = "" if content is None else content  # OpenAI: null content beside the calls
+        if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise ApiError(f"messages[{i}].tool_call_id must be a string", param="messages")
+            extra["tool_call_id"] = m["tool_call_id"]
         if isinstance(content, list):  # OpenAI's content parts: only text ones mean anything here
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
@@ -115,18 +127,20 @@ def parse_messages(body: dict, tokenizer: Any) -> list[int]:
         if m["role"] not in CHAT_ROLES:
             raise ApiError(f"messages[{i}]: unknown role {m['role'][:40]!r} (expected one of {', '.join(CHAT_ROLES)})",
                            param="messages")
-        chat.append({"role": m["role"], "content": content})
+        chat.append({"role": m["role"], "content": content, **extra})
     try:
-        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        kw = {"tools": tools.definitions} if tools is not None else {}
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **kw)
     except Exception as e:  # no template, or the template refuses these messages (jinja raise)
         raise ApiError(f"chat template failed: {e}", param="messages") from e
     # The template already carries BOS and the other special tokens it wants.
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
-                   has_tokenizer: bool) -> tuple[SamplingParams, list[str]]:
-    """SamplingParams and stop strings from the OpenAI fields; a 400 for anything off."""
+def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, has_tokenizer: bool,
+                   tools: ToolChoice | None = None) -> tuple[SamplingParams, list[str]]:
+    """SamplingParams and stop strings from the OpenAI fields; a 400 for anything off.
+    tools: the request's tool_choice() (a forced call constrains the output)."""
     for name, neutral in _NEUTRAL.items():
         if body.get(name) is not None and body[name] not in neutral:
             raise ApiError(f"'{name}' is not supported by this server", param=name)
@@ -179,7 +193,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
             prompt_logprobs=field(body, "prompt_logprobs", (int,)),  # vLLM's extra field
             skip_special_tokens=field(body, "skip_special_tokens", (bool,), True),
             spaces_between_special_tokens=field(body, "spaces_between_special_tokens", (bool,), True),
-            structured_outputs=parse_structured(body, chat),
+            structured_outputs=parse_structured(body, tools),
         )
     except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]..."
         name = str(e).split()[0]
@@ -194,22 +208,22 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def tool_choice(body: dict, chat: bool) -> tuple[str, dict] | None:
-    """The tool call a chat request forces: ("named", the tool) for tool_choice naming one
-    function, ("required", {"tools": [...]}) for "required", None for no tool call
-    (tool_choice absent with no tools, or "none"). Other forms are refused: taxirank parses
-    no free-form tool calls out of text ("auto")."""
+def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
+    """What a request's tools and tool_choice ask, or None for no tool call (no tools, or
+    tool_choice "none"). auto: the server parses calls out of free text (its
+    --enable-auto-tool-choice with a --tool-call-parser); without, "auto" (the default
+    with tools) is vLLM's 400."""
     tools = field(body, "tools", (list,), [])
     choice = body.get("tool_choice")
     if not chat and (tools or choice is not None):
         raise ApiError("'tools' and 'tool_choice' are only for /v1/chat/completions", param="tools")
     if choice is None and not tools or choice == "none":
         return None
-    if choice is None or choice == "auto":
-        raise ApiError("tool_choice 'auto' is not supported by this server: name a function or use 'required'",
-                       param="tool_choice")
     if not tools:
         raise ApiError("'tool_choice' needs 'tools'", param="tool_choice")
+    if (choice is None or choice == "auto") and not auto:
+        raise ApiError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                       param="tool_choice")
     by_name = {}
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
@@ -219,16 +233,16 @@ def tool_choice(body: dict, chat: bool) -> tuple[str, dict] | None:
         if not isinstance(params, dict):
             raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
         by_name[fn["name"]] = params
-    if choice == "required":
-        return "required", by_name
+    if choice is None or choice in ("auto", "required"):
+        return ToolChoice(choice or "auto", by_name, tools)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):
-        raise ApiError("'tool_choice' must be 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
-                       param="tool_choice")
+        raise ApiError("'tool_choice' must be 'none', 'auto', 'required' or "
+                       "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
     if name not in by_name:
         raise ApiError(f"tool_choice names function {name[:80]!r}, which is not in 'tools'", param="tool_choice")
-    return "named", {name: by_name[name]}
+    return ToolChoice("named", {name: by_name[name]}, tools)
 
 
 def required_tools_schema(tools: dict[str, dict]) -> dict:
@@ -239,10 +253,11 @@ def required_tools_schema(tools: dict[str, dict]) -> dict:
          "required": ["name", "parameters"]} for name, params in tools.items()]}}
 
 
-def parse_structured(body: dict, chat: bool) -> StructuredOutputsParams | None:
+def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsParams | None:
     """The one output constraint a request asks for, from whichever of OpenAI's
     response_format, vLLM's structured_outputs or guided_* fields, or a forced tool call
-    carries it; a 400 for more than one, or for any malformed one. Whether the schema,
+    (tools: the request's, from tool_choice()) carries it; a 400 for more than one, or
+    for any malformed one. Whether the schema,
     regex or grammar itself is valid is llguidance's to say (the server compiles it next)."""
     found: list[tuple[str, dict]] = []
     fmt = field(body, "response_format", (dict,))
@@ -271,11 +286,9 @@ def parse_structured(body: dict, chat: bool) -> StructuredOutputsParams | None:
     for name, key in _GUIDED.items():
         if body.get(name) is not None:
             found.append((name, {key: body[name]}))
-    tools = tool_choice(body, chat)
-    if tools is not None:
-        kind, by_name = tools
-        found.append(("tool_choice", {"json": next(iter(by_name.values())) if kind == "named"
-                                      else required_tools_schema(by_name)}))
+    if tools is not None and tools.mode != "auto":  # ("auto": the model's free text, parsed after)
+        found.append(("tool_choice", {"json": next(iter(tools.tools.values())) if tools.mode == "named"
+                                      else required_tools_schema(tools.tools)}))
     if not found:
         return None
     if len(found) > 1:

@@ -1,17 +1,25 @@
 """ModelRunner: the only place where the scheduler's decisions become device arrays.
 
-Two jitted programs, both over fixed shapes, both with the KV cache donated (updated in
-place) and both returning only the sampled tokens (and logprobs) to the host:
+A step is two jitted programs over fixed shapes, dispatched back to back: a forward
+(the KV cache donated, updated in place) that leaves the sampling rows' logits on the
+device, then a small sample program that turns them into tokens (and logprobs), the
+only results the host reads. The forward comes in two kinds:
 
   decode  one token per occupied slot: token[R], pos[R], slot_mapping[R], block_tables[R, W], kv_lens[R]
   ragged  steps that carry prompt tokens (prefill, or chunks mixed with decodes): the
           step's tokens flattened and padded to a bucket T, cu_q_lens[S+1] per slot
 
-Both also take and return `last_tokens[max_num_seqs + 1]` (donated): each slot's latest
-sampled token, kept on the device. An input token the host does not know yet (async
-scheduling: sampled by the step still running, one of the sequence's
+Both read `last_tokens[max_num_seqs + 1]`, each slot's latest sampled token kept on the
+device, which the sample program writes (donated). An input token the host does not know
+yet (async scheduling: sampled by the step still running, one of the sequence's
 num_output_placeholders) is passed as token_src = its slot and read from there; every
 sampling row writes its token back (sample_slot).
+
+Why two programs: a row under a structured-output constraint samples under a token
+bitmask that depends on its previous token. Split, the forward of step N+1 runs on the
+device while the host waits for step N's tokens, advances the matchers and fills the
+bitmask; only the sample program waits for it (vLLM's execute_model / sample_tokens
+split). A step without a constrained row dispatches its sample program at once.
 
 W is max_model_len / block_size, but attention loops only over the blocks actually in
 context (see kernels_pallas.py), so the width costs host->device bytes, not FLOPs.
@@ -23,6 +31,7 @@ waits only in InFlightStep.result().
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -36,7 +45,7 @@ from jax.sharding import Mesh
 
 from attention_backend import AttentionShape, select_attention_backend
 from config import MAX_LOGPROBS, EngineConfig
-from distributed import DECODE, RAGGED, STOP, StepChannel
+from distributed import DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, STOP, StepChannel
 from kvcache import create_kv_caches
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel
@@ -112,33 +121,49 @@ def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Arr
 
 class InFlightStep:
     """A dispatched step: its outputs are device arrays still being computed. result()
-    waits for them and copies them to the host (the only host<-device copy of a step)."""
+    waits for them and copies them to the host (the only host<-device copy of a step).
 
-    def __init__(self, res: tuple[jax.Array, ...], num_seqs: int, want_logprobs: bool,
-                 prompt_rows: list[tuple[int, int, int, int]] | None = None, spec_rows: list[int] | None = None):
-        """prompt_rows: (row, first flat token, first position, tokens) of the rows whose
-        prompt logprobs this step computed. spec_rows: the rows verified, in their order."""
-        self._res, self.num_seqs, self.want_logprobs = res, num_seqs, want_logprobs
-        self.prompt_rows = prompt_rows
+    A step with constrained rows is dispatched in two parts: its forward by execute(),
+    its sample program by ModelRunner.sample() once every constrained row's matcher has
+    its previous token (awaits_mask until then)."""
+
+    def __init__(self, forward: tuple[Any, ...], num_seqs: int, want_logprobs: bool,
+                 prompt_rows: list[tuple[int, int, int, int]] | None,
+                 sample_args: tuple[np.ndarray, SamplingTensors], constrained: list[tuple[Sequence, int]],
+                 spec_rows: list[int] | None = None):
+        """forward: the forward's outputs but the logits (the prompt logprob arrays, when
+        asked); prompt_rows: (row, first flat token, first position, tokens) of the rows
+        whose prompt logprobs this step computed; sample_args: (sample_slot, sampling,
+        without a bitmask); constrained: (sequence, row) of the rows that sample under a
+        constraint; spec_rows: the rows verified (by the forward), in their order."""
+        self._forward, self.num_seqs, self.want_logprobs = forward, num_seqs, want_logprobs
+        self.prompt_rows, self.sample_args, self.constrained = prompt_rows, sample_args, constrained
         self.spec_rows = spec_rows
+        self._res: tuple[jax.Array, ...] | None = None
+
+    @property
+    def awaits_mask(self) -> bool:
+        return self._res is None
 
     def block_until_ready(self) -> None:
+        assert self._res is not None, "the step's sample program was never dispatched"
         jax.block_until_ready(self._res[0])
 
     def result(self) -> StepResult:
+        assert self._res is not None, "the step's sample program was never dispatched"
         n = self.num_seqs
-        tok, tok_lp, top_ids, top_lp = self._res[:4]
+        tok, tok_lp, top_ids, top_lp = self._res
         logprobs = None
         if self.want_logprobs:
             logprobs = (np.asarray(tok_lp)[:n], np.asarray(top_ids)[:n], np.asarray(top_lp)[:n])
         prompt = None
         if self.prompt_rows:
-            arrays = [np.asarray(x) for x in self._res[4]]
+            arrays = [np.asarray(x) for x in self._forward[0]]
             prompt = {row: PromptLogprobs(pos, *(x[flat:flat + q] for x in arrays))
                       for row, flat, pos, q in self.prompt_rows}
         spec = None
         if self.spec_rows:
-            toks, num, lp, ids, tlp = (np.asarray(x) for x in self._res[5])
+            toks, num, lp, ids, tlp = (np.asarray(x) for x in self._forward[1])
             spec = {row: (toks[r, :num[r]].tolist(),
                           (lp[r, :num[r]], ids[r, :num[r]], tlp[r, :num[r]]) if self.want_logprobs else None)
                     for r, row in enumerate(self.spec_rows)}
@@ -237,8 +262,10 @@ class ModelRunner:
         self._wants_logprobs = np.zeros(N + 1, bool)
         # Structured outputs: a step with no constrained row passes an all-ones bitmask
         # kept on the device per row count (no host->device bytes), and skips applying it.
+        # Between a forward and its sample program the forward's logits wait here.
         self._mask_width = bitmask_width(loaded.config.vocab_size)
         self._no_mask: dict[int, jax.Array] = {}
+        self._logits: jax.Array | None = None
         self._wants_prompt_logprobs = np.zeros(N + 1, bool)
         backend = self.backend
         # Under TP the updated cache must come back split as it went in (it is donated).
@@ -255,22 +282,22 @@ class ModelRunner:
         # Verified rows are padded to one of a few counts; one program (lax.switch) holds them all.
         self.spec_buckets = _spec_buckets(N) if spec is not None else ()
 
-        def run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, rows, sample_slot, sampling,
-                prompt_targets=None, spec_in=None):
+        def forward(state, kv_caches, last_tokens, tokens, token_src, positions, attn, rows, prompt_targets=None,
+                    spec_in=None, sampling=None):
             model = nnx.merge(graphdef, state)
             tokens = jnp.where(token_src >= 0, last_tokens[jnp.maximum(token_src, 0)], tokens)
             hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
-            res = sample(model.compute_logits(hidden if rows is None else hidden[rows]), sampling)
-            if prompt_targets is not None:
-                res = (*res, prompt_logprobs(model.compute_logits, hidden, prompt_targets))
-            # Padding rows and rows that do not sample all write the idle entry.
-            last_tokens = last_tokens.at[sample_slot].set(res[0])
+            logits = model.compute_logits(hidden if rows is None else hidden[rows])
+            extra = () if prompt_targets is None else (prompt_logprobs(model.compute_logits, hidden, prompt_targets),)
             if spec_in is not None:
+                # A verified row's tokens are decided here, by rejection sampling over its
+                # 1 + K positions: its last one goes to last_tokens now (the sample program
+                # that follows leaves verified rows alone: their sample_slot is the idle one).
                 spec_out = verify(model.compute_logits, hidden, attn.cu_q_lens, sampling, spec_in)
                 last = jnp.take_along_axis(spec_out[0], (spec_out[1] - 1)[:, None], axis=1)[:, 0]
-                last_tokens = last_tokens.at[spec_in.slot].set(last)
-                res = (*res, spec_out)
-            return keep(kv_caches, (last_tokens, res))
+                extra = (*extra, spec_out, last_tokens.at[spec_in.slot].set(last))
+            kv_caches, *extra = keep(kv_caches, extra)
+            return kv_caches, (logits, *extra)
 
         def verify(logits_fn, hidden, cu_q_lens, sampling, sp):
             """The LM head on each verified row's 1 + K positions (its last known token and
@@ -299,24 +326,32 @@ class ModelRunner:
             return jax.lax.switch(sp.bucket, [none] + [rows(b) for b in branches])
 
         def decode_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
-                      kv_lens, sample_slot, sampling):
+                      kv_lens):
             count_compile()
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, None)
-            return run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, None, sample_slot, sampling)
+            return forward(state, kv_caches, last_tokens, tokens, token_src, positions, attn, None)
 
         def ragged_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
-                      kv_lens, cu_q_lens, sample_slot, sampling, prompt_targets, spec_in=None):
+                      kv_lens, cu_q_lens, prompt_targets, spec_in=None, sampling=None):
             count_compile()
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens)
             # Only each slot's last token of the step can be sampled: the LM head runs on
             # S rows, not T (all T only for prompt_logprobs, when asked; 1 + K for a
             # verified row: spec_in).
             last = jnp.maximum(cu_q_lens[1:] - 1, 0)
-            return run(state, kv_caches, last_tokens, tokens, token_src, positions, attn, last, sample_slot, sampling,
-                       prompt_targets, spec_in)
+            return forward(state, kv_caches, last_tokens, tokens, token_src, positions, attn, last, prompt_targets,
+                           spec_in, sampling)
 
-        self._decode = jax.jit(decode_fn, donate_argnums=(1, 2))
-        self._ragged = jax.jit(ragged_fn, donate_argnums=(1, 2))
+        def sample_fn(last_tokens, logits, sample_slot, sampling):
+            count_compile()
+            res = sample(logits, sampling)
+            # Padding rows and rows that do not sample all write the idle entry.
+            _, last_tokens, res = keep((), (last_tokens.at[sample_slot].set(res[0]), res))
+            return last_tokens, res
+
+        self._decode = jax.jit(decode_fn, donate_argnums=(1,))
+        self._ragged = jax.jit(ragged_fn, donate_argnums=(1,))
+        self._sample = jax.jit(sample_fn, donate_argnums=(0,))
         # Swap preemption: KV blocks [layers, block, ...] to and from a host pool of numpy arrays.
         self.num_swap_blocks = num_swap_blocks
         self.host_kv: list[np.ndarray] | None = None
@@ -408,16 +443,14 @@ class ModelRunner:
         # The one Python loop over the step's sequences: most rows need one identity and
         # one length check of their block table, and six numbers into a flat list.
         flat: list[int] = []
-        constrained = []  # (constraint, row) of the rows that sample under a constraint
+        constrained = []  # (sequence, row) of the rows that sample under a constraint
         for sch in out.scheduled:
             seq = sch.seq
             bt = seq.block_table
             if owner[seq.slot] is not bt or bt_len[seq.slot] != len(bt):
                 self._sync_slot(seq)
             if seq.constraint is not None and sch.samples:
-                # its matcher has every output token: the engine runs no constrained row ahead
-                assert seq.num_output_placeholders == 1, f"{seq.request_id}: constrained with a token in flight"
-                constrained.append((seq.constraint, len(flat) // 6))
+                constrained.append((seq, len(flat) // 6))
             # per row: slot, end position, new tokens, outputs known, outputs in flight, samples?
             flat += (seq.slot, seq.num_computed_tokens, sch.num_new_tokens, len(seq.output_token_ids),
                      seq.num_output_placeholders, sch.samples)
@@ -475,28 +508,55 @@ class ModelRunner:
         sample_slot = np.full(R, self._idle, np.int32)
         sample_slot[:n] = np.where(samples, slots, self._idle)
         want_logprobs = bool((self._wants_logprobs[slots] & samples).any())
-        sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs), **self._bitmask(R, constrained))
+        sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs))
         prompt_rows, spec_rows = None, None
         if decode:
             extra: tuple = ()
         else:
             targets = np.full(T, -1, np.int32)
             prompt_rows = self._prompt_targets(out, slots, start, q, cu_q_lens, targets)
-            extra = (cu_q_lens,)
+            extra = (cu_q_lens, targets)
             if self.spec_buckets:
                 spec_rows = [i for i, sch in enumerate(out.scheduled) if sch.spec_token_ids]
-                targets = (targets, self._spec_inputs(out, spec_rows, slots, R))
-        res = self._run(DECODE if decode else RAGGED, R, T, (tokens, token_src, positions, slot_mapping, block_tables,
-                                                             kv_lens, *extra, sample_slot, sampling,
-                                                             *(() if decode else targets if spec_rows is not None
-                                                               else (targets,))))
+                extra = (*extra, self._spec_inputs(out, spec_rows, slots, R), sampling)
+                sample_slot[spec_rows] = self._idle  # their tokens come from the forward's verification
+        fwd = self._run(DECODE if decode else RAGGED, R, T,
+                        (tokens, token_src, positions, slot_mapping, block_tables, kv_lens, *extra))
         with self.stats.lock:
             self.stats.padded_tokens += T - num_real
             self.stats.computed_tokens += T
             self.stats.useful_tokens += num_real
             self.stats.computed_logit_rows += R
             self.stats.useful_logit_rows += int(samples.sum())
-        return InFlightStep(res, n, want_logprobs, prompt_rows, spec_rows)
+        step = InFlightStep(fwd, n, want_logprobs, prompt_rows, (sample_slot, sampling), constrained, spec_rows)
+        if not constrained:
+            self.sample(step)
+        return step
+
+    def sample(self, step: InFlightStep) -> None:
+        """Dispatch step's sample program. Its constrained rows' bitmask is filled now, so
+        the caller first collects every earlier step: each matcher must have consumed all
+        of its sequence's tokens but the one this step samples."""
+        sample_slot, sampling = step.sample_args
+        rows = []
+        for seq, row in step.constrained:
+            if seq.finished:  # ended by the step before: its row is discarded
+                continue
+            assert seq.num_output_placeholders == 1, f"{seq.request_id}: its mask would miss a token in flight"
+            rows.append((seq.constraint, row))
+        bitmask = None
+        if rows:
+            t0 = time.perf_counter()
+            bitmask = np.full((len(sample_slot), self._mask_width), -1, np.int32)
+            fill_bitmask(rows, bitmask)
+            with self.stats.lock:
+                self.stats.structured_output_steps += 1
+                self.stats.structured_output_bitmask_seconds += time.perf_counter() - t0
+        # Multi-host, the all-ones bitmask of an unconstrained step is each process's own.
+        if bitmask is None:
+            step._res = self._run(SAMPLE, len(sample_slot), 0, (sample_slot, sampling))
+        else:
+            step._res = self._run(SAMPLE_MASKED, len(sample_slot), 0, (sample_slot, sampling, bitmask))
 
     def _spec_branches(self, rows: int) -> tuple[int, ...]:
         """The verified-row counts a program of `rows` rows has a branch for."""
@@ -544,15 +604,11 @@ class ModelRunner:
                 rows.append((i, flat, a, b - a))
         return rows
 
-    def _bitmask(self, rows: int, constrained: list) -> dict[str, Any]:
-        if not constrained:
-            if rows not in self._no_mask:
-                ones = np.full((rows, self._mask_width), -1, np.int32)
-                self._no_mask[rows] = jax.device_put(ones) if self.mesh is None else replicate(ones, self.mesh)
-            return {"token_bitmask": self._no_mask[rows], "use_bitmask": np.bool_(False)}
-        bitmask = np.full((rows, self._mask_width), -1, np.int32)
-        fill_bitmask(constrained, bitmask)
-        return {"token_bitmask": bitmask, "use_bitmask": np.bool_(True)}
+    def _all_ones(self, rows: int) -> jax.Array:
+        if rows not in self._no_mask:
+            ones = np.full((rows, self._mask_width), -1, np.int32)
+            self._no_mask[rows] = jax.device_put(ones) if self.mesh is None else replicate(ones, self.mesh)
+        return self._no_mask[rows]
 
     # ------------------------------------------------------------------------------
     def idle_step(self, decode_rows: int | None = None, tokens: int | None = None, verify_rows: int | None = None) -> None:
@@ -564,25 +620,46 @@ class ModelRunner:
         assert T is not None
         rows = decode_rows or verify_rows or ragged_rows(self.config, T)
         # Not posted to other processes: every process runs warm-up (and profiling) itself.
-        jax.block_until_ready(self._call(kind, self._idle_args(kind, rows, T)))
+        self._call(kind, self._idle_args(kind, rows, T))
+        jax.block_until_ready(self._call(SAMPLE, self._idle_args(SAMPLE, rows, 0)))
 
     def _idle_args(self, kind: int, rows: int, T: int) -> tuple:
-        """All-idle inputs of one step's shape (also the template a follower fills)."""
+        """All-idle inputs of one program's shape (also the template a follower fills)."""
+        if kind in (SAMPLE, SAMPLE_MASKED):
+            samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False))
+            mask = (np.full((rows, self._mask_width), -1, np.int32),) if kind == SAMPLE_MASKED else ()
+            return (np.full(rows, self._idle, np.int32), samp, *mask)
         zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(rows, np.int32)
-        samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False), **self._bitmask(rows, []))
         args = (zeros_t, np.full(T, -1, np.int32), zeros_t, zeros_t,
                 np.zeros((rows, self.config.max_blocks_per_seq), np.int32), zeros_r)
         if kind == DECODE:
-            return (*args, np.full(rows, self._idle, np.int32), samp)
-        args = (*args, np.zeros(rows + 1, np.int32), np.full(rows, self._idle, np.int32), samp, np.full(T, -1, np.int32))
+            return args
+        args = (*args, np.zeros(rows + 1, np.int32), np.full(T, -1, np.int32))
         if self.spec_buckets:
-            args = (*args, self._spec_inputs(SchedulerOutput(), [], np.zeros(0, np.int32), rows))
+            samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False))
+            args = (*args, self._spec_inputs(SchedulerOutput(), [], np.zeros(0, np.int32), rows), samp)
         return args
 
     def _call(self, kind: int, args: tuple) -> Any:
+        """Run one program: a forward keeps its logits here for the sample program that
+        always follows it (forward and sample alternate, on every process)."""
+        if kind in (SAMPLE, SAMPLE_MASKED):
+            sample_slot, sampling, *mask = args
+            assert self._logits is not None, "a sample program without its forward"
+            logits, self._logits = self._logits, None
+            if mask:
+                bitmask = mask[0] if self.mesh is None else replicate(mask[0], self.mesh)
+            else:
+                bitmask = self._all_ones(len(sample_slot))
+            sampling = dataclasses.replace(sampling, token_bitmask=bitmask, use_bitmask=np.bool_(bool(mask)))
+            self.last_tokens, res = self._sample(self.last_tokens, logits, sample_slot, sampling)
+            return res
+        assert self._logits is None, "a forward whose logits were never sampled"
         fn = self._decode if kind == DECODE else self._ragged
-        self.kv_caches, self.last_tokens, res = fn(self.state, self.kv_caches, self.last_tokens, *args)
-        return res
+        self.kv_caches, (self._logits, *extra) = fn(self.state, self.kv_caches, self.last_tokens, *args)
+        if kind == RAGGED and self.spec_buckets:  # the verified rows' last tokens, written by the forward
+            *extra, self.last_tokens = extra
+        return tuple(extra)
 
     def _run(self, kind: int, rows: int, T: int, args: tuple) -> Any:
         """One scheduled step; multi-host, its inputs go to the other processes first."""

@@ -210,9 +210,6 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._room_preempted = False  # this step preempted to find blocks for running sequences
         self._budget = 0  # tokens left in the step being scheduled
-        # Requests with a structured-output constraint, waiting or running: while there is
-        # one, the engine runs the synchronous loop (LLMEngine.step).
-        self.num_constrained = 0
         self.num_swap_blocks = num_swap_blocks if config.preemption_mode == "swap" else 0
         self._host_free = set(range(self.num_swap_blocks))  # free blocks of the host pool
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
@@ -270,7 +267,6 @@ class Scheduler:
                 seq.slo_tpot = cfg.slo_tpot_ms / 1e3
         self.waiting.add(seq)
         self._seqs[seq.request_id] = seq
-        self.num_constrained += seq.constraint is not None
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request wherever it is; its slot and blocks are free on return."""
@@ -618,7 +614,6 @@ class Scheduler:
 
     def _forget(self, seq: Sequence) -> None:
         del self._seqs[seq.request_id]
-        self.num_constrained -= seq.constraint is not None
 
     # ---- internals ---------------------------------------------------------------------
     def _admission_need(self, seq: Sequence, chunk: bool = True) -> tuple[list[int], int, int]:

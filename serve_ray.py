@@ -192,7 +192,8 @@ class EngineReplica:
         self.engine.on_death = lambda e: log.error("engine loop died: %r; check_health fails from now on", e)
         app = server.build_app(self.engine, args.served_model_name or [self.engine.model_name], args.api_key,
                                metric_labels={"replica": self.replica},
-                               per_request_metrics=args.enable_per_request_metrics)
+                               per_request_metrics=args.enable_per_request_metrics,
+                               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
         # handler_cancellation: a relay that goes away (client gone) aborts the request in the engine.
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
         await self.engine.start()
@@ -389,6 +390,8 @@ def plan(args: argparse.Namespace) -> Plan:
     if config.num_processes > 1 or config.distributed_coordinator is not None:
         raise ValueError("multi-host replicas are not supported under Ray Serve: one replica is one process "
                          "(use --tensor-parallel-size over its local devices)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # as server.py
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be a fixed port (1..65535) for Ray Serve's proxy, got {args.port}")
     autoscale = args.min_replicas is not None or args.max_replicas is not None

@@ -44,6 +44,7 @@ from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
                       parse_sampling, parse_slo, prompt_logprobs_json, tool_choice)
+from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
 
 log = logging.getLogger("taxirank.server")
 
@@ -211,24 +212,25 @@ class Generation:
                 self.engine.abort(self.request_id)
 
 
-async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat: bool) -> web.StreamResponse:
-    """Run one completion (chat or not) and answer it whole or as an SSE stream."""
+async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat: bool,
+                  tools: ToolChoice | None = None) -> web.StreamResponse:
+    """Run one completion (chat or not) and answer it whole or as an SSE stream. tools: a
+    chat request's tool_choice() (its calls come out as tool_calls)."""
     app, engine = request.app, request.app["engine"]
     params, stop = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
-                                  engine.tokenizer is not None)
+                                  engine.tokenizer is not None, tools)
     stream = field(body, "stream", (bool,), False)
     stream_options = field(body, "stream_options", (dict,), {})
     if stream_options and not stream:
         raise ApiError("'stream_options' is only allowed with stream=true", param="stream_options")
     include_usage = field(stream_options, "include_usage", (bool,), False)
-    tools = tool_choice(body, chat)  # a forced tool call: its arguments come out as tool_calls
     if params.structured_outputs is not None:
         # Compiled off the event loop (a large schema takes tens of ms); cached, so the
         # engine's own check in add_request finds it ready.
         try:
             await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile, params.structured_outputs)
         except ValueError as e:
-            raise ApiError(str(e), param="tool_choice" if tools else None) from e
+            raise ApiError(str(e), param="tool_choice" if tools is not None else None) from e
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
@@ -259,7 +261,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                 prompt_lps = last.prompt_logprobs or prompt_lps
         assert last is not None and last.finish_reason is not None
         lp = logprobs(lps, 0) if params.logprobs is not None else None
-        message, reason = tool_message(tools, text, last.finish_reason)
+        message, reason = ToolCallStream(tools, app["tool_parser"]).message(text, last.finish_reason)
         choice = {"index": 0, "logprobs": lp, "finish_reason": reason}
         if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
             choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
@@ -277,7 +279,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         if chat:
             await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}])
-        offset, calls = 0, ToolCallStream(tools)
+        offset, calls = 0, ToolCallStream(tools, app["tool_parser"])
         async with contextlib.aclosing(gen.chunks()) as chunks:
             async for c in chunks:
                 if not (c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
@@ -308,63 +310,6 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     return response
 
 
-# ---- forced tool calls (tool_choice) ------------------------------------------------
-
-def _tool_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
-def _required_calls(text: str) -> list[dict] | None:
-    """The calls of a tool_choice "required" output ([{"name", "parameters"}, ...]), or
-    None if it did not complete (max_tokens)."""
-    try:
-        calls = json.loads(text)
-    except ValueError:
-        return None
-    return [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-
-
-def tool_message(tools: tuple[str, dict] | None, text: str, reason: str) -> tuple[dict, str]:
-    """The assistant message and finish_reason of a whole response, as vLLM: a named tool's
-    arguments are the output text, finish_reason the engine's; "required"'s calls are
-    parsed from the output, finish_reason "tool_calls" when it completed."""
-    if tools is not None:
-        kind, by_name = tools
-        if kind == "named":
-            return {"role": "assistant", "content": "", "tool_calls": [_tool_call(next(iter(by_name)), text)]}, reason
-        calls = _required_calls(text) if reason == "stop" else None
-        if calls is not None:
-            return {"role": "assistant", "content": "", "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": text}, reason
-
-
-class ToolCallStream:
-    """A streamed response's deltas: content, or a named tool's arguments as they come
-    (vLLM's form); "required" calls are sent whole with the last chunk (they are parsed
-    from the complete output)."""
-
-    def __init__(self, tools: tuple[str, dict] | None) -> None:
-        self.tools, self.text, self.started = tools, "", False
-
-    def delta(self, text: str, reason: str | None) -> tuple[dict, str | None]:
-        if self.tools is None:
-            return ({"content": text} if text else {}), reason
-        kind, by_name = self.tools
-        if kind == "named":
-            call: dict = {"index": 0, "function": {"arguments": text}}
-            if not self.started:
-                self.started = True
-                call = _tool_call(next(iter(by_name)), text) | {"index": 0}
-            return ({"tool_calls": [call]} if text or call.get("id") else {}), reason
-        self.text += text
-        if reason is None:
-            return {}, None
-        message, reason = tool_message(self.tools, self.text, reason)
-        calls = [c | {"index": i} for i, c in enumerate(message.get("tool_calls", []))]
-        return ({"tool_calls": calls} if calls else {"content": self.text}), reason
-
-
 # ---- handlers ---------------------------------------------------------------------
 
 async def read_body(request: web.Request) -> dict:
@@ -392,14 +337,16 @@ async def read_body(request: web.Request) -> dict:
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     engine = request.app["engine"]
+    tool_choice(body, chat=False, auto=False)  # refuses tools here
     prompt_ids = parse_prompt(body, engine.tokenizer, engine.model_config.vocab_size)
     return await respond(request, body, prompt_ids, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    prompt_ids = parse_messages(body, request.app["engine"].tokenizer)
-    return await respond(request, body, prompt_ids, chat=True)
+    tools = tool_choice(body, chat=True, auto=request.app["tool_parser"] is not None)
+    prompt_ids = parse_messages(body, request.app["engine"].tokenizer, tools)
+    return await respond(request, body, prompt_ids, chat=True, tools=tools)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -503,6 +450,10 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("useful_logit_rows", "useful_logit_rows", "LM-head rows whose token was sampled."),
     ("useful_slot_steps", "useful_slot_steps", "Slot-steps whose sequence made progress."),
     ("total_slot_steps", "total_slot_steps", "Slot-steps run (max_num_seqs per step)."),
+    ("structured_output_steps", "structured_output_steps",
+     "Steps that sampled a row under a structured-output bitmask."),
+    ("structured_output_bitmask_seconds", "structured_output_bitmask_seconds",
+     "Host time filling structured-output bitmasks (it overlaps the step's forward)."),
 ]
 _HISTOGRAMS = [
     ("time_to_first_token_seconds", "time_to_first_token", "Time to first token."),
@@ -562,14 +513,20 @@ class EngineCollector:
 # ---- app, CLI, main ---------------------------------------------------------------
 
 def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
-              metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False) -> web.Application:
-    """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`)."""
+              metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False,
+              tool_call_parser: str | None = None) -> web.Application:
+    """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
+    tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
+    (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine.stats, metric_labels))
     app.update(engine=engine, model_names=model_names, api_key=api_key, registry=registry,
                started=int(time.time()), stopping=asyncio.Event(), in_flight=set(),
-               per_request_metrics=per_request_metrics)
+               per_request_metrics=per_request_metrics,
+               tool_parser=TOOL_PARSERS[tool_call_parser] if tool_call_parser is not None else None)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -648,6 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="a request with \"include_metrics\": true gets its timings and scheduling history "
                         "(metrics.RequestMetrics) in the response, or in the last chunk of a stream")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice \"auto\" (the default with tools): the model may call tools, found in its "
+                        "output by --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
+                   help="how tool calls are written in the model's output (hermes: <tool_call>{...}</tool_call>)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
@@ -663,7 +625,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
     app = build_app(engine, args.served_model_name or [engine.model_name], args.api_key,
-                    per_request_metrics=args.enable_per_request_metrics)
+                    per_request_metrics=args.enable_per_request_metrics,
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts
     # its request in the engine (Generation.chunks) instead of generating on for nobody.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,
@@ -720,6 +683,8 @@ async def drain(app: web.Application, timeout: float, abort_now: asyncio.Event) 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's rule
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if not args.shutdown_timeout >= 0:  # also refuses nan
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.

@@ -45,9 +45,10 @@ class ByteTokenizer:
         return "".join(out)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str | list[int]:
+                            tokenize: bool = False, tools: list[dict] | None = None) -> str | list[int]:
         """ChatML-style text. The markers are plain text here (bytes), not special ids;
-        with tokenize=True the ids get a leading bos, as encode() gives."""
+        with tokenize=True the ids get a leading bos, as encode() gives. tools are not
+        rendered (as by a template without a tools section)."""
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         if add_generation_prompt:
             text += "<|im_start|>assistant\n"

@@ -101,16 +101,20 @@ def make_engine(model: str, max_num_seqs: int, async_scheduling: bool, warmup: b
 
 
 def stub_device(runner) -> None:
-    """Replace both jitted programs with an instant stand-in of the same outputs."""
+    """Replace the jitted programs with instant stand-ins of the same outputs."""
     import numpy as np
 
-    def instant(state, kv_caches, last_tokens, *args):
-        n = next(a for a in args if hasattr(a, "temperature")).temperature.shape[0]  # the SamplingTensors
+    def forward(state, kv_caches, last_tokens, *args):
+        return kv_caches, (np.zeros(1, np.float32),)  # logits: the stand-in sample reads none
+
+    def sample(last_tokens, logits, sample_slot, sampling):
+        n = sample_slot.shape[0]
         res = (np.full(n, 7, np.int32), np.zeros(n, np.float32), np.zeros((n, 20), np.int32),
                np.zeros((n, 20), np.float32))
-        return kv_caches, last_tokens, res
+        return last_tokens, res
 
-    runner._decode = runner._ragged = instant
+    runner._decode = runner._ragged = forward
+    runner._sample = sample
 
 
 def fill(eng, n: int, prompt_len: int = 64, start: int = 0, **params) -> None:

@@ -70,16 +70,18 @@ def test_warmup_compiles_each_bucket_once_and_no_workload_compiles_after(variant
     llm = LLM("tiny", log=lambda *_: None, warmup=False, record_trace=True, **SHAPES, **VARIANTS[variant])
     cfg = llm.engine.config
     all_buckets = {("decode", b) for b in cfg.decode_buckets} | {("ragged", b) for b in cfg.token_buckets}
+    # and one sample program per row count (a ragged step samples max_num_seqs rows)
+    num_programs = len(all_buckets) + len(set(cfg.decode_buckets) | {cfg.max_num_seqs})
     with count_compilations() as warm:
         llm.engine.runner.warmup(lambda *_: None)
-    assert len(warm) == len(all_buckets) == llm.stats.num_compilations, warm
+    assert len(warm) == num_programs == llm.stats.num_compilations, warm
     ps, params = workload()
     outs = []
     with count_compilations() as during:
         for start, n in zip(np.cumsum([0] + GROUPS), GROUPS):
             outs += llm.generate(ps[start:start + n], params[start:start + n])
     assert during == [], f"compiled while serving: {during}"
-    assert llm.stats.num_compilations == len(all_buckets)
+    assert llm.stats.num_compilations == num_programs
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
     assert [len(o.logprobs or []) for o in outs] == [p.max_tokens if p.logprobs is not None else 0 for p in params]
     assert buckets_used(llm) == all_buckets, "the workload must exercise every bucket"
@@ -110,7 +112,8 @@ def test_a_restart_with_the_persistent_compilation_cache_compiles_nothing(tmp_pa
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     first, second = start(), start()
-    assert first["programs"] == second["programs"] == 2  # one decode bucket (1 row), one token bucket (16)
+    # a decode bucket (1 row), a token bucket (16), a sample program (1 row)
+    assert first["programs"] == second["programs"] == 3
     assert first["misses"] >= first["programs"] and first["hits"] == 0  # a cold start compiles them all
     assert second["misses"] == 0, "the restart compiled something"
     assert second["hits"] == first["misses"]  # every program is read back instead

@@ -57,6 +57,9 @@ EXPORTED = {
     "taxirank:useful_logit_rows": ("counter", "LM-head rows whose token was sampled."),
     "taxirank:useful_slot_steps": ("counter", "Slot-steps whose sequence made progress."),
     "taxirank:total_slot_steps": ("counter", "Slot-steps run (max_num_seqs per step)."),
+    "taxirank:structured_output_steps": ("counter", "Steps that sampled a row under a structured-output bitmask."),
+    "taxirank:structured_output_bitmask_seconds": (
+        "counter", "Host time filling structured-output bitmasks (it overlaps the step's forward)."),
     "taxirank:request_success": ("counter", "Finished requests by finish reason."),
     "taxirank:time_to_first_token_seconds": ("histogram", "Time to first token."),
     "taxirank:inter_token_latency_seconds": ("histogram", "Time between consecutive output tokens."),

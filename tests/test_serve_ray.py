@@ -257,7 +257,8 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
                         (("--shutdown-timeout", "-1"), "shutdown-timeout must be >= 0"),
                         (("--port", "0"), "fixed port"),
                         (("--distributed-coordinator", "h:1", "--num-processes", "2"), "multi-host"),
-                        (("--max-num-seqs", "0"), "max_num_seqs")]:
+                        (("--max-num-seqs", "0"), "max_num_seqs"),
+                        (("--enable-auto-tool-choice",), "requires --tool-call-parser")]:
         with pytest.raises(ValueError, match=says):
             plan(*flags)
     with pytest.raises(SystemExit) as exit_:  # main says so before it starts Ray

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from config import StructuredOutputsParams as SO
 from engine import LLM, SamplingParams
-from sampler import SamplingTensors
+from distributed import SAMPLE, SAMPLE_MASKED
 
 OBJ = {"type": "object", "additionalProperties": False}
 
@@ -77,8 +77,9 @@ MAX_TOKENS = 80
 # ---- smollm2 behind the OpenAI API ------------------------------------------------
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    """One smollm2 engine and server for the module, in a thread with its own event loop."""
+def servers() -> Iterator[tuple[openai.OpenAI, openai.OpenAI]]:
+    """One smollm2 engine for the module, in a thread with its own event loop, behind two
+    servers: a plain one, and one with --enable-auto-tool-choice --tool-call-parser hermes."""
     from aiohttp import web
 
     from async_engine import AsyncEngine
@@ -95,22 +96,30 @@ def client() -> Iterator[openai.OpenAI]:
                                           max_num_batched_tokens=128, num_kv_blocks=96, warmup=False),
                              log=lambda *_: None)
         await engine.start()
-        runner = web.AppRunner(build_app(engine, ["smollm2"]))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port.append(runner.addresses[0][1])
+        runners = [web.AppRunner(build_app(engine, ["smollm2"], tool_call_parser=p)) for p in (None, "hermes")]
+        for runner in runners:
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            port.append(runner.addresses[0][1])
         started.set()
         await stop.wait()
         await engine.shutdown()
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
     assert started.wait(600), "the server did not start"
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port[0]}/v1", api_key="x", max_retries=0, timeout=300)
+    yield tuple(openai.OpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key="x", max_retries=0, timeout=300)
+                for p in port)
     loop.call_soon_threadsafe(stop.set)
     thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def client(servers) -> openai.OpenAI:
+    return servers[0]
 
 
 def chat(client: openai.OpenAI, question: str, stream: bool, temperature: float, seed: int, **extra) -> tuple[str, str]:
@@ -179,32 +188,65 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": obj({"zone": {"enum": ["UTC", "CET"]}})}}
 
 
+def tool_calls(client: openai.OpenAI, stream: bool, **kw) -> tuple[str | None, list[tuple[str, str]], str, int]:
+    """(content, [(name, arguments)], finish_reason, chunks that named a call or sent its
+    arguments before the last chunk) of one chat completion, as the OpenAI client sees it."""
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=MAX_TOKENS,
+              temperature=0.0, tools=[WEATHER, TIME], stream=stream) | kw
+    if not stream:
+        m = client.chat.completions.create(**kw).choices[0]
+        return (m.message.content, [(c.function.name, c.function.arguments) for c in m.message.tool_calls or []],
+                m.finish_reason)
+    content, calls, reason, early = "", {}, None, 0
+    for chunk in client.chat.completions.create(**kw):
+        for c in chunk.choices[0].delta.tool_calls or []:
+            name, args = calls.get(c.index, ("", ""))
+            calls[c.index] = (name + (c.function.name or ""), args + (c.function.arguments or ""))
+            early += chunk.choices[0].finish_reason is None
+        content += chunk.choices[0].delta.content or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return content or None, [calls[i] for i in sorted(calls)], reason, early
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_tool_call_comes_back_as_tool_calls(client, stream):
-    def call(tool_choice) -> tuple[list[tuple[str, str]], str]:
-        kw = dict(model="smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=MAX_TOKENS,
-                  temperature=0.0, tools=[WEATHER, TIME], tool_choice=tool_choice, stream=stream)
-        if not stream:
-            m = (r := client.chat.completions.create(**kw)).choices[0]
-            return [(c.function.name, c.function.arguments) for c in m.message.tool_calls], m.finish_reason
-        calls, reason = {}, None
-        for chunk in client.chat.completions.create(**kw):
-            for c in chunk.choices[0].delta.tool_calls or []:
-                name, args = calls.get(c.index, ("", ""))
-                calls[c.index] = (name + (c.function.name or ""), args + (c.function.arguments or ""))
-            reason = chunk.choices[0].finish_reason or reason
-        return [calls[i] for i in sorted(calls)], reason
-
     # named: the arguments follow that function's parameters; finish_reason the engine's (vLLM)
-    calls, reason = call({"type": "function", "function": {"name": "get_weather"}})
+    _, calls, reason, *early = tool_calls(client, stream, tool_choice={"type": "function",
+                                                                       "function": {"name": "get_weather"}})
     assert reason == "stop" and [n for n, _ in calls] == ["get_weather"]
     jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
-    # required: one or more calls of any of the tools; finish_reason "tool_calls"
-    calls, reason = call("required")
+    # required: one or more calls of any of the tools; finish_reason "tool_calls"; streamed,
+    # each call is named, then its arguments come, in chunks before the last
+    _, calls, reason, *early = tool_calls(client, stream, tool_choice="required")
     assert reason == "tool_calls" and calls
     for name, args in calls:
         tool = {"get_weather": WEATHER, "get_time": TIME}[name]
         jsonschema.validate(json.loads(args), tool["function"]["parameters"])
+    if stream:
+        assert early[0] >= 2 * len(calls), "the calls came whole with the last chunk"
+
+
+HERMES = (r'(I will check\. )?<tool_call>\n\{"name": "get_weather", "arguments": '
+          r'\{"city": "(Paris|Oslo)", "unit": "(C|F)"\}\}\n</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_finds_the_hermes_call_in_the_output(servers, stream):
+    """The output is made a hermes tool call by a regex (SmolLM2-135M's chat template renders
+    no tools, so the model would not write one by itself): the server's hermes parser turns
+    it into tool_calls, content the text before it; plain text stays content."""
+    plain, hermes = servers
+    content, calls, reason, *early = tool_calls(hermes, stream, temperature=1.0, seed=3,
+                                                extra_body={"structured_outputs": {"regex": HERMES}})
+    assert reason == "tool_calls" and [n for n, _ in calls] == ["get_weather"], (content, calls)
+    jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
+    assert content in (None, "I will check. ")
+    if stream:
+        assert early[0] >= 2  # the name, then argument deltas before the last chunk
+    content, calls, reason, *_ = tool_calls(hermes, stream, extra_body={"guided_choice": ["Sunny.", "Rain."]})
+    assert (content, calls, reason) in (("Sunny.", [], "stop"), ("Rain.", [], "stop"))
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+        tool_calls(plain, stream)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -217,7 +259,7 @@ def test_a_forced_tool_call_comes_back_as_tool_calls(client, stream):
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "only one output constraint"),
     ({"guided_regex": "a" * 70000}, "over the limit"),
     ({"structured_outputs": {"structural_tag": "x"}}, "unsupported"),
-    ({"tool_choice": "auto", "tools": [WEATHER]}, "auto"),
+    ({"tool_choice": "auto", "tools": [WEATHER]}, '"auto" tool choice requires --enable-auto-tool-choice'),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "nope"),
 ])
 def test_a_bad_constraint_is_a_400_with_the_reason(client, body, message):
@@ -260,9 +302,8 @@ def test_no_sampled_token_is_outside_the_mask_and_the_step_applies_llguidances_m
     call = runner._call
 
     def spy(kind, args):
-        sampling = next(a for a in args if isinstance(a, SamplingTensors))
-        if bool(sampling.use_bitmask):
-            applied.append(np.array(sampling.token_bitmask))
+        if kind == SAMPLE_MASKED:
+            applied.append(np.array(args[2]))
         return call(kind, args)
 
     specs = [SO(regex=p) for p in patterns]
@@ -348,17 +389,95 @@ def test_offline_refuses_an_invalid_constraint_before_anything_is_queued(tiny):
     assert not tiny.engine.has_unfinished()
 
 
-def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_synchronous_loop(tiny):
-    """The rule (LLMEngine.step): while a constrained request is in the engine the step in
-    flight is collected before the next is scheduled, so its mask sees its last token;
-    every row still advances one token per step, as in the synchronous loop."""
+def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_synchronous_loop(tiny, monkeypatch):
+    """Under async scheduling a constrained step's forward is dispatched before the step in
+    flight is collected; its sample program waits for the matchers (LLMEngine._execute).
+    Every row still advances one token a step and draws what the synchronous loop draws."""
+    import runner as runner_module
+
     sync = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
                async_scheduling=False, warmup=False)
     params = [SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=i == 0,
                              structured_outputs=SO(regex="[ab]{4,12}(x|y)") if i % 2 else None) for i in range(4)]
     prompts = [[1, 9 + i] for i in range(4)]
-    steps = tiny.stats.num_steps
-    got = tiny.generate(prompts, params)
+    events: list[str] = []  # the host's order: forwards, sample programs, results read back
+    call, result = tiny.engine.runner._call, runner_module.InFlightStep.result
+
+    def spy_call(kind, args):
+        events.append({SAMPLE: "sample", SAMPLE_MASKED: "masked"}.get(kind, "forward"))
+        return call(kind, args)
+
+    def spy_result(step):
+        events.append("result")
+        return result(step)
+
+    steps, masked_steps = tiny.stats.num_steps, tiny.stats.structured_output_steps
+    fill_s = tiny.stats.structured_output_bitmask_seconds
+    with monkeypatch.context() as patch:
+        patch.setattr(tiny.engine.runner, "_call", spy_call)
+        patch.setattr(runner_module.InFlightStep, "result", spy_result)
+        got = tiny.generate(prompts, params)
     assert tiny.stats.num_steps - steps == 20  # the prefill samples token 1, then one token a step: 20 for the longest
+    masked = [i for i, e in enumerate(events) if e == "masked"]
+    assert len(masked) >= 5  # the constrained outputs are at least 5 tokens long
+    assert tiny.stats.structured_output_steps - masked_steps == len(masked)  # the engine counts them
+    assert tiny.stats.structured_output_bitmask_seconds > fill_s
+    # After the first step, each masked sample comes after its own forward and the previous
+    # step's result: the forward ran while the host waited for that result and filled the mask.
+    assert all(events[i - 2:i] == ["forward", "result"] for i in masked[1:]), events
     want = sync.generate(prompts, params)
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+
+
+def test_multi_host_posts_each_program_and_the_bitmask_only_when_a_row_is_constrained(tiny, monkeypatch):
+    """Process 0's posts (distributed.StepChannel, over an in-memory key-value store) read
+    back, with the follower's templates, as exactly the inputs process 0 ran; a step is a
+    forward then a sample program, and only a step with a constrained row sends a bitmask."""
+    import jax
+
+    from distributed import DECODE, RAGGED, StepChannel
+
+    store: dict[str, bytes] = {}
+
+    class Store:  # the coordination service's key-value calls StepChannel makes
+        def key_value_set_bytes(self, key: str, value: bytes) -> None:
+            store[key] = value
+
+        def key_value_delete(self, key: str) -> None:
+            pass  # kept: the follower below reads them all afterwards
+
+        def blocking_key_value_get_bytes(self, key: str, timeout_ms: int) -> bytes:
+            return store[key]
+
+    def channel(process_index: int) -> StepChannel:
+        ch = object.__new__(StepChannel)
+        ch.client, ch.process_index, ch.n = Store(), process_index, 0
+        return ch
+
+    runner = tiny.engine.runner
+    ran: list[tuple[int, tuple]] = []
+    call = runner._call
+
+    def spy(kind, args):
+        ran.append((kind, args))
+        return call(kind, args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "channel", channel(0))
+        patch.setattr(runner, "_call", spy)
+        tiny.generate([[1, 2, 3], [1, 4]], [SamplingParams(max_tokens=4, structured_outputs=SO(regex="[ab]{3}")),
+                                            SamplingParams(max_tokens=12, ignore_eos=True)])
+    follower = channel(1)
+    taken = [follower.take(runner._idle_args) for _ in range(len(store))]
+    assert [k for k, _ in taken] == [k for k, _ in ran]
+    for (_, got), (_, want) in zip(taken, ran):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, np.asarray(b))
+    kinds = [k for k, _ in ran]
+    assert all(k in (DECODE, RAGGED) for k in kinds[::2]) and all(k in (SAMPLE, SAMPLE_MASKED) for k in kinds[1::2])
+    assert kinds[1::2].count(SAMPLE_MASKED) == 3  # the constrained row's 3 letters (then its grammar stops it)
+    for i in range(1, len(kinds), 2):  # header, sample_slot and 6 sampling numbers per row, want_logprobs
+        body = store[f"taxirank/step/{i}"]
+        rows = int(np.frombuffer(body[8:16], np.int64)[0])
+        mask = rows * runner._mask_width * 4 if kinds[i] == SAMPLE_MASKED else 0
+        assert len(body) == 24 + 28 * rows + 1 + mask

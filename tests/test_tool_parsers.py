@@ -1,0 +1,174 @@
+"""Tool calls out of model text (tool_parsers.py), no model needed.
+
+Claims: the hermes parser finds each <tool_call> block's call and the content before the
+first, as vLLM's; a streamed response, cut anywhere, adds up (as the OpenAI client adds
+deltas up) to the whole response, names each call in its first delta before any of its
+arguments, and sends a call's name as soon as it is written, not at the end; text that
+may open a tag is held back, never shown as content; calls that do not parse leave the
+text as content; tool_choice is parsed once, and "auto" without a parser is vLLM's 400."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from protocol import ApiError, parse_sampling, tool_choice
+from tool_parsers import HermesToolParser, ToolCallStream, ToolChoice
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+AUTO = ToolChoice("auto", {"get_weather": {}, "get_time": {}}, [WEATHER])
+REQUIRED = ToolChoice("required", {"get_weather": {}, "get_time": {}}, [WEATHER])
+CALLS = [("get_weather", {"city": "Paris", "days": [1, 2], "note": "a \"quoted\" } brace"}),
+         ("get_time", {"zone": "CET"})]
+
+
+def hermes_text(calls: list[tuple[str, dict]], content: str = "Let me check. ") -> str:
+    return content + "".join(f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>\n'
+                             for n, a in calls)
+
+
+def stream(tools: ToolChoice, text: str, cuts: list[int], reason: str = "stop") -> tuple[list[dict], str | None]:
+    """The deltas of `text` streamed in pieces cut at `cuts`, and the last finish_reason."""
+    s = ToolCallStream(tools, HermesToolParser)
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
+    out, last = [], None
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        delta, last = s.delta(text[a:b], reason if k == len(bounds) - 2 else None)
+        out.append(delta)
+    return out, last
+
+
+def add_up(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    """What a client makes of the deltas: content, and (name, arguments) per call index."""
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        assert len({c["index"] for c in d.get("tool_calls", [])}) == len(d.get("tool_calls", []))  # one per call
+        for c in d.get("tool_calls", []):
+            if "id" in c:
+                assert c["index"] not in calls and c["type"] == "function", "a call's first delta names it"
+                calls[c["index"]] = [c["function"]["name"], c["function"].get("arguments", "")]
+            else:
+                assert set(c["function"]) == {"arguments"}
+                calls[c["index"]][1] += c["function"]["arguments"]
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+def test_hermes_whole_response_has_the_content_before_the_calls_and_each_call():
+    message, reason = ToolCallStream(AUTO, HermesToolParser).message(hermes_text(CALLS), "stop")
+    assert reason == "tool_calls" and message["content"] == "Let me check. "
+    got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    assert got == CALLS and all(c["type"] == "function" and c["id"].startswith("call_") for c in message["tool_calls"])
+    message, _ = ToolCallStream(AUTO, HermesToolParser).message(hermes_text(CALLS, content=""), "stop")
+    assert message["content"] is None  # vLLM: no text before the calls is no content
+
+
+def test_hermes_a_json_array_in_one_block_is_one_call_each():
+    text = "<tool_call>" + json.dumps([{"name": n, "arguments": a} for n, a in CALLS]) + "</tool_call>"
+    message, reason = ToolCallStream(AUTO, HermesToolParser).message(text, "stop")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == CALLS
+
+
+@pytest.mark.parametrize("text", ["no calls here",
+                                  'x <tool_call>{"name": "get_weather", "arguments": {"a": </tool_call>',
+                                  '<tool_call>{"name": "get_weather", "arguments": {"a": 1}', "ends with <tool_c"])
+def test_text_without_calls_that_parse_is_content(text):
+    message, reason = ToolCallStream(AUTO, HermesToolParser).message(text, "length")
+    assert message == {"role": "assistant", "content": text} and reason == "length"
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, 400), max_size=12), n=st.integers(0, 2))
+def test_hermes_streamed_anywhere_adds_up_to_the_whole_response(cuts, n):
+    text = hermes_text(CALLS[:n])
+    deltas, reason = stream(AUTO, text, cuts)
+    whole, whole_reason = ToolCallStream(AUTO, HermesToolParser).message(text, "stop")
+    content, calls = add_up(deltas)
+    assert reason == whole_reason == ("tool_calls" if n else "stop")
+    assert content == (whole["content"] or "")
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls", [])]
+
+
+def test_hermes_streams_the_name_first_then_the_arguments_as_they_are_written():
+    text = hermes_text(CALLS[:1])
+    deltas, _ = stream(AUTO, text, list(range(len(text))))  # one character at a time
+    named = next(i for i, d in enumerate(deltas) if "tool_calls" in d)
+    assert text[:named + 1].endswith('"get_weather"')  # the name, as soon as its string closes
+    args = [i for i, d in enumerate(deltas) if any("arguments" in c["function"] for c in d.get("tool_calls", []))]
+    assert len(args) > 10 and args[-1] < len(text) - len("\n</tool_call>\n")  # char by char, before the tag closes
+    assert all("<" not in d.get("content", "") for d in deltas)  # the tag's start was held back, never content
+
+
+@settings(max_examples=40, deadline=None)
+@given(cuts=st.lists(st.integers(0, 200), max_size=10))
+def test_required_calls_stream_name_first_then_arguments_and_add_up(cuts):
+    text = json.dumps([{"name": n, "parameters": a} for n, a in CALLS], separators=(",", ":"))
+    deltas, reason = stream(REQUIRED, text, cuts)
+    whole, whole_reason = ToolCallStream(REQUIRED, None).message(text, "stop")
+    assert reason == whole_reason == "tool_calls" and add_up(deltas)[1] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["tool_calls"]] == CALLS
+    # char by char: the first call is named long before the output ends
+    deltas, _ = stream(REQUIRED, text, list(range(len(text))))
+    first = next(i for i, d in enumerate(deltas) if "tool_calls" in d)
+    assert text[:first + 1] == '[{"name":"get_weather"'
+
+
+def test_required_output_cut_by_max_tokens_is_content_and_length():
+    text = '[{"name":"get_weather","parameters":{"city":"Pa'
+    message, reason = ToolCallStream(REQUIRED, None).message(text, "length")
+    assert message == {"role": "assistant", "content": text} and reason == "length"
+
+
+def test_tool_choice_auto_needs_the_servers_parser_and_is_parsed_once():
+    body = {"tools": [WEATHER]}  # tool_choice left out with tools: "auto", as vLLM
+    with pytest.raises(ApiError, match='"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'):
+        tool_choice(body, chat=True, auto=False)
+    tools = tool_choice(body, chat=True, auto=True)
+    assert tools.mode == "auto" and tools.definitions == [WEATHER]
+    params, _ = parse_sampling(body, 3, 64, chat=True, has_tokenizer=True, tools=tools)
+    assert params.structured_outputs is None  # auto: free text, parsed after
+    named = tool_choice(body | {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, True, False)
+    params, _ = parse_sampling(body, 3, 64, chat=True, has_tokenizer=True, tools=named)
+    assert json.loads(params.structured_outputs.json) == {"type": "object"}
+    with pytest.raises(ApiError, match="only for /v1/chat/completions"):
+        tool_choice({"tools": [WEATHER]}, chat=False, auto=True)
+
+
+def test_the_servers_tool_flags_are_checked_where_they_enter(capsys):
+    import server
+
+    with pytest.raises(SystemExit):  # vLLM's rule: auto tool choice needs a parser
+        server.main(["--enable-auto-tool-choice"])
+    assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        server.build_parser().parse_args(["--tool-call-parser", "nope"])
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
+        server.build_app(None, ["m"], tool_call_parser="nope")
+
+
+def test_a_tool_conversation_goes_through_the_chat_template():
+    """The assistant's calls (content null, as OpenAI sends them back) and the tool's answer
+    reach the template; malformed ones are a 400."""
+    from protocol import parse_messages
+    from tokenizer import ByteTokenizer
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."}]
+    seen = []
+
+    class Template(ByteTokenizer):
+        def apply_chat_template(self, chat, **kw):
+            seen.append((chat, kw))
+            return super().apply_chat_template(chat, **kw)
+
+    ids = parse_messages({"messages": messages}, Template(), tool_choice({"tools": [WEATHER]}, True, True))
+    assert bytes(ids[1:]).decode().endswith("<|im_start|>tool\nSunny.<|im_end|>\n<|im_start|>assistant\n")
+    chat, kw = seen[0]
+    assert chat[1] == {"role": "assistant", "content": "", "tool_calls": [call]} and chat[2]["tool_call_id"] == "call_1"
+    assert kw["tools"] == [WEATHER]
+    with pytest.raises(ApiError, match="tool_calls must be an array"):
+        parse_messages({"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}, Template())

@@ -1,0 +1,209 @@
+"""Tool calls out of model output: OpenAI's `tool_calls`, whole and streamed, as vLLM.
+
+A chat request gets calls in one of three ways (protocol.ToolChoice):
+
+  named     tool_choice names a function: the output, constrained to its parameters'
+            schema, is the call's arguments.
+  required  the output, constrained to vLLM's schema (a non-empty JSON array of
+            {"name", "parameters"}), is the calls.
+  auto      the model may call or answer: the server's tool parser (--tool-call-parser,
+            with --enable-auto-tool-choice) finds the calls in its free text.
+
+Parsers (TOOL_PARSERS): `hermes`, the format of Hermes, Qwen and the SmolLM chat
+templates that render tools: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+one block per call (a block holding a JSON array of such objects counts each); content is
+the text before the first block, as vLLM's Hermes2ProToolParser.
+
+Streaming, as vLLM: a call's first delta carries its index, id, type and name (and the
+arguments written by then, if any); the rest follow as string deltas as the model writes them; text that may be the start of
+a `<tool_call>` tag is held back until it is known not to be. A call's arguments are the
+model's own JSON text of them (valid JSON, its spacing kept), the same whole and streamed.
+Every delta is derived from the whole text so far (`_view`), then diffed with what was
+sent, so what a stream sends adds up to what the whole response says.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+_DECODER = json.JSONDecoder()
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_ARGS = {key: re.compile(r'\s*,\s*"%s"\s*:\s*' % key) for key in ("arguments", "parameters")}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a chat request's tools and tool_choice ask (parsed once, by protocol.tool_choice)."""
+
+    mode: str  # "named", "required" or "auto"
+    tools: dict[str, dict]  # function name -> its parameters' JSON schema ("named": that one function)
+    definitions: list[dict] = field(default_factory=list)  # the request's tools, for the chat template
+
+
+@dataclass
+class CallView:
+    """One call as far as the text goes: its name once complete, its arguments' text so far."""
+
+    name: str | None
+    arguments: str
+    done: bool  # the call's text is complete (its arguments too)
+    valid: bool = True  # complete, and the JSON of a call
+
+
+def _call(text: str, key: str, done: bool) -> CallView:
+    """The call in `text`, a JSON object {"name": ..., key: {...}} written so far."""
+    if done:
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            obj = None
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(key), dict)):
+            return CallView(None, "", True, False)
+        whole = CallView(obj["name"], json.dumps(obj[key], ensure_ascii=False), True)
+    m = _NAME.match(text)
+    a = _ARGS[key].match(text, m.end()) if m else None
+    if a is None:  # name or arguments not written yet, or not in that order: the call counts once complete
+        return whole if done else CallView(json.loads(m.group(1)) if m else None, "", False)
+    value = text[a.end():]
+    try:  # a complete value ends where the decoder stops; until then all that follows is the value
+        value = value[:_DECODER.raw_decode(value)[1]]
+    except ValueError:
+        if done:
+            return whole
+    return CallView(json.loads(m.group(1)), value, done)
+
+
+def _elements(text: str) -> list[tuple[int, int | None]]:
+    """(start, end or None while open) of each element of the JSON array `text` begins."""
+    out: list[tuple[int, int | None]] = []
+    depth, in_str, esc, start = 0, False, False, None
+    for i, ch in enumerate(text):
+        if in_str:
+            esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth == 2 and ch == "{":
+                start = i
+        elif ch in "]}":
+            depth -= 1
+            if depth == 1 and start is not None:
+                out.append((start, i + 1))
+                start = None
+    if start is not None:
+        out.append((start, None))
+    return out
+
+
+def _array_calls(text: str, key: str) -> list[CallView]:
+    """The calls of a JSON array of call objects written so far (an open one: not done)."""
+    if not text.lstrip().startswith("["):
+        return []
+    return [_call(text[a:] if b is None else text[a:b], key, b is not None) for a, b in _elements(text)]
+
+
+class HermesToolParser:
+    """<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks in free text."""
+
+    start, end = "<tool_call>", "</tool_call>"
+
+    def view(self, text: str, final: bool) -> tuple[str, list[CallView]]:
+        """(content safe to show, calls) of the text so far."""
+        i = text.find(self.start)
+        if i < 0:
+            hold = 0 if final else next((k for k in range(len(self.start) - 1, 0, -1)
+                                         if text.endswith(self.start[:k])), 0)
+            return text[:len(text) - hold], []
+        calls: list[CallView] = []
+        while i >= 0:
+            j = text.find(self.end, i)
+            body = text[i + len(self.start):j if j >= 0 else len(text)]
+            done = j >= 0 or final
+            if body.lstrip().startswith("["):
+                calls += _array_calls(body, "arguments")
+            else:
+                calls.append(_call(body.strip() if done else body, "arguments", done))
+            i = text.find(self.start, j) if j >= 0 else -1
+        return text[:text.find(self.start)], calls
+
+
+TOOL_PARSERS: dict[str, Callable[[], HermesToolParser]] = {"hermes": HermesToolParser}
+
+
+def _new_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class ToolCallStream:
+    """A chat response's message, whole (`message`) or as stream deltas (`delta`), for a
+    request with or without tools. One per response."""
+
+    def __init__(self, tools: ToolChoice | None, parser: Callable[[], HermesToolParser] | None = None) -> None:
+        assert tools is None or tools.mode != "auto" or parser is not None, "tool_choice auto needs a parser"
+        self.tools, self.parser = tools, parser() if tools is not None and tools.mode == "auto" else None
+        self.text, self.content_sent = "", 0
+        self.sent: list[tuple[str, int]] = []  # per call streamed: (id, characters of its arguments sent)
+
+    def _view(self, final: bool) -> tuple[str, list[CallView]]:
+        if self.tools is None:
+            return self.text, []
+        if self.tools.mode == "named":
+            return "", [CallView(next(iter(self.tools.tools)), self.text, final)]
+        if self.tools.mode == "required":
+            return "", _array_calls(self.text, "parameters")
+        return self.parser.view(self.text, final)
+
+    def _reason(self, calls: list[CallView], reason: str) -> str:
+        """vLLM's finish_reason: "tool_calls" for complete required calls or any call found
+        in free text; a named call keeps the engine's reason."""
+        if self.tools is None or self.tools.mode == "named":
+            return reason
+        if self.tools.mode == "required":
+            return "tool_calls" if reason == "stop" and calls and all(c.valid for c in calls) else reason
+        return "tool_calls" if any(c.name is not None for c in calls) else reason
+
+    def message(self, text: str, reason: str) -> tuple[dict, str]:
+        """The whole response's assistant message and finish_reason. Free text whose
+        calls do not parse is content, as vLLM."""
+        self.text = text
+        content, calls = self._view(final=True)
+        if self.tools is None or not calls or not all(c.done and c.valid and c.name is not None for c in calls):
+            return {"role": "assistant", "content": text}, reason
+        out = [_new_call(c.name, c.arguments) for c in calls]
+        content = (content or None) if self.tools.mode == "auto" else ""  # vLLM's forms
+        return {"role": "assistant", "content": content, "tool_calls": out}, self._reason(calls, reason)
+
+    def delta(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """The delta of one streamed chunk (text: its new text; reason: set on the last)."""
+        self.text += text
+        content, calls = self._view(final=reason is not None)
+        out: dict = {}
+        if len(content) > self.content_sent:
+            out["content"] = content[self.content_sent:]
+            self.content_sent = len(content)
+        deltas = []
+        for i, c in enumerate(calls):
+            if c.name is None or not c.valid:
+                continue
+            if i == len(self.sent):  # (calls complete in order: a later one never precedes an earlier)
+                call = _new_call(c.name, "")
+                del call["function"]["arguments"]  # the first delta names the function, as vLLM
+                deltas.append(call | {"index": i})
+                self.sent.append((call["id"], 0))
+            if i < len(self.sent) and len(c.arguments) > self.sent[i][1]:
+                more = c.arguments[self.sent[i][1]:]
+                if deltas and deltas[-1]["index"] == i:  # named in this very chunk: one delta per call
+                    deltas[-1]["function"]["arguments"] = more
+                else:
+                    deltas.append({"index": i, "function": {"arguments": more}})
+                self.sent[i] = (self.sent[i][0], len(c.arguments))
+        if deltas:
+            out["tool_calls"] = deltas
+        return out, None if reason is None else self._reason(calls, reason)
