@@ -475,7 +475,7 @@ class ModelRunner:
             R = T = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
         elif verify:
             R = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
-            T = R * (1 + self.spec_k)
+            T = min(R * (1 + self.spec_k), cfg.max_num_batched_tokens)  # it holds at most the budget's tokens
         else:
             T = _bucket(cfg.token_buckets, num_real)
             R = ragged_rows(cfg, T)
@@ -616,7 +616,7 @@ class ModelRunner:
         decode step of `decode_rows` rows, a ragged step of `tokens` tokens, or a verify
         step of `verify_rows` rows of 1 + k tokens."""
         kind = DECODE if decode_rows else RAGGED
-        T = decode_rows or tokens or (verify_rows and verify_rows * (1 + self.spec_k))
+        T = decode_rows or tokens or (verify_rows and min(verify_rows * (1 + self.spec_k), self.config.max_num_batched_tokens))
         assert T is not None
         rows = decode_rows or verify_rows or ragged_rows(self.config, T)
         # Not posted to other processes: every process runs warm-up (and profiling) itself.
@@ -654,7 +654,7 @@ class ModelRunner:
             sampling = dataclasses.replace(sampling, token_bitmask=bitmask, use_bitmask=np.bool_(bool(mask)))
             self.last_tokens, res = self._sample(self.last_tokens, logits, sample_slot, sampling)
             return res
-        assert self._logits is None, "a forward whose logits were never sampled"
+        self._logits = None  # a failed step's forward whose sample program never ran: its logits are dropped
         fn = self._decode if kind == DECODE else self._ragged
         self.kv_caches, (self._logits, *extra) = fn(self.state, self.kv_caches, self.last_tokens, *args)
         if kind == RAGGED and self.spec_buckets:  # the verified rows' last tokens, written by the forward

@@ -205,7 +205,7 @@ def rejection_sample(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, 
             qx = jnp.take_along_axis(q, draft[:, :, None], axis=-1)[:, :, 0]
         keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(t.seed, t.step)
         u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (K,), jnp.float32))(keys)
-        accepted = leading((u * qx <= px) & real)  # [R]
+        accepted = leading((u * qx < px) & real)  # P(u < p/q) = min(1, p/q); p = 0 never  # [R]
         # The token after the accepted run: from the residual at a rejection, from p after all.
         p_a = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
         q_a = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), accepted[:, None, None], axis=1)[:, 0]

@@ -365,7 +365,7 @@ class Scheduler:
         spec = self.spec
         return spec is not None and (spec.disable_by_batch_size is None
                                      or len(self.running) < spec.disable_by_batch_size) \
-            and any(seq.speculates for seq in self.running)
+            and any(seq.speculates and seq.constraint is None for seq in self.running)
 
     def take_proposals(self, out: SchedulerOutput, proposals: list[list[int]], draft_probs: Any = None) -> None:
         """The proposer's drafts for out's speculating rows (in their order): each row
@@ -473,6 +473,7 @@ class Scheduler:
         # their blocks, never by preempting); the engine's proposals trim the reservation.
         spec_k = self.spec.k if self.speculating else 0
         spare = self._budget - len(self.running)
+        speculative: list[ScheduledSeq] = []  # decodes that may get draft room, after the loop
         for seq in list(self.running):  # preemption edits the list
             if seq.status is not running:
                 continue
@@ -487,28 +488,33 @@ class Scheduler:
                 continue
             if computed >= len(seq.block_table) * bs and not self._make_room(out, seq, 1):
                 continue  # it needed a block, and was itself preempted for one
-            if spec_k and spare and seq.speculates and seq.constraint is None and not seq.num_output_placeholders:
-                # every emitted token within max_tokens and max_model_len
-                k = min(spec_k, spare, seq.params.max_tokens - num_out - 1, max_len - num_tokens - 1)
-                need = blocks_needed(computed + 1 + k, bs) - len(seq.block_table)
-                if k > 0 and need > 0:
-                    if self.allocator.can_allocate(need):
-                        seq.block_table += self.allocator.allocate(seq.request_id, need)
-                    else:
-                        k = 0
-                k = max(k, 0)
-                spare -= k
-                out.num_spec_tokens += k
-                self._budget -= k
-                add(row(seq, 1 + k, True, True, [0] * k if k else ()))  # = _add(out, seq, 1 + k)
-            else:
-                k = 0
-                add(row(seq, 1, True, True))  # = _add(out, seq, 1), the budget and count summed below
-            seq.num_computed_tokens = computed + 1 + k
+            add(row(seq, 1, True, True))  # = _add(out, seq, 1), the budget and count summed below
+            seq.num_computed_tokens = computed + 1
             seq.num_output_placeholders += 1
             n += 1
+            if spec_k and seq.speculates and seq.constraint is None and seq.num_output_placeholders == 1:
+                speculative.append(out.scheduled[-1])
             if caching and (computed + 1) // bs > num_named(seq.request_id):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
+        # Draft room only after every decode has its own token's block: a reservation never
+        # takes a block a real token needs, so it never causes a preemption.
+        for s in speculative:
+            seq = s.seq
+            if not spare or seq.status is not running:
+                continue
+            num_out = len(seq.output_token_ids) + seq.num_output_placeholders
+            # every emitted token within max_tokens and max_model_len
+            k = min(spec_k, spare, seq.params.max_tokens - num_out, max_len - len(seq.prompt_token_ids) - num_out)
+            need = blocks_needed(seq.num_computed_tokens + k, bs) - len(seq.block_table)
+            if k <= 0 or (need > 0 and not self.allocator.can_allocate(need)):
+                continue
+            if need > 0:
+                seq.block_table += self.allocator.allocate(seq.request_id, need)
+            s.num_new_tokens, s.spec_token_ids = 1 + k, [0] * k
+            seq.num_computed_tokens += k
+            spare -= k
+            out.num_spec_tokens += k
+            self._budget -= k
         self._budget -= n
         out.num_decode_tokens += n
         return prompts

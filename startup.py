@@ -149,9 +149,10 @@ def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: Engin
     T = config.max_num_batched_tokens
     compiled = stats.num_compilations
     profile = measure_activation_bytes(lambda: runner.idle_step(tokens=T), jax.devices()[0].memory_stats)
-    # That program was compiled for the small cache's shape and is never used again:
-    # num_compilations counts the programs the engine serves with.
-    stats.num_compilations = compiled
+    # Its forward was compiled for the small cache's shape and is never used again (its
+    # sample program, which reads no cache, is served with): num_compilations counts the
+    # programs the engine serves with.
+    stats.num_compilations -= min(1, stats.num_compilations - compiled)
     runner.kv_caches = []  # free the small cache before the real one is allocated
     if profile is None:
         log("KV sizing: the device reports no memory counters; no activation reserve is subtracted")

@@ -67,14 +67,22 @@ def _call(text: str, key: str, done: bool) -> CallView:
     m = _NAME.match(text)
     a = _ARGS[key].match(text, m.end()) if m else None
     if a is None:  # name or arguments not written yet, or not in that order: the call counts once complete
-        return whole if done else CallView(json.loads(m.group(1)) if m else None, "", False)
+        return whole if done else CallView(_name(m), "", False)
     value = text[a.end():]
     try:  # a complete value ends where the decoder stops; until then all that follows is the value
         value = value[:_DECODER.raw_decode(value)[1]]
     except ValueError:
         if done:
             return whole
-    return CallView(json.loads(m.group(1)), value, done)
+    return CallView(_name(m), value, done)
+
+
+def _name(m: re.Match | None) -> str | None:
+    """The call's name as JSON decodes it; None while it does not (e.g. a bad escape)."""
+    try:
+        return json.loads(m.group(1)) if m else None
+    except ValueError:
+        return None
 
 
 def _elements(text: str) -> list[tuple[int, int | None]]:

@@ -70,8 +70,8 @@ def test_warmup_compiles_each_bucket_once_and_no_workload_compiles_after(variant
     llm = LLM("tiny", log=lambda *_: None, warmup=False, record_trace=True, **SHAPES, **VARIANTS[variant])
     cfg = llm.engine.config
     all_buckets = {("decode", b) for b in cfg.decode_buckets} | {("ragged", b) for b in cfg.token_buckets}
-    # and one sample program per row count (a ragged step samples max_num_seqs rows)
-    num_programs = len(all_buckets) + len(set(cfg.decode_buckets) | {cfg.max_num_seqs})
+    # and one sample program per row count (a ragged step of T tokens samples min(T, max_num_seqs) rows)
+    num_programs = len(all_buckets) + len(set(cfg.decode_buckets) | {min(t, cfg.max_num_seqs) for t in cfg.token_buckets})
     with count_compilations() as warm:
         llm.engine.runner.warmup(lambda *_: None)
     assert len(warm) == num_programs == llm.stats.num_compilations, warm
