@@ -80,9 +80,9 @@ def _gumbel(t: SamplingTensors, V: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
 
 
-def _sample_filtered(scaled: jax.Array, gumbel: jax.Array, t: SamplingTensors) -> jax.Array:
-    """vLLM's order: temperature (already applied), min_p, top_k, then top_p on the mass the
-    first two leave; all on one descending sort, then a Gumbel-max draw."""
+def _filter_sorted(scaled: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The scaled logits sorted descending, their ids, and which of them the filters keep:
+    min_p, top_k, then top_p on the mass the first two leave (vLLM's order)."""
     V = scaled.shape[1]
     sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)  # descending
     rank = jnp.arange(V)[None, :]
@@ -94,6 +94,13 @@ def _sample_filtered(scaled: jax.Array, gumbel: jax.Array, t: SamplingTensors) -
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     # top_p: keep the smallest prefix whose mass reaches top_p (the first token always).
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]
+    return sorted_logits, sorted_ids, keep
+
+
+def _sample_filtered(scaled: jax.Array, gumbel: jax.Array, t: SamplingTensors) -> jax.Array:
+    """vLLM's order: temperature (already applied), min_p, top_k, then top_p on the mass the
+    first two leave; all on one descending sort, then a Gumbel-max draw."""
+    sorted_logits, sorted_ids, keep = _filter_sorted(scaled, t)
     filtered = jnp.where(keep, sorted_logits, -jnp.inf)
     choice = argmax(filtered + jnp.take_along_axis(gumbel, sorted_ids, axis=-1))
     return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
@@ -152,16 +159,10 @@ def filtered_probs(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     two leave), renormalised. Greedy rows get the one-hot of their argmax."""
     S, V = logits.shape
     scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
-    sorted_logits, sorted_ids = jax.lax.top_k(scaled, V)
-    rank = jnp.arange(V)[None, :]
-    keep = (t.top_k[:, None] < 0) | (rank < t.top_k[:, None])
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    keep &= probs >= t.min_p[:, None] * probs[:, :1]
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]
+    sorted_logits, sorted_ids, keep = _filter_sorted(scaled, t)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     out = jnp.zeros((S, V), jnp.float32).at[jnp.arange(S)[:, None], sorted_ids].set(probs)
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    greedy = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
     return jnp.where((t.temperature < SAMPLING_EPS)[:, None], greedy, out)
 
 
