@@ -469,7 +469,7 @@ class ModelRunner:
         else:  # a verified row: its latest token, then its drafts
             toks = np.array([t for sch in out.scheduled for t in (
                 token_slice(sch.seq, sch.seq.num_computed_tokens - sch.num_new_tokens, sch.num_new_tokens)
-                if not sch.spec_token_ids else [sch.seq.all_token_ids[-1], *sch.spec_token_ids])], np.int32)
+                if not sch.spec_token_ids else [sch.seq.output_token_ids[-1], *sch.spec_token_ids])], np.int32)
         num_real = len(toks)
         if decode:
             R = T = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
