@@ -1,6 +1,7 @@
-"""One OpenAI client for every bench: streaming completions timed per token, the probe that
-finds what a server takes (token-id prompts, ignore_eos, stream_options, usage) before the
-workload runs, and a server subprocess. Why the probe: docs/BENCHMARKS.md.
+"""One OpenAI client for every bench: completions timed per token (streamed) or per request
+(--no-stream), the probe that finds what a server takes (token-id prompts, ignore_eos,
+stream_options, usage) before the workload runs, a server subprocess, and what the server's
+Prometheus /metrics say meanwhile. Why the probe: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +22,7 @@ import aiohttp
 from workload import Request
 
 PROBE_TOKENS = 8
+HTTP_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 @dataclass
@@ -30,7 +33,7 @@ class Record:
     max_tokens: int
     prompt_len: int  # token ids, or words for a text prompt
     start: float = 0.0
-    ttft: float | None = None
+    ttft: float | None = None  # None when not streamed
     e2e: float | None = None
     tokens: int = 0  # from usage when the server sent it, else counted from the stream
     tokens_from_usage: bool = False
@@ -48,19 +51,19 @@ class Capabilities:
 
     model: str | None = None  # the name its /v1/models gives (None: the field is left out)
     prompts: str = "text"  # "text" | "ids"
+    stream: bool = True  # False: one JSON response per request, e2e and usage only
     ignore_eos: bool = False  # sent with every request (vLLM extension)
     include_usage: bool = False  # stream_options.include_usage sent
-    usage: bool = False  # the server's stream carried usage in the probe
+    usage: bool = False  # the server's answer carried usage in the probe
     logprobs: bool = False  # logprobs=0 sent, to time tokens that decode to no text
-    timing: str = "chunks"  # "text" | "logprobs" (one chunk per token) | "chunks" (per chunk)
+    timing: str = "chunks"  # "text" | "logprobs" (one chunk per token) | "chunks" (per chunk) | "none"
     metrics: bool = False  # /metrics answered with a series the bench knows
     refused: dict[str, str] = field(default_factory=dict)  # field -> the server's answer
 
     def body(self, req: Request, max_tokens: int | None = None) -> dict[str, Any]:
-        """The request body for `req` as this server takes it (greedy, streamed)."""
-        prompt = req.prompt_token_ids if self.prompts == "ids" else req.prompt_text
-        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens or req.max_tokens, "temperature": 0.0,
-                                "stream": True}
+        """The request body for `req` as this server takes it (greedy)."""
+        body: dict[str, Any] = {"prompt": req.prompt_token_ids if self.prompts == "ids" else req.prompt_text,
+                                "max_tokens": max_tokens or req.max_tokens, "temperature": 0.0, "stream": self.stream}
         if self.model:
             body["model"] = self.model
         if self.include_usage:
@@ -76,11 +79,16 @@ class Refused(RuntimeError):
     """The server refuses what the workload cannot do without (its prompts)."""
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timing: str, t0: float,
-                     rec: Record) -> Record:
-    """POST one streaming completion; record when each token (or chunk) arrived, its text,
-    and the usage the server reports. `timing` "logprobs" counts a chunk's logprob tokens,
-    "text" one token per chunk with text, "chunks" one per non-empty chunk (approximate)."""
+def _error_text(err: Any) -> str:
+    return str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+
+
+async def complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timing: str, t0: float,
+                   rec: Record) -> Record:
+    """POST one completion; record its text, finish reason and usage, and when it ended.
+    Streamed, also when each token (or chunk) arrived: `timing` "logprobs" counts a chunk's
+    logprob tokens, "text" one token per chunk with text, "chunks" one per non-empty chunk
+    (approximate). Not streamed ("stream": false), only e2e: TTFT and ITL are not measured."""
     rec.start = time.perf_counter() - t0
     last, usage = None, None
     try:
@@ -88,38 +96,47 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict[str, A
             if r.status != 200:
                 rec.error = f"HTTP {r.status}: {(await r.text())[:300]}"
                 return rec
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                now = time.perf_counter() - t0
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    err = chunk["error"]
-                    rec.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
-                    continue
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or []:
-                    text, lp = choice.get("text") or "", choice.get("logprobs")
-                    n = len(lp["tokens"]) if timing == "logprobs" and lp and lp.get("tokens") else int(bool(text))
-                    rec.text += text
-                    if n:
-                        if last is None:
-                            rec.ttft = now - rec.start
-                        elif timing == "chunks":
-                            rec.itl.append(now - last)
-                        else:  # a chunk of n tokens: its gap shared among them
-                            rec.itl += [(now - last) / n] * n
-                        last, rec.tokens, rec.chunks = now, rec.tokens + n, rec.chunks + 1
-                    if choice.get("finish_reason"):
-                        rec.e2e, rec.finish_reason = now - rec.start, choice["finish_reason"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            if not body.get("stream"):
+                data = await r.json(content_type=None)
+                rec.e2e = time.perf_counter() - t0 - rec.start
+                choice = (data.get("choices") or [{}])[0]
+                rec.text, rec.finish_reason, usage = choice.get("text") or "", choice.get("finish_reason"), data.get("usage")
+                if "error" in data:
+                    rec.error = _error_text(data["error"])
+                elif not usage:
+                    rec.error = "the response carries no usage: its output tokens cannot be counted"
+            else:
+                async for raw in r.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:") or line == b"data: [DONE]":
+                        continue
+                    now = time.perf_counter() - t0
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:
+                        rec.error = _error_text(chunk["error"])
+                        continue
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or []:
+                        text, lp = choice.get("text") or "", choice.get("logprobs")
+                        n = len(lp["tokens"]) if timing == "logprobs" and lp and lp.get("tokens") else int(bool(text))
+                        rec.text += text
+                        if n:
+                            if last is None:
+                                rec.ttft = now - rec.start
+                            elif timing == "chunks":
+                                rec.itl.append(now - last)
+                            else:  # a chunk of n tokens: its gap shared among them
+                                rec.itl += [(now - last) / n] * n
+                            last, rec.tokens, rec.chunks = now, rec.tokens + n, rec.chunks + 1
+                        if choice.get("finish_reason"):
+                            rec.e2e, rec.finish_reason = now - rec.start, choice["finish_reason"]
+    except (*HTTP_ERRORS, ValueError, AttributeError) as e:
         rec.error = f"{type(e).__name__}: {e}"
     if usage and usage.get("completion_tokens") is not None:
         rec.tokens, rec.tokens_from_usage = int(usage["completion_tokens"]), True
         rec.prompt_tokens = usage.get("prompt_tokens")
-    if rec.error is None and rec.e2e is None:
-        rec.error = "the stream ended without a finish_reason"
+    if rec.error is None and (rec.e2e is None or rec.finish_reason is None):
+        rec.error = "the answer ended without a finish_reason"
     return rec
 
 
@@ -131,44 +148,38 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> dict[str, An
                 return {}
             data = (await r.json(content_type=None)).get("data") or [{}]
             return data[0] if isinstance(data[0], dict) else {}
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+    except (*HTTP_ERRORS, ValueError, AttributeError):
         return {}
 
 
-async def has_metrics(session: aiohttp.ClientSession, url: str, known: Any) -> bool:
-    """Whether GET /metrics answers 200 with a series `known(text)` recognises."""
-    try:
-        async with session.get(url + "/metrics") as r:
-            return r.status == 200 and known(await r.text())
-    except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
-        return False
-
-
 async def probe(session: aiohttp.ClientSession, url: str, req: Request, *, prompts: str, extensions: bool,
-                metrics_known: Any) -> Capabilities:
+                stream: bool = True) -> Capabilities:
     """Find what this server takes, with short greedy requests (which also warm it up).
 
-    Asks first with all it wants (stream_options.include_usage, and ignore_eos when
-    `extensions`); on a 4xx, it asks with none of them, then adds one at a time, so a
+    Asks first with all it wants (stream_options.include_usage when streaming, and ignore_eos
+    when `extensions`); on a 4xx, it asks with none of them, then adds one at a time, so a
     refused field is named and the others are kept. Raises `Refused` when even the bare
     request fails (token-id prompts refused, or the server is broken)."""
     words = (req.prompt_text or "").split()[:PROBE_TOKENS]
     req = Request(req.prompt_token_ids[:PROBE_TOKENS], PROBE_TOKENS, " ".join(words) if words else None)
-    info = await served_model(session, url)
-    caps = Capabilities(model=info.get("id"), prompts=prompts)
-    caps.metrics = await has_metrics(session, url, metrics_known)
-    wanted = ["include_usage"] + (["ignore_eos"] if extensions else [])
+    caps = Capabilities(model=(await served_model(session, url)).get("id"), prompts=prompts, stream=stream)
+    try:
+        async with session.get(url + "/metrics") as r:
+            caps.metrics = r.status == 200 and known_metrics(await r.text())
+    except (*HTTP_ERRORS, UnicodeDecodeError):
+        pass
+    wanted = (["include_usage"] if stream else []) + (["ignore_eos"] if extensions else [])
 
     async def attempt(**kw: bool) -> Record:
-        c = Capabilities(model=caps.model, prompts=prompts, **kw)
-        return await stream_one(session, url, c.body(req, PROBE_TOKENS), "text", time.perf_counter(),
-                                Record("probe", PROBE_TOKENS, 0))
+        c = Capabilities(model=caps.model, prompts=prompts, stream=stream, **kw)
+        return await complete(session, url, c.body(req, PROBE_TOKENS), "text", time.perf_counter(),
+                              Record("probe", PROBE_TOKENS, 0))
 
     rec = await attempt(**{w: True for w in wanted})
     if rec.error:
         bare = await attempt()
         if bare.error:
-            what = "token-id prompts" if prompts == "ids" else "a plain streamed text completion"
+            what = "token-id prompts" if prompts == "ids" else "a plain text completion"
             raise Refused(f"the server refuses {what}: {bare.error}")
         rec, kept = bare, {}
         for w in wanted:
@@ -183,19 +194,23 @@ async def probe(session: aiohttp.ClientSession, url: str, req: Request, *, promp
     # Token timing: one text chunk per token (what usage counts) is exact. Otherwise some
     # tokens came without text (random weights) or merged: logprobs=0 makes a server send
     # each token's entry. Without usage no count can be checked, so chunks it is.
-    if caps.usage and rec.tokens > 1 and rec.chunks == rec.tokens:
+    if not stream:
+        caps.timing = "none"
+    elif caps.usage and rec.tokens > 1 and rec.chunks == rec.tokens:
         caps.timing = "text"
     elif caps.usage:
         c = Capabilities(model=caps.model, prompts=prompts, include_usage=caps.include_usage,
                          ignore_eos=caps.ignore_eos, logprobs=True)
-        lp = await stream_one(session, url, c.body(req, PROBE_TOKENS), "logprobs", time.perf_counter(),
-                              Record("probe", PROBE_TOKENS, 0))
+        lp = await complete(session, url, c.body(req, PROBE_TOKENS), "logprobs", time.perf_counter(),
+                            Record("probe", PROBE_TOKENS, 0))
         if lp.error:
             caps.refused["logprobs"] = lp.error
         elif lp.tokens > 1 and len(lp.itl) + 1 == lp.tokens:
             caps.logprobs, caps.timing = True, "logprobs"
     return caps
 
+
+# ---- a server subprocess -------------------------------------------------------------------
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -205,15 +220,16 @@ def free_port() -> int:
 
 class Server:
     """A server as a subprocess (its own session, so stopping it stops its children too) on a
-    loopback `port` the caller picked; its log to a file."""
+    loopback port (free_port() unless given); its log to a file."""
 
-    def __init__(self, argv: list[str], port: int, log_path: str, env: dict[str, str] | None = None,
+    def __init__(self, argv: list[str], port: int | None, log_path: str, env: dict[str, str] | None = None,
                  cwd: str | None = None) -> None:
-        self.port, self.argv, self.log_path = port, argv, log_path
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = port or free_port()
+        self.argv = [a.replace("{port}", str(self.port)) for a in argv]
+        self.log_path, self.url = log_path, f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
         try:
-            self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.argv, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         except OSError:
             self._log.close()
@@ -232,7 +248,7 @@ class Server:
                     async with session.get(self.url + path) as r:
                         if r.status == 200:
                             return time.perf_counter() - t0
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except HTTP_ERRORS:
                     break  # not listening yet
             await asyncio.sleep(0.5)
         raise RuntimeError(f"the server was not ready after {timeout:.0f}s (see {self.log_path})")
@@ -247,7 +263,15 @@ class Server:
         except (OSError, ValueError, IndexError):
             return None
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """SIGTERM to the process alone first when `grace_s` (a launcher that shuts its
+        children down in order), then to its whole session."""
+        if grace_s and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -256,3 +280,109 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+
+# ---- what the server's /metrics say ----------------------------------------------------------
+
+SAMPLE_PERIOD_S = 0.1  # /metrics every 100 ms
+
+# What each timeline series is called by the servers we know (taxirank, vLLM, SGLang, TGI,
+# llama.cpp): first name found wins. vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc.
+METRIC_ALIASES: dict[str, tuple[str, ...]] = {
+    "running": ("taxirank:num_requests_running", "vllm:num_requests_running", "sglang:num_running_reqs",
+                "tgi_batch_current_size", "llamacpp:requests_processing"),
+    "waiting": ("taxirank:num_requests_waiting", "vllm:num_requests_waiting", "sglang:num_queue_reqs",
+                "tgi_queue_size", "llamacpp:requests_deferred"),
+    "kv_usage": ("taxirank:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                 "sglang:token_usage", "llamacpp:kv_cache_usage_ratio"),
+    "preemptions": ("taxirank:num_preemptions_total", "vllm:num_preemptions_total"),
+    "num_kv_blocks": ("taxirank:num_kv_blocks",),
+}
+WAITING_BY_REASON = "taxirank:num_requests_waiting_by_reason"
+_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value}; labelled samples also as 'name{k=v,...}'. Labelled
+    samples of one name are summed under the bare name (vLLM labels by model_name)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        name, labels, value = m.groups()
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if labels:
+            out[name + "{" + ",".join(f"{k}={x}" for k, x in _LABEL.findall(labels)) + "}"] = v
+        out[name] = out.get(name, 0.0) + v if labels else v
+    return out
+
+
+def pick(metrics: dict[str, float]) -> dict[str, Any]:
+    """One timeline sample: the series METRIC_ALIASES names, plus waiting by reason."""
+    s: dict[str, Any] = {key: next((metrics[n] for n in names if n in metrics), None)
+                         for key, names in METRIC_ALIASES.items()}
+    prefix = WAITING_BY_REASON + "{reason="
+    s["waiting_by_reason"] = {k[len(prefix):-1]: v for k, v in metrics.items() if k.startswith(prefix)}
+    return s
+
+
+def known_metrics(text: str) -> bool:
+    """Whether a /metrics text has any series the timeline knows."""
+    m = parse_metrics(text)
+    return any(n in m for names in METRIC_ALIASES.values() for n in names)
+
+
+async def sample_metrics(session: aiohttp.ClientSession, url: str, t0: float, samples: list[dict],
+                         stop: asyncio.Event) -> None:
+    """GET /metrics every SAMPLE_PERIOD_S until `stop`, then once more."""
+    while True:
+        t = time.perf_counter()
+        try:
+            async with session.get(url + "/metrics") as r:
+                if r.status == 200:
+                    samples.append({"t": t - t0} | pick(parse_metrics(await r.text())))
+        except aiohttp.ClientError:
+            pass
+        if stop.is_set():
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), max(0.0, SAMPLE_PERIOD_S - (time.perf_counter() - t)))
+        except asyncio.TimeoutError:
+            pass
+
+
+def timeline(samples: list[dict]) -> dict[str, Any]:
+    """Columns of the /metrics samples; preemptions counted from the first sample."""
+    tl: dict[str, Any] = {"t": [round(s["t"], 3) for s in samples]}
+    for key in ("running", "waiting", "kv_usage"):
+        tl[key] = [s[key] for s in samples]
+    p0 = next((s["preemptions"] for s in samples if s["preemptions"] is not None), None)
+    tl["preemptions"] = [None if s["preemptions"] is None else s["preemptions"] - p0 for s in samples]
+    reasons = sorted({r for s in samples for r in s["waiting_by_reason"]})
+    tl["waiting_by_reason"] = {r: [s["waiting_by_reason"].get(r, 0.0) for s in samples] for r in reasons}
+    return tl
+
+
+def metric_figures(tl: dict[str, Any], samples: list[dict]) -> dict[str, Any]:
+    """Peaks and means of the timeline; request-seconds spent waiting, by reason."""
+    def vals(key: str) -> list[float]:
+        return [v for v in tl[key] if v is not None]
+
+    dt = [b - a for a, b in zip(tl["t"], tl["t"][1:])] + [0.0]
+    by_reason = {r: round(sum(n * d for n, d in zip(col, dt)), 2) for r, col in tl["waiting_by_reason"].items()}
+    dominant = max(by_reason, key=by_reason.get) if by_reason and max(by_reason.values()) > 0 else None
+    kv, pre = vals("kv_usage"), vals("preemptions")
+    return {"samples": len(samples),
+            "series": [k for k in ("running", "waiting", "kv_usage", "preemptions") if vals(k)]
+            + (["waiting_by_reason"] if by_reason else []),
+            "num_kv_blocks": next((s["num_kv_blocks"] for s in samples if s["num_kv_blocks"] is not None), None),
+            "max_running": max(vals("running"), default=None), "max_waiting": max(vals("waiting"), default=None),
+            "mean_kv_usage": sum(kv) / len(kv) if kv else None, "max_kv_usage": max(kv, default=None),
+            "preemptions": pre[-1] if pre else None,
+            "waiting_request_s": round(sum((w or 0.0) * d for w, d in zip(tl["waiting"], dt)), 2),
+            "waiting_by_reason_s": by_reason, "dominant_wait_reason": dominant}

@@ -12,7 +12,11 @@ import argparse
 import json
 import os
 import re
+import sys
 from typing import Any
+
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: bench/structured.py is not the engine's
+from report import md_table, write_json  # noqa: E402
 
 STAGES = [("smoke", "compile smoke test: both kernels vs the references"),
           ("tests", "kernel tests compiled for real (hypothesis cases excluded)"),
@@ -101,19 +105,25 @@ def build(work: str, mode: str) -> dict[str, Any]:
     return res
 
 
+def _table(header: list[str], rows: list[dict[str, Any]], head: Any, figures: Any, error: Any) -> str:
+    """A markdown table: head(r) + figures(r) per measured row, head(r) + its error otherwise."""
+    out = [header]
+    for r in rows:
+        h, err = head(r), error(r)
+        out.append(h + (figures(r) if err is None else [f"ERROR: {str(err)[:120]}"] + [""] * (len(header) - len(h) - 1)))
+    return md_table(out)
+
+
 def markdown(res: dict[str, Any]) -> str:
     L = [f"# gpu_check summary ({res['mode']})", ""]
     if res["mode"] != "gpu":
-        L += ["**CPU smoke run: kernels interpreted, tiny shapes. No figure here says anything "
-              "about a GPU.**", ""]
-    L += ["```", res["env"] or "(no env.txt)", "```", "", "| stage | what | exit | seconds (limit) |",
-          "|---|---|---|---|"]
+        L += ["**CPU smoke run: kernels interpreted, tiny shapes. No figure here says anything about a GPU.**", ""]
+    stages = [["stage", "what", "exit", "seconds (limit)"]]
     for name, what in STAGES:
         st = res["stages"].get(name)
-        cell = "not run" if st is None else (f"{st['exit']}{' TIMEOUT' if st['timed_out'] else ''}")
-        secs = "" if st is None else f"{st['seconds']} ({st['timeout_s']})"
-        L.append(f"| {name} | {what} | {cell} | {secs} |")
-    L.append("")
+        stages.append([name, what, "not run", ""] if st is None else [
+            name, what, f"{st['exit']}{' TIMEOUT' if st['timed_out'] else ''}", f"{st['seconds']} ({st['timeout_s']})"])
+    L += ["```", res["env"] or "(no env.txt)", "```", "", md_table(stages), ""]
     for name, st in res["stages"].items():
         if st.get("log_tail"):
             L += [f"`{name}` ended with exit {st['exit']}; the end of its log:", "```"] + [
@@ -125,9 +135,7 @@ def markdown(res: dict[str, Any]) -> str:
             s = r["shape"]
             L.append(f"- Hq {s['num_q_heads']} Hkv {s['num_kv_heads']} D {s['head_dim']} BS {s['block_size']} "
                      f"{s['dtype']}: {'ok' if r['ok'] else 'FAILED: ' + str(r['reason'])} ({r['seconds']}s)")
-        for r in smoke.get("smoke_auto", []):
-            L.append(f"- `--attention-backend auto` serves: **{r['backend']}**")
-        L.append("")
+        L += [f"- `--attention-backend auto` serves: **{r['backend']}**" for r in smoke.get("smoke_auto", [])] + [""]
     if res.get("tests"):
         t = res["tests"]
         L += ["## Kernel tests", "", f"- {t['summary'] or 'no pytest summary line (cut off?)'}"]
@@ -137,20 +145,17 @@ def markdown(res: dict[str, Any]) -> str:
         c = res.get("copy") or {}
         L += ["## Decode attention bandwidth (Llama-3-8B attention: 32 q / 8 kv heads, D 128, bf16, BS 16)", ""]
         if c:
-            L.append(f"Copy bandwidth measured in this run: {c['copy_gbps']:.0f} GB/s (read + written; "
-                     f"{c['copy_pct_peak']:.0f}% of the 4.8 TB/s datasheet); read-only {c['read_gbps']:.0f} GB/s.")
-            L.append("")
-        L += ["| batch | context | KV MiB | judged | best config | us | GB/s | % datasheet | % copy |",
-              "|---|---|---|---|---|---|---|---|---|"]
-        for r in kern.get("decode", []):
-            p = r.get("pallas", {})
-            if "us" in p:
-                L.append(f"| {r['batch']} | {r['context']} | {r['kv_bytes'] / 2**20:.0f} | "
-                         f"{'yes' if r.get('judged') else 'no'} | {p.get('config', 'default')} | {p['us']:.1f} | "
-                         f"{p['gbps']:.0f} | {p['pct_peak']:.0f} | {p.get('pct_copy', float('nan')):.0f} |")
-            else:
-                L.append(f"| {r['batch']} | {r['context']} | {r['kv_bytes'] / 2**20:.0f} | "
-                         f"{'yes' if r.get('judged') else 'no'} | ERROR: {str(p.get('error'))[:120]} | | | | |")
+            L += [f"Copy bandwidth measured in this run: {c['copy_gbps']:.0f} GB/s (read + written; "
+                  f"{c['copy_pct_peak']:.0f}% of the 4.8 TB/s datasheet); read-only {c['read_gbps']:.0f} GB/s.", ""]
+
+        L.append(_table(
+            ["batch", "context", "KV MiB", "judged", "best config", "us", "GB/s", "% datasheet", "% copy"],
+            kern.get("decode", []),
+            lambda r: [str(r["batch"]), str(r["context"]), f"{r['kv_bytes'] / 2**20:.0f}",
+                       "yes" if r.get("judged") else "no"],
+            lambda r: [r["pallas"].get("config", "default"), f"{r['pallas']['us']:.1f}", f"{r['pallas']['gbps']:.0f}",
+                       f"{r['pallas']['pct_peak']:.0f}", f"{r['pallas'].get('pct_copy', float('nan')):.0f}"],
+            lambda r: None if "us" in r.get("pallas", {}) else r.get("pallas", {}).get("error")))
         for w in kern.get("best_config_wins", []):
             L += ["", "Best configuration wins (warps/stages/keys per step): "
                   + ", ".join(f"{k} x{v}" for k, v in sorted(w.items(), key=lambda kv: -kv[1]))]
@@ -161,34 +166,28 @@ def markdown(res: dict[str, Any]) -> str:
         L.append("")
     step = res.get("step")
     if isinstance(step, dict) and step.get("step"):
-        L += ["## 8B-shaped decode step", "", "| backend | batch | context | ms/step | tok/s | roofline ms | % roofline |",
-              "|---|---|---|---|---|---|---|"]
-        for r in step["step"]:
-            if "step_ms" in r:
-                L.append(f"| {r['backend']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | "
-                         f"{r['tokens_per_s']:.0f} | {r['roofline_ms']:.2f} | {r['pct_roofline']:.1f} |")
-            else:
-                L.append(f"| {r['backend']} | {r['batch']} | {r['context']} | ERROR: {str(r.get('error'))[:120]} | | | |")
-        L.append("")
+        L += ["## 8B-shaped decode step", "", _table(
+            ["backend", "batch", "context", "ms/step", "tok/s", "roofline ms", "% roofline"], step["step"],
+            lambda r: [r["backend"], str(r["batch"]), str(r["context"])],
+            lambda r: [f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['roofline_ms']:.2f}",
+                       f"{r['pct_roofline']:.1f}"],
+            lambda r: None if "step_ms" in r else r.get("error")), ""]
     mix = res.get("mix")
     if isinstance(mix, dict) and mix.get("runs"):
         L += [f"## Seed's mix ({mix.get('model')}, {mix.get('dtype')}, attention {mix.get('attention_backend')}, "
               f"{mix['workload']['num_requests']} requests)", ""]
-        for m, r in mix["runs"].items():
-            L.append(f"- {m}: {r['output_tok_s']:.0f} output tok/s, {r['stats']['num_steps']} steps, "
-                     f"{r['ms_per_step']:.1f} ms/step, short p99 {r['short_completion_s']['p99']:.2f}s "
-                     f"(engine built in {mix['build_s'].get(m)}s)")
+        L += [f"- {m}: {r['output_tok_s']:.0f} output tok/s, {r['stats']['num_steps']} steps, {r['ms_per_step']:.1f} "
+              f"ms/step, short p99 {r['short_completion_s']['p99']:.2f}s (engine built in {mix['build_s'].get(m)}s)"
+              for m, r in mix["runs"].items()]
         if "ratios" in mix:
             q = mix["ratios"]
             L.append(f"- continuous / static tok/s **{q['tok_s_continuous_over_static']:.2f}x** (ideal from steps "
                      f"{q['tok_s_ideal_from_steps']:.2f}x); short p99 static / continuous "
                      f"{q['short_p99_static_over_continuous']:.2f}x (ideal {q['short_p99_ideal_from_steps']:.2f}x)")
         L.append("")
-    L += ["## Targets", ""]
-    if not res["targets"]:
-        L.append("- none measured")
-    for k, v in res["targets"].items():
-        L.append(f"- {k}: " + ", ".join(f"{a} {b:.1f}" if isinstance(b, float) else f"{a} {b}" for a, b in v.items()))
+    L += ["## Targets", ""] + (["- none measured"] if not res["targets"] else [])
+    L += [f"- {k}: " + ", ".join(f"{a} {b:.1f}" if isinstance(b, float) else f"{a} {b}" for a, b in v.items())
+          for k, v in res["targets"].items()]
     return "\n".join(L) + "\n"
 
 
@@ -201,8 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     work, dest = args.work, args.dest
     res = build(work, args.mode)
     os.makedirs(dest, exist_ok=True)
-    with open(os.path.join(dest, "results.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(os.path.join(dest, "results.json"), res)
     with open(os.path.join(dest, "summary.md"), "w") as f:
         f.write(markdown(res))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import platform
 import statistics
@@ -20,12 +19,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: bench/structured.py is not the engine's
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attention_backend as ab  # noqa: E402
+from report import out_path, require_gpu, write_json  # noqa: E402
 import kernels_pallas as kp  # noqa: E402
 from attention_backend import AttentionShape  # noqa: E402
 
@@ -45,11 +46,12 @@ class Results:
     def __init__(self, path: str | None, meta: dict[str, Any]):
         self.path, self.data = path, {"meta": meta}
 
-    def add(self, part: str, row: dict[str, Any]) -> None:
+    def add(self, part: str, row: dict[str, Any], line: str | None = None) -> None:
         self.data.setdefault(part, []).append(row)
         if self.path:
-            with open(self.path, "w") as f:
-                json.dump(self.data, f, indent=1)
+            write_json(self.path, self.data)
+        if line:
+            print(line, flush=True)
 
 
 def timed(fn: Callable[[], Any], runs: int = 5) -> float:
@@ -76,10 +78,24 @@ def chained(attn: Callable[..., jax.Array], reps: int, pick: Callable[[jax.Array
     return run
 
 
-def disjoint_tables(rng: np.random.Generator, n: int, S: int, W: int) -> tuple[np.ndarray, int]:
-    """n block tables [S, W] over disjoint shuffled blocks 1..n*S*W (block 0 = null)."""
-    ids = rng.permutation(np.arange(1, n * S * W + 1)).astype(np.int32)
-    return ids.reshape(n, S, W), n * S * W + 1
+def paged_inputs(rng: np.random.Generator, n: int, S: int, W: int, T: int, seed: int) -> tuple[jax.Array, ...]:
+    """n block tables [S, W] over disjoint shuffled blocks 1..n*S*W (block 0 = null), random
+    K and V caches of those blocks, and T random queries."""
+    nb = n * S * W + 1
+    tables = rng.permutation(np.arange(1, nb)).astype(np.int32).reshape(n, S, W)
+    key = jax.random.key(seed)
+    return (jnp.asarray(tables), jax.random.normal(key, (nb, BS, HKV, D), DTYPE),
+            jax.random.normal(jax.random.fold_in(key, 1), (nb, BS, HKV, D), DTYPE),
+            jax.random.normal(jax.random.fold_in(key, 2), (T, HQ, D), DTYPE))
+
+
+def per_call(run: Callable[[], Any], reps: int) -> dict[str, Any]:
+    """{"s": seconds per call} of a chained run of reps calls, or {"error": ...}: a failure is a
+    result too, and the bench goes on."""
+    try:
+        return {"s": timed(run) / reps}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 @dataclass(frozen=True)
@@ -127,9 +143,8 @@ def bench_copy(res: Results, gib: float, peak: float) -> float:
     nbytes = n * 2
     row = dict(bytes=nbytes, copy_gbps=2 * nbytes / copy_s / 1e9, read_gbps=nbytes / read_s / 1e9)
     row["copy_pct_peak"] = 100 * row["copy_gbps"] * 1e9 / peak
-    res.add("copy", row)
-    print(f"copy    {nbytes / 2**30:.1f} GiB buffer: copy {row['copy_gbps']:7.0f} GB/s (read + written, "
-          f"{row['copy_pct_peak']:.0f}% of peak) | read-only {row['read_gbps']:7.0f} GB/s", flush=True)
+    res.add("copy", row, f"copy    {nbytes / 2**30:.1f} GiB buffer: copy {row['copy_gbps']:7.0f} GB/s (read + "
+            f"written, {row['copy_pct_peak']:.0f}% of peak) | read-only {row['read_gbps']:7.0f} GB/s")
     del box, x
     return row["copy_gbps"] * 1e9
 
@@ -147,13 +162,8 @@ def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: fl
             W = -(-ctx // BS)
             kv_bytes = S * ctx * HKV * D * 2 * itemsize  # K and V, each read once
             n_tables = int(min(64, max(1, -(-ROTATE_BYTES // kv_bytes))))
-            tables, nb = disjoint_tables(rng, n_tables, S, W)
-            key = jax.random.key(ctx * 1000 + S)
-            kc = jax.random.normal(key, (nb, BS, HKV, D), DTYPE)
-            vc = jax.random.normal(jax.random.fold_in(key, 1), (nb, BS, HKV, D), DTYPE)
-            q = jax.random.normal(jax.random.fold_in(key, 2), (S, HQ, D), DTYPE)
+            tables, kc, vc, q = paged_inputs(rng, n_tables, S, W, S, ctx * 1000 + S)
             lens = jnp.full((S,), ctx, jnp.int32)
-            tables = jnp.asarray(tables)
             reps = max(n_tables, 10)
             judged = kv_bytes >= judge_bytes
             row: dict[str, Any] = dict(batch=S, context=ctx, kv_bytes=kv_bytes, reps=reps,
@@ -163,12 +173,11 @@ def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: fl
                 f = functools.partial(attn, scale=D ** -0.5)
                 run = chained(lambda q, bt, kc, vc, lens, f=f: f(q, kc, vc, bt, lens), reps,
                               lambda t, i: t[i % t.shape[0]])
-                try:
-                    sec = timed(lambda: run(q, tables, kc, vc, lens)) / reps
-                except Exception as e:  # a failure is a result too; keep benchmarking
-                    return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                bw = kv_bytes / sec
-                out = dict(us=sec * 1e6, gbps=bw / 1e9, pct_peak=100 * bw / peak)
+                r = per_call(lambda: run(q, tables, kc, vc, lens), reps)
+                if "error" in r:
+                    return r
+                bw = kv_bytes / r["s"]
+                out = dict(us=r["s"] * 1e6, gbps=bw / 1e9, pct_peak=100 * bw / peak)
                 if copy_bw:
                     out["pct_copy"] = 100 * bw / copy_bw
                 return out
@@ -188,8 +197,7 @@ def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: fl
                     row["sweep"] = tried
             if "pallas" in row and "ref" in row and "us" in row["pallas"] and "us" in row["ref"]:
                 row["speedup_vs_ref"] = row["ref"]["us"] / row["pallas"]["us"]
-            res.add("decode", row)
-            print(_decode_line(row), flush=True)
+            res.add("decode", row, _decode_line(row))
             del kc, vc
 
 
@@ -203,9 +211,8 @@ def best_configs(res: Results) -> None:
         wins[r["pallas"]["config"]] = wins.get(r["pallas"]["config"], 0) + 1
         print(f"best    batch {r['batch']:4d} ctx {r['context']:5d}: {r['pallas']['config']} "
               f"({r['pallas']['gbps']:.0f} GB/s)", flush=True)
-    res.add("best_config_wins", wins)
-    print("best    wins (warps/stages/keys per step): "
-          + ", ".join(f"{k} x{v}" for k, v in sorted(wins.items(), key=lambda kv: -kv[1])), flush=True)
+    res.add("best_config_wins", wins, "best    wins (warps/stages/keys per step): "
+            + ", ".join(f"{k} x{v}" for k, v in sorted(wins.items(), key=lambda kv: -kv[1])))
 
 
 def _decode_line(r: dict[str, Any]) -> str:
@@ -236,35 +243,22 @@ def bench_ragged(res: Results, interpret: bool, backends: list[str],
     rng = np.random.default_rng(1)
     for label, (q_lens, kv_lens) in cases.items():
         S, T = len(q_lens), sum(q_lens)
-        W = -(-max(kv_lens) // BS)
-        tables, nb = disjoint_tables(rng, 1, S, W)
-        key = jax.random.key(7)
-        kc = jax.random.normal(key, (nb, BS, HKV, D), DTYPE)
-        vc = jax.random.normal(jax.random.fold_in(key, 1), (nb, BS, HKV, D), DTYPE)
-        q = jax.random.normal(jax.random.fold_in(key, 2), (T, HQ, D), DTYPE)
+        tables, kc, vc, q = paged_inputs(rng, 1, S, -(-max(kv_lens) // BS), T, 7)
         cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
         lens = jnp.asarray(kv_lens, jnp.int32)
         # causal FLOPs: each query row attends to (its position + 1) keys; QK^T and PV
-        keys = sum(sum(k - ql + i + 1 for i in range(ql)) for ql, k in zip(q_lens, kv_lens))
-        flops = 4 * HQ * D * keys
+        flops = 4 * HQ * D * sum(sum(k - ql + i + 1 for i in range(ql)) for ql, k in zip(q_lens, kv_lens))
         row: dict[str, Any] = dict(case=label, tokens=T, seqs=S, attn_flops=flops)
-        reps = 10
         for name in backends:
             attn = (functools.partial(kp.ragged_paged_attention, interpret=interpret)
                     if name == "pallas" else kp.ragged_paged_attention_ref)
             f = functools.partial(attn, scale=D ** -0.5)
-            run = chained(lambda q, bt, kc, vc, cu, lens, f=f: f(q, kc, vc, bt, cu, lens), reps,
-                          lambda t, i: t[0])
-            try:
-                sec = timed(lambda: run(q, jnp.asarray(tables), kc, vc, cu, lens)) / reps
-            except Exception as e:
-                row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                continue
-            row[name] = dict(us=sec * 1e6, tflops=flops / sec / 1e12)
-        res.add("ragged", row)
-        cells = " | ".join(f"{n} " + (f"{row[n]['us']:9.1f} us {row[n]['tflops']:6.1f} TFLOP/s"
-                                      if "us" in row.get(n, {}) else "ERROR") for n in backends)
-        print(f"ragged  {label:28s} | {cells}", flush=True)
+            run = chained(lambda q, bt, kc, vc, cu, lens, f=f: f(q, kc, vc, bt, cu, lens), 10, lambda t, i: t[0])
+            r = per_call(lambda: run(q, tables, kc, vc, cu, lens), 10)
+            row[name] = r if "error" in r else dict(us=r["s"] * 1e6, tflops=flops / r["s"] / 1e12)
+        res.add("ragged", row, f"ragged  {label:28s} | " + " | ".join(
+            f"{n} " + (f"{row[n]['us']:9.1f} us {row[n]['tflops']:6.1f} TFLOP/s" if "us" in row[n] else "ERROR")
+            for n in backends))
 
 
 def bench_step(res: Results, batches: list[int], context: int, peak: float,
@@ -322,10 +316,9 @@ def bench_step(res: Results, batches: list[int], context: int, peak: float,
                     times.append((time.perf_counter() - t0) / steps)
                 sec = statistics.median(times)
             except Exception as e:
-                row = dict(backend=name, batch=S, context=context,
-                           error=f"{type(e).__name__}: {str(e)[:300]}")
-                res.add("step", row)
-                print(f"step    {name:6s} batch {S:4d}: ERROR {row['error']}", flush=True)
+                error = f"{type(e).__name__}: {str(e)[:300]}"
+                res.add("step", dict(backend=name, batch=S, context=context, error=error),
+                        f"step    {name:6s} batch {S:4d}: ERROR {error}")
                 continue
             finally:
                 kv = None
@@ -336,11 +329,9 @@ def bench_step(res: Results, batches: list[int], context: int, peak: float,
                        tokens_per_s=S / sec, weight_bytes_read=w_read, kv_bytes_read=kv_bytes,
                        roofline_ms=floor * 1e3, pct_roofline=100 * floor / sec,
                        first_call_s=compile_s)
-            res.add("step", row)
-            print(f"step    {name:6s} batch {S:4d} ctx {context:5d} | {sec * 1e3:8.2f} ms/step "
-                  f"{S / sec:9.0f} tok/s | roofline {floor * 1e3:6.2f} ms "
-                  f"({(w_read + kv_bytes) / 1e9:.1f} GB) -> {100 * floor / sec:5.1f}% "
-                  f"| first call {compile_s:.0f}s", flush=True)
+            res.add("step", row, f"step    {name:6s} batch {S:4d} ctx {context:5d} | {sec * 1e3:8.2f} ms/step "
+                    f"{S / sec:9.0f} tok/s | roofline {floor * 1e3:6.2f} ms ({(w_read + kv_bytes) / 1e9:.1f} GB) -> "
+                    f"{100 * floor / sec:5.1f}% | first call {compile_s:.0f}s")
 
 
 SMOKE_SHAPES = [  # (q heads, kv heads, head_dim, block_size, dtype) of models people serve
@@ -360,15 +351,13 @@ def bench_smoke(res: Results, interpret: bool, shapes: list[AttentionShape]) -> 
         reason = None if interpret else ab.unsupported_reason(spec, shape)
         if reason is None:
             reason = ab.probe_kernels(shape, spec.make(interpret), spec.decode_variants)
-        row = dict(shape=dataclasses.asdict(shape), ok=reason is None, reason=reason,
-                   seconds=round(time.perf_counter() - t0, 2))
-        res.add("smoke", row)
-        print(f"smoke   {shape}: {'ok' if row['ok'] else 'FAILED: ' + str(reason)} ({row['seconds']}s)",
-              flush=True)
+        seconds = round(time.perf_counter() - t0, 2)
+        res.add("smoke", dict(shape=dataclasses.asdict(shape), ok=reason is None, reason=reason, seconds=seconds),
+                f"smoke   {shape}: {'ok' if reason is None else 'FAILED: ' + str(reason)} ({seconds}s)")
     if not interpret:  # what `--attention-backend auto` serves for the first shape
         chosen = ab.select_attention_backend("auto", shapes[0]).name
-        res.add("smoke_auto", dict(shape=dataclasses.asdict(shapes[0]), backend=chosen))
-        print(f"smoke   --attention-backend auto serves: {chosen}", flush=True)
+        res.add("smoke_auto", dict(shape=dataclasses.asdict(shapes[0]), backend=chosen),
+                f"smoke   --attention-backend auto serves: {chosen}")
 
 
 def _ints(s: str) -> list[int]:
@@ -405,9 +394,7 @@ def main() -> None:
     ap.add_argument("--require-gpu", action="store_true", help="fail at once when JAX sees no GPU")
     args = ap.parse_args()
 
-    on_gpu = jax.default_backend() == "gpu"
-    if args.require_gpu and not on_gpu:
-        sys.exit(f"--require-gpu: JAX sees no GPU ({jax.devices()})")
+    on_gpu = require_gpu(args.require_gpu)
     interpret = not on_gpu
     step_config, ragged_cases = LLAMA3_8B_HF, RAGGED_CASES
     if args.quick:  # every code path on toy shapes (the step on a 2-layer scaled-down model)
@@ -418,7 +405,7 @@ def main() -> None:
                            vocab_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
         args.judge_gib, args.copy_gib = 0.0, 1 / 16  # every case judged: the sweep path runs
         args.sweep_warps, args.sweep_stages = args.sweep_warps[:1], args.sweep_stages[:1]
-    out = args.out or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else None)
+    out = out_path(args.out, "kernels.json")
     dev = jax.devices()[0]
     meta = dict(jax=jax.__version__, python=platform.python_version(), backend=jax.default_backend(),
                 device=getattr(dev, "device_kind", str(dev)), peak_tbps=args.peak_tbps,
@@ -431,8 +418,6 @@ def main() -> None:
               "about GPU performance", flush=True)
     print(f"# {meta['device']}  jax {meta['jax']}  peak {args.peak_tbps} TB/s  ({meta['lowering']})",
           flush=True)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     res = Results(out, meta)
     backends = [b for b in args.backends.split(",") if b]
     peak = args.peak_tbps * 1e12

@@ -24,7 +24,8 @@ taxirank variants (one server at a time; random token-id prompts, ignore_eos):
 
 Other servers (--url, --compare): prose prompts, and a probe first finds what each takes (the
 model name, stream_options, ignore_eos, usage, /metrics); the report says what that cost.
-Side by side no server gets ignore_eos, so all receive identical requests.
+Side by side no server gets ignore_eos, so all receive identical requests. --no-stream sends
+them with "stream": false and times each by its one response (e2e and usage; no TTFT or ITL).
 
 Writes to --out: results.json, report.md, cdf_short_e2e.png, timeline-<variant>.png and each
 started server's log.
@@ -50,10 +51,9 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from client import Capabilities, Record, Refused, Server, free_port, probe, stream_one  # noqa: E402
-from mixed_report import analyze, flags_to_argv, print_table, write_plots, write_report  # noqa: E402
-from report import machine_info, summarize, write_json  # noqa: E402
-from server_metrics import known_metrics, metric_figures, sample_metrics, timeline  # noqa: E402
+from client import (Capabilities, Record, Refused, Server, complete, metric_figures, probe, sample_metrics,  # noqa: E402
+                    timeline)
+from report import flags_to_argv, machine_info, mixed_report, summarize, write_json  # noqa: E402
 from workload import Request, arrival_times, seed_mix, vocab_size_of  # noqa: E402
 
 sys.path.insert(0, ROOT)
@@ -110,13 +110,12 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
 
 def taxirank_server(variant: Variant, extra_argv: list[str], log_path: str, jax_cache: str | None) -> Server:
     """taxirank's server.py with the variant's flags."""
-    port = free_port()
-    argv = [sys.executable, os.path.join(ROOT, "server.py"), "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, os.path.join(ROOT, "server.py"), "--host", "127.0.0.1", "--port", "{port}",
             *flags_to_argv(variant.flags), *extra_argv]
     env = dict(os.environ)
     if jax_cache:  # warm-up compiles once per set of shapes, not once per variant
         env |= {"JAX_COMPILATION_CACHE_DIR": jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    return Server(argv, port, log_path, env, cwd=ROOT)
+    return Server(argv, None, log_path, env, cwd=ROOT)
 
 
 async def run_variant(session: aiohttp.ClientSession, url: str, caps: Capabilities, requests: list[Request],
@@ -134,7 +133,7 @@ async def run_variant(session: aiohttp.ClientSession, url: str, caps: Capabiliti
         await asyncio.sleep(at)
         rec = Record("short" if req.max_tokens == args.short else "long", req.max_tokens,
                      len(req.prompt_token_ids) if caps.prompts == "ids" else len(req.prompt_text.split()))
-        await stream_one(session, url, caps.body(req), caps.timing, t0, rec)
+        await complete(session, url, caps.body(req), caps.timing, t0, rec)
         bar.update(1)
         return rec
 
@@ -190,11 +189,12 @@ async def measure(session: aiohttp.ClientSession, url: str, entry: dict[str, Any
                   args: argparse.Namespace, name: str, server: Server | None) -> None:
     """Probe the server at `url`, run the workload on it, and add the figures to `entry`."""
     caps = await probe(session, url, requests[0], prompts=args.prompt_kind, extensions=args.send_extensions,
-                       metrics_known=known_metrics)
+                       stream=not args.no_stream)
     if args.extensions == "on" and "ignore_eos" in caps.refused:
         raise Refused(f"the server refuses ignore_eos ({caps.refused['ignore_eos']}); --extensions auto or off "
                       "measures it with output lengths that follow the model")
     print(f"   {name}: model {caps.model or '(not named)'}, {caps.prompts} prompts, token timing {caps.timing}"
+          + ("" if caps.stream else " (--no-stream)")
           + (f", refused {sorted(caps.refused)}" if caps.refused else "")
           + ("" if caps.metrics else ", no /metrics") + ("" if caps.usage else ", no usage"), flush=True)
     cpu0, load0 = server.cpu_seconds() if server else None, os.getloadavg()[0]
@@ -224,10 +224,8 @@ async def bench(args: argparse.Namespace, variants: list[Variant], requests: lis
                     print(f"== {name}: {' '.join(flags_to_argv(what.flags) + extra)}", flush=True)
                     server = taxirank_server(what, extra, log, args.jax_cache)
                 elif what.command:
-                    port = free_port()
-                    argv = shlex.split(what.command.replace("{port}", str(port)))
-                    print(f"== {name}: {' '.join(argv)}", flush=True)
-                    server = Server(argv, port, log)
+                    server = Server(shlex.split(what.command), None, log)
+                    print(f"== {name}: {' '.join(server.argv)}", flush=True)
                     entry["url"] = server.url
                 else:
                     print(f"== {name}: {what.url}", flush=True)
@@ -298,6 +296,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="vLLM's ignore_eos (exact output lengths). auto: to taxirank variants and to a lone "
                     "--url/--compare server that takes it; none side by side, so every server gets identical "
                     "requests. on: a server that refuses it fails. off: never")
+    ap.add_argument("--no-stream", action="store_true", help="with --url/--compare: requests with \"stream\": "
+                    "false; e2e and usage from the one response (TTFT and ITL are not measured)")
     ap.add_argument("--model", default="bench", help="taxirank model to serve: tiny, bench or an HF directory")
     ap.add_argument("--vocab-size", type=int,
                     help="prompt token ids are drawn below it (default: --model's; 32000 for --url/--compare)")
@@ -332,6 +332,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.report:
         return args
+    if args.no_stream and not args.targets:
+        ap.error("--no-stream measures --url/--compare servers; taxirank's variants are compared by TTFT and ITL")
     if args.targets and args.variants:
         ap.error("--variants picks taxirank variants; with --url or --compare the servers given are measured")
     name_targets(args.targets, ap)
@@ -360,22 +362,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def finish(results: dict[str, Any], out: str) -> None:
-    """Analysis, plots, results.json, report.md and the terminal table, from the figures."""
-    results["analysis"] = analyze(results)
-    results["plots"] = write_plots(results, out)
-    write_json(os.path.join(out, "results.json"), results)
-    write_report(results, out)
-    print_table(results)
-    print(f"\nresults: {out}")
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.report:
         with open(os.path.join(args.report, "results.json")) as f:
             results = json.load(f)
-        finish(results, args.report)
+        mixed_report(results, args.report)
         return results
     os.makedirs(args.out, exist_ok=True)
     variants = [] if args.targets else build_variants(args)
@@ -393,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     asyncio.run(bench(args, variants, requests, results))
     results["total_s"] = round(time.perf_counter() - t0, 1)
     results["loadavg_end"] = os.getloadavg()
-    finish(results, args.out)
+    mixed_report(results, args.out)
     return results
 
 

@@ -22,7 +22,7 @@ def _load():
 
 def test_parse_metrics_reads_taxirank_and_vllm_names():
     _load()
-    import server_metrics as mixed  # bench/ is on sys.path once mixed.py is loaded
+    import client as mixed  # bench/ is on sys.path once mixed.py is loaded
 
     taxirank = mixed.pick(mixed.parse_metrics(
         "# HELP taxirank:num_requests_running Requests in the running batch.\n"
@@ -128,11 +128,17 @@ def _fake_app(name: str | None, *, strict: bool, usage: bool, twist: bool, seen:
         words = [WORDS[(n_words + i) % len(WORDS)] for i in range(n)]
         if twist and n_words % 2 and n >= 3:
             words[2] = "omega"
+        finish = "length" if n == body["max_tokens"] else "stop"
+        if body.get("stream") is False:  # one response: the whole text and, as OpenAI's always does, usage
+            await asyncio.sleep(0.002 * n)
+            return web.json_response({"choices": [{"index": 0, "text": "".join(" " + w for w in words),
+                                                   "finish_reason": finish}],
+                                      "usage": {"prompt_tokens": 2 * n_words, "completion_tokens": n,
+                                                "total_tokens": 2 * n_words + n}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i, w in enumerate(words):
-            choice = {"index": 0, "text": " " + w, "finish_reason": None if i < n - 1 else
-                      ("length" if n == body["max_tokens"] else "stop")}
+            choice = {"index": 0, "text": " " + w, "finish_reason": None if i < n - 1 else finish}
             chunk = {"choices": [choice]}
             if usage and i == n - 1 and (body.get("stream_options") or {}).get("include_usage"):
                 chunk["usage"] = {"prompt_tokens": 2 * n_words, "completion_tokens": n, "total_tokens": 2 * n_words + n}
@@ -236,6 +242,27 @@ def test_strict_server_gets_only_what_it_takes_and_the_report_says_what_that_cos
     err = refused["variants"]["server"]["error"]
     assert "refuses token-id prompts" in err and "prompt must be a string" in err
     assert "not measured" in (tmp_path / "ids" / "report.md").read_text()
+
+
+def test_no_stream_sends_unstreamed_requests_and_times_each_by_its_one_response(tmp_path, fake_servers):
+    pytest.importorskip("matplotlib")
+    mixed = _load()
+    with pytest.raises(SystemExit):  # taxirank's variants are compared by TTFT and ITL: streamed
+        mixed.main(["--no-stream", *WORKLOAD, "--out", str(tmp_path / "variants")])
+    url, seen = fake_servers("fake-strict", strict=True, usage=True, twist=False)
+    res = mixed.main(["--url", url, "--no-stream", *WORKLOAD, "--out", str(tmp_path)])
+    v = res["variants"]["server"]
+    assert "error" not in v and v["errors"] == 0, v.get("first_errors")
+    assert all(b["stream"] is False and "stream_options" not in b for b in seen), "no stream, so no stream_options"
+    caps = v["capabilities"]
+    assert (caps["stream"], caps["timing"], caps["usage"], caps["include_usage"]) == (False, "none", True, False)
+    for r in v["per_request"]:  # the fake's lengths and its usage's counts, from one response each
+        assert r["ttft"] is None and r["e2e"] > 0 and r["finish_reason"] in ("stop", "length")
+        assert r["tokens"] == min(r["max_tokens"], 3 + r["prompt_len"] % 5) == len(r["text"].split())
+        assert r["prompt_tokens"] == 2 * r["prompt_len"]
+    assert v["short"]["ttft"] == {} and v["short"]["itl"] == {} and v["short"]["e2e"]["p50"] > 0
+    report = (tmp_path / "report.md").read_text()
+    assert "TTFT, ITL and TPOT (--no-stream" in report and "--no-stream: one response per request" in report
 
 
 def test_side_by_side_sends_identical_requests_and_marks_a_server_without_usage(tmp_path, fake_servers):
