@@ -7,16 +7,16 @@ model with random bf16 weights? (bench/gpu_check.sh's stage that runs the whole 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
-import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import continuous_vs_static, machine_info, run_line, timed_generate, warm, write_json  # noqa: E402
+from offline import Engines  # noqa: E402
+from report import (continuous_vs_static, lean, machine_info, out_path, require_gpu, run_line,  # noqa: E402
+                    timed_generate, write_json)
 from workload import seed_mix  # noqa: E402
 
 MODEL = "llama3-8b-random"
@@ -35,13 +35,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/mix.json if $OUT is set)")
     ap.add_argument("--require-gpu", action="store_true", help="fail at once when JAX sees no GPU")
     args = ap.parse_args(argv)
-    import jax
-
+    require_gpu(args.require_gpu)
     import model as model_lib
-    from engine import LLM
 
-    if args.require_gpu and jax.default_backend() != "gpu":
-        sys.exit(f"--require-gpu: JAX sees no GPU ({jax.devices()})")
     short, long, prompt_len, dtype, name = 16, 512, (32, 256), "bfloat16", MODEL
     if args.tiny:
         args.num_requests, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens = 8, 4, 64, 32
@@ -50,34 +46,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from kernels import LLAMA3_8B_HF
 
         model_lib.BUILTIN_MODELS[MODEL] = model_lib.ModelConfig.from_hf(LLAMA3_8B_HF)
-    out = args.out or (os.path.join(os.environ["OUT"], "mix.json") if os.environ.get("OUT") else None)
+    out = out_path(args.out, "mix.json")
     reqs = seed_mix(args.num_requests, model_lib.BUILTIN_MODELS[name].vocab_size, short=short, long=long,
                     prompt_len=prompt_len)
-    classes = ["short" if r.max_tokens == short else "long" for r in reqs]
+    # KV never limits (Engines: every slot holds a whole max_model_len sequence); one engine at a time
+    engines = Engines(name, lambda s: print(s, flush=True), dtype=dtype, seed=0, enable_chunked_prefill=True,
+                      max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)
     results: dict[str, Any] = {
         "machine": machine_info(), "model": name, "dtype": dtype, "args": vars(args),
         "workload": {"num_requests": len(reqs), "short": short, "long": long, "prompt_len": prompt_len},
         "runs": {}, "build_s": {}}
     for scheduling in ("continuous", "static"):
-        t0 = time.perf_counter()
-        llm = LLM(name, log=lambda s: print(f"    [engine] {s}", flush=True), dtype=dtype, seed=0,
-                  max_num_seqs=args.max_num_seqs, scheduling=scheduling, max_model_len=args.max_model_len,
-                  block_size=16, enable_chunked_prefill=True, max_num_batched_tokens=args.max_num_batched_tokens,
-                  # KV never limits: every slot holds a whole max_model_len sequence (the +1: null block)
-                  num_kv_blocks=args.max_num_seqs * -(-args.max_model_len // 16) + 1,
-                  attention_backend=args.attention_backend)
-        warm(llm)
-        results["build_s"][scheduling] = round(time.perf_counter() - t0, 1)
+        engines.keep_only(set())
+        llm = engines.get(args.max_num_seqs, scheduling, args.max_model_len)
+        results["build_s"][scheduling] = engines.build_s[f"{scheduling}-{args.max_num_seqs}-{args.max_model_len}"]
         results["attention_backend"] = llm.engine.runner.backend.name
-        run = timed_generate(llm, [r.prompt_token_ids for r in reqs], [r.max_tokens for r in reqs], classes)
-        for k in ("token_ids", "completion_s_all", "finish_step_all"):
-            run.pop(k)
+        run = lean(timed_generate(llm, [r.prompt_token_ids for r in reqs], [r.max_tokens for r in reqs],
+                                  ["short" if r.max_tokens == short else "long" for r in reqs]))
         results["runs"][scheduling] = run
         print(run_line(scheduling, run) + f" (built in {results['build_s'][scheduling]}s)", flush=True)
-        if out:
+        if out:  # what finished, should the stage's time limit cut the next run off
             write_json(out, results)
-        del llm
-        gc.collect()
+    engines.keep_only(set())
     tok_s, p99 = continuous_vs_static(results["runs"]["continuous"], results["runs"]["static"], TARGET)
     results["ratios"] = {"tok_s_continuous_over_static": tok_s["measured"], "tok_s_ideal_from_steps": tok_s["ideal"],
                          "short_p99_static_over_continuous": p99["measured"], "short_p99_ideal_from_steps": p99["ideal"],

@@ -20,8 +20,8 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (continuous_vs_static, machine_info, ratio_rows, results_dir, run_line, side_by_side,  # noqa: E402
-                    text_table, timed_generate, warm, write_json)
+from report import (continuous_vs_static, lean, machine_info, ratio_rows, results_dir, run_line,  # noqa: E402
+                    side_by_side, text_table, timed_generate, warm, write_json)
 from workload import Request, exponential_mix, seed_mix  # noqa: E402
 
 SECTIONS = ("mix32", "p99-64", "exp32", "peers")
@@ -63,10 +63,11 @@ TARGETS = {"mix32": 1.8, "p99-64": 15.0, "exp32": 3.0, "peers_cb": 5.0, "peers_s
 
 class Engines:
     """One LLM per (max_num_seqs, scheduling, max_model_len), built and warmed up outside every
-    timed region; sections that share a configuration share the engine."""
+    timed region; sections that share a configuration share the engine. `engine_args`: the
+    EngineConfig fields every engine shares beyond the default float32 model."""
 
-    def __init__(self, sizes: Sizes, log: Callable[[str], None]) -> None:
-        self.sizes, self.log = sizes, log
+    def __init__(self, model: str, log: Callable[[str], None], **engine_args: Any) -> None:
+        self.model, self.log, self.engine_args = model, log, {"dtype": "float32"} | engine_args
         self.engines: dict[tuple[int, str, int], Any] = {}
         self.build_s: dict[str, float] = {}
 
@@ -82,10 +83,9 @@ class Engines:
 
             t0 = time.perf_counter()
             # KV never limits (scheduling is measured here, not memory); the +1 is the null block
-            llm = LLM(self.sizes.model, log=lambda s: self.log(f"    [engine] {s}"), dtype="float32",
-                      max_num_seqs=max_num_seqs, scheduling=scheduling, max_model_len=max_model_len, block_size=16,
-                      num_kv_blocks=max_num_seqs * math.ceil(max_model_len / 16) + 1,
-                      max_num_batched_tokens=self.sizes.max_num_batched_tokens)
+            llm = LLM(self.model, log=lambda s: self.log(f"    [engine] {s}"), max_num_seqs=max_num_seqs,
+                      scheduling=scheduling, max_model_len=max_model_len, block_size=16,
+                      num_kv_blocks=max_num_seqs * math.ceil(max_model_len / 16) + 1, **self.engine_args)
             warm(llm)
             self.build_s[f"{scheduling}-{max_num_seqs}-{max_model_len}"] = round(time.perf_counter() - t0, 2)
             self.engines[key] = llm
@@ -234,7 +234,7 @@ def run_pair(name: str, engines: Engines, reqs: list[Request], seqs: int, max_mo
         runs[m] = timed_generate(engines.get(seqs, m, max_model_len), [r.prompt_token_ids for r in reqs],
                                  [r.max_tokens for r in reqs], classes)
         assert runs[m]["stats"]["num_compilations"] == 0, "a timed run compiled: warm-up missed a shape"
-        log(run_line(f"{name} {m}", runs[m]))
+        log(run_line(f"{name} {m}", runs[m]) + f" (engine built in {engines.build_s[f'{m}-{seqs}-{max_model_len}']}s)")
     return runs
 
 
@@ -345,7 +345,7 @@ def _describe_mix(sz: Sizes) -> dict[str, Any]:
 
 def _strip(runs: dict[str, dict]) -> dict[str, dict]:
     """Per-run results for the JSON: token ids out (long and not a figure)."""
-    return {m: {k: v for k, v in r.items() if k != "token_ids"} for m, r in runs.items()}
+    return {m: lean(r, per_request=True) for m, r in runs.items()}
 
 
 def table(results: dict[str, Any]) -> str:
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "argv": sys.argv[1:] if argv is None else argv, "loadavg_start": os.getloadavg(),
                                "sections": {}}
     log(header(results))
-    engines = Engines(sz, log)
+    engines = Engines(sz.model, log, max_num_batched_tokens=sz.max_num_batched_tokens)
     t_all = time.perf_counter()
     for name in sections:
         log(f"== {name}")

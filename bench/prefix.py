@@ -19,7 +19,8 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import machine_info, md_table, results_dir, timed_generate, warm, write_json  # noqa: E402
+from report import (machine_info, md_table, ratio_rows, results_dir, side_by_side, timed_generate,  # noqa: E402
+                    warm, write_json, write_text)
 from workload import seed_mix, shared_prefix, token_ids, vocab_size_of  # noqa: E402
 
 SECTIONS = ("shared", "multiturn", "mix")
@@ -142,21 +143,21 @@ def line(label: str, r: dict[str, Any]) -> str:
             f"steps  load {r['loadavg']:.1f}")
 
 
-def summary(a: argparse.Namespace, s: dict[str, Any]) -> dict[str, tuple[float, str, bool]]:
-    """Each ratio, its target and whether it is met."""
-    out = {}
+def summary(a: argparse.Namespace, s: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each ratio beside its target (report.side_by_side)."""
+    out = []
     if "shared" in s:
         r = s["shared"]["ratios"]
-        out |= {"shared: TTFT p50 off/on": (r["ttft_p50"], ">= 5", r["ttft_p50"] >= 5),
-                "shared: TTFT p99 off/on": (r["ttft_p99"], "-", True),
-                "shared: output tok/s on/off": (r["tok_s"], ">= 2", r["tok_s"] >= 2)}
+        out += [side_by_side("shared: TTFT p50 off/on", r["ttft_p50"], target=5),
+                side_by_side("shared: TTFT p99 off/on", r["ttft_p99"]),
+                side_by_side("shared: output tok/s on/off", r["tok_s"], target=2)]
     if "multiturn" in s:
-        r = s["multiturn"]["ratios"]["last_turn_ttft_p50"]
-        out[f"multi-turn: turn {a.turns} TTFT p50 off/on"] = (r, ">= 3", r >= 3)
+        out.append(side_by_side(f"multi-turn: turn {a.turns} TTFT p50 off/on",
+                                s["multiturn"]["ratios"]["last_turn_ttft_p50"], target=3))
     if "mix" in s:
         r = s["mix"]["ratios"]
-        out |= {"no sharing: output tok/s on/off": (r["tok_s"], ">= 0.97", r["tok_s"] >= 0.97),
-                "no sharing: output tok per CPU-s on/off": (r["tok_per_cpu_s"], "(>= 0.97)", r["tok_per_cpu_s"] >= 0.97)}
+        out += [side_by_side("no sharing: output tok/s on/off", r["tok_s"], target=0.97),
+                side_by_side("no sharing: output tok per CPU-s on/off", r["tok_per_cpu_s"], target=0.97)]
     return out
 
 
@@ -176,8 +177,7 @@ def markdown(res: dict[str, Any]) -> str:
             rows.append([label, mode, f"{r['ttft_s']['p50']:.2f} s", f"{r['ttft_s']['p99']:.2f} s",
                          f"{r['output_tok_s']:.1f}", f"{r['tok_per_cpu_s']:.1f}", f"{r['hit_rate']:.1%}",
                          f"{r['stats']['prefill_tokens']} / {r['prompt_tokens']}", f"{r['loadavg']:.1f}"])
-    ratios = [["ratio (caching on vs off)", "measured", "target", "met"]] + [
-        [name, f"{val:.3f}", target, "yes" if ok else "NO"] for name, (val, target, ok) in res["summary"].items()]
+    ratios = [["", "ratio (caching on vs off)", "measured", "ideal", "target", "met"]] + ratio_rows(res["summary"])
     return (f"# Prefix caching on vs off ({a['model']} model)\n\nMachine: {m['cpu']}, {m['cores']} cores, JAX "
             f"{m['jax']}; load average at start {res['loadavg_start']:.1f}, at end {res['loadavg_end']:.1f}. Chunked "
             f"prefill {'on' if a['chunked_prefill'] else 'off'}.\n\n{md_table(rows)}\n\n{md_table(ratios)}\n\n"
@@ -207,9 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     md = markdown(res)
     print("\n" + md)
     write_json(os.path.join(a.out, "prefix.json"), res)
-    with open(os.path.join(a.out, "prefix.md"), "w") as f:
-        f.write(md)
-    print(f"wrote {a.out}/prefix.json and prefix.md")
+    print(f"wrote {a.out}/prefix.json and {write_text(os.path.join(a.out, 'prefix.md'), md)}")
     return res
 
 

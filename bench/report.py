@@ -215,6 +215,13 @@ def timed_generate(llm: Any, prompts: list[list[int]], max_tokens: list[int],
     return res
 
 
+def lean(run: dict[str, Any], per_request: bool = False) -> dict[str, Any]:
+    """A timed_generate result for the JSON: without token ids (long, and not a figure) and,
+    unless `per_request`, without the per-request completion times and finish steps."""
+    drop = {"token_ids"} | (set() if per_request else {"completion_s_all", "finish_step_all"})
+    return {k: v for k, v in run.items() if k not in drop}
+
+
 def run_line(label: str, r: dict[str, Any]) -> str:
     """One timed_generate run in a line: throughput, steps and what they cost."""
     st = r["stats"]

@@ -8,7 +8,7 @@ import json
 
 from conftest import load_bench
 
-# Loaded by path, not with bench/ on sys.path: bench/structured.py would shadow the engine's.
+# Loaded by path (bench/ is scripts, not a package).
 report = load_bench("gpu_check_report")
 
 

@@ -1,6 +1,6 @@
 """Structured outputs bench: what does constraining half the batch by a JSON schema cost?
 
-    python bench/structured.py [--max-tokens 24]
+    python bench/structured_outputs.py [--max-tokens 24]
 
 What is reported, and how constrained steps keep async scheduling: docs/BENCHMARKS.md.
 """
@@ -14,9 +14,7 @@ import sys
 import time
 from typing import Any
 
-# The repo root first and bench/ last: this file's name is also the engine's structured.py.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import runner as runner_module  # noqa: E402
 from config import StructuredOutputsParams  # noqa: E402
