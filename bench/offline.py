@@ -20,8 +20,8 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (continuous_vs_static, lean, machine_info, ratio_rows, results_dir, run_line,  # noqa: E402
-                    side_by_side, text_table, timed_generate, warm, write_json)
+from report import (continuous_vs_static, lean, log, machine_info, ratio_rows, results_dir, run_line,  # noqa: E402
+                    sections, side_by_side, text_table, timed_generate, warm, write_json)
 from workload import Request, exponential_mix, seed_mix  # noqa: E402
 
 SECTIONS = ("mix32", "p99-64", "exp32", "peers")
@@ -375,10 +375,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tiny", action="store_true", help="the tiny model and a handful of requests (tests)")
     ap.add_argument("--out", default=None, help="JSON results (default bench/results/offline-<timestamp>.json)")
     args = ap.parse_args(argv)
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = [s for s in sections if s not in SECTIONS]
-    if unknown:
-        ap.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    chosen = sections(ap, args.sections, SECTIONS)
     sz = TINY if args.tiny else FULL
     if args.num_requests is not None:
         sz = replace(sz, num_requests=args.num_requests, exp_requests=3 * args.num_requests)
@@ -386,16 +383,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sz = replace(sz, max_model_len=args.max_model_len)
     out = args.out or results_dir(f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json")
 
-    def log(s: str) -> None:
-        print(s, flush=True)
-
     results: dict[str, Any] = {"machine": machine_info(), "sizes": asdict(sz), "torch_threads": TORCH_THREADS,
                                "argv": sys.argv[1:] if argv is None else argv, "loadavg_start": os.getloadavg(),
                                "sections": {}}
     log(header(results))
     engines = Engines(sz.model, log, max_num_batched_tokens=sz.max_num_batched_tokens)
     t_all = time.perf_counter()
-    for name in sections:
+    for name in chosen:
         log(f"== {name}")
         t0 = time.perf_counter()
         try:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (machine_info, md_table, ratio_rows, results_dir, side_by_side, timed_generate,  # noqa: E402
+from report import (log, machine_info, sections, size_defaults, md_table, ratio_rows, results_dir, side_by_side, timed_generate,  # noqa: E402
                     warm, write_json, write_text)
 from workload import seed_mix, shared_prefix, token_ids, vocab_size_of  # noqa: E402
 
@@ -42,19 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, default in (("question_len", 32), ("turns", 4), ("mix_short", 16), ("mix_repeats", 2), ("seed", 0)):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--out", default=None, help="output folder (default bench/results/prefix[-tiny])")
-    a = p.parse_args(argv)
-    a.model = a.model or ("tiny" if a.tiny else "bench")
-    for name, sizes in SIZES.items():
-        if getattr(a, name) is None:
-            setattr(a, name, sizes[a.tiny])
+    a = size_defaults(p.parse_args(argv), SIZES | {"model": ("bench", "tiny"),
+                                                   "out": (results_dir("prefix"), results_dir("prefix-tiny"))})
     if a.tiny:
         a.question_len, a.mix_short = min(a.question_len, 8), min(a.mix_short, 4)
-    a.sections = [s.strip() for s in a.sections.split(",") if s.strip()]
-    if not a.sections or not set(a.sections) <= set(SECTIONS):
-        p.error(f"--sections takes {', '.join(SECTIONS)}")
+    a.sections = sections(p, a.sections, SECTIONS)
     if a.turns < 2:
         p.error("--turns must be >= 2")
-    a.out = a.out or results_dir("prefix-tiny" if a.tiny else "prefix")
     return a
 
 
@@ -189,14 +183,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     a.shape = shape(a)
-    print(f"engine shape for every run: {a.shape}, block size {BLOCK}, chunked prefill "
-          f"{'on' if a.chunked_prefill else 'off'}", flush=True)
+    log(f"engine shape for every run: {a.shape}, block size {BLOCK}, chunked prefill "
+        f"{'on' if a.chunked_prefill else 'off'}")
     res: dict[str, Any] = dict(bench="prefix", args=vars(a), machine=machine_info(), loadavg_start=os.getloadavg()[0],
                                sections={})
     run = {"shared": section_shared, "multiturn": section_multiturn, "mix": section_mix}
     for name in a.sections:
-        print(f"section {name}", flush=True)
-        res["sections"][name] = run[name](a, lambda msg: print(msg, flush=True))
+        log(f"section {name}")
+        res["sections"][name] = run[name](a, log)
     res["loadavg_end"] = os.getloadavg()[0]
     res["summary"] = summary(a, res["sections"])
     for sec in res["sections"].values():  # token ids were for the comparison; keep the JSON small

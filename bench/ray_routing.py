@@ -11,8 +11,6 @@ import argparse
 import asyncio
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,8 +19,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import Record, Server, free_port, stream_one
-from report import md_table, summarize, text_table, write_json
+from client import Record, Server, complete
+from report import md_table, results_dir, summarize, text_table, write_json, write_text
 from workload import Request, token_ids, vocab_size_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,33 +72,20 @@ async def run_requests(session: aiohttp.ClientSession, url: str, requests: list[
         async with gate:
             body = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0.0,
                     "ignore_eos": True, "stream": True, "logprobs": 0}
-            return await stream_one(session, url, body, "logprobs", t0, Record("shared", req.max_tokens,
-                                                                                len(req.prompt_token_ids)))
+            return await complete(session, url, body, "logprobs", t0, Record("shared", req.max_tokens,
+                                                                              len(req.prompt_token_ids)))
     return await asyncio.gather(*(one(r) for r in requests))
 
 
-def start(argv: list[str], port: int, log_dir: str, name: str) -> Server:
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    return Server([sys.executable, *argv], port, os.path.join(log_dir, f"{name}.log"), env=env, cwd=ROOT)
-
-
-def stop(server: Server) -> None:
-    """SIGTERM to the launcher alone first: serve_ray.py then shuts Ray Serve and Ray down in order."""
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            pass
-    server.stop()
+def start(script: str, args: argparse.Namespace, extra: list[str], log_dir: str, name: str) -> Server:
+    return Server([sys.executable, script, *engine_flags(args), *extra, "--port", "{port}"], None,
+                  os.path.join(log_dir, f"{name}.log"), env=os.environ | {"PYTHONUNBUFFERED": "1"}, cwd=ROOT)
 
 
 async def measure(args: argparse.Namespace, routing: str, requests: list[Request], log_dir: str) -> dict[str, Any]:
-    port = free_port()
-    argv = ["serve_ray.py", *engine_flags(args), "--num-replicas", str(args.num_replicas), "--routing", routing,
-            "--port", str(port), "--replica-cpus", "0"]
     launched = time.perf_counter()
-    server = start(argv, port, log_dir, f"ray-{routing}")
+    server = start("serve_ray.py", args, ["--num-replicas", str(args.num_replicas), "--routing", routing,
+                                          "--replica-cpus", "0"], log_dir, f"ray-{routing}")
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
             await server.wait_ready(session, timeout=1800)
@@ -111,8 +96,8 @@ async def measure(args: argparse.Namespace, routing: str, requests: list[Request
             records = await run_requests(session, server.url, requests, args.concurrency)
             wall = time.perf_counter() - t0
             hits, queries = await fleet_prefix_counts(session, server.url)
-    finally:
-        stop(server)
+    finally:  # the launcher alone first: serve_ray.py then shuts Ray Serve and Ray down in order
+        server.stop(grace_s=90)
     errors = [r.error for r in records if r.error]
     if errors:
         raise RuntimeError(f"{routing}: {len(errors)} requests failed, e.g. {errors[0]} (see {server.log_path})")
@@ -122,8 +107,7 @@ async def measure(args: argparse.Namespace, routing: str, requests: list[Request
 
 
 async def server_startup(args: argparse.Namespace, log_dir: str) -> float:
-    port = free_port()
-    server = start(["server.py", *engine_flags(args), "--port", str(port)], port, log_dir, "server")
+    server = start("server.py", args, [], log_dir, "server")
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
             return await server.wait_ready(session, timeout=1800)
@@ -176,16 +160,15 @@ def main() -> None:
                f"/metrics), with the compilation cache warm (server.py's first start: {cold:.1f} s)")
     hit_ratio = prefix["hit_rate"] / pow2["hit_rate"] if pow2["hit_rate"] else float("inf")
     ttft_ratio = pow2["ttft"]["p50"] / prefix["ttft"]["p50"]
-    summary = (f"prefix / power-of-two hit rate: {hit_ratio:.2f}x (target >= 1.5x: {'PASS' if hit_ratio >= 1.5 else 'MISS'}); "
-               f"TTFT p50 power-of-two / prefix: {ttft_ratio:.2f}x (target > 1: {'PASS' if ttft_ratio > 1 else 'MISS'})")
+    summary = "; ".join(f"{name}: {x:.2f}x (target {target}: {'PASS' if ok else 'MISS'})" for name, x, target, ok in (
+        ("prefix / power-of-two hit rate", hit_ratio, ">= 1.5x", hit_ratio >= 1.5),
+        ("TTFT p50 power-of-two / prefix", ttft_ratio, "> 1", ttft_ratio > 1)))
     setting = (f"{args.num_replicas} replicas of {args.model}, {args.num_requests} requests over {args.num_prefixes} "
                f"system prompts of {args.prefix_len} tokens (+{args.suffix_len}, {args.max_tokens} out), "
                f"{args.concurrency} in flight, {args.num_kv_blocks} KV blocks of 16 per replica")
     print(setting + "\n\n" + text_table(rows) + "\n" + caption + "\n\n" + summary)
-    out = os.path.join(ROOT, "bench", "results", "ray_routing")  # this checkout's, whichever report.py is imported
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(f"# Ray Serve routing\n\n{setting}\n\n{md_table(rows)}\n\n{caption}\n\n{summary}\n")
+    out = results_dir("ray_routing")
+    write_text(os.path.join(out, "report.md"), f"# Ray Serve routing\n\n{setting}\n\n{md_table(rows)}\n\n{caption}\n\n{summary}\n")
     write_json(os.path.join(out, "results.json"), {"args": vars(args), "runs": runs, "server_startup_s": plain, "server_cold_startup_s": cold,
                                                    "hit_ratio": hit_ratio, "ttft_p50_ratio": ttft_ratio})
     print(f"\nwritten to {out}/ (servers' logs in {log_dir})")

@@ -106,6 +106,27 @@ def require_gpu(required: bool) -> bool:
     return jax.default_backend() == "gpu"
 
 
+def log(msg: str) -> None:
+    """A bench's progress line, shown at once (benches run for minutes, often piped)."""
+    print(msg, flush=True)
+
+
+def sections(parser: Any, text: str, choices: Sequence[str]) -> list[str]:
+    """A comma-separated --sections list, each one of `choices` (else a parser error)."""
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    if not chosen or not set(chosen) <= set(choices):
+        parser.error(f"--sections takes a comma-separated subset of {', '.join(choices)}, got {text!r}")
+    return chosen
+
+
+def size_defaults(args: Any, sizes: dict[str, tuple[Any, Any]]) -> Any:
+    """Each option in `sizes` left unset (None) takes its (full run, --tiny) default."""
+    for name, (full, tiny) in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    return args
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only backend (benches run on headless machines)."""
     import matplotlib
@@ -315,9 +336,9 @@ def _reason_text(v: dict) -> str:
 def _why(mode: str, h: dict, full: dict, half: dict) -> str:
     """What halving max_model_len shows under `mode`, beyond the seed's rule of thumb (a sharp
     fall of short-request p99 means requests queued on KV blocks)."""
-    kv, sharp = h["dominant_wait_reason_full"] == "kv_blocks", h["fell_sharply"]
-    run = f"{h['max_running_full']:.0f} -> {h['max_running_half']:.0f}"
-    tps = h["output_tokens_per_s_half"] / h["output_tokens_per_s_full"]
+    kv, sharp = full["metrics"]["dominant_wait_reason"] == "kv_blocks", h["fell_sharply"]
+    run = f"{full['metrics']['max_running']:.0f} -> {half['metrics']['max_running']:.0f}"
+    tps = half["output_tokens_per_s"] / full["output_tokens_per_s"]
     if kv and mode == "reserve-max-len":
         text = f"Halving doubled the requests that fit (max running {run}); output tokens/s {tps:.2f}x"
         text += (": the seed's rule holds." if sharp else ", and no sharp fall: a step of more sequences costs "
@@ -330,8 +351,8 @@ def _why(mode: str, h: dict, full: dict, half: dict) -> str:
     elif sharp:
         text = f"p99 fell without waits on KV blocks (output tokens/s {tps:.2f}x): compare the machine load."
     else:
-        text = (f"Requests waited mostly on {h['dominant_wait_reason_full'] or 'nothing'}, not KV blocks, and p99 "
-                "barely moved: the seed's rule holds (it was not KV).")
+        text = (f"Requests waited mostly on {full['metrics']['dominant_wait_reason'] or 'nothing'}, not KV blocks, "
+                "and p99 barely moved: the seed's rule holds (it was not KV).")
     c = [cores_used(v) for v in (full, half)]
     if None not in c and min(c) < 0.75 * max(c):
         text += f" Caution: the server got {c[0]:.1f} cores at full length and {c[1]:.1f} at half: not comparable."
@@ -360,28 +381,21 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
         fall = p_full / p_half if p_half else math.inf
         reason = full["metrics"]["dominant_wait_reason"]
         h: dict[str, Any] = {"fall": fall, "fell_sharply": fall >= SHARP,
-                             "queued_on": REASON_MEANS.get(reason, reason) if reason else None}
-        for tag, v in (("full", full), ("half", half)):
-            m = v["metrics"]
-            h |= {f"max_model_len_{tag}": v["flags"]["max_model_len"], f"short_p99_e2e_{tag}": _p(v, "short", "e2e", "p99"),
-                  f"short_p99_ttft_{tag}": _p(v, "short", "ttft", "p99"),
-                  f"output_tokens_per_s_{tag}": v["output_tokens_per_s"], f"max_running_{tag}": m["max_running"],
-                  f"preemptions_{tag}": m["preemptions"], f"waiting_by_reason_s_{tag}": m["waiting_by_reason_s"],
-                  f"dominant_wait_reason_{tag}": m["dominant_wait_reason"]}
-        h["seed_rule_holds"] = h["fell_sharply"] == (reason == "kv_blocks")
+                             "queued_on": REASON_MEANS.get(reason, reason) if reason else None,
+                             "seed_rule_holds": (fall >= SHARP) == (reason == "kv_blocks")}
         h["why"] = _why(mode, h, full, half)
         out["halving"][mode] = h
         out["answer"].append(
-            f"{mode}: short-request p99 e2e {p_full:.3g} s at max_model_len {h['max_model_len_full']} -> {p_half:.3g} s "
-            f"at {h['max_model_len_half']} ({_times(fall)}: {'fell sharply' if h['fell_sharply'] else 'no sharp fall'})."
-            f" At full length {_reason_text(full)}" + (f": requests were queueing on {h['queued_on']}. " if reason else ". ")
-            + h["why"])
+            f"{mode}: short-request p99 e2e {p_full:.3g} s at max_model_len {full['flags']['max_model_len']} -> "
+            f"{p_half:.3g} s at {half['flags']['max_model_len']} ({_times(fall)}: "
+            f"{'fell sharply' if h['fell_sharply'] else 'no sharp fall'}). At full length {_reason_text(full)}"
+            + (f": requests were queueing on {h['queued_on']}. " if reason else ". ") + h["why"])
     if out["halving"]:
-        hs = out["halving"]
-        kv = [m for m, h in hs.items() if h["dominant_wait_reason_full"] == "kv_blocks"]
-        sharp = [m for m, h in hs.items() if h["fell_sharply"]]
-        more = [f"{m} ({h['max_running_full']:.0f} -> {h['max_running_half']:.0f})" for m, h in hs.items()
-                if (h["max_running_half"] or 0) > (h["max_running_full"] or 0)]
+        both = {m: (vs[f"{m}/full"]["metrics"], vs[f"{m}/half"]["metrics"]) for m in out["halving"]}
+        kv = [m for m, (f, _) in both.items() if f["dominant_wait_reason"] == "kv_blocks"]
+        sharp = [m for m, h in out["halving"].items() if h["fell_sharply"]]
+        more = [f"{m} ({f['max_running']:.0f} -> {h['max_running']:.0f})" for m, (f, h) in both.items()
+                if (h["max_running"] or 0) > (f["max_running"] or 0)]
         out["answer"].append(f"So: halving max_model_len made short-request p99 fall sharply under "
                              f"{', '.join(sharp) or 'no mode'}; requests queued on KV blocks under "
                              f"{', '.join(kv) or 'no mode'}; more requests ran at once only under "
@@ -589,16 +603,18 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
               "Client-side TTFT, ITL and e2e; tok/s: output tokens from the first request sent to the last token. "
               "`server cores`: the server's CPU seconds over the run's wall time. `-`: not measured.", ""]
     if an["halving"]:
-        lines += ["### Halving max_model_len, per KV admission mode", "", md_table(
-            [["mode", "short p99 e2e full -> half", "fall", "short p99 TTFT full -> half", "tok/s full -> half",
-              "max running full -> half", "waited on (full / half)", "preemptions full / half"]]
-            + [[mode, f"{h['short_p99_e2e_full']:.1f} s -> {h['short_p99_e2e_half']:.1f} s", f"{h['fall']:.2f}x",
-                f"{h['short_p99_ttft_full']:.1f} s -> {h['short_p99_ttft_half']:.1f} s",
-                f"{h['output_tokens_per_s_full']:.0f} -> {h['output_tokens_per_s_half']:.0f}",
-                f"{num(h['max_running_full'])} -> {num(h['max_running_half'])}",
-                f"{h['dominant_wait_reason_full']} / {h['dominant_wait_reason_half']}",
-                f"{num(h['preemptions_full'])} / {num(h['preemptions_half'])}"] for mode, h in an["halving"].items()]),
-            ""]
+        rows = [["mode", "short p99 e2e full -> half", "fall", "short p99 TTFT full -> half", "tok/s full -> half",
+                 "max running full -> half", "waited on (full / half)", "preemptions full / half"]]
+        for mode, h in an["halving"].items():
+            f, g = vs[f"{mode}/full"], vs[f"{mode}/half"]
+            fm, gm = f["metrics"], g["metrics"]
+            p99 = [f"{_p(f, 'short', m, 'p99'):.1f} s -> {_p(g, 'short', m, 'p99'):.1f} s" for m in ("e2e", "ttft")]
+            rows.append([mode, p99[0], f"{h['fall']:.2f}x", p99[1],
+                         f"{f['output_tokens_per_s']:.0f} -> {g['output_tokens_per_s']:.0f}",
+                         f"{num(fm['max_running'])} -> {num(gm['max_running'])}",
+                         f"{fm['dominant_wait_reason']} / {gm['dominant_wait_reason']}",
+                         f"{num(fm['preemptions'])} / {num(gm['preemptions'])}"])
+        lines += ["### Halving max_model_len, per KV admission mode", "", md_table(rows), ""]
     lo_hi = st["prompt_len"].replace(",", "..")
     prompts = (f"{lo_hi} words of generated prose" if st.get("prompt_kind") == "text"
                else f"{lo_hi} random token ids (vocabulary {st['vocab_size']})")

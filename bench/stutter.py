@@ -20,7 +20,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import machine_info, pyplot, results_dir, save_figure, summarize, text_table, write_json  # noqa: E402
+from report import (log, machine_info, pyplot, results_dir, save_figure, size_defaults, summarize,  # noqa: E402
+                    text_table, write_json)
 from workload import token_ids  # noqa: E402
 
 TARGET_RATIO = 4.0
@@ -47,14 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output folder (default bench/results/stutter[-tiny])")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an earlier run's stutter.json; no run")
-    a = p.parse_args(argv)
-    small = a.tiny
-    a.model = a.model or ("tiny" if small else "bench")
-    a.prompt_len = a.prompt_len or (384 if small else 8192)
-    a.users = a.users or (4 if small else 16)
-    a.budget = a.budget or (64 if small else 512)
+    a = size_defaults(p.parse_args(argv), {"model": ("bench", "tiny"), "prompt_len": (8192, 384), "users": (16, 4),
+                                           "budget": (512, 64), "out": (results_dir("stutter"), results_dir("stutter-tiny"))})
     a.after_tokens = a.window if a.after_tokens is None else a.after_tokens
-    a.out = a.out or results_dir("stutter-tiny" if small else "stutter")
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not set(a.modes) <= {"off", "on"} or not a.modes:
         p.error("--modes takes off and/or on")
@@ -166,7 +162,7 @@ def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int], log) -> dict[
     return res
 
 
-def plot(results: dict[str, dict[str, Any]], a: argparse.Namespace, path: str) -> None:
+def plot(results: dict[str, dict[str, Any]], a: argparse.Namespace, path: str) -> str:
     plt = pyplot()
     modes = [m for m in ("off", "on") if m in results]
     fig, axes = plt.subplots(len(modes) + 1, 1, figsize=(12, 3.2 * len(modes) + 3.2), sharex=True, squeeze=False,
@@ -216,6 +212,7 @@ def plot(results: dict[str, dict[str, Any]], a: argparse.Namespace, path: str) -
     fig.suptitle(f"Per-token arrival times of {len(users)} streaming users ({a.model} model) as a "
                  f"{a.prompt_len}-token prompt joins", fontsize=11)
     save_figure(fig, path, dpi=130)
+    return path
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -225,14 +222,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             out = json.load(f)
         saved = argparse.Namespace(**out["args"])
         png = os.path.join(os.path.dirname(os.path.abspath(a.plot_only)), "stutter.png")
-        plot(out["results"], saved, png)
-        print(f"wrote {png}")
+        log(f"wrote {plot(out['results'], saved, png)}")
         return out
-    os.makedirs(a.out, exist_ok=True)
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-
     sz = sizes(a)
     log(f"stutter: model {a.model}, {a.users} users (prompts of {a.user_prompt_len}), a {a.prompt_len}-token prompt "
         f"joins after {a.steady_steps} steady steps; chunked budget {a.budget}; max_model_len {sz['max_model_len']}, "
@@ -267,9 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = dict(bench="stutter", args=vars(a), sizes=sz, machine=machine_info(), summary=summary, results=results)
     log(f"wrote {write_json(os.path.join(a.out, 'stutter.json'), out)}")
     if not a.no_plot:
-        png = os.path.join(a.out, "stutter.png")
-        plot(results, a, png)
-        log(f"wrote {png}")
+        log(f"wrote {plot(results, a, os.path.join(a.out, 'stutter.png'))}")
     return out
 
 
