@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attention_backend as ab  # noqa: E402
-from report import out_path, require_gpu, write_json  # noqa: E402
+from report import out_path, require_gpu, timer, write_json  # noqa: E402
 import kernels_pallas as kp  # noqa: E402
 from attention_backend import AttentionShape  # noqa: E402
 
@@ -56,13 +56,7 @@ class Results:
 
 def timed(fn: Callable[[], Any], runs: int = 5) -> float:
     """Median seconds of fn() (which returns device arrays), after one warm-up call."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return timer(lambda: jax.block_until_ready(fn()), runs, warmup=True, stat=statistics.median)
 
 
 def chained(attn: Callable[..., jax.Array], reps: int, pick: Callable[[jax.Array, jax.Array], Any]):

@@ -94,6 +94,17 @@ class Engines:
 
 # ---- the Hugging Face peer -------------------------------------------------------------
 
+def hf_config(c: Any) -> dict[str, Any]:
+    """A taxirank Llama ModelConfig as the fields of an HF config.json."""
+    return dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+                tie_word_embeddings=c.tie_word_embeddings, hidden_act="silu", torch_dtype="float32",
+                bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids))
+
+
 def hf_model_from(model_name: str):
     """transformers' LlamaForCausalLM holding the very arrays of taxirank's model
     (load_model is deterministic from seed 0), named with the loader's own mapping."""
@@ -109,12 +120,8 @@ def hf_model_from(model_name: str):
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling is not None:
         rope = {**dict(c.rope_scaling), "rope_type": "llama3", "rope_theta": c.rope_theta}
-    hf_cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-                         rope_parameters=rope, max_position_embeddings=c.max_position_embeddings,
-                         tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
-                         eos_token_id=None, pad_token_id=0)
+    fields = {k: v for k, v in hf_config(c).items() if k not in ("rope_theta", "torch_dtype")}
+    hf_cfg = LlamaConfig(**fields | {"rope_parameters": rope, "eos_token_id": None, "pad_token_id": 0})
     hf_cfg._attn_implementation = "sdpa"
     # a writable float32 copy for torch
     state = {name: torch.from_numpy(np.array(x, np.float32)) for name, x in tx_model.hf_state_dict(loaded.model).items()}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import sys
 import tempfile
 import time
@@ -21,17 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from client import Record, Server, complete
 from report import md_table, results_dir, summarize, text_table, write_json, write_text
-from workload import Request, token_ids, vocab_size_of
+from workload import Request, shared_prefix, vocab_size_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def workload(args: argparse.Namespace) -> list[Request]:
-    rng = random.Random(args.seed)
-    vocab = vocab_size_of(args.model)
-    systems = [token_ids(rng, vocab, args.prefix_len) for _ in range(args.num_prefixes)]
-    return [Request(systems[rng.randrange(args.num_prefixes)] + token_ids(rng, vocab, args.suffix_len),
-                    args.max_tokens) for _ in range(args.num_requests)]
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -142,7 +133,9 @@ def main() -> None:
     if args.num_kv_blocks <= blocks_per_request:
         p.error(f"--num-kv-blocks {args.num_kv_blocks} cannot hold one request of {blocks_per_request} blocks")
 
-    requests = workload(args)
+    requests = shared_prefix(args.num_requests, vocab_size_of(args.model), prefix_len=args.prefix_len,
+                             suffix_len=args.suffix_len, max_tokens=args.max_tokens, seed=args.seed,
+                             num_prefixes=args.num_prefixes)
     log_dir = tempfile.mkdtemp(prefix="taxirank-ray-routing-")
     # server.py first fills the compilation cache, so every start-up timed below compiles
     # nothing: the figures compare what each launcher adds, not compile times.

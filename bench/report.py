@@ -269,14 +269,18 @@ def continuous_vs_static(c: dict[str, Any], s: dict[str, Any], target_tok_s: flo
     return out
 
 
-def timer(fn: Callable[[], Any], reps: int = 5) -> float:
-    """Best of reps timings of fn() in seconds: on a shared machine the least disturbed."""
+def timer(fn: Callable[[], Any], reps: int = 5, warmup: bool = False,
+          stat: Callable[[list[float]], float] = min) -> float:
+    """stat (default: the best) of reps timings of fn() in seconds, after one untimed call
+    when `warmup`: on a shared machine the best is the least disturbed."""
+    if warmup:
+        fn()
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
-    return min(out)
+    return stat(out)
 
 
 # ---- bench/mixed.py's results: the answer, the side by side, report.md, plots ----------

@@ -16,7 +16,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -26,26 +25,19 @@ from flax import nnx  # noqa: E402
 import checkpoint  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from model import BUILTIN_MODELS, hf_state_dict, load_model  # noqa: E402
+from offline import hf_config  # noqa: E402
 from parallel import bytes_per_device  # noqa: E402
+from report import write_json  # noqa: E402
 
 
 def write_safetensors(name: str, path: str) -> None:
     """The built-in model `name` as an HF Llama checkpoint directory."""
     from safetensors.numpy import save_file
 
-    cfg = BUILTIN_MODELS[name]
     loaded = load_model(name)
     os.makedirs(path, exist_ok=True)
     save_file(hf_state_dict(loaded.model), os.path.join(path, "model.safetensors"))
-    hf = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size,
-              hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-              num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-              num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-              rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-              tie_word_embeddings=cfg.tie_word_embeddings, hidden_act="silu", torch_dtype="float32",
-              bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f)
+    write_json(os.path.join(path, "config.json"), hf_config(BUILTIN_MODELS[name]))
 
 
 def timed_load(fn) -> float:

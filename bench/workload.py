@@ -81,11 +81,13 @@ def exponential_mix(num_requests: int, vocab_size: int, *, mean: float = 128, ca
 
 
 def shared_prefix(num_requests: int, vocab_size: int, *, prefix_len: int, suffix_len: int, max_tokens: int,
-                  seed: int = 0) -> list[Request]:
-    """One system prompt of prefix_len ids shared by every request, then a question of its own."""
+                  seed: int = 0, num_prefixes: int = 1) -> list[Request]:
+    """num_prefixes system prompts of prefix_len ids; each request starts with one (drawn at
+    random when there are several), then a question of suffix_len ids of its own."""
     rng = random.Random(seed)
-    system = token_ids(rng, vocab_size, prefix_len)
-    return [Request(system + token_ids(rng, vocab_size, suffix_len), max_tokens) for _ in range(num_requests)]
+    systems = [token_ids(rng, vocab_size, prefix_len) for _ in range(num_prefixes)]
+    return [Request(systems[rng.randrange(num_prefixes) if num_prefixes > 1 else 0]
+                    + token_ids(rng, vocab_size, suffix_len), max_tokens) for _ in range(num_requests)]
 
 
 def arrival_times(n: int, rate: float | None, seed: int = 0) -> list[float]:
