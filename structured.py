@@ -112,7 +112,7 @@ class GrammarCompiler:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[StructuredOutputsParams, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        # the latest cache misses' compile times (bench/structured.py reads their percentiles)
+        # the latest cache misses' compile times (bench/structured_outputs.py reads their percentiles)
         self.compile_seconds: deque[float] = deque(maxlen=1024)
 
     def _tokenizer_for_llguidance(self) -> llguidance.LLTokenizer:

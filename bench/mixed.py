@@ -75,6 +75,8 @@ class Target:
 
 @dataclass
 class Variant:
+    """One of taxirank's variants: server.py with `flags`, started for its turn only."""
+
     name: str  # also a file-name part: letters, digits, '-' and '_' (a '/' becomes '-')
     flags: dict[str, Any] = field(default_factory=dict)  # server flags (EngineConfig fields)
     admission: str | None = None  # the (3) comparison: KV admission mode ...
