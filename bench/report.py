@@ -652,9 +652,10 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
 
 # ---- plots -------------------------------------------------------------------------------
 
-def client_view(v: dict, points: int = 300) -> dict[str, list[float]] | None:
-    """Requests in flight over time as the client saw them: waiting for their first token,
-    and streaming (first token in, not finished). Needs no server metrics."""
+def client_view(v: dict, points: int = 300) -> dict[str, Any] | None:
+    """Requests in flight over time as the client saw them: waiting for their first token (or,
+    not streamed, for their one response), and streaming (first token in, not finished).
+    Needs no server metrics."""
     reqs = [r for r in v.get("per_request") or [] if r["e2e"] is not None]
     if not reqs:
         return None
@@ -662,12 +663,14 @@ def client_view(v: dict, points: int = 300) -> dict[str, list[float]] | None:
     ts = [end * i / points for i in range(points + 1)]
     first = [r["start"] + (r["ttft"] if r["ttft"] is not None else r["e2e"]) for r in reqs]
     return {"t": ts, "awaiting": [sum(r["start"] <= t < f for r, f in zip(reqs, first)) for t in ts],
-            "streaming": [sum(f <= t < r["start"] + r["e2e"] for r, f in zip(reqs, first)) for t in ts]}
+            "streaming": [sum(f <= t < r["start"] + r["e2e"] for r, f in zip(reqs, first)) for t in ts],
+            "streamed": any(r["ttft"] is not None for r in reqs)}
 
 
 def _plot_client_view(ax: Any, cv: dict) -> None:
     ax.stackplot(cv["t"], cv["streaming"], cv["awaiting"], step="post", alpha=0.6,
-                 labels=["streaming tokens", "waiting for the first token"])
+                 labels=["streaming tokens", "waiting for the first token" if cv["streamed"] else
+                         "waiting for the response (--no-stream)"])
     ax.set_ylabel("requests")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
