@@ -259,7 +259,10 @@ class Fair(FCFS):
     two seats more than an active client holding the fewest (active: with a request in the
     system now or within the last `active_window_s` of the policy's clock; seats as the
     step began), gets at most `over_served_prefill` prompt tokens a step (admissions,
-    chunks and recomputes together). Its prompts still advance by that much every step;
+    chunks and recomputes together), and none in a step where another client's seated
+    sequence has prompt work or a new request of another client has just come to the head
+    of the queue (its admission step). Seated prompts finish and a request is new at the
+    head once, so the over-served client's prompts wait a bounded number of steps;
     seats, not counters, decide it because the counters of competing clients stay within a
     step's service of each other (the lift above), while seats show who holds the batch.
     With one active client, or clients holding about equal seats, no step is capped."""
@@ -305,7 +308,7 @@ class Fair(FCFS):
             seats[c] = seats.get(c, 0) + 1
         self.seats = seats
         self.queue.resort()
-        self._head = self.queue.peek() if self.queue else None
+        head, self._head = self._head, self.queue.peek() if self.queue else None
         now, last = self.clock(), self.last_active
         for c in {*seats, *map(self.client, self.queue)}:
             last[c] = now
@@ -313,8 +316,9 @@ class Fair(FCFS):
             del last[c]  # idle too long (or forgotten): banks no claim on the others' prefill
         fewest = min((seats.get(c, 0) for c in last), default=0)
         self.over_served = over = {c for c in last if seats.get(c, 0) >= fewest + 2}
-        self._yield = any(self.client(q) not in over for q in self.queue) or any(
-            not r.is_decode and self.client(r) not in over for r in running)
+        fresh = self._head is not None and self._head is not head and self._head.first_scheduled_time is None
+        self._yield = any(not r.is_decode and self.client(r) not in over for r in running) or (
+            fresh and self.client(self._head) not in over)
 
     def prompt_room(self, seq: Sequence, scheduled: list[ScheduledSeq]) -> float:
         c = self.client(seq)
