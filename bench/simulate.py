@@ -5,21 +5,16 @@ machine cannot run? A workload through the real Scheduler, without the model, in
     python bench/simulate.py --workload two-clients --scheduling-policy fair --cost-model gpu-like
     python bench/simulate.py --workload bench/results/X/results.json   # a request log bench/mixed.py recorded
     python bench/simulate.py --calibrate | --validate | --report  # fit the cost model here; engine vs simulator; scales
-
-Each step is the engine's: `Scheduler.schedule()` decides it (any policy, batching, KV admission,
-preemption mode; the policy reads the simulated clock), the cost model times it, `update()` records
-it (every token a non-EOS: the benches run ignore_eos), `EngineStats.record_step` counts it. Only the
-synchronous loop is modelled (async scheduling's overlap is not):
-
+Each step is the engine's: `Scheduler.schedule()` decides it (any policy, batching, KV admission, preemption
+mode; the policy reads the simulated clock), the cost model times it, `update()` records it (every token a
+non-EOS: the benches run ignore_eos), `EngineStats.record_step` counts it. Only the synchronous loop is modelled:
     cost(step) = a + b * rows + c * context_tokens_read + d * prefill_tokens [+ s0 + s1 * tokens swapped]
-
-rows: the token rows the step program computes (runner.py's padded buckets); context: the KV every
-scheduled sequence attends over; one coefficient set per program (decode, ragged), fitted by
-non-negative least squares to a calibration run of the real engine, the swap terms to timed KV
-copies (--calibrate, saved as JSON; --cost-model reads one back); `GPU_LIKE` is written down.
-Workloads (--workload): `seed`, `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s",
-"prompt_len" (or "prompt_token_ids"), "max_tokens", optional "priority", "class", "user",
-"slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json. docs/SIMULATION.md has the figures.
+rows: the token rows the step program computes (runner.py's padded buckets); context: the KV every scheduled
+sequence attends over; one coefficient set per program (decode, ragged), fitted by non-negative least squares to
+a calibration run of the real engine, the swap terms to timed KV copies (--calibrate, saved as JSON; --cost-model
+reads one back); `GPU_LIKE` is written down. Workloads (--workload): `seed`, `exp`, `slo-mix`, `two-clients`, or
+a JSON list of {"arrival_s", "prompt_len" (or "prompt_token_ids"), "max_tokens", optional "priority", "class",
+"user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json. docs/SIMULATION.md has the figures.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ from typing import Any, Callable, NamedTuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root's modules first
 
-from report import md_table, pyplot, results_dir, save_figure, summarize, write_json  # noqa: E402
+from report import md_table, pyplot, results_dir, save_figure, summarize, timer, write_json  # noqa: E402
 from workload import arrival_times, exponential_mix, seed_mix, token_ids  # noqa: E402
 from config import EngineConfig, SamplingParams, SLOTarget  # noqa: E402
 from metrics import WAIT_REASONS, EngineStats, StepTrace  # noqa: E402
@@ -373,27 +368,22 @@ def calibrate(engine, workload: list[SimRequest], source: str) -> dict[str, Cost
 
 def measure_swap(engine, reps: int = 9) -> dict[str, Any]:
     """This machine's host<->device copy, wall clock: the bandwidth of a 64 MiB array each way
-    (the median of reps), and the runner's swap of one block out and back (the engine idle:
-    it holds nothing), whose time beyond the bytes is the fixed cost of a step's copies."""
+    (the best of reps, the first compiling and mapping the pages), and the runner's swap of one
+    block out and back (the engine idle: it holds nothing), whose time beyond the bytes is the
+    fixed cost of a step's copies."""
     import jax
     import numpy as np
 
-    def median_s(fn: Callable[[], Any]) -> float:
-        fn()  # compiles, maps the pages
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            ts.append(time.perf_counter() - t)
-        return float(np.median(ts))
+    def best_s(fn: Callable[[], Any]) -> float:
+        return timer(lambda: jax.block_until_ready(fn()), reps)
 
     host = np.ones(16 << 20, np.float32)
     dev = jax.device_put(host)
-    bandwidth = 2 * host.nbytes / (median_s(lambda: jax.device_put(host)) + median_s(lambda: np.array(dev, copy=True)))
+    bandwidth = 2 * host.nbytes / (best_s(lambda: jax.device_put(host)) + best_s(lambda: np.array(dev, copy=True)))
     runner, bs = engine.runner, engine.config.block_size
     assert not engine.has_unfinished() and runner.num_swap_blocks >= 1
     token_bytes = sum(x.nbytes // x.shape[1] for x in jax.tree.leaves(runner.kv_caches)) / bs
-    one = median_s(lambda: (runner.swap([([1], [0])], [([1], [0])]), runner.kv_caches)[1])
+    one = best_s(lambda: (runner.swap([([1], [0])], [([1], [0])]), runner.kv_caches)[1])
     return {"coef": (max(0.0, one - 2 * bs * token_bytes / bandwidth), token_bytes / bandwidth),
             "bandwidth_bytes_s": bandwidth, "kv_bytes_per_token": token_bytes, "one_block_out_and_in_s": one}
 
