@@ -90,13 +90,12 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {"machine": machine_info(), "args": vars(a), "loadavg": [os.getloadavg()],
                                "engine": cm.source if cm else "measured, wall clock"}
-    # 1. fairness: the light client alone, then beside the heavy flood.
     heavy = [SimRequest(0.0, token_ids(rng, vocab, rng.randint(32, 256)), a.long, cls="heavy", user="heavy")
              for _ in range(n(2 * a.max_num_seqs))]
     gap = 0.25 if engine else 0.1  # the light client's period: about one request of its in flight at a time
     light = [SimRequest(0.5 * gap + gap * i, token_ids(rng, vocab, rng.randint(16, 32)), 16, cls="light",
                         user="light") for i in range(n(40))]
-    w1 = results["fairness"] = {"alone": run(light, "w1-alone", blocks)} | {
+    w1 = results["fairness"] = {"alone": run(light, "w1-alone", blocks)} | {  # 1. alone, then beside the flood
         pol: run(heavy + light, f"w1-{pol}", blocks, scheduling_policy=pol) for pol in POLICIES}
 
     def overload(i: int) -> dict[str, Any]:  # one repeat: the capacity now, then every policy at 1.5x it
