@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, TypeVar
 
 if TYPE_CHECKING:
     from config import EngineConfig
-    from scheduler import Scheduler, SchedulerOutput, Sequence
+    from scheduler import ScheduledSeq, Scheduler, SchedulerOutput, Sequence
 
 T = TypeVar("T")
 
@@ -185,6 +185,11 @@ class FCFS:
         """May `waiting` preempt `running` for its seat or its blocks?"""
         return False
 
+    def prompt_room(self, seq: Sequence, scheduled: list[ScheduledSeq]) -> float:
+        """The most prompt tokens (chunks, recomputes) seq may get in this step, its step so
+        far being `scheduled` (chunked prefill only; without chunking a prompt is whole)."""
+        return float("inf")
+
 
 class Ranked(FCFS):
     """A policy that orders requests by `key` (lower first): the queue is sorted by it,
@@ -245,17 +250,38 @@ class Fair(FCFS):
       in between: every request progresses and finishes.
     At most `max_clients` clients are tracked: the least recently active is forgotten, and
     comes back like a new one: at the least counter tracked, lifted as above (so a client
-    that sprays new names ties with the least-served client, never overtakes it)."""
+    that sprays new names ties with the least-served client, never overtakes it).
+
+    Prefill share (chunked prefill): the order decides who is seated, but a step is shared,
+    and an under-served client's first token waits for the step in flight and then for its
+    own step, both lengthened by whatever prompt work they carry. So the step's prompt
+    chunks go least-served client first, and an *over-served* client, one holding at least
+    two seats more than an active client holding the fewest (active: with a request in the
+    system now or within the last `active_window_s` of the policy's clock; seats as the
+    step began), gets at most `over_served_prefill` prompt tokens a step (admissions,
+    chunks and recomputes together), and none in a step where another client's seated
+    sequence has prompt work or a new request of another client has just come to the head
+    of the queue (its admission step). Seated prompts finish and a request is new at the
+    head once, so the over-served client's prompts wait a bounded number of steps;
+    seats, not counters, decide it because the counters of competing clients stay within a
+    step's service of each other (the lift above), while seats show who holds the batch.
+    With one active client, or clients holding about equal seats, no step is capped."""
 
     prompt_weight, output_weight = 1.0, 2.0  # the paper's: an output token costs about two prompt tokens
     preempt_gap = 1024.0
     max_clients = 1024
+    orders_prompts = True
+    over_served_prefill = 16  # tokens a step: about the prompt work a flood of long requests needs per step
+    active_window_s = 1.0
 
     def __init__(self) -> None:
         self.counters: OrderedDict[str, float] = OrderedDict()  # least recently active first
         self.seats: dict[str, int] = {}  # running sequences per client, as this step began
         self._head: Sequence | None = None  # the waiting queue's head as this step began
         self.queue: ResortedQueue | None = None
+        self.last_active: dict[str, float] = {}  # client -> when it last had a request in the system
+        self.over_served: set[str] = set()  # clients whose prompt work is capped this step
+        self._yield = False  # another client has prompt work this step: the over-served get none
 
     def new_queue(self) -> ResortedQueue:
         self.queue = ResortedQueue(self.key, on_arrival=self._arrive)
@@ -282,7 +308,26 @@ class Fair(FCFS):
             seats[c] = seats.get(c, 0) + 1
         self.seats = seats
         self.queue.resort()
-        self._head = self.queue.peek() if self.queue else None
+        head, self._head = self._head, self.queue.peek() if self.queue else None
+        now, last = self.clock(), self.last_active
+        for c in {*seats, *map(self.client, self.queue)}:
+            last[c] = now
+        for c in [c for c, t in last.items() if now - t > self.active_window_s or c not in self.counters]:
+            del last[c]  # idle too long (or forgotten): banks no claim on the others' prefill
+        fewest = min((seats.get(c, 0) for c in last), default=0)
+        self.over_served = over = {c for c in last if seats.get(c, 0) >= fewest + 2}
+        fresh = self._head is not None and self._head is not head and self._head.first_scheduled_time is None
+        self._yield = any(not r.is_decode and self.client(r) not in over for r in running) or (
+            fresh and self.client(self._head) not in over)
+
+    def prompt_room(self, seq: Sequence, scheduled: list[ScheduledSeq]) -> float:
+        c = self.client(seq)
+        if c not in self.over_served:
+            return float("inf")
+        if self._yield:
+            return 0
+        used = sum(s.num_new_tokens for s in scheduled if not s.is_decode and self.client(s.seq) == c)
+        return max(0, self.over_served_prefill - used)
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         """The most-served client's sequence (then the one holding more seats) with the least

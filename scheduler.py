@@ -533,7 +533,10 @@ class Scheduler:
                 continue  # not prompt work (async: maybe a decode whose input is in flight)
             n = seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens
             if self.config.enable_chunked_prefill:
-                n = min(n, self._budget)
+                room = self.policy.prompt_room(seq, out.scheduled)
+                if not room:
+                    continue  # the policy holds this one's prompt back this step, not the others'
+                n = min(n, self._budget, room)
             if n == 0 or n > self._budget:
                 break
             if self._make_room(out, seq, n):
@@ -548,7 +551,7 @@ class Scheduler:
         reason = "kv_blocks" if self._room_preempted else None
         while self.waiting and reason is None:
             seq = self.waiting.peek()
-            cached, n, num_new_blocks = self._admission_need(seq, chunk=schedule)
+            cached, n, num_new_blocks = self._admission_need(seq, out, chunk=schedule)
             if not self._free_slots:
                 reason = "max_num_seqs"
             elif schedule and not 0 < n <= self._budget:
@@ -592,7 +595,7 @@ class Scheduler:
         budget = self._budget - (sum(1 for r in running if r.is_decode) if chunked else 0)
         victims: list[Sequence] = []
         for seq in self.waiting:
-            cached, n, num_new_blocks = self._admission_need(seq)
+            cached, n, num_new_blocks = self._admission_need(seq, out)
             need = num_new_blocks + self.allocator.num_revived(cached)
             if not 0 < n <= budget:
                 break  # the token budget holds it back, not a seat or blocks
@@ -622,16 +625,16 @@ class Scheduler:
         del self._seqs[seq.request_id]
 
     # ---- internals ---------------------------------------------------------------------
-    def _admission_need(self, seq: Sequence, chunk: bool = True) -> tuple[list[int], int, int]:
+    def _admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True) -> tuple[list[int], int, int]:
         """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
         waiting sequence's admission now. chunk: with chunked prefill, its first step is
-        what the token budget allows."""
+        what the token budget and the policy's prompt room allow (0: it cannot start now)."""
         cached = [] if seq.swapped else self._cached_prefix(seq)
         # A swapped-out sequence's K/V comes back from the host pool: like a cache hit, in fresh blocks.
         num_cached = seq.swapped[1] if seq.swapped else len(cached) * self.config.block_size
         n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
         if chunk and self.config.enable_chunked_prefill:
-            n = min(n, self._budget)
+            n = min(n, self._budget, self.policy.prompt_room(seq, out.scheduled))
         tokens = self.kv_admission.tokens_at_admission(seq, num_cached + n, self.config)
         return cached, n, blocks_needed(tokens, self.config.block_size) - len(cached)
 

@@ -5,41 +5,28 @@ machine cannot run? A workload through the real Scheduler, without the model, in
     python bench/simulate.py --workload two-clients --scheduling-policy fair --cost-model gpu-like
     python bench/simulate.py --workload bench/results/X/results.json   # a request log bench/mixed.py recorded
     python bench/simulate.py --calibrate | --validate | --report  # fit the cost model here; engine vs simulator; scales
-
-Each step is the engine's: `Scheduler.schedule()` decides it (any policy, batching, KV admission,
-preemption mode; the policy reads the simulated clock), the cost model times it, `update()` records
-it (every token a non-EOS: the benches run ignore_eos), `EngineStats.record_step` counts it. Only the
-synchronous loop is modelled (async scheduling's overlap is not):
-
+Each step is the engine's: `Scheduler.schedule()` decides it (any policy, batching, KV admission, preemption
+mode; the policy reads the simulated clock), the cost model times it, `update()` records it (every token a
+non-EOS: the benches run ignore_eos), `EngineStats.record_step` counts it. Only the synchronous loop is modelled:
     cost(step) = a + b * rows + c * context_tokens_read + d * prefill_tokens [+ s0 + s1 * tokens swapped]
-
-rows: the token rows the step program computes (runner.py's padded buckets); context: the KV every
-scheduled sequence attends over; one coefficient set per program (decode, ragged), fitted by
-non-negative least squares to a calibration run of the real engine, the swap terms to timed KV
-copies (--calibrate, saved as JSON; --cost-model reads one back); `GPU_LIKE` is written down.
-Workloads (--workload): `seed`, `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s",
-"prompt_len" (or "prompt_token_ids"), "max_tokens", optional "priority", "class", "user",
-"slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json. docs/SIMULATION.md has the figures.
+rows: the token rows the step program computes (runner.py's padded buckets); context: the KV every scheduled
+sequence attends over; one coefficient set per program (decode, ragged), fitted by non-negative least squares to
+a calibration run of the real engine, the swap terms to timed KV copies (--calibrate, saved as JSON; --cost-model
+reads one back); `GPU_LIKE` is written down. Workloads (--workload): `seed`, `exp`, `slo-mix`, `two-clients`, or
+a JSON list of {"arrival_s", "prompt_len" (or "prompt_token_ids"), "max_tokens", optional "priority", "class",
+"user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json. docs/SIMULATION.md has the figures.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import itertools
-import json
-import math
-import os
-import random
-import sys
-import time
+import argparse, dataclasses, itertools, json, math, os, random, sys, time  # noqa: E401
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root's modules first
 
-from report import md_table, pyplot, results_dir, save_figure, summarize, write_json  # noqa: E402
+from report import md_table, pyplot, results_dir, save_figure, summarize, timer, write_json  # noqa: E402
 from workload import arrival_times, exponential_mix, seed_mix, token_ids  # noqa: E402
 from config import EngineConfig, SamplingParams, SLOTarget  # noqa: E402
 from metrics import WAIT_REASONS, EngineStats, StepTrace  # noqa: E402
@@ -89,8 +76,7 @@ def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16,
 
 def load_workload(path: str, vocab_size: int = 32000) -> list[SimRequest]:
     """A JSON list of requests, or bench/mixed.py's results.json (its first variant's log
-    unless the file is one variant's summary). Prompts given by length get distinct
-    random ids (no shared prefix)."""
+    unless the file is one variant's summary). Prompts given by length get distinct random ids."""
     with open(path) as f:
         data = json.load(f)
     if isinstance(data, dict):
@@ -131,8 +117,8 @@ class CostModel:
 
     def cost(self, program: str, rows: int, context: int, prefill: int, swapped_tokens: int = 0) -> float:
         a, b, c, d = self.coef[program]
-        copy = self.swap[0] + self.swap[1] * swapped_tokens if swapped_tokens else 0.0
-        return a + b * rows + c * context + d * prefill + copy
+        return a + b * rows + c * context + d * prefill + (self.swap[0] + self.swap[1] * swapped_tokens
+                                                            if swapped_tokens else 0.0)
 
     def save(self, path: str) -> None:
         write_json(path, {"coef": {k: dict(zip("abcd", v)) for k, v in self.coef.items()}, "source": self.source,
@@ -148,13 +134,12 @@ class CostModel:
                    d.get("fit", {}), tuple(d.get("swap", (0.0, 0.0))))
 
 
-# Llama-3-8B in bf16 on one H200, by the roofline (written down, not measured): every step
-# reads the 16.1 GB of weights at ~80% of 4.8 TB/s (4.2 ms), each context token's K/V
-# (128 KiB) at the same rate (27 ns), and each prompt token costs its 16 GFLOP at ~60%
-# of 989 TFLOP/s (27 us). Flat in rows: a decode step of 256 rows costs what one of 8
-# does (true up to a few hundred rows, where decode turns compute-bound). A swap copies
-# each token's 128 KiB over PCIe Gen5 x16 at the ~50 GB/s a pinned copy achieves of its
-# 64 GB/s (2.6 us a token, 10x less than recomputing it), after ~20 us of launch.
+# Llama-3-8B in bf16 on one H200, by the roofline (written down, not measured): every step reads
+# the 16.1 GB of weights at ~80% of 4.8 TB/s (4.2 ms), each context token's K/V (128 KiB) at the
+# same rate (27 ns), and each prompt token costs its 16 GFLOP at ~60% of 989 TFLOP/s (27 us). Flat
+# in rows (true up to a few hundred rows, where decode turns compute-bound). A swap copies each
+# token's 128 KiB over PCIe Gen5 x16 at the ~50 GB/s a pinned copy achieves (2.6 us a token, 10x
+# less than recomputing it), after ~20 us of launch.
 GPU_KV_TOKEN_BYTES, GPU_LINK_BYTES_S = 131072, 50e9
 _GPU_A, _GPU_C, _GPU_D = 16.06e9 / (0.8 * 4.8e12), GPU_KV_TOKEN_BYTES / (0.8 * 4.8e12), 16.06e9 / (0.6 * 989e12)
 GPU_LIKE = CostModel({p: (_GPU_A, 0.0, _GPU_C, _GPU_D) for p in PROGRAMS},
@@ -217,8 +202,7 @@ class SimResult:
         return {k: getattr(self, k) for k in ("tok_s", "makespan_s", "output_tokens", "steps", "preemptions",
                                               "slot_utilization", "recomputed_tokens", "swapped_blocks", "goodput",
                                               "waiting_mean", "waiting_max")} | {
-            f"per_{by}": {c: {k: self.latency(c, k, by) for k in keys}
-                          for c in sorted({r[by] for r in self.per_request})}
+            f"per_{by}": {c: {k: self.latency(c, k, by) for k in keys} for c in sorted({r[by] for r in self.per_request})}
             for by in ("class", "priority")}
 
 
@@ -228,7 +212,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
     resolved (config.resolved(max_model_len)); num_swap_blocks: the host pool under
     --preemption-mode swap, each step's copies costed by cost_model.swap."""
     sched = Scheduler(config, num_kv_blocks, eos_token_ids=(), num_swap_blocks=num_swap_blocks)
-    sched.policy.clock = lambda: t  # a policy that reads the time (slo) reads the simulated one
+    sched.policy.clock = lambda: t  # a policy that reads the time (slo, fair) reads the simulated one
     stats, trace, t, swapped = EngineStats(), [], 0.0, 0
     pending = sorted(enumerate(workload), key=lambda p: (p[1].arrival_s, p[0]))[::-1]  # pop() = next
     seqs: dict[str, tuple[Sequence, SimRequest]] = {}
@@ -238,11 +222,10 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
         while pending and pending[-1][1].arrival_s <= t:
             i, r = pending.pop()
             pol, slo = sched.policy, (r.slo_ttft_s, r.slo_tpot_s) if sched.policy.uses_slo else (None, None)
-            seq = Sequence(f"sim-{i}", r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                           arrival_time=r.arrival_s, priority=r.priority * pol.uses_priority, user=r.user,
-                           slo_ttft=slo[0], slo_tpot=slo[1])
-            sched.add(seq)
-            seqs[seq.request_id] = (seq, r)
+            seqs[f"sim-{i}"] = (Sequence(f"sim-{i}", r.prompt_token_ids, SamplingParams(
+                max_tokens=r.max_tokens, ignore_eos=True), arrival_time=r.arrival_s, priority=r.priority *
+                pol.uses_priority, user=r.user, slo_ttft=slo[0], slo_tpot=slo[1]), r)
+            sched.add(seqs[f"sim-{i}"][0])
         if not sched.has_unfinished():
             t = pending[-1][1].arrival_s
             continue
@@ -300,12 +283,11 @@ CLOCKS: dict[str, Callable[[], float]] = {"wall": time.monotonic, "cpu": time.pr
 def run_engine(engine, workload: list[SimRequest], tag: str,
                on_step: Callable[[tuple[str, int, int, int], dict[str, float]], None] | None = None
                ) -> dict[str, SimResult]:
-    """Run `workload` on the real engine (arrivals honoured by wall clock; at t=0 they all
-    go in before the first step), timed by two clocks at once: "wall" and "cpu" (this
-    process's CPU time, all threads: on a shared machine it moves only while the engine
-    runs, so it is what a quiet machine's wall clock would show, up to the thread
-    parallelism). on_step(features, {clock: seconds}) sees every step that ran. Asserts
-    that every request made all its tokens."""
+    """Run `workload` on the real engine (arrivals by wall clock; those at t=0 all go in
+    before the first step), timed by two clocks at once: "wall" and "cpu" (this process's
+    CPU time, all threads: on a shared machine it moves only while the engine runs, so it is
+    what a quiet machine's wall clock would show, up to the thread parallelism). on_step(
+    features, {clock: seconds}) sees every step that ran. Asserts every request made all its tokens."""
     sched, cfg, inner = engine.scheduler, engine.config, engine.scheduler.schedule
     pending = sorted(enumerate(workload), key=lambda p: (p[1].arrival_s, p[0]))[::-1]
     feats: list[tuple[str, int, int, int] | None] = []
@@ -321,16 +303,15 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
                 times[k].setdefault(x.seq.request_id, {"tokens": []}).setdefault("queue", c() - t0[k])
         return out
 
-    sched.schedule = schedule  # an instance attribute over the method, removed below
-    before = engine.stats.snapshot()
+    sched.schedule, before = schedule, engine.stats.snapshot()  # an instance attribute, removed below
     try:
         while pending or engine.has_unfinished():
             now = time.monotonic() - t0["wall"]
             while pending and pending[-1][1].arrival_s <= now:
                 i, r = pending.pop()
-                seq = engine.add_request(f"{tag}-{i}", r.prompt_token_ids,
-                                         SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                                         arrival_time=t0["wall"] + r.arrival_s, **request_kw(r, sched.policy))
+                seq = engine.add_request(f"{tag}-{i}", r.prompt_token_ids, SamplingParams(
+                    max_tokens=r.max_tokens, ignore_eos=True), arrival_time=t0["wall"] + r.arrival_s,
+                    **request_kw(r, sched.policy))
                 seqs[seq.request_id] = (seq, r)
             if not engine.has_unfinished():
                 time.sleep(max(0.0, min(0.01, pending[-1][1].arrival_s - now)))
@@ -340,25 +321,23 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
             s1 = {k: c() - t0[k] for k, c in CLOCKS.items()}
             if on_step is not None and feats[-1] is not None:
                 on_step(feats[-1], {k: s1[k] + t0[k] - s0[k] for k in CLOCKS})
-            for k in CLOCKS:
-                for d in deltas:
-                    rec = times[k].setdefault(d.request_id, {"tokens": []})
-                    rec["tokens"] += [s1[k]] * bool(d.new_token_ids)
-                    rec["done"] = s1[k] if d.finished else rec.get("done")
+            for k, d in itertools.product(CLOCKS, deltas):
+                rec = times[k].setdefault(d.request_id, {"tokens": []})
+                rec["tokens"] += [s1[k]] * bool(d.new_token_ids)
+                rec["done"] = s1[k] if d.finished else rec.get("done")
     finally:
         del sched.schedule
-    end, after = {k: c() - t0[k] for k, c in CLOCKS.items()}, engine.stats.snapshot()
-    useful = after.useful_slot_steps - before.useful_slot_steps
-    total = after.total_slot_steps - before.total_slot_steps
+    end, a, b = {k: c() - t0[k] for k, c in CLOCKS.items()}, engine.stats.snapshot(), before
     for rid, (seq, r) in seqs.items():
         assert seq.num_output_tokens == r.max_tokens, f"{rid} made {seq.num_output_tokens} of {r.max_tokens} tokens"
-    return {k: SimResult(end[k], after.generation_tokens - before.generation_tokens, after.num_steps - before.num_steps,
-                         after.num_preemptions - before.num_preemptions, useful / total if total else 0.0, {}, {},
+    total = a.total_slot_steps - b.total_slot_steps
+    return {k: SimResult(end[k], a.generation_tokens - b.generation_tokens, a.num_steps - b.num_steps,
+                         a.num_preemptions - b.num_preemptions,
+                         (a.useful_slot_steps - b.useful_slot_steps) / total if total else 0.0, {}, {},
                          [record(r, seq, times[k][rid]["queue"], times[k][rid]["tokens"], times[k][rid]["done"])
-                          for rid, (seq, r) in seqs.items()],
-                         recomputed_tokens=after.recomputed_tokens - before.recomputed_tokens,
-                         swapped_blocks=after.swapped_out_blocks + after.swapped_in_blocks
-                         - before.swapped_out_blocks - before.swapped_in_blocks) for k in CLOCKS}
+                          for rid, (seq, r) in seqs.items()], recomputed_tokens=a.recomputed_tokens - b.recomputed_tokens,
+                         swapped_blocks=a.swapped_out_blocks + a.swapped_in_blocks - b.swapped_out_blocks
+                         - b.swapped_in_blocks) for k in CLOCKS}
 
 
 def request_kw(r: SimRequest, policy: Any) -> dict[str, Any]:
@@ -377,8 +356,7 @@ def calibrate(engine, workload: list[SimRequest], source: str) -> dict[str, Cost
     seen: set[tuple[str, int]] = set()
 
     def on_step(f: tuple[str, int, int, int], seconds: dict[str, float]) -> None:
-        # The first run of each compiled shape pays one-off costs (buffer allocation,
-        # first dispatch): not what its later steps cost.
+        # The first run of each compiled shape pays one-off costs (buffer allocation, first dispatch).
         for k, v in seconds.items() if f[:2] in seen else ():
             samples[k].append((*f, v))
         seen.add(f[:2])
@@ -390,44 +368,31 @@ def calibrate(engine, workload: list[SimRequest], source: str) -> dict[str, Cost
 
 def measure_swap(engine, reps: int = 9) -> dict[str, Any]:
     """This machine's host<->device copy, wall clock: the bandwidth of a 64 MiB array each way
-    (the median of reps), and the runner's swap of one block out and back (the engine idle:
-    it holds nothing), whose time beyond the bytes is the fixed cost of a step's copies."""
+    (the best of reps, the first compiling and mapping the pages), and the runner's swap of one
+    block out and back (the engine idle: it holds nothing), whose time beyond the bytes is the
+    fixed cost of a step's copies."""
     import jax
     import numpy as np
 
-    def median_s(fn: Callable[[], Any]) -> float:
-        fn()  # compiles, maps the pages
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            ts.append(time.perf_counter() - t)
-        return float(np.median(ts))
+    def best_s(fn: Callable[[], Any]) -> float:
+        return timer(lambda: jax.block_until_ready(fn()), reps)
 
     host = np.ones(16 << 20, np.float32)
     dev = jax.device_put(host)
-    bandwidth = 2 * host.nbytes / (median_s(lambda: jax.device_put(host)) + median_s(lambda: np.array(dev, copy=True)))
+    bandwidth = 2 * host.nbytes / (best_s(lambda: jax.device_put(host)) + best_s(lambda: np.array(dev, copy=True)))
     runner, bs = engine.runner, engine.config.block_size
     assert not engine.has_unfinished() and runner.num_swap_blocks >= 1
     token_bytes = sum(x.nbytes // x.shape[1] for x in jax.tree.leaves(runner.kv_caches)) / bs
-    one = median_s(lambda: (runner.swap([([1], [0])], [([1], [0])]), runner.kv_caches)[1])
+    one = best_s(lambda: (runner.swap([([1], [0])], [([1], [0])]), runner.kv_caches)[1])
     return {"coef": (max(0.0, one - 2 * bs * token_bytes / bandwidth), token_bytes / bandwidth),
             "bandwidth_bytes_s": bandwidth, "kv_bytes_per_token": token_bytes, "one_block_out_and_in_s": one}
 
 
-class Sizes(NamedTuple):
-    """The validation's and calibration's: tight_kv_seqs: the tight-KV cases' blocks, in
-    max_model_len sequences; calib: the calibration's prompt lengths, mean and cap of its outputs."""
-    model: str
-    vocab_size: int
-    num_requests: int
-    short: int
-    long: int
-    prompt_len: tuple[int, int]
-    max_num_seqs: int
-    max_model_len: int
-    tight_kv_seqs: int
-    calib: tuple[tuple[int, int], float, int]
+# The validation's and calibration's sizes: tight_kv_seqs: the tight-KV cases' blocks, in max_model_len
+# sequences; calib: the calibration's (prompt lengths, mean and cap of its outputs).
+Sizes = NamedTuple("Sizes", [("model", str), ("vocab_size", int), ("num_requests", int), ("short", int),
+                             ("long", int), ("prompt_len", tuple[int, int]), ("max_num_seqs", int),
+                             ("max_model_len", int), ("tight_kv_seqs", int), ("calib", tuple[tuple[int, int], float, int])])
 
 
 FULL = Sizes("bench", 32000, 100, 16, 512, (32, 256), 32, 1024, 6, ((16, 512), 48, 384))
@@ -447,20 +412,20 @@ def calibration_workload(s: Sizes) -> list[SimRequest]:
 
 
 def build_sized(s: Sizes, log: Callable[[str], None] = lambda s: None):
-    """The engine the validation and calibration run: KV arrays for the ample budget and a
-    host swap pool (a tight case's scheduler is handed fewer blocks: the runner reads only
-    the blocks it is given, a step's cost follows the context, not the array)."""
+    """The engine the validation and calibration run: KV arrays for the ample budget and a host
+    swap pool (a tight case's scheduler is handed fewer blocks: the runner reads only the blocks
+    it is given, a step's cost follows the context, not the array)."""
     return build_engine(s.model, dict(max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len, block_size=16,
                                       dtype="float32", num_kv_blocks=kv_blocks(s, s.max_num_seqs),
                                       preemption_mode="swap", swap_space=0.25), log)
 
 
 def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The real engine and the simulator on the same workloads: the seed's mix under
-    continuous and static, a tight KV budget that preempts by recompute and by swap, and the
-    two-clients workload under fair. The cost model is fitted to a separate calibration run
-    first. Each case is measured by both clocks in the one run; "wall" is the headline,
-    "cpu" sits beside it. validation.json is rewritten after every case."""
+    """The real engine and the simulator on the same workloads: the seed's mix under continuous
+    and static, a tight KV budget that preempts by recompute and by swap, and the two-clients
+    workload under fair. The cost model is fitted to a separate calibration run first. Each case
+    is measured by both clocks in the one run; "wall" is the headline, "cpu" sits beside it.
+    validation.json is rewritten after every case."""
     seed, clients = (synthetic(k, s.num_requests, s.vocab_size, short=s.short, long=s.long, prompt_len=s.prompt_len)
                      for k in ("seed", "two-clients"))
     full, tight = kv_blocks(s, s.max_num_seqs), kv_blocks(s, s.tight_kv_seqs)
@@ -468,8 +433,7 @@ def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict
              ("seed-tight-kv-swap", seed, tight, {"preemption_mode": "swap"}),
              ("seed-static", seed, full, {"scheduling": "static"}),
              ("two-clients-fair", clients, full, {"scheduling_policy": "fair"})]
-    rep: dict[str, Any] = {"sizes": s._asdict(), "loadavg_before": os.getloadavg(), "cores": os.cpu_count(),
-                           "cases": []}
+    rep: dict[str, Any] = {"sizes": s._asdict(), "loadavg_before": os.getloadavg(), "cores": os.cpu_count(), "cases": []}
     t0 = time.perf_counter()
     log("[validate] building the engine, calibrating the cost model on it ...")
     engine = build_sized(s)
@@ -507,8 +471,7 @@ def fresh_scheduler(engine, num_kv_blocks: int, **config: Any) -> Scheduler:
     """A new scheduler on the same engine (compiled programs, KV arrays, host swap pool) with
     num_kv_blocks (at most the arrays') and `config` changed (scheduling, policy, preemption)."""
     assert not engine.has_unfinished() and num_kv_blocks <= engine.num_kv_blocks
-    engine.config = dataclasses.replace(engine.config, **config)
-    engine.runner.config = engine.config
+    engine.config = engine.runner.config = dataclasses.replace(engine.config, **config)
     return Scheduler(engine.config, num_kv_blocks, engine.model_config.eos_token_ids,
                      num_swap_blocks=engine.runner.num_swap_blocks)
 
@@ -524,11 +487,10 @@ def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...
     100), all at t=0."""
     rows, per_seq = [], math.ceil(max_model_len / 16)
     for (cm_name, cm), n, (kv_name, frac) in itertools.product(cost_models.items(), seqs, REPORT_KV):
-        blocks = max(int(frac * n), 1) * per_seq + 1
-        r = {"cost_model": cm_name, "max_num_seqs": n, "kv": kv_name, "num_kv_blocks": blocks}
+        r = {"cost_model": cm_name, "max_num_seqs": n, "kv": kv_name, "num_kv_blocks": max(int(frac * n), 1) * per_seq + 1}
         for sched in ("continuous", "static"):
             cfg = EngineConfig(max_num_seqs=n, max_model_len=max_model_len, scheduling=sched).resolved(max_model_len)
-            res = simulate(cfg, blocks, synthetic("seed", max(100, 2 * n), 32000), cm)
+            res = simulate(cfg, r["num_kv_blocks"], synthetic("seed", max(100, 2 * n), 32000), cm)
             r[sched] = {"tok_s": res.tok_s, "short_p99_s": res.latency("short")["p99"],
                         "preemptions": res.preemptions, "slot_utilization": res.slot_utilization}
         c, st = r["continuous"], r["static"]
@@ -537,9 +499,8 @@ def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...
             f"short p99 /{r['short_p99_ratio']:.1f}")
         rows.append(r)
     fig, axes = pyplot().subplots(2, len(cost_models), figsize=(5.5 * len(cost_models), 7), squeeze=False)
-    panels = enumerate((("tok_s_ratio", "output tok/s, continuous / static"),
-                        ("short_p99_ratio", "short p99 e2e, static / continuous")))
-    for (j, cm), (kv_name, _), (i, (key, title)) in itertools.product(enumerate(cost_models), REPORT_KV, list(panels)):
+    panels = (("tok_s_ratio", "output tok/s, continuous / static"), ("short_p99_ratio", "short p99 e2e, static / continuous"))
+    for (j, cm), (kv_name, _), (i, (key, title)) in itertools.product(enumerate(cost_models), REPORT_KV, enumerate(panels)):
         rs = [r for r in rows if r["cost_model"] == cm and r["kv"] == kv_name]
         axes[i][j].plot([r["max_num_seqs"] for r in rs], [r[key] for r in rs], marker="o", label=f"KV {kv_name}")
         axes[i][j].set(xscale="log", xlabel="max_num_seqs", title=f"{cm}: {title}")
@@ -590,8 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validation: {'every case within 15%' if ok else 'MISSED 15% on some case'}; {out_dir}/validation.json")
         return 0
     if args.calibrate:
-        engine = build_sized(sizes, print)
-        cm = calibrate(engine, calibration_workload(sizes), f"calibrated on {sizes.model}, {os.uname().nodename}")
+        cm = calibrate(build_sized(sizes, print), calibration_workload(sizes),
+                       f"calibrated on {sizes.model}, {os.uname().nodename}")
         path = args.cost_model or DEFAULT_COST_MODEL
         cm["wall"].save(path)  # the wall clock's: what a run on this machine, alone, takes
         cm["cpu"].save(path.replace(".json", "_cpu.json"))
@@ -601,11 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         report({"this machine": cm, "GPU-like": GPU_LIKE}, out_dir, tuple(int(x) for x in args.report_seqs.split(",")))
         return 0
-    if args.workload in ("seed", "exp", "slo-mix", "two-clients"):
-        work = synthetic(args.workload, args.num_requests or sizes.num_requests, sizes.vocab_size, short=sizes.short,
-                         long=sizes.long, prompt_len=sizes.prompt_len, rate=args.rate)
-    else:
-        work = load_workload(args.workload, sizes.vocab_size)
+    work = synthetic(args.workload, args.num_requests or sizes.num_requests, sizes.vocab_size, short=sizes.short,
+                     long=sizes.long, prompt_len=sizes.prompt_len, rate=args.rate) if args.workload in (
+        "seed", "exp", "slo-mix", "two-clients") else load_workload(args.workload, sizes.vocab_size)
     k = max(1, round(1 / args.priority_fraction)) if args.priority_fraction else 0
     for i, r in enumerate(work):
         r.priority = -1 if k and i % k == 0 else r.priority
@@ -633,8 +592,7 @@ def main(argv: list[str] | None = None) -> int:
 def load_cost_model(arg: str | None) -> CostModel:
     if arg == "gpu-like":
         return GPU_LIKE
-    path = arg or DEFAULT_COST_MODEL
-    if not os.path.exists(path):
+    if not os.path.exists(path := arg or DEFAULT_COST_MODEL):
         raise SystemExit(f"no cost model at {path}: run `python bench/simulate.py --calibrate` first "
                          "(or pass --cost-model gpu-like)")
     return CostModel.load(path)

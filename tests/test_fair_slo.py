@@ -85,6 +85,45 @@ def test_fair_preempts_a_client_served_far_more_and_charges_prompt_and_output_to
     assert s.allocator.num_used == 0
 
 
+def test_fair_prefill_share_keeps_an_over_served_clients_prompts_out_of_the_light_clients_steps():
+    """Chunked prefill, 4 seats, a 64-token budget: a heavy client keeps its seats full of
+    long prompts. Alone it gets the whole budget a step. While a light client is active
+    (a request in the system, or one within active_window_s) and holds 2+ seats fewer, the
+    heavy client's prompt tokens a step are at most over_served_prefill, and none in the
+    light request's admission step; the light request's prompt is computed in that one step.
+    Once the light client has been idle past the window, the heavy client has the budget again."""
+    s = make("fair", max_num_seqs=4, max_model_len=512, block_size=16, enable_chunked_prefill=True,
+             max_num_batched_tokens=64)
+    now = [0.0]
+    s.policy.clock = lambda: now[0]
+    cap, window = s.policy.over_served_prefill, s.policy.active_window_s
+    for i in range(12):
+        s.add(seq(f"heavy{i}", prompt_len=300, max_tokens=40, user="heavy"))
+
+    def heavy_prompt_tokens() -> tuple[int, dict[str, int]]:
+        now[0] += 0.1
+        out = s.schedule()
+        by = {x.seq.request_id: x.num_new_tokens for x in out.scheduled}
+        n = sum(x.num_new_tokens for x in out.scheduled if x.seq.user == "heavy" and not x.is_decode)
+        s.update(out, [TOKEN] * len(out.scheduled))
+        s.check_invariants()
+        return n, by
+
+    alone = [heavy_prompt_tokens()[0] for _ in range(30)]  # it fills all 4 seats
+    assert max(alone) > cap and len(s.running) == 4  # no other client: uncapped
+    s.add(seq("light", prompt_len=20, max_tokens=3, arrival=now[0], user="light"))
+    n, by = heavy_prompt_tokens()
+    assert by.get("light") == 20 and n == 0  # its whole prompt, and no heavy prompt work beside it
+    during = [heavy_prompt_tokens()[0] for _ in range(int(window / 0.1) - 1)]
+    assert 0 < max(during) <= cap  # the light client is still active: capped, never stopped
+    now[0] += window
+    after = [heavy_prompt_tokens()[0] for _ in range(5)]
+    assert max(after) > cap  # idle past the window: the budget is the heavy client's again
+    while s.has_unfinished():
+        heavy_prompt_tokens()
+    assert s.allocator.num_used == 0
+
+
 def test_fair_requests_without_a_user_share_one_client_and_the_tracked_clients_are_bounded():
     s = make("fair", max_num_seqs=4)
     s.policy.max_clients = 3

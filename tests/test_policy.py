@@ -131,7 +131,7 @@ class PolicyMachine(RuleBasedStateMachine):
     """Random traffic under every policy (random priorities, clients, SLO targets) x
     continuous or static batching x chunked prefill or not x prefix caching or not x every
     KV admission x preemption by recompute or by swap into a host pool of 0-16 blocks, on a
-    tight KV cache: no slot, device block or host block leaks after any step, a swapped-in
+    tight KV cache (fair: with its prefill share's cap and activity window small enough to bind): no slot, device block or host block leaks after any step, a swapped-in
     sequence resumes into blocks covering its tokens, the priority queue stays in (priority,
     arrival) order and admits equal priorities first come first served, and everything
     finishes."""
@@ -157,6 +157,8 @@ class PolicyMachine(RuleBasedStateMachine):
         if policy == "fair":
             self.s.policy.max_clients = max_clients
             self.s.policy.preempt_gap = 4.0  # small: the service-gap preemptions happen within a few steps
+            self.s.policy.over_served_prefill = 1  # below the budget: the prefill share's cap binds
+            self.s.policy.active_window_s = 3.0  # steps: a client stays active a while after its last request
         self.seqs: list[Sequence] = []
         self.first_admitted: dict[str, float] = {}
 

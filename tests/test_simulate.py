@@ -40,6 +40,7 @@ def test_the_simulator_makes_the_real_engines_decisions_step_for_step(case):
     work = workload()
     pending = list(enumerate(work))
     step = 0
+    engine.scheduler.policy.clock = lambda: float(step)  # the simulator's clock: one step, one second (fair's window)
     while pending or engine.has_unfinished():
         while pending and pending[0][1].arrival_s <= step:
             i, r = pending.pop(0)
