@@ -93,9 +93,12 @@ def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:
     return prompt
 
 
-def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None) -> list[int]:
+def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
+                   exclude_tools_when_tool_choice_none: bool = False) -> list[int]:
     """Chat messages through the model's chat template, as token ids; with the request's
-    tools (tool_choice()) for a template that renders them, as vLLM."""
+    tools (tool_choice()) for a template that renders them, as vLLM. With tool_choice
+    "none" the tools are rendered too (the model sees what exists, and calls nothing), as
+    vLLM, unless exclude_tools_when_tool_choice_none (its --exclude-tools-when-tool-choice-none)."""
     messages = body.get("messages")
     if messages is None:
         raise ApiError("'messages' is required", param="messages")
@@ -129,7 +132,12 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None) 
                            param="messages")
         chat.append({"role": m["role"], "content": content, **extra})
     try:
-        kw = {"tools": tools.definitions} if tools is not None else {}
+        if tools is not None:
+            kw = {"tools": tools.definitions}
+        elif body.get("tool_choice") == "none" and body.get("tools") and not exclude_tools_when_tool_choice_none:
+            kw = {"tools": body["tools"]}  # checked by tool_choice() already
+        else:
+            kw = {}
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **kw)
     except Exception as e:  # no template, or the template refuses these messages (jinja raise)
         raise ApiError(f"chat template failed: {e}", param="messages") from e
@@ -210,16 +218,16 @@ _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
     """What a request's tools and tool_choice ask, or None for no tool call (no tools, or
-    tool_choice "none"). auto: the server parses calls out of free text (its
+    tool_choice "none", whose tools are checked all the same). auto: the server parses calls out of free text (its
     --enable-auto-tool-choice with a --tool-call-parser); without, "auto" (the default
     with tools) is vLLM's 400."""
     tools = field(body, "tools", (list,), [])
     choice = body.get("tool_choice")
     if not chat and (tools or choice is not None):
         raise ApiError("'tools' and 'tool_choice' are only for /v1/chat/completions", param="tools")
-    if choice is None and not tools or choice == "none":
-        return None
     if not tools:
+        if choice is None or choice == "none":
+            return None
         raise ApiError("'tool_choice' needs 'tools'", param="tool_choice")
     if (choice is None or choice == "auto") and not auto:
         raise ApiError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
@@ -233,6 +241,8 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
         if not isinstance(params, dict):
             raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
         by_name[fn["name"]] = params
+    if choice == "none":  # no call; the tools (checked above) may still reach the template
+        return None
     if choice is None or choice in ("auto", "required"):
         return ToolChoice(choice or "auto", by_name, tools)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \

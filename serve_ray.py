@@ -193,7 +193,8 @@ class EngineReplica:
         app = server.build_app(self.engine, args.served_model_name or [self.engine.model_name], args.api_key,
                                metric_labels={"replica": self.replica},
                                per_request_metrics=args.enable_per_request_metrics,
-                               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                               exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
         # handler_cancellation: a relay that goes away (client gone) aborts the request in the engine.
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
         await self.engine.start()

@@ -345,7 +345,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     tools = tool_choice(body, chat=True, auto=request.app["tool_parser"] is not None)
-    prompt_ids = parse_messages(body, request.app["engine"].tokenizer, tools)
+    prompt_ids = parse_messages(body, request.app["engine"].tokenizer, tools,
+                                request.app["exclude_tools_when_tool_choice_none"])
     return await respond(request, body, prompt_ids, chat=True, tools=tools)
 
 
@@ -514,10 +515,12 @@ class EngineCollector:
 
 def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
               metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False,
-              tool_call_parser: str | None = None) -> web.Application:
+              tool_call_parser: str | None = None,
+              exclude_tools_when_tool_choice_none: bool = False) -> web.Application:
     """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
-    (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused."""
+    (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused.
+    exclude_tools_when_tool_choice_none: tool_choice "none" keeps the tools out of the prompt."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
@@ -526,7 +529,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app.update(engine=engine, model_names=model_names, api_key=api_key, registry=registry,
                started=int(time.time()), stopping=asyncio.Event(), in_flight=set(),
                per_request_metrics=per_request_metrics,
-               tool_parser=TOOL_PARSERS[tool_call_parser] if tool_call_parser is not None else None)
+               tool_parser=TOOL_PARSERS[tool_call_parser] if tool_call_parser is not None else None,
+               exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -609,7 +613,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tool_choice \"auto\" (the default with tools): the model may call tools, found in its "
                         "output by --tool-call-parser")
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
-                   help="how tool calls are written in the model's output (hermes: <tool_call>{...}</tool_call>)")
+                   help="how tool calls are written in the model's output (hermes: <tool_call>{...}</tool_call>); "
+                        "used only with --enable-auto-tool-choice, as vLLM")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="tool_choice \"none\" keeps the tool definitions out of the prompt (default: the chat "
+                        "template renders them, as for any other tool_choice)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
@@ -623,10 +631,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
+def app_from_args(engine: AsyncEngine, args: argparse.Namespace) -> web.Application:
+    """The app the flags of build_parser() describe, serving `engine`."""
+    # As vLLM: a --tool-call-parser without --enable-auto-tool-choice parses nothing, so
+    # "auto" stays refused; "required" and a named function need no parser (their output
+    # is constrained to the calls' JSON). vLLM says nothing; a warning says it here.
+    if args.tool_call_parser and not args.enable_auto_tool_choice:
+        log.warning("--tool-call-parser %s is unused without --enable-auto-tool-choice: tool_choice \"auto\" "
+                    "(the default with tools) is refused", args.tool_call_parser)
+    return build_app(engine, args.served_model_name or [engine.model_name], args.api_key,
+                     per_request_metrics=args.enable_per_request_metrics,
+                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                     exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+
+
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
-    app = build_app(engine, args.served_model_name or [engine.model_name], args.api_key,
-                    per_request_metrics=args.enable_per_request_metrics,
-                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+    app = app_from_args(engine, args)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts
     # its request in the engine (Generation.chunks) instead of generating on for nobody.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,

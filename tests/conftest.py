@@ -197,6 +197,22 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("derandomized")
 
 
+# The test files that take longest (worker-seconds, measured file by file), slowest first.
+# xdist hands out whole files (--dist loadfile) in collection order (--no-loadscope-reorder:
+# its default order is by test count, which put these few-test files last), one to each
+# worker as it frees: longest first leaves only short files for the end, so the two
+# workers finish together instead of one waiting out the other's last long file.
+SLOWEST_FIRST = ["test_perplexity", "test_serve_ray", "test_spec_decode", "test_server", "test_structured",
+                 "test_parallel", "test_policy", "test_restart", "test_real_model", "test_quant", "test_bench_mixed",
+                 "test_fair_slo", "test_compilation", "test_serving_path", "test_real_model_server",
+                 "test_draft_model", "test_engine", "test_prefix_cache", "test_kernels", "test_server_concurrency"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {f"tests/{name}.py": i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Many tests build an engine on the same small shapes: with a persistent compilation
     # cache every compile after the first (in this run or any earlier one) is a cache hit

@@ -215,6 +215,50 @@ def test_tp_size_the_heads_do_not_allow_is_refused():
         kv_head_replicas(cfg, 8)
 
 
+# Child process (4 CPU devices): one GGUF Q8_0 file at TP 4, served natively (refused) and
+# dequantized (loads), and natively at TP 2 (loads); each outcome as a line of JSON.
+_GGUF_TP_CHILD = """
+import json, sys
+from engine import LLM
+from flax import nnx
+import jax
+out = {}
+for tp, quant in ((4, "gguf"), (4, None), (2, "gguf")):
+    try:
+        llm = LLM(sys.argv[1], log=lambda s: None, quantization=quant, tensor_parallel_size=tp, warmup=False,
+                  max_num_seqs=2, max_model_len=32, num_kv_blocks=8)
+        leaves = jax.tree.leaves(nnx.state(llm.engine.loaded.model, nnx.Param))
+        out[f"{quant}-tp{tp}"] = [sorted({len(x.sharding.device_set) for x in leaves}),
+                                  sum(not x.sharding.is_fully_replicated for x in leaves)]
+    except ValueError as e:
+        out[f"{quant}-tp{tp}"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_tp_that_would_cut_a_gguf_block_is_refused_and_one_that_does_not_loads(hf_checkpoint, tmp_path):
+    """A GGUF Q8_0/Q4 weight keeps 32 input features per block (one scale each): a TP split
+    of a row-parallel kernel's input features must fall on block edges. The tiny llama's
+    o_proj has 4 heads x 16 = 64 input features, 2 blocks: TP 4 would give each device half
+    a block, so serving the blocks natively at TP 4 is refused by name; the same file
+    dequantized (float weights, no blocks) loads at TP 4, and natively at TP 2 (one block each)."""
+    from test_gguf import write_gguf
+
+    path = write_gguf(hf_checkpoint("llama2"), str(tmp_path / "m.q8_0.gguf"), "Q8_0")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", _GGUF_TP_CHILD, path], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    refused = got["gguf-tp4"]
+    assert isinstance(refused, str), got
+    assert "tensor_parallel_size 4 cannot split" in refused and "o_proj" in refused and "q8_0" in refused, refused
+    # on every device, the kernels (codes and block scales natively) split: >= 7 linears
+    assert got["None-tp4"][0] == [4] and got["None-tp4"][1] >= 7, got
+    assert got["gguf-tp2"][0] == [2] and got["gguf-tp2"][1] >= 7, got
+
+
 def _host(pid: int, port: int, model: str, cache: str) -> None:
     """Child process `pid` of a 2-process group (2 CPU devices each, TP 4 across both):
     process 0 prints the tokens, then keeps generating until the group fails."""

@@ -20,6 +20,9 @@ import pytest
 from engine import LLM, SamplingParams
 
 PASSAGE = os.path.join(os.path.dirname(__file__), "fixtures", "passage.txt")
+# Every configuration computes the whole passage: on CPU the file's time goes there, not to
+# compiling. Not fewer tokens: on the first 1,024 the fp8 KV cache already costs +2.9%
+# (measured), at the edge of the 3% below; on all 2,050, +1.7%.
 CONFIGS = {
     "float32": {},
     "kv-fp8": dict(kv_cache_dtype="fp8"),
@@ -171,4 +174,6 @@ def test_q8_0_file_loads_as_int8_blocks_equal_to_an_independent_dequantization(q
         t = raw[{"v_proj": "blk.0.attn_v.weight", "down_proj": "blk.0.ffn_down.weight"}[name.split(".")[-2]]]
         np.testing.assert_array_equal(x.dequantize()[:8], _spec_dequantize(np.asarray(t.data)[:8], "Q8_0", x.q.shape[1]))
         checked += 1
+        if checked == 2:
+            break  # the reader parses lazily: the other layers' tensors are never read
     assert checked == 2

@@ -11,7 +11,9 @@ from collections.abc import Iterator
 import pytest
 from test_server import Server, assert_same_logprobs, request, running_server, sse
 
-FLAGS = ["--model", "smollm2", "--max-num-seqs", "2", "--max-model-len", "512", "--max-num-batched-tokens", "128",
+# test_real_model's, test_structured's and test_serving_path's shapes: one set of programs
+# for smollm2, compiled once in a run (the persistent cache serves the others).
+FLAGS = ["--model", "smollm2", "--max-num-seqs", "4", "--max-model-len", "512", "--max-num-batched-tokens", "128",
          "--num-kv-blocks", "96", "--no-warmup"]
 # Its answer (greedy) has accented characters: 'Je suis à la café, je suis à la café.'
 FRENCH = [{"role": "user", "content": "Translate to French: I would like a coffee at the café, please."}]

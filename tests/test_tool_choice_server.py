@@ -1,0 +1,114 @@
+"""The server's tool flags as vLLM reads them, through the flags (server.app_from_args) and
+HTTP, on the tiny model with a chat template that renders tools.
+
+Claims: tool_choice "none" puts the tools in the prompt (vLLM's default: the template
+renders them, the model calls nothing and the answer has no tool_calls), and
+--exclude-tools-when-tool-choice-none keeps them out; "none" still checks the tools.
+--tool-call-parser without --enable-auto-tool-choice parses nothing, as vLLM: "auto" (the
+default with tools) is vLLM's 400, a named or "required" call still works (constrained, no
+parser), and start-up says the parser is unused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import jinja2
+import pytest
+
+from tokenizer import ByteTokenizer
+
+WEATHER = {"type": "function", "function": {"name": "f"}}
+MESSAGES = [{"role": "user", "content": "hi"}]
+CHATML = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+# What the template below writes for WEATHER, spelled out here, not rendered by it.
+WITH_TOOLS = '<tools>[{"function": {"name": "f"}, "type": "function"}]</tools>\n' + CHATML  # tojson sorts keys
+
+
+class ToolsTemplate(ByteTokenizer):
+    """Bytes, with a Jinja chat template that renders the tools first, as tool-calling
+    models' templates do (SmolLM2's and the test tokenizers' render none)."""
+
+    TEMPLATE = jinja2.Template(
+        "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, tools=None):
+        text = self.TEMPLATE.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self.encode(text) if tokenize else text
+
+
+@pytest.fixture(scope="module")
+def post():
+    """post(flags, body) -> (status, json): one request to an app built from `flags`, all
+    on one tiny engine (test_request_metrics' shapes: its programs are cached)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from async_engine import AsyncEngine
+    from engine import EngineConfig
+    import server
+
+    loop = asyncio.new_event_loop()
+    engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False),
+                         log=lambda *_: None)
+    engine.tokenizer = ToolsTemplate()  # what the server renders chats with; same bytes as the engine's
+    loop.run_until_complete(engine.start())
+
+    async def one(flags: list[str], body: dict) -> tuple[int, dict]:
+        app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
+                                                                   "temperature": 0.0} | body)
+            return resp.status, json.loads(await resp.text())
+
+    yield lambda flags, body: loop.run_until_complete(asyncio.wait_for(one(flags, body), 300))
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+def prompt_tokens(text: str) -> int:
+    return len(text.encode())  # one id per byte; the template's text carries no bos
+
+
+@pytest.mark.parametrize("flags", [[], ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]])
+def test_tool_choice_none_renders_the_tools_and_calls_nothing(post, flags):
+    status, out = post(flags, {"tools": [WEATHER], "tool_choice": "none"})
+    assert status == 200, out
+    assert out["usage"]["prompt_tokens"] == prompt_tokens(WITH_TOOLS)
+    choice = out["choices"][0]
+    assert not choice["message"].get("tool_calls") and choice["finish_reason"] == "length"
+    status, out = post(flags, {})  # no tools: none rendered
+    assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(CHATML), out
+
+
+def test_exclude_tools_when_tool_choice_none_keeps_them_out_of_the_prompt_only_for_none(post):
+    flags = ["--exclude-tools-when-tool-choice-none"]
+    status, out = post(flags, {"tools": [WEATHER], "tool_choice": "none"})
+    assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(CHATML), out
+    status, out = post(flags, {"tools": [WEATHER], "tool_choice": "required"})
+    assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(WITH_TOOLS), out
+
+
+def test_tool_choice_none_still_checks_the_tools(post):
+    status, out = post([], {"tools": [{"type": "function"}], "tool_choice": "none"})
+    assert status == 400 and out["error"]["param"] == "tools", out
+    status, out = post([], {"tool_choice": "none"})  # "none" without tools is fine, as vLLM
+    assert status == 200, out
+
+
+def test_a_tool_call_parser_without_auto_tool_choice_parses_nothing(post, caplog):
+    parser_only = ["--tool-call-parser", "hermes"]
+    with caplog.at_level(logging.WARNING, logger="taxirank.server"):
+        status, out = post(parser_only, {"tools": [WEATHER]})  # tool_choice left out: "auto"
+    assert "--tool-call-parser hermes is unused without --enable-auto-tool-choice" in caplog.text
+    assert status == 400 and out["error"]["param"] == "tool_choice", out
+    assert '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser' in out["error"]["message"]
+    for choice in ({"type": "function", "function": {"name": "f"}}, "required"):  # constrained: no parser needed
+        status, out = post(parser_only, {"tools": [WEATHER], "tool_choice": choice})
+        assert status == 200, (choice, out)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="taxirank.server"):
+        status, out = post(["--enable-auto-tool-choice"] + parser_only, {"tools": [WEATHER]})
+    assert status == 200 and "unused" not in caplog.text, out
