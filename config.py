@@ -169,7 +169,7 @@ class EngineConfig:
         """Row counts a decode step is padded to: powers of two up to max_num_seqs, and from
         16 on the midpoints 1.5x between them (24, 48, 96, ...). A decode step computes the
         occupied slots, not all max_num_seqs of them. The midpoints cap a step's padding at
-        1/3 where a batch drains (17 rows: 24, not 32): on the seed's mix at 32 sequences they
+        1/3 where a batch drains (17 rows: 24, not 32): on the 50 x 16 + 50 x 512 mix at 32 sequences they
         cut the computed rows by 7% for one more program (bench/step_profile.py, docs/PERFORMANCE.md)."""
         out, b = [], 1
         while b < self.max_num_seqs:

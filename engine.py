@@ -190,24 +190,41 @@ class LLMEngine:
         Speculative decoding: proposals are made from every token of a sequence, so while
         the scheduler may speculate (below disable_by_batch_size) the loop is synchronous,
         and a step that verifies proposals is collected before step() returns."""
-        sync = self.proposer is not None and self.scheduler.speculating
-        deltas = self._collect() if self._in_flight and sync else []
+        deltas = self._collect() if self._in_flight and self._needs_every_token() else []
         out = self.scheduler.schedule()
-        if out.preempted:
-            self._log_preemptions(out)
-        if self.proposer is not None:
-            for seq in out.preempted:  # its blocks, and so its draft K/V, are gone
-                self.proposer.free(seq)
-            if out.num_spec_tokens:
-                self._propose(out)
-        if out.swap_out or out.swap_in:  # before the step, which may write where a swapped-out block was
-            self.runner.swap(out.swap_out, out.swap_in)
+        self._prepare(out)
         if out.scheduled or out.preempted or not self._in_flight:  # a preemption is recorded with its step
             self._in_flight.append((out, time.monotonic(), self._dispatch(out, deltas)))
-        if out.scheduled and len(self._in_flight) <= self._max_in_flight and not out.num_spec_tokens:
+        if self._overlaps(out):  # its tokens come back with the next call
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
             return deltas
         return deltas + self._collect()
+
+    def _needs_every_token(self) -> bool:
+        """Proposals are made from every token of a sequence: while the scheduler may
+        speculate, the step in flight is collected before the next is scheduled."""
+        return self.proposer is not None and self.scheduler.speculating
+
+    def _prepare(self, out: SchedulerOutput) -> None:
+        """What the scheduler decided that must happen before out's step runs: preemptions
+        logged, a preempted row's draft K/V freed (its blocks are gone), drafts proposed for
+        the rows given room, and KV blocks swapped (the step may write where a swapped-out
+        block was)."""
+        if out.preempted:
+            self._log_preemptions(out)
+        if self.proposer is not None:
+            for seq in out.preempted:
+                self.proposer.free(seq)
+            if out.num_spec_tokens:
+                self._propose(out)
+        if out.swap_out or out.swap_in:
+            self.runner.swap(out.swap_out, out.swap_in)
+
+    def _overlaps(self, out: SchedulerOutput) -> bool:
+        """Async scheduling: out's step stays on the device while the host schedules the
+        next, unless nothing ran, it would be a second step in flight, or it verifies
+        proposals (the next proposals read the tokens it accepts)."""
+        return bool(out.scheduled) and len(self._in_flight) <= self._max_in_flight and not out.num_spec_tokens
 
     def _propose(self, out: SchedulerOutput) -> None:
         """The drafts of the rows the scheduler reserved room for; it trims each row to them."""

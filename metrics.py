@@ -233,8 +233,9 @@ class EngineStats:
                 self.recomputed_tokens += out.num_recomputed_tokens
                 self.generation_tokens += len(sampled)
                 self.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens + out.num_spec_tokens)
-            itl = []  # one inter-token latency per sequence that got a later token
-            for sch in out.scheduled:
+            itl: list[float] = []  # one inter-token latency per sequence that got a later token
+            add_itl = itl.append  # a local: read per row
+            for sch in out.scheduled:  # once per running sequence in a decode step: kept lean
                 seq = sch.seq
                 if seq.first_scheduled_time is None:  # its first step: it stops queueing
                     seq.first_scheduled_time = scheduled_at
@@ -250,7 +251,7 @@ class EngineStats:
                     self.prompt_tokens += seq.num_prompt_tokens  # as vLLM V1: once its prefill completes
                 else:
                     gap = now - seq.last_token_time
-                    itl.append(gap)
+                    add_itl(gap)
                     if gap > seq.max_itl:
                         seq.max_itl = gap
                 seq.last_token_time = now

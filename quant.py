@@ -35,11 +35,6 @@ GGUF_BLOCK = 32  # input features per GGUF Q8_0 / Q4_0 / Q4_1 block
 SCHEMES = ("int8", "q8_0", "q4_0", "q4_1")
 BLOCKED = ("q8_0", "q4_0", "q4_1")
 PACKED = ("q4_0", "q4_1")
-# Each scheme's arrays besides the kernel (the attribute names model.py declares).
-PARTS = {"int8": ("scale",), "q8_0": ("block_scale",), "q4_0": ("block_scale",), "q4_1": ("block_scale", "block_min")}
-# --quantization values (vLLM's names): int8 for any checkpoint; gguf serves a GGUF file's
-# Q8_0 / Q4_0 / Q4_1 linear kernels as stored (None dequantizes every GGUF tensor).
-QUANTIZATION_METHODS = ("int8", "gguf")
 
 
 @dataclass(frozen=True)

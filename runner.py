@@ -441,19 +441,21 @@ class ModelRunner:
         verify = not decode and out.num_prefill_tokens == 0
         owner, bt_len = self._bt_owner, self._bt_len
         # The one Python loop over the step's sequences: most rows need one identity and
-        # one length check of their block table, and six numbers into a flat list.
+        # one length check of their block table, six numbers into a flat list, its latest token.
         flat: list[int] = []
+        last: list[int] = []  # each row's latest known token: a decode's input unless one is in flight
         constrained = []  # (sequence, row) of the rows that sample under a constraint
         for sch in out.scheduled:
             seq = sch.seq
-            bt = seq.block_table
-            if owner[seq.slot] is not bt or bt_len[seq.slot] != len(bt):
+            slot, bt, out_ids = seq.slot, seq.block_table, seq.output_token_ids
+            if owner[slot] is not bt or bt_len[slot] != len(bt):
                 self._sync_slot(seq)
             if seq.constraint is not None and sch.samples:
-                constrained.append((seq, len(flat) // 6))
+                constrained.append((seq, len(last)))
             # per row: slot, end position, new tokens, outputs known, outputs in flight, samples?
-            flat += (seq.slot, seq.num_computed_tokens, sch.num_new_tokens, len(seq.output_token_ids),
-                     seq.num_output_placeholders, sch.samples)
+            flat += (slot, seq.num_computed_tokens, sch.num_new_tokens, len(out_ids), seq.num_output_placeholders,
+                     sch.samples)
+            last.append(out_ids[-1] if out_ids else seq.prompt_token_ids[-1])
         rows = np.array(flat, np.int32).reshape(n, 6)
         slots, end, q, samples = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 5]
         start = end - q
@@ -464,8 +466,7 @@ class ModelRunner:
         # The block of each row's last position is a real one: past a row's length, _bt holds the null block.
         assert (self._bt[slots, (end - 1) // BS] != 0).all(), "blocks must be allocated before the step"
         if decode:  # every row is a decode: its input is its latest known token, unless one is in flight
-            toks = np.array([(sch.seq.output_token_ids or sch.seq.prompt_token_ids)[-1] for sch in out.scheduled],
-                            np.int32)
+            toks = np.array(last, np.int32)
         else:  # a verified row: its latest token, then its drafts
             toks = np.array([t for sch in out.scheduled for t in (
                 token_slice(sch.seq, sch.seq.num_computed_tokens - sch.num_new_tokens, sch.num_new_tokens)

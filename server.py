@@ -564,7 +564,8 @@ _HELP = {  # EngineConfig fields; config.py says more
     "slo_tpot_ms": "--scheduling-policy slo: a request's time-per-output-token target when its body sets none",
     "kv_cache_dtype": "KV cache storage: auto (the model dtype), or 8 bits (fp8 = fp8_e4m3, fp8_e5m2, int8) with an "
                       "f32 scale per token and KV head: ~4x (from f32) or ~2x (from bf16) the blocks in the same memory",
-    "attention_backend": "paged attention: auto (Pallas on GPU if it passes a start-up check, else jnp), pallas or xla",
+    "attention_backend": "paged attention: auto (the first registered backend for this platform that passes its "
+                         "start-up check, else the jnp reference) or a name in attention_backend.BACKENDS",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
     "compilation_cache_dir": "persistent cache of compiled step programs (fast restarts); None: $TAXIRANK_CACHE/jax "
