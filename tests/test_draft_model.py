@@ -216,13 +216,69 @@ def test_greedy_output_with_the_target_as_its_own_draft_is_greedy_decoding(targe
     assert drafted > 0 and accepted >= 0.97 * drafted, (accepted, drafted)
 
 
-def test_greedy_output_with_a_far_draft_is_greedy_decoding(target_ckpt, tmp_path_factory):
-    """Another random model of the same vocabulary: most drafts are rejected, and the
-    output is still exactly greedy decoding's."""
-    far = make_hf_checkpoint(tmp_path_factory.mktemp("far"), "llama2", seed=9, num_hidden_layers=1, tokenizer=True)
-    llm, outs = _run_speculative(target_ckpt, far, num_kv_blocks=14)
+@pytest.fixture(scope="module")
+def far_ckpt(tmp_path_factory):
+    """Another random model of the target's vocabulary: a draft far from the target."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("far"), "llama2", seed=9, num_hidden_layers=1, tokenizer=True)
+
+
+def test_greedy_output_with_a_far_draft_is_greedy_decoding(target_ckpt, far_ckpt):
+    """Most drafts are rejected, and the output is still exactly greedy decoding's."""
+    llm, outs = _run_speculative(target_ckpt, far_ckpt, num_kv_blocks=14)
     stats = llm.stats
     for p, o in zip(_engine_prompts(), outs):
         assert o == hf_greedy(target_ckpt, p, 40)
     assert stats.num_preemptions > 0
     assert stats.spec_decode_num_accepted_tokens < 0.5 * stats.spec_decode_num_draft_tokens
+
+
+def test_sampled_output_with_a_far_draft_is_the_targets_filtered_distribution(target_ckpt, far_ckpt):
+    """Through the whole engine (the draft's sampling and q, the ragged verification, the
+    scheduler's bookkeeping of accepted runs): many seeded requests of one prompt with a
+    far draft, and every emitted token at a speculated position (output index 1..3, each
+    the first draft, a later one, a recovered or a bonus token) follows the target's
+    temperature/top-k/top-p distribution given the prefix that request emitted, computed
+    independently (transformers' logits, NumPy's filters), by a chi-square test per
+    prefix seen often enough, summed over prefixes. A residual of p instead of
+    max(p - q, 0), or an acceptance test that ignores q, fails it."""
+    import torch
+    from scipy import stats as scipy_stats
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    from test_sampling import ALPHA, chi_square, exact
+
+    n, max_tokens, filters = 3000, 4, dict(temperature=0.8, top_k=12, top_p=0.9)
+    prompt = np.random.default_rng(5).integers(3, 250, 8).tolist()
+    llm = LLM(target_ckpt, log=lambda _: None, max_num_seqs=32, max_model_len=32, block_size=BS,
+              max_num_batched_tokens=64, attention_backend="xla",
+              speculative_config={"method": "draft_model", "model": far_ckpt, "num_speculative_tokens": 2})
+    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **filters)
+                                       for i in range(n)])
+    emitted = np.array([o.token_ids for o in outs])  # [n, max_tokens]
+    s = llm.stats
+    assert 0 < s.spec_decode_num_accepted_tokens < 0.6 * s.spec_decode_num_draft_tokens  # far, not useless
+    assert s.spec_decode_num_drafts >= n  # every request verified drafts (indices 1.. were speculated)
+
+    hf = AutoModelForCausalLM.from_pretrained(target_ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        full = torch.tensor([prompt + row.tolist() for row in emitted])
+        logits = hf(full).logits.numpy()[:, len(prompt) - 1:]  # [n, max_tokens + 1, V]: position j's
+    total_stat, total_df = 0.0, 0
+    for j in range(1, max_tokens):
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, row in enumerate(emitted):
+            groups.setdefault(tuple(row[:j]), []).append(i)
+        tested = 0
+        for members in groups.values():
+            p = exact(logits[members[0], j], **filters)
+            counts = np.bincount(emitted[members, j], minlength=len(p))
+            assert counts[p == 0].sum() == 0, f"index {j}: a token outside the target's filtered set"
+            if len(members) >= 40:
+                stat, _ = chi_square(counts, p)
+                total_stat += stat
+                total_df += int(min((p > 0).sum(), 1 + (len(members) * p >= 20).sum())) - 1
+                tested += len(members)
+        assert tested >= 0.25 * n, f"index {j}: only {tested} draws in prefixes seen 40 times"
+    limit = float(scipy_stats.chi2.isf(ALPHA, df=total_df))
+    assert total_stat < limit, f"chi-square {total_stat:.1f} over {limit:.1f} ({total_df} degrees of freedom)"
