@@ -248,10 +248,10 @@ def test_sampled_output_with_a_far_draft_is_the_targets_filtered_distribution(ta
     from engine import LLM
     from test_sampling import ALPHA, chi_square, exact
 
-    n, max_tokens, filters = 3000, 4, dict(temperature=0.8, top_k=12, top_p=0.9)
+    n, max_tokens, filters = 2000, 4, dict(temperature=0.8, top_k=12, top_p=0.9)
     prompt = np.random.default_rng(5).integers(3, 250, 8).tolist()
-    llm = LLM(target_ckpt, log=lambda _: None, max_num_seqs=32, max_model_len=32, block_size=BS,
-              max_num_batched_tokens=64, attention_backend="xla",
+    llm = LLM(target_ckpt, log=lambda _: None, max_num_seqs=8, max_model_len=32, block_size=BS,
+              max_num_batched_tokens=32, attention_backend="xla",
               speculative_config={"method": "draft_model", "model": far_ckpt, "num_speculative_tokens": 2})
     outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **filters)
                                        for i in range(n)])
