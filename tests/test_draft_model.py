@@ -232,33 +232,34 @@ def test_greedy_output_with_a_far_draft_is_greedy_decoding(target_ckpt, far_ckpt
     assert stats.spec_decode_num_accepted_tokens < 0.5 * stats.spec_decode_num_draft_tokens
 
 
-def test_sampled_output_with_a_far_draft_is_the_targets_filtered_distribution(target_ckpt, far_ckpt):
+def test_sampled_output_with_a_cut_draft_is_the_targets_filtered_distribution(target_ckpt, tmp_path_factory):
     """Through the whole engine (the draft's sampling and q, the ragged verification, the
     scheduler's bookkeeping of accepted runs): many seeded requests of one prompt with a
-    far draft, and every emitted token at a speculated position (output index 1..3, each
-    the first draft, a later one, a recovered or a bonus token) follows the target's
+    layer-skip draft (the target's first 3 of 4 random layers: its distribution overlaps
+    the target's without being it, so both acceptances and recovered tokens are frequent,
+    which a wrong acceptance rule or residual needs to show), and
+    every emitted token at a speculated output index (1: the first draft or the recovered
+    token; 2: a later draft, a recovered or a bonus token) follows the target's
     temperature/top-k/top-p distribution given the prefix that request emitted, computed
-    independently (transformers' logits, NumPy's filters), by a chi-square test per
-    prefix seen often enough, summed over prefixes. A residual of p instead of
-    max(p - q, 0), or an acceptance test that ignores q, fails it."""
+    independently (transformers' logits, NumPy's filters): a chi-square test per prefix
+    seen often enough, summed over prefixes. A residual of p instead of max(p - q, 0), or
+    an acceptance test that ignores q, fails it."""
     import torch
     from scipy import stats as scipy_stats
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM
     from test_sampling import ALPHA, chi_square, exact
 
-    n, max_tokens, filters = 2000, 4, dict(temperature=0.8, top_k=12, top_p=0.9)
+    n, max_tokens, filters = 1500, 3, dict(temperature=0.8, top_k=5, top_p=0.9)
     prompt = np.random.default_rng(5).integers(3, 250, 8).tolist()
-    llm = LLM(target_ckpt, log=lambda _: None, max_num_seqs=8, max_model_len=32, block_size=BS,
-              max_num_batched_tokens=32, attention_backend="xla",
-              speculative_config={"method": "draft_model", "model": far_ckpt, "num_speculative_tokens": 2})
+    draft = write_layer_skip(target_ckpt, [0, 1, 2], str(tmp_path_factory.mktemp("d3") / "skip"), log=lambda _: None)
+    llm, _ = _run_speculative(target_ckpt, draft)  # the target's shapes (and compiled programs) of the tests above
     outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **filters)
                                        for i in range(n)])
     emitted = np.array([o.token_ids for o in outs])  # [n, max_tokens]
     s = llm.stats
-    assert 0 < s.spec_decode_num_accepted_tokens < 0.6 * s.spec_decode_num_draft_tokens  # far, not useless
     assert s.spec_decode_num_drafts >= n  # every request verified drafts (indices 1.. were speculated)
+    assert 0.1 * s.spec_decode_num_draft_tokens < s.spec_decode_num_accepted_tokens < 0.9 * s.spec_decode_num_draft_tokens
 
     hf = AutoModelForCausalLM.from_pretrained(target_ckpt, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -279,6 +280,6 @@ def test_sampled_output_with_a_far_draft_is_the_targets_filtered_distribution(ta
                 total_stat += stat
                 total_df += int(min((p > 0).sum(), 1 + (len(members) * p >= 20).sum())) - 1
                 tested += len(members)
-        assert tested >= 0.25 * n, f"index {j}: only {tested} draws in prefixes seen 40 times"
+        assert j > 1 or tested >= 0.8 * n, f"index {j}: only {tested} draws in prefixes seen 40 times"
     limit = float(scipy_stats.chi2.isf(ALPHA, df=total_df))
     assert total_stat < limit, f"chi-square {total_stat:.1f} over {limit:.1f} ({total_df} degrees of freedom)"
