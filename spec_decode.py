@@ -184,6 +184,18 @@ def create_proposer(config: EngineConfig, target: LoadedModel, stats: EngineStat
     return PROPOSERS[spec.method](config, target, stats)
 
 
+def proposal_len(spec: SpeculativeConfig, token_ids: list[int], k: int) -> int:
+    """How many of the k tokens a step may verify for a sequence of known tokens
+    `token_ids` its proposer will propose, asked when the scheduler reserves their budget
+    and blocks, so that a shorter proposal leaves the rest to this step's prompt chunks.
+    ngram's proposal reads host tokens only, so it is known exactly (and propose() finds the
+    same one); a draft model's is not known before it runs, and it proposes all k."""
+    if spec.method != "ngram" or k <= 0:
+        return k
+    assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+    return len(ngram_lookup(np.asarray(token_ids, np.int64), spec.prompt_lookup_min, spec.prompt_lookup_max, k))
+
+
 @PROPOSERS.register("ngram")
 class NgramProposer:
     """Prompt lookup (vLLM's ngram method): find the longest n-gram, n in

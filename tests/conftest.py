@@ -138,6 +138,24 @@ def hf_server(hf_checkpoint):
         yield s
 
 
+@pytest.fixture(scope="session")
+def smollm2_layer_skip() -> str:
+    """A cheap draft of smollm2 (draft_model.py's layer-skip): its first and last decoder
+    layers with its embeddings, final norm and LM head, written once into the model cache
+    beside smollm2 and kept between runs, as smollm2 itself is."""
+    import gguf_loader
+    from draft_model import write_layer_skip
+
+    out = os.path.join(gguf_loader.cache_dir(), "smollm2-skip-0,29")
+    if not os.path.isdir(out):
+        try:
+            write_layer_skip("smollm2", [0, 29], out, log=lambda _: None)
+        except OSError:  # another worker renamed its copy into place first
+            if not os.path.isdir(out):
+                raise
+    return out
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

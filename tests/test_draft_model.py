@@ -216,13 +216,73 @@ def test_greedy_output_with_the_target_as_its_own_draft_is_greedy_decoding(targe
     assert drafted > 0 and accepted >= 0.97 * drafted, (accepted, drafted)
 
 
-def test_greedy_output_with_a_far_draft_is_greedy_decoding(target_ckpt, tmp_path_factory):
-    """Another random model of the same vocabulary: most drafts are rejected, and the
-    output is still exactly greedy decoding's."""
-    far = make_hf_checkpoint(tmp_path_factory.mktemp("far"), "llama2", seed=9, num_hidden_layers=1, tokenizer=True)
-    llm, outs = _run_speculative(target_ckpt, far, num_kv_blocks=14)
+@pytest.fixture(scope="module")
+def far_ckpt(tmp_path_factory):
+    """Another random model of the target's vocabulary: a draft far from the target."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("far"), "llama2", seed=9, num_hidden_layers=1, tokenizer=True)
+
+
+def test_greedy_output_with_a_far_draft_is_greedy_decoding(target_ckpt, far_ckpt):
+    """Most drafts are rejected, and the output is still exactly greedy decoding's."""
+    llm, outs = _run_speculative(target_ckpt, far_ckpt, num_kv_blocks=14)
     stats = llm.stats
     for p, o in zip(_engine_prompts(), outs):
         assert o == hf_greedy(target_ckpt, p, 40)
     assert stats.num_preemptions > 0
     assert stats.spec_decode_num_accepted_tokens < 0.5 * stats.spec_decode_num_draft_tokens
+
+
+def test_sampled_output_with_a_cut_draft_is_the_targets_filtered_distribution(target_ckpt, tmp_path_factory):
+    """Through the whole engine (the draft's sampling and q, the ragged verification, the
+    scheduler's bookkeeping of accepted runs): many seeded requests of one prompt with a
+    layer-skip draft (the target's first 3 of 4 random layers: its distribution overlaps
+    the target's without being it, so both acceptances and recovered tokens are frequent,
+    which a wrong acceptance rule or residual needs to show), and
+    every emitted token at a speculated output index (1: the first draft or the recovered
+    token; 2: a later draft, a recovered or a bonus token) follows the target's
+    temperature/top-k/top-p distribution given the prefix that request emitted, computed
+    independently (transformers' logits, NumPy's filters): a chi-square test per prefix
+    seen often enough, summed over prefixes. A residual of p instead of max(p - q, 0), or
+    an acceptance test that ignores q, fails it."""
+    import torch
+    from scipy import stats as scipy_stats
+    from transformers import AutoModelForCausalLM
+
+    from test_sampling import ALPHA, chi_square, exact
+
+    n, max_tokens, filters = 1500, 3, dict(temperature=0.8, top_k=5, top_p=0.9)
+    prompt = np.random.default_rng(5).integers(3, 250, 8).tolist()
+    draft = write_layer_skip(target_ckpt, [0, 1, 2], str(tmp_path_factory.mktemp("d3") / "skip"), log=lambda _: None)
+    llm, _ = _run_speculative(target_ckpt, draft)  # the target's shapes (and compiled programs) of the tests above
+    before = llm.stats.snapshot()
+    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **filters)
+                                       for i in range(n)])
+    emitted = np.array([o.token_ids for o in outs])  # [n, max_tokens]
+    after = llm.stats.snapshot()
+    assert after.spec_decode_num_drafts - before.spec_decode_num_drafts >= n  # indices 1.. were speculated
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert 0.1 * drafted < accepted < 0.9 * drafted  # both the acceptance and the residual are exercised
+
+    hf = AutoModelForCausalLM.from_pretrained(target_ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        full = torch.tensor([prompt + row.tolist() for row in emitted])
+        logits = hf(full).logits.numpy()[:, len(prompt) - 1:]  # [n, max_tokens + 1, V]: position j's
+    total_stat, total_df = 0.0, 0
+    for j in range(1, max_tokens):
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, row in enumerate(emitted):
+            groups.setdefault(tuple(row[:j]), []).append(i)
+        tested = 0
+        for members in groups.values():
+            p = exact(logits[members[0], j], **filters)
+            counts = np.bincount(emitted[members, j], minlength=len(p))
+            assert counts[p == 0].sum() == 0, f"index {j}: a token outside the target's filtered set"
+            if len(members) >= 40:
+                stat, _ = chi_square(counts, p)
+                total_stat += stat
+                total_df += int(min((p > 0).sum(), 1 + (len(members) * p >= 20).sum())) - 1
+                tested += len(members)
+        assert j > 1 or tested >= 0.8 * n, f"index {j}: only {tested} draws in prefixes seen 40 times"
+    limit = float(scipy_stats.chi2.isf(ALPHA, df=total_df))
+    assert total_stat < limit, f"chi-square {total_stat:.1f} over {limit:.1f} ({total_df} degrees of freedom)"

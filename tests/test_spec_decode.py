@@ -174,14 +174,17 @@ class SpeculativeAllocatorMachine(RuleBasedStateMachine):
 
     @initialize(chunked=st.booleans(), max_num_seqs=st.integers(1, 4), block_size=st.sampled_from([1, 2, 4]),
                 max_model_len=st.integers(8, 24), spare_blocks=st.integers(0, 6), caching=st.booleans(),
-                k=st.integers(1, 4), budget_extra=st.integers(0, 6))
-    def setup(self, chunked, max_num_seqs, block_size, max_model_len, spare_blocks, caching, k, budget_extra):
+                k=st.integers(1, 4), budget_extra=st.integers(0, 6), ngram=st.booleans())
+    def setup(self, chunked, max_num_seqs, block_size, max_model_len, spare_blocks, caching, k, budget_extra, ngram):
+        # ngram reserves what its lookup proposes; a draft model (never loaded here) all k
+        spec = ({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2} if ngram
+                else {"method": "draft_model", "model": "draft"})
         num_blocks = blocks_needed(max_model_len, block_size) + 1 + spare_blocks
         cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=max_model_len,
                            enable_chunked_prefill=chunked,
                            max_num_batched_tokens=max_num_seqs + budget_extra if chunked else max_model_len,
                            enable_prefix_caching=caching,
-                           speculative_config={"method": "ngram", "num_speculative_tokens": k})
+                           speculative_config={**spec, "num_speculative_tokens": k})
         self.s = Scheduler(cfg.resolved(max_model_len), num_blocks, (EOS,))
         self.seqs: list[Sequence] = []
 
@@ -328,9 +331,12 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_pair):
 
 # ---- knowing when not to ----------------------------------------------------------------
 
-def scheduler(spec: dict, max_num_seqs: int = 4) -> Scheduler:
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=4, max_model_len=64, max_num_batched_tokens=64,
-                       speculative_config={"method": "ngram", "num_speculative_tokens": 2, **spec})
+def scheduler(spec: dict, max_num_seqs: int = 4, max_num_batched_tokens: int = 64) -> Scheduler:
+    """A scheduler that reserves all k draft tokens: a draft model's (never loaded here)."""
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=4, max_model_len=64,
+                       max_num_batched_tokens=max_num_batched_tokens,
+                       speculative_config={"method": "draft_model", "model": "draft", "num_speculative_tokens": 2,
+                                           **spec})
     return Scheduler(cfg.resolved(64), 64, (EOS,))
 
 
@@ -367,6 +373,39 @@ def test_a_sequence_whose_drafts_keep_failing_stops_speculating():
     bad, good = (next(q for q in s.running if q.request_id == r) for r in ("bad", "good"))
     assert (bad.num_drafts, bad.num_accepted_tokens) == (4, 0) and not bad.speculates
     assert good.speculates and [x.seq.request_id for x in run_step(s, True)] == ["good"]
+
+
+def test_ngram_reserves_only_what_it_proposes_and_a_prompt_chunk_takes_the_rest():
+    """The budget and blocks a short ngram proposal leaves go to a prompt chunk of the
+    same step (the lookup reads host tokens, so the scheduler asks it before budgeting)."""
+    from spec_decode import NgramProposer
+
+    cfg = EngineConfig(max_num_seqs=3, block_size=4, max_model_len=64, max_num_batched_tokens=10,
+                       enable_chunked_prefill=True, enable_prefix_caching=False, speculative_config={
+                           "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                           "prompt_lookup_max": 2}).resolved(64)
+    s, proposer = Scheduler(cfg, 64, (EOS,)), NgramProposer(cfg, None, None)
+    s.add(Sequence("two", list(range(10, 17)), SamplingParams(max_tokens=20)))
+    s.add(Sequence("none", list(range(20, 26)), SamplingParams(max_tokens=20)))
+    run_step(s, True)  # both prompts (13 tokens in steps of 10), no n-gram repeats yet
+    run_step(s, True)
+    two, none = (next(q for q in s.running if q.request_id == r) for r in ("two", "none"))
+    assert len(two.output_token_ids) == 2 and len(none.output_token_ids) == 1
+    two.output_token_ids[:] = [15, 16]  # 10..16, 15, 16: [15, 16] occurred before, followed by [15, 16]
+    s.add(Sequence("long", list(range(100, 130)), SamplingParams(max_tokens=1)))
+    out = s.schedule()
+    rows = {x.seq.request_id: x for x in out.scheduled}
+    assert {r: len(x.spec_token_ids) for r, x in rows.items()} == {"two": 2, "none": 0, "long": 0}
+    proposals = proposer.propose([two], 4).token_ids
+    assert proposals == [[15, 16]]
+    # 1 + 2 for "two", 1 for "none": the prompt chunk has the other 6 of the budget of 10
+    # (with all k reserved it had 10 - 5 - 5 = 0, and waited a step)
+    assert rows["long"].num_new_tokens == 10 - 3 - 1
+    s.take_proposals(out, proposals)
+    assert out.num_spec_tokens == 2 and sum(x.num_new_tokens for x in out.scheduled) == 10
+    s.update(out, [7] * len(out.scheduled), {list(rows).index("two"): [15, 7]})
+    s.check_invariants()
+    assert two.output_token_ids == [15, 16, 15, 7]
 
 
 # ---- the server's flag and metrics ------------------------------------------------------
@@ -407,27 +446,51 @@ PASSAGE = ("The river rises in the northern hills, runs south past the old mill 
            "and reaches the sea at the harbour town, where the fishing boats wait for the tide.")
 
 
-def test_smollm2_greedy_output_is_the_same_with_ngram_speculation():
-    """The real model asked to repeat and to edit a passage (where prompt lookup pays),
-    under a KV budget that preempts, with chunked prefill, prefix caching and async."""
-    kw = dict(max_num_seqs=3, max_model_len=192, num_kv_blocks=14, max_num_batched_tokens=64, warmup=False,
-              log=lambda *_: None)
-    base = LLM("smollm2", **kw)
+# A KV budget that preempts (3 seats x 7 blocks of 16 for 48 tokens each, 13 in the cache),
+# chunked prefill, prefix caching (the chat template's shared prefix), async scheduling.
+SMOLLM2 = dict(max_num_seqs=3, max_model_len=192, num_kv_blocks=14, max_num_batched_tokens=64, warmup=False,
+               async_scheduling=True, log=lambda *_: None)
+SMOLLM2_PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference() -> tuple[list[list[int]], list[list[int]]]:
+    """The real model asked to repeat and to edit a passage (where prompt lookup pays):
+    (prompts, greedy tokens with speculation off)."""
+    base = LLM("smollm2", **SMOLLM2)
     tok = base.tokenizer
     asks = [f"Repeat this text exactly: {PASSAGE}", f"Rewrite this text with 'river' replaced by 'canal': {PASSAGE}",
             f"Copy this sentence: {PASSAGE}"]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
                                                   tokenize=False), add_special_tokens=False) for a in asks]
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)  # 7 blocks each, 13 in the cache
-    want = base.generate(prompts, params)
-    del base
+    return prompts, [o.token_ids for o in base.generate(prompts, SMOLLM2_PARAMS)]
+
+
+def test_smollm2_greedy_output_is_the_same_with_ngram_speculation(smollm2_reference):
+    prompts, want = smollm2_reference
     spec = LLM("smollm2", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                              "prompt_lookup_max": 3, "prompt_lookup_min": 2}, **kw)
-    got = spec.generate(prompts, params)
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+                                              "prompt_lookup_max": 3, "prompt_lookup_min": 2}, **SMOLLM2)
+    got = spec.generate(prompts, SMOLLM2_PARAMS)
+    assert [g.token_ids for g in got] == want
     s = spec.stats.snapshot()
-    assert s.num_preemptions > 0
+    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0
     assert s.spec_decode_num_accepted_tokens > 0.3 * s.spec_decode_num_draft_tokens  # repeating pays
+
+
+def test_smollm2_greedy_output_is_the_same_with_a_draft_model(smollm2_reference, smollm2_layer_skip):
+    """A layer-skip draft of smollm2 itself (its first and last layers, untrained: it
+    agrees with the target about once in a hundred tokens, so nearly every draft is
+    rejected; tests/test_draft_model.py covers accepted runs): the tokens are
+    speculation-off's, with the draft's cache following preemptions (free, then a full
+    catch-up) and prefix-cache admissions."""
+    prompts, want = smollm2_reference
+    spec = LLM("smollm2", speculative_config={"method": "draft_model", "model": smollm2_layer_skip,
+                                              "num_speculative_tokens": 2}, **SMOLLM2)
+    got = spec.generate(prompts, SMOLLM2_PARAMS)
+    assert [g.token_ids for g in got] == want
+    s = spec.stats.snapshot()
+    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0 and s.spec_decode_num_drafts > 0
+    assert spec.engine.scheduler.allocator.num_used == 0
 
 
 def test_constrained_rows_never_speculate():
