@@ -281,7 +281,6 @@ class Fair(FCFS):
         self.queue: ResortedQueue | None = None
         self.last_active: dict[str, float] = {}  # client -> when it last had a request in the system
         self.over_served: set[str] = set()  # clients whose prompt work is capped this step
-        self._yield = False  # another client has prompt work this step: the over-served get none
 
     def new_queue(self) -> ResortedQueue:
         self.queue = ResortedQueue(self.key, on_arrival=self._arrive)
@@ -308,24 +307,24 @@ class Fair(FCFS):
             seats[c] = seats.get(c, 0) + 1
         self.seats = seats
         self.queue.resort()
-        head, self._head = self._head, self.queue.peek() if self.queue else None
+        self._head = self.queue.peek() if self.queue else None
         now, last = self.clock(), self.last_active
         for c in {*seats, *map(self.client, self.queue)}:
             last[c] = now
         for c in [c for c, t in last.items() if now - t > self.active_window_s or c not in self.counters]:
             del last[c]  # idle too long (or forgotten): banks no claim on the others' prefill
         fewest = min((seats.get(c, 0) for c in last), default=0)
-        self.over_served = over = {c for c in last if seats.get(c, 0) >= fewest + 2}
-        fresh = self._head is not None and self._head is not head and self._head.first_scheduled_time is None
-        self._yield = any(not r.is_decode and self.client(r) not in over for r in running) or (
-            fresh and self.client(self._head) not in over)
+        over = {c for c in last if seats.get(c, 0) >= fewest + 2}
+        # The cap binds only while a client it protects has a request in the system: a
+        # client idle between requests costs the others nothing (the window only says who
+        # counts as competing, so a brief gap does not hand the batch to the flood).
+        present = {*seats, *map(self.client, self.queue)}
+        self.over_served = over if present - over else set()
 
     def prompt_room(self, seq: Sequence, scheduled: list[ScheduledSeq]) -> float:
         c = self.client(seq)
         if c not in self.over_served:
             return float("inf")
-        if self._yield:
-            return 0
         used = sum(s.num_new_tokens for s in scheduled if not s.is_decode and self.client(s.seq) == c)
         return max(0, self.over_served_prefill - used)
 

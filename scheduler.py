@@ -551,11 +551,14 @@ class Scheduler:
         only boards, with blocks for its whole prompt, and prefills over the next steps."""
         # As vLLM: a step that preempted running sequences for blocks admits nobody.
         reason = "kv_blocks" if self._room_preempted else None
-        while self.waiting and reason is None:
-            seq = self.waiting.peek()
+        held: list[Sequence] = []  # the policy holds their prompts back this step: the rest may pass
+        for seq in list(self.waiting) if reason is None else []:
             cached, n, num_new_blocks = self._admission_need(seq, out, chunk=schedule)
             if not self._free_slots:
                 reason = "max_num_seqs"
+            elif schedule and self._held(seq, out):
+                held.append(seq)
+                continue
             elif schedule and not 0 < n <= self._budget:
                 reason = "token_budget"
             # A cached block nobody holds is taken out of the free queue: it counts like a
@@ -570,8 +573,10 @@ class Scheduler:
                 self._start(seq, cached, num_new_blocks)
                 if schedule:
                     self._add(out, seq, n)
+            if reason is not None:
+                break
         for seq in self.waiting:
-            seq.wait_reason = reason
+            seq.wait_reason = "policy" if seq in held else reason
 
     def preempt_for_waiting(self, out: SchedulerOutput) -> None:
         """Waiting requests that outrank running ones (a ranked policy) take seats and KV
@@ -597,6 +602,8 @@ class Scheduler:
         budget = self._budget - (sum(1 for r in running if r.is_decode) if chunked else 0)
         victims: list[Sequence] = []
         for seq in self.waiting:
+            if self.policy.prompt_room(seq, out.scheduled) != float("inf"):
+                continue  # its room is known only once the step's other prompt work is in: admit may skip it
             cached, n, num_new_blocks = self._admission_need(seq, out)
             need = num_new_blocks + self.allocator.num_revived(cached)
             if not 0 < n <= budget:
@@ -627,6 +634,10 @@ class Scheduler:
         del self._seqs[seq.request_id]
 
     # ---- internals ---------------------------------------------------------------------
+    def _held(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Does the policy hold seq's prompt back this step (chunked prefill; room 0)?"""
+        return self.config.enable_chunked_prefill and self._budget > 0 and not self.policy.prompt_room(seq, out.scheduled)
+
     def _admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True) -> tuple[list[int], int, int]:
         """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
         waiting sequence's admission now. chunk: with chunked prefill, its first step is
@@ -668,7 +679,10 @@ class Scheduler:
         return self.allocator.cached_prefix(self._block_hashes(seq, (seq.num_tokens - 1) // self.config.block_size))
 
     def _start(self, seq: Sequence, cached: list[int], num_new_blocks: int) -> None:
-        assert self.waiting.pop_head() is seq
+        if self.waiting.peek() is seq:
+            self.waiting.pop_head()
+        else:  # the policy held back the ones ahead of it
+            self.waiting.remove(seq)
         seq.slot = heapq.heappop(self._free_slots)
         self.allocator.share(seq.request_id, cached)  # before allocate, which could evict them
         seq.block_table = cached + self.allocator.allocate(seq.request_id, num_new_blocks)
