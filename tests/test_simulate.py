@@ -30,7 +30,8 @@ CASES = {"continuous": dict(scheduling="continuous"), "static": dict(scheduling=
          "tight-kv": dict(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128),
          "tight-kv-swap": dict(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128, preemption_mode="swap",
                                swap_space=0.01),
-         "fair": dict(scheduling_policy="fair", max_num_seqs=2)}
+         "fair": dict(scheduling_policy="fair", max_num_seqs=2),
+         "fair-chunked": dict(scheduling_policy="fair", max_num_seqs=4, enable_chunked_prefill=True, max_num_batched_tokens=32)}
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
