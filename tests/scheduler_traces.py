@@ -96,6 +96,9 @@ def trace_of(config: str, seed: int, **extra: Any) -> list[str]:
         released = s.update(out, tokens).finished
         s.check_invariants()
         waits = s.waiting_by_reason()
+        # These traces' policies cap no prompt share, so none waits on it; the recorded
+        # lines count the other reasons.
+        assert waits.pop("policy") == 0
         lines.append(" ".join([
             str(step),
             "sched=" + ",".join(f"{x.seq.request_id}:{x.num_new_tokens}{'*' if x.samples else ''}" for x in out.scheduled),

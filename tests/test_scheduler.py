@@ -264,7 +264,8 @@ def test_waiting_reports_max_num_seqs_when_slots_hold_a_request_back():
     s.add(seq("a"))
     s.add(seq("b"))
     step(s)
-    assert s.waiting_by_reason() == {"kv_blocks": 0, "max_num_seqs": 1, "token_budget": 0, "static_batch": 0}
+    assert s.waiting_by_reason() == {"kv_blocks": 0, "max_num_seqs": 1, "token_budget": 0, "static_batch": 0,
+                                    "policy": 0}
 
 
 def test_waiting_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back():
