@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                                       ("simulate", str, None, "gpu-like or a cost-model JSON: no engine")):
         p.add_argument(f"--{flag}", type=kind, default=default, help=what)
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error("--repeats must be >= 1")
     out_dir = a.out or results_dir(time.strftime("policies-%Y%m%d-%H%M%S"))
     vocab, rng, n = vocab_size_of(a.model), random.Random(0), lambda k: max(2, round(k * a.scale))
     mml = 256 + max(a.long, 128); blocks = a.max_num_seqs * (mml // 16) + 1  # noqa: E702

@@ -625,7 +625,7 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
     timings = sorted({v["token_timing"] for v in vs.values() if v.get("token_timing")})
     lines += ["## Settings", "",
               f"- Workload: {st['num_requests']} requests, half max_tokens={st['short']} and half {st['long']}, "
-              f"shuffled (seed {st['seed']}); prompts of {prompts}; temperature 0, streamed; "
+              f"shuffled (seed {st['seed']}); prompts of {prompts}; temperature 0, {'not ' * (timings == ['none'])}streamed; "
               + (f"Poisson arrivals at {st['rate']} requests/s." if st["rate"] else "all sent at once."),
               "- Token timing: " + ("; ".join(TIMING_TEXT[t] for t in timings) or "none") + "."]
     if targets:

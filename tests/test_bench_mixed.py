@@ -263,6 +263,7 @@ def test_no_stream_sends_unstreamed_requests_and_times_each_by_its_one_response(
     assert v["short"]["ttft"] == {} and v["short"]["itl"] == {} and v["short"]["e2e"]["p50"] > 0
     report = (tmp_path / "report.md").read_text()
     assert "TTFT, ITL and TPOT (--no-stream" in report and "--no-stream: one response per request" in report
+    assert "temperature 0, not streamed;" in report
 
 
 def test_side_by_side_sends_identical_requests_and_marks_a_server_without_usage(tmp_path, fake_servers):

@@ -4,6 +4,9 @@ them under random traffic)."""
 
 from __future__ import annotations
 
+import pytest
+from conftest import load_bench
+
 from config import EngineConfig, SamplingParams
 from policy import ANONYMOUS
 from scheduler import Scheduler, Sequence
@@ -373,3 +376,10 @@ def test_swap_preemption_compiles_nothing_after_warm_up():
         engine.step()
     assert engine.stats.swapped_out_blocks > 0 and engine.stats.recomputed_tokens == 0
     assert engine.stats.num_compilations == warm
+
+
+def test_bench_policies_refuses_zero_repeats_at_the_flag(capsys):
+    """bench/policies.py takes the median of --repeats runs: 0 is an argparse error, not an IndexError."""
+    with pytest.raises(SystemExit) as e:
+        load_bench("policies").main(["--repeats", "0", "--simulate", "gpu-like"])
+    assert e.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err
