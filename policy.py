@@ -259,12 +259,16 @@ class Fair(FCFS):
     two seats more than an active client holding the fewest (active: with a request in the
     system now or within the last `active_window_s` of the policy's clock; seats as the
     step began), gets at most `over_served_prefill` prompt tokens a step (admissions,
-    chunks and recomputes together), and none in a step where another client's seated
-    sequence has prompt work or a new request of another client has just come to the head
-    of the queue (its admission step). Seated prompts finish and a request is new at the
-    head once, so the over-served client's prompts wait a bounded number of steps;
-    seats, not counters, decide it because the counters of competing clients stay within a
-    step's service of each other (the lift above), while seats show who holds the batch.
+    chunks and recomputes together) while a client it is over (not over-served itself) has
+    a request in the system. The cap is work-conserving: it is never 0 at a step's start,
+    so an over-served client's seated prompt work advances min(cap, what is left of it)
+    tokens a step whenever the budget left after the chunks sorted ahead of it allows,
+    whatever arrives, and its prompts finish; an admission the cap holds back waits (reason "policy") without blocking the requests
+    behind it. A client idle between requests holds no request, so it costs the others
+    nothing; the price is that a flood's step in flight when such a client's next request
+    arrives is uncapped. Seats, not counters, decide who is over-served because the
+    counters of competing clients stay within a step's service of each other (the lift
+    above), while seats show who holds the batch.
     With one active client, or clients holding about equal seats, no step is capped."""
 
     prompt_weight, output_weight = 1.0, 2.0  # the paper's: an output token costs about two prompt tokens
