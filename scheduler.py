@@ -546,13 +546,15 @@ class Scheduler:
 
     def admit(self, out: SchedulerOutput, schedule: bool = True) -> None:
         """Move waiting sequences to running, in the queue's order, while a slot, KV
-        blocks and (schedule) the token budget allow; stop at the first that cannot go
-        and record why the rest wait. schedule: its first chunk is in this step; else it
+        blocks and (schedule) the token budget allow; walk past one whose prompt the policy
+        holds back this step (wait reason "policy"), stop at the first that cannot go for
+        any other reason, and record why the rest wait. schedule: its first chunk is in this step; else it
         only boards, with blocks for its whole prompt, and prefills over the next steps."""
         # As vLLM: a step that preempted running sequences for blocks admits nobody.
         reason = "kv_blocks" if self._room_preempted else None
         held: list[Sequence] = []  # the policy holds their prompts back this step: the rest may pass
-        for seq in list(self.waiting) if reason is None else []:
+        while reason is None and len(held) < len(self.waiting):
+            seq = self.waiting[len(held)]  # the held ones stay ahead of it, in queue order
             cached, n, num_new_blocks = self._admission_need(seq, out, chunk=schedule)
             if not self._free_slots:
                 reason = "max_num_seqs"
@@ -573,10 +575,10 @@ class Scheduler:
                 self._start(seq, cached, num_new_blocks)
                 if schedule:
                     self._add(out, seq, n)
-            if reason is not None:
-                break
         for seq in self.waiting:
-            seq.wait_reason = "policy" if seq in held else reason
+            seq.wait_reason = reason
+        for seq in held:
+            seq.wait_reason = "policy"
 
     def preempt_for_waiting(self, out: SchedulerOutput) -> None:
         """Waiting requests that outrank running ones (a ranked policy) take seats and KV
