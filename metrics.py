@@ -27,7 +27,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-WAIT_REASONS = ("kv_blocks", "max_num_seqs", "token_budget", "static_batch", "policy")  # policy: its prompt share is used up this step
+# policy: the scheduling policy holds its prompt back this step (fair's prefill share is used up)
+WAIT_REASONS = ("kv_blocks", "max_num_seqs", "token_budget", "static_batch", "policy")
 
 
 @dataclass

@@ -263,10 +263,10 @@ class Fair(FCFS):
     a request in the system. The cap is work-conserving: it is never 0 at a step's start,
     so an over-served client's seated prompt work advances min(cap, what is left of it)
     tokens a step whenever the budget left after the chunks sorted ahead of it allows,
-    whatever arrives, and its prompts finish; an admission the cap holds back waits (reason "policy") without blocking the requests
-    behind it. A client idle between requests holds no request, so it costs the others
-    nothing; the price is that a flood's step in flight when such a client's next request
-    arrives is uncapped. Seats, not counters, decide who is over-served because the
+    whatever arrives, and its prompts finish; an admission the cap holds back waits
+    (reason "policy") without blocking the requests behind it. A client idle between
+    requests holds no request, so it costs the others nothing; the price is that a flood's
+    step in flight when such a client's next request arrives is uncapped. Seats, not counters, decide who is over-served because the
     counters of competing clients stay within a step's service of each other (the lift
     above), while seats show who holds the batch.
     With one active client, or clients holding about equal seats, no step is capped."""

@@ -548,8 +548,9 @@ class Scheduler:
         """Move waiting sequences to running, in the queue's order, while a slot, KV
         blocks and (schedule) the token budget allow; walk past one whose prompt the policy
         holds back this step (wait reason "policy"), stop at the first that cannot go for
-        any other reason, and record why the rest wait. schedule: its first chunk is in this step; else it
-        only boards, with blocks for its whole prompt, and prefills over the next steps."""
+        any other reason, and record why the rest wait. schedule: its first chunk is in
+        this step; else it only boards, with blocks for its whole prompt, and prefills over
+        the next steps."""
         # As vLLM: a step that preempted running sequences for blocks admits nobody.
         reason = "kv_blocks" if self._room_preempted else None
         held: list[Sequence] = []  # the policy holds their prompts back this step: the rest may pass
@@ -604,8 +605,8 @@ class Scheduler:
         budget = self._budget - (sum(1 for r in running if r.is_decode) if chunked else 0)
         victims: list[Sequence] = []
         for seq in self.waiting:
-            if self.policy.prompt_room(seq, out.scheduled) != float("inf"):
-                continue  # its room is known only once the step's other prompt work is in: admit may skip it
+            if chunked and self.policy.prompt_room(seq, out.scheduled) != float("inf"):
+                continue  # capped: its room is known only once the step's other prompt work is in
             cached, n, num_new_blocks = self._admission_need(seq, out)
             need = num_new_blocks + self.allocator.num_revived(cached)
             if not 0 < n <= budget:
@@ -638,7 +639,8 @@ class Scheduler:
     # ---- internals ---------------------------------------------------------------------
     def _held(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Does the policy hold seq's prompt back this step (chunked prefill; room 0)?"""
-        return self.config.enable_chunked_prefill and self._budget > 0 and not self.policy.prompt_room(seq, out.scheduled)
+        chunked = self.config.enable_chunked_prefill
+        return chunked and self._budget > 0 and not self.policy.prompt_room(seq, out.scheduled)
 
     def _admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True) -> tuple[list[int], int, int]:
         """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a

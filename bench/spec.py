@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from config import SamplingParams  # noqa: E402
 from engine import LLM  # noqa: E402
 
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the root: an engine module wins over a bench one of its name
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the root: engine modules win
 from report import machine_info, md_table, num, percentile, results_dir, write_json  # noqa: E402
 from workload import text_prompt  # noqa: E402
 
