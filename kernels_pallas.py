@@ -168,7 +168,11 @@ def _paged_partial(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_
     G = max(1, _PAIR_KEYS // BS)
     blocks = jnp.sum((lens + BS - 1) // BS)
     grouped = jnp.sum((lens + G * BS - 1) // (G * BS)) * G <= 2 * blocks
-    return jax.lax.cond(grouped, _paged_partial_groups, _paged_partial_blocks, qg, k_cache, v_cache, block_tables, lens)
+    # Both loops, the other one for zero trips, rather than a lax.cond with the whole caches
+    # among its operands; an empty state merges exactly.
+    none = jnp.zeros_like(lens)
+    return _merge(_paged_partial_groups(qg, k_cache, v_cache, block_tables, jnp.where(grouped, lens, none)),
+                  _paged_partial_blocks(qg, k_cache, v_cache, block_tables, jnp.where(grouped, none, lens)))
 
 
 def _paged_partial_groups(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
