@@ -143,12 +143,94 @@ def _empty_state(shape, D):
     return (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (D,), jnp.float32))
 
 
-def _paged_partial(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
-                   lens: jax.Array, blocks_per_iter: int = 64):
-    """Softmax state (m, l, acc) of each row's query heads qg[S, Hkv, R, D] over the first
-    lens[s] cached tokens of row s.
+_PAIR_KEYS = 128  # keys per (row, block group) pair: a row's waste is under one group
+_ITER_KEYS = 2048  # keys per loop iteration (pairs x group): measured fastest on CPU
 
-    The (row, block) pairs actually in context are flattened (row-major) and visited
+
+def _block_diag_q(qg: jax.Array) -> jax.Array:
+    """qg [S, Hkv, R, D] -> [S, Hkv*D, Hkv*R], zero where the key head is not the query's.
+
+    Against it the gathered keys [keys, Hkv*D] (the cache's own layout) score every head in
+    one matmul per row: Hkv times the FLOPs of the per-head products, but no transposes of
+    the gathered K/V and no [R, D] x [D, keys] products batched over rows x heads, which
+    XLA's CPU dot runs one tiny call at a time."""
+    S, Hkv, R, D = qg.shape
+    bd = qg[:, :, None] * jnp.eye(Hkv, dtype=qg.dtype)[:, :, None, None]  # [S, h, h', R, D]
+    return jnp.moveaxis(bd, -1, 2).reshape(S, Hkv * D, Hkv * R)  # rows (h, d), columns (h', r)
+
+
+def _paged_partial(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                   lens: jax.Array):
+    """Softmax state (m, l, acc) of each row's query heads qg[S, Hkv, R, D] over the first
+    lens[s] cached tokens of row s: by groups of blocks where the rows' contexts fill them
+    (the groups' keys at most twice the blocks'), else block by block."""
+    BS = k_cache.shape[1]
+    G = max(1, _PAIR_KEYS // BS)
+    blocks = jnp.sum((lens + BS - 1) // BS)
+    grouped = jnp.sum((lens + G * BS - 1) // (G * BS)) * G <= 2 * blocks
+    # Both loops, the other one for zero trips, rather than a lax.cond with the whole caches
+    # among its operands; an empty state merges exactly.
+    none = jnp.zeros_like(lens)
+    return _merge(_paged_partial_groups(qg, k_cache, v_cache, block_tables, jnp.where(grouped, lens, none)),
+                  _paged_partial_blocks(qg, k_cache, v_cache, block_tables, jnp.where(grouped, none, lens)))
+
+
+def _paged_partial_groups(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                          lens: jax.Array):
+    """_paged_partial's state by groups of G blocks (about _PAIR_KEYS tokens): the (row, group)
+    pairs actually in context are flattened (row-major) and visited C at a time; each
+    visit's per-pair statistics merge into their row with sorted segment reductions. The
+    cost is the sum of the rows' contexts (rounded up to a group), not rows x the longest
+    one: a batch of short requests beside one long one pays for what it reads."""
+    S, Hkv, R, D = qg.shape
+    _, BS, _, _ = k_cache.shape
+    G = max(1, _PAIR_KEYS // BS)
+    bt = _pad_cols(block_tables, G)
+    Wg = bt.shape[1] // G
+    C = min(max(1, _ITER_KEYS // (G * BS)), S * Wg)
+    groups = (lens + G * BS - 1) // (G * BS)
+    total = jnp.sum(groups)
+    live = jnp.arange(Wg)[None, :] < groups[:, None]
+    flat = jnp.nonzero(live.ravel(), size=S * Wg + C, fill_value=0)[0]  # + C: every slice stays in range
+    rows_all, cols_all = flat // Wg, flat % Wg
+    bt = bt.reshape(S, Wg, G)
+    qbd = _block_diag_q(qg)
+    eye = jnp.eye(Hkv, dtype=jnp.float32)
+    segment = dict(num_segments=S, indices_are_sorted=True)
+
+    def body(i, state):
+        r, c = (jax.lax.dynamic_slice_in_dim(x, i * C, C) for x in (rows_all, cols_all))
+        k = _take(k_cache, bt[r, c]).reshape(C, G * BS, Hkv * D)  # [C, keys, Hkv*D]
+        v = _take(v_cache, bt[r, c]).reshape(C, G * BS, Hkv * D)
+        s = jnp.einsum("ckx,cxj->ckj", k, qbd[r])  # [C, keys, Hkv*R]
+        kpos = c[:, None] * G * BS + jnp.arange(G * BS)
+        in_range = (i * C + jnp.arange(C)) < total
+        mask = ((kpos < lens[r][:, None]) & in_range[:, None])[:, :, None]
+        s = jnp.where(mask, s, NEG_INF)
+        m_b = s.max(1)
+        p = jnp.where(mask, jnp.exp(s - m_b[:, None]), 0.0)
+        m, l, acc = state
+        m_new = jnp.maximum(m, jax.ops.segment_max(m_b, r, **segment))
+        scale = jnp.exp(m_b - m_new[r])
+        corr = jnp.exp(m - m_new)
+        l = l * corr + jax.ops.segment_sum(p.sum(1) * scale, r, **segment)
+        # every (query head, key head) pair's p @ v, then each query head's own key head
+        pv = jnp.einsum("ckj,ckx->cjx", p, v).reshape(C, Hkv, R, Hkv, D)
+        pv = jnp.einsum("chrgd,hg->chrd", pv, eye) * scale.reshape(C, Hkv, R, 1)
+        acc = acc * corr.reshape(S, Hkv, R, 1) + jax.ops.segment_sum(pv, r, **segment)
+        return m_new, l, acc
+
+    init = (jnp.full((S, Hkv * R), NEG_INF, jnp.float32), jnp.zeros((S, Hkv * R), jnp.float32),
+            jnp.zeros((S, Hkv, R, D), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, (total + C - 1) // C, body, init)
+    return m.reshape(S, Hkv, R), l.reshape(S, Hkv, R), acc
+
+
+def _paged_partial_blocks(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                          lens: jax.Array, blocks_per_iter: int = 64):
+    """_paged_partial's state block by block, each head's scores on their own: for short
+    contexts, where a group of blocks would mostly read keys outside them. The (row, block)
+    pairs actually in context are flattened (row-major) and visited
     `blocks_per_iter` at a time; each visit's per-block statistics merge into their row
     with sorted segment reductions. The cost is the sum of the rows' contexts, not rows x
     the longest one: a batch of short requests beside one long one pays for what it reads."""

@@ -169,6 +169,20 @@ def test_decode_ref_and_kernel(R, D, dtype):
     assert not np.asarray(out[0]).any(), "idle slot (kv_len 0) must come back zero"
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("lens", [[200, 213, 129, 0, 64], [3, 1, 250, 0, 17, 2]], ids=["groups", "blocks"])
+def test_decode_ref_long_and_short_contexts(lens, kv):
+    """The reference reads contexts that fill its block groups by groups, others block by
+    block: both against the dense oracle, on f32 and on int8 caches (the oracle reads the
+    dequantized values)."""
+    rng = np.random.default_rng(len(lens))
+    q, kc, vc, bt, kv_lens = decode_case(rng, 4, 64, jnp.float32, lens=lens)
+    if kv != "auto":
+        kc, vc = (kp.QuantizedKV(*kp.quantize_kv(c, kp.KV_CACHE_DTYPES[kv])) for c in (kc, vc))
+    want = decode_oracle(q, kp.dequantize_kv(kc), kp.dequantize_kv(vc), bt, kv_lens, 0.125)
+    assert_close(ref_decode(q, kc, vc, bt, kv_lens, scale=0.125), want, jnp.float32, "decode ref vs oracle")
+
+
 @pytest.mark.parametrize("R,D,dtype", CONFIGS)
 def test_ragged_ref_and_kernel(R, D, dtype):
     rng = np.random.default_rng(R * 1000 + D + 1)
