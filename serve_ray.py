@@ -190,11 +190,7 @@ class EngineReplica:
         # into this replica are answered meanwhile.
         self.engine = await asyncio.to_thread(AsyncEngine, config, log=log.info)
         self.engine.on_death = lambda e: log.error("engine loop died: %r; check_health fails from now on", e)
-        app = server.build_app(self.engine, args.served_model_name or [self.engine.model_name], args.api_key,
-                               metric_labels={"replica": self.replica},
-                               per_request_metrics=args.enable_per_request_metrics,
-                               tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                               exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+        app = server.app_from_args(self.engine, args, metric_labels={"replica": self.replica})
         # handler_cancellation: a relay that goes away (client gone) aborts the request in the engine.
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
         await self.engine.start()

@@ -632,8 +632,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
-def app_from_args(engine: AsyncEngine, args: argparse.Namespace) -> web.Application:
-    """The app the flags of build_parser() describe, serving `engine`."""
+def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
+                  metric_labels: dict[str, str] | None = None) -> web.Application:
+    """The app the flags of build_parser() describe, serving `engine` (`metric_labels`: added
+    to every metric it exports, e.g. a Ray Serve replica's id)."""
     # As vLLM: a --tool-call-parser without --enable-auto-tool-choice parses nothing, so
     # "auto" stays refused; "required" and a named function need no parser (their output
     # is constrained to the calls' JSON). vLLM says nothing; a warning says it here.
@@ -641,7 +643,7 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace) -> web.Applicat
         log.warning("--tool-call-parser %s is unused without --enable-auto-tool-choice: tool_choice \"auto\" "
                     "(the default with tools) is refused", args.tool_call_parser)
     return build_app(engine, args.served_model_name or [engine.model_name], args.api_key,
-                     per_request_metrics=args.enable_per_request_metrics,
+                     metric_labels=metric_labels, per_request_metrics=args.enable_per_request_metrics,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                      exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
 
