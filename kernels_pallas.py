@@ -200,12 +200,16 @@ def _paged_partial_groups(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 
     def body(i, state):
         r, c = (jax.lax.dynamic_slice_in_dim(x, i * C, C) for x in (rows_all, cols_all))
-        k = _take(k_cache, bt[r, c]).reshape(C, G * BS, Hkv * D)  # [C, keys, Hkv*D]
-        v = _take(v_cache, bt[r, c]).reshape(C, G * BS, Hkv * D)
-        s = jnp.einsum("ckx,cxj->ckj", k, qbd[r])  # [C, keys, Hkv*R]
         kpos = c[:, None] * G * BS + jnp.arange(G * BS)
         in_range = (i * C + jnp.arange(C)) < total
         mask = ((kpos < lens[r][:, None]) & in_range[:, None])[:, :, None]
+        # Keys outside the context (the null block, a block's stale tail) are zeroed, not
+        # merely given p = 0: the matmuls below multiply them, and 0 * NaN is NaN. (Within
+        # the context, a non-finite K or V of one key head reaches every head of the row
+        # through the block-diagonal products; the per-head kernels keep it to its group.)
+        k = jnp.where(mask, _take(k_cache, bt[r, c]).reshape(C, G * BS, Hkv * D), 0)  # [C, keys, Hkv*D]
+        v = jnp.where(mask, _take(v_cache, bt[r, c]).reshape(C, G * BS, Hkv * D), 0)
+        s = jnp.einsum("ckx,cxj->ckj", k, qbd[r])  # [C, keys, Hkv*R]
         s = jnp.where(mask, s, NEG_INF)
         m_b = s.max(1)
         p = jnp.where(mask, jnp.exp(s - m_b[:, None]), 0.0)
@@ -253,7 +257,8 @@ def _paged_partial_blocks(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         s = jnp.einsum("chrd,ckhd->chrk", qg[r], k)
         kpos = c[:, None] * BS + jnp.arange(BS)
         in_range = (i * C + jnp.arange(C)) < total
-        mask = ((kpos < lens[r][:, None]) & in_range[:, None])[:, None, None, :]
+        keys = (kpos < lens[r][:, None]) & in_range[:, None]
+        mask = keys[:, None, None, :]
         s = jnp.where(mask, s, NEG_INF)
         m_b = s.max(-1)
         p = jnp.where(mask, jnp.exp(s - m_b[..., None]), 0.0)
@@ -262,6 +267,7 @@ def _paged_partial_blocks(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         scale = jnp.exp(m_b - m_new[r])
         corr = jnp.exp(m - m_new)
         l = l * corr + jax.ops.segment_sum(p.sum(-1) * scale, r, **segment)
+        v = jnp.where(keys[:, :, None, None], v, 0)  # a stale tail's values: p = 0 times NaN is NaN
         pv = jnp.einsum("chrk,ckhd->chrd", p, v) * scale[..., None]
         acc = acc * corr[..., None] + jax.ops.segment_sum(pv, r, **segment)
         return m_new, l, acc

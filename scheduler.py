@@ -556,13 +556,14 @@ class Scheduler:
         held: list[Sequence] = []  # the policy holds their prompts back this step: the rest may pass
         while reason is None and len(held) < len(self.waiting):
             seq = self.waiting[len(held)]  # the held ones stay ahead of it, in queue order
-            cached, n, num_new_blocks = self._admission_need(seq, out, chunk=schedule)
             if not self._free_slots:
                 reason = "max_num_seqs"
-            elif schedule and self._held(seq, out):
+                break
+            if schedule and self._held(seq, out):  # before sizing it: a held backlog is walked every step
                 held.append(seq)
                 continue
-            elif schedule and not 0 < n <= self._budget:
+            cached, n, num_new_blocks = self._admission_need(seq, out, chunk=schedule)
+            if schedule and not 0 < n <= self._budget:
                 reason = "token_budget"
             # A cached block nobody holds is taken out of the free queue: it counts like a
             # fresh one. A cached block another sequence holds costs nothing: counted once.

@@ -183,6 +183,25 @@ def test_decode_ref_long_and_short_contexts(lens, kv):
     assert_close(ref_decode(q, kc, vc, bt, kv_lens, scale=0.125), want, jnp.float32, "decode ref vs oracle")
 
 
+@pytest.mark.parametrize("lens", [[200, 213, 129, 0, 64], [3, 1, 250, 0, 17, 2]], ids=["groups", "blocks"])
+def test_decode_ref_ignores_non_finite_values_outside_the_context(lens):
+    """NaN in the null block and in every block's tail past its row's context (what a
+    stale or never-written slot may hold) must not reach the output: masked keys are
+    read, and p = 0 times NaN is NaN unless the values themselves are dropped."""
+    rng = np.random.default_rng(11)
+    q, kc, vc, bt, kv_lens = decode_case(rng, 4, 64, jnp.float32, lens=lens)
+    want = decode_oracle(q, kc, vc, bt, kv_lens, 0.125)
+    k, v = np.array(kc), np.array(vc)
+    k[0] = v[0] = np.nan
+    for row, n in enumerate(lens):
+        if n % BS:
+            b = int(bt[row, n // BS])
+            k[b, n % BS:] = v[b, n % BS:] = np.nan
+    out = ref_decode(q, jnp.asarray(k), jnp.asarray(v), bt, kv_lens, scale=0.125)
+    assert np.isfinite(np.asarray(out)).all(), "a value outside the context reached the output"
+    assert_close(out, want, jnp.float32, "decode ref with NaN outside the context vs oracle on clean data")
+
+
 @pytest.mark.parametrize("R,D,dtype", CONFIGS)
 def test_ragged_ref_and_kernel(R, D, dtype):
     rng = np.random.default_rng(R * 1000 + D + 1)
