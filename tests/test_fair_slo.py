@@ -21,6 +21,13 @@ def make(policy: str, max_num_seqs: int = 2, max_model_len: int = 64, block_size
     return Scheduler(cfg, max_num_seqs * cfg.max_blocks_per_seq + 1, (0,))
 
 
+def fair_chunked(max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> tuple[Scheduler, list[float]]:
+    """A fair scheduler with chunked prefill and 16-token blocks, its clock now[0]."""
+    s = make("fair", max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=16,
+             enable_chunked_prefill=True, max_num_batched_tokens=max_num_batched_tokens)
+    return s, clocked(s)
+
+
 def seq(rid: str, prompt_len: int = 4, max_tokens: int = 8, arrival: float = 0.0, user: str | None = None,
         ttft: float | None = None, tpot: float | None = None) -> Sequence:
     base = 1000 * (sum(map(ord, rid)) % 100)
@@ -95,10 +102,7 @@ def test_fair_prefill_share_caps_an_over_served_clients_prompts_only_while_the_l
     over_served_prefill; the light request's
     prompt is computed in its admission step. Once the light request has left, the heavy
     client has the budget again at once, though the light client is still within the window."""
-    s = make("fair", max_num_seqs=4, max_model_len=512, block_size=16, enable_chunked_prefill=True,
-             max_num_batched_tokens=64)
-    now = [0.0]
-    s.policy.clock = lambda: now[0]
+    s, now = fair_chunked(4, 512, 64)
     cap = s.policy.over_served_prefill
     for i in range(12):
         s.add(seq(f"heavy{i}", prompt_len=300, max_tokens=40, user="heavy"))
@@ -133,10 +137,7 @@ def test_fair_over_served_clients_seated_prompt_finishes_under_a_steady_stream_o
     """The prefill share is work-conserving: an over-served client's seated prompt gets up to
     over_served_prefill tokens every step while budget is left, however many other clients'
     requests arrive, so it finishes within prompt_len / over_served_prefill steps or so."""
-    s = make("fair", max_num_seqs=8, max_model_len=4096, block_size=16, enable_chunked_prefill=True,
-             max_num_batched_tokens=256)
-    now = [0.0]
-    s.policy.clock = lambda: now[0]
+    s, now = fair_chunked(8, 4096, 256)
     for i in range(3):
         s.add(seq(f"heavy{i}", prompt_len=50, max_tokens=3000, user="heavy"))
     s.add(seq("heavyP", prompt_len=800, max_tokens=10, user="heavy"))
@@ -155,10 +156,7 @@ def test_fair_admission_walks_past_a_request_the_prefill_share_holds_back():
     """A capped client's request at the head of the queue, its share used up by its own
     seated prompts, waits with reason "policy"; the request behind it is admitted (free
     seats, budget left), and nobody is preempted for an admission that does not happen."""
-    s = make("fair", max_num_seqs=6, max_model_len=512, block_size=16, enable_chunked_prefill=True,
-             max_num_batched_tokens=64)
-    now = [0.0]
-    s.policy.clock = lambda: now[0]
+    s, now = fair_chunked(6, 512, 64)
     s.add(seq("B0", prompt_len=40, max_tokens=5, user="B"))
     s.add(seq("B1", prompt_len=300, max_tokens=5, user="B"))
     step(s)  # B0's prompt and B1's first chunk: B holds 2 seats, B1 with prompt work left
@@ -178,10 +176,7 @@ def test_fair_admission_walks_past_a_request_the_prefill_share_holds_back():
 def test_fair_does_not_preempt_for_a_request_whose_prompt_share_is_used_up():
     """preempt_for_waiting does not size a capped client's head request with a room admit()
     will not give it: no running sequence is preempted for a seat that then stays empty."""
-    s = make("fair", max_num_seqs=6, max_model_len=1024, block_size=16, enable_chunked_prefill=True,
-             max_num_batched_tokens=64)
-    now = [0.0]
-    s.policy.clock = lambda: now[0]
+    s, now = fair_chunked(6, 1024, 64)
     for i in range(4):
         s.add(seq(f"B{i}", prompt_len=8, max_tokens=500, user="B"))
     s.add(seq("A0", prompt_len=8, max_tokens=500, user="A"))
