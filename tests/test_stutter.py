@@ -110,7 +110,7 @@ def test_engine_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back(admi
     eng.step()
     st = eng.stats
     assert (st.num_requests_running, st.num_requests_waiting) == (1, 1)
-    assert st.waiting_by_reason == {"kv_blocks": 1, "max_num_seqs": 0, "token_budget": 0, "static_batch": 0}
+    assert st.waiting_by_reason == {"kv_blocks": 1, "max_num_seqs": 0, "token_budget": 0, "static_batch": 0, "policy": 0}
     while eng.has_unfinished():  # once "a" leaves, "b" gets its blocks and completes
         eng.step()
     assert st.request_success["length"] == 2 and st.waiting_by_reason["kv_blocks"] == 0 and st.num_preemptions == 0
