@@ -40,7 +40,7 @@ from config import EngineConfig, SamplingParams, SLOTarget
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS
 from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
-from spec_decode import proposal_len
+from spec_decode import proposal_len_of
 
 # The scheduler's global invariants (every slot owned once, no KV block leaked, blocks
 # cover every computed token) cost O(running + blocks in use) a step: at 256 sequences,
@@ -215,6 +215,7 @@ class Scheduler:
         self._host_free = set(range(self.num_swap_blocks))  # free blocks of the host pool
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
         self.spec = config.speculative_config
+        self._proposal_len = proposal_len_of(self.spec) if self.spec is not None else None
 
     # ---- requests ----------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
@@ -506,7 +507,7 @@ class Scheduler:
             num_out = len(seq.output_token_ids) + seq.num_output_placeholders
             # every emitted token within max_tokens and max_model_len
             k = min(spec_k, spare, seq.params.max_tokens - num_out, max_len - len(seq.prompt_token_ids) - num_out)
-            k = proposal_len(self.spec, seq.all_token_ids, k)  # ngram: no room for what it will not propose
+            k = self._proposal_len(seq.all_token_ids, k) if k > 0 else k  # no room for what will not be proposed
             need = blocks_needed(seq.num_computed_tokens + k, bs) - len(seq.block_table)
             if k <= 0 or (need > 0 and not self.allocator.can_allocate(need)):
                 continue

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
@@ -161,6 +162,10 @@ class Proposer(Protocol):
 
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats) -> None: ...
 
+    @staticmethod
+    def proposal_len(spec: SpeculativeConfig, token_ids: list[int], k: int) -> int:
+        """How many of k tokens it will propose after token_ids, asked before it runs."""
+
     def weight_bytes(self) -> int: ...
 
     def kv_bytes_per_block(self) -> int: ...
@@ -184,16 +189,14 @@ def create_proposer(config: EngineConfig, target: LoadedModel, stats: EngineStat
     return PROPOSERS[spec.method](config, target, stats)
 
 
-def proposal_len(spec: SpeculativeConfig, token_ids: list[int], k: int) -> int:
-    """How many of the k tokens a step may verify for a sequence of known tokens
-    `token_ids` its proposer will propose, asked when the scheduler reserves their budget
-    and blocks, so that a shorter proposal leaves the rest to this step's prompt chunks.
-    ngram's proposal reads host tokens only, so it is known exactly (and propose() finds the
-    same one); a draft model's is not known before it runs, and it proposes all k."""
-    if spec.method != "ngram" or k <= 0:
-        return k
-    assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-    return len(ngram_lookup(np.asarray(token_ids, np.int64), spec.prompt_lookup_min, spec.prompt_lookup_max, k))
+def proposal_len_of(spec: SpeculativeConfig) -> Callable[[list[int], int], int]:
+    """The function the scheduler asks, when it reserves budget and blocks, how many of the
+    k tokens a step may verify the proposer will propose for a sequence of known tokens, so
+    that a shorter proposal leaves the rest to the step's prompt chunks: the proposer's
+    own declaration (ngram reads host tokens and knows exactly; a draft model proposes k)."""
+    assert spec.method is not None
+    __import__(_PROPOSER_MODULES[spec.method])  # its import registers it
+    return partial(PROPOSERS[spec.method].proposal_len, spec)
 
 
 @PROPOSERS.register("ngram")
@@ -204,6 +207,12 @@ class NgramProposer:
     earliest occurrence. Host-only: no weights, no KV cache, nothing to compile."""
 
     draft_probs = False
+
+    @staticmethod
+    def proposal_len(spec: SpeculativeConfig, token_ids: list[int], k: int) -> int:
+        """Exactly what propose() will find (it reads the same host tokens)."""
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        return len(ngram_lookup(np.asarray(token_ids, np.int64), spec.prompt_lookup_min, spec.prompt_lookup_max, k))
 
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats) -> None:
         spec = config.speculative_config
