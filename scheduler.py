@@ -467,7 +467,7 @@ class Scheduler:
         The hot loop of a steady decode step, one pass over every running sequence, so
         is_decode, the length check, _make_room's "room already" case and _add are inlined."""
         bs, max_len = self.config.block_size, self.config.max_model_len
-        caching, num_named = self.config.enable_prefix_caching, self.allocator.num_named
+        caching, num_named = self.config.enable_prefix_caching, self.allocator.named_counts.get
         add, prompts, running, row = out.scheduled.append, [], RUNNING, ScheduledSeq  # locals: read per row
         n = 0
         assert self._budget >= len(self.running), "config: max_num_batched_tokens >= max_num_seqs"
@@ -496,7 +496,7 @@ class Scheduler:
             n += 1
             if spec_k and seq.speculates and seq.constraint is None and seq.num_output_placeholders == 1:
                 speculative.append(out.scheduled[-1])
-            if caching and (computed + 1) // bs > num_named(seq.request_id):  # completes a block: name it
+            if caching and (computed + 1) // bs > num_named(seq.request_id, 0):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
         # Draft room only after every decode has its own token's block: a reservation never
         # takes a block a real token needs, so it never causes a preemption.
