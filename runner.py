@@ -445,31 +445,36 @@ class ModelRunner:
         verify = not decode and out.num_prefill_tokens == 0
         owner, bt_len = self._bt_owner, self._bt_len
         # The one Python loop over the step's sequences: most rows need one identity and
-        # one length check of their block table, and seven numbers into a flat list.
+        # one length check of their block table, and a few numbers into a flat list. A
+        # decode-only step's rows each compute one token and sample it: two numbers fewer.
         flat: list[int] = []
         for sch in out.scheduled:
             seq = sch.seq
             slot, bt, out_ids = seq.slot, seq.block_table, seq.output_token_ids
             if owner[slot] is not bt or bt_len[slot] != len(bt):
                 self._sync_slot(seq)
-            # per row: slot, end position, new tokens, outputs known, outputs in flight, samples?, and
-            # its latest known output (a decode's input unless it is in flight; 0: none known, so in flight)
-            flat += (slot, seq.num_computed_tokens, sch.num_new_tokens, len(out_ids), seq.num_output_placeholders,
-                     sch.samples, out_ids[-1] if out_ids else 0)
-        rows = np.fromiter(flat, np.int32, len(flat)).reshape(n, 7)  # (fromiter: a third faster than np.array)
-        slots, end, q, samples = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 5]
+            # per row: slot, end position, outputs known, outputs in flight, and its latest known
+            # output (a decode's input unless it is in flight; 0: none known, so in flight) ...
+            flat += (slot, seq.num_computed_tokens, len(out_ids), seq.num_output_placeholders,
+                     out_ids[-1] if out_ids else 0)
+            if not decode:  # ... new tokens, samples?
+                flat += (sch.num_new_tokens, sch.samples)
+        # (np.fromiter: a third faster than np.array)
+        rows = np.fromiter(flat, np.int32, len(flat)).reshape(n, 5 if decode else 7)
+        slots, end, num_out, num_in_flight, last = rows.T[:5]
+        q, samples = (np.ones(n, np.int32),) * 2 if decode else rows.T[5:]
         # (sequence, row) of the rows that sample under a constraint
         constrained = [(out.scheduled[i].seq, i) for i in np.flatnonzero(self._constrained[slots] & (samples != 0))
                        ] if self._constrained.any() else []
         start = end - q
         # A sampling row's own token is one of the in-flight ones: positions from here on
         # hold tokens sampled by a step still running, read on the device.
-        num_known = end + samples - rows[:, 4]
+        num_known = end + samples - num_in_flight
         assert n == 0 or (q >= 1).all(), "every scheduled sequence computes a token"
         # The block of each row's last position is a real one: past a row's length, _bt holds the null block.
         assert (self._bt[slots, (end - 1) // BS] != 0).all(), "blocks must be allocated before the step"
         if decode:  # every row is a decode: its input is its latest known token, unless one is in flight
-            toks = rows[:, 6]
+            toks = last
         else:  # a verified row: its latest token, then its drafts
             toks = np.array([t for sch in out.scheduled for t in (
                 token_slice(sch.seq, sch.seq.num_computed_tokens - sch.num_new_tokens, sch.num_new_tokens)
@@ -507,7 +512,7 @@ class ModelRunner:
         token_src[:num_real] = np.where(unknown, slots[row_of], -1)
         # sampling: "step" is the index of the output token a row samples (its seed's stream)
         samp = {k: v[row_slots] for k, v in self._samp.items()}
-        samp["step"][:n] = rows[:, 3] + rows[:, 4] - samples
+        samp["step"][:n] = num_out + num_in_flight - samples
         samples = samples.astype(bool)
         sample_slot = np.full(R, self._idle, np.int32)
         sample_slot[:n] = np.where(samples, slots, self._idle)

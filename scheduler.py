@@ -469,7 +469,7 @@ class Scheduler:
         bs, max_len = self.config.block_size, self.config.max_model_len
         caching, num_named = self.config.enable_prefix_caching, self.allocator.named_counts.get
         add, prompts, running, row = out.scheduled.append, [], RUNNING, ScheduledSeq  # locals: read per row
-        n = 0
+        n = len(out.scheduled)  # (a preemption below never takes a sequence already in this step)
         assert self._budget >= len(self.running), "config: max_num_batched_tokens >= max_num_seqs"
         # Speculation: each eligible decode reserves up to k more tokens of the budget (and
         # their blocks, never by preempting); the engine's proposals trim the reservation.
@@ -493,7 +493,6 @@ class Scheduler:
             add(row(seq, 1, True, True))  # = _add(out, seq, 1), the budget and count summed below
             seq.num_computed_tokens = computed + 1
             seq.num_output_placeholders += 1
-            n += 1
             if spec_k and seq.speculates and seq.constraint is None and seq.num_output_placeholders == 1:
                 speculative.append(out.scheduled[-1])
             if caching and (computed + 1) // bs > num_named(seq.request_id, 0):  # completes a block: name it
@@ -518,6 +517,7 @@ class Scheduler:
             spare -= k
             out.num_spec_tokens += k
             self._budget -= k
+        n = len(out.scheduled) - n
         self._budget -= n
         out.num_decode_tokens += n
         return prompts
