@@ -195,7 +195,6 @@ def _paged_partial_groups(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     rows_all, cols_all = flat // Wg, flat % Wg
     bt = bt.reshape(S, Wg, G)
     qbd = _block_diag_q(qg)
-    eye = jnp.eye(Hkv, dtype=jnp.float32)
     segment = dict(num_segments=S, indices_are_sorted=True)
 
     def body(i, state):
@@ -218,9 +217,10 @@ def _paged_partial_groups(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         scale = jnp.exp(m_b - m_new[r])
         corr = jnp.exp(m - m_new)
         l = l * corr + jax.ops.segment_sum(p.sum(1) * scale, r, **segment)
-        # every (query head, key head) pair's p @ v, then each query head's own key head
+        # every (query head, key head) pair's p @ v, then each query head's own key head: sliced
+        # out, not an einsum against the identity (a dot with transposes of its operand on CPU)
         pv = jnp.einsum("ckj,ckx->cjx", p, v).reshape(C, Hkv, R, Hkv, D)
-        pv = jnp.einsum("chrgd,hg->chrd", pv, eye) * scale.reshape(C, Hkv, R, 1)
+        pv = jnp.stack([pv[:, h, :, h] for h in range(Hkv)], 1) * scale.reshape(C, Hkv, R, 1)
         acc = acc * corr.reshape(S, Hkv, R, 1) + jax.ops.segment_sum(pv, r, **segment)
         return m_new, l, acc
 

@@ -46,13 +46,16 @@ SERVER = dict(max_model_len=1024, max_num_batched_tokens=512)  # the issue's ser
 # settings: name -> (XLA_FLAGS added, EngineConfig overrides). Every flag exists in jax 0.10's XLA.
 SETTINGS = {"default": ("", {}), "fast-math": ("--xla_cpu_enable_fast_math=true", {}),
             "no-multi-thread-eigen": ("--xla_cpu_multi_thread_eigen=false", {}),
-            "xnnpack": ("--xla_cpu_use_xnnpack=true", {}),
+            "xnnpack": ("--xla_cpu_use_xnnpack=true", {}), "onednn": ("--xla_cpu_use_onednn=true", {}),
+            "no-thunk-runtime": ("--xla_cpu_use_thunk_runtime=false", {}),
+            "ynn-fusion": ("--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce", {}),  # YNNPACK fusions
             "bf16 weights": ("", {"dtype": "bfloat16"}), "int8 weights": ("", {"quantization": "int8"}),
             "int8 KV": ("", {"kv_cache_dtype": "int8"})}
 LIMITS: dict[str, float] = {}
 
-def child(*args: str) -> dict:  # this script's --_child in a fresh process: its own XLA flags and programs
-    out = subprocess.run([sys.executable, HERE, "--_child", *args], capture_output=True, text=True, check=True)
+def child(*args: str, flags: str | None = None) -> dict:  # this script's --_child in a fresh process: its programs
+    env = None if flags is None else os.environ | {"XLA_FLAGS": flags}  # and its own XLA flags, if given
+    out = subprocess.run([sys.executable, HERE, "--_child", *args], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 def section_roofline() -> dict:
@@ -95,8 +98,7 @@ def fill(eng, n: int, prompt_len: int = 64, start: int = 0, **params) -> None:  
 
 def drain(eng) -> None:
     [eng.abort(s.request_id) for s in list(eng.scheduler.running)]
-    while eng.has_unfinished():
-        eng.step()
+    [eng.step() for _ in iter(eng.has_unfinished, False)]
 
 def timed(fn) -> tuple[float, float]:  # wall and process-CPU seconds: neighbours inflate the second least
     t, c = time.perf_counter(), time.process_time()
@@ -247,12 +249,10 @@ def section_settings() -> dict:
     runs: dict = {name: [] for name in ARGS.settings.split(",")}
     for _ in range(ARGS.repeats):
         for name in runs:  # alternating: a neighbour's burst of load falls on every setting alike
-            os.environ["XLA_FLAGS"] = SETTINGS[name][0]
-            runs[name].append(r := child("settings", name) | {"load": os.getloadavg()[0]})
+            runs[name].append(r := child("settings", name, flags=SETTINGS[name][0]) | {"load": os.getloadavg()[0]})
             same = sum(a == b for a, b in zip(r["tokens"], next(iter(runs.values()))[0]["tokens"]))
             print(f"settings {name:22s} " + ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k != "tokens")
                   + f" (ms); greedy tokens as the first setting's in {same}/{len(r['tokens'])} rows", flush=True)
-    os.environ.pop("XLA_FLAGS")
     return {name: dict(flags=SETTINGS[name][0], engine=SETTINGS[name][1], runs=rs) for name, rs in runs.items()}
 
 def section_padding() -> dict:
