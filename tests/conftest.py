@@ -252,7 +252,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # The tiny models' steps compute next to nothing, but each of their programs costs seconds
 # of XLA's optimisation: a cold run (CI: an empty cache) spends most of its time there.
 # JAX's jax_disable_most_optimizations (XLA backend optimisation level 0, no expensive LLVM
-# passes) compiles them in about half the time (measured, one process, cold:
+# passes) takes about 40% off their compile time (measured, one process, cold:
 # test_compilation.py 49 -> 34 CPU-s, test_engine.py 129 -> 98; warm, their steps run
 # slower: test_engine.py 39 -> 44); subprocesses (servers, Ray replicas, TP children)
 # inherit it through the environment. It is read at each compile (and keys the persistent
