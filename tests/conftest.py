@@ -240,8 +240,48 @@ def pytest_configure(config: pytest.Config) -> None:
     os.makedirs(cache, exist_ok=True)
     os.environ.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    os.environ.setdefault(_CHEAP_COMPILES, "1")  # =0: every file at full optimisation
     import jax
 
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update(_CHEAP_COMPILES.lower(), os.environ[_CHEAP_COMPILES].lower() not in ("0", "false", "no", "off"))
+
+
+# The tiny models' steps compute next to nothing, but each of their programs costs seconds
+# of XLA's optimisation: a cold run (CI: an empty cache) spends most of its time there.
+# JAX's jax_disable_most_optimizations (XLA backend optimisation level 0, no expensive LLVM
+# passes) takes about 40% off their compile time (measured, one process, cold:
+# test_compilation.py 49 -> 34 CPU-s, test_engine.py 129 -> 98; warm, their steps run
+# slower: test_engine.py 39 -> 44); subprocesses (servers, Ray replicas, TP children)
+# inherit it through the environment. It is read at each compile (and keys the persistent
+# cache), so the files that run the real model, whose steps compute for real (one 2,048-token
+# prefill: +5% CPU cold with its compiles), compile at full optimisation: in this process
+# and in the subprocesses they start.
+_CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+REAL_MODEL_FILES = {"test_perplexity", "test_real_model", "test_real_model_server", "test_serving_path",
+                    "test_spec_decode", "test_structured", "test_quant"}
+
+
+def env_without_test_cache() -> dict[str, str]:
+    """This process's environment without the tests' JAX cache settings (JAX_*, but for the
+    compile optimisation), for a subprocess that starts from a compilation cache of its own."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == _CHEAP_COMPILES}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compile_optimisation(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.module.__name__.rpartition(".")[2] not in REAL_MODEL_FILES:
+        yield
+        return
+    import jax
+
+    env, cheap = os.environ[_CHEAP_COMPILES], jax.config.read(_CHEAP_COMPILES.lower())
+    os.environ[_CHEAP_COMPILES] = "0"
+    jax.config.update(_CHEAP_COMPILES.lower(), False)
+    try:
+        yield
+    finally:
+        os.environ[_CHEAP_COMPILES] = env
+        jax.config.update(_CHEAP_COMPILES.lower(), cheap)

@@ -10,13 +10,12 @@ compile nothing."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, count_compilations
+from conftest import ROOT, count_compilations, env_without_test_cache
 
 from engine import LLM, SamplingParams
 
@@ -103,7 +102,7 @@ print(json.dumps(counts | {"programs": llm.stats.num_compilations}))
 def test_a_restart_with_the_persistent_compilation_cache_compiles_nothing(tmp_path):
     """Two processes, one after the other, with --compilation-cache-dir (the engine's own
     setting: the tests' cache directory is taken out of their environment)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | {"PYTHONPATH": ROOT}
+    env = env_without_test_cache() | {"PYTHONPATH": ROOT}
 
     def start() -> dict:
         out = subprocess.run([sys.executable, "-c", RESTART, str(tmp_path / "jax-cache")], cwd=ROOT, env=env,

@@ -9,9 +9,9 @@ from their environment."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from conftest import env_without_test_cache
 from test_server import metric, request, running_server, scrape
 
 FLAGS = ["--model", "tiny", "--max-num-seqs", "2", "--max-model-len", "64", "--max-num-batched-tokens", "32",
@@ -36,7 +36,7 @@ def serve_once(env: dict[str, str], *flags: str) -> tuple[list[int], float]:
 
 
 def test_a_restart_compiles_nothing_and_a_new_shape_compiles_what_it_needs(tmp_path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | {"TAXIRANK_CACHE": str(tmp_path)}
+    env = env_without_test_cache() | {"TAXIRANK_CACHE": str(tmp_path)}
 
     first, compiled = serve_once(env)
     cold = entries(tmp_path)
