@@ -462,10 +462,14 @@ class ModelRunner:
         # (np.fromiter: a third faster than np.array)
         rows = np.fromiter(flat, np.int32, len(flat)).reshape(n, 5 if decode else 7)
         slots, end, num_out, num_in_flight, last = rows.T[:5]
-        q, samples = (np.ones(n, np.int32),) * 2 if decode else rows.T[5:]
-        # (sequence, row) of the rows that sample under a constraint
-        constrained = [(out.scheduled[i].seq, i) for i in np.flatnonzero(self._constrained[slots] & (samples != 0))
-                       ] if self._constrained.any() else []
+        if decode:
+            q = samples = np.ones(n, np.int32)
+        else:
+            q, samples = rows.T[5:]
+        constrained = []  # (sequence, row) of the rows that sample under a constraint
+        if self._constrained.any():
+            rows_constrained = np.flatnonzero(self._constrained[slots] & (samples != 0)).tolist()
+            constrained = [(out.scheduled[i].seq, i) for i in rows_constrained]
         start = end - q
         # A sampling row's own token is one of the in-flight ones: positions from here on
         # hold tokens sampled by a step still running, read on the device.
