@@ -474,7 +474,7 @@ class ModelRunner:
         # A sampling row's own token is one of the in-flight ones: positions from here on
         # hold tokens sampled by a step still running, read on the device.
         num_known = end + samples - num_in_flight
-        assert n == 0 or (q >= 1).all(), "every scheduled sequence computes a token"
+        assert decode or n == 0 or (q >= 1).all(), "every scheduled sequence computes a token"
         # The block of each row's last position is a real one: past a row's length, _bt holds the null block.
         assert (self._bt[slots, (end - 1) // BS] != 0).all(), "blocks must be allocated before the step"
         if decode:  # every row is a decode: its input is its latest known token, unless one is in flight
@@ -503,7 +503,7 @@ class ModelRunner:
         cu_q_lens[n + 1:] = num_real
         # per token
         if decode:
-            row_of, pos = np.arange(n), start
+            row_of, pos = slice(None), start  # token i is row i's: a view, not a gather
         else:
             row_of = np.repeat(np.arange(n), q)
             pos = np.arange(num_real, dtype=np.int32) + np.repeat(start - cu_q_lens[:n], q)
