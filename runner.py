@@ -462,15 +462,19 @@ class ModelRunner:
         # (np.fromiter: a third faster than np.array)
         rows = np.fromiter(flat, np.int32, len(flat)).reshape(n, 5 if decode else 7)
         slots, end, num_out, num_in_flight, last = rows.T[:5]
-        q, samples = (np.ones(n, np.int32),) * 2 if decode else rows.T[5:]
-        # (sequence, row) of the rows that sample under a constraint
-        constrained = [(out.scheduled[i].seq, i) for i in np.flatnonzero(self._constrained[slots] & (samples != 0))
-                       ] if self._constrained.any() else []
+        if decode:
+            q = samples = np.ones(n, np.int32)
+        else:
+            q, samples = rows.T[5:]
+        constrained = []  # (sequence, row) of the rows that sample under a constraint
+        if self._constrained.any():
+            rows_constrained = np.flatnonzero(self._constrained[slots] & (samples != 0)).tolist()
+            constrained = [(out.scheduled[i].seq, i) for i in rows_constrained]
         start = end - q
         # A sampling row's own token is one of the in-flight ones: positions from here on
         # hold tokens sampled by a step still running, read on the device.
         num_known = end + samples - num_in_flight
-        assert n == 0 or (q >= 1).all(), "every scheduled sequence computes a token"
+        assert decode or n == 0 or (q >= 1).all(), "every scheduled sequence computes a token"
         # The block of each row's last position is a real one: past a row's length, _bt holds the null block.
         assert (self._bt[slots, (end - 1) // BS] != 0).all(), "blocks must be allocated before the step"
         if decode:  # every row is a decode: its input is its latest known token, unless one is in flight
@@ -499,7 +503,7 @@ class ModelRunner:
         cu_q_lens[n + 1:] = num_real
         # per token
         if decode:
-            row_of, pos = np.arange(n), start
+            row_of, pos = slice(None), start  # token i is row i's: a view, not a gather
         else:
             row_of = np.repeat(np.arange(n), q)
             pos = np.arange(num_real, dtype=np.int32) + np.repeat(start - cu_q_lens[:n], q)
