@@ -204,8 +204,9 @@ def _paged_partial_groups(qg: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         mask = ((kpos < lens[r][:, None]) & in_range[:, None])[:, :, None]
         # Keys outside the context (the null block, a block's stale tail) are zeroed, not
         # merely given p = 0: the matmuls below multiply them, and 0 * NaN is NaN. (Within
-        # the context, a non-finite K or V of one key head reaches every head of the row
-        # through the block-diagonal products; the per-head kernels keep it to its group.)
+        # the context, a non-finite K of one key head reaches every head of the row through
+        # the block-diagonal scores; a non-finite V stays in its own group, as in the per-head
+        # kernels.)
         k = jnp.where(mask, _take(k_cache, bt[r, c]).reshape(C, G * BS, Hkv * D), 0)  # [C, keys, Hkv*D]
         v = jnp.where(mask, _take(v_cache, bt[r, c]).reshape(C, G * BS, Hkv * D), 0)
         s = jnp.einsum("ckx,cxj->ckj", k, qbd[r])  # [C, keys, Hkv*R]

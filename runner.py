@@ -540,7 +540,7 @@ class ModelRunner:
             self.stats.computed_tokens += T
             self.stats.useful_tokens += num_real
             self.stats.computed_logit_rows += R
-            self.stats.useful_logit_rows += np.count_nonzero(samples)
+            self.stats.useful_logit_rows += int(np.count_nonzero(samples))  # a Python int: stats go to JSON
         step = InFlightStep(fwd, n, want_logprobs, prompt_rows, (sample_slot, sampling), constrained, spec_rows)
         if not constrained:
             self.sample(step)
