@@ -7,6 +7,7 @@ block allocator) can take the config whole without importing JAX.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json as _json
 import math
 import typing
@@ -164,7 +165,9 @@ class EngineConfig:
         assert self.max_model_len is not None, "call resolved() first"
         return math.ceil(self.max_model_len / self.block_size)
 
-    @property
+    # The buckets are read by every step (runner, draft model): derived once per config
+    # (frozen, so they never go stale).
+    @functools.cached_property
     def decode_buckets(self) -> tuple[int, ...]:
         """Row counts a decode step is padded to: powers of two up to max_num_seqs, and from
         16 on the midpoints 1.5x between them (24, 48, 96, ...). A decode step computes the
@@ -180,7 +183,7 @@ class EngineConfig:
         out.append(self.max_num_seqs)
         return tuple(out)
 
-    @property
+    @functools.cached_property
     def token_buckets(self) -> tuple[int, ...]:
         """Flattened token counts a prefill/mixed step is padded to: powers of two up to
         max_num_batched_tokens (which is always the last bucket)."""

@@ -300,29 +300,24 @@ class LLMEngine:
         add, delta, get = deltas.append, RequestOutputDelta, accepted.get  # locals: read per row
         prompt_lps, emitted = self._prompt_lps, outcome.emitted
         # (A sequence that sampled was admitted: its num_cached_tokens is set, >= 0.)
-        if not (logprobs or prompt_lps or emitted):  # the common step: one token per row and nothing else
-            for sch in out.scheduled:  # once per running sequence in a decode step: kept lean
-                if sch.samples:
-                    seq = sch.seq
-                    rid = seq.request_id
-                    token = get(rid)
-                    if token is not None:
-                        add(delta(rid, [token], None, False, None, len(seq.prompt_token_ids),
-                                  len(seq.output_token_ids), seq.num_cached_tokens))
-        else:
-            for sch in out.scheduled:
-                if not sch.samples:
-                    continue
-                seq = sch.seq
-                rid = seq.request_id
-                token = get(rid)
-                if token is None:
-                    continue
-                lp = logprobs.get(rid) if logprobs else None
-                tokens = emitted.get(rid, [token]) if sch.spec_token_ids else [token]
-                add(delta(rid, tokens, None if lp is None else lp[:len(tokens)], False, None,
-                          len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens, None,
-                          prompt_lps.pop(rid, None) if prompt_lps else None))
+        plain = not (logprobs or prompt_lps or emitted)  # the common step: one token per row and nothing else
+        for sch in out.scheduled:  # once per running sequence in a decode step: kept lean
+            if not sch.samples:
+                continue
+            seq = sch.seq
+            rid = seq.request_id
+            token = get(rid)
+            if token is None:
+                continue
+            if plain:
+                add(delta(rid, [token], None, False, None, len(seq.prompt_token_ids), len(seq.output_token_ids),
+                          seq.num_cached_tokens))
+                continue
+            lp = logprobs.get(rid) if logprobs else None
+            tokens = emitted.get(rid, [token]) if sch.spec_token_ids else [token]
+            add(delta(rid, tokens, None if lp is None else lp[:len(tokens)], False, None,
+                      len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens, None,
+                      prompt_lps.pop(rid, None) if prompt_lps else None))
         if released:
             by_id = {d.request_id: d for d in deltas}
             for seq in released:  # its last delta, possibly empty (static: padding released with its batch)

@@ -313,7 +313,8 @@ class Fair(FCFS):
         self.queue.resort()
         self._head = self.queue.peek() if self.queue else None
         now, last = self.clock(), self.last_active
-        for c in {*seats, *map(self.client, self.queue)}:
+        present = {*seats, *map(self.client, self.queue)}  # clients with a request in the system
+        for c in present:
             last[c] = now
         for c in [c for c, t in last.items() if now - t > self.active_window_s or c not in self.counters]:
             del last[c]  # idle too long (or forgotten): banks no claim on the others' prefill
@@ -322,7 +323,6 @@ class Fair(FCFS):
         # The cap binds only while a client it protects has a request in the system: a
         # client idle between requests costs the others nothing (the window only says who
         # counts as competing, so a brief gap does not hand the batch to the flood).
-        present = {*seats, *map(self.client, self.queue)}
         self.over_served = over if present - over else set()
 
     def prompt_room(self, seq: Sequence, scheduled: list[ScheduledSeq]) -> float:

@@ -254,8 +254,6 @@ class ModelRunner:
         self.channel = StepChannel() if jax.process_count() > 1 else None
         N, W = config.max_num_seqs, config.max_blocks_per_seq
         self._idle = N  # the idle row: null block table, greedy, never a sampled token's home
-        # The config derives its buckets on each read; a step reads them every time.
-        self._decode_buckets, self._token_buckets = config.decode_buckets, config.token_buckets
         self.last_tokens = jnp.zeros(N + 1, jnp.int32) if mesh is None else replicate(np.zeros(N + 1, np.int32), mesh)
         self._bt = np.zeros((N + 1, W), np.int32)
         self._bt_len = [0] * (N + 1)  # entries at and past it are 0 (the null block, never handed out)
@@ -485,12 +483,12 @@ class ModelRunner:
                 if not sch.spec_token_ids else [sch.seq.output_token_ids[-1], *sch.spec_token_ids])], np.int32)
         num_real = len(toks)
         if decode:
-            R = T = _bucket(self._decode_buckets, max(out.num_occupied, n))
+            R = T = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
         elif verify:
-            R = _bucket(self._decode_buckets, max(out.num_occupied, n))
+            R = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
             T = min(R * (1 + self.spec_k), cfg.max_num_batched_tokens)  # it holds at most the budget's tokens
         else:
-            T = _bucket(self._token_buckets, num_real)
+            T = _bucket(cfg.token_buckets, num_real)
             R = ragged_rows(cfg, T)
         # per row
         row_slots = np.full(R, self._idle, np.int32)
