@@ -98,7 +98,7 @@ def test_async_server_path_stop_strings_and_clients_leaving_mid_stream():
     the same text with async on and off, and afterwards nothing runs, waits or holds KV."""
 
     async def serve(async_scheduling: bool, stops: dict[int, list[str]]) -> list[tuple[str, str | None]]:
-        eng = AsyncEngine(EngineConfig(async_scheduling=async_scheduling, warmup=False, **TIGHT), log=lambda *_: None)
+        eng = AsyncEngine(EngineConfig(model="tiny", async_scheduling=async_scheduling, warmup=False, **TIGHT), log=lambda *_: None)
         await eng.start()
         try:
             prompts = mix_prompts()
