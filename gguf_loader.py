@@ -22,7 +22,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -65,13 +65,16 @@ class GGUFCheckpoint:
     hf_config: dict[str, Any]  # as a config.json would say it
     file_type: str  # the dominant tensor type, e.g. "Q4_1" (for the start-up line and dtype=auto)
     tokenizer_metadata: dict[str, Any] | None  # tokenizer.* keys (tokenizer.gguf_tokenizer); None: the file has none
+    # The file parsed once (gguf.GGUFReader, memory-mapped): parsing walks every metadata
+    # array in Python, about 2 s for smollm2's 49k-token vocabulary.
+    reader: Any = field(repr=False, compare=False)
 
     def tensors(self, native: bool = False) -> Iterator[tuple[str, np.ndarray | GGUFBlocks]]:
         """(HF name, float32 array in HF's [out, in] layout), one tensor at a time;
         native: Q8_0 / Q4_0 / Q4_1 matrices as their blocks (GGUFBlocks, same layout)."""
         import gguf
 
-        reader = gguf.GGUFReader(self.path)
+        reader = self.reader
         cfg = self.hf_config
         permuted = FAMILIES[cfg["model_type"]].gguf_qk_permuted
         for t in reader.tensors:
@@ -92,7 +95,7 @@ class GGUFCheckpoint:
         import gguf
 
         out: dict[str, set[str]] = {}
-        for t in gguf.GGUFReader(self.path).tensors:
+        for t in self.reader.tensors:
             parts = t.name.split(".", 2)
             path = _LINEAR_PATHS.get(f"blk.{{}}.{parts[2]}") if len(parts) == 3 and parts[0] == "blk" else None
             if path is not None:
@@ -167,7 +170,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     }
     types = [gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1]
     file_type = max(set(types), key=types.count) if types else "F32"
-    return GGUFCheckpoint(path, hf, file_type, _tokenizer_metadata(reader))
+    return GGUFCheckpoint(path, hf, file_type, _tokenizer_metadata(reader), reader)
 
 
 def read_tokenizer_metadata(path: str) -> dict[str, Any] | None:
