@@ -8,7 +8,7 @@ stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +129,29 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array,
         return _sample_unmasked(logits, t)
     return jax.lax.cond(t.use_bitmask, lambda: _sample_unmasked(apply_token_bitmask(logits, t.token_bitmask), t),
                         lambda: _sample_unmasked(logits, t))
+
+
+def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array,
+                chunk: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """sample() on the first num_rows rows of logits [S, V] (S a multiple of chunk), chunk
+    rows at a time: one program serves every row count, and its cost follows the rows
+    that sample, not S (the trip count is dynamic; rows past the last chunk come back 0).
+    Each chunk takes its own branches (all greedy, a filter, the bitmask: only a chunk
+    with a constrained row unpacks it), and a chunk's [chunk, V] temporaries stay in cache."""
+    S, V = logits.shape
+    assert S % chunk == 0, (S, chunk)
+    outs = (jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+
+    def body(i: jax.Array, outs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        rows = jax.tree.map(lambda x: x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk),
+                            (logits, t))
+        x, tc = rows
+        if tc.token_bitmask is not None:  # all ones: no row of the chunk is constrained
+            tc = replace(tc, use_bitmask=tc.use_bitmask & jnp.any(tc.token_bitmask != -1))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(o, r, i * chunk, 0) for o, r in zip(outs, sample(x, tc)))
+
+    return jax.lax.fori_loop(0, (num_rows + chunk - 1) // chunk, body, outs)
 
 
 def _sample_unmasked(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
