@@ -1,9 +1,11 @@
 """ModelRunner: the only place where the scheduler's decisions become device arrays.
 
 A step is two jitted programs over fixed shapes, dispatched back to back: a forward
-(the KV cache donated, updated in place) that leaves the sampling rows' logits on the
-device, then a small sample program that turns them into tokens (and logprobs), the
-only results the host reads. The forward comes in two kinds:
+(the KV cache donated, updated in place) that writes its rows' logits into the first rows
+of a persistent [max_num_seqs, V] buffer on the device (donated too), then a sample
+program that turns them into tokens (and logprobs), the only results the host reads.
+The sample program has one shape for every step (all max_num_seqs rows, sampled 8 at a
+time up to the last row that samples), so it is compiled once. The forward comes in two kinds:
 
   decode  one token per occupied slot: token[R], pos[R], slot_mapping[R], block_tables[R, W], kv_lens[R]
   ragged  steps that carry prompt tokens (prefill, or chunks mixed with decodes): the
@@ -23,8 +25,8 @@ split). A step without a constrained row dispatches its sample program at once.
 
 W is max_model_len / block_size, but attention loops only over the blocks actually in
 context (see kernels_pallas.py), so the width costs host->device bytes, not FLOPs.
-The shapes that vary are the decode row count R (occupied slots, padded to a power of
-two) and T, each from a few buckets, all compiled by warmup(): after it, a step never
+The forward's shapes that vary are the decode row count R (occupied slots, padded to a
+bucket) and T, each from a few buckets, all compiled by warmup(): after it, a step never
 compiles. execute() dispatches and returns at once (JAX's async dispatch); the host
 waits only in InFlightStep.result().
 """
@@ -712,29 +714,29 @@ class ModelRunner:
             self.channel.post(STOP, 0, 0, ())
             self.channel = None
 
-    def _compile(self, kind: int, rows: int, T: int) -> None:
-        """Compile one program for its shape without running it: the jitted function's
-        call then finds it (the same arguments, shardings and donations as a step's)."""
-        fn, args = self._program(kind, self._idle_args(kind, rows, T))
-        fn.lower(*args).compile()
-
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile every decode bucket, every token bucket and the sample program before
+        """Compile the sample program, every decode bucket and every token bucket before
         serving (with speculation, each token bucket's program holds every verified-row
-        bucket). Compiled only: running them on idle inputs would cost the prefill
-        buckets' matmuls and teach nothing."""
+        bucket, and each decode bucket has a verify program).
+
+        Compiled, not run: a program is traced and lowered here, on the same arguments
+        (shapes, shardings, donations) a step passes, so that the jitted call finds its
+        executable; running it on idle inputs would cost the prefill buckets' matmuls for
+        nothing. (Compiling several at once in threads was slower on 2 cores: XLA's CPU
+        compiler already runs its codegen on more than one.)"""
         cfg = self.config
         t0 = time.perf_counter()
-        total = len(cfg.decode_buckets) + len(cfg.token_buckets) + 1
-        log(f"warm-up: compiling step program 1/{total} (sampling, up to {self.sample_rows} rows)")
-        self._compile(SAMPLE, self.sample_rows, 0)
-        for i, R in enumerate(cfg.decode_buckets):
-            log(f"warm-up: compiling step program {i + 2}/{total} (decode, {R} rows)")
-            self._compile(DECODE, R, R)
-        for i, T in enumerate(cfg.token_buckets):
-            log(f"warm-up: compiling step program {len(cfg.decode_buckets) + i + 2}/{total} (prefill, {T} tokens"
-                + (f", verifying up to {cfg.max_num_seqs} x {1 + self.spec_k})" if self.spec_buckets else ")"))
-            self._compile(RAGGED, ragged_rows(cfg, T), T)
+        verifying = f", verifying up to {cfg.max_num_seqs} x {1 + self.spec_k}" if self.spec_buckets else ""
+        programs = [(SAMPLE, self.sample_rows, 0, f"sampling, up to {self.sample_rows} rows")]
+        programs += [(DECODE, R, R, f"decode, {R} rows") for R in cfg.decode_buckets]
+        programs += [(RAGGED, ragged_rows(cfg, T), T, f"prefill, {T} tokens{verifying}") for T in cfg.token_buckets]
+        programs += [(RAGGED, R, min(R * (1 + self.spec_k), cfg.max_num_batched_tokens),
+                      f"verify, {R} rows of up to {1 + self.spec_k} tokens")
+                     for R in (cfg.decode_buckets if self.spec_buckets else ())]
+        for i, (kind, rows, T, what) in enumerate(programs):
+            log(f"warm-up: compiling step program {i + 1}/{len(programs)} ({what})")
+            fn, args = self._program(kind, self._idle_args(kind, rows, T))
+            fn.lower(*args).compile()
         if self.num_swap_blocks:  # swap's copy programs: one pair per power-of-two count of blocks a step moves
             leaves, treedef = jax.tree.flatten(self.kv_caches)
             sizes = [1 << k for k in range((leaves[0].shape[1] - 1).bit_length() + 1)]
@@ -743,7 +745,4 @@ class ModelRunner:
                 idx = np.zeros(n, np.int32)
                 leaves = self._scatter_blocks(leaves, idx, [np.asarray(d) for d in self._gather_blocks(leaves, idx)])
             self.kv_caches = jax.tree.unflatten(treedef, leaves)
-        for R in cfg.decode_buckets if self.spec_buckets else ():
-            log(f"warm-up: compiling verify program ({R} rows of up to {1 + self.spec_k} tokens)")
-            self._compile(RAGGED, R, min(R * (1 + self.spec_k), cfg.max_num_batched_tokens))
         log(f"warm-up: {self.stats.num_compilations} programs compiled in {time.perf_counter() - t0:.1f}s")
