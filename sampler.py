@@ -118,6 +118,26 @@ def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
                         lambda: _sample_filtered(scaled, gumbel, t))
 
 
+def _sample_rows_drawn(logits: jax.Array, t: SamplingTensors, is_greedy: jax.Array) -> jax.Array:
+    """[S] the draws of the rows that are not greedy (the greedy rows' entries are
+    meaningless). When they are at most half the rows, each is drawn alone: one sampled
+    row among greedy ones costs one row's Gumbel noise (and sort, under a filter), not S
+    rows'; a row draws the same token either way (its own key; no-filter rows take the
+    same Gumbel-max path whatever their batch-mates do, as _sample_random shows)."""
+    S = logits.shape[0]
+
+    def one_by_one() -> jax.Array:
+        def row(j: jax.Array, tok: jax.Array) -> jax.Array:
+            one = jax.tree.map(lambda x: x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, j, 1), (logits, t))
+            draw = lambda: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+                tok, _sample_random(*one).astype(jnp.int32), j, 0)
+            return jax.lax.cond(is_greedy[j], lambda: tok, draw)
+        return jax.lax.fori_loop(0, S, row, jnp.zeros(S, jnp.int32))
+
+    return jax.lax.cond(2 * jnp.sum(~is_greedy) <= S, one_by_one,
+                        lambda: _sample_random(logits, t).astype(jnp.int32))
+
+
 def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 -> (token [S], its logprob [S], top ids [S, K], top logprobs [S, K]).
 
@@ -158,7 +178,7 @@ def _sample_unmasked(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, 
     greedy_tok = argmax(logits).astype(jnp.int32)
     is_greedy = t.temperature < SAMPLING_EPS
     tok = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tok,
-                       lambda: jnp.where(is_greedy, greedy_tok, _sample_random(logits, t).astype(jnp.int32)))
+                       lambda: jnp.where(is_greedy, greedy_tok, _sample_rows_drawn(logits, t, is_greedy)))
     S = logits.shape[0]
 
     def logprobs():
