@@ -1,9 +1,11 @@
 """ModelRunner: the only place where the scheduler's decisions become device arrays.
 
 A step is two jitted programs over fixed shapes, dispatched back to back: a forward
-(the KV cache donated, updated in place) that leaves the sampling rows' logits on the
-device, then a small sample program that turns them into tokens (and logprobs), the
-only results the host reads. The forward comes in two kinds:
+(the KV cache donated, updated in place) that writes its rows' logits into the first rows
+of a persistent [max_num_seqs, V] buffer on the device (donated too), then a sample
+program that turns them into tokens (and logprobs), the only results the host reads.
+The sample program has one shape for every step (all max_num_seqs rows, sampled 8 at a
+time up to the last row that samples), so it is compiled once. The forward comes in two kinds:
 
   decode  one token per occupied slot: token[R], pos[R], slot_mapping[R], block_tables[R, W], kv_lens[R]
   ragged  steps that carry prompt tokens (prefill, or chunks mixed with decodes): the
@@ -23,8 +25,8 @@ split). A step without a constrained row dispatches its sample program at once.
 
 W is max_model_len / block_size, but attention loops only over the blocks actually in
 context (see kernels_pallas.py), so the width costs host->device bytes, not FLOPs.
-The shapes that vary are the decode row count R (occupied slots, padded to a power of
-two) and T, each from a few buckets, all compiled by warmup(): after it, a step never
+The forward's shapes that vary are the decode row count R (occupied slots, padded to a
+bucket) and T, each from a few buckets, all compiled by warmup(): after it, a step never
 compiles. execute() dispatches and returns at once (JAX's async dispatch); the host
 waits only in InFlightStep.result().
 """
@@ -50,7 +52,7 @@ from kvcache import create_kv_caches
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel
 from parallel import constrain_step_outputs, create_sharded_kv_caches, replicate, shard_attention
-from sampler import SamplingTensors, emitted_logprobs, empty_sampling_arrays, fill_slot, rejection_sample, sample
+from sampler import SamplingTensors, emitted_logprobs, empty_sampling_arrays, fill_slot, rejection_sample, sample_rows
 from scheduler import SchedulerOutput, Sequence
 from structured import bitmask_width, fill_bitmask
 
@@ -85,6 +87,9 @@ class PromptLogprobs:
 # the compiled program's memory_analysis: 33 MB of temporaries over the same program
 # without the branch, where all T rows at once took 184 MB, which the KV budget loses.)
 PROMPT_LOGPROB_ROWS = 128
+# Rows the sample program samples at a time (sampler.sample_rows): 8 x a 49152-token
+# vocabulary is 1.5 MB of f32, which stays in cache through the sampler's passes.
+SAMPLE_CHUNK = 8
 
 
 def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array,
@@ -261,11 +266,17 @@ class ModelRunner:
         self._samp = empty_sampling_arrays(N + 1)
         self._wants_logprobs = np.zeros(N + 1, bool)
         # Structured outputs: a step with no constrained row passes an all-ones bitmask
-        # kept on the device per row count (no host->device bytes), and skips applying it.
-        # Between a forward and its sample program the forward's logits wait here.
+        # kept on the device (no host->device bytes), and skips applying it.
         self._mask_width = bitmask_width(loaded.config.vocab_size)
-        self._no_mask: dict[int, jax.Array] = {}
-        self._logits: jax.Array | None = None
+        self._no_mask: jax.Array | None = None
+        # The sample program has one shape: sample_rows rows (max_num_seqs, rounded up to
+        # whole chunks), of which it samples only those up to the last sampling row. Each
+        # forward writes its logits into the first rows of this buffer (donated: in place)
+        # and its sample program reads them there.
+        self.sample_rows = -(-N // min(SAMPLE_CHUNK, N)) * min(SAMPLE_CHUNK, N)
+        logits = np.zeros((self.sample_rows, loaded.config.vocab_size), np.float32)
+        self._logits = jnp.asarray(logits) if mesh is None else replicate(logits, mesh)
+        self._sample_due = False  # a forward ran whose sample program has not
         self._wants_prompt_logprobs = np.zeros(N + 1, bool)
         self._constrained = np.zeros(N + 1, bool)  # the slot's sequence samples under a grammar
         backend = self.backend
@@ -283,13 +294,15 @@ class ModelRunner:
         # Verified rows are padded to one of a few counts; one program (lax.switch) holds them all.
         self.spec_buckets = _spec_buckets(N) if spec is not None else ()
 
-        def forward(state, kv_caches, last_tokens, tokens, token_src, positions, attn, rows, prompt_targets=None,
-                    spec_in=None, sampling=None):
+        def forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, rows,
+                    prompt_targets=None, spec_in=None, sampling=None):
             model = nnx.merge(graphdef, state)
             tokens = jnp.where(token_src >= 0, last_tokens[jnp.maximum(token_src, 0)], tokens)
             hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
-            logits = model.compute_logits(hidden if rows is None else hidden[rows])
-            extra = () if prompt_targets is None else (prompt_logprobs(model.compute_logits, hidden, prompt_targets),)
+            row_logits = model.compute_logits(hidden if rows is None else hidden[rows])
+            extra: tuple = (logits.at[:row_logits.shape[0]].set(row_logits),)
+            if prompt_targets is not None:
+                extra = (*extra, prompt_logprobs(model.compute_logits, hidden, prompt_targets))
             if spec_in is not None:
                 # A verified row's tokens are decided here, by rejection sampling over its
                 # 1 + K positions: its last one goes to last_tokens now (the sample program
@@ -298,7 +311,7 @@ class ModelRunner:
                 last = jnp.take_along_axis(spec_out[0], (spec_out[1] - 1)[:, None], axis=1)[:, 0]
                 extra = (*extra, spec_out, last_tokens.at[spec_in.slot].set(last))
             kv_caches, *extra = keep(kv_caches, extra)
-            return kv_caches, (logits, *extra)
+            return kv_caches, tuple(extra)
 
         def verify(logits_fn, hidden, cu_q_lens, sampling, sp):
             """The LM head on each verified row's 1 + K positions (its last known token and
@@ -326,32 +339,33 @@ class ModelRunner:
 
             return jax.lax.switch(sp.bucket, [none] + [rows(b) for b in branches])
 
-        def decode_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
-                      kv_lens):
+        def decode_fn(state, kv_caches, last_tokens, logits, tokens, token_src, positions, slot_mapping,
+                      block_tables, kv_lens):
             count_compile()
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, None)
-            return forward(state, kv_caches, last_tokens, tokens, token_src, positions, attn, None)
+            return forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, None)
 
-        def ragged_fn(state, kv_caches, last_tokens, tokens, token_src, positions, slot_mapping, block_tables,
-                      kv_lens, cu_q_lens, prompt_targets, spec_in=None, sampling=None):
+        def ragged_fn(state, kv_caches, last_tokens, logits, tokens, token_src, positions, slot_mapping,
+                      block_tables, kv_lens, cu_q_lens, prompt_targets, spec_in=None, sampling=None):
             count_compile()
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens)
             # Only each slot's last token of the step can be sampled: the LM head runs on
             # S rows, not T (all T only for prompt_logprobs, when asked; 1 + K for a
             # verified row: spec_in).
             last = jnp.maximum(cu_q_lens[1:] - 1, 0)
-            return forward(state, kv_caches, last_tokens, tokens, token_src, positions, attn, last, prompt_targets,
-                           spec_in, sampling)
+            return forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, last,
+                           prompt_targets, spec_in, sampling)
 
         def sample_fn(last_tokens, logits, sample_slot, sampling):
             count_compile()
-            res = sample(logits, sampling)
-            # Padding rows and rows that do not sample all write the idle entry.
+            # Rows up to the last one that samples (the others write the idle entry).
+            num_rows = jnp.max(jnp.where(sample_slot != self._idle, jnp.arange(1, sample_slot.shape[0] + 1), 0))
+            res = sample_rows(logits, sampling, num_rows, min(SAMPLE_CHUNK, N))
             _, last_tokens, res = keep((), (last_tokens.at[sample_slot].set(res[0]), res))
             return last_tokens, res
 
-        self._decode = jax.jit(decode_fn, donate_argnums=(1,))
-        self._ragged = jax.jit(ragged_fn, donate_argnums=(1,))
+        self._decode = jax.jit(decode_fn, donate_argnums=(1, 3))
+        self._ragged = jax.jit(ragged_fn, donate_argnums=(1, 3))
         self._sample = jax.jit(sample_fn, donate_argnums=(0,))
         # Swap preemption: KV blocks [layers, block, ...] to and from a host pool of numpy arrays.
         self.num_swap_blocks = num_swap_blocks
@@ -512,11 +526,13 @@ class ModelRunner:
         unknown = pos >= num_known[row_of]
         tokens[:num_real] = np.where(unknown, 0, toks)
         token_src[:num_real] = np.where(unknown, slots[row_of], -1)
-        # sampling: "step" is the index of the output token a row samples (its seed's stream)
-        samp = {k: v[row_slots] for k, v in self._samp.items()}
+        # sampling, over the sample program's rows: "step" is the index of the output token a
+        # row samples (its seed's stream)
+        sample_slot = np.full(self.sample_rows, self._idle, np.int32)
+        sample_slot[:n] = slots
+        samp = {k: v[sample_slot] for k, v in self._samp.items()}
         samp["step"][:n] = num_out + num_in_flight - samples
         samples = samples.astype(bool)
-        sample_slot = np.full(R, self._idle, np.int32)
         sample_slot[:n] = np.where(samples, slots, self._idle)
         want_logprobs = bool(self._wants_logprobs.any() and (self._wants_logprobs[slots] & samples).any())
         sampling = SamplingTensors(**samp, want_logprobs=np.bool_(want_logprobs))
@@ -529,7 +545,8 @@ class ModelRunner:
             extra = (cu_q_lens, targets)
             if self.spec_buckets:
                 spec_rows = [i for i, sch in enumerate(out.scheduled) if sch.spec_token_ids]
-                extra = (*extra, self._spec_inputs(out, spec_rows, slots, R), sampling)
+                extra = (*extra, self._spec_inputs(out, spec_rows, slots, R),
+                         SamplingTensors(**{k: v[:R] for k, v in samp.items()}, want_logprobs=sampling.want_logprobs))
                 sample_slot[spec_rows] = self._idle  # their tokens come from the forward's verification
         fwd = self._run(DECODE if decode else RAGGED, R, T,
                         (tokens, token_src, positions, slot_mapping, block_tables, kv_lens, *extra))
@@ -615,24 +632,23 @@ class ModelRunner:
                 rows.append((i, flat, a, b - a))
         return rows
 
-    def _all_ones(self, rows: int) -> jax.Array:
-        if rows not in self._no_mask:
-            ones = np.full((rows, self._mask_width), -1, np.int32)
-            self._no_mask[rows] = jax.device_put(ones) if self.mesh is None else replicate(ones, self.mesh)
-        return self._no_mask[rows]
+    def _all_ones(self) -> jax.Array:
+        if self._no_mask is None:
+            ones = np.full((self.sample_rows, self._mask_width), -1, np.int32)
+            self._no_mask = jax.device_put(ones) if self.mesh is None else replicate(ones, self.mesh)
+        return self._no_mask
 
     # ------------------------------------------------------------------------------
-    def idle_step(self, decode_rows: int | None = None, tokens: int | None = None, verify_rows: int | None = None) -> None:
-        """Run one program on all-idle inputs (every write lands in the null block): a
-        decode step of `decode_rows` rows, a ragged step of `tokens` tokens, or a verify
-        step of `verify_rows` rows of 1 + k tokens."""
+    def idle_step(self, decode_rows: int | None = None, tokens: int | None = None) -> None:
+        """Run one step on all-idle inputs (every write lands in the null block): a decode
+        step of `decode_rows` rows or a ragged step of `tokens` tokens, then its sample program."""
         kind = DECODE if decode_rows else RAGGED
-        T = decode_rows or tokens or (verify_rows and min(verify_rows * (1 + self.spec_k), self.config.max_num_batched_tokens))
+        T = decode_rows or tokens
         assert T is not None
-        rows = decode_rows or verify_rows or ragged_rows(self.config, T)
+        rows = decode_rows or ragged_rows(self.config, T)
         # Not posted to other processes: every process runs warm-up (and profiling) itself.
         self._call(kind, self._idle_args(kind, rows, T))
-        jax.block_until_ready(self._call(SAMPLE, self._idle_args(SAMPLE, rows, 0)))
+        jax.block_until_ready(self._call(SAMPLE, self._idle_args(SAMPLE, self.sample_rows, 0)))
 
     def _idle_args(self, kind: int, rows: int, T: int) -> tuple:
         """All-idle inputs of one program's shape (also the template a follower fills)."""
@@ -651,23 +667,31 @@ class ModelRunner:
             args = (*args, self._spec_inputs(SchedulerOutput(), [], np.zeros(0, np.int32), rows), samp)
         return args
 
-    def _call(self, kind: int, args: tuple) -> Any:
-        """Run one program: a forward keeps its logits here for the sample program that
-        always follows it (forward and sample alternate, on every process)."""
+    def _program(self, kind: int, args: tuple) -> tuple[Callable, tuple]:
+        """One program and its whole arguments: the device state, then the step's inputs."""
         if kind in (SAMPLE, SAMPLE_MASKED):
             sample_slot, sampling, *mask = args
-            assert self._logits is not None, "a sample program without its forward"
-            logits, self._logits = self._logits, None
             if mask:
                 bitmask = mask[0] if self.mesh is None else replicate(mask[0], self.mesh)
             else:
-                bitmask = self._all_ones(len(sample_slot))
+                bitmask = self._all_ones()
             sampling = dataclasses.replace(sampling, token_bitmask=bitmask, use_bitmask=np.bool_(bool(mask)))
-            self.last_tokens, res = self._sample(self.last_tokens, logits, sample_slot, sampling)
-            return res
-        self._logits = None  # a failed step's forward whose sample program never ran: its logits are dropped
+            return self._sample, (self.last_tokens, self._logits, sample_slot, sampling)
         fn = self._decode if kind == DECODE else self._ragged
-        self.kv_caches, (self._logits, *extra) = fn(self.state, self.kv_caches, self.last_tokens, *args)
+        return fn, (self.state, self.kv_caches, self.last_tokens, self._logits, *args)
+
+    def _call(self, kind: int, args: tuple) -> Any:
+        """Run one program: a forward leaves its logits in self._logits for the sample
+        program that always follows it (forward and sample alternate, on every process;
+        a failed step's forward whose sample program never ran is overwritten by the next)."""
+        fn, full = self._program(kind, args)
+        if kind in (SAMPLE, SAMPLE_MASKED):
+            assert self._sample_due, "a sample program without its forward"
+            self._sample_due = False
+            self.last_tokens, res = fn(*full)
+            return res
+        self.kv_caches, (self._logits, *extra) = fn(*full)
+        self._sample_due = True
         if kind == RAGGED and self.spec_buckets:  # the verified rows' last tokens, written by the forward
             *extra, self.last_tokens = extra
         return tuple(extra)
@@ -691,18 +715,28 @@ class ModelRunner:
             self.channel = None
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile every decode bucket and every token bucket before serving (with
-        speculation, each token bucket's program holds every verified-row bucket)."""
+        """Compile the sample program, every decode bucket and every token bucket before
+        serving (with speculation, each token bucket's program holds every verified-row
+        bucket, and each decode bucket has a verify program).
+
+        Compiled, not run: a program is traced and lowered here, on the same arguments
+        (shapes, shardings, donations) a step passes, so that the jitted call finds its
+        executable; running it on idle inputs would cost the prefill buckets' matmuls for
+        nothing. (Compiling several at once in threads was slower on 2 cores: XLA's CPU
+        compiler already runs its codegen on more than one.)"""
         cfg = self.config
         t0 = time.perf_counter()
-        total = len(cfg.decode_buckets) + len(cfg.token_buckets)
-        for i, R in enumerate(cfg.decode_buckets):
-            log(f"warm-up: compiling step program {i + 1}/{total} (decode, {R} rows)")
-            self.idle_step(decode_rows=R)
-        for i, T in enumerate(cfg.token_buckets):
-            log(f"warm-up: compiling step program {len(cfg.decode_buckets) + i + 1}/{total} (prefill, {T} tokens"
-                + (f", verifying up to {cfg.max_num_seqs} x {1 + self.spec_k})" if self.spec_buckets else ")"))
-            self.idle_step(tokens=T)
+        verifying = f", verifying up to {cfg.max_num_seqs} x {1 + self.spec_k}" if self.spec_buckets else ""
+        programs = [(SAMPLE, self.sample_rows, 0, f"sampling, up to {self.sample_rows} rows")]
+        programs += [(DECODE, R, R, f"decode, {R} rows") for R in cfg.decode_buckets]
+        programs += [(RAGGED, ragged_rows(cfg, T), T, f"prefill, {T} tokens{verifying}") for T in cfg.token_buckets]
+        programs += [(RAGGED, R, min(R * (1 + self.spec_k), cfg.max_num_batched_tokens),
+                      f"verify, {R} rows of up to {1 + self.spec_k} tokens")
+                     for R in (cfg.decode_buckets if self.spec_buckets else ())]
+        for i, (kind, rows, T, what) in enumerate(programs):
+            log(f"warm-up: compiling step program {i + 1}/{len(programs)} ({what})")
+            fn, args = self._program(kind, self._idle_args(kind, rows, T))
+            fn.lower(*args).compile()
         if self.num_swap_blocks:  # swap's copy programs: one pair per power-of-two count of blocks a step moves
             leaves, treedef = jax.tree.flatten(self.kv_caches)
             sizes = [1 << k for k in range((leaves[0].shape[1] - 1).bit_length() + 1)]
@@ -711,7 +745,4 @@ class ModelRunner:
                 idx = np.zeros(n, np.int32)
                 leaves = self._scatter_blocks(leaves, idx, [np.asarray(d) for d in self._gather_blocks(leaves, idx)])
             self.kv_caches = jax.tree.unflatten(treedef, leaves)
-        for R in cfg.decode_buckets if self.spec_buckets else ():
-            log(f"warm-up: compiling verify program ({R} rows of up to {1 + self.spec_k} tokens)")
-            self.idle_step(verify_rows=R)
         log(f"warm-up: {self.stats.num_compilations} programs compiled in {time.perf_counter() - t0:.1f}s")

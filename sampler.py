@@ -8,7 +8,7 @@ stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +118,26 @@ def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
                         lambda: _sample_filtered(scaled, gumbel, t))
 
 
+def _sample_rows_drawn(logits: jax.Array, t: SamplingTensors, is_greedy: jax.Array) -> jax.Array:
+    """[S] the draws of the rows that are not greedy (the greedy rows' entries are
+    meaningless). When they are at most half the rows, each is drawn alone: one sampled
+    row among greedy ones costs one row's Gumbel noise (and sort, under a filter), not S
+    rows'; a row draws the same token either way (its own key; no-filter rows take the
+    same Gumbel-max path whatever their batch-mates do, as _sample_random shows)."""
+    S = logits.shape[0]
+
+    def one_by_one() -> jax.Array:
+        def row(j: jax.Array, tok: jax.Array) -> jax.Array:
+            one = jax.tree.map(lambda x: x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, j, 1), (logits, t))
+            draw = lambda: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+                tok, _sample_random(*one).astype(jnp.int32), j, 0)
+            return jax.lax.cond(is_greedy[j], lambda: tok, draw)
+        return jax.lax.fori_loop(0, S, row, jnp.zeros(S, jnp.int32))
+
+    return jax.lax.cond(2 * jnp.sum(~is_greedy) <= S, one_by_one,
+                        lambda: _sample_random(logits, t).astype(jnp.int32))
+
+
 def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 -> (token [S], its logprob [S], top ids [S, K], top logprobs [S, K]).
 
@@ -131,11 +151,34 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array,
                         lambda: _sample_unmasked(logits, t))
 
 
+def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array,
+                chunk: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """sample() on the first num_rows rows of logits [S, V] (S a multiple of chunk), chunk
+    rows at a time: one program serves every row count, and its cost follows the rows
+    that sample, not S (the trip count is dynamic; rows past the last chunk come back 0).
+    Each chunk takes its own branches (all greedy, a filter, the bitmask: only a chunk
+    with a constrained row unpacks it), and a chunk's [chunk, V] temporaries stay in cache."""
+    S, V = logits.shape
+    assert S % chunk == 0, (S, chunk)
+    outs = (jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+
+    def body(i: jax.Array, outs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        rows = jax.tree.map(lambda x: x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk),
+                            (logits, t))
+        x, tc = rows
+        if tc.token_bitmask is not None:  # all ones: no row of the chunk is constrained
+            tc = replace(tc, use_bitmask=tc.use_bitmask & jnp.any(tc.token_bitmask != -1))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(o, r, i * chunk, 0) for o, r in zip(outs, sample(x, tc)))
+
+    return jax.lax.fori_loop(0, (num_rows + chunk - 1) // chunk, body, outs)
+
+
 def _sample_unmasked(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     greedy_tok = argmax(logits).astype(jnp.int32)
     is_greedy = t.temperature < SAMPLING_EPS
     tok = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tok,
-                       lambda: jnp.where(is_greedy, greedy_tok, _sample_random(logits, t).astype(jnp.int32)))
+                       lambda: jnp.where(is_greedy, greedy_tok, _sample_rows_drawn(logits, t, is_greedy)))
     S = logits.shape[0]
 
     def logprobs():

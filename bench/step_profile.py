@@ -129,7 +129,6 @@ def section_host() -> dict:
     return out
 
 def part_programs(eng) -> dict:  # each part of a step as a jitted program over the real weights (as arguments)
-    from sampler import sample
     m, cfg, backend = eng.loaded.model, eng.model_config, eng.runner.backend
     at, mlp = m.layers.self_attn, m.layers.mlp
     ws = tuple(x.kernel[...] for x in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj,
@@ -156,7 +155,7 @@ def part_programs(eng) -> dict:  # each part of a step as a jitted program over 
         return tuple(c.reshape(shape) for c in jax.lax.scan(body, flat, jnp.arange(L))[0])
     lm_head = jax.jit(lambda h, e: jnp.einsum("nh,vh->nv", h, e, preferred_element_type=jnp.float32))  # tied
     return dict(ws=ws, emb=m.embed_tokens.embedding[...], matmuls=jax.jit(matmuls), attention=jax.jit(attention),
-                kv_writes=jax.jit(kv_writes, donate_argnums=0), sample=jax.jit(sample), lm_head=lm_head)
+                kv_writes=jax.jit(kv_writes, donate_argnums=0), lm_head=lm_head)
 
 def step_work(cfg, args: tuple, sample_slot, decode: bool, idle: int, block_size: int) -> dict:
     """Useful (real rows) and computed (padded) FLOPs; each part's FLOPs and bytes (f32, KV blocks read whole)."""
@@ -192,7 +191,7 @@ def profile_step(eng, progs: dict, run_step, label: str) -> dict:
     r.execute = timed_execute
     wall = min(run_step() for _ in range(3))[0]
     r._run, r.execute, device = inner, execute, min(device)
-    decode, (sample_slot, sampling) = DECODE in seen, seen[SAMPLE]
+    decode, sample_slot = DECODE in seen, seen[SAMPLE][0]
     args = seen[DECODE if decode else RAGGED]
     f = step_work(cfg, args, sample_slot, decode, r._idle, eng.config.block_size)
     T, R, ready, rng = f["T"], f["R"], jax.block_until_ready, np.random.default_rng(0)
@@ -200,13 +199,13 @@ def profile_step(eng, progs: dict, run_step, label: str) -> dict:
     q = jnp.asarray(rng.normal(0, 1, (T, cfg.num_attention_heads, cfg.head_dim)), jnp.float32)
     new = jnp.zeros((T, cfg.num_key_value_heads, cfg.head_dim), jnp.float32)
     bt, kv_lens, cu = jnp.asarray(args[4]), jnp.asarray(args[5]), None if decode else jnp.asarray(args[6])
-    logits = progs["lm_head"](x[:R], progs["emb"])
     slots = jnp.asarray(args[3])
     parts = {"kv_writes": lambda: setattr(r, "kv_caches", ready(progs["kv_writes"](r.kv_caches, new, slots))),
              "matmuls": lambda: ready(progs["matmuls"](x, progs["ws"])),
              "lm_head": lambda: ready(progs["lm_head"](x[:R], progs["emb"])),
              "attention": lambda: ready(progs["attention"](q, r.kv_caches, bt, kv_lens, cu)),
-             "sampling": lambda: ready(progs["sample"](logits, sampling))}
+             "sampling": lambda: setattr(r, "last_tokens", ready(r._sample(r.last_tokens, *r._program(  # the runner's
+                 SAMPLE, seen[SAMPLE])[1][1:])[0]))}  # sample program on the step's logits and sampling rows
     ms = {name: 1e3 * timer(fn, reps=6) for name, fn in parts.items()}  # best of 6: the first call compiles
     ms.update(step=1e3 * device, other=1e3 * device - sum(ms.values()), wall=1e3 * wall,
               host_idle=1e3 * (wall - device))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sampler import SamplingTensors, argmax, empty_sampling_arrays, sample
+from sampler import SamplingTensors, argmax, empty_sampling_arrays, sample, sample_rows
 
 N = 10_000
 ALPHA = 1e-6
@@ -152,6 +152,31 @@ def test_an_unfiltered_row_draws_the_same_token_whether_its_step_sorts_or_not():
     np.testing.assert_array_equal(mixed[1:], alone[1:])
     assert mixed[0] in np.argsort(-logits[0])[:3]
     assert (alone != logits.argmax(-1)).sum() >= S // 4  # they did sample
+
+
+def test_the_sample_programs_chunks_draw_each_row_as_the_whole_batch_does():
+    """sample_rows (the runner's sample program: chunks of rows up to a row count known on
+    the device; a chunk's few sampled rows among greedy ones drawn one by one) draws each
+    row's token as sample() does with every row of the batch sampled together (the path
+    the distribution tests above check); rows past the last chunk come back 0."""
+    rng = np.random.default_rng(3)
+    S, V, C = 24, 40, 8
+    logits = 2 * rng.standard_normal((S, V)).astype(np.float32)
+    arrays = empty_sampling_arrays(S)
+    arrays["temperature"][:] = 1.1
+    arrays["seed"][:] = np.arange(S)
+    arrays["step"][:] = 5
+    arrays["top_k"][::3] = 4  # filtered rows in every chunk
+    whole = np.asarray(_sample(logits, SamplingTensors(**arrays, want_logprobs=np.bool_(False)))[0])
+    greedy = np.ones(S, bool)
+    greedy[[1, 6]] = False  # chunk 0: two sampled rows (row 6 filtered), drawn alone
+    greedy[8:16] = False  # chunk 1: all its rows drawn together
+    arrays["temperature"][greedy] = 0.0
+    t = SamplingTensors(**arrays, want_logprobs=np.bool_(False))
+    got = np.asarray(jax.jit(sample_rows, static_argnums=3)(logits, t, np.int32(13), C)[0])
+    np.testing.assert_array_equal(got[:16], np.where(greedy, logits.argmax(-1), whole)[:16])
+    assert (got[16:] == 0).all()  # the third chunk is past row 13: not sampled
+    assert (whole[[1, 6]] != logits[[1, 6]].argmax(-1)).any() or (whole[8:16] != logits[8:16].argmax(-1)).sum() >= 2
 
 
 def test_argmax_is_numpys_first_index_of_the_maximum():
