@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
 import sys
 from contextlib import contextmanager
 from types import ModuleType
@@ -154,6 +155,43 @@ def smollm2_layer_skip() -> str:
             if not os.path.isdir(out):
                 raise
     return out
+
+
+@pytest.fixture
+def smollm2_transformers() -> Any:
+    """transformers' float32 model of smollm2's GGUF file (its own reader and
+    dequantization: the reference the real-model tests compare against). Loading the GGUF
+    takes transformers seconds of parsing and dequantizing, so its float32 tensors are
+    written once into the model cache, beside smollm2, keyed by the transformers version
+    (the tensors are its dequantization), and later loads read them back bit for bit."""
+    import json
+    import tempfile
+
+    import safetensors.torch
+    import torch
+    import transformers
+
+    import gguf_loader
+
+    path = gguf_loader.resolve_builtin("smollm2", log=lambda _: None)
+    out = os.path.join(gguf_loader.cache_dir(), f"smollm2-transformers-{transformers.__version__}")
+    if not os.path.isdir(out):
+        ref = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                                dtype=torch.float32).eval()
+        tmp = tempfile.mkdtemp(dir=gguf_loader.cache_dir(), prefix=".smollm2-transformers-")
+        config = ref.config.to_dict()
+        config.pop("quantization_config")  # the GGUF file's: the tensors written are plain float32
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f)
+        safetensors.torch.save_model(ref, os.path.join(tmp, "model.safetensors"))  # tied embeddings stored once
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another worker renamed its copy into place first
+            shutil.rmtree(tmp)
+            if not os.path.isdir(out):
+                raise
+        return ref
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

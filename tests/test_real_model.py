@@ -28,19 +28,12 @@ def chat_ids(llm: LLM, question: str) -> list[int]:
     return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_greedy_tokens_equal_transformers_on_the_same_gguf(llm: LLM) -> None:
-    import os
-
+def test_greedy_tokens_equal_transformers_on_the_same_gguf(llm: LLM, smollm2_transformers) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
-
-    import gguf_loader
 
     prompts = [chat_ids(llm, q) for q in QUESTIONS]
     ours = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    path = gguf_loader.resolve_builtin("smollm2")
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                               dtype=torch.float32).eval()
+    ref = smollm2_transformers
     with torch.no_grad():
         for p, out in zip(prompts, ours):
             want = ref.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
