@@ -296,10 +296,12 @@ def pytest_configure(config: pytest.Config) -> None:
 # inherit it through the environment. It is read at each compile (and keys the persistent
 # cache), so the files that run the real model, whose steps compute for real (one 2,048-token
 # prefill: +5% CPU cold with its compiles), compile at full optimisation: in this process
-# and in the subprocesses they start.
+# and in the subprocesses they start. The setting is per file (a module's fixtures compile
+# before any one test's setup could change it), so a concept tested on both models keeps
+# its tiny tests in one file and its smollm2 tests in a `_smollm2` file of their own.
 _CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 REAL_MODEL_FILES = {"test_perplexity", "test_real_model", "test_real_model_server", "test_serving_path",
-                    "test_spec_decode", "test_structured", "test_quant"}
+                    "test_spec_decode_smollm2", "test_structured_smollm2"}
 
 
 def env_without_test_cache() -> dict[str, str]:
