@@ -258,10 +258,12 @@ settings.load_profile("derandomized")
 # its default order is by test count, which put these few-test files last), one to each
 # worker as it frees: longest first leaves only short files for the end, so the two
 # workers finish together instead of one waiting out the other's last long file.
-SLOWEST_FIRST = ["test_perplexity", "test_serve_ray", "test_spec_decode", "test_server", "test_structured",
-                 "test_parallel", "test_policy", "test_restart", "test_real_model", "test_quant", "test_bench_mixed",
-                 "test_fair_slo", "test_compilation", "test_serving_path", "test_real_model_server",
-                 "test_draft_model", "test_engine", "test_prefix_cache", "test_kernels", "test_server_concurrency"]
+SLOWEST_FIRST = ["test_serve_ray", "test_perplexity", "test_engine", "test_parallel", "test_draft_model",
+                 "test_real_model", "test_serving_path", "test_server", "test_bench_mixed", "test_restart",
+                 "test_spec_decode_smollm2", "test_structured_smollm2", "test_prefix_cache", "test_kernels",
+                 "test_simulate", "test_compilation", "test_real_model_server", "test_stutter",
+                 "test_async_scheduling", "test_bench_offline", "test_hostile", "test_spec_decode", "test_fair_slo",
+                 "test_server_concurrency", "test_request_metrics", "test_model"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
