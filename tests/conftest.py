@@ -256,8 +256,8 @@ settings.load_profile("derandomized")
 # The test files that take longest (worker-seconds, measured file by file), slowest first.
 # xdist hands out whole files (--dist loadfile) in collection order (--no-loadscope-reorder:
 # its default order is by test count, which put these few-test files last), one to each
-# worker as it frees: longest first leaves only short files for the end, so the two
-# workers finish together instead of one waiting out the other's last long file.
+# worker as it frees: longest first leaves only short files for the end, so the
+# workers finish together instead of one waiting out another's last long file.
 SLOWEST_FIRST = ["test_serve_ray", "test_perplexity", "test_engine", "test_parallel", "test_draft_model",
                  "test_real_model", "test_serving_path", "test_server", "test_bench_mixed", "test_restart",
                  "test_spec_decode_smollm2", "test_structured_smollm2", "test_prefix_cache", "test_kernels",
