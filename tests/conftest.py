@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
 import sys
 from contextlib import contextmanager
 from types import ModuleType
@@ -156,6 +157,43 @@ def smollm2_layer_skip() -> str:
     return out
 
 
+@pytest.fixture
+def smollm2_transformers() -> Any:
+    """transformers' float32 model of smollm2's GGUF file (its own reader and
+    dequantization: the reference the real-model tests compare against). Loading the GGUF
+    takes transformers seconds of parsing and dequantizing, so its float32 tensors are
+    written once into the model cache, beside smollm2, keyed by the transformers version
+    (the tensors are its dequantization), and later loads read them back bit for bit."""
+    import json
+    import tempfile
+
+    import safetensors.torch
+    import torch
+    import transformers
+
+    import gguf_loader
+
+    path = gguf_loader.resolve_builtin("smollm2", log=lambda _: None)
+    out = os.path.join(gguf_loader.cache_dir(), f"smollm2-transformers-{transformers.__version__}")
+    if not os.path.isdir(out):
+        ref = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                                dtype=torch.float32).eval()
+        tmp = tempfile.mkdtemp(dir=gguf_loader.cache_dir(), prefix=".smollm2-transformers-")
+        config = ref.config.to_dict()
+        config.pop("quantization_config")  # the GGUF file's: the tensors written are plain float32
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f)
+        safetensors.torch.save_model(ref, os.path.join(tmp, "model.safetensors"))  # tied embeddings stored once
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another worker renamed its copy into place first
+            shutil.rmtree(tmp)
+            if not os.path.isdir(out):
+                raise
+        return ref
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -218,12 +256,14 @@ settings.load_profile("derandomized")
 # The test files that take longest (worker-seconds, measured file by file), slowest first.
 # xdist hands out whole files (--dist loadfile) in collection order (--no-loadscope-reorder:
 # its default order is by test count, which put these few-test files last), one to each
-# worker as it frees: longest first leaves only short files for the end, so the two
-# workers finish together instead of one waiting out the other's last long file.
-SLOWEST_FIRST = ["test_perplexity", "test_serve_ray", "test_spec_decode", "test_server", "test_structured",
-                 "test_parallel", "test_policy", "test_restart", "test_real_model", "test_quant", "test_bench_mixed",
-                 "test_fair_slo", "test_compilation", "test_serving_path", "test_real_model_server",
-                 "test_draft_model", "test_engine", "test_prefix_cache", "test_kernels", "test_server_concurrency"]
+# worker as it frees: longest first leaves only short files for the end, so the
+# workers finish together instead of one waiting out another's last long file.
+SLOWEST_FIRST = ["test_serve_ray", "test_perplexity", "test_engine", "test_parallel", "test_draft_model",
+                 "test_real_model", "test_serving_path", "test_server", "test_bench_mixed", "test_restart",
+                 "test_spec_decode_smollm2", "test_structured_smollm2", "test_prefix_cache", "test_kernels",
+                 "test_simulate", "test_compilation", "test_real_model_server", "test_stutter",
+                 "test_async_scheduling", "test_bench_offline", "test_hostile", "test_spec_decode", "test_fair_slo",
+                 "test_server_concurrency", "test_request_metrics", "test_model"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -258,10 +298,12 @@ def pytest_configure(config: pytest.Config) -> None:
 # inherit it through the environment. It is read at each compile (and keys the persistent
 # cache), so the files that run the real model, whose steps compute for real (one 2,048-token
 # prefill: +5% CPU cold with its compiles), compile at full optimisation: in this process
-# and in the subprocesses they start.
+# and in the subprocesses they start. The setting is per file (a module's fixtures compile
+# before any one test's setup could change it), so a concept tested on both models keeps
+# its tiny tests in one file and its smollm2 tests in a `_smollm2` file of their own.
 _CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 REAL_MODEL_FILES = {"test_perplexity", "test_real_model", "test_real_model_server", "test_serving_path",
-                    "test_spec_decode", "test_structured", "test_quant"}
+                    "test_spec_decode_smollm2", "test_structured_smollm2"}
 
 
 def env_without_test_cache() -> dict[str, str]:

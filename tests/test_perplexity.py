@@ -125,14 +125,11 @@ def results(smollm2_path, q8_0_path, passage_ids) -> dict[str, dict]:
     return get
 
 
-def test_unquantized_perplexity_equals_transformers(results, smollm2_path, passage_ids):
+def test_unquantized_perplexity_equals_transformers(results, smollm2_transformers, passage_ids):
     import torch
-    from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
-                                               dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = ref(torch.tensor([passage_ids])).logits[0].double()
+        logits = smollm2_transformers(torch.tensor([passage_ids])).logits[0].double()
     want = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(passage_ids[1:])[:, None])[:, 0].numpy()
     got = results("float32")
     print(f"\ntransformers: perplexity {_perplexity(want):.4f}")

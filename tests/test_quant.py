@@ -134,26 +134,3 @@ def test_int8_weights_shrink_the_measured_bytes_keep_the_tokens_and_never_recomp
                                           + cfg.hidden_size)
     assert ref.stats.weight_bytes - llm.stats.weight_bytes == 3 * linear - scales
     assert llm.stats.kv_cache_bytes == ref.stats.kv_cache_bytes > 0
-
-
-def test_native_4_bit_gguf_answers_the_readme_question_and_never_recompiles():
-    """smollm2's Q4_1 file served as stored (--quantization gguf: packed 4-bit codes,
-    unpacked per layer inside the step): after warm-up the README's chat question and a
-    sampled request with prompt logprobs compile nothing, and the answer says Paris."""
-    import gguf_loader
-
-    path = gguf_loader.resolve_builtin("smollm2", log=lambda _: None)
-    llm = LLM(path, quantization="gguf", log=lambda _: None, max_num_seqs=1, max_model_len=128,
-              max_num_batched_tokens=64, num_kv_blocks=16, warmup=False)
-    assert llm.engine.loaded.quant is not None
-    with count_compilations() as warm:
-        llm.engine.runner.warmup(lambda _: None)
-    assert warm and llm.stats.num_compilations == len(warm)
-    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                             add_generation_prompt=True, tokenize=False)
-    prompt = llm.tokenizer.encode(text, add_special_tokens=False)
-    with count_compilations() as after:
-        answer = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].text
-        llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.8, seed=3, prompt_logprobs=1))
-    assert after == []
-    assert "Paris" in answer

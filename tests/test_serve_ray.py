@@ -26,6 +26,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]'")
 
 import serve_ray  # noqa: E402
+from engine import LLMEngine  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 from test_server import (API_KEY, ROOT, SMALL, Server, client, request, scrape,  # noqa: E402,F401
                          test_api_key_missing_or_wrong_gets_401, test_bad_input_gets_a_clear_error_and_the_next_request_is_served,
@@ -51,9 +52,14 @@ def server() -> Iterator[Server]:
     port = free_port()
     args = serve_ray.build_parser().parse_args([*SMALL, "--num-replicas", "2", "--port", str(port),
                                                 "--api-key", API_KEY])
-    ray.init(num_cpus=2, include_dashboard=False)
+    the_plan = serve_ray.plan(args)
+    ray.init(num_cpus=2, include_dashboard=False)  # before JAX starts its threads here: it forks
     try:
-        serve_ray.start(args, serve_ray.plan(args))
+        # The two replicas warm up the same programs at the same time: into an empty
+        # compilation cache each would compile all of them, twice the CPU. One warm-up
+        # here first (the replicas' own config) leaves them all in the cache for both.
+        LLMEngine(the_plan.config, log=lambda *_: None)
+        serve_ray.start(args, the_plan)
         yield Server(port, None, "")
     finally:
         serve_ray.serve.shutdown()

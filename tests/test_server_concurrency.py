@@ -59,7 +59,8 @@ def test_a_stopping_server_answers_503_to_new_requests():
     from server import build_app
 
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, warmup=False),
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
+                                          warmup=False),
                              log=lambda *_: None)
         await engine.start()
         app = build_app(engine, ["tiny"])
