@@ -14,7 +14,6 @@ Named `gguf_loader`, not `gguf`, so that the `gguf` library stays importable.
 from __future__ import annotations
 
 import fcntl
-import functools
 import os
 import shutil
 import subprocess
@@ -129,7 +128,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path}")
     try:
-        reader = _parsed(path)
+        reader = gguf.GGUFReader(path)
     except Exception as e:  # truncated or not a GGUF file at all
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
@@ -176,24 +175,9 @@ def read_gguf(path: str) -> GGUFCheckpoint:
 
 def read_tokenizer_metadata(path: str) -> dict[str, Any] | None:
     """The file's `tokenizer.*` keys and `general.architecture`; None if it has no tokenizer."""
-    return _tokenizer_metadata(_parsed(path))
-
-
-def _parsed(path: str) -> Any:
-    """The file's gguf.GGUFReader, parsed once per process for each version of the file
-    (its size and modification time): a process that builds several engines of one file
-    (a target and its draft, the tokenizer and the model, a bench sweep) parses it once.
-    The reader is read-only once built and memory-maps the file, so keeping it holds no
-    tensor memory."""
-    st = os.stat(path)
-    return _parsed_version(os.path.realpath(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed_version(path: str, size: int, mtime_ns: int) -> Any:
     import gguf
 
-    return gguf.GGUFReader(path)
+    return _tokenizer_metadata(gguf.GGUFReader(path))
 
 
 def _tokenizer_metadata(reader: Any) -> dict[str, Any] | None:

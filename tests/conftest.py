@@ -10,7 +10,7 @@ import shutil
 import sys
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -287,6 +287,27 @@ def pytest_configure(config: pytest.Config) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     jax.config.update(_CHEAP_COMPILES.lower(), os.environ[_CHEAP_COMPILES].lower() not in ("0", "false", "no", "off"))
+    # Parsing a GGUF file walks every metadata array in Python (about 2 s for smollm2's
+    # vocabulary), and the tests load smollm2 many times in one process: here each version
+    # of a file (path, size, modification time) is parsed once per test process. A server
+    # loads its model once, so the engine itself parses once per load and keeps nothing.
+    import gguf
+
+    gguf.GGUFReader = _parsed_once_per_version(gguf.GGUFReader)
+
+
+def _parsed_once_per_version(reader_cls: type) -> Callable[..., Any]:
+    @functools.lru_cache(maxsize=4)
+    def parsed(path: str, size: int, mtime_ns: int) -> Any:
+        return reader_cls(path)
+
+    def reader(path: str, *args: Any, **kw: Any) -> Any:
+        if args or kw:  # another mode than reading: not kept
+            return reader_cls(path, *args, **kw)
+        st = os.stat(path)
+        return parsed(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+    return reader
 
 
 # The tiny models' steps compute next to nothing, but each of their programs costs seconds
