@@ -500,7 +500,7 @@ class ModelRunner:
             R = T = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
         elif verify:
             R = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
-            T = min(R * (1 + self.spec_k), cfg.max_num_batched_tokens)  # it holds at most the budget's tokens
+            T = self._verify_tokens(R)
         else:
             T = _bucket(cfg.token_buckets, num_real)
             R = ragged_rows(cfg, T)
@@ -585,6 +585,10 @@ class ModelRunner:
             step._res = self._run(SAMPLE, len(sample_slot), 0, (sample_slot, sampling))
         else:
             step._res = self._run(SAMPLE_MASKED, len(sample_slot), 0, (sample_slot, sampling, bitmask))
+
+    def _verify_tokens(self, rows: int) -> int:
+        """T of a verify step of `rows` rows of 1 + k tokens: at most the budget's tokens."""
+        return min(rows * (1 + self.spec_k), self.config.max_num_batched_tokens)
 
     def _spec_branches(self, rows: int) -> tuple[int, ...]:
         """The verified-row counts a program of `rows` rows has a branch for."""
@@ -730,8 +734,7 @@ class ModelRunner:
         programs = [(SAMPLE, self.sample_rows, 0, f"sampling, up to {self.sample_rows} rows")]
         programs += [(DECODE, R, R, f"decode, {R} rows") for R in cfg.decode_buckets]
         programs += [(RAGGED, ragged_rows(cfg, T), T, f"prefill, {T} tokens{verifying}") for T in cfg.token_buckets]
-        programs += [(RAGGED, R, min(R * (1 + self.spec_k), cfg.max_num_batched_tokens),
-                      f"verify, {R} rows of up to {1 + self.spec_k} tokens")
+        programs += [(RAGGED, R, self._verify_tokens(R), f"verify, {R} rows of up to {1 + self.spec_k} tokens")
                      for R in (cfg.decode_buckets if self.spec_buckets else ())]
         for i, (kind, rows, T, what) in enumerate(programs):
             log(f"warm-up: compiling step program {i + 1}/{len(programs)} ({what})")
