@@ -93,7 +93,8 @@ def _filter_sorted(scaled: jax.Array, t: SamplingTensors) -> tuple[jax.Array, ja
     keep &= probs >= t.min_p[:, None] * probs[:, :1]
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     # top_p: keep the smallest prefix whose mass reaches top_p (the first token always).
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]
+    # top_p = 1 keeps everything: the f32 mass before a far-tail token can round up to 1.
+    keep &= (t.top_p[:, None] >= 1.0) | ((jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None])
     return sorted_logits, sorted_ids, keep
 
 

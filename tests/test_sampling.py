@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sampler import SamplingTensors, argmax, empty_sampling_arrays, sample, sample_rows
+from sampler import SamplingTensors, _filter_sorted, argmax, empty_sampling_arrays, sample, sample_rows
 
 N = 10_000
 ALPHA = 1e-6
@@ -101,6 +101,23 @@ def test_draws_follow_the_exact_filtered_distribution(name):
     assert not counts[p == 0].any(), f"drew filtered-out tokens: {np.flatnonzero(counts * (p == 0))}"
     stat, limit = chi_square(counts, p)
     assert stat <= limit, f"chi-square {stat:.1f} > {limit:.1f}: {counts / N} vs {p}"
+
+
+def test_top_p_one_keeps_the_far_tail_that_float32_mass_rounds_away():
+    """One dominant token: in f32 the mass before each tail token rounds to exactly 1, so a
+    plain `mass before < top_p` would drop the whole tail at top_p = 1. The float64 reference
+    keeps it; so must the sampler (top_p = 1 filters nothing, as in vLLM)."""
+    logits = np.array([0.0] + [-30.0] * 23, np.float32)
+    params = dict(temperature=1.0, top_k=-1, top_p=1.0, min_p=1e-20)  # a filter: the sorted path
+    arrays = empty_sampling_arrays(1)
+    for name, value in params.items():
+        arrays[name][:] = value
+    t = SamplingTensors(**arrays, want_logprobs=np.bool_(False))
+    _, ids, keep = _filter_sorted(logits[None] / params["temperature"], t)
+    kept = np.zeros(len(logits), bool)
+    kept[np.asarray(ids)[0][np.asarray(keep)[0]]] = True
+    np.testing.assert_array_equal(kept, exact(logits, **params) > 0)
+    assert kept.all()
 
 
 def test_the_order_is_vllms_and_the_test_would_see_another():
