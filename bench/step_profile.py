@@ -48,6 +48,7 @@ SETTINGS = {"default": ("", {}), "fast-math": ("--xla_cpu_enable_fast_math=true"
             "no-multi-thread-eigen": ("--xla_cpu_multi_thread_eigen=false", {}),
             "xnnpack": ("--xla_cpu_use_xnnpack=true", {}), "onednn": ("--xla_cpu_use_onednn=true", {}),
             "no-thunk-runtime": ("--xla_cpu_use_thunk_runtime=false", {}),
+            "llvm-ir-emitters": ("--xla_cpu_use_fusion_emitters=false", {}),  # XLA:CPU's older fusion emitters
             "ynn-fusion": ("--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce", {}),  # YNNPACK fusions
             "bf16 weights": ("", {"dtype": "bfloat16"}), "int8 weights": ("", {"quantization": "int8"}),
             "int8 KV": ("", {"kv_cache_dtype": "int8"})}
