@@ -5,7 +5,9 @@ A step is two jitted programs over fixed shapes, dispatched back to back: a forw
 of a persistent [max_num_seqs, V] buffer on the device (donated too), then a sample
 program that turns them into tokens (and logprobs), the only results the host reads.
 The sample program has one shape for every step (all max_num_seqs rows, sampled 8 at a
-time up to the last row that samples), so it is compiled once. The forward comes in two kinds:
+time up to the last row that samples), so it is compiled once; so is the prompt-logprob
+program, which only steps that ask prompt logprobs run (after their forward, on the final
+hidden states it leaves in a persistent buffer). The forward comes in two kinds:
 
   decode  one token per occupied slot: token[R], pos[R], slot_mapping[R], block_tables[R, W], kv_lens[R]
   ragged  steps that carry prompt tokens (prefill, or chunks mixed with decodes): the
@@ -762,9 +764,9 @@ class ModelRunner:
             self.channel = None
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile the sample program, every decode bucket and every token bucket before
-        serving (with speculation, each token bucket's program holds every verified-row
-        bucket, and each decode bucket has a verify program).
+        """Compile the sample program, every decode bucket, every token bucket and the
+        prompt-logprob program before serving (with speculation, each token bucket's
+        program holds every verified-row bucket, and each decode bucket has a verify program).
 
         Compiled, not run: a program is traced and lowered here, on the same arguments
         (shapes, shardings, donations) a step passes, so that the jitted call finds its
