@@ -85,9 +85,9 @@ class PromptLogprobs:
 
 
 # Rows whose logits one iteration of the prompt-logprob loop holds: the program's
-# temporaries are this many x vocab, whatever the token bucket T. (smollm2 at T=512, from
-# the compiled program's memory_analysis: 33 MB of temporaries, where all T rows at once
-# took 184 MB, which the KV budget loses.)
+# temporaries are this many x vocab, whatever max_num_batched_tokens. (smollm2, a 512-row
+# buffer, from the compiled program's memory_analysis: 51 MB of temporaries; all 512 rows
+# at once, inside the forward, added 184 MB, which the KV budget loses.)
 PROMPT_LOGPROB_ROWS = 128
 # Rows the sample program samples at a time (sampler.sample_rows): 8 x a 49152-token
 # vocabulary is 1.5 MB of f32, which stays in cache through the sampler's passes.
