@@ -5,7 +5,9 @@ A step is two jitted programs over fixed shapes, dispatched back to back: a forw
 of a persistent [max_num_seqs, V] buffer on the device (donated too), then a sample
 program that turns them into tokens (and logprobs), the only results the host reads.
 The sample program has one shape for every step (all max_num_seqs rows, sampled 8 at a
-time up to the last row that samples), so it is compiled once. The forward comes in two kinds:
+time up to the last row that samples), so it is compiled once; so is the prompt-logprob
+program, which only steps that ask prompt logprobs run (after their forward, on the final
+hidden states it leaves in a persistent buffer). The forward comes in two kinds:
 
   decode  one token per occupied slot: token[R], pos[R], slot_mapping[R], block_tables[R, W], kv_lens[R]
   ragged  steps that carry prompt tokens (prefill, or chunks mixed with decodes): the
@@ -83,45 +85,49 @@ class PromptLogprobs:
 
 
 # Rows whose logits one iteration of the prompt-logprob loop holds: the program's
-# temporaries are this many x vocab, whatever the token bucket T. (smollm2 at T=512, from
-# the compiled program's memory_analysis: 33 MB of temporaries over the same program
-# without the branch, where all T rows at once took 184 MB, which the KV budget loses.)
+# temporaries are this many x vocab, whatever max_num_batched_tokens. (smollm2, a 512-row
+# buffer, from the compiled program's memory_analysis: 51 MB of temporaries; all 512 rows
+# at once, inside the forward, added 184 MB, which the KV budget loses.)
 PROMPT_LOGPROB_ROWS = 128
 # Rows the sample program samples at a time (sampler.sample_rows): 8 x a 49152-token
 # vocabulary is 1.5 MB of f32, which stays in cache through the sampler's passes.
 SAMPLE_CHUNK = 8
 
 
-def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array,
-                    targets: jax.Array) -> tuple[jax.Array, ...]:
-    """Inside the ragged step: for each token t, the logprob of targets[t] (the next prompt
-    token; -1: none asked) under the logits of t, its rank, and the top MAX_LOGPROBS. The LM
-    head runs on all T rows only when some row asks (lax.cond), so other steps pay nothing,
-    and PROMPT_LOGPROB_ROWS rows at a time (lax.map), so the step that does keeps a bounded
-    logits buffer and the KV budget measured beside it stays what it was."""
-    T = hidden.shape[0]
-    C = min(T, PROMPT_LOGPROB_ROWS)
-    n = -(-T // C)
+def prompt_logprob_rows(config: EngineConfig) -> tuple[int, int]:
+    """(C, P): the prompt-logprob program's chunk of rows, and the rows of the hidden-state
+    buffer it reads (max_num_batched_tokens rounded up to whole chunks)."""
+    C = min(config.max_num_batched_tokens, PROMPT_LOGPROB_ROWS)
+    return C, -(-config.max_num_batched_tokens // C) * C
 
-    def rows(chunk: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        h, tg = chunk
+
+def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
+                    chunk: int) -> tuple[jax.Array, ...]:
+    """For each of the P rows of hidden (a ragged step's final hidden states, flat tokens
+    first): the logprob of targets[t] (the next prompt token; -1: none asked) under the
+    logits of t, its rank, and the top MAX_LOGPROBS. `chunk` rows at a time (lax.map), so
+    the program's logits buffer is bounded, and a chunk without a target is skipped
+    (lax.cond): a step pays for the rows of the chunks that ask."""
+    P = hidden.shape[0]
+    assert P % chunk == 0, (P, chunk)
+
+    def compute(h: jax.Array, tg: jax.Array) -> tuple[jax.Array, ...]:
         lp = jax.nn.log_softmax(logits_fn(h).astype(jnp.float32), axis=-1)
         tlp = jnp.take_along_axis(lp, jnp.maximum(tg, 0)[:, None], axis=-1)[:, 0]
         rank = (jnp.sum(lp > tlp[:, None], axis=-1) + 1).astype(jnp.int32)
         top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
         return tlp, rank, top_ids.astype(jnp.int32), top_lp
 
-    def compute() -> tuple[jax.Array, ...]:
-        pad = n * C - T  # a bucket that is not a multiple of C: padding rows, dropped after
-        h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n, C, hidden.shape[1])
-        tg = jnp.pad(targets, (0, pad), constant_values=-1).reshape(n, C)
-        return tuple(x.reshape(n * C, *x.shape[2:])[:T] for x in jax.lax.map(rows, (h, tg)))
+    def skip(h: jax.Array, tg: jax.Array) -> tuple[jax.Array, ...]:
+        return (jnp.zeros(chunk, jnp.float32), jnp.zeros(chunk, jnp.int32),
+                jnp.zeros((chunk, MAX_LOGPROBS), jnp.int32), jnp.zeros((chunk, MAX_LOGPROBS), jnp.float32))
 
-    def skip() -> tuple[jax.Array, ...]:
-        return (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32), jnp.zeros((T, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((T, MAX_LOGPROBS), jnp.float32))
+    def rows(c: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        return jax.lax.cond(jnp.any(c[1] >= 0), compute, skip, *c)
 
-    return jax.lax.cond(jnp.any(targets >= 0), compute, skip)
+    n = P // chunk
+    out = jax.lax.map(rows, (hidden.reshape(n, chunk, hidden.shape[1]), targets.reshape(n, chunk)))
+    return tuple(x.reshape(P, *x.shape[2:]) for x in out)
 
 
 class InFlightStep:
@@ -277,6 +283,13 @@ class ModelRunner:
         logits = np.zeros((self.sample_rows, loaded.config.vocab_size), np.float32)
         self._logits = jnp.asarray(logits) if mesh is None else replicate(logits, mesh)
         self._sample_due = False  # a forward ran whose sample program has not
+        # Prompt logprobs are a program of their own, compiled once, run only by the ragged
+        # steps that ask: every ragged forward writes its final hidden states into the first
+        # rows of this buffer (donated: in place), and that program reads them there. Inside
+        # each token bucket's forward (a lax.cond) they cost every ragged program's compile.
+        self._prompt_chunk, P = prompt_logprob_rows(config)
+        hidden = np.zeros((P, loaded.config.hidden_size), loaded.dtype)
+        self._hidden = jnp.asarray(hidden) if mesh is None else replicate(hidden, mesh)
         self._wants_prompt_logprobs = np.zeros(N + 1, bool)
         self._constrained = np.zeros(N + 1, bool)  # the slot's sequence samples under a grammar
         backend = self.backend
@@ -295,14 +308,15 @@ class ModelRunner:
         self.spec_buckets = _spec_buckets(N) if spec is not None else ()
 
         def forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, rows,
-                    prompt_targets=None, spec_in=None, sampling=None):
+                    hidden_buf=None, spec_in=None, sampling=None):
             model = nnx.merge(graphdef, state)
             tokens = jnp.where(token_src >= 0, last_tokens[jnp.maximum(token_src, 0)], tokens)
             hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
             row_logits = model.compute_logits(hidden if rows is None else hidden[rows])
             extra: tuple = (logits.at[:row_logits.shape[0]].set(row_logits),)
-            if prompt_targets is not None:
-                extra = (*extra, prompt_logprobs(model.compute_logits, hidden, prompt_targets))
+            if hidden_buf is not None:  # for the prompt-logprob program, when a row asks
+                assert hidden.dtype == hidden_buf.dtype, (hidden.dtype, hidden_buf.dtype)
+                extra = (*extra, hidden_buf.at[:hidden.shape[0]].set(hidden))
             if spec_in is not None:
                 # A verified row's tokens are decided here, by rejection sampling over its
                 # 1 + K positions: its last one goes to last_tokens now (the sample program
@@ -345,16 +359,16 @@ class ModelRunner:
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, None)
             return forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, None)
 
-        def ragged_fn(state, kv_caches, last_tokens, logits, tokens, token_src, positions, slot_mapping,
-                      block_tables, kv_lens, cu_q_lens, prompt_targets, spec_in=None, sampling=None):
+        def ragged_fn(state, kv_caches, last_tokens, logits, hidden_buf, tokens, token_src, positions, slot_mapping,
+                      block_tables, kv_lens, cu_q_lens, spec_in=None, sampling=None):
             count_compile()
             attn = AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens)
             # Only each slot's last token of the step can be sampled: the LM head runs on
-            # S rows, not T (all T only for prompt_logprobs, when asked; 1 + K for a
-            # verified row: spec_in).
+            # S rows, not T (all T only in the prompt-logprob program, when asked; 1 + K
+            # for a verified row: spec_in).
             last = jnp.maximum(cu_q_lens[1:] - 1, 0)
             return forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, last,
-                           prompt_targets, spec_in, sampling)
+                           hidden_buf, spec_in, sampling)
 
         def sample_fn(last_tokens, logits, sample_slot, sampling):
             count_compile()
@@ -364,9 +378,16 @@ class ModelRunner:
             _, last_tokens, res = keep((), (last_tokens.at[sample_slot].set(res[0]), res))
             return last_tokens, res
 
+        def prompt_fn(state, hidden_buf, targets):
+            count_compile()
+            res = prompt_logprobs(nnx.merge(graphdef, state).compute_logits, hidden_buf, targets, self._prompt_chunk)
+            _, res = keep((), (res,))
+            return res
+
         self._decode = jax.jit(decode_fn, donate_argnums=(1, 3))
-        self._ragged = jax.jit(ragged_fn, donate_argnums=(1, 3))
+        self._ragged = jax.jit(ragged_fn, donate_argnums=(1, 3, 4))
         self._sample = jax.jit(sample_fn, donate_argnums=(0,))
+        self._prompt_logprobs = jax.jit(prompt_fn)
         # Swap preemption: KV blocks [layers, block, ...] to and from a host pool of numpy arrays.
         self.num_swap_blocks = num_swap_blocks
         self.host_kv: list[np.ndarray] | None = None
@@ -645,13 +666,18 @@ class ModelRunner:
     # ------------------------------------------------------------------------------
     def idle_step(self, decode_rows: int | None = None, tokens: int | None = None) -> None:
         """Run one step on all-idle inputs (every write lands in the null block): a decode
-        step of `decode_rows` rows or a ragged step of `tokens` tokens, then its sample program."""
+        step of `decode_rows` rows or a ragged step of `tokens` tokens, then its sample
+        program. A ragged step asks prompt logprobs on every token (the largest step:
+        startup.py measures its activations)."""
         kind = DECODE if decode_rows else RAGGED
         T = decode_rows or tokens
         assert T is not None
         rows = decode_rows or ragged_rows(self.config, T)
+        args = self._idle_args(kind, rows, T)
+        if kind == RAGGED:
+            args[7][:] = 0
         # Not posted to other processes: every process runs warm-up (and profiling) itself.
-        self._call(kind, self._idle_args(kind, rows, T))
+        self._call(kind, args)
         jax.block_until_ready(self._call(SAMPLE, self._idle_args(SAMPLE, self.sample_rows, 0)))
 
     def _idle_args(self, kind: int, rows: int, T: int) -> tuple:
@@ -681,8 +707,18 @@ class ModelRunner:
                 bitmask = self._all_ones()
             sampling = dataclasses.replace(sampling, token_bitmask=bitmask, use_bitmask=np.bool_(bool(mask)))
             return self._sample, (self.last_tokens, self._logits, sample_slot, sampling)
-        fn = self._decode if kind == DECODE else self._ragged
-        return fn, (self.state, self.kv_caches, self.last_tokens, self._logits, *args)
+        if kind == DECODE:
+            return self._decode, (self.state, self.kv_caches, self.last_tokens, self._logits, *args)
+        # (the prompt-logprob targets, args[7], are the prompt-logprob program's: _call)
+        return self._ragged, (self.state, self.kv_caches, self.last_tokens, self._logits, self._hidden,
+                              *args[:7], *args[8:])
+
+    def _prompt_program(self, targets: np.ndarray) -> tuple[Callable, tuple]:
+        """The prompt-logprob program on a ragged step's targets ([T], -1: none asked),
+        padded to the hidden-state buffer's rows."""
+        padded = np.full(self._hidden.shape[0], -1, np.int32)
+        padded[:len(targets)] = targets
+        return self._prompt_logprobs, (self.state, self._hidden, padded)
 
     def _call(self, kind: int, args: tuple) -> Any:
         """Run one program: a forward leaves its logits in self._logits for the sample
@@ -694,11 +730,20 @@ class ModelRunner:
             self._sample_due = False
             self.last_tokens, res = fn(*full)
             return res
-        self.kv_caches, (self._logits, *extra) = fn(*full)
+        if kind == DECODE:
+            self.kv_caches, (self._logits, *extra) = fn(*full)
+            self._sample_due = True
+            return tuple(extra)
+        self.kv_caches, (self._logits, self._hidden, *extra) = fn(*full)
         self._sample_due = True
-        if kind == RAGGED and self.spec_buckets:  # the verified rows' last tokens, written by the forward
+        if self.spec_buckets:  # the verified rows' last tokens, written by the forward
             *extra, self.last_tokens = extra
-        return tuple(extra)
+        targets = args[7]
+        prompt = None
+        if (targets >= 0).any():  # a row asks prompt logprobs (on every process: the targets travel with the step)
+            prompt_fn, prompt_args = self._prompt_program(targets)
+            prompt = prompt_fn(*prompt_args)
+        return (prompt, *extra)
 
     def _run(self, kind: int, rows: int, T: int, args: tuple) -> Any:
         """One scheduled step; multi-host, its inputs go to the other processes first."""
@@ -719,9 +764,9 @@ class ModelRunner:
             self.channel = None
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
-        """Compile the sample program, every decode bucket and every token bucket before
-        serving (with speculation, each token bucket's program holds every verified-row
-        bucket, and each decode bucket has a verify program).
+        """Compile the sample program, every decode bucket, every token bucket and the
+        prompt-logprob program before serving (with speculation, each token bucket's
+        program holds every verified-row bucket, and each decode bucket has a verify program).
 
         Compiled, not run: a program is traced and lowered here, on the same arguments
         (shapes, shardings, donations) a step passes, so that the jitted call finds its
@@ -736,10 +781,15 @@ class ModelRunner:
         programs += [(RAGGED, ragged_rows(cfg, T), T, f"prefill, {T} tokens{verifying}") for T in cfg.token_buckets]
         programs += [(RAGGED, R, self._verify_tokens(R), f"verify, {R} rows of up to {1 + self.spec_k} tokens")
                      for R in (cfg.decode_buckets if self.spec_buckets else ())]
+        total = len(programs) + 1
         for i, (kind, rows, T, what) in enumerate(programs):
-            log(f"warm-up: compiling step program {i + 1}/{len(programs)} ({what})")
+            log(f"warm-up: compiling step program {i + 1}/{total} ({what})")
             fn, args = self._program(kind, self._idle_args(kind, rows, T))
             fn.lower(*args).compile()
+        log(f"warm-up: compiling step program {total}/{total} (prompt logprobs, "
+            f"{self._prompt_chunk} rows at a time)")
+        fn, args = self._prompt_program(np.zeros(0, np.int32))
+        fn.lower(*args).compile()
         if self.num_swap_blocks:  # swap's copy programs: one pair per power-of-two count of blocks a step moves
             leaves, treedef = jax.tree.flatten(self.kv_caches)
             sizes = [1 << k for k in range((leaves[0].shape[1] - 1).bit_length() + 1)]

@@ -86,7 +86,7 @@ def make_engine(model: str, max_num_seqs: int, **kw):
 def stub_device(runner) -> None:  # the jitted programs replaced by instant stand-ins of the same outputs
     res = lambda n: (np.full(n, 7, np.int32), np.zeros(n, np.float32), np.zeros((n, 20), np.int32),
                      np.zeros((n, 20), np.float32))
-    runner._decode = runner._ragged = lambda state, kv_caches, *a: (kv_caches, (np.zeros(1, np.float32),))
+    runner._decode = runner._ragged = lambda state, kv_caches, *a: (kv_caches, (np.zeros(1, np.float32),) * 2)
     runner._sample = lambda last_tokens, logits, sample_slot, sampling: (last_tokens, res(sample_slot.shape[0]))
 
 def fill(eng, n: int, prompt_len: int = 64, start: int = 0, **params) -> None:  # n requests decoding, unfinished

@@ -36,15 +36,15 @@ GROUPS = [4, 2, 1, 5]
 
 def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     """Prompt lengths spread over every token bucket, batches of every decode row count,
-    greedy and sampled rows, with and without logprobs."""
+    greedy and sampled rows, with and without logprobs and prompt logprobs."""
     rng = np.random.default_rng(5)
     lens = [1, 60, 5, 20, 40, 3, 12, 30, 50, 2, 9, 25]
     ps = [rng.integers(3, 250, m).tolist() for m in lens]
     params = [SamplingParams(max_tokens=int(min(k, 64 - m)), temperature=t, top_p=0.9, top_k=tk, min_p=mp, seed=i,
-                             logprobs=lp, ignore_eos=True)
-              for i, (m, k, t, tk, mp, lp) in enumerate(zip(
+                             logprobs=lp, prompt_logprobs=plp, ignore_eos=True)
+              for i, (m, k, t, tk, mp, lp, plp) in enumerate(zip(
                   lens, [1, 3, 20, 9, 12, 30, 2, 14, 6, 40, 4, 11], [0.0, 0.7, 1.0] * 4, [-1, 5, 50] * 4,
-                  [0.0, 0.0, 0.1] * 4, [None, 3, None, 0] * 3))]
+                  [0.0, 0.0, 0.1] * 4, [None, 3, None, 0] * 3, [None, 2, None, None, 0, None] * 2))]
     return ps, params
 
 
@@ -69,8 +69,8 @@ def test_warmup_compiles_each_bucket_once_and_no_workload_compiles_after(variant
     llm = LLM("tiny", log=lambda *_: None, warmup=False, record_trace=True, **SHAPES, **VARIANTS[variant])
     cfg = llm.engine.config
     all_buckets = {("decode", b) for b in cfg.decode_buckets} | {("ragged", b) for b in cfg.token_buckets}
-    # and one sample program, whatever the step's row count
-    num_programs = len(all_buckets) + 1
+    # and one sample program, whatever the step's row count, and one prompt-logprob program
+    num_programs = len(all_buckets) + 2
     with count_compilations() as warm:
         llm.engine.runner.warmup(lambda *_: None)
     assert len(warm) == num_programs == llm.stats.num_compilations, warm
@@ -83,6 +83,8 @@ def test_warmup_compiles_each_bucket_once_and_no_workload_compiles_after(variant
     assert llm.stats.num_compilations == num_programs
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
     assert [len(o.logprobs or []) for o in outs] == [p.max_tokens if p.logprobs is not None else 0 for p in params]
+    assert [len(o.prompt_logprobs or []) for o in outs] == [
+        len(x) if p.prompt_logprobs is not None else 0 for x, p in zip(ps, params)]
     assert buckets_used(llm) == all_buckets, "the workload must exercise every bucket"
 
 
@@ -111,8 +113,8 @@ def test_a_restart_with_the_persistent_compilation_cache_compiles_nothing(tmp_pa
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     first, second = start(), start()
-    # a decode bucket (1 row), a token bucket (16), the sample program
-    assert first["programs"] == second["programs"] == 3
+    # a decode bucket (1 row), a token bucket (16), the sample and prompt-logprob programs
+    assert first["programs"] == second["programs"] == 4
     assert first["misses"] >= first["programs"] and first["hits"] == 0  # a cold start compiles them all
     assert second["misses"] == 0, "the restart compiled something"
     assert second["hits"] == first["misses"]  # every program is read back instead

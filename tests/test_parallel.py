@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +58,8 @@ def _worker(spec: dict) -> dict:
             kv_devices=len(bytes_per_device(runner.kv_caches)),
             seconds=round(time.perf_counter() - t0, 1),
         )
+        if case.get("prompt_logprobs"):  # the prompt-logprob program on the sharded weights
+            report[name]["prompt_logprobs"] = _prompt_logprobs(llm)
     if "orbax" in spec:  # restored onto a 2-device mesh, gathered: the same bits as the source
         import numpy as np
 
@@ -70,6 +73,22 @@ def _worker(spec: dict) -> dict:
         report["orbax_tp2_bit_identical"] = all(
             np.array_equal(np.asarray(v.get_value()), np.asarray(got[p].get_value())) for p, v in src)
     return report
+
+
+def _prompt_logprobs(llm) -> list[list[tuple[float, int, list[int]]]]:
+    """Each prompt token's (logprob, rank, top-2 ids) after the ones before it, per prompt."""
+    from engine import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))
+    return [[(lp.logprob, lp.rank, [t for t, _ in lp.top]) for lp in o.prompt_logprobs[1:]] for o in outs]
+
+
+def assert_same_prompt_logprobs(got: list, want: list) -> None:
+    assert len(got) == len(want) == len(PROMPTS)
+    for g, w, p in zip(got, want, PROMPTS):
+        assert len(g) == len(w) == len(p) - 1
+        np.testing.assert_allclose([x[0] for x in g], [x[0] for x in w], atol=1e-4)
+        assert [x[1:] for x in g] == [x[1:] for x in w]
 
 
 def run_worker(spec: dict, devices: int = 8, timeout: float = 900) -> dict:
@@ -96,7 +115,7 @@ def tp_report(tmp_path_factory):
     # Every family at TP 1, 2, 4 (continuous); static scheduling and the Pallas kernels
     # (interpret mode) at one TP size each, against the same TP 1 tokens: greedy tokens do
     # not depend on the schedule, and the kernels match the jnp reference (test_kernels.py).
-    cases = {f"{m}-tp{tp}": dict(model=path, kw=dict(tensor_parallel_size=tp))
+    cases = {f"{m}-tp{tp}": dict(model=path, kw=dict(tensor_parallel_size=tp), prompt_logprobs=True)
              for m, path in models.items() for tp in (1, 2, 4)}
     cases["llama-static-tp4"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=4, scheduling="static"))
     # orbax, saved from a single device, loaded onto 4 (KV heads copied after loading)
@@ -124,6 +143,7 @@ def test_greedy_tokens_identical_at_tp_1_2_4(tp_report, model):
         got = tp_report[f"{model}-tp{tp}"]
         assert f"tp={tp}" in got["backend"]
         assert got["tokens"] == ref["tokens"], f"{model} tp={tp}"
+        assert_same_prompt_logprobs(got["prompt_logprobs"], ref["prompt_logprobs"])
 
 
 def test_static_scheduling_and_pallas_kernels_identical_under_tp(tp_report):
@@ -271,7 +291,8 @@ def _host(pid: int, port: int, model: str, cache: str) -> None:
         llm.engine.follow()
         return
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    print(json.dumps([o.token_ids for o in outs]), flush=True)
+    # the follower runs the prompt-logprob program too (its targets travel with the step)
+    print(json.dumps([[o.token_ids for o in outs], _prompt_logprobs(llm)]), flush=True)
     while True:
         llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 
@@ -298,7 +319,9 @@ def test_two_processes_tp4_same_tokens_and_a_dead_process_ends_the_other(tp_repo
         while not line.startswith("[["):  # gloo logs its connections on stdout too
             line = procs[0].stdout.readline()
             assert line, procs[0].stderr.read()[-3000:]
-        assert json.loads(line) == tp_report["llama-tp1"]["tokens"]
+        tokens, prompt_logprobs = json.loads(line)
+        assert tokens == tp_report["llama-tp1"]["tokens"]
+        assert_same_prompt_logprobs(prompt_logprobs, tp_report["llama-tp1"]["prompt_logprobs"])
         procs[1].kill()  # process 0 is generating: it must fail, not wait forever
         rc = procs[0].wait(timeout=120)
         err = procs[0].stderr.read()
