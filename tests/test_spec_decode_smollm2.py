@@ -20,18 +20,13 @@ PASSAGE = ("The river rises in the northern hills, runs south past the old mill 
 SMOLLM2 = dict(max_num_seqs=3, max_model_len=192, num_kv_blocks=14, max_num_batched_tokens=64, warmup=False,
                async_scheduling=True, log=lambda *_: None)
 SMOLLM2_PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-# The reference needs no preemption: test_real_model's shapes (and test_real_model_server's,
-# test_serving_path's, test_structured_smollm2's), whose programs a run compiles once; greedy
-# tokens do not depend on the shapes (the speculative engines' verify steps have their own).
-REFERENCE = dict(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, num_kv_blocks=96, warmup=False,
-                 log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")
 def smollm2_reference() -> tuple[list[list[int]], list[list[int]]]:
     """The real model asked to repeat and to edit a passage (where prompt lookup pays):
     (prompts, greedy tokens with speculation off)."""
-    base = LLM("smollm2", **REFERENCE)
+    base = LLM("smollm2", **SMOLLM2)
     tok = base.tokenizer
     asks = [f"Repeat this text exactly: {PASSAGE}", f"Rewrite this text with 'river' replaced by 'canal': {PASSAGE}",
             f"Copy this sentence: {PASSAGE}"]
