@@ -21,6 +21,17 @@ from hypothesis import settings
 # subprocesses inherit it. Set before any test module imports the scheduler.
 os.environ["TAXIRANK_CHECK_INVARIANTS"] = "1"
 
+# XLA:CPU's MLIR fusion emitters own most of a CPU compile (XLA's default since 2025): with
+# the older LLVM-IR emitters the attention reference compiles in 0.55 CPU-s instead of 1.95
+# (3.2 instead of 2.1 at full optimisation), and smollm2's steps run no slower (a 4 x 48-token
+# mixed workload: 5.8 CPU-s against 8.0). A cold run (CI: an empty compilation cache) is
+# mostly compiling. XLA reads its flags once, when the backend starts, before any test runs:
+# set here, before anything starts it, for this process and every subprocess it starts
+# (servers, Ray replicas, tensor-parallel children, which add their own flags to these).
+_FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE_FLAG}".strip()
+
 # Small enough to build and run in well under a second; GQA (4 heads over 2 KV heads).
 _BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -253,17 +264,22 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("derandomized")
 
 
-# The test files that take longest (worker-seconds, measured file by file), slowest first.
-# xdist hands out whole files (--dist loadfile) in collection order (--no-loadscope-reorder:
-# its default order is by test count, which put these few-test files last), one to each
-# worker as it frees: longest first leaves only short files for the end, so the
-# workers finish together instead of one waiting out another's last long file.
-SLOWEST_FIRST = ["test_serve_ray", "test_perplexity", "test_engine", "test_parallel", "test_draft_model",
-                 "test_real_model", "test_serving_path", "test_server", "test_bench_mixed", "test_restart",
-                 "test_spec_decode_smollm2", "test_structured_smollm2", "test_prefix_cache", "test_kernels",
-                 "test_simulate", "test_compilation", "test_real_model_server", "test_stutter",
-                 "test_async_scheduling", "test_bench_offline", "test_hostile", "test_spec_decode", "test_fair_slo",
-                 "test_server_concurrency", "test_request_metrics", "test_model"]
+# The test files that take longest cold (an empty compilation cache, as on CI, where the
+# suite's time is mostly compiling), slowest first: each file's wall time measured alone
+# with a cache of its own, on 2 busy cores. xdist hands out whole files (--dist loadfile) in
+# collection order (--no-loadscope-reorder: its default order is by test count, which put
+# these few-test files last), one to each worker as it frees: longest first leaves only
+# short files for the end, so the workers finish together instead of one waiting out
+# another's last long file. (Warm, the compile-bound files shrink most; the order still
+# holds the long ones first.)
+SLOWEST_FIRST = ["test_kernels", "test_parallel", "test_perplexity", "test_serve_ray", "test_spec_decode_smollm2",
+                 "test_spec_decode", "test_draft_model", "test_engine", "test_bench_offline", "test_hostile",
+                 "test_async_scheduling", "test_real_model", "test_simulate", "test_kvcache", "test_recipes_model",
+                 "test_server", "test_bench_mixed", "test_stutter", "test_serving_path", "test_kv_quant",
+                 "test_structured", "test_structured_smollm2", "test_policy", "test_request_metrics", "test_metrics",
+                 "test_fair_slo", "test_prefix_cache", "test_prompt_logprobs", "test_server_concurrency",
+                 "test_quant", "test_semantics", "test_restart", "test_real_model_server", "test_compilation",
+                 "test_model"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -83,9 +83,9 @@ def test_static_scheduling_under_async_releases_the_batch_together_with_the_same
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 12)]
     prompts = mix_prompts(4)
     outs = {}
-    for on in (False, True):
+    for on in (False, True):  # test_engine.py's shapes: its static programs, compiled once in a run
         llm = LLM("tiny", log=lambda *_: None, async_scheduling=on, scheduling="static", max_num_seqs=4,
-                  max_model_len=128, max_num_batched_tokens=128, warmup=False)
+                  max_model_len=256, max_num_batched_tokens=256, warmup=False)
         res = llm.generate(prompts, params)
         assert len({o.finished_time for o in res}) == 1  # the bus: released together
         outs[on] = [o.token_ids for o in res]

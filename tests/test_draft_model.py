@@ -253,7 +253,9 @@ def test_sampled_output_with_a_cut_draft_is_the_targets_filtered_distribution(ta
     n, max_tokens, filters = 1500, 3, dict(temperature=0.8, top_k=5, top_p=0.9)
     prompt = np.random.default_rng(5).integers(3, 250, 8).tolist()
     draft = write_layer_skip(target_ckpt, [0, 1, 2], str(tmp_path_factory.mktemp("d3") / "skip"), log=lambda _: None)
-    llm, _ = _run_speculative(target_ckpt, draft)  # the target's shapes (and compiled programs) of the tests above
+    # the target's shapes of the tests above, KV blocks included (the cache's shape is in every program's):
+    # its ragged, decode and sample programs are theirs, compiled once
+    llm, _ = _run_speculative(target_ckpt, draft, num_kv_blocks=14)
     before = llm.stats.snapshot()
     outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **filters)
                                        for i in range(n)])

@@ -91,8 +91,15 @@ def assert_same_prompt_logprobs(got: list, want: list) -> None:
         assert [x[1:] for x in g] == [x[1:] for x in w]
 
 
+def host_devices_env(n: int) -> dict[str, str]:
+    """The environment of a child with n forced CPU devices: the flag added to this
+    process's XLA_FLAGS (conftest's compile setting), not replacing them."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
 def run_worker(spec: dict, devices: int = 8, timeout: float = 900) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env = host_devices_env(devices)
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(spec)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -265,8 +272,7 @@ def test_tp_that_would_cut_a_gguf_block_is_refused_and_one_that_does_not_loads(h
     from test_gguf import write_gguf
 
     path = write_gguf(hf_checkpoint("llama2"), str(tmp_path / "m.q8_0.gguf"), "Q8_0")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": ROOT}
+    env = {**host_devices_env(4), "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, "-c", _GGUF_TP_CHILD, path], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -309,7 +315,7 @@ def test_two_processes_tp4_same_tokens_and_a_dead_process_ends_the_other(tp_repo
     from conftest import jax_test_cache_dir
 
     model = tp_report["models"]["llama"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = host_devices_env(2)
     port, cache = _free_port(), jax_test_cache_dir()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host", str(i), str(port), model, cache],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
