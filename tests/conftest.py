@@ -23,9 +23,11 @@ os.environ["TAXIRANK_CHECK_INVARIANTS"] = "1"
 
 # XLA:CPU's MLIR fusion emitters own most of a CPU compile (XLA's default since 2025): with
 # the older LLVM-IR emitters the attention reference compiles in 0.55 CPU-s instead of 1.95
-# (3.2 instead of 2.1 at full optimisation), and smollm2's steps run no slower (a 4 x 48-token
-# mixed workload: 5.8 CPU-s against 8.0). A cold run (CI: an empty compilation cache) is
-# mostly compiling. XLA reads its flags once, when the backend starts, before any test runs:
+# (2.1 instead of 3.2 at full optimisation) and a cold warm-up of the SmolLM2-shaped engine
+# takes 0.6-0.7x the CPU. A cold run (CI: an empty compilation cache) is mostly compiling,
+# and tests time nothing. The engine keeps XLA's default: its steps run slower with the old
+# emitters (decode at 32 sequences 11-21% more CPU, prefill and mixed steps 3-7%:
+# docs/PERFORMANCE.md). XLA reads its flags once, when the backend starts, before any test runs:
 # set here, before anything starts it, for this process and every subprocess it starts
 # (servers, Ray replicas, tensor-parallel children, which add their own flags to these).
 _FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
