@@ -677,8 +677,9 @@ class ModelRunner:
         if kind == RAGGED:
             args[7][:] = 0
         # Not posted to other processes: every process runs warm-up (and profiling) itself.
-        self._call(kind, args)
-        jax.block_until_ready(self._call(SAMPLE, self._idle_args(SAMPLE, self.sample_rows, 0)))
+        # Waits for every program the step ran (a ragged one runs the prompt-logprob program too).
+        outputs = self._call(kind, args)
+        jax.block_until_ready((outputs, self._call(SAMPLE, self._idle_args(SAMPLE, self.sample_rows, 0))))
 
     def _idle_args(self, kind: int, rows: int, T: int) -> tuple:
         """All-idle inputs of one program's shape (also the template a follower fills)."""
