@@ -92,6 +92,10 @@ PROMPT_LOGPROB_ROWS = 128
 # Rows the sample program samples at a time (sampler.sample_rows): 8 x a 49152-token
 # vocabulary is 1.5 MB of f32, which stays in cache through the sampler's passes.
 SAMPLE_CHUNK = 8
+# Where a ragged step's prompt-logprob targets sit in its inputs (execute, _idle_args): after
+# tokens, token_src, positions, slot_mapping, block_tables, kv_lens and cu_q_lens. They are
+# the prompt-logprob program's input, not the forward's (_program, _call).
+PROMPT_TARGETS = 7
 
 
 def prompt_logprob_rows(config: EngineConfig) -> tuple[int, int]:
@@ -675,7 +679,7 @@ class ModelRunner:
         rows = decode_rows or ragged_rows(self.config, T)
         args = self._idle_args(kind, rows, T)
         if kind == RAGGED:
-            args[7][:] = 0
+            args[PROMPT_TARGETS][:] = 0
         # Not posted to other processes: every process runs warm-up (and profiling) itself.
         # Waits for every program the step ran (a ragged one runs the prompt-logprob program too).
         outputs = self._call(kind, args)
@@ -710,9 +714,8 @@ class ModelRunner:
             return self._sample, (self.last_tokens, self._logits, sample_slot, sampling)
         if kind == DECODE:
             return self._decode, (self.state, self.kv_caches, self.last_tokens, self._logits, *args)
-        # (the prompt-logprob targets, args[7], are the prompt-logprob program's: _call)
         return self._ragged, (self.state, self.kv_caches, self.last_tokens, self._logits, self._hidden,
-                              *args[:7], *args[8:])
+                              *args[:PROMPT_TARGETS], *args[PROMPT_TARGETS + 1:])
 
     def _prompt_program(self, targets: np.ndarray) -> tuple[Callable, tuple]:
         """The prompt-logprob program on a ragged step's targets ([T], -1: none asked),
@@ -739,7 +742,7 @@ class ModelRunner:
         self._sample_due = True
         if self.spec_buckets:  # the verified rows' last tokens, written by the forward
             *extra, self.last_tokens = extra
-        targets = args[7]
+        targets = args[PROMPT_TARGETS]
         prompt = None
         if (targets >= 0).any():  # a row asks prompt logprobs (on every process: the targets travel with the step)
             prompt_fn, prompt_args = self._prompt_program(targets)
