@@ -247,6 +247,8 @@ def _settings_child(name: str) -> dict:
 
 def section_settings() -> dict:
     runs: dict = {name: [] for name in ARGS.settings.split(",")}
+    if unknown := [n for n in runs if n not in SETTINGS]:
+        raise SystemExit(f"unknown settings {unknown} (choose from {', '.join(SETTINGS)})")
     for _ in range(ARGS.repeats):
         for name in runs:  # alternating: a neighbour's burst of load falls on every setting alike
             runs[name].append(r := child("settings", name, flags=SETTINGS[name][0]) | {"load": os.getloadavg()[0]})
