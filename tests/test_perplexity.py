@@ -28,7 +28,7 @@ PASSAGE = os.path.join(os.path.dirname(__file__), "fixtures", "passage.txt")
 PASSAGE_TOKENS = 2048
 # One prefill program per configuration: the chat question's 37 tokens pad to the same 64
 # as the passage's chunks. At the default 512 the question took a 64-token program of its
-# own, 3.6-3.9 s of compiling per configuration, for 1-2 s less computing the passage
+# own, 3.6 s of compiling per configuration, for 1-2 s less computing the passage
 # (measured, float32, an empty compilation cache: 0.7, 3.4 and 7.1 s less per configuration
 # in three runs on a busy machine; with every program in the cache, about 1 s more).
 CHUNK = 64
