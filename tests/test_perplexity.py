@@ -22,10 +22,16 @@ from engine import LLM, SamplingParams
 PASSAGE = os.path.join(os.path.dirname(__file__), "fixtures", "passage.txt")
 # Every configuration computes the whole passage: on CPU the file's time goes there, not to
 # compiling. Not fewer tokens: on the first 1,024 the fp8 KV cache already costs +2.9%
-# (measured), at the edge of the 3% below; on all 2,050, +1.7%. The first 2,048: four whole
-# prefill chunks of 512 (the default max_num_batched_tokens); 2 more would take a 16-token
-# program of their own, compiled for every configuration.
+# (measured), at the edge of the 3% below; on all 2,050, +1.7%. The first 2,048: 32 whole
+# prefill chunks of CHUNK; 2 more would take a 16-token program of their own, compiled for
+# every configuration.
 PASSAGE_TOKENS = 2048
+# One prefill program per configuration: the chat question's 37 tokens pad to the same 64
+# as the passage's chunks. At the default 512 the question took a 64-token program of its
+# own, 3.6 s of compiling per configuration, for 1-2 s less computing the passage
+# (measured, float32, an empty compilation cache: 0.7, 3.4 and 7.1 s less per configuration
+# in three runs on a busy machine; with every program in the cache, about 1 s more).
+CHUNK = 64
 CONFIGS = {
     "float32": {},
     "kv-fp8": dict(kv_cache_dtype="fp8"),
@@ -106,7 +112,7 @@ def results(smollm2_path, q8_0_path, passage_ids) -> dict[str, dict]:
             kw = dict(CONFIGS[name])
             model = q8_0_path if kw.pop("q8_0", False) else smollm2_path
             n = len(passage_ids)
-            llm = LLM(model, log=lambda _: None, max_model_len=n + 16, max_num_seqs=2,
+            llm = LLM(model, log=lambda _: None, max_model_len=n + 16, max_num_seqs=2, max_num_batched_tokens=CHUNK,
                       num_kv_blocks=(n + 16) // 16 + 3, warmup=False, **kw)
             out = llm.generate([passage_ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
             lps = np.array([lp.logprob for lp in out.prompt_logprobs[1:]])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.client
 import json
 import os
@@ -51,14 +52,16 @@ def server() -> Iterator[Server]:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     port = free_port()
     args = serve_ray.build_parser().parse_args([*SMALL, "--num-replicas", "2", "--port", str(port),
-                                                "--api-key", API_KEY])
+                                                "--api-key", API_KEY, "--no-warmup"])
     the_plan = serve_ray.plan(args)
     ray.init(num_cpus=2, include_dashboard=False)  # before JAX starts its threads here: it forks
     try:
-        # The two replicas warm up the same programs at the same time: into an empty
-        # compilation cache each would compile all of them, twice the CPU. One warm-up
-        # here first (the replicas' own config) leaves them all in the cache for both.
-        LLMEngine(the_plan.config, log=lambda *_: None)
+        # The replicas' programs, compiled once here (the replicas' own config, warmed up)
+        # into the compilation cache they share: two replicas compiling the same programs
+        # at the same time would take twice the CPU. The replicas, and the two that replace
+        # killed ones, start without a warm-up of their own: each loads from the cache only
+        # the programs its requests run, not every bucket's.
+        LLMEngine(dataclasses.replace(the_plan.config, warmup=True), log=lambda *_: None)
         serve_ray.start(args, the_plan)
         yield Server(port, None, "")
     finally:
