@@ -112,9 +112,10 @@ def _has_filter(t: SamplingTensors) -> jax.Array:
 
 
 def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """A draw per row at its temperature. The full-vocabulary sort (seconds on a CPU) runs
-    only in steps where some row has a top_k, top_p or min_p filter; without one, Gumbel-max
-    over the scaled logits draws from the same distribution, with the same noise."""
+    """A draw per row at its temperature (_sample_rows_drawn calls it on one row). The
+    full-vocabulary sort (seconds on a CPU) runs only when a row has a top_k, top_p or
+    min_p filter; without one, Gumbel-max over the scaled logits draws from the same
+    distribution, with the same noise."""
     S, V = logits.shape
     scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
     gumbel = _gumbel(t, V)
@@ -150,8 +151,8 @@ def _sample_rows_drawn(logits: jax.Array, t: SamplingTensors, is_greedy: jax.Arr
 def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 -> (token [S], its logprob [S], top ids [S, K], top logprobs [S, K]).
 
-    Steps where every slot is greedy draw nothing (lax.cond), and steps without a top_k,
-    top_p or min_p filter sort nothing. No lax.cond here returns the [S, V] logits (a branch
+    Steps where every slot is greedy draw nothing (lax.cond), and only rows with a top_k,
+    top_p or min_p filter sort. No lax.cond here returns the [S, V] logits (a branch
     that hands back its vocabulary-wide operand costs a copy of it on a CPU), so the bitmask
     selects between two whole samplers, whose outputs are small."""
     if t.token_bitmask is None:
