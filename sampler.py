@@ -107,43 +107,52 @@ def _sample_filtered(scaled: jax.Array, gumbel: jax.Array, t: SamplingTensors) -
     return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
 
 
+def _has_filter(t: SamplingTensors) -> jax.Array:
+    return (t.top_k >= 0) | (t.top_p < 1.0) | (t.min_p > 0.0)
+
+
 def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """A draw per row at its temperature. The full-vocabulary sort (seconds on a CPU) runs
-    only in steps where some row has a top_k, top_p or min_p filter; without one, Gumbel-max
-    over the scaled logits draws from the same distribution, with the same noise."""
+    """A draw per row at its temperature (_sample_rows_drawn calls it on one row). The
+    full-vocabulary sort (seconds on a CPU) runs only when a row has a top_k, top_p or
+    min_p filter; without one, Gumbel-max over the scaled logits draws from the same
+    distribution, with the same noise."""
     S, V = logits.shape
     scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
     gumbel = _gumbel(t, V)
-    no_filter = (t.top_k < 0) & (t.top_p >= 1.0) & (t.min_p <= 0.0)
-    return jax.lax.cond(jnp.all(no_filter), lambda: argmax(scaled + gumbel),
-                        lambda: _sample_filtered(scaled, gumbel, t))
+    return jax.lax.cond(jnp.any(_has_filter(t)), lambda: _sample_filtered(scaled, gumbel, t),
+                        lambda: argmax(scaled + gumbel))
 
 
 def _sample_rows_drawn(logits: jax.Array, t: SamplingTensors, is_greedy: jax.Array) -> jax.Array:
     """[S] the draws of the rows that are not greedy (the greedy rows' entries are
-    meaningless). When they are at most half the rows, each is drawn alone: one sampled
-    row among greedy ones costs one row's Gumbel noise (and sort, under a filter), not S
-    rows'; a row draws the same token either way (its own key; no-filter rows take the
-    same Gumbel-max path whatever their batch-mates do, as _sample_random shows)."""
-    S = logits.shape[0]
+    meaningless). A row under a filter is drawn alone, its own sort; the rows without one
+    are drawn all at once (Gumbel-max, no sort) when they are more than half the rows,
+    else each alone too: one sampled row among greedy ones costs one row's Gumbel noise,
+    not S rows'. A row draws the same token either way (its own key, its noise in
+    vocabulary order: _gumbel), and the program traces one row's sort, not one for every
+    shape it samples (the sort path is most of the sample program's compile)."""
+    S, V = logits.shape
+    filtered = _has_filter(t) & ~is_greedy
+    plain = ~is_greedy & ~filtered
+    batched = 2 * jnp.sum(plain) > S
+    scale = lambda: logits / jnp.maximum(t.temperature, 1e-6)[:, None]  # noqa: E731
+    tok = jax.lax.cond(batched, lambda: argmax(scale() + _gumbel(t, V)).astype(jnp.int32),
+                       lambda: jnp.zeros(S, jnp.int32))
+    alone = filtered | (plain & ~batched)
+    order = jnp.argsort(~alone, stable=True)  # the rows drawn alone first
 
-    def one_by_one() -> jax.Array:
-        def row(j: jax.Array, tok: jax.Array) -> jax.Array:
-            one = jax.tree.map(lambda x: x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, j, 1), (logits, t))
-            draw = lambda: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-                tok, _sample_random(*one).astype(jnp.int32), j, 0)
-            return jax.lax.cond(is_greedy[j], lambda: tok, draw)
-        return jax.lax.fori_loop(0, S, row, jnp.zeros(S, jnp.int32))
+    def row(i: jax.Array, tok: jax.Array) -> jax.Array:
+        one = jax.tree.map(lambda x: x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, order[i], 1), (logits, t))
+        return jax.lax.dynamic_update_slice_in_dim(tok, _sample_random(*one).astype(jnp.int32), order[i], 0)
 
-    return jax.lax.cond(2 * jnp.sum(~is_greedy) <= S, one_by_one,
-                        lambda: _sample_random(logits, t).astype(jnp.int32))
+    return jax.lax.fori_loop(0, jnp.sum(alone), row, tok)
 
 
 def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] f32 -> (token [S], its logprob [S], top ids [S, K], top logprobs [S, K]).
 
-    Steps where every slot is greedy draw nothing (lax.cond), and steps without a top_k,
-    top_p or min_p filter sort nothing. No lax.cond here returns the [S, V] logits (a branch
+    Steps where every slot is greedy draw nothing (lax.cond), and only rows with a top_k,
+    top_p or min_p filter sort. No lax.cond here returns the [S, V] logits (a branch
     that hands back its vocabulary-wide operand costs a copy of it on a CPU), so the bitmask
     selects between two whole samplers, whose outputs are small."""
     if t.token_bitmask is None:
