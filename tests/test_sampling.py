@@ -154,21 +154,31 @@ def test_temperature_zero_rows_in_a_mixed_batch_are_the_argmax():
 
 
 
-def test_an_unfiltered_row_draws_the_same_token_whether_its_step_sorts_or_not():
-    """A step sorts the vocabulary only when some row filters; an unfiltered row's seeded
-    draw must not depend on its batch-mates, so both paths use the same noise."""
+def test_a_row_draws_the_same_token_with_its_batch_or_alone_whatever_its_neighbours_filter():
+    """Unfiltered rows are drawn together when they are most of the step, else each alone;
+    a filtered row is always drawn alone, with its own sort. A row's seeded draw must not
+    depend on which of those happened, so every path uses the row's own noise."""
     rng = np.random.default_rng(1)
     S, V = 256, 40
     logits = rng.standard_normal((S, V)).astype(np.float32)
     arrays = empty_sampling_arrays(S)
     arrays["temperature"][:] = 1.3
     arrays["seed"][:] = np.arange(S)
-    alone = np.asarray(_sample(logits, SamplingTensors(**arrays, want_logprobs=np.bool_(False)))[0])
-    arrays["top_k"][0] = 3  # row 0 filters: the whole step takes the sorted path
-    mixed = np.asarray(_sample(logits, SamplingTensors(**arrays, want_logprobs=np.bool_(False)))[0])
-    np.testing.assert_array_equal(mixed[1:], alone[1:])
+
+    def draw() -> np.ndarray:
+        return np.asarray(_sample(logits, SamplingTensors(**arrays, want_logprobs=np.bool_(False)))[0])
+
+    together = draw()  # every row unfiltered and drawing: one batched draw
+    arrays["top_k"][0] = 3  # row 0 filters: drawn alone, the others still together
+    mixed = draw()
+    np.testing.assert_array_equal(mixed[1:], together[1:])
     assert mixed[0] in np.argsort(-logits[0])[:3]
-    assert (alone != logits.argmax(-1)).sum() >= S // 4  # they did sample
+    arrays["temperature"][S // 4:] = 0.0  # now the drawing rows are a quarter: each drawn alone
+    few = draw()
+    np.testing.assert_array_equal(few[1:S // 4], together[1:S // 4])
+    assert few[0] == mixed[0]
+    np.testing.assert_array_equal(few[S // 4:], logits[S // 4:].argmax(-1))
+    assert (together != logits.argmax(-1)).sum() >= S // 4  # they did sample
 
 
 def test_the_sample_programs_chunks_draw_each_row_as_the_whole_batch_does():
