@@ -111,14 +111,16 @@ def _has_filter(t: SamplingTensors) -> jax.Array:
     return (t.top_k >= 0) | (t.top_p < 1.0) | (t.min_p > 0.0)
 
 
+def _scaled(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    return logits / jnp.maximum(t.temperature, 1e-6)[:, None]
+
+
 def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """A draw per row at its temperature (_sample_rows_drawn calls it on one row). The
     full-vocabulary sort (seconds on a CPU) runs only when a row has a top_k, top_p or
     min_p filter; without one, Gumbel-max over the scaled logits draws from the same
     distribution, with the same noise."""
-    S, V = logits.shape
-    scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
-    gumbel = _gumbel(t, V)
+    scaled, gumbel = _scaled(logits, t), _gumbel(t, logits.shape[1])
     return jax.lax.cond(jnp.any(_has_filter(t)), lambda: _sample_filtered(scaled, gumbel, t),
                         lambda: argmax(scaled + gumbel))
 
@@ -135,8 +137,7 @@ def _sample_rows_drawn(logits: jax.Array, t: SamplingTensors, is_greedy: jax.Arr
     filtered = _has_filter(t) & ~is_greedy
     plain = ~is_greedy & ~filtered
     batched = 2 * jnp.sum(plain) > S
-    scale = lambda: logits / jnp.maximum(t.temperature, 1e-6)[:, None]  # noqa: E731
-    tok = jax.lax.cond(batched, lambda: argmax(scale() + _gumbel(t, V)).astype(jnp.int32),
+    tok = jax.lax.cond(batched, lambda: argmax(_scaled(logits, t) + _gumbel(t, V)).astype(jnp.int32),
                        lambda: jnp.zeros(S, jnp.int32))
     alone = filtered | (plain & ~batched)
     order = jnp.argsort(~alone, stable=True)  # the rows drawn alone first
@@ -211,8 +212,7 @@ def filtered_probs(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     filters of _sample_random (temperature, min_p, top_k, then top_p on what the first
     two leave), renormalised. Greedy rows get the one-hot of their argmax."""
     S, V = logits.shape
-    scaled = logits / jnp.maximum(t.temperature, 1e-6)[:, None]
-    sorted_logits, sorted_ids, keep = _filter_sorted(scaled, t)
+    sorted_logits, sorted_ids, keep = _filter_sorted(_scaled(logits, t), t)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     out = jnp.zeros((S, V), jnp.float32).at[jnp.arange(S)[:, None], sorted_ids].set(probs)
     greedy = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
