@@ -1,7 +1,6 @@
-"""One OpenAI client for every bench: completions timed per token (streamed) or per request
-(--no-stream), the probe that finds what a server takes (token-id prompts, ignore_eos,
-stream_options, usage) before the workload runs, a server subprocess, and what the server's
-Prometheus /metrics say meanwhile. Why the probe: docs/BENCHMARKS.md.
+"""One OpenAI client for every bench: completions timed per token (streamed) or per request,
+the probe that finds what a server takes before the workload runs (docs/BENCHMARKS.md), a
+server subprocess, and what the server's Prometheus /metrics say meanwhile.
 """
 
 from __future__ import annotations
@@ -62,17 +61,11 @@ class Capabilities:
 
     def body(self, req: Request, max_tokens: int | None = None) -> dict[str, Any]:
         """The request body for `req` as this server takes it (greedy)."""
-        body: dict[str, Any] = {"prompt": req.prompt_token_ids if self.prompts == "ids" else req.prompt_text,
-                                "max_tokens": max_tokens or req.max_tokens, "temperature": 0.0, "stream": self.stream}
-        if self.model:
-            body["model"] = self.model
-        if self.include_usage:
-            body["stream_options"] = {"include_usage": True}
-        if self.ignore_eos:
-            body["ignore_eos"] = True
-        if self.logprobs:
-            body["logprobs"] = 0
-        return body
+        optional = {"model": self.model, "stream_options": {"include_usage": True} if self.include_usage else None,
+                    "ignore_eos": True if self.ignore_eos else None, "logprobs": 0 if self.logprobs else None}
+        return {"prompt": req.prompt_token_ids if self.prompts == "ids" else req.prompt_text,
+                "max_tokens": max_tokens or req.max_tokens, "temperature": 0.0, "stream": self.stream} | {
+            k: v for k, v in optional.items() if v is not None}
 
 
 class Refused(RuntimeError):
@@ -85,10 +78,9 @@ def _error_text(err: Any) -> str:
 
 async def complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timing: str, t0: float,
                    rec: Record) -> Record:
-    """POST one completion; record its text, finish reason and usage, and when it ended.
-    Streamed, also when each token (or chunk) arrived: `timing` "logprobs" counts a chunk's
-    logprob tokens, "text" one token per chunk with text, "chunks" one per non-empty chunk
-    (approximate). Not streamed ("stream": false), only e2e: TTFT and ITL are not measured."""
+    """POST one completion; record its text, finish reason, usage and e2e, and, streamed, when
+    each token arrived: `timing` "logprobs" counts a chunk's logprob tokens, "text" one token
+    per chunk with text, "chunks" one per non-empty chunk (approximate)."""
     rec.start = time.perf_counter() - t0
     last, usage = None, None
     try:
@@ -140,29 +132,21 @@ async def complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any
     return rec
 
 
-async def served_model(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    """The first entry of /v1/models ({} when the server has none to give)."""
-    try:
-        async with session.get(url + "/v1/models") as r:
-            if r.status != 200:
-                return {}
-            data = (await r.json(content_type=None)).get("data") or [{}]
-            return data[0] if isinstance(data[0], dict) else {}
-    except (*HTTP_ERRORS, ValueError, AttributeError):
-        return {}
-
-
 async def probe(session: aiohttp.ClientSession, url: str, req: Request, *, prompts: str, extensions: bool,
                 stream: bool = True) -> Capabilities:
-    """Find what this server takes, with short greedy requests (which also warm it up).
-
-    Asks first with all it wants (stream_options.include_usage when streaming, and ignore_eos
-    when `extensions`); on a 4xx, it asks with none of them, then adds one at a time, so a
-    refused field is named and the others are kept. Raises `Refused` when even the bare
-    request fails (token-id prompts refused, or the server is broken)."""
+    """Find what this server takes, with short greedy requests (which also warm it up): first
+    all it wants (stream_options.include_usage when streaming, ignore_eos when `extensions`);
+    on a 4xx none of them, then one at a time, so a refused field is named and the others kept.
+    Raises `Refused` when even the bare request fails (token-id prompts, or a broken server)."""
     words = (req.prompt_text or "").split()[:PROBE_TOKENS]
     req = Request(req.prompt_token_ids[:PROBE_TOKENS], PROBE_TOKENS, " ".join(words) if words else None)
-    caps = Capabilities(model=(await served_model(session, url)).get("id"), prompts=prompts, stream=stream)
+    caps = Capabilities(prompts=prompts, stream=stream)
+    try:  # the first model /v1/models names (None: requests name none)
+        async with session.get(url + "/v1/models") as r:
+            data = ((await r.json(content_type=None)).get("data") or [{}]) if r.status == 200 else [{}]
+        caps.model = data[0].get("id") if isinstance(data[0], dict) else None
+    except (*HTTP_ERRORS, ValueError, AttributeError):
+        pass
     try:
         async with session.get(url + "/metrics") as r:
             caps.metrics = r.status == 200 and known_metrics(await r.text())
@@ -254,8 +238,7 @@ class Server:
         raise RuntimeError(f"the server was not ready after {timeout:.0f}s (see {self.log_path})")
 
     def cpu_seconds(self) -> float | None:
-        """The process's CPU time so far (Linux): beside the wall time, how much of the machine
-        it got, which shows when something else competed for the cores."""
+        """The process's CPU time so far (Linux): beside the wall time, how much of the machine it got."""
         try:
             with open(f"/proc/{self.proc.pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -356,33 +339,24 @@ async def sample_metrics(session: aiohttp.ClientSession, url: str, t0: float, sa
             pass
 
 
-def timeline(samples: list[dict]) -> dict[str, Any]:
-    """Columns of the /metrics samples; preemptions counted from the first sample."""
-    tl: dict[str, Any] = {"t": [round(s["t"], 3) for s in samples]}
-    for key in ("running", "waiting", "kv_usage"):
-        tl[key] = [s[key] for s in samples]
+def server_view(samples: list[dict]) -> dict[str, Any]:
+    """The /metrics samples as a timeline of columns (preemptions counted from the first sample),
+    and its figures: peaks, request-seconds spent waiting, by reason."""
+    tl: dict[str, Any] = {"t": [round(s["t"], 3) for s in samples]} | {
+        key: [s[key] for s in samples] for key in ("running", "waiting", "kv_usage")}
     p0 = next((s["preemptions"] for s in samples if s["preemptions"] is not None), None)
     tl["preemptions"] = [None if s["preemptions"] is None else s["preemptions"] - p0 for s in samples]
     reasons = sorted({r for s in samples for r in s["waiting_by_reason"]})
     tl["waiting_by_reason"] = {r: [s["waiting_by_reason"].get(r, 0.0) for s in samples] for r in reasons}
-    return tl
-
-
-def metric_figures(tl: dict[str, Any], samples: list[dict]) -> dict[str, Any]:
-    """Peaks and means of the timeline; request-seconds spent waiting, by reason."""
-    def vals(key: str) -> list[float]:
-        return [v for v in tl[key] if v is not None]
-
+    vals = {k: [v for v in tl[k] if v is not None] for k in ("running", "waiting", "kv_usage", "preemptions")}
     dt = [b - a for a, b in zip(tl["t"], tl["t"][1:])] + [0.0]
     by_reason = {r: round(sum(n * d for n, d in zip(col, dt)), 2) for r, col in tl["waiting_by_reason"].items()}
-    dominant = max(by_reason, key=by_reason.get) if by_reason and max(by_reason.values()) > 0 else None
-    kv, pre = vals("kv_usage"), vals("preemptions")
-    return {"samples": len(samples),
-            "series": [k for k in ("running", "waiting", "kv_usage", "preemptions") if vals(k)]
-            + (["waiting_by_reason"] if by_reason else []),
-            "num_kv_blocks": next((s["num_kv_blocks"] for s in samples if s["num_kv_blocks"] is not None), None),
-            "max_running": max(vals("running"), default=None), "max_waiting": max(vals("waiting"), default=None),
-            "mean_kv_usage": sum(kv) / len(kv) if kv else None, "max_kv_usage": max(kv, default=None),
-            "preemptions": pre[-1] if pre else None,
-            "waiting_request_s": round(sum((w or 0.0) * d for w, d in zip(tl["waiting"], dt)), 2),
-            "waiting_by_reason_s": by_reason, "dominant_wait_reason": dominant}
+    return {"metrics": {
+        "samples": len(samples), "series": [k for k, v in vals.items() if v] + (["waiting_by_reason"] if by_reason else []),
+        "num_kv_blocks": next((s["num_kv_blocks"] for s in samples if s["num_kv_blocks"] is not None), None),
+        "max_running": max(vals["running"], default=None), "max_kv_usage": max(vals["kv_usage"], default=None),
+        "preemptions": vals["preemptions"][-1] if vals["preemptions"] else None,
+        "waiting_request_s": round(sum((w or 0.0) * d for w, d in zip(tl["waiting"], dt)), 2),
+        "waiting_by_reason_s": by_reason,
+        "dominant_wait_reason": max(by_reason, key=by_reason.get) if any(by_reason.values()) else None},
+        "timeline": tl}

@@ -9,26 +9,16 @@ scheduling, KV admission and max_model_len, or across OpenAI-compatible servers?
         --max-num-seqs 32 --port {port}" --compare "hf=transformers serve DIR --continuous-batching \
         --dtype float32 --port {port}"      # started in turn, at their defaults (docs/PERFORMANCE.md)
 
-Workload (fixed seed): --num-requests streamed greedy requests, half max_tokens=--short, half
---long, all at once or a Poisson process (--rate). Per class: TTFT, ITL, TPOT, e2e; output
-tokens/s; /metrics sampled ~10x a second where the server has it.
-
 taxirank variants (one server at a time; random token-id prompts, ignore_eos):
   continuous, static        max_num_seqs 32, max_model_len 2048, the server's default KV cache
   <mode>/full, <mode>/half  continuous under each KV admission mode at max_model_len 2048 and
-                            1024, one tight KV budget (--kv-budget-seqs sequences of 2048):
-                            the seed's "rerun with --max-model-len cut in half".
-  kv-auto, kv-fp8, kv-int8  continuous at one --kv-cache-memory (the bytes of that tight budget
-                            in the model dtype), the cache stored in the model dtype, fp8 or
-                            int8: the 8-bit caches fit more blocks in the same bytes.
+                            1024, one tight KV budget (--kv-budget-seqs sequences of 2048)
+  kv-auto, kv-fp8, kv-int8  continuous at the bytes of that budget in the model dtype, the cache
+                            stored in the model dtype, fp8 or int8
 
-Other servers (--url, --compare): prose prompts, and a probe first finds what each takes (the
-model name, stream_options, ignore_eos, usage, /metrics); the report says what that cost.
-Side by side no server gets ignore_eos, so all receive identical requests. --no-stream sends
-them with "stream": false and times each by its one response (e2e and usage; no TTFT or ITL).
-
-Writes to --out: results.json, report.md, cdf_short_e2e.png, timeline-<variant>.png and each
-started server's log.
+Other servers (--url, --compare) get prose prompts, and a probe first finds what each takes
+(docs/BENCHMARKS.md). Writes to --out: results.json, report.md, cdf_short_e2e.png,
+timeline-<variant>.png and each started server's log.
 """
 
 from __future__ import annotations
@@ -51,8 +41,7 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from client import (Capabilities, Record, Refused, Server, complete, metric_figures, probe, sample_metrics,  # noqa: E402
-                    timeline)
+from client import Capabilities, Record, Refused, Server, complete, probe, sample_metrics, server_view  # noqa: E402
 from report import flags_to_argv, machine_info, mixed_report, summarize, write_json  # noqa: E402
 from workload import Request, arrival_times, seed_mix, vocab_size_of  # noqa: E402
 
@@ -75,32 +64,31 @@ class Target:
 
 @dataclass
 class Variant:
-    """One of taxirank's variants: server.py with `flags`, started for its turn only."""
+    """One of taxirank's variants: server.py with `flags` (EngineConfig fields)."""
 
-    name: str  # also a file-name part: letters, digits, '-' and '_' (a '/' becomes '-')
-    flags: dict[str, Any] = field(default_factory=dict)  # server flags (EngineConfig fields)
-    admission: str | None = None  # the (3) comparison: KV admission mode ...
+    name: str  # also a file-name part (a '/' becomes '-')
+    flags: dict[str, Any] = field(default_factory=dict)
+    admission: str | None = None  # the KV admission mode ...
     length: str | None = None  # ... and "full" or "half" max_model_len
 
 
+def kv_budget_blocks(args: argparse.Namespace) -> int:
+    """--kv-budget-seqs sequences of the full max_model_len, + the null block."""
+    return args.kv_budget_seqs * math.ceil(args.max_model_len / args.block_size) + 1
+
+
 def build_variants(args: argparse.Namespace) -> list[Variant]:
-    """(1) continuous, (2) static, (3) each admission mode at full and half max_model_len,
-    under one tight KV budget: --kv-budget-seqs sequences of the full length."""
-    full, half = args.max_model_len, args.max_model_len // 2
-    base = {"model": args.model, "max_num_seqs": args.max_num_seqs, "max_model_len": full,
-            "block_size": args.block_size}
-    budget = args.kv_budget_seqs * math.ceil(full / args.block_size) + 1  # + the null block
-    out = [Variant("continuous", base | {"scheduling": "continuous"}),
-           Variant("static", base | {"scheduling": "static"})]
-    for mode in ADMISSION_MODES:
-        for length, mml in (("full", full), ("half", half)):
-            out.append(Variant(f"{mode}/{length}", base | {"kv_admission": mode, "max_model_len": mml,
-                                                            "num_kv_blocks": budget}, mode, length))
-    # The same bytes for each --kv-cache-dtype: those of the tight budget in the model dtype.
-    kv_bytes = (budget - 1) * kv_cache_bytes_per_block(BUILTIN_MODELS[args.model], args.block_size, "float32") \
-        if args.model in BUILTIN_MODELS else None
-    for dtype in ("auto", "fp8", "int8") if kv_bytes else ():
-        out.append(Variant(f"kv-{dtype}", base | {"kv_cache_memory": kv_bytes, "kv_cache_dtype": dtype}))
+    """continuous, static, each admission mode at full and half max_model_len under one tight
+    KV budget, and each --kv-cache-dtype in that budget's bytes."""
+    full, budget = args.max_model_len, kv_budget_blocks(args)
+    base = {"model": args.model, "max_num_seqs": args.max_num_seqs, "max_model_len": full, "block_size": args.block_size}
+    out = [Variant(s, base | {"scheduling": s}) for s in ("continuous", "static")]
+    out += [Variant(f"{mode}/{length}", base | {"kv_admission": mode, "max_model_len": mml, "num_kv_blocks": budget},
+                    mode, length) for mode in ADMISSION_MODES for length, mml in (("full", full), ("half", full // 2))]
+    if args.model in BUILTIN_MODELS:
+        kv_bytes = (budget - 1) * kv_cache_bytes_per_block(BUILTIN_MODELS[args.model], args.block_size, "float32")
+        out += [Variant(f"kv-{d}", base | {"kv_cache_memory": kv_bytes, "kv_cache_dtype": d})
+                for d in ("auto", "fp8", "int8")]
     if args.variants:
         keep = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = sorted(set(keep) - {v.name for v in out})
@@ -110,21 +98,21 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
     return out
 
 
-def taxirank_server(variant: Variant, extra_argv: list[str], log_path: str, jax_cache: str | None) -> Server:
-    """taxirank's server.py with the variant's flags."""
-    argv = [sys.executable, os.path.join(ROOT, "server.py"), "--host", "127.0.0.1", "--port", "{port}",
-            *flags_to_argv(variant.flags), *extra_argv]
-    env = dict(os.environ)
-    if jax_cache:  # warm-up compiles once per set of shapes, not once per variant
-        env |= {"JAX_COMPILATION_CACHE_DIR": jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    return Server(argv, None, log_path, env, cwd=ROOT)
+def class_stats(records: list[Record]) -> dict[str, Any]:
+    """TTFT, ITL, TPOT ((e2e - TTFT) / (tokens - 1), vLLM's), e2e and output tokens of one class."""
+    ok = [r for r in records if r.error is None]
+    return {"n": len(records), "n_ok": len(ok),
+            "ttft": summarize([r.ttft for r in ok if r.ttft is not None]),
+            "itl": summarize([x for r in ok for x in r.itl]),
+            "tpot": summarize([(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]),
+            "e2e": summarize([r.e2e for r in ok]),
+            "output_tokens": summarize([float(r.tokens) for r in ok])}
 
 
 async def run_variant(session: aiohttp.ClientSession, url: str, caps: Capabilities, requests: list[Request],
                       args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """Send the workload as `caps` says the server takes it, sample /metrics meanwhile (where
-    it has them); the variant's figures."""
-    arrivals = arrival_times(len(requests), args.rate, args.seed)
+    """Send the workload as `caps` says the server takes it, sampling /metrics meanwhile where it
+    has them; the variant's figures."""
     samples: list[dict] = []
     stop = asyncio.Event()
     bar = tqdm(total=len(requests), desc=f"{name:>20}", unit="req", mininterval=1.0, file=sys.stderr)
@@ -139,52 +127,31 @@ async def run_variant(session: aiohttp.ClientSession, url: str, caps: Capabiliti
         bar.update(1)
         return rec
 
+    arrivals = arrival_times(len(requests), args.rate, args.seed)
     records = await asyncio.gather(*(one(r, a) for r, a in zip(requests, arrivals)))
     duration = time.perf_counter() - t0
     stop.set()
     if sampler:
         await sampler
     bar.close()
-    return summarize_variant(records, samples, duration, caps)
-
-
-def class_stats(records: list[Record]) -> dict[str, Any]:
-    """TTFT, ITL, TPOT ((e2e - TTFT) / (tokens - 1), vLLM's), e2e and output tokens of one class."""
-    ok = [r for r in records if r.error is None]
-    return {"n": len(records), "n_ok": len(ok),
-            "ttft": summarize([r.ttft for r in ok if r.ttft is not None]),
-            "itl": summarize([x for r in ok for x in r.itl]),
-            "tpot": summarize([(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]),
-            "e2e": summarize([r.e2e for r in ok]),
-            "output_tokens": summarize([float(r.tokens) for r in ok])}
-
-
-def summarize_variant(records: list[Record], samples: list[dict], duration: float,
-                      caps: Capabilities) -> dict[str, Any]:
     ok = [r for r in records if r.error is None]
     span = max((r.start + r.e2e for r in ok), default=0.0) - min((r.start for r in ok), default=0.0)
-    tokens = sum(r.tokens for r in ok)
-    tl = timeline(samples)
+    tokens, from_usage = sum(r.tokens for r in ok), [r.tokens_from_usage for r in ok]
+    prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]  # only what usage reports
     errors = [r.error for r in records if r.error]
-    from_usage = [r.tokens_from_usage for r in ok]
-    prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     return {"duration_s": round(duration, 2), "token_timing": caps.timing, "capabilities": asdict(caps),
             "requests": len(records), "errors": len(errors), "first_errors": errors[:3],
             "exact_lengths": all(r.tokens == r.max_tokens for r in ok),
-            # where the output token counts came from: the server's usage, or the stream's chunks
-            "tokens_counted_from": ("usage" if all(from_usage) else "chunks" if not any(from_usage) else "mixed"),
+            "tokens_counted_from": "usage" if all(from_usage) else "chunks" if not any(from_usage) else "mixed",
             "output_tokens": tokens, "output_tokens_per_s": tokens / span if span > 0 else 0.0,
             "prompt_tokens": summarize([float(x) for x in prompt_tokens]) | {"total": sum(prompt_tokens)}
-            if prompt_tokens else None,  # only what the server's usage reports
-            "finish_reasons": {f: sum((r.finish_reason or "?") == f for r in ok)
-                               for f in sorted({r.finish_reason or "?" for r in ok})},
+            if prompt_tokens else None,
             "short": class_stats([r for r in records if r.cls == "short"]),
-            "long": class_stats([r for r in records if r.cls == "long"]),
-            "metrics": metric_figures(tl, samples), "timeline": tl,
-            "per_request": [{"class": r.cls, "max_tokens": r.max_tokens, "prompt_len": r.prompt_len,
-                             "prompt_tokens": r.prompt_tokens, "start": round(r.start, 4), "ttft": r.ttft,
-                             "e2e": r.e2e, "tokens": r.tokens, "finish_reason": r.finish_reason, "text": r.text,
-                             "error": r.error} for r in records]}
+            "long": class_stats([r for r in records if r.cls == "long"])} | server_view(samples) | {
+        "per_request": [{"class": r.cls, "max_tokens": r.max_tokens, "prompt_len": r.prompt_len,
+                         "prompt_tokens": r.prompt_tokens, "start": round(r.start, 4), "ttft": r.ttft, "e2e": r.e2e,
+                         "tokens": r.tokens, "finish_reason": r.finish_reason, "text": r.text, "error": r.error}
+                        for r in records]}
 
 
 async def measure(session: aiohttp.ClientSession, url: str, entry: dict[str, Any], requests: list[Request],
@@ -196,15 +163,13 @@ async def measure(session: aiohttp.ClientSession, url: str, entry: dict[str, Any
         raise Refused(f"the server refuses ignore_eos ({caps.refused['ignore_eos']}); --extensions auto or off "
                       "measures it with output lengths that follow the model")
     print(f"   {name}: model {caps.model or '(not named)'}, {caps.prompts} prompts, token timing {caps.timing}"
-          + ("" if caps.stream else " (--no-stream)")
           + (f", refused {sorted(caps.refused)}" if caps.refused else "")
           + ("" if caps.metrics else ", no /metrics") + ("" if caps.usage else ", no usage"), flush=True)
     cpu0, load0 = server.cpu_seconds() if server else None, os.getloadavg()[0]
     entry |= await run_variant(session, url, caps, requests, args, name)
     cpu1 = server.cpu_seconds() if server else None
-    entry["load"] = {"loadavg_1m_start": load0, "loadavg_1m_end": os.getloadavg()[0],
-                     "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 1),
-                     "cores": os.cpu_count()}
+    entry["load"] = {"loadavg_1m_start": load0, "loadavg_1m_end": os.getloadavg()[0], "cores": os.cpu_count(),
+                     "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 1)}
 
 
 async def bench(args: argparse.Namespace, variants: list[Variant], requests: list[Request],
@@ -213,27 +178,26 @@ async def bench(args: argparse.Namespace, variants: list[Variant], requests: lis
     t_start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=args.request_timeout)
     extra = shlex.split(args.server_args)
-    runs = [(v.name, {"flags": v.flags, "extra_server_args": extra, "admission": v.admission, "length": v.length}, v)
-            for v in variants]
-    runs += [(t.name, {"flags": {}, "admission": None, "length": None, "url": t.url, "command": t.command}, t)
-             for t in args.targets]
+    env = dict(os.environ) | ({"JAX_COMPILATION_CACHE_DIR": args.jax_cache,  # compile once per set of shapes
+                               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"} if args.jax_cache else {})
+    server_py = [sys.executable, os.path.join(ROOT, "server.py"), "--host", "127.0.0.1", "--port", "{port}"]
+    runs = [(v.name, {"flags": v.flags, "extra_server_args": extra, "admission": v.admission, "length": v.length},
+             [*server_py, *flags_to_argv(v.flags), *extra], None, env, ROOT) for v in variants]
+    runs += [(t.name, {"flags": {}, "admission": None, "length": None, "url": t.url, "command": t.command},
+              shlex.split(t.command) if t.command else None, t.url, None, None) for t in args.targets]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        for name, entry, what in runs:
+        for name, entry, argv, url, server_env, cwd in runs:
             results["variants"][name] = entry
-            server, log = None, os.path.join(args.out, f"server-{name.replace('/', '-')}.log")
+            server = None
             try:
-                if isinstance(what, Variant):
-                    print(f"== {name}: {' '.join(flags_to_argv(what.flags) + extra)}", flush=True)
-                    server = taxirank_server(what, extra, log, args.jax_cache)
-                elif what.command:
-                    server = Server(shlex.split(what.command), None, log)
-                    print(f"== {name}: {' '.join(server.argv)}", flush=True)
-                    entry["url"] = server.url
-                else:
-                    print(f"== {name}: {what.url}", flush=True)
+                if argv:
+                    log = os.path.join(args.out, f"server-{name.replace('/', '-')}.log")
+                    server = Server(argv, None, log, server_env, cwd=cwd)
+                    entry["url"] = url = server.url
+                print(f"== {name}: {' '.join(server.argv) if server else url}", flush=True)
                 if server:
                     entry["startup_s"] = round(await server.wait_ready(session, args.startup_timeout), 1)
-                await measure(session, server.url if server else what.url, entry, requests, args, name, server)
+                await measure(session, url, entry, requests, args, name, server)
             except Exception as e:  # one broken server must not lose the others' figures
                 entry["error"] = f"{type(e).__name__}: {e}"
                 print(f"   {name} failed: {entry['error']}", flush=True)
@@ -245,38 +209,48 @@ async def bench(args: argparse.Namespace, variants: list[Variant], requests: lis
                 "partial": True, "total_s": round(time.perf_counter() - t_start, 1), "loadavg_end": os.getloadavg()})
 
 
-_NAME = re.compile(r"^([A-Za-z0-9_.-]+)=(.+)$")
-
-
 class TargetAction(argparse.Action):
     """--url [NAME=]URL and --compare NAME=COMMAND, into one list in the order given."""
 
     def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any,
                  option: str | None = None) -> None:
-        targets = list(getattr(ns, self.dest) or [])
-        m = _NAME.match(value)
+        m = re.match(r"^([A-Za-z0-9_.-]+)=(.+)$", value)
         if option == "--compare":
-            if not m:
-                parser.error(f"--compare wants NAME=COMMAND, got {value!r}")
-            if "{port}" not in m.group(2):
-                parser.error(f"--compare {m.group(1)}: the command must contain {{port}} (the bench picks a free port)")
-            targets.append(Target(m.group(1), command=m.group(2)))
+            if not m or "{port}" not in m.group(2):
+                parser.error(f"--compare wants NAME=COMMAND with {{port}} in the command (the bench picks a free "
+                             f"port), got {value!r}")
+            target = Target(m.group(1), command=m.group(2))
         else:
             name, url = (m.group(1), m.group(2)) if m else (None, value)
             if not re.match(r"^https?://[^/\s]+", url):
                 parser.error(f"--url wants [NAME=]http://host:port, got {value!r}")
-            targets.append(Target(name, url=url.rstrip("/")))
-        setattr(ns, self.dest, targets)
+            target = Target(name, url=url.rstrip("/"))
+        setattr(ns, self.dest, list(getattr(ns, self.dest) or []) + [target])
 
 
-def name_targets(targets: list[Target], ap: argparse.ArgumentParser) -> None:
-    """Unnamed URLs become server, or server1, server2, ...; names must differ."""
-    unnamed = [t for t in targets if t.name is None]
-    for i, t in enumerate(unnamed, 1):
-        t.name = "server" if len(targets) == 1 else f"server{i}"
-    names = [t.name for t in targets]
-    if len(set(names)) != len(names):
-        ap.error(f"server names must differ: {names}")
+FLAGS = [  # (flag, type, default, help) of the plain options
+    ("--model", str, "bench", "taxirank model to serve: tiny, bench or an HF directory"),
+    ("--vocab-size", int, None, "prompt token ids are drawn below it (default: --model's; 32000 for --url/--compare)"),
+    ("--num-requests", int, 100, None),
+    ("--short", int, 16, "max_tokens of the short half"),
+    ("--long", int, 512, "max_tokens of the long half"),
+    ("--prompt-len", str, "32,256", "prompt lengths: MIN,MAX random token ids, or words of text prompts"),
+    ("--rate", float, None, "requests/s as a Poisson process (default: all at once)"),
+    ("--seed", int, 0, None),
+    ("--max-num-seqs", int, 32, None),
+    ("--max-model-len", int, 2048, "the full length; variants /half run half"),
+    ("--block-size", int, 16, None),
+    ("--kv-budget-seqs", int, 8, "the admission variants' KV budget, in sequences of the full max_model_len"),
+    ("--variants", str, None, "comma-separated subset, e.g. continuous,static,reserve-max-len/half"),
+    ("--server-args", str, "", "extra flags for every taxirank server, e.g. '--enable-chunked-prefill'"),
+    ("--startup-timeout", float, 900.0, "seconds to wait for a started server's /health (or /v1/models)"),
+    ("--request-timeout", float, 900.0, "seconds of silence before a request fails"),
+    ("--jax-cache", str, os.path.join(ROOT, "bench", "results", ".jax-cache"),
+     "persistent compilation cache for the servers ('' for none)"),
+    ("--out", str, None, "output directory (default bench/results/<timestamp>/)"),
+]
+PRESETS = {"quick": {"num_requests": 40, "long": 128, "prompt_len": "16,64", "max_model_len": 512},
+           "peer": {"num_requests": 32, "short": 16, "long": 128, "prompt_len": "20,120"}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -300,34 +274,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "requests. on: a server that refuses it fails. off: never")
     ap.add_argument("--no-stream", action="store_true", help="with --url/--compare: requests with \"stream\": "
                     "false; e2e and usage from the one response (TTFT and ITL are not measured)")
-    ap.add_argument("--model", default="bench", help="taxirank model to serve: tiny, bench or an HF directory")
-    ap.add_argument("--vocab-size", type=int,
-                    help="prompt token ids are drawn below it (default: --model's; 32000 for --url/--compare)")
-    ap.add_argument("--num-requests", type=int, default=100)
-    ap.add_argument("--short", type=int, default=16, help="max_tokens of the short half")
-    ap.add_argument("--long", type=int, default=512, help="max_tokens of the long half")
-    ap.add_argument("--prompt-len", default="32,256", help="prompt lengths: MIN,MAX random token ids, or words "
-                    "of text prompts")
-    ap.add_argument("--rate", type=float, help="requests/s as a Poisson process (default: all at once)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-model-len", type=int, default=2048, help="the full length; variants /half run half")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-budget-seqs", type=int, default=8,
-                    help="the admission variants' KV budget, in sequences of the full max_model_len")
-    ap.add_argument("--variants", help="comma-separated subset, e.g. continuous,static,reserve-max-len/half")
-    ap.add_argument("--server-args", default="", help="extra flags for every taxirank server, e.g. "
-                    "'--enable-chunked-prefill'")
-    ap.add_argument("--quick", action="store_true", help="40 requests, --long 128, --prompt-len 16,64, "
-                    "--max-model-len 512 (unless given)")
-    ap.add_argument("--peer", action="store_true", help="the side by side of docs/PERFORMANCE.md: 32 requests, "
-                    "16 x 16 and 16 x 128 tokens, prompts of 20-120 words (unless given)")
-    ap.add_argument("--startup-timeout", type=float, default=900.0,
-                    help="seconds to wait for a started server's /health (or /v1/models)")
-    ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds of silence before a request fails")
-    ap.add_argument("--jax-cache", default=os.path.join(ROOT, "bench", "results", ".jax-cache"),
-                    help="persistent compilation cache for the servers ('' for none)")
-    ap.add_argument("--out", help="output directory (default bench/results/<timestamp>/)")
+    for flag, type_, default, help_ in FLAGS:
+        ap.add_argument(flag, type=type_, default=default, help=help_)
+    for preset, values in PRESETS.items():
+        ap.add_argument("--" + preset, action="store_true", help=", ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in values.items()) + " (unless given)")
     ap.add_argument("--report", metavar="DIR", help="no run: rewrite DIR's analysis, report.md and plots from "
                     "its results.json")
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
@@ -338,10 +289,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--no-stream measures --url/--compare servers; taxirank's variants are compared by TTFT and ITL")
     if args.targets and args.variants:
         ap.error("--variants picks taxirank variants; with --url or --compare the servers given are measured")
-    name_targets(args.targets, ap)
-    presets = (("num_requests", 40), ("long", 128), ("prompt_len", "16,64"), ("max_model_len", 512)) if args.quick \
-        else (("num_requests", 32), ("short", 16), ("long", 128), ("prompt_len", "20,120")) if args.peer else ()
-    for opt, value in presets:
+    unnamed = [t for t in args.targets if t.name is None]
+    for i, t in enumerate(unnamed, 1):
+        t.name = "server" if len(args.targets) == 1 else f"server{i}"
+    if len({t.name for t in args.targets}) != len(args.targets):
+        ap.error(f"server names must differ: {[t.name for t in args.targets]}")
+    preset = "quick" if args.quick else "peer" if args.peer else None
+    for opt, value in PRESETS.get(preset, {}).items():
         if "--" + opt.replace("_", "-") not in given:
             setattr(args, opt, value)
     try:
@@ -356,8 +310,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.prompt_range = (lo, hi)
     args.prompt_kind = args.prompts if args.prompts != "auto" else "text" if args.targets else "ids"
     args.send_extensions = {"on": True, "off": False, "auto": len(args.targets) <= 1}[args.extensions]
-    need = hi + max(args.short, args.long)
-    if not args.targets and need > args.max_model_len // 2:
+    if not args.targets and hi + max(args.short, args.long) > args.max_model_len // 2:
         ap.error(f"the halved max_model_len ({args.max_model_len // 2}) must hold the longest request "
                  f"({hi} prompt + {max(args.short, args.long)} output tokens): raise --max-model-len")
     args.out = args.out or os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S"))
@@ -372,19 +325,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mixed_report(results, args.report)
         return results
     os.makedirs(args.out, exist_ok=True)
-    variants = [] if args.targets else build_variants(args)
     vocab = args.vocab_size or vocab_size_of(args.model)
     requests = seed_mix(args.num_requests, vocab, short=args.short, long=args.long, prompt_len=args.prompt_range,
                         seed=args.seed, text=args.prompt_kind == "text")
     settings = {k: v for k, v in vars(args).items() if k not in ("prompt_range", "targets")} | {
         "vocab_size": vocab, "targets": [asdict(t) for t in args.targets]}
     if not args.targets:
-        settings["kv_budget_blocks"] = args.kv_budget_seqs * math.ceil(args.max_model_len / args.block_size) + 1
+        settings["kv_budget_blocks"] = kv_budget_blocks(args)
         settings["kv_budget_tokens"] = (settings["kv_budget_blocks"] - 1) * args.block_size
     results: dict[str, Any] = {"machine": machine_info(), "settings": settings, "loadavg_start": os.getloadavg(),
                                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "variants": {}}
     t0 = time.perf_counter()
-    asyncio.run(bench(args, variants, requests, results))
+    asyncio.run(bench(args, [] if args.targets else build_variants(args), requests, results))
     results["total_s"] = round(time.perf_counter() - t0, 1)
     results["loadavg_end"] = os.getloadavg()
     mixed_report(results, args.out)

@@ -1,7 +1,6 @@
 """What every bench measures and writes the same way: percentiles, a timed offline run with the
-engine's own counters, side-by-side ratios, text and markdown tables, JSON, plots, and the
-machine the figures came from; and bench/mixed.py's reading of its results (the answer, the
-side by side, report.md and the plots).
+engine's own counters, side-by-side ratios, text and markdown tables, JSON, plots, the machine
+the figures came from; and bench/mixed.py's reading of its results (report.md and plots).
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ import os
 import platform
 import time
 from typing import Any, Callable, Sequence
-
-Q = (50, 90, 99)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -27,10 +24,11 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
-    """mean, p50, p90, p99 and max: the figures the benches print for a latency list ({} if empty)."""
+    """mean, p50, p90, p99 and max of a latency list ({} if empty)."""
     if not values:
         return {}
-    return {"mean": sum(values) / len(values)} | {f"p{q}": percentile(values, q) for q in Q} | {"max": max(values)}
+    return {"mean": sum(values) / len(values)} | {f"p{q}": percentile(values, q) for q in (50, 90, 99)} | {
+        "max": max(values)}
 
 
 def ratio(num: float | None, den: float | None) -> float | None:
@@ -53,8 +51,7 @@ def ratio_rows(ratios: list[dict[str, Any]], label: str = "") -> list[list[str]]
 
 
 def text_table(rows: list[list[str]], left: int = 1) -> str:
-    """Aligned columns, a rule under the header; the first `left` columns (the names) to the
-    left, the figures to the right."""
+    """Aligned columns under a rule; the first `left` columns (names) to the left, figures right."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(x.ljust(n) if j < left else x.rjust(n) for j, (x, n) in enumerate(zip(r, widths))).rstrip()
              for r in rows]
@@ -73,18 +70,15 @@ def num(x: float | None, unit: str = "", fmt: str = "{:.3g}") -> str:
     return (f"{x:.0f}" if fmt == "{:.3g}" and abs(x) >= 1000 else fmt.format(x)) + unit
 
 
-def write_json(path: str, data: Any) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-    return path
-
-
 def write_text(path: str, text: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
     return path
+
+
+def write_json(path: str, data: Any) -> str:
+    return write_text(path, json.dumps(data, indent=1))
 
 
 def results_dir(name: str) -> str:
@@ -107,7 +101,7 @@ def require_gpu(required: bool) -> bool:
 
 
 def log(msg: str) -> None:
-    """A bench's progress line, shown at once (benches run for minutes, often piped)."""
+    """A progress line, shown at once (benches run for minutes, often piped)."""
     print(msg, flush=True)
 
 
@@ -158,13 +152,25 @@ def machine_info() -> dict[str, Any]:
             info[mod] = __import__(mod).__version__
         except ImportError:
             info[mod] = None
-    try:
+    if info["jax"]:
         import jax
 
         info["jax_backend"], info["jax_devices"] = jax.default_backend(), [str(d) for d in jax.devices()]
-    except ImportError:
-        pass
     return info
+
+
+def timer(fn: Callable[[], Any], reps: int = 5, warmup: bool = False,
+          stat: Callable[[list[float]], float] = min) -> float:
+    """stat (default: the best, the least disturbed on a shared machine) of reps timings of fn()
+    in seconds, after one untimed call when `warmup`."""
+    if warmup:
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return stat(out)
 
 
 # ---- a timed offline run -------------------------------------------------------------------
@@ -188,10 +194,10 @@ def warm(llm: Any) -> None:
 
 def timed_generate(llm: Any, prompts: list[list[int]], max_tokens: list[int],
                    classes: list[str] | None = None) -> dict[str, Any]:
-    """One llm.generate of every request at once, timed by the wall clock and by this
-    process's CPU time (on a shared machine other work stretches the first, not the second),
-    with the engine's counters over the run and, per request, the step at which it
-    finished: the step-count ideal of a latency ratio. `classes` adds per-class latencies."""
+    """One llm.generate of every request at once, timed by the wall clock and by this process's
+    CPU time (which other work on a shared machine does not stretch), with the engine's counters
+    and, per request, the step it finished at: the step-count ideal of a latency ratio.
+    `classes` adds per-class latencies."""
     engine = llm.engine
     before = llm.stats.snapshot()
     finish_step: dict[str, int] = {}
@@ -225,7 +231,7 @@ def timed_generate(llm: Any, prompts: list[list[int]], max_tokens: list[int],
         "wall_s": wall, "cpu_s": cpu, "output_tok_s": n_out / wall, "tok_per_cpu_s": n_out / max(cpu, 1e-9),
         "stats": stats, "slot_utilization": stats["useful_slot_steps"] / max(stats["total_slot_steps"], 1),
         "ms_per_step": 1000 * wall / max(stats["num_steps"], 1),
-        "hit_rate": stats["prefix_cache_hits"] / stats["prefix_cache_queries"] if stats["prefix_cache_queries"] else 0.0,
+        "hit_rate": stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1),
         "ttft_s": summarize([o.first_token_time - o.arrival_time for o in outs]),
         "completion_s": summarize(completion), "completion_s_all": completion, "finish_step_all": steps,
         "token_ids": [o.token_ids for o in outs], "loadavg": os.getloadavg()[0]}
@@ -237,8 +243,8 @@ def timed_generate(llm: Any, prompts: list[list[int]], max_tokens: list[int],
 
 
 def lean(run: dict[str, Any], per_request: bool = False) -> dict[str, Any]:
-    """A timed_generate result for the JSON: without token ids (long, and not a figure) and,
-    unless `per_request`, without the per-request completion times and finish steps."""
+    """A timed_generate result for the JSON: no token ids and, unless `per_request`, no
+    per-request completion times and finish steps."""
     drop = {"token_ids"} | (set() if per_request else {"completion_s_all", "finish_step_all"})
     return {k: v for k, v in run.items() if k not in drop}
 
@@ -258,8 +264,8 @@ def run_line(label: str, r: dict[str, Any]) -> str:
 def continuous_vs_static(c: dict[str, Any], s: dict[str, Any], target_tok_s: float | None = None,
                          target_p99: float | None = None, what: str = "") -> list[dict[str, Any]]:
     """The seed's two ratios from a continuous and a static timed_generate of the same requests,
-    each beside its ideal from the engine's step counts (what it would be if every step cost
-    the same): output tok/s continuous / static, and short p99 completion static / continuous."""
+    each beside its ideal from step counts: output tok/s continuous / static, and (with
+    classes) short p99 completion static / continuous."""
     out = [side_by_side(f"output tok/s, continuous / static{what}", c["output_tok_s"] / s["output_tok_s"],
                         s["stats"]["num_steps"] / c["stats"]["num_steps"], target_tok_s)]
     if "short_completion_s" in c:
@@ -267,20 +273,6 @@ def continuous_vs_static(c: dict[str, Any], s: dict[str, Any], target_tok_s: flo
                                 s["short_completion_s"]["p99"] / c["short_completion_s"]["p99"],
                                 s["short_finish_step"]["p99"] / c["short_finish_step"]["p99"], target_p99))
     return out
-
-
-def timer(fn: Callable[[], Any], reps: int = 5, warmup: bool = False,
-          stat: Callable[[list[float]], float] = min) -> float:
-    """stat (default: the best) of reps timings of fn() in seconds, after one untimed call
-    when `warmup`: on a shared machine the best is the least disturbed."""
-    if warmup:
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return stat(out)
 
 
 # ---- bench/mixed.py's results: the answer, the side by side, report.md, plots ----------
@@ -291,6 +283,10 @@ REASON_MEANS = {"kv_blocks": "KV blocks", "max_num_seqs": "compute (all max_num_
 HOLDS = {"on-demand": "blocks for the tokens computed so far", "reserve": "blocks for prompt + max_tokens",
          "reserve-max-len": "blocks for max_model_len"}
 METRICS = (("ttft", " s", 1), ("itl", " ms", 1000), ("tpot", " ms", 1000), ("e2e", " s", 1))
+TIMING_TEXT = {"text": "one chunk per token, from the stream's text chunks",
+               "logprobs": "each token's chunk (logprobs=0 asked for, as some tokens decode to no text)",
+               "chunks": "per SSE chunk (approximate: a chunk may hold several tokens)",
+               "none": "none (--no-stream: one response per request, so e2e and usage only; TTFT and ITL not measured)"}
 
 
 def flags_to_argv(flags: dict[str, Any]) -> list[str]:
@@ -324,39 +320,20 @@ def cores_used(v: dict) -> float | None:
     return cpu / v["duration_s"] if cpu is not None and v.get("duration_s") else None
 
 
-def _reason_text(v: dict) -> str:
-    m = v["metrics"]
-    by = m["waiting_by_reason_s"]
-    if not by:
-        return "the server reports no waiting-by-reason"
-    if not m["dominant_wait_reason"]:
-        return "no request waited"
-    share = by[m["dominant_wait_reason"]] / max(sum(by.values()), 1e-9)
-    slots = f" of {v['flags']['max_num_seqs']} slots" if "max_num_seqs" in (v.get("flags") or {}) else ""
-    run = f" (max running {m['max_running']:.0f}{slots})" if m["max_running"] is not None else ""
-    return f"{m['waiting_request_s']:.0f} request-s spent waiting, {share:.0%} of it on {m['dominant_wait_reason']}{run}"
-
-
-def _why(mode: str, h: dict, full: dict, half: dict) -> str:
+def _why(mode: str, sharp: bool, full: dict, half: dict) -> str:
     """What halving max_model_len shows under `mode`, beyond the seed's rule of thumb (a sharp
     fall of short-request p99 means requests queued on KV blocks)."""
-    kv, sharp = full["metrics"]["dominant_wait_reason"] == "kv_blocks", h["fell_sharply"]
-    run = f"{full['metrics']['max_running']:.0f} -> {half['metrics']['max_running']:.0f}"
-    tps = half["output_tokens_per_s"] / full["output_tokens_per_s"]
+    kv = full["metrics"]["dominant_wait_reason"] == "kv_blocks"
+    run = f"max running {full['metrics']['max_running']:.0f} -> {half['metrics']['max_running']:.0f}"
     if kv and mode == "reserve-max-len":
-        text = f"Halving doubled the requests that fit (max running {run}); output tokens/s {tps:.2f}x"
-        text += (": the seed's rule holds." if sharp else ", and no sharp fall: a step of more sequences costs "
-                 "more here, so the queue drained only that much faster. The waiting reason, not the size of the "
-                 "fall, is what says KV blocks.")
+        text = f"Halving fit more requests at once ({run})" + (": the seed's rule holds." if sharp else
+                                                                ", yet no sharp fall: the waiting reason says KV blocks.")
     elif kv:
-        text = (f"But {mode} holds {HOLDS[mode]}, which max_model_len does not change (max running {run}): halving "
-                "it frees no blocks" + (f"; this fall is not admission (output tokens/s {tps:.2f}x): compare the "
-                                        "machine load." if sharp else ", and p99 did not fall."))
-    elif sharp:
-        text = f"p99 fell without waits on KV blocks (output tokens/s {tps:.2f}x): compare the machine load."
+        text = (f"But {mode} holds {HOLDS[mode]}, which max_model_len does not change ({run}): halving frees no "
+                "blocks" + ("; this fall is not admission: compare the machine load." if sharp else "."))
     else:
-        text = (f"Requests waited mostly on {full['metrics']['dominant_wait_reason'] or 'nothing'}, not KV blocks, "
-                "and p99 barely moved: the seed's rule holds (it was not KV).")
+        text = ("p99 fell without waits on KV blocks: compare the machine load." if sharp else
+                "Not KV, and no sharp fall: the seed's rule holds.")
     c = [cores_used(v) for v in (full, half)]
     if None not in c and min(c) < 0.75 * max(c):
         text += f" Caution: the server got {c[0]:.1f} cores at full length and {c[1]:.1f} at half: not comparable."
@@ -373,64 +350,42 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
               "short_p99_e2e_ratio": _p(s, "short", "e2e", "p99") / _p(c, "short", "e2e", "p99"),
               "short_p50_ttft_ratio": _p(s, "short", "ttft", "p50") / _p(c, "short", "ttft", "p50")}
         out["continuous_vs_static"] = cs
-        out["answer"].append(
-            f"Continuous vs static: {cs['output_tokens_per_s_ratio']:.2f}x the output tokens/s; short-request p99 "
-            f"e2e {_times(cs['short_p99_e2e_ratio'])} under continuous ({_p(s, 'short', 'e2e', 'p99'):.3g} s -> "
-            f"{_p(c, 'short', 'e2e', 'p99'):.3g} s).")
+        out["answer"].append(f"Continuous vs static: {cs['output_tokens_per_s_ratio']:.2f}x the output tokens/s; "
+                             f"short-request p99 e2e {_times(cs['short_p99_e2e_ratio'])} under continuous.")
     for mode in sorted({v["admission"] for v in vs.values() if v.get("admission")}):
         full, half = vs.get(f"{mode}/full"), vs.get(f"{mode}/half")
         if not (_ok(full) and _ok(half)):
             continue
-        p_full, p_half = _p(full, "short", "e2e", "p99"), _p(half, "short", "e2e", "p99")
-        fall = p_full / p_half if p_half else math.inf
+        p_half = _p(half, "short", "e2e", "p99")
+        fall = _p(full, "short", "e2e", "p99") / p_half if p_half else math.inf
         reason = full["metrics"]["dominant_wait_reason"]
-        h: dict[str, Any] = {"fall": fall, "fell_sharply": fall >= SHARP,
-                             "queued_on": REASON_MEANS.get(reason, reason) if reason else None,
-                             "seed_rule_holds": (fall >= SHARP) == (reason == "kv_blocks")}
-        h["why"] = _why(mode, h, full, half)
+        h = {"fall": fall, "fell_sharply": fall >= SHARP, "queued_on": REASON_MEANS.get(reason, reason),
+             "seed_rule_holds": (fall >= SHARP) == (reason == "kv_blocks"), "why": _why(mode, fall >= SHARP, full, half)}
         out["halving"][mode] = h
-        out["answer"].append(
-            f"{mode}: short-request p99 e2e {p_full:.3g} s at max_model_len {full['flags']['max_model_len']} -> "
-            f"{p_half:.3g} s at {half['flags']['max_model_len']} ({_times(fall)}: "
-            f"{'fell sharply' if h['fell_sharply'] else 'no sharp fall'}). At full length {_reason_text(full)}"
-            + (f": requests were queueing on {h['queued_on']}. " if reason else ". ") + h["why"])
-    if out["halving"]:
-        both = {m: (vs[f"{m}/full"]["metrics"], vs[f"{m}/half"]["metrics"]) for m in out["halving"]}
-        kv = [m for m, (f, _) in both.items() if f["dominant_wait_reason"] == "kv_blocks"]
-        sharp = [m for m, h in out["halving"].items() if h["fell_sharply"]]
-        more = [f"{m} ({f['max_running']:.0f} -> {h['max_running']:.0f})" for m, (f, h) in both.items()
-                if (h["max_running"] or 0) > (f["max_running"] or 0)]
-        out["answer"].append(f"So: halving max_model_len made short-request p99 fall sharply under "
-                             f"{', '.join(sharp) or 'no mode'}; requests queued on KV blocks under "
-                             f"{', '.join(kv) or 'no mode'}; more requests ran at once only under "
-                             f"{', '.join(more) or 'no mode'}.")
+        out["answer"].append(f"{mode}: short-request p99 e2e {_times(fall)} at max_model_len "
+                             f"{half['flags']['max_model_len']} than at {full['flags']['max_model_len']} "
+                             f"({'fell sharply' if h['fell_sharply'] else 'no sharp fall'}); at full length requests "
+                             f"queued mostly on {h['queued_on'] or 'nothing'}. {h['why']}")
     targets = [t["name"] for t in results["settings"].get("targets") or []]
     for name in targets:
         v = vs.get(name)
-        if not _ok(v):
-            out["answer"].append(f"{name}: not measured ({(v or {}).get('error', 'no figures')}).")
-            continue
-        out["answer"].append(
-            f"{name}: {v['output_tokens_per_s']:.1f} output tokens/s; short-request e2e p50 "
-            f"{num(_p(v, 'short', 'e2e', 'p50'), ' s')}, p99 {num(_p(v, 'short', 'e2e', 'p99'), ' s')}; "
-            f"{v['errors']} of {v['requests']} requests failed"
-            + (f"; {_reason_text(v)}" if v["metrics"]["waiting_by_reason_s"] else "") + ".")
+        out["answer"].append(f"{name}: {v['output_tokens_per_s']:.1f} output tokens/s; {v['errors']} of "
+                             f"{v['requests']} requests failed." if _ok(v) else
+                             f"{name}: not measured ({(v or {}).get('error', 'no figures')}).")
     ok = [n for n in targets if _ok(vs.get(n))]
     if len(ok) >= 2:
         out["comparison"] = compare(vs, ok)
         for name, c in out["comparison"]["vs"].items():
-            tps, p99, g = c["output_tokens_per_s"], c["short"]["e2e"]["p99"], c["greedy_texts"]
-            out["answer"].append(
-                f"{ok[0]} vs {name}: {num(tps['ratio'], 'x', '{:.2f}')} the output tokens/s ({tps[ok[0]]:.1f} vs "
-                f"{tps[name]:.1f}); short-request p99 e2e {_times(p99['ratio']) if p99['ratio'] else 'not comparable'} "
-                f"under {ok[0]}; greedy texts identical in {g['identical']} of {g['compared']} requests.")
+            tps, p99, g = c["output_tokens_per_s"]["ratio"], c["short"]["e2e"]["p99"]["ratio"], c["greedy_texts"]
+            out["answer"].append(f"{ok[0]} vs {name}: {num(tps, 'x', '{:.2f}')} the output tokens/s; short-request p99 "
+                                 f"e2e {_times(p99) if p99 else 'not comparable'} under {ok[0]}; greedy texts "
+                                 f"identical in {g['identical']} of {g['compared']} requests.")
     return out
 
 
-# ---- side by side ------------------------------------------------------------------------
-
 def text_agreement(a: dict, b: dict) -> dict[str, Any]:
-    """Do two servers' greedy completions of the same requests match, text for text?"""
+    """Do two servers' greedy completions of the same requests match, text for text? And did the
+    same prompt make as many tokens on both (from usage; None: not reported)?"""
     pairs = [(i, x["text"], y["text"]) for i, (x, y) in enumerate(zip(a["per_request"], b["per_request"]))
              if not x["error"] and not y["error"] and x.get("text") is not None and y.get("text") is not None]
     diff = [(i, x, y) for i, x, y in pairs if x != y]
@@ -441,33 +396,26 @@ def text_agreement(a: dict, b: dict) -> dict[str, Any]:
         first = {"request": i, "common_prefix_chars": k, "a": x[max(0, k - 20):k + 40], "b": y[max(0, k - 20):k + 40]}
     known = [(x["prompt_tokens"], y["prompt_tokens"]) for x, y in zip(a["per_request"], b["per_request"])
              if x.get("prompt_tokens") is not None and y.get("prompt_tokens") is not None]
-    return {"compared": len(pairs), "identical": len(pairs) - len(diff),
-            # the same prompt text made the same number of tokens on both (from usage; None: not reported)
-            "prompt_tokens_equal": sum(x == y for x, y in known) if known else None, "prompt_tokens_compared": len(known),
-            "first_difference": first}
+    return {"compared": len(pairs), "identical": len(pairs) - len(diff), "first_difference": first,
+            "prompt_tokens_equal": sum(x == y for x, y in known) if known else None, "prompt_tokens_compared": len(known)}
 
 
 def compare(vs: dict[str, dict], names: list[str]) -> dict[str, Any]:
-    """Each server against the first: output tokens/s, TTFT / ITL / TPOT / e2e p50 and p99 per
-    class, each as both values and a ratio (> 1: the first is better), and the texts."""
-    ref = names[0]
-    out = {"reference": ref, "ratio_meaning": "ratio > 1: the reference (the first server) is better: its output "
-           "tokens/s over the other's, the other's latency over its own", "vs": {}}
-    a = vs[ref]
+    """Each server against the first: output tokens/s, and TTFT / ITL / TPOT / e2e p50 and p99 per
+    class, as both values and a ratio (> 1: the first is better); and the texts."""
+    ref, a = names[0], vs[names[0]]
+    out: dict[str, Any] = {"reference": ref, "vs": {}}
     for name in names[1:]:
         b = vs[name]
         c: dict[str, Any] = {"output_tokens_per_s": {ref: a["output_tokens_per_s"], name: b["output_tokens_per_s"],
                                                      "ratio": ratio(a["output_tokens_per_s"], b["output_tokens_per_s"])}}
         for cls in ("short", "long"):
-            c[cls] = {m: {q: {ref: a[cls][m].get(q), name: b[cls][m].get(q), "ratio": ratio(b[cls][m].get(q),
-                                                                                          a[cls][m].get(q))}
-                          for q in ("p50", "p99")} for m, _, _ in METRICS}
-        c["greedy_texts"] = text_agreement(a, b)
-        out["vs"][name] = c
+            c[cls] = {m: {q: {ref: a[cls][m].get(q), name: b[cls][m].get(q),
+                              "ratio": ratio(b[cls][m].get(q), a[cls][m].get(q))} for q in ("p50", "p99")}
+                      for m, _, _ in METRICS}
+        out["vs"][name] = c | {"greedy_texts": text_agreement(a, b)}
     return out
 
-
-# ---- tables ------------------------------------------------------------------------------
 
 def _q(cls: str, metric: str, qs: tuple[str, ...], scale: float = 1.0) -> Any:
     return lambda v: tuple(scale * x if x is not None else None for x in (_p(v, cls, metric, q) for q in qs))
@@ -507,24 +455,28 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def print_table(results: dict[str, Any]) -> None:
-    print(text_table(table_rows(results)) + "\n")
-    for line in results["analysis"]["answer"]:
-        print("- " + line)
-
-
 # ---- report.md ---------------------------------------------------------------------------
 
-def _budget_text(results: dict[str, Any]) -> str:
-    """The KV budget's arithmetic: how many requests each admission mode fits in it."""
-    st = results["settings"]
-    blocks, bs, full = st["kv_budget_blocks"] - 1, st["block_size"], st["max_model_len"]
-    return (f"KV budget of the admission variants: --num-kv-blocks {blocks + 1} = {blocks} usable blocks of {bs} "
-            f"tokens = {st['kv_budget_seqs']} sequences of max_model_len {full}. Under reserve-max-len every request "
-            f"holds max_model_len: {blocks // math.ceil(full / bs)} requests fit at {full}, "
-            f"{blocks // math.ceil(full // 2 / bs)} at {full // 2} (of {st['max_num_seqs']} slots), so there "
-            "max_model_len governs concurrency, as the seed assumes; under reserve a request holds prompt + "
-            "max_tokens and under on-demand the tokens computed so far, neither of which depends on max_model_len.")
+def server_text(v: dict) -> str:
+    """In words: how the bench talked to this server, and what it could not measure there."""
+    if "capabilities" not in v:
+        return f"not measured: {v.get('error', 'no figures')}"
+    caps = v["capabilities"]
+    said = [f"model `{caps['model']}`" if caps["model"] else "no model name from /v1/models", f"{caps['prompts']} prompts"]
+    said += [f"refused {dict(include_usage='stream_options.include_usage', logprobs='logprobs=0').get(f, f)} "
+             f"({answer[:120]})" for f, answer in caps["refused"].items()]
+    if not caps["ignore_eos"]:
+        said.append("no ignore_eos sent, so output lengths follow the model")
+    elif not v["exact_lengths"]:
+        said.append("ignore_eos sent, but output lengths were not exact")
+    missing = [text for cond, text in (
+        (not caps["usage"], "usage: prompt tokens not known, output tokens counted from the streamed chunks"),
+        (caps["timing"] == "chunks", "per-token ITL (timed per streamed chunk)"),
+        (caps["timing"] == "none", "TTFT, ITL and TPOT (--no-stream: each request's one response gives e2e and usage)"),
+        (not caps["metrics"], "running / waiting / KV usage / preemptions (no /metrics with a series the bench knows)"),
+        (caps["metrics"] and not v["metrics"]["waiting_by_reason_s"], "why requests waited (no waiting-by-reason)"))
+        if cond]
+    return "; ".join(said) + ". Not measured: " + ("; ".join(missing) or "nothing") + "."
 
 
 def side_by_side_md(results: dict[str, Any]) -> list[str]:
@@ -532,93 +484,35 @@ def side_by_side_md(results: dict[str, Any]) -> list[str]:
     comp = results["analysis"]["comparison"]
     ref, lines = comp["reference"], ["## Side by side", ""]
     for name, c in comp["vs"].items():
-        def row(label: str, d: dict, unit: str, scale: float = 1.0, fmt: str = "{:.3g}") -> list[str]:
+        def row(label: str, d: dict, unit: str = "", scale: float = 1.0, fmt: str = "{:.3g}") -> list[str]:
             val = [None if d[k] is None else d[k] * scale for k in (ref, name)]
             return [label, num(val[0], unit, fmt), num(val[1], unit, fmt), num(d["ratio"], "x", "{:.2f}")]
 
-        rows = [["", ref, name, f"{ref} better by"], row("output tokens/s", c["output_tokens_per_s"], "", fmt="{:.1f}")]
+        rows = [["", ref, name, f"{ref} better by"], row("output tokens/s", c["output_tokens_per_s"], fmt="{:.1f}")]
         rows += [row(f"{cls} {m.upper()} {q}", c[cls][m][q], unit, scale)
                  for cls in ("short", "long") for m, unit, scale in METRICS for q in ("p50", "p99")]
         g, d = c["greedy_texts"], c["greedy_texts"]["first_difference"]
         lines += [f"### {ref} vs {name}", "", md_table(rows), "",
-                  f"Ratios: output tokens/s {ref} / {name}; latencies {name} / {ref}. Greedy texts: "
-                  f"{g['identical']} of {g['compared']} requests identical"
-                  + (f"; first difference in request {d['request']} after {d['common_prefix_chars']} characters: "
-                     f"{d['a']!r} vs {d['b']!r}" if d else "") + ". Prompt tokens (usage): "
-                  + (f"the same count on both in {g['prompt_tokens_equal']} of {g['prompt_tokens_compared']} requests."
-                     if g["prompt_tokens_equal"] is not None else "not reported by both servers."), ""]
+                  f"Greedy texts: {g['identical']} of {g['compared']} requests identical"
+                  + (f"; the first difference in request {d['request']} after {d['common_prefix_chars']} characters: "
+                     f"{d['a']!r} vs {d['b']!r}" if d else "") + ". Prompt tokens (usage) equal on both: "
+                  + (f"{g['prompt_tokens_equal']} of {g['prompt_tokens_compared']} requests." if g["prompt_tokens_equal"]
+                     is not None else "not reported by both."), ""]
     return lines
 
 
-def server_text(v: dict) -> str:
-    """In words: how the bench talked to this server, and what it could not measure there."""
-    if "capabilities" not in v:
-        return f"not measured: {v.get('error', 'no figures')}"
-    caps = v["capabilities"]
-    said = [f"model `{caps['model']}`" if caps["model"] else "no model name from /v1/models (requests name none)",
-            f"{caps['prompts']} prompts"]
-    said += [f"refused {dict(include_usage='stream_options.include_usage', logprobs='logprobs=0').get(f, f)} "
-             f"({answer[:120]})" for f, answer in caps["refused"].items()]
-    lengths = (f"finish reasons {', '.join(f'{k} {n}' for k, n in v['finish_reasons'].items())}; mean output "
-               f"tokens short {num(_p(v, 'short', 'output_tokens', 'mean'), '', '{:.1f}')}, long "
-               f"{num(_p(v, 'long', 'output_tokens', 'mean'), '', '{:.1f}')}")
-    if caps["ignore_eos"]:
-        said.append("ignore_eos sent, " + ("output lengths exact" if v["exact_lengths"] else
-                                           f"but output lengths were not exact ({lengths})"))
-    else:
-        said.append(f"no ignore_eos sent, so output lengths follow the model ({lengths})")
-    missing = []
-    if not caps["usage"]:
-        missing.append("usage: prompt tokens not known, output tokens counted from the streamed chunks")
-    elif v.get("prompt_tokens"):
-        said.append(f"prompt tokens from usage: mean {v['prompt_tokens']['mean']:.0f}, "
-                    f"total {v['prompt_tokens']['total']:.0f}")
-    if caps["timing"] == "chunks":
-        missing.append("per-token ITL (timed per streamed chunk)")
-    elif caps["timing"] == "none":
-        missing.append("TTFT, ITL and TPOT (--no-stream: each request's one response gives e2e and usage)")
-    if not caps["metrics"]:
-        missing.append("running / waiting / KV usage / preemptions (no /metrics with a series the bench knows)")
-    elif not v["metrics"]["waiting_by_reason_s"]:
-        missing.append("why requests waited (no waiting-by-reason series)")
-    return "; ".join(said) + ". Not measured: " + ("; ".join(missing) or "nothing") + "."
-
-
-TIMING_TEXT = {"text": "one chunk per token, from the stream's text chunks",
-               "logprobs": "each token's chunk (logprobs=0 asked for, as some tokens decode to no text)",
-               "chunks": "per SSE chunk (approximate: a chunk may hold several tokens)",
-               "none": "none (--no-stream: one response per request, so e2e and usage only; TTFT and ITL not measured)"}
-
-
 def write_report(results: dict[str, Any], out_dir: str) -> str:
-    st, m, an = results["settings"], results["machine"], results["analysis"]
+    st, m, an, vs = results["settings"], results["machine"], results["analysis"], results["variants"]
     targets = st.get("targets") or []
-    vs = results["variants"]
     lines = ["# Mixed short/long online bench", "",
              f"{results['started']}, {results['total_s'] / 60:.1f} minutes. Generated by `python bench/mixed.py`"
              + (" from a run that did not finish." if results.get("partial") else "."), "", "## Answer", ""]
-    lines += [f"- {a}" for a in an["answer"]] + [""]
-    if not targets:
-        lines += [f"A \"sharp fall\" is short-request p99 e2e at least {SHARP}x lower at half max_model_len. Waiting "
-                  "reasons are request-seconds integrated from `taxirank:num_requests_waiting_by_reason` samples.", ""]
-    if an.get("comparison"):
-        lines += side_by_side_md(results)
+    lines += [f"- {a}" for a in an["answer"]] + [""] + (side_by_side_md(results) if an.get("comparison") else [])
     lines += ["## Results", "", md_table(table_rows(results)), "",
               "Client-side TTFT, ITL and e2e; tok/s: output tokens from the first request sent to the last token. "
-              "`server cores`: the server's CPU seconds over the run's wall time. `-`: not measured.", ""]
-    if an["halving"]:
-        rows = [["mode", "short p99 e2e full -> half", "fall", "short p99 TTFT full -> half", "tok/s full -> half",
-                 "max running full -> half", "waited on (full / half)", "preemptions full / half"]]
-        for mode, h in an["halving"].items():
-            f, g = vs[f"{mode}/full"], vs[f"{mode}/half"]
-            fm, gm = f["metrics"], g["metrics"]
-            p99 = [f"{_p(f, 'short', m, 'p99'):.1f} s -> {_p(g, 'short', m, 'p99'):.1f} s" for m in ("e2e", "ttft")]
-            rows.append([mode, p99[0], f"{h['fall']:.2f}x", p99[1],
-                         f"{f['output_tokens_per_s']:.0f} -> {g['output_tokens_per_s']:.0f}",
-                         f"{num(fm['max_running'])} -> {num(gm['max_running'])}",
-                         f"{fm['dominant_wait_reason']} / {gm['dominant_wait_reason']}",
-                         f"{num(fm['preemptions'])} / {num(gm['preemptions'])}"])
-        lines += ["### Halving max_model_len, per KV admission mode", "", md_table(rows), ""]
+              "`server cores`: the server's CPU seconds over the run's wall time. `-`: not measured. A sharp fall of "
+              f"short-request p99 at half max_model_len: >= {SHARP}x; waits from `taxirank:num_requests_waiting_by_reason`.",
+              ""]
     lo_hi = st["prompt_len"].replace(",", "..")
     prompts = (f"{lo_hi} words of generated prose" if st.get("prompt_kind") == "text"
                else f"{lo_hi} random token ids (vocabulary {st['vocab_size']})")
@@ -629,38 +523,33 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
               + (f"Poisson arrivals at {st['rate']} requests/s." if st["rate"] else "all sent at once."),
               "- Token timing: " + ("; ".join(TIMING_TEXT[t] for t in timings) or "none") + "."]
     if targets:
-        lines += ["- Servers, one after the other, the same requests to each:", ""]
-        lines += [f"  - {t['name']}: " + (f"`{t['command']}`" if t.get("command") else t["url"]) for t in targets]
-        lines += ["", "### What each server took, and what could not be measured", ""]
-        lines += [f"- {t['name']}: {server_text(vs.get(t['name']) or {})}" for t in targets]
+        lines += [f"- {t['name']}: " + (f"`{t['command']}`" if t.get("command") else t["url"]) + ": "
+                  + server_text(vs.get(t["name"]) or {}) for t in targets]
     else:
-        lines += ["- ignore_eos on every request, so output lengths are exact.",
-                  f"- Model `{st['model']}`; max_num_seqs {st['max_num_seqs']}, block size {st['block_size']}, "
-                  f"max_model_len {st['max_model_len']} (full) or {st['max_model_len'] // 2} (half)"
+        blocks, bs, full = st["kv_budget_blocks"] - 1, st["block_size"], st["max_model_len"]
+        lines += [f"- ignore_eos on every request. Model `{st['model']}`; max_num_seqs {st['max_num_seqs']}, block "
+                  f"size {bs}, max_model_len {full} (full) or {full // 2} (half)"
                   + (f", extra server flags `{st['server_args']}`" if st["server_args"] else "") + ".",
-                  f"- {_budget_text(results)}", "", "| variant | server flags |", "|---|---|"]
+                  f"- The admission variants' KV budget: {blocks} blocks = {st['kv_budget_seqs']} sequences of {full} "
+                  f"tokens; under reserve-max-len {blocks // math.ceil(full / bs)} requests fit at {full}, "
+                  f"{blocks // math.ceil(full // 2 / bs)} at {full // 2}.", "", "| variant | server flags |", "|---|---|"]
         lines += [f"| {n} | `{' '.join(flags_to_argv(v['flags']))}` |" for n, v in vs.items()]
-    la = "/".join(f"{x:.1f}" for x in results["loadavg_start"]), "/".join(f"{x:.1f}" for x in results["loadavg_end"])
+    la = ["/".join(f"{x:.1f}" for x in results[k]) for k in ("loadavg_start", "loadavg_end")]
     lines += ["", "## Machine", "", f"- {m.get('cpu')}, {m.get('cores')} cores; Python {m.get('python')}, JAX "
               f"{m.get('jax')} ({m.get('jax_backend')}); load average {la[0]} at start, {la[1]} at the end.", "",
               "## Plots", ""] + [f"![{p}]({p})" for p in results.get("plots", [])]
-    path = os.path.join(out_dir, "report.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
+    return write_text(os.path.join(out_dir, "report.md"), "\n".join(lines) + "\n")
 
 
 # ---- plots -------------------------------------------------------------------------------
 
 def client_view(v: dict, points: int = 300) -> dict[str, Any] | None:
-    """Requests in flight over time as the client saw them: waiting for their first token (or,
-    not streamed, for their one response), and streaming (first token in, not finished).
-    Needs no server metrics."""
+    """Requests in flight over time as the client saw them (no server metrics needed): waiting
+    for their first token (or, not streamed, their one response), and streaming."""
     reqs = [r for r in v.get("per_request") or [] if r["e2e"] is not None]
     if not reqs:
         return None
-    end = max(r["start"] + r["e2e"] for r in reqs)
-    ts = [end * i / points for i in range(points + 1)]
+    ts = [max(r["start"] + r["e2e"] for r in reqs) * i / points for i in range(points + 1)]
     first = [r["start"] + (r["ttft"] if r["ttft"] is not None else r["e2e"]) for r in reqs]
     return {"t": ts, "awaiting": [sum(r["start"] <= t < f for r, f in zip(reqs, first)) for t in ts],
             "streaming": [sum(f <= t < r["start"] + r["e2e"] for r, f in zip(reqs, first)) for t in ts],
@@ -668,17 +557,16 @@ def client_view(v: dict, points: int = 300) -> dict[str, Any] | None:
 
 
 def _plot_client_view(ax: Any, cv: dict) -> None:
-    ax.stackplot(cv["t"], cv["streaming"], cv["awaiting"], step="post", alpha=0.6,
-                 labels=["streaming tokens", "waiting for the first token" if cv["streamed"] else
-                         "waiting for the response (--no-stream)"])
+    ax.stackplot(cv["t"], cv["streaming"], cv["awaiting"], step="post", alpha=0.6, labels=[
+        "streaming tokens", "waiting for the first token" if cv["streamed"] else "waiting for the response"])
     ax.set_ylabel("requests")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
 
 
-def _plot_timeline(plt: Any, name: str, v: dict, out_dir: str) -> str | None:
+def _plot_timeline(plt: Any, name: str, v: dict, path: str) -> str | None:
     """The server's view from /metrics (running, waiting by reason, KV usage), else the client's."""
-    tl, fname = v.get("timeline"), f"timeline-{name.replace('/', '-')}.png"
+    tl = v.get("timeline")
     if not tl or not tl["t"]:
         cv = client_view(v)
         if not cv:
@@ -686,10 +574,9 @@ def _plot_timeline(plt: Any, name: str, v: dict, out_dir: str) -> str | None:
         fig, ax = plt.subplots(figsize=(9, 4))
         _plot_client_view(ax, cv)
         ax.set(title=f"{name}: no /metrics, the client's view", xlabel="seconds since the first request")
-        return save_figure(fig, os.path.join(out_dir, fname))
+        return save_figure(fig, path)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, height_ratios=(2, 1))
-    t = tl["t"]
-    reasons = {r: col for r, col in tl["waiting_by_reason"].items() if any(col)}
+    t, reasons = tl["t"], {r: col for r, col in tl["waiting_by_reason"].items() if any(col)}
     if reasons:
         top.stackplot(t, *reasons.values(), labels=[f"waiting: {r}" for r in reasons], alpha=0.5, step="post")
     elif any(x is not None for x in tl["waiting"]):
@@ -705,14 +592,13 @@ def _plot_timeline(plt: Any, name: str, v: dict, out_dir: str) -> str | None:
     bottom.set(ylabel="KV usage %", xlabel="seconds since the first request", ylim=(0, 105),
                title=f"preemptions: {pre[-1]:.0f}" if pre else None)
     bottom.grid(True, alpha=0.3)
-    return save_figure(fig, os.path.join(out_dir, fname))
+    return save_figure(fig, path)
 
 
 def write_plots(results: dict[str, Any], out_dir: str) -> list[str]:
     """cdf_short_e2e.png (all variants), timeline-<variant>.png, and with two or more servers
     timeline_side_by_side.png; the file names written."""
-    plt = pyplot()
-    vs = results["variants"]
+    plt, vs = pyplot(), results["variants"]
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, v in vs.items():
         xs = sorted(r["e2e"] for r in v.get("per_request", []) if r["class"] == "short" and r["e2e"] is not None)
@@ -724,7 +610,8 @@ def write_plots(results: dict[str, Any], out_dir: str) -> list[str]:
     if ax.lines:
         ax.legend(fontsize=8)
     written = [save_figure(fig, os.path.join(out_dir, "cdf_short_e2e.png"))]
-    written += [p for p in (_plot_timeline(plt, n, v, out_dir) for n, v in vs.items()) if p]
+    written += [p for p in (_plot_timeline(plt, n, v, os.path.join(out_dir, f"timeline-{n.replace('/', '-')}.png"))
+                            for n, v in vs.items()) if p]
     side = [t["name"] for t in results["settings"].get("targets") or [] if client_view(vs[t["name"]])]
     if len(side) >= 2:
         fig, axes = plt.subplots(len(side), 1, figsize=(9, 2.6 * len(side)), sharex=True, sharey=True, squeeze=False)
@@ -744,5 +631,5 @@ def mixed_report(results: dict[str, Any], out_dir: str) -> None:
     results["plots"] = write_plots(results, out_dir)
     write_json(os.path.join(out_dir, "results.json"), results)
     write_report(results, out_dir)
-    print_table(results)
+    print(text_table(table_rows(results)) + "\n\n" + "\n".join("- " + a for a in results["analysis"]["answer"]))
     print(f"\nresults: {out_dir}")
