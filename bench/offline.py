@@ -48,10 +48,8 @@ class Sizes:
     max_num_batched_tokens: int | None  # None: the engine's default
 
 
-# The peers run a slice of the mix, not all 100 requests: transformers on 2 CPU cores would
-# take most of an hour for the whole mix. 24 requests (12 x 16 + 12 x 512 tokens, in the
-# mix's shuffled order) at 8 sequences per batch keep the shape of the mix (the static
-# batches still wait for their longest member) in a few minutes per peer.
+# The peers run a slice of the mix (transformers on 2 CPU cores would take most of an hour for
+# all of it) that keeps its shape: static batches still wait for their longest member.
 FULL = Sizes(model="bench", num_requests=100, short=16, long=512, prompt_len=(32, 256), seqs_throughput=32,
              seqs_latency=64, max_model_len=1024, exp_requests=300, exp_mean=128, exp_cap=1536,
              exp_max_model_len=2048, peer_requests=24, peer_seqs=8, peer_long=512, max_num_batched_tokens=None)
@@ -63,8 +61,8 @@ TARGETS = {"mix32": 1.8, "p99-64": 15.0, "exp32": 3.0, "peers_cb": 5.0, "peers_s
 
 class Engines:
     """One LLM per (max_num_seqs, scheduling, max_model_len), built and warmed up outside every
-    timed region; sections that share a configuration share the engine. `engine_args`: the
-    EngineConfig fields every engine shares beyond the default float32 model."""
+    timed region and shared by the sections that use it. `engine_args`: the EngineConfig fields
+    every engine shares beyond the default float32 model."""
 
     def __init__(self, model: str, log: Callable[[str], None], **engine_args: Any) -> None:
         self.model, self.log, self.engine_args = model, log, {"dtype": "float32"} | engine_args
@@ -106,8 +104,8 @@ def hf_config(c: Any) -> dict[str, Any]:
 
 
 def hf_model_from(model_name: str):
-    """transformers' LlamaForCausalLM holding the very arrays of taxirank's model
-    (load_model is deterministic from seed 0), named with the loader's own mapping."""
+    """transformers' LlamaForCausalLM holding the very arrays of taxirank's model (load_model is
+    deterministic from seed 0), named with the loader's own mapping; EOS off."""
     import numpy as np
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -123,62 +121,49 @@ def hf_model_from(model_name: str):
     fields = {k: v for k, v in hf_config(c).items() if k not in ("rope_theta", "torch_dtype")}
     hf_cfg = LlamaConfig(**fields | {"rope_parameters": rope, "eos_token_id": None, "pad_token_id": 0})
     hf_cfg._attn_implementation = "sdpa"
-    # a writable float32 copy for torch
     state = {name: torch.from_numpy(np.array(x, np.float32)) for name, x in tx_model.hf_state_dict(loaded.model).items()}
-    torch.manual_seed(0)
     hf = LlamaForCausalLM(hf_cfg)  # random init, overwritten in full just below
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
     return hf.eval()
 
 
 def run_hf_static(hf, reqs: list[Request], batch_size: int) -> dict[str, Any]:
     """Padded static batching, the way `generate` does it: batches of batch_size prompts,
-    left-padded, each batch running to its longest max_tokens. Only the requested tokens
-    count as output."""
+    left-padded, each running to its longest max_tokens; only the requested tokens count."""
     import torch
     from transformers import GenerationConfig
 
-    def batch_inputs(batch: list[Request]):
-        width = max(len(r.prompt_token_ids) for r in batch)
+    def gen(batch: list[Request]) -> list[list[int]]:
+        width, n = max(len(r.prompt_token_ids) for r in batch), max(r.max_tokens for r in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, r in enumerate(batch):
-            n = len(r.prompt_token_ids)
-            ids[i, width - n:] = torch.tensor(r.prompt_token_ids)
-            mask[i, width - n:] = 1
-        return ids, mask
-
-    def gen(batch: list[Request]):
-        ids, mask = batch_inputs(batch)
-        n = max(r.max_tokens for r in batch)
+            ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids):] = 1
         cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
         out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
-        return [out[i, ids.shape[1]:ids.shape[1] + r.max_tokens].tolist() for i, r in enumerate(batch)]
+        return [out[i, width:width + r.max_tokens].tolist() for i, r in enumerate(batch)]
 
     with torch.inference_mode():
-        # Untimed warm-up at the real shapes: torch's first calls at a new size are slow.
-        gen([replace(r, max_tokens=min(r.max_tokens, 4)) for r in reqs[:batch_size]])
-        tokens, steps = [], 0
+        gen([replace(r, max_tokens=min(r.max_tokens, 4)) for r in reqs[:batch_size]])  # warm-up at the real shapes
+        batches = [reqs[i:i + batch_size] for i in range(0, len(reqs), batch_size)]
         t0 = time.perf_counter()
-        for i in range(0, len(reqs), batch_size):
-            batch = reqs[i:i + batch_size]
-            tokens += gen(batch)
-            steps += max(r.max_tokens for r in batch)
+        tokens = [t for batch in batches for t in gen(batch)]
         wall = time.perf_counter() - t0
     n_out = sum(r.max_tokens for r in reqs)
     assert all(len(t) == r.max_tokens for t, r in zip(tokens, reqs))
     return {"peer": "transformers generate (padded static)", "batch_size": batch_size, "wall_s": wall,
-            "output_tokens": n_out, "output_tok_s": n_out / wall, "decode_steps": steps, "token_ids": tokens}
+            "output_tokens": n_out, "output_tok_s": n_out / wall, "token_ids": tokens,
+            "decode_steps": sum(max(r.max_tokens for r in b) for b in batches)}
 
 
 def run_hf_continuous(hf, reqs: list[Request], max_requests: int, max_batch_tokens: int) -> dict[str, Any]:
     """transformers' continuous batching. `generate_batch` takes one max_new_tokens for all
-    requests, so this drives the manager it wraps (continuous_batching_context_manager,
-    add_request(..., max_new_tokens=n), get_result): same scheduler, same runner, per-request
-    lengths. Manager start-up and a warm-up request stay outside the timed region."""
+    requests, so this drives the manager it wraps (add_request(..., max_new_tokens=n),
+    get_result): same scheduler and runner, per-request lengths. Start-up and a warm-up
+    request stay outside the timed region."""
     import torch
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -188,34 +173,30 @@ def run_hf_continuous(hf, reqs: list[Request], max_requests: int, max_batch_toke
     cb = ContinuousBatchingConfig(
         max_requests_per_batch=max_requests, max_batch_tokens=max_batch_tokens, page_size=page,
         num_blocks=max_requests * (math.ceil(longest / page) + 1) + 2,  # KV never limits, as for taxirank
-        allow_block_sharing=False,  # no prefix caching: random prompts share nothing, and taxirank has none
+        allow_block_sharing=False,  # no prefix caching: random prompts share nothing
     )
     gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=-1,
                                pad_token_id=0)
-    results: dict[str, Any] = {}
-    with torch.inference_mode(), hf.continuous_batching_context_manager(
-            generation_config=gen_cfg, continuous_batching_config=cb, block=True, timeout=30) as manager:
-        resolved = manager.continuous_batching_config
-        # Untimed warm-up at the real shapes: torch's first calls at a new size are slow.
-        warm = {f"warmup{i}" for i in range(min(max_requests, len(reqs)))}
-        for i, r in enumerate(reqs[:len(warm)]):
-            manager.add_request(r.prompt_token_ids, request_id=f"warmup{i}", max_new_tokens=min(r.max_tokens, 4))
-        while warm:
-            out = manager.get_result(timeout=60)
-            assert out is not None or manager.is_running(), "transformers' generation thread died in warm-up"
-            if out is not None and out.is_finished():
-                warm.discard(out.request_id)
-        t0 = time.perf_counter()
-        for i, r in enumerate(reqs):
-            manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.max_tokens)
-        while len(results) < len(reqs):
+
+    def run(manager: Any, batch: list[Request], prefix: str) -> dict[str, Any]:
+        for i, r in enumerate(batch):
+            manager.add_request(r.prompt_token_ids, request_id=f"{prefix}{i}", max_new_tokens=r.max_tokens)
+        done: dict[str, Any] = {}
+        while len(done) < len(batch):
             out = manager.get_result(timeout=1)
+            assert out is not None or manager.is_running(), "transformers' generation thread died"
             if out is not None and out.is_finished():
                 assert out.error is None, out.error
-                results[out.request_id] = out
-            elif out is None:
-                assert manager.is_running(), "transformers' generation thread died"
+                done[out.request_id] = out
+        return done
+
+    with torch.inference_mode(), hf.continuous_batching_context_manager(
+            generation_config=gen_cfg, continuous_batching_config=cb, block=True, timeout=30) as manager:
+        run(manager, [replace(r, max_tokens=min(r.max_tokens, 4)) for r in reqs[:max_requests]], "warmup")
+        t0 = time.perf_counter()
+        results = run(manager, reqs, "r")
         wall = time.perf_counter() - t0
+        resolved = manager.continuous_batching_config
     tokens = [list(results[f"r{i}"].generated_tokens) for i in range(len(reqs))]
     assert all(len(t) == r.max_tokens for t, r in zip(tokens, reqs)), "transformers CB: wrong output lengths"
     n_out = sum(len(t) for t in tokens)
@@ -224,14 +205,9 @@ def run_hf_continuous(hf, reqs: list[Request], max_requests: int, max_batch_toke
             "config": {k: str(v) for k, v in vars(resolved).items()}, "token_ids": tokens}
 
 
-def _agreement(a: list[list[int]], b: list[list[int]], k: int) -> float:
-    """Fraction of requests whose first k greedy tokens match: both sides run one model."""
-    return sum(x[:k] == y[:k] for x, y in zip(a, b)) / max(len(a), 1)
-
-
 # ---- sections ----------------------------------------------------------------------------
 
-def run_pair(name: str, engines: Engines, reqs: list[Request], seqs: int, max_model_len: int, log: Callable,
+def run_pair(name: str, engines: Engines, reqs: list[Request], seqs: int, max_model_len: int,
              short: int | None = None) -> dict[str, dict[str, Any]]:
     """The same requests through a continuous and a static engine of the same size."""
     engines.keep_only({(seqs, "continuous", max_model_len), (seqs, "static", max_model_len)})
@@ -245,57 +221,53 @@ def run_pair(name: str, engines: Engines, reqs: list[Request], seqs: int, max_mo
     return runs
 
 
-def _mix(sz: Sizes) -> list[Request]:
-    return seed_mix(sz.num_requests, _vocab(sz), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
+def _vocab(sz: Sizes) -> int:
+    from model import BUILTIN_MODELS
+
+    return BUILTIN_MODELS[sz.model].vocab_size
 
 
-def section_mix32(sz: Sizes, engines: Engines, log: Callable) -> dict[str, Any]:
-    runs = run_pair("mix32", engines, _mix(sz), sz.seqs_throughput, sz.max_model_len, log, sz.short)
-    return {"workload": _describe_mix(sz), "runs": _strip(runs), "ratios": continuous_vs_static(
-        runs["continuous"], runs["static"], TARGETS["mix32"], None, f", max_num_seqs {sz.seqs_throughput}")}
-
-
-def section_p99_64(sz: Sizes, engines: Engines, log: Callable) -> dict[str, Any]:
-    runs = run_pair("p99-64", engines, _mix(sz), sz.seqs_latency, sz.max_model_len, log, sz.short)
-    tok_s, p99 = continuous_vs_static(runs["continuous"], runs["static"], None, TARGETS["p99-64"],
-                                      f", max_num_seqs {sz.seqs_latency}")
-    return {"workload": _describe_mix(sz), "runs": _strip(runs), "ratios": [p99, tok_s]}
-
-
-def section_exp32(sz: Sizes, engines: Engines, log: Callable) -> dict[str, Any]:
-    reqs = exponential_mix(sz.exp_requests, _vocab(sz), mean=sz.exp_mean, cap=sz.exp_cap, prompt_len=sz.prompt_len)
-    assert max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) <= sz.exp_max_model_len
-    runs = run_pair("exp32", engines, reqs, sz.seqs_throughput, sz.exp_max_model_len, log)
-    lens = [r.max_tokens for r in reqs]
-    return {"workload": {"num_requests": len(reqs), "output_len": f"exponential, mean {sz.exp_mean}, capped at "
-                         f"{sz.exp_cap}", "drawn_mean": sum(lens) / len(lens), "drawn_max": max(lens),
-                         "prompt_len": sz.prompt_len}, "runs": _strip(runs),
-            "ratios": continuous_vs_static(runs["continuous"], runs["static"], TARGETS["exp32"], None,
-                                           f", max_num_seqs {sz.seqs_throughput} (exponential lengths)")}
+def section_pair(name: str, sz: Sizes, engines: Engines) -> dict[str, Any]:
+    """mix32 and p99-64 (the seed's mix at two slot counts) and exp32 (exponential lengths):
+    continuous vs static, the section's headline ratio first."""
+    exp, latency = name == "exp32", name == "p99-64"
+    seqs = sz.seqs_latency if latency else sz.seqs_throughput
+    if exp:
+        reqs = exponential_mix(sz.exp_requests, _vocab(sz), mean=sz.exp_mean, cap=sz.exp_cap, prompt_len=sz.prompt_len)
+        assert max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) <= sz.exp_max_model_len
+        lens = [r.max_tokens for r in reqs]
+        workload = {"num_requests": len(reqs), "output_len": f"exponential, mean {sz.exp_mean}, capped at {sz.exp_cap}",
+                    "drawn_mean": sum(lens) / len(lens), "drawn_max": max(lens), "prompt_len": sz.prompt_len}
+        runs = run_pair(name, engines, reqs, seqs, sz.exp_max_model_len)
+    else:
+        reqs = seed_mix(sz.num_requests, _vocab(sz), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
+        n = sz.num_requests
+        workload = {"num_requests": n, "max_tokens": {str(sz.short): n // 2, str(sz.long): n - n // 2},
+                    "prompt_len": sz.prompt_len, "shuffle_seed": 0}
+        runs = run_pair(name, engines, reqs, seqs, sz.max_model_len, sz.short)
+    ratios = continuous_vs_static(runs["continuous"], runs["static"], None if latency else TARGETS[name],
+                                  TARGETS[name] if latency else None,
+                                  f", max_num_seqs {seqs}" + (" (exponential lengths)" if exp else ""))
+    return {"workload": workload, "runs": {m: lean(r, per_request=True) for m, r in runs.items()},
+            "ratios": ratios[::-1] if latency else ratios}
 
 
 def peer_slice(sz: Sizes) -> list[Request]:
-    """PEER_SLICE: the first peer_requests/2 short and peer_requests/2 long requests of the
-    mix, in its shuffled order (long ones cut to peer_long tokens)."""
+    """The first peer_requests/2 short and peer_requests/2 long requests of the mix, in its
+    shuffled order (long ones cut to peer_long tokens)."""
     reqs = seed_mix(sz.num_requests, _vocab(sz), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
-    half, out, n_short, n_long = sz.peer_requests // 2, [], 0, 0
-    for r in reqs:
-        if r.max_tokens == sz.short and n_short < half:
-            out.append(r)
-            n_short += 1
-        elif r.max_tokens == sz.long and n_long < sz.peer_requests - half:
-            out.append(replace(r, max_tokens=sz.peer_long))
-            n_long += 1
-    return out
+    half = sz.peer_requests // 2
+    shorts = {id(r) for r in [r for r in reqs if r.max_tokens == sz.short][:half]}
+    longs = {id(r) for r in [r for r in reqs if r.max_tokens == sz.long][:sz.peer_requests - half]}
+    return [replace(r, max_tokens=sz.peer_long) if id(r) in longs else r for r in reqs if id(r) in shorts | longs]
 
 
-def section_peers(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
+def section_peers(name: str, sz: Sizes, engines: Engines) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(TORCH_THREADS)
-    reqs = peer_slice(sz)
-    s, L = sz.peer_seqs, sz.max_model_len
-    tx = run_pair("peers taxirank", engines, reqs, s, L, log, sz.short)
+    reqs, s = peer_slice(sz), sz.peer_seqs
+    tx = run_pair("peers taxirank", engines, reqs, s, sz.max_model_len, sz.short)
     c, st = tx["continuous"], tx["static"]
     engines.keep_only(set())  # free the JAX engines' KV caches before torch allocates its own
     t0 = time.perf_counter()
@@ -303,26 +275,22 @@ def section_peers(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
     log(f"  transformers model built from taxirank's arrays in {time.perf_counter() - t0:.1f}s "
         f"(attn {hf.config._attn_implementation}, torch threads {torch.get_num_threads()})")
     hf_static = run_hf_static(hf, reqs, s)
-    log(f"  peers transformers generate (padded static, batch {s}): {hf_static['output_tok_s']:.1f} tok/s, "
-        f"{hf_static['wall_s']:.1f}s")
-    mnbt = sz.max_num_batched_tokens or max(L, 2048, s)  # taxirank's default token budget
-    hf_cb = run_hf_continuous(hf, reqs, s, mnbt)
-    log(f"  peers transformers continuous batching ({s} requests/batch): {hf_cb['output_tok_s']:.1f} tok/s, "
-        f"{hf_cb['wall_s']:.1f}s")
-    k = min(8, sz.short)
-    agreement = {f"first_{k}_tokens_taxirank_vs_hf_cb": _agreement(c["token_ids"], hf_cb["token_ids"], k),
-                 f"first_{k}_tokens_taxirank_vs_hf_generate": _agreement(c["token_ids"], hf_static["token_ids"], k),
-                 f"first_{k}_tokens_hf_cb_vs_hf_generate": _agreement(hf_cb["token_ids"], hf_static["token_ids"], k)}
-    log(f"  greedy agreement (same weights): {agreement}")
+    hf_cb = run_hf_continuous(hf, reqs, s, sz.max_num_batched_tokens or max(sz.max_model_len, 2048, s))
     for r in (hf_static, hf_cb):
-        r.pop("token_ids")
-    lens = [r.max_tokens for r in reqs]
+        log(f"  peers {r['peer']}, {s} sequences: {r['output_tok_s']:.1f} tok/s, {r['wall_s']:.1f}s")
+    k = min(8, sz.short)  # both sides run one model: their first k greedy tokens must agree
+    agreement = {f"first_{k}_tokens_{x}_vs_{y}": sum(p[:k] == q[:k] for p, q in zip(a, b)) / max(len(a), 1)
+                 for x, y, a, b in (("taxirank", "hf_cb", c["token_ids"], hf_cb["token_ids"]),
+                                    ("taxirank", "hf_generate", c["token_ids"], hf_static["token_ids"]),
+                                    ("hf_cb", "hf_generate", hf_cb["token_ids"], hf_static["token_ids"]))}
+    log(f"  greedy agreement (same weights): {agreement}")
     return {"workload": {"slice": f"the first {sz.peer_requests // 2} requests of max_tokens {sz.short} and "
                          f"{sz.peer_requests - sz.peer_requests // 2} of max_tokens {sz.long} (run as {sz.peer_long}) "
                          f"of the {sz.num_requests}-request mix, in its shuffled order",
-                         "max_tokens": lens, "prompt_len": [len(r.prompt_token_ids) for r in reqs],
+                         "max_tokens": [r.max_tokens for r in reqs], "prompt_len": [len(r.prompt_token_ids) for r in reqs],
                          "max_num_seqs": s, "torch_threads": torch.get_num_threads()},
-            "runs": {**_strip(tx), "hf_generate": hf_static, "hf_continuous": hf_cb},
+            "runs": {m: lean(r, per_request=True) for m, r in tx.items()} | {
+                "hf_generate": lean(hf_static), "hf_continuous": lean(hf_cb)},
             "greedy_agreement": agreement, "ratios": [
         side_by_side(f"output tok/s, taxirank continuous / transformers continuous batching, {s} seqs",
                      c["output_tok_s"] / hf_cb["output_tok_s"], None, TARGETS["peers_cb"]),
@@ -331,36 +299,6 @@ def section_peers(sz: Sizes, engines: Engines, log) -> dict[str, Any]:
                      TARGETS["peers_static"]),
         side_by_side(f"output tok/s, taxirank static / transformers padded generate, batch {s} (same schedule)",
                      st["output_tok_s"] / hf_static["output_tok_s"], hf_static["decode_steps"] / st["stats"]["num_steps"])]}
-
-
-SECTION_FNS = {"mix32": section_mix32, "p99-64": section_p99_64, "exp32": section_exp32, "peers": section_peers}
-
-
-# ---- helpers and output ---------------------------------------------------------------------
-
-def _vocab(sz: Sizes) -> int:
-    from model import BUILTIN_MODELS
-
-    return BUILTIN_MODELS[sz.model].vocab_size
-
-
-def _describe_mix(sz: Sizes) -> dict[str, Any]:
-    n = sz.num_requests
-    return {"num_requests": n, "max_tokens": {str(sz.short): n // 2, str(sz.long): n - n // 2},
-            "prompt_len": sz.prompt_len, "shuffle_seed": 0}
-
-
-def _strip(runs: dict[str, dict]) -> dict[str, dict]:
-    """Per-run results for the JSON: token ids out (long and not a figure)."""
-    return {m: lean(r, per_request=True) for m, r in runs.items()}
-
-
-def table(results: dict[str, Any]) -> str:
-    rows = [["section", "ratio", "measured", "ideal (steps)", "target", ""]]
-    for name, sec in results["sections"].items():
-        rows += ([[name, f"ERROR: {sec['error'][:80]}", "", "", "", ""]] if "error" in sec
-                 else ratio_rows(sec["ratios"], name))
-    return text_table(rows, left=2)
 
 
 def header(results: dict[str, Any]) -> str:
@@ -389,7 +327,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.max_model_len is not None:
         sz = replace(sz, max_model_len=args.max_model_len)
     out = args.out or results_dir(f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json")
-
     results: dict[str, Any] = {"machine": machine_info(), "sizes": asdict(sz), "torch_threads": TORCH_THREADS,
                                "argv": sys.argv[1:] if argv is None else argv, "loadavg_start": os.getloadavg(),
                                "sections": {}}
@@ -400,18 +337,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(f"== {name}")
         t0 = time.perf_counter()
         try:
-            results["sections"][name] = SECTION_FNS[name](sz, engines, log)
+            results["sections"][name] = (section_peers if name == "peers" else section_pair)(name, sz, engines)
         except Exception as e:  # one broken section must not lose the others' figures
             traceback.print_exc()
             results["sections"][name] = {"error": f"{type(e).__name__}: {e}"}
         results["sections"][name]["section_s"] = round(time.perf_counter() - t0, 1)
     engines.keep_only(set())
-    results["engine_build_s"] = engines.build_s
-    results["loadavg_end"] = os.getloadavg()  # other work on the machine skews every figure
-    results["total_s"] = round(time.perf_counter() - t_all, 1)
-    log("")
-    log(header(results))
-    log(table(results))
+    results |= {"engine_build_s": engines.build_s, "loadavg_end": os.getloadavg(),  # load skews every figure
+                "total_s": round(time.perf_counter() - t_all, 1)}
+    rows = [["section", "ratio", "measured", "ideal (steps)", "target", ""]]
+    for name, sec in results["sections"].items():
+        rows += [[name, f"ERROR: {sec['error'][:80]}", "", "", "", ""]] if "error" in sec else ratio_rows(sec["ratios"], name)
+    log("\n" + header(results) + "\n" + text_table(rows, left=2))
     write_json(out, results)
     log(f"results: {out} ({results['total_s']}s in all; engine build + warm-up times in engine_build_s)")
     return results

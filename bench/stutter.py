@@ -13,6 +13,7 @@ import gc
 import json
 import math
 import os
+import random
 import sys
 import time
 from typing import Any
@@ -61,24 +62,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sizes(a: argparse.Namespace) -> dict[str, int]:
     """Lengths shared by both runs, so both see the very same requests and cache."""
-    chunk = a.budget - a.users  # prompt tokens per chunked step once every user decodes
-    steps_to_first = math.ceil(a.prompt_len / chunk)
-    # The users must outlive the run: their prefill, the steady steps, the joiner's chunks
-    # (at worst), its remaining tokens, with a margin.
-    user_prefill_steps = math.ceil(a.users * a.user_prompt_len / a.budget)
-    user_max_tokens = user_prefill_steps + a.steady_steps + steps_to_first + a.after_tokens + a.window + 16
+    steps_to_first = math.ceil(a.prompt_len / (a.budget - a.users))  # chunks once every user decodes
+    # The users must outlive the run: their prefill, the steady steps, the joiner's chunks (at
+    # worst), its remaining tokens, with a margin.
+    user_max_tokens = (math.ceil(a.users * a.user_prompt_len / a.budget) + a.steady_steps + steps_to_first
+                       + a.after_tokens + a.window + 16)
     long_max_tokens = a.after_tokens + 1
-    max_model_len = max(a.prompt_len + long_max_tokens, a.user_prompt_len + user_max_tokens)
-    bs = a.block_size
-    blocks = (math.ceil((a.prompt_len + long_max_tokens) / bs)
-              + a.users * math.ceil((a.user_prompt_len + user_max_tokens) / bs))
-    return dict(user_max_tokens=user_max_tokens, long_max_tokens=long_max_tokens, max_model_len=max_model_len,
-                num_kv_blocks=blocks + 1, expected_chunk_steps=steps_to_first)
+    blocks = (math.ceil((a.prompt_len + long_max_tokens) / a.block_size)
+              + a.users * math.ceil((a.user_prompt_len + user_max_tokens) / a.block_size))
+    return dict(user_max_tokens=user_max_tokens, long_max_tokens=long_max_tokens, num_kv_blocks=blocks + 1,
+                max_model_len=max(a.prompt_len + long_max_tokens, a.user_prompt_len + user_max_tokens),
+                expected_chunk_steps=steps_to_first)
 
 
-def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int], log) -> dict[str, Any]:
-    import random
-
+def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int]) -> dict[str, Any]:
+    """The users decode steadily, the long prompt joins, and every token is stamped when the step
+    that made it returns (the synchronous loop: each step's tokens read as it returns)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     chunked = mode == "on"
@@ -86,129 +85,99 @@ def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int], log) -> dict[
     cfg = EngineConfig(model=a.model, dtype=a.dtype, seed=a.seed, max_num_seqs=a.users + 1,
                        max_model_len=sz["max_model_len"], block_size=a.block_size, num_kv_blocks=sz["num_kv_blocks"],
                        max_num_batched_tokens=budget, enable_chunked_prefill=chunked, warmup=True,
-                       # step by step, each step's tokens read as it returns: the synchronous loop
                        async_scheduling=False)
     t0 = time.perf_counter()
     eng = LLMEngine(cfg, log=lambda m: log(f"  [{mode}] {m}"), record_trace=True)
     startup_s = time.perf_counter() - t0
-    vocab = eng.model_config.vocab_size
     rng = random.Random(a.seed)  # the same prompts in both runs
     users = [f"user-{i:02d}" for i in range(a.users)]
-    user_prompts = [token_ids(rng, vocab, a.user_prompt_len) for _ in users]
-    long_prompt = token_ids(rng, vocab, a.prompt_len)
-
+    prompts = [token_ids(rng, eng.model_config.vocab_size, n) for n in [a.user_prompt_len] * a.users + [a.prompt_len]]
     arrivals: dict[str, list[tuple[int, float]]] = {}  # request -> [(step, perf_counter at step return)]
-    steps: list[dict[str, Any]] = []
-    t_origin = time.perf_counter()
+    traces: list[Any] = []
 
     def step() -> None:
-        ts = time.perf_counter()
         deltas = eng.step()
-        te = time.perf_counter()
-        tr = eng.trace[-1]
-        steps.append(dict(step=tr.step, start=ts, end=te, num_prefill_tokens=tr.num_prefill_tokens,
-                          num_decode_tokens=tr.num_decode_tokens, scheduled=len(tr.scheduled)))
+        now, tr = time.perf_counter(), eng.trace[-1]
+        traces.append(tr)
         for d in deltas:
-            for _ in d.new_token_ids:
-                arrivals.setdefault(d.request_id, []).append((tr.step, te))
+            arrivals.setdefault(d.request_id, []).extend((tr.step, now) for _ in d.new_token_ids)
 
-    for rid, prompt in zip(users, user_prompts):
-        eng.add_request(rid, prompt, SamplingParams(max_tokens=sz["user_max_tokens"], temperature=0.0, ignore_eos=True))
+    def add(rid: str, prompt: list[int], max_tokens: int) -> None:
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+    t_origin = time.perf_counter()
+    for rid, prompt in zip(users, prompts):
+        add(rid, prompt, sz["user_max_tokens"])
     compilations_before = eng.stats.num_compilations
     while not all(u in arrivals for u in users):  # the users' prefill (a few steps when chunked)
         step()
     for _ in range(a.steady_steps):
         step()
-    assert all(set(users) <= set(t.sampled) for t in eng.trace[-a.steady_steps:]), "steady: everyone decodes"
-    join_step = eng.stats.num_steps + 1
-    t_join = time.perf_counter()
-    eng.add_request("long", long_prompt, SamplingParams(max_tokens=sz["long_max_tokens"], temperature=0.0, ignore_eos=True))
+    assert all(set(users) <= set(t.sampled) for t in traces[-a.steady_steps:]), "steady: everyone decodes"
+    join_step, t_join = eng.stats.num_steps + 1, time.perf_counter()
+    add("long", prompts[-1], sz["long_max_tokens"])
     while len(arrivals.get("long", ())) < 1 + a.after_tokens:
         step()
     first_step, t_first = arrivals["long"][0]
-    compilations_after = eng.stats.num_compilations
+    compilations = eng.stats.num_compilations - compilations_before
     for rid in users + ["long"]:
         eng.abort(rid)
     assert eng.stats.num_preemptions == 0, "the cache is sized for everyone: nothing should be preempted"
-
     lo, hi = join_step - a.window, first_step + a.window
-    gaps, gaps_before = [], []
-    for u in users:
-        toks = arrivals[u]
-        for (_, prev), (s, t) in zip(toks, toks[1:]):
-            if lo <= s <= hi:
-                gaps.append(t - prev)
-            elif s < lo:
-                gaps_before.append(t - prev)
-    chunk_steps = [st for st in steps if st["step"] >= join_step and st["step"] <= first_step]
-    stalls = [st["step"] for st in steps if st["step"] > 1 and st["num_decode_tokens"] == 0]
-    res = dict(
-        mode=mode, chunked_prefill=chunked, max_num_batched_tokens=budget,
-        startup_s=startup_s, num_compilations_warmup=compilations_before,
-        compilations_during_run=compilations_after - compilations_before,
-        join_step=join_step, first_token_step=first_step, window_steps=[lo, hi],
-        prefill_steps=len(chunk_steps), prefill_step_tokens=[st["num_prefill_tokens"] for st in chunk_steps],
-        stall_steps=stalls,
-        ttft_s=t_first - t_join,
-        itl_window=summarize(gaps), itl_window_count=len(gaps),
-        itl_steady_before=summarize(gaps_before),
-        max_gap_s=max(gaps),
-        steps=[{**st, "start": st["start"] - t_join, "end": st["end"] - t_join} for st in steps],
-        arrivals={rid: [(s, t - t_join) for s, t in toks] for rid, toks in arrivals.items()},
-        run_s=time.perf_counter() - t_origin,
-    )
+    gaps = [(s, t - prev) for u in users for (_, prev), (s, t) in zip(arrivals[u], arrivals[u][1:])]
+    window = [g for s, g in gaps if lo <= s <= hi]
+    res = dict(mode=mode, chunked_prefill=chunked, max_num_batched_tokens=budget, startup_s=startup_s,
+               num_compilations_warmup=compilations_before, compilations_during_run=compilations,
+               join_step=join_step, first_token_step=first_step, window_steps=[lo, hi],
+               prefill_step_tokens=[t.num_prefill_tokens for t in traces if join_step <= t.step <= first_step],
+               stall_steps=[t.step for t in traces if t.step > 1 and t.num_decode_tokens == 0],
+               ttft_s=t_first - t_join, itl_window=summarize(window), itl_window_count=len(window),
+               itl_steady_before=summarize([g for s, g in gaps if s < lo]), max_gap_s=max(window),
+               arrivals={rid: [(s, t - t_join) for s, t in toks] for rid, toks in arrivals.items()},
+               run_s=time.perf_counter() - t_origin)
     del eng
     gc.collect()
-    return res
+    return res | {"prefill_steps": len(res["prefill_step_tokens"])}
 
 
 def plot(results: dict[str, dict[str, Any]], a: argparse.Namespace, path: str) -> str:
+    """Per mode, each user's tokens and the joiner's over time; below, every user's gap before
+    each token in both runs."""
     plt = pyplot()
     modes = [m for m in ("off", "on") if m in results]
     fig, axes = plt.subplots(len(modes) + 1, 1, figsize=(12, 3.2 * len(modes) + 3.2), sharex=True, squeeze=False,
                              gridspec_kw=dict(height_ratios=[3] * len(modes) + [2.2]))
-    # The same time axis for both: from a few steady steps before the join to the later end.
-    t_lo = min(min(t for s, t in results[m]["arrivals"]["user-00"] if s >= results[m]["window_steps"][0])
-               for m in modes)
-    t_hi = max(max(t for toks in results[m]["arrivals"].values() for _, t in toks) for m in modes)
-    t_lo, t_hi = t_lo - 0.03 * (t_hi - t_lo), t_hi + 0.03 * (t_hi - t_lo)
     users = sorted(r for r in results[modes[0]]["arrivals"] if r != "long")
     for ax, m in zip(axes[:-1, 0], modes):
         r = results[m]
-        for i, u in enumerate(users):
+        for i, u in enumerate(users + ["long"]):
             ts = [t for _, t in r["arrivals"][u]]
-            ax.plot(ts, [i] * len(ts), "|", ms=9, mew=1.4, color="tab:blue")
-        lt = [t for _, t in r["arrivals"]["long"]]
-        ax.plot(lt, [len(users)] * len(lt), "|", ms=9, mew=2, color="tab:red")
-        ax.axvline(0.0, color="k", ls="--", lw=1)
+            ax.plot(ts, [i] * len(ts), "|", ms=9, mew=2 if u == "long" else 1.4,
+                    color="tab:red" if u == "long" else "tab:blue")
         ax.axvline(r["ttft_s"], color="tab:red", ls=":", lw=1)
-        ax.set_yticks(list(range(len(users))) + [len(users)], [u.replace("user-", "u") for u in users] + ["joiner"],
-                      fontsize=7)
-        ax.set_ylim(-0.8, len(users) + 0.8)
-        how = (f"budget {r['max_num_batched_tokens']} tokens/step" if r["chunked_prefill"]
-               else "whole prompt in one step")
-        ax.set_title(f"chunked prefill {m} ({how}): "
-                     f"users' ITL around the join p50 {r['itl_window']['p50'] * 1e3:.0f} ms, "
-                     f"max {r['max_gap_s'] * 1e3:.0f} ms; joiner TTFT {r['ttft_s']:.2f} s", fontsize=9)
-        ax.grid(axis="x", alpha=0.3)
-    # Bottom: every user's gap before each token, both runs (the users move in lockstep).
+        ax.set_yticks(range(len(users) + 1), [u.replace("user-", "u") for u in users] + ["joiner"], fontsize=7)
+        how = f"budget {r['max_num_batched_tokens']} tokens/step" if r["chunked_prefill"] else "whole prompt in one step"
+        ax.set_title(f"chunked prefill {m} ({how}): users' ITL around the join p50 {r['itl_window']['p50'] * 1e3:.0f} "
+                     f"ms, max {r['max_gap_s'] * 1e3:.0f} ms; joiner TTFT {r['ttft_s']:.2f} s", fontsize=9)
     ax = axes[-1, 0]
     for m, color in (("off", "tab:orange"), ("on", "tab:green")):
-        if m not in results:
-            continue
-        pts = sorted((t, t - prev) for rid, toks in results[m]["arrivals"].items() if rid != "long"
-                     for (_, prev), (_, t) in zip(toks, toks[1:]))
-        ax.step([t for t, _ in pts], [g * 1e3 for _, g in pts], where="pre", color=color,
-                label=f"chunked prefill {m}: max {results[m]['max_gap_s'] * 1e3:.0f} ms")
-        ax.axvline(results[m]["ttft_s"], color=color, ls=":", lw=1)
-    ax.axvline(0.0, color="k", ls="--", lw=1)
-    ax.set_yscale("log")
-    ax.set_ylabel("users' inter-token gap (ms)", fontsize=8)
+        if m in results:
+            pts = sorted((t, t - prev) for rid, toks in results[m]["arrivals"].items() if rid != "long"
+                         for (_, prev), (_, t) in zip(toks, toks[1:]))
+            ax.step([t for t, _ in pts], [g * 1e3 for _, g in pts], where="pre", color=color,
+                    label=f"chunked prefill {m}: max {results[m]['max_gap_s'] * 1e3:.0f} ms")
+            ax.axvline(results[m]["ttft_s"], color=color, ls=":", lw=1)
+    ax.set(yscale="log", ylabel="users' inter-token gap (ms)")
     ax.legend(fontsize=8, loc="upper left")
-    ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlim(t_lo, t_hi)
-    axes[-1, 0].set_xlabel(f"time since the {a.prompt_len}-token prompt arrived (s); dashed: it arrives, "
-                           "dotted: its first token")
+    # from a few steady steps before the join to the later end
+    t_lo = min(min(t for s, t in results[m]["arrivals"]["user-00"] if s >= results[m]["window_steps"][0])
+               for m in modes)
+    t_hi = max(t for m in modes for toks in results[m]["arrivals"].values() for _, t in toks)
+    ax.set_xlim(t_lo - 0.03 * (t_hi - t_lo), t_hi + 0.03 * (t_hi - t_lo))
+    ax.set_xlabel(f"time since the {a.prompt_len}-token prompt arrived (s); dashed: it arrives, dotted: its first token")
+    for ax in axes[:, 0]:
+        ax.axvline(0.0, color="k", ls="--", lw=1)
+        ax.grid(alpha=0.3)
     fig.suptitle(f"Per-token arrival times of {len(users)} streaming users ({a.model} model) as a "
                  f"{a.prompt_len}-token prompt joins", fontsize=11)
     save_figure(fig, path, dpi=130)
@@ -220,25 +189,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.plot_only:
         with open(a.plot_only) as f:
             out = json.load(f)
-        saved = argparse.Namespace(**out["args"])
         png = os.path.join(os.path.dirname(os.path.abspath(a.plot_only)), "stutter.png")
-        log(f"wrote {plot(out['results'], saved, png)}")
+        log(f"wrote {plot(out['results'], argparse.Namespace(**out['args']), png)}")
         return out
     sz = sizes(a)
     log(f"stutter: model {a.model}, {a.users} users (prompts of {a.user_prompt_len}), a {a.prompt_len}-token prompt "
         f"joins after {a.steady_steps} steady steps; chunked budget {a.budget}; max_model_len {sz['max_model_len']}, "
         f"{sz['num_kv_blocks'] - 1} KV blocks")
-    results: dict[str, dict[str, Any]] = {}
-    for mode in a.modes:
-        log(f"run: chunked prefill {mode}")
-        r = run_mode(a, mode, sz, log)
-        results[mode] = r
-        w = r["itl_window"]
-        lo, hi = r["window_steps"]
-        log(f"  [{mode}] users' ITL in steps {lo}..{hi}: p50 {w['p50'] * 1e3:.1f} ms, "
-            f"p99 {w['p99'] * 1e3:.1f} ms, max {w['max'] * 1e3:.1f} ms (steady before: p50 "
-            f"{r['itl_steady_before'].get('p50', float('nan')) * 1e3:.1f} ms); joiner TTFT {r['ttft_s']:.2f} s over "
-            f"{r['prefill_steps']} step(s); compilations during the run: {r['compilations_during_run']}")
+    results = {mode: run_mode(a, mode, sz) for mode in a.modes}
+    log("\n" + text_table([["users' ITL in the window", "p50", "p99", "max", "joiner TTFT", "its steps"]] + [
+        [f"chunked prefill {m}", *(f"{r['itl_window'][q] * 1e3:.0f}ms" for q in ("p50", "p99", "max")),
+         f"{r['ttft_s']:.2f}s", str(r["prefill_steps"])] for m, r in results.items()]))
     summary: dict[str, Any] = {}
     if {"off", "on"} <= set(results):
         off, on = results["off"], results["on"]
@@ -246,9 +207,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary = dict(max_gap_ratio=ratio, target_ratio=TARGET_RATIO, meets_target=ratio >= TARGET_RATIO,
                        p99_ratio=off["itl_window"]["p99"] / on["itl_window"]["p99"],
                        ttft_ratio_on_over_off=on["ttft_s"] / off["ttft_s"])
-        log("\n" + text_table([["", "ITL p50", "ITL p99", "ITL max", "TTFT", "steps"]] + [
-            [f"chunked prefill {m}", *(f"{r['itl_window'][q] * 1e3:.0f}ms" for q in ("p50", "p99", "max")),
-             f"{r['ttft_s']:.2f}s", str(r["prefill_steps"])] for m, r in (("off", off), ("on", on))]))
         log(f"max inter-token gap cut {ratio:.1f}x by chunked prefill (target >= {TARGET_RATIO:.0f}x: "
             f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}); the joiner's TTFT is "
             f"{summary['ttft_ratio_on_over_off']:.2f}x the unchunked one")
