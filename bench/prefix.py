@@ -19,9 +19,9 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (log, machine_info, sections, size_defaults, md_table, ratio_rows, results_dir, side_by_side, timed_generate,  # noqa: E402
-                    warm, write_json, write_text)
-from workload import seed_mix, shared_prefix, token_ids, vocab_size_of  # noqa: E402
+from report import (log, machine_info, md_table, ratio_rows, results_dir, sections, side_by_side,  # noqa: E402
+                    size_defaults, timed_generate, warm, write_json, write_text)
+from workload import Request, seed_mix, shared_prefix, token_ids, vocab_size_of  # noqa: E402
 
 SECTIONS = ("shared", "multiturn", "mix")
 BLOCK = 16
@@ -63,7 +63,7 @@ def shape(a: argparse.Namespace) -> dict[str, int]:
                 num_kv_blocks=max(n * math.ceil(length / BLOCK) for n, length in need) + 1)
 
 
-def build(a: argparse.Namespace, caching: bool, log: Callable[[str], None]) -> Any:
+def build(a: argparse.Namespace, caching: bool) -> Any:
     from engine import LLM
 
     llm = LLM(a.model, log=lambda s: log(f"    [engine] {s}"), dtype="float32", seed=a.seed, block_size=BLOCK,
@@ -73,31 +73,40 @@ def build(a: argparse.Namespace, caching: bool, log: Callable[[str], None]) -> A
     return llm
 
 
-def both(a: argparse.Namespace, log: Callable[[str], None], label: str,
-         run: Callable[[Any], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def figures(r: dict[str, Any]) -> list[str]:
+    """One timed run's cells: TTFT p50 and p99, tok/s, tok per CPU-s, hit rate, prompt tokens computed, load."""
+    return [f"{r['ttft_s']['p50']:.2f} s", f"{r['ttft_s']['p99']:.2f} s", f"{r['output_tok_s']:.1f}",
+            f"{r['tok_per_cpu_s']:.1f}", f"{r['hit_rate']:.1%}", f"{r['stats']['prefill_tokens']} / {r['prompt_tokens']}",
+            f"{r['loadavg']:.1f}"]
+
+
+def both(a: argparse.Namespace, label: str, run: Callable[[Any], dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """run(llm) with caching off, then on; one engine alive at a time."""
     out = {}
     for mode in ("off", "on"):
-        llm = build(a, mode == "on", log)
+        llm = build(a, mode == "on")
         out[mode] = run(llm)
         del llm
         gc.collect()
-        log(line(f"{label} {mode}", out[mode].get("last", out[mode])))
+        log(f"  {label} {mode}: " + " | ".join(figures(out[mode].get("last", out[mode]))))
     return out
 
 
-def section_shared(a: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+def generate_all(reqs: list[Request]) -> Callable[[Any], dict[str, Any]]:
+    return lambda llm: timed_generate(llm, [r.prompt_token_ids for r in reqs], [r.max_tokens for r in reqs])
+
+
+def section_shared(a: argparse.Namespace) -> dict[str, Any]:
     reqs = shared_prefix(a.shared_requests, vocab_size_of(a.model), prefix_len=a.system_len,
                          suffix_len=a.question_len, max_tokens=a.shared_output, seed=a.seed)
-    runs = both(a, log, "shared", lambda llm: timed_generate(llm, [r.prompt_token_ids for r in reqs],
-                                                            [r.max_tokens for r in reqs]))
+    runs = both(a, "shared", generate_all(reqs))
     off, on = runs["off"], runs["on"]
     return dict(runs=runs, same_tokens=off["token_ids"] == on["token_ids"], ratios=dict(
         ttft_p50=off["ttft_s"]["p50"] / on["ttft_s"]["p50"], ttft_p99=off["ttft_s"]["p99"] / on["ttft_s"]["p99"],
         tok_s=on["output_tok_s"] / off["output_tok_s"]))
 
 
-def section_multiturn(a: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+def section_multiturn(a: argparse.Namespace) -> dict[str, Any]:
     rng, v = random.Random(a.seed + 1), vocab_size_of(a.model)
     firsts = [token_ids(rng, v, a.first_len) for _ in range(a.conversations)]
     news = [[token_ids(rng, v, a.question_len) for _ in range(a.conversations)] for _ in range(a.turns - 1)]
@@ -110,18 +119,17 @@ def section_multiturn(a: argparse.Namespace, log: Callable[[str], None]) -> dict
                 convs = [c + out + new for c, out, new in zip(convs, turns[-1]["token_ids"], news[k])]
         return dict(turns=turns, last=turns[-1])
 
-    runs = both(a, log, f"multiturn, turn {a.turns}", conversation)
+    runs = both(a, f"multiturn, turn {a.turns}", conversation)
     off, on = runs["off"]["last"], runs["on"]["last"]
     same = [t["token_ids"] for t in runs["off"]["turns"]] == [t["token_ids"] for t in runs["on"]["turns"]]
     return dict(runs=runs, ratios=dict(last_turn_ttft_p50=off["ttft_s"]["p50"] / on["ttft_s"]["p50"]), same_tokens=same)
 
 
-def section_mix(a: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+def section_mix(a: argparse.Namespace) -> dict[str, Any]:
     reqs = seed_mix(a.mix_requests, vocab_size_of(a.model), short=a.mix_short, long=a.mix_long, seed=a.seed)
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     for i in range(a.mix_repeats):
-        for mode, r in both(a, log, f"mix #{i + 1}", lambda llm: timed_generate(
-                llm, [r.prompt_token_ids for r in reqs], [r.max_tokens for r in reqs])).items():
+        for mode, r in both(a, f"mix #{i + 1}", generate_all(reqs)).items():
             runs[mode].append(r)
     best = {m: max(rs, key=lambda r: r["output_tok_s"]) for m, rs in runs.items()}
     best_cpu = {m: max(r["tok_per_cpu_s"] for r in rs) for m, rs in runs.items()}
@@ -130,47 +138,26 @@ def section_mix(a: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
                 same_tokens=all(r["token_ids"] == runs["off"][0]["token_ids"] for rs in runs.values() for r in rs))
 
 
-def line(label: str, r: dict[str, Any]) -> str:
-    return (f"  {label:24} TTFT p50 {r['ttft_s']['p50']:7.2f}s p99 {r['ttft_s']['p99']:7.2f}s  {r['output_tok_s']:7.1f} "
-            f"tok/s ({r['tok_per_cpu_s']:6.1f}/CPU-s)  hit rate {r['hit_rate']:6.1%}  prefill computed "
-            f"{r['stats']['prefill_tokens']:6d} of {r['prompt_tokens']:6d} prompt tokens  {r['stats']['num_steps']:4d} "
-            f"steps  load {r['loadavg']:.1f}")
-
-
-def summary(a: argparse.Namespace, s: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each ratio beside its target (report.side_by_side)."""
-    out = []
-    if "shared" in s:
-        r = s["shared"]["ratios"]
-        out += [side_by_side("shared: TTFT p50 off/on", r["ttft_p50"], target=5),
-                side_by_side("shared: TTFT p99 off/on", r["ttft_p99"]),
-                side_by_side("shared: output tok/s on/off", r["tok_s"], target=2)]
-    if "multiturn" in s:
-        out.append(side_by_side(f"multi-turn: turn {a.turns} TTFT p50 off/on",
-                                s["multiturn"]["ratios"]["last_turn_ttft_p50"], target=3))
-    if "mix" in s:
-        r = s["mix"]["ratios"]
-        out += [side_by_side("no sharing: output tok/s on/off", r["tok_s"], target=0.97),
-                side_by_side("no sharing: output tok per CPU-s on/off", r["tok_per_cpu_s"], target=0.97)]
-    return out
+RATIOS = [  # (section, ratio, name, target)
+    ("shared", "ttft_p50", "shared: TTFT p50 off/on", 5), ("shared", "ttft_p99", "shared: TTFT p99 off/on", None),
+    ("shared", "tok_s", "shared: output tok/s on/off", 2),
+    ("multiturn", "last_turn_ttft_p50", "multi-turn: last turn TTFT p50 off/on", 3),
+    ("mix", "tok_s", "no sharing: output tok/s on/off", 0.97),
+    ("mix", "tok_per_cpu_s", "no sharing: output tok per CPU-s on/off", 0.97)]
 
 
 def markdown(res: dict[str, Any]) -> str:
     a, s, m = res["args"], res["sections"], res["machine"]
     rows = [["workload", "caching", "TTFT p50", "TTFT p99", "output tok/s", "tok per CPU-s", "hit rate",
              "prompt tokens computed", "load"]]
-    picked = {"shared": (f"shared system prompt ({a['shared_requests']} x {a['system_len']}+{a['question_len']})",
-                         lambda sec, mode: sec["runs"][mode]),
-              "multiturn": (f"multi-turn, turn {a['turns']} ({a['conversations']} conversations)",
-                            lambda sec, mode: sec["runs"][mode]["last"]),
-              "mix": (f"no sharing: seed mix ({a['mix_requests']} requests, best of {a['mix_repeats']})",
-                      lambda sec, mode: sec["best"][mode])}
-    for name, (label, pick) in picked.items():
-        for mode in ("off", "on") if name in s else ():
-            r = pick(s[name], mode)
-            rows.append([label, mode, f"{r['ttft_s']['p50']:.2f} s", f"{r['ttft_s']['p99']:.2f} s",
-                         f"{r['output_tok_s']:.1f}", f"{r['tok_per_cpu_s']:.1f}", f"{r['hit_rate']:.1%}",
-                         f"{r['stats']['prefill_tokens']} / {r['prompt_tokens']}", f"{r['loadavg']:.1f}"])
+    shown = {"shared": (f"shared system prompt ({a['shared_requests']} x {a['system_len']}+{a['question_len']})",
+                        lambda sec, mode: sec["runs"][mode]),
+             "multiturn": (f"multi-turn, turn {a['turns']} ({a['conversations']} conversations)",
+                           lambda sec, mode: sec["runs"][mode]["last"]),
+             "mix": (f"no sharing: seed mix ({a['mix_requests']} requests, best of {a['mix_repeats']})",
+                     lambda sec, mode: sec["best"][mode])}
+    rows += [[label, mode] + figures(pick(s[name], mode)) for name, (label, pick) in shown.items() if name in s
+             for mode in ("off", "on")]
     ratios = [["ratio (caching on vs off)", "measured", "target", "met"]] + [  # no label, no ideal column
         r[1:3] + r[4:] for r in ratio_rows(res["summary"])]
     return (f"# Prefix caching on vs off ({a['model']} model)\n\nMachine: {m['cpu']}, {m['cores']} cores, JAX "
@@ -191,9 +178,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     run = {"shared": section_shared, "multiturn": section_multiturn, "mix": section_mix}
     for name in a.sections:
         log(f"section {name}")
-        res["sections"][name] = run[name](a, log)
+        res["sections"][name] = run[name](a)
     res["loadavg_end"] = os.getloadavg()[0]
-    res["summary"] = summary(a, res["sections"])
+    res["summary"] = [side_by_side(name, res["sections"][sec]["ratios"][key], target=target)
+                      for sec, key, name, target in RATIOS if sec in res["sections"]]
     for sec in res["sections"].values():  # token ids were for the comparison; keep the JSON small
         for mode in sec["runs"].values():
             for r in mode if isinstance(mode, list) else mode.get("turns", [mode]):
