@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import md_table, write_json  # noqa: E402
+from report import md_table, write_json, write_text  # noqa: E402
 
 STAGES = [("smoke", "compile smoke test: both kernels vs the references"),
           ("tests", "kernel tests compiled for real (hypothesis cases excluded)"),
@@ -44,26 +44,23 @@ def _read(path: str) -> str:
 
 
 def _stages(work: str) -> dict[str, dict[str, Any]]:
+    """stages.tsv's rows (name, exit, seconds, limit), with the end of the log of each that failed."""
     out = {}
-    for line in _read(os.path.join(work, "stages.tsv")).splitlines():
-        parts = line.split("\t")
+    for parts in (line.split("\t") for line in _read(os.path.join(work, "stages.tsv")).splitlines()):
         if len(parts) == 4:
-            name, rc, secs, limit = parts
-            out[name] = {"exit": int(rc), "seconds": int(secs), "timeout_s": int(limit),
-                         "timed_out": int(rc) in (124, 137) or int(rc) == 130}
-            if int(rc) != 0:  # the end of its log says why
+            name, (rc, secs, limit) = parts[0], map(int, parts[1:])
+            out[name] = {"exit": rc, "seconds": secs, "timeout_s": limit, "timed_out": rc in (124, 137, 130)}
+            if rc != 0:
                 out[name]["log_tail"] = _read(os.path.join(work, f"{name}.log")).splitlines()[-12:]
     return out
 
 
 def _tests(log: str) -> dict[str, Any]:
-    """pytest's closing line, and the ids of failing tests."""
-    m = None  # the last line like "[== ]3 passed, 1 failed, 2 deselected in 9.1s[ (0:00:09)][ ==]"
-    for m in re.finditer(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected)[^\n]*?) in ([\d.]+)s", log, re.M):
-        pass
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", m.group(1))} if m else {}
-    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)))
-    return {"summary": m.group(1) if m else None, "counts": counts, "failed": failed[:40]}
+    """pytest's closing line ("[== ]3 passed, 1 failed, 2 deselected in 9.1s[ ==]"), and the failing tests."""
+    found = re.findall(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected)[^\n]*?) in [\d.]+s", log, re.M)
+    summary = found[-1] if found else None
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary or "")}
+    return {"summary": summary, "counts": counts, "failed": sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)))[:40]}
 
 
 def _verdict(ok: bool) -> str:
@@ -71,38 +68,28 @@ def _verdict(ok: bool) -> str:
 
 
 def build(work: str, mode: str) -> dict[str, Any]:
-    res: dict[str, Any] = {"mode": mode, "env": _read(os.path.join(work, "env.txt")).strip(),
-                           "stages": _stages(work)}
-    res["smoke"] = _load(os.path.join(work, "smoke.json"))
+    res: dict[str, Any] = {"mode": mode, "env": _read(os.path.join(work, "env.txt")).strip(), "stages": _stages(work)}
     if "tests" in res["stages"] or os.path.exists(os.path.join(work, "tests.log")):
         res["tests"] = _tests(_read(os.path.join(work, "tests.log")))
-    res["kernels"] = _load(os.path.join(work, "kernels.json"))
-    res["step"] = _load(os.path.join(work, "step.json"))
-    res["mix"] = _load(os.path.join(work, "mix.json"))
+    for name in ("smoke", "kernels", "step", "mix"):
+        res[name] = _load(os.path.join(work, f"{name}.json"))
+    kern, step, mix = (res[k] if isinstance(res[k], dict) else {} for k in ("kernels", "step", "mix"))
     targets: dict[str, Any] = {}
-
-    kern = res["kernels"] if isinstance(res["kernels"], dict) else {}
-    copy = (kern.get("copy") or [{}])[0]
-    judged = [r for r in kern.get("decode", []) if r.get("judged") and "us" in r.get("pallas", {})]
-    target_cases = [r for r in judged if r["context"] >= 2048 and r["batch"] >= 16]
-    if target_cases and "pct_copy" in target_cases[0]["pallas"]:
-        worst = min(r["pallas"]["pct_copy"] for r in target_cases)
+    # judged: the cases reading >= 0.5 GiB; the target: those at context >= 2k and batch >= 16
+    cases = [r for r in kern.get("decode", []) if r.get("judged") and "pct_copy" in r.get("pallas", {})
+             and r["context"] >= 2048 and r["batch"] >= 16]
+    if cases:
+        worst = min(r["pallas"]["pct_copy"] for r in cases)
         targets["decode_attention_pct_copy"] = {
-            "cases": len(target_cases), "worst_pct_copy": worst,
-            "worst_pct_datasheet": min(r["pallas"]["pct_peak"] for r in target_cases),
+            "cases": len(cases), "worst_pct_copy": worst, "worst_pct_datasheet": min(r["pallas"]["pct_peak"] for r in cases),
             "target_50": _verdict(worst >= 50), "stretch_75": _verdict(worst >= 75)}
-    step = res["step"] if isinstance(res["step"], dict) else {}
-    s256 = [r for r in step.get("step", []) if r.get("batch") == 256 and "pct_roofline" in r]
+    s256 = [r["pct_roofline"] for r in step.get("step", []) if r.get("batch") == 256 and "pct_roofline" in r]
     if s256:
-        pct = max(r["pct_roofline"] for r in s256)
-        targets["step_b256_pct_roofline"] = {"pct": pct, "target_70": _verdict(pct >= 70)}
-    mix = res["mix"] if isinstance(res["mix"], dict) else {}
+        targets["step_b256_pct_roofline"] = {"pct": max(s256), "target_70": _verdict(max(s256) >= 70)}
     if "ratios" in mix:
         r = mix["ratios"]["tok_s_continuous_over_static"]
         targets["mix_tok_s_ratio"] = {"ratio": r, "target_1.8": _verdict(r >= 1.8)}
-    res["targets"] = targets
-    res["copy"] = copy
-    return res
+    return res | {"targets": targets, "copy": (kern.get("copy") or [{}])[0]}
 
 
 def _table(header: list[str], rows: list[dict[str, Any]], head: Any, figures: Any, error: Any) -> str:
@@ -118,52 +105,43 @@ def markdown(res: dict[str, Any]) -> str:
     L = [f"# gpu_check summary ({res['mode']})", ""]
     if res["mode"] != "gpu":
         L += ["**CPU smoke run: kernels interpreted, tiny shapes. No figure here says anything about a GPU.**", ""]
-    stages = [["stage", "what", "exit", "seconds (limit)"]]
-    for name, what in STAGES:
-        st = res["stages"].get(name)
-        stages.append([name, what, "not run", ""] if st is None else [
-            name, what, f"{st['exit']}{' TIMEOUT' if st['timed_out'] else ''}", f"{st['seconds']} ({st['timeout_s']})"])
+    stages = [["stage", "what", "exit", "seconds (limit)"]] + [
+        [name, what, "not run", ""] if (st := res["stages"].get(name)) is None else
+        [name, what, f"{st['exit']}{' TIMEOUT' if st['timed_out'] else ''}", f"{st['seconds']} ({st['timeout_s']})"]
+        for name, what in STAGES]
     L += ["```", res["env"] or "(no env.txt)", "```", "", md_table(stages), ""]
     for name, st in res["stages"].items():
         if st.get("log_tail"):
             L += [f"`{name}` ended with exit {st['exit']}; the end of its log:", "```"] + [
                 line[:200] for line in st["log_tail"]] + ["```", ""]
-    smoke = res.get("smoke")
-    if isinstance(smoke, dict):
-        L += ["## Smoke (both kernels vs the references)", ""]
-        for r in smoke.get("smoke", []):
-            s = r["shape"]
-            L.append(f"- Hq {s['num_q_heads']} Hkv {s['num_kv_heads']} D {s['head_dim']} BS {s['block_size']} "
-                     f"{s['dtype']}: {'ok' if r['ok'] else 'FAILED: ' + str(r['reason'])} ({r['seconds']}s)")
-        L += [f"- `--attention-backend auto` serves: **{r['backend']}**" for r in smoke.get("smoke_auto", [])] + [""]
+    if isinstance(res.get("smoke"), dict):
+        L += ["## Smoke (both kernels vs the references)", ""] + [
+            "- Hq {num_q_heads} Hkv {num_kv_heads} D {head_dim} BS {block_size} {dtype}: ".format(**r["shape"])
+            + f"{'ok' if r['ok'] else 'FAILED: ' + str(r['reason'])} ({r['seconds']}s)" for r in res["smoke"].get("smoke", [])]
+        L += [f"- `--attention-backend auto` serves: **{r['backend']}**" for r in res["smoke"].get("smoke_auto", [])] + [""]
     if res.get("tests"):
         t = res["tests"]
         L += ["## Kernel tests", "", f"- {t['summary'] or 'no pytest summary line (cut off?)'}"]
         L += [f"- FAILED {f}" for f in t["failed"]] + [""]
-    kern = res.get("kernels")
+    kern, c = res.get("kernels"), res.get("copy")
     if isinstance(kern, dict):
-        c = res.get("copy") or {}
         L += ["## Decode attention bandwidth (Llama-3-8B attention: 32 q / 8 kv heads, D 128, bf16, BS 16)", ""]
         if c:
             L += [f"Copy bandwidth measured in this run: {c['copy_gbps']:.0f} GB/s (read + written; "
                   f"{c['copy_pct_peak']:.0f}% of the 4.8 TB/s datasheet); read-only {c['read_gbps']:.0f} GB/s.", ""]
-
         L.append(_table(
             ["batch", "context", "KV MiB", "judged", "best config", "us", "GB/s", "% datasheet", "% copy"],
             kern.get("decode", []),
-            lambda r: [str(r["batch"]), str(r["context"]), f"{r['kv_bytes'] / 2**20:.0f}",
-                       "yes" if r.get("judged") else "no"],
+            lambda r: [str(r["batch"]), str(r["context"]), f"{r['kv_bytes'] / 2**20:.0f}", "yes" if r.get("judged") else "no"],
             lambda r: [r["pallas"].get("config", "default"), f"{r['pallas']['us']:.1f}", f"{r['pallas']['gbps']:.0f}",
                        f"{r['pallas']['pct_peak']:.0f}", f"{r['pallas'].get('pct_copy', float('nan')):.0f}"],
             lambda r: None if "us" in r.get("pallas", {}) else r.get("pallas", {}).get("error")))
         for w in kern.get("best_config_wins", []):
             L += ["", "Best configuration wins (warps/stages/keys per step): "
                   + ", ".join(f"{k} x{v}" for k, v in sorted(w.items(), key=lambda kv: -kv[1]))]
-        for r in kern.get("ragged", []):
-            cells = ", ".join(f"{b} {r[b]['us']:.0f} us ({r[b]['tflops']:.1f} TFLOP/s)" if "us" in r.get(b, {})
-                              else f"{b} ERROR" for b in ("pallas", "ref") if b in r)
-            L.append(f"- ragged {r['case']}: {cells}")
-        L.append("")
+        L += ["- ragged {}: {}".format(r["case"], ", ".join(
+            f"{b} {r[b]['us']:.0f} us ({r[b]['tflops']:.1f} TFLOP/s)" if "us" in r.get(b, {}) else f"{b} ERROR"
+            for b in ("pallas", "ref") if b in r)) for r in kern.get("ragged", [])] + [""]
     step = res.get("step")
     if isinstance(step, dict) and step.get("step"):
         L += ["## 8B-shaped decode step", "", _table(
@@ -197,12 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("dest", help="where results.json and summary.md go")
     ap.add_argument("--mode", choices=("gpu", "cpu-smoke"), default="gpu")
     args = ap.parse_args(argv)
-    work, dest = args.work, args.dest
-    res = build(work, args.mode)
-    os.makedirs(dest, exist_ok=True)
-    write_json(os.path.join(dest, "results.json"), res)
-    with open(os.path.join(dest, "summary.md"), "w") as f:
-        f.write(markdown(res))
+    res = build(args.work, args.mode)
+    write_json(os.path.join(args.dest, "results.json"), res)
+    write_text(os.path.join(args.dest, "summary.md"), markdown(res))
 
 
 if __name__ == "__main__":
