@@ -16,13 +16,13 @@ import time
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-from client import Record, Server, complete
+from client import Capabilities, Record, Server, complete, parse_metrics
 from report import md_table, results_dir, summarize, text_table, write_json, write_text
 from workload import Request, shared_prefix, vocab_size_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HITS, QUERIES = "taxirank:prefix_cache_hits_total", "taxirank:prefix_cache_queries_total"  # prompt tokens, fleet-wide
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -30,41 +30,30 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
             "--max-num-batched-tokens", "512", "--block-size", "16", "--num-kv-blocks", str(args.num_kv_blocks)]
 
 
-async def fleet_prefix_counts(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
-    """(hits, queries) in prompt tokens, summed over every replica of the scrape."""
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The Ray app's /metrics: labelled samples are also summed over the replicas under the bare name."""
     async with session.get(url + "/metrics") as r:
-        text = await r.text()
-    total = {"taxirank:prefix_cache_hits_total": 0.0, "taxirank:prefix_cache_queries_total": 0.0}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in total:
-                total[s.name] += s.value
-    return total["taxirank:prefix_cache_hits_total"], total["taxirank:prefix_cache_queries_total"]
+        return parse_metrics(await r.text())
 
 
 async def wait_replicas(session: aiohttp.ClientSession, url: str, n: int, timeout: float = 300) -> None:
     """Until /metrics carries n replicas (each announces itself to the Ingress on start)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        async with session.get(url + "/metrics") as r:
-            text = await r.text()
-        if len({s.labels.get("replica") for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == "taxirank:num_kv_blocks"}) >= n:
-            return
+    while sum(k.startswith("taxirank:num_kv_blocks{") for k in await scrape(session, url)) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{n} replicas did not show in /metrics within {timeout:.0f}s")
         await asyncio.sleep(0.5)
-    raise RuntimeError(f"{n} replicas did not show in /metrics within {timeout:.0f}s")
 
 
 async def run_requests(session: aiohttp.ClientSession, url: str, requests: list[Request],
                        concurrency: int) -> list[Record]:
     t0, gate = time.perf_counter(), asyncio.Semaphore(concurrency)
+    caps = Capabilities(prompts="ids", ignore_eos=True, logprobs=True, timing="logprobs")
 
     async def one(req: Request) -> Record:
         async with gate:
-            body = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "logprobs": 0}
-            return await complete(session, url, body, "logprobs", t0, Record("shared", req.max_tokens,
-                                                                              len(req.prompt_token_ids)))
+            return await complete(session, url, caps.body(req), caps.timing, t0,
+                                  Record("shared", req.max_tokens, len(req.prompt_token_ids)))
     return await asyncio.gather(*(one(r) for r in requests))
 
 
@@ -82,18 +71,16 @@ async def measure(args: argparse.Namespace, routing: str, requests: list[Request
             await server.wait_ready(session, timeout=1800)
             await wait_replicas(session, server.url, args.num_replicas)
             startup = time.perf_counter() - launched  # every replica serving
-            hits0, queries0 = await fleet_prefix_counts(session, server.url)
-            t0 = time.perf_counter()
+            before, t0 = await scrape(session, server.url), time.perf_counter()
             records = await run_requests(session, server.url, requests, args.concurrency)
-            wall = time.perf_counter() - t0
-            hits, queries = await fleet_prefix_counts(session, server.url)
+            wall, after = time.perf_counter() - t0, await scrape(session, server.url)
     finally:  # the launcher alone first: serve_ray.py then shuts Ray Serve and Ray down in order
         server.stop(grace_s=90)
     errors = [r.error for r in records if r.error]
     if errors:
         raise RuntimeError(f"{routing}: {len(errors)} requests failed, e.g. {errors[0]} (see {server.log_path})")
     return {"routing": routing, "startup_s": startup, "wall_s": wall,
-            "hit_rate": (hits - hits0) / max(queries - queries0, 1),
+            "hit_rate": (after[HITS] - before[HITS]) / max(after[QUERIES] - before[QUERIES], 1),
             "ttft": summarize([r.ttft for r in records]), "e2e": summarize([r.e2e for r in records])}
 
 
@@ -107,7 +94,8 @@ async def server_startup(args: argparse.Namespace, log_dir: str) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--num-replicas", type=int, default=2)
     p.add_argument("--num-prefixes", type=int, default=16, help="distinct system prompts")
@@ -161,9 +149,11 @@ def main() -> None:
                f"{args.concurrency} in flight, {args.num_kv_blocks} KV blocks of 16 per replica")
     print(setting + "\n\n" + text_table(rows) + "\n" + caption + "\n\n" + summary)
     out = results_dir("ray_routing")
-    write_text(os.path.join(out, "report.md"), f"# Ray Serve routing\n\n{setting}\n\n{md_table(rows)}\n\n{caption}\n\n{summary}\n")
-    write_json(os.path.join(out, "results.json"), {"args": vars(args), "runs": runs, "server_startup_s": plain, "server_cold_startup_s": cold,
-                                                   "hit_ratio": hit_ratio, "ttft_p50_ratio": ttft_ratio})
+    write_text(os.path.join(out, "report.md"), f"# Ray Serve routing\n\n{setting}\n\n{md_table(rows)}\n\n{caption}\n\n"
+               f"{summary}\n")
+    write_json(os.path.join(out, "results.json"), {"args": vars(args), "runs": runs, "server_startup_s": plain,
+                                                   "server_cold_startup_s": cold, "hit_ratio": hit_ratio,
+                                                   "ttft_p50_ratio": ttft_ratio})
     print(f"\nwritten to {out}/ (servers' logs in {log_dir})")
 
 
