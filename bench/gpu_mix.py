@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from offline import Engines  # noqa: E402
-from report import (continuous_vs_static, lean, machine_info, out_path, require_gpu, run_line,  # noqa: E402
-                    timed_generate, write_json)
+from report import (continuous_vs_static, lean, log, machine_info, out_path, ratio_rows, require_gpu,  # noqa: E402
+                    run_line, text_table, timed_generate, write_json)
 from workload import seed_mix  # noqa: E402
 
 MODEL = "llama3-8b-random"
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reqs = seed_mix(args.num_requests, model_lib.BUILTIN_MODELS[name].vocab_size, short=short, long=long,
                     prompt_len=prompt_len)
     # KV never limits (Engines: every slot holds a whole max_model_len sequence); one engine at a time
-    engines = Engines(name, lambda s: print(s, flush=True), dtype=dtype, seed=0, enable_chunked_prefill=True,
+    engines = Engines(name, log, dtype=dtype, seed=0, enable_chunked_prefill=True,
                       max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)
     results: dict[str, Any] = {
         "machine": machine_info(), "model": name, "dtype": dtype, "args": vars(args),
@@ -61,22 +61,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         llm = engines.get(args.max_num_seqs, scheduling, args.max_model_len)
         results["build_s"][scheduling] = engines.build_s[f"{scheduling}-{args.max_num_seqs}-{args.max_model_len}"]
         results["attention_backend"] = llm.engine.runner.backend.name
-        run = lean(timed_generate(llm, [r.prompt_token_ids for r in reqs], [r.max_tokens for r in reqs],
-                                  ["short" if r.max_tokens == short else "long" for r in reqs]))
-        results["runs"][scheduling] = run
-        print(run_line(scheduling, run) + f" (built in {results['build_s'][scheduling]}s)", flush=True)
+        results["runs"][scheduling] = run = lean(timed_generate(
+            llm, [r.prompt_token_ids for r in reqs], [r.max_tokens for r in reqs],
+            ["short" if r.max_tokens == short else "long" for r in reqs]))
+        log(run_line(scheduling, run) + f" (built in {results['build_s'][scheduling]}s)")
         if out:  # what finished, should the stage's time limit cut the next run off
             write_json(out, results)
     engines.keep_only(set())
-    tok_s, p99 = continuous_vs_static(results["runs"]["continuous"], results["runs"]["static"], TARGET)
-    results["ratios"] = {"tok_s_continuous_over_static": tok_s["measured"], "tok_s_ideal_from_steps": tok_s["ideal"],
-                         "short_p99_static_over_continuous": p99["measured"], "short_p99_ideal_from_steps": p99["ideal"],
-                         "target_tok_s": TARGET}
+    ratios = continuous_vs_static(results["runs"]["continuous"], results["runs"]["static"], TARGET)
+    results["ratios"] = {"tok_s_continuous_over_static": ratios[0]["measured"], "tok_s_ideal_from_steps":
+                         ratios[0]["ideal"], "short_p99_static_over_continuous": ratios[1]["measured"],
+                         "short_p99_ideal_from_steps": ratios[1]["ideal"], "target_tok_s": TARGET}
     if out:
         write_json(out, results)
-    print(f"mix     continuous / static output tok/s: {tok_s['measured']:.2f}x (ideal from steps {tok_s['ideal']:.2f}x, "
-          f"target {TARGET}x); short p99 static / continuous {p99['measured']:.2f}x (ideal {p99['ideal']:.2f}x)",
-          flush=True)
+    log(text_table([["", "ratio", "measured", "ideal (steps)", "target", ""]] + ratio_rows(ratios, "mix"), left=2))
     return results
 
 
