@@ -1,21 +1,12 @@
 #!/usr/bin/env bash
-# The prepared GPU check, within 5 minutes on an H200 (stage limits add up to 285 s):
-#   1 smoke    both kernels compiled on small inputs of four model shapes and checked
-#              against the references (the engine's own start-up probe)           35 s
-#   2 tests    tests/test_kernels.py compiled for real (TAXIRANK_KERNEL_INTERPRET=0:
-#              without a GPU it fails, it does not pass on CPU); hypothesis cases out 45 s
-#   3 kernels  copy bandwidth, then the decode grid (context 8k/2k/512 x batch
-#              256/64/16/1, largest first so a cut-off loses the least telling cases)
-#              with a tuning sweep (warps 4/8 x stages 2/3/4 x 64/128 keys per step)
-#              on the cases reading >= 0.5 GiB; two ragged steps                     75 s
-#   4 step     the Llama-3-8B-shaped decode step at batch 1/32/256 vs its roofline  50 s
-#   5 mix      the seed's mix, continuous vs static, 8B-shaped random bf16 model,
-#              200 requests (bench/gpu_mix.py)                                       80 s
-# A stage that fails or times out does not stop the next one. After every stage,
-# bench/gpu_check_report.py rewrites results.json and summary.md from what exists, and
-# raw.tgz holds every stage's JSON and log: a run cut off anywhere keeps what finished.
-# Output: $OUT when set (the device tool brings it back; at most 8 files), else
-# bench/results/gpu_check/. Stage limits can be changed: T_SMOKE=40 bash bench/gpu_check.sh
+# The prepared GPU check, within 5 minutes on an H200 (docs/KERNELS.md): five stages, each
+# with a time limit (overridable: T_SMOKE=40 bash bench/gpu_check.sh): 1 smoke (both kernels
+# vs the references) 35 s, 2 tests (tests/test_kernels.py compiled for real) 45 s, 3 kernels
+# (copy bandwidth, decode grid + tuning sweep, ragged steps) 75 s, 4 step (the 8B-shaped
+# decode step vs its roofline) 50 s, 5 mix (bench/gpu_mix.py) 80 s. A stage that fails or
+# times out does not stop the next; after each, bench/gpu_check_report.py rewrites
+# results.json and summary.md and raw.tgz holds every stage's JSON and log, in $OUT when set
+# (at most 8 files come back), else bench/results/gpu_check/.
 #
 #   bash bench/gpu_check.sh               # on a GPU
 #   bash bench/gpu_check.sh --cpu-smoke   # here: the same plumbing, interpreted kernels, tiny shapes
@@ -51,9 +42,10 @@ stage() {  # stage NAME SECONDS CMD...: run with a time limit, log, record, repo
 
 {
   echo "mode $MODE, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>/dev/null \
-    || echo "nvidia-smi: not available"
-  "$PY" -c "import sys, jax, jaxlib; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
+    --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
+  "$PY" -c "import sys, jax, jaxlib
+print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
   "$PY" -c "import kernels_pallas as kp; print('pallas triton:', kp.triton_unavailable() or 'importable')"
 } >"$WORK/env.txt" 2>&1
 cat "$WORK/env.txt"
@@ -83,7 +75,8 @@ else  # every stage's plumbing on CPU: interpreted kernels, toy shapes
 fi
 
 # ---- tensor parallelism: TP=1 vs TP=N, only when more than one GPU is visible ----
-NGPU=$("$PY" -c "import jax; print(jax.local_device_count() if jax.default_backend() == 'gpu' else 0)" 2>/dev/null || echo 0)
+NGPU=$("$PY" -c "import jax; print(jax.local_device_count() if jax.default_backend() == 'gpu' else 0)" \
+  2>/dev/null || echo 0)
 if [ "$MODE" = gpu ] && [ "${NGPU:-0}" -gt 1 ]; then
   stage tp "${T_TP:-120}" "$PY" bench/tp.py --tp "1,$NGPU" --requests 32 --prompt-len 512 --max-tokens 64
 fi
