@@ -92,7 +92,8 @@ async def complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any
                 data = await r.json(content_type=None)
                 rec.e2e = time.perf_counter() - t0 - rec.start
                 choice = (data.get("choices") or [{}])[0]
-                rec.text, rec.finish_reason, usage = choice.get("text") or "", choice.get("finish_reason"), data.get("usage")
+                rec.text, rec.finish_reason = choice.get("text") or "", choice.get("finish_reason")
+                usage = data.get("usage")
                 if "error" in data:
                     rec.error = _error_text(data["error"])
                 elif not usage:
@@ -154,9 +155,9 @@ async def probe(session: aiohttp.ClientSession, url: str, req: Request, *, promp
         pass
     wanted = (["include_usage"] if stream else []) + (["ignore_eos"] if extensions else [])
 
-    async def attempt(**kw: bool) -> Record:
+    async def attempt(timing: str = "text", **kw: bool) -> Record:
         c = Capabilities(model=caps.model, prompts=prompts, stream=stream, **kw)
-        return await complete(session, url, c.body(req, PROBE_TOKENS), "text", time.perf_counter(),
+        return await complete(session, url, c.body(req, PROBE_TOKENS), timing, time.perf_counter(),
                               Record("probe", PROBE_TOKENS, 0))
 
     rec = await attempt(**{w: True for w in wanted})
@@ -183,10 +184,7 @@ async def probe(session: aiohttp.ClientSession, url: str, req: Request, *, promp
     elif caps.usage and rec.tokens > 1 and rec.chunks == rec.tokens:
         caps.timing = "text"
     elif caps.usage:
-        c = Capabilities(model=caps.model, prompts=prompts, include_usage=caps.include_usage,
-                         ignore_eos=caps.ignore_eos, logprobs=True)
-        lp = await complete(session, url, c.body(req, PROBE_TOKENS), "logprobs", time.perf_counter(),
-                            Record("probe", PROBE_TOKENS, 0))
+        lp = await attempt("logprobs", include_usage=caps.include_usage, ignore_eos=caps.ignore_eos, logprobs=True)
         if lp.error:
             caps.refused["logprobs"] = lp.error
         elif lp.tokens > 1 and len(lp.itl) + 1 == lp.tokens:
@@ -352,7 +350,8 @@ def server_view(samples: list[dict]) -> dict[str, Any]:
     dt = [b - a for a, b in zip(tl["t"], tl["t"][1:])] + [0.0]
     by_reason = {r: round(sum(n * d for n, d in zip(col, dt)), 2) for r, col in tl["waiting_by_reason"].items()}
     return {"metrics": {
-        "samples": len(samples), "series": [k for k, v in vals.items() if v] + (["waiting_by_reason"] if by_reason else []),
+        "samples": len(samples),
+        "series": [k for k, v in vals.items() if v] + (["waiting_by_reason"] if by_reason else []),
         "num_kv_blocks": next((s["num_kv_blocks"] for s in samples if s["num_kv_blocks"] is not None), None),
         "max_running": max(vals["running"], default=None), "max_kv_usage": max(vals["kv_usage"], default=None),
         "preemptions": vals["preemptions"][-1] if vals["preemptions"] else None,

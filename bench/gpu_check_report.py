@@ -60,7 +60,8 @@ def _tests(log: str) -> dict[str, Any]:
     found = re.findall(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected)[^\n]*?) in [\d.]+s", log, re.M)
     summary = found[-1] if found else None
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected)", summary or "")}
-    return {"summary": summary, "counts": counts, "failed": sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)))[:40]}
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", log, re.M)))
+    return {"summary": summary, "counts": counts, "failed": failed[:40]}
 
 
 def _verdict(ok: bool) -> str:
@@ -81,7 +82,8 @@ def build(work: str, mode: str) -> dict[str, Any]:
     if cases:
         worst = min(r["pallas"]["pct_copy"] for r in cases)
         targets["decode_attention_pct_copy"] = {
-            "cases": len(cases), "worst_pct_copy": worst, "worst_pct_datasheet": min(r["pallas"]["pct_peak"] for r in cases),
+            "cases": len(cases), "worst_pct_copy": worst,
+            "worst_pct_datasheet": min(r["pallas"]["pct_peak"] for r in cases),
             "target_50": _verdict(worst >= 50), "stretch_75": _verdict(worst >= 75)}
     s256 = [r["pct_roofline"] for r in step.get("step", []) if r.get("batch") == 256 and "pct_roofline" in r]
     if s256:
@@ -97,7 +99,8 @@ def _table(header: list[str], rows: list[dict[str, Any]], head: Any, figures: An
     out = [header]
     for r in rows:
         h, err = head(r), error(r)
-        out.append(h + (figures(r) if err is None else [f"ERROR: {str(err)[:120]}"] + [""] * (len(header) - len(h) - 1)))
+        out.append(h + (figures(r) if err is None else
+                        [f"ERROR: {str(err)[:120]}"] + [""] * (len(header) - len(h) - 1)))
     return md_table(out)
 
 
@@ -117,8 +120,10 @@ def markdown(res: dict[str, Any]) -> str:
     if isinstance(res.get("smoke"), dict):
         L += ["## Smoke (both kernels vs the references)", ""] + [
             "- Hq {num_q_heads} Hkv {num_kv_heads} D {head_dim} BS {block_size} {dtype}: ".format(**r["shape"])
-            + f"{'ok' if r['ok'] else 'FAILED: ' + str(r['reason'])} ({r['seconds']}s)" for r in res["smoke"].get("smoke", [])]
-        L += [f"- `--attention-backend auto` serves: **{r['backend']}**" for r in res["smoke"].get("smoke_auto", [])] + [""]
+            + f"{'ok' if r['ok'] else 'FAILED: ' + str(r['reason'])} ({r['seconds']}s)"
+            for r in res["smoke"].get("smoke", [])]
+        L += [f"- `--attention-backend auto` serves: **{r['backend']}**"
+              for r in res["smoke"].get("smoke_auto", [])] + [""]
     if res.get("tests"):
         t = res["tests"]
         L += ["## Kernel tests", "", f"- {t['summary'] or 'no pytest summary line (cut off?)'}"]
@@ -132,7 +137,8 @@ def markdown(res: dict[str, Any]) -> str:
         L.append(_table(
             ["batch", "context", "KV MiB", "judged", "best config", "us", "GB/s", "% datasheet", "% copy"],
             kern.get("decode", []),
-            lambda r: [str(r["batch"]), str(r["context"]), f"{r['kv_bytes'] / 2**20:.0f}", "yes" if r.get("judged") else "no"],
+            lambda r: [str(r["batch"]), str(r["context"]), f"{r['kv_bytes'] / 2**20:.0f}",
+                       "yes" if r.get("judged") else "no"],
             lambda r: [r["pallas"].get("config", "default"), f"{r['pallas']['us']:.1f}", f"{r['pallas']['gbps']:.0f}",
                        f"{r['pallas']['pct_peak']:.0f}", f"{r['pallas'].get('pct_copy', float('nan')):.0f}"],
             lambda r: None if "us" in r.get("pallas", {}) else r.get("pallas", {}).get("error")))

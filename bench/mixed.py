@@ -81,7 +81,8 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
     """continuous, static, each admission mode at full and half max_model_len under one tight
     KV budget, and each --kv-cache-dtype in that budget's bytes."""
     full, budget = args.max_model_len, kv_budget_blocks(args)
-    base = {"model": args.model, "max_num_seqs": args.max_num_seqs, "max_model_len": full, "block_size": args.block_size}
+    base = {"model": args.model, "max_num_seqs": args.max_num_seqs, "max_model_len": full,
+            "block_size": args.block_size}
     out = [Variant(s, base | {"scheduling": s}) for s in ("continuous", "static")]
     out += [Variant(f"{mode}/{length}", base | {"kv_admission": mode, "max_model_len": mml, "num_kv_blocks": budget},
                     mode, length) for mode in ADMISSION_MODES for length, mml in (("full", full), ("half", full // 2))]

@@ -121,7 +121,7 @@ def hf_model_from(model_name: str):
     fields = {k: v for k, v in hf_config(c).items() if k not in ("rope_theta", "torch_dtype")}
     hf_cfg = LlamaConfig(**fields | {"rope_parameters": rope, "eos_token_id": None, "pad_token_id": 0})
     hf_cfg._attn_implementation = "sdpa"
-    state = {name: torch.from_numpy(np.array(x, np.float32)) for name, x in tx_model.hf_state_dict(loaded.model).items()}
+    state = {k: torch.from_numpy(np.array(x, np.float32)) for k, x in tx_model.hf_state_dict(loaded.model).items()}
     hf = LlamaForCausalLM(hf_cfg)  # random init, overwritten in full just below
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
@@ -287,7 +287,8 @@ def section_peers(name: str, sz: Sizes, engines: Engines) -> dict[str, Any]:
     return {"workload": {"slice": f"the first {sz.peer_requests // 2} requests of max_tokens {sz.short} and "
                          f"{sz.peer_requests - sz.peer_requests // 2} of max_tokens {sz.long} (run as {sz.peer_long}) "
                          f"of the {sz.num_requests}-request mix, in its shuffled order",
-                         "max_tokens": [r.max_tokens for r in reqs], "prompt_len": [len(r.prompt_token_ids) for r in reqs],
+                         "max_tokens": [r.max_tokens for r in reqs],
+                         "prompt_len": [len(r.prompt_token_ids) for r in reqs],
                          "max_num_seqs": s, "torch_threads": torch.get_num_threads()},
             "runs": {m: lean(r, per_request=True) for m, r in tx.items()} | {
                 "hf_generate": lean(hf_static), "hf_continuous": lean(hf_cb)},
@@ -298,7 +299,8 @@ def section_peers(name: str, sz: Sizes, engines: Engines) -> dict[str, Any]:
                      c["output_tok_s"] / hf_static["output_tok_s"], hf_static["decode_steps"] / c["stats"]["num_steps"],
                      TARGETS["peers_static"]),
         side_by_side(f"output tok/s, taxirank static / transformers padded generate, batch {s} (same schedule)",
-                     st["output_tok_s"] / hf_static["output_tok_s"], hf_static["decode_steps"] / st["stats"]["num_steps"])]}
+                     st["output_tok_s"] / hf_static["output_tok_s"],
+                     hf_static["decode_steps"] / st["stats"]["num_steps"])]}
 
 
 def header(results: dict[str, Any]) -> str:
@@ -347,7 +349,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "total_s": round(time.perf_counter() - t_all, 1)}
     rows = [["section", "ratio", "measured", "ideal (steps)", "target", ""]]
     for name, sec in results["sections"].items():
-        rows += [[name, f"ERROR: {sec['error'][:80]}", "", "", "", ""]] if "error" in sec else ratio_rows(sec["ratios"], name)
+        rows += ([[name, f"ERROR: {sec['error'][:80]}", "", "", "", ""]] if "error" in sec
+                 else ratio_rows(sec["ratios"], name))
     log("\n" + header(results) + "\n" + text_table(rows, left=2))
     write_json(out, results)
     log(f"results: {out} ({results['total_s']}s in all; engine build + warm-up times in engine_build_s)")

@@ -76,8 +76,8 @@ def build(a: argparse.Namespace, caching: bool) -> Any:
 def figures(r: dict[str, Any]) -> list[str]:
     """One timed run's cells: TTFT p50 and p99, tok/s, tok per CPU-s, hit rate, prompt tokens computed, load."""
     return [f"{r['ttft_s']['p50']:.2f} s", f"{r['ttft_s']['p99']:.2f} s", f"{r['output_tok_s']:.1f}",
-            f"{r['tok_per_cpu_s']:.1f}", f"{r['hit_rate']:.1%}", f"{r['stats']['prefill_tokens']} / {r['prompt_tokens']}",
-            f"{r['loadavg']:.1f}"]
+            f"{r['tok_per_cpu_s']:.1f}", f"{r['hit_rate']:.1%}",
+            f"{r['stats']['prefill_tokens']} / {r['prompt_tokens']}", f"{r['loadavg']:.1f}"]
 
 
 def both(a: argparse.Namespace, label: str, run: Callable[[Any], dict[str, Any]]) -> dict[str, dict[str, Any]]:

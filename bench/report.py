@@ -326,8 +326,8 @@ def _why(mode: str, sharp: bool, full: dict, half: dict) -> str:
     kv = full["metrics"]["dominant_wait_reason"] == "kv_blocks"
     run = f"max running {full['metrics']['max_running']:.0f} -> {half['metrics']['max_running']:.0f}"
     if kv and mode == "reserve-max-len":
-        text = f"Halving fit more requests at once ({run})" + (": the seed's rule holds." if sharp else
-                                                                ", yet no sharp fall: the waiting reason says KV blocks.")
+        text = f"Halving fit more requests at once ({run})" + (
+            ": the seed's rule holds." if sharp else ", yet no sharp fall: the waiting reason says KV blocks.")
     elif kv:
         text = (f"But {mode} holds {HOLDS[mode]}, which max_model_len does not change ({run}): halving frees no "
                 "blocks" + ("; this fall is not admission: compare the machine load." if sharp else "."))
@@ -359,8 +359,9 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
         p_half = _p(half, "short", "e2e", "p99")
         fall = _p(full, "short", "e2e", "p99") / p_half if p_half else math.inf
         reason = full["metrics"]["dominant_wait_reason"]
-        h = {"fall": fall, "fell_sharply": fall >= SHARP, "queued_on": REASON_MEANS.get(reason, reason),
-             "seed_rule_holds": (fall >= SHARP) == (reason == "kv_blocks"), "why": _why(mode, fall >= SHARP, full, half)}
+        sharp = fall >= SHARP
+        h = {"fall": fall, "fell_sharply": sharp, "queued_on": REASON_MEANS.get(reason, reason),
+             "seed_rule_holds": sharp == (reason == "kv_blocks"), "why": _why(mode, sharp, full, half)}
         out["halving"][mode] = h
         out["answer"].append(f"{mode}: short-request p99 e2e {_times(fall)} at max_model_len "
                              f"{half['flags']['max_model_len']} than at {full['flags']['max_model_len']} "
@@ -397,7 +398,8 @@ def text_agreement(a: dict, b: dict) -> dict[str, Any]:
     known = [(x["prompt_tokens"], y["prompt_tokens"]) for x, y in zip(a["per_request"], b["per_request"])
              if x.get("prompt_tokens") is not None and y.get("prompt_tokens") is not None]
     return {"compared": len(pairs), "identical": len(pairs) - len(diff), "first_difference": first,
-            "prompt_tokens_equal": sum(x == y for x, y in known) if known else None, "prompt_tokens_compared": len(known)}
+            "prompt_tokens_equal": sum(x == y for x, y in known) if known else None,
+            "prompt_tokens_compared": len(known)}
 
 
 def compare(vs: dict[str, dict], names: list[str]) -> dict[str, Any]:
@@ -407,8 +409,8 @@ def compare(vs: dict[str, dict], names: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"reference": ref, "vs": {}}
     for name in names[1:]:
         b = vs[name]
-        c: dict[str, Any] = {"output_tokens_per_s": {ref: a["output_tokens_per_s"], name: b["output_tokens_per_s"],
-                                                     "ratio": ratio(a["output_tokens_per_s"], b["output_tokens_per_s"])}}
+        tps = (a["output_tokens_per_s"], b["output_tokens_per_s"])
+        c: dict[str, Any] = {"output_tokens_per_s": {ref: tps[0], name: tps[1], "ratio": ratio(*tps)}}
         for cls in ("short", "long"):
             c[cls] = {m: {q: {ref: a[cls][m].get(q), name: b[cls][m].get(q),
                               "ratio": ratio(b[cls][m].get(q), a[cls][m].get(q))} for q in ("p50", "p99")}
@@ -462,7 +464,8 @@ def server_text(v: dict) -> str:
     if "capabilities" not in v:
         return f"not measured: {v.get('error', 'no figures')}"
     caps = v["capabilities"]
-    said = [f"model `{caps['model']}`" if caps["model"] else "no model name from /v1/models", f"{caps['prompts']} prompts"]
+    said = [f"model `{caps['model']}`" if caps["model"] else "no model name from /v1/models",
+            f"{caps['prompts']} prompts"]
     said += [f"refused {dict(include_usage='stream_options.include_usage', logprobs='logprobs=0').get(f, f)} "
              f"({answer[:120]})" for f, answer in caps["refused"].items()]
     if not caps["ignore_eos"]:
@@ -496,8 +499,8 @@ def side_by_side_md(results: dict[str, Any]) -> list[str]:
                   f"Greedy texts: {g['identical']} of {g['compared']} requests identical"
                   + (f"; the first difference in request {d['request']} after {d['common_prefix_chars']} characters: "
                      f"{d['a']!r} vs {d['b']!r}" if d else "") + ". Prompt tokens (usage) equal on both: "
-                  + (f"{g['prompt_tokens_equal']} of {g['prompt_tokens_compared']} requests." if g["prompt_tokens_equal"]
-                     is not None else "not reported by both."), ""]
+                  + ("not reported by both." if g["prompt_tokens_equal"] is None else
+                     f"{g['prompt_tokens_equal']} of {g['prompt_tokens_compared']} requests."), ""]
     return lines
 
 
@@ -511,7 +514,8 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
     lines += ["## Results", "", md_table(table_rows(results)), "",
               "Client-side TTFT, ITL and e2e; tok/s: output tokens from the first request sent to the last token. "
               "`server cores`: the server's CPU seconds over the run's wall time. `-`: not measured. A sharp fall of "
-              f"short-request p99 at half max_model_len: >= {SHARP}x; waits from `taxirank:num_requests_waiting_by_reason`.",
+              f"short-request p99 at half max_model_len: >= {SHARP}x; waits from "
+              "`taxirank:num_requests_waiting_by_reason`.",
               ""]
     lo_hi = st["prompt_len"].replace(",", "..")
     prompts = (f"{lo_hi} words of generated prose" if st.get("prompt_kind") == "text"
@@ -519,7 +523,8 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
     timings = sorted({v["token_timing"] for v in vs.values() if v.get("token_timing")})
     lines += ["## Settings", "",
               f"- Workload: {st['num_requests']} requests, half max_tokens={st['short']} and half {st['long']}, "
-              f"shuffled (seed {st['seed']}); prompts of {prompts}; temperature 0, {'not ' * (timings == ['none'])}streamed; "
+              f"shuffled (seed {st['seed']}); prompts of {prompts}; temperature 0, "
+              f"{'not ' * (timings == ['none'])}streamed; "
               + (f"Poisson arrivals at {st['rate']} requests/s." if st["rate"] else "all sent at once."),
               "- Token timing: " + ("; ".join(TIMING_TEXT[t] for t in timings) or "none") + "."]
     if targets:
@@ -532,7 +537,8 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
                   + (f", extra server flags `{st['server_args']}`" if st["server_args"] else "") + ".",
                   f"- The admission variants' KV budget: {blocks} blocks = {st['kv_budget_seqs']} sequences of {full} "
                   f"tokens; under reserve-max-len {blocks // math.ceil(full / bs)} requests fit at {full}, "
-                  f"{blocks // math.ceil(full // 2 / bs)} at {full // 2}.", "", "| variant | server flags |", "|---|---|"]
+                  f"{blocks // math.ceil(full // 2 / bs)} at {full // 2}.", "",
+                  "| variant | server flags |", "|---|---|"]
         lines += [f"| {n} | `{' '.join(flags_to_argv(v['flags']))}` |" for n, v in vs.items()]
     la = ["/".join(f"{x:.1f}" for x in results[k]) for k in ("loadavg_start", "loadavg_end")]
     lines += ["", "## Machine", "", f"- {m.get('cpu')}, {m.get('cores')} cores; Python {m.get('python')}, JAX "

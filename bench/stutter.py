@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an earlier run's stutter.json; no run")
     a = size_defaults(p.parse_args(argv), {"model": ("bench", "tiny"), "prompt_len": (8192, 384), "users": (16, 4),
-                                           "budget": (512, 64), "out": (results_dir("stutter"), results_dir("stutter-tiny"))})
+                                           "budget": (512, 64),
+                                           "out": (results_dir("stutter"), results_dir("stutter-tiny"))})
     a.after_tokens = a.window if a.after_tokens is None else a.after_tokens
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not set(a.modes) <= {"off", "on"} or not a.modes:
@@ -156,7 +157,8 @@ def plot(results: dict[str, dict[str, Any]], a: argparse.Namespace, path: str) -
                     color="tab:red" if u == "long" else "tab:blue")
         ax.axvline(r["ttft_s"], color="tab:red", ls=":", lw=1)
         ax.set_yticks(range(len(users) + 1), [u.replace("user-", "u") for u in users] + ["joiner"], fontsize=7)
-        how = f"budget {r['max_num_batched_tokens']} tokens/step" if r["chunked_prefill"] else "whole prompt in one step"
+        how = (f"budget {r['max_num_batched_tokens']} tokens/step" if r["chunked_prefill"]
+               else "whole prompt in one step")
         ax.set_title(f"chunked prefill {m} ({how}): users' ITL around the join p50 {r['itl_window']['p50'] * 1e3:.0f} "
                      f"ms, max {r['max_gap_s'] * 1e3:.0f} ms; joiner TTFT {r['ttft_s']:.2f} s", fontsize=9)
     ax = axes[-1, 0]
@@ -174,7 +176,8 @@ def plot(results: dict[str, dict[str, Any]], a: argparse.Namespace, path: str) -
                for m in modes)
     t_hi = max(t for m in modes for toks in results[m]["arrivals"].values() for _, t in toks)
     ax.set_xlim(t_lo - 0.03 * (t_hi - t_lo), t_hi + 0.03 * (t_hi - t_lo))
-    ax.set_xlabel(f"time since the {a.prompt_len}-token prompt arrived (s); dashed: it arrives, dotted: its first token")
+    ax.set_xlabel(f"time since the {a.prompt_len}-token prompt arrived (s); dashed: it arrives, "
+                  "dotted: its first token")
     for ax in axes[:, 0]:
         ax.axvline(0.0, color="k", ls="--", lw=1)
         ax.grid(alpha=0.3)

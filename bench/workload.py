@@ -1,9 +1,7 @@
 """The benches' workloads, drawn from fixed seeds so every run, engine and peer server sees
 the same requests: the seed's mix, exponential lengths, shared-prefix prompts, arrivals.
-
-Prompts are random token ids (with random weights and ignore_eos only lengths matter) or,
-for servers that only take text, prose from a small fixed-seed grammar, so any tokenizer
-and any model get words.
+Prompts are random token ids or, for servers that only take text, prose from a small
+fixed-seed grammar (any tokenizer and any model get words).
 """
 
 from __future__ import annotations
