@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from report import (continuous_vs_static, lean, log, machine_info, ratio_rows, results_dir, run_line,  # noqa: E402
                     sections, side_by_side, text_table, timed_generate, warm, write_json)
-from workload import Request, exponential_mix, seed_mix  # noqa: E402
+from workload import Request, exponential_mix, seed_mix, vocab_size_of  # noqa: E402
 
 SECTIONS = ("mix32", "p99-64", "exp32", "peers")
 TORCH_THREADS = 2  # the bench machine has 2 cores; JAX's CPU client uses all cores too
@@ -221,10 +221,8 @@ def run_pair(name: str, engines: Engines, reqs: list[Request], seqs: int, max_mo
     return runs
 
 
-def _vocab(sz: Sizes) -> int:
-    from model import BUILTIN_MODELS
-
-    return BUILTIN_MODELS[sz.model].vocab_size
+def the_mix(sz: Sizes) -> list[Request]:
+    return seed_mix(sz.num_requests, vocab_size_of(sz.model), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
 
 
 def section_pair(name: str, sz: Sizes, engines: Engines) -> dict[str, Any]:
@@ -233,14 +231,15 @@ def section_pair(name: str, sz: Sizes, engines: Engines) -> dict[str, Any]:
     exp, latency = name == "exp32", name == "p99-64"
     seqs = sz.seqs_latency if latency else sz.seqs_throughput
     if exp:
-        reqs = exponential_mix(sz.exp_requests, _vocab(sz), mean=sz.exp_mean, cap=sz.exp_cap, prompt_len=sz.prompt_len)
+        reqs = exponential_mix(sz.exp_requests, vocab_size_of(sz.model), mean=sz.exp_mean, cap=sz.exp_cap,
+                               prompt_len=sz.prompt_len)
         assert max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) <= sz.exp_max_model_len
         lens = [r.max_tokens for r in reqs]
         workload = {"num_requests": len(reqs), "output_len": f"exponential, mean {sz.exp_mean}, capped at {sz.exp_cap}",
                     "drawn_mean": sum(lens) / len(lens), "drawn_max": max(lens), "prompt_len": sz.prompt_len}
         runs = run_pair(name, engines, reqs, seqs, sz.exp_max_model_len)
     else:
-        reqs = seed_mix(sz.num_requests, _vocab(sz), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
+        reqs = the_mix(sz)
         n = sz.num_requests
         workload = {"num_requests": n, "max_tokens": {str(sz.short): n // 2, str(sz.long): n - n // 2},
                     "prompt_len": sz.prompt_len, "shuffle_seed": 0}
@@ -255,7 +254,7 @@ def section_pair(name: str, sz: Sizes, engines: Engines) -> dict[str, Any]:
 def peer_slice(sz: Sizes) -> list[Request]:
     """The first peer_requests/2 short and peer_requests/2 long requests of the mix, in its
     shuffled order (long ones cut to peer_long tokens)."""
-    reqs = seed_mix(sz.num_requests, _vocab(sz), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
+    reqs = the_mix(sz)
     half = sz.peer_requests // 2
     shorts = {id(r) for r in [r for r in reqs if r.max_tokens == sz.short][:half]}
     longs = {id(r) for r in [r for r in reqs if r.max_tokens == sz.long][:sz.peer_requests - half]}
