@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from workload import Request
 
@@ -280,26 +280,19 @@ METRIC_ALIASES: dict[str, tuple[str, ...]] = {
     "num_kv_blocks": ("taxirank:num_kv_blocks",),
 }
 WAITING_BY_REASON = "taxirank:num_requests_waiting_by_reason"
-_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {name: value}; labelled samples also as 'name{k=v,...}'. Labelled
-    samples of one name are summed under the bare name (vLLM labels by model_name)."""
+    """Prometheus text -> {name: value}; labelled samples also as 'name{k=v,...}', and summed under
+    the bare name (vLLM labels by model_name, a Ray app by replica)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if not m or line.startswith("#"):
-            continue
-        name, labels, value = m.groups()
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        if labels:
-            out[name + "{" + ",".join(f"{k}={x}" for k, x in _LABEL.findall(labels)) + "}"] = v
-        out[name] = out.get(name, 0.0) + v if labels else v
+    try:
+        for s in (s for family in text_string_to_metric_families(text) for s in family.samples):
+            if s.labels:
+                out[s.name + "{" + ",".join(f"{k}={v}" for k, v in s.labels.items()) + "}"] = s.value
+            out[s.name] = out.get(s.name, 0.0) + s.value if s.labels else s.value
+    except ValueError:  # a line the parser cannot read ends the sample; what came before it stands
+        pass
     return out
 
 

@@ -229,12 +229,18 @@ class TargetAction(argparse.Action):
         setattr(ns, self.dest, list(getattr(ns, self.dest) or []) + [target])
 
 
+def positive(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return int(text)
+
+
 FLAGS = [  # (flag, type, default, help) of the plain options
     ("--model", str, "bench", "taxirank model to serve: tiny, bench or an HF directory"),
     ("--vocab-size", int, None, "prompt token ids are drawn below it (default: --model's; 32000 for --url/--compare)"),
-    ("--num-requests", int, 100, None),
-    ("--short", int, 16, "max_tokens of the short half"),
-    ("--long", int, 512, "max_tokens of the long half"),
+    ("--num-requests", positive, 100, None),
+    ("--short", positive, 16, "max_tokens of the short half"),
+    ("--long", positive, 512, "max_tokens of the long half"),
     ("--prompt-len", str, "32,256", "prompt lengths: MIN,MAX random token ids, or words of text prompts"),
     ("--rate", float, None, "requests/s as a Poisson process (default: all at once)"),
     ("--seed", int, 0, None),
@@ -250,8 +256,10 @@ FLAGS = [  # (flag, type, default, help) of the plain options
      "persistent compilation cache for the servers ('' for none)"),
     ("--out", str, None, "output directory (default bench/results/<timestamp>/)"),
 ]
-PRESETS = {"quick": {"num_requests": 40, "long": 128, "prompt_len": "16,64", "max_model_len": 512},
-           "peer": {"num_requests": 32, "short": 16, "long": 128, "prompt_len": "20,120"}}
+PRESETS = {  # --quick and --peer: (what, the options they set unless given)
+    "quick": ("a smaller mix", {"num_requests": 40, "long": 128, "prompt_len": "16,64", "max_model_len": 512}),
+    "peer": ("the side by side of docs/PERFORMANCE.md", {"num_requests": 32, "short": 16, "long": 128,
+                                                         "prompt_len": "20,120"})}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -277,8 +285,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "false; e2e and usage from the one response (TTFT and ITL are not measured)")
     for flag, type_, default, help_ in FLAGS:
         ap.add_argument(flag, type=type_, default=default, help=help_)
-    for preset, values in PRESETS.items():
-        ap.add_argument("--" + preset, action="store_true", help=", ".join(
+    for preset, (what, values) in PRESETS.items():
+        ap.add_argument("--" + preset, action="store_true", help=f"{what}: " + ", ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in values.items()) + " (unless given)")
     ap.add_argument("--report", metavar="DIR", help="no run: rewrite DIR's analysis, report.md and plots from "
                     "its results.json")
@@ -296,7 +304,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if len({t.name for t in args.targets}) != len(args.targets):
         ap.error(f"server names must differ: {[t.name for t in args.targets]}")
     preset = "quick" if args.quick else "peer" if args.peer else None
-    for opt, value in PRESETS.get(preset, {}).items():
+    for opt, value in PRESETS[preset][1].items() if preset else ():
         if "--" + opt.replace("_", "-") not in given:
             setattr(args, opt, value)
     try:
@@ -305,9 +313,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--prompt-len wants MIN,MAX, got {args.prompt_len!r}")
     if not 1 <= lo <= hi:
         ap.error(f"--prompt-len wants 1 <= MIN <= MAX, got {args.prompt_len!r}")
-    for opt in ("num_requests", "short", "long"):
-        if getattr(args, opt) < 1:
-            ap.error(f"--{opt.replace('_', '-')} must be at least 1")
     args.prompt_range = (lo, hi)
     args.prompt_kind = args.prompts if args.prompts != "auto" else "text" if args.targets else "ids"
     args.send_extensions = {"on": True, "off": False, "auto": len(args.targets) <= 1}[args.extensions]

@@ -278,10 +278,6 @@ def continuous_vs_static(c: dict[str, Any], s: dict[str, Any], target_tok_s: flo
 # ---- bench/mixed.py's results: the answer, the side by side, report.md, plots ----------
 
 SHARP = 1.5  # "short-request p99 fell sharply": at least this many times lower at half length
-REASON_MEANS = {"kv_blocks": "KV blocks", "max_num_seqs": "compute (all max_num_seqs slots busy)",
-                "token_budget": "compute (the step's token budget)", "static_batch": "the static batch to drain"}
-HOLDS = {"on-demand": "blocks for the tokens computed so far", "reserve": "blocks for prompt + max_tokens",
-         "reserve-max-len": "blocks for max_model_len"}
 METRICS = (("ttft", " s", 1), ("itl", " ms", 1000), ("tpot", " ms", 1000), ("e2e", " s", 1))
 TIMING_TEXT = {"text": "one chunk per token, from the stream's text chunks",
                "logprobs": "each token's chunk (logprobs=0 asked for, as some tokens decode to no text)",
@@ -320,26 +316,6 @@ def cores_used(v: dict) -> float | None:
     return cpu / v["duration_s"] if cpu is not None and v.get("duration_s") else None
 
 
-def _why(mode: str, sharp: bool, full: dict, half: dict) -> str:
-    """What halving max_model_len shows under `mode`, beyond the seed's rule of thumb (a sharp
-    fall of short-request p99 means requests queued on KV blocks)."""
-    kv = full["metrics"]["dominant_wait_reason"] == "kv_blocks"
-    run = f"max running {full['metrics']['max_running']:.0f} -> {half['metrics']['max_running']:.0f}"
-    if kv and mode == "reserve-max-len":
-        text = f"Halving fit more requests at once ({run})" + (
-            ": the seed's rule holds." if sharp else ", yet no sharp fall: the waiting reason says KV blocks.")
-    elif kv:
-        text = (f"But {mode} holds {HOLDS[mode]}, which max_model_len does not change ({run}): halving frees no "
-                "blocks" + ("; this fall is not admission: compare the machine load." if sharp else "."))
-    else:
-        text = ("p99 fell without waits on KV blocks: compare the machine load." if sharp else
-                "Not KV, and no sharp fall: the seed's rule holds.")
-    c = [cores_used(v) for v in (full, half)]
-    if None not in c and min(c) < 0.75 * max(c):
-        text += f" Caution: the server got {c[0]:.1f} cores at full length and {c[1]:.1f} at half: not comparable."
-    return text
-
-
 def analyze(results: dict[str, Any]) -> dict[str, Any]:
     """The comparisons the report states, computed from the variants' figures."""
     vs = results["variants"]
@@ -358,15 +334,20 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
             continue
         p_half = _p(half, "short", "e2e", "p99")
         fall = _p(full, "short", "e2e", "p99") / p_half if p_half else math.inf
-        reason = full["metrics"]["dominant_wait_reason"]
-        sharp = fall >= SHARP
-        h = {"fall": fall, "fell_sharply": sharp, "queued_on": REASON_MEANS.get(reason, reason),
-             "seed_rule_holds": sharp == (reason == "kv_blocks"), "why": _why(mode, sharp, full, half)}
+        reason, sharp = full["metrics"]["dominant_wait_reason"], fall >= SHARP
+        # the seed's rule of thumb: a sharp fall means requests queued on KV blocks
+        h = {"fall": fall, "fell_sharply": sharp, "queued_on": reason,
+             "seed_rule_holds": sharp == (reason == "kv_blocks")}
         out["halving"][mode] = h
-        out["answer"].append(f"{mode}: short-request p99 e2e {_times(fall)} at max_model_len "
-                             f"{half['flags']['max_model_len']} than at {full['flags']['max_model_len']} "
-                             f"({'fell sharply' if h['fell_sharply'] else 'no sharp fall'}); at full length requests "
-                             f"queued mostly on {h['queued_on'] or 'nothing'}. {h['why']}")
+        run = f"{full['metrics']['max_running']:.0f} -> {half['metrics']['max_running']:.0f}"
+        cores = [cores_used(v) for v in (full, half)]
+        out["answer"].append(
+            f"{mode}: short-request p99 e2e {_times(fall)} at max_model_len {half['flags']['max_model_len']} than at "
+            f"{full['flags']['max_model_len']} ({'fell sharply' if sharp else 'no sharp fall'}; max running {run}); "
+            f"at full length requests waited mostly on {reason or 'nothing'}, so the seed's rule (a sharp fall means "
+            f"KV blocks) {'holds' if h['seed_rule_holds'] else 'does not hold'}."
+            + (f" Caution: the server got {cores[0]:.1f} cores at full length and {cores[1]:.1f} at half: not "
+               "comparable." if None not in cores and min(cores) < 0.75 * max(cores) else ""))
     targets = [t["name"] for t in results["settings"].get("targets") or []]
     for name in targets:
         v = vs.get(name)
@@ -537,7 +518,8 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
                   + (f", extra server flags `{st['server_args']}`" if st["server_args"] else "") + ".",
                   f"- The admission variants' KV budget: {blocks} blocks = {st['kv_budget_seqs']} sequences of {full} "
                   f"tokens; under reserve-max-len {blocks // math.ceil(full / bs)} requests fit at {full}, "
-                  f"{blocks // math.ceil(full // 2 / bs)} at {full // 2}.", "",
+                  f"{blocks // math.ceil(full // 2 / bs)} at {full // 2}; under reserve a request holds prompt + "
+                  "max_tokens and under on-demand the tokens computed so far: max_model_len changes neither.", "",
                   "| variant | server flags |", "|---|---|"]
         lines += [f"| {n} | `{' '.join(flags_to_argv(v['flags']))}` |" for n, v in vs.items()]
     la = ["/".join(f"{x:.1f}" for x in results[k]) for k in ("loadavg_start", "loadavg_end")]
