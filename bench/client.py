@@ -194,19 +194,15 @@ async def probe(session: aiohttp.ClientSession, url: str, req: Request, *, promp
 
 # ---- a server subprocess -------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    """A server as a subprocess (its own session, so stopping it stops its children too) on a
-    loopback port (free_port() unless given); its log to a file."""
+    """A server as a subprocess (its own session, so stopping it stops its children too) on a free
+    loopback port, put for {port} in its argv; its log to a file."""
 
-    def __init__(self, argv: list[str], port: int | None, log_path: str, env: dict[str, str] | None = None,
+    def __init__(self, argv: list[str], log_path: str, env: dict[str, str] | None = None,
                  cwd: str | None = None) -> None:
-        self.port = port or free_port()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
         self.argv = [a.replace("{port}", str(self.port)) for a in argv]
         self.log_path, self.url = log_path, f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")

@@ -193,7 +193,7 @@ async def bench(args: argparse.Namespace, variants: list[Variant], requests: lis
             try:
                 if argv:
                     log = os.path.join(args.out, f"server-{name.replace('/', '-')}.log")
-                    server = Server(argv, None, log, server_env, cwd=cwd)
+                    server = Server(argv, log, server_env, cwd=cwd)
                     entry["url"] = url = server.url
                 print(f"== {name}: {' '.join(server.argv) if server else url}", flush=True)
                 if server:

@@ -58,7 +58,7 @@ async def run_requests(session: aiohttp.ClientSession, url: str, requests: list[
 
 
 def start(script: str, args: argparse.Namespace, extra: list[str], log_dir: str, name: str) -> Server:
-    return Server([sys.executable, script, *engine_flags(args), *extra, "--port", "{port}"], None,
+    return Server([sys.executable, script, *engine_flags(args), *extra, "--port", "{port}"],
                   os.path.join(log_dir, f"{name}.log"), env=os.environ | {"PYTHONUNBUFFERED": "1"}, cwd=ROOT)
 
 
