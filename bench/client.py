@@ -150,7 +150,8 @@ async def probe(session: aiohttp.ClientSession, url: str, req: Request, *, promp
         pass
     try:
         async with session.get(url + "/metrics") as r:
-            caps.metrics = r.status == 200 and known_metrics(await r.text())
+            known = parse_metrics(await r.text()) if r.status == 200 else {}  # any series the timeline knows?
+            caps.metrics = any(n in known for names in METRIC_ALIASES.values() for n in names)
     except (*HTTP_ERRORS, UnicodeDecodeError):
         pass
     wanted = (["include_usage"] if stream else []) + (["ignore_eos"] if extensions else [])
@@ -299,12 +300,6 @@ def pick(metrics: dict[str, float]) -> dict[str, Any]:
     prefix = WAITING_BY_REASON + "{reason="
     s["waiting_by_reason"] = {k[len(prefix):-1]: v for k, v in metrics.items() if k.startswith(prefix)}
     return s
-
-
-def known_metrics(text: str) -> bool:
-    """Whether a /metrics text has any series the timeline knows."""
-    m = parse_metrics(text)
-    return any(n in m for names in METRIC_ALIASES.values() for n in names)
 
 
 async def sample_metrics(session: aiohttp.ClientSession, url: str, t0: float, samples: list[dict],

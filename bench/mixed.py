@@ -41,7 +41,7 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from client import Capabilities, Record, Refused, Server, complete, probe, sample_metrics, server_view  # noqa: E402
+from client import Record, Refused, Server, complete, probe, sample_metrics, server_view  # noqa: E402
 from report import flags_to_argv, machine_info, mixed_report, summarize, write_json  # noqa: E402
 from workload import Request, arrival_times, seed_mix, vocab_size_of  # noqa: E402
 
@@ -110,10 +110,19 @@ def class_stats(records: list[Record]) -> dict[str, Any]:
             "output_tokens": summarize([float(r.tokens) for r in ok])}
 
 
-async def run_variant(session: aiohttp.ClientSession, url: str, caps: Capabilities, requests: list[Request],
-                      args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """Send the workload as `caps` says the server takes it, sampling /metrics meanwhile where it
-    has them; the variant's figures."""
+async def measure(session: aiohttp.ClientSession, url: str, entry: dict[str, Any], requests: list[Request],
+                  args: argparse.Namespace, name: str, server: Server | None) -> None:
+    """Probe the server at `url`, send it the workload as it takes it (sampling /metrics meanwhile
+    where it has them), and add the figures to `entry`."""
+    caps = await probe(session, url, requests[0], prompts=args.prompt_kind, extensions=args.send_extensions,
+                       stream=not args.no_stream)
+    if args.extensions == "on" and "ignore_eos" in caps.refused:
+        raise Refused(f"the server refuses ignore_eos ({caps.refused['ignore_eos']}); --extensions auto or off "
+                      "measures it with output lengths that follow the model")
+    print(f"   {name}: model {caps.model or '(not named)'}, {caps.prompts} prompts, token timing {caps.timing}"
+          + (f", refused {sorted(caps.refused)}" if caps.refused else "")
+          + ("" if caps.metrics else ", no /metrics") + ("" if caps.usage else ", no usage"), flush=True)
+    cpu0, load0 = server.cpu_seconds() if server else None, os.getloadavg()[0]
     samples: list[dict] = []
     stop = asyncio.Event()
     bar = tqdm(total=len(requests), desc=f"{name:>20}", unit="req", mininterval=1.0, file=sys.stderr)
@@ -135,42 +144,27 @@ async def run_variant(session: aiohttp.ClientSession, url: str, caps: Capabiliti
     if sampler:
         await sampler
     bar.close()
+    cpu1 = server.cpu_seconds() if server else None
     ok = [r for r in records if r.error is None]
     span = max((r.start + r.e2e for r in ok), default=0.0) - min((r.start for r in ok), default=0.0)
     tokens, from_usage = sum(r.tokens for r in ok), [r.tokens_from_usage for r in ok]
     prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]  # only what usage reports
     errors = [r.error for r in records if r.error]
-    return {"duration_s": round(duration, 2), "token_timing": caps.timing, "capabilities": asdict(caps),
-            "requests": len(records), "errors": len(errors), "first_errors": errors[:3],
-            "exact_lengths": all(r.tokens == r.max_tokens for r in ok),
-            "tokens_counted_from": "usage" if all(from_usage) else "chunks" if not any(from_usage) else "mixed",
-            "output_tokens": tokens, "output_tokens_per_s": tokens / span if span > 0 else 0.0,
-            "prompt_tokens": summarize([float(x) for x in prompt_tokens]) | {"total": sum(prompt_tokens)}
-            if prompt_tokens else None,
-            "short": class_stats([r for r in records if r.cls == "short"]),
-            "long": class_stats([r for r in records if r.cls == "long"])} | server_view(samples) | {
+    entry |= {"duration_s": round(duration, 2), "token_timing": caps.timing, "capabilities": asdict(caps),
+              "requests": len(records), "errors": len(errors), "first_errors": errors[:3],
+              "exact_lengths": all(r.tokens == r.max_tokens for r in ok),
+              "tokens_counted_from": "usage" if all(from_usage) else "chunks" if not any(from_usage) else "mixed",
+              "output_tokens": tokens, "output_tokens_per_s": tokens / span if span > 0 else 0.0,
+              "prompt_tokens": summarize([float(x) for x in prompt_tokens]) | {"total": sum(prompt_tokens)}
+              if prompt_tokens else None,
+              "short": class_stats([r for r in records if r.cls == "short"]),
+              "long": class_stats([r for r in records if r.cls == "long"])} | server_view(samples) | {
         "per_request": [{"class": r.cls, "max_tokens": r.max_tokens, "prompt_len": r.prompt_len,
                          "prompt_tokens": r.prompt_tokens, "start": round(r.start, 4), "ttft": r.ttft, "e2e": r.e2e,
                          "tokens": r.tokens, "finish_reason": r.finish_reason, "text": r.text, "error": r.error}
-                        for r in records]}
-
-
-async def measure(session: aiohttp.ClientSession, url: str, entry: dict[str, Any], requests: list[Request],
-                  args: argparse.Namespace, name: str, server: Server | None) -> None:
-    """Probe the server at `url`, run the workload on it, and add the figures to `entry`."""
-    caps = await probe(session, url, requests[0], prompts=args.prompt_kind, extensions=args.send_extensions,
-                       stream=not args.no_stream)
-    if args.extensions == "on" and "ignore_eos" in caps.refused:
-        raise Refused(f"the server refuses ignore_eos ({caps.refused['ignore_eos']}); --extensions auto or off "
-                      "measures it with output lengths that follow the model")
-    print(f"   {name}: model {caps.model or '(not named)'}, {caps.prompts} prompts, token timing {caps.timing}"
-          + (f", refused {sorted(caps.refused)}" if caps.refused else "")
-          + ("" if caps.metrics else ", no /metrics") + ("" if caps.usage else ", no usage"), flush=True)
-    cpu0, load0 = server.cpu_seconds() if server else None, os.getloadavg()[0]
-    entry |= await run_variant(session, url, caps, requests, args, name)
-    cpu1 = server.cpu_seconds() if server else None
-    entry["load"] = {"loadavg_1m_start": load0, "loadavg_1m_end": os.getloadavg()[0], "cores": os.cpu_count(),
-                     "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 1)}
+                        for r in records],
+        "load": {"loadavg_1m_start": load0, "loadavg_1m_end": os.getloadavg()[0], "cores": os.cpu_count(),
+                 "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 1)}}
 
 
 async def bench(args: argparse.Namespace, variants: list[Variant], requests: list[Request],

@@ -63,16 +63,6 @@ def shape(a: argparse.Namespace) -> dict[str, int]:
                 num_kv_blocks=max(n * math.ceil(length / BLOCK) for n, length in need) + 1)
 
 
-def build(a: argparse.Namespace, caching: bool) -> Any:
-    from engine import LLM
-
-    llm = LLM(a.model, log=lambda s: log(f"    [engine] {s}"), dtype="float32", seed=a.seed, block_size=BLOCK,
-              enable_chunked_prefill=a.chunked_prefill, enable_prefix_caching=caching, **a.shape)
-    warm(llm)
-    llm.reset_prefix_cache()
-    return llm
-
-
 def figures(r: dict[str, Any]) -> list[str]:
     """One timed run's cells: TTFT p50 and p99, tok/s, tok per CPU-s, hit rate, prompt tokens computed, load."""
     return [f"{r['ttft_s']['p50']:.2f} s", f"{r['ttft_s']['p99']:.2f} s", f"{r['output_tok_s']:.1f}",
@@ -81,10 +71,15 @@ def figures(r: dict[str, Any]) -> list[str]:
 
 
 def both(a: argparse.Namespace, label: str, run: Callable[[Any], dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """run(llm) with caching off, then on; one engine alive at a time."""
+    """run(llm) with caching off, then on, each on a fresh engine (one alive at a time)."""
+    from engine import LLM
+
     out = {}
     for mode in ("off", "on"):
-        llm = build(a, mode == "on")
+        llm = LLM(a.model, log=lambda s: log(f"    [engine] {s}"), dtype="float32", seed=a.seed, block_size=BLOCK,
+                  enable_chunked_prefill=a.chunked_prefill, enable_prefix_caching=mode == "on", **a.shape)
+        warm(llm)
+        llm.reset_prefix_cache()
         out[mode] = run(llm)
         del llm
         gc.collect()

@@ -25,11 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HITS, QUERIES = "taxirank:prefix_cache_hits_total", "taxirank:prefix_cache_queries_total"  # prompt tokens, fleet-wide
 
 
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
-            "--max-num-batched-tokens", "512", "--block-size", "16", "--num-kv-blocks", str(args.num_kv_blocks)]
-
-
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """The Ray app's /metrics: labelled samples are also summed over the replicas under the bare name."""
     async with session.get(url + "/metrics") as r:
@@ -58,7 +53,10 @@ async def run_requests(session: aiohttp.ClientSession, url: str, requests: list[
 
 
 def start(script: str, args: argparse.Namespace, extra: list[str], log_dir: str, name: str) -> Server:
-    return Server([sys.executable, script, *engine_flags(args), *extra, "--port", "{port}"],
+    """`script` (server.py or serve_ray.py) with the engine flags both share, and `extra`."""
+    flags = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
+             "--max-num-batched-tokens", "512", "--block-size", "16", "--num-kv-blocks", str(args.num_kv_blocks)]
+    return Server([sys.executable, script, *flags, *extra, "--port", "{port}"],
                   os.path.join(log_dir, f"{name}.log"), env=os.environ | {"PYTHONUNBUFFERED": "1"}, cwd=ROOT)
 
 
