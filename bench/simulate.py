@@ -256,16 +256,16 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
                      wait_max, per_request, trace, stats.recomputed_tokens, swapped)
 
 
-def record(r: SimRequest, seq: Sequence, scheduled: float, token_times: list[float], done: float) -> dict[str, Any]:
+def record(r: SimRequest, seq: Sequence, scheduled: float, tokens: list[float], done: float) -> dict[str, Any]:
     """One request's figures, from the times (on one clock) it was first scheduled, got each
     token, finished; slo_met: whether it met its targets (None: it has none)."""
-    ttft, n = token_times[0] - r.arrival_s, len(token_times)
-    tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+    ttft, n = tokens[0] - r.arrival_s, len(tokens)
+    tpot = (tokens[-1] - tokens[0]) / (n - 1) if n > 1 else 0.0
     met = None if r.slo_ttft_s is None and r.slo_tpot_s is None else \
         ttft <= (r.slo_ttft_s or math.inf) and tpot <= (r.slo_tpot_s or math.inf)
     return {"class": r.cls, "priority": r.priority, "user": r.user, "arrival_s": r.arrival_s, "slo_met": met,
             "queue_s": scheduled - r.arrival_s, "ttft_s": ttft, "e2e_s": done - r.arrival_s, "tpot_s": tpot,
-            "itl_s": [b - a for a, b in zip(token_times, token_times[1:])], "tokens": seq.num_output_tokens,
+            "itl_s": [b - a for a, b in zip(tokens, tokens[1:])], "tokens": seq.num_output_tokens,
             "preemptions": seq.num_preemptions}
 
 
@@ -293,14 +293,14 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
     feats: list[tuple[str, int, int, int] | None] = []
     t0 = {k: c() for k, c in CLOCKS.items()}
     seqs: dict[str, tuple[Sequence, SimRequest]] = {}
-    times: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in CLOCKS}  # clock -> rid -> queue/tokens/done
+    times: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in CLOCKS}  # clock -> rid -> scheduled/tokens/done
 
     def schedule():  # the step's features, read as schedule() returns it
         out = inner()
         feats.append(step_features(out, sched.num_running, cfg) if out.scheduled else None)
         for k, c in CLOCKS.items():
             for x in out.scheduled:
-                times[k].setdefault(x.seq.request_id, {"tokens": []}).setdefault("queue", c() - t0[k])
+                times[k].setdefault(x.seq.request_id, {"tokens": []}).setdefault("scheduled", c() - t0[k])
         return out
 
     sched.schedule, before = schedule, engine.stats.snapshot()  # an instance attribute, removed below
@@ -327,17 +327,15 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
                 rec["done"] = s1[k] if d.finished else rec.get("done")
     finally:
         del sched.schedule
-    end, a, b = {k: c() - t0[k] for k, c in CLOCKS.items()}, engine.stats.snapshot(), before
+    end, after = {k: c() - t0[k] for k, c in CLOCKS.items()}, engine.stats.snapshot()
     for rid, (seq, r) in seqs.items():
         assert seq.num_output_tokens == r.max_tokens, f"{rid} made {seq.num_output_tokens} of {r.max_tokens} tokens"
-    total = a.total_slot_steps - b.total_slot_steps
-    return {k: SimResult(end[k], a.generation_tokens - b.generation_tokens, a.num_steps - b.num_steps,
-                         a.num_preemptions - b.num_preemptions,
-                         (a.useful_slot_steps - b.useful_slot_steps) / total if total else 0.0, {}, {},
-                         [record(r, seq, times[k][rid]["queue"], times[k][rid]["tokens"], times[k][rid]["done"])
-                          for rid, (seq, r) in seqs.items()], recomputed_tokens=a.recomputed_tokens - b.recomputed_tokens,
-                         swapped_blocks=a.swapped_out_blocks + a.swapped_in_blocks - b.swapped_out_blocks
-                         - b.swapped_in_blocks) for k in CLOCKS}
+    d = {k: getattr(after, k) - getattr(before, k) for k in ("generation_tokens", "num_steps", "num_preemptions",
+         "useful_slot_steps", "total_slot_steps", "recomputed_tokens", "swapped_out_blocks", "swapped_in_blocks")}
+    return {k: SimResult(end[k], d["generation_tokens"], d["num_steps"], d["num_preemptions"],
+                         d["useful_slot_steps"] / max(d["total_slot_steps"], 1), {}, {},
+                         [record(r, seq, **times[k][rid]) for rid, (seq, r) in seqs.items()], [],
+                         d["recomputed_tokens"], d["swapped_out_blocks"] + d["swapped_in_blocks"]) for k in CLOCKS}
 
 
 def request_kw(r: SimRequest, policy: Any) -> dict[str, Any]:
