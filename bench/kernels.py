@@ -118,7 +118,6 @@ def bench_copy(res: Results, gib: float, peak: float) -> float:
     row["copy_pct_peak"] = 100 * row["copy_gbps"] * 1e9 / peak
     res.add("copy", row, f"copy    {nbytes / 2**30:.1f} GiB buffer: copy {row['copy_gbps']:7.0f} GB/s (read + "
             f"written, {row['copy_pct_peak']:.0f}% of peak) | read-only {row['read_gbps']:7.0f} GB/s")
-    del box
     return row["copy_gbps"] * 1e9
 
 
