@@ -7,15 +7,7 @@ What each part measures and how: docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import functools
-import os
-import platform
-import statistics
-import sys
-import time
-from dataclasses import dataclass
+import argparse, collections, dataclasses, functools, os, platform, statistics, sys, time  # noqa: E401
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +23,7 @@ import kernels_pallas as kp  # noqa: E402
 from attention_backend import AttentionShape  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
-DTYPE = jnp.bfloat16
+DTYPE, ITEMSIZE = jnp.bfloat16, 2
 LLAMA3_8B_HF = dict(  # Meta-Llama-3-8B's config.json, the fields that shape the step
     model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -59,19 +51,6 @@ def timed(fn: Callable[[], Any], runs: int = 5) -> float:
     return timer(lambda: jax.block_until_ready(fn()), runs, warmup=True, stat=statistics.median)
 
 
-def chained(attn: Callable[..., jax.Array], reps: int, pick: Callable[[jax.Array, jax.Array], Any]):
-    """jit(q, tables, ...) running attn reps times, each output the next query; pick(tables,
-    i) selects the i-th call's block table (rotation)."""
-
-    @jax.jit
-    def run(q, tables, *args):
-        def body(i, q):
-            return attn(q, pick(tables, i), *args)
-        return jax.lax.fori_loop(0, reps, body, q)
-
-    return run
-
-
 def paged_inputs(rng: np.random.Generator, n: int, S: int, W: int, T: int, seed: int) -> tuple[jax.Array, ...]:
     """n block tables [S, W] over disjoint shuffled blocks 1..n*S*W (block 0 = null), random
     K and V caches of those blocks, and T random queries."""
@@ -83,30 +62,31 @@ def paged_inputs(rng: np.random.Generator, n: int, S: int, W: int, T: int, seed:
             jax.random.normal(jax.random.fold_in(key, 2), (T, HQ, D), DTYPE))
 
 
-def per_call(run: Callable[[], Any], reps: int) -> dict[str, Any]:
-    """{"s": seconds per call} of a chained run of reps calls, or {"error": ...}: a failure is a
-    result too, and the bench goes on."""
+def error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def per_call(attn: Callable[..., jax.Array], reps: int, q: jax.Array, tables: jax.Array, kv: tuple,
+             pick: Callable[[jax.Array, Any], jax.Array] = lambda t, i: t[0]) -> dict[str, Any]:
+    """{"s": seconds per call} of attn(q, *kv[:2], table, *kv[2:]) run reps times in one jitted
+    loop, each output the next query and pick(tables, i) the i-th call's block table; or
+    {"error": ...}: a failure is a result too, and the bench goes on."""
+
+    @jax.jit
+    def run(q, tables, kc, vc, *rest):
+        return jax.lax.fori_loop(0, reps, lambda i, q: attn(q, kc, vc, pick(tables, i), *rest, scale=D ** -0.5), q)
+
     try:
-        return {"s": timed(run) / reps}
+        return {"s": timed(lambda: run(q, tables, *kv)) / reps}
     except Exception as e:
-        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        return {"error": error(e)}
 
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """The decode kernel's tuning knobs: Triton warps and pipeline stages, keys per
-    inner-loop step (pages_per_iter = keys // block_size)."""
+DEFAULT_CONFIG = (4, 2, 64)  # the decode kernel's tuning knobs: Triton warps, pipeline stages, keys per inner step
 
-    num_warps: int = 4
-    num_stages: int = 2
-    keys_per_step: int = 64
 
-    def kwargs(self) -> dict[str, int]:
-        return dict(num_warps=self.num_warps, num_stages=self.num_stages,
-                    pages_per_iter=max(1, self.keys_per_step // BS))
-
-    def label(self) -> str:
-        return f"w{self.num_warps}/s{self.num_stages}/k{self.keys_per_step}"
+def config_kwargs(warps: int, stages: int, keys: int) -> dict[str, int]:
+    return dict(num_warps=warps, num_stages=stages, pages_per_iter=max(1, keys // BS))
 
 
 def bench_copy(res: Results, gib: float, peak: float) -> float:
@@ -125,8 +105,7 @@ def bench_copy(res: Results, gib: float, peak: float) -> float:
         return jax.lax.fori_loop(
             0, reps, lambda i, a: a + jnp.sum(x + i.astype(x.dtype), dtype=jnp.float32), jnp.float32(0))
 
-    x = jnp.zeros((n,), DTYPE)
-    box = [x]
+    box = [jnp.zeros((n,), DTYPE)]  # the copy donates its input: each call's output is the next input
 
     def run_copy():
         box[0] = copy(box[0])
@@ -139,22 +118,20 @@ def bench_copy(res: Results, gib: float, peak: float) -> float:
     row["copy_pct_peak"] = 100 * row["copy_gbps"] * 1e9 / peak
     res.add("copy", row, f"copy    {nbytes / 2**30:.1f} GiB buffer: copy {row['copy_gbps']:7.0f} GB/s (read + "
             f"written, {row['copy_pct_peak']:.0f}% of peak) | read-only {row['read_gbps']:7.0f} GB/s")
-    del box, x
     return row["copy_gbps"] * 1e9
 
 
 def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: float,
-                 interpret: bool, backends: list[str], sweep: list[KernelConfig] | None = None,
+                 interpret: bool, backends: list[str], sweep: list[tuple[int, int, int]] | None = None,
                  judge_bytes: int = 1 << 29, copy_bw: float | None = None) -> None:
     """The decode grid. Cases reading at least judge_bytes of KV are *judged* (smaller
     ones measure launch and tail effects, not bandwidth) and, with `sweep`, run every
-    kernel configuration in it; the best is the row's pallas figure."""
+    kernel configuration (warps, stages, keys) in it; the best is the row's pallas figure."""
     rng = np.random.default_rng(0)
-    itemsize = jnp.dtype(DTYPE).itemsize
     for ctx in contexts:
         for S in batches:
             W = -(-ctx // BS)
-            kv_bytes = S * ctx * HKV * D * 2 * itemsize  # K and V, each read once
+            kv_bytes = S * ctx * HKV * D * 2 * ITEMSIZE  # K and V, each read once
             n_tables = int(min(64, max(1, -(-ROTATE_BYTES // kv_bytes))))
             tables, kc, vc, q = paged_inputs(rng, n_tables, S, W, S, ctx * 1000 + S)
             lens = jnp.full((S,), ctx, jnp.int32)
@@ -163,28 +140,21 @@ def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: fl
             row: dict[str, Any] = dict(batch=S, context=ctx, kv_bytes=kv_bytes, reps=reps,
                                        rotated_tables=n_tables, judged=judged)
 
-            def measure(attn):
-                f = functools.partial(attn, scale=D ** -0.5)
-                run = chained(lambda q, bt, kc, vc, lens, f=f: f(q, kc, vc, bt, lens), reps,
-                              lambda t, i: t[i % t.shape[0]])
-                r = per_call(lambda: run(q, tables, kc, vc, lens), reps)
+            def measure(attn):  # rotating among the tables
+                r = per_call(attn, reps, q, tables, (kc, vc, lens), lambda t, i: t[i % t.shape[0]])
                 if "error" in r:
                     return r
                 bw = kv_bytes / r["s"]
-                out = dict(us=r["s"] * 1e6, gbps=bw / 1e9, pct_peak=100 * bw / peak)
-                if copy_bw:
-                    out["pct_copy"] = 100 * bw / copy_bw
-                return out
+                return dict(us=r["s"] * 1e6, gbps=bw / 1e9, pct_peak=100 * bw / peak) | (
+                    dict(pct_copy=100 * bw / copy_bw) if copy_bw else {})
 
             for name in backends:
                 if name != "pallas":
                     row[name] = measure(kp.paged_decode_attention_ref)
                     continue
-                configs = sweep if (sweep and judged) else [KernelConfig()]
-                tried = []
-                for c in configs:
-                    r = measure(functools.partial(kp.paged_decode_attention, interpret=interpret, **c.kwargs()))
-                    tried.append(dict(config=c.label(), **r))
+                tried = [dict(config="w{}/s{}/k{}".format(*c), **measure(functools.partial(
+                    kp.paged_decode_attention, interpret=interpret, **config_kwargs(*c))))
+                    for c in (sweep if sweep and judged else [DEFAULT_CONFIG])]
                 ok = [t for t in tried if "us" in t]
                 row[name] = min(ok, key=lambda t: t["us"]) if ok else tried[0]
                 if len(tried) > 1:
@@ -196,17 +166,12 @@ def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: fl
 
 
 def best_configs(res: Results) -> None:
-    """The best configuration per swept shape, and how often each configuration won."""
-    rows = [r for r in res.data.get("decode", []) if "sweep" in r and "config" in r.get("pallas", {})]
-    if not rows:
-        return
-    wins: dict[str, int] = {}
-    for r in rows:
-        wins[r["pallas"]["config"]] = wins.get(r["pallas"]["config"], 0) + 1
-        print(f"best    batch {r['batch']:4d} ctx {r['context']:5d}: {r['pallas']['config']} "
-              f"({r['pallas']['gbps']:.0f} GB/s)", flush=True)
-    res.add("best_config_wins", wins, "best    wins (warps/stages/keys per step): "
-            + ", ".join(f"{k} x{v}" for k, v in sorted(wins.items(), key=lambda kv: -kv[1])))
+    """How often each configuration was the best of a swept shape (each shape's best is on its decode line)."""
+    wins = collections.Counter(r["pallas"]["config"] for r in res.data.get("decode", [])
+                               if "sweep" in r and "config" in r.get("pallas", {}))
+    if wins:
+        res.add("best_config_wins", dict(wins), "best    wins (warps/stages/keys per step): "
+                + ", ".join(f"{k} x{v}" for k, v in wins.most_common()))
 
 
 def _decode_line(r: dict[str, Any]) -> str:
@@ -246,9 +211,7 @@ def bench_ragged(res: Results, interpret: bool, backends: list[str],
         for name in backends:
             attn = (functools.partial(kp.ragged_paged_attention, interpret=interpret)
                     if name == "pallas" else kp.ragged_paged_attention_ref)
-            f = functools.partial(attn, scale=D ** -0.5)
-            run = chained(lambda q, bt, kc, vc, cu, lens, f=f: f(q, kc, vc, bt, cu, lens), 10, lambda t, i: t[0])
-            r = per_call(lambda: run(q, tables, kc, vc, cu, lens), 10)
+            r = per_call(attn, 10, q, tables, (kc, vc, cu, lens))
             row[name] = r if "error" in r else dict(us=r["s"] * 1e6, tflops=flops / r["s"] / 1e12)
         res.add("ragged", row, f"ragged  {label:28s} | " + " | ".join(
             f"{n} " + (f"{row[n]['us']:9.1f} us {row[n]['tflops']:6.1f} TFLOP/s" if "us" in row[n] else "ERROR")
@@ -262,17 +225,13 @@ def bench_step(res: Results, batches: list[int], context: int, peak: float,
 
     import model as model_lib
 
-    cfg = model_lib.ModelConfig.from_hf(hf_config)
-    t0 = time.perf_counter()
-    llama = model_lib.init_model(cfg, DTYPE, 0)
-    graphdef, state = nnx.split(llama)
-    del llama
+    cfg, t0 = model_lib.ModelConfig.from_hf(hf_config), time.perf_counter()
+    graphdef, state = nnx.split(model_lib.init_model(cfg, DTYPE, 0))
     params = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(state)]
     weight_bytes = sum(x.nbytes for _, x in params)
     embed_bytes = sum(x.nbytes for p, x in params if "embed" in p) if not cfg.tie_word_embeddings else 0
     print(f"step    model: {weight_bytes / 1e9:.2f} GB of weights ({len(params)} arrays), "
           f"init {time.perf_counter() - t0:.1f}s", flush=True)
-    itemsize = jnp.dtype(DTYPE).itemsize
     L, hkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     for name in backends:
         backend = ab.get_attention_backend(name if name == "pallas" else "xla")
@@ -284,10 +243,8 @@ def bench_step(res: Results, batches: list[int], context: int, peak: float,
             return jnp.argmax(m.compute_logits(hidden), axis=-1).astype(jnp.int32), kv_caches
 
         for S in batches:
-            W = -(-context // BS)
+            W, pos = -(-context // BS), context - 1
             bt = (1 + np.arange(S * W, dtype=np.int32)).reshape(S, W)
-            nb = S * W + 1
-            pos = context - 1
             attn = model_lib.AttentionInputs(
                 slot_mapping=jnp.asarray(bt[:, pos // BS] * BS + pos % BS),
                 block_tables=jnp.asarray(bt), kv_lens=jnp.full((S,), context, jnp.int32))
@@ -299,21 +256,20 @@ def bench_step(res: Results, batches: list[int], context: int, peak: float,
                 jax.block_until_ready(box[0])
 
             try:  # random K/V (timing on zeros can flatter): one random block pattern, tiled
-                pattern = jax.random.normal(jax.random.key(S), (nb, BS, hkv, hd), DTYPE)
+                pattern = jax.random.normal(jax.random.key(S), (S * W + 1, BS, hkv, hd), DTYPE)
                 tiled = jnp.broadcast_to(pattern, (L, *pattern.shape))
                 box += [jnp.zeros((S,), jnp.int32), (tiled + 0, tiled * 0.5)]
                 del pattern, tiled
                 compile_s = timer(lambda: run(1), 1)
                 sec = timer(lambda: run(steps), 3, stat=statistics.median) / steps
             except Exception as e:
-                error = f"{type(e).__name__}: {str(e)[:300]}"
-                res.add("step", dict(backend=name, batch=S, context=context, error=error),
-                        f"step    {name:6s} batch {S:4d}: ERROR {error}")
+                res.add("step", dict(backend=name, batch=S, context=context, error=error(e)),
+                        f"step    {name:6s} batch {S:4d}: ERROR {error(e)}")
                 continue
             finally:
                 box.clear()
-            kv_bytes = L * S * context * hkv * hd * 2 * itemsize
-            w_read = weight_bytes - embed_bytes + S * cfg.hidden_size * itemsize
+            kv_bytes = L * S * context * hkv * hd * 2 * ITEMSIZE
+            w_read = weight_bytes - embed_bytes + S * cfg.hidden_size * ITEMSIZE
             floor = (w_read + kv_bytes) / peak
             row = dict(backend=name, batch=S, context=context, step_ms=sec * 1e3,
                        tokens_per_s=S / sec, weight_bytes_read=w_read, kv_bytes_read=kv_bytes,
@@ -354,36 +310,30 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+FLAGS = (  # flag, type (bool: a switch), default, help
+    ("out", str, None, "JSON path (default: $OUT/kernels.json if $OUT is set)"),
+    ("batches", _ints, [1, 16, 64, 256], None), ("contexts", _ints, [512, 2048, 8192], None),
+    ("backends", str, "pallas,ref", "of the kernel benches: pallas,ref"),
+    ("peak-tbps", float, 4.8, "peak HBM TB/s (H200 datasheet: 4.8)"),
+    ("skip-decode", bool, False, None), ("skip-ragged", bool, False, None), ("skip-step", bool, False, None),
+    ("step-batches", _ints, [1, 32, 256], None), ("step-context", int, 1024, None),
+    ("step-backends", str, "pallas", "pallas,xla"), ("step-iters", int, 10, None),
+    ("smoke", bool, False, "only the compile smoke test: both kernels vs the references on small inputs"),
+    ("sweep", bool, False, "tune the decode kernel on the judged cases over the --sweep-* lists"),
+    ("sweep-warps", _ints, [4, 8], None), ("sweep-stages", _ints, [2, 3, 4], None),
+    ("sweep-keys", _ints, [64, 128], "keys per inner-loop step"),
+    ("judge-gib", float, 0.5, "decode cases reading at least this much KV are judged (and swept)"),
+    ("copy-gib", float, 2.0, "buffer of the copy-bandwidth measurement"), ("skip-copy", bool, False, None),
+    ("quick", bool, False, "toy shapes, a smoke run of every part (on CPU the kernels are interpreted)"),
+    ("require-gpu", bool, False, "fail at once when JAX sees no GPU"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/kernels.json if $OUT is set)")
-    ap.add_argument("--batches", type=_ints, default=[1, 16, 64, 256])
-    ap.add_argument("--contexts", type=_ints, default=[512, 2048, 8192])
-    ap.add_argument("--backends", default="pallas,ref", help="of the kernel benches: pallas,ref")
-    ap.add_argument("--peak-tbps", type=float, default=4.8, help="peak HBM TB/s (H200 datasheet: 4.8)")
-    ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--skip-ragged", action="store_true")
-    ap.add_argument("--skip-step", action="store_true")
-    ap.add_argument("--step-batches", type=_ints, default=[1, 32, 256])
-    ap.add_argument("--step-context", type=int, default=1024)
-    ap.add_argument("--step-backends", default="pallas", help="pallas,xla")
-    ap.add_argument("--step-iters", type=int, default=10)
-    ap.add_argument("--smoke", action="store_true",
-                    help="only the compile smoke test: both kernels vs the references on small inputs")
-    ap.add_argument("--sweep", action="store_true",
-                    help="tune the decode kernel on the judged cases over the --sweep-* lists")
-    ap.add_argument("--sweep-warps", type=_ints, default=[4, 8])
-    ap.add_argument("--sweep-stages", type=_ints, default=[2, 3, 4])
-    ap.add_argument("--sweep-keys", type=_ints, default=[64, 128], help="keys per inner-loop step")
-    ap.add_argument("--judge-gib", type=float, default=0.5,
-                    help="decode cases reading at least this much KV are judged (and swept)")
-    ap.add_argument("--copy-gib", type=float, default=2.0, help="buffer of the copy-bandwidth measurement")
-    ap.add_argument("--skip-copy", action="store_true")
-    ap.add_argument("--quick", action="store_true",
-                    help="toy shapes, a smoke run of every part (on CPU the kernels are interpreted)")
-    ap.add_argument("--require-gpu", action="store_true", help="fail at once when JAX sees no GPU")
+    for flag, kind, default, what in FLAGS:
+        ap.add_argument(f"--{flag}", help=what, **(dict(action="store_true") if kind is bool else dict(
+            type=kind, default=default)))
     args = ap.parse_args()
-
     on_gpu = require_gpu(args.require_gpu)
     interpret = not on_gpu
     step_config, ragged_cases = LLAMA3_8B_HF, RAGGED_CASES
@@ -409,29 +359,24 @@ def main() -> None:
     print(f"# {meta['device']}  jax {meta['jax']}  peak {args.peak_tbps} TB/s  ({meta['lowering']})",
           flush=True)
     res = Results(out, meta)
-    backends = [b for b in args.backends.split(",") if b]
-    peak = args.peak_tbps * 1e12
+    backends, peak = [b for b in args.backends.split(",") if b], args.peak_tbps * 1e12
     if args.smoke:
         bench_smoke(res, interpret, SMOKE_SHAPES[:2] if args.quick else SMOKE_SHAPES)
-        if out:
-            print(f"wrote {out}")
-        sys.exit(0 if all(r["ok"] for r in res.data["smoke"]) else 1)
-    copy_bw = None
-    if not args.skip_decode and not args.skip_copy:
-        copy_bw = bench_copy(res, args.copy_gib, peak)
-    if not args.skip_decode:
-        sweep = ([KernelConfig(w, st, k) for w in args.sweep_warps for st in args.sweep_stages
-                  for k in args.sweep_keys] if args.sweep else None)
-        bench_decode(res, args.batches, args.contexts, peak, interpret, backends, sweep,
+    if not (args.skip_decode or args.smoke):
+        copy_bw = None if args.skip_copy else bench_copy(res, args.copy_gib, peak)
+        sweep = [(w, st, k) for w in args.sweep_warps for st in args.sweep_stages for k in args.sweep_keys]
+        bench_decode(res, args.batches, args.contexts, peak, interpret, backends, sweep if args.sweep else None,
                      int(args.judge_gib * 2**30), copy_bw)
         best_configs(res)
-    if not args.skip_ragged:
+    if not (args.skip_ragged or args.smoke):
         bench_ragged(res, interpret, backends, ragged_cases)
-    if not args.skip_step:
+    if not (args.skip_step or args.smoke):
         bench_step(res, args.step_batches, args.step_context, peak,
                    [b for b in args.step_backends.split(",") if b], args.step_iters, step_config)
     if out:
         print(f"wrote {out}")
+    if args.smoke:
+        sys.exit(0 if all(r["ok"] for r in res.data["smoke"]) else 1)
 
 
 if __name__ == "__main__":

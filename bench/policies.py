@@ -11,7 +11,7 @@
 3. a KV budget that forces preemption: recompute vs swap (recomputed tokens, tok/s); this
    machine's measured copy rate, and the simulator's GPU-like recompute/swap crossover.
 Every run must finish every request (each one's token count is checked) and leave no slot,
-device block or host block held. Writes results.json, policies.md, policies.png.
+device block or host block held. Writes results.json and policies.md (the table, also printed).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root first
 
-from report import machine_info, md_table, pyplot, results_dir, save_figure, write_json  # noqa: E402
+from report import machine_info, md_table, results_dir, write_json, write_text  # noqa: E402
 from simulate import (GPU_KV_TOKEN_BYTES, GPU_LIKE, GPU_LINK_BYTES_S, SimRequest, load_cost_model,  # noqa: E402
                       build_engine, fresh_scheduler, measure_swap, run_engine, simulate, synthetic)
 from workload import token_ids, vocab_size_of  # noqa: E402
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(res: dict[str, Any], out_dir: str) -> None:
-    """The table (policies.md, printed) and the plot (policies.png)."""
+    """The table, printed and written to policies.md."""
     w1, w2, w3 = res["fairness"], res["overload"], res["preemption"]
     alone = w1["alone"]["ttft_s"]["light"]["p99"]
 
@@ -135,16 +135,21 @@ def report(res: dict[str, Any], out_dir: str) -> None:
         verdict = ("PASS" if ok else "MISS") if target else ""
         return [name, k, f"{m['tok_s']:.1f}", str(m["preemptions"]), figure, target, verdict]
 
-    rows = [row("1 fairness", k, w1[k], f"light p99 TTFT {x:.4f}s = {x / alone:.2f}x alone",
-                "<= 2x alone" * (k == "fair"), x <= 2 * alone)
-            for k in POLICIES for x in [w1[k]["ttft_s"]["light"]["p99"]]]
-    rows += [row("2 overload", k, m, f"goodput {m['goodput']}/{m['requests']}, {v[len(v) // 2]:.2f}x fcfs (median "
-                 f"of {len(v)}: {v[0]:.2f}-{v[-1]:.2f}); {str(m['goodput_by_class'])[1:-1]}", ">= 1.3x fcfs" * (
-                     k == "slo"), v[len(v) // 2] >= 1.3) for k in POLICIES for m in [w2[k]] for v in [m["vs_fcfs"]]]
-    rows += [row("3 tight KV", k, m, f"recomputed {m['recomputed_tokens']} tokens, {m['swapped_blocks']} blocks "
-                 "swapped out and in", "0 recomputed, tok/s >= recompute" * (k == "swap"),
-                 m["recomputed_tokens"] == 0 and m["tok_s"] >= w3["recompute"]["tok_s"])
-             for k in ("recompute", "swap") for m in [w3[k]]]
+    rows = []
+    for k in POLICIES:
+        x = w1[k]["ttft_s"]["light"]["p99"]
+        rows.append(row("1 fairness", k, w1[k], f"light p99 TTFT {x:.4f}s = {x / alone:.2f}x alone",
+                        "<= 2x alone" * (k == "fair"), x <= 2 * alone))
+    for k in POLICIES:
+        m, v = w2[k], w2[k]["vs_fcfs"]
+        rows.append(row("2 overload", k, m, f"goodput {m['goodput']}/{m['requests']}, {v[len(v) // 2]:.2f}x fcfs "
+                        f"(median of {len(v)}: {v[0]:.2f}-{v[-1]:.2f}); {str(m['goodput_by_class'])[1:-1]}",
+                        ">= 1.3x fcfs" * (k == "slo"), v[len(v) // 2] >= 1.3))
+    for k in ("recompute", "swap"):
+        m = w3[k]
+        rows.append(row("3 tight KV", k, m, f"recomputed {m['recomputed_tokens']} tokens, {m['swapped_blocks']} "
+                        "blocks swapped out and in", "0 recomputed, tok/s >= recompute" * (k == "swap"),
+                        m["recomputed_tokens"] == 0 and m["tok_s"] >= w3["recompute"]["tok_s"]))
     g, c = w3["gpu"], w3.get("copy")
     copy = f"KV copy here {c['bandwidth_bytes_s'] / 1e9:.2f} GB/s + {1e3 * c['coef'][0]:.2f} ms a step; " if c else ""
     head = (f"{res['args']['model']} model, {res['engine']}; light client alone: p99 TTFT {alone:.4f}s; workload 2 "
@@ -153,19 +158,8 @@ def report(res: dict[str, Any], out_dir: str) -> None:
             f"{g['link_bytes_s'] / 1e9:.0f} GB/s, recompute wins below {g['crossover_bytes_s'] / 1e9:.2f} GB/s; "
             f"load average {res['loadavg'][0][0]:.1f} -> {res['loadavg'][-1][0]:.1f}")
     table = md_table([["workload", "run", "output tok/s", "preemptions", "figure", "target", "verdict"], *rows])
-    with open(os.path.join(out_dir, "policies.md"), "w") as f:
-        f.write(head + "\n\n" + table + "\n")
+    write_text(os.path.join(out_dir, "policies.md"), head + "\n\n" + table + "\n")
     print(head + "\n" + table)
-    fig, ax = pyplot().subplots(1, 3, figsize=(15, 4))
-    ax[0].bar(["alone", *POLICIES], [w1[k]["ttft_s"]["light"]["p99"] for k in ("alone", *POLICIES)], log=True)
-    ax[1].bar(POLICIES, [w2[k]["goodput"] for k in POLICIES])
-    ax[2].bar(["recompute", "swap"], [w3[k]["tok_s"] for k in ("recompute", "swap")])
-    for x, title in zip(ax, ("1: light client's p99 TTFT (s) under the flood", "2: goodput at 1.5x capacity (median "
-                             f"run, of {w2['fcfs']['requests']})", "3: output tok/s, tight KV (labels: recomputed)")):
-        x.set_title(title)
-    [ax[2].annotate(str(w3[k]["recomputed_tokens"]), (i, w3[k]["tok_s"]), ha="center", va="bottom")
-     for i, k in enumerate(("recompute", "swap"))]
-    save_figure(fig, os.path.join(out_dir, "policies.png"), dpi=90)
 
 
 if __name__ == "__main__":

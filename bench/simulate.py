@@ -26,7 +26,7 @@ from typing import Any, Callable, NamedTuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root's modules first
 
-from report import md_table, pyplot, results_dir, save_figure, summarize, timer, write_json  # noqa: E402
+from report import md_table, pyplot, results_dir, save_figure, summarize, timer, write_json, write_text  # noqa: E402
 from workload import arrival_times, exponential_mix, seed_mix, token_ids  # noqa: E402
 from config import EngineConfig, SamplingParams, SLOTarget  # noqa: E402
 from metrics import WAIT_REASONS, EngineStats, StepTrace  # noqa: E402
@@ -256,16 +256,16 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
                      wait_max, per_request, trace, stats.recomputed_tokens, swapped)
 
 
-def record(r: SimRequest, seq: Sequence, scheduled: float, token_times: list[float], done: float) -> dict[str, Any]:
+def record(r: SimRequest, seq: Sequence, scheduled: float, tokens: list[float], done: float) -> dict[str, Any]:
     """One request's figures, from the times (on one clock) it was first scheduled, got each
     token, finished; slo_met: whether it met its targets (None: it has none)."""
-    ttft, n = token_times[0] - r.arrival_s, len(token_times)
-    tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+    ttft, n = tokens[0] - r.arrival_s, len(tokens)
+    tpot = (tokens[-1] - tokens[0]) / (n - 1) if n > 1 else 0.0
     met = None if r.slo_ttft_s is None and r.slo_tpot_s is None else \
         ttft <= (r.slo_ttft_s or math.inf) and tpot <= (r.slo_tpot_s or math.inf)
     return {"class": r.cls, "priority": r.priority, "user": r.user, "arrival_s": r.arrival_s, "slo_met": met,
             "queue_s": scheduled - r.arrival_s, "ttft_s": ttft, "e2e_s": done - r.arrival_s, "tpot_s": tpot,
-            "itl_s": [b - a for a, b in zip(token_times, token_times[1:])], "tokens": seq.num_output_tokens,
+            "itl_s": [b - a for a, b in zip(tokens, tokens[1:])], "tokens": seq.num_output_tokens,
             "preemptions": seq.num_preemptions}
 
 
@@ -293,14 +293,14 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
     feats: list[tuple[str, int, int, int] | None] = []
     t0 = {k: c() for k, c in CLOCKS.items()}
     seqs: dict[str, tuple[Sequence, SimRequest]] = {}
-    times: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in CLOCKS}  # clock -> rid -> queue/tokens/done
+    times: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in CLOCKS}  # clock -> rid -> scheduled/tokens/done
 
     def schedule():  # the step's features, read as schedule() returns it
         out = inner()
         feats.append(step_features(out, sched.num_running, cfg) if out.scheduled else None)
         for k, c in CLOCKS.items():
             for x in out.scheduled:
-                times[k].setdefault(x.seq.request_id, {"tokens": []}).setdefault("queue", c() - t0[k])
+                times[k].setdefault(x.seq.request_id, {"tokens": []}).setdefault("scheduled", c() - t0[k])
         return out
 
     sched.schedule, before = schedule, engine.stats.snapshot()  # an instance attribute, removed below
@@ -327,17 +327,15 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
                 rec["done"] = s1[k] if d.finished else rec.get("done")
     finally:
         del sched.schedule
-    end, a, b = {k: c() - t0[k] for k, c in CLOCKS.items()}, engine.stats.snapshot(), before
+    end, after = {k: c() - t0[k] for k, c in CLOCKS.items()}, engine.stats.snapshot()
     for rid, (seq, r) in seqs.items():
         assert seq.num_output_tokens == r.max_tokens, f"{rid} made {seq.num_output_tokens} of {r.max_tokens} tokens"
-    total = a.total_slot_steps - b.total_slot_steps
-    return {k: SimResult(end[k], a.generation_tokens - b.generation_tokens, a.num_steps - b.num_steps,
-                         a.num_preemptions - b.num_preemptions,
-                         (a.useful_slot_steps - b.useful_slot_steps) / total if total else 0.0, {}, {},
-                         [record(r, seq, times[k][rid]["queue"], times[k][rid]["tokens"], times[k][rid]["done"])
-                          for rid, (seq, r) in seqs.items()], recomputed_tokens=a.recomputed_tokens - b.recomputed_tokens,
-                         swapped_blocks=a.swapped_out_blocks + a.swapped_in_blocks - b.swapped_out_blocks
-                         - b.swapped_in_blocks) for k in CLOCKS}
+    d = {k: getattr(after, k) - getattr(before, k) for k in ("generation_tokens", "num_steps", "num_preemptions",
+         "useful_slot_steps", "total_slot_steps", "recomputed_tokens", "swapped_out_blocks", "swapped_in_blocks")}
+    return {k: SimResult(end[k], d["generation_tokens"], d["num_steps"], d["num_preemptions"],
+                         d["useful_slot_steps"] / max(d["total_slot_steps"], 1), {}, {},
+                         [record(r, seq, **times[k][rid]) for rid, (seq, r) in seqs.items()], [],
+                         d["recomputed_tokens"], d["swapped_out_blocks"] + d["swapped_in_blocks"]) for k in CLOCKS}
 
 
 def request_kw(r: SimRequest, policy: Any) -> dict[str, Any]:
@@ -349,9 +347,13 @@ def request_kw(r: SimRequest, policy: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v}
 
 
-def calibrate(engine, workload: list[SimRequest], source: str) -> dict[str, CostModel]:
-    """Fit the cost model to every step of one run of `workload` on the real engine: one
-    model per clock (see run_engine)."""
+def calibrate(engine, s: "Sizes") -> dict[str, CostModel]:
+    """Fit the cost model to every step of one run on the real engine, one model per clock (see
+    run_engine): 3 x max_num_seqs requests at t=0, exponential output lengths, wide prompts (a
+    few large prefill steps, then small ones of many sizes as seats free, then every decode bucket)."""
+    prompt_len, mean, cap = s.calib
+    work = [SimRequest(0.0, r.prompt_token_ids, r.max_tokens) for r in exponential_mix(
+        3 * s.max_num_seqs, s.vocab_size, mean=mean, cap=cap, prompt_len=prompt_len, seed=7)]
     samples: dict[str, list[tuple[str, int, int, int, float]]] = {k: [] for k in CLOCKS}
     seen: set[tuple[str, int]] = set()
 
@@ -361,8 +363,9 @@ def calibrate(engine, workload: list[SimRequest], source: str) -> dict[str, Cost
             samples[k].append((*f, v))
         seen.add(f[:2])
 
-    run_engine(engine, workload, "calib", on_step=on_step)
+    run_engine(engine, work, "calib", on_step=on_step)
     swap = measure_swap(engine) if engine.runner.num_swap_blocks else {"coef": (0.0, 0.0)}
+    source = f"calibrated on {s.model}, {os.uname().nodename}"
     return {k: fit_cost_model(v, f"{source} ({k} clock)", swap) for k, v in samples.items()}
 
 
@@ -403,14 +406,6 @@ def kv_blocks(s: Sizes, kv_seqs: float) -> int:
     return int(kv_seqs * math.ceil(s.max_model_len / 16)) + 1
 
 
-def calibration_workload(s: Sizes) -> list[SimRequest]:
-    """3 x max_num_seqs requests at t=0, exponential output lengths, wide prompts: a few large
-    prefill steps, then small ones of many sizes as seats free, then every decode bucket."""
-    (prompt_len, mean, cap) = s.calib
-    reqs = exponential_mix(3 * s.max_num_seqs, s.vocab_size, mean=mean, cap=cap, prompt_len=prompt_len, seed=7)
-    return [SimRequest(0.0, r.prompt_token_ids, r.max_tokens) for r in reqs]
-
-
 def build_sized(s: Sizes, log: Callable[[str], None] = lambda s: None):
     """The engine the validation and calibration run: KV arrays for the ample budget and a host
     swap pool (a tight case's scheduler is handed fewer blocks: the runner reads only the blocks
@@ -438,7 +433,7 @@ def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict
     log("[validate] building the engine, calibrating the cost model on it ...")
     engine = build_sized(s)
     engine.scheduler = fresh_scheduler(engine, full)
-    cost_models = calibrate(engine, calibration_workload(s), f"calibrated on {s.model}, {os.uname().nodename}")
+    cost_models = calibrate(engine, s)
     rep["cost_models"] = {k: {"coef": v.coef, "fit": v.fit, "swap": v.swap} for k, v in cost_models.items()}
     for k, cm in cost_models.items():
         cm.save(os.path.join(out_dir, f"cost_model_{k}.json"))
@@ -481,7 +476,7 @@ REPORT_KV = (("tight", 0.25), ("half", 0.5), ("ample", 1.0))  # KV budget: this 
 
 
 def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...] = REPORT_SEQS,
-           log: Callable[[str], None] = print, max_model_len: int = 1024) -> dict[str, Any]:
+           log: Callable[[str], None] = print, max_model_len: int = 1024) -> None:
     """continuous/static tokens/s and short-request p99 for each max_num_seqs, KV budget and
     cost model, on the seed's mix scaled to the slots: 2 x max_num_seqs requests (at least
     100), all at t=0."""
@@ -514,11 +509,9 @@ def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...
         for r in rows for c, st in [(r["continuous"], r["static"])]])
     models = "\n".join(f"- **{k}**: {v.source}; per step (a, b, c, d) = " + "; ".join(
         f"{p} ({', '.join(f'{x:.3g}' for x in v.coef[p])})" for p in PROGRAMS) for k, v in cost_models.items())
-    with open(os.path.join(out_dir, "simulate_report.md"), "w") as f:
-        f.write(f"Cost models:\n\n{models}\n\n{table}\n")
+    write_text(os.path.join(out_dir, "simulate_report.md"), f"Cost models:\n\n{models}\n\n{table}\n")
     write_json(os.path.join(out_dir, "simulate_report.json"), {
         "rows": rows, "cost_models": {k: {"coef": v.coef, "source": v.source} for k, v in cost_models.items()}})
-    return {"rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -551,8 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validation: {'every case within 15%' if ok else 'MISSED 15% on some case'}; {out_dir}/validation.json")
         return 0
     if args.calibrate:
-        cm = calibrate(build_sized(sizes, print), calibration_workload(sizes),
-                       f"calibrated on {sizes.model}, {os.uname().nodename}")
+        cm = calibrate(build_sized(sizes, print), sizes)
         path = args.cost_model or DEFAULT_COST_MODEL
         cm["wall"].save(path)  # the wall clock's: what a run on this machine, alone, takes
         cm["cpu"].save(path.replace(".json", "_cpu.json"))
@@ -577,13 +569,14 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.num_kv_blocks or cfg.max_num_seqs * cfg.max_blocks_per_seq + 1
     t0 = time.process_time()
     res = simulate(cfg, blocks, work, cm, num_swap_blocks=args.num_swap_blocks)
-    s = write_json(os.path.join(out_dir, "simulate.json"), res.summary() | {
+    summary = res.summary()
+    s = write_json(os.path.join(out_dir, "simulate.json"), summary | {
         "cpu_s": time.process_time() - t0, "config": kw, "num_kv_blocks": blocks, "cost_model": cm.source})
     print(f"{len(work)} requests, {res.steps} steps, {res.preemptions} preemptions ({res.recomputed_tokens} tokens "
           f"recomputed, {res.swapped_blocks} blocks swapped), {res.tok_s:.1f} output tok/s, goodput {res.goodput}, "
           f"slot utilisation {res.slot_utilization:.2f}; waiting (time-weighted mean / max): " + ", ".join(
               f"{k} {res.waiting_mean[k]:.1f}/{res.waiting_max[k]}" for k in WAIT_REASONS) + f"; {s}")
-    for c, lat in res.summary()["per_class"].items():
+    for c, lat in summary["per_class"].items():
         print(f"  {c:>6}: " + "  ".join(f"{k[:-2]} p50 {v.get('p50', math.nan):.3f} p99 {v.get('p99', math.nan):.3f}"
                                          for k, v in lat.items()))
     return 0

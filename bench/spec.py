@@ -1,27 +1,19 @@
 """Speculative decoding on the real model, side by side in one run: off vs ngram (prompt
 lookup) vs a draft model (--draft-config, the JSON of --speculative-config).
 
-Workload A is input-grounded (the model is asked to repeat or lightly edit a given
-passage: where prompt lookup pays); workload B is open chat (little to look up). Each
-runs at batch sizes 1, 8 and 32 (all requests at once, greedy, ignore_eos so every
-variant computes the same tokens; the variants' runs interleaved, the fastest of --reps
-kept), and reports output tok/s, TPOT p50/p99 (per request:
-its mean gap between output tokens) and the acceptance rate of the drafts.
-
-Targets: A at batch 1, ngram >= 1.5x off's output tok/s; B at batch 32, ngram never more
-than 5% slower than off (the disable rule: disable_by_batch_size).
-
   python bench/spec.py [--quick] [--ngram-config JSON] [--draft-config JSON]
+
+Workload A asks the model to repeat or lightly edit a given passage (where prompt lookup
+pays), B is open chat (little to look up); each at batch 1, 8 and 32, all requests at once,
+greedy, ignore_eos (every variant computes the same tokens), the variants' runs interleaved
+and the fastest of --reps kept: output tok/s, TPOT p50/p99 (a request's mean gap between
+output tokens), acceptance. Targets: A at batch 1, ngram >= 1.5x off's output tok/s; B at
+batch 32, ngram at most 5% slower than off (the disable rule: disable_by_batch_size).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import random
-import sys
-import time
+import argparse, json, os, random, sys, time  # noqa: E401
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from config import SamplingParams  # noqa: E402
@@ -45,8 +37,7 @@ THINGS = ["the sea", "baking bread", "a thunderstorm", "learning to swim", "an o
 
 
 def prompts(llm: LLM, workload: str, n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    tok = llm.tokenizer
+    rng, tok = random.Random(seed), llm.tokenizer
     if workload == "A":
         asks = [rng.choice(ASKS_A).format(text_prompt(rng, rng.randint(60, 90)) + ".") for _ in range(n)]
     else:
@@ -56,11 +47,9 @@ def prompts(llm: LLM, workload: str, n: int, seed: int) -> list[list[int]]:
 
 
 def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> dict:
-    before = llm.stats.snapshot()
-    t0 = time.perf_counter()
+    before, t0 = llm.stats.snapshot(), time.perf_counter()
     outs = llm.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    wall = time.perf_counter() - t0
-    after = llm.stats.snapshot()
+    wall, after = time.perf_counter() - t0, llm.stats.snapshot()
     tpot = [o.metrics.mean_itl_ms for o in outs if o.metrics.mean_itl_ms is not None]
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
@@ -81,8 +70,7 @@ def main() -> None:
     ap.add_argument("--ngram-config", default=json.dumps(NGRAM))
     ap.add_argument("--draft-config", default=None, help="a draft_model --speculative-config JSON (off: skipped)")
     args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    max_tokens = 32 if args.quick else 96
+    batches, max_tokens = [int(b) for b in args.batches.split(",")], 32 if args.quick else 96
     variants = {"off": None, "ngram": json.loads(args.ngram_config)}
     if args.draft_config:
         variants["draft"] = json.loads(args.draft_config)
@@ -93,32 +81,27 @@ def main() -> None:
     llms = {name: LLM(args.model, speculative_config=spec, **kw) for name, spec in variants.items()}
     for llm in llms.values():
         run(llm, prompts(llm, "B", 2, seed=99), 4)  # untimed: first dispatches
+    rows = [["workload", "batch", "variant", "out tok/s", "vs off", "TPOT p50 ms", "TPOT p99 ms", "acceptance",
+             "same tokens as off"]]
     for w in args.workloads.split(","):
         for b in batches:
+            best = {}
             for _ in range(args.reps):
                 for name, llm in llms.items():
                     r = run(llm, prompts(llm, w, b, seed=b), max_tokens)
                     print(f"{name:6} {w} batch {b:3d}: {r['output_tok_s']:7.1f} tok/s, TPOT p50 {r['tpot_p50_ms']:.1f} "
                           f"p99 {r['tpot_p99_ms']:.1f} ms, acceptance {num(r['acceptance'])}, load {r['loadavg']:.1f}",
                           flush=True)
-                    best = results["runs"].get(f"{name}/{w}/{b}")
-                    if best is None or r["output_tok_s"] > best["output_tok_s"]:
-                        results["runs"][f"{name}/{w}/{b}"] = r
-    rows = [["workload", "batch", "variant", "out tok/s", "vs off", "TPOT p50 ms", "TPOT p99 ms", "acceptance",
-             "same tokens as off"]]
-    for w in args.workloads.split(","):
-        for b in batches:
-            off = results["runs"][f"off/{w}/{b}"]
-            for name in variants:
-                r = results["runs"][f"{name}/{w}/{b}"]
-                rows.append([w, str(b), name, f"{r['output_tok_s']:.1f}",
-                             f"{r['output_tok_s'] / off['output_tok_s']:.2f}x", f"{r['tpot_p50_ms']:.1f}",
-                             f"{r['tpot_p99_ms']:.1f}", num(r["acceptance"]), str(r["token_ids"] == off["token_ids"])])
-    table = md_table(rows)
-    print(table)
+                    if name not in best or r["output_tok_s"] > best[name]["output_tok_s"]:
+                        best[name] = r
+            off = best["off"]
+            rows += [[w, str(b), name, f"{r['output_tok_s']:.1f}", f"{r['output_tok_s'] / off['output_tok_s']:.2f}x",
+                      f"{r['tpot_p50_ms']:.1f}", f"{r['tpot_p99_ms']:.1f}", num(r["acceptance"]),
+                      str(r["token_ids"] == off["token_ids"])] for name, r in best.items()]
+            results["runs"] |= {f"{name}/{w}/{b}": r for name, r in best.items()}
+    print(md_table(rows))
     for r in results["runs"].values():
         del r["token_ids"]
-    results["table"] = table
     print("wrote", write_json(os.path.join(results_dir("spec"), "spec.json"), results))
 
 

@@ -17,15 +17,7 @@
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
+import argparse, gc, json, os, statistics, subprocess, sys, tempfile, time  # noqa: E401
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -33,7 +25,7 @@ sys.path[:0] = [ROOT, os.path.dirname(HERE)]  # the repo root first (structured.
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from report import machine_info, results_dir, timer, write_json  # noqa: E402
+from report import machine_info, results_dir, sections, timer, write_json  # noqa: E402
 
 SECTIONS = ("roofline", "host", "parts", "settings", "padding", "warmup")
 ARGS = argparse.Namespace(baseline="", repeats=2, settings="default")
@@ -320,9 +312,7 @@ def main() -> None:
         print(json.dumps(_settings_child(*rest) if kind == "settings" else _warmup_child(*rest)))
         return
     results: dict = {"machine": machine_info(), "load_before": os.getloadavg()}
-    for name in ARGS.sections.split(","):
-        if name not in SECTIONS:
-            raise SystemExit(f"unknown section {name!r} (choose from {', '.join(SECTIONS)})")
+    for name in sections(ap, ARGS.sections, SECTIONS):
         results[name] = globals()[f"section_{name}"]()
     results["load_after"] = os.getloadavg()
     print(f"load average before/after: {results['load_before'][0]:.2f} / {results['load_after'][0]:.2f}")

@@ -7,11 +7,7 @@ What is reported, and how constrained steps keep async scheduling: docs/BENCHMAR
 
 from __future__ import annotations
 
-import argparse
-import os
-import random
-import sys
-import time
+import argparse, os, random, sys, time  # noqa: E401
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
@@ -33,44 +29,37 @@ def schema(i: int) -> dict:
                                     "properties": {"city": {"type": "string", "maxLength": 12}}}}}
 
 
-class StepClock:
-    """Host time per step: each LLMEngine.step's wall time minus the time it spent waiting
-    for the device (InFlightStep.result)."""
+def host_clock(llm: LLM) -> list[float]:
+    """The list each LLMEngine.step appends its host time to: its wall time minus the time it
+    spent waiting for the device (InFlightStep.result)."""
+    host, wait = [], [0.0]
+    result, step = runner_module.InFlightStep.result, llm.engine.step
 
-    def __init__(self, llm: LLM) -> None:
-        self.llm, self.host, self._wait = llm, [], 0.0
-        result = runner_module.InFlightStep.result
+    def timed_result(in_flight):
+        t0 = time.perf_counter()
+        try:
+            return result(in_flight)
+        finally:
+            wait[0] += time.perf_counter() - t0
 
-        def timed_result(step):
-            t0 = time.perf_counter()
-            try:
-                return result(step)
-            finally:
-                self._wait += time.perf_counter() - t0
+    def timed_step():
+        wait[0], t0 = 0.0, time.perf_counter()
+        out = step()
+        host.append(time.perf_counter() - t0 - wait[0])
+        return out
 
-        runner_module.InFlightStep.result = timed_result
-        step = llm.engine.step
-
-        def timed_step():
-            self._wait, t0 = 0.0, time.perf_counter()
-            out = step()
-            self.host.append(time.perf_counter() - t0 - self._wait)
-            return out
-
-        llm.engine.step = timed_step
+    runner_module.InFlightStep.result, llm.engine.step = timed_result, timed_step
+    return host
 
 
-def run(llm: LLM, clock: StepClock, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
-    clock.host.clear()
-    fill0 = llm.stats.structured_output_bitmask_seconds
-    t0 = time.perf_counter()
+def run(llm: LLM, host: list[float], prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
+    host.clear()
+    fill0, t0 = llm.stats.structured_output_bitmask_seconds, time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall, "steps": len(clock.host),
-            "host_ms_per_step": 1e3 * sum(clock.host) / max(len(clock.host), 1),
-            "mask_fill_ms_per_step": 1e3 * (llm.stats.structured_output_bitmask_seconds - fill0)
-            / max(len(clock.host), 1),
+    wall, tokens, steps = time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), max(len(host), 1)
+    return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall, "steps": len(host),
+            "host_ms_per_step": 1e3 * sum(host) / steps,
+            "mask_fill_ms_per_step": 1e3 * (llm.stats.structured_output_bitmask_seconds - fill0) / steps,
             "finish": {r: sum(o.finish_reason == r for o in outs) for r in ("stop", "length", "abort")}}
 
 
@@ -84,8 +73,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     n = args.num_requests
     llm = LLM(args.model, log=lambda *_: None, max_num_seqs=n, max_model_len=256, max_num_batched_tokens=max(256, n))
-    tok = llm.tokenizer
-    rng = random.Random(0)
+    tok, rng = llm.tokenizer, random.Random(0)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": "Describe a person as JSON: "
                                                     + text_prompt(rng, 12)}], add_generation_prompt=True,
                                                   tokenize=False), add_special_tokens=False) for _ in range(n)]
@@ -93,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     constrained = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=i,
                                   structured_outputs=StructuredOutputsParams(json=schema(i))) if i % 2 else free[i]
                    for i in range(n)]
-    clock = StepClock(llm)
+    clock = host_clock(llm)
     run(llm, clock, prompts[:2], free[:2])  # the first steps pay one-off costs (allocations, caches)
     compiles_before = llm.stats.num_compilations
     # Alternated, best of --repeats each: a loaded machine's noise hits both alike.
@@ -101,18 +89,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for _ in range(args.repeats):
         runs["free"].append(run(llm, clock, prompts, free))
         runs["constrained"].append(run(llm, clock, prompts, constrained))
-    results = {"machine": machine_info(), "args": vars(args), "runs": runs}
-    results |= {k: max(v, key=lambda r: r["tok_s"]) for k, v in runs.items()}
+    best = {k: max(v, key=lambda r: r["tok_s"]) for k, v in runs.items()}
+    results = {"machine": machine_info(), "args": vars(args), "runs": runs} | best
     results["compile_s"] = summarize(llm.engine.grammars.compile_seconds)
     results["compilations_during_runs"] = llm.stats.num_compilations - compiles_before
     ratio = results["constrained"]["tok_s"] / results["free"]["tok_s"]
     results["ratios"] = [side_by_side("constrained / free output tok/s", ratio, target=0.9)]
-    rows = [["run", "tok/s", "tokens", "steps", "host ms/step", "mask fill ms/step", "stop/length"]]
-    for name in ("free", "constrained"):
-        r = results[name]
-        rows.append([name, f"{r['tok_s']:.1f}", str(r["output_tokens"]), str(r["steps"]),
-                     f"{r['host_ms_per_step']:.2f}", f"{r['mask_fill_ms_per_step']:.2f}",
-                     f"{r['finish']['stop']}/{r['finish']['length']}"])
+    rows = [["run", "tok/s", "tokens", "steps", "host ms/step", "mask fill ms/step", "stop/length"]] + [
+        [name, f"{r['tok_s']:.1f}", str(r["output_tokens"]), str(r["steps"]), f"{r['host_ms_per_step']:.2f}",
+         f"{r['mask_fill_ms_per_step']:.2f}", f"{r['finish']['stop']}/{r['finish']['length']}"]
+        for name, r in best.items()]
     c = results["compile_s"]
     print(f"{n} requests, max_tokens {args.max_tokens}, {args.model}; half constrained by a JSON schema each; "
           f"best of {args.repeats}")

@@ -15,9 +15,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse, tempfile, time  # noqa: E401, E402
 
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -57,8 +55,7 @@ def main() -> None:
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
           f"load {os.getloadavg()[0]:.1f}")
     prompts = [[1] + [(7 * i + 3 * j) % 500 + 3 for j in range(args.prompt_len - 1)] for i in range(args.requests)]
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    ref = None
+    params, ref = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True), None
     print(f"{'tp':>3} {'weights/device MiB':>19} {'KV/device MiB':>14} {'KV blocks':>9} {'tok/s':>8} {'same as tp1':>11}")
     for tp in (int(x) for x in args.tp.split(",")):
         llm = LLM(args.model, log=lambda s: None, tensor_parallel_size=tp, max_num_seqs=args.requests,
@@ -67,10 +64,8 @@ def main() -> None:
         kv = max(bytes_per_device(llm.engine.runner.kv_caches).values())
         llm.generate(prompts, params)  # compiles the programs this workload uses
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        dt = time.perf_counter() - t0
-        toks = [o.token_ids for o in outs]
-        ref = ref or toks
+        toks = [o.token_ids for o in llm.generate(prompts, params)]
+        dt, ref = time.perf_counter() - t0, ref or toks
         print(f"{tp:>3} {w / 2**20:>19.2f} {kv / 2**20:>14.2f} {llm.engine.num_kv_blocks:>9} "
               f"{sum(map(len, toks)) / dt:>8.1f} {str(toks == ref):>11}", flush=True)
         del llm
@@ -78,11 +73,8 @@ def main() -> None:
         st, ob = os.path.join(d, "safetensors"), os.path.join(d, "orbax")
         write_safetensors(args.model, st)
         checkpoint.main(["convert", st, ob])
-        times: dict[str, list[float]] = {"safetensors": [], "orbax": []}
-        for _ in range(2):
-            times["safetensors"].append(timed_load(lambda: load_model(st)))
-            times["orbax"].append(timed_load(lambda: checkpoint.load(ob)))
-        a, b = min(times["safetensors"]), min(times["orbax"])
+        loads = [(timed_load(lambda: load_model(st)), timed_load(lambda: checkpoint.load(ob))) for _ in range(2)]
+        a, b = (min(x) for x in zip(*loads))  # alternating, the best of 2 of each
         print(f"start-up (weights to device, best of 2): safetensors {a:.2f}s, orbax {b:.2f}s, "
               f"orbax/safetensors {b / a:.2f}x (load {os.getloadavg()[0]:.1f})")
 
