@@ -7,7 +7,15 @@ What each part measures and how: docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse, collections, dataclasses, functools, os, platform, statistics, sys, time  # noqa: E401
+import argparse
+import collections
+import dataclasses
+import functools
+import os
+import platform
+import statistics
+import sys
+import time
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -54,7 +54,7 @@ async def run_requests(session: aiohttp.ClientSession, url: str, requests: list[
 
 def start(script: str, args: argparse.Namespace, extra: list[str], log_dir: str, name: str) -> Server:
     """`script` (server.py or serve_ray.py) with the engine flags both share, and `extra`."""
-    flags = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
+    flags = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
              "--max-num-batched-tokens", "512", "--block-size", "16", "--num-kv-blocks", str(args.num_kv_blocks)]
     return Server([sys.executable, script, *flags, *extra, "--port", "{port}"],
                   os.path.join(log_dir, f"{name}.log"), env=os.environ | {"PYTHONUNBUFFERED": "1"}, cwd=ROOT)
@@ -116,6 +116,7 @@ def main() -> None:
     own_blocks = -(-(args.suffix_len + args.max_tokens) // 16) + 1  # beyond the shared prefix's full blocks
     if args.num_kv_blocks is None:
         args.num_kv_blocks = 1 + blocks_per_request * (args.num_prefixes // 2 + 1) + own_blocks * args.max_num_seqs
+    args.max_model_len = 16 * blocks_per_request  # the workload's longest request, in whole blocks
     if args.num_kv_blocks <= blocks_per_request:
         p.error(f"--num-kv-blocks {args.num_kv_blocks} cannot hold one request of {blocks_per_request} blocks")
 
