@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from workload import Request
 
@@ -61,7 +61,7 @@ class Capabilities:
 
     def body(self, req: Request, max_tokens: int | None = None) -> dict[str, Any]:
         """The request body for `req` as this server takes it (greedy)."""
-        optional = {"model": self.model, "stream_options": {"include_usage": True} if self.include_usage else None,
+        optional = {"model": self.model or None, "stream_options": {"include_usage": True} if self.include_usage else None,
                     "ignore_eos": True if self.ignore_eos else None, "logprobs": 0 if self.logprobs else None}
         return {"prompt": req.prompt_token_ids if self.prompts == "ids" else req.prompt_text,
                 "max_tokens": max_tokens or req.max_tokens, "temperature": 0.0, "stream": self.stream} | {
@@ -277,19 +277,28 @@ METRIC_ALIASES: dict[str, tuple[str, ...]] = {
     "num_kv_blocks": ("taxirank:num_kv_blocks",),
 }
 WAITING_BY_REASON = "taxirank:num_requests_waiting_by_reason"
+_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)')  # a comment line never matches
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {name: value}; labelled samples also as 'name{k=v,...}', and summed under
-    the bare name (vLLM labels by model_name, a Ray app by replica)."""
+    the bare name (vLLM labels by model_name, a Ray app by replica). Read line by line, with a
+    regex rather than prometheus_client's parser: a line it cannot read costs only itself, and a
+    scrape ten times a second costs the client a sixth of the parser's time."""
     out: dict[str, float] = {}
-    try:
-        for s in (s for family in text_string_to_metric_families(text) for s in family.samples):
-            if s.labels:
-                out[s.name + "{" + ",".join(f"{k}={v}" for k, v in s.labels.items()) + "}"] = s.value
-            out[s.name] = out.get(s.name, 0.0) + s.value if s.labels else s.value
-    except ValueError:  # a line the parser cannot read ends the sample; what came before it stands
-        pass
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.groups()
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if labels:
+            out[name + "{" + ",".join(f"{k}={x}" for k, x in _LABEL.findall(labels)) + "}"] = v
+        out[name] = out.get(name, 0.0) + v if labels else v
     return out
 
 
@@ -297,8 +306,12 @@ def pick(metrics: dict[str, float]) -> dict[str, Any]:
     """One timeline sample: the series METRIC_ALIASES names, plus waiting by reason."""
     s: dict[str, Any] = {key: next((metrics[n] for n in names if n in metrics), None)
                          for key, names in METRIC_ALIASES.items()}
-    prefix = WAITING_BY_REASON + "{reason="
-    s["waiting_by_reason"] = {k[len(prefix):-1]: v for k, v in metrics.items() if k.startswith(prefix)}
+    s["waiting_by_reason"] = by_reason = {}
+    for key, v in metrics.items():  # the reason label wherever it stands (model_name, replica beside it)
+        if key.startswith(WAITING_BY_REASON + "{"):
+            labels = dict(kv.split("=", 1) for kv in key[len(WAITING_BY_REASON) + 1:-1].split(",") if "=" in kv)
+            if "reason" in labels:
+                by_reason[labels["reason"]] = by_reason.get(labels["reason"], 0.0) + v
     return s
 
 

@@ -70,9 +70,10 @@ def _verdict(ok: bool) -> str:
 
 def build(work: str, mode: str) -> dict[str, Any]:
     res: dict[str, Any] = {"mode": mode, "env": _read(os.path.join(work, "env.txt")).strip(), "stages": _stages(work)}
+    res["smoke"] = _load(os.path.join(work, "smoke.json"))
     if "tests" in res["stages"] or os.path.exists(os.path.join(work, "tests.log")):
         res["tests"] = _tests(_read(os.path.join(work, "tests.log")))
-    for name in ("smoke", "kernels", "step", "mix"):
+    for name in ("kernels", "step", "mix"):
         res[name] = _load(os.path.join(work, f"{name}.json"))
     kern, step, mix = (res[k] if isinstance(res[k], dict) else {} for k in ("kernels", "step", "mix"))
     targets: dict[str, Any] = {}

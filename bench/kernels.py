@@ -31,7 +31,8 @@ import kernels_pallas as kp  # noqa: E402
 from attention_backend import AttentionShape  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
-DTYPE, ITEMSIZE = jnp.bfloat16, 2
+DTYPE = jnp.bfloat16
+ITEMSIZE = jnp.dtype(DTYPE).itemsize
 LLAMA3_8B_HF = dict(  # Meta-Llama-3-8B's config.json, the fields that shape the step
     model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

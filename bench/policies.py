@@ -16,7 +16,12 @@ device block or host block held. Writes results.json and policies.md (the table,
 
 from __future__ import annotations
 
-import argparse, dataclasses, os, random, sys, time  # noqa: E401
+import argparse
+import dataclasses
+import os
+import random
+import sys
+import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -19,7 +19,15 @@ a JSON list of {"arrival_s", "prompt_len" (or "prompt_token_ids"), "max_tokens",
 
 from __future__ import annotations
 
-import argparse, dataclasses, itertools, json, math, os, random, sys, time  # noqa: E401
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -333,9 +341,10 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
     d = {k: getattr(after, k) - getattr(before, k) for k in ("generation_tokens", "num_steps", "num_preemptions",
          "useful_slot_steps", "total_slot_steps", "recomputed_tokens", "swapped_out_blocks", "swapped_in_blocks")}
     return {k: SimResult(end[k], d["generation_tokens"], d["num_steps"], d["num_preemptions"],
-                         d["useful_slot_steps"] / max(d["total_slot_steps"], 1), {}, {},
-                         [record(r, seq, **times[k][rid]) for rid, (seq, r) in seqs.items()], [],
-                         d["recomputed_tokens"], d["swapped_out_blocks"] + d["swapped_in_blocks"]) for k in CLOCKS}
+                         d["useful_slot_steps"] / max(d["total_slot_steps"], 1), waiting_mean={}, waiting_max={},
+                         per_request=[record(r, seq, **times[k][rid]) for rid, (seq, r) in seqs.items()],
+                         recomputed_tokens=d["recomputed_tokens"],
+                         swapped_blocks=d["swapped_out_blocks"] + d["swapped_in_blocks"]) for k in CLOCKS}
 
 
 def request_kw(r: SimRequest, policy: Any) -> dict[str, Any]:

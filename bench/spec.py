@@ -13,7 +13,12 @@ batch 32, ngram at most 5% slower than off (the disable rule: disable_by_batch_s
 
 from __future__ import annotations
 
-import argparse, json, os, random, sys, time  # noqa: E401
+import argparse
+import json
+import os
+import random
+import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 from config import SamplingParams  # noqa: E402

@@ -17,7 +17,15 @@
 
 from __future__ import annotations
 
-import argparse, gc, json, os, statistics, subprocess, sys, tempfile, time  # noqa: E401
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))

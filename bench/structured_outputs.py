@@ -7,7 +7,11 @@ What is reported, and how constrained steps keep async scheduling: docs/BENCHMAR
 
 from __future__ import annotations
 
-import argparse, os, random, sys, time  # noqa: E401
+import argparse
+import os
+import random
+import sys
+import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root

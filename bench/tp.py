@@ -15,7 +15,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse, tempfile, time  # noqa: E401, E402
+import argparse  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
