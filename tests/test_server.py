@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.client
+import itertools
 import json
 import os
 import re
@@ -255,14 +256,19 @@ def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(server: Se
     body = dict(model="tiny", prompt="The taxi rank", max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
     status, whole = request(server, "POST", "/v1/completions", body)
     assert status == 200, whole
-    events = sse(server, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+    events = sse(server, "/v1/completions", body | {"stream_options": {"include_usage": True,
+                                                                       "continuous_usage_stats": True}})
     chunks, usage_chunk = events[:-1], events[-1]
     choices = [c["choices"][0] for c in chunks]
     want = whole["choices"][0]
     assert "".join(c["text"] for c in choices) == want["text"]
-    assert_same_logprobs({k: sum((c["logprobs"][k] for c in choices), []) for k in ("tokens", "token_logprobs",
-                                                                                   "top_logprobs")},
-                         {k: want["logprobs"][k] for k in ("tokens", "token_logprobs", "top_logprobs")})
+    # text_offset too: a chunk whose text is held back (half a character) must not shift the next ones
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    assert_same_logprobs({k: sum((c["logprobs"][k] for c in choices), []) for k in keys},
+                         {k: want["logprobs"][k] for k in keys})
+    # vLLM's continuous_usage_stats: every chunk counts the tokens streamed up to it
+    assert [c["usage"]["completion_tokens"] for c in chunks] == \
+        list(itertools.accumulate(len(c["logprobs"]["tokens"]) for c in choices))
     assert len(want["logprobs"]["token_logprobs"]) == 24
     assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # the rerun may hit the prefix cache
@@ -316,6 +322,13 @@ def test_logprobs_cover_each_sampled_token(client: openai.OpenAI) -> None:
         assert top == pytest.approx({text(i): x for i, x in want.top}, abs=1e-5)
     # each token's text starts where the previous one's ends, from 0
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert out.choices[0].stop_reason is None  # a length cut (vLLM's stop_reason)
+    # A stop_token_id ends it there, and is vLLM's stop_reason (the engine's own stop, no text match)
+    k = next(i for i, t in enumerate(ref.token_ids) if t not in ref.token_ids[:i] and i > 0)
+    stopped = client.completions.create(prompt="abc", max_tokens=5, **greedy(extra_body={
+        "ignore_eos": True, "stop_token_ids": [ref.token_ids[k]]}))
+    assert (stopped.choices[0].finish_reason, stopped.choices[0].stop_reason,
+            stopped.usage.completion_tokens) == ("stop", ref.token_ids[k], k + 1)
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                           logprobs=True, top_logprobs=2, **greedy())
     content = chat.choices[0].logprobs.content
@@ -351,10 +364,10 @@ def test_stop_string_across_token_boundaries_is_cut_and_never_partly_streamed(cl
     expected = text[:text.find(stop)]
 
     whole = client.completions.create(stop=[stop], **kw).choices[0]
-    assert (whole.text, whole.finish_reason) == (expected, "stop")
+    assert (whole.text, whole.finish_reason, whole.stop_reason) == (expected, "stop", stop)  # vLLM's stop_reason
     chunks = list(client.completions.create(stop=stop, stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks) == expected  # nothing of the stop string leaked
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == ("stop", stop)
 
 
 def test_a_stop_string_finish_counts_as_a_stop_not_an_abort(server: Server, client: openai.OpenAI) -> None:
