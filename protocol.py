@@ -185,6 +185,8 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
 
     if chat:  # chat: logprobs is a flag, top_logprobs how many alternatives
         logprobs = field(body, "top_logprobs", (int,), 0) if field(body, "logprobs", (bool,), False) else None
+        if logprobs is None and field(body, "top_logprobs", (int,), 0) != 0:  # vLLM's 400, never ignored
+            raise ApiError("when using 'top_logprobs', 'logprobs' must be set to true", param="top_logprobs")
     else:
         logprobs = field(body, "logprobs", (int,))
     try:

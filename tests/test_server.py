@@ -789,6 +789,16 @@ def test_without_a_tokenizer_text_prompts_chat_and_stop_strings_are_refused() ->
     assert IncrementalDetokenizer(None, [1], []).push([5], final=True) == ("", False)
 
 
+def test_chat_top_logprobs_without_logprobs_is_refused_not_ignored() -> None:
+    """vLLM's rule: top_logprobs asks for alternatives of logprobs that were not asked for."""
+    for body in ({"top_logprobs": 2}, {"top_logprobs": 2, "logprobs": False}, {"top_logprobs": -1}):
+        with pytest.raises(ApiError) as e:
+            parse_sampling(body, 3, 256, chat=True, has_tokenizer=True)
+        assert e.value.status == 400 and e.value.param == "top_logprobs"
+    assert parse_sampling({"top_logprobs": 2, "logprobs": True}, 3, 256, chat=True, has_tokenizer=True)[0].logprobs == 2
+    assert parse_sampling({"top_logprobs": 0}, 3, 256, chat=True, has_tokenizer=True)[0].logprobs is None
+
+
 def test_priority_is_an_extra_field_of_both_endpoints_checked_where_it_enters(server: Server) -> None:
     """vLLM's `priority`: an integer; this server runs fcfs, so only 0 (the default) is taken."""
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
