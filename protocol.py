@@ -206,8 +206,10 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             structured_outputs=parse_structured(body, tools),
         )
     except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]..."
-        name = str(e).split()[0]
-        raise ApiError(str(e), param=name if name in body else None) from e
+        name, message = str(e).split()[0], str(e)
+        if chat and name == "logprobs":  # chat's count of alternatives is its top_logprobs field
+            name, message = "top_logprobs", message.replace("logprobs", "top_logprobs", 1)
+        raise ApiError(message, param=name if name in body else None) from e
     return params, stop
 
 
