@@ -45,6 +45,7 @@ _NEUTRAL: dict[str, tuple] = {
     "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
     "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (),
+    "chat_template": (),  # vLLM too refuses a request's own template unless trusted by a flag
 }
 
 
@@ -131,14 +132,26 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
             raise ApiError(f"messages[{i}]: unknown role {m['role'][:40]!r} (expected one of {', '.join(CHAT_ROLES)})",
                            param="messages")
         chat.append({"role": m["role"], "content": content, **extra})
+    # vLLM's extras, as LLM.chat takes them: continue the last message instead of opening a
+    # new assistant turn (a prefill), and the template's own variables.
+    add_generation_prompt = field(body, "add_generation_prompt", (bool,), True)
+    continue_final_message = field(body, "continue_final_message", (bool,), False)
+    if add_generation_prompt and continue_final_message:
+        raise ApiError("'continue_final_message' needs 'add_generation_prompt': false (the first continues the "
+                       "last message, the second opens a new assistant turn)", param="continue_final_message")
+    kw = dict(field(body, "chat_template_kwargs", (dict,), {}))
+    taken = sorted(set(kw) & {"tools", "add_generation_prompt", "continue_final_message", "tokenize",
+                              "chat_template", "conversation", "messages"})
+    if taken:
+        raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
+    if continue_final_message:  # only when set: ByteTokenizer's template takes no such argument
+        kw["continue_final_message"] = True
     try:
         if tools is not None:
-            kw = {"tools": tools.definitions}
+            kw["tools"] = tools.definitions
         elif body.get("tool_choice") == "none" and body.get("tools") and not exclude_tools_when_tool_choice_none:
-            kw = {"tools": body["tools"]}  # checked by tool_choice() already
-        else:
-            kw = {}
-        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **kw)
+            kw["tools"] = body["tools"]  # checked by tool_choice() already
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
     except Exception as e:  # no template, or the template refuses these messages (jinja raise)
         raise ApiError(f"chat template failed: {e}", param="messages") from e
     # The template already carries BOS and the other special tokens it wants.

@@ -789,6 +789,35 @@ def test_without_a_tokenizer_text_prompts_chat_and_stop_strings_are_refused() ->
     assert IncrementalDetokenizer(None, [1], []).push([5], final=True) == ("", False)
 
 
+def test_chat_add_generation_prompt_continue_final_message_and_template_kwargs_reach_the_template() -> None:
+    """vLLM's chat extras (LLM.chat's arguments), never silently ignored: continue_final_message
+    (with add_generation_prompt false) leaves the last message open for the model to go on."""
+    seen = []
+
+    class Template(ByteTokenizer):  # a template that reads one variable of its own
+        def apply_chat_template(self, chat, enable_thinking=None, **kw):
+            seen.append(enable_thinking)
+            return super().apply_chat_template(chat, **kw)
+
+    tok = Template()
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    ids = parse_messages({"messages": msgs, "add_generation_prompt": False, "continue_final_message": True,
+                          "chat_template_kwargs": {"enable_thinking": False}}, tok)
+    assert tok.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is"
+    assert seen == [False]
+    ids = parse_messages({"messages": msgs[:1], "add_generation_prompt": False}, tok)
+    assert tok.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n"
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),  # with the default True
+                         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                         ({"add_generation_prompt": "no"}, "add_generation_prompt")):
+        with pytest.raises(ApiError) as e:
+            parse_messages({"messages": msgs} | extra, tok)
+        assert e.value.status == 400 and e.value.param == param
+    with pytest.raises(ApiError) as e:  # a request's own template: refused, as vLLM without its trust flag
+        parse_sampling({"chat_template": "{{ messages }}"}, 3, 256, chat=True, has_tokenizer=True)
+    assert e.value.param == "chat_template"
+
+
 def test_chat_top_logprobs_without_logprobs_is_refused_not_ignored() -> None:
     """vLLM's rule: top_logprobs asks for alternatives of logprobs that were not asked for;
     one out of range is named top_logprobs, the field the client sent."""
