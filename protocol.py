@@ -125,7 +125,7 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise ApiError(f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # vLLM's join: the parts stay apart
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
         if m["role"] not in CHAT_ROLES:

@@ -818,6 +818,12 @@ def test_chat_add_generation_prompt_continue_final_message_and_template_kwargs_r
     assert e.value.param == "chat_template"
 
 
+def test_chat_text_content_parts_are_joined_by_newlines_as_vllm() -> None:
+    parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]
+    ids = parse_messages({"messages": [{"role": "user", "content": parts}]}, ByteTokenizer())
+    assert ByteTokenizer().decode(ids) == "<|im_start|>user\nTranslate:\nbonjour<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_chat_top_logprobs_without_logprobs_is_refused_not_ignored() -> None:
     """vLLM's rule: top_logprobs asks for alternatives of logprobs that were not asked for;
     one out of range is named top_logprobs, the field the client sent."""
