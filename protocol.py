@@ -8,6 +8,7 @@ No aiohttp and no JAX here, so the rules can be read (and tested) on their own.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +116,7 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") is not None:
             if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
                 raise ApiError(f"messages[{i}].tool_calls must be an array of objects", param="messages")
-            extra["tool_calls"] = m["tool_calls"]
+            extra["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
             content = "" if content is None else content  # OpenAI: null content beside the calls
         if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id") is not None:
             if not isinstance(m["tool_call_id"], str):
@@ -156,6 +157,20 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         raise ApiError(f"chat template failed: {e}", param="messages") from e
     # The template already carries BOS and the other special tokens it wants.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _template_call(call: dict, i: int) -> dict:
+    """An assistant message's tool call as chat templates take it (transformers' convention,
+    as vLLM hands them over): its arguments an object, where OpenAI sends a JSON string; a
+    template writing `arguments | tojson` would otherwise show the model an escaped string."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError as e:
+        raise ApiError(f"messages[{i}].tool_calls: function.arguments is not valid JSON: {e}", param="messages") from e
+    return call | {"function": fn | {"arguments": arguments}}
 
 
 def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, has_tokenizer: bool,

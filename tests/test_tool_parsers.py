@@ -162,7 +162,8 @@ def test_a_tool_conversation_goes_through_the_chat_template():
     from protocol import parse_messages
     from tokenizer import ByteTokenizer
 
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "K\\u00f6ln"}'}}
     messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."}]
     seen = []
@@ -175,7 +176,13 @@ def test_a_tool_conversation_goes_through_the_chat_template():
     ids = parse_messages({"messages": messages}, Template(), tool_choice({"tools": [WEATHER]}, True, True))
     assert bytes(ids[1:]).decode().endswith("<|im_start|>tool\nSunny.<|im_end|>\n<|im_start|>assistant\n")
     chat, kw = seen[0]
-    assert chat[1] == {"role": "assistant", "content": "", "tool_calls": [call]} and chat[2]["tool_call_id"] == "call_1"
+    # the call's arguments reach the template as an object (transformers' convention), not OpenAI's JSON string
+    as_object = call | {"function": {"name": "get_weather", "arguments": {"city": "Köln"}}}
+    assert chat[1] == {"role": "assistant", "content": "", "tool_calls": [as_object]}
+    assert chat[2]["tool_call_id"] == "call_1"
     assert kw["tools"] == [WEATHER]
+    with pytest.raises(ApiError, match="not valid JSON"):
+        parse_messages({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            call | {"function": {"name": "f", "arguments": "{oops"}}]}]}, Template())
     with pytest.raises(ApiError, match="tool_calls must be an array"):
         parse_messages({"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}, Template())
