@@ -7,6 +7,7 @@ No aiohttp and no JAX here, so the rules can be read (and tested) on their own.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import math
@@ -141,8 +142,11 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         raise ApiError("'continue_final_message' needs 'add_generation_prompt': false (the first continues the "
                        "last message, the second opens a new assistant turn)", param="continue_final_message")
     kw = dict(field(body, "chat_template_kwargs", (dict,), {}))
-    taken = sorted(set(kw) & {"tools", "add_generation_prompt", "continue_final_message", "tokenize",
-                              "chat_template", "conversation", "messages"})
+    # Template variables only: none of apply_chat_template's own arguments (return_dict,
+    # tokenize, ... would change what it returns), as vLLM filters them.
+    own = {n for n, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+           if p.kind is not p.VAR_KEYWORD} | {"tools", "chat_template", "conversation", "messages"}
+    taken = sorted(set(kw) & own)
     if taken:
         raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
     if continue_final_message:  # only when set: ByteTokenizer's template takes no such argument

@@ -809,6 +809,7 @@ def test_chat_add_generation_prompt_continue_final_message_and_template_kwargs_r
     assert tok.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n"
     for extra, param in (({"continue_final_message": True}, "continue_final_message"),  # with the default True
                          ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
                          ({"add_generation_prompt": "no"}, "add_generation_prompt")):
         with pytest.raises(ApiError) as e:
             parse_messages({"messages": msgs} | extra, tok)
