@@ -144,8 +144,13 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
     kw = dict(field(body, "chat_template_kwargs", (dict,), {}))
     # Template variables only: none of apply_chat_template's own arguments (return_dict,
     # tokenize, ... would change what it returns), as vLLM filters them.
-    own = {n for n, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
-           if p.kind is not p.VAR_KEYWORD} | {"tools", "chat_template", "conversation", "messages"}
+    try:
+        own = {n for n, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+               if p.kind is not p.VAR_KEYWORD}
+    except (AttributeError, TypeError, ValueError):  # no template (refused below) or no signature to read
+        own = set()
+    own |= {"tools", "chat_template", "conversation", "messages", "tokenize", "add_generation_prompt",
+            "continue_final_message"}
     taken = sorted(set(kw) & own)
     if taken:
         raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")

@@ -795,8 +795,8 @@ def test_chat_add_generation_prompt_continue_final_message_and_template_kwargs_r
     seen = []
 
     class Template(ByteTokenizer):  # a template that reads one variable of its own
-        def apply_chat_template(self, chat, enable_thinking=None, **kw):
-            seen.append(enable_thinking)
+        def apply_chat_template(self, chat, **kw):
+            seen.append(kw.pop("enable_thinking", None))
             return super().apply_chat_template(chat, **kw)
 
     tok = Template()
