@@ -7,7 +7,9 @@ No aiohttp and no JAX here, so the rules can be read (and tested) on their own.
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import json
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,7 @@ _NEUTRAL: dict[str, tuple] = {
     "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
     "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (),
+    "chat_template": (),  # vLLM too refuses a request's own template unless trusted by a flag
 }
 
 
@@ -114,7 +117,7 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") is not None:
             if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
                 raise ApiError(f"messages[{i}].tool_calls must be an array of objects", param="messages")
-            extra["tool_calls"] = m["tool_calls"]
+            extra["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
             content = "" if content is None else content  # OpenAI: null content beside the calls
         if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id") is not None:
             if not isinstance(m["tool_call_id"], str):
@@ -124,25 +127,59 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise ApiError(f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # vLLM's join: the parts stay apart
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
         if m["role"] not in CHAT_ROLES:
             raise ApiError(f"messages[{i}]: unknown role {m['role'][:40]!r} (expected one of {', '.join(CHAT_ROLES)})",
                            param="messages")
         chat.append({"role": m["role"], "content": content, **extra})
+    # vLLM's extras, as LLM.chat takes them: continue the last message instead of opening a
+    # new assistant turn (a prefill), and the template's own variables.
+    add_generation_prompt = field(body, "add_generation_prompt", (bool,), True)
+    continue_final_message = field(body, "continue_final_message", (bool,), False)
+    if add_generation_prompt and continue_final_message:
+        raise ApiError("'continue_final_message' needs 'add_generation_prompt': false (the first continues the "
+                       "last message, the second opens a new assistant turn)", param="continue_final_message")
+    kw = dict(field(body, "chat_template_kwargs", (dict,), {}))
+    # Template variables only: none of apply_chat_template's own arguments (return_dict,
+    # tokenize, ... would change what it returns), as vLLM filters them.
+    try:
+        own = {n for n, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+               if p.kind is not p.VAR_KEYWORD}
+    except (AttributeError, TypeError, ValueError):  # no template (refused below) or no signature to read
+        own = set()
+    own |= {"tools", "chat_template", "conversation", "messages", "tokenize", "add_generation_prompt",
+            "continue_final_message"}
+    taken = sorted(set(kw) & own)
+    if taken:
+        raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
+    if continue_final_message:  # only when set: ByteTokenizer's template takes no such argument
+        kw["continue_final_message"] = True
     try:
         if tools is not None:
-            kw = {"tools": tools.definitions}
+            kw["tools"] = tools.definitions
         elif body.get("tool_choice") == "none" and body.get("tools") and not exclude_tools_when_tool_choice_none:
-            kw = {"tools": body["tools"]}  # checked by tool_choice() already
-        else:
-            kw = {}
-        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **kw)
+            kw["tools"] = body["tools"]  # checked by tool_choice() already
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
     except Exception as e:  # no template, or the template refuses these messages (jinja raise)
         raise ApiError(f"chat template failed: {e}", param="messages") from e
     # The template already carries BOS and the other special tokens it wants.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _template_call(call: dict, i: int) -> dict:
+    """An assistant message's tool call as chat templates take it (transformers' convention,
+    as vLLM hands them over): its arguments an object, where OpenAI sends a JSON string; a
+    template writing `arguments | tojson` would otherwise show the model an escaped string."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError as e:
+        raise ApiError(f"messages[{i}].tool_calls: function.arguments is not valid JSON: {e}", param="messages") from e
+    return call | {"function": fn | {"arguments": arguments}}
 
 
 def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, has_tokenizer: bool,
@@ -185,6 +222,8 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
 
     if chat:  # chat: logprobs is a flag, top_logprobs how many alternatives
         logprobs = field(body, "top_logprobs", (int,), 0) if field(body, "logprobs", (bool,), False) else None
+        if logprobs is None and field(body, "top_logprobs", (int,), 0) != 0:  # vLLM's 400, never ignored
+            raise ApiError("when using 'top_logprobs', 'logprobs' must be set to true", param="top_logprobs")
     else:
         logprobs = field(body, "logprobs", (int,))
     try:
@@ -204,8 +243,10 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             structured_outputs=parse_structured(body, tools),
         )
     except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]..."
-        name = str(e).split()[0]
-        raise ApiError(str(e), param=name if name in body else None) from e
+        name, message = str(e).split()[0], str(e)
+        if chat and name == "logprobs":  # chat's count of alternatives is its top_logprobs field
+            name, message = "top_logprobs", message.replace("logprobs", "top_logprobs", 1)
+        raise ApiError(message, param=name if name in body else None) from e
     return params, stop
 
 

@@ -81,6 +81,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)  # tokens up to here are already in self.text
         self.text = ""  # decoded output, cut at a stop string
         self.sent = 0  # characters of self.text already handed out
+        self.stop_reason: str | None = None  # the stop string that matched (vLLM's stop_reason)
 
     def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
         """Add one step's tokens; return (new text to send, whether a stop string matched)."""
@@ -97,10 +98,11 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
         # A stop string found now must end in the new text, so start looking len(s)-1 back.
-        hits = [i for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
         stopped = bool(hits)
         if stopped:
-            self.text = self.text[:min(hits)]
+            cut, self.stop_reason = min(hits, key=lambda h: h[0])
+            self.text = self.text[:cut]
             assert len(self.text) >= self.sent, "held-back text was sent"
         end = len(self.text) if final or stopped else len(self.text) - partial_stop_len(self.text, self.stop)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
@@ -140,6 +142,9 @@ class Chunk:
     num_output_tokens: int
     metrics: RequestMetrics | None = None  # on the last chunk, when the request asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked
+    # vLLM's stop_reason, on the last chunk: the stop string matched, or the stop_token_id
+    # that ended it; None for EOS, a length cut or a grammar's end.
+    stop_reason: str | int | None = None
 
 
 class Generation:
@@ -156,6 +161,7 @@ class Generation:
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
+        self.params, self.last_token = params, None
         self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop, params,
                                                   self.engine.model_config.eos_token_ids)
         try:
@@ -176,6 +182,17 @@ class Generation:
                 return delta.metrics
         return None
 
+    def _stop_reason(self, reason: str | None) -> str | int | None:
+        """vLLM's: the stop string, or a stop_token_id (EOS, checked first, is None)."""
+        if reason != "stop":
+            return None
+        if self.detokenizer.stop_reason is not None:
+            return self.detokenizer.stop_reason
+        p, t = self.params, self.last_token
+        if t in self.engine.model_config.eos_token_ids and not p.ignore_eos:
+            return None
+        return t if t in (p.stop_token_ids or ()) else None
+
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
         done = False
@@ -183,6 +200,7 @@ class Generation:
             async for delta in self.stream:
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
                 ids, text, stopped = delta.new_token_ids, "", False
+                self.last_token = ids[-1] if ids else self.last_token
                 for j in range(len(ids) or 1):  # a speculative step's delta has several: the stop is at one
                     piece, stopped = self.detokenizer.push(ids[j:j + 1], final=delta.finished and j >= len(ids) - 1)
                     text += piece
@@ -200,7 +218,8 @@ class Generation:
                 metrics = delta.metrics
                 if stopped and not delta.finished and self.want_metrics:
                     metrics = await self._metrics_after_stop()
-                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, metrics, delta.prompt_logprobs)
+                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, metrics, delta.prompt_logprobs,
+                            self._stop_reason(reason))
                 if done:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it
@@ -224,6 +243,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     if stream_options and not stream:
         raise ApiError("'stream_options' is only allowed with stream=true", param="stream_options")
     include_usage = field(stream_options, "include_usage", (bool,), False)
+    # vLLM's extra: every chunk carries the usage so far; only with include_usage, as vLLM.
+    continuous_usage = field(stream_options, "continuous_usage_stats", (bool,), False) and include_usage
     if params.structured_outputs is not None:
         # Compiled off the event loop (a large schema takes tens of ms); cached, so the
         # engine's own check in add_request finds it ready.
@@ -262,7 +283,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         assert last is not None and last.finish_reason is not None
         lp = logprobs(lps, 0) if params.logprobs is not None else None
         message, reason = ToolCallStream(tools, app["tool_parser"]).message(text, last.finish_reason)
-        choice = {"index": 0, "logprobs": lp, "finish_reason": reason}
+        choice = {"index": 0, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
         if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
             choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
         choice |= {"message": message} if chat else {"text": text}
@@ -278,26 +299,31 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     try:
         if chat:
             await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}])
+                         "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
         offset, calls = 0, ToolCallStream(tools, app["tool_parser"])
         async with contextlib.aclosing(gen.chunks()) as chunks:
             async for c in chunks:
                 if not (c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
                     continue  # held back: part of a character, or maybe the start of a stop string
-                choice = {"index": 0, "logprobs": logprobs(c.logprobs, offset), "finish_reason": c.finish_reason}
+                choice = {"index": 0, "logprobs": logprobs(c.logprobs, offset), "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}
                 if c.prompt_logprobs is not None:  # once, with the first token
                     choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, c.prompt_logprobs)
                 if chat:
                     choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
                 else:
                     choice["text"] = c.text
-                offset += len(c.text)
+                # text_offset counts the tokens' own texts, as the whole response's does; the
+                # text sent so far lags it (held back: part of a character, a maybe-stop string).
+                if not chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
+                    offset = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
                 metrics = {"metrics": dataclasses.asdict(c.metrics)} if want_metrics and c.metrics else {}
+                so_far = {"usage": usage(c.num_output_tokens)} if continuous_usage else {}
                 if c.finish_reason and include_usage:
-                    await send([choice])
+                    await send([choice], **so_far)
                     await send([], usage=usage(c.num_output_tokens), **metrics)
                 else:  # without usage, the metrics ride on the chunk with the finish_reason
-                    await send([choice], **metrics)
+                    await send([choice], **so_far, **metrics)
     except ConnectionResetError:
         return response  # the client left; the request is aborted already
     except Exception as e:  # the status line is gone: report the error in the stream

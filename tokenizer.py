@@ -45,11 +45,15 @@ class ByteTokenizer:
         return "".join(out)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, tools: list[dict] | None = None) -> str | list[int]:
+                            tokenize: bool = False, tools: list[dict] | None = None,
+                            continue_final_message: bool = False) -> str | list[int]:
         """ChatML-style text. The markers are plain text here (bytes), not special ids;
         with tokenize=True the ids get a leading bos, as encode() gives. tools are not
-        rendered (as by a template without a tools section)."""
+        rendered (as by a template without a tools section). continue_final_message: the
+        last message stays open (no end marker), as transformers' apply_chat_template."""
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        if continue_final_message:
+            text = text[:-len("<|im_end|>\n")]
         if add_generation_prompt:
             text += "<|im_start|>assistant\n"
         return self.encode(text) if tokenize else text

@@ -174,7 +174,7 @@ class ToolCallStream:
         if self.tools is None or self.tools.mode == "named":
             return reason
         if self.tools.mode == "required":
-            return "tool_calls" if reason == "stop" and calls and all(c.valid for c in calls) else reason
+            return "tool_calls" if reason == "stop" and calls and all(c.done and c.valid for c in calls) else reason
         return "tool_calls" if any(c.name is not None for c in calls) else reason
 
     def message(self, text: str, reason: str) -> tuple[dict, str]:
@@ -192,6 +192,8 @@ class ToolCallStream:
         """The delta of one streamed chunk (text: its new text; reason: set on the last)."""
         self.text += text
         content, calls = self._view(final=reason is not None)
+        if reason is not None and not self.sent and not any(c.name is not None and c.valid for c in calls):
+            content = self.text  # no call, sent or to send: the held-back text is content, as message() says
         out: dict = {}
         if len(content) > self.content_sent:
             out["content"] = content[self.content_sent:]

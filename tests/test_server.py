@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.client
+import itertools
 import json
 import os
 import re
@@ -255,14 +256,19 @@ def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(server: Se
     body = dict(model="tiny", prompt="The taxi rank", max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
     status, whole = request(server, "POST", "/v1/completions", body)
     assert status == 200, whole
-    events = sse(server, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+    events = sse(server, "/v1/completions", body | {"stream_options": {"include_usage": True,
+                                                                       "continuous_usage_stats": True}})
     chunks, usage_chunk = events[:-1], events[-1]
     choices = [c["choices"][0] for c in chunks]
     want = whole["choices"][0]
     assert "".join(c["text"] for c in choices) == want["text"]
-    assert_same_logprobs({k: sum((c["logprobs"][k] for c in choices), []) for k in ("tokens", "token_logprobs",
-                                                                                   "top_logprobs")},
-                         {k: want["logprobs"][k] for k in ("tokens", "token_logprobs", "top_logprobs")})
+    # text_offset too: a chunk whose text is held back (half a character) must not shift the next ones
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    assert_same_logprobs({k: sum((c["logprobs"][k] for c in choices), []) for k in keys},
+                         {k: want["logprobs"][k] for k in keys})
+    # vLLM's continuous_usage_stats: every chunk counts the tokens streamed up to it
+    assert [c["usage"]["completion_tokens"] for c in chunks] == \
+        list(itertools.accumulate(len(c["logprobs"]["tokens"]) for c in choices))
     assert len(want["logprobs"]["token_logprobs"]) == 24
     assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # the rerun may hit the prefix cache
@@ -316,6 +322,13 @@ def test_logprobs_cover_each_sampled_token(client: openai.OpenAI) -> None:
         assert top == pytest.approx({text(i): x for i, x in want.top}, abs=1e-5)
     # each token's text starts where the previous one's ends, from 0
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert out.choices[0].stop_reason is None  # a length cut (vLLM's stop_reason)
+    # A stop_token_id ends it there, and is vLLM's stop_reason (the engine's own stop, no text match)
+    k = next(i for i, t in enumerate(ref.token_ids) if t not in ref.token_ids[:i] and i > 0)
+    stopped = client.completions.create(prompt="abc", max_tokens=5, **greedy(extra_body={
+        "ignore_eos": True, "stop_token_ids": [ref.token_ids[k]]}))
+    assert (stopped.choices[0].finish_reason, stopped.choices[0].stop_reason,
+            stopped.usage.completion_tokens) == ("stop", ref.token_ids[k], k + 1)
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                           logprobs=True, top_logprobs=2, **greedy())
     content = chat.choices[0].logprobs.content
@@ -351,10 +364,10 @@ def test_stop_string_across_token_boundaries_is_cut_and_never_partly_streamed(cl
     expected = text[:text.find(stop)]
 
     whole = client.completions.create(stop=[stop], **kw).choices[0]
-    assert (whole.text, whole.finish_reason) == (expected, "stop")
+    assert (whole.text, whole.finish_reason, whole.stop_reason) == (expected, "stop", stop)  # vLLM's stop_reason
     chunks = list(client.completions.create(stop=stop, stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks) == expected  # nothing of the stop string leaked
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == ("stop", stop)
 
 
 def test_a_stop_string_finish_counts_as_a_stop_not_an_abort(server: Server, client: openai.OpenAI) -> None:
@@ -774,6 +787,54 @@ def test_without_a_tokenizer_text_prompts_chat_and_stop_strings_are_refused() ->
         assert e.value.status == 400 and "tokenizer" in str(e.value)
     assert parse_prompt({"prompt": [1, 2, 3]}, None, 512) == [1, 2, 3]
     assert IncrementalDetokenizer(None, [1], []).push([5], final=True) == ("", False)
+
+
+def test_chat_add_generation_prompt_continue_final_message_and_template_kwargs_reach_the_template() -> None:
+    """vLLM's chat extras (LLM.chat's arguments), never silently ignored: continue_final_message
+    (with add_generation_prompt false) leaves the last message open for the model to go on."""
+    seen = []
+
+    class Template(ByteTokenizer):  # a template that reads one variable of its own
+        def apply_chat_template(self, chat, **kw):
+            seen.append(kw.pop("enable_thinking", None))
+            return super().apply_chat_template(chat, **kw)
+
+    tok = Template()
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    ids = parse_messages({"messages": msgs, "add_generation_prompt": False, "continue_final_message": True,
+                          "chat_template_kwargs": {"enable_thinking": False}}, tok)
+    assert tok.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is"
+    assert seen == [False]
+    ids = parse_messages({"messages": msgs[:1], "add_generation_prompt": False}, tok)
+    assert tok.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n"
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"),  # with the default True
+                         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                         ({"add_generation_prompt": "no"}, "add_generation_prompt")):
+        with pytest.raises(ApiError) as e:
+            parse_messages({"messages": msgs} | extra, tok)
+        assert e.value.status == 400 and e.value.param == param
+    with pytest.raises(ApiError) as e:  # a request's own template: refused, as vLLM without its trust flag
+        parse_sampling({"chat_template": "{{ messages }}"}, 3, 256, chat=True, has_tokenizer=True)
+    assert e.value.param == "chat_template"
+
+
+def test_chat_text_content_parts_are_joined_by_newlines_as_vllm() -> None:
+    parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]
+    ids = parse_messages({"messages": [{"role": "user", "content": parts}]}, ByteTokenizer())
+    assert ByteTokenizer().decode(ids) == "<|im_start|>user\nTranslate:\nbonjour<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_top_logprobs_without_logprobs_is_refused_not_ignored() -> None:
+    """vLLM's rule: top_logprobs asks for alternatives of logprobs that were not asked for;
+    one out of range is named top_logprobs, the field the client sent."""
+    for body in ({"top_logprobs": 2}, {"top_logprobs": 2, "logprobs": False}, {"top_logprobs": -1},
+                 {"top_logprobs": 21, "logprobs": True}):  # out of range: named as the client wrote it
+        with pytest.raises(ApiError) as e:
+            parse_sampling(body, 3, 256, chat=True, has_tokenizer=True)
+        assert e.value.status == 400 and e.value.param == "top_logprobs" and "top_logprobs" in str(e.value)
+    assert parse_sampling({"top_logprobs": 2, "logprobs": True}, 3, 256, chat=True, has_tokenizer=True)[0].logprobs == 2
+    assert parse_sampling({"top_logprobs": 0}, 3, 256, chat=True, has_tokenizer=True)[0].logprobs is None
 
 
 def test_priority_is_an_extra_field_of_both_endpoints_checked_where_it_enters(server: Server) -> None:

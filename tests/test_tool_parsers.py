@@ -73,10 +73,14 @@ def test_hermes_a_json_array_in_one_block_is_one_call_each():
 
 @pytest.mark.parametrize("text", ["no calls here",
                                   'x <tool_call>{"name": "get_weather", "arguments": {"a": </tool_call>',
-                                  '<tool_call>{"name": "get_weather", "arguments": {"a": 1}', "ends with <tool_c"])
+                                  '<tool_call>{"name": "get_weather", "arguments": {"a": 1}', "ends with <tool_c",
+                                  "Sure. <tool_call>not a call</tool_call>"])
 def test_text_without_calls_that_parse_is_content(text):
     message, reason = ToolCallStream(AUTO, HermesToolParser).message(text, "length")
     assert message == {"role": "assistant", "content": text} and reason == "length"
+    if "get_weather" not in text:  # no call was ever named: streamed, the held-back text arrives as content too
+        deltas, reason = stream(AUTO, text, list(range(len(text))), reason="length")
+        assert add_up(deltas) == (text, []) and reason == "length"
 
 
 @settings(max_examples=60, deadline=None)
@@ -120,6 +124,9 @@ def test_required_output_cut_by_max_tokens_is_content_and_length():
     text = '[{"name":"get_weather","parameters":{"city":"Pa'
     message, reason = ToolCallStream(REQUIRED, None).message(text, "length")
     assert message == {"role": "assistant", "content": text} and reason == "length"
+    # cut by a stop string instead: still no complete call, so not "tool_calls", whole or streamed
+    assert ToolCallStream(REQUIRED, None).message(text, "stop")[1] == "stop"
+    assert stream(REQUIRED, text, [10, 30])[1] == "stop"
 
 
 def test_tool_choice_auto_needs_the_servers_parser_and_is_parsed_once():
@@ -155,7 +162,8 @@ def test_a_tool_conversation_goes_through_the_chat_template():
     from protocol import parse_messages
     from tokenizer import ByteTokenizer
 
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "K\\u00f6ln"}'}}
     messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."}]
     seen = []
@@ -168,7 +176,13 @@ def test_a_tool_conversation_goes_through_the_chat_template():
     ids = parse_messages({"messages": messages}, Template(), tool_choice({"tools": [WEATHER]}, True, True))
     assert bytes(ids[1:]).decode().endswith("<|im_start|>tool\nSunny.<|im_end|>\n<|im_start|>assistant\n")
     chat, kw = seen[0]
-    assert chat[1] == {"role": "assistant", "content": "", "tool_calls": [call]} and chat[2]["tool_call_id"] == "call_1"
+    # the call's arguments reach the template as an object (transformers' convention), not OpenAI's JSON string
+    as_object = call | {"function": {"name": "get_weather", "arguments": {"city": "Köln"}}}
+    assert chat[1] == {"role": "assistant", "content": "", "tool_calls": [as_object]}
+    assert chat[2]["tool_call_id"] == "call_1"
     assert kw["tools"] == [WEATHER]
+    with pytest.raises(ApiError, match="not valid JSON"):
+        parse_messages({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            call | {"function": {"name": "f", "arguments": "{oops"}}]}]}, Template())
     with pytest.raises(ApiError, match="tool_calls must be an array"):
         parse_messages({"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}, Template())
