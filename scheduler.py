@@ -599,18 +599,22 @@ class Scheduler:
         def growth(r: Sequence) -> int:  # chunked: decodes go first and take their next block
             return blocks_needed(r.num_computed_tokens + 1, bs) - len(r.block_table) if chunked and r.is_decode else 0
 
-        def freed(r: Sequence) -> int:  # blocks another sequence also holds (a shared prefix) free nothing
-            return growth(r) + sum(1 for b in r.block_table if self.allocator.ref_count(b) == 1)
+        def sole(r: Sequence) -> set[int]:  # blocks another sequence also holds (a shared prefix) free nothing
+            return {b for b in r.block_table if self.allocator.ref_count(b) == 1}
 
         slots = len(self._free_slots)
         blocks = self.allocator.num_free - sum(growth(r) for r in running)
         budget = self._budget - (sum(1 for r in running if r.is_decode) if chunked else 0)
         victims: list[Sequence] = []
+        gone: set[int] = set()  # the blocks only the victims chosen so far hold
         for seq in self.waiting:
             if chunked and self.policy.prompt_room(seq, out.scheduled) != float("inf"):
                 continue  # capped: its room is known only once the step's other prompt work is in
             cached, n, num_new_blocks = self._admission_need(seq, out)
-            need = num_new_blocks + self.allocator.num_revived(cached)
+            # A cached block that only a victim holds joins the free queue when the victim goes,
+            # and this admission takes it back out: it frees nothing for seq, which revives it.
+            kept = set(cached)
+            need = num_new_blocks + self.allocator.num_revived(cached) + len(kept & gone)
             if not 0 < n <= budget:
                 break  # the token budget holds it back, not a seat or blocks
             lower = [r for r in running if self.policy.outranks(seq, r)]
@@ -619,11 +623,12 @@ class Scheduler:
                 r = self.policy.victim(lower)  # the lowest ranked first
                 lower.remove(r)
                 chosen.append(r)
-                s_, b_ = s_ + 1, b_ + freed(r)
+                s_, b_ = s_ + 1, b_ + growth(r) + len(sole(r) - kept)
             if s_ < 1 or b_ < need:
                 break
             for r in chosen:
                 running.remove(r)
+                gone |= sole(r)
             victims += chosen
             slots, blocks, budget = s_ - 1, b_ - need, budget - n
         for r in victims:

@@ -127,6 +127,26 @@ def test_no_preemption_when_it_would_not_make_room():
     assert s.waiting_by_reason()["kv_blocks"] == 1
 
 
+def test_a_victims_blocks_in_the_waiting_requests_cached_prefix_make_no_room_for_it():
+    """Prefix caching: the waiting request's cached prefix is the victim's own blocks, so
+    preempting the victim frees them only for the request to take them back. 1 block is
+    free, urgent needs 4 fresh blocks besides its 4 cached ones, and low holds those 4 and
+    1 more: preempting low leaves urgent short, so low keeps running."""
+    cfg = EngineConfig(max_num_seqs=3, block_size=4, max_model_len=40, scheduling_policy="priority",
+                       enable_chunked_prefill=False, enable_prefix_caching=True).resolved(40)
+    s = Scheduler(cfg, 11, (0,))  # 10 usable blocks
+    prefix = list(range(1, 17))  # 4 full blocks
+    s.add(Sequence("high", list(range(500, 515)), SamplingParams(max_tokens=8), priority=0))  # 4 blocks
+    s.add(Sequence("low", prefix + [90, 91, 92], SamplingParams(max_tokens=8), priority=5))  # 5 blocks
+    out = s.schedule()
+    s.update(out, [7] * len(out.scheduled))
+    assert s.allocator.num_free == 1
+    s.add(Sequence("urgent", prefix + list(range(200, 216)), SamplingParams(max_tokens=4), priority=1))
+    out = s.schedule()
+    assert out.preempted == [] and [x.seq.request_id for x in out.scheduled] == ["high", "low"]
+    assert [q.request_id for q in s.waiting] == ["urgent"]
+
+
 class PolicyMachine(RuleBasedStateMachine):
     """Random traffic under every policy (random priorities, clients, SLO targets) x
     continuous or static batching x chunked prefill or not x prefix caching or not x every
