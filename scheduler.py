@@ -417,6 +417,10 @@ class Scheduler:
 
     def _free_tail(self, seq: Sequence, keep: int) -> None:
         """Give back seq's blocks past its first `keep` (never named: they held drafts)."""
+        # A reserving admission's blocks stay held to the end: it never preempts, so a block
+        # given back could be gone when the sequence grows into it.
+        keep = max(keep, blocks_needed(self.kv_admission.tokens_at_admission(seq, 0, self.config),
+                                       self.config.block_size))
         if len(seq.block_table) > keep:
             assert keep >= self.allocator.num_named(seq.request_id), f"{seq.request_id}: a named block in the tail"
             self.allocator.free_tail(seq.request_id, keep)
