@@ -614,7 +614,8 @@ class Scheduler:
         for seq in self.waiting:
             if chunked and self.policy.prompt_room(seq, out.scheduled) != float("inf"):
                 continue  # capped: its room is known only once the step's other prompt work is in
-            cached, n, num_new_blocks = self._admission_need(seq, out)
+            # Its first chunk is what the budget left after the decodes allows, not the whole step's.
+            cached, n, num_new_blocks = self._admission_need(seq, out, budget=budget)
             # A cached block that only a victim holds joins the free queue when the victim goes,
             # and this admission takes it back out: it frees nothing for seq, which revives it.
             kept = set(cached)
@@ -653,16 +654,18 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         return chunked and self._budget > 0 and not self.policy.prompt_room(seq, out.scheduled)
 
-    def _admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True) -> tuple[list[int], int, int]:
+    def _admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True,
+                        budget: int | None = None) -> tuple[list[int], int, int]:
         """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
         waiting sequence's admission now. chunk: with chunked prefill, its first step is
-        what the token budget and the policy's prompt room allow (0: it cannot start now)."""
+        what the token budget (default: what is left of this step's) and the policy's
+        prompt room allow (0: it cannot start now)."""
         cached = [] if seq.swapped else self._cached_prefix(seq)
         # A swapped-out sequence's K/V comes back from the host pool: like a cache hit, in fresh blocks.
         num_cached = seq.swapped[1] if seq.swapped else len(cached) * self.config.block_size
         n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
         if chunk and self.config.enable_chunked_prefill:
-            n = min(n, self._budget, self.policy.prompt_room(seq, out.scheduled))
+            n = min(n, self._budget if budget is None else budget, self.policy.prompt_room(seq, out.scheduled))
         tokens = self.kv_admission.tokens_at_admission(seq, num_cached + n, self.config)
         return cached, n, blocks_needed(tokens, self.config.block_size) - len(cached)
 

@@ -147,6 +147,22 @@ def test_a_victims_blocks_in_the_waiting_requests_cached_prefix_make_no_room_for
     assert [q.request_id for q in s.waiting] == ["urgent"]
 
 
+def test_a_prompt_longer_than_the_budget_left_by_the_decodes_still_preempts_for_its_first_chunk():
+    """Chunked prefill: four sequences decode in a budget of 8, so a waiting request's first
+    chunk is at most 4 tokens; a 20-token prompt that outranks one of them takes its seat
+    and prefills in chunks, rather than waiting for a whole step's budget that never comes."""
+    s = make(max_num_seqs=4, max_model_len=64, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    for rid, prio in (("a", 0), ("b", 0), ("c", 0), ("low", 5)):
+        s.add(seq(rid, priority=prio, prompt_len=2, max_tokens=30))
+    for _ in range(2):
+        out = s.schedule()
+        s.update(out, [7] * len(out.scheduled))
+    s.add(seq("urgent", priority=1, prompt_len=20, max_tokens=4, arrival=1))
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 1), ("urgent", 5)]
+
+
 class PolicyMachine(RuleBasedStateMachine):
     """Random traffic under every policy (random priorities, clients, SLO targets) x
     continuous or static batching x chunked prefill or not x prefix caching or not x every
