@@ -477,7 +477,9 @@ class Scheduler:
         assert self._budget >= len(self.running), "config: max_num_batched_tokens >= max_num_seqs"
         # Speculation: each eligible decode reserves up to k more tokens of the budget (and
         # their blocks, never by preempting); the engine's proposals trim the reservation.
-        spec_k = self.spec.k if self.speculating else 0
+        # None in a step that preempted for waiting requests: drafts would take the budget
+        # and blocks their admission was counted on, and the preemption would be for nothing.
+        spec_k = self.spec.k if self.speculating and not out.preempted else 0
         spare = self._budget - len(self.running)
         speculative: list[ScheduledSeq] = []  # decodes that may get draft room, after the loop
         for seq in list(self.running):  # preemption edits the list

@@ -371,6 +371,25 @@ def test_a_reserving_admission_keeps_its_blocks_when_drafts_are_cut_or_rejected(
     assert not s.has_unfinished() and s.allocator.num_used == 0
 
 
+def test_drafts_do_not_take_the_budget_a_priority_preemption_made_room_for():
+    """Priority scheduling: urgent outranks low and takes its seat. The step's budget of 8
+    less the 3 other decodes leaves 5 for urgent's first chunk, which drafts of up to 3
+    tokens per decode would take whole: low would be preempted for nothing, and urgent
+    wait with its seat empty for as long as the others speculate."""
+    cfg = EngineConfig(max_num_seqs=4, block_size=4, max_model_len=64, max_num_batched_tokens=8,
+                       scheduling_policy="priority", speculative_config={
+                           "method": "draft_model", "model": "draft", "num_speculative_tokens": 3}).resolved(64)
+    s = Scheduler(cfg, 64, (EOS,))
+    for rid, prio in (("a", 0), ("b", 0), ("c", 0), ("low", 5)):
+        s.add(Sequence(rid, [5, 6], SamplingParams(max_tokens=30), priority=prio))
+    run_step(s, False)
+    run_step(s, False)
+    s.add(Sequence("urgent", list(range(10, 30)), SamplingParams(max_tokens=4), priority=1))
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 1), ("urgent", 5)]
+
+
 def test_no_speculation_at_or_above_disable_by_batch_size():
     s = scheduler({"disable_by_batch_size": 3})
     for i in range(3):
