@@ -608,36 +608,43 @@ class Scheduler:
         def sole(r: Sequence) -> set[int]:  # blocks another sequence also holds (a shared prefix) free nothing
             return {b for b in r.block_table if self.allocator.ref_count(b) == 1}
 
+        def work(r: Sequence) -> int:  # chunked: the budget r takes before any admission (a decode, its prompt's rest)
+            return 1 if r.is_decode else r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
+
         slots = len(self._free_slots)
         blocks = self.allocator.num_free - sum(growth(r) for r in running)
-        budget = self._budget - (sum(1 for r in running if r.is_decode) if chunked else 0)
+        budget = self._budget - (sum(work(r) for r in running) if chunked else 0)
         victims: list[Sequence] = []
         gone: set[int] = set()  # the blocks only the victims chosen so far hold
         for seq in self.waiting:
             if chunked and self.policy.prompt_room(seq, out.scheduled) != float("inf"):
                 continue  # capped: its room is known only once the step's other prompt work is in
-            # Its first chunk is what the budget left after the decodes allows, not the whole step's.
-            cached, n, num_new_blocks = self._admission_need(seq, out, budget=budget)
-            # A cached block that only a victim holds joins the free queue when the victim goes,
-            # and this admission takes it back out: it frees nothing for seq, which revives it.
-            kept = set(cached)
-            need = num_new_blocks + self.allocator.num_revived(cached) + len(kept & gone)
-            if not 0 < n <= budget:
-                break  # the token budget holds it back, not a seat or blocks
             lower = [r for r in running if self.policy.outranks(seq, r)]
-            chosen, s_, b_ = [], slots, blocks
-            while (s_ < 1 or b_ < need) and lower:
+            chosen, s_, b_, t_ = [], slots, blocks, budget
+            while True:
+                # Its first chunk is what the budget leaves once the others' decodes and prompt
+                # chunks are in (the victims' are not: choosing one may give it a chunk at all),
+                # and its blocks follow from that chunk.
+                cached, n, num_new_blocks = self._admission_need(seq, out, budget=t_)
+                # A cached block that only a victim holds joins the free queue when the victim goes,
+                # and this admission takes it back out: it frees nothing for seq, which revives it.
+                kept = set(cached)
+                need = num_new_blocks + self.allocator.num_revived(cached) + len(kept & gone)
+                if (s_ >= 1 and b_ >= need) or not lower:
+                    break
                 r = self.policy.victim(lower)  # the lowest ranked first
                 lower.remove(r)
                 chosen.append(r)
-                s_, b_ = s_ + 1, b_ + growth(r) + len(sole(r) - kept)
+                s_, b_, t_ = s_ + 1, b_ + growth(r) + len(sole(r) - kept), t_ + (work(r) if chunked else 0)
+            if not 0 < n <= t_:
+                break  # the token budget holds it back, not a seat or blocks
             if s_ < 1 or b_ < need:
                 break
             for r in chosen:
                 running.remove(r)
                 gone |= sole(r)
             victims += chosen
-            slots, blocks, budget = s_ - 1, b_ - need, budget - n
+            slots, blocks, budget = s_ - 1, b_ - need, t_ - n
         for r in victims:
             self._preempt(out, r)
 

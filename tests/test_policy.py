@@ -163,6 +163,24 @@ def test_a_prompt_longer_than_the_budget_left_by_the_decodes_still_preempts_for_
     assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 1), ("urgent", 5)]
 
 
+def test_no_preemption_for_a_request_the_running_prompt_chunks_leave_no_budget_to():
+    """Chunked prefill: a running prompt (that outranks urgent) takes the budget its decode
+    partner leaves, every step until it is in. Preempting low for urgent would not start
+    urgent any sooner: low keeps its seat and decodes beside the chunks."""
+    s = make(max_num_seqs=2, max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    s.add(seq("low", priority=5, prompt_len=2, max_tokens=30))
+    for _ in range(2):
+        out = s.schedule()
+        s.update(out, [7] * len(out.scheduled))
+    s.add(seq("long", priority=0, prompt_len=80, max_tokens=4, arrival=1))
+    out = s.schedule()
+    s.update(out, [7] * len(out.scheduled))
+    s.add(seq("urgent", priority=1, prompt_len=10, max_tokens=4, arrival=2))
+    out = s.schedule()
+    assert out.preempted == [] and [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("low", 1), ("long", 7)]
+    assert [(q.request_id, q.wait_reason) for q in s.waiting] == [("urgent", "max_num_seqs")]
+
+
 class PolicyMachine(RuleBasedStateMachine):
     """Random traffic under every policy (random priorities, clients, SLO targets) x
     continuous or static batching x chunked prefill or not x prefix caching or not x every
