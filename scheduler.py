@@ -608,8 +608,12 @@ class Scheduler:
         def sole(r: Sequence) -> set[int]:  # blocks another sequence also holds (a shared prefix) free nothing
             return {b for b in r.block_table if self.allocator.ref_count(b) == 1}
 
-        def work(r: Sequence) -> int:  # chunked: the budget r takes before any admission (a decode, its prompt's rest)
-            return 1 if r.is_decode else r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
+        def work(r: Sequence) -> int:  # chunked: the budget r takes before any admission (a decode, or its
+            # prompt's rest as far as the policy lets it have it this step)
+            if r.is_decode:
+                return 1
+            return min(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens,
+                       self.policy.prompt_room(r, out.scheduled))
 
         slots = len(self._free_slots)
         blocks = self.allocator.num_free - sum(growth(r) for r in running)
