@@ -278,7 +278,7 @@ class LLMEngine:
         """Count the step, keep its trace, and turn it into deltas."""
         logprobs = self._logprobs(out.scheduled, result)
         if result is not None and result.prompt_logprobs:
-            self._collect_prompt_logprobs(out.scheduled, result.prompt_logprobs)
+            self._collect_prompt_logprobs(out.scheduled, result.prompt_logprobs, outcome.discarded)
         if outcome.discarded:
             # Rows whose sequence ended before this step came back computed nothing anyone
             # sees: they are counted nowhere and produce no delta.
@@ -398,8 +398,14 @@ class LLMEngine:
             logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
         return StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None, spec or None)
 
-    def _collect_prompt_logprobs(self, scheduled: list[ScheduledSeq], rows: dict[int, PromptLogprobs]) -> None:
+    def _collect_prompt_logprobs(self, scheduled: list[ScheduledSeq], rows: dict[int, PromptLogprobs],
+                                 discarded: list[ScheduledSeq]) -> None:
+        # A discarded row's request was aborted after the step was dispatched: its id may
+        # already name a new request, whose prompt these logprobs are not.
+        skip = {id(s) for s in discarded}
         for row, p in rows.items():
+            if id(scheduled[row]) in skip:
+                continue
             seq = scheduled[row].seq
             dest = self._prompt_lps.get(seq.request_id)
             if dest is None:  # aborted meanwhile

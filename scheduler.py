@@ -417,6 +417,10 @@ class Scheduler:
 
     def _free_tail(self, seq: Sequence, keep: int) -> None:
         """Give back seq's blocks past its first `keep` (never named: they held drafts)."""
+        # A reserving admission's blocks stay held to the end: it never preempts, so a block
+        # given back could be gone when the sequence grows into it.
+        keep = max(keep, blocks_needed(self.kv_admission.tokens_at_admission(seq, 0, self.config),
+                                       self.config.block_size))
         if len(seq.block_table) > keep:
             assert keep >= self.allocator.num_named(seq.request_id), f"{seq.request_id}: a named block in the tail"
             self.allocator.free_tail(seq.request_id, keep)
@@ -473,7 +477,9 @@ class Scheduler:
         assert self._budget >= len(self.running), "config: max_num_batched_tokens >= max_num_seqs"
         # Speculation: each eligible decode reserves up to k more tokens of the budget (and
         # their blocks, never by preempting); the engine's proposals trim the reservation.
-        spec_k = self.spec.k if self.speculating else 0
+        # None in a step that preempted for waiting requests: drafts would take the budget
+        # and blocks their admission was counted on, and the preemption would be for nothing.
+        spec_k = self.spec.k if self.speculating and not out.preempted else 0
         spare = self._budget - len(self.running)
         speculative: list[ScheduledSeq] = []  # decodes that may get draft room, after the loop
         for seq in list(self.running):  # preemption edits the list
@@ -599,33 +605,50 @@ class Scheduler:
         def growth(r: Sequence) -> int:  # chunked: decodes go first and take their next block
             return blocks_needed(r.num_computed_tokens + 1, bs) - len(r.block_table) if chunked and r.is_decode else 0
 
-        def freed(r: Sequence) -> int:  # blocks another sequence also holds (a shared prefix) free nothing
-            return growth(r) + sum(1 for b in r.block_table if self.allocator.ref_count(b) == 1)
+        def sole(r: Sequence) -> set[int]:  # blocks another sequence also holds (a shared prefix) free nothing
+            return {b for b in r.block_table if self.allocator.ref_count(b) == 1}
+
+        def work(r: Sequence) -> int:  # chunked: the budget r takes before any admission (a decode, or its
+            # prompt's rest as far as the policy lets it have it this step)
+            if r.is_decode:
+                return 1
+            return min(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens,
+                       self.policy.prompt_room(r, out.scheduled))
 
         slots = len(self._free_slots)
         blocks = self.allocator.num_free - sum(growth(r) for r in running)
-        budget = self._budget - (sum(1 for r in running if r.is_decode) if chunked else 0)
+        budget = self._budget - (sum(work(r) for r in running) if chunked else 0)
         victims: list[Sequence] = []
+        gone: set[int] = set()  # the blocks only the victims chosen so far hold
         for seq in self.waiting:
             if chunked and self.policy.prompt_room(seq, out.scheduled) != float("inf"):
                 continue  # capped: its room is known only once the step's other prompt work is in
-            cached, n, num_new_blocks = self._admission_need(seq, out)
-            need = num_new_blocks + self.allocator.num_revived(cached)
-            if not 0 < n <= budget:
-                break  # the token budget holds it back, not a seat or blocks
             lower = [r for r in running if self.policy.outranks(seq, r)]
-            chosen, s_, b_ = [], slots, blocks
-            while (s_ < 1 or b_ < need) and lower:
+            chosen, s_, b_, t_ = [], slots, blocks, budget
+            while True:
+                # Its first chunk is what the budget leaves once the others' decodes and prompt
+                # chunks are in (the victims' are not: choosing one may give it a chunk at all),
+                # and its blocks follow from that chunk.
+                cached, n, num_new_blocks = self._admission_need(seq, out, budget=t_)
+                # A cached block that only a victim holds joins the free queue when the victim goes,
+                # and this admission takes it back out: it frees nothing for seq, which revives it.
+                kept = set(cached)
+                need = num_new_blocks + self.allocator.num_revived(cached) + len(kept & gone)
+                if (s_ >= 1 and b_ >= need) or not lower:
+                    break
                 r = self.policy.victim(lower)  # the lowest ranked first
                 lower.remove(r)
                 chosen.append(r)
-                s_, b_ = s_ + 1, b_ + freed(r)
+                s_, b_, t_ = s_ + 1, b_ + growth(r) + len(sole(r) - kept), t_ + (work(r) if chunked else 0)
+            if not 0 < n <= t_:
+                break  # the token budget holds it back, not a seat or blocks
             if s_ < 1 or b_ < need:
                 break
             for r in chosen:
                 running.remove(r)
+                gone |= sole(r)
             victims += chosen
-            slots, blocks, budget = s_ - 1, b_ - need, budget - n
+            slots, blocks, budget = s_ - 1, b_ - need, t_ - n
         for r in victims:
             self._preempt(out, r)
 
@@ -644,16 +667,18 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         return chunked and self._budget > 0 and not self.policy.prompt_room(seq, out.scheduled)
 
-    def _admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True) -> tuple[list[int], int, int]:
+    def _admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True,
+                        budget: int | None = None) -> tuple[list[int], int, int]:
         """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
         waiting sequence's admission now. chunk: with chunked prefill, its first step is
-        what the token budget and the policy's prompt room allow (0: it cannot start now)."""
+        what the token budget (default: what is left of this step's) and the policy's
+        prompt room allow (0: it cannot start now)."""
         cached = [] if seq.swapped else self._cached_prefix(seq)
         # A swapped-out sequence's K/V comes back from the host pool: like a cache hit, in fresh blocks.
         num_cached = seq.swapped[1] if seq.swapped else len(cached) * self.config.block_size
         n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
         if chunk and self.config.enable_chunked_prefill:
-            n = min(n, self._budget, self.policy.prompt_room(seq, out.scheduled))
+            n = min(n, self._budget if budget is None else budget, self.policy.prompt_room(seq, out.scheduled))
         tokens = self.kv_admission.tokens_at_admission(seq, num_cached + n, self.config)
         return cached, n, blocks_needed(tokens, self.config.block_size) - len(cached)
 

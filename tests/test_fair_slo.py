@@ -75,6 +75,23 @@ def test_fair_seats_a_seatless_light_client_the_step_it_arrives():
     assert first["fair"]["light"] == 3 and preempted["fair"] == ["heavy1"] and preempted["fcfs"] == []
 
 
+def test_fair_seats_a_light_client_while_the_heavy_clients_capped_prompt_prefills_beside_its_decodes():
+    """Four seats, all the heavy client's: three decode, one prefills 500 tokens at its
+    prefill share of 16 a step. The budget of 64 leaves the light request 64 - 3 - 16
+    tokens, not 64 - 3 - 500 (none): it takes a decode's seat at once."""
+    s, now = fair_chunked(max_num_seqs=4, max_model_len=640, max_num_batched_tokens=64)
+    for i in range(3):
+        s.add(seq(f"heavy{i}", max_tokens=100, user="heavy"))
+    step(s)
+    step(s)
+    s.add(seq("long", prompt_len=500, max_tokens=4, user="heavy"))
+    step(s)
+    step(s)
+    s.add(seq("light", prompt_len=20, max_tokens=4, user="light"))
+    scheduled, preempted = step(s)
+    assert len(preempted) == 1 and preempted[0].startswith("heavy") and "light" in scheduled
+
+
 def test_fair_preempts_a_client_served_far_more_and_charges_prompt_and_output_tokens():
     s = make("fair", max_model_len=512, max_num_batched_tokens=512)
     s.add(seq("light0", max_tokens=2, user="light"))

@@ -127,6 +127,60 @@ def test_no_preemption_when_it_would_not_make_room():
     assert s.waiting_by_reason()["kv_blocks"] == 1
 
 
+def test_a_victims_blocks_in_the_waiting_requests_cached_prefix_make_no_room_for_it():
+    """Prefix caching: the waiting request's cached prefix is the victim's own blocks, so
+    preempting the victim frees them only for the request to take them back. 1 block is
+    free, urgent needs 4 fresh blocks besides its 4 cached ones, and low holds those 4 and
+    1 more: preempting low leaves urgent short, so low keeps running."""
+    cfg = EngineConfig(max_num_seqs=3, block_size=4, max_model_len=40, scheduling_policy="priority",
+                       enable_chunked_prefill=False, enable_prefix_caching=True).resolved(40)
+    s = Scheduler(cfg, 11, (0,))  # 10 usable blocks
+    prefix = list(range(1, 17))  # 4 full blocks
+    s.add(Sequence("high", list(range(500, 515)), SamplingParams(max_tokens=8), priority=0))  # 4 blocks
+    s.add(Sequence("low", prefix + [90, 91, 92], SamplingParams(max_tokens=8), priority=5))  # 5 blocks
+    out = s.schedule()
+    s.update(out, [7] * len(out.scheduled))
+    assert s.allocator.num_free == 1
+    s.add(Sequence("urgent", prefix + list(range(200, 216)), SamplingParams(max_tokens=4), priority=1))
+    out = s.schedule()
+    assert out.preempted == [] and [x.seq.request_id for x in out.scheduled] == ["high", "low"]
+    assert [q.request_id for q in s.waiting] == ["urgent"]
+
+
+def test_a_prompt_longer_than_the_budget_left_by_the_decodes_still_preempts_for_its_first_chunk():
+    """Chunked prefill: four sequences decode in a budget of 8, so a waiting request's first
+    chunk is at most 4 tokens; a 20-token prompt that outranks one of them takes its seat
+    and prefills in chunks, rather than waiting for a whole step's budget that never comes."""
+    s = make(max_num_seqs=4, max_model_len=64, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    for rid, prio in (("a", 0), ("b", 0), ("c", 0), ("low", 5)):
+        s.add(seq(rid, priority=prio, prompt_len=2, max_tokens=30))
+    for _ in range(2):
+        out = s.schedule()
+        s.update(out, [7] * len(out.scheduled))
+    s.add(seq("urgent", priority=1, prompt_len=20, max_tokens=4, arrival=1))
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 1), ("urgent", 5)]
+
+
+def test_no_preemption_for_a_request_the_running_prompt_chunks_leave_no_budget_to():
+    """Chunked prefill: a running prompt (that outranks urgent) takes the budget its decode
+    partner leaves, every step until it is in. Preempting low for urgent would not start
+    urgent any sooner: low keeps its seat and decodes beside the chunks."""
+    s = make(max_num_seqs=2, max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    s.add(seq("low", priority=5, prompt_len=2, max_tokens=30))
+    for _ in range(2):
+        out = s.schedule()
+        s.update(out, [7] * len(out.scheduled))
+    s.add(seq("long", priority=0, prompt_len=80, max_tokens=4, arrival=1))
+    out = s.schedule()
+    s.update(out, [7] * len(out.scheduled))
+    s.add(seq("urgent", priority=1, prompt_len=10, max_tokens=4, arrival=2))
+    out = s.schedule()
+    assert out.preempted == [] and [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("low", 1), ("long", 7)]
+    assert [(q.request_id, q.wait_reason) for q in s.waiting] == [("urgent", "max_num_seqs")]
+
+
 class PolicyMachine(RuleBasedStateMachine):
     """Random traffic under every policy (random priorities, clients, SLO targets) x
     continuous or static batching x chunked prefill or not x prefix caching or not x every

@@ -52,6 +52,26 @@ def test_prompt_logprobs_equal_log_softmax_of_transformers_logits(llm, checkpoin
     assert out.token_ids == llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids
 
 
+def test_a_request_id_reused_after_an_abort_gets_its_own_prompt_logprobs(llm, checkpoint):
+    """Async scheduling: the aborted request's first chunk is still in flight when its id
+    names a new request; that chunk's logprobs are not the new prompt's (they ran past its
+    end and killed the engine loop)."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    eng.add_request("reused", list(range(3, 60)), params)
+    assert eng.step() == []  # its first chunk is dispatched, not yet collected
+    eng.abort("reused")
+    short = [5, 6, 7]
+    eng.add_request("reused", short, params)
+    got = None
+    while eng.has_unfinished():
+        for d in eng.step():
+            got = d.prompt_logprobs if d.prompt_logprobs is not None else got
+    ref = _log_softmax(hf_logits(checkpoint, short))
+    assert got[0] is None and [lp.token_id for lp in got[1:]] == short[1:]
+    np.testing.assert_allclose([lp.logprob for lp in got[1:]], [ref[0, 6], ref[1, 7]], atol=2e-4)
+
+
 def test_prompt_logprobs_validated():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)

@@ -349,6 +349,47 @@ def run_step(s: Scheduler, accept: bool) -> list:
     return rows
 
 
+def test_a_reserving_admission_keeps_its_blocks_when_drafts_are_cut_or_rejected():
+    """--kv-admission reserve never preempts: a sequence holds prompt + max_tokens from
+    admission. Drafts that are not proposed or not accepted give back only blocks taken
+    past that; were the reservation given back, a request admitted into it would leave
+    the first one no block to grow into (and nobody to preempt)."""
+    cfg = EngineConfig(max_num_seqs=2, block_size=4, max_model_len=64, max_num_batched_tokens=32,
+                       kv_admission="reserve", speculative_config={
+                           "method": "draft_model", "model": "draft", "num_speculative_tokens": 2}).resolved(64)
+    s = Scheduler(cfg, 17, (EOS,))  # 16 usable blocks: room for one of the two at a time
+    for rid in ("a", "b"):
+        s.add(Sequence(rid, [5, 6, 5, 6, 5, 6], SamplingParams(max_tokens=30)))  # 35 tokens: 9 blocks
+    for i in range(80):
+        out = s.schedule()
+        rows = [x for x in out.scheduled if x.spec_token_ids]
+        s.take_proposals(out, [[9] if i % 2 else [] for _ in rows])  # cut to one draft, or none
+        s.update(out, [7] * len(out.scheduled), {j: [7] for j, x in enumerate(out.scheduled) if x.spec_token_ids})
+        assert all(len(q.block_table) == 9 for q in s.running)
+        if not s.has_unfinished():
+            break
+    assert not s.has_unfinished() and s.allocator.num_used == 0
+
+
+def test_drafts_do_not_take_the_budget_a_priority_preemption_made_room_for():
+    """Priority scheduling: urgent outranks low and takes its seat. The step's budget of 8
+    less the 3 other decodes leaves 5 for urgent's first chunk, which drafts of up to 3
+    tokens per decode would take whole: low would be preempted for nothing, and urgent
+    wait with its seat empty for as long as the others speculate."""
+    cfg = EngineConfig(max_num_seqs=4, block_size=4, max_model_len=64, max_num_batched_tokens=8,
+                       scheduling_policy="priority", speculative_config={
+                           "method": "draft_model", "model": "draft", "num_speculative_tokens": 3}).resolved(64)
+    s = Scheduler(cfg, 64, (EOS,))
+    for rid, prio in (("a", 0), ("b", 0), ("c", 0), ("low", 5)):
+        s.add(Sequence(rid, [5, 6], SamplingParams(max_tokens=30), priority=prio))
+    run_step(s, False)
+    run_step(s, False)
+    s.add(Sequence("urgent", list(range(10, 30)), SamplingParams(max_tokens=4), priority=1))
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 1), ("urgent", 5)]
+
+
 def test_no_speculation_at_or_above_disable_by_batch_size():
     s = scheduler({"disable_by_batch_size": 3})
     for i in range(3):
