@@ -602,16 +602,19 @@ class Scheduler:
             return  # FCFS always returns here: it outranks nobody
         bs, chunked = self.config.block_size, self.config.enable_chunked_prefill
 
-        def growth(r: Sequence) -> int:  # chunked: decodes go first and take their next block
-            return blocks_needed(r.num_computed_tokens + 1, bs) - len(r.block_table) if chunked and r.is_decode else 0
+        def growth(r: Sequence) -> int:  # chunked: the blocks r's own work takes before any admission
+            # (none for a reserving admission's decode: its table already covers it)
+            return max(0, blocks_needed(r.num_computed_tokens + work(r), bs) - len(r.block_table)) if chunked else 0
 
-        def sole(r: Sequence) -> set[int]:  # blocks another sequence also holds (a shared prefix) free nothing
-            return {b for b in r.block_table if self.allocator.ref_count(b) == 1}
+        def frees(r: Sequence, holders: dict[int, int]) -> set[int]:
+            # the blocks r's preemption frees, victims `holders` (block -> how many of them hold it) chosen
+            # already: a block another running sequence also holds (a shared prefix) frees nothing
+            return {b for b in r.block_table if holders.get(b, 0) + 1 == self.allocator.ref_count(b)}
 
         def work(r: Sequence) -> int:  # chunked: the budget r takes before any admission (a decode, or its
             # prompt's rest as far as the policy lets it have it this step)
-            if r.is_decode:
-                return 1
+            if r.is_decode:  # none when its in-flight token is its last by length: schedule_decodes skips it
+                return int(len(r.output_token_ids) + r.num_output_placeholders < r.params.max_tokens)
             return min(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens,
                        self.policy.prompt_room(r, out.scheduled))
 
@@ -620,11 +623,16 @@ class Scheduler:
         budget = self._budget - (sum(work(r) for r in running) if chunked else 0)
         victims: list[Sequence] = []
         gone: set[int] = set()  # the blocks only the victims chosen so far hold
+        taken: set[int] = set()  # cached blocks an admission planned so far takes back (later ones share them)
+        holders: dict[int, int] = {}  # per block, how many of the victims chosen so far hold it
         for seq in self.waiting:
-            if chunked and self.policy.prompt_room(seq, out.scheduled) != float("inf"):
-                continue  # capped: its room is known only once the step's other prompt work is in
+            room = self.policy.prompt_room(seq, out.scheduled) if chunked else float("inf")
+            if room == 0:
+                continue  # held back this step (its room only shrinks as the step fills): admit walks past it
+            if room != float("inf"):
+                break  # capped: admit tries it first, with a room known only once the step's prompt work is in
             lower = [r for r in running if self.policy.outranks(seq, r)]
-            chosen, s_, b_, t_ = [], slots, blocks, budget
+            chosen, s_, b_, t_, h_, freed = [], slots, blocks, budget, dict(holders), set()
             while True:
                 # Its first chunk is what the budget leaves once the others' decodes and prompt
                 # chunks are in (the victims' are not: choosing one may give it a chunk at all),
@@ -633,20 +641,26 @@ class Scheduler:
                 # A cached block that only a victim holds joins the free queue when the victim goes,
                 # and this admission takes it back out: it frees nothing for seq, which revives it.
                 kept = set(cached)
-                need = num_new_blocks + self.allocator.num_revived(cached) + len(kept & gone)
+                need = num_new_blocks + sum(1 for b in kept - taken if b in gone or self.allocator.ref_count(b) == 0)
                 if (s_ >= 1 and b_ >= need) or not lower:
                     break
                 r = self.policy.victim(lower)  # the lowest ranked first
                 lower.remove(r)
                 chosen.append(r)
-                s_, b_, t_ = s_ + 1, b_ + growth(r) + len(sole(r) - kept), t_ + (work(r) if chunked else 0)
+                f = frees(r, h_)
+                for b in r.block_table:
+                    h_[b] = h_.get(b, 0) + 1
+                freed |= f
+                s_, b_, t_ = s_ + 1, b_ + growth(r) + len(f - kept - taken), t_ + (work(r) if chunked else 0)
             if not 0 < n <= t_:
                 break  # the token budget holds it back, not a seat or blocks
             if s_ < 1 or b_ < need:
                 break
             for r in chosen:
                 running.remove(r)
-                gone |= sole(r)
+            gone |= freed - kept  # the admission takes what it keeps back
+            holders = h_
+            taken |= kept
             victims += chosen
             slots, blocks, budget = s_ - 1, b_ - need, t_ - n
         for r in victims:

@@ -175,10 +175,76 @@ def test_no_preemption_for_a_request_the_running_prompt_chunks_leave_no_budget_t
     s.add(seq("long", priority=0, prompt_len=80, max_tokens=4, arrival=1))
     out = s.schedule()
     s.update(out, [7] * len(out.scheduled))
-    s.add(seq("urgent", priority=1, prompt_len=10, max_tokens=4, arrival=2))
+    s.add(seq("urgent", priority=1, prompt_len=5, max_tokens=4, arrival=2))  # a whole budget's worth: 5 + 3 decodes
     out = s.schedule()
     assert out.preempted == [] and [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("low", 1), ("long", 7)]
     assert [(q.request_id, q.wait_reason) for q in s.waiting] == [("urgent", "max_num_seqs")]
+
+
+def test_no_step_preempts_for_waiting_requests_it_then_does_not_admit():
+    """Random traffic, seeded, under every ranked policy x chunked prefill or not x prefix
+    caching (shared prompts) or not x every KV admission x swap or recompute, scheduled
+    synchronously or with one step in flight (async): in every step where
+    preempt_for_waiting preempted, a waiting request other than its victims was admitted."""
+    import random
+
+    for seed in range(300):
+        for in_flight in (False, True):
+            rng = random.Random(seed)
+            policy = rng.choice(["priority", "priority", "fair", "slo"])
+            chunked, caching = rng.random() < 0.7, rng.random() < 0.5
+            admission = rng.choice(["on-demand", "on-demand", "reserve", "reserve-max-len"])
+            mns, bs, mml = rng.randint(1, 4), rng.choice([1, 2, 4]), rng.randint(8, 24)
+            cfg = EngineConfig(max_num_seqs=mns, block_size=bs, max_model_len=mml, scheduling_policy=policy,
+                               enable_chunked_prefill=chunked, enable_prefix_caching=caching, kv_admission=admission,
+                               max_num_batched_tokens=rng.randint(mns, mns + 8) if chunked else mml,
+                               preemption_mode="swap" if admission == "on-demand" and rng.random() < 0.3 else "recompute")
+            s = Scheduler(cfg.resolved(mml), blocks_needed(mml, bs) + 1 + rng.randint(0, 6), (0,),
+                          num_swap_blocks=rng.randint(0, 16))
+            now = [0.0]
+            s.policy.clock = lambda: now[0]
+            if policy == "fair":  # small enough to bind within a few steps
+                s.policy.preempt_gap, s.policy.over_served_prefill = 4.0, rng.choice([1, 4, 100])
+                s.policy.active_window_s = 3.0
+            walked: list[list[Sequence]] = []
+            plan = s.preempt_for_waiting
+
+            def recording(out, plan=plan, walked=walked):
+                k = len(out.preempted)
+                plan(out)
+                walked.append(out.preempted[k:])
+
+            s.preempt_for_waiting = recording
+            pending, n = None, 0
+            for _ in range(60):
+                now[0] += 1.0
+                for _ in range(rng.choice([0, 0, 1, 2])):
+                    pl = rng.randint(1, mml - 1)
+                    prompt = list(range(1, pl + 1)) if rng.random() < 0.4 else [1000 * (n + 1) + j for j in range(pl)]
+                    params = SamplingParams(max_tokens=rng.randint(1, mml - pl))
+                    try:
+                        s.validate(prompt, params)
+                    except ValueError:
+                        continue  # more blocks than the cache has, under a reserving admission
+                    s.add(Sequence(f"r{n}", prompt, params, arrival_time=now[0], user=rng.choice([None, "a", "b"]),
+                                   priority=rng.randint(-2, 2) if policy == "priority" else 0,
+                                   slo_ttft=rng.choice([None, 0.5, 2.0, 10.0]) if policy == "slo" else None))
+                    n += 1
+                waiting = {q.request_id for q in s.waiting}
+                walked.clear()
+                out = s.schedule()
+                victims = {v.request_id for v in (walked[0] if walked else [])}
+                if victims:
+                    admitted = {q.request_id for q in s.running} & waiting - victims
+                    assert admitted, (seed, in_flight, policy, chunked, caching, admission, "preempted", victims)
+                tokens = [0 if rng.random() < 0.08 else TOKEN for _ in out.scheduled]
+                if in_flight:  # async: this step is scheduled before the previous one's update
+                    if pending is not None:
+                        s.update(*pending)
+                    pending = (out, tokens)
+                else:
+                    s.update(out, tokens)
+                s.check_invariants()
 
 
 class PolicyMachine(RuleBasedStateMachine):
