@@ -143,7 +143,7 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
                        "last message, the second opens a new assistant turn)", param="continue_final_message")
     kw = dict(field(body, "chat_template_kwargs", (dict,), {}))
     # Template variables only: none of apply_chat_template's own arguments (return_dict,
-    # tokenize, ... would change what it returns), as vLLM filters them.
+    # tokenize, ... would change what it returns). Stricter than vLLM, which lets them through.
     try:
         own = {n for n, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
                if p.kind is not p.VAR_KEYWORD}
@@ -177,7 +177,7 @@ def _template_call(call: dict, i: int) -> dict:
         return call
     try:
         arguments = json.loads(fn["arguments"])
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # nested past the parser's stack: a string hides depth from read_body
         raise ApiError(f"messages[{i}].tool_calls: function.arguments is not valid JSON: {e}", param="messages") from e
     return call | {"function": fn | {"arguments": arguments}}
 

@@ -216,4 +216,8 @@ class ToolCallStream:
                 self.sent[i] = (self.sent[i][0], len(c.arguments))
         if deltas:
             out["tool_calls"] = deltas
-        return out, None if reason is None else self._reason(calls, reason)
+        if reason is None:
+            return out, None
+        # A stream that has sent a call cannot take it back: it ends "tool_calls", as vLLM's does
+        # (the whole response, parsed at the end, may still find no complete call).
+        return out, "tool_calls" if self.sent and self.tools.mode != "named" else self._reason(calls, reason)

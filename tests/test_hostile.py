@@ -91,6 +91,8 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, {"prompt": "hi", "some_unknown_field": {"a": [1, 2]}}, 200),  # ignored, as vLLM
     # chat: roles and content parts
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    (CHAT, {"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}, {"role": "user", "content": "x"}]}, 400),
     (CHAT, {"messages": [{"role": 5, "content": "hi"}]}, 400),
     (CHAT, {"messages": [{"role": "user"}]}, 400),
     (CHAT, {"messages": "hi"}, 400),

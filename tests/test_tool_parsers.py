@@ -124,9 +124,11 @@ def test_required_output_cut_by_max_tokens_is_content_and_length():
     text = '[{"name":"get_weather","parameters":{"city":"Pa'
     message, reason = ToolCallStream(REQUIRED, None).message(text, "length")
     assert message == {"role": "assistant", "content": text} and reason == "length"
-    # cut by a stop string instead: still no complete call, so not "tool_calls", whole or streamed
+    # cut by a stop string instead: no complete call, so the whole response is content and "stop";
+    # a stream has already sent the call's name and arguments, so it ends "tool_calls" (as vLLM's)
     assert ToolCallStream(REQUIRED, None).message(text, "stop")[1] == "stop"
-    assert stream(REQUIRED, text, [10, 30])[1] == "stop"
+    deltas, reason = stream(REQUIRED, text, [10, 30])
+    assert reason == "tool_calls" and add_up(deltas)[1] == [("get_weather", '{"city":"Pa')]
 
 
 def test_tool_choice_auto_needs_the_servers_parser_and_is_parsed_once():
