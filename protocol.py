@@ -48,6 +48,7 @@ _NEUTRAL: dict[str, tuple] = {
     "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (),
     "chat_template": (),  # vLLM too refuses a request's own template unless trusted by a flag
+    "documents": ([],), "return_tokens_as_token_ids": (False,),
 }
 
 
@@ -191,6 +192,11 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             raise ApiError(f"'{name}' is not supported by this server", param=name)
     if field(body, "n", (int,), 1) != 1:
         raise ApiError("only n=1 is supported: send one request per sample", param="n")
+    # Chat prompts come from the template (no special tokens added), completions' get the
+    # tokenizer's (vLLM's defaults): the other setting is not implemented.
+    if field(body, "add_special_tokens", (bool,), not chat) != (not chat):
+        raise ApiError(f"'add_special_tokens' must be {str(not chat).lower()} on this endpoint",
+                       param="add_special_tokens")
 
     max_tokens = field(body, "max_tokens", (int,))
     if chat:  # the newer name wins; chat defaults to whatever room the context leaves (as vLLM)

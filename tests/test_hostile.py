@@ -71,6 +71,10 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, {"prompt": "hi", "logit_bias": {"1": 5}}, 400),
     (C, {"prompt": "hi", "min_tokens": 4}, 400),  # a vLLM extra taxirank lacks: refused, not ignored
     (C, {"prompt": "hi", "min_tokens": 0}, 200),
+    (CHAT, {"messages": MSG, "add_special_tokens": True}, 400),
+    (C, {"prompt": "hi", "add_special_tokens": False}, 400),
+    (CHAT, {"messages": MSG, "documents": [{"title": "t", "text": "x"}]}, 400),
+    (C, {"prompt": "hi", "return_tokens_as_token_ids": True}, 400),
     (C, {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "x"}}, 400),
     # lone surrogates (JSON escapes that are not Unicode)
     (C, raw('{"prompt": "a\\ud800b"}'), 400),
