@@ -185,11 +185,19 @@ def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array,
     return jax.lax.fori_loop(0, (num_rows + chunk - 1) // chunk, body, outs)
 
 
-def _sample_unmasked(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _draw(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """[S] the token each row draws at output index t.step: its argmax if greedy, else the
+    Gumbel-max draw of its seed's noise for that index. sample() and the verification of
+    deterministic proposals both draw through here, so a seeded row's token at an index is
+    one function of its logits there, whichever step computes it."""
     greedy_tok = argmax(logits).astype(jnp.int32)
     is_greedy = t.temperature < SAMPLING_EPS
-    tok = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tok,
-                       lambda: jnp.where(is_greedy, greedy_tok, _sample_rows_drawn(logits, t, is_greedy)))
+    return jax.lax.cond(jnp.all(is_greedy), lambda: greedy_tok,
+                        lambda: jnp.where(is_greedy, greedy_tok, _sample_rows_drawn(logits, t, is_greedy)))
+
+
+def _sample_unmasked(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    tok = _draw(logits, t)
     S = logits.shape[0]
 
     def logprobs():
@@ -219,6 +227,15 @@ def filtered_probs(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.where((t.temperature < SAMPLING_EPS)[:, None], greedy, out)
 
 
+def _at_positions(t: SamplingTensors, K1: int) -> SamplingTensors:
+    """[R * K1] each row's parameters at its K1 run positions (row-major), "step" the output
+    index of each: a position draws its index's randomness, whichever step verifies it."""
+    rep = lambda x: jnp.repeat(x, K1)  # noqa: E731
+    step = (t.step[:, None] + jnp.arange(K1, dtype=t.step.dtype)[None, :]).reshape(-1)
+    return SamplingTensors(rep(t.temperature), rep(t.top_p), rep(t.top_k), rep(t.min_p), rep(t.seed), step,
+                           t.want_logprobs)
+
+
 def rejection_sample(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, t: SamplingTensors,
                      draft_probs: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """Verify R rows of proposals: logits [R, K+1, V] the target's at the row's last known
@@ -226,55 +243,68 @@ def rejection_sample(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, 
     t holds each row's sampling parameters ([R]; step = index of its first emitted token).
 
     Returns (tokens [R, K+1], num_emitted [R] in 1..num_draft+1): the accepted drafts,
-    then one token of the target's (Leviathan et al. 2023, Chen et al. 2023). Draft j is
-    accepted with probability min(1, p_j(x) / q_j(x)) under the target's filtered p_j and
-    the draft's q_j (draft_probs [R, K, V]; None: q_j one-hot at x, so the test is
-    u <= p_j(x)); at the first rejection the token comes from norm(max(p_j - q_j, 0)),
-    after K acceptances from p_K (the bonus), so every emitted token is distributed as
-    non-speculative sampling would draw it. Greedy rows accept while the draft is the
-    argmax and emit the argmax after, token for token what greedy decoding emits."""
+    then one token of the target's, every emitted token distributed as non-speculative
+    sampling draws it. Greedy rows accept while the draft is the argmax and emit the
+    argmax after, token for token what greedy decoding emits.
+
+    Deterministic proposals (draft_probs None: q_j one-hot at the draft x_j, ngram): each
+    position j draws t_j exactly as sample() draws output index step + j (_draw: the
+    seed's Gumbel noise for that index over the filtered logits); draft j is accepted iff
+    t_j == x_j, which has probability p_j(x_j) = min(1, p_j(x_j) / q_j(x_j)), the standard
+    test; at the first mismatch t_j is emitted, distributed as p_j without x_j, which is
+    the residual norm(max(p_j - q_j, 0)); after all are accepted the bonus is t_num_draft.
+    So every emitted token is, given the same logits, the very token plain seeded decoding
+    emits at its index: how many drafts a step verifies changes nothing.
+
+    Draft distributions (draft_probs [R, K, V], a draft model): standard rejection
+    sampling (Leviathan et al. 2023, Chen et al. 2023): draft j is accepted with probability
+    min(1, p_j(x) / q_j(x)) under the target's filtered p_j, at the first rejection the
+    token comes from norm(max(p_j - q_j, 0)), after all acceptances from p (the bonus, drawn
+    as plain decoding draws its index). The uniform of the test and the residual's noise
+    are keyed by the absolute output index, not by the run's first one."""
     R, K1, V = logits.shape
     K = K1 - 1
-    j = jnp.arange(K)[None, :]
-    real = j < num_draft[:, None]
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, K+1]
+    real = jnp.arange(K)[None, :] < num_draft[:, None]
+    jj = jnp.arange(K1)[None, :]
+    at = _at_positions(t, K1)
+    flat = logits.reshape(R * K1, V)
 
     def leading(ok: jax.Array) -> jax.Array:  # the count of leading Trues of each row
         return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
 
+    if draft_probs is None:
+        drawn = _draw(flat, at).reshape(R, K1)
+        accepted = leading((drawn[:, :K] == draft) & real)
+        return jnp.where(jj <= accepted[:, None], drawn, 0).astype(jnp.int32), accepted + 1
+
     def greedy_only() -> tuple[jax.Array, jax.Array]:
-        return argmax, leading((draft == argmax[:, :K]) & real)
+        best = argmax(logits).astype(jnp.int32)  # [R, K+1]
+        return best, leading((draft == best[:, :K]) & real)
 
     def with_random() -> tuple[jax.Array, jax.Array]:
-        rep = lambda x: jnp.repeat(x, K1)  # noqa: E731 (each row's parameters at its K+1 positions)
-        tk = SamplingTensors(rep(t.temperature), rep(t.top_p), rep(t.top_k), rep(t.min_p), rep(t.seed), rep(t.step),
-                             t.want_logprobs)
-        p = filtered_probs(logits.reshape(R * K1, V), tk).reshape(R, K1, V)
+        p = filtered_probs(flat, at).reshape(R, K1, V)
         px = jnp.take_along_axis(p[:, :K], draft[:, :, None], axis=-1)[:, :, 0]
-        if draft_probs is None:
-            qx = jnp.ones_like(px)
-            q = jax.nn.one_hot(draft, V, dtype=jnp.float32)
-        else:
-            q = draft_probs[:R]
-            qx = jnp.take_along_axis(q, draft[:, :, None], axis=-1)[:, :, 0]
-        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(t.seed, t.step)
-        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (K,), jnp.float32))(keys)
-        accepted = leading((u * qx < px) & real)  # P(u < p/q) = min(1, p/q); p = 0 never  # [R]
-        # The token after the accepted run: from the residual at a rejection, from p after all.
-        p_a = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
-        q_a = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), accepted[:, None, None], axis=1)[:, 0]
-        rejected = accepted < num_draft
-        resid = jnp.where(rejected[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
+        q = draft_probs[:R]
+        qx = jnp.take_along_axis(q, draft[:, :, None], axis=-1)[:, :, 0]
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(at.seed, at.step)  # [R*K1, 2]
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (), jnp.float32))(keys)
+        accepted = leading((u.reshape(R, K1)[:, :K] * qx < px) & real)  # P(u < p/q) = min(1, p/q); p = 0 never
+        # The token after the accepted run: from the residual at a rejection, else the bonus.
+        rows = jnp.arange(R)
+        a = rows * K1 + accepted  # its flat position
+        p_a, q_a = p[rows, accepted], jnp.pad(q, ((0, 0), (0, 1), (0, 0)))[rows, accepted]
+        resid = jnp.maximum(p_a - q_a, 0.0)
         # p == q exactly leaves no residual mass, and then nothing is ever rejected; guard the log.
         resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p_a)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 2), (V,), jnp.float32))(keys)
-        extra = jnp.argmax(jnp.where(resid > 0, jnp.log(resid), -jnp.inf) + gumbel, axis=-1).astype(jnp.int32)
-        jj = jnp.arange(K1)[None, :]
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 2), (V,), jnp.float32))(keys[a])
+        residual = jnp.argmax(jnp.where(resid > 0, jnp.log(resid), -jnp.inf) + gumbel, axis=-1).astype(jnp.int32)
+        bonus = _draw(flat[a], jax.tree.map(lambda x: x if x.ndim == 0 else x[a], at))
+        extra = jnp.where(accepted < num_draft, residual, bonus)
         padded = jnp.pad(draft, ((0, 0), (0, 1)))
         tokens = jnp.where(jj < accepted[:, None], padded, jnp.where(jj == accepted[:, None], extra[:, None], 0))
         g_tok, g_acc = greedy_only()
         is_greedy = t.temperature < SAMPLING_EPS
-        return (jnp.where(is_greedy[:, None], g_tok, tokens), jnp.where(is_greedy, g_acc, accepted))
+        return jnp.where(is_greedy[:, None], g_tok, tokens), jnp.where(is_greedy, g_acc, accepted)
 
     tokens, accepted = jax.lax.cond(jnp.all(t.temperature < SAMPLING_EPS), greedy_only, with_random)
     return tokens.astype(jnp.int32), accepted + 1
