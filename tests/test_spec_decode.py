@@ -16,7 +16,7 @@ import pytest
 from config import EngineConfig
 from sampler import SamplingTensors, empty_sampling_arrays, rejection_sample
 from spec_decode import SpeculativeConfig, ngram_lookup
-from test_sampling import LOGITS, chi_square, exact
+from test_sampling import LOGITS, chi_square, draw, exact
 
 
 # ---- config -----------------------------------------------------------------------------
@@ -138,6 +138,24 @@ def test_deterministic_proposals_emit_the_target_distribution(params):
     tokens, num = verify(n, draft, None, **params)
     check_positions(tokens, num, params)
     assert (num == K + 1).mean() > 0.01  # some runs are accepted whole (and sample the bonus)
+
+
+@pytest.mark.parametrize("params", [*FILTERS, dict(temperature=0.0)])
+def test_deterministic_proposals_emit_the_very_tokens_plain_sampling_draws(params):
+    """Under one-hot proposals a run emits, position by position, what sample() draws for
+    the same seed at that output index (step + j): the leading drafts equal to those draws,
+    then the first draw that differs (or the bonus). Drafts are the plain draws with one
+    position changed, or none."""
+    n, step, rng = 2_000, 7, np.random.default_rng(3)
+    plain = np.stack([draw(position_logits()[j], n, step=step + j, **params) for j in range(K + 1)], axis=1)
+    draft = plain[:, :K].copy()
+    change = rng.integers(0, K + 1, n)  # K: every draft is the plain draw
+    rows = np.flatnonzero(change < K)
+    draft[rows, change[rows]] = (draft[rows, change[rows]] + rng.integers(1, V, len(rows))) % V
+    tokens, num = verify(n, draft, None, step=step, **params)
+    assert num.tolist() == (change + 1).tolist()
+    for r in range(n):
+        assert tokens[r, :num[r]].tolist() == plain[r, :num[r]].tolist(), r
 
 
 def test_greedy_accepts_while_the_draft_is_the_argmax():
@@ -327,6 +345,57 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_pair):
     a = [o.token_ids for o in spec.generate(prompts, params)]
     b = [o.token_ids for o in spec.generate(prompts[::-1], params)][::-1]  # other rows, other batch order
     assert a == b and all(len(t) == 24 for t in a)
+
+
+# Four seats and a budget of four tokens: beside three decoding neighbours a decode has no
+# budget left for drafts; alone it has three.
+STARVED = dict(max_num_seqs=4, max_model_len=128, block_size=4, max_num_batched_tokens=4,
+               enable_chunked_prefill=True, log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def starved() -> LLM:
+    return LLM("tiny", speculative_config=NGRAM, record_trace=True, **STARVED)
+
+
+def drafts_of(trace: list, request_id: str) -> int:
+    """The draft tokens verified for a request (never preempted): each step that samples it
+    after its first token computes its latest token and its drafts."""
+    steps = [n for st in trace for r, n in st.scheduled if r == request_id and r in st.sampled]
+    return sum(n - 1 for n in steps[1:])
+
+
+# The tiny random model is nearly uniform at temperature 1: its draws never repeat, so ngram's
+# drafts are proposed and all rejected (each run emits the first mismatching draw). A low
+# temperature, or top_k, sharpens it into the loops prompt lookup predicts, so drafts are
+# accepted too; temperature only scales the logits the same draw reads.
+SEEDED = [dict(temperature=1.0), dict(temperature=0.1), dict(temperature=1.0, top_k=2, top_p=0.95)]
+
+
+@pytest.mark.parametrize("params", SEEDED)
+def test_a_seeded_request_draws_the_same_tokens_with_and_without_ngram_speculation(tiny_pair, starved, params):
+    """Alone (three drafts a step where ngram proposes) and beside three greedy decodes that
+    leave it no budget for drafts, a seeded random request emits the tokens it emits
+    without speculation."""
+    base, _ = tiny_pair
+    params = SamplingParams(max_tokens=40, seed=5, ignore_eos=True, **params)
+    prompt = grounded_prompts(1, seed=11)[0]
+    want = base.generate([prompt], params)[0].token_ids
+    trace, before = starved.engine.trace, starved.stats.snapshot()
+    trace.clear()
+    alone = starved.generate([prompt], params)[0]
+    mid = starved.stats.snapshot()
+    drafted, accepted = (mid.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                         mid.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
+    assert alone.token_ids == want
+    assert drafted == drafts_of(trace, alone.request_id) > 0
+    assert accepted > 0 or params.temperature == 1.0 and params.top_k < 0  # see SEEDED
+    trace.clear()
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    beside = starved.generate([prompt, [7, 8, 9], [10, 11, 12], [13, 14, 15]], [params, greedy, greedy, greedy])[0]
+    assert beside.token_ids == want
+    assert drafts_of(trace, beside.request_id) < drafted
+    assert starved.stats.num_preemptions == 0  # drafts_of counts a sequence never recomputed
 
 
 # ---- knowing when not to ----------------------------------------------------------------
