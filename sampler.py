@@ -259,9 +259,9 @@ def rejection_sample(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, 
     Draft distributions (draft_probs [R, K, V], a draft model): standard rejection
     sampling (Leviathan et al. 2023, Chen et al. 2023): draft j is accepted with probability
     min(1, p_j(x) / q_j(x)) under the target's filtered p_j, at the first rejection the
-    token comes from norm(max(p_j - q_j, 0)), after all acceptances from p (the bonus, drawn
-    as plain decoding draws its index). The uniform of the test and the residual's noise
-    are keyed by the absolute output index, not by the run's first one."""
+    token comes from norm(max(p_j - q_j, 0)), after all acceptances from p (the bonus, with
+    the Gumbel noise plain decoding draws its index with). The uniform of the test and the
+    residual's noise are keyed by the absolute output index, not by the run's first one."""
     R, K1, V = logits.shape
     K = K1 - 1
     real = jnp.arange(K)[None, :] < num_draft[:, None]
@@ -293,13 +293,14 @@ def rejection_sample(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, 
         rows = jnp.arange(R)
         a = rows * K1 + accepted  # its flat position
         p_a, q_a = p[rows, accepted], jnp.pad(q, ((0, 0), (0, 1), (0, 0)))[rows, accepted]
-        resid = jnp.maximum(p_a - q_a, 0.0)
+        rejected = accepted < num_draft
+        resid = jnp.where(rejected[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
         # p == q exactly leaves no residual mass, and then nothing is ever rejected; guard the log.
         resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p_a)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 2), (V,), jnp.float32))(keys[a])
-        residual = jnp.argmax(jnp.where(resid > 0, jnp.log(resid), -jnp.inf) + gumbel, axis=-1).astype(jnp.int32)
-        bonus = _draw(flat[a], jax.tree.map(lambda x: x if x.ndim == 0 else x[a], at))
-        extra = jnp.where(accepted < num_draft, residual, bonus)
+        # The bonus takes the noise plain decoding draws its index with; a residual, fold 2 of it.
+        noise = jnp.where(rejected[:, None], jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys[a]), keys[a])
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(noise)
+        extra = jnp.argmax(jnp.where(resid > 0, jnp.log(resid), -jnp.inf) + gumbel, axis=-1).astype(jnp.int32)
         padded = jnp.pad(draft, ((0, 0), (0, 1)))
         tokens = jnp.where(jj < accepted[:, None], padded, jnp.where(jj == accepted[:, None], extra[:, None], 0))
         g_tok, g_acc = greedy_only()

@@ -158,6 +158,18 @@ def test_deterministic_proposals_emit_the_very_tokens_plain_sampling_draws(param
         assert tokens[r, :num[r]].tolist() == plain[r, :num[r]].tolist(), r
 
 
+@pytest.mark.parametrize("params", FILTERS)
+def test_a_draft_models_bonus_is_the_plain_draw_of_its_index(params):
+    """q = p accepts every draft; the bonus after them is what sample() draws for the same
+    seed at that output index (its noise is keyed by the index, not by the run)."""
+    n, step = 2_000, 7
+    q = np.stack([exact(position_logits()[j], **params) for j in range(K)]).astype(np.float32)
+    draft = np.broadcast_to(position_logits()[:K].argmax(axis=1), (n, K))  # kept by every filter
+    tokens, num = verify(n, draft, np.broadcast_to(q, (n, K, V)).copy(), step=step, **params)
+    assert (num == K + 1).all()
+    assert tokens[:, K].tolist() == draw(position_logits()[K], n, step=step + K, **params).tolist()
+
+
 def test_greedy_accepts_while_the_draft_is_the_argmax():
     best = position_logits().argmax(axis=1)  # [K+1]
     draft = np.array([best[:K], [best[0], best[1], (best[2] + 1) % V], [(best[0] + 1) % V, best[1], best[2]]])
