@@ -333,5 +333,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
+    def stop_token(self, token: int, eos_token_ids: typing.Container[int]) -> Literal["eos", "stop_token_id"] | None:
+        """Whether an output `token` ends the request, and as what: EOS first (unless
+        ignore_eos), then one of stop_token_ids (vLLM's order; its stop_reason is None for
+        the one, the token for the other); None: it ends nothing."""
+        if token in eos_token_ids and not self.ignore_eos:
+            return "eos"
+        if self.stop_token_ids and token in self.stop_token_ids:
+            return "stop_token_id"
+        return None
+
 
 SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this samples greedily

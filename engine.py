@@ -564,7 +564,7 @@ def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams
     """A whole output as text, as vLLM: the EOS or stop token that ended it is never text
     (token_ids still has it); other special tokens follow params.skip_special_tokens."""
     ids = list(token_ids)
-    if ids and (ids[-1] in eos_token_ids and not params.ignore_eos or ids[-1] in (params.stop_token_ids or ())):
+    if ids and params.stop_token(ids[-1], eos_token_ids) is not None:
         ids = ids[:-1]
     return detokenize(tokenizer, ids, params)
 

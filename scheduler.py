@@ -824,7 +824,7 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Why seq ends with `token`, its latest output, or None."""
         p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or (p.stop_token_ids and token in p.stop_token_ids):
+        if p.stop_token(token, self.eos_token_ids) is not None:
             return "stop"
         if seq.constraint is not None and seq.constraint.stopped:
             return "stop"  # the output is complete: the grammar allows nothing more

@@ -188,10 +188,10 @@ class Generation:
             return None
         if self.detokenizer.stop_reason is not None:
             return self.detokenizer.stop_reason
-        p, t = self.params, self.last_token
-        if t in self.engine.model_config.eos_token_ids and not p.ignore_eos:
-            return None
-        return t if t in (p.stop_token_ids or ()) else None
+        t = self.last_token
+        if t is not None and self.params.stop_token(t, self.engine.model_config.eos_token_ids) == "stop_token_id":
+            return t
+        return None
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""

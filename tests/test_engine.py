@@ -171,6 +171,15 @@ def test_stop_token_id_finishes_with_stop():
     assert out.finish_reason == "stop" and out.token_ids == free[:free.index(stop) + 1]
 
 
+def test_the_stop_token_rule_is_eos_first_unless_ignored_then_stop_token_ids():
+    eos = (2, 3)
+    p = SamplingParams(stop_token_ids=[3, 7])
+    assert [p.stop_token(t, eos) for t in (2, 3, 7, 5)] == ["eos", "eos", "stop_token_id", None]
+    p = SamplingParams(stop_token_ids=[3, 7], ignore_eos=True)
+    assert [p.stop_token(t, eos) for t in (2, 3, 7, 5)] == [None, "stop_token_id", "stop_token_id", None]
+    assert SamplingParams().stop_token(2, ()) is None
+
+
 def test_request_over_max_model_len_is_a_clear_error():
     llm = make_llm(max_model_len=64, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="over max_model_len"):
