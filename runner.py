@@ -570,6 +570,8 @@ class ModelRunner:
             extra = (cu_q_lens, targets)
             if self.spec_buckets:
                 spec_rows = [i for i, sch in enumerate(out.scheduled) if sch.spec_token_ids]
+                # Verification draws as sample() does, but applies no bitmask.
+                assert not self._constrained[slots[spec_rows]].any(), "a constrained row never speculates"
                 extra = (*extra, self._spec_inputs(out, spec_rows, slots, R),
                          SamplingTensors(**{k: v[:R] for k, v in samp.items()}, want_logprobs=sampling.want_logprobs))
                 sample_slot[spec_rows] = self._idle  # their tokens come from the forward's verification

@@ -362,7 +362,7 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_pair):
 # Four seats and a budget of four tokens: beside three decoding neighbours a decode has no
 # budget left for drafts; alone it has three.
 STARVED = dict(max_num_seqs=4, max_model_len=128, block_size=4, max_num_batched_tokens=4,
-               enable_chunked_prefill=True, log=lambda *_: None)
+               enable_chunked_prefill=True, async_scheduling=True, log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")
