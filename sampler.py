@@ -3,7 +3,7 @@
 Every slot carries its own temperature, top_p, top_k, min_p and seed. A slot's random
 key is fold_in(key(seed), number of tokens it has generated): a seeded request draws the
 same tokens whatever else shares the batch, and after a preemption it resumes the same
-stream.
+stream; ngram speculation verifies with those very draws (rejection_sample).
 """
 
 from __future__ import annotations
