@@ -264,16 +264,14 @@ class StructuredOutputsParams:
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean")
         if self.json is not None:
-            if isinstance(self.json, str):
-                try:
-                    schema = _json.loads(self.json)
-                except ValueError as e:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            else:
-                schema = self.json
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-            object.__setattr__(self, "json", _json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            try:  # RecursionError: nested past the JSON codec's stack
+                schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+                object.__setattr__(self, "json", _json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            except (ValueError, TypeError, RecursionError) as e:
+                raise ValueError(f"structured_outputs.json is not a valid JSON schema: "
+                                 f"{'nested too deeply' if isinstance(e, RecursionError) else e}") from None
         for k in ("regex", "grammar"):
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
