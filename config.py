@@ -207,6 +207,7 @@ class EngineConfig:
         return tuple(out)
 
 
+@functools.cache
 def _field_kinds() -> dict[str, tuple[object, ...]]:
     """Each EngineConfig field's annotated types (a Literal stands for str: its values are
     checked by name in __post_init__)."""

@@ -291,6 +291,22 @@ def test_tokenizer_files(tmp_path):
     assert load_tokenizer(str(tmp_path / "bare")) is None
 
 
+@pytest.mark.parametrize("template, says", [("{% for m in messages %}{{ m.content ", "chat template failed"),
+                                             ("{{ raise_exception('no system role') }}", "no system role")])
+def test_a_chat_template_that_is_broken_or_raises_fails_its_chat_request_with_a_400(tmp_path, template, says):
+    """The checkpoint still loads (completions need no template); each chat request is a
+    400 naming the template's error, before the engine sees it."""
+    from protocol import ApiError, parse_messages
+
+    path = make_hf_checkpoint(tmp_path / "tok", "llama2", tokenizer=True)
+    (tmp_path / "tok" / "chat_template.jinja").write_text(template)
+    tok = load_model(path).tokenizer
+    assert tok.encode("the fox", add_special_tokens=False)
+    with pytest.raises(ApiError, match=says) as e:
+        parse_messages({"messages": [{"role": "user", "content": "hi"}]}, tok)
+    assert e.value.status == 400 and e.value.param == "messages"
+
+
 def test_byte_tokenizer():
     tok = ByteTokenizer()
     text = "héllo, wörld ✓"
