@@ -94,6 +94,11 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
     for key in ("dtype", "torch_dtype"):
         if d.get(key) is not None and d[key] not in CHECKPOINT_DTYPES:
             raise ValueError(f"{where}{key} must be one of {', '.join(CHECKPOINT_DTYPES)}, got {d[key]!r}")
+    quant = d.get("quantization_config")
+    if quant is not None:  # its tensors (qweight, scales, fp8) are not the float weights the loader reads
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"{where}a pre-quantized checkpoint (quantization_config: {method!r}) is not supported: "
+                         "load a float checkpoint (and pass --quantization int8 to serve it in 8 bits)")
     arch = d.get("architectures")
     if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)):
         raise ValueError(f"{where}architectures must be a list of class names, got {arch!r}")

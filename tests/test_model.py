@@ -223,6 +223,8 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(torch_dtype=5), "torch_dtype must be one of"),
     (dict(architectures=["LlamaForSequenceClassification"]), "names no causal language model"),
     (dict(architectures="LlamaForCausalLM"), "architectures must be a list of class names"),
+    # was "unexpected tensor '...qweight'", found only while reading the tensors
+    (dict(quantization_config=dict(quant_method="awq", bits=4)), "pre-quantized checkpoint .*'awq'"),
 ])
 def test_config_json_values_are_checked_where_they_enter(change, says):
     d = {k: v for k, v in {**_HF, **change}.items() if v is not None}
