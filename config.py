@@ -10,6 +10,9 @@ import dataclasses
 import functools
 import json as _json
 import math
+import numbers
+import os
+import types
 import typing
 from dataclasses import dataclass
 from typing import Literal
@@ -28,6 +31,7 @@ MAX_STRUCTURED_CHARS = 64 * 1024
 MAX_CHOICES = 256
 _MIN_TOKEN_BUCKET = 16
 _MIN_DECODE_MIDPOINT = 16  # below it a decode program's rows cost less than its compile
+MAX_BLOCK_SIZE = 256  # vLLM's largest --block-size
 
 
 @dataclass(frozen=True)
@@ -90,11 +94,13 @@ class EngineConfig:
                 raise ValueError(msg)
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        _check_field_types(self)
 
         need(self.dtype in ("float32", "bfloat16", "auto"), f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
-             f"block_size must be a power of two, got {self.block_size}")
+        need(1 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two up to {MAX_BLOCK_SIZE}, got {self.block_size}")
+        need(-2**63 <= self.seed < 2**63, f"seed must be a 64-bit integer, got {self.seed}")
         need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 2,
              f"num_kv_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_kv_blocks}")
@@ -107,6 +113,11 @@ class EngineConfig:
              f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         need(isinstance(self.swap_space, (int, float)) and math.isfinite(self.swap_space) and self.swap_space >= 0,
              f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        # vLLM's limit: a host pool over 70% of the host's memory leaves too little for the rest
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        need(self.preemption_mode == "recompute" or self.swap_space * 2**30 <= 0.7 * host_bytes,
+             f"swap_space {self.swap_space:g} GiB is too large: over 70% of the host's {host_bytes / 2**30:.1f} GiB "
+             "of memory")
         need(self.preemption_mode == "recompute" or KV_ADMISSION[self.kv_admission].preempts,
              f"--preemption-mode swap needs a KV admission that preempts; {self.kv_admission} reserves every "
              "block at admission and never preempts")
@@ -196,6 +207,42 @@ class EngineConfig:
         return tuple(out)
 
 
+@functools.cache
+def _field_kinds() -> dict[str, tuple[object, ...]]:
+    """Each EngineConfig field's annotated types (a Literal stands for str: its values are
+    checked by name in __post_init__)."""
+    out = {}
+    for name, hint in typing.get_type_hints(EngineConfig).items():
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        out[name] = tuple(str if typing.get_origin(a) is Literal else a for a in (typing.get_args(hint) if union else (hint,)))
+    return out
+
+
+def _is_kind(value: object, kind: object) -> bool:
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:  # numpy integers too; True is not a count
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(kind, type) and isinstance(value, kind)
+
+
+def _check_field_types(config: EngineConfig) -> None:
+    """Every field holds its annotated type: LLM(...) keyword arguments reach EngineConfig
+    without argparse's conversions, and a 2.5 block size or a "no" flag must not run."""
+    names = {int: "an integer", float: "a finite number", bool: "a boolean", str: "a string", type(None): "None"}
+    for name, kinds in _field_kinds().items():
+        value = getattr(config, name)
+        if not any(_is_kind(value, k) for k in kinds):
+            want = " or ".join(names.get(k, getattr(k, "__name__", str(k))) for k in kinds)  # type: ignore[call-overload]
+            raise ValueError(f"{name} must be {want}, got {value!r}")
+        if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+            object.__setattr__(config, name, int(value))  # a numpy integer: plain int, as the CLI gives
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One output constraint, as vLLM's StructuredOutputsParams: exactly one of a JSON
@@ -218,16 +265,14 @@ class StructuredOutputsParams:
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean")
         if self.json is not None:
-            if isinstance(self.json, str):
-                try:
-                    schema = _json.loads(self.json)
-                except ValueError as e:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            else:
-                schema = self.json
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-            object.__setattr__(self, "json", _json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            try:  # RecursionError: nested past the JSON codec's stack
+                schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+                object.__setattr__(self, "json", _json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            except (ValueError, TypeError, RecursionError) as e:
+                raise ValueError(f"structured_outputs.json is not a valid JSON schema: "
+                                 f"{'nested too deeply' if isinstance(e, RecursionError) else e}") from None
         for k in ("regex", "grammar"):
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +86,9 @@ class GGUFCheckpoint:
                 x = dequantize(t.data, t.tensor_type, t.name).reshape(shape)
             heads = (cfg["num_attention_heads"] if ".attn_q." in t.name
                      else cfg["num_key_value_heads"] if ".attn_k." in t.name else None)
+            if heads is not None and shape[0] != heads * cfg["head_dim"]:
+                raise ValueError(f"tensor {t.name!r} has {shape[0]} rows, but the metadata says {heads} heads "
+                                 f"of {cfg['head_dim']}")
             if permuted and heads is not None:
                 x = x.map_rows(lambda r: unpermute_qk(r, heads)) if isinstance(x, GGUFBlocks) else unpermute_qk(x, heads)
             yield hf_name(t.name), x
@@ -132,45 +135,78 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     except Exception as e:  # truncated or not a GGUF file at all
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
-    def get(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = get("general.architecture")
+    get = _metadata_getter(reader, path)
+    arch = get("general.architecture", str)
     family = gguf_family(arch)
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError("this GGUF file scales RoPE frequencies per dimension (rope_freqs, Llama 3.1 style), "
                          "which the GGUF loader does not map yet; use the Hugging Face checkpoint")
-    scaling = get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
+    scaling = get(f"{arch}.rope.scaling.type", str, "none")
+    if scaling != "none":
         raise ValueError(f"GGUF RoPE scaling {scaling!r} is not supported")
-    heads = int(get(f"{arch}.attention.head_count"))
-    hidden = int(get(f"{arch}.embedding_length"))
-    eos = [int(get(k)) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                 "tokenizer.ggml.eom_token_id") if get(k) is not None]
+    # llama.cpp applies a scaling factor whatever the type key says (or without one)
+    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+        if get(key, float, 1.0) not in (0.0, 1.0):
+            raise ValueError(f"GGUF RoPE scaling ({key} = {get(key, float)}) is not supported")
+    heads = get(f"{arch}.attention.head_count", int)
+    hidden = get(f"{arch}.embedding_length", int)
+    head_dim = get(f"{arch}.attention.key_length", int, None)
+    if head_dim is None and heads >= 1:
+        head_dim = hidden // heads  # an uneven split is refused by ModelConfig.from_hf
+    if get(f"{arch}.attention.value_length", int, head_dim) != head_dim:
+        raise ValueError(f"{path}: {arch}.attention.value_length ({get(f'{arch}.attention.value_length', int)}) "
+                         f"differs from the key length ({head_dim}), which taxirank does not support")
+    eos = [get(k, int) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                 "tokenizer.ggml.eom_token_id") if get(k, int, None) is not None]
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    vocab = get(f"{arch}.vocab_size", int, None) or (len(tokens.data) if tokens is not None else None)
+    window = get(f"{arch}.attention.sliding_window", int, None)
     hf = {
         "model_type": family.model_type,
-        "vocab_size": int(vocab) if vocab is not None else reader.get_tensor(0).shape[-1],
+        "vocab_size": vocab if vocab is not None else reader.get_tensor(0).shape[-1],
         "hidden_size": hidden,
-        "intermediate_size": int(get(f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(get(f"{arch}.block_count")),
+        "intermediate_size": get(f"{arch}.feed_forward_length", int),
+        "num_hidden_layers": get(f"{arch}.block_count", int),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(get(f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get(f"{arch}.context_length")),
+        "num_key_value_heads": get(f"{arch}.attention.head_count_kv", int, heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get(f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-6)),
+        "rope_theta": float(get(f"{arch}.rope.freq_base", float, 10000.0)),
+        "max_position_embeddings": get(f"{arch}.context_length", int),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": get("tokenizer.ggml.bos_token_id"),
+        "bos_token_id": get("tokenizer.ggml.bos_token_id", int, None),
         "eos_token_id": list(dict.fromkeys(eos)) or None,
+        # the window caps max_model_len, as a config.json's does (model.ModelConfig.max_model_len)
+        "sliding_window": window, "use_sliding_window": window is not None,
     }
     types = [gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1]
     file_type = max(set(types), key=types.count) if types else "F32"
     return GGUFCheckpoint(path, hf, file_type, _tokenizer_metadata(reader), reader)
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string"}
+_REQUIRED = object()
+
+
+def _metadata_getter(reader: Any, path: str) -> Callable[..., Any]:
+    """get(key, kind, default): the metadata value of `key`, which must be of `kind` (int,
+    float or str; a float key takes an integer too); a missing key is the default, or an
+    error naming it when there is none."""
+
+    def get(key: str, kind: type, default: Any = _REQUIRED) -> Any:
+        f = reader.fields.get(key)
+        if f is None:
+            if default is _REQUIRED:
+                raise ValueError(f"{path}: the GGUF metadata lacks {key}")
+            return default
+        value = f.contents()
+        ok = (isinstance(value, kind) or (kind is float and isinstance(value, int))) and not isinstance(value, bool)
+        if not ok:
+            raise ValueError(f"{path}: GGUF metadata {key} must be {_KINDS[kind]}, got {value!r}")
+        return value
+    return get
 
 
 def read_tokenizer_metadata(path: str) -> dict[str, Any] | None:

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from attention_backend import AttentionBackend
+from hf_config import check_hf_config, check_llama3_rope, generation_eos_ids, read_json
 from kernels_pallas import QuantizedKV, quantize_kv
 from quant import GGUFBlocks, QuantLinear, WeightQuant, encode, weight_quant_for
 from tokenizer import ByteTokenizer, gguf_tokenizer, load_tokenizer
@@ -68,8 +69,9 @@ class ModelConfig:
         return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+    def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """From a Hugging Face config.json dict; raises ValueError on what we do not run."""
+        check_hf_config(d, source)
         family = FAMILIES.get(d.get("model_type"))
         if family is None:
             raise ValueError(f"unsupported model_type {d.get('model_type')!r} (architectures={d.get('architectures')}); "
@@ -170,6 +172,7 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ..
     missing = [k for k in _LLAMA3_ROPE_KEYS if k not in p]
     if missing:
         raise ValueError(f"llama3 RoPE scaling lacks {missing}")
+    check_llama3_rope(p)
     return theta, tuple(sorted((k, float(p[k])) for k in _LLAMA3_ROPE_KEYS))
 
 
@@ -508,7 +511,7 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
     if model in gguf_loader.BUILTIN_GGUF or model.endswith(".gguf"):
         path = gguf_loader.resolve_builtin(model, log) if model in gguf_loader.BUILTIN_GGUF else model
         ckpt = gguf_loader.read_gguf(path)
-        cfg = ModelConfig.from_hf(ckpt.hf_config)
+        cfg = ModelConfig.from_hf(ckpt.hf_config, f"{path} (GGUF metadata)")
         dt = resolve_dtype(dtype, "bfloat16" if ckpt.file_type == "BF16" else None)
         tokenizer = gguf_tokenizer(ckpt.tokenizer_metadata) if ckpt.tokenizer_metadata else None
         quant = weight_quant_for(quantization, ckpt.linear_types())
@@ -522,14 +525,12 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
         raise FileNotFoundError(f"model {model!r} is neither a built-in model "
                                 f"({', '.join([*BUILTIN_MODELS, *gguf_loader.BUILTIN_GGUF])}), a .gguf file, "
                                 "nor a directory with a config.json")
-    with open(os.path.join(model, "config.json")) as f:
-        hf = json.load(f)
-    cfg = ModelConfig.from_hf(hf)
-    gen_path = os.path.join(model, "generation_config.json")
-    if os.path.isfile(gen_path):  # chat models often list extra stop ids (e.g. <|eot_id|>) only here
-        with open(gen_path) as f:
-            extra = _id_tuple(json.load(f).get("eos_token_id"))
-        cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
+    config_path = os.path.join(model, "config.json")
+    hf = read_json(config_path)
+    cfg = ModelConfig.from_hf(hf, config_path)
+    # chat models often list extra stop ids (e.g. <|eot_id|>) only in generation_config.json
+    extra = generation_eos_ids(os.path.join(model, "generation_config.json"), cfg.vocab_size)
+    cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
     dt = resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
     quant = weight_quant_for(quantization, None)
     return LoadedModel(model_from_hf_tensors(cfg, dt, _safetensors_tensors(model), f"checkpoint {model}", quant),
@@ -644,6 +645,10 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, Any]]:
     from safetensors import safe_open
 
     for file in _safetensors_files(path):
-        with safe_open(file, framework="flax") as st:  # the flax reader handles bfloat16
+        try:
+            st = safe_open(file, framework="flax")  # the flax reader handles bfloat16
+        except Exception as e:  # SafetensorError (not a ValueError): truncated, or not safetensors
+            raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
+        with st:
             for name in st.keys():
                 yield name, st.get_tensor(name)

@@ -51,6 +51,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+import config_file
 import server
 from config import EngineConfig
 from async_engine import AsyncEngine
@@ -404,8 +405,8 @@ def plan(args: argparse.Namespace) -> Plan:
     if not args.shutdown_timeout >= 0:  # also refuses nan
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     for name in ("replica_cpus", "replica_gpus", "imbalanced_threshold"):
-        if (v := getattr(args, name)) is not None and not v >= 0:  # also refuses nan
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        if (v := getattr(args, name)) is not None and not 0 <= v < math.inf:  # also refuses nan
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
     gpus, tp = args.replica_gpus, config.tensor_parallel_size
     if gpus > 1 and gpus != int(gpus):
         raise ValueError(f"--replica-gpus above 1 must be a whole number of GPUs (Ray's rule), got {gpus}")
@@ -426,8 +427,8 @@ def plan(args: argparse.Namespace) -> Plan:
         if not 0 <= lo <= hi or hi < 1:
             raise ValueError(f"need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1, got {lo}, {hi}")
         target = args.target_ongoing_requests or float(config.max_num_seqs)
-        if target <= 0:
-            raise ValueError(f"--target-ongoing-requests must be > 0, got {target}")
+        if not 0 < target < math.inf:  # also refuses nan
+            raise ValueError(f"--target-ongoing-requests must be a finite number > 0, got {target}")
         options["autoscaling_config"] = AutoscalingConfig(min_replicas=lo, max_replicas=hi,
                                                           target_ongoing_requests=target)
     else:
@@ -453,7 +454,7 @@ def start(args: argparse.Namespace, the_plan: Plan) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = config_file.parse_args(parser, argv)
     try:
         the_plan = plan(args)
     except ValueError as e:

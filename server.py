@@ -25,6 +25,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import time
 import typing
 import uuid
@@ -38,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from async_engine import AsyncEngine
+import config_file
 from config import EngineConfig, SamplingParams, SLOTarget
 from engine import QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats, RequestMetrics
@@ -629,6 +631,8 @@ def build_parser() -> argparse.ArgumentParser:
             arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
             kw["type"] = str if hasattr(arg, "parse") else arg
         p.add_argument("--" + f.name.replace("_", "-"), **kw)
+    p.add_argument("--config", help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
+                                    "command line win over the file's")
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -731,11 +735,18 @@ async def drain(app: web.Application, timeout: float, abort_now: asyncio.Event) 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = config_file.parse_args(parser, argv)
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's rule
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if not args.shutdown_timeout >= 0:  # also refuses nan
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    # Before the model loads and compiles (minutes), not when the server binds after it.
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535 (0: any free port), got {args.port}")
+    try:
+        socket.getaddrinfo(args.host, args.port)
+    except (socket.gaierror, UnicodeError) as e:
+        parser.error(f"--host {args.host!r} does not resolve: {e}")
     # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("taxirank").setLevel(args.log_level.upper())

@@ -140,6 +140,16 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tok, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
         if matcher.is_error():
             raise ValueError(f"invalid {spec.kind}: {matcher.get_error()}")
+        # The first mask, here on the caller's thread, not on the engine loop's: building
+        # the lexer for it is where a grammar past the limits fails (a regex bomb, an
+        # alternative too wide, a grammar with no finite string), which then is this
+        # request's error instead of an abort after it was admitted.
+        first = np.zeros((1, bitmask_width(self.vocab_size)), np.int32)
+        llnp.fill_next_token_bitmask(matcher, first, 0)
+        if matcher.is_error():
+            raise ValueError(f"invalid {spec.kind}: {matcher.get_error()}")
+        if not first.any():
+            raise ValueError(f"invalid {spec.kind}: it allows no token at all")
         with self._lock:
             self.compile_seconds.append(time.perf_counter() - t0)
             self._cache[spec] = matcher

@@ -83,6 +83,14 @@ def gguf_tokenizer(metadata: dict[str, Any]) -> Any:
     `general.architecture` (as gguf_loader.read_tokenizer_metadata returns them): the
     same vocabulary, merges, special tokens, BOS/EOS and chat template that
     `AutoTokenizer.from_pretrained(folder, gguf_file=name)` gives, without its torch import."""
+    try:
+        return _gguf_tokenizer(metadata)
+    except Exception as e:  # missing keys, ids past the vocabulary, a model type the converter lacks
+        raise ValueError(f"the GGUF file's tokenizer metadata does not describe a usable tokenizer "
+                         f"({type(e).__name__}: {e})") from None
+
+
+def _gguf_tokenizer(metadata: dict[str, Any]) -> Any:
     _quiet_transformers()
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING, _SPECIAL_TOKENS,

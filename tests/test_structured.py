@@ -139,6 +139,27 @@ def test_offline_refuses_an_invalid_constraint_before_anything_is_queued(tiny):
     assert not tiny.engine.has_unfinished()
 
 
+def test_a_schema_nested_past_the_json_codec_is_a_value_error():
+    """Was a RecursionError out of SamplingParams' constructor (offline; the server's body
+    check stops such nesting first)."""
+    schema: dict = {"type": "string"}
+    for _ in range(1000):
+        schema = {"type": "array", "items": schema}
+    for given in (schema, None):
+        with pytest.raises(ValueError, match="structured_outputs.json is not a valid JSON schema: nested too deeply"):
+            SO(json=schema if given is not None else "[" * 100_000 + "]" * 100_000)
+
+
+def test_a_constraint_that_cannot_start_is_refused_at_compile_not_answered(tiny):
+    """A regex whose language is empty: llguidance fails on its first mask. It was
+    compiled, admitted and answered with EOS alone (finish_reason "stop", empty text)."""
+    with pytest.raises(ValueError, match="invalid regex"):
+        tiny.generate([[1, 2]], SamplingParams(max_tokens=4, structured_outputs=SO(regex="[^\\x00-\\U0010FFFF]")))
+    assert not tiny.engine.has_unfinished()
+    ok = tiny.generate([[1, 2]], SamplingParams(max_tokens=8, structured_outputs=SO(regex="[ab]{3}")))[0]
+    assert ok.finish_reason == "stop" and re.fullmatch("[ab]{3}", ok.text)
+
+
 def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_synchronous_loop(tiny, monkeypatch):
     """Under async scheduling a constrained step's forward is dispatched before the step in
     flight is collected; its sample program waits for the matchers (LLMEngine._execute).

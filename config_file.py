@@ -1,0 +1,81 @@
+"""`--config FILE`: flags from a YAML file, as vLLM's `vllm serve --config`.
+
+The file is a mapping of flag names (`max-model-len: 1024`, or `max_model_len`) to
+values. Each entry becomes the command-line words it stands for, placed before the real
+command line, so the parser checks a file's values exactly as it checks typed flags (a
+wrong type is the same error naming the flag), and a flag typed on the command line wins
+over the file's. A key that is no flag, a value of the wrong shape (a list for a
+one-value flag, true for a flag that takes a value) are errors naming the file and key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """parser.parse_args(argv), with the flags of `--config FILE` (if given) read first.
+    Exits through parser.error on a bad file, as on any bad flag."""
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    try:
+        words = file_words(parser, args.config)
+    except ValueError as e:
+        parser.error(str(e))
+    return parser.parse_args([*words, *(sys.argv[1:] if argv is None else argv)])
+
+
+def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The command-line words the YAML file at `path` stands for."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML ({e})") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: must be a mapping of flag names to values, got {type(data).__name__}")
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    words: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = actions.get(flag)
+        if not isinstance(key, str) or action is None or flag in ("--config", "--help"):
+            raise ValueError(f"--config {path}: {key!r} is not a flag this command takes")
+        where = f"--config {path}: {key}"
+        if value is None:  # null: the flag's default
+            continue
+        if action.nargs == 0:  # a switch: store_true or --x/--no-x
+            if not isinstance(value, bool):
+                raise ValueError(f"{where} is a switch: give true or false, got {value!r}")
+            if value:
+                words.append(flag)
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                words.append("--no-" + flag[2:])
+            continue
+        if isinstance(value, bool):
+            raise ValueError(f"{where} takes a value, not {str(value).lower()}")
+        if isinstance(value, list):
+            if action.nargs not in ("+", "*") or not value:
+                raise ValueError(f"{where} takes one value, got a list {value!r}")
+            words += [flag, *(_word(where, v) for v in value)]
+        else:
+            words += [flag, _word(where, value)]
+    return words
+
+
+def _word(where: str, value: object) -> str:
+    if isinstance(value, dict):  # a JSON flag (--speculative-config) written as a YAML mapping
+        return json.dumps(value)
+    if isinstance(value, (list, bool)) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: {value!r} is not a value a flag takes")
+    return str(value)

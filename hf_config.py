@@ -1,0 +1,126 @@
+"""A checkpoint's config.json and generation_config.json, checked where they enter.
+
+ModelConfig.from_hf builds the architecture from whatever a config.json says (a GGUF
+file's metadata comes as the same dict, gguf_loader.py). A value of the wrong type or out
+of range there would otherwise surface as a shape error deep inside JAX, a division by
+zero while building RoPE, or, worse, a model that loads and computes something else (no
+heads dividing, NaN epsilon, an EOS id no token can match). Each check names the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+# config.json's integer sizes, each >= 1 (num_key_value_heads and head_dim may be absent).
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "max_position_embeddings")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")
+# The dtypes a checkpoint may be stored in (config.json's dtype / torch_dtype, for --dtype auto).
+CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def read_json(path: str) -> dict[str, Any]:
+    """A JSON object from `path`; ValueError naming the file if it is not one."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _positive_number(d: dict[str, Any], key: str, where: str) -> None:
+    v = d.get(key)
+    if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+        raise ValueError(f"{where}{key} must be a finite number > 0, got {v!r}")
+
+
+def token_ids(value: object, field: str) -> tuple[int, ...]:
+    """An eos_token_id / bos_token_id value: null, an id, or a list of ids (>= 0)."""
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if not all(_is_int(i) and i >= 0 for i in ids):
+        raise ValueError(f"{field} must be a token id >= 0, a list of them, or null; got {value!r}")
+    return tuple(ids)
+
+
+def check_hf_config(d: object, source: str = "config.json") -> None:
+    """The fields ModelConfig.from_hf reads: types, ranges and how they fit together."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{source} must be a JSON object, got {type(d).__name__}")
+    where = f"{source}: "
+    for key in SIZES:
+        if key not in d:
+            raise ValueError(f"{where}{key} is missing")
+    for key in SIZES + OPTIONAL_SIZES:
+        v = d.get(key)
+        if (v is not None or key in SIZES) and not (_is_int(v) and v >= 1):
+            raise ValueError(f"{where}{key} must be an integer >= 1, got {v!r}")
+    heads, kv_heads = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"{where}num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads}): "
+                         "each KV head serves a whole group of query heads")
+    if d.get("head_dim") is None and d["hidden_size"] % heads:
+        raise ValueError(f"{where}num_attention_heads ({heads}) must divide hidden_size ({d['hidden_size']}) "
+                         "when head_dim is not given")
+    head_dim = d.get("head_dim") or d["hidden_size"] // heads
+    if head_dim % 2:
+        raise ValueError(f"{where}head_dim ({head_dim}) must be even: RoPE rotates pairs of dimensions")
+    for key in ("rms_norm_eps", "rope_theta"):
+        _positive_number(d, key, where)
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+        if d.get(key) is not None and not isinstance(d[key], bool):
+            raise ValueError(f"{where}{key} must be true or false, got {d[key]!r}")
+    window = d.get("sliding_window")
+    if window is not None and not (_is_int(window) and window >= 1):
+        raise ValueError(f"{where}sliding_window must be an integer >= 1 or null, got {window!r}")
+    for key in ("rope_scaling", "rope_parameters"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ValueError(f"{where}{key} must be an object or null, got {d[key]!r}")
+        _positive_number(d.get(key) or {}, "rope_theta", f"{where}{key}.")
+    vocab = d["vocab_size"]
+    for key in ("eos_token_id", "bos_token_id"):
+        ids = token_ids(d.get(key), f"{where}{key}")
+        if any(i >= vocab for i in ids):
+            raise ValueError(f"{where}{key} {d[key]!r} is outside the vocabulary (vocab_size {vocab})")
+    for key in ("dtype", "torch_dtype"):
+        if d.get(key) is not None and d[key] not in CHECKPOINT_DTYPES:
+            raise ValueError(f"{where}{key} must be one of {', '.join(CHECKPOINT_DTYPES)}, got {d[key]!r}")
+    quant = d.get("quantization_config")
+    if quant is not None:  # its tensors (qweight, scales, fp8) are not the float weights the loader reads
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"{where}a pre-quantized checkpoint (quantization_config: {method!r}) is not supported: "
+                         "load a float checkpoint (and pass --quantization int8 to serve it in 8 bits)")
+    arch = d.get("architectures")
+    if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)):
+        raise ValueError(f"{where}architectures must be a list of class names, got {arch!r}")
+    if arch and not any(a.endswith("ForCausalLM") for a in arch):
+        raise ValueError(f"{where}architectures {arch} names no causal language model (a ...ForCausalLM class): "
+                         "taxirank generates text only")
+
+
+def check_llama3_rope(p: dict[str, Any], source: str = "config.json") -> None:
+    """Llama 3.1's RoPE scaling parameters: positive numbers, the high band above the low."""
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        _positive_number(p, key, f"{source}: rope scaling ")
+    if not p["high_freq_factor"] > p["low_freq_factor"]:
+        raise ValueError(f"{source}: llama3 rope scaling needs high_freq_factor ({p['high_freq_factor']}) > "
+                         f"low_freq_factor ({p['low_freq_factor']})")
+
+
+def generation_eos_ids(path: str, vocab_size: int) -> tuple[int, ...]:
+    """The eos_token_id(s) of a generation_config.json (none if the file is absent)."""
+    if not os.path.isfile(path):
+        return ()
+    ids = token_ids(read_json(path).get("eos_token_id"), f"{path}: eos_token_id")
+    if any(i >= vocab_size for i in ids):
+        raise ValueError(f"{path}: eos_token_id {list(ids)} is outside the vocabulary (vocab_size {vocab_size})")
+    return ids

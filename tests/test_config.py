@@ -1,0 +1,109 @@
+"""Engine options where they enter: EngineConfig (LLM(...) keyword arguments reach it
+without argparse), server.py's flags and a `--config` YAML file. Each bad value is a
+ValueError (or the parser's exit 2) naming the option, before any model is loaded."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import config_file
+import server
+import startup
+from config import EngineConfig
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(max_num_seqs=2.5), "max_num_seqs must be an integer"),
+    (dict(max_num_seqs=True), "max_num_seqs must be an integer"),  # True is not a count
+    (dict(block_size=16.0), "block_size must be an integer"),  # was a TypeError from `&`
+    (dict(block_size=512), "block_size must be a power of two up to 256"),  # was a 32 GiB cache for tiny
+    (dict(max_model_len=1.5), "max_model_len must be an integer or None"),
+    (dict(num_kv_blocks=2.5), "num_kv_blocks must be an integer or None"),
+    (dict(kv_cache_memory=float("nan")), "kv_cache_memory must be an integer or None"),
+    (dict(gpu_memory_utilization=float("inf")), "gpu_memory_utilization must be a finite number"),
+    (dict(seed=2**70), "seed must be a 64-bit integer"),  # was an OverflowError inside JAX's PRNG
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(warmup="yes"), "warmup must be a boolean"),
+    (dict(enable_chunked_prefill="no"), "enable_chunked_prefill must be a boolean"),
+    (dict(compilation_cache_dir=5), "compilation_cache_dir must be a string or None"),
+    (dict(model=5), "model must be a string"),
+    (dict(max_waiting_requests=1.5), "max_waiting_requests must be an integer or None"),
+    (dict(preemption_mode="swap", swap_space=1e6), "swap_space 1e\\+06 GiB is too large"),  # vLLM's 70% rule
+])
+def test_a_bad_engine_option_is_a_value_error_naming_it(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        EngineConfig(**kwargs)
+
+
+def test_numpy_integers_are_integers_and_become_plain_ints():
+    c = EngineConfig(max_num_seqs=np.int64(4), block_size=np.int32(8))
+    assert (c.max_num_seqs, c.block_size) == (4, 8) and type(c.max_num_seqs) is int and hash(c)
+    assert EngineConfig(swap_space=1e6).swap_space == 1e6  # no host pool under recompute: no limit
+
+
+def test_an_explicit_kv_cache_that_cannot_fit_is_refused_naming_the_flag_before_allocation():
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the CPU "device" is the host
+    assert startup.device_memory_bytes() == host
+    per_block = 8192
+    fits = host // 4 // per_block
+    startup.check_kv_fits(EngineConfig(num_kv_blocks=fits), fits, per_block, 0)
+    with pytest.raises(ValueError, match=r"--num-kv-blocks \d+: a KV cache of \d+ blocks takes .* GiB"):
+        startup.check_kv_fits(EngineConfig(num_kv_blocks=fits * 8), fits * 8, per_block, 0)
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        startup.check_kv_fits(EngineConfig(kv_cache_memory=2 * host), 2 * host // per_block, per_block, 0)
+    # --gpu-memory-utilization sizes the cache to fit: nothing to check
+    startup.check_kv_fits(EngineConfig(), 10 * host // per_block, per_block, 0)
+
+
+def test_server_refuses_an_unusable_port_or_host_before_loading_the_model(capsys):
+    for flags, says in [(["--port", "70000"], "--port must be in 0..65535"),
+                        (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' does not resolve")]:
+        with pytest.raises(SystemExit) as exit_:  # model "/nowhere" would fail later: these come first
+            server.main(["--model", "/nowhere", *flags])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+# ---- --config FILE ------------------------------------------------------------------
+
+def parse(tmp_path, text: str, *argv: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return config_file.parse_args(server.build_parser(), ["--config", str(path), *argv])
+
+
+def test_a_config_file_sets_flags_as_typed_and_the_command_line_wins(tmp_path):
+    args = parse(tmp_path, "model: tiny\nmax-model-len: 128\nmax_num_seqs: 4\nenable-prefix-caching: false\n"
+                           "served-model-name: [a, b]\nmax-waiting-requests: null\n"
+                           "speculative-config: {method: ngram, num_speculative_tokens: 2}\n",
+                 "--max-num-seqs", "8")
+    c = server.engine_config(args)
+    assert (c.model, c.max_model_len, c.max_num_seqs, c.enable_prefix_caching) == ("tiny", 128, 8, False)
+    assert args.served_model_name == ["a", "b"] and c.max_waiting_requests is None
+    assert c.speculative_config.method == "ngram" and c.speculative_config.num_speculative_tokens == 2
+    assert parse(tmp_path, "").max_num_seqs == EngineConfig().max_num_seqs  # an empty file sets nothing
+
+
+@pytest.mark.parametrize("text, says", [
+    ("max-modl-len: 5\n", "'max-modl-len' is not a flag this command takes"),
+    ("config: other.yaml\n", "'config' is not a flag"),
+    ("max-num-seqs: abc\n", "argument --max-num-seqs: invalid int value: 'abc'"),
+    ("max-num-seqs: true\n", "max-num-seqs takes a value, not true"),
+    ("max-num-seqs: [1, 2]\n", "max-num-seqs takes one value, got a list"),
+    ("warmup: 1\n", "warmup is a switch: give true or false"),
+    ("kv-cache-dtype: fp16\n", "argument --kv-cache-dtype: invalid choice"),
+    ("- max-num-seqs\n", "must be a mapping of flag names to values"),
+    ("a: [\n", "not valid YAML"),
+])
+def test_a_bad_config_file_exits_naming_the_key(tmp_path, capsys, text, says):
+    with pytest.raises(SystemExit) as exit_:
+        parse(tmp_path, text)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_missing_config_file_exits_naming_it(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "none.yaml")])
+    assert "none.yaml: cannot read it" in capsys.readouterr().err
