@@ -457,8 +457,8 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         error = ApiError(e.text or e.reason, e.status)
     except ApiError as e:
         error = e
-    except ConnectionError:  # the client left (aiohttp ignores it): nothing to answer, nothing to log
-        raise
+    except ConnectionError:  # the client left: nothing to log, and this reply (nginx's 499) is never sent
+        return web.Response(status=499)
     except Exception:
         log.exception("error serving %s %s", request.method, request.path)
         error = ApiError("internal server error (see the server log)", 500, type="internal_server_error")

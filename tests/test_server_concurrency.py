@@ -165,3 +165,50 @@ def test_after_shutdown_or_the_loop_dying_no_call_waits_forever():
             stopped.add_request("c", [1], SamplingParams())
 
     asyncio.run(main())
+
+
+def test_a_stream_whose_client_left_before_its_first_byte_is_aborted(monkeypatch):
+    """The request is queued before the response starts (a refusal is still a 4xx), so a
+    client gone before the first byte (the status line's write fails) must end it: its
+    stream is never read, and nothing else would. Nor is a client leaving a server error."""
+    import logging
+
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from server import build_app
+
+    async def gone(self, request):
+        raise ConnectionResetError("Cannot write to closing transport")
+    monkeypatch.setattr(web.StreamResponse, "prepare", gone)
+    errors = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    logging.getLogger().addHandler(handler)  # the server's own log and aiohttp's
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64,
+                                          warmup=False), log=lambda *_: None)
+        await engine.start()
+        try:
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as client:
+                for path, body in (("/v1/completions", {"prompt": [1, 2, 3]}),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                    ended = sum(engine.stats.snapshot().request_success.values())
+                    with pytest.raises(aiohttp.ClientError):
+                        await client.post(path, json=body | {"max_tokens": 200, "ignore_eos": True, "stream": True})
+                    while sum(engine.stats.snapshot().request_success.values()) == ended:
+                        await asyncio.sleep(0.02)
+                    stats = engine.stats.snapshot()
+                    assert dict(stats.request_success).get("length", 0) == 0, (path, stats.request_success)
+                    assert stats.generation_tokens < 200, path
+        finally:
+            await engine.shutdown()
+        assert engine.engine.scheduler.allocator.num_used == 0
+        assert {k: v for k, v in engine.stats.snapshot().request_success.items() if v} == {"abort": 2}
+    try:
+        asyncio.run(main())
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert not errors, [r.getMessage() for r in errors]
