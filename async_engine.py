@@ -57,10 +57,10 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Stop taking work, abort everything in flight (each stream gets a final event)."""
-        with self._lock:
+        with self._lock:  # under the lock: no add or reset gets in after the loop's last look
+            self._stop.set()
             for rid in list(self._queues):
                 self._inbox.append(("abort", (rid, "abort")))
-        self._stop.set()
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
@@ -69,11 +69,8 @@ class AsyncEngine:
                     priority: int = 0, user: str | None = None,
                     slo: SLOTarget | None = None) -> AsyncIterator[RequestOutputDelta]:
         self.engine.validate(prompt_token_ids, params, priority, slo)
-        if self._stop.is_set():
-            raise RuntimeError("the engine is shutting down")
-        if self.error is not None:
-            raise RuntimeError(f"the engine loop died: {self.error!r}")
-        with self._lock:
+        with self._lock:  # the loop sets _stop and error under it: a stream registered here is ended
+            self._check_alive()
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             limit = self.config.max_waiting_requests
@@ -112,13 +109,19 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> bool:
         """LLMEngine.reset_prefix_cache, run on the loop thread between two steps."""
-        if self.error is not None:
-            raise RuntimeError(f"the engine loop died: {self.error!r}")
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._lock:
+            self._check_alive()
             self._inbox.append(("reset_prefix_cache", done))
         self._wake.set()
         return await done
+
+    def _check_alive(self) -> None:
+        """Under self._lock: refuse new work once shutdown() or the loop's death began."""
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shutting down")
+        if self.error is not None:
+            raise RuntimeError(f"the engine loop died: {self.error!r}")
 
     # ---- the loop thread -----------------------------------------------------------
     def _deliver(self, delta: RequestOutputDelta) -> None:
@@ -177,13 +180,18 @@ class AsyncEngine:
                 for rid, err in self.engine.failed:  # one request's inputs failed: it alone ends
                     self._fail(rid, RuntimeError(f"request failed: {err!r}"))
                 self.engine.failed.clear()
-        except BaseException as e:  # surface engine failures to every waiting stream
-            self.error = e
+        except BaseException as e:  # surface engine failures to every waiting stream and reset
             with self._lock:
+                self.error = e
                 queues = list(self._queues.values())
                 self._queues.clear()
+                resets = [arg for kind, arg in self._inbox if kind == "reset_prefix_cache"]
+                self._inbox.clear()
+            dead = EngineDeadError(f"engine failure: {e!r}")
             for q in queues:
-                self._loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine failure: {e!r}"))
+                self._loop.call_soon_threadsafe(q.put_nowait, dead)
+            for f in resets:
+                self._loop.call_soon_threadsafe(lambda f=f: f.done() or f.set_exception(dead))
             if self.on_death is not None:  # after the errors above, so they are delivered first
                 self._loop.call_soon_threadsafe(self.on_death, e)
             raise

@@ -237,17 +237,19 @@ class Scheduler:
                              f"(--scheduling-policy {readers})")
         if n == 0:
             raise ValueError("the prompt is empty")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        # Before the per-token scan: an over-long prompt is refused in O(1), not after a pass
+        # over millions of ids on the caller's thread (the server's event loop).
+        if n + params.max_tokens > cfg.max_model_len:
+            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
+                             f"{n + params.max_tokens} tokens, over max_model_len ({cfg.max_model_len})")
         if self.vocab_size is not None:
             vocab = self.vocab_size
             bad = [t for t in prompt_token_ids
                    if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab}) or not an integer")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-        if n + params.max_tokens > cfg.max_model_len:
-            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
-                             f"{n + params.max_tokens} tokens, over max_model_len ({cfg.max_model_len})")
         # On-demand too: a sequence larger than the whole cache would preempt itself forever.
         need = blocks_needed(self.kv_admission.lifetime_tokens(n, params.max_tokens, cfg), cfg.block_size)
         if need > self.allocator.num_usable:

@@ -199,7 +199,7 @@ class EngineReplica:
         host = ray.util.get_node_ip_address()
         await web.TCPSite(self.runner, host, 0).start()
         self.url = f"http://{host}:{self.runner.addresses[0][1]}"
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        self.session = relay_session()
         ingress = serve.get_deployment_handle("Ingress", app_name=context.app_name)
         self.announcer = asyncio.create_task(self._announce(ingress))
         log.info("replica %s ready at %s", self.replica, self.url)
@@ -233,6 +233,14 @@ class EngineReplica:
         await self.engine.shutdown()  # every in-flight stream gets its last event
         await self.runner.cleanup()
         await self.session.close()
+
+
+def relay_session() -> aiohttp.ClientSession:
+    """An Engine replica's client of its own app. No connection cap (aiohttp's default is
+    100): Ray's max_ongoing_requests bounds what reaches the replica, and a request parked in
+    a client pool is one that the engine's queue, its max_waiting_requests and its queue-time
+    metric would never see."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
 
 
 def _error(e: ApiError) -> Response:

@@ -29,9 +29,10 @@ import socket
 import time
 import typing
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -47,6 +48,8 @@ from policy import REGISTRIES
 from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
                       parse_sampling, parse_slo, prompt_logprobs_json, tool_choice)
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
+
+T = TypeVar("T")
 
 log = logging.getLogger("taxirank.server")
 
@@ -164,6 +167,7 @@ class Generation:
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.params, self.last_token = params, None
+        self.done = False  # the engine has ended the request, or close() aborted it
         self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop, params,
                                                   self.engine.model_config.eos_token_ids)
         try:
@@ -197,7 +201,6 @@ class Generation:
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
-        done = False
         try:
             async for delta in self.stream:
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
@@ -215,7 +218,7 @@ class Generation:
                                                 num_output_tokens=delta.num_output_tokens - cut)
                 if stopped and not delta.finished:
                     self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
-                done = stopped or delta.finished
+                self.done = done = stopped or delta.finished
                 reason = ("stop" if stopped else delta.finish_reason) if done else None
                 metrics = delta.metrics
                 if stopped and not delta.finished and self.want_metrics:
@@ -229,8 +232,14 @@ class Generation:
         except RuntimeError as e:  # this request failed in the engine, or the engine loop died
             raise ApiError(str(e), 500, type="internal_server_error") from e
         finally:
-            if not done:  # the client went away (its handler was cancelled): free the slot now
-                self.engine.abort(self.request_id)
+            self.close()  # the client went away (its handler was cancelled): free the slot now
+
+    def close(self) -> None:
+        """Abort the request unless it has ended. respond() calls it however it leaves, since
+        chunks() never started (the client gone before the first byte) cannot."""
+        if not self.done:
+            self.done = True
+            self.engine.abort(self.request_id)
 
 
 async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat: bool,
@@ -275,67 +284,72 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
             return None
         return chat_logprobs(engine.tokenizer, lps) if chat else completion_logprobs(engine.tokenizer, lps, offset)
 
-    if not stream:
-        text, lps, last, prompt_lps = "", [], None, None
-        async with contextlib.aclosing(gen.chunks()) as chunks:
-            async for last in chunks:
-                text += last.text
-                lps += last.logprobs or []
-                prompt_lps = last.prompt_logprobs or prompt_lps
-        assert last is not None and last.finish_reason is not None
-        lp = logprobs(lps, 0) if params.logprobs is not None else None
-        message, reason = ToolCallStream(tools, app["tool_parser"]).message(text, last.finish_reason)
-        choice = {"index": 0, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
-        if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
-            choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
-        choice |= {"message": message} if chat else {"text": text}
-        extra = {"metrics": dataclasses.asdict(last.metrics)} if want_metrics and last.metrics else {}
-        return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)} | extra)
-
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-
-    async def send(choices: list[dict], **extra: Any) -> None:
-        await response.write(b"data: " + json.dumps(head | {"choices": choices} | extra).encode() + b"\n\n")
-
+    # Whatever ends this handler (a reply, the client gone before the first byte, a
+    # cancellation) ends the request: a stream never read has no frame to abort it.
     try:
-        if chat:
-            await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
-        offset, calls = 0, ToolCallStream(tools, app["tool_parser"])
-        async with contextlib.aclosing(gen.chunks()) as chunks:
-            async for c in chunks:
-                if not (c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
-                    continue  # held back: part of a character, or maybe the start of a stop string
-                choice = {"index": 0, "logprobs": logprobs(c.logprobs, offset), "finish_reason": c.finish_reason,
-                          "stop_reason": c.stop_reason}
-                if c.prompt_logprobs is not None:  # once, with the first token
-                    choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, c.prompt_logprobs)
-                if chat:
-                    choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
-                else:
-                    choice["text"] = c.text
-                # text_offset counts the tokens' own texts, as the whole response's does; the
-                # text sent so far lags it (held back: part of a character, a maybe-stop string).
-                if not chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
-                    offset = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
-                metrics = {"metrics": dataclasses.asdict(c.metrics)} if want_metrics and c.metrics else {}
-                so_far = {"usage": usage(c.num_output_tokens)} if continuous_usage else {}
-                if c.finish_reason and include_usage:
-                    await send([choice], **so_far)
-                    await send([], usage=usage(c.num_output_tokens), **metrics)
-                else:  # without usage, the metrics ride on the chunk with the finish_reason
-                    await send([choice], **so_far, **metrics)
-    except ConnectionResetError:
-        return response  # the client left; the request is aborted already
-    except Exception as e:  # the status line is gone: report the error in the stream
-        err = e if isinstance(e, ApiError) else ApiError("internal server error (see the server log)", 500,
-                                                         type="internal_server_error")
-        if err is not e:
-            log.exception("error while streaming %s", request_id)
-        await response.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
-    return response
+        if not stream:
+            text, lps, last, prompt_lps = "", [], None, None
+            async with contextlib.aclosing(gen.chunks()) as chunks:
+                async for last in chunks:
+                    text += last.text
+                    lps += last.logprobs or []
+                    prompt_lps = last.prompt_logprobs or prompt_lps
+            assert last is not None and last.finish_reason is not None
+            lp = logprobs(lps, 0) if params.logprobs is not None else None
+            message, reason = ToolCallStream(tools, app["tool_parser"]).message(text, last.finish_reason)
+            choice = {"index": 0, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
+            if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
+                choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
+            choice |= {"message": message} if chat else {"text": text}
+            extra = {"metrics": dataclasses.asdict(last.metrics)} if want_metrics and last.metrics else {}
+            return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)} | extra)
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(choices: list[dict], **extra: Any) -> None:
+            await response.write(b"data: " + json.dumps(head | {"choices": choices} | extra).encode() + b"\n\n")
+
+        try:
+            if chat:
+                await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
+            offset, calls = 0, ToolCallStream(tools, app["tool_parser"])
+            async with contextlib.aclosing(gen.chunks()) as chunks:
+                async for c in chunks:
+                    if not (c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
+                        continue  # held back: part of a character, or maybe the start of a stop string
+                    choice = {"index": 0, "logprobs": logprobs(c.logprobs, offset), "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}
+                    if c.prompt_logprobs is not None:  # once, with the first token
+                        choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, c.prompt_logprobs)
+                    if chat:
+                        choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
+                    else:
+                        choice["text"] = c.text
+                    # text_offset counts the tokens' own texts, as the whole response's does; the
+                    # text sent so far lags it (held back: part of a character, a maybe-stop string).
+                    if not chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
+                        offset = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
+                    metrics = {"metrics": dataclasses.asdict(c.metrics)} if want_metrics and c.metrics else {}
+                    so_far = {"usage": usage(c.num_output_tokens)} if continuous_usage else {}
+                    if c.finish_reason and include_usage:
+                        await send([choice], **so_far)
+                        await send([], usage=usage(c.num_output_tokens), **metrics)
+                    else:  # without usage, the metrics ride on the chunk with the finish_reason
+                        await send([choice], **so_far, **metrics)
+        except ConnectionResetError:
+            return response  # the client left; the request is aborted already
+        except Exception as e:  # the status line is gone: report the error in the stream
+            err = e if isinstance(e, ApiError) else ApiError("internal server error (see the server log)", 500,
+                                                             type="internal_server_error")
+            if err is not e:
+                log.exception("error while streaming %s", request_id)
+            await response.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+    finally:
+        gen.close()
 
 
 # ---- handlers ---------------------------------------------------------------------
@@ -362,18 +376,25 @@ async def read_body(request: web.Request) -> dict:
     return body
 
 
+async def off_loop(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on the app's tokenizer thread (vLLM's tokenizer executor): a prompt of a
+    few MB takes seconds to tokenize, during which no stream, /health or /metrics would be
+    served on the event loop. One thread: the tokenizer is not shared between calls."""
+    return await asyncio.get_running_loop().run_in_executor(request.app["tokenizer_executor"], fn, *args)
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     engine = request.app["engine"]
     tool_choice(body, chat=False, auto=False)  # refuses tools here
-    prompt_ids = parse_prompt(body, engine.tokenizer, engine.model_config.vocab_size)
+    prompt_ids = await off_loop(request, parse_prompt, body, engine.tokenizer, engine.model_config.vocab_size)
     return await respond(request, body, prompt_ids, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     tools = tool_choice(body, chat=True, auto=request.app["tool_parser"] is not None)
-    prompt_ids = parse_messages(body, request.app["engine"].tokenizer, tools,
+    prompt_ids = await off_loop(request, parse_messages, body, request.app["engine"].tokenizer, tools,
                                 request.app["exclude_tools_when_tool_choice_none"])
     return await respond(request, body, prompt_ids, chat=True, tools=tools)
 
@@ -399,7 +420,11 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     while requests hold KV blocks (nothing is reset then)."""
     if request.query:
         raise ApiError(f"query parameters are not supported here, got {sorted(request.query)}")
-    if not await request.app["engine"].reset_prefix_cache():
+    try:
+        ok = await request.app["engine"].reset_prefix_cache()
+    except RuntimeError as e:  # shutting down, or the engine loop died
+        raise ApiError(str(e), status=503, type="service_unavailable") from e
+    if not ok:
         raise ApiError("the prefix cache cannot be reset while requests hold KV blocks; retry when idle", 409,
                        type="conflict_error")
     return web.Response(status=200)
@@ -434,6 +459,8 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         error = ApiError(e.text or e.reason, e.status)
     except ApiError as e:
         error = e
+    except ConnectionError:  # the client left: nothing to log, and this reply (nginx's 499) is never sent
+        return web.Response(status=499)
     except Exception:
         log.exception("error serving %s %s", request.method, request.path)
         error = ApiError("internal server error (see the server log)", 500, type="internal_server_error")
@@ -565,6 +592,12 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app["tokenizer_executor"] = ThreadPoolExecutor(1, thread_name_prefix="taxirank-tokenizer")
+
+    async def stop_tokenizer(app: web.Application) -> None:
+        app["tokenizer_executor"].shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_tokenizer)
     return app
 
 

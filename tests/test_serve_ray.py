@@ -280,6 +280,42 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
     assert exit_.value.code == 2
 
 
+def test_a_replica_relays_more_concurrent_requests_than_aiohttps_default_pool() -> None:
+    """Ray lets max_ongoing_requests (2 x --max-num-seqs) reach a replica: every one of
+    them must reach its app, not wait in the relay's connection pool (100 by default)."""
+    from aiohttp import web
+
+    async def main() -> None:
+        n, inside, all_in = 150, 0, asyncio.Event()
+
+        async def hold(request: web.Request) -> web.Response:
+            nonlocal inside
+            inside += 1
+            if inside == n:
+                all_in.set()
+            await all_in.wait()  # answered only once all n are inside at the same time
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", hold)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        session = serve_ray.relay_session()
+
+        async def relay() -> str:
+            async with session.post(url, data=b"{}") as resp:
+                return await resp.text()
+        try:
+            assert await asyncio.wait_for(asyncio.gather(*(relay() for _ in range(n))), 60) == ["ok"] * n
+        finally:
+            await session.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
 def test_server_py_never_imports_ray() -> None:
     code = "import sys, server; assert not [m for m in sys.modules if m.split('.')[0] == 'ray'], 'ray imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": str(ROOT)})

@@ -11,6 +11,7 @@ import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from test_server import open_stream, request
 
 from async_engine import AsyncEngine
@@ -78,3 +79,136 @@ def test_a_stopping_server_answers_503_to_new_requests():
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_tokenization_and_chat_templates_run_off_the_event_loop():
+    """A prompt of a few MB takes seconds to tokenize: on the event loop, every stream,
+    /health and /metrics would wait for it. The server runs both on its tokenizer thread."""
+    import threading
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from server import build_app
+
+    class Recording:
+        def __init__(self, inner: object) -> None:
+            self.inner, self.threads = inner, []
+
+        def __getattr__(self, name: str) -> object:
+            attr = getattr(self.inner, name)
+            if name in ("encode", "apply_chat_template"):
+                def recorded(*args, **kwargs):
+                    self.threads.append((name, threading.current_thread()))
+                    return attr(*args, **kwargs)
+                return recorded
+            return attr
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
+                                          warmup=False), log=lambda *_: None)
+        engine.tokenizer = tokenizer = Recording(engine.tokenizer)
+        await engine.start()
+        try:
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as client:
+                for path, body in (("/v1/completions", {"prompt": "hello"}),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                    resp = await client.post(path, json=body | {"max_tokens": 2, "temperature": 0.0})
+                    assert resp.status == 200, await resp.text()
+        finally:
+            await engine.shutdown()
+        assert {name for name, _ in tokenizer.threads} == {"encode", "apply_chat_template"}, tokenizer.threads
+        assert all(t is not threading.main_thread() for _, t in tokenizer.threads), tokenizer.threads
+
+    asyncio.run(main())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop's own death
+def test_after_shutdown_or_the_loop_dying_no_call_waits_forever():
+    """reset_prefix_cache queued while the loop dies gets the loop's error, and after a
+    shutdown or a death every new call is refused at once, not left pending."""
+    import threading
+
+    from engine import EngineDeadError
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
+                                          warmup=False), log=lambda *_: None)
+        in_step, release = threading.Event(), threading.Event()
+
+        def dying_step():
+            in_step.set()
+            release.wait(60)
+            raise RuntimeError("injected step failure")
+        engine.engine.step = dying_step
+        await engine.start()
+        stream = engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+        first = asyncio.ensure_future(stream.__anext__())
+        assert await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 60)
+        reset = asyncio.ensure_future(engine.reset_prefix_cache())  # queued behind the failing step
+        await asyncio.sleep(0)
+        release.set()
+        for pending in (first, reset):
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(pending, 60)
+        with pytest.raises(RuntimeError, match="loop died"):
+            await asyncio.wait_for(engine.reset_prefix_cache(), 60)
+        with pytest.raises(RuntimeError, match="loop died"):
+            engine.add_request("b", [1], SamplingParams())
+
+        stopped = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, warmup=False),
+                              log=lambda *_: None)
+        await stopped.start()
+        await stopped.shutdown()
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await asyncio.wait_for(stopped.reset_prefix_cache(), 60)
+        with pytest.raises(RuntimeError, match="shutting down"):
+            stopped.add_request("c", [1], SamplingParams())
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_client_left_before_its_first_byte_is_aborted(monkeypatch):
+    """The request is queued before the response starts (a refusal is still a 4xx), so a
+    client gone before the first byte (the status line's write fails) must end it: its
+    stream is never read, and nothing else would. Nor is a client leaving a server error."""
+    import logging
+
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from server import build_app
+
+    async def gone(self, request):
+        raise ConnectionResetError("Cannot write to closing transport")
+    monkeypatch.setattr(web.StreamResponse, "prepare", gone)
+    errors = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    logging.getLogger().addHandler(handler)  # the server's own log and aiohttp's
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=256, max_num_batched_tokens=64,
+                                          warmup=False), log=lambda *_: None)
+        await engine.start()
+        try:
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as client:
+                for path, body in (("/v1/completions", {"prompt": [1, 2, 3]}),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                    ended = sum(engine.stats.snapshot().request_success.values())
+                    with pytest.raises(aiohttp.ClientError):
+                        await client.post(path, json=body | {"max_tokens": 200, "ignore_eos": True, "stream": True})
+                    while sum(engine.stats.snapshot().request_success.values()) == ended:
+                        await asyncio.sleep(0.02)
+                    stats = engine.stats.snapshot()
+                    assert dict(stats.request_success).get("length", 0) == 0, (path, stats.request_success)
+                    assert stats.generation_tokens < 200, path
+        finally:
+            await engine.shutdown()
+        assert engine.engine.scheduler.allocator.num_used == 0
+        assert {k: v for k, v in engine.stats.snapshot().request_success.items() if v} == {"abort": 2}
+    try:
+        asyncio.run(main())
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert not errors, [r.getMessage() for r in errors]
