@@ -265,14 +265,16 @@ class StructuredOutputsParams:
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean")
         if self.json is not None:
-            try:  # RecursionError: nested past the JSON codec's stack
+            try:
                 schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
-                if not isinstance(schema, (dict, bool)):
-                    raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-                object.__setattr__(self, "json", _json.dumps(schema, sort_keys=True, separators=(",", ":")))
-            except (ValueError, TypeError, RecursionError) as e:
-                raise ValueError(f"structured_outputs.json is not a valid JSON schema: "
-                                 f"{'nested too deeply' if isinstance(e, RecursionError) else e}") from None
+                text = _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            except RecursionError:  # nested past the JSON codec's stack
+                raise ValueError("structured_outputs.json is nested too deeply") from None
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+            object.__setattr__(self, "json", text)
         for k in ("regex", "grammar"):
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
