@@ -170,7 +170,10 @@ class AsyncEngine:
             while True:
                 self._drain_inbox()
                 if self._stop.is_set() and not self.engine.has_unfinished():
-                    return
+                    with self._lock:  # work queued between the drain and here is served first
+                        if not self._inbox:
+                            return
+                    continue
                 if not self.engine.has_unfinished():
                     self._wake.wait(0.05)
                     self._wake.clear()

@@ -76,9 +76,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = stop
         self.params = params or SamplingParams()
-        # Tokens that end a request with "stop" are never text (vLLM): not even with
-        # skip_special_tokens=False, and not when a tokenizer does not mark them special.
-        self.stop_ids = set(eos_token_ids if not self.params.ignore_eos else ()) | set(self.params.stop_token_ids or ())
+        self.eos_token_ids = eos_token_ids
         # Left context from the prompt, so the first output token decodes as it would
         # mid-text; never emitted itself.
         self.ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
@@ -92,7 +90,9 @@ class IncrementalDetokenizer:
         """Add one step's tokens; return (new text to send, whether a stop string matched)."""
         if self.tokenizer is None:
             return "", False
-        if final and new_ids and new_ids[-1] in self.stop_ids:
+        # A token that ends the request with "stop" is never text (vLLM): not even with
+        # skip_special_tokens=False, and not when a tokenizer does not mark it special.
+        if final and new_ids and self.params.stop_token(new_ids[-1], self.eos_token_ids):
             new_ids = new_ids[:-1]
         self.ids += new_ids
         prefix = detokenize(self.tokenizer, self.ids[self.prefix_offset:self.read_offset], self.params)
@@ -379,7 +379,8 @@ async def read_body(request: web.Request) -> dict:
 async def off_loop(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) on the app's tokenizer thread (vLLM's tokenizer executor): a prompt of a
     few MB takes seconds to tokenize, during which no stream, /health or /metrics would be
-    served on the event loop. One thread: the tokenizer is not shared between calls."""
+    served on the event loop. One thread, so prompts are tokenized one at a time (the event
+    loop only decodes meanwhile, which HF's fast tokenizers allow)."""
     return await asyncio.get_running_loop().run_in_executor(request.app["tokenizer_executor"], fn, *args)
 
 

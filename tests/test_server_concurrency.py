@@ -212,3 +212,39 @@ def test_a_stream_whose_client_left_before_its_first_byte_is_aborted(monkeypatch
     finally:
         logging.getLogger().removeHandler(handler)
     assert not errors, [r.getMessage() for r in errors]
+
+
+def test_work_queued_while_the_loop_decides_to_stop_is_still_ended():
+    """A request and a reset queued after the loop's last drain, just before shutdown()
+    sets _stop: the loop must serve them (the request ends aborted, the reset answers)
+    before it exits, not leave them waiting forever."""
+    import threading
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
+                                          warmup=False), log=lambda *_: None)
+        drain, armed, drained, go = engine._drain_inbox, threading.Event(), threading.Event(), threading.Event()
+
+        def paused_drain() -> None:  # holds the loop between its drain and its stop check
+            drain()
+            if armed.is_set():
+                armed.clear()
+                drained.set()
+                go.wait(60)
+        engine._drain_inbox = paused_drain
+        await engine.start()
+        armed.set()
+        engine._wake.set()
+        assert await asyncio.get_running_loop().run_in_executor(None, drained.wait, 60)
+        stream = engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4))
+        reset = asyncio.ensure_future(engine.reset_prefix_cache())
+        await asyncio.sleep(0)
+        stop = asyncio.ensure_future(engine.shutdown())
+        await asyncio.sleep(0)  # shutdown has set _stop and queued its abort
+        go.set()
+        await asyncio.wait_for(stop, 60)
+        last = await asyncio.wait_for(stream.__anext__(), 60)
+        assert last.finished and last.finish_reason == "abort", last
+        assert await asyncio.wait_for(reset, 60) in (True, False)
+
+    asyncio.run(main())
