@@ -136,12 +136,10 @@ class Sequence:
         as outputs are only ever appended."""
         p, n, have, buf = len(self.prompt_token_ids), self.num_tokens, self._num_buffered, self._token_buf
         if buf is None:  # room for the longest it may get: prompt + max_tokens
-            buf = self._token_buf = np.empty(max(p + self.params.max_tokens, n), np.int32)
+            buf = self._token_buf = np.empty(p + self.params.max_tokens, np.int32)
             buf[:p], have = self.prompt_token_ids, p
-        elif len(buf) < n:
-            buf = self._token_buf = np.concatenate([buf[:have], np.empty(2 * n - have, np.int32)])
-        assert p <= have <= n and (have == p or buf[have - 1] == self.output_token_ids[have - 1 - p]), \
-            "outputs are only appended"
+        assert p <= have <= n <= len(buf) and (have == p or buf[have - 1] == self.output_token_ids[have - 1 - p]), \
+            "outputs are only appended, up to max_tokens"
         buf[have:n] = self.output_token_ids[have - p:]
         self._num_buffered = n
         return buf[:n]
