@@ -64,7 +64,7 @@ from metrics import EngineStats
 from model import AttentionInputs, LoadedModel, hf_state_dict, load_model, param_bytes
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
 from scheduler import Sequence
-from spec_decode import PROPOSERS, Proposals, SpeculativeConfig
+from spec_decode import PROPOSERS, Proposals
 from tokenizer import ByteTokenizer
 
 # The draft's random stream is fold_in(fold_in(key(seed), output index), DRAFT_STREAM):
@@ -238,11 +238,7 @@ class DraftModelProposer:
     the device, the distributions they were drawn from."""
 
     draft_probs = True  # its proposals are sampled: the verifier reads q
-
-    @staticmethod
-    def proposal_len(spec: SpeculativeConfig, token_ids: list[int], k: int) -> int:
-        """Not known before the draft runs: all k."""
-        return k
+    drafts_at_scheduling = False  # it runs after scheduling, in the blocks reserved for all k
 
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats,
                  log: Callable[[str], None] = print) -> None:

@@ -208,14 +208,14 @@ class LLMEngine:
     def _prepare(self, out: SchedulerOutput) -> None:
         """What the scheduler decided that must happen before out's step runs: preemptions
         logged, a preempted row's draft K/V freed (its blocks are gone), drafts proposed for
-        the rows given room, and KV blocks swapped (the step may write where a swapped-out
-        block was)."""
+        the rows given room (by a proposer that runs after scheduling), and KV blocks
+        swapped (the step may write where a swapped-out block was)."""
         if out.preempted:
             self._log_preemptions(out)
         if self.proposer is not None:
             for seq in out.preempted:
                 self.proposer.free(seq)
-            if out.num_spec_tokens:
+            if out.num_spec_tokens and not self.proposer.drafts_at_scheduling:  # else schedule() took them
                 self._propose(out)
         if out.swap_out or out.swap_in:
             self.runner.swap(out.swap_out, out.swap_in)

@@ -40,7 +40,7 @@ from config import EngineConfig, SamplingParams, SLOTarget
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS
 from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
-from spec_decode import proposal_len_of
+from spec_decode import scheduling_drafter
 
 # The scheduler's global invariants (every slot owned once, no KV block leaked, blocks
 # cover every computed token) cost O(running + blocks in use) a step: at 256 sequences,
@@ -109,6 +109,9 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     speculates: bool = True
+    # token_array()'s buffer and how many tokens it holds: filled as tokens arrive.
+    _token_buf: np.ndarray | None = field(default=None, init=False, repr=False)
+    _num_buffered: int = field(default=0, init=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -126,6 +129,20 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_array(self) -> np.ndarray:
+        """all_token_ids as an int32 array (a view of a buffer kept on the sequence): a
+        read per step (ngram's lookup) copies only the tokens that arrived since the last,
+        as outputs are only ever appended."""
+        p, n, have, buf = len(self.prompt_token_ids), self.num_tokens, self._num_buffered, self._token_buf
+        if buf is None:  # room for the longest it may get: prompt + max_tokens
+            buf = self._token_buf = np.empty(p + self.params.max_tokens, np.int32)
+            buf[:p], have = self.prompt_token_ids, p
+        assert p <= have <= n <= len(buf) and (have == p or buf[have - 1] == self.output_token_ids[have - 1 - p]), \
+            "outputs are only appended, up to max_tokens"
+        buf[have:n] = self.output_token_ids[have - p:]
+        self._num_buffered = n
+        return buf[:n]
 
     @property
     def finished(self) -> bool:
@@ -215,7 +232,7 @@ class Scheduler:
         self._host_free = set(range(self.num_swap_blocks))  # free blocks of the host pool
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
         self.spec = config.speculative_config
-        self._proposal_len = proposal_len_of(self.spec) if self.spec is not None else None
+        self._drafter = scheduling_drafter(self.spec) if self.spec is not None else None
 
     # ---- requests ----------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
@@ -372,9 +389,10 @@ class Scheduler:
             and any(seq.speculates and seq.constraint is None for seq in self.running)
 
     def take_proposals(self, out: SchedulerOutput, proposals: list[list[int]], draft_probs: Any = None) -> None:
-        """The proposer's drafts for out's speculating rows (in their order): each row
-        keeps as many as it reserved room for, and gives back the budget's blocks it does
-        not use (a row with no draft is a plain decode)."""
+        """The proposer's drafts for out's speculating rows (in their order), for a proposer
+        that proposes after scheduling: each row keeps as many as it reserved room for, and
+        gives back the budget's blocks it does not use (a row with no draft is a plain decode)."""
+        assert self._drafter is None, "drafts known at scheduling are taken by schedule()"
         rows = [s for s in out.scheduled if s.spec_token_ids]
         assert len(proposals) == len(rows)
         bs = self.config.block_size
@@ -514,13 +532,18 @@ class Scheduler:
             num_out = len(seq.output_token_ids) + seq.num_output_placeholders
             # every emitted token within max_tokens and max_model_len
             k = min(spec_k, spare, seq.params.max_tokens - num_out, max_len - len(seq.prompt_token_ids) - num_out)
-            k = self._proposal_len(seq.all_token_ids, k) if k > 0 else k  # no room for what will not be proposed
+            if k <= 0:
+                continue
+            # Drafts known now are taken now (room for exactly them); else k zeros hold the
+            # room until take_proposals.
+            drafts = self._drafter(seq, k) if self._drafter is not None else [0] * k
+            k = len(drafts)
             need = blocks_needed(seq.num_computed_tokens + k, bs) - len(seq.block_table)
-            if k <= 0 or (need > 0 and not self.allocator.can_allocate(need)):
+            if k == 0 or (need > 0 and not self.allocator.can_allocate(need)):
                 continue
             if need > 0:
                 seq.block_table += self.allocator.allocate(seq.request_id, need)
-            s.num_new_tokens, s.spec_token_ids = 1 + k, [0] * k
+            s.num_new_tokens, s.spec_token_ids = 1 + k, drafts
             seq.num_computed_tokens += k
             spare -= k
             out.num_spec_tokens += k

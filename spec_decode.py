@@ -16,6 +16,10 @@ The proposer interface (a Protocol: ngram and the draft model share no code):
 
   __init__(config, target, stats)    config: the resolved EngineConfig; target: the
                                      target's LoadedModel (model.py); stats: EngineStats
+  drafts_at_scheduling: bool         its drafts are a pure function of a sequence's known
+                                     tokens: the scheduler takes them from draft() when it
+                                     reserves their room, and propose() is never called
+  draft(spec, seq, k) -> list[int]   (static; drafts_at_scheduling only) seq's up to k drafts
   weight_bytes() -> int              its device weights, counted before KV sizing
   kv_bytes_per_block() -> int        its KV bytes per block of block_size tokens (0: none);
                                      its cache has the target's block count and is indexed
@@ -23,8 +27,15 @@ The proposer interface (a Protocol: ngram and the draft model share no code):
                                      budget by target + draft bytes per block
   allocate(num_kv_blocks) -> None    allocate its KV cache (after sizing)
   warmup() -> None                   compile every program it runs; nothing compiles after
-  propose(seqs, k) -> Proposals      once per step, for the sequences verified in it
+  propose(seqs, k) -> Proposals      (not drafts_at_scheduling) once per step, after
+                                     scheduling, for the sequences verified in it
   free(seq) -> None                  seq was preempted (its blocks are gone) or finished
+
+Drafts known at scheduling time are what vLLM keeps on the request (`spec_token_ids`) for
+its scheduler to read: the scheduler reserves room for exactly them, once per row and
+step. A proposer that must run after scheduling (a draft model writes its own K/V into
+the blocks the scheduler allocates) gets all k reserved, and the scheduler trims each row
+to what propose() returned (Scheduler.take_proposals).
 
 propose() is called after every token of those sequences is known on the host (a step
 with proposals runs synchronously). For each seq the scheduler has already allocated
@@ -159,12 +170,13 @@ class Proposals:
 
 class Proposer(Protocol):
     draft_probs: bool  # its Proposals carry draft_probs (else the verifier takes q one-hot)
+    drafts_at_scheduling: bool  # draft() gives its drafts to the scheduler; propose() is never called
 
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats) -> None: ...
 
     @staticmethod
-    def proposal_len(spec: SpeculativeConfig, token_ids: list[int], k: int) -> int:
-        """How many of k tokens it will propose after token_ids, asked before it runs."""
+    def draft(spec: SpeculativeConfig, seq: Sequence, k: int) -> list[int]:
+        """drafts_at_scheduling only: seq's up to k drafts, from its known tokens."""
 
     def weight_bytes(self) -> int: ...
 
@@ -189,14 +201,16 @@ def create_proposer(config: EngineConfig, target: LoadedModel, stats: EngineStat
     return PROPOSERS[spec.method](config, target, stats)
 
 
-def proposal_len_of(spec: SpeculativeConfig) -> Callable[[list[int], int], int]:
-    """The function the scheduler asks, when it reserves budget and blocks, how many of the
-    k tokens a step may verify the proposer will propose for a sequence of known tokens, so
-    that a shorter proposal leaves the rest to the step's prompt chunks: the proposer's
-    own declaration (ngram reads host tokens and knows exactly; a draft model proposes k)."""
+def scheduling_drafter(spec: SpeculativeConfig) -> Callable[[Sequence, int], list[int]] | None:
+    """The function the scheduler calls, when it reserves a row's draft room, for the row's
+    up to k drafts when the proposer knows them before the step (drafts_at_scheduling:
+    ngram reads only host tokens), so it reserves exactly them and the rest goes to the
+    step's prompt chunks; None for a proposer that proposes after scheduling (a draft
+    model), for which the scheduler reserves all k."""
     assert spec.method is not None
     __import__(_PROPOSER_MODULES[spec.method])  # its import registers it
-    return partial(PROPOSERS[spec.method].proposal_len, spec)
+    cls = PROPOSERS[spec.method]
+    return partial(cls.draft, spec) if cls.drafts_at_scheduling else None
 
 
 @PROPOSERS.register("ngram")
@@ -204,22 +218,19 @@ class NgramProposer:
     """Prompt lookup (vLLM's ngram method): find the longest n-gram, n in
     [prompt_lookup_min, prompt_lookup_max], that ends the sequence's tokens (prompt and
     outputs) and occurs earlier in them; propose the (up to) k tokens that followed its
-    earliest occurrence. Host-only: no weights, no KV cache, nothing to compile."""
+    earliest occurrence. Host-only: no weights, no KV cache, nothing to compile; the
+    scheduler takes its drafts (draft()) when it reserves their room."""
 
     draft_probs = False
+    drafts_at_scheduling = True  # a pure function of the tokens so far
 
     @staticmethod
-    def proposal_len(spec: SpeculativeConfig, token_ids: list[int], k: int) -> int:
-        """Exactly what propose() will find (it reads the same host tokens)."""
+    def draft(spec: SpeculativeConfig, seq: Sequence, k: int) -> list[int]:
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        return len(ngram_lookup(np.asarray(token_ids, np.int64), spec.prompt_lookup_min, spec.prompt_lookup_max, k))
+        return ngram_lookup(seq.token_array(), spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats) -> None:
-        spec = config.speculative_config
-        assert spec is not None and spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        self.min_n, self.max_n = spec.prompt_lookup_min, spec.prompt_lookup_max
-        assert config.max_model_len is not None, "pass config.resolved(...)"
-        self.max_model_len = config.max_model_len
+        pass
 
     def weight_bytes(self) -> int:
         return 0
@@ -235,10 +246,6 @@ class NgramProposer:
 
     def free(self, seq: Sequence) -> None:
         pass
-
-    def propose(self, seqs: list[Sequence], k: int) -> Proposals:
-        return Proposals([ngram_lookup(np.asarray(s.all_token_ids, np.int64), self.min_n, self.max_n,
-                                       min(k, self.max_model_len - s.num_tokens)) for s in seqs])
 
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

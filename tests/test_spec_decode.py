@@ -217,6 +217,7 @@ class SpeculativeAllocatorMachine(RuleBasedStateMachine):
                            speculative_config={**spec, "num_speculative_tokens": k})
         self.s = Scheduler(cfg.resolved(max_model_len), num_blocks, (EOS,))
         self.seqs: list[Sequence] = []
+        self.ngram, self.k = ngram, k
 
     @rule(prompt_len=st.integers(1, 23), max_tokens=st.integers(1, 23), shared=st.booleans())
     def add(self, prompt_len, max_tokens, shared):
@@ -233,10 +234,16 @@ class SpeculativeAllocatorMachine(RuleBasedStateMachine):
         out = self.s.schedule()
         assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
         rows = [x for x in out.scheduled if x.spec_token_ids]
-        # mostly as many drafts as reserved, sometimes fewer (none: a plain decode) or more (cut)
-        proposals = [data.draw(st.lists(st.integers(3, 9), min_size=data.draw(st.integers(0, len(x.spec_token_ids) + 1)),
-                                        max_size=len(x.spec_token_ids) + 1)) for x in rows]
-        self.s.take_proposals(out, proposals)
+        if self.ngram:  # the scheduler took the lookup's drafts: those of a brute-force search
+            for x in rows:
+                want = brute_ngram(x.seq.all_token_ids, 1, 2, self.k)
+                assert list(x.spec_token_ids) == want[:len(x.spec_token_ids)], x.seq.request_id
+        else:
+            # mostly as many drafts as reserved, sometimes fewer (none: a plain decode) or more (cut)
+            proposals = [data.draw(st.lists(st.integers(3, 9),
+                                            min_size=data.draw(st.integers(0, len(x.spec_token_ids) + 1)),
+                                            max_size=len(x.spec_token_ids) + 1)) for x in rows]
+            self.s.take_proposals(out, proposals)
         for x in out.scheduled:  # blocks cover what the step computes, drafts included
             assert len(x.seq.block_table) * self.s.config.block_size >= x.seq.num_computed_tokens
         spec = {}
@@ -276,8 +283,10 @@ class SpeculativeAllocatorMachine(RuleBasedStateMachine):
             if not self.s.has_unfinished():
                 break
             out = self.s.schedule()
-            self.s.take_proposals(out, [[] for x in out.scheduled if x.spec_token_ids])
-            self.s.update(out, [7] * len(out.scheduled), {})
+            if not self.ngram:
+                self.s.take_proposals(out, [[] for x in out.scheduled if x.spec_token_ids])
+            self.s.update(out, [7] * len(out.scheduled), {i: [7] for i, x in enumerate(out.scheduled)
+                                                         if x.spec_token_ids})
         assert not self.s.has_unfinished(), "a request starved"
         assert self.s.allocator.num_used == 0
         assert all(q.finish_reason is not None for q in self.seqs)
@@ -498,36 +507,35 @@ def test_a_sequence_whose_drafts_keep_failing_stops_speculating():
 
 
 def test_ngram_reserves_only_what_it_proposes_and_a_prompt_chunk_takes_the_rest():
-    """The budget and blocks a short ngram proposal leaves go to a prompt chunk of the
-    same step (the lookup reads host tokens, so the scheduler asks it before budgeting)."""
-    from spec_decode import NgramProposer
-
+    """The scheduler takes ngram's drafts when it reserves their room (the lookup reads
+    host tokens): the budget and blocks a short proposal leaves go to a prompt chunk of
+    the same step, and nothing is left for the engine to propose."""
     cfg = EngineConfig(max_num_seqs=3, block_size=4, max_model_len=64, max_num_batched_tokens=10,
                        enable_chunked_prefill=True, enable_prefix_caching=False, speculative_config={
                            "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                            "prompt_lookup_max": 2}).resolved(64)
-    s, proposer = Scheduler(cfg, 64, (EOS,)), NgramProposer(cfg, None, None)
+    s = Scheduler(cfg, 64, (EOS,))
     s.add(Sequence("two", list(range(10, 17)), SamplingParams(max_tokens=20)))
     s.add(Sequence("none", list(range(20, 26)), SamplingParams(max_tokens=20)))
-    run_step(s, True)  # both prompts (13 tokens in steps of 10), no n-gram repeats yet
-    run_step(s, True)
+    sampled = iter([15, 16, 7])  # two's, two's, none's: 10..16, 15, 16 repeats [15, 16]
+    for _ in range(2):  # both prompts (13 tokens in steps of 10), no n-gram repeats yet
+        out = s.schedule()
+        assert not out.num_spec_tokens
+        s.update(out, [next(sampled) if x.samples else 0 for x in out.scheduled])
     two, none = (next(q for q in s.running if q.request_id == r) for r in ("two", "none"))
-    assert len(two.output_token_ids) == 2 and len(none.output_token_ids) == 1
-    two.output_token_ids[:] = [15, 16]  # 10..16, 15, 16: [15, 16] occurred before, followed by [15, 16]
+    assert two.output_token_ids == [15, 16] and none.output_token_ids == [7]
     s.add(Sequence("long", list(range(100, 130)), SamplingParams(max_tokens=1)))
     out = s.schedule()
     rows = {x.seq.request_id: x for x in out.scheduled}
-    assert {r: len(x.spec_token_ids) for r, x in rows.items()} == {"two": 2, "none": 0, "long": 0}
-    proposals = proposer.propose([two], 4).token_ids
-    assert proposals == [[15, 16]]
+    assert {r: list(x.spec_token_ids) for r, x in rows.items()} == {"two": [15, 16], "none": [], "long": []}
     # 1 + 2 for "two", 1 for "none": the prompt chunk has the other 6 of the budget of 10
     # (with all k reserved it had 10 - 5 - 5 = 0, and waited a step)
     assert rows["long"].num_new_tokens == 10 - 3 - 1
-    s.take_proposals(out, proposals)
     assert out.num_spec_tokens == 2 and sum(x.num_new_tokens for x in out.scheduled) == 10
     s.update(out, [7] * len(out.scheduled), {list(rows).index("two"): [15, 7]})
     s.check_invariants()
     assert two.output_token_ids == [15, 16, 15, 7]
+    assert two.token_array().tolist() == [*range(10, 17), 15, 16, 15, 7]
 
 
 # ---- the server's flag and metrics ------------------------------------------------------
