@@ -92,7 +92,8 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=d["max_position_embeddings"],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=token_ids(d.get("eos_token_id"), f"{source}: eos_token_id"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=token_ids(d.get("eos_token_id"), f"{source}: eos_token_id"),
             **family.options(d),
         )
 
