@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 import attention_backend
 from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
 from spec_decode import SpeculativeConfig
@@ -221,8 +223,8 @@ def _field_kinds() -> dict[str, tuple[object, ...]]:
 def _is_kind(value: object, kind: object) -> bool:
     if kind is type(None):
         return value is None
-    if kind is bool:
-        return isinstance(value, bool)
+    if kind is bool:  # numpy's too
+        return isinstance(value, (bool, np.bool_))
     if kind is int:  # numpy integers too; True is not a count
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if kind is float:
@@ -241,6 +243,8 @@ def _check_field_types(config: EngineConfig) -> None:
             raise ValueError(f"{name} must be {want}, got {value!r}")
         if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
             object.__setattr__(config, name, int(value))  # a numpy integer: plain int, as the CLI gives
+        elif isinstance(value, np.bool_):
+            object.__setattr__(config, name, bool(value))
 
 
 @dataclass(frozen=True)

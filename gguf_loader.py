@@ -161,7 +161,8 @@ def read_gguf(path: str) -> GGUFCheckpoint:
                                  "tokenizer.ggml.eom_token_id") if get(k, int, None) is not None]
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = get(f"{arch}.vocab_size", int, None) or (len(tokens.data) if tokens is not None else None)
-    window = get(f"{arch}.attention.sliding_window", int, None)
+    # llama.cpp writes 0 for "no sliding window"
+    window = get(f"{arch}.attention.sliding_window", int, None) or None
     hf = {
         "model_type": family.model_type,
         "vocab_size": vocab if vocab is not None else reader.get_tensor(0).shape[-1],

@@ -268,6 +268,19 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any, kv_c
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * per_head
 
 
+def device_memory_bytes() -> int:
+    """The first device's memory: its allocator's limit on an accelerator (0 if it reports
+    none), the host's RAM on CPU."""
+    import os
+
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int((dev.memory_stats() or {}).get("bytes_limit", 0))
+
+
 def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight_bytes: int,
                       activation_bytes: int = 0, extra_bytes_per_block: int = 0) -> int:
     """Total blocks (null block included) for a resolved config, from the first knob set:
@@ -280,18 +293,18 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
     # below (--kv-cache-memory, --gpu-memory-utilization, weight_bytes) are per device too.
     per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype, config.kv_cache_dtype) // config.tensor_parallel_size
     per_block += extra_bytes_per_block
+    have = device_memory_bytes()
     if config.num_kv_blocks is not None:
         num, source = config.num_kv_blocks, f"--num-kv-blocks {config.num_kv_blocks}"
     elif config.kv_cache_memory is not None:
         num = config.kv_cache_memory // per_block + 1
         source = f"--kv-cache-memory {config.kv_cache_memory} bytes"
     elif (dev := jax.devices()[0]).platform != "cpu":
-        stats = dev.memory_stats() or {}
-        if "bytes_limit" not in stats:
+        if not have:
             raise ValueError(f"{dev.platform} reports no memory limit: pass --kv-cache-memory or --num-kv-blocks")
-        budget = int(config.gpu_memory_utilization * stats["bytes_limit"]) - weight_bytes - activation_bytes
+        budget = int(config.gpu_memory_utilization * have) - weight_bytes - activation_bytes
         num = max(budget, 0) // per_block  # the null block comes out of the same memory
-        source = (f"--gpu-memory-utilization {config.gpu_memory_utilization} of {stats['bytes_limit'] / 2**30:.1f} "
+        source = (f"--gpu-memory-utilization {config.gpu_memory_utilization} of {have / 2**30:.1f} "
                   f"GiB minus {weight_bytes / 2**30:.2f} GiB of weights and {activation_bytes / 2**30:.2f} GiB "
                   "of activations")
     else:
@@ -302,6 +315,13 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
         num = budget + 1
         source = (f"the CPU default of {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB (set --kv-cache-memory or "
                   "--num-kv-blocks)")
+    explicit = config.num_kv_blocks is not None or config.kv_cache_memory is not None
+    if explicit and have and num * per_block + weight_bytes + activation_bytes > have:
+        # Refused before it is allocated: past this point it is an out-of-memory error from deep
+        # inside the allocator, or a host killed for memory (a budget fits by construction).
+        raise ValueError(f"{source}: a KV cache of {num} blocks takes {num * per_block / 2**30:.2f} GiB, which "
+                         f"with {weight_bytes / 2**30:.2f} GiB of weights does not fit in the device's "
+                         f"{have / 2**30:.2f} GiB; lower it")
     need = config.max_blocks_per_seq
     if num - 1 < need:
         raise ValueError(f"the KV cache budget ({source}) gives {max(num - 1, 0)} usable blocks of "

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from attention_backend import AttentionBackend
-from hf_config import check_hf_config, check_llama3_rope, generation_eos_ids, read_json
+from hf_config import check_hf_config, check_llama3_rope, generation_eos_ids, read_json, token_ids
 from kernels_pallas import QuantizedKV, quantize_kv
 from quant import GGUFBlocks, QuantLinear, WeightQuant, encode, weight_quant_for
 from tokenizer import ByteTokenizer, gguf_tokenizer, load_tokenizer
@@ -71,11 +71,13 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """From a Hugging Face config.json dict; raises ValueError on what we do not run."""
-        check_hf_config(d, source)
-        family = FAMILIES.get(d.get("model_type"))
-        if family is None:
-            raise ValueError(f"unsupported model_type {d.get('model_type')!r} (architectures={d.get('architectures')}); "
+        # The family first: an unsupported one (Gemma3's text_config, Mllama) lacks the fields checked next
+        model_type = d.get("model_type") if isinstance(d, dict) else None
+        if isinstance(d, dict) and not (isinstance(model_type, str) and model_type in FAMILIES):
+            raise ValueError(f"unsupported model_type {model_type!r} (architectures={d.get('architectures')}); "
                              f"supported: {', '.join(FAMILIES)}")
+        check_hf_config(d, source)
+        family = FAMILIES[d["model_type"]]
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
         if d.get("mlp_bias"):
@@ -90,7 +92,8 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=d["max_position_embeddings"],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=_id_tuple(d.get("eos_token_id")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=token_ids(d.get("eos_token_id"), f"{source}: eos_token_id"),
             **family.options(d),
         )
 
@@ -149,10 +152,6 @@ register_family(Family("llama", llama_options, gguf_arch="llama", gguf_qk_permut
 register_family(Family("mistral", llama_options))  # Mistral's GGUF files say "llama"
 register_family(Family("qwen2", qwen2_options, gguf_arch="qwen2"))
 register_family(Family("qwen3", qwen3_options, gguf_arch="qwen3"))
-
-
-def _id_tuple(x: int | list[int] | None) -> tuple[int, ...]:
-    return () if x is None else (x,) if isinstance(x, int) else tuple(x)
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ...] | None]:

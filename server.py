@@ -778,7 +778,8 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     try:
-        socket.getaddrinfo(args.host, args.port)
+        # "" binds every interface (asyncio, aiohttp and vLLM alike), as a passive lookup of None does
+        socket.getaddrinfo(args.host or None, args.port, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         parser.error(f"--host {args.host!r} does not resolve: {e}")
     # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.

@@ -72,10 +72,6 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
                                    proposer.kv_bytes_per_block() if proposer else 0)
     if config.num_processes > 1:  # every process's cache has process 0's shape
         num_blocks = distributed.StepChannel().share_int("num_kv_blocks", num_blocks)
-    check_kv_fits(config, num_blocks, kv_cache_bytes_per_block(loaded.config, config.block_size, loaded.dtype,
-                                                                config.kv_cache_dtype) // config.tensor_parallel_size
-                  + (proposer.kv_bytes_per_block() if proposer else 0),
-                  weight_bytes + (proposer.weight_bytes() if proposer else 0))
     stats.num_kv_blocks = num_blocks - 1
     stats.kv_cache_dtype = np.dtype(loaded.dtype).name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
@@ -118,31 +114,6 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
         # the other processes wait for steps until process 0 says it is done
         atexit.register(runner.stop_followers)
     return EngineParts(config, loaded, scheduler, runner, stats, num_blocks, proposer)
-
-
-def device_memory_bytes() -> int:
-    """The first device's memory: its allocator's limit on an accelerator, the host's RAM on CPU."""
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int((dev.memory_stats() or {}).get("bytes_limit", 0))
-
-
-def check_kv_fits(config: EngineConfig, num_blocks: int, bytes_per_block: int, weight_bytes: int) -> None:
-    """An explicit --num-kv-blocks or --kv-cache-memory whose cache cannot fit next to the
-    weights is refused here, naming the flag, before it is allocated: past this point it
-    is an out-of-memory error from deep inside the allocator, or a host killed for memory.
-    (--gpu-memory-utilization sizes the cache to fit by construction.)"""
-    if config.num_kv_blocks is None and config.kv_cache_memory is None:
-        return
-    have = device_memory_bytes()
-    need = num_blocks * bytes_per_block
-    if have and need + weight_bytes > have:
-        flag = (f"--num-kv-blocks {config.num_kv_blocks}" if config.num_kv_blocks is not None
-                else f"--kv-cache-memory {config.kv_cache_memory}")
-        raise ValueError(f"{flag}: a KV cache of {num_blocks} blocks takes {need / 2**30:.2f} GiB, which with "
-                         f"{weight_bytes / 2**30:.2f} GiB of weights does not fit in the device's "
-                         f"{have / 2**30:.2f} GiB; lower it")
 
 
 def use_compilation_cache(path: str | None) -> None:

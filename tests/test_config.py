@@ -5,26 +5,28 @@ ValueError (or the parser's exit 2) naming the option, before any model is loade
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 
 import config_file
 import server
-import startup
+import kvcache
 from config import EngineConfig
 
 
 @pytest.mark.parametrize("kwargs, says", [
     (dict(max_num_seqs=2.5), "max_num_seqs must be an integer"),
     (dict(max_num_seqs=True), "max_num_seqs must be an integer"),  # True is not a count
-    (dict(block_size=16.0), "block_size must be an integer"),  # was a TypeError from `&`
-    (dict(block_size=512), "block_size must be a power of two up to 256"),  # was a 32 GiB cache for tiny
+    (dict(block_size=16.0), "block_size must be an integer"),  # else a TypeError from `&`, naming nothing
+    (dict(block_size=512), "block_size must be a power of two up to 256"),  # else a 32 GiB cache for tiny
     (dict(max_model_len=1.5), "max_model_len must be an integer or None"),
     (dict(num_kv_blocks=2.5), "num_kv_blocks must be an integer or None"),
     (dict(kv_cache_memory=float("nan")), "kv_cache_memory must be an integer or None"),
     (dict(gpu_memory_utilization=float("inf")), "gpu_memory_utilization must be a finite number"),
-    (dict(seed=2**70), "seed must be a 64-bit integer"),  # was an OverflowError inside JAX's PRNG
+    (dict(seed=2**70), "seed must be a 64-bit integer"),  # else an OverflowError inside JAX's PRNG
     (dict(seed=1.5), "seed must be an integer"),
     (dict(warmup="yes"), "warmup must be a boolean"),
     (dict(enable_chunked_prefill="no"), "enable_chunked_prefill must be a boolean"),
@@ -38,24 +40,31 @@ def test_a_bad_engine_option_is_a_value_error_naming_it(kwargs, says):
         EngineConfig(**kwargs)
 
 
-def test_numpy_integers_are_integers_and_become_plain_ints():
+def test_numpy_integers_and_bools_are_accepted_and_become_plain_python_values():
     c = EngineConfig(max_num_seqs=np.int64(4), block_size=np.int32(8))
     assert (c.max_num_seqs, c.block_size) == (4, 8) and type(c.max_num_seqs) is int and hash(c)
+    c = EngineConfig(warmup=np.bool_(False), enable_prefix_caching=np.bool_(True))
+    assert type(c.warmup) is bool and c.warmup is False and c.enable_prefix_caching is True and hash(c)
     assert EngineConfig(swap_space=1e6).swap_space == 1e6  # no host pool under recompute: no limit
 
 
 def test_an_explicit_kv_cache_that_cannot_fit_is_refused_naming_the_flag_before_allocation():
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the CPU "device" is the host
-    assert startup.device_memory_bytes() == host
-    per_block = 8192
-    fits = host // 4 // per_block
-    startup.check_kv_fits(EngineConfig(num_kv_blocks=fits), fits, per_block, 0)
+    have = kvcache.device_memory_bytes()
+    if jax.default_backend() == "cpu":  # the CPU "device" is the host
+        assert have == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    model = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=4, head_dim=8)  # what sizing reads
+    per_block = kvcache.kv_cache_bytes_per_block(model, 16, np.float32)
+
+    def blocks(**kw) -> int:
+        config = EngineConfig(max_model_len=256, **kw).resolved(4096)
+        return kvcache.num_kv_blocks_for(config, model, np.float32, weight_bytes=have // 8)
+
+    fits = have // 4 // per_block
+    assert blocks(num_kv_blocks=fits) == fits
     with pytest.raises(ValueError, match=r"--num-kv-blocks \d+: a KV cache of \d+ blocks takes .* GiB"):
-        startup.check_kv_fits(EngineConfig(num_kv_blocks=fits * 8), fits * 8, per_block, 0)
+        blocks(num_kv_blocks=fits * 4)  # with the weights, past the device's memory
     with pytest.raises(ValueError, match="--kv-cache-memory"):
-        startup.check_kv_fits(EngineConfig(kv_cache_memory=2 * host), 2 * host // per_block, per_block, 0)
-    # --gpu-memory-utilization sizes the cache to fit: nothing to check
-    startup.check_kv_fits(EngineConfig(), 10 * host // per_block, per_block, 0)
+        blocks(kv_cache_memory=have)
 
 
 def test_server_refuses_an_unusable_port_or_host_before_loading_the_model(capsys):
@@ -64,6 +73,11 @@ def test_server_refuses_an_unusable_port_or_host_before_loading_the_model(capsys
         with pytest.raises(SystemExit) as exit_:  # model "/nowhere" would fail later: these come first
             server.main(["--model", "/nowhere", *flags])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
+    # "" is every interface (asyncio, aiohttp, vLLM): it resolves, and the model is what fails
+    with pytest.raises(SystemExit) as exit_:
+        server.main(["--model", "/nowhere", "--host", ""])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "does not resolve" not in err and "/nowhere" in err
 
 
 # ---- --config FILE ------------------------------------------------------------------

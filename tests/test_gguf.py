@@ -4,6 +4,7 @@ permutation, quantized tensors) loads back into the same network, and the built-
 
 from __future__ import annotations
 
+import json
 import os
 import zipfile
 from typing import Any, Callable
@@ -176,27 +177,27 @@ def _f32(v: float) -> tuple[float, Any]:
 
 
 @pytest.mark.parametrize("metadata, says", [
-    # wrong value types: were int("4") (read as 4) or int(4.5) (read as 4), or a TypeError
+    # wrong value types: int() would read "4" or 4.5 as 4, and other types fail with a TypeError
     ({"llama.attention.head_count": _str("4")}, "llama.attention.head_count must be an integer, got '4'"),
     ({"llama.attention.head_count": _f32(4.5)}, "llama.attention.head_count must be an integer, got 4.5"),
     ({"llama.vocab_size": _str("300")}, "llama.vocab_size must be an integer"),
     ({"tokenizer.ggml.eos_token_id": _str("2")}, "tokenizer.ggml.eos_token_id must be an integer"),
     ({"llama.attention.layer_norm_rms_epsilon": _str("x")}, "layer_norm_rms_epsilon must be a number"),
     ({"general.architecture": _u32(1)}, "general.architecture must be a string"),
-    # missing keys: were TypeError: int() argument must be ... not 'NoneType'
+    # missing keys: int(None) would be a TypeError that names no key
     ({"llama.attention.head_count": None}, "the GGUF metadata lacks llama.attention.head_count"),
     ({"llama.context_length": None}, "lacks llama.context_length"),
     ({"llama.block_count": None}, "lacks llama.block_count"),
-    # out of range: was ZeroDivisionError
+    # out of range: a ZeroDivisionError or a shape error while building the model
     ({"llama.attention.head_count": _u32(0)}, "num_attention_heads must be an integer >= 1, got 0"),
     ({"llama.attention.head_count_kv": _u32(3)}, "num_key_value_heads \\(3\\) must divide"),
     ({"llama.attention.key_length": _u32(15)}, "head_dim \\(15\\) must be even"),
     ({"tokenizer.ggml.eos_token_id": _u32(10**6)}, "eos_token_id \\[1000000\\] is outside the vocabulary"),
-    # silently ignored before, so the model computed something else
+    # ignored, the model would compute something other than what it was trained to
     ({"llama.rope.scaling.factor": _f32(4.0)}, "llama.rope.scaling.factor = 4.0\\) is not supported"),
     ({"llama.rope.scaling.type": _str("yarn")}, "GGUF RoPE scaling 'yarn' is not supported"),
     ({"llama.attention.value_length": _u32(32)}, "value_length \\(32\\) differs from the key length \\(16\\)"),
-    # a tokenizer model without its vocabulary: was KeyError 'tokens'
+    # a tokenizer model without its vocabulary: a KeyError 'tokens' otherwise
     ({"tokenizer.ggml.model": _str("gpt2")}, "tokenizer metadata does not describe a usable tokenizer"),
 ])
 def test_gguf_metadata_of_the_wrong_type_missing_or_out_of_range_is_an_error_naming_it(hf_checkpoint, tmp_path,
@@ -208,7 +209,7 @@ def test_gguf_metadata_of_the_wrong_type_missing_or_out_of_range_is_an_error_nam
 
 def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_naming_them(hf_checkpoint, tmp_path):
     path = hf_checkpoint("llama2")
-    # q rows that are not heads x head_dim: was "cannot reshape array of size 3840 into shape (4,7,2,64)"
+    # q rows that are not heads x head_dim: otherwise a reshape error that names no tensor
     f = write_gguf(path, str(tmp_path / "q.gguf"), tensor_edit={"blk.0.attn_q.weight": lambda x: x[:60]})
     with pytest.raises(ValueError, match="'blk.0.attn_q.weight' has 60 rows, but the metadata says 4 heads of 16"):
         load_model(f, log=lambda *_: None)
@@ -226,8 +227,14 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
 
 
 def test_a_gguf_sliding_window_caps_max_model_len_as_a_config_json_does(hf_checkpoint, tmp_path):
-    """Was ignored: the engine attended past the window the model was trained with."""
+    """Ignored, the engine would attend past the window the model was trained with; a
+    window of 0 is llama.cpp's "none" and leaves the model's own context."""
     f = write_gguf(hf_checkpoint("llama2"), str(tmp_path / "w.gguf"),
                    metadata={"llama.attention.sliding_window": _u32(64)})
     cfg = load_model(f, log=lambda *_: None).config
     assert cfg.sliding_window == 64 and cfg.max_model_len == 64
+    f = write_gguf(hf_checkpoint("llama2"), str(tmp_path / "w0.gguf"),
+                   metadata={"llama.attention.sliding_window": _u32(0)})
+    cfg = load_model(f, log=lambda *_: None).config
+    context = json.load(open(os.path.join(hf_checkpoint("llama2"), "config.json")))["max_position_embeddings"]
+    assert cfg.sliding_window is None and cfg.max_model_len == context

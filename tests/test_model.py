@@ -169,6 +169,12 @@ def test_config_from_hf_variants():
     assert ModelConfig.from_hf(qwen).sliding_window is None  # use_sliding_window defaults to off
     on = ModelConfig.from_hf({**qwen, "use_sliding_window": True})
     assert on.sliding_window == 1024 and on.max_model_len == 1024 and on.attention_bias and not on.o_proj_bias
+    # an unsupported family names its model_type, not a field it lacks: Gemma3 and Mllama keep
+    # theirs in a nested text_config
+    gemma3 = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": {"model_type": "gemma3_text", "hidden_size": 2560}, "vision_config": {}}
+    with pytest.raises(ValueError, match="unsupported model_type 'gemma3'"):
+        ModelConfig.from_hf(gemma3)
     for bad, msg in [({"model_type": "gpt2"}, "unsupported model_type"),
                      ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "unsupported RoPE type 'yarn'"),
                      ({"hidden_act": "gelu"}, "unsupported hidden_act")]:
@@ -184,7 +190,8 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
 
 
 @pytest.mark.parametrize("change, says", [
-    # each was a KeyError, ZeroDivisionError, TypeError or a JAX shape error, or was loaded as given
+    # each would be a KeyError, ZeroDivisionError, TypeError or a JAX shape error, or load a model that
+    # computes something else
     (dict(num_attention_heads=None), "num_attention_heads is missing"),
     (dict(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
     (dict(num_attention_heads=-2), "num_attention_heads must be an integer >= 1"),
@@ -223,7 +230,7 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(torch_dtype=5), "torch_dtype must be one of"),
     (dict(architectures=["LlamaForSequenceClassification"]), "names no causal language model"),
     (dict(architectures="LlamaForCausalLM"), "architectures must be a list of class names"),
-    # was "unexpected tensor '...qweight'", found only while reading the tensors
+    # its tensors (qweight, scales) are not float weights: refused before any is read
     (dict(quantization_config=dict(quant_method="awq", bits=4)), "pre-quantized checkpoint .*'awq'"),
 ])
 def test_config_json_values_are_checked_where_they_enter(change, says):
@@ -239,6 +246,79 @@ def test_the_fields_of_the_hostile_table_load_at_their_sane_values():
     ok = ModelConfig.from_hf({**_HF, "eos_token_id": [9, 2], "rope_parameters": _LLAMA3, "sliding_window": 64,
                               "architectures": None, "dtype": "float16", "head_dim": 6})
     assert ok.eos_token_ids == (9, 2) and ok.rope_scaling is not None and ok.max_model_len == 64 and ok.head_dim == 6
+
+
+# Published config.json files (the fields from_hf reads, as their authors wrote them): the
+# checks must refuse none of these real checkpoints.
+_LLAMA32_1B_INSTRUCT = dict(  # meta-llama/Llama-3.2-1B-Instruct
+    architectures=["LlamaForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=128000,
+    eos_token_id=[128001, 128008, 128009], head_dim=64, hidden_act="silu", hidden_size=2048,
+    initializer_range=0.02, intermediate_size=8192, max_position_embeddings=131072, mlp_bias=False,
+    model_type="llama", num_attention_heads=32, num_hidden_layers=16, num_key_value_heads=8, pretraining_tp=1,
+    rms_norm_eps=1e-05, rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                                          original_max_position_embeddings=8192, rope_type="llama3"),
+    rope_theta=500000.0, tie_word_embeddings=True, torch_dtype="bfloat16", use_cache=True, vocab_size=128256)
+_QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B
+    architectures=["Qwen2ForCausalLM"], attention_dropout=0.0, bos_token_id=151643, eos_token_id=151643,
+    hidden_act="silu", hidden_size=896, initializer_range=0.02, intermediate_size=4864,
+    max_position_embeddings=32768, max_window_layers=24, model_type="qwen2", num_attention_heads=14,
+    num_hidden_layers=24, num_key_value_heads=2, rms_norm_eps=1e-06, rope_theta=1000000.0, sliding_window=32768,
+    tie_word_embeddings=True, torch_dtype="bfloat16", use_cache=True, use_mrope=False, use_sliding_window=False,
+    vocab_size=151936)
+_QWEN3_06B = dict(  # Qwen/Qwen3-0.6B
+    architectures=["Qwen3ForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+    eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=1024, initializer_range=0.02,
+    intermediate_size=3072, max_position_embeddings=40960, max_window_layers=28, model_type="qwen3",
+    num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
+    rope_theta=1000000, sliding_window=None, tie_word_embeddings=True, torch_dtype="bfloat16", use_cache=True,
+    use_sliding_window=False, vocab_size=151936)
+_MISTRAL_7B_V03 = dict(  # mistralai/Mistral-7B-v0.3
+    architectures=["MistralForCausalLM"], attention_dropout=0.0, bos_token_id=1, eos_token_id=2, hidden_act="silu",
+    hidden_size=4096, initializer_range=0.02, intermediate_size=14336, max_position_embeddings=32768,
+    model_type="mistral", num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8, rms_norm_eps=1e-05,
+    rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True,
+    vocab_size=32768)
+_MISTRAL_7B_V01 = dict(  # mistralai/Mistral-7B-v0.1
+    architectures=["MistralForCausalLM"], bos_token_id=1, eos_token_id=2, hidden_act="silu", hidden_size=4096,
+    initializer_range=0.02, intermediate_size=14336, max_position_embeddings=32768, model_type="mistral",
+    num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8, rms_norm_eps=1e-05, rope_theta=10000.0,
+    sliding_window=4096, tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True, vocab_size=32000)
+_TINYLLAMA_3T = dict(  # TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T
+    architectures=["LlamaForCausalLM"], attention_bias=False, bos_token_id=1, eos_token_id=2, hidden_act="silu",
+    hidden_size=2048, initializer_range=0.02, intermediate_size=5632, max_position_embeddings=2048,
+    model_type="llama", num_attention_heads=32, num_hidden_layers=22, num_key_value_heads=4, pretraining_tp=1,
+    rms_norm_eps=1e-05, rope_scaling=None, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32",
+    use_cache=True, vocab_size=32000)
+# Llama-3.2-1B-Instruct as transformers 5 writes it: `dtype`, and rope_theta inside rope_parameters.
+_LLAMA32_1B_TRANSFORMERS5 = {
+    **{k: v for k, v in _LLAMA32_1B_INSTRUCT.items() if k not in ("rope_scaling", "rope_theta", "torch_dtype")},
+    "dtype": "bfloat16", "pad_token_id": None,
+    "rope_parameters": dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                            original_max_position_embeddings=8192, rope_theta=500000.0, rope_type="llama3")}
+
+
+@pytest.mark.parametrize("d, want", [
+    # (architecture, kv heads, head_dim, rope_theta, llama3 rope?, sliding_window, max_model_len, eos, tied)
+    (_LLAMA32_1B_INSTRUCT, ("llama", 8, 64, 5e5, True, None, 131072, (128001, 128008, 128009), True)),
+    (_QWEN25_05B, ("qwen2", 2, 64, 1e6, False, None, 32768, (151643,), True)),
+    (_QWEN3_06B, ("qwen3", 8, 128, 1e6, False, None, 40960, (151645,), True)),
+    (_MISTRAL_7B_V03, ("mistral", 8, 128, 1e6, False, None, 32768, (2,), False)),
+    (_MISTRAL_7B_V01, ("mistral", 8, 128, 1e4, False, 4096, 4096, (2,), False)),
+    (_TINYLLAMA_3T, ("llama", 4, 64, 1e4, False, None, 2048, (2,), False)),
+    (_LLAMA32_1B_TRANSFORMERS5, ("llama", 8, 64, 5e5, True, None, 131072, (128001, 128008, 128009), True)),
+], ids=["llama3.2-1b", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-v0.3", "mistral-v0.1", "tinyllama-fp32",
+        "transformers5"])
+def test_published_config_json_files_load(d, want):
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.architecture, cfg.num_key_value_heads, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling is not None,
+            cfg.sliding_window, cfg.max_model_len, cfg.eos_token_ids, cfg.tie_word_embeddings) == want
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.bos_token_id) == (d["vocab_size"], d["num_hidden_layers"],
+                                                                         d["bos_token_id"])
+    # as the installed transformers' config class rewrites it (5.x: dtype, rope_parameters): the same model
+    import transformers
+
+    hf_class = dict(llama="LlamaConfig", qwen2="Qwen2Config", qwen3="Qwen3Config", mistral="MistralConfig")
+    assert ModelConfig.from_hf(getattr(transformers, hf_class[cfg.architecture])(**d).to_dict()) == cfg
 
 
 def test_checkpoint_files_that_are_not_what_they_claim_are_errors_naming_the_file(hf_checkpoint, tmp_path):
@@ -261,7 +341,7 @@ def test_checkpoint_files_that_are_not_what_they_claim_are_errors_naming_the_fil
     data = (cut / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="cut/model.safetensors is not a readable safetensors file"):
-        load_model(str(cut))  # was safetensors' own SafetensorError, which the server did not catch
+        load_model(str(cut))  # safetensors' own SafetensorError is no ValueError: the server would not catch it
 
 
 @pytest.mark.parametrize("eos, ids", [(3, (2, 3)), ([3, 4], (2, 3, 4)), (None, (2,)), ("absent", (2,)),

@@ -140,8 +140,8 @@ def test_offline_refuses_an_invalid_constraint_before_anything_is_queued(tiny):
 
 
 def test_a_schema_nested_past_the_json_codec_is_a_value_error():
-    """Was a RecursionError out of SamplingParams' constructor (offline; the server's body
-    check stops such nesting first)."""
+    """Otherwise a RecursionError out of SamplingParams' constructor (offline; the server's
+    body check stops such nesting first)."""
     schema: dict = {"type": "string"}
     for _ in range(1000):
         schema = {"type": "array", "items": schema}
@@ -151,8 +151,8 @@ def test_a_schema_nested_past_the_json_codec_is_a_value_error():
 
 
 def test_a_constraint_that_cannot_start_is_refused_at_compile_not_answered(tiny):
-    """A regex whose language is empty: llguidance fails on its first mask. It was
-    compiled, admitted and answered with EOS alone (finish_reason "stop", empty text)."""
+    """A regex whose language is empty: llguidance fails on its first mask, so admitted it
+    would be answered with EOS alone (finish_reason "stop", empty text), a silent wrong answer."""
     with pytest.raises(ValueError, match="invalid regex"):
         tiny.generate([[1, 2]], SamplingParams(max_tokens=4, structured_outputs=SO(regex="[^\\x00-\\U0010FFFF]")))
     assert not tiny.engine.has_unfinished()
