@@ -241,7 +241,10 @@ class EngineStats:
                 if seq.first_scheduled_time is None:  # its first step: it stops queueing
                     seq.first_scheduled_time = scheduled_at
                     self.request_queue_time.observe(scheduled_at - seq.arrival_time)
-                    if config.enable_prefix_caching:  # as vLLM: a request's first admission only
+                    # As vLLM: a request's first admission only, and never one asking
+                    # prompt_logprobs (it may not read the cache: every prompt position's
+                    # logits are computed), whose lookup would count as a miss.
+                    if config.enable_prefix_caching and seq.params.prompt_logprobs is None:
                         self.prefix_cache_queries += seq.num_prompt_tokens
                         self.prefix_cache_hits += seq.num_cached_tokens
                 if not sch.samples:
