@@ -226,7 +226,9 @@ class EngineStats:
             self.swap_fallbacks += out.num_swap_fallbacks
             if out.scheduled:  # an empty step (a static batch released after an abort) ran nothing
                 self.num_steps += 1
-                self.num_decode_steps += out.is_decode_only
+                # No prompt tokens, as the counter says: a step verifying drafts is a decode
+                # step too (is_decode_only, the runner's program choice, excludes it).
+                self.num_decode_steps += out.num_prefill_tokens == 0
                 self.useful_slot_steps += len(out.scheduled)
                 self.total_slot_steps += config.max_num_seqs
                 self.prefill_tokens += out.num_prefill_tokens
