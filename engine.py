@@ -293,7 +293,8 @@ class LLMEngine:
         accepted, released = outcome.accepted, outcome.finished
         self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config)
         self._refresh_gauges()
-        if self.trace is not None and out.scheduled:
+        # A step that only preempted (nothing ran) is kept too: the trace shows every preemption.
+        if self.trace is not None and (out.scheduled or out.preempted):
             self.trace.append(StepTrace.of(self.stats.num_steps, out, accepted, released,
                                            self.scheduler.num_running, self.scheduler.num_waiting))
         deltas: list[RequestOutputDelta] = []

@@ -78,7 +78,8 @@ class Histogram:
 class StepTrace:
     """One step as the scheduler decided it: what tests and researchers read to see
     who was in the batch, who left, who joined (LLMEngine(record_trace=True) and
-    bench/simulate.py keep one per step)."""
+    bench/simulate.py keep one per step). A step that ran nothing but preempted (a lone
+    sequence giving up its blocks) is kept too, numbered as the step before it."""
 
     step: int
     scheduled: list[tuple[str, int]]  # (request id, tokens computed for it this step)

@@ -172,3 +172,21 @@ def test_the_swap_pool_is_counted_in_the_caches_own_bytes_and_swap_needs_an_admi
     assert llm.engine.scheduler.num_swap_blocks > 3 * (2**20 // kv_cache_bytes_per_block(cfg, 16, dtype))
     with pytest.raises(ValueError, match="never preempts"):
         EngineConfig(model="tiny", preemption_mode="swap", kv_admission="reserve")
+
+
+def test_the_trace_shows_a_preemption_made_in_a_step_that_ran_nothing():
+    """Static batching with a tight cache: a lone sequence gives up its blocks in a step
+    that then runs nothing. The trace keeps that step, so its preemptions are the log's
+    and the counter's, per request too."""
+    lines: list[str] = []
+    llm = LLM("tiny", log=lines.append, record_trace=True, warmup=False, scheduling="static", max_num_seqs=4,
+              max_model_len=128, max_num_batched_tokens=64, num_kv_blocks=14)
+    rng = np.random.default_rng(0)
+    ps = [rng.integers(3, 250, int(rng.integers(10, 60))).tolist() for _ in range(6)]
+    outs = llm.generate(ps, [greedy(int(m)) for m in rng.integers(5, 60, 6)])
+    trace = llm.engine.trace
+    assert any(t.preempted and not t.scheduled for t in trace), "the workload has a step that only preempted"
+    logged = [x.split()[1] for x in lines if x.startswith("preempted ")]
+    traced = [rid for t in trace for rid in t.preempted]
+    assert traced == logged and len(traced) == llm.stats.num_preemptions
+    assert {o.request_id: o.num_preemptions for o in outs} == {o.request_id: traced.count(o.request_id) for o in outs}
