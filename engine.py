@@ -289,6 +289,8 @@ class LLMEngine:
             out = dataclasses.replace(out, scheduled=[s for s in out.scheduled if id(s) not in dropped],
                                       num_decode_tokens=out.num_decode_tokens - dec,
                                       num_prefill_tokens=out.num_prefill_tokens - pre,
+                                      num_recomputed_tokens=out.num_recomputed_tokens
+                                      - sum(s.num_recomputed for s in outcome.discarded),
                                       num_spec_tokens=out.num_spec_tokens - drafts)
         accepted, released = outcome.accepted, outcome.finished
         self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config)
@@ -392,6 +394,7 @@ class LLMEngine:
         out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
         out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)
         out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens - out.num_spec_tokens
+        out.num_recomputed_tokens = sum(s.num_recomputed for s in ok)
         logprobs = None
         if any(lp is not None for lp in lps):
             z = (np.zeros(1, np.float32), np.zeros((1, MAX_LOGPROBS), np.int32), np.zeros((1, MAX_LOGPROBS), np.float32))

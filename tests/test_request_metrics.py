@@ -190,3 +190,44 @@ def test_the_trace_shows_a_preemption_made_in_a_step_that_ran_nothing():
     traced = [rid for t in trace for rid in t.preempted]
     assert traced == logged and len(traced) == llm.stats.num_preemptions
     assert {o.request_id: o.num_preemptions for o in outs} == {o.request_id: traced.count(o.request_id) for o in outs}
+
+
+def recomputed_in_trace(trace) -> int:
+    """The recompute tax read off a trace (no prefix cache, no speculation): each request's
+    positions are computed in order from 0 again after each preemption; a position below the
+    highest one reached before is computed again."""
+    pos: dict[str, int] = {}
+    high: dict[str, int] = {}
+    again = 0
+    for t in trace:
+        for rid in t.preempted:
+            high[rid], pos[rid] = max(high.get(rid, 0), pos.get(rid, 0)), 0
+        for rid, n in t.scheduled:
+            p = pos.get(rid, 0)
+            again += max(0, min(p + n, high.get(rid, 0)) - p)
+            pos[rid] = p + n
+    return again
+
+
+def test_a_recompute_aborted_while_its_step_is_in_flight_is_counted_nowhere():
+    """Async scheduling: a request is aborted while the step recomputing its prompt is on
+    the device. That row is discarded (in no trace, no prefill count), so the recompute
+    counter leaves it out too: it equals the tax read off the trace."""
+    from engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(EngineConfig(model="tiny", warmup=False, max_num_seqs=4, max_model_len=128, num_kv_blocks=14,
+                                 max_num_batched_tokens=16, enable_prefix_caching=False),
+                    log=lambda *_: None, record_trace=True)
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        eng.add_request(f"r{i}", rng.integers(3, 250, int(rng.integers(20, 40))).tolist(), greedy(60))
+    aborted = None
+    while eng.has_unfinished():
+        eng.step()
+        in_flight = eng._in_flight[-1][0] if eng._in_flight else None
+        if aborted is None and in_flight is not None and in_flight.num_recomputed_tokens:
+            aborted = next(s.seq.request_id for s in in_flight.scheduled if not s.is_decode and s.seq.num_preemptions)
+            eng.abort(aborted)
+    assert aborted is not None, "a recompute was in flight"
+    assert eng.stats.recomputed_tokens == recomputed_in_trace(eng.trace) > 0
+    assert eng.stats.recomputed_tokens <= eng.stats.prefill_tokens
