@@ -165,6 +165,10 @@ class LLMEngine:
             if self.proposer is not None:
                 self.proposer.free(seq)
             seq.finish_reason = reason
+            if seq.first_scheduled_time is None:  # its first step may be in flight: it was scheduled
+                at = next((t for o, t, _ in self._in_flight if any(s.seq is seq for s in o.scheduled)), None)
+                if at is not None:
+                    self.stats.record_first_scheduled(seq, at, self.config)
             now = time.monotonic()
             self.stats.record_finished(seq, now, latency=reason == "stop")
             self._refresh_gauges()

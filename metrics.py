@@ -241,15 +241,8 @@ class EngineStats:
             add_itl = itl.append  # a local: read per row
             for sch in out.scheduled:  # once per running sequence in a decode step: kept lean
                 seq = sch.seq
-                if seq.first_scheduled_time is None:  # its first step: it stops queueing
-                    seq.first_scheduled_time = scheduled_at
-                    self.request_queue_time.observe(scheduled_at - seq.arrival_time)
-                    # As vLLM: a request's first admission only, and never one asking
-                    # prompt_logprobs (it may not read the cache: every prompt position's
-                    # logits are computed), whose lookup would count as a miss.
-                    if config.enable_prefix_caching and seq.params.prompt_logprobs is None:
-                        self.prefix_cache_queries += seq.num_prompt_tokens
-                        self.prefix_cache_hits += seq.num_cached_tokens
+                if seq.first_scheduled_time is None:
+                    self._first_scheduled(seq, scheduled_at, config)
                 if not sch.samples:
                     continue
                 if seq.first_token_time is None:
@@ -265,6 +258,23 @@ class EngineStats:
             self.inter_token_latency.observe_many(itl)
             for seq in released:
                 self._finished(seq, now, latency=True)
+
+    def record_first_scheduled(self, seq: Sequence, scheduled_at: float, config: EngineConfig) -> None:
+        """A request aborted while its first step was in flight: that step is discarded
+        (record_step never sees it), but the request was scheduled and its prefix looked up."""
+        with self.lock:
+            self._first_scheduled(seq, scheduled_at, config)
+
+    def _first_scheduled(self, seq: Sequence, scheduled_at: float, config: EngineConfig) -> None:
+        """Its first step: it stops queueing."""
+        seq.first_scheduled_time = scheduled_at
+        self.request_queue_time.observe(scheduled_at - seq.arrival_time)
+        # As vLLM: a request's first admission only, and never one asking prompt_logprobs
+        # (it may not read the cache: every prompt position's logits are computed), whose
+        # lookup would count as a miss.
+        if config.enable_prefix_caching and seq.params.prompt_logprobs is None:
+            self.prefix_cache_queries += seq.num_prompt_tokens
+            self.prefix_cache_hits += seq.num_cached_tokens
 
     def record_spec_decode(self, drafts: list[tuple[int, int]], extra_tokens: int) -> None:
         """One step's verified rows, (draft tokens, accepted) each; extra_tokens: the

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
+from metrics import RequestMetrics
 
 
 def greedy(n: int) -> SamplingParams:
@@ -231,3 +232,31 @@ def test_a_recompute_aborted_while_its_step_is_in_flight_is_counted_nowhere():
     assert aborted is not None, "a recompute was in flight"
     assert eng.stats.recomputed_tokens == recomputed_in_trace(eng.trace) > 0
     assert eng.stats.recomputed_tokens <= eng.stats.prefill_tokens
+
+
+def test_a_request_aborted_while_its_first_step_is_in_flight_was_scheduled():
+    """Async scheduling: the abort lands while the request's first step is on the device.
+    That step's row is discarded, but the request left the queue when it was scheduled:
+    its queue time ends there (not at the abort), the queue-time histogram and the
+    prefix-cache lookup count it, and its usage's cached tokens are the hits."""
+    from engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(EngineConfig(model="tiny", warmup=False, max_num_seqs=4, max_model_len=128, num_kv_blocks=14,
+                                 max_num_batched_tokens=64), log=lambda *_: None)
+    prompt = list(range(3, 40))
+    eng.add_request("warm", prompt, greedy(2))
+    while eng.has_unfinished():
+        eng.step()
+    before = eng.stats.snapshot()
+    eng.add_request("gone", prompt, greedy(8))
+    eng.step()
+    assert [s.seq.request_id for o, _, _ in eng._in_flight for s in o.scheduled] == ["gone"]
+    seq = eng.abort("gone")
+    while eng.has_unfinished():
+        eng.step()
+    m = RequestMetrics.of(seq)
+    assert m.time_to_first_token_ms is None and 0 <= m.queue_time_ms < m.e2e_latency_ms
+    s = eng.stats
+    assert s.request_queue_time.count - before.request_queue_time.count == 1
+    assert s.prefix_cache_queries - before.prefix_cache_queries == len(prompt)
+    assert s.prefix_cache_hits - before.prefix_cache_hits == seq.num_cached_tokens == 32
