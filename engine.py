@@ -165,6 +165,10 @@ class LLMEngine:
             if self.proposer is not None:
                 self.proposer.free(seq)
             seq.finish_reason = reason
+            if seq.first_scheduled_time is None:  # its first step may be in flight: it was scheduled
+                at = next((t for o, t, _ in self._in_flight if any(s.seq is seq for s in o.scheduled)), None)
+                if at is not None:
+                    self.stats.record_first_scheduled(seq, at, self.config)
             now = time.monotonic()
             self.stats.record_finished(seq, now, latency=reason == "stop")
             self._refresh_gauges()
@@ -289,11 +293,14 @@ class LLMEngine:
             out = dataclasses.replace(out, scheduled=[s for s in out.scheduled if id(s) not in dropped],
                                       num_decode_tokens=out.num_decode_tokens - dec,
                                       num_prefill_tokens=out.num_prefill_tokens - pre,
+                                      num_recomputed_tokens=out.num_recomputed_tokens
+                                      - sum(s.num_recomputed for s in outcome.discarded),
                                       num_spec_tokens=out.num_spec_tokens - drafts)
         accepted, released = outcome.accepted, outcome.finished
         self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config)
         self._refresh_gauges()
-        if self.trace is not None and out.scheduled:
+        # A step that only preempted (nothing ran) is kept too: the trace shows every preemption.
+        if self.trace is not None and (out.scheduled or out.preempted):
             self.trace.append(StepTrace.of(self.stats.num_steps, out, accepted, released,
                                            self.scheduler.num_running, self.scheduler.num_waiting))
         deltas: list[RequestOutputDelta] = []
@@ -391,6 +398,7 @@ class LLMEngine:
         out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
         out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)
         out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens - out.num_spec_tokens
+        out.num_recomputed_tokens = sum(s.num_recomputed for s in ok)
         logprobs = None
         if any(lp is not None for lp in lps):
             z = (np.zeros(1, np.float32), np.zeros((1, MAX_LOGPROBS), np.int32), np.zeros((1, MAX_LOGPROBS), np.float32))

@@ -78,7 +78,8 @@ class Histogram:
 class StepTrace:
     """One step as the scheduler decided it: what tests and researchers read to see
     who was in the batch, who left, who joined (LLMEngine(record_trace=True) and
-    bench/simulate.py keep one per step)."""
+    bench/simulate.py keep one per step). A step that ran nothing but preempted (a lone
+    sequence giving up its blocks) is kept too, numbered as the step before it."""
 
     step: int
     scheduled: list[tuple[str, int]]  # (request id, tokens computed for it this step)
@@ -226,7 +227,9 @@ class EngineStats:
             self.swap_fallbacks += out.num_swap_fallbacks
             if out.scheduled:  # an empty step (a static batch released after an abort) ran nothing
                 self.num_steps += 1
-                self.num_decode_steps += out.is_decode_only
+                # No prompt tokens, as the counter says: a step verifying drafts is a decode
+                # step too (is_decode_only, the runner's program choice, excludes it).
+                self.num_decode_steps += out.num_prefill_tokens == 0
                 self.useful_slot_steps += len(out.scheduled)
                 self.total_slot_steps += config.max_num_seqs
                 self.prefill_tokens += out.num_prefill_tokens
@@ -238,12 +241,8 @@ class EngineStats:
             add_itl = itl.append  # a local: read per row
             for sch in out.scheduled:  # once per running sequence in a decode step: kept lean
                 seq = sch.seq
-                if seq.first_scheduled_time is None:  # its first step: it stops queueing
-                    seq.first_scheduled_time = scheduled_at
-                    self.request_queue_time.observe(scheduled_at - seq.arrival_time)
-                    if config.enable_prefix_caching:  # as vLLM: a request's first admission only
-                        self.prefix_cache_queries += seq.num_prompt_tokens
-                        self.prefix_cache_hits += seq.num_cached_tokens
+                if seq.first_scheduled_time is None:
+                    self._first_scheduled(seq, scheduled_at, config)
                 if not sch.samples:
                     continue
                 if seq.first_token_time is None:
@@ -259,6 +258,23 @@ class EngineStats:
             self.inter_token_latency.observe_many(itl)
             for seq in released:
                 self._finished(seq, now, latency=True)
+
+    def record_first_scheduled(self, seq: Sequence, scheduled_at: float, config: EngineConfig) -> None:
+        """A request aborted while its first step was in flight: that step is discarded
+        (record_step never sees it), but the request was scheduled and its prefix looked up."""
+        with self.lock:
+            self._first_scheduled(seq, scheduled_at, config)
+
+    def _first_scheduled(self, seq: Sequence, scheduled_at: float, config: EngineConfig) -> None:
+        """Its first step: it stops queueing."""
+        seq.first_scheduled_time = scheduled_at
+        self.request_queue_time.observe(scheduled_at - seq.arrival_time)
+        # As vLLM: a request's first admission only, and never one asking prompt_logprobs
+        # (it may not read the cache: every prompt position's logits are computed), whose
+        # lookup would count as a miss.
+        if config.enable_prefix_caching and seq.params.prompt_logprobs is None:
+            self.prefix_cache_queries += seq.num_prompt_tokens
+            self.prefix_cache_hits += seq.num_cached_tokens
 
     def record_spec_decode(self, drafts: list[tuple[int, int]], extra_tokens: int) -> None:
         """One step's verified rows, (draft tokens, accepted) each; extra_tokens: the
@@ -281,6 +297,14 @@ class EngineStats:
         an EOS is) also enters the e2e histogram, so it agrees with request_success."""
         with self.lock:
             self._finished(seq, now, latency)
+
+    def record_stop_string(self, finish_reason: str) -> None:
+        """The server matched a stop string in the delta that also ended the request with
+        finish_reason (its last token): the client is answered "stop", so request_success
+        counts it there, as vLLM's, which checks stop strings before it counts a finish."""
+        with self.lock:
+            self.request_success[finish_reason] -= 1
+            self.request_success["stop"] += 1
 
     def _finished(self, seq: Sequence, now: float, latency: bool) -> None:
         seq.finished_time = now

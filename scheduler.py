@@ -168,6 +168,7 @@ class ScheduledSeq:
     # room), and its row in the step's Proposals.draft_probs.
     spec_token_ids: list[int] | tuple[()] = ()
     spec_src: int = 0
+    num_recomputed: int = 0  # of num_new_tokens, computed before a preemption dropped them
 
 
 @dataclass
@@ -788,6 +789,7 @@ class Scheduler:
                 again = min(end, seq.num_computed_high) - computed
                 seq.num_recomputed_tokens += again
                 out.num_recomputed_tokens += again
+                out.scheduled[-1].num_recomputed = again  # a row discarded later is taken back out
         if self.config.enable_prefix_caching:  # name the full blocks this step completes
             full = end // self.config.block_size
             if full > self.allocator.num_named(seq.request_id):  # most decode steps complete none

@@ -251,7 +251,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
         for reason, n in sched.waiting_by_reason().items():
             wait_area[reason] += n * dt
             wait_max[reason] = max(wait_max[reason], n)
-        if record_trace and out.scheduled:
+        if record_trace and (out.scheduled or out.preempted):  # as LLMEngine: every preemption shows
             trace.append(StepTrace.of(stats.num_steps, out, sampled, released, sched.num_running, sched.num_waiting))
         if not out.scheduled and not released:
             assert pending, "the scheduler made no progress with nothing left to arrive"

@@ -407,3 +407,18 @@ def test_aborting_a_request_whose_blocks_are_shared_leaks_nothing_and_the_other_
     again = llm.generate([prompts[aborted]], params)[0]
     assert again.num_cached_tokens == 32 and again.token_ids == alone[aborted]
     assert eng.scheduler.allocator.num_used == 0
+
+
+def test_a_request_asking_prompt_logprobs_makes_no_prefix_cache_query():
+    """As vLLM (skip_reading_prefix_cache): a request that may not read the cache is no
+    lookup, so it counts neither as a query nor as a miss; the other requests' lookups
+    and hits are their prompt lengths and their usage's cached tokens."""
+    llm = make_llm()
+    prompt = list(range(3, 40))
+    plain = SamplingParams(max_tokens=2, temperature=0.0)
+    first = llm.generate([prompt], plain)[0]
+    lp = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))[0]
+    again = llm.generate([prompt], plain)[0]
+    assert (first.num_cached_tokens, lp.num_cached_tokens, again.num_cached_tokens) == (0, 0, 32)
+    assert llm.stats.prefix_cache_queries == 2 * len(prompt)
+    assert llm.stats.prefix_cache_hits == 32

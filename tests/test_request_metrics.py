@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
+from metrics import RequestMetrics
 
 
 def greedy(n: int) -> SamplingParams:
@@ -172,3 +173,90 @@ def test_the_swap_pool_is_counted_in_the_caches_own_bytes_and_swap_needs_an_admi
     assert llm.engine.scheduler.num_swap_blocks > 3 * (2**20 // kv_cache_bytes_per_block(cfg, 16, dtype))
     with pytest.raises(ValueError, match="never preempts"):
         EngineConfig(model="tiny", preemption_mode="swap", kv_admission="reserve")
+
+
+def test_the_trace_shows_a_preemption_made_in_a_step_that_ran_nothing():
+    """Static batching with a tight cache: a lone sequence gives up its blocks in a step
+    that then runs nothing. The trace keeps that step, so its preemptions are the log's
+    and the counter's, per request too."""
+    lines: list[str] = []
+    llm = LLM("tiny", log=lines.append, record_trace=True, warmup=False, scheduling="static", max_num_seqs=4,
+              max_model_len=128, max_num_batched_tokens=64, num_kv_blocks=14)
+    rng = np.random.default_rng(0)
+    ps = [rng.integers(3, 250, int(rng.integers(10, 60))).tolist() for _ in range(6)]
+    outs = llm.generate(ps, [greedy(int(m)) for m in rng.integers(5, 60, 6)])
+    trace = llm.engine.trace
+    assert any(t.preempted and not t.scheduled for t in trace), "the workload has a step that only preempted"
+    logged = [x.split()[1] for x in lines if x.startswith("preempted ")]
+    traced = [rid for t in trace for rid in t.preempted]
+    assert traced == logged and len(traced) == llm.stats.num_preemptions
+    assert {o.request_id: o.num_preemptions for o in outs} == {o.request_id: traced.count(o.request_id) for o in outs}
+
+
+def recomputed_in_trace(trace) -> int:
+    """The recompute tax read off a trace (no prefix cache, no speculation): each request's
+    positions are computed in order from 0 again after each preemption; a position below the
+    highest one reached before is computed again."""
+    pos: dict[str, int] = {}
+    high: dict[str, int] = {}
+    again = 0
+    for t in trace:
+        for rid in t.preempted:
+            high[rid], pos[rid] = max(high.get(rid, 0), pos.get(rid, 0)), 0
+        for rid, n in t.scheduled:
+            p = pos.get(rid, 0)
+            again += max(0, min(p + n, high.get(rid, 0)) - p)
+            pos[rid] = p + n
+    return again
+
+
+def test_a_recompute_aborted_while_its_step_is_in_flight_is_counted_nowhere():
+    """Async scheduling: a request is aborted while the step recomputing its prompt is on
+    the device. That row is discarded (in no trace, no prefill count), so the recompute
+    counter leaves it out too: it equals the tax read off the trace."""
+    from engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(EngineConfig(model="tiny", warmup=False, max_num_seqs=4, max_model_len=128, num_kv_blocks=14,
+                                 max_num_batched_tokens=16, enable_prefix_caching=False),
+                    log=lambda *_: None, record_trace=True)
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        eng.add_request(f"r{i}", rng.integers(3, 250, int(rng.integers(20, 40))).tolist(), greedy(60))
+    aborted = None
+    while eng.has_unfinished():
+        eng.step()
+        in_flight = eng._in_flight[-1][0] if eng._in_flight else None
+        if aborted is None and in_flight is not None and in_flight.num_recomputed_tokens:
+            aborted = next(s.seq.request_id for s in in_flight.scheduled if not s.is_decode and s.seq.num_preemptions)
+            eng.abort(aborted)
+    assert aborted is not None, "a recompute was in flight"
+    assert eng.stats.recomputed_tokens == recomputed_in_trace(eng.trace) > 0
+    assert eng.stats.recomputed_tokens <= eng.stats.prefill_tokens
+
+
+def test_a_request_aborted_while_its_first_step_is_in_flight_was_scheduled():
+    """Async scheduling: the abort lands while the request's first step is on the device.
+    That step's row is discarded, but the request left the queue when it was scheduled:
+    its queue time ends there (not at the abort), the queue-time histogram and the
+    prefix-cache lookup count it, and its usage's cached tokens are the hits."""
+    from engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(EngineConfig(model="tiny", warmup=False, max_num_seqs=4, max_model_len=128, num_kv_blocks=14,
+                                 max_num_batched_tokens=64), log=lambda *_: None)
+    prompt = list(range(3, 40))
+    eng.add_request("warm", prompt, greedy(2))
+    while eng.has_unfinished():
+        eng.step()
+    before = eng.stats.snapshot()
+    eng.add_request("gone", prompt, greedy(8))
+    eng.step()
+    assert [s.seq.request_id for o, _, _ in eng._in_flight for s in o.scheduled] == ["gone"]
+    seq = eng.abort("gone")
+    while eng.has_unfinished():
+        eng.step()
+    m = RequestMetrics.of(seq)
+    assert m.time_to_first_token_ms is None and 0 <= m.queue_time_ms < m.e2e_latency_ms
+    s = eng.stats
+    assert s.request_queue_time.count - before.request_queue_time.count == 1
+    assert s.prefix_cache_queries - before.prefix_cache_queries == len(prompt)
+    assert s.prefix_cache_hits - before.prefix_cache_hits == seq.num_cached_tokens == 32

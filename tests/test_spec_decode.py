@@ -618,3 +618,14 @@ def test_a_stop_string_inside_a_speculative_delta_ends_the_response_at_its_token
     assert chunks[-1].num_output_tokens == len(b"ab STOP")  # the tokens after the stop string are not counted
     assert [t.token_id for c in chunks for t in c.logprobs] == list(b"ab STOP")
     assert aborted == ["stop"]
+
+
+def test_a_step_verifying_drafts_with_no_prompt_tokens_is_a_decode_step():
+    """num_decode_steps counts the steps that carried no prompt tokens, as its HELP says:
+    with ngram speculation that includes the steps verifying drafts (from the trace)."""
+    llm = LLM("tiny", speculative_config=NGRAM, record_trace=True, **{**TIGHT, "warmup": False})
+    llm.generate(grounded_prompts(2), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    s, trace = llm.stats, llm.engine.trace
+    verifying = [t for t in trace if t.num_prefill_tokens == 0 and sum(n for _, n in t.scheduled) > t.num_decode_tokens]
+    assert s.spec_decode_num_drafts > 0 and verifying, "some decode steps verified drafts"
+    assert s.num_decode_steps == sum(1 for t in trace if t.num_prefill_tokens == 0)
