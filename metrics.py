@@ -298,14 +298,6 @@ class EngineStats:
         with self.lock:
             self._finished(seq, now, latency)
 
-    def record_stop_string(self, finish_reason: str) -> None:
-        """The server matched a stop string in the delta that also ended the request with
-        finish_reason (its last token): the client is answered "stop", so request_success
-        counts it there, as vLLM's, which checks stop strings before it counts a finish."""
-        with self.lock:
-            self.request_success[finish_reason] -= 1
-            self.request_success["stop"] += 1
-
     def _finished(self, seq: Sequence, now: float, latency: bool) -> None:
         seq.finished_time = now
         if latency:

@@ -218,8 +218,6 @@ class Generation:
                                                 num_output_tokens=delta.num_output_tokens - cut)
                 if stopped and not delta.finished:
                     self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
-                elif stopped and delta.finish_reason == "length":  # its last token completed the stop string
-                    self.engine.stats.record_stop_string(delta.finish_reason)
                 self.done = done = stopped or delta.finished
                 reason = ("stop" if stopped else delta.finish_reason) if done else None
                 metrics = delta.metrics

@@ -385,28 +385,6 @@ def test_a_stop_string_finish_counts_as_a_stop_not_an_abort(server: Server, clie
     assert moved == {"stop": 1, "abort": 0, "length": 0}
 
 
-def test_a_stop_string_completed_by_the_last_token_counts_as_a_stop_not_a_length(server: Server,
-                                                                                  client: openai.OpenAI) -> None:
-    """The token that reaches max_tokens also completes the stop string: the engine ends the
-    request by length before the server sees the string, the client is answered "stop"
-    (vLLM's), and request_success counts what the client got."""
-    kw = dict(model="tiny", prompt="Count me", max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True})
-    text = client.completions.create(**kw).choices[0].text
-    # The shortest clean suffix found nowhere earlier: only the last token completes it.
-    stop = next((text[-k:] for k in range(1, len(text)) if "\ufffd" not in text[-k:]
-                 and text.find(text[-k:]) == len(text) - k), None)
-    assert stop, f"the greedy text has no clean suffix to stop at: {text!r}"
-    wait_idle(server)
-    before = scrape(server)
-    got = client.completions.create(stop=[stop], **kw).choices[0]
-    assert (got.text, got.finish_reason) == (text[:-len(stop)], "stop")
-    wait_idle(server)
-    after = scrape(server)
-    moved = {r: metric(after, "request_success_total", finished_reason=r)
-             - metric(before, "request_success_total", finished_reason=r) for r in ("stop", "abort", "length")}
-    assert moved == {"stop": 1, "abort": 0, "length": 0}
-
-
 # ---- errors: status, OpenAI error JSON, and the next request still served ----------------
 
 TOO_LONG = list(range(1, 201))  # + max_tokens 3900 = 4100 > 4096
