@@ -26,6 +26,19 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+TPOT_BUCKETS = ITL_BUCKETS  # vLLM's request_time_per_output_token_seconds uses the ITL bounds
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's bounds for per-request token counts
+    (its max_model_len), e.g. 100 -> (1, 2, 5, 10, 20, 50, 100)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 # policy: the scheduling policy holds its prompt back this step (fair's prefill share is used up)
 WAIT_REASONS = ("kv_blocks", "max_num_seqs", "token_budget", "static_batch", "policy")
@@ -208,7 +221,26 @@ class EngineStats:
     e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     request_queue_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKEN_BUCKETS))
+    # Per finished request, as vLLM's (observed with e2e_request_latency: a normal finish, not an
+    # abort). vLLM's request_params_n is left out: n != 1 is refused, so it would only count 1s.
+    request_time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
+    request_inference_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    request_prefill_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    request_decode_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    # The token-count histograms' largest bound (build_1_2_5_buckets): the engine's resolved
+    # max_model_len; 0 (a stats object with no engine) leaves them the +Inf bucket alone.
+    max_model_len: int = 0
+    request_prompt_tokens: Histogram = field(init=False)
+    request_generation_tokens: Histogram = field(init=False)
+    request_params_max_tokens: Histogram = field(init=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        assert self.max_model_len >= 0, self.max_model_len
+        token_buckets = build_1_2_5_buckets(self.max_model_len)
+        self.request_prompt_tokens = Histogram(token_buckets)
+        self.request_generation_tokens = Histogram(token_buckets)
+        self.request_params_max_tokens = Histogram(token_buckets)
 
     @property
     def slot_utilization(self) -> float:
@@ -302,7 +334,25 @@ class EngineStats:
         seq.finished_time = now
         if latency:
             self.e2e_request_latency.observe(now - seq.arrival_time)
+            self._observe_request(seq, now)
         self.request_success[seq.finish_reason] += 1
+
+    def _observe_request(self, seq: Sequence, now: float) -> None:
+        """vLLM's per-request histograms, from the timestamps RequestMetrics reads: prefill is
+        first scheduled -> first token, decode first -> last token, inference both (any
+        preemption inside them included); TPOT is decode time over the tokens after the
+        first (0 with fewer than two). A phase never reached ends at the finish."""
+        scheduled = seq.first_scheduled_time if seq.first_scheduled_time is not None else now
+        first = seq.first_token_time if seq.first_token_time is not None else now
+        last = seq.last_token_time if seq.last_token_time is not None else now
+        n = seq.num_output_tokens
+        self.request_prefill_time.observe(first - scheduled)
+        self.request_decode_time.observe(last - first)
+        self.request_inference_time.observe(last - scheduled)
+        self.request_time_per_output_token.observe((last - first) / (n - 1) if n > 1 else 0.0)
+        self.request_prompt_tokens.observe(seq.num_prompt_tokens)
+        self.request_generation_tokens.observe(n)
+        self.request_params_max_tokens.observe(seq.params.max_tokens)
 
     def snapshot(self) -> "EngineStats":
         """A consistent copy, safe to read from another thread."""

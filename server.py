@@ -518,6 +518,15 @@ _HISTOGRAMS = [
     ("e2e_request_latency_seconds", "e2e_request_latency", "Arrival to last token."),
     ("request_queue_time_seconds", "request_queue_time", "Arrival to first scheduled."),
     ("iteration_tokens_total", "iteration_tokens", "Tokens computed per engine step."),
+    # per finished request (aborts not observed, as e2e)
+    ("request_prompt_tokens", "request_prompt_tokens", "Prompt tokens per finished request."),
+    ("request_generation_tokens", "request_generation_tokens", "Generated tokens per finished request."),
+    ("request_params_max_tokens", "request_params_max_tokens", "The max_tokens parameter per finished request."),
+    ("request_time_per_output_token_seconds", "request_time_per_output_token",
+     "Per request: decode time / (generated tokens - 1)."),
+    ("request_inference_time_seconds", "request_inference_time", "First scheduled to last token (RUNNING phase)."),
+    ("request_prefill_time_seconds", "request_prefill_time", "First scheduled to first token (PREFILL phase)."),
+    ("request_decode_time_seconds", "request_decode_time", "First token to last token (DECODE phase)."),
 ]
 
 

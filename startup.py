@@ -57,7 +57,7 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     if mesh is not None:
         loaded = shard_model(loaded, mesh)
     config = config.resolved(loaded.config.max_model_len)
-    stats = EngineStats()
+    stats = EngineStats(max_model_len=config.max_model_len)
     # A draft model's weights and its cache (indexed by the same blocks) share the KV budget.
     proposer = create_proposer(config, loaded, stats) if config.speculative_config is not None else None
     draft_probs = proposer is not None and proposer.draft_probs

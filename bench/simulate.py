@@ -221,7 +221,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
     --preemption-mode swap, each step's copies costed by cost_model.swap."""
     sched = Scheduler(config, num_kv_blocks, eos_token_ids=(), num_swap_blocks=num_swap_blocks)
     sched.policy.clock = lambda: t  # a policy that reads the time (slo, fair) reads the simulated one
-    stats, trace, t, swapped = EngineStats(), [], 0.0, 0
+    stats, trace, t, swapped = EngineStats(max_model_len=config.max_model_len), [], 0.0, 0
     pending = sorted(enumerate(workload), key=lambda p: (p[1].arrival_s, p[0]))[::-1]  # pop() = next
     seqs: dict[str, tuple[Sequence, SimRequest]] = {}
     token_times: dict[str, list[float]] = {}

@@ -66,10 +66,19 @@ EXPORTED = {
     "taxirank:e2e_request_latency_seconds": ("histogram", "Arrival to last token."),
     "taxirank:request_queue_time_seconds": ("histogram", "Arrival to first scheduled."),
     "taxirank:iteration_tokens_total": ("histogram", "Tokens computed per engine step."),
+    "taxirank:request_prompt_tokens": ("histogram", "Prompt tokens per finished request."),
+    "taxirank:request_generation_tokens": ("histogram", "Generated tokens per finished request."),
+    "taxirank:request_params_max_tokens": ("histogram", "The max_tokens parameter per finished request."),
+    "taxirank:request_time_per_output_token_seconds": ("histogram",
+                                                       "Per request: decode time / (generated tokens - 1)."),
+    "taxirank:request_inference_time_seconds": ("histogram", "First scheduled to last token (RUNNING phase)."),
+    "taxirank:request_prefill_time_seconds": ("histogram", "First scheduled to first token (PREFILL phase)."),
+    "taxirank:request_decode_time_seconds": ("histogram", "First token to last token (DECODE phase)."),
 }
 # vLLM's bucket bounds for the same histograms, so its dashboards carry over.
 E2E = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
        1920.0, 7680.0]
+TOKENS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
 BUCKETS = {
     "taxirank:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                                              2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
@@ -78,6 +87,15 @@ BUCKETS = {
     "taxirank:e2e_request_latency_seconds": E2E,
     "taxirank:request_queue_time_seconds": E2E,
     "taxirank:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    # vLLM's build_1_2_5_buckets(max_model_len), here 2048 (the pin test's)
+    "taxirank:request_prompt_tokens": TOKENS,
+    "taxirank:request_generation_tokens": TOKENS,
+    "taxirank:request_params_max_tokens": TOKENS,
+    "taxirank:request_time_per_output_token_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                                                       1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0],
+    "taxirank:request_inference_time_seconds": E2E,
+    "taxirank:request_prefill_time_seconds": E2E,
+    "taxirank:request_decode_time_seconds": E2E,
 }
 LABELS = {"taxirank:num_requests_waiting_by_reason": ("reason", set(WAIT_REASONS)),
           "taxirank:request_success": ("finished_reason", {"stop", "length", "abort"})}
@@ -99,7 +117,7 @@ def cumulative(families: dict, name: str) -> list[tuple[float, float]]:
 
 
 def test_every_exported_name_type_help_and_bucket_bound_is_pinned():
-    fams = render(EngineStats())
+    fams = render(EngineStats(max_model_len=2048))
     assert {n: (f.type, f.documentation) for n, f in fams.items()} == EXPORTED
     for name, bounds in BUCKETS.items():
         assert [le for le, _ in cumulative(fams, name)] == [*bounds, math.inf], name
@@ -160,6 +178,45 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
         val("taxirank:decode_tokens_total")
     assert val("taxirank:total_slot_steps_total") == 4 * steps
     assert val("taxirank:num_decode_steps_total") < steps
+
+
+def test_per_request_histograms_sum_the_known_totals_and_the_requests_metrics():
+    """Each finished request is observed once: the token histograms sum the prompt lengths,
+    outputs and max_tokens the test chose; the time histograms sum what each request's own
+    RequestMetrics reports (prefill = TTFT - queue, decode = generation time, inference
+    both, TPOT = mean ITL, or 0 for a one-token request)."""
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=128,
+              num_kv_blocks=32, warmup=False)
+    rng = np.random.default_rng(1)
+    lens, max_tokens = [5, 33, 12, 2, 60], [1, 7, 20, 3, 11]
+    prompts = [rng.integers(3, 250, n).tolist() for n in lens]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+                                  for m in max_tokens])
+    fams = render(llm.stats.snapshot())
+    got = samples(fams)
+
+    def count_sum(name: str) -> tuple[float, float]:
+        return got[(f"taxirank:{name}_count", ())], got[(f"taxirank:{name}_sum", ())]
+    assert [len(o.token_ids) for o in outs] == max_tokens  # ignore_eos: each runs to its max_tokens
+    assert count_sum("request_prompt_tokens") == (5, sum(lens))
+    assert count_sum("request_generation_tokens") == (5, sum(max_tokens))
+    assert count_sum("request_params_max_tokens") == (5, sum(max_tokens))
+    # build_1_2_5_buckets(128); a prompt of 60 tokens is in the 100 bucket, not the 50
+    assert [le for le, _ in cumulative(fams, "taxirank:request_prompt_tokens")] == [1, 2, 5, 10, 20, 50, 100, math.inf]
+    assert dict(cumulative(fams, "taxirank:request_prompt_tokens"))[50] == 4
+    ms = [o.metrics for o in outs]
+    expected = {
+        "request_prefill_time_seconds": [m.time_to_first_token_ms - m.queue_time_ms for m in ms],
+        "request_decode_time_seconds": [m.generation_time_ms for m in ms],
+        "request_inference_time_seconds": [m.time_to_first_token_ms - m.queue_time_ms + m.generation_time_ms
+                                           for m in ms],
+        "request_time_per_output_token_seconds": [m.mean_itl_ms or 0.0 for m in ms],
+    }
+    for name, per_request_ms in expected.items():
+        count, total = count_sum(name)
+        assert count == 5, name
+        assert math.isclose(total, sum(per_request_ms) / 1e3, rel_tol=1e-6, abs_tol=1e-9), name
+    assert ms[0].mean_itl_ms is None  # the one-token request: TPOT observed as 0, as vLLM
 
 
 # Values on and around the bucket bounds (Prometheus' `le`: a value equal to a bound
