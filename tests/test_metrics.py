@@ -159,7 +159,10 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
     assert val("taxirank:kv_cache_bytes") == 2 * 2 * 64 * 16 * 2 * 16 * 4  # K,V x layers x blocks x bs x heads x D x f32
     assert val("taxirank:num_requests_running") == val("taxirank:num_requests_waiting") == 0
     assert 0 < val("taxirank:slot_utilization") <= 1
-    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+              "request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens",
+              "request_time_per_output_token_seconds", "request_inference_time_seconds",
+              "request_prefill_time_seconds", "request_decode_time_seconds"):
         assert val(f"taxirank:{h}_count") == n, h
     # every request's ITLs: one per token after its first
     assert val("taxirank:inter_token_latency_seconds_count") == 2 * sum(lens[:3]) + sum(lens[3:]) - n
