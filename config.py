@@ -116,7 +116,7 @@ class EngineConfig:
         need(isinstance(self.swap_space, (int, float)) and math.isfinite(self.swap_space) and self.swap_space >= 0,
              f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         # vLLM's limit: a host pool over 70% of the host's memory leaves too little for the rest
-        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host_bytes = host_memory_bytes()
         need(self.preemption_mode == "recompute" or self.swap_space * 2**30 <= 0.7 * host_bytes,
              f"swap_space {self.swap_space:g} GiB is too large: over 70% of the host's {host_bytes / 2**30:.1f} GiB "
              "of memory")
@@ -207,6 +207,11 @@ class EngineConfig:
             b *= 2
         out.append(self.max_num_batched_tokens)
         return tuple(out)
+
+
+def host_memory_bytes() -> int:
+    """The host's physical RAM."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @functools.cache

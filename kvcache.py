@@ -271,13 +271,13 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any, kv_c
 def device_memory_bytes() -> int:
     """The first device's memory: its allocator's limit on an accelerator (0 if it reports
     none), the host's RAM on CPU."""
-    import os
-
     import jax
+
+    from config import host_memory_bytes
 
     dev = jax.devices()[0]
     if dev.platform == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return host_memory_bytes()
     return int((dev.memory_stats() or {}).get("bytes_limit", 0))
 
 
