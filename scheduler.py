@@ -880,5 +880,7 @@ class Scheduler:
         for seq in self.running:
             assert seq.status is not WAITING
             assert len(seq.block_table) * bs >= seq.num_computed_tokens, f"{seq.request_id}: K/V beyond its blocks"
-            # the latest output token (known or in flight) is never computed
-            assert seq.finished or seq.num_computed_tokens < seq.num_tokens + seq.num_output_placeholders
+            # The latest output token (known or in flight) is never computed; a step in flight
+            # that verifies drafts computes them past it (up to k), until update() keeps the accepted.
+            drafts = self.spec.k if self.spec is not None and seq.num_output_placeholders else 0
+            assert seq.finished or seq.num_computed_tokens < seq.num_tokens + seq.num_output_placeholders + drafts

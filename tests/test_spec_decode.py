@@ -480,6 +480,24 @@ def test_drafts_do_not_take_the_budget_a_priority_preemption_made_room_for():
     assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 1), ("urgent", 5)]
 
 
+def test_an_abort_between_schedule_and_update_of_a_step_verifying_drafts():
+    """A step that verifies drafts computes them past the latest token until update()
+    keeps the accepted ones: an abort while it runs (async scheduling: a client leaving)
+    finds the others' drafts computed, and the invariants hold."""
+    s = scheduler({})
+    for rid in "ab":
+        s.add(Sequence(rid, [5, 6, 7], SamplingParams(max_tokens=10)))
+    run_step(s, True)  # the prompts
+    out = s.schedule()
+    s.take_proposals(out, [[9, 9], [9, 9]])
+    assert out.num_spec_tokens == 4
+    s.abort("a")
+    s.update(out, [7, 7], {0: [9, 7], 1: [9, 9, 7]})
+    s.check_invariants()
+    b = s.running[0]
+    assert b.output_token_ids == [7, 9, 9, 7] and b.num_computed_tokens == 3 + 3
+
+
 def test_no_speculation_at_or_above_disable_by_batch_size():
     s = scheduler({"disable_by_batch_size": 3})
     for i in range(3):
