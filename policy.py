@@ -454,6 +454,11 @@ class Continuous:
             s.admit(out)
             if not out.scheduled:
                 s.schedule_decodes(out)
+                if s.room_preempted:
+                    # A decode preempted for blocks after admission found the seats full: a
+                    # seat is free now, and KV room is what every waiting request lacks.
+                    for seq in s.waiting:
+                        seq.wait_reason = "kv_blocks"
 
     def release(self, s: Scheduler, finished: list[Sequence]) -> list[Sequence]:
         """Sequences that finished this step -> those that leave now (slot and blocks freed)."""

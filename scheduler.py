@@ -459,6 +459,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def room_preempted(self) -> bool:
+        """The step being scheduled preempted running sequences to find them KV blocks."""
+        return self._room_preempted
+
     def waiting_by_reason(self) -> dict[str, int]:
         counts = dict.fromkeys(WAIT_REASONS, 0)
         for seq in self.waiting:

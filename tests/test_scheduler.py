@@ -298,6 +298,20 @@ def test_waiting_reports_static_batch_when_the_bus_has_left():
     assert s.num_running == 1 and s.waiting_by_reason()["static_batch"] == 1
 
 
+def test_a_decode_preempted_after_admission_found_the_seats_full_leaves_the_queue_waiting_for_blocks():
+    """Without chunked prefill admission runs before the decodes: it finds the seats full,
+    then a decode preempts another for a block. A seat is free by the step's end and
+    blocks are short: every waiting request waits on kv_blocks, as in a chunked step."""
+    s = make(max_num_seqs=2, num_blocks=4, enable_prefix_caching=False)  # 3 usable blocks of 4
+    for rid in "abc":
+        s.add(seq(rid))
+    step(s)  # a and b take a block each for their prompts; c finds no seat
+    assert s.waiting_by_reason()["max_num_seqs"] == 1
+    out = s.schedule()  # a's decode takes the last block; b's finds none and b is preempted
+    assert ids(out) == ["a"] and [q.request_id for q in out.preempted] == ["b"] and len(s._free_slots) == 1
+    assert [(q.request_id, q.wait_reason) for q in s.waiting] == [("b", "kv_blocks"), ("c", "kv_blocks")]
+
+
 # ---- abort -------------------------------------------------------------------------------------
 def test_abort_is_idempotent_and_frees_slot_and_blocks_at_once():
     s = make(max_num_seqs=1)
