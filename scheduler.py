@@ -650,6 +650,28 @@ class Scheduler:
             return min(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens,
                        self.policy.prompt_room(r, out.scheduled))
 
+        def tally(seq: Sequence, chosen: list[Sequence]) -> tuple[int, int, int, dict, set[int], set[int], int, int]:
+            """The room seq finds once `chosen` go, the admissions planned so far counted: (slots,
+            blocks, budget, holders, the blocks they free, the cached blocks seq keeps, its first
+            chunk, the blocks it needs)."""
+            s_, b_, t_, h_, freed = slots + len(chosen), blocks, budget, dict(holders), set()
+            for r in chosen:
+                freed |= frees(r, h_)
+                for b in r.block_table:
+                    h_[b] = h_.get(b, 0) + 1
+                b_ += growth(r)
+                t_ += work(r) if chunked else 0
+            # Its first chunk is what the budget leaves once the others' decodes and prompt
+            # chunks are in (the victims' are not: choosing one may give it a chunk at all),
+            # and its blocks follow from that chunk.
+            cached, n, num_new_blocks = self._admission_need(seq, out, budget=t_)
+            # A cached block that only a victim holds joins the free queue when the victim goes,
+            # and this admission takes it back out: it frees nothing for seq, which revives it.
+            kept = set(cached)
+            b_ += len(freed - kept - taken)
+            need = num_new_blocks + sum(1 for b in kept - taken if b in gone or self.allocator.ref_count(b) == 0)
+            return s_, b_, t_, h_, freed, kept, n, need
+
         slots = len(self._free_slots)
         blocks = self.allocator.num_free - sum(growth(r) for r in running)
         budget = self._budget - (sum(work(r) for r in running) if chunked else 0)
@@ -664,30 +686,27 @@ class Scheduler:
             if room != float("inf"):
                 break  # capped: admit tries it first, with a room known only once the step's prompt work is in
             lower = [r for r in running if self.policy.outranks(seq, r)]
-            chosen, s_, b_, t_, h_, freed = [], slots, blocks, budget, dict(holders), set()
+            chosen: list[Sequence] = []
             while True:
-                # Its first chunk is what the budget leaves once the others' decodes and prompt
-                # chunks are in (the victims' are not: choosing one may give it a chunk at all),
-                # and its blocks follow from that chunk.
-                cached, n, num_new_blocks = self._admission_need(seq, out, budget=t_)
-                # A cached block that only a victim holds joins the free queue when the victim goes,
-                # and this admission takes it back out: it frees nothing for seq, which revives it.
-                kept = set(cached)
-                need = num_new_blocks + sum(1 for b in kept - taken if b in gone or self.allocator.ref_count(b) == 0)
+                s_, b_, t_, h_, freed, kept, n, need = tally(seq, chosen)
                 if (s_ >= 1 and b_ >= need) or not lower:
                     break
                 r = self.policy.victim(lower)  # the lowest ranked first
                 lower.remove(r)
                 chosen.append(r)
-                f = frees(r, h_)
-                for b in r.block_table:
-                    h_[b] = h_.get(b, 0) + 1
-                freed |= f
-                s_, b_, t_ = s_ + 1, b_ + growth(r) + len(f - kept - taken), t_ + (work(r) if chunked else 0)
             if not 0 < n <= t_:
                 break  # the token budget holds it back, not a seat or blocks
             if s_ < 1 or b_ < need:
                 break
+            # Only the victims the admission needs: a later, larger victim may free enough
+            # alone, and the earlier ones would be preempted for nothing. The highest ranked
+            # is tried first, so a lower ranked one goes where either would do.
+            for r in chosen[::-1]:
+                fewer = [c for c in chosen if c is not r]
+                s_, b_, t_, *_, n, need = tally(seq, fewer)
+                if s_ >= 1 and b_ >= need and 0 < n <= t_:
+                    chosen = fewer
+            s_, b_, t_, h_, freed, kept, n, need = tally(seq, chosen)
             for r in chosen:
                 running.remove(r)
             gone |= freed - kept  # the admission takes what it keeps back

@@ -127,6 +127,24 @@ def test_no_preemption_when_it_would_not_make_room():
     assert s.waiting_by_reason()["kv_blocks"] == 1
 
 
+def test_preempt_for_waiting_keeps_only_the_victims_the_admission_needs():
+    """urgent needs 3 blocks and none is free. low (the lowest ranked) frees 1, not
+    enough; mid frees 4, enough alone: only mid is preempted, low is not for nothing."""
+    s = make(max_num_seqs=3, num_blocks=6)  # 5 usable blocks of 4
+    s.add(seq("mid", priority=5, prompt_len=16))  # 4 blocks
+    s.add(seq("low", priority=9))  # 1 block
+    out = s.schedule()
+    s.update(out, [TOKEN] * len(out.scheduled))
+    assert s.allocator.num_free == 0
+    s.add(seq("urgent", priority=0, prompt_len=12, max_tokens=4, arrival=1))
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["mid"]
+    assert [x.seq.request_id for x in out.scheduled] == ["urgent"]
+    assert [q.request_id for q in s.running] == ["low", "urgent"]
+    s.update(out, [TOKEN])
+    s.check_invariants()
+
+
 def test_a_victims_blocks_in_the_waiting_requests_cached_prefix_make_no_room_for_it():
     """Prefix caching: the waiting request's cached prefix is the victim's own blocks, so
     preempting the victim frees them only for the request to take them back. 1 block is
