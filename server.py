@@ -672,7 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
             kw["choices"] = typing.get_args(kind)
         else:  # int, float, str, or `X | None`; a type that parses its own text gets the text
             arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-            kw["type"] = str if hasattr(arg, "parse") else arg
+            kw["type"] = config_file.json_text if hasattr(arg, "parse") else arg
         p.add_argument("--" + f.name.replace("_", "-"), **kw)
     p.add_argument("--config", help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
                                     "command line win over the file's")
