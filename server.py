@@ -477,8 +477,10 @@ _GAUGES = [  # (metric, EngineStats attribute, help)
     ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of usable KV cache blocks in use (0..1)."),
     ("slot_utilization", "slot_utilization", "Useful slot-steps / total slot-steps since start."),
     ("num_kv_blocks", "num_kv_blocks", "Usable KV cache blocks (the null block excluded)."),
-    ("weight_bytes", "weight_bytes", "Device bytes of the weights, from the arrays' shards (all local devices)."),
-    ("kv_cache_bytes", "kv_cache_bytes", "Device bytes of the KV cache, from the arrays' shards (all local devices)."),
+    ("weight_bytes", "weight_bytes", "Device bytes of the weights, a draft model's included, from the arrays' "
+     "shards (all local devices)."),
+    ("kv_cache_bytes", "kv_cache_bytes", "Device bytes of the KV cache, a draft model's included, from the arrays' "
+     "shards (all local devices)."),
 ]
 _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (recompute or swap)."),
