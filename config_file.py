@@ -5,13 +5,15 @@ values. Each entry becomes the command-line words it stands for, placed before t
 command line, so the parser checks a file's values exactly as it checks typed flags (a
 wrong type is the same error naming the flag), and a flag typed on the command line wins
 over the file's. A key that is no flag, a value of the wrong shape (a list for a
-one-value flag, true for a flag that takes a value) are errors naming the file and key.
+one-value flag, true for a flag that takes a value, a mapping for a flag that takes no
+JSON) or of no JSON type (a YAML date, a binary, a set) are errors naming the file and key.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
@@ -67,15 +69,40 @@ def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
         if isinstance(value, list):
             if action.nargs not in ("+", "*") or not value:
                 raise ValueError(f"{where} takes one value, got a list {value!r}")
-            words += [flag, *(_word(where, v) for v in value)]
+            words += [flag, *(_word(where, v, action) for v in value)]
         else:
-            words += [flag, _word(where, value)]
+            words += [flag, _word(where, value, action)]
     return words
 
 
-def _word(where: str, value: object) -> str:
-    if isinstance(value, dict):  # a JSON flag (--speculative-config) written as a YAML mapping
+def json_text(text: str) -> str:
+    """The argparse type of a flag whose value is JSON text (--speculative-config): a
+    file may write its value as a YAML mapping."""
+    return text
+
+
+def _word(where: str, value: object, action: argparse.Action) -> str:
+    if isinstance(value, dict):
+        if action.type is not json_text:
+            raise ValueError(f"{where} takes one value, got a mapping {value!r}")
+        _check_json(where, value)
         return json.dumps(value)
     if isinstance(value, (list, bool)) or not isinstance(value, (str, int, float)):
         raise ValueError(f"{where}: {value!r} is not a value a flag takes")
     return str(value)
+
+
+def _check_json(where: str, value: object) -> None:
+    """ValueError naming the place of the first part of `value` JSON cannot hold as YAML
+    read it: a non-string key, a date, a binary, a set, a non-finite number."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where}: key {k!r} is not a string")
+            _check_json(f"{where}.{k}", v)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(f"{where}[{i}]", v)
+    elif value is not None and not isinstance(value, (str, int, float)) or (
+            isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError(f"{where}: {value!r} is not a JSON value")

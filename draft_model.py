@@ -61,7 +61,7 @@ from attention_backend import AttentionShape, select_attention_backend
 from config import SAMPLING_EPS, EngineConfig
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
-from model import AttentionInputs, LoadedModel, hf_state_dict, load_model, param_bytes
+from model import AttentionInputs, LoadedModel, device_bytes, hf_state_dict, load_model, param_bytes
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
 from scheduler import Sequence
 from spec_decode import PROPOSERS, Proposals
@@ -311,6 +311,10 @@ class DraftModelProposer:
         """The draft's cache: as many blocks as the target's (the same block tables index both)."""
         self.kv_caches = create_kv_caches(self.loaded.config, num_blocks, self.block_size, self.loaded.dtype,
                                           self.config.kv_cache_dtype)
+
+    def device_bytes(self) -> tuple[int, int]:
+        """Its weights and KV cache on the device, measured from the arrays (metrics)."""
+        return device_bytes(nnx.state(self.loaded.model, nnx.Param)), device_bytes(self.kv_caches)
 
     def free(self, seq: Sequence) -> None:
         """Forget seq (finished, or preempted: its blocks are gone)."""

@@ -414,7 +414,8 @@ class Scheduler:
     def _update_verified(self, seq: Sequence, s: ScheduledSeq, tokens: list[int],
                          emitted: dict[str, list[int]]) -> str | None:
         """A verified row's emitted tokens, each checked as a sampled one (the first that
-        ends the sequence is its last); the K/V of its rejected drafts is given back."""
+        ends the sequence is its last); the blocks its accepted drafts completed are named,
+        as a decode's are; the K/V of its rejected drafts is given back."""
         num_draft, num_accepted = len(s.spec_token_ids), len(tokens) - 1
         assert 0 <= num_accepted <= num_draft and tokens[:num_accepted] == list(s.spec_token_ids[:num_accepted])
         seq.num_drafts += 1
@@ -428,6 +429,12 @@ class Scheduler:
             if (reason := self._finish_reason(seq, token)) is not None:
                 break
         emitted[seq.request_id] = seq.output_token_ids[start:]
+        # Named now, not by the next step's scheduling: a sequence this step finishes (or
+        # that is preempted first) would leave them unnamed, a miss for a prompt sharing them.
+        # _block_hashes names only blocks whose tokens are all known (an ending cuts the run).
+        full = seq.num_computed_tokens // self.config.block_size
+        if self.config.enable_prefix_caching and full > self.allocator.num_named(seq.request_id):
+            self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, full))
         spec = self.spec
         assert spec is not None
         if (spec.min_acceptance_rate and seq.num_drafts >= spec.acceptance_window

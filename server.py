@@ -477,8 +477,10 @@ _GAUGES = [  # (metric, EngineStats attribute, help)
     ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of usable KV cache blocks in use (0..1)."),
     ("slot_utilization", "slot_utilization", "Useful slot-steps / total slot-steps since start."),
     ("num_kv_blocks", "num_kv_blocks", "Usable KV cache blocks (the null block excluded)."),
-    ("weight_bytes", "weight_bytes", "Device bytes of the weights, from the arrays' shards (all local devices)."),
-    ("kv_cache_bytes", "kv_cache_bytes", "Device bytes of the KV cache, from the arrays' shards (all local devices)."),
+    ("weight_bytes", "weight_bytes", "Device bytes of the weights, a draft model's included, from the arrays' "
+     "shards (all local devices)."),
+    ("kv_cache_bytes", "kv_cache_bytes", "Device bytes of the KV cache, a draft model's included, from the arrays' "
+     "shards (all local devices)."),
 ]
 _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (recompute or swap)."),
@@ -672,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
             kw["choices"] = typing.get_args(kind)
         else:  # int, float, str, or `X | None`; a type that parses its own text gets the text
             arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-            kw["type"] = str if hasattr(arg, "parse") else arg
+            kw["type"] = config_file.json_text if hasattr(arg, "parse") else arg
         p.add_argument("--" + f.name.replace("_", "-"), **kw)
     p.add_argument("--config", help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
                                     "command line win over the file's")

@@ -26,6 +26,8 @@ The proposer interface (a Protocol: ngram and the draft model share no code):
                                      by the target's block tables, so KV sizing divides the
                                      budget by target + draft bytes per block
   allocate(num_kv_blocks) -> None    allocate its KV cache (after sizing)
+  device_bytes() -> (int, int)       its weights and KV cache as measured on the devices
+                                     (after allocate): reported with the target's
   warmup() -> None                   compile every program it runs; nothing compiles after
   propose(seqs, k) -> Proposals      (not drafts_at_scheduling) once per step, after
                                      scheduling, for the sequences verified in it
@@ -184,6 +186,8 @@ class Proposer(Protocol):
 
     def allocate(self, num_kv_blocks: int) -> None: ...
 
+    def device_bytes(self) -> tuple[int, int]: ...
+
     def warmup(self) -> None: ...
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposals: ...
@@ -240,6 +244,9 @@ class NgramProposer:
 
     def allocate(self, num_kv_blocks: int) -> None:
         pass
+
+    def device_bytes(self) -> tuple[int, int]:
+        return 0, 0
 
     def warmup(self) -> None:
         pass

@@ -102,10 +102,14 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
         stats.spec_decode_num_accepted_tokens_per_pos = [0] * spec.k
         log(f"speculative decoding: {spec.method}, {spec.k} tokens per step"
             + (f", off at {spec.disable_by_batch_size}+ running sequences" if spec.disable_by_batch_size else ""))
-    stats.weight_bytes = device_bytes(nnx.state(loaded.model, nnx.Param))
-    stats.kv_cache_bytes = device_bytes(runner.kv_caches)
+    # What the devices hold, a draft model's included: sizing counted it too.
+    draft_weight_bytes, draft_kv_bytes = proposer.device_bytes() if proposer else (0, 0)
+    stats.weight_bytes = device_bytes(nnx.state(loaded.model, nnx.Param)) + draft_weight_bytes
+    stats.kv_cache_bytes = device_bytes(runner.kv_caches) + draft_kv_bytes
     log(f"memory (measured on the devices): weights {stats.weight_bytes / 2**20:.1f} MiB"
-        f"{f' ({loaded.quant.describe()})' if loaded.quant else ''}, KV cache {stats.kv_cache_bytes / 2**20:.1f} MiB")
+        f"{f' ({loaded.quant.describe()})' if loaded.quant else ''}, KV cache {stats.kv_cache_bytes / 2**20:.1f} MiB"
+        + (f", the draft model's {draft_weight_bytes / 2**20:.1f} MiB and {draft_kv_bytes / 2**20:.1f} MiB of them"
+           if draft_weight_bytes or draft_kv_bytes else ""))
     if config.warmup:
         runner.warmup(log)
         if proposer is not None:

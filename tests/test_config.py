@@ -108,6 +108,21 @@ def test_a_config_file_sets_flags_as_typed_and_the_command_line_wins(tmp_path):
     ("max-num-seqs: [1, 2]\n", "max-num-seqs takes one value, got a list"),
     ("warmup: 1\n", "warmup is a switch: give true or false"),
     ("kv-cache-dtype: fp16\n", "argument --kv-cache-dtype: invalid choice"),
+    # A mapping only for a JSON flag, and within it only what JSON holds (else a TypeError
+    # from json.dumps, or a scalar flag given '{"a": 1}' as its text).
+    ("model: {a: 1}\n", "model takes one value, got a mapping"),
+    ("max-model-len: {a: 1}\n", "max-model-len takes one value, got a mapping"),
+    ("served-model-name: [a, {b: 1}]\n", "served-model-name takes one value, got a mapping"),
+    ("speculative-config: {method: ngram, when: 2024-01-01}\n", "speculative-config.when: datetime.date"),
+    ("speculative-config: {method: ngram, at: 2024-01-01 10:00:00}\n", "speculative-config.at: datetime.datetime"),
+    ("speculative-config: {method: ngram, x: [1, !!binary aGk=]}\n", "speculative-config.x[1]: b'hi' is not a JSON"),
+    ("speculative-config: {2024-01-01: 1}\n", "speculative-config: key datetime.date(2024, 1, 1) is not a string"),
+    ("speculative-config: {1: ngram}\n", "speculative-config: key 1 is not a string"),
+    ("speculative-config: {method: ngram, x: .nan}\n", "speculative-config.x: nan is not a JSON value"),
+    ("speculative-config: [1, 2]\n", "speculative-config takes one value, got a list"),
+    ("model: 2024-01-01\n", "model: datetime.date(2024, 1, 1) is not a value a flag takes"),
+    ("served-model-name: [a, null]\n", "served-model-name: None is not a value a flag takes"),
+    ("served-model-name: [a, [b]]\n", "served-model-name: ['b'] is not a value a flag takes"),
     ("- max-num-seqs\n", "must be a mapping of flag names to values"),
     ("a: [\n", "not valid YAML"),
 ])

@@ -288,3 +288,45 @@ def test_sampled_output_with_a_cut_draft_is_the_targets_filtered_distribution(ta
         assert j > 1 or tested >= 0.8 * n, f"index {j}: only {tested} draws in prefixes seen 40 times"
     limit = float(scipy_stats.chi2.isf(ALPHA, df=total_df))
     assert total_stat < limit, f"chi-square {total_stat:.1f} over {limit:.1f} ({total_df} degrees of freedom)"
+
+
+def test_kv_sizing_and_the_reported_memory_count_the_draft_model(target_ckpt, draft_dir, monkeypatch):
+    """On a device of known memory (--gpu-memory-utilization sizing), the draft's weights
+    (its checkpoint's tensor bytes) come out of the KV budget and the remainder is divided
+    by target + draft bytes per block; the memory start-up reports (the /metrics gauges)
+    is the target's plus the draft's, as their arrays hold them."""
+    import jax
+    from types import SimpleNamespace
+
+    from safetensors.numpy import load_file
+
+    import startup
+    from engine import LLM
+
+    limit, util = 64 * 2**20, 0.5
+    gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": limit})
+    sizing = startup.num_kv_blocks_for
+
+    def on_gpu(*args, **kw):  # only the sizing sees the device: the engine still runs on CPU
+        with monkeypatch.context() as m:
+            m.setattr(jax, "devices", lambda *_: [gpu])
+            return sizing(*args, **kw)
+
+    monkeypatch.setattr(startup, "num_kv_blocks_for", on_gpu)
+    file_bytes = {path: sum(x.nbytes for x in load_file(os.path.join(path, "model.safetensors")).values())
+                  for path in (target_ckpt, draft_dir)}
+    kw = dict(log=lambda _: None, max_num_seqs=2, max_model_len=96, block_size=BS, gpu_memory_utilization=util,
+              attention_backend="xla", warmup=False)
+    plain = LLM(target_ckpt, **kw)
+    spec = LLM(target_ckpt, speculative_config={"method": "draft_model", "model": draft_dir,
+                                                "num_speculative_tokens": 3}, **kw)
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+    per_block = nbytes(plain.engine.runner.kv_caches) // plain.engine.num_kv_blocks
+    draft_per_block = nbytes(spec.engine.proposer.kv_caches) // spec.engine.num_kv_blocks
+    assert draft_per_block > 0 and nbytes(spec.engine.runner.kv_caches) == per_block * spec.engine.num_kv_blocks
+    budget = int(util * limit) - file_bytes[target_ckpt]
+    assert plain.engine.num_kv_blocks == budget // per_block
+    assert spec.engine.num_kv_blocks == (budget - file_bytes[draft_dir]) // (per_block + draft_per_block)
+    assert plain.stats.weight_bytes == file_bytes[target_ckpt]
+    assert spec.stats.weight_bytes == file_bytes[target_ckpt] + file_bytes[draft_dir]
+    assert spec.stats.kv_cache_bytes == (per_block + draft_per_block) * spec.engine.num_kv_blocks

@@ -27,8 +27,10 @@ EXPORTED = {
     "taxirank:kv_cache_usage_perc": ("gauge", "Fraction of usable KV cache blocks in use (0..1)."),
     "taxirank:slot_utilization": ("gauge", "Useful slot-steps / total slot-steps since start."),
     "taxirank:num_kv_blocks": ("gauge", "Usable KV cache blocks (the null block excluded)."),
-    "taxirank:weight_bytes": ("gauge", "Device bytes of the weights, from the arrays' shards (all local devices)."),
-    "taxirank:kv_cache_bytes": ("gauge", "Device bytes of the KV cache, from the arrays' shards (all local devices)."),
+    "taxirank:weight_bytes": ("gauge", "Device bytes of the weights, a draft model's included, from the arrays' "
+                                       "shards (all local devices)."),
+    "taxirank:kv_cache_bytes": ("gauge", "Device bytes of the KV cache, a draft model's included, from the "
+                                         "arrays' shards (all local devices)."),
     "taxirank:cache_config_info": ("gauge", "KV cache configuration (value 1): its stored dtype."),
     "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by what they wait for."),
     "taxirank:num_preemptions": ("counter", "Sequences preempted (recompute or swap)."),

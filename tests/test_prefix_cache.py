@@ -422,3 +422,30 @@ def test_a_request_asking_prompt_logprobs_makes_no_prefix_cache_query():
     assert (first.num_cached_tokens, lp.num_cached_tokens, again.num_cached_tokens) == (0, 0, 32)
     assert llm.stats.prefix_cache_queries == 2 * len(prompt)
     assert llm.stats.prefix_cache_hits == 32
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_blocks_completed_by_accepted_drafts_are_named(async_scheduling):
+    """Prompt lookup (greedy: deterministic): a block that a verified step's accepted
+    drafts complete is named as a decode's block is, also in the step that finishes the
+    request (no later step names it then). A prompt resending the first request's prompt
+    and output hits every full block of it whose K/V was computed (all but the last
+    sampled token), and generates what the engine does without speculation."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    kw = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, async_scheduling=async_scheduling)
+    base, llm = make_llm(**kw), make_llm(speculative_config=spec, **kw)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, 250, 8).tolist() + rng.integers(3, 250, 9).tolist() * 3  # a passage repeated
+    for max_tokens in range(13, 17):  # the run that ends the request accepts drafts completing a block
+        assert llm.reset_prefix_cache() and base.reset_prefix_cache()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        first = llm.generate([prompt], params)[0]
+        assert first.token_ids == base.generate([prompt], params)[0].token_ids
+        again = prompt + first.token_ids
+        hits = llm.stats.prefix_cache_hits
+        second = llm.generate([again], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+        assert second.num_cached_tokens == llm.stats.prefix_cache_hits - hits == (len(again) - 1) // 4 * 4, max_tokens
+        assert second.token_ids == base.generate([again], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                         ignore_eos=True))[0].token_ids
+    assert llm.stats.spec_decode_num_accepted_tokens > 0
+    assert llm.engine.scheduler.allocator.num_used == 0
