@@ -383,11 +383,26 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
 
 
+def finite(logprob: float) -> float:
+    """A logprob as JSON can carry it: a token the step's grammar ruled out is -inf, which
+    JSON has no number for; -9999.0 is what OpenAI and vLLM send instead."""
+    return max(logprob, -9999.0)
+
+
+def _with_sampled(lp: TokenLogprob) -> dict[int, float]:
+    """The sampled token, then the top ones (vLLM's per-position dict: the sampled token
+    first, once even when it is among the top)."""
+    return {lp.token_id: lp.logprob} | {t: v for t, v in lp.top if t != lp.token_id}
+
+
 def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) -> dict:
-    """OpenAI's legacy completions logprobs; `offset` is where this text starts."""
+    """OpenAI's legacy completions logprobs; `offset` is where this text starts. Each
+    position's top_logprobs holds the sampled token besides the top `logprobs` (OpenAI's
+    "logprobs + 1" entries when the sampled token is not among them), as vLLM."""
     tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps],
+    return {"tokens": tokens, "token_logprobs": [finite(lp.logprob) for lp in lps],
+            "top_logprobs": [{token_text(tokenizer, t): finite(v) for t, v in _with_sampled(lp).items()}
+                             for lp in lps],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
 
 
@@ -396,14 +411,19 @@ def prompt_logprobs_json(tokenizer: Any, lps: list[TokenLogprob | None]) -> list
     token id (a string, as JSON keys are) to its logprob, rank and text: the prompt token
     and the top N."""
     def entry(token_id: int, logprob: float, rank: int) -> tuple[str, dict]:
-        return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
+        return str(token_id), {"logprob": finite(logprob), "rank": rank,
+                               "decoded_token": token_text(tokenizer, token_id)}
     return [None if lp is None else dict([entry(lp.token_id, lp.logprob, lp.rank),
                                           *(entry(t, v, r) for r, (t, v) in enumerate(lp.top, 1))]) for lp in lps]
 
 
 def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict:
+    """Chat's logprobs: per token its own and a top_logprobs list of `top_logprobs`
+    entries, vLLM's: the first of the sampled token and then the top ones (the most
+    likely `top_logprobs` when the sampled token is among them, as it is in greedy decoding)."""
     def entry(token_id: int, logprob: float) -> dict:
         text = token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for lp in lps]}
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
+    return {"content": [entry(lp.token_id, lp.logprob) | {
+        "top_logprobs": [entry(t, v) for t, v in itertools.islice(_with_sampled(lp).items(), len(lp.top))]}
+        for lp in lps]}

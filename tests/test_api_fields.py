@@ -1,0 +1,126 @@
+"""OpenAI API conformance of the logprobs shapes, against vLLM's OpenAI server as the
+reference, through HTTP on one in-process tiny engine.
+
+Claims: completions' top_logprobs always hold the sampled token (k + 1 entries when it
+is not among the top k) and chat's top_logprobs list starts with it (vLLM's order); a
+logprob of -inf goes out as -9999.0, never as JSON-invalid -Infinity."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def post():
+    """post(path, body, headers=None, raw=None) -> (status, text): one request to the app
+    on one tiny engine (test_request_metrics' shapes: its programs are cached)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from async_engine import AsyncEngine
+    from engine import EngineConfig
+    import server
+
+    loop = asyncio.new_event_loop()
+    engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False),
+                         log=lambda *_: None)
+    loop.run_until_complete(engine.start())
+    app = server.build_app(engine, ["tiny"])
+    client = TestClient(TestServer(app), loop=loop)
+    loop.run_until_complete(client.start_server())
+
+    async def one(path: str, body: object, headers: dict | None, raw: bytes | None) -> tuple[int, str]:
+        if raw is None:
+            resp = await client.post(path, json=body)
+        else:
+            resp = await client.post(path, data=raw, headers=headers or {})
+        return resp.status, await resp.text()
+
+    def run(path: str, body: object = None, headers: dict | None = None, raw: bytes | None = None) -> tuple[int, str]:
+        return loop.run_until_complete(asyncio.wait_for(one(path, body, headers, raw), 300))
+
+    yield run
+    loop.run_until_complete(client.close())
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+def strict_json(text: str) -> dict:
+    """JSON as the spec has it: NaN and +-Infinity are not numbers there."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+# ---- logprobs ------------------------------------------------------------------------------
+
+LETTERS = {"structured_outputs": {"regex": "[a-z]{12}"}, "max_tokens": 12}  # ASCII tokens: one text per id
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(post) -> None:
+    """OpenAI's "logprobs + 1": each position's dict has the sampled token with its
+    logprob; k entries when the sampled token is among the top k, else k + 1, the sampled
+    one the least likely. Sampled at temperature 1 over 26 letters, the tiny model's
+    near-uniform choice falls outside the top 2 at some position."""
+    k = 2
+    status, text = post(C, {"prompt": "go", "temperature": 1.0, "seed": 3, "logprobs": k} | LETTERS)
+    assert status == 200, text
+    lp = strict_json(text)["choices"][0]["logprobs"]
+    outside = 0
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert top[tok] == v  # the sampled token is always there, with its own logprob
+        others = sorted((x for t, x in top.items() if t != tok), reverse=True)
+        if len(top) == k + 1:  # outside the top k: every other entry is at least as likely
+            outside += 1
+            assert all(x >= v for x in others)
+        else:  # among the top k: the dict is exactly the top k
+            assert len(top) == k
+    assert outside > 0, "no sampled token fell outside the top k: pick another seed"
+    # greedy: the sampled token is the top one, so exactly k entries, it the largest
+    status, text = post(C, {"prompt": "go", "temperature": 0.0, "logprobs": k} | LETTERS)
+    lp = strict_json(text)["choices"][0]["logprobs"]
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert len(top) == k and top[tok] == v == max(top.values())
+    # logprobs 0: the sampled token alone (vLLM)
+    status, text = post(C, {"prompt": "go", "temperature": 1.0, "seed": 3, "logprobs": 0} | LETTERS)
+    lp = strict_json(text)["choices"][0]["logprobs"]
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
+
+
+def test_chat_top_logprobs_start_with_the_sampled_token_as_vllm(post) -> None:
+    """vLLM's chat list: top_logprobs entries, the sampled token first, then the most
+    likely others in order; greedy, that is the top k."""
+    k = 3
+    body = {"messages": MESSAGES, "logprobs": True, "top_logprobs": k} | LETTERS
+    for temperature in (1.0, 0.0):
+        status, text = post(CHAT, body | {"temperature": temperature, "seed": 5})
+        assert status == 200, text
+        content = strict_json(text)["choices"][0]["logprobs"]["content"]
+        moved = 0
+        for c in content:
+            top = c["top_logprobs"]
+            assert len(top) == k and top[0] == {"token": c["token"], "logprob": c["logprob"], "bytes": c["bytes"]}
+            rest = [x["logprob"] for x in top[1:]]
+            assert rest == sorted(rest, reverse=True) and c["token"] not in [x["token"] for x in top[1:]]
+            moved += any(x > c["logprob"] for x in rest)  # a more likely token than the sampled one
+        assert (moved > 0) == (temperature > 0), content
+
+
+def test_a_ruled_out_token_s_logprob_is_minus_9999_never_minus_infinity(post) -> None:
+    """Under a grammar the masked tokens' logprobs are -inf; with two letters allowed, the
+    top 5 has three of them. JSON has no -Infinity: OpenAI and vLLM send -9999.0."""
+    ab = {"structured_outputs": {"regex": "[ab]{4}"}, "max_tokens": 4, "temperature": 0.0}
+    status, text = post(C, {"prompt": "go", "logprobs": 5} | ab)
+    assert status == 200 and "Infinity" not in text, text
+    tops = strict_json(text)["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(-9999.0 in top.values() for top in tops), tops
+    status, text = post(CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 5} | ab)
+    assert status == 200 and "Infinity" not in text, text
+    content = strict_json(text)["choices"][0]["logprobs"]["content"]
+    assert all(sorted(x["logprob"] for x in c["top_logprobs"])[:3] == [-9999.0] * 3 for c in content)
