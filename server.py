@@ -355,6 +355,9 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
 # ---- handlers ---------------------------------------------------------------------
 
 async def read_body(request: web.Request) -> dict:
+    # vLLM's validate_json_request (its 400): a body is JSON, and says so
+    if request.content_type != "application/json":  # the media type alone: "; charset=utf-8" is fine
+        raise ApiError("Unsupported Media Type: Only 'application/json' is allowed")
     try:
         body = await request.json()
     except ValueError as e:  # not JSON, or not UTF-8

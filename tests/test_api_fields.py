@@ -1,9 +1,10 @@
-"""OpenAI API conformance of the logprobs shapes, against vLLM's OpenAI server as the
-reference, through HTTP on one in-process tiny engine.
+"""OpenAI API conformance of the logprobs shapes and the body's media type, against
+vLLM's OpenAI server as the reference, through HTTP on one in-process tiny engine.
 
 Claims: completions' top_logprobs always hold the sampled token (k + 1 entries when it
 is not among the top k) and chat's top_logprobs list starts with it (vLLM's order); a
-logprob of -inf goes out as -9999.0, never as JSON-invalid -Infinity."""
+logprob of -inf goes out as -9999.0, never as JSON-invalid -Infinity; a body that is not
+declared application/json is vLLM's 400."""
 
 from __future__ import annotations
 
@@ -124,3 +125,18 @@ def test_a_ruled_out_token_s_logprob_is_minus_9999_never_minus_infinity(post) ->
     assert status == 200 and "Infinity" not in text, text
     content = strict_json(text)["choices"][0]["logprobs"]["content"]
     assert all(sorted(x["logprob"] for x in c["top_logprobs"])[:3] == [-9999.0] * 3 for c in content)
+
+
+# ---- the body's media type -------------------------------------------------------------------
+
+def test_a_body_not_declared_json_is_vllm_s_400(post) -> None:
+    raw = json.dumps({"prompt": [5, 6], "max_tokens": 1}).encode()
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}, {}):
+        for path in (C, CHAT):
+            status, text = post(path, raw=raw, headers=headers)
+            err = strict_json(text)["error"]
+            assert status == 400 and err["message"] == "Unsupported Media Type: Only 'application/json' is allowed"
+            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON"):  # what clients send
+        status, text = post(C, raw=raw, headers={"Content-Type": ctype})
+        assert status == 200, (ctype, text)
