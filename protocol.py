@@ -52,6 +52,8 @@ _NEUTRAL: dict[str, tuple] = {
 }
 
 
+INT64 = (-2**63, 2**63 - 1)
+
 MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
@@ -198,17 +200,20 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
         raise ApiError(f"'add_special_tokens' must be {str(not chat).lower()} on this endpoint",
                        param="add_special_tokens")
 
-    max_tokens = field(body, "max_tokens", (int,))
-    if chat:  # the newer name wins; chat defaults to whatever room the context leaves (as vLLM)
-        max_tokens = field(body, "max_completion_tokens", (int,), max_tokens)
-    if max_tokens is None:
+    max_tokens, limit = field(body, "max_tokens", (int,)), "max_tokens"  # limit: the field it came from
+    if chat and field(body, "max_completion_tokens", (int,)) is not None:  # the newer name wins (as vLLM)
+        max_tokens, limit = body["max_completion_tokens"], "max_completion_tokens"
+    if max_tokens is None:  # chat: whatever room the context leaves (as vLLM)
         max_tokens = max(max_model_len - prompt_len, 1) if chat else 16
     if max_tokens <= 0:
-        raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+        raise ApiError(f"'{limit}' must be at least 1, got {max_tokens}", param=limit)
     if prompt_len + max_tokens > max_model_len:
         raise ApiError(f"This model's maximum context length is {max_model_len} tokens, but you asked for "
                        f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion); "
-                       "shorten the prompt or lower max_tokens", param="max_tokens")
+                       f"shorten the prompt or lower {limit}", param=limit)
+    seed = field(body, "seed", (int,))  # vLLM's range: any 64-bit integer (the engine maps it to 32 bits)
+    if seed is not None and not INT64[0] <= seed <= INT64[1]:
+        raise ApiError(f"'seed' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="seed")
 
     stop = field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
@@ -239,7 +244,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             top_p=field(body, "top_p", (int, float), 1.0),
             top_k=field(body, "top_k", (int,), -1),  # 0 and -1 disable; above the vocabulary, clipped
             min_p=field(body, "min_p", (int, float), 0.0),
-            seed=field(body, "seed", (int,)),  # any integer: the engine maps it to 32 bits
+            seed=seed,
             stop_token_ids=stop_token_ids,
             ignore_eos=field(body, "ignore_eos", (bool,), False),
             logprobs=logprobs,

@@ -45,7 +45,7 @@ from config import EngineConfig, SamplingParams, SLOTarget
 from engine import QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
-from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
+from protocol import (INT64, ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
                       parse_sampling, parse_slo, prompt_logprobs_json, tool_choice)
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
 
@@ -266,6 +266,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
+    if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
+        raise ApiError(f"'priority' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="priority")
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
     want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
     user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy

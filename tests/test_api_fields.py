@@ -4,7 +4,8 @@ vLLM's OpenAI server as the reference, through HTTP on one in-process tiny engin
 Claims: completions' top_logprobs always hold the sampled token (k + 1 entries when it
 is not among the top k) and chat's top_logprobs list starts with it (vLLM's order); a
 logprob of -inf goes out as -9999.0, never as JSON-invalid -Infinity; a body that is not
-declared application/json is vLLM's 400."""
+declared application/json is vLLM's 400; the max_completion_tokens errors name it; a
+seed outside int64 is a 400, as vLLM's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import asyncio
 import json
 
 import pytest
+
+from protocol import ApiError, parse_sampling
 
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -50,6 +53,11 @@ def post():
     loop.run_until_complete(client.close())
     loop.run_until_complete(engine.shutdown())
     loop.close()
+
+
+def served(post) -> None:
+    status, text = post(C, {"prompt": [5, 6], "max_tokens": 1, "temperature": 0.0})
+    assert status == 200, text
 
 
 def strict_json(text: str) -> dict:
@@ -140,3 +148,24 @@ def test_a_body_not_declared_json_is_vllm_s_400(post) -> None:
     for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON"):  # what clients send
         status, text = post(C, raw=raw, headers={"Content-Type": ctype})
         assert status == 200, (ctype, text)
+
+
+# ---- max_completion_tokens ------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [0, -1, 1000, "5"])
+def test_max_completion_tokens_errors_name_it(post, value) -> None:
+    status, text = post(CHAT, {"messages": MESSAGES, "max_completion_tokens": value, "max_tokens": 4})
+    err = strict_json(text)["error"]
+    assert status == 400 and err["param"] == "max_completion_tokens", text
+    assert "max_completion_tokens" in err["message"] and "max_tokens" not in err["message"].replace(
+        "max_completion_tokens", "")
+    served(post)
+
+
+def test_seed_bounds_are_vllm_s_int64() -> None:
+    for seed in (2**63, -2**63 - 1, 10**30):
+        with pytest.raises(ApiError) as e:
+            parse_sampling({"seed": seed}, 3, 256, chat=False, has_tokenizer=True)
+        assert e.value.status == 400 and e.value.param == "seed"
+    for seed in (2**63 - 1, -2**63, 0, -1):
+        assert parse_sampling({"seed": seed}, 3, 256, chat=False, has_tokenizer=True)[0].seed == seed
