@@ -38,21 +38,63 @@ _JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a s
               list: "an array", dict: "an object"}
 
 # Options this server does not implement: set to anything but their neutral value they
-# get a 400, never a silently different answer.
+# get a 400 naming them, never a silently different answer. () : any value is refused.
 _NEUTRAL: dict[str, tuple] = {
+    # OpenAI's
     "echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "functions": ([],),
-    # vLLM's own extras that taxirank does not implement: refused, never silently ignored
-    "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
-    "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
+    "presence_penalty": (0,), "frequency_penalty": (0,),
+    "functions": ([],), "function_call": ("none", "auto"),  # the deprecated tools: no functions, so no call
+    "modalities": (["text"],),  # text out only: no audio
+    "audio": (),  # audio output
+    "prediction": (),  # predicted outputs (a speculative-decoding hint, with its own usage counts)
+    "web_search_options": (),  # a search tool run by the server
+    "store": (False,),  # stored completions: nothing is stored here
+    "service_tier": ("auto", "default"),  # one tier: every request is served alike
+    "verbosity": ("medium",),  # OpenAI's default; other values ask for shorter or longer answers
+    "prompt_cache_retention": ("in_memory",),  # the prefix cache lives in memory only
+    "moderation": (),  # moderation of input and output
+    # vLLM's own extras that taxirank does not implement
+    "repetition_penalty": (1,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (),
     "chat_template": (),  # vLLM too refuses a request's own template unless trusted by a flag
-    "documents": ([],), "return_tokens_as_token_ids": (False,),
+    "documents": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (),
+    "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
 }
 
+# OpenAI's fields this server takes and does nothing with, as they ask for nothing a
+# client depends on (each is still type-checked): the reason beside each.
+_ACCEPTED_NOOP: dict[str, tuple[type, ...]] = {
+    "metadata": (dict,),  # tags for stored completions (none are stored)
+    "prompt_cache_key": (str,),  # a cache-routing hint: the prefix cache finds shared prefixes itself
+    "prompt_cache_options": (dict,),  # likewise
+    "safety_identifier": (str,),  # an end-user id for abuse monitoring
+}
 
+# Every field a request may carry and the server reads (_NEUTRAL's and _ACCEPTED_NOOP's
+# too); anything else is warned about and ignored, as vLLM does with extra fields.
+_COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
+    "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
+    "tool_choice", *_NEUTRAL, *_ACCEPTED_NOOP}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+# Chat's own fields, which mean something else (or nothing) on /v1/completions: refused there.
+_CHAT_ONLY = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's and vLLM's
 INT64 = (-2**63, 2**63 - 1)
+
+
+def unknown_fields(body: dict, chat: bool) -> list[str]:
+    """The fields of `body` this server does not read (vLLM warns and ignores them)."""
+    return sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
+
 
 MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
 MAX_STOP_STRING_CHARS = 256
@@ -148,10 +190,11 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
     # Template variables only: none of apply_chat_template's own arguments (return_dict,
     # tokenize, ... would change what it returns). Stricter than vLLM, which lets them through.
     try:
-        own = {n for n, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
-               if p.kind is not p.VAR_KEYWORD}
+        signature = inspect.signature(tokenizer.apply_chat_template).parameters.values()
     except (AttributeError, TypeError, ValueError):  # no template (refused below) or no signature to read
-        own = set()
+        signature = []
+    own = {p.name for p in signature if p.kind is not p.VAR_KEYWORD}
+    takes_variables = any(p.kind is p.VAR_KEYWORD for p in signature)  # a Jinja template's variables
     own |= {"tools", "chat_template", "conversation", "messages", "tokenize", "add_generation_prompt",
             "continue_final_message"}
     taken = sorted(set(kw) & own)
@@ -159,6 +202,15 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
     if continue_final_message:  # only when set: ByteTokenizer's template takes no such argument
         kw["continue_final_message"] = True
+    # OpenAI's reasoning_effort, as vLLM reads it: a template variable (and enable_thinking,
+    # which templates such as Qwen3's read, unless chat_template_kwargs sets it); a template
+    # that reads neither (a model that does not reason) renders as without it.
+    effort = field(body, "reasoning_effort", (str,))
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ApiError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort[:40]!r}",
+                       param="reasoning_effort")
+    if effort is not None and takes_variables:
+        kw = {"reasoning_effort": effort, "enable_thinking": effort != "none"} | kw
     try:
         if tools is not None:
             kw["tools"] = tools.definitions
@@ -191,7 +243,15 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
     tools: the request's tool_choice() (a forced call constrains the output)."""
     for name, neutral in _NEUTRAL.items():
         if body.get(name) is not None and body[name] not in neutral:
-            raise ApiError(f"'{name}' is not supported by this server", param=name)
+            allowed = f" (accepted only as {' or '.join(json.dumps(v) for v in neutral)})" if neutral else ""
+            raise ApiError(f"'{name}' is not supported by this server{allowed}", param=name)
+    for name, kinds in _ACCEPTED_NOOP.items():
+        field(body, name, kinds)
+    if not chat:
+        for name, instead in _CHAT_ONLY.items():
+            if body.get(name) is not None:
+                raise ApiError(f"'{name}' is a chat completions field; /v1/completions takes '{instead}'",
+                               param=name)
     if field(body, "n", (int,), 1) != 1:
         raise ApiError("only n=1 is supported: send one request per sample", param="n")
     # Chat prompts come from the template (no special tokens added), completions' get the

@@ -1,21 +1,25 @@
-"""OpenAI API conformance of the logprobs shapes and the body's media type, against
-vLLM's OpenAI server as the reference, through HTTP on one in-process tiny engine.
+"""OpenAI API conformance of the request fields and the logprobs shapes, against vLLM's
+OpenAI server as the reference, through HTTP on one in-process tiny engine.
 
 Claims: completions' top_logprobs always hold the sampled token (k + 1 entries when it
 is not among the top k) and chat's top_logprobs list starts with it (vLLM's order); a
 logprob of -inf goes out as -9999.0, never as JSON-invalid -Infinity; a body that is not
-declared application/json is vLLM's 400; the max_completion_tokens errors name it; a
-seed outside int64 is a 400, as vLLM's."""
+declared application/json is vLLM's 400; the max_completion_tokens errors name it; every
+OpenAI field the server does not implement is a 400 naming it, those that ask for nothing
+are taken, fields nobody defines are warned about and ignored (vLLM's rule); a seed or
+priority outside int64 is a 400; the server serves on after each refusal."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
-from protocol import ApiError, parse_sampling
-
+from protocol import ApiError, parse_messages, parse_sampling
+from tokenizer import ByteTokenizer
+from tool_parsers import ToolCallStream, ToolChoice
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -55,16 +59,16 @@ def post():
     loop.close()
 
 
-def served(post) -> None:
-    status, text = post(C, {"prompt": [5, 6], "max_tokens": 1, "temperature": 0.0})
-    assert status == 200, text
-
-
 def strict_json(text: str) -> dict:
     """JSON as the spec has it: NaN and +-Infinity are not numbers there."""
     def refuse(name: str) -> None:
         raise ValueError(f"{name} is not JSON")
     return json.loads(text, parse_constant=refuse)
+
+
+def served(post) -> None:
+    status, text = post(C, {"prompt": [5, 6], "max_tokens": 1, "temperature": 0.0})
+    assert status == 200, text
 
 
 # ---- logprobs ------------------------------------------------------------------------------
@@ -160,6 +164,114 @@ def test_max_completion_tokens_errors_name_it(post, value) -> None:
     assert "max_completion_tokens" in err["message"] and "max_tokens" not in err["message"].replace(
         "max_completion_tokens", "")
     served(post)
+
+
+# ---- fields: implemented, refused, taken as no-ops, unknown ----------------------------------
+
+REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented here
+    (CHAT, "modalities", ["text", "audio"]),
+    (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
+    (CHAT, "prediction", {"type": "content", "content": "hello"}),
+    (CHAT, "web_search_options", {}),
+    (CHAT, "moderation", {"model": "omni-moderation-latest"}),
+    (CHAT, "prompt_cache_retention", "24h"),
+    (CHAT, "service_tier", "fast"),
+    (CHAT, "service_tier", "flex"),
+    (CHAT, "service_tier", "priority"),
+    (CHAT, "store", True),
+    (CHAT, "verbosity", "low"),
+    (CHAT, "function_call", {"name": "f"}),
+    (CHAT, "functions", [{"name": "f"}]),
+    (CHAT, "logit_bias", {"65": 10}),
+    (CHAT, "n", 2),
+    (CHAT, "reasoning_effort", "extreme"),
+    (CHAT, "return_token_ids", True),
+    (CHAT, "cache_salt", "pepper"),
+    (CHAT, "metadata", "not an object"),
+    (CHAT, "parallel_tool_calls", "no"),
+    (C, "max_completion_tokens", 5),  # chat's field: on completions it would be ignored
+    (C, "top_logprobs", 2),
+    (C, "suffix", "tail"),
+    (C, "best_of", 2),
+    (C, "echo", True),
+    (C, "logit_bias", {"65": 10}),
+    (C, "stream_options", {"include_usage": True, "include_typo": True}),
+    (C, "seed", 2**63),
+    (C, "seed", -2**63 - 1),
+    (C, "priority", 2**63),
+]
+
+
+@pytest.mark.parametrize("path,name,value", REFUSED, ids=[f"{p[4:8]}-{n}" for p, n, _ in REFUSED])
+def test_an_openai_field_not_implemented_is_a_400_naming_it_and_the_server_serves_on(post, path, name, value) -> None:
+    base = {"messages": MESSAGES} if path == CHAT else {"prompt": [5, 6]}
+    stream = {"stream": True} if name == "stream_options" else {}
+    status, text = post(path, base | {"max_tokens": 1, name: value} | stream)
+    assert status == 400, text
+    err = strict_json(text)["error"]
+    assert err["param"] == name and name in err["message"], err
+    served(post)
+
+
+ACCEPTED = [  # fields that ask for nothing a client depends on, and the neutral values of the rest
+    {"user": "alice", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True,
+     "prompt_cache_key": "abc", "prompt_cache_options": {"mode": "implicit"}, "safety_identifier": "u1",
+     "prompt_cache_retention": "in_memory", "modalities": ["text"], "verbosity": "medium",
+     "reasoning_effort": "low", "function_call": "none", "functions": [], "logit_bias": {}, "n": 1},
+    {"seed": 2**63 - 1}, {"seed": -2**63},
+]
+
+
+@pytest.mark.parametrize("extra", ACCEPTED)
+def test_fields_that_ask_nothing_are_taken(post, extra) -> None:
+    status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 2} | extra)
+    assert status == 200, text
+
+
+def test_a_field_nobody_defines_is_warned_about_and_ignored_as_vllm(post, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="taxirank.server"):
+        status, text = post(C, {"prompt": [5, 6], "max_tokens": 1, "frobnicate": 1})
+    assert status == 200, text
+    assert any("ignored: frobnicate" in r.getMessage() for r in caplog.records), caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="taxirank.server"):
+        post(C, {"prompt": [5, 6], "max_tokens": 1})
+    assert not any("ignored" in r.getMessage() for r in caplog.records)
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it_as_vllm() -> None:
+    seen = []
+
+    class Template(ByteTokenizer):  # a Jinja template: any variable may be passed, it reads two
+        def apply_chat_template(self, chat, add_generation_prompt=True, tokenize=False, **variables):
+            seen.append((variables.get("reasoning_effort"), variables.get("enable_thinking")))
+            return super().apply_chat_template(chat, add_generation_prompt, tokenize)
+
+    parse_messages({"messages": MESSAGES, "reasoning_effort": "high"}, Template())
+    parse_messages({"messages": MESSAGES, "reasoning_effort": "none"}, Template())
+    parse_messages({"messages": MESSAGES, "reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}},
+                   Template())
+    parse_messages({"messages": MESSAGES}, Template())
+    assert seen == [("high", True), ("none", False), ("low", False), (None, None)]
+    # a template without variables of its own (ByteTokenizer's) renders as without it
+    assert parse_messages({"messages": MESSAGES, "reasoning_effort": "high"}, ByteTokenizer()) == \
+        parse_messages({"messages": MESSAGES}, ByteTokenizer())
+    with pytest.raises(ApiError) as e:
+        parse_messages({"messages": MESSAGES, "reasoning_effort": 3}, Template())
+    assert e.value.param == "reasoning_effort"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed() -> None:
+    """vLLM's maybe_filter_parallel_tool_calls: the answer's first call only."""
+    tools = ToolChoice("required", {"f": {"type": "object"}, "g": {"type": "object"}})
+    text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"b": 2}}]'
+    for parallel, names in ((True, ["f", "g"]), (False, ["f"])):
+        message, reason = ToolCallStream(tools, parallel=parallel).message(text, "stop")
+        assert [c["function"]["name"] for c in message["tool_calls"]] == names and reason == "tool_calls"
+        stream = ToolCallStream(tools, parallel=parallel)
+        deltas = [stream.delta(ch, None)[0] for ch in text[:-1]] + [stream.delta(text[-1], "stop")[0]]
+        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert sorted({c["index"] for c in streamed}) == list(range(len(names)))
 
 
 def test_seed_bounds_are_vllm_s_int64() -> None:

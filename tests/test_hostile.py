@@ -90,6 +90,8 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, raw("null"), 400),
     (C, raw("{not json"), 400),
     (C, b"\xff\xfe{}", 400),
+    (C, {"prompt": "hi", "store": True}, 400),  # an OpenAI field taxirank does not implement: refused
+    (CHAT, {"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}}, 400),
     (C, raw("[" * 100_000 + "]" * 100_000), 400),
     (C, raw('{"prompt": "hi", "user": ' + "[" * 50_000 + "]" * 50_000 + "}"), 400),
     (C, raw('{"prompt": "' + "a" * (5 * 2**20) + '"}'), 413),
