@@ -38,18 +38,62 @@ _JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a s
               list: "an array", dict: "an object"}
 
 # Options this server does not implement: set to anything but their neutral value they
-# get a 400, never a silently different answer.
+# get a 400 naming them, never a silently different answer. () : any value is refused.
 _NEUTRAL: dict[str, tuple] = {
+    # OpenAI's
     "echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "functions": ([],),
-    # vLLM's own extras that taxirank does not implement: refused, never silently ignored
-    "min_tokens": (0,), "include_stop_str_in_output": (False,), "use_beam_search": (False,),
-    "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
+    "presence_penalty": (0,), "frequency_penalty": (0,),
+    "functions": ([],), "function_call": ("none", "auto"),  # the deprecated tools: no functions, so no call
+    "modalities": (["text"],),  # text out only: no audio
+    "audio": (),  # audio output
+    "prediction": (),  # predicted outputs (a speculative-decoding hint, with its own usage counts)
+    "web_search_options": (),  # a search tool run by the server
+    "store": (False,),  # stored completions: nothing is stored here
+    "service_tier": ("auto", "default"),  # one tier: every request is served alike
+    "verbosity": ("medium",),  # OpenAI's default; other values ask for shorter or longer answers
+    "prompt_cache_retention": ("in_memory",),  # the prefix cache lives in memory only
+    "moderation": (),  # moderation of input and output
+    # vLLM's own extras that taxirank does not implement
+    "repetition_penalty": (1,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (),
     "chat_template": (),  # vLLM too refuses a request's own template unless trusted by a flag
-    "documents": ([],), "return_tokens_as_token_ids": (False,),
+    "documents": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (),
+    "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
 }
+
+# OpenAI's fields this server takes and does nothing with, as they ask for nothing a
+# client depends on (each is still type-checked): the reason beside each.
+_ACCEPTED_NOOP: dict[str, tuple[type, ...]] = {
+    "metadata": (dict,),  # tags for stored completions (none are stored)
+    "prompt_cache_key": (str,),  # a cache-routing hint: the prefix cache finds shared prefixes itself
+    "prompt_cache_options": (dict,),  # likewise
+    "safety_identifier": (str,),  # an end-user id for abuse monitoring
+}
+
+# Every field a request may carry and the server reads (_NEUTRAL's and _ACCEPTED_NOOP's
+# too); anything else is warned about and ignored, as vLLM does with extra fields.
+_COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
+    "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
+    "tool_choice", *_NEUTRAL, *_ACCEPTED_NOOP}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+# Chat's own fields, which mean something else (or nothing) on /v1/completions: refused there.
+_CHAT_ONLY = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's and vLLM's
+INT64 = (-2**63, 2**63 - 1)
+
+
+def unknown_fields(body: dict, chat: bool) -> list[str]:
+    """The fields of `body` this server does not read (vLLM warns and ignores them)."""
+    return sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
 
 
 MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
@@ -146,10 +190,11 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
     # Template variables only: none of apply_chat_template's own arguments (return_dict,
     # tokenize, ... would change what it returns). Stricter than vLLM, which lets them through.
     try:
-        own = {n for n, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
-               if p.kind is not p.VAR_KEYWORD}
+        signature = inspect.signature(tokenizer.apply_chat_template).parameters.values()
     except (AttributeError, TypeError, ValueError):  # no template (refused below) or no signature to read
-        own = set()
+        signature = []
+    own = {p.name for p in signature if p.kind is not p.VAR_KEYWORD}
+    takes_variables = any(p.kind is p.VAR_KEYWORD for p in signature)  # a Jinja template's variables
     own |= {"tools", "chat_template", "conversation", "messages", "tokenize", "add_generation_prompt",
             "continue_final_message"}
     taken = sorted(set(kw) & own)
@@ -157,6 +202,15 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
     if continue_final_message:  # only when set: ByteTokenizer's template takes no such argument
         kw["continue_final_message"] = True
+    # OpenAI's reasoning_effort, as vLLM reads it: a template variable (and enable_thinking,
+    # which templates such as Qwen3's read, unless chat_template_kwargs sets it); a template
+    # that reads neither (a model that does not reason) renders as without it.
+    effort = field(body, "reasoning_effort", (str,))
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ApiError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort[:40]!r}",
+                       param="reasoning_effort")
+    if effort is not None and takes_variables:
+        kw = {"reasoning_effort": effort, "enable_thinking": effort != "none"} | kw
     try:
         if tools is not None:
             kw["tools"] = tools.definitions
@@ -189,7 +243,15 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
     tools: the request's tool_choice() (a forced call constrains the output)."""
     for name, neutral in _NEUTRAL.items():
         if body.get(name) is not None and body[name] not in neutral:
-            raise ApiError(f"'{name}' is not supported by this server", param=name)
+            allowed = f" (accepted only as {' or '.join(json.dumps(v) for v in neutral)})" if neutral else ""
+            raise ApiError(f"'{name}' is not supported by this server{allowed}", param=name)
+    for name, kinds in _ACCEPTED_NOOP.items():
+        field(body, name, kinds)
+    if not chat:
+        for name, instead in _CHAT_ONLY.items():
+            if body.get(name) is not None:
+                raise ApiError(f"'{name}' is a chat completions field; /v1/completions takes '{instead}'",
+                               param=name)
     if field(body, "n", (int,), 1) != 1:
         raise ApiError("only n=1 is supported: send one request per sample", param="n")
     # Chat prompts come from the template (no special tokens added), completions' get the
@@ -198,17 +260,20 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
         raise ApiError(f"'add_special_tokens' must be {str(not chat).lower()} on this endpoint",
                        param="add_special_tokens")
 
-    max_tokens = field(body, "max_tokens", (int,))
-    if chat:  # the newer name wins; chat defaults to whatever room the context leaves (as vLLM)
-        max_tokens = field(body, "max_completion_tokens", (int,), max_tokens)
-    if max_tokens is None:
+    max_tokens, limit = field(body, "max_tokens", (int,)), "max_tokens"  # limit: the field it came from
+    if chat and field(body, "max_completion_tokens", (int,)) is not None:  # the newer name wins (as vLLM)
+        max_tokens, limit = body["max_completion_tokens"], "max_completion_tokens"
+    if max_tokens is None:  # chat: whatever room the context leaves (as vLLM)
         max_tokens = max(max_model_len - prompt_len, 1) if chat else 16
     if max_tokens <= 0:
-        raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+        raise ApiError(f"'{limit}' must be at least 1, got {max_tokens}", param=limit)
     if prompt_len + max_tokens > max_model_len:
         raise ApiError(f"This model's maximum context length is {max_model_len} tokens, but you asked for "
                        f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion); "
-                       "shorten the prompt or lower max_tokens", param="max_tokens")
+                       f"shorten the prompt or lower {limit}", param=limit)
+    seed = field(body, "seed", (int,))  # vLLM's range: any 64-bit integer (the engine maps it to 32 bits)
+    if seed is not None and not INT64[0] <= seed <= INT64[1]:
+        raise ApiError(f"'seed' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="seed")
 
     stop = field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
@@ -239,7 +304,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             top_p=field(body, "top_p", (int, float), 1.0),
             top_k=field(body, "top_k", (int,), -1),  # 0 and -1 disable; above the vocabulary, clipped
             min_p=field(body, "min_p", (int, float), 0.0),
-            seed=field(body, "seed", (int,)),  # any integer: the engine maps it to 32 bits
+            seed=seed,
             stop_token_ids=stop_token_ids,
             ignore_eos=field(body, "ignore_eos", (bool,), False),
             logprobs=logprobs,
@@ -383,11 +448,26 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
 
 
+def finite(logprob: float) -> float:
+    """A logprob as JSON can carry it: a token the step's grammar ruled out is -inf, which
+    JSON has no number for; -9999.0 is what OpenAI and vLLM send instead."""
+    return max(logprob, -9999.0)
+
+
+def _with_sampled(lp: TokenLogprob) -> dict[int, float]:
+    """The sampled token, then the top ones (vLLM's per-position dict: the sampled token
+    first, once even when it is among the top)."""
+    return {lp.token_id: lp.logprob} | {t: v for t, v in lp.top if t != lp.token_id}
+
+
 def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) -> dict:
-    """OpenAI's legacy completions logprobs; `offset` is where this text starts."""
+    """OpenAI's legacy completions logprobs; `offset` is where this text starts. Each
+    position's top_logprobs holds the sampled token besides the top `logprobs` (OpenAI's
+    "logprobs + 1" entries when the sampled token is not among them), as vLLM."""
     tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{token_text(tokenizer, t): v for t, v in lp.top} for lp in lps],
+    return {"tokens": tokens, "token_logprobs": [finite(lp.logprob) for lp in lps],
+            "top_logprobs": [{token_text(tokenizer, t): finite(v) for t, v in _with_sampled(lp).items()}
+                             for lp in lps],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
 
 
@@ -396,14 +476,19 @@ def prompt_logprobs_json(tokenizer: Any, lps: list[TokenLogprob | None]) -> list
     token id (a string, as JSON keys are) to its logprob, rank and text: the prompt token
     and the top N."""
     def entry(token_id: int, logprob: float, rank: int) -> tuple[str, dict]:
-        return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
+        return str(token_id), {"logprob": finite(logprob), "rank": rank,
+                               "decoded_token": token_text(tokenizer, token_id)}
     return [None if lp is None else dict([entry(lp.token_id, lp.logprob, lp.rank),
                                           *(entry(t, v, r) for r, (t, v) in enumerate(lp.top, 1))]) for lp in lps]
 
 
 def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict:
+    """Chat's logprobs: per token its own and a top_logprobs list of `top_logprobs`
+    entries, vLLM's: the first of the sampled token and then the top ones (the most
+    likely `top_logprobs` when the sampled token is among them, as it is in greedy decoding)."""
     def entry(token_id: int, logprob: float) -> dict:
         text = token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for lp in lps]}
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
+    return {"content": [entry(lp.token_id, lp.logprob) | {
+        "top_logprobs": [entry(t, v) for t, v in itertools.islice(_with_sampled(lp).items(), len(lp.top))]}
+        for lp in lps]}

@@ -45,8 +45,8 @@ from config import EngineConfig, SamplingParams, SLOTarget
 from engine import QueueFullError, TokenLogprob, detokenize
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
-from protocol import (ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
-                      parse_sampling, parse_slo, prompt_logprobs_json, tool_choice)
+from protocol import (INT64, ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
+                      parse_sampling, parse_slo, prompt_logprobs_json, tool_choice, unknown_fields)
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
 
 T = TypeVar("T")
@@ -253,6 +253,11 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     stream_options = field(body, "stream_options", (dict,), {})
     if stream_options and not stream:
         raise ApiError("'stream_options' is only allowed with stream=true", param="stream_options")
+    # include_obfuscation: OpenAI's random padding against side channels, which changes no content
+    unknown = sorted(set(stream_options) - {"include_usage", "continuous_usage_stats", "include_obfuscation"})
+    if unknown:
+        raise ApiError(f"stream_options: {unknown[0][:40]!r} is not supported by this server", param="stream_options")
+    field(stream_options, "include_obfuscation", (bool,))
     include_usage = field(stream_options, "include_usage", (bool,), False)
     # vLLM's extra: every chunk carries the usage so far; only with include_usage, as vLLM.
     continuous_usage = field(stream_options, "continuous_usage_stats", (bool,), False) and include_usage
@@ -266,6 +271,12 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
 
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
+    if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
+        raise ApiError(f"'priority' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="priority")
+    # vLLM's parallel_tool_calls false: only the first call of the answer goes out
+    parallel = field(body, "parallel_tool_calls", (bool,), True)
+    if ignored := unknown_fields(body, chat):  # as vLLM: warned about, and ignored
+        log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored)[:500])
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
     want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
     user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
@@ -296,7 +307,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                     prompt_lps = last.prompt_logprobs or prompt_lps
             assert last is not None and last.finish_reason is not None
             lp = logprobs(lps, 0) if params.logprobs is not None else None
-            message, reason = ToolCallStream(tools, app["tool_parser"]).message(text, last.finish_reason)
+            message, reason = ToolCallStream(tools, app["tool_parser"], parallel).message(text, last.finish_reason)
             choice = {"index": 0, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
             if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
                 choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
@@ -314,7 +325,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
             if chat:
                 await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
-            offset, calls = 0, ToolCallStream(tools, app["tool_parser"])
+            offset, calls = 0, ToolCallStream(tools, app["tool_parser"], parallel)
             async with contextlib.aclosing(gen.chunks()) as chunks:
                 async for c in chunks:
                     if not (c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
@@ -355,6 +366,9 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
 # ---- handlers ---------------------------------------------------------------------
 
 async def read_body(request: web.Request) -> dict:
+    # vLLM's validate_json_request (its 400): a body is JSON, and says so
+    if request.content_type != "application/json":  # the media type alone: "; charset=utf-8" is fine
+        raise ApiError("Unsupported Media Type: Only 'application/json' is allowed")
     try:
         body = await request.json()
     except ValueError as e:  # not JSON, or not UTF-8

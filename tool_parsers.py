@@ -153,9 +153,12 @@ class ToolCallStream:
     """A chat response's message, whole (`message`) or as stream deltas (`delta`), for a
     request with or without tools. One per response."""
 
-    def __init__(self, tools: ToolChoice | None, parser: Callable[[], HermesToolParser] | None = None) -> None:
+    def __init__(self, tools: ToolChoice | None, parser: Callable[[], HermesToolParser] | None = None,
+                 parallel: bool = True) -> None:
+        """parallel: OpenAI's parallel_tool_calls; False keeps the first call only (as vLLM)."""
         assert tools is None or tools.mode != "auto" or parser is not None, "tool_choice auto needs a parser"
         self.tools, self.parser = tools, parser() if tools is not None and tools.mode == "auto" else None
+        self.parallel = parallel
         self.text, self.content_sent = "", 0
         self.sent: list[tuple[str, int]] = []  # per call streamed: (id, characters of its arguments sent)
 
@@ -164,9 +167,9 @@ class ToolCallStream:
             return self.text, []
         if self.tools.mode == "named":
             return "", [CallView(next(iter(self.tools.tools)), self.text, final)]
-        if self.tools.mode == "required":
-            return "", _array_calls(self.text, "parameters")
-        return self.parser.view(self.text, final)
+        content, calls = ("", _array_calls(self.text, "parameters")) if self.tools.mode == "required" else \
+            self.parser.view(self.text, final)
+        return content, calls if self.parallel else calls[:1]
 
     def _reason(self, calls: list[CallView], reason: str) -> str:
         """vLLM's finish_reason: "tool_calls" for complete required calls or any call found

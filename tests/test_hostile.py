@@ -30,11 +30,13 @@ def raw(text: str) -> bytes:
 
 # (path, body: a JSON-able object or raw bytes, expected status)
 HOSTILE: list[tuple[str, object, int]] = [
-    # seeds: any JSON integer is a seed (chat UIs send -1 for "random")
+    # seeds: any 64-bit integer, as vLLM (chat UIs send -1 for "random")
     (C, {"prompt": "hi", "seed": -1}, 200),
     (C, {"prompt": "hi", "seed": 2**32}, 200),
-    (C, {"prompt": "hi", "seed": 2**64 + 5}, 200),
-    (C, {"prompt": "hi", "seed": -(2**70)}, 200),
+    (C, {"prompt": "hi", "seed": 2**63 - 1}, 200),
+    (C, {"prompt": "hi", "seed": -(2**63)}, 200),
+    (C, {"prompt": "hi", "seed": 2**64 + 5}, 400),
+    (C, {"prompt": "hi", "seed": -(2**70)}, 400),
     (CHAT, {"messages": MSG, "seed": -1, "max_tokens": 3, "stream": True}, 200),
     (C, {"prompt": "hi", "seed": 1.5}, 400),
     (C, {"prompt": "hi", "seed": True}, 400),
@@ -88,6 +90,8 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, raw("null"), 400),
     (C, raw("{not json"), 400),
     (C, b"\xff\xfe{}", 400),
+    (C, {"prompt": "hi", "store": True}, 400),  # an OpenAI field taxirank does not implement: refused
+    (CHAT, {"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}}, 400),
     (C, raw("[" * 100_000 + "]" * 100_000), 400),
     (C, raw('{"prompt": "hi", "user": ' + "[" * 50_000 + "]" * 50_000 + "}"), 400),
     (C, raw('{"prompt": "' + "a" * (5 * 2**20) + '"}'), 413),

@@ -1,0 +1,283 @@
+"""OpenAI API conformance of the request fields and the logprobs shapes, against vLLM's
+OpenAI server as the reference, through HTTP on one in-process tiny engine.
+
+Claims: completions' top_logprobs always hold the sampled token (k + 1 entries when it
+is not among the top k) and chat's top_logprobs list starts with it (vLLM's order); a
+logprob of -inf goes out as -9999.0, never as JSON-invalid -Infinity; a body that is not
+declared application/json is vLLM's 400; the max_completion_tokens errors name it; every
+OpenAI field the server does not implement is a 400 naming it, those that ask for nothing
+are taken, fields nobody defines are warned about and ignored (vLLM's rule); a seed or
+priority outside int64 is a 400; the server serves on after each refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+
+from protocol import ApiError, parse_messages, parse_sampling
+from tokenizer import ByteTokenizer
+from tool_parsers import ToolCallStream, ToolChoice
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def post():
+    """post(path, body, headers=None, raw=None) -> (status, text): one request to the app
+    on one tiny engine (test_request_metrics' shapes: its programs are cached)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from async_engine import AsyncEngine
+    from engine import EngineConfig
+    import server
+
+    loop = asyncio.new_event_loop()
+    engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False),
+                         log=lambda *_: None)
+    loop.run_until_complete(engine.start())
+    app = server.build_app(engine, ["tiny"])
+    client = TestClient(TestServer(app), loop=loop)
+    loop.run_until_complete(client.start_server())
+
+    async def one(path: str, body: object, headers: dict | None, raw: bytes | None) -> tuple[int, str]:
+        if raw is None:
+            resp = await client.post(path, json=body)
+        else:
+            resp = await client.post(path, data=raw, headers=headers or {})
+        return resp.status, await resp.text()
+
+    def run(path: str, body: object = None, headers: dict | None = None, raw: bytes | None = None) -> tuple[int, str]:
+        return loop.run_until_complete(asyncio.wait_for(one(path, body, headers, raw), 300))
+
+    yield run
+    loop.run_until_complete(client.close())
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+def strict_json(text: str) -> dict:
+    """JSON as the spec has it: NaN and +-Infinity are not numbers there."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def served(post) -> None:
+    status, text = post(C, {"prompt": [5, 6], "max_tokens": 1, "temperature": 0.0})
+    assert status == 200, text
+
+
+# ---- logprobs ------------------------------------------------------------------------------
+
+LETTERS = {"structured_outputs": {"regex": "[a-z]{12}"}, "max_tokens": 12}  # ASCII tokens: one text per id
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(post) -> None:
+    """OpenAI's "logprobs + 1": each position's dict has the sampled token with its
+    logprob; k entries when the sampled token is among the top k, else k + 1, the sampled
+    one the least likely. Sampled at temperature 1 over 26 letters, the tiny model's
+    near-uniform choice falls outside the top 2 at some position."""
+    k = 2
+    status, text = post(C, {"prompt": "go", "temperature": 1.0, "seed": 3, "logprobs": k} | LETTERS)
+    assert status == 200, text
+    lp = strict_json(text)["choices"][0]["logprobs"]
+    outside = 0
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert top[tok] == v  # the sampled token is always there, with its own logprob
+        others = sorted((x for t, x in top.items() if t != tok), reverse=True)
+        if len(top) == k + 1:  # outside the top k: every other entry is at least as likely
+            outside += 1
+            assert all(x >= v for x in others)
+        else:  # among the top k: the dict is exactly the top k
+            assert len(top) == k
+    assert outside > 0, "no sampled token fell outside the top k: pick another seed"
+    # greedy: the sampled token is the top one, so exactly k entries, it the largest
+    status, text = post(C, {"prompt": "go", "temperature": 0.0, "logprobs": k} | LETTERS)
+    lp = strict_json(text)["choices"][0]["logprobs"]
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert len(top) == k and top[tok] == v == max(top.values())
+    # logprobs 0: the sampled token alone (vLLM)
+    status, text = post(C, {"prompt": "go", "temperature": 1.0, "seed": 3, "logprobs": 0} | LETTERS)
+    lp = strict_json(text)["choices"][0]["logprobs"]
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
+
+
+def test_chat_top_logprobs_start_with_the_sampled_token_as_vllm(post) -> None:
+    """vLLM's chat list: top_logprobs entries, the sampled token first, then the most
+    likely others in order; greedy, that is the top k."""
+    k = 3
+    body = {"messages": MESSAGES, "logprobs": True, "top_logprobs": k} | LETTERS
+    for temperature in (1.0, 0.0):
+        status, text = post(CHAT, body | {"temperature": temperature, "seed": 5})
+        assert status == 200, text
+        content = strict_json(text)["choices"][0]["logprobs"]["content"]
+        moved = 0
+        for c in content:
+            top = c["top_logprobs"]
+            assert len(top) == k and top[0] == {"token": c["token"], "logprob": c["logprob"], "bytes": c["bytes"]}
+            rest = [x["logprob"] for x in top[1:]]
+            assert rest == sorted(rest, reverse=True) and c["token"] not in [x["token"] for x in top[1:]]
+            moved += any(x > c["logprob"] for x in rest)  # a more likely token than the sampled one
+        assert (moved > 0) == (temperature > 0), content
+
+
+def test_a_ruled_out_token_s_logprob_is_minus_9999_never_minus_infinity(post) -> None:
+    """Under a grammar the masked tokens' logprobs are -inf; with two letters allowed, the
+    top 5 has three of them. JSON has no -Infinity: OpenAI and vLLM send -9999.0."""
+    ab = {"structured_outputs": {"regex": "[ab]{4}"}, "max_tokens": 4, "temperature": 0.0}
+    status, text = post(C, {"prompt": "go", "logprobs": 5} | ab)
+    assert status == 200 and "Infinity" not in text, text
+    tops = strict_json(text)["choices"][0]["logprobs"]["top_logprobs"]
+    assert all(-9999.0 in top.values() for top in tops), tops
+    status, text = post(CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 5} | ab)
+    assert status == 200 and "Infinity" not in text, text
+    content = strict_json(text)["choices"][0]["logprobs"]["content"]
+    assert all(sorted(x["logprob"] for x in c["top_logprobs"])[:3] == [-9999.0] * 3 for c in content)
+
+
+# ---- the body's media type -------------------------------------------------------------------
+
+def test_a_body_not_declared_json_is_vllm_s_400(post) -> None:
+    raw = json.dumps({"prompt": [5, 6], "max_tokens": 1}).encode()
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}, {}):
+        for path in (C, CHAT):
+            status, text = post(path, raw=raw, headers=headers)
+            err = strict_json(text)["error"]
+            assert status == 400 and err["message"] == "Unsupported Media Type: Only 'application/json' is allowed"
+            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON"):  # what clients send
+        status, text = post(C, raw=raw, headers={"Content-Type": ctype})
+        assert status == 200, (ctype, text)
+
+
+# ---- max_completion_tokens ------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [0, -1, 1000, "5"])
+def test_max_completion_tokens_errors_name_it(post, value) -> None:
+    status, text = post(CHAT, {"messages": MESSAGES, "max_completion_tokens": value, "max_tokens": 4})
+    err = strict_json(text)["error"]
+    assert status == 400 and err["param"] == "max_completion_tokens", text
+    assert "max_completion_tokens" in err["message"] and "max_tokens" not in err["message"].replace(
+        "max_completion_tokens", "")
+    served(post)
+
+
+# ---- fields: implemented, refused, taken as no-ops, unknown ----------------------------------
+
+REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented here
+    (CHAT, "modalities", ["text", "audio"]),
+    (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
+    (CHAT, "prediction", {"type": "content", "content": "hello"}),
+    (CHAT, "web_search_options", {}),
+    (CHAT, "moderation", {"model": "omni-moderation-latest"}),
+    (CHAT, "prompt_cache_retention", "24h"),
+    (CHAT, "service_tier", "fast"),
+    (CHAT, "service_tier", "flex"),
+    (CHAT, "service_tier", "priority"),
+    (CHAT, "store", True),
+    (CHAT, "verbosity", "low"),
+    (CHAT, "function_call", {"name": "f"}),
+    (CHAT, "functions", [{"name": "f"}]),
+    (CHAT, "logit_bias", {"65": 10}),
+    (CHAT, "n", 2),
+    (CHAT, "reasoning_effort", "extreme"),
+    (CHAT, "return_token_ids", True),
+    (CHAT, "cache_salt", "pepper"),
+    (CHAT, "metadata", "not an object"),
+    (CHAT, "parallel_tool_calls", "no"),
+    (C, "max_completion_tokens", 5),  # chat's field: on completions it would be ignored
+    (C, "top_logprobs", 2),
+    (C, "suffix", "tail"),
+    (C, "best_of", 2),
+    (C, "echo", True),
+    (C, "logit_bias", {"65": 10}),
+    (C, "stream_options", {"include_usage": True, "include_typo": True}),
+    (C, "seed", 2**63),
+    (C, "seed", -2**63 - 1),
+    (C, "priority", 2**63),
+]
+
+
+@pytest.mark.parametrize("path,name,value", REFUSED, ids=[f"{p[4:8]}-{n}" for p, n, _ in REFUSED])
+def test_an_openai_field_not_implemented_is_a_400_naming_it_and_the_server_serves_on(post, path, name, value) -> None:
+    base = {"messages": MESSAGES} if path == CHAT else {"prompt": [5, 6]}
+    stream = {"stream": True} if name == "stream_options" else {}
+    status, text = post(path, base | {"max_tokens": 1, name: value} | stream)
+    assert status == 400, text
+    err = strict_json(text)["error"]
+    assert err["param"] == name and name in err["message"], err
+    served(post)
+
+
+ACCEPTED = [  # fields that ask for nothing a client depends on, and the neutral values of the rest
+    {"user": "alice", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True,
+     "prompt_cache_key": "abc", "prompt_cache_options": {"mode": "implicit"}, "safety_identifier": "u1",
+     "prompt_cache_retention": "in_memory", "modalities": ["text"], "verbosity": "medium",
+     "reasoning_effort": "low", "function_call": "none", "functions": [], "logit_bias": {}, "n": 1},
+    {"seed": 2**63 - 1}, {"seed": -2**63},
+]
+
+
+@pytest.mark.parametrize("extra", ACCEPTED)
+def test_fields_that_ask_nothing_are_taken(post, extra) -> None:
+    status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 2} | extra)
+    assert status == 200, text
+
+
+def test_a_field_nobody_defines_is_warned_about_and_ignored_as_vllm(post, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="taxirank.server"):
+        status, text = post(C, {"prompt": [5, 6], "max_tokens": 1, "frobnicate": 1})
+    assert status == 200, text
+    assert any("ignored: frobnicate" in r.getMessage() for r in caplog.records), caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="taxirank.server"):
+        post(C, {"prompt": [5, 6], "max_tokens": 1})
+    assert not any("ignored" in r.getMessage() for r in caplog.records)
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it_as_vllm() -> None:
+    seen = []
+
+    class Template(ByteTokenizer):  # a Jinja template: any variable may be passed, it reads two
+        def apply_chat_template(self, chat, add_generation_prompt=True, tokenize=False, **variables):
+            seen.append((variables.get("reasoning_effort"), variables.get("enable_thinking")))
+            return super().apply_chat_template(chat, add_generation_prompt, tokenize)
+
+    parse_messages({"messages": MESSAGES, "reasoning_effort": "high"}, Template())
+    parse_messages({"messages": MESSAGES, "reasoning_effort": "none"}, Template())
+    parse_messages({"messages": MESSAGES, "reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}},
+                   Template())
+    parse_messages({"messages": MESSAGES}, Template())
+    assert seen == [("high", True), ("none", False), ("low", False), (None, None)]
+    # a template without variables of its own (ByteTokenizer's) renders as without it
+    assert parse_messages({"messages": MESSAGES, "reasoning_effort": "high"}, ByteTokenizer()) == \
+        parse_messages({"messages": MESSAGES}, ByteTokenizer())
+    with pytest.raises(ApiError) as e:
+        parse_messages({"messages": MESSAGES, "reasoning_effort": 3}, Template())
+    assert e.value.param == "reasoning_effort"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed() -> None:
+    """vLLM's maybe_filter_parallel_tool_calls: the answer's first call only."""
+    tools = ToolChoice("required", {"f": {"type": "object"}, "g": {"type": "object"}})
+    text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"b": 2}}]'
+    for parallel, names in ((True, ["f", "g"]), (False, ["f"])):
+        message, reason = ToolCallStream(tools, parallel=parallel).message(text, "stop")
+        assert [c["function"]["name"] for c in message["tool_calls"]] == names and reason == "tool_calls"
+        stream = ToolCallStream(tools, parallel=parallel)
+        deltas = [stream.delta(ch, None)[0] for ch in text[:-1]] + [stream.delta(text[-1], "stop")[0]]
+        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert sorted({c["index"] for c in streamed}) == list(range(len(names)))
+
+
+def test_seed_bounds_are_vllm_s_int64() -> None:
+    for seed in (2**63, -2**63 - 1, 10**30):
+        with pytest.raises(ApiError) as e:
+            parse_sampling({"seed": seed}, 3, 256, chat=False, has_tokenizer=True)
+        assert e.value.status == 400 and e.value.param == "seed"
+    for seed in (2**63 - 1, -2**63, 0, -1):
+        assert parse_sampling({"seed": seed}, 3, 256, chat=False, has_tokenizer=True)[0].seed == seed
