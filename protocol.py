@@ -91,6 +91,12 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 INT64 = (-2**63, 2**63 - 1)
 
 
+def _same(value: Any, neutral: Any) -> bool:
+    """value is the neutral value in JSON's terms: a boolean equals only a boolean (Python's
+    0 == False would let `store: 0` or `best_of: true` pass as neutral)."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
 def unknown_fields(body: dict, chat: bool) -> list[str]:
     """The fields of `body` this server does not read (vLLM warns and ignores them)."""
     return sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
@@ -242,7 +248,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
     """SamplingParams and stop strings from the OpenAI fields; a 400 for anything off.
     tools: the request's tool_choice() (a forced call constrains the output)."""
     for name, neutral in _NEUTRAL.items():
-        if body.get(name) is not None and body[name] not in neutral:
+        if body.get(name) is not None and not any(_same(body[name], v) for v in neutral):
             allowed = f" (accepted only as {' or '.join(json.dumps(v) for v in neutral)})" if neutral else ""
             raise ApiError(f"'{name}' is not supported by this server{allowed}", param=name)
     for name, kinds in _ACCEPTED_NOOP.items():

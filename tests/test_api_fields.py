@@ -179,6 +179,7 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (CHAT, "service_tier", "flex"),
     (CHAT, "service_tier", "priority"),
     (CHAT, "store", True),
+    (CHAT, "store", 0),  # JSON's 0 is not false
     (CHAT, "verbosity", "low"),
     (CHAT, "function_call", {"name": "f"}),
     (CHAT, "functions", [{"name": "f"}]),
@@ -193,6 +194,7 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (C, "top_logprobs", 2),
     (C, "suffix", "tail"),
     (C, "best_of", 2),
+    (C, "best_of", True),  # nor is true 1
     (C, "echo", True),
     (C, "logit_bias", {"65": 10}),
     (C, "stream_options", {"include_usage": True, "include_typo": True}),
