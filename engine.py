@@ -245,8 +245,7 @@ class LLMEngine:
         spec = {i: t for i, (t, _) in result.spec.items()} if result is not None and result.spec else None
         outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [], spec)
         if spec:
-            self.stats.record_spec_decode([(len(out.scheduled[i].spec_token_ids), len(t) - 1) for i, t in spec.items()],
-                                          sum(len(t) - 1 for t in outcome.emitted.values()))
+            self.stats.record_spec_decode([(len(out.scheduled[i].spec_token_ids), len(t) - 1) for i, t in spec.items()])
         return self._record(out, result, outcome, scheduled_at)
 
     def _dispatch(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep | StepResult | None:
@@ -297,7 +296,8 @@ class LLMEngine:
                                       - sum(s.num_recomputed for s in outcome.discarded),
                                       num_spec_tokens=out.num_spec_tokens - drafts)
         accepted, released = outcome.accepted, outcome.finished
-        self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config)
+        extra = sum(len(t) - 1 for t in outcome.emitted.values())  # verified rows' tokens beyond one
+        self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config, extra)
         self._refresh_gauges()
         # A step that only preempted (nothing ran) is kept too: the trace shows every preemption.
         if self.trace is not None and (out.scheduled or out.preempted):

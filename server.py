@@ -517,7 +517,7 @@ _HISTOGRAMS = [
     ("inter_token_latency_seconds", "inter_token_latency", "Time between consecutive output tokens."),
     ("e2e_request_latency_seconds", "e2e_request_latency", "Arrival to last token."),
     ("request_queue_time_seconds", "request_queue_time", "Arrival to first scheduled."),
-    ("iteration_tokens_total", "iteration_tokens", "Tokens computed per engine step."),
+    ("iteration_tokens_total", "iteration_tokens", "Tokens per engine step: prompts completed and tokens generated."),
     # per finished request (aborts not observed, as e2e)
     ("request_prompt_tokens", "request_prompt_tokens", "Prompt tokens per finished request."),
     ("request_generation_tokens", "request_generation_tokens", "Generated tokens per finished request."),
