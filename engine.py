@@ -26,6 +26,7 @@ from config import MAX_LOGPROBS, EngineConfig, SamplingParams, SLOTarget
 from metrics import EngineStats, RequestMetrics, StepTrace
 from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
+from spec_decode import StepProposer
 from startup import build_engine
 from structured import GrammarCompiler
 
@@ -216,11 +217,12 @@ class LLMEngine:
         swapped (the step may write where a swapped-out block was)."""
         if out.preempted:
             self._log_preemptions(out)
-        if self.proposer is not None:
+        proposer = self.proposer
+        if proposer is not None:
             for seq in out.preempted:
-                self.proposer.free(seq)
-            if out.num_spec_tokens and not self.proposer.drafts_at_scheduling:  # else schedule() took them
-                self._propose(out)
+                proposer.free(seq)
+            if out.num_spec_tokens and not proposer.drafts_at_scheduling:  # else schedule() took them
+                self._propose(proposer, out)
         if out.swap_out or out.swap_in:
             self.runner.swap(out.swap_out, out.swap_in)
 
@@ -230,12 +232,12 @@ class LLMEngine:
         proposals (the next proposals read the tokens it accepts)."""
         return bool(out.scheduled) and len(self._in_flight) <= self._max_in_flight and not out.num_spec_tokens
 
-    def _propose(self, out: SchedulerOutput) -> None:
+    def _propose(self, proposer: StepProposer, out: SchedulerOutput) -> None:
         """The drafts of the rows the scheduler reserved room for; it trims each row to them."""
         spec = self.config.speculative_config
-        assert self.proposer is not None and spec is not None
+        assert spec is not None
         rows = [s.seq for s in out.scheduled if s.spec_token_ids]
-        proposals = self.proposer.propose(rows, spec.k)
+        proposals = proposer.propose(rows, spec.k)
         self.scheduler.take_proposals(out, proposals.token_ids, proposals.draft_probs)
 
     def _collect(self) -> list[RequestOutputDelta]:

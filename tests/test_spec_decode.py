@@ -629,3 +629,22 @@ def test_a_step_verifying_drafts_with_no_prompt_tokens_is_a_decode_step():
     verifying = [t for t in trace if t.num_prefill_tokens == 0 and sum(n for _, n in t.scheduled) > t.num_decode_tokens]
     assert s.spec_decode_num_drafts > 0 and verifying, "some decode steps verified drafts"
     assert s.num_decode_steps == sum(1 for t in trace if t.num_prefill_tokens == 0)
+
+
+def test_each_proposer_is_exactly_the_protocol_its_drafts_at_scheduling_names():
+    """Two Protocols, told apart by drafts_at_scheduling (what the engine and the scheduler
+    dispatch on): each registered proposer has every member of its own kind's, and not the
+    method only the other kind has (no stub that would never be called)."""
+    import typing_extensions
+
+    import draft_model  # noqa: F401  (registers draft_model)
+    from spec_decode import PROPOSERS, SchedulingProposer, StepProposer
+
+    assert set(PROPOSERS) == {"ngram", "draft_model"}
+    members = {kind: typing_extensions.get_protocol_members(kind) for kind in (SchedulingProposer, StepProposer)}
+    for name, cls in PROPOSERS.items():
+        kind, other = (SchedulingProposer, StepProposer) if cls.drafts_at_scheduling else (StepProposer, SchedulingProposer)
+        assert cls.drafts_at_scheduling is (kind is SchedulingProposer), name
+        assert [m for m in members[kind] if not hasattr(cls, m)] == [], name
+        assert [m for m in members[other] - members[kind] if hasattr(cls, m)] == [], name
+    assert PROPOSERS["ngram"].drafts_at_scheduling and not PROPOSERS["draft_model"].drafts_at_scheduling
