@@ -29,6 +29,7 @@ from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from spec_decode import StepProposer
 from startup import build_engine
 from structured import GrammarCompiler
+from tokenizer import IncrementalDetokenizer, detokenize
 
 __all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "RequestOutput",
            "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError", "EngineDeadError"]
@@ -128,6 +129,8 @@ class LLMEngine:
         block (the server's event loop) compiles it first with `self.grammars.compile` on
         another thread."""
         self.scheduler.validate(prompt_token_ids, params, priority, slo)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids")
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
 
@@ -151,6 +154,9 @@ class LLMEngine:
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         if params.structured_outputs is not None:
             seq.constraint = self.grammars.constraint(params.structured_outputs)
+        if params.stop:
+            seq.stop_matcher = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, list(params.stop), params,
+                                                      self.model_config.eos_token_ids)
         self.scheduler.add(seq)
         if params.prompt_logprobs is not None:
             self._prompt_lps[request_id] = [None] * len(seq.prompt_token_ids)
@@ -158,7 +164,7 @@ class LLMEngine:
 
     def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
         """Drop a request now (idempotent). reason "stop" is for a caller that ended it on
-        purpose (a stop string matched): a normal finish in every metric, as an EOS is."""
+        purpose (a stop condition of its own): a normal finish in every metric, as an EOS is."""
         assert reason in ("abort", "stop")
         seq = self.scheduler.abort(request_id)
         self._prompt_lps.pop(request_id, None)
@@ -560,7 +566,9 @@ class LLM:
     def _output(self, seq: Sequence, logprobs: list[TokenLogprob] | None,
                 prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
         text = None
-        if self.tokenizer is not None:
+        if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
+            text = seq.stop_matcher.text  # up to the stop string, as the server sends it
+        elif self.tokenizer is not None:
             text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
                                  self.engine.model_config.eos_token_ids)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
@@ -577,16 +585,3 @@ def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams
     if ids and params.stop_token(ids[-1], eos_token_ids) is not None:
         ids = ids[:-1]
     return detokenize(tokenizer, ids, params)
-
-
-def detokenize(tokenizer: object, ids: list[int], params: SamplingParams) -> str:
-    kw = {"skip_special_tokens": params.skip_special_tokens}
-    if not params.spaces_between_special_tokens:
-        # transformers' slow tokenizers honour this; the fast ones join tokens without
-        # spaces already, as vLLM's default output for them does.
-        kw["spaces_between_special_tokens"] = False
-    try:
-        return tokenizer.decode(ids, **kw)
-    except TypeError:  # a tokenizer without the keyword
-        kw.pop("spaces_between_special_tokens", None)
-        return tokenizer.decode(ids, **kw)

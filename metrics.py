@@ -329,9 +329,9 @@ class EngineStats:
                     per_pos[j] += 1
 
     def record_finished(self, seq: Sequence, now: float, latency: bool) -> None:
-        """A request that ended outside a step (an abort, a stop string matched by the
-        server, a request failed alone). latency: a normal finish (a stop string is one, as
-        an EOS is) also enters the e2e histogram, so it agrees with request_success."""
+        """A request that ended outside a step (an abort, a caller's own stop, a request
+        failed alone). latency: a normal finish (a caller's stop is one, as an EOS is) also
+        enters the e2e histogram, so it agrees with request_success."""
         with self.lock:
             self._finished(seq, now, latency)
 
