@@ -328,9 +328,11 @@ class SLOTarget:
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling, as vLLM's SamplingParams, with vLLM's defaults (temperature
-    1.0: random sampling unless asked otherwise). Stop strings are text and are matched
-    by the server's detokenizer; skip_special_tokens and spaces_between_special_tokens say
-    how token ids become text (server and LLM.generate)."""
+    1.0: random sampling unless asked otherwise). Stop strings are text: the engine
+    detokenizes a request that has them as its tokens arrive (tokenizer.IncrementalDetokenizer)
+    and ends it with "stop" on the token that completes one, the output text ending before
+    it; skip_special_tokens and spaces_between_special_tokens say how token ids become text
+    (server and LLM.generate)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -339,6 +341,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None  # any integer; the engine maps it into the sampler's 32-bit seeds
     stop_token_ids: tuple[int, ...] | None = None
+    stop: tuple[str, ...] = ()  # stop strings (a str or a list is taken too, as vLLM)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per sampled position
     # number of top logprobs per prompt position (besides the prompt token's own); such a
@@ -351,6 +354,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
 
@@ -377,6 +384,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.stop_token_ids is not None and not all(is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -49,7 +49,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -234,11 +234,11 @@ class _DraftKV:
 @PROPOSERS.register("draft_model")
 class DraftModelProposer:
     """The draft's weights, KV cache and programs (module docstring), behind spec_decode's
-    Proposer protocol: propose() returns, for each sequence, up to k draft tokens and, on
+    StepProposer protocol: propose() returns, for each sequence, up to k draft tokens and, on
     the device, the distributions they were drawn from."""
 
     draft_probs = True  # its proposals are sampled: the verifier reads q
-    drafts_at_scheduling = False  # it runs after scheduling, in the blocks reserved for all k
+    drafts_at_scheduling: Literal[False] = False  # it runs after scheduling, in the blocks reserved for all k
 
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats,
                  log: Callable[[str], None] = print) -> None:

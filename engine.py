@@ -26,8 +26,10 @@ from config import MAX_LOGPROBS, EngineConfig, SamplingParams, SLOTarget
 from metrics import EngineStats, RequestMetrics, StepTrace
 from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
+from spec_decode import StepProposer
 from startup import build_engine
 from structured import GrammarCompiler
+from tokenizer import IncrementalDetokenizer, detokenize
 
 __all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "RequestOutput",
            "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError", "EngineDeadError"]
@@ -127,6 +129,8 @@ class LLMEngine:
         block (the server's event loop) compiles it first with `self.grammars.compile` on
         another thread."""
         self.scheduler.validate(prompt_token_ids, params, priority, slo)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids")
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
 
@@ -150,6 +154,9 @@ class LLMEngine:
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         if params.structured_outputs is not None:
             seq.constraint = self.grammars.constraint(params.structured_outputs)
+        if params.stop:
+            seq.stop_matcher = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, list(params.stop), params,
+                                                      self.model_config.eos_token_ids)
         self.scheduler.add(seq)
         if params.prompt_logprobs is not None:
             self._prompt_lps[request_id] = [None] * len(seq.prompt_token_ids)
@@ -157,7 +164,7 @@ class LLMEngine:
 
     def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
         """Drop a request now (idempotent). reason "stop" is for a caller that ended it on
-        purpose (a stop string matched): a normal finish in every metric, as an EOS is."""
+        purpose (a stop condition of its own): a normal finish in every metric, as an EOS is."""
         assert reason in ("abort", "stop")
         seq = self.scheduler.abort(request_id)
         self._prompt_lps.pop(request_id, None)
@@ -216,11 +223,12 @@ class LLMEngine:
         swapped (the step may write where a swapped-out block was)."""
         if out.preempted:
             self._log_preemptions(out)
-        if self.proposer is not None:
+        proposer = self.proposer
+        if proposer is not None:
             for seq in out.preempted:
-                self.proposer.free(seq)
-            if out.num_spec_tokens and not self.proposer.drafts_at_scheduling:  # else schedule() took them
-                self._propose(out)
+                proposer.free(seq)
+            if out.num_spec_tokens and not proposer.drafts_at_scheduling:  # else schedule() took them
+                self._propose(proposer, out)
         if out.swap_out or out.swap_in:
             self.runner.swap(out.swap_out, out.swap_in)
 
@@ -230,12 +238,12 @@ class LLMEngine:
         proposals (the next proposals read the tokens it accepts)."""
         return bool(out.scheduled) and len(self._in_flight) <= self._max_in_flight and not out.num_spec_tokens
 
-    def _propose(self, out: SchedulerOutput) -> None:
+    def _propose(self, proposer: StepProposer, out: SchedulerOutput) -> None:
         """The drafts of the rows the scheduler reserved room for; it trims each row to them."""
         spec = self.config.speculative_config
-        assert self.proposer is not None and spec is not None
+        assert spec is not None
         rows = [s.seq for s in out.scheduled if s.spec_token_ids]
-        proposals = self.proposer.propose(rows, spec.k)
+        proposals = proposer.propose(rows, spec.k)
         self.scheduler.take_proposals(out, proposals.token_ids, proposals.draft_probs)
 
     def _collect(self) -> list[RequestOutputDelta]:
@@ -245,8 +253,7 @@ class LLMEngine:
         spec = {i: t for i, (t, _) in result.spec.items()} if result is not None and result.spec else None
         outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [], spec)
         if spec:
-            self.stats.record_spec_decode([(len(out.scheduled[i].spec_token_ids), len(t) - 1) for i, t in spec.items()],
-                                          sum(len(t) - 1 for t in outcome.emitted.values()))
+            self.stats.record_spec_decode([(len(out.scheduled[i].spec_token_ids), len(t) - 1) for i, t in spec.items()])
         return self._record(out, result, outcome, scheduled_at)
 
     def _dispatch(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep | StepResult | None:
@@ -297,7 +304,8 @@ class LLMEngine:
                                       - sum(s.num_recomputed for s in outcome.discarded),
                                       num_spec_tokens=out.num_spec_tokens - drafts)
         accepted, released = outcome.accepted, outcome.finished
-        self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config)
+        extra = sum(len(t) - 1 for t in outcome.emitted.values())  # verified rows' tokens beyond one
+        self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config, extra)
         self._refresh_gauges()
         # A step that only preempted (nothing ran) is kept too: the trace shows every preemption.
         if self.trace is not None and (out.scheduled or out.preempted):
@@ -558,7 +566,9 @@ class LLM:
     def _output(self, seq: Sequence, logprobs: list[TokenLogprob] | None,
                 prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
         text = None
-        if self.tokenizer is not None:
+        if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
+            text = seq.stop_matcher.text  # up to the stop string, as the server sends it
+        elif self.tokenizer is not None:
             text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
                                  self.engine.model_config.eos_token_ids)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
@@ -575,16 +585,3 @@ def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams
     if ids and params.stop_token(ids[-1], eos_token_ids) is not None:
         ids = ids[:-1]
     return detokenize(tokenizer, ids, params)
-
-
-def detokenize(tokenizer: object, ids: list[int], params: SamplingParams) -> str:
-    kw = {"skip_special_tokens": params.skip_special_tokens}
-    if not params.spaces_between_special_tokens:
-        # transformers' slow tokenizers honour this; the fast ones join tokens without
-        # spaces already, as vLLM's default output for them does.
-        kw["spaces_between_special_tokens"] = False
-    try:
-        return tokenizer.decode(ids, **kw)
-    except TypeError:  # a tokenizer without the keyword
-        kw.pop("spaces_between_special_tokens", None)
-        return tokenizer.decode(ids, **kw)

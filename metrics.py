@@ -247,12 +247,14 @@ class EngineStats:
         return self.useful_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
 
     def record_step(self, out: SchedulerOutput, sampled: dict[str, int], released: list[Sequence],
-                    scheduled_at: float, now: float, config: EngineConfig) -> None:
+                    scheduled_at: float, now: float, config: EngineConfig, extra_tokens: int = 0) -> None:
         """All of one step's bookkeeping, after scheduler.update(): counters, each
         request's timestamps (first scheduled, first and last token, finished) and the
         latency histograms. The engine passes wall-clock times; bench/simulate.py passes
-        simulated ones, so both count the same way."""
+        simulated ones, so both count the same way. extra_tokens: the tokens verified rows
+        emitted beyond one each (speculative decoding; `sampled` has one per row)."""
         with self.lock:
+            prompt_before = self.prompt_tokens
             # A step that only preempted (the lone running sequence giving up its blocks) still
             # counts its preemptions.
             self.num_preemptions += len(out.preempted)
@@ -267,8 +269,7 @@ class EngineStats:
                 self.prefill_tokens += out.num_prefill_tokens
                 self.decode_tokens += out.num_decode_tokens
                 self.recomputed_tokens += out.num_recomputed_tokens
-                self.generation_tokens += len(sampled)
-                self.iteration_tokens.observe(out.num_prefill_tokens + out.num_decode_tokens + out.num_spec_tokens)
+                self.generation_tokens += len(sampled) + extra_tokens
             itl: list[float] = []  # one inter-token latency per sequence that got a later token
             add_itl = itl.append  # a local: read per row
             for sch in out.scheduled:  # once per running sequence in a decode step: kept lean
@@ -288,6 +289,11 @@ class EngineStats:
                         seq.max_itl = gap
                 seq.last_token_time = now
             self.inter_token_latency.observe_many(itl)
+            if sampled:
+                # vLLM V1's iteration tokens: the prompts of the requests whose first token
+                # came this step (whole, cached part included) and every token emitted; a
+                # step that emitted nothing (a prompt chunk alone) is not observed.
+                self.iteration_tokens.observe(self.prompt_tokens - prompt_before + len(sampled) + extra_tokens)
             for seq in released:
                 self._finished(seq, now, latency=True)
 
@@ -308,9 +314,9 @@ class EngineStats:
             self.prefix_cache_queries += seq.num_prompt_tokens
             self.prefix_cache_hits += seq.num_cached_tokens
 
-    def record_spec_decode(self, drafts: list[tuple[int, int]], extra_tokens: int) -> None:
-        """One step's verified rows, (draft tokens, accepted) each; extra_tokens: the
-        tokens they emitted beyond one each (generation_tokens counts one per sampling row)."""
+    def record_spec_decode(self, drafts: list[tuple[int, int]]) -> None:
+        """One step's verified rows, (draft tokens, accepted) each (the tokens they emit
+        are counted by record_step)."""
         with self.lock:
             per_pos = self.spec_decode_num_accepted_tokens_per_pos
             for num_draft, num_accepted in drafts:
@@ -321,12 +327,11 @@ class EngineStats:
                     per_pos.extend([0] * (num_draft - len(per_pos)))
                 for j in range(num_accepted):
                     per_pos[j] += 1
-            self.generation_tokens += extra_tokens
 
     def record_finished(self, seq: Sequence, now: float, latency: bool) -> None:
-        """A request that ended outside a step (an abort, a stop string matched by the
-        server, a request failed alone). latency: a normal finish (a stop string is one, as
-        an EOS is) also enters the e2e histogram, so it agrees with request_success."""
+        """A request that ended outside a step (an abort, a caller's own stop, a request
+        failed alone). latency: a normal finish (a caller's stop is one, as an EOS is) also
+        enters the e2e histogram, so it agrees with request_success."""
         with self.lock:
             self._finished(seq, now, latency)
 

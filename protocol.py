@@ -312,6 +312,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             min_p=field(body, "min_p", (int, float), 0.0),
             seed=seed,
             stop_token_ids=stop_token_ids,
+            stop=tuple(stop),
             ignore_eos=field(body, "ignore_eos", (bool,), False),
             logprobs=logprobs,
             prompt_logprobs=field(body, "prompt_logprobs", (int,)),  # vLLM's extra field

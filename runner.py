@@ -48,11 +48,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attention_backend import AttentionShape, select_attention_backend
-from config import MAX_LOGPROBS, EngineConfig
+from config import MAX_LOGPROBS, EngineConfig, host_memory_bytes
 from distributed import DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, STOP, StepChannel
 from kvcache import create_kv_caches
 from metrics import EngineStats
-from model import AttentionInputs, LoadedModel
+from model import AttentionInputs, LoadedModel, ModelConfig
 from parallel import constrain_step_outputs, create_sharded_kv_caches, replicate, shard_attention
 from sampler import SamplingTensors, emitted_logprobs, empty_sampling_arrays, fill_slot, rejection_sample, sample_rows
 from scheduler import SchedulerOutput, Sequence
@@ -235,6 +235,39 @@ def token_slice(seq: Sequence, start: int, n: int) -> list[int]:
     return out + [0] * (n - len(out)) if len(out) < n else out
 
 
+def host_buffer_bytes(config: EngineConfig, model: ModelConfig, dtype: Any) -> dict[str, int]:
+    """The bytes of the host arrays the runner sizes from each flag: those it keeps (the
+    logits and hidden-state buffers are built on the host, then copied to the device) and
+    those its largest step builds."""
+    N, T, W, V = config.max_num_seqs, config.max_num_batched_tokens, config.max_blocks_per_seq, model.vocab_size
+    K = config.speculative_config.k if config.speculative_config is not None else 0
+    rows = -(-N // min(SAMPLE_CHUNK, N)) * min(SAMPLE_CHUNK, N)  # ModelRunner.sample_rows
+    _, P = prompt_logprob_rows(config)
+    i32 = 4
+    # the hidden-state buffer and its padded targets; a step's tokens, positions, slot
+    # mapping, token sources and prompt-logprob targets
+    tokens = P * (model.hidden_size * np.dtype(dtype).itemsize + i32) + 5 * T * i32
+    # per slot: block table (kept, and gathered by a step), last token, sampling arrays (kept
+    # and gathered), three flags, two list entries; per sample row: logits and a bitmask;
+    # verified rows' inputs
+    seqs = (N + 1) * (2 * W * i32 + i32 + 2 * 6 * 4 + 3 + 2 * 8) + rows * (V * 4 + bitmask_width(V) * i32) \
+        + N * (K + 4) * i32
+    return {"max_num_batched_tokens": tokens, "max_num_seqs": seqs}
+
+
+def check_host_buffers(config: EngineConfig, model: ModelConfig, dtype: Any) -> None:
+    """A ValueError naming the flag, before anything is allocated, when the runner's host
+    arrays would not fit in the host's RAM."""
+    need, ram = host_buffer_bytes(config, model, dtype), host_memory_bytes()
+    total = sum(need.values())
+    if total > ram:
+        flag = max(need, key=lambda k: need[k])
+        parts = ", ".join(f"{k} {getattr(config, k)}: {v:,} bytes" for k, v in need.items())
+        raise ValueError(f"--{flag.replace('_', '-')} {getattr(config, flag)} is too large: the runner's host buffers "
+                         f"need {total:,} bytes ({total / 2**30:.1f} GiB; {parts}), more than the host's {ram:,} "
+                         f"bytes ({ram / 2**30:.1f} GiB) of RAM")
+
+
 class ModelRunner:
     """Host state lives in persistent per-slot buffers (row `slot` of each, plus one idle
     row that padding rows read): a sequence's block table is written when it takes its
@@ -251,6 +284,7 @@ class ModelRunner:
         """mesh: tensor parallelism (parallel.py); loaded's params must already be on it.
         num_swap_blocks: the host pool's size in KV blocks (--preemption-mode swap).
         draft_probs: speculative proposals come with their draft distribution (else one-hot)."""
+        check_host_buffers(config, loaded.config, loaded.dtype)
         self.config = config
         self.stats = stats
         self.loaded = loaded

@@ -97,6 +97,9 @@ class Sequence:
     # advanced by update() with each output token; its state is the outputs, so a
     # preemption (which recomputes K/V, never outputs) leaves it as it is.
     constraint: Any = None
+    # Stop strings: the request's matcher (tokenizer.IncrementalDetokenizer, set by the
+    # engine), advanced by update() with each output token.
+    stop_matcher: Any = None
     # Filled by the engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -355,7 +358,8 @@ class Scheduler:
                 # Most rows end nothing: only one that could (an end token, stop tokens, a grammar,
                 # its length: max_tokens comes first, as add() asserts prompt + max_tokens <=
                 # max_model_len) pays for _finish_reason.
-                if not (token in eos or p.stop_token_ids or seq.constraint is not None or len(out_ids) >= p.max_tokens):
+                if not (token in eos or p.stop_token_ids or seq.constraint is not None or seq.stop_matcher is not None
+                        or len(out_ids) >= p.max_tokens):
                     continue
                 if seq.constraint is not None and not seq.constraint.accept(token):
                     reason = "abort"  # over the grammar's per-token limits (the mask allows only what it accepts)
@@ -881,16 +885,20 @@ class Scheduler:
         seq.slot = None
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        """Why seq ends with `token`, its latest output, or None."""
+        """Why seq ends with `token`, its latest output, or None. vLLM's order: a stop token
+        (never text), then a stop string (even on the token that reaches max_tokens), then
+        a complete grammar, then the length."""
         p = seq.params
         if p.stop_token(token, self.eos_token_ids) is not None:
             return "stop"
-        if seq.constraint is not None and seq.constraint.stopped:
-            return "stop"  # the output is complete: the grammar allows nothing more
         n = len(seq.output_token_ids)
-        if n >= p.max_tokens or len(seq.prompt_token_ids) + n >= self.config.max_model_len:
-            return "length"
-        return None
+        grammar_done = seq.constraint is not None and seq.constraint.stopped
+        at_length = n >= p.max_tokens or len(seq.prompt_token_ids) + n >= self.config.max_model_len
+        if seq.stop_matcher is not None and seq.stop_matcher.advance([token], final=grammar_done or at_length):
+            return "stop"
+        if grammar_done:
+            return "stop"  # the output is complete: the grammar allows nothing more
+        return "length" if at_length else None
 
     def _assert_step_invariants(self) -> None:
         """After a step (with CHECK_ALL_INVARIANTS): slot ownership, and every block in use

@@ -9,9 +9,10 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming
 GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache.
 
 The engine speaks token ids only; everything textual happens here: tokenizing prompts,
-chat templates, incremental detokenization and stop strings. A request the server no
-longer needs (stop string matched, client gone, shutdown) is aborted in the engine at
-once, so its slot and KV blocks go to the next request within a step.
+chat templates and incremental detokenization (stop strings are matched by the engine,
+which ends the request on the token that completes one). A request the server no longer
+needs (client gone, shutdown) is aborted in the engine at once, so its slot and KV blocks
+go to the next request within a step.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from prometheus_client.utils import floatToGoString
 from async_engine import AsyncEngine
 import config_file
 from config import EngineConfig, SamplingParams, SLOTarget
-from engine import QueueFullError, TokenLogprob, detokenize
+from engine import QueueFullError, TokenLogprob
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
                       parse_sampling, parse_slo, prompt_logprobs_json, tool_choice, unknown_fields)
+from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
 
 T = TypeVar("T")
@@ -54,85 +56,6 @@ T = TypeVar("T")
 log = logging.getLogger("taxirank.server")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # ~500k token ids as JSON; anything larger is a 413
-DETOKENIZE_CONTEXT = 5  # prompt tokens decoded as left context (as vLLM's detokenizer)
-
-
-# ---- detokenizer ------------------------------------------------------------------
-
-class IncrementalDetokenizer:
-    """Token ids in, text safe to send out, one engine step at a time.
-
-    Decoding is not append-only: a multi-byte character arrives over several byte tokens
-    (decoding to '\\ufffd' until it is complete), and SentencePiece drops a word's leading
-    space when a piece is decoded alone. So, as vLLM does, decode a short window that
-    starts a few tokens back and take only what the newest tokens added, once it does not
-    end in '\\ufffd'. Stop strings are matched on the accumulated text, so one split across
-    tokens is still found; text that may be the start of a stop string is held back until
-    the next token decides, so a stop string is never partly sent.
-    """
-
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str],
-                 params: SamplingParams | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.params = params or SamplingParams()
-        self.eos_token_ids = eos_token_ids
-        # Left context from the prompt, so the first output token decodes as it would
-        # mid-text; never emitted itself.
-        self.ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
-        self.prefix_offset = 0  # window start
-        self.read_offset = len(self.ids)  # tokens up to here are already in self.text
-        self.text = ""  # decoded output, cut at a stop string
-        self.sent = 0  # characters of self.text already handed out
-        self.stop_reason: str | None = None  # the stop string that matched (vLLM's stop_reason)
-
-    def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
-        """Add one step's tokens; return (new text to send, whether a stop string matched)."""
-        if self.tokenizer is None:
-            return "", False
-        # A token that ends the request with "stop" is never text (vLLM): not even with
-        # skip_special_tokens=False, and not when a tokenizer does not mark it special.
-        if final and new_ids and self.params.stop_token(new_ids[-1], self.eos_token_ids):
-            new_ids = new_ids[:-1]
-        self.ids += new_ids
-        prefix = detokenize(self.tokenizer, self.ids[self.prefix_offset:self.read_offset], self.params)
-        window = detokenize(self.tokenizer, self.ids[self.prefix_offset:], self.params)
-        old_len = len(self.text)
-        if len(window) > len(prefix) and (final or not window.endswith("\ufffd")):
-            self.text += window[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-
-        # A stop string found now must end in the new text, so start looking len(s)-1 back.
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
-        stopped = bool(hits)
-        if stopped:
-            cut, self.stop_reason = min(hits, key=lambda h: h[0])
-            self.text = self.text[:cut]
-            assert len(self.text) >= self.sent, "held-back text was sent"
-        end = len(self.text) if final or stopped else len(self.text) - partial_stop_len(self.text, self.stop)
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return out, stopped
-
-
-def partial_stop_len(text: str, stop: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string.
-
-    Linear in the stop strings' length (KMP's prefix function over `s + NUL + the last
-    len(s) - 1 characters`), where trying every prefix of every stop string is quadratic."""
-    best = 0
-    for s in stop:
-        if len(s) < 2:
-            continue
-        tail = text[-(len(s) - 1):]
-        pattern = s + "\0" + tail
-        pi = [0] * len(pattern)
-        for i in range(1, len(pattern)):
-            k = pi[i - 1]
-            while k and pattern[i] != pattern[k]:
-                k = pi[k - 1]
-            pi[i] = k + (pattern[i] == pattern[k])
-        best = max(best, pi[-1])
-    return best
 
 
 # ---- generation -------------------------------------------------------------------
@@ -160,15 +83,17 @@ class Generation:
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, stop: list[str], priority: int = 0, want_metrics: bool = False,
+                 params: SamplingParams, priority: int = 0, want_metrics: bool = False,
                  user: str | None = None, slo: SLOTarget | None = None) -> None:
-        """want_metrics: the last chunk carries the request's RequestMetrics."""
+        """want_metrics: the last chunk carries the request's RequestMetrics. The engine ends
+        the request on the token that completes one of params.stop; the detokenizer here, the
+        same as the engine's matcher fed the same tokens, cuts the text there."""
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.params, self.last_token = params, None
         self.done = False  # the engine has ended the request, or close() aborted it
-        self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, stop, params,
+        self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, list(params.stop), params,
                                                   self.engine.model_config.eos_token_ids)
         try:
             self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo)
@@ -179,14 +104,6 @@ class Generation:
             raise ApiError(str(e)) from e
         except RuntimeError as e:  # shutting down, or the engine loop died
             raise ApiError(str(e), status=503, type="service_unavailable") from e
-
-    async def _metrics_after_stop(self) -> RequestMetrics | None:
-        """A stop string ended the request here: the engine's last delta (its abort, after
-        any tokens already in flight) carries its metrics."""
-        async for delta in self.stream:
-            if delta.finished:
-                return delta.metrics
-        return None
 
     def _stop_reason(self, reason: str | None) -> str | int | None:
         """vLLM's: the stop string, or a stop_token_id (EOS, checked first, is None)."""
@@ -206,25 +123,18 @@ class Generation:
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
                 ids, text, stopped = delta.new_token_ids, "", False
                 self.last_token = ids[-1] if ids else self.last_token
-                for j in range(len(ids) or 1):  # a speculative step's delta has several: the stop is at one
-                    piece, stopped = self.detokenizer.push(ids[j:j + 1], final=delta.finished and j >= len(ids) - 1)
-                    text += piece
-                    if stopped:
-                        break
-                if stopped and j < len(ids) - 1:  # the tokens after the one that completed the stop string
-                    cut = len(ids) - 1 - j
-                    delta = dataclasses.replace(delta, new_token_ids=ids[:j + 1],
-                                                new_logprobs=delta.new_logprobs and delta.new_logprobs[:j + 1],
-                                                num_output_tokens=delta.num_output_tokens - cut)
+                # One token at a time, as the engine's matcher reads them (a verified step's
+                # delta has several), so both find a stop string at the same token.
+                for j in range(len(ids) or 1):
+                    piece, hit = self.detokenizer.push(ids[j:j + 1], final=delta.finished and j >= len(ids) - 1)
+                    text, stopped = text + piece, stopped or hit
                 if stopped and not delta.finished:
-                    self.engine.abort(self.request_id, reason="stop")  # else it would run on to max_tokens
-                self.done = done = stopped or delta.finished
-                reason = ("stop" if stopped else delta.finish_reason) if done else None
-                metrics = delta.metrics
-                if stopped and not delta.finished and self.want_metrics:
-                    metrics = await self._metrics_after_stop()
-                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, metrics, delta.prompt_logprobs,
-                            self._stop_reason(reason))
+                    raise RuntimeError(f"request {self.request_id}: a stop string matched at a token the engine "
+                                       "did not end it on")
+                self.done = done = delta.finished
+                reason = delta.finish_reason if done else None
+                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, delta.metrics,
+                            delta.prompt_logprobs, self._stop_reason(reason))
                 if done:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it
@@ -247,7 +157,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     """Run one completion (chat or not) and answer it whole or as an SSE stream. tools: a
     chat request's tool_choice() (its calls come out as tool_calls)."""
     app, engine = request.app, request.app["engine"]
-    params, stop = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
+    params, _ = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
                                   engine.tokenizer is not None, tools)
     stream = field(body, "stream", (bool,), False)
     stream_options = field(body, "stream_options", (dict,), {})
@@ -280,7 +190,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
     want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
     user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
-    gen = Generation(engine, request_id, prompt_ids, params, stop, priority, want_metrics, user, parse_slo(body))
+    gen = Generation(engine, request_id, prompt_ids, params, priority, want_metrics, user, parse_slo(body))
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
     model = body.get("model") or app["model_names"][0]  # read_body checked it
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
@@ -533,7 +443,7 @@ _HISTOGRAMS = [
     ("inter_token_latency_seconds", "inter_token_latency", "Time between consecutive output tokens."),
     ("e2e_request_latency_seconds", "e2e_request_latency", "Arrival to last token."),
     ("request_queue_time_seconds", "request_queue_time", "Arrival to first scheduled."),
-    ("iteration_tokens_total", "iteration_tokens", "Tokens computed per engine step."),
+    ("iteration_tokens_total", "iteration_tokens", "Tokens per engine step: prompts completed and tokens generated."),
     # per finished request (aborts not observed, as e2e)
     ("request_prompt_tokens", "request_prompt_tokens", "Prompt tokens per finished request."),
     ("request_generation_tokens", "request_generation_tokens", "Generated tokens per finished request."),

@@ -12,14 +12,21 @@ lives in draft_model.py, which registers itself on import: `create_proposer` imp
 module that registers a method (_PROPOSER_MODULES) before it looks the method up, so this
 module never imports a model (and stays free of JAX, as config.py imports it).
 
-The proposer interface (a Protocol: ngram and the draft model share no code):
+The proposer interface: two Protocols (ngram and the draft model share no code), told
+apart by the attribute `drafts_at_scheduling`, on which the engine and the scheduler
+dispatch (a type checker narrows `Proposer` on it):
+
+  SchedulingProposer (drafts_at_scheduling = True): its drafts are a pure function of a
+    sequence's known tokens, so the scheduler takes them when it reserves their room
+  draft(spec, seq, k) -> list[int]   (static) seq's up to k drafts
+  StepProposer (drafts_at_scheduling = False): it proposes after scheduling
+  propose(seqs, k) -> Proposals      once per step, for the sequences verified in it
+
+and both:
 
   __init__(config, target, stats)    config: the resolved EngineConfig; target: the
                                      target's LoadedModel (model.py); stats: EngineStats
-  drafts_at_scheduling: bool         its drafts are a pure function of a sequence's known
-                                     tokens: the scheduler takes them from draft() when it
-                                     reserves their room, and propose() is never called
-  draft(spec, seq, k) -> list[int]   (static; drafts_at_scheduling only) seq's up to k drafts
+  draft_probs: bool                  its Proposals carry draft_probs (else q is one-hot)
   weight_bytes() -> int              its device weights, counted before KV sizing
   kv_bytes_per_block() -> int        its KV bytes per block of block_size tokens (0: none);
                                      its cache has the target's block count and is indexed
@@ -29,8 +36,6 @@ The proposer interface (a Protocol: ngram and the draft model share no code):
   device_bytes() -> (int, int)       its weights and KV cache as measured on the devices
                                      (after allocate): reported with the target's
   warmup() -> None                   compile every program it runs; nothing compiles after
-  propose(seqs, k) -> Proposals      (not drafts_at_scheduling) once per step, after
-                                     scheduling, for the sequences verified in it
   free(seq) -> None                  seq was preempted (its blocks are gone) or finished
 
 Drafts known at scheduling time are what vLLM keeps on the request (`spec_token_ids`) for
@@ -53,7 +58,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 import numpy as np
 
@@ -170,15 +175,12 @@ class Proposals:
     draft_probs: jax.Array | None = None
 
 
-class Proposer(Protocol):
+class _ProposerBase(Protocol):
+    """What every proposer has (module docstring)."""
+
     draft_probs: bool  # its Proposals carry draft_probs (else the verifier takes q one-hot)
-    drafts_at_scheduling: bool  # draft() gives its drafts to the scheduler; propose() is never called
 
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats) -> None: ...
-
-    @staticmethod
-    def draft(spec: SpeculativeConfig, seq: Sequence, k: int) -> list[int]:
-        """drafts_at_scheduling only: seq's up to k drafts, from its known tokens."""
 
     def weight_bytes(self) -> int: ...
 
@@ -190,9 +192,27 @@ class Proposer(Protocol):
 
     def warmup(self) -> None: ...
 
+    def free(self, seq: Sequence) -> None: ...
+
+
+class SchedulingProposer(_ProposerBase, Protocol):
+    """Drafts known from a sequence's host tokens: the scheduler takes them from draft()."""
+
+    drafts_at_scheduling: Literal[True]
+
+    @staticmethod
+    def draft(spec: SpeculativeConfig, seq: Sequence, k: int) -> list[int]: ...
+
+
+class StepProposer(_ProposerBase, Protocol):
+    """Proposes after scheduling, in the room reserved for all k drafts (the engine calls propose())."""
+
+    drafts_at_scheduling: Literal[False]
+
     def propose(self, seqs: list[Sequence], k: int) -> Proposals: ...
 
-    def free(self, seq: Sequence) -> None: ...
+
+Proposer = SchedulingProposer | StepProposer
 
 
 PROPOSERS: Registry[Proposer] = Registry("speculative_config.method")
@@ -202,7 +222,8 @@ def create_proposer(config: EngineConfig, target: LoadedModel, stats: EngineStat
     spec = config.speculative_config
     assert spec is not None and spec.method is not None
     __import__(_PROPOSER_MODULES[spec.method])  # its import registers it
-    return PROPOSERS[spec.method](config, target, stats)
+    proposer: Proposer = PROPOSERS[spec.method](config, target, stats)
+    return proposer
 
 
 def scheduling_drafter(spec: SpeculativeConfig) -> Callable[[Sequence, int], list[int]] | None:
@@ -213,7 +234,7 @@ def scheduling_drafter(spec: SpeculativeConfig) -> Callable[[Sequence, int], lis
     model), for which the scheduler reserves all k."""
     assert spec.method is not None
     __import__(_PROPOSER_MODULES[spec.method])  # its import registers it
-    cls = PROPOSERS[spec.method]
+    cls: type[Proposer] = PROPOSERS[spec.method]
     return partial(cls.draft, spec) if cls.drafts_at_scheduling else None
 
 
@@ -226,7 +247,7 @@ class NgramProposer:
     scheduler takes its drafts (draft()) when it reserves their room."""
 
     draft_probs = False
-    drafts_at_scheduling = True  # a pure function of the tokens so far
+    drafts_at_scheduling: Literal[True] = True  # a pure function of the tokens so far
 
     @staticmethod
     def draft(spec: SpeculativeConfig, seq: Sequence, k: int) -> list[int]:

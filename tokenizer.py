@@ -3,7 +3,8 @@ fast tokenizers for real checkpoints (from a directory's tokenizer files, or bui
 GGUF file's metadata).
 
 Both expose the same small surface the engine and server use: encode, decode,
-apply_chat_template, bos_token_id, eos_token_id.
+apply_chat_template, bos_token_id, eos_token_id. IncrementalDetokenizer turns output
+tokens into text as they arrive: the engine's stop-string matcher and the server's text.
 
 Nothing here needs torch: transformers' own GGUF reader does (it dequantizes tensors with
 it), so a GGUF file's tokenizer is built from metadata the `gguf` library reads, through
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import os
 from typing import Any
+
+from config import SamplingParams
 
 
 class ByteTokenizer:
@@ -114,3 +117,103 @@ def _quiet_transformers() -> None:
     # Without torch, importing transformers advises that "models won't be available":
     # true, and irrelevant here (only its tokenizers are used).
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+# ---- detokenizing ---------------------------------------------------------------
+
+DETOKENIZE_CONTEXT = 5  # prompt tokens decoded as left context (as vLLM's detokenizer)
+
+
+def detokenize(tokenizer: object, ids: list[int], params: SamplingParams) -> str:
+    kw = {"skip_special_tokens": params.skip_special_tokens}
+    if not params.spaces_between_special_tokens:
+        # transformers' slow tokenizers honour this; the fast ones join tokens without
+        # spaces already, as vLLM's default output for them does.
+        kw["spaces_between_special_tokens"] = False
+    try:
+        return tokenizer.decode(ids, **kw)
+    except TypeError:  # a tokenizer without the keyword
+        kw.pop("spaces_between_special_tokens", None)
+        return tokenizer.decode(ids, **kw)
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text safe to send out, one engine step at a time.
+
+    Decoding is not append-only: a multi-byte character arrives over several byte tokens
+    (decoding to '\\ufffd' until it is complete), and SentencePiece drops a word's leading
+    space when a piece is decoded alone. So, as vLLM does, decode a short window that
+    starts a few tokens back and take only what the newest tokens added, once it does not
+    end in '\\ufffd'. Stop strings are matched on the accumulated text, so one split across
+    tokens is still found; text that may be the start of a stop string is held back until
+    the next token decides, so a stop string is never partly sent.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str],
+                 params: SamplingParams | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.params = params or SamplingParams()
+        self.eos_token_ids = eos_token_ids
+        # Left context from the prompt, so the first output token decodes as it would
+        # mid-text; never emitted itself.
+        self.ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
+        self.prefix_offset = 0  # window start
+        self.read_offset = len(self.ids)  # tokens up to here are already in self.text
+        self.text = ""  # decoded output, cut at a stop string
+        self.sent = 0  # characters of self.text already handed out
+        self.stop_reason: str | None = None  # the stop string that matched (vLLM's stop_reason)
+
+    def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
+        """Add one step's tokens; return (new text to send, whether a stop string matched)."""
+        stopped = self.advance(new_ids, final)
+        end = len(self.text) if final or stopped else len(self.text) - partial_stop_len(self.text, self.stop)
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out, stopped
+
+    def advance(self, new_ids: list[int], final: bool) -> bool:
+        """Add tokens to `text`; whether a stop string completed in them (`text` then ends
+        before it, and `stop_reason` is it). The engine's matcher calls this alone."""
+        if self.tokenizer is None:
+            return False
+        # A token that ends the request with "stop" is never text (vLLM): not even with
+        # skip_special_tokens=False, and not when a tokenizer does not mark it special.
+        if final and new_ids and self.params.stop_token(new_ids[-1], self.eos_token_ids):
+            new_ids = new_ids[:-1]
+        self.ids += new_ids
+        prefix = detokenize(self.tokenizer, self.ids[self.prefix_offset:self.read_offset], self.params)
+        window = detokenize(self.tokenizer, self.ids[self.prefix_offset:], self.params)
+        old_len = len(self.text)
+        if len(window) > len(prefix) and (final or not window.endswith("\ufffd")):
+            self.text += window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+        # A stop string found now must end in the new text, so start looking len(s)-1 back.
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
+        stopped = bool(hits)
+        if stopped:
+            cut, self.stop_reason = min(hits, key=lambda h: h[0])
+            self.text = self.text[:cut]
+            assert len(self.text) >= self.sent, "held-back text was sent"
+        return stopped
+
+
+def partial_stop_len(text: str, stop: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string.
+
+    Linear in the stop strings' length (KMP's prefix function over `s + NUL + the last
+    len(s) - 1 characters`), where trying every prefix of every stop string is quadratic."""
+    best = 0
+    for s in stop:
+        if len(s) < 2:
+            continue
+        tail = text[-(len(s) - 1):]
+        pattern = s + "\0" + tail
+        pi = [0] * len(pattern)
+        for i in range(1, len(pattern)):
+            k = pi[i - 1]
+            while k and pattern[i] != pattern[k]:
+                k = pi[k - 1]
+            pi[i] = k + (pattern[i] == pattern[k])
+        best = max(best, pi[-1])
+    return best

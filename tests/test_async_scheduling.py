@@ -104,8 +104,8 @@ def test_async_server_path_stop_strings_and_clients_leaving_mid_stream():
             prompts = mix_prompts()
 
             async def one(i: int) -> tuple[str, str | None]:
-                gen = Generation(eng, f"s{i}", prompts[i], SamplingParams(max_tokens=24, ignore_eos=True),
-                                 stops.get(i, []))
+                gen = Generation(eng, f"s{i}", prompts[i], SamplingParams(max_tokens=24, ignore_eos=True,
+                                                                          stop=tuple(stops.get(i, []))))
                 text, reason = "", None
                 async for chunk in gen.chunks():
                     text += chunk.text

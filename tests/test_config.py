@@ -5,6 +5,7 @@ ValueError (or the parser's exit 2) naming the option, before any model is loade
 from __future__ import annotations
 
 import os
+import re
 from types import SimpleNamespace
 
 import jax
@@ -14,7 +15,9 @@ import pytest
 import config_file
 import server
 import kvcache
+import runner
 from config import EngineConfig
+from engine import LLM
 
 
 @pytest.mark.parametrize("kwargs, says", [
@@ -136,3 +139,37 @@ def test_a_missing_config_file_exits_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "none.yaml")])
     assert "none.yaml: cannot read it" in capsys.readouterr().err
+
+
+def _tiny(**kw: object) -> LLM:
+    return LLM("tiny", log=lambda *_: None, max_model_len=64, num_kv_blocks=16, warmup=False, **kw)
+
+
+@pytest.mark.parametrize("flag, value, at_least", [
+    ("max_num_batched_tokens", 10**9, 10**9 * 64 * 4),  # the hidden-state buffer alone: rows x hidden 64 x f32
+    ("max_num_seqs", 10**5, 10**5 * 259 * 4),  # the logits buffer alone: rows x the tiny vocabulary x f32
+])
+def test_host_buffers_past_the_hosts_ram_are_a_value_error_naming_the_flag(monkeypatch, flag, value, at_least):
+    """Not numpy's MemoryError mid start-up: the runner's host arrays are sized from the flags
+    and checked against the host's RAM before any is allocated."""
+    monkeypatch.setattr(runner, "host_memory_bytes", lambda: 64 * 2**20)
+    with pytest.raises(ValueError, match=rf"--{flag.replace('_', '-')} {value} is too large: .* more than the "
+                                         r"host's 67,108,864 bytes") as e:
+        _tiny(**{flag: value})
+    need = int(re.search(rf"{flag} {value}: ([\d,]+) bytes", str(e.value)).group(1).replace(",", ""))
+    assert need >= at_least
+
+
+def test_host_buffers_are_bounded_by_their_need_not_a_cap(monkeypatch):
+    """A host with exactly the RAM the runner's arrays need builds the engine; one byte less
+    is refused. The need covers the buffers the runner really keeps."""
+    llm = _tiny(max_num_seqs=4)
+    r, cfg = llm.engine.runner, llm.engine.config
+    need = runner.host_buffer_bytes(cfg, llm.engine.model_config, llm.engine.loaded.dtype)
+    assert need["max_num_batched_tokens"] >= r._hidden.nbytes
+    assert need["max_num_seqs"] >= r._logits.nbytes + r._bt.nbytes + sum(a.nbytes for a in r._samp.values())
+    monkeypatch.setattr(runner, "host_memory_bytes", lambda: sum(need.values()))
+    _tiny(max_num_seqs=4)
+    monkeypatch.setattr(runner, "host_memory_bytes", lambda: sum(need.values()) - 1)
+    with pytest.raises(ValueError, match="is too large"):
+        _tiny(max_num_seqs=4)

@@ -4,6 +4,8 @@ scheduler did (its preemptions in the step trace, the tokens it computed again).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -260,3 +262,74 @@ def test_a_request_aborted_while_its_first_step_is_in_flight_was_scheduled():
     assert s.request_queue_time.count - before.request_queue_time.count == 1
     assert s.prefix_cache_queries - before.prefix_cache_queries == len(prompt)
     assert s.prefix_cache_hits - before.prefix_cache_hits == seq.num_cached_tokens == 32
+
+
+def _stop_at_the_last_token(tokenizer, tokens: list[int]) -> tuple[int, str]:
+    """(n, s): a 2-character stop string s that first appears in the whole decode of the
+    first n output tokens, ending in the text the n-th one adds."""
+    for n in range(3, len(tokens) + 1):
+        before, text = tokenizer.decode(tokens[:n - 1]), tokenizer.decode(tokens[:n])
+        s = text[-2:]
+        if len(text) > len(before) and text.startswith(before) and s.isascii() and s.isprintable() and s not in text[:-1]:
+            return n, s
+    raise AssertionError("no output ends a stop string at one of its tokens")
+
+
+def test_a_stop_string_completed_by_the_token_that_reaches_max_tokens_is_a_stop_everywhere():
+    """vLLM checks stop strings before the length: the request ends "stop", offline and
+    served, and request_success counts it as a stop, never as a length cut; its per-request
+    histograms are observed once. The tokens come from a greedy run of the random model;
+    the stop string is the text its n-th token completes, and max_tokens is n."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from async_engine import AsyncEngine
+    from engine import EngineConfig
+    from server import build_app
+
+    kw = dict(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False)
+    llm = LLM(log=lambda *_: None, **kw)
+    tokens = llm.generate(["hello"], greedy(48))[0].token_ids
+    n, stop = _stop_at_the_last_token(llm.tokenizer, tokens)
+    expected = llm.tokenizer.decode(tokens[:n])[:-2]
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, stop=[stop])
+    before = llm.stats.snapshot()
+    out = llm.generate(["hello"], params)[0]
+    after = llm.stats.snapshot()
+    assert (out.finish_reason, out.token_ids, out.text) == ("stop", tokens[:n], expected)
+    assert after.request_success["stop"] - before.request_success["stop"] == 1
+    assert after.request_success["length"] == before.request_success["length"]
+    for h in ("e2e_request_latency", "request_generation_tokens", "request_time_per_output_token"):
+        assert getattr(after, h).count - getattr(before, h).count == 1, h
+    assert after.request_generation_tokens.sum - before.request_generation_tokens.sum == n
+
+    def success(metrics_text: str) -> dict[str, float]:
+        return {s.labels["finished_reason"]: s.value for f in text_string_to_metric_families(metrics_text)
+                for s in f.samples if s.name == "taxirank:request_success_total"}
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(**kw), log=lambda *_: None)
+        await engine.start()
+        try:
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as c:
+                body = {"prompt": "hello", "max_tokens": n, "temperature": 0.0, "ignore_eos": True, "stop": [stop]}
+                for stream in (False, True):
+                    first = success(await (await c.get("/metrics")).text())
+                    resp = await c.post("/v1/completions", json=body | {"stream": stream})
+                    if stream:
+                        events = [json.loads(x[6:]) for x in (await resp.text()).split("\n\n") if x.startswith("data: {")]
+                        choice = {"text": "".join(e["choices"][0]["text"] for e in events),
+                                  "finish_reason": events[-1]["choices"][0]["finish_reason"],
+                                  "stop_reason": events[-1]["choices"][0]["stop_reason"]}
+                    else:
+                        choice = (await resp.json())["choices"][0]
+                    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (expected, "stop", stop)
+                    last = success(await (await c.get("/metrics")).text())
+                    assert (last["stop"] - first["stop"], last["length"] - first["length"]) == (1, 0), stream
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

@@ -145,7 +145,7 @@ def test_a_stop_string_finish_is_a_normal_finish_in_every_metric() -> None:
     eng.add_request("a", [5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
     eng.step()
     assert eng.stats.prompt_tokens == 2  # counted once its prefill completes, as vLLM
-    eng.abort("a", reason="stop")  # what the server does when a stop string matches
+    eng.abort("a", reason="stop")  # a caller ending it on its own stop condition
     st = eng.stats
     assert st.request_success["stop"] == 1 and st.request_success["abort"] == 0
     assert st.e2e_request_latency.count == 1 == sum(st.request_success.values())

@@ -607,35 +607,26 @@ def test_constrained_rows_never_speculate():
     assert [x.seq.request_id for x in run_step(s, True)] == ["free"]
 
 
-def test_a_stop_string_inside_a_speculative_delta_ends_the_response_at_its_token():
-    """A verified step's delta carries several tokens: the response stops at the token that
-    completes the stop string (its text, logprobs and token count), and the request is aborted."""
-    import asyncio
-    from types import SimpleNamespace
+def test_a_stop_string_completed_inside_a_verified_step_ends_the_request_at_its_token():
+    """A verified step emits several tokens; the engine's stop-string matcher reads them one
+    by one, as sampled ones, so the request ends "stop" at the token that completes the
+    string and the tokens after it in the step are not emitted."""
+    from tokenizer import ByteTokenizer, IncrementalDetokenizer
 
-    from engine import RequestOutputDelta, TokenLogprob
-    from server import Generation
-    from tokenizer import ByteTokenizer
-
-    ids = list(b"ab STOP cd")
-    aborted = []
-
-    async def stream():
-        yield RequestOutputDelta("r", ids[:2], [TokenLogprob(t, -1.0, []) for t in ids[:2]], False, None, 1, 2)
-        yield RequestOutputDelta("r", ids[2:], [TokenLogprob(t, -1.0, []) for t in ids[2:]], False, None, 1, len(ids))
-
-    engine = SimpleNamespace(tokenizer=ByteTokenizer(), model_config=SimpleNamespace(eos_token_ids=(2,)),
-                             add_request=lambda *a: stream(), abort=lambda rid, reason="abort": aborted.append(reason))
-    gen = Generation(engine, "r", [ByteTokenizer.bos_token_id], SamplingParams(max_tokens=20), ["STOP"])
-
-    async def collect():
-        return [c async for c in gen.chunks()]
-
-    chunks = asyncio.run(collect())
-    assert "".join(c.text for c in chunks) == "ab " and chunks[-1].finish_reason == "stop"
-    assert chunks[-1].num_output_tokens == len(b"ab STOP")  # the tokens after the stop string are not counted
-    assert [t.token_id for c in chunks for t in c.logprobs] == list(b"ab STOP")
-    assert aborted == ["stop"]
+    s = scheduler({})
+    params = SamplingParams(max_tokens=20, stop=("ab",))
+    seq = Sequence("s", [5, 6, 7], params)
+    seq.stop_matcher = IncrementalDetokenizer(ByteTokenizer(), seq.prompt_token_ids, list(params.stop), params, (EOS,))
+    s.add(seq)
+    out = s.schedule()
+    s.update(out, [ord("x")])  # the prompt, and its first token
+    out = s.schedule()
+    assert len(out.scheduled[0].spec_token_ids) == 2
+    s.take_proposals(out, [[ord("a"), ord("b")]])
+    outcome = s.update(out, [0], {0: [ord("a"), ord("b"), ord("c")]})  # both drafts accepted, and one more
+    assert outcome.emitted == {"s": [ord("a"), ord("b")]} and outcome.finished == [seq]
+    assert (seq.finish_reason, seq.output_token_ids) == ("stop", [ord("x"), ord("a"), ord("b")])
+    assert (seq.stop_matcher.text, seq.stop_matcher.stop_reason) == ("x", "ab")
 
 
 def test_a_step_verifying_drafts_with_no_prompt_tokens_is_a_decode_step():
@@ -647,3 +638,22 @@ def test_a_step_verifying_drafts_with_no_prompt_tokens_is_a_decode_step():
     verifying = [t for t in trace if t.num_prefill_tokens == 0 and sum(n for _, n in t.scheduled) > t.num_decode_tokens]
     assert s.spec_decode_num_drafts > 0 and verifying, "some decode steps verified drafts"
     assert s.num_decode_steps == sum(1 for t in trace if t.num_prefill_tokens == 0)
+
+
+def test_each_proposer_is_exactly_the_protocol_its_drafts_at_scheduling_names():
+    """Two Protocols, told apart by drafts_at_scheduling (what the engine and the scheduler
+    dispatch on): each registered proposer has every member of its own kind's, and not the
+    method only the other kind has (no stub that would never be called)."""
+    import typing_extensions
+
+    import draft_model  # noqa: F401  (registers draft_model)
+    from spec_decode import PROPOSERS, SchedulingProposer, StepProposer
+
+    assert set(PROPOSERS) == {"ngram", "draft_model"}
+    members = {kind: typing_extensions.get_protocol_members(kind) for kind in (SchedulingProposer, StepProposer)}
+    for name, cls in PROPOSERS.items():
+        kind, other = (SchedulingProposer, StepProposer) if cls.drafts_at_scheduling else (StepProposer, SchedulingProposer)
+        assert cls.drafts_at_scheduling is (kind is SchedulingProposer), name
+        assert [m for m in members[kind] if not hasattr(cls, m)] == [], name
+        assert [m for m in members[other] - members[kind] if hasattr(cls, m)] == [], name
+    assert PROPOSERS["ngram"].drafts_at_scheduling and not PROPOSERS["draft_model"].drafts_at_scheduling
