@@ -304,8 +304,7 @@ class Scheduler:
             self._drop_swapped(seq)
         else:
             self.retire(seq)
-        # A finished sequence a batching keeps seated (static) keeps the reason it finished with.
-        seq.status, seq.finish_reason, seq.wait_reason = FINISHED, seq.finish_reason or "abort", None
+        seq.status, seq.finish_reason, seq.wait_reason = FINISHED, "abort", None
         seq.num_output_placeholders = 0  # tokens of steps in flight: never delivered
         self._assert_step_invariants()
         return seq

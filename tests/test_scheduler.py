@@ -338,17 +338,6 @@ def test_static_batch_whose_last_runner_is_aborted_is_released_by_the_next_updat
     assert [r.request_id for r in s.update(out, []).finished] == ["a"] and not s.has_unfinished()
 
 
-def test_aborting_a_finished_sequence_still_seated_keeps_its_finish_reason():
-    s = make(max_num_seqs=2, scheduling="static")
-    s.add(seq("a", max_tokens=1))
-    s.add(seq("b", max_tokens=10))
-    step(s)  # a finishes by length at its prompt and rides as padding
-    a = s.running[0]
-    assert a.status is FINISHED and a.finish_reason == "length"
-    assert s.abort("a") is a and a.finish_reason == "length" and a.slot is None
-    s.check_invariants()
-
-
 # ---- every mode, random traffic: the invariants hold and everything completes -----------------
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(scheduling=st.sampled_from(["continuous", "static"]),
