@@ -102,9 +102,9 @@ class AsyncEngine:
             if not finished:  # the consumer went away (client disconnect): free the slot now
                 self.abort(request_id)
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
+    def abort(self, request_id: str) -> None:
         with self._lock:
-            self._inbox.append(("abort", (request_id, reason)))
+            self._inbox.append(("abort", request_id))
         self._wake.set()
 
     async def reset_prefix_cache(self) -> bool:
@@ -151,10 +151,10 @@ class AsyncEngine:
                 ok = self.engine.reset_prefix_cache()
                 self._loop.call_soon_threadsafe(lambda f=arg, ok=ok: f.done() or f.set_result(ok))
             else:
-                rid, reason = arg
-                seq = self.engine.abort(rid, reason)
+                rid = arg
+                seq = self.engine.abort(rid)
                 if seq is not None:
-                    self._deliver(RequestOutputDelta(rid, [], None, True, reason, seq.num_prompt_tokens,
+                    self._deliver(RequestOutputDelta(rid, [], None, True, seq.finish_reason, seq.num_prompt_tokens,
                                                      seq.num_output_tokens, max(seq.num_cached_tokens, 0),
                                                      RequestMetrics.of(seq)))
 

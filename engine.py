@@ -162,23 +162,21 @@ class LLMEngine:
             self._prompt_lps[request_id] = [None] * len(seq.prompt_token_ids)
         return seq
 
-    def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
-        """Drop a request now (idempotent). reason "stop" is for a caller that ended it on
-        purpose (a stop condition of its own): a normal finish in every metric, as an EOS is."""
-        assert reason in ("abort", "stop")
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request now (idempotent). A request ends for its client when it is released,
+        so one that static batching holds seated after its last token ends as an abort."""
         seq = self.scheduler.abort(request_id)
         self._prompt_lps.pop(request_id, None)
-        if seq is not None:
-            if self.proposer is not None:
-                self.proposer.free(seq)
-            seq.finish_reason = reason
-            if seq.first_scheduled_time is None:  # its first step may be in flight: it was scheduled
-                at = next((t for o, t, _ in self._in_flight if any(s.seq is seq for s in o.scheduled)), None)
-                if at is not None:
-                    self.stats.record_first_scheduled(seq, at, self.config)
-            now = time.monotonic()
-            self.stats.record_finished(seq, now, latency=reason == "stop")
-            self._refresh_gauges()
+        if seq is None:
+            return None
+        if self.proposer is not None:
+            self.proposer.free(seq)
+        if seq.first_scheduled_time is None:  # its first step may be in flight: it was scheduled
+            at = next((t for o, t, _ in self._in_flight if any(s.seq is seq for s in o.scheduled)), None)
+            if at is not None:
+                self.stats.record_first_scheduled(seq, at, self.config)
+        self.stats.record_finished(seq, time.monotonic())
+        self._refresh_gauges()
         return seq
 
     def has_unfinished(self) -> bool:
@@ -401,7 +399,7 @@ class LLMEngine:
             seq = self.scheduler.abort(rid)
             if seq is not None:
                 seq.finish_reason = "abort"
-                self.stats.record_finished(seq, time.monotonic(), latency=False)
+                self.stats.record_finished(seq, time.monotonic())
         out.scheduled = ok
         out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
         out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)

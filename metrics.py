@@ -328,12 +328,11 @@ class EngineStats:
                 for j in range(num_accepted):
                     per_pos[j] += 1
 
-    def record_finished(self, seq: Sequence, now: float, latency: bool) -> None:
-        """A request that ended outside a step (an abort, a caller's own stop, a request
-        failed alone). latency: a normal finish (a caller's stop is one, as an EOS is) also
-        enters the e2e histogram, so it agrees with request_success."""
+    def record_finished(self, seq: Sequence, now: float) -> None:
+        """A request that ended outside a step (an abort, a request failed alone): counted
+        in request_success, but in no latency histogram, as vLLM leaves aborts out."""
         with self.lock:
-            self._finished(seq, now, latency)
+            self._finished(seq, now, latency=False)
 
     def _finished(self, seq: Sequence, now: float, latency: bool) -> None:
         seq.finished_time = now

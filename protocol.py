@@ -244,8 +244,8 @@ def _template_call(call: dict, i: int) -> dict:
 
 
 def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, has_tokenizer: bool,
-                   tools: ToolChoice | None = None) -> tuple[SamplingParams, list[str]]:
-    """SamplingParams and stop strings from the OpenAI fields; a 400 for anything off.
+                   tools: ToolChoice | None = None) -> SamplingParams:
+    """SamplingParams (stop strings included) from the OpenAI fields; a 400 for anything off.
     tools: the request's tool_choice() (a forced call constrains the output)."""
     for name, neutral in _NEUTRAL.items():
         if body.get(name) is not None and not any(_same(body[name], v) for v in neutral):
@@ -325,7 +325,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
         if chat and name == "logprobs":  # chat's count of alternatives is its top_logprobs field
             name, message = "top_logprobs", message.replace("logprobs", "top_logprobs", 1)
         raise ApiError(message, param=name if name in body else None) from e
-    return params, stop
+    return params
 
 
 # ---- structured outputs in ----------------------------------------------------------

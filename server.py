@@ -157,8 +157,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     """Run one completion (chat or not) and answer it whole or as an SSE stream. tools: a
     chat request's tool_choice() (its calls come out as tool_calls)."""
     app, engine = request.app, request.app["engine"]
-    params, _ = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
-                                  engine.tokenizer is not None, tools)
+    params = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
+                            engine.tokenizer is not None, tools)
     stream = field(body, "stream", (bool,), False)
     stream_options = field(body, "stream_options", (dict,), {})
     if stream_options and not stream:

@@ -282,4 +282,4 @@ def test_seed_bounds_are_vllm_s_int64() -> None:
             parse_sampling({"seed": seed}, 3, 256, chat=False, has_tokenizer=True)
         assert e.value.status == 400 and e.value.param == "seed"
     for seed in (2**63 - 1, -2**63, 0, -1):
-        assert parse_sampling({"seed": seed}, 3, 256, chat=False, has_tokenizer=True)[0].seed == seed
+        assert parse_sampling({"seed": seed}, 3, 256, chat=False, has_tokenizer=True).seed == seed

@@ -138,17 +138,24 @@ def test_max_waiting_requests_counts_requests_not_yet_scheduled() -> None:
     asyncio.run(go())
 
 
-def test_a_stop_string_finish_is_a_normal_finish_in_every_metric() -> None:
-    # Synchronous: the first token (and its prompt-token count) is seen by the step that
-    # computes it; async sees it one step() later (tests/test_async_scheduling.py).
-    eng = LLMEngine(EngineConfig(**SMALL, async_scheduling=False), log=quiet)
-    eng.add_request("a", [5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
-    eng.step()
-    assert eng.stats.prompt_tokens == 2  # counted once its prefill completes, as vLLM
-    eng.abort("a", reason="stop")  # a caller ending it on its own stop condition
+def test_a_request_static_batching_holds_after_its_last_token_ends_as_an_abort_when_aborted() -> None:
+    # Static: a finished sequence keeps its seat (padding) and its result until the batch is
+    # done; a client that leaves before then got nothing: an abort, counted once, no latency.
+    eng = LLMEngine(EngineConfig(**SMALL, scheduling="static", async_scheduling=False), log=quiet)
+    short = eng.add_request("short", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.add_request("long", [7, 8], SamplingParams(max_tokens=8, ignore_eos=True))
+    while len(short.output_token_ids) < 2:
+        assert not [d for d in eng.step() if d.finished]
+    seq = eng.abort("short")
+    assert seq is not None and seq.finish_reason == "abort" and eng.abort("short") is None
+    done = []
+    while eng.has_unfinished():
+        done += [(d.request_id, d.finish_reason) for d in eng.step() if d.finished]
     st = eng.stats
-    assert st.request_success["stop"] == 1 and st.request_success["abort"] == 0
-    assert st.e2e_request_latency.count == 1 == sum(st.request_success.values())
+    assert done == [("long", "length")]
+    assert st.request_success["length"] == 1 and st.request_success["abort"] == 1
+    assert sum(st.request_success.values()) == 2
+    assert st.e2e_request_latency.count == 1
 
 
 def test_decode_output_drops_the_eos_that_ended_it() -> None:

@@ -833,8 +833,8 @@ def test_chat_top_logprobs_without_logprobs_is_refused_not_ignored() -> None:
         with pytest.raises(ApiError) as e:
             parse_sampling(body, 3, 256, chat=True, has_tokenizer=True)
         assert e.value.status == 400 and e.value.param == "top_logprobs" and "top_logprobs" in str(e.value)
-    assert parse_sampling({"top_logprobs": 2, "logprobs": True}, 3, 256, chat=True, has_tokenizer=True)[0].logprobs == 2
-    assert parse_sampling({"top_logprobs": 0}, 3, 256, chat=True, has_tokenizer=True)[0].logprobs is None
+    assert parse_sampling({"top_logprobs": 2, "logprobs": True}, 3, 256, chat=True, has_tokenizer=True).logprobs == 2
+    assert parse_sampling({"top_logprobs": 0}, 3, 256, chat=True, has_tokenizer=True).logprobs is None
 
 
 def test_priority_is_an_extra_field_of_both_endpoints_checked_where_it_enters(server: Server) -> None:
