@@ -60,7 +60,7 @@ class AsyncEngine:
         with self._lock:  # under the lock: no add or reset gets in after the loop's last look
             self._stop.set()
             for rid in list(self._queues):
-                self._inbox.append(("abort", (rid, "abort")))
+                self._inbox.append(("abort", rid))
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)

@@ -105,3 +105,22 @@ def test_native_4_bit_gguf_answers_the_readme_question_and_never_recompiles():
         llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.8, seed=3, prompt_logprobs=1))
     assert after == []
     assert "Paris" in answer
+
+
+def test_the_detokenizer_s_direct_backend_decode_is_transformers_decode(llm: LLM) -> None:
+    # decoder() skips decode()'s Python layers for a plain fast tokenizer: it must give the
+    # very text tokenizer.decode gives, special tokens and split characters included.
+    import random
+    from functools import partial
+
+    from tokenizer import decoder
+    tok = llm.tokenizer
+    rng = random.Random(0)
+    specials = [tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
+    for skip in (True, False):
+        decode = decoder(tok, SamplingParams(skip_special_tokens=skip))
+        assert isinstance(decode, partial)  # the direct path is the one taken here
+        for _ in range(300):
+            ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tok.vocab_size)
+                   for _ in range(rng.randint(0, 12))]
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=skip), ids
