@@ -246,6 +246,29 @@ def count_compilations() -> Iterator[list[str]]:
         monitoring.unregister_event_duration_listener(on_duration)
 
 
+@contextmanager
+def tiny_async_engine(tokenizer: Any = None) -> Iterator[tuple[Any, Any]]:
+    """(event loop, started AsyncEngine) on the tiny model in test_request_metrics' shapes
+    (its programs are cached), shut down on exit. tokenizer: one to render chats with
+    instead of the engine's own."""
+    import asyncio
+
+    from async_engine import AsyncEngine
+    from engine import EngineConfig
+
+    loop = asyncio.new_event_loop()
+    engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False),
+                         log=lambda *_: None)
+    if tokenizer is not None:
+        engine.tokenizer = tokenizer
+    loop.run_until_complete(engine.start())
+    try:
+        yield loop, engine
+    finally:
+        loop.run_until_complete(engine.shutdown())
+        loop.close()
+
+
 def jax_test_cache_dir() -> str:
     """The tests' persistent compilation cache: kept between runs (a compile is the
     biggest cost of a CPU test run, and the same small shapes recur in every run), beside

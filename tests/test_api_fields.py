@@ -17,6 +17,7 @@ import logging
 
 import pytest
 
+from conftest import tiny_async_engine
 from protocol import ApiError, parse_messages, parse_sampling
 from tokenizer import ByteTokenizer
 from tool_parsers import ToolCallStream, ToolChoice
@@ -31,32 +32,22 @@ def post():
     on one tiny engine (test_request_metrics' shapes: its programs are cached)."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from async_engine import AsyncEngine
-    from engine import EngineConfig
     import server
 
-    loop = asyncio.new_event_loop()
-    engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False),
-                         log=lambda *_: None)
-    loop.run_until_complete(engine.start())
-    app = server.build_app(engine, ["tiny"])
-    client = TestClient(TestServer(app), loop=loop)
-    loop.run_until_complete(client.start_server())
+    with tiny_async_engine() as (loop, engine):
+        client = TestClient(TestServer(server.build_app(engine, ["tiny"])), loop=loop)
+        loop.run_until_complete(client.start_server())
 
-    async def one(path: str, body: object, headers: dict | None, raw: bytes | None) -> tuple[int, str]:
-        if raw is None:
-            resp = await client.post(path, json=body)
-        else:
-            resp = await client.post(path, data=raw, headers=headers or {})
-        return resp.status, await resp.text()
+        async def one(path: str, body: object, headers: dict | None, raw: bytes | None) -> tuple[int, str]:
+            if raw is None:
+                resp = await client.post(path, json=body)
+            else:
+                resp = await client.post(path, data=raw, headers=headers or {})
+            return resp.status, await resp.text()
 
-    def run(path: str, body: object = None, headers: dict | None = None, raw: bytes | None = None) -> tuple[int, str]:
-        return loop.run_until_complete(asyncio.wait_for(one(path, body, headers, raw), 300))
-
-    yield run
-    loop.run_until_complete(client.close())
-    loop.run_until_complete(engine.shutdown())
-    loop.close()
+        yield lambda path, body=None, headers=None, raw=None: loop.run_until_complete(
+            asyncio.wait_for(one(path, body, headers, raw), 300))
+        loop.run_until_complete(client.close())
 
 
 def strict_json(text: str) -> dict:

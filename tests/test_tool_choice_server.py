@@ -17,6 +17,7 @@ import logging
 import jinja2
 import pytest
 
+from conftest import tiny_async_engine
 from tokenizer import ByteTokenizer
 
 WEATHER = {"type": "function", "function": {"name": "f"}}
@@ -46,26 +47,18 @@ def post():
     on one tiny engine (test_request_metrics' shapes: its programs are cached)."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from async_engine import AsyncEngine
-    from engine import EngineConfig
     import server
 
-    loop = asyncio.new_event_loop()
-    engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False),
-                         log=lambda *_: None)
-    engine.tokenizer = ToolsTemplate()  # what the server renders chats with; same bytes as the engine's
-    loop.run_until_complete(engine.start())
+    # ToolsTemplate: what the server renders chats with; same bytes as the engine's
+    with tiny_async_engine(ToolsTemplate()) as (loop, engine):
+        async def one(flags: list[str], body: dict) -> tuple[int, dict]:
+            app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+            async with TestClient(TestServer(app)) as client:
+                resp = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
+                                                                       "temperature": 0.0} | body)
+                return resp.status, json.loads(await resp.text())
 
-    async def one(flags: list[str], body: dict) -> tuple[int, dict]:
-        app = server.app_from_args(engine, server.build_parser().parse_args(flags))
-        async with TestClient(TestServer(app)) as client:
-            resp = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
-                                                                   "temperature": 0.0} | body)
-            return resp.status, json.loads(await resp.text())
-
-    yield lambda flags, body: loop.run_until_complete(asyncio.wait_for(one(flags, body), 300))
-    loop.run_until_complete(engine.shutdown())
-    loop.close()
+        yield lambda flags, body: loop.run_until_complete(asyncio.wait_for(one(flags, body), 300))
 
 
 def prompt_tokens(text: str) -> int:
