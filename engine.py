@@ -395,11 +395,7 @@ class LLMEngine:
             self.failed.clear()
             raise error
         for rid, _ in self.failed:
-            self._prompt_lps.pop(rid, None)
-            seq = self.scheduler.abort(rid)
-            if seq is not None:
-                seq.finish_reason = "abort"
-                self.stats.record_finished(seq, time.monotonic())
+            self.abort(rid)
         out.scheduled = ok
         out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
         out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)

@@ -435,9 +435,7 @@ class Scheduler:
         # Named now, not by the next step's scheduling: a sequence this step finishes (or
         # that is preempted first) would leave them unnamed, a miss for a prompt sharing them.
         # _block_hashes names only blocks whose tokens are all known (an ending cuts the run).
-        full = seq.num_computed_tokens // self.config.block_size
-        if self.config.enable_prefix_caching and full > self.allocator.num_named(seq.request_id):
-            self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, full))
+        self._name_full_blocks(seq, seq.num_computed_tokens)
         spec = self.spec
         assert spec is not None
         if (spec.min_acceptance_rate and seq.num_drafts >= spec.acceptance_window
@@ -825,9 +823,14 @@ class Scheduler:
                 seq.num_recomputed_tokens += again
                 out.num_recomputed_tokens += again
                 out.scheduled[-1].num_recomputed = again  # a row discarded later is taken back out
-        if self.config.enable_prefix_caching:  # name the full blocks this step completes
-            full = end // self.config.block_size
-            if full > self.allocator.num_named(seq.request_id):  # most decode steps complete none
+        self._name_full_blocks(seq, end)  # the full blocks this step completes
+
+    def _name_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Offer the prefix cache a name for each full block of seq's first num_tokens not
+        named yet (most decode steps complete none)."""
+        if self.config.enable_prefix_caching:
+            full = num_tokens // self.config.block_size
+            if full > self.allocator.num_named(seq.request_id):
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, full))
 
     def _make_room(self, out: SchedulerOutput, seq: Sequence, n: int) -> bool:
