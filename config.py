@@ -15,7 +15,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -255,35 +255,35 @@ def _check_field_types(config: EngineConfig) -> None:
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One output constraint, as vLLM's StructuredOutputsParams: exactly one of a JSON
-    schema (a dict or its JSON text), any JSON object, a regex, a choice of strings, or a
-    Lark / GBNF grammar. Hashable: the JSON schema is kept as canonical text, which is
-    also the key of the compiled-grammar cache (structured.py)."""
+    schema (a dict or its JSON text), any JSON object, a regex, a choice of strings, a
+    Lark / GBNF grammar, or a structural tag (free text in which each trigger starts a
+    structure: its begin, JSON that follows a schema, its end). Hashable: JSON is kept as
+    canonical text, which is also the key of the compiled-grammar cache (structured.py)."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
-        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
         set_ += ["json_object"] if self.json_object else []
         if len(set_) != 1:
-            raise ValueError(f"structured_outputs takes exactly one of json, regex, choice, grammar or json_object, "
-                             f"got {', '.join(set_) or 'none'}")
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object or "
+                             f"structural_tag, got {', '.join(set_) or 'none'}")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean")
         if self.json is not None:
-            try:
-                schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
-                text = _json.dumps(schema, sort_keys=True, separators=(",", ":"))
-            except RecursionError:  # nested past the JSON codec's stack
-                raise ValueError("structured_outputs.json is nested too deeply") from None
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            schema = _json_value("json", self.json)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-            object.__setattr__(self, "json", text)
+            object.__setattr__(self, "json", _canonical("json", schema))
+        if self.structural_tag is not None:
+            tag = _json_value("structural_tag", self.structural_tag)
+            _check_structural_tag(tag)
+            object.__setattr__(self, "structural_tag", _canonical("structural_tag", tag))
         for k in ("regex", "grammar"):
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
@@ -300,13 +300,62 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                    if getattr(self, k))
 
     @property
     def text(self) -> str:
         if self.choice is not None:
             return "".join(self.choice)
-        return self.json or self.regex or self.grammar or ""
+        return self.json or self.regex or self.grammar or self.structural_tag or ""
+
+
+def _json_value(key: str, value: str | dict) -> Any:
+    """value (JSON text, or already a value) as a value; a ValueError naming the key."""
+    try:
+        return _json.loads(value) if isinstance(value, str) else value
+    except RecursionError:  # nested past the JSON codec's stack
+        raise ValueError(f"structured_outputs.{key} is nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.{key} is not valid JSON: {e}") from None
+
+
+def _canonical(key: str, value: Any) -> str:
+    try:
+        return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+    except RecursionError:
+        raise ValueError(f"structured_outputs.{key} is nested too deeply") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"structured_outputs.{key} is not valid JSON: {e}") from None
+
+
+def _check_structural_tag(tag: Any) -> None:
+    """vLLM's structural tag (its "legacy" form, the one its llguidance backend reads):
+    {"type": "structural_tag", "structures": [{"begin", "schema", "end"}, ...],
+    "triggers": [...]}, each structure's begin starting with one of the triggers."""
+    where = "structured_outputs.structural_tag"
+    if not isinstance(tag, dict):
+        raise ValueError(f"{where} must be an object with 'structures' and 'triggers'")
+    if "format" in tag:
+        raise ValueError(f"{where}: the 'format' form (xgrammar's) is not supported; give 'structures' and "
+                         "'triggers'")
+    unknown = set(tag) - {"type", "structures", "triggers"}
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))[:200]}")
+    if tag.get("type", "structural_tag") != "structural_tag":
+        raise ValueError(f"{where}.type must be 'structural_tag'")
+    triggers, structures = tag.get("triggers"), tag.get("structures")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{where}.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"{where}.structures must be a non-empty list")
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or set(s) - {"begin", "schema", "end"} or not isinstance(s.get("begin"), str) \
+                or not isinstance(s.get("end"), str) or not isinstance(s.get("schema"), (dict, bool)):
+            raise ValueError(f"{where}.structures[{i}] must be {{'begin': string, 'schema': a JSON schema, "
+                             "'end': string}")
+        if not any(s["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"{where}.structures[{i}].begin {s['begin'][:80]!r} starts with none of the triggers")
 
 
 @dataclass(frozen=True)

@@ -332,7 +332,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
 
 # vLLM's older names for the fields of structured_outputs
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
@@ -402,8 +402,10 @@ def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsP
             if js.get("strict") is not None and not isinstance(js["strict"], bool):
                 raise ApiError("response_format.json_schema.strict must be a boolean", param="response_format")
             found.append(("response_format", {"json": js.get("schema", {})}))  # OpenAI: no schema, any JSON
+        elif kind == "structural_tag":  # vLLM's: the whole object is the tag
+            found.append(("response_format", {"structural_tag": fmt}))
         elif kind != "text":
-            raise ApiError("response_format type must be 'text', 'json_object' or 'json_schema'",
+            raise ApiError("response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag'",
                            param="response_format")
     so = field(body, "structured_outputs", (dict,))
     if so is not None:

@@ -1,5 +1,5 @@
 """Structured outputs: llguidance glue. A constraint (JSON schema, regex, choice, Lark or
-GBNF grammar) is compiled once into a matcher over the model's vocabulary; each request
+GBNF grammar, structural tag) is compiled once into a matcher over the model's vocabulary; each request
 gets a copy, which advances with every accepted token and fills the request's row of the
 packed token bitmask the step applies to the logits before sampling.
 
@@ -52,8 +52,25 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         return M.grammar_from_regex(spec.regex)
     if spec.choice is not None:
         return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    if spec.structural_tag is not None:
+        return structural_tag_grammar(json.loads(spec.structural_tag))
     assert spec.grammar is not None
     return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
+
+
+def structural_tag_grammar(tag: dict) -> str:
+    """A Lark grammar for vLLM's structural tag (checked by StructuredOutputsParams), as
+    vLLM's llguidance backend builds it: free text, in which each trigger starts a structure
+    (its begin, JSON under its schema, its end) and free text resumes after it. JSON is
+    compact here too, unless the schema sets its own `x-guidance` options."""
+    tags = []
+    for s in tag["structures"]:
+        schema = s["schema"]
+        if isinstance(schema, dict):
+            schema = {"x-guidance": JSON_OPTIONS} | schema
+        trigger = next(t for t in tag["triggers"] if s["begin"].startswith(t))
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
+    return llguidance.StructTag.to_grammar(tags)
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:

@@ -102,6 +102,39 @@ def test_unconstrained_outputs_are_the_same_with_constrained_requests_in_the_bat
     assert re.fullmatch("[ab]{3,9}", mixed[2].text) and mixed[3].text in ("yes", "no")
 
 
+def letter_tag() -> dict:
+    """A structural tag whose triggers are the 26 lower-case letters (about one byte in ten
+    the tiny model samples): each letter must be followed by one digit and ';'."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    return {"type": "structural_tag", "triggers": letters,
+            "structures": [{"begin": c, "schema": {"type": "integer", "minimum": 0, "maximum": 9}, "end": ";"}
+                           for c in letters]}
+
+
+def test_a_structural_tag_constrains_the_text_after_each_trigger_and_nothing_else(tiny):
+    """vLLM's structural tag: free text in which each trigger starts its structure (begin,
+    JSON under its schema, end). Checked on the sampled bytes by a plain regular expression."""
+    params = [SamplingParams(max_tokens=48, temperature=1.0, seed=s, structured_outputs=SO(structural_tag=letter_tag()))
+              for s in range(6)]
+    outs = tiny.generate([[1, 2 + i] for i in range(6)], params)
+    texts = [bytes(o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids) for o in outs]
+    assert all(t < 256 for o in outs for t in o.token_ids[:-1])  # bytes only (no special token is text)
+    for text in texts:  # a cut at max_tokens may end inside a structure
+        assert re.fullmatch(rb"([^a-z]*[a-z][0-9];)*[^a-z]*([a-z][0-9]?)?", text, re.S), text
+    assert sum(len(re.findall(rb"[a-z][0-9];", t)) for t in texts) >= 6  # the triggers did fire
+    assert len({t for t in texts}) == 6
+
+
+def test_a_malformed_structural_tag_is_a_value_error_naming_the_part():
+    tag = letter_tag()
+    for bad, part in ((tag | {"format": {}}, "'format' form"), (tag | {"triggers": []}, "triggers"),
+                      (tag | {"triggers": ["x"]}, r"structures\[0\]\.begin 'a' starts with none"),
+                      (tag | {"structures": [{"begin": "a", "end": ";"}]}, r"structures\[0\] must be"),
+                      ("{", "structural_tag is not valid JSON")):
+        with pytest.raises(ValueError, match=part):
+            SO(structural_tag=bad)
+
+
 def test_preemption_by_recompute_keeps_the_matcher_with_the_outputs():
     """A cache too small for all four: sequences are preempted and recomputed, and each
     constrained output still matches (its matcher was not reset, nor advanced twice)."""

@@ -235,6 +235,21 @@ def test_tool_choice_auto_finds_the_hermes_call_in_the_output(servers, stream):
         tool_calls(plain, stream)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_structural_tag_shapes_what_follows_each_trigger(client, stream):
+    """vLLM's response_format structural_tag: free text, but each "The" (the model's first
+    word here) must go on as ' answer is ' + one of the choices as a JSON string + '.'."""
+    tag = {"type": "structural_tag", "triggers": ["The"],
+           "structures": [{"begin": "The answer is ", "schema": {"enum": CHOICES[0]}, "end": "."}]}
+    text, reason = chat(client, "What is the capital of France?", stream, 0.0, 0, response_format=tag)
+    starts = [m.start() for m in re.finditer("The", text)]
+    assert starts and starts[0] == 0, text  # the trigger fired (at temperature 0 the answer starts "The")
+    for i in starts:
+        after = text[i:]
+        done = re.match(r'The answer is "(Paris|London|Berlin)"\.', after)
+        assert done or (reason == "length" and re.match(r'The( answer is "?[A-Za-z]*)?$', after)), text
+
+
 @pytest.mark.parametrize("body, message", [
     ({"guided_regex": "a(b"}, "unclosed group"),
     ({"guided_json": {"type": "object", "properties": {"a": {"type": "strin"}}}}, "strin"),
@@ -244,7 +259,10 @@ def test_tool_choice_auto_finds_the_hermes_call_in_the_output(servers, stream):
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "only one output constraint"),
     ({"guided_regex": "a" * 70000}, "over the limit"),
-    ({"structured_outputs": {"structural_tag": "x"}}, "unsupported"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structural_tag is not valid JSON"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}},
+     "'format' form (xgrammar's) is not supported"),
+    ({"structured_outputs": {"unknown": "x"}}, "unsupported key(s) unknown"),
     ({"tool_choice": "auto", "tools": [WEATHER]}, '"auto" tool choice requires --enable-auto-tool-choice'),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "nope"),
 ])
