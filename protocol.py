@@ -82,7 +82,7 @@ _COMMON_FIELDS = {
     "tool_choice", *_NEUTRAL, *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort"}
+    "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort", "include_reasoning"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 # Chat's own fields, which mean something else (or nothing) on /v1/completions: refused there.
 _CHAT_ONLY = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
@@ -227,6 +227,16 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         raise ApiError(f"chat template failed: {e}", param="messages") from e
     # The template already carries BOS and the other special tokens it wants.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def thinking_enabled(body: dict) -> bool:
+    """Whether a chat request leaves the model's thinking on: its template variable
+    enable_thinking (chat_template_kwargs, else reasoning_effort "none" turns it off, as
+    parse_messages renders it); read by the qwen3 reasoning parser."""
+    kw = body.get("chat_template_kwargs") or {}
+    if "enable_thinking" in kw:
+        return kw["enable_thinking"] is not False
+    return body.get("reasoning_effort") != "none"
 
 
 def _template_call(call: dict, i: int) -> dict:

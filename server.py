@@ -47,7 +47,9 @@ from engine import QueueFullError, TokenLogprob
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
-                      parse_sampling, parse_slo, prompt_logprobs_json, tool_choice, unknown_fields)
+                      parse_sampling, parse_slo, prompt_logprobs_json, thinking_enabled, tool_choice,
+                      unknown_fields)
+from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
 
@@ -185,6 +187,15 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         raise ApiError(f"'priority' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="priority")
     # vLLM's parallel_tool_calls false: only the first call of the answer goes out
     parallel = field(body, "parallel_tool_calls", (bool,), True)
+    include_reasoning = field(body, "include_reasoning", (bool,), True)
+    # A constrained output starts at its first token, with no room to think: all of it is content.
+    parses_reasoning = chat and app["reasoning_parser"] is not None and params.structured_outputs is None
+
+    def message_stream() -> ToolCallStream:
+        reasoning = app["reasoning_parser"](engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False),
+                                            thinking_enabled(body)) if parses_reasoning else None
+        return ToolCallStream(tools, app["tool_parser"], parallel, reasoning, include_reasoning)
+
     if ignored := unknown_fields(body, chat):  # as vLLM: warned about, and ignored
         log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored)[:500])
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
@@ -217,7 +228,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                     prompt_lps = last.prompt_logprobs or prompt_lps
             assert last is not None and last.finish_reason is not None
             lp = logprobs(lps, 0) if params.logprobs is not None else None
-            message, reason = ToolCallStream(tools, app["tool_parser"], parallel).message(text, last.finish_reason)
+            message, reason = message_stream().message(text, last.finish_reason)
             choice = {"index": 0, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
             if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
                 choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
@@ -235,7 +246,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
             if chat:
                 await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
-            offset, calls = 0, ToolCallStream(tools, app["tool_parser"], parallel)
+            offset, calls = 0, message_stream()
             async with contextlib.aclosing(gen.chunks()) as chunks:
                 async for c in chunks:
                     if not (c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
@@ -507,13 +518,18 @@ class EngineCollector:
 def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
               metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False,
               tool_call_parser: str | None = None,
-              exclude_tools_when_tool_choice_none: bool = False) -> web.Application:
+              exclude_tools_when_tool_choice_none: bool = False,
+              reasoning_parser: str | None = None) -> web.Application:
     """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
     (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused.
-    exclude_tools_when_tool_choice_none: tool_choice "none" keeps the tools out of the prompt."""
+    exclude_tools_when_tool_choice_none: tool_choice "none" keeps the tools out of the prompt.
+    reasoning_parser: a REASONING_PARSERS name: chat messages carry the model's thinking as
+    `reasoning`, apart from their content (vLLM's --reasoning-parser)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine.stats, metric_labels))
@@ -521,7 +537,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
                started=int(time.time()), stopping=asyncio.Event(), in_flight=set(),
                per_request_metrics=per_request_metrics,
                tool_parser=TOOL_PARSERS[tool_call_parser] if tool_call_parser is not None else None,
-               exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
+               exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+               reasoning_parser=REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -618,6 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="tool_choice \"none\" keeps the tool definitions out of the prompt (default: the chat "
                         "template renders them, as for any other tool_choice)")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
+                   help="split the model's thinking (<think>...</think>) off chat answers into the message's "
+                        "`reasoning` (deepseek_r1: DeepSeek-R1 and QwQ; qwen3: Qwen3), as vLLM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
@@ -644,7 +664,8 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
     return build_app(engine, args.served_model_name or [engine.model_name], args.api_key,
                      metric_labels=metric_labels, per_request_metrics=args.enable_per_request_metrics,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                     exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                     exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                     reasoning_parser=args.reasoning_parser)
 
 
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:

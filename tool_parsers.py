@@ -30,6 +30,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from reasoning_parsers import ThinkReasoningParser
+
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 _ARGS = {key: re.compile(r'\s*,\s*"%s"\s*:\s*' % key) for key in ("arguments", "parameters")}
@@ -154,21 +156,29 @@ class ToolCallStream:
     request with or without tools. One per response."""
 
     def __init__(self, tools: ToolChoice | None, parser: Callable[[], HermesToolParser] | None = None,
-                 parallel: bool = True) -> None:
-        """parallel: OpenAI's parallel_tool_calls; False keeps the first call only (as vLLM)."""
+                 parallel: bool = True, reasoning: ThinkReasoningParser | None = None,
+                 include_reasoning: bool = True) -> None:
+        """parallel: OpenAI's parallel_tool_calls; False keeps the first call only (as vLLM).
+        reasoning: the server's --reasoning-parser for this response: the message's
+        `reasoning` is split off first, and content and calls come from the rest (sent
+        only with include_reasoning, vLLM's request field)."""
         assert tools is None or tools.mode != "auto" or parser is not None, "tool_choice auto needs a parser"
         self.tools, self.parser = tools, parser() if tools is not None and tools.mode == "auto" else None
-        self.parallel = parallel
-        self.text, self.content_sent = "", 0
+        self.parallel, self.reasoning, self.include_reasoning = parallel, reasoning, include_reasoning
+        self.text, self.content_sent, self.reasoning_sent = "", 0, 0
         self.sent: list[tuple[str, int]] = []  # per call streamed: (id, characters of its arguments sent)
 
-    def _view(self, final: bool) -> tuple[str, list[CallView]]:
+    def _split(self, final: bool) -> tuple[str | None, str | None]:
+        """(reasoning, the text that holds content and calls) of the text so far."""
+        return (None, self.text) if self.reasoning is None else self.reasoning.split(self.text, final)
+
+    def _view(self, text: str, final: bool) -> tuple[str, list[CallView]]:
         if self.tools is None:
-            return self.text, []
+            return text, []
         if self.tools.mode == "named":
-            return "", [CallView(next(iter(self.tools.tools)), self.text, final)]
-        content, calls = ("", _array_calls(self.text, "parameters")) if self.tools.mode == "required" else \
-            self.parser.view(self.text, final)
+            return "", [CallView(next(iter(self.tools.tools)), text, final)]
+        content, calls = ("", _array_calls(text, "parameters")) if self.tools.mode == "required" else \
+            self.parser.view(text, final)
         return content, calls if self.parallel else calls[:1]
 
     def _reason(self, calls: list[CallView], reason: str) -> str:
@@ -184,20 +194,27 @@ class ToolCallStream:
         """The whole response's assistant message and finish_reason. Free text whose
         calls do not parse is content, as vLLM."""
         self.text = text
-        content, calls = self._view(final=True)
+        reasoning, body = self._split(final=True)
+        said = {"reasoning": reasoning if self.include_reasoning else None} if self.reasoning is not None else {}
+        content, calls = self._view(body or "", final=True)
         if self.tools is None or not calls or not all(c.done and c.valid and c.name is not None for c in calls):
-            return {"role": "assistant", "content": text}, reason
+            return {"role": "assistant", "content": body} | said, reason
         out = [_new_call(c.name, c.arguments) for c in calls]
         content = (content or None) if self.tools.mode == "auto" else ""  # vLLM's forms
-        return {"role": "assistant", "content": content, "tool_calls": out}, self._reason(calls, reason)
+        return {"role": "assistant", "content": content, "tool_calls": out} | said, self._reason(calls, reason)
 
     def delta(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The delta of one streamed chunk (text: its new text; reason: set on the last)."""
         self.text += text
-        content, calls = self._view(final=reason is not None)
-        if reason is not None and not self.sent and not any(c.name is not None and c.valid for c in calls):
-            content = self.text  # no call, sent or to send: the held-back text is content, as message() says
+        reasoning, body = self._split(final=reason is not None)
         out: dict = {}
+        if reasoning is not None and len(reasoning) > self.reasoning_sent:
+            if self.include_reasoning:
+                out["reasoning"] = reasoning[self.reasoning_sent:]
+            self.reasoning_sent = len(reasoning)
+        content, calls = self._view(body or "", final=reason is not None)
+        if reason is not None and not self.sent and not any(c.name is not None and c.valid for c in calls):
+            content = body or ""  # no call, sent or to send: the held-back text is content, as message() says
         if len(content) > self.content_sent:
             out["content"] = content[self.content_sent:]
             self.content_sent = len(content)

@@ -1,0 +1,72 @@
+"""Reasoning out of model output: a chat message's `reasoning`, beside its `content`, as vLLM's
+--reasoning-parser.
+
+Models such as DeepSeek-R1 and Qwen3 think first, between `<think>` and `</think>`, then
+answer. With a parser the server sends the thinking as `reasoning` (whole, or as stream
+deltas before the content's) and only the answer as `content`, which is also the only text
+tool calls are parsed from. Parsers (REASONING_PARSERS), each vLLM's rule:
+
+  deepseek_r1  everything before `</think>` is reasoning (R1's template opens `<think>` in
+               the prompt, so the output may hold only the end tag); no end tag yet: all of
+               it is reasoning.
+  qwen3        the same, except that with thinking switched off (chat_template_kwargs
+               enable_thinking false, or reasoning_effort "none") output without an end tag
+               is content.
+
+Either way a `<think>` opening the output is dropped (vLLM drops one anywhere, with what
+precedes it, from a whole response, but streams that text as it comes: here a stream says
+what the whole response says), and a prompt whose
+reasoning already ended (a template that writes an empty `<think>\\n\\n</think>` when
+thinking is off) makes the whole output content. The tags are matched in the text, so a
+model whose tokenizer spells them in several tokens parses the same. While streaming, text
+that may be the start of a tag is held back until it is known not to be.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of text may be the start of tag."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
+
+
+class ThinkReasoningParser:
+    """`<think>...</think>` reasoning, then content. One per response."""
+
+    start, end = "<think>", "</think>"
+    # Output with no end tag (yet) is reasoning: the model is still thinking, or was cut off.
+    unended_is_reasoning = True
+
+    def __init__(self, prompt: str, thinking: bool = True) -> None:
+        """prompt: the end of the rendered chat prompt; thinking: the request did not switch
+        thinking off (its template variable enable_thinking)."""
+        self.prompt_ended = prompt.rfind(self.end) > prompt.rfind(self.start)
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        """(reasoning, content) of the output so far; None: none. Not final: what may still
+        turn out to be part of a tag is in neither."""
+        if self.prompt_ended:
+            return None, text
+        opened = text.lstrip()
+        if opened.startswith(self.start):
+            text = opened[len(self.start):]
+        elif not final and self.start.startswith(opened):
+            return None, None  # may yet open with "<think>"
+        j = text.find(self.end)
+        if j >= 0:
+            return text[:j], text[j + len(self.end):] or None
+        if not self.unended_is_reasoning:
+            return None, text
+        return text[:len(text) - (0 if final else _held(text, self.end))], None
+
+
+class Qwen3ReasoningParser(ThinkReasoningParser):
+    def __init__(self, prompt: str, thinking: bool = True) -> None:
+        super().__init__(prompt, thinking)
+        self.unended_is_reasoning = thinking
+
+
+REASONING_PARSERS: dict[str, Callable[[str, bool], ThinkReasoningParser]] = {
+    "deepseek_r1": ThinkReasoningParser, "qwen3": Qwen3ReasoningParser}

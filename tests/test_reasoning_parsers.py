@@ -1,0 +1,169 @@
+"""--reasoning-parser (reasoning_parsers.py), as vLLM: the model's thinking comes back as the
+chat message's `reasoning`, apart from its content.
+
+Claims: each parser splits vLLM's examples as vLLM's parsers do; streamed in any pieces,
+the reasoning and content deltas add up to the whole response's; tool calls are parsed from
+the content only; through HTTP on the tiny model, the flag, the prompt's own end tag,
+enable_thinking / reasoning_effort and include_reasoning act as vLLM's, and a constrained
+request's output is all content."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jinja2
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import tiny_async_engine
+from reasoning_parsers import REASONING_PARSERS
+from tokenizer import ByteTokenizer
+from tool_parsers import HermesToolParser, ToolCallStream, ToolChoice
+
+# (output, reasoning, content) under deepseek_r1, and under qwen3 with thinking on and off
+CASES = [
+    ("<think>This is a reasoning section</think>This is the rest", "This is a reasoning section", "This is the rest"),
+    ("This is a reasoning section</think>This is the rest", "This is a reasoning section", "This is the rest"),
+    ("<think>This is a reasoning section</think>", "This is a reasoning section", None),
+    ("</think>This is the rest", "", "This is the rest"),
+    ("<think>Still thinking when cut off", "Still thinking when cut off", None),
+    ("no tags at all", "no tags at all", None),
+    ("\n<think>thought</think>\n\nanswer", "thought", "\n\nanswer"),
+    ("preamble <think>thought</think>answer", "preamble <think>thought", "answer"),  # only an opening <think>
+    ("<think>a</think>b</think>c", "a", "b</think>c"),
+]
+QWEN3_THINKING_OFF = {"no tags at all": (None, "no tags at all"),
+                      "<think>Still thinking when cut off": (None, "Still thinking when cut off")}
+
+
+@pytest.mark.parametrize("output, reasoning, content", CASES)
+def test_each_parser_splits_vllms_examples_as_vllm(output, reasoning, content):
+    for name in ("deepseek_r1", "qwen3"):
+        assert REASONING_PARSERS[name]("<|im_start|>assistant\n").split(output, True) == (reasoning, content)
+    off = REASONING_PARSERS["qwen3"]("<|im_start|>assistant\n", False).split(output, True)
+    assert off == QWEN3_THINKING_OFF.get(output, (reasoning, content))
+    # a prompt whose reasoning already ended (thinking switched off by the template): all content
+    ended = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert REASONING_PARSERS["deepseek_r1"](ended).split(output, True) == (None, output)
+
+
+def stream(s: ToolCallStream, text: str, cuts: list[int]) -> tuple[list[dict], str | None]:
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
+    out, last = [], None
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        delta, last = s.delta(text[a:b], "stop" if k == len(bounds) - 2 else None)
+        out.append(delta)
+    return out, last
+
+
+PIECES = ["<think>", "</think>", "<thi", "</th", "<", "/", ">", "abc", " ", "\n", "think"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(st.sampled_from(PIECES), max_size=12), cuts=st.lists(st.integers(0, 80), max_size=10),
+       name=st.sampled_from(sorted(REASONING_PARSERS)), thinking=st.booleans())
+def test_streamed_in_any_pieces_the_deltas_add_up_to_the_whole_message(parts, cuts, name, thinking):
+    text = "".join(parts)
+    whole, _ = ToolCallStream(None, reasoning=REASONING_PARSERS[name]("", thinking)).message(text, "stop")
+    deltas, reason = stream(ToolCallStream(None, reasoning=REASONING_PARSERS[name]("", thinking)), text, cuts)
+    assert reason == "stop"
+    assert "".join(d.get("reasoning", "") for d in deltas) == (whole["reasoning"] or "")
+    assert "".join(d.get("content", "") for d in deltas) == (whole["content"] or "")
+
+
+def test_a_partial_tag_is_held_back_until_it_is_known():
+    s = ToolCallStream(None, reasoning=REASONING_PARSERS["deepseek_r1"](""))
+    assert s.delta("<thi", None) == ({}, None)  # may be "<think>"
+    assert s.delta("nk>I think</th", None) == ({"reasoning": "I think"}, None)  # "</th" may be the end tag
+    assert s.delta("ere", None) == ({"reasoning": "</there"}, None)  # it was not
+    assert s.delta("</think>Yes.", "stop") == ({"content": "Yes."}, "stop")
+
+
+def test_tool_calls_are_parsed_from_the_content_only():
+    auto = ToolChoice("auto", {"f": {}}, [])
+    call = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    text = f"<think>Maybe {call} is wrong</think>Calling. {call}"
+    s = ToolCallStream(auto, HermesToolParser, reasoning=REASONING_PARSERS["qwen3"](""))
+    message, reason = s.message(text, "stop")
+    assert reason == "tool_calls" and message["reasoning"] == f"Maybe {call} is wrong"
+    assert message["content"] == "Calling. " and len(message["tool_calls"]) == 1
+    message, reason = ToolCallStream(auto, HermesToolParser, reasoning=REASONING_PARSERS["qwen3"]("")).message(
+        f"<think>only {call} thought of</think>", "stop")
+    assert reason == "stop" and "tool_calls" not in message and message["content"] is None
+
+
+def test_include_reasoning_false_sends_no_reasoning():
+    s = ToolCallStream(None, reasoning=REASONING_PARSERS["qwen3"](""), include_reasoning=False)
+    message, _ = s.message("<think>x</think>y", "stop")
+    assert message == {"role": "assistant", "content": "y", "reasoning": None}
+    deltas, _ = stream(ToolCallStream(None, reasoning=REASONING_PARSERS["qwen3"](""), include_reasoning=False),
+                       "<think>x</think>y", [1, 3, 9])
+    assert all("reasoning" not in d for d in deltas) and "".join(d.get("content", "") for d in deltas) == "y"
+
+
+class ThinkingTemplate(ByteTokenizer):
+    """Bytes, with a Qwen3-like chat template: thinking off writes an empty think block."""
+
+    TEMPLATE = jinja2.Template(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, tools=None, **variables):
+        text = self.TEMPLATE.render(messages=messages, **variables)
+        return self.encode(text) if tokenize else text
+
+
+@pytest.fixture(scope="module")
+def post():
+    """post(flags, body) -> the chat response's message, whole, and as its stream added up."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+
+    with tiny_async_engine(ThinkingTemplate()) as (loop, engine):
+        async def one(flags: list[str], body: dict) -> tuple[dict, dict]:
+            app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0.0} | body
+            async with TestClient(TestServer(app)) as client:
+                resp = await client.post("/v1/chat/completions", json=body)
+                assert resp.status == 200, await resp.text()
+                whole = json.loads(await resp.text())["choices"][0]["message"]
+                resp = await client.post("/v1/chat/completions", json=body | {"stream": True})
+                added: dict = {}
+                chunks = [json.loads(line[6:]) for line in (await resp.text()).splitlines() if line.startswith("data: {")]
+                for delta in (c["choices"][0]["delta"] for c in chunks if c["choices"]):
+                    for k, v in delta.items():
+                        if isinstance(v, str):
+                            added[k] = added.get(k, "") + v
+                return whole, added
+
+        yield lambda flags, body: loop.run_until_complete(asyncio.wait_for(one(flags, body), 300))
+
+
+def test_the_flag_splits_the_answer_and_the_request_fields_act_as_vllms(post):
+    plain, _ = post([], {})
+    text = plain["content"]  # the tiny model's greedy bytes, with no think tags: all reasoning if thinking
+    assert "reasoning" not in plain and text
+    for name in ("deepseek_r1", "qwen3"):
+        whole, added = post(["--reasoning-parser", name], {})
+        assert (whole["reasoning"], whole["content"]) == (text, None)
+        assert added.get("reasoning") == text and not added.get("content")
+    # thinking switched off: the template ends the reasoning in the prompt, so all is content
+    for body in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+        whole, added = post(["--reasoning-parser", "deepseek_r1"], body)
+        assert whole["reasoning"] is None and whole["content"] and added.get("content") == whole["content"]
+    whole, added = post(["--reasoning-parser", "qwen3"], {"include_reasoning": False})
+    assert (whole["reasoning"], whole["content"]) == (None, None) and "reasoning" not in added
+    whole, _ = post(["--reasoning-parser", "qwen3"], {"structured_outputs": {"regex": "[ab]{3}"}})
+    assert whole.get("reasoning") is None and len(whole["content"]) == 3  # constrained: all content
+
+
+def test_an_unknown_reasoning_parser_is_refused_where_it_enters(capsys):
+    import server
+
+    with pytest.raises(SystemExit):
+        server.build_parser().parse_args(["--reasoning-parser", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
+        server.build_app(None, ["m"], reasoning_parser="nope")
