@@ -89,6 +89,12 @@ class EngineConfig:
     quantization: str | None = None
     # vLLM's --speculative-config: JSON text, a dict or a SpeculativeConfig (spec_decode.py)
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's --generation-config: the sampling defaults of a request that leaves them out:
+    # "auto" (the model folder's generation_config.json, if any), "vllm" (none: OpenAI's
+    # defaults), or a folder holding a generation_config.json
+    generation_config: str = "auto"
+    # vLLM's --override-generation-config: JSON over those defaults, e.g. {"temperature": 0.5}
+    override_generation_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -97,6 +103,19 @@ class EngineConfig:
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         _check_field_types(self)
+        need(self.generation_config in ("auto", "vllm") or os.path.isfile(
+            os.path.join(self.generation_config, "generation_config.json")),
+             f"generation_config must be auto, vllm or a folder holding a generation_config.json, got "
+             f"{self.generation_config!r}")
+        if self.override_generation_config is not None:
+            override = self.override_generation_config
+            if isinstance(override, str):
+                try:
+                    override = _json.loads(override)
+                except ValueError as e:
+                    raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
+            sampling_defaults(override, "override_generation_config")
+            object.__setattr__(self, "override_generation_config", _json.dumps(override, sort_keys=True))
 
         need(self.dtype in ("float32", "bfloat16", "auto"), f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -250,6 +269,28 @@ def _check_field_types(config: EngineConfig) -> None:
             object.__setattr__(config, name, int(value))  # a numpy integer: plain int, as the CLI gives
         elif isinstance(value, np.bool_):
             object.__setattr__(config, name, bool(value))
+
+
+# What a generation_config.json may set of a request's sampling defaults, as vLLM reads it
+# (Hugging Face's max_new_tokens is max_tokens).
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens")
+
+
+def sampling_defaults(values: Any, where: str) -> dict[str, Any]:
+    """values (GENERATION_DEFAULT_KEYS, from a file or a flag) as SamplingParams keyword
+    arguments; a ValueError naming `where` for an unknown key or a value SamplingParams refuses."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(values).__name__}")
+    unknown = sorted(set(values) - set(GENERATION_DEFAULT_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: {', '.join(map(str, unknown))[:200]} not among the sampling defaults it may set "
+                         f"({', '.join(GENERATION_DEFAULT_KEYS)})")
+    out = {"max_tokens" if k == "max_new_tokens" else k: v for k, v in values.items() if v is not None}
+    try:
+        SamplingParams(**out)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    return out
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from config import MAX_LOGPROBS, EngineConfig, SamplingParams, SLOTarget
+from hf_config import generation_sampling_defaults
 from metrics import EngineStats, RequestMetrics, StepTrace
 from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
@@ -94,6 +95,8 @@ class LLMEngine:
     record_trace=True keeps a StepTrace per step in `self.trace`."""
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print, record_trace: bool = False):
+        # A request's sampling defaults (vLLM's --generation-config), read before the weights
+        self.sampling_defaults = generation_sampling_defaults(config)  # SamplingParams keywords
         parts = build_engine(config, log)
         self.log = log
         self.config, self.loaded, self.stats = parts.config, parts.loaded, parts.stats
@@ -109,6 +112,9 @@ class LLMEngine:
         self._max_in_flight = 1 if config.async_scheduling else 0
         self._rng = random.Random(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        if self.sampling_defaults:
+            log(f"default sampling parameters from the generation config: {self.sampling_defaults} (requests that "
+                "set them win; --generation-config vllm: none)")
         # Requests that asked prompt_logprobs, until their first token: filled chunk by chunk,
         # by position (a preempted prompt's recomputation writes the same values again).
         self._prompt_lps: dict[str, list[TokenLogprob | None]] = {}
@@ -476,7 +482,7 @@ class LLM:
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")

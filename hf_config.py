@@ -124,3 +124,22 @@ def generation_eos_ids(path: str, vocab_size: int) -> tuple[int, ...]:
     if any(i >= vocab_size for i in ids):
         raise ValueError(f"{path}: eos_token_id {list(ids)} is outside the vocabulary (vocab_size {vocab_size})")
     return ids
+
+
+def generation_sampling_defaults(config: Any) -> dict[str, Any]:
+    """A request's sampling defaults under EngineConfig `config`, as vLLM's
+    --generation-config / --override-generation-config: what the generation_config.json
+    (of the model folder, for "auto") sets of config.GENERATION_DEFAULT_KEYS, then the
+    override's keys over them; SamplingParams keyword arguments ({}: OpenAI's defaults)."""
+    from config import GENERATION_DEFAULT_KEYS, sampling_defaults
+
+    folder = {"auto": config.model if os.path.isdir(config.model) else None, "vllm": None}.get(
+        config.generation_config, config.generation_config)  # (a GGUF file's metadata holds none)
+    path = os.path.join(folder, "generation_config.json") if folder is not None else None
+    found: dict[str, Any] = {}
+    if path is not None and os.path.isfile(path):
+        found = {k: v for k, v in read_json(path).items() if k in GENERATION_DEFAULT_KEYS}
+        sampling_defaults(found, path)  # each value checked where it enters
+    if config.override_generation_config is not None:
+        found |= json.loads(config.override_generation_config)
+    return sampling_defaults(found, "the generation config")

@@ -254,9 +254,11 @@ def _template_call(call: dict, i: int) -> dict:
 
 
 def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, has_tokenizer: bool,
-                   tools: ToolChoice | None = None) -> SamplingParams:
+                   tools: ToolChoice | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
     """SamplingParams (stop strings included) from the OpenAI fields; a 400 for anything off.
-    tools: the request's tool_choice() (a forced call constrains the output)."""
+    tools: the request's tool_choice() (a forced call constrains the output); defaults: the
+    engine's sampling_defaults (the model's generation config) for the fields left out."""
+    defaults = defaults or {}
     for name, neutral in _NEUTRAL.items():
         if body.get(name) is not None and not any(_same(body[name], v) for v in neutral):
             allowed = f" (accepted only as {' or '.join(json.dumps(v) for v in neutral)})" if neutral else ""
@@ -287,6 +289,8 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
         raise ApiError(f"This model's maximum context length is {max_model_len} tokens, but you asked for "
                        f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion); "
                        f"shorten the prompt or lower {limit}", param=limit)
+    # vLLM's get_max_tokens: the generation config's max_new_tokens caps an asked max_tokens too
+    max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
     seed = field(body, "seed", (int,))  # vLLM's range: any 64-bit integer (the engine maps it to 32 bits)
     if seed is not None and not INT64[0] <= seed <= INT64[1]:
         raise ApiError(f"'seed' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="seed")
@@ -316,10 +320,10 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=field(body, "temperature", (int, float), 1.0),  # OpenAI's default
-            top_p=field(body, "top_p", (int, float), 1.0),
-            top_k=field(body, "top_k", (int,), -1),  # 0 and -1 disable; above the vocabulary, clipped
-            min_p=field(body, "min_p", (int, float), 0.0),
+            temperature=field(body, "temperature", (int, float), defaults.get("temperature", 1.0)),  # OpenAI's
+            top_p=field(body, "top_p", (int, float), defaults.get("top_p", 1.0)),
+            top_k=field(body, "top_k", (int,), defaults.get("top_k", -1)),  # 0, -1: off; above the vocabulary: clipped
+            min_p=field(body, "min_p", (int, float), defaults.get("min_p", 0.0)),
             seed=seed,
             stop_token_ids=stop_token_ids,
             stop=tuple(stop),

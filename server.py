@@ -160,7 +160,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     chat request's tool_choice() (its calls come out as tool_calls)."""
     app, engine = request.app, request.app["engine"]
     params = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
-                            engine.tokenizer is not None, tools)
+                            engine.tokenizer is not None, tools, engine.sampling_defaults)
     stream = field(body, "stream", (bool,), False)
     stream_options = field(body, "stream_options", (dict,), {})
     if stream_options and not stream:
@@ -555,6 +555,10 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
 
 
 _HELP = {  # EngineConfig fields; config.py says more
+    "generation_config": "the sampling defaults of requests that leave them out (temperature, top_p, top_k, min_p, "
+                         "max_new_tokens as max_tokens): auto: the model folder's generation_config.json; vllm: "
+                         "none (OpenAI's defaults); or a folder holding one",
+    "override_generation_config": "JSON over those defaults, e.g. '{\"temperature\": 0.5}'",
     "model": "'smollm2' (built-in SmolLM2-135M-Instruct, fetched on first use), 'tiny', 'bench' (built-in "
              "random weights), a .gguf file or a Hugging Face model directory",
     "dtype": "weights and KV cache dtype; auto: the checkpoint's torch_dtype",

@@ -1,0 +1,102 @@
+"""--generation-config / --override-generation-config, as vLLM: the sampling defaults a
+model's generation_config.json recommends apply to requests that leave them out.
+
+Claims: offline, LLM.generate without SamplingParams samples with the file's top_k and
+max_new_tokens (top_k 1: transformers' greedy tokens, exactly max_new_tokens of them);
+"vllm" ignores the file; the override wins over it; over HTTP a request's own fields win,
+and the file's max_new_tokens caps a larger max_tokens (vLLM's get_max_tokens); a bad
+value is refused at start-up naming the file or the flag."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from conftest import hf_greedy, make_hf_checkpoint
+
+from config import EngineConfig
+from engine import LLM
+from protocol import parse_sampling
+
+SHAPES = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, num_kv_blocks=16, warmup=False)
+PROMPT = [1, 5, 9, 13]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A random llama checkpoint whose generation_config.json recommends greedy, 5 tokens."""
+    path = make_hf_checkpoint(tmp_path_factory.mktemp("gencfg"))
+    gen = os.path.join(path, "generation_config.json")
+    with open(gen) as f:
+        cfg = json.load(f)
+    with open(gen, "w") as f:  # do_sample is not read (vLLM does not either); temperature is kept but top_k 1 wins
+        json.dump(cfg | {"top_k": 1, "temperature": 0.7, "max_new_tokens": 5, "do_sample": True}, f)
+    return path
+
+
+def test_offline_defaults_come_from_the_generation_config_and_the_flags_change_them(checkpoint):
+    greedy = hf_greedy(checkpoint, PROMPT, 5)
+    llm = LLM(checkpoint, log=lambda *_: None, **SHAPES)
+    assert llm.engine.sampling_defaults == {"top_k": 1, "temperature": 0.7, "max_tokens": 5}
+    assert llm.generate([PROMPT])[0].token_ids == greedy
+    del llm
+    llm = LLM(checkpoint, log=lambda *_: None, generation_config="vllm", **SHAPES)
+    assert llm.engine.sampling_defaults == {} and len(llm.generate([PROMPT])[0].token_ids) == 16  # vLLM's 16
+    del llm
+    llm = LLM(checkpoint, log=lambda *_: None, override_generation_config='{"max_new_tokens": 3}', **SHAPES)
+    assert llm.generate([PROMPT])[0].token_ids == greedy[:3]
+
+
+def test_a_request_field_wins_and_max_new_tokens_caps_max_tokens():
+    defaults = {"temperature": 0.7, "top_k": 1, "max_tokens": 5}
+    p = parse_sampling({}, 4, 64, True, False, defaults=defaults)
+    assert (p.temperature, p.top_k, p.max_tokens, p.top_p) == (0.7, 1, 5, 1.0)
+    p = parse_sampling({"temperature": 0.0, "top_k": 0, "max_tokens": 40}, 4, 64, True, False, defaults=defaults)
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.0, -1, 5)
+    p = parse_sampling({"max_tokens": 3}, 4, 64, False, False, defaults=defaults)
+    assert p.max_tokens == 3
+    p = parse_sampling({}, 4, 64, False, False)  # no generation config: OpenAI's and vLLM's defaults
+    assert (p.temperature, p.top_k, p.max_tokens) == (1.0, -1, 16)
+
+
+def test_bad_defaults_are_refused_where_they_enter(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="generation_config must be auto, vllm or a folder"):
+        EngineConfig(generation_config=str(tmp_path))
+    with pytest.raises(ValueError, match="override_generation_config: top_p must be in"):
+        EngineConfig(override_generation_config={"top_p": 2})
+    with pytest.raises(ValueError, match="override_generation_config: repetition_pena"):
+        EngineConfig(override_generation_config='{"repetition_penalty": 1.1, "top_p": 0.5}')
+    with pytest.raises(ValueError, match="override_generation_config is not valid JSON"):
+        EngineConfig(override_generation_config="{top_p")
+    bad = make_hf_checkpoint(tmp_path / "bad")
+    with open(os.path.join(bad, "generation_config.json"), "w") as f:
+        json.dump({"temperature": -1, "eos_token_id": 2}, f)
+    with pytest.raises(ValueError, match="generation_config.json: temperature must be a finite number >= 0"):
+        LLM(bad, log=lambda *_: None, **SHAPES)
+    LLM(bad, log=lambda *_: None, generation_config="vllm", **SHAPES)  # the file's defaults unread
+
+
+def test_the_server_answers_with_the_defaults_unless_the_request_sets_them(checkpoint):
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+    from async_engine import AsyncEngine
+
+    async def run() -> list[int]:
+        engine = AsyncEngine(EngineConfig(model=checkpoint, **SHAPES), log=lambda *_: None)
+        await engine.start()
+        try:
+            async with TestClient(TestServer(server.build_app(engine, ["m"]))) as client:
+                out = []
+                for body in ({}, {"max_tokens": 2}, {"max_tokens": 50, "top_k": 50, "seed": 1}):
+                    resp = await client.post("/v1/completions", json={"prompt": PROMPT} | body)
+                    assert resp.status == 200, await resp.text()
+                    out.append((await resp.json())["usage"]["completion_tokens"])
+                return out
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run()) == [5, 2, 5]  # the file's 5; the request's 2; 50 capped at 5
