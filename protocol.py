@@ -57,7 +57,6 @@ _NEUTRAL: dict[str, tuple] = {
     "repetition_penalty": (1,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
     "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "truncate_prompt_tokens": (),
-    "chat_template": (),  # vLLM too refuses a request's own template unless trusted by a flag
     "documents": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
     "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
@@ -82,7 +81,7 @@ _COMMON_FIELDS = {
     "tool_choice", *_NEUTRAL, *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort", "include_reasoning"}
+    "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort", "include_reasoning", "chat_template"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 # Chat's own fields, which mean something else (or nothing) on /v1/completions: refused there.
 _CHAT_ONLY = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
@@ -148,11 +147,14 @@ def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:
 
 
 def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
-                   exclude_tools_when_tool_choice_none: bool = False) -> list[int]:
+                   exclude_tools_when_tool_choice_none: bool = False, chat_template: str | None = None,
+                   trust_request_chat_template: bool = False) -> list[int]:
     """Chat messages through the model's chat template, as token ids; with the request's
     tools (tool_choice()) for a template that renders them, as vLLM. With tool_choice
     "none" the tools are rendered too (the model sees what exists, and calls nothing), as
-    vLLM, unless exclude_tools_when_tool_choice_none (its --exclude-tools-when-tool-choice-none)."""
+    vLLM, unless exclude_tools_when_tool_choice_none (its --exclude-tools-when-tool-choice-none).
+    chat_template: the server's --chat-template instead of the model's; a request's own
+    `chat_template` only with trust_request_chat_template (vLLM's flag; else its 400)."""
     messages = body.get("messages")
     if messages is None:
         raise ApiError("'messages' is required", param="messages")
@@ -208,6 +210,15 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
     if continue_final_message:  # only when set: ByteTokenizer's template takes no such argument
         kw["continue_final_message"] = True
+    if body.get("chat_template") is not None:
+        if not trust_request_chat_template:  # vLLM's words
+            raise ApiError("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                           "Refused request with untrusted chat template.", param="chat_template")
+        chat_template = field(body, "chat_template", (str,))
+    if chat_template is not None:
+        if "chat_template" not in {p.name for p in signature}:  # taxirank's ByteTokenizer: its own ChatML
+            raise ApiError("this model's tokenizer takes no other chat template", param="chat_template")
+        kw["chat_template"] = chat_template
     # OpenAI's reasoning_effort, as vLLM reads it: a template variable (and enable_thinking,
     # which templates such as Qwen3's read, unless chat_template_kwargs sets it); a template
     # that reads neither (a model that does not reason) renders as without it.

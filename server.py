@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import contextlib
 import dataclasses
 import gc
 import hmac
+import inspect
 import json
 import logging
 import signal
@@ -191,6 +193,10 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # A constrained output starts at its first token, with no room to think: all of it is content.
     parses_reasoning = chat and app["reasoning_parser"] is not None and params.structured_outputs is None
 
+    # vLLM's role of the answer: --response-role for a new turn, else the continued message's
+    role = (app["response_role"] if field(body, "add_generation_prompt", (bool,), True)
+            else body["messages"][-1]["role"]) if chat else None
+
     def message_stream() -> ToolCallStream:
         reasoning = app["reasoning_parser"](engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False),
                                             thinking_enabled(body)) if parses_reasoning else None
@@ -229,6 +235,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
             assert last is not None and last.finish_reason is not None
             lp = logprobs(lps, 0) if params.logprobs is not None else None
             message, reason = message_stream().message(text, last.finish_reason)
+            message["role"] = role
             choice = {"index": 0, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
             if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
                 choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
@@ -244,7 +251,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
 
         try:
             if chat:
-                await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                await send([{"index": 0, "delta": {"role": role, "content": ""}, "logprobs": None,
                              "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
             offset, calls = 0, message_stream()
             async with contextlib.aclosing(gen.chunks()) as chunks:
@@ -329,9 +336,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    tools = tool_choice(body, chat=True, auto=request.app["tool_parser"] is not None)
-    prompt_ids = await off_loop(request, parse_messages, body, request.app["engine"].tokenizer, tools,
-                                request.app["exclude_tools_when_tool_choice_none"])
+    app = request.app
+    tools = tool_choice(body, chat=True, auto=app["tool_parser"] is not None)
+    prompt_ids = await off_loop(request, parse_messages, body, app["engine"].tokenizer, tools,
+                                app["exclude_tools_when_tool_choice_none"], app["chat_template"],
+                                app["trust_request_chat_template"])
     return await respond(request, body, prompt_ids, chat=True, tools=tools)
 
 
@@ -519,17 +528,23 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
               metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False,
               tool_call_parser: str | None = None,
               exclude_tools_when_tool_choice_none: bool = False,
-              reasoning_parser: str | None = None) -> web.Application:
+              reasoning_parser: str | None = None, chat_template: str | None = None,
+              trust_request_chat_template: bool = False, response_role: str = "assistant") -> web.Application:
     """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
     (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused.
     exclude_tools_when_tool_choice_none: tool_choice "none" keeps the tools out of the prompt.
     reasoning_parser: a REASONING_PARSERS name: chat messages carry the model's thinking as
-    `reasoning`, apart from their content (vLLM's --reasoning-parser)."""
+    `reasoning`, apart from their content (vLLM's --reasoning-parser).
+    chat_template: a Jinja chat template to use instead of the model's (--chat-template's
+    text); trust_request_chat_template: a request may bring its own; response_role: the
+    role of chat answers that open a new turn (vLLM's --response-role)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
+    if chat_template is not None:
+        check_chat_template(chat_template, engine.tokenizer)
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine.stats, metric_labels))
@@ -538,7 +553,9 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
                per_request_metrics=per_request_metrics,
                tool_parser=TOOL_PARSERS[tool_call_parser] if tool_call_parser is not None else None,
                exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
-               reasoning_parser=REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None)
+               reasoning_parser=REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None,
+               chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
+               response_role=response_role)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -603,6 +620,33 @@ _HELP = {  # EngineConfig fields; config.py says more
 }
 
 
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or (vLLM's rule) the value itself when it holds
+    Jinja's characters; a value that names no file and looks like a path is an error."""
+    try:
+        with open(value) as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise argparse.ArgumentTypeError(f"{value!r} looks like a file path, but it cannot be opened "
+                                             f"({e.strerror})") from None
+    return codecs.decode(value, "unicode_escape")  # a one-line template's \n, as vLLM reads it
+
+
+def check_chat_template(template: str, tokenizer: Any) -> None:
+    """A template the model's tokenizer can render with, in valid Jinja (checked at start-up,
+    not at the first chat request)."""
+    import jinja2
+
+    if tokenizer is None or "chat_template" not in inspect.signature(tokenizer.apply_chat_template).parameters:
+        raise ValueError("--chat-template needs a Hugging Face tokenizer; this model has "
+                         f"{type(tokenizer).__name__ if tokenizer is not None else 'none'}")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {e} (line {e.lineno})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per EngineConfig field (same name, dashes for underscores), then the server's own."""
     p = argparse.ArgumentParser(description="taxirank: OpenAI-compatible server",
@@ -639,6 +683,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="tool_choice \"none\" keeps the tool definitions out of the prompt (default: the chat "
                         "template renders them, as for any other tool_choice)")
+    p.add_argument("--chat-template", type=load_chat_template,
+                   help="a Jinja chat template, or the path of a file holding one, to use instead of the model's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="a request may bring its own chat_template (refused otherwise, as vLLM)")
+    p.add_argument("--response-role", default="assistant",
+                   help="the role of a chat answer that opens a new turn (add_generation_prompt true; otherwise "
+                        "the role of the last message it continues)")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
                    help="split the model's thinking (<think>...</think>) off chat answers into the message's "
                         "`reasoning` (deepseek_r1: DeepSeek-R1 and QwQ; qwen3: Qwen3), as vLLM")
@@ -669,7 +720,8 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      metric_labels=metric_labels, per_request_metrics=args.enable_per_request_metrics,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                      exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
+                     trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role)
 
 
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:

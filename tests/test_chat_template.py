@@ -1,0 +1,107 @@
+"""--chat-template, --trust-request-chat-template and --response-role, as vLLM's.
+
+Claims: the server's template (inline, or a file's) replaces the model's: the prompt is
+what Jinja renders from it, token for token; a request's own template is vLLM's 400
+unless trusted, then used; a chat answer's role is --response-role for a new turn and the
+continued message's otherwise, whole and streamed; a template that is no Jinja, a path
+that is no file, or a tokenizer that takes no template are refused at start-up."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import jinja2
+import pytest
+from conftest import make_hf_checkpoint
+
+from config import EngineConfig
+
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick fox"}]
+
+
+def rendered_ids(tokenizer, template: str, add_generation_prompt: bool = True) -> list[int]:
+    text = jinja2.Template(template).render(messages=MESSAGES, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def post(tmp_path_factory):
+    """post(flags, body) -> (status, whole response, first stream delta or None)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+    from async_engine import AsyncEngine
+
+    path = make_hf_checkpoint(tmp_path_factory.mktemp("tpl"), tokenizer=True)
+    loop = asyncio.new_event_loop()
+    engine = AsyncEngine(EngineConfig(model=path, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=128,
+                                      num_kv_blocks=24, warmup=False), log=lambda *_: None)
+    loop.run_until_complete(engine.start())
+
+    async def one(flags: list[str], body: dict) -> tuple[int, dict, dict | None]:
+        app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+        body = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0.0} | body
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post("/v1/chat/completions", json=body)
+            out = json.loads(await resp.text())
+            if resp.status != 200:
+                return resp.status, out, None
+            resp = await client.post("/v1/chat/completions", json=body | {"stream": True})
+            first = json.loads((await resp.text()).split("\n\n")[0][6:])
+            return 200, out, first["choices"][0]["delta"]
+
+    yield engine, lambda flags, body: loop.run_until_complete(asyncio.wait_for(one(flags, body), 300))
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+def test_the_servers_template_inline_or_from_a_file_is_what_the_prompt_renders(post, tmp_path):
+    engine, run = post
+    want = len(rendered_ids(engine.tokenizer, TEMPLATE))
+    status, out, _ = run([], {})
+    assert status == 200 and out["usage"]["prompt_tokens"] != want  # the model's own ChatML template
+    status, out, _ = run(["--chat-template", TEMPLATE], {})
+    assert status == 200 and out["usage"]["prompt_tokens"] == want, out
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    status, out, _ = run(["--chat-template", str(tmp_path / "t.jinja")], {})
+    assert status == 200 and out["usage"]["prompt_tokens"] == want, out
+
+
+def test_a_requests_own_template_needs_the_trust_flag(post):
+    engine, run = post
+    status, out, _ = run([], {"chat_template": TEMPLATE})
+    assert status == 400 and out["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template is not set" in out["error"]["message"]
+    status, out, _ = run(["--trust-request-chat-template"], {"chat_template": TEMPLATE})
+    assert status == 200 and out["usage"]["prompt_tokens"] == len(rendered_ids(engine.tokenizer, TEMPLATE))
+    status, out, _ = run(["--trust-request-chat-template"], {"chat_template": 5})
+    assert status == 400 and out["error"]["param"] == "chat_template"
+
+
+def test_the_answers_role_is_the_response_role_or_the_continued_messages(post):
+    _, run = post
+    status, out, first = run(["--response-role", "bot"], {})
+    assert status == 200 and out["choices"][0]["message"]["role"] == "bot" and first["role"] == "bot"
+    status, out, first = run(["--response-role", "bot"], {"add_generation_prompt": False})
+    assert status == 200 and out["choices"][0]["message"]["role"] == "user" and first["role"] == "user"
+    status, out, first = run([], {})
+    assert out["choices"][0]["message"]["role"] == "assistant" == first["role"]
+
+
+def test_bad_templates_are_refused_at_start_up(post, capsys):
+    import server
+    from tokenizer import ByteTokenizer
+
+    engine, _ = post
+    with pytest.raises(SystemExit):
+        server.build_parser().parse_args(["--chat-template", "no/such/template.jinja"])
+    assert "looks like a file path, but it cannot be opened" in capsys.readouterr().err
+    with pytest.raises(argparse.ArgumentTypeError):
+        server.load_chat_template("missing.jinja")
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        server.build_app(engine, ["m"], chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="needs a Hugging Face tokenizer; this model has ByteTokenizer"):
+        server.check_chat_template(TEMPLATE, ByteTokenizer())
