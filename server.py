@@ -49,8 +49,8 @@ from engine import QueueFullError, TokenLogprob
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
-                      parse_sampling, parse_slo, prompt_logprobs_json, thinking_enabled, tool_choice,
-                      unknown_fields)
+                      parse_sampling, parse_slo, prompt_logprobs_json, thinking_enabled, token_text,
+                      tool_choice, unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
@@ -344,6 +344,69 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await respond(request, body, prompt_ids, chat=True, tools=tools)
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a completions `prompt` (a string, with the tokenizer's special tokens
+    unless add_special_tokens is false) or chat `messages` (through the chat template, as a
+    chat request renders them) as token ids, with the count and, if asked, their strings."""
+    body = await read_body(request)
+    app, engine = request.app, request.app["engine"]
+    if engine.tokenizer is None:
+        raise ApiError("this model has no tokenizer")
+    if body.get("messages") is not None:
+        if field(body, "add_special_tokens", (bool,), False):  # the template writes them, as for chat
+            raise ApiError("'add_special_tokens' must be false for messages", param="add_special_tokens")
+        tools = tool_choice(body, chat=True, auto=True)  # only rendered: no call is made
+        ids = await off_loop(request, parse_messages, body, engine.tokenizer, tools,
+                             app["exclude_tools_when_tool_choice_none"], app["chat_template"],
+                             app["trust_request_chat_template"])
+    else:
+        prompt = field(body, "prompt", (str,))
+        if prompt is None:
+            raise ApiError("'prompt' or 'messages' is required", param="prompt")
+        special = field(body, "add_special_tokens", (bool,), True)
+        ids = await off_loop(request, lambda: engine.tokenizer.encode(prompt, add_special_tokens=special))
+    limit = engine.config.max_model_len
+    if len(ids) > limit:
+        raise ApiError(f"This model's maximum context length is {limit} tokens, but the prompt has {len(ids)}",
+                       param="messages" if "messages" in body else "prompt")
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": limit, "tokens": ids}
+    if field(body, "return_token_strs", (bool,), False):
+        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids) if hasattr(
+            engine.tokenizer, "convert_ids_to_tokens") else [token_text(engine.tokenizer, t) for t in ids]
+    return web.json_response(out)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM decodes)."""
+    body = await read_body(request)
+    engine = request.app["engine"]
+    if engine.tokenizer is None:
+        raise ApiError("this model has no tokenizer")
+    tokens = field(body, "tokens", (list,))
+    vocab = engine.model_config.vocab_size
+    if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+        raise ApiError(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+    text = await off_loop(request, lambda: engine.tokenizer.decode(tokens, skip_special_tokens=False))
+    return web.json_response({"prompt": text})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": package_version()})
+
+
+def package_version() -> str:
+    """taxirank's version: the installed package's, else this checkout's pyproject.toml's."""
+    import importlib.metadata
+    import os
+    import tomllib
+
+    try:
+        return importlib.metadata.version("taxirank")
+    except importlib.metadata.PackageNotFoundError:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pyproject.toml"), "rb") as f:
+            return tomllib.load(f)["project"]["version"]
+
+
 async def models(request: web.Request) -> web.Response:
     engine = request.app["engine"]
     data = [{"id": name, "object": "model", "created": request.app["started"], "owned_by": "taxirank",
@@ -562,6 +625,9 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app["tokenizer_executor"] = ThreadPoolExecutor(1, thread_name_prefix="taxirank-tokenizer")
 
     async def stop_tokenizer(app: web.Application) -> None:

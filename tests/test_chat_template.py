@@ -1,4 +1,5 @@
-"""--chat-template, --trust-request-chat-template and --response-role, as vLLM's.
+"""--chat-template, --trust-request-chat-template and --response-role, and the /tokenize,
+/detokenize and /version endpoints that render with them, as vLLM's.
 
 Claims: the server's template (inline, or a file's) replaces the model's: the prompt is
 what Jinja renders from it, token for token; a request's own template is vLLM's 400
@@ -105,3 +106,46 @@ def test_bad_templates_are_refused_at_start_up(post, capsys):
         server.build_app(engine, ["m"], chat_template="{% for m in messages %}")
     with pytest.raises(ValueError, match="needs a Hugging Face tokenizer; this model has ByteTokenizer"):
         server.check_chat_template(TEMPLATE, ByteTokenizer())
+
+
+def test_tokenize_and_detokenize_as_vllms(post):
+    """/tokenize renders messages as a chat request does (its template flags too) and
+    encodes a prompt with the tokenizer's special tokens; /detokenize inverts it."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+
+    engine, _ = post
+    tok = engine.tokenizer
+
+    async def call(flags: list[str], path: str, body: dict) -> tuple[int, dict]:
+        app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post(path, json=body)
+            return resp.status, json.loads(await resp.text())
+
+    def run(flags: list[str], path: str, body: dict) -> tuple[int, dict]:
+        return asyncio.run(call(flags, path, body))
+
+    status, out = run(["--chat-template", TEMPLATE], "/tokenize", {"messages": MESSAGES, "return_token_strs": True})
+    want = rendered_ids(tok, TEMPLATE)
+    assert status == 200 and out == {"count": len(want), "max_model_len": 128, "tokens": want,
+                                     "token_strs": tok.convert_ids_to_tokens(want)}, out
+    status, out = run([], "/tokenize", {"prompt": "the lazy dog"})
+    assert status == 200 and out["tokens"] == tok.encode("the lazy dog") and "token_strs" not in out
+    status, out = run([], "/tokenize", {"prompt": "the lazy dog", "add_special_tokens": False})
+    assert out["tokens"] == tok.encode("the lazy dog", add_special_tokens=False)
+    status, back = run([], "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and back == {"prompt": tok.decode(out["tokens"])}
+    for path, body, param in (("/tokenize", {"prompt": "x" * 200}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens"),
+                              ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens")):
+        status, out = run([], path, body)
+        assert status == 400 and out["error"]["param"] == param, (path, body, out)
+
+    async def version() -> dict:
+        async with TestClient(TestServer(server.build_app(engine, ["m"]))) as client:
+            return await (await client.get("/version")).json()
+
+    assert asyncio.run(version()) == {"version": "0.1.0"}
