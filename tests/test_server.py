@@ -815,7 +815,7 @@ def test_chat_add_generation_prompt_continue_final_message_and_template_kwargs_r
             parse_messages({"messages": msgs} | extra, tok)
         assert e.value.status == 400 and e.value.param == param
     with pytest.raises(ApiError) as e:  # a request's own template: refused, as vLLM without its trust flag
-        parse_sampling({"chat_template": "{{ messages }}"}, 3, 256, chat=True, has_tokenizer=True)
+        parse_messages({"messages": msgs, "chat_template": "{{ messages }}"}, tok)
     assert e.value.param == "chat_template"
 
 
