@@ -79,7 +79,7 @@ _COMMON_FIELDS = {
     "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
-    "tool_choice", *_NEUTRAL, *_ACCEPTED_NOOP}
+    "tool_choice", "request_id", *_NEUTRAL, *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort"}
@@ -105,6 +105,7 @@ def unknown_fields(body: dict, chat: bool) -> list[str]:
 MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_REQUEST_ID_CHARS = 256  # vLLM has no cap; one keeps ids, logs and the echoed header bounded
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -120,6 +121,17 @@ def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -
     if isinstance(value, float) and not math.isfinite(value):
         raise ApiError(f"'{name}' must be a finite number", param=name)
     return value
+
+
+def client_request_id(body: dict, header: str | None) -> str | None:
+    """vLLM's base of the response id (`cmpl-<id>`, `chatcmpl-<id>`): the X-Request-Id header,
+    else the body's `request_id`; None when neither is set. Both are checked as they come:
+    a string of 1 to MAX_REQUEST_ID_CHARS printable characters."""
+    for value, name in ((field(body, "request_id", (str,)), "request_id"), (header, "X-Request-Id")):
+        if value is not None and not (0 < len(value) <= MAX_REQUEST_ID_CHARS and value.isprintable()):
+            raise ApiError(f"'{name}' must be 1 to {MAX_REQUEST_ID_CHARS} printable characters",
+                           param="request_id" if name == "request_id" else None)
+    return header if header is not None else body.get("request_id")
 
 
 def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:

@@ -46,8 +46,8 @@ from config import EngineConfig, SamplingParams, SLOTarget
 from engine import QueueFullError, TokenLogprob
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
-from protocol import (INT64, ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
-                      parse_sampling, parse_slo, prompt_logprobs_json, tool_choice, unknown_fields)
+from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
+                      parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, tool_choice, unknown_fields)
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
 
@@ -179,7 +179,12 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         except ValueError as e:
             raise ApiError(str(e), param="tool_choice" if tools is not None else None) from e
 
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    # vLLM's: the client's id (X-Request-Id, else the body's request_id) is the visible one,
+    # and the engine's is it with a unique suffix, so that two requests sent with the same
+    # id (retries, a client's fixed id) never meet in the engine.
+    client_id = client_request_id(body, request.headers.get("X-Request-Id"))
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
+    engine_request_id = request_id if client_id is None else f"{request_id}-{uuid.uuid4().hex}"
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
     if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
         raise ApiError(f"'priority' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="priority")
@@ -190,7 +195,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
     want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
     user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
-    gen = Generation(engine, request_id, prompt_ids, params, priority, want_metrics, user, parse_slo(body))
+    gen = Generation(engine, engine_request_id, prompt_ids, params, priority, want_metrics, user, parse_slo(body))
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
     model = body.get("model") or app["model_names"][0]  # read_body checked it
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
@@ -355,6 +360,12 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """vLLM's XRequestIdMiddleware: the request's X-Request-Id header back, else a random
+    uuid4 hex, on every response (errors and streams too: this runs before the headers go)."""
+    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id", uuid.uuid4().hex)
+
+
 async def metrics(request: web.Request) -> web.Response:
     data = generate_latest(request.app["registry"])
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -506,12 +517,14 @@ class EngineCollector:
 
 def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
               metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False,
-              tool_call_parser: str | None = None,
-              exclude_tools_when_tool_choice_none: bool = False) -> web.Application:
+              tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
+              request_id_headers: bool = False) -> web.Application:
     """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
     (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused.
-    exclude_tools_when_tool_choice_none: tool_choice "none" keeps the tools out of the prompt."""
+    exclude_tools_when_tool_choice_none: tool_choice "none" keeps the tools out of the prompt.
+    request_id_headers: every response carries an X-Request-Id header (vLLM's
+    --enable-request-id-headers): the request's own, else a new one."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
@@ -529,6 +542,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app["tokenizer_executor"] = ThreadPoolExecutor(1, thread_name_prefix="taxirank-tokenizer")
+    if request_id_headers:
+        app.on_response_prepare.append(echo_request_id)
 
     async def stop_tokenizer(app: web.Application) -> None:
         app["tokenizer_executor"].shutdown(wait=False, cancel_futures=True)
@@ -618,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="tool_choice \"none\" keeps the tool definitions out of the prompt (default: the chat "
                         "template renders them, as for any other tool_choice)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="add an X-Request-Id header to every response: the request's own X-Request-Id, else a "
+                        "random one (vLLM's flag)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
@@ -644,7 +662,8 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
     return build_app(engine, args.served_model_name or [engine.model_name], args.api_key,
                      metric_labels=metric_labels, per_request_metrics=args.enable_per_request_metrics,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                     exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                     exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                     request_id_headers=args.enable_request_id_headers)
 
 
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:

@@ -1,0 +1,110 @@
+"""vLLM's extra request fields of the OpenAI server, through HTTP on one in-process tiny
+engine, against vLLM's behaviour as the reference and independent references (the
+tokenizer's own encoding, transformers' logits).
+
+Claims: the response id is `cmpl-<id>` / `chatcmpl-<id>` from the X-Request-Id header, else
+the body's request_id, and two requests with one id run side by side in the engine (each
+its own internal id); --enable-request-id-headers echoes X-Request-Id (or a fresh one) on
+every response; a bad id is a 400 naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import pytest
+
+from conftest import tiny_async_engine
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def app():
+    """(post, post_many): post(path, body, headers=None) -> (status, body text, headers), one
+    request to the app (--enable-request-id-headers) on one tiny engine; post_many(requests)
+    sends several at once."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+
+    with tiny_async_engine() as (loop, engine):
+        client = TestClient(TestServer(server.build_app(engine, ["tiny"], request_id_headers=True)), loop=loop)
+        loop.run_until_complete(client.start_server())
+
+        async def one(path: str, body: object, headers: dict | None) -> tuple[int, str, Any]:
+            resp = await client.post(path, json=body, headers=headers or {})
+            return resp.status, await resp.text(), resp.headers.copy()  # case-insensitive
+
+        def post(path: str, body: object, headers: dict | None = None) -> tuple[int, str, Any]:
+            return loop.run_until_complete(asyncio.wait_for(one(path, body, headers), 300))
+
+        def post_many(requests: list[tuple[str, object, dict | None]]) -> list[tuple[int, str, Any]]:
+            async def many() -> list[tuple[int, str, Any]]:
+                return await asyncio.gather(*(one(*r) for r in requests))
+            return loop.run_until_complete(asyncio.wait_for(many(), 300))
+
+        yield post, post_many
+        loop.run_until_complete(client.close())
+
+
+def events(text: str) -> list[dict]:
+    """An SSE body's JSON events, [DONE] left out."""
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+# ---- request_id and X-Request-Id ------------------------------------------------------------
+
+def test_the_response_id_is_the_client_s_request_id_as_vllm(app) -> None:
+    post, _ = app
+    base = {"max_tokens": 2, "temperature": 0.0}
+    status, text, headers = post(C, {"prompt": "ab", "request_id": "my-id-1"} | base)
+    assert status == 200 and json.loads(text)["id"] == "cmpl-my-id-1", text
+    # the header wins over the body (vLLM's _base_request_id), and comes back as a header
+    status, text, headers = post(CHAT, {"messages": MESSAGES, "request_id": "body-id"} | base,
+                                 {"X-Request-Id": "hdr-7"})
+    assert status == 200 and json.loads(text)["id"] == "chatcmpl-hdr-7" and headers["X-Request-Id"] == "hdr-7"
+    status, text, headers = post(CHAT, {"messages": MESSAGES, "stream": True} | base, {"X-Request-Id": "s-1"})
+    chunks = events(text)
+    assert status == 200 and headers["X-Request-Id"] == "s-1" and {c["id"] for c in chunks} == {"chatcmpl-s-1"}
+    # neither: a fresh uuid4 hex, and the echoed header is another fresh one (vLLM's middleware)
+    status, text, headers = post(C, {"prompt": "ab"} | base)
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", json.loads(text)["id"]), text
+    assert re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"]) and headers["X-Request-Id"] not in text
+    # errors carry it too
+    status, text, headers = post(C, {"prompt": "ab", "max_tokens": 0}, {"X-Request-Id": "bad-1"})
+    assert status == 400 and headers["X-Request-Id"] == "bad-1"
+
+
+def test_two_requests_with_one_id_run_side_by_side(app) -> None:
+    """The id is the client's; the engine's is unique per request (vLLM's random suffix),
+    so a retry or a client's fixed id never collides with the one still running."""
+    _, post_many = app
+    body = {"prompt": "abc", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "request_id": "same"}
+    results = post_many([(C, body, None), (C, body | {"stream": True}, None), (C, body, {"X-Request-Id": "same"})])
+    assert [r[0] for r in results] == [200, 200, 200], results
+    whole = [json.loads(results[0][1]), json.loads(results[2][1])]
+    streamed = events(results[1][1])
+    assert [w["id"] for w in whole] == ["cmpl-same", "cmpl-same"] and {c["id"] for c in streamed} == {"cmpl-same"}
+    texts = [w["choices"][0]["text"] for w in whole] + ["".join(c["choices"][0]["text"] for c in streamed if
+                                                                c["choices"])]
+    assert all(w["usage"]["completion_tokens"] == 12 for w in whole) and len(set(texts)) == 1, texts
+
+
+@pytest.mark.parametrize("value", [3, "", "x" * 257, "a\nb", ["id"]])
+def test_a_bad_request_id_is_a_400_naming_it(app, value) -> None:
+    post, _ = app
+    status, text, _ = post(C, {"prompt": "ab", "max_tokens": 1, "request_id": value})
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == "request_id" and "request_id" in err["message"], text
+    status, text, _ = post(C, {"prompt": "ab", "max_tokens": 1, "request_id": "x" * 256})
+    assert status == 200 and json.loads(text)["id"] == "cmpl-" + "x" * 256
+
+
+def test_a_bad_x_request_id_header_is_a_400_naming_it(app) -> None:
+    post, _ = app
+    status, text, _ = post(C, {"prompt": "ab", "max_tokens": 1}, {"X-Request-Id": "x" * 300})
+    assert status == 400 and "X-Request-Id" in json.loads(text)["error"]["message"], text
