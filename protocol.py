@@ -56,7 +56,6 @@ _NEUTRAL: dict[str, tuple] = {
     # vLLM's own extras that taxirank does not implement
     "repetition_penalty": (1,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
     "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
-    "truncate_prompt_tokens": (),
     "chat_template": (),  # vLLM too refuses a request's own template unless trusted by a flag
     "documents": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
     "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (),
@@ -79,7 +78,7 @@ _COMMON_FIELDS = {
     "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
-    "tool_choice", "request_id", *_NEUTRAL, *_ACCEPTED_NOOP}
+    "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", *_NEUTRAL, *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort"}
@@ -157,6 +156,34 @@ def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise ApiError(f"prompt token id {t!r} is not in the vocabulary [0, {vocab_size})", param="prompt")
     return prompt
+
+
+def truncate_prompt(body: dict, prompt_ids: list[int], max_model_len: int, chat: bool) -> list[int]:
+    """vLLM's truncate_prompt_tokens k, on the prompt's token ids (after the chat template):
+    its last k tokens (truncation_side "left", the default) or its first k ("right"); -1 is
+    as many as the context leaves beside the requested max_tokens. A k larger than that is
+    vLLM's 400."""
+    side = field(body, "truncation_side", (str,), "left")
+    if side not in ("left", "right"):
+        raise ApiError(f"'truncation_side' must be 'left' or 'right', got {side[:40]!r}", param="truncation_side")
+    k = field(body, "truncate_prompt_tokens", (int,))
+    if k is None:
+        return prompt_ids
+    if k == 0 or k < -1:
+        raise ApiError(f"'truncate_prompt_tokens' must be at least 1, or -1 (the context length less max_tokens), "
+                       f"got {k}", param="truncate_prompt_tokens")
+    # vLLM's room for the prompt: the context less the max_tokens asked (none asked: chat's
+    # 0, completions' default 16); a bad max_tokens is parse_sampling's to refuse.
+    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_output = field(body, limit, (int,)) or (0 if chat else 16)
+    max_input = max_model_len - max_output
+    if k > max_input:
+        raise ApiError(f"truncate_prompt_tokens={k} cannot be greater than max_model_len - {limit} = {max_input}: "
+                       "request a smaller truncation size", param="truncate_prompt_tokens")
+    k = max_input if k == -1 else k
+    if k < 1:  # max_tokens leaves no room: parse_sampling says so
+        return prompt_ids
+    return prompt_ids[-k:] if side == "left" else prompt_ids[:k]
 
 
 def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,

@@ -47,7 +47,8 @@ from engine import QueueFullError, TokenLogprob
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
-                      parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, tool_choice, unknown_fields)
+                      parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, tool_choice, truncate_prompt,
+                      unknown_fields)
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
 
@@ -157,6 +158,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     """Run one completion (chat or not) and answer it whole or as an SSE stream. tools: a
     chat request's tool_choice() (its calls come out as tool_calls)."""
     app, engine = request.app, request.app["engine"]
+    prompt_ids = truncate_prompt(body, prompt_ids, engine.config.max_model_len, chat)
     params = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
                             engine.tokenizer is not None, tools)
     stream = field(body, "stream", (bool,), False)

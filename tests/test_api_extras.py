@@ -108,3 +108,80 @@ def test_a_bad_x_request_id_header_is_a_400_naming_it(app) -> None:
     post, _ = app
     status, text, _ = post(C, {"prompt": "ab", "max_tokens": 1}, {"X-Request-Id": "x" * 300})
     assert status == 400 and "X-Request-Id" in json.loads(text)["error"]["message"], text
+
+
+# ---- truncate_prompt_tokens, truncation_side ----------------------------------------------
+
+LONG = "The quick brown fox jumps over the lazy dog; " * 3  # 135 bytes: 136 ids with BOS, over 128
+
+
+def kept_prompt(choice: dict) -> list[int]:
+    """The prompt's token ids as the engine saw them, read off prompt_logprobs (each entry
+    has the prompt token first; the first entry, None, is the first token)."""
+    return [int(next(iter(e))) for e in choice["prompt_logprobs"][1:]]
+
+
+@pytest.mark.parametrize("side", ["left", "right", None])
+def test_truncate_prompt_tokens_keeps_the_last_or_first_k_tokens_as_vllm(app, side) -> None:
+    from tokenizer import ByteTokenizer
+
+    post, _ = app
+    ids = ByteTokenizer().encode(LONG)
+    k = 40
+    kept = ids[:k] if side == "right" else ids[-k:]  # vLLM's default side: left
+    greedy = {"max_tokens": 6, "temperature": 0.0, "prompt_logprobs": 0}
+    side_field = {} if side is None else {"truncation_side": side}
+    status, text, _ = post(C, {"prompt": LONG, "truncate_prompt_tokens": k} | side_field | greedy)
+    assert status == 200, text
+    out = json.loads(text)
+    assert out["usage"]["prompt_tokens"] == k and kept_prompt(out["choices"][0]) == kept[1:]
+    # the same answer as the kept tokens sent as the prompt
+    status, text, _ = post(C, {"prompt": kept} | greedy)
+    assert json.loads(text)["choices"][0]["text"] == out["choices"][0]["text"]
+    # a prompt already within k is left whole
+    status, text, _ = post(C, {"prompt": "abc", "truncate_prompt_tokens": k} | side_field | greedy)
+    assert json.loads(text)["usage"]["prompt_tokens"] == 4
+
+
+def test_chat_is_truncated_after_its_template(app) -> None:
+    from tokenizer import ByteTokenizer
+
+    post, _ = app
+    messages = [{"role": "user", "content": LONG}]
+    tok = ByteTokenizer()
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    status, text, _ = post(CHAT, {"messages": messages, "truncate_prompt_tokens": 30, "max_tokens": 2,
+                                  "prompt_logprobs": 0})
+    assert status == 200, text
+    out = json.loads(text)
+    assert out["usage"]["prompt_tokens"] == 30 and kept_prompt(out["choices"][0]) == ids[-29:]
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_leaves(app) -> None:
+    post, _ = app
+    status, text, _ = post(C, {"prompt": LONG, "max_tokens": 4})
+    assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens", text  # 136 + 4 > 128
+    status, text, _ = post(C, {"prompt": LONG, "max_tokens": 4, "truncate_prompt_tokens": -1})
+    assert status == 200 and json.loads(text)["usage"]["prompt_tokens"] == 124, text
+    # completions' max_tokens default (16) counts, as vLLM's
+    status, text, _ = post(C, {"prompt": LONG, "truncate_prompt_tokens": -1})
+    assert status == 200 and json.loads(text)["usage"]["prompt_tokens"] == 112, text
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"truncate_prompt_tokens": 125, "max_tokens": 4}, "truncate_prompt_tokens"),  # > 128 - 4: vLLM's 400
+    ({"truncate_prompt_tokens": 113}, "truncate_prompt_tokens"),  # > 128 - 16 (the default max_tokens)
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 5.0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 5, "truncation_side": "middle"}, "truncation_side"),
+    ({"truncate_prompt_tokens": 5, "truncation_side": 1}, "truncation_side"),
+])
+def test_bad_truncation_is_a_400_naming_the_field(app, extra, param) -> None:
+    post, _ = app
+    status, text, _ = post(C, {"prompt": LONG} | extra)
+    err = json.loads(text)["error"]
+    assert status == 400 and err["param"] == param and param in err["message"], text
