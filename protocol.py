@@ -41,7 +41,7 @@ _JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a s
 # get a 400 naming them, never a silently different answer. () : any value is refused.
 _NEUTRAL: dict[str, tuple] = {
     # OpenAI's
-    "echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
+    "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
     "presence_penalty": (0,), "frequency_penalty": (0,),
     "functions": ([],), "function_call": ("none", "auto"),  # the deprecated tools: no functions, so no call
     "modalities": (["text"],),  # text out only: no audio
@@ -78,7 +78,7 @@ _COMMON_FIELDS = {
     "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
-    "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", *_NEUTRAL, *_ACCEPTED_NOOP}
+    "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", "echo", *_NEUTRAL, *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort"}
@@ -342,6 +342,9 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             raise ApiError("when using 'top_logprobs', 'logprobs' must be set to true", param="top_logprobs")
     else:
         logprobs = field(body, "logprobs", (int,))
+    prompt_logprobs = field(body, "prompt_logprobs", (int,))  # vLLM's extra field
+    if field(body, "echo", (bool,), False) and not chat and prompt_logprobs is None:
+        prompt_logprobs = logprobs  # vLLM's: the echoed prompt's tokens get logprobs as the completion's do
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -354,7 +357,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             stop=tuple(stop),
             ignore_eos=field(body, "ignore_eos", (bool,), False),
             logprobs=logprobs,
-            prompt_logprobs=field(body, "prompt_logprobs", (int,)),  # vLLM's extra field
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=field(body, "skip_special_tokens", (bool,), True),
             spaces_between_special_tokens=field(body, "spaces_between_special_tokens", (bool,), True),
             structured_outputs=parse_structured(body, tools),
@@ -506,14 +509,21 @@ def _with_sampled(lp: TokenLogprob) -> dict[int, float]:
     return {lp.token_id: lp.logprob} | {t: v for t, v in lp.top if t != lp.token_id}
 
 
-def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) -> dict:
+def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob | int], offset: int, top: int | None = None) -> dict:
     """OpenAI's legacy completions logprobs; `offset` is where this text starts. Each
     position's top_logprobs holds the sampled token besides the top `logprobs` (OpenAI's
-    "logprobs + 1" entries when the sampled token is not among them), as vLLM."""
-    tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
-    return {"tokens": tokens, "token_logprobs": [finite(lp.logprob) for lp in lps],
-            "top_logprobs": [{token_text(tokenizer, t): finite(v) for t, v in _with_sampled(lp).items()}
-                             for lp in lps],
+    "logprobs + 1" entries when the sampled token is not among them), as vLLM; `top`: at
+    most top + 1 entries (an echoed prompt position holds prompt_logprobs' top ones). A
+    bare token id is a token without a logprob (an echoed prompt's first): null logprob
+    and top_logprobs, as vLLM."""
+    ids = [lp if isinstance(lp, int) else lp.token_id for lp in lps]
+    tokens = [token_text(tokenizer, t) for t in ids]
+    keep = None if top is None else top + 1
+    return {"tokens": tokens,
+            "token_logprobs": [None if isinstance(lp, int) else finite(lp.logprob) for lp in lps],
+            "top_logprobs": [None if isinstance(lp, int) else
+                             {token_text(tokenizer, t): finite(v) for t, v in
+                              itertools.islice(_with_sampled(lp).items(), keep)} for lp in lps],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
 
 

@@ -158,6 +158,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     """Run one completion (chat or not) and answer it whole or as an SSE stream. tools: a
     chat request's tool_choice() (its calls come out as tool_calls)."""
     app, engine = request.app, request.app["engine"]
+    untruncated = prompt_ids
     prompt_ids = truncate_prompt(body, prompt_ids, engine.config.max_model_len, chat)
     params = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
                             engine.tokenizer is not None, tools)
@@ -207,10 +208,22 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                 "total_tokens": gen.num_prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens}}
 
-    def logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict | None:
+    def logprobs(lps: list[TokenLogprob | int] | None, offset: int) -> dict | None:
         if lps is None:
             return None
-        return chat_logprobs(engine.tokenizer, lps) if chat else completion_logprobs(engine.tokenizer, lps, offset)
+        return chat_logprobs(engine.tokenizer, lps) if chat else \
+            completion_logprobs(engine.tokenizer, lps, offset, params.logprobs)
+
+    # vLLM's echo: a completion's text starts with the prompt's (its logprobs with the
+    # prompt's, the first token's null); a chat answer with the last message's content
+    # when that message has the answer's role.
+    echo = field(body, "echo", (bool,), False)
+    echoed = echo_text(body, untruncated, prompt_ids, engine.tokenizer, chat) if echo else ""
+
+    def echoed_logprobs(prompt_lps: list[TokenLogprob | None] | None) -> list[TokenLogprob | int]:
+        if not echo or chat or params.logprobs is None:
+            return []
+        return [prompt_ids[0], *(prompt_lps or [None])[1:]]
 
     # Whatever ends this handler (a reply, the client gone before the first byte, a
     # cancellation) ends the request: a stream never read has no frame to abort it.
@@ -223,8 +236,12 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                     lps += last.logprobs or []
                     prompt_lps = last.prompt_logprobs or prompt_lps
             assert last is not None and last.finish_reason is not None
-            lp = logprobs(lps, 0) if params.logprobs is not None else None
+            lp = logprobs(echoed_logprobs(prompt_lps) + lps, 0) if params.logprobs is not None else None
             message, reason = ToolCallStream(tools, app["tool_parser"], parallel).message(text, last.finish_reason)
+            if echo and chat:
+                message["content"] = echoed + (message.get("content") or "")
+            elif echo:
+                text = echoed + text
             choice = {"index": 0, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
             if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
                 choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
@@ -242,19 +259,25 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
             if chat:
                 await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
-            offset, calls = 0, ToolCallStream(tools, app["tool_parser"], parallel)
+                if echoed:  # vLLM's: the echoed message is a chunk of its own
+                    await send([{"index": 0, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}],
+                               **({"usage": usage(0)} if continuous_usage else {}))
+            offset, calls, pending_echo = 0, ToolCallStream(tools, app["tool_parser"], parallel), echo and not chat
             async with contextlib.aclosing(gen.chunks()) as chunks:
                 async for c in chunks:
-                    if not (c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
+                    if not (pending_echo or c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
                         continue  # held back: part of a character, or maybe the start of a stop string
-                    choice = {"index": 0, "logprobs": logprobs(c.logprobs, offset), "finish_reason": c.finish_reason,
+                    lps = c.logprobs if not pending_echo or c.logprobs is None else \
+                        echoed_logprobs(c.prompt_logprobs) + c.logprobs
+                    choice = {"index": 0, "logprobs": logprobs(lps, offset), "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}
                     if c.prompt_logprobs is not None:  # once, with the first token
                         choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, c.prompt_logprobs)
                     if chat:
                         choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
                     else:
-                        choice["text"] = c.text
+                        choice["text"] = (echoed if pending_echo else "") + c.text
+                        pending_echo = False
                     # text_offset counts the tokens' own texts, as the whole response's does; the
                     # text sent so far lags it (held back: part of a character, a maybe-stop string).
                     if not chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
@@ -278,6 +301,25 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         return response
     finally:
         gen.close()
+
+
+def echo_text(body: dict, untruncated: list[int], prompt_ids: list[int], tokenizer: Any, chat: bool) -> str:
+    """What vLLM's echo puts before the answer. Chat: the last message's content when its
+    role is the answer's (the assistant's, or with add_generation_prompt false the last
+    message's own: a message being continued), else nothing. Completions: the prompt as
+    sent, or the prompt's tokens as text when it came as token ids or was truncated."""
+    if chat:
+        last = body["messages"][-1]  # parse_messages checked them
+        role = "assistant" if field(body, "add_generation_prompt", (bool,), True) else last["role"]
+        content = last.get("content")
+        if isinstance(content, list):  # text parts, joined as parse_messages joins them
+            content = "\n".join(p["text"] for p in content)
+        return content if last["role"] == role and isinstance(content, str) else ""
+    prompt = body["prompt"]
+    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
+    if isinstance(prompt, str) and len(prompt_ids) == len(untruncated):
+        return prompt
+    return tokenizer.decode(prompt_ids, skip_special_tokens=False) if tokenizer is not None else ""
 
 
 # ---- handlers ---------------------------------------------------------------------

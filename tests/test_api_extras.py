@@ -10,6 +10,7 @@ every response; a bad id is a 400 naming it."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 from typing import Any
@@ -185,3 +186,111 @@ def test_bad_truncation_is_a_400_naming_the_field(app, extra, param) -> None:
     status, text, _ = post(C, {"prompt": LONG} | extra)
     err = json.loads(text)["error"]
     assert status == 400 and err["param"] == param and param in err["message"], text
+
+
+# ---- echo -----------------------------------------------------------------------------------
+
+def test_completions_echo_puts_the_prompt_before_the_completion_as_vllm(app) -> None:
+    from tokenizer import ByteTokenizer
+
+    post, _ = app
+    greedy = {"max_tokens": 6, "temperature": 0.0}
+    plain = json.loads(post(C, {"prompt": "Hello"} | greedy)[1])["choices"][0]["text"]
+    status, text, _ = post(C, {"prompt": "Hello", "echo": True} | greedy)
+    out = json.loads(text)
+    assert status == 200 and out["choices"][0]["text"] == "Hello" + plain, text
+    assert out["usage"]["completion_tokens"] == 6 and "prompt_logprobs" not in out["choices"][0]
+    status, text, _ = post(C, {"prompt": "Hello", "echo": True, "stream": True} | greedy)
+    chunks = [c["choices"][0]["text"] for c in events(text) if c["choices"]]
+    assert chunks[0].startswith("Hello") and "".join(chunks) == "Hello" + plain
+    # token ids: their text, special tokens included (vLLM decodes the prompt); truncated: the kept part
+    ids = [ByteTokenizer.bos_token_id, *b"Hello"]
+    status, text, _ = post(C, {"prompt": ids, "echo": True} | greedy)
+    assert json.loads(text)["choices"][0]["text"] == ByteTokenizer().decode(ids, skip_special_tokens=False) + plain
+    status, text, _ = post(C, {"prompt": "xyzHello", "echo": True, "truncate_prompt_tokens": 5} | greedy)
+    kept = json.loads(post(C, {"prompt": list(b"Hello")} | greedy)[1])["choices"][0]["text"]
+    assert json.loads(text)["choices"][0]["text"] == "Hello" + kept
+    status, text, _ = post(C, {"prompt": "Hello", "echo": "yes"} | greedy)
+    assert status == 400 and json.loads(text)["error"]["param"] == "echo"
+
+
+def test_completions_echo_with_logprobs_prepends_the_prompt_s_as_vllm(app) -> None:
+    """The prompt's tokens first (the first with null logprob and top_logprobs, OpenAI's and
+    vLLM's), then the completion's exactly as without echo; text_offset runs over both."""
+    post, _ = app
+    body = {"prompt": "Hi there", "max_tokens": 4, "temperature": 0.0, "logprobs": 2}
+    plain = json.loads(post(C, body)[1])["choices"][0]["logprobs"]
+    for stream in (False, True):
+        status, text, _ = post(C, body | {"echo": True, "stream": stream})
+        assert status == 200, text
+        if stream:
+            parts = [c["choices"][0]["logprobs"] for c in events(text) if c["choices"]]
+            lp = {k: [x for p in parts for x in p[k]] for k in parts[0]}
+        else:
+            lp = json.loads(text)["choices"][0]["logprobs"]
+        n = 9  # BOS + 8 bytes
+        assert lp["tokens"][:n] == ["<|bos|>", *"Hi there"] and lp["tokens"][n:] == plain["tokens"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][n:] == plain["token_logprobs"] and lp["top_logprobs"][n:] == plain["top_logprobs"]
+        for tok, v, top in zip(lp["tokens"][1:n], lp["token_logprobs"][1:n], lp["top_logprobs"][1:n]):
+            assert top[tok] == v and len(top) in (2, 3) and v <= 0  # the prompt token beside the top 2
+        assert lp["text_offset"] == list(itertools.accumulate((len(t) for t in lp["tokens"]), initial=0))[:-1]
+
+
+def test_echoed_prompt_logprobs_are_transformers_log_softmax(hf_checkpoint) -> None:
+    """The echoed prompt's logprobs against transformers' logits of the same checkpoint
+    (no tokenizer: tokens come back as token_id:N)."""
+    import numpy as np
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+    from async_engine import AsyncEngine
+    from conftest import hf_logits
+    from engine import EngineConfig
+
+    path = hf_checkpoint("llama2")
+    prompt = [1, 17, 42, 99, 7, 250, 3, 64]
+    loop = asyncio.new_event_loop()
+    engine = AsyncEngine(EngineConfig(model=path, max_num_seqs=2, max_model_len=64, warmup=False),
+                         log=lambda *_: None)
+    loop.run_until_complete(engine.start())
+    try:
+        async def go() -> dict:
+            async with TestClient(TestServer(server.build_app(engine, ["m"]))) as client:
+                resp = await client.post(C, json={"prompt": prompt, "max_tokens": 2, "temperature": 0.0, "echo": True,
+                                                  "logprobs": 3})
+                assert resp.status == 200, await resp.text()
+                return (await resp.json())["choices"][0]["logprobs"]
+        lp = loop.run_until_complete(go())
+    finally:
+        loop.run_until_complete(engine.shutdown())
+        loop.close()
+    x = hf_logits(path, prompt).astype(np.float64)
+    ref = x - x.max(-1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))
+    assert lp["tokens"][:len(prompt)] == [f"token_id:{t}" for t in prompt] and lp["token_logprobs"][0] is None
+    for i in range(1, len(prompt)):
+        np.testing.assert_allclose(lp["token_logprobs"][i], ref[i - 1, prompt[i]], atol=2e-4)
+        top = np.argsort(-ref[i - 1])[:3]
+        want = {f"token_id:{t}": ref[i - 1, t] for t in [prompt[i], *top.tolist()]}
+        assert set(lp["top_logprobs"][i]) == set(want)
+        np.testing.assert_allclose([lp["top_logprobs"][i][k] for k in want], list(want.values()), atol=2e-4)
+
+
+def test_chat_echo_puts_the_last_message_before_the_answer_when_its_role_is_the_answer_s(app) -> None:
+    post, _ = app
+    greedy = {"max_tokens": 4, "temperature": 0.0}
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    for messages, extra, prefix in (
+            (MESSAGES, {}, ""),  # the answer's role is the assistant's, the last message the user's: nothing
+            (turn, {}, "Sure, "),  # a new assistant turn after an assistant message
+            (turn, {"add_generation_prompt": False, "continue_final_message": True}, "Sure, "),  # continued
+            ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+             {"add_generation_prompt": False}, "a\nb")):  # the answer takes the user's role: its parts joined
+        body = {"messages": messages} | extra | greedy
+        plain = json.loads(post(CHAT, body)[1])["choices"][0]["message"]["content"]
+        status, text, _ = post(CHAT, body | {"echo": True})
+        assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == prefix + plain, text
+        status, text, _ = post(CHAT, body | {"echo": True, "stream": True})
+        deltas = [c["choices"][0]["delta"].get("content", "") for c in events(text) if c["choices"]]
+        assert "".join(deltas) == prefix + plain and (not prefix or deltas[1] == prefix), deltas
