@@ -57,8 +57,7 @@ _NEUTRAL: dict[str, tuple] = {
     "repetition_penalty": (1,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
     "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "chat_template": (),  # vLLM too refuses a request's own template unless trusted by a flag
-    "documents": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
-    "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (),
+    "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
 }
 
@@ -78,7 +77,8 @@ _COMMON_FIELDS = {
     "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
-    "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", "echo", *_NEUTRAL, *_ACCEPTED_NOOP}
+    "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids",
+    "return_tokens_as_token_ids", *_NEUTRAL, *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort"}
@@ -493,8 +493,11 @@ def parse_slo(body: dict) -> SLOTarget | None:
 
 # ---- logprobs out -----------------------------------------------------------------
 
-def token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
+def token_text(tokenizer: Any, token_id: int, as_id: bool = False) -> str:
+    """A token's text in logprobs; as_id (vLLM's return_tokens_as_token_ids), or no
+    tokenizer: "token_id:N", which any JSON carries whatever the token's bytes."""
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer and not as_id else \
+        f"token_id:{token_id}"
 
 
 def finite(logprob: float) -> float:
@@ -509,20 +512,21 @@ def _with_sampled(lp: TokenLogprob) -> dict[int, float]:
     return {lp.token_id: lp.logprob} | {t: v for t, v in lp.top if t != lp.token_id}
 
 
-def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob | int], offset: int, top: int | None = None) -> dict:
+def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob | int], offset: int, top: int | None = None,
+                        as_ids: bool = False) -> dict:
     """OpenAI's legacy completions logprobs; `offset` is where this text starts. Each
     position's top_logprobs holds the sampled token besides the top `logprobs` (OpenAI's
     "logprobs + 1" entries when the sampled token is not among them), as vLLM; `top`: at
     most top + 1 entries (an echoed prompt position holds prompt_logprobs' top ones). A
     bare token id is a token without a logprob (an echoed prompt's first): null logprob
-    and top_logprobs, as vLLM."""
+    and top_logprobs, as vLLM. as_ids: tokens as "token_id:N" (return_tokens_as_token_ids)."""
     ids = [lp if isinstance(lp, int) else lp.token_id for lp in lps]
-    tokens = [token_text(tokenizer, t) for t in ids]
+    tokens = [token_text(tokenizer, t, as_ids) for t in ids]
     keep = None if top is None else top + 1
     return {"tokens": tokens,
             "token_logprobs": [None if isinstance(lp, int) else finite(lp.logprob) for lp in lps],
             "top_logprobs": [None if isinstance(lp, int) else
-                             {token_text(tokenizer, t): finite(v) for t, v in
+                             {token_text(tokenizer, t, as_ids): finite(v) for t, v in
                               itertools.islice(_with_sampled(lp).items(), keep)} for lp in lps],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
 
@@ -538,12 +542,12 @@ def prompt_logprobs_json(tokenizer: Any, lps: list[TokenLogprob | None]) -> list
                                           *(entry(t, v, r) for r, (t, v) in enumerate(lp.top, 1))]) for lp in lps]
 
 
-def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict:
+def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], as_ids: bool = False) -> dict:
     """Chat's logprobs: per token its own and a top_logprobs list of `top_logprobs`
     entries, vLLM's: the first of the sampled token and then the top ones (the most
     likely `top_logprobs` when the sampled token is among them, as it is in greedy decoding)."""
     def entry(token_id: int, logprob: float) -> dict:
-        text = token_text(tokenizer, token_id)
+        text = token_text(tokenizer, token_id, as_ids)
         return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
     return {"content": [entry(lp.token_id, lp.logprob) | {
         "top_logprobs": [entry(t, v) for t, v in itertools.islice(_with_sampled(lp).items(), len(lp.top))]}

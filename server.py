@@ -74,6 +74,7 @@ class Chunk:
     # vLLM's stop_reason, on the last chunk: the stop string matched, or the stop_token_id
     # that ended it; None for EOS, a length cut or a grammar's end.
     stop_reason: str | int | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # this step's, the ending token included
 
 
 class Generation:
@@ -135,7 +136,7 @@ class Generation:
                 self.done = done = delta.finished
                 reason = delta.finish_reason if done else None
                 yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, delta.metrics,
-                            delta.prompt_logprobs, self._stop_reason(reason))
+                            delta.prompt_logprobs, self._stop_reason(reason), ids)
                 if done:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it
@@ -211,14 +212,20 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     def logprobs(lps: list[TokenLogprob | int] | None, offset: int) -> dict | None:
         if lps is None:
             return None
-        return chat_logprobs(engine.tokenizer, lps) if chat else \
-            completion_logprobs(engine.tokenizer, lps, offset, params.logprobs)
+        return chat_logprobs(engine.tokenizer, lps, as_ids) if chat else \
+            completion_logprobs(engine.tokenizer, lps, offset, params.logprobs, as_ids)
 
     # vLLM's echo: a completion's text starts with the prompt's (its logprobs with the
     # prompt's, the first token's null); a chat answer with the last message's content
     # when that message has the answer's role.
     echo = field(body, "echo", (bool,), False)
-    echoed = echo_text(body, untruncated, prompt_ids, engine.tokenizer, chat) if echo else ""
+    # vLLM's return_token_ids: the prompt's and the answer's token ids beside the text
+    # (streamed: the prompt's once, each chunk its own); an echoed completion then leaves
+    # the prompt's text out, as vLLM. return_tokens_as_token_ids: logprobs' tokens as "token_id:N".
+    return_ids = field(body, "return_token_ids", (bool,), False)
+    as_ids = field(body, "return_tokens_as_token_ids", (bool,), False)
+    echoed = echo_text(body, untruncated, prompt_ids, engine.tokenizer, chat) if echo and (chat or not return_ids) \
+        else ""
 
     def echoed_logprobs(prompt_lps: list[TokenLogprob | None] | None) -> list[TokenLogprob | int]:
         if not echo or chat or params.logprobs is None:
@@ -229,10 +236,11 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # cancellation) ends the request: a stream never read has no frame to abort it.
     try:
         if not stream:
-            text, lps, last, prompt_lps = "", [], None, None
+            text, lps, last, prompt_lps, ids = "", [], None, None, []
             async with contextlib.aclosing(gen.chunks()) as chunks:
                 async for last in chunks:
                     text += last.text
+                    ids += last.token_ids
                     lps += last.logprobs or []
                     prompt_lps = last.prompt_logprobs or prompt_lps
             assert last is not None and last.finish_reason is not None
@@ -247,6 +255,9 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                 choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
             choice |= {"message": message} if chat else {"text": text}
             extra = {"metrics": dataclasses.asdict(last.metrics)} if want_metrics and last.metrics else {}
+            if return_ids:  # vLLM's places: the choice's token_ids; the prompt's on the choice, or chat's response
+                choice["token_ids"] = ids
+                (extra if chat else choice)["prompt_token_ids"] = prompt_ids
             return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)} | extra)
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -258,14 +269,17 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         try:
             if chat:
                 await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
+                             "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}),
+                           **({"prompt_token_ids": prompt_ids} if return_ids else {}))
                 if echoed:  # vLLM's: the echoed message is a chunk of its own
                     await send([{"index": 0, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}],
                                **({"usage": usage(0)} if continuous_usage else {}))
             offset, calls, pending_echo = 0, ToolCallStream(tools, app["tool_parser"], parallel), echo and not chat
+            pending_prompt_ids = return_ids and not chat
             async with contextlib.aclosing(gen.chunks()) as chunks:
                 async for c in chunks:
-                    if not (pending_echo or c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
+                    if not (pending_echo or c.text or c.logprobs or c.finish_reason or c.prompt_logprobs
+                            or (return_ids and c.token_ids)):
                         continue  # held back: part of a character, or maybe the start of a stop string
                     lps = c.logprobs if not pending_echo or c.logprobs is None else \
                         echoed_logprobs(c.prompt_logprobs) + c.logprobs
@@ -278,6 +292,10 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                     else:
                         choice["text"] = (echoed if pending_echo else "") + c.text
                         pending_echo = False
+                    if pending_prompt_ids:
+                        choice["prompt_token_ids"], pending_prompt_ids = prompt_ids, False
+                    if return_ids:
+                        choice["token_ids"] = c.token_ids
                     # text_offset counts the tokens' own texts, as the whole response's does; the
                     # text sent so far lags it (held back: part of a character, a maybe-stop string).
                     if not chat and choice["logprobs"] and choice["logprobs"]["tokens"]:

@@ -294,3 +294,65 @@ def test_chat_echo_puts_the_last_message_before_the_answer_when_its_role_is_the_
         status, text, _ = post(CHAT, body | {"echo": True, "stream": True})
         deltas = [c["choices"][0]["delta"].get("content", "") for c in events(text) if c["choices"]]
         assert "".join(deltas) == prefix + plain and (not prefix or deltas[1] == prefix), deltas
+
+
+# ---- return_token_ids, return_tokens_as_token_ids ---------------------------------------------
+
+ASCII = {"structured_outputs": {"regex": "[a-z]{8}"}, "max_tokens": 8, "temperature": 0.0}  # one byte per token
+
+
+def test_return_token_ids_are_the_tokenizer_s_encoding_of_the_text_as_vllm(app) -> None:
+    from tokenizer import ByteTokenizer
+
+    post, _ = app
+    tok = ByteTokenizer()
+    status, text, _ = post(C, {"prompt": "go", "return_token_ids": True} | ASCII)
+    choice = json.loads(text)["choices"][0]
+    assert status == 200 and choice["prompt_token_ids"] == tok.encode("go"), text
+    assert len(choice["text"]) == 8 and choice["token_ids"] == tok.encode(choice["text"], add_special_tokens=False)
+    # streamed: the prompt's once, on the first chunk; each chunk its own tokens
+    status, text, _ = post(C, {"prompt": "go", "return_token_ids": True, "stream": True} | ASCII)
+    chunks = [c["choices"][0] for c in events(text) if c["choices"]]
+    assert chunks[0]["prompt_token_ids"] == tok.encode("go") and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert all(c["token_ids"] == tok.encode(c["text"], add_special_tokens=False) for c in chunks)
+    assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+    # with echo, vLLM leaves the prompt's text out (its ids are there)
+    status, text, _ = post(C, {"prompt": "go", "return_token_ids": True, "echo": True} | ASCII)
+    assert json.loads(text)["choices"][0]["text"] == choice["text"]
+    # chat: the prompt's at the response's top level (the first chunk's when streamed)
+    ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    status, text, _ = post(CHAT, {"messages": MESSAGES, "return_token_ids": True} | ASCII)
+    out = json.loads(text)
+    content = out["choices"][0]["message"]["content"]
+    assert out["prompt_token_ids"] == ids and out["choices"][0]["token_ids"] == tok.encode(content, False)
+    status, text, _ = post(CHAT, {"messages": MESSAGES, "return_token_ids": True, "stream": True} | ASCII)
+    chunks = events(text)
+    assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == out["choices"][0]["token_ids"]
+    # off: none of them
+    status, text, _ = post(C, {"prompt": "go"} | ASCII)
+    assert not {"token_ids", "prompt_token_ids"} & set(json.loads(text)["choices"][0])
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(app) -> None:
+    post, _ = app
+    body = {"prompt": "go", "logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True} | ASCII
+    choice = json.loads(post(C, body)[1])["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in lp["top_logprobs"] for k in top)
+    assert lp["text_offset"] == list(itertools.accumulate((len(t) for t in lp["tokens"]), initial=0))[:-1]
+    body = {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
+            "return_tokens_as_token_ids": True} | ASCII
+    choice = json.loads(post(CHAT, body)[1])["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
+
+
+@pytest.mark.parametrize("name", ["return_token_ids", "return_tokens_as_token_ids"])
+def test_a_bad_token_ids_flag_is_a_400_naming_it(app, name) -> None:
+    post, _ = app
+    status, text, _ = post(C, {"prompt": "go", "max_tokens": 1, name: 1})
+    assert status == 400 and json.loads(text)["error"]["param"] == name, text
