@@ -71,8 +71,8 @@ class Chunk:
     num_output_tokens: int
     metrics: RequestMetrics | None = None  # on the last chunk, when the request asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked
-    # vLLM's stop_reason, on the last chunk: the stop string matched, or the stop_token_id
-    # that ended it; None for EOS, a length cut or a grammar's end.
+    # vLLM's stop_reason, on the last chunk: the engine's (engine.stop_reason), which
+    # LLM.generate's RequestOutput carries too.
     stop_reason: str | int | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)  # this step's, the ending token included
 
@@ -93,7 +93,7 @@ class Generation:
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
-        self.params, self.last_token = params, None
+        self.params = params
         self.done = False  # the engine has ended the request, or close() aborted it
         self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, list(params.stop), params,
                                                   self.engine.model_config.eos_token_ids)
@@ -107,24 +107,12 @@ class Generation:
         except RuntimeError as e:  # shutting down, or the engine loop died
             raise ApiError(str(e), status=503, type="service_unavailable") from e
 
-    def _stop_reason(self, reason: str | None) -> str | int | None:
-        """vLLM's: the stop string, or a stop_token_id (EOS, checked first, is None)."""
-        if reason != "stop":
-            return None
-        if self.detokenizer.stop_reason is not None:
-            return self.detokenizer.stop_reason
-        t = self.last_token
-        if t is not None and self.params.stop_token(t, self.engine.model_config.eos_token_ids) == "stop_token_id":
-            return t
-        return None
-
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
         try:
             async for delta in self.stream:
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
                 ids, text, stopped = delta.new_token_ids, "", False
-                self.last_token = ids[-1] if ids else self.last_token
                 # One token at a time, as the engine's matcher reads them (a verified step's
                 # delta has several), so both find a stop string at the same token.
                 for j in range(len(ids) or 1):
@@ -136,7 +124,7 @@ class Generation:
                 self.done = done = delta.finished
                 reason = delta.finish_reason if done else None
                 yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, delta.metrics,
-                            delta.prompt_logprobs, self._stop_reason(reason), ids)
+                            delta.prompt_logprobs, delta.stop_reason, ids)
                 if done:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it
