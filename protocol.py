@@ -175,7 +175,7 @@ def truncate_prompt(body: dict, prompt_ids: list[int], max_model_len: int, chat:
     # vLLM's room for the prompt: the context less the max_tokens asked (none asked: chat's
     # 0, completions' default 16); a bad max_tokens is parse_sampling's to refuse.
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_output = field(body, limit, (int,)) or (0 if chat else 16)
+    max_output = field(body, limit, (int,), 0 if chat else 16)
     max_input = max_model_len - max_output
     if k > max_input:
         raise ApiError(f"truncate_prompt_tokens={k} cannot be greater than max_model_len - {limit} = {max_input}: "

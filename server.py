@@ -149,8 +149,11 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     app, engine = request.app, request.app["engine"]
     untruncated = prompt_ids
     prompt_ids = truncate_prompt(body, prompt_ids, engine.config.max_model_len, chat)
-    params = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
-                            engine.tokenizer is not None, tools)
+    # vLLM's echo with max_tokens 0 (scoring a text): one token is generated, and the answer
+    # is the prompt alone (its text, its logprobs).
+    prompt_only = not chat and field(body, "echo", (bool,), False) and field(body, "max_tokens", (int,)) == 0
+    params = parse_sampling(body | {"max_tokens": 1} if prompt_only else body, len(prompt_ids),
+                            engine.config.max_model_len, chat, engine.tokenizer is not None, tools)
     stream = field(body, "stream", (bool,), False)
     stream_options = field(body, "stream_options", (dict,), {})
     if stream_options and not stream:
@@ -232,6 +235,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                     lps += last.logprobs or []
                     prompt_lps = last.prompt_logprobs or prompt_lps
             assert last is not None and last.finish_reason is not None
+            text, lps = ("", []) if prompt_only else (text, lps)
             lp = logprobs(echoed_logprobs(prompt_lps) + lps, 0) if params.logprobs is not None else None
             message, reason = ToolCallStream(tools, app["tool_parser"], parallel).message(text, last.finish_reason)
             if echo and chat:
@@ -270,7 +274,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                             or (return_ids and c.token_ids)):
                         continue  # held back: part of a character, or maybe the start of a stop string
                     lps = c.logprobs if not pending_echo or c.logprobs is None else \
-                        echoed_logprobs(c.prompt_logprobs) + c.logprobs
+                        echoed_logprobs(c.prompt_logprobs) + ([] if prompt_only else c.logprobs)
                     choice = {"index": 0, "logprobs": logprobs(lps, offset), "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}
                     if c.prompt_logprobs is not None:  # once, with the first token
@@ -278,7 +282,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                     if chat:
                         choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
                     else:
-                        choice["text"] = (echoed if pending_echo else "") + c.text
+                        choice["text"] = (echoed if pending_echo else "") + ("" if prompt_only else c.text)
                         pending_echo = False
                     if pending_prompt_ids:
                         choice["prompt_token_ids"], pending_prompt_ids = prompt_ids, False

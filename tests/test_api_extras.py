@@ -237,6 +237,26 @@ def test_completions_echo_with_logprobs_prepends_the_prompt_s_as_vllm(app) -> No
         assert lp["text_offset"] == list(itertools.accumulate((len(t) for t in lp["tokens"]), initial=0))[:-1]
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone_as_vllm(app) -> None:
+    """Scoring a text (lm-eval's loglikelihood): vLLM generates one token and answers with
+    the prompt's text and logprobs only."""
+    post, _ = app
+    body = {"prompt": "Hi there", "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0.0}
+    with_one = json.loads(post(C, body | {"max_tokens": 1})[1])["choices"][0]
+    for stream in (False, True):
+        status, text, _ = post(C, body | {"stream": stream})
+        assert status == 200, text
+        choices = [c["choices"][0] for c in events(text) if c["choices"]] if stream else [json.loads(text)["choices"][0]]
+        assert len(choices) == 1 and choices[0]["text"] == "Hi there" and choices[0]["finish_reason"] == "length"
+        lp = choices[0]["logprobs"]
+        assert {k: v[:9] for k, v in with_one["logprobs"].items()} == lp and len(lp["tokens"]) == 9
+    # without echo, max_tokens 0 stays a 400; vLLM's room for the prompt counts max_tokens 0
+    status, text, _ = post(C, {"prompt": "Hi", "max_tokens": 0})
+    assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"
+    status, text, _ = post(C, {"prompt": "Hi", "max_tokens": 0, "echo": True, "truncate_prompt_tokens": 120})
+    assert status == 200, text
+
+
 def test_echoed_prompt_logprobs_are_transformers_log_softmax(hf_checkpoint) -> None:
     """The echoed prompt's logprobs against transformers' logits of the same checkpoint
     (no tokenizer: tokens come back as token_id:N)."""
