@@ -57,7 +57,8 @@ _NEUTRAL: dict[str, tuple] = {
     "repetition_penalty": (1,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
     "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
     "chat_template": (),  # vLLM too refuses a request's own template unless trusted by a flag
-    "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (),
+    "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
+    "cache_salt": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
 }
 

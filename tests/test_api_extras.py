@@ -5,7 +5,11 @@ tokenizer's own encoding, transformers' logits).
 Claims: the response id is `cmpl-<id>` / `chatcmpl-<id>` from the X-Request-Id header, else
 the body's request_id, and two requests with one id run side by side in the engine (each
 its own internal id); --enable-request-id-headers echoes X-Request-Id (or a fresh one) on
-every response; a bad id is a 400 naming it."""
+every response; truncate_prompt_tokens keeps the last (or first) k of the tokenizer's ids,
+after the chat template; echo puts the prompt (chat: the last message of the answer's role)
+before the answer, its logprobs transformers' log-softmax, the first null; return_token_ids
+are the tokenizer's encoding of the text; return_tokens_as_token_ids names logprobs' tokens
+"token_id:N"; LLM.generate's stop_reason is vLLM's; every bad value is a 400 naming its field."""
 
 from __future__ import annotations
 
@@ -246,7 +250,8 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone_as_vllm(app) -> None:
     for stream in (False, True):
         status, text, _ = post(C, body | {"stream": stream})
         assert status == 200, text
-        choices = [c["choices"][0] for c in events(text) if c["choices"]] if stream else [json.loads(text)["choices"][0]]
+        choices = [c["choices"][0] for c in events(text) if c["choices"]] if stream else \
+            [json.loads(text)["choices"][0]]
         assert len(choices) == 1 and choices[0]["text"] == "Hi there" and choices[0]["finish_reason"] == "length"
         lp = choices[0]["logprobs"]
         assert {k: v[:9] for k, v in with_one["logprobs"].items()} == lp and len(lp["tokens"]) == 9
