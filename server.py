@@ -214,7 +214,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # (streamed: the prompt's once, each chunk its own); an echoed completion then leaves
     # the prompt's text out, as vLLM. return_tokens_as_token_ids: logprobs' tokens as "token_id:N".
     return_ids = field(body, "return_token_ids", (bool,), False)
-    as_ids = field(body, "return_tokens_as_token_ids", (bool,), False)
+    as_ids = field(body, "return_tokens_as_token_ids", (bool,), app["return_tokens_as_token_ids"])
     echoed = echo_text(body, untruncated, prompt_ids, engine.tokenizer, chat) if echo and (chat or not return_ids) \
         else ""
 
@@ -572,13 +572,15 @@ class EngineCollector:
 def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
               metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False,
               tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
-              request_id_headers: bool = False) -> web.Application:
+              request_id_headers: bool = False, return_tokens_as_token_ids: bool = False) -> web.Application:
     """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
     (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused.
     exclude_tools_when_tool_choice_none: tool_choice "none" keeps the tools out of the prompt.
     request_id_headers: every response carries an X-Request-Id header (vLLM's
-    --enable-request-id-headers): the request's own, else a new one."""
+    --enable-request-id-headers): the request's own, else a new one.
+    return_tokens_as_token_ids: logprobs' tokens are "token_id:N" unless a request's
+    return_tokens_as_token_ids says otherwise (vLLM's --return-tokens-as-token-ids)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
@@ -588,7 +590,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
                started=int(time.time()), stopping=asyncio.Event(), in_flight=set(),
                per_request_metrics=per_request_metrics,
                tool_parser=TOOL_PARSERS[tool_call_parser] if tool_call_parser is not None else None,
-               exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
+               exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+               return_tokens_as_token_ids=return_tokens_as_token_ids)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -690,6 +693,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="add an X-Request-Id header to every response: the request's own X-Request-Id, else a "
                         "random one (vLLM's flag)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name their tokens \"token_id:N\" (a request's return_tokens_as_token_ids wins; "
+                        "vLLM's flag)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
@@ -717,7 +723,8 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      metric_labels=metric_labels, per_request_metrics=args.enable_per_request_metrics,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                      exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                     request_id_headers=args.enable_request_id_headers)
+                     request_id_headers=args.enable_request_id_headers,
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:

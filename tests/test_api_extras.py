@@ -29,23 +29,27 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def app():
-    """(post, post_many): post(path, body, headers=None) -> (status, body text, headers), one
-    request to the app (--enable-request-id-headers) on one tiny engine; post_many(requests)
-    sends several at once."""
+    """(post, post_many): post(path, body, headers=None, flagged=False) -> (status, body text,
+    headers), one request to the app (--enable-request-id-headers; flagged: the app with
+    --return-tokens-as-token-ids too) on one tiny engine; post_many(requests) sends several at once."""
     from aiohttp.test_utils import TestClient, TestServer
 
     import server
 
     with tiny_async_engine() as (loop, engine):
-        client = TestClient(TestServer(server.build_app(engine, ["tiny"], request_id_headers=True)), loop=loop)
+        client, flagged_client = (
+            TestClient(TestServer(server.build_app(engine, ["tiny"], request_id_headers=True,
+                                                   return_tokens_as_token_ids=flagged)), loop=loop)
+            for flagged in (False, True))
         loop.run_until_complete(client.start_server())
+        loop.run_until_complete(flagged_client.start_server())
 
-        async def one(path: str, body: object, headers: dict | None) -> tuple[int, str, Any]:
-            resp = await client.post(path, json=body, headers=headers or {})
+        async def one(path: str, body: object, headers: dict | None, flagged: bool = False) -> tuple[int, str, Any]:
+            resp = await (flagged_client if flagged else client).post(path, json=body, headers=headers or {})
             return resp.status, await resp.text(), resp.headers.copy()  # case-insensitive
 
-        def post(path: str, body: object, headers: dict | None = None) -> tuple[int, str, Any]:
-            return loop.run_until_complete(asyncio.wait_for(one(path, body, headers), 300))
+        def post(path: str, body: object, headers: dict | None = None, flagged: bool = False) -> tuple[int, str, Any]:
+            return loop.run_until_complete(asyncio.wait_for(one(path, body, headers, flagged), 300))
 
         def post_many(requests: list[tuple[str, object, dict | None]]) -> list[tuple[int, str, Any]]:
             async def many() -> list[tuple[int, str, Any]]:
@@ -54,6 +58,7 @@ def app():
 
         yield post, post_many
         loop.run_until_complete(client.close())
+        loop.run_until_complete(flagged_client.close())
 
 
 def events(text: str) -> list[dict]:
@@ -374,6 +379,12 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(app) -> None:
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
     assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
+    # --return-tokens-as-token-ids: the server's default, which a request's false overrides (vLLM's)
+    body = {"prompt": "go", "logprobs": 0, "return_token_ids": True} | ASCII
+    choice = json.loads(post(C, body, flagged=True)[1])["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    choice = json.loads(post(C, body | {"return_tokens_as_token_ids": False}, flagged=True)[1])["choices"][0]
+    assert choice["logprobs"]["tokens"] == list(choice["text"])
 
 
 @pytest.mark.parametrize("name", ["return_token_ids", "return_tokens_as_token_ids"])
