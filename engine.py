@@ -68,6 +68,7 @@ class RequestOutputDelta:
     # With a request's first token, when it asked: one entry per prompt token, the first None
     # (nothing precedes it), as vLLM's prompt_logprobs.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_reason: str | int | None = None  # on the request's last delta: stop_reason(seq)
 
 
 @dataclass
@@ -87,6 +88,9 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache (vLLM's field)
     metrics: RequestMetrics  # its timings and scheduling history (vLLM's RequestOutput.metrics)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: first entry None, as vLLM
+    # vLLM's CompletionOutput.stop_reason: the stop string matched, or the stop_token_ids
+    # entry that ended it; None for EOS, a length cut, a grammar's end or an abort.
+    stop_reason: str | int | None = None
 
 
 class LLMEngine:
@@ -348,6 +352,7 @@ class LLMEngine:
                                            seq.num_output_tokens, max(seq.num_cached_tokens, 0))
                     deltas.append(d)
                 d.finished, d.finish_reason, d.metrics = True, seq.finish_reason, RequestMetrics.of(seq)
+                d.stop_reason = stop_reason(seq, self.model_config.eos_token_ids)
         return deltas
 
     def _log_preemptions(self, out: SchedulerOutput) -> None:
@@ -574,7 +579,22 @@ class LLM:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
                              seq.finish_reason, logprobs, seq.arrival_time, seq.first_token_time,
                              seq.finished_time, seq.num_preemptions, max(seq.num_cached_tokens, 0),
-                             RequestMetrics.of(seq), prompt_logprobs)
+                             RequestMetrics.of(seq), prompt_logprobs,
+                             stop_reason(seq, self.engine.model_config.eos_token_ids))
+
+
+def stop_reason(seq: Sequence, eos_token_ids: Seq[int]) -> str | int | None:
+    """vLLM's stop_reason of a finished request: the stop string its matcher found, or the
+    stop_token_ids entry it ended on (EOS, checked first by SamplingParams.stop_token, is
+    None); None for any other end. The server's responses and LLM.generate both read it."""
+    if seq.finish_reason != "stop":
+        return None
+    if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
+        return seq.stop_matcher.stop_reason
+    last = seq.output_token_ids[-1] if seq.output_token_ids else None
+    if last is not None and seq.params.stop_token(last, eos_token_ids) == "stop_token_id":
+        return last
+    return None
 
 
 def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,

@@ -41,7 +41,7 @@ _JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a s
 # get a 400 naming them, never a silently different answer. () : any value is refused.
 _NEUTRAL: dict[str, tuple] = {
     # OpenAI's
-    "echo": (False,), "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
+    "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
     "presence_penalty": (0,), "frequency_penalty": (0,),
     "functions": ([],), "function_call": ("none", "auto"),  # the deprecated tools: no functions, so no call
     "modalities": (["text"],),  # text out only: no audio
@@ -56,9 +56,8 @@ _NEUTRAL: dict[str, tuple] = {
     # vLLM's own extras that taxirank does not implement
     "repetition_penalty": (1,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
     "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
-    "truncate_prompt_tokens": (),
-    "documents": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
-    "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (),
+    "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
+    "cache_salt": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
 }
 
@@ -78,7 +77,8 @@ _COMMON_FIELDS = {
     "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
-    "tool_choice", *_NEUTRAL, *_ACCEPTED_NOOP}
+    "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids",
+    "return_tokens_as_token_ids", *_NEUTRAL, *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort", "include_reasoning", "chat_template"}
@@ -104,6 +104,7 @@ def unknown_fields(body: dict, chat: bool) -> list[str]:
 MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_REQUEST_ID_CHARS = 256  # vLLM has no cap; one keeps ids, logs and the echoed header bounded
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -119,6 +120,17 @@ def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -
     if isinstance(value, float) and not math.isfinite(value):
         raise ApiError(f"'{name}' must be a finite number", param=name)
     return value
+
+
+def client_request_id(body: dict, header: str | None) -> str | None:
+    """vLLM's base of the response id (`cmpl-<id>`, `chatcmpl-<id>`): the X-Request-Id header,
+    else the body's `request_id`; None when neither is set. Both are checked as they come:
+    a string of 1 to MAX_REQUEST_ID_CHARS printable characters."""
+    for value, name in ((field(body, "request_id", (str,)), "request_id"), (header, "X-Request-Id")):
+        if value is not None and not (0 < len(value) <= MAX_REQUEST_ID_CHARS and value.isprintable()):
+            raise ApiError(f"'{name}' must be 1 to {MAX_REQUEST_ID_CHARS} printable characters",
+                           param="request_id" if name == "request_id" else None)
+    return header if header is not None else body.get("request_id")
 
 
 def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:
@@ -144,6 +156,34 @@ def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise ApiError(f"prompt token id {t!r} is not in the vocabulary [0, {vocab_size})", param="prompt")
     return prompt
+
+
+def truncate_prompt(body: dict, prompt_ids: list[int], max_model_len: int, chat: bool) -> list[int]:
+    """vLLM's truncate_prompt_tokens k, on the prompt's token ids (after the chat template):
+    its last k tokens (truncation_side "left", the default) or its first k ("right"); -1 is
+    as many as the context leaves beside the requested max_tokens. A k larger than that is
+    vLLM's 400."""
+    side = field(body, "truncation_side", (str,), "left")
+    if side not in ("left", "right"):
+        raise ApiError(f"'truncation_side' must be 'left' or 'right', got {side[:40]!r}", param="truncation_side")
+    k = field(body, "truncate_prompt_tokens", (int,))
+    if k is None:
+        return prompt_ids
+    if k == 0 or k < -1:
+        raise ApiError(f"'truncate_prompt_tokens' must be at least 1, or -1 (the context length less max_tokens), "
+                       f"got {k}", param="truncate_prompt_tokens")
+    # vLLM's room for the prompt: the context less the max_tokens asked (none asked: chat's
+    # 0, completions' default 16); a bad max_tokens is parse_sampling's to refuse.
+    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_output = field(body, limit, (int,), 0 if chat else 16)
+    max_input = max_model_len - max_output
+    if k > max_input:
+        raise ApiError(f"truncate_prompt_tokens={k} cannot be greater than max_model_len - {limit} = {max_input}: "
+                       "request a smaller truncation size", param="truncate_prompt_tokens")
+    k = max_input if k == -1 else k
+    if k < 1:  # max_tokens leaves no room: parse_sampling says so
+        return prompt_ids
+    return prompt_ids[-k:] if side == "left" else prompt_ids[:k]
 
 
 def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
@@ -328,6 +368,9 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             raise ApiError("when using 'top_logprobs', 'logprobs' must be set to true", param="top_logprobs")
     else:
         logprobs = field(body, "logprobs", (int,))
+    prompt_logprobs = field(body, "prompt_logprobs", (int,))  # vLLM's extra field
+    if field(body, "echo", (bool,), False) and not chat and prompt_logprobs is None:
+        prompt_logprobs = logprobs  # vLLM's: the echoed prompt's tokens get logprobs as the completion's do
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -340,7 +383,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             stop=tuple(stop),
             ignore_eos=field(body, "ignore_eos", (bool,), False),
             logprobs=logprobs,
-            prompt_logprobs=field(body, "prompt_logprobs", (int,)),  # vLLM's extra field
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=field(body, "skip_special_tokens", (bool,), True),
             spaces_between_special_tokens=field(body, "spaces_between_special_tokens", (bool,), True),
             structured_outputs=parse_structured(body, tools),
@@ -478,8 +521,11 @@ def parse_slo(body: dict) -> SLOTarget | None:
 
 # ---- logprobs out -----------------------------------------------------------------
 
-def token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
+def token_text(tokenizer: Any, token_id: int, as_id: bool = False) -> str:
+    """A token's text in logprobs; as_id (vLLM's return_tokens_as_token_ids), or no
+    tokenizer: "token_id:N", which any JSON carries whatever the token's bytes."""
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer and not as_id else \
+        f"token_id:{token_id}"
 
 
 def finite(logprob: float) -> float:
@@ -494,14 +540,22 @@ def _with_sampled(lp: TokenLogprob) -> dict[int, float]:
     return {lp.token_id: lp.logprob} | {t: v for t, v in lp.top if t != lp.token_id}
 
 
-def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) -> dict:
+def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob | int], offset: int, top: int | None = None,
+                        as_ids: bool = False) -> dict:
     """OpenAI's legacy completions logprobs; `offset` is where this text starts. Each
     position's top_logprobs holds the sampled token besides the top `logprobs` (OpenAI's
-    "logprobs + 1" entries when the sampled token is not among them), as vLLM."""
-    tokens = [token_text(tokenizer, lp.token_id) for lp in lps]
-    return {"tokens": tokens, "token_logprobs": [finite(lp.logprob) for lp in lps],
-            "top_logprobs": [{token_text(tokenizer, t): finite(v) for t, v in _with_sampled(lp).items()}
-                             for lp in lps],
+    "logprobs + 1" entries when the sampled token is not among them), as vLLM; `top`: at
+    most top + 1 entries (an echoed prompt position holds prompt_logprobs' top ones). A
+    bare token id is a token without a logprob (an echoed prompt's first): null logprob
+    and top_logprobs, as vLLM. as_ids: tokens as "token_id:N" (return_tokens_as_token_ids)."""
+    ids = [lp if isinstance(lp, int) else lp.token_id for lp in lps]
+    tokens = [token_text(tokenizer, t, as_ids) for t in ids]
+    keep = None if top is None else top + 1
+    return {"tokens": tokens,
+            "token_logprobs": [None if isinstance(lp, int) else finite(lp.logprob) for lp in lps],
+            "top_logprobs": [None if isinstance(lp, int) else
+                             {token_text(tokenizer, t, as_ids): finite(v) for t, v in
+                              itertools.islice(_with_sampled(lp).items(), keep)} for lp in lps],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
 
 
@@ -516,12 +570,12 @@ def prompt_logprobs_json(tokenizer: Any, lps: list[TokenLogprob | None]) -> list
                                           *(entry(t, v, r) for r, (t, v) in enumerate(lp.top, 1))]) for lp in lps]
 
 
-def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict:
+def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], as_ids: bool = False) -> dict:
     """Chat's logprobs: per token its own and a top_logprobs list of `top_logprobs`
     entries, vLLM's: the first of the sampled token and then the top ones (the most
     likely `top_logprobs` when the sampled token is among them, as it is in greedy decoding)."""
     def entry(token_id: int, logprob: float) -> dict:
-        text = token_text(tokenizer, token_id)
+        text = token_text(tokenizer, token_id, as_ids)
         return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
     return {"content": [entry(lp.token_id, lp.logprob) | {
         "top_logprobs": [entry(t, v) for t, v in itertools.islice(_with_sampled(lp).items(), len(lp.top))]}

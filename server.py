@@ -48,9 +48,9 @@ from config import EngineConfig, SamplingParams, SLOTarget
 from engine import QueueFullError, TokenLogprob
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
-from protocol import (INT64, ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
-                      parse_sampling, parse_slo, prompt_logprobs_json, thinking_enabled, token_text,
-                      tool_choice, unknown_fields)
+from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
+                      parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, thinking_enabled, token_text,
+                      tool_choice, truncate_prompt, unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
@@ -74,9 +74,10 @@ class Chunk:
     num_output_tokens: int
     metrics: RequestMetrics | None = None  # on the last chunk, when the request asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked
-    # vLLM's stop_reason, on the last chunk: the stop string matched, or the stop_token_id
-    # that ended it; None for EOS, a length cut or a grammar's end.
+    # vLLM's stop_reason, on the last chunk: the engine's (engine.stop_reason), which
+    # LLM.generate's RequestOutput carries too.
     stop_reason: str | int | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # this step's, the ending token included
 
 
 class Generation:
@@ -95,7 +96,7 @@ class Generation:
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
-        self.params, self.last_token = params, None
+        self.params = params
         self.done = False  # the engine has ended the request, or close() aborted it
         self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, list(params.stop), params,
                                                   self.engine.model_config.eos_token_ids)
@@ -109,24 +110,12 @@ class Generation:
         except RuntimeError as e:  # shutting down, or the engine loop died
             raise ApiError(str(e), status=503, type="service_unavailable") from e
 
-    def _stop_reason(self, reason: str | None) -> str | int | None:
-        """vLLM's: the stop string, or a stop_token_id (EOS, checked first, is None)."""
-        if reason != "stop":
-            return None
-        if self.detokenizer.stop_reason is not None:
-            return self.detokenizer.stop_reason
-        t = self.last_token
-        if t is not None and self.params.stop_token(t, self.engine.model_config.eos_token_ids) == "stop_token_id":
-            return t
-        return None
-
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
         try:
             async for delta in self.stream:
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
                 ids, text, stopped = delta.new_token_ids, "", False
-                self.last_token = ids[-1] if ids else self.last_token
                 # One token at a time, as the engine's matcher reads them (a verified step's
                 # delta has several), so both find a stop string at the same token.
                 for j in range(len(ids) or 1):
@@ -138,7 +127,7 @@ class Generation:
                 self.done = done = delta.finished
                 reason = delta.finish_reason if done else None
                 yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, delta.metrics,
-                            delta.prompt_logprobs, self._stop_reason(reason))
+                            delta.prompt_logprobs, delta.stop_reason, ids)
                 if done:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it
@@ -161,8 +150,14 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     """Run one completion (chat or not) and answer it whole or as an SSE stream. tools: a
     chat request's tool_choice() (its calls come out as tool_calls)."""
     app, engine = request.app, request.app["engine"]
-    params = parse_sampling(body, len(prompt_ids), engine.config.max_model_len, chat,
-                            engine.tokenizer is not None, tools, engine.sampling_defaults)
+    untruncated = prompt_ids
+    prompt_ids = truncate_prompt(body, prompt_ids, engine.config.max_model_len, chat)
+    # vLLM's echo with max_tokens 0 (scoring a text): one token is generated, and the answer
+    # is the prompt alone (its text, its logprobs).
+    prompt_only = not chat and field(body, "echo", (bool,), False) and field(body, "max_tokens", (int,)) == 0
+    params = parse_sampling(body | {"max_tokens": 1} if prompt_only else body, len(prompt_ids),
+                            engine.config.max_model_len, chat, engine.tokenizer is not None, tools,
+                            engine.sampling_defaults)
     stream = field(body, "stream", (bool,), False)
     stream_options = field(body, "stream_options", (dict,), {})
     if stream_options and not stream:
@@ -183,7 +178,12 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         except ValueError as e:
             raise ApiError(str(e), param="tool_choice" if tools is not None else None) from e
 
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    # vLLM's: the client's id (X-Request-Id, else the body's request_id) is the visible one,
+    # and the engine's is it with a unique suffix, so that two requests sent with the same
+    # id (retries, a client's fixed id) never meet in the engine.
+    client_id = client_request_id(body, request.headers.get("X-Request-Id"))
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
+    engine_request_id = request_id if client_id is None else f"{request_id}-{uuid.uuid4().hex}"
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
     if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
         raise ApiError(f"'priority' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="priority")
@@ -207,7 +207,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
     want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
     user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
-    gen = Generation(engine, request_id, prompt_ids, params, priority, want_metrics, user, parse_slo(body))
+    gen = Generation(engine, engine_request_id, prompt_ids, params, priority, want_metrics, user, parse_slo(body))
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
     model = body.get("model") or app["model_names"][0]  # read_body checked it
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
@@ -217,30 +217,57 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                 "total_tokens": gen.num_prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens}}
 
-    def logprobs(lps: list[TokenLogprob] | None, offset: int) -> dict | None:
+    def logprobs(lps: list[TokenLogprob | int] | None, offset: int) -> dict | None:
         if lps is None:
             return None
-        return chat_logprobs(engine.tokenizer, lps) if chat else completion_logprobs(engine.tokenizer, lps, offset)
+        return chat_logprobs(engine.tokenizer, lps, as_ids) if chat else \
+            completion_logprobs(engine.tokenizer, lps, offset, params.logprobs, as_ids)
+
+    # vLLM's echo: a completion's text starts with the prompt's (its logprobs with the
+    # prompt's, the first token's null); a chat answer with the last message's content
+    # when that message has the answer's role.
+    echo = field(body, "echo", (bool,), False)
+    # vLLM's return_token_ids: the prompt's and the answer's token ids beside the text
+    # (streamed: the prompt's once, each chunk its own); an echoed completion then leaves
+    # the prompt's text out, as vLLM. return_tokens_as_token_ids: logprobs' tokens as "token_id:N".
+    return_ids = field(body, "return_token_ids", (bool,), False)
+    as_ids = field(body, "return_tokens_as_token_ids", (bool,), app["return_tokens_as_token_ids"])
+    echoed = echo_text(body, untruncated, prompt_ids, engine.tokenizer, role) if echo and (chat or not return_ids) \
+        else ""
+
+    def echoed_logprobs(prompt_lps: list[TokenLogprob | None] | None) -> list[TokenLogprob | int]:
+        if not echo or chat or params.logprobs is None:
+            return []
+        return [prompt_ids[0], *(prompt_lps or [None])[1:]]
 
     # Whatever ends this handler (a reply, the client gone before the first byte, a
     # cancellation) ends the request: a stream never read has no frame to abort it.
     try:
         if not stream:
-            text, lps, last, prompt_lps = "", [], None, None
+            text, lps, last, prompt_lps, ids = "", [], None, None, []
             async with contextlib.aclosing(gen.chunks()) as chunks:
                 async for last in chunks:
                     text += last.text
+                    ids += last.token_ids
                     lps += last.logprobs or []
                     prompt_lps = last.prompt_logprobs or prompt_lps
             assert last is not None and last.finish_reason is not None
-            lp = logprobs(lps, 0) if params.logprobs is not None else None
+            text, lps = ("", []) if prompt_only else (text, lps)
+            lp = logprobs(echoed_logprobs(prompt_lps) + lps, 0) if params.logprobs is not None else None
             message, reason = message_stream().message(text, last.finish_reason)
             message["role"] = role
+            if echo and chat:
+                message["content"] = echoed + (message.get("content") or "")
+            elif echo:
+                text = echoed + text
             choice = {"index": 0, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
             if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
                 choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
             choice |= {"message": message} if chat else {"text": text}
             extra = {"metrics": dataclasses.asdict(last.metrics)} if want_metrics and last.metrics else {}
+            if return_ids:  # vLLM's places: the choice's token_ids; the prompt's on the choice, or chat's response
+                choice["token_ids"] = ids
+                (extra if chat else choice)["prompt_token_ids"] = prompt_ids
             return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)} | extra)
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -252,20 +279,33 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         try:
             if chat:
                 await send([{"index": 0, "delta": {"role": role, "content": ""}, "logprobs": None,
-                             "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
-            offset, calls = 0, message_stream()
+                             "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}),
+                           **({"prompt_token_ids": prompt_ids} if return_ids else {}))
+                if echoed:  # vLLM's: the echoed message is a chunk of its own
+                    await send([{"index": 0, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}],
+                               **({"usage": usage(0)} if continuous_usage else {}))
+            offset, calls, pending_echo = 0, message_stream(), echo and not chat
+            pending_prompt_ids = return_ids and not chat
             async with contextlib.aclosing(gen.chunks()) as chunks:
                 async for c in chunks:
-                    if not (c.text or c.logprobs or c.finish_reason or c.prompt_logprobs):
+                    if not (pending_echo or c.text or c.logprobs or c.finish_reason or c.prompt_logprobs
+                            or (return_ids and c.token_ids)):
                         continue  # held back: part of a character, or maybe the start of a stop string
-                    choice = {"index": 0, "logprobs": logprobs(c.logprobs, offset), "finish_reason": c.finish_reason,
+                    lps = c.logprobs if not pending_echo or c.logprobs is None else \
+                        echoed_logprobs(c.prompt_logprobs) + ([] if prompt_only else c.logprobs)
+                    choice = {"index": 0, "logprobs": logprobs(lps, offset), "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}
                     if c.prompt_logprobs is not None:  # once, with the first token
                         choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, c.prompt_logprobs)
                     if chat:
                         choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
                     else:
-                        choice["text"] = c.text
+                        choice["text"] = (echoed if pending_echo else "") + ("" if prompt_only else c.text)
+                        pending_echo = False
+                    if pending_prompt_ids:
+                        choice["prompt_token_ids"], pending_prompt_ids = prompt_ids, False
+                    if return_ids:
+                        choice["token_ids"] = c.token_ids
                     # text_offset counts the tokens' own texts, as the whole response's does; the
                     # text sent so far lags it (held back: part of a character, a maybe-stop string).
                     if not chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
@@ -289,6 +329,24 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         return response
     finally:
         gen.close()
+
+
+def echo_text(body: dict, untruncated: list[int], prompt_ids: list[int], tokenizer: Any, role: str | None) -> str:
+    """What vLLM's echo puts before the answer. Chat (role: the answer's): the last
+    message's content when its role is the answer's, else nothing. Completions (role None):
+    the prompt as sent, or the prompt's tokens as text when it came as token ids or was
+    truncated."""
+    if role is not None:
+        last = body["messages"][-1]  # parse_messages checked them
+        content = last.get("content")
+        if isinstance(content, list):  # text parts, joined as parse_messages joins them
+            content = "\n".join(p["text"] for p in content)
+        return content if last["role"] == role and isinstance(content, str) else ""
+    prompt = body["prompt"]
+    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
+    if isinstance(prompt, str) and len(prompt_ids) == len(untruncated):
+        return prompt
+    return tokenizer.decode(prompt_ids, skip_special_tokens=False) if tokenizer is not None else ""
 
 
 # ---- handlers ---------------------------------------------------------------------
@@ -436,6 +494,12 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         raise ApiError("the prefix cache cannot be reset while requests hold KV blocks; retry when idle", 409,
                        type="conflict_error")
     return web.Response(status=200)
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """vLLM's XRequestIdMiddleware: the request's X-Request-Id header back, else a random
+    uuid4 hex, on every response (errors and streams too: this runs before the headers go)."""
+    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id", uuid.uuid4().hex)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -589,14 +653,18 @@ class EngineCollector:
 
 def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
               metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False,
-              tool_call_parser: str | None = None,
-              exclude_tools_when_tool_choice_none: bool = False,
+              tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
+              request_id_headers: bool = False, return_tokens_as_token_ids: bool = False,
               reasoning_parser: str | None = None, chat_template: str | None = None,
               trust_request_chat_template: bool = False, response_role: str = "assistant") -> web.Application:
     """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
     (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused.
     exclude_tools_when_tool_choice_none: tool_choice "none" keeps the tools out of the prompt.
+    request_id_headers: every response carries an X-Request-Id header (vLLM's
+    --enable-request-id-headers): the request's own, else a new one.
+    return_tokens_as_token_ids: logprobs' tokens are "token_id:N" unless a request's
+    return_tokens_as_token_ids says otherwise (vLLM's --return-tokens-as-token-ids).
     reasoning_parser: a REASONING_PARSERS name: chat messages carry the model's thinking as
     `reasoning`, apart from their content (vLLM's --reasoning-parser).
     chat_template: a Jinja chat template to use instead of the model's (--chat-template's
@@ -616,6 +684,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
                per_request_metrics=per_request_metrics,
                tool_parser=TOOL_PARSERS[tool_call_parser] if tool_call_parser is not None else None,
                exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+               return_tokens_as_token_ids=return_tokens_as_token_ids,
                reasoning_parser=REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None,
                chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
                response_role=response_role)
@@ -629,6 +698,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     app["tokenizer_executor"] = ThreadPoolExecutor(1, thread_name_prefix="taxirank-tokenizer")
+    if request_id_headers:
+        app.on_response_prepare.append(echo_request_id)
 
     async def stop_tokenizer(app: web.Application) -> None:
         app["tokenizer_executor"].shutdown(wait=False, cancel_futures=True)
@@ -749,6 +820,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="tool_choice \"none\" keeps the tool definitions out of the prompt (default: the chat "
                         "template renders them, as for any other tool_choice)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="add an X-Request-Id header to every response: the request's own X-Request-Id, else a "
+                        "random one (vLLM's flag)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name their tokens \"token_id:N\" (a request's return_tokens_as_token_ids wins; "
+                        "vLLM's flag)")
     p.add_argument("--chat-template", type=load_chat_template,
                    help="a Jinja chat template, or the path of a file holding one, to use instead of the model's")
     p.add_argument("--trust-request-chat-template", action="store_true",
@@ -786,6 +863,8 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      metric_labels=metric_labels, per_request_metrics=args.enable_per_request_metrics,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                      exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                     request_id_headers=args.enable_request_id_headers,
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                      reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
                      trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role)
 

@@ -177,7 +177,7 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (CHAT, "logit_bias", {"65": 10}),
     (CHAT, "n", 2),
     (CHAT, "reasoning_effort", "extreme"),
-    (CHAT, "return_token_ids", True),
+    (CHAT, "return_prompt_text", True),
     (CHAT, "cache_salt", "pepper"),
     (CHAT, "metadata", "not an object"),
     (CHAT, "parallel_tool_calls", "no"),
@@ -186,7 +186,6 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (C, "suffix", "tail"),
     (C, "best_of", 2),
     (C, "best_of", True),  # nor is true 1
-    (C, "echo", True),
     (C, "logit_bias", {"65": 10}),
     (C, "stream_options", {"include_usage": True, "include_typo": True}),
     (C, "seed", 2**63),
