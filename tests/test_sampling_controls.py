@@ -6,7 +6,9 @@ by step with the processor applied in NumPy (vLLM's formulas and order), with th
 synchronous loop and with async scheduling, beside a request that has none (whose tokens
 do not change); a forbidden token is never sampled; min_tokens holds EOS off (and stop
 strings unchecked) until the output has that many tokens; a request with any of them is
-never speculated and gets the tokens it gets without speculation; bad values are
+never speculated and gets the tokens it gets without speculation; a step with masks only
+compiles nothing new and each penalty-list width compiles one program once; preemption by
+recompute changes no token; a grammar and the masks hold together; bad values are
 ValueErrors offline and 400s naming the field over HTTP, vocabulary checks included."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from conftest import hf_logits, tiny_async_engine
+from conftest import count_compilations, hf_logits, tiny_async_engine
 from engine import LLM, SamplingParams
 from protocol import ApiError, parse_sampling
 
@@ -142,6 +144,47 @@ def test_a_request_with_processors_is_never_speculated_and_gets_the_tokens_it_ge
     # the same prompt without processors does get drafts (so the check above could fail)
     llm.generate([prompt], greedy(max_tokens=20))
     assert llm.stats.spec_decode_num_drafts > 0
+
+
+def test_plain_steps_compile_nothing_new_and_a_penalty_width_compiles_once():
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
+    with count_compilations() as compiled:
+        llm.generate([[5, 6, 7], [8] * 30], [greedy(max_tokens=6), SamplingParams(max_tokens=6, seed=1)])
+        masked = llm.generate([[5, 6, 7]], greedy(max_tokens=6, allowed_token_ids=[40, 41], min_tokens=3))[0]
+        assert compiled == [] and set(masked.token_ids) <= {40, 41}  # masks: the one sample program
+        llm.generate([[5, 6, 7]], greedy(max_tokens=6, repetition_penalty=1.3))  # 3 + 6 tokens: width 16
+        assert len(compiled) == 1
+        llm.generate([[9, 9, 9, 9], [5]], [greedy(max_tokens=8, logit_bias={3: 2.0}),
+                                           greedy(max_tokens=8, frequency_penalty=1.0)])
+        assert len(compiled) == 1
+
+
+def test_preemption_by_recompute_keeps_the_counts_with_the_outputs():
+    """A cache too small for all four: preempted and recomputed, each request gets the tokens
+    it gets alone (its counts were not reset, nor counted twice)."""
+    kw = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    params = [greedy(max_tokens=40, frequency_penalty=0.8, presence_penalty=0.3, repetition_penalty=1.1,
+                     bad_words=["ab"], ignore_eos=False, min_tokens=30) for _ in range(4)]
+    prompts = [[1] + [3 + i] * 12 for i in range(4)]
+    solo = LLM("tiny", log=lambda *_: None, warmup=False, **kw)
+    alone = [solo.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    llm = LLM("tiny", log=lambda *_: None, warmup=False, num_kv_blocks=9, **kw)
+    outs = llm.generate(prompts, params)
+    assert llm.stats.num_preemptions > 0
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_a_grammar_and_the_masks_both_hold():
+    import re
+
+    from config import StructuredOutputsParams as SO
+
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False)
+    outs = llm.generate([[5, 6, 7]] * 2, [
+        SamplingParams(max_tokens=30, seed=s, structured_outputs=SO(regex="[a-e]{10,20}"), bad_words=["c", "ab"],
+                       allowed_token_ids=[ord(x) for x in "abcd"] + [257], min_tokens=12) for s in (1, 2)])
+    for o in outs:
+        assert re.fullmatch("[abd]{12,20}", o.text) and "ab" not in o.text, o.text
 
 
 # ---- validation: offline ValueErrors, the server's 400s ---------------------------------------
