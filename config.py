@@ -273,7 +273,7 @@ def _check_field_types(config: EngineConfig) -> None:
 
 # What a generation_config.json may set of a request's sampling defaults, as vLLM reads it
 # (Hugging Face's max_new_tokens is max_tokens).
-GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens")
+GENERATION_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_new_tokens")
 
 
 def sampling_defaults(values: Any, where: str) -> dict[str, Any]:
@@ -440,8 +440,21 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (structured.py)
+    # vLLM's logits processors (logits_controls.py), applied in vLLM's order: allowed_token_ids,
+    # bad_words, min_tokens, logit_bias, then repetition, frequency and presence penalties.
+    min_tokens: int = 0  # EOS and stop_token_ids are masked (and stop strings unchecked) before it
+    allowed_token_ids: tuple[int, ...] | None = None  # only these ids may be sampled
+    bad_words: tuple[str, ...] = ()  # words whose last token is masked where the output ends in the rest
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of every output token
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0: a prompt or output token's logit / it if > 0, else * it
 
     def __post_init__(self) -> None:
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, list):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if isinstance(self.stop, str):
@@ -470,8 +483,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed must be a 64-bit integer, in [{-2**63}, {2**63 - 1}], got {self.seed!r}")
         if self.stop_token_ids is not None and not all(is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
@@ -483,10 +496,59 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        # vLLM's checks and messages (its SamplingParams._verify_args)
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_num(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be a finite number greater than zero, "
+                             f"got {self.repetition_penalty!r}")
+        if self.allowed_token_ids is not None:
+            if not all(is_int(t) for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be integers, got {self.allowed_token_ids!r}"[:200])
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is not None and empty!")
+        if not isinstance(self.bad_words, tuple) or not all(isinstance(w, str) for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}"[:200])
+        if any(not w for w in self.bad_words):
+            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(self.bad_words)}"[:200])
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {self.logit_bias!r}"[:200])
+            bias = {}
+            for token, value in self.logit_bias.items():
+                try:  # OpenAI's keys are strings of integers (JSON's keys are strings)
+                    token_id = token if is_int(token) else int(token) if isinstance(token, str) else None
+                except ValueError:
+                    token_id = None
+                if token_id is None:
+                    raise ValueError(f"logit_bias: found token_id {token!r} that is not an integer or string "
+                                     "representing an integer"[:200])
+                if not is_num(value):
+                    raise ValueError(f"logit_bias: the bias of token_id {token_id} must be a number, got {value!r}"[:200])
+                bias[token_id] = min(100.0, max(-100.0, float(value)))  # OpenAI's range, clamped as vLLM
+            object.__setattr__(self, "logit_bias", bias or None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether a logits processor masks some tokens at some step (logits_controls.py)."""
+        return bool(self.min_tokens or self.allowed_token_ids is not None or self.bad_words)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits get a bias or penalties (logits_controls.py)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     def stop_token(self, token: int, eos_token_ids: typing.Container[int]) -> Literal["eos", "stop_token_id"] | None:
         """Whether an output `token` ends the request, and as what: EOS first (unless

@@ -31,8 +31,9 @@ _POLL_MS = 1000
 _PREFIX = "taxirank/"
 # A step is two posts: its forward (DECODE or RAGGED), then its sample program, whose
 # bitmask travels only when a row is constrained (SAMPLE_MASKED; else each process uses
-# its own all-ones bitmask, already on its devices).
-STOP, DECODE, RAGGED, SAMPLE, SAMPLE_MASKED = 0, 1, 2, 3, 4
+# its own all-ones bitmask, already on its devices); a step with logit_bias or penalties
+# is SAMPLE_PENALIZED, whose "tokens" are the width of its sparse lists.
+STOP, DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED = 0, 1, 2, 3, 4, 5
 _HEADER = np.dtype(np.int64).itemsize * 3
 KEEP_POSTS = 8
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from config import MAX_LOGPROBS, EngineConfig, SamplingParams, SLOTarget
 from hf_config import generation_sampling_defaults
+from logits_controls import controls_for
 from metrics import EngineStats, RequestMetrics, StepTrace
 from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
@@ -143,6 +144,17 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids")
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias:  # vLLM's messages (its processor's _validate_logit_bias, ...)
+            bad = [t for t in params.logit_bias if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token_id(s) {bad[:8]} in logit_bias contain out-of-vocab token ids. "
+                                 f"Vocabulary size: {vocab}")
+        if params.allowed_token_ids is not None and not all(0 <= t < vocab for t in params.allowed_token_ids):
+            raise ValueError("allowed_token_ids contains out-of-vocab token id!")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so bad_words cannot be tokenized: use allowed_token_ids "
+                             "or logit_bias")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0, user: str | None = None,
@@ -164,6 +176,8 @@ class LLMEngine:
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         if params.structured_outputs is not None:
             seq.constraint = self.grammars.constraint(params.structured_outputs)
+        seq.controls = controls_for(params, seq.prompt_token_ids, self.model_config.vocab_size,
+                                    self.model_config.eos_token_ids, self.tokenizer)
         if params.stop:
             seq.stop_matcher = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, list(params.stop), params,
                                                       self.model_config.eos_token_ids)

@@ -41,8 +41,7 @@ _JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a s
 # get a 400 naming them, never a silently different answer. () : any value is refused.
 _NEUTRAL: dict[str, tuple] = {
     # OpenAI's
-    "suffix": ("",), "best_of": (1,), "logit_bias": ({},),
-    "presence_penalty": (0,), "frequency_penalty": (0,),
+    "suffix": ("",), "best_of": (1,),
     "functions": ([],), "function_call": ("none", "auto"),  # the deprecated tools: no functions, so no call
     "modalities": (["text"],),  # text out only: no audio
     "audio": (),  # audio output
@@ -54,8 +53,7 @@ _NEUTRAL: dict[str, tuple] = {
     "prompt_cache_retention": ("in_memory",),  # the prefix cache lives in memory only
     "moderation": (),  # moderation of input and output
     # vLLM's own extras that taxirank does not implement
-    "repetition_penalty": (1,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
-    "use_beam_search": (False,), "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (),
+    "include_stop_str_in_output": (False,), "use_beam_search": (False,), "length_penalty": (1,),
     "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
     "cache_salt": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
@@ -78,7 +76,8 @@ _COMMON_FIELDS = {
     "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
     "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids",
-    "return_tokens_as_token_ids", *_NEUTRAL, *_ACCEPTED_NOOP}
+    "return_tokens_as_token_ids", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_tokens", "bad_words", "allowed_token_ids", *_NEUTRAL, *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort", "include_reasoning", "chat_template"}
@@ -105,6 +104,10 @@ MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching 
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_REQUEST_ID_CHARS = 256  # vLLM has no cap; one keeps ids, logs and the echoed header bounded
+# vLLM's GPU model runner's limits on the ids of logit_bias and allowed_token_ids
+MAX_LOGIT_BIAS_TOKENS = MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 256  # vLLM has no cap; one keeps the tokenizing and the per-token prefix checks bounded
+MAX_BAD_WORD_CHARS = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -362,6 +365,26 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
     if stop_token_ids is not None and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
 
+    bad_words = field(body, "bad_words", (list,), [])
+    if not all(isinstance(w, str) for w in bad_words):
+        raise ApiError("'bad_words' must be an array of strings", param="bad_words")
+    if len(bad_words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in bad_words):
+        raise ApiError(f"'bad_words' takes at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters "
+                       "each", param="bad_words")
+    if bad_words and not has_tokenizer:
+        raise ApiError("this model has no tokenizer, so bad_words cannot be tokenized: use allowed_token_ids or "
+                       "logit_bias", param="bad_words")
+    allowed = field(body, "allowed_token_ids", (list,))
+    if allowed is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in allowed):
+        raise ApiError("'allowed_token_ids' must be an array of integers", param="allowed_token_ids")
+    if allowed is not None and len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+        raise ApiError(f"'allowed_token_ids' takes at most {MAX_ALLOWED_TOKEN_IDS} ids", param="allowed_token_ids")
+    logit_bias = field(body, "logit_bias", (dict,))
+    if logit_bias is not None and len(logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ApiError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS_TOKENS} token ids", param="logit_bias")
+    if logit_bias and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logit_bias.values()):
+        raise ApiError("'logit_bias' must map token ids to numbers", param="logit_bias")
+
     if chat:  # chat: logprobs is a flag, top_logprobs how many alternatives
         logprobs = field(body, "top_logprobs", (int,), 0) if field(body, "logprobs", (bool,), False) else None
         if logprobs is None and field(body, "top_logprobs", (int,), 0) != 0:  # vLLM's 400, never ignored
@@ -387,9 +410,16 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             skip_special_tokens=field(body, "skip_special_tokens", (bool,), True),
             spaces_between_special_tokens=field(body, "spaces_between_special_tokens", (bool,), True),
             structured_outputs=parse_structured(body, tools),
+            min_tokens=field(body, "min_tokens", (int,), 0),  # vLLM's extras, from here on
+            allowed_token_ids=allowed,
+            bad_words=tuple(bad_words),
+            logit_bias=logit_bias,  # OpenAI's: clamped to [-100, 100] (SamplingParams)
+            presence_penalty=field(body, "presence_penalty", (int, float), 0.0),
+            frequency_penalty=field(body, "frequency_penalty", (int, float), 0.0),
+            repetition_penalty=field(body, "repetition_penalty", (int, float), defaults.get("repetition_penalty", 1.0)),
         )
     except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]..."
-        name, message = str(e).split()[0], str(e)
+        name, message = str(e).split()[0].rstrip(":"), str(e)
         if chat and name == "logprobs":  # chat's count of alternatives is its top_logprobs field
             name, message = "top_logprobs", message.replace("logprobs", "top_logprobs", 1)
         raise ApiError(message, param=name if name in body else None) from e

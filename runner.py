@@ -20,7 +20,9 @@ num_output_placeholders) is passed as token_src = its slot and read from there; 
 sampling row writes its token back (sample_slot).
 
 Why two programs: a row under a structured-output constraint samples under a token
-bitmask that depends on its previous token. Split, the forward of step N+1 runs on the
+bitmask that depends on its previous token (as does a row with vLLM's logits processors,
+logits_controls.py: its bitmask row and its sparse bias and penalty lists; a step with
+bias or penalties runs the sample program of its lists' width, compiled on first use). Split, the forward of step N+1 runs on the
 device while the host waits for step N's tokens, advances the matchers and fills the
 bitmask; only the sample program waits for it (vLLM's execute_model / sample_tokens
 split). A step without a constrained row dispatches its sample program at once.
@@ -49,8 +51,9 @@ from jax.sharding import Mesh
 
 from attention_backend import AttentionShape, select_attention_backend
 from config import MAX_LOGPROBS, EngineConfig, host_memory_bytes
-from distributed import DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, STOP, StepChannel
+from distributed import DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED, STOP, StepChannel
 from kvcache import create_kv_caches
+from logits_controls import penalty_width
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel, ModelConfig
 from parallel import constrain_step_outputs, create_sharded_kv_caches, replicate, shard_attention
@@ -329,7 +332,8 @@ class ModelRunner:
         hidden = np.zeros((P, loaded.config.hidden_size), loaded.dtype)
         self._hidden = jnp.asarray(hidden) if mesh is None else replicate(hidden, mesh)
         self._wants_prompt_logprobs = np.zeros(N + 1, bool)
-        self._constrained = np.zeros(N + 1, bool)  # the slot's sequence samples under a grammar
+        # the slot's sequence samples under a grammar or logits processors (logits_controls.py)
+        self._constrained = np.zeros(N + 1, bool)
         backend = self.backend
         # Under TP the updated cache must come back split as it went in (it is donated).
         keep = (lambda kv, rest: (kv, *rest)) if mesh is None else functools.partial(constrain_step_outputs, mesh=mesh)
@@ -493,7 +497,8 @@ class ModelRunner:
             fill_slot(self._samp, s, seq.params, seq.seed, 0)  # "step" is set per step
             self._wants_logprobs[s] = seq.params.logprobs is not None
             self._wants_prompt_logprobs[s] = seq.params.prompt_logprobs is not None
-            self._constrained[s] = seq.constraint is not None  # set before the request is queued, never changed
+            # set before the request is queued, never changed
+            self._constrained[s] = seq.constraint is not None or seq.controls is not None
         else:
             n, m = self._bt_len[s], len(bt)
             if m != n:  # blocks are only ever appended while a sequence holds its slot
@@ -623,29 +628,58 @@ class ModelRunner:
         return step
 
     def sample(self, step: InFlightStep) -> None:
-        """Dispatch step's sample program. Its constrained rows' bitmask is filled now, so
-        the caller first collects every earlier step: each matcher must have consumed all
-        of its sequence's tokens but the one this step samples."""
+        """Dispatch step's sample program. Its constrained rows' bitmask and penalty lists
+        are filled now, so the caller first collects every earlier step: each matcher must
+        have consumed all of its sequence's tokens but the one this step samples."""
         sample_slot, sampling = step.sample_args
-        rows = []
+        rows, masks, penalties = [], [], []
         for seq, row in step.constrained:
             if seq.finished:  # ended by the step before: its row is discarded
                 continue
             assert seq.num_output_placeholders == 1, f"{seq.request_id}: its mask would miss a token in flight"
-            rows.append((seq.constraint, row))
+            if seq.constraint is not None:
+                rows.append((seq.constraint, row))
+            if seq.controls is not None:
+                if (m := seq.controls.mask(seq.output_token_ids)) is not None:
+                    masks.append((row, m))
+                if (p := seq.controls.penalties(seq.output_token_ids)) is not None:
+                    penalties.append((row, p))
         bitmask = None
-        if rows:
+        if rows or masks:
             t0 = time.perf_counter()
             bitmask = np.full((len(sample_slot), self._mask_width), -1, np.int32)
-            fill_bitmask(rows, bitmask)
-            with self.stats.lock:
-                self.stats.structured_output_steps += 1
-                self.stats.structured_output_bitmask_seconds += time.perf_counter() - t0
+            if rows:
+                fill_bitmask(rows, bitmask)
+            for row, m in masks:  # a grammar's row and the processors' both hold
+                bitmask[row] &= m.view(np.int32)
+            if rows:
+                with self.stats.lock:
+                    self.stats.structured_output_steps += 1
+                    self.stats.structured_output_bitmask_seconds += time.perf_counter() - t0
+        if penalties:
+            width = penalty_width(max(len(p[0]) for _, p in penalties))
+            sampling = dataclasses.replace(sampling, **self._penalty_lists(len(sample_slot), width, penalties))
+            if bitmask is None:
+                bitmask = np.full((len(sample_slot), self._mask_width), -1, np.int32)
+            step._res = self._run(SAMPLE_PENALIZED, len(sample_slot), width, (sample_slot, sampling, bitmask))
         # Multi-host, the all-ones bitmask of an unconstrained step is each process's own.
-        if bitmask is None:
+        elif bitmask is None:
             step._res = self._run(SAMPLE, len(sample_slot), 0, (sample_slot, sampling))
         else:
             step._res = self._run(SAMPLE_MASKED, len(sample_slot), 0, (sample_slot, sampling, bitmask))
+
+    def _penalty_lists(self, rows: int, width: int,
+                       entries: list[tuple[int, tuple[np.ndarray, ...]]] | None = None) -> dict[str, np.ndarray]:
+        """SamplingTensors' sparse penalty fields, [rows, width]: each (row, (ids, bias, rep,
+        sub)) of entries, the rest padding (id V: dropped by the scatter)."""
+        out = {"penalty_ids": np.full((rows, width), self.loaded.config.vocab_size, np.int32),
+               "penalty_bias": np.zeros((rows, width), np.float32), "penalty_rep": np.ones((rows, width), np.float32),
+               "penalty_sub": np.zeros((rows, width), np.float32)}
+        for row, values in entries or ():
+            n = len(values[0])
+            for name, v in zip(out, values):
+                out[name][row, :n] = v
+        return out
 
     def _verify_tokens(self, rows: int) -> int:
         """T of a verify step of `rows` rows of 1 + k tokens: at most the budget's tokens."""
@@ -723,9 +757,10 @@ class ModelRunner:
 
     def _idle_args(self, kind: int, rows: int, T: int) -> tuple:
         """All-idle inputs of one program's shape (also the template a follower fills)."""
-        if kind in (SAMPLE, SAMPLE_MASKED):
-            samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False))
-            mask = (np.full((rows, self._mask_width), -1, np.int32),) if kind == SAMPLE_MASKED else ()
+        if kind in (SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED):
+            penalties = self._penalty_lists(rows, T) if kind == SAMPLE_PENALIZED else {}
+            samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False), **penalties)
+            mask = (np.full((rows, self._mask_width), -1, np.int32),) if kind != SAMPLE else ()
             return (np.full(rows, self._idle, np.int32), samp, *mask)
         zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(rows, np.int32)
         args = (zeros_t, np.full(T, -1, np.int32), zeros_t, zeros_t,
@@ -740,7 +775,7 @@ class ModelRunner:
 
     def _program(self, kind: int, args: tuple) -> tuple[Callable, tuple]:
         """One program and its whole arguments: the device state, then the step's inputs."""
-        if kind in (SAMPLE, SAMPLE_MASKED):
+        if kind in (SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED):
             sample_slot, sampling, *mask = args
             if mask:
                 bitmask = mask[0] if self.mesh is None else replicate(mask[0], self.mesh)
@@ -765,7 +800,7 @@ class ModelRunner:
         program that always follows it (forward and sample alternate, on every process;
         a failed step's forward whose sample program never ran is overwritten by the next)."""
         fn, full = self._program(kind, args)
-        if kind in (SAMPLE, SAMPLE_MASKED):
+        if kind in (SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED):
             assert self._sample_due, "a sample program without its forward"
             self._sample_due = False
             self.last_tokens, res = fn(*full)

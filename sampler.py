@@ -32,6 +32,14 @@ class SamplingTensors:
     # whether any row is constrained, so unconstrained steps skip the unpacking.
     token_bitmask: jax.Array | None = None  # [S, ceil(V / 32)] i32
     use_bitmask: jax.Array | None = None  # [] bool
+    # logit_bias and penalties (logits_controls.py), a sparse list of W entries per row:
+    # token id (V: padding, dropped), bias added, repetition penalty, then subtracted
+    # (frequency * count + presence * seen). None: no row of the step has any, and the
+    # program has none of this (a penalised step's program is one per width W).
+    penalty_ids: jax.Array | None = None  # [S, W] i32
+    penalty_bias: jax.Array | None = None  # [S, W] f32
+    penalty_rep: jax.Array | None = None  # [S, W] f32
+    penalty_sub: jax.Array | None = None  # [S, W] f32
 
 
 def empty_sampling_arrays(num_slots: int) -> dict[str, np.ndarray]:
@@ -61,6 +69,18 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
     allowed = bits.reshape(bitmask.shape[0], -1)[:, :V].astype(bool)
     return jnp.where(allowed, logits, -jnp.inf)
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """logits [S, V] with each row's sparse entries applied, in vLLM's order: logit_bias
+    added, then the repetition penalty (a logit > 0 divided by it, else multiplied), then
+    frequency * count + presence subtracted. A gather and a scatter of [S, W]: a token not
+    listed keeps its logit."""
+    S, V = logits.shape
+    rows = jnp.arange(S)[:, None]
+    x = logits[rows, jnp.minimum(t.penalty_ids, V - 1)] + t.penalty_bias
+    x = jnp.where(x > 0, x / t.penalty_rep, x * t.penalty_rep) - t.penalty_sub
+    return logits.at[rows, t.penalty_ids].set(x, mode="drop")
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -155,7 +175,11 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array,
     Steps where every slot is greedy draw nothing (lax.cond), and only rows with a top_k,
     top_p or min_p filter sort. No lax.cond here returns the [S, V] logits (a branch
     that hands back its vocabulary-wide operand costs a copy of it on a CPU), so the bitmask
-    selects between two whole samplers, whose outputs are small."""
+    selects between two whole samplers, whose outputs are small. logit_bias and penalties
+    (a step that has them) come before the bitmask, and logprobs are those of the logits
+    they leave (vLLM's processed logprobs)."""
+    if t.penalty_ids is not None:
+        logits = apply_penalties(logits, t)
     if t.token_bitmask is None:
         return _sample_unmasked(logits, t)
     return jax.lax.cond(t.use_bitmask, lambda: _sample_unmasked(apply_token_bitmask(logits, t.token_bitmask), t),

@@ -100,6 +100,9 @@ class Sequence:
     # Stop strings: the request's matcher (tokenizer.IncrementalDetokenizer, set by the
     # engine), advanced by update() with each output token.
     stop_matcher: Any = None
+    # vLLM's logits processors (logits_controls.LogitsControls, set by the engine): like a
+    # constraint, the request samples once its previous token is known, and never speculates.
+    controls: Any = None
     # Filled by the engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -391,7 +394,7 @@ class Scheduler:
         spec = self.spec
         return spec is not None and (spec.disable_by_batch_size is None
                                      or len(self.running) < spec.disable_by_batch_size) \
-            and any(seq.speculates and seq.constraint is None for seq in self.running)
+            and any(seq.speculates and seq.constraint is None and seq.controls is None for seq in self.running)
 
     def take_proposals(self, out: SchedulerOutput, proposals: list[list[int]], draft_probs: Any = None) -> None:
         """The proposer's drafts for out's speculating rows (in their order), for a proposer
@@ -534,7 +537,8 @@ class Scheduler:
             add(row(seq, 1, True, True))  # = _add(out, seq, 1), the budget and count summed below
             seq.num_computed_tokens = computed + 1
             seq.num_output_placeholders += 1
-            if spec_k and seq.speculates and seq.constraint is None and seq.num_output_placeholders == 1:
+            if spec_k and seq.speculates and seq.constraint is None and seq.controls is None \
+                    and seq.num_output_placeholders == 1:
                 speculative.append(out.scheduled[-1])
             if caching and (computed + 1) // bs > num_named(seq.request_id, 0):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
@@ -891,9 +895,10 @@ class Scheduler:
         (never text), then a stop string (even on the token that reaches max_tokens), then
         a complete grammar, then the length."""
         p = seq.params
-        if p.stop_token(token, self.eos_token_ids) is not None:
-            return "stop"
         n = len(seq.output_token_ids)
+        # Before min_tokens no stop token ends it (vLLM's check_stop; the sampler masks them too)
+        if n >= p.min_tokens and p.stop_token(token, self.eos_token_ids) is not None:
+            return "stop"
         grammar_done = seq.constraint is not None and seq.constraint.stopped
         at_length = n >= p.max_tokens or len(seq.prompt_token_ids) + n >= self.config.max_model_len
         if seq.stop_matcher is not None and seq.stop_matcher.advance([token], final=grammar_done or at_length):

@@ -709,7 +709,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
 
 
 _HELP = {  # EngineConfig fields; config.py says more
-    "generation_config": "the sampling defaults of requests that leave them out (temperature, top_p, top_k, min_p, "
+    "generation_config": "the sampling defaults of requests that leave them out (repetition_penalty, temperature, "
+                         "top_p, top_k, min_p, "
                          "max_new_tokens as max_tokens): auto: the model folder's generation_config.json; vllm: "
                          "none (OpenAI's defaults); or a folder holding one",
     "override_generation_config": "JSON over those defaults, e.g. '{\"temperature\": 0.5}'",

@@ -180,6 +180,7 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded output, cut at a stop string
         self.sent = 0  # characters of self.text already handed out
         self.stop_reason: str | None = None  # the stop string that matched (vLLM's stop_reason)
+        self.num_output = 0  # output tokens taken: stop strings are looked for past min_tokens of them
 
     def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
         """Add one step's tokens; return (new text to send, whether a stop string matched)."""
@@ -193,6 +194,7 @@ class IncrementalDetokenizer:
         before it, and `stop_reason` is it). The engine's matcher calls this alone."""
         if self.tokenizer is None:
             return False
+        self.num_output += len(new_ids)
         # A token that ends the request with "stop" is never text (vLLM): not even with
         # skip_special_tokens=False, and not when a tokenizer does not mark it special.
         if final and new_ids and self.params.stop_token(new_ids[-1], self.eos_token_ids):
@@ -205,8 +207,10 @@ class IncrementalDetokenizer:
             self.text += window[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
-        # A stop string found now must end in the new text, so start looking len(s)-1 back.
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
+        # A stop string found now must end in the new text, so start looking len(s)-1 back;
+        # none is looked for until the output is longer than min_tokens (vLLM's detokenizer).
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0] \
+            if self.num_output > self.params.min_tokens else []
         stopped = bool(hits)
         if stopped:
             cut, self.stop_reason = min(hits, key=lambda h: h[0])

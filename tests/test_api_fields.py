@@ -174,7 +174,7 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (CHAT, "verbosity", "low"),
     (CHAT, "function_call", {"name": "f"}),
     (CHAT, "functions", [{"name": "f"}]),
-    (CHAT, "logit_bias", {"65": 10}),
+    (CHAT, "include_stop_str_in_output", True),
     (CHAT, "n", 2),
     (CHAT, "reasoning_effort", "extreme"),
     (CHAT, "return_prompt_text", True),
@@ -186,7 +186,7 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (C, "suffix", "tail"),
     (C, "best_of", 2),
     (C, "best_of", True),  # nor is true 1
-    (C, "logit_bias", {"65": 10}),
+    (C, "use_beam_search", True),
     (C, "stream_options", {"include_usage": True, "include_typo": True}),
     (C, "seed", 2**63),
     (C, "seed", -2**63 - 1),

@@ -49,9 +49,9 @@ def test_offline_defaults_come_from_the_generation_config_and_the_flags_change_t
 
 
 def test_a_request_field_wins_and_max_new_tokens_caps_max_tokens():
-    defaults = {"temperature": 0.7, "top_k": 1, "max_tokens": 5}
+    defaults = {"temperature": 0.7, "top_k": 1, "max_tokens": 5, "repetition_penalty": 1.2}
     p = parse_sampling({}, 4, 64, True, False, defaults=defaults)
-    assert (p.temperature, p.top_k, p.max_tokens, p.top_p) == (0.7, 1, 5, 1.0)
+    assert (p.temperature, p.top_k, p.max_tokens, p.top_p, p.repetition_penalty) == (0.7, 1, 5, 1.0, 1.2)
     p = parse_sampling({"temperature": 0.0, "top_k": 0, "max_tokens": 40}, 4, 64, True, False, defaults=defaults)
     assert (p.temperature, p.top_k, p.max_tokens) == (0.0, -1, 5)
     p = parse_sampling({"max_tokens": 3}, 4, 64, False, False, defaults=defaults)
@@ -65,8 +65,10 @@ def test_bad_defaults_are_refused_where_they_enter(checkpoint, tmp_path):
         EngineConfig(generation_config=str(tmp_path))
     with pytest.raises(ValueError, match="override_generation_config: top_p must be in"):
         EngineConfig(override_generation_config={"top_p": 2})
-    with pytest.raises(ValueError, match="override_generation_config: repetition_pena"):
-        EngineConfig(override_generation_config='{"repetition_penalty": 1.1, "top_p": 0.5}')
+    with pytest.raises(ValueError, match="override_generation_config: presence_penalty not among"):
+        EngineConfig(override_generation_config='{"presence_penalty": 1.1, "top_p": 0.5}')
+    with pytest.raises(ValueError, match="override_generation_config: repetition_penalty must be a finite number"):
+        EngineConfig(override_generation_config='{"repetition_penalty": 0}')
     with pytest.raises(ValueError, match="override_generation_config is not valid JSON"):
         EngineConfig(override_generation_config="{top_p")
     bad = make_hf_checkpoint(tmp_path / "bad")

@@ -1,0 +1,133 @@
+"""vLLM's logits processors for one request, on the host: what the sampler must do to the
+model's logits before it samples the request's next token (SamplingParams' min_tokens,
+allowed_token_ids, bad_words, logit_bias and penalties).
+
+Each depends on the request's output so far, so a request that has any of them samples
+as a structured-output row does (runner.py): its step's sample program is dispatched once
+the previous step's token is known, with
+
+  - a row of the packed token bitmask (structured.py's layout: bit t % 32 of word t // 32),
+    AND-ed with the row of its grammar when it has one: allowed_token_ids, bad_words and,
+    while the output is shorter than min_tokens, EOS and stop_token_ids;
+  - a short sparse list of (token, bias, repetition penalty, subtracted penalty) that the
+    sampler applies by a gather and a scatter (sampler.apply_penalties): logit_bias,
+    then the repetition penalty on every prompt and output token, then the frequency and
+    presence penalties on the output tokens (vLLM's order and formulas).
+
+No JAX here: the lists are built from counts kept up to date one token at a time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Sequence
+
+import numpy as np
+
+from config import SamplingParams
+
+MIN_PENALTY_WIDTH = 16  # the narrowest sparse list; wider ones are powers of two
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: Sequence[str]) -> list[list[int]]:
+    """Each bad word as token ids, as vLLM tokenizes it (SamplingParams.update_from_tokenizer):
+    with and without a leading space, so it is refused at the start of a text and after a
+    space alike."""
+    out = []
+    for word in bad_words:
+        for prefix in ("", " "):
+            ids = tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+            if ids:
+                out.append([int(t) for t in ids])
+    return out
+
+
+def penalty_width(n: int) -> int:
+    """The sparse list's width for n entries: a power of two, at least MIN_PENALTY_WIDTH (each
+    width is one compiled sample program)."""
+    return max(MIN_PENALTY_WIDTH, 1 << max(n - 1, 0).bit_length())
+
+
+class LogitsControls:
+    """One request's processors. mask() and penalties() read the request's outputs, every
+    one of them but the token the step samples (the runner asserts none is in flight)."""
+
+    __slots__ = ("vocab_size", "allowed", "min_tokens", "stop_ids", "bad_single", "bad_multi", "bias",
+                 "presence", "frequency", "repetition", "prompt_ids", "counts", "_seen")
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
+                 eos_token_ids: Sequence[int], bad_words_ids: list[list[int]]) -> None:
+        self.vocab_size = vocab_size
+        self.allowed: np.ndarray | None = None  # packed uint32 row of allowed_token_ids
+        if params.allowed_token_ids is not None:
+            ok = np.zeros(vocab_size, bool)
+            ok[list(params.allowed_token_ids)] = True
+            self.allowed = pack(ok)
+        # vLLM's all_stop_token_ids: EOS whatever ignore_eos says, and the stop tokens
+        self.min_tokens = params.min_tokens
+        self.stop_ids = sorted(t for t in {*eos_token_ids, *(params.stop_token_ids or ())} if 0 <= t < vocab_size)
+        # (a word with a token the logits do not have can never be completed: nothing to mask)
+        bad_words_ids = [w for w in bad_words_ids if all(0 <= t < vocab_size for t in w)]
+        self.bad_single = sorted({w[0] for w in bad_words_ids if len(w) == 1})
+        self.bad_multi = [w for w in bad_words_ids if len(w) > 1]
+        self.bias = dict(params.logit_bias or {})
+        self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
+        self.repetition = params.repetition_penalty
+        self.prompt_ids = set(int(t) for t in prompt_ids) if self.repetition != 1.0 else set()
+        self.counts: Counter[int] = Counter()  # output token -> occurrences, for the first _seen outputs
+        self._seen = 0
+
+    def mask(self, outputs: Sequence[int]) -> np.ndarray | None:
+        """The packed uint32 row of the tokens allowed next after `outputs`, or None: all."""
+        forbid = list(self.bad_single)
+        if len(outputs) < self.min_tokens:
+            forbid += self.stop_ids
+        for w in self.bad_multi:  # vLLM's rule: the last token, where the output ends in the rest
+            n = len(w) - 1
+            if n <= len(outputs) and list(outputs[len(outputs) - n:]) == w[:-1]:
+                forbid.append(w[-1])
+        if self.allowed is None and not forbid:
+            return None
+        row = self.allowed.copy() if self.allowed is not None else np.full((self.vocab_size + 31) // 32, ~np.uint32(0))
+        if forbid:
+            ids = np.asarray(forbid, np.int64)
+            np.bitwise_and.at(row, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+        return row
+
+    def penalties(self, outputs: Sequence[int]) -> tuple[np.ndarray, ...] | None:
+        """(ids, bias, repetition, subtracted) of the tokens whose logit changes, or None."""
+        for t in outputs[self._seen:]:
+            self.counts[t] += 1
+        self._seen = len(outputs)
+        keys = set(self.bias)
+        if self.repetition != 1.0:
+            keys |= self.prompt_ids
+        if self.repetition != 1.0 or self.presence or self.frequency:
+            keys |= self.counts.keys()
+        if not keys:
+            return None
+        ids = np.fromiter(keys, np.int32, len(keys))
+        counts = np.fromiter((self.counts.get(t, 0) for t in keys), np.float32, len(keys))
+        bias = np.fromiter((self.bias.get(t, 0.0) for t in keys), np.float32, len(keys))
+        rep = np.full(len(keys), self.repetition, np.float32)  # every key but a bias-only one was seen
+        if self.bias and self.repetition != 1.0:
+            seen = np.fromiter((t in self.prompt_ids or t in self.counts for t in keys), bool, len(keys))
+            rep = np.where(seen, rep, np.float32(1.0))
+        sub = np.float32(self.frequency) * counts + np.float32(self.presence) * (counts > 0)
+        return ids, bias, rep, sub.astype(np.float32)
+
+
+def pack(allowed: np.ndarray) -> np.ndarray:
+    """bool [V] -> the packed uint32 row of structured.py's bitmask (bit t % 32 of word t // 32)."""
+    words = np.zeros(((len(allowed) + 31) // 32) * 32, bool)
+    words[:len(allowed)] = allowed
+    return np.packbits(words.reshape(-1, 32), axis=1, bitorder="little").view(np.uint32).reshape(-1)
+
+
+def controls_for(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, eos_token_ids: Sequence[int],
+                 tokenizer: Any) -> LogitsControls | None:
+    """A request's LogitsControls, or None when it has no processor (the common request)."""
+    if not (params.masks_tokens or params.penalized):
+        return None
+    bad = bad_words_token_ids(tokenizer, params.bad_words) if params.bad_words else []
+    return LogitsControls(params, prompt_ids, vocab_size, eos_token_ids, bad)

@@ -1,0 +1,248 @@
+"""vLLM's logits processors: min_tokens, allowed_token_ids, bad_words, logit_bias and the
+presence, frequency and repetition penalties.
+
+Claims: greedy decoding under each of them gives the tokens of transformers' model run step
+by step with the processor applied in NumPy (vLLM's formulas and order), with the
+synchronous loop and with async scheduling, beside a request that has none (whose tokens
+do not change); a forbidden token is never sampled; min_tokens holds EOS off (and stop
+strings unchecked) until the output has that many tokens; a request with any of them is
+never speculated and gets the tokens it gets without speculation; a step with masks only
+compiles nothing new and each penalty-list width compiles one program once; preemption by
+recompute changes no token; a grammar and the masks hold together; bad values are
+ValueErrors offline and 400s naming the field over HTTP, vocabulary checks included."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from conftest import count_compilations, hf_logits, tiny_async_engine
+from engine import LLM, SamplingParams
+from protocol import ApiError, parse_sampling
+
+SMALL = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=64, warmup=False)
+EOS = 2  # conftest's checkpoints
+
+
+def reference(path: str, tokenizer, prompt: list[int], p: SamplingParams) -> list[int]:
+    """transformers' greedy tokens with vLLM's processors applied in NumPy, in its order:
+    allowed_token_ids, bad_words, min_tokens, logit_bias, then the repetition, frequency and
+    presence penalties; a stop token ends the output only once it has min_tokens tokens."""
+    bad = []
+    for word in p.bad_words:  # vLLM's tokenization: with and without a leading space
+        bad += [tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False) for prefix in ("", " ")]
+    out: list[int] = []
+    while len(out) < p.max_tokens:
+        x = hf_logits(path, prompt + out)[-1].astype(np.float32)
+        if p.allowed_token_ids is not None:
+            keep = np.zeros_like(x, bool)
+            keep[list(p.allowed_token_ids)] = True
+            x[~keep] = -np.inf
+        for w in bad:
+            if len(w) - 1 <= len(out) and (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1]):
+                x[w[-1]] = -np.inf
+        if len(out) < p.min_tokens:
+            x[[EOS, *(p.stop_token_ids or ())]] = -np.inf
+        for t, b in (p.logit_bias or {}).items():
+            x[t] += np.float32(min(100.0, max(-100.0, b)))
+        seen = sorted(set(prompt) | set(out))
+        r = np.float32(p.repetition_penalty)
+        x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
+        counts = np.bincount(np.asarray(out, np.int64), minlength=len(x)).astype(np.float32)
+        x -= np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty) * (counts > 0)
+        tok = int(np.argmax(x))
+        out.append(tok)
+        if len(out) >= p.min_tokens and ((tok == EOS and not p.ignore_eos) or tok in (p.stop_token_ids or ())):
+            break
+    return out
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 16, "temperature": 0.0, "ignore_eos": True, **kw})
+
+
+PROMPTS = [[5, 9, 5, 9, 5, 17, 33, 5], [40, 41, 42, 40, 41, 7], [100, 3, 100, 3, 250, 12, 12, 12], [8, 8, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf_checkpoint):
+    return hf_checkpoint("llama2", tokenizer=True)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_tokens_under_each_processor_are_transformers_with_it_applied_in_numpy(ckpt, async_scheduling):
+    llm = LLM(ckpt, log=lambda *_: None, async_scheduling=async_scheduling, **SMALL)
+    plain = reference(ckpt, llm.tokenizer, PROMPTS[0], greedy())
+    # a bad word from the plain output's own tokens: two of them, so the prefix rule is exercised
+    word = llm.tokenizer.decode(plain[2:4])
+    params = [
+        greedy(),  # no processor: batched with the others, its tokens do not change
+        greedy(repetition_penalty=1.8),
+        greedy(repetition_penalty=0.5),
+        greedy(frequency_penalty=1.5, presence_penalty=0.7),
+        greedy(presence_penalty=-2.0, frequency_penalty=-0.5),
+        greedy(logit_bias={str(plain[0]): -100, plain[1]: 3.5, 77: 250}),  # 250: clamped to 100
+        greedy(allowed_token_ids=[10, 11, 12, 13, 77, 200], repetition_penalty=1.3),
+        greedy(bad_words=[word, llm.tokenizer.decode(plain[5:6])]),
+        greedy(ignore_eos=False, min_tokens=6, logit_bias={EOS: 100}),  # EOS forced from token 7 on
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] if i else PROMPTS[0] for i in range(len(params))]
+    prompts[7] = prompts[8] = PROMPTS[0]
+    outs = llm.generate(prompts, params)
+    for prompt, p, o in zip(prompts, params, outs):
+        assert o.token_ids == reference(ckpt, llm.tokenizer, prompt, p), p
+    assert outs[0].token_ids == plain
+    assert outs[5].token_ids != plain and plain[0] not in outs[5].token_ids and 77 in outs[5].token_ids
+    assert set(outs[6].token_ids) <= {10, 11, 12, 13, 77, 200}
+    assert outs[8].token_ids[-1] == EOS and len(outs[8].token_ids) == 7 and outs[8].finish_reason == "stop"
+
+
+def test_min_tokens_holds_off_eos_and_stop_strings_as_vllm(ckpt):
+    llm = LLM(ckpt, log=lambda *_: None, **SMALL)
+    forced = dict(temperature=0.0, max_tokens=20, logit_bias={EOS: 100})
+    for n in (0, 1, 5):
+        o = llm.generate([PROMPTS[1]], SamplingParams(min_tokens=n, **forced))[0]
+        assert o.token_ids == [*o.token_ids[:-1], EOS] and len(o.token_ids) == max(n, 0) + 1, (n, o.token_ids)
+        assert EOS not in o.token_ids[:-1]
+    # stop strings: looked for once the output is longer than min_tokens (vLLM's detokenizer)
+    free = llm.generate([PROMPTS[1]], greedy(max_tokens=12))[0].token_ids
+    dec = llm.tokenizer.decode
+    stop, k = next((c, j + 1) for j in range(2, len(free)) for c in dec(free[:j + 1])[len(dec(free[:j])):]
+                   if c.strip() and c not in dec(free[:j]))  # a character that first shows in token k
+    first = llm.generate([PROMPTS[1]], greedy(max_tokens=12, stop=[stop]))[0]
+    assert first.finish_reason == "stop" and first.token_ids == free[:k]
+    assert llm.generate([PROMPTS[1]], greedy(max_tokens=12, stop=[stop], min_tokens=k - 1))[0].token_ids == free[:k]
+    late = llm.generate([PROMPTS[1]], greedy(max_tokens=12, stop=[stop], min_tokens=k))[0]
+    assert late.token_ids[:k] == free[:k] and (len(late.token_ids) > k or late.finish_reason == "length")
+
+
+def test_a_forbidden_token_is_never_sampled_at_any_temperature():
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128)
+    allowed = [40, 41, 42, 43]
+    outs = llm.generate([[5, 6, 7]] * 3, [
+        SamplingParams(max_tokens=24, seed=1, allowed_token_ids=allowed),
+        SamplingParams(max_tokens=24, seed=2, min_tokens=24, logit_bias={257: 100}),
+        SamplingParams(max_tokens=24, seed=3, temperature=2.0, allowed_token_ids=allowed, logit_bias={40: -100}),
+    ])
+    assert set(outs[0].token_ids) <= set(allowed) and len(outs[0].token_ids) == 24
+    assert 257 not in outs[1].token_ids and len(outs[1].token_ids) == 24
+    assert set(outs[2].token_ids) <= {41, 42, 43}
+
+
+def test_a_request_with_processors_is_never_speculated_and_gets_the_tokens_it_gets_without():
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    prompt = [5, 6, 7, 8] * 6
+    p = greedy(max_tokens=20, repetition_penalty=1.2, presence_penalty=0.5)
+    plain = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False)
+    want = plain.generate([prompt], p)[0].token_ids
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False, speculative_config=spec)
+    out = llm.generate([prompt], p)[0]
+    assert out.token_ids == want
+    assert llm.stats.spec_decode_num_drafts == 0 and out.metrics.spec_acceptance_rate is None
+    # the same prompt without processors does get drafts (so the check above could fail)
+    llm.generate([prompt], greedy(max_tokens=20))
+    assert llm.stats.spec_decode_num_drafts > 0
+
+
+def test_plain_steps_compile_nothing_new_and_a_penalty_width_compiles_once():
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
+    with count_compilations() as compiled:
+        llm.generate([[5, 6, 7], [8] * 30], [greedy(max_tokens=6), SamplingParams(max_tokens=6, seed=1)])
+        masked = llm.generate([[5, 6, 7]], greedy(max_tokens=6, allowed_token_ids=[40, 41], min_tokens=3))[0]
+        assert compiled == [] and set(masked.token_ids) <= {40, 41}  # masks: the one sample program
+        llm.generate([[5, 6, 7]], greedy(max_tokens=6, repetition_penalty=1.3))  # 3 + 6 tokens: width 16
+        assert len(compiled) == 1
+        llm.generate([[9, 9, 9, 9], [5]], [greedy(max_tokens=8, logit_bias={3: 2.0}),
+                                           greedy(max_tokens=8, frequency_penalty=1.0)])
+        assert len(compiled) == 1
+
+
+def test_preemption_by_recompute_keeps_the_counts_with_the_outputs():
+    """A cache too small for all four: preempted and recomputed, each request gets the tokens
+    it gets alone (its counts were not reset, nor counted twice)."""
+    kw = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    params = [greedy(max_tokens=40, frequency_penalty=0.8, presence_penalty=0.3, repetition_penalty=1.1,
+                     bad_words=["ab"], ignore_eos=False, min_tokens=30) for _ in range(4)]
+    prompts = [[1] + [3 + i] * 12 for i in range(4)]
+    solo = LLM("tiny", log=lambda *_: None, warmup=False, **kw)
+    alone = [solo.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    llm = LLM("tiny", log=lambda *_: None, warmup=False, num_kv_blocks=9, **kw)
+    outs = llm.generate(prompts, params)
+    assert llm.stats.num_preemptions > 0
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_a_grammar_and_the_masks_both_hold():
+    import re
+
+    from config import StructuredOutputsParams as SO
+
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False)
+    outs = llm.generate([[5, 6, 7]] * 2, [
+        SamplingParams(max_tokens=30, seed=s, structured_outputs=SO(regex="[a-e]{10,20}"), bad_words=["c", "ab"],
+                       allowed_token_ids=[ord(x) for x in "abcd"] + [257], min_tokens=12) for s in (1, 2)])
+    for o in outs:
+        assert re.fullmatch("[abd]{12,20}", o.text) and "ab" not in o.text, o.text
+
+
+# ---- validation: offline ValueErrors, the server's 400s ---------------------------------------
+
+BAD = [  # (field, value, message part): vLLM's checks
+    ("min_tokens", -1, "min_tokens must be greater than or equal to 0"),
+    ("min_tokens", 17, "min_tokens must be less than or equal to max_tokens=16"),
+    ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+    ("frequency_penalty", -3, "frequency_penalty must be in [-2, 2]"),
+    ("repetition_penalty", 0, "repetition_penalty must be a finite number greater than zero"),
+    ("allowed_token_ids", [], "allowed_token_ids is not None and empty"),
+    ("bad_words", [""], "bad_words cannot contain an empty string"),
+    ("logit_bias", {"x": 1}, "not an integer or string representing an integer"),
+    ("logit_bias", {"5": "high"}, "must be a number"),
+]
+
+
+@pytest.mark.parametrize("name,value,message", BAD, ids=[f"{n}={v}" for n, v, _ in BAD])
+def test_bad_values_are_vllms_value_errors_offline_and_400s_naming_the_field(name, value, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(max_tokens=16, **{name: value})
+    with pytest.raises(ApiError) as e:
+        parse_sampling({"max_tokens": 16, name: value}, 3, 256, chat=False, has_tokenizer=True)
+    assert e.value.status == 400 and e.value.param == name, (e.value, e.value.param)
+
+
+def test_offline_seed_is_int64_as_the_servers():
+    for seed in (2**63, -2**63 - 1):
+        with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
+            SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-2**63).seed == -2**63
+
+
+def test_server_takes_the_fields_and_refuses_out_of_vocabulary_ids():
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+
+    with tiny_async_engine() as (loop, engine):
+        client = TestClient(TestServer(server.build_app(engine, ["tiny"])), loop=loop)
+        loop.run_until_complete(client.start_server())
+
+        def post(body: dict) -> tuple[int, dict]:
+            async def one():
+                resp = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "temperature": 0.0} | body)
+                return resp.status, await resp.json()
+            return loop.run_until_complete(asyncio.wait_for(one(), 300))
+
+        try:
+            status, body = post({"max_tokens": 6, "allowed_token_ids": [40, 41], "logit_bias": {"40": -100},
+                                 "presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+                                 "min_tokens": 2, "bad_words": ["zz"]})
+            assert status == 200, body
+            assert body["choices"][0]["text"] == chr(41) * 6, body
+            for field_, value in (("logit_bias", {"512": 1}), ("logit_bias", {"-1": 1}),
+                                  ("allowed_token_ids", [3, 512])):
+                status, body = post({"max_tokens": 2, field_: value})
+                assert status == 400 and "out-of-vocab" in body["error"]["message"], body
+            assert post({"max_tokens": 2})[0] == 200
+        finally:
+            loop.run_until_complete(client.close())
