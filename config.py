@@ -21,6 +21,7 @@ import numpy as np
 
 import attention_backend
 from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
+from reasoning_parsers import REASONING_PARSERS
 from spec_decode import SpeculativeConfig
 
 # --kv-cache-dtype values (vLLM's; int8 as JetStream's); kernels_pallas.KV_CACHE_DTYPES maps them to dtypes
@@ -89,6 +90,9 @@ class EngineConfig:
     quantization: str | None = None
     # vLLM's --speculative-config: JSON text, a dict or a SpeculativeConfig (spec_decode.py)
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's --reasoning-parser (reasoning_parsers.py): the server splits a reasoning model's
+    # thinking off its answer, and a structured-output constraint holds once thinking ends
+    reasoning_parser: str | None = None
     # vLLM's --generation-config: the sampling defaults of a request that leaves them out:
     # "auto" (the model folder's generation_config.json, if any), "vllm" (none: OpenAI's
     # defaults), or a folder holding a generation_config.json
@@ -103,6 +107,8 @@ class EngineConfig:
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         _check_field_types(self)
+        need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         need(self.generation_config in ("auto", "vllm") or os.path.isfile(
             os.path.join(self.generation_config, "generation_config.json")),
              f"generation_config must be auto, vllm or a folder holding a generation_config.json, got "

@@ -25,6 +25,7 @@ import numpy as np
 from config import MAX_LOGPROBS, EngineConfig, SamplingParams, SLOTarget
 from hf_config import generation_sampling_defaults
 from logits_controls import controls_for
+from reasoning_parsers import REASONING_PARSERS
 from metrics import EngineStats, RequestMetrics, StepTrace
 from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
@@ -175,7 +176,7 @@ class LLMEngine:
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         if params.structured_outputs is not None:
-            seq.constraint = self.grammars.constraint(params.structured_outputs)
+            seq.constraint = self.grammars.constraint(params.structured_outputs, self._reasoning_end(seq))
         seq.controls = controls_for(params, seq.prompt_token_ids, self.model_config.vocab_size,
                                     self.model_config.eos_token_ids, self.tokenizer)
         if params.stop:
@@ -185,6 +186,16 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             self._prompt_lps[request_id] = [None] * len(seq.prompt_token_ids)
         return seq
+
+    def _reasoning_end(self, seq: Sequence) -> list[int]:
+        """The token ids that end a reasoning model's thinking, when seq's output starts in
+        it (a --reasoning-parser, and a prompt that did not close the think block): its
+        constraint waits for them, as vLLM's structured outputs wait for reasoning to end."""
+        name = self.config.reasoning_parser
+        if name is None or self.tokenizer is None:
+            return []
+        parser = REASONING_PARSERS[name](self.tokenizer.decode(seq.prompt_token_ids[-32:], skip_special_tokens=False))
+        return [] if parser.prompt_ended else self.tokenizer.encode(parser.end, add_special_tokens=False)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request now (idempotent). A request ends for its client when it is released,

@@ -637,7 +637,7 @@ class ModelRunner:
             if seq.finished:  # ended by the step before: its row is discarded
                 continue
             assert seq.num_output_placeholders == 1, f"{seq.request_id}: its mask would miss a token in flight"
-            if seq.constraint is not None:
+            if seq.constraint is not None and seq.constraint.active:  # (before its reasoning ends: free)
                 rows.append((seq.constraint, row))
             if seq.controls is not None:
                 if (m := seq.controls.mask(seq.output_token_ids)) is not None:

@@ -190,8 +190,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # vLLM's parallel_tool_calls false: only the first call of the answer goes out
     parallel = field(body, "parallel_tool_calls", (bool,), True)
     include_reasoning = field(body, "include_reasoning", (bool,), True)
-    # A constrained output starts at its first token, with no room to think: all of it is content.
-    parses_reasoning = chat and app["reasoning_parser"] is not None and params.structured_outputs is None
+    parses_reasoning = chat and app["reasoning_parser"] is not None
 
     # vLLM's role of the answer: --response-role for a new turn, else the continued message's
     role = (app["response_role"] if field(body, "add_generation_prompt", (bool,), True)
@@ -655,7 +654,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
               metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False,
               tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
               request_id_headers: bool = False, return_tokens_as_token_ids: bool = False,
-              reasoning_parser: str | None = None, chat_template: str | None = None,
+              chat_template: str | None = None,
               trust_request_chat_template: bool = False, response_role: str = "assistant") -> web.Application:
     """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
@@ -665,15 +664,11 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     --enable-request-id-headers): the request's own, else a new one.
     return_tokens_as_token_ids: logprobs' tokens are "token_id:N" unless a request's
     return_tokens_as_token_ids says otherwise (vLLM's --return-tokens-as-token-ids).
-    reasoning_parser: a REASONING_PARSERS name: chat messages carry the model's thinking as
-    `reasoning`, apart from their content (vLLM's --reasoning-parser).
     chat_template: a Jinja chat template to use instead of the model's (--chat-template's
     text); trust_request_chat_template: a request may bring its own; response_role: the
     role of chat answers that open a new turn (vLLM's --response-role)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
-    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {', '.join(REASONING_PARSERS)}")
     if chat_template is not None:
         check_chat_template(chat_template, engine.tokenizer)
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
@@ -685,7 +680,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
                tool_parser=TOOL_PARSERS[tool_call_parser] if tool_call_parser is not None else None,
                exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
                return_tokens_as_token_ids=return_tokens_as_token_ids,
-               reasoning_parser=REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None,
+               # chat messages carry the model's thinking as `reasoning` (--reasoning-parser)
+               reasoning_parser=REASONING_PARSERS.get(engine.config.reasoning_parser),
                chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
                response_role=response_role)
     app.router.add_post("/v1/completions", completions)
@@ -709,6 +705,9 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
 
 
 _HELP = {  # EngineConfig fields; config.py says more
+    "reasoning_parser": "split the model's thinking (<think>...</think>) off chat answers into the message's "
+                        "`reasoning` (deepseek_r1: DeepSeek-R1 and QwQ; qwen3: Qwen3), and apply a structured-output "
+                        "constraint once thinking ends, as vLLM",
     "generation_config": "the sampling defaults of requests that leave them out (repetition_penalty, temperature, "
                          "top_p, top_k, min_p, "
                          "max_new_tokens as max_tokens): auto: the model folder's generation_config.json; vllm: "
@@ -795,6 +794,8 @@ def build_parser() -> argparse.ArgumentParser:
         kind, kw = hints[f.name], {"default": f.default, "help": _HELP.get(f.name, f"EngineConfig.{f.name}")}
         if f.name in registries:  # every registered name, read when the parser is built
             kw["choices"] = list(registries[f.name])
+        elif f.name == "reasoning_parser":
+            kw["choices"] = list(REASONING_PARSERS)
         elif kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is Literal:
@@ -834,9 +835,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--response-role", default="assistant",
                    help="the role of a chat answer that opens a new turn (add_generation_prompt true; otherwise "
                         "the role of the last message it continues)")
-    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
-                   help="split the model's thinking (<think>...</think>) off chat answers into the message's "
-                        "`reasoning` (deepseek_r1: DeepSeek-R1 and QwQ; qwen3: Qwen3), as vLLM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
@@ -866,7 +864,7 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                      request_id_headers=args.enable_request_id_headers,
                      return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                     reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
+                     chat_template=args.chat_template,
                      trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role)
 
 

@@ -103,6 +103,7 @@ class Constraint:
     preemption recomputes K/V, never the outputs, so the matcher is never reset)."""
 
     __slots__ = ("matcher",)
+    active = True  # the grammar applies to the next token (its row of the bitmask is filled)
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
@@ -117,6 +118,29 @@ class Constraint:
         """The grammar is complete and allows nothing more (an accepting state with no
         continuation, or EOS taken in an accepting state)."""
         return self.matcher.is_stopped()
+
+
+class AfterReasoning(Constraint):
+    """A constraint that holds once the model has stopped thinking (vLLM's structured
+    outputs with a --reasoning-parser): free until the output's tokens end with the end
+    tag's (`</think>`), the grammar from the next token on."""
+
+    __slots__ = ("end_ids", "tail", "active")
+
+    def __init__(self, matcher: llguidance.LLMatcher, end_ids: Sequence[int]) -> None:
+        super().__init__(matcher)
+        self.end_ids, self.tail, self.active = tuple(end_ids), (), False
+
+    def accept(self, token: int) -> bool:
+        if self.active:
+            return super().accept(token)
+        self.tail = (*self.tail, token)[-len(self.end_ids):]
+        self.active = self.tail == self.end_ids
+        return True
+
+    @property
+    def stopped(self) -> bool:
+        return self.active and super().stopped
 
 
 class GrammarCompiler:
@@ -174,8 +198,11 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
-    def constraint(self, spec: StructuredOutputsParams) -> Constraint:
-        return Constraint(self.compile(spec).deep_copy())
+    def constraint(self, spec: StructuredOutputsParams, after: Sequence[int] = ()) -> Constraint:
+        """A request's own matcher; after: token ids that must end the output first (a
+        reasoning model's end-of-thinking tag), () to constrain from the first token."""
+        matcher = self.compile(spec).deep_copy()
+        return AfterReasoning(matcher, after) if after else Constraint(matcher)
 
 
 _executor: llguidance.LLExecutor | None = None

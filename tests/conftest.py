@@ -247,17 +247,17 @@ def count_compilations() -> Iterator[list[str]]:
 
 
 @contextmanager
-def tiny_async_engine(tokenizer: Any = None) -> Iterator[tuple[Any, Any]]:
+def tiny_async_engine(tokenizer: Any = None, **config: Any) -> Iterator[tuple[Any, Any]]:
     """(event loop, started AsyncEngine) on the tiny model in test_request_metrics' shapes
     (its programs are cached), shut down on exit. tokenizer: one to render chats with
-    instead of the engine's own."""
+    instead of the engine's own; config: more EngineConfig fields."""
     import asyncio
 
     from async_engine import AsyncEngine
     from engine import EngineConfig
 
     loop = asyncio.new_event_loop()
-    engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False),
+    engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False, **config),
                          log=lambda *_: None)
     if tokenizer is not None:
         engine.tokenizer = tokenizer

@@ -4,13 +4,14 @@ chat message's `reasoning`, apart from its content.
 Claims: each parser splits vLLM's examples as vLLM's parsers do; streamed in any pieces,
 the reasoning and content deltas add up to the whole response's; tool calls are parsed from
 the content only; through HTTP on the tiny model, the flag, the prompt's own end tag,
-enable_thinking / reasoning_effort and include_reasoning act as vLLM's, and a constrained
-request's output is all content."""
+enable_thinking / reasoning_effort and include_reasoning act as vLLM's, and a constraint
+holds once thinking ends."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import jinja2
 import pytest
@@ -116,14 +117,19 @@ class ThinkingTemplate(ByteTokenizer):
 
 @pytest.fixture(scope="module")
 def post():
-    """post(flags, body) -> the chat response's message, whole, and as its stream added up."""
+    """post(parser, body) -> the chat response's message, whole, and as its stream added up,
+    from a tiny engine with that --reasoning-parser (None: without)."""
+    from contextlib import ExitStack
+
     from aiohttp.test_utils import TestClient, TestServer
 
     import server
 
-    with tiny_async_engine(ThinkingTemplate()) as (loop, engine):
-        async def one(flags: list[str], body: dict) -> tuple[dict, dict]:
-            app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+    with ExitStack() as stack:
+        engines: dict = {}
+
+        async def one(engine, body: dict) -> tuple[dict, dict]:
+            app = server.build_app(engine, ["tiny"])
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0.0} | body
             async with TestClient(TestServer(app)) as client:
                 resp = await client.post("/v1/chat/completions", json=body)
@@ -138,32 +144,66 @@ def post():
                             added[k] = added.get(k, "") + v
                 return whole, added
 
-        yield lambda flags, body: loop.run_until_complete(asyncio.wait_for(one(flags, body), 300))
+        def run(parser: str | None, body: dict) -> tuple[dict, dict]:
+            if parser not in engines:
+                engines[parser] = stack.enter_context(tiny_async_engine(ThinkingTemplate(), reasoning_parser=parser))
+            loop, engine = engines[parser]
+            return loop.run_until_complete(asyncio.wait_for(one(engine, body), 300))
+
+        yield run
 
 
 def test_the_flag_splits_the_answer_and_the_request_fields_act_as_vllms(post):
-    plain, _ = post([], {})
+    plain, _ = post(None, {})
     text = plain["content"]  # the tiny model's greedy bytes, with no think tags: all reasoning if thinking
     assert "reasoning" not in plain and text
     for name in ("deepseek_r1", "qwen3"):
-        whole, added = post(["--reasoning-parser", name], {})
+        whole, added = post(name, {})
         assert (whole["reasoning"], whole["content"]) == (text, None)
         assert added.get("reasoning") == text and not added.get("content")
     # thinking switched off: the template ends the reasoning in the prompt, so all is content
     for body in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
-        whole, added = post(["--reasoning-parser", "deepseek_r1"], body)
+        whole, added = post("qwen3", body)
         assert whole["reasoning"] is None and whole["content"] and added.get("content") == whole["content"]
-    whole, added = post(["--reasoning-parser", "qwen3"], {"include_reasoning": False})
+    whole, added = post("qwen3", {"include_reasoning": False})
     assert (whole["reasoning"], whole["content"]) == (None, None) and "reasoning" not in added
-    whole, _ = post(["--reasoning-parser", "qwen3"], {"structured_outputs": {"regex": "[ab]{3}"}})
-    assert whole.get("reasoning") is None and len(whole["content"]) == 3  # constrained: all content
+
+
+def test_a_constraint_holds_once_thinking_ends(post):
+    """As vLLM: the grammar waits for the end of thinking. Thinking switched off (the
+    prompt closes the block): constrained from the first token. Thinking on, and the tiny
+    model never writing `</think>`: free, so its 12 tokens are reasoning, not 3 of [ab]."""
+    rx = {"structured_outputs": {"regex": "[ab]{3}"}}
+    whole, _ = post("qwen3", rx | {"chat_template_kwargs": {"enable_thinking": False}})
+    assert whole["reasoning"] is None and re.fullmatch("[ab]{3}", whole["content"]), whole
+    whole, _ = post("qwen3", rx)
+    assert whole["content"] is None and len(whole["reasoning"].encode()) >= 4, whole
+    whole, _ = post(None, rx)
+    assert re.fullmatch("[ab]{3}", whole["content"])  # without a parser: constrained from the start
+
+
+def test_after_reasoning_frees_the_tokens_until_the_end_tag_then_applies_the_grammar():
+    from config import StructuredOutputsParams
+    from structured import GrammarCompiler
+
+    grammars = GrammarCompiler(ByteTokenizer(), 512, [257])
+    gate = grammars.constraint(StructuredOutputsParams(regex="[ab]{3}"), after=list(b"</think>"))
+    for token in b"x <think> no</think":
+        assert gate.accept(token) and not gate.active and not gate.stopped
+    assert gate.accept(ord(">")) and gate.active
+    assert not gate.accept(ord("x"))  # now the grammar's: "x" is refused
+    gate = grammars.constraint(StructuredOutputsParams(regex="[ab]{3}"), after=list(b"</think>"))
+    for token in b"</think>aba":
+        assert gate.accept(token)
+    assert gate.stopped
 
 
 def test_an_unknown_reasoning_parser_is_refused_where_it_enters(capsys):
     import server
+    from config import EngineConfig
 
     with pytest.raises(SystemExit):
         server.build_parser().parse_args(["--reasoning-parser", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
-        server.build_app(None, ["m"], reasoning_parser="nope")
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'nope'"):
+        EngineConfig(reasoning_parser="nope")
