@@ -100,6 +100,7 @@ def unknown_fields(body: dict, chat: bool) -> list[str]:
     return sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
 
 
+MAX_N = 128  # samples of one request (each one engine request)
 MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
@@ -324,8 +325,9 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             if body.get(name) is not None:
                 raise ApiError(f"'{name}' is a chat completions field; /v1/completions takes '{instead}'",
                                param=name)
-    if field(body, "n", (int,), 1) != 1:
-        raise ApiError("only n=1 is supported: send one request per sample", param="n")
+    n = field(body, "n", (int,), 1)
+    if not 1 <= n <= MAX_N:  # vLLM has no cap; one keeps a request's samples within a queue's reach
+        raise ApiError(f"'n' must be in [1, {MAX_N}], got {n}", param="n")
     # Chat prompts come from the template (no special tokens added), completions' get the
     # tokenizer's (vLLM's defaults): the other setting is not implemented.
     if field(body, "add_special_tokens", (bool,), not chat) != (not chat):

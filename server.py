@@ -32,7 +32,7 @@ import socket
 import time
 import typing
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -206,15 +206,31 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
     want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
     user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
-    gen = Generation(engine, engine_request_id, prompt_ids, params, priority, want_metrics, user, parse_slo(body))
+    n = field(body, "n", (int,), 1)  # parse_sampling checked it
+    if n > 1 and want_metrics:
+        raise ApiError("'include_metrics' is for n=1 (each sample is a request of its own)", param="include_metrics")
+    gens: list[Generation] = []
+    try:  # vLLM's n: one engine request per sample, seeded seed + i when seeded, prompts shared in the prefix cache
+        for i in range(n):
+            rid, p = engine_request_id, params
+            if n > 1:
+                rid = f"{i}_{engine_request_id}"
+                if params.seed is not None:  # (wrapped into the 64-bit range vLLM takes)
+                    p = dataclasses.replace(params, seed=(params.seed + i - INT64[0]) % 2**64 + INT64[0])
+            gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, parse_slo(body)))
+    except ApiError:
+        for g in gens:
+            g.close()
+        raise
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
     model = body.get("model") or app["model_names"][0]  # read_body checked it
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
 
     def usage(completion_tokens: int) -> dict:
-        return {"prompt_tokens": gen.num_prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": gen.num_prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens}}
+        first = gens[0]  # the prompt, counted once (vLLM's usage for n samples)
+        return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": first.num_prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
 
     def logprobs(lps: list[TokenLogprob | int] | None, offset: int) -> dict | None:
         if lps is None:
@@ -243,31 +259,38 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # cancellation) ends the request: a stream never read has no frame to abort it.
     try:
         if not stream:
-            text, lps, last, prompt_lps, ids = "", [], None, None, []
-            async with contextlib.aclosing(gen.chunks()) as chunks:
-                async for last in chunks:
-                    text += last.text
-                    ids += last.token_ids
-                    lps += last.logprobs or []
-                    prompt_lps = last.prompt_logprobs or prompt_lps
-            assert last is not None and last.finish_reason is not None
-            text, lps = ("", []) if prompt_only else (text, lps)
-            lp = logprobs(echoed_logprobs(prompt_lps) + lps, 0) if params.logprobs is not None else None
-            message, reason = message_stream().message(text, last.finish_reason)
-            message["role"] = role
-            if echo and chat:
-                message["content"] = echoed + (message.get("content") or "")
-            elif echo:
-                text = echoed + text
-            choice = {"index": 0, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
-            if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
-                choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
-            choice |= {"message": message} if chat else {"text": text}
-            extra = {"metrics": dataclasses.asdict(last.metrics)} if want_metrics and last.metrics else {}
-            if return_ids:  # vLLM's places: the choice's token_ids; the prompt's on the choice, or chat's response
-                choice["token_ids"] = ids
-                (extra if chat else choice)["prompt_token_ids"] = prompt_ids
-            return web.json_response(head | {"choices": [choice], "usage": usage(last.num_output_tokens)} | extra)
+            async def whole(index: int, gen: Generation) -> tuple[dict, int, dict]:
+                """One sample's choice, its output token count, and what goes beside the choices."""
+                text, lps, last, prompt_lps, ids = "", [], None, None, []
+                async with contextlib.aclosing(gen.chunks()) as chunks:
+                    async for last in chunks:
+                        text += last.text
+                        ids += last.token_ids
+                        lps += last.logprobs or []
+                        prompt_lps = last.prompt_logprobs or prompt_lps
+                assert last is not None and last.finish_reason is not None
+                text, lps = ("", []) if prompt_only else (text, lps)
+                lp = logprobs(echoed_logprobs(prompt_lps) + lps, 0) if params.logprobs is not None else None
+                message, reason = message_stream().message(text, last.finish_reason)
+                message["role"] = role
+                if echo and chat:
+                    message["content"] = echoed + (message.get("content") or "")
+                elif echo:
+                    text = echoed + text
+                choice = {"index": index, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
+                if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
+                    choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
+                choice |= {"message": message} if chat else {"text": text}
+                extra = {"metrics": dataclasses.asdict(last.metrics)} if want_metrics and last.metrics else {}
+                if return_ids:  # vLLM's places: the choice's token_ids; the prompt's on the choice, or chat's response
+                    choice["token_ids"] = ids
+                    (extra if chat else choice)["prompt_token_ids"] = prompt_ids
+                return choice, last.num_output_tokens, extra
+
+            done = await all_of(whole(i, g) for i, g in enumerate(gens))
+            extra = done[0][2]
+            return web.json_response(head | {"choices": [c for c, _, _ in done],
+                                             "usage": usage(sum(k for _, k, _ in done))} | extra)
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -276,46 +299,53 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
             await response.write(b"data: " + json.dumps(head | {"choices": choices} | extra).encode() + b"\n\n")
 
         try:
-            if chat:
-                await send([{"index": 0, "delta": {"role": role, "content": ""}, "logprobs": None,
+            counts = [0] * n  # each sample's output tokens so far
+            for index in range(n) if chat else ():
+                await send([{"index": index, "delta": {"role": role, "content": ""}, "logprobs": None,
                              "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}),
-                           **({"prompt_token_ids": prompt_ids} if return_ids else {}))
+                           **({"prompt_token_ids": prompt_ids} if return_ids and index == 0 else {}))
                 if echoed:  # vLLM's: the echoed message is a chunk of its own
-                    await send([{"index": 0, "delta": {"content": echoed}, "logprobs": None, "finish_reason": None}],
-                               **({"usage": usage(0)} if continuous_usage else {}))
-            offset, calls, pending_echo = 0, message_stream(), echo and not chat
-            pending_prompt_ids = return_ids and not chat
-            async with contextlib.aclosing(gen.chunks()) as chunks:
-                async for c in chunks:
-                    if not (pending_echo or c.text or c.logprobs or c.finish_reason or c.prompt_logprobs
-                            or (return_ids and c.token_ids)):
-                        continue  # held back: part of a character, or maybe the start of a stop string
-                    lps = c.logprobs if not pending_echo or c.logprobs is None else \
-                        echoed_logprobs(c.prompt_logprobs) + ([] if prompt_only else c.logprobs)
-                    choice = {"index": 0, "logprobs": logprobs(lps, offset), "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason}
-                    if c.prompt_logprobs is not None:  # once, with the first token
-                        choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, c.prompt_logprobs)
-                    if chat:
-                        choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
-                    else:
-                        choice["text"] = (echoed if pending_echo else "") + ("" if prompt_only else c.text)
-                        pending_echo = False
-                    if pending_prompt_ids:
-                        choice["prompt_token_ids"], pending_prompt_ids = prompt_ids, False
-                    if return_ids:
-                        choice["token_ids"] = c.token_ids
-                    # text_offset counts the tokens' own texts, as the whole response's does; the
-                    # text sent so far lags it (held back: part of a character, a maybe-stop string).
-                    if not chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
-                        offset = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
-                    metrics = {"metrics": dataclasses.asdict(c.metrics)} if want_metrics and c.metrics else {}
-                    so_far = {"usage": usage(c.num_output_tokens)} if continuous_usage else {}
-                    if c.finish_reason and include_usage:
-                        await send([choice], **so_far)
-                        await send([], usage=usage(c.num_output_tokens), **metrics)
-                    else:  # without usage, the metrics ride on the chunk with the finish_reason
-                        await send([choice], **so_far, **metrics)
+                    await send([{"index": index, "delta": {"content": echoed}, "logprobs": None,
+                                 "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
+
+            async def streamed(index: int, gen: Generation) -> dict:
+                """One sample's chunks, sent as they come; its metrics (from the last chunk)."""
+                offset, calls, pending_echo = 0, message_stream(), echo and not chat
+                pending_prompt_ids, metrics = return_ids and not chat, {}
+                async with contextlib.aclosing(gen.chunks()) as chunks:
+                    async for c in chunks:
+                        if not (pending_echo or c.text or c.logprobs or c.finish_reason or c.prompt_logprobs
+                                or (return_ids and c.token_ids)):
+                            continue  # held back: part of a character, or maybe the start of a stop string
+                        lps = c.logprobs if not pending_echo or c.logprobs is None else \
+                            echoed_logprobs(c.prompt_logprobs) + ([] if prompt_only else c.logprobs)
+                        choice = {"index": index, "logprobs": logprobs(lps, offset), "finish_reason": c.finish_reason,
+                                  "stop_reason": c.stop_reason}
+                        if c.prompt_logprobs is not None:  # once, with the first token
+                            choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, c.prompt_logprobs)
+                        if chat:
+                            choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
+                        else:
+                            choice["text"] = (echoed if pending_echo else "") + ("" if prompt_only else c.text)
+                            pending_echo = False
+                        if pending_prompt_ids:
+                            choice["prompt_token_ids"], pending_prompt_ids = prompt_ids, False
+                        if return_ids:
+                            choice["token_ids"] = c.token_ids
+                        # text_offset counts the tokens' own texts, as the whole response's does; the
+                        # text sent so far lags it (held back: part of a character, a maybe-stop string).
+                        if not chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
+                            offset = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
+                        counts[index] = c.num_output_tokens
+                        metrics = {"metrics": dataclasses.asdict(c.metrics)} if want_metrics and c.metrics else {}
+                        so_far = {"usage": usage(sum(counts))} if continuous_usage else {}
+                        # without usage, the metrics ride on the chunk with the finish_reason
+                        await send([choice], **so_far, **({} if include_usage else metrics))
+                return metrics
+
+            metrics = (await all_of(streamed(i, g) for i, g in enumerate(gens)))[0]
+            if include_usage:
+                await send([], usage=usage(sum(counts)), **metrics)
         except ConnectionResetError:
             return response  # the client left; the request is aborted already
         except Exception as e:  # the status line is gone: report the error in the stream
@@ -327,7 +357,21 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         await response.write(b"data: [DONE]\n\n")
         return response
     finally:
-        gen.close()
+        for g in gens:
+            g.close()
+
+
+async def all_of(coroutines: Iterable[Awaitable[T]]) -> list[T]:
+    """Their results, run concurrently; the first failure cancels the rest (asyncio.gather
+    would leave them running, each holding its engine request)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def echo_text(body: dict, untruncated: list[int], prompt_ids: list[int], tokenizer: Any, role: str | None) -> str:

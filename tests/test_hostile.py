@@ -67,7 +67,7 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, {"prompt": "hi", "stream": "yes"}, 400),
     (C, {"prompt": "hi", "logprobs": 10**6}, 400),
     (C, {"prompt": "hi", "logprobs": -1}, 400),
-    (C, {"prompt": "hi", "n": 2}, 400),
+    (C, {"prompt": "hi", "n": 1000}, 400),
     (C, {"prompt": "hi", "stop_token_ids": [1.5]}, 400),
     (C, {"prompt": "hi", "stop_token_ids": [2**80]}, 200),
     # vLLM's logits processors: OpenAI's bias range is clamped, everything else checked

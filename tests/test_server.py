@@ -412,7 +412,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
     ("/v1/completions", {"prompt": [1, 2, 100_000]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "echo": "yes"}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}', 413, None),
