@@ -17,7 +17,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import jax
 import numpy as np
@@ -28,7 +28,7 @@ from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from spec_decode import StepProposer
 from startup import build_engine
-from structured import GrammarCompiler
+from structured import Constraint, GrammarCompiler
 from tokenizer import IncrementalDetokenizer, detokenize
 
 __all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "RequestOutput",
@@ -123,24 +123,28 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
-                 slo: SLOTarget | None = None) -> None:
-        """Raises ValueError saying why the request cannot run; safe from any thread. A
-        structured-output constraint is compiled here (cached): a caller that must not
+                 slo: SLOTarget | None = None, grammar: Any = None) -> Any:
+        """Raises ValueError saying why the request cannot run; safe from any thread. Returns
+        the request's compiled structured-output constraint (None without one): `grammar`
+        when given (compiled already), else compiled here (cached). A caller that must not
         block (the server's event loop) compiles it first with `self.grammars.compile` on
-        another thread."""
+        another thread and hands it on, so no later step looks it up again in the cache,
+        which other requests' grammars may have evicted it from meanwhile."""
         self.scheduler.validate(prompt_token_ids, params, priority, slo)
         if params.stop and self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids")
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)
+        if params.structured_outputs is None:
+            return None
+        return grammar if grammar is not None else self.grammars.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0, user: str | None = None,
-                    slo: SLOTarget | None = None) -> Sequence:
+                    slo: SLOTarget | None = None, grammar: Any = None) -> Sequence:
         """priority: under a policy that reads it (--scheduling-policy), lower runs first.
         user: the client, for the fair policy (None: the shared anonymous client).
-        slo: its targets, for the slo policy (None: the server-wide defaults)."""
-        self.validate(prompt_token_ids, params, priority, slo)
+        slo: its targets, for the slo policy (None: the server-wide defaults).
+        grammar: its constraint as validate() returned it (None: compiled here)."""
+        grammar = self.validate(prompt_token_ids, params, priority, slo, grammar)
         if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
         seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
@@ -153,7 +157,7 @@ class LLMEngine:
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         if params.structured_outputs is not None:
-            seq.constraint = self.grammars.constraint(params.structured_outputs)
+            seq.constraint = Constraint(grammar.deep_copy())  # the request's own matcher
         if params.stop:
             seq.stop_matcher = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, list(params.stop), params,
                                                       self.model_config.eos_token_ids)
@@ -485,16 +489,17 @@ class LLM:
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         # Every prompt is checked before any is added: a bad one leaves nothing queued.
         encoded = [self._encode(prompt) for prompt in prompts]
+        grammars = []  # each compiled once: the cache may not hold them all until they are added
         for i, (ids, p, prio) in enumerate(zip(encoded, plist, priorities)):
             try:
-                self.engine.validate(ids, p, prio)
+                grammars.append(self.engine.validate(ids, p, prio))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         seqs: dict[str, Sequence] = {}
-        for ids, p, prio in zip(encoded, plist, priorities):
+        for ids, p, prio, grammar in zip(encoded, plist, priorities, grammars):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio)
+            seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar)
         done: set[str] = set()
         logprobs: dict[str, list[TokenLogprob]] = {}
         prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}

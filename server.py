@@ -84,10 +84,11 @@ class Generation:
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, priority: int = 0, want_metrics: bool = False,
-                 user: str | None = None, slo: SLOTarget | None = None) -> None:
+                 user: str | None = None, slo: SLOTarget | None = None, grammar: Any = None) -> None:
         """want_metrics: the last chunk carries the request's RequestMetrics. The engine ends
         the request on the token that completes one of params.stop; the detokenizer here, the
-        same as the engine's matcher fed the same tokens, cuts the text there."""
+        same as the engine's matcher fed the same tokens, cuts the text there. grammar: the
+        structured-output constraint respond() compiled for params."""
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
@@ -96,7 +97,7 @@ class Generation:
         self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, list(params.stop), params,
                                                   self.engine.model_config.eos_token_ids)
         try:
-            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo)
+            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo, grammar)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -171,11 +172,13 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     include_usage = field(stream_options, "include_usage", (bool,), False)
     # vLLM's extra: every chunk carries the usage so far; only with include_usage, as vLLM.
     continuous_usage = field(stream_options, "continuous_usage_stats", (bool,), False) and include_usage
+    grammar = None
     if params.structured_outputs is not None:
-        # Compiled off the event loop (a large schema takes tens of ms); cached, so the
-        # engine's own check in add_request finds it ready.
+        # Compiled off the event loop (a large schema takes tens of ms) and handed to the
+        # engine, which copies it (the cache may have evicted it by then).
         try:
-            await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile, params.structured_outputs)
+            grammar = await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
+                                                                       params.structured_outputs)
         except ValueError as e:
             raise ApiError(str(e), param="tool_choice" if tools is not None else None) from e
 
@@ -190,7 +193,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
     want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
     user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
-    gen = Generation(engine, request_id, prompt_ids, params, priority, want_metrics, user, parse_slo(body))
+    gen = Generation(engine, request_id, prompt_ids, params, priority, want_metrics, user, parse_slo(body), grammar)
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
     model = body.get("model") or app["model_names"][0]  # read_body checked it
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}

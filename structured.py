@@ -6,7 +6,10 @@ packed token bitmask the step applies to the logits before sampling.
 llguidance, not xgrammar: no torch, NumPy bitmasks, the engine vLLM, SGLang and llama.cpp
 already use. Compiling is the slow part (a large schema: tens of milliseconds), so a
 compiled matcher is cached by the constraint's text (LRU, MAX_CACHED_GRAMMARS) and a
-request's own matcher is a `deep_copy` of it (microseconds).
+request's own matcher is a `deep_copy` of it (microseconds). The matcher a request was
+validated with travels with it to the engine (LLMEngine.validate returns it), so however
+many other grammars pass through the cache meanwhile, it is compiled once, where the
+server put that work (its executor), never again on the event loop or the engine loop.
 
 Limits, so that no request can stall the engine loop (the matcher's work per token runs on
 the loop thread):
@@ -156,9 +159,6 @@ class GrammarCompiler:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return matcher
-
-    def constraint(self, spec: StructuredOutputsParams) -> Constraint:
-        return Constraint(self.compile(spec).deep_copy())
 
 
 _executor: llguidance.LLExecutor | None = None
