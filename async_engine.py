@@ -156,9 +156,11 @@ class AsyncEngine:
                 rid = arg
                 seq = self.engine.abort(rid)
                 if seq is not None:
-                    self._deliver(RequestOutputDelta(rid, [], None, True, seq.finish_reason, seq.num_prompt_tokens,
-                                                     seq.num_output_tokens, max(seq.num_cached_tokens, 0),
-                                                     RequestMetrics.of(seq)))
+                    d = RequestOutputDelta(rid, [], None, True, seq.finish_reason, seq.num_prompt_tokens,
+                                           seq.num_output_tokens, max(seq.num_cached_tokens, 0), RequestMetrics.of(seq))
+                    if seq.stop_matcher is not None:  # the engine detokenizes it: the rest of its text
+                        d.new_text, d.stop_string = seq.stop_matcher.finish(), seq.stop_matcher.stop_reason
+                    self._deliver(d)
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End one request's stream with an error (the engine goes on)."""

@@ -67,6 +67,12 @@ class RequestOutputDelta:
     # With a request's first token, when it asked: one entry per prompt token, the first None
     # (nothing precedes it), as vLLM's prompt_logprobs.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A request with stop strings is detokenized by the engine (its Sequence.stop_matcher):
+    # the text this step adds that is safe to send (held back: a maybe-stop string, part of
+    # a character), and on the last delta the stop string matched. None: not detokenized
+    # here (the server does it, off the engine thread).
+    new_text: str | None = None
+    stop_string: str | None = None
 
 
 @dataclass
@@ -327,14 +333,17 @@ class LLMEngine:
             if token is None:
                 continue
             if plain:
-                add(delta(rid, [token], None, False, None, len(seq.prompt_token_ids), len(seq.output_token_ids),
-                          seq.num_cached_tokens))
-                continue
-            lp = logprobs.get(rid) if logprobs else None
-            tokens = emitted.get(rid, [token]) if sch.spec_token_ids else [token]
-            add(delta(rid, tokens, None if lp is None else lp[:len(tokens)], False, None,
-                      len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens, None,
-                      prompt_lps.pop(rid, None) if prompt_lps else None))
+                d = delta(rid, [token], None, False, None, len(seq.prompt_token_ids), len(seq.output_token_ids),
+                          seq.num_cached_tokens)
+            else:
+                lp = logprobs.get(rid) if logprobs else None
+                tokens = emitted.get(rid, [token]) if sch.spec_token_ids else [token]
+                d = delta(rid, tokens, None if lp is None else lp[:len(tokens)], False, None,
+                          len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens, None,
+                          prompt_lps.pop(rid, None) if prompt_lps else None)
+            add(d)
+            if seq.stop_matcher is not None:  # its text is made here: update() fed the matcher the tokens
+                d.new_text = seq.stop_matcher.take(seq.finish_reason is not None)
         if released:
             by_id = {d.request_id: d for d in deltas}
             for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
@@ -346,6 +355,10 @@ class LLMEngine:
                                            seq.num_output_tokens, max(seq.num_cached_tokens, 0))
                     deltas.append(d)
                 d.finished, d.finish_reason, d.metrics = True, seq.finish_reason, RequestMetrics.of(seq)
+                if seq.stop_matcher is not None:
+                    if d.new_text is None:
+                        d.new_text = seq.stop_matcher.take(True)
+                    d.stop_string = seq.stop_matcher.stop_reason
         return deltas
 
     def _log_preemptions(self, out: SchedulerOutput) -> None:
@@ -579,8 +592,9 @@ class LLM:
 def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,
                   eos_token_ids: Seq[int] = ()) -> str:
     """A whole output as text, as vLLM: the EOS or stop token that ended it is never text
-    (token_ids still has it); other special tokens follow params.skip_special_tokens."""
+    (token_ids still has it) unless include_stop_str_in_output; other special tokens follow
+    params.skip_special_tokens."""
     ids = list(token_ids)
-    if ids and params.stop_token(ids[-1], eos_token_ids) is not None:
+    if ids and not params.include_stop_str_in_output and params.stop_token(ids[-1], eos_token_ids) is not None:
         ids = ids[:-1]
     return detokenize(tokenizer, ids, params)

@@ -362,6 +362,8 @@ class Scheduler:
                     continue
                 if seq.constraint is not None and not seq.constraint.accept(token):
                     reason = "abort"  # over the grammar's per-token limits (the mask allows only what it accepts)
+                    if seq.stop_matcher is not None:  # the token is still output: its text too
+                        seq.stop_matcher.advance([token], final=True)
                 else:
                     reason = self._finish_reason(seq, token)
             if reason is None:
@@ -892,6 +894,8 @@ class Scheduler:
         a complete grammar, then the length."""
         p = seq.params
         if p.stop_token(token, self.eos_token_ids) is not None:
+            if seq.stop_matcher is not None:  # its text ends here (the token is text only if included)
+                seq.stop_matcher.advance([token], final=True)
             return "stop"
         n = len(seq.output_token_ids)
         grammar_done = seq.constraint is not None and seq.constraint.stopped

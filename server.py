@@ -9,10 +9,10 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming
 GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache.
 
 The engine speaks token ids only; everything textual happens here: tokenizing prompts,
-chat templates and incremental detokenization (stop strings are matched by the engine,
-which ends the request on the token that completes one). A request the server no longer
-needs (client gone, shutdown) is aborted in the engine at once, so its slot and KV blocks
-go to the next request within a step.
+chat templates and incremental detokenization (except for a request with stop strings: the
+engine matches them on its own detokenized text, and hands that text over in its deltas).
+A request the server no longer needs (client gone, shutdown) is aborted in the engine at
+once, so its slot and KV blocks go to the next request within a step.
 """
 
 from __future__ import annotations
@@ -85,17 +85,18 @@ class Generation:
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, priority: int = 0, want_metrics: bool = False,
                  user: str | None = None, slo: SLOTarget | None = None, grammar: Any = None) -> None:
-        """want_metrics: the last chunk carries the request's RequestMetrics. The engine ends
-        the request on the token that completes one of params.stop; the detokenizer here, the
-        same as the engine's matcher fed the same tokens, cuts the text there. grammar: the
-        structured-output constraint respond() compiled for params."""
+        """want_metrics: the last chunk carries the request's RequestMetrics. A request with
+        stop strings is detokenized by the engine, which matches them (its deltas carry the
+        text, cut at the stop string); any other is detokenized here, off the engine thread.
+        grammar: the structured-output constraint respond() compiled for params."""
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.params, self.last_token = params, None
+        self.stop_string: str | None = None  # the stop string the engine ended it on
         self.done = False  # the engine has ended the request, or close() aborted it
-        self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, list(params.stop), params,
-                                                  self.engine.model_config.eos_token_ids)
+        self.detokenizer = None if params.stop else IncrementalDetokenizer(
+            self.engine.tokenizer, prompt_ids, [], params, self.engine.model_config.eos_token_ids)
         try:
             self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo, grammar)
         except QueueFullError as e:
@@ -110,8 +111,8 @@ class Generation:
         """vLLM's: the stop string, or a stop_token_id (EOS, checked first, is None)."""
         if reason != "stop":
             return None
-        if self.detokenizer.stop_reason is not None:
-            return self.detokenizer.stop_reason
+        if self.stop_string is not None:
+            return self.stop_string
         t = self.last_token
         if t is not None and self.params.stop_token(t, self.engine.model_config.eos_token_ids) == "stop_token_id":
             return t
@@ -122,16 +123,13 @@ class Generation:
         try:
             async for delta in self.stream:
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-                ids, text, stopped = delta.new_token_ids, "", False
+                ids = delta.new_token_ids
                 self.last_token = ids[-1] if ids else self.last_token
-                # One token at a time, as the engine's matcher reads them (a verified step's
-                # delta has several), so both find a stop string at the same token.
-                for j in range(len(ids) or 1):
-                    piece, hit = self.detokenizer.push(ids[j:j + 1], final=delta.finished and j >= len(ids) - 1)
-                    text, stopped = text + piece, stopped or hit
-                if stopped and not delta.finished:
-                    raise RuntimeError(f"request {self.request_id}: a stop string matched at a token the engine "
-                                       "did not end it on")
+                if delta.new_text is not None:
+                    text, self.stop_string = delta.new_text, delta.stop_string
+                else:  # one token at a time (a verified step's delta has several), as the engine's matcher
+                    text = "".join(self.detokenizer.push(ids[j:j + 1], final=delta.finished and j >= len(ids) - 1)[0]
+                                   for j in range(len(ids) or 1))
                 self.done = done = delta.finished
                 reason = delta.finish_reason if done else None
                 yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, delta.metrics,
