@@ -43,7 +43,7 @@ from prometheus_client.utils import floatToGoString
 from async_engine import AsyncEngine
 import config_file
 from config import EngineConfig, SamplingParams, SLOTarget
-from engine import QueueFullError, TokenLogprob
+from engine import QueueFullError, RequestOutputDelta, TokenLogprob
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, completion_logprobs, field, parse_messages, parse_prompt,
@@ -118,6 +118,14 @@ class Generation:
             return t
         return None
 
+    def _ends(self, delta: RequestOutputDelta, ids: list[int], j: int) -> bool:
+        """Whether ids[j] is the request's last token: the delta's last, or a stop token (one
+        always ends it, though static batching releases it, with its final delta, later)."""
+        if j < len(ids) - 1:
+            return False
+        return delta.finished or (bool(ids) and self.params.stop_token(ids[j], self.engine.model_config.eos_token_ids)
+                                  is not None)
+
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
         try:
@@ -128,7 +136,7 @@ class Generation:
                 if delta.new_text is not None:
                     text, self.stop_string = delta.new_text, delta.stop_string
                 else:  # one token at a time (a verified step's delta has several), as the engine's matcher
-                    text = "".join(self.detokenizer.push(ids[j:j + 1], final=delta.finished and j >= len(ids) - 1)[0]
+                    text = "".join(self.detokenizer.push(ids[j:j + 1], final=self._ends(delta, ids, j))[0]
                                    for j in range(len(ids) or 1))
                 self.done = done = delta.finished
                 reason = delta.finish_reason if done else None

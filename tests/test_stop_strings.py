@@ -160,7 +160,7 @@ def test_smollm2_stop_strings_stream_exactly_the_reference_text() -> None:
         loop.close()
 
 
-def test_a_stop_string_under_static_batching_ends_its_request_with_the_reference_text() -> None:
+def test_a_stop_string_or_token_under_static_batching_ends_its_request_with_the_reference_text() -> None:
     """Static batching holds a finished member seated until the whole batch is done: its
     last token and its release come in different deltas."""
     from async_engine import AsyncEngine
@@ -189,13 +189,20 @@ def test_a_stop_string_under_static_batching_ends_its_request_with_the_reference
             gens = [server.Generation(engine, f"static-{next(_ids)}", prompt, p) for p in (params, SamplingParams(**base))]
             return (await asyncio.gather(*map(collect, gens)))[0]
 
-        free = loop.run_until_complete(asyncio.wait_for(bus(SamplingParams(**base)), 300))[0]
+        free, free_ids = loop.run_until_complete(asyncio.wait_for(bus(SamplingParams(**base)), 300))
         stop = stops_from(free)[1]  # taken from a run in the same batch shape (the same greedy tokens)
         for extra in VARIANTS:
             params = SamplingParams(**base, stop=stop, **extra)
             text, ids = loop.run_until_complete(asyncio.wait_for(bus(params), 300))
             assert len(ids) < base["max_tokens"] or not params.skip_special_tokens  # (special tokens' text between)
             assert text == reference(engine.tokenizer, ids, params, engine.model_config.eos_token_ids)[0]
+        # a stop token ends a member before its release too: its text is never output, unless included
+        ids = free_ids
+        k = next(i for i, t in enumerate(ids) if i > 2 and 32 < t < 127 and t not in ids[:i])
+        for include in (False, True):
+            params = SamplingParams(**base, stop_token_ids=[ids[k]], include_stop_str_in_output=include)
+            text, got = loop.run_until_complete(asyncio.wait_for(bus(params), 300))
+            assert got == ids[:k + 1] and text == engine.tokenizer.decode(ids[:k + 1 if include else k])
     finally:
         loop.run_until_complete(engine.shutdown())
         loop.close()
