@@ -11,7 +11,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Callable, Sequence as Seq
+from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 from config import EngineConfig, SamplingParams, SLOTarget
 from engine import EngineDeadError, LLMEngine, QueueFullError, RequestOutputDelta
@@ -68,8 +68,10 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     priority: int = 0, user: str | None = None,
-                    slo: SLOTarget | None = None) -> AsyncIterator[RequestOutputDelta]:
-        self.engine.validate(prompt_token_ids, params, priority, slo)
+                    slo: SLOTarget | None = None, grammar: Any = None) -> AsyncIterator[RequestOutputDelta]:
+        """grammar: the request's constraint, compiled already (LLMEngine.validate): without
+        it, one is compiled here, on the caller's thread."""
+        grammar = self.engine.validate(prompt_token_ids, params, priority, slo, grammar)
         with self._lock:  # the loop sets _stop and error under it: a stream registered here is ended
             self._check_alive()
             if request_id in self._queues:
@@ -83,7 +85,7 @@ class AsyncEngine:
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
             self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority,
-                                        user, slo)))
+                                        user, slo, grammar)))
             self._num_waiting_inbox += 1
         self._wake.set()
         return self._stream(request_id, queue)
@@ -139,10 +141,10 @@ class AsyncEngine:
             self._inbox.clear()
         for kind, arg in work:
             if kind == "add":
-                rid, prompt, params, arrival, priority, user, slo = arg
+                rid, prompt, params, arrival, priority, user, slo, grammar = arg
                 try:
                     self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority, user=user,
-                                            slo=slo)
+                                            slo=slo, grammar=grammar)
                 except ValueError as e:  # validated already; a scheduler-level refusal
                     self._fail(rid, e)
                 finally:
@@ -155,9 +157,11 @@ class AsyncEngine:
                 rid = arg
                 seq = self.engine.abort(rid)
                 if seq is not None:
-                    self._deliver(RequestOutputDelta(rid, [], None, True, seq.finish_reason, seq.num_prompt_tokens,
-                                                     seq.num_output_tokens, max(seq.num_cached_tokens, 0),
-                                                     RequestMetrics.of(seq)))
+                    d = RequestOutputDelta(rid, [], None, True, seq.finish_reason, seq.num_prompt_tokens,
+                                           seq.num_output_tokens, max(seq.num_cached_tokens, 0), RequestMetrics.of(seq))
+                    if seq.stop_matcher is not None:  # the engine detokenizes it: the rest of its text
+                        d.new_text = seq.stop_matcher.finish()
+                    self._deliver(d)
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End one request's stream with an error (the engine goes on)."""

@@ -427,7 +427,7 @@ class SamplingParams:
     1.0: random sampling unless asked otherwise). Stop strings are text: the engine
     detokenizes a request that has them as its tokens arrive (tokenizer.IncrementalDetokenizer)
     and ends it with "stop" on the token that completes one, the output text ending before
-    it; skip_special_tokens and spaces_between_special_tokens say how token ids become text
+    it (after it with include_stop_str_in_output); skip_special_tokens and spaces_between_special_tokens say how token ids become text
     (server and LLM.generate)."""
 
     max_tokens: int = 16
@@ -438,6 +438,8 @@ class SamplingParams:
     seed: int | None = None  # any integer; the engine maps it into the sampler's 32-bit seeds
     stop_token_ids: tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()  # stop strings (a str or a list is taken too, as vLLM)
+    # vLLM's: the matched stop string (and an ending stop token's text) stays in the output text
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per sampled position
     # number of top logprobs per prompt position (besides the prompt token's own); such a
@@ -495,6 +497,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -17,7 +17,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence as Seq
+from typing import Any, Callable, Sequence as Seq
 
 import jax
 import numpy as np
@@ -31,7 +31,7 @@ from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from spec_decode import StepProposer
 from startup import build_engine
-from structured import GrammarCompiler
+from structured import GrammarCompiler, new_constraint
 from tokenizer import IncrementalDetokenizer, detokenize
 
 __all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "RequestOutput",
@@ -71,6 +71,10 @@ class RequestOutputDelta:
     # (nothing precedes it), as vLLM's prompt_logprobs.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: str | int | None = None  # on the request's last delta: stop_reason(seq)
+    # A request with stop strings is detokenized by the engine (its Sequence.stop_matcher):
+    # the text this step adds that is safe to send (held back: a maybe-stop string, part of
+    # a character). None: not detokenized here (the server does it, off the engine thread).
+    new_text: str | None = None
 
 
 @dataclass
@@ -135,16 +139,16 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
-                 slo: SLOTarget | None = None) -> None:
-        """Raises ValueError saying why the request cannot run; safe from any thread. A
-        structured-output constraint is compiled here (cached): a caller that must not
+                 slo: SLOTarget | None = None, grammar: Any = None) -> Any:
+        """Raises ValueError saying why the request cannot run; safe from any thread. Returns
+        the request's compiled structured-output constraint (None without one): `grammar`
+        when given (compiled already), else compiled here (cached). A caller that must not
         block (the server's event loop) compiles it first with `self.grammars.compile` on
-        another thread."""
+        another thread and hands it on, so no later step looks it up again in the cache,
+        which other requests' grammars may have evicted it from meanwhile."""
         self.scheduler.validate(prompt_token_ids, params, priority, slo)
         if params.stop and self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids")
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)
         vocab = self.model_config.vocab_size
         if params.logit_bias:  # vLLM's messages (its processor's _validate_logit_bias, ...)
             bad = [t for t in params.logit_bias if not 0 <= t < vocab]
@@ -156,14 +160,18 @@ class LLMEngine:
         if params.bad_words and self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so bad_words cannot be tokenized: use allowed_token_ids "
                              "or logit_bias")
+        if params.structured_outputs is None:
+            return None
+        return grammar if grammar is not None else self.grammars.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0, user: str | None = None,
-                    slo: SLOTarget | None = None) -> Sequence:
+                    slo: SLOTarget | None = None, grammar: Any = None) -> Sequence:
         """priority: under a policy that reads it (--scheduling-policy), lower runs first.
         user: the client, for the fair policy (None: the shared anonymous client).
-        slo: its targets, for the slo policy (None: the server-wide defaults)."""
-        self.validate(prompt_token_ids, params, priority, slo)
+        slo: its targets, for the slo policy (None: the server-wide defaults).
+        grammar: its constraint as validate() returned it (None: compiled here)."""
+        grammar = self.validate(prompt_token_ids, params, priority, slo, grammar)
         if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
         seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
@@ -176,7 +184,7 @@ class LLMEngine:
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         if params.structured_outputs is not None:
-            seq.constraint = self.grammars.constraint(params.structured_outputs, self._reasoning_end(seq))
+            seq.constraint = new_constraint(grammar.deep_copy(), self._reasoning_end(seq))  # the request's own
         seq.controls = controls_for(params, seq.prompt_token_ids, self.model_config.vocab_size,
                                     self.model_config.eos_token_ids, self.tokenizer)
         if params.stop:
@@ -358,14 +366,17 @@ class LLMEngine:
             if token is None:
                 continue
             if plain:
-                add(delta(rid, [token], None, False, None, len(seq.prompt_token_ids), len(seq.output_token_ids),
-                          seq.num_cached_tokens))
-                continue
-            lp = logprobs.get(rid) if logprobs else None
-            tokens = emitted.get(rid, [token]) if sch.spec_token_ids else [token]
-            add(delta(rid, tokens, None if lp is None else lp[:len(tokens)], False, None,
-                      len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens, None,
-                      prompt_lps.pop(rid, None) if prompt_lps else None))
+                d = delta(rid, [token], None, False, None, len(seq.prompt_token_ids), len(seq.output_token_ids),
+                          seq.num_cached_tokens)
+            else:
+                lp = logprobs.get(rid) if logprobs else None
+                tokens = emitted.get(rid, [token]) if sch.spec_token_ids else [token]
+                d = delta(rid, tokens, None if lp is None else lp[:len(tokens)], False, None,
+                          len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens, None,
+                          prompt_lps.pop(rid, None) if prompt_lps else None)
+            add(d)
+            if seq.stop_matcher is not None:  # its text is made here: update() fed the matcher the tokens
+                d.new_text = seq.stop_matcher.take(seq.finish_reason is not None)
         if released:
             by_id = {d.request_id: d for d in deltas}
             for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
@@ -378,6 +389,8 @@ class LLMEngine:
                     deltas.append(d)
                 d.finished, d.finish_reason, d.metrics = True, seq.finish_reason, RequestMetrics.of(seq)
                 d.stop_reason = stop_reason(seq, self.model_config.eos_token_ids)
+                if seq.stop_matcher is not None and d.new_text is None:
+                    d.new_text = seq.stop_matcher.take(True)
         return deltas
 
     def _log_preemptions(self, out: SchedulerOutput) -> None:
@@ -521,16 +534,17 @@ class LLM:
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         # Every prompt is checked before any is added: a bad one leaves nothing queued.
         encoded = [self._encode(prompt) for prompt in prompts]
+        grammars = []  # each compiled once: the cache may not hold them all until they are added
         for i, (ids, p, prio) in enumerate(zip(encoded, plist, priorities)):
             try:
-                self.engine.validate(ids, p, prio)
+                grammars.append(self.engine.validate(ids, p, prio))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         seqs: dict[str, Sequence] = {}
-        for ids, p, prio in zip(encoded, plist, priorities):
+        for ids, p, prio, grammar in zip(encoded, plist, priorities, grammars):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio)
+            seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar)
         done: set[str] = set()
         logprobs: dict[str, list[TokenLogprob]] = {}
         prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
@@ -625,8 +639,9 @@ def stop_reason(seq: Sequence, eos_token_ids: Seq[int]) -> str | int | None:
 def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,
                   eos_token_ids: Seq[int] = ()) -> str:
     """A whole output as text, as vLLM: the EOS or stop token that ended it is never text
-    (token_ids still has it); other special tokens follow params.skip_special_tokens."""
+    (token_ids still has it) unless include_stop_str_in_output; other special tokens follow
+    params.skip_special_tokens."""
     ids = list(token_ids)
-    if ids and params.stop_token(ids[-1], eos_token_ids) is not None:
+    if ids and not params.include_stop_str_in_output and params.stop_token(ids[-1], eos_token_ids) is not None:
         ids = ids[:-1]
     return detokenize(tokenizer, ids, params)

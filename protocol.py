@@ -53,7 +53,7 @@ _NEUTRAL: dict[str, tuple] = {
     "prompt_cache_retention": ("in_memory",),  # the prefix cache lives in memory only
     "moderation": (),  # moderation of input and output
     # vLLM's own extras that taxirank does not implement
-    "include_stop_str_in_output": (False,), "use_beam_search": (False,), "length_penalty": (1,),
+    "use_beam_search": (False,), "length_penalty": (1,),
     "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
     "cache_salt": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
@@ -72,7 +72,7 @@ _ACCEPTED_NOOP: dict[str, tuple[type, ...]] = {
 # too); anything else is warned about and ignored, as vLLM does with extra fields.
 _COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
-    "stop_token_ids", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
+    "stop_token_ids", "include_stop_str_in_output", "seed", "logprobs", "prompt_logprobs", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "add_special_tokens", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
     "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids",
@@ -406,6 +406,8 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             seed=seed,
             stop_token_ids=stop_token_ids,
             stop=tuple(stop),
+            # vLLM's extra: the matched stop string (or stop token's text) stays in the text
+            include_stop_str_in_output=field(body, "include_stop_str_in_output", (bool,), False),
             ignore_eos=field(body, "ignore_eos", (bool,), False),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

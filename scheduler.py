@@ -365,6 +365,8 @@ class Scheduler:
                     continue
                 if seq.constraint is not None and not seq.constraint.accept(token):
                     reason = "abort"  # over the grammar's per-token limits (the mask allows only what it accepts)
+                    if seq.stop_matcher is not None:  # the token is still output: its text too
+                        seq.stop_matcher.advance([token], final=True)
                 else:
                     reason = self._finish_reason(seq, token)
             if reason is None:
@@ -898,6 +900,8 @@ class Scheduler:
         n = len(seq.output_token_ids)
         # Before min_tokens no stop token ends it (vLLM's check_stop; the sampler masks them too)
         if n >= p.min_tokens and p.stop_token(token, self.eos_token_ids) is not None:
+            if seq.stop_matcher is not None:  # its text ends here (the token is text only if included)
+                seq.stop_matcher.advance([token], final=True)
             return "stop"
         grammar_done = seq.constraint is not None and seq.constraint.stopped
         at_length = n >= p.max_tokens or len(seq.prompt_token_ids) + n >= self.config.max_model_len

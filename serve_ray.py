@@ -243,6 +243,24 @@ def relay_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
 
 
+class RelayedStream(StreamingResponse):
+    """A relayed SSE stream that cancels the replica's request however the response ends.
+    The relay generator's own `finally` runs only once starlette has started iterating it;
+    a client gone before the first chunk (starlette's disconnect listener wins, or sending
+    the status line fails) leaves it never started, and the request would keep its engine
+    slot to its last token."""
+
+    def __init__(self, responses: DeploymentResponseGenerator, content: AsyncIterator[bytes], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.responses = responses
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.responses.cancel()  # after a whole stream: a no-op
+
+
 def _error(e: ApiError) -> Response:
     return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
 
@@ -280,7 +298,8 @@ class Ingress:
             log.warning("request to %s failed before its answer began: %r", path, e)
             return _error(_replica_died(e))
         if dict((k.lower(), v) for k, v in head.headers).get("content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(self._relay(responses), status_code=head.status, headers=dict(head.headers))
+            return RelayedStream(responses, self._relay(responses), status_code=head.status,
+                                 headers=dict(head.headers))
         try:
             data = b"".join([chunk async for chunk in responses])
         except Exception as e:

@@ -9,10 +9,10 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming
 GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache.
 
 The engine speaks token ids only; everything textual happens here: tokenizing prompts,
-chat templates and incremental detokenization (stop strings are matched by the engine,
-which ends the request on the token that completes one). A request the server no longer
-needs (client gone, shutdown) is aborted in the engine at once, so its slot and KV blocks
-go to the next request within a step.
+chat templates and incremental detokenization (except for a request with stop strings: the
+engine matches them on its own detokenized text, and hands that text over in its deltas).
+A request the server no longer needs (client gone, shutdown) is aborted in the engine at
+once, so its slot and KV blocks go to the next request within a step.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from prometheus_client.utils import floatToGoString
 from async_engine import AsyncEngine
 import config_file
 from config import EngineConfig, SamplingParams, SLOTarget
-from engine import QueueFullError, TokenLogprob
+from engine import QueueFullError, RequestOutputDelta, TokenLogprob
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
@@ -89,19 +89,20 @@ class Generation:
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, priority: int = 0, want_metrics: bool = False,
-                 user: str | None = None, slo: SLOTarget | None = None) -> None:
-        """want_metrics: the last chunk carries the request's RequestMetrics. The engine ends
-        the request on the token that completes one of params.stop; the detokenizer here, the
-        same as the engine's matcher fed the same tokens, cuts the text there."""
+                 user: str | None = None, slo: SLOTarget | None = None, grammar: Any = None) -> None:
+        """want_metrics: the last chunk carries the request's RequestMetrics. A request with
+        stop strings is detokenized by the engine, which matches them (its deltas carry the
+        text, cut at the stop string); any other is detokenized here, off the engine thread.
+        grammar: the structured-output constraint respond() compiled for params."""
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.params = params
         self.done = False  # the engine has ended the request, or close() aborted it
-        self.detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_ids, list(params.stop), params,
-                                                  self.engine.model_config.eos_token_ids)
+        self.detokenizer = None if params.stop else IncrementalDetokenizer(
+            self.engine.tokenizer, prompt_ids, [], params, self.engine.model_config.eos_token_ids)
         try:
-            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo)
+            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo, grammar)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -110,20 +111,25 @@ class Generation:
         except RuntimeError as e:  # shutting down, or the engine loop died
             raise ApiError(str(e), status=503, type="service_unavailable") from e
 
+    def _ends(self, delta: RequestOutputDelta, ids: list[int], j: int) -> bool:
+        """Whether ids[j] is the request's last token: the delta's last, or a stop token (one
+        always ends it, though static batching releases it, with its final delta, later)."""
+        if j < len(ids) - 1:
+            return False
+        return delta.finished or (bool(ids) and self.params.stop_token(ids[j], self.engine.model_config.eos_token_ids)
+                                  is not None)
+
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
         try:
             async for delta in self.stream:
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-                ids, text, stopped = delta.new_token_ids, "", False
-                # One token at a time, as the engine's matcher reads them (a verified step's
-                # delta has several), so both find a stop string at the same token.
-                for j in range(len(ids) or 1):
-                    piece, hit = self.detokenizer.push(ids[j:j + 1], final=delta.finished and j >= len(ids) - 1)
-                    text, stopped = text + piece, stopped or hit
-                if stopped and not delta.finished:
-                    raise RuntimeError(f"request {self.request_id}: a stop string matched at a token the engine "
-                                       "did not end it on")
+                ids = delta.new_token_ids
+                if delta.new_text is not None:  # detokenized by the engine, which matched stop strings
+                    text = delta.new_text
+                else:  # one token at a time (a verified step's delta has several), as the engine's matcher
+                    text = "".join(self.detokenizer.push(ids[j:j + 1], final=self._ends(delta, ids, j))[0]
+                                   for j in range(len(ids) or 1))
                 self.done = done = delta.finished
                 reason = delta.finish_reason if done else None
                 yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, delta.metrics,
@@ -170,11 +176,13 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     include_usage = field(stream_options, "include_usage", (bool,), False)
     # vLLM's extra: every chunk carries the usage so far; only with include_usage, as vLLM.
     continuous_usage = field(stream_options, "continuous_usage_stats", (bool,), False) and include_usage
+    grammar = None
     if params.structured_outputs is not None:
-        # Compiled off the event loop (a large schema takes tens of ms); cached, so the
-        # engine's own check in add_request finds it ready.
+        # Compiled off the event loop (a large schema takes tens of ms) and handed to the
+        # engine, which copies it (the cache may have evicted it by then).
         try:
-            await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile, params.structured_outputs)
+            grammar = await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
+                                                                       params.structured_outputs)
         except ValueError as e:
             raise ApiError(str(e), param="tool_choice" if tools is not None else None) from e
 
@@ -217,7 +225,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                 rid = f"{i}_{engine_request_id}"
                 if params.seed is not None:  # (wrapped into the 64-bit range vLLM takes)
                     p = dataclasses.replace(params, seed=(params.seed + i - INT64[0]) % 2**64 + INT64[0])
-            gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, parse_slo(body)))
+            gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, parse_slo(body),
+                                   grammar))
     except ApiError:
         for g in gens:
             g.close()

@@ -6,7 +6,10 @@ packed token bitmask the step applies to the logits before sampling.
 llguidance, not xgrammar: no torch, NumPy bitmasks, the engine vLLM, SGLang and llama.cpp
 already use. Compiling is the slow part (a large schema: tens of milliseconds), so a
 compiled matcher is cached by the constraint's text (LRU, MAX_CACHED_GRAMMARS) and a
-request's own matcher is a `deep_copy` of it (microseconds).
+request's own matcher is a `deep_copy` of it (microseconds). The matcher a request was
+validated with travels with it to the engine (LLMEngine.validate returns it), so however
+many other grammars pass through the cache meanwhile, it is compiled once, where the
+server put that work (its executor), never again on the event loop or the engine loop.
 
 Limits, so that no request can stall the engine loop (the matcher's work per token runs on
 the loop thread):
@@ -143,6 +146,12 @@ class AfterReasoning(Constraint):
         return self.active and super().stopped
 
 
+def new_constraint(matcher: llguidance.LLMatcher, after: Sequence[int] = ()) -> Constraint:
+    """A request's constraint over its own matcher; after: token ids that must end the output
+    first (a reasoning model's end-of-thinking tag), () to constrain from the first token."""
+    return AfterReasoning(matcher, after) if after else Constraint(matcher)
+
+
 class GrammarCompiler:
     """Compiles constraints for one model's vocabulary; thread-safe (the server compiles on
     its executor, the engine loop copies matchers). Built on first use: wrapping a 50k
@@ -197,12 +206,6 @@ class GrammarCompiler:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return matcher
-
-    def constraint(self, spec: StructuredOutputsParams, after: Sequence[int] = ()) -> Constraint:
-        """A request's own matcher; after: token ids that must end the output first (a
-        reasoning model's end-of-thinking tag), () to constrain from the first token."""
-        matcher = self.compile(spec).deep_copy()
-        return AfterReasoning(matcher, after) if after else Constraint(matcher)
 
 
 _executor: llguidance.LLExecutor | None = None

@@ -185,19 +185,36 @@ class IncrementalDetokenizer:
     def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
         """Add one step's tokens; return (new text to send, whether a stop string matched)."""
         stopped = self.advance(new_ids, final)
-        end = len(self.text) if final or stopped else len(self.text) - partial_stop_len(self.text, self.stop)
+        return self.take(final or stopped), stopped
+
+    def take(self, whole: bool) -> str:
+        """The text not handed out yet that is safe to send: all of it once the request has
+        ended (`whole`), else all but a tail that may still become a stop string (none with
+        include_stop_str_in_output: the string is output anyway, as vLLM)."""
+        end = len(self.text)
+        if not whole and not self.params.include_stop_str_in_output:
+            end -= partial_stop_len(self.text, self.stop)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return out, stopped
+        return out
+
+    def finish(self) -> str:
+        """The request has ended (any reason): the rest of its text, a character still
+        incomplete included (as '\\ufffd', as a whole decode gives it)."""
+        self.advance([], final=True)
+        return self.take(whole=True)
 
     def advance(self, new_ids: list[int], final: bool) -> bool:
         """Add tokens to `text`; whether a stop string completed in them (`text` then ends
-        before it, and `stop_reason` is it). The engine's matcher calls this alone."""
+        before it, or after it with include_stop_str_in_output, and `stop_reason` is it).
+        The engine's matcher calls this alone."""
         if self.tokenizer is None:
             return False
         self.num_output += len(new_ids)
+        include = self.params.include_stop_str_in_output
         # A token that ends the request with "stop" is never text (vLLM): not even with
-        # skip_special_tokens=False, and not when a tokenizer does not mark it special.
-        if final and new_ids and self.params.stop_token(new_ids[-1], self.eos_token_ids):
+        # skip_special_tokens=False, and not when a tokenizer does not mark it special;
+        # unless include_stop_str_in_output keeps it, as vLLM's.
+        if final and new_ids and not include and self.params.stop_token(new_ids[-1], self.eos_token_ids):
             new_ids = new_ids[:-1]
         self.ids += new_ids
         prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
@@ -213,7 +230,10 @@ class IncrementalDetokenizer:
             if self.num_output > self.params.min_tokens else []
         stopped = bool(hits)
         if stopped:
-            cut, self.stop_reason = min(hits, key=lambda h: h[0])
+            if include:  # the one completed first, as if the text came a character at a time; kept
+                cut, self.stop_reason = min(((i + len(s), s) for i, s in hits), key=lambda h: h[0])
+            else:  # the earliest: nothing of any stop string is output
+                cut, self.stop_reason = min(hits, key=lambda h: h[0])
             self.text = self.text[:cut]
             assert len(self.text) >= self.sent, "held-back text was sent"
         return stopped
@@ -229,6 +249,8 @@ def partial_stop_len(text: str, stop: list[str]) -> int:
         if len(s) < 2:
             continue
         tail = text[-(len(s) - 1):]
+        if s[0] not in tail:  # the common case, in C: no suffix can start the stop string
+            continue
         pattern = s + "\0" + tail
         pi = [0] * len(pattern)
         for i in range(1, len(pattern)):

@@ -13,6 +13,9 @@
   padding   the engine's counters (computed vs useful token rows) over the issue's workload and the
             seed's mix, the device stubbed.
   warmup    a SmolLM2-shaped model's warm-up, cold and from the cache (--baseline DIR: DIR's code too).
+  stops     256 smollm2 sequences decoding with and without stop strings, the device stubbed: the host
+            step, and the server's share (server.Generation turning the same steps' deltas into text);
+            with --baseline DIR, DIR's code measured alike, alternating, in fresh processes.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from report import machine_info, results_dir, sections, timer, write_json  # noqa: E402
 
-SECTIONS = ("roofline", "host", "parts", "settings", "padding", "warmup")
+SECTIONS = ("roofline", "host", "parts", "settings", "padding", "warmup", "stops")
 ARGS = argparse.Namespace(baseline="", repeats=2, settings="default")
 # SmolLM2-135M's shape (the server's default model): 30 layers, width 576.
 SMOL = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -309,19 +312,88 @@ def section_warmup() -> dict:
               f"{base['warmup_cpu_s']:.1f}s CPU ({base['warmup_cpu_s'] / cold['warmup_cpu_s']:.1f}x this tree's)")
     return res
 
+STOPS = ("</answer>", "\n\nUser:")  # typical stop strings, never completed here
+
+def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `root`: host and server CPU ms/step
+    sys.path.insert(0, root)
+    import asyncio
+    import server
+    words = "The quick brown fox jumps over the lazy dog, and then it runs away into the forest. " * 4
+    out = {}
+    for label, stop in (("no stop strings", ()), ("stop strings", STOPS)):
+        eng = make_engine("smollm2", n, max_model_len=256, max_num_batched_tokens=2048, num_kv_blocks=n * 5 + 1)
+        stub_device(eng.runner)  # its token: the row's last input token, a word of the prompt
+        prompt = eng.tokenizer.encode(words, add_special_tokens=False)[:16]
+        from config import SamplingParams
+        for i in range(n):
+            eng.add_request(f"r{i}", prompt[i % 8:] + prompt[:i % 8], SamplingParams(max_tokens=200, ignore_eos=True,
+                                                                                     stop=stop))
+        while eng.scheduler.num_waiting or any(not s.is_decode for s in eng.scheduler.running):
+            eng.step()
+        host = 1e3 * min(timed(lambda: steps(eng, k))[1] for _ in range(3)) / k
+        per_request: dict[str, list] = {}
+        for _ in range(k):
+            for d in eng.step():
+                per_request.setdefault(d.request_id, []).append(d)
+
+        class Engine:  # what server.Generation reads of an AsyncEngine: these deltas as its stream
+            tokenizer, model_config = eng.tokenizer, eng.model_config
+
+            @staticmethod
+            def add_request(rid, *_):
+                async def stream():
+                    for d in per_request[rid]:
+                        yield d
+                return stream()
+
+            @staticmethod
+            def abort(rid):
+                pass
+
+        async def serve() -> float:
+            gens = [server.Generation(Engine, s.request_id, s.prompt_token_ids, s.params)
+                    for s in eng.scheduler.running]
+            c0 = time.process_time()
+            for g in gens:
+                async for _ in g.chunks():
+                    pass
+            return time.process_time() - c0
+        srv = 1e3 * min(asyncio.run(serve()) for _ in range(3)) / k
+        out[label] = dict(host_ms=host, server_ms=srv)
+        del eng
+        gc.collect()
+    return out
+
+def section_stops() -> dict:
+    roots = {"this tree": ROOT} | ({"baseline": ARGS.baseline} if ARGS.baseline else {})
+    runs: dict[str, list[dict]] = {name: [] for name in roots}
+    for _ in range(ARGS.repeats):
+        for name, root in roots.items():  # alternating: a neighbour's burst falls on both alike
+            runs[name].append(child("stops", root))
+    best = {name: {label: {key: min(r[label][key] for r in rs) for key in ("host_ms", "server_ms")}
+                   for label in rs[0]} for name, rs in runs.items()}
+    print("stops   256 smollm2 sequences decoding, device stubbed, CPU ms per step (best of "
+          f"{ARGS.repeats} processes): host step + server's detokenizing = total")
+    for label in ("no stop strings", "stop strings"):
+        print(f"stops   {label:16s} " + " | ".join(
+            f"{name}: {b[label]['host_ms']:.2f} + {b[label]['server_ms']:.2f} = "
+            f"{b[label]['host_ms'] + b[label]['server_ms']:.2f}" for name, b in best.items()))
+    return dict(best=best, runs=runs)
+
 def main() -> None:
     global ARGS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default=results_dir("step_profile.json"))
-    ap.add_argument("--baseline", default="", help="warmup: also time a cold 30-layer warm-up of this checkout")
+    ap.add_argument("--baseline", default="", help="warmup, stops: also measure this checkout's code")
     ap.add_argument("--repeats", type=int, default=2, help="settings: fresh processes per setting")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="settings: which (the first is the reference)")
     ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
     ARGS = ap.parse_args()
     if ARGS._child:
         kind, *rest = ARGS._child
-        print(json.dumps(_settings_child(*rest) if kind == "settings" else _warmup_child(*rest)))
+        children = {"settings": _settings_child, "warmup": _warmup_child, "stops": _stops_child}
+        print(json.dumps(children[kind](*rest)))
         return
     results: dict = {"machine": machine_info(), "load_before": os.getloadavg()}
     for name in sections(ap, ARGS.sections, SECTIONS):

@@ -299,7 +299,7 @@ settings.load_profile("derandomized")
 # holds the long ones first.)
 SLOWEST_FIRST = ["test_kernels", "test_parallel", "test_perplexity", "test_serve_ray", "test_spec_decode_smollm2",
                  "test_spec_decode", "test_draft_model", "test_engine", "test_bench_offline", "test_hostile",
-                 "test_async_scheduling", "test_real_model", "test_simulate", "test_kvcache", "test_recipes_model",
+                 "test_async_scheduling", "test_real_model", "test_stop_strings", "test_simulate", "test_kvcache", "test_recipes_model",
                  "test_server", "test_bench_mixed", "test_stutter", "test_serving_path", "test_kv_quant",
                  "test_structured", "test_structured_smollm2", "test_policy", "test_request_metrics", "test_metrics",
                  "test_fair_slo", "test_prefix_cache", "test_prompt_logprobs", "test_server_concurrency",

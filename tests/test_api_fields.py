@@ -174,7 +174,6 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (CHAT, "verbosity", "low"),
     (CHAT, "function_call", {"name": "f"}),
     (CHAT, "functions", [{"name": "f"}]),
-    (CHAT, "include_stop_str_in_output", True),
     (CHAT, "reasoning_effort", "extreme"),
     (CHAT, "return_prompt_text", True),
     (CHAT, "cache_salt", "pepper"),

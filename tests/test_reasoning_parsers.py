@@ -184,15 +184,15 @@ def test_a_constraint_holds_once_thinking_ends(post):
 
 def test_after_reasoning_frees_the_tokens_until_the_end_tag_then_applies_the_grammar():
     from config import StructuredOutputsParams
-    from structured import GrammarCompiler
+    from structured import GrammarCompiler, new_constraint
 
     grammars = GrammarCompiler(ByteTokenizer(), 512, [257])
-    gate = grammars.constraint(StructuredOutputsParams(regex="[ab]{3}"), after=list(b"</think>"))
+    gate = new_constraint(grammars.compile(StructuredOutputsParams(regex="[ab]{3}")).deep_copy(), list(b"</think>"))
     for token in b"x <think> no</think":
         assert gate.accept(token) and not gate.active and not gate.stopped
     assert gate.accept(ord(">")) and gate.active
     assert not gate.accept(ord("x"))  # now the grammar's: "x" is refused
-    gate = grammars.constraint(StructuredOutputsParams(regex="[ab]{3}"), after=list(b"</think>"))
+    gate = new_constraint(grammars.compile(StructuredOutputsParams(regex="[ab]{3}")).deep_copy(), list(b"</think>"))
     for token in b"</think>aba":
         assert gate.accept(token)
     assert gate.stopped

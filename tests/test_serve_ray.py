@@ -365,3 +365,60 @@ def test_router_follows_the_longest_held_prefix_until_its_queue_runs_ahead_then_
     queue["c"] = 1
     assert routed(router, replicas, "x" * 10) in {"a", "b", "c"}  # too short to match: the least loaded
     assert routed(router, replicas, SYSTEM + "four") in {"c", second}  # a holder, never the third replica
+
+
+def test_a_stream_whose_client_left_before_its_first_chunk_is_cancelled_at_the_replica() -> None:
+    """The Ingress relays an SSE stream through an async generator; a client gone before the
+    body starts (starlette's disconnect listener wins, or the first send fails) means that
+    generator never runs, so its `finally` cannot cancel the replica's request: the response
+    itself must, or the request holds its engine slot to its last token."""
+    cancelled = []
+
+    class Responses:  # a DeploymentResponseGenerator: the head, then an event that never comes
+        async def __anext__(self):
+            if not hasattr(self, "head"):
+                self.head = True
+                return serve_ray.HttpHead(200, (("content-type", "text/event-stream"),))
+            await asyncio.sleep(3600)
+
+        def __aiter__(self):
+            return self
+
+        def cancel(self) -> None:
+            cancelled.append(True)
+
+    class Handle:
+        def options(self, **_):
+            return self
+
+        @property
+        def handle(self):
+            return self
+
+        def remote(self, _request):
+            return Responses()
+
+    async def run(spec_version: str) -> None:
+        from starlette.requests import Request
+
+        ingress = serve_ray.Ingress.func_or_class(Handle())
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "headers": [],
+                 "asgi": {"spec_version": spec_version}}
+
+        async def receive() -> dict:
+            return {"type": "http.disconnect"} if body_read else body_read.append(1) or {
+                "type": "http.request", "body": b'{"prompt": "hi", "stream": true}', "more_body": False}
+
+        async def send(message: dict) -> None:  # the client is gone
+            await asyncio.sleep(0.05)
+            raise OSError("connection reset")
+        body_read: list[int] = []
+        response = await ingress(Request(scope, receive))
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(response(scope, receive, send), 10)
+        await ingress.session.close()
+
+    for spec_version in ("2.0", "2.4"):  # starlette's two ways of streaming
+        cancelled.clear()
+        asyncio.run(run(spec_version))
+        assert cancelled, spec_version

@@ -285,3 +285,54 @@ def test_multi_host_posts_each_program_and_the_bitmask_only_when_a_row_is_constr
         rows = int(np.frombuffer(body[8:16], np.int64)[0])
         mask = rows * runner._mask_width * 4 if kinds[i] == SAMPLE_MASKED else 0
         assert len(body) == 24 + 28 * rows + 1 + mask
+
+
+def test_a_constraint_is_compiled_once_off_the_loops_however_many_others_fill_the_cache(monkeypatch):
+    """The server compiles a request's constraint on its executor; the engine must copy that
+    matcher, not look it up again in the LRU cache: with more distinct grammars compiled
+    meanwhile than it holds, it would compile again, on the event loop (AsyncEngine's
+    validate) and on the engine loop. Offline, every constraint is compiled once too."""
+    import asyncio
+    import threading
+
+    import structured
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+    from conftest import tiny_async_engine
+
+    monkeypatch.setattr(structured, "MAX_CACHED_GRAMMARS", 1)
+    compiled: list[tuple[str, str]] = []  # (regex, thread) of each cache miss
+    grammar_text = structured.grammar_text
+    monkeypatch.setattr(structured, "grammar_text", lambda spec: compiled.append(
+        (spec.regex, threading.current_thread().name)) or grammar_text(spec))
+    with tiny_async_engine() as (loop, engine):
+        compile_ = engine.grammars.compile
+
+        def compile_then_another(spec: SO):  # another request's compile lands before this one reaches the engine
+            matcher = compile_(spec)
+            if spec.regex == "[ab]{4}":
+                compile_(SO(regex="[01]{4}"))
+            return matcher
+        monkeypatch.setattr(engine.grammars, "compile", compile_then_another)
+        client = TestClient(TestServer(server.build_app(engine, ["tiny"])), loop=loop)
+        loop.run_until_complete(client.start_server())
+        try:
+            async def post() -> dict:
+                resp = await client.post("/v1/completions", json={
+                    "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "[ab]{4}"}})
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+            out = loop.run_until_complete(asyncio.wait_for(post(), 300))
+        finally:
+            loop.run_until_complete(client.close())
+        assert re.fullmatch("[ab]{4}", out["choices"][0]["text"])
+        mine = [thread for regex, thread in compiled if regex == "[ab]{4}"]
+        assert len(mine) == 1 and mine[0] not in (threading.main_thread().name, "taxirank-engine"), compiled
+
+    compiled.clear()  # offline: validated (compiled) before any is added, then added
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    specs = [SO(regex=r) for r in ("a{2}", "b{2}", "0{2}")]
+    outs = llm.generate(["x"] * 3, [SamplingParams(max_tokens=4, structured_outputs=s) for s in specs])
+    assert [o.text for o in outs] == ["aa", "bb", "00"]
+    assert sorted(r for r, _ in compiled) == sorted(s.regex for s in specs)
