@@ -576,31 +576,40 @@ class Scheduler:
         if self.policy.orders_prompts:
             candidates = sorted(candidates, key=self.policy.key)
         for seq in candidates:
-            if seq.status is not RUNNING:
-                continue  # preempted meanwhile (or finished, seated until its batch leaves)
-            if seq.is_decode:
-                continue  # not prompt work (async: maybe a decode whose input is in flight)
-            n = seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens
-            if self.config.enable_chunked_prefill:
-                room = self.policy.prompt_room(seq, out.scheduled)
-                if not room:
-                    continue  # the policy holds this one's prompt back this step, not the others'
-                n = min(n, self._budget, room)
-            if n == 0 or n > self._budget:
+            if not self._schedule_prompt(out, seq):
                 break
-            if self._make_room(out, seq, n):
-                self._add(out, seq, n)
+
+    def _schedule_prompt(self, out: SchedulerOutput, seq: Sequence) -> bool:
+        """seq's prompt work in this step, if it has any the policy lets it have; False when
+        the budget cannot take it (the prompts after it wait too)."""
+        if seq.status is not RUNNING:
+            return True  # preempted meanwhile (or finished, seated until its batch leaves)
+        if seq.is_decode:
+            return True  # not prompt work (async: maybe a decode whose input is in flight)
+        n = seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens
+        if self.config.enable_chunked_prefill:
+            room = self.policy.prompt_room(seq, out.scheduled)
+            if not room:
+                return True  # the policy holds this one's prompt back this step, not the others'
+            n = min(n, self._budget, room)
+        if n == 0 or n > self._budget:
+            return False
+        if self._make_room(out, seq, n):
+            self._add(out, seq, n)
+        return True
 
     def admit(self, out: SchedulerOutput, schedule: bool = True) -> None:
         """Move waiting sequences to running, in the queue's order, while a slot, KV
         blocks and (schedule) the token budget allow; walk past one whose prompt the policy
         holds back this step (wait reason "policy"), stop at the first that cannot go for
         any other reason, and record why the rest wait. schedule: its first chunk is in
-        this step; else it only boards, with blocks for its whole prompt, and prefills over
-        the next steps."""
+        this step; else it boards, with blocks for its whole prompt, and its prompt is
+        scheduled as the budget takes the boarded prompts in order (schedule_prompts'
+        rule; the rest prefill over the next steps)."""
         # As vLLM: a step that preempted running sequences for blocks admits nobody.
         reason = "kv_blocks" if self._room_preempted else None
         held: list[Sequence] = []  # the policy holds their prompts back this step: the rest may pass
+        prompts_fit = True  # boarding (not schedule): the budget has taken every boarded prompt so far
         while reason is None and len(held) < len(self.waiting):
             seq = self.waiting[len(held)]  # the held ones stay ahead of it, in queue order
             if not self._free_slots:
@@ -624,6 +633,12 @@ class Scheduler:
                 self._start(seq, cached, num_new_blocks)
                 if schedule:
                     self._add(out, seq, n)
+                elif prompts_fit:
+                    # Boarding: its prompt is scheduled as it boards (as schedule_prompts
+                    # would: boarding order is the queue's, the policy's key order), so the
+                    # full blocks it computes are named before the next one is sized, and a
+                    # request sharing its prefix shares them rather than waiting for blocks.
+                    prompts_fit = self._schedule_prompt(out, seq)
         for seq in self.waiting:
             seq.wait_reason = reason
         for seq in held:

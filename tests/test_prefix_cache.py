@@ -196,6 +196,24 @@ def test_a_request_admitted_in_the_same_step_shares_the_blocks_being_computed():
     assert s.allocator.num_used == 6  # 4 shared + one each: a shared block counts once
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_static_batch_boards_a_request_sharing_a_boarded_prompts_prefix(chunked):
+    """Static batching: a boarded prompt is scheduled as it boards, so its full blocks are
+    named before the next request is sized, as continuous batching names them: b shares
+    a's 4 blocks and needs 1 fresh (6 in all, 7 free), where unshared it would need 5 of
+    the 2 left and wait a whole batch on kv_blocks."""
+    s = make(8, scheduling="static", enable_chunked_prefill=chunked, max_num_batched_tokens=64)
+    prefix = list(range(1, 17))  # 4 full blocks
+    a, b = Sequence("a", prefix + [90], SamplingParams(max_tokens=4)), Sequence("b", prefix + [91], SamplingParams(max_tokens=4))
+    s.add(a), s.add(b)
+    out = step(s)
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 17), ("b", 1)]
+    assert a.block_table[:4] == b.block_table[:4] and s.allocator.num_used == 6 and not s.waiting
+    while s.has_unfinished():
+        step(s)
+    assert s.allocator.num_used == 0
+
+
 def test_an_exact_block_multiple_prompt_recomputes_its_last_block():
     s = make(64)
     prompt = list(range(1, 17))  # exactly 4 blocks
