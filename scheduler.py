@@ -810,6 +810,9 @@ class Scheduler:
             host, seq.num_computed_tokens = seq.swapped
             self._swap_in.append((seq.block_table[:len(host)], host))
             seq.swapped = None
+            # Named now, as a cache hit's are: a request admitted after it in this step (it
+            # reads them after the copy) shares them, also when seq computes nothing as it boards.
+            self._name_full_blocks(seq, seq.num_computed_tokens)
         if seq.num_cached_tokens < 0:  # as vLLM: the first admission's hit is the request's
             seq.num_cached_tokens = seq.num_computed_tokens
         seq.status, seq.wait_reason = RUNNING, None
