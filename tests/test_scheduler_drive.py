@@ -188,6 +188,8 @@ class Drive:
         def begin_step(running: list[Sequence]) -> None:
             begin(running)
             self.queue_at_start = list(self.s.waiting)
+            if self.s.policy.orders_prompts:  # the ranks this step goes by (fair's move only as it is charged)
+                self.keys_at_start = {id(q): self.s.policy.key(q) for q in [*running, *self.s.waiting]}
 
         self.s.preempt_for_waiting = preempt_for_waiting
         self.s.policy.begin_step = begin_step
@@ -360,6 +362,13 @@ class Drive:
         eligible = [q for q in self.queue_at_start if q.wait_reason != "policy" or q.status is RUNNING]
         assert admitted == eligible[:len(admitted)], ([q.request_id for q in admitted],
                                                       [q.request_id for q in eligible])
+        if self.policy in ("priority", "slo"):  # the queue is in rank order
+            keys = [s.policy.key(q) for q in s.waiting]
+            assert keys == sorted(keys), [q.request_id for q in s.waiting]
+        if s.policy.orders_prompts:  # seated prompts get the step's budget in rank order (admissions come after)
+            keys = [self.keys_at_start[id(x.seq)] for x in out.scheduled
+                    if not x.is_decode and id(x.seq) in was_running]
+            assert keys == sorted(keys), "prompt chunks out of rank order"
         if self.walked and self.policy != "fair":  # (fair's ranks move with the service charged this step)
             for v in self.walked:
                 assert self.outranked[v.request_id] or any(s.policy.outranks(q, v) for q in admitted), v.request_id
