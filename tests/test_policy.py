@@ -145,6 +145,25 @@ def test_preempt_for_waiting_keeps_only_the_victims_the_admission_needs():
     s.check_invariants()
 
 
+def test_preempt_for_waiting_takes_the_lowest_ranked_victims_that_suffice():
+    """urgent needs 3 blocks, none is free. The lowest ranked two (v1, v2: 1 block each)
+    are not enough, so v3 (2 blocks) must go, and with it one more: v1 or v2 would do, and
+    the lower ranked, v1, goes; v2 keeps running (never more victims than needed, the
+    least important first)."""
+    s = make(max_num_seqs=3, num_blocks=5)  # 4 usable blocks of 4
+    s.add(seq("v3", priority=7, prompt_len=6))  # 2 blocks
+    s.add(seq("v2", priority=8, prompt_len=2))  # 1 block
+    s.add(seq("v1", priority=9, prompt_len=2))  # 1 block
+    out = s.schedule()
+    s.update(out, [TOKEN] * len(out.scheduled))
+    assert s.allocator.num_free == 0
+    s.add(seq("urgent", priority=0, prompt_len=10, max_tokens=2, arrival=1))  # 3 blocks
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["v1", "v3"]
+    assert [x.seq.request_id for x in out.scheduled] == ["urgent"]
+    assert [q.request_id for q in s.running] == ["v2", "urgent"]
+
+
 def test_a_victims_blocks_in_the_waiting_requests_cached_prefix_make_no_room_for_it():
     """Prefix caching: the waiting request's cached prefix is the victim's own blocks, so
     preempting the victim frees them only for the request to take them back. 1 block is
