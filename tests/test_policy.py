@@ -164,6 +164,27 @@ def test_preempt_for_waiting_takes_the_lowest_ranked_victims_that_suffice():
     assert [q.request_id for q in s.running] == ["v2", "urgent"]
 
 
+def test_preempt_for_waiting_spares_a_victim_a_later_admissions_victim_made_unneeded():
+    """6 blocks and a seat are free. u1 needs 8: b (the lowest ranked, 3 blocks) is enough
+    for it; u2 then needs 2 and a seat, and only a (4 blocks) is left to take. But a alone
+    frees room for both (10 blocks: 8 + 2), and a's seat leaves one for each: b keeps
+    running, as it is needed by neither once a goes."""
+    s = make(max_num_seqs=3, max_model_len=64, num_blocks=14)  # 13 usable blocks of 4
+    s.add(seq("a", priority=8, prompt_len=14))  # 4 blocks, its next token fits
+    s.add(seq("b", priority=9, prompt_len=10))  # 3 blocks, its next token fits
+    out = s.schedule()
+    s.update(out, [TOKEN] * len(out.scheduled))
+    assert s.allocator.num_free == 6
+    s.add(seq("u1", priority=0, prompt_len=30, max_tokens=2, arrival=1))  # 8 blocks
+    s.add(seq("u2", priority=1, prompt_len=6, max_tokens=2, arrival=2))  # 2 blocks
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["a"]
+    assert [x.seq.request_id for x in out.scheduled] == ["u1", "u2"]
+    assert [q.request_id for q in s.running] == ["b", "u1", "u2"]
+    s.update(out, [TOKEN] * len(out.scheduled))
+    s.check_invariants()
+
+
 def test_a_victims_blocks_in_the_waiting_requests_cached_prefix_make_no_room_for_it():
     """Prefix caching: the waiting request's cached prefix is the victim's own blocks, so
     preempting the victim frees them only for the request to take them back. 1 block is
