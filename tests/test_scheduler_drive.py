@@ -374,6 +374,8 @@ class Drive:
                 assert self.outranked[v.request_id] or any(s.policy.outranks(q, v) for q in admitted), v.request_id
                 if self.policy == "slo":
                     assert s.policy.lost(v), f"{v.request_id} was preempted, but it can still make its target"
+            if self.policy == "slo":  # for a request that can still make its target (a lost one never preempts)
+                assert any(not s.policy.lost(q) for q in admitted), [q.request_id for q in admitted]
 
     def check_schedule(self, out: SchedulerOutput, riding: bool) -> None:
         s, cfg = self.s, self.cfg
