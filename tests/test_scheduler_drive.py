@@ -135,7 +135,7 @@ class Drive:
         self.caching = rng.random() < 0.5
         self.async_ = rng.random() < 0.5
         self.kv_admission = rng.choice(["on-demand"] * 4 + ["reserve", "reserve-max-len"])
-        self.swap = self.kv_admission == "on-demand" and rng.random() < 0.35
+        self.swap = self.kv_admission == "on-demand" and rng.random() < 0.5
         spec = None
         if rng.random() < 0.25:
             spec = rng.choice([{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2},
@@ -159,7 +159,7 @@ class Drive:
                            speculative_config=spec, async_scheduling=self.async_).resolved(mml)
         # One max_model_len sequence and a few blocks more: on-demand preempts often.
         num_blocks = blocks_needed(mml, block_size) + 1 + rng.randint(0, 6)
-        num_swap = rng.choice([0, 2, 4, 8, 16]) if self.swap else 0
+        num_swap = rng.choice([1, 2, 4, 8, 16]) if self.swap else 0
         self.s = Scheduler(cfg, num_blocks, (EOS,), num_swap_blocks=num_swap)
         self.now = 0  # the policy's clock (slo deadlines, fair's activity window): the step
         self.s.policy.clock = lambda: float(self.now)
@@ -170,7 +170,7 @@ class Drive:
         self.aborted: set[str] = set()  # by the client
         self.swapped_computed: dict[str, int] = {}  # a swapped-out sequence's computed tokens
         n = rng.randint(1, 10)
-        self.arrivals = sorted((rng.randint(0, 30), i) for i in range(n))
+        self.arrivals = sorted((rng.randint(0, 8 if self.swap else 30), i) for i in range(n))  # swap: under pressure
         self.aborts = {rng.randrange(n): rng.randint(0, 60) for _ in range(rng.randint(0, 2))}
         self.shared = [rng.randint(3, 9) for _ in range(mml)]
         # What each step's ranked preemption for waiting requests chose, and the queue it walked.
