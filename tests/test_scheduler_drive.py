@@ -249,7 +249,7 @@ class Drive:
                 self.update(*in_flight.popleft())  # proposals read every token
             riding = bool(s.running)
             held = {q.request_id: len(q.block_table) for q in s.running}
-            was_running = {id(q) for q in s.running}
+            was_running = self.was_running = {id(q) for q in s.running}
             self.walked, self.outranked = [], {}
             out = s.schedule()
             self.check_schedule(out, riding)
@@ -339,8 +339,8 @@ class Drive:
         s, bs = self.s, self.cfg.block_size
         for v, n, swapped in zip(out.preempted, out.preempted_tokens, out.preempted_swapped):
             assert not swapped or self.swap
-            if swapped:
-                assert v.swapped is not None and v.swapped[1] == n and len(v.swapped[0]) == blocks_needed(n, bs)
+            if swapped:  # (it may be admitted again in the same step: swapped out, then back in)
+                assert v.swapped is None or v.swapped[1] == n and len(v.swapped[0]) == blocks_needed(n, bs)
                 self.swapped_computed[v.request_id] = n
             else:
                 assert v.swapped is None
@@ -459,8 +459,10 @@ class Drive:
             self.check_blocks_short(head, reason, cached, head.num_tokens - self.num_cached_tokens(head, cached))
             return
         # The budget admission saw: with chunked prefill admission comes last; without it,
-        # decodes run only in a step that admitted nobody.
-        used = sum(x.num_new_tokens for x in out.scheduled if self.chunked or not x.is_decode)
+        # decodes run only in a step that admitted nobody (an admission's own first step may
+        # be a decode: a swapped-out sequence whose K/V came back whole).
+        used = sum(x.num_new_tokens for x in out.scheduled
+                   if self.chunked or not x.is_decode or id(x.seq) not in self.was_running)
         budget = cfg.max_num_batched_tokens - used
         if self.chunked and budget > 0:  # a prompt the policy holds back waits on it, not behind the head
             assert s.policy.prompt_room(head, out.scheduled) > 0, (head.request_id, reason, "held by the policy")
