@@ -709,6 +709,8 @@ class Scheduler:
             taken = set()  # cached blocks an admission planned so far takes back (later ones share them)
             holders = {}  # per block, how many of the victims chosen so far hold it
             for seq in self.waiting:
+                if victims and any(self.policy.key(v) < self.policy.key(seq) for v in victims):
+                    break  # a victim is requeued ahead of it: admit stops there first, the room gone to others
                 room = self.policy.prompt_room(seq, out.scheduled) if chunked else float("inf")
                 if room == 0:
                     continue  # held back this step (its room only shrinks as the step fills): admit walks past it

@@ -185,6 +185,28 @@ def test_preempt_for_waiting_spares_a_victim_a_later_admissions_victim_made_unne
     s.check_invariants()
 
 
+def test_preempt_for_waiting_plans_no_admission_behind_a_requeued_victim():
+    """No block and one seat are free. u1 (2 blocks) and u2 (4) outrank everyone running;
+    a alone (6 blocks) makes room for both. late (priority 3) would fit in what is left
+    if d (priority 3, 2 blocks) went too, but d ranks above late: requeued, it stops
+    admission before late. So only a goes: d keeps running and late waits."""
+    s = make(max_num_seqs=4, max_model_len=64, num_blocks=10)  # 9 usable blocks of 4
+    s.add(seq("a", priority=2, prompt_len=22, arrival=0))  # 6 blocks, its next token fits
+    s.add(seq("c", priority=3, prompt_len=2, arrival=1))  # 1 block
+    s.add(seq("d", priority=3, prompt_len=6, arrival=2))  # 2 blocks
+    out = s.schedule()
+    s.update(out, [TOKEN] * len(out.scheduled))
+    assert s.allocator.num_free == 0
+    s.add(seq("late", priority=3, prompt_len=8, arrival=3))  # 2 blocks
+    s.add(seq("u1", priority=0, prompt_len=5, max_tokens=2, arrival=4))  # 2 blocks
+    s.add(seq("u2", priority=0, prompt_len=16, max_tokens=2, arrival=5))  # 4 blocks
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["a"]
+    assert [x.seq.request_id for x in out.scheduled] == ["u1", "u2"]
+    assert [q.request_id for q in s.running] == ["c", "d", "u1", "u2"]
+    assert [q.request_id for q in s.waiting] == ["a", "late"]
+
+
 def test_a_victims_blocks_in_the_waiting_requests_cached_prefix_make_no_room_for_it():
     """Prefix caching: the waiting request's cached prefix is the victim's own blocks, so
     preempting the victim frees them only for the request to take them back. 1 block is
