@@ -466,6 +466,8 @@ class Drive:
         budget = cfg.max_num_batched_tokens - used
         if self.chunked and budget > 0:  # a prompt the policy holds back waits on it, not behind the head
             assert s.policy.prompt_room(head, out.scheduled) > 0, (head.request_id, reason, "held by the policy")
+        if self.caching and not self.chunked and out.num_decode_tokens:
+            return  # the decodes ran after admission: blocks they completed were named too late for it
         cached = self.cached_blocks(head)
         n = head.num_tokens - self.num_cached_tokens(head, cached)
         if self.chunked:
