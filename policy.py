@@ -478,12 +478,12 @@ class Static:
 
     def schedule(self, s: Scheduler, out: SchedulerOutput) -> None:
         if not s.running:
-            s.admit(out, schedule=False)
+            s.admit(out, schedule=False)  # (which schedules the boarded prompts the budget takes)
         else:
             for seq in s.waiting:
                 seq.wait_reason = "static_batch"
         # Everyone boards before it leaves: no decode until every prompt is in.
-        if any(not seq.finished and not seq.is_decode for seq in s.running):
+        if out.scheduled or any(not seq.finished and not seq.is_decode for seq in s.running):
             s.schedule_prompts(out)
         else:
             s.schedule_decodes(out)

@@ -582,31 +582,40 @@ class Scheduler:
         if self.policy.orders_prompts:
             candidates = sorted(candidates, key=self.policy.key)
         for seq in candidates:
-            if seq.status is not RUNNING:
-                continue  # preempted meanwhile (or finished, seated until its batch leaves)
-            if seq.is_decode:
-                continue  # not prompt work (async: maybe a decode whose input is in flight)
-            n = seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens
-            if self.config.enable_chunked_prefill:
-                room = self.policy.prompt_room(seq, out.scheduled)
-                if not room:
-                    continue  # the policy holds this one's prompt back this step, not the others'
-                n = min(n, self._budget, room)
-            if n == 0 or n > self._budget:
+            if not self._schedule_prompt(out, seq):
                 break
-            if self._make_room(out, seq, n):
-                self._add(out, seq, n)
+
+    def _schedule_prompt(self, out: SchedulerOutput, seq: Sequence) -> bool:
+        """seq's prompt work in this step, if it has any the policy lets it have; False when
+        the budget cannot take it (the prompts after it wait too)."""
+        if seq.status is not RUNNING:
+            return True  # preempted meanwhile (or finished, seated until its batch leaves)
+        if seq.is_decode:
+            return True  # not prompt work (async: maybe a decode whose input is in flight)
+        n = seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens
+        if self.config.enable_chunked_prefill:
+            room = self.policy.prompt_room(seq, out.scheduled)
+            if not room:
+                return True  # the policy holds this one's prompt back this step, not the others'
+            n = min(n, self._budget, room)
+        if n == 0 or n > self._budget:
+            return False
+        if self._make_room(out, seq, n):
+            self._add(out, seq, n)
+        return True
 
     def admit(self, out: SchedulerOutput, schedule: bool = True) -> None:
         """Move waiting sequences to running, in the queue's order, while a slot, KV
         blocks and (schedule) the token budget allow; walk past one whose prompt the policy
         holds back this step (wait reason "policy"), stop at the first that cannot go for
         any other reason, and record why the rest wait. schedule: its first chunk is in
-        this step; else it only boards, with blocks for its whole prompt, and prefills over
-        the next steps."""
+        this step; else it boards, with blocks for its whole prompt, and its prompt is
+        scheduled as the budget takes the boarded prompts in order (schedule_prompts'
+        rule; the rest prefill over the next steps)."""
         # As vLLM: a step that preempted running sequences for blocks admits nobody.
         reason = "kv_blocks" if self._room_preempted else None
         held: list[Sequence] = []  # the policy holds their prompts back this step: the rest may pass
+        prompts_fit = True  # boarding (not schedule): the budget has taken every boarded prompt so far
         while reason is None and len(held) < len(self.waiting):
             seq = self.waiting[len(held)]  # the held ones stay ahead of it, in queue order
             if not self._free_slots:
@@ -630,6 +639,12 @@ class Scheduler:
                 self._start(seq, cached, num_new_blocks)
                 if schedule:
                     self._add(out, seq, n)
+                elif prompts_fit:
+                    # Boarding: its prompt is scheduled as it boards (as schedule_prompts
+                    # would: boarding order is the queue's, the policy's key order), so the
+                    # full blocks it computes are named before the next one is sized, and a
+                    # request sharing its prefix shares them rather than waiting for blocks.
+                    prompts_fit = self._schedule_prompt(out, seq)
         for seq in self.waiting:
             seq.wait_reason = reason
         for seq in held:
@@ -640,7 +655,8 @@ class Scheduler:
         blocks from the lowest ranked of them when slots or blocks are full, before
         anything is scheduled. Walks the queue in admission order as admit will, counting
         the room each admission takes; a request whose admission preempting cannot make
-        room stops the walk, and nobody is preempted for it (no preemption for nothing)."""
+        room stops the walk, and nobody is preempted for it (no preemption for nothing);
+        nor for a planned admission that the other victims already make room for."""
         if not self.waiting:
             return
         running = [r for r in self.running if r.status is RUNNING]
@@ -686,48 +702,79 @@ class Scheduler:
             need = num_new_blocks + sum(1 for b in kept - taken if b in gone or self.allocator.ref_count(b) == 0)
             return s_, b_, t_, h_, freed, kept, n, need
 
-        slots = len(self._free_slots)
-        blocks = self.allocator.num_free - sum(growth(r) for r in running)
-        budget = self._budget - (sum(work(r) for r in running) if chunked else 0)
-        victims: list[Sequence] = []
-        gone: set[int] = set()  # the blocks only the victims chosen so far hold
-        taken: set[int] = set()  # cached blocks an admission planned so far takes back (later ones share them)
-        holders: dict[int, int] = {}  # per block, how many of the victims chosen so far hold it
-        for seq in self.waiting:
-            room = self.policy.prompt_room(seq, out.scheduled) if chunked else float("inf")
-            if room == 0:
-                continue  # held back this step (its room only shrinks as the step fills): admit walks past it
-            if room != float("inf"):
-                break  # capped: admit tries it first, with a room known only once the step's prompt work is in
-            lower = [r for r in running if self.policy.outranks(seq, r)]
-            chosen: list[Sequence] = []
-            while True:
-                s_, b_, t_, h_, freed, kept, n, need = tally(seq, chosen)
-                if (s_ >= 1 and b_ >= need) or not lower:
+        def walk(spared: set[int]) -> tuple[list[Sequence], list[Sequence]]:
+            """The admissions planned in queue order and their victims, none of them in spared (ids)."""
+            nonlocal slots, blocks, budget, gone, taken, holders
+            seated = list(running)
+            slots = len(self._free_slots)
+            blocks = self.allocator.num_free - sum(growth(r) for r in seated)
+            budget = self._budget - (sum(work(r) for r in seated) if chunked else 0)
+            admitted: list[Sequence] = []
+            victims: list[Sequence] = []
+            gone = set()  # the blocks only the victims chosen so far hold
+            taken = set()  # cached blocks an admission planned so far takes back (later ones share them)
+            holders = {}  # per block, how many of the victims chosen so far hold it
+            for seq in self.waiting:
+                if victims and any(self.policy.key(v) < self.policy.key(seq) for v in victims):
+                    break  # a victim is requeued ahead of it: admit stops there first, the room gone to others
+                room = self.policy.prompt_room(seq, out.scheduled) if chunked else float("inf")
+                if room == 0:
+                    continue  # held back this step (its room only shrinks as the step fills): admit walks past it
+                if room != float("inf"):
+                    break  # capped: admit tries it first, with a room known only once the step's prompt work is in
+                lower = [r for r in seated if id(r) not in spared and self.policy.outranks(seq, r)]
+                chosen: list[Sequence] = []
+                while True:
+                    s_, b_, t_, h_, freed, kept, n, need = tally(seq, chosen)
+                    if (s_ >= 1 and b_ >= need) or not lower:
+                        break
+                    r = self.policy.victim(lower)  # the lowest ranked first
+                    lower.remove(r)
+                    chosen.append(r)
+                if not 0 < n <= t_:
+                    break  # the token budget holds it back, not a seat or blocks
+                if s_ < 1 or b_ < need:
                     break
-                r = self.policy.victim(lower)  # the lowest ranked first
-                lower.remove(r)
-                chosen.append(r)
-            if not 0 < n <= t_:
-                break  # the token budget holds it back, not a seat or blocks
-            if s_ < 1 or b_ < need:
-                break
-            # Only the victims the admission needs: a later, larger victim may free enough
-            # alone, and the earlier ones would be preempted for nothing. The highest ranked
-            # is tried first, so a lower ranked one goes where either would do.
-            for r in chosen[::-1]:
-                fewer = [c for c in chosen if c is not r]
-                s_, b_, t_, *_, n, need = tally(seq, fewer)
-                if s_ >= 1 and b_ >= need and 0 < n <= t_:
-                    chosen = fewer
-            s_, b_, t_, h_, freed, kept, n, need = tally(seq, chosen)
-            for r in chosen:
-                running.remove(r)
-            gone |= freed - kept  # the admission takes what it keeps back
-            holders = h_
-            taken |= kept
-            victims += chosen
-            slots, blocks, budget = s_ - 1, b_ - need, t_ - n
+                # Only the victims the admission needs: a later, larger victim may free enough
+                # alone, and the earlier ones would be preempted for nothing. The highest ranked
+                # is tried first, so a lower ranked one goes where either would do.
+                for r in chosen[::-1]:
+                    fewer = [c for c in chosen if c is not r]
+                    s_, b_, t_, *_, n, need = tally(seq, fewer)
+                    if s_ >= 1 and b_ >= need and 0 < n <= t_:
+                        chosen = fewer
+                s_, b_, t_, h_, freed, kept, n, need = tally(seq, chosen)
+                for r in chosen:
+                    seated.remove(r)
+                gone |= freed - kept  # the admission takes what it keeps back
+                holders = h_
+                taken |= kept
+                victims += chosen
+                admitted.append(seq)
+                slots, blocks, budget = s_ - 1, b_ - need, t_ - n
+            return admitted, victims
+
+        slots = blocks = budget = 0  # the room left as the walk plans admissions (set by walk)
+        gone: set[int] = set()
+        taken: set[int] = set()
+        holders: dict[int, int] = {}
+        admitted, victims = walk(set())
+        # Only the victims the walk as a whole needs: one chosen for an early admission may
+        # be spared once a later admission's victim frees room for both. The highest ranked
+        # is tried first (as in each admission's own trim); sparing it must keep every
+        # planned admission and take no new victim.
+        ranked, rest = [], list(victims)
+        while rest:
+            ranked.append(self.policy.victim(rest))
+            rest.remove(ranked[-1])
+        spared: set[int] = set()
+        for r in ranked[::-1] if len(victims) > 1 else ():
+            if r not in victims:
+                continue
+            again, fewer = walk(spared | {id(r)})
+            if again == admitted and {id(v) for v in fewer} < {id(v) for v in victims}:
+                spared.add(id(r))
+                victims = fewer
         for r in victims:
             self._preempt(out, r)
 
@@ -801,6 +848,9 @@ class Scheduler:
             host, seq.num_computed_tokens = seq.swapped
             self._swap_in.append((seq.block_table[:len(host)], host))
             seq.swapped = None
+            # Named now, as a cache hit's are: a request admitted after it in this step (it
+            # reads them after the copy) shares them, also when seq computes nothing as it boards.
+            self._name_full_blocks(seq, seq.num_computed_tokens)
         if seq.num_cached_tokens < 0:  # as vLLM: the first admission's hit is the request's
             seq.num_cached_tokens = seq.num_computed_tokens
         seq.status, seq.wait_reason = RUNNING, None

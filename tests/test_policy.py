@@ -145,6 +145,68 @@ def test_preempt_for_waiting_keeps_only_the_victims_the_admission_needs():
     s.check_invariants()
 
 
+def test_preempt_for_waiting_takes_the_lowest_ranked_victims_that_suffice():
+    """urgent needs 3 blocks, none is free. The lowest ranked two (v1, v2: 1 block each)
+    are not enough, so v3 (2 blocks) must go, and with it one more: v1 or v2 would do, and
+    the lower ranked, v1, goes; v2 keeps running (never more victims than needed, the
+    least important first)."""
+    s = make(max_num_seqs=3, num_blocks=5)  # 4 usable blocks of 4
+    s.add(seq("v3", priority=7, prompt_len=6))  # 2 blocks
+    s.add(seq("v2", priority=8, prompt_len=2))  # 1 block
+    s.add(seq("v1", priority=9, prompt_len=2))  # 1 block
+    out = s.schedule()
+    s.update(out, [TOKEN] * len(out.scheduled))
+    assert s.allocator.num_free == 0
+    s.add(seq("urgent", priority=0, prompt_len=10, max_tokens=2, arrival=1))  # 3 blocks
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["v1", "v3"]
+    assert [x.seq.request_id for x in out.scheduled] == ["urgent"]
+    assert [q.request_id for q in s.running] == ["v2", "urgent"]
+
+
+def test_preempt_for_waiting_spares_a_victim_a_later_admissions_victim_made_unneeded():
+    """6 blocks and a seat are free. u1 needs 8: b (the lowest ranked, 3 blocks) is enough
+    for it; u2 then needs 2 and a seat, and only a (4 blocks) is left to take. But a alone
+    frees room for both (10 blocks: 8 + 2), and a's seat leaves one for each: b keeps
+    running, as it is needed by neither once a goes."""
+    s = make(max_num_seqs=3, max_model_len=64, num_blocks=14)  # 13 usable blocks of 4
+    s.add(seq("a", priority=8, prompt_len=14))  # 4 blocks, its next token fits
+    s.add(seq("b", priority=9, prompt_len=10))  # 3 blocks, its next token fits
+    out = s.schedule()
+    s.update(out, [TOKEN] * len(out.scheduled))
+    assert s.allocator.num_free == 6
+    s.add(seq("u1", priority=0, prompt_len=30, max_tokens=2, arrival=1))  # 8 blocks
+    s.add(seq("u2", priority=1, prompt_len=6, max_tokens=2, arrival=2))  # 2 blocks
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["a"]
+    assert [x.seq.request_id for x in out.scheduled] == ["u1", "u2"]
+    assert [q.request_id for q in s.running] == ["b", "u1", "u2"]
+    s.update(out, [TOKEN] * len(out.scheduled))
+    s.check_invariants()
+
+
+def test_preempt_for_waiting_plans_no_admission_behind_a_requeued_victim():
+    """No block and one seat are free. u1 (2 blocks) and u2 (4) outrank everyone running;
+    a alone (6 blocks) makes room for both. late (priority 3) would fit in what is left
+    if d (priority 3, 2 blocks) went too, but d ranks above late: requeued, it stops
+    admission before late. So only a goes: d keeps running and late waits."""
+    s = make(max_num_seqs=4, max_model_len=64, num_blocks=10)  # 9 usable blocks of 4
+    s.add(seq("a", priority=2, prompt_len=22, arrival=0))  # 6 blocks, its next token fits
+    s.add(seq("c", priority=3, prompt_len=2, arrival=1))  # 1 block
+    s.add(seq("d", priority=3, prompt_len=6, arrival=2))  # 2 blocks
+    out = s.schedule()
+    s.update(out, [TOKEN] * len(out.scheduled))
+    assert s.allocator.num_free == 0
+    s.add(seq("late", priority=3, prompt_len=8, arrival=3))  # 2 blocks
+    s.add(seq("u1", priority=0, prompt_len=5, max_tokens=2, arrival=4))  # 2 blocks
+    s.add(seq("u2", priority=0, prompt_len=16, max_tokens=2, arrival=5))  # 4 blocks
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["a"]
+    assert [x.seq.request_id for x in out.scheduled] == ["u1", "u2"]
+    assert [q.request_id for q in s.running] == ["c", "d", "u1", "u2"]
+    assert [q.request_id for q in s.waiting] == ["a", "late"]
+
+
 def test_a_victims_blocks_in_the_waiting_requests_cached_prefix_make_no_room_for_it():
     """Prefix caching: the waiting request's cached prefix is the victim's own blocks, so
     preempting the victim frees them only for the request to take them back. 1 block is

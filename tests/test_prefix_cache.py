@@ -196,6 +196,48 @@ def test_a_request_admitted_in_the_same_step_shares_the_blocks_being_computed():
     assert s.allocator.num_used == 6  # 4 shared + one each: a shared block counts once
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_static_batch_boards_a_request_sharing_a_boarded_prompts_prefix(chunked):
+    """Static batching: a boarded prompt is scheduled as it boards, so its full blocks are
+    named before the next request is sized, as continuous batching names them: b shares
+    a's 4 blocks and needs 1 fresh (6 in all, 7 free), where unshared it would need 5 of
+    the 2 left and wait a whole batch on kv_blocks."""
+    s = make(8, scheduling="static", enable_chunked_prefill=chunked, max_num_batched_tokens=64)
+    prefix = list(range(1, 17))  # 4 full blocks
+    a, b = Sequence("a", prefix + [90], SamplingParams(max_tokens=4)), Sequence("b", prefix + [91], SamplingParams(max_tokens=4))
+    s.add(a), s.add(b)
+    out = step(s)
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 17), ("b", 1)]
+    assert a.block_table[:4] == b.block_table[:4] and s.allocator.num_used == 6 and not s.waiting
+    while s.has_unfinished():
+        step(s)
+    assert s.allocator.num_used == 0
+
+
+def test_a_static_batch_boards_a_request_sharing_a_swapped_in_sequences_prefix():
+    """A swapped-out sequence's blocks are named as its K/V is copied back in (as a cache
+    hit's are), also when it boards with only a decode left: c, boarding after it in the
+    same batch, shares a's 3 prompt blocks and needs 1 fresh (4 + 1 of 7), where unshared
+    it would need 4 of the 3 left and wait a whole batch on kv_blocks."""
+    cfg = EngineConfig(max_num_seqs=2, block_size=2, max_model_len=16, scheduling="static", enable_prefix_caching=True,
+                       enable_chunked_prefill=False, preemption_mode="swap").resolved(16)
+    s = Scheduler(cfg, 8, (0,), num_swap_blocks=8)  # 7 usable blocks
+    b = Sequence("b", list(range(100, 106)), SamplingParams(max_tokens=3, ignore_eos=True))
+    a = Sequence("a", list(range(1, 7)), SamplingParams(max_tokens=8, ignore_eos=True))
+    s.add(b), s.add(a)
+    step(s)
+    out = step(s)  # both decodes need a 4th block, one is free: a, admitted last, is swapped out
+    assert out.preempted == [a] and out.preempted_swapped == [True] and a.swapped is not None
+    s.add(c := Sequence("c", list(range(1, 7)) + [50, 51], SamplingParams(max_tokens=2, ignore_eos=True)))
+    step(s)  # b's last token: the batch leaves
+    out = step(s)  # a (swapped in, a decode left) and c board together
+    assert out.swap_in and [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("c", 2)]
+    assert c.block_table[:3] == a.block_table[:3] and not s.waiting
+    while s.has_unfinished():
+        step(s)
+    assert s.allocator.num_used == 0 and len(s._host_free) == 8
+
+
 def test_an_exact_block_multiple_prompt_recomputes_its_last_block():
     s = make(64)
     prompt = list(range(1, 17))  # exactly 4 blocks
