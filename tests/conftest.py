@@ -299,8 +299,8 @@ settings.load_profile("derandomized")
 # holds the long ones first.)
 SLOWEST_FIRST = ["test_kernels", "test_parallel", "test_perplexity", "test_serve_ray", "test_spec_decode_smollm2",
                  "test_spec_decode", "test_draft_model", "test_engine", "test_bench_offline", "test_hostile",
-                 "test_async_scheduling", "test_real_model", "test_stop_strings", "test_simulate", "test_kvcache", "test_recipes_model",
-                 "test_server", "test_bench_mixed", "test_stutter", "test_serving_path", "test_kv_quant",
+                 "test_async_scheduling", "test_real_model", "test_simulate", "test_kvcache", "test_recipes_model",
+                 "test_stop_strings_smollm2", "test_sampling_controls", "test_api_extras", "test_server", "test_bench_mixed", "test_stutter", "test_serving_path", "test_kv_quant",
                  "test_structured", "test_structured_smollm2", "test_policy", "test_request_metrics", "test_metrics",
                  "test_fair_slo", "test_prefix_cache", "test_prompt_logprobs", "test_server_concurrency",
                  "test_quant", "test_semantics", "test_restart", "test_real_model_server", "test_compilation",
@@ -365,7 +365,7 @@ def _parsed_once_per_version(reader_cls: type) -> Callable[..., Any]:
 # its tiny tests in one file and its smollm2 tests in a `_smollm2` file of their own.
 _CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 REAL_MODEL_FILES = {"test_perplexity", "test_real_model", "test_real_model_server", "test_serving_path",
-                    "test_spec_decode_smollm2", "test_structured_smollm2", "test_stop_strings"}
+                    "test_spec_decode_smollm2", "test_structured_smollm2", "test_stop_strings_smollm2"}
 
 
 def env_without_test_cache() -> dict[str, str]:
