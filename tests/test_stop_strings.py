@@ -45,11 +45,8 @@ def reference(tokenizer: Any, ids: list[int], params: SamplingParams, eos: tuple
     return full[:i], s
 
 
-async def generate_async(engine: Any, prompt: list[int], params: SamplingParams) -> tuple[list[Any], list[int]]:
-    """The server's Generation of one request: its chunks, and the token ids its deltas carried."""
-    import server
-
-    gen = server.Generation(engine, f"stop-{next(_ids)}", prompt, params)
+async def collect(gen: Any) -> tuple[list[Any], list[int]]:
+    """A server Generation's chunks, and the token ids its deltas carried."""
     ids, stream = [], gen.stream
 
     async def tee():
@@ -58,6 +55,13 @@ async def generate_async(engine: Any, prompt: list[int], params: SamplingParams)
             yield d
     gen.stream = tee()
     return [c async for c in gen.chunks()], ids
+
+
+async def generate_async(engine: Any, prompt: list[int], params: SamplingParams) -> tuple[list[Any], list[int]]:
+    """The server's Generation of one request: its chunks, and the token ids its deltas carried."""
+    import server
+
+    return await collect(server.Generation(engine, f"stop-{next(_ids)}", prompt, params))
 
 
 def generate(loop: asyncio.AbstractEventLoop, engine: Any, prompt: list[int],
@@ -142,19 +146,10 @@ def test_a_stop_string_or_token_under_static_batching_ends_its_request_with_the_
         base = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
         import server
 
-        async def collect(gen: Any) -> tuple[str, list[int]]:
-            ids, stream = [], gen.stream
-
-            async def tee():
-                async for d in stream:
-                    ids.extend(d.new_token_ids)
-                    yield d
-            gen.stream = tee()
-            return "".join([c.text async for c in gen.chunks()]), ids
-
         async def bus(params: SamplingParams) -> tuple[str, list[int]]:  # with a longer one in the same batch
             gens = [server.Generation(engine, f"static-{next(_ids)}", prompt, p) for p in (params, SamplingParams(**base))]
-            return (await asyncio.gather(*map(collect, gens)))[0]
+            chunks, ids = (await asyncio.gather(*map(collect, gens)))[0]
+            return "".join(c.text for c in chunks), ids
 
         free, free_ids = loop.run_until_complete(asyncio.wait_for(bus(SamplingParams(**base)), 300))
         stop = stops_from(free)[1]  # taken from a run in the same batch shape (the same greedy tokens)
