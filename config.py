@@ -277,6 +277,15 @@ def _check_field_types(config: EngineConfig) -> None:
             object.__setattr__(config, name, bool(value))
 
 
+class ParamError(ValueError):
+    """A request value the engine cannot run, naming the request field it came in (the
+    server's 400 `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 # What a generation_config.json may set of a request's sampling defaults, as vLLM reads it
 # (Hugging Face's max_new_tokens is max_tokens).
 GENERATION_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_new_tokens")

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence as Seq
 import jax
 import numpy as np
 
-from config import MAX_LOGPROBS, EngineConfig, SamplingParams, SLOTarget
+from config import MAX_LOGPROBS, EngineConfig, ParamError, SamplingParams, SLOTarget
 from hf_config import generation_sampling_defaults
 from logits_controls import controls_for
 from reasoning_parsers import REASONING_PARSERS
@@ -148,18 +148,19 @@ class LLMEngine:
         which other requests' grammars may have evicted it from meanwhile."""
         self.scheduler.validate(prompt_token_ids, params, priority, slo)
         if params.stop and self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids")
+            raise ParamError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids",
+                             "stop")
         vocab = self.model_config.vocab_size
         if params.logit_bias:  # vLLM's messages (its processor's _validate_logit_bias, ...)
             bad = [t for t in params.logit_bias if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"token_id(s) {bad[:8]} in logit_bias contain out-of-vocab token ids. "
-                                 f"Vocabulary size: {vocab}")
+                raise ParamError(f"token_id(s) {bad[:8]} in logit_bias contain out-of-vocab token ids. "
+                                 f"Vocabulary size: {vocab}", "logit_bias")
         if params.allowed_token_ids is not None and not all(0 <= t < vocab for t in params.allowed_token_ids):
-            raise ValueError("allowed_token_ids contains out-of-vocab token id!")
+            raise ParamError("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")
         if params.bad_words and self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so bad_words cannot be tokenized: use allowed_token_ids "
-                             "or logit_bias")
+            raise ParamError("this model has no tokenizer, so bad_words cannot be tokenized: use allowed_token_ids "
+                             "or logit_bias", "bad_words")
         if params.structured_outputs is None:
             return None
         return grammar if grammar is not None else self.grammars.compile(params.structured_outputs)

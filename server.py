@@ -106,8 +106,8 @@ class Generation:
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
-        except ValueError as e:
-            raise ApiError(str(e)) from e
+        except ValueError as e:  # (a ParamError names the field)
+            raise ApiError(str(e), param=getattr(e, "param", None)) from e
         except RuntimeError as e:  # shutting down, or the engine loop died
             raise ApiError(str(e), status=503, type="service_unavailable") from e
 

@@ -243,6 +243,7 @@ def test_server_takes_the_fields_and_refuses_out_of_vocabulary_ids():
                                   ("allowed_token_ids", [3, 512])):
                 status, body = post({"max_tokens": 2, field_: value})
                 assert status == 400 and "out-of-vocab" in body["error"]["message"], body
+                assert body["error"]["param"] == field_, body
             assert post({"max_tokens": 2})[0] == 200
         finally:
             loop.run_until_complete(client.close())
