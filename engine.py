@@ -25,8 +25,8 @@ import numpy as np
 from config import MAX_LOGPROBS, EngineConfig, ParamError, SamplingParams, SLOTarget
 from hf_config import generation_sampling_defaults
 from logits_controls import controls_for
-from reasoning_parsers import REASONING_PARSERS
 from metrics import EngineStats, RequestMetrics, StepTrace
+from reasoning_parsers import REASONING_PARSERS
 from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from spec_decode import StepProposer
@@ -75,6 +75,9 @@ class RequestOutputDelta:
     # the text this step adds that is safe to send (held back: a maybe-stop string, part of
     # a character). None: not detokenized here (the server does it, off the engine thread).
     new_text: str | None = None
+    # The request's last token is this delta's (it may be released, finished, later: static
+    # batching holds a member seated until its batch is done).
+    ended: bool = False
 
 
 @dataclass
@@ -376,8 +379,9 @@ class LLMEngine:
                           len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens, None,
                           prompt_lps.pop(rid, None) if prompt_lps else None)
             add(d)
+            d.ended = seq.finish_reason is not None
             if seq.stop_matcher is not None:  # its text is made here: update() fed the matcher the tokens
-                d.new_text = seq.stop_matcher.take(seq.finish_reason is not None)
+                d.new_text = seq.stop_matcher.take(d.ended)
         if released:
             by_id = {d.request_id: d for d in deltas}
             for seq in released:  # its last delta, possibly empty (static: padding released with its batch)

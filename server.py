@@ -45,7 +45,7 @@ from prometheus_client.utils import floatToGoString
 from async_engine import AsyncEngine
 import config_file
 from config import EngineConfig, SamplingParams, SLOTarget
-from engine import QueueFullError, RequestOutputDelta, TokenLogprob
+from engine import QueueFullError, TokenLogprob
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
@@ -111,14 +111,6 @@ class Generation:
         except RuntimeError as e:  # shutting down, or the engine loop died
             raise ApiError(str(e), status=503, type="service_unavailable") from e
 
-    def _ends(self, delta: RequestOutputDelta, ids: list[int], j: int) -> bool:
-        """Whether ids[j] is the request's last token: the delta's last, or a stop token (one
-        always ends it, though static batching releases it, with its final delta, later)."""
-        if j < len(ids) - 1:
-            return False
-        return delta.finished or (bool(ids) and self.params.stop_token(ids[j], self.engine.model_config.eos_token_ids)
-                                  is not None)
-
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
         try:
@@ -128,7 +120,8 @@ class Generation:
                 if delta.new_text is not None:  # detokenized by the engine, which matched stop strings
                     text = delta.new_text
                 else:  # one token at a time (a verified step's delta has several), as the engine's matcher
-                    text = "".join(self.detokenizer.push(ids[j:j + 1], final=self._ends(delta, ids, j))[0]
+                    last = delta.finished or delta.ended  # (ended: static batching releases it later)
+                    text = "".join(self.detokenizer.push(ids[j:j + 1], final=last and j >= len(ids) - 1)[0]
                                    for j in range(len(ids) or 1))
                 self.done = done = delta.finished
                 reason = delta.finish_reason if done else None
@@ -204,9 +197,11 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     role = (app["response_role"] if field(body, "add_generation_prompt", (bool,), True)
             else body["messages"][-1]["role"]) if chat else None
 
+    # (the prompt's end says whether the template closed the think block; decoded once for n samples)
+    prompt_end = engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False) if parses_reasoning else ""
+
     def message_stream() -> ToolCallStream:
-        reasoning = app["reasoning_parser"](engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False),
-                                            thinking_enabled(body)) if parses_reasoning else None
+        reasoning = app["reasoning_parser"](prompt_end, thinking_enabled(body)) if parses_reasoning else None
         return ToolCallStream(tools, app["tool_parser"], parallel, reasoning, include_reasoning)
 
     if ignored := unknown_fields(body, chat):  # as vLLM: warned about, and ignored
