@@ -319,6 +319,8 @@ class LLMEngine:
         keep the whole overlap; a constrained one overlaps the host's work with its forward."""
         step = self.runner.execute(out)
         if step.awaits_mask:
+            with self.stats.lock:
+                self.stats.constrained_sample_steps += 1
             deltas += self._drain()
             self.runner.sample(step)
         return step

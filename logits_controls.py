@@ -53,7 +53,7 @@ class LogitsControls:
     one of them but the token the step samples (the runner asserts none is in flight)."""
 
     __slots__ = ("vocab_size", "allowed", "min_tokens", "stop_ids", "bad_single", "bad_multi", "bias",
-                 "presence", "frequency", "repetition", "prompt_ids", "counts", "_seen")
+                 "presence", "frequency", "repetition", "prompt_ids", "counts", "_seen", "idle_from")
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
                  eos_token_ids: Sequence[int], bad_words_ids: list[list[int]]) -> None:
@@ -76,6 +76,11 @@ class LogitsControls:
         self.prompt_ids = set(int(t) for t in prompt_ids) if self.repetition != 1.0 else set()
         self.counts: Counter[int] = Counter()  # output token -> occurrences, for the first _seen outputs
         self._seen = 0
+        # The output index from which no processor changes anything: min_tokens when it is the
+        # only one (its mask of stop tokens ends there); None while any other applies.
+        others = (self.allowed is not None or self.bad_single or self.bad_multi or self.bias or self.presence
+                  or self.frequency or self.repetition != 1.0)
+        self.idle_from: int | None = None if others else self.min_tokens
 
     def mask(self, outputs: Sequence[int]) -> np.ndarray | None:
         """The packed uint32 row of the tokens allowed next after `outputs`, or None: all."""

@@ -215,6 +215,9 @@ class EngineStats:
     useful_logit_rows: int = 0
     structured_output_steps: int = 0  # steps that sampled a row under a structured-output bitmask
     structured_output_bitmask_seconds: float = 0.0  # host time filling those bitmasks
+    # Steps whose sample program waited for the steps before it (a row under a grammar or a
+    # logits processor reads its previous token): each gives up async scheduling's overlap.
+    constrained_sample_steps: int = 0
     # histograms
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))

@@ -507,6 +507,17 @@ class ModelRunner:
                 self._bt_len[s] = m
         return s
 
+    def _samples_constrained(self, seq: Sequence) -> bool:
+        """Whether seq's row this step samples under a constraint. A request whose only
+        processor is min_tokens needs none from the output index min_tokens on (nor ever
+        again: its output only grows), so its later steps keep the whole async overlap."""
+        idle_from = seq.controls.idle_from if seq.constraint is None and seq.controls is not None else None
+        # the index this step samples: every known output, then the ones in flight before it
+        if idle_from is not None and len(seq.output_token_ids) + seq.num_output_placeholders - 1 >= idle_from:
+            self._constrained[seq.slot] = False
+            return False
+        return True
+
     def execute(self, out: SchedulerOutput) -> InFlightStep:
         """Dispatch one step and return without waiting for it. Row i of every array is
         out.scheduled[i]: a sequence's slot is its seat in the scheduler's accounting; on
@@ -545,7 +556,9 @@ class ModelRunner:
         constrained = []  # (sequence, row) of the rows that sample under a constraint
         if self._constrained.any():
             rows_constrained = np.flatnonzero(self._constrained[slots] & (samples != 0)).tolist()
-            constrained = [(out.scheduled[i].seq, i) for i in rows_constrained]
+            for i in rows_constrained:
+                if self._samples_constrained(out.scheduled[i].seq):
+                    constrained.append((out.scheduled[i].seq, i))
         start = end - q
         # A sampling row's own token is one of the in-flight ones: positions from here on
         # hold tokens sampled by a step still running, read on the device.

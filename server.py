@@ -631,6 +631,8 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
      "Steps that sampled a row under a structured-output bitmask."),
     ("structured_output_bitmask_seconds", "structured_output_bitmask_seconds",
      "Host time filling structured-output bitmasks (it overlaps the step's forward)."),
+    ("constrained_sample_steps", "constrained_sample_steps",
+     "Steps whose sampling waited for the previous step's tokens (grammars, logits processors)."),
 ]
 _HISTOGRAMS = [
     ("time_to_first_token_seconds", "time_to_first_token", "Time to first token."),

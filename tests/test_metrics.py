@@ -62,6 +62,8 @@ EXPORTED = {
     "taxirank:structured_output_steps": ("counter", "Steps that sampled a row under a structured-output bitmask."),
     "taxirank:structured_output_bitmask_seconds": (
         "counter", "Host time filling structured-output bitmasks (it overlaps the step's forward)."),
+    "taxirank:constrained_sample_steps": (
+        "counter", "Steps whose sampling waited for the previous step's tokens (grammars, logits processors)."),
     "taxirank:request_success": ("counter", "Finished requests by finish reason."),
     "taxirank:time_to_first_token_seconds": ("histogram", "Time to first token."),
     "taxirank:inter_token_latency_seconds": ("histogram", "Time between consecutive output tokens."),

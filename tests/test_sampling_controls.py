@@ -118,6 +118,24 @@ def test_min_tokens_holds_off_eos_and_stop_strings_as_vllm(ckpt):
     assert late.token_ids[:k] == free[:k] and (len(late.token_ids) > k or late.finish_reason == "length")
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_min_tokens_only_request_samples_without_waiting_once_it_has_min_tokens(ckpt, async_scheduling):
+    """min_tokens alone masks stop tokens only before output index min_tokens: from there its
+    steps sample as an unconstrained request's do (no wait for the previous token), with the
+    tokens of the reference; a request with another processor waits at every step."""
+    llm = LLM(ckpt, log=lambda *_: None, async_scheduling=async_scheduling, **SMALL)
+    plain = reference(ckpt, llm.tokenizer, PROMPTS[2], greedy(max_tokens=12))
+    # a stop token the free output samples early: min_tokens holds it off, then it may end the request
+    p = greedy(max_tokens=12, min_tokens=5, stop_token_ids=[plain[1], plain[6]])
+    before = llm.stats.constrained_sample_steps
+    out = llm.generate([PROMPTS[2]], p)[0]
+    assert out.token_ids == reference(ckpt, llm.tokenizer, PROMPTS[2], p)
+    assert llm.stats.constrained_sample_steps - before == 5  # output indices 0..4
+    before = llm.stats.constrained_sample_steps
+    out = llm.generate([PROMPTS[2]], greedy(max_tokens=12, min_tokens=5, repetition_penalty=1.2))[0]
+    assert llm.stats.constrained_sample_steps - before == len(out.token_ids) == 12
+
+
 def test_a_forbidden_token_is_never_sampled_at_any_temperature():
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128)
     allowed = [40, 41, 42, 43]
