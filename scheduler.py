@@ -234,6 +234,8 @@ class Scheduler:
         self._admissions = itertools.count()
         self._arrivals = itertools.count()
         self._room_preempted = False  # this step preempted to find blocks for running sequences
+        # The waiting requests this step preempted running ones for (ids), or None: nobody else boards.
+        self._preempted_for: set[int] | None = None
         self._budget = 0  # tokens left in the step being scheduled
         self.num_swap_blocks = num_swap_blocks if config.preemption_mode == "swap" else 0
         self._host_free = set(range(self.num_swap_blocks))  # free blocks of the host pool
@@ -318,8 +320,12 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
         self._room_preempted = False
+        self._preempted_for = None
         self.policy.begin_step(self.running)
         self.batching.schedule(self, out)
+        if out.preempted:  # a victim boards again no sooner than the next step (admit's rule)
+            assert not {id(q) for q in out.preempted} & {id(x.seq) for x in out.scheduled}, \
+                "a sequence preempted and scheduled in one step"
         self.policy.charge(out)
         if self._swap_in:
             # Their host blocks are free only now, so no swap-out of this step overwrites
@@ -611,9 +617,13 @@ class Scheduler:
         any other reason, and record why the rest wait. schedule: its first chunk is in
         this step; else it boards, with blocks for its whole prompt, and its prompt is
         scheduled as the budget takes the boarded prompts in order (schedule_prompts'
-        rule; the rest prefill over the next steps)."""
-        # As vLLM: a step that preempted running sequences for blocks admits nobody.
+        rule; the rest prefill over the next steps). In a step that preempted, only the
+        requests preempt_for_waiting made room for board: never a victim."""
+        # As vLLM: a step that preempted running sequences for blocks admits nobody, and one
+        # that preempted for waiting requests admits only those: freeing blocks and then
+        # handing them to a victim (or to anyone it was not freed for) only thrashes.
         reason = "kv_blocks" if self._room_preempted else None
+        only = self._preempted_for
         held: list[Sequence] = []  # the policy holds their prompts back this step: the rest may pass
         prompts_fit = True  # boarding (not schedule): the budget has taken every boarded prompt so far
         while reason is None and len(held) < len(self.waiting):
@@ -624,6 +634,9 @@ class Scheduler:
             if schedule and self._held(seq, out):  # before sizing it: a held backlog is walked every step
                 held.append(seq)
                 continue
+            if only is not None and id(seq) not in only:
+                reason = "kv_blocks"
+                break
             cached, n, num_new_blocks = self._admission_need(seq, out, chunk=schedule)
             if schedule and not 0 < n <= self._budget:
                 reason = "token_budget"
@@ -656,7 +669,8 @@ class Scheduler:
         anything is scheduled. Walks the queue in admission order as admit will, counting
         the room each admission takes; a request whose admission preempting cannot make
         room stops the walk, and nobody is preempted for it (no preemption for nothing);
-        nor for a planned admission that the other victims already make room for."""
+        nor for a planned admission that the other victims already make room for. When it
+        preempts, the planned admissions are the only ones admit makes this step."""
         if not self.waiting:
             return
         running = [r for r in self.running if r.status is RUNNING]
@@ -777,6 +791,8 @@ class Scheduler:
                 victims = fewer
         for r in victims:
             self._preempt(out, r)
+        if victims:
+            self._preempted_for = {id(q) for q in admitted}
 
     def retire(self, seq: Sequence) -> None:
         """seq leaves the running list: its slot and blocks are free."""

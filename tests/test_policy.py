@@ -207,6 +207,30 @@ def test_preempt_for_waiting_plans_no_admission_behind_a_requeued_victim():
     assert [q.request_id for q in s.waiting] == ["a", "late"]
 
 
+def test_a_victim_is_not_admitted_again_in_the_step_that_preempted_it():
+    """vLLM's rule: a step that preempts schedules no waiting request but those it made
+    room for. low (10 blocks, decoding) goes for urgent (3 blocks; 1 is free). 8 blocks and
+    4 tokens of the budget are left after urgent's prompt, enough for a 4-token first chunk
+    of low's recompute: admitting it would drop its 40 tokens of K/V only to start again.
+    It boards in the next step."""
+    s = make(max_num_seqs=4, max_model_len=64, num_blocks=12, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    low = seq("low", priority=5, prompt_len=40)
+    s.add(low)
+    for _ in range(3):  # 16 + 16 + 8 tokens: its prompt is in, 10 blocks
+        out = s.schedule()
+        s.update(out, [TOKEN] * len(out.scheduled))
+    assert s.allocator.num_free == 1 and low.is_decode
+    s.add(seq("urgent", priority=0, prompt_len=12, max_tokens=4, arrival=1))
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("urgent", 12)]
+    assert [q.request_id for q in s.waiting] == ["low"] and low.wait_reason == "kv_blocks"
+    s.update(out, [TOKEN])
+    s.check_invariants()
+    out = s.schedule()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("urgent", 1), ("low", 15)]
+
+
 def test_a_victims_blocks_in_the_waiting_requests_cached_prefix_make_no_room_for_it():
     """Prefix caching: the waiting request's cached prefix is the victim's own blocks, so
     preempting the victim frees them only for the request to take them back. 1 block is

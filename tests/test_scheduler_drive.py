@@ -16,6 +16,7 @@ update() it checks, from the sequences' own block tables and not the scheduler's
   reads, at each position up to its last, the K/V of exactly its own tokens there,
   through shared prefix-cache blocks, swap-outs and swap-ins, rejected drafts;
 - running <= max_num_seqs, the step's tokens <= max_num_batched_tokens;
+- no request is both preempted and scheduled in one step (vLLM's rule);
 - a finished or aborted request holds no slot, device block or host block;
 - a swapped-out sequence resumes with exactly the computed tokens it had;
 - a reserving admission's running sequence holds its whole reservation (reserve-max-len:
@@ -339,7 +340,7 @@ class Drive:
         s, bs = self.s, self.cfg.block_size
         for v, n, swapped in zip(out.preempted, out.preempted_tokens, out.preempted_swapped):
             assert not swapped or self.swap
-            if swapped:  # (it may be admitted again in the same step: swapped out, then back in)
+            if swapped:
                 assert v.swapped is None or v.swapped[1] == n and len(v.swapped[0]) == blocks_needed(n, bs)
                 self.swapped_computed[v.request_id] = n
             else:
@@ -382,6 +383,9 @@ class Drive:
         assert sum(x.num_new_tokens for x in out.scheduled) <= cfg.max_num_batched_tokens
         assert len(s.running) <= cfg.max_num_seqs
         assert len({id(x.seq) for x in out.scheduled}) == len(out.scheduled)
+        # vLLM's rule: a victim boards again no sooner than the next step (it would only thrash)
+        assert not {id(q) for q in out.preempted} & {id(x.seq) for x in out.scheduled}, \
+            [q.request_id for q in out.preempted]
         if self.kv_admission != "on-demand":
             assert not s.room_preempted, "a reserving admission preempted for room"
         if self.policy == "fcfs":
