@@ -583,8 +583,11 @@ class Scheduler:
     def schedule_prompts(self, out: SchedulerOutput, candidates: list[Sequence] | None = None) -> None:
         """Prompt work of admitted sequences, admission order: the next chunk with chunked
         prefill (as much as the budget allows), else the whole remaining prompt.
-        candidates: the running sequences that may have prompt work (default: all)."""
-        candidates = list(self.running) if candidates is None else candidates
+        candidates: the running sequences that may have prompt work (default: all not yet
+        in this step: one chunk a sequence a step, also where boarding scheduled some)."""
+        if candidates is None:
+            in_step = {id(x.seq) for x in out.scheduled}
+            candidates = [q for q in self.running if id(q) not in in_step]
         if self.policy.orders_prompts:
             candidates = sorted(candidates, key=self.policy.key)
         for seq in candidates:
@@ -603,7 +606,7 @@ class Scheduler:
             room = self.policy.prompt_room(seq, out.scheduled)
             if not room:
                 return True  # the policy holds this one's prompt back this step, not the others'
-            n = min(n, self._budget, room)
+            n = self._chunk(n, self._budget, room)
         if n == 0 or n > self._budget:
             return False
         if self._make_room(out, seq, n):
@@ -691,8 +694,8 @@ class Scheduler:
             # prompt's rest as far as the policy lets it have it this step)
             if r.is_decode:  # none when its in-flight token is its last by length: schedule_decodes skips it
                 return int(len(r.output_token_ids) + r.num_output_placeholders < r.params.max_tokens)
-            return min(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens,
-                       self.policy.prompt_room(r, out.scheduled))
+            return self._chunk(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens, float("inf"),
+                               self.policy.prompt_room(r, out.scheduled))
 
         def tally(seq: Sequence, chosen: list[Sequence]) -> tuple[int, int, int, dict, set[int], set[int], int, int]:
             """The room seq finds once `chosen` go, the admissions planned so far counted: (slots,
@@ -809,6 +812,16 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         return chunked and self._budget > 0 and not self.policy.prompt_room(seq, out.scheduled)
 
+    def _chunk(self, n: int, budget: float, room: float) -> int:
+        """The tokens a prompt computes in this step with chunked prefill, n of them left:
+        at most the token budget, the policy's prompt room and long_prefill_token_threshold
+        (vLLM's: it caps running and waiting requests' chunks alike, so several prompts
+        share a step's budget rather than one long prompt taking it all)."""
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        return int(min(n, budget, room))
+
     def _admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True,
                         budget: int | None = None) -> tuple[list[int], int, int]:
         """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
@@ -820,7 +833,7 @@ class Scheduler:
         num_cached = seq.swapped[1] if seq.swapped else len(cached) * self.config.block_size
         n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
         if chunk and self.config.enable_chunked_prefill:
-            n = min(n, self._budget if budget is None else budget, self.policy.prompt_room(seq, out.scheduled))
+            n = self._chunk(n, self._budget if budget is None else budget, self.policy.prompt_room(seq, out.scheduled))
         tokens = self.kv_admission.tokens_at_admission(seq, num_cached + n, self.config)
         return cached, n, blocks_needed(tokens, self.config.block_size) - len(cached)
 

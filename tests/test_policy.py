@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from scheduler_traces import CASES, FIXTURE, trace_of
+from scheduler_traces import CASES, FIXTURE, MAX_MODEL_LEN, trace_of
 
 with open(FIXTURE) as f:
     RECORDED = json.load(f)
@@ -17,6 +17,15 @@ def test_continuous_and_static_reproduce_the_recorded_step_traces(config, seed):
     """Recorded from the scheduler before the policy seam: same admissions, chunks,
     preemptions, releases, slots, blocks and wait reasons, step for step."""
     assert trace_of(config, seed) == RECORDED[f"{config}/{seed}"]
+
+
+@pytest.mark.parametrize("config,seed", CASES, ids=[f"{c}/{s}" for c, s in CASES])
+def test_a_long_prefill_token_threshold_that_caps_nothing_leaves_the_traces_unchanged(config, seed):
+    """0 (vLLM's default) is off; with chunked prefill, a threshold no prompt (nor a
+    recompute, under max_model_len) reaches changes no step."""
+    assert trace_of(config, seed, long_prefill_token_threshold=0) == RECORDED[f"{config}/{seed}"]
+    if "chunked" in config:
+        assert trace_of(config, seed, long_prefill_token_threshold=MAX_MODEL_LEN) == RECORDED[f"{config}/{seed}"]
 
 
 # ---- priority scheduling ---------------------------------------------------------------
