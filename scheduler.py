@@ -550,8 +550,18 @@ class Scheduler:
                 speculative.append(out.scheduled[-1])
             if caching and (computed + 1) // bs > num_named(seq.request_id, 0):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
-        # Draft room only after every decode has its own token's block: a reservation never
-        # takes a block a real token needs, so it never causes a preemption.
+        # Draft room only after every decode has its own token's block, and beside the blocks
+        # the running prompts' chunks may take after it (each at most what the budget leaves):
+        # a reservation never takes a block a real token needs, so it never causes a preemption.
+        keep, left = 0, self._budget - (len(out.scheduled) - n)  # the budget the decodes leave
+        if speculative and prompts and self.config.enable_chunked_prefill:  # (else none has prompt work)
+            for seq in sorted(prompts, key=self.policy.key) if self.policy.orders_prompts else prompts:
+                if seq.status is not running:
+                    continue  # preempted for a decode's block
+                chunk = self._chunk(seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens, left,
+                                    float("inf"))
+                left -= chunk
+                keep += max(0, blocks_needed(seq.num_computed_tokens + chunk, bs) - len(seq.block_table))
         for s in speculative:
             seq = s.seq
             if not spare or seq.status is not running:
@@ -566,7 +576,7 @@ class Scheduler:
             drafts = self._drafter(seq, k) if self._drafter is not None else [0] * k
             k = len(drafts)
             need = blocks_needed(seq.num_computed_tokens + k, bs) - len(seq.block_table)
-            if k == 0 or (need > 0 and not self.allocator.can_allocate(need)):
+            if k == 0 or (need > 0 and not self.allocator.can_allocate(need + keep)):
                 continue
             if need > 0:
                 seq.block_table += self.allocator.allocate(seq.request_id, need)
