@@ -57,6 +57,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True  # vLLM V1's default; --no-enable-chunked-prefill turns it off
+    # vLLM's --long-prefill-token-threshold (chunked prefill): a prompt computes at most this
+    # many tokens a step (its first chunk, its later ones, a preempted sequence's recompute),
+    # so one long prompt does not take a whole step's budget from the others; 0: no cap
+    long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix (vLLM V1's default)
     # The scheduling decisions: each a name in one of policy.py's registries (default: its first).
     scheduling: str = BATCHING.default  # how a step is composed, when a finished sequence's seat frees
@@ -174,6 +178,11 @@ class EngineConfig:
                  f"distributed_coordinator must be HOST:PORT, got {self.distributed_coordinator!r}")
         need(self.quantization in (None, "int8", "gguf"),
              f"quantization must be int8 or gguf (or unset), got {self.quantization!r}")
+        need(self.long_prefill_token_threshold >= 0,
+             f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}")
+        need(self.long_prefill_token_threshold == 0 or self.enable_chunked_prefill,
+             f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) caps a prompt's chunk: it needs "
+             "chunked prefill (without it a prompt is computed whole)")
         if self.max_num_batched_tokens is not None:
             need(self.max_num_batched_tokens >= self.max_num_seqs,
                  f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "

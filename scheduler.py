@@ -234,6 +234,8 @@ class Scheduler:
         self._admissions = itertools.count()
         self._arrivals = itertools.count()
         self._room_preempted = False  # this step preempted to find blocks for running sequences
+        # The waiting requests this step preempted running ones for (ids), or None: nobody else boards.
+        self._preempted_for: set[int] | None = None
         self._budget = 0  # tokens left in the step being scheduled
         self.num_swap_blocks = num_swap_blocks if config.preemption_mode == "swap" else 0
         self._host_free = set(range(self.num_swap_blocks))  # free blocks of the host pool
@@ -318,8 +320,12 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.config.max_num_batched_tokens
         self._room_preempted = False
+        self._preempted_for = None
         self.policy.begin_step(self.running)
         self.batching.schedule(self, out)
+        if out.preempted:  # a victim boards again no sooner than the next step (admit's rule)
+            assert not {id(q) for q in out.preempted} & {id(x.seq) for x in out.scheduled}, \
+                "a sequence preempted and scheduled in one step"
         self.policy.charge(out)
         if self._swap_in:
             # Their host blocks are free only now, so no swap-out of this step overwrites
@@ -544,8 +550,18 @@ class Scheduler:
                 speculative.append(out.scheduled[-1])
             if caching and (computed + 1) // bs > num_named(seq.request_id, 0):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
-        # Draft room only after every decode has its own token's block: a reservation never
-        # takes a block a real token needs, so it never causes a preemption.
+        # Draft room only after every decode has its own token's block, and beside the blocks
+        # the running prompts' chunks may take after it (each at most what the budget leaves):
+        # a reservation never takes a block a real token needs, so it never causes a preemption.
+        keep, left = 0, self._budget - (len(out.scheduled) - n)  # the budget the decodes leave
+        if speculative and prompts and self.config.enable_chunked_prefill:  # (else none has prompt work)
+            for seq in sorted(prompts, key=self.policy.key) if self.policy.orders_prompts else prompts:
+                if seq.status is not running:
+                    continue  # preempted for a decode's block
+                chunk = self._chunk(seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens, left,
+                                    float("inf"))
+                left -= chunk
+                keep += max(0, blocks_needed(seq.num_computed_tokens + chunk, bs) - len(seq.block_table))
         for s in speculative:
             seq = s.seq
             if not spare or seq.status is not running:
@@ -560,7 +576,7 @@ class Scheduler:
             drafts = self._drafter(seq, k) if self._drafter is not None else [0] * k
             k = len(drafts)
             need = blocks_needed(seq.num_computed_tokens + k, bs) - len(seq.block_table)
-            if k == 0 or (need > 0 and not self.allocator.can_allocate(need)):
+            if k == 0 or (need > 0 and not self.allocator.can_allocate(need + keep)):
                 continue
             if need > 0:
                 seq.block_table += self.allocator.allocate(seq.request_id, need)
@@ -577,8 +593,11 @@ class Scheduler:
     def schedule_prompts(self, out: SchedulerOutput, candidates: list[Sequence] | None = None) -> None:
         """Prompt work of admitted sequences, admission order: the next chunk with chunked
         prefill (as much as the budget allows), else the whole remaining prompt.
-        candidates: the running sequences that may have prompt work (default: all)."""
-        candidates = list(self.running) if candidates is None else candidates
+        candidates: the running sequences that may have prompt work (default: all not yet
+        in this step: one chunk a sequence a step, also where boarding scheduled some)."""
+        if candidates is None:
+            in_step = {id(x.seq) for x in out.scheduled}
+            candidates = [q for q in self.running if id(q) not in in_step]
         if self.policy.orders_prompts:
             candidates = sorted(candidates, key=self.policy.key)
         for seq in candidates:
@@ -597,7 +616,7 @@ class Scheduler:
             room = self.policy.prompt_room(seq, out.scheduled)
             if not room:
                 return True  # the policy holds this one's prompt back this step, not the others'
-            n = min(n, self._budget, room)
+            n = self._chunk(n, self._budget, room)
         if n == 0 or n > self._budget:
             return False
         if self._make_room(out, seq, n):
@@ -611,9 +630,13 @@ class Scheduler:
         any other reason, and record why the rest wait. schedule: its first chunk is in
         this step; else it boards, with blocks for its whole prompt, and its prompt is
         scheduled as the budget takes the boarded prompts in order (schedule_prompts'
-        rule; the rest prefill over the next steps)."""
-        # As vLLM: a step that preempted running sequences for blocks admits nobody.
+        rule; the rest prefill over the next steps). In a step that preempted, only the
+        requests preempt_for_waiting made room for board: never a victim."""
+        # As vLLM: a step that preempted running sequences for blocks admits nobody, and one
+        # that preempted for waiting requests admits only those: freeing blocks and then
+        # handing them to a victim (or to anyone it was not freed for) only thrashes.
         reason = "kv_blocks" if self._room_preempted else None
+        only = self._preempted_for
         held: list[Sequence] = []  # the policy holds their prompts back this step: the rest may pass
         prompts_fit = True  # boarding (not schedule): the budget has taken every boarded prompt so far
         while reason is None and len(held) < len(self.waiting):
@@ -624,6 +647,9 @@ class Scheduler:
             if schedule and self._held(seq, out):  # before sizing it: a held backlog is walked every step
                 held.append(seq)
                 continue
+            if only is not None and id(seq) not in only:
+                reason = "kv_blocks"
+                break
             cached, n, num_new_blocks = self._admission_need(seq, out, chunk=schedule)
             if schedule and not 0 < n <= self._budget:
                 reason = "token_budget"
@@ -656,7 +682,8 @@ class Scheduler:
         anything is scheduled. Walks the queue in admission order as admit will, counting
         the room each admission takes; a request whose admission preempting cannot make
         room stops the walk, and nobody is preempted for it (no preemption for nothing);
-        nor for a planned admission that the other victims already make room for."""
+        nor for a planned admission that the other victims already make room for. When it
+        preempts, the planned admissions are the only ones admit makes this step."""
         if not self.waiting:
             return
         running = [r for r in self.running if r.status is RUNNING]
@@ -677,8 +704,8 @@ class Scheduler:
             # prompt's rest as far as the policy lets it have it this step)
             if r.is_decode:  # none when its in-flight token is its last by length: schedule_decodes skips it
                 return int(len(r.output_token_ids) + r.num_output_placeholders < r.params.max_tokens)
-            return min(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens,
-                       self.policy.prompt_room(r, out.scheduled))
+            return self._chunk(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens, float("inf"),
+                               self.policy.prompt_room(r, out.scheduled))
 
         def tally(seq: Sequence, chosen: list[Sequence]) -> tuple[int, int, int, dict, set[int], set[int], int, int]:
             """The room seq finds once `chosen` go, the admissions planned so far counted: (slots,
@@ -777,6 +804,8 @@ class Scheduler:
                 victims = fewer
         for r in victims:
             self._preempt(out, r)
+        if victims:
+            self._preempted_for = {id(q) for q in admitted}
 
     def retire(self, seq: Sequence) -> None:
         """seq leaves the running list: its slot and blocks are free."""
@@ -793,6 +822,16 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         return chunked and self._budget > 0 and not self.policy.prompt_room(seq, out.scheduled)
 
+    def _chunk(self, n: int, budget: float, room: float) -> int:
+        """The tokens a prompt computes in this step with chunked prefill, n of them left:
+        at most the token budget, the policy's prompt room and long_prefill_token_threshold
+        (vLLM's: it caps running and waiting requests' chunks alike, so several prompts
+        share a step's budget rather than one long prompt taking it all)."""
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        return int(min(n, budget, room))
+
     def _admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True,
                         budget: int | None = None) -> tuple[list[int], int, int]:
         """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
@@ -804,7 +843,7 @@ class Scheduler:
         num_cached = seq.swapped[1] if seq.swapped else len(cached) * self.config.block_size
         n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
         if chunk and self.config.enable_chunked_prefill:
-            n = min(n, self._budget if budget is None else budget, self.policy.prompt_room(seq, out.scheduled))
+            n = self._chunk(n, self._budget if budget is None else budget, self.policy.prompt_room(seq, out.scheduled))
         tokens = self.kv_admission.tokens_at_admission(seq, num_cached + n, self.config)
         return cached, n, blocks_needed(tokens, self.config.block_size) - len(cached)
 

@@ -37,6 +37,10 @@ from engine import LLM
     (dict(model=5), "model must be a string"),
     (dict(max_waiting_requests=1.5), "max_waiting_requests must be an integer or None"),
     (dict(preemption_mode="swap", swap_space=1e6), "swap_space 1e\\+06 GiB is too large"),  # vLLM's 70% rule
+    (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold must be >= 0"),
+    (dict(long_prefill_token_threshold=1.5), "long_prefill_token_threshold must be an integer"),
+    (dict(long_prefill_token_threshold=64, enable_chunked_prefill=False),
+     "long_prefill_token_threshold \\(64\\) caps a prompt's chunk: it needs chunked prefill"),
 ])
 def test_a_bad_engine_option_is_a_value_error_naming_it(kwargs, says):
     with pytest.raises(ValueError, match=says):
@@ -101,6 +105,10 @@ def test_a_config_file_sets_flags_as_typed_and_the_command_line_wins(tmp_path):
     assert args.served_model_name == ["a", "b"] and c.max_waiting_requests is None
     assert c.speculative_config.method == "ngram" and c.speculative_config.num_speculative_tokens == 2
     assert parse(tmp_path, "").max_num_seqs == EngineConfig().max_num_seqs  # an empty file sets nothing
+    # vLLM's flag, from the EngineConfig field; 0 (vLLM's default) caps nothing
+    assert server.engine_config(parse(tmp_path, "", "--long-prefill-token-threshold", "256")) \
+        .long_prefill_token_threshold == 256
+    assert EngineConfig().long_prefill_token_threshold == 0
 
 
 @pytest.mark.parametrize("text, says", [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from scheduler_traces import CASES, FIXTURE, trace_of
+from scheduler_traces import CASES, FIXTURE, MAX_MODEL_LEN, trace_of
 
 with open(FIXTURE) as f:
     RECORDED = json.load(f)
@@ -17,6 +17,15 @@ def test_continuous_and_static_reproduce_the_recorded_step_traces(config, seed):
     """Recorded from the scheduler before the policy seam: same admissions, chunks,
     preemptions, releases, slots, blocks and wait reasons, step for step."""
     assert trace_of(config, seed) == RECORDED[f"{config}/{seed}"]
+
+
+@pytest.mark.parametrize("config,seed", CASES, ids=[f"{c}/{s}" for c, s in CASES])
+def test_a_long_prefill_token_threshold_that_caps_nothing_leaves_the_traces_unchanged(config, seed):
+    """0 (vLLM's default) is off; with chunked prefill, a threshold no prompt (nor a
+    recompute, under max_model_len) reaches changes no step."""
+    assert trace_of(config, seed, long_prefill_token_threshold=0) == RECORDED[f"{config}/{seed}"]
+    if "chunked" in config:
+        assert trace_of(config, seed, long_prefill_token_threshold=MAX_MODEL_LEN) == RECORDED[f"{config}/{seed}"]
 
 
 # ---- priority scheduling ---------------------------------------------------------------
@@ -205,6 +214,30 @@ def test_preempt_for_waiting_plans_no_admission_behind_a_requeued_victim():
     assert [x.seq.request_id for x in out.scheduled] == ["u1", "u2"]
     assert [q.request_id for q in s.running] == ["c", "d", "u1", "u2"]
     assert [q.request_id for q in s.waiting] == ["a", "late"]
+
+
+def test_a_victim_is_not_admitted_again_in_the_step_that_preempted_it():
+    """vLLM's rule: a step that preempts schedules no waiting request but those it made
+    room for. low (10 blocks, decoding) goes for urgent (3 blocks; 1 is free). 8 blocks and
+    4 tokens of the budget are left after urgent's prompt, enough for a 4-token first chunk
+    of low's recompute: admitting it would drop its 40 tokens of K/V only to start again.
+    It boards in the next step."""
+    s = make(max_num_seqs=4, max_model_len=64, num_blocks=12, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    low = seq("low", priority=5, prompt_len=40)
+    s.add(low)
+    for _ in range(3):  # 16 + 16 + 8 tokens: its prompt is in, 10 blocks
+        out = s.schedule()
+        s.update(out, [TOKEN] * len(out.scheduled))
+    assert s.allocator.num_free == 1 and low.is_decode
+    s.add(seq("urgent", priority=0, prompt_len=12, max_tokens=4, arrival=1))
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("urgent", 12)]
+    assert [q.request_id for q in s.waiting] == ["low"] and low.wait_reason == "kv_blocks"
+    s.update(out, [TOKEN])
+    s.check_invariants()
+    out = s.schedule()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("urgent", 1), ("low", 15)]
 
 
 def test_a_victims_blocks_in_the_waiting_requests_cached_prefix_make_no_room_for_it():

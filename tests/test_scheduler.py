@@ -258,6 +258,68 @@ def test_chunked_prefill_splits_a_long_prompt_decodes_first_within_the_budget():
     assert out.is_decode_only
 
 
+def test_long_prefill_token_threshold_caps_every_chunk_while_the_decodes_keep_running():
+    """vLLM's --long-prefill-token-threshold 8: a 30-token prompt computes 8 tokens a step
+    (its first chunk at admission, then each later one) though the budget has room for it
+    whole; the streaming decode runs every step, and a short prompt arriving with the long
+    one gets its first token in the same step rather than waiting behind it."""
+    s = make(max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=32, enable_prefix_caching=False,
+             long_prefill_token_threshold=8)
+    s.add(seq("streaming", max_tokens=50))
+    step(s)
+    s.add(seq("long", prompt_len=30))
+    s.add(seq("short", prompt_len=6))
+    rows = []
+    for _ in range(4):
+        out, _ = step(s)
+        rows.append([(x.seq.request_id, x.num_new_tokens, x.samples) for x in out.scheduled])
+    assert rows == [
+        [("streaming", 1, True), ("long", 8, False), ("short", 6, True)],
+        [("streaming", 1, True), ("short", 1, True), ("long", 8, False)],
+        [("streaming", 1, True), ("short", 1, True), ("long", 8, False)],
+        [("streaming", 1, True), ("short", 1, True), ("long", 6, True)],
+    ]
+    # Off (0, vLLM's default): the long prompt takes what the decode leaves, the short one the rest.
+    s = make(max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=32, enable_prefix_caching=False)
+    s.add(seq("streaming", max_tokens=50))
+    step(s)
+    s.add(seq("long", prompt_len=30))
+    s.add(seq("short", prompt_len=6))
+    out, _ = step(s)
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("streaming", 1), ("long", 30), ("short", 1)]
+
+
+def test_long_prefill_token_threshold_caps_a_preempted_sequences_recompute():
+    """A preempted sequence's recompute (prompt and outputs) is a prefill like any other:
+    each re-admission computes at most the threshold a step. b is preempted after its
+    first token, and again partway through two recomputes (a's decodes take the blocks);
+    the last recomputes its 13 tokens as 5, 5, 3 and samples."""
+    s = make(max_num_seqs=2, max_model_len=64, num_blocks=8, enable_chunked_prefill=True, max_num_batched_tokens=16,
+             enable_prefix_caching=False, long_prefill_token_threshold=5)  # 7 usable blocks of 4
+    for rid in ("a", "b"):  # 25 tokens each at most: 7 blocks, the whole cache
+        x = seq(rid, prompt_len=12, max_tokens=14)
+        s.validate(x.prompt_token_ids, x.params)
+        s.add(x)
+    b, chunks = s.waiting[1], []
+    while not b.num_preemptions or not chunks or not chunks[-1][1]:
+        out, _ = step(s)
+        chunks += [(x.num_new_tokens, x.samples) for x in out.scheduled if x.seq is b and b.num_preemptions]
+    assert b.num_preemptions == 4 and b.num_tokens == 14
+    assert chunks == [(5, False), (5, False), (5, False), (5, False), (5, False), (5, False), (3, True)]
+    run_all(s)
+
+
+def test_long_prefill_token_threshold_under_static_batching_one_chunk_a_sequence_a_step():
+    """The bus boards both prompts and schedules a first chunk of each (4 tokens, the
+    threshold); the budget left (8) gives neither a second chunk in the same step."""
+    s = make(scheduling="static", enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=False,
+             long_prefill_token_threshold=4)
+    s.add(seq("a", prompt_len=10))
+    s.add(seq("b", prompt_len=10))
+    rows = [[(x.seq.request_id, x.num_new_tokens) for x in step(s)[0].scheduled] for _ in range(3)]
+    assert rows == [[("a", 4), ("b", 4)], [("a", 4), ("b", 4)], [("a", 2), ("b", 2)]]
+
+
 # ---- why requests wait -----------------------------------------------------------------------
 def test_waiting_reports_max_num_seqs_when_slots_hold_a_request_back():
     s = make(max_num_seqs=1)

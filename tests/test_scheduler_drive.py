@@ -15,7 +15,9 @@ update() it checks, from the sequences' own block tables and not the scheduler's
 - the K/V itself (a model of the device and host pools, KVModel): every row of a step
   reads, at each position up to its last, the K/V of exactly its own tokens there,
   through shared prefix-cache blocks, swap-outs and swap-ins, rejected drafts;
-- running <= max_num_seqs, the step's tokens <= max_num_batched_tokens;
+- running <= max_num_seqs, the step's tokens <= max_num_batched_tokens, every prompt
+  chunk <= long_prefill_token_threshold (drawn for some chunked seeds);
+- no request is both preempted and scheduled in one step (vLLM's rule);
 - a finished or aborted request holds no slot, device block or host block;
 - a swapped-out sequence resumes with exactly the computed tokens it had;
 - a reserving admission's running sequence holds its whole reservation (reserve-max-len:
@@ -151,8 +153,11 @@ class Drive:
         block_size = rng.choice([1, 2, 4])
         self.max_model_len = mml = rng.randint(8, 32)
         budget = max_num_seqs + rng.randint(0, 12) if self.chunked else mml + rng.randint(0, 8)
+        # vLLM's long_prefill_token_threshold, drawn apart so each seed keeps its workload
+        self.threshold = random.Random(f"threshold/{seed}").choice([0, 0, 1, 2, 5]) if self.chunked else 0
         cfg = EngineConfig(max_num_seqs=max_num_seqs, block_size=block_size, max_model_len=mml,
                            enable_chunked_prefill=self.chunked, max_num_batched_tokens=budget,
+                           long_prefill_token_threshold=self.threshold,
                            enable_prefix_caching=self.caching, scheduling=self.scheduling,
                            scheduling_policy=self.policy, kv_admission=self.kv_admission,
                            preemption_mode="swap" if self.swap else "recompute",
@@ -339,7 +344,7 @@ class Drive:
         s, bs = self.s, self.cfg.block_size
         for v, n, swapped in zip(out.preempted, out.preempted_tokens, out.preempted_swapped):
             assert not swapped or self.swap
-            if swapped:  # (it may be admitted again in the same step: swapped out, then back in)
+            if swapped:
                 assert v.swapped is None or v.swapped[1] == n and len(v.swapped[0]) == blocks_needed(n, bs)
                 self.swapped_computed[v.request_id] = n
             else:
@@ -382,6 +387,11 @@ class Drive:
         assert sum(x.num_new_tokens for x in out.scheduled) <= cfg.max_num_batched_tokens
         assert len(s.running) <= cfg.max_num_seqs
         assert len({id(x.seq) for x in out.scheduled}) == len(out.scheduled)
+        if self.threshold:  # every prompt chunk (a recompute's too) within the threshold
+            assert all(x.is_decode or x.num_new_tokens <= self.threshold for x in out.scheduled)
+        # vLLM's rule: a victim boards again no sooner than the next step (it would only thrash)
+        assert not {id(q) for q in out.preempted} & {id(x.seq) for x in out.scheduled}, \
+            [q.request_id for q in out.preempted]
         if self.kv_admission != "on-demand":
             assert not s.room_preempted, "a reserving admission preempted for room"
         if self.policy == "fcfs":

@@ -480,6 +480,30 @@ def test_drafts_do_not_take_the_budget_a_priority_preemption_made_room_for():
     assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 1), ("urgent", 5)]
 
 
+def test_draft_room_never_takes_the_block_a_running_prompts_chunk_needs():
+    """Drafts are the last claim on KV blocks: a is decoding and b, seated, has 4 prompt
+    tokens left, which need b's second block; one block is free. a's drafts (positions
+    6..8) would need a new block too: they go without, and b's chunk gets the block rather
+    than b being preempted (its K/V dropped) for tokens that may all be rejected."""
+    cfg = EngineConfig(max_num_seqs=2, block_size=4, max_model_len=64, max_num_batched_tokens=8,
+                       enable_prefix_caching=False, speculative_config={
+                           "method": "draft_model", "model": "draft", "num_speculative_tokens": 3}).resolved(64)
+    s = Scheduler(cfg, 5, (EOS,))  # 4 usable blocks
+    a = Sequence("a", [5, 6, 5, 6], SamplingParams(max_tokens=8))  # 11 tokens at most: 3 blocks
+    b = Sequence("b", list(range(10, 18)), SamplingParams(max_tokens=1))  # 8 tokens: 2 blocks
+    s.add(a)
+    run_step(s, False)  # a's prompt
+    s.add(b)
+    out = s.schedule()  # a: 1 + 3 drafts (positions 4..7, its second block); b: its first chunk, 4 tokens
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 4), ("b", 4)]
+    s.take_proposals(out, [[9, 9, 9]])
+    s.update(out, [7, 7], {0: [7]})  # every draft rejected: a computed 5, in 2 blocks
+    assert s.allocator.num_free == 1 and len(a.block_table) == 2 and len(b.block_table) == 1
+    out = s.schedule()
+    assert out.preempted == [] and out.num_spec_tokens == 0
+    assert [(x.seq.request_id, x.num_new_tokens, x.samples) for x in out.scheduled] == [("a", 1, True), ("b", 4, True)]
+
+
 def test_an_abort_between_schedule_and_update_of_a_step_verifying_drafts():
     """A step that verifies drafts computes them past the latest token until update()
     keeps the accepted ones: an abort while it runs (async scheduling: a client leaving)
