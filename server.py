@@ -776,6 +776,8 @@ _HELP = {  # EngineConfig fields; config.py says more
     "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
     "enable_prefix_caching": "reuse the cached KV blocks of a shared prompt prefix",
+    "long_prefill_token_threshold": "most prompt tokens of one sequence in a step (its chunk), so a long prompt "
+                                    "shares steps with others; 0: no cap but the step's budget (vLLM's)",
     "scheduling": "how a step is composed and when a finished sequence's seat frees (policy.BATCHING)",
     "scheduling_policy": "the waiting queue's order, the KV victim, who may preempt whom (policy.POLICIES)",
     "kv_admission": "the KV blocks a sequence holds from admission (policy.KV_ADMISSION)",
