@@ -373,8 +373,8 @@ def rejection_sample(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, 
     return tokens.astype(jnp.int32), accepted + 1
 
 
-def emitted_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, want: jax.Array, mode: str = "raw_logprobs",
-                     width: int = 20) -> tuple[jax.Array, jax.Array, jax.Array]:
+def emitted_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, want: jax.Array,
+                     mode: str = "raw_logprobs", width: int = 20) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The target's logprobs of tokens [R, K+1] under logits [R, K+1, V] and the top
     `width` at each position (zeros unless `want`), as sample() reports them in `mode`
     (t: the rows' parameters, [R]; a verified row has no logits processor or bitmask)."""

@@ -114,11 +114,24 @@ def test_verified_rows_logprobs_follow_the_mode(ckpt, mode):
         check_output(ckpt, mode, prompt, p, o)
 
 
-def test_raw_logprobs_see_a_grammars_mask_but_not_allowed_token_ids(ckpt):
+def test_raw_logprobs_see_a_grammars_mask_but_not_allowed_token_ids(ckpt, monkeypatch):
     """vLLM masks a grammar's tokens before its sampler and allowed_token_ids inside it: the
     raw top logprobs of the first position are those of the tokens the regex allows, some of
-    them outside allowed_token_ids."""
+    them outside allowed_token_ids. The step passes the grammar's rows as a second bitmask,
+    in the inputs a multi-host follower's template reads."""
+    import jax
+
+    from distributed import SAMPLE_MASKED
+
     llm = LLM(ckpt, log=lambda *_: None, **SMALL)
+    runner, posted = llm.engine.runner, []
+    run = runner._run
+
+    def spy(kind, rows, T, args):
+        posted.append((kind, rows, T, args))
+        return run(kind, rows, T, args)
+
+    monkeypatch.setattr(runner, "_run", spy)
     tok = llm.tokenizer
     vocab = llm.engine.model_config.vocab_size
     ok = np.array([re.fullmatch("[a-e]{1,3}", tok.decode([i])) is not None for i in range(vocab)])
@@ -134,6 +147,13 @@ def test_raw_logprobs_see_a_grammars_mask_but_not_allowed_token_ids(ckpt):
     np.testing.assert_allclose([v for _, v in lp.top], w[ids], atol=5e-4)
     np.testing.assert_allclose(lp.logprob, w[o.token_ids[0]], atol=5e-4)
     assert any(i not in allowed for i in ids) and all(np.isfinite(v) for _, v in lp.top)
+    masked = [(rows, T, args) for kind, rows, T, args in posted if kind == SAMPLE_MASKED]
+    assert masked and all(T == 1 and len(args) == 4 for _, T, args in masked)
+    for rows, T, args in masked:
+        template = runner._idle_args(SAMPLE_MASKED, rows, T)
+        assert jax.tree.structure(template) == jax.tree.structure(args)
+        assert [np.shape(x) for x in jax.tree.leaves(template)] == [np.shape(x) for x in jax.tree.leaves(args)]
+        assert (args[2][0] != args[3][0]).any()  # the processors' mask is not in the second
 
 
 def test_max_logprobs_caps_requests_with_vllms_message_and_minus_one_is_the_vocabulary(ckpt):
