@@ -27,7 +27,13 @@ from spec_decode import SpeculativeConfig
 # --kv-cache-dtype values (vLLM's; int8 as JetStream's); kernels_pallas.KV_CACHE_DTYPES maps them to dtypes
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
 KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KVCacheDtype)
-MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+# vLLM's --logprobs-mode: what a sampled token's logprobs are computed from. raw: the
+# model's logits (with a structured-output grammar's mask, which vLLM applies before its
+# sampler), before the logits processors, penalties, temperature and top-k/top-p/min-p;
+# processed: after all of them (what the token was drawn from; a filtered-out token is
+# -inf). *_logits: those logits themselves instead of their log_softmax.
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = typing.get_args(LogprobsMode)
 # A constraint's text (schema JSON, regex, grammar, choices together): larger is refused
 # where it enters, so that compiling it stays within llguidance's limits (structured.py).
 MAX_STRUCTURED_CHARS = 64 * 1024
@@ -103,6 +109,11 @@ class EngineConfig:
     generation_config: str = "auto"
     # vLLM's --override-generation-config: JSON over those defaults, e.g. {"temperature": 0.5}
     override_generation_config: str | dict | None = None
+    # vLLM's --logprobs-mode (LogprobsMode above); prompt logprobs are raw logprobs in every mode, as vLLM's
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    # vLLM's --max-logprobs: the most logprobs or prompt_logprobs a request may ask (-1: the
+    # vocabulary). It is also the width of the top-logprob arrays the sampling programs return.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -163,6 +174,9 @@ class EngineConfig:
                  "(--scheduling-policy slo)")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        need(self.logprobs_mode in LOGPROBS_MODES,
+             f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        need(self.max_logprobs >= -1, f"max_logprobs must be >= 0, or -1 (the vocabulary), got {self.max_logprobs}")
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")
@@ -207,6 +221,11 @@ class EngineConfig:
         return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=mnbt)
 
     # ---- derived (valid once resolved) -------------------------------------------
+    def logprobs_width(self, vocab_size: int) -> int:
+        """The top logprobs the sampling programs compute per position (a static shape):
+        max_logprobs, at most the vocabulary (all of it for -1)."""
+        return vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
+
     @property
     def max_blocks_per_seq(self) -> int:
         assert self.max_model_len is not None, "call resolved() first"
@@ -517,13 +536,13 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        # (the most a request may ask is the engine's --max-logprobs: LLMEngine.validate)
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}")
         # vLLM's checks and messages (its SamplingParams._verify_args)
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")

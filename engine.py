@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence as Seq
 import jax
 import numpy as np
 
-from config import MAX_LOGPROBS, EngineConfig, ParamError, SamplingParams, SLOTarget
+from config import EngineConfig, ParamError, SamplingParams, SLOTarget
 from hf_config import generation_sampling_defaults
 from logits_controls import controls_for
 from metrics import EngineStats, RequestMetrics, StepTrace
@@ -154,6 +154,12 @@ class LLMEngine:
             raise ParamError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids",
                              "stop")
         vocab = self.model_config.vocab_size
+        # vLLM's --max-logprobs (-1: the vocabulary) and its messages (its processor's _validate_logprobs)
+        cap = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for name, kind, n in (("logprobs", "sample", params.logprobs), ("prompt_logprobs", "prompt",
+                                                                       params.prompt_logprobs)):
+            if n is not None and n > cap:
+                raise ParamError(f"Requested {kind} logprobs of {n}, which is greater than max allowed: {cap}", name)
         if params.logit_bias:  # vLLM's messages (its processor's _validate_logit_bias, ...)
             bad = [t for t in params.logit_bias if not 0 <= t < vocab]
             if bad:
@@ -459,7 +465,8 @@ class LLMEngine:
         out.num_recomputed_tokens = sum(s.num_recomputed for s in ok)
         logprobs = None
         if any(lp is not None for lp in lps):
-            z = (np.zeros(1, np.float32), np.zeros((1, MAX_LOGPROBS), np.int32), np.zeros((1, MAX_LOGPROBS), np.float32))
+            K = self.runner.logprobs_width
+            z = (np.zeros(1, np.float32), np.zeros((1, K), np.int32), np.zeros((1, K), np.float32))
             parts = [lp if lp is not None else z for lp in lps]
             logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
         return StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None, spec or None)

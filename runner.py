@@ -50,7 +50,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attention_backend import AttentionShape, select_attention_backend
-from config import MAX_LOGPROBS, EngineConfig, host_memory_bytes
+from config import EngineConfig, host_memory_bytes
 from distributed import DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED, STOP, StepChannel
 from kvcache import create_kv_caches
 from logits_controls import penalty_width
@@ -109,10 +109,11 @@ def prompt_logprob_rows(config: EngineConfig) -> tuple[int, int]:
 
 
 def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
-                    chunk: int) -> tuple[jax.Array, ...]:
+                    chunk: int, width: int) -> tuple[jax.Array, ...]:
     """For each of the P rows of hidden (a ragged step's final hidden states, flat tokens
     first): the logprob of targets[t] (the next prompt token; -1: none asked) under the
-    logits of t, its rank, and the top MAX_LOGPROBS. `chunk` rows at a time (lax.map), so
+    logits of t, its rank, and the top `width`. Raw logprobs whatever --logprobs-mode, as
+    vLLM's prompt logprobs. `chunk` rows at a time (lax.map), so
     the program's logits buffer is bounded, and a chunk without a target is skipped
     (lax.cond): a step pays for the rows of the chunks that ask."""
     P = hidden.shape[0]
@@ -122,12 +123,12 @@ def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Arr
         lp = jax.nn.log_softmax(logits_fn(h).astype(jnp.float32), axis=-1)
         tlp = jnp.take_along_axis(lp, jnp.maximum(tg, 0)[:, None], axis=-1)[:, 0]
         rank = (jnp.sum(lp > tlp[:, None], axis=-1) + 1).astype(jnp.int32)
-        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        top_lp, top_ids = jax.lax.top_k(lp, width)
         return tlp, rank, top_ids.astype(jnp.int32), top_lp
 
     def skip(h: jax.Array, tg: jax.Array) -> tuple[jax.Array, ...]:
         return (jnp.zeros(chunk, jnp.float32), jnp.zeros(chunk, jnp.int32),
-                jnp.zeros((chunk, MAX_LOGPROBS), jnp.int32), jnp.zeros((chunk, MAX_LOGPROBS), jnp.float32))
+                jnp.zeros((chunk, width), jnp.int32), jnp.zeros((chunk, width), jnp.float32))
 
     def rows(c: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         return jax.lax.cond(jnp.any(c[1] >= 0), compute, skip, *c)
@@ -342,6 +343,10 @@ class ModelRunner:
             # Runs only while jax traces, i.e. once per compiled program.
             self.stats.num_compilations += 1
 
+        # --logprobs-mode and the top-logprob arrays' width (--max-logprobs): fixed shapes,
+        # closed over by every program that computes logprobs
+        mode, width = config.logprobs_mode, config.logprobs_width(loaded.config.vocab_size)
+        self.logprobs_width = width
         spec = config.speculative_config
         self.spec_k = spec.k if spec is not None else 0
         self.draft_probs = draft_probs
@@ -384,14 +389,14 @@ class ModelRunner:
                                         sampling.min_p[r], sampling.seed[r], sampling.step[r], sampling.want_logprobs)
                     q = None if sp.draft_probs is None else sp.draft_probs[sp.src[:b]]
                     toks, num = rejection_sample(logits, sp.draft[:b], sp.num[:b], t, q)
-                    out = (toks, num, *emitted_logprobs(logits, toks, sampling.want_logprobs))
+                    out = (toks, num, *emitted_logprobs(logits, toks, t, sampling.want_logprobs, mode, width))
                     return tuple(jnp.pad(x, [(0, n_max - b)] + [(0, 0)] * (x.ndim - 1)) for x in out)
                 return branch
 
             def none():
                 return (jnp.zeros((n_max, K + 1), jnp.int32), jnp.ones(n_max, jnp.int32),
-                        jnp.zeros((n_max, K + 1), jnp.float32), jnp.zeros((n_max, K + 1, MAX_LOGPROBS), jnp.int32),
-                        jnp.zeros((n_max, K + 1, MAX_LOGPROBS), jnp.float32))
+                        jnp.zeros((n_max, K + 1), jnp.float32), jnp.zeros((n_max, K + 1, width), jnp.int32),
+                        jnp.zeros((n_max, K + 1, width), jnp.float32))
 
             return jax.lax.switch(sp.bucket, [none] + [rows(b) for b in branches])
 
@@ -416,13 +421,14 @@ class ModelRunner:
             count_compile()
             # Rows up to the last one that samples (the others write the idle entry).
             num_rows = jnp.max(jnp.where(sample_slot != self._idle, jnp.arange(1, sample_slot.shape[0] + 1), 0))
-            res = sample_rows(logits, sampling, num_rows, min(SAMPLE_CHUNK, N))
+            res = sample_rows(logits, sampling, num_rows, min(SAMPLE_CHUNK, N), mode, width)
             _, last_tokens, res = keep((), (last_tokens.at[sample_slot].set(res[0]), res))
             return last_tokens, res
 
         def prompt_fn(state, hidden_buf, targets):
             count_compile()
-            res = prompt_logprobs(nnx.merge(graphdef, state).compute_logits, hidden_buf, targets, self._prompt_chunk)
+            res = prompt_logprobs(nnx.merge(graphdef, state).compute_logits, hidden_buf, targets, self._prompt_chunk,
+                                  width)
             _, res = keep((), (res,))
             return res
 
@@ -657,29 +663,36 @@ class ModelRunner:
                     masks.append((row, m))
                 if (p := seq.controls.penalties(seq.output_token_ids)) is not None:
                     penalties.append((row, p))
-        bitmask = None
+        bitmask, raw_mask = None, None
         if rows or masks:
             t0 = time.perf_counter()
             bitmask = np.full((len(sample_slot), self._mask_width), -1, np.int32)
             if rows:
                 fill_bitmask(rows, bitmask)
+            if masks and step.want_logprobs and self.config.logprobs_mode.startswith("raw"):
+                raw_mask = bitmask.copy()  # raw logprobs see the grammar's rows, not the processors' masks
             for row, m in masks:  # a grammar's row and the processors' both hold
                 bitmask[row] &= m.view(np.int32)
             if rows:
                 with self.stats.lock:
                     self.stats.structured_output_steps += 1
                     self.stats.structured_output_bitmask_seconds += time.perf_counter() - t0
+        # A masked step's inputs end in its bitmask, then the raw logprobs' own when it has
+        # one (odd "tokens": _idle_args, the template a follower reads a step with).
+        with_raw = int(raw_mask is not None)
+        masks_in = (bitmask,) if raw_mask is None else (bitmask, raw_mask)
         if penalties:
             width = penalty_width(max(len(p[0]) for _, p in penalties))
             sampling = dataclasses.replace(sampling, **self._penalty_lists(len(sample_slot), width, penalties))
             if bitmask is None:
-                bitmask = np.full((len(sample_slot), self._mask_width), -1, np.int32)
-            step._res = self._run(SAMPLE_PENALIZED, len(sample_slot), width, (sample_slot, sampling, bitmask))
+                masks_in = (np.full((len(sample_slot), self._mask_width), -1, np.int32),)
+            step._res = self._run(SAMPLE_PENALIZED, len(sample_slot), width + with_raw,
+                                  (sample_slot, sampling, *masks_in))
         # Multi-host, the all-ones bitmask of an unconstrained step is each process's own.
         elif bitmask is None:
             step._res = self._run(SAMPLE, len(sample_slot), 0, (sample_slot, sampling))
         else:
-            step._res = self._run(SAMPLE_MASKED, len(sample_slot), 0, (sample_slot, sampling, bitmask))
+            step._res = self._run(SAMPLE_MASKED, len(sample_slot), with_raw, (sample_slot, sampling, *masks_in))
 
     def _penalty_lists(self, rows: int, width: int,
                        entries: list[tuple[int, tuple[np.ndarray, ...]]] | None = None) -> dict[str, np.ndarray]:
@@ -771,10 +784,12 @@ class ModelRunner:
     def _idle_args(self, kind: int, rows: int, T: int) -> tuple:
         """All-idle inputs of one program's shape (also the template a follower fills)."""
         if kind in (SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED):
-            penalties = self._penalty_lists(rows, T) if kind == SAMPLE_PENALIZED else {}
+            # T: the width of the penalty lists (a power of two), + 1 when raw logprobs' bitmask follows the bitmask
+            penalties = self._penalty_lists(rows, T & ~1) if kind == SAMPLE_PENALIZED else {}
             samp = SamplingTensors(**empty_sampling_arrays(rows), want_logprobs=np.bool_(False), **penalties)
-            mask = (np.full((rows, self._mask_width), -1, np.int32),) if kind != SAMPLE else ()
-            return (np.full(rows, self._idle, np.int32), samp, *mask)
+            masks = 0 if kind == SAMPLE else 1 + (T & 1)
+            return (np.full(rows, self._idle, np.int32), samp,
+                    *(np.full((rows, self._mask_width), -1, np.int32) for _ in range(masks)))
         zeros_t, zeros_r = np.zeros(T, np.int32), np.zeros(rows, np.int32)
         args = (zeros_t, np.full(T, -1, np.int32), zeros_t, zeros_t,
                 np.zeros((rows, self.config.max_blocks_per_seq), np.int32), zeros_r)
@@ -790,11 +805,12 @@ class ModelRunner:
         """One program and its whole arguments: the device state, then the step's inputs."""
         if kind in (SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED):
             sample_slot, sampling, *mask = args
-            if mask:
-                bitmask = mask[0] if self.mesh is None else replicate(mask[0], self.mesh)
-            else:
-                bitmask = self._all_ones()
-            sampling = dataclasses.replace(sampling, token_bitmask=bitmask, use_bitmask=np.bool_(bool(mask)))
+            put = jax.device_put if self.mesh is None else functools.partial(replicate, mesh=self.mesh)
+            bitmask = put(mask[0]) if mask else self._all_ones()
+            # (one array for both unless the step has raw logprobs' own: no second copy to the device)
+            raw = put(mask[1]) if len(mask) > 1 else bitmask
+            sampling = dataclasses.replace(sampling, token_bitmask=bitmask, logprobs_bitmask=raw,
+                                           use_bitmask=np.bool_(bool(mask)))
             return self._sample, (self.last_tokens, self._logits, sample_slot, sampling)
         if kind == DECODE:
             return self._decode, (self.state, self.kv_caches, self.last_tokens, self._logits, *args)

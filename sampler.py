@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from config import MAX_LOGPROBS, SAMPLING_EPS, SamplingParams
+from config import SAMPLING_EPS, SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -32,6 +32,10 @@ class SamplingTensors:
     # whether any row is constrained, so unconstrained steps skip the unpacking.
     token_bitmask: jax.Array | None = None  # [S, ceil(V / 32)] i32
     use_bitmask: jax.Array | None = None  # [] bool
+    # The bitmask raw logprobs see (--logprobs-mode raw_*): a grammar's rows alone, as vLLM
+    # applies a grammar before its sampler and the logits processors' masks inside it.
+    # The runner passes token_bitmask itself unless a step has both and asks logprobs.
+    logprobs_bitmask: jax.Array | None = None  # [S, ceil(V/32)] i32
     # logit_bias and penalties (logits_controls.py), a sparse list of W entries per row:
     # token id (V: padding, dropped), bias added, repetition penalty, then subtracted
     # (frequency * count + presence * seen). None: no row of the step has any, and the
@@ -169,25 +173,30 @@ def _sample_rows_drawn(logits: jax.Array, t: SamplingTensors, is_greedy: jax.Arr
     return jax.lax.fori_loop(0, jnp.sum(alone), row, tok)
 
 
-def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """logits [S, V] f32 -> (token [S], its logprob [S], top ids [S, K], top logprobs [S, K]).
+def sample(logits: jax.Array, t: SamplingTensors, mode: str = "raw_logprobs",
+           width: int = 20) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [S, V] f32 -> (token [S], its logprob [S], top ids [S, width], top logprobs [S, width]).
 
     Steps where every slot is greedy draw nothing (lax.cond), and only rows with a top_k,
     top_p or min_p filter sort. No lax.cond here returns the [S, V] logits (a branch
     that hands back its vocabulary-wide operand costs a copy of it on a CPU), so the bitmask
     selects between two whole samplers, whose outputs are small. logit_bias and penalties
-    (a step that has them) come before the bitmask, and logprobs are those of the logits
-    they leave (vLLM's processed logprobs)."""
+    (a step that has them) come before the bitmask. The logprobs are those of `mode`
+    (config.LogprobsMode, static: one program per engine); the defaults are vLLM's."""
+    raw = logits
     if t.penalty_ids is not None:
         logits = apply_penalties(logits, t)
     if t.token_bitmask is None:
-        return _sample_unmasked(logits, t)
-    return jax.lax.cond(t.use_bitmask, lambda: _sample_unmasked(apply_token_bitmask(logits, t.token_bitmask), t),
-                        lambda: _sample_unmasked(logits, t))
+        return _sample_unmasked(logits, t, raw, None, mode, width)
+    raw_mask = t.token_bitmask if t.logprobs_bitmask is None else t.logprobs_bitmask
+    return jax.lax.cond(t.use_bitmask,
+                        lambda: _sample_unmasked(apply_token_bitmask(logits, t.token_bitmask), t, raw, raw_mask, mode,
+                                                 width),
+                        lambda: _sample_unmasked(logits, t, raw, None, mode, width))
 
 
-def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array,
-                chunk: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array, chunk: int, mode: str = "raw_logprobs",
+                width: int = 20) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """sample() on the first num_rows rows of logits [S, V] (S a multiple of chunk), chunk
     rows at a time: one program serves every row count, and its cost follows the rows
     that sample, not S (the trip count is dynamic; rows past the last chunk come back 0).
@@ -195,8 +204,8 @@ def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array,
     with a constrained row unpacks it), and a chunk's [chunk, V] temporaries stay in cache."""
     S, V = logits.shape
     assert S % chunk == 0, (S, chunk)
-    outs = (jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
-            jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+    outs = (jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.float32), jnp.zeros((S, width), jnp.int32),
+            jnp.zeros((S, width), jnp.float32))
 
     def body(i: jax.Array, outs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         rows = jax.tree.map(lambda x: x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk),
@@ -204,7 +213,8 @@ def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array,
         x, tc = rows
         if tc.token_bitmask is not None:  # all ones: no row of the chunk is constrained
             tc = replace(tc, use_bitmask=tc.use_bitmask & jnp.any(tc.token_bitmask != -1))
-        return tuple(jax.lax.dynamic_update_slice_in_dim(o, r, i * chunk, 0) for o, r in zip(outs, sample(x, tc)))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(o, r, i * chunk, 0)
+                     for o, r in zip(outs, sample(x, tc, mode, width)))
 
     return jax.lax.fori_loop(0, (num_rows + chunk - 1) // chunk, body, outs)
 
@@ -220,21 +230,49 @@ def _draw(logits: jax.Array, t: SamplingTensors) -> jax.Array:
                         lambda: jnp.where(is_greedy, greedy_tok, _sample_rows_drawn(logits, t, is_greedy)))
 
 
-def _sample_unmasked(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _sample_unmasked(logits: jax.Array, t: SamplingTensors, raw: jax.Array, raw_mask: jax.Array | None, mode: str,
+                     width: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Draw from logits (processed but for temperature and the filters); logprobs, when the
+    step wants them, from raw (the model's, raw_mask applied when given) or from logits."""
     tok = _draw(logits, t)
     S = logits.shape[0]
 
-    def logprobs():
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
-        return jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+    def logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+        if mode.startswith("raw"):
+            return _top(raw if raw_mask is None else apply_token_bitmask(raw, raw_mask), tok, mode, width)
+        return _processed_top(logits, t, tok, mode, width)
 
-    def no_logprobs():
-        return (jnp.zeros((S,), jnp.float32), jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+    def no_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.zeros((S,), jnp.float32), jnp.zeros((S, width), jnp.int32), jnp.zeros((S, width), jnp.float32))
 
     tok_lp, top_ids, top_lp = jax.lax.cond(t.want_logprobs, logprobs, no_logprobs)
     return tok, tok_lp, top_ids, top_lp
+
+
+def _top(x: jax.Array, tok: jax.Array, mode: str, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(value of tok [S], top ids [S, width], top values [S, width]) of x [S, V], as logits
+    (mode *_logits) or as logprobs (log_softmax)."""
+    if not mode.endswith("logits"):
+        x = jax.nn.log_softmax(x, axis=-1)
+    top_v, top_ids = jax.lax.top_k(x, width)
+    return jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_v
+
+
+def _processed_top(logits: jax.Array, t: SamplingTensors, tok: jax.Array, mode: str,
+                   width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """_top of vLLM's processed logits: each row's at its temperature with the tokens min_p,
+    top_k and top_p filter out at -inf, the logits a row draws from; a greedy row's as they
+    are (vLLM clears a greedy request's filters). The sort only when a random row filters."""
+    is_greedy = t.temperature < SAMPLING_EPS
+    scaled = logits / jnp.where(is_greedy, 1.0, jnp.maximum(t.temperature, 1e-6))[:, None]
+
+    def filtered() -> tuple[jax.Array, jax.Array, jax.Array]:
+        S, V = scaled.shape
+        _, sorted_ids, keep = _filter_sorted(scaled, t)
+        kept = jnp.zeros((S, V), bool).at[jnp.arange(S)[:, None], sorted_ids].set(keep | is_greedy[:, None])
+        return _top(jnp.where(kept, scaled, -jnp.inf), tok, mode, width)
+
+    return jax.lax.cond(jnp.any(_has_filter(t) & ~is_greedy), filtered, lambda: _top(scaled, tok, mode, width))
 
 
 # ---- speculative decoding: verification (spec_decode.py proposes) -----------------------
@@ -335,18 +373,23 @@ def rejection_sample(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, 
     return tokens.astype(jnp.int32), accepted + 1
 
 
-def emitted_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def emitted_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, want: jax.Array,
+                     mode: str = "raw_logprobs", width: int = 20) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The target's logprobs of tokens [R, K+1] under logits [R, K+1, V] and the top
-    MAX_LOGPROBS at each position (zeros unless `want`), as sample() reports them."""
+    `width` at each position (zeros unless `want`), as sample() reports them in `mode`
+    (t: the rows' parameters, [R]; a verified row has no logits processor or bitmask)."""
     R, K1, V = logits.shape
+    flat, toks = logits.reshape(R * K1, V), tokens.reshape(R * K1)
 
     def compute() -> tuple[jax.Array, jax.Array, jax.Array]:
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
-        return jnp.take_along_axis(lp, tokens[:, :, None], axis=-1)[:, :, 0], top_ids.astype(jnp.int32), top_lp
+        if mode.startswith("raw"):
+            out = _top(flat, toks, mode, width)
+        else:
+            out = _processed_top(flat, _at_positions(t, K1), toks, mode, width)
+        return tuple(x.reshape(R, K1, *x.shape[1:]) for x in out)
 
     def skip() -> tuple[jax.Array, jax.Array, jax.Array]:
-        return (jnp.zeros((R, K1), jnp.float32), jnp.zeros((R, K1, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((R, K1, MAX_LOGPROBS), jnp.float32))
+        return (jnp.zeros((R, K1), jnp.float32), jnp.zeros((R, K1, width), jnp.int32),
+                jnp.zeros((R, K1, width), jnp.float32))
 
     return jax.lax.cond(want, compute, skip)
