@@ -790,6 +790,11 @@ _HELP = {  # EngineConfig fields; config.py says more
                       "f32 scale per token and KV head: ~4x (from f32) or ~2x (from bf16) the blocks in the same memory",
     "attention_backend": "paged attention: auto (the first registered backend for this platform that passes its "
                          "start-up check, else the jnp reference) or a name in attention_backend.BACKENDS",
+    "logprobs_mode": "what logprobs hold: raw_logprobs (the model's, before logit_bias, penalties, temperature and "
+                     "top-k/top-p/min-p; a grammar's mask applies), raw_logits, processed_logprobs or processed_logits "
+                     "(what the token was drawn from), as vLLM's",
+    "max_logprobs": "most logprobs and prompt_logprobs a request may ask for (the width of the top-logprob arrays); "
+                    "-1: the vocabulary",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
     "compilation_cache_dir": "persistent cache of compiled step programs (fast restarts); None: $TAXIRANK_CACHE/jax "

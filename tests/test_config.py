@@ -181,3 +181,14 @@ def test_host_buffers_are_bounded_by_their_need_not_a_cap(monkeypatch):
     monkeypatch.setattr(runner, "host_memory_bytes", lambda: sum(need.values()) - 1)
     with pytest.raises(ValueError, match="is too large"):
         _tiny(max_num_seqs=4)
+
+
+def test_every_engine_config_field_is_a_server_flag_with_its_own_help():
+    """A field added to EngineConfig is a flag at once (build_parser reads the dataclass);
+    its --help says what it does, not just the field's name."""
+    import dataclasses
+
+    actions = {a.dest: a for a in server.build_parser()._actions}
+    for f in dataclasses.fields(EngineConfig):
+        assert f.name in actions, f.name
+        assert actions[f.name].help and "EngineConfig." not in actions[f.name].help, f.name
