@@ -467,6 +467,9 @@ class SamplingParams:
     it (after it with include_stop_str_in_output); skip_special_tokens and spaces_between_special_tokens say how token ids become text
     (server and LLM.generate)."""
 
+    # vLLM's parallel sampling: samples of the prompt, each run as an engine request of its
+    # own (LLM.generate and the server expand them; the engine itself takes n = 1 only)
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -518,6 +521,10 @@ class SamplingParams:
             except OverflowError:
                 return False
 
+        if not is_int(self.n):  # vLLM's messages
+            raise ValueError(f"n must be an int, but is of type {type(self.n)}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_num(self.temperature) or self.temperature < 0:

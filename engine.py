@@ -34,7 +34,7 @@ from startup import build_engine
 from structured import GrammarCompiler, new_constraint
 from tokenizer import IncrementalDetokenizer, detokenize
 
-__all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "RequestOutput",
+__all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "RequestOutput", "CompletionOutput",
            "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError", "EngineDeadError"]
 
 
@@ -81,25 +81,45 @@ class RequestOutputDelta:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request, as vLLM's CompletionOutput."""
+
+    index: int  # its place among the request's n samples
+    text: str | None  # None: the model has no tokenizer
+    token_ids: list[int]
+    # vLLM's: the sum of the sampled tokens' logprobs when the request asked for logprobs, else None
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    # vLLM's: the stop string matched, or the stop_token_ids entry that ended it; None for
+    # EOS, a length cut, a grammar's end or an abort.
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
-    """A finished request, as LLM.generate returns it."""
+    """A finished request, as vLLM's RequestOutput: LLM.generate returns one per prompt,
+    its `outputs` the request's n samples in index order."""
 
     request_id: str
+    prompt: str | None  # the prompt's text when it was given as text (chat: the rendered template)
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob | None] | None  # when asked: first entry None, as vLLM
+    outputs: list[CompletionOutput]
+    finished: bool
+    # Its timings and scheduling history (vLLM's RequestOutput.metrics); with n > 1 the
+    # sample that finished last's, as vLLM's parallel sampling reports.
+    metrics: RequestMetrics
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (vLLM's field; the first sample's)
+    # Beyond vLLM's fields, over all n samples: when the request arrived, when its first
+    # token came and its last sample finished (time.monotonic), and its samples' preemptions.
     arrival_time: float
     first_token_time: float | None
     finished_time: float
     num_preemptions: int
-    num_cached_tokens: int  # prompt tokens served from the prefix cache (vLLM's field)
-    metrics: RequestMetrics  # its timings and scheduling history (vLLM's RequestOutput.metrics)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: first entry None, as vLLM
-    # vLLM's CompletionOutput.stop_reason: the stop string matched, or the stop_token_ids
-    # entry that ended it; None for EOS, a length cut, a grammar's end or an abort.
-    stop_reason: str | int | None = None
 
 
 class LLMEngine:
@@ -149,6 +169,9 @@ class LLMEngine:
         block (the server's event loop) compiles it first with `self.grammars.compile` on
         another thread and hands it on, so no later step looks it up again in the cache,
         which other requests' grammars may have evicted it from meanwhile."""
+        if params.n != 1:  # one engine request is one sample: its callers expand n (child_requests)
+            raise ParamError(f"the engine runs one sample per request, got n={params.n}: run n requests, "
+                             "as LLM.generate and the server do", "n")
         self.scheduler.validate(prompt_token_ids, params, priority, slo)
         if params.stop and self.tokenizer is None:
             raise ParamError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids",
@@ -538,34 +561,46 @@ class LLM:
 
     def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        """priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
-        params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
-        # Every prompt is checked before any is added: a bad one leaves nothing queued.
+        """vLLM's: one RequestOutput per prompt, in order, each with its params.n samples.
+        priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
         encoded = [self._encode(prompt) for prompt in prompts]
+        return self._generate(encoded, [p if isinstance(p, str) else None for p in prompts], params, use_tqdm,
+                              priority)
+
+    def _generate(self, encoded: list[list[int]], texts: list[str | None],
+                  params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool | None,
+                  priority: Seq[int] | None) -> list[RequestOutput]:
+        params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
+        if len(plist) != len(encoded):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(encoded)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(encoded)
+        if len(priorities) != len(encoded):
+            raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
+        request_ids = [f"offline-{self._counter + i}" for i in range(len(encoded))]
+        self._counter += len(encoded)
+        children = [child_requests(rid, p) for rid, p in zip(request_ids, plist)]
+        # Every prompt is checked before any is added: a bad one leaves nothing queued. Its
+        # samples differ in their seeds only, which no check reads.
         grammars = []  # each compiled once: the cache may not hold them all until they are added
-        for i, (ids, p, prio) in enumerate(zip(encoded, plist, priorities)):
+        for i, (ids, samples, prio) in enumerate(zip(encoded, children, priorities)):
             try:
-                grammars.append(self.engine.validate(ids, p, prio))
+                grammars.append(self.engine.validate(ids, samples[0][1], prio))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         seqs: dict[str, Sequence] = {}
-        for ids, p, prio, grammar in zip(encoded, plist, priorities, grammars):
-            rid = f"offline-{self._counter}"
-            self._counter += 1
-            seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar)
-        done: set[str] = set()
+        parent: dict[str, int] = {}  # sample's request id -> its prompt's index
+        for i, (ids, samples, prio, grammar) in enumerate(zip(encoded, children, priorities, grammars)):
+            for rid, p in samples:
+                seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar)
+                parent[rid] = i
+        unfinished = [len(samples) for samples in children]
         logprobs: dict[str, list[TokenLogprob]] = {}
         prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         bar = None
-        if use_tqdm or (use_tqdm is None and len(prompts) >= 16):
+        if use_tqdm or (use_tqdm is None and len(encoded) >= 16):
             from tqdm import tqdm
-            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+            bar = tqdm(total=len(encoded), desc="generate", unit="req")
         while self.engine.has_unfinished():
             deltas = self.engine.step()
             if self.engine.failed:  # offline there is no stream to end: abort the rest, raise
@@ -579,14 +614,16 @@ class LLM:
                     logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
                 if d.prompt_logprobs is not None:
                     prompt_logprobs[d.request_id] = d.prompt_logprobs
-                if d.finished and d.request_id in seqs:
-                    done.add(d.request_id)
-                    if bar is not None:
+                if d.finished and d.request_id in parent:
+                    i = parent.pop(d.request_id)
+                    unfinished[i] -= 1
+                    if bar is not None and not unfinished[i]:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        assert done == set(seqs), "every request must finish"
-        return [self._output(seq, logprobs.get(rid), prompt_logprobs.get(rid)) for rid, seq in seqs.items()]
+        assert not parent, "every request must finish"
+        return [self._output(rid, text, [seqs[c] for c, _ in samples], logprobs, prompt_logprobs)
+                for rid, text, samples in zip(request_ids, texts, children)]
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool | None = None, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -606,13 +643,11 @@ class LLM:
             kw["chat_template"] = chat_template
         if continue_final_message:
             kw["continue_final_message"] = True
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False, **kw)
-            # The template already carries BOS and the other special tokens it wants.
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        texts = [self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
+                                                    tokenize=False, **kw) for conversation in conversations]
+        # The template already carries BOS and the other special tokens it wants.
+        encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        return self._generate(encoded, texts, sampling_params, use_tqdm, None)
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -621,19 +656,44 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def _output(self, seq: Sequence, logprobs: list[TokenLogprob] | None,
-                prompt_logprobs: list[TokenLogprob | None] | None = None) -> RequestOutput:
+    def _output(self, request_id: str, prompt: str | None, samples: list[Sequence],
+                logprobs: dict[str, list[TokenLogprob]],
+                prompt_logprobs: dict[str, list[TokenLogprob | None]]) -> RequestOutput:
+        first, last = samples[0], max(samples, key=lambda s: s.finished_time)
+        first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
+        return RequestOutput(
+            request_id=request_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs.get(first.request_id),
+            outputs=[self._completion(i, s, logprobs.get(s.request_id)) for i, s in enumerate(samples)],
+            finished=True, metrics=RequestMetrics.of(last), num_cached_tokens=max(first.num_cached_tokens, 0),
+            arrival_time=min(s.arrival_time for s in samples), first_token_time=min(first_tokens, default=None),
+            finished_time=last.finished_time, num_preemptions=sum(s.num_preemptions for s in samples))
+
+    def _completion(self, index: int, seq: Sequence, logprobs: list[TokenLogprob] | None) -> CompletionOutput:
         text = None
         if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
             text = seq.stop_matcher.text  # up to the stop string, as the server sends it
         elif self.tokenizer is not None:
             text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
                                  self.engine.model_config.eos_token_ids)
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), text,
-                             seq.finish_reason, logprobs, seq.arrival_time, seq.first_token_time,
-                             seq.finished_time, seq.num_preemptions, max(seq.num_cached_tokens, 0),
-                             RequestMetrics.of(seq), prompt_logprobs,
-                             stop_reason(seq, self.engine.model_config.eos_token_ids))
+        asked = seq.params.logprobs is not None
+        return CompletionOutput(index, text, list(seq.output_token_ids),
+                                sum(t.logprob for t in logprobs or ()) if asked else None, logprobs, seq.finish_reason,
+                                stop_reason(seq, self.engine.model_config.eos_token_ids))
+
+
+def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """vLLM's parallel sampling (its ParentRequest): the n engine requests of a request
+    with params.n samples, as (request id, params with n = 1). With n > 1 sample i is
+    `i_<request_id>`, seeded seed + i (wrapped into the 64-bit seeds SamplingParams takes)
+    when the request is seeded, so that it is what the request alone gives with that seed."""
+    if params.n == 1:
+        return [(request_id, params)]
+    one = dataclasses.replace(params, n=1)
+    if params.seed is None:
+        return [(f"{i}_{request_id}", one) for i in range(params.n)]
+    return [(f"{i}_{request_id}", dataclasses.replace(one, seed=(params.seed + i + 2**63) % 2**64 - 2**63))
+            for i in range(params.n)]
 
 
 def stop_reason(seq: Sequence, eos_token_ids: Seq[int]) -> str | int | None:

@@ -219,11 +219,11 @@ def timed_generate(llm: Any, prompts: list[list[int]], max_tokens: list[int],
         del engine.step
     after = llm.stats.snapshot()
     stats = {k: getattr(after, k) - getattr(before, k) for k in COUNTERS}
-    bad = [o.request_id for o, n in zip(outs, max_tokens) if len(o.token_ids) != n]
+    bad = [o.request_id for o, n in zip(outs, max_tokens) if len(o.outputs[0].token_ids) != n]
     assert not bad, f"requests {bad[:5]} did not produce exactly max_tokens (ignore_eos)"
     completion = [o.finished_time - o.arrival_time for o in outs]
     steps = [finish_step[o.request_id] for o in outs]
-    n_out = sum(len(o.token_ids) for o in outs)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     cfg = engine.config
     res: dict[str, Any] = {
         "scheduling": cfg.scheduling, "max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len,
@@ -234,7 +234,7 @@ def timed_generate(llm: Any, prompts: list[list[int]], max_tokens: list[int],
         "hit_rate": stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1),
         "ttft_s": summarize([o.first_token_time - o.arrival_time for o in outs]),
         "completion_s": summarize(completion), "completion_s_all": completion, "finish_step_all": steps,
-        "token_ids": [o.token_ids for o in outs], "loadavg": os.getloadavg()[0]}
+        "token_ids": [o.outputs[0].token_ids for o in outs], "loadavg": os.getloadavg()[0]}
     for cls in sorted(set(classes or ())):
         mine = [c == cls for c in classes]
         res[f"{cls}_completion_s"] = summarize([c for c, m in zip(completion, mine) if m])

@@ -58,10 +58,11 @@ def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> dict:
     tpot = [o.metrics.mean_itl_ms for o in outs if o.metrics.mean_itl_ms is not None]
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    return {"output_tok_s": sum(len(o.token_ids) for o in outs) / wall, "wall_s": wall,
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return {"output_tok_s": sum(map(len, tokens)) / wall, "wall_s": wall,
             "tpot_p50_ms": percentile(tpot, 50), "tpot_p99_ms": percentile(tpot, 99),
             "steps": after.num_steps - before.num_steps, "draft_tokens": drafted,
-            "acceptance": accepted / drafted if drafted else None, "token_ids": [o.token_ids for o in outs],
+            "acceptance": accepted / drafted if drafted else None, "token_ids": tokens,
             "loadavg": os.getloadavg()[0]}
 
 

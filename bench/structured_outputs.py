@@ -59,7 +59,7 @@ def host_clock(llm: LLM) -> list[float]:
 def run(llm: LLM, host: list[float], prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
     host.clear()
     fill0, t0 = llm.stats.structured_output_bitmask_seconds, time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     wall, tokens, steps = time.perf_counter() - t0, sum(len(o.token_ids) for o in outs), max(len(host), 1)
     return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall, "steps": len(host),
             "host_ms_per_step": 1e3 * sum(host) / steps,

@@ -66,7 +66,7 @@ def main() -> None:
         kv = max(bytes_per_device(llm.engine.runner.kv_caches).values())
         llm.generate(prompts, params)  # compiles the programs this workload uses
         t0 = time.perf_counter()
-        toks = [o.token_ids for o in llm.generate(prompts, params)]
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         dt, ref = time.perf_counter() - t0, ref or toks
         print(f"{tp:>3} {w / 2**20:>19.2f} {kv / 2**20:>14.2f} {llm.engine.num_kv_blocks:>9} "
               f"{sum(map(len, toks)) / dt:>8.1f} {str(toks == ref):>11}", flush=True)

@@ -397,22 +397,22 @@ def test_a_bad_token_ids_flag_is_a_400_naming_it(app, name) -> None:
 # ---- stop_reason offline ----------------------------------------------------------------------
 
 def test_offline_stop_reason_is_the_stop_string_or_the_stop_token_id_as_vllm() -> None:
-    """LLM.generate's RequestOutput carries vLLM's stop_reason: the stop string matched, the
+    """LLM.generate's CompletionOutput carries vLLM's stop_reason: the stop string matched, the
     stop_token_ids entry that ended it, None for a length cut or a grammar's end."""
     from config import StructuredOutputsParams
     from engine import LLM, SamplingParams
 
     llm = LLM("tiny", max_num_seqs=2, max_model_len=128, warmup=False, log=lambda *_: None)
     letters = dict(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z]{8}"))
-    free = llm.generate(["go"], SamplingParams(**letters))[0]
+    free = llm.generate(["go"], SamplingParams(**letters))[0].outputs[0]
     assert (free.finish_reason, free.stop_reason, len(free.text)) == ("stop", None, 8)  # the grammar's end
-    cut = llm.generate(["go"], SamplingParams(**letters | {"max_tokens": 3}))[0]
+    cut = llm.generate(["go"], SamplingParams(**letters | {"max_tokens": 3}))[0].outputs[0]
     assert (cut.finish_reason, cut.stop_reason) == ("length", None)
     stop = free.text[3:5]
-    by_string = llm.generate(["go"], SamplingParams(stop=[stop, "never"], **letters))[0]
+    by_string = llm.generate(["go"], SamplingParams(stop=[stop, "never"], **letters))[0].outputs[0]
     assert (by_string.finish_reason, by_string.stop_reason) == ("stop", stop)
     assert by_string.text == free.text[:free.text.index(stop)]
     token = free.token_ids[4]
-    by_token = llm.generate(["go"], SamplingParams(stop_token_ids=[token], **letters))[0]
+    by_token = llm.generate(["go"], SamplingParams(stop_token_ids=[token], **letters))[0].outputs[0]
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)
     assert by_token.token_ids == free.token_ids[:free.token_ids.index(token) + 1]

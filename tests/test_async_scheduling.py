@@ -88,7 +88,7 @@ def test_static_scheduling_under_async_releases_the_batch_together_with_the_same
                   max_model_len=256, max_num_batched_tokens=256, warmup=False)
         res = llm.generate(prompts, params)
         assert len({o.finished_time for o in res}) == 1  # the bus: released together
-        outs[on] = [o.token_ids for o in res]
+        outs[on] = [o.outputs[0].token_ids for o in res]
         assert llm.engine.scheduler.allocator.num_used == 0
     assert outs[True] == outs[False] and [len(t) for t in outs[True]] == [3, 9, 5, 12]
 

@@ -81,8 +81,9 @@ def test_warmup_compiles_each_bucket_once_and_no_workload_compiles_after(variant
             outs += llm.generate(ps[start:start + n], params[start:start + n])
     assert during == [], f"compiled while serving: {during}"
     assert llm.stats.num_compilations == num_programs
-    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
-    assert [len(o.logprobs or []) for o in outs] == [p.max_tokens if p.logprobs is not None else 0 for p in params]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert [len(o.outputs[0].logprobs or []) for o in outs] == [p.max_tokens if p.logprobs is not None else 0
+                                                                for p in params]
     assert [len(o.prompt_logprobs or []) for o in outs] == [
         len(x) if p.prompt_logprobs is not None else 0 for x, p in zip(ps, params)]
     assert buckets_used(llm) == all_buckets, "the workload must exercise every bucket"

@@ -191,7 +191,7 @@ def _run_speculative(target: str, draft: str, **kw):
     outs = llm.generate(_engine_prompts(), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert llm.stats.num_compilations == compiled, "a step compiled a program after warm-up"
     assert llm.engine.scheduler.allocator.num_used == 0
-    return llm, [o.token_ids for o in outs]
+    return llm, [o.outputs[0].token_ids for o in outs]
 
 
 def test_greedy_output_with_the_target_as_its_own_draft_is_greedy_decoding(target_ckpt):
@@ -259,7 +259,7 @@ def test_sampled_output_with_a_cut_draft_is_the_targets_filtered_distribution(ta
     before = llm.stats.snapshot()
     outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i, **filters)
                                        for i in range(n)])
-    emitted = np.array([o.token_ids for o in outs])  # [n, max_tokens]
+    emitted = np.array([o.outputs[0].token_ids for o in outs])  # [n, max_tokens]
     after = llm.stats.snapshot()
     assert after.spec_decode_num_drafts - before.spec_decode_num_drafts >= n  # indices 1.. were speculated
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens

@@ -34,7 +34,7 @@ def test_greedy_generate_equals_transformers(hf_checkpoint, family):
     path = hf_checkpoint(family)
     prompt = [5, 17, 42, 99, 7, 256, 31, 64, 11]
     ours = make_llm(path, max_model_len=128, max_num_batched_tokens=128).generate([prompt], greedy(32))[0]
-    assert ours.token_ids == hf_greedy(path, prompt, 32)
+    assert ours.outputs[0].token_ids == hf_greedy(path, prompt, 32)
 
 
 def test_finished_request_leaves_in_that_step_and_queued_request_joins_the_next():
@@ -54,10 +54,10 @@ def test_finished_request_leaves_in_that_step_and_queued_request_joins_the_next(
 def test_mixed_batch_equals_each_request_alone_and_static_equals_continuous():
     ps = prompts(6, seed=1)
     params = [greedy(n) for n in (5, 17, 2, 9, 30, 12)]
-    mixed = [o.token_ids for o in make_llm().generate(ps, params)]
+    mixed = [o.outputs[0].token_ids for o in make_llm().generate(ps, params)]
     alone_llm = make_llm()  # the same shapes: one request per generate() has the batch to itself
-    alone = [alone_llm.generate([p], sp)[0].token_ids for p, sp in zip(ps, params)]
-    static = [o.token_ids for o in make_llm(scheduling="static").generate(ps, params)]
+    alone = [alone_llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(ps, params)]
+    static = [o.outputs[0].token_ids for o in make_llm(scheduling="static").generate(ps, params)]
     assert mixed == alone == static
     assert [len(t) for t in mixed] == [5, 17, 2, 9, 30, 12]
 
@@ -71,7 +71,7 @@ def test_decode_rows_follow_the_occupied_slots_and_static_computes_its_empty_sea
     tokens: 11 padding rows. (The slot-step arithmetic itself is test_scheduler's.)"""
     llm = make_llm(scheduling=scheduling)
     outs = llm.generate([list(range(3, 3 + n)) for n in (5, 7, 9)], [greedy(n) for n in (2, 4, 6)])
-    assert [len(o.token_ids) for o in outs] == [2, 4, 6]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 4, 6]
     st = llm.stats
     assert (st.num_steps, st.useful_slot_steps, st.total_slot_steps) == (6, 3 + 3 + 2 + 2 + 1 + 1, 6 * 4)
     assert (st.prefill_tokens, st.decode_tokens) == (21, 9)
@@ -102,14 +102,14 @@ def test_too_few_kv_blocks_preempts_and_recomputes_to_the_same_tokens():
     generated), so after its recompute it resumes the same stream (sampler.py's claim)."""
     ps = prompts(4, seed=3, lo=20, hi=40)
     params = [greedy(60), SamplingParams(max_tokens=60, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)] * 2
-    ample = [o.token_ids for o in make_llm().generate(ps, params)]
+    ample = [o.outputs[0].token_ids for o in make_llm().generate(ps, params)]
     # 4 sequences of up to ~100 tokens need ~28 blocks of 16; give 14 (one is the null block)
     tight = make_llm(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128)
     outs = tight.generate(ps, params)
     assert tight.stats.num_preemptions > 0
     assert any(o.num_preemptions for o, p in zip(outs, params) if not p.greedy), "a seeded request was preempted"
-    assert [o.finish_reason for o in outs] == ["length"] * 4
-    assert [o.token_ids for o in outs] == ample
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 4
+    assert [o.outputs[0].token_ids for o in outs] == ample
     assert tight.engine.scheduler.allocator.num_used == 0
 
 
@@ -120,7 +120,7 @@ def test_reserve_admission_never_preempts_and_gives_the_same_tokens():
     reserve = make_llm(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128, kv_admission="reserve")
     a, b = on_demand.generate(ps, params), reserve.generate(ps, params)
     assert on_demand.stats.num_preemptions > 0 and reserve.stats.num_preemptions == 0
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
 @pytest.mark.parametrize("prompt_len", [10, 32, 100])
@@ -128,9 +128,9 @@ def test_chunked_prefill_gives_the_same_greedy_tokens(prompt_len):
     """Budget 32: a prompt shorter than, equal to, and three times the budget."""
     ps = prompts(3, seed=4) + [list(range(3, 3 + prompt_len))]
     params = [greedy(8)] * 4
-    whole = [o.token_ids for o in make_llm().generate(ps, params)]
+    whole = [o.outputs[0].token_ids for o in make_llm().generate(ps, params)]
     chunked_llm = make_llm(enable_chunked_prefill=True, max_num_batched_tokens=32, record_trace=True)
-    chunked = [o.token_ids for o in chunked_llm.generate(ps, params)]
+    chunked = [o.outputs[0].token_ids for o in chunked_llm.generate(ps, params)]
     assert chunked == whole
     assert all(t.num_prefill_tokens + t.num_decode_tokens <= 32 for t in chunked_llm.engine.trace)
 
@@ -138,12 +138,12 @@ def test_chunked_prefill_gives_the_same_greedy_tokens(prompt_len):
 def test_seeded_sampling_does_not_depend_on_the_batch():
     sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
     target = prompts(1, seed=6)[0]
-    alone = make_llm().generate([target], sp)[0].token_ids
+    alone = make_llm().generate([target], sp)[0].outputs[0].token_ids
     others = [SamplingParams(max_tokens=n, temperature=0.8, ignore_eos=True) for n in (3, 20, 7)]
-    batched = make_llm().generate(prompts(3, seed=7) + [target], others + [sp])[3].token_ids
+    batched = make_llm().generate(prompts(3, seed=7) + [target], others + [sp])[3].outputs[0].token_ids
     assert batched == alone
     other_seed = make_llm().generate([target], SamplingParams(max_tokens=12, temperature=1.0, seed=99,
-                                                              ignore_eos=True))[0].token_ids
+                                                              ignore_eos=True))[0].outputs[0].token_ids
     assert other_seed != alone
 
 
@@ -152,8 +152,8 @@ def test_top_k_1_is_greedy_and_logprobs_are_consistent():
     p = prompts(2, seed=8)
     g = llm.generate(p, greedy(10))
     k1 = llm.generate(p, SamplingParams(max_tokens=10, temperature=1.0, top_k=1, seed=3, logprobs=5, ignore_eos=True))
-    assert [o.token_ids for o in k1] == [o.token_ids for o in g]
-    for o in k1:
+    assert [o.outputs[0].token_ids for o in k1] == [o.outputs[0].token_ids for o in g]
+    for o in (r.outputs[0] for r in k1):
         assert len(o.logprobs) == 10
         for tok, lp in zip(o.token_ids, o.logprobs):
             assert lp.token_id == tok and len(lp.top) == 5
@@ -165,9 +165,10 @@ def test_top_k_1_is_greedy_and_logprobs_are_consistent():
 def test_stop_token_id_finishes_with_stop():
     llm = make_llm()
     p = prompts(1, seed=9)
-    free = llm.generate(p, greedy(10))[0].token_ids
+    free = llm.generate(p, greedy(10))[0].outputs[0].token_ids
     stop = free[4]
-    out = llm.generate(p, SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop], ignore_eos=True))[0]
+    stopped = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop], ignore_eos=True)
+    out = llm.generate(p, stopped)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids == free[:free.index(stop) + 1]
 
 
@@ -224,4 +225,4 @@ def test_pallas_backend_in_interpret_mode_gives_the_same_greedy_tokens():
     ref = make_llm(attention_backend="xla", **kw).generate(ps, params)
     pallas = make_llm(attention_backend="pallas", **kw)
     assert pallas.engine.runner.backend.name == "pallas"
-    assert [o.token_ids for o in pallas.generate(ps, params)] == [o.token_ids for o in ref]
+    assert [o.outputs[0].token_ids for o in pallas.generate(ps, params)] == [o.outputs[0].token_ids for o in ref]

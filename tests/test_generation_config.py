@@ -39,13 +39,13 @@ def test_offline_defaults_come_from_the_generation_config_and_the_flags_change_t
     greedy = hf_greedy(checkpoint, PROMPT, 5)
     llm = LLM(checkpoint, log=lambda *_: None, **SHAPES)
     assert llm.engine.sampling_defaults == {"top_k": 1, "temperature": 0.7, "max_tokens": 5}
-    assert llm.generate([PROMPT])[0].token_ids == greedy
+    assert llm.generate([PROMPT])[0].outputs[0].token_ids == greedy
     del llm
     llm = LLM(checkpoint, log=lambda *_: None, generation_config="vllm", **SHAPES)
-    assert llm.engine.sampling_defaults == {} and len(llm.generate([PROMPT])[0].token_ids) == 16  # vLLM's 16
+    assert llm.engine.sampling_defaults == {} and len(llm.generate([PROMPT])[0].outputs[0].token_ids) == 16  # vLLM's 16
     del llm
     llm = LLM(checkpoint, log=lambda *_: None, override_generation_config='{"max_new_tokens": 3}', **SHAPES)
-    assert llm.generate([PROMPT])[0].token_ids == greedy[:3]
+    assert llm.generate([PROMPT])[0].outputs[0].token_ids == greedy[:3]
 
 
 def test_a_request_field_wins_and_max_new_tokens_caps_max_tokens():

@@ -96,7 +96,7 @@ def test_a_gguf_file_loads_into_the_network_transformers_runs(hf_checkpoint, tmp
     assert llm.engine.model_config.num_key_value_heads == 2 and llm.engine.model_config.eos_token_ids == (2,)
     assert llm.tokenizer is None  # a file without tokenizer metadata takes token ids
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == ref
+    assert out.outputs[0].token_ids == ref
 
 
 @pytest.mark.parametrize("kind", ["F16", "BF16", "Q4_0", "Q4_1", "Q8_0"])

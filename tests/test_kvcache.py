@@ -231,4 +231,4 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
     prompts = [[5, 6, 7, 8], list(range(3, 60))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     ref = LLM("tiny", log=lambda *_: None, num_kv_blocks=430, **kw).generate(prompts, params)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [o.outputs[0].token_ids for o in ref]

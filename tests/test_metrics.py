@@ -204,7 +204,7 @@ def test_per_request_histograms_sum_the_known_totals_and_the_requests_metrics():
 
     def count_sum(name: str) -> tuple[float, float]:
         return got[(f"taxirank:{name}_count", ())], got[(f"taxirank:{name}_sum", ())]
-    assert [len(o.token_ids) for o in outs] == max_tokens  # ignore_eos: each runs to its max_tokens
+    assert [len(o.outputs[0].token_ids) for o in outs] == max_tokens  # ignore_eos: each runs to its max_tokens
     assert count_sum("request_prompt_tokens") == (5, sum(lens))
     assert count_sum("request_generation_tokens") == (5, sum(max_tokens))
     assert count_sum("request_params_max_tokens") == (5, sum(max_tokens))

@@ -46,7 +46,7 @@ def _worker(spec: dict) -> dict:
         split = [x for x in jax.tree.leaves(params) if len(x.sharding.device_set) > 1
                  and not x.sharding.is_fully_replicated]
         report[name] = dict(
-            tokens=[o.token_ids for o in outs],
+            tokens=[o.outputs[0].token_ids for o in outs],
             preemptions=llm.stats.num_preemptions,
             backend=runner.backend.name,
             # bytes of the split weights / of the whole cache: on each device, and in all
@@ -298,7 +298,7 @@ def _host(pid: int, port: int, model: str, cache: str) -> None:
         return
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     # the follower runs the prompt-logprob program too (its targets travel with the step)
-    print(json.dumps([[o.token_ids for o in outs], _prompt_logprobs(llm)]), flush=True)
+    print(json.dumps([[o.outputs[0].token_ids for o in outs], _prompt_logprobs(llm)]), flush=True)
     while True:
         llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 

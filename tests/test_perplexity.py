@@ -120,7 +120,7 @@ def results(smollm2_path, q8_0_path, passage_ids) -> dict[str, dict]:
                                                      add_generation_prompt=True, tokenize=False)
             chat = llm.generate([llm.tokenizer.encode(text, add_special_tokens=False)],
                                 SamplingParams(max_tokens=12, temperature=0.0))[0]
-            cache[name] = dict(ppl=_perplexity(lps), lps=lps, answer=chat.text,
+            cache[name] = dict(ppl=_perplexity(lps), lps=lps, answer=chat.outputs[0].text,
                                weight_bytes=llm.stats.weight_bytes, kv_cache_bytes=llm.stats.kv_cache_bytes,
                                num_kv_blocks=llm.engine.num_kv_blocks)
             print(f"\n{name}: perplexity {cache[name]['ppl']:.4f}, weights {llm.stats.weight_bytes:,} B, "

@@ -483,7 +483,7 @@ def test_priority_changes_who_runs_when_not_the_tokens():
     # test_engine.py's shapes with 2 seats: the persistent compilation cache serves most programs
     kw = dict(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=256, num_kv_blocks=65, warmup=False)
     fcfs = LLM("tiny", log=lambda *_: None, **kw)
-    expected = [o.token_ids for o in fcfs.generate(ps, params)]
+    expected = [o.outputs[0].token_ids for o in fcfs.generate(ps, params)]
     with pytest.raises(ValueError, match="priority scheduling is not enabled"):
         fcfs.generate(ps[:1], params[:1], priority=[1])
 

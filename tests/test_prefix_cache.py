@@ -330,9 +330,9 @@ def run(llm) -> tuple[list[list[int]], list[list[int]], list]:
     first, params, exact = workload()
     outs1 = llm.generate(first, params)
     rng = np.random.default_rng(1)
-    turns = [first[i] + outs1[i].token_ids + rng.integers(3, 500, 6).tolist() for i in range(3)]
+    turns = [first[i] + outs1[i].outputs[0].token_ids + rng.integers(3, 500, 6).tolist() for i in range(3)]
     outs2 = llm.generate([exact] + turns, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    return [o.token_ids for o in outs1], [o.token_ids for o in outs2], outs1 + outs2
+    return [o.outputs[0].token_ids for o in outs1], [o.outputs[0].token_ids for o in outs2], outs1 + outs2
 
 
 @pytest.fixture(scope="module")
@@ -422,7 +422,7 @@ def test_aborting_a_request_whose_blocks_are_shared_leaks_nothing_and_the_other_
     prompts = {"first": prefix + rng.integers(3, 500, 5).tolist(), "second": prefix + rng.integers(3, 500, 7).tolist()}
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     ref = make_llm(enable_prefix_caching=False)
-    alone = {rid: ref.generate([p], params)[0].token_ids for rid, p in prompts.items()}
+    alone = {rid: ref.generate([p], params)[0].outputs[0].token_ids for rid, p in prompts.items()}
 
     llm = make_llm()
     eng = llm.engine
@@ -447,7 +447,7 @@ def test_aborting_a_request_whose_blocks_are_shared_leaks_nothing_and_the_other_
     assert got[aborted] == alone[aborted][:len(got[aborted])] and len(got[aborted]) < 30
     assert eng.scheduler.allocator.num_used == 0 and llm.stats.request_success["abort"] == 1
     again = llm.generate([prompts[aborted]], params)[0]
-    assert again.num_cached_tokens == 32 and again.token_ids == alone[aborted]
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == alone[aborted]
     assert eng.scheduler.allocator.num_used == 0
 
 
@@ -481,13 +481,13 @@ def test_blocks_completed_by_accepted_drafts_are_named(async_scheduling):
     for max_tokens in range(13, 17):  # the run that ends the request accepts drafts completing a block
         assert llm.reset_prefix_cache() and base.reset_prefix_cache()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        first = llm.generate([prompt], params)[0]
-        assert first.token_ids == base.generate([prompt], params)[0].token_ids
+        first = llm.generate([prompt], params)[0].outputs[0]
+        assert first.token_ids == base.generate([prompt], params)[0].outputs[0].token_ids
         again = prompt + first.token_ids
         hits = llm.stats.prefix_cache_hits
         second = llm.generate([again], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
         assert second.num_cached_tokens == llm.stats.prefix_cache_hits - hits == (len(again) - 1) // 4 * 4, max_tokens
-        assert second.token_ids == base.generate([again], SamplingParams(max_tokens=4, temperature=0.0,
-                                                                         ignore_eos=True))[0].token_ids
+        assert second.outputs[0].token_ids == base.generate([again], SamplingParams(
+            max_tokens=4, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
     assert llm.stats.spec_decode_num_accepted_tokens > 0
     assert llm.engine.scheduler.allocator.num_used == 0

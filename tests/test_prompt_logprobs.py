@@ -49,7 +49,8 @@ def test_prompt_logprobs_equal_log_softmax_of_transformers_logits(llm, checkpoin
         assert lp.rank == 1 + int((ref[i - 1] > ref[i - 1, prompt[i]] + 1e-6).sum())
     assert len(other.prompt_logprobs) == 3 and other.prompt_logprobs[0] is None
     # the step that sampled also scored the prompt: tokens are unchanged by asking
-    assert out.token_ids == llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids
+    [again] = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))
+    assert out.outputs[0].token_ids == again.outputs[0].token_ids
 
 
 def test_a_request_id_reused_after_an_abort_gets_its_own_prompt_logprobs(llm, checkpoint):

@@ -114,13 +114,13 @@ def test_int8_weights_shrink_the_measured_bytes_keep_the_tokens_and_never_recomp
     ref = LLM("tiny", warmup=False, **kw)
     prompts = [[1, 5, 9, 13, 17], [1] + list(range(40, 80)), [1, 300, 200]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in ref.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
     llm = LLM("tiny", quantization="int8", warmup=False, **kw)
     with count_compilations() as warm:
         llm.engine.runner.warmup(lambda _: None)
     assert warm and llm.stats.num_compilations == len(warm)
     with count_compilations() as after:
-        got = [o.token_ids for o in llm.generate(prompts, params)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         llm.generate(prompts[:1], SamplingParams(max_tokens=20, temperature=0.8, seed=1, prompt_logprobs=2))
     assert after == []
     assert got == want

@@ -41,16 +41,17 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(llm: LLM, smollm2_tra
         for p, out in zip(prompts, ours):
             want = ref.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-            assert out.token_ids == want
+            assert out.outputs[0].token_ids == want
 
 
 def test_it_knows_the_capital_of_france_and_stops_cleanly(llm: LLM) -> None:
     # Three rows, as above: the same compiled step shapes, no new compilation.
     france = chat_ids(llm, QUESTIONS[0])
-    out, raw, _ = llm.generate([france, france, chat_ids(llm, QUESTIONS[1])],
-                               [SamplingParams(max_tokens=48, temperature=0.0),
-                                SamplingParams(max_tokens=48, temperature=0.0, skip_special_tokens=False),
-                                SamplingParams(max_tokens=8, temperature=0.0)])
+    out, raw, _ = (o.outputs[0] for o in llm.generate(
+        [france, france, chat_ids(llm, QUESTIONS[1])],
+        [SamplingParams(max_tokens=48, temperature=0.0),
+         SamplingParams(max_tokens=48, temperature=0.0, skip_special_tokens=False),
+         SamplingParams(max_tokens=8, temperature=0.0)]))
     assert "Paris" in out.text and out.finish_reason == "stop"
     eos = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert out.token_ids[-1] == eos  # the token that ended it is in token_ids, never in the text
@@ -101,7 +102,7 @@ def test_native_4_bit_gguf_answers_the_readme_question_and_never_recompiles():
                                              add_generation_prompt=True, tokenize=False)
     prompt = llm.tokenizer.encode(text, add_special_tokens=False)
     with count_compilations() as after:
-        answer = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].text
+        answer = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0].text
         llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.8, seed=3, prompt_logprobs=1))
     assert after == []
     assert "Paris" in answer

@@ -48,7 +48,7 @@ def test_adding_a_scheduling_policy_is_one_class_and_one_registration(sjf_regist
     by_finish = sorted(range(4), key=lambda i: (outs[i].finished_time, i))
     assert by_finish == [1, 3, 2, 0]
     fcfs = LLM("tiny", log=lambda *_: None, **KW).generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in fcfs]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in fcfs]
     with pytest.raises(ValueError, match="priority scheduling is not enabled"):
         sjf.generate(prompts[:1], params[:1], priority=[1])  # SJF does not read priorities
 

@@ -61,8 +61,8 @@ def test_adding_an_attention_backend_as_the_doc_says(registries):
     ref = _llm("tiny", attention_backend="xla", **kw)
     new = _llm("tiny", attention_backend=name, **kw)
     assert new.engine.runner.backend.name == name
-    assert [o.token_ids for o in new.generate(prompts, params)] == \
-        [o.token_ids for o in ref.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in new.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
 
 
 def test_adding_a_model_family_as_the_doc_says(registries, tmp_path):
@@ -82,4 +82,4 @@ def test_adding_a_model_family_as_the_doc_says(registries, tmp_path):
 
     assert model.load_model(path).config.architecture == name
     (out,) = _llm(path).generate([prompt], [_greedy(8)])
-    assert out.token_ids == want
+    assert out.outputs[0].token_ids == want

@@ -34,7 +34,7 @@ def test_each_request_s_metrics_are_ordered_and_count_its_preemptions_and_recomp
         assert 0 <= m.queue_time_ms <= m.time_to_first_token_ms <= m.e2e_latency_ms
         assert m.time_to_first_token_ms + m.generation_time_ms <= m.e2e_latency_ms + 1e-6
         assert 0 < m.mean_itl_ms <= m.max_itl_ms
-        assert abs(m.tokens_per_second * m.generation_time_ms / 1e3 - (len(o.token_ids) - 1)) < 1e-6
+        assert abs(m.tokens_per_second * m.generation_time_ms / 1e3 - (len(o.outputs[0].token_ids) - 1)) < 1e-6
         assert m.num_preemptions == o.num_preemptions == preempted.count(o.request_id)
         assert (m.num_recomputed_tokens > 0) == (m.num_preemptions > 0)
         assert m.num_cached_tokens == 0
@@ -139,17 +139,17 @@ def test_swap_preemption_gives_the_same_greedy_tokens_with_no_recompute_and_a_fu
     rng = np.random.default_rng(3)
     ps = [rng.integers(3, 250, rng.integers(20, 40)).tolist() for _ in range(4)]
     kw = dict(log=lambda *_: None, warmup=False, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
-    ample = [o.token_ids for o in LLM("tiny", **kw).generate(ps, greedy(60))]
+    ample = [o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(ps, greedy(60))]
     tight = dict(kw, num_kv_blocks=14)
     recompute = LLM("tiny", **tight)
-    assert [o.token_ids for o in recompute.generate(ps, greedy(60))] == ample
+    assert [o.outputs[0].token_ids for o in recompute.generate(ps, greedy(60))] == ample
     per_block = kv_cache_bytes_per_block(recompute.engine.model_config, 16, recompute.engine.loaded.dtype)
     for blocks, lines in ((None, []), (3, [])):
         space = {} if blocks is None else {"swap_space": blocks * per_block / 2**30}
         llm = LLM("tiny", **dict(tight, log=lines.append), preemption_mode="swap", **space)
         outs = llm.generate(ps, greedy(60))
         st = llm.stats
-        assert [o.token_ids for o in outs] == ample
+        assert [o.outputs[0].token_ids for o in outs] == ample
         assert st.num_preemptions > 0 and st.swapped_out_blocks > 0
         assert st.swapped_in_blocks == st.swapped_out_blocks  # every request finished: all came back
         assert st.swapped_out_bytes == st.swapped_out_blocks * per_block
@@ -291,13 +291,13 @@ def test_a_stop_string_completed_by_the_token_that_reaches_max_tokens_is_a_stop_
 
     kw = dict(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False)
     llm = LLM(log=lambda *_: None, **kw)
-    tokens = llm.generate(["hello"], greedy(48))[0].token_ids
+    tokens = llm.generate(["hello"], greedy(48))[0].outputs[0].token_ids
     n, stop = _stop_at_the_last_token(llm.tokenizer, tokens)
     expected = llm.tokenizer.decode(tokens[:n])[:-2]
 
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, stop=[stop])
     before = llm.stats.snapshot()
-    out = llm.generate(["hello"], params)[0]
+    [out] = llm.generate(["hello"], params)[0].outputs
     after = llm.stats.snapshot()
     assert (out.finish_reason, out.token_ids, out.text) == ("stop", tokens[:n], expected)
     assert after.request_success["stop"] - before.request_success["stop"] == 1

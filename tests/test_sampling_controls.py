@@ -90,7 +90,7 @@ def test_greedy_tokens_under_each_processor_are_transformers_with_it_applied_in_
     ]
     prompts = [PROMPTS[i % len(PROMPTS)] if i else PROMPTS[0] for i in range(len(params))]
     prompts[7] = prompts[8] = PROMPTS[0]
-    outs = llm.generate(prompts, params)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     for prompt, p, o in zip(prompts, params, outs):
         assert o.token_ids == reference(ckpt, llm.tokenizer, prompt, p), p
     assert outs[0].token_ids == plain
@@ -103,18 +103,19 @@ def test_min_tokens_holds_off_eos_and_stop_strings_as_vllm(ckpt):
     llm = LLM(ckpt, log=lambda *_: None, **SMALL)
     forced = dict(temperature=0.0, max_tokens=20, logit_bias={EOS: 100})
     for n in (0, 1, 5):
-        o = llm.generate([PROMPTS[1]], SamplingParams(min_tokens=n, **forced))[0]
+        o = llm.generate([PROMPTS[1]], SamplingParams(min_tokens=n, **forced))[0].outputs[0]
         assert o.token_ids == [*o.token_ids[:-1], EOS] and len(o.token_ids) == max(n, 0) + 1, (n, o.token_ids)
         assert EOS not in o.token_ids[:-1]
     # stop strings: looked for once the output is longer than min_tokens (vLLM's detokenizer)
-    free = llm.generate([PROMPTS[1]], greedy(max_tokens=12))[0].token_ids
+    free = llm.generate([PROMPTS[1]], greedy(max_tokens=12))[0].outputs[0].token_ids
     dec = llm.tokenizer.decode
     stop, k = next((c, j + 1) for j in range(2, len(free)) for c in dec(free[:j + 1])[len(dec(free[:j])):]
                    if c.strip() and c not in dec(free[:j]))  # a character that first shows in token k
-    first = llm.generate([PROMPTS[1]], greedy(max_tokens=12, stop=[stop]))[0]
+    first = llm.generate([PROMPTS[1]], greedy(max_tokens=12, stop=[stop]))[0].outputs[0]
     assert first.finish_reason == "stop" and first.token_ids == free[:k]
-    assert llm.generate([PROMPTS[1]], greedy(max_tokens=12, stop=[stop], min_tokens=k - 1))[0].token_ids == free[:k]
-    late = llm.generate([PROMPTS[1]], greedy(max_tokens=12, stop=[stop], min_tokens=k))[0]
+    held = llm.generate([PROMPTS[1]], greedy(max_tokens=12, stop=[stop], min_tokens=k - 1))[0].outputs[0]
+    assert held.token_ids == free[:k]
+    late = llm.generate([PROMPTS[1]], greedy(max_tokens=12, stop=[stop], min_tokens=k))[0].outputs[0]
     assert late.token_ids[:k] == free[:k] and (len(late.token_ids) > k or late.finish_reason == "length")
 
 
@@ -139,11 +140,11 @@ def test_a_min_tokens_only_request_samples_without_waiting_once_it_has_min_token
 def test_a_forbidden_token_is_never_sampled_at_any_temperature():
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128)
     allowed = [40, 41, 42, 43]
-    outs = llm.generate([[5, 6, 7]] * 3, [
+    outs = [o.outputs[0] for o in llm.generate([[5, 6, 7]] * 3, [
         SamplingParams(max_tokens=24, seed=1, allowed_token_ids=allowed),
         SamplingParams(max_tokens=24, seed=2, min_tokens=24, logit_bias={257: 100}),
         SamplingParams(max_tokens=24, seed=3, temperature=2.0, allowed_token_ids=allowed, logit_bias={40: -100}),
-    ])
+    ])]
     assert set(outs[0].token_ids) <= set(allowed) and len(outs[0].token_ids) == 24
     assert 257 not in outs[1].token_ids and len(outs[1].token_ids) == 24
     assert set(outs[2].token_ids) <= {41, 42, 43}
@@ -154,10 +155,10 @@ def test_a_request_with_processors_is_never_speculated_and_gets_the_tokens_it_ge
     prompt = [5, 6, 7, 8] * 6
     p = greedy(max_tokens=20, repetition_penalty=1.2, presence_penalty=0.5)
     plain = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False)
-    want = plain.generate([prompt], p)[0].token_ids
+    want = plain.generate([prompt], p)[0].outputs[0].token_ids
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False, speculative_config=spec)
     out = llm.generate([prompt], p)[0]
-    assert out.token_ids == want
+    assert out.outputs[0].token_ids == want
     assert llm.stats.spec_decode_num_drafts == 0 and out.metrics.spec_acceptance_rate is None
     # the same prompt without processors does get drafts (so the check above could fail)
     llm.generate([prompt], greedy(max_tokens=20))
@@ -168,7 +169,7 @@ def test_plain_steps_compile_nothing_new_and_a_penalty_width_compiles_once():
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
     with count_compilations() as compiled:
         llm.generate([[5, 6, 7], [8] * 30], [greedy(max_tokens=6), SamplingParams(max_tokens=6, seed=1)])
-        masked = llm.generate([[5, 6, 7]], greedy(max_tokens=6, allowed_token_ids=[40, 41], min_tokens=3))[0]
+        [masked] = llm.generate([[5, 6, 7]], greedy(max_tokens=6, allowed_token_ids=[40, 41], min_tokens=3))[0].outputs
         assert compiled == [] and set(masked.token_ids) <= {40, 41}  # masks: the one sample program
         llm.generate([[5, 6, 7]], greedy(max_tokens=6, repetition_penalty=1.3))  # 3 + 6 tokens: width 16
         assert len(compiled) == 1
@@ -185,11 +186,11 @@ def test_preemption_by_recompute_keeps_the_counts_with_the_outputs():
                      bad_words=["ab"], ignore_eos=False, min_tokens=30) for _ in range(4)]
     prompts = [[1] + [3 + i] * 12 for i in range(4)]
     solo = LLM("tiny", log=lambda *_: None, warmup=False, **kw)
-    alone = [solo.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    alone = [solo.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
     llm = LLM("tiny", log=lambda *_: None, warmup=False, num_kv_blocks=9, **kw)
     outs = llm.generate(prompts, params)
     assert llm.stats.num_preemptions > 0
-    assert [o.token_ids for o in outs] == alone
+    assert [o.outputs[0].token_ids for o in outs] == alone
 
 
 def test_a_grammar_and_the_masks_both_hold():
@@ -198,9 +199,9 @@ def test_a_grammar_and_the_masks_both_hold():
     from config import StructuredOutputsParams as SO
 
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False)
-    outs = llm.generate([[5, 6, 7]] * 2, [
+    outs = [o.outputs[0] for o in llm.generate([[5, 6, 7]] * 2, [
         SamplingParams(max_tokens=30, seed=s, structured_outputs=SO(regex="[a-e]{10,20}"), bad_words=["c", "ab"],
-                       allowed_token_ids=[ord(x) for x in "abcd"] + [257], min_tokens=12) for s in (1, 2)])
+                       allowed_token_ids=[ord(x) for x in "abcd"] + [257], min_tokens=12) for s in (1, 2)])]
     for o in outs:
         assert re.fullmatch("[abd]{12,20}", o.text) and "ab" not in o.text, o.text
 

@@ -86,9 +86,9 @@ def test_any_64_bit_seed_and_huge_top_k_run() -> None:
     for seed in (2**63, -(2**63) - 1):  # vLLM's range, offline as over HTTP
         with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
             SamplingParams(seed=seed)
-    assert all(len(o.token_ids) == 4 for o in outs)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     again = llm.generate([[5, 6]], SamplingParams(max_tokens=4, seed=-1, top_k=2**40, ignore_eos=True))[0]
-    assert again.token_ids == outs[0].token_ids  # seed -1 is a seed like any other: reproducible
+    assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids  # seed -1 is a seed like any other
 
 
 def test_a_failure_preparing_one_request_ends_it_alone(monkeypatch) -> None:

@@ -236,7 +236,7 @@ def test_completion_carries_text_usage_and_length_finish(client: openai.OpenAI) 
     # the 8 tokens LLM.generate gives for the same prompt: the same text (mostly not
     # characters, on the byte tokenizer) and the same tokens, told apart by their logprobs
     ref = tiny_reference().generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                                               logprobs=0))[0]
+                                                               logprobs=0))[0].outputs[0]
     assert out.choices[0].text == ref.text and len(ref.token_ids) == 8
     text = functools.partial(token_text, tiny_reference().tokenizer)
     assert out.choices[0].logprobs.tokens == [text(t) for t in ref.token_ids]
@@ -313,7 +313,7 @@ def test_logprobs_cover_each_sampled_token(client: openai.OpenAI) -> None:
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     ref = tiny_reference().generate(["abc"], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3,
-                                                             ignore_eos=True))[0]
+                                                             ignore_eos=True))[0].outputs[0]
     text = functools.partial(token_text, tiny_reference().tokenizer)
     for tok, v, top, want in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, ref.logprobs):
         assert tok == text(want.token_id) and v == pytest.approx(want.logprob, abs=1e-5) and v < 0

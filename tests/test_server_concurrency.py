@@ -48,7 +48,7 @@ def test_concurrent_streams_each_get_exactly_what_llm_generate_gives(hf_checkpoi
         got = list(pool.map(lambda b: stream_ids(hf_server, b), BODIES))
     status, metrics = request(hf_server, "GET", "/metrics", key=None)
     assert [reason for _, reason in got] == ["length"] * len(BODIES)
-    assert [ids for ids, _ in got] == [o.token_ids for o in ref]
+    assert [ids for ids, _ in got] == [o.outputs[0].token_ids for o in ref]
     assert status == 200 and "taxirank:num_requests_running 0.0" in metrics
 
 

@@ -117,8 +117,10 @@ OFFLINE = textwrap.dedent('''
              num_kv_blocks=64, warmup=False)
     [fox] = hf.generate(["the quick brown fox"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     print(json.dumps(dict(
-        answer=[answer.text, answer.finish_reason], continued=[o.prompt_token_ids for o in continued],
-        templated=templated.prompt_token_ids, generated=[generated.prompt_token_ids, generated.token_ids], fox=[fox.prompt_token_ids, fox.token_ids, fox.text],
+        answer=[answer.outputs[0].text, answer.outputs[0].finish_reason],
+        continued=[o.prompt_token_ids for o in continued], templated=templated.prompt_token_ids,
+        generated=[generated.prompt_token_ids, generated.outputs[0].token_ids],
+        fox=[fox.prompt_token_ids, fox.outputs[0].token_ids, fox.outputs[0].text],
         torch_loaded="torch" in sys.modules)))
 ''')
 

@@ -333,7 +333,7 @@ def test_greedy_tokens_and_logprobs_are_the_same_with_ngram_speculation(tiny_pai
     with count_compilations() as compiled:
         got = spec.generate(prompts, params)
     assert compiled == []
-    for w, g in zip(want, got):
+    for w, g in zip([o.outputs[0] for o in want], [o.outputs[0] for o in got]):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
         if w.logprobs is not None:
             assert [x.token_id for x in g.logprobs] == w.token_ids
@@ -344,7 +344,7 @@ def test_greedy_tokens_and_logprobs_are_the_same_with_ngram_speculation(tiny_pai
     assert s.spec_decode_num_accepted_tokens > 0 and s.num_steps < base.stats.num_steps
     assert sum(s.spec_decode_num_accepted_tokens_per_pos) == s.spec_decode_num_accepted_tokens
     assert s.spec_decode_num_accepted_tokens <= s.spec_decode_num_draft_tokens
-    assert s.generation_tokens == base.stats.generation_tokens == sum(len(w.token_ids) for w in want)
+    assert s.generation_tokens == base.stats.generation_tokens == sum(len(w.outputs[0].token_ids) for w in want)
     assert all(g.metrics.spec_acceptance_rate is None or 0 <= g.metrics.spec_acceptance_rate <= 1 for g in got)
     assert spec.engine.scheduler.allocator.num_used == 0
 
@@ -352,10 +352,11 @@ def test_greedy_tokens_and_logprobs_are_the_same_with_ngram_speculation(tiny_pai
 def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(tiny_pair):
     base, spec = tiny_pair
     prompt = grounded_prompts(1, seed=7)[0]
-    free = base.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].token_ids
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    free = base.generate([prompt], greedy)[0].outputs[0].token_ids
     stop = free[20]  # a token of the repeating part: proposed and accepted inside runs
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
-    want, got = base.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    want, got = base.generate([prompt], params)[0].outputs[0], spec.generate([prompt], params)[0].outputs[0]
     assert got.token_ids == want.token_ids == free[:free.index(stop) + 1] and got.finish_reason == "stop"
 
 
@@ -363,8 +364,8 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_pair):
     _, spec = tiny_pair
     prompts = grounded_prompts(3, seed=11)
     params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=40, seed=5, ignore_eos=True)
-    a = [o.token_ids for o in spec.generate(prompts, params)]
-    b = [o.token_ids for o in spec.generate(prompts[::-1], params)][::-1]  # other rows, other batch order
+    a = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in spec.generate(prompts[::-1], params)][::-1]  # other rows, other batch order
     assert a == b and all(len(t) == 24 for t in a)
 
 
@@ -401,20 +402,20 @@ def test_a_seeded_request_draws_the_same_tokens_with_and_without_ngram_speculati
     base, _ = tiny_pair
     params = SamplingParams(max_tokens=40, seed=5, ignore_eos=True, **params)
     prompt = grounded_prompts(1, seed=11)[0]
-    want = base.generate([prompt], params)[0].token_ids
+    want = base.generate([prompt], params)[0].outputs[0].token_ids
     trace, before = starved.engine.trace, starved.stats.snapshot()
     trace.clear()
     alone = starved.generate([prompt], params)[0]
     mid = starved.stats.snapshot()
     drafted, accepted = (mid.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
                          mid.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens)
-    assert alone.token_ids == want
+    assert alone.outputs[0].token_ids == want
     assert drafted == drafts_of(trace, alone.request_id) > 0
     assert accepted > 0 or params.temperature == 1.0 and params.top_k < 0  # see SEEDED
     trace.clear()
     greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     beside = starved.generate([prompt, [7, 8, 9], [10, 11, 12], [13, 14, 15]], [params, greedy, greedy, greedy])[0]
-    assert beside.token_ids == want
+    assert beside.outputs[0].token_ids == want
     assert drafts_of(trace, beside.request_id) < drafted
     assert starved.stats.num_preemptions == 0  # drafts_of counts a sequence never recomputed
 

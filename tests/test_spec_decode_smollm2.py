@@ -32,7 +32,7 @@ def smollm2_reference() -> tuple[list[list[int]], list[list[int]]]:
             f"Copy this sentence: {PASSAGE}"]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
                                                   tokenize=False), add_special_tokens=False) for a in asks]
-    return prompts, [o.token_ids for o in base.generate(prompts, SMOLLM2_PARAMS)]
+    return prompts, [o.outputs[0].token_ids for o in base.generate(prompts, SMOLLM2_PARAMS)]
 
 
 def test_smollm2_greedy_output_is_the_same_with_ngram_speculation(smollm2_reference):
@@ -40,7 +40,7 @@ def test_smollm2_greedy_output_is_the_same_with_ngram_speculation(smollm2_refere
     spec = LLM("smollm2", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                               "prompt_lookup_max": 3, "prompt_lookup_min": 2}, **SMOLLM2)
     got = spec.generate(prompts, SMOLLM2_PARAMS)
-    assert [g.token_ids for g in got] == want
+    assert [g.outputs[0].token_ids for g in got] == want
     s = spec.stats.snapshot()
     assert s.num_preemptions > 0 and s.prefix_cache_hits > 0
     assert s.spec_decode_num_accepted_tokens > 0.3 * s.spec_decode_num_draft_tokens  # repeating pays
@@ -56,7 +56,7 @@ def test_smollm2_greedy_output_is_the_same_with_a_draft_model(smollm2_reference,
     spec = LLM("smollm2", speculative_config={"method": "draft_model", "model": smollm2_layer_skip,
                                               "num_speculative_tokens": 2}, **SMOLLM2)
     got = spec.generate(prompts, SMOLLM2_PARAMS)
-    assert [g.token_ids for g in got] == want
+    assert [g.outputs[0].token_ids for g in got] == want
     s = spec.stats.snapshot()
     assert s.num_preemptions > 0 and s.prefix_cache_hits > 0 and s.spec_decode_num_drafts > 0
     assert spec.engine.scheduler.allocator.num_used == 0

@@ -202,18 +202,18 @@ def test_include_stop_str_in_output_offline_keeps_the_stop_string_and_a_stop_tok
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=128, warmup=False)
     tok, eos = llm.tokenizer, llm.engine.model_config.eos_token_ids
     base = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
-    free = llm.generate(["Once upon"], SamplingParams(**base))[0]
+    free = llm.generate(["Once upon"], SamplingParams(**base))[0].outputs[0]
     stop = stops_from(free.text)[0]
     for include in (False, True):
         params = SamplingParams(**base, stop=stop, include_stop_str_in_output=include)
-        out = llm.generate(["Once upon"], params)[0]
+        out = llm.generate(["Once upon"], params)[0].outputs[0]
         assert (out.text, out.finish_reason) == (reference(tok, out.token_ids, params, eos)[0], "stop")
         assert out.text.endswith(stop[0]) == include
     # a stop token's text: an ASCII byte past the first few tokens
     k = next(i for i, t in enumerate(free.token_ids) if i > 2 and 32 < t < 127 and t not in free.token_ids[:i])
     for include in (False, True):
         params = SamplingParams(**base, stop_token_ids=[free.token_ids[k]], include_stop_str_in_output=include)
-        out = llm.generate(["Once upon"], params)[0]
+        out = llm.generate(["Once upon"], params)[0].outputs[0]
         assert out.token_ids == free.token_ids[:k + 1]
         assert out.text == tok.decode(free.token_ids[:k + 1 if include else k])
 

@@ -61,7 +61,7 @@ def test_no_sampled_token_is_outside_the_mask_and_the_step_applies_llguidances_m
               for i, s in enumerate(specs)]
     with monkeypatch.context() as patch:
         patch.setattr(runner, "_call", spy)
-        outs = tiny.generate([[1, 2, 3 + i] for i in range(len(specs))], params)
+        outs = [o.outputs[0] for o in tiny.generate([[1, 2, 3 + i] for i in range(len(specs))], params)]
     # Replay each output on a fresh matcher: every token was allowed when it was sampled,
     # and the mask llguidance computes at each position is one the step applied.
     tok = tiny.engine.grammars._tokenizer_for_llguidance()
@@ -94,10 +94,10 @@ def test_sampler_applies_the_packed_bitmask_as_llguidance_does():
 def test_unconstrained_outputs_are_the_same_with_constrained_requests_in_the_batch(tiny):
     prompts = [[1, 5, 9], [1, 7], [1, 4, 4, 4], [1, 8]]
     free = [SamplingParams(max_tokens=16, temperature=t, seed=3, ignore_eos=True) for t in (0.0, 1.0)]
-    alone = tiny.generate(prompts[:2], free)
+    alone = [o.outputs[0] for o in tiny.generate(prompts[:2], free)]
     constrained = [SamplingParams(max_tokens=16, temperature=1.0, seed=1, structured_outputs=SO(regex="[ab]{3,9}")),
                    SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=SO(choice=["yes", "no"]))]
-    mixed = tiny.generate(prompts, free + constrained)
+    mixed = [o.outputs[0] for o in tiny.generate(prompts, free + constrained)]
     assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
     assert re.fullmatch("[ab]{3,9}", mixed[2].text) and mixed[3].text in ("yes", "no")
 
@@ -116,7 +116,7 @@ def test_a_structural_tag_constrains_the_text_after_each_trigger_and_nothing_els
     JSON under its schema, end). Checked on the sampled bytes by a plain regular expression."""
     params = [SamplingParams(max_tokens=48, temperature=1.0, seed=s, structured_outputs=SO(structural_tag=letter_tag()))
               for s in range(6)]
-    outs = tiny.generate([[1, 2 + i] for i in range(6)], params)
+    outs = [o.outputs[0] for o in tiny.generate([[1, 2 + i] for i in range(6)], params)]
     texts = [bytes(o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids) for o in outs]
     assert all(t < 256 for o in outs for t in o.token_ids[:-1])  # bytes only (no special token is text)
     for text in texts:  # a cut at max_tokens may end inside a structure
@@ -143,16 +143,16 @@ def test_preemption_by_recompute_keeps_the_matcher_with_the_outputs():
     rx = "[ab]{20,30}"
     params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured_outputs=SO(regex=rx))
               for i in range(4)]
-    outs = llm.generate([[1] + [3 + i] * 12 for i in range(4)], params)
+    outs = [o.outputs[0] for o in llm.generate([[1] + [3 + i] * 12 for i in range(4)], params)]
     assert llm.stats.num_preemptions > 0
     for o in outs:
         assert o.finish_reason == "stop" and re.fullmatch(rx, o.text), (o.text, o.finish_reason)
 
 
 def test_max_tokens_before_the_grammar_ends_is_length_and_its_end_is_stop(tiny):
-    short, whole = tiny.generate([[1, 2], [1, 3]], [
+    short, whole = [o.outputs[0] for o in tiny.generate([[1, 2], [1, 3]], [
         SamplingParams(max_tokens=3, structured_outputs=SO(regex="abcdef")),
-        SamplingParams(max_tokens=30, structured_outputs=SO(regex="abcdef"))])
+        SamplingParams(max_tokens=30, structured_outputs=SO(regex="abcdef"))])]
     assert (short.text, short.finish_reason) == ("abc", "length")
     assert (whole.text, whole.finish_reason, len(whole.token_ids)) == ("abcdef", "stop", 6)
 
@@ -189,7 +189,7 @@ def test_a_constraint_that_cannot_start_is_refused_at_compile_not_answered(tiny)
     with pytest.raises(ValueError, match="invalid regex"):
         tiny.generate([[1, 2]], SamplingParams(max_tokens=4, structured_outputs=SO(regex="[^\\x00-\\U0010FFFF]")))
     assert not tiny.engine.has_unfinished()
-    ok = tiny.generate([[1, 2]], SamplingParams(max_tokens=8, structured_outputs=SO(regex="[ab]{3}")))[0]
+    ok = tiny.generate([[1, 2]], SamplingParams(max_tokens=8, structured_outputs=SO(regex="[ab]{3}")))[0].outputs[0]
     assert ok.finish_reason == "stop" and re.fullmatch("[ab]{3}", ok.text)
 
 
@@ -220,7 +220,7 @@ def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_sync
     with monkeypatch.context() as patch:
         patch.setattr(tiny.engine.runner, "_call", spy_call)
         patch.setattr(runner_module.InFlightStep, "result", spy_result)
-        got = tiny.generate(prompts, params)
+        got = [o.outputs[0] for o in tiny.generate(prompts, params)]
     assert tiny.stats.num_steps - steps == 20  # the prefill samples token 1, then one token a step: 20 for the longest
     masked = [i for i, e in enumerate(events) if e == "masked"]
     assert len(masked) >= 5  # the constrained outputs are at least 5 tokens long
@@ -229,7 +229,7 @@ def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_sync
     # After the first step, each masked sample comes after its own forward and the previous
     # step's result: the forward ran while the host waited for that result and filled the mask.
     assert all(events[i - 2:i] == ["forward", "result"] for i in masked[1:]), events
-    want = sync.generate(prompts, params)
+    want = [o.outputs[0] for o in sync.generate(prompts, params)]
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
 
 
@@ -333,6 +333,7 @@ def test_a_constraint_is_compiled_once_off_the_loops_however_many_others_fill_th
     compiled.clear()  # offline: validated (compiled) before any is added, then added
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
     specs = [SO(regex=r) for r in ("a{2}", "b{2}", "0{2}")]
-    outs = llm.generate(["x"] * 3, [SamplingParams(max_tokens=4, structured_outputs=s) for s in specs])
+    outs = [o.outputs[0] for o in llm.generate(["x"] * 3, [SamplingParams(max_tokens=4, structured_outputs=s)
+                                                           for s in specs])]
     assert [o.text for o in outs] == ["aa", "bb", "00"]
     assert sorted(r for r, _ in compiled) == sorted(s.regex for s in specs)

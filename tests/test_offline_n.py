@@ -1,0 +1,137 @@
+"""LLM.generate's outputs in vLLM's shape, and vLLM's `n` offline.
+
+Claims: one RequestOutput per prompt, its `prompt` the text it was given (chat: the
+rendered template), its `outputs` the n samples (CompletionOutput) in index order; the n
+samples of a seeded request are what the server's n gives and what n single requests
+seeded seed + i give; greedy samples are all alike; cumulative_logprob is the sum of the
+sampled tokens' log-probabilities (transformers' logits, NumPy's log-softmax) when logprobs
+are asked, else None; n < 1 is refused where SamplingParams is built, and the engine
+itself refuses n != 1 (its callers expand n)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from conftest import hf_logits, tiny_async_engine
+from engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+# tiny_async_engine's shapes: the server below and these LLMs share compiled programs.
+SHAPES = dict(max_num_seqs=2, max_model_len=128, warmup=False)
+PROMPT = [1, 5, 9, 13]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny", log=lambda *_: None, record_trace=True, **SHAPES)
+
+
+def test_a_vllm_user_s_first_loop_reads_outputs_0_text(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(["Hello", PROMPT], params)
+    assert [type(o) for o in outs] == [RequestOutput] * 2
+    hello, ids = outs
+    assert (hello.prompt, ids.prompt) == ("Hello", None)  # text when given as text
+    assert hello.prompt_token_ids == llm.tokenizer.encode("Hello") and ids.prompt_token_ids == PROMPT
+    for o in outs:
+        assert o.finished and o.prompt_logprobs is None and len(o.outputs) == 1
+        (c,) = o.outputs
+        assert isinstance(c, CompletionOutput) and c.index == 0 and c.finished()
+        assert len(c.token_ids) == 5 and c.text == llm.tokenizer.decode(c.token_ids)
+        assert (c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs) == ("length", None, None, None)
+        assert o.metrics.num_preemptions == o.num_preemptions == 0
+        assert o.arrival_time <= o.first_token_time <= o.finished_time
+
+
+def test_chat_s_prompt_is_the_rendered_template(llm: LLM) -> None:
+    conversation = [{"role": "user", "content": "hi"}]
+    [out] = llm.chat(conversation, SamplingParams(max_tokens=2, temperature=0.0))
+    want = llm.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert out.prompt == want and out.prompt_token_ids == llm.tokenizer.encode(want, add_special_tokens=False)
+
+
+def test_n_greedy_samples_are_alike_child_requests_in_index_order(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [alone] = llm.generate([PROMPT], greedy)
+    llm.engine.trace.clear()
+    [out] = llm.generate([PROMPT], SamplingParams(n=3, max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in out.outputs] == [alone.outputs[0].token_ids] * 3
+    assert len({c.text for c in out.outputs}) == 1
+    # vLLM's child ids, i_<parent>; the parent's id is the output's
+    scheduled = {rid for t in llm.engine.trace for rid, _ in t.scheduled}
+    assert scheduled == {f"{i}_{out.request_id}" for i in range(3)}
+    assert out.num_preemptions == 0 and not llm.engine.has_unfinished()
+
+
+def _server_choices(body: dict) -> list[list[int]]:
+    """The server's n choices' token ids for `body` on /v1/completions."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+
+    with tiny_async_engine() as (loop, engine):
+        async def post() -> dict:
+            app = server.app_from_args(engine, server.build_parser().parse_args([]))
+            async with TestClient(TestServer(app)) as client:
+                resp = await client.post("/v1/completions", json=body)
+                assert resp.status == 200, await resp.text()
+                return json.loads(await resp.text())
+
+        out = loop.run_until_complete(asyncio.wait_for(post(), 300))
+    return [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+
+
+def test_seeded_samples_are_the_server_s_and_single_requests_seeded_seed_plus_i(llm: LLM) -> None:
+    sampled = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
+    # a prompt with n = 3 beside one with n = 1: each gets its own samples back
+    many, one = llm.generate([PROMPT, [1, 7]], [SamplingParams(n=3, seed=5, **sampled),
+                                                SamplingParams(seed=9, **sampled)])
+    got = [c.token_ids for c in many.outputs]
+    singles = [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 3, [SamplingParams(seed=5 + i, **sampled)
+                                                                           for i in range(3)])]
+    assert got == singles and len({tuple(t) for t in got}) == 3  # seeds 5, 6, 7: three different draws
+    assert len(one.outputs) == 1
+    assert one.outputs[0].token_ids == llm.generate([[1, 7]], SamplingParams(seed=9, **sampled))[0].outputs[0].token_ids
+    assert _server_choices({"prompt": PROMPT, "n": 3, "seed": 5, "return_token_ids": True, **sampled}) == got
+    # seed + i wraps into the 64-bit seeds, as the server's
+    [top] = llm.generate([PROMPT], SamplingParams(n=2, seed=2**63 - 1, **sampled))
+    [wrapped] = llm.generate([PROMPT], SamplingParams(seed=-2**63, **sampled))
+    assert top.outputs[1].token_ids == wrapped.outputs[0].token_ids
+
+
+def test_cumulative_logprob_is_the_sum_of_the_sampled_tokens_logprobs(hf_checkpoint) -> None:
+    path = hf_checkpoint("llama2")
+    # test_prompt_logprobs' shapes (its programs are cached)
+    llm = LLM(path, log=lambda _: None, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+              num_kv_blocks=64, warmup=False)
+    prompt = [5, 17, 42, 99, 7]
+    # temperature 1, no filters: the sampled distribution is the model's own
+    [out] = llm.generate([prompt], SamplingParams(n=2, seed=3, max_tokens=8, ignore_eos=True, logprobs=0))
+    for c in out.outputs:
+        logits = hf_logits(path, prompt + c.token_ids).astype(np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        rows = np.arange(len(prompt) - 1, len(prompt) + len(c.token_ids) - 1)
+        want = log_softmax[rows, c.token_ids].sum()
+        assert c.cumulative_logprob == pytest.approx(want, abs=2e-3)
+        assert c.cumulative_logprob == pytest.approx(np.sum([lp.logprob for lp in c.logprobs]), abs=1e-9)
+    [plain] = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True, seed=3))
+    assert plain.outputs[0].cumulative_logprob is None  # not asked, as vLLM
+
+
+@pytest.mark.parametrize("n, message", [(0, "at least 1, got 0"), (-1, "at least 1, got -1"),
+                                        (True, "an int"), (1.5, "an int"), ("2", "an int")])
+def test_n_below_one_or_not_an_integer_is_refused(n, message) -> None:
+    with pytest.raises(ValueError, match=f"n must be {message}"):
+        SamplingParams(n=n)
+
+
+def test_the_engine_refuses_n_other_than_one_and_queues_nothing(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="n=2") as err:
+        llm.engine.add_request("many", PROMPT, SamplingParams(n=2, max_tokens=2))
+    assert err.value.param == "n"  # the server's 400 names the field
+    assert not llm.engine.has_unfinished()
