@@ -225,7 +225,8 @@ class EngineStats:
     request_queue_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKEN_BUCKETS))
     # Per finished request, as vLLM's (observed with e2e_request_latency: a normal finish, not an
-    # abort). vLLM's request_params_n is left out: n != 1 is refused, so it would only count 1s.
+    # abort). vLLM's request_params_n is left out: the server and LLM run each of n samples as
+    # an engine request of its own, so the engine never sees an n but 1.
     request_time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
     request_inference_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     request_prefill_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))

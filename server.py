@@ -75,7 +75,7 @@ class Chunk:
     metrics: RequestMetrics | None = None  # on the last chunk, when the request asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when asked
     # vLLM's stop_reason, on the last chunk: the engine's (engine.stop_reason), which
-    # LLM.generate's RequestOutput carries too.
+    # LLM.generate's CompletionOutput carries too.
     stop_reason: str | int | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)  # this step's, the ending token included
 

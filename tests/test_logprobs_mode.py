@@ -89,7 +89,7 @@ def test_each_mode_gives_vllms_logprobs_of_transformers_logits(ckpt, mode):
                              ignore_eos=True, prompt_logprobs=3)]
     outs = llm.generate([PROMPT, PROMPT], params)
     for p, o in zip(params, outs):
-        check_output(ckpt, mode, PROMPT, p, o)
+        check_output(ckpt, mode, PROMPT, p, o.outputs[0])
     # prompt logprobs: raw logprobs whatever the mode, as vLLM's
     ref = np.stack([log_softmax(x) for x in hf_logits(ckpt, PROMPT)])
     got = outs[1].prompt_logprobs
@@ -111,7 +111,7 @@ def test_verified_rows_logprobs_follow_the_mode(ckpt, mode):
     outs = llm.generate([prompt, prompt], params)
     assert llm.stats.spec_decode_num_drafts > 0
     for p, o in zip(params, outs):
-        check_output(ckpt, mode, prompt, p, o)
+        check_output(ckpt, mode, prompt, p, o.outputs[0])
 
 
 def test_raw_logprobs_see_a_grammars_mask_but_not_allowed_token_ids(ckpt, monkeypatch):
@@ -138,7 +138,7 @@ def test_raw_logprobs_see_a_grammars_mask_but_not_allowed_token_ids(ckpt, monkey
     allowed = [tok.convert_tokens_to_ids(c) for c in "ab"]
     p = SamplingParams(max_tokens=3, temperature=0.0, logprobs=5, allowed_token_ids=allowed,
                        structured_outputs=StructuredOutputsParams(regex="[a-e]{3}"))
-    o = llm.generate([PROMPT], p)[0]
+    o = llm.generate([PROMPT], p)[0].outputs[0]
     assert set(o.token_ids) <= set(allowed), o.token_ids
     w = log_softmax(np.where(ok, hf_logits(ckpt, PROMPT)[-1], -np.inf))
     lp = o.logprobs[0]
@@ -161,7 +161,7 @@ def test_max_logprobs_caps_requests_with_vllms_message_and_minus_one_is_the_voca
     for field, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         with pytest.raises(ValueError, match=f"Requested {kind} logprobs of 21, which is greater than max allowed: 20"):
             llm.generate([PROMPT], SamplingParams(max_tokens=2, **{field: 21}))
-    assert len(llm.generate([PROMPT], SamplingParams(max_tokens=2, logprobs=20))[0].logprobs[0].top) == 20
+    assert len(llm.generate([PROMPT], SamplingParams(max_tokens=2, logprobs=20))[0].outputs[0].logprobs[0].top) == 20
 
     llm = LLM(ckpt, log=lambda *_: None, max_logprobs=-1, **SMALL)
     vocab = llm.engine.model_config.vocab_size
@@ -170,7 +170,7 @@ def test_max_logprobs_caps_requests_with_vllms_message_and_minus_one_is_the_voca
         llm.generate([PROMPT], SamplingParams(max_tokens=2, logprobs=vocab + 1))
     p = SamplingParams(max_tokens=3, temperature=0.0, logprobs=40, prompt_logprobs=vocab, ignore_eos=True)
     o = llm.generate([PROMPT], p)[0]
-    check_output(ckpt, "raw_logprobs", PROMPT, p, o)
+    check_output(ckpt, "raw_logprobs", PROMPT, p, o.outputs[0])
     ref = log_softmax(hf_logits(ckpt, PROMPT)[0])
     top = o.prompt_logprobs[1].top
     assert len(top) == vocab and [t for t, _ in top] == np.argsort(-ref, kind="stable").tolist()

@@ -129,11 +129,11 @@ def test_a_min_tokens_only_request_samples_without_waiting_once_it_has_min_token
     # a stop token the free output samples early: min_tokens holds it off, then it may end the request
     p = greedy(max_tokens=12, min_tokens=5, stop_token_ids=[plain[1], plain[6]])
     before = llm.stats.constrained_sample_steps
-    out = llm.generate([PROMPTS[2]], p)[0]
+    out = llm.generate([PROMPTS[2]], p)[0].outputs[0]
     assert out.token_ids == reference(ckpt, llm.tokenizer, PROMPTS[2], p)
     assert llm.stats.constrained_sample_steps - before == 5  # output indices 0..4
     before = llm.stats.constrained_sample_steps
-    out = llm.generate([PROMPTS[2]], greedy(max_tokens=12, min_tokens=5, repetition_penalty=1.2))[0]
+    out = llm.generate([PROMPTS[2]], greedy(max_tokens=12, min_tokens=5, repetition_penalty=1.2))[0].outputs[0]
     assert llm.stats.constrained_sample_steps - before == len(out.token_ids) == 12
 
 
