@@ -199,6 +199,17 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
 
     # (the prompt's end says whether the template closed the think block; decoded once for n samples)
     prompt_end = engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False) if parses_reasoning else ""
+    # vLLM's echo: a completion's text starts with the prompt's (its logprobs with the
+    # prompt's, the first token's null); a chat answer with the last message's content
+    # when that message has the answer's role.
+    echo = field(body, "echo", (bool,), False)
+    # vLLM's return_token_ids: the prompt's and the answer's token ids beside the text
+    # (streamed: the prompt's once, each chunk its own); an echoed completion then leaves
+    # the prompt's text out, as vLLM. return_tokens_as_token_ids: logprobs' tokens as "token_id:N".
+    return_ids = field(body, "return_token_ids", (bool,), False)
+    as_ids = field(body, "return_tokens_as_token_ids", (bool,), app["return_tokens_as_token_ids"])
+    echoed = echo_text(body, untruncated, prompt_ids, engine.tokenizer, role) if echo and (chat or not return_ids) \
+        else ""
 
     def message_stream() -> ToolCallStream:
         reasoning = app["reasoning_parser"](prompt_end, thinking_enabled(body)) if parses_reasoning else None
@@ -241,18 +252,6 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
             return None
         return chat_logprobs(engine.tokenizer, lps, as_ids) if chat else \
             completion_logprobs(engine.tokenizer, lps, offset, params.logprobs, as_ids)
-
-    # vLLM's echo: a completion's text starts with the prompt's (its logprobs with the
-    # prompt's, the first token's null); a chat answer with the last message's content
-    # when that message has the answer's role.
-    echo = field(body, "echo", (bool,), False)
-    # vLLM's return_token_ids: the prompt's and the answer's token ids beside the text
-    # (streamed: the prompt's once, each chunk its own); an echoed completion then leaves
-    # the prompt's text out, as vLLM. return_tokens_as_token_ids: logprobs' tokens as "token_id:N".
-    return_ids = field(body, "return_token_ids", (bool,), False)
-    as_ids = field(body, "return_tokens_as_token_ids", (bool,), app["return_tokens_as_token_ids"])
-    echoed = echo_text(body, untruncated, prompt_ids, engine.tokenizer, role) if echo and (chat or not return_ids) \
-        else ""
 
     def echoed_logprobs(prompt_lps: list[TokenLogprob | None] | None) -> list[TokenLogprob | int]:
         if not echo or chat or params.logprobs is None:
