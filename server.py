@@ -22,6 +22,7 @@ import asyncio
 import codecs
 import contextlib
 import dataclasses
+import functools
 import gc
 import hmac
 import inspect
@@ -125,7 +126,8 @@ class Generation:
                                    for j in range(len(ids) or 1))
                 self.done = done = delta.finished
                 reason = delta.finish_reason if done else None
-                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, delta.metrics,
+                metrics = delta.metrics if self.want_metrics else None
+                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, metrics,
                             delta.prompt_logprobs, delta.stop_reason, ids)
                 if done:
                     return
@@ -147,7 +149,11 @@ class Generation:
 async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat: bool,
                   tools: ToolChoice | None = None) -> web.StreamResponse:
     """Run one completion (chat or not) and answer it whole or as an SSE stream. tools: a
-    chat request's tool_choice() (its calls come out as tool_calls)."""
+    chat request's tool_choice() (its calls come out as tool_calls).
+
+    The body is read and checked first, every field before the first engine request starts
+    (a 400 leaves nothing running); then the n samples' engine requests start (Generation),
+    each one a Choice, which whole_response() or stream_response() writes out."""
     app, engine = request.app, request.app["engine"]
     untruncated = prompt_ids
     prompt_ids = truncate_prompt(body, prompt_ids, engine.config.max_model_len, chat)
@@ -157,6 +163,42 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     params = parse_sampling(body | {"max_tokens": 1} if prompt_only else body, len(prompt_ids),
                             engine.config.max_model_len, chat, engine.tokenizer is not None, tools,
                             engine.sampling_defaults)
+    stream, include_usage, continuous_usage = parse_stream_options(body)
+    grammar = await compile_grammar(engine, params, tools)
+    request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
+    priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
+    if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
+        raise ApiError(f"'priority' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="priority")
+    form = ChoiceFormat.read(app, body, chat, tools, params, prompt_ids, untruncated, prompt_only)
+    if ignored := unknown_fields(body, chat):  # as vLLM: warned about, and ignored
+        log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored)[:500])
+    # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
+    want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
+    user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
+    n = field(body, "n", (int,), 1)  # parse_sampling checked it
+    if n > 1 and want_metrics:
+        raise ApiError("'include_metrics' is for n=1 (each sample is a request of its own)", param="include_metrics")
+    slo = parse_slo(body)
+    gens: list[Generation] = []
+    # Whatever ends this handler (a reply, a sample the engine refused, the client gone before
+    # the first byte, a cancellation) ends the requests: a stream never read has no frame to abort it.
+    try:
+        for rid, p in samples(engine_request_id, params, n):
+            gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, slo, grammar))
+        kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
+        model = body.get("model") or app["model_names"][0]  # read_body checked it
+        head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
+        choices = [Choice(i, g, form) for i, g in enumerate(gens)]
+        if not stream:
+            return await whole_response(head, choices, form)
+        return await stream_response(request, head, choices, include_usage, continuous_usage)
+    finally:
+        for g in gens:
+            g.close()
+
+
+def parse_stream_options(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats) from the body's stream and stream_options."""
     stream = field(body, "stream", (bool,), False)
     stream_options = field(body, "stream_options", (dict,), {})
     if stream_options and not stream:
@@ -169,200 +211,285 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     include_usage = field(stream_options, "include_usage", (bool,), False)
     # vLLM's extra: every chunk carries the usage so far; only with include_usage, as vLLM.
     continuous_usage = field(stream_options, "continuous_usage_stats", (bool,), False) and include_usage
-    grammar = None
-    if params.structured_outputs is not None:
-        # Compiled off the event loop (a large schema takes tens of ms) and handed to the
-        # engine, which copies it (the cache may have evicted it by then).
-        try:
-            grammar = await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
-                                                                       params.structured_outputs)
-        except ValueError as e:
-            raise ApiError(str(e), param="tool_choice" if tools is not None else None) from e
+    return stream, include_usage, continuous_usage
 
-    # vLLM's: the client's id (X-Request-Id, else the body's request_id) is the visible one,
-    # and the engine's is it with a unique suffix, so that two requests sent with the same
-    # id (retries, a client's fixed id) never meet in the engine.
-    client_id = client_request_id(body, request.headers.get("X-Request-Id"))
+
+async def compile_grammar(engine: AsyncEngine, params: SamplingParams, tools: ToolChoice | None) -> Any:
+    """params' structured-output constraint, compiled off the event loop (a large schema takes
+    tens of ms) and handed to the engine, which copies it (the cache may have evicted it by
+    then); None without one. A tool_choice's constraint that does not compile names tool_choice."""
+    if params.structured_outputs is None:
+        return None
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
+                                                                params.structured_outputs)
+    except ValueError as e:
+        raise ApiError(str(e), param="tool_choice" if tools is not None else None) from e
+
+
+def request_ids(body: dict, header: str | None, chat: bool) -> tuple[str, str]:
+    """(the response's id, the engine's). vLLM's: the client's id (X-Request-Id, else the
+    body's request_id) is the visible one, and the engine's is it with a unique suffix, so
+    that two requests sent with the same id (retries, a client's fixed id) never meet in the engine."""
+    client_id = client_request_id(body, header)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
-    engine_request_id = request_id if client_id is None else f"{request_id}-{uuid.uuid4().hex}"
-    priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
-    if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
-        raise ApiError(f"'priority' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="priority")
-    # vLLM's parallel_tool_calls false: only the first call of the answer goes out
-    parallel = field(body, "parallel_tool_calls", (bool,), True)
-    include_reasoning = field(body, "include_reasoning", (bool,), True)
-    parses_reasoning = chat and app["reasoning_parser"] is not None
+    return request_id, request_id if client_id is None else f"{request_id}-{uuid.uuid4().hex}"
 
-    # vLLM's role of the answer: --response-role for a new turn, else the continued message's
-    role = (app["response_role"] if field(body, "add_generation_prompt", (bool,), True)
-            else body["messages"][-1]["role"]) if chat else None
 
-    # (the prompt's end says whether the template closed the think block; decoded once for n samples)
-    prompt_end = engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False) if parses_reasoning else ""
+def samples(request_id: str, params: SamplingParams, n: int) -> list[tuple[str, SamplingParams]]:
+    """vLLM's n: one engine request per sample, `i_<id>`, seeded seed + i when seeded (wrapped
+    into the 64-bit range vLLM takes); their one prompt is shared in the prefix cache."""
+    if n == 1:
+        return [(request_id, params)]
+    return [(f"{i}_{request_id}", params if params.seed is None else
+             dataclasses.replace(params, seed=(params.seed + i - INT64[0]) % 2**64 + INT64[0])) for i in range(n)]
 
-    def message_stream() -> ToolCallStream:
-        reasoning = app["reasoning_parser"](prompt_end, thinking_enabled(body)) if parses_reasoning else None
-        return ToolCallStream(tools, app["tool_parser"], parallel, reasoning, include_reasoning)
 
-    if ignored := unknown_fields(body, chat):  # as vLLM: warned about, and ignored
-        log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored)[:500])
-    # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
-    want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
-    user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
-    n = field(body, "n", (int,), 1)  # parse_sampling checked it
-    if n > 1 and want_metrics:
-        raise ApiError("'include_metrics' is for n=1 (each sample is a request of its own)", param="include_metrics")
-    gens: list[Generation] = []
-    try:  # vLLM's n: one engine request per sample, seeded seed + i when seeded, prompts shared in the prefix cache
-        for i in range(n):
-            rid, p = engine_request_id, params
-            if n > 1:
-                rid = f"{i}_{engine_request_id}"
-                if params.seed is not None:  # (wrapped into the 64-bit range vLLM takes)
-                    p = dataclasses.replace(params, seed=(params.seed + i - INT64[0]) % 2**64 + INT64[0])
-            gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, parse_slo(body),
-                                   grammar))
-    except ApiError:
-        for g in gens:
-            g.close()
-        raise
-    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
-    model = body.get("model") or app["model_names"][0]  # read_body checked it
-    head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
+@dataclass
+class ChoiceFormat:
+    """What the body asks of each choice's JSON beyond sampling: read once, shared by the n
+    samples' Choices."""
 
-    def usage(completion_tokens: int) -> dict:
-        first = gens[0]  # the prompt, counted once (vLLM's usage for n samples)
-        return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": first.num_prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
+    chat: bool
+    tokenizer: Any
+    params: SamplingParams  # the request's (its logprobs and prompt_logprobs are every sample's)
+    prompt_ids: list[int]  # as the engine got them (truncated)
+    prompt_only: bool  # echo with max_tokens 0: the answer is the prompt alone
+    role: str | None  # chat: the answer's role
+    echo: bool
+    echoed: str  # what echo puts before the answer ("" when nothing)
+    return_ids: bool  # vLLM's return_token_ids
+    as_ids: bool  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
+    tools: ToolChoice | None
+    tool_parser: Callable[[], Any] | None  # --tool-call-parser's class (tool_choice auto)
+    parallel: bool  # OpenAI's parallel_tool_calls
+    reasoning_parser: Callable[[], Any] | None  # a new --reasoning-parser for this prompt (chat), else None
+    include_reasoning: bool
 
-    def logprobs(lps: list[TokenLogprob | int] | None, offset: int) -> dict | None:
+    @classmethod
+    def read(cls, app: web.Application, body: dict, chat: bool, tools: ToolChoice | None, params: SamplingParams,
+             prompt_ids: list[int], untruncated: list[int], prompt_only: bool) -> ChoiceFormat:
+        """The body's fields that shape the answer, checked (a 400 names a bad one)."""
+        tokenizer = app["engine"].tokenizer
+        # vLLM's parallel_tool_calls false: only the first call of the answer goes out
+        parallel = field(body, "parallel_tool_calls", (bool,), True)
+        include_reasoning = field(body, "include_reasoning", (bool,), True)
+        # vLLM's role of the answer: --response-role for a new turn, else the continued message's
+        role = (app["response_role"] if field(body, "add_generation_prompt", (bool,), True)
+                else body["messages"][-1]["role"]) if chat else None
+        reasoning_parser = None
+        if chat and app["reasoning_parser"] is not None:
+            # the prompt's end says whether the template closed the think block; decoded once for n samples
+            prompt_end = tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
+            reasoning_parser = functools.partial(app["reasoning_parser"], prompt_end, thinking_enabled(body))
+        # vLLM's echo: a completion's text starts with the prompt's (its logprobs with the
+        # prompt's, the first token's null); a chat answer with the last message's content
+        # when that message has the answer's role.
+        echo = field(body, "echo", (bool,), False)
+        # vLLM's return_token_ids: the prompt's and the answer's token ids beside the text
+        # (streamed: the prompt's once, each chunk its own); an echoed completion then leaves
+        # the prompt's text out, as vLLM.
+        return_ids = field(body, "return_token_ids", (bool,), False)
+        as_ids = field(body, "return_tokens_as_token_ids", (bool,), app["return_tokens_as_token_ids"])
+        echoed = echo_text(body, untruncated, prompt_ids, tokenizer, role) if echo and (chat or not return_ids) else ""
+        return cls(chat, tokenizer, params, prompt_ids, prompt_only, role, echo, echoed, return_ids, as_ids, tools,
+                   app["tool_parser"], parallel, reasoning_parser, include_reasoning)
+
+    def message_stream(self) -> ToolCallStream:
+        """A chat choice's parsers of its text (tool calls, reasoning): one per choice, as
+        they keep the text so far."""
+        reasoning = self.reasoning_parser() if self.reasoning_parser is not None else None
+        return ToolCallStream(self.tools, self.tool_parser, self.parallel, reasoning, self.include_reasoning)
+
+    def logprobs(self, lps: list[TokenLogprob | int] | None, offset: int) -> dict | None:
+        """lps as the response's logprobs (chat's or completions'); offset: completions'
+        text_offset of the first."""
         if lps is None:
             return None
-        return chat_logprobs(engine.tokenizer, lps, as_ids) if chat else \
-            completion_logprobs(engine.tokenizer, lps, offset, params.logprobs, as_ids)
+        return chat_logprobs(self.tokenizer, lps, self.as_ids) if self.chat else \
+            completion_logprobs(self.tokenizer, lps, offset, self.params.logprobs, self.as_ids)
 
-    # vLLM's echo: a completion's text starts with the prompt's (its logprobs with the
-    # prompt's, the first token's null); a chat answer with the last message's content
-    # when that message has the answer's role.
-    echo = field(body, "echo", (bool,), False)
-    # vLLM's return_token_ids: the prompt's and the answer's token ids beside the text
-    # (streamed: the prompt's once, each chunk its own); an echoed completion then leaves
-    # the prompt's text out, as vLLM. return_tokens_as_token_ids: logprobs' tokens as "token_id:N".
-    return_ids = field(body, "return_token_ids", (bool,), False)
-    as_ids = field(body, "return_tokens_as_token_ids", (bool,), app["return_tokens_as_token_ids"])
-    echoed = echo_text(body, untruncated, prompt_ids, engine.tokenizer, role) if echo and (chat or not return_ids) \
-        else ""
-
-    def echoed_logprobs(prompt_lps: list[TokenLogprob | None] | None) -> list[TokenLogprob | int]:
-        if not echo or chat or params.logprobs is None:
+    def echoed_logprobs(self, prompt_lps: list[TokenLogprob | None] | None) -> list[TokenLogprob | int]:
+        """The logprobs an echoed completion's start with: the prompt's, the first token a
+        bare id (no logprob); none without echo or logprobs."""
+        if not self.echo or self.chat or self.params.logprobs is None:
             return []
-        return [prompt_ids[0], *(prompt_lps or [None])[1:]]
+        return [self.prompt_ids[0], *(prompt_lps or [None])[1:]]
 
-    # Whatever ends this handler (a reply, the client gone before the first byte, a
-    # cancellation) ends the request: a stream never read has no frame to abort it.
+
+class Choice:
+    """One sample of a response, `choices[index]`: its engine request's chunks (text,
+    logprobs, token ids, finish) as that choice's JSON, whole (whole()) or a stream chunk at
+    a time (stream())."""
+
+    def __init__(self, index: int, gen: Generation, form: ChoiceFormat) -> None:
+        self.index, self.gen, self.form = index, gen, form
+        self.num_output_tokens = 0  # as of the last chunk written: what usage counts
+        self.metrics: dict = {}  # the last chunk's {"metrics": ...}, when the request asked for them
+        # streamed: a completion's first chunk carries the echo and the prompt's ids; text_offset
+        # of the next token; a chat answer's parsers
+        self.first, self.offset, self.message = True, 0, form.message_stream() if form.chat else None
+
+    async def whole(self) -> dict:
+        """The choice of a whole response, once its request has ended."""
+        f = self.form
+        text, ids, lps, prompt_lps, last = "", [], [], None, None
+        async with contextlib.aclosing(self.gen.chunks()) as chunks:
+            async for last in chunks:
+                text += last.text
+                ids += last.token_ids
+                lps += last.logprobs or []
+                prompt_lps = last.prompt_logprobs or prompt_lps
+        assert last is not None and last.finish_reason is not None
+        self.num_output_tokens, self.metrics = last.num_output_tokens, metrics_json(last)
+        if f.prompt_only:
+            text, lps = "", []
+        lp = f.logprobs(f.echoed_logprobs(prompt_lps) + lps, 0) if f.params.logprobs is not None else None
+        answer, reason = self.whole_message(text, last.finish_reason) if f.chat else \
+            ({"text": f.echoed + text}, last.finish_reason)
+        choice = {"index": self.index, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
+        if f.params.prompt_logprobs is not None:  # vLLM's extra field of the choice
+            choice["prompt_logprobs"] = prompt_logprobs_json(f.tokenizer, prompt_lps or [])
+        choice |= answer
+        if f.return_ids:  # vLLM's places: the choice's token_ids; the prompt's on the choice, or chat's response
+            choice["token_ids"] = ids
+            if not f.chat:
+                choice["prompt_token_ids"] = f.prompt_ids
+        return choice
+
+    def whole_message(self, text: str, reason: str) -> tuple[dict, str]:
+        """A whole chat answer's {"message": ...}, its tool calls and reasoning parsed out of
+        the text, and its finish_reason (tool_calls when it called one)."""
+        message, reason = self.message.message(text, reason)
+        message["role"] = self.form.role
+        if self.form.echo:
+            message["content"] = self.form.echoed + (message.get("content") or "")
+        return {"message": message}, reason
+
+    async def stream(self) -> AsyncIterator[dict]:
+        """This choice's part of each stream chunk, as its request's chunks come. Use under
+        contextlib.aclosing, as Generation.chunks."""
+        async with contextlib.aclosing(self.gen.chunks()) as chunks:
+            async for c in chunks:
+                if not (self.echo_pending or c.text or c.logprobs or c.finish_reason or c.prompt_logprobs
+                        or (self.form.return_ids and c.token_ids)):
+                    continue  # held back: part of a character, or maybe the start of a stop string
+                choice = self.stream_chunk(c)
+                self.num_output_tokens, self.metrics = c.num_output_tokens, metrics_json(c)
+                yield choice
+
+    @property
+    def echo_pending(self) -> bool:
+        """A streamed completion's echo rides on its first chunk."""
+        return self.first and self.form.echo and not self.form.chat
+
+    def stream_chunk(self, c: Chunk) -> dict:
+        """This choice's part of the stream chunk of one engine chunk."""
+        f, echo_now, first_of_completion = self.form, self.echo_pending, self.first and not self.form.chat
+        lps = c.logprobs if not echo_now or c.logprobs is None else \
+            f.echoed_logprobs(c.prompt_logprobs) + ([] if f.prompt_only else c.logprobs)
+        choice = {"index": self.index, "logprobs": f.logprobs(lps, self.offset), "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if c.prompt_logprobs is not None:  # once, with the first token
+            choice["prompt_logprobs"] = prompt_logprobs_json(f.tokenizer, c.prompt_logprobs)
+        if f.chat:
+            choice["delta"], choice["finish_reason"] = self.message.delta(c.text, c.finish_reason)
+        else:
+            choice["text"] = (f.echoed if echo_now else "") + ("" if f.prompt_only else c.text)
+        if first_of_completion and f.return_ids:
+            choice["prompt_token_ids"] = f.prompt_ids
+        if f.return_ids:
+            choice["token_ids"] = c.token_ids
+        # text_offset counts the tokens' own texts, as the whole response's does; the
+        # text sent so far lags it (held back: part of a character, a maybe-stop string).
+        if not f.chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
+            self.offset = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
+        self.first = False
+        return choice
+
+
+def metrics_json(chunk: Chunk) -> dict:
+    """{"metrics": ...} beside the choices when the chunk carries the request's metrics, else {}."""
+    return {"metrics": dataclasses.asdict(chunk.metrics)} if chunk.metrics else {}
+
+
+def usage(choices: list[Choice]) -> dict:
+    """OpenAI's usage of the choices' tokens so far, the prompt counted once (vLLM's usage
+    for n samples)."""
+    first, completion_tokens = choices[0].gen, sum(c.num_output_tokens for c in choices)
+    return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": first.num_prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
+
+
+async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat) -> web.Response:
+    """The response as one JSON object, once every choice has ended."""
+    done = await all_of(c.whole() for c in choices)
+    extra = choices[0].metrics  # (include_metrics is for n = 1)
+    if form.chat and form.return_ids:  # vLLM's place of a chat response's prompt ids
+        extra = extra | {"prompt_token_ids": form.prompt_ids}
+    return web.json_response(head | {"choices": done, "usage": usage(choices)} | extra)
+
+
+async def stream_response(request: web.Request, head: dict, choices: list[Choice], include_usage: bool,
+                          continuous_usage: bool) -> web.StreamResponse:
+    """The response as server-sent events: a chat answer's opening chunks, the choices'
+    chunks as they come (interleaved, each naming its index), the usage when asked, [DONE].
+    An error once the status line is out is an event of its own."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    events = EventStream(response, head, choices, include_usage, continuous_usage)
     try:
-        if not stream:
-            async def whole(index: int, gen: Generation) -> tuple[dict, int, dict]:
-                """One sample's choice, its output token count, and what goes beside the choices."""
-                text, lps, last, prompt_lps, ids = "", [], None, None, []
-                async with contextlib.aclosing(gen.chunks()) as chunks:
-                    async for last in chunks:
-                        text += last.text
-                        ids += last.token_ids
-                        lps += last.logprobs or []
-                        prompt_lps = last.prompt_logprobs or prompt_lps
-                assert last is not None and last.finish_reason is not None
-                text, lps = ("", []) if prompt_only else (text, lps)
-                lp = logprobs(echoed_logprobs(prompt_lps) + lps, 0) if params.logprobs is not None else None
-                message, reason = message_stream().message(text, last.finish_reason)
-                message["role"] = role
-                if echo and chat:
-                    message["content"] = echoed + (message.get("content") or "")
-                elif echo:
-                    text = echoed + text
-                choice = {"index": index, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
-                if params.prompt_logprobs is not None:  # vLLM's extra field of the choice
-                    choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, prompt_lps or [])
-                choice |= {"message": message} if chat else {"text": text}
-                extra = {"metrics": dataclasses.asdict(last.metrics)} if want_metrics and last.metrics else {}
-                if return_ids:  # vLLM's places: the choice's token_ids; the prompt's on the choice, or chat's response
-                    choice["token_ids"] = ids
-                    (extra if chat else choice)["prompt_token_ids"] = prompt_ids
-                return choice, last.num_output_tokens, extra
+        if choices[0].form.chat:
+            await events.open_messages()
+        await all_of(events.send_choice(c) for c in choices)
+        if include_usage:
+            await events.send([], usage=usage(choices), **choices[0].metrics)
+    except ConnectionResetError:
+        return response  # the client left; the request is aborted already
+    except Exception as e:  # the status line is gone: report the error in the stream
+        err = e if isinstance(e, ApiError) else ApiError("internal server error (see the server log)", 500,
+                                                         type="internal_server_error")
+        if err is not e:
+            log.exception("error while streaming %s", head["id"])
+        await response.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    return response
 
-            done = await all_of(whole(i, g) for i, g in enumerate(gens))
-            extra = done[0][2]
-            return web.json_response(head | {"choices": [c for c, _, _ in done],
-                                             "usage": usage(sum(k for _, k, _ in done))} | extra)
 
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+class EventStream:
+    """The events of one streamed response, each `head` with its choices."""
 
-        async def send(choices: list[dict], **extra: Any) -> None:
-            await response.write(b"data: " + json.dumps(head | {"choices": choices} | extra).encode() + b"\n\n")
+    def __init__(self, response: web.StreamResponse, head: dict, choices: list[Choice], include_usage: bool,
+                 continuous_usage: bool) -> None:
+        self.response, self.head, self.choices = response, head, choices
+        self.include_usage, self.continuous_usage = include_usage, continuous_usage
 
-        try:
-            counts = [0] * n  # each sample's output tokens so far
-            for index in range(n) if chat else ():
-                await send([{"index": index, "delta": {"role": role, "content": ""}, "logprobs": None,
-                             "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}),
-                           **({"prompt_token_ids": prompt_ids} if return_ids and index == 0 else {}))
-                if echoed:  # vLLM's: the echoed message is a chunk of its own
-                    await send([{"index": index, "delta": {"content": echoed}, "logprobs": None,
-                                 "finish_reason": None}], **({"usage": usage(0)} if continuous_usage else {}))
+    async def send(self, choices: list[dict], **extra: Any) -> None:
+        await self.response.write(b"data: " + json.dumps(self.head | {"choices": choices} | extra).encode() + b"\n\n")
 
-            async def streamed(index: int, gen: Generation) -> dict:
-                """One sample's chunks, sent as they come; its metrics (from the last chunk)."""
-                offset, calls, pending_echo = 0, message_stream(), echo and not chat
-                pending_prompt_ids, metrics = return_ids and not chat, {}
-                async with contextlib.aclosing(gen.chunks()) as chunks:
-                    async for c in chunks:
-                        if not (pending_echo or c.text or c.logprobs or c.finish_reason or c.prompt_logprobs
-                                or (return_ids and c.token_ids)):
-                            continue  # held back: part of a character, or maybe the start of a stop string
-                        lps = c.logprobs if not pending_echo or c.logprobs is None else \
-                            echoed_logprobs(c.prompt_logprobs) + ([] if prompt_only else c.logprobs)
-                        choice = {"index": index, "logprobs": logprobs(lps, offset), "finish_reason": c.finish_reason,
-                                  "stop_reason": c.stop_reason}
-                        if c.prompt_logprobs is not None:  # once, with the first token
-                            choice["prompt_logprobs"] = prompt_logprobs_json(engine.tokenizer, c.prompt_logprobs)
-                        if chat:
-                            choice["delta"], choice["finish_reason"] = calls.delta(c.text, c.finish_reason)
-                        else:
-                            choice["text"] = (echoed if pending_echo else "") + ("" if prompt_only else c.text)
-                            pending_echo = False
-                        if pending_prompt_ids:
-                            choice["prompt_token_ids"], pending_prompt_ids = prompt_ids, False
-                        if return_ids:
-                            choice["token_ids"] = c.token_ids
-                        # text_offset counts the tokens' own texts, as the whole response's does; the
-                        # text sent so far lags it (held back: part of a character, a maybe-stop string).
-                        if not chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
-                            offset = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
-                        counts[index] = c.num_output_tokens
-                        metrics = {"metrics": dataclasses.asdict(c.metrics)} if want_metrics and c.metrics else {}
-                        so_far = {"usage": usage(sum(counts))} if continuous_usage else {}
-                        # without usage, the metrics ride on the chunk with the finish_reason
-                        await send([choice], **so_far, **({} if include_usage else metrics))
-                return metrics
+    def usage_so_far(self) -> dict:
+        """vLLM's continuous_usage_stats: every chunk carries the usage so far."""
+        return {"usage": usage(self.choices)} if self.continuous_usage else {}
 
-            metrics = (await all_of(streamed(i, g) for i, g in enumerate(gens)))[0]
-            if include_usage:
-                await send([], usage=usage(sum(counts)), **metrics)
-        except ConnectionResetError:
-            return response  # the client left; the request is aborted already
-        except Exception as e:  # the status line is gone: report the error in the stream
-            err = e if isinstance(e, ApiError) else ApiError("internal server error (see the server log)", 500,
-                                                             type="internal_server_error")
-            if err is not e:
-                log.exception("error while streaming %s", request_id)
-            await response.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        return response
-    finally:
-        for g in gens:
-            g.close()
+    async def open_messages(self) -> None:
+        """A chat answer's first chunks, per choice: its role (the first with the prompt's ids
+        when asked), then the echoed message, a chunk of its own (vLLM's)."""
+        form = self.choices[0].form
+        for c in self.choices:
+            ids = {"prompt_token_ids": form.prompt_ids} if form.return_ids and c.index == 0 else {}
+            await self.send([{"index": c.index, "delta": {"role": form.role, "content": ""}, "logprobs": None,
+                              "finish_reason": None}], **self.usage_so_far(), **ids)
+            if form.echoed:
+                await self.send([{"index": c.index, "delta": {"content": form.echoed}, "logprobs": None,
+                                  "finish_reason": None}], **self.usage_so_far())
+
+    async def send_choice(self, choice: Choice) -> None:
+        """One choice's chunks, sent as they come; without usage, the metrics ride on the
+        chunk with the finish_reason."""
+        async with contextlib.aclosing(choice.stream()) as parts:
+            async for part in parts:
+                await self.send([part], **self.usage_so_far(), **({} if self.include_usage else choice.metrics))
 
 
 async def all_of(coroutines: Iterable[Awaitable[T]]) -> list[T]:

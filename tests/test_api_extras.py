@@ -394,6 +394,33 @@ def test_a_bad_token_ids_flag_is_a_400_naming_it(app, name) -> None:
     assert status == 400 and json.loads(text)["error"]["param"] == name, text
 
 
+def test_a_bad_field_of_the_answer_starts_no_engine_request() -> None:
+    """A 400 for a field that shapes the answer (return_token_ids, return_tokens_as_token_ids)
+    comes before the engine gets any request: one started and never read would run to
+    max_tokens for nobody, holding its slot and KV blocks."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+
+    with tiny_async_engine() as (loop, engine):
+        added: list[str] = []
+        add_request = engine.add_request
+        engine.add_request = lambda rid, *a, **kw: added.append(rid) or add_request(rid, *a, **kw)
+        client = TestClient(TestServer(server.build_app(engine, ["tiny"])), loop=loop)
+        loop.run_until_complete(client.start_server())
+        try:
+            for name, (path, body), stream, n in itertools.product(
+                    ["return_token_ids", "return_tokens_as_token_ids"],
+                    [(C, {"prompt": "go"}), (CHAT, {"messages": MESSAGES})], [False, True], [1, 2]):
+                resp = loop.run_until_complete(client.post(path, json=body | {name: 1, "stream": stream, "n": n,
+                                                                              "max_tokens": 64}))
+                assert resp.status == 400, (name, path, stream, n)
+                assert json.loads(loop.run_until_complete(resp.text()))["error"]["param"] == name
+        finally:
+            loop.run_until_complete(client.close())
+        assert added == []
+
+
 # ---- stop_reason offline ----------------------------------------------------------------------
 
 def test_offline_stop_reason_is_the_stop_string_or_the_stop_token_id_as_vllm() -> None:
