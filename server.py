@@ -46,7 +46,7 @@ from prometheus_client.utils import floatToGoString
 from async_engine import AsyncEngine
 import config_file
 from config import EngineConfig, SamplingParams, SLOTarget
-from engine import QueueFullError, TokenLogprob
+from engine import QueueFullError, TokenLogprob, child_requests
 from metrics import EngineStats, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
@@ -183,7 +183,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # Whatever ends this handler (a reply, a sample the engine refused, the client gone before
     # the first byte, a cancellation) ends the requests: a stream never read has no frame to abort it.
     try:
-        for rid, p in samples(engine_request_id, params, n):
+        # vLLM's n: one engine request per sample; their one prompt is shared in the prefix cache
+        for rid, p in child_requests(engine_request_id, dataclasses.replace(params, n=n)):
             gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, slo, grammar))
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
         model = body.get("model") or app["model_names"][0]  # read_body checked it
@@ -234,15 +235,6 @@ def request_ids(body: dict, header: str | None, chat: bool) -> tuple[str, str]:
     client_id = client_request_id(body, header)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
     return request_id, request_id if client_id is None else f"{request_id}-{uuid.uuid4().hex}"
-
-
-def samples(request_id: str, params: SamplingParams, n: int) -> list[tuple[str, SamplingParams]]:
-    """vLLM's n: one engine request per sample, `i_<id>`, seeded seed + i when seeded (wrapped
-    into the 64-bit range vLLM takes); their one prompt is shared in the prefix cache."""
-    if n == 1:
-        return [(request_id, params)]
-    return [(f"{i}_{request_id}", params if params.seed is None else
-             dataclasses.replace(params, seed=(params.seed + i - INT64[0]) % 2**64 + INT64[0])) for i in range(n)]
 
 
 @dataclass
