@@ -24,7 +24,7 @@ leave them); RMSNorm weights and biases too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

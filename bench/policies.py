@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     gap = 0.25 if engine else 0.1  # the light client's period: about one request of its in flight at a time
     light = [SimRequest(0.5 * gap + gap * i, token_ids(rng, vocab, rng.randint(16, 32)), 16, cls="light",
                         user="light") for i in range(n(40))]
-    w1 = results["fairness"] = {"alone": run(light, "w1-alone", blocks)} | {  # 1. alone, then beside the flood
+    results["fairness"] = {"alone": run(light, "w1-alone", blocks)} | {  # 1. alone, then beside the flood
         pol: run(heavy + light, f"w1-{pol}", blocks, scheduling_policy=pol) for pol in POLICIES}
 
     def overload(i: int) -> dict[str, Any]:  # one repeat: the capacity now, then every policy at 1.5x it
