@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 from config import EngineConfig, SamplingParams, SLOTarget
 from engine import EngineDeadError, LLMEngine, QueueFullError, RequestOutputDelta
-from metrics import RequestMetrics
+from metrics import ParentRequest, RequestMetrics
 
 __all__ = ["AsyncEngine"]
 
@@ -68,9 +68,10 @@ class AsyncEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     priority: int = 0, user: str | None = None,
-                    slo: SLOTarget | None = None, grammar: Any = None) -> AsyncIterator[RequestOutputDelta]:
+                    slo: SLOTarget | None = None, grammar: Any = None,
+                    parent: ParentRequest | None = None) -> AsyncIterator[RequestOutputDelta]:
         """grammar: the request's constraint, compiled already (LLMEngine.validate): without
-        it, one is compiled here, on the caller's thread."""
+        it, one is compiled here, on the caller's thread. parent: as LLMEngine.add_request's."""
         grammar = self.engine.validate(prompt_token_ids, params, priority, slo, grammar)
         with self._lock:  # the loop sets _stop and error under it: a stream registered here is ended
             self._check_alive()
@@ -85,7 +86,7 @@ class AsyncEngine:
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
             self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority,
-                                        user, slo, grammar)))
+                                        user, slo, grammar, parent)))
             self._num_waiting_inbox += 1
         self._wake.set()
         return self._stream(request_id, queue)
@@ -141,10 +142,10 @@ class AsyncEngine:
             self._inbox.clear()
         for kind, arg in work:
             if kind == "add":
-                rid, prompt, params, arrival, priority, user, slo, grammar = arg
+                rid, prompt, params, arrival, priority, user, slo, grammar, parent = arg
                 try:
                     self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority, user=user,
-                                            slo=slo, grammar=grammar)
+                                            slo=slo, grammar=grammar, parent=parent)
                 except ValueError as e:  # validated already; a scheduler-level refusal
                     self._fail(rid, e)
                 finally:

@@ -25,7 +25,7 @@ import numpy as np
 from config import EngineConfig, ParamError, SamplingParams, SLOTarget
 from hf_config import generation_sampling_defaults
 from logits_controls import controls_for
-from metrics import EngineStats, RequestMetrics, StepTrace
+from metrics import EngineStats, ParentRequest, RequestMetrics, StepTrace
 from reasoning_parsers import REASONING_PARSERS
 from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
@@ -199,17 +199,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0, user: str | None = None,
-                    slo: SLOTarget | None = None, grammar: Any = None) -> Sequence:
+                    slo: SLOTarget | None = None, grammar: Any = None, parent: ParentRequest | None = None) -> Sequence:
         """priority: under a policy that reads it (--scheduling-policy), lower runs first.
         user: the client, for the fair policy (None: the shared anonymous client).
         slo: its targets, for the slo policy (None: the server-wide defaults).
-        grammar: its constraint as validate() returned it (None: compiled here)."""
+        grammar: its constraint as validate() returned it (None: compiled here).
+        parent: one of n samples' shared ParentRequest (child_requests')."""
         grammar = self.validate(prompt_token_ids, params, priority, slo, grammar)
         if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
         seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority,
-                       user=user)
+                       user=user, parent=parent)
         if slo is not None:
             seq.slo_ttft = None if slo.ttft_ms is None else slo.ttft_ms / 1e3
             seq.slo_tpot = None if slo.tpot_ms is None else slo.tpot_ms / 1e3
@@ -591,8 +592,8 @@ class LLM:
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
         for i, (ids, samples, prio, grammar) in enumerate(zip(encoded, children, priorities, grammars)):
-            for rid, p in samples:
-                seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar)
+            for rid, p, par in samples:
+                seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar, parent=par)
                 parent[rid] = i
         unfinished = [len(samples) for samples in children]
         logprobs: dict[str, list[TokenLogprob]] = {}
@@ -622,7 +623,7 @@ class LLM:
         if bar is not None:
             bar.close()
         assert not parent, "every request must finish"
-        return [self._output(rid, text, [seqs[c] for c, _ in samples], logprobs, prompt_logprobs)
+        return [self._output(rid, text, [seqs[c] for c, _, _ in samples], logprobs, prompt_logprobs)
                 for rid, text, samples in zip(request_ids, texts, children)]
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -682,17 +683,20 @@ class LLM:
                                 stop_reason(seq, self.engine.model_config.eos_token_ids))
 
 
-def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+def child_requests(request_id: str, params: SamplingParams
+                   ) -> list[tuple[str, SamplingParams, ParentRequest | None]]:
     """vLLM's parallel sampling (its ParentRequest): the n engine requests of a request
-    with params.n samples, as (request id, params with n = 1). With n > 1 sample i is
-    `i_<request_id>`, seeded seed + i (wrapped into the 64-bit seeds SamplingParams takes)
-    when the request is seeded, so that it is what the request alone gives with that seed."""
+    with params.n samples, as (request id, params with n = 1, the ParentRequest they share,
+    which add_request takes: the request's n is observed once, as its last sample finishes).
+    With n > 1 sample i is `i_<request_id>`, seeded seed + i (wrapped into the 64-bit seeds
+    SamplingParams takes) when the request is seeded, so that it is what the request alone
+    gives with that seed."""
     if params.n == 1:
-        return [(request_id, params)]
-    one = dataclasses.replace(params, n=1)
+        return [(request_id, params, None)]
+    one, parent = dataclasses.replace(params, n=1), ParentRequest(params.n)
     if params.seed is None:
-        return [(f"{i}_{request_id}", one) for i in range(params.n)]
-    return [(f"{i}_{request_id}", dataclasses.replace(one, seed=(params.seed + i + 2**63) % 2**64 - 2**63))
+        return [(f"{i}_{request_id}", one, parent) for i in range(params.n)]
+    return [(f"{i}_{request_id}", dataclasses.replace(one, seed=(params.seed + i + 2**63) % 2**64 - 2**63), parent)
             for i in range(params.n)]
 
 

@@ -27,6 +27,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 TPOT_BUCKETS = ITL_BUCKETS  # vLLM's request_time_per_output_token_seconds uses the ITL bounds
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -112,6 +113,22 @@ class StepTrace:
                    out.num_decode_tokens, num_running, num_waiting)
 
 
+@dataclass(eq=False)
+class ParentRequest:
+    """vLLM's parallel-sampling parent, for the two histograms observed once per request rather
+    than per sample (request_params_n, request_max_num_generation_tokens): the n samples of
+    one request share it (engine.child_requests makes it), and the last to finish normally
+    observes them. A sample aborted never finishes normally, so its request is not observed,
+    as an abort is in no latency histogram."""
+
+    n: int
+    remaining: int = field(init=False)
+    max_num_generation_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.remaining = self.n
+
+
 @dataclass(frozen=True)
 class RequestMetrics:
     """One request's timings and scheduling history: `RequestOutput.metrics` offline, the
@@ -176,7 +193,6 @@ class EngineStats:
     waiting_by_reason: dict[str, int] = field(default_factory=lambda: {r: 0 for r in WAIT_REASONS})
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use, 0..1
     num_kv_blocks: int = 0  # usable blocks (the null block excluded)
-    kv_cache_dtype: str = ""  # what the cache stores: the model dtype's name, or --kv-cache-dtype
     # device bytes, measured from the live arrays' shards on this process's devices (all of them)
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
@@ -225,8 +241,7 @@ class EngineStats:
     request_queue_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKEN_BUCKETS))
     # Per finished request, as vLLM's (observed with e2e_request_latency: a normal finish, not an
-    # abort). vLLM's request_params_n is left out: the server and LLM run each of n samples as
-    # an engine request of its own, so the engine never sees an n but 1.
+    # abort); per sample, since each of n samples is an engine request of its own.
     request_time_per_output_token: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
     request_inference_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     request_prefill_time: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
@@ -237,6 +252,12 @@ class EngineStats:
     request_prompt_tokens: Histogram = field(init=False)
     request_generation_tokens: Histogram = field(init=False)
     request_params_max_tokens: Histogram = field(init=False)
+    # Per request of n samples (ParentRequest), when its last sample finishes: its n, and the
+    # most tokens one of its samples generated.
+    request_params_n: Histogram = field(default_factory=lambda: Histogram(N_BUCKETS))
+    request_max_num_generation_tokens: Histogram = field(init=False)
+    # vLLM's cache_config_info labels (its CacheConfig's fields, as str()), set at start-up
+    cache_config: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -245,6 +266,7 @@ class EngineStats:
         self.request_prompt_tokens = Histogram(token_buckets)
         self.request_generation_tokens = Histogram(token_buckets)
         self.request_params_max_tokens = Histogram(token_buckets)
+        self.request_max_num_generation_tokens = Histogram(token_buckets)
 
     @property
     def slot_utilization(self) -> float:
@@ -361,16 +383,26 @@ class EngineStats:
         self.request_prompt_tokens.observe(seq.num_prompt_tokens)
         self.request_generation_tokens.observe(n)
         self.request_params_max_tokens.observe(seq.params.max_tokens)
+        n_param, tokens, parent = 1, n, seq.parent
+        if parent is not None:  # one of n samples: the request is observed when its last one finishes
+            parent.remaining -= 1
+            parent.max_num_generation_tokens = max(parent.max_num_generation_tokens, tokens)
+            if parent.remaining:
+                return
+            n_param, tokens = parent.n, parent.max_num_generation_tokens
+        self.request_params_n.observe(n_param)
+        self.request_max_num_generation_tokens.observe(tokens)
 
     def snapshot(self) -> "EngineStats":
         """A consistent copy, safe to read from another thread."""
         with self.lock:
             snap = EngineStats(**{k: v for k, v in self.__dict__.items()
-                                  if k not in ("waiting_by_reason", "request_success", "lock")
+                                  if k not in ("waiting_by_reason", "request_success", "cache_config", "lock")
                                   and not isinstance(v, Histogram)})
             snap.waiting_by_reason = dict(self.waiting_by_reason)
             snap.spec_decode_num_accepted_tokens_per_pos = list(self.spec_decode_num_accepted_tokens_per_pos)
             snap.request_success = dict(self.request_success)
+            snap.cache_config = dict(self.cache_config)
             for k, v in self.__dict__.items():
                 if isinstance(v, Histogram):
                     setattr(snap, k, v.copy())

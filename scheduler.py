@@ -38,7 +38,7 @@ import numpy as np
 
 from config import EngineConfig, SamplingParams, SLOTarget
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
-from metrics import WAIT_REASONS
+from metrics import WAIT_REASONS, ParentRequest
 from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
 from spec_decode import scheduling_drafter
 
@@ -103,6 +103,8 @@ class Sequence:
     # vLLM's logits processors (logits_controls.LogitsControls, set by the engine): like a
     # constraint, the request samples once its previous token is known, and never speculates.
     controls: Any = None
+    # One of a request's n samples: their shared metrics.ParentRequest (set by the engine).
+    parent: ParentRequest | None = None
     # Filled by the engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -47,7 +47,7 @@ from async_engine import AsyncEngine
 import config_file
 from config import EngineConfig, SamplingParams, SLOTarget
 from engine import QueueFullError, TokenLogprob, child_requests
-from metrics import EngineStats, RequestMetrics
+from metrics import EngineStats, ParentRequest, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
                       parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, thinking_enabled, token_text,
@@ -90,11 +90,13 @@ class Generation:
 
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, priority: int = 0, want_metrics: bool = False,
-                 user: str | None = None, slo: SLOTarget | None = None, grammar: Any = None) -> None:
+                 user: str | None = None, slo: SLOTarget | None = None, grammar: Any = None,
+                 parent: ParentRequest | None = None) -> None:
         """want_metrics: the last chunk carries the request's RequestMetrics. A request with
         stop strings is detokenized by the engine, which matches them (its deltas carry the
         text, cut at the stop string); any other is detokenized here, off the engine thread.
-        grammar: the structured-output constraint respond() compiled for params."""
+        grammar: the structured-output constraint respond() compiled for params. parent: one
+        of n samples' (child_requests')."""
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
@@ -103,7 +105,8 @@ class Generation:
         self.detokenizer = None if params.stop else IncrementalDetokenizer(
             self.engine.tokenizer, prompt_ids, [], params, self.engine.model_config.eos_token_ids)
         try:
-            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo, grammar)
+            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo, grammar,
+                                                  parent)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -184,8 +187,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # the first byte, a cancellation) ends the requests: a stream never read has no frame to abort it.
     try:
         # vLLM's n: one engine request per sample; their one prompt is shared in the prefix cache
-        for rid, p in child_requests(engine_request_id, dataclasses.replace(params, n=n)):
-            gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, slo, grammar))
+        for rid, p, parent in child_requests(engine_request_id, dataclasses.replace(params, n=n)):
+            gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, slo, grammar, parent))
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
         model = body.get("model") or app["model_names"][0]  # read_body checked it
         head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
@@ -708,6 +711,7 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
 # ---- metrics ----------------------------------------------------------------------
 
 PREFIX = "taxirank:"
+ENGINE = "0"  # vLLM's engine label (its data-parallel rank): one engine per server
 _GAUGES = [  # (metric, EngineStats attribute, help)
     ("num_requests_running", "num_requests_running", "Requests in the running batch."),
     ("num_requests_waiting", "num_requests_waiting", "Requests waiting to be admitted."),
@@ -763,6 +767,10 @@ _HISTOGRAMS = [
     ("request_prompt_tokens", "request_prompt_tokens", "Prompt tokens per finished request."),
     ("request_generation_tokens", "request_generation_tokens", "Generated tokens per finished request."),
     ("request_params_max_tokens", "request_params_max_tokens", "The max_tokens parameter per finished request."),
+    # per request of n samples, once its last sample has finished
+    ("request_params_n", "request_params_n", "The n parameter per finished request."),
+    ("request_max_num_generation_tokens", "request_max_num_generation_tokens",
+     "Per finished request: the most tokens one of its n samples generated."),
     ("request_time_per_output_token_seconds", "request_time_per_output_token",
      "Per request: decode time / (generated tokens - 1)."),
     ("request_inference_time_seconds", "request_inference_time", "First scheduled to last token (RUNNING phase)."),
@@ -774,8 +782,8 @@ _HISTOGRAMS = [
 class EngineCollector:
     """Renders EngineStats.snapshot() at scrape time, so there is one set of numbers: the engine's.
 
-    `labels` go on every sample (e.g. which replica of a fleet), so one scrape of several
-    engines keeps their series apart."""
+    `labels` go on every sample (the server's: vLLM's model_name and engine, and which replica
+    of a fleet), so one scrape of several engines keeps their series apart."""
 
     def __init__(self, stats: EngineStats, labels: dict[str, str] | None = None) -> None:
         self.stats, self.labels = stats, labels or {}
@@ -791,9 +799,11 @@ class EngineCollector:
             yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
         for name, attr, doc in _COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
-        info = GaugeMetricFamily(PREFIX + "cache_config_info", "KV cache configuration (value 1): its stored dtype.",
-                                 labels=["cache_dtype"])
-        info.add_metric([s.kv_cache_dtype], 1)
+        # vLLM's info gauge: its CacheConfig's fields and the engine's index as labels, value 1
+        info_labels = s.cache_config | {"engine": ENGINE}
+        info = GaugeMetricFamily(PREFIX + "cache_config_info", "KV cache configuration as labels (value 1).",
+                                 labels=list(info_labels))
+        info.add_metric(list(info_labels.values()), 1)
         yield info
         by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
                                       "Waiting requests by what they wait for.", labels=["reason"])
@@ -842,7 +852,9 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
         check_chat_template(chat_template, engine.tokenizer)
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine.stats, metric_labels))
+    # vLLM's labels on every series: the served model's (first) name and the engine's index
+    registry.register(EngineCollector(engine.stats, {"model_name": model_names[0], "engine": ENGINE}
+                                      | (metric_labels or {})))
     app.update(engine=engine, model_names=model_names, api_key=api_key, registry=registry,
                started=int(time.time()), stopping=asyncio.Event(), in_flight=set(),
                per_request_metrics=per_request_metrics,

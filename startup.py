@@ -73,7 +73,6 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     if config.num_processes > 1:  # every process's cache has process 0's shape
         num_blocks = distributed.StepChannel().share_int("num_kv_blocks", num_blocks)
     stats.num_kv_blocks = num_blocks - 1
-    stats.kv_cache_dtype = np.dtype(loaded.dtype).name if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     log(f"model: {loaded.name} ({loaded.config.architecture}, {param_bytes(loaded.model) / 2**20:.1f} MiB "
         f"of weights), dtype {np.dtype(loaded.dtype).name}, "
         f"max_model_len {config.max_model_len}, max_num_seqs {config.max_num_seqs}, "
@@ -90,6 +89,7 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
         per_block = kv_cache_bytes_per_block(loaded.config, config.block_size, loaded.dtype, config.kv_cache_dtype)
         num_swap_blocks = int(config.swap_space * 2**30) // per_block
         log(f"swap preemption: a host pool of {num_swap_blocks} KV blocks ({config.swap_space:g} GiB)")
+    stats.cache_config = cache_config_info(config, num_blocks, num_swap_blocks)
     scheduler = Scheduler(config, num_blocks, loaded.config.eos_token_ids, loaded.config.vocab_size, num_swap_blocks)
     if runner is None:
         runner = ModelRunner(config, loaded, num_blocks, stats, mesh, num_swap_blocks, draft_probs)
@@ -118,6 +118,18 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
         # the other processes wait for steps until process 0 says it is done
         atexit.register(runner.stop_followers)
     return EngineParts(config, loaded, scheduler, runner, stats, num_blocks, proposer)
+
+
+def cache_config_info(config: EngineConfig, num_blocks: int, num_swap_blocks: int) -> dict[str, str]:
+    """vLLM's cache_config_info labels: its CacheConfig's fields that this engine has, str()
+    as vLLM writes them. num_gpu_blocks counts the null block, as vLLM's; num_cpu_blocks is
+    the swap pool (--preemption-mode swap), 0 without one."""
+    return {"block_size": str(config.block_size), "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization), "swap_space": str(config.swap_space),
+            "num_gpu_blocks_override": str(config.num_kv_blocks),
+            "kv_cache_memory_bytes": str(config.kv_cache_memory),
+            "num_gpu_blocks": str(num_blocks), "num_cpu_blocks": str(num_swap_blocks)}
 
 
 def use_compilation_cache(path: str | None) -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams
 from metrics import ITL_BUCKETS, WAIT_REASONS, EngineStats, Histogram
 from server import EngineCollector
 
@@ -31,7 +31,7 @@ EXPORTED = {
                                        "shards (all local devices)."),
     "taxirank:kv_cache_bytes": ("gauge", "Device bytes of the KV cache, a draft model's included, from the "
                                          "arrays' shards (all local devices)."),
-    "taxirank:cache_config_info": ("gauge", "KV cache configuration (value 1): its stored dtype."),
+    "taxirank:cache_config_info": ("gauge", "KV cache configuration as labels (value 1)."),
     "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by what they wait for."),
     "taxirank:num_preemptions": ("counter", "Sequences preempted (recompute or swap)."),
     "taxirank:spec_decode_num_drafts": ("counter", "Speculative proposals verified."),
@@ -73,6 +73,9 @@ EXPORTED = {
     "taxirank:request_prompt_tokens": ("histogram", "Prompt tokens per finished request."),
     "taxirank:request_generation_tokens": ("histogram", "Generated tokens per finished request."),
     "taxirank:request_params_max_tokens": ("histogram", "The max_tokens parameter per finished request."),
+    "taxirank:request_params_n": ("histogram", "The n parameter per finished request."),
+    "taxirank:request_max_num_generation_tokens": (
+        "histogram", "Per finished request: the most tokens one of its n samples generated."),
     "taxirank:request_time_per_output_token_seconds": ("histogram",
                                                        "Per request: decode time / (generated tokens - 1)."),
     "taxirank:request_inference_time_seconds": ("histogram", "First scheduled to last token (RUNNING phase)."),
@@ -95,6 +98,8 @@ BUCKETS = {
     "taxirank:request_prompt_tokens": TOKENS,
     "taxirank:request_generation_tokens": TOKENS,
     "taxirank:request_params_max_tokens": TOKENS,
+    "taxirank:request_max_num_generation_tokens": TOKENS,
+    "taxirank:request_params_n": [1, 2, 5, 10, 20],
     "taxirank:request_time_per_output_token_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                                                        1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0],
     "taxirank:request_inference_time_seconds": E2E,
@@ -156,7 +161,6 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
     assert val("taxirank:generation_tokens_total") - a[("taxirank:generation_tokens_total", ())] == sum(lens)
     assert val("taxirank:request_success_total", finished_reason="length") == n
     assert val("taxirank:num_kv_blocks") == 63 and val("taxirank:kv_cache_usage_perc") == 0
-    assert val("taxirank:cache_config_info", cache_dtype="float32") == 1  # the tiny model's dtype
     # memory, as the arrays hold it: the tiny model's parameters and the cache's blocks
     assert val("taxirank:weight_bytes") == 4 * sum(p.size for p in jax.tree.leaves(nnx.state(llm.engine.loaded.model,
                                                                                               nnx.Param)))
@@ -266,3 +270,85 @@ def test_a_bucket_counts_the_values_at_or_below_its_bound(vals):
     h = Histogram(ITL_BUCKETS)
     h.observe_many(vals)
     assert h.cumulative() == [(le, sum(v <= le for v in vals)) for le in [*ITL_BUCKETS, math.inf]]
+
+
+def test_request_params_n_and_max_generation_tokens_are_observed_once_per_request_offline():
+    """vLLM's request_params_n and request_max_num_generation_tokens: one observation per
+    request (not per sample), when its last sample finishes, of its n and of the longest of
+    its samples, read here off the RequestOutputs themselves."""
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, num_kv_blocks=64, warmup=False)
+    ns = [3, 1, 6, 2]
+    params = [SamplingParams(n=n, max_tokens=m, temperature=1.0, seed=i)
+              for i, (n, m) in enumerate(zip(ns, [9, 4, 30, 12]))]
+    outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], params)
+    s = llm.stats.snapshot()
+    longest = [max(len(o.token_ids) for o in out.outputs) for out in outs]
+    assert [len(out.outputs) for out in outs] == ns
+    assert (s.request_params_n.count, s.request_params_n.sum) == (4, sum(ns))
+    assert dict(s.request_params_n.cumulative()) == {1: 1, 2: 2, 5: 3, 10: 4, 20: 4, math.inf: 4}
+    assert (s.request_max_num_generation_tokens.count, s.request_max_num_generation_tokens.sum) == (4, sum(longest))
+    assert s.request_generation_tokens.count == sum(ns)  # the per-sample histograms still see every sample
+
+
+def test_served_n_cache_config_info_and_their_exported_families():
+    """Through the server's /metrics, every series labelled with vLLM's model_name (the
+    served name) and engine: an n=3 request and a streamed n=2 one are two
+    observations of request_params_n (buckets 2 and 5), their longest samples' lengths
+    (max_tokens, each running to it) those of request_max_num_generation_tokens; an n=2
+    request whose client leaves after its first chunk (its samples aborted) is neither.
+    cache_config_info's labels are the config's, as vLLM's CacheConfig writes them."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from async_engine import AsyncEngine
+    from server import build_app
+
+    config = EngineConfig(model="tiny", max_num_seqs=4, max_model_len=256, num_kv_blocks=64, warmup=False)
+
+    def scrape(text: str) -> dict:
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    async def main() -> tuple[dict, dict]:
+        engine = AsyncEngine(config, log=lambda *_: None)
+        await engine.start()
+        try:
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as c:
+                before = scrape(await (await c.get("/metrics")).text())
+                body = {"prompt": "hello", "temperature": 1.0, "ignore_eos": True}
+                whole = await (await c.post("/v1/completions", json=body | {"n": 3, "max_tokens": 5})).json()
+                assert [ch["finish_reason"] for ch in whole["choices"]] == ["length"] * 3
+                streamed = await (await c.post("/v1/completions", json=body | {"n": 2, "max_tokens": 7,
+                                                                                 "stream": True})).text()
+                assert streamed.count('"finish_reason": "length"') == 2
+                resp = await c.post("/v1/completions", json=body | {"n": 2, "max_tokens": 200, "stream": True})
+                await resp.content.readline()  # its first event: then the client leaves
+                resp.close()
+                while engine.stats.snapshot().request_success["abort"] < 2:
+                    await asyncio.sleep(0.01)
+                return before, scrape(await (await c.get("/metrics")).text())
+        finally:
+            await engine.shutdown()
+
+    before, after = asyncio.run(main())
+
+    def delta(name: str) -> dict[float, float]:
+        a, b = dict(cumulative(before, name)), dict(cumulative(after, name))
+        return {le: b[le] - a[le] for le in b}
+    assert delta("taxirank:request_params_n") == {1: 0, 2: 1, 5: 2, 10: 2, 20: 2, math.inf: 2}
+    vllm_labels = (("engine", "0"), ("model_name", "tiny"))  # on every series, as vLLM's
+    got = samples(after)
+    assert got[("taxirank:request_params_n_sum", vllm_labels)] == 3 + 2
+    assert got[("taxirank:request_max_num_generation_tokens_count", vllm_labels)] == 2
+    assert got[("taxirank:request_max_num_generation_tokens_sum", vllm_labels)] == 5 + 7
+    assert delta("taxirank:request_max_num_generation_tokens")[5] == 1
+    [info] = after["taxirank:cache_config_info"].samples
+    assert info.value == 1 and info.labels == dict(vllm_labels) | {
+        "block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True", "gpu_memory_utilization": "0.9",
+        "swap_space": "4.0", "num_gpu_blocks_override": "64", "kv_cache_memory_bytes": "None",
+        "num_gpu_blocks": "64", "num_cpu_blocks": "0"}
+    assert {n: (f.type, f.documentation) for n, f in after.items()} == EXPORTED
+    assert {k for f in after.values() for s in f.samples for k in s.labels} - {"le", "reason", "finished_reason"} \
+        == {"model_name", "engine"} | set(info.labels)
+    assert all(s.labels["model_name"] == "tiny" and s.labels["engine"] == "0"
+               for f in after.values() for s in f.samples)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -49,7 +50,7 @@ def test_concurrent_streams_each_get_exactly_what_llm_generate_gives(hf_checkpoi
     status, metrics = request(hf_server, "GET", "/metrics", key=None)
     assert [reason for _, reason in got] == ["length"] * len(BODIES)
     assert [ids for ids, _ in got] == [o.outputs[0].token_ids for o in ref]
-    assert status == 200 and "taxirank:num_requests_running 0.0" in metrics
+    assert status == 200 and re.search(r'^taxirank:num_requests_running\{[^}]*model_name=[^}]*\} 0\.0$', metrics, re.M)
 
 
 def test_a_stopping_server_answers_503_to_new_requests():
