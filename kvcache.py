@@ -327,7 +327,8 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
         raise ValueError(f"{source}: a KV cache of {num} blocks takes {num * per_block / 2**30:.2f} GiB, which "
                          f"with {weight_bytes / 2**30:.2f} GiB of weights and {activation_bytes / 2**30:.2f} GiB of "
                          "activations (the logprob arrays at least) does not fit in the device's "
-                         f"{have / 2**30:.2f} GiB; lower it")
+                         f"{have / 2**30:.2f} GiB; lower it (or shrink the logprob arrays: --max-logprobs, "
+                         "--max-num-batched-tokens)")
     need = config.max_blocks_per_seq
     if num - 1 < need:
         raise ValueError(f"the KV cache budget ({source}) gives {max(num - 1, 0)} usable blocks of "

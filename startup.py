@@ -28,7 +28,7 @@ from kvcache import describe, kv_cache_bytes_per_block, measure_activation_bytes
 from metrics import EngineStats
 from model import LoadedModel, device_bytes, load_model, param_bytes, quantize_loaded
 from parallel import make_mesh, max_bytes_per_device, shard_model
-from runner import ModelRunner, logprobs_bytes
+from runner import ModelRunner, check_host_buffers, logprobs_bytes
 from scheduler import Scheduler
 from spec_decode import Proposer, create_proposer
 
@@ -57,6 +57,8 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     if mesh is not None:
         loaded = shard_model(loaded, mesh)
     config = config.resolved(loaded.config.max_model_len)
+    # before KV sizing, whose reserve for the logprob arrays these flags size too: the error names the flag
+    check_host_buffers(config, loaded.config, loaded.dtype)
     stats = EngineStats(max_model_len=config.max_model_len)
     # A draft model's weights and its cache (indexed by the same blocks) share the KV budget.
     proposer = create_proposer(config, loaded, stats) if config.speculative_config is not None else None
