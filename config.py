@@ -543,13 +543,14 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
-        # (the most a request may ask is the engine's --max-logprobs: LLMEngine.validate)
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        # -1: the whole vocabulary, as vLLM's (the most a request may ask is the engine's
+        # --max-logprobs: LLMEngine.validate, which resolves -1)
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < -1):
+            raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < -1):
+            raise ValueError(f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs!r}")
         # vLLM's checks and messages (its SamplingParams._verify_args)
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")

@@ -177,10 +177,12 @@ class LLMEngine:
             raise ParamError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids",
                              "stop")
         vocab = self.model_config.vocab_size
-        # vLLM's --max-logprobs (-1: the vocabulary) and its messages (its processor's _validate_logprobs)
+        # vLLM's --max-logprobs and a request's logprobs (-1 for both: the vocabulary), and its
+        # messages (its processor's _validate_logprobs)
         cap = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
         for name, kind, n in (("logprobs", "sample", params.logprobs), ("prompt_logprobs", "prompt",
                                                                        params.prompt_logprobs)):
+            n = vocab if n == -1 else n
             if n is not None and n > cap:
                 raise ParamError(f"Requested {kind} logprobs of {n}, which is greater than max allowed: {cap}", name)
         if params.logit_bias:  # vLLM's messages (its processor's _validate_logit_bias, ...)
@@ -206,8 +208,13 @@ class LLMEngine:
         grammar: its constraint as validate() returned it (None: compiled here).
         parent: one of n samples' shared ParentRequest (child_requests')."""
         grammar = self.validate(prompt_token_ids, params, priority, slo, grammar)
-        if params.top_k >= self.model_config.vocab_size:  # vLLM: a top_k above the vocabulary keeps all
+        vocab = self.model_config.vocab_size
+        if params.top_k >= vocab:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
+        if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's -1: the whole vocabulary
+            params = dataclasses.replace(params, logprobs=vocab if params.logprobs == -1 else params.logprobs,
+                                         prompt_logprobs=vocab if params.prompt_logprobs == -1
+                                         else params.prompt_logprobs)
         seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority,
                        user=user, parent=parent)

@@ -282,11 +282,16 @@ def device_memory_bytes() -> int:
 
 
 def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight_bytes: int,
-                      activation_bytes: int = 0, extra_bytes_per_block: int = 0) -> int:
+                      activation_bytes: int = 0, extra_bytes_per_block: int = 0, logprobs_bytes: int = 0) -> int:
     """Total blocks (null block included) for a resolved config, from the first knob set:
     num_kv_blocks, kv_cache_memory, or (on an accelerator) gpu_memory_utilization.
-    extra_bytes_per_block: a second cache indexed by the same blocks (a draft model's)."""
+    extra_bytes_per_block: a second cache indexed by the same blocks (a draft model's).
+    logprobs_bytes: the logprob arrays a step returns (runner.logprobs_bytes), which the
+    activations hold at least: the reserve where none was measured (an explicit budget's
+    check, a device without counters), vocabulary-wide under --max-logprobs -1."""
     import jax
+
+    activation_bytes = max(activation_bytes, logprobs_bytes)  # a measured peak includes them
 
     # Per device: under tensor parallelism each device holds 1/tp of every block (its KV
     # heads; cfg counts heads after any replication, see parallel.py), and the budgets
@@ -320,8 +325,10 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
         # Refused before it is allocated: past this point it is an out-of-memory error from deep
         # inside the allocator, or a host killed for memory (a budget fits by construction).
         raise ValueError(f"{source}: a KV cache of {num} blocks takes {num * per_block / 2**30:.2f} GiB, which "
-                         f"with {weight_bytes / 2**30:.2f} GiB of weights does not fit in the device's "
-                         f"{have / 2**30:.2f} GiB; lower it")
+                         f"with {weight_bytes / 2**30:.2f} GiB of weights and {activation_bytes / 2**30:.2f} GiB of "
+                         "activations (the logprob arrays at least) does not fit in the device's "
+                         f"{have / 2**30:.2f} GiB; lower it (or shrink the logprob arrays: --max-logprobs, "
+                         "--max-num-batched-tokens)")
     need = config.max_blocks_per_seq
     if num - 1 < need:
         raise ValueError(f"the KV cache budget ({source}) gives {max(num - 1, 0)} usable blocks of "

@@ -84,6 +84,16 @@ _CHAT_FIELDS = _COMMON_FIELDS | {
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 # Chat's own fields, which mean something else (or nothing) on /v1/completions: refused there.
 _CHAT_ONLY = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+_CHAT_NAMES = {engine: chat for chat, engine in _CHAT_ONLY.items()}
+
+
+def request_field(name: str | None, body: dict, chat: bool) -> str | None:
+    """The request field that a SamplingParams field (named by its ValueError or the
+    engine's ParamError) came in, for a 400's `param`: chat's top_logprobs for logprobs,
+    and max_completion_tokens for max_tokens when sent (it wins); None if the body has none."""
+    if chat and _CHAT_NAMES.get(name) in body:  # type: ignore[arg-type]
+        name = _CHAT_NAMES[name]  # type: ignore[index]
+    return name if name in body else None
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's and vLLM's
 INT64 = (-2**63, 2**63 - 1)
@@ -393,6 +403,8 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
             raise ApiError("when using 'top_logprobs', 'logprobs' must be set to true", param="top_logprobs")
     else:
         logprobs = field(body, "logprobs", (int,))
+        if logprobs is not None and logprobs < 0:  # vLLM's: -1 (the vocabulary) is chat's and prompt_logprobs' only
+            raise ApiError(f"'logprobs' must be a non-negative integer, got {logprobs}", param="logprobs")
     prompt_logprobs = field(body, "prompt_logprobs", (int,))  # vLLM's extra field
     if field(body, "echo", (bool,), False) and not chat and prompt_logprobs is None:
         prompt_logprobs = logprobs  # vLLM's: the echoed prompt's tokens get logprobs as the completion's do
@@ -424,9 +436,10 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
         )
     except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]..."
         name, message = str(e).split()[0].rstrip(":"), str(e)
-        if chat and name == "logprobs":  # chat's count of alternatives is its top_logprobs field
-            name, message = "top_logprobs", message.replace("logprobs", "top_logprobs", 1)
-        raise ApiError(message, param=name if name in body else None) from e
+        param = request_field(name, body, chat)
+        if param is not None and param != name:  # chat's name for it (top_logprobs)
+            message = message.replace(name, param, 1)
+        raise ApiError(message, param=param) from e
     return params
 
 

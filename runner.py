@@ -239,13 +239,34 @@ def token_slice(seq: Sequence, start: int, n: int) -> list[int]:
     return out + [0] * (n - len(out)) if len(out) < n else out
 
 
+def num_sample_rows(config: EngineConfig) -> int:
+    """The sample program's rows: max_num_seqs, rounded up to whole chunks."""
+    chunk = min(SAMPLE_CHUNK, config.max_num_seqs)
+    return -(-config.max_num_seqs // chunk) * chunk
+
+
+def logprobs_bytes(config: EngineConfig, model: ModelConfig) -> dict[str, int]:
+    """The bytes of the logprob arrays the programs return, by the flag that sizes their
+    rows, at their width (EngineConfig.logprobs_width: the vocabulary under --max-logprobs
+    -1): per prompt-logprob row a logprob, a rank and the top ids and values; per sample
+    row and per verified row's position a logprob and the top ids and values. Each is a
+    device array, and a step that asked for it copies it whole to the host."""
+    width = config.logprobs_width(model.vocab_size)
+    K = config.speculative_config.k if config.speculative_config is not None else 0
+    _, P = prompt_logprob_rows(config)
+    i32 = f32 = 4
+    row = f32 + width * (i32 + f32)
+    verified = config.max_num_seqs * (K + 1) * row if K else 0
+    return {"max_num_batched_tokens": P * (row + i32), "max_num_seqs": num_sample_rows(config) * row + verified}
+
+
 def host_buffer_bytes(config: EngineConfig, model: ModelConfig, dtype: Any) -> dict[str, int]:
     """The bytes of the host arrays the runner sizes from each flag: those it keeps (the
-    logits and hidden-state buffers are built on the host, then copied to the device) and
-    those its largest step builds."""
+    logits and hidden-state buffers are built on the host, then copied to the device),
+    those its largest step builds, and the logprob arrays' copies (logprobs_bytes)."""
     N, T, W, V = config.max_num_seqs, config.max_num_batched_tokens, config.max_blocks_per_seq, model.vocab_size
     K = config.speculative_config.k if config.speculative_config is not None else 0
-    rows = -(-N // min(SAMPLE_CHUNK, N)) * min(SAMPLE_CHUNK, N)  # ModelRunner.sample_rows
+    rows = num_sample_rows(config)
     _, P = prompt_logprob_rows(config)
     i32 = 4
     # the hidden-state buffer and its padded targets; a step's tokens, positions, slot
@@ -256,7 +277,9 @@ def host_buffer_bytes(config: EngineConfig, model: ModelConfig, dtype: Any) -> d
     # verified rows' inputs
     seqs = (N + 1) * (2 * W * i32 + i32 + 2 * 6 * 4 + 3 + 2 * 8) + rows * (V * 4 + bitmask_width(V) * i32) \
         + N * (K + 4) * i32
-    return {"max_num_batched_tokens": tokens, "max_num_seqs": seqs}
+    logprobs = logprobs_bytes(config, model)
+    return {"max_num_batched_tokens": tokens + logprobs["max_num_batched_tokens"],
+            "max_num_seqs": seqs + logprobs["max_num_seqs"]}
 
 
 def check_host_buffers(config: EngineConfig, model: ModelConfig, dtype: Any) -> None:
@@ -321,7 +344,7 @@ class ModelRunner:
         # whole chunks), of which it samples only those up to the last sampling row. Each
         # forward writes its logits into the first rows of this buffer (donated: in place)
         # and its sample program reads them there.
-        self.sample_rows = -(-N // min(SAMPLE_CHUNK, N)) * min(SAMPLE_CHUNK, N)
+        self.sample_rows = num_sample_rows(config)
         logits = np.zeros((self.sample_rows, loaded.config.vocab_size), np.float32)
         self._logits = jnp.asarray(logits) if mesh is None else replicate(logits, mesh)
         self._sample_due = False  # a forward ran whose sample program has not

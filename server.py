@@ -50,8 +50,8 @@ from engine import QueueFullError, TokenLogprob, child_requests
 from metrics import EngineStats, ParentRequest, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
-                      parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, thinking_enabled, token_text,
-                      tool_choice, truncate_prompt, unknown_fields)
+                      parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, request_field, thinking_enabled,
+                      token_text, tool_choice, truncate_prompt, unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
@@ -187,8 +187,13 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # the first byte, a cancellation) ends the requests: a stream never read has no frame to abort it.
     try:
         # vLLM's n: one engine request per sample; their one prompt is shared in the prefix cache
-        for rid, p, parent in child_requests(engine_request_id, dataclasses.replace(params, n=n)):
-            gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, slo, grammar, parent))
+        try:
+            for rid, p, parent in child_requests(engine_request_id, dataclasses.replace(params, n=n)):
+                gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, slo, grammar,
+                                       parent))
+        except ApiError as e:  # the engine names SamplingParams' fields: the 400 names the client's
+            e.param = request_field(e.param, body, chat)
+            raise
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
         model = body.get("model") or app["model_names"][0]  # read_body checked it
         head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}

@@ -28,7 +28,7 @@ from kvcache import describe, kv_cache_bytes_per_block, measure_activation_bytes
 from metrics import EngineStats
 from model import LoadedModel, device_bytes, load_model, param_bytes, quantize_loaded
 from parallel import make_mesh, max_bytes_per_device, shard_model
-from runner import ModelRunner
+from runner import ModelRunner, check_host_buffers, logprobs_bytes
 from scheduler import Scheduler
 from spec_decode import Proposer, create_proposer
 
@@ -57,6 +57,8 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     if mesh is not None:
         loaded = shard_model(loaded, mesh)
     config = config.resolved(loaded.config.max_model_len)
+    # before KV sizing, whose reserve for the logprob arrays these flags size too: the error names the flag
+    check_host_buffers(config, loaded.config, loaded.dtype)
     stats = EngineStats(max_model_len=config.max_model_len)
     # A draft model's weights and its cache (indexed by the same blocks) share the KV budget.
     proposer = create_proposer(config, loaded, stats) if config.speculative_config is not None else None
@@ -69,7 +71,8 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
         nnx.state(loaded.model, nnx.Param))
     num_blocks = num_kv_blocks_for(config, loaded.config, loaded.dtype,
                                    weight_bytes + (proposer.weight_bytes() if proposer else 0), activation_bytes,
-                                   proposer.kv_bytes_per_block() if proposer else 0)
+                                   proposer.kv_bytes_per_block() if proposer else 0,
+                                   sum(logprobs_bytes(config, loaded.config).values()))  # on every device, whole
     if config.num_processes > 1:  # every process's cache has process 0's shape
         num_blocks = distributed.StepChannel().share_int("num_kv_blocks", num_blocks)
     stats.num_kv_blocks = num_blocks - 1
@@ -171,7 +174,7 @@ def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: Engin
     stats.num_compilations -= min(1, stats.num_compilations - compiled)
     runner.kv_caches = []  # free the small cache before the real one is allocated
     if profile is None:
-        log("KV sizing: the device reports no memory counters; no activation reserve is subtracted")
+        log("KV sizing: the device reports no memory counters; only the logprob arrays are reserved for activations")
         return runner, 0
     log(f"KV sizing: {profile.describe(T)}")
     return runner, profile.activation_bytes

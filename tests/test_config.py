@@ -183,6 +183,52 @@ def test_host_buffers_are_bounded_by_their_need_not_a_cap(monkeypatch):
         _tiny(max_num_seqs=4)
 
 
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_host_buffers_grow_with_the_logprob_arrays_width(spec):
+    """--max-logprobs is the width of the logprob arrays the programs return (-1: the
+    vocabulary, [rows, V] ids and values, and prompt logprobs' [P, V]), copied to the host
+    when asked: the host budget grows with the width by exactly what those programs'
+    outputs take, read from their shapes (jax.eval_shape of the sample, prompt-logprob and
+    verify computations)."""
+    import jax.numpy as jnp
+
+    from model import BUILTIN_MODELS
+    from sampler import SamplingTensors, emitted_logprobs, empty_sampling_arrays, sample_rows
+
+    model = BUILTIN_MODELS["tiny"]
+    V, H = model.vocab_size, model.hidden_size
+    N, rows, P, K1 = 12, 16, 256, 4  # 12 sequences: two sample chunks of 8; 200 tokens: two prompt chunks of 128
+
+    def cfg(max_logprobs: int) -> EngineConfig:
+        return EngineConfig(model="tiny", max_num_seqs=N, max_model_len=128, max_num_batched_tokens=200,
+                            max_logprobs=max_logprobs, speculative_config=spec).resolved(128)
+
+    def nbytes(tree) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    def outputs(width: int) -> dict[str, int]:
+        def t(n: int) -> SamplingTensors:
+            return SamplingTensors(**empty_sampling_arrays(n), want_logprobs=np.bool_(True))
+
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        sample = jax.eval_shape(lambda x: sample_rows(x, t(rows), rows, 8, "raw_logprobs", width)[1:], f32(rows, V))
+        prompt = jax.eval_shape(lambda h, w, tg: runner.prompt_logprobs(lambda x: x @ w, h, tg, 128, width),
+                                f32(P, H), f32(H, V), i32(P))
+        verify = jax.eval_shape(lambda x, tok: emitted_logprobs(x, tok, t(N), True, "raw_logprobs", width),
+                                f32(N, K1, V), i32(N, K1))
+        return {"max_num_batched_tokens": nbytes(prompt), "max_num_seqs": nbytes(sample) + nbytes(verify) * bool(spec)}
+
+    def host(max_logprobs: int) -> dict[str, int]:
+        return runner.host_buffer_bytes(cfg(max_logprobs), model, np.float32)
+
+    for narrow, wide, width in ((0, 20, 20), (20, -1, V)):
+        grown = {k: host(wide)[k] - host(narrow)[k] for k in host(narrow)}
+        want = {k: outputs(width)[k] - outputs(20 if width == V else 0)[k] for k in grown}
+        assert grown == want
+    assert grown["max_num_batched_tokens"] == P * (V - 20) * 8  # [P, V] ids and values
+
+
 def test_every_engine_config_field_is_a_server_flag_with_its_own_help():
     """A field added to EngineConfig is a flag at once (build_parser reads the dataclass);
     its --help says what it does, not just the field's name."""

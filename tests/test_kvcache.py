@@ -134,6 +134,46 @@ def test_a_budget_below_one_max_model_len_sequence_is_a_clear_error(monkeypatch)
         num_kv_blocks_for(config(), CFG, jnp.float32, weight_bytes=20 * PER_BLOCK_F32)
 
 
+def test_the_logprob_arrays_are_reserved_where_no_activation_peak_holds_them(monkeypatch):
+    """A step's logprob arrays (vocabulary-wide under --max-logprobs -1) are part of its
+    activations: a measured peak holds them; without one (a device without counters, an
+    explicit budget) they are reserved themselves."""
+    device = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 1000 * PER_BLOCK_F32})
+    monkeypatch.setattr(jax, "devices", lambda: [device])
+    weights, logprobs = 100 * PER_BLOCK_F32, 60 * PER_BLOCK_F32
+    budget = config(gpu_memory_utilization=0.5)
+    assert num_kv_blocks_for(budget, CFG, jnp.float32, weights, logprobs_bytes=logprobs) == 500 - 100 - 60
+    assert num_kv_blocks_for(budget, CFG, jnp.float32, weights, 80 * PER_BLOCK_F32, logprobs_bytes=logprobs) \
+        == 500 - 100 - 80  # the measured peak, which holds them
+    explicit = config(num_kv_blocks=861)  # with the weights it fits; with the arrays too, 1,021 blocks do not
+    assert num_kv_blocks_for(explicit, CFG, jnp.float32, weights) == 861
+    with pytest.raises(ValueError, match="--num-kv-blocks 861: .* of activations .* does not fit"):
+        num_kv_blocks_for(explicit, CFG, jnp.float32, weights, logprobs_bytes=logprobs)
+
+
+def test_the_engine_reserves_its_logprob_arrays_when_the_device_has_no_counters(monkeypatch):
+    """The start-up path on a fake device that reports a limit but no counters: the KV
+    budget leaves room for the logprob arrays at --max-logprobs' width."""
+    from engine import LLM
+    from model import BUILTIN_MODELS
+    from runner import logprobs_bytes
+
+    tiny = BUILTIN_MODELS["tiny"]
+    per_block = kv_cache_bytes_per_block(tiny, 16, jnp.float32)
+    device = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 4000 * per_block})
+    monkeypatch.setattr(jax, "devices", lambda: [device])
+    monkeypatch.setattr("startup.param_bytes", lambda model: 40 * per_block)
+    kw = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, warmup=False,
+              gpu_memory_utilization=0.5)
+    blocks = {}
+    for width in (20, -1):
+        eng = LLM("tiny", log=lambda *_: None, max_logprobs=width, **kw).engine
+        arrays = sum(logprobs_bytes(eng.config, tiny).values())
+        assert eng.num_kv_blocks == (2000 * per_block - 40 * per_block - arrays) // per_block
+        blocks[width] = eng.num_kv_blocks
+    assert blocks[20] - blocks[-1] > 60  # vocabulary-wide: [128, 259] ids and values, and more
+
+
 def test_create_kv_caches_stacks_layers_blocks_tokens_heads_dims():
     k, v = create_kv_caches(CFG, num_blocks=3, block_size=16, dtype=jnp.bfloat16)
     assert k.shape == v.shape == (CFG.num_hidden_layers, 3, 16, 4, 8) and k.dtype == jnp.bfloat16

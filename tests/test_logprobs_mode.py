@@ -9,7 +9,8 @@ processed_logits those; so do a verified row's under ngram speculation; prompt l
 are raw logprobs in every mode (vLLM's); raw logprobs see a grammar's mask but not
 allowed_token_ids' (vLLM applies the grammar before its sampler). A request asking more
 logprobs or prompt_logprobs than --max-logprobs is vLLM's ValueError offline and a 400
-naming the field over HTTP; -1 lifts the cap to the vocabulary. Both flags are checked
+naming the field the client sent (chat's top_logprobs); -1 lifts the cap to the
+vocabulary, and a request's -1 (vLLM's) asks the whole vocabulary. Both flags are checked
 where they enter and are server flags."""
 
 from __future__ import annotations
@@ -177,7 +178,29 @@ def test_max_logprobs_caps_requests_with_vllms_message_and_minus_one_is_the_voca
     np.testing.assert_allclose([v for _, v in top], np.sort(ref)[::-1], atol=5e-4)
 
 
-def test_the_server_refuses_more_than_max_logprobs_with_a_400_naming_the_field():
+def test_minus_one_asks_the_whole_vocabulary_within_max_logprobs(ckpt):
+    """vLLM's logprobs=-1 and prompt_logprobs=-1: every token's logprob, in order; a
+    --max-logprobs below the vocabulary refuses them with vLLM's message, the vocabulary's size."""
+    llm = LLM(ckpt, log=lambda *_: None, **SMALL)  # the default, 20
+    vocab = llm.engine.model_config.vocab_size
+    for field, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        with pytest.raises(ValueError, match=f"Requested {kind} logprobs of {vocab}, which is greater than max "
+                                             "allowed: 20"):
+            llm.generate([PROMPT], SamplingParams(max_tokens=2, **{field: -1}))
+
+    llm = LLM(ckpt, log=lambda *_: None, max_logprobs=-1, **SMALL)
+    o = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, prompt_logprobs=-1))[0]
+    logits = hf_logits(ckpt, PROMPT)
+    for top, ref in ((o.prompt_logprobs[1].top, log_softmax(logits[0])), (o.outputs[0].logprobs[0].top,
+                                                                         log_softmax(logits[-1]))):
+        assert len(top) == vocab and [t for t, _ in top] == np.argsort(-ref, kind="stable").tolist()
+        np.testing.assert_allclose([v for _, v in top], np.sort(ref)[::-1], atol=5e-4)
+    assert o.outputs[0].cumulative_logprob == o.outputs[0].logprobs[0].logprob  # asked: -1 is not "none"
+
+
+@pytest.fixture(scope="module")
+def capped_post():
+    """post(path, body) -> (status, JSON) on a tiny engine's server with --max-logprobs 5."""
     from aiohttp.test_utils import TestClient, TestServer
 
     import server
@@ -186,22 +209,65 @@ def test_the_server_refuses_more_than_max_logprobs_with_a_400_naming_the_field()
         client = TestClient(TestServer(server.build_app(engine, ["tiny"])), loop=loop)
         loop.run_until_complete(client.start_server())
 
-        def post(body: dict) -> tuple[int, dict]:
+        def post(path: str, body: dict) -> tuple[int, dict]:
             async def one():
-                resp = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2} | body)
+                resp = await client.post(path, json=body)
                 return resp.status, await resp.json()
             return loop.run_until_complete(asyncio.wait_for(one(), 300))
 
         try:
-            for field in ("logprobs", "prompt_logprobs"):
-                status, body = post({field: 6})
-                assert status == 400 and body["error"]["param"] == field, body
-                assert "greater than max allowed: 5" in body["error"]["message"], body
-            # (as token ids: two tokens of the byte tokenizer may have the same text, one key)
-            status, body = post({"logprobs": 5, "temperature": 0.0, "return_tokens_as_token_ids": True})
-            assert status == 200 and all(len(t) == 5 for t in body["choices"][0]["logprobs"]["top_logprobs"]), body
+            yield post
         finally:
             loop.run_until_complete(client.close())
+
+
+COMPLETION, CHAT = ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2}), \
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+
+def test_the_server_refuses_more_than_max_logprobs_with_a_400_naming_the_field(capped_post):
+    path, base = COMPLETION
+    for field in ("logprobs", "prompt_logprobs"):
+        status, body = capped_post(path, base | {field: 6})
+        assert status == 400 and body["error"]["param"] == field, body
+        assert "greater than max allowed: 5" in body["error"]["message"], body
+    # (as token ids: two tokens of the byte tokenizer may have the same text, one key)
+    status, body = capped_post(path, base | {"logprobs": 5, "temperature": 0.0, "return_tokens_as_token_ids": True})
+    assert status == 200 and all(len(t) == 5 for t in body["choices"][0]["logprobs"]["top_logprobs"]), body
+
+
+def test_a_chat_400_over_max_logprobs_names_top_logprobs_the_field_sent(capped_post):
+    path, base = CHAT
+    for top in (6, -1):  # -1: the vocabulary, over the cap
+        status, body = capped_post(path, base | {"logprobs": True, "top_logprobs": top})
+        assert status == 400 and body["error"]["param"] == "top_logprobs", body
+        assert "greater than max allowed: 5" in body["error"]["message"], body
+    status, body = capped_post(path, base | {"prompt_logprobs": 6})
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs", body
+
+
+def test_minus_one_over_http_as_far_as_vllms_api_takes_it(capped_post):
+    """vLLM's API: -1 for chat's top_logprobs and both endpoints' prompt_logprobs (the
+    vocabulary, refused here by the cap), never for completions' logprobs."""
+    from protocol import ApiError, parse_sampling
+
+    def parse(body: dict, chat: bool):
+        return parse_sampling(body, 3, 256, chat=chat, has_tokenizer=True)
+
+    assert parse({"logprobs": True, "top_logprobs": -1}, True).logprobs == -1
+    for chat in (False, True):
+        assert parse({"prompt_logprobs": -1}, chat).prompt_logprobs == -1
+        with pytest.raises(ApiError) as e:
+            parse({"prompt_logprobs": -2}, chat)
+        assert e.value.param == "prompt_logprobs"
+    with pytest.raises(ApiError) as e:
+        parse({"logprobs": -1}, False)
+    assert e.value.status == 400 and e.value.param == "logprobs"
+    path, base = COMPLETION
+    status, body = capped_post(path, base | {"prompt_logprobs": -1})
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs", body
+    assert re.search(r"Requested prompt logprobs of \d+, which is greater than max allowed: 5",
+                     body["error"]["message"]), body
 
 
 def test_the_flags_are_checked_where_they_enter_and_are_server_flags():
@@ -212,9 +278,10 @@ def test_the_flags_are_checked_where_they_enter_and_are_server_flags():
                          ({"max_logprobs": 2.0}, "max_logprobs must be an integer")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(model="tiny", **bad)
-    for bad in ({"logprobs": -1}, {"prompt_logprobs": -3}, {"logprobs": 1.5}):
-        with pytest.raises(ValueError, match="logprobs must be a non-negative integer"):
+    for bad in ({"logprobs": -2}, {"prompt_logprobs": -3}, {"logprobs": 1.5}):
+        with pytest.raises(ValueError, match="logprobs must be non-negative or -1"):
             SamplingParams(**bad)
+    assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1  # vLLM's: the vocabulary
     assert SamplingParams(logprobs=500).logprobs == 500  # the engine's --max-logprobs decides
     help_text = server.build_parser().format_help()
     assert "--logprobs-mode" in help_text and "--max-logprobs" in help_text

@@ -75,7 +75,7 @@ def test_a_request_id_reused_after_an_abort_gets_its_own_prompt_logprobs(llm, ch
 
 def test_prompt_logprobs_validated():
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=-1)
+        SamplingParams(prompt_logprobs=-2)  # (-1: the vocabulary, vLLM's)
     # (the most a request may ask is the engine's --max-logprobs: test_logprobs_mode.py)
 
 
