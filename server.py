@@ -930,7 +930,7 @@ _HELP = {  # EngineConfig fields; config.py says more
                      "top-k/top-p/min-p; a grammar's mask applies), raw_logits, processed_logprobs or processed_logits "
                      "(what the token was drawn from), as vLLM's",
     "max_logprobs": "most logprobs and prompt_logprobs a request may ask for (the width of the top-logprob arrays); "
-                    "-1: the vocabulary",
+                    "-1: the vocabulary, which a request then asks with -1 (as vLLM's)",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",
     "warmup": "compile every step shape before serving",
     "compilation_cache_dir": "persistent cache of compiled step programs (fast restarts); None: $TAXIRANK_CACHE/jax "
