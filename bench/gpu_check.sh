@@ -54,22 +54,22 @@ report
 if [ "$MODE" = gpu ]; then
   export TAXIRANK_KERNEL_INTERPRET=0
   GPU=--require-gpu
-  stage smoke "${T_SMOKE:-35}" "$PY" bench/kernels.py $GPU --smoke --out "$WORK/smoke.json"
+  stage smoke "${T_SMOKE:-35}" "$PY" bench/attention_kernels.py $GPU --smoke --out "$WORK/smoke.json"
   stage tests "${T_TESTS:-45}" "$PY" -m pytest tests/test_kernels.py -m "not hypothesis" -v -rfE \
     -p no:cacheprovider --durations=5
-  stage kernels "${T_KERNELS:-75}" "$PY" bench/kernels.py $GPU --sweep --backends pallas --skip-step \
+  stage kernels "${T_KERNELS:-75}" "$PY" bench/attention_kernels.py $GPU --sweep --backends pallas --skip-step \
     --contexts 8192,2048,512 --batches 256,64,16,1 --out "$WORK/kernels.json"
-  stage step "${T_STEP:-50}" "$PY" bench/kernels.py $GPU --skip-decode --skip-ragged --step-backends pallas \
+  stage step "${T_STEP:-50}" "$PY" bench/attention_kernels.py $GPU --skip-decode --skip-ragged --step-backends pallas \
     --out "$WORK/step.json"
   stage mix "${T_MIX:-80}" "$PY" bench/gpu_mix.py $GPU --out "$WORK/mix.json"
 else  # every stage's plumbing on CPU: interpreted kernels, toy shapes
   export TAXIRANK_KERNEL_INTERPRET=1
-  stage smoke "${T_SMOKE:-150}" "$PY" bench/kernels.py --quick --smoke --out "$WORK/smoke.json"
+  stage smoke "${T_SMOKE:-150}" "$PY" bench/attention_kernels.py --quick --smoke --out "$WORK/smoke.json"
   stage tests "${T_TESTS:-150}" "$PY" -m pytest tests/test_kernels.py -m "not hypothesis" -q -rfE \
     -p no:cacheprovider -k "split_k or one_split"
-  stage kernels "${T_KERNELS:-150}" "$PY" bench/kernels.py --quick --sweep --backends pallas --skip-step \
+  stage kernels "${T_KERNELS:-150}" "$PY" bench/attention_kernels.py --quick --sweep --backends pallas --skip-step \
     --out "$WORK/kernels.json"
-  stage step "${T_STEP:-150}" "$PY" bench/kernels.py --quick --skip-decode --skip-ragged --step-backends xla \
+  stage step "${T_STEP:-150}" "$PY" bench/attention_kernels.py --quick --skip-decode --skip-ragged --step-backends xla \
     --out "$WORK/step.json"
   stage mix "${T_MIX:-150}" "$PY" bench/gpu_mix.py --tiny --out "$WORK/mix.json"
 fi

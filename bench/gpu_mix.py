@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.num_requests, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens = 8, 4, 64, 32
         short, long, prompt_len, dtype, name = 4, 24, (8, 24), "float32", "tiny"
     else:  # registered for this process only
-        from kernels import LLAMA3_8B_HF
+        from attention_kernels import LLAMA3_8B_HF
 
         model_lib.BUILTIN_MODELS[MODEL] = model_lib.ModelConfig.from_hf(LLAMA3_8B_HF)
     out = out_path(args.out, "mix.json")

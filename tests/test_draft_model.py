@@ -302,6 +302,7 @@ def test_kv_sizing_and_the_reported_memory_count_the_draft_model(target_ckpt, dr
 
     import startup
     from engine import LLM
+    from runner import logprobs_bytes
 
     limit, util = 64 * 2**20, 0.5
     gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": limit})
@@ -324,9 +325,11 @@ def test_kv_sizing_and_the_reported_memory_count_the_draft_model(target_ckpt, dr
     per_block = nbytes(plain.engine.runner.kv_caches) // plain.engine.num_kv_blocks
     draft_per_block = nbytes(spec.engine.proposer.kv_caches) // spec.engine.num_kv_blocks
     assert draft_per_block > 0 and nbytes(spec.engine.runner.kv_caches) == per_block * spec.engine.num_kv_blocks
+    # the device measured no activations (it is a CPU): the logprob arrays are the reserve
+    reserve = [sum(logprobs_bytes(e.config, e.model_config).values()) for e in (plain.engine, spec.engine)]
     budget = int(util * limit) - file_bytes[target_ckpt]
-    assert plain.engine.num_kv_blocks == budget // per_block
-    assert spec.engine.num_kv_blocks == (budget - file_bytes[draft_dir]) // (per_block + draft_per_block)
+    assert plain.engine.num_kv_blocks == (budget - reserve[0]) // per_block
+    assert spec.engine.num_kv_blocks == (budget - file_bytes[draft_dir] - reserve[1]) // (per_block + draft_per_block)
     assert plain.stats.weight_bytes == file_bytes[target_ckpt]
     assert spec.stats.weight_bytes == file_bytes[target_ckpt] + file_bytes[draft_dir]
     assert spec.stats.kv_cache_bytes == (per_block + draft_per_block) * spec.engine.num_kv_blocks

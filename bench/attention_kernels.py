@@ -1,6 +1,6 @@
 """Paged-attention kernels on the GPU: how close do they come to the HBM roofline?
 
-    python bench/kernels.py [--out results.json] [--skip-step] [--quick] [--sweep] [--smoke]
+    python bench/attention_kernels.py [--out results.json] [--skip-step] [--quick] [--sweep] [--smoke]
 
 What each part measures and how: docs/BENCHMARKS.md.
 """
