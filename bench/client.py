@@ -6,6 +6,7 @@ server subprocess, and what the server's Prometheus /metrics say meanwhile.
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import os
 import re
@@ -233,13 +234,20 @@ class Server:
         raise RuntimeError(f"the server was not ready after {timeout:.0f}s (see {self.log_path})")
 
     def cpu_seconds(self) -> float | None:
-        """The process's CPU time so far (Linux): beside the wall time, how much of the machine it got."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-        except (OSError, ValueError, IndexError):
-            return None
+        """The CPU time so far of the server's session (Linux): its process and every process it
+        started (a launcher may serve from a child, as `transformers serve` does), beside the wall
+        time, how much of the machine it got."""
+        ticks, found = 0, False
+        for path in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                with open(path) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == self.proc.pid:  # its session (start_new_session: it leads one)
+                    ticks += sum(int(x) for x in fields[11:15])  # utime, stime and its reaped children's
+                    found = True
+            except (OSError, ValueError, IndexError):
+                continue
+        return ticks / os.sysconf("SC_CLK_TCK") if found else None
 
     def stop(self, grace_s: float = 0.0) -> None:
         """SIGTERM to the process alone first when `grace_s` (a launcher that shuts its
