@@ -85,7 +85,7 @@ class CompletionOutput:
     """One sample of a request, as vLLM's CompletionOutput."""
 
     index: int  # its place among the request's n samples
-    text: str | None  # None: the model has no tokenizer
+    text: str  # "" where the model has no tokenizer
     token_ids: list[int]
     # vLLM's: the sum of the sampled tokens' logprobs when the request asked for logprobs, else None
     cumulative_logprob: float | None
@@ -246,10 +246,11 @@ class LLMEngine:
         parser = REASONING_PARSERS[name](self.tokenizer.decode(seq.prompt_token_ids[-32:], skip_special_tokens=False))
         return [] if parser.prompt_ended else self.tokenizer.encode(parser.end, add_special_tokens=False)
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
         """Drop a request now (idempotent). A request ends for its client when it is released,
-        so one that static batching holds seated after its last token ends as an abort."""
-        seq = self.scheduler.abort(request_id)
+        so one that static batching holds seated after its last token ends as an abort.
+        reason "error": it failed alone (vLLM's FinishReason.ERROR, a 500 to its client)."""
+        seq = self.scheduler.abort(request_id, reason)
         self._prompt_lps.pop(request_id, None)
         if seq is None:
             return None
@@ -488,7 +489,7 @@ class LLMEngine:
             self.failed.clear()
             raise error
         for rid, _ in self.failed:
-            self.abort(rid)
+            self.abort(rid, "error")
         out.scheduled = ok
         out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
         out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)
@@ -678,7 +679,7 @@ class LLM:
             finished_time=last.finished_time, num_preemptions=sum(s.num_preemptions for s in samples))
 
     def _completion(self, index: int, seq: Sequence, logprobs: list[TokenLogprob] | None) -> CompletionOutput:
-        text = None
+        text = ""  # vLLM's, where nothing detokenizes (a model without a tokenizer)
         if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
             text = seq.stop_matcher.text  # up to the stop string, as the server sends it
         elif self.tokenizer is not None:

@@ -208,7 +208,9 @@ class EngineStats:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
-    request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    # vLLM's FinishReason but "repetition" (no repetition detection here): "error" is a request
+    # that failed alone, answered with a 500
+    request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
     num_compilations: int = 0
     num_steps: int = 0
     num_decode_steps: int = 0  # steps that carried no prompt tokens

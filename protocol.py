@@ -406,6 +406,9 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
         if logprobs is not None and logprobs < 0:  # vLLM's: -1 (the vocabulary) is chat's and prompt_logprobs' only
             raise ApiError(f"'logprobs' must be a non-negative integer, got {logprobs}", param="logprobs")
     prompt_logprobs = field(body, "prompt_logprobs", (int,))  # vLLM's extra field
+    if prompt_logprobs is not None and prompt_logprobs != 0 and field(body, "stream", (bool,), False):
+        # vLLM's: a stream has no place for them (an echo's, asked by `logprobs`, go in its first chunk)
+        raise ApiError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
     if field(body, "echo", (bool,), False) and not chat and prompt_logprobs is None:
         prompt_logprobs = logprobs  # vLLM's: the echoed prompt's tokens get logprobs as the completion's do
     try:

@@ -77,7 +77,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache, or is computed by a scheduled step
     num_cached_tokens: int = -1  # prompt tokens the prefix cache served at first admission; -1: not admitted yet
     block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks so far (kvcache.py)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (vLLM's FinishReason)
     wait_reason: str | None = None  # one of metrics.WAIT_REASONS, set by each schedule()
     num_preemptions: int = 0
     # Positions below this were computed once: computing them again is the recompute tax
@@ -300,8 +300,9 @@ class Scheduler:
         self.waiting.add(seq)
         self._seqs[seq.request_id] = seq
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Drop a request wherever it is; its slot and blocks are free on return."""
+    def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
+        """Drop a request wherever it is; its slot and blocks are free on return. reason:
+        "abort" (its client or the engine's shutdown ended it) or "error" (it failed alone)."""
         seq = self._seqs.get(request_id)
         if seq is None:
             return None
@@ -311,7 +312,7 @@ class Scheduler:
             self._drop_swapped(seq)
         else:
             self.retire(seq)
-        seq.status, seq.finish_reason, seq.wait_reason = FINISHED, "abort", None
+        seq.status, seq.finish_reason, seq.wait_reason = FINISHED, reason, None
         seq.num_output_placeholders = 0  # tokens of steps in flight: never delivered
         self._assert_step_invariants()
         return seq

@@ -35,6 +35,7 @@ def test_greedy_generate_equals_transformers(hf_checkpoint, family):
     prompt = [5, 17, 42, 99, 7, 256, 31, 64, 11]
     ours = make_llm(path, max_model_len=128, max_num_batched_tokens=128).generate([prompt], greedy(32))[0]
     assert ours.outputs[0].token_ids == hf_greedy(path, prompt, 32)
+    assert ours.outputs[0].text == ""  # no tokenizer beside the checkpoint: vLLM's empty text, not None
 
 
 def test_finished_request_leaves_in_that_step_and_queued_request_joins_the_next():

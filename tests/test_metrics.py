@@ -107,7 +107,7 @@ BUCKETS = {
     "taxirank:request_decode_time_seconds": E2E,
 }
 LABELS = {"taxirank:num_requests_waiting_by_reason": ("reason", set(WAIT_REASONS)),
-          "taxirank:request_success": ("finished_reason", {"stop", "length", "abort"})}
+          "taxirank:request_success": ("finished_reason", {"stop", "length", "abort", "error"})}
 
 
 def render(stats: EngineStats) -> dict:

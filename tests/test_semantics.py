@@ -117,6 +117,9 @@ def test_a_failure_preparing_one_request_ends_it_alone(monkeypatch) -> None:
             eng.failed.clear()
         eng.scheduler.check_invariants()
         assert eng.scheduler.allocator.num_used == 0
+        # vLLM's finished_reason "error" for the one that failed, not "abort" (no client ended it)
+        assert eng.stats.snapshot().request_success == {"stop": 0, "length": 3 - len(failed), "abort": 0,
+                                                        "error": len(failed)}
         return tokens, failed
 
     clean, none = run(None)

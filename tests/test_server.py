@@ -336,9 +336,10 @@ def test_logprobs_cover_each_sampled_token(client: openai.OpenAI) -> None:
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
-def test_prompt_logprobs_score_the_prompt_whole_and_streamed(server: Server) -> None:
+def test_prompt_logprobs_score_the_prompt_and_a_stream_is_refused_them_as_vllm(server: Server) -> None:
     """vLLM's extra field: per prompt token (the first None) its logprob, rank and top N,
-    equal to the offline engine's; streamed, once, in the first chunk."""
+    equal to the offline engine's. A stream that asks for them is a 400 (vLLM's message) that
+    starts no engine request; prompt_logprobs=0 streams, as vLLM's check is `> 0 or == -1`."""
     body = greedy_body(greedy(prompt="score me", max_tokens=2, prompt_logprobs=2))
     status, whole = request(server, "POST", "/v1/completions", body)
     assert status == 200, whole
@@ -349,9 +350,21 @@ def test_prompt_logprobs_score_the_prompt_whole_and_streamed(server: Server) -> 
         assert entry[str(want.token_id)]["logprob"] == pytest.approx(want.logprob, abs=1e-5)
         assert entry[str(want.token_id)]["rank"] == want.rank >= 1
         assert all(str(t) in entry for t, _ in want.top) and len(want.top) == 2
-    events = sse(server, "/v1/completions", body | {"stream": True})
-    firsts = [e["choices"][0].get("prompt_logprobs") for e in events if e["choices"]]
-    assert firsts[0] == got and all(f is None for f in firsts[1:])
+    wait_idle(server)
+    def finished() -> dict[str, float]:
+        m = scrape(server)
+        return {r: metric(m, "request_success_total", finished_reason=r) for r in ("stop", "length", "abort")}
+
+    before = finished()
+    for n in (2, -1):
+        status, refused = request(server, "POST", "/v1/completions", body | {"stream": True, "prompt_logprobs": n})
+        assert status == 400 and refused["error"]["param"] == "prompt_logprobs", refused
+        assert refused["error"]["message"] == "`prompt_logprobs` are not available when `stream=True`."
+    events = sse(server, "/v1/completions", body | {"stream": True, "prompt_logprobs": 0})
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    wait_idle(server)
+    after = finished()
+    assert {r: after[r] - before[r] for r in after} == {"stop": 0, "length": 1, "abort": 0}  # it alone ran
 
 
 def test_stop_string_across_token_boundaries_is_cut_and_never_partly_streamed(client: openai.OpenAI) -> None:
