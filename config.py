@@ -65,7 +65,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # vLLM V1's default; --no-enable-chunked-prefill turns it off
     # vLLM's --long-prefill-token-threshold (chunked prefill): a prompt computes at most this
     # many tokens a step (its first chunk, its later ones, a preempted sequence's recompute),
-    # so one long prompt does not take a whole step's budget from the others; 0: no cap
+    # so one long prompt does not take a whole step's budget from the others; a decode's 1 +
+    # speculative tokens are capped alike (vLLM's rule for every running request); 0: no cap
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix (vLLM V1's default)
     # The scheduling decisions: each a name in one of policy.py's registries (default: its first).

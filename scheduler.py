@@ -570,8 +570,10 @@ class Scheduler:
             if not spare or seq.status is not running:
                 continue
             num_out = len(seq.output_token_ids) + seq.num_output_placeholders
-            # every emitted token within max_tokens and max_model_len
-            k = min(spec_k, spare, seq.params.max_tokens - num_out, max_len - len(seq.prompt_token_ids) - num_out)
+            # every emitted token within max_tokens and max_model_len, and, as vLLM's cap on a
+            # running request's new tokens, 1 + k within long_prefill_token_threshold
+            k = min(spec_k, spare, seq.params.max_tokens - num_out, max_len - len(seq.prompt_token_ids) - num_out,
+                    self.config.long_prefill_token_threshold - 1 if self.config.long_prefill_token_threshold else spec_k)
             if k <= 0:
                 continue
             # Drafts known now are taken now (room for exactly them); else k zeros hold the

@@ -512,6 +512,22 @@ def test_draft_room_never_takes_the_block_a_running_prompts_chunk_needs():
     assert [(x.seq.request_id, x.num_new_tokens, x.samples) for x in out.scheduled] == [("a", 1, True), ("b", 4, True)]
 
 
+@pytest.mark.parametrize("threshold, drafts", [(0, 3), (3, 2), (1, 0)])
+def test_long_prefill_token_threshold_caps_a_decode_and_its_drafts_as_vllm(threshold, drafts):
+    """vLLM caps every running request's new tokens at the threshold, a decode's 1 + k
+    included: a decode keeps its token and verifies at most threshold - 1 drafts."""
+    cfg = EngineConfig(max_num_seqs=2, block_size=4, max_model_len=64, max_num_batched_tokens=32,
+                       long_prefill_token_threshold=threshold, speculative_config={
+                           "method": "draft_model", "model": "draft", "num_speculative_tokens": 3}).resolved(64)
+    s = Scheduler(cfg, 17, (EOS,))
+    s.add(Sequence("a", [5, 6, 5, 6], SamplingParams(max_tokens=20)))
+    while s.running == [] or s.running[0].num_computed_tokens < 4:
+        run_step(s, False)  # the prompt, in chunks of at most the threshold
+    out = s.schedule()
+    assert [(x.num_new_tokens, len(x.spec_token_ids)) for x in out.scheduled] == [(1 + drafts, drafts)]
+    assert out.num_spec_tokens == drafts
+
+
 def test_an_abort_between_schedule_and_update_of_a_step_verifying_drafts():
     """A step that verifies drafts computes them past the latest token until update()
     keeps the accepted ones: an abort while it runs (async scheduling: a client leaving)
