@@ -288,10 +288,13 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
     extra_bytes_per_block: a second cache indexed by the same blocks (a draft model's).
     logprobs_bytes: the logprob arrays a step returns (runner.logprobs_bytes), which the
     activations hold at least: the reserve where none was measured (an explicit budget's
-    check, a device without counters), vocabulary-wide under --max-logprobs -1."""
+    check, a device without counters), vocabulary-wide under --max-logprobs -1. Under async
+    scheduling a second step's are reserved beside: the step before's outputs stay on the
+    device, unread, while this one runs."""
     import jax
 
-    activation_bytes = max(activation_bytes, logprobs_bytes)  # a measured peak includes them
+    activation_bytes = max(activation_bytes, logprobs_bytes)  # a measured peak includes one step's
+    activation_bytes += logprobs_bytes if config.async_scheduling else 0
 
     # Per device: under tensor parallelism each device holds 1/tp of every block (its KV
     # heads; cfg counts heads after any replication, see parallel.py), and the budgets

@@ -134,20 +134,23 @@ def test_a_budget_below_one_max_model_len_sequence_is_a_clear_error(monkeypatch)
         num_kv_blocks_for(config(), CFG, jnp.float32, weight_bytes=20 * PER_BLOCK_F32)
 
 
-def test_the_logprob_arrays_are_reserved_where_no_activation_peak_holds_them(monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_logprob_arrays_are_reserved_where_no_activation_peak_holds_them(monkeypatch, async_scheduling):
     """A step's logprob arrays (vocabulary-wide under --max-logprobs -1) are part of its
     activations: a measured peak holds them; without one (a device without counters, an
-    explicit budget) they are reserved themselves."""
+    explicit budget) they are reserved themselves. Under async scheduling the step before's
+    are still on the device while a step runs: reserved once more."""
     device = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 1000 * PER_BLOCK_F32})
     monkeypatch.setattr(jax, "devices", lambda: [device])
-    weights, logprobs = 100 * PER_BLOCK_F32, 60 * PER_BLOCK_F32
-    budget = config(gpu_memory_utilization=0.5)
-    assert num_kv_blocks_for(budget, CFG, jnp.float32, weights, logprobs_bytes=logprobs) == 500 - 100 - 60
+    weights, logprobs, more = 100 * PER_BLOCK_F32, 60 * PER_BLOCK_F32, 60 * async_scheduling
+    budget = config(gpu_memory_utilization=0.5, async_scheduling=async_scheduling)
+    assert num_kv_blocks_for(budget, CFG, jnp.float32, weights, logprobs_bytes=logprobs) == 500 - 100 - 60 - more
     assert num_kv_blocks_for(budget, CFG, jnp.float32, weights, 80 * PER_BLOCK_F32, logprobs_bytes=logprobs) \
-        == 500 - 100 - 80  # the measured peak, which holds them
-    explicit = config(num_kv_blocks=861)  # with the weights it fits; with the arrays too, 1,021 blocks do not
-    assert num_kv_blocks_for(explicit, CFG, jnp.float32, weights) == 861
-    with pytest.raises(ValueError, match="--num-kv-blocks 861: .* of activations .* does not fit"):
+        == 500 - 100 - 80 - more  # the measured peak, which holds one step's
+    blocks = 861 - more  # with the weights it fits; with the arrays too, 1,021 (+ 60) blocks do not
+    explicit = config(num_kv_blocks=blocks, async_scheduling=async_scheduling)
+    assert num_kv_blocks_for(explicit, CFG, jnp.float32, weights) == blocks
+    with pytest.raises(ValueError, match=f"--num-kv-blocks {blocks}: .* of activations .* does not fit"):
         num_kv_blocks_for(explicit, CFG, jnp.float32, weights, logprobs_bytes=logprobs)
 
 
@@ -168,7 +171,7 @@ def test_the_engine_reserves_its_logprob_arrays_when_the_device_has_no_counters(
     blocks = {}
     for width in (20, -1):
         eng = LLM("tiny", log=lambda *_: None, max_logprobs=width, **kw).engine
-        arrays = sum(logprobs_bytes(eng.config, tiny).values())
+        arrays = 2 * sum(logprobs_bytes(eng.config, tiny).values())  # async scheduling: two steps' arrays
         assert eng.num_kv_blocks == (2000 * per_block - 40 * per_block - arrays) // per_block
         blocks[width] = eng.num_kv_blocks
     assert blocks[20] - blocks[-1] > 60  # vocabulary-wide: [128, 259] ids and values, and more
@@ -231,6 +234,7 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
     budgeted size, and then generates exactly as an engine sized by --num-kv-blocks."""
     from engine import LLM
     from model import BUILTIN_MODELS
+    from runner import logprobs_bytes
 
     tiny = BUILTIN_MODELS["tiny"]
     per_block = kv_cache_bytes_per_block(tiny, 16, jnp.float32)
@@ -260,7 +264,9 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
     llm = LLM("tiny", log=logs.append, gpu_memory_utilization=0.5, **kw)
     eng = llm.engine
     assert ran == [128 // 16 + 1]  # one runner, built with the one-sequence cache
-    assert eng.num_kv_blocks == 500 - 40 - 30  # 0.5 x limit - weights - activations, in blocks
+    # 0.5 x limit - weights - activations, in blocks, and (async scheduling) the step before's logprob arrays
+    arrays = sum(logprobs_bytes(eng.config, tiny).values())
+    assert eng.num_kv_blocks == (500 * per_block - 40 * per_block - 30 * per_block - arrays) // per_block
     assert eng.runner.kv_caches[0].shape[1] == eng.num_kv_blocks  # K: [layers, blocks, ...]
     assert any("activation peak of a 128-token step: " in line for line in logs)
     # the profiling program is not counted: the served programs are a forward per bucket, the
@@ -270,5 +276,5 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
     monkeypatch.undo()
     prompts = [[5, 6, 7, 8], list(range(3, 60))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    ref = LLM("tiny", log=lambda *_: None, num_kv_blocks=430, **kw).generate(prompts, params)
+    ref = LLM("tiny", log=lambda *_: None, num_kv_blocks=eng.num_kv_blocks, **kw).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [o.outputs[0].token_ids for o in ref]
