@@ -31,14 +31,16 @@ MIN_PENALTY_WIDTH = 16  # the narrowest sparse list; wider ones are powers of tw
 
 def bad_words_token_ids(tokenizer: Any, bad_words: Sequence[str]) -> list[list[int]]:
     """Each bad word as token ids, as vLLM tokenizes it (SamplingParams.update_from_tokenizer):
-    with and without a leading space, so it is refused at the start of a text and after a
-    space alike."""
+    as written (left-stripped), and with a leading space only where that spelling is a word
+    of its own, a new first token and as many tokens (" fox" as one token when "fox" is
+    two is not refused, as in vLLM)."""
     out = []
     for word in bad_words:
-        for prefix in ("", " "):
-            ids = tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
-            if ids:
-                out.append([int(t) for t in ids])
+        plain, spaced = (tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False) for prefix in ("", " "))
+        if plain:
+            out.append([int(t) for t in plain])
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append([int(t) for t in spaced])
     return out
 
 

@@ -78,7 +78,8 @@ class StepResult:
 @dataclass
 class PromptLogprobs:
     """For the prompt tokens at positions start+1 .. start+len: each one's logprob given
-    the tokens before it, its rank in the vocabulary (1 = the most likely), and the top K."""
+    the tokens before it, its rank in the vocabulary (1 = the most likely; vLLM's: the
+    number of tokens at least as likely), and the top K."""
 
     start: int
     logprob: np.ndarray  # [q] f32
@@ -122,7 +123,8 @@ def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Arr
     def compute(h: jax.Array, tg: jax.Array) -> tuple[jax.Array, ...]:
         lp = jax.nn.log_softmax(logits_fn(h).astype(jnp.float32), axis=-1)
         tlp = jnp.take_along_axis(lp, jnp.maximum(tg, 0)[:, None], axis=-1)[:, 0]
-        rank = (jnp.sum(lp > tlp[:, None], axis=-1) + 1).astype(jnp.int32)
+        # vLLM's rank: the tokens at least as likely, itself included (ties count against it)
+        rank = jnp.sum(lp >= tlp[:, None], axis=-1).astype(jnp.int32)
         top_lp, top_ids = jax.lax.top_k(lp, width)
         return tlp, rank, top_ids.astype(jnp.int32), top_lp
 

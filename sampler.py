@@ -116,9 +116,10 @@ def _filter_sorted(scaled: jax.Array, t: SamplingTensors) -> tuple[jax.Array, ja
     # (p / p_max does not depend on the normalisation, so top-k first changes nothing.)
     keep &= probs >= t.min_p[:, None] * probs[:, :1]
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # top_p: keep the smallest prefix whose mass reaches top_p (the first token always).
+    # top_p: keep the smallest prefix whose mass reaches top_p, and the first token always
+    # (vLLM's "at least one": a top_p such as 1e-50 is 0 in f32, and `< top_p` keeps nothing).
     # top_p = 1 keeps everything: the f32 mass before a far-tail token can round up to 1.
-    keep &= (t.top_p[:, None] >= 1.0) | ((jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None])
+    keep &= (rank == 0) | (t.top_p[:, None] >= 1.0) | ((jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None])
     return sorted_logits, sorted_ids, keep
 
 

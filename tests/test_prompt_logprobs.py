@@ -93,3 +93,19 @@ def test_prompt_logprobs_in_row_chunks_with_a_ragged_last_chunk(checkpoint):
     got = np.array([lp.logprob for lp in out.prompt_logprobs[1:]])
     np.testing.assert_allclose(got, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-4)
     assert [lp.top[0][0] for lp in out.prompt_logprobs[1:]] == ref[:-1].argmax(-1).tolist()
+
+
+def test_a_prompt_tokens_rank_counts_the_tokens_tied_with_it_as_vllm():
+    """vLLM's rank (gather_logprobs' batched_count_greater_than) is the number of tokens at
+    least as likely as the prompt token, itself included: a token tied with others for the
+    lead is not rank 1. The logits are the program's hidden rows (an identity LM head),
+    with ties; the reference counts them in NumPy."""
+    from runner import prompt_logprobs
+
+    logits = np.array([[1, 3, 3, 0, 3, 2], [5, 5, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0], [4, 1, 3, 0, 2, 5]], np.float32)
+    targets = np.array([2, 0, 4, 2], np.int32)
+    lp, rank, ids, top = (np.asarray(x) for x in prompt_logprobs(lambda h: h, logits, targets, 4, 2))
+    want = [int((row >= row[t]).sum()) for row, t in zip(logits, targets)]
+    assert want == [3, 2, 6, 3]
+    np.testing.assert_array_equal(rank, want)
+    np.testing.assert_allclose(lp, [_log_softmax(row)[t] for row, t in zip(logits, targets)], atol=1e-6)

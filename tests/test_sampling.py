@@ -211,3 +211,33 @@ def test_argmax_is_numpys_first_index_of_the_maximum():
     x[3] = -np.inf  # a fully masked row: index 0, as numpy
     x[5, 7:] = np.inf
     np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), x.argmax(-1))
+
+
+def test_a_top_p_that_float32_rounds_to_zero_still_keeps_the_most_likely_token():
+    """vLLM keeps at least one token whatever top_p. 1e-50 is a valid top_p (0 < top_p <= 1)
+    that is 0 in float32, where `mass before < top_p` holds for no token: the filter must
+    still keep the most likely one, NumPy's argmax, alone at probability 1, for the draw,
+    the processed logprobs (0 for it, -inf for the rest) and a draft model's verification."""
+    from sampler import filtered_probs, rejection_sample
+
+    logits = np.stack([LOGITS, LOGITS[::-1]])
+    best = logits.argmax(-1)
+    assert (best != 0).all()  # (a filter that keeps nothing ends up at token 0)
+    arrays = empty_sampling_arrays(2)
+    arrays["temperature"][:] = 0.8
+    arrays["top_p"][:] = 1e-50
+    arrays["seed"][:] = [3, 4]
+    t = SamplingTensors(**arrays, want_logprobs=np.bool_(True))
+    tok, tok_lp, ids, top = (np.asarray(x) for x in sample(logits, t, "processed_logprobs", 3))
+    np.testing.assert_array_equal(tok, best)
+    np.testing.assert_array_equal(tok_lp, [0.0, 0.0])
+    np.testing.assert_array_equal(ids[:, 0], best)
+    np.testing.assert_array_equal(top, [[0.0, -np.inf, -np.inf]] * 2)
+    np.testing.assert_array_equal(np.asarray(filtered_probs(logits, t)), np.eye(len(LOGITS))[best])
+    # a draft model proposing the best token (row 0: accepted, then the bonus) or another one
+    # (row 1: rejected, the residual's token), each with a uniform draft distribution
+    draft = np.array([[best[0]], [(best[1] + 1) % len(LOGITS)]], np.int32)
+    q = np.full((2, 1, len(LOGITS)), 1.0 / len(LOGITS), np.float32)
+    tokens, num = rejection_sample(np.stack([logits, logits], 1), draft, np.array([1, 1]), t, q)
+    np.testing.assert_array_equal(np.asarray(num), [2, 1])
+    assert np.asarray(tokens)[0].tolist() == [best[0], best[0]] and np.asarray(tokens)[1, 0] == best[1]

@@ -31,8 +31,9 @@ def reference(path: str, tokenizer, prompt: list[int], p: SamplingParams) -> lis
     allowed_token_ids, bad_words, min_tokens, logit_bias, then the repetition, frequency and
     presence penalties; a stop token ends the output only once it has min_tokens tokens."""
     bad = []
-    for word in p.bad_words:  # vLLM's tokenization: with and without a leading space
-        bad += [tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False) for prefix in ("", " ")]
+    for word in p.bad_words:  # vLLM's tokenization: as written, and spaced where that is a word of its own
+        plain, spaced = (tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False) for prefix in ("", " "))
+        bad += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
     out: list[int] = []
     while len(out) < p.max_tokens:
         x = hf_logits(path, prompt + out)[-1].astype(np.float32)
@@ -97,6 +98,28 @@ def test_greedy_tokens_under_each_processor_are_transformers_with_it_applied_in_
     assert outs[5].token_ids != plain and plain[0] not in outs[5].token_ids and 77 in outs[5].token_ids
     assert set(outs[6].token_ids) <= {10, 11, 12, 13, 77, 200}
     assert outs[8].token_ids[-1] == EOS and len(outs[8].token_ids) == 7 and outs[8].finish_reason == "stop"
+
+
+def test_bad_words_are_the_token_sequences_vllm_refuses(ckpt):
+    """vLLM (SamplingParams.update_from_tokenizer) refuses a bad word as written, and with a
+    leading space only where that is a word of its own: a new first token, as many tokens.
+    Here " fox" is one token and "fox" two: vLLM does not refuse " fox", which a logit_bias
+    then makes every greedy token; " the" and "the" are one token each: both refused."""
+    from logits_controls import bad_words_token_ids
+
+    llm = LLM(ckpt, log=lambda *_: None, **SMALL)
+    tok = llm.tokenizer
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    assert (len(enc("fox")), len(enc(" fox")), len(enc("the")), len(enc(" the"))) == (2, 1, 1, 1)
+    assert bad_words_token_ids(tok, ["fox", " the"]) == [enc("fox"), enc("the"), enc(" the")]
+    [fox], [the] = enc(" fox"), enc(" the")
+    o = llm.generate([PROMPTS[0]], greedy(max_tokens=4, bad_words=["fox"], logit_bias={fox: 100}))[0].outputs[0]
+    assert o.token_ids == [fox] * 4
+    o = llm.generate([PROMPTS[0]], greedy(max_tokens=4, bad_words=["the"], logit_bias={the: 100}))[0].outputs[0]
+    assert the not in o.token_ids
 
 
 def test_min_tokens_holds_off_eos_and_stop_strings_as_vllm(ckpt):
