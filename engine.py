@@ -13,6 +13,7 @@ scheduler can take the config without importing JAX.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 from collections import deque
@@ -443,8 +444,11 @@ class LLMEngine:
         moves, KV usage after, and the running totals, so the recompute tax is visible as it
         is paid."""
         usage = self.scheduler.allocator.usage
-        total = self.stats.num_preemptions + len(out.preempted)
-        for seq, n, swapped in zip(out.preempted, out.preempted_tokens, out.preempted_swapped):
+        # The stats count a step's preemptions when it is collected: a step still in flight
+        # (async scheduling) has made its own already.
+        before = self.stats.num_preemptions + sum(len(o.preempted) for o, _, _ in self._in_flight)
+        for total, seq, n, swapped in zip(itertools.count(before + 1), out.preempted, out.preempted_tokens,
+                                          out.preempted_swapped):
             mode, what = ("swap", "moved to the host pool") if swapped else ("recompute", "dropped")
             self.log(f"preempted {seq.request_id} ({mode}): {n} computed tokens {what} "
                      f"({seq.num_prompt_tokens} prompt + {seq.num_output_tokens} output), KV usage {usage:.0%}, "

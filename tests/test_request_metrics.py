@@ -50,6 +50,26 @@ def test_each_request_s_metrics_are_ordered_and_count_its_preemptions_and_recomp
     assert llm.stats.prefill_tokens == sum(map(len, ps)) + sum(lost.values()) + len(preempted)
 
 
+def test_the_preemption_log_s_running_total_counts_each_preemption_and_the_step_in_flight():
+    """Each "preempted" line's "N in all" is the preemptions so far, its own included: 1, 2,
+    3, ... up to the counter, when one step preempts two sequences, and under async
+    scheduling when a step is scheduled (and logged) while the step before it, with
+    preemptions of its own, is still on the device."""
+    two_in_a_step = in_a_row = False
+    for seed in (2, 3):
+        lines: list[str] = []
+        llm = LLM("tiny", log=lines.append, record_trace=True, async_scheduling=True, warmup=False, max_num_seqs=8,
+                  max_model_len=128, max_num_batched_tokens=64, num_kv_blocks=12, enable_prefix_caching=False)
+        rng = np.random.default_rng(seed)
+        llm.generate([rng.integers(3, 250, rng.integers(10, 30)).tolist() for _ in range(8)], greedy(40))
+        totals = [int(x.split(", ")[-1].split()[0]) for x in lines if x.startswith("preempted ")]
+        assert totals == list(range(1, llm.stats.num_preemptions + 1)), seed
+        preempting = [i for i, t in enumerate(llm.engine.trace) if t.preempted]
+        two_in_a_step |= any(len(llm.engine.trace[i].preempted) > 1 for i in preempting)
+        in_a_row |= any(i - 1 in preempting for i in preempting)
+    assert two_in_a_step and in_a_row, "the workloads cover both cases"
+
+
 def test_prefix_cache_hits_are_not_recompute():
     """With the prefix cache, a preempted request gets back its named blocks that nobody
     evicted: only the rest is recomputed, and the counters agree."""
