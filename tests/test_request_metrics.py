@@ -284,6 +284,47 @@ def test_a_request_aborted_while_its_first_step_is_in_flight_was_scheduled():
     assert s.prefix_cache_hits - before.prefix_cache_hits == seq.num_cached_tokens == 32
 
 
+def test_a_request_that_fails_alone_in_its_first_step_was_scheduled_and_is_in_no_latency_histogram():
+    """A request whose step inputs fail (the step runs without it) in its first step: it
+    finishes "error" once, and in no latency histogram, but it left the queue when it was
+    scheduled, as a request aborted in its first step did: the queue-time histogram and the
+    prefix-cache lookup count it (its prompt's 32 cached tokens are hits)."""
+    from engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(EngineConfig(model="tiny", warmup=False, max_num_seqs=4, max_model_len=128, num_kv_blocks=14,
+                                 max_num_batched_tokens=64), log=lambda *_: None)
+    prompt, other = list(range(3, 40)), list(range(100, 110))
+    eng.add_request("warm", prompt, greedy(2))
+    while eng.has_unfinished():
+        eng.step()
+    before = eng.stats.snapshot()
+    real = eng.runner.execute
+
+    def execute(out):  # a fault in one request's inputs, before the device runs
+        if any(s.seq.request_id == "bad" for s in out.scheduled):
+            raise OverflowError("bad input")
+        return real(out)
+    eng.runner.execute = execute
+    bad, ok = eng.add_request("bad", prompt, greedy(8)), eng.add_request("ok", other, greedy(3))
+    failed = []
+    while eng.has_unfinished():
+        eng.step()
+        failed += [rid for rid, _ in eng.failed]
+        eng.failed.clear()
+    assert failed == ["bad"] and ok.num_output_tokens == 3 and bad.num_output_tokens == 0
+    s = eng.stats.snapshot()
+    assert {k: s.request_success[k] - before.request_success[k] for k in s.request_success} == \
+        {"stop": 0, "length": 1, "abort": 0, "error": 1}
+    for h in ("time_to_first_token", "e2e_request_latency", "request_prefill_time", "request_generation_tokens",
+              "request_params_n"):
+        assert getattr(s, h).count - getattr(before, h).count == 1, h  # "ok" alone
+    assert s.request_queue_time.count - before.request_queue_time.count == 2
+    assert s.prefix_cache_queries - before.prefix_cache_queries == len(prompt) + len(other)
+    assert s.prefix_cache_hits - before.prefix_cache_hits == bad.num_cached_tokens == 32
+    m = RequestMetrics.of(bad)
+    assert m.time_to_first_token_ms is None and 0 <= m.queue_time_ms < m.e2e_latency_ms
+
+
 def _stop_at_the_last_token(tokenizer, tokens: list[int]) -> tuple[int, str]:
     """(n, s): a 2-character stop string s that first appears in the whole decode of the
     first n output tokens, ending in the text the n-th one adds."""
