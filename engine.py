@@ -13,6 +13,7 @@ scheduler can take the config without importing JAX.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 from collections import deque
@@ -288,7 +289,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._prepare(out)
         if out.scheduled or out.preempted or not self._in_flight:  # a preemption is recorded with its step
-            self._in_flight.append((out, time.monotonic(), self._dispatch(out, deltas)))
+            at = time.monotonic()
+            self._in_flight.append((out, at, self._dispatch(out, deltas, at)))
         if self._overlaps(out):  # its tokens come back with the next call
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
             return deltas
@@ -339,15 +341,17 @@ class LLMEngine:
             self.stats.record_spec_decode([(len(out.scheduled[i].spec_token_ids), len(t) - 1) for i, t in spec.items()])
         return self._record(out, result, outcome, scheduled_at)
 
-    def _dispatch(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep | StepResult | None:
-        """Dispatch out's step; the steps collected meanwhile add their deltas to `deltas`."""
+    def _dispatch(self, out: SchedulerOutput, deltas: list[RequestOutputDelta],
+                  scheduled_at: float) -> InFlightStep | StepResult | None:
+        """Dispatch out's step (scheduled at `scheduled_at`); the steps collected meanwhile add
+        their deltas to `deltas`."""
         if not out.scheduled:  # nothing runs, but update() may still release a static batch
             return None
         try:
             return self._execute(out, deltas)
         except Exception as e:
             deltas += self._drain()  # rows run alone may sample under a constraint: see _execute
-            return self._isolate_failure(out, e)
+            return self._isolate_failure(out, e, scheduled_at)
 
     def _execute(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep:
         """Structured outputs: a constrained row's bitmask needs its previous token, which
@@ -443,8 +447,11 @@ class LLMEngine:
         moves, KV usage after, and the running totals, so the recompute tax is visible as it
         is paid."""
         usage = self.scheduler.allocator.usage
-        total = self.stats.num_preemptions + len(out.preempted)
-        for seq, n, swapped in zip(out.preempted, out.preempted_tokens, out.preempted_swapped):
+        # The stats count a step's preemptions when it is collected: a step still in flight
+        # (async scheduling) has made its own already.
+        before = self.stats.num_preemptions + sum(len(o.preempted) for o, _, _ in self._in_flight)
+        for total, seq, n, swapped in zip(itertools.count(before + 1), out.preempted, out.preempted_tokens,
+                                          out.preempted_swapped):
             mode, what = ("swap", "moved to the host pool") if swapped else ("recompute", "dropped")
             self.log(f"preempted {seq.request_id} ({mode}): {n} computed tokens {what} "
                      f"({seq.num_prompt_tokens} prompt + {seq.num_output_tokens} output), KV usage {usage:.0%}, "
@@ -455,7 +462,7 @@ class LLMEngine:
         """True once a failed step got as far as the device: its donated KV cache is gone."""
         return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches))
 
-    def _isolate_failure(self, out: SchedulerOutput, error: Exception) -> StepResult:
+    def _isolate_failure(self, out: SchedulerOutput, error: Exception, scheduled_at: float) -> StepResult:
         """The step failed. If it failed before the device ran (the KV cache was not
         donated), it was preparing some request's inputs: run each scheduled request alone
         to find the culprits, end them with an error (`self.failed`), and return the
@@ -463,7 +470,7 @@ class LLMEngine:
         re-raise, and the loop dies loudly."""
         if self._cache_donated():
             raise error
-        tokens, lps, ok, prompt, spec = [], [], [], {}, {}
+        tokens, lps, ok, bad, prompt, spec = [], [], [], [], {}, {}
         for sch in out.scheduled:
             num_spec = len(sch.spec_token_ids)
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
@@ -476,6 +483,7 @@ class LLMEngine:
                     raise
                 self.log(f"request {sch.seq.request_id} failed while preparing its step inputs: {e!r}")
                 self.failed.append((sch.seq.request_id, e))
+                bad.append(sch.seq)
                 continue
             if r.prompt_logprobs:
                 prompt[len(ok)] = r.prompt_logprobs[0]
@@ -488,8 +496,10 @@ class LLMEngine:
             # No request fails alone, or every one does: the engine is broken, not a request.
             self.failed.clear()
             raise error
-        for rid, _ in self.failed:
-            self.abort(rid, "error")
+        for seq in bad:
+            if seq.first_scheduled_time is None:  # this was its first step: it was scheduled, its prefix looked up
+                self.stats.record_first_scheduled(seq, scheduled_at, self.config)
+            self.abort(seq.request_id, "error")
         out.scheduled = ok
         out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
         out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)

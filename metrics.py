@@ -326,8 +326,9 @@ class EngineStats:
                 self._finished(seq, now, latency=True)
 
     def record_first_scheduled(self, seq: Sequence, scheduled_at: float, config: EngineConfig) -> None:
-        """A request aborted while its first step was in flight: that step is discarded
-        (record_step never sees it), but the request was scheduled and its prefix looked up."""
+        """A request aborted while its first step was in flight, or that failed alone in it:
+        that step is discarded for it (record_step never sees it), but the request was
+        scheduled and its prefix looked up."""
         with self.lock:
             self._first_scheduled(seq, scheduled_at, config)
 

@@ -794,8 +794,11 @@ class EngineCollector:
         self.stats, self.labels = stats, labels or {}
 
     def collect(self) -> Iterator[Metric]:
+        # vLLM's cache_config_info is labelled by its config and engine, without model_name
+        info = {k: v for k, v in self.labels.items() if k != "model_name"}
         for family in self._families():
-            family.samples = [s._replace(labels=self.labels | s.labels) for s in family.samples]
+            labels = info if family.name == PREFIX + "cache_config_info" else self.labels
+            family.samples = [s._replace(labels=labels | s.labels) for s in family.samples]
             yield family
 
     def _families(self) -> Iterator[Metric]:

@@ -292,10 +292,11 @@ def test_request_params_n_and_max_generation_tokens_are_observed_once_per_reques
 
 def test_served_n_cache_config_info_and_their_exported_families():
     """Through the server's /metrics, every series labelled with vLLM's model_name (the
-    served name) and engine: an n=3 request and a streamed n=2 one are two
-    observations of request_params_n (buckets 2 and 5), their longest samples' lengths
-    (max_tokens, each running to it) those of request_max_num_generation_tokens; an n=2
-    request whose client leaves after its first chunk (its samples aborted) is neither.
+    served name) and engine (cache_config_info, as vLLM's, with engine alone): an n=3
+    request and a streamed n=2 one are two observations of request_params_n (buckets 2
+    and 5), their longest samples' lengths (max_tokens, each running to it) those of
+    request_max_num_generation_tokens; an n=2 request whose client leaves after its first
+    chunk (its samples aborted) is neither.
     cache_config_info's labels are the config's, as vLLM's CacheConfig writes them."""
     import asyncio
 
@@ -343,12 +344,14 @@ def test_served_n_cache_config_info_and_their_exported_families():
     assert got[("taxirank:request_max_num_generation_tokens_sum", vllm_labels)] == 5 + 7
     assert delta("taxirank:request_max_num_generation_tokens")[5] == 1
     [info] = after["taxirank:cache_config_info"].samples
-    assert info.value == 1 and info.labels == dict(vllm_labels) | {
+    assert info.value == 1 and info.labels == {"engine": "0"} | {  # vLLM's: no model_name on it
         "block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True", "gpu_memory_utilization": "0.9",
         "swap_space": "4.0", "num_gpu_blocks_override": "64", "kv_cache_memory_bytes": "None",
         "num_gpu_blocks": "64", "num_cpu_blocks": "0"}
     assert {n: (f.type, f.documentation) for n, f in after.items()} == EXPORTED
     assert {k for f in after.values() for s in f.samples for k in s.labels} - {"le", "reason", "finished_reason"} \
         == {"model_name", "engine"} | set(info.labels)
-    assert all(s.labels["model_name"] == "tiny" and s.labels["engine"] == "0"
+    assert all(s.labels.get("model_name", "tiny") == "tiny" and s.labels["engine"] == "0"
                for f in after.values() for s in f.samples)
+    assert [n for n, f in after.items() if any("model_name" not in s.labels for s in f.samples)] == \
+        ["taxirank:cache_config_info"]

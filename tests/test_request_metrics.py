@@ -50,6 +50,26 @@ def test_each_request_s_metrics_are_ordered_and_count_its_preemptions_and_recomp
     assert llm.stats.prefill_tokens == sum(map(len, ps)) + sum(lost.values()) + len(preempted)
 
 
+def test_the_preemption_log_s_running_total_counts_each_preemption_and_the_step_in_flight():
+    """Each "preempted" line's "N in all" is the preemptions so far, its own included: 1, 2,
+    3, ... up to the counter, when one step preempts two sequences, and under async
+    scheduling when a step is scheduled (and logged) while the step before it, with
+    preemptions of its own, is still on the device."""
+    two_in_a_step = in_a_row = False
+    for seed in (2, 3):
+        lines: list[str] = []
+        llm = LLM("tiny", log=lines.append, record_trace=True, async_scheduling=True, warmup=False, max_num_seqs=8,
+                  max_model_len=128, max_num_batched_tokens=64, num_kv_blocks=12, enable_prefix_caching=False)
+        rng = np.random.default_rng(seed)
+        llm.generate([rng.integers(3, 250, rng.integers(10, 30)).tolist() for _ in range(8)], greedy(40))
+        totals = [int(x.split(", ")[-1].split()[0]) for x in lines if x.startswith("preempted ")]
+        assert totals == list(range(1, llm.stats.num_preemptions + 1)), seed
+        preempting = [i for i, t in enumerate(llm.engine.trace) if t.preempted]
+        two_in_a_step |= any(len(llm.engine.trace[i].preempted) > 1 for i in preempting)
+        in_a_row |= any(i - 1 in preempting for i in preempting)
+    assert two_in_a_step and in_a_row, "the workloads cover both cases"
+
+
 def test_prefix_cache_hits_are_not_recompute():
     """With the prefix cache, a preempted request gets back its named blocks that nobody
     evicted: only the rest is recomputed, and the counters agree."""
@@ -262,6 +282,47 @@ def test_a_request_aborted_while_its_first_step_is_in_flight_was_scheduled():
     assert s.request_queue_time.count - before.request_queue_time.count == 1
     assert s.prefix_cache_queries - before.prefix_cache_queries == len(prompt)
     assert s.prefix_cache_hits - before.prefix_cache_hits == seq.num_cached_tokens == 32
+
+
+def test_a_request_that_fails_alone_in_its_first_step_was_scheduled_and_is_in_no_latency_histogram():
+    """A request whose step inputs fail (the step runs without it) in its first step: it
+    finishes "error" once, and in no latency histogram, but it left the queue when it was
+    scheduled, as a request aborted in its first step did: the queue-time histogram and the
+    prefix-cache lookup count it (its prompt's 32 cached tokens are hits)."""
+    from engine import EngineConfig, LLMEngine
+
+    eng = LLMEngine(EngineConfig(model="tiny", warmup=False, max_num_seqs=4, max_model_len=128, num_kv_blocks=14,
+                                 max_num_batched_tokens=64), log=lambda *_: None)
+    prompt, other = list(range(3, 40)), list(range(100, 110))
+    eng.add_request("warm", prompt, greedy(2))
+    while eng.has_unfinished():
+        eng.step()
+    before = eng.stats.snapshot()
+    real = eng.runner.execute
+
+    def execute(out):  # a fault in one request's inputs, before the device runs
+        if any(s.seq.request_id == "bad" for s in out.scheduled):
+            raise OverflowError("bad input")
+        return real(out)
+    eng.runner.execute = execute
+    bad, ok = eng.add_request("bad", prompt, greedy(8)), eng.add_request("ok", other, greedy(3))
+    failed = []
+    while eng.has_unfinished():
+        eng.step()
+        failed += [rid for rid, _ in eng.failed]
+        eng.failed.clear()
+    assert failed == ["bad"] and ok.num_output_tokens == 3 and bad.num_output_tokens == 0
+    s = eng.stats.snapshot()
+    assert {k: s.request_success[k] - before.request_success[k] for k in s.request_success} == \
+        {"stop": 0, "length": 1, "abort": 0, "error": 1}
+    for h in ("time_to_first_token", "e2e_request_latency", "request_prefill_time", "request_generation_tokens",
+              "request_params_n"):
+        assert getattr(s, h).count - getattr(before, h).count == 1, h  # "ok" alone
+    assert s.request_queue_time.count - before.request_queue_time.count == 2
+    assert s.prefix_cache_queries - before.prefix_cache_queries == len(prompt) + len(other)
+    assert s.prefix_cache_hits - before.prefix_cache_hits == bad.num_cached_tokens == 32
+    m = RequestMetrics.of(bad)
+    assert m.time_to_first_token_ms is None and 0 <= m.queue_time_ms < m.e2e_latency_ms
 
 
 def _stop_at_the_last_token(tokenizer, tokens: list[int]) -> tuple[int, str]:
