@@ -134,8 +134,13 @@ def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         want = " or ".join(_JSON_TYPE[k] for k in kinds)
         raise ApiError(f"'{name}' must be {want}, got {_JSON_TYPE.get(type(value), type(value).__name__)}", param=name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ApiError(f"'{name}' must be a finite number", param=name)
+    if isinstance(value, float) or (float in kinds and isinstance(value, int)):
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # a JSON integer past a float's range, where a number is due
+            finite = False
+        if not finite:
+            raise ApiError(f"'{name}' must be a finite number", param=name)
     return value
 
 
