@@ -57,7 +57,10 @@ _NEUTRAL: dict[str, tuple] = {
     "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
     "cache_salt": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
+    "logits_processors": ([],),  # custom processors by qualified name (vLLM's --logits-processor-pattern)
 }
+# Completions' own: embeddings in place of the prompt's tokens (vLLM's --enable-prompt-embeds)
+_COMPLETION_NEUTRAL: dict[str, tuple] = {"prompt_embeds": ()}
 
 # OpenAI's fields this server takes and does nothing with, as they ask for nothing a
 # client depends on (each is still type-checked): the reason beside each.
@@ -81,7 +84,7 @@ _COMMON_FIELDS = {
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort", "include_reasoning", "chat_template"}
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", *_COMPLETION_NEUTRAL}
 # Chat's own fields, which mean something else (or nothing) on /v1/completions: refused there.
 _CHAT_ONLY = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 _CHAT_NAMES = {engine: chat for chat, engine in _CHAT_ONLY.items()}
@@ -131,8 +134,13 @@ def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         want = " or ".join(_JSON_TYPE[k] for k in kinds)
         raise ApiError(f"'{name}' must be {want}, got {_JSON_TYPE.get(type(value), type(value).__name__)}", param=name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ApiError(f"'{name}' must be a finite number", param=name)
+    if isinstance(value, float) or (float in kinds and isinstance(value, int)):
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # a JSON integer past a float's range, where a number is due
+            finite = False
+        if not finite:
+            raise ApiError(f"'{name}' must be a finite number", param=name)
     return value
 
 
@@ -324,7 +332,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
     tools: the request's tool_choice() (a forced call constrains the output); defaults: the
     engine's sampling_defaults (the model's generation config) for the fields left out."""
     defaults = defaults or {}
-    for name, neutral in _NEUTRAL.items():
+    for name, neutral in (_NEUTRAL if chat else _NEUTRAL | _COMPLETION_NEUTRAL).items():
         if body.get(name) is not None and not any(_same(body[name], v) for v in neutral):
             allowed = f" (accepted only as {' or '.join(json.dumps(v) for v in neutral)})" if neutral else ""
             raise ApiError(f"'{name}' is not supported by this server{allowed}", param=name)
@@ -474,7 +482,9 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        params = fn.get("parameters")
+        if params is None:  # left out or null (OpenAI's and vLLM's optional field): a function of no parameters
+            params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
         by_name[fn["name"]] = params

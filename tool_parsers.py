@@ -61,7 +61,7 @@ def _call(text: str, key: str, done: bool) -> CallView:
     if done:
         try:
             obj = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past the decoder's stack: not a call either, as vLLM)
             obj = None
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(key), dict)):
             return CallView(None, "", True, False)
@@ -73,7 +73,7 @@ def _call(text: str, key: str, done: bool) -> CallView:
     value = text[a.end():]
     try:  # a complete value ends where the decoder stops; until then all that follows is the value
         value = value[:_DECODER.raw_decode(value)[1]]
-    except ValueError:
+    except (ValueError, RecursionError):
         if done:
             return whole
     return CallView(_name(m), value, done)

@@ -52,6 +52,8 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, raw('{"prompt": "hi", "min_p": NaN}'), 400),
     (C, {"prompt": "hi", "temperature": 10**400}, 400),
     (C, {"prompt": "hi", "temperature": 1e300}, 200),
+    (C, {"prompt": "hi", "slo": {"ttft_ms": 10**400}}, 400),  # an integer no float holds, where a number is due
+    (C, {"prompt": "hi", "slo": {"tpot_ms": -(10**400)}}, 400),
     (C, {"prompt": "hi", "min_p": 2}, 400),
     (C, {"prompt": "hi", "top_p": 0}, 400),
     # wrong types: booleans are not integers, floats are not token ids
@@ -111,6 +113,11 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, b"\xff\xfe{}", 400),
     (C, {"prompt": "hi", "store": True}, 400),  # an OpenAI field taxirank does not implement: refused
     (CHAT, {"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}}, 400),
+    # vLLM's extras that need a server flag taxirank lacks: its 400, never ignored
+    (C, {"prompt": "hi", "logits_processors": ["my.Processor"]}, 400),
+    (CHAT, {"messages": MSG, "logits_processors": [{"qualname": "my.Processor"}]}, 400),
+    (C, {"prompt": "hi", "logits_processors": [], "max_tokens": 2}, 200),
+    (C, {"prompt": "hi", "prompt_embeds": "AAAA"}, 400),
     (C, raw("[" * 100_000 + "]" * 100_000), 400),
     (C, raw('{"prompt": "hi", "user": ' + "[" * 50_000 + "]" * 50_000 + "}"), 400),
     (C, raw('{"prompt": "' + "a" * (5 * 2**20) + '"}'), 413),
@@ -120,6 +127,13 @@ HOSTILE: list[tuple[str, object, int]] = [
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
     (CHAT, {"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
             "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}, {"role": "user", "content": "x"}]}, 400),
+    # a function's parameters are optional (vLLM's `dict | None`): null is a function of none
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": None}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 4}, 200),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": None}}],
+            "tool_choice": "none", "max_tokens": 2}, 200),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}],
+            "tool_choice": "none"}, 400),
     (CHAT, {"messages": [{"role": 5, "content": "hi"}]}, 400),
     (CHAT, {"messages": [{"role": "user"}]}, 400),
     (CHAT, {"messages": "hi"}, 400),

@@ -83,6 +83,19 @@ def test_text_without_calls_that_parse_is_content(text):
         assert add_up(deltas) == (text, []) and reason == "length"
 
 
+@pytest.mark.parametrize("tools", [AUTO, REQUIRED])
+def test_a_call_nested_past_the_json_decoders_stack_is_content_whole_and_streams_without_error(tools):
+    # A client can make the model write it (a structured-output regex or logit_bias beside its
+    # tools); vLLM's parser, whose json.loads fails on it, leaves the text as content.
+    deep = "[" * 1500 + "]" * 1500
+    text = f'<tool_call>{{"name": "get_weather", "arguments": {deep}}}</tool_call>' if tools is AUTO else \
+        f'[{{"name":"get_weather","parameters":{{"a":{deep}}}}}]'
+    message, reason = ToolCallStream(tools, HermesToolParser).message(text, "stop")
+    assert message == {"role": "assistant", "content": text} and reason == "stop"
+    deltas, reason = stream(tools, text, list(range(0, len(text), 97)))
+    assert add_up(deltas)[1][0][0] == "get_weather" and reason == "tool_calls"  # named before it ended, as any call
+
+
 @settings(max_examples=60, deadline=None)
 @given(cuts=st.lists(st.integers(0, 400), max_size=12), n=st.integers(0, 2))
 def test_hermes_streamed_anywhere_adds_up_to_the_whole_response(cuts, n):
