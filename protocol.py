@@ -482,6 +482,8 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+        if not isinstance(fn.get("description", ""), (str, type(None))):  # vLLM's: a string or null
+            raise ApiError(f"tools[{i}].function.description must be a string", param="tools")
         params = fn.get("parameters")
         if params is None:  # left out or null (OpenAI's and vLLM's optional field): a function of no parameters
             params = {"type": "object", "properties": {}}
@@ -524,7 +526,8 @@ def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsP
             found.append(("response_format", {"json_object": True}))
         elif kind == "json_schema":
             js = fmt.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)) \
+                    or not isinstance(js.get("name"), str):  # vLLM's and OpenAI's: the name is required
                 raise ApiError("response_format json_schema must be {'name': ..., 'schema': {...}, 'strict': ...}",
                                param="response_format")
             if js.get("strict") is not None and not isinstance(js["strict"], bool):

@@ -134,6 +134,15 @@ HOSTILE: list[tuple[str, object, int]] = [
             "tool_choice": "none", "max_tokens": 2}, 200),
     (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}],
             "tool_choice": "none"}, 400),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "description": {"x": 1}}}],
+            "tool_choice": "none"}, 400),  # vLLM's: a string or null, never handed to the template as is
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "description": None}}],
+            "tool_choice": "none", "max_tokens": 2}, 200),
+    # a json_schema response_format names its schema (OpenAI's and vLLM's required field)
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}},
+            "max_tokens": 2}, 400),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "s"}},
+            "max_tokens": 2}, 200),
     (CHAT, {"messages": [{"role": 5, "content": "hi"}]}, 400),
     (CHAT, {"messages": [{"role": "user"}]}, 400),
     (CHAT, {"messages": "hi"}, 400),
