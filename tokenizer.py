@@ -153,6 +153,17 @@ def detokenize(tokenizer: Any, ids: list[int], params: SamplingParams) -> str:
     return decoder(tokenizer, params)(ids)
 
 
+def _context(decode: Callable[[list[int]], str], prompt_ids: list[int]) -> list[int]:
+    """The longest suffix of at most DETOKENIZE_CONTEXT prompt tokens that decodes without
+    a U+FFFD (as vLLM picks its detokenizer's prompt suffix): a prompt that ends in part of
+    a character would otherwise complete it with the output's first bytes, text a whole
+    decode of the output never has."""
+    for n in range(min(DETOKENIZE_CONTEXT, len(prompt_ids)), 0, -1):
+        if "\ufffd" not in decode(list(prompt_ids[-n:])):
+            return list(prompt_ids[-n:])
+    return []
+
+
 class IncrementalDetokenizer:
     """Token ids in, text safe to send out, one engine step at a time.
 
@@ -174,7 +185,7 @@ class IncrementalDetokenizer:
         self.decode = decoder(tokenizer, self.params) if tokenizer is not None else None
         # Left context from the prompt, so the first output token decodes as it would
         # mid-text; never emitted itself.
-        self.ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
+        self.ids = _context(self.decode, prompt_ids) if self.decode is not None else []
         self.prefix_offset = 0  # window start
         self.read_offset = len(self.ids)  # tokens up to here are already in self.text
         self.text = ""  # decoded output, cut at a stop string
