@@ -253,8 +253,9 @@ class IncrementalDetokenizer:
 def partial_stop_len(text: str, stop: list[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string.
 
-    Linear in the stop strings' length (KMP's prefix function over `s + NUL + the last
-    len(s) - 1 characters`), where trying every prefix of every stop string is quadratic."""
+    Linear in the stop strings' length (KMP: the prefix function of s, then its automaton
+    run over the last len(s) - 1 characters), where trying every prefix of every stop
+    string is quadratic. No separator character joins the two: a stop string may hold any."""
     best = 0
     for s in stop:
         if len(s) < 2:
@@ -262,12 +263,16 @@ def partial_stop_len(text: str, stop: list[str]) -> int:
         tail = text[-(len(s) - 1):]
         if s[0] not in tail:  # the common case, in C: no suffix can start the stop string
             continue
-        pattern = s + "\0" + tail
-        pi = [0] * len(pattern)
-        for i in range(1, len(pattern)):
+        pi = [0] * len(s)
+        for i in range(1, len(s)):
             k = pi[i - 1]
-            while k and pattern[i] != pattern[k]:
+            while k and s[i] != s[k]:
                 k = pi[k - 1]
-            pi[i] = k + (pattern[i] == pattern[k])
-        best = max(best, pi[-1])
+            pi[i] = k + (s[i] == s[k])
+        k = 0  # the longest prefix of s that ends here; below len(s): tail is shorter
+        for c in tail:
+            while k and c != s[k]:
+                k = pi[k - 1]
+            k += c == s[k]
+        best = max(best, k)
     return best

@@ -263,3 +263,16 @@ def test_partial_stop_len_is_the_longest_suffix_that_starts_a_stop_string() -> N
         for stop in itertools.combinations([w for w in words if w and len(w) <= 3], 2):
             want = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             assert partial_stop_len(text, list(stop)) == want, (text, stop)
+
+
+def test_partial_stop_len_with_nul_in_the_stop_string() -> None:
+    """A stop string may hold any character, NUL too: by brute force again (a held-back
+    tail longer than the definition's delays text that can never start a stop string)."""
+    from tokenizer import partial_stop_len
+
+    words = ["".join(w) for n in range(0, 5) for w in itertools.product("a\0", repeat=n)]
+    for text in words:
+        for stop in itertools.combinations([w for w in words if w and len(w) <= 4], 2):
+            want = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            assert partial_stop_len(text, list(stop)) == want, (text, stop)
+    assert partial_stop_len("ab\0", ["\0\0"]) == 1
