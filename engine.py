@@ -33,7 +33,7 @@ from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from spec_decode import StepProposer
 from startup import build_engine
 from structured import GrammarCompiler, new_constraint
-from tokenizer import IncrementalDetokenizer, detokenize
+from tokenizer import IncrementalDetokenizer
 
 __all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "RequestOutput", "CompletionOutput",
            "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError", "EngineDeadError"]
@@ -694,7 +694,7 @@ class LLM:
             text = seq.stop_matcher.text  # up to the stop string, as the server sends it
         elif self.tokenizer is not None:
             text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
-                                 self.engine.model_config.eos_token_ids)
+                                 self.engine.model_config.eos_token_ids, seq.prompt_token_ids)
         asked = seq.params.logprobs is not None
         return CompletionOutput(index, text, list(seq.output_token_ids),
                                 sum(t.logprob for t in logprobs or ()) if asked else None, logprobs, seq.finish_reason,
@@ -733,11 +733,12 @@ def stop_reason(seq: Sequence, eos_token_ids: Seq[int]) -> str | int | None:
 
 
 def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,
-                  eos_token_ids: Seq[int] = ()) -> str:
-    """A whole output as text, as vLLM: the EOS or stop token that ended it is never text
-    (token_ids still has it) unless include_stop_str_in_output; other special tokens follow
-    params.skip_special_tokens."""
-    ids = list(token_ids)
-    if ids and not params.include_stop_str_in_output and params.stop_token(ids[-1], eos_token_ids) is not None:
-        ids = ids[:-1]
-    return detokenize(tokenizer, ids, params)
+                  eos_token_ids: Seq[int] = (), prompt_ids: Seq[int] = ()) -> str:
+    """A whole output as text, as vLLM's detokenizer builds it and the server streams it:
+    decoded after the prompt's last tokens, so the first word keeps the space a
+    SentencePiece decode of the output alone strips. The EOS or stop token that ended it is
+    never text (token_ids still has it) unless include_stop_str_in_output; other special
+    tokens follow params.skip_special_tokens."""
+    detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_ids), [], params, tuple(eos_token_ids))
+    detokenizer.advance(list(token_ids), final=True)
+    return detokenizer.text

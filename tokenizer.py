@@ -149,10 +149,6 @@ def decoder(tokenizer: Any, params: SamplingParams) -> Callable[[list[int]], str
     return decode
 
 
-def detokenize(tokenizer: Any, ids: list[int], params: SamplingParams) -> str:
-    return decoder(tokenizer, params)(ids)
-
-
 def _context(decode: Callable[[list[int]], str], prompt_ids: list[int]) -> list[int]:
     """The longest suffix of at most DETOKENIZE_CONTEXT prompt tokens that decodes without
     a U+FFFD (as vLLM picks its detokenizer's prompt suffix): a prompt that ends in part of

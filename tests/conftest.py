@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -55,9 +56,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def make_hf_checkpoint(path: str | os.PathLike, family: str = "llama2", *, seed: int = 0, dtype: str = "float32",
-                       max_shard_size: str | None = None, tokenizer: bool = False, **overrides: Any) -> str:
+                       max_shard_size: str | None = None, tokenizer: bool | str = False, **overrides: Any) -> str:
     """A random-weight HF checkpoint of `family` (see FAMILIES) saved as safetensors under
-    `path`; returns the directory. `overrides` go to the transformers config."""
+    `path`; returns the directory. `overrides` go to the transformers config. tokenizer:
+    True for make_hf_tokenizer's byte-level BPE, "sp" for make_sp_tokenizer's."""
     import torch
     import transformers
 
@@ -75,7 +77,9 @@ def make_hf_checkpoint(path: str | os.PathLike, family: str = "llama2", *, seed:
     out = str(path)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kw)
-    if tokenizer:
+    if tokenizer == "sp":
+        make_sp_tokenizer(out)
+    elif tokenizer:
         make_hf_tokenizer(out)
     return out
 
@@ -96,6 +100,33 @@ def make_hf_tokenizer(path: str) -> None:
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                             chat_template=template).save_pretrained(path)
+
+
+def make_sp_tokenizer(path: str) -> None:
+    """A SentencePiece-style tokenizer as transformers converts Llama 2's and Mistral's (vocab
+    300, <unk>/<s>/</s> = 0/1/2, then the 256 byte-fallback pieces): "▁" marks a word's
+    space, and a decode drops the space of its first piece."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # Pieces and merges learnt from a sentence, then the byte pieces put before them (ordinary
+    # tokens, as in Llama's vocabulary: a skipped special token would drop the byte).
+    learnt = Tokenizer(models.BPE(unk_token="<unk>"))
+    learnt.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    learnt.train_from_iterator(["the capital of France is Paris"] * 10, trainers.BpeTrainer(
+        vocab_size=300 - 256, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    pieces = sorted(learnt.get_vocab().items(), key=lambda kv: kv[1])
+    vocab = {p: i for i, (p, _) in enumerate(pieces[:3])} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {p: 259 + i for i, (p, _) in enumerate(pieces[3:])}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in json.loads(learnt.to_str())["model"]["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = learnt.pre_tokenizer
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(content=" ", left=1, right=0)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            add_bos_token=True).save_pretrained(path)
 
 
 @functools.cache

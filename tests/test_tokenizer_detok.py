@@ -1,12 +1,15 @@
 """IncrementalDetokenizer against the tokenizer's own whole decode: the streamed chunks
 joined equal decode_output (vLLM's text of the whole response), with and without stop
-strings, for the byte tokenizer and a transformers byte-level BPE."""
+strings, for the byte tokenizer, a transformers byte-level BPE and a SentencePiece-style
+tokenizer."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from config import SamplingParams
 from conftest import make_hf_tokenizer
@@ -51,3 +54,48 @@ def test_a_prompt_ending_in_part_of_a_character_does_not_join_the_outputs_first_
     assert stream(tok, prompt, ids, params) == whole
     # and the stop-string matcher cuts that same text
     assert stream(tok, prompt, ids, SamplingParams(stop=["b"])) == "\ufffda"
+
+
+@pytest.fixture(scope="module")
+def sp_tok(tmp_path_factory) -> Any:
+    from transformers import AutoTokenizer
+
+    from conftest import make_sp_tokenizer
+    path = str(tmp_path_factory.mktemp("sp"))
+    make_sp_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.text("abcé中 ", max_size=12).map("x".__add__), text=st.text("Parisé中x ", max_size=16).map("P".__add__),
+       stop=st.sampled_from([None, "zz"]))
+def test_a_sentencepiece_output_keeps_its_first_words_space_streamed_and_whole(sp_tok, prompt, text, stop) -> None:
+    """SentencePiece marks a word's space on its piece ("▁Pa") and a decode drops the first
+    piece's: tok.decode of an output alone loses the space that separates it from the prompt.
+    vLLM's text (streamed and whole) keeps it: the output of `text`, encoded as a word, is
+    " " + text after a prompt that has text (after BOS alone the space goes, as in vLLM,
+    whose detokenizer also decodes after the prompt). An unmatched stop string changes nothing."""
+    tok = sp_tok
+    ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    prompt_ids = tok.encode(prompt)
+    params = SamplingParams(stop=[stop] if stop else [])
+    assert tok.decode(ids, skip_special_tokens=True) == text  # the trap: the space is gone
+    whole = decode_output(tok, ids, params, (tok.eos_token_id,), prompt_ids)
+    assert whole == stream(tok, prompt_ids, ids, params) == " " + text
+    assert decode_output(tok, ids, params, (tok.eos_token_id,), [tok.bos_token_id]) == text
+
+
+def test_llm_generate_keeps_a_sentencepiece_outputs_first_space_with_or_without_stop_strings(tmp_path) -> None:
+    """LLM.generate's text is vLLM's (and the server's): " Pa" after a prompt, where the
+    output decoded alone is "Pa"; the same whether or not a stop string was asked for (the
+    engine's stop matcher has always decoded after the prompt)."""
+    from conftest import make_hf_checkpoint
+    from engine import LLM
+
+    llm = LLM(model=make_hf_checkpoint(tmp_path / "m", tokenizer="sp"), max_num_seqs=2, max_model_len=64,
+              max_num_batched_tokens=32, warmup=False)
+    pa = llm.tokenizer.convert_tokens_to_ids("▁Pa")
+    for stop in ([], ["zz"]):
+        out = llm.generate(["the capital of France is"], SamplingParams(max_tokens=1, temperature=0.0, stop=stop,
+                                                                       logit_bias={pa: 100.0}))[0].outputs[0]
+        assert out.token_ids == [pa] and out.text == " Pa", stop
