@@ -735,10 +735,14 @@ def stop_reason(seq: Sequence, eos_token_ids: Seq[int]) -> str | int | None:
 def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,
                   eos_token_ids: Seq[int] = (), prompt_ids: Seq[int] = ()) -> str:
     """A whole output as text, as vLLM's detokenizer builds it and the server streams it:
-    decoded after the prompt's last tokens, so the first word keeps the space a
-    SentencePiece decode of the output alone strips. The EOS or stop token that ended it is
+    token by token after the prompt's last tokens, so the first word keeps the space a
+    SentencePiece decode of the output alone strips, and a stray byte token is the same
+    text (a SentencePiece byte-fallback decode turns a whole run of bytes that is not UTF-8
+    into U+FFFDs, a stream only the bytes it could not complete). The EOS or stop token that ended it is
     never text (token_ids still has it) unless include_stop_str_in_output; other special
     tokens follow params.skip_special_tokens."""
     detokenizer = IncrementalDetokenizer(tokenizer, list(prompt_ids), [], params, tuple(eos_token_ids))
-    detokenizer.advance(list(token_ids), final=True)
+    ids = list(token_ids)
+    for j, token in enumerate(ids):  # one at a time, as they arrived: a window decodes bytes as a stream does
+        detokenizer.advance([token], final=j == len(ids) - 1)
     return detokenizer.text

@@ -99,3 +99,16 @@ def test_llm_generate_keeps_a_sentencepiece_outputs_first_space_with_or_without_
         out = llm.generate(["the capital of France is"], SamplingParams(max_tokens=1, temperature=0.0, stop=stop,
                                                                        logit_bias={pa: 100.0}))[0].outputs[0]
         assert out.token_ids == [pa] and out.text == " Pa", stop
+
+
+def test_a_run_of_byte_tokens_that_is_not_utf8_is_the_same_text_whole_and_streamed(sp_tok) -> None:
+    """SentencePiece's byte fallback decodes a run of byte pieces together and, when the run is
+    not UTF-8, gives a U+FFFD for every byte; a stream has already sent the bytes that stood
+    alone. The whole text is the streamed one, which is also Python's decode of the bytes."""
+    tok = sp_tok
+    data = b"\x17M6\xbb"
+    ids = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in data]
+    prompt_ids = tok.encode("the capital")
+    assert tok.decode(ids) == "\ufffd" * 4
+    whole = decode_output(tok, ids, SamplingParams(), (tok.eos_token_id,), prompt_ids)
+    assert whole == stream(tok, prompt_ids, ids, SamplingParams()) == data.decode("utf-8", "replace")
