@@ -61,7 +61,7 @@ class AsyncEngine:
         with self._lock:  # under the lock: no add or reset gets in after the loop's last look
             self._stop.set()
             for rid in list(self._queues):
-                self._inbox.append(("abort", rid))
+                self._inbox.append(("abort", (rid, None)))
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
@@ -104,11 +104,19 @@ class AsyncEngine:
                     return
         finally:
             if not finished:  # the consumer went away (client disconnect): free the slot now
-                self.abort(request_id)
+                self._abort(request_id, queue)
 
     def abort(self, request_id: str) -> None:
+        """End the request in flight under request_id, whichever it is when the loop gets to it."""
+        self._abort(request_id, None)
+
+    def _abort(self, request_id: str, queue: asyncio.Queue | None) -> None:
+        """queue: abort only the request whose stream it is. A stream's cleanup runs after
+        its request may have ended (failed, or finished while its consumer left) and its id
+        been taken by a new request, which that cleanup must leave alone (as vLLM's
+        generate() aborts its own internal request id, never the client's)."""
         with self._lock:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", (request_id, queue)))
         self._wake.set()
 
     async def reset_prefix_cache(self) -> bool:
@@ -155,7 +163,10 @@ class AsyncEngine:
                 ok = self.engine.reset_prefix_cache()
                 self._loop.call_soon_threadsafe(lambda f=arg, ok=ok: f.done() or f.set_result(ok))
             else:
-                rid = arg
+                rid, queue = arg
+                with self._lock:
+                    if queue is not None and self._queues.get(rid) is not queue:
+                        continue  # that stream's request has ended; the id may name a newer one
                 seq = self.engine.abort(rid)
                 if seq is not None:
                     d = RequestOutputDelta(rid, [], None, True, seq.finish_reason, seq.num_prompt_tokens,

@@ -52,7 +52,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
-    rank: int | None = None  # the token's rank in the vocabulary (1: most likely); set for prompt tokens
+    # the token's rank in the vocabulary (1: the most likely; vLLM's: the tokens at least as
+    # likely, itself included), under the distribution its logprob is of (--logprobs-mode)
+    rank: int | None = None
 
 
 @dataclass(slots=True)  # one per request per step: slots make it cheap to build
@@ -508,9 +510,10 @@ class LLMEngine:
         logprobs = None
         if any(lp is not None for lp in lps):
             K = self.runner.logprobs_width
-            z = (np.zeros(1, np.float32), np.zeros((1, K), np.int32), np.zeros((1, K), np.float32))
+            z = (np.zeros(1, np.float32), np.zeros(1, np.int32), np.zeros((1, K), np.int32),
+                 np.zeros((1, K), np.float32))
             parts = [lp if lp is not None else z for lp in lps]
-            logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+            logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(len(z)))
         return StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None, spec or None)
 
     def _collect_prompt_logprobs(self, scheduled: list[ScheduledSeq], rows: dict[int, PromptLogprobs],
@@ -535,7 +538,7 @@ class LLMEngine:
         """Each sampling row's tokens' logprobs (a verified row's: one per emitted token)."""
         if result is None or result.logprobs is None:
             return {}
-        tok_lp, top_ids, top_lp = result.logprobs
+        tok_lp, rank, top_ids, top_lp = result.logprobs
         spec = result.spec or {}
         out = {}
         for s, sch in enumerate(scheduled):
@@ -543,13 +546,14 @@ class LLMEngine:
             if not sch.samples or k is None:
                 continue
             if s in spec:
-                toks, (lp, ids, tlp) = spec[s]
-                out[sch.seq.request_id] = [TokenLogprob(t, float(lp[j]), [(int(i), float(v)) for i, v in
-                                                                        zip(ids[j, :k], tlp[j, :k])])
+                toks, (lp, rk, ids, tlp) = spec[s]
+                out[sch.seq.request_id] = [TokenLogprob(t, float(lp[j]), list(zip(ids[j, :k].tolist(),
+                                                                                  tlp[j, :k].tolist())), int(rk[j]))
                                            for j, t in enumerate(toks)]
             else:
                 out[sch.seq.request_id] = [TokenLogprob(int(result.tokens[s]), float(tok_lp[s]),
-                                                        [(int(i), float(v)) for i, v in zip(top_ids[s, :k], top_lp[s, :k])])]
+                                                        list(zip(top_ids[s, :k].tolist(), top_lp[s, :k].tolist())),
+                                                        int(rank[s]))]
         return out
 
     def _refresh_gauges(self) -> None:

@@ -67,12 +67,13 @@ class StepResult:
     """What came back from the device for one step, in SchedulerOutput.scheduled order."""
 
     tokens: np.ndarray  # [n] i32
-    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # ([n], [n,K] ids, [n,K]) when asked
+    # (logprob [n], rank [n], top ids [n, K], top logprobs [n, K]) of the sampled tokens, when asked
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
     # Row i -> (first position, logprob [q], rank [q], top ids [q, K], top logprobs [q, K]) of
     # the prompt tokens after each of its q computed positions, for rows that asked.
     prompt_logprobs: dict[int, PromptLogprobs] | None = None
-    # Speculative rows: row i -> (its emitted tokens, their logprobs ([n], [n, K], [n, K]) when asked)
-    spec: dict[int, tuple[list[int], tuple[np.ndarray, np.ndarray, np.ndarray] | None]] | None = None
+    # Speculative rows: row i -> (its emitted tokens, their logprobs ([n], [n], [n, K], [n, K]) when asked)
+    spec: dict[int, tuple[list[int], tuple[np.ndarray, ...] | None]] | None = None
 
 
 @dataclass
@@ -173,10 +174,10 @@ class InFlightStep:
     def result(self) -> StepResult:
         assert self._res is not None, "the step's sample program was never dispatched"
         n = self.num_seqs
-        tok, tok_lp, top_ids, top_lp = self._res
+        tok, *lps = self._res
         logprobs = None
         if self.want_logprobs:
-            logprobs = (np.asarray(tok_lp)[:n], np.asarray(top_ids)[:n], np.asarray(top_lp)[:n])
+            logprobs = tuple(np.asarray(x)[:n] for x in lps)
         prompt = None
         if self.prompt_rows:
             arrays = [np.asarray(x) for x in self._forward[0]]
@@ -184,9 +185,9 @@ class InFlightStep:
                       for row, flat, pos, q in self.prompt_rows}
         spec = None
         if self.spec_rows:
-            toks, num, lp, ids, tlp = (np.asarray(x) for x in self._forward[1])
+            toks, num, *lps = (np.asarray(x) for x in self._forward[1])
             spec = {row: (toks[r, :num[r]].tolist(),
-                          (lp[r, :num[r]], ids[r, :num[r]], tlp[r, :num[r]]) if self.want_logprobs else None)
+                          tuple(x[r, :num[r]] for x in lps) if self.want_logprobs else None)
                     for r, row in enumerate(self.spec_rows)}
         return StepResult(np.asarray(tok)[:n], logprobs, prompt, spec)
 
@@ -250,16 +251,16 @@ def num_sample_rows(config: EngineConfig) -> int:
 def logprobs_bytes(config: EngineConfig, model: ModelConfig) -> dict[str, int]:
     """The bytes of the logprob arrays the programs return, by the flag that sizes their
     rows, at their width (EngineConfig.logprobs_width: the vocabulary under --max-logprobs
-    -1): per prompt-logprob row a logprob, a rank and the top ids and values; per sample
-    row and per verified row's position a logprob and the top ids and values. Each is a
+    -1): per prompt-logprob row, sample row and verified row's position a logprob, a rank
+    and the top ids and values. Each is a
     device array, and a step that asked for it copies it whole to the host."""
     width = config.logprobs_width(model.vocab_size)
     K = config.speculative_config.k if config.speculative_config is not None else 0
     _, P = prompt_logprob_rows(config)
     i32 = f32 = 4
-    row = f32 + width * (i32 + f32)
+    row = f32 + i32 + width * (i32 + f32)
     verified = config.max_num_seqs * (K + 1) * row if K else 0
-    return {"max_num_batched_tokens": P * (row + i32), "max_num_seqs": num_sample_rows(config) * row + verified}
+    return {"max_num_batched_tokens": P * row, "max_num_seqs": num_sample_rows(config) * row + verified}
 
 
 def host_buffer_bytes(config: EngineConfig, model: ModelConfig, dtype: Any) -> dict[str, int]:
@@ -420,7 +421,8 @@ class ModelRunner:
 
             def none():
                 return (jnp.zeros((n_max, K + 1), jnp.int32), jnp.ones(n_max, jnp.int32),
-                        jnp.zeros((n_max, K + 1), jnp.float32), jnp.zeros((n_max, K + 1, width), jnp.int32),
+                        jnp.zeros((n_max, K + 1), jnp.float32), jnp.zeros((n_max, K + 1), jnp.int32),
+                        jnp.zeros((n_max, K + 1, width), jnp.int32),
                         jnp.zeros((n_max, K + 1, width), jnp.float32))
 
             return jax.lax.switch(sp.bucket, [none] + [rows(b) for b in branches])

@@ -175,15 +175,17 @@ def _sample_rows_drawn(logits: jax.Array, t: SamplingTensors, is_greedy: jax.Arr
 
 
 def sample(logits: jax.Array, t: SamplingTensors, mode: str = "raw_logprobs",
-           width: int = 20) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """logits [S, V] f32 -> (token [S], its logprob [S], top ids [S, width], top logprobs [S, width]).
+           width: int = 20) -> tuple[jax.Array, ...]:
+    """logits [S, V] f32 -> (token [S], its logprob [S], its rank [S], top ids [S, width],
+    top logprobs [S, width]).
 
     Steps where every slot is greedy draw nothing (lax.cond), and only rows with a top_k,
     top_p or min_p filter sort. No lax.cond here returns the [S, V] logits (a branch
     that hands back its vocabulary-wide operand costs a copy of it on a CPU), so the bitmask
     selects between two whole samplers, whose outputs are small. logit_bias and penalties
     (a step that has them) come before the bitmask. The logprobs are those of `mode`
-    (config.LogprobsMode, static: one program per engine); the defaults are vLLM's."""
+    (config.LogprobsMode, static: one program per engine); the defaults are vLLM's, and so
+    is the rank: the tokens at least as likely as the sampled one under them, itself included."""
     raw = logits
     if t.penalty_ids is not None:
         logits = apply_penalties(logits, t)
@@ -197,7 +199,7 @@ def sample(logits: jax.Array, t: SamplingTensors, mode: str = "raw_logprobs",
 
 
 def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array, chunk: int, mode: str = "raw_logprobs",
-                width: int = 20) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                width: int = 20) -> tuple[jax.Array, ...]:
     """sample() on the first num_rows rows of logits [S, V] (S a multiple of chunk), chunk
     rows at a time: one program serves every row count, and its cost follows the rows
     that sample, not S (the trip count is dynamic; rows past the last chunk come back 0).
@@ -205,8 +207,8 @@ def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array, chun
     with a constrained row unpacks it), and a chunk's [chunk, V] temporaries stay in cache."""
     S, V = logits.shape
     assert S % chunk == 0, (S, chunk)
-    outs = (jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.float32), jnp.zeros((S, width), jnp.int32),
-            jnp.zeros((S, width), jnp.float32))
+    outs = (jnp.zeros(S, jnp.int32), jnp.zeros(S, jnp.float32), jnp.zeros(S, jnp.int32),
+            jnp.zeros((S, width), jnp.int32), jnp.zeros((S, width), jnp.float32))
 
     def body(i: jax.Array, outs: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         rows = jax.tree.map(lambda x: x if x.ndim == 0 else jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk),
@@ -232,42 +234,45 @@ def _draw(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 
 def _sample_unmasked(logits: jax.Array, t: SamplingTensors, raw: jax.Array, raw_mask: jax.Array | None, mode: str,
-                     width: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                     width: int) -> tuple[jax.Array, ...]:
     """Draw from logits (processed but for temperature and the filters); logprobs, when the
     step wants them, from raw (the model's, raw_mask applied when given) or from logits."""
     tok = _draw(logits, t)
     S = logits.shape[0]
 
-    def logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+    def logprobs() -> tuple[jax.Array, ...]:
         if mode.startswith("raw"):
             return _top(raw if raw_mask is None else apply_token_bitmask(raw, raw_mask), tok, mode, width)
         return _processed_top(logits, t, tok, mode, width)
 
-    def no_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
-        return (jnp.zeros((S,), jnp.float32), jnp.zeros((S, width), jnp.int32), jnp.zeros((S, width), jnp.float32))
+    def no_logprobs() -> tuple[jax.Array, ...]:
+        return (jnp.zeros((S,), jnp.float32), jnp.zeros((S,), jnp.int32), jnp.zeros((S, width), jnp.int32),
+                jnp.zeros((S, width), jnp.float32))
 
-    tok_lp, top_ids, top_lp = jax.lax.cond(t.want_logprobs, logprobs, no_logprobs)
-    return tok, tok_lp, top_ids, top_lp
+    return (tok, *jax.lax.cond(t.want_logprobs, logprobs, no_logprobs))
 
 
-def _top(x: jax.Array, tok: jax.Array, mode: str, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(value of tok [S], top ids [S, width], top values [S, width]) of x [S, V], as logits
-    (mode *_logits) or as logprobs (log_softmax)."""
+def _top(x: jax.Array, tok: jax.Array, mode: str, width: int) -> tuple[jax.Array, ...]:
+    """(value of tok [S], its rank [S], top ids [S, width], top values [S, width]) of x
+    [S, V], as logits (mode *_logits) or as logprobs (log_softmax)."""
     if not mode.endswith("logits"):
         x = jax.nn.log_softmax(x, axis=-1)
     top_v, top_ids = jax.lax.top_k(x, width)
-    return jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_v
+    value = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0]
+    # vLLM's rank: the tokens at least as likely, itself included (ties count against it)
+    rank = jnp.sum(x >= value[:, None], axis=-1).astype(jnp.int32)
+    return value, rank, top_ids.astype(jnp.int32), top_v
 
 
 def _processed_top(logits: jax.Array, t: SamplingTensors, tok: jax.Array, mode: str,
-                   width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   width: int) -> tuple[jax.Array, ...]:
     """_top of vLLM's processed logits: each row's at its temperature with the tokens min_p,
     top_k and top_p filter out at -inf, the logits a row draws from; a greedy row's as they
     are (vLLM clears a greedy request's filters). The sort only when a random row filters."""
     is_greedy = t.temperature < SAMPLING_EPS
     scaled = logits / jnp.where(is_greedy, 1.0, jnp.maximum(t.temperature, 1e-6))[:, None]
 
-    def filtered() -> tuple[jax.Array, jax.Array, jax.Array]:
+    def filtered() -> tuple[jax.Array, ...]:
         S, V = scaled.shape
         _, sorted_ids, keep = _filter_sorted(scaled, t)
         kept = jnp.zeros((S, V), bool).at[jnp.arange(S)[:, None], sorted_ids].set(keep | is_greedy[:, None])
@@ -375,22 +380,22 @@ def rejection_sample(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, 
 
 
 def emitted_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, want: jax.Array,
-                     mode: str = "raw_logprobs", width: int = 20) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The target's logprobs of tokens [R, K+1] under logits [R, K+1, V] and the top
-    `width` at each position (zeros unless `want`), as sample() reports them in `mode`
+                     mode: str = "raw_logprobs", width: int = 20) -> tuple[jax.Array, ...]:
+    """The target's logprobs of tokens [R, K+1] under logits [R, K+1, V], their ranks and
+    the top `width` at each position (zeros unless `want`), as sample() reports them in `mode`
     (t: the rows' parameters, [R]; a verified row has no logits processor or bitmask)."""
     R, K1, V = logits.shape
     flat, toks = logits.reshape(R * K1, V), tokens.reshape(R * K1)
 
-    def compute() -> tuple[jax.Array, jax.Array, jax.Array]:
+    def compute() -> tuple[jax.Array, ...]:
         if mode.startswith("raw"):
             out = _top(flat, toks, mode, width)
         else:
             out = _processed_top(flat, _at_positions(t, K1), toks, mode, width)
         return tuple(x.reshape(R, K1, *x.shape[1:]) for x in out)
 
-    def skip() -> tuple[jax.Array, jax.Array, jax.Array]:
-        return (jnp.zeros((R, K1), jnp.float32), jnp.zeros((R, K1, width), jnp.int32),
+    def skip() -> tuple[jax.Array, ...]:
+        return (jnp.zeros((R, K1), jnp.float32), jnp.zeros((R, K1), jnp.int32), jnp.zeros((R, K1, width), jnp.int32),
                 jnp.zeros((R, K1, width), jnp.float32))
 
     return jax.lax.cond(want, compute, skip)

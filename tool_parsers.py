@@ -19,7 +19,9 @@ arguments written by then, if any); the rest follow as string deltas as the mode
 a `<tool_call>` tag is held back until it is known not to be. A call's arguments are the
 model's own JSON text of them (valid JSON, its spacing kept), the same whole and streamed.
 Every delta is derived from the whole text so far (`_view`), then diffed with what was
-sent, so what a stream sends adds up to what the whole response says.
+sent, so what a stream sends adds up to what the whole response says. Under "required"
+the view is kept up to date chunk by chunk (ArrayCallStream), as vLLM's streaming parsers
+keep their state, so a chunk's work follows its own length, not the text's.
 """
 
 from __future__ import annotations
@@ -66,17 +68,27 @@ def _call(text: str, key: str, done: bool) -> CallView:
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(key), dict)):
             return CallView(None, "", True, False)
         whole = CallView(obj["name"], json.dumps(obj[key], ensure_ascii=False), True)
-    m = _NAME.match(text)
+    m, start, end = _arguments(text, key, 0)
+    # name or arguments not written yet, or not in that order, or arguments that do not
+    # decode: a complete call counts as a whole
+    if done and (start is None or end is None):
+        return whole
+    return CallView(_name(m), "" if start is None else text[start:end], done)
+
+
+def _arguments(text: str, key: str, pos: int) -> tuple[re.Match | None, int | None, int | None]:
+    """Where the arguments are of the call object {"name": ..., key: ...} that text[pos:]
+    holds, written so far: (the name's match, the value's start (None: not written yet, or
+    not after the name), the value's end (None: it does not decode (yet), so all that
+    follows is the value))."""
+    m = _NAME.match(text, pos)
     a = _ARGS[key].match(text, m.end()) if m else None
-    if a is None:  # name or arguments not written yet, or not in that order: the call counts once complete
-        return whole if done else CallView(_name(m), "", False)
-    value = text[a.end():]
-    try:  # a complete value ends where the decoder stops; until then all that follows is the value
-        value = value[:_DECODER.raw_decode(value)[1]]
+    if a is None:
+        return m, None, None
+    try:  # a complete value ends where the decoder stops
+        return m, a.end(), _DECODER.raw_decode(text, a.end())[1]
     except (ValueError, RecursionError):
-        if done:
-            return whole
-    return CallView(_name(m), value, done)
+        return m, a.end(), None
 
 
 def _name(m: re.Match | None) -> str | None:
@@ -116,6 +128,68 @@ def _array_calls(text: str, key: str) -> list[CallView]:
     if not text.lstrip().startswith("["):
         return []
     return [_call(text[a:] if b is None else text[a:b], key, b is not None) for a, b in _elements(text)]
+
+
+class ArrayCallStream:
+    """_array_calls of a text that grows chunk by chunk (tool_choice "required", streamed),
+    without rescanning it: each character is scanned once (the bracket and string state
+    carries over, as _elements keeps it), a complete call is parsed once, and the open call
+    again only after a character at its own level (outside strings at depth 2, or a string
+    closing there): in between its name cannot change and its arguments grow only by the
+    text of a value still being written. A text that does not extend the last starts over."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.text, self.scanned = key, "", 0
+        self.depth, self.in_str, self.esc = 0, False, False
+        self.array: bool | None = None  # the text starts with "[" (None: whitespace alone so far)
+        self.calls: list[CallView] = []  # the complete ones
+        self.start: int | None = None  # where the open call begins
+        self.stale = False  # a character at the open call's level since it was parsed
+        self.name: str | None = None  # the open call's, and its arguments' span (end None: to the end)
+        self.span: tuple[int, int | None] | None = None
+
+    def calls_of(self, text: str) -> list[CallView]:
+        """_array_calls(text, key)."""
+        if not text.startswith(self.text):  # (a C memcmp: no character is scanned in Python)
+            self.__init__(self.key)
+        self.text = text
+        if self.array is None:
+            head = text[self.scanned:].lstrip()
+            if not head:
+                self.scanned = len(text)
+                return []
+            self.array = head[0] == "["
+        if not self.array:
+            return []
+        for i in range(self.scanned, len(text)):
+            ch = text[i]
+            if self.in_str:
+                self.esc, self.in_str = (False, True) if self.esc else (ch == "\\", ch != '"')
+                self.stale |= not self.in_str and self.depth == 2
+                continue
+            level = self.depth == 2
+            if ch == '"':
+                self.in_str = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2 and ch == "{":
+                    self.start, self.stale = i, True
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1 and self.start is not None:
+                    self.calls.append(_call(text[self.start:i + 1], self.key, True))
+                    self.start = None
+            self.stale |= (level or self.depth == 2) and not ch.isspace()
+        self.scanned = len(text)
+        if self.start is None:
+            return list(self.calls)
+        if self.stale:
+            m, start, end = _arguments(text, self.key, self.start)
+            self.name, self.stale = _name(m), False
+            # arguments not begun (whitespace alone after the key) stay "" until a character
+            self.span = None if start is None else (start, start if start == len(text) else end)
+        value = "" if self.span is None else text[self.span[0]:self.span[1]]
+        return [*self.calls, CallView(self.name, value, False)]
 
 
 class HermesToolParser:
@@ -166,19 +240,22 @@ class ToolCallStream:
         self.tools, self.parser = tools, parser() if tools is not None and tools.mode == "auto" else None
         self.parallel, self.reasoning, self.include_reasoning = parallel, reasoning, include_reasoning
         self.text, self.content_sent, self.reasoning_sent = "", 0, 0
+        self.required = ArrayCallStream("parameters")  # a stream's calls under tool_choice "required"
         self.sent: list[tuple[str, int]] = []  # per call streamed: (id, characters of its arguments sent)
 
     def _split(self, final: bool) -> tuple[str | None, str | None]:
         """(reasoning, the text that holds content and calls) of the text so far."""
         return (None, self.text) if self.reasoning is None else self.reasoning.split(self.text, final)
 
-    def _view(self, text: str, final: bool) -> tuple[str, list[CallView]]:
+    def _view(self, text: str, final: bool, stream: bool = False) -> tuple[str, list[CallView]]:
         if self.tools is None:
             return text, []
         if self.tools.mode == "named":
             return "", [CallView(next(iter(self.tools.tools)), text, final)]
-        content, calls = ("", _array_calls(text, "parameters")) if self.tools.mode == "required" else \
-            self.parser.view(text, final)
+        if self.tools.mode == "required":
+            content, calls = "", self.required.calls_of(text) if stream else _array_calls(text, "parameters")
+        else:
+            content, calls = self.parser.view(text, final)
         return content, calls if self.parallel else calls[:1]
 
     def _reason(self, calls: list[CallView], reason: str) -> str:
@@ -212,7 +289,7 @@ class ToolCallStream:
             if self.include_reasoning:
                 out["reasoning"] = reasoning[self.reasoning_sent:]
             self.reasoning_sent = len(reasoning)
-        content, calls = self._view(body or "", final=reason is not None)
+        content, calls = self._view(body or "", final=reason is not None, stream=True)
         if reason is not None and not self.sent and not any(c.name is not None and c.valid for c in calls):
             content = body or ""  # no call, sent or to send: the held-back text is content, as message() says
         if len(content) > self.content_sent:

@@ -1,6 +1,6 @@
 """vLLM's --logprobs-mode and --max-logprobs.
 
-Claims: in each of the four modes a sampled token's logprob and its top logprobs are,
+Claims: in each of the four modes a sampled token's logprob, rank and top logprobs are,
 against transformers' logits with vLLM's processors, temperature and top-k applied in
 NumPy: raw_logprobs the log_softmax of the model's logits (before logit_bias, penalties,
 temperature and top-k: vLLM V1's default), raw_logits those logits, processed_logprobs
@@ -76,6 +76,8 @@ def check_output(ckpt: str, mode: str, prompt: list[int], p: SamplingParams, o) 
         ids = [i for i, _ in lp.top]
         assert len(ids) == p.logprobs and ids == np.argsort(-w, kind="stable")[:p.logprobs].tolist(), (j, ids)
         np.testing.assert_allclose([v for _, v in lp.top], w[ids], atol=5e-4, rtol=1e-4)
+        # vLLM's rank: the tokens at least as likely in the mode's distribution (within float32's reach)
+        assert 1 + np.sum(w > w[tok] + 5e-4) <= lp.rank <= np.sum(w >= w[tok] - 5e-4), (j, lp.rank)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -206,6 +206,37 @@ def test_the_sample_programs_chunks_draw_each_row_as_the_whole_batch_does():
     assert (whole[[1, 6]] != logits[[1, 6]].argmax(-1)).any() or (whole[8:16] != logits[8:16].argmax(-1)).sum() >= 2
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_a_sampled_tokens_rank_counts_the_tokens_at_least_as_likely_in_the_modes_distribution(mode):
+    """vLLM's rank of a sampled token (batched_count_greater_than): the tokens whose value
+    in the mode's distribution is at least the token's, itself included, so ties count
+    against it. Integer logits tie often and stay exact under a temperature of 0.5 and
+    log_softmax; a filtered row's top_k ends between two values, so NumPy knows its kept set."""
+    rng = np.random.default_rng(5)
+    S, V, C = 16, 40, 8
+    logits = rng.integers(-3, 3, (S, V)).astype(np.float32)
+    arrays = empty_sampling_arrays(S)
+    arrays["temperature"][:] = np.where(np.arange(S) % 2, 0.5, 0.0)  # odd rows random, even greedy
+    arrays["seed"][:] = np.arange(S)
+    filtered = np.arange(S) % 4 == 1
+    arrays["top_k"][filtered] = (logits >= logits.max(-1, keepdims=True) - 1).sum(-1)[filtered]
+    t = SamplingTensors(**arrays, want_logprobs=np.bool_(True))
+    tok, lp, rank = (np.asarray(x) for x in jax.jit(sample_rows, static_argnums=(3, 4, 5))(
+        logits, t, np.int32(S), C, mode, 4)[:3])
+    x = logits.astype(np.float64)
+    if mode.startswith("processed"):
+        x = np.where(arrays["temperature"][:, None] > 0, x / 0.5, x)
+        x[filtered] = np.where(logits[filtered] >= logits[filtered].max(-1, keepdims=True) - 1, x[filtered], -np.inf)
+    if mode.endswith("logprobs"):
+        m = x.max(-1, keepdims=True)
+        x = x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+    value = x[np.arange(S), tok]
+    np.testing.assert_allclose(lp, value, rtol=1e-5, atol=1e-5)
+    want = (x >= value[:, None]).sum(-1)
+    np.testing.assert_array_equal(rank, want)
+    assert (want[::2] > 1).any() and (want[1::2] > 1).any()  # ties with a greedy and a drawn token
+
+
 def test_argmax_is_numpys_first_index_of_the_maximum():
     x = np.random.default_rng(2).integers(0, 4, (64, 300)).astype(np.float32)  # many ties
     x[3] = -np.inf  # a fully masked row: index 0, as numpy
@@ -228,11 +259,12 @@ def test_a_top_p_that_float32_rounds_to_zero_still_keeps_the_most_likely_token()
     arrays["top_p"][:] = 1e-50
     arrays["seed"][:] = [3, 4]
     t = SamplingTensors(**arrays, want_logprobs=np.bool_(True))
-    tok, tok_lp, ids, top = (np.asarray(x) for x in sample(logits, t, "processed_logprobs", 3))
+    tok, tok_lp, rank, ids, top = (np.asarray(x) for x in sample(logits, t, "processed_logprobs", 3))
     np.testing.assert_array_equal(tok, best)
     np.testing.assert_array_equal(tok_lp, [0.0, 0.0])
     np.testing.assert_array_equal(ids[:, 0], best)
     np.testing.assert_array_equal(top, [[0.0, -np.inf, -np.inf]] * 2)
+    np.testing.assert_array_equal(rank, [1, 1])
     np.testing.assert_array_equal(np.asarray(filtered_probs(logits, t)), np.eye(len(LOGITS))[best])
     # a draft model proposing the best token (row 0: accepted, then the bonus) or another one
     # (row 1: rejected, the residual's token), each with a uniform draft distribution

@@ -249,3 +249,55 @@ def test_work_queued_while_the_loop_decides_to_stop_is_still_ended():
         assert await asyncio.wait_for(reset, 60) in (True, False)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("end", ["failed", "finished"])
+def test_a_streams_late_cleanup_leaves_a_new_request_under_its_id_alone(end):
+    """A request ends (refused by the scheduler, or finished) while its consumer is away;
+    before that stream's cleanup runs, a new request takes the same id. The cleanup's abort
+    (queued behind the new request's add: the loop's drain is held until both are in its
+    inbox) must not end the new request, nor send it the old one's events: it runs to its
+    max_tokens."""
+    import threading
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
+                                          warmup=False), log=lambda *_: None)
+        drain, hold = engine._drain_inbox, threading.Event()
+        hold.set()
+
+        def held_drain() -> None:
+            hold.wait(60)
+            drain()
+        engine._drain_inbox = held_drain
+        add = engine.engine.add_request
+        if end == "failed":
+            def refuse_once(rid, *a, **kw):
+                engine.engine.add_request = add
+                raise ValueError("refused by the scheduler")
+            engine.engine.add_request = refuse_once
+        await engine.start()
+        try:
+            old = engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+            if end == "finished":  # its consumer reads the first event, then goes quiet
+                await asyncio.wait_for(old.__anext__(), 60)
+            while "x" in engine._queues:  # ended in the engine: the id is free again
+                await asyncio.sleep(0.01)
+            hold.clear()  # the loop's next drain waits
+            await asyncio.sleep(0.1)  # (a drain already past the wait takes an empty inbox)
+            new = engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))
+            if end == "failed":
+                with pytest.raises(ValueError):
+                    await asyncio.wait_for(old.__anext__(), 60)
+            else:
+                await old.aclose()  # the consumer leaves before the last event: the stream's cleanup
+            hold.set()
+            events = [d async for d in new]
+            assert events[-1].finished and events[-1].finish_reason == "length", events[-1]
+            assert sum(len(d.new_token_ids) for d in events) == 6
+        finally:
+            hold.set()
+            await engine.shutdown()
+        assert engine.engine.scheduler.allocator.num_used == 0
+
+    asyncio.run(main())

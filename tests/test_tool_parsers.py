@@ -201,3 +201,71 @@ def test_a_tool_conversation_goes_through_the_chat_template():
             call | {"function": {"name": "f", "arguments": "{oops"}}]}]}, Template())
     with pytest.raises(ApiError, match="tool_calls must be an array"):
         parse_messages({"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}, Template())
+
+
+# tool_choice "required" texts, with what the parser must get right cut anywhere: whitespace
+# around every token, escapes and brackets in strings, parameters before the name, a
+# parameters value that is not an object, a key after the parameters, an element that is
+# not a call, an element left open
+REQUIRED_TEXTS = [
+    json.dumps([{"name": n, "parameters": a} for n, a in CALLS], separators=(",", ":")),
+    ' \n[ { "name" : "get_weather" ,\n "parameters" :  {"city": "Z\\u00fcrich \\\\ \\"[{\\"", "d": [1, {"x": []}]} } ,'
+    '{"name":"get_time","parameters":{"zone":"CET"},"extra":[1,"]"]}, 7, {"parameters": {"a": 1}, "name": "get_time"},'
+    ' {"name": "get_time", "parameters": 12.5e3 }, {"name": "get_weather", "parameters": tru}, '
+    '{"name": "get_\\u0074ime", "parameters": {"open": "still',
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, 400), max_size=40), which=st.integers(0, len(REQUIRED_TEXTS) - 1))
+def test_required_streamed_calls_are_the_whole_texts_parse_after_every_chunk(cuts, which):
+    """The incremental parse of a "required" stream (ArrayCallStream) gives, after each
+    chunk, the calls a parse of the whole text so far gives, and the stream adds up to the
+    whole response's calls."""
+    from tool_parsers import ArrayCallStream, _array_calls
+
+    text = REQUIRED_TEXTS[which]
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
+    parser = ArrayCallStream("parameters")
+    for b in bounds[1:]:
+        assert parser.calls_of(text[:b]) == _array_calls(text[:b], "parameters"), b
+    deltas, reason = stream(REQUIRED, text, cuts)
+    whole, _ = ToolCallStream(REQUIRED, None).message(text, "stop")
+    if "tool_calls" in whole:
+        assert add_up(deltas)[1] == [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    # a text that does not extend the last (a reasoning parser's content may be cut anew) starts over
+    assert parser.calls_of(text[:len(text) // 2]) == _array_calls(text[:len(text) // 2], "parameters")
+
+
+def test_required_streams_parse_each_character_a_bounded_number_of_times(monkeypatch):
+    """Streamed one character a chunk, a "required" response's text goes through the JSON
+    decoder and the bracket scanner a few times in all, not once per chunk (which is
+    quadratic in the output's length): each decoder call and each scan counts the
+    characters it is handed."""
+    import tool_parsers
+
+    handed = [0]
+
+    class CountingDecoder:
+        def raw_decode(self, s: str, idx: int = 0):
+            handed[0] += len(s) - idx
+            return json.JSONDecoder().raw_decode(s, idx)
+
+    def loads(s: str):
+        handed[0] += len(s)
+        return json.loads(s)
+
+    def elements(text: str):
+        handed[0] += len(text)
+        return elements_of(text)
+
+    elements_of = tool_parsers._elements
+    monkeypatch.setattr(tool_parsers, "_DECODER", CountingDecoder())
+    monkeypatch.setattr(tool_parsers, "json", type("J", (), {"loads": staticmethod(loads), "dumps": json.dumps}))
+    monkeypatch.setattr(tool_parsers, "_elements", elements)
+    calls = [{"name": "get_weather", "parameters": {"city": "Paris " * 150, "days": list(range(100))}},
+             {"name": "get_time", "parameters": {"zone": {"nested": ["CET"] * 100}}}]
+    text = json.dumps(calls)
+    deltas, reason = stream(REQUIRED, text, list(range(len(text))))
+    assert reason == "tool_calls" and [json.loads(a) for _, a in add_up(deltas)[1]] == [c["parameters"] for c in calls]
+    assert handed[0] <= 4 * len(text), (handed[0], len(text))
