@@ -189,7 +189,7 @@ class GrammarCompiler:
         # Never raises for a bad grammar: the matcher is born in its error state instead.
         matcher = llguidance.LLMatcher(tok, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
         if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind}: {matcher.get_error()}")
+            raise ValueError(f"invalid {spec.kind}: {matcher_error(matcher)}")
         # The first mask, here on the caller's thread, not on the engine loop's: building
         # the lexer for it is where a grammar past the limits fails (a regex bomb, an
         # alternative too wide, a grammar with no finite string), which then is this
@@ -197,7 +197,7 @@ class GrammarCompiler:
         first = np.zeros((1, bitmask_width(self.vocab_size)), np.int32)
         llnp.fill_next_token_bitmask(matcher, first, 0)
         if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind}: {matcher.get_error()}")
+            raise ValueError(f"invalid {spec.kind}: {matcher_error(matcher)}")
         if not first.any():
             raise ValueError(f"invalid {spec.kind}: it allows no token at all")
         with self._lock:
@@ -206,6 +206,15 @@ class GrammarCompiler:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return matcher
+
+
+def matcher_error(matcher: llguidance.LLMatcher) -> str:
+    """llguidance's error without the parser state it appends (rows, lexer costs, ...: a
+    debugging dump of the matcher's internals, not a message for a client)."""
+    msg = matcher.get_error().split("<state>", 1)[0].strip()
+    if msg == "NoExtensionBias":  # its name for a state from which no string completes the grammar
+        return "no output satisfies it"
+    return msg
 
 
 _executor: llguidance.LLExecutor | None = None

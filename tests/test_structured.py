@@ -337,3 +337,30 @@ def test_a_constraint_is_compiled_once_off_the_loops_however_many_others_fill_th
                                                            for s in specs])]
     assert [o.text for o in outs] == ["aa", "bb", "00"]
     assert sorted(r for r, _ in compiled) == sorted(s.regex for s in specs)
+
+
+def test_vllms_400s_for_json_object_false_a_nul_in_a_regex_and_a_blank_grammar():
+    """vLLM's StructuredOutputsParams checks: json_object counts as set whenever it is not
+    null and must then be true; a regex may not hold NUL; a grammar of blanks has no rules.
+    (A regex of blanks is a regex: it matches them.)"""
+    for kw, msg in ((dict(json_object=False), "json_object must be True if set"),
+                    (dict(json_object=False, regex="a"), "exactly one of .* got regex, json_object"),
+                    (dict(regex="a\x00b"), "must not contain a NUL character"),
+                    (dict(grammar=" \n\t"), "grammar must be a non-empty string")):
+        with pytest.raises(ValueError, match=msg):
+            SO(**kw)
+    assert SO(regex=" ").regex == " " and SO(json_object=True).kind == "json_object"
+
+
+def test_llguidances_parser_state_stays_out_of_a_refusal():
+    """llguidance appends its parser's internal state to some errors (rows, lexer costs,
+    ...); the client's 400 says what is wrong and no more."""
+    from structured import GrammarCompiler
+    from tokenizer import ByteTokenizer
+
+    compiler = GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id])
+    for spec, want in ((SO(grammar="start: start"), "invalid grammar: no output satisfies it"),
+                       (SO(regex="[^\\x00-\\U0010FFFF]"), "invalid regex: no output satisfies it")):
+        with pytest.raises(ValueError) as e:
+            compiler.compile(spec)
+        assert str(e.value) == want
