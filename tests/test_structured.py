@@ -364,3 +364,28 @@ def test_llguidances_parser_state_stays_out_of_a_refusal():
         with pytest.raises(ValueError) as e:
             compiler.compile(spec)
         assert str(e.value) == want
+
+
+def test_a_slow_compile_on_another_thread_leaves_the_engine_loop_stepping(tiny):
+    """The server compiles on its executor while the engine loop steps. llguidance must let
+    go of the GIL while it builds a large regex's automaton, or every other request's steps
+    stall for the whole compile (about a second for this one): counted in steps the loop
+    runs while the compile is under way, not timed."""
+    import threading
+
+    eng = tiny.engine
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (eng.grammars.compile(SO(regex="b{300000}")), done.set()))
+    steps = 0
+    i = 0
+    worker.start()
+    while not done.is_set():
+        if not eng.has_unfinished():
+            eng.add_request(f"free-{i}", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+            i += 1
+        eng.step()
+        steps += 1
+    worker.join()
+    while eng.has_unfinished():
+        eng.step()
+    assert steps >= 10, steps
