@@ -365,10 +365,13 @@ class StructuredOutputsParams:
             schema = _json_value("json", self.json)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-            object.__setattr__(self, "json", _canonical("json", schema))
+            object.__setattr__(self, "json", _canonical("json", _object_schema("structured_outputs.json", schema)))
         if self.structural_tag is not None:
             tag = _json_value("structural_tag", self.structural_tag)
             _check_structural_tag(tag)
+            tag = tag | {"structures": [s | {"schema": _object_schema(f"structured_outputs.structural_tag.structures[{i}]"
+                                                                      ".schema", s["schema"])}
+                                        for i, s in enumerate(tag["structures"])]}  # (a copy: the caller's stays)
             object.__setattr__(self, "structural_tag", _canonical("structural_tag", tag))
         for k in ("regex", "grammar"):
             v = getattr(self, k)
@@ -407,6 +410,14 @@ def _json_value(key: str, value: str | dict) -> Any:
         raise ValueError(f"structured_outputs.{key} is nested too deeply") from None
     except ValueError as e:
         raise ValueError(f"structured_outputs.{key} is not valid JSON: {e}") from None
+
+
+def _object_schema(where: str, schema: dict | bool) -> dict:
+    """A JSON schema as an object: JSON Schema's `true` is `{}` (any value; llguidance takes
+    objects only), and `false` (no value) is refused."""
+    if schema is False:
+        raise ValueError(f"{where} is false: no output satisfies it")
+    return {} if schema is True else schema
 
 
 def _canonical(key: str, value: Any) -> str:

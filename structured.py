@@ -68,9 +68,7 @@ def structural_tag_grammar(tag: dict) -> str:
     compact here too, unless the schema sets its own `x-guidance` options."""
     tags = []
     for s in tag["structures"]:
-        schema = s["schema"]
-        if isinstance(schema, dict):
-            schema = {"x-guidance": JSON_OPTIONS} | schema
+        schema = {"x-guidance": JSON_OPTIONS} | s["schema"]  # an object (StructuredOutputsParams made it one)
         trigger = next(t for t in tag["triggers"] if s["begin"].startswith(t))
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     return llguidance.StructTag.to_grammar(tags)

@@ -389,3 +389,22 @@ def test_a_slow_compile_on_another_thread_leaves_the_engine_loop_stepping(tiny):
     while eng.has_unfinished():
         eng.step()
     assert steps >= 10, steps
+
+
+def test_a_json_schema_of_true_is_any_json_and_one_of_false_is_refused(tiny):
+    """JSON Schema's boolean schemas: `true` allows any value (llguidance takes objects
+    only, so it is `{}`), `false` none; so too under a structural tag."""
+    import json
+
+    tag = {"triggers": ["<"], "structures": [{"begin": "<a>", "schema": True, "end": "</a>"}]}
+    assert SO(json=True) == SO(json={}) and '"schema":{}' in SO(structural_tag=tag).structural_tag
+    assert tag["structures"][0]["schema"] is True  # the caller's dict is left as it was
+    outs = tiny.generate([[1, 2], [1, 3]], [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=s)
+                                             for s in (SO(json=True), SO(structural_tag=tag))])
+    assert outs[0].outputs[0].finish_reason == "stop"
+    json.loads(outs[0].outputs[0].text)
+    for bad, where in ((dict(json=False), "structured_outputs.json"), (dict(json="false"), "structured_outputs.json"),
+                       (dict(structural_tag=tag | {"structures": [tag["structures"][0] | {"schema": False}]}),
+                        r"structural_tag.structures\[0\].schema")):
+        with pytest.raises(ValueError, match=f"{where} is false: no output satisfies it"):
+            SO(**bad)
