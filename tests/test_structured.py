@@ -408,3 +408,24 @@ def test_a_json_schema_of_true_is_any_json_and_one_of_false_is_refused(tiny):
                         r"structural_tag.structures\[0\].schema")):
         with pytest.raises(ValueError, match=f"{where} is false: no output satisfies it"):
             SO(**bad)
+
+
+def test_a_constraint_that_does_not_compile_names_tool_choice_only_when_a_forced_call_made_it():
+    """tool_choice "auto" constrains nothing (its calls are parsed from free text): a
+    response_format or structured_outputs beside it that does not compile is the request's
+    own field's fault, not tool_choice's."""
+    import asyncio
+    import types
+
+    from protocol import ApiError
+    from server import compile_grammar
+    from structured import GrammarCompiler
+    from tokenizer import ByteTokenizer
+    from tool_parsers import ToolChoice
+
+    engine = types.SimpleNamespace(grammars=GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id]))
+    params = SamplingParams(structured_outputs=SO(regex="(a"))
+    for mode, param in (("auto", None), ("named", "tool_choice"), ("required", "tool_choice")):
+        with pytest.raises(ApiError, match="unclosed group") as e:
+            asyncio.run(compile_grammar(engine, params, ToolChoice(mode, {"f": {"type": "object"}})))
+        assert e.value.param == param, mode
