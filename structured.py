@@ -190,8 +190,10 @@ class GrammarCompiler:
             raise ValueError(f"invalid {spec.kind}: {matcher_error(matcher)}")
         # The first mask, here on the caller's thread, not on the engine loop's: building
         # the lexer for it is where a grammar past the limits fails (a regex bomb, an
-        # alternative too wide, a grammar with no finite string), which then is this
-        # request's error instead of an abort after it was admitted.
+        # alternative too wide, a grammar no string satisfies, `start: start`), which then
+        # is this request's error instead of an abort after it was admitted. One that fails
+        # only after some tokens (`start: "a" start`, a row of Earley items past the limit
+        # a few bytes in) still ends its request with "abort" then.
         first = np.zeros((1, bitmask_width(self.vocab_size)), np.int32)
         llnp.fill_next_token_bitmask(matcher, first, 0)
         if matcher.is_error():
