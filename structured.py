@@ -42,6 +42,7 @@ LIMITS = dict(max_grammar_size=500_000, initial_lexer_fuel=1_000_000, step_lexer
 # JSON without free whitespace between tokens: a small model at temperature 1 can spend its
 # whole budget on newlines (vLLM's default allows it); compact JSON is valid and shortest.
 JSON_OPTIONS = {"whitespace_flexible": False}
+FIRST_TOKEN_PROBES = 16  # allowed first tokens a compile takes on copies of the matcher (see compile)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -191,15 +192,24 @@ class GrammarCompiler:
         # The first mask, here on the caller's thread, not on the engine loop's: building
         # the lexer for it is where a grammar past the limits fails (a regex bomb, an
         # alternative too wide, a grammar no string satisfies, `start: start`), which then
-        # is this request's error instead of an abort after it was admitted. One that fails
-        # only after some tokens (`start: "a" start`, a row of Earley items past the limit
-        # a few bytes in) still ends its request with "abort" then.
+        # is this request's error instead of an abort after it was admitted.
         first = np.zeros((1, bitmask_width(self.vocab_size)), np.int32)
         llnp.fill_next_token_bitmask(matcher, first, 0)
         if matcher.is_error():
             raise ValueError(f"invalid {spec.kind}: {matcher_error(matcher)}")
-        if not first.any():
+        allowed = np.flatnonzero(np.unpackbits(first.view(np.uint8), bitorder="little")[:self.vocab_size])
+        if not len(allowed):
             raise ValueError(f"invalid {spec.kind}: it allows no token at all")
+        # The parser's row limit fails on the first token taken, not on the mask: a schema of
+        # hundreds of optional properties or a wide alternative has its Earley row grow past
+        # max_items_in_row as the first byte is scanned. A few of the allowed first tokens
+        # (copies of the matcher) catch that here, and a grammar whose every string is
+        # infinite (`start: "a" start`). One that fails only on a later token still ends
+        # its request with "abort" then.
+        for token in allowed[np.linspace(0, len(allowed) - 1, min(len(allowed), FIRST_TOKEN_PROBES)).astype(int)]:
+            probe = matcher.deep_copy()
+            if not probe.consume_token(int(token)) and probe.is_error():
+                raise ValueError(f"invalid {spec.kind}: {matcher_error(probe)}")
         with self._lock:
             self.compile_seconds.append(time.perf_counter() - t0)
             self._cache[spec] = matcher

@@ -429,3 +429,21 @@ def test_a_constraint_that_does_not_compile_names_tool_choice_only_when_a_forced
         with pytest.raises(ApiError, match="unclosed group") as e:
             asyncio.run(compile_grammar(engine, params, ToolChoice(mode, {"f": {"type": "object"}})))
         assert e.value.param == param, mode
+
+
+def test_a_constraint_whose_first_token_overflows_the_parser_row_is_refused_at_compile():
+    """llguidance's Earley row limit fails when the first byte is scanned, not on the first
+    mask: a schema of 600 optional properties was admitted and ended with "abort" after
+    one token. The compile takes a few allowed first tokens on copies and refuses it; a
+    schema of the same shape under the limit still compiles."""
+    from structured import GrammarCompiler
+    from tokenizer import ByteTokenizer
+
+    compiler = GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id])
+
+    def props(n: int) -> SO:
+        return SO(json={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+    with pytest.raises(ValueError, match=r"invalid json: Parser Error: Current row has \d+ items; max is 2000"):
+        compiler.compile(props(600))
+    m = compiler.compile(props(100)).deep_copy()
+    assert m.consume_token(ord("{")) and not m.is_error()
