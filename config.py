@@ -353,26 +353,33 @@ class StructuredOutputsParams:
     structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
-        set_ = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
-        set_ += ["json_object"] if self.json_object else []
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                if getattr(self, k) is not None]
         if len(set_) != 1:
             raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object or "
                              f"structural_tag, got {', '.join(set_) or 'none'}")
-        if self.json_object is not None and not isinstance(self.json_object, bool):
-            raise ValueError("structured_outputs.json_object must be a boolean")
+        if self.json_object is not None and self.json_object is not True:  # vLLM's check and message
+            raise ValueError("structured_outputs.json_object must be True if set; omit structured_outputs to disable "
+                             "structured outputs")
         if self.json is not None:
             schema = _json_value("json", self.json)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-            object.__setattr__(self, "json", _canonical("json", schema))
+            object.__setattr__(self, "json", _canonical("json", _object_schema("structured_outputs.json", schema)))
         if self.structural_tag is not None:
             tag = _json_value("structural_tag", self.structural_tag)
             _check_structural_tag(tag)
+            tag = tag | {"structures": [s | {"schema": _object_schema(f"structured_outputs.structural_tag.structures[{i}]"
+                                                                      ".schema", s["schema"])}
+                                        for i, s in enumerate(tag["structures"])]}  # (a copy: the caller's stays)
             object.__setattr__(self, "structural_tag", _canonical("structural_tag", tag))
         for k in ("regex", "grammar"):
             v = getattr(self, k)
-            if v is not None and (not isinstance(v, str) or not v):
+            # (a regex of spaces matches spaces; a grammar of them has no rules: vLLM's check)
+            if v is not None and (not isinstance(v, str) or not (v.strip() if k == "grammar" else v)):
                 raise ValueError(f"structured_outputs.{k} must be a non-empty string")
+        if self.regex is not None and "\x00" in self.regex:  # vLLM's check and message
+            raise ValueError("structured_outputs.regex must not contain a NUL character ('\\x00')")
         if self.choice is not None:
             if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("structured_outputs.choice must be a list of non-empty strings")
@@ -403,6 +410,14 @@ def _json_value(key: str, value: str | dict) -> Any:
         raise ValueError(f"structured_outputs.{key} is nested too deeply") from None
     except ValueError as e:
         raise ValueError(f"structured_outputs.{key} is not valid JSON: {e}") from None
+
+
+def _object_schema(where: str, schema: dict | bool) -> dict:
+    """A JSON schema as an object: JSON Schema's `true` is `{}` (any value; llguidance takes
+    objects only), and `false` (no value) is refused."""
+    if schema is False:
+        raise ValueError(f"{where} is false: no output satisfies it")
+    return {} if schema is True else schema
 
 
 def _canonical(key: str, value: Any) -> str:

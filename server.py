@@ -226,14 +226,15 @@ def parse_stream_options(body: dict) -> tuple[bool, bool, bool]:
 async def compile_grammar(engine: AsyncEngine, params: SamplingParams, tools: ToolChoice | None) -> Any:
     """params' structured-output constraint, compiled off the event loop (a large schema takes
     tens of ms) and handed to the engine, which copies it (the cache may have evicted it by
-    then); None without one. A tool_choice's constraint that does not compile names tool_choice."""
+    then); None without one. A forced call's constraint (tool_choice named or "required") that
+    does not compile names tool_choice; with "auto" the constraint is the request's own."""
     if params.structured_outputs is None:
         return None
     try:
         return await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
                                                                 params.structured_outputs)
     except ValueError as e:
-        raise ApiError(str(e), param="tool_choice" if tools is not None else None) from e
+        raise ApiError(str(e), param="tool_choice" if tools is not None and tools.mode != "auto" else None) from e
 
 
 def request_ids(body: dict, header: str | None, chat: bool) -> tuple[str, str]:

@@ -42,6 +42,7 @@ LIMITS = dict(max_grammar_size=500_000, initial_lexer_fuel=1_000_000, step_lexer
 # JSON without free whitespace between tokens: a small model at temperature 1 can spend its
 # whole budget on newlines (vLLM's default allows it); compact JSON is valid and shortest.
 JSON_OPTIONS = {"whitespace_flexible": False}
+FIRST_TOKEN_PROBES = 16  # allowed first tokens a compile takes on copies of the matcher (see compile)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -68,9 +69,7 @@ def structural_tag_grammar(tag: dict) -> str:
     compact here too, unless the schema sets its own `x-guidance` options."""
     tags = []
     for s in tag["structures"]:
-        schema = s["schema"]
-        if isinstance(schema, dict):
-            schema = {"x-guidance": JSON_OPTIONS} | schema
+        schema = {"x-guidance": JSON_OPTIONS} | s["schema"]  # an object (StructuredOutputsParams made it one)
         trigger = next(t for t in tag["triggers"] if s["begin"].startswith(t))
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     return llguidance.StructTag.to_grammar(tags)
@@ -189,23 +188,43 @@ class GrammarCompiler:
         # Never raises for a bad grammar: the matcher is born in its error state instead.
         matcher = llguidance.LLMatcher(tok, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
         if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind}: {matcher.get_error()}")
+            raise ValueError(f"invalid {spec.kind}: {matcher_error(matcher)}")
         # The first mask, here on the caller's thread, not on the engine loop's: building
         # the lexer for it is where a grammar past the limits fails (a regex bomb, an
-        # alternative too wide, a grammar with no finite string), which then is this
-        # request's error instead of an abort after it was admitted.
+        # alternative too wide, a grammar no string satisfies, `start: start`), which then
+        # is this request's error instead of an abort after it was admitted.
         first = np.zeros((1, bitmask_width(self.vocab_size)), np.int32)
         llnp.fill_next_token_bitmask(matcher, first, 0)
         if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind}: {matcher.get_error()}")
-        if not first.any():
+            raise ValueError(f"invalid {spec.kind}: {matcher_error(matcher)}")
+        allowed = np.flatnonzero(np.unpackbits(first.view(np.uint8), bitorder="little")[:self.vocab_size])
+        if not len(allowed):
             raise ValueError(f"invalid {spec.kind}: it allows no token at all")
+        # The parser's row limit fails on the first token taken, not on the mask: a schema of
+        # hundreds of optional properties or a wide alternative has its Earley row grow past
+        # max_items_in_row as the first byte is scanned. A few of the allowed first tokens
+        # (copies of the matcher) catch that here, and a grammar whose every string is
+        # infinite (`start: "a" start`). One that fails only on a later token still ends
+        # its request with "abort" then.
+        for token in allowed[np.linspace(0, len(allowed) - 1, min(len(allowed), FIRST_TOKEN_PROBES)).astype(int)]:
+            probe = matcher.deep_copy()
+            if not probe.consume_token(int(token)) and probe.is_error():
+                raise ValueError(f"invalid {spec.kind}: {matcher_error(probe)}")
         with self._lock:
             self.compile_seconds.append(time.perf_counter() - t0)
             self._cache[spec] = matcher
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return matcher
+
+
+def matcher_error(matcher: llguidance.LLMatcher) -> str:
+    """llguidance's error without the parser state it appends (rows, lexer costs, ...: a
+    debugging dump of the matcher's internals, not a message for a client)."""
+    msg = matcher.get_error().split("<state>", 1)[0].strip()
+    if msg == "NoExtensionBias":  # its name for a state from which no string completes the grammar
+        return "no output satisfies it"
+    return msg
 
 
 _executor: llguidance.LLExecutor | None = None

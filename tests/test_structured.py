@@ -337,3 +337,120 @@ def test_a_constraint_is_compiled_once_off_the_loops_however_many_others_fill_th
                                                            for s in specs])]
     assert [o.text for o in outs] == ["aa", "bb", "00"]
     assert sorted(r for r, _ in compiled) == sorted(s.regex for s in specs)
+
+
+def test_vllms_400s_for_json_object_false_a_nul_in_a_regex_and_a_blank_grammar():
+    """vLLM's StructuredOutputsParams checks: json_object counts as set whenever it is not
+    null and must then be true; a regex may not hold NUL; a grammar of blanks has no rules.
+    (A regex of blanks is a regex: it matches them.)"""
+    for kw, msg in ((dict(json_object=False), "json_object must be True if set"),
+                    (dict(json_object=False, regex="a"), "exactly one of .* got regex, json_object"),
+                    (dict(regex="a\x00b"), "must not contain a NUL character"),
+                    (dict(grammar=" \n\t"), "grammar must be a non-empty string")):
+        with pytest.raises(ValueError, match=msg):
+            SO(**kw)
+    assert SO(regex=" ").regex == " " and SO(json_object=True).kind == "json_object"
+
+
+def test_llguidances_parser_state_stays_out_of_a_refusal():
+    """llguidance appends its parser's internal state to some errors (rows, lexer costs,
+    ...); the client's 400 says what is wrong and no more."""
+    from structured import GrammarCompiler
+    from tokenizer import ByteTokenizer
+
+    compiler = GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id])
+    for spec, want in ((SO(grammar="start: start"), "invalid grammar: no output satisfies it"),
+                       (SO(regex="[^\\x00-\\U0010FFFF]"), "invalid regex: no output satisfies it")):
+        with pytest.raises(ValueError) as e:
+            compiler.compile(spec)
+        assert str(e.value) == want
+
+
+def test_a_slow_compile_on_another_thread_leaves_the_engine_loop_stepping(tiny):
+    """The server compiles on its executor while the engine loop steps. llguidance must let
+    go of the GIL while it builds a large regex's automaton, or every other request's steps
+    stall for the whole compile (about a second for this one): counted in steps the loop
+    runs while the compile is under way, not timed."""
+    import threading
+
+    eng = tiny.engine
+    done = threading.Event()
+    compiled: list = []
+
+    def compile_() -> None:
+        try:
+            compiled.append(eng.grammars.compile(SO(regex="b{200000}")))  # (b{300000} is past the lexer's limits)
+        finally:
+            done.set()
+    worker = threading.Thread(target=compile_)
+    steps = 0
+    i = 0
+    worker.start()
+    while not done.is_set():
+        if not eng.has_unfinished():
+            eng.add_request(f"free-{i}", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+            i += 1
+        eng.step()
+        steps += 1
+    worker.join()
+    while eng.has_unfinished():
+        eng.step()
+    assert compiled and steps >= 10, steps
+
+
+def test_a_json_schema_of_true_is_any_json_and_one_of_false_is_refused(tiny):
+    """JSON Schema's boolean schemas: `true` allows any value (llguidance takes objects
+    only, so it is `{}`), `false` none; so too under a structural tag."""
+    import json
+
+    tag = {"triggers": ["<"], "structures": [{"begin": "<a>", "schema": True, "end": "</a>"}]}
+    assert SO(json=True) == SO(json={}) and '"schema":{}' in SO(structural_tag=tag).structural_tag
+    assert tag["structures"][0]["schema"] is True  # the caller's dict is left as it was
+    outs = tiny.generate([[1, 2], [1, 3]], [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=s)
+                                             for s in (SO(json=True), SO(structural_tag=tag))])
+    assert outs[0].outputs[0].finish_reason == "stop"
+    json.loads(outs[0].outputs[0].text)
+    for bad, where in ((dict(json=False), "structured_outputs.json"), (dict(json="false"), "structured_outputs.json"),
+                       (dict(structural_tag=tag | {"structures": [tag["structures"][0] | {"schema": False}]}),
+                        r"structural_tag.structures\[0\].schema")):
+        with pytest.raises(ValueError, match=f"{where} is false: no output satisfies it"):
+            SO(**bad)
+
+
+def test_a_constraint_that_does_not_compile_names_tool_choice_only_when_a_forced_call_made_it():
+    """tool_choice "auto" constrains nothing (its calls are parsed from free text): a
+    response_format or structured_outputs beside it that does not compile is the request's
+    own field's fault, not tool_choice's."""
+    import asyncio
+    import types
+
+    from protocol import ApiError
+    from server import compile_grammar
+    from structured import GrammarCompiler
+    from tokenizer import ByteTokenizer
+    from tool_parsers import ToolChoice
+
+    engine = types.SimpleNamespace(grammars=GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id]))
+    params = SamplingParams(structured_outputs=SO(regex="(a"))
+    for mode, param in (("auto", None), ("named", "tool_choice"), ("required", "tool_choice")):
+        with pytest.raises(ApiError, match="unclosed group") as e:
+            asyncio.run(compile_grammar(engine, params, ToolChoice(mode, {"f": {"type": "object"}})))
+        assert e.value.param == param, mode
+
+
+def test_a_constraint_whose_first_token_overflows_the_parser_row_is_refused_at_compile():
+    """llguidance's Earley row limit fails when the first byte is scanned, not on the first
+    mask: a schema of 600 optional properties was admitted and ended with "abort" after
+    one token. The compile takes a few allowed first tokens on copies and refuses it; a
+    schema of the same shape under the limit still compiles."""
+    from structured import GrammarCompiler
+    from tokenizer import ByteTokenizer
+
+    compiler = GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id])
+
+    def props(n: int) -> SO:
+        return SO(json={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+    with pytest.raises(ValueError, match=r"invalid json: Parser Error: Current row has \d+ items; max is 2000"):
+        compiler.compile(props(600))
+    m = compiler.compile(props(100)).deep_copy()
+    assert m.consume_token(ord("{")) and not m.is_error()
