@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from collections.abc import Iterable, Iterator
@@ -588,6 +589,7 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
     wanted: dict[str, tuple[tuple[Any, ...], int | None, bool]] = {}
     buffers: dict[tuple[Any, ...], np.ndarray] = {}
     variables = dict(nnx.to_flat_state(abstract))
+    check_fits_in_host_memory(variables.values(), source)
     for p, var in variables.items():
         w = declared_weight(p)
         for i, name in enumerate(hf_tensor_names(p, L)):
@@ -602,6 +604,9 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
         if name not in wanted:
             raise ValueError(f"unexpected tensor {name!r} in {source}")
         p, layer, transpose = wanted[name]
+        if not isinstance(x, GGUFBlocks) and not jnp.issubdtype(x.dtype, jnp.floating):
+            # an integer or bool tensor would be cast to the weights' dtype without a word
+            raise ValueError(f"tensor {name!r} in {source} has dtype {x.dtype}, not a floating-point type")
         at = (lambda q: buffers[q]) if layer is None else (lambda q: buffers[q][layer])
         scheme = schemes.get(p)
         if scheme is not None:
@@ -621,10 +626,25 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
         dest[...] = (x.T if transpose else x).astype(dtype)
         seen.add(name)
     missing = [n for n in wanted if n not in seen]
-    if missing:
-        raise ValueError(f"{source} lacks tensors: {', '.join(missing)}")
+    if missing:  # (a config with many more layers than the tensors have would list thousands)
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"{source} lacks tensors: {', '.join(missing[:8])}{more}")
     filled = [(p, var.replace(jnp.asarray(buffers[p]))) for p, var in variables.items()]
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+def check_fits_in_host_memory(params: Iterable[Any], source: str) -> None:
+    """The parameters a config describes are built on the host before they reach the
+    device: a ValueError when they alone exceed its memory (a config.json with a vocab_size
+    or num_hidden_layers the tensors do not have), not a MemoryError while allocating."""
+    from config import host_memory_bytes
+
+    need = sum(math.prod(v.get_value().shape) * np.dtype(v.get_value().dtype).itemsize for v in params)
+    have = host_memory_bytes()
+    if need > have:
+        raise ValueError(f"{source} describes {need / 2**30:,.1f} GiB of parameters, more than the "
+                         f"host's {have / 2**30:.1f} GiB of memory: check its vocab_size, hidden_size, "
+                         "intermediate_size and num_hidden_layers")
 
 
 def _safetensors_files(path: str) -> list[str]:

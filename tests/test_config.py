@@ -16,7 +16,7 @@ import config_file
 import server
 import kvcache
 import runner
-from config import EngineConfig
+from config import EngineConfig, host_memory_bytes
 from engine import LLM
 
 
@@ -57,8 +57,8 @@ def test_numpy_integers_and_bools_are_accepted_and_become_plain_python_values():
 
 def test_an_explicit_kv_cache_that_cannot_fit_is_refused_naming_the_flag_before_allocation():
     have = kvcache.device_memory_bytes()
-    if jax.default_backend() == "cpu":  # the CPU "device" is the host
-        assert have == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if jax.default_backend() == "cpu":  # the CPU "device" is the host (a container's limit, if lower)
+        assert have == host_memory_bytes() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     model = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=4, head_dim=8)  # what sizing reads
     per_block = kvcache.kv_cache_bytes_per_block(model, 16, np.float32)
 
@@ -175,7 +175,8 @@ def test_host_buffers_are_bounded_by_their_need_not_a_cap(monkeypatch):
     r, cfg = llm.engine.runner, llm.engine.config
     need = runner.host_buffer_bytes(cfg, llm.engine.model_config, llm.engine.loaded.dtype)
     assert need["max_num_batched_tokens"] >= r._hidden.nbytes
-    assert need["max_num_seqs"] >= r._logits.nbytes + r._bt.nbytes + sum(a.nbytes for a in r._samp.values())
+    assert need["max_num_seqs"] >= r._logits.nbytes + sum(a.nbytes for a in r._samp.values())
+    assert need["max_model_len"] >= r._bt.nbytes
     monkeypatch.setattr(runner, "host_memory_bytes", lambda: sum(need.values()))
     _tiny(max_num_seqs=4)
     monkeypatch.setattr(runner, "host_memory_bytes", lambda: sum(need.values()) - 1)
@@ -224,7 +225,7 @@ def test_host_buffers_grow_with_the_logprob_arrays_width(spec):
 
     for narrow, wide, width in ((0, 20, 20), (20, -1, V)):
         grown = {k: host(wide)[k] - host(narrow)[k] for k in host(narrow)}
-        want = {k: outputs(width)[k] - outputs(20 if width == V else 0)[k] for k in grown}
+        want = {k: outputs(width).get(k, 0) - outputs(20 if width == V else 0).get(k, 0) for k in grown}
         assert grown == want
     assert grown["max_num_batched_tokens"] == P * (V - 20) * 8  # [P, V] ids and values
 
