@@ -35,7 +35,7 @@ from kernels_pallas import QuantizedKV, quantize_kv
 from quant import GGUFBlocks, QuantLinear, WeightQuant, encode, weight_quant_for
 from tokenizer import ByteTokenizer, gguf_tokenizer, load_tokenizer
 
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -169,11 +169,11 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ..
         return theta, None
     if rope_type != "llama3":
         raise ValueError(f"unsupported RoPE type {rope_type!r} (supported: default, llama3)")
-    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in p]
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in p]
     if missing:
         raise ValueError(f"llama3 RoPE scaling lacks {missing}")
     check_llama3_rope(p)
-    return theta, tuple(sorted((k, float(p[k])) for k in _LLAMA3_ROPE_KEYS))
+    return theta, tuple(sorted((k, float(p[k])) for k in LLAMA3_ROPE_KEYS))
 
 
 @jax.tree_util.register_dataclass

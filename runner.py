@@ -294,7 +294,7 @@ def check_host_buffers(config: EngineConfig, model: ModelConfig, dtype: Any) -> 
         parts = ", ".join(f"{k} {getattr(config, k)}: {v:,} bytes" for k, v in need.items())
         raise ValueError(f"--{flag.replace('_', '-')} {getattr(config, flag)} is too large: the runner's host buffers "
                          f"need {total:,} bytes ({total / 2**30:.1f} GiB; {parts}), more than the host's {ram:,} "
-                         f"bytes ({ram / 2**30:.1f} GiB) of RAM")
+                         f"bytes ({ram / 2**30:.1f} GiB) of memory")
 
 
 class ModelRunner:

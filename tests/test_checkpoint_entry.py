@@ -169,3 +169,52 @@ def test_the_cpu_default_kv_budget_is_capped_by_what_the_host_leaves(monkeypatch
                                          "of the host's 2.00 GiB leaves beside 1.75 GiB of weights.* gives 6553 usable "
                                          "blocks .* max_model_len 262144 needs 16384"):
         kvcache.num_kv_blocks_for(config, model, np.float32, 7 * 2**28)
+
+
+# ---- an orbax checkpoint's taxirank_checkpoint.json ----------------------------------
+
+@pytest.fixture(scope="module")
+def orbax_dir(tmp_path_factory) -> str:
+    import checkpoint
+
+    path = str(tmp_path_factory.mktemp("orbax") / "ck")
+    checkpoint.save(load_model("tiny"), path)
+    return path
+
+
+_LLAMA3_SCALING = [["factor", 8.0], ["high_freq_factor", 4.0], ["low_freq_factor", 1.0],
+                   ["original_max_position_embeddings", 64.0]]
+
+
+@pytest.mark.parametrize("change, says", [
+    # each loaded: a model computing NaN, stopping on no token, or failing deep in tracing
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0, got nan"),
+    (dict(rope_theta=0.0), "rope_theta must be a finite number > 0"),
+    (dict(eos_token_ids=[10**6]), "eos_token_id \\[1000000\\] is outside the vocabulary"),
+    (dict(bos_token_id=10**6), "bos_token_id 1000000 is outside the vocabulary"),
+    (dict(sliding_window=0), "sliding_window must be an integer >= 1 or null"),
+    (dict(architecture="gpt2"), "architecture 'gpt2' is none of llama"),
+    (dict(rope_scaling=[["factor", 8.0]]), "rope_scaling must give factor, low_freq_factor"),
+    (dict(rope_scaling=[*_LLAMA3_SCALING[:3], ["original_max_position_embeddings", 64.5]]),
+     "original_max_position_embeddings must be an integer, got 64.5"),
+    # refused already, now with config.json's words
+    (dict(num_key_value_heads=3), "num_key_value_heads \\(3\\) must divide num_attention_heads \\(4\\)"),
+    (dict(max_position_embeddings=0), "max_position_embeddings must be an integer >= 1, got 0"),
+])
+def test_an_orbax_checkpoints_model_config_gets_the_checks_of_a_config_json(orbax_dir, tmp_path, change, says):
+    import checkpoint
+
+    path = _edited(orbax_dir, str(tmp_path / "ck"), checkpoint.META,
+                   lambda text: json.dumps({**json.loads(text), "model_config": {
+                       **json.loads(text)["model_config"], **change}}))
+    with pytest.raises(ValueError, match=f"{checkpoint.META}: bad model_config \\(.*{says}"):
+        checkpoint.load(path)
+
+
+def test_an_orbax_checkpoint_with_llama3_scaling_loads(orbax_dir, tmp_path):
+    import checkpoint
+
+    path = _edited(orbax_dir, str(tmp_path / "ck"), checkpoint.META,
+                   lambda text: json.dumps({**json.loads(text), "model_config": {
+                       **json.loads(text)["model_config"], "rope_scaling": _LLAMA3_SCALING}}))
+    assert dict(checkpoint.load(path).config.rope_scaling)["factor"] == 8.0
