@@ -17,7 +17,6 @@ convert their codes to that dtype inside the step.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from dataclasses import dataclass, replace
@@ -603,6 +602,8 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
             continue  # derived from the config / a copy of the embedding
         if name not in wanted:
             raise ValueError(f"unexpected tensor {name!r} in {source}")
+        if name in seen:  # in two shards: the one read last would win without a word
+            raise ValueError(f"tensor {name!r} appears twice in {source}")
         p, layer, transpose = wanted[name]
         if not isinstance(x, GGUFBlocks) and not jnp.issubdtype(x.dtype, jnp.floating):
             # an integer or bool tensor would be cast to the weights' dtype without a word
@@ -650,8 +651,11 @@ def check_fits_in_host_memory(params: Iterable[Any], source: str) -> None:
 def _safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(v, str) and v for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must map tensor names to shard file names, got {weight_map!r}"[:300])
+        return [os.path.join(path, n) for n in sorted(set(weight_map.values()))]
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]

@@ -84,6 +84,38 @@ def test_a_weight_stored_as_integers_or_bools_is_refused_naming_the_tensor(hf_ch
         load_model(path)
 
 
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> str:
+    from conftest import make_hf_checkpoint
+
+    return make_hf_checkpoint(tmp_path_factory.mktemp("sharded"), "llama2", max_shard_size="100KB")
+
+
+@pytest.mark.parametrize("index, says", [
+    # a TypeError, AttributeError or KeyError naming nothing
+    ("[1]", "model.safetensors.index.json must hold a JSON object, got list"),
+    ('{"metadata": {}}', "weight_map must map tensor names to shard file names, got None"),
+    ('{"weight_map": [1]}', "weight_map must map tensor names to shard file names, got \\[1\\]"),
+    ('{"weight_map": {"model.norm.weight": 5}}', "weight_map must map tensor names to shard file names"),
+])
+def test_a_shard_index_that_is_not_one_is_refused_naming_it(sharded, tmp_path, index, says):
+    path = _edited(sharded, str(tmp_path / "c"), "model.safetensors.index.json", lambda _: index)
+    with pytest.raises(ValueError, match=says):
+        load_model(path)
+
+
+def test_a_tensor_in_two_shards_is_refused_not_taken_from_the_last(sharded, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    path = str(shutil.copytree(sharded, tmp_path / "c"))
+    first, second = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[:2]
+    a, b = load_file(os.path.join(path, first)), load_file(os.path.join(path, second))
+    name = next(iter(a))
+    save_file({**b, name: a[name] * 2}, os.path.join(path, second))
+    with pytest.raises(ValueError, match=f"tensor '{name}' appears twice in checkpoint {path}"):
+        load_model(path)
+
+
 def _with_config(src: str, dst: str, **change) -> str:
     return _edited(src, dst, "config.json", _json_edit(**change))
 
