@@ -143,6 +143,26 @@ def test_a_bad_config_file_exits_naming_the_key(tmp_path, capsys, text, says):
     assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_a_config_file_of_aliases_that_stand_for_millions_of_values_exits_at_once(tmp_path, capsys):
+    """Ten lines of YAML aliases, each repeating the line before nine times, are 9^10 values
+    (3.5 billion): spelled out by the JSON check and json.dumps, minutes and gigabytes. A
+    flag's JSON holds at most config_file.MAX_JSON_VALUES."""
+    lines = ["speculative-config:", "  method: ngram", "  a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    with pytest.raises(SystemExit) as exit_:
+        parse(tmp_path, "\n".join(lines) + "\n")
+    assert exit_.value.code == 2
+    assert "c.yaml: speculative-config: more than 10,000 values" in capsys.readouterr().err
+    assert parse(tmp_path, "speculative-config: {method: ngram, num_speculative_tokens: &k 2, prompt_lookup_max: *k}\n")
+
+
+def test_a_config_file_that_is_not_utf8_exits_naming_it(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_bytes("max-num-seqs: 4\n".encode("utf-16"))
+    with pytest.raises(SystemExit):
+        config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "c.yaml")])
+    assert "c.yaml: not UTF-8 text" in capsys.readouterr().err
+
+
 def test_a_missing_config_file_exits_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "none.yaml")])
