@@ -102,10 +102,12 @@ def gguf_tokenizer(metadata: dict[str, Any]) -> Any:
     same vocabulary, merges, special tokens, BOS/EOS and chat template that
     `AutoTokenizer.from_pretrained(folder, gguf_file=name)` gives, without its torch import."""
     try:
-        return _gguf_tokenizer(metadata)
+        tok = _gguf_tokenizer(metadata)
     except Exception as e:  # missing keys, ids past the vocabulary, a model type the converter lacks
         raise ValueError(f"the GGUF file's tokenizer metadata does not describe a usable tokenizer "
                          f"({type(e).__name__}: {e})") from None
+    check_chat_template_type(tok.chat_template, "the GGUF file's tokenizer.chat_template")
+    return tok
 
 
 def _gguf_tokenizer(metadata: dict[str, Any]) -> Any:

@@ -69,6 +69,19 @@ def test_a_named_chat_template_list_loads(tokenizer_dir, tmp_path):
     assert load_tokenizer(path).chat_template == {"default": "{{ messages[0].content }}"}
 
 
+@pytest.mark.parametrize("template", [5, b"{{ messages }}"])
+def test_a_gguf_chat_template_of_no_template_type_is_refused(template):
+    """smollm2's tokenizer metadata (the built-in model, cached by the suite) with its
+    tokenizer.chat_template of another GGUF type: loaded as is, every chat request failed."""
+    import gguf_loader
+    from tokenizer import gguf_tokenizer
+
+    metadata = gguf_loader.read_tokenizer_metadata(gguf_loader.resolve_builtin("smollm2", log=lambda _: None))
+    assert isinstance(gguf_tokenizer(metadata).chat_template, str)
+    with pytest.raises(ValueError, match="the GGUF file's tokenizer.chat_template: chat_template must be a string"):
+        gguf_tokenizer({**metadata, "tokenizer.chat_template": template})
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.bool_])
 def test_a_weight_stored_as_integers_or_bools_is_refused_naming_the_tensor(hf_checkpoint, tmp_path, dtype):
     """transformers' loader and numpy's astype would turn it into a float weight without a word."""
