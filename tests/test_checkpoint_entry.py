@@ -263,3 +263,23 @@ def test_an_orbax_checkpoint_with_llama3_scaling_loads(orbax_dir, tmp_path):
                    lambda text: json.dumps({**json.loads(text), "model_config": {
                        **json.loads(text)["model_config"], "rope_scaling": _LLAMA3_SCALING}}))
     assert dict(checkpoint.load(path).config.rope_scaling)["factor"] == 8.0
+
+
+def test_the_server_exits_with_one_line_naming_a_checkpoint_file_that_does_not_load(tokenizer_dir, hf_checkpoint,
+                                                                                   tmp_path):
+    """`python server.py --model DIR` with a checkpoint whose files do not load: exit 2 and
+    one line on stderr (no traceback, no 60 lines of usage above it)."""
+    import subprocess
+    import sys
+
+    path = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "c"))
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        f.write("[1]")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "server.py"), "--model", path, "--no-warmup"],
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if "Warning" not in line and line.strip()]
+    assert proc.returncode == 2 and lines == [f"server.py: error: {path}: its tokenizer files do not load "
+                                              "(AttributeError: 'list' object has no attribute 'get')"], proc.stderr
