@@ -94,6 +94,16 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
         if d.get(key) is not None and not isinstance(d[key], dict):
             raise ValueError(f"{where}{key} must be an object or null, got {d[key]!r}")
         _rope_base(d.get(key) or {}, f"{where}{key}.")
+    if d.get("rope_scaling") and d.get("rope_parameters"):
+        # transformers 5 reads the legacy rope_scaling first, taxirank rope_parameters: where
+        # they disagree the two would run different RoPE
+        old, new = ({("rope_type" if k == "type" else k): v for k, v in d[key].items()}
+                    for key in ("rope_scaling", "rope_parameters"))
+        differ = sorted(k for k in {"rope_type", *old.keys() & new.keys()}
+                        if old.get(k, "default") != new.get(k, "default"))
+        if differ:
+            raise ValueError(f"{where}rope_scaling and rope_parameters disagree on {', '.join(differ)}: "
+                             "give one of them")
     vocab = d["vocab_size"]
     bos = d.get("bos_token_id")
     if isinstance(bos, list):  # one token opens a prompt (transformers refuses a list too)

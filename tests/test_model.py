@@ -217,6 +217,11 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(rope_parameters=dict(rope_type="default", rope_theta=0.5)), "rope_parameters.rope_theta must be >= 1"),
     (dict(rope_parameters=dict(rope_type="default", rope_theta="abc")), "rope_parameters.rope_theta must be"),
     (dict(rope_scaling="linear"), "rope_scaling must be an object or null"),
+    # transformers runs the legacy rope_scaling's llama3 where both are given: one of them, or the same RoPE
+    (dict(rope_scaling=_LLAMA3, rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+     "rope_scaling and rope_parameters disagree on rope_type: give one of them"),
+    (dict(rope_scaling={**_LLAMA3, "factor": 4.0}, rope_parameters={**_LLAMA3, "rope_theta": 5e5}),
+     "disagree on factor"),
     (dict(rope_scaling=dict(type="linear", factor=2.0)), "unsupported RoPE type 'linear'"),
     (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "unsupported RoPE type 'dynamic'"),
     (dict(rope_parameters={**_LLAMA3, "factor": "x"}), "rope scaling factor must be a finite number"),
@@ -249,6 +254,8 @@ def test_the_fields_of_the_hostile_table_load_at_their_sane_values():
     """The table above changes one field of a config that loads; its edges load too."""
     cfg = ModelConfig.from_hf(_HF)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.eos_token_ids) == (2, 2, 4, (2,))
+    same = {"type": "llama3", **{k: v for k, v in _LLAMA3.items() if k != "rope_type"}}
+    assert ModelConfig.from_hf({**_HF, "rope_scaling": same, "rope_parameters": _LLAMA3}).rope_scaling is not None
     ok = ModelConfig.from_hf({**_HF, "eos_token_id": [9, 2], "rope_parameters": _LLAMA3, "sliding_window": 64,
                               "architectures": None, "dtype": "float16", "head_dim": 6})
     assert ok.eos_token_ids == (9, 2) and ok.rope_scaling is not None and ok.max_model_len == 64 and ok.head_dim == 6
