@@ -132,6 +132,15 @@ def llama_options(d: dict[str, Any]) -> dict[str, Any]:
     return dict(attention_bias=bias, o_proj_bias=bias, sliding_window=d.get("sliding_window"))
 
 
+def mistral_options(d: dict[str, Any]) -> dict[str, Any]:
+    """Mistral: as Llama, with transformers' MistralConfig default window (4096) where the
+    config.json leaves the key out; null turns it off, as in Mistral v0.2 and later."""
+    return {**llama_options(d), "sliding_window": d.get("sliding_window", MISTRAL_DEFAULT_WINDOW)}
+
+
+MISTRAL_DEFAULT_WINDOW = 4096
+
+
 def _qwen_window(d: dict[str, Any]) -> int | None:
     # Qwen configs carry a window size that is off unless use_sliding_window
     return d.get("sliding_window") if d.get("use_sliding_window", False) else None
@@ -149,7 +158,7 @@ def qwen3_options(d: dict[str, Any]) -> dict[str, Any]:
 
 
 register_family(Family("llama", llama_options, gguf_arch="llama", gguf_qk_permuted=True))
-register_family(Family("mistral", llama_options))  # Mistral's GGUF files say "llama"
+register_family(Family("mistral", mistral_options))  # Mistral's GGUF files say "llama"
 register_family(Family("qwen2", qwen2_options, gguf_arch="qwen2"))
 register_family(Family("qwen3", qwen3_options, gguf_arch="qwen3"))
 

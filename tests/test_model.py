@@ -334,6 +334,22 @@ def test_published_config_json_files_load(d, want):
     assert ModelConfig.from_hf(getattr(transformers, hf_class[cfg.architecture])(**d).to_dict()) == cfg
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_config_json_without_a_window_key_gets_the_window_transformers_gives_it(tmp_path, model_type):
+    """A missing key is the family's transformers default, not None: Mistral's is a
+    4,096-token window (attending past it would compute another model)."""
+    import json
+
+    import transformers
+
+    d = {k: v for k, v in _HF.items() if k != "architectures"} | {"model_type": model_type}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    want = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+    assert ModelConfig.from_hf(d).sliding_window == want
+    assert ModelConfig.from_hf({**d, "sliding_window": None}).sliding_window is None
+
+
 def test_checkpoint_files_that_are_not_what_they_claim_are_errors_naming_the_file(hf_checkpoint, tmp_path):
     import shutil
 
