@@ -132,18 +132,20 @@ def llama_options(d: dict[str, Any]) -> dict[str, Any]:
     return dict(attention_bias=bias, o_proj_bias=bias, sliding_window=d.get("sliding_window"))
 
 
+# transformers' default sliding_window (MistralConfig, and Qwen2/Qwen3Config's with
+# use_sliding_window) where a config.json leaves the key out
+DEFAULT_WINDOW = 4096
+
+
 def mistral_options(d: dict[str, Any]) -> dict[str, Any]:
-    """Mistral: as Llama, with transformers' MistralConfig default window (4096) where the
-    config.json leaves the key out; null turns it off, as in Mistral v0.2 and later."""
-    return {**llama_options(d), "sliding_window": d.get("sliding_window", MISTRAL_DEFAULT_WINDOW)}
-
-
-MISTRAL_DEFAULT_WINDOW = 4096
+    """Mistral: as Llama, with transformers' default window where the config.json leaves
+    the key out; null turns it off, as in Mistral v0.2 and later."""
+    return {**llama_options(d), "sliding_window": d.get("sliding_window", DEFAULT_WINDOW)}
 
 
 def _qwen_window(d: dict[str, Any]) -> int | None:
     # Qwen configs carry a window size that is off unless use_sliding_window
-    return d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    return d.get("sliding_window", DEFAULT_WINDOW) if d.get("use_sliding_window", False) else None
 
 
 def qwen2_options(d: dict[str, Any]) -> dict[str, Any]:

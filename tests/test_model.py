@@ -334,15 +334,18 @@ def test_published_config_json_files_load(d, want):
     assert ModelConfig.from_hf(getattr(transformers, hf_class[cfg.architecture])(**d).to_dict()) == cfg
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
-def test_a_config_json_without_a_window_key_gets_the_window_transformers_gives_it(tmp_path, model_type):
+@pytest.mark.parametrize("model_type, extra", [("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
+                                               ("qwen2", {"use_sliding_window": True}),
+                                               ("qwen3", {"use_sliding_window": True})])
+def test_a_config_json_without_a_window_key_gets_the_window_transformers_gives_it(tmp_path, model_type, extra):
     """A missing key is the family's transformers default, not None: Mistral's is a
-    4,096-token window (attending past it would compute another model)."""
+    4,096-token window, and Qwen's when use_sliding_window is on (attending past it would
+    compute another model)."""
     import json
 
     import transformers
 
-    d = {k: v for k, v in _HF.items() if k != "architectures"} | {"model_type": model_type}
+    d = {k: v for k, v in _HF.items() if k != "architectures"} | {"model_type": model_type, **extra}
     (tmp_path / "config.json").write_text(json.dumps(d))
     hf = transformers.AutoConfig.from_pretrained(tmp_path)
     want = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
