@@ -106,7 +106,7 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
                              "give one of them")
     vocab = d["vocab_size"]
     bos = d.get("bos_token_id")
-    if isinstance(bos, list):  # one token opens a prompt (transformers refuses a list too)
+    if bos is not None and not (_is_int(bos) and bos >= 0):  # one token opens a prompt (transformers: no list)
         raise ValueError(f"{where}bos_token_id must be a token id >= 0 or null, got {bos!r}")
     for key in ("eos_token_id", "bos_token_id"):
         ids = token_ids(d.get(key), f"{where}{key}")

@@ -237,6 +237,7 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(eos_token_id=10), "eos_token_id 10 is outside the vocabulary \\(vocab_size 10\\)"),
     (dict(bos_token_id=10**9), "bos_token_id 1000000000 is outside the vocabulary"),
     (dict(bos_token_id=[1, 2]), "bos_token_id must be a token id >= 0 or null, got \\[1, 2\\]"),  # one opens a prompt
+    (dict(bos_token_id=-1), "bos_token_id must be a token id >= 0 or null, got -1"),
     (dict(dtype="banana"), "dtype must be one of float32, float16, bfloat16, float64, got 'banana'"),
     (dict(torch_dtype=5), "torch_dtype must be one of"),
     (dict(architectures=["LlamaForSequenceClassification"]), "names no causal language model"),
