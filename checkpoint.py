@@ -26,7 +26,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from model import Decoder, LoadedModel, ModelConfig, load_model, resolve_dtype
+from hf_config import check_hf_config, check_llama3_rope
+from model import FAMILIES, LLAMA3_ROPE_KEYS, Decoder, LoadedModel, ModelConfig, load_model, resolve_dtype
 from tokenizer import ByteTokenizer, load_tokenizer
 
 META = "taxirank_checkpoint.json"
@@ -79,10 +80,18 @@ def _read_meta(path: str) -> tuple[dict[str, Any], ModelConfig]:
             v = getattr(cfg, f.name)
             if f.type in kinds and (not isinstance(v, kinds[f.type]) or (f.type != "bool" and isinstance(v, bool))):
                 raise ValueError(f"{f.name} must be {f.type}, got {v!r}")
-        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "max_position_embeddings")
-        if any(getattr(cfg, k) < 1 for k in sizes):
-            raise ValueError(f"sizes must be >= 1: {', '.join(f'{k}={getattr(cfg, k)}' for k in sizes)}")
+        # the checks a config.json gets (sizes, heads, RoPE, eps, window, special ids), on the same fields
+        if cfg.architecture not in FAMILIES:
+            raise ValueError(f"architecture {cfg.architecture!r} is none of {', '.join(FAMILIES)}")
+        check_hf_config({**dataclasses.asdict(cfg), "rope_scaling": None, "eos_token_id": list(cfg.eos_token_ids)},
+                        "model_config")
+        if cfg.rope_scaling is not None:
+            scaling = dict(cfg.rope_scaling)
+            if sorted(scaling) != sorted(LLAMA3_ROPE_KEYS):
+                raise ValueError(f"rope_scaling must give {', '.join(LLAMA3_ROPE_KEYS)}, got {sorted(scaling)}")
+            old = scaling["original_max_position_embeddings"]  # kept as a float, as every scaling value
+            check_llama3_rope({**scaling, "original_max_position_embeddings": int(old) if old.is_integer() else old},
+                              "model_config")
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}/{META}: bad model_config ({e})") from None
     if meta.get("dtype") not in ("float32", "bfloat16"):

@@ -157,7 +157,7 @@ class EngineConfig:
         need(isinstance(self.swap_space, (int, float)) and math.isfinite(self.swap_space) and self.swap_space >= 0,
              f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         # vLLM's limit: a host pool over 70% of the host's memory leaves too little for the rest
-        host_bytes = host_memory_bytes()
+        host_bytes = host_memory_bytes() if self.preemption_mode == "swap" else 0
         need(self.preemption_mode == "recompute" or self.swap_space * 2**30 <= 0.7 * host_bytes,
              f"swap_space {self.swap_space:g} GiB is too large: over 70% of the host's {host_bytes / 2**30:.1f} GiB "
              "of memory")
@@ -263,9 +263,24 @@ class EngineConfig:
         return tuple(out)
 
 
+# A container's memory limit: cgroup v2's memory.max ("max": none), cgroup v1's
+# memory.limit_in_bytes (a huge number: none). Each as the container sees its own cgroup.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def host_memory_bytes() -> int:
-    """The host's physical RAM."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """The memory this process may use: the host's physical RAM, or its container's
+    cgroup limit where that is lower (a process past it is killed, whatever RAM is free)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) > 0:
+            ram = min(ram, int(text))
+    return ram
 
 
 @functools.cache

@@ -40,6 +40,8 @@ def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
             data = yaml.safe_load(f)
     except OSError as e:
         raise ValueError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config {path}: not UTF-8 text ({e})") from None
     except yaml.YAMLError as e:
         raise ValueError(f"--config {path}: not valid YAML ({e})") from None
     if data is None:
@@ -92,17 +94,29 @@ def _word(where: str, value: object, action: argparse.Action) -> str:
     return str(value)
 
 
-def _check_json(where: str, value: object) -> None:
+# The most values a flag's JSON may hold: YAML aliases (*name) repeat a node without copying
+# it, so ten lines can stand for 9^10 values, which checking and json.dumps would take
+# minutes and gigabytes to spell out.
+MAX_JSON_VALUES = 10_000
+
+
+def _check_json(where: str, value: object, budget: list[int] | None = None, flag: str = "") -> None:
     """ValueError naming the place of the first part of `value` JSON cannot hold as YAML
-    read it: a non-string key, a date, a binary, a set, a non-finite number."""
+    read it: a non-string key, a date, a binary, a set, a non-finite number; or naming
+    the flag when it holds over MAX_JSON_VALUES values."""
+    budget, flag = [MAX_JSON_VALUES] if budget is None else budget, flag or where
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(f"{flag}: more than {MAX_JSON_VALUES:,} values (YAML aliases repeating a node count each "
+                         "time)")
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ValueError(f"{where}: key {k!r} is not a string")
-            _check_json(f"{where}.{k}", v)
+            _check_json(f"{where}.{k}", v, budget, flag)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_json(f"{where}[{i}]", v)
+            _check_json(f"{where}[{i}]", v, budget, flag)
     elif value is not None and not isinstance(value, (str, int, float)) or (
             isinstance(value, float) and not math.isfinite(value)):
         raise ValueError(f"{where}: {value!r} is not a JSON value")

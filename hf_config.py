@@ -44,6 +44,14 @@ def _positive_number(d: dict[str, Any], key: str, where: str) -> None:
         raise ValueError(f"{where}{key} must be a finite number > 0, got {v!r}")
 
 
+def _rope_base(d: dict[str, Any], where: str) -> None:
+    """rope_theta, RoPE's base: its frequencies theta^(-2i/d) fall from 1 with a base >= 1;
+    below 1 they grow, past float32's range for a tiny one (NaN from the first position)."""
+    _positive_number(d, "rope_theta", where)
+    if d.get("rope_theta") is not None and d["rope_theta"] < 1:
+        raise ValueError(f"{where}rope_theta must be >= 1, got {d['rope_theta']!r}")
+
+
 def token_ids(value: object, field: str) -> tuple[int, ...]:
     """An eos_token_id / bos_token_id value: null, an id, or a list of ids (>= 0)."""
     ids = [] if value is None else [value] if not isinstance(value, list) else value
@@ -74,8 +82,8 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
     head_dim = d.get("head_dim") or d["hidden_size"] // heads
     if head_dim % 2:
         raise ValueError(f"{where}head_dim ({head_dim}) must be even: RoPE rotates pairs of dimensions")
-    for key in ("rms_norm_eps", "rope_theta"):
-        _positive_number(d, key, where)
+    _positive_number(d, "rms_norm_eps", where)
+    _rope_base(d, where)
     for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
         if d.get(key) is not None and not isinstance(d[key], bool):
             raise ValueError(f"{where}{key} must be true or false, got {d[key]!r}")
@@ -85,8 +93,21 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
     for key in ("rope_scaling", "rope_parameters"):
         if d.get(key) is not None and not isinstance(d[key], dict):
             raise ValueError(f"{where}{key} must be an object or null, got {d[key]!r}")
-        _positive_number(d.get(key) or {}, "rope_theta", f"{where}{key}.")
+        _rope_base(d.get(key) or {}, f"{where}{key}.")
+    if d.get("rope_scaling") and d.get("rope_parameters"):
+        # transformers 5 reads the legacy rope_scaling first, taxirank rope_parameters: where
+        # they disagree the two would run different RoPE
+        old, new = ({("rope_type" if k == "type" else k): v for k, v in d[key].items()}
+                    for key in ("rope_scaling", "rope_parameters"))
+        differ = sorted(k for k in {"rope_type", *old.keys() & new.keys()}
+                        if old.get(k, "default") != new.get(k, "default"))
+        if differ:
+            raise ValueError(f"{where}rope_scaling and rope_parameters disagree on {', '.join(differ)}: "
+                             "give one of them")
     vocab = d["vocab_size"]
+    bos = d.get("bos_token_id")
+    if bos is not None and not (_is_int(bos) and bos >= 0):  # one token opens a prompt (transformers: no list)
+        raise ValueError(f"{where}bos_token_id must be a token id >= 0 or null, got {bos!r}")
     for key in ("eos_token_id", "bos_token_id"):
         ids = token_ids(d.get(key), f"{where}{key}")
         if any(i >= vocab for i in ids):
@@ -111,6 +132,9 @@ def check_llama3_rope(p: dict[str, Any], source: str = "config.json") -> None:
     """Llama 3.1's RoPE scaling parameters: positive numbers, the high band above the low."""
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         _positive_number(p, key, f"{source}: rope scaling ")
+    if not _is_int(p["original_max_position_embeddings"]):  # a context length, as transformers checks it
+        raise ValueError(f"{source}: rope scaling original_max_position_embeddings must be an integer, "
+                         f"got {p['original_max_position_embeddings']!r}")
     if not p["high_freq_factor"] > p["low_freq_factor"]:
         raise ValueError(f"{source}: llama3 rope scaling needs high_freq_factor ({p['high_freq_factor']}) > "
                          f"low_freq_factor ({p['low_freq_factor']})")

@@ -302,12 +302,16 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
     per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype, config.kv_cache_dtype) // config.tensor_parallel_size
     per_block += extra_bytes_per_block
     have = device_memory_bytes()
+    on_cpu = jax.devices()[0].platform == "cpu"
+    # On CPU the device is the host: a swap pool (--preemption-mode swap) takes the same memory
+    swap_bytes = int(config.swap_space * 2**30) if on_cpu and config.preemption_mode == "swap" else 0
     if config.num_kv_blocks is not None:
         num, source = config.num_kv_blocks, f"--num-kv-blocks {config.num_kv_blocks}"
     elif config.kv_cache_memory is not None:
         num = config.kv_cache_memory // per_block + 1
         source = f"--kv-cache-memory {config.kv_cache_memory} bytes"
-    elif (dev := jax.devices()[0]).platform != "cpu":
+    elif not on_cpu:
+        dev = jax.devices()[0]
         if not have:
             raise ValueError(f"{dev.platform} reports no memory limit: pass --kv-cache-memory or --num-kv-blocks")
         budget = int(config.gpu_memory_utilization * have) - weight_bytes - activation_bytes
@@ -319,16 +323,26 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
         # CPU with no budget given: vLLM's CPU default of 4 GiB, or less when max_num_seqs
         # sequences of max_model_len need less (the engine could never use more). Not
         # max_num_seqs x max_model_len alone: a 131,072-position config would exhaust memory.
-        budget = min(CPU_DEFAULT_KV_BYTES // per_block, config.max_num_seqs * config.max_blocks_per_seq)
-        num = budget + 1
+        # Nor more than the host leaves, as the accelerator's budget: gpu_memory_utilization of
+        # its memory (a container's limit) less the weights, activations and any swap pool.
+        leaves = int(config.gpu_memory_utilization * have) - weight_bytes - activation_bytes - swap_bytes
+        budget = min(CPU_DEFAULT_KV_BYTES, max(leaves, 0)) // per_block
+        num = min(budget, config.max_num_seqs * config.max_blocks_per_seq) + 1
         source = (f"the CPU default of {CPU_DEFAULT_KV_BYTES / 2**30:.0f} GiB (set --kv-cache-memory or "
                   "--num-kv-blocks)")
+        if leaves < CPU_DEFAULT_KV_BYTES:
+            source += (f", capped at what --gpu-memory-utilization {config.gpu_memory_utilization} of the host's "
+                       f"{have / 2**30:.2f} GiB leaves beside {weight_bytes / 2**30:.2f} GiB of weights, "
+                       f"{activation_bytes / 2**30:.2f} GiB of activations"
+                       + (f" and a {swap_bytes / 2**30:g} GiB swap pool" if swap_bytes else ""))
     explicit = config.num_kv_blocks is not None or config.kv_cache_memory is not None
-    if explicit and have and num * per_block + weight_bytes + activation_bytes > have:
+    if explicit and have and num * per_block + weight_bytes + activation_bytes + swap_bytes > have:
         # Refused before it is allocated: past this point it is an out-of-memory error from deep
         # inside the allocator, or a host killed for memory (a budget fits by construction).
         raise ValueError(f"{source}: a KV cache of {num} blocks takes {num * per_block / 2**30:.2f} GiB, which "
-                         f"with {weight_bytes / 2**30:.2f} GiB of weights and {activation_bytes / 2**30:.2f} GiB of "
+                         f"with {weight_bytes / 2**30:.2f} GiB of weights"
+                         + (f", a {swap_bytes / 2**30:g} GiB swap pool" if swap_bytes else "")
+                         + f" and {activation_bytes / 2**30:.2f} GiB of "
                          "activations (the logprob arrays at least) does not fit in the device's "
                          f"{have / 2**30:.2f} GiB; lower it (or shrink the logprob arrays: --max-logprobs, "
                          "--max-num-batched-tokens)")

@@ -17,7 +17,7 @@ convert their codes to that dtype inside the step.
 from __future__ import annotations
 
 import functools
-import json
+import math
 import os
 from dataclasses import dataclass, replace
 from collections.abc import Iterable, Iterator
@@ -34,7 +34,7 @@ from kernels_pallas import QuantizedKV, quantize_kv
 from quant import GGUFBlocks, QuantLinear, WeightQuant, encode, weight_quant_for
 from tokenizer import ByteTokenizer, gguf_tokenizer, load_tokenizer
 
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,20 @@ def llama_options(d: dict[str, Any]) -> dict[str, Any]:
     return dict(attention_bias=bias, o_proj_bias=bias, sliding_window=d.get("sliding_window"))
 
 
+# transformers' default sliding_window (MistralConfig, and Qwen2/Qwen3Config's with
+# use_sliding_window) where a config.json leaves the key out
+DEFAULT_WINDOW = 4096
+
+
+def mistral_options(d: dict[str, Any]) -> dict[str, Any]:
+    """Mistral: as Llama, with transformers' default window where the config.json leaves
+    the key out; null turns it off, as in Mistral v0.2 and later."""
+    return {**llama_options(d), "sliding_window": d.get("sliding_window", DEFAULT_WINDOW)}
+
+
 def _qwen_window(d: dict[str, Any]) -> int | None:
     # Qwen configs carry a window size that is off unless use_sliding_window
-    return d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    return d.get("sliding_window", DEFAULT_WINDOW) if d.get("use_sliding_window", False) else None
 
 
 def qwen2_options(d: dict[str, Any]) -> dict[str, Any]:
@@ -149,7 +160,7 @@ def qwen3_options(d: dict[str, Any]) -> dict[str, Any]:
 
 
 register_family(Family("llama", llama_options, gguf_arch="llama", gguf_qk_permuted=True))
-register_family(Family("mistral", llama_options))  # Mistral's GGUF files say "llama"
+register_family(Family("mistral", mistral_options))  # Mistral's GGUF files say "llama"
 register_family(Family("qwen2", qwen2_options, gguf_arch="qwen2"))
 register_family(Family("qwen3", qwen3_options, gguf_arch="qwen3"))
 
@@ -168,11 +179,11 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ..
         return theta, None
     if rope_type != "llama3":
         raise ValueError(f"unsupported RoPE type {rope_type!r} (supported: default, llama3)")
-    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in p]
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in p]
     if missing:
         raise ValueError(f"llama3 RoPE scaling lacks {missing}")
     check_llama3_rope(p)
-    return theta, tuple(sorted((k, float(p[k])) for k in _LLAMA3_ROPE_KEYS))
+    return theta, tuple(sorted((k, float(p[k])) for k in LLAMA3_ROPE_KEYS))
 
 
 @jax.tree_util.register_dataclass
@@ -588,6 +599,7 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
     wanted: dict[str, tuple[tuple[Any, ...], int | None, bool]] = {}
     buffers: dict[tuple[Any, ...], np.ndarray] = {}
     variables = dict(nnx.to_flat_state(abstract))
+    check_fits_in_host_memory(variables.values(), source)
     for p, var in variables.items():
         w = declared_weight(p)
         for i, name in enumerate(hf_tensor_names(p, L)):
@@ -601,7 +613,12 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
             continue  # derived from the config / a copy of the embedding
         if name not in wanted:
             raise ValueError(f"unexpected tensor {name!r} in {source}")
+        if name in seen:  # in two shards: the one read last would win without a word
+            raise ValueError(f"tensor {name!r} appears twice in {source}")
         p, layer, transpose = wanted[name]
+        if not isinstance(x, GGUFBlocks) and not jnp.issubdtype(x.dtype, jnp.floating):
+            # an integer or bool tensor would be cast to the weights' dtype without a word
+            raise ValueError(f"tensor {name!r} in {source} has dtype {x.dtype}, not a floating-point type")
         at = (lambda q: buffers[q]) if layer is None else (lambda q: buffers[q][layer])
         scheme = schemes.get(p)
         if scheme is not None:
@@ -621,17 +638,35 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
         dest[...] = (x.T if transpose else x).astype(dtype)
         seen.add(name)
     missing = [n for n in wanted if n not in seen]
-    if missing:
-        raise ValueError(f"{source} lacks tensors: {', '.join(missing)}")
+    if missing:  # (a config with many more layers than the tensors have would list thousands)
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"{source} lacks tensors: {', '.join(missing[:8])}{more}")
     filled = [(p, var.replace(jnp.asarray(buffers[p]))) for p, var in variables.items()]
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+def check_fits_in_host_memory(params: Iterable[Any], source: str) -> None:
+    """The parameters a config describes are built on the host before they reach the
+    device: a ValueError when they alone exceed its memory (a config.json with a vocab_size
+    or num_hidden_layers the tensors do not have), not a MemoryError while allocating."""
+    from config import host_memory_bytes
+
+    need = sum(math.prod(v.get_value().shape) * np.dtype(v.get_value().dtype).itemsize for v in params)
+    have = host_memory_bytes()
+    if need > have:
+        raise ValueError(f"{source} describes {need / 2**30:,.1f} GiB of parameters, more than the "
+                         f"host's {have / 2**30:.1f} GiB of memory: check its vocab_size, hidden_size, "
+                         "intermediate_size and num_hidden_layers")
 
 
 def _safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(v, str) and v for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must map tensor names to shard file names, got {weight_map!r}"[:300])
+        return [os.path.join(path, n) for n in sorted(set(weight_map.values()))]
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]

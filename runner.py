@@ -275,14 +275,14 @@ def host_buffer_bytes(config: EngineConfig, model: ModelConfig, dtype: Any) -> d
     # the hidden-state buffer and its padded targets; a step's tokens, positions, slot
     # mapping, token sources and prompt-logprob targets
     tokens = P * (model.hidden_size * np.dtype(dtype).itemsize + i32) + 5 * T * i32
-    # per slot: block table (kept, and gathered by a step), last token, sampling arrays (kept
-    # and gathered), three flags, two list entries; per sample row: logits and a bitmask;
-    # verified rows' inputs
-    seqs = (N + 1) * (2 * W * i32 + i32 + 2 * 6 * 4 + 3 + 2 * 8) + rows * (V * 4 + bitmask_width(V) * i32) \
-        + N * (K + 4) * i32
+    # per slot: block table (kept, and gathered by a step: max_model_len's share, a config.json's
+    # max_position_embeddings unless --max-model-len), last token, sampling arrays (kept and
+    # gathered), three flags, two list entries; per sample row: logits and a bitmask; verified rows' inputs
+    block_tables = (N + 1) * 2 * W * i32
+    seqs = (N + 1) * (i32 + 2 * 6 * 4 + 3 + 2 * 8) + rows * (V * 4 + bitmask_width(V) * i32) + N * (K + 4) * i32
     logprobs = logprobs_bytes(config, model)
     return {"max_num_batched_tokens": tokens + logprobs["max_num_batched_tokens"],
-            "max_num_seqs": seqs + logprobs["max_num_seqs"]}
+            "max_num_seqs": seqs + logprobs["max_num_seqs"], "max_model_len": block_tables}
 
 
 def check_host_buffers(config: EngineConfig, model: ModelConfig, dtype: Any) -> None:
@@ -295,7 +295,7 @@ def check_host_buffers(config: EngineConfig, model: ModelConfig, dtype: Any) -> 
         parts = ", ".join(f"{k} {getattr(config, k)}: {v:,} bytes" for k, v in need.items())
         raise ValueError(f"--{flag.replace('_', '-')} {getattr(config, flag)} is too large: the runner's host buffers "
                          f"need {total:,} bytes ({total / 2**30:.1f} GiB; {parts}), more than the host's {ram:,} "
-                         f"bytes ({ram / 2**30:.1f} GiB) of RAM")
+                         f"bytes ({ram / 2**30:.1f} GiB) of memory")
 
 
 class ModelRunner:

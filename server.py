@@ -1146,8 +1146,9 @@ def main(argv: list[str] | None = None) -> None:
         # Loads, sizes the KV cache and compiles every shape (blocking); it logs the model,
         # dtype, KV blocks and tokens, and the max concurrency at max_model_len as it goes.
         engine = AsyncEngine(config, log=log.info)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad flag, model path or download: say so
-        parser.error(str(e))
+    except (ValueError, OSError, RuntimeError) as e:  # a bad flag value, model file or download
+        # one line saying so: argparse's usage (60 lines of flags) would bury it
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     except KeyboardInterrupt:
         log.info("stopped during start-up")
         raise SystemExit(0) from None

@@ -79,7 +79,21 @@ def load_tokenizer(path: str) -> Any | None:
     _quiet_transformers()
     from transformers import AutoTokenizer  # slow import: only when needed
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a malformed file raises what its parser raises (AttributeError, TypeError, ...)
+        raise ValueError(f"{path}: its tokenizer files do not load ({type(e).__name__}: {e})"[:500]) from None
+    check_chat_template_type(tok.chat_template, path)
+    return tok
+
+
+def check_chat_template_type(template: object, source: str) -> None:
+    """A checkpoint's chat template is text, or named texts (tokenizer_config.json's list
+    of {name, template}): anything else would fail every chat request, not the load."""
+    named = isinstance(template, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in template.items())
+    if template is not None and not isinstance(template, str) and not named:
+        raise ValueError(f"{source}: chat_template must be a string or a list of {{name, template}} strings, "
+                         f"got {template!r}"[:300])
 
 
 def gguf_tokenizer(metadata: dict[str, Any]) -> Any:
@@ -88,10 +102,12 @@ def gguf_tokenizer(metadata: dict[str, Any]) -> Any:
     same vocabulary, merges, special tokens, BOS/EOS and chat template that
     `AutoTokenizer.from_pretrained(folder, gguf_file=name)` gives, without its torch import."""
     try:
-        return _gguf_tokenizer(metadata)
+        tok = _gguf_tokenizer(metadata)
     except Exception as e:  # missing keys, ids past the vocabulary, a model type the converter lacks
         raise ValueError(f"the GGUF file's tokenizer metadata does not describe a usable tokenizer "
                          f"({type(e).__name__}: {e})") from None
+    check_chat_template_type(tok.chat_template, "the GGUF file's tokenizer.chat_template")
+    return tok
 
 
 def _gguf_tokenizer(metadata: dict[str, Any]) -> Any:

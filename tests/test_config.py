@@ -16,7 +16,7 @@ import config_file
 import server
 import kvcache
 import runner
-from config import EngineConfig
+from config import EngineConfig, host_memory_bytes
 from engine import LLM
 
 
@@ -57,8 +57,8 @@ def test_numpy_integers_and_bools_are_accepted_and_become_plain_python_values():
 
 def test_an_explicit_kv_cache_that_cannot_fit_is_refused_naming_the_flag_before_allocation():
     have = kvcache.device_memory_bytes()
-    if jax.default_backend() == "cpu":  # the CPU "device" is the host
-        assert have == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if jax.default_backend() == "cpu":  # the CPU "device" is the host (a container's limit, if lower)
+        assert have == host_memory_bytes() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     model = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=4, head_dim=8)  # what sizing reads
     per_block = kvcache.kv_cache_bytes_per_block(model, 16, np.float32)
 
@@ -143,6 +143,26 @@ def test_a_bad_config_file_exits_naming_the_key(tmp_path, capsys, text, says):
     assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_a_config_file_of_aliases_that_stand_for_millions_of_values_exits_at_once(tmp_path, capsys):
+    """Ten lines of YAML aliases, each repeating the line before nine times, are 9^10 values
+    (3.5 billion): spelled out by the JSON check and json.dumps, minutes and gigabytes. A
+    flag's JSON holds at most config_file.MAX_JSON_VALUES."""
+    lines = ["speculative-config:", "  method: ngram", "  a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    with pytest.raises(SystemExit) as exit_:
+        parse(tmp_path, "\n".join(lines) + "\n")
+    assert exit_.value.code == 2
+    assert "c.yaml: speculative-config: more than 10,000 values" in capsys.readouterr().err
+    assert parse(tmp_path, "speculative-config: {method: ngram, num_speculative_tokens: &k 2, prompt_lookup_max: *k}\n")
+
+
+def test_a_config_file_that_is_not_utf8_exits_naming_it(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_bytes("max-num-seqs: 4\n".encode("utf-16"))
+    with pytest.raises(SystemExit):
+        config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "c.yaml")])
+    assert "c.yaml: not UTF-8 text" in capsys.readouterr().err
+
+
 def test_a_missing_config_file_exits_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "none.yaml")])
@@ -175,7 +195,8 @@ def test_host_buffers_are_bounded_by_their_need_not_a_cap(monkeypatch):
     r, cfg = llm.engine.runner, llm.engine.config
     need = runner.host_buffer_bytes(cfg, llm.engine.model_config, llm.engine.loaded.dtype)
     assert need["max_num_batched_tokens"] >= r._hidden.nbytes
-    assert need["max_num_seqs"] >= r._logits.nbytes + r._bt.nbytes + sum(a.nbytes for a in r._samp.values())
+    assert need["max_num_seqs"] >= r._logits.nbytes + sum(a.nbytes for a in r._samp.values())
+    assert need["max_model_len"] >= r._bt.nbytes
     monkeypatch.setattr(runner, "host_memory_bytes", lambda: sum(need.values()))
     _tiny(max_num_seqs=4)
     monkeypatch.setattr(runner, "host_memory_bytes", lambda: sum(need.values()) - 1)
@@ -224,7 +245,7 @@ def test_host_buffers_grow_with_the_logprob_arrays_width(spec):
 
     for narrow, wide, width in ((0, 20, 20), (20, -1, V)):
         grown = {k: host(wide)[k] - host(narrow)[k] for k in host(narrow)}
-        want = {k: outputs(width)[k] - outputs(20 if width == V else 0)[k] for k in grown}
+        want = {k: outputs(width).get(k, 0) - outputs(20 if width == V else 0).get(k, 0) for k in grown}
         assert grown == want
     assert grown["max_num_batched_tokens"] == P * (V - 20) * 8  # [P, V] ids and values
 

@@ -212,12 +212,22 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0, got nan"),
     (dict(rms_norm_eps=-1), "rms_norm_eps must be a finite number > 0"),
     (dict(rope_theta=0), "rope_theta must be a finite number > 0"),
+    # frequencies theta^(-2i/d) past float32's range: NaN from position 0 on
+    (dict(rope_theta=1e-300), "rope_theta must be >= 1, got 1e-300"),
+    (dict(rope_parameters=dict(rope_type="default", rope_theta=0.5)), "rope_parameters.rope_theta must be >= 1"),
     (dict(rope_parameters=dict(rope_type="default", rope_theta="abc")), "rope_parameters.rope_theta must be"),
     (dict(rope_scaling="linear"), "rope_scaling must be an object or null"),
+    # transformers runs the legacy rope_scaling's llama3 where both are given: one of them, or the same RoPE
+    (dict(rope_scaling=_LLAMA3, rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+     "rope_scaling and rope_parameters disagree on rope_type: give one of them"),
+    (dict(rope_scaling={**_LLAMA3, "factor": 4.0}, rope_parameters={**_LLAMA3, "rope_theta": 5e5}),
+     "disagree on factor"),
     (dict(rope_scaling=dict(type="linear", factor=2.0)), "unsupported RoPE type 'linear'"),
     (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "unsupported RoPE type 'dynamic'"),
     (dict(rope_parameters={**_LLAMA3, "factor": "x"}), "rope scaling factor must be a finite number"),
     (dict(rope_parameters={**_LLAMA3, "high_freq_factor": 1.0}), "needs high_freq_factor \\(1.0\\) > low_freq"),
+    (dict(rope_parameters={**_LLAMA3, "original_max_position_embeddings": 64.5}),
+     "original_max_position_embeddings must be an integer, got 64.5"),
     (dict(sliding_window=0), "sliding_window must be an integer >= 1 or null"),
     (dict(sliding_window=-1), "sliding_window must be an integer >= 1 or null"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
@@ -226,6 +236,8 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(eos_token_id=-1), "eos_token_id must be a token id"),
     (dict(eos_token_id=10), "eos_token_id 10 is outside the vocabulary \\(vocab_size 10\\)"),
     (dict(bos_token_id=10**9), "bos_token_id 1000000000 is outside the vocabulary"),
+    (dict(bos_token_id=[1, 2]), "bos_token_id must be a token id >= 0 or null, got \\[1, 2\\]"),  # one opens a prompt
+    (dict(bos_token_id=-1), "bos_token_id must be a token id >= 0 or null, got -1"),
     (dict(dtype="banana"), "dtype must be one of float32, float16, bfloat16, float64, got 'banana'"),
     (dict(torch_dtype=5), "torch_dtype must be one of"),
     (dict(architectures=["LlamaForSequenceClassification"]), "names no causal language model"),
@@ -243,6 +255,8 @@ def test_the_fields_of_the_hostile_table_load_at_their_sane_values():
     """The table above changes one field of a config that loads; its edges load too."""
     cfg = ModelConfig.from_hf(_HF)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.eos_token_ids) == (2, 2, 4, (2,))
+    same = {"type": "llama3", **{k: v for k, v in _LLAMA3.items() if k != "rope_type"}}
+    assert ModelConfig.from_hf({**_HF, "rope_scaling": same, "rope_parameters": _LLAMA3}).rope_scaling is not None
     ok = ModelConfig.from_hf({**_HF, "eos_token_id": [9, 2], "rope_parameters": _LLAMA3, "sliding_window": 64,
                               "architectures": None, "dtype": "float16", "head_dim": 6})
     assert ok.eos_token_ids == (9, 2) and ok.rope_scaling is not None and ok.max_model_len == 64 and ok.head_dim == 6
@@ -319,6 +333,25 @@ def test_published_config_json_files_load(d, want):
 
     hf_class = dict(llama="LlamaConfig", qwen2="Qwen2Config", qwen3="Qwen3Config", mistral="MistralConfig")
     assert ModelConfig.from_hf(getattr(transformers, hf_class[cfg.architecture])(**d).to_dict()) == cfg
+
+
+@pytest.mark.parametrize("model_type, extra", [("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
+                                               ("qwen2", {"use_sliding_window": True}),
+                                               ("qwen3", {"use_sliding_window": True})])
+def test_a_config_json_without_a_window_key_gets_the_window_transformers_gives_it(tmp_path, model_type, extra):
+    """A missing key is the family's transformers default, not None: Mistral's is a
+    4,096-token window, and Qwen's when use_sliding_window is on (attending past it would
+    compute another model)."""
+    import json
+
+    import transformers
+
+    d = {k: v for k, v in _HF.items() if k != "architectures"} | {"model_type": model_type, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    want = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+    assert ModelConfig.from_hf(d).sliding_window == want
+    assert ModelConfig.from_hf({**d, "sliding_window": None}).sliding_window is None
 
 
 def test_checkpoint_files_that_are_not_what_they_claim_are_errors_naming_the_file(hf_checkpoint, tmp_path):
