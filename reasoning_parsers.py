@@ -43,6 +43,10 @@ class ThinkReasoningParser:
         """prompt: the end of the rendered chat prompt; thinking: the request did not switch
         thinking off (its template variable enable_thinking)."""
         self.prompt_ended = prompt.rfind(self.end) > prompt.rfind(self.start)
+        # a stream's state (split_stream): the output so far, its leading whitespace's end,
+        # where its reasoning begins (None: not known yet), where the end tag is not before
+        # (found: where it is)
+        self.text, self.blank, self.begin, self.pos, self.found = "", 0, None, 0, -1
 
     def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
         """(reasoning, content) of the output so far; None: none. Not final: what may still
@@ -60,6 +64,37 @@ class ThinkReasoningParser:
         if not self.unended_is_reasoning:
             return None, text
         return text[:len(text) - (0 if final else _held(text, self.end))], None
+
+    def split_stream(self, text: str, final: bool) -> tuple[str | None, str | None]:
+        """split(text, final) of an output that grows chunk by chunk, as vLLM's
+        extract_reasoning_content_streaming keeps its state: the opening tag is decided
+        once, and the end tag looked for past where it was not found. An output that does
+        not extend the last starts over."""
+        if self.prompt_ended:
+            return None, text
+        if not text.startswith(self.text):  # (a C memcmp)
+            self.text, self.blank, self.begin, self.pos, self.found = "", 0, None, 0, -1
+        self.text = text
+        if self.begin is None:
+            while self.blank < len(text) and text[self.blank].isspace():  # (as str.lstrip)
+                self.blank += 1
+            if text.startswith(self.start, self.blank):
+                self.begin = self.pos = self.blank + len(self.start)
+            elif not final and self.start.startswith(text[self.blank:self.blank + len(self.start)]) \
+                    and len(text) - self.blank < len(self.start):
+                return None, None  # may yet open with "<think>"
+            else:
+                self.begin = 0
+        begin = self.begin
+        if self.found < 0:
+            self.found = text.find(self.end, self.pos)
+            self.pos = max(self.pos, len(text) - _held(text, self.end))
+        if self.found >= 0:
+            return text[begin:self.found], text[self.found + len(self.end):] or None
+        if not self.unended_is_reasoning:
+            return None, text[begin:]
+        held = 0 if final else _held(text[max(begin, len(text) - len(self.end)):], self.end)
+        return text[begin:len(text) - held], None
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):

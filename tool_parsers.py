@@ -19,9 +19,10 @@ arguments written by then, if any); the rest follow as string deltas as the mode
 a `<tool_call>` tag is held back until it is known not to be. A call's arguments are the
 model's own JSON text of them (valid JSON, its spacing kept), the same whole and streamed.
 Every delta is derived from the whole text so far (`_view`), then diffed with what was
-sent, so what a stream sends adds up to what the whole response says. Under "required"
-the view is kept up to date chunk by chunk (ArrayCallStream), as vLLM's streaming parsers
-keep their state, so a chunk's work follows its own length, not the text's.
+sent, so what a stream sends adds up to what the whole response says. In a stream the view
+is kept up to date chunk by chunk (ArrayCallStream under "required", HermesToolParser.stream
+under "auto"), as vLLM's streaming parsers keep their state, so a chunk's parsing follows
+its own length, not the text's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from reasoning_parsers import ThinkReasoningParser
+from reasoning_parsers import ThinkReasoningParser, _held
 
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
@@ -136,10 +137,13 @@ class ArrayCallStream:
     carries over, as _elements keeps it), a complete call is parsed once, and the open call
     again only after a character at its own level (outside strings at depth 2, or a string
     closing there): in between its name cannot change and its arguments grow only by the
-    text of a value still being written. A text that does not extend the last starts over."""
+    text of a value still being written. A text that does not extend the last starts over.
 
-    def __init__(self, key: str) -> None:
-        self.key, self.text, self.scanned = key, "", 0
+    one: a text that does not open an array is one call object, never complete (an open
+    <tool_call> block's body: _call(text, key, False)); its level is depth 1."""
+
+    def __init__(self, key: str, one: bool = False) -> None:
+        self.key, self.one, self.level, self.text, self.scanned = key, one, 2, "", 0
         self.depth, self.in_str, self.esc = 0, False, False
         self.array: bool | None = None  # the text starts with "[" (None: whitespace alone so far)
         self.calls: list[CallView] = []  # the complete ones
@@ -149,37 +153,39 @@ class ArrayCallStream:
         self.span: tuple[int, int | None] | None = None
 
     def calls_of(self, text: str) -> list[CallView]:
-        """_array_calls(text, key)."""
+        """_array_calls(text, key) (one: the array's calls, or else [_call(text, key, False)])."""
         if not text.startswith(self.text):  # (a C memcmp: no character is scanned in Python)
-            self.__init__(self.key)
+            self.__init__(self.key, self.one)
         self.text = text
         if self.array is None:
             head = text[self.scanned:].lstrip()
             if not head:
                 self.scanned = len(text)
-                return []
+                return [CallView(None, "", False)] if self.one else []
             self.array = head[0] == "["
-        if not self.array:
+            if not self.array and self.one:
+                self.level, self.start, self.stale = 1, 0, True
+        if not self.array and not self.one:
             return []
         for i in range(self.scanned, len(text)):
             ch = text[i]
             if self.in_str:
                 self.esc, self.in_str = (False, True) if self.esc else (ch == "\\", ch != '"')
-                self.stale |= not self.in_str and self.depth == 2
+                self.stale |= not self.in_str and self.depth == self.level
                 continue
-            level = self.depth == 2
+            level = self.depth == self.level
             if ch == '"':
                 self.in_str = True
             elif ch in "[{":
                 self.depth += 1
-                if self.depth == 2 and ch == "{":
+                if self.array and self.depth == 2 and ch == "{":
                     self.start, self.stale = i, True
             elif ch in "]}":
                 self.depth -= 1
-                if self.depth == 1 and self.start is not None:
+                if self.array and self.depth == 1 and self.start is not None:
                     self.calls.append(_call(text[self.start:i + 1], self.key, True))
                     self.start = None
-            self.stale |= (level or self.depth == 2) and not ch.isspace()
+            self.stale |= (level or self.depth == self.level) and not ch.isspace()
         self.scanned = len(text)
         if self.start is None:
             return list(self.calls)
@@ -193,28 +199,62 @@ class ArrayCallStream:
 
 
 class HermesToolParser:
-    """<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks in free text."""
+    """<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks in free text. One per
+    response: `stream` keeps its state across a stream's chunks."""
 
     start, end = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self.text, self.pos = "", 0  # the tag looked for next does not begin before pos
+        self.first: int | None = None  # where the first <tool_call> begins
+        self.body: int | None = None  # where the open block's body begins
+        self.calls: list[CallView] = []  # the closed blocks'
+        self.open = ArrayCallStream("arguments", one=True)  # the open block's
+
+    @staticmethod
+    def _block(body: str, done: bool) -> list[CallView]:
+        if body.lstrip().startswith("["):
+            return _array_calls(body, "arguments")
+        return [_call(body.strip() if done else body, "arguments", done)]
 
     def view(self, text: str, final: bool) -> tuple[str, list[CallView]]:
         """(content safe to show, calls) of the text so far."""
         i = text.find(self.start)
         if i < 0:
-            hold = 0 if final else next((k for k in range(len(self.start) - 1, 0, -1)
-                                         if text.endswith(self.start[:k])), 0)
-            return text[:len(text) - hold], []
+            return text[:len(text) - (0 if final else _held(text, self.start))], []
         calls: list[CallView] = []
         while i >= 0:
             j = text.find(self.end, i)
-            body = text[i + len(self.start):j if j >= 0 else len(text)]
-            done = j >= 0 or final
-            if body.lstrip().startswith("["):
-                calls += _array_calls(body, "arguments")
-            else:
-                calls.append(_call(body.strip() if done else body, "arguments", done))
+            calls += self._block(text[i + len(self.start):j if j >= 0 else len(text)], j >= 0 or final)
             i = text.find(self.start, j) if j >= 0 else -1
         return text[:text.find(self.start)], calls
+
+    def stream(self, text: str, final: bool) -> tuple[str, list[CallView]]:
+        """view(text, final) of a text that grows chunk by chunk, as vLLM's streaming parser
+        keeps its state: each tag is looked for past where it was not found, a closed
+        block is parsed once, the open one incrementally. A text that does not extend the
+        last (a reasoning parser's content cut anew) starts over."""
+        if not text.startswith(self.text):  # (a C memcmp)
+            self.__init__()
+        self.text = text
+        while True:
+            tag = self.start if self.body is None else self.end
+            k = text.find(tag, self.pos)
+            if k < 0:
+                self.pos = max(self.pos, len(text) - _held(text, tag))  # (a tag's start may end the text)
+                break
+            if self.body is None:
+                self.first = k if self.first is None else self.first
+                self.body = self.pos = k + len(tag)
+            else:
+                self.calls += self._block(text[self.body:k], True)
+                self.body, self.pos, self.open = None, k + len(tag), ArrayCallStream("arguments", one=True)
+        if self.first is None:
+            return text[:len(text) - (0 if final else _held(text, self.start))], []
+        if self.body is None:
+            return text[:self.first], list(self.calls)
+        body = text[self.body:]
+        return text[:self.first], self.calls + (self._block(body, True) if final else self.open.calls_of(body))
 
 
 TOOL_PARSERS: dict[str, Callable[[], HermesToolParser]] = {"hermes": HermesToolParser}
@@ -243,9 +283,11 @@ class ToolCallStream:
         self.required = ArrayCallStream("parameters")  # a stream's calls under tool_choice "required"
         self.sent: list[tuple[str, int]] = []  # per call streamed: (id, characters of its arguments sent)
 
-    def _split(self, final: bool) -> tuple[str | None, str | None]:
+    def _split(self, final: bool, stream: bool = False) -> tuple[str | None, str | None]:
         """(reasoning, the text that holds content and calls) of the text so far."""
-        return (None, self.text) if self.reasoning is None else self.reasoning.split(self.text, final)
+        if self.reasoning is None:
+            return None, self.text
+        return self.reasoning.split_stream(self.text, final) if stream else self.reasoning.split(self.text, final)
 
     def _view(self, text: str, final: bool, stream: bool = False) -> tuple[str, list[CallView]]:
         if self.tools is None:
@@ -255,7 +297,7 @@ class ToolCallStream:
         if self.tools.mode == "required":
             content, calls = "", self.required.calls_of(text) if stream else _array_calls(text, "parameters")
         else:
-            content, calls = self.parser.view(text, final)
+            content, calls = self.parser.stream(text, final) if stream else self.parser.view(text, final)
         return content, calls if self.parallel else calls[:1]
 
     def _reason(self, calls: list[CallView], reason: str) -> str:
@@ -283,7 +325,7 @@ class ToolCallStream:
     def delta(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The delta of one streamed chunk (text: its new text; reason: set on the last)."""
         self.text += text
-        reasoning, body = self._split(final=reason is not None)
+        reasoning, body = self._split(final=reason is not None, stream=True)
         out: dict = {}
         if reasoning is not None and len(reasoning) > self.reasoning_sent:
             if self.include_reasoning:

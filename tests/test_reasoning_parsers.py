@@ -207,3 +207,43 @@ def test_an_unknown_reasoning_parser_is_refused_where_it_enters(capsys):
     assert "invalid choice: 'nope'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'nope'"):
         EngineConfig(reasoning_parser="nope")
+
+
+# outputs with what the split must get right cut anywhere: a tag split across chunks, with
+# and without its end, whitespace before the opening tag, text that only starts like a tag,
+# a second end tag, no tags, a tool call after the reasoning
+TEXTS = ["<think>I think </th, so </think>The answer.", "  \n <think>still thinking <thin </thi",
+         "no tags, only < and </ and <think", "early</think>content</think>more", " <thi", "\n\n",
+         '<think>x</think>Calling. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>']
+
+
+@settings(max_examples=150, deadline=None)
+@given(cuts=st.lists(st.integers(0, 100), max_size=30), which=st.integers(0, len(TEXTS) - 1),
+       name=st.sampled_from(sorted(REASONING_PARSERS)), thinking=st.booleans())
+def test_the_streamed_split_is_the_whole_outputs_split_after_every_chunk(cuts, which, name, thinking):
+    """The incremental split of a stream (split_stream) gives, after each chunk, what a split
+    of the whole output so far gives, and at the end the final split."""
+    text = TEXTS[which]
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
+    parser = REASONING_PARSERS[name]("", thinking)
+    for b in bounds[1:]:
+        assert parser.split_stream(text[:b], False) == REASONING_PARSERS[name]("", thinking).split(text[:b], False), b
+    assert parser.split_stream(text, True) == REASONING_PARSERS[name]("", thinking).split(text, True)
+    # an output that does not extend the last starts over
+    half = text[:len(text) // 2]
+    assert parser.split_stream(half, False) == REASONING_PARSERS[name]("", thinking).split(half, False)
+
+
+def test_a_stream_searches_each_character_for_a_tag_a_bounded_number_of_times():
+    """Streamed one character a chunk, the output goes through the tag search and strips a
+    few times in all, not once per chunk (which is quadratic in its length)."""
+    from test_tool_parsers import Counted
+
+    Counted.handed = handed = [0]
+    text = " <think>" + "Hmm, </thin is not the end. " * 150 + "</think>" + "The answer. " * 150
+    s = ToolCallStream(None, reasoning=REASONING_PARSERS["deepseek_r1"](""))
+    s.text = Counted("")
+    deltas, reason = stream(s, text, list(range(len(text))))
+    assert reason == "stop" and "".join(d.get("reasoning", "") for d in deltas) == "Hmm, </thin is not the end. " * 150
+    assert "".join(d.get("content", "") for d in deltas) == "The answer. " * 150
+    assert handed[0] <= 4 * len(text), (handed[0], len(text))

@@ -269,3 +269,99 @@ def test_required_streams_parse_each_character_a_bounded_number_of_times(monkeyp
     deltas, reason = stream(REQUIRED, text, list(range(len(text))))
     assert reason == "tool_calls" and [json.loads(a) for _, a in add_up(deltas)[1]] == [c["parameters"] for c in calls]
     assert handed[0] <= 4 * len(text), (handed[0], len(text))
+
+
+# tool_choice "auto" texts, with what the hermes parser must get right cut anywhere: plain
+# content, blocks among text, a tag's start that is not one, an array block, a block that is
+# not a call, text after a call's object inside its block, arguments that never decode,
+# whitespace alone in a block, a block left open
+AUTO_TEXTS = [
+    "Just an answer, with < and <tool and </tool_call> in it.",
+    hermes_text(CALLS),
+    'Some <tool_c text. <tool_call> {"name": "get_weather", "arguments": {"city": "a\\"}b", "n": [1, {}]}}\n'
+    '</tool_call> between <tool_call>[{"name": "get_time", "arguments": {"zone": "CET"}}, {"name": "x", '
+    '"arguments": {}}]</tool_call><tool_call>not a call</tool_call> <tool_call>{"name": "get_time", '
+    '"arguments": {"a": 1}} trailing {"b": 2}</tool_call><tool_call>{"name": "f", "arguments": }</tool_call>'
+    '<tool_call>   </tool_call> after <tool_call>{"name": "get_\\u0074ime", "arguments": {"open": "still',
+    'x <tool_call>{"name": "get_weather", "arguments": 12.5e3 </tool_call><tool_call>[{"name": "g", "arguments": {',
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(cuts=st.lists(st.integers(0, 700), max_size=40), which=st.integers(0, len(AUTO_TEXTS) - 1))
+def test_auto_streamed_view_is_the_whole_texts_parse_after_every_chunk(cuts, which):
+    """The incremental hermes parse of an "auto" stream gives, after each chunk, the content
+    and calls a parse of the whole text so far gives, and at the end the final parse."""
+    text = AUTO_TEXTS[which]
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
+    parser = HermesToolParser()
+    for b in bounds[1:]:
+        assert parser.stream(text[:b], False) == HermesToolParser().view(text[:b], False), b
+    assert parser.stream(text, True) == HermesToolParser().view(text, True)
+    # a text that does not extend the last (a reasoning parser's content may be cut anew) starts over
+    assert parser.stream(text[:len(text) // 2], False) == HermesToolParser().view(text[:len(text) // 2], False)
+    deltas, reason = stream(AUTO, text, cuts)
+    whole, whole_reason = ToolCallStream(AUTO, HermesToolParser).message(text, "stop")
+    if "tool_calls" in whole:
+        assert reason == whole_reason == "tool_calls" and add_up(deltas) == (
+            whole["content"] or "", [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]])
+
+
+class Counted(str):
+    """A text that counts the characters its tag searches (find) and strips are handed."""
+
+    handed = [0]
+
+    def __add__(self, other: str) -> "Counted":
+        return Counted(str(self) + other)
+
+    def find(self, sub: str, start: int = 0, *args) -> int:
+        Counted.handed[0] += len(self) - max(0, start)
+        return str.find(self, sub, start, *args)
+
+    def lstrip(self, *args) -> "Counted":
+        Counted.handed[0] += len(self)
+        return Counted(str.lstrip(self, *args))
+
+    def strip(self, *args) -> "Counted":
+        Counted.handed[0] += len(self)
+        return Counted(str.strip(self, *args))
+
+
+def count_decoding(monkeypatch, handed: list[int]) -> None:
+    """Count the characters each JSON decoder call and bracket scan of tool_parsers is handed."""
+    import tool_parsers
+
+    class CountingDecoder:
+        def raw_decode(self, s: str, idx: int = 0):
+            handed[0] += len(s) - idx
+            return json.JSONDecoder().raw_decode(s, idx)
+
+    def loads(s: str):
+        handed[0] += len(s)
+        return json.loads(s)
+
+    def elements(text: str):
+        handed[0] += len(text)
+        return elements_of(text)
+
+    elements_of = tool_parsers._elements
+    monkeypatch.setattr(tool_parsers, "_DECODER", CountingDecoder())
+    monkeypatch.setattr(tool_parsers, "json", type("J", (), {"loads": staticmethod(loads), "dumps": json.dumps}))
+    monkeypatch.setattr(tool_parsers, "_elements", elements)
+
+
+def test_auto_streams_parse_each_character_a_bounded_number_of_times(monkeypatch):
+    """Streamed one character a chunk, an "auto" response's text goes through the tag
+    search, the JSON decoder and the bracket scanner a few times in all, not once per
+    chunk (which is quadratic in the output's length)."""
+    Counted.handed = handed = [0]
+    count_decoding(monkeypatch, handed)
+    args = {"city": "Paris " * 150, "days": list(range(100))}
+    text = "Let me look that up. " * 40 + hermes_text([("get_weather", args)] * 2 + [("get_time", {"z": 1})], "")
+    s = ToolCallStream(AUTO, HermesToolParser)
+    s.text = Counted("")
+    deltas = [s.delta(ch, "stop" if i == len(text) - 1 else None) for i, ch in enumerate(text)]
+    assert deltas[-1][1] == "tool_calls" and add_up([d for d, _ in deltas]) == (
+        "Let me look that up. " * 40, [("get_weather", json.dumps(args))] * 2 + [("get_time", '{"z": 1}')])
+    assert handed[0] <= 6 * len(text), (handed[0], len(text))
