@@ -10,8 +10,10 @@ tool calls are parsed from. Parsers (REASONING_PARSERS), each vLLM's rule:
                the prompt, so the output may hold only the end tag); no end tag yet: all of
                it is reasoning.
   qwen3        the same, except that with thinking switched off (chat_template_kwargs
-               enable_thinking false, or reasoning_effort "none") output without an end tag
-               is content.
+               enable_thinking false, or reasoning_effort "none") output that does not open
+               with `<think>` is content, an end tag in it included: a stream has sent the
+               text before the tag as content by the time the tag comes. (vLLM's whole
+               response splits at such a tag, and its stream does not: here both are content.)
 
 Either way a `<think>` opening the output is dropped (vLLM drops one anywhere, with what
 precedes it, from a whole response, but streams that text as it comes: here a stream says
@@ -36,15 +38,16 @@ class ThinkReasoningParser:
     """`<think>...</think>` reasoning, then content. One per response."""
 
     start, end = "<think>", "</think>"
-    # Output with no end tag (yet) is reasoning: the model is still thinking, or was cut off.
-    unended_is_reasoning = True
+    # Output that does not open with <think> is reasoning until </think> (the prompt opened
+    # the block); output that does is reasoning until then whatever this says.
+    implicit = True
 
     def __init__(self, prompt: str, thinking: bool = True) -> None:
         """prompt: the end of the rendered chat prompt; thinking: the request did not switch
         thinking off (its template variable enable_thinking)."""
         self.prompt_ended = prompt.rfind(self.end) > prompt.rfind(self.start)
         # a stream's state (split_stream): the output so far, its leading whitespace's end,
-        # where its reasoning begins (None: not known yet), where the end tag is not before
+        # where its reasoning begins (None: not known yet; -1: there is none), where the end tag is not before
         # (found: where it is)
         self.text, self.blank, self.begin, self.pos, self.found = "", 0, None, 0, -1
 
@@ -58,11 +61,11 @@ class ThinkReasoningParser:
             text = opened[len(self.start):]
         elif not final and self.start.startswith(opened):
             return None, None  # may yet open with "<think>"
+        elif not self.implicit:
+            return None, text
         j = text.find(self.end)
         if j >= 0:
             return text[:j], text[j + len(self.end):] or None
-        if not self.unended_is_reasoning:
-            return None, text
         return text[:len(text) - (0 if final else _held(text, self.end))], None
 
     def split_stream(self, text: str, final: bool) -> tuple[str | None, str | None]:
@@ -84,15 +87,15 @@ class ThinkReasoningParser:
                     and len(text) - self.blank < len(self.start):
                 return None, None  # may yet open with "<think>"
             else:
-                self.begin = 0
+                self.begin = 0 if self.implicit else -1
         begin = self.begin
+        if begin < 0:
+            return None, text
         if self.found < 0:
             self.found = text.find(self.end, self.pos)
             self.pos = max(self.pos, len(text) - _held(text, self.end))
         if self.found >= 0:
             return text[begin:self.found], text[self.found + len(self.end):] or None
-        if not self.unended_is_reasoning:
-            return None, text[begin:]
         held = 0 if final else _held(text[max(begin, len(text) - len(self.end)):], self.end)
         return text[begin:len(text) - held], None
 
@@ -100,7 +103,7 @@ class ThinkReasoningParser:
 class Qwen3ReasoningParser(ThinkReasoningParser):
     def __init__(self, prompt: str, thinking: bool = True) -> None:
         super().__init__(prompt, thinking)
-        self.unended_is_reasoning = thinking
+        self.implicit = thinking
 
 
 REASONING_PARSERS: dict[str, Callable[[str, bool], ThinkReasoningParser]] = {

@@ -34,8 +34,9 @@ CASES = [
     ("preamble <think>thought</think>answer", "preamble <think>thought", "answer"),  # only an opening <think>
     ("<think>a</think>b</think>c", "a", "b</think>c"),
 ]
-QWEN3_THINKING_OFF = {"no tags at all": (None, "no tags at all"),
-                      "<think>Still thinking when cut off": (None, "Still thinking when cut off")}
+# thinking off: output that does not open with <think> is content, tags and all
+QWEN3_THINKING_OFF = {o: (None, o) for o in ("no tags at all", "This is a reasoning section</think>This is the rest",
+                                             "</think>This is the rest", "preamble <think>thought</think>answer")}
 
 
 @pytest.mark.parametrize("output, reasoning, content", CASES)
@@ -71,6 +72,22 @@ def test_streamed_in_any_pieces_the_deltas_add_up_to_the_whole_message(parts, cu
     assert reason == "stop"
     assert "".join(d.get("reasoning", "") for d in deltas) == (whole["reasoning"] or "")
     assert "".join(d.get("content", "") for d in deltas) == (whole["content"] or "")
+
+
+def test_thinking_off_an_end_tag_after_sent_content_stays_content_streamed_and_whole():
+    """qwen3 with thinking off sends output that did not open a think block as content: an
+    end tag coming later cannot take that text back, so the whole message agrees (the
+    stream used to send "abc", then only "w" of "xyzw")."""
+    def parser() -> ToolCallStream:
+        return ToolCallStream(None, reasoning=REASONING_PARSERS["qwen3"]("", False))
+    deltas, _ = stream(parser(), "abc</think>xyzw", [3])
+    whole, _ = parser().message("abc</think>xyzw", "stop")
+    assert [d.get("content") for d in deltas] == ["abc", "</think>xyzw"] and not any("reasoning" in d for d in deltas)
+    assert whole["content"] == "abc</think>xyzw" and whole["reasoning"] is None
+    # a model that opens the block itself thinks, with thinking off too
+    deltas, _ = stream(parser(), "<think>abc</think>xyz", [10])
+    assert "".join(d.get("reasoning", "") for d in deltas) == "abc"
+    assert "".join(d.get("content", "") for d in deltas) == "xyz"
 
 
 def test_a_partial_tag_is_held_back_until_it_is_known():
