@@ -107,11 +107,13 @@ class SpeculativeConfig:
             if not cond:
                 raise ValueError(f"speculative_config.{key} {msg}, got {getattr(self, key)!r}")
 
-        method = self.method
+        # vLLM spells ngram "ngram" or "[ngram]", as the method or as the model alone
+        ngram = ("ngram", "[ngram]")
+        method = "ngram" if self.method in ngram else self.method
         if method is None:
             need(self.model is not None, "method", "is needed (ngram or draft_model) when no model is given")
-            method = "ngram" if self.model == "ngram" else "draft_model"
-        if method == "ngram" and self.model == "ngram":
+            method = "ngram" if self.model in ngram else "draft_model"
+        if method == "ngram" and self.model in ngram:
             object.__setattr__(self, "model", None)
         object.__setattr__(self, "method", method)
         need(method in _PROPOSER_MODULES, "method", f"must be one of {', '.join(_PROPOSER_MODULES)}")
@@ -133,8 +135,8 @@ class SpeculativeConfig:
             for key in ("prompt_lookup_min", "prompt_lookup_max"):
                 need(getattr(self, key) is None, key, "is for method ngram")
         need(self.disable_by_batch_size is None or (is_int(self.disable_by_batch_size)
-                                                    and self.disable_by_batch_size >= 1),
-             "disable_by_batch_size", "must be an integer >= 1")
+                                                    and self.disable_by_batch_size >= 2),
+             "disable_by_batch_size", "must be an integer >= 2 (vLLM's bound)")
         need(isinstance(self.min_acceptance_rate, (int, float)) and not isinstance(self.min_acceptance_rate, bool)
              and 0.0 <= self.min_acceptance_rate <= 1.0, "min_acceptance_rate", "must be a number in [0, 1]")
         need(is_int(self.acceptance_window) and self.acceptance_window >= 1, "acceptance_window",

@@ -27,6 +27,9 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
     c = SpeculativeConfig.parse({"model": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", None, 4, 4)
     assert SpeculativeConfig.parse({"model": "draft.gguf", "num_speculative_tokens": 2}).method == "draft_model"
+    for alias in ({"model": "[ngram]"}, {"method": "[ngram]"}, {"method": "[ngram]", "model": "[ngram]"}):
+        c = SpeculativeConfig.parse({**alias, "num_speculative_tokens": 2})  # vLLM's other spelling of ngram
+        assert (c.method, c.model) == ("ngram", None), alias
     bad = {'{"method": "ngram"}': "num_speculative_tokens",
            '{"method": "eagle", "num_speculative_tokens": 2}': "method",
            '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}': "bogus",
@@ -34,6 +37,7 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
                "prompt_lookup_min",
            '{"method": "ngram", "num_speculative_tokens": true}': "num_speculative_tokens",
            '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}': "disable_by_batch_size",
+           '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}': "disable_by_batch_size",
            '{"method": "draft_model", "num_speculative_tokens": 2}': "model",
            '{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}': "min_acceptance_rate",
            '[1, 2]': "JSON object", '{"method": ': "not valid JSON"}
