@@ -27,6 +27,8 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
     c = SpeculativeConfig.parse({"model": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", None, 4, 4)
     assert SpeculativeConfig.parse({"model": "draft.gguf", "num_speculative_tokens": 2}).method == "draft_model"
+    c = SpeculativeConfig.parse({"model": "draft.gguf", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
+    assert c.draft_tensor_parallel_size == 1  # vLLM's key, where it asks what runs here
     for alias in ({"model": "[ngram]"}, {"method": "[ngram]"}, {"method": "[ngram]", "model": "[ngram]"}):
         c = SpeculativeConfig.parse({**alias, "num_speculative_tokens": 2})  # vLLM's other spelling of ngram
         assert (c.method, c.model) == ("ngram", None), alias
@@ -38,6 +40,10 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
            '{"method": "ngram", "num_speculative_tokens": true}': "num_speculative_tokens",
            '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}': "disable_by_batch_size",
            '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}': "disable_by_batch_size",
+           '{"model": "d.gguf", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}':
+               "draft_tensor_parallel_size",
+           '{"model": "d.gguf", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0}':
+               "draft_tensor_parallel_size",
            '{"method": "draft_model", "num_speculative_tokens": 2}': "model",
            '{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}': "min_acceptance_rate",
            '[1, 2]': "JSON object", '{"method": ': "not valid JSON"}
