@@ -377,6 +377,42 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(tiny_pair):
     assert got.token_ids == want.token_ids == free[:free.index(stop) + 1] and got.finish_reason == "stop"
 
 
+def test_spec_decode_counters_are_exact_for_a_request_alone(tiny_pair):
+    """vLLM's counters on a scripted case: one greedy request alone (no preemption, room
+    for every draft), its steps replayed from its greedy output with the brute-force
+    prompt lookup: each decode step proposes up to k (at most what max_tokens leaves),
+    accepts the drafts that match the greedy continuation, and emits one more."""
+    base, spec = tiny_pair
+    k, lo, hi = NGRAM["num_speculative_tokens"], NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"]
+    total = 0
+    for prompt, max_tokens in zip(grounded_prompts(), [40, 7, 33, 1, 50, 21]):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        greedy = base.generate([prompt], params)[0].outputs[0].token_ids
+        drafts = draft_tokens = accepted = 0
+        per_pos = [0] * k
+        out = greedy[:1]  # the prompt's step emits the first token
+        while len(out) < max_tokens:
+            d = brute_ngram(prompt + out, lo, hi, min(k, max_tokens - len(out) - 1))
+            a = next((j for j, t in enumerate(d) if t != greedy[len(out) + j]), len(d))
+            if d:
+                drafts, draft_tokens, accepted = drafts + 1, draft_tokens + len(d), accepted + a
+                per_pos = [n + (j < a) for j, n in enumerate(per_pos)]
+            out = greedy[:len(out) + a + 1]
+        before = spec.stats.snapshot()
+        got = spec.generate([prompt], params)[0]
+        after = spec.stats.snapshot()
+        assert got.outputs[0].token_ids == greedy
+        total += accepted
+        assert (after.spec_decode_num_drafts - before.spec_decode_num_drafts,
+                after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+                [x - y for x, y in zip(after.spec_decode_num_accepted_tokens_per_pos,
+                                       before.spec_decode_num_accepted_tokens_per_pos)]) == \
+            (drafts, draft_tokens, accepted, per_pos)
+        assert got.metrics.spec_acceptance_rate == (pytest.approx(accepted / draft_tokens) if draft_tokens else None)
+    assert total > 0  # the scripted case exercises acceptance
+
+
 def test_seeded_sampling_with_speculation_is_reproducible(tiny_pair):
     _, spec = tiny_pair
     prompts = grounded_prompts(3, seed=11)
