@@ -6,12 +6,13 @@ held. Not collected by pytest (no test_ prefix): run it by hand,
 
     PYTHONPATH=$PWD python tests/spec_fuzz.py [first_seed] [num_seeds]
 
-Engines are cached by config (a new shape compiles); every scheduler step checks the
+An engine pair serves GROUP consecutive seeds (a new shape compiles); every scheduler step checks the
 scheduler's invariants (TAXIRANK_CHECK_INVARIANTS)."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 import sys
@@ -52,6 +53,9 @@ def checkpoints() -> tuple[str, str]:
 def engine(model: str, spec: dict | None, **flags) -> LLM:
     key = (model, repr(sorted(spec.items())) if spec else None, tuple(sorted(flags.items())))
     if key not in _engines:
+        if len(_engines) >= 2:  # only the current pair: engines hold their compiled programs and caches
+            _engines.clear()
+            gc.collect()
         _engines[key] = LLM(model, speculative_config=spec, max_model_len=MAX_LEN, block_size=4, warmup=False,
                             log=lambda *_: None, **flags)
     return _engines[key]
@@ -63,7 +67,9 @@ def random_flags(rng: random.Random) -> dict:
                 max_num_batched_tokens=rng.choice([16, 32]) if chunked else MAX_LEN,
                 enable_chunked_prefill=chunked, enable_prefix_caching=rng.random() < 0.6,
                 async_scheduling=rng.random() < 0.5,
-                **(dict(preemption_mode="swap", swap_space=0.001) if rng.random() < 0.3 else {}))
+                **(dict(preemption_mode="swap", swap_space=0.001) if rng.random() < 0.3 else {}),
+                **(dict(long_prefill_token_threshold=rng.choice([2, 3, 8])) if chunked and rng.random() < 0.3 else {}),
+                **(dict(scheduling_policy="priority") if rng.random() < 0.3 else {}))
 
 
 def random_spec(rng: random.Random) -> dict:
@@ -175,9 +181,17 @@ def run_seed(seed: int) -> list[str]:
                                                                  "top_k": rng.choice([-1, 5]), "seed": rng.randint(0, 9)})
                   for p in params]
     tag = f"seed {seed} flags {flags} spec {spec}"
-    want = base.generate(prompts, params, use_tqdm=False)
-    got = on.generate(prompts, params, use_tqdm=False)
+    priority = [rng.randint(0, 2) if flags.get("scheduling_policy") == "priority" else 0 for _ in prompts]
+    b0, s0 = base.stats.snapshot(), on.stats.snapshot()
+    want = base.generate(prompts, params, use_tqdm=False, priority=priority)
+    got = on.generate(prompts, params, use_tqdm=False, priority=priority)
+    b1, s1 = base.stats.snapshot(), on.stats.snapshot()
+    counted = {k: (getattr(b1, k) - getattr(b0, k), getattr(s1, k) - getattr(s0, k))
+               for k in ("generation_tokens", "prompt_tokens")}
+    counted["request_success"] = tuple({r: n - getattr(x0, "request_success").get(r, 0) for r, n in
+                                        getattr(x1, "request_success").items()} for x0, x1 in ((b0, b1), (s0, s1)))
     errs = [e for i, (w, g) in enumerate(zip(want, got)) for e in same(w, g, f"{tag} request {i} {params[i]}")]
+    errs += [f"{tag}: {k} off {a} on {b}" for k, (a, b) in counted.items() if a != b]
     errs += drained(on, tag)
     # Aborts mid-run: some requests dropped after a few steps; the rest still match.
     if rng.random() < 0.4:
