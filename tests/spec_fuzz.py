@@ -35,19 +35,21 @@ _engines: dict[tuple, LLM] = {}
 CKPT = os.path.join(os.environ.get("TMPDIR", "/tmp"), "spec_fuzz_ckpt")
 
 
-def checkpoints() -> tuple[str, str]:
-    """A random 4-layer HF target and its layer-skip draft (layers 0 and 3): a draft that is
-    often right and often wrong."""
+def checkpoints() -> tuple[str, str, str]:
+    """A random 4-layer HF target and two layer-skip drafts of it: layers 0 and 3 (mostly
+    wrong) and 0-2 (right more often)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import make_hf_checkpoint
 
     from draft_model import write_layer_skip
 
-    target, draft = os.path.join(CKPT, "target"), os.path.join(CKPT, "draft")
-    if not os.path.isdir(draft):
+    target, far, near = (os.path.join(CKPT, name) for name in ("target", "draft", "draft-012"))
+    if not os.path.isdir(target):
         make_hf_checkpoint(target, "llama2", seed=3, num_hidden_layers=4, tokenizer=True)
-        write_layer_skip(target, [0, 3], draft, log=lambda _: None)
-    return target, draft
+    for layers, out in (([0, 3], far), ([0, 1, 2], near)):
+        if not os.path.isdir(out):
+            write_layer_skip(target, layers, out, log=lambda _: None)
+    return target, far, near
 
 
 def engine(model: str, spec: dict | None, **flags) -> LLM:
@@ -56,14 +58,15 @@ def engine(model: str, spec: dict | None, **flags) -> LLM:
         if len(_engines) >= 2:  # only the current pair: engines hold their compiled programs and caches
             _engines.clear()
             gc.collect()
-        _engines[key] = LLM(model, speculative_config=spec, max_model_len=MAX_LEN, block_size=4, warmup=False,
+        _engines[key] = LLM(model, speculative_config=spec, max_model_len=MAX_LEN, warmup=False,
                             log=lambda *_: None, **flags)
     return _engines[key]
 
 
 def random_flags(rng: random.Random) -> dict:
     chunked = rng.random() < 0.7
-    return dict(max_num_seqs=4, num_kv_blocks=rng.choice([36, 80]),
+    bs = rng.choice([4, 8])
+    return dict(block_size=bs, max_num_seqs=4, num_kv_blocks=rng.choice([36, 80]) * 4 // bs,
                 max_num_batched_tokens=rng.choice([16, 32]) if chunked else MAX_LEN,
                 enable_chunked_prefill=chunked, enable_prefix_caching=rng.random() < 0.6,
                 async_scheduling=rng.random() < 0.5,
@@ -73,8 +76,8 @@ def random_flags(rng: random.Random) -> dict:
 
 
 def random_spec(rng: random.Random) -> dict:
-    if rng.random() < 0.3:
-        draft = "tiny" if rng.random() < 0.3 else checkpoints()[1]
+    if rng.random() < 0.5:
+        draft = "tiny" if rng.random() < 0.3 else rng.choice(checkpoints()[1:])
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": rng.choice([1, 3])}
     lo = rng.randint(1, 3)
     return {"method": "ngram", "num_speculative_tokens": rng.choice([1, 3]), "prompt_lookup_min": lo,
