@@ -85,6 +85,7 @@ class SpeculativeConfig:
     method: "ngram" (prompt lookup) or "draft_model"; as vLLM, model="ngram" alone means
     ngram, and a model path alone means draft_model. disable_by_batch_size: no
     speculation in a step with at least this many running sequences (vLLM's knob).
+    draft_tensor_parallel_size: vLLM's, taken where it is 1 (the only placement here).
     min_acceptance_rate: a sequence stops speculating once, after acceptance_window
     proposals, its running acceptance rate (accepted / proposed tokens over those
     proposals) is below this (0: never); the rule is documented with its measurement in
@@ -96,6 +97,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
+    draft_tensor_parallel_size: int | None = None  # vLLM's; a draft runs on one device here: 1 only
     min_acceptance_rate: float = 0.0
     acceptance_window: int = 8
 
@@ -107,11 +109,13 @@ class SpeculativeConfig:
             if not cond:
                 raise ValueError(f"speculative_config.{key} {msg}, got {getattr(self, key)!r}")
 
-        method = self.method
+        # vLLM spells ngram "ngram" or "[ngram]", as the method or as the model alone
+        ngram = ("ngram", "[ngram]")
+        method = "ngram" if self.method in ngram else self.method
         if method is None:
             need(self.model is not None, "method", "is needed (ngram or draft_model) when no model is given")
-            method = "ngram" if self.model == "ngram" else "draft_model"
-        if method == "ngram" and self.model == "ngram":
+            method = "ngram" if self.model in ngram else "draft_model"
+        if method == "ngram" and self.model in ngram:
             object.__setattr__(self, "model", None)
         object.__setattr__(self, "method", method)
         need(method in _PROPOSER_MODULES, "method", f"must be one of {', '.join(_PROPOSER_MODULES)}")
@@ -133,8 +137,10 @@ class SpeculativeConfig:
             for key in ("prompt_lookup_min", "prompt_lookup_max"):
                 need(getattr(self, key) is None, key, "is for method ngram")
         need(self.disable_by_batch_size is None or (is_int(self.disable_by_batch_size)
-                                                    and self.disable_by_batch_size >= 1),
-             "disable_by_batch_size", "must be an integer >= 1")
+                                                    and self.disable_by_batch_size >= 2),
+             "disable_by_batch_size", "must be an integer >= 2 (vLLM's bound)")
+        need(self.draft_tensor_parallel_size in (None, 1) and not isinstance(self.draft_tensor_parallel_size, bool),
+             "draft_tensor_parallel_size", "must be 1: the draft runs on one device")
         need(isinstance(self.min_acceptance_rate, (int, float)) and not isinstance(self.min_acceptance_rate, bool)
              and 0.0 <= self.min_acceptance_rate <= 1.0, "min_acceptance_rate", "must be a number in [0, 1]")
         need(is_int(self.acceptance_window) and self.acceptance_window >= 1, "acceptance_window",

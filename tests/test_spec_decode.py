@@ -27,6 +27,11 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
     c = SpeculativeConfig.parse({"model": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", None, 4, 4)
     assert SpeculativeConfig.parse({"model": "draft.gguf", "num_speculative_tokens": 2}).method == "draft_model"
+    c = SpeculativeConfig.parse({"model": "draft.gguf", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
+    assert c.draft_tensor_parallel_size == 1  # vLLM's key, where it asks what runs here
+    for alias in ({"model": "[ngram]"}, {"method": "[ngram]"}, {"method": "[ngram]", "model": "[ngram]"}):
+        c = SpeculativeConfig.parse({**alias, "num_speculative_tokens": 2})  # vLLM's other spelling of ngram
+        assert (c.method, c.model) == ("ngram", None), alias
     bad = {'{"method": "ngram"}': "num_speculative_tokens",
            '{"method": "eagle", "num_speculative_tokens": 2}': "method",
            '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}': "bogus",
@@ -34,6 +39,11 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
                "prompt_lookup_min",
            '{"method": "ngram", "num_speculative_tokens": true}': "num_speculative_tokens",
            '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}': "disable_by_batch_size",
+           '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}': "disable_by_batch_size",
+           '{"model": "d.gguf", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}':
+               "draft_tensor_parallel_size",
+           '{"model": "d.gguf", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0}':
+               "draft_tensor_parallel_size",
            '{"method": "draft_model", "num_speculative_tokens": 2}': "model",
            '{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5}': "min_acceptance_rate",
            '[1, 2]': "JSON object", '{"method": ': "not valid JSON"}
@@ -365,6 +375,42 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_sequence_there(tiny_pair):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
     want, got = base.generate([prompt], params)[0].outputs[0], spec.generate([prompt], params)[0].outputs[0]
     assert got.token_ids == want.token_ids == free[:free.index(stop) + 1] and got.finish_reason == "stop"
+
+
+def test_spec_decode_counters_are_exact_for_a_request_alone(tiny_pair):
+    """vLLM's counters on a scripted case: one greedy request alone (no preemption, room
+    for every draft), its steps replayed from its greedy output with the brute-force
+    prompt lookup: each decode step proposes up to k (at most what max_tokens leaves),
+    accepts the drafts that match the greedy continuation, and emits one more."""
+    base, spec = tiny_pair
+    k, lo, hi = NGRAM["num_speculative_tokens"], NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"]
+    total = 0
+    for prompt, max_tokens in zip(grounded_prompts(), [40, 7, 33, 1, 50, 21]):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        greedy = base.generate([prompt], params)[0].outputs[0].token_ids
+        drafts = draft_tokens = accepted = 0
+        per_pos = [0] * k
+        out = greedy[:1]  # the prompt's step emits the first token
+        while len(out) < max_tokens:
+            d = brute_ngram(prompt + out, lo, hi, min(k, max_tokens - len(out) - 1))
+            a = next((j for j, t in enumerate(d) if t != greedy[len(out) + j]), len(d))
+            if d:
+                drafts, draft_tokens, accepted = drafts + 1, draft_tokens + len(d), accepted + a
+                per_pos = [n + (j < a) for j, n in enumerate(per_pos)]
+            out = greedy[:len(out) + a + 1]
+        before = spec.stats.snapshot()
+        got = spec.generate([prompt], params)[0]
+        after = spec.stats.snapshot()
+        assert got.outputs[0].token_ids == greedy
+        total += accepted
+        assert (after.spec_decode_num_drafts - before.spec_decode_num_drafts,
+                after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+                [x - y for x, y in zip(after.spec_decode_num_accepted_tokens_per_pos,
+                                       before.spec_decode_num_accepted_tokens_per_pos)]) == \
+            (drafts, draft_tokens, accepted, per_pos)
+        assert got.metrics.spec_acceptance_rate == (pytest.approx(accepted / draft_tokens) if draft_tokens else None)
+    assert total > 0  # the scripted case exercises acceptance
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(tiny_pair):
