@@ -242,27 +242,8 @@ def test_required_streams_parse_each_character_a_bounded_number_of_times(monkeyp
     decoder and the bracket scanner a few times in all, not once per chunk (which is
     quadratic in the output's length): each decoder call and each scan counts the
     characters it is handed."""
-    import tool_parsers
-
     handed = [0]
-
-    class CountingDecoder:
-        def raw_decode(self, s: str, idx: int = 0):
-            handed[0] += len(s) - idx
-            return json.JSONDecoder().raw_decode(s, idx)
-
-    def loads(s: str):
-        handed[0] += len(s)
-        return json.loads(s)
-
-    def elements(text: str):
-        handed[0] += len(text)
-        return elements_of(text)
-
-    elements_of = tool_parsers._elements
-    monkeypatch.setattr(tool_parsers, "_DECODER", CountingDecoder())
-    monkeypatch.setattr(tool_parsers, "json", type("J", (), {"loads": staticmethod(loads), "dumps": json.dumps}))
-    monkeypatch.setattr(tool_parsers, "_elements", elements)
+    count_decoding(monkeypatch, handed)
     calls = [{"name": "get_weather", "parameters": {"city": "Paris " * 150, "days": list(range(100))}},
              {"name": "get_time", "parameters": {"zone": {"nested": ["CET"] * 100}}}]
     text = json.dumps(calls)
