@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Callable
 
 
-def _held(text: str, tag: str) -> int:
+def partial_tag_len(text: str, tag: str) -> int:
     """How many characters at the end of text may be the start of tag."""
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
@@ -66,7 +66,7 @@ class ThinkReasoningParser:
         j = text.find(self.end)
         if j >= 0:
             return text[:j], text[j + len(self.end):] or None
-        return text[:len(text) - (0 if final else _held(text, self.end))], None
+        return text[:len(text) - (0 if final else partial_tag_len(text, self.end))], None
 
     def split_stream(self, text: str, final: bool) -> tuple[str | None, str | None]:
         """split(text, final) of an output that grows chunk by chunk, as vLLM's
@@ -93,10 +93,10 @@ class ThinkReasoningParser:
             return None, text
         if self.found < 0:
             self.found = text.find(self.end, self.pos)
-            self.pos = max(self.pos, len(text) - _held(text, self.end))
+            self.pos = max(self.pos, len(text) - partial_tag_len(text, self.end))
         if self.found >= 0:
             return text[begin:self.found], text[self.found + len(self.end):] or None
-        held = 0 if final else _held(text[max(begin, len(text) - len(self.end)):], self.end)
+        held = 0 if final else partial_tag_len(text[max(begin, len(text) - len(self.end)):], self.end)
         return text[begin:len(text) - held], None
 
 

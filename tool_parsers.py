@@ -15,8 +15,8 @@ one block per call (a block holding a JSON array of such objects counts each); c
 the text before the first block, as vLLM's Hermes2ProToolParser.
 
 Streaming, as vLLM: a call's first delta carries its index, id, type and name (and the
-arguments written by then, if any); the rest follow as string deltas as the model writes them; text that may be the start of
-a `<tool_call>` tag is held back until it is known not to be. A call's arguments are the
+arguments written by then, if any); the rest follow as string deltas as the model writes
+them; text that may be the start of a `<tool_call>` tag is held back until it is known not to be. A call's arguments are the
 model's own JSON text of them (valid JSON, its spacing kept), the same whole and streamed.
 Every delta is derived from the whole text so far (`_view`), then diffed with what was
 sent, so what a stream sends adds up to what the whole response says. In a stream the view
@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from reasoning_parsers import ThinkReasoningParser, _held
+from reasoning_parsers import ThinkReasoningParser, partial_tag_len
 
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
@@ -221,7 +221,7 @@ class HermesToolParser:
         """(content safe to show, calls) of the text so far."""
         i = text.find(self.start)
         if i < 0:
-            return text[:len(text) - (0 if final else _held(text, self.start))], []
+            return text[:len(text) - (0 if final else partial_tag_len(text, self.start))], []
         calls: list[CallView] = []
         while i >= 0:
             j = text.find(self.end, i)
@@ -241,7 +241,7 @@ class HermesToolParser:
             tag = self.start if self.body is None else self.end
             k = text.find(tag, self.pos)
             if k < 0:
-                self.pos = max(self.pos, len(text) - _held(text, tag))  # (a tag's start may end the text)
+                self.pos = max(self.pos, len(text) - partial_tag_len(text, tag))  # (a tag's start may end the text)
                 break
             if self.body is None:
                 self.first = k if self.first is None else self.first
@@ -250,7 +250,7 @@ class HermesToolParser:
                 self.calls += self._block(text[self.body:k], True)
                 self.body, self.pos, self.open = None, k + len(tag), ArrayCallStream("arguments", one=True)
         if self.first is None:
-            return text[:len(text) - (0 if final else _held(text, self.start))], []
+            return text[:len(text) - (0 if final else partial_tag_len(text, self.start))], []
         if self.body is None:
             return text[:self.first], list(self.calls)
         body = text[self.body:]
