@@ -57,7 +57,8 @@ from logits_controls import penalty_width
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel, ModelConfig
 from parallel import constrain_step_outputs, create_sharded_kv_caches, replicate, shard_attention
-from sampler import SamplingTensors, emitted_logprobs, empty_sampling_arrays, fill_slot, rejection_sample, sample_rows
+from sampler import (SamplingTensors, emitted_logprobs, empty_sampling_arrays, fill_slot, rejection_sample, sample_rows,
+                     token_logprobs)
 from scheduler import SchedulerOutput, Sequence
 from structured import bitmask_width, fill_bitmask
 
@@ -122,12 +123,7 @@ def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Arr
     assert P % chunk == 0, (P, chunk)
 
     def compute(h: jax.Array, tg: jax.Array) -> tuple[jax.Array, ...]:
-        lp = jax.nn.log_softmax(logits_fn(h).astype(jnp.float32), axis=-1)
-        tlp = jnp.take_along_axis(lp, jnp.maximum(tg, 0)[:, None], axis=-1)[:, 0]
-        # vLLM's rank: the tokens at least as likely, itself included (ties count against it)
-        rank = jnp.sum(lp >= tlp[:, None], axis=-1).astype(jnp.int32)
-        top_lp, top_ids = jax.lax.top_k(lp, width)
-        return tlp, rank, top_ids.astype(jnp.int32), top_lp
+        return token_logprobs(logits_fn(h).astype(jnp.float32), jnp.maximum(tg, 0), "raw_logprobs", width)
 
     def skip(h: jax.Array, tg: jax.Array) -> tuple[jax.Array, ...]:
         return (jnp.zeros(chunk, jnp.float32), jnp.zeros(chunk, jnp.int32),

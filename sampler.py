@@ -242,7 +242,7 @@ def _sample_unmasked(logits: jax.Array, t: SamplingTensors, raw: jax.Array, raw_
 
     def logprobs() -> tuple[jax.Array, ...]:
         if mode.startswith("raw"):
-            return _top(raw if raw_mask is None else apply_token_bitmask(raw, raw_mask), tok, mode, width)
+            return token_logprobs(raw if raw_mask is None else apply_token_bitmask(raw, raw_mask), tok, mode, width)
         return _processed_top(logits, t, tok, mode, width)
 
     def no_logprobs() -> tuple[jax.Array, ...]:
@@ -252,9 +252,10 @@ def _sample_unmasked(logits: jax.Array, t: SamplingTensors, raw: jax.Array, raw_
     return (tok, *jax.lax.cond(t.want_logprobs, logprobs, no_logprobs))
 
 
-def _top(x: jax.Array, tok: jax.Array, mode: str, width: int) -> tuple[jax.Array, ...]:
+def token_logprobs(x: jax.Array, tok: jax.Array, mode: str, width: int) -> tuple[jax.Array, ...]:
     """(value of tok [S], its rank [S], top ids [S, width], top values [S, width]) of x
-    [S, V], as logits (mode *_logits) or as logprobs (log_softmax)."""
+    [S, V], as logits (mode *_logits) or as logprobs (log_softmax): sampled, verified and
+    prompt tokens' logprobs alike."""
     if not mode.endswith("logits"):
         x = jax.nn.log_softmax(x, axis=-1)
     top_v, top_ids = jax.lax.top_k(x, width)
@@ -266,7 +267,7 @@ def _top(x: jax.Array, tok: jax.Array, mode: str, width: int) -> tuple[jax.Array
 
 def _processed_top(logits: jax.Array, t: SamplingTensors, tok: jax.Array, mode: str,
                    width: int) -> tuple[jax.Array, ...]:
-    """_top of vLLM's processed logits: each row's at its temperature with the tokens min_p,
+    """token_logprobs of vLLM's processed logits: each row's at its temperature with the tokens min_p,
     top_k and top_p filter out at -inf, the logits a row draws from; a greedy row's as they
     are (vLLM clears a greedy request's filters). The sort only when a random row filters."""
     is_greedy = t.temperature < SAMPLING_EPS
@@ -276,9 +277,10 @@ def _processed_top(logits: jax.Array, t: SamplingTensors, tok: jax.Array, mode: 
         S, V = scaled.shape
         _, sorted_ids, keep = _filter_sorted(scaled, t)
         kept = jnp.zeros((S, V), bool).at[jnp.arange(S)[:, None], sorted_ids].set(keep | is_greedy[:, None])
-        return _top(jnp.where(kept, scaled, -jnp.inf), tok, mode, width)
+        return token_logprobs(jnp.where(kept, scaled, -jnp.inf), tok, mode, width)
 
-    return jax.lax.cond(jnp.any(_has_filter(t) & ~is_greedy), filtered, lambda: _top(scaled, tok, mode, width))
+    return jax.lax.cond(jnp.any(_has_filter(t) & ~is_greedy), filtered,
+                        lambda: token_logprobs(scaled, tok, mode, width))
 
 
 # ---- speculative decoding: verification (spec_decode.py proposes) -----------------------
@@ -389,7 +391,7 @@ def emitted_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, w
 
     def compute() -> tuple[jax.Array, ...]:
         if mode.startswith("raw"):
-            out = _top(flat, toks, mode, width)
+            out = token_logprobs(flat, toks, mode, width)
         else:
             out = _processed_top(flat, _at_positions(t, K1), toks, mode, width)
         return tuple(x.reshape(R, K1, *x.shape[1:]) for x in out)
