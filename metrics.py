@@ -8,7 +8,11 @@ Prometheus text format, so the engine stays usable offline with no client librar
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -208,6 +212,7 @@ class EngineStats:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
+    prefix_cache_requests: int = 0  # the requests those lookups were for (the stats log's window counts them)
     # vLLM's FinishReason but "repetition" (no repetition detection here): "error" is a request
     # that failed alone, answered with a 500
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
@@ -342,6 +347,7 @@ class EngineStats:
         if config.enable_prefix_caching and seq.params.prompt_logprobs is None:
             self.prefix_cache_queries += seq.num_prompt_tokens
             self.prefix_cache_hits += seq.num_cached_tokens
+            self.prefix_cache_requests += 1
 
     def record_spec_decode(self, drafts: list[tuple[int, int]]) -> None:
         """One step's verified rows, (draft tokens, accepted) each (the tokens they emit
@@ -410,3 +416,90 @@ class EngineStats:
                 if isinstance(v, Histogram):
                     setattr(snap, k, v.copy())
             return snap
+
+
+class LoggingStatLogger:
+    """vLLM's periodic stats log (its LoggingStatLogger), read from EngineStats' counters: each
+    log() reports the interval since the one before. The server calls it every
+    LOG_STATS_INTERVAL seconds unless --disable-log-stats; an idle interval after an idle one
+    logs at DEBUG, as vLLM's, so a quiet server stays quiet.
+
+    Its line, vLLM's fields in vLLM's order: "Engine 000: Avg prompt throughput: X tokens/s,
+    Avg generation throughput: Y tokens/s, Running: N reqs, Waiting: M reqs[, Preemptions: P],
+    GPU KV cache usage: Z%, Prefix cache hit rate: W%". Prompt tokens count when a request's
+    prefill completes (the prompt_tokens counter); Preemptions appears when the interval had
+    some; the hit rate covers the lookups of about the last `max_recent_requests` requests
+    (vLLM's CachingMetrics window, kept here by interval). With speculative decoding, an
+    interval that verified drafts adds vLLM's "SpecDecoding metrics: ..." line."""
+
+    def __init__(self, stats: EngineStats, logger: logging.Logger, clock: Callable[[], float] = time.monotonic,
+                 engine_index: int = 0, max_recent_requests: int = 1000) -> None:
+        self.stats, self.logger, self.clock, self.engine_index = stats, logger, clock, engine_index
+        self.last, self.last_log_time = stats.snapshot(), clock()
+        self.last_prompt_throughput = self.last_generation_throughput = 0.0
+        self.max_recent_requests = max_recent_requests
+        self.prefix_window: deque[tuple[int, int, int]] = deque()  # (requests, queries, hits) per interval
+        self.window_requests = self.window_queries = self.window_hits = 0
+
+    def log(self) -> None:
+        now, s, last = self.clock(), self.stats.snapshot(), self.last
+        elapsed = now - self.last_log_time
+
+        def per_second(n: int) -> float:
+            return n / elapsed if elapsed > 0 else 0.0
+
+        prompt = per_second(s.prompt_tokens - last.prompt_tokens)
+        generation = per_second(s.generation_tokens - last.generation_tokens)
+        idle = not any((prompt, generation, self.last_prompt_throughput, self.last_generation_throughput))
+        level = logging.DEBUG if idle else logging.INFO
+        self.last_prompt_throughput, self.last_generation_throughput = prompt, generation
+        self._observe_prefix_cache(s.prefix_cache_requests - last.prefix_cache_requests,
+                                   s.prefix_cache_queries - last.prefix_cache_queries,
+                                   s.prefix_cache_hits - last.prefix_cache_hits)
+        parts = ["Avg prompt throughput: %.1f tokens/s", "Avg generation throughput: %.1f tokens/s",
+                 "Running: %d reqs", "Waiting: %d reqs"]
+        args: list[float] = [prompt, generation, s.num_requests_running, s.num_requests_waiting]
+        if preempted := s.num_preemptions - last.num_preemptions:
+            parts.append("Preemptions: %d")
+            args.append(preempted)
+        parts += ["GPU KV cache usage: %.1f%%", "Prefix cache hit rate: %.1f%%"]
+        hit_rate = self.window_hits / self.window_queries if self.window_queries else 0.0
+        args += [s.kv_cache_usage * 100, hit_rate * 100]
+        self.logger.log(level, "Engine %03d: " + ", ".join(parts), self.engine_index, *args)
+        self._log_spec_decode(level, s, last, per_second)
+        self.last, self.last_log_time = s, now
+
+    def _observe_prefix_cache(self, requests: int, queries: int, hits: int) -> None:
+        """vLLM's CachingMetrics.observe: an interval with no lookups is not kept (it would push
+        useful ones out), and the oldest intervals leave while the window holds more than
+        max_recent_requests requests, the newest always kept."""
+        if not requests:
+            return
+        self.prefix_window.append((requests, queries, hits))
+        self.window_requests += requests
+        self.window_queries += queries
+        self.window_hits += hits
+        while len(self.prefix_window) > 1 and self.window_requests > self.max_recent_requests:
+            r, q, h = self.prefix_window.popleft()
+            self.window_requests -= r
+            self.window_queries -= q
+            self.window_hits -= h
+
+    def _log_spec_decode(self, level: int, s: EngineStats, last: EngineStats,
+                         per_second: Callable[[int], float]) -> None:
+        """vLLM's SpecDecodingLogging line, for an interval that verified drafts."""
+        drafts = s.spec_decode_num_drafts - last.spec_decode_num_drafts
+        if not drafts:
+            return
+        drafted = s.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
+        accepted = s.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
+        before = last.spec_decode_num_accepted_tokens_per_pos
+        per_pos = [n - (before[i] if i < len(before) else 0)
+                   for i, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos)]
+        self.logger.log(level, "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f "
+                        "tokens/s, Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+                        "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                        1 + accepted / drafts,  # the bonus token counted, as vLLM's
+                        per_second(accepted), per_second(drafted), accepted, drafted,
+                        ", ".join(f"{n / drafts:.3f}" for n in per_pos),
+                        accepted / drafted * 100 if drafted else float("nan"))

@@ -47,7 +47,7 @@ from async_engine import AsyncEngine
 import config_file
 from config import EngineConfig, SamplingParams, SLOTarget
 from engine import QueueFullError, TokenLogprob, child_requests
-from metrics import EngineStats, ParentRequest, RequestMetrics
+from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
                       parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, request_field, thinking_enabled,
@@ -61,6 +61,7 @@ T = TypeVar("T")
 log = logging.getLogger("taxirank.server")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # ~500k token ids as JSON; anything larger is a 413
+LOG_STATS_INTERVAL = 10.0  # seconds between two stats lines (vLLM's VLLM_LOG_STATS_INTERVAL default)
 
 
 # ---- generation -------------------------------------------------------------------
@@ -716,6 +717,21 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
 
 # ---- metrics ----------------------------------------------------------------------
 
+async def log_stats_periodically(app: web.Application) -> AsyncIterator[None]:
+    """vLLM's stats logging task: app["stat_logger"] logs every LOG_STATS_INTERVAL seconds
+    while the app runs."""
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(LOG_STATS_INTERVAL)
+            app["stat_logger"].log()
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 PREFIX = "taxirank:"
 ENGINE = "0"  # vLLM's engine label (its data-parallel rank): one engine per server
 _GAUGES = [  # (metric, EngineStats attribute, help)
@@ -843,7 +859,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
               tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
               request_id_headers: bool = False, return_tokens_as_token_ids: bool = False,
               chat_template: str | None = None,
-              trust_request_chat_template: bool = False, response_role: str = "assistant") -> web.Application:
+              trust_request_chat_template: bool = False, response_role: str = "assistant",
+              log_stats: bool = False) -> web.Application:
     """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
     (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused.
@@ -854,7 +871,9 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     return_tokens_as_token_ids says otherwise (vLLM's --return-tokens-as-token-ids).
     chat_template: a Jinja chat template to use instead of the model's (--chat-template's
     text); trust_request_chat_template: a request may bring its own; response_role: the
-    role of chat answers that open a new turn (vLLM's --response-role)."""
+    role of chat answers that open a new turn (vLLM's --response-role). log_stats: log the
+    engine's stats line every LOG_STATS_INTERVAL seconds while the app runs
+    (metrics.LoggingStatLogger; the server's default, off with --disable-log-stats)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     if chat_template is not None:
@@ -886,6 +905,9 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app["tokenizer_executor"] = ThreadPoolExecutor(1, thread_name_prefix="taxirank-tokenizer")
     if request_id_headers:
         app.on_response_prepare.append(echo_request_id)
+    app["stat_logger"] = LoggingStatLogger(engine.stats, log) if log_stats else None
+    if log_stats:
+        app.cleanup_ctx.append(log_stats_periodically)
 
     async def stop_tokenizer(app: web.Application) -> None:
         app["tokenizer_executor"].shutdown(wait=False, cancel_futures=True)
@@ -1033,6 +1055,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the role of a chat answer that opens a new turn (add_generation_prompt true; otherwise "
                         "the role of the last message it continues)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (every 10 s: prompt and generation throughput, running and "
+                        "waiting requests, preemptions, KV cache usage, prefix cache hit rate, speculative "
+                        "acceptance); vLLM's flag")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
                         "seconds to finish before the rest are aborted (0: abort at once; a second signal "
@@ -1062,7 +1088,8 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      request_id_headers=args.enable_request_id_headers,
                      return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                      chat_template=args.chat_template,
-                     trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role)
+                     trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role,
+                     log_stats=not args.disable_log_stats)
 
 
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
