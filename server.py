@@ -747,9 +747,6 @@ _GAUGES = [  # (metric, EngineStats attribute, help)
 ]
 _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("num_preemptions", "num_preemptions", "Sequences preempted (recompute or swap)."),
-    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Speculative proposals verified."),
-    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified."),
-    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
     ("recomputed_tokens", "recomputed_tokens", "Tokens computed again after a preemption dropped them."),
     ("swapped_out_blocks", "swapped_out_blocks", "KV blocks copied to the host pool by swap preemption."),
     ("swapped_in_blocks", "swapped_in_blocks", "KV blocks copied back from the host pool."),
@@ -779,6 +776,12 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("constrained_sample_steps", "constrained_sample_steps",
      "Steps whose sampling waited for the previous step's tokens (grammars, logits processors)."),
 ]
+# vLLM's SpecDecodingProm: exported only by an engine with a speculative config
+_SPEC_COUNTERS = [
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Speculative proposals verified."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+]
 _HISTOGRAMS = [
     ("time_to_first_token_seconds", "time_to_first_token", "Time to first token."),
     ("inter_token_latency_seconds", "inter_token_latency", "Time between consecutive output tokens."),
@@ -805,10 +808,12 @@ class EngineCollector:
     """Renders EngineStats.snapshot() at scrape time, so there is one set of numbers: the engine's.
 
     `labels` go on every sample (the server's: vLLM's model_name and engine, and which replica
-    of a fleet), so one scrape of several engines keeps their series apart."""
+    of a fleet), so one scrape of several engines keeps their series apart. `spec_decode`:
+    the engine has a speculative config, so the spec_decode_* counters are exported (as
+    vLLM's SpecDecodingProm, not otherwise), one per-position series per draft position."""
 
-    def __init__(self, stats: EngineStats, labels: dict[str, str] | None = None) -> None:
-        self.stats, self.labels = stats, labels or {}
+    def __init__(self, stats: EngineStats, labels: dict[str, str] | None = None, spec_decode: bool = False) -> None:
+        self.stats, self.labels, self.spec_decode = stats, labels or {}, spec_decode
 
     def collect(self) -> Iterator[Metric]:
         # vLLM's cache_config_info is labelled by its config and engine, without model_name
@@ -822,7 +827,7 @@ class EngineCollector:
         s = self.stats.snapshot()
         for name, attr, doc in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
-        for name, attr, doc in _COUNTERS:
+        for name, attr, doc in _COUNTERS + (_SPEC_COUNTERS if self.spec_decode else []):
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, attr))
         # vLLM's info gauge: its CacheConfig's fields and the engine's index as labels, value 1
         info_labels = s.cache_config | {"engine": ENGINE}
@@ -835,7 +840,7 @@ class EngineCollector:
         for reason, n in s.waiting_by_reason.items():
             by_reason.add_metric([reason], n)
         yield by_reason
-        if s.spec_decode_num_accepted_tokens_per_pos:  # with speculative decoding: one per draft position
+        if self.spec_decode:  # startup sized the list: one series per draft position from the start
             per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                           "Draft tokens accepted, by position in the proposal.", labels=["position"])
             for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
@@ -882,7 +887,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     registry = CollectorRegistry(auto_describe=False)
     # vLLM's labels on every series: the served model's (first) name and the engine's index
     registry.register(EngineCollector(engine.stats, {"model_name": model_names[0], "engine": ENGINE}
-                                      | (metric_labels or {})))
+                                      | (metric_labels or {}), spec_decode=engine.config.speculative_config is not None))
     app.update(engine=engine, model_names=model_names, api_key=api_key, registry=registry,
                started=int(time.time()), stopping=asyncio.Event(), in_flight=set(),
                per_request_metrics=per_request_metrics,

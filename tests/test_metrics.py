@@ -34,9 +34,6 @@ EXPORTED = {
     "taxirank:cache_config_info": ("gauge", "KV cache configuration as labels (value 1)."),
     "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by what they wait for."),
     "taxirank:num_preemptions": ("counter", "Sequences preempted (recompute or swap)."),
-    "taxirank:spec_decode_num_drafts": ("counter", "Speculative proposals verified."),
-    "taxirank:spec_decode_num_draft_tokens": ("counter", "Draft tokens verified."),
-    "taxirank:spec_decode_num_accepted_tokens": ("counter", "Draft tokens accepted."),
     "taxirank:recomputed_tokens": ("counter", "Tokens computed again after a preemption dropped them."),
     "taxirank:swapped_out_blocks": ("counter", "KV blocks copied to the host pool by swap preemption."),
     "taxirank:swapped_in_blocks": ("counter", "KV blocks copied back from the host pool."),
@@ -81,6 +78,14 @@ EXPORTED = {
     "taxirank:request_inference_time_seconds": ("histogram", "First scheduled to last token (RUNNING phase)."),
     "taxirank:request_prefill_time_seconds": ("histogram", "First scheduled to first token (PREFILL phase)."),
     "taxirank:request_decode_time_seconds": ("histogram", "First token to last token (DECODE phase)."),
+}
+# Only with a speculative config (vLLM's SpecDecodingProm): each is absent otherwise.
+SPEC_EXPORTED = {
+    "taxirank:spec_decode_num_drafts": ("counter", "Speculative proposals verified."),
+    "taxirank:spec_decode_num_draft_tokens": ("counter", "Draft tokens verified."),
+    "taxirank:spec_decode_num_accepted_tokens": ("counter", "Draft tokens accepted."),
+    "taxirank:spec_decode_num_accepted_tokens_per_pos": ("counter", "Draft tokens accepted, by position in the "
+                                                                    "proposal."),
 }
 # vLLM's bucket bounds for the same histograms, so its dashboards carry over.
 E2E = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
@@ -135,6 +140,38 @@ def test_every_exported_name_type_help_and_bucket_bound_is_pinned():
     for name, (kind, _) in EXPORTED.items():
         suffixes = {"gauge": {""}, "counter": {"_total"}, "histogram": {"_bucket", "_sum", "_count"}}[kind]
         assert {s.name.removeprefix(name) for s in fams[name].samples} == suffixes, name
+
+
+def test_spec_decode_counters_are_served_only_with_a_speculative_config():
+    """As vLLM's SpecDecodingProm: an engine without --speculative-config has no spec_decode_*
+    series; one with it has them from the start, a per-position series for each of its k
+    draft positions (at 0 before any proposal)."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from async_engine import AsyncEngine
+    from server import build_app
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+
+    async def scrape(speculative_config: dict | None) -> dict:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, num_kv_blocks=16,
+                                          warmup=False, speculative_config=speculative_config), log=lambda *_: None)
+        await engine.start()
+        try:
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as c:
+                text = await (await c.get("/metrics")).text()
+                return {f.name: f for f in text_string_to_metric_families(text)}
+        finally:
+            await engine.shutdown()
+
+    off, on = asyncio.run(scrape(None)), asyncio.run(scrape(ngram))
+    assert {n: (f.type, f.documentation) for n, f in off.items()} == EXPORTED
+    assert {n: (f.type, f.documentation) for n, f in on.items()} == EXPORTED | SPEC_EXPORTED
+    per_pos = on["taxirank:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert sorted((s.labels["position"], s.value) for s in per_pos) == [("0", 0), ("1", 0), ("2", 0)]
+    assert {s.value for n in SPEC_EXPORTED for s in on[n].samples} == {0}
 
 
 def test_values_after_a_workload_are_sane_and_counters_only_grow():

@@ -672,7 +672,7 @@ def test_metrics_carry_vllms_spec_decode_names(tiny_pair):
 
     _, spec = tiny_pair
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(spec.stats))
+    registry.register(EngineCollector(spec.stats, spec_decode=True))
     text = generate_latest(registry).decode()
     s = spec.stats.snapshot()
     assert f"taxirank:spec_decode_num_drafts_total {float(s.spec_decode_num_drafts)}" in text

@@ -132,7 +132,7 @@ def test_speculative_decoding_adds_vllms_acceptance_line_for_intervals_that_veri
 def fake_engine() -> SimpleNamespace:
     """What build_app reads of an AsyncEngine, without a model."""
     return SimpleNamespace(model_name="fake", stats=EngineStats(), tokenizer=None,
-                           config=SimpleNamespace(reasoning_parser=None))
+                           config=SimpleNamespace(reasoning_parser=None, speculative_config=None))
 
 
 @pytest.mark.parametrize("flags", [[], ["--disable-log-stats"]])
