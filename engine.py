@@ -204,12 +204,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0, user: str | None = None,
-                    slo: SLOTarget | None = None, grammar: Any = None, parent: ParentRequest | None = None) -> Sequence:
+                    slo: SLOTarget | None = None, grammar: Any = None, parent: ParentRequest | None = None,
+                    thinking: bool = True) -> Sequence:
         """priority: under a policy that reads it (--scheduling-policy), lower runs first.
         user: the client, for the fair policy (None: the shared anonymous client).
         slo: its targets, for the slo policy (None: the server-wide defaults).
         grammar: its constraint as validate() returned it (None: compiled here).
-        parent: one of n samples' shared ParentRequest (child_requests')."""
+        parent: one of n samples' shared ParentRequest (child_requests').
+        thinking: the chat request did not switch thinking off (its template variable
+        enable_thinking, protocol.thinking_enabled), which the qwen3 reasoning parser reads."""
         grammar = self.validate(prompt_token_ids, params, priority, slo, grammar)
         vocab = self.model_config.vocab_size
         if params.top_k >= vocab:  # vLLM: a top_k above the vocabulary keeps all
@@ -228,7 +231,7 @@ class LLMEngine:
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         if params.structured_outputs is not None:
-            seq.constraint = new_constraint(grammar.deep_copy(), self._reasoning_end(seq))  # the request's own
+            seq.constraint = new_constraint(grammar.deep_copy(), self._reasoning_end(seq, thinking))  # its own
         seq.controls = controls_for(params, seq.prompt_token_ids, self.model_config.vocab_size,
                                     self.model_config.eos_token_ids, self.tokenizer)
         if params.stop:
@@ -239,15 +242,21 @@ class LLMEngine:
             self._prompt_lps[request_id] = [None] * len(seq.prompt_token_ids)
         return seq
 
-    def _reasoning_end(self, seq: Sequence) -> list[int]:
-        """The token ids that end a reasoning model's thinking, when seq's output starts in
-        it (a --reasoning-parser, and a prompt that did not close the think block): its
-        constraint waits for them, as vLLM's structured outputs wait for reasoning to end."""
+    def _reasoning_end(self, seq: Sequence, thinking: bool) -> list[int]:
+        """The token ids that end a reasoning model's thinking, when the --reasoning-parser
+        reads seq's output as reasoning until them (`implicit`: the prompt did not close the
+        think block, and thinking is on or the parser ignores the switch): its constraint
+        waits for them, as vLLM's structured outputs wait for reasoning to end. Otherwise the
+        response text starts with the output, and so does the constraint (under it no think
+        block opens, unless the grammar writes one)."""
         name = self.config.reasoning_parser
         if name is None or self.tokenizer is None:
             return []
-        parser = REASONING_PARSERS[name](self.tokenizer.decode(seq.prompt_token_ids[-32:], skip_special_tokens=False))
-        return [] if parser.prompt_ended else self.tokenizer.encode(parser.end, add_special_tokens=False)
+        prompt_end = self.tokenizer.decode(seq.prompt_token_ids[-32:], skip_special_tokens=False)
+        parser = REASONING_PARSERS[name](prompt_end, thinking)
+        if parser.prompt_ended or not parser.implicit:
+            return []
+        return self.tokenizer.encode(parser.end, add_special_tokens=False)
 
     def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
         """Drop a request now (idempotent). A request ends for its client when it is released,
@@ -592,7 +601,7 @@ class LLM:
 
     def _generate(self, encoded: list[list[int]], texts: list[str | None],
                   params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool | None,
-                  priority: Seq[int] | None) -> list[RequestOutput]:
+                  priority: Seq[int] | None, thinking: bool = True) -> list[RequestOutput]:
         params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(plist) != len(encoded):
@@ -615,7 +624,8 @@ class LLM:
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
         for i, (ids, samples, prio, grammar) in enumerate(zip(encoded, children, priorities, grammars)):
             for rid, p, par in samples:
-                seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar, parent=par)
+                seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar, parent=par,
+                                                    thinking=thinking)
                 parent[rid] = i
         unfinished = [len(samples) for samples in children]
         logprobs: dict[str, list[TokenLogprob]] = {}
@@ -670,7 +680,8 @@ class LLM:
                                                     tokenize=False, **kw) for conversation in conversations]
         # The template already carries BOS and the other special tokens it wants.
         encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        return self._generate(encoded, texts, sampling_params, use_tqdm, None)
+        thinking = kw.get("enable_thinking") is not False  # what the qwen3 reasoning parser reads
+        return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):

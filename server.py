@@ -92,12 +92,13 @@ class Generation:
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, priority: int = 0, want_metrics: bool = False,
                  user: str | None = None, slo: SLOTarget | None = None, grammar: Any = None,
-                 parent: ParentRequest | None = None) -> None:
+                 parent: ParentRequest | None = None, thinking: bool = True) -> None:
         """want_metrics: the last chunk carries the request's RequestMetrics. A request with
         stop strings is detokenized by the engine, which matches them (its deltas carry the
         text, cut at the stop string); any other is detokenized here, off the engine thread.
         grammar: the structured-output constraint respond() compiled for params. parent: one
-        of n samples' (child_requests')."""
+        of n samples' (child_requests'). thinking: a chat request's thinking switch
+        (protocol.thinking_enabled), for where a reasoning model's constraint starts."""
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
@@ -107,7 +108,7 @@ class Generation:
             self.engine.tokenizer, prompt_ids, [], params, self.engine.model_config.eos_token_ids)
         try:
             self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo, grammar,
-                                                  parent)
+                                                  parent, thinking)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -191,7 +192,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         try:
             for rid, p, parent in child_requests(engine_request_id, dataclasses.replace(params, n=n)):
                 gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, slo, grammar,
-                                       parent))
+                                       parent, thinking_enabled(body) if chat else True))
         except ApiError as e:  # the engine names SamplingParams' fields: the 400 names the client's
             e.param = request_field(e.param, body, chat)
             raise

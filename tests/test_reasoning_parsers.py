@@ -132,6 +132,13 @@ class ThinkingTemplate(ByteTokenizer):
         return self.encode(text) if tokenize else text
 
 
+class OpenBlockTemplate(ThinkingTemplate):
+    """A template that writes no think block, thinking on or off: the prompt never closes one."""
+
+    TEMPLATE = jinja2.Template(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
 @pytest.fixture(scope="module")
 def post():
     """post(parser, body) -> the chat response's message, whole, and as its stream added up,
@@ -161,10 +168,10 @@ def post():
                             added[k] = added.get(k, "") + v
                 return whole, added
 
-        def run(parser: str | None, body: dict) -> tuple[dict, dict]:
-            if parser not in engines:
-                engines[parser] = stack.enter_context(tiny_async_engine(ThinkingTemplate(), reasoning_parser=parser))
-            loop, engine = engines[parser]
+        def run(parser: str | None, body: dict, template: type = ThinkingTemplate) -> tuple[dict, dict]:
+            if (parser, template) not in engines:
+                engines[parser, template] = stack.enter_context(tiny_async_engine(template(), reasoning_parser=parser))
+            loop, engine = engines[parser, template]
             return loop.run_until_complete(asyncio.wait_for(one(engine, body), 300))
 
         yield run
@@ -197,6 +204,35 @@ def test_a_constraint_holds_once_thinking_ends(post):
     assert whole["content"] is None and len(whole["reasoning"].encode()) >= 4, whole
     whole, _ = post(None, rx)
     assert re.fullmatch("[ab]{3}", whole["content"])  # without a parser: constrained from the start
+
+
+def test_thinking_off_constrains_from_the_first_token_when_the_prompt_leaves_the_block_open(post):
+    """qwen3 with thinking off reads output that does not open with `<think>` as content, so
+    the constraint starts there too, even when the template wrote no closed block; under
+    deepseek_r1, which has no switch, the output is reasoning until `</think>` whatever the
+    request says, and the grammar waits for it (the tiny model never writes it)."""
+    rx = {"structured_outputs": {"regex": "[ab]{3}"}}
+    for off in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+        whole, added = post("qwen3", rx | off, OpenBlockTemplate)
+        assert whole["reasoning"] is None and re.fullmatch("[ab]{3}", whole["content"]), whole
+        assert added.get("content") == whole["content"] and not added.get("reasoning")
+    whole, _ = post("qwen3", rx, OpenBlockTemplate)  # thinking on: the grammar waits
+    assert whole["content"] is None and len(whole["reasoning"].encode()) >= 4, whole
+    whole, _ = post("deepseek_r1", rx | {"chat_template_kwargs": {"enable_thinking": False}}, OpenBlockTemplate)
+    assert whole["content"] is None and len(whole["reasoning"].encode()) >= 4, whole
+
+
+def test_offline_chat_reads_enable_thinking_for_where_the_constraint_starts():
+    from config import StructuredOutputsParams
+    from engine import LLM, SamplingParams
+
+    llm = LLM("tiny", max_num_seqs=2, max_model_len=128, warmup=False, reasoning_parser="qwen3", log=lambda *_: None)
+    llm.tokenizer = OpenBlockTemplate()  # (bytes, as the tiny model's own)
+    params = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[ab]{3}"))
+    chat = [{"role": "user", "content": "hi"}]
+    off = llm.chat(chat, params, chat_template_kwargs={"enable_thinking": False})[0].outputs[0].text
+    on = llm.chat(chat, params)[0].outputs[0].text
+    assert re.fullmatch("[ab]{3}", off) and len(on.encode()) >= 4 and not re.fullmatch("[ab]{3}", on), (off, on)
 
 
 def test_after_reasoning_frees_the_tokens_until_the_end_tag_then_applies_the_grammar():
