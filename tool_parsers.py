@@ -324,7 +324,9 @@ class ToolCallStream:
 
     def delta(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The delta of one streamed chunk (text: its new text; reason: set on the last)."""
-        self.text += text
+        if self.tools is None and self.reasoning is None:  # nothing parses it: the chunk is content as it is
+            return ({"content": text} if text else {}), reason
+        self.text += text  # (a copy of the text so far, as the parsers take it: docs/ARCHITECTURE.md says why)
         reasoning, body = self._split(final=reason is not None, stream=True)
         out: dict = {}
         if reasoning is not None and len(reasoning) > self.reasoning_sent:

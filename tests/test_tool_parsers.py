@@ -346,3 +346,24 @@ def test_auto_streams_parse_each_character_a_bounded_number_of_times(monkeypatch
     assert deltas[-1][1] == "tool_calls" and add_up([d for d, _ in deltas]) == (
         "Let me look that up. " * 40, [("get_weather", json.dumps(args))] * 2 + [("get_time", '{"z": 1}')])
     assert handed[0] <= 6 * len(text), (handed[0], len(text))
+
+
+def test_a_stream_with_nothing_to_parse_copies_no_text_so_far():
+    """Without tools and a reasoning parser (a plain chat stream), each chunk's text is its
+    content delta as it comes: no chunk copies the text before it (which, a chunk of one
+    character at a time, is quadratic in the output's length)."""
+
+    class Copied(str):
+        copied = [0]
+
+        def __add__(self, other: str) -> "Copied":
+            Copied.copied[0] += len(self) + len(other)
+            return Copied(str(self) + other)
+
+    text = "A long answer, streamed one character a chunk. " * 200
+    s = ToolCallStream(None)
+    s.text = Copied("")
+    deltas = [s.delta(ch, "stop" if i == len(text) - 1 else None) for i, ch in enumerate(text)]
+    assert deltas[-1][1] == "stop" and add_up([d for d, _ in deltas]) == (text, [])
+    assert s.delta("", "length") == ({}, "length")
+    assert Copied.copied[0] <= len(text), (Copied.copied[0], len(text))
