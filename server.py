@@ -184,6 +184,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     if n > 1 and want_metrics:
         raise ApiError("'include_metrics' is for n=1 (each sample is a request of its own)", param="include_metrics")
     slo = parse_slo(body)
+    if app["log_requests"]:
+        log_request(engine_request_id, params, prompt_ids, app["max_log_len"])
     gens: list[Generation] = []
     # Whatever ends this handler (a reply, a sample the engine refused, the client gone before
     # the first byte, a cancellation) ends the requests: a stream never read has no frame to abort it.
@@ -206,6 +208,15 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     finally:
         for g in gens:
             g.close()
+
+
+def log_request(request_id: str, params: SamplingParams, prompt_ids: list[int], max_log_len: int | None) -> None:
+    """vLLM's request log (--enable-log-requests): the request's parameters at info level,
+    its prompt's token ids at debug level only (a prompt is the client's data), the first
+    max_log_len of them."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("Request %s details: prompt_token_ids: %s.", request_id, prompt_ids[:max_log_len])
+    log.info("Received request %s: params: %s.", request_id, params)
 
 
 def parse_stream_options(body: dict) -> tuple[bool, bool, bool]:
@@ -866,7 +877,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
               request_id_headers: bool = False, return_tokens_as_token_ids: bool = False,
               chat_template: str | None = None,
               trust_request_chat_template: bool = False, response_role: str = "assistant",
-              log_stats: bool = False) -> web.Application:
+              log_stats: bool = False, log_requests: bool = False, max_log_len: int | None = None) -> web.Application:
     """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
     (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused.
@@ -879,7 +890,9 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     text); trust_request_chat_template: a request may bring its own; response_role: the
     role of chat answers that open a new turn (vLLM's --response-role). log_stats: log the
     engine's stats line every LOG_STATS_INTERVAL seconds while the app runs
-    (metrics.LoggingStatLogger; the server's default, off with --disable-log-stats)."""
+    (metrics.LoggingStatLogger; the server's default, off with --disable-log-stats).
+    log_requests: log each request's id and parameters as it arrives (and, at debug level,
+    its prompt's first max_log_len token ids): vLLM's --enable-log-requests, --max-log-len."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     if chat_template is not None:
@@ -898,7 +911,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
                # chat messages carry the model's thinking as `reasoning` (--reasoning-parser)
                reasoning_parser=REASONING_PARSERS.get(engine.config.reasoning_parser),
                chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
-               response_role=response_role)
+               response_role=response_role, log_requests=log_requests, max_log_len=max_log_len)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -1009,6 +1022,13 @@ def check_chat_template(template: str, tokenizer: Any) -> None:
         raise ValueError(f"--chat-template is not a valid Jinja template: {e} (line {e.lineno})") from None
 
 
+def non_negative_int(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per EngineConfig field (same name, dashes for underscores), then the server's own."""
     p = argparse.ArgumentParser(description="taxirank: OpenAI-compatible server",
@@ -1065,6 +1085,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no periodic stats line (every 10 s: prompt and generation throughput, running and "
                         "waiting requests, preemptions, KV cache usage, prefix cache hit rate, speculative "
                         "acceptance); vLLM's flag")
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request's id and sampling parameters as it arrives (at debug level also its "
+                        "prompt's token ids); vLLM's flag")
+    p.add_argument("--max-log-len", type=non_negative_int,
+                   help="most prompt token ids a request's debug log line shows; None: all (vLLM's flag)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
                         "seconds to finish before the rest are aborted (0: abort at once; a second signal "
@@ -1095,7 +1120,8 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                      chat_template=args.chat_template,
                      trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role,
-                     log_stats=not args.disable_log_stats)
+                     log_stats=not args.disable_log_stats, log_requests=args.enable_log_requests,
+                     max_log_len=args.max_log_len)
 
 
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:

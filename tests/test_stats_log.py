@@ -160,3 +160,43 @@ def test_the_server_logs_stats_unless_disable_log_stats(flags, monkeypatch):
         asyncio.run(main())
     finally:
         server.log.removeHandler(lines)
+
+
+@pytest.mark.parametrize("flags", [[], ["--enable-log-requests", "--max-log-len", "2"]])
+def test_the_server_logs_each_request_only_with_enable_log_requests(flags, monkeypatch):
+    """vLLM's default is off; on, each request's id and parameters at info, its prompt's
+    first --max-log-len token ids at debug."""
+    from conftest import tiny_async_engine
+
+    args = server.build_parser().parse_args(flags)
+    lines = Lines()
+    server.log.addHandler(lines)
+    monkeypatch.setattr(server.log, "level", logging.DEBUG)
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+
+    async def main(engine) -> str:
+        from aiohttp.test_utils import TestClient, TestServer
+
+        async with TestClient(TestServer(server.app_from_args(engine, args))) as c:
+            resp = await c.post("/v1/completions", json=body)
+            assert resp.status == 200, await resp.text()
+            return (await resp.json())["id"]
+
+    try:
+        with tiny_async_engine() as (loop, engine):
+            rid = loop.run_until_complete(main(engine))
+    finally:
+        server.log.removeHandler(lines)
+    logged = [(r.levelno, r.getMessage()) for r in lines.records if rid in r.getMessage()]
+    if not flags:
+        assert logged == []
+        return
+    assert logged[0] == (logging.DEBUG, f"Request {rid} details: prompt_token_ids: [5, 6].")
+    assert logged[1][0] == logging.INFO and logged[1][1].startswith(f"Received request {rid}: params: SamplingParams(")
+    assert "max_tokens=2" in logged[1][1] and len(logged) == 2
+
+
+def test_max_log_len_is_checked_where_it_enters(capsys):
+    with pytest.raises(SystemExit):
+        server.build_parser().parse_args(["--max-log-len", "-1"])
+    assert "must be >= 0" in capsys.readouterr().err
