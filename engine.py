@@ -283,6 +283,9 @@ class LLMEngine:
         """Forget every cached prefix (vLLM's reset_prefix_cache). False, and nothing
         changed, while a request holds KV blocks."""
         ok = self.scheduler.reset_prefix_cache()
+        if ok:
+            with self.stats.lock:
+                self.stats.prefix_cache_resets += 1
         self.log(f"prefix cache {'reset' if ok else 'NOT reset: requests still hold KV blocks'}")
         return ok
 

@@ -213,6 +213,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
     prefix_cache_requests: int = 0  # the requests those lookups were for (the stats log's window counts them)
+    prefix_cache_resets: int = 0  # reset_prefix_cache calls that emptied it (the stats log's window restarts)
     # vLLM's FinishReason but "repetition" (no repetition detection here): "error" is a request
     # that failed alone, answered with a 500
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
@@ -453,6 +454,9 @@ class LoggingStatLogger:
         idle = not any((prompt, generation, self.last_prompt_throughput, self.last_generation_throughput))
         level = logging.DEBUG if idle else logging.INFO
         self.last_prompt_throughput, self.last_generation_throughput = prompt, generation
+        if s.prefix_cache_resets != last.prefix_cache_resets:  # as vLLM's: the window restarts
+            self.prefix_window.clear()
+            self.window_requests = self.window_queries = self.window_hits = 0
         self._observe_prefix_cache(s.prefix_cache_requests - last.prefix_cache_requests,
                                    s.prefix_cache_queries - last.prefix_cache_queries,
                                    s.prefix_cache_hits - last.prefix_cache_hits)

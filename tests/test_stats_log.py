@@ -95,15 +95,19 @@ def test_the_prefix_cache_hit_rate_covers_the_most_recent_requests():
     stat_logger = LoggingStatLogger(stats, logging.getLogger("taxirank.test_stats_log.quiet"), clock,
                                     max_recent_requests=10)
     rate = lambda: stat_logger.window_hits / stat_logger.window_queries  # noqa: E731
-    for requests, queries, hits, want in ((6, 100, 100, 1.0),   # window: 6 requests
-                                          (0, 0, 0, 1.0),       # nothing looked up: kept as it was
-                                          (4, 100, 0, 0.5),     # 10 requests: both stay
-                                          (1, 100, 50, 0.25),   # 11: the first interval leaves (5 left)
-                                          (20, 100, 10, 0.1)):  # over the limit alone: only it stays
+    # per interval: (requests, queries, hits, prefix cache resets) looked up, and the window's rate after it
+    for requests, queries, hits, resets, want in ((6, 100, 100, 0, 1.0),  # window: 6 requests
+                                                  (0, 0, 0, 0, 1.0),      # nothing looked up: kept as it was
+                                                  (4, 100, 0, 0, 0.5),    # 10 requests: both stay
+                                                  (1, 100, 50, 0, 0.25),  # 11: the first interval leaves
+                                                  (20, 100, 10, 0, 0.1),  # over the limit alone: only it stays
+                                                  (1, 10, 9, 0, 0.9),     # 21: the 20 leave
+                                                  (1, 10, 10, 1, 1.0)):   # the cache was reset: the window restarts
         clock.now += 10.0
         stats.prefix_cache_requests += requests
         stats.prefix_cache_queries += queries
         stats.prefix_cache_hits += hits
+        stats.prefix_cache_resets += resets
         stat_logger.log()
         assert rate() == pytest.approx(want)
 
@@ -200,3 +204,12 @@ def test_max_log_len_is_checked_where_it_enters(capsys):
     with pytest.raises(SystemExit):
         server.build_parser().parse_args(["--max-log-len", "-1"])
     assert "must be >= 0" in capsys.readouterr().err
+
+
+def test_the_engine_counts_the_prefix_cache_resets_that_emptied_it():
+    from engine import LLM, SamplingParams
+
+    llm = LLM("tiny", max_num_seqs=2, max_model_len=64, num_kv_blocks=16, warmup=False, log=lambda *_: None)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
+    assert llm.reset_prefix_cache() and llm.stats.prefix_cache_resets == 1
+    assert llm.stats.prefix_cache_requests == 1 and llm.stats.prefix_cache_queries == 4
