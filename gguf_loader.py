@@ -14,6 +14,7 @@ Named `gguf_loader`, not `gguf`, so that the `gguf` library stays importable.
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import shutil
 import subprocess
@@ -77,18 +78,23 @@ class GGUFCheckpoint:
         reader = self.reader
         cfg = self.hf_config
         permuted = FAMILIES[cfg["model_type"]].gguf_qk_permuted
+        head_dim = cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"]
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape))
             kind = gguf.GGMLQuantizationType(t.tensor_type).name
             if native and len(shape) == 2 and gguf_native_kind(kind):
                 x: np.ndarray | GGUFBlocks = parse_gguf_blocks(t.data, kind, shape)
+                finite = all(np.isfinite(a).all() for a in (x.d, x.m) if a is not None)
             else:
                 x = dequantize(t.data, t.tensor_type, t.name).reshape(shape)
+                finite = bool(np.isfinite(x).all())
+            if not finite:  # (llama.cpp's --check-tensors): every output would be NaN
+                raise ValueError(f"tensor {t.name!r} holds NaN or infinite values: the file is damaged")
             heads = (cfg["num_attention_heads"] if ".attn_q." in t.name
                      else cfg["num_key_value_heads"] if ".attn_k." in t.name else None)
-            if heads is not None and shape[0] != heads * cfg["head_dim"]:
+            if heads is not None and shape[0] != heads * head_dim:
                 raise ValueError(f"tensor {t.name!r} has {shape[0]} rows, but the metadata says {heads} heads "
-                                 f"of {cfg['head_dim']}")
+                                 f"of {head_dim}")
             if permuted and heads is not None:
                 x = x.map_rows(lambda r: unpermute_qk(r, heads)) if isinstance(x, GGUFBlocks) else unpermute_qk(x, heads)
             yield hf_name(t.name), x
@@ -130,11 +136,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path}")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # truncated or not a GGUF file at all
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-
+    reader = _open_reader(path)
     get = _metadata_getter(reader, path)
     arch = get("general.architecture", str)
     family = gguf_family(arch)
@@ -151,27 +153,31 @@ def read_gguf(path: str) -> GGUFCheckpoint:
             raise ValueError(f"GGUF RoPE scaling ({key} = {get(key, float)}) is not supported")
     heads = get(f"{arch}.attention.head_count", int)
     hidden = get(f"{arch}.embedding_length", int)
-    head_dim = get(f"{arch}.attention.key_length", int, None)
-    if head_dim is None and heads >= 1:
-        head_dim = hidden // heads  # an uneven split is refused by ModelConfig.from_hf
-    if get(f"{arch}.attention.value_length", int, head_dim) != head_dim:
+    # None: hidden / heads, which ModelConfig.from_hf computes and refuses when uneven
+    key_length = get(f"{arch}.attention.key_length", int, None)
+    head_dim = key_length if key_length is not None else (hidden // heads if heads >= 1 and not hidden % heads
+                                                          else None)
+    if head_dim is not None and get(f"{arch}.attention.value_length", int, head_dim) != head_dim:
         raise ValueError(f"{path}: {arch}.attention.value_length ({get(f'{arch}.attention.value_length', int)}) "
                          f"differs from the key length ({head_dim}), which taxirank does not support")
+    # llama.cpp's n_rot: how many dimensions of each head RoPE rotates (all of them, here)
+    if head_dim is not None and get(f"{arch}.rope.dimension_count", int, head_dim) != head_dim:
+        raise ValueError(f"{path}: {arch}.rope.dimension_count ({get(f'{arch}.rope.dimension_count', int)}) differs "
+                         f"from the head dimension ({head_dim}): RoPE over part of each head is not supported")
     eos = [get(k, int) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                  "tokenizer.ggml.eom_token_id") if get(k, int, None) is not None]
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = get(f"{arch}.vocab_size", int, None) or (len(tokens.data) if tokens is not None else None)
+    vocab = _vocab_size(reader, get, arch, path)
     # llama.cpp writes 0 for "no sliding window"
     window = get(f"{arch}.attention.sliding_window", int, None) or None
     hf = {
         "model_type": family.model_type,
-        "vocab_size": vocab if vocab is not None else reader.get_tensor(0).shape[-1],
+        "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": get(f"{arch}.feed_forward_length", int),
         "num_hidden_layers": get(f"{arch}.block_count", int),
         "num_attention_heads": heads,
         "num_key_value_heads": get(f"{arch}.attention.head_count_kv", int, heads),
-        "head_dim": head_dim,
+        "head_dim": key_length,
         "rms_norm_eps": float(get(f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-6)),
         "rope_theta": float(get(f"{arch}.rope.freq_base", float, 10000.0)),
         "max_position_embeddings": get(f"{arch}.context_length", int),
@@ -184,7 +190,81 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     }
     types = [gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1]
     file_type = max(set(types), key=types.count) if types else "F32"
-    return GGUFCheckpoint(path, hf, file_type, _tokenizer_metadata(reader), reader)
+    return GGUFCheckpoint(path, hf, file_type, _tokenizer_metadata(reader, path), reader)
+
+
+def _open_reader(path: str) -> Any:
+    """gguf.GGUFReader(path); ValueError if the file is not one it reads."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # truncated or not a GGUF file at all
+        raise ValueError(f"{path} is not a readable GGUF file: {_tensor_entry_error(path) or e}") from e
+
+
+class _TensorEntryError(ValueError):
+    pass
+
+
+def _tensor_entry_error(path: str) -> str | None:
+    """Why the gguf library refused the file, when one tensor's entry in its tensor table is
+    at fault, naming that tensor (the library's own errors say what, not where): a type id
+    no GGUF version defines, rows that are not whole blocks of the type, data past the end
+    of the file. None if the fault lies elsewhere."""
+    from gguf.gguf_reader import GGUFReader
+
+    class Checked(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            for f in fields:  # a tensor entry's parts: name length, name, n_dims, dims, type, offset
+                dims, type_id, offset = f.parts[3], int(f.parts[4][0]), int(f.parts[5][0])
+                _check_tensor_entry(f.name, [int(d) for d in dims], type_id, start_offs + offset, len(self.data))
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        Checked(path)
+    except _TensorEntryError as e:
+        return str(e)
+    except Exception:
+        pass
+    return None
+
+
+def _check_tensor_entry(name: str, dims: list[int], type_id: int, start: int, file_size: int) -> None:
+    """One tensor's entry in the file's tensor table: dims innermost first (GGUF's order)."""
+    import gguf
+
+    try:
+        kind = gguf.GGMLQuantizationType(type_id)
+    except ValueError:
+        raise _TensorEntryError(f"tensor {name!r} has GGML type id {type_id}, which no GGUF type has") from None
+    block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    if dims and dims[0] % block:
+        raise _TensorEntryError(f"tensor {name!r} has rows of {dims[0]} values, not a whole number of "
+                                f"{kind.name} blocks ({block} values each)")
+    end = start + math.prod(dims) // block * block_bytes
+    if end > file_size:
+        raise _TensorEntryError(f"tensor {name!r} ends at byte {end:,}, past the end of the file "
+                                f"({file_size:,} bytes): the file is truncated or its tensor table is damaged")
+
+
+def _vocab_size(reader: Any, get: Callable[..., Any], arch: str, path: str) -> int:
+    """The vocabulary: {arch}.vocab_size, else the token list's length, else the embedding's
+    rows. A token list of another length is refused, as llama.cpp does (its vocabulary is
+    the list, and the embedding must have a row per token): the tokenizer would make ids
+    the model has no row for, or the model emit ids no token decodes."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens.data) if tokens is not None else None
+    vocab = get(f"{arch}.vocab_size", int, n_tokens)
+    if n_tokens is not None and vocab != n_tokens:
+        raise ValueError(f"{path}: {arch}.vocab_size is {vocab}, but tokenizer.ggml.tokens lists {n_tokens} tokens")
+    if vocab is None:
+        embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embedding is None:
+            raise ValueError(f"{path}: the GGUF file has no {arch}.vocab_size, no tokenizer.ggml.tokens and no "
+                             "token_embd.weight to take the vocabulary size from")
+        vocab = int(embedding.shape[-1])  # GGUF's dims are innermost first: [hidden, vocab]
+    return vocab
 
 
 _KINDS = {int: "an integer", float: "a number", str: "a string"}
@@ -212,14 +292,33 @@ def _metadata_getter(reader: Any, path: str) -> Callable[..., Any]:
 
 def read_tokenizer_metadata(path: str) -> dict[str, Any] | None:
     """The file's `tokenizer.*` keys and `general.architecture`; None if it has no tokenizer."""
+    return _tokenizer_metadata(_open_reader(path), path)
+
+
+def _tokenizer_metadata(reader: Any, path: str) -> dict[str, Any] | None:
+    """The tokenizer keys, checked as llama.cpp loads them: a list of token strings, a
+    score and a type per token, special token ids inside the list, a BPE model's merges
+    (transformers' converter would index past a short array, or build a tokenizer
+    without its merges, or take id -1 for the last token)."""
     import gguf
 
-    return _tokenizer_metadata(gguf.GGUFReader(path))
-
-
-def _tokenizer_metadata(reader: Any) -> dict[str, Any] | None:
     if "tokenizer.ggml.model" not in reader.fields:
         return None
+    get = _metadata_getter(reader, path)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None or tokens.types != [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens must be a list of strings (the vocabulary)")
+    n = len(tokens.data)
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        f = reader.fields.get(key)
+        if f is not None and (f.types[0] != gguf.GGUFValueType.ARRAY or len(f.data) != n):
+            got = f"{len(f.data)} entries" if f.types[0] == gguf.GGUFValueType.ARRAY else "not a list"
+            raise ValueError(f"{path}: {key} must have one entry per token ({n}), got {got}")
+    for key in reader.fields:
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and not 0 <= get(key, int) < n:
+            raise ValueError(f"{path}: {key} {get(key, int)} is not a token id (the vocabulary has {n} tokens)")
+    if get("tokenizer.ggml.model", str) == "gpt2" and "tokenizer.ggml.merges" not in reader.fields:
+        raise ValueError(f"{path}: a gpt2 (BPE) tokenizer needs tokenizer.ggml.merges, which the file lacks")
     return {k: f.contents() for k, f in reader.fields.items()
             if k.startswith("tokenizer.") or k == "general.architecture"}
 

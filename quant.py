@@ -173,10 +173,10 @@ def parse_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w [in, out] -> (int8 [in, out], f32 scale [out]): symmetric per output channel,
-    scale = max |w| / 127 (an all-zero channel gets scale 1)."""
+    scale = max |w| / 127 (a channel whose scale would be 0 gets 1)."""
     w = np.asarray(w, np.float32)
-    amax = np.abs(w).max(axis=0)
-    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    scale = (np.abs(w).max(axis=0) / np.float32(127.0)).astype(np.float32)
+    scale = np.where(scale > 0, scale, np.float32(1.0))  # (a subnormal absmax / 127 underflows to 0 too)
     return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
 
 

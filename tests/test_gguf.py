@@ -18,6 +18,7 @@ from engine import LLM, SamplingParams
 from model import Decoder, load_model
 
 HF_TO_GGUF = {w.hf: w.gguf for w in Decoder.WEIGHTS.values()}  # "{}": the layer index
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # llama.cpp's converter
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -28,7 +29,8 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_gguf(ckpt_dir: str, out: str, quant: str = "F32", raw_type_of: dict[str, str] | None = None,
                metadata: dict[str, tuple[Any, Any] | None] | None = None,
                tensor_edit: dict[str, Callable[[np.ndarray], np.ndarray]] | None = None) -> str:
-    """The checkpoint at ckpt_dir (conftest's llama2 family) as a llama-arch GGUF file;
+    """The checkpoint at ckpt_dir (a conftest family without RoPE scaling) as a GGUF file as
+    llama.cpp's converter writes it (Llama and Mistral as arch llama, q/k rows permuted);
     2-D weights stored as `quant`. metadata: keys set to (value, gguf.GGUFValueType), or
     removed (None); tensor_edit: a GGUF tensor's array replaced by f(array)."""
     import json
@@ -38,14 +40,18 @@ def write_gguf(ckpt_dir: str, out: str, quant: str = "F32", raw_type_of: dict[st
 
     cfg = json.load(open(os.path.join(ckpt_dir, "config.json")))
     tensors = load_file(os.path.join(ckpt_dir, "model.safetensors"))
-    w = gguf.GGUFWriter(out, "llama")
+    arch = GGUF_ARCH[cfg["model_type"]]
+    w = gguf.GGUFWriter(out, arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    if cfg.get("head_dim", 0) * cfg["num_attention_heads"] not in (0, cfg["hidden_size"]):  # Qwen3's
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(cfg["bos_token_id"])
@@ -63,9 +69,9 @@ def write_gguf(ckpt_dir: str, out: str, quant: str = "F32", raw_type_of: dict[st
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             gname = HF_TO_GGUF["model.layers.{}." + rest].format(layer)
         x = x.astype(np.float32)
-        if ".attn_q." in gname:
+        if arch == "llama" and ".attn_q." in gname:
             x = permute_qk(x, cfg["num_attention_heads"])
-        elif ".attn_k." in gname:
+        elif arch == "llama" and ".attn_k." in gname:
             x = permute_qk(x, cfg["num_key_value_heads"])
         if gname in (tensor_edit or {}):
             x = np.ascontiguousarray(tensor_edit[gname](x))
@@ -97,6 +103,20 @@ def test_a_gguf_file_loads_into_the_network_transformers_runs(hf_checkpoint, tmp
     assert llm.tokenizer is None  # a file without tokenizer metadata takes token ids
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == ref
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_gguf_files_load_into_the_network_transformers_runs(hf_checkpoint, tmp_path, family):
+    """llama.cpp's qwen2 / qwen3 layouts (q/k rows as stored, q/k/v biases; Qwen3's per-head
+    q/k norms and a key_length that is not hidden / heads) load into the network
+    transformers runs on the original checkpoint: the same greedy tokens. (transformers'
+    own GGUF reader ignores key_length, so it cannot be the reference for Qwen3.)"""
+    path = hf_checkpoint(family)
+    prompt = [5, 17, 42, 99, 7, 256, 31, 64, 11]
+    llm = LLM(write_gguf(path, str(tmp_path / f"{family}.gguf")), log=lambda *_: None, max_num_seqs=2,
+              max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=16, warmup=False)
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)
 
 
 @pytest.mark.parametrize("kind", ["F16", "BF16", "Q4_0", "Q4_1", "Q8_0"])
@@ -176,6 +196,29 @@ def _f32(v: float) -> tuple[float, Any]:
     return v, gguf.GGUFValueType.FLOAT32
 
 
+def _i32(v: int) -> tuple[int, Any]:
+    import gguf
+
+    return v, gguf.GGUFValueType.INT32
+
+
+def _tokenizer(n: int = 300, **keys: tuple[Any, Any]) -> dict[str, tuple[Any, Any]]:
+    """A SentencePiece vocabulary of n tokens as tokenizer.* metadata (keys override)."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, n)]
+    array = gguf.GGUFValueType.ARRAY
+    return {"tokenizer.ggml.model": _str("llama"), "tokenizer.ggml.tokens": (tokens, array),
+            "tokenizer.ggml.scores": ([0.0] * n, array), "tokenizer.ggml.token_type": ([1] * n, array),
+            **{f"tokenizer.ggml.{k}": v for k, v in keys.items()}}
+
+
+def _short(n: int) -> tuple[list[int], Any]:
+    import gguf
+
+    return [1] * n, gguf.GGUFValueType.ARRAY
+
+
 @pytest.mark.parametrize("metadata, says", [
     # wrong value types: int() would read "4" or 4.5 as 4, and other types fail with a TypeError
     ({"llama.attention.head_count": _str("4")}, "llama.attention.head_count must be an integer, got '4'"),
@@ -197,8 +240,21 @@ def _f32(v: float) -> tuple[float, Any]:
     ({"llama.rope.scaling.factor": _f32(4.0)}, "llama.rope.scaling.factor = 4.0\\) is not supported"),
     ({"llama.rope.scaling.type": _str("yarn")}, "GGUF RoPE scaling 'yarn' is not supported"),
     ({"llama.attention.value_length": _u32(32)}, "value_length \\(32\\) differs from the key length \\(16\\)"),
+    ({"llama.rope.dimension_count": _u32(8)}, "rope.dimension_count \\(8\\) differs from the head dimension \\(16\\)"),
+    # heads that do not split hidden_size, without a key_length: not a shape error naming a tensor
+    ({"llama.attention.head_count": _u32(5), "llama.attention.head_count_kv": _u32(5)},
+     "num_attention_heads \\(5\\) must divide hidden_size \\(64\\)"),
+    ({"llama.vocab_size": _u32(0)}, "vocab_size must be an integer >= 1, got 0$"),
     # a tokenizer model without its vocabulary: a KeyError 'tokens' otherwise
-    ({"tokenizer.ggml.model": _str("gpt2")}, "tokenizer metadata does not describe a usable tokenizer"),
+    ({"tokenizer.ggml.model": _str("gpt2")}, "tokenizer.ggml.tokens must be a list of strings"),
+    # a tokenizer that disagrees with the model: ids without an embedding row, or short arrays
+    # the converter reads past, or an id -1 it takes for the last token
+    (_tokenizer(400), "llama.vocab_size is 300, but tokenizer.ggml.tokens lists 400 tokens"),
+    (_tokenizer(token_type=_short(10)), "tokenizer.ggml.token_type must have one entry per token \\(300\\), got 10"),
+    (_tokenizer(scores=_short(5)), "tokenizer.ggml.scores must have one entry per token \\(300\\), got 5"),
+    (_tokenizer(padding_token_id=_u32(5000)), "tokenizer.ggml.padding_token_id 5000 is not a token id"),
+    (_tokenizer(padding_token_id=_i32(-1)), "tokenizer.ggml.padding_token_id -1 is not a token id"),
+    (_tokenizer(model=_str("gpt2")), "a gpt2 \\(BPE\\) tokenizer needs tokenizer.ggml.merges"),
 ])
 def test_gguf_metadata_of_the_wrong_type_missing_or_out_of_range_is_an_error_naming_it(hf_checkpoint, tmp_path,
                                                                                       metadata, says):
@@ -217,13 +273,57 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
     with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj.weight' has shape \\(64, 128\\)"):
         load_model(f, log=lambda *_: None)
     good = open(write_gguf(path, str(tmp_path / "ok.gguf")), "rb").read()
+    q8 = open(write_gguf(path, str(tmp_path / "q8.gguf"), quant="Q8_0"), "rb").read()
+    up = "blk.0.ffn_up.weight"  # [64, 128] in GGUF's innermost-first order
     for name, data, says in [("magic", b"XXXX" + good[4:], "GGUF magic invalid"),
                              ("version", good[:4] + (99).to_bytes(4, "little") + good[8:], "version 99"),
                              ("cut", good[: len(good) // 2], "not a readable GGUF file"),
-                             ("empty", b"", "not a readable GGUF file")]:
+                             ("empty", b"", "not a readable GGUF file"),
+                             # otherwise the gguf library's errors, which name no tensor
+                             ("last byte", good[:-1], "tensor '[^']+' ends at byte [0-9,]+, past the end of the file"),
+                             ("rows", _patch_entry(q8, up, dims=(48, 128)),
+                              f"tensor '{up}' has rows of 48 values, not a whole number of Q8_0 blocks"),
+                             ("type", _patch_entry(good, up, type_id=99), f"tensor '{up}' has GGML type id 99")]:
         (tmp_path / f"{name}.gguf").write_bytes(data)
         with pytest.raises(ValueError, match=says):
             load_model(str(tmp_path / f"{name}.gguf"), log=lambda *_: None)
+
+
+def _patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, type_id: int | None = None) -> bytes:
+    """A GGUF file with tensor `name`'s entry in the tensor table changed: {u64 name length,
+    name, u32 n_dims, u64 dims[n_dims] (innermost first), u32 type, u64 offset}."""
+    import struct
+
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = data.index(key) + len(key)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    out = bytearray(data)
+    if dims is not None:
+        struct.pack_into(f"<{n_dims}Q", out, at + 4, *dims)
+    if type_id is not None:
+        struct.pack_into("<I", out, at + 4 + 8 * n_dims, type_id)
+    return bytes(out)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # gguf quantizing inf
+@pytest.mark.parametrize("quant, native", [("F32", False), ("Q8_0", True)])
+def test_a_gguf_tensor_with_nan_or_inf_is_an_error_naming_it(hf_checkpoint, tmp_path, quant, native):
+    """Loaded, every output would be NaN (or one block's, in a Q8_0 scale)."""
+    def poison(x: np.ndarray) -> np.ndarray:
+        x = x.copy()
+        x[3, 5] = np.inf if native else np.nan  # Q8_0: the block's scale, absmax / 127, is inf
+        return x
+
+    f = write_gguf(hf_checkpoint("llama2"), str(tmp_path / "nan.gguf"), quant=quant,
+                   tensor_edit={"blk.1.ffn_up.weight": poison})
+    with pytest.raises(ValueError, match="tensor 'blk.1.ffn_up.weight' holds NaN or infinite values"):
+        load_model(f, log=lambda *_: None, quantization="gguf" if native else None)
+
+
+def test_a_gguf_file_without_a_vocab_size_takes_it_from_the_embedding(hf_checkpoint, tmp_path):
+    """No {arch}.vocab_size and no tokenizer: the vocabulary is token_embd's rows."""
+    f = write_gguf(hf_checkpoint("llama2"), str(tmp_path / "v.gguf"), metadata={"llama.vocab_size": None})
+    assert load_model(f, log=lambda *_: None).config.vocab_size == 300
 
 
 def test_a_gguf_sliding_window_caps_max_model_len_as_a_config_json_does(hf_checkpoint, tmp_path):

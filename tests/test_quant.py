@@ -59,6 +59,24 @@ def test_int8_per_channel_codes_bound_the_error_and_the_matmul_equals_numpy():
     np.testing.assert_allclose(np.asarray(lin(x)), x @ (q.astype(np.float32) * s), rtol=1e-5, atol=1e-5)
 
 
+def test_int8_channels_of_tiny_values_get_a_positive_scale():
+    """A channel whose absmax / 127 underflows float32 (subnormal weights) gets scale 1 and
+    zero codes, as an all-zero one: no 0/0, no NaN cast to int8 (-128, outside the codes)."""
+    import warnings
+
+    from quant import quantize_int8
+
+    w = np.zeros((4, 3), np.float32)
+    w[:, 1] = [1e-45, -3e-45, 0.0, 2e-45]
+    w[:, 2] = [1.0, -0.5, 0.25, 0.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q, scale = quantize_int8(w)
+    assert (scale > 0).all() and np.abs(q).max() <= 127
+    np.testing.assert_array_equal(q[:, :2], 0)
+    assert np.abs(q * scale - w).max() <= 3e-45 + scale[2] / 2
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_parse_as_the_format_says_and_the_jitted_unpacking_matches(kind):
     import gguf
