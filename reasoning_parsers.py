@@ -46,10 +46,12 @@ class ThinkReasoningParser:
         """prompt: the end of the rendered chat prompt; thinking: the request did not switch
         thinking off (its template variable enable_thinking)."""
         self.prompt_ended = prompt.rfind(self.end) > prompt.rfind(self.start)
-        # a stream's state (split_stream): the output so far, its leading whitespace's end,
-        # where its reasoning begins (None: not known yet; -1: there is none), where the end tag is not before
-        # (found: where it is)
-        self.text, self.blank, self.begin, self.pos, self.found = "", 0, None, 0, -1
+        # a stream's state (feed): where the output is (None: before the opening tag is
+        # decided, "reasoning", "content"); before that, its leading whitespace (chunks) and
+        # the text after it (shorter than the tag); in reasoning, the end that may begin the end tag
+        self.phase: str | None = "content" if self.prompt_ended else None
+        self.blank: list[str] = []
+        self.head = self.held = ""
 
     def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
         """(reasoning, content) of the output so far; None: none. Not final: what may still
@@ -68,36 +70,34 @@ class ThinkReasoningParser:
             return text[:j], text[j + len(self.end):] or None
         return text[:len(text) - (0 if final else partial_tag_len(text, self.end))], None
 
-    def split_stream(self, text: str, final: bool) -> tuple[str | None, str | None]:
-        """split(text, final) of an output that grows chunk by chunk, as vLLM's
-        extract_reasoning_content_streaming keeps its state: the opening tag is decided
-        once, and the end tag looked for past where it was not found. An output that does
-        not extend the last starts over."""
-        if self.prompt_ended:
-            return None, text
-        if not text.startswith(self.text):  # (a C memcmp)
-            self.text, self.blank, self.begin, self.pos, self.found = "", 0, None, 0, -1
-        self.text = text
-        if self.begin is None:
-            while self.blank < len(text) and text[self.blank].isspace():  # (as str.lstrip)
-                self.blank += 1
-            if text.startswith(self.start, self.blank):
-                self.begin = self.pos = self.blank + len(self.start)
-            elif not final and self.start.startswith(text[self.blank:self.blank + len(self.start)]) \
-                    and len(text) - self.blank < len(self.start):
-                return None, None  # may yet open with "<think>"
+    def feed(self, chunk: str, final: bool) -> tuple[str, str]:
+        """The (reasoning, content) that the output's next chunk adds to split(output so far,
+        final) (None there: ""), as vLLM's extract_reasoning_content_streaming keeps its
+        state: the opening tag is decided once, and the end tag looked for in the chunk and
+        the few characters held back before it, so a chunk costs its own length."""
+        if self.phase is None:
+            if not self.head:  # (whitespace before the opening tag: as str.lstrip)
+                rest = chunk.lstrip()
+                self.blank.append(chunk[:len(chunk) - len(rest)])
+                chunk = rest
+            self.head += chunk
+            if self.head.startswith(self.start):
+                self.phase, chunk = "reasoning", self.head[len(self.start):]
+            elif not final and self.start.startswith(self.head) and len(self.head) < len(self.start):
+                return "", ""  # may yet open with "<think>"
             else:
-                self.begin = 0 if self.implicit else -1
-        begin = self.begin
-        if begin < 0:
-            return None, text
-        if self.found < 0:
-            self.found = text.find(self.end, self.pos)
-            self.pos = max(self.pos, len(text) - partial_tag_len(text, self.end))
-        if self.found >= 0:
-            return text[begin:self.found], text[self.found + len(self.end):] or None
-        held = 0 if final else partial_tag_len(text[max(begin, len(text) - len(self.end)):], self.end)
-        return text[begin:len(text) - held], None
+                self.phase, chunk = "reasoning" if self.implicit else "content", "".join(self.blank) + self.head
+            self.blank, self.head = [], ""
+        if self.phase == "content":
+            return "", chunk
+        text = self.held + chunk
+        j = text.find(self.end)
+        if j >= 0:
+            self.phase, self.held = "content", ""
+            return text[:j], text[j + len(self.end):]
+        cut = len(text) - (0 if final else partial_tag_len(text, self.end))
+        self.held = text[cut:]
+        return text[:cut], ""
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):

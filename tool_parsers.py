@@ -16,13 +16,16 @@ the text before the first block, as vLLM's Hermes2ProToolParser.
 
 Streaming, as vLLM: a call's first delta carries its index, id, type and name (and the
 arguments written by then, if any); the rest follow as string deltas as the model writes
-them; text that may be the start of a `<tool_call>` tag is held back until it is known not to be. A call's arguments are the
-model's own JSON text of them (valid JSON, its spacing kept), the same whole and streamed.
-Every delta is derived from the whole text so far (`_view`), then diffed with what was
-sent, so what a stream sends adds up to what the whole response says. In a stream the view
-is kept up to date chunk by chunk (ArrayCallStream under "required", HermesToolParser.stream
-under "auto"), as vLLM's streaming parsers keep their state, so a chunk's parsing follows
-its own length, not the text's.
+them; text that may be the start of a `<tool_call>` tag is held back until it is known not
+to be. A call's arguments are the model's own JSON text of them (valid JSON, its spacing
+kept), the same whole and streamed. A stream's deltas are what the whole text so far says
+(`message`'s parse: `_view`) less what was sent, so they add up to the whole response; but
+no stage takes the text so far: each is fed the chunk's new text and keeps its state, as
+vLLM's streaming parsers do (the reasoning split, then HermesToolParser.feed under "auto",
+ArrayCallStream under "required"), so a chunk costs its own length, not the text's. What
+a parse needs again is bounded by the open call (its text is re-parsed after a character
+at its own level, a few times per call); an open call's arguments are a Span of its text,
+so a delta copies only what it sends.
 """
 
 from __future__ import annotations
@@ -131,85 +134,153 @@ def _array_calls(text: str, key: str) -> list[CallView]:
     return [_call(text[a:] if b is None else text[a:b], key, b is not None) for a, b in _elements(text)]
 
 
+class Text:
+    """A text written chunk by chunk, kept as its chunks: appending costs the chunk, reading
+    text[i:j] near its end costs that slice and the chunks it spans, and the whole is joined
+    (then kept joined) only when a parse needs it."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def append(self, chunk: str) -> None:
+        if chunk:
+            self.parts.append(chunk)
+            self.size += len(chunk)
+
+    def whole(self) -> str:
+        if len(self.parts) > 1:
+            self.parts = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
+    def __getitem__(self, key: slice) -> str:
+        start, stop, _ = key.indices(self.size)
+        out, end = [], self.size
+        for part in reversed(self.parts):  # (from the end: what a stream reads is its newest text)
+            begin = end - len(part)
+            if begin < stop and start < end:
+                out.append(part[max(start - begin, 0):stop - begin])
+            if begin <= start:
+                break
+            end = begin
+        return "".join(reversed(out))
+
+
+class Span:
+    """text[start:end] of a Text, read without copying the rest (end None: to the text's end,
+    growing with it): an open call's arguments while its text is written."""
+
+    def __init__(self, text: Text, start: int, end: int | None) -> None:
+        self.text, self.start, self.end = text, start, end
+
+    def __len__(self) -> int:
+        return (self.text.size if self.end is None else self.end) - self.start
+
+    def __getitem__(self, key: slice) -> str:
+        start, stop, _ = key.indices(len(self))
+        return self.text[self.start + start:self.start + stop]
+
+    def __str__(self) -> str:
+        return self[:]
+
+    def __eq__(self, other: object) -> bool:
+        return str(self) == str(other)
+
+
 class ArrayCallStream:
-    """_array_calls of a text that grows chunk by chunk (tool_choice "required", streamed),
-    without rescanning it: each character is scanned once (the bracket and string state
-    carries over, as _elements keeps it), a complete call is parsed once, and the open call
-    again only after a character at its own level (outside strings at depth 2, or a string
-    closing there): in between its name cannot change and its arguments grow only by the
-    text of a value still being written. A text that does not extend the last starts over.
+    """_array_calls of a text fed chunk by chunk (tool_choice "required", streamed), as vLLM's
+    streaming parsers keep their state: each character is scanned once (the bracket and
+    string state carries over, as _elements keeps it), a complete call is parsed once, and
+    the open call, whose text alone is kept, again only after a character at its own level
+    (outside strings at depth 2, or a string closing there): in between its name cannot
+    change and its arguments grow only by the text of a value still being written.
 
     one: a text that does not open an array is one call object, never complete (an open
     <tool_call> block's body: _call(text, key, False)); its level is depth 1."""
 
     def __init__(self, key: str, one: bool = False) -> None:
-        self.key, self.one, self.level, self.text, self.scanned = key, one, 2, "", 0
+        self.key, self.one, self.level = key, one, 2
         self.depth, self.in_str, self.esc = 0, False, False
         self.array: bool | None = None  # the text starts with "[" (None: whitespace alone so far)
-        self.calls: list[CallView] = []  # the complete ones
-        self.start: int | None = None  # where the open call begins
+        self.done: list[CallView] = []  # the complete calls
+        self.text: Text | None = Text() if one else None  # the open call's text, from its start
         self.stale = False  # a character at the open call's level since it was parsed
         self.name: str | None = None  # the open call's, and its arguments' span (end None: to the end)
         self.span: tuple[int, int | None] | None = None
 
-    def calls_of(self, text: str) -> list[CallView]:
-        """_array_calls(text, key) (one: the array's calls, or else [_call(text, key, False)])."""
-        if not text.startswith(self.text):  # (a C memcmp: no character is scanned in Python)
-            self.__init__(self.key, self.one)
-        self.text = text
+    def call(self, i: int) -> CallView | None:
+        """The i-th call of the text so far (None: there is none yet)."""
+        if i < len(self.done):
+            return self.done[i]
+        if i > len(self.done) or self.text is None:  # (no call open, or no array: none)
+            return None
         if self.array is None:
-            head = text[self.scanned:].lstrip()
+            return CallView(None, "", False)
+        return CallView(self.name, "" if self.span is None else Span(self.text, *self.span), False)
+
+    def feed(self, chunk: str) -> None:
+        """The text's next chunk: scanned, a call it completes parsed, the open one again if stale."""
+        if self.array is None:
+            head = chunk.lstrip()
             if not head:
-                self.scanned = len(text)
-                return [CallView(None, "", False)] if self.one else []
+                if self.text is not None:
+                    self.text.append(chunk)  # (whitespace before the one call: its text too)
+                return
             self.array = head[0] == "["
-            if not self.array and self.one:
-                self.level, self.start, self.stale = 1, 0, True
+            if self.array:
+                self.text = None
+            elif self.one:
+                self.level, self.stale = 1, True
         if not self.array and not self.one:
-            return []
-        for i in range(self.scanned, len(text)):
-            ch = text[i]
-            if self.in_str:
-                self.esc, self.in_str = (False, True) if self.esc else (ch == "\\", ch != '"')
-                self.stale |= not self.in_str and self.depth == self.level
+            return
+        depth, in_str, esc, stale, level_of = self.depth, self.in_str, self.esc, self.stale, self.level
+        opened = 0  # where the open call's text begins in this chunk (0: it began before)
+        for i, ch in enumerate(chunk):
+            if in_str:
+                esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+                stale |= not in_str and depth == level_of
                 continue
-            level = self.depth == self.level
+            level = depth == level_of
             if ch == '"':
-                self.in_str = True
+                in_str = True
             elif ch in "[{":
-                self.depth += 1
-                if self.array and self.depth == 2 and ch == "{":
-                    self.start, self.stale = i, True
+                depth += 1
+                if self.array and depth == 2 and ch == "{":
+                    self.text, opened, stale = Text(), i, True
             elif ch in "]}":
-                self.depth -= 1
-                if self.array and self.depth == 1 and self.start is not None:
-                    self.calls.append(_call(text[self.start:i + 1], self.key, True))
-                    self.start = None
-            self.stale |= (level or self.depth == self.level) and not ch.isspace()
-        self.scanned = len(text)
-        if self.start is None:
-            return list(self.calls)
-        if self.stale:
-            m, start, end = _arguments(text, self.key, self.start)
+                depth -= 1
+                if self.array and depth == 1 and self.text is not None:
+                    self.text.append(chunk[opened:i + 1])
+                    self.done.append(_call(self.text.whole(), self.key, True))
+                    self.text = None
+            stale |= (level or depth == level_of) and not ch.isspace()
+        self.depth, self.in_str, self.esc, self.stale = depth, in_str, esc, stale
+        if self.text is None:
+            return
+        self.text.append(chunk[opened:])
+        if self.stale:  # the open call's text so far, parsed again
+            text = self.text.whole()
+            m, start, end = _arguments(text, self.key, 0)
             self.name, self.stale = _name(m), False
             # arguments not begun (whitespace alone after the key) stay "" until a character
             self.span = None if start is None else (start, start if start == len(text) else end)
-        value = "" if self.span is None else text[self.span[0]:self.span[1]]
-        return [*self.calls, CallView(self.name, value, False)]
 
 
 class HermesToolParser:
     """<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks in free text. One per
-    response: `stream` keeps its state across a stream's chunks."""
+    response: `feed` keeps its state across a stream's chunks."""
 
     start, end = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
-        self.text, self.pos = "", 0  # the tag looked for next does not begin before pos
-        self.first: int | None = None  # where the first <tool_call> begins
-        self.body: int | None = None  # where the open block's body begins
-        self.calls: list[CallView] = []  # the closed blocks'
-        self.open = ArrayCallStream("arguments", one=True)  # the open block's
+        self.held = ""  # the end of the text so far that may begin the tag looked for next
+        self.content = True  # no <tool_call> yet: the text is content
+        self.done: list[CallView] = []  # the closed blocks' calls
+        self.block: Text | None = None  # the open block's body so far
+        self.open = ArrayCallStream("arguments", one=True)  # the open block's calls
 
     @staticmethod
     def _block(body: str, done: bool) -> list[CallView]:
@@ -229,32 +300,45 @@ class HermesToolParser:
             i = text.find(self.start, j) if j >= 0 else -1
         return text[:text.find(self.start)], calls
 
-    def stream(self, text: str, final: bool) -> tuple[str, list[CallView]]:
-        """view(text, final) of a text that grows chunk by chunk, as vLLM's streaming parser
-        keeps its state: each tag is looked for past where it was not found, a closed
-        block is parsed once, the open one incrementally. A text that does not extend the
-        last (a reasoning parser's content cut anew) starts over."""
-        if not text.startswith(self.text):  # (a C memcmp)
-            self.__init__()
-        self.text = text
+    def call(self, i: int) -> CallView | None:
+        """The i-th call of the text fed so far, as view(text so far, final) has it."""
+        if i < len(self.done):
+            return self.done[i]
+        return None if self.block is None else self.open.call(i - len(self.done))
+
+    def feed(self, chunk: str, final: bool) -> str:
+        """The content that the text's next chunk adds to view(text so far, final)'s, its
+        calls kept up to date (`call`), as vLLM's streaming parser keeps its state: each tag
+        is looked for in the chunk and the few characters held back before it, a closed
+        block is parsed once, the open one as it grows (ArrayCallStream)."""
+        content = []
+        text, seen = self.held + chunk, len(self.held)  # text[:seen]: held back from the last chunk
         while True:
-            tag = self.start if self.body is None else self.end
-            k = text.find(tag, self.pos)
-            if k < 0:
-                self.pos = max(self.pos, len(text) - partial_tag_len(text, tag))  # (a tag's start may end the text)
-                break
-            if self.body is None:
-                self.first = k if self.first is None else self.first
-                self.body = self.pos = k + len(tag)
-            else:
-                self.calls += self._block(text[self.body:k], True)
-                self.body, self.pos, self.open = None, k + len(tag), ArrayCallStream("arguments", one=True)
-        if self.first is None:
-            return text[:len(text) - (0 if final else partial_tag_len(text, self.start))], []
-        if self.body is None:
-            return text[:self.first], list(self.calls)
-        body = text[self.body:]
-        return text[:self.first], self.calls + (self._block(body, True) if final else self.open.calls_of(body))
+            if self.block is None:
+                k = text.find(self.start)
+                if k < 0:
+                    cut = len(text) - (0 if final else partial_tag_len(text, self.start))
+                    content.append(text[:cut] if self.content else "")
+                    self.held = text[cut:]
+                    break
+                content.append(text[:k] if self.content else "")
+                self.content, self.block, self.open = False, Text(), ArrayCallStream("arguments", one=True)
+                text, seen = text[k + len(self.start):], 0
+            else:  # in a block, what was held back is its body's end already (the open call's text)
+                k = text.find(self.end)
+                if k < 0:
+                    new = text[seen:]
+                    self.block.append(new)
+                    self.open.feed(new)
+                    self.held = text[len(text) - partial_tag_len(text, self.end):]
+                    if final:  # a block left open: its body to the end, as the whole text's view
+                        self.done += self._block(self.block.whole(), True)
+                        self.block = None
+                    break
+                body = self.block.whole()
+                self.done += self._block(body[:len(body) - seen] + text[:k], True)
+                self.block, text, seen = None, text[k + len(self.end):], 0
+        return "".join(content)
 
 
 TOOL_PARSERS: dict[str, Callable[[], HermesToolParser]] = {"hermes": HermesToolParser}
@@ -279,26 +363,48 @@ class ToolCallStream:
         assert tools is None or tools.mode != "auto" or parser is not None, "tool_choice auto needs a parser"
         self.tools, self.parser = tools, parser() if tools is not None and tools.mode == "auto" else None
         self.parallel, self.reasoning, self.include_reasoning = parallel, reasoning, include_reasoning
-        self.text, self.content_sent, self.reasoning_sent = "", 0, 0
-        self.required = ArrayCallStream("parameters")  # a stream's calls under tool_choice "required"
+        # a stream's state: the text after the reasoning (content and calls) so far, the
+        # characters of it sent as content, the calls under tool_choice "required"
+        self.body, self.content_sent = Text(), 0
+        self.required = ArrayCallStream("parameters")
         self.sent: list[tuple[str, int]] = []  # per call streamed: (id, characters of its arguments sent)
 
-    def _split(self, final: bool, stream: bool = False) -> tuple[str | None, str | None]:
-        """(reasoning, the text that holds content and calls) of the text so far."""
-        if self.reasoning is None:
-            return None, self.text
-        return self.reasoning.split_stream(self.text, final) if stream else self.reasoning.split(self.text, final)
-
-    def _view(self, text: str, final: bool, stream: bool = False) -> tuple[str, list[CallView]]:
+    def _view(self, text: str, final: bool) -> tuple[str, list[CallView]]:
+        """(content, calls) of the text after the reasoning (the whole response's)."""
         if self.tools is None:
             return text, []
         if self.tools.mode == "named":
             return "", [CallView(next(iter(self.tools.tools)), text, final)]
         if self.tools.mode == "required":
-            content, calls = "", self.required.calls_of(text) if stream else _array_calls(text, "parameters")
+            content, calls = "", _array_calls(text, "parameters")
         else:
-            content, calls = self.parser.stream(text, final) if stream else self.parser.view(text, final)
+            content, calls = self.parser.view(text, final)
         return content, calls if self.parallel else calls[:1]
+
+    def _feed(self, text: str, final: bool) -> str:
+        """A stream's next text after the reasoning into the tool parser: the content it adds."""
+        self.body.append(text)
+        if self.tools is None:
+            return text
+        if self.tools.mode == "required":
+            self.required.feed(text)
+        elif self.tools.mode == "auto":
+            return self.parser.feed(text, final)
+        return ""
+
+    def _call(self, i: int, final: bool) -> CallView | None:
+        """The i-th call of a stream's text so far, as _view has it (None: there is none)."""
+        if self.tools is None or (i > 0 and not self.parallel):
+            return None
+        if self.tools.mode == "named":  # the text after the reasoning is its arguments
+            return CallView(next(iter(self.tools.tools)), Span(self.body, 0, None), final) if i == 0 else None
+        return self.required.call(i) if self.tools.mode == "required" else self.parser.call(i)
+
+    def _calls(self, final: bool) -> list[CallView]:
+        calls: list[CallView] = []
+        while (c := self._call(len(calls), final)) is not None:
+            calls.append(c)
+        return calls
 
     def _reason(self, calls: list[CallView], reason: str) -> str:
         """vLLM's finish_reason: "tool_calls" for complete required calls or any call found
@@ -312,8 +418,7 @@ class ToolCallStream:
     def message(self, text: str, reason: str) -> tuple[dict, str]:
         """The whole response's assistant message and finish_reason. Free text whose
         calls do not parse is content, as vLLM."""
-        self.text = text
-        reasoning, body = self._split(final=True)
+        reasoning, body = (None, text) if self.reasoning is None else self.reasoning.split(text, final=True)
         said = {"reasoning": reasoning if self.include_reasoning else None} if self.reasoning is not None else {}
         content, calls = self._view(body or "", final=True)
         if self.tools is None or not calls or not all(c.done and c.valid and c.name is not None for c in calls):
@@ -323,38 +428,45 @@ class ToolCallStream:
         return {"role": "assistant", "content": content, "tool_calls": out} | said, self._reason(calls, reason)
 
     def delta(self, text: str, reason: str | None) -> tuple[dict, str | None]:
-        """The delta of one streamed chunk (text: its new text; reason: set on the last)."""
+        """The delta of one streamed chunk (text: its new text; reason: set on the last):
+        what `message` says of the text so far, less what was sent. Each stage takes the
+        chunk's text and gives what it adds (reasoning split -> tag search -> call scanner),
+        so a chunk costs its own length, not the text's (docs/ARCHITECTURE.md)."""
         if self.tools is None and self.reasoning is None:  # nothing parses it: the chunk is content as it is
             return ({"content": text} if text else {}), reason
-        self.text += text  # (a copy of the text so far, as the parsers take it: docs/ARCHITECTURE.md says why)
-        reasoning, body = self._split(final=reason is not None, stream=True)
-        out: dict = {}
-        if reasoning is not None and len(reasoning) > self.reasoning_sent:
-            if self.include_reasoning:
-                out["reasoning"] = reasoning[self.reasoning_sent:]
-            self.reasoning_sent = len(reasoning)
-        content, calls = self._view(body or "", final=reason is not None, stream=True)
-        if reason is not None and not self.sent and not any(c.name is not None and c.valid for c in calls):
-            content = body or ""  # no call, sent or to send: the held-back text is content, as message() says
-        if len(content) > self.content_sent:
-            out["content"] = content[self.content_sent:]
-            self.content_sent = len(content)
+        final, out = reason is not None, {}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text, final)
+            if reasoning and self.include_reasoning:
+                out["reasoning"] = reasoning
+        content = self._feed(text, final)
+        calls = self._calls(final) if final else []
+        if final and not self.sent and not any(c.name is not None and c.valid for c in calls):
+            # no call, sent or to send: the held-back text is content, as message() says
+            content = self.body[self.content_sent:]
+        if content:
+            out["content"] = content
+            self.content_sent += len(content)
         deltas = []
-        for i, c in enumerate(calls):
+        i = max(len(self.sent) - 1, 0)  # the calls before the last one sent are complete and sent
+        while (c := self._call(i, final)) is not None:
             if c.name is None or not c.valid:
-                continue
-            if i == len(self.sent):  # (calls complete in order: a later one never precedes an earlier)
-                call = _new_call(c.name, "")
-                del call["function"]["arguments"]  # the first delta names the function, as vLLM
-                deltas.append(call | {"index": i})
-                self.sent.append((call["id"], 0))
-            if i < len(self.sent) and len(c.arguments) > self.sent[i][1]:
-                more = c.arguments[self.sent[i][1]:]
-                if deltas and deltas[-1]["index"] == i:  # named in this very chunk: one delta per call
-                    deltas[-1]["function"]["arguments"] = more
-                else:
-                    deltas.append({"index": i, "function": {"arguments": more}})
-                self.sent[i] = (self.sent[i][0], len(c.arguments))
+                if i >= len(self.sent):
+                    break  # (calls complete in order: none after this one is sent before it)
+            else:
+                if i == len(self.sent):
+                    call = _new_call(c.name, "")
+                    del call["function"]["arguments"]  # the first delta names the function, as vLLM
+                    deltas.append(call | {"index": i})
+                    self.sent.append((call["id"], 0))
+                if len(c.arguments) > self.sent[i][1]:
+                    more = c.arguments[self.sent[i][1]:]
+                    if deltas and deltas[-1]["index"] == i:  # named in this very chunk: one delta per call
+                        deltas[-1]["function"]["arguments"] = more
+                    else:
+                        deltas.append({"index": i, "function": {"arguments": more}})
+                    self.sent[i] = (self.sent[i][0], len(c.arguments))
+            i += 1
         if deltas:
             out["tool_calls"] = deltas
         if reason is None:

@@ -272,31 +272,30 @@ TEXTS = ["<think>I think </th, so </think>The answer.", "  \n <think>still think
 
 @settings(max_examples=150, deadline=None)
 @given(cuts=st.lists(st.integers(0, 100), max_size=30), which=st.integers(0, len(TEXTS) - 1),
-       name=st.sampled_from(sorted(REASONING_PARSERS)), thinking=st.booleans())
-def test_the_streamed_split_is_the_whole_outputs_split_after_every_chunk(cuts, which, name, thinking):
-    """The incremental split of a stream (split_stream) gives, after each chunk, what a split
-    of the whole output so far gives, and at the end the final split."""
+       name=st.sampled_from(sorted(REASONING_PARSERS)), thinking=st.booleans(), prompt=st.sampled_from(["", "</think>"]))
+def test_the_streamed_split_is_the_whole_outputs_split_after_every_chunk(cuts, which, name, thinking, prompt):
+    """The incremental split of a stream (feed, each chunk) gives, after each chunk, what a
+    split of the whole output so far gives, and at the end the final split."""
     text = TEXTS[which]
     bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
-    parser = REASONING_PARSERS[name]("", thinking)
-    for b in bounds[1:]:
-        assert parser.split_stream(text[:b], False) == REASONING_PARSERS[name]("", thinking).split(text[:b], False), b
-    assert parser.split_stream(text, True) == REASONING_PARSERS[name]("", thinking).split(text, True)
-    # an output that does not extend the last starts over
-    half = text[:len(text) // 2]
-    assert parser.split_stream(half, False) == REASONING_PARSERS[name]("", thinking).split(half, False)
+    parser, reasoning, content = REASONING_PARSERS[name](prompt, thinking), "", ""
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        final = k == len(bounds) - 2
+        more = parser.feed(text[a:b], final)
+        reasoning, content = reasoning + more[0], content + more[1]
+        whole = REASONING_PARSERS[name](prompt, thinking).split(text[:b], final)
+        assert (reasoning, content) == (whole[0] or "", whole[1] or ""), b
 
 
 def test_a_stream_searches_each_character_for_a_tag_a_bounded_number_of_times():
-    """Streamed one character a chunk, the output goes through the tag search and strips a
-    few times in all, not once per chunk (which is quadratic in its length)."""
+    """Streamed one character a chunk, the output goes through the tag search, strips and
+    slices a few times in all, not once per chunk (which is quadratic in its length)."""
     from test_tool_parsers import Counted
 
     Counted.handed = handed = [0]
     text = " <think>" + "Hmm, </thin is not the end. " * 150 + "</think>" + "The answer. " * 150
     s = ToolCallStream(None, reasoning=REASONING_PARSERS["deepseek_r1"](""))
-    s.text = Counted("")
-    deltas, reason = stream(s, text, list(range(len(text))))
-    assert reason == "stop" and "".join(d.get("reasoning", "") for d in deltas) == "Hmm, </thin is not the end. " * 150
-    assert "".join(d.get("content", "") for d in deltas) == "The answer. " * 150
-    assert handed[0] <= 4 * len(text), (handed[0], len(text))
+    deltas = [s.delta(Counted(ch), "stop" if i == len(text) - 1 else None) for i, ch in enumerate(text)]
+    assert handed[0] <= 20 * len(text), (handed[0], len(text))
+    assert deltas[-1][1] == "stop" and "".join(d.get("reasoning", "") for d, _ in deltas) == "Hmm, </thin is not the end. " * 150
+    assert "".join(d.get("content", "") for d, _ in deltas) == "The answer. " * 150

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import event, given, settings, strategies as st
 
 from protocol import ApiError, parse_sampling, tool_choice
-from tool_parsers import HermesToolParser, ToolCallStream, ToolChoice
+from reasoning_parsers import REASONING_PARSERS
+from tool_parsers import TOOL_PARSERS, HermesToolParser, ToolCallStream, ToolChoice
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 AUTO = ToolChoice("auto", {"get_weather": {}, "get_time": {}}, [WEATHER])
@@ -216,25 +217,37 @@ REQUIRED_TEXTS = [
 ]
 
 
+def materialized(calls: list) -> list:
+    """Calls as views of a text alone (a stream's open call reads its text as it grows)."""
+    return [c if isinstance(c.arguments, str) else type(c)(c.name, str(c.arguments), c.done, c.valid) for c in calls]
+
+
+def fed_calls(parser) -> list:
+    """The calls a streaming parser has found in the text fed to it so far."""
+    calls = []
+    while (c := parser.call(len(calls))) is not None:
+        calls.append(c)
+    return materialized(calls)
+
+
 @settings(max_examples=60, deadline=None)
 @given(cuts=st.lists(st.integers(0, 400), max_size=40), which=st.integers(0, len(REQUIRED_TEXTS) - 1))
 def test_required_streamed_calls_are_the_whole_texts_parse_after_every_chunk(cuts, which):
-    """The incremental parse of a "required" stream (ArrayCallStream) gives, after each
-    chunk, the calls a parse of the whole text so far gives, and the stream adds up to the
-    whole response's calls."""
+    """The incremental parse of a "required" stream (ArrayCallStream, fed each chunk) gives,
+    after each chunk, the calls a parse of the whole text so far gives, and the stream adds
+    up to the whole response's calls."""
     from tool_parsers import ArrayCallStream, _array_calls
 
     text = REQUIRED_TEXTS[which]
     bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
     parser = ArrayCallStream("parameters")
-    for b in bounds[1:]:
-        assert parser.calls_of(text[:b]) == _array_calls(text[:b], "parameters"), b
+    for a, b in zip(bounds, bounds[1:]):
+        parser.feed(text[a:b])
+        assert fed_calls(parser) == _array_calls(text[:b], "parameters"), b
     deltas, reason = stream(REQUIRED, text, cuts)
     whole, _ = ToolCallStream(REQUIRED, None).message(text, "stop")
     if "tool_calls" in whole:
         assert add_up(deltas)[1] == [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
-    # a text that does not extend the last (a reasoning parser's content may be cut anew) starts over
-    assert parser.calls_of(text[:len(text) // 2]) == _array_calls(text[:len(text) // 2], "parameters")
 
 
 def test_required_streams_parse_each_character_a_bounded_number_of_times(monkeypatch):
@@ -271,16 +284,17 @@ AUTO_TEXTS = [
 @settings(max_examples=80, deadline=None)
 @given(cuts=st.lists(st.integers(0, 700), max_size=40), which=st.integers(0, len(AUTO_TEXTS) - 1))
 def test_auto_streamed_view_is_the_whole_texts_parse_after_every_chunk(cuts, which):
-    """The incremental hermes parse of an "auto" stream gives, after each chunk, the content
-    and calls a parse of the whole text so far gives, and at the end the final parse."""
+    """The incremental hermes parse of an "auto" stream (HermesToolParser.feed) gives, after
+    each chunk, the content and calls a parse of the whole text so far gives, and at the end
+    the final parse."""
     text = AUTO_TEXTS[which]
     bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
-    parser = HermesToolParser()
-    for b in bounds[1:]:
-        assert parser.stream(text[:b], False) == HermesToolParser().view(text[:b], False), b
-    assert parser.stream(text, True) == HermesToolParser().view(text, True)
-    # a text that does not extend the last (a reasoning parser's content may be cut anew) starts over
-    assert parser.stream(text[:len(text) // 2], False) == HermesToolParser().view(text[:len(text) // 2], False)
+    parser, content = HermesToolParser(), ""
+    for a, b in zip(bounds, bounds[1:]):
+        content += parser.feed(text[a:b], False)
+        assert (content, fed_calls(parser)) == HermesToolParser().view(text[:b], False), b
+    content += parser.feed("", True)
+    assert (content, fed_calls(parser)) == HermesToolParser().view(text, True)
     deltas, reason = stream(AUTO, text, cuts)
     whole, whole_reason = ToolCallStream(AUTO, HermesToolParser).message(text, "stop")
     if "tool_calls" in whole:
@@ -289,12 +303,23 @@ def test_auto_streamed_view_is_the_whole_texts_parse_after_every_chunk(cuts, whi
 
 
 class Counted(str):
-    """A text that counts the characters its tag searches (find) and strips are handed."""
+    """A chunk of text that counts the characters that searches (find), strips, slices and
+    concatenations of it, and of the texts made from it, are handed or copy."""
 
     handed = [0]
 
     def __add__(self, other: str) -> "Counted":
+        Counted.handed[0] += len(self) + len(other)
         return Counted(str(self) + other)
+
+    def __radd__(self, other: str) -> "Counted":
+        Counted.handed[0] += len(self) + len(other)
+        return Counted(other + str(self))
+
+    def __getitem__(self, key) -> "Counted":
+        part = str.__getitem__(self, key)
+        Counted.handed[0] += len(part)
+        return Counted(part)
 
     def find(self, sub: str, start: int = 0, *args) -> int:
         Counted.handed[0] += len(self) - max(0, start)
@@ -334,36 +359,160 @@ def count_decoding(monkeypatch, handed: list[int]) -> None:
 
 def test_auto_streams_parse_each_character_a_bounded_number_of_times(monkeypatch):
     """Streamed one character a chunk, an "auto" response's text goes through the tag
-    search, the JSON decoder and the bracket scanner a few times in all, not once per
-    chunk (which is quadratic in the output's length)."""
+    search, slicing, the JSON decoder and the bracket scanner a few times in all, not once
+    per chunk (which is quadratic in the output's length): a long call's arguments too."""
     Counted.handed = handed = [0]
     count_decoding(monkeypatch, handed)
     args = {"city": "Paris " * 150, "days": list(range(100))}
     text = "Let me look that up. " * 40 + hermes_text([("get_weather", args)] * 2 + [("get_time", {"z": 1})], "")
     s = ToolCallStream(AUTO, HermesToolParser)
-    s.text = Counted("")
-    deltas = [s.delta(ch, "stop" if i == len(text) - 1 else None) for i, ch in enumerate(text)]
+    deltas = [s.delta(Counted(ch), "stop" if i == len(text) - 1 else None) for i, ch in enumerate(text)]
+    assert handed[0] <= 40 * len(text), (handed[0], len(text))
     assert deltas[-1][1] == "tool_calls" and add_up([d for d, _ in deltas]) == (
         "Let me look that up. " * 40, [("get_weather", json.dumps(args))] * 2 + [("get_time", '{"z": 1}')])
-    assert handed[0] <= 6 * len(text), (handed[0], len(text))
 
 
-def test_a_stream_with_nothing_to_parse_copies_no_text_so_far():
-    """Without tools and a reasoning parser (a plain chat stream), each chunk's text is its
-    content delta as it comes: no chunk copies the text before it (which, a chunk of one
-    character at a time, is quadratic in the output's length)."""
+@pytest.mark.parametrize("mode", [None, "auto", "required", "named"])
+@pytest.mark.parametrize("reasoning", [None, "deepseek_r1"])
+def test_a_parsed_stream_handles_each_character_a_bounded_number_of_times(monkeypatch, mode, reasoning):
+    """Whatever parses a stream (tool parser, reasoning parser, both, neither), each chunk's
+    text is searched, sliced and copied a bounded number of times, the text before it not
+    at all (which, one character a chunk, is quadratic in the output's length); without
+    either the chunk is its content delta as it comes."""
+    Counted.handed = handed = [0]
+    count_decoding(monkeypatch, handed)
+    calls = [{"name": "get_weather", "parameters": {"city": "Paris " * 300, "days": list(range(200))}}]
+    tools = {"auto": AUTO, "required": REQUIRED, "named": ToolChoice("named", {"get_weather": {}})}.get(mode)
+    answer = "A long answer, streamed one character a chunk. " * 60 if mode in (None, "auto") else ""
+    answer += {"auto": hermes_text([("get_weather", calls[0]["parameters"])], ""), "required": json.dumps(calls),
+               "named": json.dumps(calls[0]["parameters"])}.get(mode, "")
+    text = ("<think>" + "Hmm, </thin is not the end. " * 60 + "</think>" if reasoning else "") + answer
+    s = ToolCallStream(tools, HermesToolParser, reasoning=reasoning and REASONING_PARSERS[reasoning](""))
+    deltas = [s.delta(Counted(ch), "stop" if i == len(text) - 1 else None)[0] for i, ch in enumerate(text)]
+    assert handed[0] <= (40 * len(text) if tools or reasoning else 0), (handed[0], len(text))
+    whole_message, _ = ToolCallStream(tools, HermesToolParser,
+                                      reasoning=reasoning and REASONING_PARSERS[reasoning]("")).message(text, "stop")
+    streamed = add_up(deltas)
+    assert streamed[0] == (whole_message["content"] or "") and "".join(d.get("reasoning", "") for d in deltas) == (
+        whole_message.get("reasoning") or "")
+    assert streamed[1] == [(c["function"]["name"], c["function"]["arguments"]) for c in whole_message.get("tool_calls", [])]
+    if tools is None and reasoning is None:
+        assert s.delta("", "length") == ({}, "length")
 
-    class Copied(str):
-        copied = [0]
 
-        def __add__(self, other: str) -> "Copied":
-            Copied.copied[0] += len(self) + len(other)
-            return Copied(str(self) + other)
+# The pieces a response is built from, for every parser: its tags whole and cut short, call
+# objects (a "required" array's and a <tool_call> block's, bare, in tags, in an array, of any
+# JSON and spacing), JSON's brackets, strings, escapes and literals, plain text, whitespace
+# and non-ASCII text; the whole may be cut short anywhere.
+PIECES = ["<think>", "</think>", "<thi", "</th", "<tool_call>", "</tool_call>", "<tool_c", "</tool_", "<", "/", ">",
+          '{"name": "get_time", "arguments": ', '"name"', '"arguments"', '"parameters"', '"get_time"', "[", "]", "{",
+          "}", ",", ":", '"', "\\", "12.5", "tru", "e", " ", "\n", "Paris", "é", "🙂", "日本"]
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) |
+                    st.text(max_size=6), lambda inner: st.lists(inner, max_size=3) |
+                    st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8)
 
-    text = "A long answer, streamed one character a chunk. " * 200
-    s = ToolCallStream(None)
-    s.text = Copied("")
-    deltas = [s.delta(ch, "stop" if i == len(text) - 1 else None) for i, ch in enumerate(text)]
-    assert deltas[-1][1] == "stop" and add_up([d for d, _ in deltas]) == (text, [])
-    assert s.delta("", "length") == ({}, "length")
-    assert Copied.copied[0] <= len(text), (Copied.copied[0], len(text))
+
+@st.composite
+def call_text(draw, key: str) -> str:
+    call = {"name": draw(st.sampled_from(["get_weather", "get_time", "not_a_tool"])),
+            key: draw(st.dictionaries(st.text(max_size=4), JSON, max_size=3) | JSON)}
+    if draw(st.booleans()):
+        call = {k: call[k] for k in reversed(call)}
+    separators = draw(st.sampled_from([(", ", ": "), (",", ":"), (" ,\n ", " :  ")]))
+    return json.dumps(call, separators=separators, ensure_ascii=draw(st.booleans()))
+
+
+@st.composite
+def response(draw, mode: str | None, reasoning: bool) -> str:
+    """A response for that tool_choice mode (and a reasoning parser): mostly of its form,
+    with pieces of any form around and in it, often cut short."""
+    noise = st.lists(st.sampled_from(PIECES) | st.text(max_size=3), max_size=4).map("".join)
+    blocks = st.lists(call_text("arguments"), min_size=1, max_size=2).map(
+        lambda calls: "<tool_call>\n" + (calls[0] if len(calls) == 1 else "[" + ", ".join(calls) + "]") + "\n</tool_call>")
+    array = st.lists(call_text("parameters"), max_size=3).map(lambda calls: "[" + ", ".join(calls) + "]")
+    body = {"required": array, "named": JSON.map(json.dumps), None: noise,
+            "auto": st.lists(noise | blocks, max_size=4).map("".join)}[mode]
+    parts = [draw(body)]
+    if reasoning:
+        parts.insert(0, draw(st.sampled_from(["<think>", "", " \n<think>"])) + draw(noise) +
+                     draw(st.sampled_from(["</think>", "</think>\n\n", ""])))
+    if draw(st.booleans()):  # pieces of another form, anywhere
+        parts.insert(draw(st.integers(0, len(parts))), draw(noise | blocks | array))
+    text = "".join(parts)
+    return text[:draw(st.integers(0, len(text)))] if draw(st.booleans()) else text
+
+
+def reference_deltas(make, text: str, bounds: list[int], reason: str) -> list[tuple[dict, str | None]]:
+    """The deltas of `text` cut at `bounds` the straightforward way: after every chunk the
+    whole text so far is parsed (message()'s parse: the reasoning parser's split, then the
+    tool parser's view), and what was not sent yet is sent, as one delta per call."""
+    s = make()
+    sent, content_sent, reasoning_sent, out = [], 0, 0, []
+    for k, b in enumerate(bounds[1:]):
+        final, delta = k == len(bounds) - 2, {}
+        thought, body = (None, text[:b]) if s.reasoning is None else s.reasoning.split(text[:b], final)
+        if thought is not None and len(thought) > reasoning_sent:
+            if s.include_reasoning:
+                delta["reasoning"] = thought[reasoning_sent:]
+            reasoning_sent = len(thought)
+        content, calls = s._view(body or "", final)
+        if final and not sent and not any(c.name is not None and c.valid for c in calls):
+            content = body or ""
+        if len(content) > content_sent:
+            delta["content"], content_sent = content[content_sent:], len(content)
+        for i, c in enumerate(calls):
+            if c.name is not None and c.valid and i == len(sent):
+                delta.setdefault("tool_calls", []).append({"index": i, "type": "function",
+                                                           "function": {"name": c.name}})
+                sent.append(0)
+            if c.name is not None and c.valid and i < len(sent) and len(c.arguments) > sent[i]:
+                if not delta.get("tool_calls") or delta["tool_calls"][-1]["index"] != i:
+                    delta.setdefault("tool_calls", []).append({"index": i, "function": {}})
+                delta["tool_calls"][-1]["function"]["arguments"], sent[i] = c.arguments[sent[i]:], len(c.arguments)
+        finish = None if not final else "tool_calls" if sent and s.tools.mode != "named" else s._reason(calls, reason)
+        out.append((delta, finish))
+    return out
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.data(), cuts=st.lists(st.integers(0, 400), max_size=40),
+       mode=st.sampled_from(["auto", "required", "named", None]),
+       tool_parser=st.sampled_from(sorted(TOOL_PARSERS)), reasoning=st.sampled_from([None, *sorted(REASONING_PARSERS)]),
+       prompt=st.sampled_from(["", "<think>\n\n</think>\n\n"]), thinking=st.booleans(), parallel=st.booleans(),
+       include_reasoning=st.booleans(), reason=st.sampled_from(["stop", "length"]))
+def test_every_parsers_incremental_deltas_are_the_whole_texts_parse_after_every_chunk(
+        data, cuts, mode, tool_parser, reasoning, prompt, thinking, parallel, include_reasoning, reason):
+    """For every registered tool and reasoning parser (and tool_choice mode), a response
+    streamed in any chunks gives exactly the deltas that parsing the whole text so far after
+    every chunk gives; and they add up to the whole response's message: its reasoning
+    always, its content and calls when it has calls, or when none was streamed."""
+    text = data.draw(response(mode, reasoning is not None))
+    tools = None if mode is None else ToolChoice(mode, {"get_weather": {}} if mode == "named" else AUTO.tools)
+
+    def make() -> ToolCallStream:
+        return ToolCallStream(tools, TOOL_PARSERS[tool_parser], parallel,
+                              reasoning and REASONING_PARSERS[reasoning](prompt, thinking), include_reasoning)
+
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
+    s = make()
+    got = [s.delta(text[a:b], reason if k == len(bounds) - 2 else None) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    for delta, _ in got:  # (a call's id is random: its first delta has one)
+        for c in delta.get("tool_calls", []):
+            assert "id" not in c or c.pop("id").startswith("call_")
+    assert got == reference_deltas(make, text, bounds, reason)
+
+    whole_message, whole_reason = make().message(text, reason)
+    deltas = [d for d, _ in got]
+    assert "".join(d.get("reasoning", "") for d in deltas) == (whole_message.get("reasoning") or "")
+    content, calls = add_up([{**d, "tool_calls": [c | ({"id": "x"} if "type" in c else {}) for c in
+                                                   d.get("tool_calls", [])]} for d in deltas])
+    event(f"{mode} {reasoning}: calls streamed {len(calls)}, whole {len(whole_message.get('tool_calls', []))}, "
+          f"reasoning {bool(whole_message.get('reasoning'))}, content {bool(whole_message['content'])}")
+    if "tool_calls" in whole_message:
+        assert content == (whole_message["content"] or "")
+        assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in whole_message["tool_calls"]]
+        # (a stream that sent a call ends "tool_calls" even where the whole says "length")
+        assert got[-1][1] == whole_reason or (reason, got[-1][1]) == ("length", "tool_calls")
+    elif not calls:  # no call, whole or streamed: the content, but for what a call that never
+        # came held back (a call after one that is not a call is never streamed)
+        assert (whole_message["content"] or "").startswith(content)
