@@ -197,13 +197,18 @@ def test_parallel_flags_are_checked_where_they_enter():
     from config import EngineConfig
     from parallel import make_mesh
 
-    for bad in (dict(tensor_parallel_size=0), dict(num_processes=2), dict(distributed_coordinator="h:1"),
-                dict(distributed_coordinator="nohost", num_processes=2),
-                dict(distributed_coordinator="h:99999", num_processes=2),
-                dict(distributed_coordinator="h:1", num_processes=2, process_id=2)):
-        with pytest.raises(ValueError):
+    multi = dict(tensor_parallel_size=2, num_processes=2)
+    for bad, says in ((dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
+                      (multi, "go together"), (dict(distributed_coordinator="h:1"), "go together"),
+                      (dict(distributed_coordinator="nohost", **multi), "must be HOST:PORT"),
+                      (dict(distributed_coordinator="h:99999", **multi), "must be HOST:PORT"),
+                      (dict(distributed_coordinator="h:1", process_id=2, **multi), r"process_id must be in \[0, "),
+                      # the mesh spans every process's devices (make_mesh): at least one per process
+                      (dict(distributed_coordinator="h:1", num_processes=3, tensor_parallel_size=2),
+                       r"tensor_parallel_size \(2\) is smaller than num_processes \(3\)")):
+        with pytest.raises(ValueError, match=says):
             EngineConfig(**bad)
-    EngineConfig(distributed_coordinator="10.0.0.1:1234", num_processes=2, process_id=1)
+    EngineConfig(distributed_coordinator="10.0.0.1:1234", process_id=1, **multi)
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
         make_mesh(64)  # this pytest process has one CPU device
 
