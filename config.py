@@ -41,6 +41,10 @@ MAX_CHOICES = 256
 _MIN_TOKEN_BUCKET = 16
 _MIN_DECODE_MIDPOINT = 16  # below it a decode program's rows cost less than its compile
 MAX_BLOCK_SIZE = 256  # vLLM's largest --block-size
+# vLLM's --distributed-executor-backend values. taxirank has one: "uni", the model run in
+# this process, one JAX controller over every device of its mesh (more hosts join through
+# jax.distributed, each process driving its own host's devices); the others are refused.
+DISTRIBUTED_EXECUTOR_BACKENDS: tuple[str, ...] = ("mp", "ray", "uni", "external_launcher")
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,12 @@ class EngineConfig:
     distributed_coordinator: str | None = None  # HOST:PORT of process 0's coordination service
     num_processes: int = 1
     process_id: int = 0
+    # vLLM's --pipeline-parallel-size and --data-parallel-size: taken at 1 only (tensor
+    # parallelism is the one split here; data parallelism is serve_ray.py's replicas)
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # vLLM's --distributed-executor-backend (DISTRIBUTED_EXECUTOR_BACKENDS): uni or unset only
+    distributed_executor_backend: str | None = None
     # vLLM's --quantization (weight-only, quant.py): int8 (per output channel, any checkpoint)
     # or gguf (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks served as stored); None: model dtype
     quantization: str | None = None
@@ -181,6 +191,26 @@ class EngineConfig:
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.num_processes >= 1, f"num_processes must be >= 1, got {self.num_processes}")
+        need(self.pipeline_parallel_size == 1,
+             f"pipeline_parallel_size {self.pipeline_parallel_size}: taxirank does not support pipeline "
+             "parallelism (only 1); shard the model over devices with --tensor-parallel-size instead")
+        need(self.data_parallel_size == 1,
+             f"data_parallel_size {self.data_parallel_size}: taxirank does not support data parallelism in one "
+             "engine (only 1); run replicas instead: serve_ray.py --num-replicas N (or --min-replicas/--max-replicas)")
+        backend = self.distributed_executor_backend
+        need(backend in (None, "uni"),
+             f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} (or unset), "
+             f"got {backend!r}" if backend not in DISTRIBUTED_EXECUTOR_BACKENDS else
+             f"distributed_executor_backend {backend}: taxirank supports only uni (the model runs in this "
+             "process, one JAX controller over all its devices: --tensor-parallel-size); more hosts join with "
+             "--distributed-coordinator/--num-processes/--process-id (jax.distributed); for Ray, serve_ray.py "
+             "runs engine replicas")
+        # A multi-host mesh spans every process's devices (parallel.make_mesh): each process
+        # owns at least one of them, so fewer than num_processes devices cannot be it.
+        need(self.tensor_parallel_size >= self.num_processes,
+             f"tensor_parallel_size ({self.tensor_parallel_size}) is smaller than num_processes "
+             f"({self.num_processes}): a multi-host mesh spans every process's devices, at least one each "
+             "(tensor_parallel_size = all the processes' devices together)")
         need(0 <= self.process_id < self.num_processes,
              f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
         need(self.speculative_config is None or self.num_processes == 1,

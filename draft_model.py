@@ -82,10 +82,10 @@ DRAFT_STREAM = 0x64726674
 def load_draft(name: str, config: EngineConfig, target: LoadedModel,
                log: Callable[[str], None] = print) -> LoadedModel:
     """The draft model `name` (a built-in, a .gguf file, an HF directory or a converted
-    checkpoint: what --model takes), checked against the target it drafts for."""
-    if config.tensor_parallel_size > 1 or config.num_processes > 1:
-        raise ValueError("the draft_model proposer runs on one device: tensor_parallel_size and num_processes "
-                         "must be 1 with speculative decoding by a draft model")
+    checkpoint: what --model takes), checked against the target it drafts for. It runs on
+    the default device, whole, also when the target is sharded over a mesh (--tensor-parallel-size:
+    its proposals and q go to the verifier's mesh; KV sizing counts its weights and cache on
+    that one device); EngineConfig refuses speculation over more hosts."""
     path = os.path.expanduser(name)
     if os.path.isdir(path) and checkpoint.is_checkpoint(path):
         draft = checkpoint.load(path, config.dtype)

@@ -411,19 +411,24 @@ class Plan:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Validate the flags (ValueError says which and why) and turn them into deployment options."""
-    config = server.engine_config(args)
-    if config.num_processes > 1 or config.distributed_coordinator is not None:
+    # before EngineConfig, whose multi-host checks would speak of a setup that cannot run here at all
+    if args.num_processes > 1 or args.distributed_coordinator is not None:
         raise ValueError("multi-host replicas are not supported under Ray Serve: one replica is one process "
                          "(use --tensor-parallel-size over its local devices)")
+    config = server.engine_config(args)
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # as server.py
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be a fixed port (1..65535) for Ray Serve's proxy, got {args.port}")
+    server.check_host(args.host, args.port)  # as server.py: Ray Serve's proxy binds it
     autoscale = args.min_replicas is not None or args.max_replicas is not None
     if autoscale and args.num_replicas is not None:
         raise ValueError("--num-replicas is a fixed count; --min-replicas/--max-replicas autoscale: give one or the other")
-    if args.target_ongoing_requests is not None and not autoscale:
-        raise ValueError("--target-ongoing-requests needs autoscaling (--min-replicas/--max-replicas)")
+    if args.target_ongoing_requests is not None:
+        if not 0 < args.target_ongoing_requests < math.inf:  # also refuses nan
+            raise ValueError(f"--target-ongoing-requests must be a finite number > 0, got {args.target_ongoing_requests}")
+        if not autoscale:
+            raise ValueError("--target-ongoing-requests needs autoscaling (--min-replicas/--max-replicas)")
     if args.imbalanced_threshold is not None and args.routing != "prefix":
         raise ValueError("--imbalanced-threshold applies to --routing prefix only")
     for name in ("num_replicas", "max_ongoing_requests"):
@@ -453,9 +458,7 @@ def plan(args: argparse.Namespace) -> Plan:
         hi = args.max_replicas if args.max_replicas is not None else max(lo, 1)
         if not 0 <= lo <= hi or hi < 1:
             raise ValueError(f"need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1, got {lo}, {hi}")
-        target = args.target_ongoing_requests or float(config.max_num_seqs)
-        if not 0 < target < math.inf:  # also refuses nan
-            raise ValueError(f"--target-ongoing-requests must be a finite number > 0, got {target}")
+        target = float(config.max_num_seqs) if args.target_ongoing_requests is None else args.target_ongoing_requests
         options["autoscaling_config"] = AutoscalingConfig(min_replicas=lo, max_replicas=hi,
                                                           target_ongoing_requests=target)
     else:

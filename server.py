@@ -45,7 +45,7 @@ from prometheus_client.utils import floatToGoString
 
 from async_engine import AsyncEngine
 import config_file
-from config import EngineConfig, SamplingParams, SLOTarget
+from config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig, SamplingParams, SLOTarget
 from engine import QueueFullError, TokenLogprob, child_requests
 from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
 from policy import REGISTRIES
@@ -985,6 +985,12 @@ _HELP = {  # EngineConfig fields; config.py says more
     "distributed_coordinator": "HOST:PORT of process 0 for a multi-host run (jax.distributed); None: one process",
     "num_processes": "processes in a multi-host run (one per host); process 0 schedules and serves HTTP",
     "process_id": "this process's rank in a multi-host run",
+    "pipeline_parallel_size": "vLLM's; 1 only: taxirank does not split layers over devices (use "
+                              "--tensor-parallel-size)",
+    "data_parallel_size": "vLLM's; 1 only: for data parallelism run replicas (serve_ray.py --num-replicas N)",
+    "distributed_executor_backend": "vLLM's; uni only (or unset): the model runs in this process, one JAX "
+                                    "controller over all its devices; more hosts join through jax.distributed "
+                                    "(--distributed-coordinator)",
     "quantization": "weight-only quantization of the decoder layers' linears: int8 (per output channel, any "
                     "checkpoint) or gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored); None: the model dtype "
                     "(a GGUF file dequantized)",
@@ -1029,6 +1035,10 @@ def non_negative_int(value: str) -> int:
     return n
 
 
+# vLLM's short spellings of EngineConfig flags
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per EngineConfig field (same name, dashes for underscores), then the server's own."""
     p = argparse.ArgumentParser(description="taxirank: OpenAI-compatible server",
@@ -1041,6 +1051,8 @@ def build_parser() -> argparse.ArgumentParser:
             kw["choices"] = list(registries[f.name])
         elif f.name == "reasoning_parser":
             kw["choices"] = list(REASONING_PARSERS)
+        elif f.name == "distributed_executor_backend":  # vLLM's names; EngineConfig says which run here
+            kw["choices"] = list(DISTRIBUTED_EXECUTOR_BACKENDS)
         elif kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is Literal:
@@ -1048,7 +1060,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:  # int, float, str, or `X | None`; a type that parses its own text gets the text
             arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
             kw["type"] = config_file.json_text if hasattr(arg, "parse") else arg
-        p.add_argument("--" + f.name.replace("_", "-"), **kw)
+        p.add_argument("--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ()), **kw)
     p.add_argument("--config", help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
                                     "command line win over the file's")
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")
@@ -1179,6 +1191,16 @@ async def drain(app: web.Application, timeout: float, abort_now: asyncio.Event) 
         log.info("shutting down: no request in flight")
 
 
+def check_host(host: str, port: int) -> None:
+    """--host: an address this machine can bind (ValueError if it does not resolve), checked
+    before the model loads and compiles (minutes), not when the server binds after it."""
+    try:
+        # "" binds every interface (asyncio, aiohttp and vLLM alike), as a passive lookup of None does
+        socket.getaddrinfo(host or None, port, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} does not resolve: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = config_file.parse_args(parser, argv)
@@ -1190,10 +1212,9 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     try:
-        # "" binds every interface (asyncio, aiohttp and vLLM alike), as a passive lookup of None does
-        socket.getaddrinfo(args.host or None, args.port, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as e:
-        parser.error(f"--host {args.host!r} does not resolve: {e}")
+        check_host(args.host, args.port)
+    except ValueError as e:
+        parser.error(str(e))
     # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("taxirank").setLevel(args.log_level.upper())

@@ -4,6 +4,7 @@ ValueError (or the parser's exit 2) naming the option, before any model is loade
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from types import SimpleNamespace
@@ -259,3 +260,63 @@ def test_every_engine_config_field_is_a_server_flag_with_its_own_help():
     for f in dataclasses.fields(EngineConfig):
         assert f.name in actions, f.name
         assert actions[f.name].help and "EngineConfig." not in actions[f.name].help, f.name
+
+
+# ---- parallelism: vLLM's flags, and the ones taxirank does not have ----------------------
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size 2: taxirank does not support pipeline parallelism "
+                                     r"\(only 1\); shard the model over devices with --tensor-parallel-size"),
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size 0: taxirank does not support"),
+    (dict(data_parallel_size=4), r"data_parallel_size 4: .* run replicas instead: serve_ray.py --num-replicas"),
+    (dict(data_parallel_size=1.0), "data_parallel_size must be an integer"),
+    (dict(distributed_executor_backend="mp"), "distributed_executor_backend mp: taxirank supports only uni"),
+    (dict(distributed_executor_backend="ray"), "ray: taxirank supports only uni .* serve_ray.py runs engine replicas"),
+    (dict(distributed_executor_backend="external_launcher"), "external_launcher: taxirank supports only uni"),
+    (dict(distributed_executor_backend="torchrun"),
+     "distributed_executor_backend must be one of mp, ray, uni, external_launcher"),
+    # a multi-host mesh is every process's devices: at least one each
+    (dict(distributed_coordinator="h:1", num_processes=2),
+     r"tensor_parallel_size \(1\) is smaller than num_processes \(2\)"),
+    (dict(distributed_coordinator="h:1", num_processes=4, tensor_parallel_size=2),
+     r"tensor_parallel_size \(2\) is smaller than num_processes \(4\)"),
+])
+def test_parallelism_taxirank_does_not_have_is_a_value_error_saying_what_to_use(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match=says):  # offline: LLM's keyword arguments, before any model loads
+        LLM(model="/nowhere", **kwargs)
+
+
+def test_parallelism_flags_take_vllms_spellings_and_the_values_that_run():
+    c = EngineConfig(pipeline_parallel_size=1, data_parallel_size=1, distributed_executor_backend="uni")
+    assert (c.pipeline_parallel_size, c.data_parallel_size, c.distributed_executor_backend) == (1, 1, "uni")
+    assert EngineConfig(distributed_coordinator="h:1", num_processes=2, tensor_parallel_size=2).num_processes == 2
+    parser = server.build_parser()
+    c = server.engine_config(parser.parse_args(["-tp", "2", "-pp", "1", "-dp", "1",
+                                                "--distributed-executor-backend", "uni"]))
+    assert (c.tensor_parallel_size, c.pipeline_parallel_size, c.data_parallel_size) == (2, 1, 1)
+    long = server.engine_config(parser.parse_args(["--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
+                                                   "--data-parallel-size", "1"]))
+    assert long == dataclasses.replace(c, distributed_executor_backend=None)
+    for flags, says in [(["-pp", "2"], "does not support pipeline parallelism"),
+                        (["--pipeline-parallel-size", "3"], "does not support pipeline parallelism"),
+                        (["-dp", "2"], "does not support data parallelism"),
+                        (["--distributed-executor-backend", "mp"], "supports only uni")]:
+        with pytest.raises(ValueError, match=says):
+            server.engine_config(parser.parse_args(flags))
+
+
+def test_server_exits_on_an_unsupported_parallelism_flag_and_an_unknown_backend(capsys):
+    for flags, says in [(["-dp", "2"], "run replicas instead"), (["-pp", "2"], "--tensor-parallel-size instead")]:
+        with pytest.raises(SystemExit) as exit_:
+            server.main(["--model", "/nowhere", *flags])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse's choices: vLLM's four names
+        server.build_parser().parse_args(["--distributed-executor-backend", "torchrun"])
+    assert exit_.value.code == 2 and "invalid choice: 'torchrun'" in capsys.readouterr().err
+
+
+def test_an_unknown_llm_keyword_is_a_type_error_as_vllms():
+    with pytest.raises(TypeError, match="pipeline_parallel"):  # a misspelling of a flag it has
+        LLM(model="/nowhere", pipeline_parallel=2)

@@ -60,6 +60,12 @@ def _worker(spec: dict) -> dict:
         )
         if case.get("prompt_logprobs"):  # the prompt-logprob program on the sharded weights
             report[name]["prompt_logprobs"] = _prompt_logprobs(llm)
+        if case.get("sampled"):  # seeded random sampling: the verifier's rejection rule reads a draft's q
+            outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7 + i,
+                                                         ignore_eos=True) for i in range(len(PROMPTS))])
+            report[name]["sampled_tokens"] = [o.outputs[0].token_ids for o in outs]
+            report[name]["spec"] = [llm.stats.spec_decode_num_draft_tokens,
+                                    llm.stats.spec_decode_num_accepted_tokens_per_pos]
     if "orbax" in spec:  # restored onto a 2-device mesh, gathered: the same bits as the source
         import numpy as np
 
@@ -137,6 +143,13 @@ def tp_report(tmp_path_factory):
     for tp in (1, 2, 4):
         cases[f"llama-wint8-tp{tp}"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=tp,
                                                                            kv_cache_dtype="int8", quantization="int8"))
+    # a draft model (other weights: some drafts rejected) runs whole on one device beside a
+    # target sharded over the mesh
+    draft = make_hf_checkpoint(d / "llama-draft", "llama2", seed=1)
+    for tp in (1, 4):
+        cases[f"llama-draft-tp{tp}"] = dict(model=models["llama"], sampled=True, kw=dict(
+            tensor_parallel_size=tp, speculative_config={"method": "draft_model", "model": draft,
+                                                         "num_speculative_tokens": 3}))
     report = run_worker({"cases": cases, "cache": jax_test_cache_dir(),
                          "orbax": {"src": models["llama"], "dst": orbax_dir}})
     return {**report, "models": models}
@@ -197,15 +210,29 @@ def test_parallel_flags_are_checked_where_they_enter():
     from config import EngineConfig
     from parallel import make_mesh
 
-    for bad in (dict(tensor_parallel_size=0), dict(num_processes=2), dict(distributed_coordinator="h:1"),
-                dict(distributed_coordinator="nohost", num_processes=2),
-                dict(distributed_coordinator="h:99999", num_processes=2),
-                dict(distributed_coordinator="h:1", num_processes=2, process_id=2)):
-        with pytest.raises(ValueError):
+    multi = dict(tensor_parallel_size=2, num_processes=2)
+    for bad, says in ((dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
+                      (multi, "go together"), (dict(distributed_coordinator="h:1"), "go together"),
+                      (dict(distributed_coordinator="nohost", **multi), "must be HOST:PORT"),
+                      (dict(distributed_coordinator="h:99999", **multi), "must be HOST:PORT"),
+                      (dict(distributed_coordinator="h:1", process_id=2, **multi), r"process_id must be in \[0, "),
+                      # the mesh spans every process's devices (make_mesh): at least one per process
+                      (dict(distributed_coordinator="h:1", num_processes=3, tensor_parallel_size=2),
+                       r"tensor_parallel_size \(2\) is smaller than num_processes \(3\)")):
+        with pytest.raises(ValueError, match=says):
             EngineConfig(**bad)
-    EngineConfig(distributed_coordinator="10.0.0.1:1234", num_processes=2, process_id=1)
+    EngineConfig(distributed_coordinator="10.0.0.1:1234", process_id=1, **multi)
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
         make_mesh(64)  # this pytest process has one CPU device
+
+
+def test_a_draft_model_beside_a_sharded_target_gives_the_tokens_and_acceptance_of_tp_1(tp_report):
+    ref, got, plain = tp_report["llama-draft-tp1"], tp_report["llama-draft-tp4"], tp_report["llama-tp1"]
+    assert got["tokens"] == ref["tokens"] == plain["tokens"]  # greedy: speculation changes no token
+    assert got["sampled_tokens"] == ref["sampled_tokens"]
+    drafted, accepted = ref["spec"]
+    assert got["spec"] == ref["spec"]
+    assert drafted > 0 and 0 < sum(accepted) < drafted, ref["spec"]  # drafts ran, some were rejected
 
 
 def test_an_int8_kv_cache_gives_the_same_tokens_at_tp_4_as_at_tp_1(tp_report):

@@ -249,6 +249,8 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
     assert "num_replicas" not in auto.options
     scaling = auto.options["autoscaling_config"]
     assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 4, 6)
+    default = plan("--max-replicas", "2", "--max-num-seqs", "8").options["autoscaling_config"]
+    assert default.target_ongoing_requests == 8  # --max-num-seqs
     assert "request_router_config" not in plan("--routing", "power-of-two").options  # Ray Serve's default
     for gpus, tp in (("0", "2"), ("0.5", "1"), ("2", "2"), ("4", "2")):  # CPU replicas, a shared GPU, enough GPUs
         assert plan("--replica-gpus", gpus, "--tensor-parallel-size", tp).options["ray_actor_options"]["num_gpus"] \
@@ -265,12 +267,22 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
                         (("--replica-cpus", "inf"), "replica-cpus must be a finite number >= 0"),
                         (("--max-replicas", "2", "--target-ongoing-requests", "inf"), "finite number > 0"),
                         (("--max-replicas", "2", "--target-ongoing-requests", "nan"), "finite number > 0"),
+                        # 0 is no target (not the default's stand-in), negative neither, with autoscaling or not
+                        (("--max-replicas", "2", "--target-ongoing-requests", "0"), "finite number > 0, got 0.0"),
+                        (("--max-replicas", "2", "--target-ongoing-requests", "-1"), "finite number > 0, got -1.0"),
+                        (("--target-ongoing-requests", "0"), "finite number > 0, got 0.0"),
+                        (("--host", "no-such-host.invalid"), "--host 'no-such-host.invalid' does not resolve"),
+                        (("-dp", "2"), "run replicas instead: serve_ray.py --num-replicas"),
+                        (("-pp", "2"), "does not support pipeline parallelism"),
+                        (("--distributed-executor-backend", "ray"), "supports only uni"),
+                        (("-tp", "2", "--replica-gpus", "1"), "fewer GPUs than --tensor-parallel"),
                         (("--replica-gpus", "1", "--tensor-parallel-size", "2"), "fewer GPUs than --tensor-parallel"),
                         (("--replica-gpus", "0.5", "--tensor-parallel-size", "2"), "fewer GPUs than --tensor-parallel"),
                         (("--replica-gpus", "2.5", "--tensor-parallel-size", "2"), "whole number"),
                         (("--shutdown-timeout", "-1"), "shutdown-timeout must be >= 0"),
                         (("--port", "0"), "fixed port"),
-                        (("--distributed-coordinator", "h:1", "--num-processes", "2"), "multi-host"),
+                        (("--distributed-coordinator", "h:1", "--num-processes", "2"),
+                         "multi-host replicas are not supported under Ray Serve"),
                         (("--max-num-seqs", "0"), "max_num_seqs"),
                         (("--enable-auto-tool-choice",), "requires --tool-call-parser")]:
         with pytest.raises(ValueError, match=says):
