@@ -14,13 +14,19 @@ templates that render tools: `<tool_call>{"name": ..., "arguments": {...}}</tool
 one block per call (a block holding a JSON array of such objects counts each); content is
 the text before the first block, as vLLM's Hermes2ProToolParser.
 
-Streaming, as vLLM: a call's first delta carries its index, id, type and name (and the
-arguments written by then, if any); the rest follow as string deltas as the model writes
-them; text that may be the start of a `<tool_call>` tag is held back until it is known not
-to be. A call's arguments are the model's own JSON text of them (valid JSON, its spacing
-kept), the same whole and streamed. A stream's deltas are what the whole text so far says
-(`message`'s parse: `_view`) less what was sent, so they add up to the whole response; but
-no stage takes the text so far: each is fed the chunk's new text and keeps its state, as
+The whole response's calls are its calls only if all of them parse, else its text is
+content (as vLLM's whole response). Streaming, as vLLM: a call's first delta carries its
+index, id, type and name (and the arguments written by then, if any); the rest follow as
+string deltas as the model writes them; text that may be the start of a `<tool_call>` tag
+is held back until it is known not to be. A call that turns out not to be one (its JSON,
+complete, is not a call) gets nothing more, and the calls after it still stream, numbered
+as sent. A stream ends "tool_calls" only if it sent a call; one that sent none sends the
+text it held back as content at the end. A call's arguments are the model's own JSON text
+of them (valid JSON, its spacing kept), the same whole and streamed. A stream's deltas
+are what the whole text so far says (`message`'s parse: `_view`) less what was sent, so
+they add up to the whole response whenever that has calls (what a stream sent cannot be
+taken back, so where one call does not parse it may have sent the others); but no stage
+takes the text so far: each is fed the chunk's new text and keeps its state, as
 vLLM's streaming parsers do (the reasoning split, then HermesToolParser.feed under "auto",
 ArrayCallStream under "required"), so a chunk costs its own length, not the text's. What
 a parse needs again is bounded by the open call (its text is re-parsed after a character
@@ -367,19 +373,21 @@ class ToolCallStream:
         # characters of it sent as content, the calls under tool_choice "required"
         self.body, self.content_sent = Text(), 0
         self.required = ArrayCallStream("parameters")
-        self.sent: list[tuple[str, int]] = []  # per call streamed: (id, characters of its arguments sent)
+        self.sent: list[tuple[str, int]] = []  # per call streamed, by index: (id, characters of its arguments sent)
+        # the parser's first call not complete yet (the calls before it were sent or
+        # skipped), and the index it was sent at (None: not sent)
+        self.next, self.at = 0, None
 
     def _view(self, text: str, final: bool) -> tuple[str, list[CallView]]:
-        """(content, calls) of the text after the reasoning (the whole response's)."""
+        """(content, calls) of the text after the reasoning (the whole response's), every
+        call the text holds, whether or not it parses."""
         if self.tools is None:
             return text, []
         if self.tools.mode == "named":
             return "", [CallView(next(iter(self.tools.tools)), text, final)]
         if self.tools.mode == "required":
-            content, calls = "", _array_calls(text, "parameters")
-        else:
-            content, calls = self.parser.view(text, final)
-        return content, calls if self.parallel else calls[:1]
+            return "", _array_calls(text, "parameters")
+        return self.parser.view(text, final)
 
     def _feed(self, text: str, final: bool) -> str:
         """A stream's next text after the reasoning into the tool parser: the content it adds."""
@@ -394,44 +402,45 @@ class ToolCallStream:
 
     def _call(self, i: int, final: bool) -> CallView | None:
         """The i-th call of a stream's text so far, as _view has it (None: there is none)."""
-        if self.tools is None or (i > 0 and not self.parallel):
+        if self.tools is None:
             return None
         if self.tools.mode == "named":  # the text after the reasoning is its arguments
             return CallView(next(iter(self.tools.tools)), Span(self.body, 0, None), final) if i == 0 else None
         return self.required.call(i) if self.tools.mode == "required" else self.parser.call(i)
 
-    def _calls(self, final: bool) -> list[CallView]:
-        calls: list[CallView] = []
-        while (c := self._call(len(calls), final)) is not None:
-            calls.append(c)
-        return calls
-
-    def _reason(self, calls: list[CallView], reason: str) -> str:
-        """vLLM's finish_reason: "tool_calls" for complete required calls or any call found
-        in free text; a named call keeps the engine's reason."""
-        if self.tools is None or self.tools.mode == "named":
+    def _reason(self, called: bool, reason: str) -> str:
+        """vLLM's finish_reason, called: the response has tool calls (a stream: it sent one):
+        "tool_calls" for required calls the output ended on its own, or any call found in
+        free text; a named call, or none, keeps the engine's reason."""
+        if not called or self.tools.mode == "named":
             return reason
-        if self.tools.mode == "required":
-            return "tool_calls" if reason == "stop" and calls and all(c.done and c.valid for c in calls) else reason
-        return "tool_calls" if any(c.name is not None for c in calls) else reason
+        return "tool_calls" if self.tools.mode == "auto" or reason == "stop" else reason
 
     def message(self, text: str, reason: str) -> tuple[dict, str]:
-        """The whole response's assistant message and finish_reason. Free text whose
-        calls do not parse is content, as vLLM."""
+        """The whole response's assistant message and finish_reason. Calls count only if
+        all of them parse, else the text is content, as vLLM's whole response (its hermes
+        parser's json.loads of every block in one try; "required": its whole array)."""
         reasoning, body = (None, text) if self.reasoning is None else self.reasoning.split(text, final=True)
         said = {"reasoning": reasoning if self.include_reasoning else None} if self.reasoning is not None else {}
         content, calls = self._view(body or "", final=True)
         if self.tools is None or not calls or not all(c.done and c.valid and c.name is not None for c in calls):
             return {"role": "assistant", "content": body} | said, reason
-        out = [_new_call(c.name, c.arguments) for c in calls]
+        # (parallel_tool_calls false: the first of calls that all parse, as vLLM filters after parsing)
+        out = [_new_call(c.name, c.arguments) for c in (calls if self.parallel else calls[:1])]
         content = (content or None) if self.tools.mode == "auto" else ""  # vLLM's forms
-        return {"role": "assistant", "content": content, "tool_calls": out} | said, self._reason(calls, reason)
+        return {"role": "assistant", "content": content, "tool_calls": out} | said, self._reason(True, reason)
 
     def delta(self, text: str, reason: str | None) -> tuple[dict, str | None]:
-        """The delta of one streamed chunk (text: its new text; reason: set on the last):
-        what `message` says of the text so far, less what was sent. Each stage takes the
-        chunk's text and gives what it adds (reasoning split -> tag search -> call scanner),
-        so a chunk costs its own length, not the text's (docs/ARCHITECTURE.md)."""
+        """The delta of one streamed chunk (text: its new text; reason: set on the last).
+        Each stage takes the chunk's text and gives what it adds (reasoning split -> tag
+        search -> call scanner), so a chunk costs its own length, not the text's
+        (docs/ARCHITECTURE.md). Calls stream as they are written, as vLLM's: a call is
+        named as soon as its name is, its arguments follow as they grow; one that turns
+        out not to be a call is not sent further, and the calls after it still are, each
+        at the next index. What a stream sent cannot be taken back, so unlike `message`
+        (all calls or none) a stream may send the calls that parse of a text that has one
+        that does not; it ends "tool_calls" only if it sent a call, and if it sent none,
+        the text held back (from the first <tool_call> on) comes as content at the end."""
         if self.tools is None and self.reasoning is None:  # nothing parses it: the chunk is content as it is
             return ({"content": text} if text else {}), reason
         final, out = reason is not None, {}
@@ -440,37 +449,32 @@ class ToolCallStream:
             if reasoning and self.include_reasoning:
                 out["reasoning"] = reasoning
         content = self._feed(text, final)
-        calls = self._calls(final) if final else []
-        if final and not self.sent and not any(c.name is not None and c.valid for c in calls):
-            # no call, sent or to send: the held-back text is content, as message() says
+        deltas = []
+        # From the first call not complete when the last chunk was parsed (the calls before
+        # it were sent or skipped for good): the complete ones, and the open one, the last.
+        while (c := self._call(self.next, final)) is not None:
+            if c.name is not None and c.valid and (self.at is not None or self.parallel or not self.sent):
+                if self.at is None:
+                    call = _new_call(c.name, "")
+                    del call["function"]["arguments"]  # the first delta names the function, as vLLM
+                    deltas.append(call | {"index": len(self.sent)})
+                    self.at = len(self.sent)
+                    self.sent.append((call["id"], 0))
+                if len(c.arguments) > self.sent[self.at][1]:
+                    more = c.arguments[self.sent[self.at][1]:]
+                    if deltas and deltas[-1]["index"] == self.at:  # named in this very chunk: one delta per call
+                        deltas[-1]["function"]["arguments"] = more
+                    else:
+                        deltas.append({"index": self.at, "function": {"arguments": more}})
+                    self.sent[self.at] = (self.sent[self.at][0], len(c.arguments))
+            if not c.done:
+                break
+            self.next, self.at = self.next + 1, None
+        if final and not self.sent:  # no call sent: what was held back is content, as message() says
             content = self.body[self.content_sent:]
         if content:
             out["content"] = content
             self.content_sent += len(content)
-        deltas = []
-        i = max(len(self.sent) - 1, 0)  # the calls before the last one sent are complete and sent
-        while (c := self._call(i, final)) is not None:
-            if c.name is None or not c.valid:
-                if i >= len(self.sent):
-                    break  # (calls complete in order: none after this one is sent before it)
-            else:
-                if i == len(self.sent):
-                    call = _new_call(c.name, "")
-                    del call["function"]["arguments"]  # the first delta names the function, as vLLM
-                    deltas.append(call | {"index": i})
-                    self.sent.append((call["id"], 0))
-                if len(c.arguments) > self.sent[i][1]:
-                    more = c.arguments[self.sent[i][1]:]
-                    if deltas and deltas[-1]["index"] == i:  # named in this very chunk: one delta per call
-                        deltas[-1]["function"]["arguments"] = more
-                    else:
-                        deltas.append({"index": i, "function": {"arguments": more}})
-                    self.sent[i] = (self.sent[i][0], len(c.arguments))
-            i += 1
         if deltas:
             out["tool_calls"] = deltas
-        if reason is None:
-            return out, None
-        # A stream that has sent a call cannot take it back: it ends "tool_calls", as vLLM's does
-        # (the whole response, parsed at the end, may still find no complete call).
-        return out, "tool_calls" if self.sent and self.tools.mode != "named" else self._reason(calls, reason)
+        return out, None if reason is None else self._reason(bool(self.sent), reason)

@@ -1,11 +1,14 @@
 """Tool calls out of model text (tool_parsers.py), no model needed.
 
 Claims: the hermes parser finds each <tool_call> block's call and the content before the
-first, as vLLM's; a streamed response, cut anywhere, adds up (as the OpenAI client adds
-deltas up) to the whole response, names each call in its first delta before any of its
-arguments, and sends a call's name as soon as it is written, not at the end; text that
-may open a tag is held back, never shown as content; calls that do not parse leave the
-text as content; tool_choice is parsed once, and "auto" without a parser is vLLM's 400."""
+first, as vLLM's; calls that do not all parse leave the whole response's text content (as
+vLLM's whole response); a streamed response, cut anywhere, adds up (as the OpenAI client
+adds deltas up) to the whole response whenever that has calls, names each call in its
+first delta before any of its arguments, and sends a call's name as soon as it is written,
+not at the end; a call that turns out not to be one is not sent further and the calls after
+it still stream (as vLLM's stream); a stream ends "tool_calls" only if it sent a call, and
+one that sent none sends all its text; text that may open a tag is held back, never shown
+as content; tool_choice is parsed once, and "auto" without a parser is vLLM's 400."""
 
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ def add_up(deltas: list[dict]) -> tuple[str, list[tuple[str, str]]]:
         for c in d.get("tool_calls", []):
             if "id" in c:
                 assert c["index"] not in calls and c["type"] == "function", "a call's first delta names it"
+                assert c["index"] == len(calls), "calls are numbered as they are sent, from 0"
                 calls[c["index"]] = [c["function"]["name"], c["function"].get("arguments", "")]
             else:
                 assert set(c["function"]) == {"arguments"}
@@ -132,6 +136,59 @@ def test_required_calls_stream_name_first_then_arguments_and_add_up(cuts):
     deltas, _ = stream(REQUIRED, text, list(range(len(text))))
     first = next(i for i, d in enumerate(deltas) if "tool_calls" in d)
     assert text[:first + 1] == '[{"name":"get_weather"'
+
+
+GOOD = '{"name": "get_time", "arguments": {"zone": "CET"}}'
+ONE_CHUNK, PER_CHARACTER = "one chunk", "one character a chunk"
+
+
+@pytest.mark.parametrize("tools, text, reason, parallel, streamed", [
+    # a call that is not one, then one that is: the first is skipped (or, streamed as it was
+    # written, not sent further once it ends), the next streams at the next index
+    (REQUIRED, '[{"name":"get_weather","parameters":12},{"name":"get_time","parameters":{}}]', "stop", True, {
+        ONE_CHUNK: ("", [("get_time", "{}")], "tool_calls"),
+        PER_CHARACTER: ("", [("get_weather", "12"), ("get_time", "{}")], "tool_calls")}),
+    (AUTO, f'A. <tool_call>{{"name": "get_weather", "arguments": {{"a": 1}}</tool_call> <tool_call>{GOOD}</tool_call>',
+     "stop", True, {ONE_CHUNK: ("A. ", [("get_time", '{"zone": "CET"}')], "tool_calls"),
+                    PER_CHARACTER: ("A. ", [("get_weather", '{"a": 1}'), ("get_time", '{"zone": "CET"}')], "tool_calls")}),
+    (AUTO, f'A. <tool_call>not a call</tool_call><tool_call>{GOOD}</tool_call><tool_call>{GOOD}</tool_call>',
+     "stop", True, {k: ("A. ", [("get_time", '{"zone": "CET"}')] * 2, "tool_calls") for k in (ONE_CHUNK, PER_CHARACTER)}),
+    (AUTO, f'<tool_call>{{"name": 7}}</tool_call><tool_call>{GOOD}</tool_call><tool_call>{GOOD}</tool_call>',
+     "stop", False, {k: ("", [("get_time", '{"zone": "CET"}')], "tool_calls") for k in (ONE_CHUNK, PER_CHARACTER)}),
+    # one that is, then one that is not
+    (REQUIRED, '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":12}]', "stop", True, {
+        ONE_CHUNK: ("", [("get_time", "{}")], "tool_calls"),
+        PER_CHARACTER: ("", [("get_time", "{}"), ("get_weather", "12")], "tool_calls")}),
+    (AUTO, f'<tool_call>{GOOD}</tool_call><tool_call>{{"name": "get_weather", "arguments": {{}} oops}}</tool_call>',
+     "stop", True, {ONE_CHUNK: ("", [("get_time", '{"zone": "CET"}')], "tool_calls"),
+                    PER_CHARACTER: ("", [("get_time", '{"zone": "CET"}'), ("get_weather", "{}")], "tool_calls")}),
+    # cut short in a call: the calls before it, and it as far as it was written while it
+    # could still be one ("required": an array's open call; a block left open is parsed
+    # whole at the end, and is not a call); a "required" output cut short ends "length"
+    (REQUIRED, '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Pa', "length", True,
+     {k: ("", [("get_time", "{}"), ("get_weather", '{"city":"Pa')], "length") for k in (ONE_CHUNK, PER_CHARACTER)}),
+    (AUTO, f'A. <tool_call>{GOOD}</tool_call><tool_call>{{"name": "get_weather", "arguments": {{"city": "Pa', "length",
+     True, {ONE_CHUNK: ("A. ", [("get_time", '{"zone": "CET"}')], "tool_calls"),
+            PER_CHARACTER: ("A. ", [("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "P')], "tool_calls")}),
+    # no call sent: no "tool_calls", and the text held back comes as content at the end
+    (AUTO, 'A. <tool_call>{"name": 7}</tool_call><tool_call>{"arguments": {}, "name": "get_time"', "length", True,
+     {k: ('A. <tool_call>{"name": 7}</tool_call><tool_call>{"arguments": {}, "name": "get_time"', [], "length")
+      for k in (ONE_CHUNK, PER_CHARACTER)}),
+    (REQUIRED, '[{"name":"get_weather","parameters":12}]', "stop", True, {
+        ONE_CHUNK: ('[{"name":"get_weather","parameters":12}]', [], "stop"),
+        PER_CHARACTER: ("", [("get_weather", "12")], "tool_calls")}),
+])
+def test_a_stream_skips_a_call_that_is_not_one_and_streams_the_calls_after_it(tools, text, reason, parallel, streamed):
+    """vLLM's stream: calls go out as they are written, a bad one is not taken back and does
+    not stop the good ones after it. Its whole response is all or nothing: one call that
+    does not parse leaves the whole text content, with the engine's finish_reason."""
+    assert ToolCallStream(tools, HermesToolParser, parallel).message(text, reason) == (
+        {"role": "assistant", "content": text}, reason)
+    for chunking, cuts in ((ONE_CHUNK, []), (PER_CHARACTER, list(range(len(text))))):
+        s = ToolCallStream(tools, HermesToolParser, parallel)
+        bounds = [0, *cuts[1:], len(text)]
+        deltas = [s.delta(text[a:b], reason if b == len(text) else None) for a, b in zip(bounds, bounds[1:])]
+        assert (*add_up([d for d, _ in deltas]), deltas[-1][1]) == streamed[chunking], chunking
 
 
 def test_required_output_cut_by_max_tokens_is_content_and_length():
@@ -445,9 +502,14 @@ def response(draw, mode: str | None, reasoning: bool) -> str:
 def reference_deltas(make, text: str, bounds: list[int], reason: str) -> list[tuple[dict, str | None]]:
     """The deltas of `text` cut at `bounds` the straightforward way: after every chunk the
     whole text so far is parsed (message()'s parse: the reasoning parser's split, then the
-    tool parser's view), and what was not sent yet is sent, as one delta per call."""
+    tool parser's view, every call), and what was not sent yet is sent, as one delta per
+    call: each call that is one so far (named, and complete only if it parses) at the next
+    index (parallel_tool_calls false: one call in all), its arguments as they grow; a call
+    that no longer is one gets nothing more. At the end, if no call was sent, the text
+    (after the reasoning) is content; "tool_calls" only if a call was sent."""
     s = make()
-    sent, content_sent, reasoning_sent, out = [], 0, 0, []
+    sent: dict[int, list[int]] = {}  # a call's place in the parse -> [its index, characters of its arguments sent]
+    content_sent, reasoning_sent, out = 0, 0, []
     for k, b in enumerate(bounds[1:]):
         final, delta = k == len(bounds) - 2, {}
         thought, body = (None, text[:b]) if s.reasoning is None else s.reasoning.split(text[:b], final)
@@ -456,20 +518,25 @@ def reference_deltas(make, text: str, bounds: list[int], reason: str) -> list[tu
                 delta["reasoning"] = thought[reasoning_sent:]
             reasoning_sent = len(thought)
         content, calls = s._view(body or "", final)
-        if final and not sent and not any(c.name is not None and c.valid for c in calls):
+        for p, c in enumerate(calls):
+            if c.name is None or not c.valid or (p not in sent and sent and not s.parallel):
+                continue
+            if p not in sent:
+                sent[p] = [len(sent), 0]
+                delta.setdefault("tool_calls", []).append({"index": sent[p][0], "type": "function",
+                                                           "function": {"name": c.name}})
+            if len(c.arguments) > sent[p][1]:
+                if not delta.get("tool_calls") or delta["tool_calls"][-1]["index"] != sent[p][0]:
+                    delta.setdefault("tool_calls", []).append({"index": sent[p][0], "function": {}})
+                delta["tool_calls"][-1]["function"]["arguments"], sent[p][1] = c.arguments[sent[p][1]:], len(c.arguments)
+        if final and not sent:
             content = body or ""
         if len(content) > content_sent:
             delta["content"], content_sent = content[content_sent:], len(content)
-        for i, c in enumerate(calls):
-            if c.name is not None and c.valid and i == len(sent):
-                delta.setdefault("tool_calls", []).append({"index": i, "type": "function",
-                                                           "function": {"name": c.name}})
-                sent.append(0)
-            if c.name is not None and c.valid and i < len(sent) and len(c.arguments) > sent[i]:
-                if not delta.get("tool_calls") or delta["tool_calls"][-1]["index"] != i:
-                    delta.setdefault("tool_calls", []).append({"index": i, "function": {}})
-                delta["tool_calls"][-1]["function"]["arguments"], sent[i] = c.arguments[sent[i]:], len(c.arguments)
-        finish = None if not final else "tool_calls" if sent and s.tools.mode != "named" else s._reason(calls, reason)
+        finish = None
+        if final:
+            finish = reason if not sent or s.tools.mode == "named" else \
+                "tool_calls" if s.tools.mode == "auto" or reason == "stop" else reason
         out.append((delta, finish))
     return out
 
@@ -484,8 +551,10 @@ def test_every_parsers_incremental_deltas_are_the_whole_texts_parse_after_every_
         data, cuts, mode, tool_parser, reasoning, prompt, thinking, parallel, include_reasoning, reason):
     """For every registered tool and reasoning parser (and tool_choice mode), a response
     streamed in any chunks gives exactly the deltas that parsing the whole text so far after
-    every chunk gives; and they add up to the whole response's message: its reasoning
-    always, its content and calls when it has calls, or when none was streamed."""
+    every chunk gives; they add up to the whole response's message (reasoning, content,
+    calls and finish_reason) whenever it has calls, or none was streamed; and whatever the
+    text, a stream ends "tool_calls" only if it sent a call, and loses no text: one that
+    sent no call sends it all as content."""
     text = data.draw(response(mode, reasoning is not None))
     tools = None if mode is None else ToolChoice(mode, {"get_weather": {}} if mode == "named" else AUTO.tools)
 
@@ -508,11 +577,12 @@ def test_every_parsers_incremental_deltas_are_the_whole_texts_parse_after_every_
                                                    d.get("tool_calls", [])]} for d in deltas])
     event(f"{mode} {reasoning}: calls streamed {len(calls)}, whole {len(whole_message.get('tool_calls', []))}, "
           f"reasoning {bool(whole_message.get('reasoning'))}, content {bool(whole_message['content'])}")
-    if "tool_calls" in whole_message:
-        assert content == (whole_message["content"] or "")
-        assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in whole_message["tool_calls"]]
-        # (a stream that sent a call ends "tool_calls" even where the whole says "length")
-        assert got[-1][1] == whole_reason or (reason, got[-1][1]) == ("length", "tool_calls")
-    elif not calls:  # no call, whole or streamed: the content, but for what a call that never
-        # came held back (a call after one that is not a call is never streamed)
-        assert (whole_message["content"] or "").startswith(content)
+    if "tool_calls" in whole_message or not calls:  # (no call streamed: the whole has none either)
+        assert (content, calls, got[-1][1]) == (whole_message["content"] or "", [
+            (c["function"]["name"], c["function"]["arguments"]) for c in whole_message.get("tool_calls", [])], whole_reason)
+    if got[-1][1] == "tool_calls":
+        assert calls, "finish_reason tool_calls, but no tool call was sent"
+    if not calls:  # no text lost: what was held back came as content at the end
+        body = text if reasoning is None else make().reasoning.split(text, True)[1] or ""
+        assert content == body
+    assert len(calls) <= 1 or parallel
