@@ -144,11 +144,14 @@ def tp_report(tmp_path_factory):
         cases[f"llama-wint8-tp{tp}"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=tp,
                                                                            kv_cache_dtype="int8", quantization="int8"))
     # a draft model (other weights: some drafts rejected) runs whole on one device beside a
-    # target sharded over the mesh
+    # target sharded over the mesh; also from a converted checkpoint, whose restore places it
+    # on the default device explicitly
     draft = make_hf_checkpoint(d / "llama-draft", "llama2", seed=1)
-    for tp in (1, 4):
-        cases[f"llama-draft-tp{tp}"] = dict(model=models["llama"], sampled=True, kw=dict(
-            tensor_parallel_size=tp, speculative_config={"method": "draft_model", "model": draft,
+    draft_orbax = str(d / "llama-draft-orbax")
+    checkpoint.save(load_model(draft), draft_orbax)
+    for name, tp, path in (("draft-tp1", 1, draft), ("draft-tp4", 4, draft), ("draft-orbax-tp4", 4, draft_orbax)):
+        cases[f"llama-{name}"] = dict(model=models["llama"], sampled=True, kw=dict(
+            tensor_parallel_size=tp, speculative_config={"method": "draft_model", "model": path,
                                                          "num_speculative_tokens": 3}))
     report = run_worker({"cases": cases, "cache": jax_test_cache_dir(),
                          "orbax": {"src": models["llama"], "dst": orbax_dir}})
@@ -227,11 +230,12 @@ def test_parallel_flags_are_checked_where_they_enter():
 
 
 def test_a_draft_model_beside_a_sharded_target_gives_the_tokens_and_acceptance_of_tp_1(tp_report):
-    ref, got, plain = tp_report["llama-draft-tp1"], tp_report["llama-draft-tp4"], tp_report["llama-tp1"]
-    assert got["tokens"] == ref["tokens"] == plain["tokens"]  # greedy: speculation changes no token
-    assert got["sampled_tokens"] == ref["sampled_tokens"]
+    ref, plain = tp_report["llama-draft-tp1"], tp_report["llama-tp1"]
+    for got in (tp_report["llama-draft-tp4"], tp_report["llama-draft-orbax-tp4"]):
+        assert got["tokens"] == ref["tokens"] == plain["tokens"]  # greedy: speculation changes no token
+        assert got["sampled_tokens"] == ref["sampled_tokens"]
+        assert got["spec"] == ref["spec"]
     drafted, accepted = ref["spec"]
-    assert got["spec"] == ref["spec"]
     assert drafted > 0 and 0 < sum(accepted) < drafted, ref["spec"]  # drafts ran, some were rejected
 
 
