@@ -24,22 +24,29 @@ as sent. A stream ends "tool_calls" only if it sent a call; one that sent none s
 text it held back as content at the end. A call's arguments are the model's own JSON text
 of them (valid JSON, its spacing kept), the same whole and streamed. A stream's deltas
 are what the whole text so far says (`message`'s parse: `_view`) less what was sent, so
-they add up to the whole response whenever that has calls (what a stream sent cannot be
-taken back, so where one call does not parse it may have sent the others); but no stage
+they add up to the whole response whenever that has calls, but for a call object that
+repeats its "name" key (the stream named the call by the first as soon as it was written;
+the whole response's json.loads, as vLLM's, keeps the last); and what a stream sent cannot
+be taken back, so where one call does not parse it may have sent the others. No stage
 takes the text so far: each is fed the chunk's new text and keeps its state, as
 vLLM's streaming parsers do (the reasoning split, then HermesToolParser.feed under "auto",
 ArrayCallStream under "required"), so a chunk costs its own length, not the text's. What
-a parse needs again is bounded by the open call (its text is re-parsed after a character
-at its own level, a few times per call); an open call's arguments are a Span of its text,
-so a delta copies only what it sends.
+a parse needs again is bounded by the open call: its text is decoded again only while
+what it says can still change (OpenCall: its name, its arguments' start and end), a few
+times per call whatever is written after them, but once per digit of a bare number as
+its arguments (never a call). An open call's arguments are a Span of its text, so a
+delta copies only what it sends. A stream keeps its text only while it may still send it
+(Text: about one string per 64 chunks, not one per chunk).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from json import JSONDecodeError
 from typing import Callable
 
 from reasoning_parsers import ThinkReasoningParser, partial_tag_len
@@ -47,6 +54,19 @@ from reasoning_parsers import ThinkReasoningParser, partial_tag_len
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 _ARGS = {key: re.compile(r'\s*,\s*"%s"\s*:\s*' % key) for key in ("arguments", "parameters")}
+
+
+def _so_far(*atoms: str) -> str:
+    """A pattern that matches the texts that begin a match of the atoms in turn (a prefix)."""
+    pattern = ""
+    for atom in reversed(atoms):
+        pattern = f"(?:{atom}{pattern})?"
+    return pattern
+
+
+# what may still become a match of _NAME, and of _ARGS after it (fullmatch)
+_NAME_SO_FAR = re.compile(r'\s*' + _so_far(r'\{', r'\s*', '"', *"name", '"', r'\s*', ':', r'\s*', r'"(?:[^"\\]|\\.)*\\?'))
+_ARGS_SO_FAR = {key: re.compile(_so_far(r'\s*', ',', r'\s*', '"', *key, '"', r'\s*', ':')) for key in _ARGS}
 
 
 @dataclass(frozen=True)
@@ -141,26 +161,50 @@ def _array_calls(text: str, key: str) -> list[CallView]:
 
 
 class Text:
-    """A text written chunk by chunk, kept as its chunks: appending costs the chunk, reading
-    text[i:j] near its end costs that slice and the chunks it spans, and the whole is joined
-    (then kept joined) only when a parse needs it."""
+    """A text written chunk by chunk, kept compact: appending costs the chunk, reading
+    text[i:j] near its end costs that slice and the pieces it spans, and the whole is joined
+    (then kept joined) when a parse needs it. The newest chunks are joined in runs of
+    `RUN`, and the runs into the text's head once they add up to its length, so each
+    character is copied a few times in all and a text of many small chunks costs about its
+    characters, not a string object per chunk."""
+
+    RUN = 64
 
     def __init__(self) -> None:
-        self.parts: list[str] = []
+        self.parts: list[str] = []  # the head (the text joined so far), runs of RUN chunks, then the newest chunks
         self.size = 0
+        self.chunks = 0  # how many of parts are chunks not joined yet (fewer than RUN)
+        self.runs = 0  # characters in the runs
 
     def __len__(self) -> int:
         return self.size
 
     def append(self, chunk: str) -> None:
-        if chunk:
-            self.parts.append(chunk)
-            self.size += len(chunk)
+        if not chunk:
+            return
+        self.parts.append(chunk)
+        self.size += len(chunk)
+        self.chunks += 1
+        if self.chunks < self.RUN:
+            return
+        run = "".join(self.parts[-self.RUN:])
+        del self.parts[-self.RUN:]
+        self.parts.append(run)
+        self.chunks = 0
+        if len(self.parts) > 1:
+            self.runs += len(run)
+            if self.runs >= len(self.parts[0]):  # (the head at least doubles: a character is joined in a few times)
+                self.parts, self.runs = ["".join(self.parts)], 0
 
     def whole(self) -> str:
         if len(self.parts) > 1:
-            self.parts = ["".join(self.parts)]
+            self.parts, self.chunks, self.runs = ["".join(self.parts)], 0, 0
         return self.parts[0] if self.parts else ""
+
+    def drop(self, n: int) -> None:
+        """Forget the text's first n characters (copying the rest, which is freed then)."""
+        rest = self[n:] if n < self.size else ""
+        self.parts, self.size, self.chunks, self.runs = [rest] if rest else [], len(rest), 0, 0
 
     def __getitem__(self, key: slice) -> str:
         start, stop, _ = key.indices(self.size)
@@ -196,13 +240,79 @@ class Span:
         return str(self) == str(other)
 
 
+def _closes(text: str, start: int) -> bool:
+    """Whether the JSON array, object or string that text[start:] begins is closed (brackets
+    counted, as _elements counts them)."""
+    depth, in_str, esc = 0, False, False
+    for ch in itertools.islice(text, start, None):
+        if in_str:
+            esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+            if not in_str and depth == 0:
+                return True
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth <= 0:
+                return True
+    return False
+
+
+class OpenCall:
+    """_arguments of a call object's text as it is written, each part kept once more text
+    cannot change it (`settled`: all are): the name once its string closes (or once the text
+    cannot begin {"name": ...}), the arguments' start once their first character is written
+    (or once the text cannot be {"name": ..., key: ...}), their end once they are complete
+    (an array, object or string once closed, whether or not it decodes; a number or literal
+    once 3 characters follow it, or one that does not decode once 9 are written). So an open
+    call is decoded a few times, not once per character at its level; only a bare number as
+    its arguments (never a call) is decoded again per digit."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.settled = key, False
+        self.m: re.Match | None = None
+        self.name: str | None = None
+        self.named = False  # the name's match is final
+        self.start: int | None = None  # the arguments' start, final once their first character is written
+
+    def parse(self, text: str) -> tuple[str | None, tuple[int, int | None] | None]:
+        """(name, arguments' span (end None: to the text's end)) of the call's text so far."""
+        if not self.named:
+            self.m = _NAME.match(text)
+            self.named = self.m is not None or not _NAME_SO_FAR.fullmatch(text)
+            if self.m is None:
+                self.settled = self.named  # (never named: no arguments either)
+                return None, None
+            self.name = _name(self.m)
+        if self.start is None:
+            a = _ARGS[self.key].match(text, self.m.end())
+            if a is None:
+                self.settled = not _ARGS_SO_FAR[self.key].fullmatch(text, self.m.end())
+                return self.name, None
+            if a.end() == len(text):  # arguments not begun (whitespace alone after the key): "" until a character
+                return self.name, (a.end(), a.end())
+            self.start = a.end()
+        start, container = self.start, text[self.start] in '[{"'
+        try:  # a complete value ends where the decoder stops
+            end = _DECODER.raw_decode(text, start)[1]
+            self.settled = container or len(text) - end >= 3  # ("1" may go on as "1.5" or "1e+5")
+        except (ValueError, RecursionError) as e:
+            end = None  # (it does not decode (yet): all that follows is the value)
+            self.settled = _closes(text, start) if container else \
+                isinstance(e, JSONDecodeError) and len(text) - start >= len("-Infinity")
+        return self.name, (start, end)
+
+
 class ArrayCallStream:
     """_array_calls of a text fed chunk by chunk (tool_choice "required", streamed), as vLLM's
     streaming parsers keep their state: each character is scanned once (the bracket and
     string state carries over, as _elements keeps it), a complete call is parsed once, and
     the open call, whose text alone is kept, again only after a character at its own level
-    (outside strings at depth 2, or a string closing there): in between its name cannot
-    change and its arguments grow only by the text of a value still being written.
+    (outside strings at depth 2, or a string closing there), and then only the parts that
+    may still change (OpenCall): in between its name cannot change and its arguments grow
+    only by the text of a value still being written.
 
     one: a text that does not open an array is one call object, never complete (an open
     <tool_call> block's body: _call(text, key, False)); its level is depth 1."""
@@ -214,6 +324,7 @@ class ArrayCallStream:
         self.done: list[CallView] = []  # the complete calls
         self.text: Text | None = Text() if one else None  # the open call's text, from its start
         self.stale = False  # a character at the open call's level since it was parsed
+        self.parsed = OpenCall(key)  # what the open call says so far
         self.name: str | None = None  # the open call's, and its arguments' span (end None: to the end)
         self.span: tuple[int, int | None] | None = None
 
@@ -255,7 +366,7 @@ class ArrayCallStream:
             elif ch in "[{":
                 depth += 1
                 if self.array and depth == 2 and ch == "{":
-                    self.text, opened, stale = Text(), i, True
+                    self.text, self.parsed, opened, stale = Text(), OpenCall(self.key), i, True
             elif ch in "]}":
                 depth -= 1
                 if self.array and depth == 1 and self.text is not None:
@@ -267,12 +378,9 @@ class ArrayCallStream:
         if self.text is None:
             return
         self.text.append(chunk[opened:])
-        if self.stale:  # the open call's text so far, parsed again
-            text = self.text.whole()
-            m, start, end = _arguments(text, self.key, 0)
-            self.name, self.stale = _name(m), False
-            # arguments not begun (whitespace alone after the key) stay "" until a character
-            self.span = None if start is None else (start, start if start == len(text) else end)
+        if self.stale and not self.parsed.settled:  # the open call's text so far, parsed again
+            self.name, self.span = self.parsed.parse(self.text.whole())
+        self.stale = False
 
 
 class HermesToolParser:
@@ -369,9 +477,14 @@ class ToolCallStream:
         assert tools is None or tools.mode != "auto" or parser is not None, "tool_choice auto needs a parser"
         self.tools, self.parser = tools, parser() if tools is not None and tools.mode == "auto" else None
         self.parallel, self.reasoning, self.include_reasoning = parallel, reasoning, include_reasoning
-        # a stream's state: the text after the reasoning (content and calls) so far, the
-        # characters of it sent as content, the calls under tool_choice "required"
-        self.body, self.content_sent = Text(), 0
+        # a stream's state: the text after the reasoning, kept only while it may be read:
+        # under a named tool_choice all of it (the call's arguments); under "auto" and
+        # "required" the part not sent as content, until a call is sent (a stream that sends
+        # none sends it as content at the end); without tools none (each chunk is content)
+        mode = None if tools is None else tools.mode
+        self.body = Text() if mode == "named" else None
+        self.unsent = Text() if mode in ("auto", "required") else None
+        # the calls under tool_choice "required"
         self.required = ArrayCallStream("parameters")
         self.sent: list[tuple[str, int]] = []  # per call streamed, by index: (id, characters of its arguments sent)
         # the parser's first call not complete yet (the calls before it were sent or
@@ -391,9 +504,11 @@ class ToolCallStream:
 
     def _feed(self, text: str, final: bool) -> str:
         """A stream's next text after the reasoning into the tool parser: the content it adds."""
-        self.body.append(text)
         if self.tools is None:
             return text
+        for kept in (self.body, self.unsent):
+            if kept is not None:
+                kept.append(text)
         if self.tools.mode == "required":
             self.required.feed(text)
         elif self.tools.mode == "auto":
@@ -470,11 +585,16 @@ class ToolCallStream:
             if not c.done:
                 break
             self.next, self.at = self.next + 1, None
-        if final and not self.sent:  # no call sent: what was held back is content, as message() says
-            content = self.body[self.content_sent:]
+        if self.unsent is not None:
+            if final and not self.sent:  # no call sent: what was held back is content, as message() says
+                content = self.unsent.whole()
+            # (a call sent: the stream will send no more content; else what was sent is not needed)
+            if self.sent:
+                self.unsent = None
+            elif content:
+                self.unsent.drop(len(content))
         if content:
             out["content"] = content
-            self.content_sent += len(content)
         if deltas:
             out["tool_calls"] = deltas
         return out, None if reason is None else self._reason(bool(self.sent), reason)

@@ -3,8 +3,8 @@
 Claims: the hermes parser finds each <tool_call> block's call and the content before the
 first, as vLLM's; calls that do not all parse leave the whole response's text content (as
 vLLM's whole response); a streamed response, cut anywhere, adds up (as the OpenAI client
-adds deltas up) to the whole response whenever that has calls, names each call in its
-first delta before any of its arguments, and sends a call's name as soon as it is written,
+adds deltas up) to the whole response whenever that has calls (but for a call object that
+repeats its "name" key: the first streamed, the last whole), names each call in its first delta before any of its arguments, and sends a call's name as soon as it is written,
 not at the end; a call that turns out not to be one is not sent further and the calls after
 it still stream (as vLLM's stream); a stream ends "tool_calls" only if it sent a call, and
 one that sent none sends all its text; text that may open a tag is held back, never shown
@@ -189,6 +189,23 @@ def test_a_stream_skips_a_call_that_is_not_one_and_streams_the_calls_after_it(to
         bounds = [0, *cuts[1:], len(text)]
         deltas = [s.delta(text[a:b], reason if b == len(text) else None) for a, b in zip(bounds, bounds[1:])]
         assert (*add_up([d for d, _ in deltas]), deltas[-1][1]) == streamed[chunking], chunking
+
+
+@pytest.mark.parametrize("tools, text", [
+    (AUTO, '<tool_call>{"name": "get_weather", "name": "get_time", "arguments": {"a": 1}}</tool_call>'),
+    (REQUIRED, '[{"name": "get_weather", "name": "get_time", "parameters": {"a": 1}}]')])
+def test_a_call_object_naming_its_function_twice_streams_the_first_name_and_is_the_last_whole(tools, text):
+    """Where a stream and its whole response both have calls and still differ (the docs say
+    so): a call object with a repeated "name" key. The stream names the call as soon as the
+    first name is written and cannot take it back; the whole response's json.loads (as
+    vLLM's) keeps the last key. The arguments are the same."""
+    whole, reason = ToolCallStream(tools, HermesToolParser).message(text, "stop")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]] == [
+        ("get_time", '{"a": 1}')] and reason == "tool_calls"
+    deltas, reason = stream(tools, text, list(range(len(text))))
+    assert add_up(deltas) == ("", [("get_weather", '{"a": 1}')]) and reason == "tool_calls"
+    deltas, reason = stream(tools, text, [])  # (in one chunk the call is whole when it is first named)
+    assert add_up(deltas) == ("", [("get_time", '{"a": 1}')]) and reason == "tool_calls"
 
 
 def test_required_output_cut_by_max_tokens_is_content_and_length():
@@ -455,6 +472,71 @@ def test_a_parsed_stream_handles_each_character_a_bounded_number_of_times(monkey
     assert streamed[1] == [(c["function"]["name"], c["function"]["arguments"]) for c in whole_message.get("tool_calls", [])]
     if tools is None and reasoning is None:
         assert s.delta("", "length") == ({}, "length")
+
+
+@pytest.mark.parametrize("tools, text", [
+    (REQUIRED, '[{"name": "get_weather", "parameters": {"city": "' + "Paris " * 300 + '"}' + ", 1" * 1000),
+    (AUTO, '<tool_call>{"name": "get_weather", "arguments": {"city": "' + "Paris " * 300 + '"}' + ", 1" * 1000),
+    (AUTO, '<tool_call>{"arguments": {"city": "' + "Paris " * 300 + '"}' + ", 1" * 1000),
+    (AUTO, '<tool_call>{"name": "get_weather", "extra": {"city": "' + "Paris " * 300 + '"}' + ", 1" * 1000),
+    (AUTO, '<tool_call>{"name": "get_weather", "arguments": {"city": "' + "Paris " * 300 + '"]' + ", 1" * 1000)])
+def test_an_open_call_is_decoded_a_few_times_whatever_follows_at_its_level(monkeypatch, tools, text):
+    """An open call's text is decoded again only while what it says can change: not once
+    per character written at the call's own level after its arguments closed (or after it
+    can no longer be a call, or after arguments that will never decode), which is quadratic
+    in the call's length. Streamed one character a chunk."""
+    handed = [0]
+    count_decoding(monkeypatch, handed)
+    deltas, _ = stream(tools, text, list(range(len(text))))
+    assert handed[0] <= 4 * len(text), (handed[0], len(text))
+    # (the last chunk ends the stream: an open call gets nothing more then, as a whole response's)
+    assert add_up(deltas)[1] == [(c.name, c.arguments) for c in ToolCallStream(tools, HermesToolParser)._view(
+        text[:-1], False)[1] if c.name is not None]
+
+
+@pytest.mark.parametrize("mode", [None, "auto", "required", "named"])
+def test_a_stream_keeps_its_text_only_while_it_may_be_read(mode):
+    """A stream keeps the text after the reasoning only where it may still send it: without
+    tools none (each chunk is content as it comes), under "auto" or "required" what was not
+    sent as content until a call is sent, under a named tool_choice the call's arguments;
+    and what it keeps is about one string per Text.RUN chunks, not one per chunk."""
+    from tool_parsers import Text
+
+    tools = {"auto": AUTO, "required": REQUIRED, "named": ToolChoice("named", {"get_weather": {}})}.get(mode)
+    answer = "An answer, one character a chunk. " * 100 if mode in (None, "auto") else ""
+    call = {"auto": hermes_text([("get_weather", {"city": "Paris " * 300})], ""),
+            "required": json.dumps([{"name": "get_weather", "parameters": {"city": "Paris " * 300}}]),
+            "named": json.dumps({"city": "Paris " * 300})}.get(mode, "")
+    s = ToolCallStream(tools, HermesToolParser, reasoning=REASONING_PARSERS["deepseek_r1"]("<think>\n\n</think>\n\n"))
+    for ch in answer:
+        s.delta(ch, None)
+        assert s.unsent is None if mode is None else len(s.unsent) < len("<tool_call>")
+    for ch in call:
+        s.delta(ch, None)
+    assert s.unsent is None and (s.body is None) == (mode != "named")
+    if mode == "named":
+        assert s.body.whole() == call
+    text = Text()
+    for ch in call * 3:
+        text.append(ch)
+    assert text[:] == call * 3 and len(text.parts) <= len(call) * 3 // Text.RUN + Text.RUN
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks=st.lists(st.text(max_size=3), max_size=300), reads=st.lists(st.tuples(st.integers(-5, 905), st.integers(-5, 905))))
+def test_a_text_kept_as_its_chunks_reads_as_the_text(chunks, reads):
+    """Text (chunks joined in runs, runs into its head) reads as the joined string, anywhere."""
+    from tool_parsers import Text
+
+    text, whole = Text(), ""
+    for k, chunk in enumerate(chunks):
+        text.append(chunk)
+        whole += chunk
+        i, j = reads[k % len(reads)] if reads else (0, None)
+        assert (len(text), text[i:j], text[i:]) == (len(whole), whole[i:j], whole[i:])
+    assert text.whole() == whole == text[:]
+    text.drop(len(whole) // 2)
+    assert (len(text), text[:]) == (len(whole) - len(whole) // 2, whole[len(whole) // 2:])
 
 
 # The pieces a response is built from, for every parser: its tags whole and cut short, call
