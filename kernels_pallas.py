@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -71,6 +71,8 @@ class QuantizedKV:
 
     values: jax.Array
     scales: jax.Array
+    # Set for an fp8 cache on CPU (as_bits): `values` then holds this fp8 type's raw bits as uint8.
+    bits_of: Any = field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -78,7 +80,42 @@ class QuantizedKV:
 
     @property
     def dtype(self) -> Any:
-        return self.values.dtype
+        """The values' type (an fp8 cache held as bits: its fp8 type)."""
+        return self.values.dtype if self.bits_of is None else self.bits_of
+
+    def stored_values(self) -> jax.Array:
+        """The values in their own type (bits reinterpreted: no bit changes)."""
+        return self.values if self.bits_of is None else jax.lax.bitcast_convert_type(self.values, self.bits_of)
+
+
+def _is_qkv(c: Any) -> bool:
+    return isinstance(c, QuantizedKV)
+
+
+def as_bits(cache: Any) -> Any:
+    """`cache` (a pytree) with each fp8 QuantizedKV's values reinterpreted as uint8, bit
+    for bit. XLA:CPU has no scatter or gather on floats narrower than 32 bits: around each
+    it converts the whole operand to f16 and back, a pass over the whole cache for every
+    layer's write and read (an fp8 cache of 20 MiB: a decode step of the tiny model took
+    ~140 ms instead of int8's ~1.3, measured), where integers are written and read in place.
+    On CPU the engine allocates an fp8 cache as bits and keeps it so (holds_bits); the model
+    converts one handed to it in fp8 on the way in and back on the way out."""
+    def one(c: Any) -> Any:
+        if _is_qkv(c) and c.bits_of is None and holds_bits(c.values.dtype):
+            return QuantizedKV(jax.lax.bitcast_convert_type(c.values, jnp.uint8), c.scales, jnp.dtype(c.values.dtype))
+        return c
+    return jax.tree.map(one, cache, is_leaf=_is_qkv)
+
+
+def holds_bits(dtype: Any) -> bool:
+    """Whether a QuantizedKV of `dtype` values is held as bits here (as_bits): an fp8 one on CPU."""
+    return jax.default_backend() == "cpu" and jnp.issubdtype(dtype, jnp.floating)
+
+
+def from_bits(cache: Any) -> Any:
+    """as_bits undone."""
+    one = lambda c: QuantizedKV(c.stored_values(), c.scales) if _is_qkv(c) and c.bits_of is not None else c
+    return jax.tree.map(one, cache, is_leaf=_is_qkv)
 
 
 def quantize_kv(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
@@ -95,7 +132,7 @@ def quantize_kv(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
 def dequantize_kv(cache: Any) -> jax.Array:
     """A cache (or a gathered part of one) as f32."""
     if isinstance(cache, QuantizedKV):
-        return cache.values.astype(jnp.float32) * cache.scales[..., None]
+        return cache.stored_values().astype(jnp.float32) * cache.scales[..., None]
     return cache.astype(jnp.float32)
 
 
@@ -535,7 +572,7 @@ def _attend_chunk(carry, q, k_ref, v_ref, ids, h, k_start, mask_fn, scale, ks_re
 def _kernel_cache_inputs(k_cache: Any, v_cache: Any) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """((k values, v values), (k scales, v scales) or () when not quantized)."""
     if isinstance(k_cache, QuantizedKV):
-        return (k_cache.values, v_cache.values), (k_cache.scales, v_cache.scales)
+        return (k_cache.stored_values(), v_cache.stored_values()), (k_cache.scales, v_cache.scales)
     return (k_cache, v_cache), ()
 
 

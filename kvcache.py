@@ -409,13 +409,16 @@ def create_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: 
     the model dtype, or a kernels_pallas.QuantizedKV of that shape for an 8-bit cache."""
     import jax.numpy as jnp
 
-    from kernels_pallas import KV_CACHE_DTYPES, QuantizedKV
+    from kernels_pallas import KV_CACHE_DTYPES, QuantizedKV, holds_bits
 
     shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     stored = KV_CACHE_DTYPES[kv_cache_dtype]
     if stored is None:
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-    make = lambda: QuantizedKV(jnp.zeros(shape, stored), jnp.zeros(shape[:-1], jnp.float32))
+    if holds_bits(stored):  # an fp8 cache on CPU: its bits (kernels_pallas.as_bits); zero bits are 0.0
+        make = lambda: QuantizedKV(jnp.zeros(shape, jnp.uint8), jnp.zeros(shape[:-1], jnp.float32), jnp.dtype(stored))
+    else:
+        make = lambda: QuantizedKV(jnp.zeros(shape, stored), jnp.zeros(shape[:-1], jnp.float32))
     return make(), make()
 
 

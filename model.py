@@ -30,7 +30,7 @@ from flax import nnx
 
 from attention_backend import AttentionBackend
 from hf_config import check_hf_config, check_llama3_rope, generation_eos_ids, read_json, token_ids
-from kernels_pallas import QuantizedKV, quantize_kv
+from kernels_pallas import QuantizedKV, as_bits, from_bits, quantize_kv
 from quant import GGUFBlocks, QuantLinear, WeightQuant, encode, weight_quant_for
 from tokenizer import ByteTokenizer, gguf_tokenizer, load_tokenizer
 
@@ -290,8 +290,11 @@ def _write_cache(cache: jax.Array | QuantizedKV, x: jax.Array, slots: jax.Array)
     """Scatter x [T, Hkv, D] into cache rows `slots`; a pure update XLA does in place when
     the cache buffer is donated. A quantized cache gets x's 8-bit values and their scales."""
     if isinstance(cache, QuantizedKV):
-        values, scales = quantize_kv(x, cache.values.dtype)
-        return QuantizedKV(_write_cache(cache.values, values, slots), _write_cache(cache.scales, scales, slots))
+        values, scales = quantize_kv(x, cache.dtype)
+        if cache.bits_of is not None:  # held as bits (as_bits): the new values' bits
+            values = jax.lax.bitcast_convert_type(values, cache.values.dtype)
+        return QuantizedKV(_write_cache(cache.values, values, slots), _write_cache(cache.scales, scales, slots),
+                           cache.bits_of)
     nb, bs, *rest = cache.shape
     return cache.reshape(nb * bs, *rest).at[slots].set(x.astype(cache.dtype)).reshape(cache.shape)
 
@@ -434,6 +437,11 @@ class Decoder(nnx.Module):
         # carry in place and hands the attention backend block tables offset by l * NB,
         # so the kernels see an ordinary paged cache and no per-layer slice is copied.
         flat = lambda cache: jax.tree.map(lambda c: c.reshape(L * NB, *c.shape[2:]), cache)
+        # An fp8 cache on CPU is written and read as its bits (see as_bits); the engine's
+        # is held so, one handed over in fp8 goes back in fp8.
+        given = jax.tree.structure((k_all, v_all))
+        k_all, v_all = as_bits(k_all), as_bits(v_all)
+        back = from_bits if jax.tree.structure((k_all, v_all)) != given else (lambda cache: cache)
         layer_def, layer_state = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -444,7 +452,7 @@ class Decoder(nnx.Module):
 
         (x, k, v), _ = jax.lax.scan(body, (x, flat(k_all), flat(v_all)), (layer_state, jnp.arange(L)))
         unflat = lambda cache, like: jax.tree.map(lambda c, a: c.reshape(a.shape), cache, like)
-        return self.norm(x), (unflat(k, k_all), unflat(v, v_all))
+        return self.norm(x), (back(unflat(k, k_all)), back(unflat(v, v_all)))
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [N, H] (rows of __call__'s output) -> [N, vocab] float32."""

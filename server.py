@@ -731,11 +731,16 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
 
 async def log_stats_periodically(app: web.Application) -> AsyncIterator[None]:
     """vLLM's stats logging task: app["stat_logger"] logs every LOG_STATS_INTERVAL seconds
-    while the app runs."""
+    while the app runs. An interval whose line fails is logged with its traceback and
+    skipped: the task goes on (an exception would end it, and the stats lines with it,
+    silently) and never reaches the server."""
     async def loop() -> None:
         while True:
             await asyncio.sleep(LOG_STATS_INTERVAL)
-            app["stat_logger"].log()
+            try:
+                app["stat_logger"].log()
+            except Exception:
+                log.exception("logging the engine's stats failed; trying again in %s s", LOG_STATS_INTERVAL)
 
     task = asyncio.create_task(loop())
     yield

@@ -327,12 +327,14 @@ settings.load_profile("derandomized")
 # these few-test files last), one to each worker as it frees: longest first leaves only
 # short files for the end, so the workers finish together instead of one waiting out
 # another's last long file. (Warm, the compile-bound files shrink most; the order still
-# holds the long ones first.)
-SLOWEST_FIRST = ["test_kernels", "test_parallel", "test_perplexity", "test_serve_ray", "test_spec_decode_smollm2",
-                 "test_spec_decode", "test_draft_model", "test_engine", "test_bench_offline", "test_hostile",
+# holds the long ones first. test_structured_smollm2 measured as long as test_perplexity,
+# warm, in one process with the other smollm2 files: 118-156 s against 131-160 s.)
+SLOWEST_FIRST = ["test_kernels", "test_parallel", "test_perplexity", "test_structured_smollm2", "test_serve_ray",
+                 "test_spec_decode_smollm2", "test_spec_decode", "test_draft_model", "test_engine", "test_bench_offline",
+                 "test_hostile",
                  "test_async_scheduling", "test_real_model", "test_simulate", "test_kvcache", "test_recipes_model",
                  "test_stop_strings_smollm2", "test_sampling_controls", "test_api_extras", "test_server", "test_bench_mixed", "test_stutter", "test_serving_path", "test_kv_quant",
-                 "test_structured", "test_structured_smollm2", "test_policy", "test_request_metrics", "test_metrics",
+                 "test_structured", "test_policy", "test_request_metrics", "test_metrics",
                  "test_fair_slo", "test_prefix_cache", "test_prompt_logprobs", "test_server_concurrency",
                  "test_quant", "test_semantics", "test_restart", "test_real_model_server", "test_compilation",
                  "test_model"]
@@ -366,6 +368,44 @@ def pytest_configure(config: pytest.Config) -> None:
     import gguf
 
     gguf.GGUFReader = _parsed_once_per_version(gguf.GGUFReader)
+    # Building a model from a GGUF file dequantizes and stacks every tensor (2-3 CPU-s for
+    # smollm2 with the file parsed), and most real-model engines in one test process load
+    # the same file the same way: engines (startup.build_engine) get the last GGUF model
+    # loaded in this process again when the file and the loading arguments are the same.
+    # The weights are immutable arrays that no engine donates, so engines can share them.
+    # model.load_model itself, which the loader's own tests call, is left as it is.
+    import startup
+
+    startup.load_model = _gguf_loaded_once(startup.load_model)
+
+
+def _gguf_loaded_once(load: Callable[..., Any]) -> Callable[..., Any]:
+    last: dict[tuple, tuple[Any, list[str]]] = {}  # one entry: a model holds hundreds of MB
+
+    def loaded(model: str, dtype: str = "float32", seed: int = 0, log: Callable[[str], None] = print,
+               quantization: str | None = None) -> Any:
+        import gguf_loader
+
+        if model in gguf_loader.BUILTIN_GGUF:
+            path = gguf_loader.resolve_builtin(model, log)
+        elif model.endswith(".gguf") and os.path.isfile(model):
+            path = model
+        else:
+            return load(model, dtype, seed, log=log, quantization=quantization)
+        st = os.stat(path)
+        key = (model, os.path.realpath(path), st.st_size, st.st_mtime_ns, dtype, seed, quantization)
+        if key not in last:
+            last.clear()
+            lines: list[str] = []
+            result = load(model, dtype, seed, log=lambda line: (lines.append(line), log(line)), quantization=quantization)
+            last[key] = (result, lines)
+            return result
+        result, lines = last[key]
+        for line in lines:  # what the load said, said again
+            log(line)
+        return result
+
+    return loaded
 
 
 def _parsed_once_per_version(reader_cls: type) -> Callable[..., Any]:

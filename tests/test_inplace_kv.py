@@ -23,11 +23,11 @@ from runner import ModelRunner
 NUM_BLOCKS = 129  # large enough that no per-step temporary (gathered blocks, scores) is cache-sized
 
 
-@pytest.fixture(scope="module", params=["auto", "int8"])
+@pytest.fixture(scope="module", params=["auto", "int8", "fp8", "fp8_e5m2"])
 def compiled_steps(request):
     """{program: (optimised HLO text, [cache leaf shapes])} for the runner's two programs,
     compiled with the exact arguments the runner passes (captured from idle steps); for
-    a cache in the model dtype and an 8-bit one (values and scales, each updated in place)."""
+    a cache in the model dtype and 8-bit ones (values and scales, each updated in place)."""
     cfg = EngineConfig(model="tiny", max_num_seqs=4, max_model_len=64, num_kv_blocks=NUM_BLOCKS,
                        warmup=False, kv_cache_dtype=request.param).resolved(2048)
     runner = ModelRunner(cfg, load_model("tiny"), NUM_BLOCKS, EngineStats())
@@ -42,11 +42,13 @@ def compiled_steps(request):
         setattr(runner, name, spy)
     runner.idle_step(decode_rows=4)
     runner.idle_step(tokens=16)
-    shapes = [tuple(x.shape) for x in jax.tree.leaves(runner.kv_caches)]
+    leaves = jax.tree.leaves(runner.kv_caches)
+    shapes = [tuple(x.shape) for x in leaves]
+    values = max(leaves, key=lambda x: x.size)  # K's values (or the whole K in the model dtype)
     out = {}
     for name, (jitted, args) in captured.items():
         lowered = jitted.lower(*args)
-        out[name] = (lowered.as_text(), lowered.compile().as_text(), shapes)
+        out[name] = (lowered.as_text(), lowered.compile().as_text(), shapes, (values.size, values.dtype))
     return out
 
 
@@ -60,7 +62,7 @@ def _entry_params(hlo: str) -> dict[int, tuple[int, ...]]:
 
 @pytest.mark.parametrize("program", ["_decode", "_ragged"])
 def test_cache_is_donated_and_aliased_to_the_output(compiled_steps, program):
-    stablehlo, hlo, cache_shapes = compiled_steps[program]
+    stablehlo, hlo, cache_shapes, _ = compiled_steps[program]
     # donated at the JAX level: each cache argument carries an output alias, and so does the
     # logits buffer the forward writes, and the ragged forward's hidden-state buffer (the
     # prompt-logprob program reads it; last_tokens is donated to the sample program, runner.py)
@@ -77,9 +79,24 @@ def test_cache_is_donated_and_aliased_to_the_output(compiled_steps, program):
 
 @pytest.mark.parametrize("program", ["_decode", "_ragged"])
 def test_no_cache_sized_copy(compiled_steps, program):
-    _, hlo, cache_shapes = compiled_steps[program]
+    _, hlo, cache_shapes, _ = compiled_steps[program]
     cache_elems = min(math.prod(s) for s in cache_shapes)
     copies = re.findall(r"= \w+\[([\d,]*)\]\S* copy(?:-start)?\(", hlo)
     assert copies, "the pattern finds XLA's copies (some small ones always exist)"
     big = [c for c in copies if math.prod(int(d) for d in c.split(",") if d) >= cache_elems]
     assert not big, f"{program} copies cache-sized buffers: {big}"
+
+
+@pytest.mark.parametrize("program", ["_decode", "_ragged"])
+def test_no_cache_sized_array_in_another_type(compiled_steps, program):
+    """Nothing the size of the cache's values is computed in another element type than the
+    one they are held in: XLA:CPU, which has no scatter or gather on 8-bit floats, would
+    convert the whole fp8 cache to f16 and back around every layer's write and read (a
+    pass over the whole cache each), and a bitcast of the whole cache to another type is a
+    pass over it too."""
+    _, hlo, _, (value_elems, value_dtype) = compiled_steps[program]
+    types = {"float32": "f32", "int8": "s8", "uint8": "u8", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+    arrays = re.findall(r"= (\w+)\[([\d,]*)\]", hlo)
+    assert any(t == types[str(value_dtype)] for t, _ in arrays)
+    big = {t for t, dims in arrays if math.prod(int(d) for d in dims.split(",") if d) >= value_elems}
+    assert big == {types[str(value_dtype)]}, f"{program} computes cache-sized arrays of {sorted(big)}"

@@ -166,6 +166,45 @@ def test_the_server_logs_stats_unless_disable_log_stats(flags, monkeypatch):
         server.log.removeHandler(lines)
 
 
+def test_a_failing_interval_is_logged_and_the_next_one_still_logs(monkeypatch):
+    """An exception from the stats logger is logged with its traceback, and the task goes
+    on: the next interval's line comes."""
+    from aiohttp.test_utils import TestServer
+
+    monkeypatch.setattr(server, "LOG_STATS_INTERVAL", 0.0)
+    lines = Lines()
+    server.log.addHandler(lines)
+    monkeypatch.setattr(server.log, "level", logging.DEBUG)
+    calls = []
+
+    async def main() -> None:
+        app = server.app_from_args(fake_engine(), server.build_parser().parse_args([]))
+        real_log = app["stat_logger"].log
+
+        def log_once_failing() -> None:
+            calls.append(len(calls))
+            if len(calls) == 1:
+                raise RuntimeError("stats went wrong")
+            real_log()
+
+        app["stat_logger"].log = log_once_failing
+        async with TestServer(app):
+            for _ in range(100):  # the logging task's turns
+                await asyncio.sleep(0)
+                if len(calls) >= 3:
+                    break
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.log.removeHandler(lines)
+    assert len(calls) >= 3, calls
+    errors = [r for r in lines.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info and "stats went wrong" in str(errors[0].exc_info[1])
+    after = lines.records[lines.records.index(errors[0]) + 1:]
+    assert any(r.getMessage().startswith("Engine 000: Avg prompt throughput") for r in after)
+
+
 @pytest.mark.parametrize("flags", [[], ["--enable-log-requests", "--max-log-len", "2"]])
 def test_the_server_logs_each_request_only_with_enable_log_requests(flags, monkeypatch):
     """vLLM's default is off; on, each request's id and parameters at info, its prompt's
