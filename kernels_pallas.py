@@ -5,8 +5,9 @@ KV cache layout, per layer: k_cache, v_cache of shape [num_blocks, block_size,
 num_kv_heads, head_dim]. Block 0 is the null block: idle slots and padding tokens point
 at it, and every read of it is masked. A quantized cache (--kv-cache-dtype int8/fp8) is
 a `QuantizedKV` instead: 8-bit values of that shape and one f32 scale per token and KV
-head; every function here takes either, and dequantizes inside attention (the scores
-and the probabilities are scaled, m, l and the accumulator stay f32).
+head; every function here takes either (on CPU with narrow floats held as their `Bits`,
+see as_bits), and dequantizes inside attention (the scores and the probabilities are
+scaled, m, l and the accumulator stay f32).
 
 Two entry points, which attention_backend.py registers as backends (the references as
 `xla`, the kernels as `pallas`) and model.py calls through an `AttentionBackend`:
@@ -69,10 +70,8 @@ class QuantizedKV:
     knows its whole range. (No trailing axis of 1 on the scales: XLA then copies them
     around the in-place scatter.)"""
 
-    values: jax.Array
+    values: jax.Array  # or their Bits (as_bits)
     scales: jax.Array
-    # Set for an fp8 cache on CPU (as_bits): `values` then holds this fp8 type's raw bits as uint8.
-    bits_of: Any = field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -80,42 +79,59 @@ class QuantizedKV:
 
     @property
     def dtype(self) -> Any:
-        """The values' type (an fp8 cache held as bits: its fp8 type)."""
-        return self.values.dtype if self.bits_of is None else self.bits_of
-
-    def stored_values(self) -> jax.Array:
-        """The values in their own type (bits reinterpreted: no bit changes)."""
-        return self.values if self.bits_of is None else jax.lax.bitcast_convert_type(self.values, self.bits_of)
+        return self.values.dtype
 
 
-def _is_qkv(c: Any) -> bool:
-    return isinstance(c, QuantizedKV)
+@jax.tree_util.register_dataclass
+@dataclass
+class Bits:
+    """An array of a float type narrower than 32 bits held as its raw bits: `bits`, unsigned
+    ints of the same width, stand for the same values in `dtype`, bit for bit (see as_bits)."""
 
+    bits: jax.Array
+    dtype: Any = field(metadata=dict(static=True))
 
-def as_bits(cache: Any) -> Any:
-    """`cache` (a pytree) with each fp8 QuantizedKV's values reinterpreted as uint8, bit
-    for bit. XLA:CPU has no scatter or gather on floats narrower than 32 bits: around each
-    it converts the whole operand to f16 and back, a pass over the whole cache for every
-    layer's write and read (an fp8 cache of 20 MiB: a decode step of the tiny model took
-    ~140 ms instead of int8's ~1.3, measured), where integers are written and read in place.
-    On CPU the engine allocates an fp8 cache as bits and keeps it so (holds_bits); the model
-    converts one handed to it in fp8 on the way in and back on the way out."""
-    def one(c: Any) -> Any:
-        if _is_qkv(c) and c.bits_of is None and holds_bits(c.values.dtype):
-            return QuantizedKV(jax.lax.bitcast_convert_type(c.values, jnp.uint8), c.scales, jnp.dtype(c.values.dtype))
-        return c
-    return jax.tree.map(one, cache, is_leaf=_is_qkv)
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.bits.shape
 
 
 def holds_bits(dtype: Any) -> bool:
-    """Whether a QuantizedKV of `dtype` values is held as bits here (as_bits): an fp8 one on CPU."""
-    return jax.default_backend() == "cpu" and jnp.issubdtype(dtype, jnp.floating)
+    """Whether a cache (a plain one or a QuantizedKV's values) of `dtype` is held as its Bits
+    here: a float narrower than 32 bits (bf16, f16, fp8) on CPU."""
+    return jax.default_backend() == "cpu" and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
+
+
+def _bits_type(dtype: Any) -> Any:
+    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
+def bits_zeros(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A cache of zeros in `dtype`, held as Bits where holds_bits says so (zero bits are 0.0)."""
+    return Bits(jnp.zeros(shape, _bits_type(dtype)), jnp.dtype(dtype)) if holds_bits(dtype) else jnp.zeros(shape, dtype)
+
+
+def as_bits(cache: Any) -> Any:
+    """`cache` (a pytree) with each array of a float type narrower than 32 bits replaced, on
+    CPU, by its Bits. XLA:CPU has no scatter or gather on such floats: around each it converts
+    the whole operand to f16/f32 and back, a pass over the whole cache for every layer's write
+    and read (a decode step of the tiny model with 20 MiB of fp8 cache: ~140 ms instead of
+    int8's ~1.3; with 256 MiB of bf16 cache: 406 ms instead of f32's 0.9), where integers are
+    written and read in place. The engine allocates its caches so (bits_zeros) and keeps
+    them so; the model converts a cache handed to it in its float type on the way in and
+    back on the way out, and attention reinterprets only the tiles it gathers (from_bits)."""
+    one = lambda x: Bits(jax.lax.bitcast_convert_type(x, _bits_type(x.dtype)), jnp.dtype(x.dtype))
+    return jax.tree.map(lambda x: one(x) if holds_bits(x.dtype) else x, cache)
+
+
+def _is_bits(x: Any) -> bool:
+    return isinstance(x, Bits)
 
 
 def from_bits(cache: Any) -> Any:
-    """as_bits undone."""
-    one = lambda c: QuantizedKV(c.stored_values(), c.scales) if _is_qkv(c) and c.bits_of is not None else c
-    return jax.tree.map(one, cache, is_leaf=_is_qkv)
+    """as_bits undone: each Bits in `cache` (a pytree) as its values, bit for bit."""
+    one = lambda x: jax.lax.bitcast_convert_type(x.bits, x.dtype) if _is_bits(x) else x
+    return jax.tree.map(one, cache, is_leaf=_is_bits)
 
 
 def quantize_kv(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
@@ -131,8 +147,9 @@ def quantize_kv(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
 
 def dequantize_kv(cache: Any) -> jax.Array:
     """A cache (or a gathered part of one) as f32."""
+    cache = from_bits(cache)
     if isinstance(cache, QuantizedKV):
-        return cache.stored_values().astype(jnp.float32) * cache.scales[..., None]
+        return cache.values.astype(jnp.float32) * cache.scales[..., None]
     return cache.astype(jnp.float32)
 
 
@@ -571,8 +588,9 @@ def _attend_chunk(carry, q, k_ref, v_ref, ids, h, k_start, mask_fn, scale, ks_re
 
 def _kernel_cache_inputs(k_cache: Any, v_cache: Any) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """((k values, v values), (k scales, v scales) or () when not quantized)."""
+    k_cache, v_cache = from_bits((k_cache, v_cache))  # Bits: CPU, where the kernels only run interpreted
     if isinstance(k_cache, QuantizedKV):
-        return (k_cache.stored_values(), v_cache.stored_values()), (k_cache.scales, v_cache.scales)
+        return (k_cache.values, v_cache.values), (k_cache.scales, v_cache.scales)
     return (k_cache, v_cache), ()
 
 

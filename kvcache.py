@@ -406,19 +406,17 @@ def create_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: 
                      kv_cache_dtype: str = "auto") -> tuple[Any, Any]:
     """K and V, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]: the
     layers stacked, as the model's scanned layer stack takes them (see model.Decoder); in
-    the model dtype, or a kernels_pallas.QuantizedKV of that shape for an 8-bit cache."""
+    the model dtype, or a kernels_pallas.QuantizedKV of that shape for an 8-bit cache. On CPU
+    a float type narrower than 32 bits is held as its bits (kernels_pallas.as_bits)."""
     import jax.numpy as jnp
 
-    from kernels_pallas import KV_CACHE_DTYPES, QuantizedKV, holds_bits
+    from kernels_pallas import KV_CACHE_DTYPES, QuantizedKV, bits_zeros
 
     shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     stored = KV_CACHE_DTYPES[kv_cache_dtype]
     if stored is None:
-        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-    if holds_bits(stored):  # an fp8 cache on CPU: its bits (kernels_pallas.as_bits); zero bits are 0.0
-        make = lambda: QuantizedKV(jnp.zeros(shape, jnp.uint8), jnp.zeros(shape[:-1], jnp.float32), jnp.dtype(stored))
-    else:
-        make = lambda: QuantizedKV(jnp.zeros(shape, stored), jnp.zeros(shape[:-1], jnp.float32))
+        return bits_zeros(shape, dtype), bits_zeros(shape, dtype)
+    make = lambda: QuantizedKV(bits_zeros(shape, stored), jnp.zeros(shape[:-1], jnp.float32))
     return make(), make()
 
 

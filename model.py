@@ -30,7 +30,7 @@ from flax import nnx
 
 from attention_backend import AttentionBackend
 from hf_config import check_hf_config, check_llama3_rope, generation_eos_ids, read_json, token_ids
-from kernels_pallas import QuantizedKV, as_bits, from_bits, quantize_kv
+from kernels_pallas import Bits, QuantizedKV, as_bits, from_bits, quantize_kv
 from quant import GGUFBlocks, QuantLinear, WeightQuant, encode, weight_quant_for
 from tokenizer import ByteTokenizer, gguf_tokenizer, load_tokenizer
 
@@ -286,15 +286,16 @@ def _linear(n_in: int, n_out: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
                       kernel_init=nnx.initializers.normal(n_in ** -0.5), rngs=rngs)
 
 
-def _write_cache(cache: jax.Array | QuantizedKV, x: jax.Array, slots: jax.Array) -> jax.Array | QuantizedKV:
+def _write_cache(cache: jax.Array | Bits | QuantizedKV, x: jax.Array,
+                 slots: jax.Array) -> jax.Array | Bits | QuantizedKV:
     """Scatter x [T, Hkv, D] into cache rows `slots`; a pure update XLA does in place when
     the cache buffer is donated. A quantized cache gets x's 8-bit values and their scales."""
     if isinstance(cache, QuantizedKV):
         values, scales = quantize_kv(x, cache.dtype)
-        if cache.bits_of is not None:  # held as bits (as_bits): the new values' bits
-            values = jax.lax.bitcast_convert_type(values, cache.values.dtype)
-        return QuantizedKV(_write_cache(cache.values, values, slots), _write_cache(cache.scales, scales, slots),
-                           cache.bits_of)
+        return QuantizedKV(_write_cache(cache.values, values, slots), _write_cache(cache.scales, scales, slots))
+    if isinstance(cache, Bits):  # held as its bits (as_bits): x's bits in the cache's type
+        return Bits(_write_cache(cache.bits, jax.lax.bitcast_convert_type(x.astype(cache.dtype), cache.bits.dtype),
+                                 slots), cache.dtype)
     nb, bs, *rest = cache.shape
     return cache.reshape(nb * bs, *rest).at[slots].set(x.astype(cache.dtype)).reshape(cache.shape)
 
@@ -437,8 +438,8 @@ class Decoder(nnx.Module):
         # carry in place and hands the attention backend block tables offset by l * NB,
         # so the kernels see an ordinary paged cache and no per-layer slice is copied.
         flat = lambda cache: jax.tree.map(lambda c: c.reshape(L * NB, *c.shape[2:]), cache)
-        # An fp8 cache on CPU is written and read as its bits (see as_bits); the engine's
-        # is held so, one handed over in fp8 goes back in fp8.
+        # On CPU a bf16/f16/fp8 cache is written and read as its bits (see as_bits); the
+        # engine's is held so, one handed over in its float type goes back in it.
         given = jax.tree.structure((k_all, v_all))
         k_all, v_all = as_bits(k_all), as_bits(v_all)
         back = from_bits if jax.tree.structure((k_all, v_all)) != given else (lambda cache: cache)

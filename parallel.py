@@ -137,7 +137,7 @@ def kv_cache_specs(caches: Any) -> Any:
 
     def one(c: Any) -> Any:
         if isinstance(c, QuantizedKV):
-            return QuantizedKV(heads_at(c.values.ndim, -2), heads_at(c.scales.ndim, -1), c.bits_of)
+            return QuantizedKV(kv_cache_specs(c.values), heads_at(c.scales.ndim, -1))
         return heads_at(c.ndim, -2)
     return jax.tree.map(one, caches, is_leaf=lambda c: isinstance(c, QuantizedKV))
 

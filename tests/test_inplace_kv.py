@@ -23,14 +23,16 @@ from runner import ModelRunner
 NUM_BLOCKS = 129  # large enough that no per-step temporary (gathered blocks, scores) is cache-sized
 
 
-@pytest.fixture(scope="module", params=["auto", "int8", "fp8", "fp8_e5m2"])
+@pytest.fixture(scope="module", params=[("float32", "auto"), ("float32", "int8"), ("float32", "fp8"),
+                                        ("float32", "fp8_e5m2"), ("bfloat16", "auto")], ids="-".join)
 def compiled_steps(request):
     """{program: (optimised HLO text, [cache leaf shapes])} for the runner's two programs,
     compiled with the exact arguments the runner passes (captured from idle steps); for
-    a cache in the model dtype and 8-bit ones (values and scales, each updated in place)."""
-    cfg = EngineConfig(model="tiny", max_num_seqs=4, max_model_len=64, num_kv_blocks=NUM_BLOCKS,
-                       warmup=False, kv_cache_dtype=request.param).resolved(2048)
-    runner = ModelRunner(cfg, load_model("tiny"), NUM_BLOCKS, EngineStats())
+    a cache in the model dtype (f32, bf16) and 8-bit ones (values and scales, each updated in place)."""
+    dtype, kv_cache_dtype = request.param
+    cfg = EngineConfig(model="tiny", dtype=dtype, max_num_seqs=4, max_model_len=64, num_kv_blocks=NUM_BLOCKS,
+                       warmup=False, kv_cache_dtype=kv_cache_dtype).resolved(2048)
+    runner = ModelRunner(cfg, load_model("tiny", dtype), NUM_BLOCKS, EngineStats())
     captured = {}
     for name in ("_decode", "_ragged"):
         jitted = getattr(runner, name)
@@ -90,12 +92,13 @@ def test_no_cache_sized_copy(compiled_steps, program):
 @pytest.mark.parametrize("program", ["_decode", "_ragged"])
 def test_no_cache_sized_array_in_another_type(compiled_steps, program):
     """Nothing the size of the cache's values is computed in another element type than the
-    one they are held in: XLA:CPU, which has no scatter or gather on 8-bit floats, would
-    convert the whole fp8 cache to f16 and back around every layer's write and read (a
-    pass over the whole cache each), and a bitcast of the whole cache to another type is a
-    pass over it too."""
+    one they are held in: XLA:CPU, which has no scatter or gather on floats narrower than 32
+    bits, would convert the whole fp8 or bf16 cache to f16/f32 and back around every layer's
+    write and read (a pass over the whole cache each), and a bitcast of the whole cache to
+    another type is a pass over it too."""
     _, hlo, _, (value_elems, value_dtype) = compiled_steps[program]
-    types = {"float32": "f32", "int8": "s8", "uint8": "u8", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+    types = {"float32": "f32", "int8": "s8", "uint8": "u8", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2",
+             "bfloat16": "bf16", "uint16": "u16"}
     arrays = re.findall(r"= (\w+)\[([\d,]*)\]", hlo)
     assert any(t == types[str(value_dtype)] for t, _ in arrays)
     big = {t for t, dims in arrays if math.prod(int(d) for d in dims.split(",") if d) >= value_elems}
