@@ -157,8 +157,8 @@ def constrain_step_outputs(kv_caches: Any, rest: tuple, mesh: Mesh) -> tuple:
     return kv, *jax.lax.with_sharding_constraint(rest, NamedSharding(mesh, P()))
 
 
-def replicate(x: np.ndarray, mesh: Mesh) -> jax.Array:
-    """A host array, whole on every device of the mesh."""
+def replicate(x: np.ndarray | jax.Array, mesh: Mesh) -> jax.Array:
+    """An array (on the host, or on a device outside the mesh), whole on every device of the mesh."""
     return _put(x, NamedSharding(mesh, P()))
 
 

@@ -47,8 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from attention_backend import AttentionShape, select_attention_backend
 from config import EngineConfig, host_memory_bytes
@@ -744,7 +743,7 @@ class ModelRunner:
         N, K = self.config.max_num_seqs, self.spec_k
         q = out.draft_probs
         if q is not None and self.mesh is not None:  # the draft runs whole on one device, the verifier on the mesh
-            q = jax.device_put(q, NamedSharding(self.mesh, P()))
+            q = replicate(q, self.mesh)
         sp = SpecInputs(np.zeros(N, np.int32), np.full(N, self._idle, np.int32), np.zeros((N, K), np.int32),
                         np.zeros(N, np.int32), np.zeros(N, np.int32), np.int32(0), q)
         for r, i in enumerate(spec_rows):
