@@ -205,6 +205,8 @@ class EngineConfig:
              "process, one JAX controller over all its devices: --tensor-parallel-size); more hosts join with "
              "--distributed-coordinator/--num-processes/--process-id (jax.distributed); for Ray, serve_ray.py "
              "runs engine replicas")
+        need((self.distributed_coordinator is None) == (self.num_processes == 1),
+             "--distributed-coordinator HOST:PORT and --num-processes > 1 go together")
         # A multi-host mesh spans every process's devices (parallel.make_mesh): each process
         # owns at least one of them, so fewer than num_processes devices cannot be it.
         need(self.tensor_parallel_size >= self.num_processes,
@@ -215,8 +217,6 @@ class EngineConfig:
              f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
         need(self.speculative_config is None or self.num_processes == 1,
              "--speculative-config runs on one host: the step channel does not carry proposals")
-        need((self.distributed_coordinator is None) == (self.num_processes == 1),
-             "--distributed-coordinator HOST:PORT and --num-processes > 1 go together")
         if self.distributed_coordinator is not None:
             host, _, port = self.distributed_coordinator.rpartition(":")
             need(bool(host) and port.isdigit() and 0 < int(port) < 65536,

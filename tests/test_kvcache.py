@@ -97,7 +97,8 @@ def test_bytes_per_block_are_what_the_created_cache_takes(dtype):
     cfg = ModelConfig.from_hf(transformers.Qwen3Config(**{**_BASE, **FAMILIES["qwen3"][1]}).to_dict())
     assert cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads
     caches = create_kv_caches(cfg, num_blocks=5, block_size=16, dtype=dtype)
-    assert len(caches) == cfg.num_hidden_layers
+    k, v = caches
+    assert k.shape == v.shape == (cfg.num_hidden_layers, 5, 16, cfg.num_key_value_heads, cfg.head_dim)
     assert 5 * kv_cache_bytes_per_block(cfg, 16, dtype) == sum(x.nbytes for x in jax.tree.leaves(caches))
     assert kv_cache_bytes_per_block(cfg, 16, jnp.dtype(dtype).name) == kv_cache_bytes_per_block(cfg, 16, dtype)
 

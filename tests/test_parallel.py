@@ -216,6 +216,8 @@ def test_parallel_flags_are_checked_where_they_enter():
     multi = dict(tensor_parallel_size=2, num_processes=2)
     for bad, says in ((dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
                       (multi, "go together"), (dict(distributed_coordinator="h:1"), "go together"),
+                      # without a coordinator, that is what is missing, whatever the TP size
+                      (dict(num_processes=2), "go together"),
                       (dict(distributed_coordinator="nohost", **multi), "must be HOST:PORT"),
                       (dict(distributed_coordinator="h:99999", **multi), "must be HOST:PORT"),
                       (dict(distributed_coordinator="h:1", process_id=2, **multi), r"process_id must be in \[0, "),
