@@ -35,7 +35,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import ray
@@ -52,10 +52,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 import config_file
-import server
-from config import EngineConfig
-from async_engine import AsyncEngine
 from protocol import ApiError
+
+# The engine side (server.py, the engine, JAX) is imported where it is used: by the driver
+# (flags, plan) and by the Engine replicas. The Ingress process imports this module to run
+# its deployment and the router, and holds no engine: importing JAX there would cost each
+# Ingress replica seconds of CPU at start and the memory of a second JAX runtime.
+if TYPE_CHECKING:
+    from config import EngineConfig
 
 log = logging.getLogger("taxirank.serve_ray")
 
@@ -184,6 +188,9 @@ class EngineReplica:
     """One AsyncEngine behind server.py's app, on this node's address and a free port."""
 
     async def __init__(self, args: argparse.Namespace, config: EngineConfig) -> None:
+        import server
+        from async_engine import AsyncEngine
+
         logging.getLogger("taxirank").setLevel(args.log_level.upper())
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
@@ -375,6 +382,8 @@ class _Families:
 def build_parser() -> argparse.ArgumentParser:
     """server.py's flags (the same meaning per replica; --host/--port are Ray Serve's
     proxy) and the fleet's own."""
+    import server
+
     p = server.build_parser()
     p.description = "taxirank: OpenAI-compatible server, N replicas under Ray Serve"
     g = p.add_argument_group("Ray Serve")
@@ -411,6 +420,8 @@ class Plan:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Validate the flags (ValueError says which and why) and turn them into deployment options."""
+    import server
+
     # before EngineConfig, whose multi-host checks would speak of a setup that cannot run here at all
     if args.num_processes > 1 or args.distributed_coordinator is not None:
         raise ValueError("multi-host replicas are not supported under Ray Serve: one replica is one process "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import http.client
 import json
 import os
@@ -27,7 +26,6 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]'")
 
 import serve_ray  # noqa: E402
-from engine import LLMEngine  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 from test_server import (API_KEY, ROOT, SMALL, Server, client, request, scrape,  # noqa: E402,F401
                          test_api_key_missing_or_wrong_gets_401, test_bad_input_gets_a_clear_error_and_the_next_request_is_served,
@@ -56,12 +54,11 @@ def server() -> Iterator[Server]:
     the_plan = serve_ray.plan(args)
     ray.init(num_cpus=2, include_dashboard=False)  # before JAX starts its threads here: it forks
     try:
-        # The replicas' programs, compiled once here (the replicas' own config, warmed up)
-        # into the compilation cache they share: two replicas compiling the same programs
-        # at the same time would take twice the CPU. The replicas, and the two that replace
-        # killed ones, start without a warm-up of their own: each loads from the cache only
-        # the programs its requests run, not every bucket's.
-        LLMEngine(dataclasses.replace(the_plan.config, warmup=True), log=lambda *_: None)
+        # The replicas (and the two that replace killed ones) start without a warm-up: each
+        # compiles, or loads from the compilation cache they share, only the programs its
+        # requests run, not every bucket's. The tests send one request at a time until the
+        # fleet tests, whose programs the earlier ones compiled: a program is compiled once,
+        # by the first replica that runs it, and the other loads it from the cache.
         serve_ray.start(args, the_plan)
         yield Server(port, None, "")
     finally:
@@ -88,11 +85,16 @@ def post(server: Server, body: dict) -> tuple[int, dict, str]:
         conn.close()
 
 
-def wait_for(cond, what: str, timeout: float = 600.0, every: float = 0.2) -> None:
+def wait_for(cond, what: str, timeout: float = 600.0, every: float = 0.2, at_most: float = 1.0) -> None:
+    """Polls `cond` until true; the interval grows from `every` to `at_most`. Most conditions
+    here scrape /metrics, which costs the Ingress and every replica CPU each time (parsing
+    and merging their text): a replacement replica takes seconds to start, and polls at a
+    fixed 0.2 s would spend that CPU while it starts."""
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, f"not reached: {what}"
         time.sleep(every)
+        every = min(every * 1.5, at_most)
 
 
 def two_replicas_announced(server: Server) -> dict[str, float]:
@@ -182,24 +184,25 @@ def test_a_killed_replica_fails_its_requests_cleanly_the_other_serves_on_and_it_
         doomed = [stack.enter_context(streaming(server, {"prompt": homes[victim] + f" {i}"} | long)) for i in range(2)]
         spared = [stack.enter_context(streaming(server, {"prompt": homes[survivor] + f" {i}"} | short))
                   for i in range(2)]
-        wait_for(lambda: all(s["events"] or s["done"].is_set() for s in doomed + spared), "every stream under way")
+        wait_for(lambda: all(s["events"] or s["done"].is_set() for s in doomed + spared), "every stream under way",
+                 at_most=0.2)
         assert [(s["status"], s["replica"]) for s in doomed + spared] == [(200, victim)] * 2 + [(200, survivor)] * 2
         assert not any(s["done"].is_set() for s in doomed)
         killed = time.monotonic()
         os.kill(replica_pid(victim), signal.SIGKILL)
-        wait_for(lambda: all(s["done"].is_set() for s in doomed), "the victim's streams ended")
+        wait_for(lambda: all(s["done"].is_set() for s in doomed), "the victim's streams ended", at_most=0.2)
         failed = time.monotonic() - killed
         for s in doomed:  # a clear error event, after the tokens that made it out
             assert s["status"] == 200 and s["events"][-1]["error"]["code"] == "replica_failed", s["events"][-1]
-        wait_for(lambda: all(s["done"].is_set() for s in spared), "the survivor's streams ended")
+        wait_for(lambda: all(s["done"].is_set() for s in spared), "the survivor's streams ended", at_most=0.2)
     for s in spared:
         assert s["events"][-1]["choices"][0]["finish_reason"] == "length"
         assert not any("error" in e for e in s["events"])
     # The fleet serves on while the victim is replaced.
     status, _, replica = post(server, {"prompt": "still there?", "max_tokens": 2})
     assert (status, replica) == (200, survivor)
-    wait_for(lambda: len(by_replica(scrape(server), "num_kv_blocks")) == 2
-             and set(by_replica(scrape(server), "num_kv_blocks")) != replicas, "a new replica in /metrics")
+    wait_for(lambda: len(fleet := by_replica(scrape(server), "num_kv_blocks")) == 2 and set(fleet) != replicas,
+             "a new replica in /metrics")
     back = time.monotonic() - killed
     assert victim not in by_replica(scrape(server), "num_kv_blocks")
 
