@@ -39,6 +39,9 @@ LLAMA3_8B_HF = dict(  # Meta-Llama-3-8B's config.json, the fields that shape the
     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
     rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
     tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, hidden_act="silu")
+# --quick: every code path on toy shapes, the step on a 2-layer scaled-down model
+TOY_HF = dict(LLAMA3_8B_HF, num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1024,
+              num_attention_heads=8, num_key_value_heads=2, head_dim=32, bos_token_id=1, eos_token_id=2)
 ROTATE_BYTES = 256 << 20
 
 
@@ -204,6 +207,7 @@ RAGGED_CASES = {  # label: (q_lens, kv_lens) per sequence
     "prefill 1x2048": ([2048], [2048]),
     "chunk 512 + 63 decodes @2k": ([512] + [1] * 63, [1024] + [2048] * 63),
 }
+TOY_RAGGED_CASES = {"prefill 1x32": ([32], [32]), "chunk 8 + 3 decodes": ([8, 1, 1, 1], [24, 40, 40, 40])}
 
 
 def bench_ragged(res: Results, interpret: bool, backends: list[str],
@@ -348,11 +352,7 @@ def main() -> None:
     step_backends = sections(ap, args.step_backends, ("pallas", "xla"), "--step-backends")
     on_gpu = require_gpu(args.require_gpu)
     interpret = not on_gpu
-    step_config, ragged_cases = LLAMA3_8B_HF, RAGGED_CASES
-    if args.quick:  # every code path on toy shapes (the step on a 2-layer scaled-down model)
-        ragged_cases = {"prefill 1x32": ([32], [32]), "chunk 8 + 3 decodes": ([8, 1, 1, 1], [24, 40, 40, 40])}
-        step_config = dict(LLAMA3_8B_HF, num_hidden_layers=2, hidden_size=256, intermediate_size=512,
-                           vocab_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    step_config, ragged_cases = (TOY_HF, TOY_RAGGED_CASES) if args.quick else (LLAMA3_8B_HF, RAGGED_CASES)
     out = out_path(args.out, "kernels.json")
     dev = jax.devices()[0]
     meta = dict(jax=jax.__version__, python=platform.python_version(), backend=jax.default_backend(),

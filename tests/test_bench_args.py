@@ -64,3 +64,14 @@ def test_simulate_exp_workload_runs_at_a_max_model_len_that_holds_it(tmp_path):
     reqs = workload.exponential_mix(tiny.num_requests, tiny.vocab_size, prompt_len=tiny.prompt_len)
     assert out["config"]["max_model_len"] == max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) > 64
     assert out["output_tokens"] == sum(r.max_tokens for r in reqs)  # every request ran to its end
+
+
+def test_attention_kernels_quick_step_model_is_a_valid_config():
+    """--quick's toy step model: Llama-3-8B's config.json scaled down, its special tokens inside
+    the toy vocabulary (Llama-3's 128001 once made every --quick step stage fail at load)."""
+    from model import ModelConfig
+
+    toy = load_bench("attention_kernels").TOY_HF
+    cfg = ModelConfig.from_hf(toy)
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size) == (1024, 2, 256)
+    assert max(toy["bos_token_id"], toy["eos_token_id"]) < cfg.vocab_size
