@@ -115,8 +115,7 @@ def sections(parser: Any, text: str, choices: Sequence[str], flag: str = "--sect
 
 
 def checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
-    """An argparse type: `kind(text)` if `ok`, else an error argparse shows with the flag's name;
-    kind `list`: comma-separated ints, each `ok`."""
+    """An argparse type: kind(text) if ok, else an error naming the flag; kind list: ints a,b,c each ok."""
     def parse(text: str) -> Any:
         try:
             x = [int(v) for v in text.split(",") if v.strip()] if kind is list else kind(text)

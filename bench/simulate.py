@@ -43,6 +43,7 @@ from scheduler import Scheduler, SchedulerOutput, Sequence  # noqa: E402
 
 NOT_EOS = 7  # the token every simulated step samples: any id that is not an EOS
 PROGRAMS = ("decode", "ragged")
+SYNTHETIC = ("seed", "exp", "slo-mix", "two-clients")  # the workloads synthetic() makes
 DEFAULT_COST_MODEL = results_dir("cost_model.json")
 
 
@@ -56,9 +57,6 @@ class SimRequest:
     user: str | None = None  # the client, for the fair policy
     slo_ttft_s: float | None = None  # targets, for the slo policy (None: the config's defaults)
     slo_tpot_s: float | None = None
-
-
-SYNTHETIC = ("seed", "exp", "slo-mix", "two-clients")
 
 
 def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16, long: int = 512,
