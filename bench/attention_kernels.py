@@ -26,7 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attention_backend as ab  # noqa: E402
-from report import out_path, require_gpu, timer, write_json  # noqa: E402
+from report import (checked, out_path, positive, positive_float, positive_ints, require_gpu, sections,  # noqa: E402
+                    timer, write_json)
 import kernels_pallas as kp  # noqa: E402
 from attention_backend import AttentionShape  # noqa: E402
 
@@ -38,6 +39,9 @@ LLAMA3_8B_HF = dict(  # Meta-Llama-3-8B's config.json, the fields that shape the
     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
     rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
     tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, hidden_act="silu")
+# --quick: every code path on toy shapes, the step on a 2-layer scaled-down model
+TOY_HF = dict(LLAMA3_8B_HF, num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1024,
+              num_attention_heads=8, num_key_value_heads=2, head_dim=32, bos_token_id=1, eos_token_id=2)
 ROTATE_BYTES = 256 << 20
 
 
@@ -203,6 +207,7 @@ RAGGED_CASES = {  # label: (q_lens, kv_lens) per sequence
     "prefill 1x2048": ([2048], [2048]),
     "chunk 512 + 63 decodes @2k": ([512] + [1] * 63, [1024] + [2048] * 63),
 }
+TOY_RAGGED_CASES = {"prefill 1x32": ([32], [32]), "chunk 8 + 3 decodes": ([8, 1, 1, 1], [24, 40, 40, 40])}
 
 
 def bench_ragged(res: Results, interpret: bool, backends: list[str],
@@ -315,24 +320,21 @@ def bench_smoke(res: Results, interpret: bool, shapes: list[AttentionShape]) -> 
                 f"smoke   --attention-backend auto serves: {chosen}")
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 FLAGS = (  # flag, type (bool: a switch), default, help
     ("out", str, None, "JSON path (default: $OUT/kernels.json if $OUT is set)"),
-    ("batches", _ints, [1, 16, 64, 256], None), ("contexts", _ints, [512, 2048, 8192], None),
+    ("batches", positive_ints, [1, 16, 64, 256], None), ("contexts", positive_ints, [512, 2048, 8192], None),
     ("backends", str, "pallas,ref", "of the kernel benches: pallas,ref"),
-    ("peak-tbps", float, 4.8, "peak HBM TB/s (H200 datasheet: 4.8)"),
+    ("peak-tbps", positive_float, 4.8, "peak HBM TB/s (H200 datasheet: 4.8)"),
     ("skip-decode", bool, False, None), ("skip-ragged", bool, False, None), ("skip-step", bool, False, None),
-    ("step-batches", _ints, [1, 32, 256], None), ("step-context", int, 1024, None),
-    ("step-backends", str, "pallas", "pallas,xla"), ("step-iters", int, 10, None),
+    ("step-batches", positive_ints, [1, 32, 256], None), ("step-context", positive, 1024, None),
+    ("step-backends", str, "pallas", "pallas,xla"), ("step-iters", positive, 10, None),
     ("smoke", bool, False, "only the compile smoke test: both kernels vs the references on small inputs"),
     ("sweep", bool, False, "tune the decode kernel on the judged cases over the --sweep-* lists"),
-    ("sweep-warps", _ints, [4, 8], None), ("sweep-stages", _ints, [2, 3, 4], None),
-    ("sweep-keys", _ints, [64, 128], "keys per inner-loop step"),
-    ("judge-gib", float, 0.5, "decode cases reading at least this much KV are judged (and swept)"),
-    ("copy-gib", float, 2.0, "buffer of the copy-bandwidth measurement"), ("skip-copy", bool, False, None),
+    ("sweep-warps", positive_ints, [4, 8], None), ("sweep-stages", positive_ints, [2, 3, 4], None),
+    ("sweep-keys", positive_ints, [64, 128], "keys per inner-loop step"),
+    ("judge-gib", checked(float, lambda x: x >= 0, "a number >= 0"), 0.5,
+     "decode cases reading at least this much KV are judged (and swept)"),
+    ("copy-gib", positive_float, 2.0, "buffer of the copy-bandwidth measurement"), ("skip-copy", bool, False, None),
     ("quick", bool, False, "toy shapes, a smoke run of every part (on CPU the kernels are interpreted)"),
     ("require-gpu", bool, False, "fail at once when JAX sees no GPU"))
 
@@ -342,18 +344,15 @@ def main() -> None:
     for flag, kind, default, what in FLAGS:
         ap.add_argument(f"--{flag}", help=what, **(dict(action="store_true") if kind is bool else dict(
             type=kind, default=default)))
+    if "--quick" in sys.argv[1:]:  # toy shapes, unless given; every case judged: the sweep path runs
+        ap.set_defaults(batches=[1, 4], contexts=[64], step_batches=[1, 4], step_context=64, step_iters=2,
+                        judge_gib=0.0, copy_gib=1 / 16, sweep_warps=[4], sweep_stages=[2])
     args = ap.parse_args()
+    backends = sections(ap, args.backends, ("pallas", "ref"), "--backends")
+    step_backends = sections(ap, args.step_backends, ("pallas", "xla"), "--step-backends")
     on_gpu = require_gpu(args.require_gpu)
     interpret = not on_gpu
-    step_config, ragged_cases = LLAMA3_8B_HF, RAGGED_CASES
-    if args.quick:  # every code path on toy shapes (the step on a 2-layer scaled-down model)
-        args.batches, args.contexts = [1, 4], [64]
-        ragged_cases = {"prefill 1x32": ([32], [32]), "chunk 8 + 3 decodes": ([8, 1, 1, 1], [24, 40, 40, 40])}
-        args.step_batches, args.step_context, args.step_iters = [1, 4], 64, 2
-        step_config = dict(LLAMA3_8B_HF, num_hidden_layers=2, hidden_size=256, intermediate_size=512,
-                           vocab_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
-        args.judge_gib, args.copy_gib = 0.0, 1 / 16  # every case judged: the sweep path runs
-        args.sweep_warps, args.sweep_stages = args.sweep_warps[:1], args.sweep_stages[:1]
+    step_config, ragged_cases = (TOY_HF, TOY_RAGGED_CASES) if args.quick else (LLAMA3_8B_HF, RAGGED_CASES)
     out = out_path(args.out, "kernels.json")
     dev = jax.devices()[0]
     meta = dict(jax=jax.__version__, python=platform.python_version(), backend=jax.default_backend(),
@@ -368,7 +367,7 @@ def main() -> None:
     print(f"# {meta['device']}  jax {meta['jax']}  peak {args.peak_tbps} TB/s  ({meta['lowering']})",
           flush=True)
     res = Results(out, meta)
-    backends, peak = [b for b in args.backends.split(",") if b], args.peak_tbps * 1e12
+    peak = args.peak_tbps * 1e12
     if args.smoke:
         bench_smoke(res, interpret, SMOKE_SHAPES[:2] if args.quick else SMOKE_SHAPES)
     if not (args.skip_decode or args.smoke):
@@ -381,7 +380,7 @@ def main() -> None:
         bench_ragged(res, interpret, backends, ragged_cases)
     if not (args.skip_step or args.smoke):
         bench_step(res, args.step_batches, args.step_context, peak,
-                   [b for b in args.step_backends.split(",") if b], args.step_iters, step_config)
+                   step_backends, args.step_iters, step_config)
     if out:
         print(f"wrote {out}")
     if args.smoke:

@@ -13,8 +13,11 @@
 set -uo pipefail  # no -e: a failing stage is a result, not the end
 cd "$(dirname "$0")/.."
 
-MODE=gpu
-if [ "${1:-}" = "--cpu-smoke" ]; then MODE=cpu-smoke; fi
+case "$*" in
+  "") MODE=gpu ;;
+  --cpu-smoke) MODE=cpu-smoke ;;
+  *) echo "usage: bash bench/gpu_check.sh [--cpu-smoke], got: $*" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 DEST=${OUT:-bench/results/gpu_check}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")

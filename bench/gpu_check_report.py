@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("dest", help="where results.json and summary.md go")
     ap.add_argument("--mode", choices=("gpu", "cpu-smoke"), default="gpu")
     args = ap.parse_args(argv)
+    if not os.path.isdir(args.work):
+        ap.error(f"no work folder {args.work!r}")
     res = build(args.work, args.mode)
     write_json(os.path.join(args.dest, "results.json"), res)
     write_text(os.path.join(args.dest, "summary.md"), markdown(res))

@@ -15,32 +15,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from offline import Engines  # noqa: E402
-from report import (continuous_vs_static, lean, log, machine_info, out_path, ratio_rows, require_gpu,  # noqa: E402
-                    run_line, text_table, timed_generate, write_json)
+from report import (continuous_vs_static, lean, log, machine_info, out_path, positive, ratio_rows,  # noqa: E402
+                    require_gpu, run_line, size_defaults, text_table, timed_generate, write_json)
 from workload import seed_mix  # noqa: E402
 
 MODEL = "llama3-8b-random"
 TARGET = 1.8
+# flag: (default, with --tiny). 32 seqs: the seed's mix32 section (bench/offline.py); 256 batched tokens with
+# chunked prefill: fewer token buckets to compile than a whole-prompt budget.
+SIZES = {"num_requests": (200, 8), "max_num_seqs": (32, 4), "max_model_len": (1024, 64),
+         "max_num_batched_tokens": (256, 32)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-requests", type=int, default=200)
-    ap.add_argument("--max-num-seqs", type=int, default=32, help="32: the seed's mix32 section (bench/offline.py)")
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256,
-                    help="with chunked prefill: fewer token buckets to compile than a whole-prompt budget")
-    ap.add_argument("--attention-backend", default="auto")
+    for name, (full, tiny) in SIZES.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=positive, help=f"default {full} ({tiny} with --tiny)")
+    ap.add_argument("--attention-backend", default="auto", choices=("auto", "xla", "pallas"))
     ap.add_argument("--tiny", action="store_true", help="the tiny model and 8 requests (a CPU dry run)")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/mix.json if $OUT is set)")
     ap.add_argument("--require-gpu", action="store_true", help="fail at once when JAX sees no GPU")
-    args = ap.parse_args(argv)
+    args = size_defaults(ap.parse_args(argv), SIZES)
     require_gpu(args.require_gpu)
     import model as model_lib
 
     short, long, prompt_len, dtype, name = 16, 512, (32, 256), "bfloat16", MODEL
     if args.tiny:
-        args.num_requests, args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens = 8, 4, 64, 32
         short, long, prompt_len, dtype, name = 4, 24, (8, 24), "float32", "tiny"
     else:  # registered for this process only
         from attention_kernels import LLAMA3_8B_HF

@@ -42,7 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from client import Record, Refused, Server, complete, probe, sample_metrics, server_view  # noqa: E402
-from report import flags_to_argv, machine_info, mixed_report, summarize, write_json  # noqa: E402
+from report import (flags_to_argv, machine_info, mixed_report, positive, positive_float, summarize,  # noqa: E402
+                    write_json)
 from workload import Request, arrival_times, seed_mix, vocab_size_of  # noqa: E402
 
 sys.path.insert(0, ROOT)
@@ -234,29 +235,24 @@ class TargetAction(argparse.Action):
         setattr(ns, self.dest, list(getattr(ns, self.dest) or []) + [target])
 
 
-def positive(text: str) -> int:
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return int(text)
-
-
 FLAGS = [  # (flag, type, default, help) of the plain options
     ("--model", str, "bench", "taxirank model to serve: tiny, bench or an HF directory"),
-    ("--vocab-size", int, None, "prompt token ids are drawn below it (default: --model's; 32000 for --url/--compare)"),
+    ("--vocab-size", positive, None,
+     "prompt token ids are drawn below it (default: --model's; 32000 with --url/--compare)"),
     ("--num-requests", positive, 100, None),
     ("--short", positive, 16, "max_tokens of the short half"),
     ("--long", positive, 512, "max_tokens of the long half"),
     ("--prompt-len", str, "32,256", "prompt lengths: MIN,MAX random token ids, or words of text prompts"),
-    ("--rate", float, None, "requests/s as a Poisson process (default: all at once)"),
+    ("--rate", positive_float, None, "requests/s as a Poisson process (default: all at once)"),
     ("--seed", int, 0, None),
-    ("--max-num-seqs", int, 32, None),
-    ("--max-model-len", int, 2048, "the full length; variants /half run half"),
-    ("--block-size", int, 16, None),
+    ("--max-num-seqs", positive, 32, None),
+    ("--max-model-len", positive, 2048, "the full length; variants /half run half"),
+    ("--block-size", positive, 16, None),
     ("--kv-budget-seqs", positive, 8, "the admission variants' KV budget, in sequences of the full max_model_len"),
     ("--variants", str, None, "comma-separated subset, e.g. continuous,static,reserve-max-len/half"),
     ("--server-args", str, "", "extra flags for every taxirank server, e.g. '--enable-chunked-prefill'"),
-    ("--startup-timeout", float, 900.0, "seconds to wait for a started server's /health (or /v1/models)"),
-    ("--request-timeout", float, 900.0, "seconds of silence before a request fails"),
+    ("--startup-timeout", positive_float, 900.0, "seconds to wait for a started server's /health (or /v1/models)"),
+    ("--request-timeout", positive_float, 900.0, "seconds of silence before a request fails"),
     ("--jax-cache", str, os.path.join(ROOT, "bench", "results", ".jax-cache"),
      "persistent compilation cache for the servers ('' for none)"),
     ("--out", str, None, "output directory (default bench/results/<timestamp>/)"),
@@ -298,6 +294,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     args = ap.parse_args(argv)
     if args.report:
+        if given - {"--report"}:
+            ap.error(f"--report re-renders DIR's results.json and takes no other option, got {sorted(given)}")
+        if not os.path.isfile(path := os.path.join(args.report, "results.json")):
+            ap.error(f"--report: no {path}")
         return args
     if args.no_stream and not args.targets:
         ap.error("--no-stream measures --url/--compare servers; taxirank's variants are compared by TTFT and ITL")
@@ -308,6 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         t.name = "server" if len(args.targets) == 1 else f"server{i}"
     if len({t.name for t in args.targets}) != len(args.targets):
         ap.error(f"server names must differ: {[t.name for t in args.targets]}")
+    if args.quick and args.peer:
+        ap.error("--quick and --peer are two presets: give one")
     preset = "quick" if args.quick else "peer" if args.peer else None
     for opt, value in PRESETS[preset][1].items() if preset else ():
         if "--" + opt.replace("_", "-") not in given:

@@ -20,8 +20,8 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (continuous_vs_static, lean, log, machine_info, ratio_rows, results_dir, run_line,  # noqa: E402
-                    sections, side_by_side, text_table, timed_generate, warm, write_json)
+from report import (continuous_vs_static, lean, log, machine_info, positive, ratio_rows, results_dir,  # noqa: E402
+                    run_line, sections, side_by_side, text_table, timed_generate, warm, write_json)
 from workload import Request, exponential_mix, seed_mix, vocab_size_of  # noqa: E402
 
 SECTIONS = ("mix32", "p99-64", "exp32", "peers")
@@ -314,9 +314,9 @@ def header(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
-    ap.add_argument("--num-requests", type=int, default=None,
+    ap.add_argument("--num-requests", type=positive, default=None,
                     help="requests in the short/long mix (default 100; the exponential variant runs 3x as many)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="max_model_len of the engines running the mix "
+    ap.add_argument("--max-model-len", type=positive, default=None, help="max_model_len of the engines running the mix "
                     "(default 1024; the exponential variant uses 2048)")
     ap.add_argument("--tiny", action="store_true", help="the tiny model and a handful of requests (tests)")
     ap.add_argument("--out", default=None, help="JSON results (default bench/results/offline-<timestamp>.json)")
@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sz = replace(sz, num_requests=args.num_requests, exp_requests=3 * args.num_requests)
     if args.max_model_len is not None:
         sz = replace(sz, max_model_len=args.max_model_len)
+    if sz.max_model_len < (need := sz.prompt_len[1] + sz.long):
+        ap.error(f"--max-model-len {sz.max_model_len} cannot hold the mix's longest request ({need} tokens)")
     out = args.out or results_dir(f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json")
     results: dict[str, Any] = {"machine": machine_info(), "sizes": asdict(sz), "torch_threads": TORCH_THREADS,
                                "argv": sys.argv[1:] if argv is None else argv, "loadavg_start": os.getloadavg(),

@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root first
 
-from report import machine_info, md_table, results_dir, write_json, write_text  # noqa: E402
+from report import machine_info, md_table, positive, positive_float, results_dir, write_json, write_text  # noqa: E402
 from simulate import (GPU_KV_TOKEN_BYTES, GPU_LIKE, GPU_LINK_BYTES_S, SimRequest, load_cost_model,  # noqa: E402
                       build_engine, fresh_scheduler, measure_swap, run_engine, simulate, synthetic)
 from workload import token_ids, vocab_size_of  # noqa: E402
@@ -67,15 +67,17 @@ def gpu_crossover(config: EngineConfig, num_kv_blocks: int, work: list[SimReques
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag, kind, default, what in (("model", str, "tiny", None), ("scale", float, 1.0, "multiplies request counts"),
-                                      ("long", int, 512, "the heavy client's max_tokens"), ("out", str, None, None),
-                                      ("max-num-seqs", int, 8, None),
-                                      ("repeats", int, 3, "workload 2's runs of every policy (engine)"),
+    for flag, kind, default, what in (("model", str, "tiny", None),
+                                      ("scale", positive_float, 1.0, "multiplies request counts"),
+                                      ("long", positive, 512, "the heavy client's max_tokens"), ("out", str, None, None),
+                                      ("max-num-seqs", positive, 8, None),
+                                      ("repeats", positive, None,
+                                       "workload 2's runs of every policy (engine only; default 3)"),
                                       ("simulate", str, None, "gpu-like or a cost-model JSON: no engine")):
         p.add_argument(f"--{flag}", type=kind, default=default, help=what)
     a = p.parse_args(argv)
-    if a.repeats < 1:
-        p.error("--repeats must be >= 1")
+    if a.simulate and a.repeats:
+        p.error("--repeats repeats the engine's runs; the simulator's (--simulate) are deterministic")
     out_dir = a.out or results_dir(time.strftime("policies-%Y%m%d-%H%M%S"))
     vocab, rng, n = vocab_size_of(a.model), random.Random(0), lambda k: max(2, round(k * a.scale))
     mml = 256 + max(a.long, 128); blocks = a.max_num_seqs * (mml // 16) + 1  # noqa: E702
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         work = synthetic("slo-mix", n(144), vocab, long=128, rate=1.5 * capacity, seed=3, slo=targets)
         return {"capacity_req_s": capacity, "rate_req_s": 1.5 * capacity, "targets_s": targets} | {
             pol: run(work, f"w2-{pol}-{i}", blocks, scheduling_policy=pol) for pol in POLICIES}
-    runs = [overload(i) for i in range(1 if cm else a.repeats)]  # 2. interleaved repeats: a rate follows the speed
+    runs = [overload(i) for i in range(1 if cm else a.repeats or 3)]  # 2. interleaved repeats: a rate follows the speed
     keys = ("capacity_req_s", "rate_req_s")
     w2 = results["overload"] = {"repeats": [{k: r[k] for k in keys} for r in runs]} | {
         k: sorted(r[k] for r in runs)[len(runs) // 2] for k in keys}

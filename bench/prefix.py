@@ -19,15 +19,16 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (log, machine_info, md_table, ratio_rows, results_dir, sections, side_by_side,  # noqa: E402
-                    size_defaults, timed_generate, warm, write_json, write_text)
+from report import (checked, log, machine_info, md_table, positive, ratio_rows, results_dir, sections,  # noqa: E402
+                    side_by_side, size_defaults, timed_generate, warm, write_json, write_text)
 from workload import Request, seed_mix, shared_prefix, token_ids, vocab_size_of  # noqa: E402
 
 SECTIONS = ("shared", "multiturn", "mix")
 BLOCK = 16
 SIZES = {  # flag: (full run, --tiny)
     "shared_requests": (64, 8), "system_len": (1024, 96), "shared_output": (64, 8), "conversations": (16, 4),
-    "first_len": (512, 48), "turn_output": (64, 8), "mix_requests": (32, 8), "mix_long": (256, 24)}
+    "first_len": (512, 48), "turn_output": (64, 8), "mix_requests": (32, 8), "mix_long": (256, 24),
+    "question_len": (32, 8), "mix_short": (16, 4)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,17 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--chunked-prefill", action="store_true", help="run every engine with chunked prefill")
     for name in SIZES:
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
-    for name, default in (("question_len", 32), ("turns", 4), ("mix_short", 16), ("mix_repeats", 2), ("seed", 0)):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+        p.add_argument("--" + name.replace("_", "-"), type=positive, default=None)
+    for name, kind, default in (("turns", checked(int, lambda x: x >= 2, "an integer >= 2"), 4),
+                                ("mix_repeats", positive, 2), ("seed", int, 0)):
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
     p.add_argument("--out", default=None, help="output folder (default bench/results/prefix[-tiny])")
     a = size_defaults(p.parse_args(argv), SIZES | {"model": ("bench", "tiny"),
                                                    "out": (results_dir("prefix"), results_dir("prefix-tiny"))})
-    if a.tiny:
-        a.question_len, a.mix_short = min(a.question_len, 8), min(a.mix_short, 4)
     a.sections = sections(p, a.sections, SECTIONS)
-    if a.turns < 2:
-        p.error("--turns must be >= 2")
     return a
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from client import Capabilities, Record, Server, complete, parse_metrics
-from report import md_table, results_dir, summarize, text_table, write_json, write_text
+from report import md_table, positive, results_dir, summarize, text_table, write_json, write_text
 from workload import Request, shared_prefix, vocab_size_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,23 +95,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--num-replicas", type=int, default=2)
-    p.add_argument("--num-prefixes", type=int, default=16, help="distinct system prompts")
-    p.add_argument("--prefix-len", type=int, default=1024, help="tokens per system prompt")
-    p.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own question")
-    p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--num-kv-blocks", type=int,
+    p.add_argument("--num-replicas", type=positive, default=2)
+    p.add_argument("--num-prefixes", type=positive, default=16, help="distinct system prompts")
+    p.add_argument("--prefix-len", type=positive, default=1024, help="tokens per system prompt")
+    p.add_argument("--suffix-len", type=positive, default=32, help="tokens of each request's own question")
+    p.add_argument("--num-requests", type=positive, default=256)
+    p.add_argument("--max-tokens", type=positive, default=8)
+    p.add_argument("--concurrency", type=positive, default=8, help="requests in flight")
+    p.add_argument("--max-num-seqs", type=positive, default=8)
+    p.add_argument("--num-kv-blocks", type=positive,
                    help="per replica; default: room for half the system prompts and one more, plus the "
                         "in-flight requests' own tokens")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    for name in ("num_replicas", "num_prefixes", "prefix_len", "suffix_len", "num_requests", "max_tokens",
-                 "concurrency", "max_num_seqs"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
     blocks_per_request = -(-(args.prefix_len + args.suffix_len + args.max_tokens) // 16)
     own_blocks = -(-(args.suffix_len + args.max_tokens) // 16) + 1  # beyond the shared prefix's full blocks
     if args.num_kv_blocks is None:

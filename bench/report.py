@@ -5,6 +5,7 @@ the figures came from; and bench/mixed.py's reading of its results (report.md an
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -105,12 +106,31 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def sections(parser: Any, text: str, choices: Sequence[str]) -> list[str]:
-    """A comma-separated --sections list, each one of `choices` (else a parser error)."""
+def sections(parser: Any, text: str, choices: Sequence[str], flag: str = "--sections") -> list[str]:
+    """A comma-separated list of `flag`, each one of `choices` (else a parser error)."""
     chosen = [s.strip() for s in text.split(",") if s.strip()]
     if not chosen or not set(chosen) <= set(choices):
-        parser.error(f"--sections takes a comma-separated subset of {', '.join(choices)}, got {text!r}")
+        parser.error(f"{flag} takes a comma-separated subset of {', '.join(choices)}, got {text!r}")
     return chosen
+
+
+def checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse type: kind(text) if ok, else an error naming the flag; kind list: ints a,b,c each ok."""
+    def parse(text: str) -> Any:
+        try:
+            x = [int(v) for v in text.split(",") if v.strip()] if kind is list else kind(text)
+            if (x and all(map(ok, x))) if kind is list else ok(x):
+                return x
+        except ValueError:
+            pass
+        raise argparse.ArgumentTypeError(f"wants {what}, got {text!r}")
+    return parse
+
+
+positive = checked(int, lambda x: x >= 1, "an integer >= 1")
+natural = checked(int, lambda x: x >= 0, "an integer >= 0")
+positive_float = checked(float, lambda x: 0 < x < math.inf, "a number > 0")
+positive_ints = checked(list, lambda x: x >= 1, "comma-separated integers >= 1")
 
 
 def size_defaults(args: Any, sizes: dict[str, tuple[Any, Any]]) -> Any:

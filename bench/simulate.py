@@ -34,7 +34,8 @@ from typing import Any, Callable, NamedTuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root's modules first
 
-from report import md_table, pyplot, results_dir, save_figure, summarize, timer, write_json, write_text  # noqa: E402
+from report import (checked, md_table, natural, positive, positive_float, positive_ints, pyplot,  # noqa: E402
+                    results_dir, save_figure, summarize, timer, write_json, write_text)
 from workload import arrival_times, exponential_mix, seed_mix, token_ids  # noqa: E402
 from config import EngineConfig, SamplingParams, SLOTarget  # noqa: E402
 from metrics import WAIT_REASONS, EngineStats, StepTrace  # noqa: E402
@@ -42,6 +43,7 @@ from scheduler import Scheduler, SchedulerOutput, Sequence  # noqa: E402
 
 NOT_EOS = 7  # the token every simulated step samples: any id that is not an EOS
 PROGRAMS = ("decode", "ragged")
+SYNTHETIC = ("seed", "exp", "slo-mix", "two-clients")  # the workloads synthetic() makes
 DEFAULT_COST_MODEL = results_dir("cost_model.json")
 
 
@@ -71,8 +73,6 @@ def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16,
                  for _ in range(num_requests - n_light)]
         return heavy + [SimRequest(0.1 + i / (rate or 10.0), token_ids(rng, vocab_size, rng.randint(16, 32)), short,
                                    cls="light", user="light") for i in range(n_light)]
-    if kind not in ("seed", "exp", "slo-mix"):
-        raise ValueError(f"unknown workload {kind!r}: seed, exp, slo-mix, two-clients or a JSON file")
     reqs = (exponential_mix(num_requests, vocab_size, prompt_len=prompt_len, seed=seed) if kind == "exp"
             else seed_mix(num_requests, vocab_size, short=short, long=long, prompt_len=prompt_len, seed=seed))
     names = ("interactive", "batch") if kind == "slo-mix" else ("short", "long")
@@ -531,20 +531,27 @@ def main(argv: list[str] | None = None) -> int:
                        ("report", "the seed's question at max_num_seqs 8..256"), ("enable-chunked-prefill", None)):
         p.add_argument(f"--{flag}", action="store_true", help=what)
     for flag, kind, default, what in (
-            ("report-seqs", str, ",".join(map(str, REPORT_SEQS)), None),
+            ("report-seqs", positive_ints, ",".join(map(str, REPORT_SEQS)), None),
             ("cost-model", str, None, f"a cost-model JSON (default {os.path.relpath(DEFAULT_COST_MODEL)}) or gpu-like"),
             ("out", str, None, "output directory (default bench/results/simulate-<time>)"),
             ("workload", str, "seed", "seed | exp | slo-mix | two-clients | a JSON file (see the docstring)"),
-            ("num-requests", int, None, None), ("rate", float, None, "arrivals per second (synthetic workloads)"),
-            ("priority-fraction", float, 0.0, "this fraction of requests (every k-th) gets priority -1, the rest 0"),
-            ("max-num-seqs", int, None, None), ("max-model-len", int, None, None), ("num-kv-blocks", int, None, None),
-            ("max-num-batched-tokens", int, None, None), ("block-size", int, 16, None),
+            ("num-requests", positive, None, None),
+            ("rate", positive_float, None, "arrivals per second (synthetic workloads)"),
+            ("priority-fraction", checked(float, lambda x: 0 <= x <= 1, "a fraction in [0, 1]"), 0.0,
+             "this fraction of requests (every k-th) gets priority -1, the rest 0"),
+            ("max-num-seqs", positive, None, None), ("max-model-len", positive, None, None),
+            ("num-kv-blocks", checked(int, lambda x: x >= 2, "an integer >= 2 (block 0 is the null block)"), None, None),
+            ("max-num-batched-tokens", positive, None, None), ("block-size", positive, 16, None),
             ("scheduling", str, "continuous", None), ("scheduling-policy", str, "fcfs", None),
             ("kv-admission", str, "on-demand", None), ("preemption-mode", str, "recompute", None),
-            ("num-swap-blocks", int, 1 << 20, "the host pool under --preemption-mode swap, in KV blocks"),
-            ("slo-ttft-ms", float, None, None), ("slo-tpot-ms", float, None, None)):
+            ("num-swap-blocks", natural, 1 << 20, "the host pool under --preemption-mode swap, in KV blocks"),
+            ("slo-ttft-ms", positive_float, None, None), ("slo-tpot-ms", positive_float, None, None)):
         p.add_argument(f"--{flag}", type=kind, default=default, help=what)
     args = p.parse_args(argv)
+    if args.validate + args.calibrate + args.report > 1:
+        p.error("--validate, --calibrate and --report are three runs: give one")
+    if args.workload not in SYNTHETIC and not os.path.isfile(args.workload):
+        p.error(f"--workload takes {', '.join(SYNTHETIC)} or a JSON file, got {args.workload!r}")
     sizes = TINY if args.tiny else FULL
     out_dir = args.out or results_dir(time.strftime("simulate-%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
@@ -561,21 +568,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cm = load_cost_model(args.cost_model)
     if args.report:
-        report({"this machine": cm, "GPU-like": GPU_LIKE}, out_dir, tuple(int(x) for x in args.report_seqs.split(",")))
+        report({"this machine": cm, "GPU-like": GPU_LIKE}, out_dir, tuple(args.report_seqs))
         return 0
     work = synthetic(args.workload, args.num_requests or sizes.num_requests, sizes.vocab_size, short=sizes.short,
-                     long=sizes.long, prompt_len=sizes.prompt_len, rate=args.rate) if args.workload in (
-        "seed", "exp", "slo-mix", "two-clients") else load_workload(args.workload, sizes.vocab_size)
+                     long=sizes.long, prompt_len=sizes.prompt_len, rate=args.rate) if args.workload in SYNTHETIC else (
+        load_workload(args.workload, sizes.vocab_size))
     k = max(1, round(1 / args.priority_fraction)) if args.priority_fraction else 0
     for i, r in enumerate(work):
         r.priority = -1 if k and i % k == 0 else r.priority
-    mml = args.max_model_len or sizes.max_model_len
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in work)
+    if longest > (mml := args.max_model_len or max(sizes.max_model_len, longest)):
+        p.error(f"--max-model-len {mml} cannot hold the workload's longest request ({longest} tokens)")
     kw: dict[str, Any] = {f: getattr(args, f) for f in (
         "max_num_seqs", "block_size", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling",
         "scheduling_policy", "kv_admission", "preemption_mode", "slo_ttft_ms", "slo_tpot_ms")} | {"max_model_len": mml}
     kw["max_num_seqs"] = kw["max_num_seqs"] or sizes.max_num_seqs
-    cfg = EngineConfig(**kw).resolved(mml)  # validates every field, as the engine's flags are
+    try:
+        cfg = EngineConfig(**kw).resolved(mml)  # validates every field, as the engine's flags are
+    except ValueError as e:
+        p.error(str(e))
     blocks = args.num_kv_blocks or cfg.max_num_seqs * cfg.max_blocks_per_seq + 1
+    if (blocks - 1) * cfg.block_size < longest:
+        p.error(f"--num-kv-blocks {blocks} (one the null block) cannot hold the longest request ({longest} tokens)")
     t0 = time.process_time()
     res = simulate(cfg, blocks, work, cm, num_swap_blocks=args.num_swap_blocks)
     summary = res.summary()

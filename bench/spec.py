@@ -25,7 +25,8 @@ from config import SamplingParams  # noqa: E402
 from engine import LLM  # noqa: E402
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the root: engine modules win
-from report import machine_info, md_table, num, percentile, results_dir, write_json  # noqa: E402
+from report import (checked, machine_info, md_table, num, percentile, positive, positive_ints,  # noqa: E402
+                    results_dir, sections, write_json)
 from workload import text_prompt  # noqa: E402
 
 # The rule measured on this CPU (docs/ARCHITECTURE.md, speculative decoding): off from 8 running
@@ -70,16 +71,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--quick", action="store_true", help="fewer output tokens (32 instead of 96)")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--reps", type=int, default=2, help="runs of each variant, interleaved; the fastest is kept")
+    ap.add_argument("--batches", type=positive_ints, default="1,8,32")
+    ap.add_argument("--reps", type=positive, default=2, help="runs of each variant, interleaved; the fastest is kept")
     ap.add_argument("--workloads", default="A,B")
-    ap.add_argument("--ngram-config", default=json.dumps(NGRAM))
-    ap.add_argument("--draft-config", default=None, help="a draft_model --speculative-config JSON (off: skipped)")
+    config = checked(json.loads, lambda x: isinstance(x, dict), "a JSON object")  # a JSONDecodeError is a ValueError
+    ap.add_argument("--ngram-config", type=config, default=json.dumps(NGRAM))
+    ap.add_argument("--draft-config", type=config, help="a draft_model --speculative-config JSON (off: skipped)")
     args = ap.parse_args()
-    batches, max_tokens = [int(b) for b in args.batches.split(",")], 32 if args.quick else 96
-    variants = {"off": None, "ngram": json.loads(args.ngram_config)}
-    if args.draft_config:
-        variants["draft"] = json.loads(args.draft_config)
+    batches, workloads = args.batches, sections(ap, args.workloads, "AB", "--workloads")
+    max_tokens = 32 if args.quick else 96
+    variants = {"off": None, "ngram": args.ngram_config} | ({"draft": args.draft_config} if args.draft_config else {})
     kw = dict(max_num_seqs=max(batches), max_model_len=512, max_num_batched_tokens=512, log=lambda *_: None)
     results: dict = {"machine": machine_info(), "variants": variants, "max_tokens": max_tokens, "runs": {}}
     # Every engine at once, runs interleaved and the fastest of --reps kept: on a shared
@@ -89,7 +90,7 @@ def main() -> None:
         run(llm, prompts(llm, "B", 2, seed=99), 4)  # untimed: first dispatches
     rows = [["workload", "batch", "variant", "out tok/s", "vs off", "TPOT p50 ms", "TPOT p99 ms", "acceptance",
              "same tokens as off"]]
-    for w in args.workloads.split(","):
+    for w in workloads:
         for b in batches:
             best = {}
             for _ in range(args.reps):

@@ -36,10 +36,10 @@ sys.path[:0] = [ROOT, os.path.dirname(HERE)]  # the repo root first (structured.
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from report import machine_info, results_dir, sections, timer, write_json  # noqa: E402
+from report import machine_info, positive, results_dir, sections, timer, write_json  # noqa: E402
 
 SECTIONS = ("roofline", "host", "parts", "settings", "padding", "warmup", "stops")
-ARGS = argparse.Namespace(baseline="", repeats=2, settings="default")
+ARGS = argparse.Namespace(baseline="", repeats=2, settings=["default"])
 # SmolLM2-135M's shape (the server's default model): 30 layers, width 576.
 SMOL = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
@@ -253,9 +253,7 @@ def _settings_child(name: str) -> dict:
                 prefill_cpu_ms=med(pre, 1), tokens=tokens)
 
 def section_settings() -> dict:
-    runs: dict = {name: [] for name in ARGS.settings.split(",")}
-    if unknown := [n for n in runs if n not in SETTINGS]:
-        raise SystemExit(f"unknown settings {unknown} (choose from {', '.join(SETTINGS)})")
+    runs: dict = {name: [] for name in ARGS.settings}
     for _ in range(ARGS.repeats):
         for name in runs:  # alternating: a neighbour's burst of load falls on every setting alike
             runs[name].append(r := child("settings", name, flags=SETTINGS[name][0]) | {"load": os.getloadavg()[0]})
@@ -386,7 +384,7 @@ def main() -> None:
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default=results_dir("step_profile.json"))
     ap.add_argument("--baseline", default="", help="warmup, stops: also measure this checkout's code")
-    ap.add_argument("--repeats", type=int, default=2, help="settings: fresh processes per setting")
+    ap.add_argument("--repeats", type=positive, default=2, help="settings: fresh processes per setting")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="settings: which (the first is the reference)")
     ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
     ARGS = ap.parse_args()
@@ -395,8 +393,11 @@ def main() -> None:
         children = {"settings": _settings_child, "warmup": _warmup_child, "stops": _stops_child}
         print(json.dumps(children[kind](*rest)))
         return
+    chosen, ARGS.settings = sections(ap, ARGS.sections, SECTIONS), sections(ap, ARGS.settings, SETTINGS, "--settings")
+    if ARGS.baseline and not ({"warmup", "stops"} & {*chosen} and os.path.isfile(f"{ARGS.baseline}/engine.py")):
+        ap.error(f"--baseline wants a checkout (DIR/engine.py) and the warmup or stops section, got {ARGS.baseline!r}")
     results: dict = {"machine": machine_info(), "load_before": os.getloadavg()}
-    for name in sections(ap, ARGS.sections, SECTIONS):
+    for name in chosen:
         results[name] = globals()[f"section_{name}"]()
     results["load_after"] = os.getloadavg()
     print(f"load average before/after: {results['load_before'][0]:.2f} / {results['load_after'][0]:.2f}")

@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import runner as runner_module  # noqa: E402
 from config import StructuredOutputsParams  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from report import machine_info, ratio_rows, results_dir, side_by_side, summarize, text_table, write_json  # noqa: E402
+from report import (machine_info, positive, ratio_rows, results_dir, side_by_side, summarize,  # noqa: E402
+                    text_table, write_json)
 from workload import text_prompt  # noqa: E402
 
 
@@ -70,9 +71,9 @@ def run(llm: LLM, host: list[float], prompts: list[list[int]], params: list[Samp
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2, help="runs of each, alternated; the best is reported")
+    p.add_argument("--num-requests", type=positive, default=32)
+    p.add_argument("--max-tokens", type=positive, default=64)
+    p.add_argument("--repeats", type=positive, default=2, help="runs of each, alternated; the best is reported")
     p.add_argument("--out", default=results_dir("structured"))
     args = p.parse_args(argv)
     n = args.num_requests

@@ -21,8 +21,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (log, machine_info, pyplot, results_dir, save_figure, size_defaults, summarize,  # noqa: E402
-                    text_table, write_json)
+from report import (log, machine_info, natural, positive, pyplot, results_dir, save_figure, size_defaults,  # noqa: E402
+                    summarize, text_table, write_json)
 from workload import token_ids  # noqa: E402
 
 TARGET_RATIO = 4.0
@@ -33,16 +33,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: bench (tiny with --tiny)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--prompt-len", type=int, default=None, help="the joiner's prompt (default 8192; 384 with --tiny)")
-    p.add_argument("--users", type=int, default=None, help="streaming users (default 16; 4 with --tiny)")
-    p.add_argument("--budget", type=int, default=None,
+    p.add_argument("--prompt-len", type=positive, help="the joiner's prompt (default 8192; 384 with --tiny)")
+    p.add_argument("--users", type=positive, default=None, help="streaming users (default 16; 4 with --tiny)")
+    p.add_argument("--budget", type=positive, default=None,
                    help="max_num_batched_tokens with chunked prefill (default 512; 64 with --tiny)")
-    p.add_argument("--user-prompt-len", type=int, default=32)
-    p.add_argument("--steady-steps", type=int, default=8, help="decode steps before the long prompt joins")
-    p.add_argument("--after-tokens", type=int, default=None,
+    p.add_argument("--user-prompt-len", type=positive, default=32)
+    p.add_argument("--steady-steps", type=positive, default=8, help="decode steps before the long prompt joins")
+    p.add_argument("--after-tokens", type=natural, default=None,
                    help="run until the joiner has this many tokens after its first (default: --window)")
-    p.add_argument("--window", type=int, default=5, help="steps either side of the join measured (see above)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--window", type=positive, default=5, help="steps either side of the join measured (see above)")
+    p.add_argument("--block-size", type=positive, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="off,on", help="comma separated: off (unchunked), on (chunked)")
     p.add_argument("--tiny", action="store_true", help="the tiny model and small sizes: a fast smoke run")
@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                            "budget": (512, 64),
                                            "out": (results_dir("stutter"), results_dir("stutter-tiny"))})
     a.after_tokens = a.window if a.after_tokens is None else a.after_tokens
+    if a.plot_only and not os.path.isfile(a.plot_only):
+        p.error(f"--plot-only: no {a.plot_only}")
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not set(a.modes) <= {"off", "on"} or not a.modes:
         p.error("--modes takes off and/or on")

@@ -27,7 +27,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 from model import BUILTIN_MODELS, hf_state_dict, load_model  # noqa: E402
 from offline import hf_config  # noqa: E402
 from parallel import bytes_per_device  # noqa: E402
-from report import write_json  # noqa: E402
+from report import positive, positive_ints, write_json  # noqa: E402
 
 
 def write_safetensors(name: str, path: str) -> None:
@@ -49,17 +49,17 @@ def timed_load(fn) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="bench", choices=sorted(BUILTIN_MODELS))
-    p.add_argument("--tp", default="1,2,4")
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--tp", type=positive_ints, default="1,2,4")
+    p.add_argument("--requests", type=positive, default=8)
+    p.add_argument("--prompt-len", type=positive, default=64)
+    p.add_argument("--max-tokens", type=positive, default=32)
     args = p.parse_args()
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
           f"load {os.getloadavg()[0]:.1f}")
     prompts = [[1] + [(7 * i + 3 * j) % 500 + 3 for j in range(args.prompt_len - 1)] for i in range(args.requests)]
     params, ref = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True), None
     print(f"{'tp':>3} {'weights/device MiB':>19} {'KV/device MiB':>14} {'KV blocks':>9} {'tok/s':>8} {'same as tp1':>11}")
-    for tp in (int(x) for x in args.tp.split(",")):
+    for tp in args.tp:
         llm = LLM(args.model, log=lambda s: None, tensor_parallel_size=tp, max_num_seqs=args.requests,
                   max_model_len=args.prompt_len + args.max_tokens, compilation_cache_dir="", warmup=False)
         w = max(bytes_per_device(nnx.state(llm.engine.loaded.model, nnx.Param)).values())

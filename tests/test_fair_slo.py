@@ -394,4 +394,4 @@ def test_bench_policies_refuses_zero_repeats_at_the_flag(capsys):
     """bench/policies.py takes the median of --repeats runs: 0 is an argparse error, not an IndexError."""
     with pytest.raises(SystemExit) as e:
         load_bench("policies").main(["--repeats", "0", "--simulate", "gpu-like"])
-    assert e.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err
+    assert e.value.code == 2 and "argument --repeats: wants an integer >= 1" in capsys.readouterr().err

@@ -1,0 +1,78 @@
+"""The benches' flags: a nonsense value is an argparse error naming the flag, before any engine
+is built or server started (each case below once crashed mid-run, or ran on silently with the
+value ignored or misread), and a size given beside --tiny is the one used."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import load_bench
+
+REFUSED = [  # (bench, argv, what the error says)
+    ("mixed", ["--rate", "0"], "argument --rate: wants a number > 0"),  # was: all at once
+    ("mixed", ["--block-size", "0"], "argument --block-size: wants an integer >= 1"),  # was: ZeroDivisionError
+    ("mixed", ["--report", "/nonexistent"], "--report: no /nonexistent/results.json"),  # was: FileNotFoundError
+    ("mixed", ["--quick", "--peer"], "--quick and --peer are two presets"),  # was: --quick's sizes
+    ("simulate", ["--num-requests", "0"], "argument --num-requests: wants an integer >= 1"),  # was: the default
+    ("simulate", ["--priority-fraction", "-0.5"], "argument --priority-fraction: wants a fraction"),  # was: all
+    ("simulate", ["--workload", "/nonexistent.json"], "--workload takes seed, exp, slo-mix, two-clients or a JSON"),
+    ("simulate", ["--report", "--report-seqs", "8,x"], "argument --report-seqs: wants comma-separated integers"),
+    ("simulate", ["--validate", "--report"], "--validate, --calibrate and --report are three runs"),
+    ("simulate", ["--tiny", "--cost-model", "gpu-like", "--num-kv-blocks", "3"],  # was: a scheduler deadlock
+     "--num-kv-blocks 3 (one the null block) cannot hold the longest request"),
+    ("simulate", ["--tiny", "--cost-model", "gpu-like", "--workload", "exp", "--max-model-len", "64"],
+     "--max-model-len 64 cannot hold the workload's longest request"),  # was: the scheduler's AssertionError
+    ("simulate", ["--tiny", "--cost-model", "gpu-like", "--kv-admission", "x"], "kv_admission must be"),  # traceback
+    ("offline", ["--tiny", "--max-model-len", "16"], "--max-model-len 16 cannot hold the mix's longest request"),
+    ("stutter", ["--tiny", "--plot-only", "/nonexistent.json"], "--plot-only: no /nonexistent.json"),
+    ("policies", ["--simulate", "gpu-like", "--repeats", "2"], "--repeats repeats the engine's runs"),  # was: ignored
+    ("spec", ["--workloads", "A,C"], "--workloads takes a comma-separated subset of A, B"),  # was: C ran as B
+    ("spec", ["--ngram-config", "{bad"], "argument --ngram-config: wants a JSON object"),
+    ("step_profile", ["--settings", "default,nope"], "--settings takes a comma-separated subset"),  # was: after
+    ("step_profile", ["--sections", "roofline", "--baseline", "/nonexistent"], "--baseline wants a checkout"),
+    ("attention_kernels", ["--backends", "pallas,foo"], "--backends takes a comma-separated subset of pallas, ref"),
+    ("gpu_mix", ["--tiny", "--attention-backend", "flash"], "argument --attention-backend: invalid choice"),
+    ("gpu_check_report", ["/nonexistent", "/nonexistent-dest"], "no work folder '/nonexistent'"),
+]
+
+
+@pytest.mark.parametrize("name,argv,message", REFUSED, ids=[f"{n}:{' '.join(a)}" for n, a, _ in REFUSED])
+def test_a_nonsense_flag_value_is_an_argparse_error_naming_it(name, argv, message, monkeypatch, capsys, tmp_path):
+    bench = load_bench(name)
+    argv = argv + ["--out", str(tmp_path)] * (name == "simulate")  # it makes its output folder first
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])  # the benches whose main() reads sys.argv
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv) if "argv" in bench.main.__code__.co_varnames else bench.main()
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_prefix_sizes_given_beside_tiny_are_kept():
+    prefix = load_bench("prefix")
+    a = prefix.parse_args(["--tiny", "--question-len", "20", "--mix-short", "6"])
+    assert (a.question_len, a.mix_short, a.system_len) == (20, 6, 96)  # given, given, --tiny's
+    assert (prefix.parse_args(["--tiny"]).question_len, prefix.parse_args([]).question_len) == (8, 32)
+
+
+def test_simulate_exp_workload_runs_at_a_max_model_len_that_holds_it(tmp_path):
+    """--workload exp's lengths (mean 128, cap 1536) outgrow the sizes' max_model_len: unless
+    --max-model-len is given, the run takes the workload's longest request."""
+    simulate, workload = load_bench("simulate"), load_bench("workload")
+    assert simulate.main(["--tiny", "--workload", "exp", "--cost-model", "gpu-like", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "simulate.json").read_text())
+    tiny = simulate.TINY
+    reqs = workload.exponential_mix(tiny.num_requests, tiny.vocab_size, prompt_len=tiny.prompt_len)
+    assert out["config"]["max_model_len"] == max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) > 64
+    assert out["output_tokens"] == sum(r.max_tokens for r in reqs)  # every request ran to its end
+
+
+def test_attention_kernels_quick_step_model_is_a_valid_config():
+    """--quick's toy step model: Llama-3-8B's config.json scaled down, its special tokens inside
+    the toy vocabulary (Llama-3's 128001 once made every --quick step stage fail at load)."""
+    from model import ModelConfig
+
+    toy = load_bench("attention_kernels").TOY_HF
+    cfg = ModelConfig.from_hf(toy)
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size) == (1024, 2, 256)
+    assert max(toy["bos_token_id"], toy["eos_token_id"]) < cfg.vocab_size
