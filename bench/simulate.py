@@ -44,6 +44,8 @@ from scheduler import Scheduler, SchedulerOutput, Sequence  # noqa: E402
 NOT_EOS = 7  # the token every simulated step samples: any id that is not an EOS
 PROGRAMS = ("decode", "ragged")
 SYNTHETIC = ("seed", "exp", "slo-mix", "two-clients")  # the workloads synthetic() makes
+# The flags each fixed run reads (it builds its own workloads and engines).
+RUN_READS = {"validate": {"tiny", "out"}, "calibrate": {"tiny", "cost_model"}, "report": {"report_seqs", "cost_model", "out"}}
 DEFAULT_COST_MODEL = results_dir("cost_model.json")
 
 
@@ -531,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("report", "the seed's question at max_num_seqs 8..256"), ("enable-chunked-prefill", None)):
         p.add_argument(f"--{flag}", action="store_true", help=what)
     for flag, kind, default, what in (
-            ("report-seqs", positive_ints, ",".join(map(str, REPORT_SEQS)), None),
+            ("report-seqs", positive_ints, list(REPORT_SEQS), None),
             ("cost-model", str, None, f"a cost-model JSON (default {os.path.relpath(DEFAULT_COST_MODEL)}) or gpu-like"),
             ("out", str, None, "output directory (default bench/results/simulate-<time>)"),
             ("workload", str, "seed", "seed | exp | slo-mix | two-clients | a JSON file (see the docstring)"),
@@ -550,12 +552,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.validate + args.calibrate + args.report > 1:
         p.error("--validate, --calibrate and --report are three runs: give one")
+    # Each of the three runs has its own fixed workloads and engines: a flag it does not read is refused.
+    run = next((r for r in RUN_READS if getattr(args, r)), None)
+    reads = RUN_READS.get(run, set(vars(args)) - {"report_seqs"})
+    if ignored := [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+                   if k not in reads and k not in RUN_READS and v != p.get_default(k)]:
+        p.error(f"{' '.join(ignored)}: not read by {f'--{run}' if run else 'a simulation run (only by --report)'}")
     if args.workload not in SYNTHETIC and not os.path.isfile(args.workload):
         p.error(f"--workload takes {', '.join(SYNTHETIC)} or a JSON file, got {args.workload!r}")
     sizes = TINY if args.tiny else FULL
     out_dir = args.out or results_dir(time.strftime("simulate-%Y%m%d-%H%M%S"))
-    os.makedirs(out_dir, exist_ok=True)
     if args.validate:
+        os.makedirs(out_dir, exist_ok=True)
         ok = all(c["within_15pct"] for c in validate(sizes, out_dir)["cases"])
         print(f"validation: {'every case within 15%' if ok else 'MISSED 15% on some case'}; {out_dir}/validation.json")
         return 0
@@ -568,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cm = load_cost_model(args.cost_model)
     if args.report:
+        os.makedirs(out_dir, exist_ok=True)
         report({"this machine": cm, "GPU-like": GPU_LIKE}, out_dir, tuple(args.report_seqs))
         return 0
     work = synthetic(args.workload, args.num_requests or sizes.num_requests, sizes.vocab_size, short=sizes.short,
@@ -590,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.num_kv_blocks or cfg.max_num_seqs * cfg.max_blocks_per_seq + 1
     if (blocks - 1) * cfg.block_size < longest:
         p.error(f"--num-kv-blocks {blocks} (one the null block) cannot hold the longest request ({longest} tokens)")
+    os.makedirs(out_dir, exist_ok=True)
     t0 = time.process_time()
     res = simulate(cfg, blocks, work, cm, num_swap_blocks=args.num_swap_blocks)
     summary = res.summary()

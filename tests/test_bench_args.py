@@ -20,6 +20,11 @@ REFUSED = [  # (bench, argv, what the error says)
     ("simulate", ["--workload", "/nonexistent.json"], "--workload takes seed, exp, slo-mix, two-clients or a JSON"),
     ("simulate", ["--report", "--report-seqs", "8,x"], "argument --report-seqs: wants comma-separated integers"),
     ("simulate", ["--validate", "--report"], "--validate, --calibrate and --report are three runs"),
+    ("simulate", ["--validate", "--workload", "exp", "--max-num-seqs", "4"],  # was: ignored
+     "--workload --max-num-seqs: not read by --validate"),
+    ("simulate", ["--calibrate", "--tiny", "--block-size", "32"], "--block-size: not read by --calibrate"),
+    ("simulate", ["--report", "--tiny"], "--tiny: not read by --report"),
+    ("simulate", ["--tiny", "--report-seqs", "8"], "--report-seqs: not read by a simulation run (only by --report)"),
     ("simulate", ["--tiny", "--cost-model", "gpu-like", "--num-kv-blocks", "3"],  # was: a scheduler deadlock
      "--num-kv-blocks 3 (one the null block) cannot hold the longest request"),
     ("simulate", ["--tiny", "--cost-model", "gpu-like", "--workload", "exp", "--max-model-len", "64"],
@@ -41,11 +46,12 @@ REFUSED = [  # (bench, argv, what the error says)
 @pytest.mark.parametrize("name,argv,message", REFUSED, ids=[f"{n}:{' '.join(a)}" for n, a, _ in REFUSED])
 def test_a_nonsense_flag_value_is_an_argparse_error_naming_it(name, argv, message, monkeypatch, capsys, tmp_path):
     bench = load_bench(name)
-    argv = argv + ["--out", str(tmp_path)] * (name == "simulate")  # it makes its output folder first
+    argv = argv + ["--out", str(tmp_path / "out")] * (name == "simulate" and "--calibrate" not in argv)
     monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])  # the benches whose main() reads sys.argv
     with pytest.raises(SystemExit) as e:
         bench.main(argv) if "argv" in bench.main.__code__.co_varnames else bench.main()
     assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # a refused run leaves no empty output folder
 
 
 def test_prefix_sizes_given_beside_tiny_are_kept():
