@@ -593,8 +593,10 @@ def token_text(tokenizer: Any, token_id: int, as_id: bool = False) -> str:
 
 def finite(logprob: float) -> float:
     """A logprob as JSON can carry it: a token the step's grammar ruled out is -inf, which
-    JSON has no number for; -9999.0 is what OpenAI and vLLM send instead."""
-    return max(logprob, -9999.0)
+    JSON has no number for; -9999.0 is what OpenAI and vLLM send instead. So is a NaN: the
+    processed logprobs of a row whose masks left no token (allowed_token_ids that min_tokens,
+    bad_words or a grammar rule out) are all NaN, and `NaN` is no JSON either."""
+    return logprob if logprob >= -9999.0 else -9999.0
 
 
 def _with_sampled(lp: TokenLogprob) -> dict[int, float]:
