@@ -565,6 +565,17 @@ def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsP
         raise ApiError(f"'{name}': {e}", param=name) from e
 
 
+def structured_field(body: dict, tools: ToolChoice | None) -> str | None:
+    """The request field that parse_structured() took the one output constraint from (a 400
+    from compiling it names that field), or None without one."""
+    if tools is not None and tools.mode != "auto":
+        return "tool_choice"
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") != "text":
+        return "response_format"
+    return next((name for name in ("structured_outputs", *_GUIDED) if body.get(name) is not None), None)
+
+
 def parse_slo(body: dict) -> SLOTarget | None:
     """The `slo` object, {"ttft_ms": number, "tpot_ms": number} (either may be left out), for
     the slo scheduling policy; a policy that does not read it refuses it (the engine says so)."""
