@@ -27,6 +27,7 @@ import numpy as np
 from config import SamplingParams
 
 MIN_PENALTY_WIDTH = 16  # the narrowest sparse list; wider ones are powers of two
+F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 def bad_words_token_ids(tokenizer: Any, bad_words: Sequence[str]) -> list[list[int]]:
@@ -116,7 +117,9 @@ class LogitsControls:
         ids = np.fromiter(keys, np.int32, len(keys))
         counts = np.fromiter((self.counts.get(t, 0) for t in keys), np.float32, len(keys))
         bias = np.fromiter((self.bias.get(t, 0.0) for t in keys), np.float32, len(keys))
-        rep = np.full(len(keys), self.repetition, np.float32)  # every key but a bias-only one was seen
+        # every key but a bias-only one was seen; float32's normal range (any positive number is
+        # vLLM's): 1e-300 would be 0, and a logit / 0 inf; 1e300 inf, and a zero logit * inf NaN
+        rep = np.full(len(keys), min(max(self.repetition, F32_TINY), F32_MAX), np.float32)
         if self.bias and self.repetition != 1.0:
             seen = np.fromiter((t in self.prompt_ids or t in self.counts for t in keys), bool, len(keys))
             rep = np.where(seen, rep, np.float32(1.0))

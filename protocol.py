@@ -565,6 +565,17 @@ def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsP
         raise ApiError(f"'{name}': {e}", param=name) from e
 
 
+def structured_field(body: dict, tools: ToolChoice | None) -> str | None:
+    """The request field that parse_structured() took the one output constraint from (a 400
+    from compiling it names that field), or None without one."""
+    if tools is not None and tools.mode != "auto":
+        return "tool_choice"
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") != "text":
+        return "response_format"
+    return next((name for name in ("structured_outputs", *_GUIDED) if body.get(name) is not None), None)
+
+
 def parse_slo(body: dict) -> SLOTarget | None:
     """The `slo` object, {"ttft_ms": number, "tpot_ms": number} (either may be left out), for
     the slo scheduling policy; a policy that does not read it refuses it (the engine says so)."""
@@ -593,8 +604,10 @@ def token_text(tokenizer: Any, token_id: int, as_id: bool = False) -> str:
 
 def finite(logprob: float) -> float:
     """A logprob as JSON can carry it: a token the step's grammar ruled out is -inf, which
-    JSON has no number for; -9999.0 is what OpenAI and vLLM send instead."""
-    return max(logprob, -9999.0)
+    JSON has no number for; -9999.0 is what OpenAI and vLLM send instead. So is a NaN: the
+    processed logprobs of a row whose masks left no token (allowed_token_ids that min_tokens,
+    bad_words or a grammar rule out) are all NaN, and `NaN` is no JSON either."""
+    return logprob if logprob >= -9999.0 else -9999.0
 
 
 def _with_sampled(lp: TokenLogprob) -> dict[int, float]:

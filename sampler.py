@@ -46,6 +46,16 @@ class SamplingTensors:
     penalty_sub: jax.Array | None = None  # [S, W] f32
 
 
+# The API takes any finite temperature (vLLM's range). XLA divides by one as a multiply by its
+# reciprocal, and flushes a subnormal to zero: past ~8.5e37 that is 0, and a masked logit's
+# -inf * 0 NaN, which makes the row's draw any token. At 1e30 the reciprocal is normal, and
+# a row's distribution already as flat as at any larger temperature.
+MAX_TEMPERATURE = 1e30
+# The bound of a penalised logit (apply_penalties): still finite after 1/temperature (at most
+# 1e6, the floor _scaled divides by), so that no two infinities meet in a softmax (NaN).
+PENALIZED_LOGIT_MAX = 1e30
+
+
 def empty_sampling_arrays(num_slots: int) -> dict[str, np.ndarray]:
     """Host-side arrays for one step; idle slots stay greedy and cost nothing extra."""
     return {
@@ -59,7 +69,7 @@ def empty_sampling_arrays(num_slots: int) -> dict[str, np.ndarray]:
 
 
 def fill_slot(arrays: dict[str, np.ndarray], slot: int, params: SamplingParams, seed: int, step: int) -> None:
-    arrays["temperature"][slot] = params.temperature
+    arrays["temperature"][slot] = min(params.temperature, MAX_TEMPERATURE)
     arrays["top_p"][slot] = params.top_p
     arrays["top_k"][slot] = params.top_k
     arrays["min_p"][slot] = params.min_p
@@ -84,6 +94,9 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     rows = jnp.arange(S)[:, None]
     x = logits[rows, jnp.minimum(t.penalty_ids, V - 1)] + t.penalty_bias
     x = jnp.where(x > 0, x / t.penalty_rep, x * t.penalty_rep) - t.penalty_sub
+    # A repetition penalty near float32's ends overflows the logit to +-inf: +inf ones make the
+    # row's softmax NaN, and a -inf one is a mask that can leave no token allowed.
+    x = jnp.clip(x, -PENALIZED_LOGIT_MAX, PENALIZED_LOGIT_MAX)
     return logits.at[rows, t.penalty_ids].set(x, mode="drop")
 
 

@@ -36,7 +36,7 @@ from typing import Any, Sequence as Seq
 
 import numpy as np
 
-from config import EngineConfig, SamplingParams, SLOTarget
+from config import EngineConfig, ParamError, SamplingParams, SLOTarget
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS, ParentRequest
 from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
@@ -255,14 +255,14 @@ class Scheduler:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and not self.policy.uses_priority:
             readers = " or ".join(name for name, cls in POLICIES.items() if cls.uses_priority)
-            raise ValueError(f"priority {priority} was given, but priority scheduling is not enabled "
-                             f"(--scheduling-policy {readers}; {self.policy.name} does not read it)")
+            raise ParamError(f"priority {priority} was given, but priority scheduling is not enabled "
+                             f"(--scheduling-policy {readers}; {self.policy.name} does not read it)", "priority")
         if slo is not None and not isinstance(slo, SLOTarget):
             raise ValueError(f"slo must be an SLOTarget, got {type(slo).__name__}")
         if slo is not None and not self.policy.uses_slo:
             readers = " or ".join(name for name, cls in POLICIES.items() if cls.uses_slo)
-            raise ValueError(f"an slo was given, but the {self.policy.name} scheduling policy does not read it "
-                             f"(--scheduling-policy {readers})")
+            raise ParamError(f"an slo was given, but the {self.policy.name} scheduling policy does not read it "
+                             f"(--scheduling-policy {readers})", "slo")
         if n == 0:
             raise ValueError("the prompt is empty")
         if not isinstance(params, SamplingParams):

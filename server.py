@@ -50,8 +50,8 @@ from engine import QueueFullError, TokenLogprob, child_requests
 from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
-                      parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, request_field, thinking_enabled,
-                      token_text, tool_choice, truncate_prompt, unknown_fields)
+                      parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, request_field, structured_field,
+                      thinking_enabled, token_text, tool_choice, truncate_prompt, unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
@@ -169,7 +169,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                             engine.config.max_model_len, chat, engine.tokenizer is not None, tools,
                             engine.sampling_defaults)
     stream, include_usage, continuous_usage = parse_stream_options(body)
-    grammar = await compile_grammar(engine, params, tools)
+    grammar = await compile_grammar(engine, params, structured_field(body, tools))
     request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
     if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
@@ -236,18 +236,18 @@ def parse_stream_options(body: dict) -> tuple[bool, bool, bool]:
     return stream, include_usage, continuous_usage
 
 
-async def compile_grammar(engine: AsyncEngine, params: SamplingParams, tools: ToolChoice | None) -> Any:
+async def compile_grammar(engine: AsyncEngine, params: SamplingParams, source: str | None) -> Any:
     """params' structured-output constraint, compiled off the event loop (a large schema takes
     tens of ms) and handed to the engine, which copies it (the cache may have evicted it by
-    then); None without one. A forced call's constraint (tool_choice named or "required") that
-    does not compile names tool_choice; with "auto" the constraint is the request's own."""
+    then); None without one. One that does not compile is a 400 naming `source`, the field it
+    came in (protocol.structured_field: tool_choice for a forced call's)."""
     if params.structured_outputs is None:
         return None
     try:
         return await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
                                                                 params.structured_outputs)
     except ValueError as e:
-        raise ApiError(str(e), param="tool_choice" if tools is not None and tools.mode != "auto" else None) from e
+        raise ApiError(str(e), param=source) from e
 
 
 def request_ids(body: dict, header: str | None, chat: bool) -> tuple[str, str]:

@@ -146,11 +146,17 @@ def decoder(tokenizer: Any, params: SamplingParams) -> Callable[[list[int]], str
     whose decode is its Rust backend's (its own _decode, no clean-up pass) is called there
     directly: 2 us a call against 13 us through decode()'s Python layers, which the
     per-token detokenizer pays twice a token of every request."""
-    from transformers import PreTrainedTokenizerFast
     skip = params.skip_special_tokens
-    if (isinstance(tokenizer, PreTrainedTokenizerFast) and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
-            and not tokenizer.clean_up_tokenization_spaces):
-        return partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip)
+    # Only a transformers tokenizer's class (transformers imported already) is looked up: the
+    # first import of transformers' lazy attributes is not thread-safe, and requests build
+    # decoders on the event loop and the engine thread at once (a ByteTokenizer's first ones
+    # failed with "cannot import name 'PreTrainedTokenizerFast'", a 500).
+    if any(c.__module__.startswith("transformers") for c in type(tokenizer).__mro__):
+        from transformers import PreTrainedTokenizerFast
+        if (isinstance(tokenizer, PreTrainedTokenizerFast)
+                and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+                and not tokenizer.clean_up_tokenization_spaces):
+            return partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip)
     kw = {"skip_special_tokens": skip}
     if not params.spaces_between_special_tokens:
         # transformers' slow tokenizers honour this; the fast ones join tokens without

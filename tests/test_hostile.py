@@ -162,6 +162,18 @@ HOSTILE: list[tuple[str, object, int]] = [
 ]
 
 
+# Refused past the body's own checks (the scheduler, the grammar compiler): still named
+# (path, body, the 400's param)
+NAMED: list[tuple[str, dict, str]] = [
+    (C, {"prompt": "hi", "priority": 5}, "priority"),  # fcfs reads no priority
+    (CHAT, {"messages": MSG, "slo": {"ttft_ms": 100}}, "slo"),  # nor an slo
+    (C, {"prompt": "hi", "guided_regex": "(a"}, "guided_regex"),
+    (C, {"prompt": "hi", "structured_outputs": {"grammar": "start: nope"}}, "structured_outputs"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}, "response_format"),
+]
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     with running_server(*FLAGS) as s:
@@ -187,6 +199,12 @@ def test_every_hostile_request_is_answered_and_the_engine_lives_on(server: Serve
         assert ok == 200 and out["choices"][0]["finish_reason"] == "length", (i, out)
     assert not failures, failures
     assert "Traceback" not in server.log()
+
+
+def test_a_request_refused_past_the_body_checks_names_its_field(server: Server) -> None:
+    for path, body, param in NAMED:
+        status, answer = send(server, path, body)
+        assert status == 400 and answer["error"]["param"] == param, (body, answer)
 
 
 def test_a_flood_with_random_hang_ups_serves_everyone_who_stays_and_leaks_nothing(server: Server) -> None:

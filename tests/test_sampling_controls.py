@@ -173,6 +173,21 @@ def test_a_forbidden_token_is_never_sampled_at_any_temperature():
     assert set(outs[2].token_ids) <= {41, 42, 43}
 
 
+def test_numbers_past_float32_leave_every_row_finite_so_masks_hold():
+    """The API takes any finite temperature and repetition penalty (vLLM's ranges); as
+    float32 they can be inf or 0, and a logit divided or multiplied by them inf or NaN: a
+    NaN row draws any token, a forbidden one too."""
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=8, max_model_len=128, warmup=False)
+    allowed = [40, 41, 42, 43]
+    extremes = [dict(temperature=1e300), dict(repetition_penalty=1e300), dict(repetition_penalty=1e-300),
+                dict(temperature=0.5, repetition_penalty=1e-38)]
+    params = [SamplingParams(max_tokens=12, seed=i, ignore_eos=True, allowed_token_ids=allowed, **kw, **extra)
+              for i, kw in enumerate(extremes) for extra in ({}, dict(logit_bias={40: -100, 41: -100}))]
+    outs = [o.outputs[0] for o in llm.generate([[40, 41, 5, 6, 7]] * len(params), params)]
+    for p, out in zip(params, outs):
+        assert len(out.token_ids) == 12 and set(out.token_ids) <= set(allowed), (p, out.token_ids)
+
+
 def test_a_request_with_processors_is_never_speculated_and_gets_the_tokens_it_gets_without():
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     prompt = [5, 6, 7, 8] * 6

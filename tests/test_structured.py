@@ -417,14 +417,14 @@ def test_a_json_schema_of_true_is_any_json_and_one_of_false_is_refused(tiny):
             SO(**bad)
 
 
-def test_a_constraint_that_does_not_compile_names_tool_choice_only_when_a_forced_call_made_it():
-    """tool_choice "auto" constrains nothing (its calls are parsed from free text): a
-    response_format or structured_outputs beside it that does not compile is the request's
-    own field's fault, not tool_choice's."""
+def test_a_constraint_that_does_not_compile_names_the_field_it_came_in():
+    """tool_choice only when a forced call made it: "auto" constrains nothing (its calls are
+    parsed from free text), so a constraint beside it that does not compile is the request's
+    own field's fault (structured_outputs, response_format or a guided_* field)."""
     import asyncio
     import types
 
-    from protocol import ApiError
+    from protocol import ApiError, structured_field
     from server import compile_grammar
     from structured import GrammarCompiler
     from tokenizer import ByteTokenizer
@@ -432,10 +432,16 @@ def test_a_constraint_that_does_not_compile_names_tool_choice_only_when_a_forced
 
     engine = types.SimpleNamespace(grammars=GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id]))
     params = SamplingParams(structured_outputs=SO(regex="(a"))
-    for mode, param in (("auto", None), ("named", "tool_choice"), ("required", "tool_choice")):
+    cases = [({"structured_outputs": {"regex": "(a"}}, "auto", "structured_outputs"),
+             ({"guided_regex": "(a"}, None, "guided_regex"),
+             ({"response_format": {"type": "text"}, "guided_regex": "(a"}, None, "guided_regex"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, None, "response_format"),
+             ({}, "named", "tool_choice"), ({}, "required", "tool_choice")]
+    for body, mode, param in cases:
+        tools = None if mode is None else ToolChoice(mode, {"f": {"type": "object"}})
         with pytest.raises(ApiError, match="unclosed group") as e:
-            asyncio.run(compile_grammar(engine, params, ToolChoice(mode, {"f": {"type": "object"}})))
-        assert e.value.param == param, mode
+            asyncio.run(compile_grammar(engine, params, structured_field(body, tools)))
+        assert e.value.param == param, (body, mode)
 
 
 def test_a_constraint_whose_first_token_overflows_the_parser_row_is_refused_at_compile():

@@ -112,3 +112,34 @@ def test_a_run_of_byte_tokens_that_is_not_utf8_is_the_same_text_whole_and_stream
     assert tok.decode(ids) == "\ufffd" * 4
     whole = decode_output(tok, ids, SamplingParams(), (tok.eos_token_id,), prompt_ids)
     assert whole == stream(tok, prompt_ids, ids, SamplingParams()) == data.decode("utf-8", "replace")
+
+
+def test_byte_tokenizer_decoders_built_at_once_on_many_threads_need_no_transformers() -> None:
+    """Requests build detokenizers on the event loop and the engine thread at once; the
+    first import of transformers' lazy attributes is not thread-safe (a tiny model's first
+    requests got "cannot import name 'PreTrainedTokenizerFast'", a 500). A ByteTokenizer's
+    decoder imports nothing; checked in a fresh interpreter, where nothing imported it yet."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys, threading
+from config import SamplingParams
+from tokenizer import ByteTokenizer, decoder
+errors, barrier = [], threading.Barrier(8)
+def build():
+    barrier.wait()
+    try:
+        assert decoder(ByteTokenizer(), SamplingParams())([104, 105]) == "hi"
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=build) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(errors, "transformers" in sys.modules)
+"""
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[] False", out.stdout[-2000:]
