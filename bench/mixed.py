@@ -48,6 +48,7 @@ from workload import Request, arrival_times, seed_mix, vocab_size_of  # noqa: E4
 
 sys.path.insert(0, ROOT)
 from kvcache import kv_cache_bytes_per_block  # noqa: E402
+from gguf_loader import BUILTIN_GGUF  # noqa: E402
 from model import BUILTIN_MODELS  # noqa: E402
 
 ADMISSION_MODES = ("on-demand", "reserve", "reserve-max-len")
@@ -91,7 +92,7 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
         kv_bytes = (budget - 1) * kv_cache_bytes_per_block(BUILTIN_MODELS[args.model], args.block_size, "float32")
         out += [Variant(f"kv-{d}", base | {"kv_cache_memory": kv_bytes, "kv_cache_dtype": d})
                 for d in ("auto", "fp8", "int8")]
-    if args.variants:
+    if args.variants is not None:
         keep = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = sorted(set(keep) - {v.name for v in out})
         if unknown:
@@ -236,7 +237,7 @@ class TargetAction(argparse.Action):
 
 
 FLAGS = [  # (flag, type, default, help) of the plain options
-    ("--model", str, "bench", "taxirank model to serve: tiny, bench or an HF directory"),
+    ("--model", str, "bench", "taxirank model to serve: tiny, bench, smollm2, an HF directory or a .gguf file"),
     ("--vocab-size", positive, None,
      "prompt token ids are drawn below it (default: --model's; 32000 with --url/--compare)"),
     ("--num-requests", positive, 100, None),
@@ -301,8 +302,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         return args
     if args.no_stream and not args.targets:
         ap.error("--no-stream measures --url/--compare servers; taxirank's variants are compared by TTFT and ITL")
-    if args.targets and args.variants:
+    if args.targets and args.variants is not None:
         ap.error("--variants picks taxirank variants; with --url or --compare the servers given are measured")
+    if args.variants is not None and not args.variants.replace(",", "").strip():
+        ap.error("--variants wants a comma-separated list of variant names, got none")
+    if not args.targets and not (args.model in BUILTIN_MODELS or args.model in BUILTIN_GGUF
+                                 or os.path.exists(args.model)):
+        ap.error(f"--model {args.model!r}: not one of {', '.join([*BUILTIN_MODELS, *BUILTIN_GGUF])}, "
+                 "nor a checkpoint directory or .gguf file")
     unnamed = [t for t in args.targets if t.name is None]
     for i, t in enumerate(unnamed, 1):
         t.name = "server" if len(args.targets) == 1 else f"server{i}"

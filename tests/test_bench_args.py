@@ -15,6 +15,8 @@ REFUSED = [  # (bench, argv, what the error says)
     ("mixed", ["--block-size", "0"], "argument --block-size: wants an integer >= 1"),  # was: ZeroDivisionError
     ("mixed", ["--report", "/nonexistent"], "--report: no /nonexistent/results.json"),  # was: FileNotFoundError
     ("mixed", ["--quick", "--peer"], "--quick and --peer are two presets"),  # was: --quick's sizes
+    ("mixed", ["--variants", ","], "--variants wants a comma-separated list of variant names"),  # was: every one
+    ("mixed", ["--model", "/nonexistent"], "--model '/nonexistent': not one of tiny"),  # was: every server failed
     ("simulate", ["--num-requests", "0"], "argument --num-requests: wants an integer >= 1"),  # was: the default
     ("simulate", ["--priority-fraction", "-0.5"], "argument --priority-fraction: wants a fraction"),  # was: all
     ("simulate", ["--workload", "/nonexistent.json"], "--workload takes seed, exp, slo-mix, two-clients or a JSON"),
