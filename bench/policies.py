@@ -138,8 +138,8 @@ def report(res: dict[str, Any], out_dir: str) -> None:
     w1, w2, w3 = res["fairness"], res["overload"], res["preemption"]
     alone = w1["alone"]["ttft_s"]["light"]["p99"]
 
-    def row(name: str, k: str, m: dict[str, Any], figure: str, target: str, ok: bool) -> list[str]:
-        verdict = ("PASS" if ok else "MISS") if target else ""
+    def row(name: str, k: str, m: dict[str, Any], figure: str, target: str, ok: bool | None) -> list[str]:
+        verdict = ("n/a" if ok is None else "PASS" if ok else "MISS") if target else ""
         return [name, k, f"{m['tok_s']:.1f}", str(m["preemptions"]), figure, target, verdict]
 
     rows = []
@@ -156,6 +156,8 @@ def report(res: dict[str, Any], out_dir: str) -> None:
         m = w3[k]
         rows.append(row("3 tight KV", k, m, f"recomputed {m['recomputed_tokens']} tokens, {m['swapped_blocks']} "
                         "blocks swapped out and in", "0 recomputed, tok/s >= recompute" * (k == "swap"),
+                        # at sizes where recompute never preempts, swap has nothing to save
+                        None if not w3["recompute"]["preemptions"] else
                         m["recomputed_tokens"] == 0 and m["tok_s"] >= w3["recompute"]["tok_s"]))
     g, c = w3["gpu"], w3.get("copy")
     copy = f"KV copy here {c['bandwidth_bytes_s'] / 1e9:.2f} GB/s + {1e3 * c['coef'][0]:.2f} ms a step; " if c else ""

@@ -4,6 +4,8 @@ them under random traffic)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import load_bench
 
@@ -395,3 +397,14 @@ def test_bench_policies_refuses_zero_repeats_at_the_flag(capsys):
     with pytest.raises(SystemExit) as e:
         load_bench("policies").main(["--repeats", "0", "--simulate", "gpu-like"])
     assert e.value.code == 2 and "argument --repeats: wants an integer >= 1" in capsys.readouterr().err
+
+
+def test_bench_policies_swap_verdict_is_na_where_recompute_never_preempted(tmp_path):
+    """Workload 3 compares swap with recompute under preemption: at sizes where the recompute
+    run never preempts there is nothing to compare, and the verdict says so, not PASS."""
+    load_bench("policies").main(["--simulate", "gpu-like", "--scale", "0.25", "--long", "16", "--out", str(tmp_path)])
+    w3 = json.loads((tmp_path / "results.json").read_text())["preemption"]
+    assert w3["recompute"]["preemptions"] == 0
+    swap_row = next(line for line in (tmp_path / "policies.md").read_text().splitlines()
+                    if line.startswith("| 3 tight KV | swap"))
+    assert swap_row.rstrip(" |").endswith("n/a"), swap_row
