@@ -598,6 +598,8 @@ class LLM:
                  use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """vLLM's: one RequestOutput per prompt, in order, each with its params.n samples.
         priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
+        if isinstance(prompts, str):  # vLLM's: one prompt, not a sequence of one-character prompts
+            prompts = [prompts]
         encoded = [self._encode(prompt) for prompt in prompts]
         return self._generate(encoded, [p if isinstance(p, str) else None for p in prompts], params, use_tqdm,
                               priority)
@@ -609,20 +611,26 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(plist) != len(encoded):
             raise ValueError(f"{len(plist)} SamplingParams for {len(encoded)} prompts")
+        for p in plist:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"expected SamplingParams or a list of them, got {type(p).__name__}")
+        if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Seq)):
+            raise TypeError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
         priorities = list(priority) if priority is not None else [0] * len(encoded)
         if len(priorities) != len(encoded):
             raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
+        # Every prompt is checked before any is added: a bad one leaves nothing queued. Its
+        # samples differ in their seeds only, which no check reads, so one sample stands for
+        # them all, checked before the n are made (a huge n fails on a bad prompt at once).
+        grammars = []  # each compiled once: the cache may not hold them all until they are added
+        for i, (ids, p, prio) in enumerate(zip(encoded, plist, priorities)):
+            try:
+                grammars.append(self.engine.validate(ids, p if p.n == 1 else dataclasses.replace(p, n=1), prio))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
         request_ids = [f"offline-{self._counter + i}" for i in range(len(encoded))]
         self._counter += len(encoded)
         children = [child_requests(rid, p) for rid, p in zip(request_ids, plist)]
-        # Every prompt is checked before any is added: a bad one leaves nothing queued. Its
-        # samples differ in their seeds only, which no check reads.
-        grammars = []  # each compiled once: the cache may not hold them all until they are added
-        for i, (ids, samples, prio) in enumerate(zip(encoded, children, priorities)):
-            try:
-                grammars.append(self.engine.validate(ids, samples[0][1], prio))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
         for i, (ids, samples, prio, grammar) in enumerate(zip(encoded, children, priorities, grammars)):
@@ -691,6 +699,8 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer: pass token ids")
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Seq, np.ndarray)):
+            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
     def _output(self, request_id: str, prompt: str | None, samples: list[Sequence],

@@ -79,6 +79,27 @@ def test_generate_validates_every_prompt_before_adding_any() -> None:
         llm.generate([[1.5]], SamplingParams(max_tokens=2))
 
 
+def test_generate_refuses_what_is_not_a_prompt_or_sampling_params_before_adding_any() -> None:
+    llm = LLM(log=quiet, **{k: v for k, v in SMALL.items() if k != "model"})
+    for params in ({"max_tokens": 2}, [None], "x"):
+        with pytest.raises(TypeError, match="expected SamplingParams"):
+            llm.generate([[5, 6]], params)
+    for prompt in (b"abc", None, 7):
+        with pytest.raises(TypeError, match="a prompt is a string or a list of token ids"):
+            llm.generate([prompt], SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError, match="priority must be a list"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2), priority=5)
+    # A bad prompt fails before its n samples are made: n = 10**9 would take minutes to build.
+    with pytest.raises(ValueError, match="prompt 0: token id 100000"):
+        llm.generate([[100000]], SamplingParams(max_tokens=2, n=10**9))
+    assert not llm.engine.has_unfinished()
+    # vLLM's: a single string is one prompt (not one prompt per character).
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    one = llm.generate("hello", greedy)
+    assert len(one) == 1 and one[0].prompt == "hello"
+    assert one[0].outputs[0].token_ids == llm.generate(["hello"], greedy)[0].outputs[0].token_ids
+
+
 def test_any_64_bit_seed_and_huge_top_k_run() -> None:
     llm = LLM(log=quiet, **{k: v for k, v in SMALL.items() if k != "model"})
     outs = llm.generate([[5, 6]] * 4, [SamplingParams(max_tokens=4, seed=s, top_k=k, ignore_eos=True)
