@@ -30,9 +30,14 @@ def test_sampling_params_defaults_and_normalisation_are_vllms() -> None:
     assert p.skip_special_tokens and p.spaces_between_special_tokens and not p.greedy
     assert SamplingParams(top_k=0).top_k == -1 and SamplingParams(temperature=1e-6).greedy
     for bad in (dict(seed=1.5), dict(seed=True), dict(max_tokens=True), dict(temperature=float("nan")),
-                dict(top_p=float("inf")), dict(temperature=10**400), dict(top_k=-2), dict(stop_token_ids=[1.0])):
+                dict(top_p=float("inf")), dict(temperature=10**400), dict(top_k=-2), dict(stop_token_ids=[1.0]),
+                dict(stop_token_ids=5), dict(stop_token_ids="12"), dict(ignore_eos="no"), dict(ignore_eos=None),
+                dict(skip_special_tokens=5), dict(spaces_between_special_tokens=None),
+                dict(include_stop_str_in_output=1)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=(3,)).stop_token_ids == (3,)
 
 
 def test_chunked_prefill_is_on_by_default_and_the_flag_turns_it_off() -> None:
