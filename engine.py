@@ -677,21 +677,31 @@ class LLM:
         generated as generate() does; one RequestOutput per conversation."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
+        from protocol import ApiError, render_chat
+
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
                              "opens a new assistant turn, the second continues the last message")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a string, got {type(chat_template).__name__}")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Seq):
+            raise TypeError(f"messages must be a list of message dicts or a list of such lists, "
+                            f"got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        # Only what differs from the defaults is passed: ByteTokenizer's template takes nothing else.
-        kw = dict(chat_template_kwargs or {})
-        if chat_template is not None:
-            kw["chat_template"] = chat_template
-        if continue_final_message:
-            kw["continue_final_message"] = True
-        texts = [self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
-                                                    tokenize=False, **kw) for conversation in conversations]
+        # The server's checks and rendering (roles, contents, template variables), so the
+        # offline API refuses what a chat request is refused for, with the same message.
+        body = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                "chat_template_kwargs": chat_template_kwargs or {}}
+        texts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                texts.append(render_chat(body | {"messages": conversation}, self.tokenizer,
+                                         chat_template=chat_template))
+            except ApiError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
         # The template already carries BOS and the other special tokens it wants.
         encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        thinking = kw.get("enable_thinking") is not False  # what the qwen3 reasoning parser reads
+        thinking = (chat_template_kwargs or {}).get("enable_thinking") is not False  # the qwen3 reasoning parser's
         return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
