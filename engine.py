@@ -598,8 +598,9 @@ class LLM:
                  use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """vLLM's: one RequestOutput per prompt, in order, each with its params.n samples.
         priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
-        if isinstance(prompts, str):  # vLLM's: one prompt, not a sequence of one-character prompts
-            prompts = [prompts]
+        # vLLM's: a string is one prompt, not a sequence of one-character prompts; any other
+        # iterable is read once (a generator read twice would leave the outputs' texts empty)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         encoded = [self._encode(prompt) for prompt in prompts]
         return self._generate(encoded, [p if isinstance(p, str) else None for p in prompts], params, use_tqdm,
                               priority)

@@ -103,6 +103,9 @@ def test_generate_refuses_what_is_not_a_prompt_or_sampling_params_before_adding_
     one = llm.generate("hello", greedy)
     assert len(one) == 1 and one[0].prompt == "hello"
     assert one[0].outputs[0].token_ids == llm.generate(["hello"], greedy)[0].outputs[0].token_ids
+    # a generator of prompts is read once: every prompt gets its output
+    outs = llm.generate((p for p in ["hello", [5, 6]]), greedy)
+    assert [o.prompt for o in outs] == ["hello", None] and all(len(o.outputs[0].token_ids) == 3 for o in outs)
 
 
 def test_any_64_bit_seed_and_huge_top_k_run() -> None:
