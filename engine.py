@@ -696,6 +696,8 @@ class LLM:
         texts = []
         for i, conversation in enumerate(conversations):
             try:
+                if isinstance(conversation, tuple):  # a sequence of messages, as the list the server takes
+                    conversation = list(conversation)
                 texts.append(render_chat(body | {"messages": conversation}, self.tokenizer,
                                          chat_template=chat_template))
             except ApiError as e:

@@ -72,7 +72,7 @@ def test_chat_refuses_what_the_server_refuses_and_still_generates(llm: LLM, mess
     with pytest.raises(error, match=message):
         llm.chat(messages, SamplingParams(max_tokens=1), **kw)
     assert not llm.engine.has_unfinished()
-    [out] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2, ignore_eos=True))
+    [out] = llm.chat(({"role": "user", "content": "hi"},), SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 2
 
 
