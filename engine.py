@@ -598,9 +598,12 @@ class LLM:
                  use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """vLLM's: one RequestOutput per prompt, in order, each with its params.n samples.
         priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
-        # vLLM's: a string is one prompt, not a sequence of one-character prompts; any other
-        # iterable is read once (a generator read twice would leave the outputs' texts empty)
+        # vLLM's: a string, or a list of token ids, is one prompt (not one prompt per character
+        # or per id); any other iterable is read once (a generator read twice would leave the
+        # outputs' texts empty)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+            prompts = [prompts]
         encoded = [self._encode(prompt) for prompt in prompts]
         return self._generate(encoded, [p if isinstance(p, str) else None for p in prompts], params, use_tqdm,
                               priority)

@@ -89,7 +89,7 @@ def test_generate_refuses_what_is_not_a_prompt_or_sampling_params_before_adding_
     for params in ({"max_tokens": 2}, [None], "x"):
         with pytest.raises(TypeError, match="expected SamplingParams"):
             llm.generate([[5, 6]], params)
-    for prompt in (b"abc", None, 7):
+    for prompt in (b"abc", None, 7.5):
         with pytest.raises(TypeError, match="a prompt is a string or a list of token ids"):
             llm.generate([prompt], SamplingParams(max_tokens=2))
     with pytest.raises(TypeError, match="priority must be a list"):
@@ -103,6 +103,9 @@ def test_generate_refuses_what_is_not_a_prompt_or_sampling_params_before_adding_
     one = llm.generate("hello", greedy)
     assert len(one) == 1 and one[0].prompt == "hello"
     assert one[0].outputs[0].token_ids == llm.generate(["hello"], greedy)[0].outputs[0].token_ids
+    ids = llm.generate([5, 6], greedy)  # so is a list of token ids
+    assert len(ids) == 1 and ids[0].prompt_token_ids == [5, 6]
+    assert ids[0].outputs[0].token_ids == llm.generate([[5, 6]], greedy)[0].outputs[0].token_ids
     # a generator of prompts is read once: every prompt gets its output
     outs = llm.generate((p for p in ["hello", [5, 6]]), greedy)
     assert [o.prompt for o in outs] == ["hello", None] and all(len(o.outputs[0].token_ids) == 3 for o in outs)
