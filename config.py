@@ -564,7 +564,7 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if isinstance(self.bad_words, list):
             object.__setattr__(self, "bad_words", tuple(self.bad_words))
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
+        if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -598,12 +598,16 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**63):
             raise ValueError(f"seed must be a 64-bit integer, in [{-2**63}, {2**63 - 1}], got {self.seed!r}")
-        if self.stop_token_ids is not None and not all(is_int(t) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        if self.stop_token_ids is not None and (not isinstance(self.stop_token_ids, tuple)
+                                                or not all(is_int(t) for t in self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"[:200])
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+        # a truthy non-bool (ignore_eos="no") would silently switch the option on
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}"[:200])
         # -1: the whole vocabulary, as vLLM's (the most a request may ask is the engine's
         # --max-logprobs: LLMEngine.validate, which resolves -1)
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < -1):

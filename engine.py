@@ -598,6 +598,12 @@ class LLM:
                  use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """vLLM's: one RequestOutput per prompt, in order, each with its params.n samples.
         priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
+        # vLLM's: a string, or a list of token ids, is one prompt (not one prompt per character
+        # or per id); any other iterable is read once (a generator read twice would leave the
+        # outputs' texts empty)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+            prompts = [prompts]
         encoded = [self._encode(prompt) for prompt in prompts]
         return self._generate(encoded, [p if isinstance(p, str) else None for p in prompts], params, use_tqdm,
                               priority)
@@ -609,20 +615,26 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(plist) != len(encoded):
             raise ValueError(f"{len(plist)} SamplingParams for {len(encoded)} prompts")
+        for p in plist:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"expected SamplingParams or a list of them, got {type(p).__name__}")
+        if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Seq)):
+            raise TypeError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
         priorities = list(priority) if priority is not None else [0] * len(encoded)
         if len(priorities) != len(encoded):
             raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
+        # Every prompt is checked before any is added: a bad one leaves nothing queued. Its
+        # samples differ in their seeds only, which no check reads, so one sample stands for
+        # them all, checked before the n are made (a huge n fails on a bad prompt at once).
+        grammars = []  # each compiled once: the cache may not hold them all until they are added
+        for i, (ids, p, prio) in enumerate(zip(encoded, plist, priorities)):
+            try:
+                grammars.append(self.engine.validate(ids, p if p.n == 1 else dataclasses.replace(p, n=1), prio))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
         request_ids = [f"offline-{self._counter + i}" for i in range(len(encoded))]
         self._counter += len(encoded)
         children = [child_requests(rid, p) for rid, p in zip(request_ids, plist)]
-        # Every prompt is checked before any is added: a bad one leaves nothing queued. Its
-        # samples differ in their seeds only, which no check reads.
-        grammars = []  # each compiled once: the cache may not hold them all until they are added
-        for i, (ids, samples, prio) in enumerate(zip(encoded, children, priorities)):
-            try:
-                grammars.append(self.engine.validate(ids, samples[0][1], prio))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
         for i, (ids, samples, prio, grammar) in enumerate(zip(encoded, children, priorities, grammars)):
@@ -669,21 +681,33 @@ class LLM:
         generated as generate() does; one RequestOutput per conversation."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
+        from protocol import ApiError, render_chat
+
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
                              "opens a new assistant turn, the second continues the last message")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template must be a string, got {type(chat_template).__name__}")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Seq):
+            raise TypeError(f"messages must be a list of message dicts or a list of such lists, "
+                            f"got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        # Only what differs from the defaults is passed: ByteTokenizer's template takes nothing else.
-        kw = dict(chat_template_kwargs or {})
-        if chat_template is not None:
-            kw["chat_template"] = chat_template
-        if continue_final_message:
-            kw["continue_final_message"] = True
-        texts = [self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
-                                                    tokenize=False, **kw) for conversation in conversations]
+        # The server's checks and rendering (roles, contents, template variables), so the
+        # offline API refuses what a chat request is refused for, with the same message.
+        body = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                "chat_template_kwargs": chat_template_kwargs or {}}
+        texts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                if isinstance(conversation, tuple):  # a sequence of messages, as the list the server takes
+                    conversation = list(conversation)
+                texts.append(render_chat(body | {"messages": conversation}, self.tokenizer,
+                                         chat_template=chat_template))
+            except ApiError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
         # The template already carries BOS and the other special tokens it wants.
         encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        thinking = kw.get("enable_thinking") is not False  # what the qwen3 reasoning parser reads
+        thinking = (chat_template_kwargs or {}).get("enable_thinking") is not False  # the qwen3 reasoning parser's
         return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
@@ -691,6 +715,8 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer: pass token ids")
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Seq, np.ndarray)):
+            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
     def _output(self, request_id: str, prompt: str | None, samples: list[Sequence],

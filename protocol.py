@@ -211,7 +211,17 @@ def truncate_prompt(body: dict, prompt_ids: list[int], max_model_len: int, chat:
 def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
                    exclude_tools_when_tool_choice_none: bool = False, chat_template: str | None = None,
                    trust_request_chat_template: bool = False) -> list[int]:
-    """Chat messages through the model's chat template, as token ids; with the request's
+    """render_chat's text as token ids."""
+    text = render_chat(body, tokenizer, tools, exclude_tools_when_tool_choice_none, chat_template,
+                       trust_request_chat_template)
+    # The template already carries BOS and the other special tokens it wants.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
+                exclude_tools_when_tool_choice_none: bool = False, chat_template: str | None = None,
+                trust_request_chat_template: bool = False) -> str:
+    """Chat messages through the model's chat template, as text; with the request's
     tools (tool_choice()) for a template that renders them, as vLLM. With tool_choice
     "none" the tools are rendered too (the model sees what exists, and calls nothing), as
     vLLM, unless exclude_tools_when_tool_choice_none (its --exclude-tools-when-tool-choice-none).
@@ -298,8 +308,7 @@ def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
     except Exception as e:  # no template, or the template refuses these messages (jinja raise)
         raise ApiError(f"chat template failed: {e}", param="messages") from e
-    # The template already carries BOS and the other special tokens it wants.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text
 
 
 def thinking_enabled(body: dict) -> bool:

@@ -53,6 +53,29 @@ def test_chat_s_prompt_is_the_rendered_template(llm: LLM) -> None:
     assert out.prompt == want and out.prompt_token_ids == llm.tokenizer.encode(want, add_special_tokens=False)
 
 
+
+@pytest.mark.parametrize("messages, kw, error, message", [
+    ([{"content": "hi"}], {}, ValueError, r"conversation 0: messages\[0\] must be an object with string 'role'"),
+    ([{"role": "user", "content": 5}], {}, ValueError, "must be an object with string 'role' and 'content'"),
+    ([{"role": "user", "content": None}], {}, ValueError, "must be an object with string 'role' and 'content'"),
+    ([{"role": "wizard", "content": "x"}], {}, ValueError, "unknown role 'wizard'"),
+    ([[{"role": "user", "content": "x"}], []], {}, ValueError, "conversation 1: 'messages' must be a non-empty"),
+    (["hi", "there"], {}, ValueError, "conversation 0: 'messages' must be a non-empty array"),
+    ("hi", {}, TypeError, "messages must be a list"),
+    ([{"role": "user", "content": "x"}], {"chat_template_kwargs": 5}, ValueError, "'chat_template_kwargs' must be"),
+    ([{"role": "user", "content": "x"}], {"chat_template_kwargs": {"tokenize": True}}, ValueError,
+     "chat_template_kwargs may not set tokenize"),
+    ([{"role": "user", "content": "x"}], {"chat_template": 5}, TypeError, "chat_template must be a string"),
+    ([{"role": "user", "content": "x"}], {"chat_template": "{{ x }}"}, ValueError, "takes no other chat template"),
+])
+def test_chat_refuses_what_the_server_refuses_and_still_generates(llm: LLM, messages, kw, error, message) -> None:
+    with pytest.raises(error, match=message):
+        llm.chat(messages, SamplingParams(max_tokens=1), **kw)
+    assert not llm.engine.has_unfinished()
+    [out] = llm.chat(({"role": "user", "content": "hi"},), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 2
+
+
 def test_n_greedy_samples_are_alike_child_requests_in_index_order(llm: LLM) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     [alone] = llm.generate([PROMPT], greedy)

@@ -30,9 +30,14 @@ def test_sampling_params_defaults_and_normalisation_are_vllms() -> None:
     assert p.skip_special_tokens and p.spaces_between_special_tokens and not p.greedy
     assert SamplingParams(top_k=0).top_k == -1 and SamplingParams(temperature=1e-6).greedy
     for bad in (dict(seed=1.5), dict(seed=True), dict(max_tokens=True), dict(temperature=float("nan")),
-                dict(top_p=float("inf")), dict(temperature=10**400), dict(top_k=-2), dict(stop_token_ids=[1.0])):
+                dict(top_p=float("inf")), dict(temperature=10**400), dict(top_k=-2), dict(stop_token_ids=[1.0]),
+                dict(stop_token_ids=5), dict(stop_token_ids="12"), dict(ignore_eos="no"), dict(ignore_eos=None),
+                dict(skip_special_tokens=5), dict(spaces_between_special_tokens=None),
+                dict(include_stop_str_in_output=1)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=(3,)).stop_token_ids == (3,)
 
 
 def test_chunked_prefill_is_on_by_default_and_the_flag_turns_it_off() -> None:
@@ -77,6 +82,33 @@ def test_generate_validates_every_prompt_before_adding_any() -> None:
     assert not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="prompt 0: token id 1.5"):
         llm.generate([[1.5]], SamplingParams(max_tokens=2))
+
+
+def test_generate_refuses_what_is_not_a_prompt_or_sampling_params_before_adding_any() -> None:
+    llm = LLM(log=quiet, **{k: v for k, v in SMALL.items() if k != "model"})
+    for params in ({"max_tokens": 2}, [None], "x"):
+        with pytest.raises(TypeError, match="expected SamplingParams"):
+            llm.generate([[5, 6]], params)
+    for prompt in (b"abc", None, 7.5):
+        with pytest.raises(TypeError, match="a prompt is a string or a list of token ids"):
+            llm.generate([prompt], SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError, match="priority must be a list"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2), priority=5)
+    # A bad prompt fails before its n samples are made: n = 10**9 would take minutes to build.
+    with pytest.raises(ValueError, match="prompt 0: token id 100000"):
+        llm.generate([[100000]], SamplingParams(max_tokens=2, n=10**9))
+    assert not llm.engine.has_unfinished()
+    # vLLM's: a single string is one prompt (not one prompt per character).
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    one = llm.generate("hello", greedy)
+    assert len(one) == 1 and one[0].prompt == "hello"
+    assert one[0].outputs[0].token_ids == llm.generate(["hello"], greedy)[0].outputs[0].token_ids
+    ids = llm.generate([5, 6], greedy)  # so is a list of token ids
+    assert len(ids) == 1 and ids[0].prompt_token_ids == [5, 6]
+    assert ids[0].outputs[0].token_ids == llm.generate([[5, 6]], greedy)[0].outputs[0].token_ids
+    # a generator of prompts is read once: every prompt gets its output
+    outs = llm.generate((p for p in ["hello", [5, 6]]), greedy)
+    assert [o.prompt for o in outs] == ["hello", None] and all(len(o.outputs[0].token_ids) == 3 for o in outs)
 
 
 def test_any_64_bit_seed_and_huge_top_k_run() -> None:
