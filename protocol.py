@@ -527,6 +527,31 @@ def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsP
     (tools: the request's, from tool_choice()) carries it; a 400 for more than one, or
     for any malformed one. Whether the schema,
     regex or grammar itself is valid is llguidance's to say (the server compiles it next)."""
+    found = _constraints(body, tools)
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ApiError(f"only one output constraint per request, got {', '.join(n for n, _ in found)}",
+                       param=found[1][0])
+    name, kw = found[0]
+    if not isinstance(kw.get("choice", []), list):
+        raise ApiError(f"'{name}': choice must be an array of strings", param=name)
+    try:
+        return StructuredOutputsParams(**kw)
+    except (ValueError, TypeError) as e:
+        raise ApiError(f"'{name}': {e}", param=name) from e
+
+
+def structured_field(body: dict, tools: ToolChoice | None) -> str | None:
+    """The request field that parse_structured() took the one output constraint from (a 400
+    from compiling it names that field), or None without one."""
+    found = _constraints(body, tools)
+    return found[0][0] if found else None
+
+
+def _constraints(body: dict, tools: ToolChoice | None) -> list[tuple[str, dict]]:
+    """(request field, StructuredOutputsParams keywords) for each output constraint the
+    request carries; a 400 for a malformed response_format or structured_outputs."""
     found: list[tuple[str, dict]] = []
     fmt = field(body, "response_format", (dict,))
     if fmt is not None:
@@ -560,29 +585,7 @@ def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsP
     if tools is not None and tools.mode != "auto":  # ("auto": the model's free text, parsed after)
         found.append(("tool_choice", {"json": next(iter(tools.tools.values())) if tools.mode == "named"
                                       else required_tools_schema(tools.tools)}))
-    if not found:
-        return None
-    if len(found) > 1:
-        raise ApiError(f"only one output constraint per request, got {', '.join(n for n, _ in found)}",
-                       param=found[1][0])
-    name, kw = found[0]
-    if not isinstance(kw.get("choice", []), list):
-        raise ApiError(f"'{name}': choice must be an array of strings", param=name)
-    try:
-        return StructuredOutputsParams(**kw)
-    except (ValueError, TypeError) as e:
-        raise ApiError(f"'{name}': {e}", param=name) from e
-
-
-def structured_field(body: dict, tools: ToolChoice | None) -> str | None:
-    """The request field that parse_structured() took the one output constraint from (a 400
-    from compiling it names that field), or None without one."""
-    if tools is not None and tools.mode != "auto":
-        return "tool_choice"
-    fmt = body.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") != "text":
-        return "response_format"
-    return next((name for name in ("structured_outputs", *_GUIDED) if body.get(name) is not None), None)
+    return found
 
 
 def parse_slo(body: dict) -> SLOTarget | None:

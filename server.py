@@ -169,7 +169,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
                             engine.config.max_model_len, chat, engine.tokenizer is not None, tools,
                             engine.sampling_defaults)
     stream, include_usage, continuous_usage = parse_stream_options(body)
-    grammar = await compile_grammar(engine, params, structured_field(body, tools))
+    grammar = await compile_grammar(engine, params, body, tools)
     request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
     if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
@@ -236,18 +236,18 @@ def parse_stream_options(body: dict) -> tuple[bool, bool, bool]:
     return stream, include_usage, continuous_usage
 
 
-async def compile_grammar(engine: AsyncEngine, params: SamplingParams, source: str | None) -> Any:
+async def compile_grammar(engine: AsyncEngine, params: SamplingParams, body: dict, tools: ToolChoice | None) -> Any:
     """params' structured-output constraint, compiled off the event loop (a large schema takes
     tens of ms) and handed to the engine, which copies it (the cache may have evicted it by
-    then); None without one. One that does not compile is a 400 naming `source`, the field it
-    came in (protocol.structured_field: tool_choice for a forced call's)."""
+    then); None without one. One that does not compile is a 400 naming the field it came in
+    (protocol.structured_field: tool_choice for a forced call's)."""
     if params.structured_outputs is None:
         return None
     try:
         return await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
                                                                 params.structured_outputs)
     except ValueError as e:
-        raise ApiError(str(e), param=source) from e
+        raise ApiError(str(e), param=structured_field(body, tools)) from e
 
 
 def request_ids(body: dict, header: str | None, chat: bool) -> tuple[str, str]:

@@ -424,7 +424,7 @@ def test_a_constraint_that_does_not_compile_names_the_field_it_came_in():
     import asyncio
     import types
 
-    from protocol import ApiError, structured_field
+    from protocol import ApiError
     from server import compile_grammar
     from structured import GrammarCompiler
     from tokenizer import ByteTokenizer
@@ -440,7 +440,7 @@ def test_a_constraint_that_does_not_compile_names_the_field_it_came_in():
     for body, mode, param in cases:
         tools = None if mode is None else ToolChoice(mode, {"f": {"type": "object"}})
         with pytest.raises(ApiError, match="unclosed group") as e:
-            asyncio.run(compile_grammar(engine, params, structured_field(body, tools)))
+            asyncio.run(compile_grammar(engine, params, body, tools))
         assert e.value.param == param, (body, mode)
 
 
