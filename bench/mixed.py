@@ -166,7 +166,7 @@ async def measure(session: aiohttp.ClientSession, url: str, entry: dict[str, Any
                          "tokens": r.tokens, "finish_reason": r.finish_reason, "text": r.text, "error": r.error}
                         for r in records],
         "load": {"loadavg_1m_start": load0, "loadavg_1m_end": os.getloadavg()[0], "cores": os.cpu_count(),
-                 "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 1)}}
+                 "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2)}}
 
 
 class Run(NamedTuple):

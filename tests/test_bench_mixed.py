@@ -351,7 +351,8 @@ def test_against_a_real_transformers_serve_with_continuous_batching(tmp_path, ti
     res = mixed.main(["--compare", f"hf={cmd}", *WORKLOAD, "--startup-timeout", "240", "--out", str(tmp_path)])
     v = res["variants"]["hf"]
     assert "error" not in v and v["errors"] == 0, (v.get("error"), v.get("first_errors"))
-    assert v["startup_s"] > 0 and v["url"].startswith("http://127.0.0.1:") and v["load"]["server_cpu_s"] > 0
+    # CPU time is read from /proc in clock ticks (10 ms): a fast machine serves this load in less.
+    assert v["startup_s"] > 0 and v["url"].startswith("http://127.0.0.1:") and v["load"]["server_cpu_s"] >= 0
     caps = v["capabilities"]
     assert caps["model"] == tiny_hf_checkpoint and caps["prompts"] == "text"
     assert "Unexpected fields" in caps["refused"]["ignore_eos"] and not caps["ignore_eos"]
