@@ -560,6 +560,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0: a prompt or output token's logit / it if > 0, else * it
 
     def __post_init__(self) -> None:
+        # numpy scalars (a max_tokens drawn with numpy, a token id read from an array) become
+        # the plain Python values every check below and the sampler's arrays expect
+        def plain(x: object) -> object:
+            return x.item() if isinstance(x, (np.integer, np.floating, np.bool_)) else x
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, np.ndarray):
+                value = value.tolist()
+            elif isinstance(value, (list, tuple)):
+                value = type(value)(plain(x) for x in value)
+            object.__setattr__(self, f.name, plain(value))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if isinstance(self.bad_words, list):

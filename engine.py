@@ -17,6 +17,7 @@ import itertools
 import random
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence as Seq
 
@@ -601,6 +602,9 @@ class LLM:
         # vLLM's: a string, or a list of token ids, is one prompt (not one prompt per character
         # or per id); any other iterable is read once (a generator read twice would leave the
         # outputs' texts empty)
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, Iterable)):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of such prompts, "
+                            f"got {type(prompts).__name__}")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
             prompts = [prompts]

@@ -92,6 +92,9 @@ def test_generate_refuses_what_is_not_a_prompt_or_sampling_params_before_adding_
     for prompt in (b"abc", None, 7.5):
         with pytest.raises(TypeError, match="a prompt is a string or a list of token ids"):
             llm.generate([prompt], SamplingParams(max_tokens=2))
+    for prompts in (None, 7, b"abc"):  # not a prompt, nor an iterable of prompts
+        with pytest.raises(TypeError, match="prompts must be a string, a list of token ids or a list of such"):
+            llm.generate(prompts, SamplingParams(max_tokens=2))
     with pytest.raises(TypeError, match="priority must be a list"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=2), priority=5)
     # A bad prompt fails before its n samples are made: n = 10**9 would take minutes to build.
@@ -109,6 +112,19 @@ def test_generate_refuses_what_is_not_a_prompt_or_sampling_params_before_adding_
     # a generator of prompts is read once: every prompt gets its output
     outs = llm.generate((p for p in ["hello", [5, 6]]), greedy)
     assert [o.prompt for o in outs] == ["hello", None] and all(len(o.outputs[0].token_ids) == 3 for o in outs)
+
+
+def test_numpy_values_in_sampling_params_and_prompts_are_their_python_values() -> None:
+    llm = LLM(log=quiet, **{k: v for k, v in SMALL.items() if k != "model"})
+    plain = SamplingParams(max_tokens=4, temperature=0.5, top_k=3, seed=11, stop_token_ids=[9], ignore_eos=True)
+    arrays = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.5), top_k=np.int32(3), seed=np.uint64(11),
+                            stop_token_ids=np.array([9]), ignore_eos=np.bool_(True))
+    assert arrays == plain and type(arrays.max_tokens) is int and type(arrays.ignore_eos) is bool
+    want = llm.generate([[5, 6]], plain)[0].outputs[0].token_ids
+    assert llm.generate(np.array([[5, 6]]), arrays)[0].outputs[0].token_ids == want
+    for bad in ({"max_tokens": np.float64(4.0)}, {"stop_token_ids": np.array([[1, 2]])}):
+        with pytest.raises(ValueError, match="must be"):  # a float count, a nested list: refused as their lists
+            SamplingParams(**bad)
 
 
 def test_any_64_bit_seed_and_huge_top_k_run() -> None:
