@@ -144,6 +144,16 @@ HOSTILE: list[tuple[str, object, int]] = [
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "s"}},
             "max_tokens": 2}, 200),
     (CHAT, {"messages": [{"role": 5, "content": "hi"}]}, 400),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400),  # vLLM's: a string, for the template
+    # an assistant's earlier calls: OpenAI's shape, as vLLM validates them
+    (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{}]}, {"role": "user", "content": "x"}]}, 400),
+    (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": 5}}]}, {"role": "user", "content": "x"}]}, 400),
+    (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{"id": 7, "type": "function", "function": {
+        "name": "f", "arguments": "{}"}}]}, {"role": "user", "content": "x"}]}, 400),
+    (CHAT, {"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "f", "arguments": '{"a": 1}'}}]}, {"role": "tool", "content": "1", "tool_call_id": "c",
+            "name": "f"}], "max_tokens": 2}, 200),
     (CHAT, {"messages": [{"role": "user"}]}, 400),
     (CHAT, {"messages": "hi"}, 400),
     (CHAT, {"messages": []}, 400),
