@@ -113,6 +113,7 @@ def unknown_fields(body: dict, chat: bool) -> list[str]:
     return sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
 
 
+MAX_BODY_BYTES = 4 * 1024 * 1024  # ~500k token ids as JSON; anything larger is a 413 (server.py, serve_ray.py)
 MAX_N = 128  # samples of one request (each one engine request)
 MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
 MAX_STOP_STRING_CHARS = 256
