@@ -113,6 +113,7 @@ def unknown_fields(body: dict, chat: bool) -> list[str]:
     return sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS))
 
 
+MAX_BODY_BYTES = 4 * 1024 * 1024  # ~500k token ids as JSON; anything larger is a 413 (server.py, serve_ray.py)
 MAX_N = 128  # samples of one request (each one engine request)
 MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
 MAX_STOP_STRING_CHARS = 256
@@ -244,6 +245,10 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
                 raise ApiError(f"messages[{i}].tool_calls must be an array of objects", param="messages")
             extra["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
             content = "" if content is None else content  # OpenAI: null content beside the calls
+        if isinstance(m, dict) and m.get("name") is not None:  # a participant's name: vLLM hands it to the template
+            if not isinstance(m["name"], str):
+                raise ApiError(f"messages[{i}].name must be a string", param="messages")
+            extra["name"] = m["name"]
         if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id") is not None:
             if not isinstance(m["tool_call_id"], str):
                 raise ApiError(f"messages[{i}].tool_call_id must be a string", param="messages")
@@ -324,9 +329,23 @@ def thinking_enabled(body: dict) -> bool:
 def _template_call(call: dict, i: int) -> dict:
     """An assistant message's tool call as chat templates take it (transformers' convention,
     as vLLM hands them over): its arguments an object, where OpenAI sends a JSON string; a
-    template writing `arguments | tojson` would otherwise show the model an escaped string."""
+    template writing `arguments | tojson` would otherwise show the model an escaped string.
+    The call has OpenAI's shape (vLLM's 400 otherwise): {"id": ..., "type": "function",
+    "function": {"name": ..., "arguments": ...}}, its arguments a JSON string or already an
+    object (the template's own form), id and type optional."""
     fn = call.get("function")
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ApiError(f"{where}: each call needs 'function': {{'name': a non-empty string, 'arguments': ...}}",
+                       param="messages")
+    if not isinstance(fn.get("arguments"), (str, dict)):
+        raise ApiError(f"{where}: function.arguments must be a JSON string (or an object), got "
+                       f"{_JSON_TYPE.get(type(fn.get('arguments')), 'null')}", param="messages")
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise ApiError(f"{where}: a call's 'id' must be a string", param="messages")
+    if call.get("type") not in (None, "function"):
+        raise ApiError(f"{where}: a call's 'type' must be 'function'", param="messages")
+    if not isinstance(fn["arguments"], str):
         return call
     try:
         arguments = json.loads(fn["arguments"])

@@ -48,11 +48,11 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.schema import LoggingConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 import config_file
-from protocol import ApiError
+from protocol import MAX_BODY_BYTES, ApiError
 
 # The engine side (server.py, the engine, JAX) is imported where it is used: by the driver
 # (flags, plan) and by the Engine replicas. The Ingress process imports this module to run
@@ -268,6 +268,24 @@ class RelayedStream(StreamingResponse):
             self.responses.cancel()  # after a whole stream: a no-op
 
 
+async def read_body(request: Request) -> bytes:
+    """The request's body, refused (server.py's 413) as soon as it is known to be larger than
+    a replica's app takes: from its Content-Length before any byte is read, else as it
+    comes. Read whole, it would sit in the Ingress's memory and then travel to a replica
+    only to be refused there."""
+    too_large = ApiError(f"Maximum request body size {MAX_BODY_BYTES} exceeded.", 413)  # aiohttp's words
+    announced = request.headers.get("content-length", "")
+    if announced.isascii() and announced.isdigit() and int(announced) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _error(e: ApiError) -> Response:
     return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
 
@@ -294,7 +312,12 @@ class Ingress:
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS)
         if request.method == "GET" and request.url.path == "/metrics":
             return await self.fleet_metrics()
-        body = await request.body()
+        try:
+            body = await read_body(request)
+        except ApiError as e:
+            return _error(e)
+        except ClientDisconnect:  # the client left mid-body: nothing to answer (server.py's 499)
+            return Response(status_code=499)
         if request.method == "POST" and request.url.path == "/reset_prefix_cache":
             return await self.reset_every_prefix_cache(path, headers)
         responses: DeploymentResponseGenerator = self.engines.handle.remote(

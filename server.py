@@ -49,9 +49,9 @@ from config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig, SamplingParams, 
 from engine import QueueFullError, TokenLogprob, child_requests
 from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
 from policy import REGISTRIES
-from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field, parse_messages,
-                      parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, request_field, structured_field,
-                      thinking_enabled, token_text, tool_choice, truncate_prompt, unknown_fields)
+from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
+                      parse_messages, parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, request_field,
+                      structured_field, thinking_enabled, token_text, tool_choice, truncate_prompt, unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
@@ -60,7 +60,6 @@ T = TypeVar("T")
 
 log = logging.getLogger("taxirank.server")
 
-MAX_BODY_BYTES = 4 * 1024 * 1024  # ~500k token ids as JSON; anything larger is a 413
 LOG_STATS_INTERVAL = 10.0  # seconds between two stats lines (vLLM's VLLM_LOG_STATS_INTERVAL default)
 
 
@@ -544,7 +543,10 @@ async def read_body(request: web.Request) -> dict:
     if request.content_type != "application/json":  # the media type alone: "; charset=utf-8" is fine
         raise ApiError("Unsupported Media Type: Only 'application/json' is allowed")
     try:
-        body = await request.json()
+        # The bytes as JSON (UTF-8, or UTF-16/32 as RFC 8259's detection finds them), as vLLM
+        # reads a body: a Content-Type charset is not read (aiohttp's request.json() would
+        # decode by it, and a charset Python does not know would fail as a LookupError).
+        body = json.loads(await request.read())
     except ValueError as e:  # not JSON, or not UTF-8
         raise ApiError(f"request body is not valid JSON: {e}") from e
     except RecursionError as e:  # nested deeper than the JSON parser goes
@@ -599,6 +601,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if engine.tokenizer is None:
         raise ApiError("this model has no tokenizer")
     if body.get("messages") is not None:
+        if body.get("prompt") is not None:  # one would be ignored
+            raise ApiError("send either 'prompt' or 'messages', not both", param="prompt")
         if field(body, "add_special_tokens", (bool,), False):  # the template writes them, as for chat
             raise ApiError("'add_special_tokens' must be false for messages", param="add_special_tokens")
         tools = tool_choice(body, chat=True, auto=True)  # only rendered: no call is made
@@ -695,6 +699,15 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def api_key_matches(authorization: str, key: str) -> bool:
+    """vLLM's check of an Authorization header: the Bearer scheme in any case (RFC 9110),
+    the key compared in constant time. A header that is not UTF-8 (aiohttp keeps its bytes
+    as surrogates, which no key has) is a wrong key."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode("utf-8", "surrogatepass"),
+                                                              key.encode("utf-8"))
+
+
 @web.middleware
 async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
     """Shutdown, --api-key and every error as OpenAI's error JSON, never a crash."""
@@ -703,8 +716,8 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         if app["stopping"].is_set():
             raise ApiError("server is shutting down", status=503, type="service_unavailable")
         key = app["api_key"]
-        if key and (request.path.startswith("/v1/") or request.path == "/reset_prefix_cache") and not hmac.compare_digest(  # constant time
-                request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
+        if key and (request.path.startswith("/v1/") or request.path == "/reset_prefix_cache") and \
+                not api_key_matches(request.headers.get("Authorization", ""), key):
             raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
                            type="authentication_error", code="invalid_api_key")
         task = asyncio.current_task()  # admitted: a shutdown lets it finish (--shutdown-timeout)
@@ -716,7 +729,12 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
     except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body over the limit
         if e.status < 400:
             raise
-        error = ApiError(e.text or e.reason, e.status)
+        headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
+        message = e.text or e.reason
+        if isinstance(e, web.HTTPMethodNotAllowed):  # its Allow header goes out too (RFC 9110), as from vLLM
+            message = f"method {request.method} is not allowed on {request.path[:100]}; allowed: " + \
+                ", ".join(sorted(e.allowed_methods))
+        return web.json_response(ApiError(message, e.status).body(), status=e.status, headers=headers)
     except ApiError as e:
         error = e
     except ConnectionError:  # the client left: nothing to log, and this reply (nginx's 499) is never sent

@@ -229,6 +229,21 @@ def test_a_field_nobody_defines_is_warned_about_and_ignored_as_vllm(post, caplog
     assert not any("ignored" in r.getMessage() for r in caplog.records)
 
 
+def test_a_messages_name_reaches_the_template_as_vllm() -> None:
+    """vLLM's parse_chat_messages keeps a message's (string) name for the template, which
+    may render it (a participant's name, a tool's)."""
+    seen = []
+
+    class Template(ByteTokenizer):
+        def apply_chat_template(self, chat, add_generation_prompt=True, tokenize=False, **variables):
+            seen.append(chat)
+            return super().apply_chat_template(chat, add_generation_prompt, tokenize)
+
+    parse_messages({"messages": [{"role": "user", "content": "hi", "name": "bob"}, {"role": "user", "content": "x"}]},
+                   Template())
+    assert seen == [[{"role": "user", "content": "hi", "name": "bob"}, {"role": "user", "content": "x"}]]
+
+
 def test_reasoning_effort_reaches_a_template_that_reads_it_as_vllm() -> None:
     seen = []
 

@@ -11,6 +11,7 @@ no hook for it).
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import random
@@ -144,6 +145,16 @@ HOSTILE: list[tuple[str, object, int]] = [
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "s"}},
             "max_tokens": 2}, 200),
     (CHAT, {"messages": [{"role": 5, "content": "hi"}]}, 400),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400),  # vLLM's: a string, for the template
+    # an assistant's earlier calls: OpenAI's shape, as vLLM validates them
+    (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{}]}, {"role": "user", "content": "x"}]}, 400),
+    (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": 5}}]}, {"role": "user", "content": "x"}]}, 400),
+    (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{"id": 7, "type": "function", "function": {
+        "name": "f", "arguments": "{}"}}]}, {"role": "user", "content": "x"}]}, 400),
+    (CHAT, {"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "f", "arguments": '{"a": 1}'}}]}, {"role": "tool", "content": "1", "tool_call_id": "c",
+            "name": "f"}], "max_tokens": 2}, 200),
     (CHAT, {"messages": [{"role": "user"}]}, 400),
     (CHAT, {"messages": "hi"}, 400),
     (CHAT, {"messages": []}, 400),
@@ -159,6 +170,7 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, {"prompt": "hi", "stop": ["a", 5]}, 400),
     (C, {"prompt": "hi", "stop": ["a" * 200, "ab" * 100], "max_tokens": 20}, 200),
     (C, {"prompt": "hi", "skip_special_tokens": False, "spaces_between_special_tokens": False}, 200),
+    ("/tokenize", {"prompt": "hi", "messages": MSG}, 400),  # which one? (neither is ignored)
 ]
 
 
@@ -172,6 +184,66 @@ NAMED: list[tuple[str, dict, str]] = [
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
         "name": "s", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}, "response_format"),
 ]
+
+
+def raw_request(port: int, method: str, path: str, headers: dict[str, str | bytes],
+                body: bytes = b"") -> tuple[int, dict[str, str], dict]:
+    """One request with headers as given (bytes go out as they are): (status, headers, JSON)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.putrequest(method, path)
+        for name, value in (headers | {"Content-Length": str(len(body))}).items():
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_headers_and_charsets_get_vllms_answers_never_a_500() -> None:
+    """Over a socket, with --api-key: the Bearer scheme in any case is the key (vLLM's check,
+    RFC 9110's rule), an Authorization header that is not UTF-8 is a wrong key; a body is
+    JSON as vLLM reads it, whatever charset its Content-Type names; a wrong method's 405
+    says which the route takes, in its Allow header too."""
+    from aiohttp.test_utils import TestServer
+    from conftest import tiny_async_engine
+
+    import server
+
+    auth = {"Authorization": "Bearer K"}
+    hi = b'{"prompt": "h\xc3\xa9"}'  # UTF-8, whatever the header says
+    cases = [  # (method, path, headers, body, status)
+        ("GET", "/v1/models", {"Authorization": "bearer K"}, b"", 200),
+        ("GET", "/v1/models", {"Authorization": "BEARER K"}, b"", 200),
+        ("GET", "/v1/models", {"Authorization": "Bearer k"}, b"", 401),
+        ("GET", "/v1/models", {"Authorization": b"Bearer \xff\xfe"}, b"", 401),
+        ("GET", "/v1/models", {"Authorization": b"Bearer K\xff"}, b"", 401),
+        ("POST", "/tokenize", {"Content-Type": "application/json; charset=nope"}, hi, 200),
+        ("POST", "/tokenize", {"Content-Type": "application/json; charset=utf-16"}, hi, 200),
+        ("POST", "/tokenize", {"Content-Type": "application/json; charset=latin-1"}, hi, 200),
+        ("GET", "/reset_prefix_cache", auth, b"", 405),
+        ("POST", "/v1/models", auth, b"{}", 405),
+    ]
+    with tiny_async_engine() as (loop, engine):
+        async def run() -> list[tuple[int, dict, dict]]:
+            app = TestServer(server.build_app(engine, ["tiny"], api_key="K"))
+            await app.start_server()
+            try:
+                return await asyncio.to_thread(lambda: [raw_request(app.port, m, p, h, b) for m, p, h, b, _ in cases]
+                                               + [raw_request(app.port, "GET", "/health", {})])
+            finally:
+                await app.close()
+        answers = loop.run_until_complete(asyncio.wait_for(run(), 300))
+    assert [a[0] for a in answers] == [c[-1] for c in cases] + [200], answers
+    for (_, path, _, _, status), (_, _, out) in zip(cases, answers):
+        if path == "/tokenize":
+            assert out["tokens"] == engine.tokenizer.encode("h\u00e9"), out
+        if status >= 400:
+            assert set(out["error"]) == {"message", "type", "param", "code"}, out
+    assert answers[-3][1]["Allow"] == "POST" and "allowed: POST" in answers[-3][2]["error"]["message"]
+    assert set(answers[-2][1]["Allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
+    assert "allowed: GET, HEAD" in answers[-2][2]["error"]["message"]
 
 
 @pytest.fixture(scope="module")

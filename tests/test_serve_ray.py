@@ -437,3 +437,70 @@ def test_a_stream_whose_client_left_before_its_first_chunk_is_cancelled_at_the_r
         cancelled.clear()
         asyncio.run(run(spec_version))
         assert cancelled, spec_version
+
+
+def test_the_ingress_refuses_a_body_over_the_limit_before_it_reaches_a_replica() -> None:
+    """server.py's 413 (aiohttp's client_max_size), given by the Ingress itself: from the
+    Content-Length before a byte is read, else once the body read so far is over the
+    limit; it is neither held whole in the Ingress nor relayed. A body within the limit is
+    relayed as it came; a client gone mid-body is no error."""
+    from starlette.requests import Request
+
+    from protocol import MAX_BODY_BYTES
+
+    relayed: list[serve_ray.HttpRequest] = []
+
+    class Responses:
+        def __init__(self) -> None:
+            self.parts = [serve_ray.HttpHead(200, ()), b"ok"]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if not self.parts:
+                raise StopAsyncIteration
+            return self.parts.pop(0)
+
+    class Handle:
+        def options(self, **_):
+            return self
+
+        @property
+        def handle(self):
+            return self
+
+        def remote(self, request):
+            relayed.append(request)
+            return Responses()
+
+    async def call(headers: list[tuple[bytes, bytes]], messages: list[dict]) -> tuple[int, bytes, int]:
+        """(status, body, messages left unread)"""
+        ingress = serve_ray.Ingress.func_or_class(Handle())
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "headers": headers}
+
+        async def receive() -> dict:
+            assert messages, "read past the body"
+            return messages.pop(0)
+        try:
+            response = await ingress(Request(scope, receive))
+        finally:
+            await ingress.session.close()
+        return response.status_code, response.body, len(messages)
+
+    mib = {"type": "http.request", "body": b" " * 2**20, "more_body": True}
+    too_large = f"Maximum request body size {MAX_BODY_BYTES} exceeded.".encode()
+    status, body, unread = asyncio.run(call([(b"content-length", str(10**9).encode())], [mib] * 3))
+    assert (status, unread) == (413, 3) and too_large in body, body
+    last = {"type": "http.request", "body": b"", "more_body": False}
+    status, body, unread = asyncio.run(call([], [mib] * 6 + [last]))  # read up to the first MiB past the limit
+    assert (status, unread) == (413, 7 - MAX_BODY_BYTES // 2**20 - 1) and too_large in body, body
+    assert not relayed
+    small = b'{"prompt": "hi"}'
+    status, body, _ = asyncio.run(call([(b"content-length", b"%d" % len(small))],
+                                       [{"type": "http.request", "body": small[:5], "more_body": True},
+                                        {"type": "http.request", "body": small[5:], "more_body": False}]))
+    assert (status, body) == (200, b"ok") and [r.body for r in relayed] == [small]
+    status, _, _ = asyncio.run(call([], [{"type": "http.request", "body": b"{", "more_body": True},
+                                         {"type": "http.disconnect"}]))
+    assert status == 499 and len(relayed) == 1
