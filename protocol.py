@@ -253,11 +253,14 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
             if not isinstance(m["tool_call_id"], str):
                 raise ApiError(f"messages[{i}].tool_call_id must be a string", param="messages")
             extra["tool_call_id"] = m["tool_call_id"]
-        if isinstance(content, list):  # OpenAI's content parts: only text ones mean anything here
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "\n".join(p["text"] for p in content)  # vLLM's join: the parts stay apart
+        if isinstance(m, dict) and m.get("role") == "assistant":  # its thinking, for templates that show it
+            reasoning = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise ApiError(f"messages[{i}].reasoning must be a string", param="messages")
+                extra |= {"reasoning": reasoning, "reasoning_content": reasoning}  # both names, as vLLM
+        if isinstance(content, list):
+            content = "\n".join(_text_part(p, i) for p in content)  # vLLM's join: the parts stay apart
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
         if m["role"] not in CHAT_ROLES:
@@ -324,6 +327,30 @@ def thinking_enabled(body: dict) -> bool:
     if "enable_thinking" in kw:
         return kw["enable_thinking"] is not False
     return body.get("reasoning_effort") != "none"
+
+
+# The content parts that are text, and the key each keeps it under (vLLM's parser's); a
+# plain string in the list is text too.
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+              "thinking": "thinking"}
+
+
+def _text_part(part: Any, i: int) -> str:
+    """One of a message's content parts as text. Media parts are a 400: the models served
+    here read text only (vLLM's answer for a text-only model too)."""
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else None
+    if not isinstance(kind, str):
+        raise ApiError(f"messages[{i}]: a content part is a string or an object with a string 'type'",
+                       param="messages")
+    if kind not in TEXT_PARTS:
+        raise ApiError(f"messages[{i}]: content parts of type {kind[:40]!r} are not supported: this model reads "
+                       f"text only ({', '.join(TEXT_PARTS)})", param="messages")
+    text = part.get(TEXT_PARTS[kind])
+    if not isinstance(text, str):
+        raise ApiError(f"messages[{i}]: a {kind!r} part needs '{TEXT_PARTS[kind]}': a string", param="messages")
+    return text
 
 
 def _template_call(call: dict, i: int) -> dict:

@@ -244,6 +244,36 @@ def test_a_messages_name_reaches_the_template_as_vllm() -> None:
     assert seen == [[{"role": "user", "content": "hi", "name": "bob"}, {"role": "user", "content": "x"}]]
 
 
+def test_content_parts_that_are_text_and_an_assistants_reasoning_reach_the_template_as_vllm() -> None:
+    """vLLM's parser reads text from "text", "input_text", "output_text", "refusal" and
+    "thinking" parts and from plain strings, joined by newlines, and hands an assistant's
+    reasoning (or reasoning_content) to the template under both names (Qwen3's template
+    shows the earlier turns' thinking from reasoning_content)."""
+    seen = []
+
+    class Template(ByteTokenizer):
+        def apply_chat_template(self, chat, add_generation_prompt=True, tokenize=False, **variables):
+            seen.append(chat)
+            return super().apply_chat_template(chat, add_generation_prompt, tokenize)
+
+    parts = ["a", {"type": "text", "text": "b"}, {"type": "input_text", "text": "c"},
+             {"type": "output_text", "text": "d"}, {"type": "refusal", "refusal": "e"},
+             {"type": "thinking", "thinking": "f"}]
+    parse_messages({"messages": [{"role": "user", "content": parts},
+                                 {"role": "assistant", "content": "ok", "reasoning_content": "why"},
+                                 {"role": "user", "content": "x"}]}, Template())
+    assert seen == [[{"role": "user", "content": "a\nb\nc\nd\ne\nf"},
+                     {"role": "assistant", "content": "ok", "reasoning": "why", "reasoning_content": "why"},
+                     {"role": "user", "content": "x"}]]
+    for content, says in [([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], "'image_url' are not"),
+                          ([{"type": "refusal", "text": "e"}], "a 'refusal' part needs 'refusal'"),
+                          ([{"text": "no type"}], "a string or an object with a string 'type'"), ([5], "'type'")]:
+        with pytest.raises(ApiError, match=says):
+            parse_messages({"messages": [{"role": "user", "content": content}]}, Template())
+    with pytest.raises(ApiError, match=r"messages\[0\].reasoning must be a string"):
+        parse_messages({"messages": [{"role": "assistant", "content": "", "reasoning": 5}]}, Template())
+
+
 def test_reasoning_effort_reaches_a_template_that_reads_it_as_vllm() -> None:
     seen = []
 
