@@ -68,7 +68,7 @@ def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
             continue
         if isinstance(value, bool):
             raise ValueError(f"{where} takes a value, not {str(value).lower()}")
-        if isinstance(value, list):
+        if isinstance(value, list) and action.type is not json_list:
             if action.nargs not in ("+", "*") or not value:
                 raise ValueError(f"{where} takes one value, got a list {value!r}")
             words += [flag, *(_word(where, v, action) for v in value)]
@@ -83,7 +83,22 @@ def json_text(text: str) -> str:
     return text
 
 
+def json_list(text: str) -> list[str]:
+    """The argparse type of a flag whose value is a JSON list of strings (vLLM's
+    --allowed-origins '["*"]'): a file may write it as a YAML list."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"*\"]', got {text[:100]!r}")
+    return value
+
+
 def _word(where: str, value: object, action: argparse.Action) -> str:
+    if isinstance(value, list) and action.type is json_list:
+        _check_json(where, value)
+        return json.dumps(value)
     if isinstance(value, dict):
         if action.type is not json_text:
             raise ValueError(f"{where} takes one value, got a mapping {value!r}")

@@ -45,6 +45,7 @@ from prometheus_client.utils import floatToGoString
 
 from async_engine import AsyncEngine
 import config_file
+from cors import CorsPolicy, on_response_prepare as cors_headers
 from config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig, SamplingParams, SLOTarget
 from engine import QueueFullError, TokenLogprob, child_requests
 from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
@@ -900,7 +901,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
               request_id_headers: bool = False, return_tokens_as_token_ids: bool = False,
               chat_template: str | None = None,
               trust_request_chat_template: bool = False, response_role: str = "assistant",
-              log_stats: bool = False, log_requests: bool = False, max_log_len: int | None = None) -> web.Application:
+              log_stats: bool = False, log_requests: bool = False, max_log_len: int | None = None,
+              cors: CorsPolicy = CorsPolicy()) -> web.Application:
     """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
     (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused.
@@ -915,12 +917,14 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     engine's stats line every LOG_STATS_INTERVAL seconds while the app runs
     (metrics.LoggingStatLogger; the server's default, off with --disable-log-stats).
     log_requests: log each request's id and parameters as it arrives (and, at debug level,
-    its prompt's first max_log_len token ids): vLLM's --enable-log-requests, --max-log-len."""
+    its prompt's first max_log_len token ids): vLLM's --enable-log-requests, --max-log-len.
+    cors: which other origins' pages may call the API (cors.py; vLLM's default: any)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     if chat_template is not None:
         check_chat_template(chat_template, engine.tokenizer)
-    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[cors.middleware(), guard], client_max_size=MAX_BODY_BYTES)
+    app.on_response_prepare.append(cors_headers)
     registry = CollectorRegistry(auto_describe=False)
     # vLLM's labels on every series: the served model's (first) name and the engine's index
     registry.register(EngineCollector(engine.stats, {"model_name": model_names[0], "engine": ENGINE}
@@ -1090,6 +1094,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument("--allowed-origins", type=config_file.json_list, default=["*"],
+                   help='origins whose pages may call the API (CORS), as a JSON list, e.g. \'["https://a.example"]\'; '
+                        '["*"]: any, as vLLM')
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="let cross-origin pages send credentials (cookies, Authorization): CORS's "
+                        "Access-Control-Allow-Credentials")
+    p.add_argument("--allowed-methods", type=config_file.json_list, default=["*"],
+                   help='HTTP methods a cross-origin page may use, as a JSON list ("*": any)')
+    p.add_argument("--allowed-headers", type=config_file.json_list, default=["*"],
+                   help='request headers a cross-origin page may send, as a JSON list ("*": any)')
     p.add_argument("--enable-per-request-metrics", action="store_true",
                    help="a request with \"include_metrics\": true gets its timings and scheduling history "
                         "(metrics.RequestMetrics) in the response, or in the last chunk of a stream")
@@ -1156,7 +1170,9 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      chat_template=args.chat_template,
                      trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role,
                      log_stats=not args.disable_log_stats, log_requests=args.enable_log_requests,
-                     max_log_len=args.max_log_len)
+                     max_log_len=args.max_log_len,
+                     cors=CorsPolicy(args.allowed_origins, args.allow_credentials, args.allowed_methods,
+                                     args.allowed_headers))
 
 
 async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
