@@ -543,6 +543,9 @@ async def read_body(request: web.Request) -> dict:
     # vLLM's validate_json_request (its 400): a body is JSON, and says so
     if request.content_type != "application/json":  # the media type alone: "; charset=utf-8" is fine
         raise ApiError("Unsupported Media Type: Only 'application/json' is allowed")
+    if (request.content_length or 0) > MAX_BODY_BYTES:  # announced: refused before any of it is awaited
+        raise ApiError(f"Maximum request body size {MAX_BODY_BYTES} exceeded, actual body size "
+                       f"{request.content_length}", 413)
     try:
         # The bytes as JSON (UTF-8, or UTF-16/32 as RFC 8259's detection finds them), as vLLM
         # reads a body: a Content-Type charset is not read (aiohttp's request.json() would
