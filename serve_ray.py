@@ -449,6 +449,10 @@ def plan(args: argparse.Namespace) -> Plan:
     if args.num_processes > 1 or args.distributed_coordinator is not None:
         raise ValueError("multi-host replicas are not supported under Ray Serve: one replica is one process "
                          "(use --tensor-parallel-size over its local devices)")
+    for flag in ("uds", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} is not supported under Ray Serve: its proxy serves plain "
+                             "HTTP at --host and --port (put TLS in front of it)")
     config = server.engine_config(args)
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # as server.py
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")

@@ -30,6 +30,7 @@ import json
 import logging
 import signal
 import socket
+import ssl
 import time
 import typing
 import uuid
@@ -168,7 +169,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     params = parse_sampling(body | {"max_tokens": 1} if prompt_only else body, len(prompt_ids),
                             engine.config.max_model_len, chat, engine.tokenizer is not None, tools,
                             engine.sampling_defaults)
-    stream, include_usage, continuous_usage = parse_stream_options(body)
+    stream, include_usage, continuous_usage = parse_stream_options(body, app["force_include_usage"])
     grammar = await compile_grammar(engine, params, body, tools)
     request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
@@ -219,8 +220,9 @@ def log_request(request_id: str, params: SamplingParams, prompt_ids: list[int], 
     log.info("Received request %s: params: %s.", request_id, params)
 
 
-def parse_stream_options(body: dict) -> tuple[bool, bool, bool]:
-    """(stream, include_usage, continuous_usage_stats) from the body's stream and stream_options."""
+def parse_stream_options(body: dict, force_include_usage: bool = False) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats) from the body's stream and stream_options;
+    force_include_usage: a stream's usage whether asked for or not (--enable-force-include-usage)."""
     stream = field(body, "stream", (bool,), False)
     stream_options = field(body, "stream_options", (dict,), {})
     if stream_options and not stream:
@@ -230,7 +232,7 @@ def parse_stream_options(body: dict) -> tuple[bool, bool, bool]:
     if unknown:
         raise ApiError(f"stream_options: {unknown[0][:40]!r} is not supported by this server", param="stream_options")
     field(stream_options, "include_obfuscation", (bool,))
-    include_usage = field(stream_options, "include_usage", (bool,), False)
+    include_usage = field(stream_options, "include_usage", (bool,), False) or (stream and force_include_usage)
     # vLLM's extra: every chunk carries the usage so far; only with include_usage, as vLLM.
     continuous_usage = field(stream_options, "continuous_usage_stats", (bool,), False) and include_usage
     return stream, include_usage, continuous_usage
@@ -719,9 +721,9 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         if app["stopping"].is_set():
             raise ApiError("server is shutting down", status=503, type="service_unavailable")
-        key = app["api_key"]
-        if key and (request.path.startswith("/v1/") or request.path == "/reset_prefix_cache") and \
-                not api_key_matches(request.headers.get("Authorization", ""), key):
+        keys = app["api_keys"]
+        if keys and (request.path.startswith("/v1/") or request.path == "/reset_prefix_cache") and \
+                not any([api_key_matches(request.headers.get("Authorization", ""), k) for k in keys]):  # each compared
             raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
                            type="authentication_error", code="invalid_api_key")
         task = asyncio.current_task()  # admitted: a shutdown lets it finish (--shutdown-timeout)
@@ -898,15 +900,17 @@ class EngineCollector:
 
 # ---- app, CLI, main ---------------------------------------------------------------
 
-def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
+def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing.Sequence[str] | None = None,
               metric_labels: dict[str, str] | None = None, per_request_metrics: bool = False,
               tool_call_parser: str | None = None, exclude_tools_when_tool_choice_none: bool = False,
               request_id_headers: bool = False, return_tokens_as_token_ids: bool = False,
               chat_template: str | None = None,
               trust_request_chat_template: bool = False, response_role: str = "assistant",
               log_stats: bool = False, log_requests: bool = False, max_log_len: int | None = None,
-              cors: CorsPolicy = CorsPolicy()) -> web.Application:
-    """per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
+              cors: CorsPolicy = CorsPolicy(), force_include_usage: bool = False) -> web.Application:
+    """api_key: one key or several (vLLM's --api-key takes several): /v1/* and
+    /reset_prefix_cache answer a request bearing any of them.
+    per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
     tool_call_parser: a TOOL_PARSERS name: tool_choice "auto" finds calls in the output
     (vLLM's --enable-auto-tool-choice --tool-call-parser NAME); None: "auto" is refused.
     exclude_tools_when_tool_choice_none: tool_choice "none" keeps the tools out of the prompt.
@@ -921,7 +925,12 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     (metrics.LoggingStatLogger; the server's default, off with --disable-log-stats).
     log_requests: log each request's id and parameters as it arrives (and, at debug level,
     its prompt's first max_log_len token ids): vLLM's --enable-log-requests, --max-log-len.
-    cors: which other origins' pages may call the API (cors.py; vLLM's default: any)."""
+    cors: which other origins' pages may call the API (cors.py; vLLM's default: any).
+    force_include_usage: every stream ends with a usage chunk, asked for or not (vLLM's
+    --enable-force-include-usage)."""
+    api_keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    if not all(isinstance(k, str) and k for k in api_keys):
+        raise ValueError("an API key must be a non-empty string")
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     if chat_template is not None:
@@ -932,7 +941,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     # vLLM's labels on every series: the served model's (first) name and the engine's index
     registry.register(EngineCollector(engine.stats, {"model_name": model_names[0], "engine": ENGINE}
                                       | (metric_labels or {}), spec_decode=engine.config.speculative_config is not None))
-    app.update(engine=engine, model_names=model_names, api_key=api_key, registry=registry,
+    app.update(engine=engine, model_names=model_names, api_keys=api_keys, registry=registry,
                started=int(time.time()), stopping=asyncio.Event(), in_flight=set(),
                per_request_metrics=per_request_metrics,
                tool_parser=TOOL_PARSERS[tool_call_parser] if tool_call_parser is not None else None,
@@ -941,7 +950,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
                # chat messages carry the model's thinking as `reasoning` (--reasoning-parser)
                reasoning_parser=REASONING_PARSERS.get(engine.config.reasoning_parser),
                chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
-               response_role=response_role, log_requests=log_requests, max_log_len=max_log_len)
+               response_role=response_role, log_requests=log_requests, max_log_len=max_log_len,
+               force_include_usage=force_include_usage)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -1096,7 +1106,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument("--api-key", nargs="+", help="require 'Authorization: Bearer <key>' on /v1/* and "
+                   "/reset_prefix_cache, with one of these keys")
+    p.add_argument("--uds", help="serve on this Unix domain socket instead of --host and --port, as vLLM")
+    p.add_argument("--ssl-keyfile", help="HTTPS: the private key's file (PEM), for --ssl-certfile")
+    p.add_argument("--ssl-certfile", help="HTTPS: the certificate chain's file (PEM; it may hold the key too)")
+    p.add_argument("--ssl-ca-certs", help="HTTPS: the CA certificates that client certificates are checked against")
+    p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                   choices=[int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)],
+                   help="client certificates: 0 not asked for, 1 checked if sent, 2 required (Python's ssl.CERT_*)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, whether stream_options asks for it or not")
     p.add_argument("--allowed-origins", type=config_file.json_list, default=["*"],
                    help='origins whose pages may call the API (CORS), as a JSON list, e.g. \'["https://a.example"]\'; '
                         '["*"]: any, as vLLM')
@@ -1175,10 +1195,47 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      log_stats=not args.disable_log_stats, log_requests=args.enable_log_requests,
                      max_log_len=args.max_log_len,
                      cors=CorsPolicy(args.allowed_origins, args.allow_credentials, args.allowed_methods,
-                                     args.allowed_headers))
+                                     args.allowed_headers), force_include_usage=args.enable_force_include_usage)
 
 
-async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
+def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """HTTPS from the --ssl-* flags, as vLLM's (uvicorn's) reads them; None: plain HTTP.
+    ValueError naming the flag for a file that does not load, before the model does."""
+    if args.ssl_certfile is None:
+        for flag in ("ssl_keyfile", "ssl_ca_certs"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --ssl-certfile")
+        if args.ssl_cert_reqs != ssl.CERT_NONE:
+            raise ValueError("--ssl-cert-reqs needs --ssl-certfile")
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--ssl-certfile {args.ssl_certfile!r} / --ssl-keyfile {args.ssl_keyfile!r}: {e}") from None
+    if args.ssl_ca_certs is not None:
+        try:
+            ctx.load_verify_locations(args.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--ssl-ca-certs {args.ssl_ca_certs!r}: {e}") from None
+    elif args.ssl_cert_reqs != ssl.CERT_NONE:  # no client certificate could be checked
+        raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (what client certificates are checked against)")
+    ctx.verify_mode = ssl.VerifyMode(args.ssl_cert_reqs)
+    return ctx
+
+
+async def listen(runner: web.AppRunner, args: argparse.Namespace, tls: ssl.SSLContext | None) -> str:
+    """Start serving the runner's app where the flags say (--uds, else --host and --port;
+    HTTPS with `tls`); returns the address it serves at."""
+    if args.uds is not None:
+        await web.UnixSite(runner, args.uds, ssl_context=tls).start()
+        return f"{'https' if tls else 'http'}+unix://{args.uds}"
+    await web.TCPSite(runner, args.host, args.port, ssl_context=tls).start()
+    port = runner.addresses[0][1]  # the bound one: --port 0 lets the OS pick a free port
+    return f"{'https' if tls else 'http'}://{args.host}:{port}"
+
+
+async def serve(engine: AsyncEngine, args: argparse.Namespace, tls: ssl.SSLContext | None = None) -> None:
     app = app_from_args(engine, args)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts
     # its request in the engine (Generation.chunks) instead of generating on for nobody.
@@ -1186,9 +1243,8 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace) -> None:
                            access_log=logging.getLogger("taxirank.access") if args.log_level == "debug" else None)
     await engine.start()
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
-    port = runner.addresses[0][1]  # the bound one: --port 0 lets the OS pick a free port
-    log.info("ready: http://%s:%d  (model names: %s)", args.host, port, ", ".join(app["model_names"]))
+    address = await listen(runner, args, tls)
+    log.info("ready: %s  (model names: %s)", address, ", ".join(app["model_names"]))
 
     loop = asyncio.get_running_loop()
     abort_now = asyncio.Event()
@@ -1255,6 +1311,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     try:
         check_host(args.host, args.port)
+        tls = tls_context(args)
+        if args.api_key is not None and not all(args.api_key):
+            raise ValueError("--api-key: a key must be non-empty")
     except ValueError as e:
         parser.error(str(e))
     # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.
@@ -1283,7 +1342,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.follow()
         return
     try:
-        asyncio.run(serve(engine, args))
+        asyncio.run(serve(engine, args, tls))
     except KeyboardInterrupt:  # a signal before serve() took the signals over: nothing was admitted yet
         raise SystemExit(0) from None
 

@@ -287,7 +287,9 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
                         (("--distributed-coordinator", "h:1", "--num-processes", "2"),
                          "multi-host replicas are not supported under Ray Serve"),
                         (("--max-num-seqs", "0"), "max_num_seqs"),
-                        (("--enable-auto-tool-choice",), "requires --tool-call-parser")]:
+                        (("--enable-auto-tool-choice",), "requires --tool-call-parser"),
+                        (("--uds", "/tmp/x.sock"), "--uds is not supported under Ray Serve"),
+                        (("--ssl-certfile", "c.pem"), "--ssl-certfile is not supported under Ray Serve")]:
         with pytest.raises(ValueError, match=says):
             plan(*flags)
     with pytest.raises(SystemExit) as exit_:  # main says so before it starts Ray
