@@ -420,10 +420,12 @@ def kv_blocks(s: Sizes, kv_seqs: float) -> int:
 def build_sized(s: Sizes, log: Callable[[str], None] = lambda s: None):
     """The engine the validation and calibration run: KV arrays for the ample budget and a host
     swap pool (a tight case's scheduler is handed fewer blocks: the runner reads only the blocks
-    it is given, a step's cost follows the context, not the array)."""
+    it is given, a step's cost follows the context, not the array). Without chunked prefill, as
+    the simulator's runs default to and docs/SIMULATION.md's figures were measured (the engine's
+    own default chunks prompts at 512 tokens a step: other steps, other preemptions)."""
     return build_engine(s.model, dict(max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len, block_size=16,
                                       dtype="float32", num_kv_blocks=kv_blocks(s, s.max_num_seqs),
-                                      preemption_mode="swap", swap_space=0.25), log)
+                                      enable_chunked_prefill=False, preemption_mode="swap", swap_space=0.25), log)
 
 
 def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -490,12 +492,13 @@ def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...
            log: Callable[[str], None] = print, max_model_len: int = 1024) -> None:
     """continuous/static tokens/s and short-request p99 for each max_num_seqs, KV budget and
     cost model, on the seed's mix scaled to the slots: 2 x max_num_seqs requests (at least
-    100), all at t=0."""
+    100), all at t=0, without chunked prefill (docs/SIMULATION.md's setup)."""
     rows, per_seq = [], math.ceil(max_model_len / 16)
     for (cm_name, cm), n, (kv_name, frac) in itertools.product(cost_models.items(), seqs, REPORT_KV):
         r = {"cost_model": cm_name, "max_num_seqs": n, "kv": kv_name, "num_kv_blocks": max(int(frac * n), 1) * per_seq + 1}
         for sched in ("continuous", "static"):
-            cfg = EngineConfig(max_num_seqs=n, max_model_len=max_model_len, scheduling=sched).resolved(max_model_len)
+            cfg = EngineConfig(max_num_seqs=n, max_model_len=max_model_len, scheduling=sched,
+                               enable_chunked_prefill=False).resolved(max_model_len)
             res = simulate(cfg, r["num_kv_blocks"], synthetic("seed", max(100, 2 * n), 32000), cm)
             r[sched] = {"tok_s": res.tok_s, "short_p99_s": res.latency("short")["p99"],
                         "preemptions": res.preemptions, "slot_utilization": res.slot_utilization}

@@ -104,6 +104,20 @@ def test_the_command_line_replays_a_recorded_log_and_writes_the_report(tmp_path)
     assert (out / "simulate_report.md").read_text().count("| GPU-like | 8 |") == 3
 
 
+def test_the_scale_report_reproduces_the_gpu_like_rows_of_docs_simulation(tmp_path):
+    """docs/SIMULATION.md's table is `--report`'s (its setup: the seed's mix, no chunked
+    prefill); the GPU-like cost model is written down, so its rows are deterministic. The
+    8-slot rows, regenerated, equal the documented ones cell for cell."""
+    from simulate import main
+
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "SIMULATION.md")).read()
+    want = [line for line in doc.splitlines() if line.startswith("| GPU-like | 8 |")]
+    assert len(want) == 3
+    assert main(["--report", "--report-seqs", "8", "--cost-model", "gpu-like", "--out", str(tmp_path)]) == 0
+    got = [line for line in (tmp_path / "simulate_report.md").read_text().splitlines() if line.startswith("| GPU-like |")]
+    assert got == want
+
+
 def test_step_counts_match_a_hand_count_under_the_unit_cost_model():
     """No model, counted by hand: a request's first token comes from its prefill step, then one
     token a step. Two requests of 3 and 7 tokens in one slot run back to back: 3 + 7 steps,
