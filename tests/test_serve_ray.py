@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -384,6 +385,24 @@ def test_router_follows_the_longest_held_prefix_until_its_queue_runs_ahead_then_
     assert routed(router, replicas, SYSTEM + "four") in {"c", second}  # a holder, never the third replica
 
 
+class FakeEngines:
+    """What the Ingress holds of the Engine deployment (a handle), answering each relayed
+    request with make(request): the Ingress alone, without Ray."""
+
+    def __init__(self, make: Any) -> None:
+        self.make = make
+
+    def options(self, **_: Any) -> FakeEngines:
+        return self
+
+    @property
+    def handle(self) -> FakeEngines:
+        return self
+
+    def remote(self, request: serve_ray.HttpRequest) -> Any:
+        return self.make(request)
+
+
 def test_a_stream_whose_client_left_before_its_first_chunk_is_cancelled_at_the_replica() -> None:
     """The Ingress relays an SSE stream through an async generator; a client gone before the
     body starts (starlette's disconnect listener wins, or the first send fails) means that
@@ -404,21 +423,10 @@ def test_a_stream_whose_client_left_before_its_first_chunk_is_cancelled_at_the_r
         def cancel(self) -> None:
             cancelled.append(True)
 
-    class Handle:
-        def options(self, **_):
-            return self
-
-        @property
-        def handle(self):
-            return self
-
-        def remote(self, _request):
-            return Responses()
-
     async def run(spec_version: str) -> None:
         from starlette.requests import Request
 
-        ingress = serve_ray.Ingress.func_or_class(Handle())
+        ingress = serve_ray.Ingress.func_or_class(FakeEngines(lambda _request: Responses()))
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "headers": [],
                  "asgi": {"spec_version": spec_version}}
 
@@ -464,21 +472,9 @@ def test_the_ingress_refuses_a_body_over_the_limit_before_it_reaches_a_replica()
                 raise StopAsyncIteration
             return self.parts.pop(0)
 
-    class Handle:
-        def options(self, **_):
-            return self
-
-        @property
-        def handle(self):
-            return self
-
-        def remote(self, request):
-            relayed.append(request)
-            return Responses()
-
     async def call(headers: list[tuple[bytes, bytes]], messages: list[dict]) -> tuple[int, bytes, int]:
         """(status, body, messages left unread)"""
-        ingress = serve_ray.Ingress.func_or_class(Handle())
+        ingress = serve_ray.Ingress.func_or_class(FakeEngines(lambda request: relayed.append(request) or Responses()))
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "headers": headers}
 
         async def receive() -> dict:
