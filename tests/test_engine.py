@@ -11,7 +11,8 @@ import pytest
 from conftest import hf_greedy
 
 from async_engine import AsyncEngine
-from engine import LLM, EngineConfig, SamplingParams
+from config import StructuredOutputsParams
+from engine import LLM, EngineConfig, SamplingParams, child_requests
 
 SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False)
 
@@ -227,3 +228,71 @@ def test_pallas_backend_in_interpret_mode_gives_the_same_greedy_tokens():
     pallas = make_llm(attention_backend="pallas", **kw)
     assert pallas.engine.runner.backend.name == "pallas"
     assert [o.outputs[0].token_ids for o in pallas.generate(ps, params)] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_features_combined_give_each_request_its_tokens_alone_stream_them_whole_and_drain_clean():
+    """Speculation (ngram), swap preemption under a cache two long requests overflow, chunked
+    prefill with a small budget, prefix caching with shared prompts, the fair policy and
+    async scheduling, all at once, over greedy, n = 2, seeded, stop-string, logprob and
+    choice-constrained requests, one of them aborted mid-way. Each request's tokens are its
+    tokens alone on a plain engine (seeded too: ngram verification draws what plain sampling
+    draws); its deltas concatenate to its output with one final delta; the stats count what
+    ran; every device block, host swap block and slot is free after the drain."""
+    kw = dict(max_model_len=128, block_size=8, max_num_seqs=3)
+    llm = make_llm(**kw, num_kv_blocks=20, enable_chunked_prefill=True, max_num_batched_tokens=16,
+                   preemption_mode="swap", swap_space=0.0005, scheduling_policy="fair", async_scheduling=True,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                       "prompt_lookup_max": 2})
+    plain = make_llm(**kw, enable_prefix_caching=False, async_scheduling=False, max_num_batched_tokens=128)
+    shared = list(range(40, 56))  # two blocks every prompt below starts with
+    ps = [shared + p for p in prompts(6, seed=11, lo=3, hi=20)]
+    stop = plain.tokenizer.decode(ps[2][-2:])
+    params = [SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True),  # these two overflow the cache
+              SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=30, temperature=0.0, stop=[stop], n=2),
+              SamplingParams(max_tokens=25, temperature=1.0, top_k=20, seed=5, logprobs=1, n=2),
+              SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(
+                  choice=("yes", "no", "maybe"))),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]  # aborted after 4 steps
+    e = llm.engine
+    added = {}
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        for rid, one, parent in child_requests(f"c{i}", sp):
+            added[rid] = (e.add_request(rid, p, one, parent=parent, user=f"u{i % 2}"), p, one)
+    streamed = {rid: [] for rid in added}
+    finals = {rid: 0 for rid in added}
+    steps = 0
+    while e.has_unfinished():
+        for d in e.step():
+            streamed[d.request_id] += d.new_token_ids
+            finals[d.request_id] += d.finished
+        steps += 1
+        if steps == 4:
+            e.abort("c5")
+    aborted = added.pop("c5")[0]
+    assert aborted.finish_reason == "abort" and streamed["c5"] == aborted.output_token_ids[:len(streamed["c5"])]
+    for rid, (seq, p, one) in added.items():
+        alone = plain.generate([p], one)[0].outputs[0]
+        assert seq.output_token_ids == alone.token_ids, rid
+        assert streamed[rid] == seq.output_token_ids and finals[rid] == 1, rid
+        assert seq.finish_reason == alone.finish_reason, rid
+    assert all(stop not in added[f"{i}_c2"][0].stop_matcher.text for i in range(2))
+    constrained = added["c4"][0]
+    assert constrained.finish_reason == "stop"
+    assert plain.tokenizer.decode(constrained.output_token_ids) in ("yes", "no", "maybe")
+    st = llm.stats
+    assert st.num_preemptions > 0 and st.swapped_out_blocks > 0 and st.recomputed_tokens == 0
+    assert st.spec_decode_num_accepted_tokens <= st.spec_decode_num_draft_tokens and st.spec_decode_num_drafts > 0
+    assert st.prefix_cache_hits > 0
+    assert st.generation_tokens == sum(len(s.output_token_ids) for s, _, _ in added.values()) + len(
+        aborted.output_token_ids)
+    assert st.request_success == {"stop": sum(s.finish_reason == "stop" for s, _, _ in added.values()),
+                                  "length": sum(s.finish_reason == "length" for s, _, _ in added.values()),
+                                  "abort": 1, "error": 0}
+    # n = 2 requests are observed once each, when their last sample finishes; the aborted one never
+    assert st.request_params_n.count == 5 and st.request_params_n.sum == 7
+    sch = e.scheduler
+    sch.check_invariants()
+    assert sch.allocator.num_used == 0 and len(sch._free_slots) == 3
+    assert len(sch._host_free) == sch.num_swap_blocks > 0
+    assert e.reset_prefix_cache()
