@@ -88,15 +88,21 @@ class CorsPolicy:
             return web.Response(status=400, text="Disallowed CORS " + ", ".join(failures), headers=headers)
         return web.Response(text="OK", headers=headers)
 
+    def answer_headers(self, origin: str | None) -> dict[str, str]:
+        """The CORS headers of an answer to a request from `origin` (None: not cross-origin),
+        besides "Vary: Origin", which every answer carries: its content depends on the Origin."""
+        if origin is None:
+            return {}
+        headers = {"Access-Control-Allow-Origin": "*"} if self.any_origin else {}
+        if self.credentials:
+            headers["Access-Control-Allow-Credentials"] = "true"
+        if (self.credentials or not self.any_origin) and self.origin_allowed(origin):
+            headers["Access-Control-Allow-Origin"] = origin  # never "*" with credentials
+        return headers
+
     def decorate(self, request: web.Request, response: web.StreamResponse) -> None:
-        """An answer's CORS headers (before it is sent); every answer varies with the Origin."""
-        origin = request.headers.get("Origin")
-        if origin is not None and self.any_origin:
-            response.headers["Access-Control-Allow-Origin"] = "*"
-        if origin is not None and self.credentials:
-            response.headers["Access-Control-Allow-Credentials"] = "true"
-        if origin is not None and (self.credentials or not self.any_origin) and self.origin_allowed(origin):
-            response.headers["Access-Control-Allow-Origin"] = origin  # never "*" with credentials
+        """An answer's CORS headers (before it is sent)."""
+        response.headers.update(self.answer_headers(request.headers.get("Origin")))
         response.headers.add("Vary", "Origin")
 
     def middleware(self) -> Callable[[web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]],

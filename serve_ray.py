@@ -52,6 +52,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 import config_file
+from cors import CorsPolicy
 from protocol import MAX_BODY_BYTES, ApiError
 
 # The engine side (server.py, the engine, JAX) is imported where it is used: by the driver
@@ -299,8 +300,9 @@ def _replica_died(e: BaseException) -> ApiError:
 class Ingress:
     """HTTP in, one Engine replica's answer out; /metrics and /reset_prefix_cache span all."""
 
-    def __init__(self, engines: DeploymentHandle) -> None:
+    def __init__(self, engines: DeploymentHandle, cors: CorsPolicy = CorsPolicy()) -> None:
         self.engines = engines.options(stream=True)
+        self.cors = cors  # for its own answers: a replica's carry their CORS headers already
         self.replica_urls: set[str] = set()  # as each Engine replica announced itself
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
 
@@ -308,6 +310,13 @@ class Ingress:
         self.replica_urls.add(url)
 
     async def __call__(self, request: Request) -> Response:
+        response = await self.answer(request)
+        if "origin" not in response.headers.get("vary", "").lower():  # not a replica's answer
+            response.headers.update(self.cors.answer_headers(request.headers.get("origin")))
+            response.headers.append("Vary", "Origin")
+        return response
+
+    async def answer(self, request: Request) -> Response:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS)
         if request.method == "GET" and request.url.path == "/metrics":
@@ -516,7 +525,8 @@ def start(args: argparse.Namespace, the_plan: Plan) -> str:
                                 enable_access_log=args.log_level == "debug")
     serve.start(http_options={"host": args.host, "port": args.port}, logging_config=ray_logging)
     engines = EngineReplica.options(**the_plan.options).bind(args, the_plan.config)
-    serve.run(Ingress.bind(engines), name=APP_NAME, route_prefix="/", logging_config=ray_logging)
+    cors = CorsPolicy(args.allowed_origins, args.allow_credentials, args.allowed_methods, args.allowed_headers)
+    serve.run(Ingress.bind(engines, cors), name=APP_NAME, route_prefix="/", logging_config=ray_logging)
     return f"http://{args.host}:{args.port}"
 
 

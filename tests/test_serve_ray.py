@@ -456,6 +456,7 @@ def test_the_ingress_refuses_a_body_over_the_limit_before_it_reaches_a_replica()
     relayed as it came; a client gone mid-body is no error."""
     from starlette.requests import Request
 
+    from cors import CorsPolicy
     from protocol import MAX_BODY_BYTES
 
     relayed: list[serve_ray.HttpRequest] = []
@@ -472,9 +473,11 @@ def test_the_ingress_refuses_a_body_over_the_limit_before_it_reaches_a_replica()
                 raise StopAsyncIteration
             return self.parts.pop(0)
 
-    async def call(headers: list[tuple[bytes, bytes]], messages: list[dict]) -> tuple[int, bytes, int]:
-        """(status, body, messages left unread)"""
-        ingress = serve_ray.Ingress.func_or_class(FakeEngines(lambda request: relayed.append(request) or Responses()))
+    async def call(headers: list[tuple[bytes, bytes]], messages: list[dict],
+                   cors: CorsPolicy = CorsPolicy()) -> tuple[int, bytes, int]:
+        """(status, body, messages left unread); the answer's headers go to answered"""
+        ingress = serve_ray.Ingress.func_or_class(FakeEngines(lambda request: relayed.append(request) or Responses()),
+                                                  cors)
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "headers": headers}
 
         async def receive() -> dict:
@@ -484,8 +487,10 @@ def test_the_ingress_refuses_a_body_over_the_limit_before_it_reaches_a_replica()
             response = await ingress(Request(scope, receive))
         finally:
             await ingress.session.close()
+        answered.append({k.lower(): v for k, v in response.headers.items()})
         return response.status_code, response.body, len(messages)
 
+    answered: list[dict[str, str]] = []
     mib = {"type": "http.request", "body": b" " * 2**20, "more_body": True}
     too_large = f"Maximum request body size {MAX_BODY_BYTES} exceeded.".encode()
     status, body, unread = asyncio.run(call([(b"content-length", str(10**9).encode())], [mib] * 3))
@@ -502,3 +507,11 @@ def test_the_ingress_refuses_a_body_over_the_limit_before_it_reaches_a_replica()
     status, _, _ = asyncio.run(call([], [{"type": "http.request", "body": b"{", "more_body": True},
                                          {"type": "http.disconnect"}]))
     assert status == 499 and len(relayed) == 1
+    # The Ingress's own answers carry server.py's CORS headers (--allowed-origins ...): a
+    # browser reads its 413 as it reads a replica's answers.
+    for cors, origin, want in [(CorsPolicy(), b"https://a.example", "*"),
+                               (CorsPolicy(origins=["https://a.example"]), b"https://a.example", "https://a.example"),
+                               (CorsPolicy(origins=["https://a.example"]), b"https://b.example", None)]:
+        status, _, _ = asyncio.run(call([(b"content-length", str(10**9).encode()), (b"origin", origin)], [mib], cors))
+        assert status == 413 and answered[-1].get("access-control-allow-origin") == want, answered[-1]
+        assert answered[-1]["vary"] == "Origin"
