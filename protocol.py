@@ -123,7 +123,6 @@ MAX_REQUEST_ID_CHARS = 256  # vLLM has no cap; one keeps ids, logs and the echoe
 MAX_LOGIT_BIAS_TOKENS = MAX_ALLOWED_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 256  # vLLM has no cap; one keeps the tokenizing and the per-token prefix checks bounded
 MAX_BAD_WORD_CHARS = 256
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -263,9 +262,10 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
             content = "\n".join(_text_part(p, i) for p in content)  # vLLM's join: the parts stay apart
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
-        if m["role"] not in CHAT_ROLES:
-            raise ApiError(f"messages[{i}]: unknown role {m['role'][:40]!r} (expected one of {', '.join(CHAT_ROLES)})",
-                           param="messages")
+        # Any role reaches the template, as vLLM hands them over: templates have their own
+        # (Llama 3's "ipython" for tool results), and one that refuses a role is a 400 saying so.
+        if not m["role"]:
+            raise ApiError(f"messages[{i}]: 'role' must be a non-empty string", param="messages")
         chat.append({"role": m["role"], "content": content, **extra})
     # vLLM's extras, as LLM.chat takes them: continue the last message instead of opening a
     # new assistant turn (a prefill), and the template's own variables.

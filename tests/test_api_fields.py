@@ -259,6 +259,8 @@ def test_content_parts_that_are_text_and_an_assistants_reasoning_reach_the_templ
     parts = ["a", {"type": "text", "text": "b"}, {"type": "input_text", "text": "c"},
              {"type": "output_text", "text": "d"}, {"type": "refusal", "refusal": "e"},
              {"type": "thinking", "thinking": "f"}]
+    parse_messages({"messages": [{"role": "ipython", "content": "{}"}]}, Template())  # any role, as vLLM
+    assert seen.pop() == [{"role": "ipython", "content": "{}"}]
     parse_messages({"messages": [{"role": "user", "content": parts},
                                  {"role": "assistant", "content": "ok", "reasoning_content": "why"},
                                  {"role": "user", "content": "x"}]}, Template())

@@ -125,7 +125,8 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, {"prompt": "hi", "model": "nope"}, 404),
     (C, {"prompt": "hi", "some_unknown_field": {"a": [1, 2]}}, 200),  # ignored, as vLLM
     # chat: roles and content parts
-    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    (CHAT, {"messages": [{"role": "", "content": "hi"}]}, 400),
+    (CHAT, {"messages": [{"role": "ipython", "content": "hi"}], "max_tokens": 2}, 200),  # a template's own role
     (CHAT, {"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
             "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}, {"role": "user", "content": "x"}]}, 400),
     # a function's parameters are optional (vLLM's `dict | None`): null is a function of none

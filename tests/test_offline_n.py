@@ -58,7 +58,7 @@ def test_chat_s_prompt_is_the_rendered_template(llm: LLM) -> None:
     ([{"content": "hi"}], {}, ValueError, r"conversation 0: messages\[0\] must be an object with string 'role'"),
     ([{"role": "user", "content": 5}], {}, ValueError, "must be an object with string 'role' and 'content'"),
     ([{"role": "user", "content": None}], {}, ValueError, "must be an object with string 'role' and 'content'"),
-    ([{"role": "wizard", "content": "x"}], {}, ValueError, "unknown role 'wizard'"),
+    ([{"role": "", "content": "x"}], {}, ValueError, "'role' must be a non-empty string"),
     ([[{"role": "user", "content": "x"}], []], {}, ValueError, "conversation 1: 'messages' must be a non-empty"),
     (["hi", "there"], {}, ValueError, "conversation 0: 'messages' must be a non-empty array"),
     ("hi", {}, TypeError, "messages must be a list"),
