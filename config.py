@@ -571,6 +571,8 @@ class SamplingParams:
                 value = value.tolist()
             elif isinstance(value, (list, tuple)):
                 value = type(value)(plain(x) for x in value)
+            elif isinstance(value, dict):  # logit_bias: token id -> bias
+                value = {plain(k): plain(v) for k, v in value.items()}
             object.__setattr__(self, f.name, plain(value))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -31,6 +32,12 @@ class CorsPolicy:
     credentials: bool = False
     methods: Sequence[str] = ("*",)
     headers: Sequence[str] = ("*",)
+
+    @classmethod
+    def from_args(cls, args: Any) -> CorsPolicy:
+        """The policy server.py's flags give (--allowed-origins, --allow-credentials,
+        --allowed-methods, --allowed-headers)."""
+        return cls(args.allowed_origins, args.allow_credentials, args.allowed_methods, args.allowed_headers)
 
     def __post_init__(self) -> None:
         for name in ("origins", "methods", "headers"):

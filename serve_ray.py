@@ -311,7 +311,9 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         response = await self.answer(request)
-        if "origin" not in response.headers.get("vary", "").lower():  # not a replica's answer
+        # A replica's answer has its CORS headers already: its app varies every answer with
+        # the Origin (cors.py). Any other answer is the Ingress's own.
+        if "origin" not in response.headers.get("vary", "").lower():
             response.headers.update(self.cors.answer_headers(request.headers.get("origin")))
             response.headers.append("Vary", "Origin")
         return response
@@ -468,6 +470,7 @@ def plan(args: argparse.Namespace) -> Plan:
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be a fixed port (1..65535) for Ray Serve's proxy, got {args.port}")
     server.check_host(args.host, args.port)  # as server.py: Ray Serve's proxy binds it
+    server.api_keys(args.api_key)  # as server.py: before a replica would fail on it
     autoscale = args.min_replicas is not None or args.max_replicas is not None
     if autoscale and args.num_replicas is not None:
         raise ValueError("--num-replicas is a fixed count; --min-replicas/--max-replicas autoscale: give one or the other")
@@ -525,8 +528,8 @@ def start(args: argparse.Namespace, the_plan: Plan) -> str:
                                 enable_access_log=args.log_level == "debug")
     serve.start(http_options={"host": args.host, "port": args.port}, logging_config=ray_logging)
     engines = EngineReplica.options(**the_plan.options).bind(args, the_plan.config)
-    cors = CorsPolicy(args.allowed_origins, args.allow_credentials, args.allowed_methods, args.allowed_headers)
-    serve.run(Ingress.bind(engines, cors), name=APP_NAME, route_prefix="/", logging_config=ray_logging)
+    serve.run(Ingress.bind(engines, CorsPolicy.from_args(args)), name=APP_NAME, route_prefix="/",
+              logging_config=ray_logging)
     return f"http://{args.host}:{args.port}"
 
 

@@ -705,6 +705,14 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def api_keys(api_key: str | typing.Sequence[str] | None) -> tuple[str, ...]:
+    """--api-key's keys (one or several; none: no key asked for), each a non-empty string."""
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    if not all(isinstance(k, str) and k for k in keys):
+        raise ValueError("--api-key: a key must be a non-empty string")
+    return keys
+
+
 def api_key_matches(authorization: str, key: str) -> bool:
     """vLLM's check of an Authorization header: the Bearer scheme in any case (RFC 9110),
     the key compared in constant time. A header that is not UTF-8 (aiohttp keeps its bytes
@@ -928,9 +936,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
     cors: which other origins' pages may call the API (cors.py; vLLM's default: any).
     force_include_usage: every stream ends with a usage chunk, asked for or not (vLLM's
     --enable-force-include-usage)."""
-    api_keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
-    if not all(isinstance(k, str) and k for k in api_keys):
-        raise ValueError("an API key must be a non-empty string")
+    keys = api_keys(api_key)
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     if chat_template is not None:
@@ -941,7 +947,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
     # vLLM's labels on every series: the served model's (first) name and the engine's index
     registry.register(EngineCollector(engine.stats, {"model_name": model_names[0], "engine": ENGINE}
                                       | (metric_labels or {}), spec_decode=engine.config.speculative_config is not None))
-    app.update(engine=engine, model_names=model_names, api_keys=api_keys, registry=registry,
+    app.update(engine=engine, model_names=model_names, api_keys=keys, registry=registry,
                started=int(time.time()), stopping=asyncio.Event(), in_flight=set(),
                per_request_metrics=per_request_metrics,
                tool_parser=TOOL_PARSERS[tool_call_parser] if tool_call_parser is not None else None,
@@ -1194,8 +1200,7 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role,
                      log_stats=not args.disable_log_stats, log_requests=args.enable_log_requests,
                      max_log_len=args.max_log_len,
-                     cors=CorsPolicy(args.allowed_origins, args.allow_credentials, args.allowed_methods,
-                                     args.allowed_headers), force_include_usage=args.enable_force_include_usage)
+                     cors=CorsPolicy.from_args(args), force_include_usage=args.enable_force_include_usage)
 
 
 def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
@@ -1312,8 +1317,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_host(args.host, args.port)
         tls = tls_context(args)
-        if args.api_key is not None and not all(args.api_key):
-            raise ValueError("--api-key: a key must be non-empty")
+        api_keys(args.api_key)
     except ValueError as e:
         parser.error(str(e))
     # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.

@@ -150,7 +150,7 @@ def test_bad_tls_files_and_empty_keys_stop_the_server_before_the_model_loads(cer
                           "--ssl-cert-reqs", "1"), "needs --ssl-ca-certs"),
                         (("--ssl-certfile", certs["server_cert"], "--ssl-keyfile", certs["server_key"],
                           "--ssl-ca-certs", os.devnull), "--ssl-ca-certs"),
-                        (("--api-key", ""), "--api-key: a key must be non-empty")]:
+                        (("--api-key", ""), "--api-key: a key must be a non-empty string")]:
         with pytest.raises(SystemExit) as exit_:
             server.main(["--model", "no-such-model-would-load", *flags])
         assert exit_.value.code == 2 and says in capsys.readouterr().err, flags

@@ -116,9 +116,11 @@ def test_generate_refuses_what_is_not_a_prompt_or_sampling_params_before_adding_
 
 def test_numpy_values_in_sampling_params_and_prompts_are_their_python_values() -> None:
     llm = LLM(log=quiet, **{k: v for k, v in SMALL.items() if k != "model"})
-    plain = SamplingParams(max_tokens=4, temperature=0.5, top_k=3, seed=11, stop_token_ids=[9], ignore_eos=True)
+    plain = SamplingParams(max_tokens=4, temperature=0.5, top_k=3, seed=11, stop_token_ids=[9], ignore_eos=True,
+                           logit_bias={7: 2.5})
     arrays = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.5), top_k=np.int32(3), seed=np.uint64(11),
-                            stop_token_ids=np.array([9]), ignore_eos=np.bool_(True))
+                            stop_token_ids=np.array([9]), ignore_eos=np.bool_(True),
+                            logit_bias={np.int64(7): np.float32(2.5)})
     assert arrays == plain and type(arrays.max_tokens) is int and type(arrays.ignore_eos) is bool
     want = llm.generate([[5, 6]], plain)[0].outputs[0].token_ids
     assert llm.generate(np.array([[5, 6]]), arrays)[0].outputs[0].token_ids == want

@@ -290,6 +290,7 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
                         (("--max-num-seqs", "0"), "max_num_seqs"),
                         (("--enable-auto-tool-choice",), "requires --tool-call-parser"),
                         (("--uds", "/tmp/x.sock"), "--uds is not supported under Ray Serve"),
+                        (("--api-key", "k", ""), "--api-key: a key must be a non-empty string"),
                         (("--ssl-certfile", "c.pem"), "--ssl-certfile is not supported under Ray Serve")]:
         with pytest.raises(ValueError, match=says):
             plan(*flags)
