@@ -1214,8 +1214,13 @@ def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
             raise ValueError("--ssl-cert-reqs needs --ssl-certfile")
         return None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+
+    def no_password() -> bytes:  # else OpenSSL would stop start-up to ask for one on the terminal
+        raise ValueError(f"--ssl-keyfile {args.ssl_keyfile or args.ssl_certfile!r} is encrypted: give an "
+                         "unencrypted key (no flag takes its password, as vLLM)")
+
     try:
-        ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        ctx.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=no_password)
     except (OSError, ssl.SSLError) as e:
         raise ValueError(f"--ssl-certfile {args.ssl_certfile!r} / --ssl-keyfile {args.ssl_keyfile!r}: {e}") from None
     if args.ssl_ca_certs is not None:

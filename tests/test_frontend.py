@@ -144,8 +144,12 @@ def test_tls_flags_that_cannot_work_are_refused_naming_the_flag(flags, says):
         server.tls_context(args(*flags))
 
 
-def test_bad_tls_files_and_empty_keys_stop_the_server_before_the_model_loads(certs, capsys):
-    for flags, says in [(("--ssl-certfile", certs["server_key"]), "--ssl-certfile"),  # a key is no certificate
+def test_bad_tls_files_and_empty_keys_stop_the_server_before_the_model_loads(certs, capsys, tmp_path):
+    encrypted_key, cert = str(tmp_path / "encrypted.key"), str(tmp_path / "encrypted.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-keyout", encrypted_key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=x", "-passout", "pass:secret"], check=True, capture_output=True)
+    for flags, says in [(("--ssl-certfile", cert, "--ssl-keyfile", encrypted_key), "is encrypted"),  # never a prompt
+                        (("--ssl-certfile", certs["server_key"]), "--ssl-certfile"),  # a key is no certificate
                         (("--ssl-certfile", certs["server_cert"], "--ssl-keyfile", certs["server_key"],
                           "--ssl-cert-reqs", "1"), "needs --ssl-ca-certs"),
                         (("--ssl-certfile", certs["server_cert"], "--ssl-keyfile", certs["server_key"],
