@@ -42,6 +42,7 @@ ordinary model of that many layers.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -57,11 +58,12 @@ import numpy as np
 from flax import nnx
 
 import checkpoint
-from attention_backend import AttentionShape, select_attention_backend
+from attention_backend import AttentionBackend, AttentionShape, select_attention_backend
 from config import SAMPLING_EPS, EngineConfig
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel, device_bytes, hf_state_dict, load_model, param_bytes
+from runner import CountedProgram, count_compile
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
 from scheduler import Sequence
 from spec_decode import PROPOSERS, Proposals
@@ -231,6 +233,53 @@ class _DraftKV:
     blocks: list[int]  # the blocks those positions were written in
 
 
+# Shared like the target's step programs (runner.step_programs): another engine in this
+# process with the same draft model and shapes reuses these, traces and compiles included.
+@functools.lru_cache(maxsize=8)
+def draft_programs(graphdef: Any, backend: AttentionBackend, K: int, BS: int, N: int) -> tuple[Callable, Callable]:
+    """The draft's two jitted programs: catch_up (a ragged forward over the tokens its
+    cache lacks) and draft (k tokens, each from the last)."""
+
+    def catch_up(state, kv_caches, tokens, positions, slot_mapping, block_tables, kv_lens, cu_q_lens):
+        count_compile()
+        model = nnx.merge(graphdef, state)
+        hidden, kv_caches = model(tokens, positions, kv_caches,
+                                  AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens), backend)
+        return kv_caches, hidden[jnp.maximum(cu_q_lens[1:] - 1, 0)]  # each row's last token
+
+    def draft(state, kv_caches, last_hidden, hidden_row, block_tables, first_pos, num_draft, samp):
+        """d_1 from each row's last hidden state, then d_j (j < num_draft) decoded at
+        first_pos + j - 1 to give d_{j+1}. Rows write K/V only for j < num_draft."""
+        count_compile()
+        model = nnx.merge(graphdef, state)
+        W = block_tables.shape[1]
+        sampling = SamplingTensors(**samp, want_logprobs=jnp.bool_(False))
+        tok, q = sample_draft(model.compute_logits(last_hidden[hidden_row]), sampling, sampling.step)
+
+        def body(carry, j):
+            kv_caches, tok = carry
+            pos = first_pos + j - 1
+            write = j < num_draft
+            block = jnp.take_along_axis(block_tables, jnp.clip(pos // BS, 0, W - 1)[:, None], axis=1)[:, 0]
+            attn = AttentionInputs(jnp.where(write, block * BS + pos % BS, 0), block_tables,
+                                   jnp.where(write, pos + 1, 0), None)
+            hidden, kv_caches = model(tok, pos, kv_caches, attn, backend)
+            tok, q = sample_draft(model.compute_logits(hidden), sampling, sampling.step + j)
+            return (kv_caches, tok), (tok, q)
+
+        toks, qs = [tok[:, None]], [q[:, None]]
+        if K > 1:
+            (kv_caches, _), (more_toks, more_qs) = jax.lax.scan(body, (kv_caches, tok), jnp.arange(1, K))
+            toks.append(more_toks.T)
+            qs.append(jnp.swapaxes(more_qs, 0, 1))
+        q = jnp.concatenate(qs, axis=1)
+        if q.shape[0] < N:  # the verifier's programs take q at one shape: max_num_seqs rows
+            q = jnp.zeros((N, *q.shape[1:]), q.dtype).at[:q.shape[0]].set(q)
+        return kv_caches, jnp.concatenate(toks, axis=1), q
+
+    return jax.jit(catch_up, donate_argnums=1), jax.jit(draft, donate_argnums=1)
+
+
 @PROPOSERS.register("draft_model")
 class DraftModelProposer:
     """The draft's weights, KV cache and programs (module docstring), behind spec_decode's
@@ -254,50 +303,8 @@ class DraftModelProposer:
         graphdef, self.state = nnx.split(draft.model)
         self.kv_caches: Any = None
         self._seqs: weakref.WeakKeyDictionary[Sequence, _DraftKV] = weakref.WeakKeyDictionary()
-        backend, K, BS, N = self.backend, self.k, config.block_size, config.max_num_seqs
-
-        def count_compile() -> None:
-            self.stats.num_compilations += 1  # runs only while jax traces
-
-        def catch_up(state, kv_caches, tokens, positions, slot_mapping, block_tables, kv_lens, cu_q_lens):
-            count_compile()
-            model = nnx.merge(graphdef, state)
-            hidden, kv_caches = model(tokens, positions, kv_caches,
-                                      AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens), backend)
-            return kv_caches, hidden[jnp.maximum(cu_q_lens[1:] - 1, 0)]  # each row's last token
-
-        def draft(state, kv_caches, last_hidden, hidden_row, block_tables, first_pos, num_draft, samp):
-            """d_1 from each row's last hidden state, then d_j (j < num_draft) decoded at
-            first_pos + j - 1 to give d_{j+1}. Rows write K/V only for j < num_draft."""
-            count_compile()
-            model = nnx.merge(graphdef, state)
-            W = block_tables.shape[1]
-            sampling = SamplingTensors(**samp, want_logprobs=jnp.bool_(False))
-            tok, q = sample_draft(model.compute_logits(last_hidden[hidden_row]), sampling, sampling.step)
-
-            def body(carry, j):
-                kv_caches, tok = carry
-                pos = first_pos + j - 1
-                write = j < num_draft
-                block = jnp.take_along_axis(block_tables, jnp.clip(pos // BS, 0, W - 1)[:, None], axis=1)[:, 0]
-                attn = AttentionInputs(jnp.where(write, block * BS + pos % BS, 0), block_tables,
-                                       jnp.where(write, pos + 1, 0), None)
-                hidden, kv_caches = model(tok, pos, kv_caches, attn, backend)
-                tok, q = sample_draft(model.compute_logits(hidden), sampling, sampling.step + j)
-                return (kv_caches, tok), (tok, q)
-
-            toks, qs = [tok[:, None]], [q[:, None]]
-            if K > 1:
-                (kv_caches, _), (more_toks, more_qs) = jax.lax.scan(body, (kv_caches, tok), jnp.arange(1, K))
-                toks.append(more_toks.T)
-                qs.append(jnp.swapaxes(more_qs, 0, 1))
-            q = jnp.concatenate(qs, axis=1)
-            if q.shape[0] < N:  # the verifier's programs take q at one shape: max_num_seqs rows
-                q = jnp.zeros((N, *q.shape[1:]), q.dtype).at[:q.shape[0]].set(q)
-            return kv_caches, jnp.concatenate(toks, axis=1), q
-
-        self._catch_up = jax.jit(catch_up, donate_argnums=1)
-        self._draft = jax.jit(draft, donate_argnums=1)
+        catch_up, draft = draft_programs(graphdef, self.backend, self.k, config.block_size, config.max_num_seqs)
+        self._catch_up, self._draft = CountedProgram(catch_up, stats), CountedProgram(draft, stats)
 
     def weight_bytes(self) -> int:
         return param_bytes(self.loaded.model)

@@ -162,6 +162,7 @@ def replicate(x: np.ndarray | jax.Array, mesh: Mesh) -> jax.Array:
     return _put(x, NamedSharding(mesh, P()))
 
 
+@functools.lru_cache(maxsize=16)  # one object per pair: engines on it share their step programs
 def shard_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
     """The same backend, run per KV-head shard: q [T, Hq, D] split over query heads, the
     caches [N, BS, Hkv, D] over KV heads (group g = Hq / Hkv is the same on every shard),

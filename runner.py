@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from attention_backend import AttentionShape, select_attention_backend
+from attention_backend import AttentionBackend, AttentionShape, select_attention_backend
 from config import EngineConfig, host_memory_bytes
 from distributed import DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED, STOP, StepChannel
 from kvcache import create_kv_caches
@@ -294,6 +295,169 @@ def check_host_buffers(config: EngineConfig, model: ModelConfig, dtype: Any) -> 
                          f"bytes ({ram / 2**30:.1f} GiB) of memory")
 
 
+# ---- the step programs, shared by the runners of one process ------------------------------
+
+@dataclass(frozen=True)
+class ProgramKey:
+    """All that a runner's step programs close over. Runners with equal keys (the same
+    model structure, attention backend, mesh and shapes: another engine built in this
+    process on the same model and flags) share one set of jitted programs, and with them
+    every trace, lowering and compile already done; an engine's weights and caches are
+    the programs' arguments, never part of them."""
+
+    graphdef: Any  # nnx.GraphDef: the model's modules, its ModelConfig and weight quantization
+    backend: AttentionBackend  # equal when its functions are the same objects
+    mesh: Mesh | None
+    max_num_seqs: int  # N: the idle slot's index, and the verifier's padded rows
+    logprobs_mode: str
+    logprobs_width: int
+    spec_k: int
+    spec_buckets: tuple[int, ...]
+    prompt_chunk: int
+
+
+class StepPrograms(NamedTuple):
+    decode: Callable
+    ragged: Callable
+    sample: Callable
+    prompt_logprobs: Callable
+    gather_blocks: Callable  # swap preemption's copies of KV blocks, out and in
+    scatter_blocks: Callable
+
+
+# The runner a program is being called for, per thread: a trace (the only time a
+# program's Python runs) is a compile, counted in that runner's EngineStats.
+_caller = threading.local()
+
+
+def count_compile() -> None:
+    stats = getattr(_caller, "stats", None)
+    if stats is not None:
+        stats.num_compilations += 1
+
+
+class CountedProgram:
+    """One shared program as one runner calls it: a compile it causes is that runner's."""
+
+    __slots__ = ("fn", "stats")
+
+    def __init__(self, fn: Callable, stats: EngineStats) -> None:
+        self.fn, self.stats = fn, stats
+
+    def __call__(self, *args: Any) -> Any:
+        _caller.stats = self.stats
+        return self.fn(*args)
+
+    def lower(self, *args: Any) -> Any:
+        _caller.stats = self.stats
+        return self.fn.lower(*args)
+
+
+def spec_branches(buckets: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    """The verified-row counts a program of `rows` rows has a branch for."""
+    return (*(b for b in buckets if b < rows), rows)
+
+
+# Bounded: a process that builds engines of many shapes (a test run, a notebook) keeps
+# the programs of the latest few, which is where a new engine finds its own.
+@functools.lru_cache(maxsize=16)
+def step_programs(key: ProgramKey) -> StepPrograms:
+    """The jitted programs of a runner with this key (see the module docstring)."""
+    graphdef, backend, mesh, N = key.graphdef, key.backend, key.mesh, key.max_num_seqs
+    mode, width, K = key.logprobs_mode, key.logprobs_width, key.spec_k
+    # Under TP the updated cache must come back split as it went in (it is donated).
+    keep = (lambda kv, rest: (kv, *rest)) if mesh is None else functools.partial(constrain_step_outputs, mesh=mesh)
+
+    def forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, rows,
+                hidden_buf=None, spec_in=None, sampling=None):
+        model = nnx.merge(graphdef, state)
+        tokens = jnp.where(token_src >= 0, last_tokens[jnp.maximum(token_src, 0)], tokens)
+        hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
+        row_logits = model.compute_logits(hidden if rows is None else hidden[rows])
+        extra: tuple = (logits.at[:row_logits.shape[0]].set(row_logits),)
+        if hidden_buf is not None:  # for the prompt-logprob program, when a row asks
+            assert hidden.dtype == hidden_buf.dtype, (hidden.dtype, hidden_buf.dtype)
+            extra = (*extra, hidden_buf.at[:hidden.shape[0]].set(hidden))
+        if spec_in is not None:
+            # A verified row's tokens are decided here, by rejection sampling over its
+            # 1 + K positions: its last one goes to last_tokens now (the sample program
+            # that follows leaves verified rows alone: their sample_slot is the idle one).
+            spec_out = verify(model.compute_logits, hidden, attn.cu_q_lens, sampling, spec_in)
+            last = jnp.take_along_axis(spec_out[0], (spec_out[1] - 1)[:, None], axis=1)[:, 0]
+            extra = (*extra, spec_out, last_tokens.at[spec_in.slot].set(last))
+        kv_caches, *extra = keep(kv_caches, extra)
+        return kv_caches, tuple(extra)
+
+    def verify(logits_fn, hidden, cu_q_lens, sampling, sp):
+        """The LM head on each verified row's 1 + K positions (its last known token and
+        its drafts), then rejection sampling; outputs padded to max_num_seqs rows."""
+        branches = spec_branches(key.spec_buckets, cu_q_lens.shape[0] - 1)
+
+        def rows(b):
+            def branch():
+                r = sp.row[:b]
+                idx = cu_q_lens[r][:, None] + jnp.minimum(jnp.arange(K + 1)[None, :], sp.num[:b, None])
+                logits = logits_fn(hidden[idx.reshape(-1)]).astype(jnp.float32).reshape(b, K + 1, -1)
+                t = SamplingTensors(sampling.temperature[r], sampling.top_p[r], sampling.top_k[r],
+                                    sampling.min_p[r], sampling.seed[r], sampling.step[r], sampling.want_logprobs)
+                q = None if sp.draft_probs is None else sp.draft_probs[sp.src[:b]]
+                toks, num = rejection_sample(logits, sp.draft[:b], sp.num[:b], t, q)
+                out = (toks, num, *emitted_logprobs(logits, toks, t, sampling.want_logprobs, mode, width))
+                return tuple(jnp.pad(x, [(0, N - b)] + [(0, 0)] * (x.ndim - 1)) for x in out)
+            return branch
+
+        def none():
+            return (jnp.zeros((N, K + 1), jnp.int32), jnp.ones(N, jnp.int32),
+                    jnp.zeros((N, K + 1), jnp.float32), jnp.zeros((N, K + 1), jnp.int32),
+                    jnp.zeros((N, K + 1, width), jnp.int32),
+                    jnp.zeros((N, K + 1, width), jnp.float32))
+
+        return jax.lax.switch(sp.bucket, [none] + [rows(b) for b in branches])
+
+    def decode_fn(state, kv_caches, last_tokens, logits, tokens, token_src, positions, slot_mapping,
+                  block_tables, kv_lens):
+        count_compile()
+        attn = AttentionInputs(slot_mapping, block_tables, kv_lens, None)
+        return forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, None)
+
+    def ragged_fn(state, kv_caches, last_tokens, logits, hidden_buf, tokens, token_src, positions, slot_mapping,
+                  block_tables, kv_lens, cu_q_lens, spec_in=None, sampling=None):
+        count_compile()
+        attn = AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens)
+        # Only each slot's last token of the step can be sampled: the LM head runs on
+        # S rows, not T (all T only in the prompt-logprob program, when asked; 1 + K
+        # for a verified row: spec_in).
+        last = jnp.maximum(cu_q_lens[1:] - 1, 0)
+        return forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, last,
+                       hidden_buf, spec_in, sampling)
+
+    def sample_fn(last_tokens, logits, sample_slot, sampling):
+        count_compile()
+        # Rows up to the last one that samples (the others write the idle entry, N).
+        num_rows = jnp.max(jnp.where(sample_slot != N, jnp.arange(1, sample_slot.shape[0] + 1), 0))
+        res = sample_rows(logits, sampling, num_rows, min(SAMPLE_CHUNK, N), mode, width)
+        _, last_tokens, res = keep((), (last_tokens.at[sample_slot].set(res[0]), res))
+        return last_tokens, res
+
+    def prompt_fn(state, hidden_buf, targets):
+        count_compile()
+        res = prompt_logprobs(nnx.merge(graphdef, state).compute_logits, hidden_buf, targets, key.prompt_chunk, width)
+        _, res = keep((), (res,))
+        return res
+
+    def gather_fn(caches, idx):
+        count_compile()
+        return [c[:, idx] for c in caches]
+
+    def scatter_fn(caches, idx, data):
+        count_compile()
+        return [c.at[:, idx].set(d) for c, d in zip(caches, data)]
+
+    return StepPrograms(jax.jit(decode_fn, donate_argnums=(1, 3)), jax.jit(ragged_fn, donate_argnums=(1, 3, 4)),
+                        jax.jit(sample_fn, donate_argnums=(0,)), jax.jit(prompt_fn), jax.jit(gather_fn),
+                        jax.jit(scatter_fn, donate_argnums=0))
+
+
 class ModelRunner:
     """Host state lives in persistent per-slot buffers (row `slot` of each, plus one idle
     row that padding rows read): a sequence's block table is written when it takes its
@@ -357,14 +521,6 @@ class ModelRunner:
         self._wants_prompt_logprobs = np.zeros(N + 1, bool)
         # the slot's sequence samples under a grammar or logits processors (logits_controls.py)
         self._constrained = np.zeros(N + 1, bool)
-        backend = self.backend
-        # Under TP the updated cache must come back split as it went in (it is donated).
-        keep = (lambda kv, rest: (kv, *rest)) if mesh is None else functools.partial(constrain_step_outputs, mesh=mesh)
-
-        def count_compile() -> None:
-            # Runs only while jax traces, i.e. once per compiled program.
-            self.stats.num_compilations += 1
-
         # --logprobs-mode and the top-logprob arrays' width (--max-logprobs): fixed shapes,
         # closed over by every program that computes logprobs
         mode, width = config.logprobs_mode, config.logprobs_width(loaded.config.vocab_size)
@@ -375,98 +531,13 @@ class ModelRunner:
         self._zero_q: jax.Array | None = None  # draft_probs of a step with no verified row
         # Verified rows are padded to one of a few counts; one program (lax.switch) holds them all.
         self.spec_buckets = _spec_buckets(N) if spec is not None else ()
-
-        def forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, rows,
-                    hidden_buf=None, spec_in=None, sampling=None):
-            model = nnx.merge(graphdef, state)
-            tokens = jnp.where(token_src >= 0, last_tokens[jnp.maximum(token_src, 0)], tokens)
-            hidden, kv_caches = model(tokens, positions, kv_caches, attn, backend)
-            row_logits = model.compute_logits(hidden if rows is None else hidden[rows])
-            extra: tuple = (logits.at[:row_logits.shape[0]].set(row_logits),)
-            if hidden_buf is not None:  # for the prompt-logprob program, when a row asks
-                assert hidden.dtype == hidden_buf.dtype, (hidden.dtype, hidden_buf.dtype)
-                extra = (*extra, hidden_buf.at[:hidden.shape[0]].set(hidden))
-            if spec_in is not None:
-                # A verified row's tokens are decided here, by rejection sampling over its
-                # 1 + K positions: its last one goes to last_tokens now (the sample program
-                # that follows leaves verified rows alone: their sample_slot is the idle one).
-                spec_out = verify(model.compute_logits, hidden, attn.cu_q_lens, sampling, spec_in)
-                last = jnp.take_along_axis(spec_out[0], (spec_out[1] - 1)[:, None], axis=1)[:, 0]
-                extra = (*extra, spec_out, last_tokens.at[spec_in.slot].set(last))
-            kv_caches, *extra = keep(kv_caches, extra)
-            return kv_caches, tuple(extra)
-
-        def verify(logits_fn, hidden, cu_q_lens, sampling, sp):
-            """The LM head on each verified row's 1 + K positions (its last known token and
-            its drafts), then rejection sampling; outputs padded to max_num_seqs rows."""
-            K, n_max = self.spec_k, self.config.max_num_seqs
-            branches = self._spec_branches(cu_q_lens.shape[0] - 1)
-
-            def rows(b):
-                def branch():
-                    r = sp.row[:b]
-                    idx = cu_q_lens[r][:, None] + jnp.minimum(jnp.arange(K + 1)[None, :], sp.num[:b, None])
-                    logits = logits_fn(hidden[idx.reshape(-1)]).astype(jnp.float32).reshape(b, K + 1, -1)
-                    t = SamplingTensors(sampling.temperature[r], sampling.top_p[r], sampling.top_k[r],
-                                        sampling.min_p[r], sampling.seed[r], sampling.step[r], sampling.want_logprobs)
-                    q = None if sp.draft_probs is None else sp.draft_probs[sp.src[:b]]
-                    toks, num = rejection_sample(logits, sp.draft[:b], sp.num[:b], t, q)
-                    out = (toks, num, *emitted_logprobs(logits, toks, t, sampling.want_logprobs, mode, width))
-                    return tuple(jnp.pad(x, [(0, n_max - b)] + [(0, 0)] * (x.ndim - 1)) for x in out)
-                return branch
-
-            def none():
-                return (jnp.zeros((n_max, K + 1), jnp.int32), jnp.ones(n_max, jnp.int32),
-                        jnp.zeros((n_max, K + 1), jnp.float32), jnp.zeros((n_max, K + 1), jnp.int32),
-                        jnp.zeros((n_max, K + 1, width), jnp.int32),
-                        jnp.zeros((n_max, K + 1, width), jnp.float32))
-
-            return jax.lax.switch(sp.bucket, [none] + [rows(b) for b in branches])
-
-        def decode_fn(state, kv_caches, last_tokens, logits, tokens, token_src, positions, slot_mapping,
-                      block_tables, kv_lens):
-            count_compile()
-            attn = AttentionInputs(slot_mapping, block_tables, kv_lens, None)
-            return forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, None)
-
-        def ragged_fn(state, kv_caches, last_tokens, logits, hidden_buf, tokens, token_src, positions, slot_mapping,
-                      block_tables, kv_lens, cu_q_lens, spec_in=None, sampling=None):
-            count_compile()
-            attn = AttentionInputs(slot_mapping, block_tables, kv_lens, cu_q_lens)
-            # Only each slot's last token of the step can be sampled: the LM head runs on
-            # S rows, not T (all T only in the prompt-logprob program, when asked; 1 + K
-            # for a verified row: spec_in).
-            last = jnp.maximum(cu_q_lens[1:] - 1, 0)
-            return forward(state, kv_caches, last_tokens, logits, tokens, token_src, positions, attn, last,
-                           hidden_buf, spec_in, sampling)
-
-        def sample_fn(last_tokens, logits, sample_slot, sampling):
-            count_compile()
-            # Rows up to the last one that samples (the others write the idle entry).
-            num_rows = jnp.max(jnp.where(sample_slot != self._idle, jnp.arange(1, sample_slot.shape[0] + 1), 0))
-            res = sample_rows(logits, sampling, num_rows, min(SAMPLE_CHUNK, N), mode, width)
-            _, last_tokens, res = keep((), (last_tokens.at[sample_slot].set(res[0]), res))
-            return last_tokens, res
-
-        def prompt_fn(state, hidden_buf, targets):
-            count_compile()
-            res = prompt_logprobs(nnx.merge(graphdef, state).compute_logits, hidden_buf, targets, self._prompt_chunk,
-                                  width)
-            _, res = keep((), (res,))
-            return res
-
-        self._decode = jax.jit(decode_fn, donate_argnums=(1, 3))
-        self._ragged = jax.jit(ragged_fn, donate_argnums=(1, 3, 4))
-        self._sample = jax.jit(sample_fn, donate_argnums=(0,))
-        self._prompt_logprobs = jax.jit(prompt_fn)
+        programs = step_programs(ProgramKey(graphdef, self.backend, mesh, N, mode, width, self.spec_k,
+                                            self.spec_buckets, self._prompt_chunk))
+        (self._decode, self._ragged, self._sample, self._prompt_logprobs, self._gather_blocks,
+         self._scatter_blocks) = (CountedProgram(fn, stats) for fn in programs)
         # Swap preemption: KV blocks [layers, block, ...] to and from a host pool of numpy arrays.
         self.num_swap_blocks = num_swap_blocks
         self.host_kv: list[np.ndarray] | None = None
-        # Counted like the step programs (count_compile returns None), so a copy compiled after warm-up shows.
-        self._gather_blocks = jax.jit(lambda caches, idx: count_compile() or [c[:, idx] for c in caches])
-        self._scatter_blocks = jax.jit(
-            lambda caches, idx, data: count_compile() or [c.at[:, idx].set(d) for c, d in zip(caches, data)],
-            donate_argnums=0)
 
     def swap(self, swap_out: list[tuple[list[int], list[int]]], swap_in: list[tuple[list[int], list[int]]]) -> None:
         """Copy KV blocks (device block, host block) to the host pool, then others back:
@@ -734,10 +805,6 @@ class ModelRunner:
         """T of a verify step of `rows` rows of 1 + k tokens: at most the budget's tokens."""
         return min(rows * (1 + self.spec_k), self.config.max_num_batched_tokens)
 
-    def _spec_branches(self, rows: int) -> tuple[int, ...]:
-        """The verified-row counts a program of `rows` rows has a branch for."""
-        return (*(b for b in self.spec_buckets if b < rows), rows)
-
     def _spec_inputs(self, out: SchedulerOutput, spec_rows: list[int], slots: np.ndarray, rows: int) -> SpecInputs:
         """The verified rows' drafts, padded to the smallest branch that holds them."""
         N, K = self.config.max_num_seqs, self.spec_k
@@ -752,7 +819,7 @@ class ModelRunner:
             sp.row[r], sp.slot[r], sp.num[r], sp.src[r] = i, slots[i], len(d), sch.spec_src
             sp.draft[r, :len(d)] = d
         if spec_rows:
-            branches = self._spec_branches(rows)
+            branches = spec_branches(self.spec_buckets, rows)
             sp.bucket = np.int32(1 + branches.index(_bucket(branches, len(spec_rows))))
         assert (out.draft_probs is not None) == self.draft_probs or not spec_rows, "draft_probs and the proposer disagree"
         if self.draft_probs and out.draft_probs is None:  # no verified row: any array of the shape
@@ -904,7 +971,7 @@ class ModelRunner:
         nothing. (Compiling several at once in threads was slower on 2 cores: XLA's CPU
         compiler already runs its codegen on more than one.)"""
         cfg = self.config
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), self.stats.num_compilations
         verifying = f", verifying up to {cfg.max_num_seqs} x {1 + self.spec_k}" if self.spec_buckets else ""
         programs = [(SAMPLE, self.sample_rows, 0, f"sampling, up to {self.sample_rows} rows")]
         programs += [(DECODE, R, R, f"decode, {R} rows") for R in cfg.decode_buckets]
@@ -928,4 +995,7 @@ class ModelRunner:
                 idx = np.zeros(n, np.int32)
                 leaves = self._scatter_blocks(leaves, idx, [np.asarray(d) for d in self._gather_blocks(leaves, idx)])
             self.kv_caches = jax.tree.unflatten(treedef, leaves)
-        log(f"warm-up: {self.stats.num_compilations} programs compiled in {time.perf_counter() - t0:.1f}s")
+            total += 2 * len(sizes)
+        compiled = self.stats.num_compilations - before
+        shared = f" ({total - compiled} more compiled earlier in this process, shared)" if compiled < total else ""
+        log(f"warm-up: {compiled} programs compiled in {time.perf_counter() - t0:.1f}s{shared}")

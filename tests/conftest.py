@@ -277,6 +277,17 @@ def count_compilations() -> Iterator[list[str]]:
         monitoring.unregister_event_duration_listener(on_duration)
 
 
+def fresh_step_programs() -> None:
+    """Engines built after this get programs of their own, which they trace and compile
+    (or load from the persistent cache) as in a new process: engines in one process share
+    their programs by key (runner.step_programs, draft_model.draft_programs)."""
+    import draft_model
+    import runner
+
+    runner.step_programs.cache_clear()
+    draft_model.draft_programs.cache_clear()
+
+
 @contextmanager
 def tiny_async_engine(tokenizer: Any = None, **config: Any) -> Iterator[tuple[Any, Any]]:
     """(event loop, started AsyncEngine) on the tiny model in test_request_metrics' shapes
@@ -452,11 +463,15 @@ def _compile_optimisation(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     import jax
 
+    # The setting does not key JAX's in-memory executables, which engines in one process
+    # share (runner.step_programs): each side of the switch starts without the other's.
     env, cheap = os.environ[_CHEAP_COMPILES], jax.config.read(_CHEAP_COMPILES.lower())
     os.environ[_CHEAP_COMPILES] = "0"
     jax.config.update(_CHEAP_COMPILES.lower(), False)
+    fresh_step_programs()
     try:
         yield
     finally:
         os.environ[_CHEAP_COMPILES] = env
         jax.config.update(_CHEAP_COMPILES.lower(), cheap)
+        fresh_step_programs()

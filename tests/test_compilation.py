@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, count_compilations, env_without_test_cache
+from conftest import ROOT, count_compilations, env_without_test_cache, fresh_step_programs
 
 from engine import LLM, SamplingParams
 
@@ -66,6 +66,7 @@ def buckets_used(llm: LLM) -> set[tuple[str, int]]:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_warmup_compiles_each_bucket_once_and_no_workload_compiles_after(variant):
+    fresh_step_programs()  # else another engine's programs with these shapes leave warm-up nothing to compile
     llm = LLM("tiny", log=lambda *_: None, warmup=False, record_trace=True, **SHAPES, **VARIANTS[variant])
     cfg = llm.engine.config
     all_buckets = {("decode", b) for b in cfg.decode_buckets} | {("ragged", b) for b in cfg.token_buckets}
@@ -119,3 +120,30 @@ def test_a_restart_with_the_persistent_compilation_cache_compiles_nothing(tmp_pa
     assert first["misses"] >= first["programs"] and first["hits"] == 0  # a cold start compiles them all
     assert second["misses"] == 0, "the restart compiled something"
     assert second["hits"] == first["misses"]  # every program is read back instead
+
+
+def test_an_engine_like_one_built_before_compiles_nothing_and_another_model_compiles_its_own(hf_checkpoint):
+    """Engines in one process share programs by what the programs close over (runner.
+    ProgramKey): a second engine on the same checkpoint and shapes compiles nothing and
+    gives transformers' tokens; a checkpoint with the same shapes but another RoPE theta
+    (only its ModelConfig differs, in the model's GraphDef) compiles programs of its own
+    and gives its own transformers' tokens, which differ from the first's."""
+    from conftest import hf_greedy
+
+    base = hf_checkpoint("llama2")
+    other = hf_checkpoint("llama2", rope_theta=100.0)
+    prompt, n = [1, 17, 45, 200, 3, 99, 150, 7], 12
+    want, want_other = hf_greedy(base, prompt, n), hf_greedy(other, prompt, n)
+    assert want != want_other, "the RoPE theta must change these tokens, or sharing could not show"
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    fresh_step_programs()
+    first = LLM(base, log=lambda *_: None, **SHAPES)
+    assert first.stats.num_compilations > 0
+    with count_compilations() as compiled:
+        again = LLM(base, log=lambda *_: None, **SHAPES)
+        assert again.generate([prompt], greedy)[0].outputs[0].token_ids == want
+    assert compiled == [] and again.stats.num_compilations == 0
+    with count_compilations() as compiled:
+        theirs = LLM(other, log=lambda *_: None, **SHAPES)
+        assert theirs.generate([prompt], greedy)[0].outputs[0].token_ids == want_other
+    assert theirs.stats.num_compilations == first.stats.num_compilations == len(compiled)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import fresh_step_programs
 from config import EngineConfig, SamplingParams
 from kvcache import (BlockAllocator, OutOfBlocksError, blocks_needed, create_kv_caches, describe,
                      kv_cache_bytes_per_block, measure_activation_bytes, num_kv_blocks_for)
@@ -265,6 +266,7 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
     monkeypatch.setattr(startup, "ModelRunner", spy)
     logs: list[str] = []
     kw = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, warmup=True)
+    fresh_step_programs()  # the count below is of programs this engine compiles itself
     llm = LLM("tiny", log=logs.append, gpu_memory_utilization=0.5, **kw)
     eng = llm.engine
     assert ran == [128 // 16 + 1]  # one runner, built with the one-sequence cache

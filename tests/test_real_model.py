@@ -10,7 +10,7 @@ for this module."""
 from __future__ import annotations
 
 import pytest
-from conftest import count_compilations
+from conftest import count_compilations, fresh_step_programs
 
 from config import SamplingParams
 from engine import LLM
@@ -92,6 +92,7 @@ def test_native_4_bit_gguf_answers_the_readme_question_and_never_recompiles():
     import gguf_loader
 
     path = gguf_loader.resolve_builtin("smollm2", log=lambda _: None)
+    fresh_step_programs()  # its warm-up compiles, whatever engines this process built before
     llm = LLM(path, quantization="gguf", log=lambda _: None, max_num_seqs=1, max_model_len=128,
               max_num_batched_tokens=64, num_kv_blocks=16, warmup=False)
     assert llm.engine.loaded.quant is not None

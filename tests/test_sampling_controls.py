@@ -18,7 +18,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from conftest import count_compilations, hf_logits, tiny_async_engine
+from conftest import count_compilations, fresh_step_programs, hf_logits, tiny_async_engine
 from engine import LLM, SamplingParams
 from protocol import ApiError, parse_sampling
 
@@ -204,6 +204,7 @@ def test_a_request_with_processors_is_never_speculated_and_gets_the_tokens_it_ge
 
 
 def test_plain_steps_compile_nothing_new_and_a_penalty_width_compiles_once():
+    fresh_step_programs()  # the programs of an earlier engine with this key compiled the width already
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
     with count_compilations() as compiled:
         llm.generate([[5, 6, 7], [8] * 30], [greedy(max_tokens=6), SamplingParams(max_tokens=6, seed=1)])
