@@ -353,6 +353,16 @@ class CountedProgram:
         return self.fn.lower(*args)
 
 
+def clear_program_caches() -> None:
+    """Engines built after this trace and compile programs of their own (or load them from
+    the persistent cache), as in a new process; the LRU's executables are freed once no
+    engine holds them. Build times measured after it are whole builds."""
+    import draft_model  # it imports this module
+
+    step_programs.cache_clear()
+    draft_model.draft_programs.cache_clear()
+
+
 def spec_branches(buckets: tuple[int, ...], rows: int) -> tuple[int, ...]:
     """The verified-row counts a program of `rows` rows has a branch for."""
     return (*(b for b in buckets if b < rows), rows)
@@ -997,5 +1007,6 @@ class ModelRunner:
             self.kv_caches = jax.tree.unflatten(treedef, leaves)
             total += 2 * len(sizes)
         compiled = self.stats.num_compilations - before
-        shared = f" ({total - compiled} more compiled earlier in this process, shared)" if compiled < total else ""
-        log(f"warm-up: {compiled} programs compiled in {time.perf_counter() - t0:.1f}s{shared}")
+        # by this engine (the activation probe's step) or by another with its ProgramKey
+        ready = f" ({total - compiled} were compiled already)" if compiled < total else ""
+        log(f"warm-up: {compiled} programs compiled in {time.perf_counter() - t0:.1f}s{ready}")

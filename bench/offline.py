@@ -78,7 +78,9 @@ class Engines:
         key = (max_num_seqs, scheduling, max_model_len)
         if key not in self.engines:
             from engine import LLM
+            from runner import clear_program_caches
 
+            clear_program_caches()  # each build whole, as in a new process: not another engine's programs
             t0 = time.perf_counter()
             # KV never limits (scheduling is measured here, not memory); the +1 is the null block
             llm = LLM(self.model, log=lambda s: self.log(f"    [engine] {s}"), max_num_seqs=max_num_seqs,

@@ -82,6 +82,7 @@ def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int]) -> dict[str, 
     """The users decode steadily, the long prompt joins, and every token is stamped when the step
     that made it returns (the synchronous loop: each step's tokens read as it returns)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
+    from runner import clear_program_caches
 
     chunked = mode == "on"
     budget = a.budget if chunked else sz["max_model_len"]
@@ -89,6 +90,7 @@ def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int]) -> dict[str, 
                        max_model_len=sz["max_model_len"], block_size=a.block_size, num_kv_blocks=sz["num_kv_blocks"],
                        max_num_batched_tokens=budget, enable_chunked_prefill=chunked, warmup=True,
                        async_scheduling=False)
+    clear_program_caches()  # the mode's start-up whole, as in a new process: not the other mode's programs
     t0 = time.perf_counter()
     eng = LLMEngine(cfg, log=lambda m: log(f"  [{mode}] {m}"), record_trace=True)
     startup_s = time.perf_counter() - t0

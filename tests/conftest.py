@@ -278,14 +278,12 @@ def count_compilations() -> Iterator[list[str]]:
 
 
 def fresh_step_programs() -> None:
-    """Engines built after this get programs of their own, which they trace and compile
-    (or load from the persistent cache) as in a new process: engines in one process share
-    their programs by key (runner.step_programs, draft_model.draft_programs)."""
-    import draft_model
+    """Engines built after this compile programs of their own, as in a new process (engines
+    in one process share their programs by key): for a test that counts what one engine
+    compiles, or that nothing compiles after its warm-up."""
     import runner
 
-    runner.step_programs.cache_clear()
-    draft_model.draft_programs.cache_clear()
+    runner.clear_program_caches()
 
 
 @contextmanager

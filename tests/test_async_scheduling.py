@@ -10,6 +10,7 @@ import asyncio
 import numpy as np
 
 from async_engine import AsyncEngine
+from conftest import fresh_step_programs
 from engine import LLM, EngineConfig, SamplingParams
 from server import Generation
 
@@ -35,6 +36,8 @@ def mix_params(stops: dict[int, int] | None = None) -> list[SamplingParams]:
 
 def run(async_scheduling: bool, params: list[SamplingParams], **kw) -> tuple[LLM, list, dict[str, list]]:
     """Generate by stepping the engine by hand, keeping every delta."""
+    if kw.get("warmup"):
+        fresh_step_programs()  # warm-up's own compiles, not those of the runs before (same programs)
     llm = LLM("tiny", log=lambda *_: None, async_scheduling=async_scheduling, **{**TIGHT, **kw})
     compiled = llm.stats.num_compilations
     eng = llm.engine

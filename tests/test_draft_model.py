@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import hf_greedy, hf_logits, make_hf_checkpoint
+from conftest import fresh_step_programs, hf_greedy, hf_logits, make_hf_checkpoint
 
 from config import EngineConfig, SamplingParams
 from draft_model import check_vocabulary, parse_layers, write_layer_skip
@@ -44,6 +44,7 @@ def drafter(target_ckpt, draft_dir):
                           max_num_batched_tokens=32, attention_backend="xla",
                           speculative_config={"method": "draft_model", "model": draft_dir,
                                               "num_speculative_tokens": K}).resolved(2048)
+    fresh_step_programs()  # the tests check that nothing compiles after this warm-up
     dm = create_proposer(config, load_model(target_ckpt), EngineStats())
     assert dm.kv_bytes_per_block() == 2 * 2 * BS * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, f32
     dm.allocate(64)
@@ -184,6 +185,7 @@ def _engine_prompts() -> list[list[int]]:
 def _run_speculative(target: str, draft: str, **kw):
     from engine import LLM
 
+    fresh_step_programs()  # nothing compiles after this engine's own warm-up
     llm = LLM(target, log=lambda _: None, max_num_seqs=2, max_model_len=96, block_size=BS,
               max_num_batched_tokens=16, attention_backend="xla",
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3}, **kw)

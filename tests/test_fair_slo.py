@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import load_bench
+from conftest import fresh_step_programs, load_bench
 
 from config import EngineConfig, SamplingParams
 from policy import ANONYMOUS
@@ -379,6 +379,7 @@ def test_swap_preemption_compiles_nothing_after_warm_up():
     step can move; a tight cache that swaps many times then compiles nothing."""
     from engine import LLMEngine
 
+    fresh_step_programs()  # the copy programs compiled by this warm-up, not an earlier engine's
     engine = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4, max_model_len=128, num_kv_blocks=14,
                                     max_num_batched_tokens=128, preemption_mode="swap", swap_space=0.01,
                                     async_scheduling=False), log=lambda *_: None)

@@ -308,7 +308,7 @@ test_speculative_allocation_state_machine = SpeculativeAllocatorMachine.TestCase
 
 # ---- the engine: the same greedy tokens, fewer steps -------------------------------------
 
-from conftest import count_compilations  # noqa: E402
+from conftest import count_compilations, fresh_step_programs  # noqa: E402
 
 from engine import LLM  # noqa: E402
 
@@ -328,6 +328,7 @@ def grounded_prompts(n: int = 6, seed: int = 3) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tiny_pair() -> tuple[LLM, LLM]:
+    fresh_step_programs()  # nothing compiles after these engines' own warm-ups
     return LLM("tiny", **TIGHT), LLM("tiny", speculative_config=NGRAM, **TIGHT)
 
 

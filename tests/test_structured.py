@@ -14,7 +14,7 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 import pytest
-from conftest import count_compilations
+from conftest import count_compilations, fresh_step_programs
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from config import StructuredOutputsParams as SO
@@ -23,6 +23,7 @@ from distributed import SAMPLE, SAMPLE_MASKED
 
 @pytest.fixture(scope="module")
 def tiny() -> LLM:
+    fresh_step_programs()  # nothing compiles after this engine's own warm-up
     return LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
 
 
