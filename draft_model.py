@@ -42,7 +42,6 @@ ordinary model of that many layers.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import shutil
@@ -63,7 +62,7 @@ from config import SAMPLING_EPS, EngineConfig
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel, device_bytes, hf_state_dict, load_model, param_bytes
-from runner import CountedProgram, count_compile
+from runner import CountedProgram, count_compile, shared_programs
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
 from scheduler import Sequence
 from spec_decode import PROPOSERS, Proposals
@@ -235,7 +234,7 @@ class _DraftKV:
 
 # Shared like the target's step programs (runner.step_programs): another engine in this
 # process with the same draft model and shapes reuses these, traces and compiles included.
-@functools.lru_cache(maxsize=8)
+@shared_programs(maxsize=8)
 def draft_programs(graphdef: Any, backend: AttentionBackend, K: int, BS: int, N: int) -> tuple[Callable, Callable]:
     """The draft's two jitted programs: catch_up (a ragged forward over the tokens its
     cache lacks) and draft (k tokens, each from the last)."""

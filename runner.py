@@ -353,14 +353,26 @@ class CountedProgram:
         return self.fn.lower(*args)
 
 
+_PROGRAM_CACHES: list[Any] = []  # every shared_programs factory of the process
+
+
+def shared_programs(maxsize: int) -> Callable[[Callable], Callable]:
+    """A factory of jitted programs, cached by its (hashable) arguments: engines that
+    call it with equal arguments share the programs. Bounded: a process that builds
+    engines of many shapes (a test run, a notebook) keeps the latest few."""
+    def wrap(build: Callable) -> Callable:
+        cached = functools.lru_cache(maxsize=maxsize)(build)
+        _PROGRAM_CACHES.append(cached)
+        return cached
+    return wrap
+
+
 def clear_program_caches() -> None:
     """Engines built after this trace and compile programs of their own (or load them from
-    the persistent cache), as in a new process; the LRU's executables are freed once no
+    the persistent cache), as in a new process; the caches' executables are freed once no
     engine holds them. Build times measured after it are whole builds."""
-    import draft_model  # it imports this module
-
-    step_programs.cache_clear()
-    draft_model.draft_programs.cache_clear()
+    for cached in _PROGRAM_CACHES:
+        cached.cache_clear()
 
 
 def spec_branches(buckets: tuple[int, ...], rows: int) -> tuple[int, ...]:
@@ -368,9 +380,7 @@ def spec_branches(buckets: tuple[int, ...], rows: int) -> tuple[int, ...]:
     return (*(b for b in buckets if b < rows), rows)
 
 
-# Bounded: a process that builds engines of many shapes (a test run, a notebook) keeps
-# the programs of the latest few, which is where a new engine finds its own.
-@functools.lru_cache(maxsize=16)
+@shared_programs(maxsize=16)
 def step_programs(key: ProgramKey) -> StepPrograms:
     """The jitted programs of a runner with this key (see the module docstring)."""
     graphdef, backend, mesh, N = key.graphdef, key.backend, key.mesh, key.max_num_seqs
