@@ -714,3 +714,14 @@ def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], as_ids: bool = False)
     return {"content": [entry(lp.token_id, lp.logprob) | {
         "top_logprobs": [entry(t, v) for t, v in itertools.islice(_with_sampled(lp).items(), len(lp.top))]}
         for lp in lps]}
+
+
+def route_path(path: str, root_path: str) -> str:
+    """The path a request is routed by (Starlette's get_route_path, which FastAPI's root_path
+    goes through): under root_path, the rest of it ("" for root_path itself); any other
+    path as it is. "/api/v1/models" with root_path "/api" is "/v1/models"; "/apix" is "/apix"."""
+    if not root_path or not path.startswith(root_path):
+        return path
+    if path == root_path:
+        return ""
+    return path[len(root_path):] if path[len(root_path)] == "/" else path

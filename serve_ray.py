@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import math
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import yarl
 import ray
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -53,7 +55,7 @@ from starlette.responses import Response, StreamingResponse
 
 import config_file
 from cors import CorsPolicy
-from protocol import MAX_BODY_BYTES, ApiError
+from protocol import MAX_BODY_BYTES, ApiError, route_path
 
 # The engine side (server.py, the engine, JAX) is imported where it is used: by the driver
 # (flags, plan) and by the Engine replicas. The Ingress process imports this module to run
@@ -300,9 +302,10 @@ def _replica_died(e: BaseException) -> ApiError:
 class Ingress:
     """HTTP in, one Engine replica's answer out; /metrics and /reset_prefix_cache span all."""
 
-    def __init__(self, engines: DeploymentHandle, cors: CorsPolicy = CorsPolicy()) -> None:
+    def __init__(self, engines: DeploymentHandle, cors: CorsPolicy = CorsPolicy(), root_path: str = "") -> None:
         self.engines = engines.options(stream=True)
         self.cors = cors  # for its own answers: a replica's carry their CORS headers already
+        self.root_path = root_path  # --root-path, which the replicas' apps serve under too
         self.replica_urls: set[str] = set()  # as each Engine replica announced itself
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
 
@@ -321,7 +324,8 @@ class Ingress:
     async def answer(self, request: Request) -> Response:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS)
-        if request.method == "GET" and request.url.path == "/metrics":
+        route = route_path(request.url.path, self.root_path)  # as the replicas' apps route it
+        if request.method == "GET" and route == "/metrics":
             return await self.fleet_metrics()
         try:
             body = await read_body(request)
@@ -329,7 +333,7 @@ class Ingress:
             return _error(e)
         except ClientDisconnect:  # the client left mid-body: nothing to answer (server.py's 499)
             return Response(status_code=499)
-        if request.method == "POST" and request.url.path == "/reset_prefix_cache":
+        if request.method == "POST" and route == "/reset_prefix_cache":
             return await self.reset_every_prefix_cache(path, headers)
         responses: DeploymentResponseGenerator = self.engines.handle.remote(
             HttpRequest(request.method, path, headers, body, routing_prompt(body)))
@@ -338,6 +342,7 @@ class Ingress:
         except Exception as e:
             log.warning("request to %s failed before its answer began: %r", path, e)
             return _error(_replica_died(e))
+        head = self.client_redirect(request, head)
         if dict((k.lower(), v) for k, v in head.headers).get("content-type", "").startswith("text/event-stream"):
             return RelayedStream(responses, self._relay(responses), status_code=head.status,
                                  headers=dict(head.headers))
@@ -347,6 +352,18 @@ class Ingress:
             log.warning("request to %s failed mid-answer: %r", path, e)
             return _error(_replica_died(e))
         return Response(data, status_code=head.status, headers=dict(head.headers))
+
+    @staticmethod
+    def client_redirect(request: Request, head: HttpHead) -> HttpHead:
+        """A replica's redirect (its app's 307 to a path's twin without the trailing slash)
+        names the replica's own address, which it was called at: the client's comes back
+        instead, scheme and Host as the client sent them."""
+        if not 300 <= head.status < 400:
+            return head
+        base = f"{request.url.scheme}://{request.url.netloc}"
+        headers = tuple((k, base + str(yarl.URL(v).relative()) if k.lower() == "location" and yarl.URL(v).absolute
+                         else v) for k, v in head.headers)
+        return dataclasses.replace(head, headers=headers)
 
     async def _relay(self, responses: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
         """An SSE stream as it comes; if the replica dies, an error event and [DONE], as
@@ -471,6 +488,7 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--port must be a fixed port (1..65535) for Ray Serve's proxy, got {args.port}")
     server.check_host(args.host, args.port)  # as server.py: Ray Serve's proxy binds it
     server.api_keys(args.api_key)  # as server.py: before a replica would fail on it
+    server.check_log_flags(args)  # as server.py
     autoscale = args.min_replicas is not None or args.max_replicas is not None
     if autoscale and args.num_replicas is not None:
         raise ValueError("--num-replicas is a fixed count; --min-replicas/--max-replicas autoscale: give one or the other")
@@ -528,7 +546,7 @@ def start(args: argparse.Namespace, the_plan: Plan) -> str:
                                 enable_access_log=args.log_level == "debug")
     serve.start(http_options={"host": args.host, "port": args.port}, logging_config=ray_logging)
     engines = EngineReplica.options(**the_plan.options).bind(args, the_plan.config)
-    serve.run(Ingress.bind(engines, CorsPolicy.from_args(args)), name=APP_NAME, route_prefix="/",
+    serve.run(Ingress.bind(engines, CorsPolicy.from_args(args), args.root_path), name=APP_NAME, route_prefix="/",
               logging_config=ray_logging)
     return f"http://{args.host}:{args.port}"
 

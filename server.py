@@ -6,7 +6,9 @@
     python server.py --model /path/to/hf_dir   # a checkpoint, its tokenizer and chat template
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache.
+GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache;
+each also under --root-path, and a path that differs from one by a trailing slash is a 307
+to it (FastAPI's routing, as vLLM's server answers).
 
 The engine speaks token ids only; everything textual happens here: tokenizing prompts,
 chat templates and incremental detokenization (except for a request with stop strings: the
@@ -53,7 +55,8 @@ from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetric
 from policy import REGISTRIES
 from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
                       parse_messages, parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, request_field,
-                      structured_field, thinking_enabled, token_text, tool_choice, truncate_prompt, unknown_fields)
+                      route_path, structured_field, thinking_enabled, token_text, tool_choice, truncate_prompt,
+                      unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
@@ -203,9 +206,12 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         model = body.get("model") or app["model_names"][0]  # read_body checked it
         head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
         choices = [Choice(i, g, form) for i, g in enumerate(gens)]
+        details = app["prompt_tokens_details"]
+        if app["log_outputs"]:  # (--enable-log-outputs, which needs --enable-log-requests)
+            form.log_id, form.log_len = engine_request_id, app["max_log_len"]
         if not stream:
-            return await whole_response(head, choices, form)
-        return await stream_response(request, head, choices, include_usage, continuous_usage)
+            return await whole_response(head, choices, form, details)
+        return await stream_response(request, head, choices, include_usage, continuous_usage, details)
     finally:
         for g in gens:
             g.close()
@@ -281,6 +287,10 @@ class ChoiceFormat:
     parallel: bool  # OpenAI's parallel_tool_calls
     reasoning_parser: Callable[[], Any] | None  # a new --reasoning-parser for this prompt (chat), else None
     include_reasoning: bool
+    # --enable-log-outputs: the id each choice's output is logged under (None: not logged),
+    # and --max-log-len, the most characters and token ids a line shows
+    log_id: str | None = None
+    log_len: int | None = None
 
     @classmethod
     def read(cls, app: web.Application, body: dict, chat: bool, tools: ToolChoice | None, params: SamplingParams,
@@ -345,6 +355,7 @@ class Choice:
         # streamed: a completion's first chunk carries the echo and the prompt's ids; text_offset
         # of the next token; a chat answer's parsers
         self.first, self.offset, self.message = True, 0, form.message_stream() if form.chat else None
+        self.text = ""  # streamed: the output's text so far, for --enable-log-outputs
 
     async def whole(self) -> dict:
         """The choice of a whole response, once its request has ended."""
@@ -371,6 +382,15 @@ class Choice:
             choice["token_ids"] = ids
             if not f.chat:
                 choice["prompt_token_ids"] = f.prompt_ids
+        if f.log_id is not None:
+            if f.chat:  # vLLM's: the content, else the tool calls; nothing for an empty answer
+                calls = ", ".join(f"{c['function']['name']}({c['function']['arguments']})"
+                                  for c in answer["message"].get("tool_calls") or [])
+                logged = answer["message"].get("content") or (f"[tool_calls: {calls}]" if calls else "")
+            else:
+                logged = answer["text"]
+            if logged:
+                log_output(f.log_id, logged, ids, reason, f.log_len)
         return choice
 
     def whole_message(self, text: str, reason: str) -> tuple[dict, str]:
@@ -392,7 +412,29 @@ class Choice:
                     continue  # held back: part of a character, or maybe the start of a stop string
                 choice = self.stream_chunk(c)
                 self.num_output_tokens, self.metrics = c.num_output_tokens, metrics_json(c)
+                if self.form.log_id is not None:
+                    self.log_delta(c, choice)
                 yield choice
+
+    def log_delta(self, c: Chunk, choice: dict) -> None:
+        """--enable-log-outputs, streamed: vLLM's line per chunk that says something (a chat
+        delta's content, [reasoning: ...] and [tool_calls: <arguments>]), and the text so far
+        for the line once the stream is complete (stream_response)."""
+        self.text += c.text
+        if self.form.chat:
+            delta = choice["delta"]
+            parts = [delta["content"]] if delta.get("content") else []
+            if delta.get("reasoning"):
+                parts.append(f"[reasoning: {delta['reasoning']}]")
+            args = "".join(t["function"].get("arguments") or "" for t in delta.get("tool_calls") or []
+                           if t.get("function"))
+            if args:
+                parts.append(f"[tool_calls: {args}]")
+        else:
+            parts = [choice["text"]] if choice["text"] else []
+        if parts:
+            log_output(self.form.log_id, " ".join(parts), c.token_ids, c.finish_reason, self.form.log_len,
+                       " (streaming delta)")
 
     @property
     def echo_pending(self) -> bool:
@@ -424,34 +466,56 @@ class Choice:
         return choice
 
 
+def log_output(request_id: str, text: str, token_ids: list[int] | None, finish_reason: str | None,
+               max_log_len: int | None, stream_info: str = "") -> None:
+    """vLLM's output log (--enable-log-outputs): the output's text (its first max_log_len
+    characters) and finish reason at info level, its token ids (the first max_log_len) at
+    debug level only. stream_info: " (streaming delta)" or " (streaming complete)"."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("Generated response %s%s details: output_token_ids: %s", request_id, stream_info,
+                  None if token_ids is None else list(token_ids)[:max_log_len])
+    log.info("Generated response %s%s: output: %r, finish_reason: %s", request_id, stream_info, text[:max_log_len],
+             finish_reason)
+
+
 def metrics_json(chunk: Chunk) -> dict:
     """{"metrics": ...} beside the choices when the chunk carries the request's metrics, else {}."""
     return {"metrics": dataclasses.asdict(chunk.metrics)} if chunk.metrics else {}
 
 
-def usage(choices: list[Choice]) -> dict:
+def usage(choices: list[Choice], details: bool | None = None) -> dict:
     """OpenAI's usage of the choices' tokens so far, the prompt counted once (vLLM's usage
-    for n samples)."""
+    for n samples). details: --enable-prompt-tokens-details, which adds vLLM's
+    prompt_tokens_details (the prompt tokens the prefix cache served, 0 included); without
+    it a whole response says null and a stream's usage chunk leaves the field out (vLLM
+    dumps the one whole and the other without its None fields). None: neither (vLLM's
+    continuous_usage_stats chunks never carry it)."""
     first, completion_tokens = choices[0].gen, sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": first.num_prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
+    out: dict[str, Any] = {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": first.num_prompt_tokens + completion_tokens}
+    if details:
+        out["prompt_tokens_details"] = {"cached_tokens": first.num_cached_tokens}
+    return out
 
 
-async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat) -> web.Response:
-    """The response as one JSON object, once every choice has ended."""
+async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, details: bool) -> web.Response:
+    """The response as one JSON object, once every choice has ended (details:
+    --enable-prompt-tokens-details)."""
     done = await all_of(c.whole() for c in choices)
     extra = choices[0].metrics  # (include_metrics is for n = 1)
     if form.chat and form.return_ids:  # vLLM's place of a chat response's prompt ids
         extra = extra | {"prompt_token_ids": form.prompt_ids}
-    return web.json_response(head | {"choices": done, "usage": usage(choices)} | extra)
+    use = usage(choices, details)
+    use.setdefault("prompt_tokens_details", None)
+    return web.json_response(head | {"choices": done, "usage": use} | extra)
 
 
 async def stream_response(request: web.Request, head: dict, choices: list[Choice], include_usage: bool,
-                          continuous_usage: bool) -> web.StreamResponse:
+                          continuous_usage: bool, details: bool) -> web.StreamResponse:
     """The response as server-sent events: a chat answer's opening chunks, the choices'
     chunks as they come (interleaved, each naming its index), the usage when asked, [DONE].
-    An error once the status line is out is an event of its own."""
+    An error once the status line is out is an event of its own. details:
+    --enable-prompt-tokens-details."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     events = EventStream(response, head, choices, include_usage, continuous_usage)
@@ -460,7 +524,10 @@ async def stream_response(request: web.Request, head: dict, choices: list[Choice
             await events.open_messages()
         await all_of(events.send_choice(c) for c in choices)
         if include_usage:
-            await events.send([], usage=usage(choices), **choices[0].metrics)
+            await events.send([], usage=usage(choices, details), **choices[0].metrics)
+        form = choices[0].form
+        for c in choices if form.log_id is not None else ():  # vLLM's line per choice: its whole text
+            log_output(form.log_id, c.text, None, "streaming_complete", form.log_len, " (streaming complete)")
     except ConnectionResetError:
         return response  # the client left; the request is aborted already
     except Exception as e:  # the status line is gone: report the error in the stream
@@ -486,7 +553,7 @@ class EventStream:
 
     def usage_so_far(self) -> dict:
         """vLLM's continuous_usage_stats: every chunk carries the usage so far."""
-        return {"usage": usage(self.choices)} if self.continuous_usage else {}
+        return {"usage": usage(self.choices)} if self.continuous_usage else {}  # (no prompt_tokens_details)
 
     async def open_messages(self) -> None:
         """A chat answer's first chunks, per choice: its role (the first with the prompt's ids
@@ -729,11 +796,12 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         if app["stopping"].is_set():
             raise ApiError("server is shutting down", status=503, type="service_unavailable")
-        keys = app["api_keys"]
-        if keys and (request.path.startswith("/v1/") or request.path == "/reset_prefix_cache") and \
+        keys, path = app["api_keys"], route_path(request.path, app["root_path"])
+        if keys and (path.startswith("/v1/") or path == "/reset_prefix_cache") and \
                 not any([api_key_matches(request.headers.get("Authorization", ""), k) for k in keys]):  # each compared
             raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
                            type="authentication_error", code="invalid_api_key")
+        await redirect_slashes(request, path)
         task = asyncio.current_task()  # admitted: a shutdown lets it finish (--shutdown-timeout)
         app["in_flight"].add(task)
         try:
@@ -757,6 +825,59 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         log.exception("error serving %s %s", request.method, request.path)
         error = ApiError("internal server error (see the server log)", 500, type="internal_server_error")
     return web.json_response(error.body(), status=error.status)
+
+
+def check_root_path(root_path: str | None) -> str:
+    """--root-path: "" (none), or a path that starts with "/" and does not end with one.
+    FastAPI takes any string, but a value without the leading "/" never matches a request
+    path, and one with a trailing "/" strips the "/" the route starts with, so both would
+    leave the prefixed paths unserved; "/" alone means none. ValueError names the flag."""
+    root_path = root_path or ""
+    if root_path in ("", "/"):
+        return ""
+    bad = "must start with '/'" if not root_path.startswith("/") else \
+        "must not end with '/'" if root_path.endswith("/") else \
+        "must be a URL path: no '?', '#', whitespace or control characters" \
+        if any(c in "?#" or c.isspace() or not c.isprintable() for c in root_path) else None
+    if bad:
+        raise ValueError(f"--root-path {bad} (e.g. /llm), got {root_path!r}")
+    return root_path
+
+
+class RootPathRouting:
+    """An app's router that also serves every route under root_path (--root-path): a
+    request whose path starts with it is resolved by the rest of the path (route_path), as
+    Starlette routes under FastAPI's root_path; the handler sees the request's own path."""
+
+    def __init__(self, resolve: Callable[[web.Request], Awaitable[Any]], root_path: str) -> None:
+        self.resolve_path, self.root_path = resolve, root_path
+
+    @classmethod
+    def install(cls, router: web.UrlDispatcher, root_path: str) -> None:
+        if root_path:  # the instance's resolve is wrapped: aiohttp's Application(router=...) is deprecated
+            router.resolve = cls(router.resolve, root_path)  # type: ignore[method-assign]
+
+    async def __call__(self, request: web.Request) -> Any:
+        path = route_path(request.rel_url.path, self.root_path)
+        if path != request.rel_url.path:  # (root_path itself is the empty path, which no route has, as in Starlette)
+            request = request.clone(rel_url=request.rel_url.with_path(path))
+        return await self.resolve_path(request)
+
+
+async def redirect_slashes(request: web.Request, path: str) -> None:
+    """FastAPI's redirect_slashes (Starlette's router): a path no route has, whose twin with
+    or without the trailing slash(es) has one (for any method), is a 307 to that twin, the
+    query kept; "/" is never redirected."""
+    if path in ("", "/") or not isinstance(request.match_info.http_exception, web.HTTPNotFound):
+        return
+    raw = request.rel_url.raw_path
+    twin = raw.rstrip("/") if raw.endswith("/") else raw + "/"
+    if not twin:
+        return
+    match = await request.app.router.resolve(request.clone(rel_url=request.rel_url.with_path(twin, encoded=True)))
+    if not isinstance(match.http_exception, web.HTTPNotFound):  # a route, even one for another method
+        query = f"?{request.rel_url.raw_query_string}" if request.rel_url.raw_query_string else ""
+        raise web.HTTPTemporaryRedirect(f"{request.scheme}://{request.host}{twin}{query}")
 
 
 # ---- metrics ----------------------------------------------------------------------
@@ -915,7 +1036,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
               chat_template: str | None = None,
               trust_request_chat_template: bool = False, response_role: str = "assistant",
               log_stats: bool = False, log_requests: bool = False, max_log_len: int | None = None,
-              cors: CorsPolicy = CorsPolicy(), force_include_usage: bool = False) -> web.Application:
+              cors: CorsPolicy = CorsPolicy(), force_include_usage: bool = False,
+              prompt_tokens_details: bool = False, log_outputs: bool = False, root_path: str = "") -> web.Application:
     """api_key: one key or several (vLLM's --api-key takes several): /v1/* and
     /reset_prefix_cache answer a request bearing any of them.
     per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
@@ -935,14 +1057,21 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
     its prompt's first max_log_len token ids): vLLM's --enable-log-requests, --max-log-len.
     cors: which other origins' pages may call the API (cors.py; vLLM's default: any).
     force_include_usage: every stream ends with a usage chunk, asked for or not (vLLM's
-    --enable-force-include-usage)."""
+    --enable-force-include-usage). prompt_tokens_details: usage carries
+    prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details). log_outputs:
+    log each request's output too (vLLM's --enable-log-outputs; with log_requests).
+    root_path: the path prefix a proxy serves this app under (vLLM's --root-path, FastAPI's
+    root_path): a request under it is routed without it, any other as it is (RootPathRouting)."""
     keys = api_keys(api_key)
+    root_path = check_root_path(root_path)
+    check_log_flags(argparse.Namespace(enable_log_outputs=log_outputs, enable_log_requests=log_requests))
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     if chat_template is not None:
         check_chat_template(chat_template, engine.tokenizer)
     app = web.Application(middlewares=[cors.middleware(), guard], client_max_size=MAX_BODY_BYTES)
     app.on_response_prepare.append(cors_headers)
+    RootPathRouting.install(app.router, root_path)
     registry = CollectorRegistry(auto_describe=False)
     # vLLM's labels on every series: the served model's (first) name and the engine's index
     registry.register(EngineCollector(engine.stats, {"model_name": model_names[0], "engine": ENGINE}
@@ -957,7 +1086,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
                reasoning_parser=REASONING_PARSERS.get(engine.config.reasoning_parser),
                chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
                response_role=response_role, log_requests=log_requests, max_log_len=max_log_len,
-               force_include_usage=force_include_usage)
+               force_include_usage=force_include_usage, prompt_tokens_details=prompt_tokens_details,
+               log_outputs=log_outputs, root_path=root_path)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -1074,6 +1204,20 @@ def check_chat_template(template: str, tokenizer: Any) -> None:
         raise ValueError(f"--chat-template is not a valid Jinja template: {e} (line {e.lineno})") from None
 
 
+def root_path_arg(value: str) -> str:
+    """--root-path's value, checked (check_root_path) as argparse reads it."""
+    try:
+        return check_root_path(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--root-path ")) from None
+
+
+def check_log_flags(args: argparse.Namespace) -> None:
+    """vLLM's rule (ValueError): --enable-log-outputs logs through --enable-log-requests's logger."""
+    if args.enable_log_outputs and not args.enable_log_requests:
+        raise ValueError("--enable-log-outputs requires --enable-log-requests")
+
+
 def non_negative_int(value: str) -> int:
     n = int(value)
     if n < 0:
@@ -1123,6 +1267,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="client certificates: 0 not asked for, 1 checked if sent, 2 required (Python's ssl.CERT_*)")
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every stream ends with a usage chunk, whether stream_options asks for it or not")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache "
+                        "served (off: null in a whole response, left out of a stream's usage chunk); vLLM's flag")
+    p.add_argument("--root-path", type=root_path_arg, default="",
+                   help="the path prefix a proxy serves this server under (e.g. /llm): a request path under it "
+                        "is served as the path without it, any other path as it is (FastAPI's root_path, as vLLM)")
     p.add_argument("--allowed-origins", type=config_file.json_list, default=["*"],
                    help='origins whose pages may call the API (CORS), as a JSON list, e.g. \'["https://a.example"]\'; '
                         '["*"]: any, as vLLM')
@@ -1166,8 +1316,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request's id and sampling parameters as it arrives (at debug level also its "
                         "prompt's token ids); vLLM's flag")
+    p.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
+                   help="also log each request's output: its text and finish reason (a stream: each chunk's and, "
+                        "once complete, the whole text), at debug level also its token ids; needs "
+                        "--enable-log-requests (vLLM's flag)")
     p.add_argument("--max-log-len", type=non_negative_int,
-                   help="most prompt token ids a request's debug log line shows; None: all (vLLM's flag)")
+                   help="most prompt token ids, output characters and output token ids a request's log lines "
+                        "show; None: all (vLLM's flag)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or SIGINT, new requests get 503 at once and those in flight get this many "
                         "seconds to finish before the rest are aborted (0: abort at once; a second signal "
@@ -1200,7 +1355,9 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role,
                      log_stats=not args.disable_log_stats, log_requests=args.enable_log_requests,
                      max_log_len=args.max_log_len,
-                     cors=CorsPolicy.from_args(args), force_include_usage=args.enable_force_include_usage)
+                     cors=CorsPolicy.from_args(args), force_include_usage=args.enable_force_include_usage,
+                     prompt_tokens_details=args.enable_prompt_tokens_details,
+                     log_outputs=args.enable_log_outputs, root_path=args.root_path)
 
 
 def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
@@ -1321,6 +1478,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     try:
         check_host(args.host, args.port)
+        check_log_flags(args)
         tls = tls_context(args)
         api_keys(args.api_key)
     except ValueError as e:

@@ -52,7 +52,8 @@ def test_streamed_each_index_adds_up_to_its_whole_choice(post):
     status, whole = post("/v1/chat/completions", CHAT | {"n": 2, "seed": 11})
     assert status == 200
     status, chunks = post("/v1/chat/completions", CHAT | {"n": 2, "seed": 11, "stream": True,
-                                                          "stream_options": {"include_usage": True}})
+                                                          "stream_options": {"include_usage": True}},
+                          ["--enable-prompt-tokens-details"])
     content, roles, reasons = {0: "", 1: ""}, {}, {}
     for c in chunks[:-1]:
         (choice,) = c["choices"]

@@ -51,7 +51,8 @@ def server() -> Iterator[Server]:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     port = free_port()
     args = serve_ray.build_parser().parse_args([*SMALL, "--num-replicas", "2", "--port", str(port),
-                                                "--api-key", API_KEY, "--no-warmup"])
+                                                "--api-key", API_KEY, "--no-warmup",
+                                                "--enable-prompt-tokens-details"])
     the_plan = serve_ray.plan(args)
     ray.init(num_cpus=2, include_dashboard=False)  # before JAX starts its threads here: it forks
     try:
@@ -289,6 +290,7 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
                          "multi-host replicas are not supported under Ray Serve"),
                         (("--max-num-seqs", "0"), "max_num_seqs"),
                         (("--enable-auto-tool-choice",), "requires --tool-call-parser"),
+                        (("--enable-log-outputs",), "--enable-log-outputs requires --enable-log-requests"),
                         (("--uds", "/tmp/x.sock"), "--uds is not supported under Ray Serve"),
                         (("--api-key", "k", ""), "--api-key: a key must be a non-empty string"),
                         (("--ssl-certfile", "c.pem"), "--ssl-certfile is not supported under Ray Serve")]:
@@ -516,3 +518,51 @@ def test_the_ingress_refuses_a_body_over_the_limit_before_it_reaches_a_replica()
         status, _, _ = asyncio.run(call([(b"content-length", str(10**9).encode()), (b"origin", origin)], [mib], cors))
         assert status == 413 and answered[-1].get("access-control-allow-origin") == want, answered[-1]
         assert answered[-1]["vary"] == "Origin"
+
+
+def test_the_ingress_routes_under_root_path_and_sends_a_replicas_redirect_to_the_clients_host() -> None:
+    """--root-path under Ray Serve: the Ingress relays every path as it came (each replica's
+    app strips the prefix), answers /metrics under the prefix itself, and a replica's 307
+    (its app's trailing-slash redirect, which names the replica's own address: Host is not
+    relayed) goes out naming the address the client called."""
+    from starlette.requests import Request
+
+    from cors import CorsPolicy
+
+    relayed: list[serve_ray.HttpRequest] = []
+
+    class Responses:
+        def __init__(self, head: serve_ray.HttpHead) -> None:
+            self.parts = [head]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if not self.parts:
+                raise StopAsyncIteration
+            return self.parts.pop(0)
+
+    def answer(request: serve_ray.HttpRequest) -> Responses:
+        relayed.append(request)
+        return Responses(serve_ray.HttpHead(307, (("location", "http://10.0.0.7:40123/llm/v1/models?x=1"),)))
+
+    async def call(method: str, path: str, query: bytes = b"") -> Any:
+        ingress = serve_ray.Ingress.func_or_class(FakeEngines(answer), CorsPolicy(), "/llm")
+        scope = {"type": "http", "method": method, "path": path, "query_string": query, "scheme": "https",
+                 "headers": [(b"host", b"proxy.example:8443")]}
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        try:
+            return await ingress(Request(scope, receive))
+        finally:
+            await ingress.session.close()
+
+    response = asyncio.run(call("GET", "/llm/v1/models/", b"x=1"))
+    assert response.status_code == 307
+    assert response.headers["location"] == "https://proxy.example:8443/llm/v1/models?x=1"
+    assert [r.path for r in relayed] == ["/llm/v1/models/?x=1"]
+    response = asyncio.run(call("GET", "/llm/metrics"))  # the fleet's (no replica announced yet: none)
+    assert response.status_code == 200 and response.body == b"" and len(relayed) == 1
+    assert asyncio.run(call("GET", "/llmx/metrics")).status_code == 307 and len(relayed) == 2  # not under it

@@ -110,7 +110,7 @@ def running_server(*flags: str, startup_timeout: float = 600, env: dict[str, str
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    with running_server("--api-key", API_KEY, "--max-waiting-requests", "1") as s:
+    with running_server("--api-key", API_KEY, "--max-waiting-requests", "1", "--enable-prompt-tokens-details") as s:
         yield s
 
 
