@@ -83,6 +83,20 @@ def json_text(text: str) -> str:
     return text
 
 
+def json_object(text: str) -> dict:
+    """The argparse type of a flag whose value is a JSON object (vLLM's
+    --default-chat-template-kwargs '{"enable_thinking": false}'): a file may write it as a
+    YAML mapping."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text[:100]!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"enable_thinking\": false}}', "
+                                         f"got {text[:100]!r}")
+    return value
+
+
 def json_list(text: str) -> list[str]:
     """The argparse type of a flag whose value is a JSON list of strings (vLLM's
     --allowed-origins '["*"]'): a file may write it as a YAML list."""
@@ -100,7 +114,7 @@ def _word(where: str, value: object, action: argparse.Action) -> str:
         _check_json(where, value)
         return json.dumps(value)
     if isinstance(value, dict):
-        if action.type is not json_text:
+        if action.type not in (json_text, json_object):
             raise ValueError(f"{where} takes one value, got a mapping {value!r}")
         _check_json(where, value)
         return json.dumps(value)

@@ -679,19 +679,24 @@ class LLM:
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool | None = None, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list
         of them, each rendered by the model's chat template (or `chat_template`), then
-        generated as generate() does; one RequestOutput per conversation."""
+        generated as generate() does; one RequestOutput per conversation.
+        chat_template_content_format: "string", "openai" or "auto" (chat_format), as the
+        server's --chat-template-content-format."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
-        from protocol import ApiError, render_chat
+        import chat_format
+        from protocol import ApiError, render_chat, thinking_enabled
 
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
                              "opens a new assistant turn, the second continues the last message")
         if chat_template is not None and not isinstance(chat_template, str):
             raise TypeError(f"chat_template must be a string, got {type(chat_template).__name__}")
+        chat_format.check_content_format(chat_template_content_format, self.tokenizer, "chat_template_content_format")
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Seq):
             raise TypeError(f"messages must be a list of message dicts or a list of such lists, "
                             f"got {type(messages).__name__}")
@@ -706,12 +711,12 @@ class LLM:
                 if isinstance(conversation, tuple):  # a sequence of messages, as the list the server takes
                     conversation = list(conversation)
                 texts.append(render_chat(body | {"messages": conversation}, self.tokenizer,
-                                         chat_template=chat_template))
+                                         chat_template=chat_template, content_format=chat_template_content_format))
             except ApiError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
         # The template already carries BOS and the other special tokens it wants.
         encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        thinking = (chat_template_kwargs or {}).get("enable_thinking") is not False  # the qwen3 reasoning parser's
+        thinking = thinking_enabled(body)  # the qwen3 reasoning parser's, from the variables the template saw
         return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:

@@ -7,12 +7,12 @@ No aiohttp and no JAX here, so the rules can be read (and tested) on their own.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import json
 import math
 from typing import TYPE_CHECKING, Any
 
+import chat_format
 from config import SamplingParams, SLOTarget, StructuredOutputsParams
 from tool_parsers import ToolChoice
 
@@ -210,23 +210,28 @@ def truncate_prompt(body: dict, prompt_ids: list[int], max_model_len: int, chat:
 
 def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
                    exclude_tools_when_tool_choice_none: bool = False, chat_template: str | None = None,
-                   trust_request_chat_template: bool = False) -> list[int]:
+                   trust_request_chat_template: bool = False, content_format: str = "auto",
+                   default_kwargs: dict | None = None) -> list[int]:
     """render_chat's text as token ids."""
     text = render_chat(body, tokenizer, tools, exclude_tools_when_tool_choice_none, chat_template,
-                       trust_request_chat_template)
+                       trust_request_chat_template, content_format, default_kwargs)
     # The template already carries BOS and the other special tokens it wants.
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
                 exclude_tools_when_tool_choice_none: bool = False, chat_template: str | None = None,
-                trust_request_chat_template: bool = False) -> str:
+                trust_request_chat_template: bool = False, content_format: str = "auto",
+                default_kwargs: dict | None = None) -> str:
     """Chat messages through the model's chat template, as text; with the request's
     tools (tool_choice()) for a template that renders them, as vLLM. With tool_choice
     "none" the tools are rendered too (the model sees what exists, and calls nothing), as
     vLLM, unless exclude_tools_when_tool_choice_none (its --exclude-tools-when-tool-choice-none).
     chat_template: the server's --chat-template instead of the model's; a request's own
-    `chat_template` only with trust_request_chat_template (vLLM's flag; else its 400)."""
+    `chat_template` only with trust_request_chat_template (vLLM's flag; else its 400).
+    content_format: how contents reach the template (chat_format; vLLM's
+    --chat-template-content-format); default_kwargs: template variables the request's
+    chat_template_kwargs override (template_variables; vLLM's --default-chat-template-kwargs)."""
     messages = body.get("messages")
     if messages is None:
         raise ApiError("'messages' is required", param="messages")
@@ -235,7 +240,7 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
     if tokenizer is None:
         raise ApiError("this model has no tokenizer, so no chat template: use /v1/completions with token ids",
                        param="messages")
-    chat = []
+    chat, texts = [], []  # texts: each message's text parts, for the "openai" content format
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         extra = {}  # a tool conversation's fields, for a template that renders them (as vLLM)
@@ -243,7 +248,7 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
             if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
                 raise ApiError(f"messages[{i}].tool_calls must be an array of objects", param="messages")
             extra["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
-            content = "" if content is None else content  # OpenAI: null content beside the calls
+            content = [] if content is None else content  # OpenAI: null content beside the calls
         if isinstance(m, dict) and m.get("name") is not None:  # a participant's name: vLLM hands it to the template
             if not isinstance(m["name"], str):
                 raise ApiError(f"messages[{i}].name must be a string", param="messages")
@@ -258,8 +263,10 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
                 if not isinstance(reasoning, str):
                     raise ApiError(f"messages[{i}].reasoning must be a string", param="messages")
                 extra |= {"reasoning": reasoning, "reasoning_content": reasoning}  # both names, as vLLM
+        parts = [content]
         if isinstance(content, list):
-            content = "\n".join(_text_part(p, i) for p in content)  # vLLM's join: the parts stay apart
+            parts = [_text_part(p, i) for p in content]
+            content = "\n".join(parts)  # vLLM's join: the parts stay apart
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
         # Any role reaches the template, as vLLM hands them over: templates have their own
@@ -267,6 +274,7 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         if not m["role"]:
             raise ApiError(f"messages[{i}]: 'role' must be a non-empty string", param="messages")
         chat.append({"role": m["role"], "content": content, **extra})
+        texts.append(parts)
     # vLLM's extras, as LLM.chat takes them: continue the last message instead of opening a
     # new assistant turn (a prefill), and the template's own variables.
     add_generation_prompt = field(body, "add_generation_prompt", (bool,), True)
@@ -274,20 +282,17 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
     if add_generation_prompt and continue_final_message:
         raise ApiError("'continue_final_message' needs 'add_generation_prompt': false (the first continues the "
                        "last message, the second opens a new assistant turn)", param="continue_final_message")
-    kw = dict(field(body, "chat_template_kwargs", (dict,), {}))
     # Template variables only: none of apply_chat_template's own arguments (return_dict,
     # tokenize, ... would change what it returns). Stricter than vLLM, which lets them through.
-    try:
-        signature = inspect.signature(tokenizer.apply_chat_template).parameters.values()
-    except (AttributeError, TypeError, ValueError):  # no template (refused below) or no signature to read
-        signature = []
-    own = {p.name for p in signature if p.kind is not p.VAR_KEYWORD}
-    takes_variables = any(p.kind is p.VAR_KEYWORD for p in signature)  # a Jinja template's variables
-    own |= {"tools", "chat_template", "conversation", "messages", "tokenize", "add_generation_prompt",
-            "continue_final_message"}
-    taken = sorted(set(kw) & own)
+    own, takes_variables = chat_format.template_arguments(tokenizer)  # the latter: a Jinja template's variables
+    taken = sorted(set(field(body, "chat_template_kwargs", (dict,), {})) & own)
     if taken:
         raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
+    effort = field(body, "reasoning_effort", (str,))
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ApiError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort[:40]!r}",
+                       param="reasoning_effort")
+    kw = template_variables(body, default_kwargs, effort=takes_variables)
     if continue_final_message:  # only when set: ByteTokenizer's template takes no such argument
         kw["continue_final_message"] = True
     if body.get("chat_template") is not None:
@@ -296,37 +301,46 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
                            "Refused request with untrusted chat template.", param="chat_template")
         chat_template = field(body, "chat_template", (str,))
     if chat_template is not None:
-        if "chat_template" not in {p.name for p in signature}:  # taxirank's ByteTokenizer: its own ChatML
+        if not chat_format.takes_template(tokenizer):  # taxirank's ByteTokenizer: its own ChatML
             raise ApiError("this model's tokenizer takes no other chat template", param="chat_template")
         kw["chat_template"] = chat_template
-    # OpenAI's reasoning_effort, as vLLM reads it: a template variable (and enable_thinking,
-    # which templates such as Qwen3's read, unless chat_template_kwargs sets it); a template
-    # that reads neither (a model that does not reason) renders as without it.
-    effort = field(body, "reasoning_effort", (str,))
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise ApiError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort[:40]!r}",
-                       param="reasoning_effort")
-    if effort is not None and takes_variables:
-        kw = {"reasoning_effort": effort, "enable_thinking": effort != "none"} | kw
     try:
         if tools is not None:
             kw["tools"] = tools.definitions
         elif body.get("tool_choice") == "none" and body.get("tools") and not exclude_tools_when_tool_choice_none:
             kw["tools"] = body["tools"]  # checked by tool_choice() already
+        if chat_format.resolve_content_format(content_format, tokenizer, kw.get("chat_template"),
+                                              kw.get("tools")) == "openai":
+            # vLLM's "openai" form: every content a list of text parts, except a tool
+            # result's, which vLLM hands over joined (most templates print it whole)
+            for message, parts in zip(chat, texts):
+                if message["role"] != "tool":
+                    message["content"] = [{"type": "text", "text": t} for t in parts]
         text = tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
     except Exception as e:  # no template, or the template refuses these messages (jinja raise)
         raise ApiError(f"chat template failed: {e}", param="messages") from e
     return text
 
 
-def thinking_enabled(body: dict) -> bool:
+def template_variables(body: dict, default_kwargs: dict | None = None, effort: bool = True) -> dict:
+    """A chat request's template variables, merged as vLLM merges them (chat_format.merge_kwargs):
+    the server's defaults (--default-chat-template-kwargs); over them, key by key, the
+    request's reasoning_effort as vLLM reads it (the variable, and enable_thinking, false for
+    "none", which templates such as Qwen3's read; `effort` False: a tokenizer that takes no
+    variables); over that its chat_template_kwargs. A template that reads none of them
+    renders as without."""
+    kw = field(body, "chat_template_kwargs", (dict,), {})
+    given = body.get("reasoning_effort")
+    from_effort = {} if not effort or given is None else {"reasoning_effort": given, "enable_thinking": given != "none"}
+    return chat_format.merge_kwargs(default_kwargs, from_effort | kw)
+
+
+def thinking_enabled(body: dict, default_kwargs: dict | None = None) -> bool:
     """Whether a chat request leaves the model's thinking on: its template variable
-    enable_thinking (chat_template_kwargs, else reasoning_effort "none" turns it off, as
-    parse_messages renders it); read by the qwen3 reasoning parser."""
-    kw = body.get("chat_template_kwargs") or {}
-    if "enable_thinking" in kw:
-        return kw["enable_thinking"] is not False
-    return body.get("reasoning_effort") != "none"
+    enable_thinking as template_variables merges it (the server's default, reasoning_effort
+    "none", the request's chat_template_kwargs), as parse_messages renders it; read by the
+    qwen3 reasoning parser."""
+    return template_variables(body, default_kwargs).get("enable_thinking") is not False
 
 
 # The content parts that are text, and the key each keeps it under (vLLM's parser's); a

@@ -47,6 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from async_engine import AsyncEngine
+import chat_format
 import config_file
 from cors import CorsPolicy, on_response_prepare as cors_headers
 from config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig, SamplingParams, SLOTarget
@@ -194,11 +195,12 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # Whatever ends this handler (a reply, a sample the engine refused, the client gone before
     # the first byte, a cancellation) ends the requests: a stream never read has no frame to abort it.
     try:
+        thinking = thinking_enabled(body, app["default_chat_template_kwargs"]) if chat else True
         # vLLM's n: one engine request per sample; their one prompt is shared in the prefix cache
         try:
             for rid, p, parent in child_requests(engine_request_id, dataclasses.replace(params, n=n)):
                 gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, slo, grammar,
-                                       parent, thinking_enabled(body) if chat else True))
+                                       parent, thinking))
         except ApiError as e:  # the engine names SamplingParams' fields: the 400 names the client's
             e.param = request_field(e.param, body, chat)
             raise
@@ -307,7 +309,8 @@ class ChoiceFormat:
         if chat and app["reasoning_parser"] is not None:
             # the prompt's end says whether the template closed the think block; decoded once for n samples
             prompt_end = tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
-            reasoning_parser = functools.partial(app["reasoning_parser"], prompt_end, thinking_enabled(body))
+            reasoning_parser = functools.partial(app["reasoning_parser"], prompt_end,
+                                                 thinking_enabled(body, app["default_chat_template_kwargs"]))
         # vLLM's echo: a completion's text starts with the prompt's (its logprobs with the
         # prompt's, the first token's null); a chat answer with the last message's content
         # when that message has the answer's role.
@@ -661,7 +664,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tools = tool_choice(body, chat=True, auto=app["tool_parser"] is not None)
     prompt_ids = await off_loop(request, parse_messages, body, app["engine"].tokenizer, tools,
                                 app["exclude_tools_when_tool_choice_none"], app["chat_template"],
-                                app["trust_request_chat_template"])
+                                app["trust_request_chat_template"], app["chat_template_content_format"],
+                                app["default_chat_template_kwargs"])
     return await respond(request, body, prompt_ids, chat=True, tools=tools)
 
 
@@ -681,7 +685,8 @@ async def tokenize(request: web.Request) -> web.Response:
         tools = tool_choice(body, chat=True, auto=True)  # only rendered: no call is made
         ids = await off_loop(request, parse_messages, body, engine.tokenizer, tools,
                              app["exclude_tools_when_tool_choice_none"], app["chat_template"],
-                             app["trust_request_chat_template"])
+                             app["trust_request_chat_template"], app["chat_template_content_format"],
+                             app["default_chat_template_kwargs"])
     else:
         prompt = field(body, "prompt", (str,))
         if prompt is None:
@@ -1035,6 +1040,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
               request_id_headers: bool = False, return_tokens_as_token_ids: bool = False,
               chat_template: str | None = None,
               trust_request_chat_template: bool = False, response_role: str = "assistant",
+              chat_template_content_format: str = "auto", default_chat_template_kwargs: dict | None = None,
               log_stats: bool = False, log_requests: bool = False, max_log_len: int | None = None,
               cors: CorsPolicy = CorsPolicy(), force_include_usage: bool = False,
               prompt_tokens_details: bool = False, log_outputs: bool = False, root_path: str = "") -> web.Application:
@@ -1050,7 +1056,11 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
     return_tokens_as_token_ids says otherwise (vLLM's --return-tokens-as-token-ids).
     chat_template: a Jinja chat template to use instead of the model's (--chat-template's
     text); trust_request_chat_template: a request may bring its own; response_role: the
-    role of chat answers that open a new turn (vLLM's --response-role). log_stats: log the
+    role of chat answers that open a new turn (vLLM's --response-role).
+    chat_template_content_format: "string", "openai" or "auto" (chat_format; vLLM's
+    --chat-template-content-format): how message contents reach the template; start-up
+    logs the format detected. default_chat_template_kwargs: template variables a request's
+    chat_template_kwargs override key by key (vLLM's --default-chat-template-kwargs). log_stats: log the
     engine's stats line every LOG_STATS_INTERVAL seconds while the app runs
     (metrics.LoggingStatLogger; the server's default, off with --disable-log-stats).
     log_requests: log each request's id and parameters as it arrives (and, at debug level,
@@ -1069,6 +1079,11 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
         raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
     if chat_template is not None:
         check_chat_template(chat_template, engine.tokenizer)
+    chat_format.check_content_format(chat_template_content_format, engine.tokenizer)
+    default_chat_template_kwargs = chat_format.check_default_kwargs(default_chat_template_kwargs or {},
+                                                                    engine.tokenizer)
+    if engine.tokenizer is not None:
+        log_content_format(chat_template_content_format, engine.tokenizer, chat_template)
     app = web.Application(middlewares=[cors.middleware(), guard], client_max_size=MAX_BODY_BYTES)
     app.on_response_prepare.append(cors_headers)
     RootPathRouting.install(app.router, root_path)
@@ -1085,6 +1100,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
                # chat messages carry the model's thinking as `reasoning` (--reasoning-parser)
                reasoning_parser=REASONING_PARSERS.get(engine.config.reasoning_parser),
                chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
+               chat_template_content_format=chat_template_content_format,
+               default_chat_template_kwargs=default_chat_template_kwargs,
                response_role=response_role, log_requests=log_requests, max_log_len=max_log_len,
                force_include_usage=force_include_usage, prompt_tokens_details=prompt_tokens_details,
                log_outputs=log_outputs, root_path=root_path)
@@ -1188,6 +1205,19 @@ def load_chat_template(value: str) -> str:
             raise argparse.ArgumentTypeError(f"{value!r} looks like a file path, but it cannot be opened "
                                              f"({e.strerror})") from None
     return codecs.decode(value, "unicode_escape")  # a one-line template's \n, as vLLM reads it
+
+
+def log_content_format(given: str, tokenizer: Any, chat_template: str | None) -> None:
+    """Start-up's line on the content format of the server's template (--chat-template's, else
+    the model's), in vLLM's words; a warning where --chat-template-content-format names
+    another than the one detected. A request's own template is detected when it comes."""
+    detected = chat_format.resolve_content_format("auto", tokenizer, chat_template)
+    if given == "auto":
+        log.info("Detected the chat template content format to be '%s'. You can set "
+                 "`--chat-template-content-format` to override this.", detected)
+    elif given != detected:
+        log.warning("You specified `--chat-template-content-format %s` which is different from the detected "
+                    "format '%s': the messages go to the template as '%s'", given, detected, given)
 
 
 def check_chat_template(template: str, tokenizer: Any) -> None:
@@ -1305,6 +1335,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template, or the path of a file holding one, to use instead of the model's")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="a request may bring its own chat_template (refused otherwise, as vLLM)")
+    p.add_argument("--chat-template-content-format", choices=chat_format.CONTENT_FORMATS, default="auto",
+                   help="how a message's content reaches the chat template: 'string' (its text parts joined by "
+                        "newlines), 'openai' (a list of {\"type\": \"text\", \"text\": ...} parts), or 'auto': "
+                        "'openai' when the template loops over a message's content (vLLM's flag)")
+    p.add_argument("--default-chat-template-kwargs", type=config_file.json_object,
+                   help="JSON object of chat template variables, e.g. '{\"enable_thinking\": false}', which a "
+                        "request's chat_template_kwargs override key by key (vLLM's flag)")
     p.add_argument("--response-role", default="assistant",
                    help="the role of a chat answer that opens a new turn (add_generation_prompt true; otherwise "
                         "the role of the last message it continues)")
@@ -1353,6 +1390,8 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                      chat_template=args.chat_template,
                      trust_request_chat_template=args.trust_request_chat_template, response_role=args.response_role,
+                     chat_template_content_format=args.chat_template_content_format,
+                     default_chat_template_kwargs=args.default_chat_template_kwargs,
                      log_stats=not args.disable_log_stats, log_requests=args.enable_log_requests,
                      max_log_len=args.max_log_len,
                      cors=CorsPolicy.from_args(args), force_include_usage=args.enable_force_include_usage,
@@ -1481,6 +1520,8 @@ def main(argv: list[str] | None = None) -> None:
         check_log_flags(args)
         tls = tls_context(args)
         api_keys(args.api_key)
+        if args.default_chat_template_kwargs is not None:  # the model's own tokenizer is checked once it loads
+            chat_format.check_default_kwargs(args.default_chat_template_kwargs)
     except ValueError as e:
         parser.error(str(e))
     # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.
