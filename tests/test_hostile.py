@@ -156,6 +156,9 @@ HOSTILE: list[tuple[str, object, int]] = [
     (CHAT, {"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
             "function": {"name": "f", "arguments": '{"a": 1}'}}]}, {"role": "tool", "content": "1", "tool_call_id": "c",
             "name": "f"}], "max_tokens": 2}, 200),
+    # a lone surrogate escaped inside the arguments' JSON string: past read_body's check, no tokenizer encodes it
+    (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments":
+            '{"a": "\\ud800"}'}}]}, {"role": "user", "content": "x"}], "max_tokens": 2}, 400),
     (CHAT, {"messages": [{"role": "user"}]}, 400),
     (CHAT, {"messages": "hi"}, 400),
     (CHAT, {"messages": []}, 400),
@@ -180,6 +183,8 @@ HOSTILE: list[tuple[str, object, int]] = [
 NAMED: list[tuple[str, dict, str]] = [
     (C, {"prompt": "hi", "priority": 5}, "priority"),  # fcfs reads no priority
     (CHAT, {"messages": MSG, "slo": {"ttft_ms": 100}}, "slo"),  # nor an slo
+    (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments":
+            '"\\udfff"'}}]}, {"role": "user", "content": "x"}]}, "messages"),
     (C, {"prompt": "hi", "guided_regex": "(a"}, "guided_regex"),
     (C, {"prompt": "hi", "structured_outputs": {"grammar": "start: nope"}}, "structured_outputs"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
