@@ -15,6 +15,7 @@ import http.client
 import json
 import os
 import random
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -286,6 +287,29 @@ def test_a_request_refused_past_the_body_checks_names_its_field(server: Server) 
     for path, body, param in NAMED:
         status, answer = send(server, path, body)
         assert status == 400 and answer["error"]["param"] == param, (body, answer)
+
+
+def test_a_request_http_cannot_parse_is_a_400_and_one_warning_line(server: Server) -> None:
+    """Framing aiohttp's parser refuses (a bad chunk size, Content-Length beside chunked, a
+    negative length, a header past its limit) is its 400 before any handler runs; the log gets
+    one warning line for each, never a traceback, which any client could fill it with."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    bad = [b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+           b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
+           b"Content-Length: -5\r\n\r\n",
+           b"X-Big: " + b"a" * 10_000 + b"\r\nContent-Length: 0\r\n\r\n"]
+    before = server.log().count("invalid HTTP request")
+    for tail in bad:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+            sock.sendall(head + tail)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.split(b"\r\n", 1)[0].split()[1] == b"400", (tail[:60], answer[:200])
+    ok, out = send(server, C, {"prompt": "ok", "max_tokens": 2})
+    assert ok == 200, out
+    wait_for(lambda: server.log().count("invalid HTTP request") - before == len(bad), timeout=30)
+    assert "Traceback" not in server.log()
 
 
 def test_a_flood_with_random_hang_ups_serves_everyone_who_stays_and_leaks_nothing(server: Server) -> None:
