@@ -392,3 +392,32 @@ def test_an_engine_that_dies_sends_an_error_on_every_stream_and_exits_non_zero(t
                 assert "error" in events[-1] and "injected fault" in events[-1]["error"]["message"], events[-1]
         assert srv.proc.wait(60) != 0
         assert "engine loop died" in srv.log()
+
+
+DEEP = "[" * 30_000 + "]" * 30_000  # past the JSON decoder's (and PyYAML's) recursion
+
+
+@pytest.mark.parametrize("where", ["--speculative-config", "--override-generation-config", "--allowed-origins",
+                                   "--allowed-methods", "--config"])
+def test_a_flag_or_config_file_nested_past_the_parsers_stack_is_an_error_naming_it(where, tmp_path, capsys):
+    """JSON flags and the YAML config file nested deeper than their decoders recurse: an
+    error naming the flag, never a RecursionError's traceback."""
+    import config_file
+    import server
+    from config import EngineConfig
+    from spec_decode import SpeculativeConfig
+
+    if where == "--speculative-config":
+        with pytest.raises(ValueError, match="speculative_config is nested too deeply"):
+            SpeculativeConfig.parse(DEEP)
+    elif where == "--override-generation-config":
+        with pytest.raises(ValueError, match="override_generation_config is nested too deeply"):
+            EngineConfig(override_generation_config=DEEP)
+    else:
+        path = tmp_path / "c.yaml"
+        path.write_text(f"speculative-config: {DEEP}\n")
+        with pytest.raises(SystemExit) as exit_:
+            config_file.parse_args(server.build_parser(), [where, str(path) if where == "--config" else DEEP])
+        assert exit_.value.code == 2
+        assert ("c.yaml: nested too deeply" if where == "--config" else
+                f"{where}: expected a JSON list of strings") in capsys.readouterr().err
