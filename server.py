@@ -1319,7 +1319,7 @@ def quiet_bad_http(record: logging.LogRecord) -> bool:
     if isinstance(exc, HttpProcessingError):
         reason = (exc.message or type(exc).__name__).strip().splitlines()[0].rstrip(":")[:200]
         record.msg, record.args = "%s: invalid HTTP request (%s)", (record.getMessage(), reason)
-        record.levelno = min(record.levelno, logging.WARNING)  # (never raises aiohttp's debug line for a non-HTTP client)
+        record.levelno = min(record.levelno, logging.WARNING)  # (aiohttp logs a non-HTTP client at debug)
         record.levelname, record.exc_info, record.exc_text = logging.getLevelName(record.levelno), None, None
     return True
 
