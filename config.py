@@ -144,6 +144,8 @@ class EngineConfig:
             if isinstance(override, str):
                 try:
                     override = _json.loads(override)
+                except RecursionError:  # nested past the decoder's stack
+                    raise ValueError("override_generation_config is nested too deeply") from None
                 except ValueError as e:
                     raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
             sampling_defaults(override, "override_generation_config")

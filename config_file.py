@@ -44,6 +44,8 @@ def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
         raise ValueError(f"--config {path}: not UTF-8 text ({e})") from None
     except yaml.YAMLError as e:
         raise ValueError(f"--config {path}: not valid YAML ({e})") from None
+    except RecursionError:  # PyYAML's scanner and composer recurse once per level of nesting
+        raise ValueError(f"--config {path}: nested too deeply") from None
     if data is None:
         return []
     if not isinstance(data, dict):
@@ -102,7 +104,7 @@ def json_list(text: str) -> list[str]:
     --allowed-origins '["*"]'): a file may write it as a YAML list."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the decoder's stack: no list of strings either)
         value = None
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"*\"]', got {text[:100]!r}")

@@ -392,6 +392,13 @@ def _template_call(call: dict, i: int) -> dict:
         arguments = json.loads(fn["arguments"])
     except (ValueError, RecursionError) as e:  # nested past the parser's stack: a string hides depth from read_body
         raise ApiError(f"messages[{i}].tool_calls: function.arguments is not valid JSON: {e}", param="messages") from e
+    try:  # a \ud800 escape inside the string decodes to a lone surrogate, which read_body never saw
+        json.dumps(arguments, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(f"messages[{i}].tool_calls: function.arguments has a string that is not valid Unicode "
+                       f"(a lone surrogate): {e}", param="messages") from e
+    except RecursionError as e:
+        raise ApiError(f"messages[{i}].tool_calls: function.arguments is nested too deeply", param="messages") from e
     return call | {"function": fn | {"arguments": arguments}}
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
@@ -1505,6 +1506,20 @@ def check_host(host: str, port: int) -> None:
         raise ValueError(f"--host {host!r} does not resolve: {e}") from None
 
 
+def quiet_bad_http(record: logging.LogRecord) -> bool:
+    """A logging filter for aiohttp's server logger: a request it cannot parse (framing,
+    headers past its limits, a Content-Encoding it cannot decode) is the client's error, which
+    aiohttp answers with a 400 and logs at ERROR with a traceback, so any client could fill
+    the log with them. It becomes one warning line, as uvicorn's (vLLM's) "Invalid HTTP request"."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, HttpProcessingError):
+        reason = (exc.message or type(exc).__name__).strip().splitlines()[0].rstrip(":")[:200]
+        record.msg, record.args = "%s: invalid HTTP request (%s)", (record.getMessage(), reason)
+        record.levelno = min(record.levelno, logging.WARNING)  # (aiohttp logs a non-HTTP client at debug)
+        record.levelname, record.exc_info, record.exc_text = logging.getLevelName(record.levelno), None, None
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = config_file.parse_args(parser, argv)
@@ -1527,6 +1542,7 @@ def main(argv: list[str] | None = None) -> None:
     # Other libraries (JAX, aiohttp) speak only from warnings up; --log-level is ours.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("taxirank").setLevel(args.log_level.upper())
+    logging.getLogger("aiohttp.server").addFilter(quiet_bad_http)
     # A signal during start-up (download, warm-up) stops it as Ctrl-C does: nothing is in
     # flight yet, so there is nothing to wait for; the exit is as clean as a later one.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -154,6 +154,8 @@ class SpeculativeConfig:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
+            except RecursionError:  # nested past the decoder's stack
+                raise ValueError("speculative_config is nested too deeply") from None
             except ValueError as e:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):

@@ -15,6 +15,7 @@ import http.client
 import json
 import os
 import random
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -156,6 +157,9 @@ HOSTILE: list[tuple[str, object, int]] = [
     (CHAT, {"messages": MSG + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
             "function": {"name": "f", "arguments": '{"a": 1}'}}]}, {"role": "tool", "content": "1", "tool_call_id": "c",
             "name": "f"}], "max_tokens": 2}, 200),
+    # a lone surrogate escaped inside the arguments' JSON string: past read_body's check, no tokenizer encodes it
+    (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments":
+            '{"a": "\\ud800"}'}}]}, {"role": "user", "content": "x"}], "max_tokens": 2}, 400),
     (CHAT, {"messages": [{"role": "user"}]}, 400),
     (CHAT, {"messages": "hi"}, 400),
     (CHAT, {"messages": []}, 400),
@@ -180,6 +184,8 @@ HOSTILE: list[tuple[str, object, int]] = [
 NAMED: list[tuple[str, dict, str]] = [
     (C, {"prompt": "hi", "priority": 5}, "priority"),  # fcfs reads no priority
     (CHAT, {"messages": MSG, "slo": {"ttft_ms": 100}}, "slo"),  # nor an slo
+    (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments":
+            '"\\udfff"'}}]}, {"role": "user", "content": "x"}]}, "messages"),
     (C, {"prompt": "hi", "guided_regex": "(a"}, "guided_regex"),
     (C, {"prompt": "hi", "structured_outputs": {"grammar": "start: nope"}}, "structured_outputs"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
@@ -283,6 +289,29 @@ def test_a_request_refused_past_the_body_checks_names_its_field(server: Server) 
         assert status == 400 and answer["error"]["param"] == param, (body, answer)
 
 
+def test_a_request_http_cannot_parse_is_a_400_and_one_warning_line(server: Server) -> None:
+    """Framing aiohttp's parser refuses (a bad chunk size, Content-Length beside chunked, a
+    negative length, a header past its limit) is its 400 before any handler runs; the log gets
+    one warning line for each, never a traceback, which any client could fill it with."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    bad = [b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+           b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
+           b"Content-Length: -5\r\n\r\n",
+           b"X-Big: " + b"a" * 10_000 + b"\r\nContent-Length: 0\r\n\r\n"]
+    before = server.log().count("invalid HTTP request")
+    for tail in bad:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+            sock.sendall(head + tail)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.split(b"\r\n", 1)[0].split()[1] == b"400", (tail[:60], answer[:200])
+    ok, out = send(server, C, {"prompt": "ok", "max_tokens": 2})
+    assert ok == 200, out
+    wait_for(lambda: server.log().count("invalid HTTP request") - before == len(bad), timeout=30)
+    assert "Traceback" not in server.log()
+
+
 def test_a_flood_with_random_hang_ups_serves_everyone_who_stays_and_leaks_nothing(server: Server) -> None:
     import aiohttp
 
@@ -363,3 +392,32 @@ def test_an_engine_that_dies_sends_an_error_on_every_stream_and_exits_non_zero(t
                 assert "error" in events[-1] and "injected fault" in events[-1]["error"]["message"], events[-1]
         assert srv.proc.wait(60) != 0
         assert "engine loop died" in srv.log()
+
+
+DEEP = "[" * 30_000 + "]" * 30_000  # past the JSON decoder's (and PyYAML's) recursion
+
+
+@pytest.mark.parametrize("where", ["--speculative-config", "--override-generation-config", "--allowed-origins",
+                                   "--allowed-methods", "--config"])
+def test_a_flag_or_config_file_nested_past_the_parsers_stack_is_an_error_naming_it(where, tmp_path, capsys):
+    """JSON flags and the YAML config file nested deeper than their decoders recurse: an
+    error naming the flag, never a RecursionError's traceback."""
+    import config_file
+    import server
+    from config import EngineConfig
+    from spec_decode import SpeculativeConfig
+
+    if where == "--speculative-config":
+        with pytest.raises(ValueError, match="speculative_config is nested too deeply"):
+            SpeculativeConfig.parse(DEEP)
+    elif where == "--override-generation-config":
+        with pytest.raises(ValueError, match="override_generation_config is nested too deeply"):
+            EngineConfig(override_generation_config=DEEP)
+    else:
+        path = tmp_path / "c.yaml"
+        path.write_text(f"speculative-config: {DEEP}\n")
+        with pytest.raises(SystemExit) as exit_:
+            config_file.parse_args(server.build_parser(), [where, str(path) if where == "--config" else DEEP])
+        assert exit_.value.code == 2
+        assert ("c.yaml: nested too deeply" if where == "--config" else
+                f"{where}: expected a JSON list of strings") in capsys.readouterr().err
