@@ -27,6 +27,7 @@ step can already share it: each layer writes the step's K/V before it attends.
 from __future__ import annotations
 
 import enum
+import hashlib
 import heapq
 import itertools
 import os
@@ -58,6 +59,7 @@ class SequenceStatus(enum.Enum):
 
 
 WAITING, RUNNING, FINISHED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED
+MAX_USER_CHARS = 128  # a longer `user` is kept as its SHA-256 (Sequence.__post_init__)
 
 
 @dataclass(eq=False)  # identity semantics: one object per request, however its fields change
@@ -120,6 +122,13 @@ class Sequence:
     # token_array()'s buffer and how many tokens it holds: filled as tokens arrive.
     _token_buf: np.ndarray | None = field(default=None, init=False, repr=False)
     _num_buffered: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # The fair policy remembers up to max_clients names after their requests leave, and
+        # a client picks its name's length: a long one is kept as its digest, equal for
+        # equal names, so what each remembered name costs is bounded.
+        if self.user is not None and len(self.user) > MAX_USER_CHARS:
+            self.user = "sha256:" + hashlib.sha256(self.user.encode("utf-8", "surrogatepass")).hexdigest()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -236,6 +236,27 @@ def test_fair_requests_without_a_user_share_one_client_and_the_tracked_clients_a
     assert s.allocator.num_used == 0
 
 
+def test_fair_remembers_a_long_user_name_by_its_digest_one_client_per_name():
+    """A client picks its `user`'s length and the policy remembers names after their requests
+    leave: a long name is kept as its SHA-256 (hashlib's, computed here), so equal long names
+    are one client and each remembered name is short."""
+    import hashlib
+
+    s = make("fair", max_num_seqs=4)
+    long_a, long_b = "a" * 1_000_000, "a" * 999_999 + "b"
+    for rid, user in (("x", long_a), ("y", long_a), ("z", long_b), ("w", "short")):
+        s.add(seq(rid, user=user))
+    step(s)
+    digest = "sha256:" + hashlib.sha256(long_a.encode()).hexdigest()
+    assert sorted(s.policy.counters) == sorted([digest, "sha256:" + hashlib.sha256(long_b.encode()).hexdigest(),
+                                                "short"])
+    step(s)
+    assert s.policy.seats[digest] == 2  # (seats as the step began: after the first step's admissions)
+    while s.has_unfinished():
+        step(s)
+    assert max(map(len, s.policy.counters)) <= 128 and s.allocator.num_used == 0
+
+
 # ---- slo -------------------------------------------------------------------------------
 
 def clocked(s: Scheduler) -> list[float]:
