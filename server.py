@@ -360,10 +360,11 @@ class Choice:
         # of the next token; a chat answer's parsers
         self.first, self.offset, self.message = True, 0, form.message_stream() if form.chat else None
         self.text = ""  # streamed: the output's text so far, for --enable-log-outputs
+        self.collected: tuple | None = None  # whole: what collect() gathered for whole()
 
-    async def whole(self) -> dict:
-        """The choice of a whole response, once its request has ended."""
-        f = self.form
+    async def collect(self) -> None:
+        """A whole response's choice: its request's output, once the request has ended
+        (whole() builds the choice from it)."""
         text, ids, lps, prompt_lps, last = "", [], [], None, None
         async with contextlib.aclosing(self.gen.chunks()) as chunks:
             async for last in chunks:
@@ -373,6 +374,12 @@ class Choice:
                 prompt_lps = last.prompt_logprobs or prompt_lps
         assert last is not None and last.finish_reason is not None
         self.num_output_tokens, self.metrics = last.num_output_tokens, metrics_json(last)
+        self.collected = text, ids, lps, prompt_lps, last
+
+    def whole(self) -> dict:
+        """The choice of a whole response, from what collect() gathered."""
+        f = self.form
+        text, ids, lps, prompt_lps, last = self.collected
         if f.prompt_only:
             text, lps = "", []
         lp = f.logprobs(f.echoed_logprobs(prompt_lps) + lps, 0) if f.params.logprobs is not None else None
@@ -505,13 +512,27 @@ def usage(choices: list[Choice], details: bool | None = None) -> dict:
 async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, details: bool) -> web.Response:
     """The response as one JSON object, once every choice has ended (details:
     --enable-prompt-tokens-details)."""
-    done = await all_of(c.whole() for c in choices)
+    await all_of(c.collect() for c in choices)
     extra = choices[0].metrics  # (include_metrics is for n = 1)
     if form.chat and form.return_ids:  # vLLM's place of a chat response's prompt ids
         extra = extra | {"prompt_token_ids": form.prompt_ids}
     use = usage(choices, details)
     use.setdefault("prompt_tokens_details", None)
-    return web.json_response(head | {"choices": done, "usage": use} | extra)
+    return await json_in_pieces(head, [c.whole for c in choices], {"usage": use} | extra)
+
+
+async def json_in_pieces(head: dict, choices: list[Callable[[], dict]], tail: dict) -> web.Response:
+    """web.json_response(head | {"choices": [c() for c in choices]} | tail), each choice built
+    and serialized in an event-loop turn of its own. n samples with prompt logprobs make
+    tens of MB, building their dicts and json.dumps hold the GIL (in a thread too), and n
+    requests that end together would otherwise be built back to back in one turn: every
+    other request, /health included, would wait seconds."""
+    pieces = []
+    for build in choices:
+        pieces.append(json.dumps(build()))
+        await asyncio.sleep(0)
+    text = json.dumps(head)[:-1] + ', "choices": [' + ", ".join(pieces) + "], " + json.dumps(tail)[1:]
+    return web.Response(text=text, content_type="application/json")
 
 
 async def stream_response(request: web.Request, head: dict, choices: list[Choice], include_usage: bool,

@@ -421,3 +421,41 @@ def test_a_flag_or_config_file_nested_past_the_parsers_stack_is_an_error_naming_
         assert exit_.value.code == 2
         assert ("c.yaml: nested too deeply" if where == "--config" else
                 f"{where}: expected a JSON list of strings") in capsys.readouterr().err
+
+
+def test_a_whole_response_of_many_large_choices_leaves_the_event_loop_free_between_them() -> None:
+    """n samples with prompt logprobs make a response of tens of MB, and building its dicts
+    and json.dumps hold the GIL: the server builds and serializes one choice per event-loop
+    turn, so other requests (/health, the streams) run in between. The body is byte for
+    byte json.dumps's of the whole."""
+    import server
+
+    choices = [{"index": i, "text": "x" * 100, "prompt_logprobs": [None] + [
+        {str(t): {"logprob": -1.5, "rank": t, "decoded_token": "\u00e9\"\n"}} for t in range(50)]} for i in range(16)]
+    head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
+    tail = {"usage": {"prompt_tokens": 50, "completion_tokens": 16, "total_tokens": 66}, "metrics": {"a": 1.0}}
+    built: list[int] = []
+
+    async def run() -> tuple[bytes, str]:
+        ticks = 0
+
+        async def other_request() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        def builder(i: int):
+            def build() -> dict:
+                built.append(ticks)  # the other request's turns so far
+                return choices[i]
+            return build
+        task = asyncio.create_task(other_request())
+        await asyncio.sleep(0)
+        response = await server.json_in_pieces(head, [builder(i) for i in range(len(choices))], tail)
+        task.cancel()
+        return response.body, response.content_type
+
+    data, content_type = asyncio.run(run())
+    assert data == json.dumps(head | {"choices": choices} | tail).encode() and content_type == "application/json"
+    assert all(b > a for a, b in zip(built, built[1:]))  # the other request ran between any two builds
