@@ -369,7 +369,7 @@ def shared_programs(maxsize: int) -> Callable[[Callable], Callable]:
 
 
 @contextlib.contextmanager
-def _persistent_cache_hits():
+def persistent_cache_hits():
     """[n]: the executables JAX loaded from its persistent compilation cache meanwhile, in
     this process (instead of compiling them)."""
     hits = [0]
@@ -383,6 +383,15 @@ def _persistent_cache_hits():
         yield hits
     finally:
         jax.monitoring.unregister_event_listener(count)
+
+
+def warmup_summary(programs: str, compiled: int, loaded: int, seconds: float) -> str:
+    """'<programs> compiled in Xs', or how many came from the persistent cache: a restart
+    traces every program again, but XLA compiles none that the cache holds."""
+    if not loaded:
+        return f"{programs} compiled in {seconds:.1f}s"
+    hits = min(loaded, compiled)
+    return f"{programs} in {seconds:.1f}s: {hits} loaded from the compilation cache, {compiled - hits} compiled"
 
 
 def clear_program_caches() -> None:
@@ -1009,18 +1018,13 @@ class ModelRunner:
         nothing. (Compiling several at once in threads was slower on 2 cores: XLA's CPU
         compiler already runs its codegen on more than one.)"""
         t0, before = time.perf_counter(), self.stats.num_compilations
-        with _persistent_cache_hits() as loaded:
+        with persistent_cache_hits() as loaded:
             total = self._warmup(log)
         compiled = self.stats.num_compilations - before
         # by this engine (the activation probe's step) or by another with its ProgramKey
         ready = f" ({total - compiled} were compiled already)" if compiled < total else ""
-        took = f"{time.perf_counter() - t0:.1f}s"
-        if loaded[0]:  # a restart traces every program again, but XLA compiles none the cache holds
-            hits = min(loaded[0], compiled)
-            log(f"warm-up: {compiled} programs in {took}: {hits} loaded from the compilation cache, "
-                f"{compiled - hits} compiled{ready}")
-        else:
-            log(f"warm-up: {compiled} programs compiled in {took}{ready}")
+        summary = warmup_summary(f"{compiled} programs", compiled, loaded[0], time.perf_counter() - t0)
+        log(f"warm-up: {summary}{ready}")
 
     def _warmup(self, log: Callable[[str], None]) -> int:
         """Compile warmup's programs; their count."""
