@@ -62,7 +62,7 @@ from config import SAMPLING_EPS, EngineConfig
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel, device_bytes, hf_state_dict, load_model, param_bytes
-from runner import CountedProgram, count_compile, shared_programs
+from runner import CountedProgram, count_compile, persistent_cache_hits, shared_programs, warmup_summary
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
 from scheduler import Sequence
 from spec_decode import PROPOSERS, Proposals
@@ -440,8 +440,15 @@ class DraftModelProposer:
 
     def warmup(self, log: Callable[[str], None] = print) -> None:
         """Compile the draft's programs: catch-up per token bucket, draft per decode bucket."""
-        cfg, t0 = self.config, time.perf_counter()
-        before = self.stats.num_compilations
+        t0, before = time.perf_counter(), self.stats.num_compilations
+        with persistent_cache_hits() as loaded:
+            self._warmup()
+        n = self.stats.num_compilations - before
+        what = f"the draft model's {n} programs"
+        log(f"warm-up: {warmup_summary(what, n, loaded[0], time.perf_counter() - t0)}")
+
+    def _warmup(self) -> None:
+        cfg = self.config
         S, W = cfg.max_num_seqs, cfg.max_blocks_per_seq
         last_hidden = None
         for T in cfg.token_buckets:
@@ -453,8 +460,6 @@ class DraftModelProposer:
             self.kv_caches, toks, _ = self._draft(self.state, self.kv_caches, last_hidden, z,
                                                   np.zeros((R, W), np.int32), z, z, empty_sampling_arrays(R))
         jax.block_until_ready(toks)
-        log(f"warm-up: the draft model's {self.stats.num_compilations - before} programs compiled in "
-            f"{time.perf_counter() - t0:.1f}s")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,6 +37,7 @@ waits only in InFlightStep.result().
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -365,6 +366,32 @@ def shared_programs(maxsize: int) -> Callable[[Callable], Callable]:
         _PROGRAM_CACHES.append(cached)
         return cached
     return wrap
+
+
+@contextlib.contextmanager
+def persistent_cache_hits():
+    """[n]: the executables JAX loaded from its persistent compilation cache meanwhile, in
+    this process (instead of compiling them)."""
+    hits = [0]
+
+    def count(event: str, **_: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            hits[0] += 1
+
+    jax.monitoring.register_event_listener(count)
+    try:
+        yield hits
+    finally:
+        jax.monitoring.unregister_event_listener(count)
+
+
+def warmup_summary(programs: str, compiled: int, loaded: int, seconds: float) -> str:
+    """'<programs> compiled in Xs', or how many came from the persistent cache: a restart
+    traces every program again, but XLA compiles none that the cache holds."""
+    if not loaded:
+        return f"{programs} compiled in {seconds:.1f}s"
+    hits = min(loaded, compiled)
+    return f"{programs} in {seconds:.1f}s: {hits} loaded from the compilation cache, {compiled - hits} compiled"
 
 
 def clear_program_caches() -> None:
@@ -990,8 +1017,18 @@ class ModelRunner:
         executable; running it on idle inputs would cost the prefill buckets' matmuls for
         nothing. (Compiling several at once in threads was slower on 2 cores: XLA's CPU
         compiler already runs its codegen on more than one.)"""
-        cfg = self.config
         t0, before = time.perf_counter(), self.stats.num_compilations
+        with persistent_cache_hits() as loaded:
+            total = self._warmup(log)
+        compiled = self.stats.num_compilations - before
+        # by this engine (the activation probe's step) or by another with its ProgramKey
+        ready = f" ({total - compiled} were compiled already)" if compiled < total else ""
+        summary = warmup_summary(f"{compiled} programs", compiled, loaded[0], time.perf_counter() - t0)
+        log(f"warm-up: {summary}{ready}")
+
+    def _warmup(self, log: Callable[[str], None]) -> int:
+        """Compile warmup's programs; their count."""
+        cfg = self.config
         verifying = f", verifying up to {cfg.max_num_seqs} x {1 + self.spec_k}" if self.spec_buckets else ""
         programs = [(SAMPLE, self.sample_rows, 0, f"sampling, up to {self.sample_rows} rows")]
         programs += [(DECODE, R, R, f"decode, {R} rows") for R in cfg.decode_buckets]
@@ -1016,7 +1053,4 @@ class ModelRunner:
                 leaves = self._scatter_blocks(leaves, idx, [np.asarray(d) for d in self._gather_blocks(leaves, idx)])
             self.kv_caches = jax.tree.unflatten(treedef, leaves)
             total += 2 * len(sizes)
-        compiled = self.stats.num_compilations - before
-        # by this engine (the activation probe's step) or by another with its ProgramKey
-        ready = f" ({total - compiled} were compiled already)" if compiled < total else ""
-        log(f"warm-up: {compiled} programs compiled in {time.perf_counter() - t0:.1f}s{ready}")
+        return total

@@ -97,15 +97,18 @@ counts = {"hits": 0, "misses": 0}
 names = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
 monitoring.register_event_listener(lambda e, **kw: e in names and counts.__setitem__(names[e], counts[names[e]] + 1))
 from engine import LLM
-llm = LLM("tiny", log=lambda *_: None, compilation_cache_dir=sys.argv[1], max_num_seqs=1, max_model_len=16,
+lines = []
+llm = LLM("tiny", log=lines.append, compilation_cache_dir=sys.argv[1], max_num_seqs=1, max_model_len=16,
           max_num_batched_tokens=16)
-print(json.dumps(counts | {"programs": llm.stats.num_compilations}))
+warmup = [x for x in lines if x.startswith("warm-up: ") and " in " in x]
+print(json.dumps(counts | {"programs": llm.stats.num_compilations, "warmup": warmup}))
 """
 
 
 def test_a_restart_with_the_persistent_compilation_cache_compiles_nothing(tmp_path):
     """Two processes, one after the other, with --compilation-cache-dir (the engine's own
-    setting: the tests' cache directory is taken out of their environment)."""
+    setting: the tests' cache directory is taken out of their environment); the second's
+    warm-up line says its programs came from the cache."""
     env = env_without_test_cache() | {"PYTHONPATH": ROOT}
 
     def start() -> dict:
@@ -120,6 +123,11 @@ def test_a_restart_with_the_persistent_compilation_cache_compiles_nothing(tmp_pa
     assert first["misses"] >= first["programs"] and first["hits"] == 0  # a cold start compiles them all
     assert second["misses"] == 0, "the restart compiled something"
     assert second["hits"] == first["misses"]  # every program is read back instead
+    # the warm-up line says which: the README's "a restart compiles nothing" is what a user reads
+    assert len(first["warmup"]) == len(second["warmup"]) == 1, (first["warmup"], second["warmup"])
+    assert first["warmup"][0].startswith("warm-up: 4 programs compiled in "), first["warmup"]
+    assert second["warmup"][0].startswith("warm-up: 4 programs in "), second["warmup"]
+    assert second["warmup"][0].endswith(": 4 loaded from the compilation cache, 0 compiled"), second["warmup"]
 
 
 def test_an_engine_like_one_built_before_compiles_nothing_and_another_model_compiles_its_own(hf_checkpoint):

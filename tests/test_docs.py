@@ -1,0 +1,86 @@
+"""The docs as a new user reads them: every repository file they cite exists, and every flag a
+`python SCRIPT ...` command in them passes is in that script's --help (a renamed or removed
+flag fails here, not in a user's shell). Running the commands is the benches' own tests'
+job; this checks only what a reader types."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md", *sorted(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))]
+
+
+def read(doc: str) -> str:
+    with open(os.path.join(ROOT, doc)) as f:
+        return f.read()
+
+
+def cited_files(text: str) -> set[str]:
+    """bench/..., tests/..., docs/... paths, bare *.py / *.sh names and image links."""
+    paths = set(re.findall(r"(?<![\w/.~-])((?:bench|tests|docs)/[\w./-]*\w|[\w-]+\.(?:py|sh))\b", text))
+    paths |= set(re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text))
+    return {p for p in paths if not p.startswith("bench/results")}  # the benches' (git-ignored) output
+
+
+def exists(path: str, doc: str) -> bool:
+    """A path from the root, from the doc's folder, or a bare name of bench/ or tests/."""
+    bases = ["", os.path.dirname(doc)] + (["bench", "tests"] if "/" not in path else [])
+    return any(os.path.exists(os.path.join(ROOT, base, path)) for base in bases)
+
+
+def commands(text: str) -> list[tuple[str, list[str]]]:
+    """(script, its flags) for each `python SCRIPT args`: continued lines joined, quoted
+    arguments left out of the flags (a quoted server command is a command of its own)."""
+    text = re.sub(r"\\\n\s*", " ", text)
+    found = []
+    for m in re.finditer(r"(?<![\w/])(?=python3? ((?:bench/)?\w+\.py)([^`\n|]*))", text):
+        args = m.group(2)
+        if text[m.start() - 1] in "=\"'":  # quoted inside another command: it ends at the quote
+            args = re.split(r"[\"']", args, maxsplit=1)[0]
+        args = re.sub(r"\"[^\"]*\"|'[^']*'", "", args)
+        found.append((m.group(1), re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", args)))
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def help_flags(script: str) -> frozenset[str]:
+    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{script} --help: {out.stderr[-2000:]}"
+    return frozenset(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", out.stdout))
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_file_a_doc_cites_exists(doc):
+    missing = sorted(p for p in cited_files(read(doc)) if not exists(p, doc))
+    assert missing == [], f"{doc} cites files that are not in the repository: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_flag_of_a_documented_command_is_in_its_scripts_help(doc):
+    wrong = []
+    for script, flags in commands(read(doc)):
+        if not os.path.exists(os.path.join(ROOT, script)):
+            wrong.append(f"python {script}: no such script")
+            continue
+        wrong += [f"python {script} {f}" for f in flags if f not in help_flags(script)]
+    assert wrong == [], f"{doc}: flags that the script's --help does not list: {wrong}"
+
+
+def test_the_checks_catch_what_they_look_for():
+    """The extraction itself, on text with one of each mistake."""
+    text = ("Run `python bench/offline.py --tiny --no-such-flag` or\n"
+            "```bash\npython bench/mixed.py --peer \\\n  --compare \"x=python server.py --port {port} --bogus\"\n```\n"
+            "See bench/no_such_bench.py and ![plot](no_such_plot.png).")
+    assert commands(text) == [("bench/offline.py", ["--tiny", "--no-such-flag"]),
+                              ("bench/mixed.py", ["--peer", "--compare"]),
+                              ("server.py", ["--port", "--bogus"])]
+    assert {p for p in cited_files(text) if not exists(p, "docs/X.md")} == {"bench/no_such_bench.py",
+                                                                            "no_such_plot.png"}
+    assert "--no-such-flag" not in help_flags("bench/offline.py") and "--tiny" in help_flags("bench/offline.py")
