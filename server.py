@@ -211,7 +211,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         choices = [Choice(i, g, form) for i, g in enumerate(gens)]
         details = app["prompt_tokens_details"]
         if app["log_outputs"]:  # (--enable-log-outputs, which needs --enable-log-requests)
-            form.log_id, form.log_len = engine_request_id, app["max_log_len"]
+            form.log_id, form.log_len, form.log_deltas = engine_request_id, app["max_log_len"], app["log_deltas"]
         if not stream:
             return await whole_response(head, choices, form, details)
         return await stream_response(request, head, choices, include_usage, continuous_usage, details)
@@ -294,6 +294,7 @@ class ChoiceFormat:
     # and --max-log-len, the most characters and token ids a line shows
     log_id: str | None = None
     log_len: int | None = None
+    log_deltas: bool = True  # --enable-log-deltas: a stream's line per chunk too
 
     @classmethod
     def read(cls, app: web.Application, body: dict, chat: bool, tools: ToolChoice | None, params: SamplingParams,
@@ -432,6 +433,8 @@ class Choice:
         delta's content, [reasoning: ...] and [tool_calls: <arguments>]), and the text so far
         for the line once the stream is complete (stream_response)."""
         self.text += c.text
+        if not self.form.log_deltas:
+            return
         if self.form.chat:
             delta = choice["delta"]
             parts = [delta["content"]] if delta.get("content") else []
@@ -1065,7 +1068,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
               chat_template_content_format: str = "auto", default_chat_template_kwargs: dict | None = None,
               log_stats: bool = False, log_requests: bool = False, max_log_len: int | None = None,
               cors: CorsPolicy = CorsPolicy(), force_include_usage: bool = False,
-              prompt_tokens_details: bool = False, log_outputs: bool = False, root_path: str = "") -> web.Application:
+              prompt_tokens_details: bool = False, log_outputs: bool = False, log_deltas: bool = True,
+              root_path: str = "") -> web.Application:
     """api_key: one key or several (vLLM's --api-key takes several): /v1/* and
     /reset_prefix_cache answer a request bearing any of them.
     per_request_metrics: a request may ask for its RequestMetrics (`include_metrics`).
@@ -1091,7 +1095,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
     force_include_usage: every stream ends with a usage chunk, asked for or not (vLLM's
     --enable-force-include-usage). prompt_tokens_details: usage carries
     prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details). log_outputs:
-    log each request's output too (vLLM's --enable-log-outputs; with log_requests).
+    log each request's output too (vLLM's --enable-log-outputs; with log_requests); log_deltas: a
+    stream's line per chunk too (vLLM's --enable-log-deltas).
     root_path: the path prefix a proxy serves this app under (vLLM's --root-path, FastAPI's
     root_path): a request under it is routed without it, any other as it is (RootPathRouting)."""
     keys = api_keys(api_key)
@@ -1126,7 +1131,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
                default_chat_template_kwargs=default_chat_template_kwargs,
                response_role=response_role, log_requests=log_requests, max_log_len=max_log_len,
                force_include_usage=force_include_usage, prompt_tokens_details=prompt_tokens_details,
-               log_outputs=log_outputs, root_path=root_path)
+               log_outputs=log_outputs, log_deltas=log_deltas, root_path=root_path)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -1379,6 +1384,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also log each request's output: its text and finish reason (a stream: each chunk's and, "
                         "once complete, the whole text), at debug level also its token ids; needs "
                         "--enable-log-requests (vLLM's flag)")
+    p.add_argument("--enable-log-deltas", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --enable-log-outputs, a stream's line per chunk ('streaming delta'); "
+                        "--no-enable-log-deltas: only its line once complete (vLLM's flag)")
     p.add_argument("--max-log-len", type=non_negative_int,
                    help="most prompt token ids, output characters and output token ids a request's log lines "
                         "show; None: all (vLLM's flag)")
@@ -1418,7 +1426,7 @@ def app_from_args(engine: AsyncEngine, args: argparse.Namespace,
                      max_log_len=args.max_log_len,
                      cors=CorsPolicy.from_args(args), force_include_usage=args.enable_force_include_usage,
                      prompt_tokens_details=args.enable_prompt_tokens_details,
-                     log_outputs=args.enable_log_outputs, root_path=args.root_path)
+                     log_outputs=args.enable_log_outputs, log_deltas=args.enable_log_deltas, root_path=args.root_path)
 
 
 def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:

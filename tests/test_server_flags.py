@@ -249,6 +249,14 @@ def test_log_outputs_logs_whole_and_streamed_answers_cut_to_max_log_len(call, ca
     assert lines[-1] == f"Generated response {rid} (streaming complete): output: {text[:5]!r}, " \
                         f"finish_reason: streaming_complete"
 
+    caplog.clear()  # --no-enable-log-deltas: a stream's line once complete only
+    ((_, _, again),) = call(flags + ["--no-enable-log-deltas"], ("POST", "/v1/completions", {
+        "prompt": "taxi", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "stream": True}))
+    rid = received_id(caplog)
+    assert "".join(c["choices"][0]["text"] for c in again if c["choices"]) == text
+    assert generated(caplog) == [f"Generated response {rid} (streaming complete): output: {text[:5]!r}, "
+                                 f"finish_reason: streaming_complete"]
+
     caplog.clear()
     call(["--enable-log-requests"], ("POST", "/v1/completions", {"prompt": "taxi", "max_tokens": 2}))
     assert received_id(caplog) and generated(caplog) == []  # requests logged, outputs not
