@@ -45,6 +45,8 @@ MAX_BLOCK_SIZE = 256  # vLLM's largest --block-size
 # this process, one JAX controller over every device of its mesh (more hosts join through
 # jax.distributed, each process driving its own host's devices); the others are refused.
 DISTRIBUTED_EXECUTOR_BACKENDS: tuple[str, ...] = ("mp", "ray", "uni", "external_launcher")
+# The files of a Hugging Face tokenizer: a folder holding one of them has one (tokenizer.py).
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class EngineConfig:
     """
 
     model: str = "smollm2"  # the built-in real model; "tiny" for tests
+    # vLLM's --tokenizer: a folder holding a Hugging Face tokenizer (TOKENIZER_FILES), or a
+    # .gguf file's, used instead of the model's own (encoding, decoding, chat template, EOS,
+    # structured outputs' vocabulary); None: the model's. Its ids must be the model's rows.
+    tokenizer: str | None = None
     dtype: str = "float32"  # float32 | bfloat16 | auto (the checkpoint's torch_dtype)
     seed: int = 0
     max_num_seqs: int = 32
@@ -135,6 +141,8 @@ class EngineConfig:
         _check_field_types(self)
         need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
              f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        if self.tokenizer is not None:
+            check_tokenizer_path(self.tokenizer)
         need(self.generation_config in ("auto", "vllm") or os.path.isfile(
             os.path.join(self.generation_config, "generation_config.json")),
              f"generation_config must be auto, vllm or a folder holding a generation_config.json, got "
@@ -293,6 +301,22 @@ class EngineConfig:
             b *= 2
         out.append(self.max_num_batched_tokens)
         return tuple(out)
+
+
+def check_tokenizer_path(path: str) -> None:
+    """--tokenizer's value: a folder holding a Hugging Face tokenizer, or a .gguf file
+    (whose metadata may describe one: that is read when it loads). ValueError naming the flag."""
+    if os.path.isdir(path):
+        if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+            raise ValueError(f"--tokenizer {path!r}: the folder holds no Hugging Face tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)})")
+    elif os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"--tokenizer {path!r} is a file, not a folder holding a Hugging Face tokenizer "
+                             f"({', '.join(TOKENIZER_FILES)}) nor a .gguf file")
+    else:
+        raise ValueError(f"--tokenizer {path!r}: no such folder or file (taxirank reads a local folder or "
+                         ".gguf file; a Hugging Face hub name is not downloaded)")
 
 
 # A container's memory limit: cgroup v2's memory.max ("max": none), cgroup v1's

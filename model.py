@@ -32,7 +32,7 @@ from attention_backend import AttentionBackend
 from hf_config import check_hf_config, check_llama3_rope, generation_eos_ids, read_json, token_ids
 from kernels_pallas import Bits, QuantizedKV, as_bits, from_bits, quantize_kv
 from quant import GGUFBlocks, QuantLinear, WeightQuant, encode, weight_quant_for
-from tokenizer import ByteTokenizer, gguf_tokenizer, load_tokenizer
+from tokenizer import ByteTokenizer, gguf_tokenizer, load_named_tokenizer, load_tokenizer, num_token_ids
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -498,7 +498,7 @@ _DTYPES = {"float32": jnp.dtype(jnp.float32), "bfloat16": jnp.dtype(jnp.bfloat16
 @dataclass
 class LoadedModel:
     model: Decoder
-    config: ModelConfig
+    config: ModelConfig  # the model's, with the stop ids of the tokenizer served (--tokenizer: named_tokenizer)
     tokenizer: Any | None  # ByteTokenizer, a transformers tokenizer, or None (token ids only)
     name: str
     dtype: jnp.dtype
@@ -516,13 +516,17 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> jnp.dtype:
 
 
 def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
-               log: Callable[[str], None] = print, quantization: str | None = None) -> LoadedModel:
+               log: Callable[[str], None] = print, quantization: str | None = None,
+               tokenizer: str | None = None) -> LoadedModel:
     """A built-in random model ("tiny", "bench"), the built-in real model ("smollm2", a
     GGUF fetched on first use), a .gguf file, or an HF checkpoint directory; its decoder
-    layers' linears quantized as --quantization says (quant.py)."""
+    layers' linears quantized as --quantization says (quant.py). `tokenizer` (--tokenizer):
+    a tokenizer folder or .gguf file used instead of the model's own, which is then not
+    loaded (named_tokenizer: loaded and checked before the weights)."""
     if model in BUILTIN_MODELS:
         cfg, dt = BUILTIN_MODELS[model], resolve_dtype(dtype, None)
-        loaded = LoadedModel(init_model(cfg, dt, seed), cfg, ByteTokenizer(), model, dt)
+        tok, tok_cfg = named_tokenizer(tokenizer, cfg, log, builtin=True) if tokenizer else (ByteTokenizer(), cfg)
+        loaded = LoadedModel(init_model(cfg, dt, seed), tok_cfg, tok, model, dt)
         return quantize_loaded(loaded, weight_quant_for(quantization, None))
     # A GGUF file comes as the same HF config dict and HF-named tensors as a checkpoint directory.
     import gguf_loader
@@ -532,14 +536,17 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
         ckpt = gguf_loader.read_gguf(path)
         cfg = ModelConfig.from_hf(ckpt.hf_config, f"{path} (GGUF metadata)")
         dt = resolve_dtype(dtype, "bfloat16" if ckpt.file_type == "BF16" else None)
-        tokenizer = gguf_tokenizer(ckpt.tokenizer_metadata) if ckpt.tokenizer_metadata else None
+        if tokenizer:  # instead of the metadata's, which is not converted (vLLM's advice for GGUF files)
+            tok, tok_cfg = named_tokenizer(tokenizer, cfg, log)
+        else:
+            tok, tok_cfg = gguf_tokenizer(ckpt.tokenizer_metadata) if ckpt.tokenizer_metadata else None, cfg
         quant = weight_quant_for(quantization, ckpt.linear_types())
         native = quant is not None and quant.method == "gguf"
         served = (f"{quant.describe()}, the rest dequantized to {np.dtype(dt).name}" if native
                   else f"dequantized to {np.dtype(dt).name}" + (f", then {quant.describe()}" if quant else ""))
         log(f"model: {path} ({ckpt.file_type} GGUF, {served})")
         return LoadedModel(model_from_hf_tensors(cfg, dt, ckpt.tensors(native=native), f"checkpoint {path}", quant),
-                           cfg, tokenizer, model, dt, quant)
+                           tok_cfg, tok, model, dt, quant)
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise FileNotFoundError(f"model {model!r} is neither a built-in model "
                                 f"({', '.join([*BUILTIN_MODELS, *gguf_loader.BUILTIN_GGUF])}), a .gguf file, "
@@ -550,10 +557,44 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
     # chat models often list extra stop ids (e.g. <|eot_id|>) only in generation_config.json
     extra = generation_eos_ids(os.path.join(model, "generation_config.json"), cfg.vocab_size)
     cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
+    tok, tok_cfg = named_tokenizer(tokenizer, cfg, log) if tokenizer else (load_tokenizer(model), cfg)
     dt = resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
     quant = weight_quant_for(quantization, None)
     return LoadedModel(model_from_hf_tensors(cfg, dt, _safetensors_tensors(model), f"checkpoint {model}", quant),
-                       cfg, load_tokenizer(model), model, dt, quant)
+                       tok_cfg, tok, model, dt, quant)
+
+
+def named_tokenizer(path: str, cfg: ModelConfig, log: Callable[[str], None] = print,
+                    builtin: bool = False) -> tuple[Any, ModelConfig]:
+    """--tokenizer's tokenizer for a model of `cfg`, and `cfg` with the stop ids that follow
+    from it. Its ids must have embedding rows: a vocabulary larger than the model's is
+    refused (fewer ids are fine: the rows past them are never produced by encoding). As
+    vLLM, the tokenizer's eos_token_id is the primary EOS and the model's own stop ids
+    (config.json's, generation_config.json's, a GGUF file's eos/eot/eom) stay beside it;
+    a built-in random model's are its byte tokenizer's, which the named one replaces. The
+    decoder keeps the model's own ModelConfig (the ids are not in its computation), so its
+    step programs are those of the same model served without the flag."""
+    tok = load_named_tokenizer(path)
+    n = num_token_ids(tok)
+    if n > cfg.vocab_size:
+        raise ValueError(f"--tokenizer {path!r}: its vocabulary has {n} token ids, more than the model's "
+                         f"{cfg.vocab_size} embedding rows (vocab_size): ids {cfg.vocab_size}..{n - 1} would have "
+                         "no embedding")
+    eos = tok.eos_token_id
+    own = (eos,) if eos is not None else ()
+    cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(own + (() if builtin else cfg.eos_token_ids))),
+                  bos_token_id=tok.bos_token_id if builtin else cfg.bos_token_id)
+    log(f"tokenizer: {path} (--tokenizer; {n} token ids of the model's {cfg.vocab_size}, EOS ids "
+        f"{list(cfg.eos_token_ids)})")
+    return tok, cfg
+
+
+def with_named_tokenizer(loaded: LoadedModel, path: str, log: Callable[[str], None] = print) -> LoadedModel:
+    """A model already loaded (an orbax checkpoint, its own tokenizer with it) serving
+    --tokenizer's instead."""
+    builtin = isinstance(loaded.tokenizer, ByteTokenizer)  # a built-in random model, converted
+    tok, cfg = named_tokenizer(path, loaded.config, log, builtin=builtin)
+    return replace(loaded, tokenizer=tok, config=cfg)
 
 
 def quantize_loaded(loaded: LoadedModel, quant: WeightQuant | None) -> LoadedModel:

@@ -26,7 +26,7 @@ import gguf_loader
 from config import EngineConfig
 from kvcache import describe, kv_cache_bytes_per_block, measure_activation_bytes, num_kv_blocks_for
 from metrics import EngineStats
-from model import LoadedModel, device_bytes, load_model, param_bytes, quantize_loaded
+from model import LoadedModel, device_bytes, load_model, param_bytes, quantize_loaded, with_named_tokenizer
 from parallel import make_mesh, max_bytes_per_device, shard_model
 from runner import ModelRunner, check_host_buffers, logprobs_bytes
 from scheduler import Scheduler
@@ -52,8 +52,11 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     if checkpoint.is_checkpoint(config.model):  # orbax: restored straight onto the mesh
         loaded: LoadedModel = checkpoint.load(config.model, config.dtype, mesh)
         loaded = quantize_loaded(loaded, weight_quant_for(config.quantization, None))
+        if config.tokenizer is not None:
+            loaded = with_named_tokenizer(loaded, config.tokenizer, log)
     else:
-        loaded = load_model(config.model, config.dtype, config.seed, log=log, quantization=config.quantization)
+        loaded = load_model(config.model, config.dtype, config.seed, log=log, quantization=config.quantization,
+                            tokenizer=config.tokenizer)
     if mesh is not None:
         loaded = shard_model(loaded, mesh)
     config = config.resolved(loaded.config.max_model_len)

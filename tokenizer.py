@@ -17,7 +17,7 @@ import os
 from functools import partial
 from typing import Any, Callable
 
-from config import SamplingParams
+from config import TOKENIZER_FILES, SamplingParams
 
 
 class ByteTokenizer:
@@ -63,9 +63,6 @@ class ByteTokenizer:
         return self.encode(text) if tokenize else text
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
 def load_tokenizer(path: str) -> Any | None:
     """A transformers fast tokenizer when `path` holds tokenizer files or is a GGUF file
     with a tokenizer, else None (the engine then takes token-id prompts only)."""
@@ -74,7 +71,7 @@ def load_tokenizer(path: str) -> Any | None:
 
         metadata = gguf_loader.read_tokenizer_metadata(path)
         return gguf_tokenizer(metadata) if metadata is not None else None
-    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
     _quiet_transformers()
     from transformers import AutoTokenizer  # slow import: only when needed
@@ -85,6 +82,28 @@ def load_tokenizer(path: str) -> Any | None:
         raise ValueError(f"{path}: its tokenizer files do not load ({type(e).__name__}: {e})"[:500]) from None
     check_chat_template_type(tok.chat_template, path)
     return tok
+
+
+def load_named_tokenizer(path: str) -> Any:
+    """The tokenizer --tokenizer names (a folder holding a Hugging Face tokenizer, or a
+    .gguf file's metadata), used instead of the model's own; ValueError naming the flag
+    where it does not load."""
+    from config import check_tokenizer_path
+
+    check_tokenizer_path(path)  # again: the folder may have changed since the config was made
+    try:
+        tok = load_tokenizer(path)
+    except ValueError as e:
+        raise ValueError(f"--tokenizer {path!r}: {e}") from None
+    if tok is None:
+        raise ValueError(f"--tokenizer {path!r}: the GGUF file has no tokenizer (no tokenizer.ggml.model key)")
+    return tok
+
+
+def num_token_ids(tokenizer: Any) -> int:
+    """The ids a transformers tokenizer may produce: its largest id + 1 (its added tokens
+    included; vLLM's max_token_id + 1), which is what must have embedding rows."""
+    return max(tokenizer.get_vocab().values(), default=-1) + 1
 
 
 def check_chat_template_type(template: object, source: str) -> None:

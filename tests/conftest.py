@@ -392,7 +392,7 @@ def _gguf_loaded_once(load: Callable[..., Any]) -> Callable[..., Any]:
     last: dict[tuple, tuple[Any, list[str]]] = {}  # one entry: a model holds hundreds of MB
 
     def loaded(model: str, dtype: str = "float32", seed: int = 0, log: Callable[[str], None] = print,
-               quantization: str | None = None) -> Any:
+               quantization: str | None = None, tokenizer: str | None = None) -> Any:
         import gguf_loader
 
         if model in gguf_loader.BUILTIN_GGUF:
@@ -400,13 +400,14 @@ def _gguf_loaded_once(load: Callable[..., Any]) -> Callable[..., Any]:
         elif model.endswith(".gguf") and os.path.isfile(model):
             path = model
         else:
-            return load(model, dtype, seed, log=log, quantization=quantization)
+            return load(model, dtype, seed, log=log, quantization=quantization, tokenizer=tokenizer)
         st = os.stat(path)
-        key = (model, os.path.realpath(path), st.st_size, st.st_mtime_ns, dtype, seed, quantization)
+        key = (model, os.path.realpath(path), st.st_size, st.st_mtime_ns, dtype, seed, quantization, tokenizer)
         if key not in last:
             last.clear()
             lines: list[str] = []
-            result = load(model, dtype, seed, log=lambda line: (lines.append(line), log(line)), quantization=quantization)
+            result = load(model, dtype, seed, log=lambda line: (lines.append(line), log(line)), quantization=quantization,
+                          tokenizer=tokenizer)
             last[key] = (result, lines)
             return result
         result, lines = last[key]
