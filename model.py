@@ -557,7 +557,13 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
     # chat models often list extra stop ids (e.g. <|eot_id|>) only in generation_config.json
     extra = generation_eos_ids(os.path.join(model, "generation_config.json"), cfg.vocab_size)
     cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
-    tok, tok_cfg = named_tokenizer(tokenizer, cfg, log) if tokenizer else (load_tokenizer(model), cfg)
+    if tokenizer:
+        tok, tok_cfg = named_tokenizer(tokenizer, cfg, log)
+    else:  # vLLM's primary EOS is the tokenizer's, beside the config's and generation config's
+        tok = load_tokenizer(model)
+        eos = getattr(tok, "eos_token_id", None)
+        own = (eos,) if isinstance(eos, int) and 0 <= eos < cfg.vocab_size else ()
+        tok_cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(own + cfg.eos_token_ids)))
     dt = resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
     quant = weight_quant_for(quantization, None)
     return LoadedModel(model_from_hf_tensors(cfg, dt, _safetensors_tensors(model), f"checkpoint {model}", quant),

@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 
 import pytest
 from conftest import make_hf_checkpoint, make_sp_tokenizer
@@ -107,6 +108,14 @@ def test_the_tokenizers_eos_stops_beside_the_models_own_stop_ids(folders, tmp_pa
     del llm
     own = LLM(ckpt, **QUIET, **SHAPES)  # without the flag id 0 is no EOS
     assert own.engine.model_config.eos_token_ids == (2,) and first_tokens(own, 0) == ([0, 0, 0], "length")
+    del own
+    # The same holds without the flag for a checkpoint whose own tokenizer says so (vLLM's
+    # primary EOS is the tokenizer's, whatever config.json says).
+    ckpt_unk = shutil.copytree(ckpt, tmp_path / "ckpt-unk-eos")
+    auto_tokenizer(unk_eos).save_pretrained(ckpt_unk)
+    mine = LLM(str(ckpt_unk), **QUIET, **SHAPES)
+    assert mine.engine.model_config.eos_token_ids == (0, 2)
+    assert first_tokens(mine, 0) == ([0], "stop") and first_tokens(mine, 2) == ([2], "stop")
 
 
 def test_a_builtin_random_model_takes_a_smaller_tokenizer_with_its_eos_alone(folders):
