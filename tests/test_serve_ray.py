@@ -406,6 +406,21 @@ class FakeEngines:
         return self.make(request)
 
 
+class Parts:
+    """A DeploymentResponseGenerator that yields these parts (the head first), then ends."""
+
+    def __init__(self, *parts: Any) -> None:
+        self.parts = list(parts)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.parts:
+            raise StopAsyncIteration
+        return self.parts.pop(0)
+
+
 def test_a_stream_whose_client_left_before_its_first_chunk_is_cancelled_at_the_replica() -> None:
     """The Ingress relays an SSE stream through an async generator; a client gone before the
     body starts (starlette's disconnect listener wins, or the first send fails) means that
@@ -464,23 +479,11 @@ def test_the_ingress_refuses_a_body_over_the_limit_before_it_reaches_a_replica()
 
     relayed: list[serve_ray.HttpRequest] = []
 
-    class Responses:
-        def __init__(self) -> None:
-            self.parts = [serve_ray.HttpHead(200, ()), b"ok"]
-
-        def __aiter__(self):
-            return self
-
-        async def __anext__(self):
-            if not self.parts:
-                raise StopAsyncIteration
-            return self.parts.pop(0)
-
     async def call(headers: list[tuple[bytes, bytes]], messages: list[dict],
                    cors: CorsPolicy = CorsPolicy()) -> tuple[int, bytes, int]:
         """(status, body, messages left unread); the answer's headers go to answered"""
-        ingress = serve_ray.Ingress.func_or_class(FakeEngines(lambda request: relayed.append(request) or Responses()),
-                                                  cors)
+        engines = FakeEngines(lambda request: relayed.append(request) or Parts(serve_ray.HttpHead(200, ()), b"ok"))
+        ingress = serve_ray.Ingress.func_or_class(engines, cors)
         scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "headers": headers}
 
         async def receive() -> dict:
@@ -531,21 +534,9 @@ def test_the_ingress_routes_under_root_path_and_sends_a_replicas_redirect_to_the
 
     relayed: list[serve_ray.HttpRequest] = []
 
-    class Responses:
-        def __init__(self, head: serve_ray.HttpHead) -> None:
-            self.parts = [head]
-
-        def __aiter__(self):
-            return self
-
-        async def __anext__(self):
-            if not self.parts:
-                raise StopAsyncIteration
-            return self.parts.pop(0)
-
     def answer(request: serve_ray.HttpRequest) -> Responses:
         relayed.append(request)
-        return Responses(serve_ray.HttpHead(307, (("location", "http://10.0.0.7:40123/llm/v1/models?x=1"),)))
+        return Parts(serve_ray.HttpHead(307, (("location", "http://10.0.0.7:40123/llm/v1/models?x=1"),)))
 
     async def call(method: str, path: str, query: bytes = b"") -> Any:
         ingress = serve_ray.Ingress.func_or_class(FakeEngines(answer), CorsPolicy(), "/llm")
