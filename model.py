@@ -559,15 +559,21 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
     cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
     if tokenizer:
         tok, tok_cfg = named_tokenizer(tokenizer, cfg, log)
-    else:  # vLLM's primary EOS is the tokenizer's, beside the config's and generation config's
+    else:
         tok = load_tokenizer(model)
-        eos = getattr(tok, "eos_token_id", None)
-        own = (eos,) if isinstance(eos, int) and 0 <= eos < cfg.vocab_size else ()
-        tok_cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(own + cfg.eos_token_ids)))
+        tok_cfg = with_tokenizer_eos(cfg, tok)
     dt = resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
     quant = weight_quant_for(quantization, None)
     return LoadedModel(model_from_hf_tensors(cfg, dt, _safetensors_tensors(model), f"checkpoint {model}", quant),
                        tok_cfg, tok, model, dt, quant)
+
+
+def with_tokenizer_eos(cfg: ModelConfig, tokenizer: Any | None) -> ModelConfig:
+    """cfg with the tokenizer's eos_token_id as its first stop id (vLLM's primary EOS), the
+    model's own (config.json's, generation_config.json's, a GGUF file's) beside it."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    own = (eos,) if isinstance(eos, int) and 0 <= eos < cfg.vocab_size else ()
+    return replace(cfg, eos_token_ids=tuple(dict.fromkeys(own + cfg.eos_token_ids)))
 
 
 def named_tokenizer(path: str, cfg: ModelConfig, log: Callable[[str], None] = print,
@@ -586,10 +592,9 @@ def named_tokenizer(path: str, cfg: ModelConfig, log: Callable[[str], None] = pr
         raise ValueError(f"--tokenizer {path!r}: its vocabulary has {n} token ids, more than the model's "
                          f"{cfg.vocab_size} embedding rows (vocab_size): ids {cfg.vocab_size}..{n - 1} would have "
                          "no embedding")
-    eos = tok.eos_token_id
-    own = (eos,) if eos is not None else ()
-    cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(own + (() if builtin else cfg.eos_token_ids))),
-                  bos_token_id=tok.bos_token_id if builtin else cfg.bos_token_id)
+    if builtin:
+        cfg = replace(cfg, eos_token_ids=(), bos_token_id=tok.bos_token_id)
+    cfg = with_tokenizer_eos(cfg, tok)
     log(f"tokenizer: {path} (--tokenizer; {n} token ids of the model's {cfg.vocab_size}, EOS ids "
         f"{list(cfg.eos_token_ids)})")
     return tok, cfg
