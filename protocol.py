@@ -388,18 +388,25 @@ def _template_call(call: dict, i: int) -> dict:
         raise ApiError(f"{where}: a call's 'type' must be 'function'", param="messages")
     if not isinstance(fn["arguments"], str):
         return call
-    try:
-        arguments = json.loads(fn["arguments"])
-    except (ValueError, RecursionError) as e:  # nested past the parser's stack: a string hides depth from read_body
-        raise ApiError(f"messages[{i}].tool_calls: function.arguments is not valid JSON: {e}", param="messages") from e
-    try:  # a \ud800 escape inside the string decodes to a lone surrogate, which read_body never saw
-        json.dumps(arguments, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(f"messages[{i}].tool_calls: function.arguments has a string that is not valid Unicode "
-                       f"(a lone surrogate): {e}", param="messages") from e
-    except RecursionError as e:
-        raise ApiError(f"messages[{i}].tool_calls: function.arguments is nested too deeply", param="messages") from e
+    # a JSON string: read_body saw neither its depth nor the lone surrogates its escapes decode to
+    arguments = loads_checked(fn["arguments"], f"messages[{i}].tool_calls: function.arguments", "messages")
     return call | {"function": fn | {"arguments": arguments}}
+
+
+def loads_checked(data: str | bytes, what: str, param: str | None = None) -> Any:
+    """JSON from a client, checked as every tokenizer and encoder downstream needs it: a
+    400 naming `what` for text that is not JSON, nesting past the parser's stack, or a
+    string whose \\ud800-style escapes decode to a lone surrogate (no tokenizer encodes one)."""
+    try:
+        value = json.loads(data)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(f"{what} has a string that is not valid Unicode (a lone surrogate): {e}", param=param) from e
+    except ValueError as e:  # not JSON, or bytes that are not UTF-8
+        raise ApiError(f"{what} is not valid JSON: {e}", param=param) from e
+    except RecursionError as e:
+        raise ApiError(f"{what} is nested too deeply", param=param) from e
+    return value
 
 
 def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, has_tokenizer: bool,

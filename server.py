@@ -56,9 +56,9 @@ from engine import QueueFullError, TokenLogprob, child_requests
 from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
-                      parse_messages, parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json, request_field,
-                      route_path, structured_field, thinking_enabled, token_text, tool_choice, truncate_prompt,
-                      unknown_fields)
+                      loads_checked, parse_messages, parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json,
+                      request_field, route_path, structured_field, thinking_enabled, token_text, tool_choice,
+                      truncate_prompt, unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
@@ -643,23 +643,12 @@ async def read_body(request: web.Request) -> dict:
     if (request.content_length or 0) > MAX_BODY_BYTES:  # announced: refused before any of it is awaited
         raise ApiError(f"Maximum request body size {MAX_BODY_BYTES} exceeded, actual body size "
                        f"{request.content_length}", 413)
-    try:
-        # The bytes as JSON (UTF-8, or UTF-16/32 as RFC 8259's detection finds them), as vLLM
-        # reads a body: a Content-Type charset is not read (aiohttp's request.json() would
-        # decode by it, and a charset Python does not know would fail as a LookupError).
-        body = json.loads(await request.read())
-    except ValueError as e:  # not JSON, or not UTF-8
-        raise ApiError(f"request body is not valid JSON: {e}") from e
-    except RecursionError as e:  # nested deeper than the JSON parser goes
-        raise ApiError("request body is nested too deeply") from e
+    # The bytes as JSON (UTF-8, or UTF-16/32 as RFC 8259's detection finds them), as vLLM
+    # reads a body: a Content-Type charset is not read (aiohttp's request.json() would
+    # decode by it, and a charset Python does not know would fail as a LookupError).
+    body = loads_checked(await request.read(), "request body")
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object")
-    try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer can encode
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(f"request body has a string that is not valid Unicode (a lone surrogate): {e}") from e
-    except RecursionError as e:
-        raise ApiError("request body is nested too deeply") from e
     model = field(body, "model", (str,))
     if model is not None and model not in request.app["model_names"]:
         raise ApiError(f"model '{model}' does not exist; this server serves {request.app['model_names']}",
