@@ -1158,7 +1158,7 @@ _HELP = {  # EngineConfig fields; config.py says more
     "tokenizer": "a folder holding a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json or "
                  "tokenizer.model), or a .gguf file's, used instead of the model's own: encoding, decoding, the chat "
                  "template, its EOS beside the model's stop ids, structured outputs' vocabulary; at most the model's "
-                 "vocab_size ids. For a GGUF model, its base model's tokenizer (vLLM's advice). None: the model's",
+                 "vocab_size ids. For a GGUF model, its base model's tokenizer (vLLM's advice). None or '': the model's",
     "dtype": "weights and KV cache dtype; auto: the checkpoint's torch_dtype",
     "seed": "weights seed of the built-in models, and sampling seed of unseeded requests",
     "max_num_seqs": "slots: most sequences in one step",
