@@ -250,6 +250,48 @@ def test_the_server_renders_with_the_flags_and_logs_the_format(served, tokenizer
         served(["--default-chat-template-kwargs", '{"tokenize": true}'], "/tokenize", body)
 
 
+# transformers' `{% generation %}` tag (SmolLM3's, for training masks): its chat-template
+# environment adds the extension, so it renders; plain jinja2 knows no such tag.
+GENERATION = ("{% for m in messages %}<|{{ m.role }}|>{% if m.role == 'assistant' %}"
+              "{% generation %}{{ m.content }}<|end|>{% endgeneration %}{% else %}{{ m.content }}<|end|>{% endif %}\n"
+              "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_start_up_accepts_what_transformers_renders_and_refuses_what_it_refuses(served, tokenizer):
+    import jinja2
+
+    with pytest.raises(jinja2.TemplateSyntaxError, match="generation"):
+        jinja2.Environment().parse(GENERATION)  # what start-up parsed with before
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    text = reference(tokenizer, GENERATION, json.loads(json.dumps(chat)))
+    # transformers' trim_blocks takes the newline after {% endif %}
+    assert text == "<|system|>be brief<|end|><|user|>hi<|end|><|assistant|>hello<|end|><|user|>again<|end|><|assistant|>"
+    want = tokenizer.encode(text, add_special_tokens=False)
+    status, out = served(["--chat-template", GENERATION], "/tokenize", {"messages": chat})
+    assert status == 200 and out["tokens"] == want, out
+    status, out = served(["--chat-template", GENERATION], "/v1/chat/completions",
+                         {"messages": chat, "max_tokens": 1, "temperature": 0.0})
+    assert status == 200 and out["usage"]["prompt_tokens"] == len(want), out
+
+    # start-up's verdict is transformers': each template renders there exactly when start-up takes it
+    for template in (GENERATION, "{% for m in messages %}{% generation %}{{ m.content }}{% endfor %}",
+                     "{{ messages | no_such_filter }}", "{% for m in messages %}{% break %}{% endfor %}",
+                     "{% no_such_tag %}", "{{ messages[0].content | tojson(indent=2) }}"):
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template, tokenize=False)
+            renders = True
+        except jinja2.TemplateError:
+            renders = False
+        try:
+            server.check_chat_template(template, tokenizer)
+            taken = True
+        except ValueError as e:
+            assert str(e).startswith("--chat-template is not a valid Jinja template: "), e
+            taken = False
+        assert taken == renders, template
+
+
 def test_the_reasoning_parser_reads_the_merged_variables(served):
     """qwen3's parser: with thinking off, output that opens no <think> is content; on, with
     no end tag, all of it is reasoning. Whether it is off is the merged enable_thinking."""
