@@ -178,9 +178,16 @@ def check_default_kwargs(value: Any, tokenizer: Any = None,
     return value
 
 
+# A request's values that leave the server's default in place (vLLM's merge_kwargs'
+# unset_values): null, and "auto", which asks for the default.
+UNSET_VALUES = (None, "auto")
+
+
 def merge_kwargs(defaults: dict[str, Any] | None, request: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's merge of --default-chat-template-kwargs and a request's chat_template_kwargs:
-    the request's keys over the defaults; a request's null leaves the default in place."""
+    """vLLM's merge of --default-chat-template-kwargs and a request's chat_template_kwargs
+    (vllm/renderers/params.py): the request's keys over the defaults; a request's null or
+    "auto" leaves the default in place. With no defaults the request's variables go to the
+    template as given, "auto" and null included (vLLM's ChatParams.with_defaults)."""
     if not defaults:
         return dict(request)
-    return defaults | {k: v for k, v in request.items() if v is not None}
+    return defaults | {k: v for k, v in request.items() if v not in UNSET_VALUES}

@@ -7,7 +7,7 @@ result joined, as vLLM hands them over), one that prints the content whole stays
 the prompt is what transformers' apply_chat_template renders from the messages in that
 form, token for token, under "auto" and under the format named; start-up logs the format
 detected. The default template variables reach the template, a request's key overrides
-its default (a request's null leaves it), and the reasoning parser reads the variables the
+its default (a request's null or "auto" leaves it), and the reasoning parser reads the variables the
 template got. A bad flag value is a start-up error naming the flag."""
 
 from __future__ import annotations
@@ -154,8 +154,15 @@ def test_default_kwargs_reach_the_template_and_the_request_overrides_them(tokeni
     assert both({"chat_template_kwargs": {"style": "long"}}) == (want(enable_thinking=False, style="long"), False)
     assert both({"chat_template_kwargs": {"enable_thinking": True}}) == (
         want(enable_thinking=True, style="terse"), True)
-    # vLLM's merge: a request's null leaves the default
+    # vLLM's merge (merge_kwargs' unset_values): a request's null or "auto" leaves the default
     assert both({"chat_template_kwargs": {"style": None}}) == (want(enable_thinking=False, style="terse"), False)
+    assert both({"chat_template_kwargs": {"style": "auto", "enable_thinking": "auto"}}) == (
+        want(enable_thinking=False, style="terse"), False)
+    assert both({"chat_template_kwargs": {"style": "autos"}}) == (want(enable_thinking=False, style="autos"), False)
+    # with no defaults, vLLM hands the request's variables over as they are, "auto" included
+    text = render_chat({"messages": messages, "chat_template_kwargs": {"style": "auto"}}, tokenizer,
+                       chat_template=VARIABLES)
+    assert text == want(style="auto") and "|style=auto" in text
     # the request's reasoning_effort is the request's too: over the default, under its own kwargs
     assert both({"reasoning_effort": "high"}) == (
         want(enable_thinking=True, reasoning_effort="high", style="terse"), True)
