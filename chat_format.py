@@ -4,8 +4,8 @@ Content format (vLLM's --chat-template-content-format): "string" gives a templat
 message's content as one string (text parts joined by newlines); "openai" as a list of
 parts, [{"type": "text", "text": ...}], for templates that loop over them (Llama 4's,
 Gemma 3's, Qwen2-VL's); "auto" reads the template's Jinja syntax tree and picks "openai"
-when it loops over a message's content, else "string" (vLLM's detection, done here with
-jinja2's own parser).
+when it loops over a message's content, else "string" (vLLM's detection, done here on the
+syntax tree of transformers' own chat-template environment).
 
 Template variables (vLLM's --default-chat-template-kwargs): the server's defaults, which
 a request's chat_template_kwargs override key by key.
@@ -19,7 +19,6 @@ import json
 from typing import Any
 
 import jinja2
-import jinja2.ext
 from jinja2 import nodes
 
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -31,19 +30,15 @@ TEMPLATE_ARGUMENTS = {"tools", "chat_template", "conversation", "messages", "tok
                       "continue_final_message"}
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's
-    tokens for training masks): parsed as its body, so such templates parse here too."""
+def compile_template(template: str) -> jinja2.Template:
+    """The template as transformers compiles it for apply_chat_template: its sandboxed
+    environment with its extensions (loop controls, `{% generation %}`), its filters and
+    globals; jinja2.TemplateSyntaxError where transformers would refuse it. One environment
+    for every reading of a template here, so what parses here is what transformers renders.
+    transformers caches the compiled template by its text."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-# Only parses, never renders: the syntax transformers' chat-template environment accepts.
-_PARSER = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    return _compile_jinja_template(template)
 
 
 def _inner(node: nodes.Node) -> nodes.Node:
@@ -82,7 +77,7 @@ def detect_content_format(template: str) -> str:
     set from it, `messages[1:]` and filters included), else "string"; a template that
     does not parse is "string" (it fails when rendered, saying why). vLLM's rule."""
     try:
-        tree = _PARSER.parse(template)
+        tree = compile_template(template).environment.parse(template)
     except jinja2.TemplateSyntaxError:
         return "string"
     lists = {"messages"}  # and every variable set from it, transitively
@@ -183,9 +178,16 @@ def check_default_kwargs(value: Any, tokenizer: Any = None,
     return value
 
 
+# A request's values that leave the server's default in place (vLLM's merge_kwargs'
+# unset_values): null, and "auto", which asks for the default.
+UNSET_VALUES = (None, "auto")
+
+
 def merge_kwargs(defaults: dict[str, Any] | None, request: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's merge of --default-chat-template-kwargs and a request's chat_template_kwargs:
-    the request's keys over the defaults; a request's null leaves the default in place."""
+    """vLLM's merge of --default-chat-template-kwargs and a request's chat_template_kwargs
+    (vllm/renderers/params.py): the request's keys over the defaults; a request's null or
+    "auto" leaves the default in place. With no defaults the request's variables go to the
+    template as given, "auto" and null included (vLLM's ChatParams.with_defaults)."""
     if not defaults:
         return dict(request)
-    return defaults | {k: v for k, v in request.items() if v is not None}
+    return defaults | {k: v for k, v in request.items() if v not in UNSET_VALUES}

@@ -61,7 +61,7 @@ class EngineConfig:
     model: str = "smollm2"  # the built-in real model; "tiny" for tests
     # vLLM's --tokenizer: a folder holding a Hugging Face tokenizer (TOKENIZER_FILES), or a
     # .gguf file's, used instead of the model's own (encoding, decoding, chat template, EOS,
-    # structured outputs' vocabulary); None: the model's. Its ids must be the model's rows.
+    # structured outputs' vocabulary); None or "" (vLLM's): the model's. Its ids must be the model's rows.
     tokenizer: str | None = None
     dtype: str = "float32"  # float32 | bfloat16 | auto (the checkpoint's torch_dtype)
     seed: int = 0
@@ -141,6 +141,8 @@ class EngineConfig:
         _check_field_types(self)
         need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
              f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        if self.tokenizer == "":  # vLLM's: an empty --tokenizer is unset (the model's own tokenizer)
+            object.__setattr__(self, "tokenizer", None)
         if self.tokenizer is not None:
             check_tokenizer_path(self.tokenizer)
         need(self.generation_config in ("auto", "vllm") or os.path.isfile(

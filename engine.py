@@ -26,14 +26,14 @@ import numpy as np
 
 from config import EngineConfig, ParamError, SamplingParams, SLOTarget
 from hf_config import generation_sampling_defaults
-from logits_controls import controls_for
+from logits_controls import controls_for, first_token_conflict
 from metrics import EngineStats, ParentRequest, RequestMetrics, StepTrace
 from reasoning_parsers import REASONING_PARSERS
 from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from spec_decode import StepProposer
 from startup import build_engine
-from structured import GrammarCompiler, new_constraint
+from structured import GrammarCompiler, new_constraint, next_mask
 from tokenizer import IncrementalDetokenizer
 
 __all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "RequestOutput", "CompletionOutput",
@@ -199,9 +199,35 @@ class LLMEngine:
         if params.bad_words and self.tokenizer is None:
             raise ParamError("this model has no tokenizer, so bad_words cannot be tokenized: use allowed_token_ids "
                              "or logit_bias", "bad_words")
-        if params.structured_outputs is None:
-            return None
-        return grammar if grammar is not None else self.grammars.compile(params.structured_outputs)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
+        if params.masks_tokens:
+            self._check_first_token(prompt_token_ids, params, grammar)
+        return grammar
+
+    def _check_first_token(self, prompt_token_ids: Seq[int], params: SamplingParams, grammar: Any) -> None:
+        """A ParamError naming the fields when the request's masks leave no token for its
+        first output (its grammar's first tokens against allowed_token_ids, bad_words,
+        min_tokens' stop tokens, or those against each other): it could output nothing, so
+        it is refused here, not admitted to end at once. One whose masks part only later
+        ends there, without a token (runner.sample, Scheduler.update)."""
+        vocab = self.model_config.vocab_size
+        controls = controls_for(params, prompt_token_ids, vocab, self.model_config.eos_token_ids, self.tokenizer)
+        checks: list[tuple[Any, bool]] = [(None, True)]
+        if grammar is not None:
+            row = next_mask(grammar, vocab)
+            # With a --reasoning-parser the grammar may start later (after thinking): there it
+            # meets the masks that hold at every position, not min_tokens'.
+            checks = [(row, True)] if self.config.reasoning_parser is None else [(None, True), (row, False)]
+        for grammar_row, first in checks:
+            fields = first_token_conflict(controls, grammar_row, first)
+            if fields:
+                what = " and ".join(fields)
+                if grammar_row is not None:
+                    what = f"the structured output constraint ({params.structured_outputs.kind}) and {what}"
+                raise ParamError(f"{what} leave no token allowed for the output's first token"
+                                 if first else f"{what} leave no token allowed where the constraint starts",
+                                 fields[0])
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0, user: str | None = None,
@@ -452,6 +478,10 @@ class LLMEngine:
                                            seq.num_output_tokens, max(seq.num_cached_tokens, 0))
                     deltas.append(d)
                 d.finished, d.finish_reason, d.metrics = True, seq.finish_reason, RequestMetrics.of(seq)
+                if seq.no_token_allowed:
+                    self.log(f"request {seq.request_id}: its masks (structured output constraint, allowed_token_ids, "
+                             f"bad_words, min_tokens) allow no token after {seq.num_output_tokens} output tokens: "
+                             f"ended ({seq.finish_reason}) without one")
                 d.stop_reason = stop_reason(seq, self.model_config.eos_token_ids)
                 if seq.stop_matcher is not None and d.new_text is None:
                     d.new_text = seq.stop_matcher.take(True)

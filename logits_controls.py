@@ -127,6 +127,31 @@ class LogitsControls:
         return ids, bias, rep, sub.astype(np.float32)
 
 
+def first_token_conflict(controls: LogitsControls, grammar_row: np.ndarray | None,
+                         position_zero: bool = True) -> list[str]:
+    """The request fields that leave no token allowed where the grammar's mask is
+    `grammar_row` (a packed uint32 row; None: no grammar), or [] when some token is allowed:
+    allowed_token_ids and single-token bad_words, and min_tokens' stop tokens at the first
+    position (`position_zero`). Each field named removes some token the grammar allows."""
+    everything = pack(np.ones(controls.vocab_size, bool))
+    base = everything if grammar_row is None else grammar_row.view(np.uint32) & everything
+    parts = []
+    if controls.allowed is not None:
+        parts.append(("allowed_token_ids", controls.allowed))
+    for name, ids in (("bad_words", controls.bad_single),
+                      ("min_tokens", controls.stop_ids if position_zero and controls.min_tokens > 0 else [])):
+        if len(ids):
+            out = np.zeros(controls.vocab_size, bool)
+            out[ids] = True
+            parts.append((name, ~pack(out)))
+    row = base.copy()
+    for _, m in parts:
+        row &= m
+    if row.any():
+        return []
+    return [name for name, m in parts if (base & ~m).any()]
+
+
 def pack(allowed: np.ndarray) -> np.ndarray:
     """bool [V] -> the packed uint32 row of structured.py's bitmask (bit t % 32 of word t // 32)."""
     words = np.zeros(((len(allowed) + 31) // 32) * 32, bool)

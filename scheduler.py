@@ -105,6 +105,9 @@ class Sequence:
     # vLLM's logits processors (logits_controls.LogitsControls, set by the engine): like a
     # constraint, the request samples once its previous token is known, and never speculates.
     controls: Any = None
+    # Its constraint and controls together allow no token at the position the step in flight
+    # samples (set by runner.sample): update() ends it there, and the token drawn is not output.
+    no_token_allowed: bool = False
     # One of a request's n samples: their shared metrics.ParentRequest (set by the engine).
     parent: ParentRequest | None = None
     # Filled by the engine.
@@ -370,6 +373,11 @@ class Scheduler:
                 assert spec is not None
                 reason = self._update_verified(seq, s, spec[i], emitted)
                 accepted[seq.request_id] = seq.output_token_ids[-1]
+            elif seq.no_token_allowed:
+                # Its masks allowed nothing (a grammar against allowed_token_ids or bad_words):
+                # the token drawn is none it allows, so it is not output, and the request ends
+                # as one its grammar cannot go on with (vLLM's abort; structured.py).
+                reason = "abort"
             else:
                 out_ids = seq.output_token_ids
                 out_ids.append(token)

@@ -1158,7 +1158,7 @@ _HELP = {  # EngineConfig fields; config.py says more
     "tokenizer": "a folder holding a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json or "
                  "tokenizer.model), or a .gguf file's, used instead of the model's own: encoding, decoding, the chat "
                  "template, its EOS beside the model's stop ids, structured outputs' vocabulary; at most the model's "
-                 "vocab_size ids. For a GGUF model, its base model's tokenizer (vLLM's advice). None: the model's",
+                 "vocab_size ids. For a GGUF model, its base model's tokenizer (vLLM's advice). None or '': the model's",
     "dtype": "weights and KV cache dtype; auto: the checkpoint's torch_dtype",
     "seed": "weights seed of the built-in models, and sampling seed of unseeded requests",
     "max_num_seqs": "slots: most sequences in one step",
@@ -1241,15 +1241,16 @@ def log_content_format(given: str, tokenizer: Any, chat_template: str | None) ->
 
 
 def check_chat_template(template: str, tokenizer: Any) -> None:
-    """A template the model's tokenizer can render with, in valid Jinja (checked at start-up,
-    not at the first chat request)."""
+    """A template the model's tokenizer can render with, compiled as transformers compiles it
+    for apply_chat_template (chat_format.compile_template: its extensions, `{% generation %}`
+    included, its filters), checked at start-up, not at the first chat request."""
     import jinja2
 
     if tokenizer is None or "chat_template" not in inspect.signature(tokenizer.apply_chat_template).parameters:
         raise ValueError("--chat-template needs a Hugging Face tokenizer; this model has "
                          f"{type(tokenizer).__name__ if tokenizer is not None else 'none'}")
     try:
-        jinja2.Environment().parse(template)
+        chat_format.compile_template(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat-template is not a valid Jinja template: {e} (line {e.lineno})") from None
 

@@ -240,5 +240,13 @@ def fill_bitmask(rows: list[tuple[Constraint, int]], bitmask: np.ndarray) -> Non
     llnp.fill_next_token_bitmask_par(_executor, [(c.matcher, r) for c, r in rows], bitmask)
 
 
+def next_mask(matcher: llguidance.LLMatcher, vocab_size: int) -> np.ndarray:
+    """The packed row (int32 [ceil(vocab_size / 32)], fill_bitmask's layout) of the tokens
+    `matcher` allows next, computed on a copy: a compiled matcher is shared by threads."""
+    row = np.zeros((1, bitmask_width(vocab_size)), np.int32)
+    llnp.fill_next_token_bitmask(matcher.deep_copy(), row, 0)
+    return row[0]
+
+
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32

@@ -7,7 +7,7 @@ result joined, as vLLM hands them over), one that prints the content whole stays
 the prompt is what transformers' apply_chat_template renders from the messages in that
 form, token for token, under "auto" and under the format named; start-up logs the format
 detected. The default template variables reach the template, a request's key overrides
-its default (a request's null leaves it), and the reasoning parser reads the variables the
+its default (a request's null or "auto" leaves it), and the reasoning parser reads the variables the
 template got. A bad flag value is a start-up error naming the flag."""
 
 from __future__ import annotations
@@ -154,8 +154,15 @@ def test_default_kwargs_reach_the_template_and_the_request_overrides_them(tokeni
     assert both({"chat_template_kwargs": {"style": "long"}}) == (want(enable_thinking=False, style="long"), False)
     assert both({"chat_template_kwargs": {"enable_thinking": True}}) == (
         want(enable_thinking=True, style="terse"), True)
-    # vLLM's merge: a request's null leaves the default
+    # vLLM's merge (merge_kwargs' unset_values): a request's null or "auto" leaves the default
     assert both({"chat_template_kwargs": {"style": None}}) == (want(enable_thinking=False, style="terse"), False)
+    assert both({"chat_template_kwargs": {"style": "auto", "enable_thinking": "auto"}}) == (
+        want(enable_thinking=False, style="terse"), False)
+    assert both({"chat_template_kwargs": {"style": "autos"}}) == (want(enable_thinking=False, style="autos"), False)
+    # with no defaults, vLLM hands the request's variables over as they are, "auto" included
+    text = render_chat({"messages": messages, "chat_template_kwargs": {"style": "auto"}}, tokenizer,
+                       chat_template=VARIABLES)
+    assert text == want(style="auto") and "|style=auto" in text
     # the request's reasoning_effort is the request's too: over the default, under its own kwargs
     assert both({"reasoning_effort": "high"}) == (
         want(enable_thinking=True, reasoning_effort="high", style="terse"), True)
@@ -248,6 +255,48 @@ def test_the_server_renders_with_the_flags_and_logs_the_format(served, tokenizer
         assert status == 200 and out["tokens"] == tokenizer.encode(text, add_special_tokens=False), (kwargs, text)
     with pytest.raises(ValueError, match="--default-chat-template-kwargs may not set tokenize"):
         served(["--default-chat-template-kwargs", '{"tokenize": true}'], "/tokenize", body)
+
+
+# transformers' `{% generation %}` tag (SmolLM3's, for training masks): its chat-template
+# environment adds the extension, so it renders; plain jinja2 knows no such tag.
+GENERATION = ("{% for m in messages %}<|{{ m.role }}|>{% if m.role == 'assistant' %}"
+              "{% generation %}{{ m.content }}<|end|>{% endgeneration %}{% else %}{{ m.content }}<|end|>{% endif %}\n"
+              "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_start_up_accepts_what_transformers_renders_and_refuses_what_it_refuses(served, tokenizer):
+    import jinja2
+
+    with pytest.raises(jinja2.TemplateSyntaxError, match="generation"):
+        jinja2.Environment().parse(GENERATION)  # what start-up parsed with before
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    text = reference(tokenizer, GENERATION, json.loads(json.dumps(chat)))
+    # transformers' trim_blocks takes the newline after {% endif %}
+    assert text == "<|system|>be brief<|end|><|user|>hi<|end|><|assistant|>hello<|end|><|user|>again<|end|><|assistant|>"
+    want = tokenizer.encode(text, add_special_tokens=False)
+    status, out = served(["--chat-template", GENERATION], "/tokenize", {"messages": chat})
+    assert status == 200 and out["tokens"] == want, out
+    status, out = served(["--chat-template", GENERATION], "/v1/chat/completions",
+                         {"messages": chat, "max_tokens": 1, "temperature": 0.0})
+    assert status == 200 and out["usage"]["prompt_tokens"] == len(want), out
+
+    # start-up's verdict is transformers': each template renders there exactly when start-up takes it
+    for template in (GENERATION, "{% for m in messages %}{% generation %}{{ m.content }}{% endfor %}",
+                     "{{ messages | no_such_filter }}", "{% for m in messages %}{% break %}{% endfor %}",
+                     "{% no_such_tag %}", "{{ messages[0].content | tojson(indent=2) }}"):
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template, tokenize=False)
+            renders = True
+        except jinja2.TemplateError:
+            renders = False
+        try:
+            server.check_chat_template(template, tokenizer)
+            taken = True
+        except ValueError as e:
+            assert str(e).startswith("--chat-template is not a valid Jinja template: "), e
+            taken = False
+        assert taken == renders, template
 
 
 def test_the_reasoning_parser_reads_the_merged_variables(served):

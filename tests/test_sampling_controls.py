@@ -245,6 +245,110 @@ def test_a_grammar_and_the_masks_both_hold():
         assert re.fullmatch("[abd]{12,20}", o.text) and "ab" not in o.text, o.text
 
 
+A, B = ord("a"), ord("b")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_masks_that_part_mid_way_end_the_request_without_a_token_they_forbid(async_scheduling):
+    """A grammar against allowed_token_ids or bad_words (or those against each other) can
+    leave no token at some position: the request ends there with finish_reason "abort",
+    outputs no token it forbids (ids, text, logprobs), frees its slot and KV blocks, and a
+    request beside it gets the tokens it gets alone. Greedy, random and penalised rows."""
+    from config import StructuredOutputsParams as SO
+
+    log: list[str] = []
+    llm = LLM("tiny", log=log.append, max_num_seqs=4, max_model_len=128, warmup=False,
+              async_scheduling=async_scheduling, enable_prefix_caching=False)
+    free = SamplingParams(max_tokens=6, temperature=0.0)
+    alone = llm.generate([[9, 8, 7]], free)[0].outputs[0].token_ids
+    cases = [  # (masks, the tokens they allow at each position until they part)
+        (dict(structured_outputs=SO(regex="ab"), allowed_token_ids=[A]), [{A}]),
+        (dict(structured_outputs=SO(regex="ab"), bad_words=["b"]), [{A}]),
+        (dict(structured_outputs=SO(regex="a[ab]b"), allowed_token_ids=[A, B], bad_words=["ab"]), [{A}, {A}]),
+        (dict(allowed_token_ids=[A], bad_words=["aa"]), [{A}]),  # no grammar: the processors part alone
+    ]
+    for masks, allowed in cases:
+        for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=3), dict(temperature=1.0, seed=4,
+                                                                                     repetition_penalty=1.3)):
+            p = SamplingParams(max_tokens=8, logprobs=2, **sampling, **masks)
+            out, beside = llm.generate([[1, 2, 3], [9, 8, 7]], [p, free])
+            o = out.outputs[0]
+            assert o.finish_reason == "abort", (masks, sampling, o)
+            assert len(o.token_ids) == len(allowed) and all(t in ok for t, ok in zip(o.token_ids, allowed)), \
+                (masks, sampling, o.token_ids)
+            assert o.text == bytes(o.token_ids).decode() and "\x00" not in o.text
+            assert [lp.token_id for lp in o.logprobs] == list(o.token_ids)
+            assert beside.outputs[0].token_ids == alone
+            sch = llm.engine.scheduler
+            assert sch.num_running == sch.num_waiting == 0 and sch.allocator.usage == 0
+            assert len(sch._free_slots) == 4
+    assert sum("allow no token after" in line for line in log) == len(cases) * 3
+
+
+def test_masks_that_leave_no_first_token_are_refused_naming_the_fields():
+    """Where the conflict shows before the first token (the grammar's first tokens against
+    allowed_token_ids, bad_words or min_tokens' stop tokens; or those against each other)
+    the request is refused: a ValueError offline, a 400 naming the field over HTTP."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+    from config import ParamError, StructuredOutputsParams as SO
+
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=64, warmup=False)
+    eos = llm.engine.model_config.eos_token_ids[0]
+    for masks, says, param in (
+            (dict(structured_outputs=SO(regex="b"), allowed_token_ids=[A]),
+             "the structured output constraint (regex) and allowed_token_ids", "allowed_token_ids"),
+            (dict(structured_outputs=SO(choice=["b", "bc"]), bad_words=["b"]),
+             "the structured output constraint (choice) and bad_words", "bad_words"),
+            (dict(structured_outputs=SO(regex="b"), allowed_token_ids=[A, B], bad_words=["b"]),
+             "the structured output constraint (regex) and bad_words", "bad_words"),  # allowed_token_ids keeps b
+            (dict(allowed_token_ids=[A], bad_words=["a"]), "allowed_token_ids and bad_words", "allowed_token_ids"),
+            (dict(allowed_token_ids=[eos], min_tokens=1), "allowed_token_ids and min_tokens", "allowed_token_ids")):
+        with pytest.raises(ParamError, match=f"^{re_escape(says)} leave no token allowed") as e:
+            llm.engine.validate([1, 2, 3], SamplingParams(max_tokens=4, **masks))
+        assert e.value.param == param
+        with pytest.raises(ValueError, match=re_escape(says)):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **masks))
+    assert llm.engine.scheduler.num_waiting == 0
+    # ... where the grammar allows some of them, it runs
+    o = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=SO(regex="[ab]"),
+                                                 allowed_token_ids=[A, eos]))[0].outputs[0]
+    assert o.token_ids[0] == A and o.finish_reason == "stop"
+
+    with tiny_async_engine() as (loop, engine):
+        client = TestClient(TestServer(server.build_app(engine, ["tiny"])), loop=loop)
+        loop.run_until_complete(client.start_server())
+
+        def post(body: dict) -> tuple[int, dict]:
+            async def one():
+                resp = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4,
+                                                                  "temperature": 0.0} | body)
+                return resp.status, await resp.json()
+            return loop.run_until_complete(asyncio.wait_for(one(), 300))
+
+        try:
+            status, body = post({"guided_regex": "b", "allowed_token_ids": [A]})
+            assert status == 400 and body["error"]["param"] == "allowed_token_ids", body
+            assert "the structured output constraint (regex) and allowed_token_ids leave no token allowed" \
+                in body["error"]["message"], body
+            status, body = post({"response_format": {"type": "json_object"}, "bad_words": ["{"]})
+            assert status == 400 and body["error"]["param"] == "bad_words", body
+            # mid-way: a clean end, no token the masks forbid
+            status, body = post({"guided_regex": "ab", "allowed_token_ids": [A], "logprobs": 1})
+            choice = body["choices"][0]
+            assert status == 200 and choice["text"] == "a" and choice["finish_reason"] == "abort", body
+            assert choice["logprobs"]["tokens"] == ["a"] and body["usage"]["completion_tokens"] == 1, body
+        finally:
+            loop.run_until_complete(client.close())
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
 # ---- validation: offline ValueErrors, the server's 400s ---------------------------------------
 
 BAD = [  # (field, value, message part): vLLM's checks

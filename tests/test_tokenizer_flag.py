@@ -224,3 +224,28 @@ def test_bad_values_are_start_up_errors_naming_the_flag(folders, tmp_path, capsy
     with pytest.raises(ValueError, match=r"--tokenizer .*: its vocabulary has 49152 token ids, more than the "
                                          r"model's 300 embedding rows \(vocab_size\): ids 300\.\.49151"):
         LLM(ckpt, tokenizer=smollm2, **QUIET, **SHAPES)
+
+
+def test_an_empty_tokenizer_is_unset_on_the_command_line_in_a_config_file_and_offline(folders, tmp_path):
+    """vLLM's --tokenizer '' (its nullable_str; EngineArgs: `if not self.tokenizer: self.tokenizer
+    = self.model`): the model's own tokenizer, not a path that does not exist."""
+    import config_file
+
+    ckpt, named = folders
+    assert EngineConfig(model="tiny", tokenizer="").tokenizer is None
+    parser = server.build_parser()
+    assert server.engine_config(config_file.parse_args(parser, ["--model", "tiny", "--tokenizer", ""])).tokenizer is None
+    (tmp_path / "c.yaml").write_text("model: tiny\ntokenizer: ''\n")
+    args = config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "c.yaml")])
+    assert args.tokenizer == "" and server.engine_config(args).tokenizer is None
+
+    own, ref = auto_tokenizer(ckpt), auto_tokenizer(named)
+    assert own.encode(TEXT) != ref.encode(TEXT)
+    llm = LLM(ckpt, tokenizer="", **QUIET, **SHAPES)
+    out = llm.generate([TEXT], SamplingParams(max_tokens=1, temperature=0))[0]
+    assert out.prompt_token_ids == own.encode(TEXT)
+    short = [{"role": "user", "content": "hi"}]  # the checkpoint's ChatML in its small byte-level BPE
+    chat = llm.chat(short, SamplingParams(max_tokens=1, temperature=0))[0]
+    want = own.apply_chat_template(short, tokenize=False, add_generation_prompt=True)
+    assert want.startswith("<|im_start|>user")  # the checkpoint's ChatML, not the other folder's template
+    assert chat.prompt == want and chat.prompt_token_ids == own.encode(want, add_special_tokens=False)
