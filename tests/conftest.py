@@ -470,7 +470,8 @@ def _parsed_once_per_version(reader_cls: type) -> Callable[..., Any]:
 # smollm2 tests in a `_smollm2` file of their own.
 _CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 REAL_MODEL_FILES = {"test_perplexity", "test_real_model", "test_real_model_server", "test_serving_path",
-                    "test_spec_decode_smollm2", "test_structured_smollm2", "test_stop_strings_smollm2"}
+                    "test_spec_decode_smollm2", "test_structured_smollm2", "test_stop_strings_smollm2",
+                    "test_tokenizer_flag_smollm2"}
 
 
 def env_without_test_cache() -> dict[str, str]:
