@@ -39,7 +39,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -47,12 +47,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from async_engine import AsyncEngine
 import chat_format
 import config_file
 from cors import CorsPolicy, on_response_prepare as cors_headers
 from config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig, SamplingParams, SLOTarget
-from engine import QueueFullError, TokenLogprob, child_requests
 from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
@@ -62,6 +60,12 @@ from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_req
 from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
+
+# The engine (JAX, Flax) is imported where it is used: `server.py --help` and a bad flag
+# answer in a fraction of a second instead of after seconds of importing JAX.
+if TYPE_CHECKING:
+    from async_engine import AsyncEngine
+    from engine import TokenLogprob
 
 T = TypeVar("T")
 
@@ -110,6 +114,8 @@ class Generation:
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.params = params
         self.done = False  # the engine has ended the request, or close() aborted it
+        from engine import QueueFullError
+
         self.detokenizer = None if params.stop else IncrementalDetokenizer(
             self.engine.tokenizer, prompt_ids, [], params, self.engine.model_config.eos_token_ids)
         try:
@@ -165,6 +171,8 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     The body is read and checked first, every field before the first engine request starts
     (a 400 leaves nothing running); then the n samples' engine requests start (Generation),
     each one a Choice, which whole_response() or stream_response() writes out."""
+    from engine import child_requests
+
     app, engine = request.app, request.app["engine"]
     untruncated = prompt_ids
     prompt_ids = truncate_prompt(body, prompt_ids, engine.config.max_model_len, chat)
@@ -1570,6 +1578,8 @@ def main(argv: list[str] | None = None) -> None:
     # flight yet, so there is nothing to wait for; the exit is as clean as a later one.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        from async_engine import AsyncEngine
+
         config = engine_config(args)
         # Loads, sizes the KV cache and compiles every shape (blocking); it logs the model,
         # dtype, KV blocks and tokens, and the max concurrency at max_model_len as it goes.

@@ -46,10 +46,9 @@ from report import (flags_to_argv, machine_info, mixed_report, positive, positiv
                     write_json)
 from workload import Request, arrival_times, seed_mix, vocab_size_of  # noqa: E402
 
+# The engine's modules (JAX: seconds to import) are imported where they are used, after the
+# flags are parsed: --help answers at once.
 sys.path.insert(0, ROOT)
-from kvcache import kv_cache_bytes_per_block  # noqa: E402
-from gguf_loader import BUILTIN_GGUF  # noqa: E402
-from model import BUILTIN_MODELS  # noqa: E402
 
 ADMISSION_MODES = ("on-demand", "reserve", "reserve-max-len")
 
@@ -88,6 +87,9 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
     out = [Variant(s, base | {"scheduling": s}) for s in ("continuous", "static")]
     out += [Variant(f"{mode}/{length}", base | {"kv_admission": mode, "max_model_len": mml, "num_kv_blocks": budget},
                     mode, length) for mode in ADMISSION_MODES for length, mml in (("full", full), ("half", full // 2))]
+    from kvcache import kv_cache_bytes_per_block
+    from model import BUILTIN_MODELS
+
     if args.model in BUILTIN_MODELS:
         kv_bytes = (budget - 1) * kv_cache_bytes_per_block(BUILTIN_MODELS[args.model], args.block_size, "float32")
         out += [Variant(f"kv-{d}", base | {"kv_cache_memory": kv_bytes, "kv_cache_dtype": d})
@@ -306,6 +308,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--variants picks taxirank variants; with --url or --compare the servers given are measured")
     if args.variants is not None and not args.variants.replace(",", "").strip():
         ap.error("--variants wants a comma-separated list of variant names, got none")
+    from gguf_loader import BUILTIN_GGUF
+    from model import BUILTIN_MODELS
+
     if not args.targets and not (args.model in BUILTIN_MODELS or args.model in BUILTIN_GGUF
                                  or os.path.exists(args.model)):
         ap.error(f"--model {args.model!r}: not one of {', '.join([*BUILTIN_MODELS, *BUILTIN_GGUF])}, "

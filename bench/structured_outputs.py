@@ -12,16 +12,17 @@ import os
 import random
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-import runner as runner_module  # noqa: E402
-from config import StructuredOutputsParams  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from config import SamplingParams, StructuredOutputsParams  # noqa: E402
 from report import (machine_info, positive, ratio_rows, results_dir, side_by_side, summarize,  # noqa: E402
                     text_table, write_json)
 from workload import text_prompt  # noqa: E402
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 
 def schema(i: int) -> dict:
@@ -37,6 +38,8 @@ def schema(i: int) -> dict:
 def host_clock(llm: LLM) -> list[float]:
     """The list each LLMEngine.step appends its host time to: its wall time minus the time it
     spent waiting for the device (InFlightStep.result)."""
+    import runner as runner_module
+
     host, wait = [], [0.0]
     result, step = runner_module.InFlightStep.result, llm.engine.step
 
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=positive, default=2, help="runs of each, alternated; the best is reported")
     p.add_argument("--out", default=results_dir("structured"))
     args = p.parse_args(argv)
+    from engine import LLM  # JAX: seconds to import, once the flags are known good
+
     n = args.num_requests
     llm = LLM(args.model, log=lambda *_: None, max_num_seqs=n, max_model_len=256, max_num_batched_tokens=max(256, n))
     tok, rng = llm.tokenizer, random.Random(0)

@@ -31,6 +31,9 @@ os.environ["TAXIRANK_CHECK_INVARIANTS"] = "1"
 # docs/PERFORMANCE.md). XLA reads its flags once, when the backend starts, before any test runs:
 # set here, before anything starts it, for this process and every subprocess it starts
 # (servers, Ray replicas, tensor-parallel children, which add their own flags to these).
+# The real-model files, whose steps compute for real, compile with XLA's default emitters
+# (_compile_optimisation): there the old ones cost more than they save (smollm2's decode of
+# one sequence takes 4x the CPU).
 _FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE_FLAG}".strip()
@@ -386,6 +389,26 @@ def pytest_configure(config: pytest.Config) -> None:
     import startup
 
     startup.load_model = _gguf_loaded_once(startup.load_model)
+    # XLA's flags are read once per process, but a compile's own options can override one:
+    # the real-model files' compiles override _FAST_COMPILE_FLAG back to XLA's default.
+    from jax._src import compiler
+
+    compiler.get_compile_options = _with_default_emitters_when_asked(compiler.get_compile_options)
+
+
+# Set by _compile_optimisation while a real-model file runs: its compiles (in this process)
+# use XLA's default fusion emitters, as its subprocesses do (XLA_FLAGS without the flag).
+_DEFAULT_EMITTERS = False
+
+
+def _with_default_emitters_when_asked(get_compile_options: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_options(*args: Any, **kw: Any) -> Any:
+        options = get_compile_options(*args, **kw)
+        if _DEFAULT_EMITTERS:  # part of the persistent cache's key, as any override
+            options.env_option_overrides = [*options.env_option_overrides, ("xla_cpu_use_fusion_emitters", True)]
+        return options
+
+    return compile_options
 
 
 def _gguf_loaded_once(load: Callable[..., Any]) -> Callable[..., Any]:
@@ -440,13 +463,15 @@ def _parsed_once_per_version(reader_cls: type) -> Callable[..., Any]:
 # slower: test_engine.py 39 -> 44); subprocesses (servers, Ray replicas, TP children)
 # inherit it through the environment. It is read at each compile (and keys the persistent
 # cache), so the files that run the real model, whose steps compute for real (one 2,048-token
-# prefill: +5% CPU cold with its compiles), compile at full optimisation: in this process
-# and in the subprocesses they start. The setting is per file (a module's fixtures compile
-# before any one test's setup could change it), so a concept tested on both models keeps
-# its tiny tests in one file and its smollm2 tests in a `_smollm2` file of their own.
+# prefill: +5% CPU cold with its compiles), compile at full optimisation, and with XLA's
+# default emitters (_FAST_COMPILE_FLAG): in this process and in the subprocesses they start.
+# The settings are per file (a module's fixtures compile before any one test's setup could
+# change them), so a concept tested on both models keeps its tiny tests in one file and its
+# smollm2 tests in a `_smollm2` file of their own.
 _CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 REAL_MODEL_FILES = {"test_perplexity", "test_real_model", "test_real_model_server", "test_serving_path",
-                    "test_spec_decode_smollm2", "test_structured_smollm2", "test_stop_strings_smollm2"}
+                    "test_spec_decode_smollm2", "test_structured_smollm2", "test_stop_strings_smollm2",
+                    "test_tokenizer_flag_smollm2"}
 
 
 def env_without_test_cache() -> dict[str, str]:
@@ -462,15 +487,23 @@ def _compile_optimisation(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     import jax
 
-    # The setting does not key JAX's in-memory executables, which engines in one process
+    global _DEFAULT_EMITTERS
+    # The settings do not key JAX's in-memory executables, which engines in one process
     # share (runner.step_programs): each side of the switch starts without the other's.
     env, cheap = os.environ[_CHEAP_COMPILES], jax.config.read(_CHEAP_COMPILES.lower())
+    xla_flags = os.environ.get("XLA_FLAGS")
     os.environ[_CHEAP_COMPILES] = "0"
     jax.config.update(_CHEAP_COMPILES.lower(), False)
+    if xla_flags is not None:
+        os.environ["XLA_FLAGS"] = " ".join(f for f in xla_flags.split() if f != _FAST_COMPILE_FLAG)
+    _DEFAULT_EMITTERS = _FAST_COMPILE_FLAG in (xla_flags or "").split()  # not where XLA_FLAGS chose already
     fresh_step_programs()
     try:
         yield
     finally:
         os.environ[_CHEAP_COMPILES] = env
         jax.config.update(_CHEAP_COMPILES.lower(), cheap)
+        if xla_flags is not None:
+            os.environ["XLA_FLAGS"] = xla_flags
+        _DEFAULT_EMITTERS = False
         fresh_step_programs()

@@ -7,9 +7,9 @@ prompts are encoded with it, outputs decoded with it (offline and /detokenize), 
 rendered with its template (offline and /tokenize), structured outputs constrained over its
 vocabulary; its eos_token_id stops a request beside the model's own stop ids (vLLM's eos from
 the tokenizer and the generation config); smollm2 served with the tokenizer saved from its
-own GGUF metadata gives what it gives without the flag; a missing folder, one without a
-tokenizer, one whose files do not load and a vocabulary larger than the model's embedding
-are start-up errors naming --tokenizer (the last with both sizes)."""
+own GGUF metadata gives what it gives without the flag (test_tokenizer_flag_smollm2.py); a
+missing folder, one without a tokenizer, one whose files do not load and a vocabulary larger
+than the model's embedding are start-up errors naming --tokenizer (the last with both sizes)."""
 
 from __future__ import annotations
 
@@ -171,29 +171,6 @@ def test_tokenize_and_detokenize_use_the_named_tokenizer(folders):
     rendered = ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert chat["tokens"] == ref.encode(rendered, add_special_tokens=False)
     assert detok["prompt"] == ref.decode(ref.encode(TEXT), skip_special_tokens=False)
-
-
-def test_smollm2_with_the_tokenizer_of_its_own_gguf_metadata_gives_what_it_gives_without(tmp_path):
-    import gguf_loader
-    from tokenizer import gguf_tokenizer
-
-    path = gguf_loader.resolve_builtin("smollm2", log=lambda _: None)
-    saved = str(tmp_path / "smollm2-tokenizer")
-    gguf_tokenizer(gguf_loader.read_tokenizer_metadata(path)).save_pretrained(saved)
-    ref = auto_tokenizer(saved)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-
-    def run(**kw) -> tuple:
-        llm = LLM("smollm2", **QUIET, **SHAPES, **kw)
-        chat = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0))[0]
-        text = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=4, temperature=0))[0]
-        return (llm.engine.model_config.eos_token_ids, chat.prompt, chat.prompt_token_ids, chat.outputs[0].token_ids,
-                chat.outputs[0].text, text.prompt_token_ids, text.outputs[0].token_ids, text.outputs[0].text)
-
-    named = run(tokenizer=saved)
-    assert named[1] == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert named[5] == ref.encode("Hello, my name is")
-    assert named == run()
 
 
 def test_bad_values_are_start_up_errors_naming_the_flag(folders, tmp_path, capsys):
