@@ -390,10 +390,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
     startup.load_model = _gguf_loaded_once(startup.load_model)
     # XLA's flags are read once per process, but a compile's own options can override one:
-    # the real-model files' compiles override _FAST_COMPILE_FLAG back to XLA's default.
+    # the real-model files' compiles override _FAST_COMPILE_FLAG back to XLA's default. The
+    # hook is JAX's private API: a JAX without it runs those files, slower, with the flag.
     from jax._src import compiler
 
-    compiler.get_compile_options = _with_default_emitters_when_asked(compiler.get_compile_options)
+    if hasattr(compiler, "get_compile_options"):
+        compiler.get_compile_options = _with_default_emitters_when_asked(compiler.get_compile_options)
 
 
 # Set by _compile_optimisation while a real-model file runs: its compiles (in this process)
