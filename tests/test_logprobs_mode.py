@@ -273,9 +273,11 @@ def test_minus_one_over_http_as_far_as_vllms_api_takes_it(capped_post):
                      body["error"]["message"]), body
 
 
-def test_a_row_whose_masks_leave_no_token_still_answers_strict_json():
-    """processed_logprobs of a row with no token left (allowed_token_ids only EOS, which
-    min_tokens holds off) are NaN; the response carries -9999.0, as for a masked token."""
+def test_a_row_whose_masks_leave_no_token_ends_without_one_in_strict_json():
+    """processed_logprobs of a row with no token left would be NaN: the request ends there
+    ("abort") without that row's token or logprobs, whole and streamed, in strict JSON. Here
+    allowed_token_ids allows only "a" and bad_words forbids "aa", so the second position has
+    nothing left; the first token's processed logprob is 0 (the one token allowed)."""
     from aiohttp.test_utils import TestClient, TestServer
 
     import server
@@ -283,28 +285,29 @@ def test_a_row_whose_masks_leave_no_token_still_answers_strict_json():
     def strict(text: str) -> dict:
         return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text[:300]}"))
 
-    body = {"prompt": [5, 6, 7], "max_tokens": 3, "min_tokens": 2, "allowed_token_ids": [257], "logprobs": 1}
+    masks = {"max_tokens": 3, "allowed_token_ids": [ord("a")], "bad_words": ["aa"]}
     with tiny_async_engine(logprobs_mode="processed_logprobs") as (loop, engine):
         client = TestClient(TestServer(server.build_app(engine, ["tiny"])), loop=loop)
 
         async def run() -> list[dict]:
             await client.start_server()
             try:
-                whole = await client.post("/v1/completions", json=body)
+                whole = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "logprobs": 1, **masks})
                 streamed = await client.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "min_tokens": 2,
-                    "allowed_token_ids": [257], "logprobs": True, "top_logprobs": 1, "stream": True})
+                    "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1,
+                    "stream": True, **masks})
                 assert whole.status == streamed.status == 200
                 events = [line[6:] for line in (await streamed.text()).split("\n\n") if line.startswith("data: {")]
                 return [strict(await whole.text())] + [strict(e) for e in events]
             finally:
                 await client.close()
         answers = loop.run_until_complete(asyncio.wait_for(run(), 300))
-    lps = answers[0]["choices"][0]["logprobs"]["token_logprobs"]
-    assert lps[:2] == [-9999.0, -9999.0], lps
-    chat = [c["logprob"] for a in answers[1:] for ch in a["choices"] if ch.get("logprobs")
-            for c in ch["logprobs"]["content"]]
-    assert chat[:2] == [-9999.0, -9999.0], chat
+    choice = answers[0]["choices"][0]
+    assert choice["text"] == "a" and choice["finish_reason"] == "abort", choice
+    assert choice["logprobs"]["token_logprobs"] == [0.0], choice["logprobs"]
+    chat = [c for a in answers[1:] for ch in a["choices"] if ch.get("logprobs") for c in ch["logprobs"]["content"]]
+    assert [(c["token"], c["logprob"]) for c in chat] == [("a", 0.0)], chat
+    assert [ch["finish_reason"] for a in answers[1:] for ch in a["choices"] if ch["finish_reason"]] == ["abort"]
 
 
 def test_the_flags_are_checked_where_they_enter_and_are_server_flags():
