@@ -215,7 +215,7 @@ class LLMEngine:
         controls = controls_for(params, prompt_token_ids, vocab, self.model_config.eos_token_ids, self.tokenizer)
         checks: list[tuple[Any, bool]] = [(None, True)]
         if grammar is not None:
-            row = next_mask(grammar, vocab)
+            row = next_mask(grammar.deep_copy(), vocab)
             # With a --reasoning-parser the grammar may start later (after thinking): there it
             # meets the masks that hold at every position, not min_tokens'.
             checks = [(row, True)] if self.config.reasoning_parser is None else [(None, True), (row, False)]

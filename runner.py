@@ -792,18 +792,16 @@ class ModelRunner:
         are filled now, so the caller first collects every earlier step: each matcher must
         have consumed all of its sequence's tokens but the one this step samples."""
         sample_slot, sampling = step.sample_args
-        rows, masks, penalties, masked = [], [], [], []
+        rows, masks, penalties = [], [], []
         for seq, row in step.constrained:
             if seq.finished:  # ended by the step before: its row is discarded
                 continue
             assert seq.num_output_placeholders == 1, f"{seq.request_id}: its mask would miss a token in flight"
             if seq.constraint is not None and seq.constraint.active:  # (before its reasoning ends: free)
                 rows.append((seq.constraint, row))
-                masked.append((seq, row))
             if seq.controls is not None:
                 if (m := seq.controls.mask(seq.output_token_ids)) is not None:
                     masks.append((row, m))
-                    masked.append((seq, row))
                 if (p := seq.controls.penalties(seq.output_token_ids)) is not None:
                     penalties.append((row, p))
         bitmask, raw_mask = None, None
@@ -819,9 +817,11 @@ class ModelRunner:
             # A row left without any token (its grammar against its allowed_token_ids or
             # bad_words) draws one that none of them allows: its sequence ends without it
             # (Scheduler.update reads the flag when this step's tokens come back).
-            for seq, row in masked:
-                if not bitmask[row].any():
-                    seq.no_token_allowed = True
+            empty = ~bitmask.any(axis=1)  # an unmasked row is all ones
+            if empty.any():
+                for seq, row in step.constrained:
+                    if empty[row] and not seq.finished:
+                        seq.no_token_allowed = True
             if rows:
                 with self.stats.lock:
                     self.stats.structured_output_steps += 1

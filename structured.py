@@ -193,8 +193,7 @@ class GrammarCompiler:
         # the lexer for it is where a grammar past the limits fails (a regex bomb, an
         # alternative too wide, a grammar no string satisfies, `start: start`), which then
         # is this request's error instead of an abort after it was admitted.
-        first = np.zeros((1, bitmask_width(self.vocab_size)), np.int32)
-        llnp.fill_next_token_bitmask(matcher, first, 0)
+        first = next_mask(matcher, self.vocab_size)
         if matcher.is_error():
             raise ValueError(f"invalid {spec.kind}: {matcher_error(matcher)}")
         allowed = np.flatnonzero(np.unpackbits(first.view(np.uint8), bitorder="little")[:self.vocab_size])
@@ -242,9 +241,9 @@ def fill_bitmask(rows: list[tuple[Constraint, int]], bitmask: np.ndarray) -> Non
 
 def next_mask(matcher: llguidance.LLMatcher, vocab_size: int) -> np.ndarray:
     """The packed row (int32 [ceil(vocab_size / 32)], fill_bitmask's layout) of the tokens
-    `matcher` allows next, computed on a copy: a compiled matcher is shared by threads."""
+    `matcher` allows next. A compiled matcher is shared by threads: pass a deep_copy of one."""
     row = np.zeros((1, bitmask_width(vocab_size)), np.int32)
-    llnp.fill_next_token_bitmask(matcher.deep_copy(), row, 0)
+    llnp.fill_next_token_bitmask(matcher, row, 0)
     return row[0]
 
 
