@@ -1167,7 +1167,8 @@ _HELP = {  # EngineConfig fields; config.py says more
                  "tokenizer.model), or a .gguf file's, used instead of the model's own: encoding, decoding, the chat "
                  "template, its EOS beside the model's stop ids, structured outputs' vocabulary; at most the model's "
                  "vocab_size ids. For a GGUF model, its base model's tokenizer (vLLM's advice). None or '': the model's",
-    "dtype": "weights and KV cache dtype; auto: the checkpoint's torch_dtype",
+    "dtype": "weights and KV cache dtype: float32, bfloat16, or auto: bfloat16 for a bfloat16 checkpoint, else "
+             "float32 (a float16 one too: no fp16 overflow)",
     "seed": "weights seed of the built-in models, and sampling seed of unseeded requests",
     "max_num_seqs": "slots: most sequences in one step",
     "max_model_len": "longest prompt + output; None: the model's max_position_embeddings",
@@ -1313,8 +1314,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
                                     "command line win over the file's")
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s, this machine only; vLLM's default is every "
+                        "interface: 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
     p.add_argument("--api-key", nargs="+", help="require 'Authorization: Bearer <key>' on /v1/* and "
                    "/reset_prefix_cache, with one of these keys")
     p.add_argument("--uds", help="serve on this Unix domain socket instead of --host and --port, as vLLM")
@@ -1374,7 +1377,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--response-role", default="assistant",
                    help="the role of a chat answer that opens a new turn (add_generation_prompt true; otherwise "
                         "the role of the last message it continues)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="default: %(default)s")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (every 10 s: prompt and generation throughput, running and "
                         "waiting requests, preemptions, KV cache usage, prefix cache hit rate, speculative "
