@@ -258,8 +258,9 @@ class EngineConfig:
                              "its max_position_embeddings, or its sliding window, which taxirank does not implement)")
         mnbt = self.max_num_batched_tokens
         if mnbt is None:
-            # vLLM's defaults: a small budget keeps decode steps short when chunking;
-            # without chunking, one whole prompt of max_model_len must fit.
+            # Chunking: 512 tokens a step (vLLM V0's default; V1's 2048 and up is sized for
+            # GPUs), which keeps a CPU step that carries a prefill chunk short for the
+            # decodes beside it. Without chunking, vLLM's: a whole prompt of max_model_len fits.
             mnbt = max(512, self.max_num_seqs) if self.enable_chunked_prefill else max(max_model_len, 2048, self.max_num_seqs)
         return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=mnbt)
 

@@ -84,8 +84,8 @@ class FCFSQueue(deque):
 
 class SortedQueue:
     """Kept sorted by a policy's key; a preempted sequence goes back to the place its key
-    gives it, not to the front or the back (vLLM #41951: a preempted request must keep
-    its place by priority and arrival). A key must not change while its request waits."""
+    gives it, not to the front (it would jump a request that outranks it) nor to the back
+    (behind later ones). A key must not change while its request waits."""
 
     def __init__(self, key: Callable[[Sequence], Any]) -> None:
         self._key = key

@@ -107,7 +107,7 @@ def test_under_load_high_priority_requests_queue_and_wait_for_their_first_token_
 
 
 def test_a_preempted_request_keeps_its_place_by_priority_and_arrival():
-    """vLLM #41951: the victim goes back where (priority, arrival) puts it, not to the
+    """The victim goes back where (priority, arrival) puts it, not to the
     front (it would jump a higher-priority request) nor to the back (behind later ones)."""
     s = make(max_num_seqs=2)
     s.add(seq("mid-early", priority=1, arrival=0))
