@@ -1285,8 +1285,11 @@ def non_negative_int(value: str) -> int:
     return n
 
 
-# vLLM's short spellings of EngineConfig flags
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",)}
+# vLLM's spellings of EngineConfig flags whose own name says it better here (a block count
+# on any device, not a GPU's; bytes), and its short ones: a vLLM command line runs as it is
+_VLLM_SPELLINGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
+                   "data_parallel_size": ("-dp",), "num_kv_blocks": ("--num-gpu-blocks-override",),
+                   "kv_cache_memory": ("--kv-cache-memory-bytes",)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1310,7 +1313,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:  # int, float, str, or `X | None`; a type that parses its own text gets the text
             arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
             kw["type"] = config_file.json_text if hasattr(arg, "parse") else arg
-        p.add_argument("--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ()), **kw)
+        p.add_argument("--" + f.name.replace("_", "-"), *_VLLM_SPELLINGS.get(f.name, ()), **kw)
     p.add_argument("--config", help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
                                     "command line win over the file's")
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")

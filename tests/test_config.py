@@ -299,6 +299,9 @@ def test_parallelism_flags_take_vllms_spellings_and_the_values_that_run():
     long = server.engine_config(parser.parse_args(["--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
                                                    "--data-parallel-size", "1"]))
     assert long == dataclasses.replace(c, distributed_executor_backend=None)
+    # vLLM's names of the KV cache's size, beside taxirank's
+    kv = server.engine_config(parser.parse_args(["--num-gpu-blocks-override", "64", "--kv-cache-memory-bytes", "4096"]))
+    assert (kv.num_kv_blocks, kv.kv_cache_memory) == (64, 4096)
     for flags, says in [(["-pp", "2"], "does not support pipeline parallelism"),
                         (["--pipeline-parallel-size", "3"], "does not support pipeline parallelism"),
                         (["-dp", "2"], "does not support data parallelism"),
