@@ -265,7 +265,7 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
                 extra |= {"reasoning": reasoning, "reasoning_content": reasoning}  # both names, as vLLM
         parts = [content]
         if isinstance(content, list):
-            parts = [_text_part(p, i) for p in content]
+            parts = [text_part(p, i) for p in content]
             content = "\n".join(parts)  # vLLM's join: the parts stay apart
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
@@ -349,8 +349,8 @@ TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refu
               "thinking": "thinking"}
 
 
-def _text_part(part: Any, i: int) -> str:
-    """One of a message's content parts as text. Media parts are a 400: the models served
+def text_part(part: Any, i: int) -> str:
+    """One of messages[i]'s content parts as text. Media parts are a 400: the models served
     here read text only (vLLM's answer for a text-only model too)."""
     if isinstance(part, str):
         return part

@@ -55,8 +55,8 @@ from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetric
 from policy import REGISTRIES
 from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
                       loads_checked, parse_messages, parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json,
-                      request_field, route_path, structured_field, thinking_enabled, token_text, tool_choice,
-                      truncate_prompt, unknown_fields)
+                      request_field, route_path, structured_field, text_part, thinking_enabled, token_text,
+                      tool_choice, truncate_prompt, unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
@@ -632,8 +632,8 @@ def echo_text(body: dict, untruncated: list[int], prompt_ids: list[int], tokeniz
     if role is not None:
         last = body["messages"][-1]  # parse_messages checked them
         content = last.get("content")
-        if isinstance(content, list):  # text parts, joined as parse_messages joins them
-            content = "\n".join(p["text"] for p in content)
+        if isinstance(content, list):  # any text parts (a string, a refusal...), joined as parse_messages joins them
+            content = "\n".join(text_part(p, len(body["messages"]) - 1) for p in content)
         return content if last["role"] == role and isinstance(content, str) else ""
     prompt = body["prompt"]
     prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt

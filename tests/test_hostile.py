@@ -166,6 +166,9 @@ HOSTILE: list[tuple[str, object, int]] = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}],
             "max_tokens": 4}, 200),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    # echo repeats a last assistant message's parts, whatever text parts they are (a string, a refusal)
+    (CHAT, {"messages": MSG + [{"role": "assistant", "content": ["x", {"type": "refusal", "refusal": "no"}]}],
+            "echo": True, "max_tokens": 2}, 200),
     (CHAT, {"messages": [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "x"},
                          {"role": "user", "content": "hi"}], "max_tokens": 4}, 200),
     # stop strings: capped in count and length
