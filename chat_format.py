@@ -151,12 +151,12 @@ def template_arguments(tokenizer: Any) -> tuple[set[str], bool]:
     return own | TEMPLATE_ARGUMENTS, any(p.kind is p.VAR_KEYWORD for p in signature)
 
 
-def check_default_kwargs(value: Any, tokenizer: Any = None,
-                         flag: str = "--default-chat-template-kwargs") -> dict[str, Any]:
+def check_default_kwargs(value: Any, tokenizer: Any = None) -> dict[str, Any]:
     """The server's default template variables, checked: a JSON object (text, or the dict
     already parsed) that sets none of the names a request may not set (template_arguments;
     tokenizer None: a Hugging Face tokenizer's, before the model loads), for a tokenizer
-    that takes variables at all. ValueError naming `flag` otherwise."""
+    that takes variables at all. ValueError naming the flag otherwise."""
+    flag = "--default-chat-template-kwargs"
     if isinstance(value, str):
         try:
             value = json.loads(value)

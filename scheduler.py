@@ -519,7 +519,8 @@ class Scheduler:
         return self.allocator.reset_prefix_cache()
 
     def check_invariants(self) -> None:
-        """Everything, O(num_blocks): for tests. update() checks the per-step subset."""
+        """Everything, O(num_blocks): too slow for every step, so callers (tests, bench/policies.py)
+        choose when. update() checks the per-step subset."""
         self.allocator.check_invariants()
         self._check_step_invariants()
         for seq in self.running:

@@ -10,8 +10,8 @@
             writes, sampling; `other` = the rest), with its FLOPs, bytes and roofline bound (the slower
             of FLOPs at the matmul rate and bytes at the read rate); useful vs padded FLOPs.
   settings  XLA_FLAGS and dtypes on the decode-32 and prefill-256 steps: fresh processes, alternating.
-  padding   the engine's counters (computed vs useful token rows) over the issue's workload and the
-            seed's mix, the device stubbed.
+  padding   the engine's counters (computed vs useful token rows) over a chat-like mix (32 requests,
+            16 x 16 + 16 x 128 tokens, prompts of 20-120 words) and the seed's mix, the device stubbed.
   warmup    a SmolLM2-shaped model's warm-up, cold and from the cache (--baseline DIR: DIR's code too).
   stops     256 smollm2 sequences decoding with and without stop strings, the device stubbed: the host
             step, and the server's share (server.Generation turning the same steps' deltas into text);
@@ -45,7 +45,7 @@ SMOL = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediat
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
             max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,))
 WARMUP_ENGINE = dict(max_num_seqs=32, max_model_len=2048, num_kv_blocks=256)  # the defaults: 7 decode + 8 token buckets
-SERVER = dict(max_model_len=1024, max_num_batched_tokens=512)  # the issue's server shape (its chunk budget)
+SERVER = dict(max_model_len=1024, max_num_batched_tokens=512)  # a serving shape: 1024-token context, 512-token chunks
 # settings: name -> (XLA_FLAGS added, EngineConfig overrides). Every flag exists in jax 0.10's XLA.
 SETTINGS = {"default": ("", {}), "fast-math": ("--xla_cpu_enable_fast_math=true", {}),
             "no-multi-thread-eigen": ("--xla_cpu_multi_thread_eigen=false", {}),
@@ -267,8 +267,8 @@ def section_padding() -> dict:
     from workload import seed_mix
     eng, out = make_engine("smollm2", 32, **SERVER), {}
     stub_device(eng.runner)
-    issue = seed_mix(32, 49152, long=128, prompt_len=(20, 120), text=True)
-    for label, reqs in (("issue: 16 x 16 + 16 x 128, 20-120 words", issue), ("seed's mix", seed_mix(100, 49152))):
+    chat = seed_mix(32, 49152, long=128, prompt_len=(20, 120), text=True)
+    for label, reqs in (("chat: 16 x 16 + 16 x 128, 20-120 words", chat), ("seed's mix", seed_mix(100, 49152))):
         s0 = eng.stats.snapshot()
         for i, rq in enumerate(reqs):
             ids = rq.prompt_token_ids or eng.tokenizer.encode(rq.prompt_text)
