@@ -10,34 +10,34 @@ import sys
 import pytest
 from conftest import load_bench
 
-REFUSED = [  # (bench, argv, what the error says)
-    ("mixed", ["--rate", "0"], "argument --rate: wants a number > 0"),  # was: all at once
-    ("mixed", ["--block-size", "0"], "argument --block-size: wants an integer >= 1"),  # was: ZeroDivisionError
-    ("mixed", ["--report", "/nonexistent"], "--report: no /nonexistent/results.json"),  # was: FileNotFoundError
-    ("mixed", ["--quick", "--peer"], "--quick and --peer are two presets"),  # was: --quick's sizes
-    ("mixed", ["--variants", ","], "--variants wants a comma-separated list of variant names"),  # was: every one
-    ("mixed", ["--model", "/nonexistent"], "--model '/nonexistent': not one of tiny"),  # was: every server failed
-    ("simulate", ["--num-requests", "0"], "argument --num-requests: wants an integer >= 1"),  # was: the default
-    ("simulate", ["--priority-fraction", "-0.5"], "argument --priority-fraction: wants a fraction"),  # was: all
+REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag did without its check
+    ("mixed", ["--rate", "0"], "argument --rate: wants a number > 0"),  # unchecked: all at once
+    ("mixed", ["--block-size", "0"], "argument --block-size: wants an integer >= 1"),  # unchecked: ZeroDivisionError
+    ("mixed", ["--report", "/nonexistent"], "--report: no /nonexistent/results.json"),  # unchecked: FileNotFoundError
+    ("mixed", ["--quick", "--peer"], "--quick and --peer are two presets"),  # unchecked: --quick's sizes
+    ("mixed", ["--variants", ","], "--variants wants a comma-separated list of variant names"),  # unchecked: every one
+    ("mixed", ["--model", "/nonexistent"], "--model '/nonexistent': not one of tiny"),  # unchecked: every server failed
+    ("simulate", ["--num-requests", "0"], "argument --num-requests: wants an integer >= 1"),  # unchecked: the default
+    ("simulate", ["--priority-fraction", "-0.5"], "argument --priority-fraction: wants a fraction"),  # unchecked: all
     ("simulate", ["--workload", "/nonexistent.json"], "--workload takes seed, exp, slo-mix, two-clients or a JSON"),
     ("simulate", ["--report", "--report-seqs", "8,x"], "argument --report-seqs: wants comma-separated integers"),
     ("simulate", ["--validate", "--report"], "--validate, --calibrate and --report are three runs"),
-    ("simulate", ["--validate", "--workload", "exp", "--max-num-seqs", "4"],  # was: ignored
+    ("simulate", ["--validate", "--workload", "exp", "--max-num-seqs", "4"],  # unchecked: ignored
      "--workload --max-num-seqs: not read by --validate"),
     ("simulate", ["--calibrate", "--tiny", "--block-size", "32"], "--block-size: not read by --calibrate"),
     ("simulate", ["--report", "--tiny"], "--tiny: not read by --report"),
     ("simulate", ["--tiny", "--report-seqs", "8"], "--report-seqs: not read by a simulation run (only by --report)"),
-    ("simulate", ["--tiny", "--cost-model", "gpu-like", "--num-kv-blocks", "3"],  # was: a scheduler deadlock
+    ("simulate", ["--tiny", "--cost-model", "gpu-like", "--num-kv-blocks", "3"],  # unchecked: a scheduler deadlock
      "--num-kv-blocks 3 (one the null block) cannot hold the longest request"),
     ("simulate", ["--tiny", "--cost-model", "gpu-like", "--workload", "exp", "--max-model-len", "64"],
-     "--max-model-len 64 cannot hold the workload's longest request"),  # was: the scheduler's AssertionError
+     "--max-model-len 64 cannot hold the workload's longest request"),  # unchecked: the scheduler's AssertionError
     ("simulate", ["--tiny", "--cost-model", "gpu-like", "--kv-admission", "x"], "kv_admission must be"),  # traceback
     ("offline", ["--tiny", "--max-model-len", "16"], "--max-model-len 16 cannot hold the mix's longest request"),
     ("stutter", ["--tiny", "--plot-only", "/nonexistent.json"], "--plot-only: no /nonexistent.json"),
-    ("policies", ["--simulate", "gpu-like", "--repeats", "2"], "--repeats repeats the engine's runs"),  # was: ignored
-    ("spec", ["--workloads", "A,C"], "--workloads takes a comma-separated subset of A, B"),  # was: C ran as B
+    ("policies", ["--simulate", "gpu-like", "--repeats", "2"], "--repeats repeats the engine's runs"),  # unchecked: ignored
+    ("spec", ["--workloads", "A,C"], "--workloads takes a comma-separated subset of A, B"),  # unchecked: C ran as B
     ("spec", ["--ngram-config", "{bad"], "argument --ngram-config: wants a JSON object"),
-    ("step_profile", ["--settings", "default,nope"], "--settings takes a comma-separated subset"),  # was: after
+    ("step_profile", ["--settings", "default,nope"], "--settings takes a comma-separated subset"),  # unchecked: failed late, after runs
     ("step_profile", ["--sections", "roofline", "--baseline", "/nonexistent"], "--baseline wants a checkout"),
     ("attention_kernels", ["--backends", "pallas,foo"], "--backends takes a comma-separated subset of pallas, ref"),
     ("gpu_mix", ["--tiny", "--attention-backend", "flash"], "argument --attention-backend: invalid choice"),
