@@ -293,6 +293,9 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         raise ApiError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort[:40]!r}",
                        param="reasoning_effort")
     kw = template_variables(body, default_kwargs, effort=takes_variables)
+    if kw and not takes_variables:  # a fixed template (taxirank's ByteTokenizer): no variable reaches it
+        raise ApiError(f"this model's {type(tokenizer).__name__} takes no template variables, got "
+                       f"{', '.join(sorted(kw))[:200]}", param="chat_template_kwargs")
     if continue_final_message:  # only when set: ByteTokenizer's template takes no such argument
         kw["continue_final_message"] = True
     if body.get("chat_template") is not None:

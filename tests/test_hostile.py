@@ -187,6 +187,8 @@ HOSTILE: list[tuple[str, object, int]] = [
 NAMED: list[tuple[str, dict, str]] = [
     (C, {"prompt": "hi", "priority": 5}, "priority"),  # fcfs reads no priority
     (CHAT, {"messages": MSG, "slo": {"ttft_ms": 100}}, "slo"),  # nor an slo
+    # the tiny model's fixed ChatML takes no template variables (as --default-chat-template-kwargs says)
+    (CHAT, {"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     (CHAT, {"messages": MSG + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments":
             '"\\udfff"'}}]}, {"role": "user", "content": "x"}]}, "messages"),
     (C, {"prompt": "hi", "guided_regex": "(a"}, "guided_regex"),
