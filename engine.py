@@ -634,8 +634,9 @@ class LLM:
                  use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """vLLM's: one RequestOutput per prompt, in order, each with its params.n samples.
         A prompt is a string, a list of token ids, or vLLM's dict form: {"prompt": text} or
-        {"prompt_token_ids": ids}, either with a "cache_salt" (its prefix-cache blocks are
-        shared only with prompts of the same salt).
+        {"prompt_token_ids": ids} (and the "prompt" they came from, kept as the output's),
+        either with a "cache_salt" (its prefix-cache blocks are shared only with prompts of
+        the same salt).
         priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
         # vLLM's: a string, a dict, or a list of token ids, is one prompt (not one prompt per
         # character or per id); any other iterable is read once (a generator read twice would
@@ -761,20 +762,20 @@ class LLM:
 
     def _read_prompt(self, prompt: Prompt) -> tuple[list[int], str | None, str | None]:
         """A prompt's token ids, its text (when given as text) and its cache_salt."""
-        salt = None
-        if isinstance(prompt, dict):
-            keys = set(prompt) - {"cache_salt"}
-            if keys not in ({"prompt"}, {"prompt_token_ids"}):
-                raise ValueError(f"a prompt dict is vLLM's {{'prompt': text}} or {{'prompt_token_ids': ids}}, "
-                                 f"either with a 'cache_salt'; got the keys {sorted(map(str, prompt))}")
-            salt = check_cache_salt(prompt.get("cache_salt"))
-            if "prompt" in prompt and not isinstance(prompt["prompt"], str):
-                raise TypeError(f"'prompt' is a text; token ids go in 'prompt_token_ids', got "
-                                f"{type(prompt['prompt']).__name__}")
-            if "prompt_token_ids" in prompt and isinstance(prompt["prompt_token_ids"], str):
-                raise TypeError("'prompt_token_ids' is a list of token ids; a text goes in 'prompt'")
-            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-        return self._encode(prompt), prompt if isinstance(prompt, str) else None, salt
+        if not isinstance(prompt, dict):
+            return self._encode(prompt), prompt if isinstance(prompt, str) else None, None
+        if set(prompt) - {"cache_salt"} not in ({"prompt"}, {"prompt_token_ids"}, {"prompt_token_ids", "prompt"}):
+            raise ValueError(f"a prompt dict is vLLM's TextPrompt {{'prompt': text}} or TokensPrompt "
+                             f"{{'prompt_token_ids': ids}} (with the text they came from as 'prompt', if any), "
+                             f"either with a 'cache_salt'; got the keys {sorted(map(str, prompt))}")
+        salt, text = check_cache_salt(prompt.get("cache_salt")), prompt.get("prompt")
+        if not isinstance(text, (str, type(None))):
+            raise TypeError(f"'prompt' is a text; token ids go in 'prompt_token_ids', got {type(text).__name__}")
+        if "prompt_token_ids" not in prompt:
+            return self._encode(text), text, salt
+        if isinstance(prompt["prompt_token_ids"], str):
+            raise TypeError("'prompt_token_ids' is a list of token ids; a text goes in 'prompt'")
+        return self._encode(prompt["prompt_token_ids"]), text, salt
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
