@@ -87,7 +87,7 @@ class HttpRequest:
     headers: tuple[tuple[str, str], ...]
     body: bytes
     prompt: str | None
-    cache_salt: str | None = None
+    cache_salt: str | None
 
 
 @dataclass(frozen=True)
