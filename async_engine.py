@@ -69,9 +69,10 @@ class AsyncEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     priority: int = 0, user: str | None = None,
                     slo: SLOTarget | None = None, grammar: Any = None,
-                    parent: ParentRequest | None = None, thinking: bool = True) -> AsyncIterator[RequestOutputDelta]:
+                    parent: ParentRequest | None = None, thinking: bool = True,
+                    cache_salt: str | None = None) -> AsyncIterator[RequestOutputDelta]:
         """grammar: the request's constraint, compiled already (LLMEngine.validate): without
-        it, one is compiled here, on the caller's thread. parent, thinking: as
+        it, one is compiled here, on the caller's thread. parent, thinking, cache_salt: as
         LLMEngine.add_request's."""
         grammar = self.engine.validate(prompt_token_ids, params, priority, slo, grammar)
         with self._lock:  # the loop sets _stop and error under it: a stream registered here is ended
@@ -87,7 +88,7 @@ class AsyncEngine:
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request_id] = queue
             self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority,
-                                        user, slo, grammar, parent, thinking)))
+                                        user, slo, grammar, parent, thinking, cache_salt)))
             self._num_waiting_inbox += 1
         self._wake.set()
         return self._stream(request_id, queue)
@@ -151,10 +152,11 @@ class AsyncEngine:
             self._inbox.clear()
         for kind, arg in work:
             if kind == "add":
-                rid, prompt, params, arrival, priority, user, slo, grammar, parent, thinking = arg
+                rid, prompt, params, arrival, priority, user, slo, grammar, parent, thinking, cache_salt = arg
                 try:
                     self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority, user=user,
-                                            slo=slo, grammar=grammar, parent=parent, thinking=thinking)
+                                            slo=slo, grammar=grammar, parent=parent, thinking=thinking,
+                                            cache_salt=cache_salt)
                 except ValueError as e:  # validated already; a scheduler-level refusal
                     self._fail(rid, e)
                 finally:

@@ -389,6 +389,21 @@ class ParamError(ValueError):
         self.param = param
 
 
+MAX_CACHE_SALT_CHARS = 256  # vLLM has no cap; one keeps what every first block's name hashes bounded
+
+
+def check_cache_salt(salt: object) -> str | None:
+    """vLLM's cache_salt (None: unsalted), as both the server and LLM.generate take it: a
+    non-empty string, which keeps the request's prefix-cache blocks apart from those of
+    requests without the same salt (Scheduler._block_hashes)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ParamError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ParamError(f"Parameter 'cache_salt' takes at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
+                         "cache_salt")
+    return salt
+
+
 # What a generation_config.json may set of a request's sampling defaults, as vLLM reads it
 # (Hugging Face's max_new_tokens is max_tokens).
 GENERATION_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_new_tokens")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence as Seq
 import jax
 import numpy as np
 
-from config import EngineConfig, ParamError, SamplingParams, SLOTarget
+from config import EngineConfig, ParamError, SamplingParams, SLOTarget, check_cache_salt
 from hf_config import generation_sampling_defaults
 from logits_controls import controls_for, first_token_conflict
 from metrics import EngineStats, ParentRequest, RequestMetrics, StepTrace
@@ -38,6 +38,9 @@ from tokenizer import IncrementalDetokenizer
 
 __all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "RequestOutput", "CompletionOutput",
            "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError", "EngineDeadError"]
+
+# One prompt of LLM.generate: a text, token ids, or vLLM's TextPrompt / TokensPrompt dict
+Prompt = str | Seq[int] | dict
 
 
 class QueueFullError(RuntimeError):
@@ -232,14 +235,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0, user: str | None = None,
                     slo: SLOTarget | None = None, grammar: Any = None, parent: ParentRequest | None = None,
-                    thinking: bool = True) -> Sequence:
+                    thinking: bool = True, cache_salt: str | None = None) -> Sequence:
         """priority: under a policy that reads it (--scheduling-policy), lower runs first.
         user: the client, for the fair policy (None: the shared anonymous client).
         slo: its targets, for the slo policy (None: the server-wide defaults).
         grammar: its constraint as validate() returned it (None: compiled here).
         parent: one of n samples' shared ParentRequest (child_requests').
         thinking: the chat request did not switch thinking off (its template variable
-        enable_thinking, protocol.thinking_enabled), which the qwen3 reasoning parser reads."""
+        enable_thinking, protocol.thinking_enabled), which the qwen3 reasoning parser reads.
+        cache_salt: vLLM's, checked by config.check_cache_salt where it came in: its prefix-cache
+        blocks are shared only with requests of the same salt."""
         grammar = self.validate(prompt_token_ids, params, priority, slo, grammar)
         vocab = self.model_config.vocab_size
         if params.top_k >= vocab:  # vLLM: a top_k above the vocabulary keeps all
@@ -250,7 +255,7 @@ class LLMEngine:
                                          else params.prompt_logprobs)
         seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority,
-                       user=user, parent=parent)
+                       user=user, parent=parent, cache_salt=cache_salt)
         if slo is not None:
             seq.slo_ttft = None if slo.ttft_ms is None else slo.ttft_ms / 1e3
             seq.slo_tpot = None if slo.tpot_ms is None else slo.tpot_ms / 1e3
@@ -625,26 +630,31 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
-    def generate(self, prompts: Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """vLLM's: one RequestOutput per prompt, in order, each with its params.n samples.
+        A prompt is a string, a list of token ids, or vLLM's dict form: {"prompt": text} or
+        {"prompt_token_ids": ids} (and the "prompt" they came from, kept as the output's),
+        either with a "cache_salt" (its prefix-cache blocks are shared only with prompts of
+        the same salt).
         priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
-        # vLLM's: a string, or a list of token ids, is one prompt (not one prompt per character
-        # or per id); any other iterable is read once (a generator read twice would leave the
-        # outputs' texts empty)
-        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, Iterable)):
-            raise TypeError(f"prompts must be a string, a list of token ids or a list of such prompts, "
-                            f"got {type(prompts).__name__}")
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        # vLLM's: a string, a dict, or a list of token ids, is one prompt (not one prompt per
+        # character or per id); any other iterable is read once (a generator read twice would
+        # leave the outputs' texts empty)
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, dict, Iterable)):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of such prompts (or of "
+                            f"prompt dicts), got {type(prompts).__name__}")
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
             prompts = [prompts]
-        encoded = [self._encode(prompt) for prompt in prompts]
-        return self._generate(encoded, [p if isinstance(p, str) else None for p in prompts], params, use_tqdm,
-                              priority)
+        read = [self._read_prompt(prompt) for prompt in prompts]
+        return self._generate([ids for ids, _, _ in read], [text for _, text, _ in read], params, use_tqdm,
+                              priority, cache_salts=[salt for _, _, salt in read])
 
     def _generate(self, encoded: list[list[int]], texts: list[str | None],
                   params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool | None,
-                  priority: Seq[int] | None, thinking: bool = True) -> list[RequestOutput]:
+                  priority: Seq[int] | None, thinking: bool = True,
+                  cache_salts: list[str | None] | None = None) -> list[RequestOutput]:
         params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(plist) != len(encoded):
@@ -671,10 +681,11 @@ class LLM:
         children = [child_requests(rid, p) for rid, p in zip(request_ids, plist)]
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
-        for i, (ids, samples, prio, grammar) in enumerate(zip(encoded, children, priorities, grammars)):
+        salts = cache_salts or [None] * len(encoded)
+        for i, (ids, samples, prio, grammar, salt) in enumerate(zip(encoded, children, priorities, grammars, salts)):
             for rid, p, par in samples:
                 seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar, parent=par,
-                                                    thinking=thinking)
+                                                    thinking=thinking, cache_salt=salt)
                 parent[rid] = i
         unfinished = [len(samples) for samples in children]
         logprobs: dict[str, list[TokenLogprob]] = {}
@@ -748,6 +759,23 @@ class LLM:
         encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
         thinking = thinking_enabled(body)  # the qwen3 reasoning parser's, from the variables the template saw
         return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
+
+    def _read_prompt(self, prompt: Prompt) -> tuple[list[int], str | None, str | None]:
+        """A prompt's token ids, its text (when given as text) and its cache_salt."""
+        if not isinstance(prompt, dict):
+            return self._encode(prompt), prompt if isinstance(prompt, str) else None, None
+        if set(prompt) - {"cache_salt"} not in ({"prompt"}, {"prompt_token_ids"}, {"prompt_token_ids", "prompt"}):
+            raise ValueError(f"a prompt dict is vLLM's TextPrompt {{'prompt': text}} or TokensPrompt "
+                             f"{{'prompt_token_ids': ids}} (with the text they came from as 'prompt', if any), "
+                             f"either with a 'cache_salt'; got the keys {sorted(map(str, prompt))}")
+        salt, text = check_cache_salt(prompt.get("cache_salt")), prompt.get("prompt")
+        if not isinstance(text, (str, type(None))):
+            raise TypeError(f"'prompt' is a text; token ids go in 'prompt_token_ids', got {type(text).__name__}")
+        if "prompt_token_ids" not in prompt:
+            return self._encode(text), text, salt
+        if isinstance(prompt["prompt_token_ids"], str):
+            raise TypeError("'prompt_token_ids' is a list of token ids; a text goes in 'prompt'")
+        return self._encode(prompt["prompt_token_ids"]), text, salt
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):

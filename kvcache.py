@@ -28,9 +28,10 @@ NULL_BLOCK = 0
 
 def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int], extra_key: object = None) -> bytes:
     """The name of a full block: SHA-256 over its parent's name, its token ids and an
-    extra key (anything besides the tokens that changes the block's K/V: a LoRA adapter,
-    image features; None today). Chaining the parent makes the name stand for the whole
-    prefix, so equal names mean equal prefixes and a hit needs no token comparison.
+    extra key (anything besides the tokens that must part blocks: a request's cache_salt,
+    on its first block). Chaining the parent makes the name stand for the whole prefix
+    (and the first block's extra key), so equal names mean equal prefixes and a hit needs
+    no token comparison.
 
     Why a cryptographic hash: two different prefixes with one name would silently serve
     one request the other's K/V. Python's 64-bit hash() can be collided on purpose by a

@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import chat_format
-from config import SamplingParams, SLOTarget, StructuredOutputsParams
+from config import ParamError, SamplingParams, SLOTarget, StructuredOutputsParams, check_cache_salt
 from tool_parsers import ToolChoice
 
 if TYPE_CHECKING:
@@ -55,7 +55,6 @@ _NEUTRAL: dict[str, tuple] = {
     # vLLM's own extras that taxirank does not implement
     "use_beam_search": (False,), "length_penalty": (1,),
     "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
-    "cache_salt": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
     "logits_processors": ([],),  # custom processors by qualified name (vLLM's --logits-processor-pattern)
 }
@@ -80,7 +79,7 @@ _COMMON_FIELDS = {
     "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
     "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids",
     "return_tokens_as_token_ids", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_tokens", "bad_words", "allowed_token_ids", *_NEUTRAL, *_ACCEPTED_NOOP}
+    "min_tokens", "bad_words", "allowed_token_ids", "cache_salt", *_NEUTRAL, *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort", "include_reasoning", "chat_template"}
@@ -680,6 +679,14 @@ def parse_slo(body: dict) -> SLOTarget | None:
         raise ApiError(f"slo.{e}".replace("slo.'", "'slo.", 1), param="slo") from e
     except ValueError as e:
         raise ApiError(str(e), param="slo") from e
+
+
+def parse_cache_salt(body: dict) -> str | None:
+    """vLLM's `cache_salt` (prefix-cache isolation between tenants), on both endpoints."""
+    try:
+        return check_cache_salt(body.get("cache_salt"))
+    except ParamError as e:
+        raise ApiError(str(e), param=e.param) from e
 
 
 # ---- logprobs out -----------------------------------------------------------------

@@ -90,6 +90,7 @@ class Sequence:
     swapped: tuple[list[int], int] | None = None
     priority: int = 0  # read by a policy that declares uses_priority: lower runs first (vLLM's field)
     user: str | None = None  # the client (OpenAI's `user`), read by the fair policy
+    cache_salt: str | None = None  # vLLM's: its blocks are shared only with requests of the same salt
     slo_ttft: float | None = None  # SLO targets in seconds, read by a policy that declares uses_slo
     slo_tpot: float | None = None
     arrival_order: int = -1  # set by Scheduler.add: breaks ties between equal arrival times
@@ -879,12 +880,14 @@ class Scheduler:
         """The names of seq's first num_blocks full blocks, extending seq.block_hashes;
         fewer when a block holds a token still in flight: it is named by a later step's
         _add, once its tokens are known (a name over an unknown token would match another
-        sequence's block whose real token differs)."""
+        sequence's block whose real token differs). The salt is the first block's extra key
+        only (vLLM's): every later name chains from it, so it parts the whole prefix."""
         hashes, bs = seq.block_hashes, self.config.block_size
         if len(hashes) < num_blocks:
             tokens = seq.all_token_ids
             for i in range(len(hashes), min(num_blocks, len(tokens) // bs)):
-                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs],
+                                                None if hashes else seq.cache_salt))
         return hashes[:num_blocks]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -78,13 +78,16 @@ HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "kee
 @dataclass(frozen=True)
 class HttpRequest:
     """One HTTP request, relayed whole. `prompt` is what the router matches prefixes on
-    (None: nothing to match); the name is the one Ray Serve LLM's routers read too."""
+    (None: nothing to match; the name is the one Ray Serve LLM's routers read too), among
+    the requests of the same `cache_salt` only (vLLM's field: a replica shares their blocks
+    with no other request)."""
 
     method: str
     path: str  # with the query string
     headers: tuple[tuple[str, str], ...]
     body: bytes
     prompt: str | None
+    cache_salt: str | None
 
 
 @dataclass(frozen=True)
@@ -93,18 +96,20 @@ class HttpHead:
     headers: tuple[tuple[str, str], ...]
 
 
-def routing_prompt(body: bytes) -> str | None:
+def routing_prompt(body: bytes) -> tuple[str | None, str | None]:
     """The body's prompt (completions) or messages (chat) as one string whose prefixes are
-    shared exactly when the requests' prompts share a prefix. JSON keeps the structure: a
-    shared system message is a shared prefix of the serialized message list."""
+    shared exactly when the requests' prompts share a prefix, and its cache_salt. JSON keeps
+    the structure: a shared system message is a shared prefix of the serialized message list."""
     try:
         parsed = json.loads(body)
     except (ValueError, RecursionError):
-        return None  # the replica answers the 400
+        return None, None  # the replica answers the 400
     if not isinstance(parsed, dict):
-        return None
+        return None, None
     prompt = parsed.get("messages", parsed.get("prompt"))
-    return None if prompt is None else json.dumps(prompt, ensure_ascii=False, separators=(",", ":"))
+    salt = parsed.get("cache_salt")  # any but a string is the replica's 400
+    return (None if prompt is None else json.dumps(prompt, ensure_ascii=False, separators=(",", ":")),
+            salt if isinstance(salt, str) else None)
 
 
 # ---- routing ----------------------------------------------------------------------
@@ -132,9 +137,12 @@ class PrefixAffinityRouter(RequestRouter):
     def _chunk_hashes(self, request: PendingRequest | None) -> list[int]:
         # Read by attribute, as Ray Serve LLM's routers do: Ray Serve ships a router class by
         # value, so HttpRequest here is a copy of the class the Ingress builds its requests from.
-        prompt = next((p for a in request.args if isinstance(p := getattr(a, "prompt", None), str)), None) \
+        relayed = next((a for a in request.args if isinstance(getattr(a, "prompt", None), str)), None) \
             if request else None
-        hashes, h, n = [], 0, self.chunk_chars
+        prompt, salt = (relayed.prompt, getattr(relayed, "cache_salt", None)) if relayed else (None, None)
+        # A salt seeds the chain, as it does the replica's block names (its first block's):
+        # no chunk of a salted prompt matches an unsalted or otherwise salted one's.
+        hashes, h, n = [], 0 if salt is None else hash(("cache_salt", salt)), self.chunk_chars
         for i in range(0, len(prompt or "") - n + 1, n):  # whole chunks only
             h = hash((h, prompt[i:i + n]))
             hashes.append(h)
@@ -336,7 +344,7 @@ class Ingress:
         if request.method == "POST" and route == "/reset_prefix_cache":
             return await self.reset_every_prefix_cache(path, headers)
         responses: DeploymentResponseGenerator = self.engines.handle.remote(
-            HttpRequest(request.method, path, headers, body, routing_prompt(body)))
+            HttpRequest(request.method, path, headers, body, *routing_prompt(body)))
         try:
             head = await responses.__anext__()
         except Exception as e:

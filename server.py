@@ -54,7 +54,8 @@ from config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig, SamplingParams, 
 from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
-                      loads_checked, parse_messages, parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json,
+                      loads_checked, parse_cache_salt, parse_messages, parse_prompt, parse_sampling, parse_slo,
+                      prompt_logprobs_json,
                       request_field, route_path, structured_field, text_part, thinking_enabled, token_text,
                       tool_choice, truncate_prompt, unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
@@ -102,13 +103,14 @@ class Generation:
     def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, priority: int = 0, want_metrics: bool = False,
                  user: str | None = None, slo: SLOTarget | None = None, grammar: Any = None,
-                 parent: ParentRequest | None = None, thinking: bool = True) -> None:
+                 parent: ParentRequest | None = None, thinking: bool = True, cache_salt: str | None = None) -> None:
         """want_metrics: the last chunk carries the request's RequestMetrics. A request with
         stop strings is detokenized by the engine, which matches them (its deltas carry the
         text, cut at the stop string); any other is detokenized here, off the engine thread.
         grammar: the structured-output constraint respond() compiled for params. parent: one
         of n samples' (child_requests'). thinking: a chat request's thinking switch
-        (protocol.thinking_enabled), for where a reasoning model's constraint starts."""
+        (protocol.thinking_enabled), for where a reasoning model's constraint starts.
+        cache_salt: vLLM's (protocol.parse_cache_salt)."""
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
@@ -120,7 +122,7 @@ class Generation:
             self.engine.tokenizer, prompt_ids, [], params, self.engine.model_config.eos_token_ids)
         try:
             self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo, grammar,
-                                                  parent, thinking)
+                                                  parent, thinking, cache_salt)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -198,6 +200,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     if n > 1 and want_metrics:
         raise ApiError("'include_metrics' is for n=1 (each sample is a request of its own)", param="include_metrics")
     slo = parse_slo(body)
+    cache_salt = parse_cache_salt(body)
     if app["log_requests"]:
         log_request(engine_request_id, params, prompt_ids, app["max_log_len"])
     gens: list[Generation] = []
@@ -209,7 +212,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         try:
             for rid, p, parent in child_requests(engine_request_id, dataclasses.replace(params, n=n)):
                 gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, slo, grammar,
-                                       parent, thinking))
+                                       parent, thinking, cache_salt))
         except ApiError as e:  # the engine names SamplingParams' fields: the 400 names the client's
             e.param = request_field(e.param, body, chat)
             raise

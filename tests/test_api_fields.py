@@ -176,7 +176,10 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "reasoning_effort", "extreme"),
     (CHAT, "return_prompt_text", True),
-    (CHAT, "cache_salt", "pepper"),
+    (CHAT, "cache_salt", ""),  # vLLM's: a non-empty string
+    (C, "cache_salt", 5),
+    (CHAT, "cache_salt", []),
+    (C, "cache_salt", "s" * 257),
     (CHAT, "metadata", "not an object"),
     (CHAT, "parallel_tool_calls", "no"),
     (C, "max_completion_tokens", 5),  # chat's field: on completions it would be ignored
@@ -208,7 +211,7 @@ ACCEPTED = [  # fields that ask for nothing a client depends on, and the neutral
      "prompt_cache_key": "abc", "prompt_cache_options": {"mode": "implicit"}, "safety_identifier": "u1",
      "prompt_cache_retention": "in_memory", "modalities": ["text"], "verbosity": "medium",
      "reasoning_effort": "low", "function_call": "none", "functions": [], "logit_bias": {}, "n": 1},
-    {"seed": 2**63 - 1}, {"seed": -2**63},
+    {"seed": 2**63 - 1}, {"seed": -2**63}, {"cache_salt": "pepper"}, {"cache_salt": None},
 ]
 
 

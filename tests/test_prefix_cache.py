@@ -3,6 +3,8 @@ greedy tokens with the cache on equal to those with it off."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -194,6 +196,28 @@ def test_a_request_admitted_in_the_same_step_shares_the_blocks_being_computed():
     assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 16)
     assert a.block_table[:4] == b.block_table[:4] and a.block_table[4] != b.block_table[4]
     assert s.allocator.num_used == 6  # 4 shared + one each: a shared block counts once
+
+
+def test_a_cache_salt_names_only_the_first_block_and_the_rest_chain_from_it():
+    """vLLM's cache_salt is the first block's extra key: every later name chains from that
+    one, so a salted prompt shares no block with the same prompt unsalted or under another
+    salt, and shares as before with its own salt (here within one step)."""
+    s = make(64)
+    prompt = list(range(1, 21))  # 5 full blocks of 4
+    seqs = [Sequence(rid, prompt, SamplingParams(max_tokens=4), cache_salt=salt)
+            for rid, salt in (("plain", None), ("a", "tenant-a"), ("b", "tenant-b"), ("a2", "tenant-a"))]
+    for seq in seqs:
+        s.add(seq)
+    step(s)
+    plain, a, b, a2 = seqs
+    salted = [hash_block_tokens(None, prompt[:4], extra_key="tenant-a")]
+    for i in range(1, 5):
+        salted.append(hash_block_tokens(salted[-1], prompt[4 * i:4 * i + 4]))  # no extra key past the first
+    assert plain.block_hashes == chain(prompt, 4) and a.block_hashes == a2.block_hashes == salted
+    assert len({plain.block_hashes[0], a.block_hashes[0], b.block_hashes[0]}) == 3
+    assert [q.num_cached_tokens for q in seqs] == [0, 0, 0, 16]
+    assert a2.block_table[:4] == a.block_table[:4]
+    assert not {*plain.block_table, *b.block_table} & set(a.block_table) and not set(plain.block_table) & set(b.block_table)
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -449,6 +473,37 @@ def test_aborting_a_request_whose_blocks_are_shared_leaks_nothing_and_the_other_
     again = llm.generate([prompts[aborted]], params)[0]
     assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == alone[aborted]
     assert eng.scheduler.allocator.num_used == 0
+
+
+def test_offline_cache_salts_hit_only_their_own_salts_blocks_and_change_no_token():
+    """LLM.generate's vLLM prompt dicts: the same 40-token prompt unsalted, under two salts,
+    then again under each: only a salt (or no salt) seen before hits, its 2 full blocks; the
+    greedy tokens are those of the prompt with prefix caching off."""
+    prompt = list(range(3, 43))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = make_llm(enable_prefix_caching=False).generate([prompt], params)[0].outputs[0].token_ids
+    llm = make_llm()
+    got = []
+    for salt in (None, "tenant-a", "tenant-b", "tenant-a", None, "tenant-b"):
+        out = llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, params)[0]
+        got.append((out.num_cached_tokens, out.outputs[0].token_ids))
+    assert got == [(0, want)] * 3 + [(32, want)] * 3
+    # n samples of one salted prompt share its blocks among themselves
+    hits = llm.stats.prefix_cache_hits
+    out = llm.generate([{"prompt_token_ids": prompt[::-1], "cache_salt": "tenant-c"}],
+                       dataclasses.replace(params, n=2))[0]
+    assert llm.stats.prefix_cache_hits - hits == 32 and len(out.outputs) == 2
+
+
+@pytest.mark.parametrize("prompt", [
+    {"prompt_token_ids": [5, 6], "cache_salt": ""}, {"prompt_token_ids": [5, 6], "cache_salt": 5},
+    {"prompt_token_ids": [5, 6], "cache_salt": []}, {"prompt_token_ids": [5, 6], "cache_salt": "x" * 257},
+    {"prompt_token_ids": [5, 6], "salt": "x"}, {"prompt": [5, 6], "cache_salt": "x"}])
+def test_a_bad_prompt_dict_or_cache_salt_is_refused_offline_before_anything_runs(prompt):
+    llm = make_llm()
+    with pytest.raises((ValueError, TypeError), match="cache_salt|prompt"):
+        llm.generate([{"prompt_token_ids": [7, 8]}, prompt], SamplingParams(max_tokens=1))
+    assert not llm.engine.has_unfinished()
 
 
 def test_a_request_asking_prompt_logprobs_makes_no_prefix_cache_query():

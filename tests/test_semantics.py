@@ -106,6 +106,10 @@ def test_generate_refuses_what_is_not_a_prompt_or_sampling_params_before_adding_
     one = llm.generate("hello", greedy)
     assert len(one) == 1 and one[0].prompt == "hello"
     assert one[0].outputs[0].token_ids == llm.generate(["hello"], greedy)[0].outputs[0].token_ids
+    text = llm.generate({"prompt": "hello"}, greedy)  # so is vLLM's prompt dict (TextPrompt, TokensPrompt)
+    assert [(o.prompt, o.outputs[0].token_ids) for o in text] == [("hello", one[0].outputs[0].token_ids)]
+    tokens = llm.generate([{"prompt_token_ids": llm.tokenizer.encode("hello"), "prompt": "hello"}], greedy)
+    assert [(o.prompt, o.outputs[0].token_ids) for o in tokens] == [("hello", one[0].outputs[0].token_ids)]
     ids = llm.generate([5, 6], greedy)  # so is a list of token ids
     assert len(ids) == 1 and ids[0].prompt_token_ids == [5, 6]
     assert ids[0].outputs[0].token_ids == llm.generate([[5, 6]], greedy)[0].outputs[0].token_ids

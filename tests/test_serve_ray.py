@@ -355,14 +355,15 @@ class FakeQueueLengths(dict):
         return super().get(replica_id)
 
 
-def pending(prompt: str) -> PendingRequest:
-    body = json.dumps({"prompt": prompt}).encode()
-    request = serve_ray.HttpRequest("POST", "/v1/completions", (), body, serve_ray.routing_prompt(body))
+def pending(prompt: str, cache_salt: str | None = None) -> PendingRequest:
+    body = json.dumps({"prompt": prompt} | ({"cache_salt": cache_salt} if cache_salt else {})).encode()
+    request = serve_ray.HttpRequest("POST", "/v1/completions", (), body, *serve_ray.routing_prompt(body))
     return PendingRequest(args=[request], kwargs={}, metadata=None, future=None)
 
 
-def routed(router: serve_ray.PrefixAffinityRouter, replicas: list[FakeReplica], prompt: str) -> str:
-    ranks = asyncio.run(router.choose_replicas(replicas, pending(prompt)))
+def routed(router: serve_ray.PrefixAffinityRouter, replicas: list[FakeReplica], prompt: str,
+           cache_salt: str | None = None) -> str:
+    ranks = asyncio.run(router.choose_replicas(replicas, pending(prompt, cache_salt)))
     assert len(ranks[0]) == 1 and {r.replica_id for rank in ranks for r in rank} == {r.replica_id for r in replicas}
     return ranks[0][0].replica_id
 
@@ -386,6 +387,20 @@ def test_router_follows_the_longest_held_prefix_until_its_queue_runs_ahead_then_
     queue["c"] = 1
     assert routed(router, replicas, "x" * 10) in {"a", "b", "c"}  # too short to match: the least loaded
     assert routed(router, replicas, SYSTEM + "four") in {"c", second}  # a holder, never the third replica
+
+
+def test_router_credits_a_held_prefix_only_to_requests_of_the_same_cache_salt() -> None:
+    """A replica shares a salted prompt's blocks only with the same salt (vLLM's cache_salt):
+    holding the prefix under another salt, or none, is holding nothing."""
+    router = serve_ray.PrefixAffinityRouter.__new__(serve_ray.PrefixAffinityRouter)
+    router.initialize_state(imbalanced_threshold=2)
+    router._replica_queue_len_cache = FakeQueueLengths(a=0, b=1, c=1)
+    replicas = [FakeReplica("a"), FakeReplica("b"), FakeReplica("c")]
+    router._record("b", router._chunk_hashes(pending(SYSTEM, "tenant-1")))
+    router._record("c", router._chunk_hashes(pending(SYSTEM)))
+    assert routed(router, replicas, SYSTEM + "one", "tenant-1") == "b"
+    assert routed(router, replicas, SYSTEM + "one", "tenant-2") == "a"  # held by nobody: the shortest queue
+    assert routed(router, replicas, SYSTEM + "one") == "c"
 
 
 class FakeEngines:

@@ -584,6 +584,33 @@ def test_prefix_cache_hits_show_in_cached_tokens_and_metrics_and_reset_forgets_t
     assert cached() == 0
 
 
+def test_a_cache_salt_shares_cached_tokens_only_with_its_own_salt_on_both_endpoints(server: Server) -> None:
+    """vLLM's cache_salt: the same prompt hits the prefix cache only under a salt (or no
+    salt) it was served with before, and is the same greedy text under every salt; a salt
+    that is not a non-empty string is a 400 naming it, and the server serves on."""
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 can be reused
+
+    def completion(salt: str | None) -> tuple[int, str]:
+        status, out = request(server, "POST", "/v1/completions", greedy_body(greedy(
+            prompt=prompt, max_tokens=4, cache_salt=salt)))
+        assert status == 200, out
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"], out["choices"][0]["text"]
+    got = [completion(salt) for salt in (None, "tenant-a", "tenant-b", "tenant-a", None)]
+    assert [cached for cached, _ in got] == [0, 0, 0, 32, 32] and len({text for _, text in got}) == 1
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "salted " * 20}], "max_tokens": 1}
+
+    def chat_cached(salt: str) -> int:
+        status, out = request(server, "POST", "/v1/chat/completions", chat | {"cache_salt": salt})
+        assert status == 200, out
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert chat_cached("tenant-a") == 0 and chat_cached("tenant-a") > 0 and chat_cached("tenant-b") == 0
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat)):
+        for salt in ("", 5, [], "s" * 257):
+            status, err = request(server, "POST", path, body | {"cache_salt": salt})
+            assert status == 400 and err["error"]["param"] == "cache_salt", err
+        assert request(server, "POST", path, body | {"max_tokens": 1, "cache_salt": None})[0] == 200
+
+
 # ---- shutdown ---------------------------------------------------------------------------
 
 def test_sigterm_aborts_in_flight_with_a_final_event_and_exits_cleanly() -> None:
