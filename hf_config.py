@@ -38,10 +38,21 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _finite_number(v: object) -> bool:
+    """A JSON number float() takes: an integer past float's range (JSON's 1e999 is inf,
+    but 10**400 written out is an int) would be an OverflowError where it is used."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _positive_number(d: dict[str, Any], key: str, where: str) -> None:
     v = d.get(key)
-    if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-        raise ValueError(f"{where}{key} must be a finite number > 0, got {v!r}")
+    if v is not None and not (_finite_number(v) and v > 0):
+        raise ValueError(f"{where}{key} must be a finite number > 0, got {v!r}"[:300])
 
 
 def _rope_base(d: dict[str, Any], where: str) -> None:

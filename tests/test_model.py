@@ -211,6 +211,10 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(max_position_embeddings=2048.5), "max_position_embeddings must be an integer >= 1"),
     (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0, got nan"),
     (dict(rms_norm_eps=-1), "rms_norm_eps must be a finite number > 0"),
+    # an integer float() cannot take (JSON's 1e999 is inf, 10**400 written out an int): an OverflowError
+    (dict(rms_norm_eps=10**400), "rms_norm_eps must be a finite number > 0, got 1000"),
+    (dict(rope_theta=10**400), "rope_theta must be a finite number > 0, got 1000"),
+    (dict(rope_parameters={**_LLAMA3, "factor": 10**400}), "rope scaling factor must be a finite number > 0"),
     (dict(rope_theta=0), "rope_theta must be a finite number > 0"),
     # frequencies theta^(-2i/d) past float32's range: NaN from position 0 on
     (dict(rope_theta=1e-300), "rope_theta must be >= 1, got 1e-300"),
