@@ -199,6 +199,9 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(num_attention_heads=2.0), "num_attention_heads must be an integer >= 1, got 2.0"),
     (dict(num_attention_heads=True), "num_attention_heads must be an integer >= 1, got True"),
     (dict(hidden_size=0), "hidden_size must be an integer >= 1"),
+    # NumPy reads 2**63..2**64-1 as uint64, which JAX takes for no shape: a TypeError building the model
+    (dict(hidden_size=2**63), "hidden_size 9223372036854775808 is past the largest array dimension"),
+    (dict(num_hidden_layers=2**64 - 1), "num_hidden_layers 18446744073709551615 is past the largest array"),
     (dict(num_hidden_layers=-1), "num_hidden_layers must be an integer >= 1"),
     (dict(intermediate_size=0), "intermediate_size must be an integer >= 1"),
     (dict(num_attention_heads=3, num_key_value_heads=None), "num_attention_heads \\(3\\) must divide hidden_size"),
