@@ -89,7 +89,8 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            # null is the default, as an absent key (check_hf_config has refused 0)
+            rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=d["max_position_embeddings"],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
@@ -173,7 +174,7 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ..
         raise ValueError("per-layer-type rope_parameters are not supported")
     if p.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
-    theta = float(p.get("rope_theta", d.get("rope_theta", 10000.0)))
+    theta = float(p.get("rope_theta") or d.get("rope_theta") or 10000.0)  # null: absent (0 is refused)
     rope_type = p.get("rope_type", p.get("type", "default"))
     if rope_type == "default":
         return theta, None

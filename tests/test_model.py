@@ -261,6 +261,8 @@ def test_config_json_values_are_checked_where_they_enter(change, says):
 def test_the_fields_of_the_hostile_table_load_at_their_sane_values():
     """The table above changes one field of a config that loads; its edges load too."""
     cfg = ModelConfig.from_hf(_HF)
+    # null numbers are the defaults, as absent keys (not float(None))
+    assert ModelConfig.from_hf({**_HF, "rms_norm_eps": None, "rope_theta": None}) == cfg
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.eos_token_ids) == (2, 2, 4, (2,))
     same = {"type": "llama3", **{k: v for k, v in _LLAMA3.items() if k != "rope_type"}}
     assert ModelConfig.from_hf({**_HF, "rope_scaling": same, "rope_parameters": _LLAMA3}).rope_scaling is not None
