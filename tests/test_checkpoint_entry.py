@@ -256,6 +256,21 @@ def test_an_orbax_checkpoints_model_config_gets_the_checks_of_a_config_json(orba
         checkpoint.load(path)
 
 
+@pytest.mark.parametrize("text, says", [
+    # json's own error (no file named), an AttributeError and a TypeError before
+    ("{", "taxirank_checkpoint.json is not valid JSON"),
+    ("[1]", "taxirank_checkpoint.json must hold a JSON object, got list"),
+    ('{"format": 1, "model_config": 5}', "taxirank_checkpoint.json: model_config must be an object, got 5"),
+])
+def test_an_orbax_checkpoints_meta_file_that_is_no_json_object_is_an_error_naming_it(orbax_dir, tmp_path, text,
+                                                                                     says):
+    import checkpoint
+
+    path = _edited(orbax_dir, str(tmp_path / "ck"), checkpoint.META, lambda _: text)
+    with pytest.raises(ValueError, match=f"{path}/{says}"):
+        checkpoint.load(path)
+
+
 def test_an_orbax_checkpoint_with_llama3_scaling_loads(orbax_dir, tmp_path):
     import checkpoint
 
