@@ -146,7 +146,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
                          "which the GGUF loader does not map yet; use the Hugging Face checkpoint")
     scaling = get(f"{arch}.rope.scaling.type", str, "none")
     if scaling != "none":
-        raise ValueError(f"GGUF RoPE scaling {scaling!r} is not supported")
+        raise ValueError(f"{path}: GGUF RoPE scaling ({arch}.rope.scaling.type = {scaling!r}) is not supported")
     # llama.cpp applies a scaling factor whatever the type key says (or without one)
     for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
         if get(key, float, 1.0) not in (0.0, 1.0):

@@ -238,7 +238,8 @@ def _short(n: int) -> tuple[list[int], Any]:
     ({"tokenizer.ggml.eos_token_id": _u32(10**6)}, "eos_token_id \\[1000000\\] is outside the vocabulary"),
     # ignored, the model would compute something other than what it was trained to
     ({"llama.rope.scaling.factor": _f32(4.0)}, "llama.rope.scaling.factor = 4.0\\) is not supported"),
-    ({"llama.rope.scaling.type": _str("yarn")}, "GGUF RoPE scaling 'yarn' is not supported"),
+    ({"llama.rope.scaling.type": _str("yarn")},
+     "GGUF RoPE scaling \\(llama.rope.scaling.type = 'yarn'\\) is not supported"),
     ({"llama.attention.value_length": _u32(32)}, "value_length \\(32\\) differs from the key length \\(16\\)"),
     ({"llama.rope.dimension_count": _u32(8)}, "rope.dimension_count \\(8\\) differs from the head dimension \\(16\\)"),
     # heads that do not split hidden_size, without a key_length: not a shape error naming a tensor
