@@ -119,6 +119,8 @@ def dequantize(data: np.ndarray, qtype: Any, name: str) -> np.ndarray:
     if kind not in SUPPORTED_TYPES:
         raise ValueError(f"tensor {name!r} is quantized as {kind}, which taxirank cannot read "
                          f"(supported: {', '.join(SUPPORTED_TYPES)}); use a GGUF file with one of those types")
+    if data.size == 0:  # the library's reshape of no blocks fails naming no tensor
+        raise ValueError(f"tensor {name!r} is empty (a dimension of 0 in its entry of the tensor table)")
     return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
 
 

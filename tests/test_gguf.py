@@ -284,7 +284,9 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
                              ("last byte", good[:-1], "tensor '[^']+' ends at byte [0-9,]+, past the end of the file"),
                              ("rows", _patch_entry(q8, up, dims=(48, 128)),
                               f"tensor '{up}' has rows of 48 values, not a whole number of Q8_0 blocks"),
-                             ("type", _patch_entry(good, up, type_id=99), f"tensor '{up}' has GGML type id 99")]:
+                             ("type", _patch_entry(good, up, type_id=99), f"tensor '{up}' has GGML type id 99"),
+                             # a quantized tensor of no blocks: the library's reshape error, naming nothing
+                             ("no rows", _patch_entry(q8, up, dims=(0, 128)), f"tensor '{up}' is empty")]:
         (tmp_path / f"{name}.gguf").write_bytes(data)
         with pytest.raises(ValueError, match=says):
             load_model(str(tmp_path / f"{name}.gguf"), log=lambda *_: None)
