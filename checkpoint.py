@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from hf_config import check_hf_config, check_llama3_rope, read_json
+from hf_config import check_hf_config, check_llama3_rope, read_json, token_ids
 from model import FAMILIES, LLAMA3_ROPE_KEYS, Decoder, LoadedModel, ModelConfig, load_model, resolve_dtype
 from tokenizer import ByteTokenizer, load_tokenizer
 
@@ -74,7 +74,7 @@ def _read_meta(path: str) -> tuple[dict[str, Any], ModelConfig]:
     try:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = tuple((str(k), float(v)) for k, v in d["rope_scaling"])
-        d["eos_token_ids"] = tuple(int(x) for x in d.get("eos_token_ids", ()))
+        d["eos_token_ids"] = token_ids(d.get("eos_token_ids"), "eos_token_ids")  # not int(): "257" is no (2, 5, 7)
         cfg = ModelConfig(**d)
         kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
         for f in dataclasses.fields(ModelConfig):

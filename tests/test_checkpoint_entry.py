@@ -236,6 +236,9 @@ _LLAMA3_SCALING = [["factor", 8.0], ["high_freq_factor", 4.0], ["low_freq_factor
     (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0, got nan"),
     (dict(rope_theta=0.0), "rope_theta must be a finite number > 0"),
     (dict(eos_token_ids=[10**6]), "eos_token_id \\[1000000\\] is outside the vocabulary"),
+    # int() of each item would read the string "257" as the stop ids 2, 5, 7, and 256.9 as 256
+    (dict(eos_token_ids="257"), "eos_token_ids must be a token id >= 0, a list of them, or null; got '257'"),
+    (dict(eos_token_ids=[256.9]), "eos_token_ids must be a token id >= 0"),
     (dict(bos_token_id=10**6), "bos_token_id 1000000 is outside the vocabulary"),
     (dict(sliding_window=0), "sliding_window must be an integer >= 1 or null"),
     (dict(architecture="gpt2"), "architecture 'gpt2' is none of llama"),
