@@ -48,6 +48,8 @@ def _json_edit(**change):
     ("tokenizer_config.json", lambda _: "[1]", "its tokenizer files do not load \\(AttributeError"),
     ("tokenizer_config.json", _json_edit(eos_token=5), "its tokenizer files do not load \\(TypeError"),
     ("tokenizer.json", lambda _: "[]", "its tokenizer files do not load"),
+    # loaded, its unk_token_id (and every unknown token's id) was a RecursionError
+    ("tokenizer_config.json", _json_edit(unk_token=""), "its tokenizer files do not load \\(RecursionError"),
     # a template of no type Jinja reads: every chat request would fail, the load did not
     ("tokenizer_config.json", _json_edit(chat_template=5), "chat_template must be a string or a list of"),
     ("tokenizer_config.json", _json_edit(chat_template=[{"name": "default", "template": 3}]),
