@@ -82,6 +82,8 @@ class GGUFCheckpoint:
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape))
             kind = gguf.GGMLQuantizationType(t.tensor_type).name
+            if 0 in shape:  # gguf's and quant.py's reshapes of no blocks fail naming no tensor
+                raise ValueError(f"tensor {t.name!r} is empty (a dimension of 0 in its entry of the tensor table)")
             if native and len(shape) == 2 and gguf_native_kind(kind):
                 x: np.ndarray | GGUFBlocks = parse_gguf_blocks(t.data, kind, shape)
                 finite = all(np.isfinite(a).all() for a in (x.d, x.m) if a is not None)
@@ -119,8 +121,6 @@ def dequantize(data: np.ndarray, qtype: Any, name: str) -> np.ndarray:
     if kind not in SUPPORTED_TYPES:
         raise ValueError(f"tensor {name!r} is quantized as {kind}, which taxirank cannot read "
                          f"(supported: {', '.join(SUPPORTED_TYPES)}); use a GGUF file with one of those types")
-    if data.size == 0:  # the library's reshape of no blocks fails naming no tensor
-        raise ValueError(f"tensor {name!r} is empty (a dimension of 0 in its entry of the tensor table)")
     return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
 
 
