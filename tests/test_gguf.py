@@ -282,11 +282,11 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
                              ("empty", b"", "not a readable GGUF file"),
                              # otherwise the gguf library's errors, which name no tensor
                              ("last byte", good[:-1], "tensor '[^']+' ends at byte [0-9,]+, past the end of the file"),
-                             ("rows", _patch_entry(q8, up, dims=(48, 128)),
+                             ("rows", patch_entry(q8, up, dims=(48, 128)),
                               f"tensor '{up}' has rows of 48 values, not a whole number of Q8_0 blocks"),
-                             ("type", _patch_entry(good, up, type_id=99), f"tensor '{up}' has GGML type id 99"),
+                             ("type", patch_entry(good, up, type_id=99), f"tensor '{up}' has GGML type id 99"),
                              # a quantized tensor of no blocks: the library's reshape error, naming nothing
-                             ("no rows", _patch_entry(q8, up, dims=(0, 128)), f"tensor '{up}' is empty")]:
+                             ("no rows", patch_entry(q8, up, dims=(0, 128)), f"tensor '{up}' is empty")]:
         (tmp_path / f"{name}.gguf").write_bytes(data)
         with pytest.raises(ValueError, match=says):
             load_model(str(tmp_path / f"{name}.gguf"), log=lambda *_: None)
@@ -299,7 +299,7 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
         load_model(f, log=lambda *_: None, quantization="gguf")
 
 
-def _patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, type_id: int | None = None) -> bytes:
+def patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, type_id: int | None = None) -> bytes:
     """A GGUF file with tensor `name`'s entry in the tensor table changed: {u64 name length,
     name, u32 n_dims, u64 dims[n_dims] (innermost first), u32 type, u64 offset}."""
     import struct
