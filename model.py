@@ -179,7 +179,8 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ..
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(f"unsupported RoPE type {rope_type!r} (supported: default, llama3)")
+        raise ValueError(f"unsupported RoPE type {rope_type!r} (the rope_type of rope_parameters or rope_scaling; "
+                         "supported: default, llama3)")
     missing = [k for k in LLAMA3_ROPE_KEYS if k not in p]
     if missing:
         raise ValueError(f"llama3 RoPE scaling lacks {missing}")

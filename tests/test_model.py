@@ -231,6 +231,8 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
      "disagree on factor"),
     (dict(rope_scaling=dict(type="linear", factor=2.0)), "unsupported RoPE type 'linear'"),
     (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "unsupported RoPE type 'dynamic'"),
+    # named by the key that holds it: "unsupported RoPE type None" alone named neither key nor file
+    (dict(rope_parameters=dict(rope_type=None)), "unsupported RoPE type None \\(the rope_type of rope_parameters"),
     (dict(rope_parameters={**_LLAMA3, "factor": "x"}), "rope scaling factor must be a finite number"),
     (dict(rope_parameters={**_LLAMA3, "high_freq_factor": 1.0}), "needs high_freq_factor \\(1.0\\) > low_freq"),
     (dict(rope_parameters={**_LLAMA3, "original_max_position_embeddings": 64.5}),
