@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from hf_config import check_hf_config, check_llama3_rope
+from hf_config import check_hf_config, check_llama3_rope, read_json, token_ids
 from model import FAMILIES, LLAMA3_ROPE_KEYS, Decoder, LoadedModel, ModelConfig, load_model, resolve_dtype
 from tokenizer import ByteTokenizer, load_tokenizer
 
@@ -65,15 +65,16 @@ def save(loaded: LoadedModel, dst: str) -> None:
 
 
 def _read_meta(path: str) -> tuple[dict[str, Any], ModelConfig]:
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
+    meta = read_json(os.path.join(path, META))  # a ValueError naming the file unless a JSON object
     if meta.get("format") != _FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this taxirank reads {_FORMAT}")
-    d = dict(meta.get("model_config") or {})
+    if not isinstance(meta.get("model_config"), dict):
+        raise ValueError(f"{path}/{META}: model_config must be an object, got {meta.get('model_config')!r}"[:300])
+    d = dict(meta["model_config"])
     try:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = tuple((str(k), float(v)) for k, v in d["rope_scaling"])
-        d["eos_token_ids"] = tuple(int(x) for x in d.get("eos_token_ids", ()))
+        d["eos_token_ids"] = token_ids(d.get("eos_token_ids"), "eos_token_ids")  # not int(): "257" is no (2, 5, 7)
         cfg = ModelConfig(**d)
         kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
         for f in dataclasses.fields(ModelConfig):

@@ -82,6 +82,8 @@ class GGUFCheckpoint:
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape))
             kind = gguf.GGMLQuantizationType(t.tensor_type).name
+            if 0 in shape:  # gguf's and quant.py's reshapes of no blocks fail naming no tensor
+                raise ValueError(f"tensor {t.name!r} is empty (a dimension of 0 in its entry of the tensor table)")
             if native and len(shape) == 2 and gguf_native_kind(kind):
                 x: np.ndarray | GGUFBlocks = parse_gguf_blocks(t.data, kind, shape)
                 finite = all(np.isfinite(a).all() for a in (x.d, x.m) if a is not None)
@@ -146,7 +148,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
                          "which the GGUF loader does not map yet; use the Hugging Face checkpoint")
     scaling = get(f"{arch}.rope.scaling.type", str, "none")
     if scaling != "none":
-        raise ValueError(f"GGUF RoPE scaling {scaling!r} is not supported")
+        raise ValueError(f"{path}: GGUF RoPE scaling ({arch}.rope.scaling.type = {scaling!r}) is not supported")
     # llama.cpp applies a scaling factor whatever the type key says (or without one)
     for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
         if get(key, float, 1.0) not in (0.0, 1.0):

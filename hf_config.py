@@ -18,6 +18,7 @@ from typing import Any
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "max_position_embeddings")
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim")
+MAX_DIM = 2**63 - 1  # int64's: the sizes become array dimensions
 # The dtypes a checkpoint may be stored in (config.json's dtype / torch_dtype, for --dtype auto).
 CHECKPOINT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
@@ -38,10 +39,21 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _finite_number(v: object) -> bool:
+    """A JSON number float() takes: an integer past float's range (JSON's 1e999 is inf,
+    but 10**400 written out is an int) would be an OverflowError where it is used."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _positive_number(d: dict[str, Any], key: str, where: str) -> None:
     v = d.get(key)
-    if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-        raise ValueError(f"{where}{key} must be a finite number > 0, got {v!r}")
+    if v is not None and not (_finite_number(v) and v > 0):
+        raise ValueError(f"{where}{key} must be a finite number > 0, got {v!r}"[:300])
 
 
 def _rope_base(d: dict[str, Any], where: str) -> None:
@@ -71,7 +83,9 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
     for key in SIZES + OPTIONAL_SIZES:
         v = d.get(key)
         if (v is not None or key in SIZES) and not (_is_int(v) and v >= 1):
-            raise ValueError(f"{where}{key} must be an integer >= 1, got {v!r}")
+            raise ValueError(f"{where}{key} must be an integer >= 1, got {v!r}"[:300])
+        if v is not None and v > MAX_DIM:  # NumPy reads 2**63..2**64-1 as uint64, which JAX takes for no shape
+            raise ValueError(f"{where}{key} {v} is past the largest array dimension ({MAX_DIM})"[:300])
     heads, kv_heads = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
     if heads % kv_heads:
         raise ValueError(f"{where}num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads}): "

@@ -89,7 +89,8 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            # null is the default, as an absent key (check_hf_config has refused 0)
+            rms_norm_eps=float(d.get("rms_norm_eps") or 1e-6), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=d["max_position_embeddings"],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
@@ -173,12 +174,13 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ..
         raise ValueError("per-layer-type rope_parameters are not supported")
     if p.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
-    theta = float(p.get("rope_theta", d.get("rope_theta", 10000.0)))
+    theta = float(p.get("rope_theta") or d.get("rope_theta") or 10000.0)  # null: absent (0 is refused)
     rope_type = p.get("rope_type", p.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(f"unsupported RoPE type {rope_type!r} (supported: default, llama3)")
+        raise ValueError(f"unsupported RoPE type {rope_type!r} (the rope_type of rope_parameters or rope_scaling; "
+                         "supported: default, llama3)")
     missing = [k for k in LLAMA3_ROPE_KEYS if k not in p]
     if missing:
         raise ValueError(f"llama3 RoPE scaling lacks {missing}")
@@ -655,7 +657,10 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
     quantized parameter is ever whole. Raises ValueError on an unexpected, misshapen or
     missing tensor."""
     # Build the module abstractly (no random init), then fill each param from the tensors.
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype, quant, rngs=nnx.Rngs(0))))
+    try:
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype, quant, rngs=nnx.Rngs(0))))
+    except ValueError as e:  # a size the quantization cannot hold (quant.QuantLinear's blocks of 32)
+        raise ValueError(f"{source}: {e}: check its hidden_size and intermediate_size") from None
     L = cfg.num_hidden_layers
     wanted: dict[str, tuple[tuple[Any, ...], int | None, bool]] = {}
     buffers: dict[tuple[Any, ...], np.ndarray] = {}

@@ -78,6 +78,9 @@ def load_tokenizer(path: str) -> Any | None:
 
     try:
         tok = AutoTokenizer.from_pretrained(path)
+        # each special token's id, resolved now: an unk_token outside the vocabulary (such as "")
+        # makes every lookup of an unknown token, unk_token_id's own included, recurse without end
+        tok.all_special_ids
     except Exception as e:  # a malformed file raises what its parser raises (AttributeError, TypeError, ...)
         raise ValueError(f"{path}: its tokenizer files do not load ({type(e).__name__}: {e})"[:500]) from None
     check_chat_template_type(tok.chat_template, path)

@@ -48,6 +48,8 @@ def _json_edit(**change):
     ("tokenizer_config.json", lambda _: "[1]", "its tokenizer files do not load \\(AttributeError"),
     ("tokenizer_config.json", _json_edit(eos_token=5), "its tokenizer files do not load \\(TypeError"),
     ("tokenizer.json", lambda _: "[]", "its tokenizer files do not load"),
+    # loaded, its unk_token_id (and every unknown token's id) was a RecursionError
+    ("tokenizer_config.json", _json_edit(unk_token=""), "its tokenizer files do not load \\(RecursionError"),
     # a template of no type Jinja reads: every chat request would fail, the load did not
     ("tokenizer_config.json", _json_edit(chat_template=5), "chat_template must be a string or a list of"),
     ("tokenizer_config.json", _json_edit(chat_template=[{"name": "default", "template": 3}]),
@@ -236,6 +238,9 @@ _LLAMA3_SCALING = [["factor", 8.0], ["high_freq_factor", 4.0], ["low_freq_factor
     (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0, got nan"),
     (dict(rope_theta=0.0), "rope_theta must be a finite number > 0"),
     (dict(eos_token_ids=[10**6]), "eos_token_id \\[1000000\\] is outside the vocabulary"),
+    # int() of each item would read the string "257" as the stop ids 2, 5, 7, and 256.9 as 256
+    (dict(eos_token_ids="257"), "eos_token_ids must be a token id >= 0, a list of them, or null; got '257'"),
+    (dict(eos_token_ids=[256.9]), "eos_token_ids must be a token id >= 0"),
     (dict(bos_token_id=10**6), "bos_token_id 1000000 is outside the vocabulary"),
     (dict(sliding_window=0), "sliding_window must be an integer >= 1 or null"),
     (dict(architecture="gpt2"), "architecture 'gpt2' is none of llama"),
@@ -253,6 +258,21 @@ def test_an_orbax_checkpoints_model_config_gets_the_checks_of_a_config_json(orba
                    lambda text: json.dumps({**json.loads(text), "model_config": {
                        **json.loads(text)["model_config"], **change}}))
     with pytest.raises(ValueError, match=f"{checkpoint.META}: bad model_config \\(.*{says}"):
+        checkpoint.load(path)
+
+
+@pytest.mark.parametrize("text, says", [
+    # json's own error (no file named), an AttributeError and a TypeError before
+    ("{", "taxirank_checkpoint.json is not valid JSON"),
+    ("[1]", "taxirank_checkpoint.json must hold a JSON object, got list"),
+    ('{"format": 1, "model_config": 5}', "taxirank_checkpoint.json: model_config must be an object, got 5"),
+])
+def test_an_orbax_checkpoints_meta_file_that_is_no_json_object_is_an_error_naming_it(orbax_dir, tmp_path, text,
+                                                                                     says):
+    import checkpoint
+
+    path = _edited(orbax_dir, str(tmp_path / "ck"), checkpoint.META, lambda _: text)
+    with pytest.raises(ValueError, match=f"{path}/{says}"):
         checkpoint.load(path)
 
 

@@ -238,7 +238,8 @@ def _short(n: int) -> tuple[list[int], Any]:
     ({"tokenizer.ggml.eos_token_id": _u32(10**6)}, "eos_token_id \\[1000000\\] is outside the vocabulary"),
     # ignored, the model would compute something other than what it was trained to
     ({"llama.rope.scaling.factor": _f32(4.0)}, "llama.rope.scaling.factor = 4.0\\) is not supported"),
-    ({"llama.rope.scaling.type": _str("yarn")}, "GGUF RoPE scaling 'yarn' is not supported"),
+    ({"llama.rope.scaling.type": _str("yarn")},
+     "GGUF RoPE scaling \\(llama.rope.scaling.type = 'yarn'\\) is not supported"),
     ({"llama.attention.value_length": _u32(32)}, "value_length \\(32\\) differs from the key length \\(16\\)"),
     ({"llama.rope.dimension_count": _u32(8)}, "rope.dimension_count \\(8\\) differs from the head dimension \\(16\\)"),
     # heads that do not split hidden_size, without a key_length: not a shape error naming a tensor
@@ -281,15 +282,24 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
                              ("empty", b"", "not a readable GGUF file"),
                              # otherwise the gguf library's errors, which name no tensor
                              ("last byte", good[:-1], "tensor '[^']+' ends at byte [0-9,]+, past the end of the file"),
-                             ("rows", _patch_entry(q8, up, dims=(48, 128)),
+                             ("rows", patch_entry(q8, up, dims=(48, 128)),
                               f"tensor '{up}' has rows of 48 values, not a whole number of Q8_0 blocks"),
-                             ("type", _patch_entry(good, up, type_id=99), f"tensor '{up}' has GGML type id 99")]:
+                             ("type", patch_entry(good, up, type_id=99), f"tensor '{up}' has GGML type id 99"),
+                             # a quantized tensor of no blocks: the library's reshape error, naming nothing
+                             ("no rows", patch_entry(q8, up, dims=(0, 128)), f"tensor '{up}' is empty")]:
         (tmp_path / f"{name}.gguf").write_bytes(data)
         with pytest.raises(ValueError, match=says):
             load_model(str(tmp_path / f"{name}.gguf"), log=lambda *_: None)
+    with pytest.raises(ValueError, match=f"tensor '{up}' is empty"):  # its blocks served natively: quant.py's reshape
+        load_model(str(tmp_path / "no rows.gguf"), log=lambda *_: None, quantization="gguf")
+    # a feed_forward_length the Q8_0 blocks of ffn_down cannot split: named the file, not only the 32
+    f = write_gguf(path, str(tmp_path / "ffn.gguf"), quant="Q8_0", metadata={"llama.feed_forward_length": _u32(40)})
+    with pytest.raises(ValueError, match=f"checkpoint {f}: q8_0 needs input features in blocks of 32, got 40: "
+                                         "check its hidden_size and intermediate_size"):
+        load_model(f, log=lambda *_: None, quantization="gguf")
 
 
-def _patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, type_id: int | None = None) -> bytes:
+def patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, type_id: int | None = None) -> bytes:
     """A GGUF file with tensor `name`'s entry in the tensor table changed: {u64 name length,
     name, u32 n_dims, u64 dims[n_dims] (innermost first), u32 type, u64 offset}."""
     import struct

@@ -199,6 +199,9 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(num_attention_heads=2.0), "num_attention_heads must be an integer >= 1, got 2.0"),
     (dict(num_attention_heads=True), "num_attention_heads must be an integer >= 1, got True"),
     (dict(hidden_size=0), "hidden_size must be an integer >= 1"),
+    # NumPy reads 2**63..2**64-1 as uint64, which JAX takes for no shape: a TypeError building the model
+    (dict(hidden_size=2**63), "hidden_size 9223372036854775808 is past the largest array dimension"),
+    (dict(num_hidden_layers=2**64 - 1), "num_hidden_layers 18446744073709551615 is past the largest array"),
     (dict(num_hidden_layers=-1), "num_hidden_layers must be an integer >= 1"),
     (dict(intermediate_size=0), "intermediate_size must be an integer >= 1"),
     (dict(num_attention_heads=3, num_key_value_heads=None), "num_attention_heads \\(3\\) must divide hidden_size"),
@@ -211,6 +214,10 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(max_position_embeddings=2048.5), "max_position_embeddings must be an integer >= 1"),
     (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0, got nan"),
     (dict(rms_norm_eps=-1), "rms_norm_eps must be a finite number > 0"),
+    # an integer float() cannot take (JSON's 1e999 is inf, 10**400 written out an int): an OverflowError
+    (dict(rms_norm_eps=10**400), "rms_norm_eps must be a finite number > 0, got 1000"),
+    (dict(rope_theta=10**400), "rope_theta must be a finite number > 0, got 1000"),
+    (dict(rope_parameters={**_LLAMA3, "factor": 10**400}), "rope scaling factor must be a finite number > 0"),
     (dict(rope_theta=0), "rope_theta must be a finite number > 0"),
     # frequencies theta^(-2i/d) past float32's range: NaN from position 0 on
     (dict(rope_theta=1e-300), "rope_theta must be >= 1, got 1e-300"),
@@ -224,6 +231,8 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
      "disagree on factor"),
     (dict(rope_scaling=dict(type="linear", factor=2.0)), "unsupported RoPE type 'linear'"),
     (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "unsupported RoPE type 'dynamic'"),
+    # named by the key that holds it: "unsupported RoPE type None" alone named neither key nor file
+    (dict(rope_parameters=dict(rope_type=None)), "unsupported RoPE type None \\(the rope_type of rope_parameters"),
     (dict(rope_parameters={**_LLAMA3, "factor": "x"}), "rope scaling factor must be a finite number"),
     (dict(rope_parameters={**_LLAMA3, "high_freq_factor": 1.0}), "needs high_freq_factor \\(1.0\\) > low_freq"),
     (dict(rope_parameters={**_LLAMA3, "original_max_position_embeddings": 64.5}),
@@ -254,6 +263,8 @@ def test_config_json_values_are_checked_where_they_enter(change, says):
 def test_the_fields_of_the_hostile_table_load_at_their_sane_values():
     """The table above changes one field of a config that loads; its edges load too."""
     cfg = ModelConfig.from_hf(_HF)
+    # null numbers are the defaults, as absent keys (not float(None))
+    assert ModelConfig.from_hf({**_HF, "rms_norm_eps": None, "rope_theta": None}) == cfg
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.eos_token_ids) == (2, 2, 4, (2,))
     same = {"type": "llama3", **{k: v for k, v in _LLAMA3.items() if k != "rope_type"}}
     assert ModelConfig.from_hf({**_HF, "rope_scaling": same, "rope_parameters": _LLAMA3}).rope_scaling is not None
