@@ -74,7 +74,7 @@ class AsyncEngine:
         """grammar: the request's constraint, compiled already (LLMEngine.validate): without
         it, one is compiled here, on the caller's thread. parent, thinking, cache_salt: as
         LLMEngine.add_request's."""
-        grammar = self.engine.validate(prompt_token_ids, params, priority, slo, grammar)
+        grammar = self.engine.validate(prompt_token_ids, params, priority, slo, grammar, cache_salt)
         with self._lock:  # the loop sets _stop and error under it: a stream registered here is ended
             self._check_alive()
             if request_id in self._queues:

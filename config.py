@@ -63,7 +63,7 @@ class EngineConfig:
     # .gguf file's, used instead of the model's own (encoding, decoding, chat template, EOS,
     # structured outputs' vocabulary); None or "" (vLLM's): the model's. Its ids must be the model's rows.
     tokenizer: str | None = None
-    dtype: str = "float32"  # float32 | bfloat16 | auto (the checkpoint's torch_dtype)
+    dtype: str = "float32"  # float32 | bfloat16 | auto (bfloat16 for a bfloat16 checkpoint, else float32: model.resolve_dtype)
     seed: int = 0
     max_num_seqs: int = 32
     max_model_len: int | None = None
@@ -389,19 +389,12 @@ class ParamError(ValueError):
         self.param = param
 
 
-MAX_CACHE_SALT_CHARS = 256  # vLLM has no cap; one keeps what every first block's name hashes bounded
-
-
-def check_cache_salt(salt: object) -> str | None:
-    """vLLM's cache_salt (None: unsalted), as both the server and LLM.generate take it: a
-    non-empty string, which keeps the request's prefix-cache blocks apart from those of
-    requests without the same salt (Scheduler._block_hashes)."""
+def check_cache_salt(salt: object) -> None:
+    """vLLM's cache_salt (None: unsalted): a non-empty string, which keeps the request's
+    prefix-cache blocks apart from those of requests without the same salt
+    (Scheduler._block_hashes). Hashed once per request, so no cap but the body's."""
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ParamError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
-    if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
-        raise ParamError(f"Parameter 'cache_salt' takes at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
-                         "cache_salt")
-    return salt
 
 
 # What a generation_config.json may set of a request's sampling defaults, as vLLM reads it

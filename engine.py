@@ -169,7 +169,7 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
-                 slo: SLOTarget | None = None, grammar: Any = None) -> Any:
+                 slo: SLOTarget | None = None, grammar: Any = None, cache_salt: object = None) -> Any:
         """Raises ValueError saying why the request cannot run; safe from any thread. Returns
         the request's compiled structured-output constraint (None without one): `grammar`
         when given (compiled already), else compiled here (cached). A caller that must not
@@ -180,6 +180,7 @@ class LLMEngine:
             raise ParamError(f"the engine runs one sample per request, got n={params.n}: run n requests, "
                              "as LLM.generate and the server do", "n")
         self.scheduler.validate(prompt_token_ids, params, priority, slo)
+        check_cache_salt(cache_salt)
         if params.stop and self.tokenizer is None:
             raise ParamError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids",
                              "stop")
@@ -243,9 +244,9 @@ class LLMEngine:
         parent: one of n samples' shared ParentRequest (child_requests').
         thinking: the chat request did not switch thinking off (its template variable
         enable_thinking, protocol.thinking_enabled), which the qwen3 reasoning parser reads.
-        cache_salt: vLLM's, checked by config.check_cache_salt where it came in: its prefix-cache
-        blocks are shared only with requests of the same salt."""
-        grammar = self.validate(prompt_token_ids, params, priority, slo, grammar)
+        cache_salt: vLLM's (a non-empty string): its prefix-cache blocks are shared only with
+        requests of the same salt."""
+        grammar = self.validate(prompt_token_ids, params, priority, slo, grammar, cache_salt)
         vocab = self.model_config.vocab_size
         if params.top_k >= vocab:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
@@ -671,9 +672,11 @@ class LLM:
         # samples differ in their seeds only, which no check reads, so one sample stands for
         # them all, checked before the n are made (a huge n fails on a bad prompt at once).
         grammars = []  # each compiled once: the cache may not hold them all until they are added
-        for i, (ids, p, prio) in enumerate(zip(encoded, plist, priorities)):
+        salts = cache_salts or [None] * len(encoded)
+        for i, (ids, p, prio, salt) in enumerate(zip(encoded, plist, priorities, salts)):
             try:
-                grammars.append(self.engine.validate(ids, p if p.n == 1 else dataclasses.replace(p, n=1), prio))
+                grammars.append(self.engine.validate(ids, p if p.n == 1 else dataclasses.replace(p, n=1), prio,
+                                                     cache_salt=salt))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         request_ids = [f"offline-{self._counter + i}" for i in range(len(encoded))]
@@ -681,7 +684,6 @@ class LLM:
         children = [child_requests(rid, p) for rid, p in zip(request_ids, plist)]
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
-        salts = cache_salts or [None] * len(encoded)
         for i, (ids, samples, prio, grammar, salt) in enumerate(zip(encoded, children, priorities, grammars, salts)):
             for rid, p, par in samples:
                 seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar, parent=par,
@@ -768,8 +770,8 @@ class LLM:
             raise ValueError(f"a prompt dict is vLLM's TextPrompt {{'prompt': text}} or TokensPrompt "
                              f"{{'prompt_token_ids': ids}} (with the text they came from as 'prompt', if any), "
                              f"either with a 'cache_salt'; got the keys {sorted(map(str, prompt))}")
-        salt, text = check_cache_salt(prompt.get("cache_salt")), prompt.get("prompt")
-        if not isinstance(text, (str, type(None))):
+        salt, text = prompt.get("cache_salt"), prompt.get("prompt")  # the salt: checked by LLMEngine.validate
+        if not isinstance(text, str) and (text is not None or "prompt_token_ids" not in prompt):
             raise TypeError(f"'prompt' is a text; token ids go in 'prompt_token_ids', got {type(text).__name__}")
         if "prompt_token_ids" not in prompt:
             return self._encode(text), text, salt

@@ -660,7 +660,7 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
     try:
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype, quant, rngs=nnx.Rngs(0))))
     except ValueError as e:  # a size the quantization cannot hold (quant.QuantLinear's blocks of 32)
-        raise ValueError(f"{source}: {e}: check its hidden_size and intermediate_size") from None
+        raise ValueError(f"{source}: {e}") from None
     L = cfg.num_hidden_layers
     wanted: dict[str, tuple[tuple[Any, ...], int | None, bool]] = {}
     buffers: dict[tuple[Any, ...], np.ndarray] = {}

@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import chat_format
-from config import ParamError, SamplingParams, SLOTarget, StructuredOutputsParams, check_cache_salt
+from config import SamplingParams, SLOTarget, StructuredOutputsParams
 from tool_parsers import ToolChoice
 
 if TYPE_CHECKING:
@@ -679,14 +679,6 @@ def parse_slo(body: dict) -> SLOTarget | None:
         raise ApiError(f"slo.{e}".replace("slo.'", "'slo.", 1), param="slo") from e
     except ValueError as e:
         raise ApiError(str(e), param="slo") from e
-
-
-def parse_cache_salt(body: dict) -> str | None:
-    """vLLM's `cache_salt` (prefix-cache isolation between tenants), on both endpoints."""
-    try:
-        return check_cache_salt(body.get("cache_salt"))
-    except ParamError as e:
-        raise ApiError(str(e), param=e.param) from e
 
 
 # ---- logprobs out -----------------------------------------------------------------

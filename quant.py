@@ -78,7 +78,8 @@ class QuantLinear(nnx.Module):
         assert scheme in SCHEMES, scheme
         self.scheme, self.n_in = scheme, n_in
         if scheme in BLOCKED and n_in % GGUF_BLOCK:
-            raise ValueError(f"{scheme} needs input features in blocks of {GGUF_BLOCK}, got {n_in}")
+            raise ValueError(f"{scheme} needs input features in blocks of {GGUF_BLOCK}, got {n_in} (a linear's input "
+                             "features: hidden_size, intermediate_size, or num_attention_heads x head_dim)")
         rows = n_in // 2 if scheme in PACKED else n_in
         self.kernel = nnx.Param(jnp.zeros((rows, n_out), jnp.uint8 if scheme in PACKED else jnp.int8))
         if scheme == "int8":

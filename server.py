@@ -54,8 +54,7 @@ from config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig, SamplingParams, 
 from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
-                      loads_checked, parse_cache_salt, parse_messages, parse_prompt, parse_sampling, parse_slo,
-                      prompt_logprobs_json,
+                      loads_checked, parse_messages, parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json,
                       request_field, route_path, structured_field, text_part, thinking_enabled, token_text,
                       tool_choice, truncate_prompt, unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
@@ -110,7 +109,7 @@ class Generation:
         grammar: the structured-output constraint respond() compiled for params. parent: one
         of n samples' (child_requests'). thinking: a chat request's thinking switch
         (protocol.thinking_enabled), for where a reasoning model's constraint starts.
-        cache_salt: vLLM's (protocol.parse_cache_salt)."""
+        cache_salt: vLLM's, as the body sent it (LLMEngine.validate checks it)."""
         self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
@@ -200,7 +199,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     if n > 1 and want_metrics:
         raise ApiError("'include_metrics' is for n=1 (each sample is a request of its own)", param="include_metrics")
     slo = parse_slo(body)
-    cache_salt = parse_cache_salt(body)
+    cache_salt = body.get("cache_salt")  # vLLM's: checked with the rest of the request (LLMEngine.validate)
     if app["log_requests"]:
         log_request(engine_request_id, params, prompt_ids, app["max_log_len"])
     gens: list[Generation] = []

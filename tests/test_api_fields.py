@@ -179,7 +179,6 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (CHAT, "cache_salt", ""),  # vLLM's: a non-empty string
     (C, "cache_salt", 5),
     (CHAT, "cache_salt", []),
-    (C, "cache_salt", "s" * 257),
     (CHAT, "metadata", "not an object"),
     (CHAT, "parallel_tool_calls", "no"),
     (C, "max_completion_tokens", 5),  # chat's field: on completions it would be ignored

@@ -294,8 +294,9 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
         load_model(str(tmp_path / "no rows.gguf"), log=lambda *_: None, quantization="gguf")
     # a feed_forward_length the Q8_0 blocks of ffn_down cannot split: named the file, not only the 32
     f = write_gguf(path, str(tmp_path / "ffn.gguf"), quant="Q8_0", metadata={"llama.feed_forward_length": _u32(40)})
-    with pytest.raises(ValueError, match=f"checkpoint {f}: q8_0 needs input features in blocks of 32, got 40: "
-                                         "check its hidden_size and intermediate_size"):
+    with pytest.raises(ValueError, match=f"checkpoint {f}: q8_0 needs input features in blocks of 32, got 40 "
+                                         r"\(a linear's input features: hidden_size, intermediate_size, or "
+                                         r"num_attention_heads x head_dim\)"):
         load_model(f, log=lambda *_: None, quantization="gguf")
 
 

@@ -605,7 +605,7 @@ def test_a_cache_salt_shares_cached_tokens_only_with_its_own_salt_on_both_endpoi
         return out["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert chat_cached("tenant-a") == 0 and chat_cached("tenant-a") > 0 and chat_cached("tenant-b") == 0
     for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat)):
-        for salt in ("", 5, [], "s" * 257):
+        for salt in ("", 5, []):
             status, err = request(server, "POST", path, body | {"cache_salt": salt})
             assert status == 400 and err["error"]["param"] == "cache_salt", err
         assert request(server, "POST", path, body | {"max_tokens": 1, "cache_salt": None})[0] == 200
