@@ -115,7 +115,7 @@ COMMON = {
     "add_special_tokens": st.booleans(),
     "response_format": RESPONSE_FORMAT, "structured_outputs": STRUCTURED_OUTPUTS,
     "guided_json": SCHEMA, "guided_regex": REGEX, "guided_choice": CHOICE, "guided_grammar": GRAMMAR,
-    "priority": ints(-5, 5), "include_metrics": st.booleans(), "user": STRINGS,
+    "priority": ints(-5, 5), "include_metrics": st.booleans(), "user": STRINGS, "cache_salt": STRINGS,
     "slo": st.fixed_dictionaries({}, optional={"ttft_ms": floats(0, 1e4), "tpot_ms": floats(0, 1e4), "x": JUNK}),
     "tools": st.lists(TOOL, max_size=2), "tool_choice": TOOL_CHOICE,
     "request_id": STRINGS, "truncate_prompt_tokens": ints(-2, 130),
