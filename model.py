@@ -691,7 +691,7 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
             lin = variables[p[:-1] + ("kernel",)].get_value().shape  # [(L,) in or in/2, out]
             want = (lin[-1], lin[-2] * (2 if scheme in ("q4_0", "q4_1") else 1))
             if tuple(x.shape) != want:
-                raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}, expected {want}")
+                raise ValueError(f"tensor {name!r} in {source} has shape {tuple(x.shape)}, expected {want}")
             for part, arr in encode(x, scheme).items():
                 at(p[:-1] + (part,))[...] = arr
             seen.add(name)
@@ -700,7 +700,7 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
         dest = at(p)
         want = dest.shape[::-1] if transpose else dest.shape
         if x.shape != want:
-            raise ValueError(f"tensor {name!r} has shape {x.shape}, expected {want}")
+            raise ValueError(f"tensor {name!r} in {source} has shape {x.shape}, expected {want}")
         dest[...] = (x.T if transpose else x).astype(dtype)
         seen.add(name)
     missing = [n for n in wanted if n not in seen]

@@ -271,7 +271,8 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
     with pytest.raises(ValueError, match="'blk.0.attn_q.weight' has 60 rows, but the metadata says 4 heads of 16"):
         load_model(f, log=lambda *_: None)
     f = write_gguf(path, str(tmp_path / "up.gguf"), tensor_edit={"blk.0.ffn_up.weight": lambda x: x.T})
-    with pytest.raises(ValueError, match="'model.layers.0.mlp.up_proj.weight' has shape \\(64, 128\\)"):
+    with pytest.raises(ValueError, match=f"'model.layers.0.mlp.up_proj.weight' in checkpoint {f} has shape "
+                                         "\\(64, 128\\)"):
         load_model(f, log=lambda *_: None)
     good = open(write_gguf(path, str(tmp_path / "ok.gguf")), "rb").read()
     q8 = open(write_gguf(path, str(tmp_path / "q8.gguf"), quant="Q8_0"), "rb").read()
