@@ -639,16 +639,7 @@ class LLM:
         either with a "cache_salt" (its prefix-cache blocks are shared only with prompts of
         the same salt).
         priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
-        # vLLM's: a string, a dict, or a list of token ids, is one prompt (not one prompt per
-        # character or per id); any other iterable is read once (a generator read twice would
-        # leave the outputs' texts empty)
-        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, dict, Iterable)):
-            raise TypeError(f"prompts must be a string, a list of token ids or a list of such prompts (or of "
-                            f"prompt dicts), got {type(prompts).__name__}")
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
-            prompts = [prompts]
-        read = [self._read_prompt(prompt) for prompt in prompts]
+        read = self._read_prompts(prompts)
         return self._generate([ids for ids, _, _ in read], [text for _, text, _ in read], params, use_tqdm,
                               priority, cache_salts=[salt for _, _, salt in read])
 
@@ -761,6 +752,59 @@ class LLM:
         encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
         thinking = thinking_enabled(body)  # the qwen3 reasoning parser's, from the variables the template saw
         return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: Any, use_tqdm: bool = False) -> list[Any]:
+        """vLLM's LLM.beam_search (beam_search.py): one BeamSearchOutput per prompt (prompts as
+        generate() takes them), its params.beam_width best sequences, best first; each
+        sequence's tokens start with the prompt's, and so does its text. Each step runs the
+        live beams of every prompt as one batch of one-token requests."""
+        from beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        read = self._read_prompts(prompts)
+        step = params.step_params()
+        for i, (ids, _, salt) in enumerate(read):  # every step's limits, checked before any runs
+            try:
+                self.engine.validate(ids, dataclasses.replace(step, max_tokens=params.max_tokens), cache_salt=salt)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        searches = [BeamSearch(ids, params, self.engine.model_config.eos_token_ids) for ids, _, _ in read]
+        salts = [salt for _, _, salt in read]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=params.max_tokens, desc="beam search", unit="token")
+        while live := [i for i, s in enumerate(searches) if not s.done]:
+            beams = [(i, b) for i in live for b in searches[i].beams]
+            outs = self._generate([b.tokens for _, b in beams], [None] * len(beams), step, False, None,
+                                  cache_salts=[salts[i] for i, _ in beams])
+            for i in live:
+                searches[i].advance([o.outputs[0].logprobs[0] for (j, _), o in zip(beams, outs) if j == i])
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        results = []
+        for search in searches:
+            best = search.best()
+            for seq in best:
+                seq.text = self.tokenizer.decode(seq.tokens) if self.tokenizer is not None else ""
+            results.append(BeamSearchOutput(best))
+        return results
+
+    def _read_prompts(self, prompts: Prompt | Seq[Prompt]) -> list[tuple[list[int], str | None, str | None]]:
+        """generate()'s prompts, each as (token ids, text, cache_salt)."""
+        # vLLM's: a string, a dict, or a list of token ids, is one prompt (not one prompt per
+        # character or per id); any other iterable is read once (a generator read twice would
+        # leave the outputs' texts empty)
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, dict, Iterable)):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of such prompts (or of "
+                            f"prompt dicts), got {type(prompts).__name__}")
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+            prompts = [prompts]
+        return [self._read_prompt(prompt) for prompt in prompts]
 
     def _read_prompt(self, prompt: Prompt) -> tuple[list[int], str | None, str | None]:
         """A prompt's token ids, its text (when given as text) and its cache_salt."""

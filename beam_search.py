@@ -1,0 +1,142 @@
+"""Beam search, as vLLM runs it: outside the engine, over ordinary one-token requests.
+
+Each step asks the engine for one token of every live beam, with the 2 x beam_width most
+likely next tokens' logprobs. Every (beam, candidate) pair is scored by its cumulative
+logprob: a candidate that is an end-of-sequence token (unless ignore_eos) is set aside as a
+completed sequence, and the best beam_width of the others are the next step's beams. After
+max_tokens steps, or once no beam is left, the completed and live sequences are ranked by
+cum_logprob / length ** length_penalty (the length counts the prompt and not an ending EOS,
+as vLLM and Hugging Face count it) and the best beam_width are the answer.
+
+Why outside the engine: continuous batching already runs every beam of every request in one
+step, and the prefix cache keeps a beam's request (its prompt is the beam so far) from
+computing again what the previous step computed: each step computes about one block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Collection, Sequence
+
+from engine import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams (the OpenAI API's n is beam_width)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    # of each step's one-token requests: with the default raw logprobs (--logprobs-mode) it
+    # changes which token a step samples, not the candidates' scores
+    temperature: float = 0.0
+    length_penalty: float = 1.0  # the exponent of the length a finished sequence's score is divided by
+    include_stop_str_in_output: bool = False  # a sequence that ended on EOS keeps the EOS token
+
+    def __post_init__(self) -> None:
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: object) -> bool:
+            try:  # float() of a huge integer overflows: not a usable number either
+                return (is_int(x) or isinstance(x, float)) and math.isfinite(float(x))
+            except OverflowError:
+                return False
+
+        if not is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not is_num(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    def step_params(self) -> SamplingParams:
+        """Each step's request for one beam: one token, and the logprobs of the
+        2 x beam_width most likely (vLLM's; an EOS among them still leaves beam_width others)."""
+        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One sequence of a search, as vLLM's: `tokens` starts with the prompt's."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob]  # per output token: its logprob and the step's candidates
+    cum_logprob: float = 0.0
+    text: str | None = None  # set on the returned sequences only
+    finish_reason: str | None = None  # "stop" (an EOS) or "length"
+    stop_reason: int | None = None  # the EOS token that ended it
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's answer: the best beam_width sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_score(seq: BeamSearchSequence, eos_token_ids: Collection[int], length_penalty: float) -> float:
+    """vLLM's (and Hugging Face's) length-normalised score: an ending EOS is not counted."""
+    length = len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos_token_ids else 0)
+    return seq.cum_logprob / length ** length_penalty
+
+
+class BeamSearch:
+    """One prompt's search: its live beams and the sequences that have ended."""
+
+    def __init__(self, prompt_token_ids: Sequence[int], params: BeamSearchParams,
+                 eos_token_ids: Collection[int]) -> None:
+        self.params = params
+        self.eos = frozenset(eos_token_ids)  # what the score does not count at a sequence's end (vLLM's)
+        self.ends = frozenset() if params.ignore_eos else self.eos  # what ends a sequence
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.beams = [BeamSearchSequence(list(prompt_token_ids), [])]
+        self.completed: list[BeamSearchSequence] = []
+        self.num_steps = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.beams or self.num_steps == self.params.max_tokens
+
+    def advance(self, steps: Sequence[TokenLogprob]) -> None:
+        """One step: `steps[i]` is what live beam i's one-token request returned (the token it
+        sampled, with the step's most likely tokens in `top`)."""
+        assert len(steps) == len(self.beams) and not self.done
+        candidates = []  # (cum_logprob, beam index, token, its TokenLogprob)
+        for i, (beam, step) in enumerate(zip(self.beams, steps)):
+            # the sampled token is a candidate even where it is not among the most likely (vLLM's)
+            scored = dict(step.top)
+            scored.setdefault(step.token_id, step.logprob)
+            ranks = {token: r for r, (token, _) in enumerate(step.top, 1)} | {step.token_id: step.rank}
+            for token, logprob in sorted(scored.items(), key=lambda t: -t[1]):
+                entry = TokenLogprob(token, logprob, step.top, ranks[token])
+                cum = beam.cum_logprob + logprob
+                if token in self.ends:
+                    ended = beam.tokens + [token] if self.params.include_stop_str_in_output else list(beam.tokens)
+                    self.completed.append(BeamSearchSequence(ended, beam.logprobs + [entry], cum, None, "stop", token))
+                else:
+                    candidates.append((cum, i, token, entry))
+        # stable: among equal scores the earlier beam, then the likelier token, goes first
+        best = sorted(candidates, key=lambda c: -c[0])[:self.params.beam_width]
+        self.beams = [BeamSearchSequence(self.beams[i].tokens + [token], self.beams[i].logprobs + [entry], cum)
+                      for cum, i, token, entry in best]
+        self.num_steps += 1
+
+    def best(self) -> list[BeamSearchSequence]:
+        """The answer once done: the best beam_width of the ended and the live sequences, best
+        first (a live one ended by the length cap: "length")."""
+        assert self.done
+        ended = self.completed + [dataclasses.replace(b, finish_reason="length") for b in self.beams]
+        return sorted(ended, key=lambda s: -beam_score(s, self.eos, self.params.length_penalty))[:self.params.beam_width]
+
+    def output_ids(self, seq: BeamSearchSequence) -> list[int]:
+        """A sequence's output token ids (after the prompt)."""
+        return seq.tokens[self.num_prompt_tokens:]
