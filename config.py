@@ -47,6 +47,18 @@ MAX_BLOCK_SIZE = 256  # vLLM's largest --block-size
 DISTRIBUTED_EXECUTOR_BACKENDS: tuple[str, ...] = ("mp", "ray", "uni", "external_launcher")
 # The files of a Hugging Face tokenizer: a folder holding one of them has one (tokenizer.py).
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# vLLM's spellings of EngineConfig flags whose own name says it better here (a block count on
+# any device, not a GPU's; bytes), and its short ones: server.py's parser takes them beside
+# ours, so a vLLM command line runs as it is
+VLLM_SPELLINGS: dict[str, tuple[str, ...]] = {
+    "tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",),
+    "num_kv_blocks": ("--num-gpu-blocks-override",), "kv_cache_memory": ("--kv-cache-memory-bytes",)}
+
+
+def flag_name(field: str) -> str:
+    """An EngineConfig field's flag, every spelling, as argparse's errors write it
+    (--num-kv-blocks/--num-gpu-blocks-override): the value does not say which was typed."""
+    return "/".join(["--" + field.replace("_", "-"), *VLLM_SPELLINGS.get(field, ())])
 
 
 @dataclass(frozen=True)
