@@ -47,6 +47,18 @@ MAX_BLOCK_SIZE = 256  # vLLM's largest --block-size
 DISTRIBUTED_EXECUTOR_BACKENDS: tuple[str, ...] = ("mp", "ray", "uni", "external_launcher")
 # The files of a Hugging Face tokenizer: a folder holding one of them has one (tokenizer.py).
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# vLLM's spellings of EngineConfig flags whose own name says it better here (a block count on
+# any device, not a GPU's; bytes), and its short ones: server.py's parser takes them beside
+# ours, so a vLLM command line runs as it is
+VLLM_SPELLINGS: dict[str, tuple[str, ...]] = {
+    "tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",),
+    "num_kv_blocks": ("--num-gpu-blocks-override",), "kv_cache_memory": ("--kv-cache-memory-bytes",)}
+
+
+def flag_name(field: str) -> str:
+    """An EngineConfig field's flag, every spelling, as argparse's errors write it
+    (--num-kv-blocks/--num-gpu-blocks-override): the value does not say which was typed."""
+    return "/".join(["--" + field.replace("_", "-"), *VLLM_SPELLINGS.get(field, ())])
 
 
 @dataclass(frozen=True)
@@ -404,18 +416,24 @@ GENERATION_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_p", "top_k"
 
 def sampling_defaults(values: Any, where: str) -> dict[str, Any]:
     """values (GENERATION_DEFAULT_KEYS, from a file or a flag) as SamplingParams keyword
-    arguments; a ValueError naming `where` for an unknown key or a value SamplingParams refuses."""
+    arguments; a ValueError naming `where`, the key and its value for an unknown key, an
+    integer past 64 bits, or a value SamplingParams refuses."""
     if not isinstance(values, dict):
         raise ValueError(f"{where} must be a JSON object, got {type(values).__name__}")
     unknown = sorted(set(values) - set(GENERATION_DEFAULT_KEYS))
     if unknown:
         raise ValueError(f"{where}: {', '.join(map(str, unknown))[:200]} not among the sampling defaults it may set "
                          f"({', '.join(GENERATION_DEFAULT_KEYS)})")
+    for key, value in values.items():
+        # JSON integers have no bound: a top_k or max_new_tokens past 64 bits is a broken file, not
+        # a setting (offline, such a max_new_tokens would fail every generate() that leaves it out)
+        if key in ("top_k", "max_new_tokens") and isinstance(value, int) and not -2**63 <= value < 2**63:
+            raise ValueError(f"{where}: {key} must be a 64-bit integer, got {value}"[:300])
     out = {"max_tokens" if k == "max_new_tokens" else k: v for k, v in values.items() if v is not None}
     try:
         SamplingParams(**out)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{where}: {e}") from None
+    except (ValueError, TypeError) as e:  # SamplingParams names its own field: max_tokens is the file's max_new_tokens
+        raise ValueError(f"{where}: {str(e).replace('max_tokens', 'max_new_tokens', 1)}"[:300]) from None
     return out
 
 

@@ -15,12 +15,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from config import EngineConfig, flag_name
 from policy import KV_ADMISSION
 
 if TYPE_CHECKING:
     import jax
 
-    from config import EngineConfig
     from model import ModelConfig
 
 NULL_BLOCK = 0
@@ -307,10 +307,10 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
     # On CPU the device is the host: a swap pool (--preemption-mode swap) takes the same memory
     swap_bytes = int(config.swap_space * 2**30) if on_cpu and config.preemption_mode == "swap" else 0
     if config.num_kv_blocks is not None:
-        num, source = config.num_kv_blocks, f"--num-kv-blocks {config.num_kv_blocks}"
+        num, source = config.num_kv_blocks, f"{flag_name('num_kv_blocks')} {config.num_kv_blocks}"
     elif config.kv_cache_memory is not None:
         num = config.kv_cache_memory // per_block + 1
-        source = f"--kv-cache-memory {config.kv_cache_memory} bytes"
+        source = f"{flag_name('kv_cache_memory')} {config.kv_cache_memory} bytes"
     elif not on_cpu:
         dev = jax.devices()[0]
         if not have:

@@ -542,6 +542,7 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
             tok, tok_cfg = named_tokenizer(tokenizer, cfg, log)
         else:
             tok, tok_cfg = gguf_tokenizer(ckpt.tokenizer_metadata) if ckpt.tokenizer_metadata else None, cfg
+            check_token_ids(tok, cfg, f"the tokenizer of {path!r}")
         quant = weight_quant_for(quantization, ckpt.linear_types())
         native = quant is not None and quant.method == "gguf"
         served = (f"{quant.describe()}, the rest dequantized to {np.dtype(dt).name}" if native
@@ -563,11 +564,24 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
         tok, tok_cfg = named_tokenizer(tokenizer, cfg, log)
     else:
         tok = load_tokenizer(model)
+        check_token_ids(tok, cfg, f"the tokenizer of {model!r}")
         tok_cfg = with_tokenizer_eos(cfg, tok)
     dt = resolve_dtype(dtype, hf.get("dtype") or hf.get("torch_dtype"))
     quant = weight_quant_for(quantization, None)
     return LoadedModel(model_from_hf_tensors(cfg, dt, _safetensors_tensors(model), f"checkpoint {model}", quant),
                        tok_cfg, tok, model, dt, quant)
+
+
+def check_token_ids(tokenizer: Any | None, cfg: ModelConfig, source: str) -> int:
+    """The tokenizer's number of token ids (0: none). Its ids must have embedding rows: a
+    vocabulary larger than the model's is refused; a smaller one is fine (the rows past it,
+    often padding to a round vocab_size, are never produced by encoding)."""
+    n = num_token_ids(tokenizer) if tokenizer is not None else 0
+    if n > cfg.vocab_size:
+        raise ValueError(f"{source}: its vocabulary has {n} token ids, more than the model's "
+                         f"{cfg.vocab_size} embedding rows (vocab_size): ids {cfg.vocab_size}..{n - 1} would have "
+                         "no embedding")
+    return n
 
 
 def with_tokenizer_eos(cfg: ModelConfig, tokenizer: Any | None) -> ModelConfig:
@@ -581,19 +595,14 @@ def with_tokenizer_eos(cfg: ModelConfig, tokenizer: Any | None) -> ModelConfig:
 def named_tokenizer(path: str, cfg: ModelConfig, log: Callable[[str], None] = print,
                     builtin: bool = False) -> tuple[Any, ModelConfig]:
     """--tokenizer's tokenizer for a model of `cfg`, and `cfg` with the stop ids that follow
-    from it. Its ids must have embedding rows: a vocabulary larger than the model's is
-    refused (fewer ids are fine: the rows past them are never produced by encoding). As
-    vLLM, the tokenizer's eos_token_id is the primary EOS and the model's own stop ids
-    (config.json's, generation_config.json's, a GGUF file's eos/eot/eom) stay beside it;
-    a built-in random model's are its byte tokenizer's, which the named one replaces. The
+    from it. Its ids must have embedding rows (check_token_ids). As vLLM, the tokenizer's
+    eos_token_id is the primary EOS and the model's own stop ids (config.json's,
+    generation_config.json's, a GGUF file's eos/eot/eom) stay beside it; a built-in random
+    model's are its byte tokenizer's, which the named one replaces. The
     decoder keeps the model's own ModelConfig (the ids are not in its computation), so its
     step programs are those of the same model served without the flag."""
     tok = load_named_tokenizer(path)
-    n = num_token_ids(tok)
-    if n > cfg.vocab_size:
-        raise ValueError(f"--tokenizer {path!r}: its vocabulary has {n} token ids, more than the model's "
-                         f"{cfg.vocab_size} embedding rows (vocab_size): ids {cfg.vocab_size}..{n - 1} would have "
-                         "no embedding")
+    n = check_token_ids(tok, cfg, f"--tokenizer {path!r}")
     if builtin:
         cfg = replace(cfg, eos_token_ids=(), bos_token_id=tok.bos_token_id)
     cfg = with_tokenizer_eos(cfg, tok)

@@ -38,24 +38,60 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-import yarl
-import ray
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
-from ray import serve
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from ray.serve.schema import LoggingConfig
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
-
 import config_file
-from cors import CorsPolicy
-from protocol import MAX_BODY_BYTES, ApiError, route_path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """server.py's flags (the same meaning per replica; --host/--port are Ray Serve's
+    proxy) and the fleet's own."""
+    import server
+
+    p = server.build_parser()
+    p.description = "taxirank: OpenAI-compatible server, N replicas under Ray Serve"
+    g = p.add_argument_group("Ray Serve")
+    g.add_argument("--num-replicas", type=int, help="fixed number of engine replicas (default 1; "
+                   "exclusive with --min-replicas/--max-replicas)")
+    g.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas")
+    g.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas")
+    g.add_argument("--target-ongoing-requests", type=float,
+                   help="autoscaling: requests per replica it aims at (default: --max-num-seqs)")
+    g.add_argument("--max-ongoing-requests", type=int,
+                   help="requests one replica is sent at most; the rest wait in the router (default: 2 x --max-num-seqs)")
+    g.add_argument("--routing", choices=["prefix", "power-of-two"], default="prefix",
+                   help="prefix: the replica holding the longest prefix of the prompt unless its queue is "
+                        "--imbalanced-threshold longer than the shortest, else the least loaded; "
+                        "power-of-two: Ray Serve's default (the shorter queue of two random replicas)")
+    g.add_argument("--imbalanced-threshold", type=int,
+                   help="prefix routing: queue-length lead at which load wins over a prefix (default: --max-num-seqs)")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per engine replica")
+    g.add_argument("--replica-gpus", type=float, default=0.0,
+                   help="Ray GPUs per engine replica: 0 (CPU replicas), a fraction of one (a shared GPU), "
+                        "or a whole number >= --tensor-parallel-size")
+    g.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` runs here); "
+                   "default: start a local Ray instance")
+    return p
+
+
+if __name__ == "__main__":
+    config_file.parse_args(build_parser())  # --help and a refused flag answer before Ray loads (a second)
+
+import aiohttp  # noqa: E402
+import yarl  # noqa: E402
+import ray  # noqa: E402
+from aiohttp import web  # noqa: E402
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest  # noqa: E402
+from prometheus_client.core import Metric  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig  # noqa: E402
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator  # noqa: E402
+from ray.serve.schema import LoggingConfig  # noqa: E402
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica  # noqa: E402
+from starlette.requests import ClientDisconnect, Request  # noqa: E402
+from starlette.responses import Response, StreamingResponse  # noqa: E402
+
+from cors import CorsPolicy  # noqa: E402
+from protocol import MAX_BODY_BYTES, ApiError, route_path  # noqa: E402
 
 # The engine side (server.py, the engine, JAX) is imported where it is used: by the driver
 # (flags, plan) and by the Engine replicas. The Ingress process imports this module to run
@@ -437,37 +473,6 @@ class _Families:
 
 
 # ---- the application, CLI, main -------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    """server.py's flags (the same meaning per replica; --host/--port are Ray Serve's
-    proxy) and the fleet's own."""
-    import server
-
-    p = server.build_parser()
-    p.description = "taxirank: OpenAI-compatible server, N replicas under Ray Serve"
-    g = p.add_argument_group("Ray Serve")
-    g.add_argument("--num-replicas", type=int, help="fixed number of engine replicas (default 1; "
-                   "exclusive with --min-replicas/--max-replicas)")
-    g.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas")
-    g.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas")
-    g.add_argument("--target-ongoing-requests", type=float,
-                   help="autoscaling: requests per replica it aims at (default: --max-num-seqs)")
-    g.add_argument("--max-ongoing-requests", type=int,
-                   help="requests one replica is sent at most; the rest wait in the router (default: 2 x --max-num-seqs)")
-    g.add_argument("--routing", choices=["prefix", "power-of-two"], default="prefix",
-                   help="prefix: the replica holding the longest prefix of the prompt unless its queue is "
-                        "--imbalanced-threshold longer than the shortest, else the least loaded; "
-                        "power-of-two: Ray Serve's default (the shorter queue of two random replicas)")
-    g.add_argument("--imbalanced-threshold", type=int,
-                   help="prefix routing: queue-length lead at which load wins over a prefix (default: --max-num-seqs)")
-    g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per engine replica")
-    g.add_argument("--replica-gpus", type=float, default=0.0,
-                   help="Ray GPUs per engine replica: 0 (CPU replicas), a fraction of one (a shared GPU), "
-                        "or a whole number >= --tensor-parallel-size")
-    g.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` runs here); "
-                   "default: start a local Ray instance")
-    return p
-
 
 @dataclass(frozen=True)
 class Plan:

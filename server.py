@@ -50,7 +50,7 @@ from prometheus_client.utils import floatToGoString
 import chat_format
 import config_file
 from cors import CorsPolicy, on_response_prepare as cors_headers
-from config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig, SamplingParams, SLOTarget
+from config import DISTRIBUTED_EXECUTOR_BACKENDS, VLLM_SPELLINGS, EngineConfig, SamplingParams, SLOTarget
 from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
@@ -1287,13 +1287,6 @@ def non_negative_int(value: str) -> int:
     return n
 
 
-# vLLM's spellings of EngineConfig flags whose own name says it better here (a block count
-# on any device, not a GPU's; bytes), and its short ones: a vLLM command line runs as it is
-_VLLM_SPELLINGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
-                   "data_parallel_size": ("-dp",), "num_kv_blocks": ("--num-gpu-blocks-override",),
-                   "kv_cache_memory": ("--kv-cache-memory-bytes",)}
-
-
 def build_parser() -> argparse.ArgumentParser:
     """One flag per EngineConfig field (same name, dashes for underscores), then the server's own."""
     p = argparse.ArgumentParser(description="taxirank: OpenAI-compatible server",
@@ -1315,7 +1308,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:  # int, float, str, or `X | None`; a type that parses its own text gets the text
             arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
             kw["type"] = config_file.json_text if hasattr(arg, "parse") else arg
-        p.add_argument("--" + f.name.replace("_", "-"), *_VLLM_SPELLINGS.get(f.name, ()), **kw)
+        p.add_argument("--" + f.name.replace("_", "-"), *VLLM_SPELLINGS.get(f.name, ()), **kw)
     p.add_argument("--config", help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
                                     "command line win over the file's")
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")

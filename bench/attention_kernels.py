@@ -21,13 +21,52 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from report import (checked, out_path, positive, positive_float, positive_ints, require_gpu, sections,  # noqa: E402
+                    timer, write_json)
+
+
+FLAGS = (  # flag, type (bool: a switch), default, help
+    ("out", str, None, "JSON path (default: $OUT/kernels.json if $OUT is set)"),
+    ("batches", positive_ints, [1, 16, 64, 256], None), ("contexts", positive_ints, [512, 2048, 8192], None),
+    ("backends", str, "pallas,ref", "of the kernel benches: pallas,ref"),
+    ("peak-tbps", positive_float, 4.8, "peak HBM TB/s (H200 datasheet: 4.8)"),
+    ("skip-decode", bool, False, None), ("skip-ragged", bool, False, None), ("skip-step", bool, False, None),
+    ("step-batches", positive_ints, [1, 32, 256], None), ("step-context", positive, 1024, None),
+    ("step-backends", str, "pallas", "pallas,xla"), ("step-iters", positive, 10, None),
+    ("smoke", bool, False, "only the compile smoke test: both kernels vs the references on small inputs"),
+    ("sweep", bool, False, "tune the decode kernel on the judged cases over the --sweep-* lists"),
+    ("sweep-warps", positive_ints, [4, 8], None), ("sweep-stages", positive_ints, [2, 3, 4], None),
+    ("sweep-keys", positive_ints, [64, 128], "keys per inner-loop step"),
+    ("judge-gib", checked(float, lambda x: x >= 0, "a number >= 0"), 0.5,
+     "decode cases reading at least this much KV are judged (and swept)"),
+    ("copy-gib", positive_float, 2.0, "buffer of the copy-bandwidth measurement"), ("skip-copy", bool, False, None),
+    ("quick", bool, False, "toy shapes, a smoke run of every part (on CPU the kernels are interpreted)"),
+    ("require-gpu", bool, False, "fail at once when JAX sees no GPU"))
+
+
+def parse_args() -> argparse.Namespace:
+    """The flags of sys.argv, the --backends lists as lists."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for flag, kind, default, what in FLAGS:
+        ap.add_argument(f"--{flag}", help=what, **(dict(action="store_true") if kind is bool else dict(
+            type=kind, default=default)))
+    if "--quick" in sys.argv[1:]:  # toy shapes, unless given; every case judged: the sweep path runs
+        ap.set_defaults(batches=[1, 4], contexts=[64], step_batches=[1, 4], step_context=64, step_iters=2,
+                        judge_gib=0.0, copy_gib=1 / 16, sweep_warps=[4], sweep_stages=[2])
+    args = ap.parse_args()
+    args.backends = sections(ap, args.backends, ("pallas", "ref"), "--backends")
+    args.step_backends = sections(ap, args.step_backends, ("pallas", "xla"), "--step-backends")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a refused flag answer before JAX loads (seconds)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attention_backend as ab  # noqa: E402
-from report import (checked, out_path, positive, positive_float, positive_ints, require_gpu, sections,  # noqa: E402
-                    timer, write_json)
 import kernels_pallas as kp  # noqa: E402
 from attention_backend import AttentionShape  # noqa: E402
 
@@ -320,36 +359,8 @@ def bench_smoke(res: Results, interpret: bool, shapes: list[AttentionShape]) -> 
                 f"smoke   --attention-backend auto serves: {chosen}")
 
 
-FLAGS = (  # flag, type (bool: a switch), default, help
-    ("out", str, None, "JSON path (default: $OUT/kernels.json if $OUT is set)"),
-    ("batches", positive_ints, [1, 16, 64, 256], None), ("contexts", positive_ints, [512, 2048, 8192], None),
-    ("backends", str, "pallas,ref", "of the kernel benches: pallas,ref"),
-    ("peak-tbps", positive_float, 4.8, "peak HBM TB/s (H200 datasheet: 4.8)"),
-    ("skip-decode", bool, False, None), ("skip-ragged", bool, False, None), ("skip-step", bool, False, None),
-    ("step-batches", positive_ints, [1, 32, 256], None), ("step-context", positive, 1024, None),
-    ("step-backends", str, "pallas", "pallas,xla"), ("step-iters", positive, 10, None),
-    ("smoke", bool, False, "only the compile smoke test: both kernels vs the references on small inputs"),
-    ("sweep", bool, False, "tune the decode kernel on the judged cases over the --sweep-* lists"),
-    ("sweep-warps", positive_ints, [4, 8], None), ("sweep-stages", positive_ints, [2, 3, 4], None),
-    ("sweep-keys", positive_ints, [64, 128], "keys per inner-loop step"),
-    ("judge-gib", checked(float, lambda x: x >= 0, "a number >= 0"), 0.5,
-     "decode cases reading at least this much KV are judged (and swept)"),
-    ("copy-gib", positive_float, 2.0, "buffer of the copy-bandwidth measurement"), ("skip-copy", bool, False, None),
-    ("quick", bool, False, "toy shapes, a smoke run of every part (on CPU the kernels are interpreted)"),
-    ("require-gpu", bool, False, "fail at once when JAX sees no GPU"))
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for flag, kind, default, what in FLAGS:
-        ap.add_argument(f"--{flag}", help=what, **(dict(action="store_true") if kind is bool else dict(
-            type=kind, default=default)))
-    if "--quick" in sys.argv[1:]:  # toy shapes, unless given; every case judged: the sweep path runs
-        ap.set_defaults(batches=[1, 4], contexts=[64], step_batches=[1, 4], step_context=64, step_iters=2,
-                        judge_gib=0.0, copy_gib=1 / 16, sweep_warps=[4], sweep_stages=[2])
-    args = ap.parse_args()
-    backends = sections(ap, args.backends, ("pallas", "ref"), "--backends")
-    step_backends = sections(ap, args.step_backends, ("pallas", "xla"), "--step-backends")
+    args = parse_args()
     on_gpu = require_gpu(args.require_gpu)
     interpret = not on_gpu
     step_config, ragged_cases = (TOY_HF, TOY_RAGGED_CASES) if args.quick else (LLAMA3_8B_HF, RAGGED_CASES)
@@ -373,14 +384,14 @@ def main() -> None:
     if not (args.skip_decode or args.smoke):
         copy_bw = None if args.skip_copy else bench_copy(res, args.copy_gib, peak)
         sweep = [(w, st, k) for w in args.sweep_warps for st in args.sweep_stages for k in args.sweep_keys]
-        bench_decode(res, args.batches, args.contexts, peak, interpret, backends, sweep if args.sweep else None,
+        bench_decode(res, args.batches, args.contexts, peak, interpret, args.backends, sweep if args.sweep else None,
                      int(args.judge_gib * 2**30), copy_bw)
         best_configs(res)
     if not (args.skip_ragged or args.smoke):
-        bench_ragged(res, interpret, backends, ragged_cases)
+        bench_ragged(res, interpret, args.backends, ragged_cases)
     if not (args.skip_step or args.smoke):
         bench_step(res, args.step_batches, args.step_context, peak,
-                   step_backends, args.step_iters, step_config)
+                   args.step_backends, args.step_iters, step_config)
     if out:
         print(f"wrote {out}")
     if args.smoke:

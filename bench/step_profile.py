@@ -33,9 +33,6 @@ import time
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [ROOT, os.path.dirname(HERE)]  # the repo root first (structured.py)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from report import machine_info, positive, results_dir, sections, timer, write_json  # noqa: E402
 
 SECTIONS = ("roofline", "host", "parts", "settings", "padding", "warmup", "stops")
@@ -56,6 +53,28 @@ SETTINGS = {"default": ("", {}), "fast-math": ("--xla_cpu_enable_fast_math=true"
             "bf16 weights": ("", {"dtype": "bfloat16"}), "int8 weights": ("", {"quantization": "int8"}),
             "int8 KV": ("", {"kv_cache_dtype": "int8"})}
 LIMITS: dict[str, float] = {}
+
+def parse_args() -> argparse.Namespace:
+    """The flags of sys.argv, --sections and --settings as lists."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--out", default=results_dir("step_profile.json"))
+    ap.add_argument("--baseline", default="", help="warmup, stops: also measure this checkout's code")
+    ap.add_argument("--repeats", type=positive, default=2, help="settings: fresh processes per setting")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="settings: which (the first is the reference)")
+    ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.sections = sections(ap, args.sections, SECTIONS)
+    args.settings = sections(ap, args.settings, SETTINGS, "--settings")
+    if args.baseline and not ({"warmup", "stops"} & {*args.sections} and os.path.isfile(f"{args.baseline}/engine.py")):
+        ap.error(f"--baseline wants a checkout (DIR/engine.py) and the warmup or stops section, got {args.baseline!r}")
+    return args
+
+if __name__ == "__main__":
+    parse_args()  # --help and a refused flag answer before JAX loads (seconds)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 def child(*args: str, flags: str | None = None) -> dict:  # this script's --_child in a fresh process: its programs
     env = None if flags is None else os.environ | {"XLA_FLAGS": flags}  # and its own XLA flags, if given
@@ -380,24 +399,14 @@ def section_stops() -> dict:
 
 def main() -> None:
     global ARGS
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default=",".join(SECTIONS))
-    ap.add_argument("--out", default=results_dir("step_profile.json"))
-    ap.add_argument("--baseline", default="", help="warmup, stops: also measure this checkout's code")
-    ap.add_argument("--repeats", type=positive, default=2, help="settings: fresh processes per setting")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help="settings: which (the first is the reference)")
-    ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
-    ARGS = ap.parse_args()
+    ARGS = parse_args()
     if ARGS._child:
         kind, *rest = ARGS._child
         children = {"settings": _settings_child, "warmup": _warmup_child, "stops": _stops_child}
         print(json.dumps(children[kind](*rest)))
         return
-    chosen, ARGS.settings = sections(ap, ARGS.sections, SECTIONS), sections(ap, ARGS.settings, SETTINGS, "--settings")
-    if ARGS.baseline and not ({"warmup", "stops"} & {*chosen} and os.path.isfile(f"{ARGS.baseline}/engine.py")):
-        ap.error(f"--baseline wants a checkout (DIR/engine.py) and the warmup or stops section, got {ARGS.baseline!r}")
     results: dict = {"machine": machine_info(), "load_before": os.getloadavg()}
-    for name in chosen:
+    for name in ARGS.sections:
         results[name] = globals()[f"section_{name}"]()
     results["load_after"] = os.getloadavg()
     print(f"load average before/after: {results['load_before'][0]:.2f} / {results['load_after'][0]:.2f}")

@@ -19,6 +19,27 @@ import argparse  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
+from report import positive, positive_ints, write_json  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="bench", help="a built-in model")
+    p.add_argument("--tp", type=positive_ints, default="1,2,4")
+    p.add_argument("--requests", type=positive, default=8)
+    p.add_argument("--prompt-len", type=positive, default=64)
+    p.add_argument("--max-tokens", type=positive, default=32)
+    args = p.parse_args()
+    from model import BUILTIN_MODELS  # JAX: loaded once --help and the other flags have answered
+
+    if args.model not in BUILTIN_MODELS:
+        p.error(f"argument --model: invalid choice: {args.model!r} (choose from {', '.join(sorted(BUILTIN_MODELS))})")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and a refused flag answer before JAX loads (seconds)
+
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -27,7 +48,6 @@ from engine import LLM, SamplingParams  # noqa: E402
 from model import BUILTIN_MODELS, hf_state_dict, load_model  # noqa: E402
 from offline import hf_config  # noqa: E402
 from parallel import bytes_per_device  # noqa: E402
-from report import positive, positive_ints, write_json  # noqa: E402
 
 
 def write_safetensors(name: str, path: str) -> None:
@@ -47,13 +67,7 @@ def timed_load(fn) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="bench", choices=sorted(BUILTIN_MODELS))
-    p.add_argument("--tp", type=positive_ints, default="1,2,4")
-    p.add_argument("--requests", type=positive, default=8)
-    p.add_argument("--prompt-len", type=positive, default=64)
-    p.add_argument("--max-tokens", type=positive, default=32)
-    args = p.parse_args()
+    args = parse_args()
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
           f"load {os.getloadavg()[0]:.1f}")
     prompts = [[1] + [(7 * i + 3 * j) % 500 + 3 for j in range(args.prompt_len - 1)] for i in range(args.requests)]

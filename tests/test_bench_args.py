@@ -4,11 +4,14 @@ value ignored or misread), and a size given beside --tiny is the one used."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import subprocess
 import sys
 
 import pytest
-from conftest import load_bench
+from conftest import ROOT, load_bench
 
 REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag did without its check
     ("mixed", ["--rate", "0"], "argument --rate: wants a number > 0"),  # unchecked: all at once
@@ -84,3 +87,26 @@ def test_attention_kernels_quick_step_model_is_a_valid_config():
     cfg = ModelConfig.from_hf(toy)
     assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size) == (1024, 2, 256)
     assert max(toy["bos_token_id"], toy["eos_token_id"]) < cfg.vocab_size
+
+
+SCRIPTS = sorted(os.path.relpath(p, ROOT) for p in [*glob.glob(f"{ROOT}/bench/*.py"), f"{ROOT}/serve_ray.py",
+                                                    f"{ROOT}/server.py"]
+                 if 'if __name__ == "__main__":' in open(p).read())
+HELP_RUN = """import os, runpy, sys
+path = sys.argv[1]
+sys.path.insert(0, os.path.dirname(path))  # as `python path` does
+sys.argv = [path, "--help"]
+try:
+    runpy.run_path(path, run_name="__main__")
+except SystemExit as e:
+    assert e.code == 0, e.code
+print(sorted(m for m in ("jax", "ray", "engine") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_answers_before_jax_or_ray_loads(script):
+    """Every script's --help answers before it imports JAX, Ray or the engine (seconds)."""
+    out = subprocess.run([sys.executable, "-c", HELP_RUN, os.path.join(ROOT, script)], capture_output=True,
+                         text=True, check=True, cwd=ROOT)
+    assert "usage:" in out.stdout and out.stdout.splitlines()[-1] == "[]", out.stdout[-300:]

@@ -193,7 +193,8 @@ def test_an_explicit_kv_budget_past_a_containers_limit_is_refused(monkeypatch, t
     config = EngineConfig(max_model_len=256, kv_cache_memory=3 * 2**30).resolved(4096)
     assert kvcache.num_kv_blocks_for(config, model, np.float32, weight_bytes=0) > 1
     _limit_host(monkeypatch, tmp_path, 2 * 2**30)
-    with pytest.raises(ValueError, match="--kv-cache-memory 3221225472 bytes: .* does not fit in the device's 2.00 GiB"):
+    with pytest.raises(ValueError, match="--kv-cache-memory/--kv-cache-memory-bytes 3221225472 bytes: .* does not "
+                                         "fit in the device's 2.00 GiB"):
         kvcache.num_kv_blocks_for(config, model, np.float32, weight_bytes=0)
 
 

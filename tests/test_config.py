@@ -69,7 +69,8 @@ def test_an_explicit_kv_cache_that_cannot_fit_is_refused_naming_the_flag_before_
 
     fits = have // 4 // per_block
     assert blocks(num_kv_blocks=fits) == fits
-    with pytest.raises(ValueError, match=r"--num-kv-blocks \d+: a KV cache of \d+ blocks takes .* GiB"):
+    with pytest.raises(ValueError, match=r"--num-kv-blocks/--num-gpu-blocks-override \d+: a KV cache of \d+ blocks "
+                                         r"takes .* GiB"):
         blocks(num_kv_blocks=fits * 4)  # with the weights, past the device's memory
     with pytest.raises(ValueError, match="--kv-cache-memory"):
         blocks(kv_cache_memory=have)
@@ -308,6 +309,22 @@ def test_parallelism_flags_take_vllms_spellings_and_the_values_that_run():
                         (["--distributed-executor-backend", "mp"], "supports only uni")]:
         with pytest.raises(ValueError, match=says):
             server.engine_config(parser.parse_args(flags))
+
+
+def test_a_kv_sizing_error_names_the_flag_as_vllm_spells_it_too():
+    """--num-gpu-blocks-override and --kv-cache-memory-bytes set the same fields as ours: a
+    message about their value names each spelling the parser takes (as argparse's own errors
+    do), so a vLLM user reads the flag they typed."""
+    parser = server.build_parser()
+    model = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=4, head_dim=8)
+    for dest, flag, value in [("num_kv_blocks", "--num-gpu-blocks-override", "2"),
+                              ("kv_cache_memory", "--kv-cache-memory-bytes", "1")]:
+        config = server.engine_config(parser.parse_args(["--max-model-len", "256", flag, value])).resolved(4096)
+        spellings = next(a.option_strings for a in parser._actions if a.dest == dest)
+        assert flag in spellings and len(spellings) == 2
+        with pytest.raises(ValueError, match="but one sequence of max_model_len 256 needs 16") as e:
+            kvcache.num_kv_blocks_for(config, model, np.float32, weight_bytes=0)
+        assert f"({'/'.join(spellings)} {value}" in str(e.value)
 
 
 def test_server_exits_on_an_unsupported_parallelism_flag_and_an_unknown_backend(capsys):

@@ -17,6 +17,7 @@ from conftest import hf_greedy, make_hf_checkpoint
 
 from config import EngineConfig
 from engine import LLM
+from hf_config import generation_sampling_defaults
 from protocol import parse_sampling
 
 SHAPES = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, num_kv_blocks=16, warmup=False)
@@ -77,6 +78,33 @@ def test_bad_defaults_are_refused_where_they_enter(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="generation_config.json: temperature must be a finite number >= 0"):
         LLM(bad, log=lambda *_: None, **SHAPES)
     LLM(bad, log=lambda *_: None, generation_config="vllm", **SHAPES)  # the file's defaults unread
+
+
+REFUSED = [  # (generation_config.json's key, value, what the error says after the file's path)
+    ("top_k", 10**400, "top_k must be a 64-bit integer, got 10"),  # unchecked: loaded
+    ("top_k", 2**63, "top_k must be a 64-bit integer, got 9223372036854775808"),  # unchecked: loaded
+    ("max_new_tokens", 10**400, "max_new_tokens must be a 64-bit integer, got 10"),  # unchecked: failed each generate()
+    ("max_new_tokens", -2**63 - 1, "max_new_tokens must be a 64-bit integer, got -9223372036854775809"),
+    ("max_new_tokens", -3, "max_new_tokens must be an integer >= 1, got -3"),  # unchecked: named max_tokens
+    ("max_new_tokens", "5", "max_new_tokens must be an integer >= 1, got '5'"),
+    ("max_new_tokens", 5.0, "max_new_tokens must be an integer >= 1, got 5.0"),
+    ("top_k", -5, "top_k must be -1 or 0 (disabled) or >= 1, got -5"),
+    ("top_k", True, "top_k must be -1 or 0 (disabled) or >= 1, got True"),
+    ("temperature", 10**400, "temperature must be a finite number >= 0, got 10"),
+    ("top_p", "0.5", "top_p must be in (0, 1], got '0.5'"),
+]
+
+
+@pytest.mark.parametrize("key,value,says", REFUSED, ids=[f"{k}={v!r:.12}" for k, v, _ in REFUSED])
+def test_an_absurd_default_is_a_load_error_naming_the_file_key_and_value(checkpoint, tmp_path, key, value, says):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    os.symlink(os.path.join(checkpoint, "config.json"), folder / "config.json")
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({key: value}))
+    with pytest.raises(ValueError) as e:
+        generation_sampling_defaults(EngineConfig(model=str(folder)))
+    assert str(e.value).startswith(f"{path}: {says}") and len(str(e.value)) <= 300
 
 
 def test_the_server_answers_with_the_defaults_unless_the_request_sets_them(checkpoint):

@@ -152,7 +152,8 @@ def test_the_logprob_arrays_are_reserved_where_no_activation_peak_holds_them(mon
     blocks = 861 - more  # with the weights it fits; with the arrays too, 1,021 (+ 60) blocks do not
     explicit = config(num_kv_blocks=blocks, async_scheduling=async_scheduling)
     assert num_kv_blocks_for(explicit, CFG, jnp.float32, weights) == blocks
-    with pytest.raises(ValueError, match=f"--num-kv-blocks {blocks}: .* of activations .* does not fit"):
+    with pytest.raises(ValueError, match=f"--num-kv-blocks/--num-gpu-blocks-override {blocks}: .* of activations "
+                                         ".* does not fit"):
         num_kv_blocks_for(explicit, CFG, jnp.float32, weights, logprobs_bytes=logprobs)
 
 

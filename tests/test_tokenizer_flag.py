@@ -203,6 +203,24 @@ def test_bad_values_are_start_up_errors_naming_the_flag(folders, tmp_path, capsy
         LLM(ckpt, tokenizer=smollm2, **QUIET, **SHAPES)
 
 
+def test_a_models_own_tokenizer_past_its_embedding_is_refused_at_load_naming_the_model(folders, tmp_path):
+    """As --tokenizer's: ids from the checkpoint's own tokenizer must have embedding rows.
+    Fewer ids than vocab_size (padding rows) load, as every other test here does."""
+    ckpt, _ = folders
+    own = auto_tokenizer(ckpt)
+    n = max(own.get_vocab().values()) + 1
+    assert n < 300  # the fixture's: a smaller vocabulary than the model's 300 rows
+    grown = str(tmp_path / "grown")
+    shutil.copytree(ckpt, grown)
+    own.add_tokens([f"<extra_{i}>" for i in range(300 - n + 2)])  # ids n..301
+    own.save_pretrained(grown)
+    assert max(auto_tokenizer(grown).get_vocab().values()) == 301
+    with pytest.raises(ValueError, match=re.escape(f"the tokenizer of '{grown}': its vocabulary has 302 token ids, "
+                                                   "more than the model's 300 embedding rows (vocab_size): "
+                                                   "ids 300..301")):
+        LLM(grown, **QUIET, **SHAPES)
+
+
 def test_an_empty_tokenizer_is_unset_on_the_command_line_in_a_config_file_and_offline(folders, tmp_path):
     """vLLM's --tokenizer '' (its nullable_str; EngineArgs: `if not self.tokenizer: self.tokenizer
     = self.model`): the model's own tokenizer, not a path that does not exist."""
