@@ -8,14 +8,15 @@ while a step runs. Only the loop thread touches the LLMEngine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Callable, Sequence as Seq
+from typing import AsyncIterator, Callable
 
-from config import EngineConfig, SamplingParams, SLOTarget
-from engine import EngineDeadError, LLMEngine, QueueFullError, RequestOutputDelta
-from metrics import ParentRequest, RequestMetrics
+from config import EngineConfig
+from engine import EngineDeadError, EngineRequest, LLMEngine, QueueFullError, RequestOutputDelta
+from metrics import RequestMetrics
 
 __all__ = ["AsyncEngine"]
 
@@ -66,19 +67,18 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    priority: int = 0, user: str | None = None,
-                    slo: SLOTarget | None = None, grammar: Any = None,
-                    parent: ParentRequest | None = None, thinking: bool = True,
-                    cache_salt: str | None = None) -> AsyncIterator[RequestOutputDelta]:
-        """grammar: the request's constraint, compiled already (LLMEngine.validate): without
-        it, one is compiled here, on the caller's thread. parent, thinking, cache_salt: as
-        LLMEngine.add_request's."""
-        grammar = self.engine.validate(prompt_token_ids, params, priority, slo, grammar, cache_salt)
+    def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutputDelta]:
+        """Check the request here, on the caller's thread (LLMEngine.validate: its grammar,
+        unless compiled already, is compiled here too), and hand it to the loop."""
+        request = self.engine.validate(request)
+        # The loop takes it later: it arrived now, and keeps its own copy of the prompt (the
+        # caller's list may change meanwhile).
+        arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
+        request = dataclasses.replace(request, prompt_token_ids=list(request.prompt_token_ids), arrival_time=arrival)
         with self._lock:  # the loop sets _stop and error under it: a stream registered here is ended
             self._check_alive()
-            if request_id in self._queues:
-                raise ValueError(f"request id {request_id!r} is already in flight")
+            if request.request_id in self._queues:
+                raise ValueError(f"request id {request.request_id!r} is already in flight")
             limit = self.config.max_waiting_requests
             # Requests handed over but not yet scheduled: those in the inbox and those in the
             # scheduler's queue right now (len() of a deque is atomic), not the gauge of the
@@ -86,12 +86,11 @@ class AsyncEngine:
             if limit is not None and len(self.engine.scheduler.waiting) + self._num_waiting_inbox >= limit:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             queue: asyncio.Queue = asyncio.Queue()
-            self._queues[request_id] = queue
-            self._inbox.append(("add", (request_id, list(prompt_token_ids), params, time.monotonic(), priority,
-                                        user, slo, grammar, parent, thinking, cache_salt)))
+            self._queues[request.request_id] = queue
+            self._inbox.append(("add", request))
             self._num_waiting_inbox += 1
         self._wake.set()
-        return self._stream(request_id, queue)
+        return self._stream(request.request_id, queue)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutputDelta]:
         finished = False
@@ -152,13 +151,10 @@ class AsyncEngine:
             self._inbox.clear()
         for kind, arg in work:
             if kind == "add":
-                rid, prompt, params, arrival, priority, user, slo, grammar, parent, thinking, cache_salt = arg
                 try:
-                    self.engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority, user=user,
-                                            slo=slo, grammar=grammar, parent=parent, thinking=thinking,
-                                            cache_salt=cache_salt)
+                    self.engine.add(arg)
                 except ValueError as e:  # validated already; a scheduler-level refusal
-                    self._fail(rid, e)
+                    self._fail(arg.request_id, e)
                 finally:
                     with self._lock:
                         self._num_waiting_inbox -= 1

@@ -1,8 +1,9 @@
 """The engine: one loop of schedule -> run -> update -> record, and its offline front door.
 
-  LLMEngine    the synchronous core: add_request, abort, step (its parts are built by
-               startup.py: the model, the sized KV cache, the scheduler, the runner).
-  LLM          offline batch generation, vLLM's API: LLM(model=...).generate(prompts, params).
+  EngineRequest  one request as it enters the engine, its fields named once (vLLM's EngineCoreRequest).
+  LLMEngine      the synchronous core: add_request, abort, step (its parts are built by
+                 startup.py: the model, the sized KV cache, the scheduler, the runner).
+  LLM            offline batch generation, vLLM's API: LLM(model=...).generate(prompts, params).
 
 AsyncEngine (async_engine.py) runs this loop on its own thread for the servers.
 
@@ -36,8 +37,9 @@ from startup import build_engine
 from structured import GrammarCompiler, new_constraint, next_mask
 from tokenizer import IncrementalDetokenizer
 
-__all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "LLMEngine", "LLM", "RequestOutput", "CompletionOutput",
-           "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError", "EngineDeadError"]
+__all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "EngineRequest", "LLMEngine", "LLM", "RequestOutput",
+           "CompletionOutput", "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError",
+           "EngineDeadError"]
 
 # One prompt of LLM.generate: a text, token ids, or vLLM's TextPrompt / TokensPrompt dict
 Prompt = str | Seq[int] | dict
@@ -49,6 +51,32 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop died; every open stream gets this, and the server exits."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as it enters the engine (vLLM's EngineCoreRequest): what its client asked
+    for, every field set once, by name. LLMEngine.add checks it and turns it into the
+    scheduler's Sequence, which carries the request's state from then on."""
+
+    request_id: str
+    prompt_token_ids: Seq[int]
+    params: SamplingParams  # one sample (n = 1): its callers expand n (child_requests)
+    arrival_time: float | None = None  # time.monotonic(); None: when the engine takes the request
+    priority: int = 0  # under a policy that reads it (--scheduling-policy), lower runs first
+    user: str | None = None  # the client, for the fair policy (None: the shared anonymous client)
+    slo: SLOTarget | None = None  # its targets, for the slo policy (None: the server-wide defaults)
+    # Its structured-output constraint, compiled: LLMEngine.validate fills it in, unless a
+    # caller that must not block (the server's event loop) compiled it on another thread first.
+    grammar: Any = None
+    parent: ParentRequest | None = None  # one of n samples' shared ParentRequest (child_requests')
+    # The chat request did not switch thinking off (its template variable enable_thinking,
+    # protocol.thinking_enabled), which the qwen3 reasoning parser reads: it decides where a
+    # reasoning model's constraint starts.
+    thinking: bool = True
+    # vLLM's (a non-empty string, as the client sent it: LLMEngine.validate checks it): its
+    # prefix-cache blocks are shared only with requests of the same salt.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -168,19 +196,19 @@ class LLMEngine:
         self.runner.follow()
 
     # ---- requests ------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
-                 slo: SLOTarget | None = None, grammar: Any = None, cache_salt: object = None) -> Any:
+    def validate(self, request: EngineRequest) -> EngineRequest:
         """Raises ValueError saying why the request cannot run; safe from any thread. Returns
-        the request's compiled structured-output constraint (None without one): `grammar`
-        when given (compiled already), else compiled here (cached). A caller that must not
-        block (the server's event loop) compiles it first with `self.grammars.compile` on
-        another thread and hands it on, so no later step looks it up again in the cache,
-        which other requests' grammars may have evicted it from meanwhile."""
+        the request with its structured-output constraint compiled (cached) unless it came
+        with one. A caller that must not block (the server's event loop) compiles it first
+        with `self.grammars.compile` on another thread and hands it on, so no later step
+        looks it up again in the cache, which other requests' grammars may have evicted it
+        from meanwhile."""
+        prompt_token_ids, params, grammar = request.prompt_token_ids, request.params, request.grammar
         if params.n != 1:  # one engine request is one sample: its callers expand n (child_requests)
             raise ParamError(f"the engine runs one sample per request, got n={params.n}: run n requests, "
                              "as LLM.generate and the server do", "n")
-        self.scheduler.validate(prompt_token_ids, params, priority, slo)
-        check_cache_salt(cache_salt)
+        self.scheduler.validate(prompt_token_ids, params, request.priority, request.slo)
+        check_cache_salt(request.cache_salt)
         if params.stop and self.tokenizer is None:
             raise ParamError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids",
                              "stop")
@@ -207,7 +235,7 @@ class LLMEngine:
             grammar = self.grammars.compile(params.structured_outputs)
         if params.masks_tokens:
             self._check_first_token(prompt_token_ids, params, grammar)
-        return grammar
+        return dataclasses.replace(request, grammar=grammar)
 
     def _check_first_token(self, prompt_token_ids: Seq[int], params: SamplingParams, grammar: Any) -> None:
         """A ParamError naming the fields when the request's masks leave no token for its
@@ -234,19 +262,15 @@ class LLMEngine:
                                  fields[0])
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0, user: str | None = None,
-                    slo: SLOTarget | None = None, grammar: Any = None, parent: ParentRequest | None = None,
-                    thinking: bool = True, cache_salt: str | None = None) -> Sequence:
-        """priority: under a policy that reads it (--scheduling-policy), lower runs first.
-        user: the client, for the fair policy (None: the shared anonymous client).
-        slo: its targets, for the slo policy (None: the server-wide defaults).
-        grammar: its constraint as validate() returned it (None: compiled here).
-        parent: one of n samples' shared ParentRequest (child_requests').
-        thinking: the chat request did not switch thinking off (its template variable
-        enable_thinking, protocol.thinking_enabled), which the qwen3 reasoning parser reads.
-        cache_salt: vLLM's (a non-empty string): its prefix-cache blocks are shared only with
-        requests of the same salt."""
-        grammar = self.validate(prompt_token_ids, params, priority, slo, grammar, cache_salt)
+                    **fields: Any) -> Sequence:
+        """Add a request; its other fields (priority, user, slo, ...) by keyword, as
+        EngineRequest names them."""
+        return self.add(EngineRequest(request_id, prompt_token_ids, params, **fields))
+
+    def add(self, request: EngineRequest) -> Sequence:
+        """Check the request (validate) and queue it; returns its Sequence."""
+        request = self.validate(request)
+        params = request.params
         vocab = self.model_config.vocab_size
         if params.top_k >= vocab:  # vLLM: a top_k above the vocabulary keeps all
             params = dataclasses.replace(params, top_k=-1)
@@ -254,9 +278,11 @@ class LLMEngine:
             params = dataclasses.replace(params, logprobs=vocab if params.logprobs == -1 else params.logprobs,
                                          prompt_logprobs=vocab if params.prompt_logprobs == -1
                                          else params.prompt_logprobs)
-        seq = Sequence(request_id=request_id, prompt_token_ids=[int(t) for t in prompt_token_ids], params=params,
-                       arrival_time=time.monotonic() if arrival_time is None else arrival_time, priority=priority,
-                       user=user, parent=parent, cache_salt=cache_salt)
+        arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
+        seq = Sequence(request_id=request.request_id, prompt_token_ids=[int(t) for t in request.prompt_token_ids],
+                       params=params, arrival_time=arrival, priority=request.priority, user=request.user,
+                       parent=request.parent, cache_salt=request.cache_salt)
+        slo = request.slo
         if slo is not None:
             seq.slo_ttft = None if slo.ttft_ms is None else slo.ttft_ms / 1e3
             seq.slo_tpot = None if slo.tpot_ms is None else slo.tpot_ms / 1e3
@@ -264,7 +290,8 @@ class LLMEngine:
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         if params.structured_outputs is not None:
-            seq.constraint = new_constraint(grammar.deep_copy(), self._reasoning_end(seq, thinking))  # its own
+            seq.constraint = new_constraint(request.grammar.deep_copy(),  # its own
+                                            self._reasoning_end(seq, request.thinking))
         seq.controls = controls_for(params, seq.prompt_token_ids, self.model_config.vocab_size,
                                     self.model_config.eos_token_ids, self.tokenizer)
         if params.stop:
@@ -272,7 +299,7 @@ class LLMEngine:
                                                       self.model_config.eos_token_ids)
         self.scheduler.add(seq)
         if params.prompt_logprobs is not None:
-            self._prompt_lps[request_id] = [None] * len(seq.prompt_token_ids)
+            self._prompt_lps[seq.request_id] = [None] * len(seq.prompt_token_ids)
         return seq
 
     def _reasoning_end(self, seq: Sequence, thinking: bool) -> list[int]:
@@ -662,23 +689,23 @@ class LLM:
         # Every prompt is checked before any is added: a bad one leaves nothing queued. Its
         # samples differ in their seeds only, which no check reads, so one sample stands for
         # them all, checked before the n are made (a huge n fails on a bad prompt at once).
-        grammars = []  # each compiled once: the cache may not hold them all until they are added
+        request_ids = [f"offline-{self._counter + i}" for i in range(len(encoded))]
+        checked = []  # each with its grammar compiled once: the cache may not hold them all until they are added
         salts = cache_salts or [None] * len(encoded)
-        for i, (ids, p, prio, salt) in enumerate(zip(encoded, plist, priorities, salts)):
+        for i, (rid, ids, p, prio, salt) in enumerate(zip(request_ids, encoded, plist, priorities, salts)):
             try:
-                grammars.append(self.engine.validate(ids, p if p.n == 1 else dataclasses.replace(p, n=1), prio,
-                                                     cache_salt=salt))
+                checked.append(self.engine.validate(EngineRequest(
+                    rid, ids, p if p.n == 1 else dataclasses.replace(p, n=1), priority=prio, thinking=thinking,
+                    cache_salt=salt)))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
-        request_ids = [f"offline-{self._counter + i}" for i in range(len(encoded))]
         self._counter += len(encoded)
         children = [child_requests(rid, p) for rid, p in zip(request_ids, plist)]
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
-        for i, (ids, samples, prio, grammar, salt) in enumerate(zip(encoded, children, priorities, grammars, salts)):
+        for i, (request, samples) in enumerate(zip(checked, children)):
             for rid, p, par in samples:
-                seqs[rid] = self.engine.add_request(rid, ids, p, priority=prio, grammar=grammar, parent=par,
-                                                    thinking=thinking, cache_salt=salt)
+                seqs[rid] = self.engine.add(dataclasses.replace(request, request_id=rid, params=p, parent=par))
                 parent[rid] = i
         unfinished = [len(samples) for samples in children]
         logprobs: dict[str, list[TokenLogprob]] = {}
@@ -862,7 +889,8 @@ def child_requests(request_id: str, params: SamplingParams
                    ) -> list[tuple[str, SamplingParams, ParentRequest | None]]:
     """vLLM's parallel sampling (its ParentRequest): the n engine requests of a request
     with params.n samples, as (request id, params with n = 1, the ParentRequest they share,
-    which add_request takes: the request's n is observed once, as its last sample finishes).
+    which each sample's EngineRequest carries: the request's n is observed once, as its last
+    sample finishes).
     With n > 1 sample i is `i_<request_id>`, seeded seed + i (wrapped into the 64-bit seeds
     SamplingParams takes) when the request is seeded, so that it is what the request alone
     gives with that seed."""

@@ -50,8 +50,8 @@ from prometheus_client.utils import floatToGoString
 import chat_format
 import config_file
 from cors import CorsPolicy, on_response_prepare as cors_headers
-from config import DISTRIBUTED_EXECUTOR_BACKENDS, VLLM_SPELLINGS, EngineConfig, SamplingParams, SLOTarget
-from metrics import EngineStats, LoggingStatLogger, ParentRequest, RequestMetrics
+from config import DISTRIBUTED_EXECUTOR_BACKENDS, VLLM_SPELLINGS, EngineConfig, SamplingParams
+from metrics import EngineStats, LoggingStatLogger, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
                       loads_checked, parse_messages, parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json,
@@ -65,7 +65,7 @@ from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
 # answer in a fraction of a second instead of after seconds of importing JAX.
 if TYPE_CHECKING:
     from async_engine import AsyncEngine
-    from engine import TokenLogprob
+    from engine import EngineRequest, TokenLogprob
 
 T = TypeVar("T")
 
@@ -99,29 +99,21 @@ class Generation:
     request, full queue, shutting down) still becomes a proper 4xx/503.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, priority: int = 0, want_metrics: bool = False,
-                 user: str | None = None, slo: SLOTarget | None = None, grammar: Any = None,
-                 parent: ParentRequest | None = None, thinking: bool = True, cache_salt: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, request: EngineRequest, want_metrics: bool = False) -> None:
         """want_metrics: the last chunk carries the request's RequestMetrics. A request with
         stop strings is detokenized by the engine, which matches them (its deltas carry the
-        text, cut at the stop string); any other is detokenized here, off the engine thread.
-        grammar: the structured-output constraint respond() compiled for params. parent: one
-        of n samples' (child_requests'). thinking: a chat request's thinking switch
-        (protocol.thinking_enabled), for where a reasoning model's constraint starts.
-        cache_salt: vLLM's, as the body sent it (LLMEngine.validate checks it)."""
-        self.engine, self.request_id, self.want_metrics = engine, request_id, want_metrics
-        self.num_prompt_tokens = len(prompt_ids)
+        text, cut at the stop string); any other is detokenized here, off the engine thread."""
+        self.engine, self.request_id, self.want_metrics = engine, request.request_id, want_metrics
+        self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
-        self.params = params
+        self.params = params = request.params
         self.done = False  # the engine has ended the request, or close() aborted it
         from engine import QueueFullError
 
         self.detokenizer = None if params.stop else IncrementalDetokenizer(
-            self.engine.tokenizer, prompt_ids, [], params, self.engine.model_config.eos_token_ids)
+            self.engine.tokenizer, request.prompt_token_ids, [], params, self.engine.model_config.eos_token_ids)
         try:
-            self.stream = self.engine.add_request(request_id, prompt_ids, params, priority, user, slo, grammar,
-                                                  parent, thinking, cache_salt)
+            self.stream = self.engine.add_request(request)
         except QueueFullError as e:
             raise ApiError(f"server is at capacity ({e}); retry later", status=503,
                            type="service_unavailable", code="queue_full") from e
@@ -172,7 +164,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     The body is read and checked first, every field before the first engine request starts
     (a 400 leaves nothing running); then the n samples' engine requests start (Generation),
     each one a Choice, which whole_response() or stream_response() writes out."""
-    from engine import child_requests
+    from engine import EngineRequest, child_requests
 
     app, engine = request.app, request.app["engine"]
     untruncated = prompt_ids
@@ -210,8 +202,10 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
         # vLLM's n: one engine request per sample; their one prompt is shared in the prefix cache
         try:
             for rid, p, parent in child_requests(engine_request_id, dataclasses.replace(params, n=n)):
-                gens.append(Generation(engine, rid, prompt_ids, p, priority, want_metrics, user, slo, grammar,
-                                       parent, thinking, cache_salt))
+                sample = EngineRequest(request_id=rid, prompt_token_ids=prompt_ids, params=p, priority=priority,
+                                       user=user, slo=slo, grammar=grammar, parent=parent, thinking=thinking,
+                                       cache_salt=cache_salt)
+                gens.append(Generation(engine, sample, want_metrics))
         except ApiError as e:  # the engine names SamplingParams' fields: the 400 names the client's
             e.param = request_field(e.param, body, chat)
             raise

@@ -335,6 +335,7 @@ def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `
     sys.path.insert(0, root)
     import asyncio
     import server
+    from engine import EngineRequest
     words = "The quick brown fox jumps over the lazy dog, and then it runs away into the forest. " * 4
     out = {}
     for label, stop in (("no stop strings", ()), ("stop strings", STOPS)):
@@ -357,9 +358,9 @@ def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `
             tokenizer, model_config = eng.tokenizer, eng.model_config
 
             @staticmethod
-            def add_request(rid, *_):
+            def add_request(request):
                 async def stream():
-                    for d in per_request[rid]:
+                    for d in per_request[request.request_id]:
                         yield d
                 return stream()
 
@@ -368,7 +369,7 @@ def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `
                 pass
 
         async def serve() -> float:
-            gens = [server.Generation(Engine, s.request_id, s.prompt_token_ids, s.params)
+            gens = [server.Generation(Engine, EngineRequest(s.request_id, s.prompt_token_ids, s.params))
                     for s in eng.scheduler.running]
             c0 = time.process_time()
             for g in gens:

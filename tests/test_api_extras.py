@@ -405,7 +405,7 @@ def test_a_bad_field_of_the_answer_starts_no_engine_request() -> None:
     with tiny_async_engine() as (loop, engine):
         added: list[str] = []
         add_request = engine.add_request
-        engine.add_request = lambda rid, *a, **kw: added.append(rid) or add_request(rid, *a, **kw)
+        engine.add_request = lambda request: added.append(request.request_id) or add_request(request)
         client = TestClient(TestServer(server.build_app(engine, ["tiny"])), loop=loop)
         loop.run_until_complete(client.start_server())
         try:

@@ -11,7 +11,7 @@ import numpy as np
 
 from async_engine import AsyncEngine
 from conftest import fresh_step_programs
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig, EngineRequest, SamplingParams
 from server import Generation
 
 # The seed's mix scaled down: short and long outputs, chunked prefill under a small
@@ -107,8 +107,8 @@ def test_async_server_path_stop_strings_and_clients_leaving_mid_stream():
             prompts = mix_prompts()
 
             async def one(i: int) -> tuple[str, str | None]:
-                gen = Generation(eng, f"s{i}", prompts[i], SamplingParams(max_tokens=24, ignore_eos=True,
-                                                                          stop=tuple(stops.get(i, []))))
+                gen = Generation(eng, EngineRequest(f"s{i}", prompts[i], SamplingParams(
+                    max_tokens=24, ignore_eos=True, stop=tuple(stops.get(i, [])))))
                 text, reason = "", None
                 async for chunk in gen.chunks():
                     text += chunk.text

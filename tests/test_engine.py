@@ -12,7 +12,7 @@ from conftest import hf_greedy
 
 from async_engine import AsyncEngine
 from config import StructuredOutputsParams
-from engine import LLM, EngineConfig, SamplingParams, child_requests
+from engine import LLM, EngineConfig, EngineRequest, SamplingParams, child_requests
 
 SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False)
 
@@ -196,7 +196,7 @@ def test_async_engine_streams_and_abort_frees_slot_and_blocks():
         eng = AsyncEngine(EngineConfig(model="tiny", **SMALL), log=lambda *_: None)
         await eng.start()
         try:
-            stream = eng.add_request("a", [5, 6, 7], greedy(200))
+            stream = eng.add_request(EngineRequest("a", [5, 6, 7], greedy(200)))
             got = []
             async for d in stream:
                 got += d.new_token_ids
@@ -209,7 +209,7 @@ def test_async_engine_streams_and_abort_frees_slot_and_blocks():
                 await asyncio.sleep(0.01)
             assert eng.stats.num_requests_running == 0 and eng.stats.kv_cache_usage == 0
             assert eng.stats.request_success["abort"] == 1
-            done = [d async for d in eng.add_request("b", [5, 6, 7], greedy(5))]
+            done = [d async for d in eng.add_request(EngineRequest("b", [5, 6, 7], greedy(5)))]
             assert done[-1].finished and done[-1].finish_reason == "length"
             assert sum(len(d.new_token_ids) for d in done) == 5
         finally:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import count_compilations, fresh_step_programs, hf_logits, tiny_async_engine
-from engine import LLM, SamplingParams
+from engine import LLM, EngineRequest, SamplingParams
 from protocol import ApiError, parse_sampling
 
 SMALL = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=64, warmup=False)
@@ -306,7 +306,7 @@ def test_masks_that_leave_no_first_token_are_refused_naming_the_fields():
             (dict(allowed_token_ids=[A], bad_words=["a"]), "allowed_token_ids and bad_words", "allowed_token_ids"),
             (dict(allowed_token_ids=[eos], min_tokens=1), "allowed_token_ids and min_tokens", "allowed_token_ids")):
         with pytest.raises(ParamError, match=f"^{re_escape(says)} leave no token allowed") as e:
-            llm.engine.validate([1, 2, 3], SamplingParams(max_tokens=4, **masks))
+            llm.engine.validate(EngineRequest("check", [1, 2, 3], SamplingParams(max_tokens=4, **masks)))
         assert e.value.param == param
         with pytest.raises(ValueError, match=re_escape(says)):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **masks))

@@ -12,7 +12,7 @@ import pytest
 
 from async_engine import AsyncEngine
 from config import EngineConfig, SamplingParams
-from engine import LLM, LLMEngine, QueueFullError
+from engine import LLM, EngineRequest, LLMEngine, QueueFullError
 from kvcache import CPU_DEFAULT_KV_BYTES, kv_cache_bytes_per_block, num_kv_blocks_for
 from model import ModelConfig
 from scheduler import Scheduler, Sequence
@@ -186,15 +186,15 @@ def test_max_waiting_requests_counts_requests_not_yet_scheduled() -> None:
     async def go() -> None:
         eng = AsyncEngine(EngineConfig(max_waiting_requests=2, **SMALL), log=quiet)
         # The loop thread is not started: everything handed over is still unscheduled.
-        eng.add_request("a", [5], SamplingParams(max_tokens=2))
-        eng.add_request("b", [5], SamplingParams(max_tokens=2))
+        eng.add_request(EngineRequest("a", [5], SamplingParams(max_tokens=2)))
+        eng.add_request(EngineRequest("b", [5], SamplingParams(max_tokens=2)))
         with pytest.raises(QueueFullError):
-            eng.add_request("c", [5], SamplingParams(max_tokens=2))
+            eng.add_request(EngineRequest("c", [5], SamplingParams(max_tokens=2)))
         eng._drain_inbox()  # now in the scheduler's waiting queue: still not scheduled
         with pytest.raises(QueueFullError):
-            eng.add_request("c", [5], SamplingParams(max_tokens=2))
+            eng.add_request(EngineRequest("c", [5], SamplingParams(max_tokens=2)))
         eng.engine.step()  # both scheduled: room again
-        eng.add_request("c", [5], SamplingParams(max_tokens=2))
+        eng.add_request(EngineRequest("c", [5], SamplingParams(max_tokens=2)))
     asyncio.run(go())
 
 

@@ -16,7 +16,7 @@ import pytest
 from test_server import open_stream, request
 
 from async_engine import AsyncEngine
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig, EngineRequest, SamplingParams
 
 PROMPTS = [[1, 5, 7, 9], [1, 42], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 30],
            [1, 8, 16, 32, 64, 128], [1, 100, 101], [1, 2], [1, 77, 66, 55, 44], [1, 250, 251, 252]]
@@ -142,7 +142,7 @@ def test_after_shutdown_or_the_loop_dying_no_call_waits_forever():
             raise RuntimeError("injected step failure")
         engine.engine.step = dying_step
         await engine.start()
-        stream = engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+        stream = engine.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=4)))
         first = asyncio.ensure_future(stream.__anext__())
         assert await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 60)
         reset = asyncio.ensure_future(engine.reset_prefix_cache())  # queued behind the failing step
@@ -154,7 +154,7 @@ def test_after_shutdown_or_the_loop_dying_no_call_waits_forever():
         with pytest.raises(RuntimeError, match="loop died"):
             await asyncio.wait_for(engine.reset_prefix_cache(), 60)
         with pytest.raises(RuntimeError, match="loop died"):
-            engine.add_request("b", [1], SamplingParams())
+            engine.add_request(EngineRequest("b", [1], SamplingParams()))
 
         stopped = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, warmup=False),
                               log=lambda *_: None)
@@ -163,7 +163,7 @@ def test_after_shutdown_or_the_loop_dying_no_call_waits_forever():
         with pytest.raises(RuntimeError, match="shutting down"):
             await asyncio.wait_for(stopped.reset_prefix_cache(), 60)
         with pytest.raises(RuntimeError, match="shutting down"):
-            stopped.add_request("c", [1], SamplingParams())
+            stopped.add_request(EngineRequest("c", [1], SamplingParams()))
 
     asyncio.run(main())
 
@@ -237,7 +237,7 @@ def test_work_queued_while_the_loop_decides_to_stop_is_still_ended():
         armed.set()
         engine._wake.set()
         assert await asyncio.get_running_loop().run_in_executor(None, drained.wait, 60)
-        stream = engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=4))
+        stream = engine.add_request(EngineRequest("x", [1, 2, 3], SamplingParams(max_tokens=4)))
         reset = asyncio.ensure_future(engine.reset_prefix_cache())
         await asyncio.sleep(0)
         stop = asyncio.ensure_future(engine.shutdown())
@@ -270,22 +270,22 @@ def test_a_streams_late_cleanup_leaves_a_new_request_under_its_id_alone(end):
             hold.wait(60)
             drain()
         engine._drain_inbox = held_drain
-        add = engine.engine.add_request
+        add = engine.engine.add
         if end == "failed":
-            def refuse_once(rid, *a, **kw):
-                engine.engine.add_request = add
+            def refuse_once(request: EngineRequest) -> None:
+                engine.engine.add = add
                 raise ValueError("refused by the scheduler")
-            engine.engine.add_request = refuse_once
+            engine.engine.add = refuse_once
         await engine.start()
         try:
-            old = engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+            old = engine.add_request(EngineRequest("x", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))
             if end == "finished":  # its consumer reads the first event, then goes quiet
                 await asyncio.wait_for(old.__anext__(), 60)
             while "x" in engine._queues:  # ended in the engine: the id is free again
                 await asyncio.sleep(0.01)
             hold.clear()  # the loop's next drain waits
             await asyncio.sleep(0.1)  # (a drain already past the wait takes an empty inbox)
-            new = engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))
+            new = engine.add_request(EngineRequest("x", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
             if end == "failed":
                 with pytest.raises(ValueError):
                     await asyncio.wait_for(old.__anext__(), 60)

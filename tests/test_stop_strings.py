@@ -60,8 +60,9 @@ async def collect(gen: Any) -> tuple[list[Any], list[int]]:
 async def generate_async(engine: Any, prompt: list[int], params: SamplingParams) -> tuple[list[Any], list[int]]:
     """The server's Generation of one request: its chunks, and the token ids its deltas carried."""
     import server
+    from engine import EngineRequest
 
-    return await collect(server.Generation(engine, f"stop-{next(_ids)}", prompt, params))
+    return await collect(server.Generation(engine, EngineRequest(f"stop-{next(_ids)}", prompt, params)))
 
 
 def generate(loop: asyncio.AbstractEventLoop, engine: Any, prompt: list[int],
@@ -135,7 +136,7 @@ def test_a_stop_string_or_token_under_static_batching_ends_its_request_with_the_
     """Static batching holds a finished member seated until the whole batch is done: its
     last token and its release come in different deltas."""
     from async_engine import AsyncEngine
-    from engine import EngineConfig
+    from engine import EngineConfig, EngineRequest
 
     loop = asyncio.new_event_loop()
     engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False,
@@ -147,7 +148,8 @@ def test_a_stop_string_or_token_under_static_batching_ends_its_request_with_the_
         import server
 
         async def bus(params: SamplingParams) -> tuple[str, list[int]]:  # with a longer one in the same batch
-            gens = [server.Generation(engine, f"static-{next(_ids)}", prompt, p) for p in (params, SamplingParams(**base))]
+            gens = [server.Generation(engine, EngineRequest(f"static-{next(_ids)}", prompt, p))
+                    for p in (params, SamplingParams(**base))]
             chunks, ids = (await asyncio.gather(*map(collect, gens)))[0]
             return "".join(c.text for c in chunks), ids
 
