@@ -36,6 +36,7 @@ class AsyncEngine:
         self.model_name = self.engine.loaded.name
         self.stats = self.engine.stats
         self.grammars = self.engine.grammars  # the server compiles constraints on its executor
+        self.validate = self.engine.validate  # safe from any thread: a check without queueing
         self.sampling_defaults = self.engine.sampling_defaults  # the server's defaults of a request
         self._inbox: deque[tuple[str, object]] = deque()
         self._queues: dict[str, asyncio.Queue] = {}

@@ -15,12 +15,16 @@ computing again what the previous step computed: each step computes about one bl
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Collection, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Collection, Sequence
 
-from engine import SamplingParams, TokenLogprob
+from engine import EngineRequest, RequestOutputDelta, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from async_engine import AsyncEngine
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,9 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0  # the exponent of the length a finished sequence's score is divided by
     include_stop_str_in_output: bool = False  # a sequence that ended on EOS keeps the EOS token
+    # top logprobs each output token reports (the OpenAI API's logprobs); at most 2 x
+    # beam_width of them are candidates, whatever this asks
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def is_int(x: object) -> bool:
@@ -54,14 +61,18 @@ class BeamSearchParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not is_num(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
 
     def step_params(self) -> SamplingParams:
         """Each step's request for one beam: one token, and the logprobs of the
-        2 x beam_width most likely (vLLM's; an EOS among them still leaves beam_width others)."""
-        return SamplingParams(max_tokens=1, temperature=self.temperature, logprobs=2 * self.beam_width)
+        2 x beam_width most likely (vLLM's; an EOS among them still leaves beam_width others),
+        or of as many as `logprobs` asks to report if more."""
+        return SamplingParams(max_tokens=1, temperature=self.temperature,
+                              logprobs=max(2 * self.beam_width, self.logprobs or 0))
 
 
 @dataclass
@@ -113,7 +124,7 @@ class BeamSearch:
         candidates = []  # (cum_logprob, beam index, token, its TokenLogprob)
         for i, (beam, step) in enumerate(zip(self.beams, steps)):
             # the sampled token is a candidate even where it is not among the most likely (vLLM's)
-            scored = dict(step.top)
+            scored = dict(step.top[:2 * self.params.beam_width])
             scored.setdefault(step.token_id, step.logprob)
             ranks = {token: r for r, (token, _) in enumerate(step.top, 1)} | {step.token_id: step.rank}
             for token, logprob in sorted(scored.items(), key=lambda t: -t[1]):
@@ -140,3 +151,28 @@ class BeamSearch:
     def output_ids(self, seq: BeamSearchSequence) -> list[int]:
         """A sequence's output token ids (after the prompt)."""
         return seq.tokens[self.num_prompt_tokens:]
+
+
+async def run(engine: AsyncEngine, request: EngineRequest, params: BeamSearchParams) -> BeamSearch:
+    """The search for `request` on a running AsyncEngine: its prompt, and its priority, user,
+    SLO and cache_salt for every step's requests (its params are replaced by each step's).
+    Cancelled, it aborts the step's requests (their streams' cleanup)."""
+    search = BeamSearch(request.prompt_token_ids, params, engine.model_config.eos_token_ids)
+    step = params.step_params()
+    while not search.done:
+        streams = [engine.add_request(dataclasses.replace(
+            request, request_id=f"{request.request_id}-{search.num_steps}-{i}", prompt_token_ids=beam.tokens,
+            params=step)) for i, beam in enumerate(search.beams)]
+        search.advance(await asyncio.gather(*(_token(s) for s in streams)))
+    return search
+
+
+async def _token(stream: AsyncIterator[RequestOutputDelta]) -> TokenLogprob:
+    """A one-token request's token, with its step's candidates."""
+    got = None
+    async for delta in stream:
+        got = got or (delta.new_logprobs or [None])[0]
+        if delta.finished and got is None:  # aborted before its token (the server shutting down)
+            raise RuntimeError(f"beam search step ended without a token ({delta.finish_reason})")
+    assert got is not None
+    return got

@@ -7,6 +7,7 @@ No aiohttp and no JAX here, so the rules can be read (and tested) on their own.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -53,7 +54,6 @@ _NEUTRAL: dict[str, tuple] = {
     "prompt_cache_retention": ("in_memory",),  # the prefix cache lives in memory only
     "moderation": (),  # moderation of input and output
     # vLLM's own extras that taxirank does not implement
-    "use_beam_search": (False,), "length_penalty": (1,),
     "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
     "logits_processors": ([],),  # custom processors by qualified name (vLLM's --logits-processor-pattern)
@@ -79,7 +79,8 @@ _COMMON_FIELDS = {
     "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
     "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids",
     "return_tokens_as_token_ids", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_tokens", "bad_words", "allowed_token_ids", "cache_salt", *_NEUTRAL, *_ACCEPTED_NOOP}
+    "min_tokens", "bad_words", "allowed_token_ids", "cache_salt", "use_beam_search", "length_penalty", *_NEUTRAL,
+    *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "parallel_tool_calls", "reasoning_effort", "include_reasoning", "chat_template"}
@@ -755,3 +756,34 @@ def route_path(path: str, root_path: str) -> str:
     if path == root_path:
         return ""
     return path[len(root_path):] if path[len(root_path)] == "/" else path
+
+
+# What a beam search reads of SamplingParams (beam_search.BeamSearchParams, the text's
+# decoding); any other field the body set is a 400, where vLLM would silently drop it.
+BEAM_SEARCH_FIELDS = ("max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output", "logprobs",
+                      "skip_special_tokens", "spaces_between_special_tokens")
+
+
+def parse_beam_search(body: dict, params: SamplingParams, defaults: dict[str, Any], chat: bool) -> dict | None:
+    """vLLM's use_beam_search: BeamSearchParams' fields (n is the beam width), or None for an
+    ordinary request. length_penalty is beam search's only. params: parse_sampling's answer
+    to the same body; defaults: the engine's sampling_defaults it was built over."""
+    beam = field(body, "use_beam_search", (bool,), False)
+    length_penalty = field(body, "length_penalty", (int, float), 1.0)
+    if not beam:
+        if length_penalty != 1:
+            raise ApiError("'length_penalty' is for beam search (use_beam_search: true)", param="length_penalty")
+        return None
+    if not math.isfinite(length_penalty):
+        raise ApiError(f"'length_penalty' must be a finite number, got {length_penalty}", param="length_penalty")
+    plain = SamplingParams(**{**defaults, **{f: getattr(params, f) for f in BEAM_SEARCH_FIELDS}})
+    for f in dataclasses.fields(SamplingParams):
+        if getattr(params, f.name) != getattr(plain, f.name):
+            name = request_field(f.name, body, chat) or f.name
+            raise ApiError(f"'{name}' is not supported with use_beam_search", param=name)
+    for name in ("echo", "include_metrics"):
+        if field(body, name, (bool,), False):
+            raise ApiError(f"'{name}' is not supported with use_beam_search", param=name)
+    return dict(beam_width=field(body, "n", (int,), 1), max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                temperature=params.temperature, length_penalty=float(length_penalty),
+                include_stop_str_in_output=params.include_stop_str_in_output, logprobs=params.logprobs)

@@ -54,9 +54,9 @@ from config import DISTRIBUTED_EXECUTOR_BACKENDS, VLLM_SPELLINGS, EngineConfig, 
 from metrics import EngineStats, LoggingStatLogger, RequestMetrics
 from policy import REGISTRIES
 from protocol import (INT64, MAX_BODY_BYTES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
-                      loads_checked, parse_messages, parse_prompt, parse_sampling, parse_slo, prompt_logprobs_json,
-                      request_field, route_path, structured_field, text_part, thinking_enabled, token_text,
-                      tool_choice, truncate_prompt, unknown_fields)
+                      loads_checked, parse_beam_search, parse_messages, parse_prompt, parse_sampling, parse_slo,
+                      prompt_logprobs_json, request_field, route_path, structured_field, text_part, thinking_enabled,
+                      token_text, tool_choice, truncate_prompt, unknown_fields)
 from reasoning_parsers import REASONING_PARSERS
 from tokenizer import IncrementalDetokenizer
 from tool_parsers import TOOL_PARSERS, ToolCallStream, ToolChoice
@@ -108,19 +108,10 @@ class Generation:
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.params = params = request.params
         self.done = False  # the engine has ended the request, or close() aborted it
-        from engine import QueueFullError
-
         self.detokenizer = None if params.stop else IncrementalDetokenizer(
             self.engine.tokenizer, request.prompt_token_ids, [], params, self.engine.model_config.eos_token_ids)
-        try:
+        with refusals_as_api_errors():
             self.stream = self.engine.add_request(request)
-        except QueueFullError as e:
-            raise ApiError(f"server is at capacity ({e}); retry later", status=503,
-                           type="service_unavailable", code="queue_full") from e
-        except ValueError as e:  # (a ParamError names the field)
-            raise ApiError(str(e), param=getattr(e, "param", None)) from e
-        except RuntimeError as e:  # shutting down, or the engine loop died
-            raise ApiError(str(e), status=503, type="service_unavailable") from e
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
@@ -156,6 +147,92 @@ class Generation:
             self.engine.abort(self.request_id)
 
 
+@contextlib.contextmanager
+def refusals_as_api_errors() -> Iterator[None]:
+    """The engine's refusal of a new request as the client's answer: a full queue or an
+    engine that is shutting down (or died) a 503, a request it cannot run a 400."""
+    from engine import QueueFullError
+
+    try:
+        yield
+    except QueueFullError as e:
+        raise ApiError(f"server is at capacity ({e}); retry later", status=503,
+                       type="service_unavailable", code="queue_full") from e
+    except ValueError as e:  # (a ParamError names the field)
+        raise ApiError(str(e), param=getattr(e, "param", None)) from e
+    except RuntimeError as e:  # shutting down, or the engine loop died
+        raise ApiError(str(e), status=503, type="service_unavailable") from e
+
+
+class BeamSearchRun:
+    """vLLM's use_beam_search: one search (beam_search.run) for a request's n sequences,
+    started by the first of its BeamGenerations to ask and shared by all of them."""
+
+    def __init__(self, engine: AsyncEngine, request: EngineRequest, beam: dict) -> None:
+        """request: its prompt, priority, user, SLO and cache_salt (params: the body's, for
+        the text's decoding); beam: BeamSearchParams' fields (protocol.parse_beam_search).
+        Checks here, before any byte is written, that the last step's requests can run."""
+        from beam_search import BeamSearchParams
+
+        self.engine, self.request, self.params = engine, request, BeamSearchParams(**beam)
+        cap = engine.config.logprobs_width(engine.model_config.vocab_size)
+        if 2 * self.params.beam_width > cap:
+            raise ApiError(f"use_beam_search with n={self.params.beam_width} ranks 2 x n candidates a step, more "
+                           f"than the {cap} logprobs this server computes (--max-logprobs): n must be at most "
+                           f"{cap // 2}", param="n")
+        last_step = dataclasses.replace(self.params.step_params(), max_tokens=self.params.max_tokens)
+        with refusals_as_api_errors():
+            engine.validate(dataclasses.replace(request, params=last_step))
+        self.task: asyncio.Future | None = None
+
+    async def sequences(self) -> tuple[Any, list[Any]]:
+        """(the finished search, its best sequences, best first)."""
+        import beam_search
+
+        if self.task is None:
+            self.task = asyncio.ensure_future(beam_search.run(self.engine, self.request, self.params))
+        search = await asyncio.shield(self.task)  # (n readers: one's cancellation is not the search's)
+        return search, search.best()
+
+    def close(self) -> None:
+        """The client is gone or the answer is out: a search still running stops (its step's
+        requests are aborted)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+class BeamGeneration:
+    """Sequence `index` of a BeamSearchRun, read by its Choice as a Generation is: one chunk,
+    the whole sequence, once the search has ended (vLLM's beam search streams nothing sooner)."""
+
+    def __init__(self, run: BeamSearchRun, index: int) -> None:
+        self.run, self.index = run, index
+        self.num_prompt_tokens = len(run.request.prompt_token_ids)
+        self.num_cached_tokens = 0
+        self.params = run.request.params
+        self.done = False
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        from engine import decode_output
+
+        with refusals_as_api_errors():  # a later step's request refused: the queue full, the engine stopping
+            search, best = await self.run.sequences()
+        seq = best[self.index]
+        ids = search.output_ids(seq)
+        engine = self.run.engine
+        # vLLM's: an EOS kept by include_stop_str_in_output is a token id, never text
+        text = "" if engine.tokenizer is None else decode_output(
+            engine.tokenizer, ids, dataclasses.replace(self.params, include_stop_str_in_output=False),
+            engine.model_config.eos_token_ids, self.run.request.prompt_token_ids)
+        self.done = True
+        logprobs = seq.logprobs[:len(ids)] if self.params.logprobs is not None else None  # (an EOS not kept: none)
+        yield Chunk(text, logprobs, seq.finish_reason, len(ids), stop_reason=seq.stop_reason, token_ids=ids)
+
+    def close(self) -> None:
+        self.done = True
+        self.run.close()
+
+
 async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat: bool,
                   tools: ToolChoice | None = None) -> web.StreamResponse:
     """Run one completion (chat or not) and answer it whole or as an SSE stream. tools: a
@@ -175,6 +252,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     params = parse_sampling(body | {"max_tokens": 1} if prompt_only else body, len(prompt_ids),
                             engine.config.max_model_len, chat, engine.tokenizer is not None, tools,
                             engine.sampling_defaults)
+    beam = parse_beam_search(body, params, engine.sampling_defaults, chat)
     stream, include_usage, continuous_usage = parse_stream_options(body, app["force_include_usage"])
     grammar = await compile_grammar(engine, params, body, tools)
     request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
@@ -194,14 +272,18 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     cache_salt = body.get("cache_salt")  # vLLM's: checked with the rest of the request (LLMEngine.validate)
     if app["log_requests"]:
         log_request(engine_request_id, params, prompt_ids, app["max_log_len"])
-    gens: list[Generation] = []
+    gens: list[Generation | BeamGeneration] = []
     # Whatever ends this handler (a reply, a sample the engine refused, the client gone before
     # the first byte, a cancellation) ends the requests: a stream never read has no frame to abort it.
     try:
         thinking = thinking_enabled(body, app["default_chat_template_kwargs"]) if chat else True
         # vLLM's n: one engine request per sample; their one prompt is shared in the prefix cache
         try:
-            for rid, p, parent in child_requests(engine_request_id, dataclasses.replace(params, n=n)):
+            if beam is not None:  # n is the beam width: n sequences of one search
+                run = BeamSearchRun(engine, EngineRequest(engine_request_id, prompt_ids, params, priority=priority,
+                                                          user=user, slo=slo, cache_salt=cache_salt), beam)
+                gens.extend(BeamGeneration(run, i) for i in range(n))
+            for rid, p, parent in [] if beam else child_requests(engine_request_id, dataclasses.replace(params, n=n)):
                 sample = EngineRequest(request_id=rid, prompt_token_ids=prompt_ids, params=p, priority=priority,
                                        user=user, slo=slo, grammar=grammar, parent=parent, thinking=thinking,
                                        cache_salt=cache_salt)

@@ -186,7 +186,8 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (C, "suffix", "tail"),
     (C, "best_of", 2),
     (C, "best_of", True),  # nor is true 1
-    (C, "use_beam_search", True),
+    (C, "use_beam_search", 1),  # a boolean
+    (C, "length_penalty", 0.5),  # beam search's (use_beam_search: true), or nothing
     (C, "stream_options", {"include_usage": True, "include_typo": True}),
     (C, "seed", 2**63),
     (C, "seed", -2**63 - 1),

@@ -6,6 +6,8 @@ computed in float64 NumPy from the reference model, not from the engine's logpro
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from conftest import hf_greedy, hf_logits
@@ -44,10 +46,10 @@ def reference(path: str, prompt: list[int], width: int, steps: int, eos: set[int
 @pytest.fixture(scope="module")
 def checkpoints(hf_checkpoint) -> tuple[str, str, int]:
     """(a checkpoint, the same weights with the second token of PROMPTS[0]'s greedy answer as
-    its EOS (so that searches meet it), that token)."""
+    its EOS (so that searches meet it) and a tokenizer with a chat template, that token)."""
     plain = hf_checkpoint("llama2")
     eos = hf_greedy(plain, PROMPTS[0], 2)[1]
-    return plain, hf_checkpoint("llama2", eos_token_id=eos), eos
+    return plain, hf_checkpoint("llama2", eos_token_id=eos, tokenizer=True), eos
 
 
 def check(outputs, path: str, width: int, steps: int, eos: set[int], **kw) -> int:
@@ -122,3 +124,115 @@ def test_a_search_the_engine_cannot_run_is_refused_before_any_step():
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search([[5, 6]], None)
     assert llm.stats.prompt_tokens == 0  # nothing ran
+
+
+# ---- the OpenAI API's use_beam_search --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    from test_server import HF_SMALL, running_server
+
+    _, path, _ = checkpoints
+    with running_server("--model", path, *HF_SMALL, "--block-size", "4", "--served-model-name", "tiny") as s:
+        yield s
+
+
+def test_the_api_answers_n_beams_as_the_reference_search(server, checkpoints):
+    from test_server import request
+
+    _, path, eos = checkpoints
+    for prompt in PROMPTS:
+        status, body = request(server, "POST", "/v1/completions", {
+            "prompt": prompt, "use_beam_search": True, "n": 3, "max_tokens": 5, "temperature": 0,
+            "length_penalty": 0.5, "include_stop_str_in_output": True, "return_token_ids": True, "logprobs": 2,
+            "return_tokens_as_token_ids": True})  # (ids: two byte tokens may share a text)
+        assert status == 200, body
+        want, _ = reference(path, prompt, 3, 5, {eos}, length_penalty=0.5, include_stop=True)
+        assert [c["token_ids"] for c in body["choices"]] == [t[len(prompt):] for t, _, _ in want]
+        assert [c["finish_reason"] for c in body["choices"]] == [f for _, _, f in want]
+        assert [c["stop_reason"] for c in body["choices"]] == [eos if f == "stop" else None for _, _, f in want]
+        for c, (_, cum, _) in zip(body["choices"], want):  # each token's logprob, with the 2 most likely
+            lps = c["logprobs"]
+            assert len(lps["token_logprobs"]) == len(c["token_ids"])
+            # OpenAI's logprobs + 1 entries where the beam's token is not among the 2 most likely
+            assert all(len(top) in (2, 3) and token in top for token, top in zip(lps["tokens"], lps["top_logprobs"]))
+            assert abs(sum(lps["token_logprobs"]) - cum) < 1e-3
+        assert body["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in body["choices"])
+
+
+def test_a_streamed_beam_search_sends_each_sequence_once_it_has_ended(server, checkpoints):
+    from test_server import sse
+
+    _, path, eos = checkpoints
+    events = sse(server, "/v1/completions", {"prompt": PROMPTS[1], "use_beam_search": True, "n": 2,
+                                             "max_tokens": 4, "return_token_ids": True,
+                                             "stream_options": {"include_usage": True}})
+    want, _ = reference(path, PROMPTS[1], 2, 4, {eos})
+    chunks = [c for e in events for c in e["choices"]]
+    assert sorted((c["index"], c["token_ids"], c["finish_reason"]) for c in chunks) == \
+        [(i, t[len(PROMPTS[1]):], f) for i, (t, _, f) in enumerate(want)]
+    assert events[-1]["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in chunks)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    (dict(top_p=0.5), "top_p", "'top_p' is not supported with use_beam_search"),
+    (dict(seed=1), "seed", "'seed' is not supported with use_beam_search"),
+    (dict(stop_token_ids=[5]), "stop_token_ids", "'stop_token_ids' is not supported with use_beam_search"),
+    (dict(echo=True), "echo", "'echo' is not supported with use_beam_search"),
+    (dict(n=11), "n", "n must be at most 10"),  # 2 x 11 candidates, --max-logprobs 20
+    (dict(length_penalty="long"), "length_penalty", "'length_penalty' must be an integer or a number"),
+    (dict(length_penalty=1e309), "length_penalty", "must be a finite number"),
+    (dict(use_beam_search=False, length_penalty=0.5), "length_penalty", "is for beam search"),
+    (dict(use_beam_search="yes"), "use_beam_search", "'use_beam_search' must be a boolean"),
+    (dict(max_tokens=200), "max_tokens", "max_tokens"),  # past max_model_len 128
+])
+def test_what_beam_search_cannot_do_is_a_400(server, body, param, message):
+    from test_server import request, wait_idle
+
+    status, answer = request(server, "POST", "/v1/completions",
+                             {"prompt": PROMPTS[0], "use_beam_search": True, "n": 2, "max_tokens": 3} | body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and message in answer["error"]["message"], answer
+    wait_idle(server)
+
+
+def test_a_chat_answer_by_beam_search(server):
+    from test_server import request
+
+    status, body = request(server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "the quick brown fox"}], "use_beam_search": True, "n": 2,
+        "max_completion_tokens": 4, "top_logprobs": 1, "logprobs": True})
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for c in body["choices"]:
+        assert c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str)
+        assert c["finish_reason"] in ("stop", "length") and len(c["logprobs"]["content"]) <= 4
+    status, body = request(server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "n": 2, "top_logprobs": 1,
+        "logprobs": True, "top_p": 0.9})
+    assert status == 400 and body["error"]["param"] == "top_p"
+
+
+def test_a_client_gone_mid_search_stops_it(server):
+    from test_server import metric, open_stream, scrape, wait_for, wait_idle
+
+    wait_idle(server)
+    before = metric(scrape(server), "generation_tokens_total")
+    steps, width = 120, 4  # a whole search: the prompt's one-token request, then 119 steps of 4
+    with open_stream(server, {"prompt": PROMPTS[0], "use_beam_search": True, "n": width, "max_tokens": steps,
+                              "ignore_eos": True}):
+        # the connection closes once the search has run a step
+        wait_for(lambda: metric(scrape(server), "generation_tokens_total") > before)
+    # idle, and still idle a moment later (between two steps of a search nothing runs)
+    last: list[float] = []
+
+    def settled() -> bool:
+        m = scrape(server)
+        last.append(metric(m, "generation_tokens_total"))
+        time.sleep(0.5)
+        m = scrape(server)
+        return metric(m, "num_requests_running") == metric(m, "num_requests_waiting") == 0 and \
+            metric(m, "generation_tokens_total") == last[-1]
+    wait_for(settled)
+    assert last[-1] - before < 1 + (steps - 1) * width  # the search stopped before its last step
+    assert metric(scrape(server), "kv_cache_usage_perc") == 0
