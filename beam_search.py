@@ -94,10 +94,21 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_score(seq: BeamSearchSequence, eos_token_ids: Collection[int], length_penalty: float) -> float:
-    """vLLM's (and Hugging Face's) length-normalised score: an ending EOS is not counted."""
-    length = len(seq.tokens) - (1 if seq.tokens and seq.tokens[-1] in eos_token_ids else 0)
-    return seq.cum_logprob / length ** length_penalty
+def beam_rank(seq: BeamSearchSequence, num_prompt_tokens: int, eos_token_ids: Collection[int],
+              length_penalty: float) -> tuple[int, float]:
+    """A sort key, best first, that orders sequences as vLLM's (and Hugging Face's) score
+    cum_logprob / length ** length_penalty does: the length counts the prompt and not an
+    ending EOS among the output tokens. Taken in logs (the score's sign, then log |score|
+    divided by max(1, |length_penalty|), which keeps the order), since length **
+    length_penalty overflows, or is 0, for a large finite penalty the API accepts."""
+    output_eos = len(seq.tokens) > num_prompt_tokens and seq.tokens[-1] in eos_token_ids
+    length = len(seq.tokens) - output_eos  # >= 1: a prompt is never empty
+    cum = seq.cum_logprob
+    if cum == 0:
+        return (1, 0.0)
+    scale = max(1.0, abs(length_penalty))
+    log_magnitude = math.log(abs(cum)) / scale - length_penalty / scale * math.log(length)
+    return (0, -log_magnitude) if cum > 0 else (2, log_magnitude)
 
 
 class BeamSearch:
@@ -146,7 +157,8 @@ class BeamSearch:
         first (a live one ended by the length cap: "length")."""
         assert self.done
         ended = self.completed + [dataclasses.replace(b, finish_reason="length") for b in self.beams]
-        return sorted(ended, key=lambda s: -beam_score(s, self.eos, self.params.length_penalty))[:self.params.beam_width]
+        return sorted(ended, key=lambda s: beam_rank(s, self.num_prompt_tokens, self.eos, self.params.length_penalty)
+                      )[:self.params.beam_width]
 
     def output_ids(self, seq: BeamSearchSequence) -> list[int]:
         """A sequence's output token ids (after the prompt)."""

@@ -180,6 +180,11 @@ class BeamSearchRun:
             raise ApiError(f"use_beam_search with n={self.params.beam_width} ranks 2 x n candidates a step, more "
                            f"than the {cap} logprobs this server computes (--max-logprobs): n must be at most "
                            f"{cap // 2}", param="n")
+        limit = engine.config.max_waiting_requests
+        if limit is not None and self.params.beam_width > limit:  # (a 503's "retry later" would never succeed)
+            raise ApiError(f"use_beam_search with n={self.params.beam_width} adds up to n requests a step, more than "
+                           f"the {limit} this server lets wait (--max-waiting-requests): n must be at most {limit}",
+                           param="n")
         last_step = dataclasses.replace(self.params.step_params(), max_tokens=self.params.max_tokens)
         with refusals_as_api_errors():
             engine.validate(dataclasses.replace(request, params=last_step))

@@ -7,21 +7,24 @@ computed in float64 NumPy from the reference model, not from the engine's logpro
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
 from conftest import hf_greedy, hf_logits
 
-from beam_search import BeamSearchParams
-from engine import LLM
+from beam_search import BeamSearch, BeamSearchParams
+from engine import LLM, TokenLogprob
 
 SMALL = dict(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=128, block_size=4, warmup=False)
 PROMPTS = [[5, 17, 42, 99, 7, 23], [200, 3, 3, 150]]
 
 
 def reference(path: str, prompt: list[int], width: int, steps: int, eos: set[int], *, length_penalty: float = 1.0,
-              include_stop: bool = False, ignore_eos: bool = False) -> tuple[list[tuple[list[int], float, str]], int]:
-    """(the best `width` of (tokens, cum_logprob, finish_reason), best first; how many ended on EOS)."""
+              include_stop: bool = False, ignore_eos: bool = False,
+              rank: Callable[[int, float], object] | None = None) -> tuple[list[tuple[list[int], float, str]], int]:
+    """(the best `width` of (tokens, cum_logprob, finish_reason), best first; how many ended on
+    EOS). rank: a sort key of (length, cum_logprob), best first, in place of the score."""
     beams, ended = [(list(prompt), 0.0)], []
     for _ in range(steps):
         candidates = []
@@ -38,9 +41,10 @@ def reference(path: str, prompt: list[int], width: int, steps: int, eos: set[int
             break
     pool = ended + [(t, c, "length") for t, c in beams]
 
-    def score(s: tuple[list[int], float, str]) -> float:
-        return s[1] / (len(s[0]) - (s[0][-1] in eos)) ** length_penalty
-    return sorted(pool, key=lambda s: -score(s))[:width], len(ended)
+    def key(s: tuple[list[int], float, str]) -> object:
+        length = len(s[0]) - (s[0][-1] in eos)
+        return -(s[1] / length ** length_penalty) if rank is None else rank(length, s[1])
+    return sorted(pool, key=key)[:width], len(ended)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +103,16 @@ def test_text_is_the_whole_sequence_decoded():
         assert len(o.sequences) == 2
         for s in o.sequences:
             assert s.text == llm.tokenizer.decode(s.tokens) and s.text.startswith(("hello", "ab"))
+
+
+def test_a_prompt_of_one_eos_ended_at_once_counts_its_length():
+    """The length a score divides by counts the prompt, less an EOS among the output tokens
+    only: a prompt that is one EOS token, ended at once by an EOS (not kept), is 1 long."""
+    eos = 2
+    search = BeamSearch([eos], BeamSearchParams(1, 1), [eos])
+    search.advance([TokenLogprob(eos, -0.1, [(eos, -0.1), (7, -2.5)], 1)])
+    # -0.1 / 1 beats the live [eos, 7]'s -2.5 / 2
+    assert [(s.tokens, s.finish_reason, s.cum_logprob) for s in search.best()] == [([eos], "stop", -0.1)]
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -160,6 +174,24 @@ def test_the_api_answers_n_beams_as_the_reference_search(server, checkpoints):
         assert body["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in body["choices"])
 
 
+@pytest.mark.parametrize("length_penalty, rank", [
+    (1e300, lambda length, cum: (-length, -cum)),  # length ** 1e300 overflows; the score's limit: the longest first
+    (-1e300, lambda length, cum: (length, -cum)),  # length ** -1e300 is 0; the limit: the shortest first
+])
+def test_a_huge_length_penalty_ranks_as_its_limit(server, checkpoints, length_penalty, rank):
+    from test_server import request
+
+    _, path, eos = checkpoints
+    status, body = request(server, "POST", "/v1/completions", {
+        "prompt": PROMPTS[0], "use_beam_search": True, "n": 3, "max_tokens": 5, "temperature": 0,
+        "length_penalty": length_penalty, "return_token_ids": True})
+    assert status == 200, body
+    want, num_ended = reference(path, PROMPTS[0], 3, 5, {eos}, rank=rank)
+    assert num_ended > 0  # sequences of several lengths to rank
+    assert [c["token_ids"] for c in body["choices"]] == [t[len(PROMPTS[0]):] for t, _, _ in want]
+    assert [c["finish_reason"] for c in body["choices"]] == [f for _, _, f in want]
+
+
 def test_a_streamed_beam_search_sends_each_sequence_once_it_has_ended(server, checkpoints):
     from test_server import sse
 
@@ -194,6 +226,23 @@ def test_what_beam_search_cannot_do_is_a_400(server, body, param, message):
     assert status == 400, answer
     assert answer["error"]["param"] == param and message in answer["error"]["message"], answer
     wait_idle(server)
+
+
+def test_a_width_the_waiting_queue_cannot_hold_is_a_400():
+    """Each step adds one request per live beam: with --max-waiting-requests 2 a search of
+    n = 3 would be refused at its second step (a 503 saying "retry later", or an error in a
+    stream whose 200 is out) every time; n = 2 runs."""
+    from test_server import request, running_server
+
+    with running_server("--max-waiting-requests", "2", "--no-warmup") as s:
+        for stream in (False, True):
+            status, answer = request(s, "POST", "/v1/completions", {
+                "prompt": [5, 6, 7], "use_beam_search": True, "n": 3, "max_tokens": 3, "stream": stream})
+            assert status == 400 and answer["error"]["param"] == "n", answer
+            assert "--max-waiting-requests" in answer["error"]["message"]
+        status, answer = request(s, "POST", "/v1/completions", {
+            "prompt": [5, 6, 7], "use_beam_search": True, "n": 2, "max_tokens": 3})
+        assert status == 200 and len(answer["choices"]) == 2, answer
 
 
 def test_a_chat_answer_by_beam_search(server):
