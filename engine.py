@@ -784,7 +784,9 @@ class LLM:
         """vLLM's LLM.beam_search (beam_search.py): one BeamSearchOutput per prompt (prompts as
         generate() takes them), its params.beam_width best sequences, best first; each
         sequence's tokens start with the prompt's, and so does its text. Each step runs the
-        live beams of every prompt as one batch of one-token requests."""
+        live beams of every prompt as one batch of one-token requests. A sequence that ended
+        on EOS keeps it only with include_stop_str_in_output, as the API's beam search does
+        (vLLM's offline one keeps it whatever the flag says)."""
         from beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 
         if not isinstance(params, BeamSearchParams):
