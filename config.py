@@ -362,7 +362,10 @@ def _is_kind(value: object, kind: object) -> bool:
     if kind is int:  # numpy integers too; True is not a count
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if kind is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        try:
+            return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        except OverflowError:  # an int past a float's range (LLM(swap_space=10**400)): no finite number either
+            return False
     return isinstance(kind, type) and isinstance(value, kind)
 
 

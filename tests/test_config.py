@@ -30,6 +30,7 @@ from engine import LLM
     (dict(num_kv_blocks=2.5), "num_kv_blocks must be an integer or None"),
     (dict(kv_cache_memory=float("nan")), "kv_cache_memory must be an integer or None"),
     (dict(gpu_memory_utilization=float("inf")), "gpu_memory_utilization must be a finite number"),
+    (dict(swap_space=10**400), "swap_space must be a finite number"),  # else an OverflowError from isfinite
     (dict(seed=2**70), "seed must be a 64-bit integer"),  # else an OverflowError inside JAX's PRNG
     (dict(seed=1.5), "seed must be an integer"),
     # every count: else an OverflowError from the KV and host-buffer sizing's GiB, naming nothing
