@@ -218,6 +218,7 @@ def argvs(draw: st.DrawFn, parser: argparse.ArgumentParser, root: str) -> tuple[
         flag = draw(st.sampled_from(action.option_strings))
         if hostile and flag.startswith("--") and draw(st.integers(0, 9)) == 0:
             flag = flag[:draw(st.integers(3, len(flag)))]  # argparse takes a unique prefix
+            names.add(flag)  # (or the flag it spells in full: --scheduling of --scheduling-policy)
         words = draw(value_words(action, root, hostile))
         if words and flag.startswith("--") and draw(st.integers(0, 5)) == 0:
             argv.append(f"{flag}={words[0]}")
