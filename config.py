@@ -177,7 +177,6 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(1 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two up to {MAX_BLOCK_SIZE}, got {self.block_size}")
-        need(-2**63 <= self.seed < 2**63, f"seed must be a 64-bit integer, got {self.seed}")
         need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 2,
              f"num_kv_blocks must be >= 2 (block 0 is the reserved null block), got {self.num_kv_blocks}")
@@ -243,7 +242,9 @@ class EngineConfig:
              "--speculative-config runs on one host: the step channel does not carry proposals")
         if self.distributed_coordinator is not None:
             host, _, port = self.distributed_coordinator.rpartition(":")
-            need(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+            # ASCII digits only (str.isdigit() takes other scripts' digits too, which int() reads),
+            # and few enough for int() (past 4,300 digits it raises, naming no flag)
+            need(bool(host) and port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536,
                  f"distributed_coordinator must be HOST:PORT, got {self.distributed_coordinator!r}")
         need(self.quantization in (None, "int8", "gguf"),
              f"quantization must be int8 or gguf (or unset), got {self.quantization!r}")
@@ -373,7 +374,10 @@ def _is_kind(value: object, kind: object) -> bool:
     if kind is int:  # numpy integers too; True is not a count
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if kind is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        try:
+            return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        except OverflowError:  # an int past a float's range (LLM(swap_space=10**400)): no finite number either
+            return False
     return isinstance(kind, type) and isinstance(value, kind)
 
 
@@ -386,6 +390,11 @@ def _check_field_types(config: EngineConfig) -> None:
         if not any(_is_kind(value, k) for k in kinds):
             want = " or ".join(names.get(k, getattr(k, "__name__", str(k))) for k in kinds)  # type: ignore[call-overload]
             raise ValueError(f"{name} must be {want}, got {value!r}")
+        # 64 bits, as a seed's PRNG key and the arrays a count sizes hold it: a larger count
+        # fits no memory, and its byte total is past what a float (the sizing's GiB) can hold
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+            shown = value if abs(value) < 2**128 else f"an integer of {int(value).bit_length()} bits"
+            raise ValueError(f"{name} must be a 64-bit integer, got {shown}")
         if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
             object.__setattr__(config, name, int(value))  # a numpy integer: plain int, as the CLI gives
         elif isinstance(value, np.bool_):

@@ -33,17 +33,32 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     return parser.parse_args([*words, *(sys.argv[1:] if argv is None else argv)])
 
 
+class _Loader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but an integer past Python's digit limit for int(text) is a
+    YAML error with its line, not a ValueError about sys.set_int_max_str_digits."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of more than {sys.get_int_max_str_digits()} digits", node.start_mark) from None
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+
 def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
     """The command-line words the YAML file at `path` stands for."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, _Loader)
     except OSError as e:
         raise ValueError(f"--config {path}: cannot read it ({e.strerror})") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"--config {path}: not UTF-8 text ({e})") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not valid YAML ({e})") from None
+        raise ValueError(f"--config {path}: not valid YAML ({_yaml_problem(e)})") from None
     except RecursionError:  # PyYAML's scanner and composer recurse once per level of nesting
         raise ValueError(f"--config {path}: nested too deeply") from None
     if data is None:
@@ -77,6 +92,15 @@ def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
         else:
             words += [flag, _word(where, value, action)]
     return words
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error on one line (its own spans several: a line per mark, naming the file
+    again): what it expected, what it found, and where."""
+    mark = getattr(e, "problem_mark", None)
+    parts = [getattr(e, "context", None), getattr(e, "problem", None)]
+    text = ": ".join(p for p in parts if p) or " ".join(str(e).split())
+    return text + (f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "")
 
 
 def json_text(text: str) -> str:

@@ -488,8 +488,10 @@ def plan(args: argparse.Namespace) -> Plan:
 
     # before EngineConfig, whose multi-host checks would speak of a setup that cannot run here at all
     if args.num_processes > 1 or args.distributed_coordinator is not None:
-        raise ValueError("multi-host replicas are not supported under Ray Serve: one replica is one process "
-                         "(use --tensor-parallel-size over its local devices)")
+        flag = (f"--num-processes {args.num_processes}" if args.num_processes > 1
+                else f"--distributed-coordinator {args.distributed_coordinator!r}")
+        raise ValueError(f"{flag}: multi-host replicas are not supported under Ray Serve: one replica is one "
+                         "process (use --tensor-parallel-size over its local devices)")
     for flag in ("uds", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} is not supported under Ray Serve: its proxy serves plain "
@@ -515,8 +517,9 @@ def plan(args: argparse.Namespace) -> Plan:
     for name in ("num_replicas", "max_ongoing_requests"):
         if (v := getattr(args, name)) is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if not args.shutdown_timeout >= 0:  # also refuses nan
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    # also refuses nan; inf too: Ray Serve would wait forever on a stopping replica's last stream
+    if not 0 <= args.shutdown_timeout < math.inf:
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     for name in ("replica_cpus", "replica_gpus", "imbalanced_threshold"):
         if (v := getattr(args, name)) is not None and not 0 <= v < math.inf:  # also refuses nan
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")

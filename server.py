@@ -1639,8 +1639,9 @@ def main(argv: list[str] | None = None) -> None:
     args = config_file.parse_args(parser, argv)
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's rule
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
-    if not args.shutdown_timeout >= 0:  # also refuses nan
-        parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    # also refuses nan; inf too: a stream that never ends would hold the shutdown forever
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        parser.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     # Before the model loads and compiles (minutes), not when the server binds after it.
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535 (0: any free port), got {args.port}")

@@ -118,7 +118,8 @@ class SpeculativeConfig:
         if method == "ngram" and self.model in ngram:
             object.__setattr__(self, "model", None)
         object.__setattr__(self, "method", method)
-        need(method in _PROPOSER_MODULES, "method", f"must be one of {', '.join(_PROPOSER_MODULES)}")
+        need(isinstance(method, str) and method in _PROPOSER_MODULES, "method",  # (a list is no key: a TypeError)
+             f"must be one of {', '.join(_PROPOSER_MODULES)}")
         need(is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
         if method == "ngram":

@@ -30,8 +30,13 @@ from engine import LLM
     (dict(num_kv_blocks=2.5), "num_kv_blocks must be an integer or None"),
     (dict(kv_cache_memory=float("nan")), "kv_cache_memory must be an integer or None"),
     (dict(gpu_memory_utilization=float("inf")), "gpu_memory_utilization must be a finite number"),
+    (dict(swap_space=10**400), "swap_space must be a finite number"),  # else an OverflowError from isfinite
     (dict(seed=2**70), "seed must be a 64-bit integer"),  # else an OverflowError inside JAX's PRNG
     (dict(seed=1.5), "seed must be an integer"),
+    # every count: else an OverflowError from the KV and host-buffer sizing's GiB, naming nothing
+    (dict(num_kv_blocks=10**400), "num_kv_blocks must be a 64-bit integer, got an integer of 1329 bits"),
+    (dict(max_num_seqs=2**63), "max_num_seqs must be a 64-bit integer, got 9223372036854775808"),
+    (dict(kv_cache_memory=-(2**63) - 1), "kv_cache_memory must be a 64-bit integer"),
     (dict(warmup="yes"), "warmup must be a boolean"),
     (dict(enable_chunked_prefill="no"), "enable_chunked_prefill must be a boolean"),
     (dict(compilation_cache_dir=5), "compilation_cache_dir must be a string or None"),
@@ -40,6 +45,11 @@ from engine import LLM
     (dict(preemption_mode="swap", swap_space=1e6), "swap_space 1e\\+06 GiB is too large"),  # vLLM's 70% rule
     (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold must be >= 0"),
     (dict(long_prefill_token_threshold=1.5), "long_prefill_token_threshold must be an integer"),
+    # a port of another script's digits (which int() reads), or past int()'s 4,300 digits
+    (dict(distributed_coordinator="h:١٢", num_processes=2, tensor_parallel_size=2),
+     "distributed_coordinator must be HOST:PORT, got 'h:١٢'"),
+    (dict(distributed_coordinator="h:" + "1" * 5000, num_processes=2, tensor_parallel_size=2),
+     "distributed_coordinator must be HOST:PORT"),
     (dict(long_prefill_token_threshold=64, enable_chunked_prefill=False),
      "long_prefill_token_threshold \\(64\\) caps a prompt's chunk: it needs chunked prefill"),
 ])
@@ -76,9 +86,12 @@ def test_an_explicit_kv_cache_that_cannot_fit_is_refused_naming_the_flag_before_
         blocks(kv_cache_memory=have)
 
 
-def test_server_refuses_an_unusable_port_or_host_before_loading_the_model(capsys):
+def test_server_refuses_an_unusable_port_host_or_shutdown_timeout_before_loading_the_model(capsys):
     for flags, says in [(["--port", "70000"], "--port must be in 0..65535"),
-                        (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' does not resolve")]:
+                        (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' does not resolve"),
+                        # a stream that never ends would hold the shutdown forever
+                        (["--shutdown-timeout", "inf"], "--shutdown-timeout must be a finite number of seconds"),
+                        (["--shutdown-timeout", "nan"], "--shutdown-timeout must be a finite number of seconds")]:
         with pytest.raises(SystemExit) as exit_:  # model "/nowhere" would fail later: these come first
             server.main(["--model", "/nowhere", *flags])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
@@ -87,6 +100,14 @@ def test_server_refuses_an_unusable_port_or_host_before_loading_the_model(capsys
         server.main(["--model", "/nowhere", "--host", ""])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "does not resolve" not in err and "/nowhere" in err
+
+
+@pytest.mark.parametrize("flag", ["--num-kv-blocks", "--kv-cache-memory", "--max-num-batched-tokens", "--max-num-seqs"])
+def test_server_exits_on_a_count_past_64_bits_naming_it(capsys, flag):
+    with pytest.raises(SystemExit) as exit_:  # refused by EngineConfig: model "/nowhere" is never read
+        server.main(["--model", "/nowhere", flag, "1" * 400])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{flag[2:].replace('-', '_')} must be a 64-bit integer, got an integer of " in err
 
 
 # ---- --config FILE ------------------------------------------------------------------
@@ -138,6 +159,11 @@ def test_a_config_file_sets_flags_as_typed_and_the_command_line_wins(tmp_path):
     ("served-model-name: [a, [b]]\n", "served-model-name: ['b'] is not a value a flag takes"),
     ("- max-num-seqs\n", "must be a mapping of flag names to values"),
     ("a: [\n", "not valid YAML"),
+    # PyYAML's message on one line: what it expected, what it found, where
+    ("a: 1\n---\nb: 2\n", "not valid YAML (expected a single document in the stream: but found another document, "
+                        "line 2, column 1)"),
+    # past int()'s digit limit: the file's line, not advice to call sys.set_int_max_str_digits
+    ("max-num-seqs: " + "1" * 5000 + "\n", "not valid YAML (an integer of more than 4300 digits, line 1, column 15)"),
 ])
 def test_a_bad_config_file_exits_naming_the_key(tmp_path, capsys, text, says):
     with pytest.raises(SystemExit) as exit_:

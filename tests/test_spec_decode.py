@@ -34,6 +34,8 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
         assert (c.method, c.model) == ("ngram", None), alias
     bad = {'{"method": "ngram"}': "num_speculative_tokens",
            '{"method": "eagle", "num_speculative_tokens": 2}': "method",
+           '{"method": [], "num_speculative_tokens": 2}': "method must be one of",  # not a TypeError (unhashable)
+           '{"method": {}, "model": "d.gguf", "num_speculative_tokens": 2}': "method must be one of",
            '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}': "bogus",
            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}':
                "prompt_lookup_min",
