@@ -312,12 +312,19 @@ def run_main(main: Any, argv: list[str]) -> tuple[BaseException, str]:
     raise AssertionError(f"main() returned: {argv!r}")
 
 
+def drawn_run(data: st.DataObject, parser: Any, main: Any, root: Any) -> tuple[BaseException, str, Any]:
+    """A command line drawn from `parser`'s options, run through `main`: (its outcome, its
+    stderr, the flag names and file keys drawn)."""
+    argv, names = data.draw(argvs(parser, root))
+    outcome, err = run_main(main, argv)
+    event(type(outcome).__name__)
+    return outcome, err, names
+
+
 @SETTINGS
 @given(data=st.data())
 def test_any_server_command_line_is_a_valid_config_or_one_error_line_naming_a_flag(data, root, contained):
-    argv, names = data.draw(argvs(server.build_parser(), root))
-    outcome, err = run_main(server.main, argv)
-    event(type(outcome).__name__)
+    outcome, err, names = drawn_run(data, server.build_parser(), server.main, root)
     if isinstance(outcome, Accepted):
         check_accepted(outcome.config, outcome.num_blocks)
     else:
@@ -343,9 +350,7 @@ def ray_plans(contained, monkeypatch) -> list:
 def test_any_serve_ray_command_line_is_a_plan_or_one_error_line_naming_a_flag(data, root, ray_plans):
     import serve_ray
 
-    argv, names = data.draw(argvs(serve_ray.build_parser(), root))
-    outcome, err = run_main(serve_ray.main, argv)
-    event(type(outcome).__name__)
+    outcome, err, names = drawn_run(data, serve_ray.build_parser(), serve_ray.main, root)
     if isinstance(outcome, SystemExit):
         check_exit(outcome, err, names)
         return
