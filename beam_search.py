@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Collection, Sequence
 
+from config import is_finite_number, is_int
 from engine import EngineRequest, RequestOutputDelta, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -44,22 +45,13 @@ class BeamSearchParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_num(x: object) -> bool:
-            try:  # float() of a huge integer overflows: not a usable number either
-                return (is_int(x) or isinstance(x, float)) and math.isfinite(float(x))
-            except OverflowError:
-                return False
-
         if not is_int(self.beam_width) or self.beam_width < 1:
             raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not is_num(self.temperature) or self.temperature < 0:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not is_num(self.length_penalty):
+        if not is_finite_number(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
@@ -73,6 +65,11 @@ class BeamSearchParams:
         or of as many as `logprobs` asks to report if more."""
         return SamplingParams(max_tokens=1, temperature=self.temperature,
                               logprobs=max(2 * self.beam_width, self.logprobs or 0))
+
+    def search_params(self) -> SamplingParams:
+        """A step's request grown to the whole search's length: checking it (LLMEngine.validate)
+        before the first step checks that the last step's requests fit."""
+        return dataclasses.replace(self.step_params(), max_tokens=self.max_tokens)
 
 
 @dataclass

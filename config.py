@@ -401,6 +401,20 @@ def _check_field_types(config: EngineConfig) -> None:
             object.__setattr__(config, name, bool(value))
 
 
+def is_int(x: object) -> bool:
+    """A Python integer, and not a bool (True is no count), as a request's integer fields take."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_finite_number(x: object) -> bool:
+    """An int or float that is a finite number: not nan or inf, nor an integer past a
+    float's range (float() of a huge JSON integer overflows)."""
+    try:
+        return (is_int(x) or isinstance(x, float)) and math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
 class ParamError(ValueError):
     """A request value the engine cannot run, naming the request field it came in (the
     server's 400 `param`)."""
@@ -651,28 +665,19 @@ class SamplingParams:
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
 
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_num(x: object) -> bool:
-            try:  # float() of a huge JSON integer overflows: not a usable number either
-                return (is_int(x) or isinstance(x, float)) and math.isfinite(float(x))
-            except OverflowError:
-                return False
-
         if not is_int(self.n):  # vLLM's messages
             raise ValueError(f"n must be an int, but is of type {type(self.n)}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not is_num(self.temperature) or self.temperature < 0:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
             raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
-        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not is_finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**63):
             raise ValueError(f"seed must be a 64-bit integer, in [{-2**63}, {2**63 - 1}], got {self.seed!r}")
@@ -702,9 +707,9 @@ class SamplingParams:
                              f"got {self.min_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not is_num(value) or not -2.0 <= value <= 2.0:
+            if not is_finite_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+        if not is_finite_number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be a finite number greater than zero, "
                              f"got {self.repetition_penalty!r}")
         if self.allowed_token_ids is not None:
@@ -728,7 +733,7 @@ class SamplingParams:
                 if token_id is None:
                     raise ValueError(f"logit_bias: found token_id {token!r} that is not an integer or string "
                                      "representing an integer"[:200])
-                if not is_num(value):
+                if not is_finite_number(value):
                     raise ValueError(f"logit_bias: the bias of token_id {token_id} must be a number, got {value!r}"[:200])
                 bias[token_id] = min(100.0, max(-100.0, float(value)))  # OpenAI's range, clamped as vLLM
             object.__setattr__(self, "logit_bias", bias or None)

@@ -795,8 +795,7 @@ class LLM:
         step = params.step_params()
         for i, (ids, _, salt) in enumerate(read):  # every step's limits, checked before any runs
             try:
-                self.engine.validate(EngineRequest(f"beam-check-{i}", ids, dataclasses.replace(
-                    step, max_tokens=params.max_tokens), cache_salt=salt))
+                self.engine.validate(EngineRequest(f"beam-check-{i}", ids, params.search_params(), cache_salt=salt))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         searches = [BeamSearch(ids, params, self.engine.model_config.eos_token_ids) for ids, _, _ in read]

@@ -185,9 +185,8 @@ class BeamSearchRun:
             raise ApiError(f"use_beam_search with n={self.params.beam_width} adds up to n requests a step, more than "
                            f"the {limit} this server lets wait (--max-waiting-requests): n must be at most {limit}",
                            param="n")
-        last_step = dataclasses.replace(self.params.step_params(), max_tokens=self.params.max_tokens)
         with refusals_as_api_errors():
-            engine.validate(dataclasses.replace(request, params=last_step))
+            engine.validate(dataclasses.replace(request, params=self.params.search_params()))
         self.task: asyncio.Future | None = None
 
     async def sequences(self) -> tuple[Any, list[Any]]:
