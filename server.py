@@ -10,10 +10,10 @@ GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_
 each also under --root-path, and a path that differs from one by a trailing slash is a 307
 to it (FastAPI's routing, as vLLM's server answers).
 
-This module is the HTTP app: its handlers (which tokenize prompts, chat templates included,
-off the event loop), the API key, routing, start-up and shutdown. What a completion request
-becomes is serving.py's (generation.py's: one engine request as text), the /metrics text
-prometheus.py's, the flags cli_args.py's.
+This module is the HTTP app: the handlers (which tokenize prompts, chat templates included,
+off the event loop), the API key, routing, start-up and shutdown. Beside it, serving.py turns
+a completion or chat request into its answer (generation.py: one engine request as text),
+prometheus.py renders /metrics, and cli_args.py holds the command line.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# The server's logger: the request and output lines go out under the name --log-level and
-# log filters already know.
+# The server's logger, not one of this module's own: every line about a request (its
+# parameters, its output, the fields it sent that were ignored) goes out under the one name
+# the server's log is filtered by.
 log = logging.getLogger("taxirank.server")
 
 
