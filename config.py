@@ -48,7 +48,7 @@ DISTRIBUTED_EXECUTOR_BACKENDS: tuple[str, ...] = ("mp", "ray", "uni", "external_
 # The files of a Hugging Face tokenizer: a folder holding one of them has one (tokenizer.py).
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # vLLM's spellings of EngineConfig flags whose own name says it better here (a block count on
-# any device, not a GPU's; bytes), and its short ones: server.py's parser takes them beside
+# any device, not a GPU's; bytes), and its short ones: cli_args.py's parser takes them beside
 # ours, so a vLLM command line runs as it is
 VLLM_SPELLINGS: dict[str, tuple[str, ...]] = {
     "tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",),

@@ -1,7 +1,7 @@
 """What the engine measures about itself: plain counters, gauges and histograms.
 
 The engine thread writes them; the server's /metrics, the benches and the tests read
-`EngineStats.snapshot()`. No Prometheus here: server.py renders a snapshot in the
+`EngineStats.snapshot()`. No Prometheus here: prometheus.py renders a snapshot in the
 Prometheus text format, so the engine stays usable offline with no client library.
 """
 

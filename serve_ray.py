@@ -12,8 +12,9 @@ address on a free port. `Ingress` (one replica, no engine) takes HTTP from Ray S
 and hands each request to an Engine replica through a deployment handle. The hop through a
 handle is what lets a router read the prompt: Ray Serve's proxy routes on the URL alone. The
 Engine replica relays the request to its own aiohttp app over loopback, so request handling
-lives in server.py only. The Ingress answers GET /metrics itself, merging every replica's
-metrics (each series labelled with its replica), and sends POST /reset_prefix_cache to all.
+lives in server.py's app only. The Ingress answers GET /metrics itself, merging every
+replica's metrics (each series labelled with its replica), and sends POST /reset_prefix_cache
+to all.
 
 Routing: PrefixAffinityRouter (the default) sends a prompt to the replica that was sent the
 longest prefix of it, unless that replica's queue is longer than the shortest by more than
@@ -44,9 +45,9 @@ import config_file
 def build_parser() -> argparse.ArgumentParser:
     """server.py's flags (the same meaning per replica; --host/--port are Ray Serve's
     proxy) and the fleet's own."""
-    import server
+    import cli_args
 
-    p = server.build_parser()
+    p = cli_args.build_parser()
     p.description = "taxirank: OpenAI-compatible server, N replicas under Ray Serve"
     g = p.add_argument_group("Ray Serve")
     g.add_argument("--num-replicas", type=int, help="fixed number of engine replicas (default 1; "
@@ -93,10 +94,10 @@ from starlette.responses import Response, StreamingResponse  # noqa: E402
 from cors import CorsPolicy  # noqa: E402
 from protocol import MAX_BODY_BYTES, ApiError, route_path  # noqa: E402
 
-# The engine side (server.py, the engine, JAX) is imported where it is used: by the driver
-# (flags, plan) and by the Engine replicas. The Ingress process imports this module to run
-# its deployment and the router, and holds no engine: importing JAX there would cost each
-# Ingress replica seconds of CPU at start and the memory of a second JAX runtime.
+# The engine side (server.py, cli_args.py, the engine, JAX) is imported where it is used: by
+# the driver (flags, plan) and by the Engine replicas. The Ingress process imports this module
+# to run its deployment and the router, and holds no engine: importing JAX there would cost
+# each Ingress replica seconds of CPU at start and the memory of a second JAX runtime.
 if TYPE_CHECKING:
     from config import EngineConfig
 
@@ -411,7 +412,7 @@ class Ingress:
 
     async def _relay(self, responses: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
         """An SSE stream as it comes; if the replica dies, an error event and [DONE], as
-        server.py ends a stream whose request failed after the status line went out."""
+        serving.py ends a stream whose request failed after the status line went out."""
         last = b"\n\n"
         try:
             async for last in responses:
@@ -484,7 +485,7 @@ class Plan:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Validate the flags (ValueError says which and why) and turn them into deployment options."""
-    import server
+    import cli_args
 
     # before EngineConfig, whose multi-host checks would speak of a setup that cannot run here at all
     if args.num_processes > 1 or args.distributed_coordinator is not None:
@@ -496,14 +497,14 @@ def plan(args: argparse.Namespace) -> Plan:
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} is not supported under Ray Serve: its proxy serves plain "
                              "HTTP at --host and --port (put TLS in front of it)")
-    config = server.engine_config(args)
+    config = cli_args.engine_config(args)
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # as server.py
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be a fixed port (1..65535) for Ray Serve's proxy, got {args.port}")
-    server.check_host(args.host, args.port)  # as server.py: Ray Serve's proxy binds it
-    server.api_keys(args.api_key)  # as server.py: before a replica would fail on it
-    server.check_log_flags(args)  # as server.py
+    cli_args.check_host(args.host, args.port)  # as server.py: Ray Serve's proxy binds it
+    cli_args.api_keys(args.api_key)  # as server.py: before a replica would fail on it
+    cli_args.check_log_flags(args)  # as server.py
     autoscale = args.min_replicas is not None or args.max_replicas is not None
     if autoscale and args.num_replicas is not None:
         raise ValueError("--num-replicas is a fixed count; --min-replicas/--max-replicas autoscale: give one or the other")

@@ -14,7 +14,7 @@
             16 x 16 + 16 x 128 tokens, prompts of 20-120 words) and the seed's mix, the device stubbed.
   warmup    a SmolLM2-shaped model's warm-up, cold and from the cache (--baseline DIR: DIR's code too).
   stops     256 smollm2 sequences decoding with and without stop strings, the device stubbed: the host
-            step, and the server's share (server.Generation turning the same steps' deltas into text);
+            step, and the server's share (generation.Generation turning the same steps' deltas into text);
             with --baseline DIR, DIR's code measured alike, alternating, in fresh processes.
 """
 
@@ -334,7 +334,7 @@ STOPS = ("</answer>", "\n\nUser:")  # typical stop strings, never completed here
 def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `root`: host and server CPU ms/step
     sys.path.insert(0, root)
     import asyncio
-    import server
+    import generation
     from engine import EngineRequest
     words = "The quick brown fox jumps over the lazy dog, and then it runs away into the forest. " * 4
     out = {}
@@ -354,7 +354,7 @@ def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `
             for d in eng.step():
                 per_request.setdefault(d.request_id, []).append(d)
 
-        class Engine:  # what server.Generation reads of an AsyncEngine: these deltas as its stream
+        class Engine:  # what generation.Generation reads of an AsyncEngine: these deltas as its stream
             tokenizer, model_config = eng.tokenizer, eng.model_config
 
             @staticmethod
@@ -369,7 +369,7 @@ def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `
                 pass
 
         async def serve() -> float:
-            gens = [server.Generation(Engine, EngineRequest(s.request_id, s.prompt_token_ids, s.params))
+            gens = [generation.Generation(Engine, EngineRequest(s.request_id, s.prompt_token_ids, s.params))
                     for s in eng.scheduler.running]
             c0 = time.process_time()
             for g in gens:

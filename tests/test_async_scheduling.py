@@ -12,7 +12,7 @@ import numpy as np
 from async_engine import AsyncEngine
 from conftest import fresh_step_programs
 from engine import LLM, EngineConfig, EngineRequest, SamplingParams
-from server import Generation
+from generation import Generation
 
 # The seed's mix scaled down: short and long outputs, chunked prefill under a small
 # token budget, and a KV cache too small for everyone (on-demand preemption).
@@ -142,7 +142,7 @@ def test_async_server_path_stop_strings_and_clients_leaving_mid_stream():
 
 
 def test_async_scheduling_is_the_default_of_the_engine_and_of_the_server_flags():
-    from server import build_parser
+    from cli_args import build_parser
 
     assert EngineConfig().async_scheduling is True
     assert build_parser().parse_args([]).async_scheduling is True

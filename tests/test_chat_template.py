@@ -33,6 +33,7 @@ def post(tmp_path_factory):
     """post(flags, body) -> (status, whole response, first stream delta or None)."""
     from aiohttp.test_utils import TestClient, TestServer
 
+    import cli_args
     import server
     from async_engine import AsyncEngine
 
@@ -43,7 +44,7 @@ def post(tmp_path_factory):
     loop.run_until_complete(engine.start())
 
     async def one(flags: list[str], body: dict) -> tuple[int, dict, dict | None]:
-        app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+        app = server.app_from_args(engine, cli_args.build_parser().parse_args(flags))
         body = {"messages": MESSAGES, "max_tokens": 2, "temperature": 0.0} | body
         async with TestClient(TestServer(app)) as client:
             resp = await client.post("/v1/chat/completions", json=body)
@@ -93,19 +94,20 @@ def test_the_answers_role_is_the_response_role_or_the_continued_messages(post):
 
 
 def test_bad_templates_are_refused_at_start_up(post, capsys):
+    import cli_args
     import server
     from tokenizer import ByteTokenizer
 
     engine, _ = post
     with pytest.raises(SystemExit):
-        server.build_parser().parse_args(["--chat-template", "no/such/template.jinja"])
+        cli_args.build_parser().parse_args(["--chat-template", "no/such/template.jinja"])
     assert "looks like a file path, but it cannot be opened" in capsys.readouterr().err
     with pytest.raises(argparse.ArgumentTypeError):
-        server.load_chat_template("missing.jinja")
+        cli_args.load_chat_template("missing.jinja")
     with pytest.raises(ValueError, match="not a valid Jinja template"):
         server.build_app(engine, ["m"], chat_template="{% for m in messages %}")
     with pytest.raises(ValueError, match="needs a Hugging Face tokenizer; this model has ByteTokenizer"):
-        server.check_chat_template(TEMPLATE, ByteTokenizer())
+        cli_args.check_chat_template(TEMPLATE, ByteTokenizer())
 
 
 def test_tokenize_and_detokenize_as_vllms(post):
@@ -113,13 +115,14 @@ def test_tokenize_and_detokenize_as_vllms(post):
     encodes a prompt with the tokenizer's special tokens; /detokenize inverts it."""
     from aiohttp.test_utils import TestClient, TestServer
 
+    import cli_args
     import server
 
     engine, _ = post
     tok = engine.tokenizer
 
     async def call(flags: list[str], path: str, body: dict) -> tuple[int, dict]:
-        app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+        app = server.app_from_args(engine, cli_args.build_parser().parse_args(flags))
         async with TestClient(TestServer(app)) as client:
             resp = await client.post(path, json=body)
             return resp.status, json.loads(await resp.text())

@@ -20,6 +20,7 @@ import pytest
 from conftest import make_hf_tokenizer, tiny_async_engine
 
 import chat_format
+import cli_args
 import server
 from protocol import ApiError, render_chat, thinking_enabled
 
@@ -174,7 +175,7 @@ def test_default_kwargs_reach_the_template_and_the_request_overrides_them(tokeni
 def test_bad_values_are_refused_at_start_up(tokenizer, capsys):
     from tokenizer import ByteTokenizer
 
-    parser = server.build_parser()
+    parser = cli_args.build_parser()
     for value, says in (("{bad", "not valid JSON"), ("[1]", "expected a JSON object"), ("3", "expected a JSON object")):
         with pytest.raises(SystemExit):
             parser.parse_args(["--default-chat-template-kwargs", value])
@@ -201,7 +202,7 @@ def test_a_config_file_may_write_the_defaults_as_a_mapping(tmp_path):
 
     (tmp_path / "c.yaml").write_text("default-chat-template-kwargs: {enable_thinking: false}\n"
                                      "chat-template-content-format: openai\n")
-    args = config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "c.yaml")])
+    args = config_file.parse_args(cli_args.build_parser(), ["--config", str(tmp_path / "c.yaml")])
     assert args.default_chat_template_kwargs == {"enable_thinking": False}
     assert args.chat_template_content_format == "openai"
 
@@ -214,7 +215,7 @@ def served(tokenizer):
 
     with tiny_async_engine(tokenizer=tokenizer, reasoning_parser="qwen3") as (loop, engine):
         async def one(flags: list[str], path: str, body: dict) -> tuple[int, dict]:
-            app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+            app = server.app_from_args(engine, cli_args.build_parser().parse_args(flags))
             async with TestClient(TestServer(app)) as client:
                 resp = await client.post(path, json=body)
                 return resp.status, json.loads(await resp.text())
@@ -291,7 +292,7 @@ def test_start_up_accepts_what_transformers_renders_and_refuses_what_it_refuses(
         except jinja2.TemplateError:
             renders = False
         try:
-            server.check_chat_template(template, tokenizer)
+            cli_args.check_chat_template(template, tokenizer)
             taken = True
         except ValueError as e:
             assert str(e).startswith("--chat-template is not a valid Jinja template: "), e

@@ -43,6 +43,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import async_engine
+import cli_args
 import config_file
 import server
 from config import MAX_BLOCK_SIZE, EngineConfig
@@ -141,7 +142,7 @@ def value_words(action: argparse.Action, root: str, hostile: bool) -> st.SearchS
         return st.just([])
     if action.choices is not None:
         good: st.SearchStrategy[str] = st.sampled_from([str(c) for c in action.choices])
-    elif kind in (int, server.non_negative_int):
+    elif kind in (int, cli_args.non_negative_int):
         good = INT_WORDS if hostile else SANE_INTS
     elif kind is float:
         good = FLOAT_WORDS if hostile else SANE_FLOATS
@@ -152,10 +153,10 @@ def value_words(action: argparse.Action, root: str, hostile: bool) -> st.SearchS
     elif kind is config_file.json_list:
         good = st.one_of(st.sampled_from(['["*"]', '["https://a.example"]', '["GET", "POST"]', '[""]', '[1]']),
                          json_text(['["*"]']))
-    elif kind is server.load_chat_template:
+    elif kind is cli_args.load_chat_template:
         good = st.one_of(st.sampled_from(["{{ messages }}", "{% for m in messages %}{{ m.content }}{% endfor %}",
                                           "{% if %}", "\\n{{ x }}", "\\x", "\\u12", "{{"]), paths(root))
-    elif kind is server.root_path_arg:
+    elif kind is cli_args.root_path_arg:
         good = st.sampled_from(["", "/", "/llm", "llm", "/llm/", "/a b", "/é", "//x"])
     elif dest == "override_generation_config":
         good = json_text(GEN)
@@ -324,7 +325,7 @@ def drawn_run(data: st.DataObject, parser: Any, main: Any, root: Any) -> tuple[B
 @SETTINGS
 @given(data=st.data())
 def test_any_server_command_line_is_a_valid_config_or_one_error_line_naming_a_flag(data, root, contained):
-    outcome, err, names = drawn_run(data, server.build_parser(), server.main, root)
+    outcome, err, names = drawn_run(data, cli_args.build_parser(), server.main, root)
     if isinstance(outcome, Accepted):
         check_accepted(outcome.config, outcome.num_blocks)
     else:

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+import cli_args
 import config_file
 import server
 import kvcache
@@ -115,7 +116,7 @@ def test_server_exits_on_a_count_past_64_bits_naming_it(capsys, flag):
 def parse(tmp_path, text: str, *argv: str):
     path = tmp_path / "c.yaml"
     path.write_text(text)
-    return config_file.parse_args(server.build_parser(), ["--config", str(path), *argv])
+    return config_file.parse_args(cli_args.build_parser(), ["--config", str(path), *argv])
 
 
 def test_a_config_file_sets_flags_as_typed_and_the_command_line_wins(tmp_path):
@@ -123,13 +124,13 @@ def test_a_config_file_sets_flags_as_typed_and_the_command_line_wins(tmp_path):
                            "served-model-name: [a, b]\nmax-waiting-requests: null\n"
                            "speculative-config: {method: ngram, num_speculative_tokens: 2}\n",
                  "--max-num-seqs", "8")
-    c = server.engine_config(args)
+    c = cli_args.engine_config(args)
     assert (c.model, c.max_model_len, c.max_num_seqs, c.enable_prefix_caching) == ("tiny", 128, 8, False)
     assert args.served_model_name == ["a", "b"] and c.max_waiting_requests is None
     assert c.speculative_config.method == "ngram" and c.speculative_config.num_speculative_tokens == 2
     assert parse(tmp_path, "").max_num_seqs == EngineConfig().max_num_seqs  # an empty file sets nothing
     # vLLM's flag, from the EngineConfig field; 0 (vLLM's default) caps nothing
-    assert server.engine_config(parse(tmp_path, "", "--long-prefill-token-threshold", "256")) \
+    assert cli_args.engine_config(parse(tmp_path, "", "--long-prefill-token-threshold", "256")) \
         .long_prefill_token_threshold == 256
     assert EngineConfig().long_prefill_token_threshold == 0
 
@@ -187,13 +188,13 @@ def test_a_config_file_of_aliases_that_stand_for_millions_of_values_exits_at_onc
 def test_a_config_file_that_is_not_utf8_exits_naming_it(tmp_path, capsys):
     (tmp_path / "c.yaml").write_bytes("max-num-seqs: 4\n".encode("utf-16"))
     with pytest.raises(SystemExit):
-        config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "c.yaml")])
+        config_file.parse_args(cli_args.build_parser(), ["--config", str(tmp_path / "c.yaml")])
     assert "c.yaml: not UTF-8 text" in capsys.readouterr().err
 
 
 def test_a_missing_config_file_exits_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "none.yaml")])
+        config_file.parse_args(cli_args.build_parser(), ["--config", str(tmp_path / "none.yaml")])
     assert "none.yaml: cannot read it" in capsys.readouterr().err
 
 
@@ -283,7 +284,7 @@ def test_every_engine_config_field_is_a_server_flag_with_its_own_help():
     its --help says what it does, not just the field's name."""
     import dataclasses
 
-    actions = {a.dest: a for a in server.build_parser()._actions}
+    actions = {a.dest: a for a in cli_args.build_parser()._actions}
     for f in dataclasses.fields(EngineConfig):
         assert f.name in actions, f.name
         assert actions[f.name].help and "EngineConfig." not in actions[f.name].help, f.name
@@ -319,33 +320,34 @@ def test_parallelism_flags_take_vllms_spellings_and_the_values_that_run():
     c = EngineConfig(pipeline_parallel_size=1, data_parallel_size=1, distributed_executor_backend="uni")
     assert (c.pipeline_parallel_size, c.data_parallel_size, c.distributed_executor_backend) == (1, 1, "uni")
     assert EngineConfig(distributed_coordinator="h:1", num_processes=2, tensor_parallel_size=2).num_processes == 2
-    parser = server.build_parser()
-    c = server.engine_config(parser.parse_args(["-tp", "2", "-pp", "1", "-dp", "1",
+    parser = cli_args.build_parser()
+    c = cli_args.engine_config(parser.parse_args(["-tp", "2", "-pp", "1", "-dp", "1",
                                                 "--distributed-executor-backend", "uni"]))
     assert (c.tensor_parallel_size, c.pipeline_parallel_size, c.data_parallel_size) == (2, 1, 1)
-    long = server.engine_config(parser.parse_args(["--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
+    long = cli_args.engine_config(parser.parse_args(["--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
                                                    "--data-parallel-size", "1"]))
     assert long == dataclasses.replace(c, distributed_executor_backend=None)
     # vLLM's names of the KV cache's size, beside taxirank's
-    kv = server.engine_config(parser.parse_args(["--num-gpu-blocks-override", "64", "--kv-cache-memory-bytes", "4096"]))
+    kv = cli_args.engine_config(parser.parse_args(["--num-gpu-blocks-override", "64",
+                                                   "--kv-cache-memory-bytes", "4096"]))
     assert (kv.num_kv_blocks, kv.kv_cache_memory) == (64, 4096)
     for flags, says in [(["-pp", "2"], "does not support pipeline parallelism"),
                         (["--pipeline-parallel-size", "3"], "does not support pipeline parallelism"),
                         (["-dp", "2"], "does not support data parallelism"),
                         (["--distributed-executor-backend", "mp"], "supports only uni")]:
         with pytest.raises(ValueError, match=says):
-            server.engine_config(parser.parse_args(flags))
+            cli_args.engine_config(parser.parse_args(flags))
 
 
 def test_a_kv_sizing_error_names_the_flag_as_vllm_spells_it_too():
     """--num-gpu-blocks-override and --kv-cache-memory-bytes set the same fields as ours: a
     message about their value names each spelling the parser takes (as argparse's own errors
     do), so a vLLM user reads the flag they typed."""
-    parser = server.build_parser()
+    parser = cli_args.build_parser()
     model = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=4, head_dim=8)
     for dest, flag, value in [("num_kv_blocks", "--num-gpu-blocks-override", "2"),
                               ("kv_cache_memory", "--kv-cache-memory-bytes", "1")]:
-        config = server.engine_config(parser.parse_args(["--max-model-len", "256", flag, value])).resolved(4096)
+        config = cli_args.engine_config(parser.parse_args(["--max-model-len", "256", flag, value])).resolved(4096)
         spellings = next(a.option_strings for a in parser._actions if a.dest == dest)
         assert flag in spellings and len(spellings) == 2
         with pytest.raises(ValueError, match="but one sequence of max_model_len 256 needs 16") as e:
@@ -359,7 +361,7 @@ def test_server_exits_on_an_unsupported_parallelism_flag_and_an_unknown_backend(
             server.main(["--model", "/nowhere", *flags])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:  # argparse's choices: vLLM's four names
-        server.build_parser().parse_args(["--distributed-executor-backend", "torchrun"])
+        cli_args.build_parser().parse_args(["--distributed-executor-backend", "torchrun"])
     assert exit_.value.code == 2 and "invalid choice: 'torchrun'" in capsys.readouterr().err
 
 

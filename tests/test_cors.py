@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+import cli_args
 import config_file
 import server
 from conftest import tiny_async_engine
@@ -136,7 +137,7 @@ def test_errors_and_streams_carry_the_headers_a_browser_needs_to_read_them(answe
 
 
 def test_the_flags_take_json_lists_on_the_command_line_and_yaml_lists_in_a_config_file(tmp_path, capsys):
-    parser = server.build_parser()
+    parser = cli_args.build_parser()
     args = parser.parse_args(["--allowed-origins", f'["{ORIGIN}"]', "--allow-credentials",
                               "--allowed-methods", '["GET", "POST"]'])
     assert (args.allowed_origins, args.allow_credentials, args.allowed_methods, args.allowed_headers) == \

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+import cli_args
 import server
 from conftest import tiny_async_engine
 
@@ -38,7 +39,7 @@ def certs(tmp_path_factory) -> dict[str, str]:
 
 
 def args(*flags: str):
-    return server.build_parser().parse_args(["--model", "tiny", "--host", "127.0.0.1", "--port", "0", *flags])
+    return cli_args.build_parser().parse_args(["--model", "tiny", "--host", "127.0.0.1", "--port", "0", *flags])
 
 
 async def serving(engine, flags: tuple[str, ...]) -> tuple[web.AppRunner, str]:

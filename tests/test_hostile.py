@@ -413,8 +413,8 @@ DEEP = "[" * 30_000 + "]" * 30_000  # past the JSON decoder's (and PyYAML's) rec
 def test_a_flag_or_config_file_nested_past_the_parsers_stack_is_an_error_naming_it(where, tmp_path, capsys):
     """JSON flags and the YAML config file nested deeper than their decoders recurse: an
     error naming the flag, never a RecursionError's traceback."""
+    import cli_args
     import config_file
-    import server
     from config import EngineConfig
     from spec_decode import SpeculativeConfig
 
@@ -428,7 +428,7 @@ def test_a_flag_or_config_file_nested_past_the_parsers_stack_is_an_error_naming_
         path = tmp_path / "c.yaml"
         path.write_text(f"speculative-config: {DEEP}\n")
         with pytest.raises(SystemExit) as exit_:
-            config_file.parse_args(server.build_parser(), [where, str(path) if where == "--config" else DEEP])
+            config_file.parse_args(cli_args.build_parser(), [where, str(path) if where == "--config" else DEEP])
         assert exit_.value.code == 2
         assert ("c.yaml: nested too deeply" if where == "--config" else
                 f"{where}: expected a JSON list of strings") in capsys.readouterr().err
@@ -439,7 +439,7 @@ def test_a_whole_response_of_many_large_choices_leaves_the_event_loop_free_betwe
     and json.dumps hold the GIL: the server builds and serializes one choice per event-loop
     turn, so other requests (/health, the streams) run in between. The body is byte for
     byte json.dumps's of the whole."""
-    import server
+    import serving
 
     choices = [{"index": i, "text": "x" * 100, "prompt_logprobs": [None] + [
         {str(t): {"logprob": -1.5, "rank": t, "decoded_token": "\u00e9\"\n"}} for t in range(50)]} for i in range(16)]
@@ -463,7 +463,7 @@ def test_a_whole_response_of_many_large_choices_leaves_the_event_loop_free_betwe
             return build
         task = asyncio.create_task(other_request())
         await asyncio.sleep(0)
-        response = await server.json_in_pieces(head, [builder(i) for i in range(len(choices))], tail)
+        response = await serving.json_in_pieces(head, [builder(i) for i in range(len(choices))], tail)
         task.cancel()
         return response.body, response.content_type
 

@@ -311,7 +311,7 @@ def test_a_row_whose_masks_leave_no_token_ends_without_one_in_strict_json():
 
 
 def test_the_flags_are_checked_where_they_enter_and_are_server_flags():
-    import server
+    import cli_args
 
     for bad, message in (({"logprobs_mode": "processed"}, "logprobs_mode must be one of raw_logprobs, "),
                          ({"max_logprobs": -2}, "max_logprobs must be >= 0, or -1"),
@@ -323,12 +323,12 @@ def test_the_flags_are_checked_where_they_enter_and_are_server_flags():
             SamplingParams(**bad)
     assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1  # vLLM's: the vocabulary
     assert SamplingParams(logprobs=500).logprobs == 500  # the engine's --max-logprobs decides
-    help_text = server.build_parser().format_help()
+    help_text = cli_args.build_parser().format_help()
     assert "--logprobs-mode" in help_text and "--max-logprobs" in help_text
-    args = server.build_parser().parse_args(["--logprobs-mode", "processed_logits", "--max-logprobs", "-1"])
-    config = server.engine_config(args)
+    args = cli_args.build_parser().parse_args(["--logprobs-mode", "processed_logits", "--max-logprobs", "-1"])
+    config = cli_args.engine_config(args)
     assert config.logprobs_mode == "processed_logits" and config.max_logprobs == -1
-    assert server.engine_config(server.build_parser().parse_args([])).logprobs_mode == "raw_logprobs"
+    assert cli_args.engine_config(cli_args.build_parser().parse_args([])).logprobs_mode == "raw_logprobs"
     assert EngineConfig().max_logprobs == 20
     with pytest.raises(SystemExit):
-        server.build_parser().parse_args(["--logprobs-mode", "raw"])
+        cli_args.build_parser().parse_args(["--logprobs-mode", "raw"])

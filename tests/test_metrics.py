@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, EngineConfig, SamplingParams
 from metrics import ITL_BUCKETS, WAIT_REASONS, EngineStats, Histogram
-from server import EngineCollector
+from prometheus import EngineCollector
 
 # name (as the parser reports a family: counters without _total) -> (type, HELP)
 EXPORTED = {

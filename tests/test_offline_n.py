@@ -94,11 +94,12 @@ def _server_choices(body: dict) -> list[list[int]]:
     """The server's n choices' token ids for `body` on /v1/completions."""
     from aiohttp.test_utils import TestClient, TestServer
 
+    import cli_args
     import server
 
     with tiny_async_engine() as (loop, engine):
         async def post() -> dict:
-            app = server.app_from_args(engine, server.build_parser().parse_args([]))
+            app = server.app_from_args(engine, cli_args.build_parser().parse_args([]))
             async with TestClient(TestServer(app)) as client:
                 resp = await client.post("/v1/completions", json=body)
                 assert resp.status == 200, await resp.text()

@@ -24,11 +24,12 @@ def post():
     """post(path, body, flags=()) -> (status, JSON answer, or the stream's chunks)."""
     from aiohttp.test_utils import TestClient, TestServer
 
+    import cli_args
     import server
 
     with tiny_async_engine(max_waiting_requests=4) as (loop, engine):
         async def one(path: str, body: dict, flags: list[str]) -> tuple[int, object]:
-            app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+            app = server.app_from_args(engine, cli_args.build_parser().parse_args(flags))
             async with TestClient(TestServer(app)) as client:
                 resp = await client.post(path, json=body)
                 text = await resp.text()

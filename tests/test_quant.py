@@ -106,7 +106,7 @@ def test_gguf_blocks_parse_as_the_format_says_and_the_jitted_unpacking_matches(k
 
 
 def test_quantization_values_and_combinations_are_checked_at_start_up():
-    from server import build_parser, engine_config
+    from cli_args import build_parser, engine_config
 
     assert engine_config(build_parser().parse_args(["--quantization", "int8"])).quantization == "int8"
     assert engine_config(build_parser().parse_args([])).quantization is None

@@ -14,7 +14,7 @@ from conftest import count_compilations, fresh_step_programs
 
 from config import SamplingParams
 from engine import LLM
-from server import IncrementalDetokenizer
+from tokenizer import IncrementalDetokenizer
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?"]
 

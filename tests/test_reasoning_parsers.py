@@ -252,11 +252,11 @@ def test_after_reasoning_frees_the_tokens_until_the_end_tag_then_applies_the_gra
 
 
 def test_an_unknown_reasoning_parser_is_refused_where_it_enters(capsys):
-    import server
+    import cli_args
     from config import EngineConfig
 
     with pytest.raises(SystemExit):
-        server.build_parser().parse_args(["--reasoning-parser", "nope"])
+        cli_args.build_parser().parse_args(["--reasoning-parser", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'nope'"):
         EngineConfig(reasoning_parser="nope")

@@ -41,7 +41,7 @@ def test_sampling_params_defaults_and_normalisation_are_vllms() -> None:
 
 
 def test_chunked_prefill_is_on_by_default_and_the_flag_turns_it_off() -> None:
-    from server import build_parser
+    from cli_args import build_parser
 
     assert EngineConfig().enable_chunked_prefill
     assert build_parser().parse_args([]).enable_chunked_prefill

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from config import SamplingParams
 from metrics import WAIT_REASONS
 from protocol import ApiError, parse_messages, parse_prompt, parse_sampling, token_text
-from server import IncrementalDetokenizer
+from tokenizer import IncrementalDetokenizer
 from tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,6 +20,7 @@ import re
 import pytest
 from conftest import tiny_async_engine
 
+import cli_args
 import server
 
 PROMPT = list(range(3, 43))  # 40 token ids: 2 full blocks of 16 can come from the prefix cache
@@ -42,7 +43,7 @@ def call(engine):
     loop, eng = engine
 
     async def run(flags: list[str], requests: list[tuple]) -> list[tuple[int, dict, object]]:
-        app = server.app_from_args(eng, server.build_parser().parse_args(flags))
+        app = server.app_from_args(eng, cli_args.build_parser().parse_args(flags))
         out = []
         async with TestClient(TestServer(app)) as client:
             for method, path, body, headers in requests:
@@ -199,17 +200,17 @@ def test_api_key_guards_v1_under_the_root_path_before_any_redirect(call) -> None
                                           ("/l m", "must be a URL path"), ("/llm?x", "must be a URL path")])
 def test_a_bad_root_path_is_refused_naming_the_flag(value: str, error: str, capsys) -> None:
     with pytest.raises(SystemExit):
-        server.build_parser().parse_args(["--root-path", value])
+        cli_args.build_parser().parse_args(["--root-path", value])
     err = capsys.readouterr().err
     assert "--root-path" in err and error in err, err
     with pytest.raises(ValueError, match="--root-path"):
-        server.check_root_path(value)
+        cli_args.check_root_path(value)
 
 
 def test_root_path_slash_or_empty_is_no_prefix() -> None:
-    assert [server.build_parser().parse_args(a).root_path for a in ([], ["--root-path", "/"], ["--root-path", ""])] \
+    assert [cli_args.build_parser().parse_args(a).root_path for a in ([], ["--root-path", "/"], ["--root-path", ""])] \
         == ["", "", ""]
-    assert server.build_parser().parse_args(["--root-path", "/a/b"]).root_path == "/a/b"
+    assert cli_args.build_parser().parse_args(["--root-path", "/a/b"]).root_path == "/a/b"
 
 
 # ---- --enable-log-outputs -----------------------------------------------------------------
@@ -268,4 +269,5 @@ def test_log_outputs_requires_log_requests_at_start_up(capsys) -> None:
     assert e.value.code == 2
     assert "--enable-log-outputs requires --enable-log-requests" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--enable-log-outputs requires --enable-log-requests"):
-        server.check_log_flags(server.build_parser().parse_args(["--enable-log-outputs", "--no-enable-log-requests"]))
+        cli_args.check_log_flags(cli_args.build_parser().parse_args(["--enable-log-outputs",
+                                                                     "--no-enable-log-requests"]))

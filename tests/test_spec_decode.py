@@ -656,7 +656,7 @@ def test_ngram_reserves_only_what_it_proposes_and_a_prompt_chunk_takes_the_rest(
 # ---- the server's flag and metrics ------------------------------------------------------
 
 def test_the_flag_takes_vllms_json_and_refuses_bad_json_clearly():
-    from server import build_parser, engine_config
+    from cli_args import build_parser, engine_config
 
     parse = build_parser().parse_args
     cfg = engine_config(parse(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']))
@@ -671,7 +671,7 @@ def test_the_flag_takes_vllms_json_and_refuses_bad_json_clearly():
 def test_metrics_carry_vllms_spec_decode_names(tiny_pair):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from server import EngineCollector
+    from prometheus import EngineCollector
 
     _, spec = tiny_pair
     registry = CollectorRegistry(auto_describe=False)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import cli_args
 import server
 from metrics import EngineStats, LoggingStatLogger
 
@@ -145,7 +146,7 @@ def test_the_server_logs_stats_unless_disable_log_stats(flags, monkeypatch):
     from aiohttp.test_utils import TestServer
 
     monkeypatch.setattr(server, "LOG_STATS_INTERVAL", 0.0)  # a line at every turn of the event loop
-    args = server.build_parser().parse_args(flags)
+    args = cli_args.build_parser().parse_args(flags)
     assert args.disable_log_stats == bool(flags)
     lines = Lines()
     server.log.addHandler(lines)
@@ -178,7 +179,7 @@ def test_a_failing_interval_is_logged_and_the_next_one_still_logs(monkeypatch):
     calls = []
 
     async def main() -> None:
-        app = server.app_from_args(fake_engine(), server.build_parser().parse_args([]))
+        app = server.app_from_args(fake_engine(), cli_args.build_parser().parse_args([]))
         real_log = app["stat_logger"].log
 
         def log_once_failing() -> None:
@@ -211,7 +212,7 @@ def test_the_server_logs_each_request_only_with_enable_log_requests(flags, monke
     first --max-log-len token ids at debug."""
     from conftest import tiny_async_engine
 
-    args = server.build_parser().parse_args(flags)
+    args = cli_args.build_parser().parse_args(flags)
     lines = Lines()
     server.log.addHandler(lines)
     monkeypatch.setattr(server.log, "level", logging.DEBUG)
@@ -241,7 +242,7 @@ def test_the_server_logs_each_request_only_with_enable_log_requests(flags, monke
 
 def test_max_log_len_is_checked_where_it_enters(capsys):
     with pytest.raises(SystemExit):
-        server.build_parser().parse_args(["--max-log-len", "-1"])
+        cli_args.build_parser().parse_args(["--max-log-len", "-1"])
     assert "must be >= 0" in capsys.readouterr().err
 
 

@@ -59,10 +59,10 @@ async def collect(gen: Any) -> tuple[list[Any], list[int]]:
 
 async def generate_async(engine: Any, prompt: list[int], params: SamplingParams) -> tuple[list[Any], list[int]]:
     """The server's Generation of one request: its chunks, and the token ids its deltas carried."""
-    import server
+    import generation
     from engine import EngineRequest
 
-    return await collect(server.Generation(engine, EngineRequest(f"stop-{next(_ids)}", prompt, params)))
+    return await collect(generation.Generation(engine, EngineRequest(f"stop-{next(_ids)}", prompt, params)))
 
 
 def generate(loop: asyncio.AbstractEventLoop, engine: Any, prompt: list[int],
@@ -145,10 +145,10 @@ def test_a_stop_string_or_token_under_static_batching_ends_its_request_with_the_
     try:
         prompt = ByteTokenizer().encode("Once upon")
         base = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
-        import server
+        import generation
 
         async def bus(params: SamplingParams) -> tuple[str, list[int]]:  # with a longer one in the same batch
-            gens = [server.Generation(engine, EngineRequest(f"static-{next(_ids)}", prompt, p))
+            gens = [generation.Generation(engine, EngineRequest(f"static-{next(_ids)}", prompt, p))
                     for p in (params, SamplingParams(**base))]
             chunks, ids = (await asyncio.gather(*map(collect, gens)))[0]
             return "".join(c.text for c in chunks), ids

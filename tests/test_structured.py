@@ -426,7 +426,7 @@ def test_a_constraint_that_does_not_compile_names_the_field_it_came_in():
     import types
 
     from protocol import ApiError
-    from server import compile_grammar
+    from serving import compile_grammar
     from structured import GrammarCompiler
     from tokenizer import ByteTokenizer
     from tool_parsers import ToolChoice

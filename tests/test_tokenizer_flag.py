@@ -22,6 +22,7 @@ import shutil
 import pytest
 from conftest import make_hf_checkpoint, make_sp_tokenizer
 
+import cli_args
 import server
 from config import EngineConfig, StructuredOutputsParams
 from engine import LLM, SamplingParams
@@ -152,7 +153,7 @@ def test_tokenize_and_detokenize_use_the_named_tokenizer(folders):
     loop.run_until_complete(engine.start())
 
     async def calls() -> list[dict]:
-        app = server.app_from_args(engine, server.build_parser().parse_args([]))
+        app = server.app_from_args(engine, cli_args.build_parser().parse_args([]))
         async with TestClient(TestServer(app)) as client:
             out = []
             for path, body in (("/tokenize", {"prompt": TEXT}), ("/tokenize", {"messages": MESSAGES}),
@@ -228,11 +229,12 @@ def test_an_empty_tokenizer_is_unset_on_the_command_line_in_a_config_file_and_of
 
     ckpt, named = folders
     assert EngineConfig(model="tiny", tokenizer="").tokenizer is None
-    parser = server.build_parser()
-    assert server.engine_config(config_file.parse_args(parser, ["--model", "tiny", "--tokenizer", ""])).tokenizer is None
+    parser = cli_args.build_parser()
+    args = config_file.parse_args(parser, ["--model", "tiny", "--tokenizer", ""])
+    assert cli_args.engine_config(args).tokenizer is None
     (tmp_path / "c.yaml").write_text("model: tiny\ntokenizer: ''\n")
-    args = config_file.parse_args(server.build_parser(), ["--config", str(tmp_path / "c.yaml")])
-    assert args.tokenizer == "" and server.engine_config(args).tokenizer is None
+    args = config_file.parse_args(cli_args.build_parser(), ["--config", str(tmp_path / "c.yaml")])
+    assert args.tokenizer == "" and cli_args.engine_config(args).tokenizer is None
 
     own, ref = auto_tokenizer(ckpt), auto_tokenizer(named)
     assert own.encode(TEXT) != ref.encode(TEXT)

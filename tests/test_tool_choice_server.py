@@ -47,12 +47,13 @@ def post():
     on one tiny engine (test_request_metrics' shapes: its programs are cached)."""
     from aiohttp.test_utils import TestClient, TestServer
 
+    import cli_args
     import server
 
     # ToolsTemplate: what the server renders chats with; same bytes as the engine's
     with tiny_async_engine(ToolsTemplate()) as (loop, engine):
         async def one(flags: list[str], body: dict) -> tuple[int, dict]:
-            app = server.app_from_args(engine, server.build_parser().parse_args(flags))
+            app = server.app_from_args(engine, cli_args.build_parser().parse_args(flags))
             async with TestClient(TestServer(app)) as client:
                 resp = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
                                                                        "temperature": 0.0} | body)

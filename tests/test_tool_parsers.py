@@ -235,13 +235,14 @@ def test_tool_choice_auto_needs_the_servers_parser_and_is_parsed_once():
 
 
 def test_the_servers_tool_flags_are_checked_where_they_enter(capsys):
+    import cli_args
     import server
 
     with pytest.raises(SystemExit):  # vLLM's rule: auto tool choice needs a parser
         server.main(["--enable-auto-tool-choice"])
     assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        server.build_parser().parse_args(["--tool-call-parser", "nope"])
+        cli_args.build_parser().parse_args(["--tool-call-parser", "nope"])
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         server.build_app(None, ["m"], tool_call_parser="nope")
 
