@@ -11,7 +11,8 @@ import numpy as np
 
 from async_engine import AsyncEngine
 from conftest import fresh_step_programs
-from engine import LLM, EngineConfig, EngineRequest, SamplingParams
+from engine import EngineConfig, EngineRequest, SamplingParams
+from llm import LLM
 from server import Generation
 
 # The seed's mix scaled down: short and long outputs, chunked prefill under a small
