@@ -1,11 +1,12 @@
-"""The engine: one loop of schedule -> run -> update -> record, and its offline front door.
+"""The engine: one loop of schedule -> run -> update -> record.
 
   EngineRequest  one request as it enters the engine, its fields named once (vLLM's EngineCoreRequest).
   LLMEngine      the synchronous core: add_request, abort, step (its parts are built by
                  startup.py: the model, the sized KV cache, the scheduler, the runner).
-  LLM            offline batch generation, vLLM's API: LLM(model=...).generate(prompts, params).
+  RequestOutputDelta, RequestOutput, CompletionOutput, TokenLogprob  what it gives back.
 
-AsyncEngine (async_engine.py) runs this loop on its own thread for the servers.
+Two front doors drive it: LLM (llm.py) for offline generation on the caller's thread, and
+AsyncEngine (async_engine.py), which runs this loop on its own thread for the servers.
 
 EngineConfig and SamplingParams live in config.py (re-exported here) so that the
 scheduler can take the config without importing JAX.
@@ -18,7 +19,6 @@ import itertools
 import random
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence as Seq
 
@@ -28,7 +28,7 @@ import numpy as np
 from config import EngineConfig, ParamError, SamplingParams, SLOTarget, check_cache_salt
 from hf_config import generation_sampling_defaults
 from logits_controls import controls_for, first_token_conflict
-from metrics import EngineStats, ParentRequest, RequestMetrics, StepTrace
+from metrics import ParentRequest, RequestMetrics, StepTrace
 from reasoning_parsers import REASONING_PARSERS
 from runner import InFlightStep, PromptLogprobs, StepResult
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
@@ -37,12 +37,9 @@ from startup import build_engine
 from structured import GrammarCompiler, new_constraint, next_mask
 from tokenizer import IncrementalDetokenizer
 
-__all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "EngineRequest", "LLMEngine", "LLM", "RequestOutput",
+__all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "EngineRequest", "LLMEngine", "RequestOutput",
            "CompletionOutput", "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError",
            "EngineDeadError"]
-
-# One prompt of LLM.generate: a text, token ids, or vLLM's TextPrompt / TokensPrompt dict
-Prompt = str | Seq[int] | dict
 
 
 class QueueFullError(RuntimeError):
@@ -640,251 +637,6 @@ class LLMEngine:
             self.stats.num_requests_waiting = sch.num_waiting
             self.stats.waiting_by_reason = by_reason  # a fresh dict of every WAIT_REASONS key
             self.stats.kv_cache_usage = sch.allocator.usage
-
-
-class LLM:
-    """Offline generation, as vLLM's `LLM`: LLM(model="tiny", max_num_seqs=...).generate(...)."""
-
-    def __init__(self, model: str = "tiny", log: Callable[[str], None] = print, record_trace: bool = False,
-                 **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), log=log, record_trace=record_trace)
-        self.tokenizer = self.engine.tokenizer
-        self._counter = 0
-
-    @property
-    def stats(self) -> EngineStats:
-        return self.engine.stats
-
-    def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
-
-    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        """vLLM's: one RequestOutput per prompt, in order, each with its params.n samples.
-        A prompt is a string, a list of token ids, or vLLM's dict form: {"prompt": text} or
-        {"prompt_token_ids": ids} (and the "prompt" they came from, kept as the output's),
-        either with a "cache_salt" (its prefix-cache blocks are shared only with prompts of
-        the same salt).
-        priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
-        read = self._read_prompts(prompts)
-        return self._generate([ids for ids, _, _ in read], [text for _, text, _ in read], params, use_tqdm,
-                              priority, cache_salts=[salt for _, _, salt in read])
-
-    def _generate(self, encoded: list[list[int]], texts: list[str | None],
-                  params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool | None,
-                  priority: Seq[int] | None, thinking: bool = True,
-                  cache_salts: list[str | None] | None = None) -> list[RequestOutput]:
-        params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
-        if len(plist) != len(encoded):
-            raise ValueError(f"{len(plist)} SamplingParams for {len(encoded)} prompts")
-        for p in plist:
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"expected SamplingParams or a list of them, got {type(p).__name__}")
-        if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Seq)):
-            raise TypeError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
-        priorities = list(priority) if priority is not None else [0] * len(encoded)
-        if len(priorities) != len(encoded):
-            raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
-        # Every prompt is checked before any is added: a bad one leaves nothing queued. Its
-        # samples differ in their seeds only, which no check reads, so one sample stands for
-        # them all, checked before the n are made (a huge n fails on a bad prompt at once).
-        request_ids = [f"offline-{self._counter + i}" for i in range(len(encoded))]
-        checked = []  # each with its grammar compiled once: the cache may not hold them all until they are added
-        salts = cache_salts or [None] * len(encoded)
-        for i, (rid, ids, p, prio, salt) in enumerate(zip(request_ids, encoded, plist, priorities, salts)):
-            try:
-                checked.append(self.engine.validate(EngineRequest(
-                    rid, ids, p if p.n == 1 else dataclasses.replace(p, n=1), priority=prio, thinking=thinking,
-                    cache_salt=salt)))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
-        self._counter += len(encoded)
-        children = [child_requests(rid, p) for rid, p in zip(request_ids, plist)]
-        seqs: dict[str, Sequence] = {}
-        parent: dict[str, int] = {}  # sample's request id -> its prompt's index
-        for i, (request, samples) in enumerate(zip(checked, children)):
-            for rid, p, par in samples:
-                seqs[rid] = self.engine.add(dataclasses.replace(request, request_id=rid, params=p, parent=par))
-                parent[rid] = i
-        unfinished = [len(samples) for samples in children]
-        logprobs: dict[str, list[TokenLogprob]] = {}
-        prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
-        bar = None
-        if use_tqdm or (use_tqdm is None and len(encoded) >= 16):
-            from tqdm import tqdm
-            bar = tqdm(total=len(encoded), desc="generate", unit="req")
-        while self.engine.has_unfinished():
-            deltas = self.engine.step()
-            if self.engine.failed:  # offline there is no stream to end: abort the rest, raise
-                rid, err = self.engine.failed[0]
-                self.engine.failed.clear()
-                for other in seqs:
-                    self.engine.abort(other)
-                raise RuntimeError(f"request {rid} failed: {err!r}") from err
-            for d in deltas:
-                if d.new_logprobs:
-                    logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
-                if d.prompt_logprobs is not None:
-                    prompt_logprobs[d.request_id] = d.prompt_logprobs
-                if d.finished and d.request_id in parent:
-                    i = parent.pop(d.request_id)
-                    unfinished[i] -= 1
-                    if bar is not None and not unfinished[i]:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        assert not parent, "every request must finish"
-        return [self._output(rid, text, [seqs[c] for c, _, _ in samples], logprobs, prompt_logprobs)
-                for rid, text, samples in zip(request_ids, texts, children)]
-
-    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool | None = None, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             chat_template_content_format: str = "auto") -> list[RequestOutput]:
-        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list
-        of them, each rendered by the model's chat template (or `chat_template`), then
-        generated as generate() does; one RequestOutput per conversation.
-        chat_template_content_format: "string", "openai" or "auto" (chat_format), as the
-        server's --chat-template-content-format."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
-        import chat_format
-        from protocol import ApiError, render_chat, thinking_enabled
-
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
-                             "opens a new assistant turn, the second continues the last message")
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise TypeError(f"chat_template must be a string, got {type(chat_template).__name__}")
-        chat_format.check_content_format(chat_template_content_format, self.tokenizer, "chat_template_content_format")
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Seq):
-            raise TypeError(f"messages must be a list of message dicts or a list of such lists, "
-                            f"got {type(messages).__name__}")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        # The server's checks and rendering (roles, contents, template variables), so the
-        # offline API refuses what a chat request is refused for, with the same message.
-        body = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                "chat_template_kwargs": chat_template_kwargs or {}}
-        texts = []
-        for i, conversation in enumerate(conversations):
-            try:
-                if isinstance(conversation, tuple):  # a sequence of messages, as the list the server takes
-                    conversation = list(conversation)
-                texts.append(render_chat(body | {"messages": conversation}, self.tokenizer,
-                                         chat_template=chat_template, content_format=chat_template_content_format))
-            except ApiError as e:
-                raise ValueError(f"conversation {i}: {e}") from None
-        # The template already carries BOS and the other special tokens it wants.
-        encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        thinking = thinking_enabled(body)  # the qwen3 reasoning parser's, from the variables the template saw
-        return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
-
-    def beam_search(self, prompts: Prompt | Seq[Prompt], params: Any, use_tqdm: bool = False) -> list[Any]:
-        """vLLM's LLM.beam_search (beam_search.py): one BeamSearchOutput per prompt (prompts as
-        generate() takes them), its params.beam_width best sequences, best first; each
-        sequence's tokens start with the prompt's, and so does its text. Each step runs the
-        live beams of every prompt as one batch of one-token requests. A sequence that ended
-        on EOS keeps it only with include_stop_str_in_output, as the API's beam search does
-        (vLLM's offline one keeps it whatever the flag says)."""
-        from beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-
-        if not isinstance(params, BeamSearchParams):
-            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        read = self._read_prompts(prompts)
-        step = params.step_params()
-        for i, (ids, _, salt) in enumerate(read):  # every step's limits, checked before any runs
-            try:
-                self.engine.validate(EngineRequest(f"beam-check-{i}", ids, params.search_params(), cache_salt=salt))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
-        searches = [BeamSearch(ids, params, self.engine.model_config.eos_token_ids) for ids, _, _ in read]
-        salts = [salt for _, _, salt in read]
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=params.max_tokens, desc="beam search", unit="token")
-        while live := [i for i, s in enumerate(searches) if not s.done]:
-            beams = [(i, b) for i in live for b in searches[i].beams]
-            outs = self._generate([b.tokens for _, b in beams], [None] * len(beams), step, False, None,
-                                  cache_salts=[salts[i] for i, _ in beams])
-            for i in live:
-                searches[i].advance([o.outputs[0].logprobs[0] for (j, _), o in zip(beams, outs) if j == i])
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-        results = []
-        for search in searches:
-            best = search.best()
-            for seq in best:
-                seq.text = self.tokenizer.decode(seq.tokens) if self.tokenizer is not None else ""
-            results.append(BeamSearchOutput(best))
-        return results
-
-    def _read_prompts(self, prompts: Prompt | Seq[Prompt]) -> list[tuple[list[int], str | None, str | None]]:
-        """generate()'s prompts, each as (token ids, text, cache_salt)."""
-        # vLLM's: a string, a dict, or a list of token ids, is one prompt (not one prompt per
-        # character or per id); any other iterable is read once (a generator read twice would
-        # leave the outputs' texts empty)
-        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, dict, Iterable)):
-            raise TypeError(f"prompts must be a string, a list of token ids or a list of such prompts (or of "
-                            f"prompt dicts), got {type(prompts).__name__}")
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        if prompts and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
-            prompts = [prompts]
-        return [self._read_prompt(prompt) for prompt in prompts]
-
-    def _read_prompt(self, prompt: Prompt) -> tuple[list[int], str | None, str | None]:
-        """A prompt's token ids, its text (when given as text) and its cache_salt."""
-        if not isinstance(prompt, dict):
-            return self._encode(prompt), prompt if isinstance(prompt, str) else None, None
-        if set(prompt) - {"cache_salt"} not in ({"prompt"}, {"prompt_token_ids"}, {"prompt_token_ids", "prompt"}):
-            raise ValueError(f"a prompt dict is vLLM's TextPrompt {{'prompt': text}} or TokensPrompt "
-                             f"{{'prompt_token_ids': ids}} (with the text they came from as 'prompt', if any), "
-                             f"either with a 'cache_salt'; got the keys {sorted(map(str, prompt))}")
-        salt, text = prompt.get("cache_salt"), prompt.get("prompt")  # the salt: checked by LLMEngine.validate
-        if not isinstance(text, str) and (text is not None or "prompt_token_ids" not in prompt):
-            raise TypeError(f"'prompt' is a text; token ids go in 'prompt_token_ids', got {type(text).__name__}")
-        if "prompt_token_ids" not in prompt:
-            return self._encode(text), text, salt
-        if isinstance(prompt["prompt_token_ids"], str):
-            raise TypeError("'prompt_token_ids' is a list of token ids; a text goes in 'prompt'")
-        return self._encode(prompt["prompt_token_ids"]), text, salt
-
-    def _encode(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Seq, np.ndarray)):
-            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        return list(prompt)
-
-    def _output(self, request_id: str, prompt: str | None, samples: list[Sequence],
-                logprobs: dict[str, list[TokenLogprob]],
-                prompt_logprobs: dict[str, list[TokenLogprob | None]]) -> RequestOutput:
-        first, last = samples[0], max(samples, key=lambda s: s.finished_time)
-        first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
-        return RequestOutput(
-            request_id=request_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs.get(first.request_id),
-            outputs=[self._completion(i, s, logprobs.get(s.request_id)) for i, s in enumerate(samples)],
-            finished=True, metrics=RequestMetrics.of(last), num_cached_tokens=max(first.num_cached_tokens, 0),
-            arrival_time=min(s.arrival_time for s in samples), first_token_time=min(first_tokens, default=None),
-            finished_time=last.finished_time, num_preemptions=sum(s.num_preemptions for s in samples))
-
-    def _completion(self, index: int, seq: Sequence, logprobs: list[TokenLogprob] | None) -> CompletionOutput:
-        text = ""  # vLLM's, where nothing detokenizes (a model without a tokenizer)
-        if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
-            text = seq.stop_matcher.text  # up to the stop string, as the server sends it
-        elif self.tokenizer is not None:
-            text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
-                                 self.engine.model_config.eos_token_ids, seq.prompt_token_ids)
-        asked = seq.params.logprobs is not None
-        return CompletionOutput(index, text, list(seq.output_token_ids),
-                                sum(t.logprob for t in logprobs or ()) if asked else None, logprobs, seq.finish_reason,
-                                stop_reason(seq, self.engine.model_config.eos_token_ids))
 
 
 def child_requests(request_id: str, params: SamplingParams

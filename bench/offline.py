@@ -77,7 +77,7 @@ class Engines:
     def get(self, max_num_seqs: int, scheduling: str, max_model_len: int) -> Any:
         key = (max_num_seqs, scheduling, max_model_len)
         if key not in self.engines:
-            from engine import LLM
+            from llm import LLM
             from runner import clear_program_caches
 
             clear_program_caches()  # each build whole, as in a new process: not another engine's programs

@@ -70,7 +70,7 @@ def figures(r: dict[str, Any]) -> list[str]:
 
 def both(a: argparse.Namespace, label: str, run: Callable[[Any], dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """run(llm) with caching off, then on, each on a fresh engine (one alive at a time)."""
-    from engine import LLM
+    from llm import LLM
 
     out = {}
     for mode in ("off", "on"):

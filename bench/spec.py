@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from config import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
-    from engine import LLM
+    from llm import LLM
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the root: engine modules win
 from report import (checked, machine_info, md_table, num, percentile, positive, positive_ints,  # noqa: E402
@@ -88,7 +88,7 @@ def main() -> None:
     results: dict = {"machine": machine_info(), "variants": variants, "max_tokens": max_tokens, "runs": {}}
     # Every engine at once, runs interleaved and the fastest of --reps kept: on a shared
     # machine the load drifts by several x over minutes, and side by side it drifts for all.
-    from engine import LLM  # JAX: seconds to import, once the flags are known good
+    from llm import LLM  # JAX: seconds to import, once the flags are known good
 
     llms = {name: LLM(args.model, speculative_config=spec, **kw) for name, spec in variants.items()}
     for llm in llms.values():

@@ -22,7 +22,7 @@ from report import (machine_info, positive, ratio_rows, results_dir, side_by_sid
 from workload import text_prompt  # noqa: E402
 
 if TYPE_CHECKING:
-    from engine import LLM
+    from llm import LLM
 
 
 def schema(i: int) -> dict:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=positive, default=2, help="runs of each, alternated; the best is reported")
     p.add_argument("--out", default=results_dir("structured"))
     args = p.parse_args(argv)
-    from engine import LLM  # JAX: seconds to import, once the flags are known good
+    from llm import LLM  # JAX: seconds to import, once the flags are known good
 
     n = args.num_requests
     llm = LLM(args.model, log=lambda *_: None, max_num_seqs=n, max_model_len=256, max_num_batched_tokens=max(256, n))

@@ -44,7 +44,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import checkpoint  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from llm import LLM, SamplingParams  # noqa: E402
 from model import BUILTIN_MODELS, hf_state_dict, load_model  # noqa: E402
 from offline import hf_config  # noqa: E402
 from parallel import bytes_per_device  # noqa: E402

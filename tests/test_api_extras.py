@@ -427,7 +427,7 @@ def test_offline_stop_reason_is_the_stop_string_or_the_stop_token_id_as_vllm() -
     """LLM.generate's CompletionOutput carries vLLM's stop_reason: the stop string matched, the
     stop_token_ids entry that ended it, None for a length cut or a grammar's end."""
     from config import StructuredOutputsParams
-    from engine import LLM, SamplingParams
+    from llm import LLM, SamplingParams
 
     llm = LLM("tiny", max_num_seqs=2, max_model_len=128, warmup=False, log=lambda *_: None)
     letters = dict(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z]{8}"))

@@ -11,8 +11,9 @@ import numpy as np
 
 from async_engine import AsyncEngine
 from conftest import fresh_step_programs
-from engine import LLM, EngineConfig, EngineRequest, SamplingParams
+from engine import EngineConfig, EngineRequest, SamplingParams
 from generation import Generation
+from llm import LLM
 
 # The seed's mix scaled down: short and long outputs, chunked prefill under a small
 # token budget, and a KV cache too small for everyone (on-demand preemption).

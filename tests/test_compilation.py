@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, count_compilations, env_without_test_cache, fresh_step_programs
 
-from engine import LLM, SamplingParams
+from llm import LLM, SamplingParams
 
 # One set of shapes for every variant: their programs are the same, so after the first
 # variant warm-up is persistent-cache hits (still compiles handed to XLA, still counted).
@@ -96,7 +96,7 @@ from jax import monitoring
 counts = {"hits": 0, "misses": 0}
 names = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
 monitoring.register_event_listener(lambda e, **kw: e in names and counts.__setitem__(names[e], counts[names[e]] + 1))
-from engine import LLM
+from llm import LLM
 lines = []
 llm = LLM("tiny", log=lines.append, compilation_cache_dir=sys.argv[1], max_num_seqs=1, max_model_len=16,
           max_num_batched_tokens=16)

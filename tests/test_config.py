@@ -19,7 +19,7 @@ import server
 import kvcache
 import runner
 from config import EngineConfig, host_memory_bytes
-from engine import LLM
+from llm import LLM
 
 
 @pytest.mark.parametrize("kwargs, says", [

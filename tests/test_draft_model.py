@@ -183,7 +183,7 @@ def _engine_prompts() -> list[list[int]]:
 
 
 def _run_speculative(target: str, draft: str, **kw):
-    from engine import LLM
+    from llm import LLM
 
     fresh_step_programs()  # nothing compiles after this engine's own warm-up
     llm = LLM(target, log=lambda _: None, max_num_seqs=2, max_model_len=96, block_size=BS,
@@ -303,7 +303,7 @@ def test_kv_sizing_and_the_reported_memory_count_the_draft_model(target_ckpt, dr
     from safetensors.numpy import load_file
 
     import startup
-    from engine import LLM
+    from llm import LLM
     from runner import logprobs_bytes
 
     limit, util = 64 * 2**20, 0.5

@@ -12,7 +12,8 @@ from conftest import hf_greedy
 
 from async_engine import AsyncEngine
 from config import StructuredOutputsParams
-from engine import LLM, EngineConfig, EngineRequest, SamplingParams, child_requests
+from engine import EngineConfig, EngineRequest, SamplingParams, child_requests
+from llm import LLM
 
 SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False)
 

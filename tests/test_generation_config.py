@@ -16,8 +16,8 @@ import pytest
 from conftest import hf_greedy, make_hf_checkpoint
 
 from config import EngineConfig
-from engine import LLM
 from hf_config import generation_sampling_defaults
+from llm import LLM
 from protocol import parse_sampling
 
 SHAPES = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, num_kv_blocks=16, warmup=False)

@@ -14,7 +14,7 @@ import pytest
 from conftest import hf_greedy
 
 import gguf_loader
-from engine import LLM, SamplingParams
+from llm import LLM, SamplingParams
 from model import Decoder, load_model
 
 HF_TO_GGUF = {w.hf: w.gguf for w in Decoder.WEIGHTS.values()}  # "{}": the layer index

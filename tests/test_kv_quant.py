@@ -72,7 +72,7 @@ def test_kernels_equal_references_on_a_quantized_cache(name, dtype, kernels):
 
 
 def _engine(kv_cache_dtype: str, **kw):
-    from engine import LLM
+    from llm import LLM
 
     return LLM("tiny", log=lambda _: None, kv_cache_dtype=kv_cache_dtype, max_num_seqs=2, max_model_len=128,
                max_num_batched_tokens=32, **kw)
@@ -155,7 +155,7 @@ def test_8bit_cache_prompt_logprobs_are_close_to_transformers_fp32(llama_referen
     earlier ones from the quantized cache): every prompt logprob within the measured
     quantization error of transformers' fp32 reference, and not equal to it (the cache
     really is 8-bit)."""
-    from engine import LLM, SamplingParams
+    from llm import LLM, SamplingParams
 
     ckpt, prompts, want = llama_reference
     llm = LLM(ckpt, log=lambda _: None, kv_cache_dtype=name, max_model_len=128, max_num_seqs=4,

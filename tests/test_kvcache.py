@@ -160,7 +160,7 @@ def test_the_logprob_arrays_are_reserved_where_no_activation_peak_holds_them(mon
 def test_the_engine_reserves_its_logprob_arrays_when_the_device_has_no_counters(monkeypatch):
     """The start-up path on a fake device that reports a limit but no counters: the KV
     budget leaves room for the logprob arrays at --max-logprobs' width."""
-    from engine import LLM
+    from llm import LLM
     from model import BUILTIN_MODELS
     from runner import logprobs_bytes
 
@@ -238,7 +238,7 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
     """The GPU start-up path, run on CPU with a fake device: the engine profiles the
     largest step on a one-sequence cache, subtracts its peak, rebuilds the cache at the
     budgeted size, and then generates exactly as an engine sized by --num-kv-blocks."""
-    from engine import LLM
+    from llm import LLM
     from model import BUILTIN_MODELS
     from runner import logprobs_bytes
 

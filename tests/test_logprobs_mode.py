@@ -24,7 +24,7 @@ import pytest
 
 from conftest import hf_logits, tiny_async_engine
 from config import EngineConfig, StructuredOutputsParams
-from engine import LLM, SamplingParams
+from llm import LLM, SamplingParams
 
 SMALL = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=64, warmup=False)
 MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]

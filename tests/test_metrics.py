@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import LLM, EngineConfig, SamplingParams
+from llm import LLM, EngineConfig, SamplingParams
 from metrics import ITL_BUCKETS, WAIT_REASONS, EngineStats, Histogram
 from prometheus import EngineCollector
 

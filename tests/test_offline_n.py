@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import hf_logits, tiny_async_engine
-from engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+from llm import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 # tiny_async_engine's shapes: the server below and these LLMs share compiled programs.
 SHAPES = dict(max_num_seqs=2, max_model_len=128, warmup=False)

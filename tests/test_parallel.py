@@ -33,7 +33,7 @@ def _worker(spec: dict) -> dict:
     import jax
     from flax import nnx
 
-    from engine import LLM, SamplingParams
+    from llm import LLM, SamplingParams
     from parallel import bytes_per_device
 
     report = {}
@@ -279,9 +279,9 @@ def test_tp_size_the_heads_do_not_allow_is_refused():
 # dequantized (loads), and natively at TP 2 (loads); each outcome as a line of JSON.
 _GGUF_TP_CHILD = """
 import json, sys
-from engine import LLM
 from flax import nnx
 import jax
+from llm import LLM
 out = {}
 for tp, quant in ((4, "gguf"), (4, None), (2, "gguf")):
     try:
@@ -322,7 +322,7 @@ def _host(pid: int, port: int, model: str, cache: str) -> None:
     """Child process `pid` of a 2-process group (2 CPU devices each, TP 4 across both):
     process 0 prints the tokens, then keeps generating until the group fails."""
     sys.path.insert(0, ROOT)
-    from engine import LLM, SamplingParams
+    from llm import LLM, SamplingParams
 
     llm = LLM(model, log=lambda s: None, compilation_cache_dir=cache, tensor_parallel_size=4,
               distributed_coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid, **BASE)

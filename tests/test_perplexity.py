@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
+from llm import LLM, SamplingParams
 
 PASSAGE = os.path.join(os.path.dirname(__file__), "fixtures", "passage.txt")
 # Every configuration computes the whole passage: on CPU the file's time goes there, not to

@@ -475,7 +475,8 @@ def test_priority_changes_who_runs_when_not_the_tokens():
     (slots full); every request's greedy tokens equal the FCFS engine's."""
     import numpy as np
 
-    from engine import LLM, LLMEngine
+    from engine import LLMEngine
+    from llm import LLM
 
     rng = np.random.default_rng(5)
     ps = [rng.integers(3, 250, rng.integers(4, 30)).tolist() for _ in range(6)]

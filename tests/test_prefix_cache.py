@@ -331,7 +331,7 @@ SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warm
 
 
 def make_llm(**kw):
-    from engine import LLM
+    from llm import LLM
 
     return LLM("tiny", log=lambda *_: None, **{**SMALL, **kw})
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import hf_logits
-from engine import LLM, SamplingParams
+from llm import LLM, SamplingParams
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 from conftest import count_compilations, fresh_step_programs
 
 from config import EngineConfig
-from engine import LLM, SamplingParams
+from llm import LLM, SamplingParams
 
 
 def _spec_dequantize(raw: np.ndarray, kind: str, n_in: int) -> np.ndarray:

@@ -13,7 +13,7 @@ import pytest
 from conftest import count_compilations, fresh_step_programs
 
 from config import SamplingParams
-from engine import LLM
+from llm import LLM
 from tokenizer import IncrementalDetokenizer
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?"]

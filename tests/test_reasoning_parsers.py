@@ -224,7 +224,7 @@ def test_thinking_off_constrains_from_the_first_token_when_the_prompt_leaves_the
 
 def test_offline_chat_reads_enable_thinking_for_where_the_constraint_starts():
     from config import StructuredOutputsParams
-    from engine import LLM, SamplingParams
+    from llm import LLM, SamplingParams
 
     llm = LLM("tiny", max_num_seqs=2, max_model_len=128, warmup=False, reasoning_parser="qwen3", log=lambda *_: None)
     llm.tokenizer = OpenBlockTemplate()  # (bytes, as the tiny model's own)

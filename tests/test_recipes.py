@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from config import SamplingParams
-from engine import LLM
+from llm import LLM
 from policy import POLICIES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md"

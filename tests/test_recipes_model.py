@@ -14,7 +14,7 @@ from conftest import hf_greedy, make_hf_checkpoint
 
 import attention_backend
 import model
-from engine import LLM, SamplingParams
+from llm import LLM, SamplingParams
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "ARCHITECTURE.md")
 

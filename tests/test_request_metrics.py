@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
+from llm import LLM, SamplingParams
 from metrics import RequestMetrics
 
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from conftest import count_compilations, fresh_step_programs, hf_logits, tiny_async_engine
-from engine import LLM, EngineRequest, SamplingParams
+from engine import EngineRequest, SamplingParams
+from llm import LLM
 from protocol import ApiError, parse_sampling
 
 SMALL = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=64, warmup=False)

@@ -12,8 +12,9 @@ import pytest
 
 from async_engine import AsyncEngine
 from config import EngineConfig, SamplingParams
-from engine import LLM, EngineRequest, LLMEngine, QueueFullError
+from engine import EngineRequest, LLMEngine, QueueFullError
 from kvcache import CPU_DEFAULT_KV_BYTES, kv_cache_bytes_per_block, num_kv_blocks_for
+from llm import LLM
 from model import ModelConfig
 from scheduler import Scheduler, Sequence
 

@@ -213,7 +213,7 @@ def greedy_body(kw: dict) -> dict:
 @functools.cache
 def tiny_reference():
     """The served model offline (LLM.generate), at the server's shapes."""
-    from engine import LLM
+    from llm import LLM
 
     return LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
                max_num_batched_tokens=256, num_kv_blocks=1024, warmup=False)

@@ -16,7 +16,8 @@ import pytest
 from test_server import open_stream, request
 
 from async_engine import AsyncEngine
-from engine import LLM, EngineConfig, EngineRequest, SamplingParams
+from engine import EngineConfig, EngineRequest, SamplingParams
+from llm import LLM
 
 PROMPTS = [[1, 5, 7, 9], [1, 42], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 30],
            [1, 8, 16, 32, 64, 128], [1, 100, 101], [1, 2], [1, 77, 66, 55, 44], [1, 250, 251, 252]]

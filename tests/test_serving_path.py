@@ -102,7 +102,7 @@ def test_without_torch_the_server_answers_the_readme_question(env_without_torch)
 
 OFFLINE = textwrap.dedent('''
     import json, sys
-    from engine import LLM, SamplingParams
+    from llm import LLM, SamplingParams
 
     gguf_path, hf_dir, question, conversations, template = sys.argv[1:]
     question, conversations = json.loads(question), json.loads(conversations)

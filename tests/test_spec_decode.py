@@ -312,7 +312,7 @@ test_speculative_allocation_state_machine = SpeculativeAllocatorMachine.TestCase
 
 from conftest import count_compilations, fresh_step_programs  # noqa: E402
 
-from engine import LLM  # noqa: E402
+from llm import LLM  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # Tight: 4 running sequences of up to 96 tokens need 96 blocks of 4; the cache has 47.

@@ -247,7 +247,7 @@ def test_max_log_len_is_checked_where_it_enters(capsys):
 
 
 def test_the_engine_counts_the_prefix_cache_resets_that_emptied_it():
-    from engine import LLM, SamplingParams
+    from llm import LLM, SamplingParams
 
     llm = LLM("tiny", max_num_seqs=2, max_model_len=64, num_kv_blocks=16, warmup=False, log=lambda *_: None)
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))

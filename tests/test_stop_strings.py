@@ -199,7 +199,7 @@ def test_include_stop_str_in_output_is_a_boolean() -> None:
 
 
 def test_include_stop_str_in_output_offline_keeps_the_stop_string_and_a_stop_tokens_text() -> None:
-    from engine import LLM
+    from llm import LLM
 
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=128, warmup=False)
     tok, eos = llm.tokenizer, llm.engine.model_config.eos_token_ids

@@ -18,8 +18,8 @@ from conftest import count_compilations, fresh_step_programs
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from config import StructuredOutputsParams as SO
-from engine import LLM, SamplingParams
 from distributed import SAMPLE, SAMPLE_MASKED
+from llm import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny() -> LLM:

@@ -90,7 +90,7 @@ def test_llm_generate_keeps_a_sentencepiece_outputs_first_space_with_or_without_
     output decoded alone is "Pa"; the same whether or not a stop string was asked for (the
     engine's stop matcher has always decoded after the prompt)."""
     from conftest import make_hf_checkpoint
-    from engine import LLM
+    from llm import LLM
 
     llm = LLM(model=make_hf_checkpoint(tmp_path / "m", tokenizer="sp"), max_num_seqs=2, max_model_len=64,
               max_num_batched_tokens=32, warmup=False)

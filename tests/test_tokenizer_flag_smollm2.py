@@ -5,7 +5,7 @@ flag, and that tokenizer renders and encodes as transformers' AutoTokenizer of t
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
+from llm import LLM, SamplingParams
 from test_tokenizer_flag import QUIET, auto_tokenizer
 
 # test_real_model.py's shapes: their programs are in the persistent compilation cache
