@@ -11,8 +11,11 @@ The README's chat question still gets
 from __future__ import annotations
 
 import gc
+import hashlib
+import importlib.metadata
 import math
 import os
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -79,11 +82,34 @@ def smollm2_path() -> str:
     return gguf_loader.resolve_builtin("smollm2", log=lambda _: None)
 
 
+def _kept(name: str, write: Callable[[str], None]) -> str:
+    """The model cache's file `name`, written by write(path) on first use and kept between
+    runs, as smollm2 itself is (renamed into place whole: another worker may race)."""
+    import gguf_loader
+
+    out = os.path.join(gguf_loader.cache_dir(), name)
+    if not os.path.isfile(out):
+        tmp = os.path.join(gguf_loader.cache_dir(), f".{name}.{os.getpid()}")
+        try:
+            write(tmp)
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return out
+
+
+def _version_key(*parts: object) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
 @pytest.fixture(scope="module")
-def q8_0_path(smollm2_path, tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("q8") / "smollm2.Q8_0.gguf")
-    write_q8_0(smollm2_path, path)
-    return path
+def q8_0_path(smollm2_path) -> str:
+    """smollm2's file re-quantized to Q8_0: written once (seconds of NumPy quantizing) and
+    kept, keyed by the source file's version and the gguf library's, whose quantizer writes it."""
+    st = os.stat(smollm2_path)
+    key = _version_key(os.path.realpath(smollm2_path), st.st_size, st.st_mtime_ns, importlib.metadata.version("gguf"))
+    return _kept(f"smollm2-q8_0-{key}.gguf", lambda path: write_q8_0(smollm2_path, path))
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +157,31 @@ def results(smollm2_path, q8_0_path, passage_ids) -> dict[str, dict]:
     return get
 
 
-def test_unquantized_perplexity_equals_transformers(results, smollm2_transformers, passage_ids):
+@pytest.fixture
+def transformers_logprobs(smollm2_path, passage_ids, request) -> np.ndarray:
+    """The reference: transformers' log-probability (float64) of each passage token after the
+    ones before it. Its forward over 2,048 tokens takes about as long as an engine's, so its
+    result is kept in the model cache, keyed by the GGUF file's version, the token ids and
+    the versions of transformers and torch (whose dequantization and forward computed it)."""
     import torch
+    import transformers
 
-    with torch.no_grad():
-        logits = smollm2_transformers(torch.tensor([passage_ids])).logits[0].double()
-    want = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(passage_ids[1:])[:, None])[:, 0].numpy()
+    def compute(path: str) -> None:
+        model = request.getfixturevalue("smollm2_transformers")
+        with torch.no_grad():
+            logits = model(torch.tensor([passage_ids])).logits[0].double()
+        lps = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(passage_ids[1:])[:, None])[:, 0].numpy()
+        with open(path, "wb") as f:
+            np.save(f, lps)
+
+    st = os.stat(smollm2_path)
+    key = _version_key(os.path.realpath(smollm2_path), st.st_size, st.st_mtime_ns, passage_ids,
+                       transformers.__version__, torch.__version__)
+    return np.load(_kept(f"smollm2-passage-logprobs-{key}.npy", compute))
+
+
+def test_unquantized_perplexity_equals_transformers(results, transformers_logprobs):
+    want = transformers_logprobs
     got = results("float32")
     print(f"\ntransformers: perplexity {_perplexity(want):.4f}")
     assert got["ppl"] == pytest.approx(_perplexity(want), rel=1e-3)
