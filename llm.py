@@ -14,10 +14,11 @@ from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig
 from engine import (CompletionOutput, EngineRequest, LLMEngine, RequestOutput, TokenLogprob, child_requests,
                     decode_output, stop_reason)
 from metrics import EngineStats, RequestMetrics
+from sampling_params import SamplingParams
 from scheduler import Sequence
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

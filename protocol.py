@@ -14,7 +14,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import chat_format
-from config import SamplingParams, SLOTarget, StructuredOutputsParams
+from sampling_params import SamplingParams, SLOTarget, StructuredOutputsParams
 from tool_parsers import ToolChoice
 
 if TYPE_CHECKING:

@@ -320,8 +320,8 @@ def test_the_reasoning_parser_reads_the_merged_variables(served):
 
 
 def test_offline_chat_takes_the_content_format(tokenizer):
-    from config import SamplingParams
     from llm import LLM
+    from sampling_params import SamplingParams
 
     llm = LLM("tiny", max_num_seqs=2, max_model_len=128, warmup=False, log=lambda *_: None)
     with pytest.raises(ValueError, match="chat_template_content_format 'openai' needs a Jinja chat template"):
