@@ -69,7 +69,7 @@ class EngineRequest:
     grammar: Any = None
     parent: ParentRequest | None = None  # one of n samples' shared ParentRequest (child_requests')
     # The chat request did not switch thinking off (its template variable enable_thinking,
-    # protocol.thinking_enabled), which the qwen3 reasoning parser reads: it decides where a
+    # chat_format.thinking_enabled), which the qwen3 reasoning parser reads: it decides where a
     # reasoning model's constraint starts.
     thinking: bool = True
     # vLLM's (a non-empty string, as the client sent it: LLMEngine.validate checks it): its

@@ -22,7 +22,8 @@ from conftest import make_hf_tokenizer, tiny_async_engine
 import chat_format
 import cli_args
 import server
-from protocol import ApiError, render_chat, thinking_enabled
+from chat_format import render_chat, thinking_enabled
+from protocol import ApiError
 
 # Loops over the parts (as Llama 4's, Gemma 3's, Qwen2-VL's templates do), and marks a
 # string content "S:", so the prompt shows which form each message came in.
