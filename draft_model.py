@@ -58,12 +58,13 @@ from flax import nnx
 
 import checkpoint
 from attention_backend import AttentionBackend, AttentionShape, select_attention_backend
-from config import SAMPLING_EPS, EngineConfig
+from config import EngineConfig
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel, device_bytes, hf_state_dict, load_model, param_bytes
 from runner import CountedProgram, count_compile, persistent_cache_hits, shared_programs, warmup_summary
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
+from sampling_params import SAMPLING_EPS
 from scheduler import Sequence
 from spec_decode import PROPOSERS, Proposals
 from tokenizer import ByteTokenizer

@@ -25,12 +25,13 @@ from typing import Any, Callable, Sequence as Seq
 import jax
 import numpy as np
 
-from config import EngineConfig, ParamError, SamplingParams, SLOTarget, check_cache_salt
+from config import EngineConfig
 from hf_config import generation_sampling_defaults
 from logits_controls import controls_for, first_token_conflict
 from metrics import ParentRequest, RequestMetrics, StepTrace
 from reasoning_parsers import REASONING_PARSERS
 from runner import InFlightStep, PromptLogprobs, StepResult
+from sampling_params import ParamError, SamplingParams, SLOTarget, check_cache_salt
 from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
 from spec_decode import StepProposer
 from startup import build_engine
@@ -68,7 +69,7 @@ class EngineRequest:
     grammar: Any = None
     parent: ParentRequest | None = None  # one of n samples' shared ParentRequest (child_requests')
     # The chat request did not switch thinking off (its template variable enable_thinking,
-    # protocol.thinking_enabled), which the qwen3 reasoning parser reads: it decides where a
+    # chat_format.thinking_enabled), which the qwen3 reasoning parser reads: it decides where a
     # reasoning model's constraint starts.
     thinking: bool = True
     # vLLM's (a non-empty string, as the client sent it: LLMEngine.validate checks it): its

@@ -167,9 +167,9 @@ def generation_eos_ids(path: str, vocab_size: int) -> tuple[int, ...]:
 def generation_sampling_defaults(config: Any) -> dict[str, Any]:
     """A request's sampling defaults under EngineConfig `config`, as vLLM's
     --generation-config / --override-generation-config: what the generation_config.json
-    (of the model folder, for "auto") sets of config.GENERATION_DEFAULT_KEYS, then the
+    (of the model folder, for "auto") sets of sampling_params.GENERATION_DEFAULT_KEYS, then the
     override's keys over them; SamplingParams keyword arguments ({}: OpenAI's defaults)."""
-    from config import GENERATION_DEFAULT_KEYS, sampling_defaults
+    from sampling_params import GENERATION_DEFAULT_KEYS, sampling_defaults
 
     folder = {"auto": config.model if os.path.isdir(config.model) else None, "vllm": None}.get(
         config.generation_config, config.generation_config)  # (a GGUF file's metadata holds none)

@@ -14,10 +14,11 @@ from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig
 from engine import (CompletionOutput, EngineRequest, LLMEngine, RequestOutput, TokenLogprob, child_requests,
                     decode_output, stop_reason)
 from metrics import EngineStats, RequestMetrics
+from sampling_params import SamplingParams
 from scheduler import Sequence
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
@@ -134,7 +135,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
         import chat_format
-        from protocol import ApiError, render_chat, thinking_enabled
+        from protocol import ApiError
 
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
@@ -155,13 +156,14 @@ class LLM:
             try:
                 if isinstance(conversation, tuple):  # a sequence of messages, as the list the server takes
                     conversation = list(conversation)
-                texts.append(render_chat(body | {"messages": conversation}, self.tokenizer,
-                                         chat_template=chat_template, content_format=chat_template_content_format))
+                texts.append(chat_format.render_chat(body | {"messages": conversation}, self.tokenizer,
+                                                     chat_template=chat_template,
+                                                     content_format=chat_template_content_format))
             except ApiError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
         # The template already carries BOS and the other special tokens it wants.
         encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        thinking = thinking_enabled(body)  # the qwen3 reasoning parser's, from the variables the template saw
+        thinking = chat_format.thinking_enabled(body)  # the qwen3 reasoning parser's, from the variables the template saw
         return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
 
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: Any, use_tqdm: bool = False) -> list[Any]:

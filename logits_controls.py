@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from config import SamplingParams
+from sampling_params import SamplingParams
 
 MIN_PENALTY_WIDTH = 16  # the narrowest sparse list; wider ones are powers of two
 F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)

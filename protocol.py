@@ -1,6 +1,7 @@
 """OpenAI's wire format, the server's half that needs no HTTP: a JSON body in (checked
 field by field, into token ids, SamplingParams and stop strings), logprobs out, and
-every refusal as an ApiError carrying OpenAI's error JSON.
+every refusal as an ApiError carrying OpenAI's error JSON. A chat request's messages
+reach the model through chat_format.py's render_chat.
 
 No aiohttp and no JAX here, so the rules can be read (and tested) on their own.
 """
@@ -13,8 +14,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-import chat_format
-from config import SamplingParams, SLOTarget, StructuredOutputsParams
+from sampling_params import SamplingParams, SLOTarget, StructuredOutputsParams
 from tool_parsers import ToolChoice
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class ApiError(Exception):
 
 # ---- requests in ------------------------------------------------------------------
 
-_JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
               list: "an array", dict: "an object"}
 
 # Options this server does not implement: set to anything but their neutral value they
@@ -98,7 +98,7 @@ def request_field(name: str | None, body: dict, chat: bool) -> str | None:
         name = _CHAT_NAMES[name]  # type: ignore[index]
     return name if name in body else None
 
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's and vLLM's
+
 INT64 = (-2**63, 2**63 - 1)
 
 
@@ -132,8 +132,8 @@ def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -
         return default
     # JSON true is a bool, and bool is an int in Python: refuse it where a number is due.
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        want = " or ".join(_JSON_TYPE[k] for k in kinds)
-        raise ApiError(f"'{name}' must be {want}, got {_JSON_TYPE.get(type(value), type(value).__name__)}", param=name)
+        want = " or ".join(JSON_TYPE[k] for k in kinds)
+        raise ApiError(f"'{name}' must be {want}, got {JSON_TYPE.get(type(value), type(value).__name__)}", param=name)
     if isinstance(value, float) or (float in kinds and isinstance(value, int)):
         try:
             finite = math.isfinite(value)
@@ -170,7 +170,7 @@ def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:
         return tokenizer.encode(prompt)
     if not isinstance(prompt, list) or any(isinstance(p, (str, list)) for p in prompt):
         what = "batched prompts are not supported, send one per request" if isinstance(prompt, list) else \
-            f"'prompt' must be a string or a list of token ids, got {_JSON_TYPE.get(type(prompt), 'null')}"
+            f"'prompt' must be a string or a list of token ids, got {JSON_TYPE.get(type(prompt), 'null')}"
         raise ApiError(what, param="prompt")
     if not prompt:
         raise ApiError("'prompt' is empty", param="prompt")
@@ -206,194 +206,6 @@ def truncate_prompt(body: dict, prompt_ids: list[int], max_model_len: int, chat:
     if k < 1:  # max_tokens leaves no room: parse_sampling says so
         return prompt_ids
     return prompt_ids[-k:] if side == "left" else prompt_ids[:k]
-
-
-def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
-                   exclude_tools_when_tool_choice_none: bool = False, chat_template: str | None = None,
-                   trust_request_chat_template: bool = False, content_format: str = "auto",
-                   default_kwargs: dict | None = None) -> list[int]:
-    """render_chat's text as token ids."""
-    text = render_chat(body, tokenizer, tools, exclude_tools_when_tool_choice_none, chat_template,
-                       trust_request_chat_template, content_format, default_kwargs)
-    # The template already carries BOS and the other special tokens it wants.
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
-                exclude_tools_when_tool_choice_none: bool = False, chat_template: str | None = None,
-                trust_request_chat_template: bool = False, content_format: str = "auto",
-                default_kwargs: dict | None = None) -> str:
-    """Chat messages through the model's chat template, as text; with the request's
-    tools (tool_choice()) for a template that renders them, as vLLM. With tool_choice
-    "none" the tools are rendered too (the model sees what exists, and calls nothing), as
-    vLLM, unless exclude_tools_when_tool_choice_none (its --exclude-tools-when-tool-choice-none).
-    chat_template: the server's --chat-template instead of the model's; a request's own
-    `chat_template` only with trust_request_chat_template (vLLM's flag; else its 400).
-    content_format: how contents reach the template (chat_format; vLLM's
-    --chat-template-content-format); default_kwargs: template variables the request's
-    chat_template_kwargs override (template_variables; vLLM's --default-chat-template-kwargs)."""
-    messages = body.get("messages")
-    if messages is None:
-        raise ApiError("'messages' is required", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError("'messages' must be a non-empty array", param="messages")
-    if tokenizer is None:
-        raise ApiError("this model has no tokenizer, so no chat template: use /v1/completions with token ids",
-                       param="messages")
-    chat, texts = [], []  # texts: each message's text parts, for the "openai" content format
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        extra = {}  # a tool conversation's fields, for a template that renders them (as vLLM)
-        if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") is not None:
-            if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
-                raise ApiError(f"messages[{i}].tool_calls must be an array of objects", param="messages")
-            extra["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
-            content = [] if content is None else content  # OpenAI: null content beside the calls
-        if isinstance(m, dict) and m.get("name") is not None:  # a participant's name: vLLM hands it to the template
-            if not isinstance(m["name"], str):
-                raise ApiError(f"messages[{i}].name must be a string", param="messages")
-            extra["name"] = m["name"]
-        if isinstance(m, dict) and m.get("role") == "tool" and m.get("tool_call_id") is not None:
-            if not isinstance(m["tool_call_id"], str):
-                raise ApiError(f"messages[{i}].tool_call_id must be a string", param="messages")
-            extra["tool_call_id"] = m["tool_call_id"]
-        if isinstance(m, dict) and m.get("role") == "assistant":  # its thinking, for templates that show it
-            reasoning = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
-            if reasoning is not None:
-                if not isinstance(reasoning, str):
-                    raise ApiError(f"messages[{i}].reasoning must be a string", param="messages")
-                extra |= {"reasoning": reasoning, "reasoning_content": reasoning}  # both names, as vLLM
-        parts = [content]
-        if isinstance(content, list):
-            parts = [text_part(p, i) for p in content]
-            content = "\n".join(parts)  # vLLM's join: the parts stay apart
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
-            raise ApiError(f"messages[{i}] must be an object with string 'role' and 'content'", param="messages")
-        # Any role reaches the template, as vLLM hands them over: templates have their own
-        # (Llama 3's "ipython" for tool results), and one that refuses a role is a 400 saying so.
-        if not m["role"]:
-            raise ApiError(f"messages[{i}]: 'role' must be a non-empty string", param="messages")
-        chat.append({"role": m["role"], "content": content, **extra})
-        texts.append(parts)
-    # vLLM's extras, as LLM.chat takes them: continue the last message instead of opening a
-    # new assistant turn (a prefill), and the template's own variables.
-    add_generation_prompt = field(body, "add_generation_prompt", (bool,), True)
-    continue_final_message = field(body, "continue_final_message", (bool,), False)
-    if add_generation_prompt and continue_final_message:
-        raise ApiError("'continue_final_message' needs 'add_generation_prompt': false (the first continues the "
-                       "last message, the second opens a new assistant turn)", param="continue_final_message")
-    # Template variables only: none of apply_chat_template's own arguments (return_dict,
-    # tokenize, ... would change what it returns). Stricter than vLLM, which lets them through.
-    own, takes_variables = chat_format.template_arguments(tokenizer)  # the latter: a Jinja template's variables
-    taken = sorted(set(field(body, "chat_template_kwargs", (dict,), {})) & own)
-    if taken:
-        raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
-    effort = field(body, "reasoning_effort", (str,))
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise ApiError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort[:40]!r}",
-                       param="reasoning_effort")
-    kw = template_variables(body, default_kwargs, effort=takes_variables)
-    if kw and not takes_variables:  # a fixed template (taxirank's ByteTokenizer): no variable reaches it
-        raise ApiError(f"this model's {type(tokenizer).__name__} takes no template variables, got "
-                       f"{', '.join(sorted(kw))[:200]}", param="chat_template_kwargs")
-    if continue_final_message:  # only when set: ByteTokenizer's template takes no such argument
-        kw["continue_final_message"] = True
-    if body.get("chat_template") is not None:
-        if not trust_request_chat_template:  # vLLM's words
-            raise ApiError("Chat template is passed with request, but --trust-request-chat-template is not set. "
-                           "Refused request with untrusted chat template.", param="chat_template")
-        chat_template = field(body, "chat_template", (str,))
-    if chat_template is not None:
-        if not chat_format.takes_template(tokenizer):  # taxirank's ByteTokenizer: its own ChatML
-            raise ApiError("this model's tokenizer takes no other chat template", param="chat_template")
-        kw["chat_template"] = chat_template
-    try:
-        if tools is not None:
-            kw["tools"] = tools.definitions
-        elif body.get("tool_choice") == "none" and body.get("tools") and not exclude_tools_when_tool_choice_none:
-            kw["tools"] = body["tools"]  # checked by tool_choice() already
-        if chat_format.resolve_content_format(content_format, tokenizer, kw.get("chat_template"),
-                                              kw.get("tools")) == "openai":
-            # vLLM's "openai" form: every content a list of text parts, except a tool
-            # result's, which vLLM hands over joined (most templates print it whole)
-            for message, parts in zip(chat, texts):
-                if message["role"] != "tool":
-                    message["content"] = [{"type": "text", "text": t} for t in parts]
-        text = tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
-    except Exception as e:  # no template, or the template refuses these messages (jinja raise)
-        raise ApiError(f"chat template failed: {e}", param="messages") from e
-    return text
-
-
-def template_variables(body: dict, default_kwargs: dict | None = None, effort: bool = True) -> dict:
-    """A chat request's template variables, merged as vLLM merges them (chat_format.merge_kwargs):
-    the server's defaults (--default-chat-template-kwargs); over them, key by key, the
-    request's reasoning_effort as vLLM reads it (the variable, and enable_thinking, false for
-    "none", which templates such as Qwen3's read; `effort` False: a tokenizer that takes no
-    variables); over that its chat_template_kwargs. A template that reads none of them
-    renders as without."""
-    kw = field(body, "chat_template_kwargs", (dict,), {})
-    given = body.get("reasoning_effort")
-    from_effort = {} if not effort or given is None else {"reasoning_effort": given, "enable_thinking": given != "none"}
-    return chat_format.merge_kwargs(default_kwargs, from_effort | kw)
-
-
-def thinking_enabled(body: dict, default_kwargs: dict | None = None) -> bool:
-    """Whether a chat request leaves the model's thinking on: its template variable
-    enable_thinking as template_variables merges it (the server's default, reasoning_effort
-    "none", the request's chat_template_kwargs), as parse_messages renders it; read by the
-    qwen3 reasoning parser."""
-    return template_variables(body, default_kwargs).get("enable_thinking") is not False
-
-
-# The content parts that are text, and the key each keeps it under (vLLM's parser's); a
-# plain string in the list is text too.
-TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-              "thinking": "thinking"}
-
-
-def text_part(part: Any, i: int) -> str:
-    """One of messages[i]'s content parts as text. Media parts are a 400: the models served
-    here read text only (vLLM's answer for a text-only model too)."""
-    if isinstance(part, str):
-        return part
-    kind = part.get("type") if isinstance(part, dict) else None
-    if not isinstance(kind, str):
-        raise ApiError(f"messages[{i}]: a content part is a string or an object with a string 'type'",
-                       param="messages")
-    if kind not in TEXT_PARTS:
-        raise ApiError(f"messages[{i}]: content parts of type {kind[:40]!r} are not supported: this model reads "
-                       f"text only ({', '.join(TEXT_PARTS)})", param="messages")
-    text = part.get(TEXT_PARTS[kind])
-    if not isinstance(text, str):
-        raise ApiError(f"messages[{i}]: a {kind!r} part needs '{TEXT_PARTS[kind]}': a string", param="messages")
-    return text
-
-
-def _template_call(call: dict, i: int) -> dict:
-    """An assistant message's tool call as chat templates take it (transformers' convention,
-    as vLLM hands them over): its arguments an object, where OpenAI sends a JSON string; a
-    template writing `arguments | tojson` would otherwise show the model an escaped string.
-    The call has OpenAI's shape (vLLM's 400 otherwise): {"id": ..., "type": "function",
-    "function": {"name": ..., "arguments": ...}}, its arguments a JSON string or already an
-    object (the template's own form), id and type optional."""
-    fn = call.get("function")
-    where = f"messages[{i}].tool_calls"
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise ApiError(f"{where}: each call needs 'function': {{'name': a non-empty string, 'arguments': ...}}",
-                       param="messages")
-    if not isinstance(fn.get("arguments"), (str, dict)):
-        raise ApiError(f"{where}: function.arguments must be a JSON string (or an object), got "
-                       f"{_JSON_TYPE.get(type(fn.get('arguments')), 'null')}", param="messages")
-    if call.get("id") is not None and not isinstance(call["id"], str):
-        raise ApiError(f"{where}: a call's 'id' must be a string", param="messages")
-    if call.get("type") not in (None, "function"):
-        raise ApiError(f"{where}: a call's 'type' must be 'function'", param="messages")
-    if not isinstance(fn["arguments"], str):
-        return call
-    # a JSON string: read_body saw neither its depth nor the lone surrogates its escapes decode to
-    arguments = loads_checked(fn["arguments"], f"messages[{i}].tool_calls: function.arguments", "messages")
-    return call | {"function": fn | {"arguments": arguments}}
 
 
 def loads_checked(data: str | bytes, what: str, param: str | None = None) -> Any:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from config import SAMPLING_EPS, SamplingParams
+from sampling_params import SAMPLING_EPS, SamplingParams
 
 
 @jax.tree_util.register_dataclass

@@ -37,10 +37,11 @@ from typing import Any, Sequence as Seq
 
 import numpy as np
 
-from config import EngineConfig, ParamError, SamplingParams, SLOTarget
+from config import EngineConfig
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS, ParentRequest
 from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
+from sampling_params import ParamError, SamplingParams, SLOTarget
 from spec_decode import scheduling_drafter
 
 # The scheduler's global invariants (every slot owned once, no KV block leaked, blocks

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
-from config import SamplingParams
+from chat_format import text_part, thinking_enabled
 from generation import BeamGeneration, BeamSearchRun, Chunk, Generation
 from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
                       parse_beam_search, parse_sampling, parse_slo, prompt_logprobs_json, request_field,
-                      structured_field, text_part, thinking_enabled, truncate_prompt, unknown_fields)
+                      structured_field, truncate_prompt, unknown_fields)
+from sampling_params import SamplingParams
 from tool_parsers import ToolCallStream, ToolChoice
 
 if TYPE_CHECKING:

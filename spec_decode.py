@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 import numpy as np
 
 from policy import Registry
+from sampling_params import is_int
 
 if TYPE_CHECKING:
     import jax
@@ -102,9 +103,6 @@ class SpeculativeConfig:
     acceptance_window: int = 8
 
     def __post_init__(self) -> None:
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
         def need(cond: bool, key: str, msg: str) -> None:
             if not cond:
                 raise ValueError(f"speculative_config.{key} {msg}, got {getattr(self, key)!r}")

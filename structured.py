@@ -13,7 +13,7 @@ server put that work (its executor), never again on the event loop or the engine
 
 Limits, so that no request can stall the engine loop (the matcher's work per token runs on
 the loop thread):
-  - the constraint's text: config.MAX_STRUCTURED_CHARS characters (checked where it enters);
+  - the constraint's text: sampling_params.MAX_STRUCTURED_CHARS characters (checked where it enters);
   - compile: llguidance's LLParserLimits (LIMITS below): grammar size, the lexer fuel to
     build it; over them the request is refused with llguidance's message;
   - per token: the fuel and Earley items one mask may take (LIMITS); a request whose
@@ -32,7 +32,7 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
-from config import StructuredOutputsParams
+from sampling_params import StructuredOutputsParams
 
 MAX_CACHED_GRAMMARS = 128  # compiled matchers kept; a big schema's lexer is a few MB at most
 # llguidance's own defaults, written out so they are documented here: ~20 ms of lexer work

@@ -17,7 +17,8 @@ import os
 from functools import partial
 from typing import Any, Callable
 
-from config import TOKENIZER_FILES, SamplingParams
+from config import TOKENIZER_FILES
+from sampling_params import SamplingParams
 
 
 class ByteTokenizer:

@@ -202,7 +202,7 @@ COUNTERS = ("num_steps", "num_decode_steps", "useful_slot_steps", "total_slot_st
 
 def greedy(max_tokens: Sequence[int]) -> list[Any]:
     """Greedy, ignore_eos sampling params: output lengths are exactly max_tokens."""
-    from config import SamplingParams
+    from sampling_params import SamplingParams
 
     return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
 

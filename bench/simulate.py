@@ -37,8 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from report import (checked, md_table, natural, positive, positive_float, positive_ints, pyplot,  # noqa: E402
                     results_dir, save_figure, summarize, timer, write_json, write_text)
 from workload import arrival_times, exponential_mix, seed_mix, token_ids  # noqa: E402
-from config import EngineConfig, SamplingParams, SLOTarget  # noqa: E402
+from config import EngineConfig  # noqa: E402
 from metrics import WAIT_REASONS, EngineStats, StepTrace  # noqa: E402
+from sampling_params import SamplingParams, SLOTarget  # noqa: E402
 from scheduler import Scheduler, SchedulerOutput, Sequence  # noqa: E402
 
 NOT_EOS = 7  # the token every simulated step samples: any id that is not an EOS

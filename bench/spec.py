@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-from config import SamplingParams  # noqa: E402
+from sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from llm import LLM

@@ -112,7 +112,7 @@ def stub_device(runner) -> None:  # the jitted programs replaced by instant stan
     runner._sample = lambda last_tokens, logits, sample_slot, sampling: (last_tokens, res(sample_slot.shape[0]))
 
 def fill(eng, n: int, prompt_len: int = 64, start: int = 0, **params) -> None:  # n requests decoding, unfinished
-    from config import SamplingParams
+    from sampling_params import SamplingParams
     for i in range(n):
         eng.add_request(f"fill-{start + i}", [5 + (i + j) % 200 for j in range(prompt_len)], SamplingParams(
             **{"max_tokens": eng.config.max_model_len - prompt_len, "ignore_eos": True, **params}))
@@ -133,7 +133,7 @@ def timed(fn) -> tuple[float, float]:  # wall and process-CPU seconds: neighbour
     return time.perf_counter() - t, time.process_time() - c
 
 def prefill(eng, n: int, k: int) -> tuple[float, float]:  # a fresh n-token prompt (no prefix hit) in one step
-    from config import SamplingParams
+    from sampling_params import SamplingParams
     eng.add_request(f"prefill-{k}", [1000 + (131 * k + j) % 40000 for j in range(n)],
                     SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     return timed(eng.step)
@@ -282,7 +282,7 @@ def section_settings() -> dict:
     return {name: dict(flags=SETTINGS[name][0], engine=SETTINGS[name][1], runs=rs) for name, rs in runs.items()}
 
 def section_padding() -> dict:
-    from config import SamplingParams
+    from sampling_params import SamplingParams
     from workload import seed_mix
     eng, out = make_engine("smollm2", 32, **SERVER), {}
     stub_device(eng.runner)
@@ -342,7 +342,7 @@ def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `
         eng = make_engine("smollm2", n, max_model_len=256, max_num_batched_tokens=2048, num_kv_blocks=n * 5 + 1)
         stub_device(eng.runner)  # its token: the row's last input token, a word of the prompt
         prompt = eng.tokenizer.encode(words, add_special_tokens=False)[:16]
-        from config import SamplingParams
+        from sampling_params import SamplingParams
         for i in range(n):
             eng.add_request(f"r{i}", prompt[i % 8:] + prompt[:i % 8], SamplingParams(max_tokens=200, ignore_eos=True,
                                                                                      stop=stop))

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from config import SamplingParams, StructuredOutputsParams  # noqa: E402
 from report import (machine_info, positive, ratio_rows, results_dir, side_by_side, summarize,  # noqa: E402
                     text_table, write_json)
+from sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from workload import text_prompt  # noqa: E402
 
 if TYPE_CHECKING:

@@ -23,8 +23,9 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from config import EngineConfig, SamplingParams  # noqa: E402
+from config import EngineConfig  # noqa: E402
 from kvcache import blocks_needed  # noqa: E402
+from sampling_params import SamplingParams  # noqa: E402
 from scheduler import Scheduler, Sequence  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "scheduler_traces.json")

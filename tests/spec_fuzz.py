@@ -24,8 +24,8 @@ if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
 
 import numpy as np  # noqa: E402
 
-from config import SamplingParams  # noqa: E402
 from llm import LLM  # noqa: E402
+from sampling_params import SamplingParams  # noqa: E402
 
 MAX_LEN = 128
 GROUP = 8

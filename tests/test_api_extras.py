@@ -426,8 +426,8 @@ def test_a_bad_field_of_the_answer_starts_no_engine_request() -> None:
 def test_offline_stop_reason_is_the_stop_string_or_the_stop_token_id_as_vllm() -> None:
     """LLM.generate's CompletionOutput carries vLLM's stop_reason: the stop string matched, the
     stop_token_ids entry that ended it, None for a length cut or a grammar's end."""
-    from config import StructuredOutputsParams
     from llm import LLM, SamplingParams
+    from sampling_params import StructuredOutputsParams
 
     llm = LLM("tiny", max_num_seqs=2, max_model_len=128, warmup=False, log=lambda *_: None)
     letters = dict(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z]{8}"))

@@ -18,7 +18,8 @@ import logging
 import pytest
 
 from conftest import tiny_async_engine
-from protocol import ApiError, parse_messages, parse_sampling
+from chat_format import parse_messages
+from protocol import ApiError, parse_sampling
 from tokenizer import ByteTokenizer
 from tool_parsers import ToolCallStream, ToolChoice
 

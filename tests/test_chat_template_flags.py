@@ -22,7 +22,8 @@ from conftest import make_hf_tokenizer, tiny_async_engine
 import chat_format
 import cli_args
 import server
-from protocol import ApiError, render_chat, thinking_enabled
+from chat_format import render_chat, thinking_enabled
+from protocol import ApiError
 
 # Loops over the parts (as Llama 4's, Gemma 3's, Qwen2-VL's templates do), and marks a
 # string content "S:", so the prompt shows which form each message came in.
@@ -320,8 +321,8 @@ def test_the_reasoning_parser_reads_the_merged_variables(served):
 
 
 def test_offline_chat_takes_the_content_format(tokenizer):
-    from config import SamplingParams
     from llm import LLM
+    from sampling_params import SamplingParams
 
     llm = LLM("tiny", max_num_seqs=2, max_model_len=128, warmup=False, log=lambda *_: None)
     with pytest.raises(ValueError, match="chat_template_content_format 'openai' needs a Jinja chat template"):

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from conftest import fresh_step_programs, hf_greedy, hf_logits, make_hf_checkpoint
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig
 from draft_model import check_vocabulary, parse_layers, write_layer_skip
+from sampling_params import SamplingParams
 from spec_decode import create_proposer
 from kvcache import BlockAllocator, blocks_needed
 from metrics import EngineStats

@@ -11,9 +11,9 @@ import pytest
 from conftest import hf_greedy
 
 from async_engine import AsyncEngine
-from config import StructuredOutputsParams
 from engine import EngineConfig, EngineRequest, SamplingParams, child_requests
 from llm import LLM
+from sampling_params import StructuredOutputsParams
 
 SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False)
 

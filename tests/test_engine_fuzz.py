@@ -48,8 +48,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from config import StructuredOutputsParams
 from engine import LLMEngine, EngineConfig, SamplingParams, child_requests
+from sampling_params import StructuredOutputsParams
 from scheduler import RUNNING, WAITING
 
 EOS = 257  # the tiny model's (its byte tokenizer's)

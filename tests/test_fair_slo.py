@@ -9,8 +9,9 @@ import json
 import pytest
 from conftest import fresh_step_programs, load_bench
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig
 from policy import ANONYMOUS
+from sampling_params import SamplingParams
 from scheduler import Scheduler, Sequence
 
 TOKEN = 7
@@ -300,7 +301,7 @@ def test_slo_preempts_a_running_request_that_missed_its_target_for_one_that_can_
 def test_slo_is_refused_under_a_policy_that_does_not_read_it():
     import pytest
 
-    from config import SLOTarget
+    from sampling_params import SLOTarget
 
     fcfs = make("fcfs")
     with pytest.raises(ValueError, match="does not read it"):
@@ -317,8 +318,8 @@ def test_fair_and_slo_change_who_runs_when_not_the_tokens():
     SLOs: every request's greedy tokens equal FCFS's."""
     import numpy as np
 
-    from config import SLOTarget
     from engine import LLMEngine
+    from sampling_params import SLOTarget
 
     rng = np.random.default_rng(5)
     ps = [rng.integers(3, 250, rng.integers(4, 30)).tolist() for _ in range(6)]

@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import fresh_step_programs
-from config import EngineConfig, SamplingParams
+from config import EngineConfig
 from kvcache import (BlockAllocator, OutOfBlocksError, blocks_needed, create_kv_caches, describe,
                      kv_cache_bytes_per_block, measure_activation_bytes, num_kv_blocks_for)
+from sampling_params import SamplingParams
 
 # Only the attributes kvcache reads from model.ModelConfig.
 CFG = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=4, head_dim=8)

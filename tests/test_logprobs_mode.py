@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from conftest import hf_logits, tiny_async_engine
-from config import EngineConfig, StructuredOutputsParams
+from config import EngineConfig
 from llm import LLM, SamplingParams
+from sampling_params import StructuredOutputsParams
 
 SMALL = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=64, warmup=False)
 MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]

@@ -422,7 +422,8 @@ def test_tokenizer_files(tmp_path):
 def test_a_chat_template_that_is_broken_or_raises_fails_its_chat_request_with_a_400(tmp_path, template, says):
     """The checkpoint still loads (completions need no template); each chat request is a
     400 naming the template's error, before the engine sees it."""
-    from protocol import ApiError, parse_messages
+    from chat_format import parse_messages
+    from protocol import ApiError
 
     path = make_hf_checkpoint(tmp_path / "tok", "llama2", tokenizer=True)
     (tmp_path / "tok" / "chat_template.jinja").write_text(template)

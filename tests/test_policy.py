@@ -33,9 +33,10 @@ from hypothesis import settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
 
-from config import EngineConfig, SamplingParams  # noqa: E402
+from config import EngineConfig  # noqa: E402
 from kvcache import blocks_needed  # noqa: E402
 from policy import Priority  # noqa: E402
+from sampling_params import SamplingParams  # noqa: E402
 from scheduler import FINISHED, WAITING, Scheduler, Sequence  # noqa: E402
 
 TOKEN = 7

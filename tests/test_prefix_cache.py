@@ -11,8 +11,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
+from sampling_params import SamplingParams
 from scheduler import WAITING, Scheduler, Sequence
 
 # ---- allocator ---------------------------------------------------------------------------

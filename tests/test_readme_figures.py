@@ -16,7 +16,8 @@ import re
 
 from conftest import ROOT, load_bench
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig
+from sampling_params import SamplingParams
 from scheduler import Scheduler, Sequence
 
 README = open(os.path.join(ROOT, "README.md")).read()

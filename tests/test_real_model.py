@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 from conftest import count_compilations, fresh_step_programs
 
-from config import SamplingParams
 from llm import LLM
+from sampling_params import SamplingParams
 from tokenizer import IncrementalDetokenizer
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?"]

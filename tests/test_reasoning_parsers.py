@@ -223,8 +223,8 @@ def test_thinking_off_constrains_from_the_first_token_when_the_prompt_leaves_the
 
 
 def test_offline_chat_reads_enable_thinking_for_where_the_constraint_starts():
-    from config import StructuredOutputsParams
     from llm import LLM, SamplingParams
+    from sampling_params import StructuredOutputsParams
 
     llm = LLM("tiny", max_num_seqs=2, max_model_len=128, warmup=False, reasoning_parser="qwen3", log=lambda *_: None)
     llm.tokenizer = OpenBlockTemplate()  # (bytes, as the tiny model's own)
@@ -236,7 +236,7 @@ def test_offline_chat_reads_enable_thinking_for_where_the_constraint_starts():
 
 
 def test_after_reasoning_frees_the_tokens_until_the_end_tag_then_applies_the_grammar():
-    from config import StructuredOutputsParams
+    from sampling_params import StructuredOutputsParams
     from structured import GrammarCompiler, new_constraint
 
     grammars = GrammarCompiler(ByteTokenizer(), 512, [257])

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from config import SamplingParams
 from llm import LLM
 from policy import POLICIES
+from sampling_params import SamplingParams
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md"
 # test_policy.py's engine shapes: the persistent compilation cache serves most programs

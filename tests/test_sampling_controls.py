@@ -236,7 +236,7 @@ def test_preemption_by_recompute_keeps_the_counts_with_the_outputs():
 def test_a_grammar_and_the_masks_both_hold():
     import re
 
-    from config import StructuredOutputsParams as SO
+    from sampling_params import StructuredOutputsParams as SO
 
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False)
     outs = [o.outputs[0] for o in llm.generate([[5, 6, 7]] * 2, [
@@ -255,7 +255,7 @@ def test_masks_that_part_mid_way_end_the_request_without_a_token_they_forbid(asy
     leave no token at some position: the request ends there with finish_reason "abort",
     outputs no token it forbids (ids, text, logprobs), frees its slot and KV blocks, and a
     request beside it gets the tokens it gets alone. Greedy, random and penalised rows."""
-    from config import StructuredOutputsParams as SO
+    from sampling_params import StructuredOutputsParams as SO
 
     log: list[str] = []
     llm = LLM("tiny", log=log.append, max_num_seqs=4, max_model_len=128, warmup=False,
@@ -293,7 +293,7 @@ def test_masks_that_leave_no_first_token_are_refused_naming_the_fields():
     from aiohttp.test_utils import TestClient, TestServer
 
     import server
-    from config import ParamError, StructuredOutputsParams as SO
+    from sampling_params import ParamError, StructuredOutputsParams as SO
 
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=64, warmup=False)
     eos = llm.engine.model_config.eos_token_ids[0]

@@ -10,8 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig
 from kvcache import blocks_needed
+from sampling_params import SamplingParams
 from scheduler import FINISHED, RUNNING, WAITING, Scheduler, SchedulerOutput, Sequence
 
 EOS = 0

@@ -38,8 +38,9 @@ from collections import deque
 
 import pytest
 
-from config import EngineConfig, SamplingParams
+from config import EngineConfig
 from kvcache import blocks_needed, hash_block_tokens
+from sampling_params import SamplingParams
 from scheduler import FINISHED, RUNNING, WAITING, Scheduler, SchedulerOutput, Sequence
 
 EOS = 0

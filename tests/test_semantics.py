@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from async_engine import AsyncEngine
-from config import EngineConfig, SamplingParams
+from config import EngineConfig
 from engine import EngineRequest, LLMEngine, QueueFullError
 from kvcache import CPU_DEFAULT_KV_BYTES, kv_cache_bytes_per_block, num_kv_blocks_for
 from llm import LLM
 from model import ModelConfig
+from sampling_params import SamplingParams
 from scheduler import Scheduler, Sequence
 
 SMALL = dict(model="tiny", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, warmup=False)

@@ -24,9 +24,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from config import SamplingParams
+from chat_format import parse_messages
 from metrics import WAIT_REASONS
-from protocol import ApiError, parse_messages, parse_prompt, parse_sampling, token_text
+from protocol import ApiError, parse_prompt, parse_sampling, token_text
+from sampling_params import SamplingParams
 from tokenizer import IncrementalDetokenizer
 from tokenizer import ByteTokenizer
 

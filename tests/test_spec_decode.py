@@ -196,8 +196,8 @@ def test_greedy_accepts_while_the_draft_is_the_argmax():
 from hypothesis import settings, strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
 
-from config import SamplingParams  # noqa: E402
 from kvcache import blocks_needed, hash_block_tokens  # noqa: E402
+from sampling_params import SamplingParams  # noqa: E402
 from scheduler import Scheduler, Sequence  # noqa: E402
 
 EOS = 0

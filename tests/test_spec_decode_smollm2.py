@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from config import SamplingParams
 from llm import LLM
+from sampling_params import SamplingParams
 
 PASSAGE = ("The river rises in the northern hills, runs south past the old mill and the stone bridge, "
            "and reaches the sea at the harbour town, where the fishing boats wait for the tide.")

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from config import SamplingParams
 from conftest import tiny_async_engine
 from protocol import ApiError, parse_sampling
+from sampling_params import SamplingParams
 from tokenizer import ByteTokenizer
 
 _ids = itertools.count()

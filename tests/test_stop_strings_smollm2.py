@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from config import SamplingParams
+from sampling_params import SamplingParams
 from test_stop_strings import VARIANTS, check, check_all, stops_from
 
 # smollm2 at test_real_model_server's shapes (its programs are in the persistent cache)

@@ -17,9 +17,9 @@ import pytest
 from conftest import count_compilations, fresh_step_programs
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from config import StructuredOutputsParams as SO
 from distributed import SAMPLE, SAMPLE_MASKED
 from llm import LLM, SamplingParams
+from sampling_params import StructuredOutputsParams as SO
 
 @pytest.fixture(scope="module")
 def tiny() -> LLM:

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from config import SamplingParams
 from conftest import make_hf_tokenizer
 from engine import decode_output
+from sampling_params import SamplingParams
 from tokenizer import ByteTokenizer, IncrementalDetokenizer
 
 
@@ -125,7 +125,7 @@ def test_byte_tokenizer_decoders_built_at_once_on_many_threads_need_no_transform
 
     code = """
 import sys, threading
-from config import SamplingParams
+from sampling_params import SamplingParams
 from tokenizer import ByteTokenizer, decoder
 errors, barrier = [], threading.Barrier(8)
 def build():

@@ -24,8 +24,9 @@ from conftest import make_hf_checkpoint, make_sp_tokenizer
 
 import cli_args
 import server
-from config import EngineConfig, StructuredOutputsParams
+from config import EngineConfig
 from llm import LLM, SamplingParams
+from sampling_params import StructuredOutputsParams
 
 SHAPES = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, num_kv_blocks=16, warmup=False)
 QUIET = dict(log=lambda *_: None)

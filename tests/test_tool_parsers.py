@@ -250,7 +250,7 @@ def test_the_servers_tool_flags_are_checked_where_they_enter(capsys):
 def test_a_tool_conversation_goes_through_the_chat_template():
     """The assistant's calls (content null, as OpenAI sends them back) and the tool's answer
     reach the template; malformed ones are a 400."""
-    from protocol import parse_messages
+    from chat_format import parse_messages
     from tokenizer import ByteTokenizer
 
     call = {"id": "call_1", "type": "function",
