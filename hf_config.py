@@ -10,9 +10,10 @@ heads dividing, NaN epsilon, an EOS id no token can match). Each check names the
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
+
+from sampling_params import GENERATION_DEFAULT_KEYS, is_finite_number, is_int, sampling_defaults
 
 # config.json's integer sizes, each >= 1 (num_key_value_heads and head_dim may be absent).
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -35,24 +36,9 @@ def read_json(path: str) -> dict[str, Any]:
     return value
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _finite_number(v: object) -> bool:
-    """A JSON number float() takes: an integer past float's range (JSON's 1e999 is inf,
-    but 10**400 written out is an int) would be an OverflowError where it is used."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
-
-
 def _positive_number(d: dict[str, Any], key: str, where: str) -> None:
     v = d.get(key)
-    if v is not None and not (_finite_number(v) and v > 0):
+    if v is not None and not (is_finite_number(v) and v > 0):
         raise ValueError(f"{where}{key} must be a finite number > 0, got {v!r}"[:300])
 
 
@@ -67,7 +53,7 @@ def _rope_base(d: dict[str, Any], where: str) -> None:
 def token_ids(value: object, field: str) -> tuple[int, ...]:
     """An eos_token_id / bos_token_id value: null, an id, or a list of ids (>= 0)."""
     ids = [] if value is None else [value] if not isinstance(value, list) else value
-    if not all(_is_int(i) and i >= 0 for i in ids):
+    if not all(is_int(i) and i >= 0 for i in ids):
         raise ValueError(f"{field} must be a token id >= 0, a list of them, or null; got {value!r}")
     return tuple(ids)
 
@@ -82,7 +68,7 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
             raise ValueError(f"{where}{key} is missing")
     for key in SIZES + OPTIONAL_SIZES:
         v = d.get(key)
-        if (v is not None or key in SIZES) and not (_is_int(v) and v >= 1):
+        if (v is not None or key in SIZES) and not (is_int(v) and v >= 1):
             raise ValueError(f"{where}{key} must be an integer >= 1, got {v!r}"[:300])
         if v is not None and v > MAX_DIM:  # NumPy reads 2**63..2**64-1 as uint64, which JAX takes for no shape
             raise ValueError(f"{where}{key} {v} is past the largest array dimension ({MAX_DIM})"[:300])
@@ -102,7 +88,7 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
         if d.get(key) is not None and not isinstance(d[key], bool):
             raise ValueError(f"{where}{key} must be true or false, got {d[key]!r}")
     window = d.get("sliding_window")
-    if window is not None and not (_is_int(window) and window >= 1):
+    if window is not None and not (is_int(window) and window >= 1):
         raise ValueError(f"{where}sliding_window must be an integer >= 1 or null, got {window!r}")
     for key in ("rope_scaling", "rope_parameters"):
         if d.get(key) is not None and not isinstance(d[key], dict):
@@ -120,7 +106,7 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
                              "give one of them")
     vocab = d["vocab_size"]
     bos = d.get("bos_token_id")
-    if bos is not None and not (_is_int(bos) and bos >= 0):  # one token opens a prompt (transformers: no list)
+    if bos is not None and not (is_int(bos) and bos >= 0):  # one token opens a prompt (transformers: no list)
         raise ValueError(f"{where}bos_token_id must be a token id >= 0 or null, got {bos!r}")
     for key in ("eos_token_id", "bos_token_id"):
         ids = token_ids(d.get(key), f"{where}{key}")
@@ -146,7 +132,7 @@ def check_llama3_rope(p: dict[str, Any], source: str = "config.json") -> None:
     """Llama 3.1's RoPE scaling parameters: positive numbers, the high band above the low."""
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         _positive_number(p, key, f"{source}: rope scaling ")
-    if not _is_int(p["original_max_position_embeddings"]):  # a context length, as transformers checks it
+    if not is_int(p["original_max_position_embeddings"]):  # a context length, as transformers checks it
         raise ValueError(f"{source}: rope scaling original_max_position_embeddings must be an integer, "
                          f"got {p['original_max_position_embeddings']!r}")
     if not p["high_freq_factor"] > p["low_freq_factor"]:
@@ -169,8 +155,6 @@ def generation_sampling_defaults(config: Any) -> dict[str, Any]:
     --generation-config / --override-generation-config: what the generation_config.json
     (of the model folder, for "auto") sets of sampling_params.GENERATION_DEFAULT_KEYS, then the
     override's keys over them; SamplingParams keyword arguments ({}: OpenAI's defaults)."""
-    from sampling_params import GENERATION_DEFAULT_KEYS, sampling_defaults
-
     folder = {"auto": config.model if os.path.isdir(config.model) else None, "vllm": None}.get(
         config.generation_config, config.generation_config)  # (a GGUF file's metadata holds none)
     path = os.path.join(folder, "generation_config.json") if folder is not None else None
