@@ -64,7 +64,7 @@ from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel, device_bytes, hf_state_dict, load_model, param_bytes
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
-from scheduler import Sequence
+from sequence import Sequence
 from spec_decode import PROPOSERS, Proposals
 from tokenizer import ByteTokenizer
 

@@ -31,7 +31,8 @@ from logits_controls import controls_for, first_token_conflict
 from metrics import ParentRequest, RequestMetrics, StepTrace
 from reasoning_parsers import REASONING_PARSERS
 from runner import InFlightStep, PromptLogprobs, StepResult
-from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
+from scheduler import ScheduledSeq, SchedulerOutput, StepOutcome
+from sequence import Sequence
 from spec_decode import StepProposer
 from startup import build_engine
 from structured import GrammarCompiler, new_constraint, next_mask

@@ -18,7 +18,7 @@ from config import EngineConfig, SamplingParams
 from engine import (CompletionOutput, EngineRequest, LLMEngine, RequestOutput, TokenLogprob, child_requests,
                     decode_output, stop_reason)
 from metrics import EngineStats, RequestMetrics
-from scheduler import Sequence
+from sequence import Sequence
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 

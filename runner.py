@@ -60,7 +60,8 @@ from metrics import EngineStats
 from model import LoadedModel, ModelConfig
 from parallel import create_sharded_kv_caches, replicate, shard_attention
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot
-from scheduler import SchedulerOutput, Sequence
+from scheduler import SchedulerOutput
+from sequence import Sequence
 from structured import bitmask_width, fill_bitmask
 
 

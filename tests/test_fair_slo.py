@@ -11,7 +11,8 @@ from conftest import fresh_step_programs, load_bench
 
 from config import EngineConfig, SamplingParams
 from policy import ANONYMOUS
-from scheduler import Scheduler, Sequence
+from scheduler import Scheduler
+from sequence import Sequence
 
 TOKEN = 7
 

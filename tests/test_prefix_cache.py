@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from config import EngineConfig, SamplingParams
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
-from scheduler import WAITING, Scheduler, Sequence
+from scheduler import Scheduler
+from sequence import WAITING, Sequence
 
 # ---- allocator ---------------------------------------------------------------------------
 

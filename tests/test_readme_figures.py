@@ -17,7 +17,8 @@ import re
 from conftest import ROOT, load_bench
 
 from config import EngineConfig, SamplingParams
-from scheduler import Scheduler, Sequence
+from scheduler import Scheduler
+from sequence import Sequence
 
 README = open(os.path.join(ROOT, "README.md")).read()
 VOCAB = 32000  # the `bench` model's

@@ -12,7 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from config import EngineConfig, SamplingParams
 from kvcache import blocks_needed
-from scheduler import FINISHED, RUNNING, WAITING, Scheduler, SchedulerOutput, Sequence
+from scheduler import Scheduler, SchedulerOutput
+from sequence import FINISHED, RUNNING, WAITING, Sequence
 
 EOS = 0
 TOKEN = 7  # any token that is not EOS
