@@ -2,11 +2,10 @@
 and KV-copy programs (runner.py's docstring describes a step), the key they are built from,
 and how the engines of one process share them and count their compiles.
 
-A set of programs is built from a ProgramKey, everything it closes over, never from an
-engine: an engine's weights, caches and buffers are the programs' arguments. Engines with
-equal keys share one set (shared_programs), and with it every trace and compile already
-done; a trace counts as a compile for the engine whose call caused it (CountedProgram).
-The draft model's programs (draft_model.py) are shared and counted the same way.
+Engines with equal keys share one set of programs (shared_programs); a trace, the only
+time a program's Python runs, counts as a compile for the engine whose call caused it
+(CountedProgram). The draft model (draft_model.py) shares and counts its programs the
+same way.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """ModelRunner: the only place where the scheduler's decisions become device arrays.
 
-A step is two jitted programs over fixed shapes, dispatched back to back: a forward
-(the KV cache donated, updated in place) that writes its rows' logits into the first rows
-of a persistent [max_num_seqs, V] buffer on the device (donated too), then a sample
-program that turns them into tokens (and logprobs), the only results the host reads.
+A step is two jitted programs over fixed shapes (compilation.py builds them), dispatched
+back to back: a forward (the KV cache donated, updated in place) that writes its rows'
+logits into the first rows of a persistent [max_num_seqs, V] buffer on the device (donated
+too), then a sample program that turns them into tokens (and logprobs), the only results
+the host reads.
 The sample program has one shape for every step (all max_num_seqs rows, sampled 8 at a
 time up to the last row that samples), so it is compiled once; so is the prompt-logprob
 program, which only steps that ask prompt logprobs run (after their forward, on the final
