@@ -81,7 +81,7 @@ class BackendSpec:
         return not self.platforms or platform in self.platforms
 
     # One backend object per registration and mode: engines built on it share their step
-    # programs (runner.ProgramKey compares the functions by identity).
+    # programs (compilation.ProgramKey compares the functions by identity).
     @functools.lru_cache(maxsize=None)
     def make(self, interpret: bool = False) -> AttentionBackend:
         decode, ragged = self.build(interpret)

@@ -58,14 +58,14 @@ from flax import nnx
 
 import checkpoint
 from attention_backend import AttentionBackend, AttentionShape, select_attention_backend
+from compilation import CountedProgram, count_compile, persistent_cache_hits, shared_programs, warmup_summary
 from config import EngineConfig
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
 from model import AttentionInputs, LoadedModel, device_bytes, hf_state_dict, load_model, param_bytes
-from runner import CountedProgram, count_compile, persistent_cache_hits, shared_programs, warmup_summary
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
 from sampling_params import SAMPLING_EPS
-from scheduler import Sequence
+from sequence import Sequence
 from spec_decode import PROPOSERS, Proposals
 from tokenizer import ByteTokenizer
 
@@ -233,7 +233,7 @@ class _DraftKV:
     blocks: list[int]  # the blocks those positions were written in
 
 
-# Shared like the target's step programs (runner.step_programs): another engine in this
+# Shared like the target's step programs (compilation.step_programs): another engine in this
 # process with the same draft model and shapes reuses these, traces and compiles included.
 @shared_programs(maxsize=8)
 def draft_programs(graphdef: Any, backend: AttentionBackend, K: int, BS: int, N: int) -> tuple[Callable, Callable]:

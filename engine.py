@@ -32,7 +32,8 @@ from metrics import ParentRequest, RequestMetrics, StepTrace
 from reasoning_parsers import REASONING_PARSERS
 from runner import InFlightStep, PromptLogprobs, StepResult
 from sampling_params import ParamError, SamplingParams, SLOTarget, check_cache_salt
-from scheduler import ScheduledSeq, SchedulerOutput, Sequence, StepOutcome
+from scheduler import ScheduledSeq, SchedulerOutput, StepOutcome
+from sequence import Sequence
 from spec_decode import StepProposer
 from startup import build_engine
 from structured import GrammarCompiler, new_constraint, next_mask

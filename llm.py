@@ -19,7 +19,7 @@ from engine import (CompletionOutput, EngineRequest, LLMEngine, RequestOutput, T
                     decode_output, stop_reason)
 from metrics import EngineStats, RequestMetrics
 from sampling_params import SamplingParams
-from scheduler import Sequence
+from sequence import Sequence
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 

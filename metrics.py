@@ -20,7 +20,8 @@ import numpy as np
 
 if TYPE_CHECKING:  # scheduler.py imports this module: types only
     from config import EngineConfig
-    from scheduler import SchedulerOutput, Sequence
+    from scheduler import SchedulerOutput
+    from sequence import Sequence
 
 # Buckets as vLLM uses for the same histograms (seconds), so dashboards carry over.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, TypeVar
 
 if TYPE_CHECKING:
     from config import EngineConfig
-    from scheduler import ScheduledSeq, Scheduler, SchedulerOutput, Sequence
+    from scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+    from sequence import Sequence
 
 T = TypeVar("T")
 

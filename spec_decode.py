@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from config import EngineConfig
     from metrics import EngineStats
     from model import LoadedModel
-    from scheduler import Sequence
+    from sequence import Sequence
 
 # The module whose import registers each method (this one for ngram).
 _PROPOSER_MODULES = {"ngram": __name__, "draft_model": "draft_model"}

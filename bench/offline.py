@@ -77,8 +77,8 @@ class Engines:
     def get(self, max_num_seqs: int, scheduling: str, max_model_len: int) -> Any:
         key = (max_num_seqs, scheduling, max_model_len)
         if key not in self.engines:
+            from compilation import clear_program_caches
             from llm import LLM
-            from runner import clear_program_caches
 
             clear_program_caches()  # each build whole, as in a new process: not another engine's programs
             t0 = time.perf_counter()

@@ -81,8 +81,8 @@ def sizes(a: argparse.Namespace) -> dict[str, int]:
 def run_mode(a: argparse.Namespace, mode: str, sz: dict[str, int]) -> dict[str, Any]:
     """The users decode steadily, the long prompt joins, and every token is stamped when the step
     that made it returns (the synchronous loop: each step's tokens read as it returns)."""
+    from compilation import clear_program_caches
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from runner import clear_program_caches
 
     chunked = mode == "on"
     budget = a.budget if chunked else sz["max_model_len"]

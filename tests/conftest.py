@@ -284,9 +284,9 @@ def fresh_step_programs() -> None:
     """Engines built after this compile programs of their own, as in a new process (engines
     in one process share their programs by key): for a test that counts what one engine
     compiles, or that nothing compiles after its warm-up."""
-    import runner
+    import compilation
 
-    runner.clear_program_caches()
+    compilation.clear_program_caches()
 
 
 @contextmanager
@@ -491,7 +491,7 @@ def _compile_optimisation(request: pytest.FixtureRequest) -> Iterator[None]:
 
     global _DEFAULT_EMITTERS
     # The settings do not key JAX's in-memory executables, which engines in one process
-    # share (runner.step_programs): each side of the switch starts without the other's.
+    # share (compilation.step_programs): each side of the switch starts without the other's.
     env, cheap = os.environ[_CHEAP_COMPILES], jax.config.read(_CHEAP_COMPILES.lower())
     xla_flags = os.environ.get("XLA_FLAGS")
     os.environ[_CHEAP_COMPILES] = "0"

@@ -26,7 +26,8 @@ sys.path.insert(0, ROOT)
 from config import EngineConfig  # noqa: E402
 from kvcache import blocks_needed  # noqa: E402
 from sampling_params import SamplingParams  # noqa: E402
-from scheduler import Scheduler, Sequence  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
+from sequence import Sequence  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "scheduler_traces.json")
 EOS = 0

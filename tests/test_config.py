@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import cli_args
+import compilation
 import config_file
 import server
 import kvcache
@@ -263,7 +264,7 @@ def test_host_buffers_grow_with_the_logprob_arrays_width(spec):
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
         sample = jax.eval_shape(lambda x: sample_rows(x, t(rows), rows, 8, "raw_logprobs", width)[1:], f32(rows, V))
-        prompt = jax.eval_shape(lambda h, w, tg: runner.prompt_logprobs(lambda x: x @ w, h, tg, 128, width),
+        prompt = jax.eval_shape(lambda h, w, tg: compilation.prompt_logprobs(lambda x: x @ w, h, tg, 128, width),
                                 f32(P, H), f32(H, V), i32(P))
         verify = jax.eval_shape(lambda x, tok: emitted_logprobs(x, tok, t(N), True, "raw_logprobs", width),
                                 f32(N, K1, V), i32(N, K1))

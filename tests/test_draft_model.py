@@ -20,7 +20,7 @@ from spec_decode import create_proposer
 from kvcache import BlockAllocator, blocks_needed
 from metrics import EngineStats
 from model import hf_state_dict, load_model
-from scheduler import Sequence
+from sequence import Sequence
 
 K = 4
 BS = 8

@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 
 from engine import LLMEngine, EngineConfig, SamplingParams, child_requests
 from sampling_params import StructuredOutputsParams
-from scheduler import RUNNING, WAITING
+from sequence import RUNNING, WAITING
 
 EOS = 257  # the tiny model's (its byte tokenizer's)
 BASE = dict(model="tiny", warmup=False, max_num_seqs=4, max_model_len=40, block_size=4, seed=0)

@@ -12,7 +12,8 @@ from conftest import fresh_step_programs, load_bench
 from config import EngineConfig
 from policy import ANONYMOUS
 from sampling_params import SamplingParams
-from scheduler import Scheduler, Sequence
+from scheduler import Scheduler
+from sequence import Sequence
 
 TOKEN = 7
 

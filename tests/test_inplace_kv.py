@@ -67,7 +67,7 @@ def test_cache_is_donated_and_aliased_to_the_output(compiled_steps, program):
     stablehlo, hlo, cache_shapes, _ = compiled_steps[program]
     # donated at the JAX level: each cache argument carries an output alias, and so does the
     # logits buffer the forward writes, and the ragged forward's hidden-state buffer (the
-    # prompt-logprob program reads it; last_tokens is donated to the sample program, runner.py)
+    # prompt-logprob program reads it; last_tokens is donated to the sample program, compilation.py)
     buffers = 2 if program == "_ragged" else 1
     assert stablehlo.count("tf.aliasing_output") == len(cache_shapes) + buffers
     alias = re.search(r"input_output_alias=\{(.*?)\}, entry_computation_layout", hlo)

@@ -37,7 +37,8 @@ from config import EngineConfig  # noqa: E402
 from kvcache import blocks_needed  # noqa: E402
 from policy import Priority  # noqa: E402
 from sampling_params import SamplingParams  # noqa: E402
-from scheduler import FINISHED, WAITING, Scheduler, Sequence  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
+from sequence import FINISHED, WAITING, Sequence  # noqa: E402
 
 TOKEN = 7
 

@@ -14,7 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from config import EngineConfig
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from sampling_params import SamplingParams
-from scheduler import WAITING, Scheduler, Sequence
+from scheduler import Scheduler
+from sequence import WAITING, Sequence
 
 # ---- allocator ---------------------------------------------------------------------------
 

@@ -100,7 +100,7 @@ def test_a_prompt_tokens_rank_counts_the_tokens_tied_with_it_as_vllm():
     least as likely as the prompt token, itself included: a token tied with others for the
     lead is not rank 1. The logits are the program's hidden rows (an identity LM head),
     with ties; the reference counts them in NumPy."""
-    from runner import prompt_logprobs
+    from compilation import prompt_logprobs
 
     logits = np.array([[1, 3, 3, 0, 3, 2], [5, 5, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0], [4, 1, 3, 0, 2, 5]], np.float32)
     targets = np.array([2, 0, 4, 2], np.int32)

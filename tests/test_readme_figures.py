@@ -18,7 +18,8 @@ from conftest import ROOT, load_bench
 
 from config import EngineConfig
 from sampling_params import SamplingParams
-from scheduler import Scheduler, Sequence
+from scheduler import Scheduler
+from sequence import Sequence
 
 README = open(os.path.join(ROOT, "README.md")).read()
 VOCAB = 32000  # the `bench` model's

@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from config import EngineConfig
 from kvcache import blocks_needed
 from sampling_params import SamplingParams
-from scheduler import FINISHED, RUNNING, WAITING, Scheduler, SchedulerOutput, Sequence
+from scheduler import Scheduler, SchedulerOutput
+from sequence import FINISHED, RUNNING, WAITING, Sequence
 
 EOS = 0
 TOKEN = 7  # any token that is not EOS

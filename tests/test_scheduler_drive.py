@@ -41,7 +41,8 @@ import pytest
 from config import EngineConfig
 from kvcache import blocks_needed, hash_block_tokens
 from sampling_params import SamplingParams
-from scheduler import FINISHED, RUNNING, WAITING, Scheduler, SchedulerOutput, Sequence
+from scheduler import Scheduler, SchedulerOutput
+from sequence import FINISHED, RUNNING, WAITING, Sequence
 
 EOS = 0
 REFUSED = 9  # the token a strict fake grammar refuses

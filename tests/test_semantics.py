@@ -17,7 +17,8 @@ from kvcache import CPU_DEFAULT_KV_BYTES, kv_cache_bytes_per_block, num_kv_block
 from llm import LLM
 from model import ModelConfig
 from sampling_params import SamplingParams
-from scheduler import Scheduler, Sequence
+from scheduler import Scheduler
+from sequence import Sequence
 
 SMALL = dict(model="tiny", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, warmup=False)
 

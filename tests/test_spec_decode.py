@@ -198,7 +198,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvcache import blocks_needed, hash_block_tokens  # noqa: E402
 from sampling_params import SamplingParams  # noqa: E402
-from scheduler import Scheduler, Sequence  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
+from sequence import Sequence  # noqa: E402
 
 EOS = 0
 
