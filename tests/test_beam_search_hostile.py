@@ -1,0 +1,65 @@
+"""Beam search served to careless or hostile clients: a search the server admitted runs to
+its end whatever other clients send, and nothing it leaves behind (slot, KV block, waiting
+place) outlives it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+
+from test_server import API_KEY, metric, request, running_server, scrape, wait_for
+
+
+def post(port: int, body: dict) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+def test_concurrent_searches_are_refused_before_they_start_or_run_to_their_end():
+    """Each step of a search adds one request per live beam. With --max-waiting-requests 4,
+    searches of n = 4 and plain requests sent together: each answer is either a 503 before
+    any byte (the client can retry) or, once admitted (a stream's 200 is out), the whole
+    search: never a search refused at a later step, its work thrown away. Then the server
+    is idle, its KV cache empty."""
+    with running_server("--max-waiting-requests", "4", "--no-warmup") as s:
+        answers: list[tuple[str, int, str]] = []
+
+        def search(i: int, stream: bool) -> None:
+            answers.append(("search", *post(s.port, {
+                "prompt": [5 + i, 6, 7], "use_beam_search": True, "n": 4, "max_tokens": 24, "ignore_eos": True,
+                "stream": stream})))
+
+        def plain(i: int) -> None:
+            answers.append(("plain", *post(s.port, {"prompt": [9, i], "max_tokens": 8})))
+
+        threads = [threading.Thread(target=search, args=(i, i % 2 == 1)) for i in range(8)]
+        threads += [threading.Thread(target=plain, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for kind, status, text in answers:
+            assert status in (200, 503), (kind, status, text)
+            if status == 503:
+                assert json.loads(text)["error"]["code"] == "queue_full", text
+            else:
+                assert '"error"' not in text, (kind, text)
+        searches = [status for kind, status, _ in answers if kind == "search"]
+        assert 200 in searches, answers  # (the first search sent is always admitted)
+
+        def idle() -> bool:
+            m = scrape(s)
+            return metric(m, "num_requests_running") == metric(m, "num_requests_waiting") == 0 and \
+                metric(m, "kv_cache_usage_perc") == 0
+        wait_for(idle)
+        # the waiting places the searches held are free again: a search of the whole width runs
+        status, answer = request(s, "POST", "/v1/completions", {
+            "prompt": [5, 6, 7], "use_beam_search": True, "n": 4, "max_tokens": 4})
+        assert status == 200 and len(answer["choices"]) == 4, answer
