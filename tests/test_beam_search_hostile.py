@@ -7,8 +7,10 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+from typing import Iterator
 
-from test_server import API_KEY, metric, request, running_server, scrape, wait_for
+import pytest
+from test_server import API_KEY, Server, metric, request, running_server, scrape, wait_for
 
 
 def post(port: int, body: dict) -> tuple[int, str]:
@@ -63,3 +65,27 @@ def test_concurrent_searches_are_refused_before_they_start_or_run_to_their_end()
         status, answer = request(s, "POST", "/v1/completions", {
             "prompt": [5, 6, 7], "use_beam_search": True, "n": 4, "max_tokens": 4})
         assert status == 200 and len(answer["choices"]) == 4, answer
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with running_server("--no-warmup", "--shutdown-timeout", "0") as s:
+        yield s
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": [5, 6], "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": [5, 6], "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                              "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                              "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+])
+def test_an_output_constraint_refused_with_beam_search_names_the_field_sent(server, path, body, param):
+    status, answer = request(server, "POST", path, body | {"use_beam_search": True, "n": 2, "max_tokens": 3})
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and f"'{param}' is not supported with use_beam_search" in \
+        answer["error"]["message"], answer
