@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import threading
 from typing import Iterator
 
@@ -89,3 +90,25 @@ def test_an_output_constraint_refused_with_beam_search_names_the_field_sent(serv
     assert status == 400, answer
     assert answer["error"]["param"] == param and f"'{param}' is not supported with use_beam_search" in \
         answer["error"]["message"], answer
+
+
+def test_sigterm_mid_search_ends_it_with_a_clear_answer_and_the_server_exits_cleanly():
+    """Two long searches in flight (one streamed) at SIGTERM with no grace period: each
+    client gets its answer (a 503 for the whole one, an error event then [DONE] for the
+    stream, whose 200 is out), and the process exits 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server import LONG, open_stream
+
+    body = {"prompt": [5, 6, 7], "use_beam_search": True, "n": 4, "max_tokens": LONG, "ignore_eos": True}
+    with running_server("--no-warmup", "--shutdown-timeout", "0") as s, ThreadPoolExecutor(1) as pool:
+        before = metric(scrape(s), "generation_tokens_total")
+        whole = pool.submit(post, s.port, body | {"prompt": [8, 9]})
+        with open_stream(s, body) as events:
+            wait_for(lambda: metric(scrape(s), "generation_tokens_total") > before + 8)  # both past their first step
+            s.proc.send_signal(signal.SIGTERM)
+            streamed = list(events)
+        status, text = whole.result(timeout=120)
+        assert status == 503 and json.loads(text)["error"]["type"] == "service_unavailable", text
+        assert streamed and streamed[-1]["error"]["type"] == "service_unavailable", streamed
+        assert s.proc.wait(60) == 0, s.log()
