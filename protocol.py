@@ -781,8 +781,10 @@ def parse_beam_search(body: dict, params: SamplingParams, defaults: dict[str, An
     plain = SamplingParams(**{**defaults, **{f: getattr(params, f) for f in BEAM_SEARCH_FIELDS}})
     for f in dataclasses.fields(SamplingParams):
         if getattr(params, f.name) != getattr(plain, f.name):
-            sent = structured_field(body, tools) if f.name == "structured_outputs" else request_field(f.name, body, chat)
-            name = sent or f.name
+            if f.name == "structured_outputs":  # response_format, or tools' forced call, may carry it
+                name = structured_field(body, tools) or f.name
+            else:
+                name = request_field(f.name, body, chat) or f.name
             raise ApiError(f"'{name}' is not supported with use_beam_search", param=name)
     for name in ("echo", "include_metrics"):
         if field(body, name, (bool,), False):
