@@ -46,6 +46,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._num_waiting_inbox = 0  # adds handed over but not yet in the scheduler's waiting queue
+        # places in the waiting queue held by beam searches for the requests of their steps
+        # (reserve_waiting), counted as waiting whether or not those requests are there now
+        self._num_reserved = 0
         self.error: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None  # called on the event loop
 
@@ -68,9 +71,11 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
-    def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutputDelta]:
+    def add_request(self, request: EngineRequest, reserved: bool = False) -> AsyncIterator[RequestOutputDelta]:
         """Check the request here, on the caller's thread (LLMEngine.validate: its grammar,
-        unless compiled already, is compiled here too), and hand it to the loop."""
+        unless compiled already, is compiled here too), and hand it to the loop. reserved: its
+        place in the waiting queue is one that reserve_waiting() gave, so the queue's limit
+        does not refuse it."""
         request = self.engine.validate(request)
         # The loop takes it later: it arrived now, and keeps its own copy of the prompt (the
         # caller's list may change meanwhile).
@@ -81,10 +86,7 @@ class AsyncEngine:
             if request.request_id in self._queues:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
             limit = self.config.max_waiting_requests
-            # Requests handed over but not yet scheduled: those in the inbox and those in the
-            # scheduler's queue right now (len() of a deque is atomic), not the gauge of the
-            # last step, which a burst during a long step would outrun.
-            if limit is not None and len(self.engine.scheduler.waiting) + self._num_waiting_inbox >= limit:
+            if limit is not None and not reserved and self._num_waiting() >= limit:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request.request_id] = queue
@@ -107,6 +109,30 @@ class AsyncEngine:
         finally:
             if not finished:  # the consumer went away (client disconnect): free the slot now
                 self._abort(request_id, queue)
+
+    def _num_waiting(self) -> int:
+        """Under self._lock: the places in the waiting queue taken. Requests handed over but
+        not yet scheduled: those in the inbox and those in the scheduler's queue right now
+        (len() of a deque is atomic), not the gauge of the last step, which a burst during a
+        long step would outrun; and the places reserved."""
+        return len(self.engine.scheduler.waiting) + self._num_waiting_inbox + self._num_reserved
+
+    def reserve_waiting(self, n: int) -> None:
+        """Hold n places in the waiting queue (QueueFullError if they are not free) until
+        release_waiting(n): a beam search's steps each add up to n requests, and a search
+        the server has admitted must not be refused at a later step (its work thrown away,
+        and under load no search would ever end)."""
+        with self._lock:
+            self._check_alive()
+            limit = self.config.max_waiting_requests
+            if limit is not None and self._num_waiting() + n > limit:
+                raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
+            self._num_reserved += n
+
+    def release_waiting(self, n: int) -> None:
+        with self._lock:
+            self._num_reserved -= n
+            assert self._num_reserved >= 0
 
     def abort(self, request_id: str) -> None:
         """End the request in flight under request_id, whichever it is when the loop gets to it."""

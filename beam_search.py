@@ -164,14 +164,15 @@ class BeamSearch:
 
 async def run(engine: AsyncEngine, request: EngineRequest, params: BeamSearchParams) -> BeamSearch:
     """The search for `request` on a running AsyncEngine: its prompt, and its priority, user,
-    SLO and cache_salt for every step's requests (its params are replaced by each step's).
-    Cancelled, it aborts the step's requests (their streams' cleanup)."""
+    SLO and cache_salt for every step's requests (its params are replaced by each step's),
+    which take the beam_width places in the waiting queue the caller reserved for them
+    (AsyncEngine.reserve_waiting). Cancelled, it aborts the step's requests (their streams' cleanup)."""
     search = BeamSearch(request.prompt_token_ids, params, engine.model_config.eos_token_ids)
     step = params.step_params()
     while not search.done:
         streams = [engine.add_request(dataclasses.replace(
             request, request_id=f"{request.request_id}-{search.num_steps}-{i}", prompt_token_ids=beam.tokens,
-            params=step)) for i, beam in enumerate(search.beams)]
+            params=step), reserved=True) for i, beam in enumerate(search.beams)]
         search.advance(await asyncio.gather(*(_token(s) for s in streams)))
     return search
 

@@ -123,7 +123,8 @@ class BeamSearchRun:
     def __init__(self, engine: AsyncEngine, request: EngineRequest, beam: dict) -> None:
         """request: its prompt, priority, user, SLO and cache_salt (params: the body's, for
         the text's decoding); beam: BeamSearchParams' fields (protocol.parse_beam_search).
-        Checks here, before any byte is written, that the last step's requests can run."""
+        Checks here, before any byte is written, that the last step's requests can run, and
+        holds n places in the waiting queue for the steps' requests until close()."""
         from beam_search import BeamSearchParams
 
         self.engine, self.request, self.params = engine, request, BeamSearchParams(**beam)
@@ -139,6 +140,8 @@ class BeamSearchRun:
                            param="n")
         with refusals_as_api_errors():
             engine.validate(dataclasses.replace(request, params=self.params.search_params()))
+            engine.reserve_waiting(self.params.beam_width)  # (last: a refusal above holds nothing)
+        self.reserved = True
         self.task: asyncio.Future | None = None
 
     async def sequences(self) -> tuple[Any, list[Any]]:
@@ -152,9 +155,12 @@ class BeamSearchRun:
 
     def close(self) -> None:
         """The client is gone or the answer is out: a search still running stops (its step's
-        requests are aborted)."""
+        requests are aborted), and its places in the waiting queue are free."""
         if self.task is not None and not self.task.done():
             self.task.cancel()
+        if self.reserved:
+            self.reserved = False
+            self.engine.release_waiting(self.params.beam_width)
 
 
 class BeamGeneration:

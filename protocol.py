@@ -576,10 +576,12 @@ BEAM_SEARCH_FIELDS = ("max_tokens", "temperature", "ignore_eos", "include_stop_s
                       "skip_special_tokens", "spaces_between_special_tokens")
 
 
-def parse_beam_search(body: dict, params: SamplingParams, defaults: dict[str, Any], chat: bool) -> dict | None:
+def parse_beam_search(body: dict, params: SamplingParams, defaults: dict[str, Any], chat: bool,
+                      tools: ToolChoice | None) -> dict | None:
     """vLLM's use_beam_search: BeamSearchParams' fields (n is the beam width), or None for an
     ordinary request. length_penalty is beam search's only. params: parse_sampling's answer
-    to the same body; defaults: the engine's sampling_defaults it was built over."""
+    to the same body; defaults: the engine's sampling_defaults it was built over; tools: a
+    chat request's tool_choice() (a forced call is an output constraint)."""
     beam = field(body, "use_beam_search", (bool,), False)
     length_penalty = field(body, "length_penalty", (int, float), 1.0)
     if not beam:
@@ -591,7 +593,10 @@ def parse_beam_search(body: dict, params: SamplingParams, defaults: dict[str, An
     plain = SamplingParams(**{**defaults, **{f: getattr(params, f) for f in BEAM_SEARCH_FIELDS}})
     for f in dataclasses.fields(SamplingParams):
         if getattr(params, f.name) != getattr(plain, f.name):
-            name = request_field(f.name, body, chat) or f.name
+            if f.name == "structured_outputs":  # response_format, or tools' forced call, may carry it
+                name = structured_field(body, tools) or f.name
+            else:
+                name = request_field(f.name, body, chat) or f.name
             raise ApiError(f"'{name}' is not supported with use_beam_search", param=name)
     for name in ("echo", "include_metrics"):
         if field(body, name, (bool,), False):

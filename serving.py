@@ -60,7 +60,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     params = parse_sampling(body | {"max_tokens": 1} if prompt_only else body, len(prompt_ids),
                             engine.config.max_model_len, chat, engine.tokenizer is not None, tools,
                             engine.sampling_defaults)
-    beam = parse_beam_search(body, params, engine.sampling_defaults, chat)
+    beam = parse_beam_search(body, params, engine.sampling_defaults, chat, tools)
     stream, include_usage, continuous_usage = parse_stream_options(body, app["force_include_usage"])
     grammar = await compile_grammar(engine, params, body, tools)
     request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
