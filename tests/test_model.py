@@ -1,4 +1,4 @@
-"""model.py and tokenizer.py against transformers: every family's logits through the
+"""model.py, model_loader.py and tokenizer.py against transformers: every family's logits through the
 paged ragged and decode paths, loading (sharded, bf16, errors), the tokenizers."""
 
 from __future__ import annotations
