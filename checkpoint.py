@@ -27,7 +27,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from hf_config import check_hf_config, check_llama3_rope, read_json, token_ids
-from model import FAMILIES, LLAMA3_ROPE_KEYS, Decoder, LoadedModel, ModelConfig, load_model, resolve_dtype
+from model import FAMILIES, LLAMA3_ROPE_KEYS, Decoder, ModelConfig
+from model_loader import LoadedModel, load_model, resolve_dtype
 from tokenizer import ByteTokenizer, load_tokenizer
 
 META = "taxirank_checkpoint.json"

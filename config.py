@@ -73,7 +73,8 @@ class EngineConfig:
     # .gguf file's, used instead of the model's own (encoding, decoding, chat template, EOS,
     # structured outputs' vocabulary); None or "" (vLLM's): the model's. Its ids must be the model's rows.
     tokenizer: str | None = None
-    dtype: str = "float32"  # float32 | bfloat16 | auto (bfloat16 for a bfloat16 checkpoint, else float32: model.resolve_dtype)
+    # float32 | bfloat16 | auto (bfloat16 for a bfloat16 checkpoint, else float32: model_loader.resolve_dtype)
+    dtype: str = "float32"
     seed: int = 0
     max_num_seqs: int = 32
     max_model_len: int | None = None

@@ -62,7 +62,8 @@ from compilation import CountedProgram, count_compile, persistent_cache_hits, sh
 from config import EngineConfig
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
-from model import AttentionInputs, LoadedModel, device_bytes, hf_state_dict, load_model, param_bytes
+from model import AttentionInputs, device_bytes, param_bytes
+from model_loader import LoadedModel, hf_state_dict, load_model
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
 from sampling_params import SAMPLING_EPS
 from sequence import Sequence

@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp, Ollama) and the built-in real model, `smollm2`.
 
 A GGUF file holds the architecture as metadata, the tensors (often quantized) and the
-tokenizer. This module turns it into what the Hugging Face path of model.py already
+tokenizer. This module turns it into what the Hugging Face path of model_loader.py already
 consumes: an HF config.json dict and HF-named tensors, dequantized to float32, or, served
 natively (--quantization gguf), the Q8_0 / Q4_0 / Q4_1 blocks as stored (quant.GGUFBlocks). Which architectures
 it reads and every tensor's GGUF name come from model.py (its family table and the

@@ -32,7 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from kernels_pallas import QuantizedKV
 
 from attention_backend import AttentionBackend
-from model import Decoder, LoadedModel, ModelConfig, declared_weight
+from model import Decoder, ModelConfig, declared_weight
+from model_loader import LoadedModel
 
 AXIS = "tp"
 # Logical axes (declared beside each weight in model.py) split over the mesh; every other

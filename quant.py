@@ -72,7 +72,7 @@ def int8_everywhere() -> WeightQuant:
 
 class QuantLinear(nnx.Module):
     """x [T, in] @ W [in, out] (+ bias) with W stored quantized (see the module doc).
-    Parameters are placeholders until loading fills them (model.model_from_hf_tensors)."""
+    Parameters are placeholders until loading fills them (model_loader.model_from_hf_tensors)."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool, dtype: jnp.dtype, scheme: str):
         assert scheme in SCHEMES, scheme

@@ -58,7 +58,8 @@ from distributed import DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED,
 from kvcache import create_kv_caches
 from logits_controls import penalty_width
 from metrics import EngineStats
-from model import LoadedModel, ModelConfig
+from model import ModelConfig
+from model_loader import LoadedModel
 from parallel import create_sharded_kv_caches, replicate, shard_attention
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot
 from scheduler import SchedulerOutput

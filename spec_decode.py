@@ -25,7 +25,7 @@ dispatch (a type checker narrows `Proposer` on it):
 and both:
 
   __init__(config, target, stats)    config: the resolved EngineConfig; target: the
-                                     target's LoadedModel (model.py); stats: EngineStats
+                                     target's LoadedModel (model_loader.py); stats: EngineStats
   draft_probs: bool                  its Proposals carry draft_probs (else q is one-hot)
   weight_bytes() -> int              its device weights, counted before KV sizing
   kv_bytes_per_block() -> int        its KV bytes per block of block_size tokens (0: none);
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 
     from config import EngineConfig
     from metrics import EngineStats
-    from model import LoadedModel
+    from model_loader import LoadedModel
     from sequence import Sequence
 
 # The module whose import registers each method (this one for ngram).

@@ -26,7 +26,8 @@ import gguf_loader
 from config import EngineConfig
 from kvcache import describe, kv_cache_bytes_per_block, measure_activation_bytes, num_kv_blocks_for
 from metrics import EngineStats
-from model import LoadedModel, device_bytes, load_model, param_bytes, quantize_loaded, with_named_tokenizer
+from model import device_bytes, param_bytes
+from model_loader import LoadedModel, load_model, quantize_loaded, with_named_tokenizer
 from parallel import make_mesh, max_bytes_per_device, shard_model
 from runner import ModelRunner, check_host_buffers, logprobs_bytes
 from scheduler import Scheduler

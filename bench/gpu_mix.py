@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--require-gpu", action="store_true", help="fail at once when JAX sees no GPU")
     args = size_defaults(ap.parse_args(argv), SIZES)
     require_gpu(args.require_gpu)
-    import model as model_lib
+    from model import ModelConfig
+    from model_loader import BUILTIN_MODELS
 
     short, long, prompt_len, dtype, name = 16, 512, (32, 256), "bfloat16", MODEL
     if args.tiny:
@@ -45,9 +46,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:  # registered for this process only
         from attention_kernels import LLAMA3_8B_HF
 
-        model_lib.BUILTIN_MODELS[MODEL] = model_lib.ModelConfig.from_hf(LLAMA3_8B_HF)
+        BUILTIN_MODELS[MODEL] = ModelConfig.from_hf(LLAMA3_8B_HF)
     out = out_path(args.out, "mix.json")
-    reqs = seed_mix(args.num_requests, model_lib.BUILTIN_MODELS[name].vocab_size, short=short, long=long,
+    reqs = seed_mix(args.num_requests, BUILTIN_MODELS[name].vocab_size, short=short, long=long,
                     prompt_len=prompt_len)
     # KV never limits (Engines: every slot holds a whole max_model_len sequence); one engine at a time
     engines = Engines(name, log, dtype=dtype, seed=0, enable_chunked_prefill=True,

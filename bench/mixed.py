@@ -88,7 +88,7 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
     out += [Variant(f"{mode}/{length}", base | {"kv_admission": mode, "max_model_len": mml, "num_kv_blocks": budget},
                     mode, length) for mode in ADMISSION_MODES for length, mml in (("full", full), ("half", full // 2))]
     from kvcache import kv_cache_bytes_per_block
-    from model import BUILTIN_MODELS
+    from model_loader import BUILTIN_MODELS
 
     if args.model in BUILTIN_MODELS:
         kv_bytes = (budget - 1) * kv_cache_bytes_per_block(BUILTIN_MODELS[args.model], args.block_size, "float32")
@@ -309,7 +309,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.variants is not None and not args.variants.replace(",", "").strip():
         ap.error("--variants wants a comma-separated list of variant names, got none")
     from gguf_loader import BUILTIN_GGUF
-    from model import BUILTIN_MODELS
+    from model_loader import BUILTIN_MODELS
 
     if not args.targets and not (args.model in BUILTIN_MODELS or args.model in BUILTIN_GGUF
                                  or os.path.exists(args.model)):

@@ -112,9 +112,9 @@ def hf_model_from(model_name: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import model as tx_model
+    from model_loader import hf_state_dict, load_model
 
-    loaded = tx_model.load_model(model_name, "float32", 0)
+    loaded = load_model(model_name, "float32", 0)
     c = loaded.config
     assert c.architecture == "llama" and not c.attention_bias and not c.qk_norm, c
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
@@ -123,7 +123,7 @@ def hf_model_from(model_name: str):
     fields = {k: v for k, v in hf_config(c).items() if k not in ("rope_theta", "torch_dtype")}
     hf_cfg = LlamaConfig(**fields | {"rope_parameters": rope, "eos_token_id": None, "pad_token_id": 0})
     hf_cfg._attn_implementation = "sdpa"
-    state = {k: torch.from_numpy(np.array(x, np.float32)) for k, x in tx_model.hf_state_dict(loaded.model).items()}
+    state = {k: torch.from_numpy(np.array(x, np.float32)) for k, x in hf_state_dict(loaded.model).items()}
     hf = LlamaForCausalLM(hf_cfg)  # random init, overwritten in full just below
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)

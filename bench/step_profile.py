@@ -303,9 +303,10 @@ def _warmup_child(cache_dir: str, root: str) -> dict:  # the code at `root`: bui
     sys.path.insert(0, root)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    import model as model_lib
     from engine import EngineConfig, LLMEngine
-    model_lib.BUILTIN_MODELS["smol-30"] = model_lib.ModelConfig(**SMOL)  # random weights of SmolLM2's shape
+    from model import ModelConfig
+    from model_loader import BUILTIN_MODELS
+    BUILTIN_MODELS["smol-30"] = ModelConfig(**SMOL)  # random weights of SmolLM2's shape
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model="smol-30", warmup=False, compilation_cache_dir="",
                                  **WARMUP_ENGINE), log=lambda *_: None)

@@ -30,7 +30,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=positive, default=64)
     p.add_argument("--max-tokens", type=positive, default=32)
     args = p.parse_args()
-    from model import BUILTIN_MODELS  # JAX: loaded once --help and the other flags have answered
+    from model_loader import BUILTIN_MODELS  # JAX: loaded once --help and the other flags have answered
 
     if args.model not in BUILTIN_MODELS:
         p.error(f"argument --model: invalid choice: {args.model!r} (choose from {', '.join(sorted(BUILTIN_MODELS))})")
@@ -45,7 +45,7 @@ from flax import nnx  # noqa: E402
 
 import checkpoint  # noqa: E402
 from llm import LLM, SamplingParams  # noqa: E402
-from model import BUILTIN_MODELS, hf_state_dict, load_model  # noqa: E402
+from model_loader import BUILTIN_MODELS, hf_state_dict, load_model  # noqa: E402
 from offline import hf_config  # noqa: E402
 from parallel import bytes_per_device  # noqa: E402
 

@@ -385,7 +385,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # the same file the same way: engines (startup.build_engine) get the last GGUF model
     # loaded in this process again when the file and the loading arguments are the same.
     # The weights are immutable arrays that no engine donates, so engines can share them.
-    # model.load_model itself, which the loader's own tests call, is left as it is.
+    # model_loader.load_model itself, which the loader's own tests call, is left as it is.
     import startup
 
     startup.load_model = _gguf_loaded_once(startup.load_model)

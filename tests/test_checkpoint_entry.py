@@ -17,7 +17,8 @@ from conftest import make_hf_tokenizer
 import config as config_module
 import kvcache
 from config import EngineConfig, host_memory_bytes
-from model import ModelConfig, load_model
+from model import ModelConfig
+from model_loader import load_model
 from runner import check_host_buffers
 from tokenizer import load_tokenizer
 

@@ -49,7 +49,7 @@ import server
 from config import MAX_BLOCK_SIZE, EngineConfig
 from hf_config import generation_sampling_defaults
 from kvcache import num_kv_blocks_for
-from model import BUILTIN_MODELS
+from model_loader import BUILTIN_MODELS
 from parallel import kv_head_replicas, make_mesh
 from runner import check_host_buffers, logprobs_bytes
 

@@ -243,7 +243,7 @@ def test_host_buffers_grow_with_the_logprob_arrays_width(spec):
     verify computations)."""
     import jax.numpy as jnp
 
-    from model import BUILTIN_MODELS
+    from model_loader import BUILTIN_MODELS
     from sampler import SamplingTensors, emitted_logprobs, empty_sampling_arrays, sample_rows
 
     model = BUILTIN_MODELS["tiny"]

@@ -19,7 +19,7 @@ from sampling_params import SamplingParams
 from spec_decode import create_proposer
 from kvcache import BlockAllocator, blocks_needed
 from metrics import EngineStats
-from model import hf_state_dict, load_model
+from model_loader import hf_state_dict, load_model
 from sequence import Sequence
 
 K = 4

@@ -15,7 +15,8 @@ from conftest import hf_greedy
 
 import gguf_loader
 from llm import LLM, SamplingParams
-from model import Decoder, load_model
+from model import Decoder
+from model_loader import load_model
 
 HF_TO_GGUF = {w.hf: w.gguf for w in Decoder.WEIGHTS.values()}  # "{}": the layer index
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # llama.cpp's converter

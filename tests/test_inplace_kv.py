@@ -17,7 +17,7 @@ import pytest
 
 from config import EngineConfig
 from metrics import EngineStats
-from model import load_model
+from model_loader import load_model
 from runner import ModelRunner
 
 NUM_BLOCKS = 129  # large enough that no per-step temporary (gathered blocks, scores) is cache-sized

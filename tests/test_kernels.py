@@ -358,8 +358,9 @@ def test_model_forward_pallas_matches_xla():
 
     import model as model_lib
     from kvcache import create_kv_caches
+    from model_loader import BUILTIN_MODELS
 
-    cfg = model_lib.BUILTIN_MODELS["tiny"]
+    cfg = BUILTIN_MODELS["tiny"]
     graphdef, state = nnx.split(model_lib.init_model(cfg, "float32", 0))
     bs = 4
     bt = np.array([[3, 1, 7, 0, 0], [2, 5, 4, 6, 8]], np.int32)  # shuffled; 0 = null

@@ -162,7 +162,7 @@ def test_the_engine_reserves_its_logprob_arrays_when_the_device_has_no_counters(
     """The start-up path on a fake device that reports a limit but no counters: the KV
     budget leaves room for the logprob arrays at --max-logprobs' width."""
     from llm import LLM
-    from model import BUILTIN_MODELS
+    from model_loader import BUILTIN_MODELS
     from runner import logprobs_bytes
 
     tiny = BUILTIN_MODELS["tiny"]
@@ -240,7 +240,7 @@ def test_the_engine_sizes_the_cache_with_the_measured_activation_peak(monkeypatc
     largest step on a one-sequence cache, subtracts its peak, rebuilds the cache at the
     budgeted size, and then generates exactly as an engine sized by --num-kv-blocks."""
     from llm import LLM
-    from model import BUILTIN_MODELS
+    from model_loader import BUILTIN_MODELS
     from runner import logprobs_bytes
 
     tiny = BUILTIN_MODELS["tiny"]

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from test_gguf import patch_entry, write_gguf
 
 import checkpoint
-from model import load_model
+from model_loader import load_model
 
 EXAMPLES = int(os.environ.get("TAXIRANK_FUZZ_EXAMPLES", "40"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))

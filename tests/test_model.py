@@ -1,4 +1,4 @@
-"""model.py and tokenizer.py against transformers: every family's logits through the
+"""model.py, model_loader.py and tokenizer.py against transformers: every family's logits through the
 paged ragged and decode paths, loading (sharded, bf16, errors), the tokenizers."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from conftest import hf_logits, make_hf_checkpoint
 from flax import nnx
 
 from attention_backend import get_attention_backend
-from model import BUILTIN_MODELS, AttentionInputs, Decoder, ModelConfig, load_model, param_bytes
+from model import AttentionInputs, Decoder, ModelConfig, param_bytes
+from model_loader import BUILTIN_MODELS, load_model
 from tokenizer import ByteTokenizer, load_tokenizer
 
 BS = 4  # block size: small, so a prompt spans several blocks
@@ -467,7 +468,7 @@ def test_hf_tensors_map_into_the_stacked_layers_and_back(hf_checkpoint):
     in their layer of the stacked params (every layer leaf has a leading [L] axis)."""
     from safetensors.numpy import load_file
 
-    from model import hf_state_dict, model_from_hf_tensors
+    from model_loader import hf_state_dict, model_from_hf_tensors
 
     path = hf_checkpoint("qwen2")  # tied embeddings and q/k/v biases
     lm = load_model(path)

@@ -70,7 +70,7 @@ def _worker(spec: dict) -> dict:
         import numpy as np
 
         import checkpoint
-        from model import load_model
+        from model_loader import load_model
         from parallel import make_mesh
 
         src = nnx.to_flat_state(nnx.state(load_model(spec["orbax"]["src"]).model, nnx.Param))
@@ -116,7 +116,7 @@ def run_worker(spec: dict, devices: int = 8, timeout: float = 900) -> dict:
 def tp_report(tmp_path_factory):
     import checkpoint
     from conftest import jax_test_cache_dir, make_hf_checkpoint
-    from model import load_model
+    from model_loader import load_model
 
     d = tmp_path_factory.mktemp("tp")
     models = {
@@ -185,7 +185,7 @@ def test_orbax_save_then_load_is_bit_identical(tmp_path):
     from flax import nnx
 
     import checkpoint
-    from model import load_model
+    from model_loader import load_model
 
     src = load_model("tiny", "bfloat16")
     checkpoint.main(["convert", "tiny", str(tmp_path / "ck"), "--dtype", "bfloat16"])
@@ -264,7 +264,7 @@ def test_each_device_holds_one_nth_of_weights_and_kv_cache(tp_report, case, tp):
 
 
 def test_tp_size_the_heads_do_not_allow_is_refused():
-    from model import BUILTIN_MODELS
+    from model_loader import BUILTIN_MODELS
     from parallel import kv_head_replicas
 
     cfg = BUILTIN_MODELS["tiny"]  # 4 query heads, 2 KV heads

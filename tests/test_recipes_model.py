@@ -14,6 +14,7 @@ from conftest import hf_greedy, make_hf_checkpoint
 
 import attention_backend
 import model
+import model_loader
 from llm import LLM, SamplingParams
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "ARCHITECTURE.md")
@@ -80,6 +81,6 @@ def test_adding_a_model_family_as_the_doc_says(registries, tmp_path):
     with open(config, "w") as f:
         json.dump({**hf, "model_type": name}, f)
 
-    assert model.load_model(path).config.architecture == name
+    assert model_loader.load_model(path).config.architecture == name
     (out,) = _llm(path).generate([prompt], [_greedy(8)])
     assert out.outputs[0].token_ids == want

@@ -132,7 +132,7 @@ def test_a_builtin_random_model_takes_a_smaller_tokenizer_with_its_eos_alone(fol
 
 def test_an_orbax_checkpoint_serves_the_named_tokenizer(folders, tmp_path):
     import checkpoint
-    from model import load_model
+    from model_loader import load_model
 
     _, named = folders
     checkpoint.save(load_model("tiny"), str(tmp_path / "orbax"))
