@@ -299,13 +299,24 @@ def section_padding() -> dict:
         print(f"padding {label}: {d}, {1 - d['useful_tokens'] / d['computed_tokens']:.1%} of the token rows padding")
     return out
 
+def _at_root(root: str, *homes: str):
+    """The name at the first of `homes` ("module.name") whose module is a file under root: a
+    baseline checkout keeps each name where its own layout put it, and a module it lacks must
+    not be read from this tree (the repo root is on sys.path after it)."""
+    import importlib
+    for home in homes:
+        module, name = home.rsplit(".", 1)
+        if os.path.isfile(os.path.join(root, module + ".py")):
+            return getattr(importlib.import_module(module), name)
+    raise ImportError(f"{root} has none of {', '.join(homes)}")
+
 def _warmup_child(cache_dir: str, root: str) -> dict:  # the code at `root`: build, warm up, seconds and programs
     sys.path.insert(0, root)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     from engine import EngineConfig, LLMEngine
     from model import ModelConfig
-    from model_loader import BUILTIN_MODELS
+    BUILTIN_MODELS = _at_root(root, "model_loader.BUILTIN_MODELS", "model.BUILTIN_MODELS")
     BUILTIN_MODELS["smol-30"] = ModelConfig(**SMOL)  # random weights of SmolLM2's shape
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig(model="smol-30", warmup=False, compilation_cache_dir="",
@@ -335,15 +346,14 @@ STOPS = ("</answer>", "\n\nUser:")  # typical stop strings, never completed here
 def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `root`: host and server CPU ms/step
     sys.path.insert(0, root)
     import asyncio
-    import generation
-    from engine import EngineRequest
+    from engine import EngineRequest, SamplingParams  # (both layouts' engine.py export them)
+    Generation = _at_root(root, "generation.Generation", "server.Generation")
     words = "The quick brown fox jumps over the lazy dog, and then it runs away into the forest. " * 4
     out = {}
     for label, stop in (("no stop strings", ()), ("stop strings", STOPS)):
         eng = make_engine("smollm2", n, max_model_len=256, max_num_batched_tokens=2048, num_kv_blocks=n * 5 + 1)
         stub_device(eng.runner)  # its token: the row's last input token, a word of the prompt
         prompt = eng.tokenizer.encode(words, add_special_tokens=False)[:16]
-        from sampling_params import SamplingParams
         for i in range(n):
             eng.add_request(f"r{i}", prompt[i % 8:] + prompt[:i % 8], SamplingParams(max_tokens=200, ignore_eos=True,
                                                                                      stop=stop))
@@ -355,7 +365,7 @@ def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `
             for d in eng.step():
                 per_request.setdefault(d.request_id, []).append(d)
 
-        class Engine:  # what generation.Generation reads of an AsyncEngine: these deltas as its stream
+        class Engine:  # what a Generation reads of an AsyncEngine: these deltas as its stream
             tokenizer, model_config = eng.tokenizer, eng.model_config
 
             @staticmethod
@@ -370,7 +380,7 @@ def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `
                 pass
 
         async def serve() -> float:
-            gens = [generation.Generation(Engine, EngineRequest(s.request_id, s.prompt_token_ids, s.params))
+            gens = [Generation(Engine, EngineRequest(s.request_id, s.prompt_token_ids, s.params))
                     for s in eng.scheduler.running]
             c0 = time.process_time()
             for g in gens:
