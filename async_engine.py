@@ -47,7 +47,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._num_waiting_inbox = 0  # adds handed over but not yet in the scheduler's waiting queue
         # places in the waiting queue held by beam searches for the requests of their steps
-        # (reserve_waiting), counted as waiting whether or not those requests are there now
+        # (reserve_waiting), counted as waiting whether or not those requests are there now (so a
+        # reserved request that waits counts twice: the safe side, as only the engine thread
+        # sees it leave the queue)
         self._num_reserved = 0
         self.error: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None  # called on the event loop
@@ -86,6 +88,7 @@ class AsyncEngine:
             if request.request_id in self._queues:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
             limit = self.config.max_waiting_requests
+            assert not reserved or self._num_reserved > 0, "reserved=True without a reserve_waiting()"
             if limit is not None and not reserved and self._num_waiting() >= limit:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             queue: asyncio.Queue = asyncio.Queue()
@@ -130,6 +133,7 @@ class AsyncEngine:
             self._num_reserved += n
 
     def release_waiting(self, n: int) -> None:
+        """Free n places reserve_waiting() held (the search has ended, or its client left)."""
         with self._lock:
             self._num_reserved -= n
             assert self._num_reserved >= 0
