@@ -74,7 +74,8 @@ def test_concurrent_searches_are_refused_before_they_start_or_run_to_their_end()
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    with running_server("--no-warmup", "--shutdown-timeout", "0") as s:
+    # a waiting queue that one search of n = 4 fills: a place a search leaves held shows
+    with running_server("--no-warmup", "--shutdown-timeout", "0", "--max-waiting-requests", "4") as s:
         yield s
 
 
@@ -120,7 +121,7 @@ def test_sigterm_mid_search_ends_it_with_a_clear_answer_and_the_server_exits_cle
 
 def test_a_client_gone_mid_search_without_a_stream_stops_it(server):
     """A whole (not streamed) answer's client leaves after the search's first step: the
-    search stops there, and no request, slot or KV block is left behind."""
+    search stops there, and no request, slot, KV block or waiting place is left behind."""
     import socket
     import time
 
@@ -143,3 +144,6 @@ def test_a_client_gone_mid_search_without_a_stream_stops_it(server):
     wait_for(settled)
     assert last[-1] - before < 1 + (steps - 1) * width  # stopped before its last step
     assert metric(scrape(server), "kv_cache_usage_perc") == 0
+    # its 4 waiting places are free: a search as wide as the queue is admitted
+    status, text = post(server.port, {"prompt": [5, 6, 7], "use_beam_search": True, "n": width, "max_tokens": 2})
+    assert status == 200, text
