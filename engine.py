@@ -8,8 +8,8 @@
 Two front doors drive it: LLM (llm.py) for offline generation on the caller's thread, and
 AsyncEngine (async_engine.py), which runs this loop on its own thread for the servers.
 
-EngineConfig and SamplingParams live in config.py (re-exported here) so that the
-scheduler can take the config without importing JAX.
+EngineConfig (config.py) and SamplingParams (sampling_params.py) are re-exported here;
+neither module imports JAX, so the scheduler can take them.
 """
 
 from __future__ import annotations

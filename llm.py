@@ -163,7 +163,8 @@ class LLM:
                 raise ValueError(f"conversation {i}: {e}") from None
         # The template already carries BOS and the other special tokens it wants.
         encoded = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        thinking = chat_format.thinking_enabled(body)  # the qwen3 reasoning parser's, from the variables the template saw
+        # the qwen3 reasoning parser's, from the variables the template saw
+        thinking = chat_format.thinking_enabled(body)
         return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
 
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: Any, use_tqdm: bool = False) -> list[Any]:

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from sampling_params import SamplingParams
 from metrics import ParentRequest
+from sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import importlib.metadata
+import inspect
 import math
 import os
 from typing import Callable
@@ -99,8 +100,10 @@ def _kept(name: str, write: Callable[[str], None]) -> str:
     return out
 
 
-def _version_key(*parts: object) -> str:
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+def _version_key(writer: Callable, *parts: object) -> str:
+    """A kept file's name: its inputs' versions and the source of the code that writes it,
+    so that an edit to that code writes it again."""
+    return hashlib.sha256(repr((inspect.getsource(writer), *parts)).encode()).hexdigest()[:16]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +111,8 @@ def q8_0_path(smollm2_path) -> str:
     """smollm2's file re-quantized to Q8_0: written once (seconds of NumPy quantizing) and
     kept, keyed by the source file's version and the gguf library's, whose quantizer writes it."""
     st = os.stat(smollm2_path)
-    key = _version_key(os.path.realpath(smollm2_path), st.st_size, st.st_mtime_ns, importlib.metadata.version("gguf"))
+    key = _version_key(write_q8_0, os.path.realpath(smollm2_path), st.st_size, st.st_mtime_ns,
+                       importlib.metadata.version("gguf"))
     return _kept(f"smollm2-q8_0-{key}.gguf", lambda path: write_q8_0(smollm2_path, path))
 
 
@@ -175,7 +179,7 @@ def transformers_logprobs(smollm2_path, passage_ids, request) -> np.ndarray:
             np.save(f, lps)
 
     st = os.stat(smollm2_path)
-    key = _version_key(os.path.realpath(smollm2_path), st.st_size, st.st_mtime_ns, passage_ids,
+    key = _version_key(compute, os.path.realpath(smollm2_path), st.st_size, st.st_mtime_ns, passage_ids,
                        transformers.__version__, torch.__version__)
     return np.load(_kept(f"smollm2-passage-logprobs-{key}.npy", compute))
 
