@@ -15,8 +15,9 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from config import EngineConfig
-from engine import EngineDeadError, EngineRequest, LLMEngine, QueueFullError, RequestOutputDelta
+from engine import EngineDeadError, EngineRequest, LLMEngine, QueueFullError
 from metrics import RequestMetrics
+from outputs import RequestOutputDelta
 
 __all__ = ["AsyncEngine"]
 

@@ -21,8 +21,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Collection, Sequence
 
-from engine import EngineRequest, RequestOutputDelta, SamplingParams, TokenLogprob
-from sampling_params import is_finite_number, is_int
+from engine import EngineRequest
+from outputs import RequestOutputDelta, TokenLogprob
+from sampling_params import SamplingParams, is_finite_number, is_int
 
 if TYPE_CHECKING:
     from async_engine import AsyncEngine

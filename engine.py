@@ -3,7 +3,7 @@
   EngineRequest  one request as it enters the engine, its fields named once (vLLM's EngineCoreRequest).
   LLMEngine      the synchronous core: add_request, abort, step (its parts are built by
                  startup.py: the model, the sized KV cache, the scheduler, the runner).
-  RequestOutputDelta, RequestOutput, CompletionOutput, TokenLogprob  what it gives back.
+What it gives back (a RequestOutputDelta per request per step) is in outputs.py.
 
 Two front doors drive it: LLM (llm.py) for offline generation on the caller's thread, and
 AsyncEngine (async_engine.py), which runs this loop on its own thread for the servers.
@@ -29,6 +29,7 @@ from config import EngineConfig
 from hf_config import generation_sampling_defaults
 from logits_controls import controls_for, first_token_conflict
 from metrics import ParentRequest, RequestMetrics, StepTrace
+from outputs import RequestOutputDelta, TokenLogprob
 from reasoning_parsers import REASONING_PARSERS
 from runner import InFlightStep, PromptLogprobs, StepResult
 from sampling_params import ParamError, SamplingParams, SLOTarget, check_cache_salt
@@ -39,9 +40,8 @@ from startup import build_engine
 from structured import GrammarCompiler, new_constraint, next_mask
 from tokenizer import IncrementalDetokenizer
 
-__all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "EngineRequest", "LLMEngine", "RequestOutput",
-           "CompletionOutput", "RequestOutputDelta", "RequestMetrics", "TokenLogprob", "QueueFullError",
-           "EngineDeadError"]
+__all__ = ["EngineConfig", "SamplingParams", "SLOTarget", "EngineRequest", "LLMEngine", "RequestMetrics",
+           "QueueFullError", "EngineDeadError"]
 
 
 class QueueFullError(RuntimeError):
@@ -76,84 +76,6 @@ class EngineRequest:
     # vLLM's (a non-empty string, as the client sent it: LLMEngine.validate checks it): its
     # prefix-cache blocks are shared only with requests of the same salt.
     cache_salt: str | None = None
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-    # the token's rank in the vocabulary (1: the most likely; vLLM's: the tokens at least as
-    # likely, itself included), under the distribution its logprob is of (--logprobs-mode)
-    rank: int | None = None
-
-
-@dataclass(slots=True)  # one per request per step: slots make it cheap to build
-class RequestOutputDelta:
-    """What one step produced for one request: streamed by AsyncEngine."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
-    metrics: RequestMetrics | None = None  # on the request's last delta
-    # With a request's first token, when it asked: one entry per prompt token, the first None
-    # (nothing precedes it), as vLLM's prompt_logprobs.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    stop_reason: str | int | None = None  # on the request's last delta: stop_reason(seq)
-    # A request with stop strings is detokenized by the engine (its Sequence.stop_matcher):
-    # the text this step adds that is safe to send (held back: a maybe-stop string, part of
-    # a character). None: not detokenized here (the server does it, off the engine thread).
-    new_text: str | None = None
-    # The request's last token is this delta's (it may be released, finished, later: static
-    # batching holds a member seated until its batch is done).
-    ended: bool = False
-
-
-@dataclass
-class CompletionOutput:
-    """One sample of a request, as vLLM's CompletionOutput."""
-
-    index: int  # its place among the request's n samples
-    text: str  # "" where the model has no tokenizer
-    token_ids: list[int]
-    # vLLM's: the sum of the sampled tokens' logprobs when the request asked for logprobs, else None
-    cumulative_logprob: float | None
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None = None
-    # vLLM's: the stop string matched, or the stop_token_ids entry that ended it; None for
-    # EOS, a length cut, a grammar's end or an abort.
-    stop_reason: str | int | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """A finished request, as vLLM's RequestOutput: LLM.generate returns one per prompt,
-    its `outputs` the request's n samples in index order."""
-
-    request_id: str
-    prompt: str | None  # the prompt's text when it was given as text (chat: the rendered template)
-    prompt_token_ids: list[int]
-    prompt_logprobs: list[TokenLogprob | None] | None  # when asked: first entry None, as vLLM
-    outputs: list[CompletionOutput]
-    finished: bool
-    # Its timings and scheduling history (vLLM's RequestOutput.metrics); with n > 1 the
-    # sample that finished last's, as vLLM's parallel sampling reports.
-    metrics: RequestMetrics
-    num_cached_tokens: int  # prompt tokens served from the prefix cache (vLLM's field; the first sample's)
-    # Beyond vLLM's fields, over all n samples: when the request arrived, when its first
-    # token came and its last sample finished (time.monotonic), and its samples' preemptions.
-    arrival_time: float
-    first_token_time: float | None
-    finished_time: float
-    num_preemptions: int
 
 
 class LLMEngine:

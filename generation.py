@@ -25,7 +25,8 @@ from tokenizer import IncrementalDetokenizer
 # answer in a fraction of a second instead of after seconds of importing JAX.
 if TYPE_CHECKING:
     from async_engine import AsyncEngine
-    from engine import EngineRequest, TokenLogprob
+    from engine import EngineRequest
+    from outputs import TokenLogprob
 
 
 @dataclass

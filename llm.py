@@ -15,9 +15,9 @@ from typing import Any, Callable, Sequence as Seq
 import numpy as np
 
 from config import EngineConfig
-from engine import (CompletionOutput, EngineRequest, LLMEngine, RequestOutput, TokenLogprob, child_requests,
-                    decode_output, stop_reason)
+from engine import EngineRequest, LLMEngine, child_requests, decode_output, stop_reason
 from metrics import EngineStats, RequestMetrics
+from outputs import CompletionOutput, RequestOutput, TokenLogprob
 from sampling_params import SamplingParams
 from sequence import Sequence
 

@@ -18,7 +18,7 @@ from sampling_params import SamplingParams, SLOTarget, StructuredOutputsParams
 from tool_parsers import ToolChoice
 
 if TYPE_CHECKING:
-    from engine import TokenLogprob
+    from outputs import TokenLogprob
 
 
 class ApiError(Exception):

@@ -31,7 +31,7 @@ from tool_parsers import ToolCallStream, ToolChoice
 
 if TYPE_CHECKING:
     from async_engine import AsyncEngine
-    from engine import TokenLogprob
+    from outputs import TokenLogprob
 
 T = TypeVar("T")
 

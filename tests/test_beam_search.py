@@ -14,8 +14,8 @@ import pytest
 from conftest import hf_greedy, hf_logits
 
 from beam_search import BeamSearch, BeamSearchParams
-from engine import TokenLogprob
 from llm import LLM
+from outputs import TokenLogprob
 
 SMALL = dict(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=128, block_size=4, warmup=False)
 PROMPTS = [[5, 17, 42, 99, 7, 23], [200, 3, 3, 150]]
