@@ -31,7 +31,7 @@ from logits_controls import controls_for, first_token_conflict
 from metrics import ParentRequest, RequestMetrics, StepTrace
 from outputs import RequestOutputDelta, TokenLogprob
 from reasoning_parsers import REASONING_PARSERS
-from runner import InFlightStep, PromptLogprobs, StepResult
+from runner_output import InFlightStep, PromptLogprobs, StepResult
 from sampling_params import ParamError, SamplingParams, SLOTarget, check_cache_salt
 from scheduler import ScheduledSeq, SchedulerOutput, StepOutcome
 from sequence import Sequence
