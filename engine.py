@@ -33,7 +33,7 @@ from outputs import RequestOutputDelta, TokenLogprob
 from reasoning_parsers import REASONING_PARSERS
 from runner_output import InFlightStep, PromptLogprobs, StepResult
 from sampling_params import ParamError, SamplingParams, SLOTarget, check_cache_salt
-from scheduler import ScheduledSeq, SchedulerOutput, StepOutcome
+from scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from sequence import Sequence
 from spec_decode import StepProposer
 from startup import build_engine

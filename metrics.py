@@ -20,7 +20,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # scheduler.py imports this module: types only
     from config import EngineConfig
-    from scheduler import SchedulerOutput
+    from scheduler_output import SchedulerOutput
     from sequence import Sequence
 
 # Buckets as vLLM uses for the same histograms (seconds), so dashboards carry over.

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, TypeVar
 
 if TYPE_CHECKING:
     from config import EngineConfig
-    from scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+    from scheduler import Scheduler
+    from scheduler_output import ScheduledSeq, SchedulerOutput
     from sequence import Sequence
 
 T = TypeVar("T")

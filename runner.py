@@ -63,7 +63,7 @@ from model_loader import LoadedModel
 from parallel import create_sharded_kv_caches, replicate, shard_attention
 from runner_output import InFlightStep
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot
-from scheduler import SchedulerOutput
+from scheduler_output import SchedulerOutput
 from sequence import Sequence
 from structured import bitmask_width, fill_bitmask
 

@@ -40,7 +40,8 @@ from workload import arrival_times, exponential_mix, seed_mix, token_ids  # noqa
 from config import EngineConfig  # noqa: E402
 from metrics import WAIT_REASONS, EngineStats, StepTrace  # noqa: E402
 from sampling_params import SamplingParams, SLOTarget  # noqa: E402
-from scheduler import Scheduler, SchedulerOutput  # noqa: E402
+from scheduler import Scheduler  # noqa: E402
+from scheduler_output import SchedulerOutput  # noqa: E402
 from sequence import Sequence  # noqa: E402
 
 NOT_EOS = 7  # the token every simulated step samples: any id that is not an EOS

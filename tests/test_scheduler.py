@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from config import EngineConfig
 from kvcache import blocks_needed
 from sampling_params import SamplingParams
-from scheduler import Scheduler, SchedulerOutput
+from scheduler import Scheduler
+from scheduler_output import SchedulerOutput
 from sequence import FINISHED, RUNNING, WAITING, Sequence
 
 EOS = 0

@@ -41,7 +41,8 @@ import pytest
 from config import EngineConfig
 from kvcache import blocks_needed, hash_block_tokens
 from sampling_params import SamplingParams
-from scheduler import Scheduler, SchedulerOutput
+from scheduler import Scheduler
+from scheduler_output import SchedulerOutput
 from sequence import FINISHED, RUNNING, WAITING, Sequence
 
 EOS = 0
