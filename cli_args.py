@@ -17,6 +17,7 @@ import chat_format
 import config_file
 from config import DISTRIBUTED_EXECUTOR_BACKENDS, VLLM_SPELLINGS, EngineConfig
 from policy import REGISTRIES
+from quant_methods import QUANTIZATION_METHODS
 from reasoning_parsers import REASONING_PARSERS
 from tool_parsers import TOOL_PARSERS
 
@@ -82,9 +83,8 @@ _HELP = {  # EngineConfig fields; config.py says more
     "distributed_executor_backend": "vLLM's; uni only (or unset): the model runs in this process, one JAX "
                                     "controller over all its devices; more hosts join through jax.distributed "
                                     "(--distributed-coordinator)",
-    "quantization": "weight-only quantization of the decoder layers' linears: int8 (per output channel, any "
-                    "checkpoint) or gguf (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored); None: the model dtype "
-                    "(a GGUF file dequantized)",
+    "quantization": "weight-only quantization of the decoder layers' linears, a method of "
+                    "quant_methods.QUANTIZATION_METHODS: {methods}. None: the model dtype (a GGUF file dequantized)",
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": ..., "
                           "\"num_speculative_tokens\": 4}; also disable_by_batch_size, min_acceptance_rate "
@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:  # int, float, str, or `X | None`; a type that parses its own text gets the text
             arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
             kw["type"] = config_file.json_text if hasattr(arg, "parse") else arg
+        if f.name == "quantization":  # every registered method, read when the parser is built
+            kw["help"] = kw["help"].format(methods="; ".join(f"{name} ({m.summary})" if m.summary else name
+                                                             for name, m in QUANTIZATION_METHODS.items()))
         p.add_argument("--" + f.name.replace("_", "-"), *VLLM_SPELLINGS.get(f.name, ()), **kw)
     p.add_argument("--config", help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
                                     "command line win over the file's")

@@ -22,6 +22,7 @@ import numpy as np
 
 import attention_backend
 from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
+from quant_methods import QUANTIZATION_METHODS
 from reasoning_parsers import REASONING_PARSERS
 from sampling_params import sampling_defaults
 from spec_decode import SpeculativeConfig
@@ -123,8 +124,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     # vLLM's --distributed-executor-backend (DISTRIBUTED_EXECUTOR_BACKENDS): uni or unset only
     distributed_executor_backend: str | None = None
-    # vLLM's --quantization (weight-only, quant.py): int8 (per output channel, any checkpoint)
-    # or gguf (a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks served as stored); None: model dtype
+    # vLLM's --quantization (weight-only): a method of quant_methods.QUANTIZATION_METHODS; None: model dtype
     quantization: str | None = None
     # vLLM's --speculative-config: JSON text, a dict or a SpeculativeConfig (spec_decode.py)
     speculative_config: SpeculativeConfig | None = None
@@ -245,8 +245,8 @@ class EngineConfig:
             # and few enough for int() (past 4,300 digits it raises, naming no flag)
             need(bool(host) and port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536,
                  f"distributed_coordinator must be HOST:PORT, got {self.distributed_coordinator!r}")
-        need(self.quantization in (None, "int8", "gguf"),
-             f"quantization must be int8 or gguf (or unset), got {self.quantization!r}")
+        if self.quantization is not None:
+            QUANTIZATION_METHODS.check(self.quantization)
         need(self.long_prefill_token_threshold >= 0,
              f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}")
         need(self.long_prefill_token_threshold == 0 or self.enable_chunked_prefill,

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from model import FAMILIES, Decoder, Family
-from quant import LAYER_LINEARS, GGUFBlocks, gguf_native_kind, parse_gguf_blocks
+from quant import GGUFBlocks, parse_gguf_blocks
+from quant_methods import GGUF_NATIVE, LAYER_LINEARS
 
 # The quantization types we dequantize (all through gguf.quants); anything else is a
 # clear error naming the type rather than a silently wrong tensor.
@@ -84,7 +85,7 @@ class GGUFCheckpoint:
             kind = gguf.GGMLQuantizationType(t.tensor_type).name
             if 0 in shape:  # gguf's and quant.py's reshapes of no blocks fail naming no tensor
                 raise ValueError(f"tensor {t.name!r} is empty (a dimension of 0 in its entry of the tensor table)")
-            if native and len(shape) == 2 and gguf_native_kind(kind):
+            if native and len(shape) == 2 and kind in GGUF_NATIVE:
                 x: np.ndarray | GGUFBlocks = parse_gguf_blocks(t.data, kind, shape)
                 finite = all(np.isfinite(a).all() for a in (x.d, x.m) if a is not None)
             else:
@@ -102,7 +103,7 @@ class GGUFCheckpoint:
             yield hf_name(t.name), x
 
     def linear_types(self) -> dict[str, set[str]]:
-        """Each decoder-layer linear (quant.LAYER_LINEARS path) -> the GGUF types its layers are stored in."""
+        """Each decoder-layer linear (a quant_methods.LAYER_LINEARS path) -> the GGUF types of its layers."""
         import gguf
 
         out: dict[str, set[str]] = {}

@@ -31,7 +31,8 @@ from flax import nnx
 from attention_backend import AttentionBackend
 from hf_config import check_hf_config, check_llama3_rope, token_ids
 from kernels_pallas import Bits, QuantizedKV, as_bits, from_bits, quantize_kv
-from quant import QuantLinear, WeightQuant
+from quant import QuantLinear
+from quant_methods import WeightQuant
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 

@@ -27,7 +27,8 @@ import gguf_loader
 from config import host_memory_bytes
 from hf_config import generation_eos_ids, read_json
 from model import Decoder, ModelConfig, declared_weight, hf_tensor_names, init_model
-from quant import GGUFBlocks, WeightQuant, encode, weight_quant_for
+from quant import SCHEMES, GGUFBlocks, encode, weight_quant_for
+from quant_methods import QUANTIZATION_METHODS, WeightQuant
 from tokenizer import ByteTokenizer, gguf_tokenizer, load_named_tokenizer, load_tokenizer, num_token_ids
 
 _BYTE = ByteTokenizer()
@@ -90,7 +91,7 @@ def load_model(model: str = "tiny", dtype: str = "float32", seed: int = 0,
             tok, tok_cfg = gguf_tokenizer(ckpt.tokenizer_metadata) if ckpt.tokenizer_metadata else None, cfg
             check_token_ids(tok, cfg, f"the tokenizer of {path!r}")
         quant = weight_quant_for(quantization, ckpt.linear_types())
-        native = quant is not None and quant.method == "gguf"
+        native = quantization is not None and QUANTIZATION_METHODS[quantization].reads_gguf_blocks
         served = (f"{quant.describe()}, the rest dequantized to {np.dtype(dt).name}" if native
                   else f"dequantized to {np.dtype(dt).name}" + (f", then {quant.describe()}" if quant else ""))
         log(f"model: {path} ({ckpt.file_type} GGUF, {served})")
@@ -230,7 +231,7 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
         scheme = schemes.get(p)
         if scheme is not None:
             lin = variables[p[:-1] + ("kernel",)].get_value().shape  # [(L,) in or in/2, out]
-            want = (lin[-1], lin[-2] * (2 if scheme in ("q4_0", "q4_1") else 1))
+            want = (lin[-1], SCHEMES[scheme].input_features(lin[-2]))
             if tuple(x.shape) != want:
                 raise ValueError(f"tensor {name!r} in {source} has shape {tuple(x.shape)}, expected {want}")
             for part, arr in encode(x, scheme).items():

@@ -1,5 +1,5 @@
-"""docs/ARCHITECTURE.md's recipes "Adding an attention backend" and "Adding a model
-family", run from the page's own text: each test executes the recipe's code block as
+"""docs/ARCHITECTURE.md's recipes "Adding an attention backend", "Adding a model
+family" and "Adding a quantization method", run from the page's own text: each test executes the recipe's code block as
 written, then uses the new name through the ordinary front doors (EngineConfig, LLM,
 load_model) with no other edit. A recipe that needs an edit elsewhere fails here."""
 
@@ -16,6 +16,7 @@ import attention_backend
 import model
 import model_loader
 from llm import LLM, SamplingParams
+from quant_methods import QUANTIZATION_METHODS
 
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "ARCHITECTURE.md")
 
@@ -31,12 +32,12 @@ def recipe(title: str) -> str:
 @pytest.fixture
 def registries():
     """The recipes register into the process-wide tables; leave them as they were."""
-    backends, families = dict(attention_backend.BACKENDS), dict(model.FAMILIES)
+    tables = (attention_backend.BACKENDS, model.FAMILIES, QUANTIZATION_METHODS)
+    saved = [dict(t) for t in tables]
     yield
-    attention_backend.BACKENDS.clear()
-    attention_backend.BACKENDS.update(backends)
-    model.FAMILIES.clear()
-    model.FAMILIES.update(families)
+    for table, entries in zip(tables, saved):
+        table.clear()
+        table.update(entries)
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -84,3 +85,64 @@ def test_adding_a_model_family_as_the_doc_says(registries, tmp_path):
     assert model_loader.load_model(path).config.architecture == name
     (out,) = _llm(path).generate([prompt], [_greedy(8)])
     assert out.outputs[0].token_ids == want
+
+
+def _int8_rounded(w: np.ndarray) -> np.ndarray:
+    """w [out, in] rounded to symmetric int8 per output channel, in float (the reference)."""
+    scale = np.abs(w).max(axis=1, keepdims=True) / 127
+    scale[scale == 0] = 1
+    return np.clip(np.rint(w / scale), -127, 127) * scale
+
+
+def test_adding_a_quantization_method_as_the_doc_says(registries, tmp_path):
+    """The recipe's method stores the MLP's linears in int8 and nothing else: its arrays say
+    so, and the prompt logprobs and greedy tokens are transformers' on the checkpoint with
+    exactly those weights rounded to int8 (NumPy), not the float model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cli_args import build_parser
+
+    code = recipe("Adding a quantization method")
+    exec(compile(code, DOC, "exec"), {})
+    (name,) = QUANTIZATION_METHODS.keys() - {"int8", "gguf"}
+    assert name == "int8_mlp" and f'"{name}"' in code
+    assert name in build_parser().format_help()
+
+    path = make_hf_checkpoint(tmp_path / "ckpt", "llama2")
+    llm = _llm(path, quantization=name)
+    layers = llm.engine.loaded.model.layers
+    for lin in (layers.mlp.gate_proj, layers.mlp.up_proj, layers.mlp.down_proj):
+        assert lin.kernel[...].dtype == np.int8 and lin.scale[...].dtype == np.float32
+    for lin in (layers.self_attn.q_proj, layers.self_attn.k_proj, layers.self_attn.v_proj, layers.self_attn.o_proj):
+        assert lin.kernel[...].dtype == np.float32 and not hasattr(lin, "scale")
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (13, 7)]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        floats = [torch.log_softmax(ref(torch.tensor([p])).logits[0], -1).numpy() for p in prompts]
+        for name_, w in ref.named_parameters():
+            if ".mlp." in name_:
+                w.copy_(torch.from_numpy(_int8_rounded(w.numpy().astype(np.float64)).astype(np.float32)))
+        want = [torch.log_softmax(ref(torch.tensor([p])).logits[0], -1).numpy() for p in prompts]
+        want_tokens = [ref.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0))
+    for out, p, w, f in zip(outs, prompts, want, floats):
+        got = np.array([lp.logprob for lp in out.prompt_logprobs[1:]])
+        idx = np.arange(len(p) - 1)
+        assert np.abs(got - w[idx, p[1:]]).max() < 1e-4
+        assert np.abs(got - f[idx, p[1:]]).max() > 1e-3  # the rounding shows: the MLP really is int8
+    assert [o.outputs[0].token_ids for o in outs] == want_tokens
+
+
+def test_an_unregistered_quantization_name_is_refused_naming_the_registered_ones():
+    from cli_args import build_parser, engine_config
+    from config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization must be int8 or gguf, got 'int4'"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be int8 or gguf, got 'int4'"):
+        engine_config(build_parser().parse_args(["--quantization", "int4"]))
