@@ -287,6 +287,9 @@ class DraftModelProposer:
     StepProposer protocol: propose() returns, for each sequence, up to k draft tokens and, on
     the device, the distributions they were drawn from."""
 
+    aliases: tuple[str, ...] = ()
+    needs_model = True  # speculative_config.model: the draft
+    options = None  # no keys of its own
     draft_probs = True  # its proposals are sampled: the verifier reads q
     drafts_at_scheduling: Literal[False] = False  # it runs after scheduling, in the blocks reserved for all k
 

@@ -6,14 +6,19 @@ query rows over its paged context) and keeps the longest prefix the rejection ru
 accepts, plus one token of its own (sampler.py `rejection_sample`), so the output
 distribution is exactly that of non-speculative sampling.
 
-Proposers are found in one registry, PROPOSERS (policy.py's Registry): the `method` of
-vLLM's --speculative-config names one. `ngram` (prompt lookup) lives here; `draft_model`
-lives in draft_model.py, which registers itself on import: `create_proposer` imports the
-module that registers a method (_PROPOSER_MODULES) before it looks the method up, so this
-module never imports a model (and stays free of JAX, as config.py imports it).
+Proposers are found in one registry, PROPOSERS: the `method` of vLLM's
+--speculative-config names one, and a proposer is one class and its registration. The
+class declares what it needs, which SpeculativeConfig reads before any proposer exists:
+`aliases` (other spellings of its name), `needs_model` (it drafts with
+speculative_config.model), `options` (a frozen dataclass of its own keys, checked in its
+__post_init__), `draft_probs` and `drafts_at_scheduling`; nothing else compares a method's
+name. `ngram` (prompt lookup) lives here; `draft_model` lives in draft_model.py, which
+imports JAX: the registry knows it by name and module (`lazy`) and imports the module,
+which registers the class, the first time a config names it, so this module, which
+config.py imports, stays free of JAX.
 
-The proposer interface: two Protocols (ngram and the draft model share no code), told
-apart by the attribute `drafts_at_scheduling`, on which the engine and the scheduler
+The proposer interface: two Protocols (a HostProposer such as ngram, and the draft model),
+told apart by the attribute `drafts_at_scheduling`, on which the engine and the scheduler
 dispatch (a type checker narrows `Proposer` on it):
 
   SchedulingProposer (drafts_at_scheduling = True): its drafts are a pure function of a
@@ -26,6 +31,7 @@ and both:
 
   __init__(config, target, stats)    config: the resolved EngineConfig; target: the
                                      target's LoadedModel (model_loader.py); stats: EngineStats
+  aliases, needs_model, options      what SpeculativeConfig reads (above)
   draft_probs: bool                  its Proposals carry draft_probs (else q is one-hot)
   weight_bytes() -> int              its device weights, counted before KV sizing
   kv_bytes_per_block() -> int        its KV bytes per block of block_size tokens (0: none);
@@ -55,6 +61,7 @@ a position whose proposal was rejected): that is how it stays in step with no ot
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, fields
 from functools import partial
@@ -73,9 +80,14 @@ if TYPE_CHECKING:
     from model_loader import LoadedModel
     from sequence import Sequence
 
-# The module whose import registers each method (this one for ngram).
-_PROPOSER_MODULES = {"ngram": __name__, "draft_model": "draft_model"}
 MAX_SPECULATIVE_TOKENS = 16  # each one is a query row per sequence and a [k, V] slice of the verifier
+
+
+def check_key(ok: bool, key: str, value: object, msg: str) -> None:
+    """A ValueError naming speculative_config.`key` unless `ok`: how SpeculativeConfig and a
+    method's own options refuse a value."""
+    if not ok:
+        raise ValueError(f"speculative_config.{key} {msg}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -83,8 +95,11 @@ class SpeculativeConfig:
     """vLLM's --speculative-config (JSON) / LLM(speculative_config=dict), the keys taxirank
     implements; any other key is a ValueError naming it.
 
-    method: "ngram" (prompt lookup) or "draft_model"; as vLLM, model="ngram" alone means
-    ngram, and a model path alone means draft_model. disable_by_batch_size: no
+    method: a registered proposer (PROPOSERS) or one of its spellings. As vLLM infers it
+    when it is absent: a model that spells a method drafting without a model means that
+    method (model="ngram"), any other model the one method that drafts with a model (a
+    draft model). options: the method's own keys (its `options` dataclass, None if it has
+    none); a key of another method is a ValueError naming it. disable_by_batch_size: no
     speculation in a step with at least this many running sequences (vLLM's knob).
     draft_tensor_parallel_size: vLLM's, taken where it is 1 (the only placement here).
     min_acceptance_rate: a sequence stops speculating once, after acceptance_window
@@ -94,47 +109,38 @@ class SpeculativeConfig:
 
     method: str | None = None
     num_speculative_tokens: int | None = None
-    model: str | None = None  # draft_model: a path (GGUF or HF directory) or a built-in name
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
+    model: str | None = None  # for a method that drafts with a model: a path (GGUF or HF directory) or a built-in name
     disable_by_batch_size: int | None = None
     draft_tensor_parallel_size: int | None = None  # vLLM's; a draft runs on one device here: 1 only
     min_acceptance_rate: float = 0.0
     acceptance_window: int = 8
+    options: Any = None  # the method's own keys: given as {key: value}, kept as its `options` dataclass
 
     def __post_init__(self) -> None:
         def need(cond: bool, key: str, msg: str) -> None:
-            if not cond:
-                raise ValueError(f"speculative_config.{key} {msg}, got {getattr(self, key)!r}")
+            check_key(cond, key, getattr(self, key), msg)
 
-        # vLLM spells ngram "ngram" or "[ngram]", as the method or as the model alone
-        ngram = ("ngram", "[ngram]")
-        method = "ngram" if self.method in ngram else self.method
-        if method is None:
-            need(self.model is not None, "method", "is needed (ngram or draft_model) when no model is given")
-            method = "ngram" if self.model in ngram else "draft_model"
-        if method == "ngram" and self.model in ngram:
-            object.__setattr__(self, "model", None)
-        object.__setattr__(self, "method", method)
-        need(isinstance(method, str) and method in _PROPOSER_MODULES, "method",  # (a list is no key: a TypeError)
-             f"must be one of {', '.join(_PROPOSER_MODULES)}")
+        need(self.method is not None or self.model is not None, "method",
+             f"is needed (one of {', '.join(PROPOSERS.names())}) when no model is given")
+        cls = PROPOSERS.find(self.method if self.method is not None else self.model)
+        if self.method is None and (cls is None or cls.needs_model):
+            with_model = [c.name for c in PROPOSERS.classes() if c.needs_model]
+            need(len(with_model) == 1, "method", "is needed: a model alone means the one method that drafts "
+                 f"with a model, and these do: {', '.join(with_model) or 'none'}")
+            cls = PROPOSERS[with_model[0]]
+        need(cls is not None, "method", f"must be one of {', '.join(PROPOSERS.names())}")
+        assert cls is not None
+        object.__setattr__(self, "method", cls.name)
+        if not cls.needs_model and self.model is not None and PROPOSERS.find(self.model) is cls:
+            object.__setattr__(self, "model", None)  # vLLM's model="[ngram]" beside its method
+        if cls.needs_model:
+            need(isinstance(self.model, str) and bool(self.model), "model",
+                 f"must name the model method {cls.name} drafts with (a path or a built-in name)")
+        else:
+            need(self.model is None, "model", f"is not taken by method {cls.name} (it drafts without a model)")
+        object.__setattr__(self, "options", self._method_options(cls, self.options or {}))
         need(is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
-        if method == "ngram":
-            need(self.model is None, "model", "is for method draft_model, not ngram")
-            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-            for key, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                need(v is None or (is_int(v) and v >= 1), key, "must be an integer >= 1")
-            # vLLM's defaults: both 5 when neither is given, else the one given for both.
-            lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
-            object.__setattr__(self, "prompt_lookup_min", lo)
-            object.__setattr__(self, "prompt_lookup_max", hi)
-            need(lo <= hi, "prompt_lookup_min", f"must be <= prompt_lookup_max ({hi})")
-        else:
-            need(isinstance(self.model, str) and bool(self.model), "model", "must name the draft model (a path or "
-                 "a built-in name)")
-            for key in ("prompt_lookup_min", "prompt_lookup_max"):
-                need(getattr(self, key) is None, key, "is for method ngram")
         need(self.disable_by_batch_size is None or (is_int(self.disable_by_batch_size)
                                                     and self.disable_by_batch_size >= 2),
              "disable_by_batch_size", "must be an integer >= 2 (vLLM's bound)")
@@ -144,6 +150,23 @@ class SpeculativeConfig:
              and 0.0 <= self.min_acceptance_rate <= 1.0, "min_acceptance_rate", "must be a number in [0, 1]")
         need(is_int(self.acceptance_window) and self.acceptance_window >= 1, "acceptance_window",
              "must be an integer >= 1")
+
+    @staticmethod
+    def _method_options(method: type[Proposer], given: dict[str, Any]) -> Any:
+        """The method's options from the keys given beyond the common ones; a key another
+        method takes, or none does, is a ValueError naming it."""
+        def keys(m: type[Proposer]) -> set[str]:
+            return {f.name for f in fields(m.options)} if m.options is not None else set()
+
+        extra = sorted(set(given) - keys(method), key=str)
+        for key in extra:
+            owner = next((m.name for m in PROPOSERS.classes() if key in keys(m)), None)
+            if owner is not None:
+                raise ValueError(f"speculative_config.{key} is for method {owner}, not {method.name}")
+        if extra:
+            raise ValueError(f"speculative_config: unsupported key(s) {', '.join(map(repr, extra))}; taxirank "
+                             f"takes {', '.join(sorted(COMMON_KEYS | keys(method)))} with method {method.name}")
+        return method.options(**given) if method.options is not None else None
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -159,17 +182,16 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unsupported key(s) {', '.join(map(repr, unknown))}; "
-                             f"taxirank takes {', '.join(sorted(known))}")
-        return cls(**value)
+        common = {k: v for k, v in value.items() if k in COMMON_KEYS}
+        return cls(**common, options={k: v for k, v in value.items() if k not in COMMON_KEYS})
 
     @property
     def k(self) -> int:
         assert self.num_speculative_tokens is not None
         return self.num_speculative_tokens
+
+
+COMMON_KEYS = frozenset(f.name for f in fields(SpeculativeConfig)) - {"options"}
 
 
 @dataclass
@@ -185,6 +207,10 @@ class Proposals:
 class _ProposerBase(Protocol):
     """What every proposer has (module docstring)."""
 
+    # What it needs, read by SpeculativeConfig before any proposer exists:
+    aliases: tuple[str, ...]  # other spellings of its name, as the method or as the model alone
+    needs_model: bool  # it drafts with speculative_config.model (a path or a built-in name)
+    options: type | None  # a frozen dataclass of its own keys, checked in its __post_init__ (None: none)
     draft_probs: bool  # its Proposals carry draft_probs (else the verifier takes q one-hot)
 
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats) -> None: ...
@@ -222,13 +248,53 @@ class StepProposer(_ProposerBase, Protocol):
 Proposer = SchedulingProposer | StepProposer
 
 
-PROPOSERS: Registry[Proposer] = Registry("speculative_config.method")
+class ProposerRegistry(Registry[Proposer]):
+    """PROPOSERS: Registry's name -> class, plus methods known by name before their module
+    is imported (`lazy`: name -> the module whose import registers it), so that a method
+    whose module imports JAX (a draft model) costs nothing until a config names it."""
+
+    def __init__(self, field: str, lazy: dict[str, str]) -> None:
+        super().__init__(field)
+        self.lazy = dict(lazy)
+
+    def register(self, name: str) -> Callable[[type[Proposer]], type[Proposer]]:
+        self.lazy.pop(name, None)  # its module was imported by name, not through the lookup below
+        return super().register(name)
+
+    def __missing__(self, name: str) -> type[Proposer]:
+        if name not in self.lazy:
+            raise KeyError(name)
+        importlib.import_module(self.lazy.pop(name))  # its import registers it
+        return self[name]
+
+    def names(self) -> list[str]:
+        """Every method's name, sorted (the same list whichever modules are imported yet)."""
+        return sorted([*self, *self.lazy])
+
+    def classes(self) -> list[type[Proposer]]:
+        """Every method's class, importing the lazily known ones."""
+        return [self[name] for name in self.names()]
+
+    def find(self, spelling: object) -> type[Proposer] | None:
+        """The method `spelling` names, or spells (its aliases); a lazily known method's
+        module is imported only when no imported method answers."""
+        if not isinstance(spelling, str):
+            return None
+        if spelling in self.lazy:
+            return self[spelling]
+        match = next((c for c in self.values() if spelling in (c.name, *c.aliases)), None)
+        if match is None and self.lazy:
+            self.classes()
+            return self.find(spelling)
+        return match
+
+
+PROPOSERS = ProposerRegistry("speculative_config.method", lazy={"draft_model": "draft_model"})
 
 
 def create_proposer(config: EngineConfig, target: LoadedModel, stats: EngineStats) -> Proposer:
     spec = config.speculative_config
     assert spec is not None and spec.method is not None
-    __import__(_PROPOSER_MODULES[spec.method])  # its import registers it
     proposer: Proposer = PROPOSERS[spec.method](config, target, stats)
     return proposer
 
@@ -240,26 +306,21 @@ def scheduling_drafter(spec: SpeculativeConfig) -> Callable[[Sequence, int], lis
     step's prompt chunks; None for a proposer that proposes after scheduling (a draft
     model), for which the scheduler reserves all k."""
     assert spec.method is not None
-    __import__(_PROPOSER_MODULES[spec.method])  # its import registers it
     cls: type[Proposer] = PROPOSERS[spec.method]
     return partial(cls.draft, spec) if cls.drafts_at_scheduling else None
 
 
-@PROPOSERS.register("ngram")
-class NgramProposer:
-    """Prompt lookup (vLLM's ngram method): find the longest n-gram, n in
-    [prompt_lookup_min, prompt_lookup_max], that ends the sequence's tokens (prompt and
-    outputs) and occurs earlier in them; propose the (up to) k tokens that followed its
-    earliest occurrence. Host-only: no weights, no KV cache, nothing to compile; the
-    scheduler takes its drafts (draft()) when it reserves their room."""
+class HostProposer:
+    """A proposer whose drafts are a pure function of a sequence's host tokens: no
+    weights, no KV cache, nothing to compile or free; the scheduler takes its drafts
+    (draft()) when it reserves their room. A subclass writes draft() and declares its
+    options and aliases, if any."""
 
+    aliases: tuple[str, ...] = ()
+    needs_model = False
+    options: type | None = None
     draft_probs = False
-    drafts_at_scheduling: Literal[True] = True  # a pure function of the tokens so far
-
-    @staticmethod
-    def draft(spec: SpeculativeConfig, seq: Sequence, k: int) -> list[int]:
-        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        return ngram_lookup(seq.token_array(), spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+    drafts_at_scheduling: Literal[True] = True
 
     def __init__(self, config: EngineConfig, target: LoadedModel, stats: EngineStats) -> None:
         pass
@@ -281,6 +342,40 @@ class NgramProposer:
 
     def free(self, seq: Sequence) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class NgramOptions:
+    """ngram's keys (vLLM's): the n-gram lengths its lookup tries; vLLM's defaults, both 5
+    when neither is given, else the one given for both."""
+
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for key, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            check_key(v is None or (is_int(v) and v >= 1), key, v, "must be an integer >= 1")
+        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        check_key(lo <= hi, "prompt_lookup_min", lo, f"must be <= prompt_lookup_max ({hi})")
+
+
+@PROPOSERS.register("ngram")
+class NgramProposer(HostProposer):
+    """Prompt lookup (vLLM's ngram method): find the longest n-gram, n in
+    [prompt_lookup_min, prompt_lookup_max], that ends the sequence's tokens (prompt and
+    outputs) and occurs earlier in them; propose the (up to) k tokens that followed its
+    earliest occurrence."""
+
+    aliases = ("[ngram]",)  # vLLM's other spelling
+    options = NgramOptions
+
+    @staticmethod
+    def draft(spec: SpeculativeConfig, seq: Sequence, k: int) -> list[int]:
+        lo, hi = spec.options.prompt_lookup_min, spec.options.prompt_lookup_max
+        return ngram_lookup(seq.token_array(), lo, hi, k)
 
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

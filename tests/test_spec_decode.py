@@ -9,6 +9,10 @@ position j (among the runs that reach j) must follow p_j, whatever was accepted 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -23,9 +27,9 @@ from test_sampling import LOGITS, chi_square, draw, exact
 
 def test_speculative_config_follows_vllm_and_names_bad_keys():
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
-    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    assert (c.options.prompt_lookup_min, c.options.prompt_lookup_max) == (5, 5)  # vLLM's defaults
     c = SpeculativeConfig.parse({"model": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
-    assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", None, 4, 4)
+    assert (c.method, c.model, c.options.prompt_lookup_min, c.options.prompt_lookup_max) == ("ngram", None, 4, 4)
     assert SpeculativeConfig.parse({"model": "draft.gguf", "num_speculative_tokens": 2}).method == "draft_model"
     c = SpeculativeConfig.parse({"model": "draft.gguf", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
     assert c.draft_tensor_parallel_size == 1  # vLLM's key, where it asks what runs here
@@ -52,6 +56,25 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
     for text, word in bad.items():
         with pytest.raises(ValueError, match=word):
             EngineConfig(speculative_config=text)
+
+
+def test_an_ngram_config_is_checked_without_jax_and_a_draft_models_module_loads_when_named():
+    """The registry knows draft_model by name and module: an ngram config, in any of vLLM's
+    spellings, is checked without importing it (and JAX); a config naming a draft model
+    imports the module, whose import registers the class."""
+    code = """import sys
+from config import EngineConfig
+from spec_decode import PROPOSERS
+jax = lambda: [m for m in sys.modules if m.split('.')[0] == 'jax']
+for spec in ({"method": "ngram"}, {"model": "[ngram]"}, {"method": "[ngram]", "model": "ngram"}):
+    assert EngineConfig(speculative_config={**spec, "num_speculative_tokens": 2}).speculative_config.method == "ngram"
+assert PROPOSERS.names() == ["draft_model", "ngram"] and not jax(), jax()
+assert EngineConfig(speculative_config={"model": "d.gguf", "num_speculative_tokens": 2}).speculative_config.method \
+    == "draft_model"
+assert PROPOSERS["draft_model"].__name__ == "DraftModelProposer" and "draft_model" in sys.modules and jax()
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True)
 
 
 # ---- ngram ------------------------------------------------------------------------------
@@ -747,7 +770,7 @@ def test_each_proposer_is_exactly_the_protocol_its_drafts_at_scheduling_names():
     import draft_model  # noqa: F401  (registers draft_model)
     from spec_decode import PROPOSERS, SchedulingProposer, StepProposer
 
-    assert set(PROPOSERS) == {"ngram", "draft_model"}
+    assert set(PROPOSERS) == {"ngram", "draft_model"} and PROPOSERS.names() == ["draft_model", "ngram"]
     members = {kind: typing_extensions.get_protocol_members(kind) for kind in (SchedulingProposer, StepProposer)}
     for name, cls in PROPOSERS.items():
         kind, other = (SchedulingProposer, StepProposer) if cls.drafts_at_scheduling else (StepProposer, SchedulingProposer)
