@@ -95,7 +95,8 @@ class FP8(QuantizationMethod):
     activations (W8A8). A checkpoint stored in FP8 (config.json `quantization_config`) is
     refused by hf_config.py."""
 
-    summary = "FP8 E4M3 per tensor, weight-only (vLLM quantizes activations too on FP8 GPUs), any checkpoint"
+    summary = ("E4M3, one scale per tensor, any checkpoint; the activations stay in the model dtype, where "
+               "vLLM on an FP8 GPU quantizes them too")
 
     def schemes(self, gguf_types: GGUFTypes | None) -> tuple[tuple[str, str], ...]:
         return tuple((path, "fp8_e4m3") for path in LAYER_LINEARS)
