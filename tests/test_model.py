@@ -254,6 +254,9 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(architectures="LlamaForCausalLM"), "architectures must be a list of class names"),
     # its tensors (qweight, scales) are not float weights: refused before any is read
     (dict(quantization_config=dict(quant_method="awq", bits=4)), "pre-quantized checkpoint .*'awq'"),
+    # an FP8-serialized one too (vLLM's is_checkpoint_fp8_serialized): --quantization fp8 is for float weights
+    (dict(quantization_config=dict(quant_method="fp8", activation_scheme="dynamic")),
+     "pre-quantized checkpoint .*'fp8'.*--quantization int8 or fp8"),
 ])
 def test_config_json_values_are_checked_where_they_enter(change, says):
     d = {k: v for k, v in {**_HF, **change}.items() if v is not None}
