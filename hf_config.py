@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any
 
+from quant_methods import float_methods
 from sampling_params import GENERATION_DEFAULT_KEYS, is_finite_number, is_int, sampling_defaults
 
 # config.json's integer sizes, each >= 1 (num_key_value_heads and head_dim may be absent).
@@ -119,7 +120,7 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
     if quant is not None:  # its tensors (qweight, scales, fp8) are not the float weights the loader reads
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise ValueError(f"{where}a pre-quantized checkpoint (quantization_config: {method!r}) is not supported: "
-                         "load a float checkpoint (and pass --quantization int8 to serve it in 8 bits)")
+                         f"load a float checkpoint (and pass --quantization {float_methods()} to serve it in 8 bits)")
     arch = d.get("architectures")
     if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) for a in arch)):
         raise ValueError(f"{where}architectures must be a list of class names, got {arch!r}")

@@ -222,9 +222,11 @@ class Weight:
 def _linear_weights(name: str, gguf: str, axes: tuple[str, str], bias: bool = True) -> dict[str, Weight]:
     """A linear's kernel [in, out] and, where a config may give it one, its bias [out];
     quantized (quant.QuantLinear), the kernel holds codes and beside it go a per-channel
-    scale [out] or per-block scales (and minima) [in/32, out], split over the mesh with it."""
+    scale [out] or per-block scales (and minima) [in/32, out], split over the mesh with it,
+    or one scale for the whole tensor, replicated (so every shard decodes as one device)."""
     kernel = {f"{name}.kernel": Weight(f"{name}.weight", f"{gguf}.weight", axes, transposed=True)}
     scales = {f"{name}.scale": Weight(f"{name}.weight_scale", "", axes[1:], derived=True),
+              f"{name}.tensor_scale": Weight(f"{name}.weight_tensor_scale", "", (), derived=True),
               f"{name}.block_scale": Weight(f"{name}.weight_block_scale", "", axes, derived=True),
               f"{name}.block_min": Weight(f"{name}.weight_block_min", "", axes, derived=True)}
     return kernel | scales | ({f"{name}.bias": Weight(f"{name}.bias", f"{gguf}.bias", axes[1:])} if bias else {})

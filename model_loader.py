@@ -227,7 +227,8 @@ def model_from_hf_tensors(cfg: ModelConfig, dtype: jnp.dtype, tensors: Iterable[
         if not isinstance(x, GGUFBlocks) and not jnp.issubdtype(x.dtype, jnp.floating):
             # an integer or bool tensor would be cast to the weights' dtype without a word
             raise ValueError(f"tensor {name!r} in {source} has dtype {x.dtype}, not a floating-point type")
-        at = (lambda q: buffers[q]) if layer is None else (lambda q: buffers[q][layer])
+        # (layer, ...): a view even of a per-layer scalar (a per-tensor scale), where [layer] copies
+        at = (lambda q: buffers[q]) if layer is None else (lambda q: buffers[q][layer, ...])
         scheme = schemes.get(p)
         if scheme is not None:
             lin = variables[p[:-1] + ("kernel",)].get_value().shape  # [(L,) in or in/2, out]

@@ -7,6 +7,11 @@ for parallel.py's sharding), its host encoding from a checkpoint tensor, and its
         commutes with the dot, so the matmul reads the int8 kernel converted to the
         activation dtype and multiplies its [T, out] result: dequantization in the
         dot's epilogue.
+  fp8_e4m3  float8_e4m3fn codes with one f32 `tensor_scale` per linear (w = q * scale),
+        vLLM's online FP8: scale = absmax / 448, q = w * (1 / scale) clamped to +-448 and
+        rounded to nearest even. Dequantized in the epilogue as int8; the codes convert
+        exactly to float32, bfloat16 or float16, so the activations stay in the model dtype
+        (weight-only, as vLLM's Marlin path on GPUs without FP8 compute).
   q8_0  GGUF Q8_0 served as the file stores it: int8 in blocks of 32 input features,
         `block_scale` [in/32, out] float16, the file's own scales (w = q * d): 8.5 bits
         a weight.
@@ -30,6 +35,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -68,19 +74,46 @@ class Scheme:
 
 
 @dataclass(frozen=True)
-class PerChannelInt8(Scheme):
-    def arrays(self, n_in: int, n_out: int) -> Arrays:
-        return {"kernel": ((n_in, n_out), np.int8), "scale": ((n_out,), np.float32)}
+class EpilogueScaled(Scheme):
+    """Codes [in, out] times a scale that does not vary along the dot's reduction axis
+    (per output channel, or one per tensor), from a float tensor: the dot reads the codes
+    converted to the activation dtype and the scale multiplies its [T, out] result."""
+
+    scale: str = "scale"  # the scale array's name: model.py declares how it is sharded
+
+    def quantize(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """w [in, out] float32 -> (codes [in, out], scale)."""
+        raise NotImplementedError
 
     def encode(self, x: np.ndarray | GGUFBlocks) -> dict[str, np.ndarray]:
-        q, scale = quantize_int8((x.dequantize() if isinstance(x, GGUFBlocks) else np.asarray(x, np.float32)).T)
-        return {"kernel": q, "scale": scale}
+        q, scale = self.quantize((x.dequantize() if isinstance(x, GGUFBlocks) else np.asarray(x, np.float32)).T)
+        return {"kernel": q, self.scale: scale}
 
     def dequantize(self, a: dict[str, jax.Array], dtype: jnp.dtype) -> jax.Array:
-        return (a["kernel"].astype(jnp.float32) * a["scale"]).astype(dtype)
+        return (a["kernel"].astype(jnp.float32) * a[self.scale]).astype(dtype)
 
     def matmul(self, x: jax.Array, a: dict[str, jax.Array]) -> jax.Array:
-        return jnp.dot(x, a["kernel"].astype(x.dtype), preferred_element_type=jnp.float32) * a["scale"]
+        return jnp.dot(x, a["kernel"].astype(x.dtype), preferred_element_type=jnp.float32) * a[self.scale]
+
+
+@dataclass(frozen=True)
+class PerChannelInt8(EpilogueScaled):
+    def arrays(self, n_in: int, n_out: int) -> Arrays:
+        return {"kernel": ((n_in, n_out), np.int8), self.scale: ((n_out,), np.float32)}
+
+    def quantize(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return quantize_int8(w)
+
+
+@dataclass(frozen=True)
+class PerTensorFP8(EpilogueScaled):
+    scale: str = "tensor_scale"
+
+    def arrays(self, n_in: int, n_out: int) -> Arrays:
+        return {"kernel": ((n_in, n_out), ml_dtypes.float8_e4m3fn), self.scale: ((), np.float32)}
+
+    def quantize(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return quantize_fp8(w)
 
 
 @dataclass(frozen=True)
@@ -154,6 +187,7 @@ class GGUFBlockScheme(Scheme):
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     PerChannelInt8("int8"),
+    PerTensorFP8("fp8_e4m3"),
     GGUFBlockScheme("q8_0"),
     GGUFBlockScheme("q4_0", bits=4, offset=8.0),
     GGUFBlockScheme("q4_1", bits=4, has_min=True),
@@ -237,9 +271,26 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
 
 
+FP8_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+
+
+def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w (any shape) -> (float8_e4m3fn codes, f32 scale []): one scale for the tensor, as
+    vLLM's scaled_fp8_quant: scale = max |w| / 448, codes = w * (1 / scale) clamped to
+    +-448, rounded to nearest even. A tensor whose scale would not be a normal float32
+    (all zero, or weights below 448 * 2**-126) gets 1, so 1 / scale stays finite and its
+    codes round to 0."""
+    w = np.asarray(w, np.float32)
+    scale = np.float32(np.abs(w).max(initial=0.0) / np.float32(FP8_E4M3_MAX))
+    if not scale >= np.finfo(np.float32).tiny:
+        scale = np.float32(1.0)
+    q = np.clip(w * (np.float32(1.0) / scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.astype(ml_dtypes.float8_e4m3fn), np.asarray(scale, np.float32)
+
+
 def encode(x: np.ndarray | GGUFBlocks, scheme: str) -> dict[str, np.ndarray]:
     """A checkpoint tensor [out, in] (float, or GGUF blocks) -> a QuantLinear's arrays
-    ({"kernel", "scale" | "block_scale" [, "block_min"]}, kernels [in, out])."""
+    ({"kernel", "scale" | "tensor_scale" | "block_scale" [, "block_min"]}, kernels [in, out])."""
     return SCHEMES[scheme].encode(x)
 
 

@@ -2,8 +2,8 @@
 QUANTIZATION_METHODS), and what each method stores quantized.
 
 A method is one `@QUANTIZATION_METHODS.register(name)` class: it picks, for each decoder-layer
-linear (LAYER_LINEARS), the scheme that stores it (quant.SCHEMES: int8, q8_0, q4_0, q4_1) or
-leaves it in the model dtype, and declares what it needs from the checkpoint
+linear (LAYER_LINEARS), the scheme that stores it (quant.SCHEMES: int8, fp8_e4m3, q8_0, q4_0,
+q4_1) or leaves it in the model dtype, and declares what it needs from the checkpoint
 (`reads_gguf_blocks`: a GGUF file's quantized tensors as stored). Callers ask the method;
 nothing outside this file compares method names.
 
@@ -38,7 +38,8 @@ class WeightQuant:
         counts: dict[str, int] = {}
         for _, s in self.schemes:
             counts[s] = counts.get(s, 0) + 1
-        return f"{self.method}: " + ", ".join(f"{n} linear(s) {s}" for s, n in sorted(counts.items()))
+        # every method stores weights only: the activations, and so the matmuls, stay in the model dtype
+        return f"{self.method}, weight-only: " + ", ".join(f"{n} linear(s) {s}" for s, n in sorted(counts.items()))
 
 
 GGUFTypes = dict[str, set[str]]  # a GGUF file's tensor types per linear (LAYER_LINEARS path -> its layers' types)
@@ -69,7 +70,7 @@ QUANTIZATION_METHODS: Registry[QuantizationMethod] = Registry("quantization")
 
 
 def float_methods() -> str:
-    """The registered methods that quantize float weights, so serve any checkpoint ("int8")."""
+    """The registered methods that quantize float weights, so serve any checkpoint ("int8 or fp8")."""
     return " or ".join(name for name, m in QUANTIZATION_METHODS.items() if not m.reads_gguf_blocks)
 
 
@@ -82,6 +83,23 @@ class Int8(QuantizationMethod):
 
     def schemes(self, gguf_types: GGUFTypes | None) -> tuple[tuple[str, str], ...]:
         return tuple((path, "int8") for path in LAYER_LINEARS)
+
+
+@QUANTIZATION_METHODS.register("fp8")
+class FP8(QuantizationMethod):
+    """vLLM's `--quantization fp8` on a float checkpoint (online: Fp8Config with
+    is_checkpoint_fp8_serialized=False): every linear in float8_e4m3fn with one scale per
+    weight tensor, quantized at load time from any checkpoint's float weights (a GGUF
+    file's dequantized first). Weight-only: the activations stay in the model dtype, as
+    vLLM's Marlin path on GPUs without FP8 compute; on FP8 GPUs vLLM also quantizes the
+    activations (W8A8). A checkpoint stored in FP8 (config.json `quantization_config`) is
+    refused by hf_config.py."""
+
+    summary = ("E4M3, one scale per tensor, any checkpoint; the activations stay in the model dtype, where "
+               "vLLM on an FP8 GPU quantizes them too")
+
+    def schemes(self, gguf_types: GGUFTypes | None) -> tuple[tuple[str, str], ...]:
+        return tuple((path, "fp8_e4m3") for path in LAYER_LINEARS)
 
 
 # The GGUF tensor types served in their own blocks, and the scheme that holds each.

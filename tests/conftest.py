@@ -161,6 +161,37 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_rounded_reference(path: str, prompts: list[list[int]], max_new_tokens: int,
+                         rounded: Callable[[str, np.ndarray], np.ndarray | None]) -> tuple[list, list, list]:
+    """transformers on the checkpoint at `path`, a fresh float32 copy whose parameters
+    `rounded(name, float64 weight)` maps (None: kept) are replaced by what it returns: each
+    prompt's log-softmax [len, vocab] before and after the replacement, and the greedy
+    continuations (ignoring eos) after it. The reference for a quantization method."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        floats = [torch.log_softmax(model(torch.tensor([p])).logits[0], -1).numpy() for p in prompts]
+        for name, w in model.named_parameters():
+            r = rounded(name, w.numpy().astype(np.float64))
+            if r is not None:
+                w.copy_(torch.from_numpy(np.asarray(r, np.float32)))
+        want = [torch.log_softmax(model(torch.tensor([p])).logits[0], -1).numpy() for p in prompts]
+        tokens = [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                  for p in prompts]
+    return floats, want, tokens
+
+
+def prompt_logprob_gap(outs: list, prompts: list[list[int]], logprobs: list[np.ndarray]) -> float:
+    """The largest |engine prompt logprob - reference| over every prompt token after the
+    first; `outs`: RequestOutputs asked for prompt_logprobs=0, `logprobs`: [len, vocab] each."""
+    gaps = [np.abs(np.array([lp.logprob for lp in out.prompt_logprobs[1:]]) - lp[np.arange(len(p) - 1), p[1:]]).max()
+            for out, p, lp in zip(outs, prompts, logprobs)]
+    return float(max(gaps))
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """Factory fixture: hf_checkpoint(family, **kw) -> path of a checkpoint built once per

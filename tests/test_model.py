@@ -254,6 +254,9 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     (dict(architectures="LlamaForCausalLM"), "architectures must be a list of class names"),
     # its tensors (qweight, scales) are not float weights: refused before any is read
     (dict(quantization_config=dict(quant_method="awq", bits=4)), "pre-quantized checkpoint .*'awq'"),
+    # an FP8-serialized one too (vLLM's is_checkpoint_fp8_serialized): --quantization fp8 is for float weights
+    (dict(quantization_config=dict(quant_method="fp8", activation_scheme="dynamic")),
+     "pre-quantized checkpoint .*'fp8'.*--quantization int8 or fp8"),
 ])
 def test_config_json_values_are_checked_where_they_enter(change, says):
     d = {k: v for k, v in {**_HF, **change}.items() if v is not None}
@@ -509,7 +512,7 @@ def test_every_parameter_is_declared_once_with_axes_of_its_rank():
     from quant import LAYER_LINEARS, WeightQuant
 
     seen = {p for p, _ in flat}
-    for scheme in ("int8", "q4_1"):
+    for scheme in ("int8", "fp8_e4m3", "q4_1"):
         quant = WeightQuant(tuple((path, scheme) for path in LAYER_LINEARS), scheme)
         for path, var in nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: Decoder(cfg, quant=quant,
                                                                                      rngs=nnx.Rngs(0))), nnx.Param)):
@@ -522,8 +525,10 @@ def test_every_parameter_is_declared_once_with_axes_of_its_rank():
     assert spec["layers.self_attn.o_proj.bias"] == P(None, None)  # added once, after the sum
     assert spec["layers.mlp.down_proj.kernel"] == P(None, "tp", None)
     # a quantized kernel's scales split with its features: per output channel with the
-    # output (column-parallel) or replicated (row-parallel), per input block with the input
+    # output (column-parallel) or replicated (row-parallel), per input block with the input,
+    # per tensor replicated
     assert param_spec(("layers", "self_attn", "q_proj", "scale"), cfg, 2) == P(None, "tp")
     assert param_spec(("layers", "self_attn", "o_proj", "scale"), cfg, 2) == P(None, None)
     assert param_spec(("layers", "mlp", "down_proj", "block_scale"), cfg, 2) == P(None, "tp", None)
+    assert param_spec(("layers", "mlp", "down_proj", "tensor_scale"), cfg, 2) == P(None)  # one per layer: replicated
     assert spec["embed_tokens.embedding"] == P("tp", None) and spec["norm.weight"] == P(None)

@@ -143,6 +143,9 @@ def tp_report(tmp_path_factory):
     for tp in (1, 2, 4):
         cases[f"llama-wint8-tp{tp}"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=tp,
                                                                            kv_cache_dtype="int8", quantization="int8"))
+    # fp8 weights: codes split, one scale per tensor replicated (computed from the whole tensor)
+    for tp in (1, 4):
+        cases[f"llama-wfp8-tp{tp}"] = dict(model=models["llama"], kw=dict(tensor_parallel_size=tp, quantization="fp8"))
     # a draft model (other weights: some drafts rejected) runs whole on one device beside a
     # target sharded over the mesh; also from a converted checkpoint, whose restore places it
     # on the default device explicitly
@@ -253,8 +256,13 @@ def test_int8_weights_and_kv_give_the_same_tokens_at_tp_2_and_4_as_at_tp_1(tp_re
         assert tp_report[f"llama-wint8-tp{tp}"]["tokens"] == ref["tokens"], tp
 
 
+def test_fp8_weights_give_the_same_tokens_at_tp_4_as_at_tp_1(tp_report):
+    ref, got = tp_report["llama-wfp8-tp1"], tp_report["llama-wfp8-tp4"]
+    assert ref["preemptions"] > 0 and got["tokens"] == ref["tokens"]
+
+
 @pytest.mark.parametrize("case,tp", [("llama-tp2", 2), ("llama-tp4", 4), ("qwen3-tp4", 4), ("llama-kvint8-tp4", 4),
-                                     ("llama-wint8-tp2", 2), ("llama-wint8-tp4", 4)])
+                                     ("llama-wint8-tp2", 2), ("llama-wint8-tp4", 4), ("llama-wfp8-tp4", 4)])
 def test_each_device_holds_one_nth_of_weights_and_kv_cache(tp_report, case, tp):
     r = tp_report[case]
     # every q/k/v/o/gate/up/down kernel (stacked over layers) and the embedding at least

@@ -1,4 +1,5 @@
-"""Weight-only quantization (quant.py): the codes and scales against NumPy references, the
+"""Weight-only quantization (quant.py): the codes and scales against NumPy references (FP8
+against the e4m3 format's table of values), an fp8 checkpoint against transformers, the
 GGUF block layouts against the `gguf` library's own quantizer and dequantizer, the
 quantized linears against a float matmul, start-up errors, and no compilation after
 warm-up with quantized weights."""
@@ -77,6 +78,104 @@ def test_int8_channels_of_tiny_values_get_a_positive_scale():
     assert np.abs(q * scale - w).max() <= 3e-45 + scale[2] / 2
 
 
+def _e4m3_values() -> np.ndarray:
+    """Every finite float8_e4m3fn value, from its bit patterns: sign, 4 exponent bits (bias
+    7), 3 mantissa bits; exponent 0 is subnormal, S.1111.111 is NaN (no infinities)."""
+    vals = []
+    for bits in range(256):
+        sign, e, m = -1.0 if bits >> 7 else 1.0, (bits >> 3) & 15, bits & 7
+        if e == 15 and m == 7:
+            continue
+        vals.append(sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)))
+    return np.unique(vals)
+
+
+def test_fp8_codes_are_the_nearest_e4m3_values_of_w_over_one_per_tensor_scale():
+    """vLLM's online FP8 (scaled_fp8_quant): scale = max |w| / 448 over the whole tensor,
+    codes = w * (1 / scale) rounded to nearest even; the largest |w| saturates at +-448."""
+    import jax
+    import ml_dtypes
+
+    from quant import encode
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(40, 64)).astype(np.float32) * rng.uniform(1e-3, 2, size=(40, 1)).astype(np.float32)
+    w.flat[rng.integers(w.size)] = -7.5  # the absmax, negative
+    parts = encode(w, "fp8_e4m3")  # [out, in] as checkpoints store it
+    q, s = parts["kernel"], parts["tensor_scale"]
+    assert q.dtype == ml_dtypes.float8_e4m3fn and q.shape == (64, 40) and s.shape == () and s.dtype == np.float32
+    assert s == np.float32(7.5) / np.float32(448)
+    x = np.clip(w.T * (np.float32(1) / s), -448, 448)
+    want = x.astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(q.view(np.uint8), want.view(np.uint8))
+    assert q.astype(np.float32).min() == -448 and np.sum(q.astype(np.float32) == -448) == 1
+    # ml_dtypes' rounding is the nearest value of the format's table, ties to the even code
+    table = _e4m3_values()
+    dist = np.abs(x.astype(np.float64)[..., None] - table)
+    nearest = dist.min(-1)
+    assert np.array_equal(np.abs(q.astype(np.float64) - x), nearest)
+    ties = (dist == nearest[..., None]).sum(-1) > 1
+    assert np.all(q.view(np.uint8)[ties] % 2 == 0)
+    # dequantized: within half a step of e4m3 (3 mantissa bits: |w| / 16; 2**-10 of the scale below 2**-6)
+    lin = _filled_linear(parts, "fp8_e4m3", 64, 40)
+    deq = np.asarray(jax.jit(lambda: lin.dequantized_kernel(np.float32))())
+    np.testing.assert_array_equal(deq, q.astype(np.float32) * s)
+    assert np.all(np.abs(deq - w.T) <= np.maximum(np.abs(w.T) / 16, s * 2.0 ** -10) * (1 + 1e-6))
+    assert np.abs(deq - w.T).max() > 0
+    x_in = rng.normal(size=(6, 64)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(lin(x_in)), x_in @ deq, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_all_zero_and_vanishing_weights_get_scale_1_and_zero_codes():
+    """A tensor whose max |w| / 448 is 0 or subnormal: scale 1 (1 / scale stays finite, no
+    NaN codes), codes 0, so the weight dequantizes to (nearly) itself."""
+    import warnings
+
+    from quant import quantize_fp8
+
+    for w in (np.zeros((5, 3), np.float32), np.array([[1e-40, -3e-42], [0.0, 2e-39]], np.float32)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            q, scale = quantize_fp8(w)
+        assert scale == 1 and not np.isnan(q.astype(np.float32)).any()
+        assert np.all(q.astype(np.float32) == 0)
+
+
+def test_fp8_weights_are_transformers_on_the_fp8_rounded_checkpoint(tmp_path):
+    """`--quantization fp8` on a float checkpoint: prompt logprobs within 1e-4 of transformers
+    run on the same checkpoint with every decoder-layer linear rounded to e4m3 with one
+    scale per tensor (NumPy, ml_dtypes), farther from the float model, and the same greedy
+    tokens; the weight bytes shrink by 3 of every 4 bytes of those linears (less one f32 scale each)."""
+    import ml_dtypes
+    from conftest import hf_rounded_reference, make_hf_checkpoint, prompt_logprob_gap
+
+    def fp8_rounded(name: str, w: np.ndarray) -> np.ndarray | None:
+        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+            return None
+        w = w.astype(np.float32)
+        scale = np.float32(np.abs(w).max() / np.float32(448))
+        codes = np.clip(w * (np.float32(1) / scale), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        return codes.astype(np.float32) * scale
+
+    path = make_hf_checkpoint(tmp_path / "ckpt", "llama2")
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (13, 7)]
+    floats, want, want_tokens = hf_rounded_reference(path, prompts, 6, fp8_rounded)
+    kw = dict(log=lambda _: None, max_num_seqs=4, num_kv_blocks=64, block_size=4, max_model_len=64, warmup=False)
+    llm = LLM(path, quantization="fp8", **kw)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0))
+    assert prompt_logprob_gap(outs, prompts, want) < 1e-4
+    assert prompt_logprob_gap(outs, prompts, floats) > 1e-3  # the rounding shows
+    assert [o.outputs[0].token_ids for o in outs] == want_tokens
+    ref = LLM(path, **kw)
+    cfg = llm.engine.model_config
+    layers = llm.engine.loaded.model.layers
+    linear = sum(np.prod(lin.kernel[...].shape) for lin in (
+        layers.self_attn.q_proj, layers.self_attn.k_proj, layers.self_attn.v_proj, layers.self_attn.o_proj,
+        layers.mlp.gate_proj, layers.mlp.up_proj, layers.mlp.down_proj))
+    assert ref.stats.weight_bytes - llm.stats.weight_bytes == 3 * linear - 7 * 4 * cfg.num_hidden_layers
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_blocks_parse_as_the_format_says_and_the_jitted_unpacking_matches(kind):
     import gguf
@@ -108,12 +207,15 @@ def test_gguf_blocks_parse_as_the_format_says_and_the_jitted_unpacking_matches(k
 def test_quantization_values_and_combinations_are_checked_at_start_up():
     from cli_args import build_parser, engine_config
 
-    assert engine_config(build_parser().parse_args(["--quantization", "int8"])).quantization == "int8"
+    for name in ("int8", "fp8", "gguf"):
+        assert engine_config(build_parser().parse_args(["--quantization", name])).quantization == name
+        assert EngineConfig(quantization=name).quantization == name
+        assert f"{name} (" in " ".join(build_parser().format_help().split())  # --help: each with its summary
     assert engine_config(build_parser().parse_args([])).quantization is None
     with pytest.raises(ValueError, match="quantization"):
         engine_config(build_parser().parse_args(["--quantization", "int4"]))
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="fp8")
+        EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="not a .gguf file"):
         LLM("tiny", log=lambda _: None, quantization="gguf", warmup=False, num_kv_blocks=8, max_model_len=32)
     from quant import weight_quant_for

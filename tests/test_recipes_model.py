@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import hf_greedy, make_hf_checkpoint
+from conftest import hf_greedy, hf_rounded_reference, make_hf_checkpoint, prompt_logprob_gap
 
 import attention_backend
 import model
@@ -98,14 +98,11 @@ def test_adding_a_quantization_method_as_the_doc_says(registries, tmp_path):
     """The recipe's method stores the MLP's linears in int8 and nothing else: its arrays say
     so, and the prompt logprobs and greedy tokens are transformers' on the checkpoint with
     exactly those weights rounded to int8 (NumPy), not the float model's."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from cli_args import build_parser
 
     code = recipe("Adding a quantization method")
     exec(compile(code, DOC, "exec"), {})
-    (name,) = QUANTIZATION_METHODS.keys() - {"int8", "gguf"}
+    (name,) = QUANTIZATION_METHODS.keys() - {"int8", "fp8", "gguf"}
     assert name == "int8_mlp" and f'"{name}"' in code
     assert name in build_parser().format_help()
 
@@ -119,22 +116,11 @@ def test_adding_a_quantization_method_as_the_doc_says(registries, tmp_path):
 
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 300, n).tolist() for n in (13, 7)]
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        floats = [torch.log_softmax(ref(torch.tensor([p])).logits[0], -1).numpy() for p in prompts]
-        for name_, w in ref.named_parameters():
-            if ".mlp." in name_:
-                w.copy_(torch.from_numpy(_int8_rounded(w.numpy().astype(np.float64)).astype(np.float32)))
-        want = [torch.log_softmax(ref(torch.tensor([p])).logits[0], -1).numpy() for p in prompts]
-        want_tokens = [ref.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-
+    floats, want, want_tokens = hf_rounded_reference(
+        path, prompts, 6, lambda n, w: _int8_rounded(w) if ".mlp." in n else None)
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0))
-    for out, p, w, f in zip(outs, prompts, want, floats):
-        got = np.array([lp.logprob for lp in out.prompt_logprobs[1:]])
-        idx = np.arange(len(p) - 1)
-        assert np.abs(got - w[idx, p[1:]]).max() < 1e-4
-        assert np.abs(got - f[idx, p[1:]]).max() > 1e-3  # the rounding shows: the MLP really is int8
+    assert prompt_logprob_gap(outs, prompts, want) < 1e-4
+    assert prompt_logprob_gap(outs, prompts, floats) > 1e-3  # the rounding shows: the MLP really is int8
     assert [o.outputs[0].token_ids for o in outs] == want_tokens
 
 
@@ -142,7 +128,7 @@ def test_an_unregistered_quantization_name_is_refused_naming_the_registered_ones
     from cli_args import build_parser, engine_config
     from config import EngineConfig
 
-    with pytest.raises(ValueError, match="quantization must be int8 or gguf, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be int8, fp8 or gguf, got 'int4'"):
         EngineConfig(quantization="int4")
-    with pytest.raises(ValueError, match="quantization must be int8 or gguf, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be int8, fp8 or gguf, got 'int4'"):
         engine_config(build_parser().parse_args(["--quantization", "int4"]))
