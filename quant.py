@@ -35,7 +35,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -110,7 +109,7 @@ class PerTensorFP8(EpilogueScaled):
     scale: str = "tensor_scale"
 
     def arrays(self, n_in: int, n_out: int) -> Arrays:
-        return {"kernel": ((n_in, n_out), ml_dtypes.float8_e4m3fn), self.scale: ((), np.float32)}
+        return {"kernel": ((n_in, n_out), jnp.float8_e4m3fn), self.scale: ((), np.float32)}
 
     def quantize(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return quantize_fp8(w)
@@ -271,7 +270,7 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
 
 
-FP8_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+FP8_E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 
 
 def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -285,7 +284,7 @@ def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not scale >= np.finfo(np.float32).tiny:
         scale = np.float32(1.0)
     q = np.clip(w * (np.float32(1.0) / scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return q.astype(ml_dtypes.float8_e4m3fn), np.asarray(scale, np.float32)
+    return q.astype(jnp.float8_e4m3fn), np.asarray(scale, np.float32)
 
 
 def encode(x: np.ndarray | GGUFBlocks, scheme: str) -> dict[str, np.ndarray]:
