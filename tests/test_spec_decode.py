@@ -9,6 +9,7 @@ position j (among the runs that reach j) must follow p_j, whatever was accepted 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -56,6 +57,20 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
     for text, word in bad.items():
         with pytest.raises(ValueError, match=word):
             EngineConfig(speculative_config=text)
+
+
+def test_a_built_configs_options_survive_replace_and_a_bad_options_value_is_a_value_error():
+    """options is the method's dataclass once built: dataclasses.replace (which runs
+    __post_init__ again) and a SpeculativeConfig made with that dataclass keep it; a value
+    of another type is a ValueError naming options, not a TypeError."""
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    r = dataclasses.replace(c, num_speculative_tokens=2)
+    assert (r.k, r.options.prompt_lookup_min, r.options.prompt_lookup_max) == (2, 2, 2)
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=2, options=c.options).options == c.options
+    for options in ([["prompt_lookup_min"]], "abc", 3, c.options):
+        method = {"method": "draft_model", "model": "d.gguf"} if options is c.options else {"method": "ngram"}
+        with pytest.raises(ValueError, match="speculative_config.options"):
+            SpeculativeConfig(**method, num_speculative_tokens=2, options=options)
 
 
 def test_an_ngram_config_is_checked_without_jax_and_a_draft_models_module_loads_when_named():
