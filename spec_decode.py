@@ -131,7 +131,7 @@ class SpeculativeConfig:
         need(cls is not None, "method", f"must be one of {', '.join(PROPOSERS.names())}")
         assert cls is not None
         object.__setattr__(self, "method", cls.name)
-        if not cls.needs_model and self.model is not None and PROPOSERS.find(self.model) is cls:
+        if not cls.needs_model and self.model in (cls.name, *cls.aliases):
             object.__setattr__(self, "model", None)  # vLLM's model="[ngram]" beside its method
         if cls.needs_model:
             need(isinstance(self.model, str) and bool(self.model), "model",

@@ -83,6 +83,10 @@ from spec_decode import PROPOSERS
 jax = lambda: [m for m in sys.modules if m.split('.')[0] == 'jax']
 for spec in ({"method": "ngram"}, {"model": "[ngram]"}, {"method": "[ngram]", "model": "ngram"}):
     assert EngineConfig(speculative_config={**spec, "num_speculative_tokens": 2}).speculative_config.method == "ngram"
+try:  # refused for ngram's own reason, not by importing every proposer to ask who takes a model
+    EngineConfig(speculative_config={"method": "ngram", "model": "d.gguf", "num_speculative_tokens": 2})
+except ValueError as e:
+    assert "model is not taken by method ngram" in str(e), e
 assert PROPOSERS.names() == ["draft_model", "ngram"] and not jax(), jax()
 assert EngineConfig(speculative_config={"model": "d.gguf", "num_speculative_tokens": 2}).speculative_config.method \
     == "draft_model"
