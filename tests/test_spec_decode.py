@@ -42,6 +42,9 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
            '{"method": [], "num_speculative_tokens": 2}': "method must be one of",  # not a TypeError (unhashable)
            '{"method": {}, "model": "d.gguf", "num_speculative_tokens": 2}': "method must be one of",
            '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}': "bogus",
+           # options is how a built config holds ngram's keys, not a JSON key: no way around their checks
+           '{"method": "ngram", "num_speculative_tokens": 2, "options": {"prompt_lookup_min": 0}}':
+               "unsupported key.*'options'",
            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}':
                "prompt_lookup_min",
            '{"method": "ngram", "num_speculative_tokens": true}': "num_speculative_tokens",
