@@ -131,14 +131,19 @@ class SpeculativeConfig:
         need(cls is not None, "method", f"must be one of {', '.join(PROPOSERS.names())}")
         assert cls is not None
         object.__setattr__(self, "method", cls.name)
-        if not cls.needs_model and self.model is not None and PROPOSERS.find(self.model) is cls:
+        if not cls.needs_model and self.model in (cls.name, *cls.aliases):
             object.__setattr__(self, "model", None)  # vLLM's model="[ngram]" beside its method
         if cls.needs_model:
             need(isinstance(self.model, str) and bool(self.model), "model",
                  f"must name the model method {cls.name} drafts with (a path or a built-in name)")
         else:
             need(self.model is None, "model", f"is not taken by method {cls.name} (it drafts without a model)")
-        object.__setattr__(self, "options", self._method_options(cls, self.options or {}))
+        # an instance of the method's options dataclass was checked when it was made (and is
+        # what dataclasses.replace hands back); anything else is the method's keys as a dict
+        if cls.options is None or not isinstance(self.options, cls.options):
+            need(self.options is None or isinstance(self.options, dict), "options",
+                 f"must be a dict of method {cls.name}'s own keys")
+            object.__setattr__(self, "options", self._method_options(cls, self.options or {}))
         need(is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
         need(self.disable_by_batch_size is None or (is_int(self.disable_by_batch_size)

@@ -113,7 +113,7 @@ def json_text(plausible: list[str]) -> st.SearchStrategy[str]:
                      st.dictionaries(st.sampled_from(["method", "num_speculative_tokens", "model", "prompt_lookup_min",
                                                       "prompt_lookup_max", "temperature", "top_p", "top_k", "min_p",
                                                       "max_new_tokens", "repetition_penalty", "enable_thinking",
-                                                      "disable_by_batch_size", "min_acceptance_rate"]),
+                                                      "disable_by_batch_size", "min_acceptance_rate", "options"]),
                                      json_junk(1), max_size=4).map(json.dumps))
 
 

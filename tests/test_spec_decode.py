@@ -9,6 +9,7 @@ position j (among the runs that reach j) must follow p_j, whatever was accepted 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -41,6 +42,9 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
            '{"method": [], "num_speculative_tokens": 2}': "method must be one of",  # not a TypeError (unhashable)
            '{"method": {}, "model": "d.gguf", "num_speculative_tokens": 2}': "method must be one of",
            '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}': "bogus",
+           # options is how a built config holds ngram's keys, not a JSON key: no way around their checks
+           '{"method": "ngram", "num_speculative_tokens": 2, "options": {"prompt_lookup_min": 0}}':
+               "unsupported key.*'options'",
            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}':
                "prompt_lookup_min",
            '{"method": "ngram", "num_speculative_tokens": true}': "num_speculative_tokens",
@@ -58,6 +62,20 @@ def test_speculative_config_follows_vllm_and_names_bad_keys():
             EngineConfig(speculative_config=text)
 
 
+def test_a_built_configs_options_survive_replace_and_a_bad_options_value_is_a_value_error():
+    """options is the method's dataclass once built: dataclasses.replace (which runs
+    __post_init__ again) and a SpeculativeConfig made with that dataclass keep it; a value
+    of another type is a ValueError naming options, not a TypeError."""
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    r = dataclasses.replace(c, num_speculative_tokens=2)
+    assert (r.k, r.options.prompt_lookup_min, r.options.prompt_lookup_max) == (2, 2, 2)
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=2, options=c.options).options == c.options
+    for options in ([["prompt_lookup_min"]], "abc", 3, c.options):
+        method = {"method": "draft_model", "model": "d.gguf"} if options is c.options else {"method": "ngram"}
+        with pytest.raises(ValueError, match="speculative_config.options"):
+            SpeculativeConfig(**method, num_speculative_tokens=2, options=options)
+
+
 def test_an_ngram_config_is_checked_without_jax_and_a_draft_models_module_loads_when_named():
     """The registry knows draft_model by name and module: an ngram config, in any of vLLM's
     spellings, is checked without importing it (and JAX); a config naming a draft model
@@ -68,6 +86,10 @@ from spec_decode import PROPOSERS
 jax = lambda: [m for m in sys.modules if m.split('.')[0] == 'jax']
 for spec in ({"method": "ngram"}, {"model": "[ngram]"}, {"method": "[ngram]", "model": "ngram"}):
     assert EngineConfig(speculative_config={**spec, "num_speculative_tokens": 2}).speculative_config.method == "ngram"
+try:  # refused for ngram's own reason, not by importing every proposer to ask who takes a model
+    EngineConfig(speculative_config={"method": "ngram", "model": "d.gguf", "num_speculative_tokens": 2})
+except ValueError as e:
+    assert "model is not taken by method ngram" in str(e), e
 assert PROPOSERS.names() == ["draft_model", "ngram"] and not jax(), jax()
 assert EngineConfig(speculative_config={"model": "d.gguf", "num_speculative_tokens": 2}).speculative_config.method \
     == "draft_model"
