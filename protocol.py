@@ -125,11 +125,33 @@ MAX_BAD_WORDS = 256  # vLLM has no cap; one keeps the tokenizing and the per-tok
 MAX_BAD_WORD_CHARS = 256
 
 
+def integer(value: Any) -> int | None:
+    """value as a JSON integer, or None if it is not one. A number with no fractional part
+    counts (`2.0` is 2), as vLLM's pydantic models take it; a boolean does not (JSON's true
+    is no number, though Python's bool is an int)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():  # False for inf and nan
+        return int(value)
+    return None
+
+
+def integers(values: list) -> list[int] | None:
+    """values as a list of JSON integers (integer()), or None if any one is not."""
+    ints = [integer(v) for v in values]
+    return None if None in ints else ints  # type: ignore[return-value]
+
+
 def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    """body[name] when set (null counts as unset) and of one of `kinds`, else a 400 naming it."""
+    """body[name] when set (null counts as unset) and of one of `kinds`, else a 400 naming it.
+    Where an integer is due, a number with no fractional part is taken as one (integer())."""
     value = body.get(name)
     if value is None:
         return default
+    if int in kinds and float not in kinds and isinstance(value, float):
+        if integer(value) is None:
+            raise ApiError(f"'{name}' must be an integer, got a number with a fractional part", param=name)
+        return integer(value)
     # JSON true is a bool, and bool is an int in Python: refuse it where a number is due.
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         want = " or ".join(JSON_TYPE[k] for k in kinds)
@@ -174,10 +196,11 @@ def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:
         raise ApiError(what, param="prompt")
     if not prompt:
         raise ApiError("'prompt' is empty", param="prompt")
-    for t in prompt:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+    ids = [integer(t) for t in prompt]
+    for t, i in zip(prompt, ids):
+        if i is None or not 0 <= i < vocab_size:
             raise ApiError(f"prompt token id {t!r} is not in the vocabulary [0, {vocab_size})", param="prompt")
-    return prompt
+    return ids  # type: ignore[return-value]
 
 
 def truncate_prompt(body: dict, prompt_ids: list[int], max_model_len: int, chat: bool) -> list[int]:
@@ -278,7 +301,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
         raise ApiError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids",
                        param="stop")
     stop_token_ids = field(body, "stop_token_ids", (list,))
-    if stop_token_ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
+    if stop_token_ids is not None and (stop_token_ids := integers(stop_token_ids)) is None:
         raise ApiError("'stop_token_ids' must be an array of integers", param="stop_token_ids")
     if stop_token_ids is not None and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
@@ -293,7 +316,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
         raise ApiError("this model has no tokenizer, so bad_words cannot be tokenized: use allowed_token_ids or "
                        "logit_bias", param="bad_words")
     allowed = field(body, "allowed_token_ids", (list,))
-    if allowed is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in allowed):
+    if allowed is not None and (allowed := integers(allowed)) is None:
         raise ApiError("'allowed_token_ids' must be an array of integers", param="allowed_token_ids")
     if allowed is not None and len(allowed) > MAX_ALLOWED_TOKEN_IDS:
         raise ApiError(f"'allowed_token_ids' takes at most {MAX_ALLOWED_TOKEN_IDS} ids", param="allowed_token_ids")

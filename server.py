@@ -44,7 +44,7 @@ from cli_args import (api_keys, build_parser, check_chat_template, check_host, c
 from cors import CorsPolicy, on_response_prepare as cors_headers
 from metrics import LoggingStatLogger
 from prometheus import ENGINE, EngineCollector
-from protocol import (MAX_BODY_BYTES, ApiError, field, loads_checked, parse_prompt, route_path, token_text,
+from protocol import (MAX_BODY_BYTES, ApiError, field, integers, loads_checked, parse_prompt, route_path, token_text,
                       tool_choice)
 from reasoning_parsers import REASONING_PARSERS
 from serving import respond
@@ -154,7 +154,8 @@ async def detokenize(request: web.Request) -> web.Response:
         raise ApiError("this model has no tokenizer")
     tokens = field(body, "tokens", (list,))
     vocab = engine.model_config.vocab_size
-    if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+    tokens = None if tokens is None else integers(tokens)
+    if tokens is None or not all(0 <= t < vocab for t in tokens):
         raise ApiError(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
     text = await off_loop(request, lambda: engine.tokenizer.decode(tokens, skip_special_tokens=False))
     return web.json_response({"prompt": text})

@@ -186,7 +186,7 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_leaves(app) -> 
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
-    ({"truncate_prompt_tokens": 5.0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 5.5}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 5, "truncation_side": "middle"}, "truncation_side"),
     ({"truncate_prompt_tokens": 5, "truncation_side": 1}, "truncation_side"),
 ])
@@ -195,6 +195,39 @@ def test_bad_truncation_is_a_400_naming_the_field(app, extra, param) -> None:
     status, text, _ = post(C, {"prompt": LONG} | extra)
     err = json.loads(text)["error"]
     assert status == 400 and err["param"] == param and param in err["message"], text
+
+
+# ---- integers sent as numbers -----------------------------------------------------------------
+def test_an_integer_sent_as_a_number_with_no_fraction_is_that_integer_as_vllms_pydantic(app) -> None:
+    """vLLM's request models take `2.0` where an integer is due (pydantic's lax mode): every
+    integer field and list of ids, sent as whole numbers, gives the answer its integers give."""
+    post, _ = app
+    ints = {"prompt": [5, 17, 42, 99], "n": 2, "max_tokens": 6, "seed": 7, "top_k": 20, "logprobs": 2,
+            "min_tokens": 2, "stop_token_ids": [250], "allowed_token_ids": list(range(40, 300)),
+            "prompt_logprobs": 1, "truncate_prompt_tokens": 3, "temperature": 1.0}
+    floats = {k: ([float(t) for t in v] if isinstance(v, list) else float(v)) for k, v in ints.items()}
+    answers = []
+    for body in (ints, floats):
+        status, text, _ = post(C, body)
+        assert status == 200, text
+        answers.append(json.loads(text))
+    # the same tokens; logprobs to float noise (the second request reads the first's cached prefix)
+    assert [(c["text"], c["logprobs"]["tokens"], c["finish_reason"]) for c in answers[0]["choices"]] == \
+        [(c["text"], c["logprobs"]["tokens"], c["finish_reason"]) for c in answers[1]["choices"]]
+    assert [c["logprobs"]["token_logprobs"] for c in answers[1]["choices"]] == \
+        [pytest.approx(c["logprobs"]["token_logprobs"], abs=1e-5) for c in answers[0]["choices"]]
+    assert answers[0]["usage"] == answers[1]["usage"] and answers[0]["usage"]["prompt_tokens"] == 3
+    assert len(answers[0]["choices"]) == 2 and all(len(c["logprobs"]["tokens"]) == 6 for c in answers[0]["choices"])
+    status, text, _ = post("/detokenize", {"tokens": [40.0, 41.0]})
+    assert status == 200 and json.loads(text) == json.loads(post("/detokenize", {"tokens": [40, 41]})[1]), text
+
+
+@pytest.mark.parametrize("name,value", [("n", 2.5), ("max_tokens", 4.5), ("seed", 3.25), ("top_k", -0.5),
+                                        ("stop_token_ids", [3, 4.5]), ("allowed_token_ids", [4.5]), ("prompt", [1, 2.5])])
+def test_a_number_with_a_fraction_where_an_integer_is_due_is_a_400_naming_its_field(app, name, value) -> None:
+    post, _ = app
+    status, text, _ = post(C, {"prompt": "hi", "max_tokens": 2} | {name: value})
+    assert status == 400 and json.loads(text)["error"]["param"] == name, text
 
 
 # ---- echo -----------------------------------------------------------------------------------

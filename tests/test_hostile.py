@@ -58,12 +58,13 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, {"prompt": "hi", "slo": {"tpot_ms": -(10**400)}}, 400),
     (C, {"prompt": "hi", "min_p": 2}, 400),
     (C, {"prompt": "hi", "top_p": 0}, 400),
-    # wrong types: booleans are not integers, floats are not token ids
+    # wrong types: booleans are not integers, nor is a number with a fraction
     (C, {"prompt": "hi", "max_tokens": True}, 400),
     (C, {"prompt": "hi", "max_tokens": "5"}, 400),
     (C, {"prompt": "hi", "max_tokens": 10**30}, 400),
     (C, {"prompt": "hi", "max_tokens": 0}, 400),
-    (C, {"prompt": [1.0, 2.0]}, 400),
+    (C, {"prompt": [1.0, 2.0]}, 200),  # whole numbers are token ids, as vLLM's pydantic takes them
+    (C, {"prompt": [1.0, 2.5]}, 400),
     (C, {"prompt": [True, 5]}, 400),
     (C, {"prompt": [-1]}, 400),
     (C, {"prompt": [2**63]}, 400),
