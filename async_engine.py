@@ -184,8 +184,8 @@ class AsyncEngine:
         for kind, arg in work:
             if kind == "add":
                 try:
-                    self.engine.add(arg)
-                except ValueError as e:  # validated already; a scheduler-level refusal
+                    self.engine.enqueue(arg)  # add_request validated it
+                except ValueError as e:  # an id the engine has in flight still
                     self._fail(arg.request_id, e)
                 finally:
                     with self._lock:

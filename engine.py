@@ -190,7 +190,12 @@ class LLMEngine:
 
     def add(self, request: EngineRequest) -> Sequence:
         """Check the request (validate) and queue it; returns its Sequence."""
-        request = self.validate(request)
+        return self.enqueue(self.validate(request))
+
+    def enqueue(self, request: EngineRequest) -> Sequence:
+        """Queue a request that validate() returned; returns its Sequence. AsyncEngine
+        validates on its caller's thread and hands the loop this half alone: a check (a
+        grammar's first-token mask among them) runs once, never on the engine loop."""
         params = request.params
         vocab = self.model_config.vocab_size
         if params.top_k >= vocab:  # vLLM: a top_k above the vocabulary keeps all

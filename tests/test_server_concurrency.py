@@ -271,12 +271,12 @@ def test_a_streams_late_cleanup_leaves_a_new_request_under_its_id_alone(end):
             hold.wait(60)
             drain()
         engine._drain_inbox = held_drain
-        add = engine.engine.add
+        enqueue = engine.engine.enqueue
         if end == "failed":
             def refuse_once(request: EngineRequest) -> None:
-                engine.engine.add = add
+                engine.engine.enqueue = enqueue
                 raise ValueError("refused by the scheduler")
-            engine.engine.add = refuse_once
+            engine.engine.enqueue = refuse_once
         await engine.start()
         try:
             old = engine.add_request(EngineRequest("x", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))
@@ -300,5 +300,33 @@ def test_a_streams_late_cleanup_leaves_a_new_request_under_its_id_alone(end):
             hold.set()
             await engine.shutdown()
         assert engine.engine.scheduler.allocator.num_used == 0
+
+    asyncio.run(main())
+
+
+def test_a_request_is_checked_once_on_its_callers_thread_never_on_the_engine_loop():
+    """AsyncEngine.add_request runs LLMEngine.validate (a grammar's compile and first-token
+    mask among its checks) on the caller's thread; the loop queues what it returned and does
+    not check it again."""
+    import threading
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
+                                          warmup=False), log=lambda *_: None)
+        validate, threads = engine.engine.validate, []
+
+        def recording(request: EngineRequest) -> EngineRequest:
+            threads.append(threading.current_thread().name)
+            return validate(request)
+        engine.engine.validate = recording
+        await engine.start()
+        try:
+            for rid in ("a", "b"):
+                events = [d async for d in engine.add_request(
+                    EngineRequest(rid, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))]
+                assert events[-1].finished and sum(len(d.new_token_ids) for d in events) == 3
+        finally:
+            await engine.shutdown()
+        assert threads == [threading.current_thread().name] * 2, threads
 
     asyncio.run(main())
