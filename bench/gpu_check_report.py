@@ -22,7 +22,7 @@ STAGES = [("smoke", "compile smoke test: both kernels vs the references"),
           ("tests", "kernel tests compiled for real (hypothesis cases excluded)"),
           ("kernels", "decode bandwidth grid + tuning sweep, ragged steps"),
           ("step", "8B-shaped decode step vs its roofline"),
-          ("mix", "seed's mix on an 8B-shaped bf16 model: continuous vs static")]
+          ("mix", "short/long mix on an 8B-shaped bf16 model: continuous vs static")]
 
 
 def _load(path: str) -> Any:
@@ -159,7 +159,7 @@ def markdown(res: dict[str, Any]) -> str:
             lambda r: None if "step_ms" in r else r.get("error")), ""]
     mix = res.get("mix")
     if isinstance(mix, dict) and mix.get("runs"):
-        L += [f"## Seed's mix ({mix.get('model')}, {mix.get('dtype')}, attention {mix.get('attention_backend')}, "
+        L += [f"## Short/long mix ({mix.get('model')}, {mix.get('dtype')}, attention {mix.get('attention_backend')}, "
               f"{mix['workload']['num_requests']} requests)", ""]
         L += [f"- {m}: {r['output_tok_s']:.0f} output tok/s, {r['stats']['num_steps']} steps, {r['ms_per_step']:.1f} "
               f"ms/step, short p99 {r['short_completion_s']['p99']:.2f}s (engine built in {mix['build_s'].get(m)}s)"

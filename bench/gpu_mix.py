@@ -1,4 +1,4 @@
-"""The seed's mix on a GPU: how much does continuous batching beat static on a Llama-3-8B-shaped
+"""The short/long mix on a GPU: how much does continuous batching beat static on a Llama-3-8B-shaped
 model with random bf16 weights? (bench/gpu_check.sh's stage that runs the whole engine.)
 
     python bench/gpu_mix.py [--tiny] [--num-requests 200] [--max-num-seqs 32] [--out mix.json]
@@ -17,11 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline import Engines  # noqa: E402
 from report import (continuous_vs_static, lean, log, machine_info, out_path, positive, ratio_rows,  # noqa: E402
                     require_gpu, run_line, size_defaults, text_table, timed_generate, write_json)
-from workload import seed_mix  # noqa: E402
+from workload import short_long_mix  # noqa: E402
 
 MODEL = "llama3-8b-random"
 TARGET = 1.8
-# flag: (default, with --tiny). 32 seqs: the seed's mix32 section (bench/offline.py); 256 batched tokens with
+# flag: (default, with --tiny). 32 seqs: as bench/offline.py's mix32 section; 256 batched tokens with
 # chunked prefill: fewer token buckets to compile than a whole-prompt budget.
 SIZES = {"num_requests": (200, 8), "max_num_seqs": (32, 4), "max_model_len": (1024, 64),
          "max_num_batched_tokens": (256, 32)}
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         BUILTIN_MODELS[MODEL] = ModelConfig.from_hf(LLAMA3_8B_HF)
     out = out_path(args.out, "mix.json")
-    reqs = seed_mix(args.num_requests, BUILTIN_MODELS[name].vocab_size, short=short, long=long,
-                    prompt_len=prompt_len)
+    reqs = short_long_mix(args.num_requests, BUILTIN_MODELS[name].vocab_size, short=short, long=long,
+                          prompt_len=prompt_len)
     # KV never limits (Engines: every slot holds a whole max_model_len sequence); one engine at a time
     engines = Engines(name, log, dtype=dtype, seed=0, enable_chunked_prefill=True,
                       max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)

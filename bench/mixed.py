@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from client import Record, Refused, Server, complete, probe, sample_metrics, server_view  # noqa: E402
 from report import (flags_to_argv, machine_info, mixed_report, positive, positive_float, summarize,  # noqa: E402
                     write_json)
-from workload import Request, arrival_times, seed_mix, vocab_size_of  # noqa: E402
+from workload import Request, arrival_times, short_long_mix, vocab_size_of  # noqa: E402
 
 # The engine's modules (JAX: seconds to import) are imported where they are used, after the
 # flags are parsed: --help answers at once.
@@ -351,8 +351,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return results
     os.makedirs(args.out, exist_ok=True)
     vocab = args.vocab_size or vocab_size_of(args.model)
-    requests = seed_mix(args.num_requests, vocab, short=args.short, long=args.long, prompt_len=args.prompt_range,
-                        seed=args.seed, text=args.prompt_kind == "text")
+    requests = short_long_mix(args.num_requests, vocab, short=args.short, long=args.long,
+                              prompt_len=args.prompt_range, seed=args.seed, text=args.prompt_kind == "text")
     settings = {k: v for k, v in vars(args).items() if k not in ("prompt_range", "targets")} | {
         "vocab_size": vocab, "targets": [asdict(t) for t in args.targets]}
     if not args.targets:

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from report import (continuous_vs_static, lean, log, machine_info, positive, ratio_rows, results_dir,  # noqa: E402
                     run_line, sections, side_by_side, text_table, timed_generate, warm, write_json)
-from workload import Request, exponential_mix, seed_mix, vocab_size_of  # noqa: E402
+from workload import Request, exponential_mix, short_long_mix, vocab_size_of  # noqa: E402
 
 SECTIONS = ("mix32", "p99-64", "exp32", "peers")
 TORCH_THREADS = 2  # the bench machine has 2 cores; JAX's CPU client uses all cores too
@@ -224,11 +224,12 @@ def run_pair(name: str, engines: Engines, reqs: list[Request], seqs: int, max_mo
 
 
 def the_mix(sz: Sizes) -> list[Request]:
-    return seed_mix(sz.num_requests, vocab_size_of(sz.model), short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
+    return short_long_mix(sz.num_requests, vocab_size_of(sz.model), short=sz.short, long=sz.long,
+                          prompt_len=sz.prompt_len)
 
 
 def section_pair(name: str, sz: Sizes, engines: Engines) -> dict[str, Any]:
-    """mix32 and p99-64 (the seed's mix at two slot counts) and exp32 (exponential lengths):
+    """mix32 and p99-64 (the short/long mix at two slot counts) and exp32 (exponential lengths):
     continuous vs static, the section's headline ratio first."""
     exp, latency = name == "exp32", name == "p99-64"
     seqs = sz.seqs_latency if latency else sz.seqs_throughput

@@ -6,7 +6,7 @@
 1. fairness: a heavy client floods `long`-token requests at t=0, a light client sends short
    ones at a steady rate: the light client's p99 TTFT alone, then beside the flood.
 2. overload: 1.5x the capacity FCFS measured (a burst's completions/s) just before, Poisson
-   arrivals, the seed's mix as a tight interactive and a loose batch SLO class: goodput (both
+   arrivals, the short/long mix as a tight interactive and a loose batch SLO class: goodput (both
    targets met); --repeats of (capacity, every policy), interleaved: the median and the spread.
 3. a KV budget that forces preemption: recompute vs swap (recomputed tokens, tok/s); this
    machine's measured copy rate, and the simulator's GPU-like recompute/swap crossover.

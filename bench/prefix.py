@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from report import (checked, log, machine_info, md_table, positive, ratio_rows, results_dir, sections,  # noqa: E402
                     side_by_side, size_defaults, timed_generate, warm, write_json, write_text)
-from workload import Request, seed_mix, shared_prefix, token_ids, vocab_size_of  # noqa: E402
+from workload import Request, shared_prefix, short_long_mix, token_ids, vocab_size_of  # noqa: E402
 
 SECTIONS = ("shared", "multiturn", "mix")
 BLOCK = 16
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def shape(a: argparse.Namespace) -> dict[str, int]:
     """The one engine shape every section runs on, over all sections (even those not run: a
     rerun of one section finds its programs compiled)."""
-    mix = seed_mix(a.mix_requests, vocab_size_of(a.model), short=a.mix_short, long=a.mix_long, seed=a.seed)
+    mix = short_long_mix(a.mix_requests, vocab_size_of(a.model), short=a.mix_short, long=a.mix_long, seed=a.seed)
     need = [(a.shared_requests, a.system_len + a.question_len + a.shared_output),  # (sequences, longest)
             (a.conversations, a.first_len + (a.turns - 1) * a.question_len + a.turns * a.turn_output),
             (a.mix_requests, max(len(r.prompt_token_ids) + r.max_tokens for r in mix))]
@@ -119,7 +119,7 @@ def section_multiturn(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def section_mix(a: argparse.Namespace) -> dict[str, Any]:
-    reqs = seed_mix(a.mix_requests, vocab_size_of(a.model), short=a.mix_short, long=a.mix_long, seed=a.seed)
+    reqs = short_long_mix(a.mix_requests, vocab_size_of(a.model), short=a.mix_short, long=a.mix_long, seed=a.seed)
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     for i in range(a.mix_repeats):
         for mode, r in both(a, f"mix #{i + 1}", generate_all(reqs)).items():
@@ -147,7 +147,7 @@ def markdown(res: dict[str, Any]) -> str:
                         lambda sec, mode: sec["runs"][mode]),
              "multiturn": (f"multi-turn, turn {a['turns']} ({a['conversations']} conversations)",
                            lambda sec, mode: sec["runs"][mode]["last"]),
-             "mix": (f"no sharing: seed mix ({a['mix_requests']} requests, best of {a['mix_repeats']})",
+             "mix": (f"no sharing: short/long mix ({a['mix_requests']} requests, best of {a['mix_repeats']})",
                      lambda sec, mode: sec["best"][mode])}
     rows += [[label, mode] + figures(pick(s[name], mode)) for name, (label, pick) in shown.items() if name in s
              for mode in ("off", "on")]

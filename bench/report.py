@@ -283,7 +283,7 @@ def run_line(label: str, r: dict[str, Any]) -> str:
 
 def continuous_vs_static(c: dict[str, Any], s: dict[str, Any], target_tok_s: float | None = None,
                          target_p99: float | None = None, what: str = "") -> list[dict[str, Any]]:
-    """The seed's two ratios from a continuous and a static timed_generate of the same requests,
+    """Continuous vs static batching's two ratios from a timed_generate of each on the same requests,
     each beside its ideal from step counts: output tok/s continuous / static, and (with
     classes) short p99 completion static / continuous."""
     out = [side_by_side(f"output tok/s, continuous / static{what}", c["output_tok_s"] / s["output_tok_s"],
@@ -355,7 +355,7 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
         p_half = _p(half, "short", "e2e", "p99")
         fall = _p(full, "short", "e2e", "p99") / p_half if p_half else math.inf
         reason, sharp = full["metrics"]["dominant_wait_reason"], fall >= SHARP
-        # the seed's rule of thumb: a sharp fall means requests queued on KV blocks
+        # the rule of thumb: a sharp fall at half max_model_len means requests queued on KV blocks at full length
         h = {"fall": fall, "fell_sharply": sharp, "queued_on": reason,
              "seed_rule_holds": sharp == (reason == "kv_blocks")}
         out["halving"][mode] = h
@@ -364,7 +364,7 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
         out["answer"].append(
             f"{mode}: short-request p99 e2e {_times(fall)} at max_model_len {half['flags']['max_model_len']} than at "
             f"{full['flags']['max_model_len']} ({'fell sharply' if sharp else 'no sharp fall'}; max running {run}); "
-            f"at full length requests waited mostly on {reason or 'nothing'}, so the seed's rule (a sharp fall means "
+            f"at full length requests waited mostly on {reason or 'nothing'}, so the rule of thumb (a sharp fall means "
             f"KV blocks) {'holds' if h['seed_rule_holds'] else 'does not hold'}."
             + (f" Caution: the server got {cores[0]:.1f} cores at full length and {cores[1]:.1f} at half: not "
                "comparable." if None not in cores and min(cores) < 0.75 * max(cores) else ""))

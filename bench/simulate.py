@@ -1,7 +1,7 @@
 """The simulator: what would the scheduler do, and how long would it take, at scales this
 machine cannot run? A workload through the real Scheduler, without the model, in seconds of CPU.
 
-    python bench/simulate.py [--scheduling static --max-num-seqs 64 --num-kv-blocks 600]  # the seed's mix
+    python bench/simulate.py [--scheduling static --max-num-seqs 64 --num-kv-blocks 600]  # the short/long mix
     python bench/simulate.py --workload two-clients --scheduling-policy fair --cost-model gpu-like
     python bench/simulate.py --workload bench/results/X/results.json   # a request log bench/mixed.py recorded
     python bench/simulate.py --calibrate | --validate | --report  # fit the cost model here; engine vs simulator; scales
@@ -12,9 +12,10 @@ non-EOS: the benches run ignore_eos), `EngineStats.record_step` counts it. Only 
 rows: the token rows the step program computes (runner.py's padded buckets); context: the KV every scheduled
 sequence attends over; one coefficient set per program (decode, ragged), fitted by non-negative least squares to
 a calibration run of the real engine, the swap terms to timed KV copies (--calibrate, saved as JSON; --cost-model
-reads one back); `GPU_LIKE` is written down. Workloads (--workload): `seed`, `exp`, `slo-mix`, `two-clients`, or
-a JSON list of {"arrival_s", "prompt_len" (or "prompt_token_ids"), "max_tokens", optional "priority", "class",
-"user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json. docs/SIMULATION.md has the figures.
+reads one back); `GPU_LIKE` is written down. Workloads (--workload): `seed` (bench/workload.py's short/long
+mix), `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s", "prompt_len" (or "prompt_token_ids"),
+"max_tokens", optional "priority", "class", "user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json.
+docs/SIMULATION.md has the figures.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from report import (checked, md_table, natural, positive, positive_float, positive_ints, pyplot,  # noqa: E402
                     results_dir, save_figure, summarize, timer, write_json, write_text)
-from workload import arrival_times, exponential_mix, seed_mix, token_ids  # noqa: E402
+from workload import arrival_times, exponential_mix, short_long_mix, token_ids  # noqa: E402
 from config import EngineConfig  # noqa: E402
 from metrics import WAIT_REASONS, EngineStats, StepTrace  # noqa: E402
 from sampling_params import SamplingParams, SLOTarget  # noqa: E402
@@ -68,7 +69,7 @@ def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16,
               prompt_len: tuple[int, int] = (32, 256), rate: float | None = None, seed: int = 0,
               slo: dict[str, tuple[float, float]] | None = None) -> list[SimRequest]:
     """The benches' workloads (bench/workload.py), all at t=0 or as a Poisson process;
-    slo-mix: the seed's, its short requests class "interactive" (priority -1), its long ones
+    slo-mix: the short/long mix, its short requests class "interactive" (priority -1), its long ones
     "batch", each with the targets slo[class] (ttft_s, tpot_s); two-clients: a "heavy" client's `long`
     requests (5 of 6) at t=0, a "light" one's `short` ones (16-32 token prompts) one every
     1/rate s (default 10/s)."""
@@ -79,7 +80,7 @@ def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16,
         return heavy + [SimRequest(0.1 + i / (rate or 10.0), token_ids(rng, vocab_size, rng.randint(16, 32)), short,
                                    cls="light", user="light") for i in range(n_light)]
     reqs = (exponential_mix(num_requests, vocab_size, prompt_len=prompt_len, seed=seed) if kind == "exp"
-            else seed_mix(num_requests, vocab_size, short=short, long=long, prompt_len=prompt_len, seed=seed))
+            else short_long_mix(num_requests, vocab_size, short=short, long=long, prompt_len=prompt_len, seed=seed))
     names = ("interactive", "batch") if kind == "slo-mix" else ("short", "long")
     classes = [names[r.max_tokens != short] if kind != "exp" else "all" for r in reqs]
     targets = [(slo or {}).get(c, (None, None)) for c in classes]
@@ -432,17 +433,17 @@ def build_sized(s: Sizes, log: Callable[[str], None] = lambda s: None):
 
 
 def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The real engine and the simulator on the same workloads: the seed's mix under continuous
+    """The real engine and the simulator on the same workloads: the short/long mix under continuous
     and static, a tight KV budget that preempts by recompute and by swap, and the two-clients
     workload under fair. The cost model is fitted to a separate calibration run first. Each case
     is measured by both clocks in the one run; "wall" is the headline, "cpu" sits beside it.
     validation.json is rewritten after every case."""
-    seed, clients = (synthetic(k, s.num_requests, s.vocab_size, short=s.short, long=s.long, prompt_len=s.prompt_len)
-                     for k in ("seed", "two-clients"))
+    mix, clients = (synthetic(k, s.num_requests, s.vocab_size, short=s.short, long=s.long, prompt_len=s.prompt_len)
+                    for k in ("seed", "two-clients"))
     full, tight = kv_blocks(s, s.max_num_seqs), kv_blocks(s, s.tight_kv_seqs)
-    cases = [("seed-continuous", seed, full, {}), ("seed-tight-kv", seed, tight, {}),
-             ("seed-tight-kv-swap", seed, tight, {"preemption_mode": "swap"}),
-             ("seed-static", seed, full, {"scheduling": "static"}),
+    cases = [("seed-continuous", mix, full, {}), ("seed-tight-kv", mix, tight, {}),
+             ("seed-tight-kv-swap", mix, tight, {"preemption_mode": "swap"}),
+             ("seed-static", mix, full, {"scheduling": "static"}),
              ("two-clients-fair", clients, full, {"scheduling_policy": "fair"})]
     rep: dict[str, Any] = {"sizes": s._asdict(), "loadavg_before": os.getloadavg(), "cores": os.cpu_count(), "cases": []}
     t0 = time.perf_counter()
@@ -494,7 +495,7 @@ REPORT_KV = (("tight", 0.25), ("half", 0.5), ("ample", 1.0))  # KV budget: this 
 def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...] = REPORT_SEQS,
            log: Callable[[str], None] = print, max_model_len: int = 1024) -> None:
     """continuous/static tokens/s and short-request p99 for each max_num_seqs, KV budget and
-    cost model, on the seed's mix scaled to the slots: 2 x max_num_seqs requests (at least
+    cost model, on the short/long mix scaled to the slots: 2 x max_num_seqs requests (at least
     100), all at t=0, without chunked prefill (docs/SIMULATION.md's setup)."""
     rows, per_seq = [], math.ceil(max_model_len / 16)
     for (cm_name, cm), n, (kv_name, frac) in itertools.product(cost_models.items(), seqs, REPORT_KV):
@@ -536,13 +537,15 @@ def main(argv: list[str] | None = None) -> int:
     for flag, what in (("tiny", "the tiny model and a handful of requests (seconds)"),
                        ("validate", "real engine vs simulator: writes validation.json"),
                        ("calibrate", "fit the cost model on this machine and save it"),
-                       ("report", "the seed's question at max_num_seqs 8..256"), ("enable-chunked-prefill", None)):
+                       ("report", "continuous vs static batching at max_num_seqs 8..256"),
+                       ("enable-chunked-prefill", None)):
         p.add_argument(f"--{flag}", action="store_true", help=what)
     for flag, kind, default, what in (
             ("report-seqs", positive_ints, list(REPORT_SEQS), None),
             ("cost-model", str, None, f"a cost-model JSON (default {os.path.relpath(DEFAULT_COST_MODEL)}) or gpu-like"),
             ("out", str, None, "output directory (default bench/results/simulate-<time>)"),
-            ("workload", str, "seed", "seed | exp | slo-mix | two-clients | a JSON file (see the docstring)"),
+            ("workload", str, "seed",
+             "seed (the short/long mix) | exp | slo-mix | two-clients | a JSON file (see the docstring)"),
             ("num-requests", positive, None, None),
             ("rate", positive_float, None, "arrivals per second (synthetic workloads)"),
             ("priority-fraction", checked(float, lambda x: 0 <= x <= 1, "a fraction in [0, 1]"), 0.0,

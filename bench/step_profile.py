@@ -11,7 +11,7 @@
             of FLOPs at the matmul rate and bytes at the read rate); useful vs padded FLOPs.
   settings  XLA_FLAGS and dtypes on the decode-32 and prefill-256 steps: fresh processes, alternating.
   padding   the engine's counters (computed vs useful token rows) over a chat-like mix (32 requests,
-            16 x 16 + 16 x 128 tokens, prompts of 20-120 words) and the seed's mix, the device stubbed.
+            16 x 16 + 16 x 128 tokens, prompts of 20-120 words) and the short/long mix, the device stubbed.
   warmup    a SmolLM2-shaped model's warm-up, cold and from the cache (--baseline DIR: DIR's code too).
   stops     256 smollm2 sequences decoding with and without stop strings, the device stubbed: the host
             step, and the server's share (generation.Generation turning the same steps' deltas into text);
@@ -283,11 +283,11 @@ def section_settings() -> dict:
 
 def section_padding() -> dict:
     from sampling_params import SamplingParams
-    from workload import seed_mix
+    from workload import short_long_mix
     eng, out = make_engine("smollm2", 32, **SERVER), {}
     stub_device(eng.runner)
-    chat = seed_mix(32, 49152, long=128, prompt_len=(20, 120), text=True)
-    for label, reqs in (("chat: 16 x 16 + 16 x 128, 20-120 words", chat), ("seed's mix", seed_mix(100, 49152))):
+    chat = short_long_mix(32, 49152, long=128, prompt_len=(20, 120), text=True)
+    for label, reqs in (("chat: 16 x 16 + 16 x 128, 20-120 words", chat), ("seed's mix", short_long_mix(100, 49152))):
         s0 = eng.stats.snapshot()
         for i, rq in enumerate(reqs):
             ids = rq.prompt_token_ids or eng.tokenizer.encode(rq.prompt_text)

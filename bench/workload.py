@@ -1,5 +1,5 @@
 """The benches' workloads, drawn from fixed seeds so every run, engine and peer server sees
-the same requests: the seed's mix, exponential lengths, shared-prefix prompts, arrivals.
+the same requests: the short/long mix, exponential lengths, shared-prefix prompts, arrivals.
 Prompts are random token ids or, for servers that only take text, prose from a small
 fixed-seed grammar (any tokenizer and any model get words).
 """
@@ -57,10 +57,13 @@ def text_prompt(rng: random.Random, num_words: int) -> str:
     return " ".join(words[:num_words])
 
 
-def seed_mix(num_requests: int, vocab_size: int, *, short: int = 16, long: int = 512,
-             prompt_len: tuple[int, int] = (32, 256), seed: int = 0, text: bool = False) -> list[Request]:
-    """The seed's exercise: half max_tokens=short, half long (the odd one out is long),
-    shuffled; prompts of prompt_len[0]..prompt_len[1] random ids, or words with text=True."""
+def short_long_mix(num_requests: int, vocab_size: int, *, short: int = 16, long: int = 512,
+                   prompt_len: tuple[int, int] = (32, 256), seed: int = 0, text: bool = False) -> list[Request]:
+    """The short/long mix: half the requests max_tokens=short, half long (the odd one out is
+    long), shuffled; prompts of prompt_len[0]..prompt_len[1] random ids, or words with
+    text=True. The benches draw it at these defaults (16 and 512 tokens, prompts of 32-256)
+    with 100 requests unless they say otherwise: static batching holds every slot until its
+    batch's longest request ends, continuous batching refills a slot as its request ends."""
     lengths = [short] * (num_requests // 2) + [long] * (num_requests - num_requests // 2)
     random.Random(seed).shuffle(lengths)
     rng = random.Random(seed + 1)  # prompts draw from a stream of their own: lengths do not depend on them

@@ -15,8 +15,9 @@ from engine import EngineConfig, EngineRequest, SamplingParams
 from generation import Generation
 from llm import LLM
 
-# The seed's mix scaled down: short and long outputs, chunked prefill under a small
-# token budget, and a KV cache too small for everyone (on-demand preemption).
+# The benches' short/long mix (bench/workload.py) scaled down: short and long outputs,
+# chunked prefill under a small token budget, and a KV cache too small for everyone
+# (on-demand preemption).
 TIGHT = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32, enable_chunked_prefill=True,
              num_kv_blocks=10)
 

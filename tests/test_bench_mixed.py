@@ -195,13 +195,13 @@ WORKLOAD = ["--num-requests", "6", "--short", "3", "--long", "12", "--prompt-len
 
 def test_text_prompts_are_prose_of_the_asked_length_and_fixed_by_the_seed():
     _load()
-    from workload import seed_mix  # bench/ is on sys.path once mixed.py is loaded
+    from workload import short_long_mix  # bench/ is on sys.path once mixed.py is loaded
 
-    a = seed_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=7, text=True)
-    assert a == seed_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=7, text=True)
-    assert a != seed_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=8, text=True)
+    a = short_long_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=7, text=True)
+    assert a == short_long_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=7, text=True)
+    assert a != short_long_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=8, text=True)
     assert sorted(r.max_tokens for r in a) == [3] * 10 + [9] * 10
-    ids = seed_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=7)
+    ids = short_long_mix(20, 1000, short=3, long=9, prompt_len=(5, 40), seed=7)
     assert [r.max_tokens for r in a] == [r.max_tokens for r in ids], "text or ids: the same classes in order"
     for r in a:
         assert r.prompt_token_ids == [] and r.prompt == r.prompt_text
@@ -313,7 +313,7 @@ def tiny_hf_checkpoint(tmp_path_factory):
     from save_pretrained: a real checkpoint directory for a real server, made offline."""
     torch = pytest.importorskip("torch")
     _load()
-    from workload import seed_mix
+    from workload import short_long_mix
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -321,7 +321,7 @@ def tiny_hf_checkpoint(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [r.prompt_text for r in seed_mix(200, 0, prompt_len=(20, 40), seed=1, text=True)]
+    corpus = [r.prompt_text for r in short_long_mix(200, 0, prompt_len=(20, 40), seed=1, text=True)]
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")

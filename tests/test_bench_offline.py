@@ -12,12 +12,12 @@ import pytest
 from conftest import load_bench
 
 
-def test_seed_mix_is_half_short_half_long_with_prompts_in_range_and_fixed_by_its_seed():
+def test_short_long_mix_is_half_short_half_long_with_prompts_in_range_and_fixed_by_its_seed():
     workload = load_bench("workload")
-    reqs = workload.seed_mix(101, 32000)
+    reqs = workload.short_long_mix(101, 32000)
     assert [sum(r.max_tokens == n for r in reqs) for n in (16, 512)] == [50, 51]  # the odd one out is long
     assert all(32 <= len(r.prompt_token_ids) <= 256 and max(r.prompt_token_ids) < 32000 for r in reqs)
-    assert reqs == workload.seed_mix(101, 32000) and reqs != workload.seed_mix(101, 32000, seed=1)
+    assert reqs == workload.short_long_mix(101, 32000) and reqs != workload.short_long_mix(101, 32000, seed=1)
     assert [r.max_tokens for r in reqs][:10] != sorted(r.max_tokens for r in reqs)[:10], "shuffled"
 
 
@@ -66,7 +66,7 @@ def test_tiny_run_reports_what_its_workload_implies(tmp_path):
     sz = offline.TINY
     assert set(res["sections"]) == set(offline.SECTIONS)
     assert all("error" not in sec for sec in res["sections"].values())
-    mix = workload.seed_mix(sz.num_requests, 512, short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
+    mix = workload.short_long_mix(sz.num_requests, 512, short=sz.short, long=sz.long, prompt_len=sz.prompt_len)
     lens = [r.max_tokens for r in mix]
     runs = res["sections"]["mix32"]["runs"]
     for name, run in runs.items():

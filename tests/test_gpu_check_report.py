@@ -46,7 +46,7 @@ def test_targets_and_stages(tmp_path):
     assert res["stages"]["kernels"]["timed_out"] and res["stages"]["kernels"]["log_tail"][-1] == "KeyboardInterrupt"
     md = report.markdown(res)
     assert "| kernels | decode bandwidth grid + tuning sweep, ragged steps | 124 TIMEOUT | 75 (75) |" in md
-    assert "| mix | seed's mix on an 8B-shaped bf16 model: continuous vs static | not run |" in md
+    assert "| mix | short/long mix on an 8B-shaped bf16 model: continuous vs static | not run |" in md
 
 
 def test_missing_and_half_written_files_are_reported_not_fatal(tmp_path):

@@ -44,15 +44,15 @@ def simulate(reqs, max_num_seqs: int, max_model_len: int, scheduling: str = "con
     return sim.simulate(cfg, num_kv_blocks, work, sim.UNIT_STEPS, record_trace=prefix_caching)
 
 
-def seed_mix():
-    return load_bench("workload").seed_mix(100, VOCAB, short=16, long=512, prompt_len=(32, 256))
+def short_long_mix():
+    return load_bench("workload").short_long_mix(100, VOCAB, short=16, long=512, prompt_len=(32, 256))
 
 
 def test_offline_step_count_ideals_continuous_over_static():
-    """bench/offline.py's ideals: static steps / continuous steps on the seed's mix at 32
+    """bench/offline.py's ideals: static steps / continuous steps on the short/long mix at 32
     slots and on exponential lengths (300 requests, mean 128, cap 1536, max_model_len
     2048); the short requests' p99 finish step, static / continuous, at 64 slots."""
-    mix = seed_mix()
+    mix = short_long_mix()
     c32, s32 = simulate(mix, 32, 1024), simulate(mix, 32, 1024, "static")
     assert round(s32.steps / c32.steps, 2) == quoted(r"\(step-count ideal (\d+\.\d+)x\)")
     c64, s64 = simulate(mix, 64, 1024), simulate(mix, 64, 1024, "static")
@@ -64,9 +64,9 @@ def test_offline_step_count_ideals_continuous_over_static():
 
 
 def test_simulator_validation_preemptions_on_a_tight_kv_cache():
-    """bench/simulate.py --validate's tight case: the seed's mix at 32 slots with KV blocks
+    """bench/simulate.py --validate's tight case: the short/long mix at 32 slots with KV blocks
     for 6 sequences of max_model_len 1024."""
-    tight = simulate(seed_mix(), 32, 1024, num_kv_blocks=6 * 64 + 1)
+    tight = simulate(short_long_mix(), 32, 1024, num_kv_blocks=6 * 64 + 1)
     assert tight.preemptions == quoted(r"tight KV with (\d+) preemptions")
 
 

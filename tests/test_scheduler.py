@@ -151,7 +151,7 @@ def useful_and_total_slot_steps(scheduling: str, lengths: list[int]) -> tuple[in
     return sum(len(out.scheduled) for out in trace), 8 * len(trace)
 
 
-def test_static_batching_wastes_the_seeds_73_percent_of_slot_steps():
+def test_static_batching_wastes_73_percent_of_slot_steps_on_skewed_lengths():
     useful, total = useful_and_total_slot_steps("static", [20, 25, 30, 40, 50, 60, 700, 800])
     assert (useful, total) == (1725, 6400)
 
@@ -216,8 +216,8 @@ def test_reserve_max_len_concurrency_is_blocks_over_blocks_per_max_model_len():
 
 
 def test_halving_max_model_len_doubles_reserve_max_len_concurrency_at_every_length():
-    """The seed's question, on the scheduler: the same 64 usable blocks of 4 tokens hold
-    2, 4, 8, 16, 32 requests at max_model_len 128, 64, 32, 16, 8."""
+    """What halving max-model-len does to admission, on the scheduler: the same 64 usable
+    blocks of 4 tokens hold 2, 4, 8, 16, 32 requests at max_model_len 128, 64, 32, 16, 8."""
     def admitted(max_model_len: int) -> int:
         s = make(max_num_seqs=64, max_model_len=max_model_len, num_blocks=65, kv_admission="reserve-max-len")
         for i in range(64):

@@ -105,7 +105,7 @@ def test_the_command_line_replays_a_recorded_log_and_writes_the_report(tmp_path)
 
 
 def test_the_scale_report_reproduces_the_gpu_like_rows_of_docs_simulation(tmp_path):
-    """docs/SIMULATION.md's table is `--report`'s (its setup: the seed's mix, no chunked
+    """docs/SIMULATION.md's table is `--report`'s (its setup: the short/long mix, no chunked
     prefill); the GPU-like cost model is written down, so its rows are deterministic. The
     8-slot rows, regenerated, equal the documented ones cell for cell."""
     from simulate import main

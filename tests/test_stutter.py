@@ -1,8 +1,9 @@
-"""The seed's stutter, as an engine trace (tiny model, CPU): a long prompt joins while
-others decode. Without chunked prefill the join is one whole-prompt step in which no
-decoder gets a token; with it the prompt is split over several steps within the token
-budget, every decoder gets a token every step, and the joiner decodes the step after its
-last chunk. Plus: why requests wait, at the engine level (EngineStats.waiting_by_reason)."""
+"""A long prompt's prefill stalling the decodes that run beside it, as an engine trace
+(tiny model, CPU): a long prompt joins while others decode. Without chunked prefill the
+join is one whole-prompt step in which no decoder gets a token; with it the prompt is
+split over several steps within the token budget, every decoder gets a token every step,
+and the joiner decodes the step after its last chunk. Plus: why requests wait, at the
+engine level (EngineStats.waiting_by_reason)."""
 
 from __future__ import annotations
 
