@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         pol: run(heavy + light, f"w1-{pol}", blocks, scheduling_policy=pol) for pol in POLICIES}
 
     def overload(i: int) -> dict[str, Any]:  # one repeat: the capacity now, then every policy at 1.5x it
-        cap = run(synthetic("seed", n(144), vocab, long=128, seed=3), f"w2-capacity-{i}", blocks)
+        cap = run(synthetic("short-long", n(144), vocab, long=128, seed=3), f"w2-capacity-{i}", blocks)
         capacity, step_s = cap["requests"] / cap["makespan_s"], cap["makespan_s"] / cap["steps"]
         targets = {"interactive": (20 * step_s, 3 * step_s), "batch": (200 * step_s, 8 * step_s)}
         work = synthetic("slo-mix", n(144), vocab, long=128, rate=1.5 * capacity, seed=3, slo=targets)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         w2[pol]["vs_fcfs"] = sorted(r[pol]["goodput"] / max(r["fcfs"]["goodput"], 1) for r in runs)
     # 3. a tight KV budget: blocks for a third of the seats' worst case.
     tight = a.max_num_seqs * (mml // 16) // 3 + 1
-    w3work = synthetic("seed", n(2 * a.max_num_seqs), vocab, long=a.long // 2, seed=5)
+    w3work = synthetic("short-long", n(2 * a.max_num_seqs), vocab, long=a.long // 2, seed=5)
     w3 = results["preemption"] = {"num_kv_blocks": tight, "gpu": gpu_crossover(base, tight, w3work)} | {
         mode: run(w3work, f"w3-{mode}", tight, preemption_mode=mode) for mode in ("recompute", "swap")}
     w3 |= {"copy": measure_swap(engine)} if engine else {}  # this machine's host<->device copy rate

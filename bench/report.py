@@ -357,7 +357,7 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
         reason, sharp = full["metrics"]["dominant_wait_reason"], fall >= SHARP
         # the rule of thumb: a sharp fall at half max_model_len means requests queued on KV blocks at full length
         h = {"fall": fall, "fell_sharply": sharp, "queued_on": reason,
-             "seed_rule_holds": sharp == (reason == "kv_blocks")}
+             "kv_rule_holds": sharp == (reason == "kv_blocks")}
         out["halving"][mode] = h
         run = f"{full['metrics']['max_running']:.0f} -> {half['metrics']['max_running']:.0f}"
         cores = [cores_used(v) for v in (full, half)]
@@ -365,7 +365,7 @@ def analyze(results: dict[str, Any]) -> dict[str, Any]:
             f"{mode}: short-request p99 e2e {_times(fall)} at max_model_len {half['flags']['max_model_len']} than at "
             f"{full['flags']['max_model_len']} ({'fell sharply' if sharp else 'no sharp fall'}; max running {run}); "
             f"at full length requests waited mostly on {reason or 'nothing'}, so the rule of thumb (a sharp fall means "
-            f"KV blocks) {'holds' if h['seed_rule_holds'] else 'does not hold'}."
+            f"KV blocks) {'holds' if h['kv_rule_holds'] else 'does not hold'}."
             + (f" Caution: the server got {cores[0]:.1f} cores at full length and {cores[1]:.1f} at half: not "
                "comparable." if None not in cores and min(cores) < 0.75 * max(cores) else ""))
     targets = [t["name"] for t in results["settings"].get("targets") or []]

@@ -12,8 +12,8 @@ non-EOS: the benches run ignore_eos), `EngineStats.record_step` counts it. Only 
 rows: the token rows the step program computes (runner.py's padded buckets); context: the KV every scheduled
 sequence attends over; one coefficient set per program (decode, ragged), fitted by non-negative least squares to
 a calibration run of the real engine, the swap terms to timed KV copies (--calibrate, saved as JSON; --cost-model
-reads one back); `GPU_LIKE` is written down. Workloads (--workload): `seed` (bench/workload.py's short/long
-mix), `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s", "prompt_len" (or "prompt_token_ids"),
+reads one back); `GPU_LIKE` is written down. Workloads (--workload): `short-long` (bench/workload.py's
+short/long mix), `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s", "prompt_len" (or "prompt_token_ids"),
 "max_tokens", optional "priority", "class", "user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json.
 docs/SIMULATION.md has the figures.
 """
@@ -47,7 +47,7 @@ from sequence import Sequence  # noqa: E402
 
 NOT_EOS = 7  # the token every simulated step samples: any id that is not an EOS
 PROGRAMS = ("decode", "ragged")
-SYNTHETIC = ("seed", "exp", "slo-mix", "two-clients")  # the workloads synthetic() makes
+SYNTHETIC = ("short-long", "exp", "slo-mix", "two-clients")  # the workloads synthetic() makes
 # The flags each fixed run reads (it builds its own workloads and engines).
 RUN_READS = {"validate": {"tiny", "out"}, "calibrate": {"tiny", "cost_model"}, "report": {"report_seqs", "cost_model", "out"}}
 DEFAULT_COST_MODEL = results_dir("cost_model.json")
@@ -439,11 +439,11 @@ def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict
     is measured by both clocks in the one run; "wall" is the headline, "cpu" sits beside it.
     validation.json is rewritten after every case."""
     mix, clients = (synthetic(k, s.num_requests, s.vocab_size, short=s.short, long=s.long, prompt_len=s.prompt_len)
-                    for k in ("seed", "two-clients"))
+                    for k in ("short-long", "two-clients"))
     full, tight = kv_blocks(s, s.max_num_seqs), kv_blocks(s, s.tight_kv_seqs)
-    cases = [("seed-continuous", mix, full, {}), ("seed-tight-kv", mix, tight, {}),
-             ("seed-tight-kv-swap", mix, tight, {"preemption_mode": "swap"}),
-             ("seed-static", mix, full, {"scheduling": "static"}),
+    cases = [("short-long-continuous", mix, full, {}), ("short-long-tight-kv", mix, tight, {}),
+             ("short-long-tight-kv-swap", mix, tight, {"preemption_mode": "swap"}),
+             ("short-long-static", mix, full, {"scheduling": "static"}),
              ("two-clients-fair", clients, full, {"scheduling_policy": "fair"})]
     rep: dict[str, Any] = {"sizes": s._asdict(), "loadavg_before": os.getloadavg(), "cores": os.cpu_count(), "cases": []}
     t0 = time.perf_counter()
@@ -503,7 +503,7 @@ def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...
         for sched in ("continuous", "static"):
             cfg = EngineConfig(max_num_seqs=n, max_model_len=max_model_len, scheduling=sched,
                                enable_chunked_prefill=False).resolved(max_model_len)
-            res = simulate(cfg, r["num_kv_blocks"], synthetic("seed", max(100, 2 * n), 32000), cm)
+            res = simulate(cfg, r["num_kv_blocks"], synthetic("short-long", max(100, 2 * n), 32000), cm)
             r[sched] = {"tok_s": res.tok_s, "short_p99_s": res.latency("short")["p99"],
                         "preemptions": res.preemptions, "slot_utilization": res.slot_utilization}
         c, st = r["continuous"], r["static"]
@@ -544,8 +544,8 @@ def main(argv: list[str] | None = None) -> int:
             ("report-seqs", positive_ints, list(REPORT_SEQS), None),
             ("cost-model", str, None, f"a cost-model JSON (default {os.path.relpath(DEFAULT_COST_MODEL)}) or gpu-like"),
             ("out", str, None, "output directory (default bench/results/simulate-<time>)"),
-            ("workload", str, "seed",
-             "seed (the short/long mix) | exp | slo-mix | two-clients | a JSON file (see the docstring)"),
+            ("workload", str, "short-long",
+             "short-long (the short/long mix) | exp | slo-mix | two-clients | a JSON file (see the docstring)"),
             ("num-requests", positive, None, None),
             ("rate", positive_float, None, "arrivals per second (synthetic workloads)"),
             ("priority-fraction", checked(float, lambda x: 0 <= x <= 1, "a fraction in [0, 1]"), 0.0,

@@ -287,7 +287,7 @@ def section_padding() -> dict:
     eng, out = make_engine("smollm2", 32, **SERVER), {}
     stub_device(eng.runner)
     chat = short_long_mix(32, 49152, long=128, prompt_len=(20, 120), text=True)
-    for label, reqs in (("chat: 16 x 16 + 16 x 128, 20-120 words", chat), ("seed's mix", short_long_mix(100, 49152))):
+    for label, reqs in (("chat: 16 x 16 + 16 x 128, 20-120 words", chat), ("short/long mix", short_long_mix(100, 49152))):
         s0 = eng.stats.snapshot()
         for i, rq in enumerate(reqs):
             ids = rq.prompt_token_ids or eng.tokenizer.encode(rq.prompt_text)

@@ -22,7 +22,7 @@ REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag di
     ("mixed", ["--model", "/nonexistent"], "--model '/nonexistent': not one of tiny"),  # unchecked: every server failed
     ("simulate", ["--num-requests", "0"], "argument --num-requests: wants an integer >= 1"),  # unchecked: the default
     ("simulate", ["--priority-fraction", "-0.5"], "argument --priority-fraction: wants a fraction"),  # unchecked: all
-    ("simulate", ["--workload", "/nonexistent.json"], "--workload takes seed, exp, slo-mix, two-clients or a JSON"),
+    ("simulate", ["--workload", "/nonexistent.json"], "--workload takes short-long, exp, slo-mix, two-clients or a JSON"),
     ("simulate", ["--report", "--report-seqs", "8,x"], "argument --report-seqs: wants comma-separated integers"),
     ("simulate", ["--validate", "--report"], "--validate, --calibrate and --report are three runs"),
     ("simulate", ["--validate", "--workload", "exp", "--max-num-seqs", "4"],  # unchecked: ignored
