@@ -37,6 +37,7 @@ from config import EngineConfig
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import WAIT_REASONS
 from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
+from preemption import PreemptionPlan
 from sampling_params import ParamError, SamplingParams, SLOTarget
 from scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from sequence import FINISHED, RUNNING, WAITING, Sequence
@@ -403,8 +404,8 @@ class Scheduler:
             for seq in sorted(prompts, key=self.policy.key) if self.policy.orders_prompts else prompts:
                 if seq.status is not running:
                     continue  # preempted for a decode's block
-                chunk = self._chunk(seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens, left,
-                                    float("inf"))
+                chunk = self.prefill_chunk(seq.num_tokens + seq.num_output_placeholders - seq.num_computed_tokens,
+                                           left, float("inf"))
                 left -= chunk
                 keep += max(0, blocks_needed(seq.num_computed_tokens + chunk, bs) - len(seq.block_table))
         for s in speculative:
@@ -463,7 +464,7 @@ class Scheduler:
             room = self.policy.prompt_room(seq, out.scheduled)
             if not room:
                 return True  # the policy holds this one's prompt back this step, not the others'
-            n = self._chunk(n, self._budget, room)
+            n = self.prefill_chunk(n, self._budget, room)
         if n == 0 or n > self._budget:
             return False
         if self._make_room(out, seq, n):
@@ -497,7 +498,7 @@ class Scheduler:
             if only is not None and id(seq) not in only:
                 reason = "kv_blocks"
                 break
-            cached, n, num_new_blocks = self._admission_need(seq, out, chunk=schedule)
+            cached, n, num_new_blocks = self.admission_need(seq, out, chunk=schedule)
             if schedule and not 0 < n <= self._budget:
                 reason = "token_budget"
             # A cached block nobody holds is taken out of the free queue: it counts like a
@@ -526,133 +527,45 @@ class Scheduler:
     def preempt_for_waiting(self, out: SchedulerOutput) -> None:
         """Waiting requests that outrank running ones (a ranked policy) take seats and KV
         blocks from the lowest ranked of them when slots or blocks are full, before
-        anything is scheduled. Walks the queue in admission order as admit will, counting
-        the room each admission takes; a request whose admission preempting cannot make
-        room stops the walk, and nobody is preempted for it (no preemption for nothing);
-        nor for a planned admission that the other victims already make room for. When it
-        preempts, the planned admissions are the only ones admit makes this step."""
+        anything is scheduled, as preemption.PreemptionPlan plans: only the victims its
+        admissions need, and none for an admission preempting cannot make room for. When
+        it preempts, the planned admissions are the only ones admit makes this step."""
         if not self.waiting:
             return
         running = [r for r in self.running if r.status is RUNNING]
         if not any(self.policy.outranks(self.waiting.peek(), r) for r in running):
             return  # FCFS always returns here: it outranks nobody
-        bs, chunked = self.config.block_size, self.config.enable_chunked_prefill
-
-        def growth(r: Sequence) -> int:  # chunked: the blocks r's own work takes before any admission
-            # (none for a reserving admission's decode: its table already covers it)
-            return max(0, blocks_needed(r.num_computed_tokens + work(r), bs) - len(r.block_table)) if chunked else 0
-
-        def frees(r: Sequence, holders: dict[int, int]) -> set[int]:
-            # the blocks r's preemption frees, victims `holders` (block -> how many of them hold it) chosen
-            # already: a block another running sequence also holds (a shared prefix) frees nothing
-            return {b for b in r.block_table if holders.get(b, 0) + 1 == self.allocator.ref_count(b)}
-
-        def work(r: Sequence) -> int:  # chunked: the budget r takes before any admission (a decode, or its
-            # prompt's rest as far as the policy lets it have it this step)
-            if r.is_decode:  # none when its in-flight token is its last by length: schedule_decodes skips it
-                return int(len(r.output_token_ids) + r.num_output_placeholders < r.params.max_tokens)
-            return self._chunk(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens, float("inf"),
-                               self.policy.prompt_room(r, out.scheduled))
-
-        def tally(seq: Sequence, chosen: list[Sequence]) -> tuple[int, int, int, dict, set[int], set[int], int, int]:
-            """The room seq finds once `chosen` go, the admissions planned so far counted: (slots,
-            blocks, budget, holders, the blocks they free, the cached blocks seq keeps, its first
-            chunk, the blocks it needs)."""
-            s_, b_, t_, h_, freed = slots + len(chosen), blocks, budget, dict(holders), set()
-            for r in chosen:
-                freed |= frees(r, h_)
-                for b in r.block_table:
-                    h_[b] = h_.get(b, 0) + 1
-                b_ += growth(r)
-                t_ += work(r) if chunked else 0
-            # Its first chunk is what the budget leaves once the others' decodes and prompt
-            # chunks are in (the victims' are not: choosing one may give it a chunk at all),
-            # and its blocks follow from that chunk.
-            cached, n, num_new_blocks = self._admission_need(seq, out, budget=t_)
-            # A cached block that only a victim holds joins the free queue when the victim goes,
-            # and this admission takes it back out: it frees nothing for seq, which revives it.
-            kept = set(cached)
-            b_ += len(freed - kept - taken)
-            need = num_new_blocks + sum(1 for b in kept - taken if b in gone or self.allocator.ref_count(b) == 0)
-            return s_, b_, t_, h_, freed, kept, n, need
-
-        def walk(spared: set[int]) -> tuple[list[Sequence], list[Sequence]]:
-            """The admissions planned in queue order and their victims, none of them in spared (ids)."""
-            nonlocal slots, blocks, budget, gone, taken, holders
-            seated = list(running)
-            slots = len(self._free_slots)
-            blocks = self.allocator.num_free - sum(growth(r) for r in seated)
-            budget = self._budget - (sum(work(r) for r in seated) if chunked else 0)
-            admitted: list[Sequence] = []
-            victims: list[Sequence] = []
-            gone = set()  # the blocks only the victims chosen so far hold
-            taken = set()  # cached blocks an admission planned so far takes back (later ones share them)
-            holders = {}  # per block, how many of the victims chosen so far hold it
-            for seq in self.waiting:
-                if victims and any(self.policy.key(v) < self.policy.key(seq) for v in victims):
-                    break  # a victim is requeued ahead of it: admit stops there first, the room gone to others
-                room = self.policy.prompt_room(seq, out.scheduled) if chunked else float("inf")
-                if room == 0:
-                    continue  # held back this step (its room only shrinks as the step fills): admit walks past it
-                if room != float("inf"):
-                    break  # capped: admit tries it first, with a room known only once the step's prompt work is in
-                lower = [r for r in seated if id(r) not in spared and self.policy.outranks(seq, r)]
-                chosen: list[Sequence] = []
-                while True:
-                    s_, b_, t_, h_, freed, kept, n, need = tally(seq, chosen)
-                    if (s_ >= 1 and b_ >= need) or not lower:
-                        break
-                    r = self.policy.victim(lower)  # the lowest ranked first
-                    lower.remove(r)
-                    chosen.append(r)
-                if not 0 < n <= t_:
-                    break  # the token budget holds it back, not a seat or blocks
-                if s_ < 1 or b_ < need:
-                    break
-                # Only the victims the admission needs: a later, larger victim may free enough
-                # alone, and the earlier ones would be preempted for nothing. The highest ranked
-                # is tried first, so a lower ranked one goes where either would do.
-                for r in chosen[::-1]:
-                    fewer = [c for c in chosen if c is not r]
-                    s_, b_, t_, *_, n, need = tally(seq, fewer)
-                    if s_ >= 1 and b_ >= need and 0 < n <= t_:
-                        chosen = fewer
-                s_, b_, t_, h_, freed, kept, n, need = tally(seq, chosen)
-                for r in chosen:
-                    seated.remove(r)
-                gone |= freed - kept  # the admission takes what it keeps back
-                holders = h_
-                taken |= kept
-                victims += chosen
-                admitted.append(seq)
-                slots, blocks, budget = s_ - 1, b_ - need, t_ - n
-            return admitted, victims
-
-        slots = blocks = budget = 0  # the room left as the walk plans admissions (set by walk)
-        gone: set[int] = set()
-        taken: set[int] = set()
-        holders: dict[int, int] = {}
-        admitted, victims = walk(set())
-        # Only the victims the walk as a whole needs: one chosen for an early admission may
-        # be spared once a later admission's victim frees room for both. The highest ranked
-        # is tried first (as in each admission's own trim); sparing it must keep every
-        # planned admission and take no new victim.
-        ranked, rest = [], list(victims)
-        while rest:
-            ranked.append(self.policy.victim(rest))
-            rest.remove(ranked[-1])
-        spared: set[int] = set()
-        for r in ranked[::-1] if len(victims) > 1 else ():
-            if r not in victims:
-                continue
-            again, fewer = walk(spared | {id(r)})
-            if again == admitted and {id(v) for v in fewer} < {id(v) for v in victims}:
-                spared.add(id(r))
-                victims = fewer
+        admitted, victims = PreemptionPlan(self, out, running, len(self._free_slots), self._budget).choose()
         for r in victims:
             self._preempt(out, r)
         if victims:
             self._preempted_for = {id(q) for q in admitted}
+
+    def prefill_chunk(self, n: int, budget: float, room: float) -> int:
+        """The tokens a prompt computes in this step with chunked prefill, n of them left:
+        at most the token budget, the policy's prompt room and long_prefill_token_threshold
+        (vLLM's: it caps running and waiting requests' chunks alike, so several prompts
+        share a step's budget rather than one long prompt taking it all)."""
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        return int(min(n, budget, room))
+
+    def admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True,
+                       budget: int | None = None) -> tuple[list[int], int, int]:
+        """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
+        waiting sequence's admission now. chunk: with chunked prefill, its first step is
+        what the token budget (default: what is left of this step's) and the policy's
+        prompt room allow (0: it cannot start now)."""
+        cached = [] if seq.swapped else self._cached_prefix(seq)
+        # A swapped-out sequence's K/V comes back from the host pool: like a cache hit, in fresh blocks.
+        num_cached = seq.swapped[1] if seq.swapped else len(cached) * self.config.block_size
+        n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
+        if chunk and self.config.enable_chunked_prefill:
+            budget = self._budget if budget is None else budget
+            n = self.prefill_chunk(n, budget, self.policy.prompt_room(seq, out.scheduled))
+        tokens = self.kv_admission.tokens_at_admission(seq, num_cached + n, self.config)
+        return cached, n, blocks_needed(tokens, self.config.block_size) - len(cached)
 
     def retire(self, seq: Sequence) -> None:
         """seq leaves the running list: its slot and blocks are free."""
@@ -668,31 +581,6 @@ class Scheduler:
         """Does the policy hold seq's prompt back this step (chunked prefill; room 0)?"""
         chunked = self.config.enable_chunked_prefill
         return chunked and self._budget > 0 and not self.policy.prompt_room(seq, out.scheduled)
-
-    def _chunk(self, n: int, budget: float, room: float) -> int:
-        """The tokens a prompt computes in this step with chunked prefill, n of them left:
-        at most the token budget, the policy's prompt room and long_prefill_token_threshold
-        (vLLM's: it caps running and waiting requests' chunks alike, so several prompts
-        share a step's budget rather than one long prompt taking it all)."""
-        threshold = self.config.long_prefill_token_threshold
-        if 0 < threshold < n:
-            n = threshold
-        return int(min(n, budget, room))
-
-    def _admission_need(self, seq: Sequence, out: SchedulerOutput, chunk: bool = True,
-                        budget: int | None = None) -> tuple[list[int], int, int]:
-        """(cached prefix blocks, tokens to compute in its first step, fresh blocks) of a
-        waiting sequence's admission now. chunk: with chunked prefill, its first step is
-        what the token budget (default: what is left of this step's) and the policy's
-        prompt room allow (0: it cannot start now)."""
-        cached = [] if seq.swapped else self._cached_prefix(seq)
-        # A swapped-out sequence's K/V comes back from the host pool: like a cache hit, in fresh blocks.
-        num_cached = seq.swapped[1] if seq.swapped else len(cached) * self.config.block_size
-        n = seq.num_tokens - num_cached  # the prompt (+ a preempted sequence's outputs) not cached
-        if chunk and self.config.enable_chunked_prefill:
-            n = self._chunk(n, self._budget if budget is None else budget, self.policy.prompt_room(seq, out.scheduled))
-        tokens = self.kv_admission.tokens_at_admission(seq, num_cached + n, self.config)
-        return cached, n, blocks_needed(tokens, self.config.block_size) - len(cached)
 
     def _drop_swapped(self, seq: Sequence) -> None:
         if seq.swapped:
