@@ -90,7 +90,7 @@ class LLM:
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
         for i, (request, samples) in enumerate(zip(checked, children)):
             for rid, p, par in samples:
-                seqs[rid] = self.engine.add(dataclasses.replace(request, request_id=rid, params=p, parent=par))
+                seqs[rid] = self.engine.enqueue(dataclasses.replace(request, request_id=rid, params=p, parent=par))
                 parent[rid] = i
         unfinished = [len(samples) for samples in children]
         logprobs: dict[str, list[TokenLogprob]] = {}

@@ -247,7 +247,7 @@ def loads_checked(data: str | bytes, what: str, param: str | None = None) -> Any
     return value
 
 
-def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, has_tokenizer: bool,
+def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
                    tools: ToolChoice | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
     """SamplingParams (stop strings included) from the OpenAI fields; a 400 for anything off.
     tools: the request's tool_choice() (a forced call constrains the output); defaults: the
@@ -297,9 +297,6 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
         raise ApiError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
                        "characters each", param="stop")
-    if stop and not has_tokenizer:
-        raise ApiError("this model has no tokenizer, so stop strings cannot be matched: use stop_token_ids",
-                       param="stop")
     stop_token_ids = field(body, "stop_token_ids", (list,))
     if stop_token_ids is not None and (stop_token_ids := integers(stop_token_ids)) is None:
         raise ApiError("'stop_token_ids' must be an array of integers", param="stop_token_ids")
@@ -312,9 +309,6 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool, 
     if len(bad_words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in bad_words):
         raise ApiError(f"'bad_words' takes at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters "
                        "each", param="bad_words")
-    if bad_words and not has_tokenizer:
-        raise ApiError("this model has no tokenizer, so bad_words cannot be tokenized: use allowed_token_ids or "
-                       "logit_bias", param="bad_words")
     allowed = field(body, "allowed_token_ids", (list,))
     if allowed is not None and (allowed := integers(allowed)) is None:
         raise ApiError("'allowed_token_ids' must be an array of integers", param="allowed_token_ids")

@@ -210,10 +210,6 @@ class QuantLinear(nnx.Module):
     def arrays(self) -> dict[str, jax.Array]:
         return {part: getattr(self, part)[...] for part in self.parts}
 
-    def dequantized_kernel(self, dtype: jnp.dtype) -> jax.Array:
-        """W [in, out] in `dtype` (the blocked schemes' per-layer unpacking; a test reference)."""
-        return self.scheme.dequantize(self.arrays(), dtype)
-
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.scheme.matmul(x, self.arrays()).astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]

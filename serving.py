@@ -58,8 +58,7 @@ async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat:
     # is the prompt alone (its text, its logprobs).
     prompt_only = not chat and field(body, "echo", (bool,), False) and field(body, "max_tokens", (int,)) == 0
     params = parse_sampling(body | {"max_tokens": 1} if prompt_only else body, len(prompt_ids),
-                            engine.config.max_model_len, chat, engine.tokenizer is not None, tools,
-                            engine.sampling_defaults)
+                            engine.config.max_model_len, chat, tools, engine.sampling_defaults)
     beam = parse_beam_search(body, params, engine.sampling_defaults, chat, tools)
     stream, include_usage, continuous_usage = parse_stream_options(body, app["force_include_usage"])
     grammar = await compile_grammar(engine, params, body, tools)

@@ -167,7 +167,8 @@ def _profile_activations(config: EngineConfig, loaded: LoadedModel, stats: Engin
     warmup does: every write lands in the null block) and reads the allocator's peak
     above what was in use before (weights + the small cache). Returns the runner, its
     small cache already freed, and the activation bytes (0 if the device keeps no
-    counters). Unverified on a GPU so far; the arithmetic is unit-tested on CPU."""
+    counters). The arithmetic is unit-tested on CPU, where no counters exist; no GPU run has
+    checked the measurement."""
     runner = ModelRunner(config, loaded, config.max_blocks_per_seq + 1, stats, mesh, 0, draft_probs)
     T = config.max_num_batched_tokens
     compiled = stats.num_compilations

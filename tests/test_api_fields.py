@@ -318,7 +318,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed() -> 
 def test_seed_bounds_are_vllm_s_int64() -> None:
     for seed in (2**63, -2**63 - 1, 10**30):
         with pytest.raises(ApiError) as e:
-            parse_sampling({"seed": seed}, 3, 256, chat=False, has_tokenizer=True)
+            parse_sampling({"seed": seed}, 3, 256, chat=False)
         assert e.value.status == 400 and e.value.param == "seed"
     for seed in (2**63 - 1, -2**63, 0, -1):
-        assert parse_sampling({"seed": seed}, 3, 256, chat=False, has_tokenizer=True).seed == seed
+        assert parse_sampling({"seed": seed}, 3, 256, chat=False).seed == seed

@@ -256,7 +256,7 @@ def test_minus_one_over_http_as_far_as_vllms_api_takes_it(capped_post):
     from protocol import ApiError, parse_sampling
 
     def parse(body: dict, chat: bool):
-        return parse_sampling(body, 3, 256, chat=chat, has_tokenizer=True)
+        return parse_sampling(body, 3, 256, chat=chat)
 
     assert parse({"logprobs": True, "top_logprobs": -1}, True).logprobs == -1
     for chat in (False, True):

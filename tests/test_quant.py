@@ -118,7 +118,7 @@ def test_fp8_codes_are_the_nearest_e4m3_values_of_w_over_one_per_tensor_scale():
     assert np.all(q.view(np.uint8)[ties] % 2 == 0)
     # dequantized: within half a step of e4m3 (3 mantissa bits: |w| / 16; 2**-10 of the scale below 2**-6)
     lin = _filled_linear(parts, "fp8_e4m3", 64, 40)
-    deq = np.asarray(jax.jit(lambda: lin.dequantized_kernel(np.float32))())
+    deq = np.asarray(jax.jit(lambda: lin.scheme.dequantize(lin.arrays(), np.float32))())
     np.testing.assert_array_equal(deq, q.astype(np.float32) * s)
     assert np.all(np.abs(deq - w.T) <= np.maximum(np.abs(w.T) / 16, s * 2.0 ** -10) * (1 + 1e-6))
     assert np.abs(deq - w.T).max() > 0
@@ -195,7 +195,7 @@ def test_gguf_blocks_parse_as_the_format_says_and_the_jitted_unpacking_matches(k
     bits = 8 if kind == "Q8_0" else 4
     assert parts["kernel"].nbytes == 24 * 128 * bits // 8  # Q4: two codes per byte
     lin = _filled_linear(parts, scheme, 128, 24)
-    np.testing.assert_allclose(np.asarray(jax.jit(lambda: lin.dequantized_kernel(np.float32))()), ref.T,
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda: lin.scheme.dequantize(lin.arrays(), np.float32))()), ref.T,
                                rtol=1e-6, atol=1e-7)
     x = rng.normal(size=(5, 128)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(lin(x)), x @ ref.T, rtol=1e-4, atol=1e-4)

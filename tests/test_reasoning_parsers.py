@@ -76,8 +76,8 @@ def test_streamed_in_any_pieces_the_deltas_add_up_to_the_whole_message(parts, cu
 
 def test_thinking_off_an_end_tag_after_sent_content_stays_content_streamed_and_whole():
     """qwen3 with thinking off sends output that did not open a think block as content: an
-    end tag coming later cannot take that text back, so the whole message agrees (the
-    stream used to send "abc", then only "w" of "xyzw")."""
+    end tag coming later cannot take that text back, so the whole message agrees (not a
+    stream of "abc", then only "w" of "xyzw")."""
     def parser() -> ToolCallStream:
         return ToolCallStream(None, reasoning=REASONING_PARSERS["qwen3"]("", False))
     deltas, _ = stream(parser(), "abc</think>xyzw", [3])

@@ -370,7 +370,7 @@ def test_bad_values_are_vllms_value_errors_offline_and_400s_naming_the_field(nam
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(max_tokens=16, **{name: value})
     with pytest.raises(ApiError) as e:
-        parse_sampling({"max_tokens": 16, name: value}, 3, 256, chat=False, has_tokenizer=True)
+        parse_sampling({"max_tokens": 16, name: value}, 3, 256, chat=False)
     assert e.value.status == 400 and e.value.param == name, (e.value, e.value.param)
 
 

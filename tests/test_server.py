@@ -774,6 +774,9 @@ def test_a_checkpoint_without_tokenizer_takes_token_ids_and_answers_empty_text(h
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         status, err = request(hf_server, "POST", path_, body)
         assert status == 400 and "tokenizer" in err["error"]["message"]
+    for field_, value in (("stop", "x"), ("bad_words", ["x"])):  # text to match or tokenize: the engine's 400
+        status, err = request(hf_server, "POST", "/v1/completions", {"prompt": [1, 5, 7], field_: value})
+        assert status == 400 and err["error"]["param"] == field_ and "no tokenizer" in err["error"]["message"], err
     status, out = request(hf_server, "POST", "/v1/completions",
                           {"prompt": [1, 5, 7], "max_tokens": 4, "ignore_eos": True, "logprobs": 0})
     assert status == 200, out
@@ -819,10 +822,9 @@ def test_the_earliest_stop_string_wins_within_one_step() -> None:
     assert detokenize([b"xx END yy STOP zz"], ["STOP", "END"]) == (["xx "], True)
 
 
-def test_without_a_tokenizer_text_prompts_chat_and_stop_strings_are_refused() -> None:
+def test_without_a_tokenizer_text_prompts_and_chat_are_refused() -> None:
     refused = [lambda: parse_prompt({"prompt": "hi"}, None, 512),
-               lambda: parse_messages({"messages": [{"role": "user", "content": "hi"}]}, None),
-               lambda: parse_sampling({"stop": "x"}, 3, 256, chat=False, has_tokenizer=False)]
+               lambda: parse_messages({"messages": [{"role": "user", "content": "hi"}]}, None)]
     for call in refused:
         with pytest.raises(ApiError) as e:
             call()
@@ -873,10 +875,10 @@ def test_chat_top_logprobs_without_logprobs_is_refused_not_ignored() -> None:
     for body in ({"top_logprobs": 2}, {"top_logprobs": 2, "logprobs": False}, {"top_logprobs": -1},
                  {"top_logprobs": -2, "logprobs": True}):  # out of range: named as the client wrote it
         with pytest.raises(ApiError) as e:
-            parse_sampling(body, 3, 256, chat=True, has_tokenizer=True)
+            parse_sampling(body, 3, 256, chat=True)
         assert e.value.status == 400 and e.value.param == "top_logprobs" and "top_logprobs" in str(e.value)
-    assert parse_sampling({"top_logprobs": 2, "logprobs": True}, 3, 256, chat=True, has_tokenizer=True).logprobs == 2
-    assert parse_sampling({"top_logprobs": 0}, 3, 256, chat=True, has_tokenizer=True).logprobs is None
+    assert parse_sampling({"top_logprobs": 2, "logprobs": True}, 3, 256, chat=True).logprobs == 2
+    assert parse_sampling({"top_logprobs": 0}, 3, 256, chat=True).logprobs is None
 
 
 def test_priority_is_an_extra_field_of_both_endpoints_checked_where_it_enters(server: Server) -> None:

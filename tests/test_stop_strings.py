@@ -191,11 +191,10 @@ def test_a_stop_string_request_is_decoded_once_per_token(tiny, monkeypatch) -> N
 def test_include_stop_str_in_output_is_a_boolean() -> None:
     for bad in (1, "yes", [True]):
         with pytest.raises(ApiError, match="include_stop_str_in_output"):
-            parse_sampling({"include_stop_str_in_output": bad}, 3, 256, chat=False, has_tokenizer=True)
+            parse_sampling({"include_stop_str_in_output": bad}, 3, 256, chat=False)
         with pytest.raises(ValueError, match="include_stop_str_in_output"):
             SamplingParams(include_stop_str_in_output=bad)
-    assert parse_sampling({"include_stop_str_in_output": True, "stop": "x"}, 3, 256, chat=False,
-                          has_tokenizer=True).include_stop_str_in_output
+    assert parse_sampling({"include_stop_str_in_output": True, "stop": "x"}, 3, 256, chat=False).include_stop_str_in_output
 
 
 def test_include_stop_str_in_output_offline_keeps_the_stop_string_and_a_stop_tokens_text() -> None:

@@ -225,10 +225,10 @@ def test_tool_choice_auto_needs_the_servers_parser_and_is_parsed_once():
         tool_choice(body, chat=True, auto=False)
     tools = tool_choice(body, chat=True, auto=True)
     assert tools.mode == "auto" and tools.definitions == [WEATHER]
-    params = parse_sampling(body, 3, 64, chat=True, has_tokenizer=True, tools=tools)
+    params = parse_sampling(body, 3, 64, chat=True, tools=tools)
     assert params.structured_outputs is None  # auto: free text, parsed after
     named = tool_choice(body | {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, True, False)
-    params = parse_sampling(body, 3, 64, chat=True, has_tokenizer=True, tools=named)
+    params = parse_sampling(body, 3, 64, chat=True, tools=named)
     assert json.loads(params.structured_outputs.json) == {"type": "object"}
     with pytest.raises(ApiError, match="only for /v1/chat/completions"):
         tool_choice({"tools": [WEATHER]}, chat=False, auto=True)
