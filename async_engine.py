@@ -18,6 +18,7 @@ from config import EngineConfig
 from engine import EngineDeadError, EngineRequest, LLMEngine, QueueFullError
 from metrics import RequestMetrics
 from outputs import RequestOutputDelta
+from sequence import DuplicateRequestError
 
 __all__ = ["AsyncEngine"]
 
@@ -87,7 +88,7 @@ class AsyncEngine:
         with self._lock:  # the loop sets _stop and error under it: a stream registered here is ended
             self._check_alive()
             if request.request_id in self._queues:
-                raise ValueError(f"request id {request.request_id!r} is already in flight")
+                raise DuplicateRequestError(request.request_id)
             limit = self.config.max_waiting_requests
             assert not reserved or self._num_reserved > 0, "reserved=True without a reserve_waiting()"
             if limit is not None and not reserved and self._num_waiting() >= limit:
