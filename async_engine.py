@@ -16,7 +16,6 @@ from typing import AsyncIterator, Callable
 
 from config import EngineConfig
 from engine import EngineDeadError, EngineRequest, LLMEngine, QueueFullError
-from metrics import RequestMetrics
 from outputs import RequestOutputDelta
 from sequence import DuplicateRequestError
 
@@ -27,8 +26,8 @@ class AsyncEngine:
     """The engine loop on its own thread, so HTTP stays responsive while a step runs.
 
     Only the loop thread touches the LLMEngine; add_request and abort hand work to it
-    through a lock-guarded inbox, and deltas come back on the event loop through
-    call_soon_threadsafe."""
+    through a lock-guarded inbox, and deltas (a request's last one too, however it ended)
+    come back on the event loop through call_soon_threadsafe."""
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
         self.engine = LLMEngine(config, log=log)
@@ -171,12 +170,15 @@ class AsyncEngine:
 
     # ---- the loop thread -----------------------------------------------------------
     def _deliver(self, delta: RequestOutputDelta) -> None:
+        """To its request's stream; a request that failed alone (finish_reason "error") ends
+        its stream with that error instead (the engine goes on)."""
         with self._lock:
             queue = self._queues.get(delta.request_id)
             if delta.finished:
                 self._queues.pop(delta.request_id, None)
         if queue is not None:
-            self._loop.call_soon_threadsafe(queue.put_nowait, delta)
+            item = delta if delta.error is None else RuntimeError(f"request failed: {delta.error!r}")
+            self._loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -199,13 +201,9 @@ class AsyncEngine:
                 with self._lock:
                     if queue is not None and self._queues.get(rid) is not queue:
                         continue  # that stream's request has ended; the id may name a newer one
-                seq = self.engine.abort(rid)
-                if seq is not None:
-                    d = RequestOutputDelta(rid, [], None, True, seq.finish_reason, seq.num_prompt_tokens,
-                                           seq.num_output_tokens, max(seq.num_cached_tokens, 0), RequestMetrics.of(seq))
-                    if seq.stop_matcher is not None:  # the engine detokenizes it: the rest of its text
-                        d.new_text = seq.stop_matcher.finish()
-                    self._deliver(d)
+                last = self.engine.abort(rid)
+                if last is not None:
+                    self._deliver(last)
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End one request's stream with an error (the engine goes on)."""
@@ -229,9 +227,6 @@ class AsyncEngine:
                     continue
                 for delta in self.engine.step():
                     self._deliver(delta)
-                for rid, err in self.engine.failed:  # one request's inputs failed: it alone ends
-                    self._fail(rid, RuntimeError(f"request failed: {err!r}"))
-                self.engine.failed.clear()
         except BaseException as e:  # surface engine failures to every waiting stream and reset
             with self._lock:
                 self.error = e
