@@ -2,7 +2,8 @@
 
 HTTP handlers hand requests and aborts to the loop thread through a lock-guarded inbox and
 read each request's token deltas from an asyncio queue, so the event loop stays responsive
-while a step runs. Only the loop thread touches the LLMEngine.
+while a step runs. Only the loop thread changes the LLMEngine; other threads call the two
+of its members documented as safe from any thread (AsyncEngine says which and why).
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ __all__ = ["AsyncEngine"]
 class AsyncEngine:
     """The engine loop on its own thread, so HTTP stays responsive while a step runs.
 
-    Only the loop thread touches the LLMEngine; add_request and abort hand work to it
+    Only the loop thread changes the LLMEngine: add_request and abort hand work to it
     through a lock-guarded inbox, and deltas (a request's last one too, however it ended)
-    come back on the event loop through call_soon_threadsafe."""
+    come back on the event loop through call_soon_threadsafe. Callers' threads use two
+    LLMEngine members alone, each safe from any thread: validate (it reads only what never
+    changes after start-up, and compiles through the thread-safe GrammarCompiler) and
+    num_waiting (one len() of the scheduler's queue, atomic under the GIL). The shared
+    grammars and stats lock themselves; config, model_config, tokenizer and
+    sampling_defaults never change after start-up."""
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
         self.engine = LLMEngine(config, log=log)
@@ -37,7 +43,6 @@ class AsyncEngine:
         self.model_name = self.engine.loaded.name
         self.stats = self.engine.stats
         self.grammars = self.engine.grammars  # the server compiles constraints on its executor
-        self.validate = self.engine.validate  # safe from any thread: a check without queueing
         self.sampling_defaults = self.engine.sampling_defaults  # the server's defaults of a request
         self._inbox: deque[tuple[str, object]] = deque()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -54,6 +59,11 @@ class AsyncEngine:
         self._num_reserved = 0
         self.error: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None  # called on the event loop
+
+    def validate(self, request: EngineRequest) -> EngineRequest:
+        """LLMEngine.validate, on the caller's thread (see the class docstring): a check
+        without queueing; the request with its constraint compiled."""
+        return self.engine.validate(request)
 
     def follow(self) -> None:
         """Multi-host, processes other than 0: run process 0's steps (LLMEngine.follow)."""
@@ -79,7 +89,7 @@ class AsyncEngine:
         unless compiled already, is compiled here too), and hand it to the loop. reserved: its
         place in the waiting queue is one that reserve_waiting() gave, so the queue's limit
         does not refuse it."""
-        request = self.engine.validate(request)
+        request = self.validate(request)
         # The loop takes it later: it arrived now, and keeps its own copy of the prompt (the
         # caller's list may change meanwhile).
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
@@ -119,7 +129,7 @@ class AsyncEngine:
         not yet scheduled: those in the inbox and those in the scheduler's queue right now
         (len() of a deque is atomic), not the gauge of the last step, which a burst during a
         long step would outrun; and the places reserved."""
-        return len(self.engine.scheduler.waiting) + self._num_waiting_inbox + self._num_reserved
+        return self.engine.num_waiting + self._num_waiting_inbox + self._num_reserved
 
     def reserve_waiting(self, n: int) -> None:
         """Hold n places in the waiting queue (QueueFullError if they are not free) until

@@ -262,6 +262,13 @@ class LLMEngine:
         self._refresh_gauges()
         return RequestOutputDelta.final(seq, self.model_config.eos_token_ids, error=error)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the scheduler's waiting queue at this instant. Safe from any thread:
+        one len() of its queue (a deque, or a list under a priority policy), which the GIL
+        makes atomic; a step running meanwhile may change it right after."""
+        return self.scheduler.num_waiting
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
