@@ -285,7 +285,8 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
         """schedule -> run -> update -> record. Returns one delta per request that got a
-        token or whose result was released. With async scheduling the step dispatched here
+        token, was released, or failed alone (its last delta, finish_reason "error": the
+        one place a failure is reported). With async scheduling the step dispatched here
         is collected by the next call, so the host schedules step N+1 while the device runs
         step N (an empty step dispatches nothing and collects the one in flight).
 
