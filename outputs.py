@@ -1,6 +1,7 @@
 """What the engine hands back (vLLM's vllm/outputs.py): a step's RequestOutputDelta per
-request, which AsyncEngine streams, and the finished RequestOutput with its samples'
-CompletionOutputs, which LLM returns; TokenLogprob is one token's logprob in either."""
+request, which AsyncEngine streams (a request's last one built by RequestOutputDelta.final,
+with its stop_reason), and the finished RequestOutput with its samples' CompletionOutputs,
+which LLM returns; TokenLogprob is one token's logprob in either."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class TokenLogprob:
 
 @dataclass(slots=True)  # one per request per step: slots make it cheap to build
 class RequestOutputDelta:
-    """What one step produced for one request: streamed by AsyncEngine."""
+    """What one step produced for one request: streamed by AsyncEngine. The request's last
+    one (finished), whatever ended it, is built by final() alone."""
 
     request_id: str
     new_token_ids: list[int]
@@ -61,9 +63,11 @@ class RequestOutputDelta:
         gives it) when nothing fed its matcher a final token (an abort mid-output, an end
         its masks forced without a token); after a final token it adds nothing."""
         if step is None:
-            # num_cached_tokens is -1 until the request is first admitted: none served then
-            cached = max(seq.num_cached_tokens, 0)
-            step = cls(seq.request_id, [], None, False, None, seq.num_prompt_tokens, seq.num_output_tokens, cached)
+            step = cls(request_id=seq.request_id, new_token_ids=[], new_logprobs=None, finished=True,
+                       finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+                       num_output_tokens=seq.num_output_tokens,
+                       # -1 until the request is first admitted: none served then
+                       num_cached_tokens=max(seq.num_cached_tokens, 0))
         step.finished, step.finish_reason, step.metrics = True, seq.finish_reason, RequestMetrics.of(seq)
         step.stop_reason, step.error = stop_reason(seq, eos_token_ids), error
         if seq.stop_matcher is not None:
