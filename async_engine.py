@@ -2,7 +2,8 @@
 
 HTTP handlers hand requests and aborts to the loop thread through a lock-guarded inbox and
 read each request's token deltas from an asyncio queue, so the event loop stays responsive
-while a step runs. Only the loop thread touches the LLMEngine.
+while a step runs. Only the loop thread changes the LLMEngine; other threads call the two
+of its members documented as safe from any thread (AsyncEngine says which and why).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import AsyncIterator, Callable
 
 from config import EngineConfig
 from engine import EngineDeadError, EngineRequest, LLMEngine, QueueFullError
-from metrics import RequestMetrics
 from outputs import RequestOutputDelta
+from sequence import DuplicateRequestError
 
 __all__ = ["AsyncEngine"]
 
@@ -25,9 +26,14 @@ __all__ = ["AsyncEngine"]
 class AsyncEngine:
     """The engine loop on its own thread, so HTTP stays responsive while a step runs.
 
-    Only the loop thread touches the LLMEngine; add_request and abort hand work to it
-    through a lock-guarded inbox, and deltas come back on the event loop through
-    call_soon_threadsafe."""
+    Only the loop thread changes the LLMEngine: add_request and abort hand work to it
+    through a lock-guarded inbox, and deltas (a request's last one too, however it ended)
+    come back on the event loop through call_soon_threadsafe. Callers' threads use two
+    LLMEngine members alone, each safe from any thread: validate (it reads only what never
+    changes after start-up, and compiles through the thread-safe GrammarCompiler) and
+    num_waiting (one len() of the scheduler's queue, atomic under the GIL). The shared
+    grammars and stats lock themselves; config, model_config, tokenizer and
+    sampling_defaults never change after start-up."""
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] = print):
         self.engine = LLMEngine(config, log=log)
@@ -37,7 +43,6 @@ class AsyncEngine:
         self.model_name = self.engine.loaded.name
         self.stats = self.engine.stats
         self.grammars = self.engine.grammars  # the server compiles constraints on its executor
-        self.validate = self.engine.validate  # safe from any thread: a check without queueing
         self.sampling_defaults = self.engine.sampling_defaults  # the server's defaults of a request
         self._inbox: deque[tuple[str, object]] = deque()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -54,6 +59,11 @@ class AsyncEngine:
         self._num_reserved = 0
         self.error: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None  # called on the event loop
+
+    def validate(self, request: EngineRequest) -> EngineRequest:
+        """LLMEngine.validate, on the caller's thread (see the class docstring): a check
+        without queueing; the request with its constraint compiled."""
+        return self.engine.validate(request)
 
     def follow(self) -> None:
         """Multi-host, processes other than 0: run process 0's steps (LLMEngine.follow)."""
@@ -79,7 +89,7 @@ class AsyncEngine:
         unless compiled already, is compiled here too), and hand it to the loop. reserved: its
         place in the waiting queue is one that reserve_waiting() gave, so the queue's limit
         does not refuse it."""
-        request = self.engine.validate(request)
+        request = self.validate(request)
         # The loop takes it later: it arrived now, and keeps its own copy of the prompt (the
         # caller's list may change meanwhile).
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
@@ -87,7 +97,7 @@ class AsyncEngine:
         with self._lock:  # the loop sets _stop and error under it: a stream registered here is ended
             self._check_alive()
             if request.request_id in self._queues:
-                raise ValueError(f"request id {request.request_id!r} is already in flight")
+                raise DuplicateRequestError(request.request_id)
             limit = self.config.max_waiting_requests
             assert not reserved or self._num_reserved > 0, "reserved=True without a reserve_waiting()"
             if limit is not None and not reserved and self._num_waiting() >= limit:
@@ -119,7 +129,7 @@ class AsyncEngine:
         not yet scheduled: those in the inbox and those in the scheduler's queue right now
         (len() of a deque is atomic), not the gauge of the last step, which a burst during a
         long step would outrun; and the places reserved."""
-        return len(self.engine.scheduler.waiting) + self._num_waiting_inbox + self._num_reserved
+        return self.engine.num_waiting + self._num_waiting_inbox + self._num_reserved
 
     def reserve_waiting(self, n: int) -> None:
         """Hold n places in the waiting queue (QueueFullError if they are not free) until
@@ -170,12 +180,15 @@ class AsyncEngine:
 
     # ---- the loop thread -----------------------------------------------------------
     def _deliver(self, delta: RequestOutputDelta) -> None:
+        """To its request's stream; a request that failed alone (finish_reason "error") ends
+        its stream with that error instead (the engine goes on)."""
         with self._lock:
             queue = self._queues.get(delta.request_id)
             if delta.finished:
                 self._queues.pop(delta.request_id, None)
         if queue is not None:
-            self._loop.call_soon_threadsafe(queue.put_nowait, delta)
+            item = delta if delta.error is None else RuntimeError(f"request failed: {delta.error!r}")
+            self._loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -198,13 +211,9 @@ class AsyncEngine:
                 with self._lock:
                     if queue is not None and self._queues.get(rid) is not queue:
                         continue  # that stream's request has ended; the id may name a newer one
-                seq = self.engine.abort(rid)
-                if seq is not None:
-                    d = RequestOutputDelta(rid, [], None, True, seq.finish_reason, seq.num_prompt_tokens,
-                                           seq.num_output_tokens, max(seq.num_cached_tokens, 0), RequestMetrics.of(seq))
-                    if seq.stop_matcher is not None:  # the engine detokenizes it: the rest of its text
-                        d.new_text = seq.stop_matcher.finish()
-                    self._deliver(d)
+                last = self.engine.abort(rid)
+                if last is not None:
+                    self._deliver(last)
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End one request's stream with an error (the engine goes on)."""
@@ -228,9 +237,6 @@ class AsyncEngine:
                     continue
                 for delta in self.engine.step():
                     self._deliver(delta)
-                for rid, err in self.engine.failed:  # one request's inputs failed: it alone ends
-                    self._fail(rid, RuntimeError(f"request failed: {err!r}"))
-                self.engine.failed.clear()
         except BaseException as e:  # surface engine failures to every waiting stream and reset
             with self._lock:
                 self.error = e

@@ -94,7 +94,6 @@ class LLMEngine:
         self.model_config = parts.loaded.config
         self.tokenizer = parts.loaded.tokenizer
         self.trace: list[StepTrace] | None = [] if record_trace else None
-        self.failed: list[tuple[str, Exception]] = []  # requests a step failed on; the caller reports and clears
         # Steps dispatched and not yet collected, oldest first: with async scheduling one
         # stays on the device while the next is scheduled.
         self._in_flight: deque[tuple[SchedulerOutput, float, InFlightStep | StepResult | None]] = deque()
@@ -244,11 +243,12 @@ class LLMEngine:
             return []
         return self.tokenizer.encode(parser.end, add_special_tokens=False)
 
-    def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
-        """Drop a request now (idempotent). A request ends for its client when it is released,
-        so one that static batching holds seated after its last token ends as an abort.
-        reason "error": it failed alone (vLLM's FinishReason.ERROR, a 500 to its client)."""
-        seq = self.scheduler.abort(request_id, reason)
+    def abort(self, request_id: str, error: Exception | None = None) -> RequestOutputDelta | None:
+        """Drop a request now (idempotent); its last delta (None: no such request in flight).
+        A request ends for its client when it is released, so one that static batching holds
+        seated after its last token ends as an abort. error: it failed alone, with this
+        (finish_reason "error", vLLM's FinishReason.ERROR: a 500 to its client)."""
+        seq = self.scheduler.abort(request_id, "abort" if error is None else "error")
         self._prompt_lps.pop(request_id, None)
         if seq is None:
             return None
@@ -260,7 +260,14 @@ class LLMEngine:
                 self.stats.record_first_scheduled(seq, at, self.config)
         self.stats.record_finished(seq, time.monotonic())
         self._refresh_gauges()
-        return seq
+        return RequestOutputDelta.final(seq, self.model_config.eos_token_ids, error=error)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the scheduler's waiting queue at this instant. Safe from any thread:
+        one len() of its queue (a deque, or a list under a priority policy), which the GIL
+        makes atomic; a step running meanwhile may change it right after."""
+        return self.scheduler.num_waiting
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
@@ -278,7 +285,8 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
         """schedule -> run -> update -> record. Returns one delta per request that got a
-        token or whose result was released. With async scheduling the step dispatched here
+        token, was released, or failed alone (its last delta, finish_reason "error": the
+        one place a failure is reported). With async scheduling the step dispatched here
         is collected by the next call, so the host schedules step N+1 while the device runs
         step N (an empty step dispatches nothing and collects the one in flight).
 
@@ -351,7 +359,7 @@ class LLMEngine:
             return self._execute(out, deltas)
         except Exception as e:
             deltas += self._drain()  # rows run alone may sample under a constraint: see _execute
-            return self._isolate_failure(out, e, scheduled_at)
+            return self._isolate_failure(out, e, scheduled_at, deltas)
 
     def _execute(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep:
         """Structured outputs: a constrained row's bitmask needs its previous token, which
@@ -431,19 +439,14 @@ class LLMEngine:
             for seq in released:  # its last delta, possibly empty (static: padding released with its batch)
                 if self.proposer is not None:
                     self.proposer.free(seq)
-                d = by_id.get(seq.request_id)
-                if d is None:
-                    d = RequestOutputDelta(seq.request_id, [], None, False, None, seq.num_prompt_tokens,
-                                           seq.num_output_tokens, max(seq.num_cached_tokens, 0))
-                    deltas.append(d)
-                d.finished, d.finish_reason, d.metrics = True, seq.finish_reason, RequestMetrics.of(seq)
                 if seq.no_token_allowed:
                     self.log(f"request {seq.request_id}: its masks (structured output constraint, allowed_token_ids, "
                              f"bad_words, min_tokens) allow no token after {seq.num_output_tokens} output tokens: "
                              f"ended ({seq.finish_reason}) without one")
-                d.stop_reason = stop_reason(seq, self.model_config.eos_token_ids)
-                if seq.stop_matcher is not None and d.new_text is None:
-                    d.new_text = seq.stop_matcher.take(True)
+                d = by_id.get(seq.request_id)
+                last = RequestOutputDelta.final(seq, self.model_config.eos_token_ids, d)
+                if d is None:
+                    deltas.append(last)
         return deltas
 
     def _log_preemptions(self, out: SchedulerOutput) -> None:
@@ -466,12 +469,14 @@ class LLMEngine:
         """True once a failed step got as far as the device: its donated KV cache is gone."""
         return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches))
 
-    def _isolate_failure(self, out: SchedulerOutput, error: Exception, scheduled_at: float) -> StepResult:
+    def _isolate_failure(self, out: SchedulerOutput, error: Exception, scheduled_at: float,
+                         deltas: list[RequestOutputDelta]) -> StepResult:
         """The step failed. If it failed before the device ran (the KV cache was not
         donated), it was preparing some request's inputs: run each scheduled request alone
-        to find the culprits, end them with an error (`self.failed`), and return the
-        others' results as if the step had run whole. Otherwise the engine is broken:
-        re-raise, and the loop dies loudly."""
+        to find the culprits, end each with a final delta of finish_reason "error" carrying
+        what it failed with (added to `deltas`), and return the others' results as if the
+        step had run whole. Otherwise the engine is broken: re-raise, and the loop dies
+        loudly."""
         if self._cache_donated():
             raise error
         tokens, lps, ok, bad, prompt, spec = [], [], [], [], {}, {}
@@ -486,8 +491,7 @@ class LLMEngine:
                 if self._cache_donated():
                     raise
                 self.log(f"request {sch.seq.request_id} failed while preparing its step inputs: {e!r}")
-                self.failed.append((sch.seq.request_id, e))
-                bad.append(sch.seq)
+                bad.append((sch.seq, e))
                 continue
             if r.prompt_logprobs:
                 prompt[len(ok)] = r.prompt_logprobs[0]
@@ -496,14 +500,13 @@ class LLMEngine:
             ok.append(sch)
             tokens.append(int(r.tokens[0]))
             lps.append(r.logprobs)
-        if not self.failed or (not ok and len(out.scheduled) > 1):
+        if not bad or (not ok and len(out.scheduled) > 1):
             # No request fails alone, or every one does: the engine is broken, not a request.
-            self.failed.clear()
             raise error
-        for seq in bad:
+        for seq, e in bad:
             if seq.first_scheduled_time is None:  # this was its first step: it was scheduled, its prefix looked up
                 self.stats.record_first_scheduled(seq, scheduled_at, self.config)
-            self.abort(seq.request_id, "error")
+            deltas.append(self.abort(seq.request_id, e))
         out.scheduled = ok
         out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
         out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)
@@ -584,20 +587,6 @@ def child_requests(request_id: str, params: SamplingParams
         return [(f"{i}_{request_id}", one, parent) for i in range(params.n)]
     return [(f"{i}_{request_id}", dataclasses.replace(one, seed=(params.seed + i + 2**63) % 2**64 - 2**63), parent)
             for i in range(params.n)]
-
-
-def stop_reason(seq: Sequence, eos_token_ids: Seq[int]) -> str | int | None:
-    """vLLM's stop_reason of a finished request: the stop string its matcher found, or the
-    stop_token_ids entry it ended on (EOS, checked first by SamplingParams.stop_token, is
-    None); None for any other end. The server's responses and LLM.generate both read it."""
-    if seq.finish_reason != "stop":
-        return None
-    if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
-        return seq.stop_matcher.stop_reason
-    last = seq.output_token_ids[-1] if seq.output_token_ids else None
-    if last is not None and seq.params.stop_token(last, eos_token_ids) == "stop_token_id":
-        return last
-    return None
 
 
 def decode_output(tokenizer: object, token_ids: Seq[int], params: SamplingParams,

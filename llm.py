@@ -15,9 +15,9 @@ from typing import Any, Callable, Sequence as Seq
 import numpy as np
 
 from config import EngineConfig
-from engine import EngineRequest, LLMEngine, child_requests, decode_output, stop_reason
+from engine import EngineRequest, LLMEngine, child_requests, decode_output
 from metrics import EngineStats, RequestMetrics
-from outputs import CompletionOutput, RequestOutput, TokenLogprob
+from outputs import CompletionOutput, RequestOutput, TokenLogprob, stop_reason
 from sampling_params import SamplingParams
 from sequence import Sequence
 
@@ -101,13 +101,11 @@ class LLM:
             bar = tqdm(total=len(encoded), desc="generate", unit="req")
         while self.engine.has_unfinished():
             deltas = self.engine.step()
-            if self.engine.failed:  # offline there is no stream to end: abort the rest, raise
-                rid, err = self.engine.failed[0]
-                self.engine.failed.clear()
-                for other in seqs:
-                    self.engine.abort(other)
-                raise RuntimeError(f"request {rid} failed: {err!r}") from err
             for d in deltas:
+                if d.error is not None:  # offline there is no stream to end: abort the rest, raise
+                    for other in seqs:
+                        self.engine.abort(other)
+                    raise RuntimeError(f"request {d.request_id} failed: {d.error!r}") from d.error
                 if d.new_logprobs:
                     logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
                 if d.prompt_logprobs is not None:

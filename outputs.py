@@ -1,12 +1,17 @@
 """What the engine hands back (vLLM's vllm/outputs.py): a step's RequestOutputDelta per
-request, which AsyncEngine streams, and the finished RequestOutput with its samples'
-CompletionOutputs, which LLM returns; TokenLogprob is one token's logprob in either."""
+request, which AsyncEngine streams (a request's last one built by RequestOutputDelta.final,
+with its stop_reason), and the finished RequestOutput with its samples' CompletionOutputs,
+which LLM returns; TokenLogprob is one token's logprob in either."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence as Seq
 
 from metrics import RequestMetrics
+
+if TYPE_CHECKING:
+    from sequence import Sequence
 
 
 @dataclass
@@ -21,7 +26,8 @@ class TokenLogprob:
 
 @dataclass(slots=True)  # one per request per step: slots make it cheap to build
 class RequestOutputDelta:
-    """What one step produced for one request: streamed by AsyncEngine."""
+    """What one step produced for one request: streamed by AsyncEngine. The request's last
+    one (finished), whatever ended it, is built by final() alone."""
 
     request_id: str
     new_token_ids: list[int]
@@ -43,6 +49,44 @@ class RequestOutputDelta:
     # The request's last token is this delta's (it may be released, finished, later: static
     # batching holds a member seated until its batch is done).
     ended: bool = False
+    # finish_reason "error" (vLLM's FinishReason.ERROR): what its inputs failed with. The
+    # request alone ends: AsyncEngine raises it on its stream, LLM.generate raises it.
+    error: Exception | None = None
+
+    @classmethod
+    def final(cls, seq: Sequence, eos_token_ids: Seq[int], step: RequestOutputDelta | None = None,
+              error: Exception | None = None) -> RequestOutputDelta:
+        """seq's last delta, whatever ended it (released, aborted, failed): `step`, this
+        step's delta with its last tokens, or an empty one, marked finished with why
+        (finish_reason, stop_reason), its metrics, and the rest of its text where the engine
+        detokenizes it: finish() flushes a character still incomplete (as a whole decode
+        gives it) when nothing fed its matcher a final token (an abort mid-output, an end
+        its masks forced without a token); after a final token it adds nothing."""
+        if step is None:
+            step = cls(request_id=seq.request_id, new_token_ids=[], new_logprobs=None, finished=True,
+                       finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+                       num_output_tokens=seq.num_output_tokens,
+                       # -1 until the request is first admitted: none served then
+                       num_cached_tokens=max(seq.num_cached_tokens, 0))
+        step.finished, step.finish_reason, step.metrics = True, seq.finish_reason, RequestMetrics.of(seq)
+        step.stop_reason, step.error = stop_reason(seq, eos_token_ids), error
+        if seq.stop_matcher is not None:
+            step.new_text = (step.new_text or "") + seq.stop_matcher.finish()
+        return step
+
+
+def stop_reason(seq: Sequence, eos_token_ids: Seq[int]) -> str | int | None:
+    """vLLM's stop_reason of a finished request: the stop string its matcher found, or the
+    stop_token_ids entry it ended on (EOS, checked first by SamplingParams.stop_token, is
+    None); None for any other end. The server's responses and LLM.generate both read it."""
+    if seq.finish_reason != "stop":
+        return None
+    if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
+        return seq.stop_matcher.stop_reason
+    last = seq.output_token_ids[-1] if seq.output_token_ids else None
+    if last is not None and seq.params.stop_token(last, eos_token_ids) == "stop_token_id":
+        return last
+    return None
 
 
 @dataclass

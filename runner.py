@@ -522,13 +522,13 @@ class ModelRunner:
             sampling = dataclasses.replace(sampling, **self._penalty_lists(len(sample_slot), width, penalties))
             if bitmask is None:
                 masks_in = (np.full((len(sample_slot), self._mask_width), -1, np.int32),)
-            step._res = self._run(SAMPLE_PENALIZED, len(sample_slot), width + with_raw,
-                                  (sample_slot, sampling, *masks_in))
+            step.sampled = self._run(SAMPLE_PENALIZED, len(sample_slot), width + with_raw,
+                                     (sample_slot, sampling, *masks_in))
         # Multi-host, the all-ones bitmask of an unconstrained step is each process's own.
         elif bitmask is None:
-            step._res = self._run(SAMPLE, len(sample_slot), 0, (sample_slot, sampling))
+            step.sampled = self._run(SAMPLE, len(sample_slot), 0, (sample_slot, sampling))
         else:
-            step._res = self._run(SAMPLE_MASKED, len(sample_slot), with_raw, (sample_slot, sampling, *masks_in))
+            step.sampled = self._run(SAMPLE_MASKED, len(sample_slot), with_raw, (sample_slot, sampling, *masks_in))
 
     def _penalty_lists(self, rows: int, width: int,
                        entries: list[tuple[int, tuple[np.ndarray, ...]]] | None = None) -> dict[str, np.ndarray]:

@@ -66,20 +66,22 @@ class InFlightStep:
         self._forward, self.num_seqs, self.want_logprobs = forward, num_seqs, want_logprobs
         self.prompt_rows, self.sample_args, self.constrained = prompt_rows, sample_args, constrained
         self.spec_rows = spec_rows
-        self._res: tuple[jax.Array, ...] | None = None
+        # The sample program's outputs (token ids, then the logprob arrays when asked), set
+        # by ModelRunner.sample when it dispatches it; None until then.
+        self.sampled: tuple[jax.Array, ...] | None = None
 
     @property
     def awaits_mask(self) -> bool:
-        return self._res is None
+        return self.sampled is None
 
     def block_until_ready(self) -> None:
-        assert self._res is not None, "the step's sample program was never dispatched"
-        jax.block_until_ready(self._res[0])
+        assert self.sampled is not None, "the step's sample program was never dispatched"
+        jax.block_until_ready(self.sampled[0])
 
     def result(self) -> StepResult:
-        assert self._res is not None, "the step's sample program was never dispatched"
+        assert self.sampled is not None, "the step's sample program was never dispatched"
         n = self.num_seqs
-        tok, *lps = self._res
+        tok, *lps = self.sampled
         logprobs = None
         if self.want_logprobs:
             logprobs = tuple(np.asarray(x)[:n] for x in lps)

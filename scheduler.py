@@ -40,7 +40,7 @@ from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
 from preemption import PreemptionPlan
 from sampling_params import ParamError, SamplingParams, SLOTarget
 from scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
-from sequence import FINISHED, RUNNING, WAITING, Sequence
+from sequence import FINISHED, RUNNING, WAITING, DuplicateRequestError, Sequence
 from spec_decode import scheduling_drafter
 
 # The scheduler's global invariants (every slot owned once, no KV block leaked, blocks
@@ -124,7 +124,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a request that passed validate()."""
         if seq.request_id in self._seqs:
-            raise ValueError(f"request id {seq.request_id!r} is already in flight")
+            raise DuplicateRequestError(seq.request_id)
         assert seq.status is WAITING and seq.num_computed_tokens == 0 and not seq.block_table
         assert 0 < seq.num_prompt_tokens and seq.num_prompt_tokens + seq.params.max_tokens <= self.config.max_model_len
         seq.arrival_order = next(self._arrivals)

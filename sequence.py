@@ -27,6 +27,15 @@ WAITING, RUNNING, FINISHED = SequenceStatus.WAITING, SequenceStatus.RUNNING, Seq
 MAX_USER_CHARS = 128  # a longer `user` is kept as its SHA-256 (Sequence.__post_init__)
 
 
+class DuplicateRequestError(ValueError):
+    """A request's id names one still in flight. Raised where each map of requests by id
+    is kept: the scheduler's (every request not yet released) and AsyncEngine's (every
+    stream not yet ended, checked on the caller's thread, which may not read the first)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request id {request_id!r} is already in flight")
+
+
 @dataclass(eq=False)  # identity semantics: one object per request, however its fields change
 class Sequence:
     request_id: str

@@ -233,6 +233,7 @@ class IncrementalDetokenizer:
         self.sent = 0  # characters of self.text already handed out
         self.stop_reason: str | None = None  # the stop string that matched (vLLM's stop_reason)
         self.num_output = 0  # output tokens taken: stop strings are looked for past min_tokens of them
+        self.final = False  # the latest advance was final: every token is in `text` as a whole decode has it
 
     def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
         """Add one step's tokens; return (new text to send, whether a stop string matched)."""
@@ -251,8 +252,10 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """The request has ended (any reason): the rest of its text, a character still
-        incomplete included (as '\\ufffd', as a whole decode gives it)."""
-        self.advance([], final=True)
+        incomplete included (as '\\ufffd', as a whole decode gives it). After a final
+        advance (the common end) that is all decoded already: no decode again."""
+        if not self.final:
+            self.advance([], final=True)
         return self.take(whole=True)
 
     def advance(self, new_ids: list[int], final: bool) -> bool:
@@ -262,6 +265,7 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return False
         self.num_output += len(new_ids)
+        self.final = final
         include = self.params.include_stop_str_in_output
         # A token that ends the request with "stop" is never text (vLLM): not even with
         # skip_special_tokens=False, and not when a tokenizer does not mark it special;

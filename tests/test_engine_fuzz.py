@@ -222,7 +222,8 @@ class Run:
         if not pick:
             return
         r = pick[i % len(pick)]
-        assert self.e.abort(r.rid) is r.seq
+        last = self.e.abort(r.rid)
+        assert last.request_id == r.rid and last.finished
         assert r.seq.finish_reason == "abort"
         r.aborted = True
         del self.live[r.rid]

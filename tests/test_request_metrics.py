@@ -270,13 +270,13 @@ def test_a_request_aborted_while_its_first_step_is_in_flight_was_scheduled():
     while eng.has_unfinished():
         eng.step()
     before = eng.stats.snapshot()
-    eng.add_request("gone", prompt, greedy(8))
+    seq = eng.add_request("gone", prompt, greedy(8))
     eng.step()
     assert [s.seq.request_id for o, _, _ in eng._in_flight for s in o.scheduled] == ["gone"]
-    seq = eng.abort("gone")
+    last = eng.abort("gone")
     while eng.has_unfinished():
         eng.step()
-    m = RequestMetrics.of(seq)
+    m = last.metrics
     assert m.time_to_first_token_ms is None and 0 <= m.queue_time_ms < m.e2e_latency_ms
     s = eng.stats
     assert s.request_queue_time.count - before.request_queue_time.count == 1
@@ -308,9 +308,7 @@ def test_a_request_that_fails_alone_in_its_first_step_was_scheduled_and_is_in_no
     bad, ok = eng.add_request("bad", prompt, greedy(8)), eng.add_request("ok", other, greedy(3))
     failed = []
     while eng.has_unfinished():
-        eng.step()
-        failed += [rid for rid, _ in eng.failed]
-        eng.failed.clear()
+        failed += [d.request_id for d in eng.step() if d.finish_reason == "error"]
     assert failed == ["bad"] and ok.num_output_tokens == 3 and bad.num_output_tokens == 0
     s = eng.stats.snapshot()
     assert {k: s.request_success[k] - before.request_success[k] for k in s.request_success} == \

@@ -170,8 +170,11 @@ def test_a_failure_preparing_one_request_ends_it_alone(monkeypatch) -> None:
                 break
             for d in eng.step():
                 tokens[d.request_id] += d.new_token_ids
-            failed += [rid for rid, _ in eng.failed]
-            eng.failed.clear()
+                if d.finish_reason == "error":  # its last delta, reported once, with what it failed with
+                    assert d.finished and d.new_token_ids == [] and isinstance(d.error, OverflowError), d
+                    failed.append(d.request_id)
+                else:
+                    assert d.error is None, d
         eng.scheduler.check_invariants()
         assert eng.scheduler.allocator.num_used == 0
         # vLLM's finished_reason "error" for the one that failed, not "abort" (no client ended it)
@@ -183,6 +186,25 @@ def test_a_failure_preparing_one_request_ends_it_alone(monkeypatch) -> None:
     got, failed = run("r1")
     assert none == [] and failed == ["r1"] and got["r1"] == []
     assert got["r0"] == clean["r0"] and got["r2"] == clean["r2"]  # the others are served as if nothing happened
+
+
+def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(monkeypatch) -> None:
+    """Offline there is no stream to end: LLM.generate aborts the other prompts and raises,
+    naming the request and what it failed with; the engine serves the next call."""
+    llm = LLM(log=quiet, **{k: v for k, v in SMALL.items() if k != "model"})
+    real = llm.engine.runner.execute
+
+    def execute(out):  # a fault in one request's inputs, before the device runs
+        if any(s.seq.prompt_token_ids == [9, 9] for s in out.scheduled):
+            raise OverflowError("bad input")
+        return real(out)
+    monkeypatch.setattr(llm.engine.runner, "execute", execute)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with pytest.raises(RuntimeError, match=r"request offline-\d+ failed: OverflowError\('bad input'\)"):
+        llm.generate([[5, 6], [9, 9], [7, 8]], params)
+    # (a step may still be in flight: the next step() collects it, its rows discarded)
+    assert not llm.engine.scheduler.has_unfinished() and llm.engine.scheduler.allocator.num_used == 0
+    assert len(llm.generate([[5, 6]], params)[0].outputs[0].token_ids) == 4
 
 
 def test_max_waiting_requests_counts_requests_not_yet_scheduled() -> None:
@@ -209,8 +231,8 @@ def test_a_request_static_batching_holds_after_its_last_token_ends_as_an_abort_w
     eng.add_request("long", [7, 8], SamplingParams(max_tokens=8, ignore_eos=True))
     while len(short.output_token_ids) < 2:
         assert not [d for d in eng.step() if d.finished]
-    seq = eng.abort("short")
-    assert seq is not None and seq.finish_reason == "abort" and eng.abort("short") is None
+    last = eng.abort("short")
+    assert last is not None and last.finished and last.finish_reason == "abort" and eng.abort("short") is None
     done = []
     while eng.has_unfinished():
         done += [(d.request_id, d.finish_reason) for d in eng.step() if d.finished]

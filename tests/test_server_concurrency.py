@@ -304,6 +304,40 @@ def test_a_streams_late_cleanup_leaves_a_new_request_under_its_id_alone(end):
     asyncio.run(main())
 
 
+def test_a_request_whose_inputs_fail_ends_its_own_stream_with_an_error_and_nothing_else():
+    """The engine ends a request that failed alone with a last delta of finish_reason
+    "error"; AsyncEngine raises it on that request's stream (the server's 500), and the
+    other streams, the loop and later requests go on."""
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
+                                          warmup=False), log=lambda *_: None)
+        real = engine.engine.runner.execute
+
+        def execute(out):  # a fault in one request's inputs, before the device runs
+            if any(s.seq.request_id == "bad" for s in out.scheduled):
+                raise OverflowError("bad input")
+            return real(out)
+        engine.engine.runner.execute = execute
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=5, ignore_eos=True)
+            bad = engine.add_request(EngineRequest("bad", [1, 2, 3], params))
+            ok = engine.add_request(EngineRequest("ok", [1, 4, 5], params))
+            with pytest.raises(RuntimeError, match=r"request failed: OverflowError\('bad input'\)"):
+                async for _ in bad:
+                    pass
+            events = [d async for d in ok]
+            assert events[-1].finish_reason == "length" and sum(len(d.new_token_ids) for d in events) == 5
+            again = [d async for d in engine.add_request(EngineRequest("bad2", [1, 2, 3], params))]
+            assert again[-1].finish_reason == "length" and engine.error is None and not engine._queues
+        finally:
+            await engine.shutdown()
+        assert engine.engine.scheduler.allocator.num_used == 0
+        assert {k: v for k, v in engine.stats.snapshot().request_success.items() if v} == {"error": 1, "length": 2}
+
+    asyncio.run(main())
+
+
 def test_a_request_is_checked_once_on_its_callers_thread_never_on_the_engine_loop():
     """AsyncEngine.add_request runs LLMEngine.validate (a grammar's compile and first-token
     mask among its checks) on the caller's thread; the loop queues what it returned and does

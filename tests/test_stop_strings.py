@@ -277,3 +277,31 @@ def test_partial_stop_len_with_nul_in_the_stop_string() -> None:
             want = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             assert partial_stop_len(text, list(stop)) == want, (text, stop)
     assert partial_stop_len("ab\0", ["\0\0"]) == 1
+
+
+@pytest.mark.parametrize("reason", ["length", "abort", "error"])
+def test_a_requests_last_delta_sends_the_rest_of_its_text_however_it_ended(reason) -> None:
+    """RequestOutputDelta.final builds every request's last delta (released, aborted, failed):
+    its text is the rest of the whole decode, an incomplete character included (a stream's
+    last push is final), even where no final token reached the matcher (an abort mid-output,
+    an end its masks forced without a token); and nothing is sent twice."""
+    from outputs import RequestOutputDelta
+    from sequence import Sequence
+    from tokenizer import IncrementalDetokenizer
+
+    tok, eos = ByteTokenizer(), (ByteTokenizer.eos_token_id,)
+    params = SamplingParams(max_tokens=8, stop=["zz"])
+    seq = Sequence("r", [104, 105], params)
+    seq.stop_matcher = IncrementalDetokenizer(tok, seq.prompt_token_ids, ["zz"], params, eos)
+    out = [*"ab z".encode(), *"é".encode()[:1]]  # a held-back maybe-stop "z" follows, then half a character
+    sent = ""
+    for t in out:
+        seq.output_token_ids.append(t)
+        seq.stop_matcher.advance([t], final=False)
+        sent += seq.stop_matcher.take(False)
+    seq.finish_reason, seq.finished_time = reason, seq.arrival_time + 1.0
+    last = RequestOutputDelta.final(seq, eos)
+    assert last.finished and last.finish_reason == reason and last.new_token_ids == []
+    assert sent + last.new_text == tok.decode(out) == "ab z\ufffd"
+    again = RequestOutputDelta(seq.request_id, [], None, False, None, 2, len(out))
+    assert RequestOutputDelta.final(seq, eos, again).new_text == ""  # a second end adds nothing
