@@ -327,7 +327,7 @@ class LLMEngine:
         """The drafts of the rows the scheduler reserved room for; it trims each row to them."""
         spec = self.config.speculative_config
         assert spec is not None
-        rows = [s.seq for s in out.scheduled if s.spec_token_ids]
+        rows = [s.seq for s in out.scheduled if s.num_spec_tokens]
         proposals = proposer.propose(rows, spec.k)
         self.scheduler.take_proposals(out, proposals.token_ids, proposals.draft_probs)
 
@@ -338,7 +338,7 @@ class LLMEngine:
         spec = {i: t for i, (t, _) in result.spec.items()} if result is not None and result.spec else None
         outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [], spec)
         if spec:
-            self.stats.record_spec_decode([(len(out.scheduled[i].spec_token_ids), len(t) - 1) for i, t in spec.items()])
+            self.stats.record_spec_decode([(out.scheduled[i].num_spec_tokens, len(t) - 1) for i, t in spec.items()])
         return self._record(out, result, outcome, scheduled_at)
 
     def _dispatch(self, out: SchedulerOutput, deltas: list[RequestOutputDelta],
@@ -384,7 +384,7 @@ class LLMEngine:
             # sees: they are counted nowhere and produce no delta.
             dropped = {id(s) for s in outcome.discarded}
             dec = sum(1 for s in outcome.discarded if s.is_decode)
-            drafts = sum(len(s.spec_token_ids) for s in outcome.discarded)
+            drafts = sum(s.num_spec_tokens for s in outcome.discarded)
             pre = sum(s.num_new_tokens for s in outcome.discarded) - dec - drafts
             out = dataclasses.replace(out, scheduled=[s for s in out.scheduled if id(s) not in dropped],
                                       num_decode_tokens=out.num_decode_tokens - dec,
@@ -418,7 +418,7 @@ class LLMEngine:
                           seq.num_cached_tokens)
             else:
                 lp = logprobs.get(rid) if logprobs else None
-                tokens = emitted.get(rid, [token]) if sch.spec_token_ids else [token]
+                tokens = emitted.get(rid, [token]) if sch.num_spec_tokens else [token]
                 d = delta(rid, tokens, None if lp is None else lp[:len(tokens)], False, None,
                           len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens, None,
                           prompt_lps.pop(rid, None) if prompt_lps else None)
@@ -506,7 +506,7 @@ class LLMEngine:
             self.abort(seq.request_id, "error")
         out.scheduled = ok
         out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
-        out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)
+        out.num_spec_tokens = sum(s.num_spec_tokens for s in ok)
         out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens - out.num_spec_tokens
         out.num_recomputed_tokens = sum(s.num_recomputed for s in ok)
         logprobs = None

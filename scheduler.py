@@ -194,7 +194,7 @@ class Scheduler:
             if not s.samples:
                 continue
             seq.num_output_placeholders -= 1
-            if s.spec_token_ids:
+            if s.num_spec_tokens:
                 assert spec is not None
                 reason = self._update_verified(seq, s, spec[i], emitted)
                 accepted[seq.request_id] = seq.output_token_ids[-1]
@@ -254,16 +254,17 @@ class Scheduler:
         that proposes after scheduling: each row keeps as many as it reserved room for, and
         gives back the budget's blocks it does not use (a row with no draft is a plain decode)."""
         assert self._drafter is None, "drafts known at scheduling are taken by schedule()"
-        rows = [s for s in out.scheduled if s.spec_token_ids]
+        rows = [s for s in out.scheduled if s.num_spec_tokens]
         assert len(proposals) == len(rows)
         bs = self.config.block_size
         for r, (s, draft) in enumerate(zip(rows, proposals)):
-            reserved = len(s.spec_token_ids)
+            reserved = s.num_spec_tokens
             draft = list(draft[:reserved])
             unused = reserved - len(draft)
             s.spec_token_ids, s.spec_src = draft or (), r
             if unused:
                 seq = s.seq
+                s.num_spec_tokens -= unused
                 s.num_new_tokens -= unused
                 seq.num_computed_tokens -= unused
                 out.num_spec_tokens -= unused
@@ -275,7 +276,7 @@ class Scheduler:
         """A verified row's emitted tokens, each checked as a sampled one (the first that
         ends the sequence is its last); the blocks its accepted drafts completed are named,
         as a decode's are; the K/V of its rejected drafts is given back."""
-        num_draft, num_accepted = len(s.spec_token_ids), len(tokens) - 1
+        num_draft, num_accepted = s.num_spec_tokens, len(tokens) - 1
         assert 0 <= num_accepted <= num_draft and tokens[:num_accepted] == list(s.spec_token_ids[:num_accepted])
         seq.num_drafts += 1
         seq.num_draft_tokens += num_draft
@@ -419,16 +420,19 @@ class Scheduler:
                     self.config.long_prefill_token_threshold - 1 if self.config.long_prefill_token_threshold else spec_k)
             if k <= 0:
                 continue
-            # Drafts known now are taken now (room for exactly them); else k zeros hold the
-            # room until take_proposals.
-            drafts = self._drafter(seq, k) if self._drafter is not None else [0] * k
-            k = len(drafts)
+            # Drafts known now are taken now (room for exactly them); else the room for k
+            # is held until take_proposals.
+            drafts = self._drafter(seq, k) if self._drafter is not None else None
+            if drafts is not None:
+                k = len(drafts)
             need = blocks_needed(seq.num_computed_tokens + k, bs) - len(seq.block_table)
             if k == 0 or (need > 0 and not self.allocator.can_allocate(need + keep)):
                 continue
             if need > 0:
                 seq.block_table += self.allocator.allocate(seq.request_id, need)
-            s.num_new_tokens, s.spec_token_ids = 1 + k, drafts
+            s.num_new_tokens, s.num_spec_tokens = 1 + k, k
+            if drafts is not None:
+                s.spec_token_ids = drafts
             seq.num_computed_tokens += k
             spare -= k
             out.num_spec_tokens += k

@@ -18,9 +18,11 @@ class ScheduledSeq:
     num_new_tokens: int  # positions seq.num_computed_tokens - num_new_tokens .. seq.num_computed_tokens - 1
     samples: bool  # a token comes out: a decode, or the chunk that completes the prompt
     is_decode: bool  # a decode step of a sequence past its prompt (one token, or one + its drafts)
-    # Speculative decoding: the drafts computed after its latest token (num_new_tokens is
-    # 1 + their number; from schedule() to take_proposals(), zeros holding the reserved
-    # room), and its row in the step's Proposals.draft_probs.
+    # Speculative decoding: the number of drafts computed after its latest token
+    # (num_new_tokens is 1 + it; from schedule() to take_proposals(), the room reserved for
+    # a proposer that drafts after scheduling), the drafts once known, and its row in the
+    # step's Proposals.draft_probs.
+    num_spec_tokens: int = 0
     spec_token_ids: list[int] | tuple[()] = ()
     spec_src: int = 0
     num_recomputed: int = 0  # of num_new_tokens, computed before a preemption dropped them
