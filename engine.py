@@ -290,7 +290,8 @@ class LLMEngine:
         self._prepare(out)
         if out.scheduled or out.preempted or not self._in_flight:  # a preemption is recorded with its step
             at = time.monotonic()
-            self._in_flight.append((out, at, self._dispatch(out, deltas, at)))
+            out, step = self._dispatch(out, deltas, at)
+            self._in_flight.append((out, at, step))
         if self._overlaps(out):  # its tokens come back with the next call
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
             return deltas
@@ -342,13 +343,14 @@ class LLMEngine:
         return self._record(out, result, outcome, scheduled_at)
 
     def _dispatch(self, out: SchedulerOutput, deltas: list[RequestOutputDelta],
-                  scheduled_at: float) -> InFlightStep | StepResult | None:
-        """Dispatch out's step (scheduled at `scheduled_at`); the steps collected meanwhile add
-        their deltas to `deltas`."""
+                  scheduled_at: float) -> tuple[SchedulerOutput, InFlightStep | StepResult | None]:
+        """Dispatch out's step (scheduled at `scheduled_at`): the step as it runs (out, less
+        the rows that failed alone) and its result. The steps collected meanwhile add their
+        deltas to `deltas`."""
         if not out.scheduled:  # nothing runs, but update() may still release a static batch
-            return None
+            return out, None
         try:
-            return self._execute(out, deltas)
+            return out, self._execute(out, deltas)
         except Exception as e:
             deltas += self._drain()  # rows run alone may sample under a constraint: see _execute
             return self._isolate_failure(out, e, scheduled_at)
@@ -383,15 +385,7 @@ class LLMEngine:
             # Rows whose sequence ended before this step came back computed nothing anyone
             # sees: they are counted nowhere and produce no delta.
             dropped = {id(s) for s in outcome.discarded}
-            dec = sum(1 for s in outcome.discarded if s.is_decode)
-            drafts = sum(s.num_spec_tokens for s in outcome.discarded)
-            pre = sum(s.num_new_tokens for s in outcome.discarded) - dec - drafts
-            out = dataclasses.replace(out, scheduled=[s for s in out.scheduled if id(s) not in dropped],
-                                      num_decode_tokens=out.num_decode_tokens - dec,
-                                      num_prefill_tokens=out.num_prefill_tokens - pre,
-                                      num_recomputed_tokens=out.num_recomputed_tokens
-                                      - sum(s.num_recomputed for s in outcome.discarded),
-                                      num_spec_tokens=out.num_spec_tokens - drafts)
+            out = out.restricted_to([s for s in out.scheduled if id(s) not in dropped])
         accepted, released = outcome.accepted, outcome.finished
         extra = sum(len(t) - 1 for t in outcome.emitted.values())  # verified rows' tokens beyond one
         self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config, extra)
@@ -466,12 +460,13 @@ class LLMEngine:
         """True once a failed step got as far as the device: its donated KV cache is gone."""
         return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches))
 
-    def _isolate_failure(self, out: SchedulerOutput, error: Exception, scheduled_at: float) -> StepResult:
+    def _isolate_failure(self, out: SchedulerOutput, error: Exception,
+                         scheduled_at: float) -> tuple[SchedulerOutput, StepResult]:
         """The step failed. If it failed before the device ran (the KV cache was not
         donated), it was preparing some request's inputs: run each scheduled request alone
         to find the culprits, end them with an error (`self.failed`), and return the
-        others' results as if the step had run whole. Otherwise the engine is broken:
-        re-raise, and the loop dies loudly."""
+        step restricted to the others, with their results as if it had run whole. Otherwise
+        the engine is broken: re-raise, and the loop dies loudly."""
         if self._cache_donated():
             raise error
         tokens, lps, ok, bad, prompt, spec = [], [], [], [], {}, {}
@@ -504,11 +499,6 @@ class LLMEngine:
             if seq.first_scheduled_time is None:  # this was its first step: it was scheduled, its prefix looked up
                 self.stats.record_first_scheduled(seq, scheduled_at, self.config)
             self.abort(seq.request_id, "error")
-        out.scheduled = ok
-        out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
-        out.num_spec_tokens = sum(s.num_spec_tokens for s in ok)
-        out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens - out.num_spec_tokens
-        out.num_recomputed_tokens = sum(s.num_recomputed for s in ok)
         logprobs = None
         if any(lp is not None for lp in lps):
             K = self.runner.logprobs_width
@@ -516,7 +506,7 @@ class LLMEngine:
                  np.zeros((1, K), np.float32))
             parts = [lp if lp is not None else z for lp in lps]
             logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(len(z)))
-        return StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None, spec or None)
+        return out.restricted_to(ok), StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None, spec or None)
 
     def _collect_prompt_logprobs(self, scheduled: list[ScheduledSeq], rows: dict[int, PromptLogprobs],
                                  discarded: list[ScheduledSeq]) -> None:
