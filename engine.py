@@ -208,10 +208,8 @@ class LLMEngine:
         seq = Sequence(request_id=request.request_id, prompt_token_ids=[int(t) for t in request.prompt_token_ids],
                        params=params, arrival_time=arrival, priority=request.priority, user=request.user,
                        parent=request.parent, cache_salt=request.cache_salt)
-        slo = request.slo
-        if slo is not None:
-            seq.slo_ttft = None if slo.ttft_ms is None else slo.ttft_ms / 1e3
-            seq.slo_tpot = None if slo.tpot_ms is None else slo.tpot_ms / 1e3
+        if request.slo is not None:
+            seq.slo_ttft, seq.slo_tpot = request.slo.seconds
         # A request without a seed still gets its own stream, drawn from the engine's seed;
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)

@@ -81,6 +81,7 @@ class Scheduler:
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
         self.spec = config.speculative_config
         self._drafter = scheduling_drafter(self.spec) if self.spec is not None else None
+        self._slo_defaults = SLOTarget(config.slo_ttft_ms, config.slo_tpot_ms).seconds
 
     # ---- requests ----------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
@@ -129,11 +130,11 @@ class Scheduler:
         assert 0 < seq.num_prompt_tokens and seq.num_prompt_tokens + seq.params.max_tokens <= self.config.max_model_len
         seq.arrival_order = next(self._arrivals)
         if self.policy.uses_slo:  # the server-wide targets, where the request set none
-            cfg = self.config
-            if seq.slo_ttft is None and cfg.slo_ttft_ms is not None:
-                seq.slo_ttft = cfg.slo_ttft_ms / 1e3
-            if seq.slo_tpot is None and cfg.slo_tpot_ms is not None:
-                seq.slo_tpot = cfg.slo_tpot_ms / 1e3
+            ttft, tpot = self._slo_defaults
+            if seq.slo_ttft is None:
+                seq.slo_ttft = ttft
+            if seq.slo_tpot is None:
+                seq.slo_tpot = tpot
         self.waiting.add(seq)
         self._seqs[seq.request_id] = seq
 
@@ -247,7 +248,7 @@ class Scheduler:
         spec = self.spec
         return spec is not None and (spec.disable_by_batch_size is None
                                      or len(self.running) < spec.disable_by_batch_size) \
-            and any(seq.speculates and seq.constraint is None and seq.controls is None for seq in self.running)
+            and any(seq.may_speculate for seq in self.running)
 
     def take_proposals(self, out: SchedulerOutput, proposals: list[list[int]], draft_probs: Any = None) -> None:
         """The proposer's drafts for out's speculating rows (in their order), for a proposer
@@ -392,8 +393,7 @@ class Scheduler:
             add(row(seq, 1, True, True))  # = _add(out, seq, 1), the budget and count summed below
             seq.num_computed_tokens = computed + 1
             seq.num_output_placeholders += 1
-            if spec_k and seq.speculates and seq.constraint is None and seq.controls is None \
-                    and seq.num_output_placeholders == 1:
+            if spec_k and seq.may_speculate and seq.num_output_placeholders == 1:
                 speculative.append(out.scheduled[-1])
             if caching and (computed + 1) // bs > num_named(seq.request_id, 0):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
