@@ -207,10 +207,8 @@ class LLMEngine:
         seq = Sequence(request_id=request.request_id, prompt_token_ids=[int(t) for t in request.prompt_token_ids],
                        params=params, arrival_time=arrival, priority=request.priority, user=request.user,
                        parent=request.parent, cache_salt=request.cache_salt)
-        slo = request.slo
-        if slo is not None:
-            seq.slo_ttft = None if slo.ttft_ms is None else slo.ttft_ms / 1e3
-            seq.slo_tpot = None if slo.tpot_ms is None else slo.tpot_ms / 1e3
+        if request.slo is not None:
+            seq.slo_ttft, seq.slo_tpot = request.slo.seconds
         # A request without a seed still gets its own stream, drawn from the engine's seed;
         # any integer seed (-1, 2**64, ...) maps into the sampler's 32-bit seed space.
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
@@ -298,7 +296,8 @@ class LLMEngine:
         self._prepare(out)
         if out.scheduled or out.preempted or not self._in_flight:  # a preemption is recorded with its step
             at = time.monotonic()
-            self._in_flight.append((out, at, self._dispatch(out, deltas, at)))
+            out, step = self._dispatch(out, deltas, at)
+            self._in_flight.append((out, at, step))
         if self._overlaps(out):  # its tokens come back with the next call
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
             return deltas
@@ -335,7 +334,7 @@ class LLMEngine:
         """The drafts of the rows the scheduler reserved room for; it trims each row to them."""
         spec = self.config.speculative_config
         assert spec is not None
-        rows = [s.seq for s in out.scheduled if s.spec_token_ids]
+        rows = [s.seq for s in out.scheduled if s.num_spec_tokens]
         proposals = proposer.propose(rows, spec.k)
         self.scheduler.take_proposals(out, proposals.token_ids, proposals.draft_probs)
 
@@ -346,17 +345,18 @@ class LLMEngine:
         spec = {i: t for i, (t, _) in result.spec.items()} if result is not None and result.spec else None
         outcome = self.scheduler.update(out, result.tokens.tolist() if result is not None else [], spec)
         if spec:
-            self.stats.record_spec_decode([(len(out.scheduled[i].spec_token_ids), len(t) - 1) for i, t in spec.items()])
+            self.stats.record_spec_decode([(out.scheduled[i].num_spec_tokens, len(t) - 1) for i, t in spec.items()])
         return self._record(out, result, outcome, scheduled_at)
 
     def _dispatch(self, out: SchedulerOutput, deltas: list[RequestOutputDelta],
-                  scheduled_at: float) -> InFlightStep | StepResult | None:
-        """Dispatch out's step (scheduled at `scheduled_at`); the steps collected meanwhile add
-        their deltas to `deltas`."""
+                  scheduled_at: float) -> tuple[SchedulerOutput, InFlightStep | StepResult | None]:
+        """Dispatch out's step (scheduled at `scheduled_at`): the step as it runs (out, less
+        the rows that failed alone) and its result. The steps collected meanwhile add their
+        deltas to `deltas`."""
         if not out.scheduled:  # nothing runs, but update() may still release a static batch
-            return None
+            return out, None
         try:
-            return self._execute(out, deltas)
+            return out, self._execute(out, deltas)
         except Exception as e:
             deltas += self._drain()  # rows run alone may sample under a constraint: see _execute
             return self._isolate_failure(out, e, scheduled_at, deltas)
@@ -391,15 +391,7 @@ class LLMEngine:
             # Rows whose sequence ended before this step came back computed nothing anyone
             # sees: they are counted nowhere and produce no delta.
             dropped = {id(s) for s in outcome.discarded}
-            dec = sum(1 for s in outcome.discarded if s.is_decode)
-            drafts = sum(len(s.spec_token_ids) for s in outcome.discarded)
-            pre = sum(s.num_new_tokens for s in outcome.discarded) - dec - drafts
-            out = dataclasses.replace(out, scheduled=[s for s in out.scheduled if id(s) not in dropped],
-                                      num_decode_tokens=out.num_decode_tokens - dec,
-                                      num_prefill_tokens=out.num_prefill_tokens - pre,
-                                      num_recomputed_tokens=out.num_recomputed_tokens
-                                      - sum(s.num_recomputed for s in outcome.discarded),
-                                      num_spec_tokens=out.num_spec_tokens - drafts)
+            out = out.restricted_to([s for s in out.scheduled if id(s) not in dropped])
         accepted, released = outcome.accepted, outcome.finished
         extra = sum(len(t) - 1 for t in outcome.emitted.values())  # verified rows' tokens beyond one
         self.stats.record_step(out, accepted, released, scheduled_at, time.monotonic(), self.config, extra)
@@ -426,7 +418,7 @@ class LLMEngine:
                           seq.num_cached_tokens)
             else:
                 lp = logprobs.get(rid) if logprobs else None
-                tokens = emitted.get(rid, [token]) if sch.spec_token_ids else [token]
+                tokens = emitted.get(rid, [token]) if sch.num_spec_tokens else [token]
                 d = delta(rid, tokens, None if lp is None else lp[:len(tokens)], False, None,
                           len(seq.prompt_token_ids), len(seq.output_token_ids), seq.num_cached_tokens, None,
                           prompt_lps.pop(rid, None) if prompt_lps else None)
@@ -470,18 +462,18 @@ class LLMEngine:
         return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.runner.kv_caches))
 
     def _isolate_failure(self, out: SchedulerOutput, error: Exception, scheduled_at: float,
-                         deltas: list[RequestOutputDelta]) -> StepResult:
+                         deltas: list[RequestOutputDelta]) -> tuple[SchedulerOutput, StepResult]:
         """The step failed. If it failed before the device ran (the KV cache was not
         donated), it was preparing some request's inputs: run each scheduled request alone
         to find the culprits, end each with a final delta of finish_reason "error" carrying
-        what it failed with (added to `deltas`), and return the others' results as if the
-        step had run whole. Otherwise the engine is broken: re-raise, and the loop dies
-        loudly."""
+        what it failed with (added to `deltas`), and return the step restricted to the
+        others, with their results as if it had run whole. Otherwise the engine is broken:
+        re-raise, and the loop dies loudly."""
         if self._cache_donated():
             raise error
         tokens, lps, ok, bad, prompt, spec = [], [], [], [], {}, {}
         for sch in out.scheduled:
-            num_spec = len(sch.spec_token_ids)
+            num_spec = sch.num_spec_tokens
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
                                   num_decode_tokens=int(sch.is_decode), num_spec_tokens=num_spec,
                                   draft_probs=out.draft_probs)
@@ -507,11 +499,6 @@ class LLMEngine:
             if seq.first_scheduled_time is None:  # this was its first step: it was scheduled, its prefix looked up
                 self.stats.record_first_scheduled(seq, scheduled_at, self.config)
             deltas.append(self.abort(seq.request_id, e))
-        out.scheduled = ok
-        out.num_decode_tokens = sum(1 for s in ok if s.is_decode)
-        out.num_spec_tokens = sum(len(s.spec_token_ids) for s in ok)
-        out.num_prefill_tokens = sum(s.num_new_tokens for s in ok) - out.num_decode_tokens - out.num_spec_tokens
-        out.num_recomputed_tokens = sum(s.num_recomputed for s in ok)
         logprobs = None
         if any(lp is not None for lp in lps):
             K = self.runner.logprobs_width
@@ -519,7 +506,7 @@ class LLMEngine:
                  np.zeros((1, K), np.float32))
             parts = [lp if lp is not None else z for lp in lps]
             logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(len(z)))
-        return StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None, spec or None)
+        return out.restricted_to(ok), StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None, spec or None)
 
     def _collect_prompt_logprobs(self, scheduled: list[ScheduledSeq], rows: dict[int, PromptLogprobs],
                                  discarded: list[ScheduledSeq]) -> None:

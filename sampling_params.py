@@ -219,6 +219,12 @@ class SLOTarget:
                                   or v <= 0):
                 raise ValueError(f"slo.{name} must be a number > 0, got {v!r}")
 
+    @property
+    def seconds(self) -> tuple[float | None, float | None]:
+        """(ttft, tpot) in seconds, as a Sequence holds them."""
+        return (None if self.ttft_ms is None else self.ttft_ms / 1e3,
+                None if self.tpot_ms is None else self.tpot_ms / 1e3)
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -81,6 +81,7 @@ class Scheduler:
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
         self.spec = config.speculative_config
         self._drafter = scheduling_drafter(self.spec) if self.spec is not None else None
+        self._slo_defaults = SLOTarget(config.slo_ttft_ms, config.slo_tpot_ms).seconds
 
     # ---- requests ----------------------------------------------------------------------
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
@@ -129,11 +130,11 @@ class Scheduler:
         assert 0 < seq.num_prompt_tokens and seq.num_prompt_tokens + seq.params.max_tokens <= self.config.max_model_len
         seq.arrival_order = next(self._arrivals)
         if self.policy.uses_slo:  # the server-wide targets, where the request set none
-            cfg = self.config
-            if seq.slo_ttft is None and cfg.slo_ttft_ms is not None:
-                seq.slo_ttft = cfg.slo_ttft_ms / 1e3
-            if seq.slo_tpot is None and cfg.slo_tpot_ms is not None:
-                seq.slo_tpot = cfg.slo_tpot_ms / 1e3
+            ttft, tpot = self._slo_defaults
+            if seq.slo_ttft is None:
+                seq.slo_ttft = ttft
+            if seq.slo_tpot is None:
+                seq.slo_tpot = tpot
         self.waiting.add(seq)
         self._seqs[seq.request_id] = seq
 
@@ -194,7 +195,7 @@ class Scheduler:
             if not s.samples:
                 continue
             seq.num_output_placeholders -= 1
-            if s.spec_token_ids:
+            if s.num_spec_tokens:
                 assert spec is not None
                 reason = self._update_verified(seq, s, spec[i], emitted)
                 accepted[seq.request_id] = seq.output_token_ids[-1]
@@ -247,23 +248,24 @@ class Scheduler:
         spec = self.spec
         return spec is not None and (spec.disable_by_batch_size is None
                                      or len(self.running) < spec.disable_by_batch_size) \
-            and any(seq.speculates and seq.constraint is None and seq.controls is None for seq in self.running)
+            and any(seq.may_speculate for seq in self.running)
 
     def take_proposals(self, out: SchedulerOutput, proposals: list[list[int]], draft_probs: Any = None) -> None:
         """The proposer's drafts for out's speculating rows (in their order), for a proposer
         that proposes after scheduling: each row keeps as many as it reserved room for, and
         gives back the budget's blocks it does not use (a row with no draft is a plain decode)."""
         assert self._drafter is None, "drafts known at scheduling are taken by schedule()"
-        rows = [s for s in out.scheduled if s.spec_token_ids]
+        rows = [s for s in out.scheduled if s.num_spec_tokens]
         assert len(proposals) == len(rows)
         bs = self.config.block_size
         for r, (s, draft) in enumerate(zip(rows, proposals)):
-            reserved = len(s.spec_token_ids)
+            reserved = s.num_spec_tokens
             draft = list(draft[:reserved])
             unused = reserved - len(draft)
             s.spec_token_ids, s.spec_src = draft or (), r
             if unused:
                 seq = s.seq
+                s.num_spec_tokens -= unused
                 s.num_new_tokens -= unused
                 seq.num_computed_tokens -= unused
                 out.num_spec_tokens -= unused
@@ -275,7 +277,7 @@ class Scheduler:
         """A verified row's emitted tokens, each checked as a sampled one (the first that
         ends the sequence is its last); the blocks its accepted drafts completed are named,
         as a decode's are; the K/V of its rejected drafts is given back."""
-        num_draft, num_accepted = len(s.spec_token_ids), len(tokens) - 1
+        num_draft, num_accepted = s.num_spec_tokens, len(tokens) - 1
         assert 0 <= num_accepted <= num_draft and tokens[:num_accepted] == list(s.spec_token_ids[:num_accepted])
         seq.num_drafts += 1
         seq.num_draft_tokens += num_draft
@@ -391,8 +393,7 @@ class Scheduler:
             add(row(seq, 1, True, True))  # = _add(out, seq, 1), the budget and count summed below
             seq.num_computed_tokens = computed + 1
             seq.num_output_placeholders += 1
-            if spec_k and seq.speculates and seq.constraint is None and seq.controls is None \
-                    and seq.num_output_placeholders == 1:
+            if spec_k and seq.may_speculate and seq.num_output_placeholders == 1:
                 speculative.append(out.scheduled[-1])
             if caching and (computed + 1) // bs > num_named(seq.request_id, 0):  # completes a block: name it
                 self.allocator.cache_blocks(seq.request_id, self._block_hashes(seq, (computed + 1) // bs))
@@ -419,16 +420,19 @@ class Scheduler:
                     self.config.long_prefill_token_threshold - 1 if self.config.long_prefill_token_threshold else spec_k)
             if k <= 0:
                 continue
-            # Drafts known now are taken now (room for exactly them); else k zeros hold the
-            # room until take_proposals.
-            drafts = self._drafter(seq, k) if self._drafter is not None else [0] * k
-            k = len(drafts)
+            # Drafts known now are taken now (room for exactly them); else the room for k
+            # is held until take_proposals.
+            drafts = self._drafter(seq, k) if self._drafter is not None else None
+            if drafts is not None:
+                k = len(drafts)
             need = blocks_needed(seq.num_computed_tokens + k, bs) - len(seq.block_table)
             if k == 0 or (need > 0 and not self.allocator.can_allocate(need + keep)):
                 continue
             if need > 0:
                 seq.block_table += self.allocator.allocate(seq.request_id, need)
-            s.num_new_tokens, s.spec_token_ids = 1 + k, drafts
+            s.num_new_tokens, s.num_spec_tokens = 1 + k, k
+            if drafts is not None:
+                s.spec_token_ids = drafts
             seq.num_computed_tokens += k
             spare -= k
             out.num_spec_tokens += k

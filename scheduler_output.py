@@ -5,7 +5,7 @@ runner and the engine read these, never the Scheduler's own state. Pure Python."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -18,9 +18,11 @@ class ScheduledSeq:
     num_new_tokens: int  # positions seq.num_computed_tokens - num_new_tokens .. seq.num_computed_tokens - 1
     samples: bool  # a token comes out: a decode, or the chunk that completes the prompt
     is_decode: bool  # a decode step of a sequence past its prompt (one token, or one + its drafts)
-    # Speculative decoding: the drafts computed after its latest token (num_new_tokens is
-    # 1 + their number; from schedule() to take_proposals(), zeros holding the reserved
-    # room), and its row in the step's Proposals.draft_probs.
+    # Speculative decoding: the number of drafts computed after its latest token
+    # (num_new_tokens is 1 + it; from schedule() to take_proposals(), the room reserved for
+    # a proposer that drafts after scheduling), the drafts once known, and its row in the
+    # step's Proposals.draft_probs.
+    num_spec_tokens: int = 0
     spec_token_ids: list[int] | tuple[()] = ()
     spec_src: int = 0
     num_recomputed: int = 0  # of num_new_tokens, computed before a preemption dropped them
@@ -48,6 +50,16 @@ class SchedulerOutput:
     @property
     def is_decode_only(self) -> bool:
         return self.num_prefill_tokens == 0 and self.num_spec_tokens == 0
+
+    def restricted_to(self, rows: list[ScheduledSeq]) -> SchedulerOutput:
+        """This step as if only `rows` (some of its scheduled rows, in order) had been
+        scheduled: its token counts summed over them; its preemptions, swaps and draft
+        distributions kept."""
+        num_decode = sum(1 for s in rows if s.is_decode)
+        num_spec = sum(s.num_spec_tokens for s in rows)
+        return replace(self, scheduled=rows, num_decode_tokens=num_decode, num_spec_tokens=num_spec,
+                       num_prefill_tokens=sum(s.num_new_tokens for s in rows) - num_decode - num_spec,
+                       num_recomputed_tokens=sum(s.num_recomputed for s in rows))
 
 
 @dataclass(slots=True)

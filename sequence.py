@@ -144,6 +144,12 @@ class Sequence:
         return self.status is FINISHED
 
     @property
+    def may_speculate(self) -> bool:
+        """Its next tokens may be drafted and verified: it still speculates, and no
+        constraint or logits control needs each previous token before it samples."""
+        return self.speculates and self.constraint is None and self.controls is None
+
+    @property
     def is_decode(self) -> bool:
         """Everything but the latest output token (known or in flight) is cached: the next
         step computes one token. After a preemption the prompt *and* the outputs are a

@@ -265,8 +265,8 @@ class Drive:
             self.check_admission_order(out, was_running)
             self.check_swaps(out)
             if out.num_spec_tokens and self.spec["method"] == "draft_model":
-                rows = [x for x in out.scheduled if x.spec_token_ids]
-                s.take_proposals(out, [[rng.randint(3, 9) for _ in range(rng.randint(0, len(x.spec_token_ids) + 1))]
+                rows = [x for x in out.scheduled if x.num_spec_tokens]
+                s.take_proposals(out, [[rng.randint(3, 9) for _ in range(rng.randint(0, x.num_spec_tokens + 1))]
                                        for x in rows])
             assert not any(x.spec_token_ids and x.seq.constraint is not None for x in out.scheduled), \
                 "a constrained row verifies drafts"

@@ -291,7 +291,7 @@ class SpeculativeAllocatorMachine(RuleBasedStateMachine):
     def step(self, data):
         out = self.s.schedule()
         assert sum(x.num_new_tokens for x in out.scheduled) <= self.s.config.max_num_batched_tokens
-        rows = [x for x in out.scheduled if x.spec_token_ids]
+        rows = [x for x in out.scheduled if x.num_spec_tokens]
         if self.ngram:  # the scheduler took the lookup's drafts: those of a brute-force search
             for x in rows:
                 want = brute_ngram(x.seq.all_token_ids, 1, 2, self.k)
@@ -299,8 +299,8 @@ class SpeculativeAllocatorMachine(RuleBasedStateMachine):
         else:
             # mostly as many drafts as reserved, sometimes fewer (none: a plain decode) or more (cut)
             proposals = [data.draw(st.lists(st.integers(3, 9),
-                                            min_size=data.draw(st.integers(0, len(x.spec_token_ids) + 1)),
-                                            max_size=len(x.spec_token_ids) + 1)) for x in rows]
+                                            min_size=data.draw(st.integers(0, x.num_spec_tokens + 1)),
+                                            max_size=x.num_spec_tokens + 1)) for x in rows]
             self.s.take_proposals(out, proposals)
         for x in out.scheduled:  # blocks cover what the step computes, drafts included
             assert len(x.seq.block_table) * self.s.config.block_size >= x.seq.num_computed_tokens
@@ -342,7 +342,7 @@ class SpeculativeAllocatorMachine(RuleBasedStateMachine):
                 break
             out = self.s.schedule()
             if not self.ngram:
-                self.s.take_proposals(out, [[] for x in out.scheduled if x.spec_token_ids])
+                self.s.take_proposals(out, [[] for x in out.scheduled if x.num_spec_tokens])
             self.s.update(out, [7] * len(out.scheduled), {i: [7] for i, x in enumerate(out.scheduled)
                                                          if x.spec_token_ids})
         assert not self.s.has_unfinished(), "a request starved"
@@ -535,11 +535,25 @@ def scheduler(spec: dict, max_num_seqs: int = 4, max_num_batched_tokens: int = 6
 
 def run_step(s: Scheduler, accept: bool) -> list:
     out = s.schedule()
-    rows = [x for x in out.scheduled if x.spec_token_ids]
+    rows = [x for x in out.scheduled if x.num_spec_tokens]
     s.take_proposals(out, [[9, 9] for _ in rows])
     spec = {i: ([9, 9, 7] if accept else [7]) for i, x in enumerate(out.scheduled) if x.spec_token_ids}
     s.update(out, [7] * len(out.scheduled), spec)
     return rows
+
+
+def test_a_row_drafted_after_scheduling_counts_its_room_and_holds_no_tokens_until_take_proposals():
+    """A proposer that drafts after scheduling (a draft model) gets room for k drafts a
+    row: the row counts it (num_spec_tokens) and carries no draft tokens until
+    take_proposals, which trims the count to the drafts proposed."""
+    s = scheduler({})
+    s.add(Sequence("a", [5, 6, 7], SamplingParams(max_tokens=10)))
+    run_step(s, False)  # the prompt
+    out = s.schedule()
+    [x] = out.scheduled
+    assert (x.num_new_tokens, x.num_spec_tokens, x.spec_token_ids, out.num_spec_tokens) == (3, 2, (), 2)
+    s.take_proposals(out, [[9]])
+    assert (x.num_new_tokens, x.num_spec_tokens, list(x.spec_token_ids), out.num_spec_tokens) == (2, 1, [9], 1)
 
 
 def test_a_reserving_admission_keeps_its_blocks_when_drafts_are_cut_or_rejected():
@@ -555,7 +569,7 @@ def test_a_reserving_admission_keeps_its_blocks_when_drafts_are_cut_or_rejected(
         s.add(Sequence(rid, [5, 6, 5, 6, 5, 6], SamplingParams(max_tokens=30)))  # 35 tokens: 9 blocks
     for i in range(80):
         out = s.schedule()
-        rows = [x for x in out.scheduled if x.spec_token_ids]
+        rows = [x for x in out.scheduled if x.num_spec_tokens]
         s.take_proposals(out, [[9] if i % 2 else [] for _ in rows])  # cut to one draft, or none
         s.update(out, [7] * len(out.scheduled), {j: [7] for j, x in enumerate(out.scheduled) if x.spec_token_ids})
         assert all(len(q.block_table) == 9 for q in s.running)
@@ -619,7 +633,7 @@ def test_long_prefill_token_threshold_caps_a_decode_and_its_drafts_as_vllm(thres
     while s.running == [] or s.running[0].num_computed_tokens < 4:
         run_step(s, False)  # the prompt, in chunks of at most the threshold
     out = s.schedule()
-    assert [(x.num_new_tokens, len(x.spec_token_ids)) for x in out.scheduled] == [(1 + drafts, drafts)]
+    assert [(x.num_new_tokens, x.num_spec_tokens) for x in out.scheduled] == [(1 + drafts, drafts)]
     assert out.num_spec_tokens == drafts
 
 
@@ -658,7 +672,7 @@ def test_a_sequence_whose_drafts_keep_failing_stops_speculating():
     run_step(s, True)
     for _ in range(4):
         out = s.schedule()
-        rows = [x for x in out.scheduled if x.spec_token_ids]
+        rows = [x for x in out.scheduled if x.num_spec_tokens]
         s.take_proposals(out, [[9, 9] for _ in rows])
         s.update(out, [7] * len(out.scheduled),
                  {i: ([7] if x.seq.request_id == "bad" else [9, 9, 7]) for i, x in enumerate(out.scheduled)})
@@ -764,7 +778,7 @@ def test_a_stop_string_completed_inside_a_verified_step_ends_the_request_at_its_
     out = s.schedule()
     s.update(out, [ord("x")])  # the prompt, and its first token
     out = s.schedule()
-    assert len(out.scheduled[0].spec_token_ids) == 2
+    assert out.scheduled[0].num_spec_tokens == 2
     s.take_proposals(out, [[ord("a"), ord("b")]])
     outcome = s.update(out, [0], {0: [ord("a"), ord("b"), ord("c")]})  # both drafts accepted, and one more
     assert outcome.emitted == {"s": [ord("a"), ord("b")]} and outcome.finished == [seq]
