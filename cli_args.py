@@ -15,10 +15,8 @@ from typing import Any, Literal
 
 import chat_format
 import config_file
-from config import DISTRIBUTED_EXECUTOR_BACKENDS, VLLM_SPELLINGS, EngineConfig
-from policy import REGISTRIES
+from config import DISTRIBUTED_EXECUTOR_BACKENDS, REGISTRIES, VLLM_SPELLINGS, EngineConfig
 from quant_methods import QUANTIZATION_METHODS
-from reasoning_parsers import REASONING_PARSERS
 from tool_parsers import TOOL_PARSERS
 
 
@@ -167,9 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(EngineConfig):
         kind, kw = hints[f.name], {"default": f.default, "help": _HELP.get(f.name, f"EngineConfig.{f.name}")}
         if f.name in registries:  # every registered name, read when the parser is built
-            kw["choices"] = list(registries[f.name])
-        elif f.name == "reasoning_parser":
-            kw["choices"] = list(REASONING_PARSERS)
+            kw["choices"] = registries[f.name].choices
         elif f.name == "distributed_executor_backend":  # vLLM's names; EngineConfig says which run here
             kw["choices"] = list(DISTRIBUTED_EXECUTOR_BACKENDS)
         elif kind is bool:
@@ -223,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice \"auto\" (the default with tools): the model may call tools, found in its "
                         "output by --tool-call-parser")
-    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS.choices,
                    help="how tool calls are written in the model's output (hermes: <tool_call>{...}</tool_call>); "
                         "used only with --enable-auto-tool-choice, as vLLM")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",

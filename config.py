@@ -21,11 +21,17 @@ from typing import Literal
 import numpy as np
 
 import attention_backend
-from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
+import policy
+from policy import BATCHING, KV_ADMISSION, POLICIES
 from quant_methods import QUANTIZATION_METHODS
 from reasoning_parsers import REASONING_PARSERS
 from sampling_params import sampling_defaults
 from spec_decode import SpeculativeConfig
+
+# Every EngineConfig field whose values are a registry's names (policy.Registry): __post_init__
+# checks each against its registry, cli_args.py offers each registry's names as the flag's choices.
+REGISTRIES: tuple[policy.Registry, ...] = (*policy.REGISTRIES, attention_backend.BACKENDS, QUANTIZATION_METHODS,
+                                           REASONING_PARSERS)
 
 # --kv-cache-dtype values (vLLM's; int8 as JetStream's); kernels_pallas.KV_CACHE_DTYPES maps them to dtypes
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
@@ -103,7 +109,7 @@ class EngineConfig:
     # Defaults of a request's SLO (ms) for a policy that reads SLOs (--scheduling-policy slo).
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
-    attention_backend: str = "auto"  # or a backend registered in attention_backend.py
+    attention_backend: str = attention_backend.AUTO  # or a backend registered in attention_backend.py
     # vLLM's --kv-cache-dtype: auto (the model dtype), or 8 bits with a scale per token and KV head
     kv_cache_dtype: KVCacheDtype = "auto"
     max_waiting_requests: int | None = None
@@ -150,8 +156,6 @@ class EngineConfig:
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         _check_field_types(self)
-        need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
-             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.tokenizer == "":  # vLLM's: an empty --tokenizer is unset (the model's own tokenizer)
             object.__setattr__(self, "tokenizer", None)
         if self.tokenizer is not None:
@@ -183,7 +187,6 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for registry in REGISTRIES:
             registry.check(getattr(self, registry.field))
-        attention_backend.check_name(self.attention_backend)
         need(self.preemption_mode in ("recompute", "swap"),
              f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         need(isinstance(self.swap_space, (int, float)) and math.isfinite(self.swap_space) and self.swap_space >= 0,
@@ -245,8 +248,6 @@ class EngineConfig:
             # and few enough for int() (past 4,300 digits it raises, naming no flag)
             need(bool(host) and port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536,
                  f"distributed_coordinator must be HOST:PORT, got {self.distributed_coordinator!r}")
-        if self.quantization is not None:
-            QUANTIZATION_METHODS.check(self.quantization)
         need(self.long_prefill_token_threshold >= 0,
              f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}")
         need(self.long_prefill_token_threshold == 0 or self.enable_chunked_prefill,

@@ -36,11 +36,15 @@ T = TypeVar("T")
 
 
 class Registry(dict, Generic[T]):
-    """name -> class for one EngineConfig field; `register` is the one place a name is written."""
+    """name -> class for one EngineConfig field or server flag; `register` is the one place
+    a name is written. Every such field is validated (`check`) and offered as a flag's
+    choices (`choices`) from its registry, by config.py and cli_args.py alike."""
 
-    def __init__(self, field: str) -> None:
+    def __init__(self, field: str, also: tuple[str | None, ...] = ()) -> None:
+        """also: the field's values that are not registered names (None: unset; `auto`: a choice among them)."""
         super().__init__()
         self.field = field
+        self.also = also
 
     def register(self, name: str) -> Callable[[type[T]], type[T]]:
         def add(cls: type[T]) -> type[T]:
@@ -55,10 +59,15 @@ class Registry(dict, Generic[T]):
         """The first registered name: the field's default."""
         return next(iter(self))
 
+    @property
+    def choices(self) -> list[str]:
+        """The names a flag takes: `also`'s, then every registered one."""
+        return [*(a for a in self.also if a is not None), *self]
+
     def check(self, name: object) -> None:
-        """A ValueError naming the registered choices, unless `name` is one."""
-        if name not in self:
-            *rest, last = list(self)
+        """A ValueError naming the choices, unless `name` is one (or one of `also`)."""
+        if name not in self.also and name not in self:
+            *rest, last = self.choices
             choices = f"{', '.join(rest)} or {last}" if rest else last
             raise ValueError(f"{self.field} must be {choices}, got {name!r}")
 

@@ -368,8 +368,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
     keys = api_keys(api_key)
     root_path = check_root_path(root_path)
     check_log_flags(argparse.Namespace(enable_log_outputs=log_outputs, enable_log_requests=log_requests))
-    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+    TOOL_PARSERS.check(tool_call_parser)
     if chat_template is not None:
         check_chat_template(chat_template, engine.tokenizer)
     chat_format.check_content_format(chat_template_content_format, engine.tokenizer)
