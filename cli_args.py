@@ -149,6 +149,21 @@ def check_log_flags(args: argparse.Namespace) -> None:
         raise ValueError("--enable-log-outputs requires --enable-log-requests")
 
 
+def check_server_flags(args: argparse.Namespace) -> None:
+    """The server flags' rules (ValueError naming the flag) that server.py and serve_ray.py
+    both check before the model loads and compiles (minutes): --host, --api-key, the log
+    flags, and vLLM's rule that auto tool choice needs a parser. --port is each one's own
+    (Ray Serve's proxy needs a fixed port)."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's rule
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    # also refuses nan; inf too: a stream that never ends would hold the shutdown forever
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
+    check_host(args.host, args.port)
+    api_keys(args.api_key)
+    check_log_flags(args)
+
+
 def non_negative_int(value: str) -> int:
     n = int(value)
     if n < 0:

@@ -39,8 +39,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 import chat_format
 import config_file
-from cli_args import (api_keys, build_parser, check_chat_template, check_host, check_log_flags, check_root_path,
-                      engine_config)
+from cli_args import (api_keys, build_parser, check_chat_template, check_log_flags, check_root_path,
+                      check_server_flags, engine_config)
 from cors import CorsPolicy, on_response_prepare as cors_headers
 from metrics import LoggingStatLogger
 from prometheus import ENGINE, EngineCollector
@@ -573,19 +573,12 @@ def quiet_bad_http(record: logging.LogRecord) -> bool:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = config_file.parse_args(parser, argv)
-    if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's rule
-        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
-    # also refuses nan; inf too: a stream that never ends would hold the shutdown forever
-    if not 0 <= args.shutdown_timeout < float("inf"):
-        parser.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     # Before the model loads and compiles (minutes), not when the server binds after it.
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     try:
-        check_host(args.host, args.port)
-        check_log_flags(args)
+        check_server_flags(args)
         tls = tls_context(args)
-        api_keys(args.api_key)
         if args.default_chat_template_kwargs is not None:  # the model's own tokenizer is checked once it loads
             chat_format.check_default_kwargs(args.default_chat_template_kwargs)
     except ValueError as e:
