@@ -36,6 +36,9 @@ REGISTRIES: tuple[policy.Registry, ...] = (*policy.REGISTRIES, attention_backend
 # --kv-cache-dtype values (vLLM's; int8 as JetStream's); kernels_pallas.KV_CACHE_DTYPES maps them to dtypes
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
 KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KVCacheDtype)
+# vLLM V0's --preemption-mode: how a preempted sequence gives up its KV blocks (EngineConfig.swaps_kv)
+PreemptionMode = Literal["recompute", "swap"]
+PREEMPTION_MODES: tuple[str, ...] = typing.get_args(PreemptionMode)
 # vLLM's --logprobs-mode: what a sampled token's logprobs are computed from. raw: the
 # model's logits (with a structured-output grammar's mask, which vLLM applies before its
 # sampler), before the logits processors, penalties, temperature and top-k/top-p/min-p;
@@ -104,7 +107,7 @@ class EngineConfig:
     # How a preempted sequence gives up its KV blocks (vLLM V0's names): recompute drops them
     # (its prompt and outputs are computed again on re-admission); swap copies them to a
     # host pool of swap_space GiB and back (recompute when the pool is full).
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    preemption_mode: PreemptionMode = "recompute"
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (vLLM's default)
     # Defaults of a request's SLO (ms) for a policy that reads SLOs (--scheduling-policy slo).
     slo_ttft_ms: float | None = None
@@ -187,19 +190,19 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for registry in REGISTRIES:
             registry.check(getattr(self, registry.field))
-        need(self.preemption_mode in ("recompute", "swap"),
-             f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        need(self.preemption_mode in PREEMPTION_MODES,
+             f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
         need(isinstance(self.swap_space, (int, float)) and math.isfinite(self.swap_space) and self.swap_space >= 0,
              f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         # vLLM's limit: a host pool over 70% of the host's memory leaves too little for the rest
-        host_bytes = host_memory_bytes() if self.preemption_mode == "swap" else 0
-        need(self.preemption_mode == "recompute" or self.swap_space * 2**30 <= 0.7 * host_bytes,
+        host_bytes = host_memory_bytes() if self.swaps_kv else 0
+        need(not self.swaps_kv or self.swap_space * 2**30 <= 0.7 * host_bytes,
              f"swap_space {self.swap_space:g} GiB is too large: over 70% of the host's {host_bytes / 2**30:.1f} GiB "
              "of memory")
-        need(self.preemption_mode == "recompute" or KV_ADMISSION[self.kv_admission].preempts,
+        need(not self.swaps_kv or KV_ADMISSION[self.kv_admission].preempts,
              f"--preemption-mode swap needs a KV admission that preempts; {self.kv_admission} reserves every "
              "block at admission and never preempts")
-        need(self.preemption_mode == "recompute" or (self.tensor_parallel_size == 1 and self.num_processes == 1),
+        need(not self.swaps_kv or (self.tensor_parallel_size == 1 and self.num_processes == 1),
              "--preemption-mode swap runs on one device: the host pool is not sharded")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             value = getattr(self, name)
@@ -276,6 +279,13 @@ class EngineConfig:
             # decodes beside it. Without chunking, vLLM's: a whole prompt of max_model_len fits.
             mnbt = max(512, self.max_num_seqs) if self.enable_chunked_prefill else max(max_model_len, 2048, self.max_num_seqs)
         return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=mnbt)
+
+    # ---- what a named choice means: callers read these, not the names ----------------
+    @property
+    def swaps_kv(self) -> bool:
+        """A preempted sequence's KV blocks go to the host pool (swap_space GiB) and back,
+        rather than being dropped and computed again (preemption_mode)."""
+        return self.preemption_mode == "swap"
 
     # ---- derived (valid once resolved) -------------------------------------------
     def logprobs_width(self, vocab_size: int) -> int:

@@ -305,7 +305,7 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
     have = device_memory_bytes()
     on_cpu = jax.devices()[0].platform == "cpu"
     # On CPU the device is the host: a swap pool (--preemption-mode swap) takes the same memory
-    swap_bytes = int(config.swap_space * 2**30) if on_cpu and config.preemption_mode == "swap" else 0
+    swap_bytes = int(config.swap_space * 2**30) if on_cpu and config.swaps_kv else 0
     if config.num_kv_blocks is not None:
         num, source = config.num_kv_blocks, f"{flag_name('num_kv_blocks')} {config.num_kv_blocks}"
     elif config.kv_cache_memory is not None:

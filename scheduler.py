@@ -76,7 +76,7 @@ class Scheduler:
         # The waiting requests this step preempted running ones for (ids), or None: nobody else boards.
         self._preempted_for: set[int] | None = None
         self._budget = 0  # tokens left in the step being scheduled
-        self.num_swap_blocks = num_swap_blocks if config.preemption_mode == "swap" else 0
+        self.num_swap_blocks = num_swap_blocks if config.swaps_kv else 0
         self._host_free = set(range(self.num_swap_blocks))  # free blocks of the host pool
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
         self.spec = config.speculative_config
@@ -689,7 +689,7 @@ class Scheduler:
         re-admission; a full pool falls back to recompute (counted)."""
         computed = victim.num_computed_tokens
         blocks = victim.block_table[:blocks_needed(computed, self.config.block_size)]
-        swap = self.config.preemption_mode == "swap" and 0 < len(blocks)
+        swap = self.config.swaps_kv and 0 < len(blocks)
         if swap and len(blocks) > len(self._host_free):
             swap = False
             out.num_swap_fallbacks += 1
