@@ -216,10 +216,11 @@ def _probe_inputs(shape: AttentionShape):
     cache = (num_blocks, BS, hkv, D)
     kc = jnp.asarray(rng.standard_normal(cache), dt)
     vc = jnp.asarray(rng.standard_normal(cache), dt)
-    if shape.kv_cache_dtype != "auto":
-        import kernels_pallas as kp
+    import kernels_pallas as kp
 
-        kc, vc = (kp.QuantizedKV(*kp.quantize_kv(c, kp.KV_CACHE_DTYPES[shape.kv_cache_dtype])) for c in (kc, vc))
+    stored = kp.kv_storage_dtype(shape.kv_cache_dtype)
+    if stored is not None:
+        kc, vc = (kp.QuantizedKV(*kp.quantize_kv(c, stored)) for c in (kc, vc))
     decode = (jnp.asarray(rng.standard_normal((len(dec_lens), hq, D)), dt), kc, vc,
               table(dec_lens), jnp.asarray(dec_lens, jnp.int32))
     q_lens = [a for a, _ in seqs]

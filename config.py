@@ -33,9 +33,12 @@ from spec_decode import SpeculativeConfig
 REGISTRIES: tuple[policy.Registry, ...] = (*policy.REGISTRIES, attention_backend.BACKENDS, QUANTIZATION_METHODS,
                                            REASONING_PARSERS)
 
-# --kv-cache-dtype values (vLLM's; int8 as JetStream's); kernels_pallas.KV_CACHE_DTYPES maps them to dtypes
-KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
-KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KVCacheDtype)
+# --kv-cache-dtype (vLLM's names; int8 as JetStream's) -> the dtype the cache stores, by name
+# (kernels_pallas.kv_storage_dtype makes it a jnp dtype); None: the model dtype, unquantized.
+# Every other one is 8 bits with an f32 scale per token and KV head; fp8 is e4m3, as vLLM's.
+KV_CACHE_DTYPES: dict[str, str | None] = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                                          "fp8_e5m2": "float8_e5m2", "int8": "int8"}
+KVCacheDtype = Literal[tuple(KV_CACHE_DTYPES)]  # the field's type: cli_args.py gives a Literal's values as choices
 # vLLM V0's --preemption-mode: how a preempted sequence gives up its KV blocks (EngineConfig.swaps_kv)
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES: tuple[str, ...] = typing.get_args(PreemptionMode)
@@ -281,6 +284,11 @@ class EngineConfig:
         return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=mnbt)
 
     # ---- what a named choice means: callers read these, not the names ----------------
+    @property
+    def kv_cache_quantized(self) -> bool:
+        """The KV cache is stored in 8 bits with scales (kv_cache_dtype), not in the model dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] is not None
+
     @property
     def swaps_kv(self) -> bool:
         """A preempted sequence's KV blocks go to the host pool (swap_space GiB) and back,
