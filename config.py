@@ -47,8 +47,22 @@ PREEMPTION_MODES: tuple[str, ...] = typing.get_args(PreemptionMode)
 # sampler), before the logits processors, penalties, temperature and top-k/top-p/min-p;
 # processed: after all of them (what the token was drawn from; a filtered-out token is
 # -inf). *_logits: those logits themselves instead of their log_softmax.
-LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
-LOGPROBS_MODES: tuple[str, ...] = typing.get_args(LogprobsMode)
+
+
+@dataclass(frozen=True)
+class LogprobsKind:
+    """A --logprobs-mode, parsed once (LOGPROBS_MODES): what the sampling programs compute
+    logprobs from, static in them (compilation.ProgramKey)."""
+
+    raw: bool  # the model's logits (a grammar's mask applied), not the processed ones
+    as_logits: bool  # the logits themselves, not their log_softmax
+
+
+LOGPROBS_MODES: dict[str, LogprobsKind] = {
+    "raw_logprobs": LogprobsKind(raw=True, as_logits=False), "raw_logits": LogprobsKind(raw=True, as_logits=True),
+    "processed_logprobs": LogprobsKind(raw=False, as_logits=False),
+    "processed_logits": LogprobsKind(raw=False, as_logits=True)}
+LogprobsMode = Literal[tuple(LOGPROBS_MODES)]  # the field's type: cli_args.py gives a Literal's values as choices
 _MIN_TOKEN_BUCKET = 16
 _MIN_DECODE_MIDPOINT = 16  # below it a decode program's rows cost less than its compile
 MAX_BLOCK_SIZE = 256  # vLLM's largest --block-size
@@ -288,6 +302,11 @@ class EngineConfig:
     def kv_cache_quantized(self) -> bool:
         """The KV cache is stored in 8 bits with scales (kv_cache_dtype), not in the model dtype."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype] is not None
+
+    @property
+    def logprobs_kind(self) -> LogprobsKind:
+        """What logprobs are computed from (logprobs_mode)."""
+        return LOGPROBS_MODES[self.logprobs_mode]
 
     @property
     def swaps_kv(self) -> bool:
