@@ -16,6 +16,7 @@ from typing import Any, Literal
 import chat_format
 import config_file
 from config import DISTRIBUTED_EXECUTOR_BACKENDS, REGISTRIES, VLLM_SPELLINGS, EngineConfig
+from policy import POLICIES
 from quant_methods import QUANTIZATION_METHODS
 from tool_parsers import TOOL_PARSERS
 
@@ -55,8 +56,10 @@ _HELP = {  # EngineConfig fields; config.py says more
     "preemption_mode": "how a preempted sequence gives up its KV: recompute (dropped, computed again) or swap "
                        "(copied to a host pool of --swap-space GiB and back; recompute when it is full)",
     "swap_space": "GiB of host memory for KV blocks swapped out by --preemption-mode swap",
-    "slo_ttft_ms": "--scheduling-policy slo: a request's time-to-first-token target when its body sets none",
-    "slo_tpot_ms": "--scheduling-policy slo: a request's time-per-output-token target when its body sets none",
+    "slo_ttft_ms": f"--scheduling-policy {POLICIES.names_where(lambda p: p.uses_slo)}: a request's "
+                   "time-to-first-token target when its body sets none",
+    "slo_tpot_ms": f"--scheduling-policy {POLICIES.names_where(lambda p: p.uses_slo)}: a request's "
+                   "time-per-output-token target when its body sets none",
     "kv_cache_dtype": "KV cache storage: auto (the model dtype), or 8 bits (fp8 = fp8_e4m3, fp8_e5m2, int8) with an "
                       "f32 scale per token and KV head: ~4x (from f32) or ~2x (from bf16) the blocks in the same memory",
     "attention_backend": "paged attention: auto (the first registered backend for this platform that passes its "

@@ -227,7 +227,7 @@ class EngineConfig:
                  f"{name} must be a number > 0, got {value!r}")
             need(value is None or POLICIES[self.scheduling_policy].uses_slo,
                  f"{name} is set, but the {self.scheduling_policy} scheduling policy does not read SLOs "
-                 "(--scheduling-policy slo)")
+                 f"(--scheduling-policy {POLICIES.names_where(lambda p: p.uses_slo)})")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         need(self.logprobs_mode in LOGPROBS_MODES,

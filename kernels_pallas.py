@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from attention_backend import REFERENCE
 from config import KV_CACHE_DTYPES
 
 # A large finite negative rather than -inf: exp(NEG - NEG) stays finite for rows that
@@ -543,7 +544,7 @@ def _compiler_params(num_warps: int, num_stages: int, interpret: bool):
         return None
     reason = triton_unavailable()
     if reason is not None:
-        raise RuntimeError(reason + " (use --attention-backend xla)")
+        raise RuntimeError(f"{reason} (use --attention-backend {REFERENCE.name})")
     return _pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 

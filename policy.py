@@ -71,6 +71,11 @@ class Registry(dict, Generic[T]):
             choices = f"{', '.join(rest)} or {last}" if rest else last
             raise ValueError(f"{self.field} must be {choices}, got {name!r}")
 
+    def names_where(self, declares: Callable[[type[T]], bool]) -> str:
+        """The registered names whose class declares something ("priority or fair"), as a
+        message that points the user at them says it."""
+        return " or ".join(name for name, cls in self.items() if declares(cls))
+
     def create(self, config: EngineConfig) -> T:
         return self[getattr(config, self.field)]()
 
@@ -452,6 +457,9 @@ class Continuous:
     update() of its last token, so a queued request joins the next step."""
 
     name: str
+    # What a request waits for that only this batching makes it wait for (None: nothing):
+    # a label of metrics' num_requests_waiting_by_reason beside the scheduler's own reasons.
+    wait_reason: str | None = None
 
     def schedule(self, s: Scheduler, out: SchedulerOutput) -> None:
         s.preempt_for_waiting(out)
@@ -486,13 +494,14 @@ class Static:
     Never preempts for boarding: the bus does not stop mid-route."""
 
     name: str
+    wait_reason = "static_batch"  # a request waiting while a batch runs waits for the bus
 
     def schedule(self, s: Scheduler, out: SchedulerOutput) -> None:
         if not s.running:
             s.admit(out, schedule=False)  # (which schedules the boarded prompts the budget takes)
         else:
             for seq in s.waiting:
-                seq.wait_reason = "static_batch"
+                seq.wait_reason = self.wait_reason
         # Everyone boards before it leaves: no decode until every prompt is in.
         if out.scheduled or any(not seq.finished and not seq.is_decode for seq in s.running):
             s.schedule_prompts(out)
