@@ -181,6 +181,13 @@ class FCFS:
     # The policy's clock, the one arrival times are read on (the simulator sets its own).
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
+    @staticmethod
+    def key(seq: Sequence) -> Any:
+        """The rank, lower first, by which the scheduler orders prompt chunks (under
+        orders_prompts) and compares a victim with a waiting request: here arrival order,
+        the queue's (which also puts a preempted request back at the front)."""
+        return seq.arrival_order
+
     def new_queue(self) -> FCFSQueue | SortedQueue:
         return FCFSQueue()
 
