@@ -126,7 +126,7 @@ class EngineConfig:
     # host pool of swap_space GiB and back (recompute when the pool is full).
     preemption_mode: PreemptionMode = "recompute"
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (vLLM's default)
-    # Defaults of a request's SLO (ms) for a policy that reads SLOs (--scheduling-policy slo).
+    # Defaults of a request's SLO (ms) for a policy that reads SLOs (one that declares uses_slo).
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     attention_backend: str = attention_backend.AUTO  # or a backend registered in attention_backend.py
