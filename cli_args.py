@@ -154,9 +154,9 @@ def check_log_flags(args: argparse.Namespace) -> None:
 
 def check_server_flags(args: argparse.Namespace) -> None:
     """The server flags' rules (ValueError naming the flag) that server.py and serve_ray.py
-    both check before the model loads and compiles (minutes): --host, --api-key, the log
-    flags, and vLLM's rule that auto tool choice needs a parser. --port is each one's own
-    (Ray Serve's proxy needs a fixed port)."""
+    both check before the model loads and compiles (minutes): vLLM's rule that auto tool
+    choice needs a parser, --shutdown-timeout, --host, --api-key and the log flags. --port
+    is each one's own (Ray Serve's proxy needs a fixed port)."""
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's rule
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     # also refuses nan; inf too: a stream that never ends would hold the shutdown forever

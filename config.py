@@ -42,11 +42,6 @@ KVCacheDtype = Literal[tuple(KV_CACHE_DTYPES)]  # the field's type: cli_args.py 
 # vLLM V0's --preemption-mode: how a preempted sequence gives up its KV blocks (EngineConfig.swaps_kv)
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES: tuple[str, ...] = typing.get_args(PreemptionMode)
-# vLLM's --logprobs-mode: what a sampled token's logprobs are computed from. raw: the
-# model's logits (with a structured-output grammar's mask, which vLLM applies before its
-# sampler), before the logits processors, penalties, temperature and top-k/top-p/min-p;
-# processed: after all of them (what the token was drawn from; a filtered-out token is
-# -inf). *_logits: those logits themselves instead of their log_softmax.
 
 
 @dataclass(frozen=True)
@@ -58,11 +53,17 @@ class LogprobsKind:
     as_logits: bool  # the logits themselves, not their log_softmax
 
 
+# vLLM's --logprobs-mode: what a sampled token's logprobs are computed from. raw: the
+# model's logits (with a structured-output grammar's mask, which vLLM applies before its
+# sampler), before the logits processors, penalties, temperature and top-k/top-p/min-p;
+# processed: after all of them (what the token was drawn from; a filtered-out token is
+# -inf). *_logits: those logits themselves instead of their log_softmax.
 LOGPROBS_MODES: dict[str, LogprobsKind] = {
     "raw_logprobs": LogprobsKind(raw=True, as_logits=False), "raw_logits": LogprobsKind(raw=True, as_logits=True),
     "processed_logprobs": LogprobsKind(raw=False, as_logits=False),
     "processed_logits": LogprobsKind(raw=False, as_logits=True)}
 LogprobsMode = Literal[tuple(LOGPROBS_MODES)]  # the field's type: cli_args.py gives a Literal's values as choices
+
 _MIN_TOKEN_BUCKET = 16
 _MIN_DECODE_MIDPOINT = 16  # below it a decode program's rows cost less than its compile
 MAX_BLOCK_SIZE = 256  # vLLM's largest --block-size
