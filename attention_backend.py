@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from policy import Registry
+
 if TYPE_CHECKING:
     import jax
 
@@ -88,22 +90,16 @@ class BackendSpec:
         return AttentionBackend(self.name, decode, ragged)
 
 
-BACKENDS: dict[str, BackendSpec] = {}
+# --attention-backend: name -> registration (`auto` chooses among them: select_attention_backend)
+BACKENDS: Registry[BackendSpec] = Registry("attention_backend", also=(AUTO,))
 
 
 def register(spec: BackendSpec) -> BackendSpec:
     """Add a backend; its name becomes a valid --attention-backend."""
-    if spec.name == AUTO or spec.name in BACKENDS:
+    if spec.name in BACKENDS.also or spec.name in BACKENDS:
         raise ValueError(f"attention backend {spec.name!r} is already registered")
     BACKENDS[spec.name] = spec
     return spec
-
-
-def check_name(name: str) -> None:
-    """Raise ValueError unless `name` is `auto` or a registered backend."""
-    if name != AUTO and name not in BACKENDS:
-        *names, last = [AUTO, *BACKENDS]
-        raise ValueError(f"attention_backend must be {', '.join(names)} or {last}, got {name!r}")
 
 
 def get_attention_backend(name: str, interpret: bool | None = None) -> AttentionBackend:
@@ -111,7 +107,7 @@ def get_attention_backend(name: str, interpret: bool | None = None) -> Attention
     to "not on one of its platforms"."""
     import jax
 
-    check_name(name)
+    BACKENDS.check(name)
     spec = BACKENDS[name]
     return spec.make(not spec.compiled_on(jax.default_backend()) if interpret is None else interpret)
 
@@ -220,10 +216,11 @@ def _probe_inputs(shape: AttentionShape):
     cache = (num_blocks, BS, hkv, D)
     kc = jnp.asarray(rng.standard_normal(cache), dt)
     vc = jnp.asarray(rng.standard_normal(cache), dt)
-    if shape.kv_cache_dtype != "auto":
-        import kernels_pallas as kp
+    import kernels_pallas as kp
 
-        kc, vc = (kp.QuantizedKV(*kp.quantize_kv(c, kp.KV_CACHE_DTYPES[shape.kv_cache_dtype])) for c in (kc, vc))
+    stored = kp.kv_storage_dtype(shape.kv_cache_dtype)
+    if stored is not None:
+        kc, vc = (kp.QuantizedKV(*kp.quantize_kv(c, stored)) for c in (kc, vc))
     decode = (jnp.asarray(rng.standard_normal((len(dec_lens), hq, D)), dt), kc, vc,
               table(dec_lens), jnp.asarray(dec_lens, jnp.int32))
     q_lens = [a for a, _ in seqs]
@@ -299,7 +296,7 @@ def select_attention_backend(name: str, shape: AttentionShape) -> AttentionBacke
     """The backend the engine serves with (see the module docstring)."""
     import jax
 
-    check_name(name)
+    BACKENDS.check(name)
     platform = jax.default_backend()
     if name == AUTO:
         spec = next((s for s in BACKENDS.values() if s.auto and s.compiled_on(platform)), REFERENCE)

@@ -15,10 +15,9 @@ from typing import Any, Literal
 
 import chat_format
 import config_file
-from config import DISTRIBUTED_EXECUTOR_BACKENDS, VLLM_SPELLINGS, EngineConfig
-from policy import REGISTRIES
+from config import DISTRIBUTED_EXECUTOR_BACKENDS, REGISTRIES, VLLM_SPELLINGS, EngineConfig
+from policy import POLICIES
 from quant_methods import QUANTIZATION_METHODS
-from reasoning_parsers import REASONING_PARSERS
 from tool_parsers import TOOL_PARSERS
 
 
@@ -57,8 +56,10 @@ _HELP = {  # EngineConfig fields; config.py says more
     "preemption_mode": "how a preempted sequence gives up its KV: recompute (dropped, computed again) or swap "
                        "(copied to a host pool of --swap-space GiB and back; recompute when it is full)",
     "swap_space": "GiB of host memory for KV blocks swapped out by --preemption-mode swap",
-    "slo_ttft_ms": "--scheduling-policy slo: a request's time-to-first-token target when its body sets none",
-    "slo_tpot_ms": "--scheduling-policy slo: a request's time-per-output-token target when its body sets none",
+    "slo_ttft_ms": f"--scheduling-policy {POLICIES.names_where(lambda p: p.uses_slo)}: a request's "
+                   "time-to-first-token target when its body sets none",
+    "slo_tpot_ms": f"--scheduling-policy {POLICIES.names_where(lambda p: p.uses_slo)}: a request's "
+                   "time-per-output-token target when its body sets none",
     "kv_cache_dtype": "KV cache storage: auto (the model dtype), or 8 bits (fp8 = fp8_e4m3, fp8_e5m2, int8) with an "
                       "f32 scale per token and KV head: ~4x (from f32) or ~2x (from bf16) the blocks in the same memory",
     "attention_backend": "paged attention: auto (the first registered backend for this platform that passes its "
@@ -151,6 +152,21 @@ def check_log_flags(args: argparse.Namespace) -> None:
         raise ValueError("--enable-log-outputs requires --enable-log-requests")
 
 
+def check_server_flags(args: argparse.Namespace) -> None:
+    """The server flags' rules (ValueError naming the flag) that server.py and serve_ray.py
+    both check before the model loads and compiles (minutes): vLLM's rule that auto tool
+    choice needs a parser, --shutdown-timeout, --host, --api-key and the log flags. --port
+    is each one's own (Ray Serve's proxy needs a fixed port)."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's rule
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    # also refuses nan; inf too: a stream that never ends would hold the shutdown forever
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
+    check_host(args.host, args.port)
+    api_keys(args.api_key)
+    check_log_flags(args)
+
+
 def non_negative_int(value: str) -> int:
     n = int(value)
     if n < 0:
@@ -167,9 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(EngineConfig):
         kind, kw = hints[f.name], {"default": f.default, "help": _HELP.get(f.name, f"EngineConfig.{f.name}")}
         if f.name in registries:  # every registered name, read when the parser is built
-            kw["choices"] = list(registries[f.name])
-        elif f.name == "reasoning_parser":
-            kw["choices"] = list(REASONING_PARSERS)
+            kw["choices"] = registries[f.name].choices
         elif f.name == "distributed_executor_backend":  # vLLM's names; EngineConfig says which run here
             kw["choices"] = list(DISTRIBUTED_EXECUTOR_BACKENDS)
         elif kind is bool:
@@ -223,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice \"auto\" (the default with tools): the model may call tools, found in its "
                         "output by --tool-call-parser")
-    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS.choices,
                    help="how tool calls are written in the model's output (hermes: <tool_call>{...}</tool_call>); "
                         "used only with --enable-auto-tool-choice, as vLLM")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",

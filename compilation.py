@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attention_backend import AttentionBackend
+from config import LogprobsKind
 from metrics import EngineStats
 from model import AttentionInputs
 from parallel import constrain_step_outputs
@@ -44,7 +45,7 @@ def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Arr
     assert P % chunk == 0, (P, chunk)
 
     def compute(h: jax.Array, tg: jax.Array) -> tuple[jax.Array, ...]:
-        return token_logprobs(logits_fn(h).astype(jnp.float32), jnp.maximum(tg, 0), "raw_logprobs", width)
+        return token_logprobs(logits_fn(h).astype(jnp.float32), jnp.maximum(tg, 0), False, width)
 
     def skip(h: jax.Array, tg: jax.Array) -> tuple[jax.Array, ...]:
         return (jnp.zeros(chunk, jnp.float32), jnp.zeros(chunk, jnp.int32),
@@ -70,7 +71,7 @@ class ProgramKey:
     backend: AttentionBackend  # equal when its functions are the same objects
     mesh: Mesh | None
     max_num_seqs: int  # N: the idle slot's index, and the verifier's padded rows
-    logprobs_mode: str
+    logprobs: LogprobsKind
     logprobs_width: int
     spec_k: int
     spec_buckets: tuple[int, ...]
@@ -171,7 +172,7 @@ def spec_branches(buckets: tuple[int, ...], rows: int) -> tuple[int, ...]:
 def step_programs(key: ProgramKey) -> StepPrograms:
     """The jitted programs of a runner with this key (a step: runner.py's docstring)."""
     graphdef, backend, mesh, N = key.graphdef, key.backend, key.mesh, key.max_num_seqs
-    mode, width, K = key.logprobs_mode, key.logprobs_width, key.spec_k
+    mode, width, K = key.logprobs, key.logprobs_width, key.spec_k
     # Under TP the updated cache must come back split as it went in (it is donated).
     keep = (lambda kv, rest: (kv, *rest)) if mesh is None else functools.partial(constrain_step_outputs, mesh=mesh)
 

@@ -21,22 +21,49 @@ from typing import Literal
 import numpy as np
 
 import attention_backend
-from policy import BATCHING, KV_ADMISSION, POLICIES, REGISTRIES
+import policy
+from policy import BATCHING, KV_ADMISSION, POLICIES
 from quant_methods import QUANTIZATION_METHODS
 from reasoning_parsers import REASONING_PARSERS
 from sampling_params import sampling_defaults
 from spec_decode import SpeculativeConfig
 
-# --kv-cache-dtype values (vLLM's; int8 as JetStream's); kernels_pallas.KV_CACHE_DTYPES maps them to dtypes
-KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
-KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KVCacheDtype)
+# Every EngineConfig field whose values are a registry's names (policy.Registry): __post_init__
+# checks each against its registry, cli_args.py offers each registry's names as the flag's choices.
+REGISTRIES: tuple[policy.Registry, ...] = (*policy.REGISTRIES, attention_backend.BACKENDS, QUANTIZATION_METHODS,
+                                           REASONING_PARSERS)
+
+# --kv-cache-dtype (vLLM's names; int8 as JetStream's) -> the dtype the cache stores, by name
+# (kernels_pallas.kv_storage_dtype makes it a jnp dtype); None: the model dtype, unquantized.
+# Every other one is 8 bits with an f32 scale per token and KV head; fp8 is e4m3, as vLLM's.
+KV_CACHE_DTYPES: dict[str, str | None] = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                                          "fp8_e5m2": "float8_e5m2", "int8": "int8"}
+KVCacheDtype = Literal[tuple(KV_CACHE_DTYPES)]  # the field's type: cli_args.py gives a Literal's values as choices
+# vLLM V0's --preemption-mode: how a preempted sequence gives up its KV blocks (EngineConfig.swaps_kv)
+PreemptionMode = Literal["recompute", "swap"]
+PREEMPTION_MODES: tuple[str, ...] = typing.get_args(PreemptionMode)
+
+
+@dataclass(frozen=True)
+class LogprobsKind:
+    """A --logprobs-mode, parsed once (LOGPROBS_MODES): what the sampling programs compute
+    logprobs from, static in them (compilation.ProgramKey)."""
+
+    raw: bool  # the model's logits (a grammar's mask applied), not the processed ones
+    as_logits: bool  # the logits themselves, not their log_softmax
+
+
 # vLLM's --logprobs-mode: what a sampled token's logprobs are computed from. raw: the
 # model's logits (with a structured-output grammar's mask, which vLLM applies before its
 # sampler), before the logits processors, penalties, temperature and top-k/top-p/min-p;
 # processed: after all of them (what the token was drawn from; a filtered-out token is
 # -inf). *_logits: those logits themselves instead of their log_softmax.
-LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
-LOGPROBS_MODES: tuple[str, ...] = typing.get_args(LogprobsMode)
+LOGPROBS_MODES: dict[str, LogprobsKind] = {
+    "raw_logprobs": LogprobsKind(raw=True, as_logits=False), "raw_logits": LogprobsKind(raw=True, as_logits=True),
+    "processed_logprobs": LogprobsKind(raw=False, as_logits=False),
+    "processed_logits": LogprobsKind(raw=False, as_logits=True)}
+LogprobsMode = Literal[tuple(LOGPROBS_MODES)]  # the field's type: cli_args.py gives a Literal's values as choices
+
 _MIN_TOKEN_BUCKET = 16
 _MIN_DECODE_MIDPOINT = 16  # below it a decode program's rows cost less than its compile
 MAX_BLOCK_SIZE = 256  # vLLM's largest --block-size
@@ -98,12 +125,12 @@ class EngineConfig:
     # How a preempted sequence gives up its KV blocks (vLLM V0's names): recompute drops them
     # (its prompt and outputs are computed again on re-admission); swap copies them to a
     # host pool of swap_space GiB and back (recompute when the pool is full).
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    preemption_mode: PreemptionMode = "recompute"
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (vLLM's default)
-    # Defaults of a request's SLO (ms) for a policy that reads SLOs (--scheduling-policy slo).
+    # Defaults of a request's SLO (ms) for a policy that reads SLOs (one that declares uses_slo).
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
-    attention_backend: str = "auto"  # or a backend registered in attention_backend.py
+    attention_backend: str = attention_backend.AUTO  # or a backend registered in attention_backend.py
     # vLLM's --kv-cache-dtype: auto (the model dtype), or 8 bits with a scale per token and KV head
     kv_cache_dtype: KVCacheDtype = "auto"
     max_waiting_requests: int | None = None
@@ -150,8 +177,6 @@ class EngineConfig:
 
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         _check_field_types(self)
-        need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
-             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.tokenizer == "":  # vLLM's: an empty --tokenizer is unset (the model's own tokenizer)
             object.__setattr__(self, "tokenizer", None)
         if self.tokenizer is not None:
@@ -183,20 +208,19 @@ class EngineConfig:
         need(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for registry in REGISTRIES:
             registry.check(getattr(self, registry.field))
-        attention_backend.check_name(self.attention_backend)
-        need(self.preemption_mode in ("recompute", "swap"),
-             f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        need(self.preemption_mode in PREEMPTION_MODES,
+             f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
         need(isinstance(self.swap_space, (int, float)) and math.isfinite(self.swap_space) and self.swap_space >= 0,
              f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         # vLLM's limit: a host pool over 70% of the host's memory leaves too little for the rest
-        host_bytes = host_memory_bytes() if self.preemption_mode == "swap" else 0
-        need(self.preemption_mode == "recompute" or self.swap_space * 2**30 <= 0.7 * host_bytes,
+        host_bytes = host_memory_bytes() if self.swaps_kv else 0
+        need(not self.swaps_kv or self.swap_space * 2**30 <= 0.7 * host_bytes,
              f"swap_space {self.swap_space:g} GiB is too large: over 70% of the host's {host_bytes / 2**30:.1f} GiB "
              "of memory")
-        need(self.preemption_mode == "recompute" or KV_ADMISSION[self.kv_admission].preempts,
+        need(not self.swaps_kv or KV_ADMISSION[self.kv_admission].preempts,
              f"--preemption-mode swap needs a KV admission that preempts; {self.kv_admission} reserves every "
              "block at admission and never preempts")
-        need(self.preemption_mode == "recompute" or (self.tensor_parallel_size == 1 and self.num_processes == 1),
+        need(not self.swaps_kv or (self.tensor_parallel_size == 1 and self.num_processes == 1),
              "--preemption-mode swap runs on one device: the host pool is not sharded")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             value = getattr(self, name)
@@ -204,7 +228,7 @@ class EngineConfig:
                  f"{name} must be a number > 0, got {value!r}")
             need(value is None or POLICIES[self.scheduling_policy].uses_slo,
                  f"{name} is set, but the {self.scheduling_policy} scheduling policy does not read SLOs "
-                 "(--scheduling-policy slo)")
+                 f"(--scheduling-policy {POLICIES.names_where(lambda p: p.uses_slo)})")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         need(self.logprobs_mode in LOGPROBS_MODES,
@@ -245,8 +269,6 @@ class EngineConfig:
             # and few enough for int() (past 4,300 digits it raises, naming no flag)
             need(bool(host) and port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536,
                  f"distributed_coordinator must be HOST:PORT, got {self.distributed_coordinator!r}")
-        if self.quantization is not None:
-            QUANTIZATION_METHODS.check(self.quantization)
         need(self.long_prefill_token_threshold >= 0,
              f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}")
         need(self.long_prefill_token_threshold == 0 or self.enable_chunked_prefill,
@@ -275,6 +297,23 @@ class EngineConfig:
             # decodes beside it. Without chunking, vLLM's: a whole prompt of max_model_len fits.
             mnbt = max(512, self.max_num_seqs) if self.enable_chunked_prefill else max(max_model_len, 2048, self.max_num_seqs)
         return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=mnbt)
+
+    # ---- what a named choice means: callers read these, not the names ----------------
+    @property
+    def kv_cache_quantized(self) -> bool:
+        """The KV cache is stored in 8 bits with scales (kv_cache_dtype), not in the model dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] is not None
+
+    @property
+    def logprobs_kind(self) -> LogprobsKind:
+        """What logprobs are computed from (logprobs_mode)."""
+        return LOGPROBS_MODES[self.logprobs_mode]
+
+    @property
+    def swaps_kv(self) -> bool:
+        """A preempted sequence's KV blocks go to the host pool (swap_space GiB) and back,
+        rather than being dropped and computed again (preemption_mode)."""
+        return self.preemption_mode == "swap"
 
     # ---- derived (valid once resolved) -------------------------------------------
     def logprobs_width(self, vocab_size: int) -> int:

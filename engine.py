@@ -554,7 +554,7 @@ class LLMEngine:
         with self.stats.lock:
             self.stats.num_requests_running = sch.num_running
             self.stats.num_requests_waiting = sch.num_waiting
-            self.stats.waiting_by_reason = by_reason  # a fresh dict of every WAIT_REASONS key
+            self.stats.waiting_by_reason = by_reason  # a fresh dict of every metrics.wait_reasons() key
             self.stats.kv_cache_usage = sch.allocator.usage
 
 

@@ -48,6 +48,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from attention_backend import REFERENCE
+from config import KV_CACHE_DTYPES
+
 # A large finite negative rather than -inf: exp(NEG - NEG) stays finite for rows that
 # are fully masked so far, and the where() below zeroes them.
 NEG_INF = -1e30
@@ -55,9 +58,12 @@ NEG_INF = -1e30
 
 # ---- quantized KV cache ------------------------------------------------------------
 
-# --kv-cache-dtype -> storage dtype (None: the model dtype). fp8 is e4m3, as vLLM's.
-KV_CACHE_DTYPES: dict[str, Any] = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
-                                   "fp8_e5m2": jnp.float8_e5m2, "int8": jnp.int8}
+def kv_storage_dtype(kv_cache_dtype: str) -> jnp.dtype | None:
+    """The dtype a --kv-cache-dtype stores its values in (config.KV_CACHE_DTYPES); None: the model dtype."""
+    stored = KV_CACHE_DTYPES[kv_cache_dtype]
+    return None if stored is None else jnp.dtype(stored)
+
+
 _QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
 
 
@@ -538,7 +544,7 @@ def _compiler_params(num_warps: int, num_stages: int, interpret: bool):
         return None
     reason = triton_unavailable()
     if reason is not None:
-        raise RuntimeError(reason + " (use --attention-backend xla)")
+        raise RuntimeError(f"{reason} (use --attention-backend {REFERENCE.name})")
     return _pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 

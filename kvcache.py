@@ -262,9 +262,9 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: Any, kv_c
     cache's f32 scale per token and KV head included)."""
     import jax.numpy as jnp
 
-    from kernels_pallas import KV_CACHE_DTYPES
+    from kernels_pallas import kv_storage_dtype
 
-    stored = KV_CACHE_DTYPES[kv_cache_dtype]
+    stored = kv_storage_dtype(kv_cache_dtype)
     per_head = cfg.head_dim * jnp.dtype(dtype if stored is None else stored).itemsize + (0 if stored is None else 4)
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * per_head
 
@@ -305,7 +305,7 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
     have = device_memory_bytes()
     on_cpu = jax.devices()[0].platform == "cpu"
     # On CPU the device is the host: a swap pool (--preemption-mode swap) takes the same memory
-    swap_bytes = int(config.swap_space * 2**30) if on_cpu and config.preemption_mode == "swap" else 0
+    swap_bytes = int(config.swap_space * 2**30) if on_cpu and config.swaps_kv else 0
     if config.num_kv_blocks is not None:
         num, source = config.num_kv_blocks, f"{flag_name('num_kv_blocks')} {config.num_kv_blocks}"
     elif config.kv_cache_memory is not None:
@@ -411,10 +411,10 @@ def create_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: 
     a float type narrower than 32 bits is held as its bits (kernels_pallas.as_bits)."""
     import jax.numpy as jnp
 
-    from kernels_pallas import KV_CACHE_DTYPES, QuantizedKV, bits_zeros
+    from kernels_pallas import QuantizedKV, bits_zeros, kv_storage_dtype
 
     shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    stored = KV_CACHE_DTYPES[kv_cache_dtype]
+    stored = kv_storage_dtype(kv_cache_dtype)
     if stored is None:
         return bits_zeros(shape, dtype), bits_zeros(shape, dtype)
     make = lambda: QuantizedKV(bits_zeros(shape, stored), jnp.zeros(shape[:-1], jnp.float32))
@@ -432,7 +432,7 @@ def describe(config: EngineConfig, cfg: ModelConfig, num_blocks: int, dtype: Any
     at_once = f"{fit_text} (KV-bound)" if fit < max_seqs else f"{max_seqs} (slot-bound)"
     import numpy as np
 
-    stored = np.dtype(dtype).name if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} + f32 scales"
+    stored = f"{config.kv_cache_dtype} + f32 scales" if config.kv_cache_quantized else np.dtype(dtype).name
     return (f"KV cache ({stored}): {usable} blocks x {bs} tokens = {usable * bs} tokens ({mib:.1f} MiB); "
             f"max concurrency at max_model_len {max_len}: {fit_text}x ({policy}); "
             f"with max_num_seqs {max_seqs}, sequences at once: {at_once}")

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from policy import BATCHING
+
 if TYPE_CHECKING:  # scheduler.py imports this module: types only
     from config import EngineConfig
     from scheduler_output import SchedulerOutput
@@ -46,8 +48,17 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
             out.append(m * scale)
         scale *= 10
 
-# policy: the scheduling policy holds its prompt back this step (fair's prefill share is used up)
-WAIT_REASONS = ("kv_blocks", "max_num_seqs", "token_budget", "static_batch", "policy")
+# What a waiting request waits for this step (Sequence.wait_reason, the reason label of
+# num_requests_waiting_by_reason): the scheduler's own reasons, then those a registered
+# batching declares (policy.py, `wait_reason`). policy: the scheduling policy holds its
+# prompt back this step (fair's prefill share is used up).
+SCHEDULER_WAIT_REASONS = ("kv_blocks", "max_num_seqs", "token_budget", "policy")
+
+
+def wait_reasons() -> tuple[str, ...]:
+    """Every wait reason, read when called, so a batching registered after import counts."""
+    declared = (cls.wait_reason for cls in BATCHING.values() if cls.wait_reason is not None)
+    return SCHEDULER_WAIT_REASONS + tuple(dict.fromkeys(r for r in declared if r not in SCHEDULER_WAIT_REASONS))
 
 
 @dataclass
@@ -195,7 +206,7 @@ class EngineStats:
     # gauges (set every step)
     num_requests_running: int = 0
     num_requests_waiting: int = 0
-    waiting_by_reason: dict[str, int] = field(default_factory=lambda: {r: 0 for r in WAIT_REASONS})
+    waiting_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(wait_reasons(), 0))
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use, 0..1
     num_kv_blocks: int = 0  # usable blocks (the null block excluded)
     # device bytes, measured from the live arrays' shards on this process's devices (all of them)

@@ -36,11 +36,15 @@ T = TypeVar("T")
 
 
 class Registry(dict, Generic[T]):
-    """name -> class for one EngineConfig field; `register` is the one place a name is written."""
+    """name -> class for one EngineConfig field or server flag; `register` is the one place
+    a name is written. Every such field is validated (`check`) and offered as a flag's
+    choices (`choices`) from its registry, by config.py and cli_args.py alike."""
 
-    def __init__(self, field: str) -> None:
+    def __init__(self, field: str, also: tuple[str | None, ...] = ()) -> None:
+        """also: the field's values that are not registered names (None: unset; `auto`: a choice among them)."""
         super().__init__()
         self.field = field
+        self.also = also
 
     def register(self, name: str) -> Callable[[type[T]], type[T]]:
         def add(cls: type[T]) -> type[T]:
@@ -55,12 +59,22 @@ class Registry(dict, Generic[T]):
         """The first registered name: the field's default."""
         return next(iter(self))
 
+    @property
+    def choices(self) -> list[str]:
+        """The names a flag takes: `also`'s, then every registered one."""
+        return [*(a for a in self.also if a is not None), *self]
+
     def check(self, name: object) -> None:
-        """A ValueError naming the registered choices, unless `name` is one."""
-        if name not in self:
-            *rest, last = list(self)
+        """A ValueError naming the choices, unless `name` is one (or one of `also`)."""
+        if name not in self.also and name not in self:
+            *rest, last = self.choices
             choices = f"{', '.join(rest)} or {last}" if rest else last
             raise ValueError(f"{self.field} must be {choices}, got {name!r}")
+
+    def names_where(self, declares: Callable[[type[T]], bool]) -> str:
+        """The registered names whose class declares something ("priority or fair"), as a
+        message that points the user at them says it."""
+        return " or ".join(name for name, cls in self.items() if declares(cls))
 
     def create(self, config: EngineConfig) -> T:
         return self[getattr(config, self.field)]()
@@ -166,6 +180,13 @@ class FCFS:
     orders_prompts = False  # True: the step's prompt chunks go by `key`, not by admission
     # The policy's clock, the one arrival times are read on (the simulator sets its own).
     clock: Callable[[], float] = staticmethod(time.monotonic)
+
+    @staticmethod
+    def key(seq: Sequence) -> Any:
+        """The rank, lower first, by which the scheduler orders prompt chunks (under
+        orders_prompts) and compares a victim with a waiting request: here arrival order,
+        the queue's (which also puts a preempted request back at the front)."""
+        return seq.arrival_order
 
     def new_queue(self) -> FCFSQueue | SortedQueue:
         return FCFSQueue()
@@ -443,6 +464,9 @@ class Continuous:
     update() of its last token, so a queued request joins the next step."""
 
     name: str
+    # What a request waits for that only this batching makes it wait for (None: nothing):
+    # a label of metrics' num_requests_waiting_by_reason beside the scheduler's own reasons.
+    wait_reason: str | None = None
 
     def schedule(self, s: Scheduler, out: SchedulerOutput) -> None:
         s.preempt_for_waiting(out)
@@ -477,13 +501,14 @@ class Static:
     Never preempts for boarding: the bus does not stop mid-route."""
 
     name: str
+    wait_reason = "static_batch"  # a request waiting while a batch runs waits for the bus
 
     def schedule(self, s: Scheduler, out: SchedulerOutput) -> None:
         if not s.running:
             s.admit(out, schedule=False)  # (which schedules the boarded prompts the budget takes)
         else:
             for seq in s.waiting:
-                seq.wait_reason = "static_batch"
+                seq.wait_reason = self.wait_reason
         # Everyone boards before it leaves: no decode until every prompt is in.
         if out.scheduled or any(not seq.finished and not seq.is_decode for seq in s.running):
             s.schedule_prompts(out)

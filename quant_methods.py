@@ -66,7 +66,7 @@ class QuantizationMethod:
         return WeightQuant(self.schemes(gguf_types), self.name)
 
 
-QUANTIZATION_METHODS: Registry[QuantizationMethod] = Registry("quantization")
+QUANTIZATION_METHODS: Registry[QuantizationMethod] = Registry("quantization", also=(None,))  # None: the model dtype
 
 
 def float_methods() -> str:

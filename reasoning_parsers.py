@@ -26,7 +26,10 @@ that may be the start of a tag is held back until it is known not to be.
 
 from __future__ import annotations
 
-from typing import Callable
+from policy import Registry
+
+# --reasoning-parser: name -> parser class, constructed (prompt, thinking) per response; None: no parser
+REASONING_PARSERS: Registry["ThinkReasoningParser"] = Registry("reasoning_parser", also=(None,))
 
 
 def partial_tag_len(text: str, tag: str) -> int:
@@ -34,6 +37,7 @@ def partial_tag_len(text: str, tag: str) -> int:
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 
+@REASONING_PARSERS.register("deepseek_r1")
 class ThinkReasoningParser:
     """`<think>...</think>` reasoning, then content. One per response."""
 
@@ -100,11 +104,8 @@ class ThinkReasoningParser:
         return text[:cut], ""
 
 
+@REASONING_PARSERS.register("qwen3")
 class Qwen3ReasoningParser(ThinkReasoningParser):
     def __init__(self, prompt: str, thinking: bool = True) -> None:
         super().__init__(prompt, thinking)
         self.implicit = thinking
-
-
-REASONING_PARSERS: dict[str, Callable[[str, bool], ThinkReasoningParser]] = {
-    "deepseek_r1": ThinkReasoningParser, "qwen3": Qwen3ReasoningParser}

@@ -257,7 +257,7 @@ class ModelRunner:
         self._constrained = np.zeros(N + 1, bool)
         # --logprobs-mode and the top-logprob arrays' width (--max-logprobs): fixed shapes,
         # closed over by every program that computes logprobs
-        mode, width = config.logprobs_mode, config.logprobs_width(loaded.config.vocab_size)
+        mode, width = config.logprobs_kind, config.logprobs_width(loaded.config.vocab_size)
         self.logprobs_width = width
         spec = config.speculative_config
         self.spec_k = spec.k if spec is not None else 0
@@ -497,7 +497,7 @@ class ModelRunner:
             bitmask = np.full((len(sample_slot), self._mask_width), -1, np.int32)
             if rows:
                 fill_bitmask(rows, bitmask)
-            if masks and step.want_logprobs and self.config.logprobs_mode.startswith("raw"):
+            if masks and step.want_logprobs and self.config.logprobs_kind.raw:
                 raw_mask = bitmask.copy()  # raw logprobs see the grammar's rows, not the processors' masks
             for row, m in masks:  # a grammar's row and the processors' both hold
                 bitmask[row] &= m.view(np.int32)

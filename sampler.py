@@ -14,7 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from config import LogprobsKind
 from sampling_params import SAMPLING_EPS, SamplingParams
+
+RAW_LOGPROBS = LogprobsKind(raw=True, as_logits=False)  # vLLM's default --logprobs-mode, raw_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -187,7 +190,7 @@ def _sample_rows_drawn(logits: jax.Array, t: SamplingTensors, is_greedy: jax.Arr
     return jax.lax.fori_loop(0, jnp.sum(alone), row, tok)
 
 
-def sample(logits: jax.Array, t: SamplingTensors, mode: str = "raw_logprobs",
+def sample(logits: jax.Array, t: SamplingTensors, mode: LogprobsKind = RAW_LOGPROBS,
            width: int = 20) -> tuple[jax.Array, ...]:
     """logits [S, V] f32 -> (token [S], its logprob [S], its rank [S], top ids [S, width],
     top logprobs [S, width]).
@@ -197,7 +200,7 @@ def sample(logits: jax.Array, t: SamplingTensors, mode: str = "raw_logprobs",
     that hands back its vocabulary-wide operand costs a copy of it on a CPU), so the bitmask
     selects between two whole samplers, whose outputs are small. logit_bias and penalties
     (a step that has them) come before the bitmask. The logprobs are those of `mode`
-    (config.LogprobsMode, static: one program per engine); the defaults are vLLM's, and so
+    (a config.LogprobsKind, static: one program per engine); the defaults are vLLM's, and so
     is the rank: the tokens at least as likely as the sampled one under them, itself included."""
     raw = logits
     if t.penalty_ids is not None:
@@ -211,8 +214,8 @@ def sample(logits: jax.Array, t: SamplingTensors, mode: str = "raw_logprobs",
                         lambda: _sample_unmasked(logits, t, raw, None, mode, width))
 
 
-def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array, chunk: int, mode: str = "raw_logprobs",
-                width: int = 20) -> tuple[jax.Array, ...]:
+def sample_rows(logits: jax.Array, t: SamplingTensors, num_rows: jax.Array, chunk: int,
+                mode: LogprobsKind = RAW_LOGPROBS, width: int = 20) -> tuple[jax.Array, ...]:
     """sample() on the first num_rows rows of logits [S, V] (S a multiple of chunk), chunk
     rows at a time: one program serves every row count, and its cost follows the rows
     that sample, not S (the trip count is dynamic; rows past the last chunk come back 0).
@@ -246,7 +249,8 @@ def _draw(logits: jax.Array, t: SamplingTensors) -> jax.Array:
                         lambda: jnp.where(is_greedy, greedy_tok, _sample_rows_drawn(logits, t, is_greedy)))
 
 
-def _sample_unmasked(logits: jax.Array, t: SamplingTensors, raw: jax.Array, raw_mask: jax.Array | None, mode: str,
+def _sample_unmasked(logits: jax.Array, t: SamplingTensors, raw: jax.Array, raw_mask: jax.Array | None,
+                     mode: LogprobsKind,
                      width: int) -> tuple[jax.Array, ...]:
     """Draw from logits (processed but for temperature and the filters); logprobs, when the
     step wants them, from raw (the model's, raw_mask applied when given) or from logits."""
@@ -254,8 +258,9 @@ def _sample_unmasked(logits: jax.Array, t: SamplingTensors, raw: jax.Array, raw_
     S = logits.shape[0]
 
     def logprobs() -> tuple[jax.Array, ...]:
-        if mode.startswith("raw"):
-            return token_logprobs(raw if raw_mask is None else apply_token_bitmask(raw, raw_mask), tok, mode, width)
+        if mode.raw:
+            return token_logprobs(raw if raw_mask is None else apply_token_bitmask(raw, raw_mask), tok,
+                                  mode.as_logits, width)
         return _processed_top(logits, t, tok, mode, width)
 
     def no_logprobs() -> tuple[jax.Array, ...]:
@@ -265,11 +270,11 @@ def _sample_unmasked(logits: jax.Array, t: SamplingTensors, raw: jax.Array, raw_
     return (tok, *jax.lax.cond(t.want_logprobs, logprobs, no_logprobs))
 
 
-def token_logprobs(x: jax.Array, tok: jax.Array, mode: str, width: int) -> tuple[jax.Array, ...]:
+def token_logprobs(x: jax.Array, tok: jax.Array, as_logits: bool, width: int) -> tuple[jax.Array, ...]:
     """(value of tok [S], its rank [S], top ids [S, width], top values [S, width]) of x
-    [S, V], as logits (mode *_logits) or as logprobs (log_softmax): sampled, verified and
-    prompt tokens' logprobs alike."""
-    if not mode.endswith("logits"):
+    [S, V], as logits (as_logits: mode *_logits) or as logprobs (log_softmax): sampled,
+    verified and prompt tokens' logprobs alike."""
+    if not as_logits:
         x = jax.nn.log_softmax(x, axis=-1)
     top_v, top_ids = jax.lax.top_k(x, width)
     value = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0]
@@ -278,7 +283,7 @@ def token_logprobs(x: jax.Array, tok: jax.Array, mode: str, width: int) -> tuple
     return value, rank, top_ids.astype(jnp.int32), top_v
 
 
-def _processed_top(logits: jax.Array, t: SamplingTensors, tok: jax.Array, mode: str,
+def _processed_top(logits: jax.Array, t: SamplingTensors, tok: jax.Array, mode: LogprobsKind,
                    width: int) -> tuple[jax.Array, ...]:
     """token_logprobs of vLLM's processed logits: each row's at its temperature with the tokens min_p,
     top_k and top_p filter out at -inf, the logits a row draws from; a greedy row's as they
@@ -290,10 +295,10 @@ def _processed_top(logits: jax.Array, t: SamplingTensors, tok: jax.Array, mode: 
         S, V = scaled.shape
         _, sorted_ids, keep = _filter_sorted(scaled, t)
         kept = jnp.zeros((S, V), bool).at[jnp.arange(S)[:, None], sorted_ids].set(keep | is_greedy[:, None])
-        return token_logprobs(jnp.where(kept, scaled, -jnp.inf), tok, mode, width)
+        return token_logprobs(jnp.where(kept, scaled, -jnp.inf), tok, mode.as_logits, width)
 
     return jax.lax.cond(jnp.any(_has_filter(t) & ~is_greedy), filtered,
-                        lambda: token_logprobs(scaled, tok, mode, width))
+                        lambda: token_logprobs(scaled, tok, mode.as_logits, width))
 
 
 # ---- speculative decoding: verification (spec_decode.py proposes) -----------------------
@@ -395,7 +400,7 @@ def rejection_sample(logits: jax.Array, draft: jax.Array, num_draft: jax.Array, 
 
 
 def emitted_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, want: jax.Array,
-                     mode: str = "raw_logprobs", width: int = 20) -> tuple[jax.Array, ...]:
+                     mode: LogprobsKind = RAW_LOGPROBS, width: int = 20) -> tuple[jax.Array, ...]:
     """The target's logprobs of tokens [R, K+1] under logits [R, K+1, V], their ranks and
     the top `width` at each position (zeros unless `want`), as sample() reports them in `mode`
     (t: the rows' parameters, [R]; a verified row has no logits processor or bitmask)."""
@@ -403,8 +408,8 @@ def emitted_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, w
     flat, toks = logits.reshape(R * K1, V), tokens.reshape(R * K1)
 
     def compute() -> tuple[jax.Array, ...]:
-        if mode.startswith("raw"):
-            out = token_logprobs(flat, toks, mode, width)
+        if mode.raw:
+            out = token_logprobs(flat, toks, mode.as_logits, width)
         else:
             out = _processed_top(flat, _at_positions(t, K1), toks, mode, width)
         return tuple(x.reshape(R, K1, *x.shape[1:]) for x in out)

@@ -35,7 +35,7 @@ import numpy as np
 
 from config import EngineConfig
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
-from metrics import WAIT_REASONS
+from metrics import wait_reasons
 from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
 from preemption import PreemptionPlan
 from sampling_params import ParamError, SamplingParams, SLOTarget
@@ -76,7 +76,7 @@ class Scheduler:
         # The waiting requests this step preempted running ones for (ids), or None: nobody else boards.
         self._preempted_for: set[int] | None = None
         self._budget = 0  # tokens left in the step being scheduled
-        self.num_swap_blocks = num_swap_blocks if config.preemption_mode == "swap" else 0
+        self.num_swap_blocks = num_swap_blocks if config.swaps_kv else 0
         self._host_free = set(range(self.num_swap_blocks))  # free blocks of the host pool
         self._swap_in: list[tuple[list[int], list[int]]] = []  # this step's, until schedule() returns
         self.spec = config.speculative_config
@@ -92,13 +92,13 @@ class Scheduler:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and not self.policy.uses_priority:
-            readers = " or ".join(name for name, cls in POLICIES.items() if cls.uses_priority)
+            readers = POLICIES.names_where(lambda p: p.uses_priority)
             raise ParamError(f"priority {priority} was given, but priority scheduling is not enabled "
                              f"(--scheduling-policy {readers}; {self.policy.name} does not read it)", "priority")
         if slo is not None and not isinstance(slo, SLOTarget):
             raise ValueError(f"slo must be an SLOTarget, got {type(slo).__name__}")
         if slo is not None and not self.policy.uses_slo:
-            readers = " or ".join(name for name, cls in POLICIES.items() if cls.uses_slo)
+            readers = POLICIES.names_where(lambda p: p.uses_slo)
             raise ParamError(f"an slo was given, but the {self.policy.name} scheduling policy does not read it "
                              f"(--scheduling-policy {readers})", "slo")
         if n == 0:
@@ -331,7 +331,7 @@ class Scheduler:
         return self._room_preempted
 
     def waiting_by_reason(self) -> dict[str, int]:
-        counts = dict.fromkeys(WAIT_REASONS, 0)
+        counts = dict.fromkeys(wait_reasons(), 0)
         for seq in self.waiting:
             if seq.wait_reason is not None:
                 counts[seq.wait_reason] += 1
@@ -693,7 +693,7 @@ class Scheduler:
         re-admission; a full pool falls back to recompute (counted)."""
         computed = victim.num_computed_tokens
         blocks = victim.block_table[:blocks_needed(computed, self.config.block_size)]
-        swap = self.config.preemption_mode == "swap" and 0 < len(blocks)
+        swap = self.config.swaps_kv and 0 < len(blocks)
         if swap and len(blocks) > len(self._host_free):
             swap = False
             out.num_swap_fallbacks += 1

@@ -498,13 +498,9 @@ def plan(args: argparse.Namespace) -> Plan:
             raise ValueError(f"--{flag.replace('_', '-')} is not supported under Ray Serve: its proxy serves plain "
                              "HTTP at --host and --port (put TLS in front of it)")
     config = cli_args.engine_config(args)
-    if args.enable_auto_tool_choice and not args.tool_call_parser:  # as server.py
-        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be a fixed port (1..65535) for Ray Serve's proxy, got {args.port}")
-    cli_args.check_host(args.host, args.port)  # as server.py: Ray Serve's proxy binds it
-    cli_args.api_keys(args.api_key)  # as server.py: before a replica would fail on it
-    cli_args.check_log_flags(args)  # as server.py
+    cli_args.check_server_flags(args)  # Ray Serve's proxy binds --host; a replica would fail on the rest
     autoscale = args.min_replicas is not None or args.max_replicas is not None
     if autoscale and args.num_replicas is not None:
         raise ValueError("--num-replicas is a fixed count; --min-replicas/--max-replicas autoscale: give one or the other")
@@ -518,9 +514,6 @@ def plan(args: argparse.Namespace) -> Plan:
     for name in ("num_replicas", "max_ongoing_requests"):
         if (v := getattr(args, name)) is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    # also refuses nan; inf too: Ray Serve would wait forever on a stopping replica's last stream
-    if not 0 <= args.shutdown_timeout < math.inf:
-        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     for name in ("replica_cpus", "replica_gpus", "imbalanced_threshold"):
         if (v := getattr(args, name)) is not None and not 0 <= v < math.inf:  # also refuses nan
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")

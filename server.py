@@ -39,8 +39,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 import chat_format
 import config_file
-from cli_args import (api_keys, build_parser, check_chat_template, check_host, check_log_flags, check_root_path,
-                      engine_config)
+from cli_args import (api_keys, build_parser, check_chat_template, check_log_flags, check_root_path,
+                      check_server_flags, engine_config)
 from cors import CorsPolicy, on_response_prepare as cors_headers
 from metrics import LoggingStatLogger
 from prometheus import ENGINE, EngineCollector
@@ -368,8 +368,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | typing
     keys = api_keys(api_key)
     root_path = check_root_path(root_path)
     check_log_flags(argparse.Namespace(enable_log_outputs=log_outputs, enable_log_requests=log_requests))
-    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool call parser {tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+    TOOL_PARSERS.check(tool_call_parser)
     if chat_template is not None:
         check_chat_template(chat_template, engine.tokenizer)
     chat_format.check_content_format(chat_template_content_format, engine.tokenizer)
@@ -574,19 +573,12 @@ def quiet_bad_http(record: logging.LogRecord) -> bool:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = config_file.parse_args(parser, argv)
-    if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's rule
-        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
-    # also refuses nan; inf too: a stream that never ends would hold the shutdown forever
-    if not 0 <= args.shutdown_timeout < float("inf"):
-        parser.error(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     # Before the model loads and compiles (minutes), not when the server binds after it.
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     try:
-        check_host(args.host, args.port)
-        check_log_flags(args)
+        check_server_flags(args)
         tls = tls_context(args)
-        api_keys(args.api_key)
         if args.default_chat_template_kwargs is not None:  # the model's own tokenizer is checked once it loads
             chat_format.check_default_kwargs(args.default_chat_template_kwargs)
     except ValueError as e:

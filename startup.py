@@ -92,7 +92,7 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
             f"{loaded.config.num_key_value_heads // mesh.size} KV head(s) per device")
     log(describe(config, loaded.config, num_blocks, loaded.dtype))
     num_swap_blocks = 0
-    if config.preemption_mode == "swap":
+    if config.swaps_kv:
         per_block = kv_cache_bytes_per_block(loaded.config, config.block_size, loaded.dtype, config.kv_cache_dtype)
         num_swap_blocks = int(config.swap_space * 2**30) // per_block
         log(f"swap preemption: a host pool of {num_swap_blocks} KV blocks ({config.swap_space:g} GiB)")

@@ -47,8 +47,9 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from json import JSONDecodeError
-from typing import Callable
+from typing import Protocol
 
+from policy import Registry
 from reasoning_parsers import ThinkReasoningParser, partial_tag_len
 
 _DECODER = json.JSONDecoder()
@@ -383,6 +384,25 @@ class ArrayCallStream:
         self.stale = False
 
 
+class ToolParser(Protocol):
+    """What ToolCallStream asks of a --tool-call-parser: one per response, constructed
+    with no arguments; `feed` keeps its state across a stream's chunks."""
+
+    def view(self, text: str, final: bool) -> tuple[str, list[CallView]]:
+        """(content, calls) of the whole text so far, every call it holds, parsed or not."""
+
+    def feed(self, chunk: str, final: bool) -> str:
+        """A stream's next text: the content it adds (its calls so far: `call`)."""
+
+    def call(self, i: int) -> CallView | None:
+        """The i-th call of the text fed so far, as view(text so far, final) has it."""
+
+
+# --tool-call-parser: name -> parser class; None: tool_choice "auto" is refused
+TOOL_PARSERS: Registry[ToolParser] = Registry("tool_call_parser", also=(None,))
+
+
+@TOOL_PARSERS.register("hermes")
 class HermesToolParser:
     """<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks in free text. One per
     response: `feed` keeps its state across a stream's chunks."""
@@ -455,9 +475,6 @@ class HermesToolParser:
         return "".join(content)
 
 
-TOOL_PARSERS: dict[str, Callable[[], HermesToolParser]] = {"hermes": HermesToolParser}
-
-
 def _new_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
@@ -467,7 +484,7 @@ class ToolCallStream:
     """A chat response's message, whole (`message`) or as stream deltas (`delta`), for a
     request with or without tools. One per response."""
 
-    def __init__(self, tools: ToolChoice | None, parser: Callable[[], HermesToolParser] | None = None,
+    def __init__(self, tools: ToolChoice | None, parser: type[ToolParser] | None = None,
                  parallel: bool = True, reasoning: ThinkReasoningParser | None = None,
                  include_reasoning: bool = True) -> None:
         """parallel: OpenAI's parallel_tool_calls; False keeps the first call only (as vLLM).

@@ -39,7 +39,7 @@ from report import (checked, md_table, natural, positive, positive_float, positi
                     results_dir, save_figure, summarize, timer, write_json, write_text)
 from workload import arrival_times, exponential_mix, short_long_mix, token_ids  # noqa: E402
 from config import EngineConfig  # noqa: E402
-from metrics import WAIT_REASONS, EngineStats, StepTrace  # noqa: E402
+from metrics import EngineStats, StepTrace, wait_reasons  # noqa: E402
 from sampling_params import SamplingParams, SLOTarget  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 from scheduler_output import SchedulerOutput  # noqa: E402
@@ -231,7 +231,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
     pending = sorted(enumerate(workload), key=lambda p: (p[1].arrival_s, p[0]))[::-1]  # pop() = next
     seqs: dict[str, tuple[Sequence, SimRequest]] = {}
     token_times: dict[str, list[float]] = {}
-    wait_area, wait_max = dict.fromkeys(WAIT_REASONS, 0.0), dict.fromkeys(WAIT_REASONS, 0)
+    wait_area, wait_max = dict.fromkeys(wait_reasons(), 0.0), dict.fromkeys(wait_reasons(), 0)
     while pending or sched.has_unfinished():
         while pending and pending[-1][1].arrival_s <= t:
             i, r = pending.pop()
@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(work)} requests, {res.steps} steps, {res.preemptions} preemptions ({res.recomputed_tokens} tokens "
           f"recomputed, {res.swapped_blocks} blocks swapped), {res.tok_s:.1f} output tok/s, goodput {res.goodput}, "
           f"slot utilisation {res.slot_utilization:.2f}; waiting (time-weighted mean / max): " + ", ".join(
-              f"{k} {res.waiting_mean[k]:.1f}/{res.waiting_max[k]}" for k in WAIT_REASONS) + f"; {s}")
+              f"{k} {res.waiting_mean[k]:.1f}/{res.waiting_max[k]}" for k in wait_reasons()) + f"; {s}")
     for c, lat in summary["per_class"].items():
         print(f"  {c:>6}: " + "  ".join(f"{k[:-2]} p50 {v.get('p50', math.nan):.3f} p99 {v.get('p99', math.nan):.3f}"
                                          for k, v in lat.items()))

@@ -244,7 +244,7 @@ def test_host_buffers_grow_with_the_logprob_arrays_width(spec):
     import jax.numpy as jnp
 
     from model_loader import BUILTIN_MODELS
-    from sampler import SamplingTensors, emitted_logprobs, empty_sampling_arrays, sample_rows
+    from sampler import RAW_LOGPROBS, SamplingTensors, emitted_logprobs, empty_sampling_arrays, sample_rows
 
     model = BUILTIN_MODELS["tiny"]
     V, H = model.vocab_size, model.hidden_size
@@ -263,10 +263,10 @@ def test_host_buffers_grow_with_the_logprob_arrays_width(spec):
 
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        sample = jax.eval_shape(lambda x: sample_rows(x, t(rows), rows, 8, "raw_logprobs", width)[1:], f32(rows, V))
+        sample = jax.eval_shape(lambda x: sample_rows(x, t(rows), rows, 8, RAW_LOGPROBS, width)[1:], f32(rows, V))
         prompt = jax.eval_shape(lambda h, w, tg: compilation.prompt_logprobs(lambda x: x @ w, h, tg, 128, width),
                                 f32(P, H), f32(H, V), i32(P))
-        verify = jax.eval_shape(lambda x, tok: emitted_logprobs(x, tok, t(N), True, "raw_logprobs", width),
+        verify = jax.eval_shape(lambda x, tok: emitted_logprobs(x, tok, t(N), True, RAW_LOGPROBS, width),
                                 f32(N, K1, V), i32(N, K1))
         return {"max_num_batched_tokens": nbytes(prompt), "max_num_seqs": nbytes(sample) + nbytes(verify) * bool(spec)}
 

@@ -178,7 +178,7 @@ def test_decode_ref_long_and_short_contexts(lens, kv):
     rng = np.random.default_rng(len(lens))
     q, kc, vc, bt, kv_lens = decode_case(rng, 4, 64, jnp.float32, lens=lens)
     if kv != "auto":
-        kc, vc = (kp.QuantizedKV(*kp.quantize_kv(c, kp.KV_CACHE_DTYPES[kv])) for c in (kc, vc))
+        kc, vc = (kp.QuantizedKV(*kp.quantize_kv(c, kp.kv_storage_dtype(kv))) for c in (kc, vc))
     want = decode_oracle(q, kp.dequantize_kv(kc), kp.dequantize_kv(vc), bt, kv_lens, 0.125)
     assert_close(ref_decode(q, kc, vc, bt, kv_lens, scale=0.125), want, jnp.float32, "decode ref vs oracle")
 

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm import LLM, EngineConfig, SamplingParams
-from metrics import ITL_BUCKETS, WAIT_REASONS, EngineStats, Histogram
+from metrics import ITL_BUCKETS, EngineStats, Histogram
 from prometheus import EngineCollector
 
 # name (as the parser reports a family: counters without _total) -> (type, HELP)
@@ -111,7 +111,9 @@ BUCKETS = {
     "taxirank:request_prefill_time_seconds": E2E,
     "taxirank:request_decode_time_seconds": E2E,
 }
-LABELS = {"taxirank:num_requests_waiting_by_reason": ("reason", set(WAIT_REASONS)),
+# the scheduler's reasons and the static batching's (policy.Static.wait_reason)
+LABELS = {"taxirank:num_requests_waiting_by_reason": ("reason", {"kv_blocks", "max_num_seqs", "token_budget",
+                                                                 "policy", "static_batch"}),
           "taxirank:request_success": ("finished_reason", {"stop", "length", "abort", "error"})}
 
 

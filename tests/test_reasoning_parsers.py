@@ -258,7 +258,7 @@ def test_an_unknown_reasoning_parser_is_refused_where_it_enters(capsys):
     with pytest.raises(SystemExit):
         cli_args.build_parser().parse_args(["--reasoning-parser", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'nope'"):
+    with pytest.raises(ValueError, match="reasoning_parser must be deepseek_r1 or qwen3, got 'nope'"):
         EngineConfig(reasoning_parser="nope")
 
 

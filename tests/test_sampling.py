@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from config import LOGPROBS_MODES
 from sampler import SamplingTensors, _filter_sorted, argmax, empty_sampling_arrays, sample, sample_rows
 
 N = 10_000
@@ -222,7 +223,7 @@ def test_a_sampled_tokens_rank_counts_the_tokens_at_least_as_likely_in_the_modes
     arrays["top_k"][filtered] = (logits >= logits.max(-1, keepdims=True) - 1).sum(-1)[filtered]
     t = SamplingTensors(**arrays, want_logprobs=np.bool_(True))
     tok, lp, rank = (np.asarray(x) for x in jax.jit(sample_rows, static_argnums=(3, 4, 5))(
-        logits, t, np.int32(S), C, mode, 4)[:3])
+        logits, t, np.int32(S), C, LOGPROBS_MODES[mode], 4)[:3])
     x = logits.astype(np.float64)
     if mode.startswith("processed"):
         x = np.where(arrays["temperature"][:, None] > 0, x / 0.5, x)
@@ -259,7 +260,7 @@ def test_a_top_p_that_float32_rounds_to_zero_still_keeps_the_most_likely_token()
     arrays["top_p"][:] = 1e-50
     arrays["seed"][:] = [3, 4]
     t = SamplingTensors(**arrays, want_logprobs=np.bool_(True))
-    tok, tok_lp, rank, ids, top = (np.asarray(x) for x in sample(logits, t, "processed_logprobs", 3))
+    tok, tok_lp, rank, ids, top = (np.asarray(x) for x in sample(logits, t, LOGPROBS_MODES["processed_logprobs"], 3))
     np.testing.assert_array_equal(tok, best)
     np.testing.assert_array_equal(tok_lp, [0.0, 0.0])
     np.testing.assert_array_equal(ids[:, 0], best)

@@ -243,7 +243,7 @@ def test_the_servers_tool_flags_are_checked_where_they_enter(capsys):
     assert "--enable-auto-tool-choice requires --tool-call-parser" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_args.build_parser().parse_args(["--tool-call-parser", "nope"])
-    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
+    with pytest.raises(ValueError, match="tool_call_parser must be hermes, got 'nope'"):
         server.build_app(None, ["m"], tool_call_parser="nope")
 
 
