@@ -198,7 +198,7 @@ class AsyncEngine:
             if kind == "add":
                 try:
                     self.engine.enqueue(arg)  # add_request validated it
-                except ValueError as e:  # an id the engine has in flight still
+                except ValueError as e:  # refused at queueing (an id the engine still holds): it alone ends
                     self._fail(arg.request_id, e)
                 finally:
                     with self._lock:

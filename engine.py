@@ -473,6 +473,10 @@ class LLMEngine:
             raise error
         tokens, lps, ok, bad, prompt, spec = [], [], [], [], {}, {}
         for sch in out.scheduled:
+            if sch.seq.finished:
+                # Ended by a step collected since this one was scheduled (async scheduling):
+                # its slot is gone, so it runs nowhere, and update() would discard its row.
+                continue
             num_spec = sch.num_spec_tokens
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
                                   num_decode_tokens=int(sch.is_decode), num_spec_tokens=num_spec,
@@ -492,13 +496,15 @@ class LLMEngine:
             ok.append(sch)
             tokens.append(int(r.tokens[0]))
             lps.append(r.logprobs)
-        if not bad or (not ok and len(out.scheduled) > 1):
+        if not bad or (not ok and len(bad) > 1):
             # No request fails alone, or every one does: the engine is broken, not a request.
             raise error
         for seq, e in bad:
             if seq.first_scheduled_time is None:  # this was its first step: it was scheduled, its prefix looked up
                 self.stats.record_first_scheduled(seq, scheduled_at, self.config)
-            deltas.append(self.abort(seq.request_id, e))
+            last = self.abort(seq.request_id, e)
+            assert last is not None, seq.request_id  # a culprit ran alone, so it was in flight
+            deltas.append(last)
         logprobs = None
         if any(lp is not None for lp in lps):
             K = self.runner.logprobs_width

@@ -150,7 +150,8 @@ def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -
         return default
     if int in kinds and float not in kinds and isinstance(value, float):
         if integer(value) is None:
-            raise ApiError(f"'{name}' must be an integer, got a number with a fractional part", param=name)
+            got = "a number with a fractional part" if math.isfinite(value) else "a number"
+            raise ApiError(f"'{name}' must be an integer, got {got}", param=name)
         return integer(value)
     # JSON true is a bool, and bool is an int in Python: refuse it where a number is due.
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):

@@ -405,7 +405,7 @@ class ModelRunner:
         else:  # a verified row: its latest token, then its drafts
             toks = np.array([t for sch in out.scheduled for t in (
                 token_slice(sch.seq, sch.seq.num_computed_tokens - sch.num_new_tokens, sch.num_new_tokens)
-                if not sch.spec_token_ids else [sch.seq.output_token_ids[-1], *sch.spec_token_ids])], np.int32)
+                if not sch.num_spec_tokens else [sch.seq.output_token_ids[-1], *sch.spec_token_ids])], np.int32)
         num_real = len(toks)
         if decode:
             R = T = _bucket(cfg.decode_buckets, max(out.num_occupied, n))
@@ -455,7 +455,7 @@ class ModelRunner:
             prompt_rows = self._prompt_targets(out, slots, start, q, cu_q_lens, targets)
             extra = (cu_q_lens, targets)
             if self.spec_buckets:
-                spec_rows = [i for i, sch in enumerate(out.scheduled) if sch.spec_token_ids]
+                spec_rows = [i for i, sch in enumerate(out.scheduled) if sch.num_spec_tokens]
                 # Verification draws as sample() does, but applies no bitmask.
                 assert not self._constrained[slots[spec_rows]].any(), "a constrained row never speculates"
                 extra = (*extra, self._spec_inputs(out, spec_rows, slots, R),
@@ -558,6 +558,7 @@ class ModelRunner:
         for r, i in enumerate(spec_rows):
             sch = out.scheduled[i]
             d = sch.spec_token_ids
+            assert len(d) == sch.num_spec_tokens, "a row's drafts are proposed before its step runs"
             sp.row[r], sp.slot[r], sp.num[r], sp.src[r] = i, slots[i], len(d), sch.spec_src
             sp.draft[r, :len(d)] = d
         if spec_rows:

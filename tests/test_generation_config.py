@@ -51,13 +51,13 @@ def test_offline_defaults_come_from_the_generation_config_and_the_flags_change_t
 
 def test_a_request_field_wins_and_max_new_tokens_caps_max_tokens():
     defaults = {"temperature": 0.7, "top_k": 1, "max_tokens": 5, "repetition_penalty": 1.2}
-    p = parse_sampling({}, 4, 64, True, False, defaults=defaults)
+    p = parse_sampling({}, 4, 64, True, defaults=defaults)
     assert (p.temperature, p.top_k, p.max_tokens, p.top_p, p.repetition_penalty) == (0.7, 1, 5, 1.0, 1.2)
-    p = parse_sampling({"temperature": 0.0, "top_k": 0, "max_tokens": 40}, 4, 64, True, False, defaults=defaults)
+    p = parse_sampling({"temperature": 0.0, "top_k": 0, "max_tokens": 40}, 4, 64, True, defaults=defaults)
     assert (p.temperature, p.top_k, p.max_tokens) == (0.0, -1, 5)
-    p = parse_sampling({"max_tokens": 3}, 4, 64, False, False, defaults=defaults)
+    p = parse_sampling({"max_tokens": 3}, 4, 64, False, defaults=defaults)
     assert p.max_tokens == 3
-    p = parse_sampling({}, 4, 64, False, False)  # no generation config: OpenAI's and vLLM's defaults
+    p = parse_sampling({}, 4, 64, False)  # no generation config: OpenAI's and vLLM's defaults
     assert (p.temperature, p.top_k, p.max_tokens) == (1.0, -1, 16)
 
 

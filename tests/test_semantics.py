@@ -188,6 +188,53 @@ def test_a_failure_preparing_one_request_ends_it_alone(monkeypatch) -> None:
     assert got["r0"] == clean["r0"] and got["r2"] == clean["r2"]  # the others are served as if nothing happened
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_failure_in_the_step_after_a_request_ended_ends_only_the_failing_one(monkeypatch, async_scheduling) -> None:
+    """Under async scheduling a step is scheduled while the one before it runs: a request
+    that a stop token ends in that earlier step still has a row in it. When the step then
+    fails on another request's inputs, the ended request is no culprit (it has no slot to
+    run alone in): the failing request ends with "error", the others as they would."""
+    def run(poison_at: int | None, stops: dict[str, list[int]]) -> tuple[dict[str, list[int]], dict[str, str]]:
+        eng = LLMEngine(EngineConfig(**SMALL, async_scheduling=async_scheduling), log=quiet)
+        real = eng.runner.execute
+
+        def execute(out):
+            if any(s.seq.request_id == "poison" for s in out.scheduled):
+                raise OverflowError("bad input")
+            return real(out)
+        monkeypatch.setattr(eng.runner, "execute", execute)
+        for rid, prompt in (("a", [5, 6, 7]), ("b", [9, 3]), ("c", [4, 4, 8, 1])):
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                        stop_token_ids=stops.get(rid)))
+        tokens: dict[str, list[int]] = {}
+        reasons: dict[str, str] = {}
+        for i in range(50):
+            if i == poison_at:
+                eng.add_request("poison", [8, 9], SamplingParams(max_tokens=2, ignore_eos=True))
+            if not eng.has_unfinished() and (poison_at is None or i > poison_at):
+                break
+            for d in eng.step():
+                tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+                if d.finished:
+                    assert d.request_id not in reasons, d  # one last delta per request
+                    reasons[d.request_id] = d.finish_reason
+        eng.scheduler.check_invariants()
+        assert eng.scheduler.allocator.num_used == 0
+        return tokens, reasons
+
+    greedy, _ = run(None, {})
+    # each request stopped by a token it samples (not known when its next step is scheduled)
+    stops = {rid: [t[k]] for rid, t, k in (("a", greedy["a"], 1), ("b", greedy["b"], 2), ("c", greedy["c"], 3))
+             if t[k] not in t[:k]}
+    assert len(stops) >= 2, greedy
+    clean, clean_reasons = run(None, stops)
+    assert [clean_reasons[r] for r in stops] == ["stop"] * len(stops)
+    for at in range(5):
+        got, reasons = run(at, stops)
+        assert reasons == clean_reasons | {"poison": "error"}, (at, reasons)
+        assert {k: got[k] for k in clean} == clean and got.get("poison", []) == [], at
+
+
 def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(monkeypatch) -> None:
     """Offline there is no stream to end: LLM.generate aborts the other prompts and raises,
     naming the request and what it failed with; the engine serves the next call."""
