@@ -255,7 +255,7 @@ class LLM:
             request_id=request_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
             prompt_logprobs=prompt_logprobs.get(first.request_id),
             outputs=[self._completion(i, s, logprobs.get(s.request_id)) for i, s in enumerate(samples)],
-            finished=True, metrics=RequestMetrics.of(last), num_cached_tokens=max(first.num_cached_tokens, 0),
+            finished=True, metrics=RequestMetrics.of(last), num_cached_tokens=first.num_cached_prompt_tokens,
             arrival_time=min(s.arrival_time for s in samples), first_token_time=min(first_tokens, default=None),
             finished_time=last.finished_time, num_preemptions=sum(s.num_preemptions for s in samples))
 

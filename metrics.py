@@ -194,7 +194,7 @@ class RequestMetrics:
                    e2e_latency_ms=1e3 * (end - seq.arrival_time),
                    num_preemptions=seq.num_preemptions,
                    num_recomputed_tokens=seq.num_recomputed_tokens,
-                   num_cached_tokens=max(seq.num_cached_tokens, 0),
+                   num_cached_tokens=seq.num_cached_prompt_tokens,
                    spec_acceptance_rate=seq.num_accepted_tokens / seq.num_draft_tokens if seq.num_draft_tokens
                    else None)
 

@@ -65,9 +65,7 @@ class RequestOutputDelta:
         if step is None:
             step = cls(request_id=seq.request_id, new_token_ids=[], new_logprobs=None, finished=True,
                        finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-                       num_output_tokens=seq.num_output_tokens,
-                       # -1 until the request is first admitted: none served then
-                       num_cached_tokens=max(seq.num_cached_tokens, 0))
+                       num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_prompt_tokens)
         step.finished, step.finish_reason, step.metrics = True, seq.finish_reason, RequestMetrics.of(seq)
         step.stop_reason, step.error = stop_reason(seq, eos_token_ids), error
         if seq.stop_matcher is not None:

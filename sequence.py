@@ -144,6 +144,12 @@ class Sequence:
         return self.status is FINISHED
 
     @property
+    def num_cached_prompt_tokens(self) -> int:
+        """Prompt tokens the prefix cache served (usage.prompt_tokens_details): 0 for a
+        request never admitted (num_cached_tokens' -1)."""
+        return max(self.num_cached_tokens, 0)
+
+    @property
     def may_speculate(self) -> bool:
         """Its next tokens may be drafted and verified: it still speculates, and no
         constraint or logits control needs each previous token before it samples."""
