@@ -477,9 +477,8 @@ class LLMEngine:
                 # Ended by a step collected since this one was scheduled (async scheduling):
                 # its slot is gone, so it runs nowhere, and update() would discard its row.
                 continue
-            num_spec = sch.num_spec_tokens
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
-                                  num_decode_tokens=int(sch.is_decode), num_spec_tokens=num_spec,
+                                  num_decode_tokens=int(sch.is_decode), num_spec_tokens=sch.num_spec_tokens,
                                   draft_probs=out.draft_probs)
             try:
                 r = self._execute(one, []).result()  # (nothing is in flight: no deltas)

@@ -65,6 +65,13 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, {"prompt": "hi", "max_tokens": 0}, 400),
     (C, {"prompt": [1.0, 2.0]}, 200),  # whole numbers are token ids, as vLLM's pydantic takes them
     (C, {"prompt": [1.0, 2.5]}, 400),
+    # whole numbers past any range: the same answers their integers get
+    (C, {"prompt": "hi", "n": 2.0, "max_tokens": 2.0}, 200),
+    (C, {"prompt": "hi", "top_k": 1e300}, 200),  # above the vocabulary: all kept, as vLLM
+    (C, {"prompt": "hi", "logprobs": 1e300}, 400),
+    (C, {"prompt": "hi", "prompt_logprobs": 1e300}, 400),
+    (C, {"prompt": "hi", "min_tokens": 1e300}, 400),
+    (C, {"prompt": [1e300]}, 400),
     (C, {"prompt": [True, 5]}, 400),
     (C, {"prompt": [-1]}, 400),
     (C, {"prompt": [2**63]}, 400),
