@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from hf_config import check_hf_config, check_llama3_rope, read_json, token_ids
 from model import FAMILIES, LLAMA3_ROPE_KEYS, Decoder, ModelConfig
-from model_loader import LoadedModel, load_model, resolve_dtype
+from model_loader import LoadedModel, check_token_ids, load_model, resolve_dtype
 from tokenizer import ByteTokenizer, load_tokenizer
 
 META = "taxirank_checkpoint.json"
@@ -130,7 +130,11 @@ def load(path: str, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedMode
             raise ValueError(f"{path}: parameters do not match its {META} ({e})") from None
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dt, rngs=nnx.Rngs(0))))
     model = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(got[_key(p)])) for p, v in flat]))
-    tok = ByteTokenizer() if meta.get("tokenizer") == "byte" else load_tokenizer(path)
+    if meta.get("tokenizer") == "byte":
+        tok = ByteTokenizer()
+    else:  # its files, read from the folder as a config.json folder's are: their ids checked as there
+        tok = load_tokenizer(path)
+        check_token_ids(tok, cfg, f"the tokenizer of {path!r}")
     return LoadedModel(model, cfg, tok, path, dt)
 
 

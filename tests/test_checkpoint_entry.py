@@ -305,3 +305,18 @@ def test_the_server_exits_with_one_line_naming_a_checkpoint_file_that_does_not_l
     lines = [line for line in proc.stderr.splitlines() if "Warning" not in line and line.strip()]
     assert proc.returncode == 2 and lines == [f"server.py: error: {path}: its tokenizer files do not load "
                                               "(AttributeError: 'list' object has no attribute 'get')"], proc.stderr
+
+
+def test_an_orbax_checkpoints_tokenizer_with_ids_past_its_embedding_is_refused(tokenizer_dir, tmp_path):
+    """Its tokenizer files are read from the folder at each load, as a config.json folder's
+    are: ids 200..290 would have no embedding row there too (load_model refuses them)."""
+    import checkpoint
+    from conftest import make_hf_checkpoint
+
+    path = str(tmp_path / "ck")
+    checkpoint.save(load_model(make_hf_checkpoint(tmp_path / "hf", "llama2", vocab_size=200)), path)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    with pytest.raises(ValueError, match=f"the tokenizer of '{path}': its vocabulary has 291 token ids, more than "
+                                         "the model's 200 embedding rows"):
+        checkpoint.load(path)
