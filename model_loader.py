@@ -292,4 +292,7 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, Any]]:
             raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
         with st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                x = st.get_tensor(name)
+                if not jnp.isfinite(x).all():  # as a GGUF file's (gguf_loader): every output would be NaN
+                    raise ValueError(f"tensor {name!r} in {file} holds NaN or infinite values: the file is damaged")
+                yield name, x

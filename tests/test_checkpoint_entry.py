@@ -100,6 +100,23 @@ def test_a_weight_stored_as_integers_or_bools_is_refused_naming_the_tensor(hf_ch
         load_model(path)
 
 
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_weight_holding_nan_or_inf_is_refused_naming_the_tensor(hf_checkpoint, tmp_path, bad):
+    """Loaded, every logit is NaN and greedy decoding repeats the last token id: a damaged
+    file, refused as a GGUF file's (test_gguf.py)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "c"))
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = bad
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=f"tensor 'model.layers.1.mlp.up_proj.weight' in {file} holds NaN or "
+                                         "infinite values: the file is damaged"):
+        load_model(path)
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> str:
     from conftest import make_hf_checkpoint
