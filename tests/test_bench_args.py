@@ -45,6 +45,11 @@ REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag di
     ("attention_kernels", ["--backends", "pallas,foo"], "--backends takes a comma-separated subset of pallas, ref"),
     ("gpu_mix", ["--tiny", "--attention-backend", "flash"], "argument --attention-backend: invalid choice"),
     ("gpu_check_report", ["/nonexistent", "/nonexistent-dest"], "no work folder '/nonexistent'"),
+    # unchecked: load_model's FileNotFoundError traceback (ray_routing: the server's, as a RuntimeError)
+    *[(name, ["--model", "/nonexistent"], "argument --model: wants one of tiny, bench, smollm2, a checkpoint "
+                                          "directory or a .gguf file, got '/nonexistent'")
+      for name in ("stutter", "prefix", "structured_outputs", "spec", "ray_routing", "policies")],
+    ("stutter", ["--tiny", "--dtype", "float16"], "argument --dtype: invalid choice"),  # unchecked: a traceback
 ]
 
 
