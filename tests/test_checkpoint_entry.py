@@ -101,6 +101,27 @@ def test_a_weight_stored_as_integers_or_bools_is_refused_naming_the_tensor(hf_ch
 
 
 
+
+def test_a_weight_of_a_dtype_the_reader_has_no_array_for_is_refused_naming_it(hf_checkpoint, tmp_path):
+    """A float8 tensor in a checkpoint without a quantization_config: safetensors' reader
+    raised an AttributeError (numpy has no float8_e4m3fn), which the server does not catch."""
+    import struct
+
+    path = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "c"))
+    file = os.path.join(path, "model.safetensors")
+    data = open(file, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header["model.norm.weight"] |= {"dtype": "F8_E4M3", "shape": [4 * header["model.norm.weight"]["shape"][0]]}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    with pytest.raises(ValueError, match=f"tensor 'model.norm.weight' in {file} does not read as an array \\(dtype "
+                                         "F8_E4M3; AttributeError"):
+        load_model(path)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_weight_holding_nan_or_inf_is_refused_naming_the_tensor(hf_checkpoint, tmp_path, bad):
     """Loaded, every logit is NaN and greedy decoding repeats the last token id: a damaged
