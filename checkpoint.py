@@ -148,8 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--seed", type=int, default=0, help="weights seed of a built-in model")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    loaded = load_model(args.src, args.dtype, args.seed)
-    save(loaded, args.dst)
+    try:
+        loaded = load_model(args.src, args.dtype, args.seed)
+        save(loaded, args.dst)
+    except (ValueError, OSError) as e:  # a bad source or destination: one line, as server.py's
+        p.exit(2, f"{p.prog}: error: {e}\n")
     n = sum(x.size for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)))
     print(f"saved {args.src} ({n:,} parameters, {np.dtype(loaded.dtype).name}) to {args.dst} "
           f"in {time.perf_counter() - t0:.1f}s")

@@ -358,3 +358,18 @@ def test_an_orbax_checkpoints_tokenizer_with_ids_past_its_embedding_is_refused(t
     with pytest.raises(ValueError, match=f"the tokenizer of '{path}': its vocabulary has 291 token ids, more than "
                                          "the model's 200 embedding rows"):
         checkpoint.load(path)
+
+
+@pytest.mark.parametrize("src, says", [
+    ("/nonexistent", "model '/nonexistent' is neither a built-in model"),  # a FileNotFoundError before
+    ("tiny", "exists and is not empty"),  # a FileExistsError before
+])
+def test_the_convert_command_exits_with_one_line_naming_what_is_wrong(tmp_path, capsys, src, says):
+    import checkpoint
+
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "x").write_text("")
+    with pytest.raises(SystemExit) as e:
+        checkpoint.main(["convert", src, str(tmp_path / "dst")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and err.count("\n") == 1, err
