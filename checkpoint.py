@@ -128,6 +128,9 @@ def load(path: str, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedMode
             got = ckptr.restore(os.path.join(path, "params"), want)
         except (ValueError, KeyError) as e:  # a tree or shape that does not match the config
             raise ValueError(f"{path}: parameters do not match its {META} ({e})") from None
+        except Exception as e:  # tensorstore's failed read of an array's data, wrapped in a bare Exception
+            raise ValueError(f"{path}: its parameters do not read, the checkpoint is damaged "
+                             f"({e.__cause__ or e})"[:500]) from None
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dt, rngs=nnx.Rngs(0))))
     model = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(got[_key(p)])) for p, v in flat]))
     if meta.get("tokenizer") == "byte":

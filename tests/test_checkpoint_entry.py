@@ -316,6 +316,21 @@ def test_an_orbax_checkpoints_meta_file_that_is_no_json_object_is_an_error_namin
         checkpoint.load(path)
 
 
+
+def test_an_orbax_checkpoints_damaged_array_data_is_a_value_error_naming_it(orbax_dir, tmp_path):
+    """tensorstore's failed read came as a bare Exception (the server's start-up catches
+    ValueError and OSError): a traceback of the TensorStore spec."""
+    import checkpoint
+
+    path = str(shutil.copytree(orbax_dir, tmp_path / "ck"))
+    data = os.path.join(path, "params", "ocdbt.process_0", "d")
+    for name in os.listdir(data):
+        os.truncate(os.path.join(data, name), 5)
+    with pytest.raises(ValueError, match=f"{path}: its parameters do not read, the checkpoint is damaged "
+                                         r"\(OUT_OF_RANGE: Error reading"):
+        checkpoint.load(path)
+
+
 def test_an_orbax_checkpoint_with_llama3_scaling_loads(orbax_dir, tmp_path):
     import checkpoint
 
