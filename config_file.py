@@ -80,8 +80,9 @@ def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
                 raise ValueError(f"{where} is a switch: give true or false, got {value!r}")
             if value:
                 words.append(flag)
-            elif isinstance(action, argparse.BooleanOptionalAction):
-                words.append("--no-" + flag[2:])
+            elif isinstance(action, argparse.BooleanOptionalAction):  # false: the other spelling
+                positive = "--no-" + flag[2:] in action.option_strings  # flag is --x, not its --no-x
+                words.append("--no-" + flag[2:] if positive else "--" + flag.removeprefix("--no-"))
             continue
         if isinstance(value, bool):
             raise ValueError(f"{where} takes a value, not {str(value).lower()}")
