@@ -90,8 +90,8 @@ def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
             if action.nargs not in ("+", "*") or not value:
                 raise ValueError(f"{where} takes one value, got a list {value!r}")
             words += [flag, *(_word(where, v, action) for v in value)]
-        else:
-            words += [flag, _word(where, value, action)]
+        else:  # one word: "-k1" (an API key, a name) is the flag's value, not another flag
+            words.append(f"{flag}={_word(where, value, action)}")
     return words
 
 

@@ -146,6 +146,13 @@ def test_a_config_files_no_spelling_of_a_switch_takes_false_as_the_switch(tmp_pa
         is False  # the command line wins
 
 
+
+def test_a_config_files_value_that_starts_with_a_dash_is_the_flags_value(tmp_path):
+    """An API key or a name such as "-k1" (argparse took it for a flag: "expected one argument")."""
+    args = parse(tmp_path, "api-key: -k1\nresponse-role: -bot\nmax-num-seqs: -3\n")
+    assert (args.api_key, args.response_role, args.max_num_seqs) == (["-k1"], "-bot", -3)
+
+
 @pytest.mark.parametrize("text, says", [
     ("max-modl-len: 5\n", "'max-modl-len' is not a flag this command takes"),
     ("config: other.yaml\n", "'config' is not a flag"),
