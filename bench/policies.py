@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab, rng, n = vocab_size_of(a.model), random.Random(0), lambda k: max(2, round(k * a.scale))
     mml = 256 + max(a.long, 128); blocks = a.max_num_seqs * (mml // 16) + 1  # noqa: E702
     kw = dict(max_num_seqs=a.max_num_seqs, max_model_len=mml, num_kv_blocks=blocks, dtype="float32")
-    cm = load_cost_model(a.simulate) if a.simulate else None
+    try:
+        cm = load_cost_model(a.simulate) if a.simulate else None
+    except ValueError as e:
+        p.error(f"--simulate {e}")
     engine = None if cm else build_engine(a.model, kw | dict(preemption_mode="swap", swap_space=0.25), print)
     base = EngineConfig(**kw).resolved(mml) if cm else engine.config
 
