@@ -5,11 +5,12 @@
 SRC is anything `--model` takes (a built-in model, an HF safetensors directory); DST gets
 the parameters already in taxirank's layout (stacked layers, [in, out] kernels, cast to
 the dtype) as one orbax array per parameter, plus taxirank_checkpoint.json (the
-ModelConfig and dtype) and the tokenizer. `--model DST` then restores each parameter with
-its target sharding, so every device reads only its own slice from disk (tensorstore):
-no full copy of the model on one device or host, and no conversion at start-up. The KV
-head copies tensor parallelism may need are made after loading (parallel.shard_model), so
-a checkpoint loads onto any tensor-parallel size, whatever size it was saved from.
+ModelConfig and dtype), the tokenizer and SRC's generation_config.json. `--model DST`
+then restores each parameter with its target sharding, so every device reads only its
+own slice from disk (tensorstore): no full copy of the model on one device or host, and
+no conversion at start-up. The KV head copies tensor parallelism may need are made after
+loading (parallel.shard_model), so a checkpoint loads onto any tensor-parallel size,
+whatever size it was saved from.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -58,6 +60,9 @@ def save(loaded: LoadedModel, dst: str) -> None:
     tok = loaded.tokenizer
     if hasattr(tok, "save_pretrained"):
         tok.save_pretrained(dst)
+    generation = os.path.join(loaded.name, "generation_config.json")
+    if os.path.isfile(generation):  # the sampling defaults --generation-config auto reads from the model folder
+        shutil.copy(generation, dst)
     meta = dict(format=_FORMAT, source=loaded.name, dtype=np.dtype(loaded.dtype).name,
                 tokenizer="byte" if isinstance(tok, ByteTokenizer) else "hf" if tok is not None else None,
                 model_config=dataclasses.asdict(loaded.config))

@@ -388,3 +388,18 @@ def test_the_convert_command_exits_with_one_line_naming_what_is_wrong(tmp_path, 
         checkpoint.main(["convert", src, str(tmp_path / "dst")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err and err.count("\n") == 1, err
+
+
+def test_a_converted_checkpoint_keeps_its_sources_sampling_defaults(hf_checkpoint, tmp_path):
+    """--generation-config auto reads the model folder's generation_config.json: the orbax
+    copy of a folder served other default sampling than the folder itself."""
+    import checkpoint
+    from hf_config import generation_sampling_defaults
+
+    src = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "src"))
+    with open(os.path.join(src, "generation_config.json"), "w") as f:
+        json.dump({"temperature": 0.6, "top_p": 0.9, "eos_token_id": 2}, f)
+    checkpoint.main(["convert", src, str(tmp_path / "ck")])
+    want = generation_sampling_defaults(EngineConfig(model=src))
+    assert want == {"temperature": 0.6, "top_p": 0.9}
+    assert generation_sampling_defaults(EngineConfig(model=str(tmp_path / "ck"))) == want
