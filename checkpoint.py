@@ -5,11 +5,12 @@
 SRC is anything `--model` takes (a built-in model, an HF safetensors directory); DST gets
 the parameters already in taxirank's layout (stacked layers, [in, out] kernels, cast to
 the dtype) as one orbax array per parameter, plus taxirank_checkpoint.json (the
-ModelConfig and dtype) and the tokenizer. `--model DST` then restores each parameter with
-its target sharding, so every device reads only its own slice from disk (tensorstore):
-no full copy of the model on one device or host, and no conversion at start-up. The KV
-head copies tensor parallelism may need are made after loading (parallel.shard_model), so
-a checkpoint loads onto any tensor-parallel size, whatever size it was saved from.
+ModelConfig and dtype), the tokenizer and SRC's generation_config.json. `--model DST`
+then restores each parameter with its target sharding, so every device reads only its
+own slice from disk (tensorstore): no full copy of the model on one device or host, and
+no conversion at start-up. The KV head copies tensor parallelism may need are made after
+loading (parallel.shard_model), so a checkpoint loads onto any tensor-parallel size,
+whatever size it was saved from.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -28,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from hf_config import check_hf_config, check_llama3_rope, read_json, token_ids
 from model import FAMILIES, LLAMA3_ROPE_KEYS, Decoder, ModelConfig
-from model_loader import LoadedModel, load_model, resolve_dtype
+from model_loader import LoadedModel, check_token_ids, load_model, resolve_dtype
 from tokenizer import ByteTokenizer, load_tokenizer
 
 META = "taxirank_checkpoint.json"
@@ -58,6 +60,9 @@ def save(loaded: LoadedModel, dst: str) -> None:
     tok = loaded.tokenizer
     if hasattr(tok, "save_pretrained"):
         tok.save_pretrained(dst)
+    generation = os.path.join(loaded.name, "generation_config.json")
+    if os.path.isfile(generation):  # the sampling defaults --generation-config auto reads from the model folder
+        shutil.copy(generation, dst)
     meta = dict(format=_FORMAT, source=loaded.name, dtype=np.dtype(loaded.dtype).name,
                 tokenizer="byte" if isinstance(tok, ByteTokenizer) else "hf" if tok is not None else None,
                 model_config=dataclasses.asdict(loaded.config))
@@ -128,9 +133,16 @@ def load(path: str, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedMode
             got = ckptr.restore(os.path.join(path, "params"), want)
         except (ValueError, KeyError) as e:  # a tree or shape that does not match the config
             raise ValueError(f"{path}: parameters do not match its {META} ({e})") from None
+        except Exception as e:  # tensorstore's failed read of an array's data, wrapped in a bare Exception
+            raise ValueError(f"{path}: its parameters do not read, the checkpoint is damaged "
+                             f"({e.__cause__ or e})"[:500]) from None
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dt, rngs=nnx.Rngs(0))))
     model = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(got[_key(p)])) for p, v in flat]))
-    tok = ByteTokenizer() if meta.get("tokenizer") == "byte" else load_tokenizer(path)
+    if meta.get("tokenizer") == "byte":
+        tok = ByteTokenizer()
+    else:  # its files, read from the folder as a config.json folder's are: their ids checked as there
+        tok = load_tokenizer(path)
+        check_token_ids(tok, cfg, f"the tokenizer of {path!r}")
     return LoadedModel(model, cfg, tok, path, dt)
 
 
@@ -144,8 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--seed", type=int, default=0, help="weights seed of a built-in model")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    loaded = load_model(args.src, args.dtype, args.seed)
-    save(loaded, args.dst)
+    try:
+        loaded = load_model(args.src, args.dtype, args.seed)
+        save(loaded, args.dst)
+    except (ValueError, OSError) as e:  # a bad source or destination: one line, as server.py's
+        p.exit(2, f"{p.prog}: error: {e}\n")
     n = sum(x.size for x in jax.tree.leaves(nnx.state(loaded.model, nnx.Param)))
     print(f"saved {args.src} ({n:,} parameters, {np.dtype(loaded.dtype).name}) to {args.dst} "
           f"in {time.perf_counter() - t0:.1f}s")

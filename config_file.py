@@ -80,8 +80,9 @@ def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
                 raise ValueError(f"{where} is a switch: give true or false, got {value!r}")
             if value:
                 words.append(flag)
-            elif isinstance(action, argparse.BooleanOptionalAction):
-                words.append("--no-" + flag[2:])
+            elif isinstance(action, argparse.BooleanOptionalAction):  # false: the other spelling
+                positive = "--no-" + flag[2:] in action.option_strings  # flag is --x, not its --no-x
+                words.append("--no-" + flag[2:] if positive else "--" + flag.removeprefix("--no-"))
             continue
         if isinstance(value, bool):
             raise ValueError(f"{where} takes a value, not {str(value).lower()}")
@@ -89,8 +90,8 @@ def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
             if action.nargs not in ("+", "*") or not value:
                 raise ValueError(f"{where} takes one value, got a list {value!r}")
             words += [flag, *(_word(where, v, action) for v in value)]
-        else:
-            words += [flag, _word(where, value, action)]
+        else:  # one word: "-k1" (an API key, a name) is the flag's value, not another flag
+            words.append(f"{flag}={_word(where, value, action)}")
     return words
 
 

@@ -60,9 +60,10 @@ import checkpoint
 from attention_backend import AttentionBackend, AttentionShape, select_attention_backend
 from compilation import CountedProgram, count_compile, persistent_cache_hits, shared_programs, warmup_summary
 from config import EngineConfig
+from hf_config import read_json
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
-from model import AttentionInputs, device_bytes, param_bytes
+from model import AttentionInputs, ModelConfig, device_bytes, param_bytes
 from model_loader import LoadedModel, hf_state_dict, load_model
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
 from sampling_params import SAMPLING_EPS
@@ -154,14 +155,13 @@ def write_layer_skip(source: str, layers: list[int], out: str, log: Callable[[st
         raise FileExistsError(f"{out} exists: choose a new directory")
     if source in gguf_loader.BUILTIN_GGUF or source.endswith(".gguf"):
         path = gguf_loader.resolve_builtin(source, log) if source in gguf_loader.BUILTIN_GGUF else source
-        hf_config = dict(gguf_loader.read_gguf(path).hf_config)
-    elif os.path.isfile(os.path.join(source, "config.json")):
-        with open(os.path.join(source, "config.json")) as f:
-            hf_config = json.load(f)
+        hf_config, where = dict(gguf_loader.read_gguf(path).hf_config), f"{path} (GGUF metadata)"
+    elif os.path.isfile(where := os.path.join(source, "config.json")):
+        hf_config = read_json(where)
     else:
         raise ValueError(f"{source!r} is neither a GGUF file (or built-in GGUF name) nor an HF directory: "
                          "a layer-skip draft is cut from a trained checkpoint")
-    full = hf_config["num_hidden_layers"]
+    full = ModelConfig.from_hf(hf_config, where).num_hidden_layers
     if not (layers and layers == sorted(set(layers)) and 0 <= layers[0] and layers[-1] < full
             and len(layers) < full):
         raise ValueError(f"layers must be increasing indices in 0..{full - 1}, fewer than all {full} "
@@ -475,7 +475,10 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("layers", help="a count (8: the first 8) or ranges (0-5,24-29)")
     c.add_argument("dst", help="a new directory: pass it as the speculative config's \"model\"")
     a = p.parse_args(argv)
-    write_layer_skip(a.src, parse_layers(a.layers), os.path.expanduser(a.dst))
+    try:
+        write_layer_skip(a.src, parse_layers(a.layers), os.path.expanduser(a.dst))
+    except (ValueError, OSError) as e:  # a bad source, layer list or destination: one line, as server.py's
+        p.exit(2, f"{p.prog}: error: {e}\n")
 
 
 if __name__ == "__main__":

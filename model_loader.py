@@ -292,4 +292,11 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, Any]]:
             raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
         with st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                try:
+                    x = st.get_tensor(name)
+                except Exception as e:  # a dtype the reader has no array type for (F8_E4M3: an AttributeError)
+                    raise ValueError(f"tensor {name!r} in {file} does not read as an array (dtype "
+                                     f"{st.get_slice(name).get_dtype()}; {type(e).__name__}: {e})"[:300]) from None
+                if not jnp.isfinite(x).all():  # as a GGUF file's (gguf_loader): every output would be NaN
+                    raise ValueError(f"tensor {name!r} in {file} holds NaN or infinite values: the file is damaged")
+                yield name, x

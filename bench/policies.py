@@ -27,7 +27,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root first
 
-from report import machine_info, md_table, positive, positive_float, results_dir, write_json, write_text  # noqa: E402
+from report import (machine_info, md_table, model_name, positive, positive_float, results_dir,  # noqa: E402
+                    write_json, write_text)
 from simulate import (GPU_KV_TOKEN_BYTES, GPU_LIKE, GPU_LINK_BYTES_S, SimRequest, load_cost_model,  # noqa: E402
                       build_engine, fresh_scheduler, measure_swap, run_engine, simulate, synthetic)
 from workload import token_ids, vocab_size_of  # noqa: E402
@@ -67,7 +68,7 @@ def gpu_crossover(config: EngineConfig, num_kv_blocks: int, work: list[SimReques
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flag, kind, default, what in (("model", str, "tiny", None),
+    for flag, kind, default, what in (("model", model_name, "tiny", None),
                                       ("scale", positive_float, 1.0, "multiplies request counts"),
                                       ("long", positive, 512, "the heavy client's max_tokens"), ("out", str, None, None),
                                       ("max-num-seqs", positive, 8, None),
@@ -82,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab, rng, n = vocab_size_of(a.model), random.Random(0), lambda k: max(2, round(k * a.scale))
     mml = 256 + max(a.long, 128); blocks = a.max_num_seqs * (mml // 16) + 1  # noqa: E702
     kw = dict(max_num_seqs=a.max_num_seqs, max_model_len=mml, num_kv_blocks=blocks, dtype="float32")
-    cm = load_cost_model(a.simulate) if a.simulate else None
+    try:
+        cm = load_cost_model(a.simulate) if a.simulate else None
+    except ValueError as e:
+        p.error(f"--simulate {e}")
     engine = None if cm else build_engine(a.model, kw | dict(preemption_mode="swap", swap_space=0.25), print)
     base = EngineConfig(**kw).resolved(mml) if cm else engine.config
 

@@ -19,8 +19,8 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (checked, log, machine_info, md_table, positive, ratio_rows, results_dir, sections,  # noqa: E402
-                    side_by_side, size_defaults, timed_generate, warm, write_json, write_text)
+from report import (checked, log, machine_info, md_table, model_name, positive, ratio_rows,  # noqa: E402
+                    results_dir, sections, side_by_side, size_defaults, timed_generate, warm, write_json, write_text)
 from workload import Request, shared_prefix, short_long_mix, token_ids, vocab_size_of  # noqa: E402
 
 SECTIONS = ("shared", "multiturn", "mix")
@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="the tiny model and small sizes: a fast smoke run")
-    p.add_argument("--model", default=None, help="default: bench (tiny with --tiny)")
+    p.add_argument("--model", type=model_name, default=None, help="default: bench (tiny with --tiny)")
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--chunked-prefill", action="store_true", help="run every engine with chunked prefill")
     for name in SIZES:

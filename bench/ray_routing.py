@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from client import Capabilities, Record, Server, complete, parse_metrics
-from report import md_table, positive, results_dir, summarize, text_table, write_json, write_text
+from report import md_table, model_name, positive, results_dir, summarize, text_table, write_json, write_text
 from workload import Request, shared_prefix, vocab_size_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +94,7 @@ async def server_startup(args: argparse.Namespace, log_dir: str) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", type=model_name, default="tiny")
     p.add_argument("--num-replicas", type=positive, default=2)
     p.add_argument("--num-prefixes", type=positive, default=16, help="distinct system prompts")
     p.add_argument("--prefix-len", type=positive, default=1024, help="tokens per system prompt")

@@ -127,6 +127,18 @@ def checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str) ->
     return parse
 
 
+def model_name(text: str) -> str:
+    """The argparse type of a bench's --model: what server.py's --model takes (a built-in
+    model, a checkpoint directory or a .gguf file), refused before any engine is built."""
+    from gguf_loader import BUILTIN_GGUF
+    from model_loader import BUILTIN_MODELS
+
+    if text in BUILTIN_MODELS or text in BUILTIN_GGUF or os.path.exists(text):
+        return text
+    raise argparse.ArgumentTypeError(f"wants one of {', '.join([*BUILTIN_MODELS, *BUILTIN_GGUF])}, a checkpoint "
+                                     f"directory or a .gguf file, got {text!r}")
+
+
 positive = checked(int, lambda x: x >= 1, "an integer >= 1")
 natural = checked(int, lambda x: x >= 0, "an integer >= 0")
 positive_float = checked(float, lambda x: 0 < x < math.inf, "a number > 0")

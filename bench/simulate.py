@@ -92,19 +92,25 @@ def load_workload(path: str, vocab_size: int = 32000) -> list[SimRequest]:
     """A JSON list of requests, or bench/mixed.py's results.json (its first variant's log
     unless the file is one variant's summary). Prompts given by length get distinct random ids."""
     with open(path) as f:
-        data = json.load(f)
-    if isinstance(data, dict):
-        if "per_request" not in data:
-            data = next(v for v in data.get("variants", data).values() if isinstance(v, dict) and "per_request" in v)
-        data = data["per_request"]
-    if not isinstance(data, list) or not data:
-        raise ValueError(f"{path}: expected a non-empty list of requests")
-    rng, out = random.Random(0), []
-    for r in data:
-        ids = r.get("prompt_token_ids") or [rng.randrange(vocab_size) for _ in range(int(r["prompt_len"]))]
-        slo = [None if r.get(k) is None else float(r[k]) for k in ("slo_ttft_s", "slo_tpot_s")]
-        out.append(SimRequest(float(r.get("arrival_s", r.get("start", 0.0))), list(ids), int(r["max_tokens"]),
-                              int(r.get("priority", 0)), str(r.get("class", r.get("cls", "all"))), r.get("user"), *slo))
+        try:
+            data = json.load(f)
+            if isinstance(data, dict):
+                if "per_request" not in data:
+                    data = next(v for v in data.get("variants", data).values()
+                                if isinstance(v, dict) and "per_request" in v)
+                data = data["per_request"]
+            if not isinstance(data, list) or not data:
+                raise ValueError("expected a non-empty list of requests")
+            rng, out = random.Random(0), []
+            for r in data:
+                ids = r.get("prompt_token_ids") or [rng.randrange(vocab_size) for _ in range(int(r["prompt_len"]))]
+                slo = [None if r.get(k) is None else float(r[k]) for k in ("slo_ttft_s", "slo_tpot_s")]
+                out.append(SimRequest(float(r.get("arrival_s", r.get("start", 0.0))), list(ids), int(r["max_tokens"]),
+                                      int(r.get("priority", 0)), str(r.get("class", r.get("cls", "all"))),
+                                      r.get("user"), *slo))
+        except (ValueError, KeyError, TypeError, AttributeError, StopIteration) as e:  # what a malformed file raises
+            raise ValueError(f"--workload {path}: not a JSON list of requests nor bench/mixed.py's results.json "
+                             f"({type(e).__name__}: {e})"[:300]) from None
     t0 = min(r.arrival_s for r in out)
     return [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in out]
 
@@ -141,11 +147,15 @@ class CostModel:
     @classmethod
     def load(cls, path: str) -> "CostModel":
         with open(path) as f:
-            d = json.load(f)
-        if set(PROGRAMS) - d["coef"].keys():
-            raise ValueError(f"{path}: no coefficients for {sorted(set(PROGRAMS) - d['coef'].keys())}")
-        return cls({k: tuple(float(v[x]) for x in "abcd") for k, v in d["coef"].items()}, d.get("source", path),
-                   d.get("fit", {}), tuple(d.get("swap", (0.0, 0.0))))
+            try:
+                d = json.load(f)
+                if set(PROGRAMS) - d["coef"].keys():
+                    raise ValueError(f"no coefficients for {sorted(set(PROGRAMS) - d['coef'].keys())}")
+                return cls({k: tuple(float(v[x]) for x in "abcd") for k, v in d["coef"].items()},
+                           d.get("source", path), d.get("fit", {}), tuple(d.get("swap", (0.0, 0.0))))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:  # what a malformed file raises
+                raise ValueError(f"{path}: not a cost model (simulate.py --calibrate writes one) "
+                                 f"({type(e).__name__}: {e})"[:300]) from None
 
 
 # Llama-3-8B in bf16 on one H200, by the roofline (written down, not measured): every step reads
@@ -583,14 +593,17 @@ def main(argv: list[str] | None = None) -> int:
         cm["cpu"].save(path.replace(".json", "_cpu.json"))
         print(f"cost model -> {path}: {cm['wall'].coef}, swap {cm['wall'].swap}\nfit: {cm['wall'].fit}")
         return 0
-    cm = load_cost_model(args.cost_model)
+    try:
+        cm = load_cost_model(args.cost_model)
+        work = None if args.workload in SYNTHETIC else load_workload(args.workload, sizes.vocab_size)
+    except ValueError as e:
+        p.error(str(e))
     if args.report:
         os.makedirs(out_dir, exist_ok=True)
         report({"this machine": cm, "GPU-like": GPU_LIKE}, out_dir, tuple(args.report_seqs))
         return 0
     work = synthetic(args.workload, args.num_requests or sizes.num_requests, sizes.vocab_size, short=sizes.short,
-                     long=sizes.long, prompt_len=sizes.prompt_len, rate=args.rate) if args.workload in SYNTHETIC else (
-        load_workload(args.workload, sizes.vocab_size))
+                     long=sizes.long, prompt_len=sizes.prompt_len, rate=args.rate) if work is None else work
     k = max(1, round(1 / args.priority_fraction)) if args.priority_fraction else 0
     for i, r in enumerate(work):
         r.priority = -1 if k and i % k == 0 else r.priority

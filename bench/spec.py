@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from llm import LLM
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # after the root: engine modules win
-from report import (checked, machine_info, md_table, num, percentile, positive, positive_ints,  # noqa: E402
+from report import (checked, machine_info, md_table, model_name, num, percentile, positive, positive_ints,  # noqa: E402
                     results_dir, sections, write_json)
 from workload import text_prompt  # noqa: E402
 
@@ -72,7 +72,7 @@ def run(llm: LLM, ids: list[list[int]], max_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", type=model_name, default="smollm2")
     ap.add_argument("--quick", action="store_true", help="fewer output tokens (32 instead of 96)")
     ap.add_argument("--batches", type=positive_ints, default="1,8,32")
     ap.add_argument("--reps", type=positive, default=2, help="runs of each variant, interleaved; the fastest is kept")

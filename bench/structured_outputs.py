@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from report import (machine_info, positive, ratio_rows, results_dir, side_by_side, summarize,  # noqa: E402
+from report import (machine_info, model_name, positive, ratio_rows, results_dir, side_by_side, summarize,  # noqa: E402
                     text_table, write_json)
 from sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from workload import text_prompt  # noqa: E402
@@ -73,7 +73,7 @@ def run(llm: LLM, host: list[float], prompts: list[list[int]], params: list[Samp
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", type=model_name, default="smollm2")
     p.add_argument("--num-requests", type=positive, default=32)
     p.add_argument("--max-tokens", type=positive, default=64)
     p.add_argument("--repeats", type=positive, default=2, help="runs of each, alternated; the best is reported")

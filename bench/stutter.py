@@ -21,8 +21,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (log, machine_info, natural, positive, pyplot, results_dir, save_figure, size_defaults,  # noqa: E402
-                    summarize, text_table, write_json)
+from report import (log, machine_info, model_name, natural, positive, pyplot, results_dir,  # noqa: E402
+                    save_figure, size_defaults, summarize, text_table, write_json)
 from workload import token_ids  # noqa: E402
 
 TARGET_RATIO = 4.0
@@ -31,8 +31,8 @@ TARGET_RATIO = 4.0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="default: bench (tiny with --tiny)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--model", type=model_name, default=None, help="default: bench (tiny with --tiny)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     p.add_argument("--prompt-len", type=positive, help="the joiner's prompt (default 8192; 384 with --tiny)")
     p.add_argument("--users", type=positive, default=None, help="streaming users (default 16; 4 with --tiny)")
     p.add_argument("--budget", type=positive, default=None,

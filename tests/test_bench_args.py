@@ -13,6 +13,7 @@ import sys
 import pytest
 from conftest import ROOT, load_bench
 
+TRACES = os.path.join(ROOT, "tests", "fixtures", "scheduler_traces.json")  # JSON of another shape
 REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag did without its check
     ("mixed", ["--rate", "0"], "argument --rate: wants a number > 0"),  # unchecked: all at once
     ("mixed", ["--block-size", "0"], "argument --block-size: wants an integer >= 1"),  # unchecked: ZeroDivisionError
@@ -45,6 +46,20 @@ REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag di
     ("attention_kernels", ["--backends", "pallas,foo"], "--backends takes a comma-separated subset of pallas, ref"),
     ("gpu_mix", ["--tiny", "--attention-backend", "flash"], "argument --attention-backend: invalid choice"),
     ("gpu_check_report", ["/nonexistent", "/nonexistent-dest"], "no work folder '/nonexistent'"),
+    # unchecked: load_model's FileNotFoundError traceback (ray_routing: the server's, as a RuntimeError)
+    *[(name, ["--model", "/nonexistent"], "argument --model: wants one of tiny, bench, smollm2, a checkpoint "
+                                          "directory or a .gguf file, got '/nonexistent'")
+      for name in ("stutter", "prefix", "structured_outputs", "spec", "ray_routing", "policies")],
+    ("stutter", ["--tiny", "--dtype", "float16"], "argument --dtype: invalid choice"),  # unchecked: a traceback
+    # unchecked: json's, a KeyError's or a StopIteration's traceback
+    ("simulate", ["--tiny", "--cost-model", "gpu-like", "--workload", os.path.join(ROOT, "README.md")],
+     "README.md: not a JSON list of requests nor bench/mixed.py's results.json (JSONDecodeError"),
+    ("simulate", ["--tiny", "--cost-model", "gpu-like", "--workload", TRACES],
+     "scheduler_traces.json: not a JSON list of requests"),
+    ("simulate", ["--tiny", "--cost-model", TRACES], "scheduler_traces.json: not a cost model"),
+    ("simulate", ["--tiny", "--cost-model", os.path.join(ROOT, "README.md")],
+     "README.md: not a cost model (simulate.py --calibrate writes one) (JSONDecodeError"),
+    ("policies", ["--simulate", os.path.join(ROOT, "README.md")], "README.md: not a cost model"),
 ]
 
 

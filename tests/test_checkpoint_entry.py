@@ -100,6 +100,44 @@ def test_a_weight_stored_as_integers_or_bools_is_refused_naming_the_tensor(hf_ch
         load_model(path)
 
 
+
+
+def test_a_weight_of_a_dtype_the_reader_has_no_array_for_is_refused_naming_it(hf_checkpoint, tmp_path):
+    """A float8 tensor in a checkpoint without a quantization_config: safetensors' reader
+    raised an AttributeError (numpy has no float8_e4m3fn), which the server does not catch."""
+    import struct
+
+    path = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "c"))
+    file = os.path.join(path, "model.safetensors")
+    data = open(file, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header["model.norm.weight"] |= {"dtype": "F8_E4M3", "shape": [4 * header["model.norm.weight"]["shape"][0]]}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    with pytest.raises(ValueError, match=f"tensor 'model.norm.weight' in {file} does not read as an array \\(dtype "
+                                         "F8_E4M3; AttributeError"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_weight_holding_nan_or_inf_is_refused_naming_the_tensor(hf_checkpoint, tmp_path, bad):
+    """Loaded, every logit is NaN and greedy decoding repeats the last token id: a damaged
+    file, refused as a GGUF file's (test_gguf.py)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "c"))
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = bad
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=f"tensor 'model.layers.1.mlp.up_proj.weight' in {file} holds NaN or "
+                                         "infinite values: the file is damaged"):
+        load_model(path)
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> str:
     from conftest import make_hf_checkpoint
@@ -278,6 +316,21 @@ def test_an_orbax_checkpoints_meta_file_that_is_no_json_object_is_an_error_namin
         checkpoint.load(path)
 
 
+
+def test_an_orbax_checkpoints_damaged_array_data_is_a_value_error_naming_it(orbax_dir, tmp_path):
+    """tensorstore's failed read came as a bare Exception (the server's start-up catches
+    ValueError and OSError): a traceback of the TensorStore spec."""
+    import checkpoint
+
+    path = str(shutil.copytree(orbax_dir, tmp_path / "ck"))
+    data = os.path.join(path, "params", "ocdbt.process_0", "d")
+    for name in os.listdir(data):
+        os.truncate(os.path.join(data, name), 5)
+    with pytest.raises(ValueError, match=f"{path}: its parameters do not read, the checkpoint is damaged "
+                                         r"\(OUT_OF_RANGE: Error reading"):
+        checkpoint.load(path)
+
+
 def test_an_orbax_checkpoint_with_llama3_scaling_loads(orbax_dir, tmp_path):
     import checkpoint
 
@@ -305,3 +358,48 @@ def test_the_server_exits_with_one_line_naming_a_checkpoint_file_that_does_not_l
     lines = [line for line in proc.stderr.splitlines() if "Warning" not in line and line.strip()]
     assert proc.returncode == 2 and lines == [f"server.py: error: {path}: its tokenizer files do not load "
                                               "(AttributeError: 'list' object has no attribute 'get')"], proc.stderr
+
+
+def test_an_orbax_checkpoints_tokenizer_with_ids_past_its_embedding_is_refused(tokenizer_dir, tmp_path):
+    """Its tokenizer files are read from the folder at each load, as a config.json folder's
+    are: ids 200..290 would have no embedding row there too (load_model refuses them)."""
+    import checkpoint
+    from conftest import make_hf_checkpoint
+
+    path = str(tmp_path / "ck")
+    checkpoint.save(load_model(make_hf_checkpoint(tmp_path / "hf", "llama2", vocab_size=200)), path)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    with pytest.raises(ValueError, match=f"the tokenizer of '{path}': its vocabulary has 291 token ids, more than "
+                                         "the model's 200 embedding rows"):
+        checkpoint.load(path)
+
+
+@pytest.mark.parametrize("src, says", [
+    ("/nonexistent", "model '/nonexistent' is neither a built-in model"),  # a FileNotFoundError before
+    ("tiny", "exists and is not empty"),  # a FileExistsError before
+])
+def test_the_convert_command_exits_with_one_line_naming_what_is_wrong(tmp_path, capsys, src, says):
+    import checkpoint
+
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "x").write_text("")
+    with pytest.raises(SystemExit) as e:
+        checkpoint.main(["convert", src, str(tmp_path / "dst")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and err.count("\n") == 1, err
+
+
+def test_a_converted_checkpoint_keeps_its_sources_sampling_defaults(hf_checkpoint, tmp_path):
+    """--generation-config auto reads the model folder's generation_config.json: the orbax
+    copy of a folder served other default sampling than the folder itself."""
+    import checkpoint
+    from hf_config import generation_sampling_defaults
+
+    src = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "src"))
+    with open(os.path.join(src, "generation_config.json"), "w") as f:
+        json.dump({"temperature": 0.6, "top_p": 0.9, "eos_token_id": 2}, f)
+    checkpoint.main(["convert", src, str(tmp_path / "ck")])
+    want = generation_sampling_defaults(EngineConfig(model=src))
+    assert want == {"temperature": 0.6, "top_p": 0.9}
+    assert generation_sampling_defaults(EngineConfig(model=str(tmp_path / "ck"))) == want

@@ -136,6 +136,23 @@ def test_a_config_file_sets_flags_as_typed_and_the_command_line_wins(tmp_path):
     assert EngineConfig().long_prefill_token_threshold == 0
 
 
+
+def test_a_config_files_no_spelling_of_a_switch_takes_false_as_the_switch(tmp_path):
+    """`no-enable-log-requests: false` is --enable-log-requests (it was an error naming
+    --no-no-enable-log-requests, a flag nobody wrote)."""
+    assert parse(tmp_path, "no-enable-log-requests: false\n").enable_log_requests is True
+    assert parse(tmp_path, "no-enable-log-requests: true\n").enable_log_requests is False
+    assert parse(tmp_path, "no-enable-log-requests: false\n", "--no-enable-log-requests").enable_log_requests \
+        is False  # the command line wins
+
+
+
+def test_a_config_files_value_that_starts_with_a_dash_is_the_flags_value(tmp_path):
+    """An API key or a name such as "-k1" (argparse took it for a flag: "expected one argument")."""
+    args = parse(tmp_path, "api-key: -k1\nresponse-role: -bot\nmax-num-seqs: -3\n")
+    assert (args.api_key, args.response_role, args.max_num_seqs) == (["-k1"], "-bot", -3)
+
+
 @pytest.mark.parametrize("text, says", [
     ("max-modl-len: 5\n", "'max-modl-len' is not a flag this command takes"),
     ("config: other.yaml\n", "'config' is not a flag"),

@@ -38,6 +38,32 @@ def draft_dir(target_ckpt, tmp_path_factory):
     return write_layer_skip(target_ckpt, [0, 3], str(tmp_path_factory.mktemp("d") / "layer-skip"), log=lambda _: None)
 
 
+
+@pytest.mark.parametrize("src, layers, says", [
+    ("tiny", "1", "'tiny' is neither a GGUF file (or built-in GGUF name) nor an HF directory"),
+    (None, "x", "layers must be a count (8) or ranges (0-5,24-29), got 'x'"),
+    (None, "0-9", "layers must be increasing indices in 0..3, fewer than all 4"),
+    ("no-layers", "1", "config.json: num_hidden_layers is missing"),  # a KeyError before
+])
+def test_the_layer_skip_command_exits_with_one_line_naming_what_is_wrong(target_ckpt, tmp_path, capsys, src, layers,
+                                                                         says):
+    """`python draft_model.py layer-skip SRC LAYERS DST`: exit 2 and one error line, not a traceback."""
+    import shutil
+
+    import draft_model
+
+    if src == "no-layers":
+        src = str(shutil.copytree(target_ckpt, tmp_path / "src"))
+        cfg = json.load(open(os.path.join(src, "config.json")))
+        del cfg["num_hidden_layers"]
+        json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
+    with pytest.raises(SystemExit) as e:
+        draft_model.main(["layer-skip", src or target_ckpt, layers, str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def drafter(target_ckpt, draft_dir):
     # a small token budget: a 40-token prompt is caught up in several passes
