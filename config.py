@@ -22,6 +22,7 @@ import numpy as np
 
 import attention_backend
 import policy
+from config_file import json_value
 from policy import BATCHING, KV_ADMISSION, POLICIES
 from quant_methods import QUANTIZATION_METHODS
 from reasoning_parsers import REASONING_PARSERS
@@ -188,12 +189,7 @@ class EngineConfig:
         if self.override_generation_config is not None:
             override = self.override_generation_config
             if isinstance(override, str):
-                try:
-                    override = json.loads(override)
-                except RecursionError:  # nested past the decoder's stack
-                    raise ValueError("override_generation_config is nested too deeply") from None
-                except ValueError as e:
-                    raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
+                override = json_value(override, "override_generation_config")
             sampling_defaults(override, "override_generation_config")
             object.__setattr__(self, "override_generation_config", json.dumps(override, sort_keys=True))
 

@@ -16,6 +16,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import yaml
 
@@ -102,6 +103,17 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     parts = [getattr(e, "context", None), getattr(e, "problem", None)]
     text = ": ".join(p for p in parts if p) or " ".join(str(e).split())
     return text + (f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "")
+
+
+def json_value(text: str, name: str) -> Any:
+    """A config field's JSON text (--speculative-config, --override-generation-config) parsed,
+    or a ValueError naming the field."""
+    try:
+        return json.loads(text)
+    except RecursionError:  # nested past the decoder's stack
+        raise ValueError(f"{name} is nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from None
 
 
 def json_text(text: str) -> str:

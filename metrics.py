@@ -226,6 +226,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
     prefix_cache_requests: int = 0  # the requests those lookups were for (the stats log's window counts them)
     prefix_cache_resets: int = 0  # reset_prefix_cache calls that emptied it (the stats log's window restarts)
+    prefix_cache_evictions: int = 0  # cached blocks whose memory was handed out again (their prefix is gone)
     # vLLM's FinishReason but "repetition" (no repetition detection here): "error" is a request
     # that failed alone, answered with a 500
     request_success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})

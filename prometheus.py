@@ -36,6 +36,8 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("generation_tokens", "generation_tokens", "Generated tokens."),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache (first admissions)."),
+    ("prefix_cache_evictions", "prefix_cache_evictions",
+     "Cached KV blocks handed out again for other tokens (their prefix left the cache)."),
     ("num_compilations", "num_compilations", "XLA compilations of step functions."),
     ("num_steps", "num_steps", "Engine steps."),
     ("num_decode_steps", "num_decode_steps", "Engine steps that carried no prompt tokens."),

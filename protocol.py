@@ -142,6 +142,17 @@ def integers(values: list) -> list[int] | None:
     return None if None in ints else ints  # type: ignore[return-value]
 
 
+def id_list(body: dict, name: str, most: int) -> list[int] | None:
+    """body[name] as a list of at most `most` token ids (integers; their range is the
+    engine's check), None when unset, else a 400 naming it."""
+    ids = field(body, name, (list,))
+    if ids is not None and (ids := integers(ids)) is None:
+        raise ApiError(f"'{name}' must be an array of integers", param=name)
+    if ids is not None and len(ids) > most:
+        raise ApiError(f"'{name}' takes at most {most} ids", param=name)
+    return ids
+
+
 def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
     """body[name] when set (null counts as unset) and of one of `kinds`, else a 400 naming it.
     Where an integer is due, a number with no fractional part is taken as one (integer())."""
@@ -298,11 +309,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
         raise ApiError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
                        "characters each", param="stop")
-    stop_token_ids = field(body, "stop_token_ids", (list,))
-    if stop_token_ids is not None and (stop_token_ids := integers(stop_token_ids)) is None:
-        raise ApiError("'stop_token_ids' must be an array of integers", param="stop_token_ids")
-    if stop_token_ids is not None and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ApiError(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
+    stop_token_ids = id_list(body, "stop_token_ids", MAX_STOP_TOKEN_IDS)
 
     bad_words = field(body, "bad_words", (list,), [])
     if not all(isinstance(w, str) for w in bad_words):
@@ -310,11 +317,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     if len(bad_words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in bad_words):
         raise ApiError(f"'bad_words' takes at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters "
                        "each", param="bad_words")
-    allowed = field(body, "allowed_token_ids", (list,))
-    if allowed is not None and (allowed := integers(allowed)) is None:
-        raise ApiError("'allowed_token_ids' must be an array of integers", param="allowed_token_ids")
-    if allowed is not None and len(allowed) > MAX_ALLOWED_TOKEN_IDS:
-        raise ApiError(f"'allowed_token_ids' takes at most {MAX_ALLOWED_TOKEN_IDS} ids", param="allowed_token_ids")
+    allowed = id_list(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS)
     logit_bias = field(body, "logit_bias", (dict,))
     if logit_bias is not None and len(logit_bias) > MAX_LOGIT_BIAS_TOKENS:
         raise ApiError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS_TOKENS} token ids", param="logit_bias")

@@ -62,13 +62,13 @@ a position whose proposal was rejected): that is how it stays in step with no ot
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 import numpy as np
 
+from config_file import json_value
 from policy import Registry
 from sampling_params import is_int
 
@@ -179,12 +179,7 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except RecursionError:  # nested past the decoder's stack
-                raise ValueError("speculative_config is nested too deeply") from None
-            except ValueError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+            value = json_value(value, "speculative_config")
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         common = {k: v for k, v in value.items() if k in COMMON_KEYS}

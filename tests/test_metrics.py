@@ -44,6 +44,8 @@ EXPORTED = {
     "taxirank:generation_tokens": ("counter", "Generated tokens."),
     "taxirank:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache (first admissions)."),
     "taxirank:prefix_cache_hits": ("counter", "Prompt tokens served from the prefix cache (first admissions)."),
+    "taxirank:prefix_cache_evictions": ("counter",
+                                        "Cached KV blocks handed out again for other tokens (their prefix left the cache)."),
     "taxirank:num_compilations": ("counter", "XLA compilations of step functions."),
     "taxirank:num_steps": ("counter", "Engine steps."),
     "taxirank:num_decode_steps": ("counter", "Engine steps that carried no prompt tokens."),

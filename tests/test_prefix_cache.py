@@ -387,6 +387,7 @@ def test_greedy_tokens_are_identical_with_prefix_caching_on_and_off(reference, c
     assert alloc.num_used == 0
     if "num_kv_blocks" in case:
         assert st.num_preemptions > 0 and alloc.num_evictions > 0
+        assert st.prefix_cache_evictions == alloc.num_evictions  # exported as taxirank:prefix_cache_evictions_total
     else:
         first, _, _ = workload()
         # The equal prompt reuses its first block (the last is recomputed); each second turn
