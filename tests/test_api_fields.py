@@ -213,6 +213,7 @@ ACCEPTED = [  # fields that ask for nothing a client depends on, and the neutral
      "prompt_cache_retention": "in_memory", "modalities": ["text"], "verbosity": "medium",
      "reasoning_effort": "low", "function_call": "none", "functions": [], "logit_bias": {}, "n": 1},
     {"seed": 2**63 - 1}, {"seed": -2**63}, {"cache_salt": "pepper"}, {"cache_salt": None},
+    {"length_penalty": 1.0},  # its default: asks nothing without beam search (README)
 ]
 
 
