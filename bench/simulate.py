@@ -272,7 +272,7 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
         if not out.scheduled and not released:
             assert pending, "the scheduler made no progress with nothing left to arrive"
             t = max(t, pending[-1][1].arrival_s)
-    per_request = [record(r, seq, seq.first_scheduled_time, token_times[rid], seq.finished_time)
+    per_request = [record(r, seq, r.arrival_s, seq.first_scheduled_time, token_times[rid], seq.finished_time)
                    for rid, (seq, r) in seqs.items()]
     makespan = t - min((r.arrival_s for r in workload), default=0.0)
     return SimResult(makespan, stats.generation_tokens, stats.num_steps, stats.num_preemptions,
@@ -280,15 +280,16 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
                      wait_max, per_request, trace, stats.recomputed_tokens, swapped)
 
 
-def record(r: SimRequest, seq: Sequence, scheduled: float, tokens: list[float], done: float) -> dict[str, Any]:
-    """One request's figures, from the times (on one clock) it was first scheduled, got each
-    token, finished; slo_met: whether it met its targets (None: it has none)."""
-    ttft, n = tokens[0] - r.arrival_s, len(tokens)
+def record(r: SimRequest, seq: Sequence, arrived: float, scheduled: float, tokens: list[float], done: float
+           ) -> dict[str, Any]:
+    """One request's figures, from the times (on one clock) it arrived, was first scheduled,
+    got each token, finished; slo_met: whether it met its targets (None: it has none)."""
+    ttft, n = tokens[0] - arrived, len(tokens)
     tpot = (tokens[-1] - tokens[0]) / (n - 1) if n > 1 else 0.0
     met = None if r.slo_ttft_s is None and r.slo_tpot_s is None else \
         ttft <= (r.slo_ttft_s or math.inf) and tpot <= (r.slo_tpot_s or math.inf)
     return {"class": r.cls, "priority": r.priority, "user": r.user, "arrival_s": r.arrival_s, "slo_met": met,
-            "queue_s": scheduled - r.arrival_s, "ttft_s": ttft, "e2e_s": done - r.arrival_s, "tpot_s": tpot,
+            "queue_s": scheduled - arrived, "ttft_s": ttft, "e2e_s": done - arrived, "tpot_s": tpot,
             "itl_s": [b - a for a, b in zip(tokens, tokens[1:])], "tokens": seq.num_output_tokens,
             "preemptions": seq.num_preemptions}
 
@@ -301,7 +302,7 @@ def build_engine(model: str, config_kw: dict[str, Any], log: Callable[[str], Non
     return LLMEngine(EngineConfig(model=model, **{"async_scheduling": False, **config_kw}), log=log)
 
 
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.monotonic, "cpu": time.process_time}
+CLOCKS = ("wall", "cpu")
 
 
 def run_engine(engine, workload: list[SimRequest], tag: str,
@@ -309,22 +310,27 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
                ) -> dict[str, SimResult]:
     """Run `workload` on the real engine (arrivals by wall clock; those at t=0 all go in
     before the first step), timed by two clocks at once: "wall" and "cpu" (this process's
-    CPU time, all threads: on a shared machine it moves only while the engine runs, so it is
-    what a quiet machine's wall clock would show, up to the thread parallelism). on_step(
-    features, {clock: seconds}) sees every step that ran. Asserts every request made all its tokens."""
+    CPU time, all threads, plus the wall time it waited idle for the next arrival: on a
+    shared machine it moves only while the engine runs or waits, so it is what a quiet
+    machine's wall clock would show, up to the thread parallelism). A request arrives on the
+    cpu clock when it was added, less the wall time the step then running kept it waiting.
+    on_step(features, {clock: seconds}) sees every step that ran. Asserts every request
+    made all its tokens."""
     sched, cfg, inner = engine.scheduler, engine.config, engine.scheduler.schedule
     pending = sorted(enumerate(workload), key=lambda p: (p[1].arrival_s, p[0]))[::-1]
     feats: list[tuple[str, int, int, int] | None] = []
-    t0 = {k: c() for k, c in CLOCKS.items()}
+    idle = [0.0]
+    clocks = {"wall": time.monotonic, "cpu": lambda: time.process_time() + idle[0]}
+    t0 = {k: c() for k, c in clocks.items()}
     seqs: dict[str, tuple[Sequence, SimRequest]] = {}
-    times: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in CLOCKS}  # clock -> rid -> scheduled/tokens/done
+    times: dict[str, dict[str, dict[str, Any]]] = {k: {} for k in clocks}  # clock -> rid -> scheduled/tokens/done
 
     def schedule():  # the step's features, read as schedule() returns it
         out = inner()
         feats.append(step_features(out, sched.num_running, cfg) if out.scheduled else None)
-        for k, c in CLOCKS.items():
+        for k, c in clocks.items():
             for x in out.scheduled:
-                times[k].setdefault(x.seq.request_id, {"tokens": []}).setdefault("scheduled", c() - t0[k])
+                times[k][x.seq.request_id].setdefault("scheduled", c() - t0[k])
         return out
 
     sched.schedule, before = schedule, engine.stats.snapshot()  # an instance attribute, removed below
@@ -333,25 +339,30 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
             now = time.monotonic() - t0["wall"]
             while pending and pending[-1][1].arrival_s <= now:
                 i, r = pending.pop()
+                late = time.monotonic() - t0["wall"] - r.arrival_s
+                times["wall"][f"{tag}-{i}"] = {"tokens": [], "arrived": r.arrival_s}
+                times["cpu"][f"{tag}-{i}"] = {"tokens": [], "arrived": clocks["cpu"]() - t0["cpu"] - late}
                 seq = engine.add_request(f"{tag}-{i}", r.prompt_token_ids, SamplingParams(
                     max_tokens=r.max_tokens, ignore_eos=True), arrival_time=t0["wall"] + r.arrival_s,
                     **request_kw(r, sched.policy))
                 seqs[seq.request_id] = (seq, r)
             if not engine.has_unfinished():
+                waited = time.monotonic()
                 time.sleep(max(0.0, min(0.01, pending[-1][1].arrival_s - now)))
+                idle[0] += time.monotonic() - waited
                 continue
-            s0 = {k: c() for k, c in CLOCKS.items()}
+            s0 = {k: c() for k, c in clocks.items()}
             deltas = engine.step()
-            s1 = {k: c() - t0[k] for k, c in CLOCKS.items()}
+            s1 = {k: c() - t0[k] for k, c in clocks.items()}
             if on_step is not None and feats[-1] is not None:
-                on_step(feats[-1], {k: s1[k] + t0[k] - s0[k] for k in CLOCKS})
-            for k, d in itertools.product(CLOCKS, deltas):
-                rec = times[k].setdefault(d.request_id, {"tokens": []})
+                on_step(feats[-1], {k: s1[k] + t0[k] - s0[k] for k in clocks})
+            for k, d in itertools.product(clocks, deltas):
+                rec = times[k][d.request_id]
                 rec["tokens"] += [s1[k]] * bool(d.new_token_ids)
                 rec["done"] = s1[k] if d.finished else rec.get("done")
     finally:
         del sched.schedule
-    end, after = {k: c() - t0[k] for k, c in CLOCKS.items()}, engine.stats.snapshot()
+    end, after = {k: c() - t0[k] for k, c in clocks.items()}, engine.stats.snapshot()
     for rid, (seq, r) in seqs.items():
         assert seq.num_output_tokens == r.max_tokens, f"{rid} made {seq.num_output_tokens} of {r.max_tokens} tokens"
     d = {k: getattr(after, k) - getattr(before, k) for k in ("generation_tokens", "num_steps", "num_preemptions",
@@ -360,7 +371,7 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
                          d["useful_slot_steps"] / max(d["total_slot_steps"], 1), waiting_mean={}, waiting_max={},
                          per_request=[record(r, seq, **times[k][rid]) for rid, (seq, r) in seqs.items()],
                          recomputed_tokens=d["recomputed_tokens"],
-                         swapped_blocks=d["swapped_out_blocks"] + d["swapped_in_blocks"]) for k in CLOCKS}
+                         swapped_blocks=d["swapped_out_blocks"] + d["swapped_in_blocks"]) for k in clocks}
 
 
 def request_kw(r: SimRequest, policy: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from simulate import UNIT_STEPS, CostModel, SimRequest, fit_cost_model, request_kw, simulate  # noqa: E402
+from simulate import UNIT_STEPS, CostModel, SimRequest, build_engine, fit_cost_model, request_kw, run_engine, simulate  # noqa: E402
 
 from engine import LLMEngine, EngineConfig, SamplingParams  # noqa: E402
 
@@ -65,6 +65,21 @@ def test_the_simulator_makes_the_real_engines_decisions_step_for_step(case):
     if case.get("enable_chunked_prefill"):
         assert any(len(t.scheduled) > 1 and t.num_prefill_tokens for t in sim.trace)  # chunks beside decodes
     assert sim.makespan_s == sim.steps  # every step cost one unit
+
+
+def test_both_clocks_of_a_measured_run_count_the_wait_for_a_late_arrival():
+    # --validate's measured side: the second request arrives 0.5 s after the first has
+    # finished, so the engine idles meanwhile; the cpu clock (CPU time, which stands still
+    # while the process sleeps) must still count that wait, or the late request ends before
+    # it arrived and its latencies come out negative.
+    engine = build_engine("tiny", SMALL)
+    work = [SimRequest(0.0, [3, 4, 5, 6], 2), SimRequest(0.5, [7, 8, 9], 3)]
+    run_engine(engine, work, "compile")  # so that the measured run is all steps and waits
+    measured = run_engine(engine, work, "late")
+    for clock, res in measured.items():
+        assert res.makespan_s >= 0.5, clock
+        for r in res.per_request:
+            assert 0 <= r["queue_s"] <= r["ttft_s"] <= r["e2e_s"] <= res.makespan_s, (clock, r)
 
 
 def test_the_cost_model_fit_recovers_known_coefficients_and_round_trips(tmp_path):
