@@ -474,10 +474,12 @@ class LLMEngine:
             raise error
         tokens, lps, ok, bad, prompt, spec = [], [], [], [], {}, {}
         unwritten: set[int] = set()  # KV blocks the rows that ran nowhere were to write
+        ended = False  # a row's request ended meanwhile: it may have been the culprit
         for sch in out.scheduled:
             if sch.seq.finished:
                 # Ended by a step collected since this one was scheduled (async scheduling):
                 # its slot is gone, so it runs nowhere, and update() would discard its row.
+                ended = True
                 continue
             if unwritten.intersection(sch.seq.block_table):
                 self._rerun(sch, unwritten)
@@ -501,9 +503,12 @@ class LLMEngine:
             ok.append(sch)
             tokens.append(int(r.tokens[0]))
             lps.append(r.logprobs)
-        if not bad or (not ok and len(bad) > 1):
+        if (not bad and not ended) or (not ok and len(bad) > 1):
             # No request fails alone, or every one does: the engine is broken, not a request.
             raise error
+        if not bad:
+            self.log(f"a step failed ({error!r}), but each of its requests ran alone: the culprit was a request "
+                     "that ended meanwhile")
         for seq, e in bad:
             if seq.first_scheduled_time is None:  # this was its first step: it was scheduled, its prefix looked up
                 self.stats.record_first_scheduled(seq, scheduled_at, self.config)
