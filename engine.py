@@ -467,15 +467,22 @@ class LLMEngine:
         donated), it was preparing some request's inputs: run each scheduled request alone
         to find the culprits, end each with a final delta of finish_reason "error" carrying
         what it failed with (added to `deltas`), and return the step restricted to the
-        others, with their results as if it had run whole. Otherwise the engine is broken:
-        re-raise, and the loop dies loudly."""
+        others, with their results as if it had run whole (less any that shared blocks a
+        culprit was to write: _rerun). Otherwise the engine is broken: re-raise, and the
+        loop dies loudly."""
         if self._cache_donated():
             raise error
         tokens, lps, ok, bad, prompt, spec = [], [], [], [], {}, {}
+        unwritten: set[int] = set()  # KV blocks the rows that ran nowhere were to write
+        ended = False  # a row's request ended meanwhile: it may have been the culprit
         for sch in out.scheduled:
             if sch.seq.finished:
                 # Ended by a step collected since this one was scheduled (async scheduling):
                 # its slot is gone, so it runs nowhere, and update() would discard its row.
+                ended = True
+                continue
+            if unwritten.intersection(sch.seq.block_table):
+                self._rerun(sch, unwritten)
                 continue
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
                                   num_decode_tokens=int(sch.is_decode), num_spec_tokens=sch.num_spec_tokens,
@@ -486,6 +493,7 @@ class LLMEngine:
                 if self._cache_donated():
                     raise
                 self.log(f"request {sch.seq.request_id} failed while preparing its step inputs: {e!r}")
+                unwritten.update(self.scheduler.ran_nowhere(sch))
                 bad.append((sch.seq, e))
                 continue
             if r.prompt_logprobs:
@@ -495,15 +503,21 @@ class LLMEngine:
             ok.append(sch)
             tokens.append(int(r.tokens[0]))
             lps.append(r.logprobs)
-        if not bad or (not ok and len(bad) > 1):
+        if (not bad and not ended) or (not ok and len(bad) > 1):
             # No request fails alone, or every one does: the engine is broken, not a request.
             raise error
+        if not bad:
+            self.log(f"a step failed ({error!r}), but each of its requests ran alone: the culprit was a request "
+                     "that ended meanwhile")
         for seq, e in bad:
             if seq.first_scheduled_time is None:  # this was its first step: it was scheduled, its prefix looked up
                 self.stats.record_first_scheduled(seq, scheduled_at, self.config)
             last = self.abort(seq.request_id, e)
             assert last is not None, seq.request_id  # a culprit ran alone, so it was in flight
             deltas.append(last)
+        for seq in list(self.scheduler.running):  # one that boarded without a row (static batching)
+            if not seq.finished and unwritten.intersection(seq.block_table):
+                self._rerun(ScheduledSeq(seq, 0, False, False), unwritten)
         logprobs = None
         if any(lp is not None for lp in lps):
             K = self.runner.logprobs_width
@@ -512,6 +526,16 @@ class LLMEngine:
             parts = [lp if lp is not None else z for lp in lps]
             logprobs = tuple(np.concatenate([p[i] for p in parts]) for i in range(len(z)))
         return out.restricted_to(ok), StepResult(np.asarray(tokens, np.int32), logprobs, prompt or None, spec or None)
+
+    def _rerun(self, sch: ScheduledSeq, unwritten: set[int]) -> None:
+        """sch's sequence holds blocks a row that ran nowhere was to write (its prefix-cache
+        hit, named in the failed step): it would read K/V nobody wrote, so its row runs
+        nowhere too and it computes them itself in a later step (Scheduler.rerun)."""
+        self.log(f"request {sch.seq.request_id} shared KV blocks a failed request was to compute: "
+                 "it computes them again")
+        unwritten.update(self.scheduler.rerun(sch))
+        if self.proposer is not None:
+            self.proposer.free(sch.seq)
 
     def _collect_prompt_logprobs(self, scheduled: list[ScheduledSeq], rows: dict[int, PromptLogprobs],
                                  discarded: list[ScheduledSeq]) -> None:

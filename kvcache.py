@@ -169,6 +169,17 @@ class BlockAllocator:
                 self._cached[h] = b
         self._num_named[owner] = max(self._num_named.get(owner, 0), len(block_hashes))
 
+    def uncache_from(self, owner: str, first: int) -> None:
+        """Take the names off owner's blocks from its `first` on: the step that was to
+        compute their K/V ran nowhere (its request failed alone), so no request may share
+        them. Its blocks from `first` on are its own: a prefix-cache hit is a prefix."""
+        for b in self._owned.get(owner, [])[first:]:
+            if (h := self._block_hash[b]) is not None:
+                del self._cached[h]
+                self._block_hash[b] = None
+        if self._num_named.get(owner, 0) > first:
+            self._num_named[owner] = first
+
     def reset_prefix_cache(self) -> bool:
         """Forget every name (after a weight update, or to benchmark a cold cache). As
         vLLM, it fails (False, nothing changed) while any block is in use."""

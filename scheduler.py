@@ -155,6 +155,33 @@ class Scheduler:
         self._assert_step_invariants()
         return seq
 
+    def ran_nowhere(self, s: ScheduledSeq) -> list[int]:
+        """s's row of a scheduled step ran nowhere (its request failed alone, or rerun): the
+        blocks it was to complete lose the names _add gave them when it was scheduled.
+        Returns its blocks whose K/V it was to write: no other row of the step may read them."""
+        seq = s.seq
+        first = (seq.num_computed_tokens - s.num_new_tokens) // self.config.block_size
+        self.allocator.uncache_from(seq.request_id, first)
+        return seq.block_table[first:]
+
+    def rerun(self, s: ScheduledSeq) -> list[int]:
+        """s's row of a scheduled step runs nowhere, but its request goes on: back to the
+        waiting queue (as a victim of preemption by recompute, a first admission undone),
+        to compute again what the step was to compute. For a row that shares blocks a row
+        that ran nowhere was to write (its prefix-cache hit named in the same step).
+        Returns ran_nowhere's blocks."""
+        seq = s.seq
+        unwritten = self.ran_nowhere(s)
+        seq.num_output_placeholders -= s.samples
+        if seq.first_scheduled_time is None:  # its first admission is undone, its prefix-cache hit too
+            seq.num_cached_tokens = -1
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status, seq.wait_reason, seq.num_computed_tokens = WAITING, "kv_blocks", 0
+        self.waiting.requeue(seq)
+        self._assert_step_invariants()
+        return unwritten
+
     # ---- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """The next step, its sequences advanced (see the module docstring)."""

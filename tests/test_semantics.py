@@ -235,6 +235,86 @@ def test_a_failure_in_the_step_after_a_request_ended_ends_only_the_failing_one(m
         assert {k: got[k] for k in clean} == clean and got.get("poison", []) == [], at
 
 
+def test_a_failure_on_the_row_of_a_request_that_ended_meanwhile_ends_nothing(monkeypatch) -> None:
+    """Under async scheduling a request's next step is scheduled while the step that ends it
+    runs. When preparing that next step fails on the ended request's own row, the culprit
+    has gone (its row runs nowhere) and every other row runs alone: the engine serves
+    them as if nothing happened, rather than dying."""
+    prompts = {"a": [5, 6, 7], "b": [9, 3], "c": [4, 4, 8, 1]}
+
+    def run(stops: dict[str, list[int]], poison: bool) -> tuple[dict[str, list[int]], dict[str, str]]:
+        eng = LLMEngine(EngineConfig(**SMALL, async_scheduling=True), log=quiet)
+        real = eng.runner.execute
+
+        def execute(out):  # a's row in the step after its last token (scheduled while that token was in flight)
+            if poison and any(s.seq.request_id == "a" and s.seq.num_output_placeholders == 2
+                              and len(s.seq.output_token_ids) == 1 for s in out.scheduled):
+                raise OverflowError("bad input")
+            return real(out)
+        monkeypatch.setattr(eng.runner, "execute", execute)
+        for rid, prompt in prompts.items():
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                        stop_token_ids=stops.get(rid)))
+        tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+        reasons: dict[str, str] = {}
+        while eng.has_unfinished():
+            for d in eng.step():
+                tokens[d.request_id] += d.new_token_ids
+                if d.finished:
+                    reasons[d.request_id] = d.finish_reason
+        eng.scheduler.check_invariants()
+        assert eng.scheduler.allocator.num_used == 0
+        return tokens, reasons
+
+    greedy, _ = run({}, False)
+    stops = {"a": [greedy["a"][1]]}  # a ends on its second token
+    assert greedy["a"][1] != greedy["a"][0]
+    clean = run(stops, False)
+    assert clean[1]["a"] == "stop" and clean[0]["a"] == greedy["a"][:2]
+    assert run(stops, True) == clean
+
+
+@pytest.mark.parametrize("config", [dict(async_scheduling=True), dict(async_scheduling=False),
+                                    # the second prompt boards beside the first without a row (no budget left)
+                                    dict(scheduling="static", max_num_batched_tokens=40)])
+def test_a_request_that_failed_alone_leaves_no_cached_prefix_it_never_computed(monkeypatch, config) -> None:
+    """The full blocks a prompt chunk completes are named in the prefix cache when its step
+    is scheduled, and a request admitted later in that step already shares them. A request
+    that fails alone computed nothing in that step: the request that shared its blocks then,
+    and one with its prompt afterwards, each compute the prompt instead of reading K/V
+    nobody wrote. Their logprobs are the prompt's on an engine without prefix caching."""
+    prompt = [5 + (7 * i) % 200 for i in range(40)]  # two full blocks of 16, and a partial one
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def run(eng: LLMEngine, rids: list[str]) -> dict[str, tuple[list[int], list[float], str]]:
+        for rid in rids:  # admitted in one step (the budget takes both prompts but the shared blocks)
+            eng.add_request(rid, prompt, params)
+        got: dict[str, tuple[list[int], list[float], str]] = {rid: ([], [], "") for rid in rids}
+        while eng.has_unfinished():
+            for d in eng.step():
+                tokens, lps, _ = got[d.request_id]
+                got[d.request_id] = (tokens + d.new_token_ids, lps + [x.logprob for x in d.new_logprobs or ()],
+                                     d.finish_reason or "")
+        return got
+
+    ref = run(LLMEngine(EngineConfig(**SMALL, enable_prefix_caching=False), log=quiet), ["ref"])["ref"]
+    eng = LLMEngine(EngineConfig(**{**SMALL, **config}), log=quiet)
+    real = eng.runner.execute
+
+    def execute(out):  # a fault in one request's inputs, before the device runs
+        if any(s.seq.request_id == "bad" for s in out.scheduled):
+            raise OverflowError("bad input")
+        return real(out)
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    got = run(eng, ["bad", "shared"]) | run(eng, ["later"])
+    assert got.pop("bad") == ([], [], "error")
+    for rid, (tokens, lps, reason) in got.items():
+        assert (tokens, reason) == (ref[0], ref[2]), rid
+        assert lps == pytest.approx(ref[1], abs=1e-4), rid
+    eng.scheduler.check_invariants()
+    assert eng.scheduler.allocator.num_used == 0
+
+
 def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(monkeypatch) -> None:
     """Offline there is no stream to end: LLM.generate aborts the other prompts and raises,
     naming the request and what it failed with; the engine serves the next call."""
