@@ -589,7 +589,7 @@ class LLMEngine:
             self.stats.num_requests_waiting = sch.num_waiting
             self.stats.waiting_by_reason = by_reason  # a fresh dict of every metrics.wait_reasons() key
             self.stats.kv_cache_usage = sch.allocator.usage
-            self.stats.prefix_cache_evictions = sch.allocator.num_evictions
+            self.stats.prefix_cache_evictions = sch.allocator.num_evictions  # a counter the allocator keeps
 
 
 def child_requests(request_id: str, params: SamplingParams
