@@ -134,6 +134,8 @@ def load(path: str, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedMode
         except (ValueError, KeyError) as e:  # a tree or shape that does not match the config
             raise ValueError(f"{path}: parameters do not match its {META} ({e})") from None
         except Exception as e:  # tensorstore's failed read of an array's data, wrapped in a bare Exception
+            if type(e) is not Exception:  # anything else (out of memory, ...) is what it says
+                raise
             raise ValueError(f"{path}: its parameters do not read, the checkpoint is damaged "
                              f"({e.__cause__ or e})"[:500]) from None
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dt, rngs=nnx.Rngs(0))))

@@ -90,7 +90,14 @@ def file_words(parser: argparse.ArgumentParser, path: str) -> list[str]:
         if isinstance(value, list) and action.type is not json_list:
             if action.nargs not in ("+", "*") or not value:
                 raise ValueError(f"{where} takes one value, got a list {value!r}")
-            words += [flag, *(_word(where, v, action) for v in value)]
+            items = [_word(where, v, action) for v in value]
+            if len(items) == 1:  # as below: a "-k1" is the flag's value
+                words.append(f"{flag}={items[0]}")
+            elif any(w.startswith("-") for w in items):  # argparse would take it for a flag
+                raise ValueError(f"{where}: a list of several values cannot hold one starting with '-' "
+                                 f"(got {value!r}); give it alone, or on the command line as {flag}=VALUE")
+            else:
+                words += [flag, *items]
         else:  # one word: "-k1" (an API key, a name) is the flag's value, not another flag
             words.append(f"{flag}={_word(where, value, action)}")
     return words

@@ -469,20 +469,19 @@ class LLMEngine:
         what it failed with (added to `deltas`), and return the step restricted to the
         others, with their results as if it had run whole (less any that shared blocks a
         culprit was to write: _rerun). Otherwise the engine is broken: re-raise, and the
-        loop dies loudly."""
+        loop dies loudly. The engine is broken when no row fails alone, or when every row
+        does and they are more than one request's (the n samples of one are its own)."""
         if self._cache_donated():
             raise error
         tokens, lps, ok, bad, prompt, spec = [], [], [], [], {}, {}
         unwritten: set[int] = set()  # KV blocks the rows that ran nowhere were to write
         ended = False  # a row's request ended meanwhile: it may have been the culprit
+        passed = 0  # rows that ran alone without failing (ok, and the rerun ones)
         for sch in out.scheduled:
             if sch.seq.finished:
                 # Ended by a step collected since this one was scheduled (async scheduling):
                 # its slot is gone, so it runs nowhere, and update() would discard its row.
                 ended = True
-                continue
-            if unwritten.intersection(sch.seq.block_table):
-                self._rerun(sch, unwritten)
                 continue
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,
                                   num_decode_tokens=int(sch.is_decode), num_spec_tokens=sch.num_spec_tokens,
@@ -496,6 +495,12 @@ class LLMEngine:
                 unwritten.update(self.scheduler.ran_nowhere(sch))
                 bad.append((sch.seq, e))
                 continue
+            passed += 1
+            if unwritten.intersection(sch.seq.block_table):
+                # It ran alone (so it is no culprit, and a broken engine still shows) but
+                # read blocks a culprit did not write: its result is thrown away.
+                self._rerun(sch, unwritten)
+                continue
             if r.prompt_logprobs:
                 prompt[len(ok)] = r.prompt_logprobs[0]
             if r.spec:
@@ -503,8 +508,7 @@ class LLMEngine:
             ok.append(sch)
             tokens.append(int(r.tokens[0]))
             lps.append(r.logprobs)
-        if (not bad and not ended) or (not ok and len(bad) > 1):
-            # No request fails alone, or every one does: the engine is broken, not a request.
+        if (not bad and not ended) or (not passed and len({id(seq.parent or seq) for seq, _ in bad}) > 1):
             raise error
         if not bad:
             self.log(f"a step failed ({error!r}), but each of its requests ran alone: the culprit was a request "
@@ -585,7 +589,7 @@ class LLMEngine:
             self.stats.num_requests_waiting = sch.num_waiting
             self.stats.waiting_by_reason = by_reason  # a fresh dict of every metrics.wait_reasons() key
             self.stats.kv_cache_usage = sch.allocator.usage
-            self.stats.prefix_cache_evictions = sch.allocator.num_evictions
+            self.stats.prefix_cache_evictions = sch.allocator.num_evictions  # a counter the allocator keeps
 
 
 def child_requests(request_id: str, params: SamplingParams

@@ -173,6 +173,7 @@ class Scheduler:
         seq = s.seq
         unwritten = self.ran_nowhere(s)
         seq.num_output_placeholders -= s.samples
+        seq.num_recomputed_tokens -= s.num_recomputed  # not computed: the next admission counts them
         if seq.first_scheduled_time is None:  # its first admission is undone, its prefix-cache hit too
             seq.num_cached_tokens = -1
         self.running.remove(seq)

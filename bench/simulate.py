@@ -341,7 +341,7 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
                 i, r = pending.pop()
                 late = time.monotonic() - t0["wall"] - r.arrival_s
                 times["wall"][f"{tag}-{i}"] = {"tokens": [], "arrived": r.arrival_s}
-                times["cpu"][f"{tag}-{i}"] = {"tokens": [], "arrived": clocks["cpu"]() - t0["cpu"] - late}
+                times["cpu"][f"{tag}-{i}"] = {"tokens": [], "arrived": max(0.0, clocks["cpu"]() - t0["cpu"] - late)}
                 seq = engine.add_request(f"{tag}-{i}", r.prompt_token_ids, SamplingParams(
                     max_tokens=r.max_tokens, ignore_eos=True), arrival_time=t0["wall"] + r.arrival_s,
                     **request_kw(r, sched.policy))

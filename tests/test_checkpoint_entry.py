@@ -100,11 +100,10 @@ def test_a_weight_stored_as_integers_or_bools_is_refused_naming_the_tensor(hf_ch
         load_model(path)
 
 
-
-
 def test_a_weight_of_a_dtype_the_reader_has_no_array_for_is_refused_naming_it(hf_checkpoint, tmp_path):
     """A float8 tensor in a checkpoint without a quantization_config: safetensors' reader
-    raised an AttributeError (numpy has no float8_e4m3fn), which the server does not catch."""
+    raises an AttributeError for it (numpy has no float8_e4m3fn), which the server's start-up
+    does not catch, so the loader refuses it first."""
     import struct
 
     path = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "c"))
@@ -124,8 +123,8 @@ def test_a_weight_of_a_dtype_the_reader_has_no_array_for_is_refused_naming_it(hf
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_weight_holding_nan_or_inf_is_refused_naming_the_tensor(hf_checkpoint, tmp_path, bad):
-    """Loaded, every logit is NaN and greedy decoding repeats the last token id: a damaged
-    file, refused as a GGUF file's (test_gguf.py)."""
+    """Loaded, every logit would be NaN and greedy decoding would repeat one token id: a
+    damaged file, refused as a GGUF file's is (test_gguf.py)."""
     from safetensors.numpy import load_file, save_file
 
     path = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "c"))
@@ -316,10 +315,9 @@ def test_an_orbax_checkpoints_meta_file_that_is_no_json_object_is_an_error_namin
         checkpoint.load(path)
 
 
-
 def test_an_orbax_checkpoints_damaged_array_data_is_a_value_error_naming_it(orbax_dir, tmp_path):
-    """tensorstore's failed read came as a bare Exception (the server's start-up catches
-    ValueError and OSError): a traceback of the TensorStore spec."""
+    """tensorstore reports a failed read as a bare Exception, and the server's start-up
+    catches ValueError and OSError: the loader turns it into a ValueError naming the folder."""
     import checkpoint
 
     path = str(shutil.copytree(orbax_dir, tmp_path / "ck"))
@@ -376,8 +374,8 @@ def test_an_orbax_checkpoints_tokenizer_with_ids_past_its_embedding_is_refused(t
 
 
 @pytest.mark.parametrize("src, says", [
-    ("/nonexistent", "model '/nonexistent' is neither a built-in model"),  # a FileNotFoundError before
-    ("tiny", "exists and is not empty"),  # a FileExistsError before
+    ("/nonexistent", "model '/nonexistent' is neither a built-in model"),  # (not a FileNotFoundError's traceback)
+    ("tiny", "exists and is not empty"),  # (not a FileExistsError's traceback)
 ])
 def test_the_convert_command_exits_with_one_line_naming_what_is_wrong(tmp_path, capsys, src, says):
     import checkpoint
@@ -392,7 +390,7 @@ def test_the_convert_command_exits_with_one_line_naming_what_is_wrong(tmp_path, 
 
 def test_a_converted_checkpoint_keeps_its_sources_sampling_defaults(hf_checkpoint, tmp_path):
     """--generation-config auto reads the model folder's generation_config.json: the orbax
-    copy of a folder served other default sampling than the folder itself."""
+    copy carries it, so it serves the default sampling its source does."""
     import checkpoint
     from hf_config import generation_sampling_defaults
 

@@ -136,21 +136,22 @@ def test_a_config_file_sets_flags_as_typed_and_the_command_line_wins(tmp_path):
     assert EngineConfig().long_prefill_token_threshold == 0
 
 
-
 def test_a_config_files_no_spelling_of_a_switch_takes_false_as_the_switch(tmp_path):
-    """`no-enable-log-requests: false` is --enable-log-requests (it was an error naming
-    --no-no-enable-log-requests, a flag nobody wrote)."""
+    """`no-enable-log-requests: false` is --enable-log-requests, not a --no-no-... flag
+    nobody wrote."""
     assert parse(tmp_path, "no-enable-log-requests: false\n").enable_log_requests is True
     assert parse(tmp_path, "no-enable-log-requests: true\n").enable_log_requests is False
     assert parse(tmp_path, "no-enable-log-requests: false\n", "--no-enable-log-requests").enable_log_requests \
         is False  # the command line wins
 
 
-
 def test_a_config_files_value_that_starts_with_a_dash_is_the_flags_value(tmp_path):
-    """An API key or a name such as "-k1" (argparse took it for a flag: "expected one argument")."""
+    """An API key or a name such as "-k1", which argparse would take for a flag ("expected
+    one argument"), alone or as a one-item list."""
     args = parse(tmp_path, "api-key: -k1\nresponse-role: -bot\nmax-num-seqs: -3\n")
     assert (args.api_key, args.response_role, args.max_num_seqs) == (["-k1"], "-bot", -3)
+    args = parse(tmp_path, "api-key: [-k1]\nserved-model-name: [-bot]\n")
+    assert (args.api_key, args.served_model_name) == (["-k1"], ["-bot"])
 
 
 @pytest.mark.parametrize("text, says", [
@@ -159,6 +160,7 @@ def test_a_config_files_value_that_starts_with_a_dash_is_the_flags_value(tmp_pat
     ("max-num-seqs: abc\n", "argument --max-num-seqs: invalid int value: 'abc'"),
     ("max-num-seqs: true\n", "max-num-seqs takes a value, not true"),
     ("max-num-seqs: [1, 2]\n", "max-num-seqs takes one value, got a list"),
+    ("api-key: [-k1, k2]\n", "api-key: a list of several values cannot hold one starting with '-'"),
     ("warmup: 1\n", "warmup is a switch: give true or false"),
     ("kv-cache-dtype: fp16\n", "argument --kv-cache-dtype: invalid choice"),
     # A mapping only for a JSON flag, and within it only what JSON holds (else a TypeError

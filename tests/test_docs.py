@@ -73,7 +73,6 @@ def test_every_flag_of_a_documented_command_is_in_its_scripts_help(doc):
     assert wrong == [], f"{doc}: flags that the script's --help does not list: {wrong}"
 
 
-
 def test_docs_benchmarks_names_every_bench():
     """The README sends a reader to docs/BENCHMARKS.md for what each bench measures: every
     runnable script in bench/ is there, told in place or pointed to."""
@@ -82,6 +81,7 @@ def test_docs_benchmarks_names_every_bench():
                 or f.endswith(".py") and "__main__" in read(f"bench/{f}")]
     text = read("docs/BENCHMARKS.md")
     assert [b for b in runnable if b not in text] == [], "bench scripts docs/BENCHMARKS.md does not name"
+
 
 def test_the_checks_catch_what_they_look_for():
     """The extraction itself, on text with one of each mistake."""

@@ -12,7 +12,7 @@ import pytest
 
 from async_engine import AsyncEngine
 from config import EngineConfig
-from engine import EngineRequest, LLMEngine, QueueFullError
+from engine import EngineRequest, LLMEngine, QueueFullError, child_requests
 from kvcache import CPU_DEFAULT_KV_BYTES, kv_cache_bytes_per_block, num_kv_blocks_for
 from llm import LLM
 from model import ModelConfig
@@ -241,6 +241,7 @@ def test_a_failure_on_the_row_of_a_request_that_ended_meanwhile_ends_nothing(mon
     has gone (its row runs nowhere) and every other row runs alone: the engine serves
     them as if nothing happened, rather than dying."""
     prompts = {"a": [5, 6, 7], "b": [9, 3], "c": [4, 4, 8, 1]}
+    fired = [0]
 
     def run(stops: dict[str, list[int]], poison: bool) -> tuple[dict[str, list[int]], dict[str, str]]:
         eng = LLMEngine(EngineConfig(**SMALL, async_scheduling=True), log=quiet)
@@ -249,6 +250,7 @@ def test_a_failure_on_the_row_of_a_request_that_ended_meanwhile_ends_nothing(mon
         def execute(out):  # a's row in the step after its last token (scheduled while that token was in flight)
             if poison and any(s.seq.request_id == "a" and s.seq.num_output_placeholders == 2
                               and len(s.seq.output_token_ids) == 1 for s in out.scheduled):
+                fired[0] += 1
                 raise OverflowError("bad input")
             return real(out)
         monkeypatch.setattr(eng.runner, "execute", execute)
@@ -272,6 +274,7 @@ def test_a_failure_on_the_row_of_a_request_that_ended_meanwhile_ends_nothing(mon
     clean = run(stops, False)
     assert clean[1]["a"] == "stop" and clean[0]["a"] == greedy["a"][:2]
     assert run(stops, True) == clean
+    assert fired[0] == 1  # the failure happened, once: a's row ran nowhere after it
 
 
 @pytest.mark.parametrize("config", [dict(async_scheduling=True), dict(async_scheduling=False),
@@ -311,6 +314,53 @@ def test_a_request_that_failed_alone_leaves_no_cached_prefix_it_never_computed(m
     for rid, (tokens, lps, reason) in got.items():
         assert (tokens, reason) == (ref[0], ref[2]), rid
         assert lps == pytest.approx(ref[1], abs=1e-4), rid
+    eng.scheduler.check_invariants()
+    assert eng.scheduler.allocator.num_used == 0
+
+
+def test_a_broken_runner_still_kills_the_loop_when_its_requests_share_a_prefix(monkeypatch) -> None:
+    """Every step fails, whatever it holds: no request is to blame, so step() raises. The
+    second request shares blocks the first was to compute in the same step; it still runs
+    alone (and fails), so its failure counts as the engine's."""
+    eng = LLMEngine(EngineConfig(**SMALL), log=quiet)
+
+    def execute(out):
+        raise RuntimeError("the runner is broken")
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    prompt = [5 + (7 * i) % 200 for i in range(40)]
+    for rid in ("a", "b"):
+        eng.add_request(rid, prompt, SamplingParams(max_tokens=3))
+    with pytest.raises(RuntimeError, match="the runner is broken"):
+        eng.step()
+
+
+@pytest.mark.parametrize("prompt_len", [10, 40])  # 40: the second sample shares the first's blocks
+def test_the_n_samples_of_one_bad_request_end_it_alone_and_the_engine_serves_on(monkeypatch, prompt_len) -> None:
+    """Every row of the step fails alone, but they are the n samples of one request: that
+    request is the culprit, not the engine. Each sample ends with "error"; the next request
+    is served."""
+    eng = LLMEngine(EngineConfig(**SMALL), log=quiet)
+    real = eng.runner.execute
+    bad = [5 + (7 * i) % 200 for i in range(prompt_len)]
+
+    def execute(out):  # a fault in the bad prompt's inputs, before the device runs
+        if any(s.seq.prompt_token_ids == bad for s in out.scheduled):
+            raise OverflowError("bad input")
+        return real(out)
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    params = SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)
+    request = eng.validate(EngineRequest("r", bad, params))
+    for rid, p, parent in child_requests("r", dataclasses.replace(params, n=2)):
+        eng.enqueue(dataclasses.replace(request, request_id=rid, params=p, parent=parent))
+    ends = {}
+    while eng.has_unfinished():
+        ends |= {d.request_id: d.finish_reason for d in eng.step() if d.finished}
+    assert ends == {"0_r": "error", "1_r": "error"}
+    eng.add_request("next", [7, 8, 9], params)
+    tokens = []
+    while eng.has_unfinished():
+        tokens += [t for d in eng.step() for t in d.new_token_ids]
+    assert len(tokens) == 3
     eng.scheduler.check_invariants()
     assert eng.scheduler.allocator.num_used == 0
 

@@ -49,6 +49,11 @@ def server() -> Iterator[Server]:
     # The replicas are Ray workers started from this process's environment: they import
     # this checkout's modules (and share the tests' JAX compilation cache) through it.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # Ray Serve kills its HTTP proxy when it is not ready within 5 s three times running
+    # (then every test here errors): on 2 cores shared with the other test worker and its
+    # compiles, the proxy's start-up alone took longer (measured in a CI run).
+    for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(name, "60")
     port = free_port()
     args = serve_ray.build_parser().parse_args([*SMALL, "--num-replicas", "2", "--port", str(port),
                                                 "--api-key", API_KEY, "--no-warmup",

@@ -9,7 +9,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from simulate import UNIT_STEPS, CostModel, SimRequest, build_engine, fit_cost_model, request_kw, run_engine, simulate  # noqa: E402
+from simulate import (UNIT_STEPS, CostModel, SimRequest, build_engine, fit_cost_model, request_kw,  # noqa: E402
+                      run_engine, simulate)
 
 from engine import LLMEngine, EngineConfig, SamplingParams  # noqa: E402
 
