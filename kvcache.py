@@ -174,11 +174,17 @@ class BlockAllocator:
         compute their K/V ran nowhere (its request failed alone), so no request may share
         them. Its blocks from `first` on are its own: a prefix-cache hit is a prefix."""
         for b in self._owned.get(owner, [])[first:]:
-            if (h := self._block_hash[b]) is not None:
-                del self._cached[h]
-                self._block_hash[b] = None
+            self._unname(b)
         if self._num_named.get(owner, 0) > first:
             self._num_named[owner] = first
+
+    def _unname(self, b: int) -> bool:
+        """Block b loses its prefix-cache name, if it has one (True: it had)."""
+        if (h := self._block_hash[b]) is None:
+            return False
+        del self._cached[h]
+        self._block_hash[b] = None
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget every name (after a weight update, or to benchmark a cold cache). As
@@ -201,9 +207,7 @@ class BlockAllocator:
         for _ in range(n):
             b, _ = self._free.popitem(last=False)
             assert self._ref_counts[b] == 0, f"block {b} on the free list is referenced"
-            if (h := self._block_hash[b]) is not None:  # evict
-                del self._cached[h]
-                self._block_hash[b] = None
+            if self._unname(b):  # evict
                 self.num_evictions += 1
             self._ref_counts[b] = 1
             new.append(b)

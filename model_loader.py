@@ -294,7 +294,7 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, Any]]:
             for name in st.keys():
                 try:
                     x = st.get_tensor(name)
-                except Exception as e:  # a dtype the reader has no array type for (F8_E4M3: an AttributeError)
+                except (AttributeError, TypeError) as e:  # a dtype the reader has no array type for (F8_E4M3)
                     raise ValueError(f"tensor {name!r} in {file} does not read as an array (dtype "
                                      f"{st.get_slice(name).get_dtype()}; {type(e).__name__}: {e})"[:300]) from None
                 if not jnp.isfinite(x).all():  # as a GGUF file's (gguf_loader): every output would be NaN
