@@ -82,6 +82,18 @@ def write_json(path: str, data: Any) -> str:
     return write_text(path, json.dumps(data, indent=1))
 
 
+def read_json(path: str, use: Callable[[Any], Any], what: str) -> Any:
+    """use(the JSON in path). A file that is not JSON, or not the shape `use` reads (use reads
+    nothing else, so its KeyError or TypeError is the file's), is a ValueError naming the file
+    and what is wrong: the bench's argparse error, not a traceback."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        return use(json.loads(text))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, StopIteration) as e:
+        raise ValueError(f"{path}: not {what} ({type(e).__name__}: {e})"[:300]) from None
+
+
 def results_dir(name: str) -> str:
     """bench/results/<name>: where a bench writes unless told (git-ignored)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
