@@ -34,6 +34,7 @@ import math
 import os
 import random
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -561,6 +562,19 @@ def start(args: argparse.Namespace, the_plan: Plan) -> str:
     return f"http://{args.host}:{args.port}"
 
 
+def check_ray_address(address: str | None, timeout_s: float = 10.0) -> None:
+    """A ValueError unless a cluster address given as [ray://]host:port takes a connection:
+    ray.init (which has no timeout argument) retries one where nothing listens in its GCS
+    client's reconnect loop for many minutes. 'auto' (and none) Ray resolves, and refuses, itself."""
+    if address in (None, "auto", "local"):
+        return
+    host, _, port = address.split("://")[-1].rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--ray-address {address}: no Ray cluster answers there ({e})") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = config_file.parse_args(parser, argv)
@@ -575,7 +589,11 @@ def main(argv: list[str] | None = None) -> None:
         # this checkout's modules as we do. On a cluster, install taxirank[ray] on every node.
         here = os.path.dirname(os.path.abspath(__file__))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    ray.init(address=args.ray_address, include_dashboard=False)
+    try:
+        check_ray_address(args.ray_address)
+        ray.init(address=args.ray_address, include_dashboard=False)
+    except (ValueError, ConnectionError) as e:  # no cluster there ('auto': Ray's ConnectionError)
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

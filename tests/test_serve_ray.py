@@ -345,6 +345,17 @@ def test_a_replica_relays_more_concurrent_requests_than_aiohttps_default_pool() 
     asyncio.run(main())
 
 
+def test_an_address_where_no_ray_cluster_listens_is_one_error_line_not_a_wait() -> None:
+    """ray.init retries such an address in its GCS client's reconnect loop for many minutes."""
+    port = free_port()  # bound and closed again: nothing listens there
+    out = subprocess.run([sys.executable, "serve_ray.py", "--model", "tiny", "--ray-address", f"127.0.0.1:{port}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900,  # a guard only: it answers in seconds
+                         env=os.environ | {"PYTHONPATH": str(ROOT)})
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and last.startswith(f"serve_ray.py: error: --ray-address 127.0.0.1:{port}: "), out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_server_py_never_imports_ray() -> None:
     code = "import sys, server; assert not [m for m in sys.modules if m.split('.')[0] == 'ray'], 'ray imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
