@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.plot_only:
         png = os.path.join(os.path.dirname(os.path.abspath(a.plot_only)), "stutter.png")
         try:
-            return read_json(a.plot_only, lambda out: log("wrote " + plot(out["results"], argparse.Namespace(
-                **out["args"]), png)) or out, "an earlier run's stutter.json")
+            return read_json(a.plot_only, lambda out: log("wrote " + plot(
+                out["results"], argparse.Namespace(**out["args"]), png)) or out, "an earlier run's stutter.json")
         except ValueError as e:
             parser().error(f"--plot-only {e}")
     sz = sizes(a)
