@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from client import Record, Refused, Server, complete, probe, sample_metrics, server_view  # noqa: E402
 from report import (flags_to_argv, machine_info, mixed_report, positive, positive_float, read_json,  # noqa: E402
-                    summarize, write_json)
+                    refuse, summarize, write_json)
 from workload import Request, arrival_times, short_long_mix, vocab_size_of  # noqa: E402
 
 # The engine's modules (JAX: seconds to import) are imported where they are used, after the
@@ -265,7 +265,7 @@ PRESETS = {  # --quick and --peer: (what, the options they set unless given)
                                                          "prompt_len": "20,120"})}
 
 
-def parser() -> argparse.ArgumentParser:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
 
@@ -293,11 +293,6 @@ def parser() -> argparse.ArgumentParser:
             f"--{k.replace('_', '-')} {v}" for k, v in values.items()) + " (unless given)")
     ap.add_argument("--report", metavar="DIR", help="no run: rewrite DIR's analysis, report.md and plots from "
                     "its results.json")
-    return ap
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = parser()
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     args = ap.parse_args(argv)
     if args.report:
@@ -353,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return read_json(os.path.join(args.report, "results.json"), lambda r: mixed_report(r, args.report) or r,
                              "a results.json of bench/mixed.py")
         except ValueError as e:
-            parser().error(f"--report {e}")
+            refuse(f"--report {e}")
     os.makedirs(args.out, exist_ok=True)
     vocab = args.vocab_size or vocab_size_of(args.model)
     requests = short_long_mix(args.num_requests, vocab, short=args.short, long=args.long,

@@ -20,14 +20,14 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (log, machine_info, model_name, natural, positive, pyplot, read_json, results_dir,  # noqa: E402
-                    save_figure, size_defaults, summarize, text_table, write_json)
+from report import (log, machine_info, model_name, natural, positive, pyplot, read_json, refuse,  # noqa: E402
+                    results_dir, save_figure, size_defaults, summarize, text_table, write_json)
 from workload import token_ids  # noqa: E402
 
 TARGET_RATIO = 4.0
 
 
-def parser() -> argparse.ArgumentParser:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=model_name, default=None, help="default: bench (tiny with --tiny)")
@@ -48,11 +48,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default bench/results/stutter[-tiny])")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from an earlier run's stutter.json; no run")
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser()
     a = size_defaults(p.parse_args(argv), {"model": ("bench", "tiny"), "prompt_len": (8192, 384), "users": (16, 4),
                                            "budget": (512, 64),
                                            "out": (results_dir("stutter"), results_dir("stutter-tiny"))})
@@ -203,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return read_json(a.plot_only, lambda out: log("wrote " + plot(
                 out["results"], argparse.Namespace(**out["args"]), png)) or out, "an earlier run's stutter.json")
         except ValueError as e:
-            parser().error(f"--plot-only {e}")
+            refuse(f"--plot-only {e}")
     sz = sizes(a)
     log(f"stutter: model {a.model}, {a.users} users (prompts of {a.user_prompt_len}), a {a.prompt_len}-token prompt "
         f"joins after {a.steady_steps} steady steps; chunked budget {a.budget}; max_model_len {sz['max_model_len']}, "
