@@ -292,11 +292,18 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, Any]]:
             raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
         with st:
             for name in st.keys():
+                # named by the dtype the file stores: JAX, without 64-bit types, reads I64 as int32, F64 as float32
+                stored = st.get_slice(name).get_dtype()
+                if not stored.startswith(("F", "BF")):
+                    raise ValueError(f"tensor {name!r} in {file} has dtype {stored}, not a floating-point type")
                 try:
                     x = st.get_tensor(name)
                 except (AttributeError, TypeError) as e:  # a dtype the reader has no array type for (F8_E4M3)
-                    raise ValueError(f"tensor {name!r} in {file} does not read as an array (dtype "
-                                     f"{st.get_slice(name).get_dtype()}; {type(e).__name__}: {e})"[:300]) from None
+                    raise ValueError(f"tensor {name!r} in {file} does not read as an array (dtype {stored}; "
+                                     f"{type(e).__name__}: {e})"[:300]) from None
                 if not jnp.isfinite(x).all():  # as a GGUF file's (gguf_loader): every output would be NaN
+                    if stored == "F64" and np.isfinite(safe_open(file, framework="numpy").get_tensor(name)).all():
+                        raise ValueError(f"tensor {name!r} in {file} holds F64 values beyond float32's range: they "
+                                         "overflow float32, the dtype the engine loads it as")
                     raise ValueError(f"tensor {name!r} in {file} holds NaN or infinite values: the file is damaged")
                 yield name, x

@@ -33,7 +33,9 @@ import logging
 import math
 import os
 import random
+import re
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -108,6 +110,11 @@ REPLICA_HEADER = "x-taxirank-replica"  # which replica answered: for clients, te
 ANNOUNCE_INTERVAL_S = 5.0  # an Engine replica re-announces its address to the Ingress this often
 # Headers that belong to one HTTP hop, not to the request or response they travel with.
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+# Ray Serve's proxy gives a request sent without an X-Request-Id its own, a dashed uuid4.
+# Relayed, a replica's app would take it for the client's id and answer `cmpl-<uuid>`, where
+# server.py answers `cmpl-<hex>` (serving.request_ids): it is not relayed. A client's own id
+# of that very form cannot be told from it, and goes the same way.
+RAY_REQUEST_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 
 # ---- the request as it travels from the Ingress to an Engine replica ---------------
@@ -368,7 +375,8 @@ class Ingress:
 
     async def answer(self, request: Request) -> Response:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS)
+        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS
+                        and not (k.lower() == "x-request-id" and RAY_REQUEST_ID.fullmatch(v)))
         route = route_path(request.url.path, self.root_path)  # as the replicas' apps route it
         if request.method == "GET" and route == "/metrics":
             return await self.fleet_metrics()
@@ -561,6 +569,19 @@ def start(args: argparse.Namespace, the_plan: Plan) -> str:
     return f"http://{args.host}:{args.port}"
 
 
+def check_ray_address(address: str | None, timeout_s: float = 10.0) -> None:
+    """A ValueError unless a cluster address given as [ray://]host:port takes a connection:
+    ray.init (which has no timeout argument) retries one where nothing listens in its GCS
+    client's reconnect loop for many minutes. 'auto' (and none) Ray resolves, and refuses, itself."""
+    if address in (None, "auto", "local"):
+        return
+    host, _, port = address.split("://")[-1].rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--ray-address {address}: no Ray cluster answers there ({e})") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = config_file.parse_args(parser, argv)
@@ -575,7 +596,11 @@ def main(argv: list[str] | None = None) -> None:
         # this checkout's modules as we do. On a cluster, install taxirank[ray] on every node.
         here = os.path.dirname(os.path.abspath(__file__))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    ray.init(address=args.ray_address, include_dashboard=False)
+    try:
+        check_ray_address(args.ray_address)
+        ray.init(address=args.ray_address, include_dashboard=False)
+    except (ValueError, ConnectionError) as e:  # no cluster there ('auto': Ray's ConnectionError)
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

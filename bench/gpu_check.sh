@@ -18,7 +18,8 @@ case "$*" in
   --cpu-smoke) MODE=cpu-smoke ;;
   *) echo "usage: bash bench/gpu_check.sh [--cpu-smoke], got: $*" >&2; exit 2 ;;
 esac
-PY=${PYTHON:-python3}
+# PYTHON= wins; else the README's virtual environment, when this checkout has one; else PATH's
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 DEST=${OUT:-bench/results/gpu_check}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 mkdir -p "$DEST"

@@ -10,8 +10,9 @@ import json
 import math
 import os
 import platform
+import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -80,6 +81,24 @@ def write_text(path: str, text: str) -> str:
 
 def write_json(path: str, data: Any) -> str:
     return write_text(path, json.dumps(data, indent=1))
+
+
+def read_json(path: str, use: Callable[[Any], Any], what: str) -> Any:
+    """use(the JSON in path). A file that is not JSON, or not the shape `use` reads (use reads
+    nothing else, so its KeyError or TypeError is the file's), is a ValueError naming the file
+    and what is wrong: the bench's argparse error, not a traceback."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        return use(json.loads(text))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, StopIteration) as e:
+        raise ValueError(f"{path}: not {what} ({type(e).__name__}: {e})"[:300]) from None
+
+
+def refuse(text: str) -> NoReturn:
+    """argparse's error line and exit status 2, without the usage, which would bury the line."""
+    sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {text}\n")
+    raise SystemExit(2)
 
 
 def results_dir(name: str) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import math
 import os
 import random
@@ -36,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root's modules first
 
 from report import (checked, md_table, natural, positive, positive_float, positive_ints, pyplot,  # noqa: E402
-                    results_dir, save_figure, summarize, timer, write_json, write_text)
+                    read_json, results_dir, save_figure, summarize, timer, write_json, write_text)
 from workload import arrival_times, exponential_mix, short_long_mix, token_ids  # noqa: E402
 from config import EngineConfig  # noqa: E402
 from metrics import EngineStats, StepTrace, wait_reasons  # noqa: E402
@@ -91,26 +90,24 @@ def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16,
 def load_workload(path: str, vocab_size: int = 32000) -> list[SimRequest]:
     """A JSON list of requests, or bench/mixed.py's results.json (its first variant's log
     unless the file is one variant's summary). Prompts given by length get distinct random ids."""
-    with open(path) as f:
-        try:
-            data = json.load(f)
-            if isinstance(data, dict):
-                if "per_request" not in data:
-                    data = next(v for v in data.get("variants", data).values()
-                                if isinstance(v, dict) and "per_request" in v)
-                data = data["per_request"]
-            if not isinstance(data, list) or not data:
-                raise ValueError("expected a non-empty list of requests")
-            rng, out = random.Random(0), []
-            for r in data:
-                ids = r.get("prompt_token_ids") or [rng.randrange(vocab_size) for _ in range(int(r["prompt_len"]))]
-                slo = [None if r.get(k) is None else float(r[k]) for k in ("slo_ttft_s", "slo_tpot_s")]
-                out.append(SimRequest(float(r.get("arrival_s", r.get("start", 0.0))), list(ids), int(r["max_tokens"]),
-                                      int(r.get("priority", 0)), str(r.get("class", r.get("cls", "all"))),
-                                      r.get("user"), *slo))
-        except (ValueError, KeyError, TypeError, AttributeError, StopIteration) as e:  # what a malformed file raises
-            raise ValueError(f"--workload {path}: not a JSON list of requests nor bench/mixed.py's results.json "
-                             f"({type(e).__name__}: {e})"[:300]) from None
+    def parse(data: Any) -> list[SimRequest]:
+        if isinstance(data, dict):
+            if "per_request" not in data:
+                data = next(v for v in data.get("variants", data).values()
+                            if isinstance(v, dict) and "per_request" in v)
+            data = data["per_request"]
+        if not isinstance(data, list) or not data:
+            raise ValueError("expected a non-empty list of requests")
+        rng, out = random.Random(0), []
+        for r in data:
+            ids = r.get("prompt_token_ids") or [rng.randrange(vocab_size) for _ in range(int(r["prompt_len"]))]
+            slo = [None if r.get(k) is None else float(r[k]) for k in ("slo_ttft_s", "slo_tpot_s")]
+            out.append(SimRequest(float(r.get("arrival_s", r.get("start", 0.0))), list(ids), int(r["max_tokens"]),
+                                  int(r.get("priority", 0)), str(r.get("class", r.get("cls", "all"))),
+                                  r.get("user"), *slo))
+        return out
+
+    out = read_json(path, parse, "a JSON list of requests nor bench/mixed.py's results.json")
     t0 = min(r.arrival_s for r in out)
     return [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in out]
 
@@ -146,16 +143,13 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str) -> "CostModel":
-        with open(path) as f:
-            try:
-                d = json.load(f)
-                if set(PROGRAMS) - d["coef"].keys():
-                    raise ValueError(f"no coefficients for {sorted(set(PROGRAMS) - d['coef'].keys())}")
-                return cls({k: tuple(float(v[x]) for x in "abcd") for k, v in d["coef"].items()},
-                           d.get("source", path), d.get("fit", {}), tuple(d.get("swap", (0.0, 0.0))))
-            except (ValueError, KeyError, TypeError, AttributeError) as e:  # what a malformed file raises
-                raise ValueError(f"{path}: not a cost model (simulate.py --calibrate writes one) "
-                                 f"({type(e).__name__}: {e})"[:300]) from None
+        def parse(d: Any) -> "CostModel":
+            if set(PROGRAMS) - d["coef"].keys():
+                raise ValueError(f"no coefficients for {sorted(set(PROGRAMS) - d['coef'].keys())}")
+            return cls({k: tuple(float(v[x]) for x in "abcd") for k, v in d["coef"].items()},
+                       d.get("source", path), d.get("fit", {}), tuple(d.get("swap", (0.0, 0.0))))
+
+        return read_json(path, parse, "a cost model (simulate.py --calibrate writes one)")
 
 
 # Llama-3-8B in bf16 on one H200, by the roofline (written down, not measured): every step reads

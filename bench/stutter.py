@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import random
@@ -21,8 +20,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (log, machine_info, model_name, natural, positive, pyplot, results_dir,  # noqa: E402
-                    save_figure, size_defaults, summarize, text_table, write_json)
+from report import (log, machine_info, model_name, natural, positive, pyplot, read_json, refuse,  # noqa: E402
+                    results_dir, save_figure, size_defaults, summarize, text_table, write_json)
 from workload import token_ids  # noqa: E402
 
 TARGET_RATIO = 4.0
@@ -194,11 +193,12 @@ def plot(results: dict[str, dict[str, Any]], a: argparse.Namespace, path: str) -
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     if a.plot_only:
-        with open(a.plot_only) as f:
-            out = json.load(f)
         png = os.path.join(os.path.dirname(os.path.abspath(a.plot_only)), "stutter.png")
-        log(f"wrote {plot(out['results'], argparse.Namespace(**out['args']), png)}")
-        return out
+        try:
+            return read_json(a.plot_only, lambda out: log("wrote " + plot(
+                out["results"], argparse.Namespace(**out["args"]), png)) or out, "an earlier run's stutter.json")
+        except ValueError as e:
+            refuse(f"--plot-only {e}")
     sz = sizes(a)
     log(f"stutter: model {a.model}, {a.users} users (prompts of {a.user_prompt_len}), a {a.prompt_len}-token prompt "
         f"joins after {a.steady_steps} steady steps; chunked budget {a.budget}; max_model_len {sz['max_model_len']}, "

@@ -74,6 +74,31 @@ def test_a_nonsense_flag_value_is_an_argparse_error_naming_it(name, argv, messag
     assert not (tmp_path / "out").exists()  # a refused run leaves no empty output folder
 
 
+BROKEN = [  # (bench, flag, file name, contents, what the error says)  # unchecked: each one's traceback
+    ("mixed", "--report", "results.json", "{", "JSONDecodeError"),
+    ("mixed", "--report", "results.json", "[]", "TypeError"),
+    ("mixed", "--report", "results.json", "{}", "KeyError: 'variants'"),
+    ("mixed", "--report", "results.json", '{"variants": {"a": {}}, "settings": {}}', "KeyError: 'short'"),
+    ("stutter", "--plot-only", "stutter.json", "not json", "JSONDecodeError"),
+    ("stutter", "--plot-only", "stutter.json", '{"args": {}}', "KeyError: 'results'"),
+    ("stutter", "--plot-only", "stutter.json", '{"results": {"off": {}}, "args": {}}', "KeyError: 'arrivals'"),
+    ("stutter", "--plot-only", "stutter.json", '{"results": [], "args": []}', "TypeError"),
+]
+
+
+@pytest.mark.parametrize("name,flag,file,text,message", BROKEN, ids=[f"{n}:{t}" for n, _, _, t, _ in BROKEN])
+def test_a_broken_json_file_to_redraw_is_one_argparse_error_line_naming_it(name, flag, file, text, message,
+                                                                           monkeypatch, capsys, tmp_path):
+    (tmp_path / file).write_text(text)
+    argv = [flag, str(tmp_path / (file if name == "stutter" else ""))]
+    monkeypatch.setattr(sys, "argv", [f"bench/{name}.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        load_bench(name).main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith(f"{name}.py: error: {flag} {tmp_path / file}: not "), err
+    assert message in err and "\n" not in err  # one line: argparse's usage (many lines of flags) would bury it
+
+
 def test_prefix_sizes_given_beside_tiny_are_kept():
     prefix = load_bench("prefix")
     a = prefix.parse_args(["--tiny", "--question-len", "20", "--mix-short", "6"])

@@ -85,9 +85,10 @@ def test_a_gguf_chat_template_of_no_template_type_is_refused(template):
         gguf_tokenizer({**metadata, "tokenizer.chat_template": template})
 
 
-@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.bool_])
-def test_a_weight_stored_as_integers_or_bools_is_refused_naming_the_tensor(hf_checkpoint, tmp_path, dtype):
-    """transformers' loader and numpy's astype would turn it into a float weight without a word."""
+@pytest.mark.parametrize("dtype, stored", [(np.int32, "I32"), (np.int64, "I64"), (np.uint8, "U8"), (np.bool_, "BOOL")])
+def test_a_weight_stored_as_integers_or_bools_is_refused_naming_the_tensor(hf_checkpoint, tmp_path, dtype, stored):
+    """transformers' loader and numpy's astype would turn it into a float weight without a word.
+    The message names the dtype the file stores (JAX, without 64-bit types, reads I64 as int32)."""
     from safetensors.numpy import load_file, save_file
 
     path = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "c"))
@@ -95,8 +96,8 @@ def test_a_weight_stored_as_integers_or_bools_is_refused_naming_the_tensor(hf_ch
     tensors = load_file(file)
     tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(dtype)
     save_file(tensors, file)
-    with pytest.raises(ValueError, match=f"tensor 'model.norm.weight' in checkpoint {path} has dtype "
-                                         f"{np.dtype(dtype).name}, not a floating-point type"):
+    with pytest.raises(ValueError, match=f"tensor 'model.norm.weight' in {file} has dtype {stored}, not a "
+                                         "floating-point type"):
         load_model(path)
 
 
@@ -121,8 +122,9 @@ def test_a_weight_of_a_dtype_the_reader_has_no_array_for_is_refused_naming_it(hf
         load_model(path)
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_a_weight_holding_nan_or_inf_is_refused_naming_the_tensor(hf_checkpoint, tmp_path, bad):
+@pytest.mark.parametrize("bad, dtype", [(np.nan, np.float32), (np.inf, np.float32), (np.nan, np.float64),
+                                        (-np.inf, np.float64)])
+def test_a_weight_holding_nan_or_inf_is_refused_naming_the_tensor(hf_checkpoint, tmp_path, bad, dtype):
     """Loaded, every logit would be NaN and greedy decoding would repeat one token id: a
     damaged file, refused as a GGUF file's is (test_gguf.py)."""
     from safetensors.numpy import load_file, save_file
@@ -130,6 +132,7 @@ def test_a_weight_holding_nan_or_inf_is_refused_naming_the_tensor(hf_checkpoint,
     path = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "c"))
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"].astype(dtype)
     tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = bad
     save_file(tensors, file)
     with pytest.raises(ValueError, match=f"tensor 'model.layers.1.mlp.up_proj.weight' in {file} holds NaN or "
@@ -258,6 +261,24 @@ def test_the_cpu_default_kv_budget_is_capped_by_what_the_host_leaves(monkeypatch
 
 
 # ---- an orbax checkpoint's taxirank_checkpoint.json ----------------------------------
+
+def test_an_f64_weight_beyond_float32s_range_is_refused_as_overflowing_not_damaged(hf_checkpoint, tmp_path):
+    """Finite in the file (F64), the value overflows float32, the dtype JAX reads it as without
+    64-bit types: it would load as inf, and the file is not damaged."""
+    from safetensors.numpy import load_file, save_file
+
+    path = str(shutil.copytree(hf_checkpoint("llama2"), tmp_path / "c"))
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.float64)
+    tensors["model.norm.weight"][1] = -1e300
+    assert np.isfinite(tensors["model.norm.weight"]).all() and np.float64(-1e300) < np.finfo(np.float32).min
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=f"tensor 'model.norm.weight' in {file} holds F64 values beyond float32's "
+                                         "range") as e:
+        load_model(path)
+    assert "damaged" not in str(e.value)
+
 
 @pytest.fixture(scope="module")
 def orbax_dir(tmp_path_factory) -> str:

@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -343,6 +344,40 @@ def test_a_replica_relays_more_concurrent_requests_than_aiohttps_default_pool() 
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_response_ids_are_server_pys_and_a_clients_x_request_id_still_names_them(server: Server) -> None:
+    """server.py's ids (serving.request_ids: `cmpl-<hex>`, `chatcmpl-<hex>`), not `cmpl-` and
+    the dashed uuid that Ray Serve's proxy gives as X-Request-Id to a request sent without one."""
+    from serving import request_ids
+
+    ids = re.compile(r"(chat)?cmpl-[0-9a-f]{32}")
+    assert all(ids.fullmatch(request_ids({}, None, chat)[0]) for chat in (False, True))
+    for path, body in (("/v1/completions", {"prompt": "Where is the rank?"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Where is the rank?"}]})):
+        for header, want in ((None, ids), ("rank-7", re.compile(r"(chat)?cmpl-rank-7"))):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+            try:
+                conn.request("POST", path, json.dumps(body | {"max_tokens": 1}),
+                             {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+                             | ({"X-Request-Id": header} if header else {}))
+                resp = conn.getresponse()
+                answer = json.loads(resp.read())
+            finally:
+                conn.close()
+            assert resp.status == 200 and want.fullmatch(answer["id"]), (path, header, answer)
+            assert answer["id"].startswith("chatcmpl-" if "chat" in path else "cmpl-")
+
+
+def test_an_address_where_no_ray_cluster_listens_is_one_error_line_not_a_wait() -> None:
+    """ray.init retries such an address in its GCS client's reconnect loop for many minutes."""
+    port = free_port()  # bound and closed again: nothing listens there
+    out = subprocess.run([sys.executable, "serve_ray.py", "--model", "tiny", "--ray-address", f"127.0.0.1:{port}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900,  # a guard only: it answers in seconds
+                         env=os.environ | {"PYTHONPATH": str(ROOT)})
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and last.startswith(f"serve_ray.py: error: --ray-address 127.0.0.1:{port}: "), out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_server_py_never_imports_ray() -> None:

@@ -134,6 +134,9 @@ def test_stutter_bench_tiny_run_counts_the_chunks_stalls_and_gaps_its_sizes_impl
     res = json.loads((tmp_path / "stutter.json").read_text())
     off, on = res["results"]["off"], res["results"]["on"]
     assert (tmp_path / "stutter.png").stat().st_size > 0
+    (tmp_path / "stutter.png").unlink()
+    assert bench.main(["--plot-only", str(tmp_path / "stutter.json")]) == res  # redrawn from the file alone
+    assert (tmp_path / "stutter.png").stat().st_size > 0
     assert (off["join_step"], off["first_token_step"], off["window_steps"]) == (4, 4, [2, 6])
     assert off["prefill_step_tokens"] == [120] and off["stall_steps"] == [4]
     assert (on["join_step"], on["first_token_step"], on["window_steps"]) == (4, 7, [2, 9])
