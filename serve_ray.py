@@ -33,7 +33,6 @@ import logging
 import math
 import os
 import random
-import re
 import signal
 import socket
 import threading
@@ -110,11 +109,6 @@ REPLICA_HEADER = "x-taxirank-replica"  # which replica answered: for clients, te
 ANNOUNCE_INTERVAL_S = 5.0  # an Engine replica re-announces its address to the Ingress this often
 # Headers that belong to one HTTP hop, not to the request or response they travel with.
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
-# Ray Serve's proxy gives a request sent without an X-Request-Id its own, a dashed uuid4.
-# Relayed, a replica's app would take it for the client's id and answer `cmpl-<uuid>`, where
-# server.py answers `cmpl-<hex>` (serving.request_ids): it is not relayed. A client's own id
-# of that very form cannot be told from it, and goes the same way.
-RAY_REQUEST_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 
 # ---- the request as it travels from the Ingress to an Engine replica ---------------
@@ -375,8 +369,7 @@ class Ingress:
 
     async def answer(self, request: Request) -> Response:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS
-                        and not (k.lower() == "x-request-id" and RAY_REQUEST_ID.fullmatch(v)))
+        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS)
         route = route_path(request.url.path, self.root_path)  # as the replicas' apps route it
         if request.method == "GET" and route == "/metrics":
             return await self.fleet_metrics()
