@@ -199,6 +199,11 @@ class FCFS:
     def charge(self, out: SchedulerOutput) -> None:
         """Called with each step as scheduled (a policy that accounts for service does it here)."""
 
+    def refund(self, s: ScheduledSeq) -> None:
+        """Called for a row of a charged step that ran nowhere (its request failed alone, or
+        computes it again: Scheduler.ran_nowhere), before its sequence changes: it was no
+        service (a policy that accounts for service takes back what charge gave it)."""
+
     def victim(self, candidates: list[Sequence]) -> Sequence:
         """candidates: the running sequences not yet scheduled this step, admission order
         (the one asking for blocks among them)."""
@@ -365,14 +370,24 @@ class Fair(FCFS):
         return w[0] + self.preempt_gap < r[0] or (waiting is self._head and w[0] <= r[0] and w[1] + 2 <= r[1])
 
     def charge(self, out: SchedulerOutput) -> None:
-        pw, ow, counters = self.prompt_weight, self.output_weight, self.counters
+        counters = self.counters
         for s in out.scheduled:
-            seq, n = s.seq, s.num_new_tokens
-            if not s.is_decode:  # a recompute is not charged: each preemption is then paid for by new work
-                end = seq.num_computed_tokens
-                n -= max(0, min(end, seq.num_computed_high) - (end - n))
-            c = self._track(self.client(seq))
-            counters[c] += (0 if s.is_decode else pw * n) + ow * s.samples
+            counters[self._track(self.client(s.seq))] += self._cost(s)
+
+    def refund(self, s: ScheduledSeq) -> None:
+        c = self.client(s.seq)
+        if c in self.counters:  # (else forgotten since: nothing to take back)
+            self.counters[c] -= self._cost(s)
+
+    def _cost(self, s: ScheduledSeq) -> float:
+        """What a row is charged, its sequence as the row's step left it."""
+        n = s.num_new_tokens
+        if s.is_decode:
+            return self.output_weight * s.samples
+        # A recompute is not charged: each preemption is then paid for by new work.
+        end = s.seq.num_computed_tokens
+        n -= max(0, min(end, s.seq.num_computed_high) - (end - n))
+        return self.prompt_weight * n + self.output_weight * s.samples
 
     def _arrive(self, seq: Sequence) -> None:
         c = self.client(seq)
