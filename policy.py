@@ -82,20 +82,36 @@ class Registry(dict, Generic[T]):
 
 # ---- the waiting queue -------------------------------------------------------------------
 
+# Each queue counts its requests whose place no caller reserved (num_unreserved; Sequence.
+# place_reserved): what a limit on waiting requests counts besides the places reserved
+# (AsyncEngine). One int, updated after each change, so another thread reads it whole.
+
 class FCFSQueue(deque):
     """Arrival order; a preempted sequence goes back to the front (vLLM's FCFS)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_unreserved = 0
+
     def add(self, seq: Sequence) -> None:
         self.append(seq)
+        self.num_unreserved += not seq.place_reserved
 
     def requeue(self, seq: Sequence) -> None:
         self.appendleft(seq)
+        self.num_unreserved += not seq.place_reserved
 
     def peek(self) -> Sequence:
         return self[0]
 
     def pop_head(self) -> Sequence:
-        return self.popleft()
+        seq = self.popleft()
+        self.num_unreserved -= not seq.place_reserved
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        super().remove(seq)
+        self.num_unreserved -= not seq.place_reserved
 
 
 class SortedQueue:
@@ -107,12 +123,14 @@ class SortedQueue:
         self._key = key
         self._keys: list[Any] = []
         self._seqs: list[Sequence] = []
+        self.num_unreserved = 0
 
     def add(self, seq: Sequence) -> None:
         k = self._key(seq)
         i = bisect.bisect_right(self._keys, k)
         self._keys.insert(i, k)
         self._seqs.insert(i, seq)
+        self.num_unreserved += not seq.place_reserved
 
     requeue = add
 
@@ -121,11 +139,14 @@ class SortedQueue:
 
     def pop_head(self) -> Sequence:
         self._keys.pop(0)
-        return self._seqs.pop(0)
+        seq = self._seqs.pop(0)
+        self.num_unreserved -= not seq.place_reserved
+        return seq
 
     def remove(self, seq: Sequence) -> None:
         i = self._seqs.index(seq)
         del self._keys[i], self._seqs[i]
+        self.num_unreserved -= not seq.place_reserved
 
     def __getitem__(self, i: int) -> Sequence:
         return self._seqs[i]

@@ -358,6 +358,11 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def num_waiting_unreserved(self) -> int:
+        """The waiting requests whose place no caller reserved (Sequence.place_reserved)."""
+        return self.waiting.num_unreserved
+
+    @property
     def room_preempted(self) -> bool:
         """The step being scheduled preempted running sequences to find them KV blocks."""
         return self._room_preempted
@@ -787,6 +792,7 @@ class Scheduler:
         assert len(swapped) + len(self._host_free) == self.num_swap_blocks and len(set(swapped)) == len(swapped) \
             and self._host_free.isdisjoint(swapped) and all(0 <= b < self.num_swap_blocks for b in swapped), \
             "host swap block leaked or shared"
+        assert self.waiting.num_unreserved == sum(not s.place_reserved for s in self.waiting), "waiting miscounted"
         # A block shared by several sequences is one block in use.
         assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
         bs = self.config.block_size

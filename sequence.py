@@ -87,6 +87,9 @@ class Sequence:
     no_token_allowed: bool = False
     # One of a request's n samples: their shared metrics.ParentRequest (set by the engine).
     parent: ParentRequest | None = None
+    # Its place in the waiting queue is one its caller reserved (AsyncEngine.reserve_waiting):
+    # a limit on waiting requests counts that place, not the request as well.
+    place_reserved: bool = False
     # Filled by the engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
