@@ -737,14 +737,17 @@ class ModelRunner:
         # Progress lines "warm-up i/N (...)": the summary alone reads "warm-up: ... compiled".
         total, loaded = len(programs) + 1 + 2 * len(sizes), 0
         for i, (kind, rows, T, what) in enumerate(programs):
-            loaded += self._build(log, f"{i + 1}/{total} ({what})", *self._program(kind, self._idle_args(kind, rows, T)))
-        loaded += self._build(log, f"{len(programs) + 1}/{total} (prompt logprobs, {self._prompt_chunk} rows at a time)",
-                              *self._prompt_program(np.zeros(0, np.int32)))
+            fn, args = self._program(kind, self._idle_args(kind, rows, T))
+            loaded += self._build(log, f"{i + 1}/{total} ({what})", fn, args)
+        fn, args = self._prompt_program(np.zeros(0, np.int32))
+        what = f"prompt logprobs, {self._prompt_chunk} rows at a time"
+        loaded += self._build(log, f"{len(programs) + 1}/{total} ({what})", fn, args)
         if sizes:
             with Built(self.stats) as built:
                 for n in sizes:  # the null block, read and written back as swap() does (host arrays): no K/V changes
                     idx = np.zeros(n, np.int32)
-                    leaves = self._scatter_blocks(leaves, idx, [np.asarray(d) for d in self._gather_blocks(leaves, idx)])
+                    data = [np.asarray(d) for d in self._gather_blocks(leaves, idx)]
+                    leaves = self._scatter_blocks(leaves, idx, data)
             self.kv_caches = jax.tree.unflatten(treedef, leaves)
             loaded += built.loaded
             log(f"warm-up {len(programs) + 2}-{total}/{total} (KV copy programs for {len(sizes)} block counts, "
