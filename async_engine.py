@@ -31,7 +31,7 @@ class AsyncEngine:
     come back on the event loop through call_soon_threadsafe. Callers' threads use two
     LLMEngine members alone, each safe from any thread: validate (it reads only what never
     changes after start-up, and compiles through the thread-safe GrammarCompiler) and
-    num_waiting (one len() of the scheduler's queue, atomic under the GIL). The shared
+    num_waiting_unreserved (one int the scheduler's queue keeps, read whole under the GIL). The shared
     grammars and stats lock themselves; config, model_config, tokenizer and
     sampling_defaults never change after start-up."""
 
@@ -51,11 +51,12 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._num_waiting_inbox = 0  # adds handed over but not yet in the scheduler's waiting queue
+        # adds handed over but not yet in the scheduler's waiting queue, less those in reserved places
+        self._num_waiting_inbox = 0
         # places in the waiting queue held by beam searches for the requests of their steps
-        # (reserve_waiting), counted as waiting whether or not those requests are there now (so a
-        # reserved request that waits counts twice: the safe side, as only the engine thread
-        # sees it leave the queue)
+        # (reserve_waiting), each counted as waiting once, whether its request waits (in the
+        # inbox or the queue, which then count it as reserved, not as their own), runs, or
+        # is not there yet
         self._num_reserved = 0
         self.error: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None  # called on the event loop
@@ -104,8 +105,8 @@ class AsyncEngine:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[request.request_id] = queue
-            self._inbox.append(("add", request))
-            self._num_waiting_inbox += 1
+            self._inbox.append(("add", (request, reserved)))
+            self._num_waiting_inbox += not reserved
         self._wake.set()
         return self._stream(request.request_id, queue)
 
@@ -126,10 +127,12 @@ class AsyncEngine:
 
     def _num_waiting(self) -> int:
         """Under self._lock: the places in the waiting queue taken. Requests handed over but
-        not yet scheduled: those in the inbox and those in the scheduler's queue right now
-        (len() of a deque is atomic), not the gauge of the last step, which a burst during a
-        long step would outrun; and the places reserved."""
-        return self.engine.num_waiting + self._num_waiting_inbox + self._num_reserved
+        not yet scheduled, in places of their own: those in the inbox and those in the
+        scheduler's queue right now, not the gauge of the last step, which a burst during a
+        long step would outrun; and the places reserved, each once. (A request enters the
+        queue before it leaves the inbox's count: a read between the two counts it twice,
+        never none.)"""
+        return self.engine.num_waiting_unreserved + self._num_waiting_inbox + self._num_reserved
 
     def reserve_waiting(self, n: int) -> None:
         """Hold n places in the waiting queue (QueueFullError if they are not free) until
@@ -196,13 +199,14 @@ class AsyncEngine:
             self._inbox.clear()
         for kind, arg in work:
             if kind == "add":
+                request, reserved = arg
                 try:
-                    self.engine.enqueue(arg)  # add_request validated it
+                    self.engine.enqueue(request, place_reserved=reserved)  # add_request validated it
                 except ValueError as e:  # refused at queueing (an id the engine still holds): it alone ends
-                    self._fail(arg.request_id, e)
+                    self._fail(request.request_id, e)
                 finally:
                     with self._lock:
-                        self._num_waiting_inbox -= 1
+                        self._num_waiting_inbox -= not reserved
             elif kind == "reset_prefix_cache":
                 ok = self.engine.reset_prefix_cache()
                 self._loop.call_soon_threadsafe(lambda f=arg, ok=ok: f.done() or f.set_result(ok))

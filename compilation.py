@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -144,6 +145,41 @@ def persistent_cache_hits():
         yield hits
     finally:
         jax.monitoring.unregister_event_listener(count)
+
+
+class Built:
+    """`with Built(stats) as b:` the programs built meanwhile for the engine whose stats
+    they are, once the block ends: b.traced (a trace is a build: CountedProgram), b.loaded
+    (of those, the ones whose executable JAX read from its persistent compilation cache
+    instead of compiling it), b.seconds; str(b) says how they were got."""
+
+    def __init__(self, stats: EngineStats) -> None:
+        self.stats = stats
+        self.traced = self.loaded = 0
+        self.seconds = 0.0
+
+    def __enter__(self) -> Built:
+        self._t0, self._before = time.perf_counter(), self.stats.num_compilations
+        self._listening = persistent_cache_hits()
+        self._hits = self._listening.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._listening.__exit__(*exc)
+        self.traced = self.stats.num_compilations - self._before
+        self.loaded = min(self._hits[0], self.traced)
+        self.seconds = time.perf_counter() - self._t0
+
+    def __str__(self) -> str:
+        if not self.traced:  # an engine of this process with the same ProgramKey built them
+            return "compiled already"
+        if not self.loaded:
+            how = "compiled"
+        elif self.loaded == self.traced:
+            how = "loaded from the compilation cache"
+        else:
+            how = f"{self.loaded} loaded from the compilation cache, {self.traced - self.loaded} compiled"
+        return f"{how} in {self.seconds:.1f}s"
 
 
 def warmup_summary(programs: str, compiled: int, loaded: int, seconds: float) -> str:

@@ -191,10 +191,11 @@ class LLMEngine:
         """Check the request (validate) and queue it; returns its Sequence."""
         return self.enqueue(self.validate(request))
 
-    def enqueue(self, request: EngineRequest) -> Sequence:
+    def enqueue(self, request: EngineRequest, place_reserved: bool = False) -> Sequence:
         """Queue a request that validate() returned; returns its Sequence. AsyncEngine
         validates on its caller's thread and hands the loop this half alone: a check (a
-        grammar's first-token mask among them) runs once, never on the engine loop."""
+        grammar's first-token mask among them) runs once, never on the engine loop.
+        place_reserved: its waiting place is one its caller reserved (Sequence.place_reserved)."""
         params = request.params
         vocab = self.model_config.vocab_size
         if params.top_k >= vocab:  # vLLM: a top_k above the vocabulary keeps all
@@ -206,7 +207,7 @@ class LLMEngine:
         arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
         seq = Sequence(request_id=request.request_id, prompt_token_ids=[int(t) for t in request.prompt_token_ids],
                        params=params, arrival_time=arrival, priority=request.priority, user=request.user,
-                       parent=request.parent, cache_salt=request.cache_salt)
+                       parent=request.parent, cache_salt=request.cache_salt, place_reserved=place_reserved)
         if request.slo is not None:
             seq.slo_ttft, seq.slo_tpot = request.slo.seconds
         # A request without a seed still gets its own stream, drawn from the engine's seed;
@@ -261,11 +262,11 @@ class LLMEngine:
         return RequestOutputDelta.final(seq, self.model_config.eos_token_ids, error=error)
 
     @property
-    def num_waiting(self) -> int:
-        """Requests in the scheduler's waiting queue at this instant. Safe from any thread:
-        one len() of its queue (a deque, or a list under a priority policy), which the GIL
-        makes atomic; a step running meanwhile may change it right after."""
-        return self.scheduler.num_waiting
+    def num_waiting_unreserved(self) -> int:
+        """Requests in the scheduler's waiting queue at this instant whose place no caller
+        reserved (enqueue's place_reserved). Safe from any thread: one int the queue keeps
+        (policy.py), read whole under the GIL; a step running meanwhile may change it right after."""
+        return self.scheduler.num_waiting_unreserved
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)

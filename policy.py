@@ -82,20 +82,36 @@ class Registry(dict, Generic[T]):
 
 # ---- the waiting queue -------------------------------------------------------------------
 
+# Each queue counts its requests whose place no caller reserved (num_unreserved; Sequence.
+# place_reserved): what a limit on waiting requests counts besides the places reserved
+# (AsyncEngine). One int, updated after each change, so another thread reads it whole.
+
 class FCFSQueue(deque):
     """Arrival order; a preempted sequence goes back to the front (vLLM's FCFS)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_unreserved = 0
+
     def add(self, seq: Sequence) -> None:
         self.append(seq)
+        self.num_unreserved += not seq.place_reserved
 
     def requeue(self, seq: Sequence) -> None:
         self.appendleft(seq)
+        self.num_unreserved += not seq.place_reserved
 
     def peek(self) -> Sequence:
         return self[0]
 
     def pop_head(self) -> Sequence:
-        return self.popleft()
+        seq = self.popleft()
+        self.num_unreserved -= not seq.place_reserved
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        super().remove(seq)
+        self.num_unreserved -= not seq.place_reserved
 
 
 class SortedQueue:
@@ -107,12 +123,14 @@ class SortedQueue:
         self._key = key
         self._keys: list[Any] = []
         self._seqs: list[Sequence] = []
+        self.num_unreserved = 0
 
     def add(self, seq: Sequence) -> None:
         k = self._key(seq)
         i = bisect.bisect_right(self._keys, k)
         self._keys.insert(i, k)
         self._seqs.insert(i, seq)
+        self.num_unreserved += not seq.place_reserved
 
     requeue = add
 
@@ -121,11 +139,14 @@ class SortedQueue:
 
     def pop_head(self) -> Sequence:
         self._keys.pop(0)
-        return self._seqs.pop(0)
+        seq = self._seqs.pop(0)
+        self.num_unreserved -= not seq.place_reserved
+        return seq
 
     def remove(self, seq: Sequence) -> None:
         i = self._seqs.index(seq)
         del self._keys[i], self._seqs[i]
+        self.num_unreserved -= not seq.place_reserved
 
     def __getitem__(self, i: int) -> Sequence:
         return self._seqs[i]
@@ -198,6 +219,11 @@ class FCFS:
 
     def charge(self, out: SchedulerOutput) -> None:
         """Called with each step as scheduled (a policy that accounts for service does it here)."""
+
+    def refund(self, s: ScheduledSeq) -> None:
+        """Called for a row of a charged step that ran nowhere (its request failed alone, or
+        computes it again: Scheduler.ran_nowhere), before its sequence changes: it was no
+        service (a policy that accounts for service takes back what charge gave it)."""
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         """candidates: the running sequences not yet scheduled this step, admission order
@@ -365,14 +391,24 @@ class Fair(FCFS):
         return w[0] + self.preempt_gap < r[0] or (waiting is self._head and w[0] <= r[0] and w[1] + 2 <= r[1])
 
     def charge(self, out: SchedulerOutput) -> None:
-        pw, ow, counters = self.prompt_weight, self.output_weight, self.counters
+        counters = self.counters
         for s in out.scheduled:
-            seq, n = s.seq, s.num_new_tokens
-            if not s.is_decode:  # a recompute is not charged: each preemption is then paid for by new work
-                end = seq.num_computed_tokens
-                n -= max(0, min(end, seq.num_computed_high) - (end - n))
-            c = self._track(self.client(seq))
-            counters[c] += (0 if s.is_decode else pw * n) + ow * s.samples
+            counters[self._track(self.client(s.seq))] += self._cost(s)
+
+    def refund(self, s: ScheduledSeq) -> None:
+        c = self.client(s.seq)
+        if c in self.counters:  # (else forgotten since: nothing to take back)
+            self.counters[c] -= self._cost(s)
+
+    def _cost(self, s: ScheduledSeq) -> float:
+        """What a row is charged, its sequence as the row's step left it."""
+        n = s.num_new_tokens
+        if s.is_decode:
+            return self.output_weight * s.samples
+        # A recompute is not charged: each preemption is then paid for by new work.
+        end = s.seq.num_computed_tokens
+        n -= max(0, min(end, s.seq.num_computed_high) - (end - n))
+        return self.prompt_weight * n + self.output_weight * s.samples
 
     def _arrive(self, seq: Sequence) -> None:
         c = self.client(seq)

@@ -51,7 +51,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attention_backend import AttentionShape, select_attention_backend
-from compilation import (SAMPLE_CHUNK, CountedProgram, ProgramKey, persistent_cache_hits, spec_branches, step_programs,
+from compilation import (SAMPLE_CHUNK, Built, CountedProgram, ProgramKey, spec_branches, step_programs,
                          warmup_summary)
 from config import EngineConfig, host_memory_bytes
 from distributed import DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED, STOP, StepChannel
@@ -714,16 +714,16 @@ class ModelRunner:
         nothing. (Compiling several at once in threads was slower on 2 cores: XLA's CPU
         compiler already runs its codegen on more than one.)"""
         t0, before = time.perf_counter(), self.stats.num_compilations
-        with persistent_cache_hits() as loaded:
-            total = self._warmup(log)
+        total, loaded = self._warmup(log)
         compiled = self.stats.num_compilations - before
         # by this engine (the activation probe's step) or by another with its ProgramKey
         ready = f" ({total - compiled} were compiled already)" if compiled < total else ""
-        summary = warmup_summary(f"{compiled} programs", compiled, loaded[0], time.perf_counter() - t0)
+        summary = warmup_summary(f"{compiled} programs", compiled, loaded, time.perf_counter() - t0)
         log(f"warm-up: {summary}{ready}")
 
-    def _warmup(self, log: Callable[[str], None]) -> int:
-        """Compile warmup's programs; their count."""
+    def _warmup(self, log: Callable[[str], None]) -> tuple[int, int]:
+        """Compile warmup's programs, one line each saying how it was got (compiled, or read
+        from the persistent compilation cache); their count, and how many were read."""
         cfg = self.config
         verifying = f", verifying up to {cfg.max_num_seqs} x {1 + self.spec_k}" if self.spec_buckets else ""
         programs = [(SAMPLE, self.sample_rows, 0, f"sampling, up to {self.sample_rows} rows")]
@@ -731,22 +731,34 @@ class ModelRunner:
         programs += [(RAGGED, ragged_rows(cfg, T), T, f"prefill, {T} tokens{verifying}") for T in cfg.token_buckets]
         programs += [(RAGGED, R, self._verify_tokens(R), f"verify, {R} rows of up to {1 + self.spec_k} tokens")
                      for R in (cfg.decode_buckets if self.spec_buckets else ())]
-        total = len(programs) + 1
+        # The swap's copy programs: one pair per power-of-two count of blocks a step moves.
+        leaves, treedef = jax.tree.flatten(self.kv_caches)
+        sizes = [1 << k for k in range((leaves[0].shape[1] - 1).bit_length() + 1)] if self.num_swap_blocks else []
+        # Progress lines "warm-up i/N (...)": the summary alone reads "warm-up: ... compiled".
+        total, loaded = len(programs) + 1 + 2 * len(sizes), 0
         for i, (kind, rows, T, what) in enumerate(programs):
-            log(f"warm-up: compiling step program {i + 1}/{total} ({what})")
             fn, args = self._program(kind, self._idle_args(kind, rows, T))
-            fn.lower(*args).compile()
-        log(f"warm-up: compiling step program {total}/{total} (prompt logprobs, "
-            f"{self._prompt_chunk} rows at a time)")
+            loaded += self._build(log, f"{i + 1}/{total} ({what})", fn, args)
         fn, args = self._prompt_program(np.zeros(0, np.int32))
-        fn.lower(*args).compile()
-        if self.num_swap_blocks:  # swap's copy programs: one pair per power-of-two count of blocks a step moves
-            leaves, treedef = jax.tree.flatten(self.kv_caches)
-            sizes = [1 << k for k in range((leaves[0].shape[1] - 1).bit_length() + 1)]
-            log(f"warm-up: compiling the KV copy programs for {len(sizes)} block counts (swap preemption)")
-            for n in sizes:  # the null block, read and written back as swap() does (host arrays): no K/V changes
-                idx = np.zeros(n, np.int32)
-                leaves = self._scatter_blocks(leaves, idx, [np.asarray(d) for d in self._gather_blocks(leaves, idx)])
+        what = f"prompt logprobs, {self._prompt_chunk} rows at a time"
+        loaded += self._build(log, f"{len(programs) + 1}/{total} ({what})", fn, args)
+        if sizes:
+            with Built(self.stats) as built:
+                for n in sizes:  # the null block, read and written back as swap() does (host arrays): no K/V changes
+                    idx = np.zeros(n, np.int32)
+                    data = [np.asarray(d) for d in self._gather_blocks(leaves, idx)]
+                    leaves = self._scatter_blocks(leaves, idx, data)
             self.kv_caches = jax.tree.unflatten(treedef, leaves)
-            total += 2 * len(sizes)
-        return total
+            loaded += built.loaded
+            log(f"warm-up {len(programs) + 2}-{total}/{total} (KV copy programs for {len(sizes)} block counts, "
+                f"swap preemption): {built}")
+        return total, loaded
+
+    def _build(self, log: Callable[[str], None], which: str, fn: Callable, args: tuple) -> int:
+        """Trace, lower and compile one step program as a step's call on such arguments
+        finds it, and log how it was got; 1 if its executable was read from the persistent
+        compilation cache, else 0."""
+        with Built(self.stats) as built:
+            fn.lower(*args).compile()
+        log(f"warm-up {which}: {built}")
+        return built.loaded

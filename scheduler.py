@@ -157,9 +157,11 @@ class Scheduler:
 
     def ran_nowhere(self, s: ScheduledSeq) -> list[int]:
         """s's row of a scheduled step ran nowhere (its request failed alone, or rerun): the
-        blocks it was to complete lose the names _add gave them when it was scheduled.
-        Returns its blocks whose K/V it was to write: no other row of the step may read them."""
+        blocks it was to complete lose the names _add gave them when it was scheduled, and
+        the policy takes back the service it charged for it. Returns its blocks whose K/V it
+        was to write: no other row of the step may read them."""
         seq = s.seq
+        self.policy.refund(s)
         first = (seq.num_computed_tokens - s.num_new_tokens) // self.config.block_size
         self.allocator.uncache_from(seq.request_id, first)
         return seq.block_table[first:]
@@ -178,7 +180,9 @@ class Scheduler:
             seq.num_cached_tokens = -1
         self.running.remove(seq)
         self._release(seq)
-        seq.status, seq.wait_reason, seq.num_computed_tokens = WAITING, "kv_blocks", 0
+        # No reason yet: nothing refused it a place (it had one); like a request arriving
+        # while a step runs, it waits for the next schedule(), which says why if it still waits.
+        seq.status, seq.wait_reason, seq.num_computed_tokens = WAITING, None, 0
         self.waiting.requeue(seq)
         self._assert_step_invariants()
         return unwritten
@@ -352,6 +356,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_unreserved(self) -> int:
+        """The waiting requests whose place no caller reserved (Sequence.place_reserved)."""
+        return self.waiting.num_unreserved
 
     @property
     def room_preempted(self) -> bool:
@@ -783,6 +792,7 @@ class Scheduler:
         assert len(swapped) + len(self._host_free) == self.num_swap_blocks and len(set(swapped)) == len(swapped) \
             and self._host_free.isdisjoint(swapped) and all(0 <= b < self.num_swap_blocks for b in swapped), \
             "host swap block leaked or shared"
+        assert self.waiting.num_unreserved == sum(not s.place_reserved for s in self.waiting), "waiting miscounted"
         # A block shared by several sequences is one block in use.
         assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
         bs = self.config.block_size

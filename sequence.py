@@ -54,7 +54,9 @@ class Sequence:
     num_cached_tokens: int = -1  # prompt tokens the prefix cache served at first admission; -1: not admitted yet
     block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks so far (kvcache.py)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (vLLM's FinishReason)
-    wait_reason: str | None = None  # one of metrics.wait_reasons(), set by each schedule()
+    # One of metrics.wait_reasons(), set by each schedule(); None while no schedule() has
+    # looked at it since it joined the queue (it arrived, or reruns, after a step was scheduled).
+    wait_reason: str | None = None
     num_preemptions: int = 0
     # Positions below this were computed once: computing them again is the recompute tax
     # (set at each preemption from num_computed_tokens, read by _add).
@@ -85,6 +87,9 @@ class Sequence:
     no_token_allowed: bool = False
     # One of a request's n samples: their shared metrics.ParentRequest (set by the engine).
     parent: ParentRequest | None = None
+    # Its place in the waiting queue is one its caller reserved (AsyncEngine.reserve_waiting):
+    # a limit on waiting requests counts that place, not the request as well.
+    place_reserved: bool = False
     # Filled by the engine.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -141,6 +141,45 @@ def test_a_search_the_engine_cannot_run_is_refused_before_any_step():
     assert llm.stats.prompt_tokens == 0  # nothing ran
 
 
+def test_a_queued_search_takes_exactly_the_waiting_places_it_holds():
+    """A search holds beam_width places in the waiting queue from its start to its end
+    (AsyncEngine.reserve_waiting); its step's requests wait in those places, not in places
+    of their own. With --max-waiting-requests 3 and a search of width 2 queued (its first
+    step's request waiting, in the inbox and then in the scheduler's queue), one plain
+    request fits, a second does not, and neither does a reservation of one more place."""
+    import asyncio
+
+    import beam_search
+    from async_engine import AsyncEngine
+    from config import EngineConfig
+    from engine import EngineRequest, QueueFullError
+    from sampling_params import SamplingParams
+
+    async def go() -> None:
+        # The loop thread is not started: whatever is handed over stays unscheduled.
+        eng = AsyncEngine(EngineConfig(model="tiny", max_waiting_requests=3, **SMALL), log=lambda *_: None)
+        eng.reserve_waiting(2)  # as the server's BeamSearchRun does before the search starts
+        search = asyncio.create_task(beam_search.run(eng, EngineRequest("s", [5, 6, 7], SamplingParams()),
+                                                     BeamSearchParams(2, 3)))
+        await asyncio.sleep(0)  # its first step's request is handed over
+
+        def plain(rid: str) -> None:
+            eng.add_request(EngineRequest(rid, [9, 9], SamplingParams(max_tokens=2)))
+        plain("a")  # 2 reserved + 1
+        for waiting_in in ("the inbox", "the scheduler's queue"):
+            with pytest.raises(QueueFullError):
+                plain(f"b ({waiting_in})")
+            with pytest.raises(QueueFullError):
+                eng.reserve_waiting(1)
+            eng._drain_inbox()
+        assert sorted(q.request_id for q in eng.engine.scheduler.waiting) == ["a", "s-0-0"]
+        search.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await search
+        eng.release_waiting(2)
+    asyncio.run(go())
+
+
 # ---- the OpenAI API's use_beam_search --------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ compile nothing."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -101,7 +102,8 @@ lines = []
 llm = LLM("tiny", log=lines.append, compilation_cache_dir=sys.argv[1], max_num_seqs=1, max_model_len=16,
           max_num_batched_tokens=16)
 warmup = [x for x in lines if x.startswith("warm-up: ") and " in " in x]
-print(json.dumps(counts | {"programs": llm.stats.num_compilations, "warmup": warmup}))
+progress = [x for x in lines if x.startswith("warm-up") and x not in warmup]
+print(json.dumps(counts | {"programs": llm.stats.num_compilations, "warmup": warmup, "progress": progress}))
 """
 
 
@@ -128,6 +130,11 @@ def test_a_restart_with_the_persistent_compilation_cache_compiles_nothing(tmp_pa
     assert first["warmup"][0].startswith("warm-up: 4 programs compiled in "), first["warmup"]
     assert second["warmup"][0].startswith("warm-up: 4 programs in "), second["warmup"]
     assert second["warmup"][0].endswith(": 4 loaded from the compilation cache, 0 compiled"), second["warmup"]
+    # and each program's own line says how it was got: compiled, then read back
+    for run, how in ((first, "compiled"), (second, "loaded from the compilation cache")):
+        assert len(run["progress"]) == 4, run["progress"]
+        for i, line in enumerate(run["progress"]):
+            assert re.fullmatch(rf"warm-up {i + 1}/4 \(.+\): {how} in \d+\.\ds", line), line
 
 
 def test_an_engine_like_one_built_before_compiles_nothing_and_another_model_compiles_its_own(hf_checkpoint):

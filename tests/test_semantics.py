@@ -318,6 +318,39 @@ def test_a_request_that_failed_alone_leaves_no_cached_prefix_it_never_computed(m
     assert eng.scheduler.allocator.num_used == 0
 
 
+def test_a_row_that_ran_nowhere_is_no_service_and_its_rerun_waits_for_no_kv_blocks(monkeypatch) -> None:
+    """Under the fair policy a client is charged for the tokens computed for it. A request
+    that fails alone computed nothing, and the request that shared its blocks in that step
+    computes its prompt once, in the step after: each client's counter is the service it
+    got (prompt_weight per prompt token, output_weight per output token), and while the
+    rerun waits for that step nothing has refused it KV blocks (no wait reason yet)."""
+    eng = LLMEngine(EngineConfig(**SMALL, scheduling_policy="fair", async_scheduling=False), log=quiet)
+    real = eng.runner.execute
+
+    def execute(out):  # a fault in one request's inputs, before the device runs
+        if any(s.seq.request_id == "bad" for s in out.scheduled):
+            raise OverflowError("bad input")
+        return real(out)
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    prompt = [5 + (7 * i) % 200 for i in range(40)]  # two full blocks of 16, and a partial one
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    # admitted in one step: "shared" reads the two blocks "bad" was to compute
+    eng.add_request("bad", prompt, params, user="x")
+    eng.add_request("shared", prompt, params, user="y")
+    ends = {d.request_id: d.finish_reason for d in eng.step() if d.finished}
+    assert ends == {"bad": "error"}
+    assert [q.request_id for q in eng.scheduler.waiting] == ["shared"] and not eng.scheduler.running
+    snap = eng.stats.snapshot()
+    assert snap.num_requests_waiting == 1 and sum(snap.waiting_by_reason.values()) == 0, snap.waiting_by_reason
+    tokens = 0
+    while eng.has_unfinished():
+        tokens += sum(len(d.new_token_ids) for d in eng.step())
+    assert tokens == 3
+    fair = eng.scheduler.policy
+    assert fair.counter("x") == 0
+    assert fair.counter("y") == fair.prompt_weight * len(prompt) + fair.output_weight * 3
+
+
 def test_a_broken_runner_still_kills_the_loop_when_its_requests_share_a_prefix(monkeypatch) -> None:
     """Every step fails, whatever it holds: no request is to blame, so step() raises. The
     second request shares blocks the first was to compute in the same step; it still runs
