@@ -443,7 +443,7 @@ class DraftModelProposer:
                                                      block_tables, kv_lens, cu_q_lens)
         return last_hidden
 
-    def warmup(self, log: Callable[[str], None] = print) -> None:
+    def warmup(self, log: Callable[[str], None]) -> None:
         """Compile the draft's programs: catch-up per token bucket, draft per decode bucket."""
         t0, before = time.perf_counter(), self.stats.num_compilations
         with persistent_cache_hits() as loaded:

@@ -41,7 +41,8 @@ and both:
   allocate(num_kv_blocks) -> None    allocate its KV cache (after sizing)
   device_bytes() -> (int, int)       its weights and KV cache as measured on the devices
                                      (after allocate): reported with the target's
-  warmup() -> None                   compile every program it runs; nothing compiles after
+  warmup(log) -> None                compile every program it runs, saying so through log;
+                                     nothing compiles after
   free(seq) -> None                  seq was preempted (its blocks are gone) or finished
 
 Drafts known at scheduling time are what vLLM keeps on the request (`spec_token_ids`) for
@@ -223,7 +224,7 @@ class _ProposerBase(Protocol):
 
     def device_bytes(self) -> tuple[int, int]: ...
 
-    def warmup(self) -> None: ...
+    def warmup(self, log: Callable[[str], None]) -> None: ...
 
     def free(self, seq: Sequence) -> None: ...
 
@@ -337,7 +338,7 @@ class HostProposer:
     def device_bytes(self) -> tuple[int, int]:
         return 0, 0
 
-    def warmup(self) -> None:
+    def warmup(self, log: Callable[[str], None]) -> None:
         pass
 
     def free(self, seq: Sequence) -> None:

@@ -120,7 +120,7 @@ def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> En
     if config.warmup:
         runner.warmup(log)
         if proposer is not None:
-            proposer.warmup()
+            proposer.warmup(log)
     if config.num_processes > 1 and config.process_id == 0:
         # the other processes wait for steps until process 0 says it is done
         atexit.register(runner.stop_followers)

@@ -212,9 +212,12 @@ def _run_speculative(target: str, draft: str, **kw):
     from llm import LLM
 
     fresh_step_programs()  # nothing compiles after this engine's own warm-up
-    llm = LLM(target, log=lambda _: None, max_num_seqs=2, max_model_len=96, block_size=BS,
+    lines: list[str] = []
+    llm = LLM(target, log=lines.append, max_num_seqs=2, max_model_len=96, block_size=BS,
               max_num_batched_tokens=16, attention_backend="xla",
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3}, **kw)
+    # the draft's warm-up reports through the engine's log, as the target's does
+    assert any(line.startswith("warm-up: ") and "the draft model's" in line for line in lines), lines
     compiled = llm.stats.num_compilations
     outs = llm.generate(_engine_prompts(), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert llm.stats.num_compilations == compiled, "a step compiled a program after warm-up"
