@@ -38,6 +38,16 @@ _FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE_FLAG}".strip()
 
+# torch's OpenMP pool (the transformers references, transformers' own server) and
+# OpenBLAS's (NumPy references) spin-wait for their threads between operations: on cores
+# that the other test worker keeps busy, the tiny models' operations cost many times their
+# work in spinning (6 x 40 greedy tokens of test_draft_model's 4-layer checkpoint: 17 CPU-s
+# with torch's default 2 threads, 0.55 with one). The suite keeps every core busy with
+# its own workers, so one thread each is as fast and costs only the work. Read when each
+# library loads: set before any test imports them, for this process and every subprocess
+# it starts. XLA's CPU thread pool does not read it: the engine's steps are unchanged.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Small enough to build and run in well under a second; GQA (4 heads over 2 KV heads).
 _BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,

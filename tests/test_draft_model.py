@@ -281,7 +281,12 @@ def test_sampled_output_with_a_cut_draft_is_the_targets_filtered_distribution(ta
 
     from test_sampling import ALPHA, chi_square, exact
 
-    n, max_tokens, filters = 1500, 3, dict(temperature=0.8, top_k=5, top_p=0.9)
+    # n: index 1 alone (5 prefixes of about n/5 requests each, 20 degrees of freedom) gives
+    # the summed statistic a noncentrality of 174 under a residual of p (the subtlest of the
+    # two bugs: 394 for an acceptance that ignores q), against a limit of 65 at ALPHA: it
+    # misses such a bug with probability 1e-9, and fails a correct engine with ALPHA's 1e-6
+    # whatever n (its power computed from transformers' p and q of these two models).
+    n, max_tokens, filters = 800, 3, dict(temperature=0.8, top_k=5, top_p=0.9)
     prompt = np.random.default_rng(5).integers(3, 250, 8).tolist()
     draft = write_layer_skip(target_ckpt, [0, 1, 2], str(tmp_path_factory.mktemp("d3") / "skip"), log=lambda _: None)
     # the target's shapes of the tests above, KV blocks included (the cache's shape is in every program's):
