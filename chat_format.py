@@ -245,7 +245,10 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
             if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
                 raise ApiError(f"messages[{i}].tool_calls must be an array of objects", param="messages")
             extra["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
-            content = [] if content is None else content  # OpenAI: null content beside the calls
+        if isinstance(m, dict) and m.get("role") == "assistant" and content is None:
+            # OpenAI's optional assistant content (null beside tool calls, or in an answer
+            # that was all reasoning, sent back as history): no parts, as vLLM
+            content = []
         if isinstance(m, dict) and m.get("name") is not None:  # a participant's name: vLLM hands it to the template
             if not isinstance(m["name"], str):
                 raise ApiError(f"messages[{i}].name must be a string", param="messages")

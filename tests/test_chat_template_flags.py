@@ -339,3 +339,13 @@ def test_offline_chat_takes_the_content_format(tokenizer):
     assert out.prompt == reference(tokenizer, PARTS, string_form(fresh()))
     with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
         llm.chat(MESSAGES[:2], chat_template_content_format="json")
+
+
+def test_an_assistant_message_with_null_content_and_no_calls_renders_empty_as_vllms(tokenizer):
+    """A reasoning-only answer (content null, as the server sends one back) replayed as
+    history: no parts, as vLLM hands over a null content, in either format."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "reasoning": "hmm"},
+                {"role": "user", "content": "and?"}]
+    for template, form in ((WHOLE, string_form), (PARTS, openai_form)):
+        want = reference(tokenizer, template, form(json.loads(json.dumps(messages))))
+        assert render(tokenizer, template, "auto", messages) == want
