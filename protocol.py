@@ -389,6 +389,9 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
     choice = body.get("tool_choice")
     if not chat and (tools or choice is not None):
         raise ApiError("'tools' and 'tool_choice' are only for /v1/chat/completions", param="tools")
+    if chat and body.get("tools") == []:  # vLLM's and OpenAI's 400, not a request without tools
+        raise ApiError("`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                       "entirely.", param="tools")
     if not tools:
         if choice is None or choice == "none":
             return None

@@ -92,6 +92,16 @@ def test_tool_choice_none_still_checks_the_tools(post):
     assert status == 200, out
 
 
+@pytest.mark.parametrize("choice", [None, "none", "auto"])
+def test_an_empty_tools_array_is_a_400_as_vllms_and_openais(post, choice):
+    """vLLM's check_tool_usage (and OpenAI): `tools: []` is refused, whatever tool_choice
+    says, rather than served as a request without tools."""
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    status, out = post(flags, {"tools": []} | ({} if choice is None else {"tool_choice": choice}))
+    assert status == 400 and out["error"]["param"] == "tools", out
+    assert "`tools` must not be an empty array" in out["error"]["message"]
+
+
 def test_a_tool_call_parser_without_auto_tool_choice_parses_nothing(post, caplog):
     parser_only = ["--tool-call-parser", "hermes"]
     with caplog.at_level(logging.WARNING, logger="taxirank.server"):
