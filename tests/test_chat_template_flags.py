@@ -349,3 +349,27 @@ def test_an_assistant_message_with_null_content_and_no_calls_renders_empty_as_vl
     for template, form in ((WHOLE, string_form), (PARTS, openai_form)):
         want = reference(tokenizer, template, form(json.loads(json.dumps(messages))))
         assert render(tokenizer, template, "auto", messages) == want
+
+
+# Prints each assistant's calls, or that it has none.
+CALLS = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.tool_calls is defined %}"
+         "{% for c in m.tool_calls %}[{{ c.function.name }}({{ c.function.arguments | tojson }})]{% endfor %}"
+         "{% else %}(no calls){% endif %}\n{% endfor %}")
+
+
+def test_earlier_calls_without_arguments_reach_the_template_as_an_empty_object_as_vllms(tokenizer):
+    """vLLM's rule for an assistant's earlier calls: arguments left out, null, "" or the
+    JSON null are {}; an empty tool_calls list is none (the template's plain path)."""
+    def turn(calls: list | None) -> dict:
+        return {"role": "assistant", "content": None} | ({} if calls is None else {"tool_calls": calls})
+
+    def call(name: str, **arguments) -> dict:
+        return {"id": name, "type": "function", "function": {"name": name, **arguments}}
+
+    sent = [{"role": "user", "content": "hi"},
+            turn([call("a"), call("b", arguments=None), call("c", arguments=""), call("d", arguments="null")]),
+            turn([]), {"role": "user", "content": "x"}]
+    want = [sent[0], {"role": "assistant", "content": "", "tool_calls": [
+        call(n, arguments={}) for n in "abcd"]}, {"role": "assistant", "content": ""}, sent[3]]
+    assert render(tokenizer, CALLS, "auto", sent) == tokenizer.apply_chat_template(
+        want, chat_template=CALLS, tokenize=False, add_generation_prompt=True)
