@@ -407,8 +407,8 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
         if not isinstance(fn.get("description", ""), (str, type(None))):  # vLLM's: a string or null
             raise ApiError(f"tools[{i}].function.description must be a string", param="tools")
         params = fn.get("parameters")
-        if params is None:  # left out or null (OpenAI's and vLLM's optional field): a function of no parameters
-            params = {"type": "object", "properties": {}}
+        if params is None or params == {}:  # left out, null or {} (vLLM's "required" schema): a function of no
+            params = {"type": "object", "properties": {}}  # parameters, whose arguments are still an object
         if not isinstance(params, dict):
             raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
         by_name[fn["name"]] = params

@@ -498,3 +498,22 @@ def test_a_stream_sends_no_chunk_for_text_its_parser_holds_back_as_vllms(app) ->
     assert deltas[0]["function"]["name"] == first["name"] == "f"
     assert json.loads("".join(d["function"].get("arguments", "") for d in deltas if d["index"] == 0)) == \
         first["parameters"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_function_whose_parameters_are_an_empty_schema_is_called_with_an_object(app, choice) -> None:
+    """`parameters: {}`, a common way to declare a function of no parameters, constrains as
+    a left-out one: the arguments are a JSON object (vLLM's "required" schema), never the
+    number or literal an empty schema would let the model write."""
+    post, _ = app
+    for seed in range(3):
+        body = {"messages": MESSAGES, "temperature": 1.0, "seed": seed, "tool_choice": choice,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+        status, text, _ = post(CHAT, body)
+        assert status == 200, text
+        message = json.loads(text)["choices"][0]["message"]
+        if message.get("tool_calls"):
+            assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in message["tool_calls"])
+        else:  # (the tiny model ran out of tokens writing "required"'s array): its first call's arguments
+            after = message["content"].split('"parameters":', 1)[1]
+            assert after.lstrip().startswith("{"), message
