@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from jinja2 import nodes
 
-from protocol import JSON_TYPE, ApiError, field, loads_checked
+from protocol import JSON_TYPE, ApiError, field, loads_checked, template_tools
 
 if TYPE_CHECKING:
     from tool_parsers import ToolChoice
@@ -312,7 +312,7 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         if tools is not None:
             kw["tools"] = tools.definitions
         elif body.get("tool_choice") == "none" and body.get("tools") and not exclude_tools_when_tool_choice_none:
-            kw["tools"] = body["tools"]  # checked by tool_choice() already
+            kw["tools"] = template_tools(body["tools"])  # checked by tool_choice() already
         if resolve_content_format(content_format, tokenizer, kw.get("chat_template"),
                                               kw.get("tools")) == "openai":
             # vLLM's "openai" form: every content a list of text parts, except a tool

@@ -400,8 +400,8 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
         raise ApiError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                        param="tool_choice")
     by_name = {}
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+    for i, t in enumerate(tools):  # (a left-out type is "function", vLLM's default)
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
         if not isinstance(fn.get("description", ""), (str, type(None))):  # vLLM's: a string or null
@@ -414,16 +414,23 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
         by_name[fn["name"]] = params
     if choice == "none":  # no call; the tools (checked above) may still reach the template
         return None
+    tools = template_tools(tools)
     if choice is None or choice in ("auto", "required"):
         return ToolChoice(choice or "auto", by_name, tools)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        and isinstance(choice.get("function"), dict) else None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+        choice.get("type", "function") == "function" and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):
         raise ApiError("'tool_choice' must be 'none', 'auto', 'required' or "
                        "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
     if name not in by_name:
         raise ApiError(f"tool_choice names function {name[:80]!r}, which is not in 'tools'", param="tool_choice")
     return ToolChoice("named", {name: by_name[name]}, tools)
+
+
+def template_tools(tools: list[dict]) -> list[dict]:
+    """A request's tools (checked by tool_choice) as the chat template gets them: each with
+    its type, "function" where left out, as vLLM hands them over."""
+    return [t if "type" in t else {"type": "function", **t} for t in tools]
 
 
 def required_tools_schema(tools: dict[str, dict]) -> dict:

@@ -92,6 +92,20 @@ def test_tool_choice_none_still_checks_the_tools(post):
     assert status == 200, out
 
 
+def test_a_tool_or_tool_choice_without_its_type_is_a_function_as_vllms(post):
+    """vLLM's default type "function": a tool left without one is rendered with it (the
+    same prompt as WEATHER's), and a named tool_choice without one names that function."""
+    untyped = {"function": {"name": "f"}}
+    status, out = post([], {"tools": [untyped], "tool_choice": "none"})
+    assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(WITH_TOOLS), out
+    status, out = post([], {"tools": [untyped], "tool_choice": {"function": {"name": "f"}}})
+    assert status == 200 and out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f", out
+    for tools, choice in (([{"type": "retrieval", "function": {"name": "f"}}], "none"),
+                          ([WEATHER], {"type": "tool", "function": {"name": "f"}})):
+        status, out = post([], {"tools": tools, "tool_choice": choice})
+        assert status == 400, out
+
+
 @pytest.mark.parametrize("choice", [None, "none", "auto"])
 def test_an_empty_tools_array_is_a_400_as_vllms_and_openais(post, choice):
     """vLLM's check_tool_usage (and OpenAI): `tools: []` is refused, whatever tool_choice
