@@ -339,6 +339,14 @@ def test_offline_chat_takes_the_content_format(tokenizer):
     assert out.prompt == reference(tokenizer, PARTS, string_form(fresh()))
     with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
         llm.chat(MESSAGES[:2], chat_template_content_format="json")
+    # vLLM's tools argument: rendered by a template that shows them, checked as a request's
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    shows = "{{ tools | tojson }}|" + WHOLE
+    (out,) = llm.chat(MESSAGES[:1], params, chat_template=shows, tools=tools)
+    assert out.prompt == tokenizer.apply_chat_template(MESSAGES[:1], tools=tools, chat_template=shows,
+                                                       tokenize=False, add_generation_prompt=True)
+    with pytest.raises(ValueError, match=r"tools\[0\] must be"):
+        llm.chat(MESSAGES[:1], params, chat_template=shows, tools=[{"type": "retrieval"}])
 
 
 def test_an_assistant_message_with_null_content_and_no_calls_renders_empty_as_vllms(tokenizer):
