@@ -150,7 +150,7 @@ class LLM:
         # offline API refuses what a chat request is refused for, with the same message.
         body = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                 "chat_template_kwargs": chat_template_kwargs or {}}
-        if tools is not None:  # rendered as a chat request's tools with tool_choice "none": checked, none called
+        if tools:  # rendered as a chat request's tools with tool_choice "none": checked, none called
             body |= {"tools": tools, "tool_choice": "none"}
             try:
                 tool_choice(body, chat=True, auto=False)
