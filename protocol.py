@@ -57,6 +57,7 @@ _NEUTRAL: dict[str, tuple] = {
     "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
     "logits_processors": ([],),  # custom processors by qualified name (vLLM's --logits-processor-pattern)
+    "stream_interval": (1,),  # tokens per streamed chunk: each chunk here is one engine step's
 }
 # Completions' own: embeddings in place of the prompt's tokens (vLLM's --enable-prompt-embeds)
 _COMPLETION_NEUTRAL: dict[str, tuple] = {"prompt_embeds": ()}
@@ -68,6 +69,7 @@ _ACCEPTED_NOOP: dict[str, tuple[type, ...]] = {
     "prompt_cache_key": (str,),  # a cache-routing hint: the prefix cache finds shared prefixes itself
     "prompt_cache_options": (dict,),  # likewise
     "safety_identifier": (str,),  # an end-user id for abuse monitoring
+    "session_id": (str,),  # vLLM's conversation id for routing related requests: one engine here
 }
 
 # Every field a request may carry and the server reads (_NEUTRAL's and _ACCEPTED_NOOP's
