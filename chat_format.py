@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from jinja2 import nodes
 
-from protocol import JSON_TYPE, ApiError, field, loads_checked
+from protocol import JSON_TYPE, ApiError, field, loads_checked, template_tools
 
 if TYPE_CHECKING:
     from tool_parsers import ToolChoice
@@ -244,8 +244,12 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls") is not None:
             if not isinstance(m["tool_calls"], list) or not all(isinstance(c, dict) for c in m["tool_calls"]):
                 raise ApiError(f"messages[{i}].tool_calls must be an array of objects", param="messages")
-            extra["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
-            content = [] if content is None else content  # OpenAI: null content beside the calls
+            if m["tool_calls"]:  # none: the template's plain assistant path, as vLLM drops an empty list
+                extra["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
+        if isinstance(m, dict) and m.get("role") == "assistant" and content is None:
+            # OpenAI's optional assistant content (null beside tool calls, or in an answer
+            # that was all reasoning, sent back as history): no parts, as vLLM
+            content = []
         if isinstance(m, dict) and m.get("name") is not None:  # a participant's name: vLLM hands it to the template
             if not isinstance(m["name"], str):
                 raise ApiError(f"messages[{i}].name must be a string", param="messages")
@@ -308,7 +312,7 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         if tools is not None:
             kw["tools"] = tools.definitions
         elif body.get("tool_choice") == "none" and body.get("tools") and not exclude_tools_when_tool_choice_none:
-            kw["tools"] = body["tools"]  # checked by tool_choice() already
+            kw["tools"] = template_tools(body["tools"])  # checked by tool_choice() already
         if resolve_content_format(content_format, tokenizer, kw.get("chat_template"),
                                               kw.get("tools")) == "openai":
             # vLLM's "openai" form: every content a list of text parts, except a tool
@@ -373,21 +377,23 @@ def _template_call(call: dict, i: int) -> dict:
     template writing `arguments | tojson` would otherwise show the model an escaped string.
     The call has OpenAI's shape (vLLM's 400 otherwise): {"id": ..., "type": "function",
     "function": {"name": ..., "arguments": ...}}, its arguments a JSON string or already an
-    object (the template's own form), id and type optional."""
+    object (the template's own form), id and type optional; none, "" or JSON null is no
+    arguments, {} (vLLM's)."""
     fn = call.get("function")
     where = f"messages[{i}].tool_calls"
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise ApiError(f"{where}: each call needs 'function': {{'name': a non-empty string, 'arguments': ...}}",
                        param="messages")
-    if not isinstance(fn.get("arguments"), (str, dict)):
+    arguments = fn.get("arguments")
+    if arguments is not None and not isinstance(arguments, (str, dict)):
         raise ApiError(f"{where}: function.arguments must be a JSON string (or an object), got "
-                       f"{JSON_TYPE.get(type(fn.get('arguments')), 'null')}", param="messages")
+                       f"{JSON_TYPE.get(type(arguments), 'a ' + type(arguments).__name__)}", param="messages")
     if call.get("id") is not None and not isinstance(call["id"], str):
         raise ApiError(f"{where}: a call's 'id' must be a string", param="messages")
     if call.get("type") not in (None, "function"):
         raise ApiError(f"{where}: a call's 'type' must be 'function'", param="messages")
-    if not isinstance(fn["arguments"], str):
+    if isinstance(arguments, dict):
         return call
-    # a JSON string: read_body saw neither its depth nor the lone surrogates its escapes decode to
-    arguments = loads_checked(fn["arguments"], f"messages[{i}].tool_calls: function.arguments", "messages")
-    return call | {"function": fn | {"arguments": arguments}}
+    if arguments:  # a JSON string: read_body saw neither its depth nor the lone surrogates its escapes decode to
+        arguments = loads_checked(arguments, f"messages[{i}].tool_calls: function.arguments", "messages")
+    return call | {"function": fn | {"arguments": {} if arguments is None or arguments == "" else arguments}}

@@ -124,16 +124,17 @@ class LLM:
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool | None = None, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             chat_template_content_format: str = "auto") -> list[RequestOutput]:
+             chat_template_content_format: str = "auto", tools: list[dict] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list
         of them, each rendered by the model's chat template (or `chat_template`), then
         generated as generate() does; one RequestOutput per conversation.
         chat_template_content_format: "string", "openai" or "auto" (chat_format), as the
-        server's --chat-template-content-format."""
+        server's --chat-template-content-format. tools: OpenAI's function definitions, for
+        a template that renders them (as vLLM, no call is parsed out of the output)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
         import chat_format
-        from protocol import ApiError
+        from protocol import ApiError, tool_choice
 
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
@@ -149,6 +150,12 @@ class LLM:
         # offline API refuses what a chat request is refused for, with the same message.
         body = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                 "chat_template_kwargs": chat_template_kwargs or {}}
+        if tools:  # rendered as a chat request's tools with tool_choice "none": checked, none called
+            body |= {"tools": tools, "tool_choice": "none"}
+            try:
+                tool_choice(body, chat=True, auto=False)
+            except ApiError as e:
+                raise ValueError(str(e)) from None
         texts = []
         for i, conversation in enumerate(conversations):
             try:

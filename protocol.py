@@ -57,6 +57,7 @@ _NEUTRAL: dict[str, tuple] = {
     "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
     "logits_processors": ([],),  # custom processors by qualified name (vLLM's --logits-processor-pattern)
+    "stream_interval": (1,),  # tokens per streamed chunk: each chunk here is one engine step's
 }
 # Completions' own: embeddings in place of the prompt's tokens (vLLM's --enable-prompt-embeds)
 _COMPLETION_NEUTRAL: dict[str, tuple] = {"prompt_embeds": ()}
@@ -68,6 +69,7 @@ _ACCEPTED_NOOP: dict[str, tuple[type, ...]] = {
     "prompt_cache_key": (str,),  # a cache-routing hint: the prefix cache finds shared prefixes itself
     "prompt_cache_options": (dict,),  # likewise
     "safety_identifier": (str,),  # an end-user id for abuse monitoring
+    "session_id": (str,),  # vLLM's conversation id for routing related requests: one engine here
 }
 
 # Every field a request may carry and the server reads (_NEUTRAL's and _ACCEPTED_NOOP's
@@ -389,6 +391,9 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
     choice = body.get("tool_choice")
     if not chat and (tools or choice is not None):
         raise ApiError("'tools' and 'tool_choice' are only for /v1/chat/completions", param="tools")
+    if chat and body.get("tools") == []:  # vLLM's and OpenAI's 400, not a request without tools
+        raise ApiError("`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                       "entirely.", param="tools")
     if not tools:
         if choice is None or choice == "none":
             return None
@@ -397,30 +402,37 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
         raise ApiError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                        param="tool_choice")
     by_name = {}
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+    for i, t in enumerate(tools):  # (a left-out type is "function", vLLM's default)
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
         if not isinstance(fn.get("description", ""), (str, type(None))):  # vLLM's: a string or null
             raise ApiError(f"tools[{i}].function.description must be a string", param="tools")
         params = fn.get("parameters")
-        if params is None:  # left out or null (OpenAI's and vLLM's optional field): a function of no parameters
-            params = {"type": "object", "properties": {}}
+        if params is None or params == {}:  # left out, null or {} (vLLM's "required" schema): a function of no
+            params = {"type": "object", "properties": {}}  # parameters, whose arguments are still an object
         if not isinstance(params, dict):
             raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
         by_name[fn["name"]] = params
     if choice == "none":  # no call; the tools (checked above) may still reach the template
         return None
+    tools = template_tools(tools)
     if choice is None or choice in ("auto", "required"):
         return ToolChoice(choice or "auto", by_name, tools)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        and isinstance(choice.get("function"), dict) else None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+        choice.get("type", "function") == "function" and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):
         raise ApiError("'tool_choice' must be 'none', 'auto', 'required' or "
                        "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
     if name not in by_name:
         raise ApiError(f"tool_choice names function {name[:80]!r}, which is not in 'tools'", param="tool_choice")
     return ToolChoice("named", {name: by_name[name]}, tools)
+
+
+def template_tools(tools: list[dict]) -> list[dict]:
+    """A request's tools (checked by tool_choice) as the chat template gets them: each with
+    its type, "function" where left out, as vLLM hands them over."""
+    return [t if "type" in t else {"type": "function", **t} for t in tools]
 
 
 def required_tools_schema(tools: dict[str, dict]) -> dict:

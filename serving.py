@@ -319,6 +319,11 @@ class Choice:
                 self.num_output_tokens, self.metrics = c.num_output_tokens, metrics_json(c)
                 if self.form.log_id is not None:
                     self.log_delta(c, choice)
+                if self.form.chat and not (choice["delta"] or choice["finish_reason"] or choice["logprobs"]
+                                           or "token_ids" in choice or "prompt_logprobs" in choice):
+                    # the parsers hold this text back (a call's name or a tag not complete yet):
+                    # no chunk, as vLLM's (one with logprobs or ids still goes out, so they add up)
+                    continue
                 yield choice
 
     def log_delta(self, c: Chunk, choice: dict) -> None:

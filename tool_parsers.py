@@ -3,7 +3,8 @@
 A chat request gets calls in one of three ways (protocol.ToolChoice):
 
   named     tool_choice names a function: the output, constrained to its parameters'
-            schema, is the call's arguments.
+            schema, is the call's arguments; the call begins with their first character
+            (vLLM's stream names it then), so an output cut off while reasoning has none.
   required  the output, constrained to vLLM's schema (a non-empty JSON array of
             {"name", "parameters"}), is the calls.
   auto      the model may call or answer: the server's tool parser (--tool-call-parser,
@@ -513,8 +514,8 @@ class ToolCallStream:
         call the text holds, whether or not it parses."""
         if self.tools is None:
             return text, []
-        if self.tools.mode == "named":
-            return "", [CallView(next(iter(self.tools.tools)), text, final)]
+        if self.tools.mode == "named":  # the call begins with its arguments' first character (none yet: no call)
+            return "", [CallView(next(iter(self.tools.tools)), text, final)] if text else []
         if self.tools.mode == "required":
             return "", _array_calls(text, "parameters")
         return self.parser.view(text, final)
@@ -536,8 +537,9 @@ class ToolCallStream:
         """The i-th call of a stream's text so far, as _view has it (None: there is none)."""
         if self.tools is None:
             return None
-        if self.tools.mode == "named":  # the text after the reasoning is its arguments
-            return CallView(next(iter(self.tools.tools)), Span(self.body, 0, None), final) if i == 0 else None
+        if self.tools.mode == "named":  # the text after the reasoning is its arguments, once it has begun
+            return CallView(next(iter(self.tools.tools)), Span(self.body, 0, None), final) if i == 0 and \
+                len(self.body) else None
         return self.required.call(i) if self.tools.mode == "required" else self.parser.call(i)
 
     def _reason(self, called: bool, reason: str) -> str:

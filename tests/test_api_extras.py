@@ -476,3 +476,44 @@ def test_offline_stop_reason_is_the_stop_string_or_the_stop_token_id_as_vllm() -
     by_token = llm.generate(["go"], SamplingParams(stop_token_ids=[token], **letters))[0].outputs[0]
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)
     assert by_token.token_ids == free.token_ids[:free.token_ids.index(token) + 1]
+
+
+def test_a_stream_sends_no_chunk_for_text_its_parser_holds_back_as_vllms(app) -> None:
+    """vLLM's stream skips a token whose text the tool parser holds back (a call's name not
+    complete yet): no chunk with an empty delta but the last, which carries the
+    finish_reason. What is sent still adds up to the calls the text holds (the tiny model
+    writes calls until max_tokens: the whole response, whose last call is cut off, says
+    its text as content)."""
+    post, _ = app
+    body = {"messages": MESSAGES, "temperature": 0.0, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+    status, text, _ = post(CHAT, body)
+    assert status == 200, text
+    first, _ = json.JSONDecoder().raw_decode(json.loads(text)["choices"][0]["message"]["content"], 1)
+    status, text, _ = post(CHAT, body | {"stream": True})
+    choices = [c for e in events(text) for c in e["choices"]]
+    assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["delta"] for c in choices[1:-1]) and choices[-1]["finish_reason"] == "length", choices
+    deltas = [d for c in choices for d in c["delta"].get("tool_calls", [])]
+    assert deltas[0]["function"]["name"] == first["name"] == "f"
+    assert json.loads("".join(d["function"].get("arguments", "") for d in deltas if d["index"] == 0)) == \
+        first["parameters"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_function_whose_parameters_are_an_empty_schema_is_called_with_an_object(app, choice) -> None:
+    """`parameters: {}`, a common way to declare a function of no parameters, constrains as
+    a left-out one: the arguments are a JSON object (vLLM's "required" schema), never the
+    number or literal an empty schema would let the model write."""
+    post, _ = app
+    for seed in range(3):
+        body = {"messages": MESSAGES, "temperature": 1.0, "seed": seed, "tool_choice": choice,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
+        status, text, _ = post(CHAT, body)
+        assert status == 200, text
+        message = json.loads(text)["choices"][0]["message"]
+        if message.get("tool_calls"):
+            assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in message["tool_calls"])
+        else:  # (the tiny model ran out of tokens writing "required"'s array): its first call's arguments
+            after = message["content"].split('"parameters":', 1)[1]
+            assert after.lstrip().startswith("{"), message

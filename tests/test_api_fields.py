@@ -177,6 +177,7 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "reasoning_effort", "extreme"),
     (CHAT, "return_prompt_text", True),
+    (CHAT, "stream_interval", 4),  # vLLM's tokens per streamed chunk
     (CHAT, "cache_salt", ""),  # vLLM's: a non-empty string
     (C, "cache_salt", 5),
     (CHAT, "cache_salt", []),
@@ -214,6 +215,7 @@ ACCEPTED = [  # fields that ask for nothing a client depends on, and the neutral
      "reasoning_effort": "low", "function_call": "none", "functions": [], "logit_bias": {}, "n": 1},
     {"seed": 2**63 - 1}, {"seed": -2**63}, {"cache_salt": "pepper"}, {"cache_salt": None},
     {"length_penalty": 1.0},  # its default: asks nothing without beam search (README)
+    {"stream_interval": 1, "session_id": "conversation-7"},  # vLLM's: a chunk per token, a routing hint
 ]
 
 

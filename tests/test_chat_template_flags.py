@@ -339,3 +339,45 @@ def test_offline_chat_takes_the_content_format(tokenizer):
     assert out.prompt == reference(tokenizer, PARTS, string_form(fresh()))
     with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
         llm.chat(MESSAGES[:2], chat_template_content_format="json")
+    # vLLM's tools argument: rendered by a template that shows them, checked as a request's
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    shows = "{{ tools | tojson }}|" + WHOLE
+    (out,) = llm.chat(MESSAGES[:1], params, chat_template=shows, tools=tools)
+    assert out.prompt == tokenizer.apply_chat_template(MESSAGES[:1], tools=tools, chat_template=shows,
+                                                       tokenize=False, add_generation_prompt=True)
+    with pytest.raises(ValueError, match=r"tools\[0\] must be"):
+        llm.chat(MESSAGES[:1], params, chat_template=shows, tools=[{"type": "retrieval"}])
+
+
+def test_an_assistant_message_with_null_content_and_no_calls_renders_empty_as_vllms(tokenizer):
+    """A reasoning-only answer (content null, as the server sends one back) replayed as
+    history: no parts, as vLLM hands over a null content, in either format."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "reasoning": "hmm"},
+                {"role": "user", "content": "and?"}]
+    for template, form in ((WHOLE, string_form), (PARTS, openai_form)):
+        want = reference(tokenizer, template, form(json.loads(json.dumps(messages))))
+        assert render(tokenizer, template, "auto", messages) == want
+
+
+# Prints each assistant's calls, or that it has none.
+CALLS = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.tool_calls is defined %}"
+         "{% for c in m.tool_calls %}[{{ c.function.name }}({{ c.function.arguments | tojson }})]{% endfor %}"
+         "{% else %}(no calls){% endif %}\n{% endfor %}")
+
+
+def test_earlier_calls_without_arguments_reach_the_template_as_an_empty_object_as_vllms(tokenizer):
+    """vLLM's rule for an assistant's earlier calls: arguments left out, null, "" or the
+    JSON null are {}; an empty tool_calls list is none (the template's plain path)."""
+    def turn(calls: list | None) -> dict:
+        return {"role": "assistant", "content": None} | ({} if calls is None else {"tool_calls": calls})
+
+    def call(name: str, **arguments) -> dict:
+        return {"id": name, "type": "function", "function": {"name": name, **arguments}}
+
+    sent = [{"role": "user", "content": "hi"},
+            turn([call("a"), call("b", arguments=None), call("c", arguments=""), call("d", arguments="null")]),
+            turn([]), {"role": "user", "content": "x"}]
+    want = [sent[0], {"role": "assistant", "content": "", "tool_calls": [
+        call(n, arguments={}) for n in "abcd"]}, {"role": "assistant", "content": ""}, sent[3]]
+    assert render(tokenizer, CALLS, "auto", sent) == tokenizer.apply_chat_template(
+        want, chat_template=CALLS, tokenize=False, add_generation_prompt=True)

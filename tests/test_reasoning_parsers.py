@@ -111,6 +111,28 @@ def test_tool_calls_are_parsed_from_the_content_only():
     assert reason == "stop" and "tool_calls" not in message and message["content"] is None
 
 
+def test_a_named_call_begins_with_its_arguments_after_the_reasoning_as_vllms():
+    """vLLM's stream names a tool_choice function only with the first text after the
+    reasoning: none while the model thinks, and none at all from an output cut off while
+    thinking (whole or streamed), where a call with no arguments ("", no JSON) went out."""
+    named = ToolChoice("named", {"f": {"type": "object"}}, [])
+
+    def parser() -> ToolCallStream:
+        return ToolCallStream(named, reasoning=REASONING_PARSERS["deepseek_r1"](""))
+    deltas, reason = stream(parser(), "still thinking", [5])
+    whole, whole_reason = parser().message("still thinking", "length")
+    assert not any("tool_calls" in d for d in deltas) and "tool_calls" not in whole
+    assert whole["reasoning"] == "still thinking" and whole_reason == "length"
+    text = 'hmm</think>{"a": 1}'
+    for cuts in ([3], [5, 12], [11, 13]):
+        deltas, reason = stream(parser(), text, cuts)
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert calls[0]["function"]["name"] == "f" and calls[0]["function"]["arguments"]  # named with its start
+        assert "".join(c["function"].get("arguments", "") for c in calls) == '{"a": 1}' and reason == "stop"
+    whole, _ = parser().message(text, "stop")
+    assert [c["function"] for c in whole["tool_calls"]] == [{"name": "f", "arguments": '{"a": 1}'}]
+
+
 def test_include_reasoning_false_sends_no_reasoning():
     s = ToolCallStream(None, reasoning=REASONING_PARSERS["qwen3"](""), include_reasoning=False)
     message, _ = s.message("<think>x</think>y", "stop")

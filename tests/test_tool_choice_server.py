@@ -92,6 +92,30 @@ def test_tool_choice_none_still_checks_the_tools(post):
     assert status == 200, out
 
 
+def test_a_tool_or_tool_choice_without_its_type_is_a_function_as_vllms(post):
+    """vLLM's default type "function": a tool left without one is rendered with it (the
+    same prompt as WEATHER's), and a named tool_choice without one names that function."""
+    untyped = {"function": {"name": "f"}}
+    status, out = post([], {"tools": [untyped], "tool_choice": "none"})
+    assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(WITH_TOOLS), out
+    status, out = post([], {"tools": [untyped], "tool_choice": {"function": {"name": "f"}}})
+    assert status == 200 and out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f", out
+    for tools, choice in (([{"type": "retrieval", "function": {"name": "f"}}], "none"),
+                          ([WEATHER], {"type": "tool", "function": {"name": "f"}})):
+        status, out = post([], {"tools": tools, "tool_choice": choice})
+        assert status == 400, out
+
+
+@pytest.mark.parametrize("choice", [None, "none", "auto"])
+def test_an_empty_tools_array_is_a_400_as_vllms_and_openais(post, choice):
+    """vLLM's check_tool_usage (and OpenAI): `tools: []` is refused, whatever tool_choice
+    says, rather than served as a request without tools."""
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    status, out = post(flags, {"tools": []} | ({} if choice is None else {"tool_choice": choice}))
+    assert status == 400 and out["error"]["param"] == "tools", out
+    assert "`tools` must not be an empty array" in out["error"]["message"]
+
+
 def test_a_tool_call_parser_without_auto_tool_choice_parses_nothing(post, caplog):
     parser_only = ["--tool-call-parser", "hermes"]
     with caplog.at_level(logging.WARNING, logger="taxirank.server"):
