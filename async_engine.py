@@ -147,10 +147,13 @@ class AsyncEngine:
             self._num_reserved += n
 
     def release_waiting(self, n: int) -> None:
-        """Free n places reserve_waiting() held (the search has ended, or its client left)."""
+        """Free n places reserve_waiting() held (the search has ended, or its client left).
+        Freed by the loop, in order after the aborts handed over before: until those take
+        the search's requests out of the queue, where they hold reserved places, the places
+        still count (a release at once would let the queue hold more than its limit)."""
         with self._lock:
-            self._num_reserved -= n
-            assert self._num_reserved >= 0
+            self._inbox.append(("release", n))
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         """End the request in flight under request_id, whichever it is when the loop gets to it."""
@@ -207,6 +210,10 @@ class AsyncEngine:
                 finally:
                     with self._lock:
                         self._num_waiting_inbox -= not reserved
+            elif kind == "release":
+                with self._lock:
+                    self._num_reserved -= arg
+                    assert self._num_reserved >= 0
             elif kind == "reset_prefix_cache":
                 ok = self.engine.reset_prefix_cache()
                 self._loop.call_soon_threadsafe(lambda f=arg, ok=ok: f.done() or f.set_result(ok))

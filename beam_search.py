@@ -167,14 +167,23 @@ async def run(engine: AsyncEngine, request: EngineRequest, params: BeamSearchPar
     """The search for `request` on a running AsyncEngine: its prompt, and its priority, user,
     SLO and cache_salt for every step's requests (its params are replaced by each step's),
     which take the beam_width places in the waiting queue the caller reserved for them
-    (AsyncEngine.reserve_waiting). Cancelled, it aborts the step's requests (their streams' cleanup)."""
+    (AsyncEngine.reserve_waiting). Cancelled, it aborts the step's requests before it ends."""
     search = BeamSearch(request.prompt_token_ids, params, engine.model_config.eos_token_ids)
     step = params.step_params()
-    while not search.done:
-        streams = [engine.add_request(dataclasses.replace(
-            request, request_id=f"{request.request_id}-{search.num_steps}-{i}", prompt_token_ids=beam.tokens,
-            params=step), reserved=True) for i, beam in enumerate(search.beams)]
-        search.advance(await asyncio.gather(*(_token(s) for s in streams)))
+    ids: list[str] = []
+    try:
+        while not search.done:
+            ids = [f"{request.request_id}-{search.num_steps}-{i}" for i in range(len(search.beams))]
+            streams = [engine.add_request(dataclasses.replace(request, request_id=rid, prompt_token_ids=beam.tokens,
+                                                              params=step), reserved=True)
+                       for rid, beam in zip(ids, search.beams)]
+            search.advance(await asyncio.gather(*(_token(s) for s in streams)))
+    except asyncio.CancelledError:
+        # A stream cancelled before its first read has no cleanup to abort its request: each
+        # is aborted here, by id, before the caller frees the search's waiting places.
+        for rid in ids:
+            engine.abort(rid)
+        raise
     return search
 
 

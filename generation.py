@@ -156,9 +156,14 @@ class BeamSearchRun:
 
     def close(self) -> None:
         """The client is gone or the answer is out: a search still running stops (its step's
-        requests are aborted), and its places in the waiting queue are free."""
+        requests are aborted), and then its places in the waiting queue are free."""
         if self.task is not None and not self.task.done():
-            self.task.cancel()
+            self.task.cancel()  # the search aborts its step's requests as it ends: release after
+            self.task.add_done_callback(lambda _: self._release())
+        else:
+            self._release()
+
+    def _release(self) -> None:
         if self.reserved:
             self.reserved = False
             self.engine.release_waiting(self.params.beam_width)

@@ -144,9 +144,11 @@ def test_a_search_the_engine_cannot_run_is_refused_before_any_step():
 def test_a_queued_search_takes_exactly_the_waiting_places_it_holds():
     """A search holds beam_width places in the waiting queue from its start to its end
     (AsyncEngine.reserve_waiting); its step's requests wait in those places, not in places
-    of their own. With --max-waiting-requests 3 and a search of width 2 queued (its first
-    step's request waiting, in the inbox and then in the scheduler's queue), one plain
-    request fits, a second does not, and neither does a reservation of one more place."""
+    of their own. With --max-waiting-requests 3 and a search of width 2 queued, one plain
+    request fits beside it and a second does not, whether the search's request is in the
+    inbox or in the scheduler's queue; nor does a reservation of one more place. Cancelled
+    (its client gone) before its step's streams were read, the search's request leaves the
+    queue, and its places count until it has."""
     import asyncio
 
     import beam_search
@@ -156,8 +158,10 @@ def test_a_queued_search_takes_exactly_the_waiting_places_it_holds():
     from sampling_params import SamplingParams
 
     async def go() -> None:
-        # The loop thread is not started: whatever is handed over stays unscheduled.
+        # The loop thread is not started: whatever is handed over stays unscheduled until
+        # the test hands it to the engine (_drain_inbox, the loop's first act each turn).
         eng = AsyncEngine(EngineConfig(model="tiny", max_waiting_requests=3, **SMALL), log=lambda *_: None)
+        eng._loop = asyncio.get_running_loop()  # where aborted requests' last outputs go (as start() sets)
         eng.reserve_waiting(2)  # as the server's BeamSearchRun does before the search starts
         search = asyncio.create_task(beam_search.run(eng, EngineRequest("s", [5, 6, 7], SamplingParams()),
                                                      BeamSearchParams(2, 3)))
@@ -165,18 +169,33 @@ def test_a_queued_search_takes_exactly_the_waiting_places_it_holds():
 
         def plain(rid: str) -> None:
             eng.add_request(EngineRequest(rid, [9, 9], SamplingParams(max_tokens=2)))
-        plain("a")  # 2 reserved + 1
-        for waiting_in in ("the inbox", "the scheduler's queue"):
-            with pytest.raises(QueueFullError):
-                plain(f"b ({waiting_in})")
-            with pytest.raises(QueueFullError):
-                eng.reserve_waiting(1)
-            eng._drain_inbox()
-        assert sorted(q.request_id for q in eng.engine.scheduler.waiting) == ["a", "s-0-0"]
+
+        def waiting() -> list[str]:
+            return sorted(q.request_id for q in eng.engine.scheduler.waiting)
+        plain("a")  # the search's request in the inbox: 2 reserved + 1
+        with pytest.raises(QueueFullError):
+            plain("b")
+        with pytest.raises(QueueFullError):
+            eng.reserve_waiting(1)
+        eng._drain_inbox()
+        assert waiting() == ["a", "s-0-0"]
+        eng.abort("a")
+        eng._drain_inbox()
+        plain("c")  # the search's request in the scheduler's queue: 2 reserved + 1
+        with pytest.raises(QueueFullError):
+            plain("d")
+        eng._drain_inbox()
         search.cancel()
         with pytest.raises(asyncio.CancelledError):
             await search
         eng.release_waiting(2)
+        with pytest.raises(QueueFullError):  # s-0-0 waits on, in its reserved place
+            plain("e")
+        eng._drain_inbox()  # its abort, then the release
+        assert waiting() == ["c"]
+        plain("f"), plain("g")
+        with pytest.raises(QueueFullError):
+            plain("h")
     asyncio.run(go())
 
 
