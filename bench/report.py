@@ -84,9 +84,12 @@ def write_json(path: str, data: Any) -> str:
 
 
 def read_json(path: str, use: Callable[[Any], Any], what: str) -> Any:
-    """use(the JSON in path). A file that is not JSON, or not the shape `use` reads (use reads
-    nothing else, so its KeyError or TypeError is the file's), is a ValueError naming the file
-    and what is wrong: the bench's argparse error, not a traceback."""
+    """use(the JSON in path). A file that is not JSON, or not the shape `use` reads, is a
+    ValueError naming the file and what is wrong (the exception's type and text): the bench's
+    argparse error, not a traceback. A redraw's `use` is the redraw itself, whose reading is
+    what checks the file's many keys: an error of the same types in its own code is
+    reported the same way, still naming its type and text. (mixed_report and plot read the
+    whole file before they write anything.)"""
     with open(path) as f:
         text = f.read()
     try:

@@ -13,9 +13,20 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Callable, Iterator
 
-import numpy as np
-import pytest
-from hypothesis import settings
+# torch's OpenMP pool (the transformers references, transformers' own server) and
+# OpenBLAS's (NumPy references) spin-wait for their threads between operations: on cores
+# that the other test worker keeps busy, the tiny models' operations cost many times their
+# work in spinning (6 x 40 greedy tokens of test_draft_model's 4-layer checkpoint: 17 CPU-s
+# with torch's default 2 threads, 0.55 with one). The suite keeps every core busy with
+# its own workers, so one thread each is as fast and costs only the work. Read when each
+# library loads (OpenBLAS: with NumPy): set before the imports below, for this process and
+# every subprocess it starts. XLA's CPU thread pool does not read it: the engine's steps
+# are unchanged.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # Every scheduler step checks the global invariants (slots, no KV block leaked, block
 # coverage: scheduler.CHECK_ALL_INVARIANTS), which production skips for speed; server
@@ -37,16 +48,6 @@ os.environ["TAXIRANK_CHECK_INVARIANTS"] = "1"
 _FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE_FLAG}".strip()
-
-# torch's OpenMP pool (the transformers references, transformers' own server) and
-# OpenBLAS's (NumPy references) spin-wait for their threads between operations: on cores
-# that the other test worker keeps busy, the tiny models' operations cost many times their
-# work in spinning (6 x 40 greedy tokens of test_draft_model's 4-layer checkpoint: 17 CPU-s
-# with torch's default 2 threads, 0.55 with one). The suite keeps every core busy with
-# its own workers, so one thread each is as fast and costs only the work. Read when each
-# library loads: set before any test imports them, for this process and every subprocess
-# it starts. XLA's CPU thread pool does not read it: the engine's steps are unchanged.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Small enough to build and run in well under a second; GQA (4 heads over 2 KV heads).
 _BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
