@@ -401,14 +401,11 @@ class Fair(FCFS):
             self.counters[c] -= self._cost(s)
 
     def _cost(self, s: ScheduledSeq) -> float:
-        """What a row is charged, its sequence as the row's step left it."""
-        n = s.num_new_tokens
+        """What a row is charged: from the row alone, so its refund is exactly its charge.
+        A recompute is not charged: each preemption is then paid for by new work."""
         if s.is_decode:
             return self.output_weight * s.samples
-        # A recompute is not charged: each preemption is then paid for by new work.
-        end = s.seq.num_computed_tokens
-        n -= max(0, min(end, s.seq.num_computed_high) - (end - n))
-        return self.prompt_weight * n + self.output_weight * s.samples
+        return self.prompt_weight * (s.num_new_tokens - s.num_recomputed) + self.output_weight * s.samples
 
     def _arrive(self, seq: Sequence) -> None:
         c = self.client(seq)
