@@ -302,7 +302,10 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, Any]]:
                     raise ValueError(f"tensor {name!r} in {file} does not read as an array (dtype {stored}; "
                                      f"{type(e).__name__}: {e})"[:300]) from None
                 if not jnp.isfinite(x).all():  # as a GGUF file's (gguf_loader): every output would be NaN
-                    if stored == "F64" and np.isfinite(safe_open(file, framework="numpy").get_tensor(name)).all():
+                    if stored == "F64":
+                        with safe_open(file, framework="numpy") as raw:
+                            finite = np.isfinite(raw.get_tensor(name)).all()
+                    if stored == "F64" and finite:
                         raise ValueError(f"tensor {name!r} in {file} holds F64 values beyond float32's range: they "
                                          "overflow float32, the dtype the engine loads it as")
                     raise ValueError(f"tensor {name!r} in {file} holds NaN or infinite values: the file is damaged")

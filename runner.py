@@ -703,7 +703,7 @@ class ModelRunner:
             self.channel.post(STOP, 0, 0, ())
             self.channel = None
 
-    def warmup(self, log: Callable[[str], None] = print) -> None:
+    def warmup(self, log: Callable[[str], None]) -> None:
         """Compile the sample program, every decode bucket, every token bucket and the
         prompt-logprob program before serving (with speculation, each token bucket's
         program holds every verified-row bucket, and each decode bucket has a verify program).

@@ -565,10 +565,13 @@ def start(args: argparse.Namespace, the_plan: Plan) -> str:
 def check_ray_address(address: str | None, timeout_s: float = 10.0) -> None:
     """A ValueError unless a cluster address given as [ray://]host:port takes a connection:
     ray.init (which has no timeout argument) retries one where nothing listens in its GCS
-    client's reconnect loop for many minutes. 'auto' (and none) Ray resolves, and refuses, itself."""
+    client's reconnect loop for many minutes. 'auto' (and none), and an address without a
+    port (Ray's default port then), Ray resolves, and refuses, itself."""
     if address in (None, "auto", "local"):
         return
     host, _, port = address.split("://")[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except (OSError, ValueError) as e:

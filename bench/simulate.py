@@ -600,9 +600,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cm = load_cost_model(args.cost_model)
-        work = None if args.workload in SYNTHETIC else load_workload(args.workload, sizes.vocab_size)
     except ValueError as e:
         p.error(str(e))
+    try:
+        work = None if args.workload in SYNTHETIC else load_workload(args.workload, sizes.vocab_size)
+    except ValueError as e:
+        p.error(f"--workload {e}")
     if args.report:
         os.makedirs(out_dir, exist_ok=True)
         report({"this machine": cm, "GPU-like": GPU_LIKE}, out_dir, tuple(args.report_seqs))

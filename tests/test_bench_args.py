@@ -53,9 +53,10 @@ REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag di
     ("stutter", ["--tiny", "--dtype", "float16"], "argument --dtype: invalid choice"),  # unchecked: a traceback
     # unchecked: json's, a KeyError's or a StopIteration's traceback
     ("simulate", ["--tiny", "--cost-model", "gpu-like", "--workload", os.path.join(ROOT, "README.md")],
-     "README.md: not a JSON list of requests nor bench/mixed.py's results.json (JSONDecodeError"),
+     f"--workload {os.path.join(ROOT, 'README.md')}: not a JSON list of requests nor bench/mixed.py's results.json "
+     "(JSONDecodeError"),
     ("simulate", ["--tiny", "--cost-model", "gpu-like", "--workload", TRACES],
-     "scheduler_traces.json: not a JSON list of requests"),
+     f"--workload {TRACES}: not a JSON list of requests"),
     ("simulate", ["--tiny", "--cost-model", TRACES], "scheduler_traces.json: not a cost model"),
     ("simulate", ["--tiny", "--cost-model", os.path.join(ROOT, "README.md")],
      "README.md: not a cost model (simulate.py --calibrate writes one) (JSONDecodeError"),
