@@ -377,8 +377,9 @@ def _template_call(call: dict, i: int) -> dict:
     template writing `arguments | tojson` would otherwise show the model an escaped string.
     The call has OpenAI's shape (vLLM's 400 otherwise): {"id": ..., "type": "function",
     "function": {"name": ..., "arguments": ...}}, its arguments a JSON string or already an
-    object (the template's own form), id and type optional; none, "" or JSON null is no
-    arguments, {} (vLLM's)."""
+    object (the template's own form), id and type optional. Arguments that are no JSON
+    object (none, "", JSON null, 42, a list, text that is not JSON: a model's own broken
+    call sent back) reach the template as {}, vLLM's rule, so that the conversation goes on."""
     fn = call.get("function")
     where = f"messages[{i}].tool_calls"
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -394,6 +395,10 @@ def _template_call(call: dict, i: int) -> dict:
         raise ApiError(f"{where}: a call's 'type' must be 'function'", param="messages")
     if isinstance(arguments, dict):
         return call
-    if arguments:  # a JSON string: read_body saw neither its depth nor the lone surrogates its escapes decode to
-        arguments = loads_checked(arguments, f"messages[{i}].tool_calls: function.arguments", "messages")
-    return call | {"function": fn | {"arguments": {} if arguments is None or arguments == "" else arguments}}
+    try:
+        json.loads(arguments or "{}")
+    except ValueError:
+        arguments = "{}"
+    # a JSON string: read_body saw neither its depth nor the lone surrogates its escapes decode to
+    arguments = loads_checked(arguments or "{}", f"messages[{i}].tool_calls: function.arguments", "messages")
+    return call | {"function": fn | {"arguments": arguments if isinstance(arguments, dict) else {}}}

@@ -366,8 +366,9 @@ CALLS = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.tool_calls
 
 
 def test_earlier_calls_without_arguments_reach_the_template_as_an_empty_object_as_vllms(tokenizer):
-    """vLLM's rule for an assistant's earlier calls: arguments left out, null, "" or the
-    JSON null are {}; an empty tool_calls list is none (the template's plain path)."""
+    """vLLM's rule for an assistant's earlier calls: arguments left out, null, "", or JSON
+    that is no object (null, 42, a list, a string, true) or no JSON at all (a model's own
+    broken call, sent back) are {}; an empty tool_calls list is none (the template's plain path)."""
     def turn(calls: list | None) -> dict:
         return {"role": "assistant", "content": None} | ({} if calls is None else {"tool_calls": calls})
 
@@ -375,9 +376,11 @@ def test_earlier_calls_without_arguments_reach_the_template_as_an_empty_object_a
         return {"id": name, "type": "function", "function": {"name": name, **arguments}}
 
     sent = [{"role": "user", "content": "hi"},
-            turn([call("a"), call("b", arguments=None), call("c", arguments=""), call("d", arguments="null")]),
+            turn([call("a"), call("b", arguments=None), call("c", arguments=""), call("d", arguments="null"),
+                  call("e", arguments="42"), call("f", arguments="[1]"), call("g", arguments='"x"'),
+                  call("h", arguments="true"), call("i", arguments='{"q": '), call("j", arguments="  ")]),
             turn([]), {"role": "user", "content": "x"}]
     want = [sent[0], {"role": "assistant", "content": "", "tool_calls": [
-        call(n, arguments={}) for n in "abcd"]}, {"role": "assistant", "content": ""}, sent[3]]
+        call(n, arguments={}) for n in "abcdefghij"]}, {"role": "assistant", "content": ""}, sent[3]]
     assert render(tokenizer, CALLS, "auto", sent) == tokenizer.apply_chat_template(
         want, chat_template=CALLS, tokenize=False, add_generation_prompt=True)
