@@ -146,13 +146,18 @@ class AsyncEngine:
                 raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests)")
             self._num_reserved += n
 
-    def release_waiting(self, n: int) -> None:
+    def release_waiting(self, n: int, after_aborts: bool = False) -> None:
         """Free n places reserve_waiting() held (the search has ended, or its client left).
-        Freed by the loop, in order after the aborts handed over before: until those take
-        the search's requests out of the queue, where they hold reserved places, the places
-        still count (a release at once would let the queue hold more than its limit)."""
+        after_aborts: requests in those places may still wait, their aborts handed over but
+        not yet done: the loop frees the places after those aborts, so that they count until
+        the requests have left the queue (freed at once, the queue could hold more than its
+        limit meanwhile)."""
         with self._lock:
-            self._inbox.append(("release", n))
+            if after_aborts:
+                self._inbox.append(("release", n))
+            else:
+                self._num_reserved -= n
+                assert self._num_reserved >= 0
         self._wake.set()
 
     def abort(self, request_id: str) -> None:

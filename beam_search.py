@@ -167,7 +167,7 @@ async def run(engine: AsyncEngine, request: EngineRequest, params: BeamSearchPar
     """The search for `request` on a running AsyncEngine: its prompt, and its priority, user,
     SLO and cache_salt for every step's requests (its params are replaced by each step's),
     which take the beam_width places in the waiting queue the caller reserved for them
-    (AsyncEngine.reserve_waiting). Cancelled, it aborts the step's requests before it ends."""
+    (AsyncEngine.reserve_waiting). Cancelled or failed, it aborts the step's requests before it ends."""
     search = BeamSearch(request.prompt_token_ids, params, engine.model_config.eos_token_ids)
     step = params.step_params()
     ids: list[str] = []
@@ -178,7 +178,7 @@ async def run(engine: AsyncEngine, request: EngineRequest, params: BeamSearchPar
                                                               params=step), reserved=True)
                        for rid, beam in zip(ids, search.beams)]
             search.advance(await asyncio.gather(*(_token(s) for s in streams)))
-    except asyncio.CancelledError:
+    except BaseException:  # cancelled, or a step's request failed: its other requests run on
         # A stream cancelled before its first read has no cleanup to abort its request: each
         # is aborted here, by id, before the caller frees the search's waiting places.
         for rid in ids:

@@ -159,14 +159,15 @@ class BeamSearchRun:
         requests are aborted), and then its places in the waiting queue are free."""
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the search aborts its step's requests as it ends: release after
-            self.task.add_done_callback(lambda _: self._release())
-        else:
-            self._release()
+            self.task.add_done_callback(lambda _: self._release(after_aborts=True))
+        else:  # not started, or ended: done, none of its requests is left; failed, it aborted them
+            self._release(after_aborts=self.task is not None and (self.task.cancelled()
+                                                                  or self.task.exception() is not None))
 
-    def _release(self) -> None:
+    def _release(self, after_aborts: bool) -> None:
         if self.reserved:
             self.reserved = False
-            self.engine.release_waiting(self.params.beam_width)
+            self.engine.release_waiting(self.params.beam_width, after_aborts)
 
 
 class BeamGeneration:

@@ -304,9 +304,8 @@ def _safetensors_tensors(path: str) -> Iterator[tuple[str, Any]]:
                 if not jnp.isfinite(x).all():  # as a GGUF file's (gguf_loader): every output would be NaN
                     if stored == "F64":
                         with safe_open(file, framework="numpy") as raw:
-                            finite = np.isfinite(raw.get_tensor(name)).all()
-                    if stored == "F64" and finite:
-                        raise ValueError(f"tensor {name!r} in {file} holds F64 values beyond float32's range: they "
-                                         "overflow float32, the dtype the engine loads it as")
+                            if np.isfinite(raw.get_tensor(name)).all():
+                                raise ValueError(f"tensor {name!r} in {file} holds F64 values beyond float32's "
+                                                 "range: they overflow float32, the dtype the engine loads it as")
                     raise ValueError(f"tensor {name!r} in {file} holds NaN or infinite values: the file is damaged")
                 yield name, x

@@ -146,15 +146,16 @@ def test_a_queued_search_takes_exactly_the_waiting_places_it_holds():
     (AsyncEngine.reserve_waiting); its step's requests wait in those places, not in places
     of their own. With --max-waiting-requests 3 and a search of width 2 queued, one plain
     request fits beside it and a second does not, whether the search's request is in the
-    inbox or in the scheduler's queue; nor does a reservation of one more place. Cancelled
-    (its client gone) before its step's streams were read, the search's request leaves the
-    queue, and its places count until it has."""
+    inbox or in the scheduler's queue; nor does a reservation of one more place. Closed (its
+    client gone) before its step's streams were read, the search's request leaves the
+    queue, and its places count until it has; a search closed before it started, or after
+    it ended, frees its places at once."""
     import asyncio
 
-    import beam_search
     from async_engine import AsyncEngine
     from config import EngineConfig
     from engine import EngineRequest, QueueFullError
+    from generation import BeamSearchRun
     from sampling_params import SamplingParams
 
     async def go() -> None:
@@ -162,10 +163,11 @@ def test_a_queued_search_takes_exactly_the_waiting_places_it_holds():
         # the test hands it to the engine (_drain_inbox, the loop's first act each turn).
         eng = AsyncEngine(EngineConfig(model="tiny", max_waiting_requests=3, **SMALL), log=lambda *_: None)
         eng._loop = asyncio.get_running_loop()  # where aborted requests' last outputs go (as start() sets)
-        eng.reserve_waiting(2)  # as the server's BeamSearchRun does before the search starts
-        search = asyncio.create_task(beam_search.run(eng, EngineRequest("s", [5, 6, 7], SamplingParams()),
-                                                     BeamSearchParams(2, 3)))
-        await asyncio.sleep(0)  # its first step's request is handed over
+        beam = dict(beam_width=2, max_tokens=3)
+        run = BeamSearchRun(eng, EngineRequest("s", [5, 6, 7], SamplingParams()), beam)  # as the server's
+        reader = asyncio.ensure_future(run.sequences())
+        await asyncio.sleep(0)  # the search starts and hands its first step's request over
+        await asyncio.sleep(0)
 
         def plain(rid: str) -> None:
             eng.add_request(EngineRequest(rid, [9, 9], SamplingParams(max_tokens=2)))
@@ -185,14 +187,16 @@ def test_a_queued_search_takes_exactly_the_waiting_places_it_holds():
         with pytest.raises(QueueFullError):
             plain("d")
         eng._drain_inbox()
-        search.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await search
-        eng.release_waiting(2)
+        run.close()
+        run.close()  # (a second close frees nothing more)
+        reader.cancel()
+        await asyncio.wait({run.task})  # the search ends
+        await asyncio.sleep(0)  # and its end's callbacks run
         with pytest.raises(QueueFullError):  # s-0-0 waits on, in its reserved place
             plain("e")
         eng._drain_inbox()  # its abort, then the release
-        assert waiting() == ["c"]
+        assert waiting() == ["c"] and eng._num_reserved == 0
+        BeamSearchRun(eng, EngineRequest("t", [5], SamplingParams()), beam).close()  # never started
         plain("f"), plain("g")
         with pytest.raises(QueueFullError):
             plain("h")

@@ -114,7 +114,7 @@ def test_tool_calls_are_parsed_from_the_content_only():
 def test_a_named_call_begins_with_its_arguments_after_the_reasoning_as_vllms():
     """vLLM's stream names a tool_choice function only with the first text after the
     reasoning: none while the model thinks, and none at all from an output cut off while
-    thinking (whole or streamed), where a call with no arguments ("", no JSON) went out."""
+    thinking (whole or streamed), which would be a call whose arguments are "", no JSON."""
     named = ToolChoice("named", {"f": {"type": "object"}}, [])
 
     def parser() -> ToolCallStream:
