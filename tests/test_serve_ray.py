@@ -54,6 +54,11 @@ def server() -> Iterator[Server]:
     # compiles, the proxy's start-up alone took longer (measured in a CI run).
     for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
         os.environ.setdefault(name, "60")
+    # Ray's own metrics (every process exporting its gauges, Serve's per-request counters
+    # and histograms in the proxy and the replicas) are read by nothing here: the fleet's
+    # /metrics is the replicas' own text, merged by the Ingress. Off, the file took about
+    # 5% less CPU (every Ray process included, back-to-back pairs: 76.0 -> 70.3 and 73.3 CPU-s).
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
     port = free_port()
     args = serve_ray.build_parser().parse_args([*SMALL, "--num-replicas", "2", "--port", str(port),
                                                 "--api-key", API_KEY, "--no-warmup",
