@@ -277,6 +277,18 @@ def test_a_failure_on_the_row_of_a_request_that_ended_meanwhile_ends_nothing(mon
     assert fired[0] == 1  # the failure happened, once: a's row ran nowhere after it
 
 
+def fail_request(monkeypatch, eng, request_id: str) -> None:
+    """eng's runner raises for every step holding request_id, before the device runs (a fault
+    in that request's inputs)."""
+    real = eng.runner.execute
+
+    def execute(out):
+        if any(s.seq.request_id == request_id for s in out.scheduled):
+            raise OverflowError("bad input")
+        return real(out)
+    monkeypatch.setattr(eng.runner, "execute", execute)
+
+
 @pytest.mark.parametrize("config", [dict(async_scheduling=True), dict(async_scheduling=False),
                                     # the second prompt boards beside the first without a row (no budget left)
                                     dict(scheduling="static", max_num_batched_tokens=40)])
@@ -302,13 +314,7 @@ def test_a_request_that_failed_alone_leaves_no_cached_prefix_it_never_computed(m
 
     ref = run(LLMEngine(EngineConfig(**SMALL, enable_prefix_caching=False), log=quiet), ["ref"])["ref"]
     eng = LLMEngine(EngineConfig(**{**SMALL, **config}), log=quiet)
-    real = eng.runner.execute
-
-    def execute(out):  # a fault in one request's inputs, before the device runs
-        if any(s.seq.request_id == "bad" for s in out.scheduled):
-            raise OverflowError("bad input")
-        return real(out)
-    monkeypatch.setattr(eng.runner, "execute", execute)
+    fail_request(monkeypatch, eng, "bad")
     got = run(eng, ["bad", "shared"]) | run(eng, ["later"])
     assert got.pop("bad") == ([], [], "error")
     for rid, (tokens, lps, reason) in got.items():
@@ -325,13 +331,7 @@ def test_a_row_that_ran_nowhere_is_no_service_and_its_rerun_waits_for_no_kv_bloc
     got (prompt_weight per prompt token, output_weight per output token), and while the
     rerun waits for that step nothing has refused it KV blocks (no wait reason yet)."""
     eng = LLMEngine(EngineConfig(**SMALL, scheduling_policy="fair", async_scheduling=False), log=quiet)
-    real = eng.runner.execute
-
-    def execute(out):  # a fault in one request's inputs, before the device runs
-        if any(s.seq.request_id == "bad" for s in out.scheduled):
-            raise OverflowError("bad input")
-        return real(out)
-    monkeypatch.setattr(eng.runner, "execute", execute)
+    fail_request(monkeypatch, eng, "bad")
     prompt = [5 + (7 * i) % 200 for i in range(40)]  # two full blocks of 16, and a partial one
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     # admitted in one step: "shared" reads the two blocks "bad" was to compute
