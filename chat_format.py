@@ -395,10 +395,10 @@ def _template_call(call: dict, i: int) -> dict:
         raise ApiError(f"{where}: a call's 'type' must be 'function'", param="messages")
     if isinstance(arguments, dict):
         return call
-    try:
-        json.loads(arguments or "{}")
-    except ValueError:
-        arguments = "{}"
-    # a JSON string: read_body saw neither its depth nor the lone surrogates its escapes decode to
-    arguments = loads_checked(arguments or "{}", f"messages[{i}].tool_calls: function.arguments", "messages")
+    try:  # a JSON string: read_body saw neither its depth nor the lone surrogates its escapes decode to
+        arguments = loads_checked(arguments or "{}", f"messages[{i}].tool_calls: function.arguments", "messages")
+    except ApiError as e:
+        if not isinstance(e.__cause__, json.JSONDecodeError):  # (too deep, or a lone surrogate: still a 400)
+            raise
+        arguments = {}
     return call | {"function": fn | {"arguments": arguments if isinstance(arguments, dict) else {}}}

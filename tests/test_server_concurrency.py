@@ -273,7 +273,7 @@ def test_a_streams_late_cleanup_leaves_a_new_request_under_its_id_alone(end):
         engine._drain_inbox = held_drain
         enqueue = engine.engine.enqueue
         if end == "failed":
-            def refuse_once(request: EngineRequest) -> None:
+            def refuse_once(request: EngineRequest, place_reserved: bool = False) -> None:
                 engine.engine.enqueue = enqueue
                 raise ValueError("refused by the scheduler")
             engine.engine.enqueue = refuse_once
