@@ -46,7 +46,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -58,7 +57,7 @@ from flax import nnx
 
 import checkpoint
 from attention_backend import AttentionBackend, AttentionShape, select_attention_backend
-from compilation import CountedProgram, count_compile, persistent_cache_hits, shared_programs, warmup_summary
+from compilation import Built, CountedProgram, count_compile, shared_programs, warmup_summary
 from config import EngineConfig
 from hf_config import read_json
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
@@ -445,12 +444,10 @@ class DraftModelProposer:
 
     def warmup(self, log: Callable[[str], None]) -> None:
         """Compile the draft's programs: catch-up per token bucket, draft per decode bucket."""
-        t0, before = time.perf_counter(), self.stats.num_compilations
-        with persistent_cache_hits() as loaded:
+        with Built(self.stats) as built:
             self._warmup()
-        n = self.stats.num_compilations - before
-        what = f"the draft model's {n} programs"
-        log(f"warm-up: {warmup_summary(what, n, loaded[0], time.perf_counter() - t0)}")
+        what = f"the draft model's {built.traced} programs"
+        log(f"warm-up: {warmup_summary(what, built.traced, built.loaded, built.seconds)}")
 
     def _warmup(self) -> None:
         cfg = self.config

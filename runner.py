@@ -713,12 +713,12 @@ class ModelRunner:
         executable; running it on idle inputs would cost the prefill buckets' matmuls for
         nothing. (Compiling several at once in threads was slower on 2 cores: XLA's CPU
         compiler already runs its codegen on more than one.)"""
-        t0, before = time.perf_counter(), self.stats.num_compilations
-        total, loaded = self._warmup(log)
-        compiled = self.stats.num_compilations - before
+        with Built(self.stats) as built:
+            total, loaded = self._warmup(log)
+        compiled = built.traced
         # by this engine (the activation probe's step) or by another with its ProgramKey
         ready = f" ({total - compiled} were compiled already)" if compiled < total else ""
-        summary = warmup_summary(f"{compiled} programs", compiled, loaded, time.perf_counter() - t0)
+        summary = warmup_summary(f"{compiled} programs", compiled, loaded, built.seconds)
         log(f"warm-up: {summary}{ready}")
 
     def _warmup(self, log: Callable[[str], None]) -> tuple[int, int]:
