@@ -152,13 +152,17 @@ class AsyncEngine:
         not yet done: the loop frees the places after those aborts, so that they count until
         the requests have left the queue (freed at once, the queue could hold more than its
         limit meanwhile)."""
+        if not after_aborts:
+            self._free_reserved(n)
+            return
         with self._lock:
-            if after_aborts:
-                self._inbox.append(("release", n))
-            else:
-                self._num_reserved -= n
-                assert self._num_reserved >= 0
+            self._inbox.append(("release", n))
         self._wake.set()
+
+    def _free_reserved(self, n: int) -> None:
+        with self._lock:
+            self._num_reserved -= n
+            assert self._num_reserved >= 0
 
     def abort(self, request_id: str) -> None:
         """End the request in flight under request_id, whichever it is when the loop gets to it."""
@@ -216,9 +220,7 @@ class AsyncEngine:
                     with self._lock:
                         self._num_waiting_inbox -= not reserved
             elif kind == "release":
-                with self._lock:
-                    self._num_reserved -= arg
-                    assert self._num_reserved >= 0
+                self._free_reserved(arg)
             elif kind == "reset_prefix_cache":
                 ok = self.engine.reset_prefix_cache()
                 self._loop.call_soon_threadsafe(lambda f=arg, ok=ok: f.done() or f.set_result(ok))
