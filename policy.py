@@ -86,35 +86,56 @@ class Registry(dict, Generic[T]):
 # place_reserved): what a limit on waiting requests counts besides the places reserved
 # (AsyncEngine). One int, updated after each change, so another thread reads it whole.
 
-class FCFSQueue(deque):
+class WaitingQueue:
+    """What the scheduler reads of a waiting queue, over `_seqs` in admission order. The
+    changes are each subclass's own methods, and each keeps num_unreserved; no container
+    method is inherited that would change `_seqs` behind the count."""
+
+    _seqs: deque[Sequence] | list[Sequence]
+    num_unreserved: int
+
+    def peek(self) -> Sequence:
+        return self._seqs[0]
+
+    def __getitem__(self, i: int) -> Sequence:
+        return self._seqs[i]
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._seqs)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self._seqs)
+
+
+class FCFSQueue(WaitingQueue):
     """Arrival order; a preempted sequence goes back to the front (vLLM's FCFS)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self._seqs: deque[Sequence] = deque()
         self.num_unreserved = 0
 
     def add(self, seq: Sequence) -> None:
-        self.append(seq)
+        self._seqs.append(seq)
         self.num_unreserved += not seq.place_reserved
 
     def requeue(self, seq: Sequence) -> None:
-        self.appendleft(seq)
+        self._seqs.appendleft(seq)
         self.num_unreserved += not seq.place_reserved
 
-    def peek(self) -> Sequence:
-        return self[0]
-
     def pop_head(self) -> Sequence:
-        seq = self.popleft()
+        seq = self._seqs.popleft()
         self.num_unreserved -= not seq.place_reserved
         return seq
 
     def remove(self, seq: Sequence) -> None:
-        super().remove(seq)
+        self._seqs.remove(seq)
         self.num_unreserved -= not seq.place_reserved
 
 
-class SortedQueue:
+class SortedQueue(WaitingQueue):
     """Kept sorted by a policy's key; a preempted sequence goes back to the place its key
     gives it, not to the front (it would jump a request that outranks it) nor to the back
     (behind later ones). A key must not change while its request waits."""
@@ -134,9 +155,6 @@ class SortedQueue:
 
     requeue = add
 
-    def peek(self) -> Sequence:
-        return self._seqs[0]
-
     def pop_head(self) -> Sequence:
         self._keys.pop(0)
         seq = self._seqs.pop(0)
@@ -147,18 +165,6 @@ class SortedQueue:
         i = self._seqs.index(seq)
         del self._keys[i], self._seqs[i]
         self.num_unreserved -= not seq.place_reserved
-
-    def __getitem__(self, i: int) -> Sequence:
-        return self._seqs[i]
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return iter(self._seqs)
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
-    def __bool__(self) -> bool:
-        return bool(self._seqs)
 
 
 class ResortedQueue(SortedQueue):
@@ -209,7 +215,7 @@ class FCFS:
         the queue's (which also puts a preempted request back at the front)."""
         return seq.arrival_order
 
-    def new_queue(self) -> FCFSQueue | SortedQueue:
+    def new_queue(self) -> WaitingQueue:
         return FCFSQueue()
 
     def begin_step(self, running: list[Sequence]) -> None:

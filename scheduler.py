@@ -36,7 +36,7 @@ import numpy as np
 from config import EngineConfig
 from kvcache import BlockAllocator, blocks_needed, hash_block_tokens
 from metrics import wait_reasons
-from policy import BATCHING, KV_ADMISSION, POLICIES, FCFSQueue, SortedQueue
+from policy import BATCHING, KV_ADMISSION, POLICIES, WaitingQueue
 from preemption import PreemptionPlan
 from sampling_params import ParamError, SamplingParams, SLOTarget
 from scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
@@ -66,7 +66,7 @@ class Scheduler:
         self.policy = POLICIES.create(config)  # admission order, KV victim, who may preempt (policy.py)
         self.batching = BATCHING.create(config)  # how a step is composed, when a seat frees
         self.kv_admission = KV_ADMISSION.create(config)  # the blocks a sequence holds from admission
-        self.waiting: FCFSQueue | SortedQueue = self.policy.new_queue()
+        self.waiting: WaitingQueue = self.policy.new_queue()
         self.running: list[Sequence] = []  # admission order; finished ones a batching keeps seated too
         self._free_slots = list(range(config.max_num_seqs))  # a heap: the lowest free slot first
         self._seqs: dict[str, Sequence] = {}  # every request not yet released, by id

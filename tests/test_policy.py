@@ -503,3 +503,37 @@ def test_priority_changes_who_runs_when_not_the_tokens():
     assert sum(s.finished_time > high_done for s in seqs[:3]) >= 2  # the low ones mostly finish last
     with pytest.raises(ValueError, match="priority must be an integer"):
         engine.add_request("bad", ps[0], params[0], priority=True)
+
+
+# ---- the waiting queue's count --------------------------------------------------------
+from hypothesis import given  # noqa: E402
+
+from policy import POLICIES  # noqa: E402
+
+QUEUE_OPS = st.lists(st.tuples(st.sampled_from(["add", "requeue", "pop_head", "remove"]), st.booleans(),
+                               st.integers(0, 3), st.integers(0, 7)), max_size=40)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@settings(max_examples=60, deadline=None)
+@given(ops=QUEUE_OPS)
+def test_every_policys_waiting_queue_counts_the_places_no_caller_reserved_through_any_change(name, ops):
+    """What a limit on waiting requests reads (num_unreserved), against a plain list of the
+    queue's requests: add, requeue, pop_head and remove keep it, and the queue offers no
+    container method (a deque's append, clear, pop...) that would change it uncounted."""
+    q = POLICIES[name]().new_queue()
+    model: list[Sequence] = []
+    for i, (op, reserved, user, priority) in enumerate(ops):
+        if op in ("add", "requeue"):
+            s = seq(f"r{i}", priority=priority)
+            s.place_reserved, s.user, s.arrival_order = reserved, f"u{user}", i
+            getattr(q, op)(s)
+            model.append(s)
+        elif model and op == "pop_head":
+            model.remove(q.pop_head())
+        elif model:
+            victim = model.pop(priority % len(model))
+            q.remove(victim)
+        assert sorted(id(s) for s in q) == sorted(id(s) for s in model) and len(q) == len(model)
+        assert q.num_unreserved == sum(not s.place_reserved for s in model)
+    assert not any(hasattr(q, m) for m in ("append", "appendleft", "extend", "clear", "pop", "popleft", "insert"))
