@@ -481,7 +481,9 @@ class LLMEngine:
         for sch in out.scheduled:
             if sch.seq.finished:
                 # Ended by a step collected since this one was scheduled (async scheduling):
-                # its slot is gone, so it runs nowhere, and update() would discard its row.
+                # its slot is gone, so it runs nowhere (no service: its charge is taken back),
+                # and update() would discard its row.
+                self.scheduler.policy.refund(sch)
                 ended = True
                 continue
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,

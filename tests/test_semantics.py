@@ -16,6 +16,7 @@ from engine import EngineRequest, LLMEngine, QueueFullError, child_requests
 from kvcache import CPU_DEFAULT_KV_BYTES, kv_cache_bytes_per_block, num_kv_blocks_for
 from llm import LLM
 from model import ModelConfig
+from policy import Fair
 from sampling_params import SamplingParams
 from scheduler import Scheduler
 from sequence import Sequence
@@ -239,12 +240,15 @@ def test_a_failure_on_the_row_of_a_request_that_ended_meanwhile_ends_nothing(mon
     """Under async scheduling a request's next step is scheduled while the step that ends it
     runs. When preparing that next step fails on the ended request's own row, the culprit
     has gone (its row runs nowhere) and every other row runs alone: the engine serves
-    them as if nothing happened, rather than dying."""
+    them as if nothing happened, rather than dying. Under the fair policy the row that ran
+    nowhere is no service: its client's counter is one output token below the clean run's,
+    where that row ran (and was discarded)."""
     prompts = {"a": [5, 6, 7], "b": [9, 3], "c": [4, 4, 8, 1]}
     fired = [0]
+    counters: list[dict[str, float]] = []
 
     def run(stops: dict[str, list[int]], poison: bool) -> tuple[dict[str, list[int]], dict[str, str]]:
-        eng = LLMEngine(EngineConfig(**SMALL, async_scheduling=True), log=quiet)
+        eng = LLMEngine(EngineConfig(**SMALL, async_scheduling=True, scheduling_policy="fair"), log=quiet)
         real = eng.runner.execute
 
         def execute(out):  # a's row in the step after its last token (scheduled while that token was in flight)
@@ -256,7 +260,7 @@ def test_a_failure_on_the_row_of_a_request_that_ended_meanwhile_ends_nothing(mon
         monkeypatch.setattr(eng.runner, "execute", execute)
         for rid, prompt in prompts.items():
             eng.add_request(rid, prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                                        stop_token_ids=stops.get(rid)))
+                                                        stop_token_ids=stops.get(rid)), user=rid)
         tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
         reasons: dict[str, str] = {}
         while eng.has_unfinished():
@@ -266,6 +270,7 @@ def test_a_failure_on_the_row_of_a_request_that_ended_meanwhile_ends_nothing(mon
                     reasons[d.request_id] = d.finish_reason
         eng.scheduler.check_invariants()
         assert eng.scheduler.allocator.num_used == 0
+        counters.append(dict(eng.scheduler.policy.counters))
         return tokens, reasons
 
     greedy, _ = run({}, False)
@@ -275,6 +280,7 @@ def test_a_failure_on_the_row_of_a_request_that_ended_meanwhile_ends_nothing(mon
     assert clean[1]["a"] == "stop" and clean[0]["a"] == greedy["a"][:2]
     assert run(stops, True) == clean
     assert fired[0] == 1  # the failure happened, once: a's row ran nowhere after it
+    assert counters[-1] == counters[-2] | {"a": counters[-2]["a"] - Fair.output_weight}, counters[-2:]
 
 
 def fail_request(monkeypatch, eng, request_id: str) -> None:
