@@ -562,20 +562,38 @@ def start(args: argparse.Namespace, the_plan: Plan) -> str:
     return f"http://{args.host}:{args.port}"
 
 
+# HTTP/2's client preface and an empty SETTINGS frame: a gRPC server (a Ray cluster's GCS,
+# or its Ray Client server for ray://) answers with a SETTINGS frame of its own.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4  # the frame type, the 4th byte of a frame's 9-byte header
+
+
 def check_ray_address(address: str | None, timeout_s: float = 10.0) -> None:
-    """A ValueError unless a cluster address given as [ray://]host:port takes a connection:
-    ray.init (which has no timeout argument) retries one where nothing listens in its GCS
-    client's reconnect loop for many minutes. 'auto' (and none), and an address without a
-    port (Ray's default port then), Ray resolves, and refuses, itself."""
+    """A ValueError unless a cluster address given as [ray://]host:port takes a connection
+    and speaks gRPC there: ray.init (which has no timeout argument) retries an address in its
+    GCS client's reconnect loop for many minutes, whether nothing listens there or something
+    else does (the dashboard's HTTP port, a Redis). 'auto' (and none), and an address without
+    a port (Ray's default port then), Ray resolves, and refuses, itself; under RAY_USE_TLS the
+    cluster speaks TLS first, so only the connection is checked."""
     if address in (None, "auto", "local"):
         return
     host, _, port = address.split("://")[-1].rpartition(":")
     if not host or not port.isdigit():
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return
+            conn.sendall(_H2_PREFACE)
+            reply = b""
+            while len(reply) < 9 and (part := conn.recv(9 - len(reply))):
+                reply += part
     except (OSError, ValueError) as e:
         raise ValueError(f"--ray-address {address}: no Ray cluster answers there ({e})") from None
+    if len(reply) < 9 or reply[3] != _H2_SETTINGS:
+        said = f"it answered {reply[:9]!r}" if reply else "it closed the connection"
+        raise ValueError(f"--ray-address {address}: something listens there, but no Ray cluster (a Ray address "
+                         f"speaks gRPC; {said})")
 
 
 def main(argv: list[str] | None = None) -> None:

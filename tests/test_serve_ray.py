@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import http.server
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -380,6 +382,37 @@ def test_an_address_where_no_ray_cluster_listens_is_one_error_line_not_a_wait() 
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2 and last.startswith(f"serve_ray.py: error: --ray-address 127.0.0.1:{port}: "), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_port_that_speaks_no_grpc_is_no_ray_cluster_and_the_clusters_own_gcs_is(server: Server) -> None:
+    """The address check asks in HTTP/2 as Ray's GCS client would: the running cluster's GCS
+    passes, and a port where an HTTP/1 server (the dashboard's kind), a silent server, or one
+    that hangs up listens is an error at once, not ray.init's reconnect loop."""
+    serve_ray.check_ray_address(ray.get_runtime_context().gcs_address)
+
+    class Http1(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *_: object) -> None:
+            pass
+    http1 = http.server.HTTPServer(("127.0.0.1", 0), Http1)
+    threading.Thread(target=http1.serve_forever, daemon=True).start()
+    quiet, closing = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+
+    def hang_up() -> None:  # having read what it was sent (unread, the close would be a reset)
+        conn, _ = closing.accept()
+        conn.recv(1024)
+        conn.close()
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        for listener, said in ((http1.socket, "but no Ray cluster (a Ray address speaks gRPC; it answered b'"),
+                               (quiet, "no Ray cluster answers there ("), (closing, "it closed the connection")):
+            address = f"127.0.0.1:{listener.getsockname()[1]}"
+            with pytest.raises(ValueError, match=re.escape(said)) as e:
+                serve_ray.check_ray_address(address, timeout_s=1.0)
+            assert str(e.value).startswith(f"--ray-address {address}: "), e.value
+    finally:
+        http1.shutdown()
+        quiet.close()
+        closing.close()
 
 
 def test_server_py_never_imports_ray() -> None:
