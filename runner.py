@@ -716,6 +716,10 @@ class ModelRunner:
         with Built(self.stats) as built:
             total, loaded = self._warmup(log)
         compiled = built.traced
+        if not compiled:
+            log(f"warm-up: all {total} programs were compiled already, by an engine of this process with the same "
+                "model and shapes")
+            return
         # by this engine (the activation probe's step) or by another with its ProgramKey
         ready = f" ({total - compiled} were compiled already)" if compiled < total else ""
         summary = warmup_summary(f"{compiled} programs", compiled, loaded, built.seconds)
