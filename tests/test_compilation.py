@@ -4,19 +4,14 @@ through jax.monitoring), not by the engine's own trace hook.
 Claims: warm-up compiles exactly one program per shape bucket, the engine's counter agrees,
 and afterwards no workload compiles anything, whatever the scheduling (continuous chunked,
 continuous unchunked, static), sampling and logprobs, across every bucket the workload
-uses (checked to be all of them). And the persistent compilation cache makes a restart
-compile nothing."""
+uses (checked to be all of them). (A restart from the persistent compilation cache is
+test_restart.py's.)"""
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-from conftest import ROOT, count_compilations, env_without_test_cache, fresh_step_programs
+from conftest import count_compilations, fresh_step_programs
 
 from llm import LLM, SamplingParams
 
@@ -89,52 +84,6 @@ def test_warmup_compiles_each_bucket_once_and_no_workload_compiles_after(variant
     assert [len(o.prompt_logprobs or []) for o in outs] == [
         len(x) if p.prompt_logprobs is not None else 0 for x, p in zip(ps, params)]
     assert buckets_used(llm) == all_buckets, "the workload must exercise every bucket"
-
-
-RESTART = r"""
-import json, sys
-from jax import monitoring
-counts = {"hits": 0, "misses": 0}
-names = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
-monitoring.register_event_listener(lambda e, **kw: e in names and counts.__setitem__(names[e], counts[names[e]] + 1))
-from llm import LLM
-lines = []
-llm = LLM("tiny", log=lines.append, compilation_cache_dir=sys.argv[1], max_num_seqs=1, max_model_len=16,
-          max_num_batched_tokens=16)
-warmup = [x for x in lines if x.startswith("warm-up: ") and " in " in x]
-progress = [x for x in lines if x.startswith("warm-up") and x not in warmup]
-print(json.dumps(counts | {"programs": llm.stats.num_compilations, "warmup": warmup, "progress": progress}))
-"""
-
-
-def test_a_restart_with_the_persistent_compilation_cache_compiles_nothing(tmp_path):
-    """Two processes, one after the other, with --compilation-cache-dir (the engine's own
-    setting: the tests' cache directory is taken out of their environment); the second's
-    warm-up line says its programs came from the cache."""
-    env = env_without_test_cache() | {"PYTHONPATH": ROOT}
-
-    def start() -> dict:
-        out = subprocess.run([sys.executable, "-c", RESTART, str(tmp_path / "jax-cache")], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    first, second = start(), start()
-    # a decode bucket (1 row), a token bucket (16), the sample and prompt-logprob programs
-    assert first["programs"] == second["programs"] == 4
-    assert first["misses"] >= first["programs"] and first["hits"] == 0  # a cold start compiles them all
-    assert second["misses"] == 0, "the restart compiled something"
-    assert second["hits"] == first["misses"]  # every program is read back instead
-    # the warm-up line says which: the README's "a restart compiles nothing" is what a user reads
-    assert len(first["warmup"]) == len(second["warmup"]) == 1, (first["warmup"], second["warmup"])
-    assert first["warmup"][0].startswith("warm-up: 4 programs compiled in "), first["warmup"]
-    assert second["warmup"][0].startswith("warm-up: 4 programs in "), second["warmup"]
-    assert second["warmup"][0].endswith(": 4 loaded from the compilation cache, 0 compiled"), second["warmup"]
-    # and each program's own line says how it was got: compiled, then read back
-    for run, how in ((first, "compiled"), (second, "loaded from the compilation cache")):
-        assert len(run["progress"]) == 4, run["progress"]
-        for i, line in enumerate(run["progress"]):
-            assert re.fullmatch(rf"warm-up {i + 1}/4 \(.+\): {how} in \d+\.\ds", line), line
 
 
 def test_an_engine_like_one_built_before_compiles_nothing_and_another_model_compiles_its_own(hf_checkpoint):

@@ -1,53 +1,104 @@
-"""Restarting the server from its persistent compilation cache, redirected by
-TAXIRANK_CACHE as the README says: the second start compiles nothing, and a start with
-a changed shape setting compiles the programs it needs and serves correctly.
+"""Restarting the server from its persistent compilation cache, as the README says: the
+cache is $TAXIRANK_CACHE/jax unless --compilation-cache-dir moves it; a second start on
+the same cache compiles nothing, says so in its warm-up lines and gives the same tokens;
+a start with a changed shape setting compiles the programs it needs and serves correctly.
 
-JAX writes one entry to the cache for every program it compiles (the engine caches even
-the quickest compiles), so the cache's entries are the record of what was compiled. The
-servers get a cold cache of their own: the session's shared one (conftest) is removed
-from their environment."""
+What JAX compiled is read from JAX itself, not from the engine: its persistent-cache
+events (a sitecustomize module on the servers' path prints one line for each), and its
+cache directory, where it writes one entry for every program it compiles (the engine
+caches even the quickest compiles). The servers get a cold cache of their own: the
+session's shared one (conftest) is removed from their environment."""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
-from conftest import env_without_test_cache
+from conftest import ROOT, env_without_test_cache
 from test_server import metric, request, running_server, scrape
 
-FLAGS = ["--model", "tiny", "--max-num-seqs", "2", "--max-model-len", "64", "--max-num-batched-tokens", "32",
+# One slot, one token bucket: the fewest programs a start compiles (sampling, decode of 1
+# row, prefill of 16 tokens, prompt logprobs).
+FLAGS = ["--model", "tiny", "--max-num-seqs", "1", "--max-model-len", "16", "--max-num-batched-tokens", "16",
          "--num-kv-blocks", "16", "--warmup"]
+PROGRAMS = 4
 BODY = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+EVENTS = """
+from jax import monitoring
+
+_NAMES = {"/jax/compilation_cache/cache_hits": "hit", "/jax/compilation_cache/cache_misses": "miss"}
+
+
+def _print(event, **kw):
+    if event in _NAMES:
+        print("jax persistent cache:", _NAMES[event], flush=True)
+
+
+monitoring.register_event_listener(_print)
+"""
 
 
 def entries(cache: Path) -> set[str]:
-    return {p.name for p in (cache / "jax").glob("*-cache")}
+    return {p.name for p in cache.glob("*-cache")}
 
 
-def serve_once(env: dict[str, str], *flags: str) -> tuple[list[int], float]:
-    """Start, answer BODY, stop: (the answer's token ids, the engine's num_compilations)."""
+def serve_once(env: dict[str, str], *flags: str) -> dict:
+    """Start, answer BODY, stop: the answer's token ids, the engine's num_compilations, its
+    warm-up lines and JAX's persistent-cache events."""
     with running_server(*FLAGS, *flags, env=env) as srv:
         status, out = request(srv, "POST", "/v1/completions", BODY | {"logprobs": 0}, key=None)
         compiled = metric(scrape(srv), "num_compilations_total")
         srv.proc.terminate()
         assert srv.proc.wait(60) == 0, srv.log()
+        # the server's log lines: "<time> INFO taxirank.server: <message>"
+        log = [line.partition(" taxirank.server: ")[2] or line for line in srv.log().splitlines()]
     assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
     assert out["usage"]["completion_tokens"] == 8
-    return out["choices"][0]["logprobs"]["tokens"], compiled
+    warmup = [x for x in log if x.startswith("warm-up: ")]
+    return dict(tokens=out["choices"][0]["logprobs"]["tokens"], programs=compiled, warmup=warmup,
+                progress=[x for x in log if x.startswith("warm-up ") and x not in warmup],
+                hits=log.count("jax persistent cache: hit"), misses=log.count("jax persistent cache: miss"))
 
 
 def test_a_restart_compiles_nothing_and_a_new_shape_compiles_what_it_needs(tmp_path) -> None:
-    env = env_without_test_cache() | {"TAXIRANK_CACHE": str(tmp_path)}
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(EVENTS)
+    env = env_without_test_cache() | {"PYTHONPATH": os.pathsep.join((str(hook), str(ROOT)))}
+    cache = tmp_path / "jax"  # TAXIRANK_CACHE's compiled programs, where the README says
 
-    first, compiled = serve_once(env)
-    cold = entries(tmp_path)
+    first = serve_once(env | {"TAXIRANK_CACHE": str(tmp_path)})
+    cold = entries(cache)
     assert any(e.startswith("jit_decode_fn-") for e in cold) and any(e.startswith("jit_ragged_fn-") for e in cold)
-    assert compiled > 0
+    assert first["programs"] == PROGRAMS
+    assert first["misses"] >= PROGRAMS and first["hits"] == 0  # a cold start compiles them all
+    assert len(cold) == first["misses"]  # one entry for each
 
-    again, recompiled = serve_once(env)
-    assert entries(tmp_path) == cold  # every program came from the cache
-    assert again == first and recompiled == compiled
+    # The same directory through --compilation-cache-dir, TAXIRANK_CACHE elsewhere (empty):
+    # the flag alone decides where the programs come from.
+    elsewhere = tmp_path / "elsewhere"
+    again = serve_once(env | {"TAXIRANK_CACHE": str(elsewhere)}, "--compilation-cache-dir", str(cache))
+    assert not (elsewhere / "jax").exists()
+    assert again["misses"] == 0, "the restart compiled something"
+    assert again["hits"] == first["misses"]  # every program is read back instead
+    assert entries(cache) == cold
+    assert again["tokens"] == first["tokens"] and again["programs"] == first["programs"]
 
-    wider, _ = serve_once(env, "--max-num-seqs", "4")
-    new = entries(tmp_path) - cold
+    # the warm-up lines say which: the README's "a restart compiles nothing" is what a user reads
+    assert len(first["warmup"]) == len(again["warmup"]) == 1, (first["warmup"], again["warmup"])
+    assert first["warmup"][0].startswith(f"warm-up: {PROGRAMS} programs compiled in "), first["warmup"]
+    assert again["warmup"][0].startswith(f"warm-up: {PROGRAMS} programs in "), again["warmup"]
+    assert again["warmup"][0].endswith(f": {PROGRAMS} loaded from the compilation cache, 0 compiled"), again["warmup"]
+    # and each program's own line says how it was got: compiled, then read back
+    for run, how in ((first, "compiled"), (again, "loaded from the compilation cache")):
+        assert len(run["progress"]) == PROGRAMS, run["progress"]
+        for i, line in enumerate(run["progress"]):
+            assert re.fullmatch(rf"warm-up {i + 1}/{PROGRAMS} \(.+\): {how} in \d+\.\ds", line), line
+
+    wider = serve_once(env | {"TAXIRANK_CACHE": str(tmp_path)}, "--max-num-seqs", "2")
+    new = entries(cache) - cold
     assert any(e.startswith("jit_decode_fn-") for e in new), new  # more rows: new step programs
-    assert wider == first
+    assert wider["misses"] == len(new) > 0
+    assert wider["tokens"] == first["tokens"]

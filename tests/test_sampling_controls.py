@@ -162,7 +162,7 @@ def test_a_min_tokens_only_request_samples_without_waiting_once_it_has_min_token
 
 
 def test_a_forbidden_token_is_never_sampled_at_any_temperature():
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128)
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False)
     allowed = [40, 41, 42, 43]
     outs = [o.outputs[0] for o in llm.generate([[5, 6, 7]] * 3, [
         SamplingParams(max_tokens=24, seed=1, allowed_token_ids=allowed),
@@ -206,7 +206,8 @@ def test_a_request_with_processors_is_never_speculated_and_gets_the_tokens_it_ge
 
 def test_plain_steps_compile_nothing_new_and_a_penalty_width_compiles_once():
     fresh_step_programs()  # the programs of an earlier engine with this key compiled the width already
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
+    # test_compilation's shapes: their warm-up's programs are in the persistent compilation cache
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
     with count_compilations() as compiled:
         llm.generate([[5, 6, 7], [8] * 30], [greedy(max_tokens=6), SamplingParams(max_tokens=6, seed=1)])
         [masked] = llm.generate([[5, 6, 7]], greedy(max_tokens=6, allowed_token_ids=[40, 41], min_tokens=3))[0].outputs
@@ -220,14 +221,15 @@ def test_plain_steps_compile_nothing_new_and_a_penalty_width_compiles_once():
 
 def test_preemption_by_recompute_keeps_the_counts_with_the_outputs():
     """A cache too small for all four: preempted and recomputed, each request gets the tokens
-    it gets alone (its counts were not reset, nor counted twice)."""
-    kw = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    it gets alone (its counts were not reset, nor counted twice). Alone, one request's at
+    most 53 tokens take 4 of the 8 blocks: nothing is preempted."""
     params = [greedy(max_tokens=40, frequency_penalty=0.8, presence_penalty=0.3, repetition_penalty=1.1,
                      bad_words=["ab"], ignore_eos=False, min_tokens=30) for _ in range(4)]
     prompts = [[1] + [3 + i] * 12 for i in range(4)]
-    solo = LLM("tiny", log=lambda *_: None, warmup=False, **kw)
-    alone = [solo.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
-    llm = LLM("tiny", log=lambda *_: None, warmup=False, num_kv_blocks=9, **kw)
+    llm = LLM("tiny", log=lambda *_: None, warmup=False, num_kv_blocks=9, max_num_seqs=4, max_model_len=64,
+              max_num_batched_tokens=64)
+    alone = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    assert llm.stats.num_preemptions == 0
     outs = llm.generate(prompts, params)
     assert llm.stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == alone
@@ -295,7 +297,7 @@ def test_masks_that_leave_no_first_token_are_refused_naming_the_fields():
     import server
     from sampling_params import ParamError, StructuredOutputsParams as SO
 
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=64, warmup=False)
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=128, warmup=False)  # tiny_async_engine's
     eos = llm.engine.model_config.eos_token_ids[0]
     for masks, says, param in (
             (dict(structured_outputs=SO(regex="b"), allowed_token_ids=[A]),

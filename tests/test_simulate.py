@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -95,9 +96,9 @@ def test_the_cost_model_fit_recovers_known_coefficients_and_round_trips(tmp_path
     assert CostModel.load(str(tmp_path / "cm.json")).coef == fit.coef
 
 
-def test_the_command_line_replays_a_recorded_log_and_writes_the_report(tmp_path):
+def test_the_command_line_replays_a_recorded_log(tmp_path):
     """No model: a JSON request log (bench/mixed.py's per-request records) through the
-    priority policy, and the scale report (one slot count) with its table and plot."""
+    priority policy."""
     import json
 
     from simulate import load_workload, main
@@ -115,22 +116,33 @@ def test_the_command_line_replays_a_recorded_log_and_writes_the_report(tmp_path)
     summary = json.loads((out / "simulate.json").read_text())
     assert summary["output_tokens"] == 6 * 4 + 6 * 40 and set(summary["per_class"]) == {"short", "long"}
     assert set(summary["per_priority"]) == {"-1", "0"}
+
+
+@pytest.fixture(scope="module")
+def gpu_like_report(tmp_path_factory) -> Path:
+    """The command line's scale report at one slot count, GPU-like: its output directory
+    (written once: both tests below read the same run)."""
+    from simulate import main
+
+    out = tmp_path_factory.mktemp("report")
     assert main(["--report", "--report-seqs", "8", "--cost-model", "gpu-like", "--out", str(out)]) == 0
-    assert (out / "simulate_scales.png").stat().st_size > 0
-    assert (out / "simulate_report.md").read_text().count("| GPU-like | 8 |") == 3
+    return out
 
 
-def test_the_scale_report_reproduces_the_gpu_like_rows_of_docs_simulation(tmp_path):
+def test_the_command_line_writes_the_scale_report_with_its_table_and_plot(gpu_like_report):
+    assert (gpu_like_report / "simulate_scales.png").stat().st_size > 0
+    assert (gpu_like_report / "simulate_report.md").read_text().count("| GPU-like | 8 |") == 3
+
+
+def test_the_scale_report_reproduces_the_gpu_like_rows_of_docs_simulation(gpu_like_report):
     """docs/SIMULATION.md's table is `--report`'s (its setup: the short/long mix, no chunked
     prefill); the GPU-like cost model is written down, so its rows are deterministic. The
     8-slot rows, regenerated, equal the documented ones cell for cell."""
-    from simulate import main
-
     doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "SIMULATION.md")).read()
     want = [line for line in doc.splitlines() if line.startswith("| GPU-like | 8 |")]
     assert len(want) == 3
-    assert main(["--report", "--report-seqs", "8", "--cost-model", "gpu-like", "--out", str(tmp_path)]) == 0
-    got = [line for line in (tmp_path / "simulate_report.md").read_text().splitlines() if line.startswith("| GPU-like |")]
+    got = [line for line in (gpu_like_report / "simulate_report.md").read_text().splitlines()
+           if line.startswith("| GPU-like |")]
     assert got == want
 
 

@@ -158,13 +158,15 @@ def test_every_constrained_output_parses_and_validates_streamed_or_not(client, t
 
 def test_json_object_and_a_grammar(client):
     grammar = 'start: "The answer is " ("yes" | "no") "."'
-    text, reason = chat(client, "Is water wet?", False, 0.0, 0, extra_body={"guided_grammar": grammar})
-    assert reason == "stop" and text in ("The answer is yes.", "The answer is no."), text
     gbnf = 'root ::= "x" [0-9] [0-9]'  # llama.cpp's GBNF is converted to Lark
-    text, reason = chat(client, "Go.", True, 1.0, 0, extra_body={"structured_outputs": {"grammar": gbnf}})
-    assert reason == "stop" and re.fullmatch(r"x[0-9]{2}", text), text
-    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "A JSON object."}],
-                                       max_tokens=MAX_TOKENS, temperature=0.0, response_format={"type": "json_object"})
+    (text, reason), (gtext, greason), r = run_all([
+        lambda: chat(client, "Is water wet?", False, 0.0, 0, extra_body={"guided_grammar": grammar}),
+        lambda: chat(client, "Go.", True, 1.0, 0, extra_body={"structured_outputs": {"grammar": gbnf}}),
+        lambda: client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "A JSON object."}],
+                                               max_tokens=MAX_TOKENS, temperature=0.0,
+                                               response_format={"type": "json_object"})])
+    assert reason == "stop" and text in ("The answer is yes.", "The answer is no."), text
+    assert greason == "stop" and re.fullmatch(r"x[0-9]{2}", gtext), gtext
     if r.choices[0].finish_reason == "stop":  # any object: the model may run to max_tokens
         assert isinstance(json.loads(r.choices[0].message.content), dict)
 
@@ -194,60 +196,70 @@ def tool_calls(client: openai.OpenAI, stream: bool, **kw) -> tuple[str | None, l
     return content or None, [calls[i] for i in sorted(calls)], reason, early
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_forced_tool_call_comes_back_as_tool_calls(client, stream):
-    # named: the arguments follow that function's parameters; finish_reason the engine's (vLLM)
-    _, calls, reason, *early = tool_calls(client, stream, tool_choice={"type": "function",
-                                                                       "function": {"name": "get_weather"}})
-    assert reason == "stop" and [n for n, _ in calls] == ["get_weather"]
-    jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
-    # required: one or more calls of any of the tools; finish_reason "tool_calls"; streamed,
-    # each call is named, then its arguments come, in chunks before the last
-    _, calls, reason, *early = tool_calls(client, stream, tool_choice="required")
-    assert reason == "tool_calls" and calls
-    for name, args in calls:
-        tool = {"get_weather": WEATHER, "get_time": TIME}[name]
-        jsonschema.validate(json.loads(args), tool["function"]["parameters"])
-    if stream:
-        assert early[0] >= 2 * len(calls), "the calls came whole with the last chunk"
+def test_a_forced_tool_call_comes_back_as_tool_calls(client):
+    """Named and required, streamed or not (the four requests batched)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cases = [(stream, choice) for stream in (False, True) for choice in (named, "required")]
+    results = run_all([lambda s=stream, c=choice: tool_calls(client, s, tool_choice=c) for stream, choice in cases])
+    for (stream, choice), (_, calls, reason, *early) in zip(cases, results):
+        if choice is named:
+            # named: the arguments follow that function's parameters; finish_reason the engine's (vLLM)
+            assert reason == "stop" and [n for n, _ in calls] == ["get_weather"], (stream, calls)
+            jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
+            continue
+        # required: one or more calls of any of the tools; finish_reason "tool_calls"; streamed,
+        # each call is named, then its arguments come, in chunks before the last
+        assert reason == "tool_calls" and calls, (stream, calls)
+        for name, args in calls:
+            tool = {"get_weather": WEATHER, "get_time": TIME}[name]
+            jsonschema.validate(json.loads(args), tool["function"]["parameters"])
+        if stream:
+            assert early[0] >= 2 * len(calls), "the calls came whole with the last chunk"
 
 
 HERMES = (r'(I will check\. )?<tool_call>\n\{"name": "get_weather", "arguments": '
           r'\{"city": "(Paris|Oslo)", "unit": "(C|F)"\}\}\n</tool_call>')
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_tool_choice_auto_finds_the_hermes_call_in_the_output(servers, stream):
+def test_tool_choice_auto_finds_the_hermes_call_in_the_output(servers):
     """The output is made a hermes tool call by a regex (SmolLM2-135M's chat template renders
     no tools, so the model would not write one by itself): the server's hermes parser turns
-    it into tool_calls, content the text before it; plain text stays content."""
+    it into tool_calls, content the text before it; plain text stays content. Streamed or
+    not (the four requests batched)."""
     plain, hermes = servers
-    content, calls, reason, *early = tool_calls(hermes, stream, temperature=1.0, seed=3,
-                                                extra_body={"structured_outputs": {"regex": HERMES}})
-    assert reason == "tool_calls" and [n for n, _ in calls] == ["get_weather"], (content, calls)
-    jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
-    assert content in (None, "I will check. ")
-    if stream:
-        assert early[0] >= 2  # the name, then argument deltas before the last chunk
-    content, calls, reason, *_ = tool_calls(hermes, stream, extra_body={"guided_choice": ["Sunny.", "Rain."]})
-    assert (content, calls, reason) in (("Sunny.", [], "stop"), ("Rain.", [], "stop"))
-    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
-        tool_calls(plain, stream)
+    streams = (False, True)
+    called = run_all([lambda s=stream: tool_calls(hermes, s, temperature=1.0, seed=3,
+                                                  extra_body={"structured_outputs": {"regex": HERMES}})
+                      for stream in streams] +
+                     [lambda s=stream: tool_calls(hermes, s, extra_body={"guided_choice": ["Sunny.", "Rain."]})
+                      for stream in streams])
+    for stream, (content, calls, reason, *early) in zip(streams, called):
+        assert reason == "tool_calls" and [n for n, _ in calls] == ["get_weather"], (stream, content, calls)
+        jsonschema.validate(json.loads(calls[0][1]), WEATHER["function"]["parameters"])
+        assert content in (None, "I will check. ")
+        if stream:
+            assert early[0] >= 2  # the name, then argument deltas before the last chunk
+    for stream, (content, calls, reason, *_) in zip(streams, called[len(streams):]):
+        assert (content, calls, reason) in (("Sunny.", [], "stop"), ("Rain.", [], "stop")), stream
+    for stream in streams:
+        with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+            tool_calls(plain, stream)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_structural_tag_shapes_what_follows_each_trigger(client, stream):
+def test_a_structural_tag_shapes_what_follows_each_trigger(client):
     """vLLM's response_format structural_tag: free text, but each "The" (the model's first
-    word here) must go on as ' answer is ' + one of the choices as a JSON string + '.'."""
+    word here) must go on as ' answer is ' + one of the choices as a JSON string + '.'.
+    Streamed or not (the two requests batched)."""
     tag = {"type": "structural_tag", "triggers": ["The"],
            "structures": [{"begin": "The answer is ", "schema": {"enum": CHOICES[0]}, "end": "."}]}
-    text, reason = chat(client, "What is the capital of France?", stream, 0.0, 0, response_format=tag)
-    starts = [m.start() for m in re.finditer("The", text)]
-    assert starts and starts[0] == 0, text  # the trigger fired (at temperature 0 the answer starts "The")
-    for i in starts:
-        after = text[i:]
-        done = re.match(r'The answer is "(Paris|London|Berlin)"\.', after)
-        assert done or (reason == "length" and re.match(r'The( answer is "?[A-Za-z]*)?$', after)), text
+    for text, reason in run_all([lambda s=stream: chat(client, "What is the capital of France?", s, 0.0, 0,
+                                                       response_format=tag) for stream in (False, True)]):
+        starts = [m.start() for m in re.finditer("The", text)]
+        assert starts and starts[0] == 0, text  # the trigger fired (at temperature 0 the answer starts "The")
+        for i in starts:
+            after = text[i:]
+            done = re.match(r'The answer is "(Paris|London|Berlin)"\.', after)
+            assert done or (reason == "length" and re.match(r'The( answer is "?[A-Za-z]*)?$', after)), text
 
 
 @pytest.mark.parametrize("body, message", [
