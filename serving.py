@@ -134,7 +134,11 @@ def parse_stream_options(body: dict, force_include_usage: bool = False) -> tuple
     if unknown:
         raise ApiError(f"stream_options: {unknown[0][:40]!r} is not supported by this server", param="stream_options")
     field(stream_options, "include_obfuscation", (bool,))
-    include_usage = field(stream_options, "include_usage", (bool,), False) or (stream and force_include_usage)
+    # vLLM's StreamOptions: include_usage defaults to true once stream_options is sent (so
+    # {"continuous_usage_stats": true} alone streams the usage); an explicit null is false.
+    asked = body.get("stream_options") is not None and \
+        field(stream_options, "include_usage", (bool,), "include_usage" not in stream_options)
+    include_usage = stream and (asked or force_include_usage)
     # vLLM's extra: every chunk carries the usage so far; only with include_usage, as vLLM.
     continuous_usage = field(stream_options, "continuous_usage_stats", (bool,), False) and include_usage
     return stream, include_usage, continuous_usage
@@ -477,9 +481,10 @@ class EventStream:
     async def send(self, choices: list[dict], **extra: Any) -> None:
         await self.response.write(b"data: " + json.dumps(self.head | {"choices": choices} | extra).encode() + b"\n\n")
 
-    def usage_so_far(self) -> dict:
-        """vLLM's continuous_usage_stats: every chunk carries the usage so far."""
-        return {"usage": usage(self.choices)} if self.continuous_usage else {}  # (no prompt_tokens_details)
+    def usage_so_far(self, choice: Choice) -> dict:
+        """vLLM's continuous_usage_stats: every chunk carries the usage so far of the choice it
+        is a chunk of (its own tokens, not its siblings'; the final usage chunk sums them)."""
+        return {"usage": usage([choice])} if self.continuous_usage else {}  # (no prompt_tokens_details)
 
     async def open_messages(self) -> None:
         """A chat answer's first chunks, per choice: its role (the first with the prompt's ids
@@ -488,17 +493,18 @@ class EventStream:
         for c in self.choices:
             ids = {"prompt_token_ids": form.prompt_ids} if form.return_ids and c.index == 0 else {}
             await self.send([{"index": c.index, "delta": {"role": form.role, "content": ""}, "logprobs": None,
-                              "finish_reason": None}], **self.usage_so_far(), **ids)
+                              "finish_reason": None}], **self.usage_so_far(c), **ids)
             if form.echoed:
                 await self.send([{"index": c.index, "delta": {"content": form.echoed}, "logprobs": None,
-                                  "finish_reason": None}], **self.usage_so_far())
+                                  "finish_reason": None}], **self.usage_so_far(c))
 
     async def send_choice(self, choice: Choice) -> None:
         """One choice's chunks, sent as they come; without usage, the metrics ride on the
         chunk with the finish_reason."""
         async with contextlib.aclosing(choice.stream()) as parts:
             async for part in parts:
-                await self.send([part], **self.usage_so_far(), **({} if self.include_usage else choice.metrics))
+                await self.send([part], **self.usage_so_far(choice),
+                                **({} if self.include_usage else choice.metrics))
 
 
 async def all_of(coroutines: Iterable[Awaitable[T]]) -> list[T]:
