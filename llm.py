@@ -85,7 +85,9 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         self._counter += len(encoded)
-        children = [child_requests(rid, p) for rid, p in zip(request_ids, plist)]
+        # (the samples of the params validate checked: a max_tokens of None is its prompt's room there)
+        children = [child_requests(rid, dataclasses.replace(request.params, n=p.n))
+                    for rid, p, request in zip(request_ids, plist, checked)]
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
         for i, (request, samples) in enumerate(zip(checked, children)):

@@ -159,3 +159,18 @@ def test_the_engine_refuses_n_other_than_one_and_queues_nothing(llm: LLM) -> Non
         llm.engine.add_request("many", PROMPT, SamplingParams(n=2, max_tokens=2))
     assert err.value.param == "n"  # the server's 400 names the field
     assert not llm.engine.has_unfinished()
+
+
+def test_max_tokens_none_is_the_room_each_prompt_leaves_as_vllm(llm: LLM) -> None:
+    """vLLM's SamplingParams(max_tokens=None): each sample runs until the context is full
+    (max_model_len 128 here), per prompt; a prompt that fills the context is still refused."""
+    params = SamplingParams(max_tokens=None, n=2, temperature=0.0, ignore_eos=True, min_tokens=100)
+    outs = llm.generate([PROMPT, list(range(1, 101))], params)
+    assert [[len(c.token_ids) for c in o.outputs] for o in outs] == [[128 - 4] * 2, [128 - 100] * 2]
+    assert all(c.finish_reason == "length" for o in outs for c in o.outputs)
+    with pytest.raises(ValueError, match="over max_model_len"):
+        llm.generate([list(range(1, 129))], SamplingParams(max_tokens=None))
+    assert not llm.engine.has_unfinished()
+    for bad in (0, -1, 2.0, "16"):
+        with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+            SamplingParams(max_tokens=bad)
