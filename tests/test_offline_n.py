@@ -174,3 +174,12 @@ def test_max_tokens_none_is_the_room_each_prompt_leaves_as_vllm(llm: LLM) -> Non
     for bad in (0, -1, 2.0, "16"):
         with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
             SamplingParams(max_tokens=bad)
+
+
+def test_generate_takes_vllm_s_keywords(llm: LLM) -> None:
+    """vLLM's LLM.generate(prompts, sampling_params=None, *, use_tqdm, priority): a vLLM
+    script that names its arguments runs unchanged, and gets what the positional call gets."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    (named,) = llm.generate(prompts=PROMPT, sampling_params=params, use_tqdm=False, priority=[0])
+    (positional,) = llm.generate(PROMPT, params)
+    assert named.outputs[0].token_ids == positional.outputs[0].token_ids and len(named.outputs[0].token_ids) == 3
