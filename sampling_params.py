@@ -285,6 +285,9 @@ class SamplingParams:
             object.__setattr__(self, f.name, plain(value))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        for name in ("stop", "bad_words"):  # vLLM's None: none
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if isinstance(self.bad_words, list):
             object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if isinstance(self.stop_token_ids, list):

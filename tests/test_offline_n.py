@@ -183,3 +183,11 @@ def test_generate_takes_vllm_s_keywords(llm: LLM) -> None:
     (named,) = llm.generate(prompts=PROMPT, sampling_params=params, use_tqdm=False, priority=[0])
     (positional,) = llm.generate(PROMPT, params)
     assert named.outputs[0].token_ids == positional.outputs[0].token_ids and len(named.outputs[0].token_ids) == 3
+
+
+def test_stop_and_bad_words_none_are_none_as_vllm(llm: LLM) -> None:
+    """vLLM's SamplingParams(stop=None, bad_words=None), as a script that passes optional
+    settings through writes them: no stop strings, no bad words."""
+    params = SamplingParams(stop=None, bad_words=None, max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert params == SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(PROMPT, params)[0].outputs[0].token_ids) == 3
