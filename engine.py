@@ -119,11 +119,16 @@ class LLMEngine:
     def validate(self, request: EngineRequest) -> EngineRequest:
         """Raises ValueError saying why the request cannot run; safe from any thread. Returns
         the request with its structured-output constraint compiled (cached) unless it came
-        with one. A caller that must not block (the server's event loop) compiles it first
+        with one, and a max_tokens of None made the room its prompt leaves. A caller that must
+        not block (the server's event loop) compiles it first
         with `self.grammars.compile` on another thread and hands it on, so no later step
         looks it up again in the cache, which other requests' grammars may have evicted it
         from meanwhile."""
         prompt_token_ids, params, grammar = request.prompt_token_ids, request.params, request.grammar
+        if params.max_tokens is None:  # vLLM's: the room the context leaves (a prompt that fills it: refused below)
+            room = max(self.config.max_model_len - len(prompt_token_ids), 1)
+            # (a min_tokens past the room: the length ends the request first, as in vLLM)
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         if params.n != 1:  # one engine request is one sample: its callers expand n (child_requests)
             raise ParamError(f"the engine runs one sample per request, got n={params.n}: run n requests, "
                              "as LLM.generate and the server do", "n")
@@ -155,7 +160,7 @@ class LLMEngine:
             grammar = self.grammars.compile(params.structured_outputs)
         if params.masks_tokens:
             self._check_first_token(prompt_token_ids, params, grammar)
-        return dataclasses.replace(request, grammar=grammar)
+        return dataclasses.replace(request, params=params, grammar=grammar)
 
     def _check_first_token(self, prompt_token_ids: Seq[int], params: SamplingParams, grammar: Any) -> None:
         """A ParamError naming the fields when the request's masks leave no token for its

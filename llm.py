@@ -43,16 +43,18 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
-    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        """vLLM's: one RequestOutput per prompt, in order, each with its params.n samples.
+        """vLLM's (its keyword names too): one RequestOutput per prompt, in order, each with its
+        sampling_params.n samples.
         A prompt is a string, a list of token ids, or vLLM's dict form: {"prompt": text} or
         {"prompt_token_ids": ids} (and the "prompt" they came from, kept as the output's),
         either with a "cache_salt" (its prefix-cache blocks are shared only with prompts of
         the same salt).
         priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
         read = self._read_prompts(prompts)
-        return self._generate([ids for ids, _, _ in read], [text for _, text, _ in read], params, use_tqdm,
+        return self._generate([ids for ids, _, _ in read], [text for _, text, _ in read], sampling_params, use_tqdm,
                               priority, cache_salts=[salt for _, _, salt in read])
 
     def _generate(self, encoded: list[list[int]], texts: list[str | None],
@@ -85,7 +87,9 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         self._counter += len(encoded)
-        children = [child_requests(rid, p) for rid, p in zip(request_ids, plist)]
+        # (the samples of the params validate checked: a max_tokens of None is its prompt's room there)
+        children = [child_requests(rid, dataclasses.replace(request.params, n=p.n))
+                    for rid, p, request in zip(request_ids, plist, checked)]
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
         for i, (request, samples) in enumerate(zip(checked, children)):

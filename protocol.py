@@ -117,6 +117,8 @@ def unknown_fields(body: dict, chat: bool) -> list[str]:
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # ~500k token ids as JSON; anything larger is a 413 (server.py, serve_ray.py)
 MAX_N = 128  # samples of one request (each one engine request)
+# engine requests of one request, its prompts (completions take a batch) times n; vLLM has no cap
+MAX_SAMPLES = 1024
 MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
@@ -191,29 +193,44 @@ def client_request_id(body: dict, header: str | None) -> str | None:
     return header if header is not None else body.get("request_id")
 
 
-def parse_prompt(body: dict, tokenizer: Any, vocab_size: int) -> list[int]:
-    """The completions prompt as token ids: a string, or a list of token ids."""
+def prompt_batch(body: dict) -> list[str | list]:
+    """The completions prompts as sent, one per batch entry (vLLM's prompt: a string, a list
+    of token ids, or a batch of either); a 400 for anything else, or for no prompt."""
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError("'prompt' is required", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) or (isinstance(prompt, list) and not any(isinstance(p, (str, list)) for p in prompt)):
+        batch = [prompt]
+    elif isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt)
+                                       or all(isinstance(p, list) for p in prompt)):
+        batch = prompt
+    else:
+        raise ApiError("'prompt' must be a string, a list of token ids, or a non-empty list of either (one kind)",
+                       param="prompt")
+    if len(batch) > MAX_SAMPLES:
+        raise ApiError(f"'prompt' takes at most {MAX_SAMPLES} prompts, got {len(batch)}", param="prompt")
+    return batch
+
+
+def parse_prompts(body: dict, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """The completions prompts (prompt_batch) as token ids."""
+    batch = prompt_batch(body)
+    return [_prompt_ids(p, tokenizer, vocab_size, "'prompt'" if len(batch) == 1 else f"prompt {i}")
+            for i, p in enumerate(batch)]
+
+
+def _prompt_ids(prompt: str | list, tokenizer: Any, vocab_size: int, name: str) -> list[int]:
+    """One prompt as token ids: a string, tokenized, or token ids in the vocabulary."""
+    if not prompt:
+        raise ApiError(f"{name} is empty", param="prompt")
     if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError("'prompt' is empty", param="prompt")
         if tokenizer is None:
             raise ApiError("this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
         return tokenizer.encode(prompt)
-    if not isinstance(prompt, list) or any(isinstance(p, (str, list)) for p in prompt):
-        what = "batched prompts are not supported, send one per request" if isinstance(prompt, list) else \
-            f"'prompt' must be a string or a list of token ids, got {JSON_TYPE.get(type(prompt), 'null')}"
-        raise ApiError(what, param="prompt")
-    if not prompt:
-        raise ApiError("'prompt' is empty", param="prompt")
     ids = [integer(t) for t in prompt]
     for t, i in zip(prompt, ids):
         if i is None or not 0 <= i < vocab_size:
-            raise ApiError(f"prompt token id {t!r} is not in the vocabulary [0, {vocab_size})", param="prompt")
+            raise ApiError(f"{name}: token id {t!r} is not in the vocabulary [0, {vocab_size})", param="prompt")
     return ids  # type: ignore[return-value]
 
 
@@ -232,9 +249,10 @@ def truncate_prompt(body: dict, prompt_ids: list[int], max_model_len: int, chat:
         raise ApiError(f"'truncate_prompt_tokens' must be at least 1, or -1 (the context length less max_tokens), "
                        f"got {k}", param="truncate_prompt_tokens")
     # vLLM's room for the prompt: the context less the max_tokens asked (none asked: chat's
-    # 0, completions' default 16); a bad max_tokens is parse_sampling's to refuse.
+    # 0, completions' default 16, or 0 for its explicit null); a bad max_tokens is
+    # parse_sampling's to refuse.
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_output = field(body, limit, (int,), 0 if chat else 16)
+    max_output = field(body, limit, (int,), 0 if chat or limit in body else 16)
     max_input = max_model_len - max_output
     if k > max_input:
         raise ApiError(f"truncate_prompt_tokens={k} cannot be greater than max_model_len - {limit} = {max_input}: "
@@ -290,8 +308,8 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     max_tokens, limit = field(body, "max_tokens", (int,)), "max_tokens"  # limit: the field it came from
     if chat and field(body, "max_completion_tokens", (int,)) is not None:  # the newer name wins (as vLLM)
         max_tokens, limit = body["max_completion_tokens"], "max_completion_tokens"
-    if max_tokens is None:  # chat: whatever room the context leaves (as vLLM)
-        max_tokens = max(max_model_len - prompt_len, 1) if chat else 16
+    if max_tokens is None:  # chat, or completions' explicit null: whatever room the context leaves (as vLLM)
+        max_tokens = max(max_model_len - prompt_len, 1) if chat or "max_tokens" in body else 16
     if max_tokens <= 0:
         raise ApiError(f"'{limit}' must be at least 1, got {max_tokens}", param=limit)
     if prompt_len + max_tokens > max_model_len:

@@ -238,7 +238,9 @@ class SamplingParams:
     # vLLM's parallel sampling: samples of the prompt, each run as an engine request of its
     # own (LLM.generate and the server expand them; the engine itself takes n = 1 only)
     n: int = 1
-    max_tokens: int = 16
+    # None: as many as the context leaves beside the prompt (vLLM's), which LLMEngine.validate
+    # resolves per prompt; every request the engine runs has a number
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # 0 or -1: disabled (vLLM); above the vocabulary: clipped by the engine
@@ -283,6 +285,9 @@ class SamplingParams:
             object.__setattr__(self, f.name, plain(value))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        for name in ("stop", "bad_words"):  # vLLM's None: none
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if isinstance(self.bad_words, list):
             object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if isinstance(self.stop_token_ids, list):
@@ -298,7 +303,7 @@ class SamplingParams:
             raise ValueError(f"n must be an int, but is of type {type(self.n)}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -331,7 +336,7 @@ class SamplingParams:
         # vLLM's checks and messages (its SamplingParams._verify_args)
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):

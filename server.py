@@ -44,7 +44,7 @@ from cli_args import (api_keys, build_parser, check_chat_template, check_log_fla
 from cors import CorsPolicy, on_response_prepare as cors_headers
 from metrics import LoggingStatLogger
 from prometheus import ENGINE, EngineCollector
-from protocol import (MAX_BODY_BYTES, ApiError, field, integers, loads_checked, parse_prompt, route_path, token_text,
+from protocol import (MAX_BODY_BYTES, ApiError, field, integers, loads_checked, parse_prompts, route_path, token_text,
                       tool_choice)
 from reasoning_parsers import REASONING_PARSERS
 from serving import respond
@@ -96,8 +96,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     engine = request.app["engine"]
     tool_choice(body, chat=False, auto=False)  # refuses tools here
-    prompt_ids = await off_loop(request, parse_prompt, body, engine.tokenizer, engine.model_config.vocab_size)
-    return await respond(request, body, prompt_ids, chat=False)
+    prompts = await off_loop(request, parse_prompts, body, engine.tokenizer, engine.model_config.vocab_size)
+    return await respond(request, body, prompts, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -108,7 +108,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                 app["exclude_tools_when_tool_choice_none"], app["chat_template"],
                                 app["trust_request_chat_template"], app["chat_template_content_format"],
                                 app["default_chat_template_kwargs"])
-    return await respond(request, body, prompt_ids, chat=True, tools=tools)
+    return await respond(request, body, [prompt_ids], chat=True, tools=tools)
 
 
 async def tokenize(request: web.Request) -> web.Response:

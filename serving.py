@@ -23,8 +23,8 @@ from aiohttp import web
 
 from chat_format import text_part, thinking_enabled
 from generation import BeamGeneration, BeamSearchRun, Chunk, Generation
-from protocol import (INT64, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
-                      parse_beam_search, parse_sampling, parse_slo, prompt_logprobs_json, request_field,
+from protocol import (INT64, MAX_SAMPLES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
+                      parse_beam_search, parse_sampling, parse_slo, prompt_batch, prompt_logprobs_json, request_field,
                       structured_field, truncate_prompt, unknown_fields)
 from sampling_params import SamplingParams
 from tool_parsers import ToolCallStream, ToolChoice
@@ -41,72 +41,86 @@ T = TypeVar("T")
 log = logging.getLogger("taxirank.server")
 
 
-async def respond(request: web.Request, body: dict, prompt_ids: list[int], chat: bool,
+async def respond(request: web.Request, body: dict, prompts: list[list[int]], chat: bool,
                   tools: ToolChoice | None = None) -> web.StreamResponse:
-    """Run one completion (chat or not) and answer it whole or as an SSE stream. tools: a
-    chat request's tool_choice() (its calls come out as tool_calls).
+    """Run one completion (chat or not) and answer it whole or as an SSE stream. prompts: a
+    chat request's one, or a completions request's batch (vLLM's: the n samples of prompt k
+    are choices k * n to k * n + n - 1); tools: a chat request's tool_choice() (its calls
+    come out as tool_calls).
 
     The body is read and checked first, every field before the first engine request starts
-    (a 400 leaves nothing running); then the n samples' engine requests start (Generation),
-    each one a Choice, which whole_response() or stream_response() writes out."""
+    (a 400 leaves nothing running); then each prompt's n samples' engine requests start
+    (Generation), each one a Choice, which whole_response() or stream_response() writes out."""
     from engine import EngineRequest, child_requests
 
     app, engine = request.app, request.app["engine"]
-    untruncated = prompt_ids
-    prompt_ids = truncate_prompt(body, prompt_ids, engine.config.max_model_len, chat)
+    untruncated, max_len = prompts, engine.config.max_model_len
+    prompts = [truncate_prompt(body, ids, max_len, chat) for ids in prompts]
     # vLLM's echo with max_tokens 0 (scoring a text): one token is generated, and the answer
     # is the prompt alone (its text, its logprobs).
     prompt_only = not chat and field(body, "echo", (bool,), False) and field(body, "max_tokens", (int,)) == 0
-    params = parse_sampling(body | {"max_tokens": 1} if prompt_only else body, len(prompt_ids),
-                            engine.config.max_model_len, chat, tools, engine.sampling_defaults)
-    beam = parse_beam_search(body, params, engine.sampling_defaults, chat, tools)
+    # (per prompt: a max_tokens left to the context is each prompt's room)
+    params = [parse_sampling(body | {"max_tokens": 1} if prompt_only else body, len(ids), max_len, chat, tools,
+                             engine.sampling_defaults) for ids in prompts]
+    beams = [parse_beam_search(body, p, engine.sampling_defaults, chat, tools) for p in params]
     stream, include_usage, continuous_usage = parse_stream_options(body, app["force_include_usage"])
-    grammar = await compile_grammar(engine, params, body, tools)
+    grammar = await compile_grammar(engine, params[0], body, tools)  # (every prompt's one constraint)
     request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
+    # vLLM's engine ids of a batch's prompts: the request's, each with its index
+    engine_ids = [engine_request_id] if len(prompts) == 1 else [f"{engine_request_id}-{k}" for k in range(len(prompts))]
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
     if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
         raise ApiError(f"'priority' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="priority")
-    form = ChoiceFormat.read(app, body, chat, tools, params, prompt_ids, untruncated, prompt_only)
+    sent = [None] if chat else prompt_batch(body)
+    forms = [ChoiceFormat.read(app, body, chat, tools, p, ids, raw, prompt_only, text)
+             for p, ids, raw, text in zip(params, prompts, untruncated, sent)]
     if ignored := unknown_fields(body, chat):  # as vLLM: warned about, and ignored
         log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored)[:500])
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
     want_metrics = field(body, "include_metrics", (bool,), False) and app["per_request_metrics"]
     user = field(body, "user", (str,))  # OpenAI's field: the client, for the fair policy
     n = field(body, "n", (int,), 1)  # parse_sampling checked it
-    if n > 1 and want_metrics:
-        raise ApiError("'include_metrics' is for n=1 (each sample is a request of its own)", param="include_metrics")
+    if n * len(prompts) > MAX_SAMPLES:
+        raise ApiError(f"{len(prompts)} prompts of n={n} samples each are more than the {MAX_SAMPLES} a request may "
+                       "ask", param="n")
+    if n * len(prompts) > 1 and want_metrics:
+        raise ApiError("'include_metrics' is for one prompt and n=1 (each sample is a request of its own)",
+                       param="include_metrics")
     slo = parse_slo(body)
     cache_salt = body.get("cache_salt")  # vLLM's: checked with the rest of the request (LLMEngine.validate)
     if app["log_requests"]:
-        log_request(engine_request_id, params, prompt_ids, app["max_log_len"])
+        for rid, p, ids in zip(engine_ids, params, prompts):
+            log_request(rid, p, ids, app["max_log_len"])
     gens: list[Generation | BeamGeneration] = []
+    choices: list[Choice] = []
     # Whatever ends this handler (a reply, a sample the engine refused, the client gone before
     # the first byte, a cancellation) ends the requests: a stream never read has no frame to abort it.
     try:
         thinking = thinking_enabled(body, app["default_chat_template_kwargs"]) if chat else True
         # vLLM's n: one engine request per sample; their one prompt is shared in the prefix cache
-        try:
-            if beam is not None:  # n is the beam width: n sequences of one search
-                run = BeamSearchRun(engine, EngineRequest(engine_request_id, prompt_ids, params, priority=priority,
-                                                          user=user, slo=slo, cache_salt=cache_salt), beam)
-                gens.extend(BeamGeneration(run, i) for i in range(n))
-            for rid, p, parent in [] if beam else child_requests(engine_request_id, dataclasses.replace(params, n=n)):
-                sample = EngineRequest(request_id=rid, prompt_token_ids=prompt_ids, params=p, priority=priority,
-                                       user=user, slo=slo, grammar=grammar, parent=parent, thinking=thinking,
-                                       cache_salt=cache_salt)
-                gens.append(Generation(engine, sample, want_metrics))
-        except ApiError as e:  # the engine names SamplingParams' fields: the 400 names the client's
-            e.param = request_field(e.param, body, chat)
-            raise
+        for rid, ids, p, beam, form in zip(engine_ids, prompts, params, beams, forms):
+            try:
+                if beam is not None:  # n is the beam width: n sequences of one search
+                    run = BeamSearchRun(engine, EngineRequest(rid, ids, p, priority=priority, user=user, slo=slo,
+                                                              cache_salt=cache_salt), beam)
+                    gens.extend(BeamGeneration(run, i) for i in range(n))
+                for sample_id, sp, parent in [] if beam else child_requests(rid, dataclasses.replace(p, n=n)):
+                    sample = EngineRequest(request_id=sample_id, prompt_token_ids=ids, params=sp, priority=priority,
+                                           user=user, slo=slo, grammar=grammar, parent=parent, thinking=thinking,
+                                           cache_salt=cache_salt)
+                    gens.append(Generation(engine, sample, want_metrics))
+            except ApiError as e:  # the engine names SamplingParams' fields: the 400 names the client's
+                e.param = request_field(e.param, body, chat)
+                raise
+            choices.extend(Choice(len(choices), g, form) for g in gens[len(choices):])
+            if app["log_outputs"]:  # (--enable-log-outputs, which needs --enable-log-requests)
+                form.log_id, form.log_len, form.log_deltas = rid, app["max_log_len"], app["log_deltas"]
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")
         model = body.get("model") or app["model_names"][0]  # server.read_body checked it
         head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
-        choices = [Choice(i, g, form) for i, g in enumerate(gens)]
         details = app["prompt_tokens_details"]
-        if app["log_outputs"]:  # (--enable-log-outputs, which needs --enable-log-requests)
-            form.log_id, form.log_len, form.log_deltas = engine_request_id, app["max_log_len"], app["log_deltas"]
         if not stream:
-            return await whole_response(head, choices, form, details)
+            return await whole_response(head, choices, forms[0], details)
         return await stream_response(request, head, choices, include_usage, continuous_usage, details)
     finally:
         for g in gens:
@@ -134,7 +148,11 @@ def parse_stream_options(body: dict, force_include_usage: bool = False) -> tuple
     if unknown:
         raise ApiError(f"stream_options: {unknown[0][:40]!r} is not supported by this server", param="stream_options")
     field(stream_options, "include_obfuscation", (bool,))
-    include_usage = field(stream_options, "include_usage", (bool,), False) or (stream and force_include_usage)
+    # vLLM's StreamOptions: include_usage defaults to true once stream_options is sent (so
+    # {"continuous_usage_stats": true} alone streams the usage); an explicit null is false.
+    asked = body.get("stream_options") is not None and \
+        field(stream_options, "include_usage", (bool,), "include_usage" not in stream_options)
+    include_usage = stream and (asked or force_include_usage)
     # vLLM's extra: every chunk carries the usage so far; only with include_usage, as vLLM.
     continuous_usage = field(stream_options, "continuous_usage_stats", (bool,), False) and include_usage
     return stream, include_usage, continuous_usage
@@ -191,8 +209,10 @@ class ChoiceFormat:
 
     @classmethod
     def read(cls, app: web.Application, body: dict, chat: bool, tools: ToolChoice | None, params: SamplingParams,
-             prompt_ids: list[int], untruncated: list[int], prompt_only: bool) -> ChoiceFormat:
-        """The body's fields that shape the answer, checked (a 400 names a bad one)."""
+             prompt_ids: list[int], untruncated: list[int], prompt_only: bool, sent: str | list | None
+             ) -> ChoiceFormat:
+        """The body's fields that shape the answer to one prompt, checked (a 400 names a bad
+        one); sent: a completion's prompt as the body has it (one of a batch's)."""
         tokenizer = app["engine"].tokenizer
         # vLLM's parallel_tool_calls false: only the first call of the answer goes out
         parallel = field(body, "parallel_tool_calls", (bool,), True)
@@ -215,7 +235,8 @@ class ChoiceFormat:
         # the prompt's text out, as vLLM.
         return_ids = field(body, "return_token_ids", (bool,), False)
         as_ids = field(body, "return_tokens_as_token_ids", (bool,), app["return_tokens_as_token_ids"])
-        echoed = echo_text(body, untruncated, prompt_ids, tokenizer, role) if echo and (chat or not return_ids) else ""
+        echoed = echo_text(body, sent, untruncated, prompt_ids, tokenizer, role) if echo and (chat or not return_ids) \
+            else ""
         return cls(chat, tokenizer, params, prompt_ids, prompt_only, role, echo, echoed, return_ids, as_ids, tools,
                    app["tool_parser"], parallel, reasoning_parser, include_reasoning)
 
@@ -396,17 +417,20 @@ def metrics_json(chunk: Chunk) -> dict:
 
 
 def usage(choices: list[Choice], details: bool | None = None) -> dict:
-    """OpenAI's usage of the choices' tokens so far, the prompt counted once (vLLM's usage
-    for n samples). details: --enable-prompt-tokens-details, which adds vLLM's
+    """OpenAI's usage of the choices' tokens so far, each prompt counted once (vLLM's usage
+    for n samples of a batch of prompts). details: --enable-prompt-tokens-details, which adds vLLM's
     prompt_tokens_details (the prompt tokens the prefix cache served, 0 included); without
     it a whole response says null and a stream's usage chunk leaves the field out (vLLM
     dumps the one whole and the other without its None fields). None: neither (vLLM's
     continuous_usage_stats chunks never carry it)."""
-    first, completion_tokens = choices[0].gen, sum(c.num_output_tokens for c in choices)
-    out: dict[str, Any] = {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion_tokens,
-                           "total_tokens": first.num_prompt_tokens + completion_tokens}
+    # a prompt's first sample stands for its prompt: its n samples share one ChoiceFormat
+    firsts = list({id(c.form): c.gen for c in reversed(choices)}.values())
+    prompt_tokens = sum(g.num_prompt_tokens for g in firsts)
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
     if details:
-        out["prompt_tokens_details"] = {"cached_tokens": first.num_cached_tokens}
+        out["prompt_tokens_details"] = {"cached_tokens": sum(g.num_cached_tokens for g in firsts)}
     return out
 
 
@@ -451,9 +475,8 @@ async def stream_response(request: web.Request, head: dict, choices: list[Choice
         await all_of(events.send_choice(c) for c in choices)
         if include_usage:
             await events.send([], usage=usage(choices, details), **choices[0].metrics)
-        form = choices[0].form
-        for c in choices if form.log_id is not None else ():  # vLLM's line per choice: its whole text
-            log_output(form.log_id, c.text, None, "streaming_complete", form.log_len, " (streaming complete)")
+        for c in choices if choices[0].form.log_id is not None else ():  # vLLM's line per choice: its whole text
+            log_output(c.form.log_id, c.text, None, "streaming_complete", c.form.log_len, " (streaming complete)")
     except ConnectionResetError:
         return response  # the client left; the request is aborted already
     except Exception as e:  # the status line is gone: report the error in the stream
@@ -477,9 +500,10 @@ class EventStream:
     async def send(self, choices: list[dict], **extra: Any) -> None:
         await self.response.write(b"data: " + json.dumps(self.head | {"choices": choices} | extra).encode() + b"\n\n")
 
-    def usage_so_far(self) -> dict:
-        """vLLM's continuous_usage_stats: every chunk carries the usage so far."""
-        return {"usage": usage(self.choices)} if self.continuous_usage else {}  # (no prompt_tokens_details)
+    def usage_so_far(self, choice: Choice) -> dict:
+        """vLLM's continuous_usage_stats: every chunk carries the usage so far of the choice it
+        is a chunk of (its own tokens, not its siblings'; the final usage chunk sums them)."""
+        return {"usage": usage([choice])} if self.continuous_usage else {}  # (no prompt_tokens_details)
 
     async def open_messages(self) -> None:
         """A chat answer's first chunks, per choice: its role (the first with the prompt's ids
@@ -488,17 +512,18 @@ class EventStream:
         for c in self.choices:
             ids = {"prompt_token_ids": form.prompt_ids} if form.return_ids and c.index == 0 else {}
             await self.send([{"index": c.index, "delta": {"role": form.role, "content": ""}, "logprobs": None,
-                              "finish_reason": None}], **self.usage_so_far(), **ids)
+                              "finish_reason": None}], **self.usage_so_far(c), **ids)
             if form.echoed:
                 await self.send([{"index": c.index, "delta": {"content": form.echoed}, "logprobs": None,
-                                  "finish_reason": None}], **self.usage_so_far())
+                                  "finish_reason": None}], **self.usage_so_far(c))
 
     async def send_choice(self, choice: Choice) -> None:
         """One choice's chunks, sent as they come; without usage, the metrics ride on the
         chunk with the finish_reason."""
         async with contextlib.aclosing(choice.stream()) as parts:
             async for part in parts:
-                await self.send([part], **self.usage_so_far(), **({} if self.include_usage else choice.metrics))
+                await self.send([part], **self.usage_so_far(choice),
+                                **({} if self.include_usage else choice.metrics))
 
 
 async def all_of(coroutines: Iterable[Awaitable[T]]) -> list[T]:
@@ -514,7 +539,8 @@ async def all_of(coroutines: Iterable[Awaitable[T]]) -> list[T]:
         raise
 
 
-def echo_text(body: dict, untruncated: list[int], prompt_ids: list[int], tokenizer: Any, role: str | None) -> str:
+def echo_text(body: dict, sent: str | list | None, untruncated: list[int], prompt_ids: list[int], tokenizer: Any,
+              role: str | None) -> str:
     """What vLLM's echo puts before the answer. Chat (role: the answer's): the last
     message's content when its role is the answer's, else nothing. Completions (role None):
     the prompt as sent, or the prompt's tokens as text when it came as token ids or was
@@ -525,8 +551,6 @@ def echo_text(body: dict, untruncated: list[int], prompt_ids: list[int], tokeniz
         if isinstance(content, list):  # any text parts (a string, a refusal...), joined as parse_messages joins them
             content = "\n".join(text_part(p, len(body["messages"]) - 1) for p in content)
         return content if last["role"] == role and isinstance(content, str) else ""
-    prompt = body["prompt"]
-    prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) else prompt
-    if isinstance(prompt, str) and len(prompt_ids) == len(untruncated):
-        return prompt
+    if isinstance(sent, str) and len(prompt_ids) == len(untruncated):
+        return sent
     return tokenizer.decode(prompt_ids, skip_special_tokens=False) if tokenizer is not None else ""

@@ -325,3 +325,106 @@ def test_seed_bounds_are_vllm_s_int64() -> None:
         assert e.value.status == 400 and e.value.param == "seed"
     for seed in (2**63 - 1, -2**63, 0, -1):
         assert parse_sampling({"seed": seed}, 3, 256, chat=False).seed == seed
+
+
+# ---- stream_options and max_tokens null -------------------------------------------------------
+
+def sse(text: str) -> list[dict]:
+    return [strict_json(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_stream_options_without_include_usage_stream_the_usage_as_vllm(post, path) -> None:
+    """vLLM's StreamOptions has include_usage true unless set: {} or {"continuous_usage_stats":
+    true} alone stream the usage (its null is false; no stream_options, no usage)."""
+    body = {"max_tokens": 3, "ignore_eos": True, "stream": True} | (
+        {"messages": MESSAGES} if path == CHAT else {"prompt": [5, 6]})
+    for options, want in (({}, True), ({"continuous_usage_stats": True}, True), ({"include_usage": None}, False),
+                          ({"include_usage": False, "continuous_usage_stats": True}, False), (None, False)):
+        status, text = post(path, body | {"stream_options": options})
+        assert status == 200, text
+        events = sse(text)
+        assert (events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3) == want, (options, text)
+        assert all("usage" not in e for e in events[:-1]) or options == {"continuous_usage_stats": True}
+
+
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_continuous_usage_counts_the_tokens_of_the_chunk_s_own_choice_as_vllm(post, path) -> None:
+    """vLLM's continuous_usage_stats with n samples: a chunk of choice i counts choice i's
+    tokens so far (previous_num_tokens[i]), the final usage chunk all of them."""
+    body = {"max_tokens": 4, "ignore_eos": True, "stream": True, "n": 3, "logprobs": True if path == CHAT else 0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}} | (
+        {"messages": MESSAGES} if path == CHAT else {"prompt": [5, 6]})
+    status, text = post(path, body)
+    assert status == 200, text
+    events = sse(text)
+    seen = {i: 0 for i in range(3)}  # tokens streamed so far per choice, counted by their logprobs
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        lps = choice["logprobs"]
+        seen[choice["index"]] += 0 if lps is None else len(lps["content"] if path == CHAT else lps["tokens"])
+        assert e["usage"]["completion_tokens"] == seen[choice["index"]], (seen, e)
+        assert e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + seen[choice["index"]]
+    assert seen == {i: 4 for i in range(3)} and events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_completion_s_max_tokens_null_is_the_room_the_context_leaves_as_vllm(post) -> None:
+    """vLLM's CompletionRequest: max_tokens left out is 16, an explicit null is None, which
+    get_max_tokens makes max_model_len less the prompt (the tiny engine's 128 here)."""
+    for extra, want in (({}, 16), ({"max_tokens": None}, 128 - 2),
+                        ({"max_tokens": None, "truncate_prompt_tokens": -1}, 128 - 2)):
+        status, text = post(C, {"prompt": [5, 6], "ignore_eos": True} | extra)
+        assert status == 200, text
+        assert strict_json(text)["usage"]["completion_tokens"] == want, (extra, text)
+
+
+# ---- batched prompts ---------------------------------------------------------------------------
+
+def test_a_batch_of_prompts_is_one_choice_per_sample_in_vllm_s_order(post) -> None:
+    """vLLM's batched completions prompt (a list of token-id lists or of strings): prompt k's
+    n samples are choices k * n .. k * n + n - 1, each what the prompt alone gives; usage
+    counts every prompt once and every sample's tokens."""
+    prompts, n = [[5, 6, 7], [8, 9], [10]], 2
+    greedy = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True, "logprobs": 1}
+    status, text = post(C, {"prompt": prompts, "n": n} | greedy)
+    assert status == 200, text
+    whole = strict_json(text)
+    assert [c["index"] for c in whole["choices"]] == list(range(len(prompts) * n))
+    for k, prompt in enumerate(prompts):
+        status, alone = post(C, {"prompt": prompt} | greedy)
+        (want,) = strict_json(alone)["choices"]
+        for c in whole["choices"][k * n:(k + 1) * n]:
+            assert (c["text"], c["logprobs"]["tokens"]) == (want["text"], want["logprobs"]["tokens"]), (k, c, want)
+            assert c["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+    assert whole["usage"] | {"prompt_tokens_details": None} == {
+        "prompt_tokens": 6, "completion_tokens": 3 * n * len(prompts), "total_tokens": 6 + 3 * n * len(prompts),
+        "prompt_tokens_details": None}
+
+
+def test_a_batch_of_texts_echoes_each_prompt_and_streams_each_choice_s_usage(post) -> None:
+    texts = ["ab", "cde"]
+    status, text = post(C, {"prompt": texts, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert status == 200, text
+    choices = strict_json(text)["choices"]
+    assert [c["text"] for c in choices] == texts  # echo with max_tokens 0: each prompt alone
+    assert [c["logprobs"]["tokens"][1:] for c in choices] == [list(t) for t in texts]  # (a BOS first)
+    status, text = post(C, {"prompt": texts, "max_tokens": 2, "ignore_eos": True, "stream": True,
+                            "stream_options": {"continuous_usage_stats": True}})
+    assert status == 200, text
+    events = sse(text)
+    assert {e["choices"][0]["index"] for e in events[:-1]} == {0, 1}
+    for e in events[:-1]:  # (each prompt: its BOS and its characters)
+        assert e["usage"]["prompt_tokens"] == 1 + len(texts[e["choices"][0]["index"]])
+    assert events[-1]["usage"]["prompt_tokens"] == 2 + 5 and events[-1]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("prompt, says", [(["ab", [5, 6]], "one kind"), ([[5], []], "prompt 1 is empty"),
+                                          (["ab", ""], "prompt 1 is empty"), ([[5], [10**6]], "prompt 1: token id"),
+                                          ([[5]] * 1025, "at most 1024 prompts")])
+def test_a_bad_batch_is_a_400_naming_the_prompt(post, prompt, says) -> None:
+    status, text = post(C, {"prompt": prompt, "max_tokens": 1})
+    err = strict_json(text)["error"]
+    assert status == 400 and err["param"] == "prompt" and says in err["message"], text
+    status, text = post(C, {"prompt": [[5]] * 9, "n": 128, "max_tokens": 1})
+    assert status == 400 and strict_json(text)["error"]["param"] == "n", text
+    served(post)

@@ -159,3 +159,35 @@ def test_the_engine_refuses_n_other_than_one_and_queues_nothing(llm: LLM) -> Non
         llm.engine.add_request("many", PROMPT, SamplingParams(n=2, max_tokens=2))
     assert err.value.param == "n"  # the server's 400 names the field
     assert not llm.engine.has_unfinished()
+
+
+def test_max_tokens_none_is_the_room_each_prompt_leaves_as_vllm(llm: LLM) -> None:
+    """vLLM's SamplingParams(max_tokens=None): each sample runs until the context is full
+    (max_model_len 128 here), per prompt; a prompt that fills the context is still refused."""
+    params = SamplingParams(max_tokens=None, n=2, temperature=0.0, ignore_eos=True, min_tokens=100)
+    outs = llm.generate([PROMPT, list(range(1, 101))], params)
+    assert [[len(c.token_ids) for c in o.outputs] for o in outs] == [[128 - 4] * 2, [128 - 100] * 2]
+    assert all(c.finish_reason == "length" for o in outs for c in o.outputs)
+    with pytest.raises(ValueError, match="over max_model_len"):
+        llm.generate([list(range(1, 129))], SamplingParams(max_tokens=None))
+    assert not llm.engine.has_unfinished()
+    for bad in (0, -1, 2.0, "16"):
+        with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+            SamplingParams(max_tokens=bad)
+
+
+def test_generate_takes_vllm_s_keywords(llm: LLM) -> None:
+    """vLLM's LLM.generate(prompts, sampling_params=None, *, use_tqdm, priority): a vLLM
+    script that names its arguments runs unchanged, and gets what the positional call gets."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    (named,) = llm.generate(prompts=PROMPT, sampling_params=params, use_tqdm=False, priority=[0])
+    (positional,) = llm.generate(PROMPT, params)
+    assert named.outputs[0].token_ids == positional.outputs[0].token_ids and len(named.outputs[0].token_ids) == 3
+
+
+def test_stop_and_bad_words_none_are_none_as_vllm(llm: LLM) -> None:
+    """vLLM's SamplingParams(stop=None, bad_words=None), as a script that passes optional
+    settings through writes them: no stop strings, no bad words."""
+    params = SamplingParams(stop=None, bad_words=None, max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert params == SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(PROMPT, params)[0].outputs[0].token_ids) == 3

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chat_format import parse_messages
 from metrics import wait_reasons
-from protocol import ApiError, parse_prompt, parse_sampling, token_text
+from protocol import ApiError, parse_prompts, parse_sampling, token_text
 from sampling_params import SamplingParams
 from tokenizer import IncrementalDetokenizer
 from tokenizer import ByteTokenizer
@@ -823,13 +823,13 @@ def test_the_earliest_stop_string_wins_within_one_step() -> None:
 
 
 def test_without_a_tokenizer_text_prompts_and_chat_are_refused() -> None:
-    refused = [lambda: parse_prompt({"prompt": "hi"}, None, 512),
+    refused = [lambda: parse_prompts({"prompt": "hi"}, None, 512),
                lambda: parse_messages({"messages": [{"role": "user", "content": "hi"}]}, None)]
     for call in refused:
         with pytest.raises(ApiError) as e:
             call()
         assert e.value.status == 400 and "tokenizer" in str(e.value)
-    assert parse_prompt({"prompt": [1, 2, 3]}, None, 512) == [1, 2, 3]
+    assert parse_prompts({"prompt": [1, 2, 3]}, None, 512) == [[1, 2, 3]]
     assert IncrementalDetokenizer(None, [1], []).push([5], final=True) == ("", False)
 
 
