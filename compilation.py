@@ -182,6 +182,12 @@ class Built:
         return f"{how} in {self.seconds:.1f}s"
 
 
+def built_already(programs: str) -> str:
+    """A warm-up that built nothing: an earlier engine of this process with the same
+    ProgramKey (model structure, not weights, and the settings that shape a step) did."""
+    return f"{programs} were compiled already, by an engine of this process with the same model structure and settings"
+
+
 def warmup_summary(programs: str, compiled: int, loaded: int, seconds: float) -> str:
     """'<programs> compiled in Xs', or how many came from the persistent cache: a restart
     traces every program again, but XLA compiles none that the cache holds."""

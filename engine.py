@@ -488,7 +488,7 @@ class LLMEngine:
                 # Ended by a step collected since this one was scheduled (async scheduling):
                 # its slot is gone, so it runs nowhere (no service: its charge is taken back),
                 # and update() would discard its row.
-                self.scheduler.policy.refund(sch)
+                self.scheduler.ran_nowhere_ended(sch)
                 ended = True
                 continue
             one = SchedulerOutput([sch], num_prefill_tokens=0 if sch.is_decode else sch.num_new_tokens,

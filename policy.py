@@ -87,12 +87,26 @@ class Registry(dict, Generic[T]):
 # (AsyncEngine). One int, updated after each change, so another thread reads it whole.
 
 class WaitingQueue:
-    """What the scheduler reads of a waiting queue, over `_seqs` in admission order. The
-    changes are each subclass's own methods, and each keeps num_unreserved; no container
-    method is inherited that would change `_seqs` behind the count."""
+    """A waiting queue: its requests in `_seqs`, in the order they are to be admitted. The
+    four changes are each subclass's own, and each keeps num_unreserved; no container method
+    is inherited that would change `_seqs` behind the count."""
 
     _seqs: deque[Sequence] | list[Sequence]
     num_unreserved: int
+
+    def add(self, seq: Sequence) -> None:
+        """A new arrival."""
+        raise NotImplementedError
+
+    def requeue(self, seq: Sequence) -> None:
+        """A preempted (or rerun) sequence, back in the queue."""
+        raise NotImplementedError
+
+    def pop_head(self) -> Sequence:
+        raise NotImplementedError
+
+    def remove(self, seq: Sequence) -> None:
+        raise NotImplementedError
 
     def peek(self) -> Sequence:
         return self._seqs[0]
@@ -228,8 +242,9 @@ class FCFS:
 
     def refund(self, s: ScheduledSeq) -> None:
         """Called for a row of a charged step that ran nowhere (its request failed alone, or
-        computes it again: Scheduler.ran_nowhere), before its sequence changes: it was no
-        service (a policy that accounts for service takes back what charge gave it)."""
+        computes it again: Scheduler.ran_nowhere; or had ended meanwhile: ran_nowhere_ended),
+        before its sequence changes: it was no service (a policy that accounts for service
+        takes back what charge gave it)."""
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         """candidates: the running sequences not yet scheduled this step, admission order

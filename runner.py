@@ -51,8 +51,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attention_backend import AttentionShape, select_attention_backend
-from compilation import (SAMPLE_CHUNK, Built, CountedProgram, ProgramKey, spec_branches, step_programs,
-                         warmup_summary)
+from compilation import (SAMPLE_CHUNK, Built, CountedProgram, ProgramKey, built_already, spec_branches,
+                         step_programs, warmup_summary)
 from config import EngineConfig, host_memory_bytes
 from distributed import DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED, STOP, StepChannel
 from kvcache import create_kv_caches
@@ -717,8 +717,7 @@ class ModelRunner:
             total, loaded = self._warmup(log)
         compiled = built.traced
         if not compiled:
-            log(f"warm-up: all {total} programs were compiled already, by an engine of this process with the same "
-                "model and shapes")
+            log(f"warm-up: {built_already(f'all {total} programs')}")
             return
         # by this engine (the activation probe's step) or by another with its ProgramKey
         ready = f" ({total - compiled} were compiled already)" if compiled < total else ""

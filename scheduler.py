@@ -166,6 +166,13 @@ class Scheduler:
         self.allocator.uncache_from(seq.request_id, first)
         return seq.block_table[first:]
 
+    def ran_nowhere_ended(self, s: ScheduledSeq) -> None:
+        """s's row of a scheduled step ran nowhere, and its request had ended meanwhile (a
+        step collected since this one was scheduled ended it): its blocks are freed already,
+        and the policy takes back the service it charged for the row."""
+        assert s.seq.finished
+        self.policy.refund(s)
+
     def rerun(self, s: ScheduledSeq) -> list[int]:
         """s's row of a scheduled step runs nowhere, but its request goes on: back to the
         waiting queue (as a victim of preemption by recompute, a first admission undone),

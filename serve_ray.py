@@ -591,7 +591,9 @@ def check_ray_address(address: str | None, timeout_s: float = 10.0) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"--ray-address {address}: no Ray cluster answers there ({e})") from None
     if len(reply) < 9 or reply[3] != _H2_SETTINGS:
-        said = f"it answered {reply[:9]!r}" if reply else "it closed the connection"
+        # (a cluster under TLS hangs up on a client that does not start TLS)
+        said = (f"it answered {reply[:9]!r}" if reply else
+                "it closed the connection; a cluster under TLS needs RAY_USE_TLS=1")
         raise ValueError(f"--ray-address {address}: something listens there, but no Ray cluster (a Ray address "
                          f"speaks gRPC; {said})")
 

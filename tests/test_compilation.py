@@ -110,7 +110,7 @@ def test_an_engine_like_one_built_before_compiles_nothing_and_another_model_comp
     assert compiled == [] and again.stats.num_compilations == 0
     warmup = [x for x in lines if x.startswith("warm-up: ")]
     assert warmup == [f"warm-up: all {len([x for x in lines if x.startswith('warm-up ')])} programs were compiled "
-                      "already, by an engine of this process with the same model and shapes"], lines
+                      "already, by an engine of this process with the same model structure and settings"], lines
     with count_compilations() as compiled:
         theirs = LLM(other, log=lambda *_: None, **SHAPES)
         assert theirs.generate([prompt], greedy)[0].outputs[0].token_ids == want_other

@@ -75,6 +75,10 @@ def drafter(target_ckpt, draft_dir):
     assert dm.kv_bytes_per_block() == 2 * 2 * BS * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, f32
     dm.allocate(64)
     dm.warmup(log=lambda _: None)
+    again: list[str] = []  # its programs are the process's now: a second warm-up builds none, and says so
+    dm.warmup(log=again.append)
+    assert again == ["warm-up: the draft model's programs were compiled already, by an engine of this process "
+                     "with the same model structure and settings"], again
     return dm, BlockAllocator(64, enable_caching=False)
 
 

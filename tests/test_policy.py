@@ -506,6 +506,8 @@ def test_priority_changes_who_runs_when_not_the_tokens():
 
 
 # ---- the waiting queue's count --------------------------------------------------------
+import collections.abc  # noqa: E402
+
 from hypothesis import given  # noqa: E402
 
 from policy import POLICIES  # noqa: E402
@@ -536,4 +538,7 @@ def test_every_policys_waiting_queue_counts_the_places_no_caller_reserved_throug
             q.remove(victim)
         assert sorted(id(s) for s in q) == sorted(id(s) for s in model) and len(q) == len(model)
         assert q.num_unreserved == sum(not s.place_reserved for s in model)
-    assert not any(hasattr(q, m) for m in ("append", "appendleft", "extend", "clear", "pop", "popleft", "insert"))
+    mutable = (collections.abc.MutableSequence, collections.abc.MutableSet, collections.deque, list)
+    assert not isinstance(q, mutable) and not hasattr(q, "__setitem__") and not hasattr(q, "__delitem__")
+    methods = {m for m in dir(q) if not m.startswith("_") and callable(getattr(q, m))}
+    assert methods <= {"add", "requeue", "pop_head", "remove", "peek", "resort"}, methods

@@ -297,7 +297,8 @@ def test_masks_that_leave_no_first_token_are_refused_naming_the_fields():
     import server
     from sampling_params import ParamError, StructuredOutputsParams as SO
 
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=128, warmup=False)  # tiny_async_engine's
+    # tiny_async_engine's shapes: the two engines share their programs
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=128, warmup=False)
     eos = llm.engine.model_config.eos_token_ids[0]
     for masks, says, param in (
             (dict(structured_outputs=SO(regex="b"), allowed_token_ids=[A]),

@@ -387,7 +387,8 @@ def test_an_address_where_no_ray_cluster_listens_is_one_error_line_not_a_wait() 
 def test_a_port_that_speaks_no_grpc_is_no_ray_cluster_and_the_clusters_own_gcs_is(server: Server) -> None:
     """The address check asks in HTTP/2 as Ray's GCS client would: the running cluster's GCS
     passes, and a port where an HTTP/1 server (the dashboard's kind), a silent server, or one
-    that hangs up listens is an error at once, not ray.init's reconnect loop."""
+    that hangs up listens is an error (the silent one's after timeout_s), not ray.init's
+    reconnect loop."""
     serve_ray.check_ray_address(ray.get_runtime_context().gcs_address)
 
     class Http1(http.server.BaseHTTPRequestHandler):
@@ -404,13 +405,15 @@ def test_a_port_that_speaks_no_grpc_is_no_ray_cluster_and_the_clusters_own_gcs_i
     threading.Thread(target=hang_up, daemon=True).start()
     try:
         for listener, said in ((http1.socket, "but no Ray cluster (a Ray address speaks gRPC; it answered b'"),
-                               (quiet, "no Ray cluster answers there ("), (closing, "it closed the connection")):
+                               (quiet, "no Ray cluster answers there ("),
+                               (closing, "it closed the connection; a cluster under TLS needs RAY_USE_TLS=1")):
             address = f"127.0.0.1:{listener.getsockname()[1]}"
             with pytest.raises(ValueError, match=re.escape(said)) as e:
                 serve_ray.check_ray_address(address, timeout_s=1.0)
             assert str(e.value).startswith(f"--ray-address {address}: "), e.value
     finally:
         http1.shutdown()
+        http1.server_close()
         quiet.close()
         closing.close()
 

@@ -130,6 +130,7 @@ def gpu_like_report(tmp_path_factory) -> Path:
 
 
 def test_the_command_line_writes_the_scale_report_with_its_table_and_plot(gpu_like_report):
+    """`--report` writes its plot, and its table holds three GPU-like rows at 8 slots."""
     assert (gpu_like_report / "simulate_scales.png").stat().st_size > 0
     assert (gpu_like_report / "simulate_report.md").read_text().count("| GPU-like | 8 |") == 3
 
