@@ -307,7 +307,7 @@ class Choice:
         """A whole chat answer's {"message": ...}, its tool calls and reasoning parsed out of
         the text, and its finish_reason (tool_calls when it called one)."""
         parsed, reason = self.message.message(text, reason)
-        message = CHAT_MESSAGE | parsed | {"role": self.form.role}
+        message = CHAT_MESSAGE | {"tool_calls": []} | parsed | {"role": self.form.role}  # (a list of its own)
         if self.form.echo:
             message["content"] = self.form.echoed + (message.get("content") or "")
         return {"message": message}, reason
@@ -431,7 +431,8 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
             "prompt_logprobs": None if form.params.prompt_logprobs is None else
             prompt_logprobs_json(form.tokenizer, prompt_lps or []),
             "prompt_token_ids": form.prompt_ids if form.return_ids else None, "kv_transfer_params": None}
-    return await json_in_pieces(head, [c.whole for c in choices], tail | choices[0].metrics)  # (metrics: n = 1)
+    tail |= choices[0].metrics  # (include_metrics is for n = 1)
+    return await json_in_pieces(head, [c.whole for c in choices], tail)
 
 
 async def json_in_pieces(head: dict, choices: list[Callable[[], dict]], tail: dict) -> web.Response:
