@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from jinja2 import nodes
 
-from protocol import JSON_TYPE, ApiError, field, loads_checked, template_tools
+from protocol import JSON_TYPE, ApiError, field, loads_checked, rendered_tools
 
 if TYPE_CHECKING:
     from tool_parsers import ToolChoice
@@ -205,25 +205,34 @@ def merge_kwargs(defaults: dict[str, Any] | None, request: dict[str, Any]) -> di
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's and vLLM's
 
 
-def parse_messages(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
-                   exclude_tools_when_tool_choice_none: bool = False, chat_template: str | None = None,
+def chat_tools(body: dict, choice: ToolChoice | None, exclude_tools_when_tool_choice_none: bool) -> list[dict] | None:
+    """The tools a chat request's template renders: those of its tool_choice
+    (protocol.tool_choice()); with tool_choice "none" its tools too (the model sees what
+    exists, and calls nothing), as vLLM, unless exclude_tools_when_tool_choice_none (its
+    --exclude-tools-when-tool-choice-none)."""
+    if choice is not None:
+        return choice.definitions
+    if body.get("tool_choice") == "none" and body.get("tools") and not exclude_tools_when_tool_choice_none:
+        return rendered_tools(body)
+    return None
+
+
+def parse_messages(body: dict, tokenizer: Any, tools: list[dict] | None = None, chat_template: str | None = None,
                    trust_request_chat_template: bool = False, content_format: str = "auto",
                    default_kwargs: dict | None = None) -> list[int]:
     """render_chat's text as token ids."""
-    text = render_chat(body, tokenizer, tools, exclude_tools_when_tool_choice_none, chat_template,
-                       trust_request_chat_template, content_format, default_kwargs)
+    text = render_chat(body, tokenizer, tools, chat_template, trust_request_chat_template, content_format,
+                       default_kwargs)
     # The template already carries BOS and the other special tokens it wants.
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
-                exclude_tools_when_tool_choice_none: bool = False, chat_template: str | None = None,
+def render_chat(body: dict, tokenizer: Any, tools: list[dict] | None = None, chat_template: str | None = None,
                 trust_request_chat_template: bool = False, content_format: str = "auto",
                 default_kwargs: dict | None = None) -> str:
-    """Chat messages through the model's chat template, as text; with the request's
-    tools (protocol.tool_choice()) for a template that renders them, as vLLM. With tool_choice
-    "none" the tools are rendered too (the model sees what exists, and calls nothing), as
-    vLLM, unless exclude_tools_when_tool_choice_none (its --exclude-tools-when-tool-choice-none).
+    """Chat messages through the model's chat template, as text; tools: the definitions the
+    template gets (chat_tools(), protocol.rendered_tools(); None: none), [] passed as it is,
+    as transformers does.
     chat_template: the server's --chat-template instead of the model's; a request's own
     `chat_template` only with trust_request_chat_template (vLLM's flag; else its 400).
     content_format: how contents reach the template (CONTENT_FORMATS; vLLM's
@@ -310,9 +319,7 @@ def render_chat(body: dict, tokenizer: Any, tools: ToolChoice | None = None,
         kw["chat_template"] = chat_template
     try:
         if tools is not None:
-            kw["tools"] = tools.definitions
-        elif body.get("tool_choice") == "none" and body.get("tools") and not exclude_tools_when_tool_choice_none:
-            kw["tools"] = template_tools(body["tools"])  # checked by tool_choice() already
+            kw["tools"] = tools
         if resolve_content_format(content_format, tokenizer, kw.get("chat_template"),
                                               kw.get("tools")) == "openai":
             # vLLM's "openai" form: every content a list of text parts, except a tool

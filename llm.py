@@ -138,7 +138,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
         import chat_format
-        from protocol import ApiError, tool_choice
+        from protocol import ApiError, rendered_tools
 
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set: the first "
@@ -154,18 +154,16 @@ class LLM:
         # offline API refuses what a chat request is refused for, with the same message.
         body = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                 "chat_template_kwargs": chat_template_kwargs or {}}
-        if tools:  # rendered as a chat request's tools with tool_choice "none": checked, none called
-            body |= {"tools": tools, "tool_choice": "none"}
-            try:
-                tool_choice(body, chat=True, auto=False)
-            except ApiError as e:
-                raise ValueError(str(e)) from None
+        try:  # checked as a request's tools, and handed to the template as they are ([] too), as vLLM's
+            tools = rendered_tools({"tools": tools})
+        except ApiError as e:
+            raise ValueError(str(e)) from None
         texts = []
         for i, conversation in enumerate(conversations):
             try:
                 if isinstance(conversation, tuple):  # a sequence of messages, as the list the server takes
                     conversation = list(conversation)
-                texts.append(chat_format.render_chat(body | {"messages": conversation}, self.tokenizer,
+                texts.append(chat_format.render_chat(body | {"messages": conversation}, self.tokenizer, tools,
                                                      chat_template=chat_template,
                                                      content_format=chat_template_content_format))
             except ApiError as e:

@@ -57,7 +57,6 @@ _NEUTRAL: dict[str, tuple] = {
     "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
     "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
     "logits_processors": ([],),  # custom processors by qualified name (vLLM's --logits-processor-pattern)
-    "stream_interval": (1,),  # tokens per streamed chunk: each chunk here is one engine step's
 }
 # Completions' own: embeddings in place of the prompt's tokens (vLLM's --enable-prompt-embeds)
 _COMPLETION_NEUTRAL: dict[str, tuple] = {"prompt_embeds": ()}
@@ -81,7 +80,8 @@ _COMMON_FIELDS = {
     "guided_regex", "guided_choice", "guided_grammar", "priority", "include_metrics", "user", "slo", "tools",
     "tool_choice", "request_id", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids",
     "return_tokens_as_token_ids", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_tokens", "bad_words", "allowed_token_ids", "cache_salt", "use_beam_search", "length_penalty", *_NEUTRAL,
+    "min_tokens", "bad_words", "allowed_token_ids", "cache_salt", "use_beam_search", "length_penalty",
+    "stream_interval", *_NEUTRAL,
     *_ACCEPTED_NOOP}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
@@ -291,6 +291,14 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
             raise ApiError(f"'{name}' is not supported by this server{allowed}", param=name)
     for name, kinds in _ACCEPTED_NOOP.items():
         field(body, name, kinds)
+    # vLLM's stream_interval, tokens per streamed chunk: checked on any request, read only
+    # by a stream's output (a whole response ignores it). Here each chunk is one engine step's.
+    interval = field(body, "stream_interval", (int,))
+    if interval is not None and interval < 1:  # vLLM's words
+        raise ApiError(f"stream_interval must be at least 1, got {interval}.", param="stream_interval")
+    if interval is not None and interval > 1 and body.get("stream") is True:
+        raise ApiError("'stream_interval' above 1 is not supported by this server: each streamed chunk is one "
+                       "engine step's", param="stream_interval")
     if not chat:
         for name, instead in _CHAT_ONLY.items():
             if body.get(name) is not None:
@@ -419,22 +427,12 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
     if (choice is None or choice == "auto") and not auto:
         raise ApiError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                        param="tool_choice")
-    by_name = {}
-    for i, t in enumerate(tools):  # (a left-out type is "function", vLLM's default)
-        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
-        if not isinstance(fn.get("description", ""), (str, type(None))):  # vLLM's: a string or null
-            raise ApiError(f"tools[{i}].function.description must be a string", param="tools")
-        params = fn.get("parameters")
-        if params is None or params == {}:  # left out, null or {} (vLLM's "required" schema): a function of no
-            params = {"type": "object", "properties": {}}  # parameters, whose arguments are still an object
-        if not isinstance(params, dict):
-            raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
-        by_name[fn["name"]] = params
+    tools = rendered_tools(body)
+    # a name defined twice is vLLM's too: a named choice takes its last definition (vLLM's
+    # name -> function dict), "required" admits a call of any (required_tools_schema)
+    by_name = dict(function_schemas(tools))
     if choice == "none":  # no call; the tools (checked above) may still reach the template
         return None
-    tools = template_tools(tools)
     if choice is None or choice in ("auto", "required"):
         return ToolChoice(choice or "auto", by_name, tools)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
@@ -447,18 +445,38 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
     return ToolChoice("named", {name: by_name[name]}, tools)
 
 
-def template_tools(tools: list[dict]) -> list[dict]:
-    """A request's tools (checked by tool_choice) as the chat template gets them: each with
-    its type, "function" where left out, as vLLM hands them over."""
+def rendered_tools(body: dict) -> list[dict] | None:
+    """A request's `tools` checked, as the chat template gets them: each with its type,
+    "function" where left out, as vLLM hands them over; None when the body has none. An
+    empty list stays one: /tokenize and LLM.chat hand it to the template as vLLM does."""
+    tools = field(body, "tools", (list,))
+    if tools is None:
+        return None
+    for i, t in enumerate(tools):  # (a left-out type is "function", vLLM's default)
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+        if not isinstance(fn.get("description", ""), (str, type(None))):  # vLLM's: a string or null
+            raise ApiError(f"tools[{i}].function.description must be a string", param="tools")
+        if not isinstance(fn.get("parameters", {}), (dict, type(None))):
+            raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
     return [t if "type" in t else {"type": "function", **t} for t in tools]
 
 
-def required_tools_schema(tools: dict[str, dict]) -> dict:
-    """vLLM's schema for tool_choice "required": a non-empty array of calls, each
-    {"name": one of the tools, "parameters": that tool's parameters}."""
+def function_schemas(tools: list[dict]) -> list[tuple[str, dict]]:
+    """(name, parameters' JSON schema) of each of rendered_tools' tools, in order. Parameters
+    left out, null or {} (vLLM's "required" schema) are a function of no parameters, whose
+    arguments are still an object."""
+    return [(t["function"]["name"], t["function"].get("parameters") or {"type": "object", "properties": {}})
+            for t in tools]
+
+
+def required_tools_schema(tools: list[dict]) -> dict:
+    """vLLM's schema for tool_choice "required" over rendered_tools' tools: a non-empty
+    array of calls, each {"name": one of the tools, "parameters": that tool's parameters}."""
     return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
         {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-         "required": ["name", "parameters"]} for name, params in tools.items()]}}
+         "required": ["name", "parameters"]} for name, params in function_schemas(tools)]}}
 
 
 def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsParams | None:
@@ -524,7 +542,7 @@ def _constraints(body: dict, tools: ToolChoice | None) -> list[tuple[str, dict]]
             found.append((name, {key: body[name]}))
     if tools is not None and tools.mode != "auto":  # ("auto": the model's free text, parsed after)
         found.append(("tool_choice", {"json": next(iter(tools.tools.values())) if tools.mode == "named"
-                                      else required_tools_schema(tools.tools)}))
+                                      else required_tools_schema(tools.definitions)}))
     return found
 
 

@@ -44,8 +44,8 @@ from cli_args import (api_keys, build_parser, check_chat_template, check_log_fla
 from cors import CorsPolicy, on_response_prepare as cors_headers
 from metrics import LoggingStatLogger
 from prometheus import ENGINE, EngineCollector
-from protocol import (MAX_BODY_BYTES, ApiError, field, integers, loads_checked, parse_prompts, route_path, token_text,
-                      tool_choice)
+from protocol import (MAX_BODY_BYTES, ApiError, field, integers, loads_checked, parse_prompts, rendered_tools,
+                      route_path, token_text, tool_choice)
 from reasoning_parsers import REASONING_PARSERS
 from serving import respond
 from tool_parsers import TOOL_PARSERS
@@ -104,10 +104,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     app = request.app
     tools = tool_choice(body, chat=True, auto=app["tool_parser"] is not None)
-    prompt_ids = await off_loop(request, chat_format.parse_messages, body, app["engine"].tokenizer, tools,
-                                app["exclude_tools_when_tool_choice_none"], app["chat_template"],
-                                app["trust_request_chat_template"], app["chat_template_content_format"],
-                                app["default_chat_template_kwargs"])
+    rendered = chat_format.chat_tools(body, tools, app["exclude_tools_when_tool_choice_none"])
+    prompt_ids = await off_loop(request, chat_format.parse_messages, body, app["engine"].tokenizer, rendered,
+                                app["chat_template"], app["trust_request_chat_template"],
+                                app["chat_template_content_format"], app["default_chat_template_kwargs"])
     return await respond(request, body, [prompt_ids], chat=True, tools=tools)
 
 
@@ -124,11 +124,10 @@ async def tokenize(request: web.Request) -> web.Response:
             raise ApiError("send either 'prompt' or 'messages', not both", param="prompt")
         if field(body, "add_special_tokens", (bool,), False):  # the template writes them, as for chat
             raise ApiError("'add_special_tokens' must be false for messages", param="add_special_tokens")
-        tools = tool_choice(body, chat=True, auto=True)  # only rendered: no call is made
-        ids = await off_loop(request, chat_format.parse_messages, body, engine.tokenizer, tools,
-                             app["exclude_tools_when_tool_choice_none"], app["chat_template"],
-                             app["trust_request_chat_template"], app["chat_template_content_format"],
-                             app["default_chat_template_kwargs"])
+        # vLLM's tokenize renders whatever `tools` holds ([] too) and reads no tool_choice
+        ids = await off_loop(request, chat_format.parse_messages, body, engine.tokenizer, rendered_tools(body),
+                             app["chat_template"], app["trust_request_chat_template"],
+                             app["chat_template_content_format"], app["default_chat_template_kwargs"])
     else:
         prompt = field(body, "prompt", (str,))
         if prompt is None:

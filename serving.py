@@ -262,6 +262,11 @@ class ChoiceFormat:
         return [self.prompt_ids[0], *(prompt_lps or [None])[1:]]
 
 
+# vLLM's ChatMessage: every field it defines, null (tool_calls empty) where the answer has none
+CHAT_MESSAGE = {"role": None, "content": None, "refusal": None, "annotations": None, "audio": None,
+                "function_call": None, "tool_calls": [], "reasoning": None}
+
+
 class Choice:
     """One sample of a response, `choices[index]`: its engine request's chunks (text,
     logprobs, token ids, finish) as that choice's JSON, whole (whole()) or a stream chunk at
@@ -301,11 +306,11 @@ class Choice:
         answer, reason = self.whole_message(text, last.finish_reason) if f.chat else \
             ({"text": f.echoed + text}, last.finish_reason)
         choice = {"index": self.index, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
-        if f.params.prompt_logprobs is not None:  # vLLM's extra field of the choice
+        if f.params.prompt_logprobs is not None and not f.chat:  # vLLM's extra field of the choice (chat's response)
             choice["prompt_logprobs"] = prompt_logprobs_json(f.tokenizer, prompt_lps or [])
         choice |= answer
-        if f.return_ids:  # vLLM's places: the choice's token_ids; the prompt's on the choice, or chat's response
-            choice["token_ids"] = ids
+        if f.return_ids or f.chat:  # vLLM's places: the choice's token_ids (chat's null unasked); the prompt's
+            choice["token_ids"] = ids if f.return_ids else None  # on the choice, or chat's response
             if not f.chat:
                 choice["prompt_token_ids"] = f.prompt_ids
         if f.log_id is not None:
@@ -322,8 +327,8 @@ class Choice:
     def whole_message(self, text: str, reason: str) -> tuple[dict, str]:
         """A whole chat answer's {"message": ...}, its tool calls and reasoning parsed out of
         the text, and its finish_reason (tool_calls when it called one)."""
-        message, reason = self.message.message(text, reason)
-        message["role"] = self.form.role
+        parsed, reason = self.message.message(text, reason)
+        message = CHAT_MESSAGE | {"tool_calls": []} | parsed | {"role": self.form.role}  # (a list of its own)
         if self.form.echo:
             message["content"] = self.form.echoed + (message.get("content") or "")
         return {"message": message}, reason
@@ -340,10 +345,13 @@ class Choice:
                 self.num_output_tokens, self.metrics = c.num_output_tokens, metrics_json(c)
                 if self.form.log_id is not None:
                     self.log_delta(c, choice)
-                if self.form.chat and not (choice["delta"] or choice["finish_reason"] or choice["logprobs"]
-                                           or "token_ids" in choice or "prompt_logprobs" in choice):
+                if self.form.chat and not (choice["delta"] or choice["finish_reason"] or "token_ids" in choice
+                                           or "prompt_logprobs" in choice
+                                           or (choice["logprobs"] and not self.message.hid_reasoning)):
                     # the parsers hold this text back (a call's name or a tag not complete yet):
-                    # no chunk, as vLLM's (one with logprobs or ids still goes out, so they add up)
+                    # no chunk, as vLLM's (one with logprobs or ids still goes out, so they add
+                    # up); reasoning left out by include_reasoning false takes its logprobs
+                    # along, as vLLM's drops the chunk (its token ids go out when asked for)
                     continue
                 yield choice
 
@@ -438,12 +446,17 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
     """The response as one JSON object, once every choice has ended (details:
     --enable-prompt-tokens-details)."""
     await all_of(c.collect() for c in choices)
-    extra = choices[0].metrics  # (include_metrics is for n = 1)
-    if form.chat and form.return_ids:  # vLLM's place of a chat response's prompt ids
-        extra = extra | {"prompt_token_ids": form.prompt_ids}
     use = usage(choices, details)
     use.setdefault("prompt_tokens_details", None)
-    return await json_in_pieces(head, [c.whole for c in choices], {"usage": use} | extra)
+    tail = {"usage": use}
+    if form.chat:  # the rest of vLLM's ChatCompletionResponse, null where unused (it dumps its None fields)
+        prompt_lps = choices[0].collected[3]
+        tail = {"service_tier": None, "system_fingerprint": None} | tail | {
+            "prompt_logprobs": None if form.params.prompt_logprobs is None else
+            prompt_logprobs_json(form.tokenizer, prompt_lps or []),
+            "prompt_token_ids": form.prompt_ids if form.return_ids else None, "kv_transfer_params": None}
+    tail |= choices[0].metrics  # (include_metrics is for n = 1)
+    return await json_in_pieces(head, [c.whole for c in choices], tail)
 
 
 async def json_in_pieces(head: dict, choices: list[Callable[[], dict]], tail: dict) -> web.Response:

@@ -126,8 +126,9 @@ LONG = "The quick brown fox jumps over the lazy dog; " * 3  # 135 bytes: 136 ids
 
 
 def kept_prompt(choice: dict) -> list[int]:
-    """The prompt's token ids as the engine saw them, read off prompt_logprobs (each entry
-    has the prompt token first; the first entry, None, is the first token)."""
+    """The prompt's token ids as the engine saw them, read off the prompt_logprobs of a
+    choice (a chat response's: the response) (each entry has the prompt token first; the
+    first entry, None, is the first token)."""
     return [int(next(iter(e))) for e in choice["prompt_logprobs"][1:]]
 
 
@@ -165,7 +166,7 @@ def test_chat_is_truncated_after_its_template(app) -> None:
                                   "prompt_logprobs": 0})
     assert status == 200, text
     out = json.loads(text)
-    assert out["usage"]["prompt_tokens"] == 30 and kept_prompt(out["choices"][0]) == ids[-29:]
+    assert out["usage"]["prompt_tokens"] == 30 and kept_prompt(out) == ids[-29:]  # (chat's: the response's)
 
 
 def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_leaves(app) -> None:

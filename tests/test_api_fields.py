@@ -177,7 +177,6 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "reasoning_effort", "extreme"),
     (CHAT, "return_prompt_text", True),
-    (CHAT, "stream_interval", 4),  # vLLM's tokens per streamed chunk
     (CHAT, "cache_salt", ""),  # vLLM's: a non-empty string
     (C, "cache_salt", 5),
     (CHAT, "cache_salt", []),
@@ -216,6 +215,7 @@ ACCEPTED = [  # fields that ask for nothing a client depends on, and the neutral
     {"seed": 2**63 - 1}, {"seed": -2**63}, {"cache_salt": "pepper"}, {"cache_salt": None},
     {"length_penalty": 1.0},  # its default: asks nothing without beam search (README)
     {"stream_interval": 1, "session_id": "conversation-7"},  # vLLM's: a chunk per token, a routing hint
+    {"stream_interval": 4},  # vLLM's output stage reads it for a stream only
 ]
 
 
@@ -223,6 +223,42 @@ ACCEPTED = [  # fields that ask for nothing a client depends on, and the neutral
 def test_fields_that_ask_nothing_are_taken(post, extra) -> None:
     status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 2} | extra)
     assert status == 200, text
+
+
+@pytest.mark.parametrize("extra,words", [({"stream_interval": 0}, "stream_interval must be at least 1, got 0"),
+                                         ({"stream_interval": 0, "stream": True}, "must be at least 1"),
+                                         ({"stream_interval": 4, "stream": True}, "one engine step's")])
+def test_stream_interval_is_at_least_1_as_vllms_and_a_stream_of_more_is_refused(post, extra, words) -> None:
+    """vLLM's SamplingParams refuses a stream_interval under 1 on any request; above 1 its
+    stream sends that many tokens a chunk, which this server does not (a chunk per step)."""
+    status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 1} | extra)
+    err = strict_json(text)["error"]
+    assert status == 400 and err["param"] == "stream_interval" and words in err["message"], text
+
+
+def test_a_whole_chat_response_carries_every_field_of_vllms_null_where_unused(post) -> None:
+    """vLLM dumps its ChatCompletionResponse whole, None fields too: the message's refusal,
+    annotations, audio, function_call and reasoning as null and tool_calls as []; the
+    choice's token_ids null unless asked for; the response's service_tier,
+    system_fingerprint, prompt_logprobs, prompt_token_ids and kv_transfer_params, where a
+    chat response's prompt_logprobs and prompt_token_ids go (not on the choice)."""
+    status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 2})
+    out = strict_json(text)
+    choice = out["choices"][0]
+    message = choice["message"]
+    assert status == 200 and list(message) == ["role", "content", "refusal", "annotations", "audio", "function_call",
+                                               "tool_calls", "reasoning"], message
+    assert message["role"] == "assistant" and message["tool_calls"] == [] and \
+        all(message[k] is None for k in ("refusal", "annotations", "audio", "function_call", "reasoning"))
+    assert {"index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids"} <= set(choice)
+    assert choice["token_ids"] is None and choice["logprobs"] is None
+    unused = ("service_tier", "system_fingerprint", "prompt_logprobs", "prompt_token_ids", "kv_transfer_params")
+    assert all(k in out and out[k] is None for k in unused), out
+    status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0, "return_token_ids": True})
+    out = strict_json(text)
+    prompt = out["usage"]["prompt_tokens"]
+    assert len(out["prompt_token_ids"]) == len(out["prompt_logprobs"]) == prompt and out["prompt_logprobs"][0] is None
+    assert "prompt_logprobs" not in out["choices"][0] and len(out["choices"][0]["token_ids"]) == 2
 
 
 def test_a_field_nobody_defines_is_warned_about_and_ignored_as_vllm(post, caplog) -> None:

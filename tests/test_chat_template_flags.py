@@ -345,6 +345,11 @@ def test_offline_chat_takes_the_content_format(tokenizer):
     (out,) = llm.chat(MESSAGES[:1], params, chat_template=shows, tools=tools)
     assert out.prompt == tokenizer.apply_chat_template(MESSAGES[:1], tools=tools, chat_template=shows,
                                                        tokenize=False, add_generation_prompt=True)
+    # tools=[] reaches the template as [] (vLLM's LLM.chat hands it to transformers as it is)
+    (out,) = llm.chat(MESSAGES[:1], params, chat_template=shows, tools=[])
+    assert out.prompt == tokenizer.apply_chat_template(MESSAGES[:1], tools=[], chat_template=shows,
+                                                       tokenize=False, add_generation_prompt=True)
+    assert out.prompt.startswith("[]|")
     with pytest.raises(ValueError, match=r"tools\[0\] must be"):
         llm.chat(MESSAGES[:1], params, chat_template=shows, tools=[{"type": "retrieval"}])
 

@@ -174,27 +174,32 @@ def post():
     with ExitStack() as stack:
         engines: dict = {}
 
-        async def one(engine, body: dict) -> tuple[dict, dict]:
+        async def one(engine, body: dict) -> tuple[dict, list[dict]]:
             app = server.build_app(engine, ["tiny"])
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0.0} | body
             async with TestClient(TestServer(app)) as client:
                 resp = await client.post("/v1/chat/completions", json=body)
                 assert resp.status == 200, await resp.text()
-                whole = json.loads(await resp.text())["choices"][0]["message"]
+                whole = json.loads(await resp.text())
                 resp = await client.post("/v1/chat/completions", json=body | {"stream": True})
-                added: dict = {}
-                chunks = [json.loads(line[6:]) for line in (await resp.text()).splitlines() if line.startswith("data: {")]
-                for delta in (c["choices"][0]["delta"] for c in chunks if c["choices"]):
-                    for k, v in delta.items():
-                        if isinstance(v, str):
-                            added[k] = added.get(k, "") + v
-                return whole, added
+                lines = (await resp.text()).splitlines()
+                return whole, [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
-        def run(parser: str | None, body: dict, template: type = ThinkingTemplate) -> tuple[dict, dict]:
+        def run(parser: str | None, body: dict, template: type = ThinkingTemplate,
+                raw: bool = False) -> tuple[dict, dict | list[dict]]:
+            """raw: the whole response and the stream's chunks as they came."""
             if (parser, template) not in engines:
                 engines[parser, template] = stack.enter_context(tiny_async_engine(template(), reasoning_parser=parser))
             loop, engine = engines[parser, template]
-            return loop.run_until_complete(asyncio.wait_for(one(engine, body), 300))
+            whole, chunks = loop.run_until_complete(asyncio.wait_for(one(engine, body), 300))
+            if raw:
+                return whole, chunks
+            added: dict = {}
+            for delta in (c["choices"][0]["delta"] for c in chunks if c["choices"]):
+                for k, v in delta.items():
+                    if isinstance(v, str):
+                        added[k] = added.get(k, "") + v
+            return whole["choices"][0]["message"], added
 
         yield run
 
@@ -202,7 +207,7 @@ def post():
 def test_the_flag_splits_the_answer_and_the_request_fields_act_as_vllms(post):
     plain, _ = post(None, {})
     text = plain["content"]  # the tiny model's greedy bytes, with no think tags: all reasoning if thinking
-    assert "reasoning" not in plain and text
+    assert plain["reasoning"] is None and text  # (vLLM's message has the field, null without a parser)
     for name in ("deepseek_r1", "qwen3"):
         whole, added = post(name, {})
         assert (whole["reasoning"], whole["content"]) == (text, None)
@@ -213,6 +218,24 @@ def test_the_flag_splits_the_answer_and_the_request_fields_act_as_vllms(post):
         assert whole["reasoning"] is None and whole["content"] and added.get("content") == whole["content"]
     whole, added = post("qwen3", {"include_reasoning": False})
     assert (whole["reasoning"], whole["content"]) == (None, None) and "reasoning" not in added
+
+
+def test_include_reasoning_false_streams_no_chunk_of_reasoning_alone_nor_its_logprobs_as_vllm(post):
+    """vLLM drops a stream's chunk whose delta would carry only reasoning it leaves out, its
+    logprobs with it, and sends it bare when return_token_ids asks for its ids; the whole
+    response keeps every token's logprobs and ids beside its null reasoning. The tiny model
+    never writes `</think>`: all its tokens are reasoning, so only the last chunk (the
+    finish_reason's) carries logprobs."""
+    body = {"include_reasoning": False, "logprobs": True}
+    whole, chunks = post("qwen3", body, raw=True)
+    n, choice = whole["usage"]["completion_tokens"], whole["choices"][0]
+    assert choice["message"]["reasoning"] is None and len(choice["logprobs"]["content"]) == n > 1
+    parts = [c["choices"][0] for c in chunks if c["choices"]]
+    assert [p["finish_reason"] for p in parts if p["logprobs"]] == ["length"], parts
+    whole, chunks = post("qwen3", body | {"return_token_ids": True}, raw=True)
+    parts = [c["choices"][0] for c in chunks if c["choices"]]
+    assert [t for p in parts for t in p.get("token_ids") or []] == whole["choices"][0]["token_ids"]
+    assert all(not p["delta"].get("reasoning") for p in parts)
 
 
 def test_a_constraint_holds_once_thinking_ends(post):

@@ -20,6 +20,7 @@ import pytest
 from conftest import tiny_async_engine
 from tokenizer import ByteTokenizer
 
+CHAT = "/v1/chat/completions"
 WEATHER = {"type": "function", "function": {"name": "f"}}
 MESSAGES = [{"role": "user", "content": "hi"}]
 CHATML = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -52,14 +53,14 @@ def post():
 
     # ToolsTemplate: what the server renders chats with; same bytes as the engine's
     with tiny_async_engine(ToolsTemplate()) as (loop, engine):
-        async def one(flags: list[str], body: dict) -> tuple[int, dict]:
+        async def one(flags: list[str], body: dict, path: str) -> tuple[int, dict]:
             app = server.app_from_args(engine, cli_args.build_parser().parse_args(flags))
+            sampling = {"max_tokens": 1, "temperature": 0.0} if path == CHAT else {}
             async with TestClient(TestServer(app)) as client:
-                resp = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
-                                                                       "temperature": 0.0} | body)
+                resp = await client.post(path, json={"messages": MESSAGES} | sampling | body)
                 return resp.status, json.loads(await resp.text())
 
-        yield lambda flags, body: loop.run_until_complete(asyncio.wait_for(one(flags, body), 300))
+        yield lambda flags, body, path=CHAT: loop.run_until_complete(asyncio.wait_for(one(flags, body, path), 300))
 
 
 def prompt_tokens(text: str) -> int:
@@ -114,6 +115,20 @@ def test_an_empty_tools_array_is_a_400_as_vllms_and_openais(post, choice):
     status, out = post(flags, {"tools": []} | ({} if choice is None else {"tool_choice": choice}))
     assert status == 400 and out["error"]["param"] == "tools", out
     assert "`tools` must not be an empty array" in out["error"]["message"]
+
+
+def test_tokenize_renders_whatever_tools_it_gets_and_reads_no_tool_choice_as_vllm(post):
+    """vLLM's tokenize request has `tools` and no tool_choice: the tools reach the template
+    as they are, [] included, whatever tool_choice (an unread field there) or
+    --exclude-tools-when-tool-choice-none say; bad tools are still a 400."""
+    for flags, body in (([], {"tools": [WEATHER]}), ([], {"tools": [WEATHER], "tool_choice": "auto"}),
+                        (["--exclude-tools-when-tool-choice-none"], {"tools": [WEATHER], "tool_choice": "none"})):
+        status, out = post(flags, body, "/tokenize")
+        assert status == 200 and out["count"] == prompt_tokens(WITH_TOOLS), (body, out)
+    status, out = post([], {"tools": [], "tool_choice": "required"}, "/tokenize")
+    assert status == 200 and out["count"] == prompt_tokens(CHATML), out  # this template renders no empty tools
+    status, out = post([], {"tools": [{"type": "retrieval"}]}, "/tokenize")
+    assert status == 400 and out["error"]["param"] == "tools", out
 
 
 def test_a_tool_call_parser_without_auto_tool_choice_parses_nothing(post, caplog):

@@ -17,7 +17,7 @@ import json
 import pytest
 from hypothesis import event, given, settings, strategies as st
 
-from protocol import ApiError, parse_sampling, tool_choice
+from protocol import ApiError, parse_sampling, parse_structured, tool_choice
 from reasoning_parsers import REASONING_PARSERS
 from tool_parsers import TOOL_PARSERS, HermesToolParser, ToolCallStream, ToolChoice
 
@@ -264,7 +264,7 @@ def test_a_tool_conversation_goes_through_the_chat_template():
             seen.append((chat, kw))
             return super().apply_chat_template(chat, **kw)
 
-    ids = parse_messages({"messages": messages}, Template(), tool_choice({"tools": [WEATHER]}, True, True))
+    ids = parse_messages({"messages": messages}, Template(), tool_choice({"tools": [WEATHER]}, True, True).definitions)
     assert bytes(ids[1:]).decode().endswith("<|im_start|>tool\nSunny.<|im_end|>\n<|im_start|>assistant\n")
     chat, kw = seen[0]
     # the call's arguments reach the template as an object (transformers' convention), not OpenAI's JSON string
@@ -670,3 +670,26 @@ def test_every_parsers_incremental_deltas_are_the_whole_texts_parse_after_every_
         body = text if reasoning is None else make().reasoning.split(text, True)[1] or ""
         assert content == body
     assert len(calls) <= 1 or parallel
+
+
+def test_a_function_defined_twice_is_vllms_last_when_named_and_either_under_required():
+    """vLLM takes tools that share a name: a named tool_choice looks the name up in a
+    name -> function dict (the last definition), "required" admits a call of any of them
+    (its schema's anyOf has one entry per tool)."""
+    import jsonschema
+
+    def takes(key: str) -> dict:
+        return {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {key: {"type": "integer"}}, "required": [key],
+            "additionalProperties": False}}}
+
+    body = {"tools": [takes("a"), takes("b")]}
+    named = tool_choice(body | {"tool_choice": {"type": "function", "function": {"name": "f"}}}, True, False)
+    assert named.tools == {"f": takes("b")["function"]["parameters"]}
+    required = body | {"tool_choice": "required"}
+    schema = parse_structured(required, tool_choice(required, True, False)).json
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    for call in ({"a": 1}, {"b": 1}):
+        jsonschema.validate([{"name": "f", "parameters": call}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "f", "parameters": {"c": 1}}], schema)
