@@ -117,7 +117,8 @@ def unknown_fields(body: dict, chat: bool) -> list[str]:
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # ~500k token ids as JSON; anything larger is a 413 (server.py, serve_ray.py)
 MAX_N = 128  # samples of one request (each one engine request)
-# engine requests of one request, its prompts (completions take a batch) times n; vLLM has no cap
+# A request's prompts (completions take a batch; vLLM's VLLM_MAX_COMPLETION_PROMPTS is 1024),
+# and its engine requests, prompts times n (vLLM leaves that product uncapped)
 MAX_SAMPLES = 1024
 MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
 MAX_STOP_STRING_CHARS = 256
@@ -248,11 +249,10 @@ def truncate_prompt(body: dict, prompt_ids: list[int], max_model_len: int, chat:
     if k == 0 or k < -1:
         raise ApiError(f"'truncate_prompt_tokens' must be at least 1, or -1 (the context length less max_tokens), "
                        f"got {k}", param="truncate_prompt_tokens")
-    # vLLM's room for the prompt: the context less the max_tokens asked (none asked: chat's
-    # 0, completions' default 16, or 0 for its explicit null); a bad max_tokens is
-    # parse_sampling's to refuse.
+    # vLLM's room for the prompt: the context less the max_tokens asked (none asked, or null:
+    # chat's 0, completions' default 16); a bad max_tokens is parse_sampling's to refuse.
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_output = field(body, limit, (int,), 0 if chat or limit in body else 16)
+    max_output = field(body, limit, (int,), 0 if chat else 16)
     max_input = max_model_len - max_output
     if k > max_input:
         raise ApiError(f"truncate_prompt_tokens={k} cannot be greater than max_model_len - {limit} = {max_input}: "
@@ -316,8 +316,10 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     max_tokens, limit = field(body, "max_tokens", (int,)), "max_tokens"  # limit: the field it came from
     if chat and field(body, "max_completion_tokens", (int,)) is not None:  # the newer name wins (as vLLM)
         max_tokens, limit = body["max_completion_tokens"], "max_completion_tokens"
-    if max_tokens is None:  # chat, or completions' explicit null: whatever room the context leaves (as vLLM)
-        max_tokens = max(max_model_len - prompt_len, 1) if chat or "max_tokens" in body else 16
+    # Chat: whatever room the context leaves; completions: 16, left out or null (vLLM's
+    # normalize_null_max_tokens: a client's null must not run to the end of the context).
+    if max_tokens is None:
+        max_tokens = max(max_model_len - prompt_len, 1) if chat else 16
     if max_tokens <= 0:
         raise ApiError(f"'{limit}' must be at least 1, got {max_tokens}", param=limit)
     if prompt_len + max_tokens > max_model_len:

@@ -247,7 +247,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None  # any integer; the engine maps it into the sampler's 32-bit seeds
     stop_token_ids: tuple[int, ...] | None = None
-    stop: tuple[str, ...] = ()  # stop strings (a str or a list is taken too, as vLLM)
+    stop: tuple[str, ...] | None = ()  # stop strings (a str or a list is taken too, and None, as vLLM)
     # vLLM's: the matched stop string (and an ending stop token's text) stays in the output text
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
@@ -262,7 +262,7 @@ class SamplingParams:
     # bad_words, min_tokens, logit_bias, then repetition, frequency and presence penalties.
     min_tokens: int = 0  # EOS and stop_token_ids are masked (and stop strings unchecked) before it
     allowed_token_ids: tuple[int, ...] | None = None  # only these ids may be sampled
-    bad_words: tuple[str, ...] = ()  # words whose last token is masked where the output ends in the rest
+    bad_words: tuple[str, ...] | None = ()  # words whose last token is masked where the output ends in the rest
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of every output token
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output

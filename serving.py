@@ -1,7 +1,7 @@
 """How one OpenAI API request becomes its answer (vLLM's serving_completion and serving_chat).
 
-respond() reads and checks the whole body first, then starts the n samples' engine requests
-(generation.py) and writes each as a choice (Choice, shaped by the body's ChoiceFormat): in
+respond() reads and checks the whole body first, then starts each prompt's n samples' engine
+requests (generation.py) and writes each as a choice (Choice, shaped by the body's ChoiceFormat): in
 one JSON object once all have ended, or as server-sent events as their chunks come.
 """
 
@@ -83,6 +83,11 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
     if n * len(prompts) > MAX_SAMPLES:
         raise ApiError(f"{len(prompts)} prompts of n={n} samples each are more than the {MAX_SAMPLES} a request may "
                        "ask", param="n")
+    limit = engine.config.max_waiting_requests
+    if limit is not None and n * len(prompts) > limit:  # (a 503's "retry later" would never succeed)
+        raise ApiError(f"{len(prompts)} prompt(s) of n={n} samples each are {n * len(prompts)} engine requests, more "
+                       f"than the {limit} this server lets wait (--max-waiting-requests)",
+                       param="prompt" if len(prompts) > 1 else "n")
     if n * len(prompts) > 1 and want_metrics:
         raise ApiError("'include_metrics' is for one prompt and n=1 (each sample is a request of its own)",
                        param="include_metrics")
@@ -112,7 +117,8 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
             except ApiError as e:  # the engine names SamplingParams' fields: the 400 names the client's
                 e.param = request_field(e.param, body, chat)
                 raise
-            choices.extend(Choice(len(choices), g, form) for g in gens[len(choices):])
+            start = len(choices)  # this prompt's choices: indices start.. (vLLM's k * n + i)
+            choices += [Choice(start + i, g, form) for i, g in enumerate(gens[start:])]
             if app["log_outputs"]:  # (--enable-log-outputs, which needs --enable-log-requests)
                 form.log_id, form.log_len, form.log_deltas = rid, app["max_log_len"], app["log_deltas"]
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and stream else "")

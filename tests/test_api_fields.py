@@ -404,14 +404,17 @@ def test_continuous_usage_counts_the_tokens_of_the_chunk_s_own_choice_as_vllm(po
     assert seen == {i: 4 for i in range(3)} and events[-1]["usage"]["completion_tokens"] == 12
 
 
-def test_a_completion_s_max_tokens_null_is_the_room_the_context_leaves_as_vllm(post) -> None:
-    """vLLM's CompletionRequest: max_tokens left out is 16, an explicit null is None, which
-    get_max_tokens makes max_model_len less the prompt (the tiny engine's 128 here)."""
-    for extra, want in (({}, 16), ({"max_tokens": None}, 128 - 2),
-                        ({"max_tokens": None, "truncate_prompt_tokens": -1}, 128 - 2)):
+def test_a_completion_s_max_tokens_null_is_its_default_16_as_vllm(post) -> None:
+    """vLLM's CompletionRequest: max_tokens left out is 16, and so is an explicit null
+    (normalize_null_max_tokens), not the room the context leaves (the tiny engine's 128 here),
+    nor a prompt truncated to make room for none."""
+    long = [5 + i % 200 for i in range(120)]
+    for extra, want in (({}, (2, 16)), ({"max_tokens": None}, (2, 16)),
+                        ({"prompt": long, "max_tokens": None, "truncate_prompt_tokens": -1}, (128 - 16, 16))):
         status, text = post(C, {"prompt": [5, 6], "ignore_eos": True} | extra)
         assert status == 200, text
-        assert strict_json(text)["usage"]["completion_tokens"] == want, (extra, text)
+        usage = strict_json(text)["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == want, (extra, text)
 
 
 # ---- batched prompts ---------------------------------------------------------------------------

@@ -294,18 +294,24 @@ def test_what_beam_search_cannot_do_is_a_400(server, body, param, message):
 def test_a_width_the_waiting_queue_cannot_hold_is_a_400():
     """Each step adds one request per live beam: with --max-waiting-requests 2 a search of
     n = 3 would be refused at its second step (a 503 saying "retry later", or an error in a
-    stream whose 200 is out) every time; n = 2 runs."""
+    stream whose 200 is out) every time; n = 2 runs. So with n plain samples, or a batch of
+    prompts, that are more engine requests than the queue lets wait: a 400, not a 503 whose
+    retry never succeeds on an idle server."""
     from test_server import request, running_server
 
     with running_server("--max-waiting-requests", "2", "--no-warmup") as s:
         for stream in (False, True):
-            status, answer = request(s, "POST", "/v1/completions", {
-                "prompt": [5, 6, 7], "use_beam_search": True, "n": 3, "max_tokens": 3, "stream": stream})
-            assert status == 400 and answer["error"]["param"] == "n", answer
-            assert "--max-waiting-requests" in answer["error"]["message"]
-        status, answer = request(s, "POST", "/v1/completions", {
-            "prompt": [5, 6, 7], "use_beam_search": True, "n": 2, "max_tokens": 3})
-        assert status == 200 and len(answer["choices"]) == 2, answer
+            for body, param in (({"prompt": [5, 6, 7], "use_beam_search": True, "n": 3}, "n"),
+                                ({"prompt": [5, 6, 7], "n": 3}, "n"),
+                                ({"prompt": [[5, 6, 7], [8], [9, 10]]}, "prompt"),
+                                ({"prompt": [[5, 6, 7], [8]], "use_beam_search": True, "n": 2}, "prompt")):
+                status, answer = request(s, "POST", "/v1/completions", body | {"max_tokens": 3, "stream": stream})
+                assert status == 400 and answer["error"]["param"] == param, (body, answer)
+                assert "--max-waiting-requests" in answer["error"]["message"]
+        for body in ({"prompt": [5, 6, 7], "use_beam_search": True, "n": 2}, {"prompt": [5, 6, 7], "n": 2},
+                     {"prompt": [[5, 6, 7], [8]]}):
+            status, answer = request(s, "POST", "/v1/completions", body | {"max_tokens": 3})
+            assert status == 200 and len(answer["choices"]) == 2, answer
 
 
 def test_a_chat_answer_by_beam_search(server):
