@@ -381,7 +381,8 @@ def test_stream_options_without_include_usage_stream_the_usage_as_vllm(post, pat
         assert status == 200, text
         events = sse(text)
         assert (events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3) == want, (options, text)
-        assert all("usage" not in e for e in events[:-1]) or options == {"continuous_usage_stats": True}
+        continuous = options == {"continuous_usage_stats": True}  # (include_usage true by default)
+        assert all(("usage" in e) == continuous for e in events[:-1]), (options, text)
 
 
 @pytest.mark.parametrize("path", [C, CHAT])
