@@ -246,6 +246,12 @@ class ChoiceFormat:
         return cls(chat, tokenizer, params, prompt_ids, prompt_only, role, echo, echoed, return_ids, as_ids, tools,
                    app["tool_parser"], parallel, reasoning_parser, include_reasoning)
 
+    @property
+    def hides_tokens(self) -> bool:
+        """vLLM's include_reasoning false under a reasoning parser: no logprobs and no token ids
+        in the answer, whole or streamed, as they would show the reasoning it leaves out."""
+        return self.chat and not self.include_reasoning and self.reasoning_parser is not None
+
     def message_stream(self) -> ToolCallStream:
         """A chat choice's parsers of its text (tool calls, reasoning): one per choice, as
         they keep the text so far."""
@@ -308,7 +314,8 @@ class Choice:
         text, ids, lps, prompt_lps, last = self.collected
         if f.prompt_only:
             text, lps = "", []
-        lp = f.logprobs(f.echoed_logprobs(prompt_lps) + lps, 0) if f.params.logprobs is not None else None
+        lp = f.logprobs(f.echoed_logprobs(prompt_lps) + lps, 0) if f.params.logprobs is not None and not f.hides_tokens \
+            else None
         answer, reason = self.whole_message(text, last.finish_reason) if f.chat else \
             ({"text": f.echoed + text}, last.finish_reason)
         choice = {"index": self.index, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
@@ -316,7 +323,7 @@ class Choice:
             choice["prompt_logprobs"] = prompt_logprobs_json(f.tokenizer, prompt_lps or [])
         choice |= answer
         if f.return_ids or f.chat:  # vLLM's places: the choice's token_ids (chat's null unasked); the prompt's
-            choice["token_ids"] = ids if f.return_ids else None  # on the choice, or chat's response
+            choice["token_ids"] = ids if f.return_ids and not f.hides_tokens else None  # the choice's, or chat's
             if not f.chat:
                 choice["prompt_token_ids"] = f.prompt_ids
         if f.log_id is not None:
@@ -352,12 +359,10 @@ class Choice:
                 if self.form.log_id is not None:
                     self.log_delta(c, choice)
                 if self.form.chat and not (choice["delta"] or choice["finish_reason"] or "token_ids" in choice
-                                           or "prompt_logprobs" in choice
-                                           or (choice["logprobs"] and not self.message.hid_reasoning)):
-                    # the parsers hold this text back (a call's name or a tag not complete yet):
-                    # no chunk, as vLLM's (one with logprobs or ids still goes out, so they add
-                    # up); reasoning left out by include_reasoning false takes its logprobs
-                    # along, as vLLM's drops the chunk (its token ids go out when asked for)
+                                           or "prompt_logprobs" in choice or choice["logprobs"]):
+                    # the parsers hold this text back (a call's name or a tag not complete yet),
+                    # or it is reasoning left out: no chunk, as vLLM's (one with logprobs or ids
+                    # still goes out, so they add up)
                     continue
                 yield choice
 
@@ -393,9 +398,9 @@ class Choice:
         f, echo_now, first_of_completion = self.form, self.echo_pending, self.first and not self.form.chat
         lps = c.logprobs if not echo_now or c.logprobs is None else \
             f.echoed_logprobs(c.prompt_logprobs) + ([] if f.prompt_only else c.logprobs)
-        choice = {"index": self.index, "logprobs": f.logprobs(lps, self.offset), "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason}
-        if c.prompt_logprobs is not None:  # once, with the first token
+        choice = {"index": self.index, "logprobs": None if f.hides_tokens else f.logprobs(lps, self.offset),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if c.prompt_logprobs is not None and not f.chat:  # once, with the first token (chat's stream has no field)
             choice["prompt_logprobs"] = prompt_logprobs_json(f.tokenizer, c.prompt_logprobs)
         if f.chat:
             choice["delta"], choice["finish_reason"] = self.message.delta(c.text, c.finish_reason)
@@ -403,7 +408,7 @@ class Choice:
             choice["text"] = (f.echoed if echo_now else "") + ("" if f.prompt_only else c.text)
         if first_of_completion and f.return_ids:
             choice["prompt_token_ids"] = f.prompt_ids
-        if f.return_ids:
+        if f.return_ids and not f.hides_tokens:
             choice["token_ids"] = c.token_ids
         # text_offset counts the tokens' own texts, as the whole response's does; the
         # text sent so far lags it (held back: part of a character, a maybe-stop string).

@@ -495,7 +495,6 @@ class ToolCallStream:
         assert tools is None or tools.mode != "auto" or parser is not None, "tool_choice auto needs a parser"
         self.tools, self.parser = tools, parser() if tools is not None and tools.mode == "auto" else None
         self.parallel, self.reasoning, self.include_reasoning = parallel, reasoning, include_reasoning
-        self.hid_reasoning = False  # the last delta's text went to reasoning left out (include_reasoning false)
         # a stream's state: the text after the reasoning, kept only while it may be read:
         # under a named tool_choice all of it (the call's arguments); under "auto" and
         # "required" the part not sent as content, until a call is sent (a stream that sends
@@ -582,7 +581,6 @@ class ToolCallStream:
         if self.reasoning is not None:
             reasoning, text = self.reasoning.feed(text, final)
             # (a chunk held back before or inside the reasoning is the reasoning's too)
-            self.hid_reasoning = not self.include_reasoning and (bool(reasoning) or self.reasoning.phase != "content")
             if reasoning and self.include_reasoning:
                 out["reasoning"] = reasoning
         content = self._feed(text, final)

@@ -259,6 +259,9 @@ def test_a_whole_chat_response_carries_every_field_of_vllms_null_where_unused(po
     prompt = out["usage"]["prompt_tokens"]
     assert len(out["prompt_token_ids"]) == len(out["prompt_logprobs"]) == prompt and out["prompt_logprobs"][0] is None
     assert "prompt_logprobs" not in out["choices"][0] and len(out["choices"][0]["token_ids"]) == 2
+    # a stream's choices have no such field either (vLLM's ChatCompletionResponseStreamChoice)
+    status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0, "stream": True})
+    assert status == 200 and all("prompt_logprobs" not in c for e in sse(text) for c in e["choices"]), text
 
 
 def test_a_field_nobody_defines_is_warned_about_and_ignored_as_vllm(post, caplog) -> None:

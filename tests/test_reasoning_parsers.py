@@ -220,22 +220,22 @@ def test_the_flag_splits_the_answer_and_the_request_fields_act_as_vllms(post):
     assert (whole["reasoning"], whole["content"]) == (None, None) and "reasoning" not in added
 
 
-def test_include_reasoning_false_streams_no_chunk_of_reasoning_alone_nor_its_logprobs_as_vllm(post):
-    """vLLM drops a stream's chunk whose delta would carry only reasoning it leaves out, its
-    logprobs with it, and sends it bare when return_token_ids asks for its ids; the whole
-    response keeps every token's logprobs and ids beside its null reasoning. The tiny model
-    never writes `</think>`: all its tokens are reasoning, so only the last chunk (the
-    finish_reason's) carries logprobs."""
-    body = {"include_reasoning": False, "logprobs": True}
+def test_include_reasoning_false_sends_no_logprobs_nor_token_ids_that_would_show_the_reasoning_as_vllm(post):
+    """vLLM's include_reasoning false under a reasoning parser hides the reasoning's tokens
+    too: no logprobs and no token ids, whole or streamed (asked for or not), so a stream
+    sends no chunk for reasoning alone; the usage still counts every token. The tiny model
+    never writes `</think>`: all its tokens are reasoning, so the stream is the role's chunk
+    and the last (the finish_reason's) alone."""
+    body = {"include_reasoning": False, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}
     whole, chunks = post("qwen3", body, raw=True)
-    n, choice = whole["usage"]["completion_tokens"], whole["choices"][0]
-    assert choice["message"]["reasoning"] is None and len(choice["logprobs"]["content"]) == n > 1
+    choice = whole["choices"][0]
+    assert whole["usage"]["completion_tokens"] > 1 and whole["prompt_token_ids"], whole
+    assert (choice["message"]["reasoning"], choice["logprobs"], choice["token_ids"]) == (None, None, None), choice
     parts = [c["choices"][0] for c in chunks if c["choices"]]
-    assert [p["finish_reason"] for p in parts if p["logprobs"]] == ["length"], parts
-    whole, chunks = post("qwen3", body | {"return_token_ids": True}, raw=True)
-    parts = [c["choices"][0] for c in chunks if c["choices"]]
-    assert [t for p in parts for t in p.get("token_ids") or []] == whole["choices"][0]["token_ids"]
-    assert all(not p["delta"].get("reasoning") for p in parts)
+    assert [(p["delta"].get("role"), p["finish_reason"]) for p in parts] == [("assistant", None), (None, "length")]
+    assert all(p["logprobs"] is None and "token_ids" not in p and not p["delta"].get("reasoning") for p in parts)
+    shown, _ = post("qwen3", body | {"include_reasoning": True}, raw=True)  # (the same answer, shown)
+    assert len(shown["choices"][0]["logprobs"]["content"]) == len(shown["choices"][0]["token_ids"]) > 1
 
 
 def test_a_constraint_holds_once_thinking_ends(post):

@@ -33,7 +33,7 @@ class ToolsTemplate(ByteTokenizer):
     models' templates do (SmolLM2's and the test tokenizers' render none)."""
 
     TEMPLATE = jinja2.Template(
-        "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+        "{% if tools is not none %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -126,7 +126,7 @@ def test_tokenize_renders_whatever_tools_it_gets_and_reads_no_tool_choice_as_vll
         status, out = post(flags, body, "/tokenize")
         assert status == 200 and out["count"] == prompt_tokens(WITH_TOOLS), (body, out)
     status, out = post([], {"tools": [], "tool_choice": "required"}, "/tokenize")
-    assert status == 200 and out["count"] == prompt_tokens(CHATML), out  # this template renders no empty tools
+    assert status == 200 and out["count"] == prompt_tokens("<tools>[]</tools>\n" + CHATML), out  # [], not none
     status, out = post([], {"tools": [{"type": "retrieval"}]}, "/tokenize")
     assert status == 400 and out["error"]["param"] == "tools", out
 
