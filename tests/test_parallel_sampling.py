@@ -21,7 +21,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "tempe
 
 @pytest.fixture(scope="module")
 def post():
-    """post(path, body, flags=()) -> (status, JSON answer, or the stream's chunks)."""
+    """post(path, body, flags=()) -> (status, JSON answer, or the stream's chunks); post.engine:
+    the AsyncEngine behind it."""
     from aiohttp.test_utils import TestClient, TestServer
 
     import cli_args
@@ -37,7 +38,10 @@ def post():
                     return resp.status, json.loads(text)
                 return resp.status, [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
-        yield lambda path, body, flags=(): loop.run_until_complete(asyncio.wait_for(one(path, body, list(flags)), 300))
+        def run(path: str, body: dict, flags: list[str] | tuple = ()) -> tuple[int, object]:
+            return loop.run_until_complete(asyncio.wait_for(one(path, body, list(flags)), 300))
+        run.engine = engine  # (its waiting places, for the full-queue test)
+        yield run
         assert not engine.engine.has_unfinished()
 
 
@@ -76,7 +80,15 @@ def test_bad_n_and_a_full_queue_are_refused_and_leave_nothing_behind(post):
     status, out = post("/v1/completions", PROMPT | {"n": 2, "include_metrics": True},
                        ["--enable-per-request-metrics"])
     assert status == 400 and out["error"]["param"] == "include_metrics"
-    status, out = post("/v1/completions", PROMPT | {"n": 6})  # max_waiting_requests 4: the fifth is refused
-    assert status == 503 and out["error"]["code"] == "queue_full", out
-    status, out = post("/v1/completions", PROMPT | {"n": 4})  # and the first four were withdrawn
+    # max_waiting_requests 4: 6 samples could never all wait, whatever the queue holds
+    status, out = post("/v1/completions", PROMPT | {"n": 6})
+    assert status == 400 and out["error"]["param"] == "n" and "--max-waiting-requests" in out["error"]["message"], out
+    engine = post.engine
+    engine.reserve_waiting(3)  # three places held (as a beam search holds them): the second sample is refused
+    try:
+        status, out = post("/v1/completions", PROMPT | {"n": 4})
+        assert status == 503 and out["error"]["code"] == "queue_full", out
+    finally:
+        engine.release_waiting(3)
+    status, out = post("/v1/completions", PROMPT | {"n": 4})  # and the first was withdrawn
     assert status == 200 and len(out["choices"]) == 4
