@@ -134,11 +134,6 @@ class BeamSearchRun:
             raise ApiError(f"use_beam_search with n={self.params.beam_width} ranks 2 x n candidates a step, more "
                            f"than the {cap} logprobs this server computes (--max-logprobs): n must be at most "
                            f"{cap // 2}", param="n")
-        limit = engine.config.max_waiting_requests
-        if limit is not None and self.params.beam_width > limit:  # (a 503's "retry later" would never succeed)
-            raise ApiError(f"use_beam_search with n={self.params.beam_width} adds up to n requests a step, more than "
-                           f"the {limit} this server lets wait (--max-waiting-requests): n must be at most {limit}",
-                           param="n")
         with refusals_as_api_errors():
             engine.validate(dataclasses.replace(request, params=self.params.search_params()))
             engine.reserve_waiting(self.params.beam_width)  # (last: a refusal above holds nothing)

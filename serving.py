@@ -83,10 +83,12 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
     if n * len(prompts) > MAX_SAMPLES:
         raise ApiError(f"{len(prompts)} prompts of n={n} samples each are more than the {MAX_SAMPLES} a request may "
                        "ask", param="n")
+    # n samples, or a beam search's n requests a step, per prompt: more than may wait is a
+    # 400, as a 503's "retry later" would never succeed
     limit = engine.config.max_waiting_requests
-    if limit is not None and n * len(prompts) > limit:  # (a 503's "retry later" would never succeed)
-        raise ApiError(f"{len(prompts)} prompt(s) of n={n} samples each are {n * len(prompts)} engine requests, more "
-                       f"than the {limit} this server lets wait (--max-waiting-requests)",
+    if limit is not None and n * len(prompts) > limit:
+        raise ApiError(f"{len(prompts)} prompt(s) at n={n} are {n * len(prompts)} engine requests at once, more than "
+                       f"the {limit} this server lets wait (--max-waiting-requests)",
                        param="prompt" if len(prompts) > 1 else "n")
     if n * len(prompts) > 1 and want_metrics:
         raise ApiError("'include_metrics' is for one prompt and n=1 (each sample is a request of its own)",

@@ -580,7 +580,6 @@ class ToolCallStream:
         final, out = reason is not None, {}
         if self.reasoning is not None:
             reasoning, text = self.reasoning.feed(text, final)
-            # (a chunk held back before or inside the reasoning is the reasoning's too)
             if reasoning and self.include_reasoning:
                 out["reasoning"] = reasoning
         content = self._feed(text, final)
