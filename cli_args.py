@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import dataclasses
+import errno
 import inspect
 import socket
 import ssl
@@ -310,3 +311,28 @@ def check_host(host: str, port: int) -> None:
         socket.getaddrinfo(host or None, port, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         raise ValueError(f"--host {host!r} does not resolve: {e}") from None
+
+
+def bind_address(host: str, port: int) -> list[socket.socket]:
+    """--host and --port bound, one socket per address they resolve to (as asyncio's
+    create_server binds them), ValueError naming both flags where one does not bind.
+    server.py binds before the model loads and compiles (minutes), as vLLM's setup_server:
+    a port that another process holds is one error at once, not a traceback after the
+    warm-up, and nothing can take the port meanwhile (connections are refused until the
+    server listens, once it is ready)."""
+    socks: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            socks.append(sock := socket.socket(family, kind, proto))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+            if family == socket.AF_INET6:  # as asyncio: an IPv4 address has a socket of its own
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except (OSError, UnicodeError) as e:
+        for sock in socks:
+            sock.close()
+        held = " (is another server running there?)" if getattr(e, "errno", None) == errno.EADDRINUSE else ""
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: {getattr(e, 'strerror', None) or e}"
+                         f"{held}") from None
+    return socks

@@ -599,6 +599,8 @@ def check_ray_address(address: str | None, timeout_s: float = 10.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import cli_args
+
     parser = build_parser()
     args = config_file.parse_args(parser, argv)
     try:
@@ -613,6 +615,9 @@ def main(argv: list[str] | None = None) -> None:
         here = os.path.dirname(os.path.abspath(__file__))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     try:
+        if args.ray_address is None:  # Ray Serve's proxy binds the port here, once Ray has started
+            for sock in cli_args.bind_address(args.host, args.port):
+                sock.close()
         check_ray_address(args.ray_address)
         ray.init(address=args.ray_address, include_dashboard=False)
     except (ValueError, ConnectionError) as e:  # no cluster there ('auto': Ray's ConnectionError)

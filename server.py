@@ -25,6 +25,7 @@ import gc
 import hmac
 import logging
 import signal
+import socket
 import ssl
 import time
 import typing
@@ -39,8 +40,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 import chat_format
 import config_file
-from cli_args import (api_keys, build_parser, check_chat_template, check_log_flags, check_root_path,
-                      check_server_flags, engine_config)
+from cli_args import (api_keys, bind_address, build_parser, check_chat_template, check_log_flags,
+                      check_root_path, check_server_flags, engine_config)
 from cors import CorsPolicy, on_response_prepare as cors_headers
 from metrics import LoggingStatLogger
 from prometheus import ENGINE, EngineCollector
@@ -490,18 +491,21 @@ def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     return ctx
 
 
-async def listen(runner: web.AppRunner, args: argparse.Namespace, tls: ssl.SSLContext | None) -> str:
-    """Start serving the runner's app where the flags say (--uds, else --host and --port;
-    HTTPS with `tls`); returns the address it serves at."""
+async def listen(runner: web.AppRunner, args: argparse.Namespace, tls: ssl.SSLContext | None,
+                 socks: list[socket.socket]) -> str:
+    """Start serving the runner's app on --uds, else on the sockets that bind_address bound
+    to --host and --port (HTTPS with `tls`); returns the address it serves at."""
     if args.uds is not None:
         await web.UnixSite(runner, args.uds, ssl_context=tls).start()
         return f"{'https' if tls else 'http'}+unix://{args.uds}"
-    await web.TCPSite(runner, args.host, args.port, ssl_context=tls).start()
+    for sock in socks:
+        await web.SockSite(runner, sock, ssl_context=tls).start()
     port = runner.addresses[0][1]  # the bound one: --port 0 lets the OS pick a free port
     return f"{'https' if tls else 'http'}://{args.host}:{port}"
 
 
-async def serve(engine: AsyncEngine, args: argparse.Namespace, tls: ssl.SSLContext | None = None) -> None:
+async def serve(engine: AsyncEngine, args: argparse.Namespace, tls: ssl.SSLContext | None,
+                socks: list[socket.socket]) -> None:
     app = app_from_args(engine, args)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # request in the engine (generation.Generation.chunks) instead of generating on for nobody.
@@ -509,7 +513,7 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, tls: ssl.SSLConte
                            access_log=logging.getLogger("taxirank.access") if args.log_level == "debug" else None)
     await engine.start()
     await runner.setup()
-    address = await listen(runner, args, tls)
+    address = await listen(runner, args, tls, socks)
     log.info("ready: %s  (model names: %s)", address, ", ".join(app["model_names"]))
 
     loop = asyncio.get_running_loop()
@@ -593,6 +597,8 @@ def main(argv: list[str] | None = None) -> None:
         from async_engine import AsyncEngine
 
         config = engine_config(args)
+        # Only process 0 serves: the others of a multi-host run follow its steps.
+        socks = bind_address(args.host, args.port) if config.process_id == 0 and args.uds is None else []
         # Loads, sizes the KV cache and compiles every shape (blocking); it logs the model,
         # dtype, KV blocks and tokens, and the max concurrency at max_model_len as it goes.
         engine = AsyncEngine(config, log=log.info)
@@ -611,7 +617,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.follow()
         return
     try:
-        asyncio.run(serve(engine, args, tls))
+        asyncio.run(serve(engine, args, tls, socks))
     except KeyboardInterrupt:  # a signal before serve() took the signals over: nothing was admitted yet
         raise SystemExit(0) from None
 

@@ -379,6 +379,24 @@ def test_the_server_exits_with_one_line_naming_a_checkpoint_file_that_does_not_l
                                               "(AttributeError: 'list' object has no attribute 'get')"], proc.stderr
 
 
+def test_a_port_another_process_holds_is_one_error_line_before_the_model_loads():
+    """server.py binds --host and --port before it loads and compiles the model (minutes), as
+    vLLM's setup_server: a taken port was an OSError traceback after the warm-up."""
+    import socket
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        proc = subprocess.run([sys.executable, os.path.join(root, "server.py"), "--model", "tiny", "--port", str(port)],
+                              capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if "Warning" not in line and line.strip()]
+    # one line, and no other: the model's load (and the warm-up) logs as it goes
+    assert proc.returncode == 2 and lines == [f"server.py: error: --host 127.0.0.1 --port {port}: cannot listen there: "
+                                              "Address already in use (is another server running there?)"], proc.stderr
+
+
 def test_an_orbax_checkpoints_tokenizer_with_ids_past_its_embedding_is_refused(tokenizer_dir, tmp_path):
     """Its tokenizer files are read from the folder at each load, as a config.json folder's
     are: ids 200..290 would have no embedding row there too (load_model refuses them)."""

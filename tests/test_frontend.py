@@ -46,7 +46,7 @@ async def serving(engine, flags: tuple[str, ...]) -> tuple[web.AppRunner, str]:
     a = args(*flags)
     runner = web.AppRunner(server.app_from_args(engine, a))
     await runner.setup()
-    return runner, await server.listen(runner, a, server.tls_context(a))
+    return runner, await server.listen(runner, a, server.tls_context(a), cli_args.bind_address(a.host, a.port))
 
 
 def sse_events(text: str) -> list[dict]:

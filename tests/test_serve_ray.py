@@ -12,6 +12,7 @@ import http.client
 import http.server
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -40,9 +41,22 @@ from test_server import (API_KEY, ROOT, SMALL, Server, client, request, scrape, 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port that Ray will not take: Ray Serve's proxy binds it only once Ray is up, and
+    Ray's own processes bind ports of the kernel's ephemeral range as they start (once one
+    took the port chosen for the proxy) and its workers' default range (10002-19999)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except OSError:  # not Linux: the IANA range
+        ephemeral = 49152
+    for port in random.Random().sample(range(20000, ephemeral), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in 20000..{ephemeral - 1}")
 
 
 @pytest.fixture(scope="module")
@@ -416,6 +430,22 @@ def test_a_port_that_speaks_no_grpc_is_no_ray_cluster_and_the_clusters_own_gcs_i
         http1.server_close()
         quiet.close()
         closing.close()
+
+
+def test_a_port_another_process_holds_is_one_error_line_before_ray_starts(monkeypatch, capsys) -> None:
+    """Ray Serve's proxy binds --port only once Ray and the proxy actor have started: a port
+    another process holds was a RayTaskError traceback from serve.start then."""
+    def no_ray(**_: object) -> None:
+        raise AssertionError("ray.init was called")
+    monkeypatch.setattr(serve_ray.ray, "init", no_ray)
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            serve_ray.main(["--model", "tiny", "--port", str(port)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(  # after the program's name
+        f": error: --host 127.0.0.1 --port {port}: cannot listen there: Address already in use "
+        "(is another server running there?)")
 
 
 def test_server_py_never_imports_ray() -> None:
