@@ -408,6 +408,8 @@ class Choice:
         token_ids = c.token_ids if f.return_ids and not f.hides_tokens else None
         if f.chat:
             delta, reason = self.message.delta(c.text, c.finish_reason)
+            if self.message.tools is None and self.message.reasoning is None:
+                delta = {"content": c.text}  # vLLM's DeltaMessage(content=delta_text), "" included
             choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
                 choice["stop_reason"] = c.stop_reason

@@ -575,8 +575,8 @@ class ToolCallStream:
         (all calls or none) a stream may send the calls that parse of a text that has one
         that does not; it ends "tool_calls" only if it sent a call, and if it sent none,
         the text held back (from the first <tool_call> on) comes as content at the end."""
-        if self.tools is None and self.reasoning is None:  # nothing parses it: the chunk is content as it is,
-            return {"content": text}, reason  # "" too (a step whose text is held back), as vLLM's DeltaMessage
+        if self.tools is None and self.reasoning is None:  # nothing parses it: the chunk is content as it is
+            return ({"content": text} if text else {}), reason
         final, out = reason is not None, {}
         if self.reasoning is not None:
             reasoning, text = self.reasoning.feed(text, final)
