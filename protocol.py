@@ -447,13 +447,19 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
     return ToolChoice("named", {name: by_name[name]}, tools)
 
 
-def rendered_tools(body: dict) -> list[dict] | None:
-    """A request's `tools` checked, as the chat template gets them: each with its type,
-    "function" where left out, as vLLM hands them over; None when the body has none. An
-    empty list stays one: /tokenize and LLM.chat hand it to the template as vLLM does."""
+def rendered_tools(body: dict, as_given: bool = False) -> list[dict] | None:
+    """A request's `tools` checked, as the chat template gets them: vLLM's dump of its
+    ChatCompletionToolsParam (tool.model_dump()), whose serializers keep their own fields
+    only, in their order, description and parameters null where left out, strict and
+    defer_loading only where set (a tool's defer_loading its function's too where that has
+    none). That order and those nulls show in a template's `tools | tojson`. as_given:
+    each tool as sent, "function" its type where left out (LLM.chat, whose dicts vLLM hands
+    over as they are). None when the body has none; an empty list stays one: /tokenize and
+    LLM.chat hand it to the template as vLLM does."""
     tools = field(body, "tools", (list,))
     if tools is None:
         return None
+    dumps = []
     for i, t in enumerate(tools):  # (a left-out type is "function", vLLM's default)
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -462,7 +468,18 @@ def rendered_tools(body: dict) -> list[dict] | None:
             raise ApiError(f"tools[{i}].function.description must be a string", param="tools")
         if not isinstance(fn.get("parameters", {}), (dict, type(None))):
             raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
-    return [t if "type" in t else {"type": "function", **t} for t in tools]
+        for where, key in ((fn, "strict"), (fn, "defer_loading"), (t, "defer_loading")):
+            if not isinstance(where.get(key, False), (bool, type(None))):
+                raise ApiError(f"tools[{i}]{'.function' if where is fn else ''}.{key} must be a boolean",
+                               param="tools")
+        function = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+        defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else t.get("defer_loading")
+        function |= {k: v for k, v in (("strict", fn.get("strict")), ("defer_loading", defer)) if v is not None}
+        dumps.append({"type": "function", "function": function}
+                     | ({} if t.get("defer_loading") is None else {"defer_loading": t["defer_loading"]}))
+    if as_given:
+        return [t if "type" in t else {"type": "function", **t} for t in tools]
+    return dumps
 
 
 def function_schemas(tools: list[dict]) -> list[tuple[str, dict]]:
