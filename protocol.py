@@ -214,20 +214,23 @@ def prompt_batch(body: dict) -> list[str | list]:
 
 
 def parse_prompts(body: dict, tokenizer: Any, vocab_size: int) -> list[list[int]]:
-    """The completions prompts (prompt_batch) as token ids."""
+    """The completions prompts (prompt_batch) as token ids; a string's with the tokenizer's
+    special tokens unless add_special_tokens is false (vLLM's CompletionRequest, default true)."""
     batch = prompt_batch(body)
-    return [_prompt_ids(p, tokenizer, vocab_size, "'prompt'" if len(batch) == 1 else f"prompt {i}")
+    special = field(body, "add_special_tokens", (bool,), True)
+    return [_prompt_ids(p, tokenizer, vocab_size, "'prompt'" if len(batch) == 1 else f"prompt {i}", special)
             for i, p in enumerate(batch)]
 
 
-def _prompt_ids(prompt: str | list, tokenizer: Any, vocab_size: int, name: str) -> list[int]:
-    """One prompt as token ids: a string, tokenized, or token ids in the vocabulary."""
+def _prompt_ids(prompt: str | list, tokenizer: Any, vocab_size: int, name: str, special: bool = True) -> list[int]:
+    """One prompt as token ids: a string, tokenized (special: with the tokenizer's special
+    tokens), or token ids in the vocabulary."""
     if not prompt:
         raise ApiError(f"{name} is empty", param="prompt")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ApiError("this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, add_special_tokens=special)
     ids = [integer(t) for t in prompt]
     for t, i in zip(prompt, ids):
         if i is None or not 0 <= i < vocab_size:
@@ -307,12 +310,6 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     n = field(body, "n", (int,), 1)
     if not 1 <= n <= MAX_N:  # vLLM has no cap; one keeps a request's samples within a queue's reach
         raise ApiError(f"'n' must be in [1, {MAX_N}], got {n}", param="n")
-    # Chat prompts come from the template (no special tokens added), completions' get the
-    # tokenizer's (vLLM's defaults): the other setting is not implemented.
-    if field(body, "add_special_tokens", (bool,), not chat) != (not chat):
-        raise ApiError(f"'add_special_tokens' must be {str(not chat).lower()} on this endpoint",
-                       param="add_special_tokens")
-
     max_tokens, limit = field(body, "max_tokens", (int,)), "max_tokens"  # limit: the field it came from
     if chat and field(body, "max_completion_tokens", (int,)) is not None:  # the newer name wins (as vLLM)
         max_tokens, limit = body["max_completion_tokens"], "max_completion_tokens"

@@ -399,6 +399,33 @@ def test_return_token_ids_are_the_tokenizer_s_encoding_of_the_text_as_vllm(app) 
     assert not {"token_ids", "prompt_token_ids"} & set(json.loads(text)["choices"][0])
 
 
+def test_add_special_tokens_adds_the_tokenizers_own_on_top_of_the_prompt_as_vllm(app) -> None:
+    """vLLM's add_special_tokens: a chat request's or /tokenize's messages (default false)
+    encode the template's text with the tokenizer's special tokens on top when true (its
+    BOS); a completion's prompt (default true) leaves them out when false."""
+    from tokenizer import ByteTokenizer
+
+    post, _ = app
+    tok = ByteTokenizer()
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    plain, special = tok.encode(text, add_special_tokens=False), tok.encode(text, add_special_tokens=True)
+    assert plain != special  # the tokenizer has a special token of its own to add
+    chat = {"messages": MESSAGES, "max_tokens": 1, "return_token_ids": True}
+    for flag, want in (({}, plain), ({"add_special_tokens": False}, plain), ({"add_special_tokens": True}, special)):
+        status, text, _ = post("/tokenize", {"messages": MESSAGES} | flag)
+        assert status == 200 and json.loads(text)["tokens"] == want, (flag, text)
+        status, text, _ = post(CHAT, chat | flag)
+        assert status == 200 and json.loads(text)["prompt_token_ids"] == want, (flag, text)
+    prompt = {"prompt": "go", "max_tokens": 1, "return_token_ids": True}
+    for flag, with_special in (({}, True), ({"add_special_tokens": True}, True), ({"add_special_tokens": False}, False)):
+        status, text, _ = post(C, prompt | flag)
+        want = tok.encode("go", add_special_tokens=with_special)
+        assert status == 200 and json.loads(text)["choices"][0]["prompt_token_ids"] == want, (flag, text)
+    for path, body in (("/tokenize", {"messages": MESSAGES}), (CHAT, chat), (C, prompt)):
+        status, text, _ = post(path, body | {"add_special_tokens": 1})
+        assert status == 400 and json.loads(text)["error"]["param"] == "add_special_tokens", text
+
+
 def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(app) -> None:
     post, _ = app
     body = {"prompt": "go", "logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True} | ASCII
