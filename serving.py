@@ -320,14 +320,15 @@ class Choice:
             else None
         answer, reason = self.whole_message(text, last.finish_reason) if f.chat else \
             ({"text": f.echoed + text}, last.finish_reason)
+        # vLLM dumps its response choice whole: its fields null where unused. A completion's
+        # carries the prompt's logprobs and ids (a chat response has them at its top level).
         choice = {"index": self.index, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
-        if f.params.prompt_logprobs is not None and not f.chat:  # vLLM's extra field of the choice (chat's response)
-            choice["prompt_logprobs"] = prompt_logprobs_json(f.tokenizer, prompt_lps or [])
         choice |= answer
-        if f.return_ids or f.chat:  # vLLM's places: the choice's token_ids (chat's null unasked); the prompt's
-            choice["token_ids"] = ids if f.return_ids and not f.hides_tokens else None  # the choice's, or chat's
-            if not f.chat:
-                choice["prompt_token_ids"] = f.prompt_ids
+        choice["token_ids"] = ids if f.return_ids and not f.hides_tokens else None
+        if not f.chat:
+            choice["prompt_logprobs"] = None if f.params.prompt_logprobs is None else \
+                prompt_logprobs_json(f.tokenizer, prompt_lps or [])
+            choice["prompt_token_ids"] = f.prompt_ids if f.return_ids else None
         if f.log_id is not None:
             if f.chat:  # vLLM's: the content, else the tool calls; nothing for an empty answer
                 calls = ", ".join(f"{c['function']['name']}({c['function']['arguments']})"
@@ -468,13 +469,14 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
     await all_of(c.collect() for c in choices)
     use = usage(choices, details)
     use.setdefault("prompt_tokens_details", None)
-    tail = {"usage": use}
-    if form.chat:  # the rest of vLLM's ChatCompletionResponse, null where unused (it dumps its None fields)
+    # the rest of vLLM's CompletionResponse or ChatCompletionResponse, null where unused (it dumps its None fields)
+    tail = {"service_tier": None, "system_fingerprint": None, "usage": use}
+    if form.chat:
         prompt_lps = choices[0].collected[3]
-        tail = {"service_tier": None, "system_fingerprint": None} | tail | {
-            "prompt_logprobs": None if form.params.prompt_logprobs is None else
-            prompt_logprobs_json(form.tokenizer, prompt_lps or []),
-            "prompt_token_ids": form.prompt_ids if form.return_ids else None, "kv_transfer_params": None}
+        tail |= {"prompt_logprobs": None if form.params.prompt_logprobs is None else
+                 prompt_logprobs_json(form.tokenizer, prompt_lps or []),
+                 "prompt_token_ids": form.prompt_ids if form.return_ids else None}
+    tail["kv_transfer_params"] = None
     tail |= choices[0].metrics  # (include_metrics is for n = 1)
     return await json_in_pieces(head, [c.whole for c in choices], tail)
 

@@ -264,6 +264,23 @@ def test_a_whole_chat_response_carries_every_field_of_vllms_null_where_unused(po
     assert status == 200 and all("prompt_logprobs" not in c for e in sse(text) for c in e["choices"]), text
 
 
+def test_a_whole_completion_response_carries_every_field_of_vllms_null_where_unused(post) -> None:
+    """vLLM dumps its CompletionResponse whole (model_dump()), None fields too: the choice's
+    token_ids, prompt_logprobs and prompt_token_ids, the response's service_tier,
+    system_fingerprint and kv_transfer_params."""
+    status, text = post(C, {"prompt": [5, 6], "max_tokens": 2})
+    out = strict_json(text)
+    (choice,) = out["choices"]
+    assert status == 200 and all(choice[k] is None for k in ("logprobs", "token_ids", "prompt_logprobs",
+                                                             "prompt_token_ids")), choice
+    assert {"index", "text", "finish_reason", "stop_reason"} <= set(choice)
+    assert all(k in out and out[k] is None for k in ("service_tier", "system_fingerprint", "kv_transfer_params")), out
+    status, text = post(C, {"prompt": [5, 6], "max_tokens": 2, "prompt_logprobs": 0, "return_token_ids": True})
+    (choice,) = strict_json(text)["choices"]
+    assert choice["prompt_token_ids"] == [5, 6] and len(choice["token_ids"]) == 2, choice
+    assert len(choice["prompt_logprobs"]) == 2 and choice["prompt_logprobs"][0] is None, choice
+
+
 COMPLETION_STREAM_CHOICE = ["index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids",
                             "token_ids"]
 
