@@ -418,7 +418,8 @@ def test_add_special_tokens_adds_the_tokenizers_own_on_top_of_the_prompt_as_vllm
         status, text, _ = post(CHAT, chat | flag)
         assert status == 200 and json.loads(text)["prompt_token_ids"] == want, (flag, text)
     prompt = {"prompt": "go", "max_tokens": 1, "return_token_ids": True}
-    for flag, with_special in (({}, True), ({"add_special_tokens": True}, True), ({"add_special_tokens": False}, False)):
+    for flag, with_special in (({}, True), ({"add_special_tokens": True}, True),
+                               ({"add_special_tokens": False}, False)):
         status, text, _ = post(C, prompt | flag)
         want = tok.encode("go", add_special_tokens=with_special)
         assert status == 200 and json.loads(text)["choices"][0]["prompt_token_ids"] == want, (flag, text)
