@@ -220,11 +220,13 @@ def chat_tools(body: dict, choice: ToolChoice | None, exclude_tools_when_tool_ch
 def parse_messages(body: dict, tokenizer: Any, tools: list[dict] | None = None, chat_template: str | None = None,
                    trust_request_chat_template: bool = False, content_format: str = "auto",
                    default_kwargs: dict | None = None) -> list[int]:
-    """render_chat's text as token ids."""
+    """render_chat's text as token ids: the template writes BOS and the other special tokens
+    it wants, so the tokenizer adds its own on top only with add_special_tokens true
+    (vLLM's chat and /tokenize requests, default false)."""
+    special = field(body, "add_special_tokens", (bool,), False)
     text = render_chat(body, tokenizer, tools, chat_template, trust_request_chat_template, content_format,
                        default_kwargs)
-    # The template already carries BOS and the other special tokens it wants.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=special)
 
 
 def render_chat(body: dict, tokenizer: Any, tools: list[dict] | None = None, chat_template: str | None = None,

@@ -155,7 +155,7 @@ class LLM:
         body = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                 "chat_template_kwargs": chat_template_kwargs or {}}
         try:  # checked as a request's tools, and handed to the template as they are ([] too), as vLLM's
-            tools = rendered_tools({"tools": tools})
+            tools = rendered_tools({"tools": tools}, as_given=True)
         except ApiError as e:
             raise ValueError(str(e)) from None
         texts = []

@@ -214,20 +214,23 @@ def prompt_batch(body: dict) -> list[str | list]:
 
 
 def parse_prompts(body: dict, tokenizer: Any, vocab_size: int) -> list[list[int]]:
-    """The completions prompts (prompt_batch) as token ids."""
+    """The completions prompts (prompt_batch) as token ids; a string's with the tokenizer's
+    special tokens unless add_special_tokens is false (vLLM's CompletionRequest, default true)."""
     batch = prompt_batch(body)
-    return [_prompt_ids(p, tokenizer, vocab_size, "'prompt'" if len(batch) == 1 else f"prompt {i}")
+    special = field(body, "add_special_tokens", (bool,), True)
+    return [_prompt_ids(p, tokenizer, vocab_size, "'prompt'" if len(batch) == 1 else f"prompt {i}", special)
             for i, p in enumerate(batch)]
 
 
-def _prompt_ids(prompt: str | list, tokenizer: Any, vocab_size: int, name: str) -> list[int]:
-    """One prompt as token ids: a string, tokenized, or token ids in the vocabulary."""
+def _prompt_ids(prompt: str | list, tokenizer: Any, vocab_size: int, name: str, special: bool = True) -> list[int]:
+    """One prompt as token ids: a string, tokenized (special: with the tokenizer's special
+    tokens), or token ids in the vocabulary."""
     if not prompt:
         raise ApiError(f"{name} is empty", param="prompt")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ApiError("this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, add_special_tokens=special)
     ids = [integer(t) for t in prompt]
     for t, i in zip(prompt, ids):
         if i is None or not 0 <= i < vocab_size:
@@ -307,12 +310,6 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     n = field(body, "n", (int,), 1)
     if not 1 <= n <= MAX_N:  # vLLM has no cap; one keeps a request's samples within a queue's reach
         raise ApiError(f"'n' must be in [1, {MAX_N}], got {n}", param="n")
-    # Chat prompts come from the template (no special tokens added), completions' get the
-    # tokenizer's (vLLM's defaults): the other setting is not implemented.
-    if field(body, "add_special_tokens", (bool,), not chat) != (not chat):
-        raise ApiError(f"'add_special_tokens' must be {str(not chat).lower()} on this endpoint",
-                       param="add_special_tokens")
-
     max_tokens, limit = field(body, "max_tokens", (int,)), "max_tokens"  # limit: the field it came from
     if chat and field(body, "max_completion_tokens", (int,)) is not None:  # the newer name wins (as vLLM)
         max_tokens, limit = body["max_completion_tokens"], "max_completion_tokens"
@@ -447,13 +444,19 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
     return ToolChoice("named", {name: by_name[name]}, tools)
 
 
-def rendered_tools(body: dict) -> list[dict] | None:
-    """A request's `tools` checked, as the chat template gets them: each with its type,
-    "function" where left out, as vLLM hands them over; None when the body has none. An
-    empty list stays one: /tokenize and LLM.chat hand it to the template as vLLM does."""
+def rendered_tools(body: dict, as_given: bool = False) -> list[dict] | None:
+    """A request's `tools` checked, as the chat template gets them: vLLM's dump of its
+    ChatCompletionToolsParam (tool.model_dump()), whose serializers keep their own fields
+    only, in their order, description and parameters null where left out, strict and
+    defer_loading only where set (a tool's defer_loading its function's too where that has
+    none). That order and those nulls show in a template's `tools | tojson`. as_given:
+    each tool as sent, "function" its type where left out (LLM.chat, whose dicts vLLM hands
+    over as they are). None when the body has none; an empty list stays one: /tokenize and
+    LLM.chat hand it to the template as vLLM does."""
     tools = field(body, "tools", (list,))
     if tools is None:
         return None
+    dumps = []
     for i, t in enumerate(tools):  # (a left-out type is "function", vLLM's default)
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -462,7 +465,18 @@ def rendered_tools(body: dict) -> list[dict] | None:
             raise ApiError(f"tools[{i}].function.description must be a string", param="tools")
         if not isinstance(fn.get("parameters", {}), (dict, type(None))):
             raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
-    return [t if "type" in t else {"type": "function", **t} for t in tools]
+        for where, key in ((fn, "strict"), (fn, "defer_loading"), (t, "defer_loading")):
+            if not isinstance(where.get(key, False), (bool, type(None))):
+                raise ApiError(f"tools[{i}]{'.function' if where is fn else ''}.{key} must be a boolean",
+                               param="tools")
+        function = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+        defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else t.get("defer_loading")
+        function |= {k: v for k, v in (("strict", fn.get("strict")), ("defer_loading", defer)) if v is not None}
+        dumps.append({"type": "function", "function": function}
+                     | ({} if t.get("defer_loading") is None else {"defer_loading": t["defer_loading"]}))
+    if as_given:
+        return [t if "type" in t else {"type": "function", **t} for t in tools]
+    return dumps
 
 
 def function_schemas(tools: list[dict]) -> list[tuple[str, dict]]:

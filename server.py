@@ -115,7 +115,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: a completions `prompt` (a string, with the tokenizer's special tokens
     unless add_special_tokens is false) or chat `messages` (through the chat template, as a
-    chat request renders them) as token ids, with the count and, if asked, their strings."""
+    chat request renders them, the tokenizer's special tokens on top only with
+    add_special_tokens true) as token ids, with the count and, if asked, their strings."""
     body = await read_body(request)
     app, engine = request.app, request.app["engine"]
     if engine.tokenizer is None:
@@ -123,8 +124,6 @@ async def tokenize(request: web.Request) -> web.Response:
     if body.get("messages") is not None:
         if body.get("prompt") is not None:  # one would be ignored
             raise ApiError("send either 'prompt' or 'messages', not both", param="prompt")
-        if field(body, "add_special_tokens", (bool,), False):  # the template writes them, as for chat
-            raise ApiError("'add_special_tokens' must be false for messages", param="add_special_tokens")
         # vLLM's tokenize renders whatever `tools` holds ([] too) and reads no tool_choice
         ids = await off_loop(request, chat_format.parse_messages, body, engine.tokenizer, rendered_tools(body),
                              app["chat_template"], app["trust_request_chat_template"],

@@ -320,14 +320,15 @@ class Choice:
             else None
         answer, reason = self.whole_message(text, last.finish_reason) if f.chat else \
             ({"text": f.echoed + text}, last.finish_reason)
+        # vLLM dumps its response choice whole: its fields null where unused. A completion's
+        # carries the prompt's logprobs and ids (a chat response has them at its top level).
         choice = {"index": self.index, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
-        if f.params.prompt_logprobs is not None and not f.chat:  # vLLM's extra field of the choice (chat's response)
-            choice["prompt_logprobs"] = prompt_logprobs_json(f.tokenizer, prompt_lps or [])
         choice |= answer
-        if f.return_ids or f.chat:  # vLLM's places: the choice's token_ids (chat's null unasked); the prompt's
-            choice["token_ids"] = ids if f.return_ids and not f.hides_tokens else None  # the choice's, or chat's
-            if not f.chat:
-                choice["prompt_token_ids"] = f.prompt_ids
+        choice["token_ids"] = ids if f.return_ids and not f.hides_tokens else None
+        if not f.chat:
+            choice["prompt_logprobs"] = None if f.params.prompt_logprobs is None else \
+                prompt_logprobs_json(f.tokenizer, prompt_lps or [])
+            choice["prompt_token_ids"] = f.prompt_ids if f.return_ids else None
         if f.log_id is not None:
             if f.chat:  # vLLM's: the content, else the tool calls; nothing for an empty answer
                 calls = ", ".join(f"{c['function']['name']}({c['function']['arguments']})"
@@ -353,15 +354,14 @@ class Choice:
         contextlib.aclosing, as Generation.chunks."""
         async with contextlib.aclosing(self.gen.chunks()) as chunks:
             async for c in chunks:
-                if not (self.echo_pending or c.text or c.logprobs or c.finish_reason or c.prompt_logprobs
-                        or (self.form.return_ids and c.token_ids)):
-                    continue  # held back: part of a character, or maybe the start of a stop string
+                if not (self.echo_pending or c.text or c.token_ids or c.finish_reason):
+                    continue  # no token yet (vLLM's chunked-prefill case); a step whose text is held back still goes
                 choice = self.stream_chunk(c)
                 self.num_output_tokens, self.metrics = c.num_output_tokens, metrics_json(c)
                 if self.form.log_id is not None:
                     self.log_delta(c, choice)
-                if self.form.chat and not (choice["delta"] or choice["finish_reason"] or "token_ids" in choice
-                                           or "prompt_logprobs" in choice or choice["logprobs"]):
+                if self.form.chat and not (choice["delta"] or choice["finish_reason"] or choice["token_ids"] is not None
+                                           or choice["logprobs"]):
                     # the parsers hold this text back (a call's name or a tag not complete yet),
                     # or it is reasoning left out: no chunk, as vLLM's (one with logprobs or ids
                     # still goes out, so they add up)
@@ -396,22 +396,30 @@ class Choice:
         return self.first and self.form.echo and not self.form.chat
 
     def stream_chunk(self, c: Chunk) -> dict:
-        """This choice's part of the stream chunk of one engine chunk."""
-        f, echo_now, first_of_completion = self.form, self.echo_pending, self.first and not self.form.chat
+        """This choice's part of the stream chunk of one engine chunk, with the fields vLLM's
+        stream choice sets (it dumps them with exclude_unset): a completion's every field,
+        null where unused, prompt_token_ids on its first chunk only (with return_token_ids, or
+        echo, as vLLM's echo path sets them too), and no prompt_logprobs (its stream choice
+        has no such field); a chat choice's stop_reason only on its last chunk, its token_ids
+        on every chunk, null unless asked for."""
+        f, echo_now = self.form, self.echo_pending
         lps = c.logprobs if not echo_now or c.logprobs is None else \
             f.echoed_logprobs(c.prompt_logprobs) + ([] if f.prompt_only else c.logprobs)
-        choice = {"index": self.index, "logprobs": None if f.hides_tokens else f.logprobs(lps, self.offset),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if c.prompt_logprobs is not None and not f.chat:  # once, with the first token (chat's stream has no field)
-            choice["prompt_logprobs"] = prompt_logprobs_json(f.tokenizer, c.prompt_logprobs)
+        logprobs = None if f.hides_tokens else f.logprobs(lps, self.offset)
+        token_ids = c.token_ids if f.return_ids and not f.hides_tokens else None
         if f.chat:
-            choice["delta"], choice["finish_reason"] = self.message.delta(c.text, c.finish_reason)
+            delta, reason = self.message.delta(c.text, c.finish_reason)
+            if self.message.tools is None and self.message.reasoning is None:
+                delta = {"content": c.text}  # vLLM's DeltaMessage(content=delta_text), "" included
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            if reason is not None:
+                choice["stop_reason"] = c.stop_reason
+            choice["token_ids"] = token_ids
         else:
-            choice["text"] = (f.echoed if echo_now else "") + ("" if f.prompt_only else c.text)
-        if first_of_completion and f.return_ids:
-            choice["prompt_token_ids"] = f.prompt_ids
-        if f.return_ids and not f.hides_tokens:
-            choice["token_ids"] = c.token_ids
+            choice = {"index": self.index, "text": (f.echoed if echo_now else "") + ("" if f.prompt_only else c.text),
+                      "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                      "prompt_token_ids": f.prompt_ids if self.first and (f.return_ids or f.echo) else None,
+                      "token_ids": token_ids}
         # text_offset counts the tokens' own texts, as the whole response's does; the
         # text sent so far lags it (held back: part of a character, a maybe-stop string).
         if not f.chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
@@ -461,13 +469,14 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
     await all_of(c.collect() for c in choices)
     use = usage(choices, details)
     use.setdefault("prompt_tokens_details", None)
-    tail = {"usage": use}
-    if form.chat:  # the rest of vLLM's ChatCompletionResponse, null where unused (it dumps its None fields)
+    # the rest of vLLM's CompletionResponse or ChatCompletionResponse, null where unused (it dumps its None fields)
+    tail = {"service_tier": None, "system_fingerprint": None, "usage": use}
+    if form.chat:
         prompt_lps = choices[0].collected[3]
-        tail = {"service_tier": None, "system_fingerprint": None} | tail | {
-            "prompt_logprobs": None if form.params.prompt_logprobs is None else
-            prompt_logprobs_json(form.tokenizer, prompt_lps or []),
-            "prompt_token_ids": form.prompt_ids if form.return_ids else None, "kv_transfer_params": None}
+        tail |= {"prompt_logprobs": None if form.params.prompt_logprobs is None else
+                 prompt_logprobs_json(form.tokenizer, prompt_lps or []),
+                 "prompt_token_ids": form.prompt_ids if form.return_ids else None}
+    tail["kv_transfer_params"] = None
     tail |= choices[0].metrics  # (include_metrics is for n = 1)
     return await json_in_pieces(head, [c.whole for c in choices], tail)
 
@@ -532,13 +541,14 @@ class EventStream:
         return {"usage": usage([choice])} if self.continuous_usage else {}  # (no prompt_tokens_details)
 
     async def open_messages(self) -> None:
-        """A chat answer's first chunks, per choice: its role (the first with the prompt's ids
-        when asked), then the echoed message, a chunk of its own (vLLM's)."""
+        """A chat answer's first chunks, per choice: its role, with the prompt's ids (null
+        unless asked) and prompt_text (null: return_prompt_text is refused), as vLLM sets
+        them on each choice's first chunk, then the echoed message, a chunk of its own."""
         form = self.choices[0].form
+        prompt = {"prompt_token_ids": form.prompt_ids if form.return_ids else None, "prompt_text": None}
         for c in self.choices:
-            ids = {"prompt_token_ids": form.prompt_ids} if form.return_ids and c.index == 0 else {}
             await self.send([{"index": c.index, "delta": {"role": form.role, "content": ""}, "logprobs": None,
-                              "finish_reason": None}], **self.usage_so_far(c), **ids)
+                              "finish_reason": None}], **self.usage_so_far(c), **prompt)
             if form.echoed:
                 await self.send([{"index": c.index, "delta": {"content": form.echoed}, "logprobs": None,
                                   "finish_reason": None}], **self.usage_so_far(c))

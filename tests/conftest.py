@@ -335,15 +335,15 @@ def fresh_step_programs() -> None:
 def tiny_async_engine(tokenizer: Any = None, **config: Any) -> Iterator[tuple[Any, Any]]:
     """(event loop, started AsyncEngine) on the tiny model in test_request_metrics' shapes
     (its programs are cached), shut down on exit. tokenizer: one to render chats with
-    instead of the engine's own; config: more EngineConfig fields."""
+    instead of the engine's own; config: more EngineConfig fields, or other shapes."""
     import asyncio
 
     from async_engine import AsyncEngine
     from engine import EngineConfig
 
     loop = asyncio.new_event_loop()
-    engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False, **config),
-                         log=lambda *_: None)
+    shapes = {"model": "tiny", "max_num_seqs": 2, "max_model_len": 128, "warmup": False}
+    engine = AsyncEngine(EngineConfig(**shapes | config), log=lambda *_: None)
     if tokenizer is not None:
         engine.tokenizer = tokenizer
     loop.run_until_complete(engine.start())

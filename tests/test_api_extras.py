@@ -242,7 +242,7 @@ def test_completions_echo_puts_the_prompt_before_the_completion_as_vllm(app) -> 
     status, text, _ = post(C, {"prompt": "Hello", "echo": True} | greedy)
     out = json.loads(text)
     assert status == 200 and out["choices"][0]["text"] == "Hello" + plain, text
-    assert out["usage"]["completion_tokens"] == 6 and "prompt_logprobs" not in out["choices"][0]
+    assert out["usage"]["completion_tokens"] == 6 and out["choices"][0]["prompt_logprobs"] is None
     status, text, _ = post(C, {"prompt": "Hello", "echo": True, "stream": True} | greedy)
     chunks = [c["choices"][0]["text"] for c in events(text) if c["choices"]]
     assert chunks[0].startswith("Hello") and "".join(chunks) == "Hello" + plain
@@ -377,7 +377,7 @@ def test_return_token_ids_are_the_tokenizer_s_encoding_of_the_text_as_vllm(app) 
     # streamed: the prompt's once, on the first chunk; each chunk its own tokens
     status, text, _ = post(C, {"prompt": "go", "return_token_ids": True, "stream": True} | ASCII)
     chunks = [c["choices"][0] for c in events(text) if c["choices"]]
-    assert chunks[0]["prompt_token_ids"] == tok.encode("go") and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert chunks[0]["prompt_token_ids"] == tok.encode("go") and all(c["prompt_token_ids"] is None for c in chunks[1:])
     assert all(c["token_ids"] == tok.encode(c["text"], add_special_tokens=False) for c in chunks)
     assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
     # with echo, vLLM leaves the prompt's text out (its ids are there)
@@ -394,9 +394,38 @@ def test_return_token_ids_are_the_tokenizer_s_encoding_of_the_text_as_vllm(app) 
     chunks = events(text)
     assert chunks[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in chunks[1:])
     assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == out["choices"][0]["token_ids"]
-    # off: none of them
+    # off: null, as vLLM dumps its choice whole
     status, text, _ = post(C, {"prompt": "go"} | ASCII)
-    assert not {"token_ids", "prompt_token_ids"} & set(json.loads(text)["choices"][0])
+    choice = json.loads(text)["choices"][0]
+    assert choice["token_ids"] is None and choice["prompt_token_ids"] is None, choice
+
+
+def test_add_special_tokens_adds_the_tokenizers_own_on_top_of_the_prompt_as_vllm(app) -> None:
+    """vLLM's add_special_tokens: a chat request's or /tokenize's messages (default false)
+    encode the template's text with the tokenizer's special tokens on top when true (its
+    BOS); a completion's prompt (default true) leaves them out when false."""
+    from tokenizer import ByteTokenizer
+
+    post, _ = app
+    tok = ByteTokenizer()
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    plain, special = tok.encode(text, add_special_tokens=False), tok.encode(text, add_special_tokens=True)
+    assert plain != special  # the tokenizer has a special token of its own to add
+    chat = {"messages": MESSAGES, "max_tokens": 1, "return_token_ids": True}
+    for flag, want in (({}, plain), ({"add_special_tokens": False}, plain), ({"add_special_tokens": True}, special)):
+        status, text, _ = post("/tokenize", {"messages": MESSAGES} | flag)
+        assert status == 200 and json.loads(text)["tokens"] == want, (flag, text)
+        status, text, _ = post(CHAT, chat | flag)
+        assert status == 200 and json.loads(text)["prompt_token_ids"] == want, (flag, text)
+    prompt = {"prompt": "go", "max_tokens": 1, "return_token_ids": True}
+    for flag, with_special in (({}, True), ({"add_special_tokens": True}, True),
+                               ({"add_special_tokens": False}, False)):
+        status, text, _ = post(C, prompt | flag)
+        want = tok.encode("go", add_special_tokens=with_special)
+        assert status == 200 and json.loads(text)["choices"][0]["prompt_token_ids"] == want, (flag, text)
+    for path, body in (("/tokenize", {"messages": MESSAGES}), (CHAT, chat), (C, prompt)):
+        status, text, _ = post(path, body | {"add_special_tokens": 1})
+        assert status == 400 and json.loads(text)["error"]["param"] == "add_special_tokens", text
 
 
 def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(app) -> None:

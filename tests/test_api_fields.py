@@ -264,6 +264,82 @@ def test_a_whole_chat_response_carries_every_field_of_vllms_null_where_unused(po
     assert status == 200 and all("prompt_logprobs" not in c for e in sse(text) for c in e["choices"]), text
 
 
+def test_a_whole_completion_response_carries_every_field_of_vllms_null_where_unused(post) -> None:
+    """vLLM dumps its CompletionResponse whole (model_dump()), None fields too: the choice's
+    token_ids, prompt_logprobs and prompt_token_ids, the response's service_tier,
+    system_fingerprint and kv_transfer_params."""
+    status, text = post(C, {"prompt": [5, 6], "max_tokens": 2})
+    out = strict_json(text)
+    (choice,) = out["choices"]
+    assert status == 200 and all(choice[k] is None for k in ("logprobs", "token_ids", "prompt_logprobs",
+                                                             "prompt_token_ids")), choice
+    assert {"index", "text", "finish_reason", "stop_reason"} <= set(choice)
+    assert all(k in out and out[k] is None for k in ("service_tier", "system_fingerprint", "kv_transfer_params")), out
+    status, text = post(C, {"prompt": [5, 6], "max_tokens": 2, "prompt_logprobs": 0, "return_token_ids": True})
+    (choice,) = strict_json(text)["choices"]
+    assert choice["prompt_token_ids"] == [5, 6] and len(choice["token_ids"]) == 2, choice
+    assert len(choice["prompt_logprobs"]) == 2 and choice["prompt_logprobs"][0] is None, choice
+
+
+COMPLETION_STREAM_CHOICE = ["index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids",
+                            "token_ids"]
+
+
+def test_a_completion_stream_choice_carries_every_field_of_vllms_null_where_unused(post) -> None:
+    """vLLM sets every field of its CompletionResponseStreamChoice on each chunk (dumped with
+    exclude_unset): prompt_token_ids null but on a choice's first chunk, where return_token_ids
+    or echo puts the prompt's ids; token_ids null unless asked; no prompt_logprobs (the
+    stream choice has none, prompt_logprobs 0 included)."""
+    body = {"prompt": [5, 6], "max_tokens": 3, "ignore_eos": True, "stream": True, "n": 2}
+    for extra, first_ids in (({}, None), ({"prompt_logprobs": 0}, None), ({"echo": True}, [5, 6]),
+                             ({"return_token_ids": True}, [5, 6])):
+        status, text = post(C, body | extra)
+        choices = [c for e in sse(text) for c in e["choices"]]
+        assert status == 200 and all(list(c) == COMPLETION_STREAM_CHOICE for c in choices), (extra, text)
+        for i in range(2):
+            mine = [c for c in choices if c["index"] == i]
+            assert mine[0]["prompt_token_ids"] == first_ids and all(c["prompt_token_ids"] is None for c in mine[1:])
+            assert all((c["token_ids"] is None) != ("return_token_ids" in extra) for c in mine), (extra, mine)
+            assert [c["stop_reason"] for c in mine] == [None] * len(mine) and mine[-1]["finish_reason"] == "length"
+
+
+def test_a_chat_stream_choice_carries_vllms_fields_on_vllms_chunks(post) -> None:
+    """vLLM's chat stream: each choice's role chunk is {index, delta, logprobs, finish_reason}
+    with the response's prompt_token_ids and prompt_text beside it (null unless asked); its
+    other chunks carry token_ids (null unless asked), the last one stop_reason too."""
+    body = {"messages": MESSAGES, "max_tokens": 3, "ignore_eos": True, "stream": True, "n": 2}
+    for extra in ({}, {"return_token_ids": True}):
+        status, text = post(CHAT, body | extra)
+        events = sse(text)
+        assert status == 200, text
+        for i in range(2):
+            mine = [(e, c) for e in events for c in e["choices"] if c["index"] == i]
+            (role_event, role), rest = mine[0], [c for _, c in mine[1:]]
+            assert list(role) == ["index", "delta", "logprobs", "finish_reason"] and role["delta"]["content"] == ""
+            assert role_event["prompt_text"] is None and (role_event["prompt_token_ids"] is None) != bool(extra)
+            assert all(list(c) == ["index", "delta", "logprobs", "finish_reason", "token_ids"]
+                       for c in rest[:-1])
+            assert list(rest[-1]) == ["index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids"]
+            assert rest[-1]["finish_reason"] == "length" and rest[-1]["stop_reason"] is None
+            assert all((c["token_ids"] is None) != bool(extra) for c in rest), rest
+            assert all("prompt_token_ids" not in e for e, _ in mine[1:])
+
+
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_a_stream_sends_a_chunk_per_step_whose_text_is_held_back_as_vllm(post, path) -> None:
+    """vLLM streams a chunk for every engine step that made tokens, its text "" when the
+    detokenizer holds it back (here the first byte of a two-byte character): the continuous
+    usage counts up one token a chunk."""
+    body = {"structured_outputs": {"regex": "\u00e9{3}"}, "max_tokens": 6, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}} | (
+        {"messages": MESSAGES} if path == CHAT else {"prompt": "go"})
+    status, text = post(path, body)
+    chunks = [e for e in sse(text) if e["choices"] and (path == C or "role" not in e["choices"][0]["delta"])]
+    assert status == 200 and [e["usage"]["completion_tokens"] for e in chunks] == [1, 2, 3, 4, 5, 6], text
+    texts = [e["choices"][0]["text"] if path == C else e["choices"][0]["delta"]["content"] for e in chunks]
+    assert texts == ["", "\u00e9"] * 3, texts
+
+
 def test_a_field_nobody_defines_is_warned_about_and_ignored_as_vllm(post, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="taxirank.server"):
         status, text = post(C, {"prompt": [5, 6], "max_tokens": 1, "frobnicate": 1})

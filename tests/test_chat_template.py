@@ -143,7 +143,7 @@ def test_tokenize_and_detokenize_as_vllms(post):
     for path, body, param in (("/tokenize", {"prompt": "x" * 200}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
                               ("/tokenize", {}, "prompt"), ("/detokenize", {"tokens": [10**9]}, "tokens"),
                               ("/detokenize", {"tokens": "1 2"}, "tokens"),
-                              ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens")):
+                              ("/tokenize", {"messages": MESSAGES, "add_special_tokens": "yes"}, "add_special_tokens")):
         status, out = run([], path, body)
         assert status == 400 and out["error"]["param"] == param, (path, body, out)
 
@@ -152,3 +152,4 @@ def test_tokenize_and_detokenize_as_vllms(post):
             return await (await client.get("/version")).json()
 
     assert asyncio.run(version()) == {"version": "0.1.0"}
+

@@ -24,15 +24,25 @@ CHAT = "/v1/chat/completions"
 WEATHER = {"type": "function", "function": {"name": "f"}}
 MESSAGES = [{"role": "user", "content": "hi"}]
 CHATML = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-# What the template below writes for WEATHER, spelled out here, not rendered by it.
-WITH_TOOLS = '<tools>[{"function": {"name": "f"}, "type": "function"}]</tools>\n' + CHATML  # tojson sorts keys
+# What the template below writes for WEATHER, spelled out here, not rendered by it: vLLM's
+# dump of the tool (ChatCompletionToolsParam.model_dump()), in its fields' order, nulls kept.
+WITH_TOOLS = ('<tools>[{"type": "function", "function": {"name": "f", "description": null, "parameters": null}}]'
+              '</tools>\n' + CHATML)
+
+
+def tojson(value: object) -> str:
+    """transformers' tojson filter for chat templates: keys in their order (not sorted, as
+    Jinja's own tojson would)."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 class ToolsTemplate(ByteTokenizer):
     """Bytes, with a Jinja chat template that renders the tools first, as tool-calling
     models' templates do (SmolLM2's and the test tokenizers' render none)."""
 
-    TEMPLATE = jinja2.Template(
+    environment = jinja2.Environment()
+    environment.filters["tojson"] = tojson
+    TEMPLATE = environment.from_string(
         "{% if tools is not none %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -52,7 +62,7 @@ def post():
     import server
 
     # ToolsTemplate: what the server renders chats with; same bytes as the engine's
-    with tiny_async_engine(ToolsTemplate()) as (loop, engine):
+    with tiny_async_engine(ToolsTemplate(), max_model_len=256) as (loop, engine):  # room for the tools
         async def one(flags: list[str], body: dict, path: str) -> tuple[int, dict]:
             app = server.app_from_args(engine, cli_args.build_parser().parse_args(flags))
             sampling = {"max_tokens": 1, "temperature": 0.0} if path == CHAT else {}
@@ -145,3 +155,25 @@ def test_a_tool_call_parser_without_auto_tool_choice_parses_nothing(post, caplog
     with caplog.at_level(logging.WARNING, logger="taxirank.server"):
         status, out = post(["--enable-auto-tool-choice"] + parser_only, {"tools": [WEATHER]})
     assert status == 200 and "unused" not in caplog.text, out
+
+
+def test_tools_reach_the_template_as_vllms_dump_of_them(post):
+    """vLLM parses `tools` into ChatCompletionToolsParam and hands the template
+    tool.model_dump(): its own fields only (a client's extra keys dropped), in its order
+    (type, function; name, description, parameters), description and parameters null
+    where left out, strict and defer_loading only where set, a tool's defer_loading its
+    function's too. A chat request and /tokenize render the same text."""
+    params = {"properties": {}, "type": "object"}  # as sent, in its order
+    sent = {"function": {"parameters": params, "name": "f", "strict": True, "x-extra": 1}, "defer_loading": True,
+            "type": "function", "extra": 2}
+    dumped = {"type": "function", "function": {"name": "f", "description": None, "parameters": params, "strict": True,
+                                               "defer_loading": True}, "defer_loading": True}
+    want = "<tools>" + tojson([dumped]) + "</tools>\n" + CHATML
+    status, out = post([], {"tools": [sent]}, "/tokenize")
+    assert status == 200 and bytes(out["tokens"]).decode() == want, out
+    status, out = post([], {"tools": [sent], "tool_choice": "none", "return_token_ids": True})
+    assert status == 200 and bytes(out["prompt_token_ids"]).decode() == want, out
+    for bad in ({"strict": "yes"}, {"defer_loading": 1}):
+        tool = {"type": "function", "function": {"name": "f"} | bad}
+        status, out = post([], {"tools": [tool]}, "/tokenize")
+        assert status == 400 and out["error"]["param"] == "tools", out

@@ -22,6 +22,9 @@ from reasoning_parsers import REASONING_PARSERS
 from tool_parsers import TOOL_PARSERS, HermesToolParser, ToolCallStream, ToolChoice
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+# WEATHER as the template gets it: vLLM's ChatCompletionToolsParam.model_dump(), description null
+WEATHER_DUMP = {"type": "function", "function": {"name": "get_weather", "description": None,
+                                                 "parameters": {"type": "object"}}}
 AUTO = ToolChoice("auto", {"get_weather": {}, "get_time": {}}, [WEATHER])
 REQUIRED = ToolChoice("required", {"get_weather": {}, "get_time": {}}, [WEATHER])
 CALLS = [("get_weather", {"city": "Paris", "days": [1, 2], "note": "a \"quoted\" } brace"}),
@@ -224,7 +227,7 @@ def test_tool_choice_auto_needs_the_servers_parser_and_is_parsed_once():
     with pytest.raises(ApiError, match='"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'):
         tool_choice(body, chat=True, auto=False)
     tools = tool_choice(body, chat=True, auto=True)
-    assert tools.mode == "auto" and tools.definitions == [WEATHER]
+    assert tools.mode == "auto" and tools.definitions == [WEATHER_DUMP]
     params = parse_sampling(body, 3, 64, chat=True, tools=tools)
     assert params.structured_outputs is None  # auto: free text, parsed after
     named = tool_choice(body | {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, True, False)
@@ -271,7 +274,7 @@ def test_a_tool_conversation_goes_through_the_chat_template():
     as_object = call | {"function": {"name": "get_weather", "arguments": {"city": "Köln"}}}
     assert chat[1] == {"role": "assistant", "content": "", "tool_calls": [as_object]}
     assert chat[2]["tool_call_id"] == "call_1"
-    assert kw["tools"] == [WEATHER]
+    assert kw["tools"] == [WEATHER_DUMP]
     # a model's own broken call, sent back: {} as vLLM's, so the conversation goes on
     parse_messages({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         call | {"function": {"name": "f", "arguments": "{oops"}}]}]}, Template())
