@@ -134,11 +134,10 @@ async def tokenize(request: web.Request) -> web.Response:
             raise ApiError("'prompt' or 'messages' is required", param="prompt")
         special = field(body, "add_special_tokens", (bool,), True)
         ids = await off_loop(request, lambda: engine.tokenizer.encode(prompt, add_special_tokens=special))
-    limit = engine.config.max_model_len
-    if len(ids) > limit:
-        raise ApiError(f"This model's maximum context length is {limit} tokens, but the prompt has {len(ids)}",
-                       param="messages" if "messages" in body else "prompt")
-    out: dict[str, Any] = {"count": len(ids), "max_model_len": limit, "tokens": ids}
+    # No length limit, as vLLM's: a client asks how long a prompt is, often to cut one that
+    # does not fit (the body's size bounds the work).
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids,
+                           "token_strs": None}
     if field(body, "return_token_strs", (bool,), False):
         out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids) if hasattr(
             engine.tokenizer, "convert_ids_to_tokens") else [token_text(engine.tokenizer, t) for t in ids]
