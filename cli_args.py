@@ -305,7 +305,7 @@ def api_keys(api_key: str | typing.Sequence[str] | None) -> tuple[str, ...]:
 
 def check_host(host: str, port: int) -> None:
     """--host: an address this machine can bind (ValueError if it does not resolve), checked
-    before the model loads and compiles (minutes), not when the server binds after it."""
+    before the model loads and compiles (minutes)."""
     try:
         # "" binds every interface (asyncio, aiohttp and vLLM alike), as a passive lookup of None does
         socket.getaddrinfo(host or None, port, flags=socket.AI_PASSIVE)
@@ -314,25 +314,36 @@ def check_host(host: str, port: int) -> None:
 
 
 def bind_address(host: str, port: int) -> list[socket.socket]:
-    """--host and --port bound, one socket per address they resolve to (as asyncio's
-    create_server binds them), ValueError naming both flags where one does not bind.
-    server.py binds before the model loads and compiles (minutes), as vLLM's setup_server:
-    a port that another process holds is one error at once, not a traceback after the
-    warm-up, and nothing can take the port meanwhile (connections are refused until the
-    server listens, once it is ready)."""
+    """--host and --port bound as asyncio's create_server binds them: a socket per address
+    they resolve to, skipping a family this machine cannot open; ValueError naming both flags
+    where one does not bind. server.py binds before the model loads and compiles (minutes),
+    as vLLM's setup_server, so a port another process holds is one error at once, not a
+    traceback after the warm-up. It listens once it is ready (connections are refused until
+    then): a server started meanwhile on the same port (SO_REUSEADDR, as asyncio's) can
+    still take it, and `listen` says so."""
     socks: list[socket.socket] = []
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         for family, kind, proto, _, address in dict.fromkeys(infos):
-            socks.append(sock := socket.socket(family, kind, proto))
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # e.g. IPv6 off in this kernel: its addresses are not served
+                continue
+            socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
             if family == socket.AF_INET6:  # as asyncio: an IPv4 address has a socket of its own
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
+        if not socks:
+            raise OSError(errno.EAFNOSUPPORT, "no address family of it can be opened here")
     except (OSError, UnicodeError) as e:
         for sock in socks:
             sock.close()
-        held = " (is another server running there?)" if getattr(e, "errno", None) == errno.EADDRINUSE else ""
-        raise ValueError(f"--host {host} --port {port}: cannot listen there: {getattr(e, 'strerror', None) or e}"
-                         f"{held}") from None
+        raise ValueError(f"--host {host} --port {port}: {listen_error(e)}") from None
     return socks
+
+
+def listen_error(e: BaseException) -> str:
+    """Why --host and --port cannot be served, for the one error line."""
+    held = " (is another server running there?)" if getattr(e, "errno", None) == errno.EADDRINUSE else ""
+    return f"cannot listen there: {getattr(e, 'strerror', None) or e}{held}"

@@ -41,7 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 import chat_format
 import config_file
 from cli_args import (api_keys, bind_address, build_parser, check_chat_template, check_log_flags,
-                      check_root_path, check_server_flags, engine_config)
+                      check_root_path, check_server_flags, engine_config, listen_error)
 from cors import CorsPolicy, on_response_prepare as cors_headers
 from metrics import LoggingStatLogger
 from prometheus import ENGINE, EngineCollector
@@ -489,15 +489,23 @@ def tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     return ctx
 
 
+class CannotListen(Exception):
+    """The address the flags name cannot be served: one error line, as a bad flag's."""
+
+
 async def listen(runner: web.AppRunner, args: argparse.Namespace, tls: ssl.SSLContext | None,
                  socks: list[socket.socket]) -> str:
     """Start serving the runner's app on --uds, else on the sockets that bind_address bound
     to --host and --port (HTTPS with `tls`); returns the address it serves at."""
-    if args.uds is not None:
-        await web.UnixSite(runner, args.uds, ssl_context=tls).start()
-        return f"{'https' if tls else 'http'}+unix://{args.uds}"
-    for sock in socks:
-        await web.SockSite(runner, sock, ssl_context=tls).start()
+    try:
+        if args.uds is not None:
+            await web.UnixSite(runner, args.uds, ssl_context=tls).start()
+            return f"{'https' if tls else 'http'}+unix://{args.uds}"
+        for sock in socks:
+            await web.SockSite(runner, sock, ssl_context=tls).start()
+    except OSError as e:  # --uds: a path that cannot be bound; else a server that took the port meanwhile
+        flags = f"--uds {args.uds}" if args.uds is not None else f"--host {args.host} --port {args.port}"
+        raise CannotListen(f"{flags}: {listen_error(e)}") from None
     port = runner.addresses[0][1]  # the bound one: --port 0 lets the OS pick a free port
     return f"{'https' if tls else 'http'}://{args.host}:{port}"
 
@@ -511,7 +519,12 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, tls: ssl.SSLConte
                            access_log=logging.getLogger("taxirank.access") if args.log_level == "debug" else None)
     await engine.start()
     await runner.setup()
-    address = await listen(runner, args, tls, socks)
+    try:
+        address = await listen(runner, args, tls, socks)
+    except CannotListen:
+        await engine.shutdown()
+        await runner.cleanup()
+        raise
     log.info("ready: %s  (model names: %s)", address, ", ".join(app["model_names"]))
 
     loop = asyncio.get_running_loop()
@@ -574,7 +587,7 @@ def quiet_bad_http(record: logging.LogRecord) -> bool:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = config_file.parse_args(parser, argv)
-    # Before the model loads and compiles (minutes), not when the server binds after it.
+    # Before the model loads and compiles (minutes).
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     try:
@@ -616,6 +629,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         asyncio.run(serve(engine, args, tls, socks))
+    except CannotListen as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     except KeyboardInterrupt:  # a signal before serve() took the signals over: nothing was admitted yet
         raise SystemExit(0) from None
 

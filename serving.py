@@ -475,7 +475,8 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
         prompt_lps = choices[0].collected[3]
         tail |= {"prompt_logprobs": None if form.params.prompt_logprobs is None else
                  prompt_logprobs_json(form.tokenizer, prompt_lps or []),
-                 "prompt_token_ids": form.prompt_ids if form.return_ids else None}
+                 "prompt_token_ids": form.prompt_ids if form.return_ids else None,
+                 "prompt_text": None}  # (return_prompt_text is refused)
     tail["kv_transfer_params"] = None
     tail |= choices[0].metrics  # (include_metrics is for n = 1)
     return await json_in_pieces(head, [c.whole for c in choices], tail)

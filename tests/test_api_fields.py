@@ -240,7 +240,7 @@ def test_a_whole_chat_response_carries_every_field_of_vllms_null_where_unused(po
     """vLLM dumps its ChatCompletionResponse whole, None fields too: the message's refusal,
     annotations, audio, function_call and reasoning as null and tool_calls as []; the
     choice's token_ids null unless asked for; the response's service_tier,
-    system_fingerprint, prompt_logprobs, prompt_token_ids and kv_transfer_params, where a
+    system_fingerprint, prompt_logprobs, prompt_token_ids, prompt_text and kv_transfer_params, where a
     chat response's prompt_logprobs and prompt_token_ids go (not on the choice)."""
     status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 2})
     out = strict_json(text)
@@ -252,7 +252,8 @@ def test_a_whole_chat_response_carries_every_field_of_vllms_null_where_unused(po
         all(message[k] is None for k in ("refusal", "annotations", "audio", "function_call", "reasoning"))
     assert {"index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids"} <= set(choice)
     assert choice["token_ids"] is None and choice["logprobs"] is None
-    unused = ("service_tier", "system_fingerprint", "prompt_logprobs", "prompt_token_ids", "kv_transfer_params")
+    unused = ("service_tier", "system_fingerprint", "prompt_logprobs", "prompt_token_ids", "prompt_text",
+              "kv_transfer_params")
     assert all(k in out and out[k] is None for k in unused), out
     status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0, "return_token_ids": True})
     out = strict_json(text)

@@ -155,4 +155,3 @@ def test_tokenize_and_detokenize_as_vllms(post):
             return await (await client.get("/version")).json()
 
     assert asyncio.run(version()) == {"version": "0.1.0"}
-

@@ -381,7 +381,7 @@ def test_the_server_exits_with_one_line_naming_a_checkpoint_file_that_does_not_l
 
 def test_a_port_another_process_holds_is_one_error_line_before_the_model_loads():
     """server.py binds --host and --port before it loads and compiles the model (minutes), as
-    vLLM's setup_server: a taken port was an OSError traceback after the warm-up."""
+    vLLM's setup_server: a taken port is one error line at once, not a traceback after the warm-up."""
     import socket
     import subprocess
     import sys

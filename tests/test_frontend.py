@@ -159,3 +159,51 @@ def test_bad_tls_files_and_empty_keys_stop_the_server_before_the_model_loads(cer
         with pytest.raises(SystemExit) as exit_:
             server.main(["--model", "no-such-model-would-load", *flags])
         assert exit_.value.code == 2 and says in capsys.readouterr().err, flags
+
+
+def test_a_port_another_server_takes_during_the_start_up_is_one_error_line(monkeypatch):
+    """bind_address binds without listening (vLLM's setup_server), so a server started on the
+    same port while the model loads (SO_REUSEADDR, as asyncio's) can still listen there first:
+    listen then names the flags, which server.py prints as its one error line."""
+    import socket
+
+    a = args()
+    socks = cli_args.bind_address(a.host, a.port)
+    a.port = socks[0].getsockname()[1]
+    thief = socket.socket()
+    thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    thief.bind(("127.0.0.1", a.port))
+    thief.listen()
+
+    async def run() -> None:
+        runner = web.AppRunner(web.Application())
+        await runner.setup()
+        try:
+            await server.listen(runner, a, None, socks)
+        finally:
+            await runner.cleanup()
+    try:
+        with pytest.raises(server.CannotListen, match=f"^--host 127.0.0.1 --port {a.port}: cannot listen there: "
+                                                      "Address already in use"):
+            asyncio.run(run())
+    finally:
+        thief.close()
+        for s in socks:
+            s.close()
+
+    # a family this machine cannot open (IPv6 off in its kernel) is skipped, as asyncio skips it
+    real = socket.socket
+
+    def no_ipv6(family: int = socket.AF_INET, *rest):
+        if family == socket.AF_INET6:
+            raise OSError(97, "Address family not supported by protocol")
+        return real(family, *rest)
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    socks = cli_args.bind_address("", 0)
+    try:
+        assert [s.family for s in socks] == [socket.AF_INET]
+    finally:
+        for s in socks:
+            s.close()
+    with pytest.raises(ValueError, match="^--host ::1 --port 0: cannot listen there: no address family of it"):
+        cli_args.bind_address("::1", 0)

@@ -42,21 +42,23 @@ from test_server import (API_KEY, ROOT, SMALL, Server, client, request, scrape, 
 
 def free_port() -> int:
     """A free port that Ray will not take: Ray Serve's proxy binds it only once Ray is up, and
-    Ray's own processes bind ports of the kernel's ephemeral range as they start (once one
-    took the port chosen for the proxy) and its workers' default range (10002-19999)."""
+    Ray's own processes bind ports of the kernel's ephemeral range as they start, and its
+    workers' default range (10002-19999), so a port of either could be gone by then."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             ephemeral = int(f.read().split()[0])
     except OSError:  # not Linux: the IANA range
         ephemeral = 49152
-    for port in random.Random().sample(range(20000, ephemeral), 100):
+    # (a host whose ephemeral range starts lower has none outside it: any above Ray's then)
+    candidates = range(20000, ephemeral) if ephemeral > 20100 else range(20000, 65536)
+    for port in random.Random().sample(candidates, 100):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
         return port
-    raise RuntimeError(f"no free port in 20000..{ephemeral - 1}")
+    raise RuntimeError(f"no free port in {candidates}")
 
 
 @pytest.fixture(scope="module")
@@ -433,8 +435,8 @@ def test_a_port_that_speaks_no_grpc_is_no_ray_cluster_and_the_clusters_own_gcs_i
 
 
 def test_a_port_another_process_holds_is_one_error_line_before_ray_starts(monkeypatch, capsys) -> None:
-    """Ray Serve's proxy binds --port only once Ray and the proxy actor have started: a port
-    another process holds was a RayTaskError traceback from serve.start then."""
+    """Ray Serve's proxy binds --port only once Ray and the proxy actor have started (a port
+    another process holds is a RayTaskError from serve.start there): the driver checks it first."""
     def no_ray(**_: object) -> None:
         raise AssertionError("ray.init was called")
     monkeypatch.setattr(serve_ray.ray, "init", no_ray)
