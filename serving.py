@@ -276,7 +276,8 @@ class ChoiceFormat:
         return [self.prompt_ids[0], *(prompt_lps or [None])[1:]]
 
 
-# vLLM's ChatMessage: every field it defines, null (tool_calls empty) where the answer has none
+# vLLM's ChatMessage: every field it defines in its order, null where the answer has none
+# (tool_calls: left out then, by its serializer)
 CHAT_MESSAGE = {"role": None, "content": None, "refusal": None, "annotations": None, "audio": None,
                 "function_call": None, "tool_calls": [], "reasoning": None}
 
@@ -325,6 +326,7 @@ class Choice:
         choice = {"index": self.index, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
         choice |= answer
         choice["token_ids"] = ids if f.return_ids and not f.hides_tokens else None
+        choice["routed_experts"] = None  # (a mixture of experts' routing: no model here has one)
         if not f.chat:
             choice["prompt_logprobs"] = None if f.params.prompt_logprobs is None else \
                 prompt_logprobs_json(f.tokenizer, prompt_lps or [])
@@ -344,7 +346,9 @@ class Choice:
         """A whole chat answer's {"message": ...}, its tool calls and reasoning parsed out of
         the text, and its finish_reason (tool_calls when it called one)."""
         parsed, reason = self.message.message(text, reason)
-        message = CHAT_MESSAGE | {"tool_calls": []} | parsed | {"role": self.form.role}  # (a list of its own)
+        message = CHAT_MESSAGE | parsed | {"role": self.form.role}
+        if not message["tool_calls"]:
+            del message["tool_calls"]
         if self.form.echo:
             message["content"] = self.form.echoed + (message.get("content") or "")
         return {"message": message}, reason
@@ -477,7 +481,7 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
                  prompt_logprobs_json(form.tokenizer, prompt_lps or []),
                  "prompt_token_ids": form.prompt_ids if form.return_ids else None,
                  "prompt_text": None}  # (return_prompt_text is refused)
-    tail["kv_transfer_params"] = None
+    tail |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
     tail |= choices[0].metrics  # (include_metrics is for n = 1)
     return await json_in_pieces(head, [c.whole for c in choices], tail)
 

@@ -238,22 +238,23 @@ def test_stream_interval_is_at_least_1_as_vllms_and_a_stream_of_more_is_refused(
 
 def test_a_whole_chat_response_carries_every_field_of_vllms_null_where_unused(post) -> None:
     """vLLM dumps its ChatCompletionResponse whole, None fields too: the message's refusal,
-    annotations, audio, function_call and reasoning as null and tool_calls as []; the
-    choice's token_ids null unless asked for; the response's service_tier,
-    system_fingerprint, prompt_logprobs, prompt_token_ids, prompt_text and kv_transfer_params, where a
+    annotations, audio, function_call and reasoning as null (tool_calls left out when there
+    are none, by ChatMessage's serializer); the choice's token_ids null unless asked for and
+    routed_experts; the response's service_tier, system_fingerprint, prompt_logprobs,
+    prompt_token_ids, prompt_text, kv_transfer_params, ec_transfer_params and metrics, where a
     chat response's prompt_logprobs and prompt_token_ids go (not on the choice)."""
     status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 2})
     out = strict_json(text)
     choice = out["choices"][0]
     message = choice["message"]
     assert status == 200 and list(message) == ["role", "content", "refusal", "annotations", "audio", "function_call",
-                                               "tool_calls", "reasoning"], message
-    assert message["role"] == "assistant" and message["tool_calls"] == [] and \
+                                               "reasoning"], message
+    assert message["role"] == "assistant" and \
         all(message[k] is None for k in ("refusal", "annotations", "audio", "function_call", "reasoning"))
-    assert {"index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids"} <= set(choice)
-    assert choice["token_ids"] is None and choice["logprobs"] is None
+    assert {"index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids", "routed_experts"} <= set(choice)
+    assert choice["token_ids"] is None and choice["logprobs"] is None and choice["routed_experts"] is None
     unused = ("service_tier", "system_fingerprint", "prompt_logprobs", "prompt_token_ids", "prompt_text",
-              "kv_transfer_params")
+              "kv_transfer_params", "ec_transfer_params", "metrics")
     assert all(k in out and out[k] is None for k in unused), out
     status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0, "return_token_ids": True})
     out = strict_json(text)
@@ -267,15 +268,16 @@ def test_a_whole_chat_response_carries_every_field_of_vllms_null_where_unused(po
 
 def test_a_whole_completion_response_carries_every_field_of_vllms_null_where_unused(post) -> None:
     """vLLM dumps its CompletionResponse whole (model_dump()), None fields too: the choice's
-    token_ids, prompt_logprobs and prompt_token_ids, the response's service_tier,
-    system_fingerprint and kv_transfer_params."""
+    token_ids, prompt_logprobs, prompt_token_ids and routed_experts, the response's
+    service_tier, system_fingerprint, kv_transfer_params, ec_transfer_params and metrics."""
     status, text = post(C, {"prompt": [5, 6], "max_tokens": 2})
     out = strict_json(text)
     (choice,) = out["choices"]
-    assert status == 200 and all(choice[k] is None for k in ("logprobs", "token_ids", "prompt_logprobs",
-                                                             "prompt_token_ids")), choice
+    assert status == 200 and all(k in choice and choice[k] is None for k in (
+        "logprobs", "token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts")), choice
     assert {"index", "text", "finish_reason", "stop_reason"} <= set(choice)
-    assert all(k in out and out[k] is None for k in ("service_tier", "system_fingerprint", "kv_transfer_params")), out
+    assert all(k in out and out[k] is None for k in ("service_tier", "system_fingerprint", "kv_transfer_params",
+                                                     "ec_transfer_params", "metrics")), out
     status, text = post(C, {"prompt": [5, 6], "max_tokens": 2, "prompt_logprobs": 0, "return_token_ids": True})
     (choice,) = strict_json(text)["choices"]
     assert choice["prompt_token_ids"] == [5, 6] and len(choice["token_ids"]) == 2, choice
