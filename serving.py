@@ -326,11 +326,11 @@ class Choice:
         choice = {"index": self.index, "logprobs": lp, "finish_reason": reason, "stop_reason": last.stop_reason}
         choice |= answer
         choice["token_ids"] = ids if f.return_ids and not f.hides_tokens else None
-        choice["routed_experts"] = None  # (a mixture of experts' routing: no model here has one)
         if not f.chat:
             choice["prompt_logprobs"] = None if f.params.prompt_logprobs is None else \
                 prompt_logprobs_json(f.tokenizer, prompt_lps or [])
             choice["prompt_token_ids"] = f.prompt_ids if f.return_ids else None
+        choice["routed_experts"] = None  # (a mixture of experts' routing: no model here has one)
         if f.log_id is not None:
             if f.chat:  # vLLM's: the content, else the tool calls; nothing for an empty answer
                 calls = ", ".join(f"{c['function']['name']}({c['function']['arguments']})"

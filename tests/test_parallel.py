@@ -39,7 +39,8 @@ def _worker(spec: dict) -> dict:
     from parallel import bytes_per_device
 
     # A case marked one_decode_bucket pads every decode step to max_num_seqs rows: one decode
-    # program instead of one per row bucket (1, 2, 4), nearly half of a cold run's compiles.
+    # program instead of one per row bucket (1, 2, 4): decode programs are a quarter of a cold
+    # child's compiles.
     # The rows a step computes are what the buckets change, not what TP splits (heads, the
     # hidden size); the llama cases at TP 1, 2, 4 and the two-process run keep every bucket.
     buckets = config.EngineConfig.decode_buckets

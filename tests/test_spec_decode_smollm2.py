@@ -18,9 +18,8 @@ PASSAGE = ("The river rises in the northern hills, runs south past the old mill 
 # A KV budget that preempts (3 seats x 7 blocks of 16 for 48 tokens each, 13 in the cache),
 # chunked prefill, prefix caching (the chat template's shared prefix), async scheduling.
 # A step budget of 16 tokens is the one token bucket: every prefill or mixed step of an
-# engine (and every catch-up pass of the draft) is one program, where 64 made three (16,
-# 32, 64), each compiled per engine with its verifier (cold, the file's cost is mostly
-# compiling: 111 -> 85 CPU-s); the 71-82-token prompts are prefilled in 5-6 chunks.
+# engine (and every catch-up pass of the draft) is one program, each compiled per engine with
+# its verifier (cold, the file is mostly compiling); a 71-82-token prompt takes several chunks.
 SMOLLM2 = dict(max_num_seqs=3, max_model_len=192, num_kv_blocks=14, max_num_batched_tokens=16, warmup=False,
                async_scheduling=True, log=lambda *_: None)
 SMOLLM2_PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
