@@ -49,12 +49,13 @@ def test_tiny_run_reports_per_class_figures_that_match_the_requests_sent(tmp_pat
     tokens is 4 usable blocks: under reserve-max-len a request holds 2 blocks at
     max_model_len 32 (2 run at once) and 1 at 16 (4 run, as many as the slots). The servers
     start without a warm-up: each compiles (or loads from the cache) only the programs its
-    requests run, and nothing here times a step."""
+    requests run, and nothing here times a step; a step budget of 16 is one token bucket
+    (one ragged program per shape)."""
     pytest.importorskip("matplotlib")
     mixed = _load()
     mixed.main(["--model", "tiny", "--num-requests", "6", "--short", "2", "--long", "8", "--prompt-len", "4,8",
                       "--max-model-len", "32", "--max-num-seqs", "4", "--kv-budget-seqs", "2",
-                      "--variants", ",".join(VARIANTS), "--server-args", "--max-num-batched-tokens 32 --no-warmup",
+                      "--variants", ",".join(VARIANTS), "--server-args", "--max-num-batched-tokens 16 --no-warmup",
                       "--out", str(tmp_path), "--jax-cache", os.environ["JAX_COMPILATION_CACHE_DIR"]])
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert list(on_disk["variants"]) == VARIANTS and on_disk["settings"]["kv_budget_blocks"] == 5

@@ -65,11 +65,16 @@ def test_the_layer_skip_command_exits_with_one_line_naming_what_is_wrong(target_
 
 @pytest.fixture(scope="module")
 def drafter(target_ckpt, draft_dir):
-    # a small token budget: a 40-token prompt is caught up in several passes
+    # A small token budget: a 40-token prompt is caught up in several passes. 16 is the one
+    # token bucket (one catch-up program), and one decode bucket of max_num_seqs rows makes one
+    # draft program where (1, 2, 3) made three: the proposals of one or two sequences below
+    # run in padded rows. (The engine tests below keep every bucket: a q of fewer rows than
+    # max_num_seqs, padded for the verifier.)
     config = EngineConfig(model=target_ckpt, max_num_seqs=3, max_model_len=128, block_size=BS,
-                          max_num_batched_tokens=32, attention_backend="xla",
+                          max_num_batched_tokens=16, attention_backend="xla",
                           speculative_config={"method": "draft_model", "model": draft_dir,
                                               "num_speculative_tokens": K}).resolved(2048)
+    vars(config)["decode_buckets"] = (config.max_num_seqs,)  # the cached property's value, set first
     fresh_step_programs()  # the tests check that nothing compiles after this warm-up
     dm = create_proposer(config, load_model(target_ckpt), EngineStats())
     assert dm.kv_bytes_per_block() == 2 * 2 * BS * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, f32
@@ -253,8 +258,10 @@ def test_greedy_output_with_the_target_as_its_own_draft_is_greedy_decoding(targe
 
 @pytest.fixture(scope="module")
 def far_ckpt(tmp_path_factory):
-    """Another random model of the target's vocabulary: a draft far from the target."""
-    return make_hf_checkpoint(tmp_path_factory.mktemp("far"), "llama2", seed=9, num_hidden_layers=1, tokenizer=True)
+    """Another random model of the target's vocabulary: a draft far from the target. Of the
+    target's structure (another seed), so its draft programs are those the target compiled
+    as its own draft in the test before, at the same shapes."""
+    return make_hf_checkpoint(tmp_path_factory.mktemp("far"), "llama2", seed=9, num_hidden_layers=4, tokenizer=True)
 
 
 def test_greedy_output_with_a_far_draft_is_greedy_decoding(target_ckpt, far_ckpt):

@@ -10,9 +10,11 @@ position j (among the runs that reach j) must follow p_j, whatever was accepted 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
+from typing import Iterator
 
 import jax
 import numpy as np
@@ -375,7 +377,24 @@ def grounded_prompts(n: int = 6, seed: int = 3) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def tiny_pair() -> tuple[LLM, LLM]:
+def one_decode_bucket() -> Iterator[None]:
+    """Engines built while it is up (this module's) pad every decode step, and every step
+    that verifies drafts alone, to max_num_seqs rows: one decode and one verify program
+    where the row buckets (1, 2, 4) made three of each (a verify program is a ragged one,
+    about a CPU-second to compile). The tokens, counters and draft budgets these tests
+    check are the same at any padding; test_draft_model's and test_spec_decode_smollm2's
+    speculative engines keep every bucket."""
+    import config
+
+    pinned = functools.cached_property(lambda cfg: (cfg.max_num_seqs,))
+    pinned.__set_name__(config.EngineConfig, "decode_buckets")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(config.EngineConfig, "decode_buckets", pinned)
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(one_decode_bucket) -> tuple[LLM, LLM]:
     fresh_step_programs()  # nothing compiles after these engines' own warm-ups
     return LLM("tiny", **TIGHT), LLM("tiny", speculative_config=NGRAM, **TIGHT)
 
@@ -478,7 +497,7 @@ STARVED = dict(max_num_seqs=4, max_model_len=128, block_size=4, max_num_batched_
 
 
 @pytest.fixture(scope="module")
-def starved() -> LLM:
+def starved(one_decode_bucket) -> LLM:
     return LLM("tiny", speculative_config=NGRAM, record_trace=True, **STARVED)
 
 
@@ -786,7 +805,7 @@ def test_a_stop_string_completed_inside_a_verified_step_ends_the_request_at_its_
     assert (seq.stop_matcher.text, seq.stop_matcher.stop_reason) == ("x", "ab")
 
 
-def test_a_step_verifying_drafts_with_no_prompt_tokens_is_a_decode_step():
+def test_a_step_verifying_drafts_with_no_prompt_tokens_is_a_decode_step(one_decode_bucket):
     """num_decode_steps counts the steps that carried no prompt tokens, as its HELP says:
     with ngram speculation that includes the steps verifying drafts (from the trace)."""
     llm = LLM("tiny", speculative_config=NGRAM, record_trace=True, **{**TIGHT, "warmup": False})

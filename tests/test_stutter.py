@@ -120,16 +120,18 @@ def test_engine_reports_kv_blocks_when_blocks_not_slots_hold_a_request_back(admi
 # ---- bench/stutter.py, at a smoke size -------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_stutter_bench_tiny_run_counts_the_chunks_stalls_and_gaps_its_sizes_imply(tmp_path):
-    """2 users (8-token prompts, prefilled in step 1), 2 steady steps, so the 120-token joiner
+    """2 users (8-token prompts, prefilled in step 1), 2 steady steps, so the 56-token joiner
     arrives for step 4. Off: step 4 is the whole prompt and stalls both users; the window is
-    steps 2..6 (4 +- 2), 4 steps with user tokens. On: a budget of 32 leaves 30 tokens a step,
-    so 4 chunks (steps 4..7), the first token at step 7, the window steps 2..9, no stall."""
+    steps 2..6 (4 +- 2), 4 steps with user tokens. On: a budget of 16 leaves 14 tokens a step,
+    so 4 chunks (steps 4..7), the first token at step 7, the window steps 2..9, no stall.
+    (The sizes make few programs: the budget of 16 is one token bucket, and off's budget,
+    max_model_len 59, three.)"""
     import json
 
     from conftest import load_bench
 
     bench = load_bench("stutter")
-    bench.main(["--tiny", "--users", "2", "--prompt-len", "120", "--budget", "32", "--user-prompt-len", "8",
+    bench.main(["--tiny", "--users", "2", "--prompt-len", "56", "--budget", "16", "--user-prompt-len", "8",
                 "--steady-steps", "2", "--window", "2", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "stutter.json").read_text())
     off, on = res["results"]["off"], res["results"]["on"]
@@ -138,9 +140,9 @@ def test_stutter_bench_tiny_run_counts_the_chunks_stalls_and_gaps_its_sizes_impl
     assert bench.main(["--plot-only", str(tmp_path / "stutter.json")]) == res  # redrawn from the file alone
     assert (tmp_path / "stutter.png").stat().st_size > 0
     assert (off["join_step"], off["first_token_step"], off["window_steps"]) == (4, 4, [2, 6])
-    assert off["prefill_step_tokens"] == [120] and off["stall_steps"] == [4]
+    assert off["prefill_step_tokens"] == [56] and off["stall_steps"] == [4]
     assert (on["join_step"], on["first_token_step"], on["window_steps"]) == (4, 7, [2, 9])
-    assert on["prefill_step_tokens"] == [30, 30, 30, 30] and on["stall_steps"] == []
+    assert on["prefill_step_tokens"] == [14, 14, 14, 14] and on["stall_steps"] == []
     for r, steps_with_tokens in ((off, 4), (on, 8)):
         assert r["compilations_during_run"] == 0  # warm-up compiled everything: no false stutter
         assert r["itl_window_count"] == 2 * steps_with_tokens
