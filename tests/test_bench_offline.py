@@ -1,6 +1,6 @@
-"""The benches' shared workloads and figures, and bench/offline.py at its --tiny size, checked
-against what the workload alone says the run must report (counts, step bounds, percentiles
-of the raw samples), not against the bench's own arithmetic."""
+"""The benches' shared workloads and figures, and bench/offline.py at its --tiny size (with a
+smaller step budget), checked against what the workload alone says the run must report
+(counts, step bounds, percentiles of the raw samples), not against the bench's own arithmetic."""
 
 from __future__ import annotations
 
@@ -65,8 +65,10 @@ def test_tiny_run_reports_what_its_workload_implies(tmp_path, monkeypatch):
     # of them, and torch's second thread would spin-wait (conftest's OMP_NUM_THREADS): the
     # transformers peer runs on this process's one thread, and keeps it for the tests after.
     monkeypatch.setattr(offline, "TORCH_THREADS", 1)
-    # A step budget of 16 is the one token bucket: one ragged program per engine shape where
-    # --tiny's 64 makes three (16, 32, 64); the 8-24-token prompts are prefilled in chunks.
+    # --tiny's sizes but a step budget of 16, the one token bucket: one ragged program per
+    # engine shape where --tiny's 64 makes three (16, 32, 64). A step of more than 16 prompt
+    # tokens is chunked; the transformers peer's max_batch_tokens is the same 16. No figure
+    # checked below depends on the budget.
     monkeypatch.setattr(offline, "TINY", dataclasses.replace(offline.TINY, max_num_batched_tokens=16))
     out = tmp_path / "offline.json"
     offline.main(["--tiny", "--out", str(out)])

@@ -66,15 +66,15 @@ def test_the_layer_skip_command_exits_with_one_line_naming_what_is_wrong(target_
 @pytest.fixture(scope="module")
 def drafter(target_ckpt, draft_dir):
     # A small token budget: a 40-token prompt is caught up in several passes. 16 is the one
-    # token bucket (one catch-up program), and one decode bucket of max_num_seqs rows makes one
-    # draft program where (1, 2, 3) made three: the proposals of one or two sequences below
-    # run in padded rows. (The engine tests below keep every bucket: a q of fewer rows than
-    # max_num_seqs, padded for the verifier.)
+    # token bucket (one catch-up program). Decode buckets (2, 3) make two draft programs where
+    # (1, 2, 3) made three: a proposal of one sequence runs in 2 padded rows, and the sampled
+    # proposals of two in the 2-row program, whose q is padded to max_num_seqs rows and checked
+    # row by row against NumPy below. (The engine tests keep every bucket.)
     config = EngineConfig(model=target_ckpt, max_num_seqs=3, max_model_len=128, block_size=BS,
                           max_num_batched_tokens=16, attention_backend="xla",
                           speculative_config={"method": "draft_model", "model": draft_dir,
                                               "num_speculative_tokens": K}).resolved(2048)
-    vars(config)["decode_buckets"] = (config.max_num_seqs,)  # the cached property's value, set first
+    vars(config)["decode_buckets"] = (2, config.max_num_seqs)  # the cached property's value, set first
     fresh_step_programs()  # the tests check that nothing compiles after this warm-up
     dm = create_proposer(config, load_model(target_ckpt), EngineStats())
     assert dm.kv_bytes_per_block() == 2 * 2 * BS * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, f32
