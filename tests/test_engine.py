@@ -15,9 +15,9 @@ from engine import EngineConfig, EngineRequest, SamplingParams, child_requests
 from llm import LLM
 from sampling_params import StructuredOutputsParams
 
-# The tiny model's shapes in test_sampling_controls' and test_request_metrics' engines (the
-# default token budget and KV cache): a cold run compiles each program once for them all.
-SMALL = dict(max_num_seqs=4, max_model_len=128, warmup=False)
+# The tiny model's shapes in test_sampling_controls', test_request_metrics' and test_kvcache's
+# engines (with 14 KV blocks, test_fair_slo's): a cold run compiles each program once for them all.
+SMALL = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, warmup=False)
 
 
 def make_llm(model: str = "tiny", **kw) -> LLM:
@@ -37,7 +37,7 @@ def greedy(n: int) -> SamplingParams:
 def test_greedy_generate_equals_transformers(hf_checkpoint, family):
     path = hf_checkpoint(family)
     prompt = [5, 17, 42, 99, 7, 256, 31, 64, 11]
-    ours = make_llm(path, max_num_batched_tokens=128).generate([prompt], greedy(32))[0]
+    ours = make_llm(path).generate([prompt], greedy(32))[0]
     assert ours.outputs[0].token_ids == hf_greedy(path, prompt, 32)
     assert ours.outputs[0].text == ""  # no tokenizer beside the checkpoint: vLLM's empty text, not None
 
@@ -45,7 +45,8 @@ def test_greedy_generate_equals_transformers(hf_checkpoint, family):
 def test_finished_request_leaves_in_that_step_and_queued_request_joins_the_next():
     # Synchronous scheduling: the host knows a step's tokens before it schedules the next.
     # (Async, it learns them a step later; see test_async_scheduling.py.)
-    llm = make_llm(max_num_seqs=2, record_trace=True, async_scheduling=False)
+    # (tiny_async_engine's shapes)
+    llm = make_llm(max_num_seqs=2, max_num_batched_tokens=None, record_trace=True, async_scheduling=False)
     llm.generate(prompts(3), [greedy(3), greedy(10), greedy(4)])
     trace = llm.engine.trace
     left = next(t for t in trace if "offline-0" in t.released)
