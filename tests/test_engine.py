@@ -15,7 +15,9 @@ from engine import EngineConfig, EngineRequest, SamplingParams, child_requests
 from llm import LLM
 from sampling_params import StructuredOutputsParams
 
-SMALL = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256, warmup=False)
+# The tiny model's shapes in test_sampling_controls', test_request_metrics' and test_kvcache's
+# engines (with 14 KV blocks, test_fair_slo's): a cold run compiles each program once for them all.
+SMALL = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, warmup=False)
 
 
 def make_llm(model: str = "tiny", **kw) -> LLM:
@@ -35,7 +37,7 @@ def greedy(n: int) -> SamplingParams:
 def test_greedy_generate_equals_transformers(hf_checkpoint, family):
     path = hf_checkpoint(family)
     prompt = [5, 17, 42, 99, 7, 256, 31, 64, 11]
-    ours = make_llm(path, max_model_len=128, max_num_batched_tokens=128).generate([prompt], greedy(32))[0]
+    ours = make_llm(path).generate([prompt], greedy(32))[0]
     assert ours.outputs[0].token_ids == hf_greedy(path, prompt, 32)
     assert ours.outputs[0].text == ""  # no tokenizer beside the checkpoint: vLLM's empty text, not None
 
@@ -43,7 +45,8 @@ def test_greedy_generate_equals_transformers(hf_checkpoint, family):
 def test_finished_request_leaves_in_that_step_and_queued_request_joins_the_next():
     # Synchronous scheduling: the host knows a step's tokens before it schedules the next.
     # (Async, it learns them a step later; see test_async_scheduling.py.)
-    llm = make_llm(max_num_seqs=2, record_trace=True, async_scheduling=False)
+    # (tiny_async_engine's shapes)
+    llm = make_llm(max_num_seqs=2, max_num_batched_tokens=None, record_trace=True, async_scheduling=False)
     llm.generate(prompts(3), [greedy(3), greedy(10), greedy(4)])
     trace = llm.engine.trace
     left = next(t for t in trace if "offline-0" in t.released)
@@ -107,7 +110,7 @@ def test_too_few_kv_blocks_preempts_and_recomputes_to_the_same_tokens():
     params = [greedy(60), SamplingParams(max_tokens=60, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)] * 2
     ample = [o.outputs[0].token_ids for o in make_llm().generate(ps, params)]
     # 4 sequences of up to ~100 tokens need ~28 blocks of 16; give 14 (one is the null block)
-    tight = make_llm(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128)
+    tight = make_llm(num_kv_blocks=14)
     outs = tight.generate(ps, params)
     assert tight.stats.num_preemptions > 0
     assert any(o.num_preemptions for o, p in zip(outs, params) if not p.greedy), "a seeded request was preempted"
@@ -119,8 +122,8 @@ def test_too_few_kv_blocks_preempts_and_recomputes_to_the_same_tokens():
 def test_reserve_admission_never_preempts_and_gives_the_same_tokens():
     ps = prompts(4, seed=3, lo=20, hi=40)
     params = [greedy(60)] * 4
-    on_demand = make_llm(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128)
-    reserve = make_llm(num_kv_blocks=14, max_model_len=128, max_num_batched_tokens=128, kv_admission="reserve")
+    on_demand = make_llm(num_kv_blocks=14)
+    reserve = make_llm(num_kv_blocks=14, kv_admission="reserve")
     a, b = on_demand.generate(ps, params), reserve.generate(ps, params)
     assert on_demand.stats.num_preemptions > 0 and reserve.stats.num_preemptions == 0
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
@@ -197,7 +200,7 @@ def test_async_engine_streams_and_abort_frees_slot_and_blocks():
         eng = AsyncEngine(EngineConfig(model="tiny", **SMALL), log=lambda *_: None)
         await eng.start()
         try:
-            stream = eng.add_request(EngineRequest("a", [5, 6, 7], greedy(200)))
+            stream = eng.add_request(EngineRequest("a", [5, 6, 7], greedy(120)))
             got = []
             async for d in stream:
                 got += d.new_token_ids
@@ -244,7 +247,8 @@ def test_features_combined_give_each_request_its_tokens_alone_stream_them_whole_
                    preemption_mode="swap", swap_space=0.0005, scheduling_policy="fair", async_scheduling=True,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                        "prompt_lookup_max": 2})
-    plain = make_llm(**kw, enable_prefix_caching=False, async_scheduling=False, max_num_batched_tokens=128)
+    # (the file's shapes: a KV layout of its own, every prompt whole in one step)
+    plain = make_llm(enable_prefix_caching=False, async_scheduling=False)
     shared = list(range(40, 56))  # two blocks every prompt below starts with
     ps = [shared + p for p in prompts(6, seed=11, lo=3, hi=20)]
     stop = plain.tokenizer.decode(ps[2][-2:])

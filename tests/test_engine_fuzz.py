@@ -88,9 +88,11 @@ def quiet(*_: object) -> None:
 
 @functools.lru_cache(maxsize=1)
 def plain_engine() -> LLMEngine:
-    """The reference: no prefix caching, synchronous, a cache for every request whole."""
+    """The reference: no prefix caching, synchronous, every prompt whole in one step, and
+    room for the one request it runs at a time whole (at most 10 of FUZZED's 13 blocks).
+    FUZZED's cache and async-nochunk-swap-ngram's budget: its programs are theirs."""
     return LLMEngine(EngineConfig(**BASE, enable_prefix_caching=False, async_scheduling=False,
-                                  max_num_batched_tokens=40), log=quiet)
+                                  num_kv_blocks=FUZZED["num_kv_blocks"], max_num_batched_tokens=40), log=quiet)
 
 
 @functools.lru_cache(maxsize=None)

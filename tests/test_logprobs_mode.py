@@ -27,7 +27,8 @@ from config import EngineConfig
 from llm import LLM, SamplingParams
 from sampling_params import StructuredOutputsParams
 
-SMALL = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=64, warmup=False)
+# test_sampling_controls' shapes (and checkpoint): a cold run compiles their programs once for both
+SMALL = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=64, warmup=False)
 MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 PROMPT = [5, 9, 5, 9, 5, 17, 33, 5, 40, 41]
 

@@ -24,6 +24,8 @@ from llm import LLM
 from protocol import ApiError, parse_sampling
 
 SMALL = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128, num_kv_blocks=64, warmup=False)
+# The tiny model's: test_engine's shapes, so a cold run compiles their programs once
+TINY = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, warmup=False)
 EOS = 2  # conftest's checkpoints
 
 
@@ -162,7 +164,7 @@ def test_a_min_tokens_only_request_samples_without_waiting_once_it_has_min_token
 
 
 def test_a_forbidden_token_is_never_sampled_at_any_temperature():
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False)
+    llm = LLM("tiny", log=lambda *_: None, **TINY)
     allowed = [40, 41, 42, 43]
     outs = [o.outputs[0] for o in llm.generate([[5, 6, 7]] * 3, [
         SamplingParams(max_tokens=24, seed=1, allowed_token_ids=allowed),
@@ -178,7 +180,7 @@ def test_numbers_past_float32_leave_every_row_finite_so_masks_hold():
     """The API takes any finite temperature and repetition penalty (vLLM's ranges); as
     float32 they can be inf or 0, and a logit divided or multiplied by them inf or NaN: a
     NaN row draws any token, a forbidden one too."""
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=8, max_model_len=128, warmup=False)
+    llm = LLM("tiny", log=lambda *_: None, **TINY)
     allowed = [40, 41, 42, 43]
     extremes = [dict(temperature=1e300), dict(repetition_penalty=1e300), dict(repetition_penalty=1e-300),
                 dict(temperature=0.5, repetition_penalty=1e-38)]
@@ -193,9 +195,9 @@ def test_a_request_with_processors_is_never_speculated_and_gets_the_tokens_it_ge
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     prompt = [5, 6, 7, 8] * 6
     p = greedy(max_tokens=20, repetition_penalty=1.2, presence_penalty=0.5)
-    plain = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False)
+    plain = LLM("tiny", log=lambda *_: None, **TINY)
     want = plain.generate([prompt], p)[0].outputs[0].token_ids
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False, speculative_config=spec)
+    llm = LLM("tiny", log=lambda *_: None, **TINY, speculative_config=spec)
     out = llm.generate([prompt], p)[0]
     assert out.outputs[0].token_ids == want
     assert llm.stats.spec_decode_num_drafts == 0 and out.metrics.spec_acceptance_rate is None
@@ -222,12 +224,12 @@ def test_plain_steps_compile_nothing_new_and_a_penalty_width_compiles_once():
 def test_preemption_by_recompute_keeps_the_counts_with_the_outputs():
     """A cache too small for all four: preempted and recomputed, each request gets the tokens
     it gets alone (its counts were not reset, nor counted twice). Alone, one request's at
-    most 53 tokens take 4 of the 8 blocks: nothing is preempted."""
+    most 53 tokens take 4 of the 13 blocks: nothing is preempted. (test_engine's and
+    test_request_metrics' tight shapes: their programs are compiled once for all three.)"""
     params = [greedy(max_tokens=40, frequency_penalty=0.8, presence_penalty=0.3, repetition_penalty=1.1,
                      bad_words=["ab"], ignore_eos=False, min_tokens=30) for _ in range(4)]
     prompts = [[1] + [3 + i] * 12 for i in range(4)]
-    llm = LLM("tiny", log=lambda *_: None, warmup=False, num_kv_blocks=9, max_num_seqs=4, max_model_len=64,
-              max_num_batched_tokens=64)
+    llm = LLM("tiny", log=lambda *_: None, **TINY, num_kv_blocks=14)
     alone = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
     assert llm.stats.num_preemptions == 0
     outs = llm.generate(prompts, params)
@@ -240,7 +242,7 @@ def test_a_grammar_and_the_masks_both_hold():
 
     from sampling_params import StructuredOutputsParams as SO
 
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, warmup=False)
+    llm = LLM("tiny", log=lambda *_: None, **TINY)
     outs = [o.outputs[0] for o in llm.generate([[5, 6, 7]] * 2, [
         SamplingParams(max_tokens=30, seed=s, structured_outputs=SO(regex="[a-e]{10,20}"), bad_words=["c", "ab"],
                        allowed_token_ids=[ord(x) for x in "abcd"] + [257], min_tokens=12) for s in (1, 2)])]
@@ -260,8 +262,7 @@ def test_masks_that_part_mid_way_end_the_request_without_a_token_they_forbid(asy
     from sampling_params import StructuredOutputsParams as SO
 
     log: list[str] = []
-    llm = LLM("tiny", log=log.append, max_num_seqs=4, max_model_len=128, warmup=False,
-              async_scheduling=async_scheduling, enable_prefix_caching=False)
+    llm = LLM("tiny", log=log.append, **TINY, async_scheduling=async_scheduling, enable_prefix_caching=False)
     free = SamplingParams(max_tokens=6, temperature=0.0)
     alone = llm.generate([[9, 8, 7]], free)[0].outputs[0].token_ids
     cases = [  # (masks, the tokens they allow at each position until they part)
