@@ -144,6 +144,13 @@ def test_a_client_gone_mid_search_without_a_stream_stops_it(server):
     wait_for(settled)
     assert last[-1] - before < 1 + (steps - 1) * width  # stopped before its last step
     assert metric(scrape(server), "kv_cache_usage_perc") == 0
-    # its 4 waiting places are free: a search as wide as the queue is admitted
-    status, text = post(server.port, {"prompt": [5, 6, 7], "use_beam_search": True, "n": width, "max_tokens": 2})
-    assert status == 200, text
+    # its 4 waiting places are freed: a search as wide as the queue is admitted. They are freed
+    # once the loop has done the search's aborts (AsyncEngine.release_waiting), which on busy
+    # cores may come after the counters above have settled: a 503 until then, never after.
+    answers: list[tuple[int, str]] = []
+
+    def admitted() -> bool:
+        answers.append(post(server.port, {"prompt": [5, 6, 7], "use_beam_search": True, "n": width, "max_tokens": 2}))
+        assert answers[-1][0] in (200, 503), answers[-1]
+        return answers[-1][0] == 200
+    wait_for(admitted)

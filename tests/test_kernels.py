@@ -48,7 +48,14 @@ def make_cache(rng, num_kv_heads, head_dim, dtype, num_blocks=NUM_BLOCKS, block_
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k = rng.standard_normal(shape).astype(np.float32)
     v = rng.standard_normal(shape).astype(np.float32)
-    return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+    return on_device(k, dtype), on_device(v, dtype)
+
+
+def on_device(x, dtype) -> jax.Array:
+    """`x` rounded to `dtype` by NumPy (ml_dtypes: round to nearest even, as XLA's convert),
+    then copied to the device. jnp.asarray would compile a program per shape and dtype (a
+    convert, or lax.stage for an array it keeps as it is): about 100 over this file."""
+    return jax.device_put(np.asarray(x).astype(jnp.dtype(dtype)))
 
 
 def make_block_tables(rng, kv_lens, num_blocks=NUM_BLOCKS, block_size=BS, width=WIDTH):
@@ -62,7 +69,7 @@ def make_block_tables(rng, kv_lens, num_blocks=NUM_BLOCKS, block_size=BS, width=
     for s, n in enumerate(need):
         bt[s, :n] = pool[at:at + n]
         at += n
-    return jnp.asarray(bt)
+    return on_device(bt, jnp.int32)
 
 
 def dense_oracle(q, k_cache, v_cache, block_tables, cu_q_lens, kv_lens, scale):
@@ -98,11 +105,11 @@ def decode_oracle(q, k_cache, v_cache, block_tables, kv_lens, scale):
 
 
 def cu_from(q_lens):
-    return jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    return on_device(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
 
 
 def assert_close(got, want, dtype, what):
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    got = np.asarray(got).astype(np.float64)
     err = np.abs(got - np.asarray(want, np.float64)).max()
     assert err <= TOL[dtype], f"{what}: max abs err {err:.3g} > {TOL[dtype]}"
 
@@ -139,18 +146,18 @@ HKV = 2
 
 def decode_case(rng, R, D, dtype, lens=DECODE_LENS):
     kc, vc = make_cache(rng, HKV, D, dtype)
-    kv_lens = jnp.asarray(lens, jnp.int32)
+    kv_lens = on_device(lens, jnp.int32)
     bt = make_block_tables(rng, lens)
-    q = jnp.asarray(rng.standard_normal((len(lens), HKV * R, D)), dtype)
+    q = on_device(rng.standard_normal((len(lens), HKV * R, D)), dtype)
     return q, kc, vc, bt, kv_lens
 
 
 def ragged_case(rng, R, D, dtype, seqs=RAGGED_SEQS, T=RAGGED_T, num_blocks=NUM_BLOCKS):
     kc, vc = make_cache(rng, HKV, D, dtype, num_blocks=num_blocks)
     q_lens = [a for a, _ in seqs]
-    kv_lens = jnp.asarray([b for _, b in seqs], jnp.int32)
+    kv_lens = on_device([b for _, b in seqs], jnp.int32)
     bt = make_block_tables(rng, [b for _, b in seqs], num_blocks=num_blocks)
-    q = jnp.asarray(rng.standard_normal((T, HKV * R, D)), dtype)
+    q = on_device(rng.standard_normal((T, HKV * R, D)), dtype)
     return q, kc, vc, bt, cu_from(q_lens), kv_lens
 
 
@@ -166,7 +173,7 @@ def test_decode_ref_and_kernel(R, D, dtype):
     assert_close(ref, want, dtype, "decode ref vs oracle")
     assert_close(out, want, dtype, "decode kernel vs oracle")
     assert_close(out, ref, dtype, "decode kernel vs ref")
-    assert not np.asarray(out[0]).any(), "idle slot (kv_len 0) must come back zero"
+    assert not np.asarray(out)[0].any(), "idle slot (kv_len 0) must come back zero"
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])
@@ -195,9 +202,9 @@ def test_decode_ref_ignores_non_finite_values_outside_the_context(lens):
     k[0] = v[0] = np.nan
     for row, n in enumerate(lens):
         if n % BS:
-            b = int(bt[row, n // BS])
+            b = int(np.asarray(bt)[row, n // BS])
             k[b, n % BS:] = v[b, n % BS:] = np.nan
-    out = ref_decode(q, jnp.asarray(k), jnp.asarray(v), bt, kv_lens, scale=0.125)
+    out = ref_decode(q, on_device(k, jnp.float32), on_device(v, jnp.float32), bt, kv_lens, scale=0.125)
     assert np.isfinite(np.asarray(out)).all(), "a value outside the context reached the output"
     assert_close(out, want, jnp.float32, "decode ref with NaN outside the context vs oracle on clean data")
 
@@ -214,8 +221,8 @@ def test_ragged_ref_and_kernel(R, D, dtype):
     assert_close(ref, want, dtype, "ragged ref vs oracle")
     assert_close(out, want, dtype, "ragged kernel vs oracle")
     assert_close(out, ref, dtype, "ragged kernel vs ref")
-    n = int(cu[-1])
-    assert not np.asarray(out[n:]).any(), "rows past cu_q_lens[S] must come back zero"
+    n = int(np.asarray(cu)[-1])
+    assert not np.asarray(out)[n:].any(), "rows past cu_q_lens[S] must come back zero"
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
@@ -278,14 +285,14 @@ def test_block_size_8_and_all_idle():
     kc, vc = make_cache(rng, HKV, 64, jnp.float32, block_size=8)
     lens = [0, 1, 7, 8, 9, 60]
     bt = make_block_tables(rng, lens, block_size=8)
-    q = jnp.asarray(rng.standard_normal((len(lens), HKV * 4, 64)), jnp.float32)
-    kv = jnp.asarray(lens, jnp.int32)
+    q = on_device(rng.standard_normal((len(lens), HKV * 4, 64)), jnp.float32)
+    kv = on_device(lens, jnp.int32)
     assert_close(pl_decode(q, kc, vc, bt, kv, scale=0.125),
                  decode_oracle(q, kc, vc, bt, kv, 0.125), jnp.float32, "bs=8 decode")
-    zero = jnp.zeros_like(kv)
+    zero = on_device(np.zeros(len(lens)), jnp.int32)
     assert not np.asarray(pl_decode(q, kc, vc, bt, zero, scale=0.125)).any()
-    qr = jnp.asarray(rng.standard_normal((16, HKV * 4, 64)), jnp.float32)
-    cu0 = jnp.zeros((len(lens) + 1,), jnp.int32)
+    qr = on_device(rng.standard_normal((16, HKV * 4, 64)), jnp.float32)
+    cu0 = on_device(np.zeros(len(lens) + 1), jnp.int32)
     assert not np.asarray(pl_ragged(qr, kc, vc, bt, cu0, kv, scale=0.125)).any()
 
 
@@ -322,7 +329,8 @@ def test_random_ragged_batches(seqs, seed, R, D, dtype):
     assert_close(pl_ragged(q, kc, vc, bt, cu, kv_lens, scale=scale), want, dtype, "kernel")
     # the same context lengths as a decode step (one query per slot)
     n = len(DECODE_LENS)  # the decode configurations' shapes
-    kvd, qd, btd = jnp.asarray([b for _, b in seqs[:n]], jnp.int32), q[:n], bt[:n]
+    kvd, qd, btd = (on_device(x, x.dtype) for x in (np.asarray([b for _, b in seqs[:n]], np.int32),
+                                                    np.asarray(q)[:n], np.asarray(bt)[:n]))
     want = decode_oracle(qd, kc, vc, btd, kvd, scale)
     assert_close(pl_decode(qd, kc, vc, btd, kvd, scale=scale), want, dtype, "decode")
 
@@ -348,7 +356,7 @@ def test_backend_selection():
 
     rag, dec = step(q, kc, vc, bt, cu, kv_lens)
     assert_close(rag, dense_oracle(q, kc, vc, bt, cu, kv_lens, 0.125), jnp.float32, "ragged")
-    assert_close(dec, decode_oracle(q[:8], kc, vc, bt, kv_lens, 0.125), jnp.float32, "decode")
+    assert_close(dec, decode_oracle(np.asarray(q)[:8], kc, vc, bt, kv_lens, 0.125), jnp.float32, "decode")
 
 
 def test_model_forward_pallas_matches_xla():
@@ -364,7 +372,7 @@ def test_model_forward_pallas_matches_xla():
     graphdef, state = nnx.split(model_lib.init_model(cfg, "float32", 0))
     bs = 4
     bt = np.array([[3, 1, 7, 0, 0], [2, 5, 4, 6, 8]], np.int32)  # shuffled; 0 = null
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    i32 = functools.partial(on_device, dtype=jnp.int32)
 
     def slots(seq, positions):
         return [int(bt[seq, p // bs]) * bs + p % bs for p in positions]
@@ -389,14 +397,14 @@ def test_model_forward_pallas_matches_xla():
         caches = create_kv_caches(cfg, 9, bs, jnp.float32)  # [L, blocks, bs, hkv, hd], the scanned layout
         with jax.default_matmul_precision("highest"):  # no TF32 in XLA's matmuls on GPU
             h_pre, caches = fwd(state, toks, pos, caches, pre)
-            h_dec, _ = fwd(state, toks[:2], i32([6, 17]), caches, dec)
+            h_dec, _ = fwd(state, i32(np.asarray(toks)[:2]), i32([6, 17]), caches, dec)
         outs[name] = (np.asarray(h_pre[:23]), np.asarray(h_dec))
     for a, b in zip(outs["xla"], outs["pallas"]):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
 
 
 def test_ragged_tile_sequences():
-    cu = jnp.asarray([0, 3, 3, 5, 21, 21], jnp.int32)  # seq 1 and 4 empty
+    cu = on_device([0, 3, 3, 5, 21, 21], jnp.int32)  # seq 1 and 4 empty
     first, count = kp.ragged_tile_sequences(cu, num_tiles=4, tile=8)
     # tile 0: rows 0-7 -> seqs 0..3; tile 1: 8-15 -> seq 3; tile 2: 16-20 -> seq 3; tile 3: none
     assert np.asarray(first).tolist()[:3] == [0, 3, 3]

@@ -4,6 +4,7 @@ oracle over the dequantized values; sizing by the real bytes."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,11 +12,16 @@ from conftest import fresh_step_programs
 
 import kernels_pallas as kp
 from config import KV_CACHE_DTYPES, EngineConfig
-from test_kernels import (BS, INTERPRET, cu_from, decode_oracle, dense_oracle, make_block_tables, make_cache,
-                          ref_decode, ref_ragged)
+from test_kernels import (BS, cu_from, decode_oracle, dense_oracle, make_block_tables, make_cache,
+                          on_device, pl_decode, pl_ragged, ref_decode, ref_ragged)
+
+# Jitted, as the engine's steps run it: one program per shape, where its operations one by one
+# compile one each.
+_quantize_kv = jax.jit(kp.quantize_kv, static_argnums=1)
+
 
 def quantized(cache: jnp.ndarray, name: str) -> kp.QuantizedKV:
-    return kp.QuantizedKV(*kp.quantize_kv(cache, kp.kv_storage_dtype(name)))
+    return kp.QuantizedKV(*_quantize_kv(cache, kp.kv_storage_dtype(name)))
 
 
 def test_flag_values_are_one_table_checked_where_they_enter():
@@ -59,12 +65,12 @@ def test_kernels_equal_references_on_a_quantized_cache(name, dtype, kernels):
     # decode: idle, first token, a block edge, a long context
     lens = [0, 1, BS + 1, 5 * BS + 3]  # the last: two kernel steps of 64 keys
     bt = make_block_tables(rng, lens)
-    q = jnp.asarray(rng.standard_normal((len(lens), hkv * R, D)), dtype)
-    kl = jnp.asarray(lens, jnp.int32)
+    q = on_device(rng.standard_normal((len(lens), hkv * R, D)), dtype)
+    kl = on_device(lens, jnp.int32)
     want = decode_oracle(np.asarray(q, np.float32), kd, vd, bt, kl, scale)
     ref = ref_decode(q, kc, vc, bt, kl, scale=scale)
     for splits in (None, 1) if kernels else ():
-        got = kp.paged_decode_attention(q, kc, vc, bt, kl, scale=scale, interpret=INTERPRET, num_splits=splits)
+        got = pl_decode(q, kc, vc, bt, kl, scale=scale, num_splits=splits)
         assert got.dtype == dtype
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=tol)
     np.testing.assert_allclose(np.asarray(ref, np.float32), want, atol=tol)
@@ -72,12 +78,12 @@ def test_kernels_equal_references_on_a_quantized_cache(name, dtype, kernels):
     seqs = [(1, 5 * BS + 3), (BS + 1, BS + 1), (7, 2 * BS + 7)]
     bt = make_block_tables(rng, [kv for _, kv in seqs])
     T = sum(a for a, _ in seqs) + 3
-    q = jnp.asarray(rng.standard_normal((T, hkv * R, D)), dtype)
-    cu, kl = cu_from([a for a, _ in seqs]), jnp.asarray([kv for _, kv in seqs], jnp.int32)
+    q = on_device(rng.standard_normal((T, hkv * R, D)), dtype)
+    cu, kl = cu_from([a for a, _ in seqs]), on_device([kv for _, kv in seqs], jnp.int32)
     want = dense_oracle(np.asarray(q, np.float32), kd, vd, bt, cu, kl, scale)
     ref = ref_ragged(q, kc, vc, bt, cu, kl, scale=scale)
     if kernels:
-        got = kp.ragged_paged_attention(q, kc, vc, bt, cu, kl, scale=scale, interpret=INTERPRET)
+        got = pl_ragged(q, kc, vc, bt, cu, kl, scale=scale)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=tol)
     np.testing.assert_allclose(np.asarray(ref, np.float32), want, atol=tol)
 
