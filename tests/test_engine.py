@@ -134,7 +134,7 @@ def test_chunked_prefill_gives_the_same_greedy_tokens(prompt_len):
     """Budget 32: a prompt shorter than, equal to, and three times the budget."""
     ps = prompts(3, seed=4) + [list(range(3, 3 + prompt_len))]
     params = [greedy(8)] * 4
-    whole = [o.outputs[0].token_ids for o in make_llm().generate(ps, params)]
+    whole = [o.outputs[0].token_ids for o in make_llm(enable_chunked_prefill=False).generate(ps, params)]
     chunked_llm = make_llm(enable_chunked_prefill=True, max_num_batched_tokens=32, record_trace=True)
     chunked = [o.outputs[0].token_ids for o in chunked_llm.generate(ps, params)]
     assert chunked == whole
@@ -247,7 +247,7 @@ def test_features_combined_give_each_request_its_tokens_alone_stream_them_whole_
                    preemption_mode="swap", swap_space=0.0005, scheduling_policy="fair", async_scheduling=True,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                        "prompt_lookup_max": 2})
-    # (the file's shapes: a KV layout of its own, every prompt whole in one step)
+    # (the file's SMALL shapes, not llm's KV layout; every prompt whole in one step)
     plain = make_llm(enable_prefix_caching=False, async_scheduling=False)
     shared = list(range(40, 56))  # two blocks every prompt below starts with
     ps = [shared + p for p in prompts(6, seed=11, lo=3, hi=20)]

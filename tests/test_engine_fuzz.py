@@ -27,7 +27,7 @@ and at the end:
   it; abort: only the aborted);
 - each greedy or seeded request that was never aborted has the tokens, finish reason and
   logprobs (sampled and prompt) of the same request run alone on a plain engine (no caching,
-  synchronous, ample cache): the tiny model's float32 steps are batch invariant (as
+  synchronous, a cache for one request whole): the tiny model's float32 steps are batch invariant (as
   test_engine.py's mixed-batch test asserts); a draft model's seeded draws are not plain
   sampling's, so there only greedy requests are compared;
 - the stats count what happened: generated tokens, finish reasons, preemptions, prompt

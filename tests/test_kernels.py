@@ -52,9 +52,10 @@ def make_cache(rng, num_kv_heads, head_dim, dtype, num_blocks=NUM_BLOCKS, block_
 
 
 def on_device(x, dtype) -> jax.Array:
-    """`x` rounded to `dtype` by NumPy (ml_dtypes: round to nearest even, as XLA's convert),
-    then copied to the device. jnp.asarray would compile a program per shape and dtype (a
-    convert, or lax.stage for an array it keeps as it is): about 100 over this file."""
+    """`x` cast to `dtype` by NumPy (ml_dtypes for bfloat16), the cast jnp.asarray applies to
+    a NumPy input, so the values are the same; then copied to the device. jnp.asarray would
+    also compile a program per shape and dtype (a convert, or lax.stage for an array it
+    keeps as it is): about 100 over this file."""
     return jax.device_put(np.asarray(x).astype(jnp.dtype(dtype)))
 
 

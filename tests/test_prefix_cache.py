@@ -330,7 +330,7 @@ def test_prefix_caching_off_changes_nothing_in_admission():
 # ---- engine: greedy tokens with the cache on equal those with it off ------------------------
 
 # test_request_metrics' and test_kvcache's shapes (the workload's longest sequence, a second
-# turn, is 105 tokens): their step programs are compilation-cache hits in one run.
+# turn, is 98 tokens): their step programs are compilation-cache hits in one run.
 SMALL = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128, warmup=False)
 
 

@@ -224,11 +224,14 @@ def test_plain_steps_compile_nothing_new_and_a_penalty_width_compiles_once():
 def test_preemption_by_recompute_keeps_the_counts_with_the_outputs():
     """A cache too small for all four: preempted and recomputed, each request gets the tokens
     it gets alone (its counts were not reset, nor counted twice). Alone, one request's at
-    most 53 tokens take 4 of the 13 blocks: nothing is preempted. (test_engine's and
-    test_request_metrics' tight shapes: their programs are compiled once for all three.)"""
+    most 69 tokens take 5 of the 13 blocks: nothing is preempted. Together, the four 29-token
+    prompts take 8 blocks, 12 after 4 tokens each, and need 16 after 20: min_tokens keeps each
+    going past that, so a request is preempted before its min_tokens count is met and is
+    recomputed with its counts mid-way. (test_engine's and test_request_metrics' tight shapes:
+    their programs are compiled once for all three.)"""
     params = [greedy(max_tokens=40, frequency_penalty=0.8, presence_penalty=0.3, repetition_penalty=1.1,
                      bad_words=["ab"], ignore_eos=False, min_tokens=30) for _ in range(4)]
-    prompts = [[1] + [3 + i] * 12 for i in range(4)]
+    prompts = [[1] + [3 + i] * 28 for i in range(4)]
     llm = LLM("tiny", log=lambda *_: None, **TINY, num_kv_blocks=14)
     alone = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
     assert llm.stats.num_preemptions == 0
