@@ -179,8 +179,10 @@ def test_spec_decode_counters_are_served_only_with_a_speculative_config():
 
 
 def test_values_after_a_workload_are_sane_and_counters_only_grow():
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=256,
-              num_kv_blocks=64, warmup=False)
+    # test_engine's SMALL shapes (their programs compiled once in a run): prompts of up to 39
+    # tokens and 17 more fit 128; six requests queue for four seats; 33 blocks, none preempted
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128,
+              warmup=False)
     rng = np.random.default_rng(0)
     lens = [3, 9, 17, 5, 12, 7]
     prompts = [rng.integers(3, 250, int(n)).tolist() for n in rng.integers(4, 40, len(lens))]
@@ -201,11 +203,12 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
     assert val("taxirank:generation_tokens_total") == 2 * sum(lens[:3]) + sum(lens[3:])
     assert val("taxirank:generation_tokens_total") - a[("taxirank:generation_tokens_total", ())] == sum(lens)
     assert val("taxirank:request_success_total", finished_reason="length") == n
-    assert val("taxirank:num_kv_blocks") == 63 and val("taxirank:kv_cache_usage_perc") == 0
+    assert llm.engine.num_kv_blocks == 4 * 128 // 16 + 1  # the CPU default: every seat's whole length, and the null
+    assert val("taxirank:num_kv_blocks") == 32 and val("taxirank:kv_cache_usage_perc") == 0
     # memory, as the arrays hold it: the tiny model's parameters and the cache's blocks
     assert val("taxirank:weight_bytes") == 4 * sum(p.size for p in jax.tree.leaves(nnx.state(llm.engine.loaded.model,
                                                                                               nnx.Param)))
-    assert val("taxirank:kv_cache_bytes") == 2 * 2 * 64 * 16 * 2 * 16 * 4  # K,V x layers x blocks x bs x heads x D x f32
+    assert val("taxirank:kv_cache_bytes") == 2 * 2 * 33 * 16 * 2 * 16 * 4  # K,V x layers x blocks x bs x heads x D x f32
     assert val("taxirank:num_requests_running") == val("taxirank:num_requests_waiting") == 0
     assert 0 < val("taxirank:slot_utilization") <= 1
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
@@ -237,8 +240,9 @@ def test_per_request_histograms_sum_the_known_totals_and_the_requests_metrics():
     outputs and max_tokens the test chose; the time histograms sum what each request's own
     RequestMetrics reports (prefill = TTFT - queue, decode = generation time, inference
     both, TPOT = mean ITL, or 0 for a one-token request)."""
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=128,
-              num_kv_blocks=32, warmup=False)
+    # tiny_async_engine's shapes (compiled once in a run); the longest request, 60 + 11
+    # tokens, fits 128, and two of them fit the 16 usable blocks
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=128, warmup=False)
     rng = np.random.default_rng(1)
     lens, max_tokens = [5, 33, 12, 2, 60], [1, 7, 20, 3, 11]
     prompts = [rng.integers(3, 250, n).tolist() for n in lens]
@@ -317,7 +321,8 @@ def test_request_params_n_and_max_generation_tokens_are_observed_once_per_reques
     """vLLM's request_params_n and request_max_num_generation_tokens: one observation per
     request (not per sample), when its last sample finishes, of its n and of the longest of
     its samples, read here off the RequestOutputs themselves."""
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, num_kv_blocks=64, warmup=False)
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128,
+              warmup=False)  # test_engine's SMALL: 4 seats of 34 tokens at most take 12 of its 32 blocks
     ns = [3, 1, 6, 2]
     params = [SamplingParams(n=n, max_tokens=m, temperature=1.0, seed=i)
               for i, (n, m) in enumerate(zip(ns, [9, 4, 30, 12]))]

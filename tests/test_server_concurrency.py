@@ -25,6 +25,9 @@ PROMPTS = [[1, 5, 7, 9], [1, 42], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 
 BODIES = [dict(prompt=p, max_tokens=12 + 3 * i, ignore_eos=True, logprobs=0,
                **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 1.0, "top_p": 0.9, "seed": 1000 + i}))
           for i, p in enumerate(PROMPTS)]
+# tiny_async_engine's shapes (their programs compiled once in a run, by many files): two
+# seats, as each test below uses at most; its requests of a few tokens fit 128.
+TWO = dict(model="tiny", max_num_seqs=2, max_model_len=128, warmup=False)
 
 
 def stream_ids(server, body: dict) -> tuple[list[int], str]:
@@ -62,9 +65,7 @@ def test_a_stopping_server_answers_503_to_new_requests():
     from server import build_app
 
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
-                                          warmup=False),
-                             log=lambda *_: None)
+        engine = AsyncEngine(EngineConfig(**TWO), log=lambda *_: None)
         await engine.start()
         app = build_app(engine, ["tiny"])
         async with TestClient(TestServer(app)) as client:
@@ -106,8 +107,7 @@ def test_tokenization_and_chat_templates_run_off_the_event_loop():
             return attr
 
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
-                                          warmup=False), log=lambda *_: None)
+        engine = AsyncEngine(EngineConfig(**TWO), log=lambda *_: None)
         engine.tokenizer = tokenizer = Recording(engine.tokenizer)
         await engine.start()
         try:
@@ -133,8 +133,7 @@ def test_after_shutdown_or_the_loop_dying_no_call_waits_forever():
     from engine import EngineDeadError
 
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
-                                          warmup=False), log=lambda *_: None)
+        engine = AsyncEngine(EngineConfig(**TWO), log=lambda *_: None)
         in_step, release = threading.Event(), threading.Event()
 
         def dying_step():
@@ -157,8 +156,7 @@ def test_after_shutdown_or_the_loop_dying_no_call_waits_forever():
         with pytest.raises(RuntimeError, match="loop died"):
             engine.add_request(EngineRequest("b", [1], SamplingParams()))
 
-        stopped = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, warmup=False),
-                              log=lambda *_: None)
+        stopped = AsyncEngine(EngineConfig(**TWO), log=lambda *_: None)
         await stopped.start()
         await stopped.shutdown()
         with pytest.raises(RuntimeError, match="shutting down"):
@@ -223,8 +221,7 @@ def test_work_queued_while_the_loop_decides_to_stop_is_still_ended():
     import threading
 
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
-                                          warmup=False), log=lambda *_: None)
+        engine = AsyncEngine(EngineConfig(**TWO), log=lambda *_: None)
         drain, armed, drained, go = engine._drain_inbox, threading.Event(), threading.Event(), threading.Event()
 
         def paused_drain() -> None:  # holds the loop between its drain and its stop check
@@ -262,8 +259,7 @@ def test_a_streams_late_cleanup_leaves_a_new_request_under_its_id_alone(end):
     import threading
 
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
-                                          warmup=False), log=lambda *_: None)
+        engine = AsyncEngine(EngineConfig(**TWO), log=lambda *_: None)
         drain, hold = engine._drain_inbox, threading.Event()
         hold.set()
 
@@ -309,8 +305,7 @@ def test_a_request_whose_inputs_fail_ends_its_own_stream_with_an_error_and_nothi
     "error"; AsyncEngine raises it on that request's stream (the server's 500), and the
     other streams, the loop and later requests go on."""
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
-                                          warmup=False), log=lambda *_: None)
+        engine = AsyncEngine(EngineConfig(**TWO), log=lambda *_: None)
         real = engine.engine.runner.execute
 
         def execute(out):  # a fault in one request's inputs, before the device runs
@@ -345,8 +340,7 @@ def test_a_request_is_checked_once_on_its_callers_thread_never_on_the_engine_loo
     import threading
 
     async def main() -> None:
-        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64,
-                                          warmup=False), log=lambda *_: None)
+        engine = AsyncEngine(EngineConfig(**TWO), log=lambda *_: None)
         validate, threads = engine.engine.validate, []
 
         def recording(request: EngineRequest) -> EngineRequest:
