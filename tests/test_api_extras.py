@@ -315,8 +315,9 @@ def test_echoed_prompt_logprobs_are_transformers_log_softmax(hf_checkpoint) -> N
     path = hf_checkpoint("llama2")
     prompt = [1, 17, 42, 99, 7, 250, 3, 64]
     loop = asyncio.new_event_loop()
-    engine = AsyncEngine(EngineConfig(model=path, max_num_seqs=2, max_model_len=64, warmup=False),
-                         log=lambda *_: None)
+    # test_logprobs_mode's shapes on this checkpoint (its programs are cached)
+    engine = AsyncEngine(EngineConfig(model=path, max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128,
+                                      num_kv_blocks=64, warmup=False), log=lambda *_: None)
     loop.run_until_complete(engine.start())
     try:
         async def go() -> dict:

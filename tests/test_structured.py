@@ -24,7 +24,7 @@ from sampling_params import StructuredOutputsParams as SO
 @pytest.fixture(scope="module")
 def tiny() -> LLM:
     fresh_step_programs()  # nothing compiles after this engine's own warm-up
-    return LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    return LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
 
 
 ALPHABET = "ab01"
@@ -162,8 +162,9 @@ def test_nothing_compiles_after_warm_up_with_constraints(tiny):
     params = [SamplingParams(max_tokens=10, temperature=t, seed=i, logprobs=1 if i == 2 else None,
                              structured_outputs=SO(regex="[01]{2,8}") if i % 2 else None)
               for i, t in enumerate([0.0, 1.0, 1.0, 0.0, 1.0])]
+    # the first step is 3 + 20 + 5 + 64 tokens (80 less its cached first block): the largest bucket, 128
     with count_compilations() as compiled:
-        tiny.generate([[1] * n for n in (3, 20, 5, 40, 2)], params)
+        tiny.generate([[1] * n for n in (3, 20, 5, 80, 2)], params)
     assert compiled == []
 
 
@@ -200,7 +201,7 @@ def test_async_scheduling_gives_constrained_and_free_rows_the_tokens_of_the_sync
     Every row still advances one token a step and draws what the synchronous loop draws."""
     import runner as runner_module
 
-    sync = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64,
+    sync = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128,
                async_scheduling=False, warmup=False)
     params = [SamplingParams(max_tokens=20, temperature=1.0, seed=i, ignore_eos=i == 0,
                              structured_outputs=SO(regex="[ab]{4,12}(x|y)") if i % 2 else None) for i in range(4)]
@@ -332,7 +333,7 @@ def test_a_constraint_is_compiled_once_off_the_loops_however_many_others_fill_th
         assert len(mine) == 1 and mine[0] not in (threading.main_thread().name, "taxirank-engine"), compiled
 
     compiled.clear()  # offline: validated (compiled) before any is added, then added
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128)
     specs = [SO(regex=r) for r in ("a{2}", "b{2}", "0{2}")]
     outs = [o.outputs[0] for o in llm.generate(["x"] * 3, [SamplingParams(max_tokens=4, structured_outputs=s)
                                                            for s in specs])]
