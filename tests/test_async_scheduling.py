@@ -154,8 +154,9 @@ def test_async_scheduling_is_the_default_of_the_engine_and_of_the_server_flags()
 def test_by_default_a_queued_request_takes_a_freed_seat_one_step_later():
     """No async_scheduling argument: what LLM() does by default is what async scheduling
     does (the synchronous loop would seat it one step earlier)."""
-    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=128, warmup=False,
-              record_trace=True)  # tiny_async_engine's shapes: two seats; prompts of < 60 tokens fit 128 whole
+    # tiny_async_engine's shapes: two seats; prompts of < 60 tokens fit 128, and the default
+    # 512-token budget takes them whole
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=128, warmup=False, record_trace=True)
     llm.generate(mix_prompts(3), [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 10, 4)])
     trace = llm.engine.trace
     left = next(t for t in trace if "offline-0" in t.released)

@@ -205,6 +205,7 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
     assert val("taxirank:request_success_total", finished_reason="length") == n
     assert llm.engine.num_kv_blocks == 4 * 128 // 16 + 1  # the CPU default: every seat's whole length, and the null
     assert val("taxirank:num_kv_blocks") == 32 and val("taxirank:kv_cache_usage_perc") == 0
+    assert llm.stats.num_preemptions == 0
     # memory, as the arrays hold it: the tiny model's parameters and the cache's blocks
     assert val("taxirank:weight_bytes") == 4 * sum(p.size for p in jax.tree.leaves(nnx.state(llm.engine.loaded.model,
                                                                                               nnx.Param)))

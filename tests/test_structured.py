@@ -162,9 +162,11 @@ def test_nothing_compiles_after_warm_up_with_constraints(tiny):
     params = [SamplingParams(max_tokens=10, temperature=t, seed=i, logprobs=1 if i == 2 else None,
                              structured_outputs=SO(regex="[01]{2,8}") if i % 2 else None)
               for i, t in enumerate([0.0, 1.0, 1.0, 0.0, 1.0])]
-    # the first step is 3 + 20 + 5 + 64 tokens (80 less its cached first block): the largest bucket, 128
+    # The first step is 3 + 20 + 5 + 64 tokens (80 less its cached first block): the largest
+    # bucket, 128. The fifth prompt joins whole beside at most 3 decodes: 40 to 43 tokens, 64.
+    # Then decodes of 4, 2 and 1 rows.
     with count_compilations() as compiled:
-        tiny.generate([[1] * n for n in (3, 20, 5, 80, 2)], params)
+        tiny.generate([[1] * n for n in (3, 20, 5, 80)] + [[2] * 40], params)
     assert compiled == []
 
 
