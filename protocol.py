@@ -456,7 +456,6 @@ def rendered_tools(body: dict, as_given: bool = False) -> list[dict] | None:
     tools = field(body, "tools", (list,))
     if tools is None:
         return None
-    dumps = []
     for i, t in enumerate(tools):  # (a left-out type is "function", vLLM's default)
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -469,14 +468,19 @@ def rendered_tools(body: dict, as_given: bool = False) -> list[dict] | None:
             if not isinstance(where.get(key, False), (bool, type(None))):
                 raise ApiError(f"tools[{i}]{'.function' if where is fn else ''}.{key} must be a boolean",
                                param="tools")
-        function = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
-        defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else t.get("defer_loading")
-        function |= {k: v for k, v in (("strict", fn.get("strict")), ("defer_loading", defer)) if v is not None}
-        dumps.append({"type": "function", "function": function}
-                     | ({} if t.get("defer_loading") is None else {"defer_loading": t["defer_loading"]}))
     if as_given:
         return [t if "type" in t else {"type": "function", **t} for t in tools]
-    return dumps
+    return [_tool_dump(t) for t in tools]
+
+
+def _tool_dump(tool: dict) -> dict:
+    """One checked tool as vLLM's ChatCompletionToolsParam.model_dump() writes it."""
+    fn = tool["function"]
+    function = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+    defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else tool.get("defer_loading")
+    function |= {k: v for k, v in (("strict", fn.get("strict")), ("defer_loading", defer)) if v is not None}
+    return {"type": "function", "function": function} | (
+        {} if tool.get("defer_loading") is None else {"defer_loading": tool["defer_loading"]})
 
 
 def function_schemas(tools: list[dict]) -> list[tuple[str, dict]]:
