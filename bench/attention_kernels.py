@@ -137,10 +137,6 @@ def per_call(attn: Callable[..., jax.Array], reps: int, q: jax.Array, tables: ja
 DEFAULT_CONFIG = (4, 2, 64)  # the decode kernel's tuning knobs: Triton warps, pipeline stages, keys per inner step
 
 
-def config_kwargs(warps: int, stages: int, keys: int) -> dict[str, int]:
-    return dict(num_warps=warps, num_stages=stages, pages_per_iter=max(1, keys // BS))
-
-
 def bench_copy(res: Results, gib: float, peak: float) -> float:
     """Copy (x -> x + 1, bytes read + written) and read-only (a sum) bandwidth measured here:
     the ceilings the attention kernel is judged against besides the datasheet. Returns the
@@ -204,9 +200,9 @@ def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: fl
                 if name != "pallas":
                     row[name] = measure(kp.paged_decode_attention_ref)
                     continue
-                tried = [dict(config="w{}/s{}/k{}".format(*c), **measure(functools.partial(
-                    kp.paged_decode_attention, interpret=interpret, **config_kwargs(*c))))
-                    for c in (sweep if sweep and judged else [DEFAULT_CONFIG])]
+                tried = [dict(config=f"w{w}/s{st}/k{k}", **measure(functools.partial(
+                    kp.paged_decode_attention, interpret=interpret, num_warps=w, num_stages=st,
+                    pages_per_iter=max(1, k // BS)))) for w, st, k in (sweep if sweep and judged else [DEFAULT_CONFIG])]
                 ok = [t for t in tried if "us" in t]
                 row[name] = min(ok, key=lambda t: t["us"]) if ok else tried[0]
                 if len(tried) > 1:

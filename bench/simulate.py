@@ -67,11 +67,9 @@ class SimRequest:
 def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16, long: int = 512,
               prompt_len: tuple[int, int] = (32, 256), rate: float | None = None, seed: int = 0,
               slo: dict[str, tuple[float, float]] | None = None) -> list[SimRequest]:
-    """The benches' workloads (bench/workload.py), all at t=0 or as a Poisson process;
-    slo-mix: the short/long mix, its short requests class "interactive" (priority -1), its long ones
-    "batch", each with the targets slo[class] (ttft_s, tpot_s); two-clients: a "heavy" client's `long`
-    requests (5 of 6) at t=0, a "light" one's `short` ones (16-32 token prompts) one every
-    1/rate s (default 10/s)."""
+    """The benches' workloads (bench/workload.py), all at t=0 or as a Poisson process; slo-mix's short
+    requests are class "interactive" (priority -1), its long ones "batch", each with the targets slo[class];
+    two-clients: a "heavy" client's 5 of 6 requests at t=0, a "light" one's one every 1/rate s (default 10/s)."""
     if kind == "two-clients":
         n_light, rng = num_requests // 6, random.Random(seed)
         heavy = [SimRequest(0.0, token_ids(rng, vocab_size, rng.randint(*prompt_len)), long, cls="heavy", user="heavy")
@@ -226,9 +224,8 @@ class SimResult:
 
 def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest], cost_model: CostModel,
              record_trace: bool = False, num_swap_blocks: int = 0) -> SimResult:
-    """Replay `workload` through the real Scheduler with simulated time. `config` must be
-    resolved (config.resolved(max_model_len)); num_swap_blocks: the host pool under
-    --preemption-mode swap, each step's copies costed by cost_model.swap."""
+    """Replay `workload` through the real Scheduler with simulated time; `config` resolved (EngineConfig.resolved),
+    num_swap_blocks: the host pool under --preemption-mode swap, its copies costed by cost_model.swap."""
     sched = Scheduler(config, num_kv_blocks, eos_token_ids=(), num_swap_blocks=num_swap_blocks)
     sched.policy.clock = lambda: t  # a policy that reads the time (slo, fair) reads the simulated one
     stats, trace, t, swapped = EngineStats(max_model_len=config.max_model_len), [], 0.0, 0
@@ -302,14 +299,10 @@ CLOCKS = ("wall", "cpu")
 def run_engine(engine, workload: list[SimRequest], tag: str,
                on_step: Callable[[tuple[str, int, int, int], dict[str, float]], None] | None = None
                ) -> dict[str, SimResult]:
-    """Run `workload` on the real engine (arrivals by wall clock; those at t=0 all go in
-    before the first step), timed by two clocks at once: "wall" and "cpu" (this process's
-    CPU time, all threads, plus the wall time it waited idle for the next arrival: on a
-    shared machine it moves only while the engine runs or waits, so it is what a quiet
-    machine's wall clock would show, up to the thread parallelism). A request arrives on the
-    cpu clock when it was added, less the wall time the step then running kept it waiting.
-    on_step(features, {clock: seconds}) sees every step that ran. Asserts every request
-    made all its tokens."""
+    """Run `workload` on the real engine (arrivals by wall clock), timed by two clocks at once: "wall" and
+    "cpu" (this process's CPU time plus its idle waits for arrivals: what a quiet machine's wall clock would
+    show; a request arrives on it when added, less the wall time the running step kept it waiting).
+    on_step(features, {clock: seconds}) sees every step that ran."""
     sched, cfg, inner = engine.scheduler, engine.config, engine.scheduler.schedule
     pending = sorted(enumerate(workload), key=lambda p: (p[1].arrival_s, p[0]))[::-1]
     feats: list[tuple[str, int, int, int] | None] = []
@@ -400,10 +393,8 @@ def calibrate(engine, s: "Sizes") -> dict[str, CostModel]:
 
 
 def measure_swap(engine, reps: int = 9) -> dict[str, Any]:
-    """This machine's host<->device copy, wall clock: the bandwidth of a 64 MiB array each way
-    (the best of reps, the first compiling and mapping the pages), and the runner's swap of one
-    block out and back (the engine idle: it holds nothing), whose time beyond the bytes is the
-    fixed cost of a step's copies."""
+    """This machine's host<->device copy bandwidth (a 64 MiB array each way), and the fixed cost of a
+    step's copies: the runner's swap of one block out and back (the engine idle), beyond its bytes."""
     import jax
     import numpy as np
 
@@ -437,22 +428,17 @@ def kv_blocks(s: Sizes, kv_seqs: float) -> int:
 
 
 def build_sized(s: Sizes, log: Callable[[str], None] = lambda s: None):
-    """The engine the validation and calibration run: KV arrays for the ample budget and a host
-    swap pool (a tight case's scheduler is handed fewer blocks: the runner reads only the blocks
-    it is given, a step's cost follows the context, not the array). Without chunked prefill, as
-    the simulator's runs default to and docs/SIMULATION.md's figures were measured (the engine's
-    own default chunks prompts at 512 tokens a step: other steps, other preemptions)."""
+    """The engine of the validation and calibration: KV arrays for the ample budget (a tight case's scheduler
+    gets fewer blocks; a step's cost follows the context, not the array) and a host swap pool; without
+    chunked prefill, as the simulator's runs default to and docs/SIMULATION.md's figures were measured."""
     return build_engine(s.model, dict(max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len, block_size=16,
                                       dtype="float32", num_kv_blocks=kv_blocks(s, s.max_num_seqs),
                                       enable_chunked_prefill=False, preemption_mode="swap", swap_space=0.25), log)
 
 
 def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The real engine and the simulator on the same workloads: the short/long mix under continuous
-    and static, a tight KV budget that preempts by recompute and by swap, and the two-clients
-    workload under fair. The cost model is fitted to a separate calibration run first. Each case
-    is measured by both clocks in the one run; "wall" is the headline, "cpu" sits beside it.
-    validation.json is rewritten after every case."""
+    """The real engine and the simulator on the same workloads (`cases`), the cost model fitted to a
+    calibration run first; each case measured by both clocks, "wall" the headline, "cpu" beside it."""
     mix, clients = (synthetic(k, s.num_requests, s.vocab_size, short=s.short, long=s.long, prompt_len=s.prompt_len)
                     for k in ("short-long", "two-clients"))
     full, tight = kv_blocks(s, s.max_num_seqs), kv_blocks(s, s.tight_kv_seqs)
@@ -509,9 +495,8 @@ REPORT_KV = (("tight", 0.25), ("half", 0.5), ("ample", 1.0))  # KV budget: this 
 
 def report(cost_models: dict[str, CostModel], out_dir: str, seqs: tuple[int, ...] = REPORT_SEQS,
            log: Callable[[str], None] = print, max_model_len: int = 1024) -> None:
-    """continuous/static tokens/s and short-request p99 for each max_num_seqs, KV budget and
-    cost model, on the short/long mix scaled to the slots: 2 x max_num_seqs requests (at least
-    100), all at t=0, without chunked prefill (docs/SIMULATION.md's setup)."""
+    """continuous/static tokens/s and short-request p99 per max_num_seqs, KV budget and cost model, on the
+    short/long mix scaled to the slots, all at t=0, without chunked prefill (docs/SIMULATION.md's setup)."""
     rows, per_seq = [], math.ceil(max_model_len / 16)
     for (cm_name, cm), n, (kv_name, frac) in itertools.product(cost_models.items(), seqs, REPORT_KV):
         r = {"cost_model": cm_name, "max_num_seqs": n, "kv": kv_name, "num_kv_blocks": max(int(frac * n), 1) * per_seq + 1}
@@ -587,7 +572,6 @@ def main(argv: list[str] | None = None) -> int:
     sizes = TINY if args.tiny else FULL
     out_dir = args.out or results_dir(time.strftime("simulate-%Y%m%d-%H%M%S"))
     if args.validate:
-        os.makedirs(out_dir, exist_ok=True)
         ok = all(c["within_15pct"] for c in validate(sizes, out_dir)["cases"])
         print(f"validation: {'every case within 15%' if ok else 'MISSED 15% on some case'}; {out_dir}/validation.json")
         return 0
@@ -629,7 +613,6 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.num_kv_blocks or cfg.max_num_seqs * cfg.max_blocks_per_seq + 1
     if (blocks - 1) * cfg.block_size < longest:
         p.error(f"--num-kv-blocks {blocks} (one the null block) cannot hold the longest request ({longest} tokens)")
-    os.makedirs(out_dir, exist_ok=True)
     t0 = time.process_time()
     res = simulate(cfg, blocks, work, cm, num_swap_blocks=args.num_swap_blocks)
     summary = res.summary()

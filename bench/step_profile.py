@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -111,10 +112,11 @@ def stub_device(runner) -> None:  # the jitted programs replaced by instant stan
     runner._decode = runner._ragged = lambda state, kv_caches, *a: (kv_caches, (np.zeros(1, np.float32),) * 2)
     runner._sample = lambda last_tokens, logits, sample_slot, sampling: (last_tokens, res(sample_slot.shape[0]))
 
-def fill(eng, n: int, prompt_len: int = 64, start: int = 0, **params) -> None:  # n requests decoding, unfinished
-    from sampling_params import SamplingParams
+def fill(eng, n: int, prompt_len: int = 64, start: int = 0, prompt=None, **params) -> None:  # n requests decoding
+    from engine import SamplingParams  # (a baseline checkout's, in its child: both layouts' engine.py export it)
     for i in range(n):
-        eng.add_request(f"fill-{start + i}", [5 + (i + j) % 200 for j in range(prompt_len)], SamplingParams(
+        ids = prompt(i) if prompt else [5 + (i + j) % 200 for j in range(prompt_len)]
+        eng.add_request(f"fill-{start + i}", ids, SamplingParams(
             **{"max_tokens": eng.config.max_model_len - prompt_len, "ignore_eos": True, **params}))
     while eng.scheduler.num_waiting or any(not s.is_decode for s in eng.scheduler.running):
         eng.step()
@@ -346,7 +348,7 @@ STOPS = ("</answer>", "\n\nUser:")  # typical stop strings, never completed here
 def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `root`: host and server CPU ms/step
     sys.path.insert(0, root)
     import asyncio
-    from engine import EngineRequest, SamplingParams  # (both layouts' engine.py export them)
+    from engine import EngineRequest  # (both layouts' engine.py export it)
     Generation = _at_root(root, "generation.Generation", "server.Generation")
     words = "The quick brown fox jumps over the lazy dog, and then it runs away into the forest. " * 4
     out = {}
@@ -354,33 +356,23 @@ def _stops_child(root: str, n: int = 256, k: int = 16) -> dict:  # the code at `
         eng = make_engine("smollm2", n, max_model_len=256, max_num_batched_tokens=2048, num_kv_blocks=n * 5 + 1)
         stub_device(eng.runner)  # its token: the row's last input token, a word of the prompt
         prompt = eng.tokenizer.encode(words, add_special_tokens=False)[:16]
-        for i in range(n):
-            eng.add_request(f"r{i}", prompt[i % 8:] + prompt[:i % 8], SamplingParams(max_tokens=200, ignore_eos=True,
-                                                                                     stop=stop))
-        while eng.scheduler.num_waiting or any(not s.is_decode for s in eng.scheduler.running):
-            eng.step()
+        fill(eng, n, prompt=lambda i: prompt[i % 8:] + prompt[:i % 8], max_tokens=200, stop=stop)
         host = 1e3 * min(timed(lambda: steps(eng, k))[1] for _ in range(3)) / k
         per_request: dict[str, list] = {}
         for _ in range(k):
             for d in eng.step():
                 per_request.setdefault(d.request_id, []).append(d)
 
-        class Engine:  # what a Generation reads of an AsyncEngine: these deltas as its stream
-            tokenizer, model_config = eng.tokenizer, eng.model_config
+        async def stream(rid: str):
+            for d in per_request[rid]:
+                yield d
 
-            @staticmethod
-            def add_request(request):
-                async def stream():
-                    for d in per_request[request.request_id]:
-                        yield d
-                return stream()
-
-            @staticmethod
-            def abort(rid):
-                pass
+        engine = types.SimpleNamespace(  # what a Generation reads of an AsyncEngine: these deltas as its stream
+            tokenizer=eng.tokenizer, model_config=eng.model_config, abort=lambda rid: None,
+            add_request=lambda request: stream(request.request_id))
 
         async def serve() -> float:
-            gens = [Generation(Engine, EngineRequest(s.request_id, s.prompt_token_ids, s.params))
+            gens = [Generation(engine, EngineRequest(s.request_id, s.prompt_token_ids, s.params))
                     for s in eng.scheduler.running]
             c0 = time.process_time()
             for g in gens:

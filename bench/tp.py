@@ -42,22 +42,13 @@ if __name__ == "__main__":
 
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
 
 import checkpoint  # noqa: E402
 from llm import LLM, SamplingParams  # noqa: E402
 from model_loader import BUILTIN_MODELS, hf_state_dict, load_model  # noqa: E402
 from offline import hf_config  # noqa: E402
 from parallel import bytes_per_device  # noqa: E402
-
-
-def write_safetensors(name: str, path: str) -> None:
-    """The built-in model `name` as an HF Llama checkpoint directory."""
-    from safetensors.numpy import save_file
-
-    loaded = load_model(name)
-    os.makedirs(path, exist_ok=True)
-    save_file(hf_state_dict(loaded.model), os.path.join(path, "model.safetensors"))
-    write_json(os.path.join(path, "config.json"), hf_config(BUILTIN_MODELS[name]))
 
 
 def timed_load(fn) -> float:
@@ -87,7 +78,8 @@ def main() -> None:
         del llm
     with tempfile.TemporaryDirectory() as d:
         st, ob = os.path.join(d, "safetensors"), os.path.join(d, "orbax")
-        write_safetensors(args.model, st)
+        write_json(os.path.join(st, "config.json"), hf_config(BUILTIN_MODELS[args.model]))  # (makes the folder)
+        save_file(hf_state_dict(load_model(args.model).model), os.path.join(st, "model.safetensors"))
         checkpoint.main(["convert", st, ob])
         loads = [(timed_load(lambda: load_model(st)), timed_load(lambda: checkpoint.load(ob))) for _ in range(2)]
         a, b = (min(x) for x in zip(*loads))  # alternating, the best of 2 of each
