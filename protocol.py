@@ -213,13 +213,14 @@ def prompt_batch(body: dict) -> list[str | list]:
     return batch
 
 
-def parse_prompts(body: dict, tokenizer: Any, vocab_size: int) -> list[list[int]]:
-    """The completions prompts (prompt_batch) as token ids; a string's with the tokenizer's
-    special tokens unless add_special_tokens is false (vLLM's CompletionRequest, default true)."""
+def parse_prompts(body: dict, tokenizer: Any, vocab_size: int) -> tuple[list[list[int]], list[str | list]]:
+    """The completions prompts as token ids, a string's with the tokenizer's special tokens
+    unless add_special_tokens is false (vLLM's CompletionRequest, default true); and the
+    prompts as sent (prompt_batch), which echo returns."""
     batch = prompt_batch(body)
     special = field(body, "add_special_tokens", (bool,), True)
     return [_prompt_ids(p, tokenizer, vocab_size, "'prompt'" if len(batch) == 1 else f"prompt {i}", special)
-            for i, p in enumerate(batch)]
+            for i, p in enumerate(batch)], batch
 
 
 def _prompt_ids(prompt: str | list, tokenizer: Any, vocab_size: int, name: str, special: bool = True) -> list[int]:

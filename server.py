@@ -97,8 +97,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     engine = request.app["engine"]
     tool_choice(body, chat=False, auto=False)  # refuses tools here
-    prompts = await off_loop(request, parse_prompts, body, engine.tokenizer, engine.model_config.vocab_size)
-    return await respond(request, body, prompts, chat=False)
+    prompts, sent = await off_loop(request, parse_prompts, body, engine.tokenizer, engine.model_config.vocab_size)
+    return await respond(request, body, prompts, chat=False, sent=sent)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
