@@ -351,6 +351,8 @@ class DraftModelProposer:
             valid = 0
             if track is not None:
                 valid = track.valid
+                # The drafts' K/V holds up to the first token the sequence did not accept. That
+                # is not always its last: a step that gave the row no draft room decodes after it.
                 for t, want in zip(track.speculated, ids[valid:]):
                     if t != want:
                         break

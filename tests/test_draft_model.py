@@ -139,7 +139,9 @@ def test_greedy_proposals_match_transformers_across_rejections(drafter, draft_di
     intruder = Sequence("intruder", rng.integers(3, 300, 60).tolist(), SamplingParams(temperature=0.0))
     _grow(alloc, intruder, intruder.num_tokens + K)
     dm.propose([intruder], K)
-    seqs[0].output_token_ids += d[0][:1] + [(d[0][1] + 5) % 300]
+    # r0: 1 accepted and a recovered token, then a step that gave it no draft room (a plain
+    # decode: no spare budget or block), so the token that differs from its drafts is not its last.
+    seqs[0].output_token_ids += d[0][:1] + [(d[0][1] + 5) % 300, 11]
     seqs[2].output_token_ids += d[2][:3] + [(d[2][3] + 1) % 300]
     propose_and_check()
     assert dm.stats.num_compilations == compiled, "a proposal compiled a program after warm-up"
