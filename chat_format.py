@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from jinja2 import nodes
 
-from protocol import JSON_TYPE, ApiError, field, loads_checked, rendered_tools
+from protocol import JSON_TYPE, ApiError, field, loads_checked
 
 if TYPE_CHECKING:
     from tool_parsers import ToolChoice
@@ -205,16 +205,13 @@ def merge_kwargs(defaults: dict[str, Any] | None, request: dict[str, Any]) -> di
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's and vLLM's
 
 
-def chat_tools(body: dict, choice: ToolChoice | None, exclude_tools_when_tool_choice_none: bool) -> list[dict] | None:
-    """The tools a chat request's template renders: those of its tool_choice
-    (protocol.tool_choice()); with tool_choice "none" its tools too (the model sees what
-    exists, and calls nothing), as vLLM, unless exclude_tools_when_tool_choice_none (its
-    --exclude-tools-when-tool-choice-none)."""
-    if choice is not None:
-        return choice.definitions
-    if body.get("tool_choice") == "none" and body.get("tools") and not exclude_tools_when_tool_choice_none:
-        return rendered_tools(body)
-    return None
+def chat_tools(choice: ToolChoice | None, tools: list[dict] | None,
+               exclude_tools_when_tool_choice_none: bool) -> list[dict] | None:
+    """The tools a chat request's template renders, from protocol.tool_choice() (choice, and
+    the request's tools): all of them; with tool_choice "none" (choice None) too (the model
+    sees what exists, and calls nothing), as vLLM, unless exclude_tools_when_tool_choice_none
+    (its --exclude-tools-when-tool-choice-none)."""
+    return None if choice is None and exclude_tools_when_tool_choice_none else tools
 
 
 def parse_messages(body: dict, tokenizer: Any, tools: list[dict] | None = None, chat_template: str | None = None,

@@ -182,19 +182,21 @@ class Built:
         return f"{how} in {self.seconds:.1f}s"
 
 
-def built_already(programs: str) -> str:
-    """A warm-up that built nothing: an earlier engine of this process with the same
-    ProgramKey (model structure, not weights, and the settings that shape a step) did."""
-    return f"{programs} were compiled already, by an engine of this process with the same model structure and settings"
-
-
-def warmup_summary(programs: str, compiled: int, loaded: int, seconds: float) -> str:
-    """'<programs> compiled in Xs', or how many came from the persistent cache: a restart
-    traces every program again, but XLA compiles none that the cache holds."""
+def warmup_summary(programs: str, every: str, built: Built, loaded: int) -> str:
+    """A warm-up's line: '<programs> compiled in Xs', or how many of them (loaded) came from
+    the persistent cache (a restart traces every program again, but XLA compiles none that
+    the cache holds). Where `built` saw none built, '<every> were compiled already': an
+    earlier engine of this process with the same ProgramKey (model structure, not weights,
+    and the settings that shape a step) built them."""
+    compiled, seconds = built.traced, built.seconds
+    if not compiled:
+        return f"warm-up: {every} were compiled already, by an engine of this process with the same model structure " \
+               "and settings"
     if not loaded:
-        return f"{programs} compiled in {seconds:.1f}s"
+        return f"warm-up: {programs} compiled in {seconds:.1f}s"
     hits = min(loaded, compiled)
-    return f"{programs} in {seconds:.1f}s: {hits} loaded from the compilation cache, {compiled - hits} compiled"
+    return f"warm-up: {programs} in {seconds:.1f}s: {hits} loaded from the compilation cache, " \
+           f"{compiled - hits} compiled"
 
 
 def clear_program_caches() -> None:

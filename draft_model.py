@@ -57,7 +57,7 @@ from flax import nnx
 
 import checkpoint
 from attention_backend import AttentionBackend, AttentionShape, select_attention_backend
-from compilation import Built, CountedProgram, built_already, count_compile, shared_programs, warmup_summary
+from compilation import Built, CountedProgram, count_compile, shared_programs, warmup_summary
 from config import EngineConfig
 from hf_config import read_json
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
@@ -351,6 +351,8 @@ class DraftModelProposer:
             valid = 0
             if track is not None:
                 valid = track.valid
+                # The drafts' K/V holds up to the first token the sequence did not accept. That
+                # is not always its last: a step that gave the row no draft room decodes after it.
                 for t, want in zip(track.speculated, ids[valid:]):
                     if t != want:
                         break
@@ -446,11 +448,8 @@ class DraftModelProposer:
         """Compile the draft's programs: catch-up per token bucket, draft per decode bucket."""
         with Built(self.stats) as built:
             self._warmup()
-        if not built.traced:
-            log("warm-up: " + built_already("the draft model's programs"))
-            return
-        what = f"the draft model's {built.traced} programs"
-        log(f"warm-up: {warmup_summary(what, built.traced, built.loaded, built.seconds)}")
+        log(warmup_summary(f"the draft model's {built.traced} programs", "the draft model's programs", built,
+                           built.loaded))
 
     def _warmup(self) -> None:
         cfg = self.config

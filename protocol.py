@@ -213,13 +213,14 @@ def prompt_batch(body: dict) -> list[str | list]:
     return batch
 
 
-def parse_prompts(body: dict, tokenizer: Any, vocab_size: int) -> list[list[int]]:
-    """The completions prompts (prompt_batch) as token ids; a string's with the tokenizer's
-    special tokens unless add_special_tokens is false (vLLM's CompletionRequest, default true)."""
+def parse_prompts(body: dict, tokenizer: Any, vocab_size: int) -> tuple[list[list[int]], list[str | list]]:
+    """The completions prompts as token ids, a string's with the tokenizer's special tokens
+    unless add_special_tokens is false (vLLM's CompletionRequest, default true); and the
+    prompts as sent (prompt_batch), which echo returns."""
     batch = prompt_batch(body)
     special = field(body, "add_special_tokens", (bool,), True)
     return [_prompt_ids(p, tokenizer, vocab_size, "'prompt'" if len(batch) == 1 else f"prompt {i}", special)
-            for i, p in enumerate(batch)]
+            for i, p in enumerate(batch)], batch
 
 
 def _prompt_ids(prompt: str | list, tokenizer: Any, vocab_size: int, name: str, special: bool = True) -> list[int]:
@@ -407,9 +408,10 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
-def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
+def tool_choice(body: dict, chat: bool, auto: bool) -> tuple[ToolChoice | None, list[dict] | None]:
     """What a request's tools and tool_choice ask, or None for no tool call (no tools, or
-    tool_choice "none", whose tools are checked all the same). auto: the server parses calls out of free text (its
+    tool_choice "none"); and its tools, checked whatever the choice, as rendered_tools gives
+    them (None: none). auto: the server parses calls out of free text (its
     --enable-auto-tool-choice with a --tool-call-parser); without, "auto" (the default
     with tools) is vLLM's 400."""
     tools = field(body, "tools", (list,), [])
@@ -421,19 +423,19 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
                        "entirely.", param="tools")
     if not tools:
         if choice is None or choice == "none":
-            return None
+            return None, None
         raise ApiError("'tool_choice' needs 'tools'", param="tool_choice")
     if (choice is None or choice == "auto") and not auto:
         raise ApiError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                        param="tool_choice")
     tools = rendered_tools(body)
+    if choice == "none":  # no call; the tools (checked above) may still reach the template
+        return None, tools
     # a name defined twice is vLLM's too: a named choice takes its last definition (vLLM's
     # name -> function dict), "required" admits a call of any (required_tools_schema)
     by_name = dict(function_schemas(tools))
-    if choice == "none":  # no call; the tools (checked above) may still reach the template
-        return None
     if choice is None or choice in ("auto", "required"):
-        return ToolChoice(choice or "auto", by_name, tools)
+        return ToolChoice(choice or "auto", by_name, tools), tools
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
         choice.get("type", "function") == "function" and isinstance(choice.get("function"), dict) else None
     if not isinstance(name, str):
@@ -441,7 +443,7 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> ToolChoice | None:
                        "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
     if name not in by_name:
         raise ApiError(f"tool_choice names function {name[:80]!r}, which is not in 'tools'", param="tool_choice")
-    return ToolChoice("named", {name: by_name[name]}, tools)
+    return ToolChoice("named", {name: by_name[name]}, tools), tools
 
 
 def rendered_tools(body: dict, as_given: bool = False) -> list[dict] | None:

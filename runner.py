@@ -51,8 +51,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attention_backend import AttentionShape, select_attention_backend
-from compilation import (SAMPLE_CHUNK, Built, CountedProgram, ProgramKey, built_already, spec_branches,
-                         step_programs, warmup_summary)
+from compilation import (SAMPLE_CHUNK, Built, CountedProgram, ProgramKey, spec_branches, step_programs,
+                         warmup_summary)
 from config import EngineConfig, host_memory_bytes
 from distributed import DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED, STOP, StepChannel
 from kvcache import create_kv_caches
@@ -716,13 +716,9 @@ class ModelRunner:
         with Built(self.stats) as built:
             total, loaded = self._warmup(log)
         compiled = built.traced
-        if not compiled:
-            log(f"warm-up: {built_already(f'all {total} programs')}")
-            return
         # by this engine (the activation probe's step) or by another with its ProgramKey
-        ready = f" ({total - compiled} were compiled already)" if compiled < total else ""
-        summary = warmup_summary(f"{compiled} programs", compiled, loaded, built.seconds)
-        log(f"warm-up: {summary}{ready}")
+        ready = f" ({total - compiled} were compiled already)" if 0 < compiled < total else ""
+        log(warmup_summary(f"{compiled} programs", f"all {total} programs", built, loaded) + ready)
 
     def _warmup(self, log: Callable[[str], None]) -> tuple[int, int]:
         """Compile warmup's programs, one line each saying how it was got (compiled, or read

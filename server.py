@@ -97,15 +97,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     engine = request.app["engine"]
     tool_choice(body, chat=False, auto=False)  # refuses tools here
-    prompts = await off_loop(request, parse_prompts, body, engine.tokenizer, engine.model_config.vocab_size)
-    return await respond(request, body, prompts, chat=False)
+    prompts, sent = await off_loop(request, parse_prompts, body, engine.tokenizer, engine.model_config.vocab_size)
+    return await respond(request, body, prompts, chat=False, sent=sent)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     app = request.app
-    tools = tool_choice(body, chat=True, auto=app["tool_parser"] is not None)
-    rendered = chat_format.chat_tools(body, tools, app["exclude_tools_when_tool_choice_none"])
+    tools, definitions = tool_choice(body, chat=True, auto=app["tool_parser"] is not None)
+    rendered = chat_format.chat_tools(tools, definitions, app["exclude_tools_when_tool_choice_none"])
     prompt_ids = await off_loop(request, chat_format.parse_messages, body, app["engine"].tokenizer, rendered,
                                 app["chat_template"], app["trust_request_chat_template"],
                                 app["chat_template_content_format"], app["default_chat_template_kwargs"])

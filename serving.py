@@ -24,7 +24,7 @@ from aiohttp import web
 from chat_format import text_part, thinking_enabled
 from generation import BeamGeneration, BeamSearchRun, Chunk, Generation
 from protocol import (INT64, MAX_SAMPLES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
-                      parse_beam_search, parse_sampling, parse_slo, prompt_batch, prompt_logprobs_json, request_field,
+                      parse_beam_search, parse_sampling, parse_slo, prompt_logprobs_json, request_field,
                       structured_field, truncate_prompt, unknown_fields)
 from sampling_params import SamplingParams
 from tool_parsers import ToolCallStream, ToolChoice
@@ -42,11 +42,12 @@ log = logging.getLogger("taxirank.server")
 
 
 async def respond(request: web.Request, body: dict, prompts: list[list[int]], chat: bool,
-                  tools: ToolChoice | None = None) -> web.StreamResponse:
+                  tools: ToolChoice | None = None, sent: list[str | list] | None = None) -> web.StreamResponse:
     """Run one completion (chat or not) and answer it whole or as an SSE stream. prompts: a
     chat request's one, or a completions request's batch (vLLM's: the n samples of prompt k
     are choices k * n to k * n + n - 1); tools: a chat request's tool_choice() (its calls
-    come out as tool_calls).
+    come out as tool_calls); sent: a completions request's prompts as the body has them
+    (protocol.parse_prompts), which echo returns.
 
     The body is read and checked first, every field before the first engine request starts
     (a 400 leaves nothing running); then each prompt's n samples' engine requests start
@@ -71,9 +72,8 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
     if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
         raise ApiError(f"'priority' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="priority")
-    sent = [None] if chat else prompt_batch(body)
     forms = [ChoiceFormat.read(app, body, chat, tools, p, ids, raw, prompt_only, text)
-             for p, ids, raw, text in zip(params, prompts, untruncated, sent)]
+             for p, ids, raw, text in zip(params, prompts, untruncated, sent or [None])]
     if ignored := unknown_fields(body, chat):  # as vLLM: warned about, and ignored
         log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored)[:500])
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.

@@ -333,6 +333,21 @@ def count_compilations() -> Iterator[list[str]]:
         monitoring.unregister_event_duration_listener(on_duration)
 
 
+@contextmanager
+def pinned_decode_buckets(pin: Callable[[Any], tuple[int, ...] | None]) -> Iterator[None]:
+    """While up, an EngineConfig whose decode buckets are first read gets pin(config)'s (None:
+    its own), and keeps them (a cached property): fewer decode programs for tests whose tokens
+    and counters are the same at any padding."""
+    import config
+
+    own = config.EngineConfig.__dict__["decode_buckets"]
+    pinned = functools.cached_property(lambda cfg: pin(cfg) or own.func(cfg))
+    pinned.__set_name__(config.EngineConfig, "decode_buckets")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(config.EngineConfig, "decode_buckets", pinned)
+        yield
+
+
 def fresh_step_programs() -> None:
     """Engines built after this compile programs of their own, as in a new process (engines
     in one process share their programs by key): for a test that counts what one engine

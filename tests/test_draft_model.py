@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import fresh_step_programs, hf_greedy, hf_logits, make_hf_checkpoint
+from conftest import fresh_step_programs, hf_greedy, hf_logits, make_hf_checkpoint, pinned_decode_buckets
 
 from config import EngineConfig
 from draft_model import check_vocabulary, parse_layers, write_layer_skip
@@ -70,11 +70,12 @@ def drafter(target_ckpt, draft_dir):
     # (1, 2, 3) made three: a proposal of one sequence runs in 2 padded rows, and the sampled
     # proposals of two in the 2-row program, whose q is padded to max_num_seqs rows and checked
     # row by row against NumPy below. (The engine tests keep every bucket.)
-    config = EngineConfig(model=target_ckpt, max_num_seqs=3, max_model_len=128, block_size=BS,
-                          max_num_batched_tokens=16, attention_backend="xla",
-                          speculative_config={"method": "draft_model", "model": draft_dir,
-                                              "num_speculative_tokens": K}).resolved(2048)
-    vars(config)["decode_buckets"] = (2, config.max_num_seqs)  # the cached property's value, set first
+    with pinned_decode_buckets(lambda cfg: (2, cfg.max_num_seqs)):
+        config = EngineConfig(model=target_ckpt, max_num_seqs=3, max_model_len=128, block_size=BS,
+                              max_num_batched_tokens=16, attention_backend="xla",
+                              speculative_config={"method": "draft_model", "model": draft_dir,
+                                                  "num_speculative_tokens": K}).resolved(2048)
+        assert config.decode_buckets == (2, 3)  # read here: the config keeps them
     fresh_step_programs()  # the tests check that nothing compiles after this warm-up
     dm = create_proposer(config, load_model(target_ckpt), EngineStats())
     assert dm.kv_bytes_per_block() == 2 * 2 * BS * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, f32
@@ -139,7 +140,9 @@ def test_greedy_proposals_match_transformers_across_rejections(drafter, draft_di
     intruder = Sequence("intruder", rng.integers(3, 300, 60).tolist(), SamplingParams(temperature=0.0))
     _grow(alloc, intruder, intruder.num_tokens + K)
     dm.propose([intruder], K)
-    seqs[0].output_token_ids += d[0][:1] + [(d[0][1] + 5) % 300]
+    # r0: 1 accepted and a recovered token, then a step that gave it no draft room (a plain
+    # decode: no spare budget or block), so the token that differs from its drafts is not its last.
+    seqs[0].output_token_ids += d[0][:1] + [(d[0][1] + 5) % 300, 11]
     seqs[2].output_token_ids += d[2][:3] + [(d[2][3] + 1) % 300]
     propose_and_check()
     assert dm.stats.num_compilations == compiled, "a proposal compiled a program after warm-up"

@@ -8,7 +8,6 @@ as MaxText and tpu-inference test; the parent builds the checkpoints and checks 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -32,9 +31,9 @@ def _worker(spec: dict) -> dict:
     """Child process: run every case in spec, report tokens and per-device bytes."""
     sys.path.insert(0, ROOT)
     import jax
+    from conftest import pinned_decode_buckets
     from flax import nnx
 
-    import config
     from llm import LLM, SamplingParams
     from parallel import bytes_per_device
 
@@ -43,43 +42,39 @@ def _worker(spec: dict) -> dict:
     # child's compiles.
     # The rows a step computes are what the buckets change, not what TP splits (heads, the
     # hidden size); the llama cases at TP 1, 2, 4 and the two-process run keep every bucket.
-    buckets = config.EngineConfig.decode_buckets
     one_bucket = [False]
-    pinned = functools.cached_property(lambda cfg: (cfg.max_num_seqs,) if one_bucket[0] else buckets.func(cfg))
-    pinned.__set_name__(config.EngineConfig, "decode_buckets")
-    config.EngineConfig.decode_buckets = pinned
-
     report = {}
-    for name, case in spec["cases"].items():
-        t0 = time.perf_counter()
-        one_bucket[0] = case.get("one_decode_bucket", False)
-        llm = LLM(case["model"], log=lambda s: None, compilation_cache_dir=spec["cache"], **{**BASE, **case["kw"]})
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-        runner = llm.engine.runner
-        params = nnx.state(llm.engine.loaded.model, nnx.Param)
-        split = [x for x in jax.tree.leaves(params) if len(x.sharding.device_set) > 1
-                 and not x.sharding.is_fully_replicated]
-        report[name] = dict(
-            tokens=[o.outputs[0].token_ids for o in outs],
-            preemptions=llm.stats.num_preemptions,
-            backend=runner.backend.name,
-            # bytes of the split weights / of the whole cache: on each device, and in all
-            weight_split_total=sum(x.nbytes for x in split),
-            weight_split_per_device=sorted(set(bytes_per_device(split).values())),
-            num_split_weights=len(split),
-            kv_total=sum(x.nbytes for x in jax.tree.leaves(runner.kv_caches)),
-            kv_per_device=sorted(set(bytes_per_device(runner.kv_caches).values())),
-            kv_devices=len(bytes_per_device(runner.kv_caches)),
-            seconds=round(time.perf_counter() - t0, 1),
-        )
-        if case.get("prompt_logprobs"):  # the prompt-logprob program on the sharded weights
-            report[name]["prompt_logprobs"] = _prompt_logprobs(llm)
-        if case.get("sampled"):  # seeded random sampling: the verifier's rejection rule reads a draft's q
-            outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7 + i,
-                                                         ignore_eos=True) for i in range(len(PROMPTS))])
-            report[name]["sampled_tokens"] = [o.outputs[0].token_ids for o in outs]
-            report[name]["spec"] = [llm.stats.spec_decode_num_draft_tokens,
-                                    llm.stats.spec_decode_num_accepted_tokens_per_pos]
+    with pinned_decode_buckets(lambda cfg: (cfg.max_num_seqs,) if one_bucket[0] else None):
+        for name, case in spec["cases"].items():
+            t0 = time.perf_counter()
+            one_bucket[0] = case.get("one_decode_bucket", False)
+            llm = LLM(case["model"], log=lambda s: None, compilation_cache_dir=spec["cache"], **{**BASE, **case["kw"]})
+            outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+            runner = llm.engine.runner
+            params = nnx.state(llm.engine.loaded.model, nnx.Param)
+            split = [x for x in jax.tree.leaves(params) if len(x.sharding.device_set) > 1
+                     and not x.sharding.is_fully_replicated]
+            report[name] = dict(
+                tokens=[o.outputs[0].token_ids for o in outs],
+                preemptions=llm.stats.num_preemptions,
+                backend=runner.backend.name,
+                # bytes of the split weights / of the whole cache: on each device, and in all
+                weight_split_total=sum(x.nbytes for x in split),
+                weight_split_per_device=sorted(set(bytes_per_device(split).values())),
+                num_split_weights=len(split),
+                kv_total=sum(x.nbytes for x in jax.tree.leaves(runner.kv_caches)),
+                kv_per_device=sorted(set(bytes_per_device(runner.kv_caches).values())),
+                kv_devices=len(bytes_per_device(runner.kv_caches)),
+                seconds=round(time.perf_counter() - t0, 1),
+            )
+            if case.get("prompt_logprobs"):  # the prompt-logprob program on the sharded weights
+                report[name]["prompt_logprobs"] = _prompt_logprobs(llm)
+            if case.get("sampled"):  # seeded random sampling: the verifier's rejection rule reads a draft's q
+                outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7 + i,
+                                                             ignore_eos=True) for i in range(len(PROMPTS))])
+                report[name]["sampled_tokens"] = [o.outputs[0].token_ids for o in outs]
+                report[name]["spec"] = [llm.stats.spec_decode_num_draft_tokens,
+                                        llm.stats.spec_decode_num_accepted_tokens_per_pos]
     if "orbax" in spec:  # restored onto a 2-device mesh, gathered: the same bits as the source
         import numpy as np
 

@@ -829,7 +829,7 @@ def test_without_a_tokenizer_text_prompts_and_chat_are_refused() -> None:
         with pytest.raises(ApiError) as e:
             call()
         assert e.value.status == 400 and "tokenizer" in str(e.value)
-    assert parse_prompts({"prompt": [1, 2, 3]}, None, 512) == [[1, 2, 3]]
+    assert parse_prompts({"prompt": [1, 2, 3]}, None, 512) == ([[1, 2, 3]], [[1, 2, 3]])
     assert IncrementalDetokenizer(None, [1], []).push([5], final=True) == ("", False)
 
 

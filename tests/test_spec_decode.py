@@ -10,7 +10,6 @@ position j (among the runs that reach j) must follow p_j, whatever was accepted 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import subprocess
 import sys
@@ -358,7 +357,7 @@ test_speculative_allocation_state_machine = SpeculativeAllocatorMachine.TestCase
 
 # ---- the engine: the same greedy tokens, fewer steps -------------------------------------
 
-from conftest import count_compilations, fresh_step_programs  # noqa: E402
+from conftest import count_compilations, fresh_step_programs, pinned_decode_buckets  # noqa: E402
 
 from llm import LLM  # noqa: E402
 
@@ -384,12 +383,7 @@ def one_decode_bucket() -> Iterator[None]:
     about a CPU-second to compile). The tokens, counters and draft budgets these tests
     check are the same at any padding; test_draft_model's and test_spec_decode_smollm2's
     speculative engines keep every bucket."""
-    import config
-
-    pinned = functools.cached_property(lambda cfg: (cfg.max_num_seqs,))
-    pinned.__set_name__(config.EngineConfig, "decode_buckets")
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(config.EngineConfig, "decode_buckets", pinned)
+    with pinned_decode_buckets(lambda cfg: (cfg.max_num_seqs,)):
         yield
 
 

@@ -226,11 +226,12 @@ def test_tool_choice_auto_needs_the_servers_parser_and_is_parsed_once():
     body = {"tools": [WEATHER]}  # tool_choice left out with tools: "auto", as vLLM
     with pytest.raises(ApiError, match='"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'):
         tool_choice(body, chat=True, auto=False)
-    tools = tool_choice(body, chat=True, auto=True)
+    tools, _ = tool_choice(body, chat=True, auto=True)
     assert tools.mode == "auto" and tools.definitions == [WEATHER_DUMP]
     params = parse_sampling(body, 3, 64, chat=True, tools=tools)
     assert params.structured_outputs is None  # auto: free text, parsed after
-    named = tool_choice(body | {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, True, False)
+    named, _ = tool_choice(body | {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, True,
+                           False)
     params = parse_sampling(body, 3, 64, chat=True, tools=named)
     assert json.loads(params.structured_outputs.json) == {"type": "object"}
     with pytest.raises(ApiError, match="only for /v1/chat/completions"):
@@ -267,7 +268,7 @@ def test_a_tool_conversation_goes_through_the_chat_template():
             seen.append((chat, kw))
             return super().apply_chat_template(chat, **kw)
 
-    ids = parse_messages({"messages": messages}, Template(), tool_choice({"tools": [WEATHER]}, True, True).definitions)
+    ids = parse_messages({"messages": messages}, Template(), tool_choice({"tools": [WEATHER]}, True, True)[1])
     assert bytes(ids[1:]).decode().endswith("<|im_start|>tool\nSunny.<|im_end|>\n<|im_start|>assistant\n")
     chat, kw = seen[0]
     # the call's arguments reach the template as an object (transformers' convention), not OpenAI's JSON string
@@ -687,10 +688,10 @@ def test_a_function_defined_twice_is_vllms_last_when_named_and_either_under_requ
             "additionalProperties": False}}}
 
     body = {"tools": [takes("a"), takes("b")]}
-    named = tool_choice(body | {"tool_choice": {"type": "function", "function": {"name": "f"}}}, True, False)
+    named, _ = tool_choice(body | {"tool_choice": {"type": "function", "function": {"name": "f"}}}, True, False)
     assert named.tools == {"f": takes("b")["function"]["parameters"]}
     required = body | {"tool_choice": "required"}
-    schema = parse_structured(required, tool_choice(required, True, False)).json
+    schema = parse_structured(required, tool_choice(required, True, False)[0]).json
     schema = json.loads(schema) if isinstance(schema, str) else schema
     for call in ({"a": 1}, {"b": 1}):
         jsonschema.validate([{"name": "f", "parameters": call}], schema)
