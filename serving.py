@@ -72,8 +72,9 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
     priority = field(body, "priority", (int,), 0)  # vLLM's extra field: lower runs first
     if not INT64[0] <= priority <= INT64[1]:  # vLLM's range
         raise ApiError(f"'priority' must be a 64-bit integer, in [{INT64[0]}, {INT64[1]}]", param="priority")
+    assert (sent is None) == chat and (chat or len(sent) == len(prompts)), "completions pass their prompts as sent"
     forms = [ChoiceFormat.read(app, body, chat, tools, p, ids, raw, prompt_only, text)
-             for p, ids, raw, text in zip(params, prompts, untruncated, sent or [None])]
+             for p, ids, raw, text in zip(params, prompts, untruncated, [None] if chat else sent)]
     if ignored := unknown_fields(body, chat):  # as vLLM: warned about, and ignored
         log.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored)[:500])
     # vLLM's two gates: the server's --enable-per-request-metrics and the body's include_metrics.
