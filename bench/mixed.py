@@ -41,8 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from client import Record, Refused, Server, complete, probe, sample_metrics, server_view  # noqa: E402
-from report import (flags_to_argv, machine_info, mixed_report, positive, positive_float, read_json,  # noqa: E402
-                    refuse, summarize, write_json)
+from report import (flags_to_argv, machine_info, mixed_report, positive, positive_float, redraw,  # noqa: E402
+                    summarize, write_json)
 from workload import Request, arrival_times, short_long_mix, vocab_size_of  # noqa: E402
 
 # The engine's modules (JAX: seconds to import) are imported where they are used, after the
@@ -334,11 +334,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.report:
-        try:
-            return read_json(os.path.join(args.report, "results.json"), lambda r: mixed_report(r, args.report) or r,
-                             "a results.json of bench/mixed.py")
-        except ValueError as e:
-            refuse(f"--report {e}")
+        return redraw("--report", os.path.join(args.report, "results.json"),
+                      lambda r: mixed_report(r, args.report) or r, "a results.json of bench/mixed.py")
     os.makedirs(args.out, exist_ok=True)
     vocab = args.vocab_size or vocab_size_of(args.model)
     requests = short_long_mix(args.num_requests, vocab, short=args.short, long=args.long,

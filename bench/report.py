@@ -13,7 +13,7 @@ import platform
 import sys
 import time
 from contextlib import suppress
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -95,10 +95,14 @@ def read_json(path: str, use: Callable[[Any], Any], what: str) -> Any:
         raise ValueError(f"{path}: not {what} ({type(e).__name__}: {e})"[:300]) from None
 
 
-def refuse(text: str) -> NoReturn:
-    """argparse's error line and exit status 2, without the usage, which would bury the line."""
-    sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {text}\n")
-    raise SystemExit(2)
+def redraw(flag: str, path: str, use: Callable[[Any], Any], what: str) -> Any:
+    """read_json for a redraw from `flag`'s file: a bad file is argparse's error line and exit
+    status 2, without the usage, which would bury the line."""
+    try:
+        return read_json(path, use, what)
+    except ValueError as e:
+        sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {flag} {e}\n")
+        raise SystemExit(2) from None
 
 
 def results_dir(name: str) -> str:
