@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +63,8 @@ class Capabilities:
 
     def body(self, req: Request, max_tokens: int | None = None) -> dict[str, Any]:
         """The request body for `req` as this server takes it (greedy)."""
-        optional = {"model": self.model or None, "stream_options": {"include_usage": True} if self.include_usage else None,
+        optional = {"model": self.model or None,
+                    "stream_options": {"include_usage": True} if self.include_usage else None,
                     "ignore_eos": True if self.ignore_eos else None, "logprobs": 0 if self.logprobs else None}
         return {"prompt": req.prompt_token_ids if self.prompts == "ids" else req.prompt_text,
                 "max_tokens": max_tokens or req.max_tokens, "temperature": 0.0, "stream": self.stream} | {
@@ -143,18 +145,14 @@ async def probe(session: aiohttp.ClientSession, url: str, req: Request, *, promp
     words = (req.prompt_text or "").split()[:PROBE_TOKENS]
     req = Request(req.prompt_token_ids[:PROBE_TOKENS], PROBE_TOKENS, " ".join(words) if words else None)
     caps = Capabilities(prompts=prompts, stream=stream)
-    try:  # the first model /v1/models names (None: requests name none)
+    with suppress(*HTTP_ERRORS, ValueError, AttributeError):  # the first model /v1/models names (None: none)
         async with session.get(url + "/v1/models") as r:
             data = ((await r.json(content_type=None)).get("data") or [{}]) if r.status == 200 else [{}]
         caps.model = data[0].get("id") if isinstance(data[0], dict) else None
-    except (*HTTP_ERRORS, ValueError, AttributeError):
-        pass
-    try:
+    with suppress(*HTTP_ERRORS, UnicodeDecodeError):
         async with session.get(url + "/metrics") as r:
             known = parse_metrics(await r.text()) if r.status == 200 else {}  # any series the timeline knows?
             caps.metrics = any(n in known for names in METRIC_ALIASES.values() for n in names)
-    except (*HTTP_ERRORS, UnicodeDecodeError):
-        pass
     wanted = (["include_usage"] if stream else []) + (["ignore_eos"] if extensions else [])
 
     async def attempt(timing: str = "text", **kw: bool) -> Record:
@@ -254,10 +252,8 @@ class Server:
         children down in order), then to its whole session."""
         if grace_s and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -328,18 +324,14 @@ async def sample_metrics(session: aiohttp.ClientSession, url: str, t0: float, sa
     """GET /metrics every SAMPLE_PERIOD_S until `stop`, then once more."""
     while True:
         t = time.perf_counter()
-        try:
+        with suppress(aiohttp.ClientError):
             async with session.get(url + "/metrics") as r:
                 if r.status == 200:
                     samples.append({"t": t - t0} | pick(parse_metrics(await r.text())))
-        except aiohttp.ClientError:
-            pass
         if stop.is_set():
             return
-        try:
+        with suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), max(0.0, SAMPLE_PERIOD_S - (time.perf_counter() - t)))
-        except asyncio.TimeoutError:
-            pass
 
 
 def server_view(samples: list[dict]) -> dict[str, Any]:

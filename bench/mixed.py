@@ -32,7 +32,7 @@ import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import aiohttp
 from tqdm import tqdm
@@ -41,8 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from client import Record, Refused, Server, complete, probe, sample_metrics, server_view  # noqa: E402
-from report import (flags_to_argv, machine_info, mixed_report, positive, positive_float, read_json,  # noqa: E402
-                    refuse, summarize, write_json)
+from report import (flags_to_argv, machine_info, mixed_report, positive, positive_float, redraw,  # noqa: E402
+                    summarize, write_json)
 from workload import Request, arrival_times, short_long_mix, vocab_size_of  # noqa: E402
 
 # The engine's modules (JAX: seconds to import) are imported where they are used, after the
@@ -170,17 +170,6 @@ async def measure(session: aiohttp.ClientSession, url: str, entry: dict[str, Any
                  "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2)}}
 
 
-class Run(NamedTuple):
-    """One server's turn: its results entry, and either the argv that starts it or its url."""
-
-    name: str
-    entry: dict[str, Any]
-    argv: list[str] | None
-    url: str | None
-    env: dict[str, str] | None
-    cwd: str | None
-
-
 async def bench(args: argparse.Namespace, variants: list[Variant], requests: list[Request],
                 results: dict[str, Any]) -> None:
     """Each taxirank variant, or each target, in turn: one server up at a time."""
@@ -190,10 +179,11 @@ async def bench(args: argparse.Namespace, variants: list[Variant], requests: lis
     env = dict(os.environ) | ({"JAX_COMPILATION_CACHE_DIR": args.jax_cache,  # compile once per set of shapes
                                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"} if args.jax_cache else {})
     server_py = [sys.executable, os.path.join(ROOT, "server.py"), "--host", "127.0.0.1", "--port", "{port}"]
-    runs = [Run(v.name, {"flags": v.flags, "extra_server_args": extra, "admission": v.admission, "length": v.length},
-                [*server_py, *flags_to_argv(v.flags), *extra], None, env, ROOT) for v in variants]
-    runs += [Run(t.name, {"flags": {}, "admission": None, "length": None, "url": t.url, "command": t.command},
-                 shlex.split(t.command) if t.command else None, t.url, None, None) for t in args.targets]
+    # one server's turn: (name, its results entry, the argv that starts it or None, its url, env, cwd)
+    runs = [(v.name, {"flags": v.flags, "extra_server_args": extra, "admission": v.admission, "length": v.length},
+             [*server_py, *flags_to_argv(v.flags), *extra], None, env, ROOT) for v in variants]
+    runs += [(t.name, {"flags": {}, "admission": None, "length": None, "url": t.url, "command": t.command},
+              shlex.split(t.command) if t.command else None, t.url, None, None) for t in args.targets]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         for name, entry, argv, url, server_env, cwd in runs:
             results["variants"][name] = entry
@@ -344,11 +334,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.report:
-        try:
-            return read_json(os.path.join(args.report, "results.json"), lambda r: mixed_report(r, args.report) or r,
-                             "a results.json of bench/mixed.py")
-        except ValueError as e:
-            refuse(f"--report {e}")
+        return redraw("--report", os.path.join(args.report, "results.json"),
+                      lambda r: mixed_report(r, args.report) or r, "a results.json of bench/mixed.py")
     os.makedirs(args.out, exist_ok=True)
     vocab = args.vocab_size or vocab_size_of(args.model)
     requests = short_long_mix(args.num_requests, vocab, short=args.short, long=args.long,

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, kind, default, what in (("model", model_name, "tiny", None),
                                       ("scale", positive_float, 1.0, "multiplies request counts"),
-                                      ("long", positive, 512, "the heavy client's max_tokens"), ("out", str, None, None),
+                                      ("long", positive, 512, "the heavy client's max_tokens"),
+                                      ("out", str, None, None),
                                       ("max-num-seqs", positive, 8, None),
                                       ("repeats", positive, None,
                                        "workload 2's runs of every policy (engine only; default 3)"),
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats repeats the engine's runs; the simulator's (--simulate) are deterministic")
     out_dir = a.out or results_dir(time.strftime("policies-%Y%m%d-%H%M%S"))
     vocab, rng, n = vocab_size_of(a.model), random.Random(0), lambda k: max(2, round(k * a.scale))
-    mml = 256 + max(a.long, 128); blocks = a.max_num_seqs * (mml // 16) + 1  # noqa: E702
+    mml = 256 + max(a.long, 128)
+    blocks = a.max_num_seqs * (mml // 16) + 1
     kw = dict(max_num_seqs=a.max_num_seqs, max_model_len=mml, num_kv_blocks=blocks, dtype="float32")
     try:
         cm = load_cost_model(a.simulate) if a.simulate else None

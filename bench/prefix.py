@@ -120,10 +120,8 @@ def section_multiturn(a: argparse.Namespace) -> dict[str, Any]:
 
 def section_mix(a: argparse.Namespace) -> dict[str, Any]:
     reqs = short_long_mix(a.mix_requests, vocab_size_of(a.model), short=a.mix_short, long=a.mix_long, seed=a.seed)
-    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    for i in range(a.mix_repeats):
-        for mode, r in both(a, f"mix #{i + 1}", generate_all(reqs)).items():
-            runs[mode].append(r)
+    repeats = [both(a, f"mix #{i + 1}", generate_all(reqs)) for i in range(a.mix_repeats)]
+    runs = {mode: [r[mode] for r in repeats] for mode in ("off", "on")}
     best = {m: max(rs, key=lambda r: r["output_tok_s"]) for m, rs in runs.items()}
     best_cpu = {m: max(r["tok_per_cpu_s"] for r in rs) for m, rs in runs.items()}
     return dict(runs=runs, best=best, ratios=dict(tok_s=best["on"]["output_tok_s"] / best["off"]["output_tok_s"],

@@ -54,8 +54,9 @@ async def run_requests(session: aiohttp.ClientSession, url: str, requests: list[
 
 def start(script: str, args: argparse.Namespace, extra: list[str], log_dir: str, name: str) -> Server:
     """`script` (server.py or serve_ray.py) with the engine flags both share, and `extra`."""
-    flags = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-             "--max-num-batched-tokens", "512", "--block-size", "16", "--num-kv-blocks", str(args.num_kv_blocks)]
+    flags = ["--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
+             "--max-model-len", str(args.max_model_len), "--max-num-batched-tokens", "512", "--block-size", "16",
+             "--num-kv-blocks", str(args.num_kv_blocks)]
     return Server([sys.executable, script, *flags, *extra, "--port", "{port}"],
                   os.path.join(log_dir, f"{name}.log"), env=os.environ | {"PYTHONUNBUFFERED": "1"}, cwd=ROOT)
 

@@ -12,7 +12,8 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable, NoReturn, Sequence
+from contextlib import suppress
+from typing import Any, Callable, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -84,12 +85,8 @@ def write_json(path: str, data: Any) -> str:
 
 
 def read_json(path: str, use: Callable[[Any], Any], what: str) -> Any:
-    """use(the JSON in path). A file that is not JSON, or not the shape `use` reads, is a
-    ValueError naming the file and what is wrong (the exception's type and text): the bench's
-    argparse error, not a traceback. A redraw's `use` is the redraw itself, whose reading is
-    what checks the file's many keys: an error of the same types in its own code is
-    reported the same way, still naming its type and text. (mixed_report and plot read the
-    whole file before they write anything.)"""
+    """use(the JSON in path); a file that is not JSON, or not the shape `use` reads (a redraw's
+    `use` is the redraw itself), is a ValueError naming the file, the error's type and text."""
     with open(path) as f:
         text = f.read()
     try:
@@ -98,10 +95,14 @@ def read_json(path: str, use: Callable[[Any], Any], what: str) -> Any:
         raise ValueError(f"{path}: not {what} ({type(e).__name__}: {e})"[:300]) from None
 
 
-def refuse(text: str) -> NoReturn:
-    """argparse's error line and exit status 2, without the usage, which would bury the line."""
-    sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {text}\n")
-    raise SystemExit(2)
+def redraw(flag: str, path: str, use: Callable[[Any], Any], what: str) -> Any:
+    """read_json for a redraw from `flag`'s file: a bad file is argparse's error line and exit
+    status 2, without the usage, which would bury the line."""
+    try:
+        return read_json(path, use, what)
+    except ValueError as e:
+        sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {flag} {e}\n")
+        raise SystemExit(2) from None
 
 
 def results_dir(name: str) -> str:
@@ -195,11 +196,9 @@ def save_figure(fig: Any, path: str, dpi: int = 110) -> str:
 def machine_info() -> dict[str, Any]:
     """CPU model, cores and the versions that matter, for the JSON and the table header."""
     cpu = platform.processor() or platform.machine()
-    try:
+    with suppress(OSError, StopIteration):
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
     for mod in ("jax", "jaxlib", "flax", "transformers", "torch"):
         try:
@@ -215,8 +214,7 @@ def machine_info() -> dict[str, Any]:
 
 def timer(fn: Callable[[], Any], reps: int = 5, warmup: bool = False,
           stat: Callable[[list[float]], float] = min) -> float:
-    """stat (default: the best, the least disturbed on a shared machine) of reps timings of fn()
-    in seconds, after one untimed call when `warmup`."""
+    """stat of reps timings of fn() in seconds; the best by default: the least disturbed on a shared machine."""
     if warmup:
         fn()
     out = []
@@ -317,9 +315,8 @@ def run_line(label: str, r: dict[str, Any]) -> str:
 
 def continuous_vs_static(c: dict[str, Any], s: dict[str, Any], target_tok_s: float | None = None,
                          target_p99: float | None = None, what: str = "") -> list[dict[str, Any]]:
-    """Continuous vs static batching's two ratios from a timed_generate of each on the same requests,
-    each beside its ideal from step counts: output tok/s continuous / static, and (with
-    classes) short p99 completion static / continuous."""
+    """Output tok/s continuous / static, and (with classes) short p99 completion static / continuous,
+    from a timed_generate of each on the same requests, each beside its ideal from step counts."""
     out = [side_by_side(f"output tok/s, continuous / static{what}", c["output_tok_s"] / s["output_tok_s"],
                         s["stats"]["num_steps"] / c["stats"]["num_steps"], target_tok_s)]
     if "short_completion_s" in c:

@@ -20,8 +20,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from report import (log, machine_info, model_name, natural, positive, pyplot, read_json, refuse,  # noqa: E402
-                    results_dir, save_figure, size_defaults, summarize, text_table, write_json)
+from report import (log, machine_info, model_name, natural, positive, pyplot, redraw,  # noqa: E402
+                    results_dir, save_figure, sections, size_defaults, summarize, text_table, write_json)
 from workload import token_ids  # noqa: E402
 
 TARGET_RATIO = 4.0
@@ -54,9 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.after_tokens = a.window if a.after_tokens is None else a.after_tokens
     if a.plot_only and not os.path.isfile(a.plot_only):
         p.error(f"--plot-only: no {a.plot_only}")
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not set(a.modes) <= {"off", "on"} or not a.modes:
-        p.error("--modes takes off and/or on")
+    a.modes = sections(p, a.modes, ("off", "on"), "--modes")
     if a.budget <= a.users:
         p.error(f"--budget ({a.budget}) must exceed --users ({a.users}): the decodes take one token each")
     return a
@@ -194,11 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     if a.plot_only:
         png = os.path.join(os.path.dirname(os.path.abspath(a.plot_only)), "stutter.png")
-        try:
-            return read_json(a.plot_only, lambda out: log("wrote " + plot(
-                out["results"], argparse.Namespace(**out["args"]), png)) or out, "an earlier run's stutter.json")
-        except ValueError as e:
-            refuse(f"--plot-only {e}")
+        return redraw("--plot-only", a.plot_only, lambda out: log("wrote " + plot(
+            out["results"], argparse.Namespace(**out["args"]), png)) or out, "an earlier run's stutter.json")
     sz = sizes(a)
     log(f"stutter: model {a.model}, {a.users} users (prompts of {a.user_prompt_len}), a {a.prompt_len}-token prompt "
         f"joins after {a.steady_steps} steady steps; chunked budget {a.budget}; max_model_len {sz['max_model_len']}, "

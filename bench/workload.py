@@ -59,11 +59,9 @@ def text_prompt(rng: random.Random, num_words: int) -> str:
 
 def short_long_mix(num_requests: int, vocab_size: int, *, short: int = 16, long: int = 512,
                    prompt_len: tuple[int, int] = (32, 256), seed: int = 0, text: bool = False) -> list[Request]:
-    """The short/long mix: half the requests max_tokens=short, half long (the odd one out is
-    long), shuffled; prompts of prompt_len[0]..prompt_len[1] random ids, or words with
-    text=True. The benches draw it at these defaults (16 and 512 tokens, prompts of 32-256)
-    with 100 requests unless they say otherwise: static batching holds every slot until its
-    batch's longest request ends, continuous batching refills a slot as its request ends."""
+    """Half the requests max_tokens=short, half long (the odd one out long), shuffled: static
+    batching holds every slot until its batch's longest request ends, continuous batching refills
+    it. Prompts of prompt_len[0]..prompt_len[1] random ids, or words with text=True."""
     lengths = [short] * (num_requests // 2) + [long] * (num_requests - num_requests // 2)
     random.Random(seed).shuffle(lengths)
     rng = random.Random(seed + 1)  # prompts draw from a stream of their own: lengths do not depend on them
