@@ -97,7 +97,7 @@ def build_variants(args: argparse.Namespace) -> list[Variant]:
         keep = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = sorted(set(keep) - {v.name for v in out})
         if unknown:
-            raise SystemExit(f"unknown variants {unknown}; choose from {[v.name for v in out]}")
+            raise ValueError(f"--variants: unknown {unknown}; choose from {', '.join(v.name for v in out)}")
         out = [v for v in out if v.name in keep]
     return out
 
@@ -327,6 +327,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.targets and hi + max(args.short, args.long) > args.max_model_len // 2:
         ap.error(f"the halved max_model_len ({args.max_model_len // 2}) must hold the longest request "
                  f"({hi} prompt + {max(args.short, args.long)} output tokens): raise --max-model-len")
+    try:  # the variants' names are checked here, before a folder is made or a server started
+        args.built_variants = [] if args.targets else build_variants(args)
+    except ValueError as e:
+        ap.error(str(e))
     args.out = args.out or os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S"))
     return args
 
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vocab = args.vocab_size or vocab_size_of(args.model)
     requests = short_long_mix(args.num_requests, vocab, short=args.short, long=args.long,
                               prompt_len=args.prompt_range, seed=args.seed, text=args.prompt_kind == "text")
-    settings = {k: v for k, v in vars(args).items() if k not in ("prompt_range", "targets")} | {
+    settings = {k: v for k, v in vars(args).items() if k not in ("prompt_range", "targets", "built_variants")} | {
         "vocab_size": vocab, "targets": [asdict(t) for t in args.targets]}
     if not args.targets:
         settings["kv_budget_blocks"] = kv_budget_blocks(args)
@@ -348,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": machine_info(), "settings": settings, "loadavg_start": os.getloadavg(),
                                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "variants": {}}
     t0 = time.perf_counter()
-    asyncio.run(bench(args, [] if args.targets else build_variants(args), requests, results))
+    asyncio.run(bench(args, args.built_variants, requests, results))
     results["total_s"] = round(time.perf_counter() - t0, 1)
     results["loadavg_end"] = os.getloadavg()
     mixed_report(results, args.out)

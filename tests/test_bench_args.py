@@ -20,6 +20,7 @@ REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag di
     ("mixed", ["--report", "/nonexistent"], "--report: no /nonexistent/results.json"),  # unchecked: FileNotFoundError
     ("mixed", ["--quick", "--peer"], "--quick and --peer are two presets"),  # unchecked: --quick's sizes
     ("mixed", ["--variants", ","], "--variants wants a comma-separated list of variant names"),  # unchecked: every one
+    ("mixed", ["--variants", "continuous,nope"], "--variants: unknown ['nope']; choose from continuous, static"),
     ("mixed", ["--model", "/nonexistent"], "--model '/nonexistent': not one of tiny"),  # unchecked: every server failed
     ("simulate", ["--num-requests", "0"], "argument --num-requests: wants an integer >= 1"),  # unchecked: the default
     ("simulate", ["--priority-fraction", "-0.5"], "argument --priority-fraction: wants a fraction"),  # unchecked: all
