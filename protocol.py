@@ -286,7 +286,7 @@ def loads_checked(data: str | bytes, what: str, param: str | None = None) -> Any
 def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
                    tools: ToolChoice | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
     """SamplingParams (stop strings included) from the OpenAI fields; a 400 for anything off.
-    tools: the request's tool_choice() (a forced call constrains the output); defaults: the
+    tools: the ToolChoice of the request's tool_choice() (a forced call constrains the output); defaults: the
     engine's sampling_defaults (the model's generation config) for the fields left out."""
     defaults = defaults or {}
     for name, neutral in (_NEUTRAL if chat else _NEUTRAL | _COMPLETION_NEUTRAL).items():
@@ -504,7 +504,7 @@ def required_tools_schema(tools: list[dict]) -> dict:
 def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsParams | None:
     """The one output constraint a request asks for, from whichever of OpenAI's
     response_format, vLLM's structured_outputs or guided_* fields, or a forced tool call
-    (tools: the request's, from tool_choice()) carries it; a 400 for more than one, or
+    (tools: the request's ToolChoice, from tool_choice()) carries it; a 400 for more than one, or
     for any malformed one. Whether the schema,
     regex or grammar itself is valid is llguidance's to say (the server compiles it next)."""
     found = _constraints(body, tools)
@@ -672,7 +672,7 @@ def parse_beam_search(body: dict, params: SamplingParams, defaults: dict[str, An
     """vLLM's use_beam_search: BeamSearchParams' fields (n is the beam width), or None for an
     ordinary request. length_penalty is beam search's only. params: parse_sampling's answer
     to the same body; defaults: the engine's sampling_defaults it was built over; tools: a
-    chat request's tool_choice() (a forced call is an output constraint)."""
+    chat request's ToolChoice, from tool_choice() (a forced call is an output constraint)."""
     beam = field(body, "use_beam_search", (bool,), False)
     length_penalty = field(body, "length_penalty", (int, float), 1.0)
     if not beam:

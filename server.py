@@ -104,12 +104,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     app = request.app
-    tools, definitions = tool_choice(body, chat=True, auto=app["tool_parser"] is not None)
-    rendered = chat_format.chat_tools(tools, definitions, app["exclude_tools_when_tool_choice_none"])
+    choice, tools = tool_choice(body, chat=True, auto=app["tool_parser"] is not None)
+    rendered = chat_format.chat_tools(choice, tools, app["exclude_tools_when_tool_choice_none"])
     prompt_ids = await off_loop(request, chat_format.parse_messages, body, app["engine"].tokenizer, rendered,
                                 app["chat_template"], app["trust_request_chat_template"],
                                 app["chat_template_content_format"], app["default_chat_template_kwargs"])
-    return await respond(request, body, [prompt_ids], chat=True, tools=tools)
+    return await respond(request, body, [prompt_ids], chat=True, tools=choice)
 
 
 async def tokenize(request: web.Request) -> web.Response:

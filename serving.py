@@ -45,7 +45,7 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
                   tools: ToolChoice | None = None, sent: list[str | list] | None = None) -> web.StreamResponse:
     """Run one completion (chat or not) and answer it whole or as an SSE stream. prompts: a
     chat request's one, or a completions request's batch (vLLM's: the n samples of prompt k
-    are choices k * n to k * n + n - 1); tools: a chat request's tool_choice() (its calls
+    are choices k * n to k * n + n - 1); tools: a chat request's ToolChoice, from tool_choice() (its calls
     come out as tool_calls); sent: a completions request's prompts as the body has them
     (protocol.parse_prompts), which echo returns.
 

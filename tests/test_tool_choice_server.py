@@ -88,12 +88,15 @@ def test_tool_choice_none_renders_the_tools_and_calls_nothing(post, flags):
     assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(CHATML), out
 
 
-def test_exclude_tools_when_tool_choice_none_keeps_them_out_of_the_prompt_only_for_none(post):
-    flags = ["--exclude-tools-when-tool-choice-none"]
+@pytest.mark.parametrize("exclude", [False, True])
+def test_exclude_tools_when_tool_choice_none_keeps_them_out_of_the_prompt_only_for_none(post, exclude):
+    flags = ["--exclude-tools-when-tool-choice-none"] * exclude + ["--enable-auto-tool-choice", "--tool-call-parser",
+                                                                   "hermes"]
     status, out = post(flags, {"tools": [WEATHER], "tool_choice": "none"})
-    assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(CHATML), out
-    status, out = post(flags, {"tools": [WEATHER], "tool_choice": "required"})
-    assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(WITH_TOOLS), out
+    assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(CHATML if exclude else WITH_TOOLS), out
+    for choice in ("required", "auto", {"type": "function", "function": {"name": "f"}}):  # the template sees them
+        status, out = post(flags, {"tools": [WEATHER], "tool_choice": choice})
+        assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(WITH_TOOLS), (choice, out)
 
 
 def test_tool_choice_none_still_checks_the_tools(post):
