@@ -70,7 +70,8 @@ class Engines:
         self.build_s: dict[str, float] = {}
 
     def keep_only(self, keys: set[tuple[int, str, int]]) -> None:
-        self.engines = {k: llm for k, llm in self.engines.items() if k in keys}
+        for k in [k for k in self.engines if k not in keys]:
+            del self.engines[k]
         gc.collect()
 
     def get(self, max_num_seqs: int, scheduling: str, max_model_len: int) -> Any:
@@ -93,6 +94,17 @@ class Engines:
 
 # ---- the Hugging Face peer -------------------------------------------------------------
 
+def hf_config(c: Any) -> dict[str, Any]:
+    """A taxirank Llama ModelConfig as the fields of an HF config.json."""
+    return dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+                tie_word_embeddings=c.tie_word_embeddings, hidden_act="silu", torch_dtype="float32",
+                bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids))
+
+
 def hf_model_from(model_name: str):
     """transformers' LlamaForCausalLM holding the very arrays of taxirank's model (load_model is
     deterministic from seed 0), named with the loader's own mapping; EOS off."""
@@ -108,11 +120,8 @@ def hf_model_from(model_name: str):
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling is not None:
         rope = {**dict(c.rope_scaling), "rope_type": "llama3", "rope_theta": c.rope_theta}
-    same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-            "bos_token_id")
-    hf_cfg = LlamaConfig(**{f: getattr(c, f) for f in same}, architectures=["LlamaForCausalLM"], hidden_act="silu",
-                         rope_parameters=rope, eos_token_id=None, pad_token_id=0)
+    fields = {k: v for k, v in hf_config(c).items() if k not in ("rope_theta", "torch_dtype")}
+    hf_cfg = LlamaConfig(**fields | {"rope_parameters": rope, "eos_token_id": None, "pad_token_id": 0})
     hf_cfg._attn_implementation = "sdpa"
     state = {k: torch.from_numpy(np.array(x, np.float32)) for k, x in hf_state_dict(loaded.model).items()}
     hf = LlamaForCausalLM(hf_cfg)  # random init, overwritten in full just below
