@@ -4,6 +4,7 @@ value ignored or misread), and a size given beside --tiny is the one used."""
 
 from __future__ import annotations
 
+import ast
 import glob
 import json
 import os
@@ -152,3 +153,38 @@ def test_help_answers_before_jax_or_ray_loads(script):
     out = subprocess.run([sys.executable, "-c", HELP_RUN, os.path.join(ROOT, script)], capture_output=True,
                          text=True, check=True, cwd=ROOT)
     assert "usage:" in out.stdout and out.stdout.splitlines()[-1] == "[]", out.stdout[-300:]
+
+
+def _top_level_names(path: str) -> set[str]:
+    """The names a module binds at its top level (also under a top-level if/try/with)."""
+    names: set[str] = set()
+    body = list(ast.parse(open(path).read()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            body += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", [])
+            body += [s for h in getattr(node, "handlers", []) for s in h.body]
+    return names
+
+
+def test_every_name_a_bench_imports_from_this_repository_exists():
+    """A bench imports names from bench/'s library, from other benches and from the engine's
+    modules, some inside functions; a name moved or removed there breaks only a run, and some
+    runs no test starts (tp.py's runs on a GPU check's machine with more than one GPU)."""
+    local = {os.path.splitext(os.path.basename(p))[0]: p for d in (ROOT, os.path.join(ROOT, "bench"))
+             for p in glob.glob(os.path.join(d, "*.py"))}
+    missing = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "bench", "*.py"))):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in local:
+                defined = _top_level_names(local[node.module])
+                missing += [f"{os.path.basename(path)}:{node.lineno}: {node.module}.{a.name}"
+                            for a in node.names if a.name != "*" and a.name not in defined]
+    assert not missing
