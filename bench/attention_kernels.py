@@ -202,7 +202,8 @@ def bench_decode(res: Results, batches: list[int], contexts: list[int], peak: fl
                     continue
                 tried = [dict(config=f"w{w}/s{st}/k{k}", **measure(functools.partial(
                     kp.paged_decode_attention, interpret=interpret, num_warps=w, num_stages=st,
-                    pages_per_iter=max(1, k // BS)))) for w, st, k in (sweep if sweep and judged else [DEFAULT_CONFIG])]
+                    pages_per_iter=max(1, k // BS))))
+                    for w, st, k in (sweep if sweep and judged else [DEFAULT_CONFIG])]
                 ok = [t for t in tried if "us" in t]
                 row[name] = min(ok, key=lambda t: t["us"]) if ok else tried[0]
                 if len(tried) > 1:

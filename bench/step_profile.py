@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import types
+from typing import Callable
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -112,7 +113,8 @@ def stub_device(runner) -> None:  # the jitted programs replaced by instant stan
     runner._decode = runner._ragged = lambda state, kv_caches, *a: (kv_caches, (np.zeros(1, np.float32),) * 2)
     runner._sample = lambda last_tokens, logits, sample_slot, sampling: (last_tokens, res(sample_slot.shape[0]))
 
-def fill(eng, n: int, prompt_len: int = 64, start: int = 0, prompt=None, **params) -> None:  # n requests decoding
+def fill(eng, n: int, prompt_len: int = 64, start: int = 0, prompt: Callable[[int], list[int]] | None = None,
+         **params) -> None:  # n requests decoding
     from engine import SamplingParams  # (a baseline checkout's, in its child: both layouts' engine.py export it)
     for i in range(n):
         ids = prompt(i) if prompt else [5 + (i + j) % 200 for j in range(prompt_len)]
