@@ -286,8 +286,9 @@ def loads_checked(data: str | bytes, what: str, param: str | None = None) -> Any
 def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
                    tools: ToolChoice | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
     """SamplingParams (stop strings included) from the OpenAI fields; a 400 for anything off.
-    tools: the ToolChoice of the request's tool_choice() (a forced call constrains the output); defaults: the
-    engine's sampling_defaults (the model's generation config) for the fields left out."""
+    tools: the ToolChoice of the request's tool_choice() (a forced call constrains the
+    output); defaults: the engine's sampling_defaults (the model's generation config) for the
+    fields left out."""
     defaults = defaults or {}
     for name, neutral in (_NEUTRAL if chat else _NEUTRAL | _COMPLETION_NEUTRAL).items():
         if body.get(name) is not None and not any(_same(body[name], v) for v in neutral):
