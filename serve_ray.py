@@ -4,7 +4,8 @@
     python serve_ray.py --model bench --min-replicas 1 --max-replicas 4  # autoscaled
     python serve_ray.py --ray-address auto ...                         # join a running cluster
 
-Every server.py flag means the same here; `python serve_ray.py --help` lists the Ray ones.
+Every server.py flag means the same here, but --uds, --ssl-* and the multi-host ones, refused;
+`python serve_ray.py --help` lists the Ray ones.
 
 Two deployments. `Engine` replicas each run one AsyncEngine behind server.py's own aiohttp
 app (same routes, streaming, error JSON, /health, per-replica /metrics), bound to the node's
@@ -35,12 +36,17 @@ import os
 import random
 import signal
 import socket
+import ssl
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import config_file
+
+
+# server.py's flags that Ray Serve's proxy cannot honour: it serves plain HTTP at --host and --port
+NOT_UNDER_RAY = ("uds", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cli_args.build_parser()
     p.description = "taxirank: OpenAI-compatible server, N replicas under Ray Serve"
+    for action in p._actions:  # server.py's words for these would promise what the proxy does not do
+        if action.dest in NOT_UNDER_RAY:
+            action.help = "refused under Ray Serve: its proxy serves plain HTTP at --host and --port"
     g = p.add_argument_group("Ray Serve")
     g.add_argument("--num-replicas", type=int, help="fixed number of engine replicas (default 1; "
                    "exclusive with --min-replicas/--max-replicas)")
@@ -494,8 +503,8 @@ def plan(args: argparse.Namespace) -> Plan:
                 else f"--distributed-coordinator {args.distributed_coordinator!r}")
         raise ValueError(f"{flag}: multi-host replicas are not supported under Ray Serve: one replica is one "
                          "process (use --tensor-parallel-size over its local devices)")
-    for flag in ("uds", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
-        if getattr(args, flag) is not None:
+    for flag in NOT_UNDER_RAY:
+        if getattr(args, flag) not in (None, ssl.CERT_NONE):  # --ssl-cert-reqs's default is CERT_NONE
             raise ValueError(f"--{flag.replace('_', '-')} is not supported under Ray Serve: its proxy serves plain "
                              "HTTP at --host and --port (put TLS in front of it)")
     config = cli_args.engine_config(args)
