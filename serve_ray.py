@@ -60,26 +60,28 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in NOT_UNDER_RAY:
             action.help = "refused under Ray Serve: its proxy serves plain HTTP at --host and --port"
     g = p.add_argument_group("Ray Serve")
-    g.add_argument("--num-replicas", type=int, help="fixed number of engine replicas (default 1; "
-                   "exclusive with --min-replicas/--max-replicas)")
-    g.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas")
-    g.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas")
+    g.add_argument("--num-replicas", type=int, help="fixed number of engine replicas, exclusive with "
+                   "--min-replicas/--max-replicas; None: 1 (without them)")
+    g.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas; None: 1")
+    g.add_argument("--max-replicas", type=int,
+                   help="autoscaling: most engine replicas; None: --min-replicas (at least 1)")
     g.add_argument("--target-ongoing-requests", type=float,
-                   help="autoscaling: requests per replica it aims at (default: --max-num-seqs)")
+                   help="autoscaling: requests per replica it aims at; None: --max-num-seqs")
     g.add_argument("--max-ongoing-requests", type=int,
-                   help="requests one replica is sent at most; the rest wait in the router (default: 2 x --max-num-seqs)")
+                   help="requests one replica is sent at most; the rest wait in the router; None: 2 x --max-num-seqs")
     g.add_argument("--routing", choices=["prefix", "power-of-two"], default="prefix",
-                   help="prefix: the replica holding the longest prefix of the prompt unless its queue is "
-                        "--imbalanced-threshold longer than the shortest, else the least loaded; "
+                   help="prefix: the replica holding the longest prefix of the prompt unless its queue is more "
+                        "than --imbalanced-threshold longer than the shortest, else the least loaded; "
                         "power-of-two: Ray Serve's default (the shorter queue of two random replicas)")
     g.add_argument("--imbalanced-threshold", type=int,
-                   help="prefix routing: queue-length lead at which load wins over a prefix (default: --max-num-seqs)")
+                   help="prefix routing: the queue-length lead above which load wins over a prefix; "
+                        "None: --max-num-seqs")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per engine replica")
     g.add_argument("--replica-gpus", type=float, default=0.0,
                    help="Ray GPUs per engine replica: 0 (CPU replicas), a fraction of one (a shared GPU), "
                         "or a whole number >= --tensor-parallel-size")
     g.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` runs here); "
-                   "default: start a local Ray instance")
+                   "None: start a local Ray instance")
     return p
 
 
