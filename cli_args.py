@@ -44,8 +44,10 @@ _HELP = {  # EngineConfig fields; config.py says more
     "max_model_len": "longest prompt + output; None: the model's max_position_embeddings",
     "block_size": "tokens per KV cache block (a power of two)",
     "num_kv_blocks": "KV cache size in blocks, the null block 0 included; None: from the memory budget",
-    "kv_cache_memory": "KV cache budget in bytes; None: --gpu-memory-utilization on an accelerator, 4 GiB on CPU",
-    "gpu_memory_utilization": "fraction of device memory for weights, activations and the KV cache",
+    "kv_cache_memory": "KV cache budget in bytes; None: --gpu-memory-utilization on an accelerator; on CPU 4 GiB, "
+                       "or less where max_num_seqs sequences of max_model_len need less or the host leaves less",
+    "gpu_memory_utilization": "fraction of device memory (on CPU: the host's) for weights, activations and the KV "
+                              "cache",
     "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
     "enable_prefix_caching": "reuse the cached KV blocks of a shared prompt prefix",

@@ -4,7 +4,8 @@
     python serve_ray.py --model bench --min-replicas 1 --max-replicas 4  # autoscaled
     python serve_ray.py --ray-address auto ...                         # join a running cluster
 
-Every server.py flag means the same here; `python serve_ray.py --help` lists the Ray ones.
+Every server.py flag means the same here, but --uds, --ssl-* and the multi-host ones, refused;
+`python serve_ray.py --help` lists the Ray ones.
 
 Two deployments. `Engine` replicas each run one AsyncEngine behind server.py's own aiohttp
 app (same routes, streaming, error JSON, /health, per-replica /metrics), bound to the node's
@@ -35,12 +36,17 @@ import os
 import random
 import signal
 import socket
+import ssl
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import config_file
+
+
+# server.py's flags that Ray Serve's proxy cannot honour: it serves plain HTTP at --host and --port
+NOT_UNDER_RAY = ("uds", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,27 +56,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cli_args.build_parser()
     p.description = "taxirank: OpenAI-compatible server, N replicas under Ray Serve"
+    for action in p._actions:  # server.py's words for these would promise what the proxy does not do
+        if action.dest in NOT_UNDER_RAY:
+            action.help = "refused under Ray Serve: its proxy serves plain HTTP at --host and --port"
     g = p.add_argument_group("Ray Serve")
-    g.add_argument("--num-replicas", type=int, help="fixed number of engine replicas (default 1; "
-                   "exclusive with --min-replicas/--max-replicas)")
-    g.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas")
-    g.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas")
+    g.add_argument("--num-replicas", type=int, help="fixed number of engine replicas, exclusive with "
+                   "--min-replicas/--max-replicas; None: 1 (without them)")
+    g.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas; None: 1")
+    g.add_argument("--max-replicas", type=int,
+                   help="autoscaling: most engine replicas; None: --min-replicas (at least 1)")
     g.add_argument("--target-ongoing-requests", type=float,
-                   help="autoscaling: requests per replica it aims at (default: --max-num-seqs)")
+                   help="autoscaling: requests per replica it aims at; None: --max-num-seqs")
     g.add_argument("--max-ongoing-requests", type=int,
-                   help="requests one replica is sent at most; the rest wait in the router (default: 2 x --max-num-seqs)")
+                   help="requests one replica is sent at most; the rest wait in the router; None: 2 x --max-num-seqs")
     g.add_argument("--routing", choices=["prefix", "power-of-two"], default="prefix",
-                   help="prefix: the replica holding the longest prefix of the prompt unless its queue is "
-                        "--imbalanced-threshold longer than the shortest, else the least loaded; "
+                   help="prefix: the replica holding the longest prefix of the prompt unless its queue is more "
+                        "than --imbalanced-threshold longer than the shortest, else the least loaded; "
                         "power-of-two: Ray Serve's default (the shorter queue of two random replicas)")
     g.add_argument("--imbalanced-threshold", type=int,
-                   help="prefix routing: queue-length lead at which load wins over a prefix (default: --max-num-seqs)")
+                   help="prefix routing: the queue-length lead above which load wins over a prefix; "
+                        "None: --max-num-seqs")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs reserved per engine replica")
     g.add_argument("--replica-gpus", type=float, default=0.0,
                    help="Ray GPUs per engine replica: 0 (CPU replicas), a fraction of one (a shared GPU), "
                         "or a whole number >= --tensor-parallel-size")
     g.add_argument("--ray-address", help="join this Ray cluster ('auto': the one `ray start` runs here); "
-                   "default: start a local Ray instance")
+                   "None: start a local Ray instance")
     return p
 
 
@@ -494,8 +505,8 @@ def plan(args: argparse.Namespace) -> Plan:
                 else f"--distributed-coordinator {args.distributed_coordinator!r}")
         raise ValueError(f"{flag}: multi-host replicas are not supported under Ray Serve: one replica is one "
                          "process (use --tensor-parallel-size over its local devices)")
-    for flag in ("uds", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
-        if getattr(args, flag) is not None:
+    for flag in NOT_UNDER_RAY:
+        if getattr(args, flag) not in (None, ssl.CERT_NONE):  # --ssl-cert-reqs's default is CERT_NONE
             raise ValueError(f"--{flag.replace('_', '-')} is not supported under Ray Serve: its proxy serves plain "
                              "HTTP at --host and --port (put TLS in front of it)")
     config = cli_args.engine_config(args)

@@ -6,8 +6,8 @@
     python server.py --model /path/to/hf_dir   # a checkpoint, its tokenizer and chat template
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache;
-each also under --root-path, and a path that differs from one by a trailing slash is a 307
+GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache,
+POST /tokenize, POST /detokenize, GET /version; each also under --root-path, and a path that differs from one by a trailing slash is a 307
 to it (FastAPI's routing, as vLLM's server answers).
 
 This module is the HTTP app: the handlers (which tokenize prompts, chat templates included,

@@ -5,6 +5,7 @@ job; this checks only what a reader types."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 import re
@@ -62,6 +63,59 @@ def test_every_file_a_doc_cites_exists(doc):
     assert missing == [], f"{doc} cites files that are not in the repository: {missing}"
 
 
+MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+FILE_SUFFIXES = {"json", "model", "safetensors", "gguf", "yaml", "md", "png", "py", "sh"}  # config.json, tokenizer.model
+
+
+def defined_names(tree: ast.AST) -> set[str]:
+    """Every name a module or class body defines: functions, classes, assigned names and
+    attributes (self.x = ...), imports (a re-export is a name of the module too)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+                names |= {n.attr for n in ast.walk(t) if isinstance(n, ast.Attribute)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def code_names() -> tuple[dict[str, set[str]], dict[str, tuple[set[str], list[str]]]]:
+    """module -> its names; class -> (its names, its bases), over the top-level modules."""
+    modules, classes = {}, {}
+    for m in MODULES:
+        tree = ast.parse(read(f"{m}.py"))
+        modules[m] = defined_names(tree)
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = (defined_names(node), [b.id for b in node.bases if isinstance(b, ast.Name)])
+    return modules, classes
+
+
+def undefined_names(text: str) -> set[str]:
+    """`module.name` and `Class.name` citations (module.py and the class in the repository)
+    whose name the module, or the class and its bases, does not define."""
+    modules, classes = code_names()
+
+    def in_class(c: str, name: str) -> bool:
+        names, bases = classes[c]
+        return name in names or any(b in classes and in_class(b, name) for b in bases)
+
+    cited = re.findall(r"(?<![\w/.-])([A-Za-z_]\w*)\.([A-Za-z_]\w*)", text)
+    return {f"{a}.{b}" for a, b in cited if a in modules and b not in FILE_SUFFIXES and b not in modules[a]
+            or a in classes and a[0].isupper() and not in_class(a, b)}
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_module_and_class_attribute_a_doc_cites_is_defined(doc):
+    missing = sorted(undefined_names(read(doc)))
+    assert missing == [], f"{doc} cites names the code does not define (renamed or moved?): {missing}"
+
+
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_flag_of_a_documented_command_is_in_its_scripts_help(doc):
     wrong = []
@@ -94,3 +148,5 @@ def test_the_checks_catch_what_they_look_for():
     assert {p for p in cited_files(text) if not exists(p, "docs/X.md")} == {"bench/no_such_bench.py",
                                                                             "no_such_plot.png"}
     assert "--no-such-flag" not in help_flags("bench/offline.py") and "--tiny" in help_flags("bench/offline.py")
+    assert undefined_names("outputs.stop_reason, engine.stop_reason, `LLMEngine.validate`, LLMEngine.nothing, "
+                           "config.json") == {"engine.stop_reason", "LLMEngine.nothing"}

@@ -324,9 +324,15 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
                         (("--enable-log-outputs",), "--enable-log-outputs requires --enable-log-requests"),
                         (("--uds", "/tmp/x.sock"), "--uds is not supported under Ray Serve"),
                         (("--api-key", "k", ""), "--api-key: a key must be a non-empty string"),
-                        (("--ssl-certfile", "c.pem"), "--ssl-certfile is not supported under Ray Serve")]:
+                        (("--ssl-certfile", "c.pem"), "--ssl-certfile is not supported under Ray Serve"),
+                        # server.py refuses it without a certificate; here it would ask clients for none
+                        (("--ssl-cert-reqs", "2"), "--ssl-cert-reqs is not supported under Ray Serve")]:
         with pytest.raises(ValueError, match=says):
             plan(*flags)
+    plan("--ssl-cert-reqs", "0")  # no client certificates: what the proxy does
+    helps = {a.dest: a.help for a in serve_ray.build_parser()._actions}
+    assert [f for f in ("uds", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs")
+            if not helps[f].startswith("refused under Ray Serve")] == []  # --help promises nothing it refuses
     with pytest.raises(SystemExit) as exit_:  # main says so before it starts Ray
         serve_ray.main(["--model", "tiny", "--port", "0"])
     assert exit_.value.code == 2
