@@ -116,7 +116,15 @@ class EngineCollector:
                                  labels=list(info_labels))
         info.add_metric(list(info_labels.values()), 1)
         yield info
-        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
+        # vLLM's breakdown, which sums to num_requests_waiting: "capacity" (waiting for room) and
+        # "deferred" (held by a transient constraint: LoRA budget, remote KV, a grammar compiling).
+        # Nothing here defers a request so: its grammar is compiled before it reaches the engine.
+        vllm_reasons = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
+                                         "Waiting requests by vLLM's reason: capacity or deferred.", labels=["reason"])
+        vllm_reasons.add_metric(["capacity"], s.num_requests_waiting)
+        vllm_reasons.add_metric(["deferred"], 0)
+        yield vllm_reasons
+        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_wait_reason",
                                       "Waiting requests by what they wait for.", labels=["reason"])
         for reason, n in s.waiting_by_reason.items():
             by_reason.add_metric([reason], n)

@@ -32,7 +32,8 @@ EXPORTED = {
     "taxirank:kv_cache_bytes": ("gauge", "Device bytes of the KV cache, a draft model's included, from the "
                                          "arrays' shards (all local devices)."),
     "taxirank:cache_config_info": ("gauge", "KV cache configuration as labels (value 1)."),
-    "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by what they wait for."),
+    "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by vLLM's reason: capacity or deferred."),
+    "taxirank:num_requests_waiting_by_wait_reason": ("gauge", "Waiting requests by what they wait for."),
     "taxirank:num_preemptions": ("counter", "Sequences preempted (recompute or swap)."),
     "taxirank:recomputed_tokens": ("counter", "Tokens computed again after a preemption dropped them."),
     "taxirank:swapped_out_blocks": ("counter", "KV blocks copied to the host pool by swap preemption."),
@@ -113,9 +114,11 @@ BUCKETS = {
     "taxirank:request_prefill_time_seconds": E2E,
     "taxirank:request_decode_time_seconds": E2E,
 }
-# the scheduler's reasons and the static batching's (policy.Static.wait_reason)
-LABELS = {"taxirank:num_requests_waiting_by_reason": ("reason", {"kv_blocks", "max_num_seqs", "token_budget",
-                                                                 "policy", "static_batch"}),
+# vLLM's reasons (its loggers.py WAITING_REASON_*); then the scheduler's and the static
+# batching's (policy.Static.wait_reason)
+LABELS = {"taxirank:num_requests_waiting_by_reason": ("reason", {"capacity", "deferred"}),
+          "taxirank:num_requests_waiting_by_wait_reason": ("reason", {"kv_blocks", "max_num_seqs", "token_budget",
+                                                                      "policy", "static_batch"}),
           "taxirank:request_success": ("finished_reason", {"stop", "length", "abort", "error"})}
 
 
@@ -144,6 +147,19 @@ def test_every_exported_name_type_help_and_bucket_bound_is_pinned():
     for name, (kind, _) in EXPORTED.items():
         suffixes = {"gauge": {""}, "counter": {"_total"}, "histogram": {"_bucket", "_sum", "_count"}}[kind]
         assert {s.name.removeprefix(name) for s in fams[name].samples} == suffixes, name
+
+
+def test_waiting_by_reason_is_vllms_capacity_and_deferred_summing_to_waiting():
+    """vLLM's num_requests_waiting_by_reason sums to num_requests_waiting over its two reasons;
+    nothing here defers a request as vLLM's do (LoRA, remote KV, a grammar compiling), so every
+    waiting request waits for capacity, whatever the scheduler says it waits for."""
+    stats = EngineStats(max_model_len=2048)
+    stats.num_requests_waiting = 5  # one just arrived: no schedule() has given it a wait reason yet
+    stats.waiting_by_reason = dict.fromkeys(stats.waiting_by_reason, 0) | {"kv_blocks": 3, "policy": 1}
+    got = samples(render(stats))
+    assert {k[1]: v for k, v in got.items() if k[0] == "taxirank:num_requests_waiting_by_reason"} == \
+        {(("reason", "capacity"),): 5, (("reason", "deferred"),): 0}
+    assert got[("taxirank:num_requests_waiting_by_wait_reason", (("reason", "kv_blocks"),))] == 3
 
 
 def test_spec_decode_counters_are_served_only_with_a_speculative_config():

@@ -539,7 +539,7 @@ def test_metrics_endpoint_exports_exactly_the_pinned_families(server: Server) ->
     families = {f.name: (f.type, f.documentation) for f in text_string_to_metric_families(text)}
     assert families == EXPORTED
     m = scrape(server)
-    assert {dict(labels)["reason"] for name, labels in m if name.endswith("waiting_by_reason")} == set(wait_reasons())
+    assert {dict(labels)["reason"] for name, labels in m if name.endswith("by_wait_reason")} == set(wait_reasons())
     assert 0.0 <= metric(m, "kv_cache_usage_perc") <= 1.0
     assert metric(m, "num_kv_blocks") == 1024 - 1  # --num-kv-blocks counts the null block
 
