@@ -321,6 +321,10 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     n = field(body, "n", (int,), 1)
     if not 1 <= n <= MAX_N:  # vLLM has no cap; one keeps a request's samples within a queue's reach
         raise ApiError(f"'n' must be in [1, {MAX_N}], got {n}", param="n")
+    if prompt_len >= max_model_len:  # vLLM's _validate_input: a prompt that leaves no room for one token
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                       f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+                       param="input_tokens")
     max_tokens, limit = field(body, "max_tokens", (int,)), "max_tokens"  # limit: the field it came from
     if chat and field(body, "max_completion_tokens", (int,)) is not None:  # the newer name wins (as vLLM)
         max_tokens, limit = body["max_completion_tokens"], "max_completion_tokens"

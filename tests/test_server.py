@@ -420,6 +420,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": TOO_LONG, "max_tokens": 3900}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [5] * MAX_MODEL_LEN}, 400, "input_tokens"),  # vLLM's: no room for a token
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
