@@ -88,7 +88,7 @@ class Generation:
         except ValueError as e:  # refused by the scheduler after add_request accepted it
             raise ApiError(str(e)) from e
         except RuntimeError as e:  # this request failed in the engine, or the engine loop died
-            raise ApiError(str(e), 500, type="internal_server_error") from e
+            raise ApiError(str(e), 500) from e
         finally:
             self.close()  # the client went away (its handler was cancelled): free the slot now
 
@@ -109,12 +109,11 @@ def refusals_as_api_errors() -> Iterator[None]:
     try:
         yield
     except QueueFullError as e:
-        raise ApiError(f"server is at capacity ({e}); retry later", status=503,
-                       type="service_unavailable", code="queue_full") from e
+        raise ApiError(f"server is at capacity ({e}); retry later", status=503) from e
     except ValueError as e:  # (a ParamError names the field)
         raise ApiError(str(e), param=getattr(e, "param", None)) from e
     except RuntimeError as e:  # shutting down, or the engine loop died
-        raise ApiError(str(e), status=503, type="service_unavailable") from e
+        raise ApiError(str(e), status=503) from e
 
 
 class BeamSearchRun:

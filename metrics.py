@@ -49,7 +49,7 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
         scale *= 10
 
 # What a waiting request waits for this step (Sequence.wait_reason, the reason label of
-# num_requests_waiting_by_reason): the scheduler's own reasons, then those a registered
+# num_requests_waiting_by_wait_reason): the scheduler's own reasons, then those a registered
 # batching declares (policy.py, `wait_reason`). policy: the scheduling policy holds its
 # prompt back this step (fair's prefill share is used up).
 SCHEDULER_WAIT_REASONS = ("kv_blocks", "max_num_seqs", "token_budget", "policy")
@@ -221,6 +221,13 @@ class EngineStats:
     swapped_in_bytes: int = 0
     swap_fallbacks: int = 0  # preemptions under swap that recomputed: the host pool was full
     prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)
+    # vLLM's PromptTokenStats of the same prompts: the tokens the prefix cache served, and by
+    # source those computed and those the cache held (the cached ones, plus the last prompt
+    # token when the cache held all the others: it is computed again for its logits; vLLM
+    # counts so a one-token prompt with no hit too, which here has none)
+    prompt_tokens_cached: int = 0
+    prompt_tokens_local_compute: int = 0
+    prompt_tokens_local_cache_hit: int = 0
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     prefix_cache_hits: int = 0  # of those, tokens served from cached blocks
@@ -273,6 +280,7 @@ class EngineStats:
     request_prompt_tokens: Histogram = field(init=False)
     request_generation_tokens: Histogram = field(init=False)
     request_params_max_tokens: Histogram = field(init=False)
+    request_prefill_kv_computed_tokens: Histogram = field(init=False)  # prompt tokens minus its cache hit
     # Per request of n samples (ParentRequest), when its last sample finishes: its n, and the
     # most tokens one of its samples generated.
     request_params_n: Histogram = field(default_factory=lambda: Histogram(N_BUCKETS))
@@ -287,6 +295,7 @@ class EngineStats:
         self.request_prompt_tokens = Histogram(token_buckets)
         self.request_generation_tokens = Histogram(token_buckets)
         self.request_params_max_tokens = Histogram(token_buckets)
+        self.request_prefill_kv_computed_tokens = Histogram(token_buckets)
         self.request_max_num_generation_tokens = Histogram(token_buckets)
 
     @property
@@ -301,7 +310,7 @@ class EngineStats:
         simulated ones, so both count the same way. extra_tokens: the tokens verified rows
         emitted beyond one each (speculative decoding; `sampled` has one per row)."""
         with self.lock:
-            prompt_before = self.prompt_tokens
+            computed_before = self.prompt_tokens_local_compute
             # A step that only preempted (the lone running sequence giving up its blocks) still
             # counts its preemptions.
             self.num_preemptions += len(out.preempted)
@@ -328,7 +337,7 @@ class EngineStats:
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                     self.time_to_first_token.observe(now - seq.arrival_time)
-                    self.prompt_tokens += seq.num_prompt_tokens  # as vLLM V1: once its prefill completes
+                    self._prompt_done(seq)
                 else:
                     gap = now - seq.last_token_time
                     add_itl(gap)
@@ -337,12 +346,22 @@ class EngineStats:
                 seq.last_token_time = now
             self.inter_token_latency.observe_many(itl)
             if sampled:
-                # vLLM V1's iteration tokens: the prompts of the requests whose first token
-                # came this step (whole, cached part included) and every token emitted; a
-                # step that emitted nothing (a prompt chunk alone) is not observed.
-                self.iteration_tokens.observe(self.prompt_tokens - prompt_before + len(sampled) + extra_tokens)
+                # vLLM V1's iteration tokens: the computed prompt tokens (the cache's hit left
+                # out) of the requests whose first token came this step and every token
+                # emitted; a step that emitted nothing (a prompt chunk alone) is not observed.
+                computed = self.prompt_tokens_local_compute - computed_before
+                self.iteration_tokens.observe(computed + len(sampled) + extra_tokens)
             for seq in released:
                 self._finished(seq, now, latency=True)
+
+    def _prompt_done(self, seq: Sequence) -> None:
+        """Its prefill completed (its first token came): its prompt counts once, as vLLM V1's
+        PromptTokenStats.update_from_output counts it."""
+        n, cached = seq.num_prompt_tokens, seq.num_cached_prompt_tokens
+        self.prompt_tokens += n
+        self.prompt_tokens_cached += cached
+        self.prompt_tokens_local_compute += n - cached
+        self.prompt_tokens_local_cache_hit += cached + (0 < cached == n - 1)
 
     def record_first_scheduled(self, seq: Sequence, scheduled_at: float, config: EngineConfig) -> None:
         """A request aborted while its first step was in flight, or that failed alone in it:
@@ -404,6 +423,7 @@ class EngineStats:
         self.request_inference_time.observe(last - scheduled)
         self.request_time_per_output_token.observe((last - first) / (n - 1) if n > 1 else 0.0)
         self.request_prompt_tokens.observe(seq.num_prompt_tokens)
+        self.request_prefill_kv_computed_tokens.observe(seq.num_prompt_tokens - seq.num_cached_prompt_tokens)
         self.request_generation_tokens.observe(n)
         self.request_params_max_tokens.observe(seq.params.max_tokens)
         n_param, tokens, parent = 1, n, seq.parent
@@ -440,8 +460,9 @@ class LoggingStatLogger:
 
     Its line, vLLM's fields in vLLM's order: "Engine 000: Avg prompt throughput: X tokens/s,
     Avg generation throughput: Y tokens/s, Running: N reqs, Waiting: M reqs[, Preemptions: P],
-    GPU KV cache usage: Z%, Prefix cache hit rate: W%". Prompt tokens count when a request's
-    prefill completes (the prompt_tokens counter); Preemptions appears when the interval had
+    GPU KV cache usage: Z%, Prefix cache hit rate: W%". Prompt tokens are those computed,
+    counted when a request's prefill completes (prompt_tokens_by_source's local_compute, as
+    vLLM's: a prefix-cache hit is no throughput); Preemptions appears when the interval had
     some; the hit rate covers the lookups of about the last `max_recent_requests` requests
     (vLLM's CachingMetrics window, kept here by interval). With speculative decoding, an
     interval that verified drafts adds vLLM's "SpecDecoding metrics: ..." line."""
@@ -462,7 +483,7 @@ class LoggingStatLogger:
         def per_second(n: int) -> float:
             return n / elapsed if elapsed > 0 else 0.0
 
-        prompt = per_second(s.prompt_tokens - last.prompt_tokens)
+        prompt = per_second(s.prompt_tokens_local_compute - last.prompt_tokens_local_compute)  # vLLM's: computed
         generation = per_second(s.generation_tokens - last.generation_tokens)
         idle = not any((prompt, generation, self.last_prompt_throughput, self.last_generation_throughput))
         level = logging.DEBUG if idle else logging.INFO

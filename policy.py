@@ -519,7 +519,7 @@ class Continuous:
 
     name: str
     # What a request waits for that only this batching makes it wait for (None: nothing):
-    # a label of metrics' num_requests_waiting_by_reason beside the scheduler's own reasons.
+    # a label of metrics' num_requests_waiting_by_wait_reason beside the scheduler's own reasons.
     wait_reason: str | None = None
 
     def schedule(self, s: Scheduler, out: SchedulerOutput) -> None:

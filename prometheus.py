@@ -33,6 +33,7 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("swapped_in_bytes", "swapped_in_bytes", "Bytes of KV copied back from the host pool."),
     ("swap_fallbacks", "swap_fallbacks", "Swap preemptions that recomputed: the host pool was full."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
+    ("prompt_tokens_cached", "prompt_tokens_cached", "Prompt tokens of admitted requests the prefix cache served."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache (first admissions)."),
@@ -68,11 +69,14 @@ _HISTOGRAMS = [
     ("inter_token_latency_seconds", "inter_token_latency", "Time between consecutive output tokens."),
     ("e2e_request_latency_seconds", "e2e_request_latency", "Arrival to last token."),
     ("request_queue_time_seconds", "request_queue_time", "Arrival to first scheduled."),
-    ("iteration_tokens_total", "iteration_tokens", "Tokens per engine step: prompts completed and tokens generated."),
+    ("iteration_tokens_total", "iteration_tokens",
+     "Tokens per engine step: computed tokens of prompts completed, and tokens generated."),
     # per finished request (aborts not observed, as e2e)
     ("request_prompt_tokens", "request_prompt_tokens", "Prompt tokens per finished request."),
     ("request_generation_tokens", "request_generation_tokens", "Generated tokens per finished request."),
     ("request_params_max_tokens", "request_params_max_tokens", "The max_tokens parameter per finished request."),
+    ("request_prefill_kv_computed_tokens", "request_prefill_kv_computed_tokens",
+     "Prompt tokens computed per finished request (its prefix-cache hit excluded)."),
     # per request of n samples, once its last sample has finished
     ("request_params_n", "request_params_n", "The n parameter per finished request."),
     ("request_max_num_generation_tokens", "request_max_num_generation_tokens",
@@ -116,7 +120,15 @@ class EngineCollector:
                                  labels=list(info_labels))
         info.add_metric(list(info_labels.values()), 1)
         yield info
-        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
+        # vLLM's breakdown, which sums to num_requests_waiting: "capacity" (waiting for room) and
+        # "deferred" (held by a transient constraint: LoRA budget, remote KV, a grammar compiling).
+        # Nothing here defers a request so: its grammar is compiled before it reaches the engine.
+        vllm_reasons = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
+                                         "Waiting requests by vLLM's reason: capacity or deferred.", labels=["reason"])
+        vllm_reasons.add_metric(["capacity"], s.num_requests_waiting)
+        vllm_reasons.add_metric(["deferred"], 0)
+        yield vllm_reasons
+        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_wait_reason",
                                       "Waiting requests by what they wait for.", labels=["reason"])
         for reason, n in s.waiting_by_reason.items():
             by_reason.add_metric([reason], n)
@@ -127,6 +139,13 @@ class EngineCollector:
             for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
                 per_pos.add_metric([str(pos)], n)
             yield per_pos
+        # vLLM's sources; external_kv_transfer stays 0: no KV connector here
+        by_source = CounterMetricFamily(PREFIX + "prompt_tokens_by_source", "Prompt tokens of admitted requests by "
+                                        "source: computed, or held by the prefix cache.", labels=["source"])
+        by_source.add_metric(["local_compute"], s.prompt_tokens_local_compute)
+        by_source.add_metric(["local_cache_hit"], s.prompt_tokens_local_cache_hit)
+        by_source.add_metric(["external_kv_transfer"], 0)
+        yield by_source
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                       labels=["finished_reason"])
         for reason, n in s.request_success.items():

@@ -1,6 +1,6 @@
 """OpenAI's wire format, the server's half that needs no HTTP: a JSON body in (checked
 field by field, into token ids, SamplingParams and stop strings), logprobs out, and
-every refusal as an ApiError carrying OpenAI's error JSON. A chat request's messages
+every refusal as an ApiError carrying vLLM's error JSON. A chat request's messages
 reach the model through chat_format.py's render_chat.
 
 No aiohttp and no JAX here, so the rules can be read (and tested) on their own.
@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import math
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from sampling_params import SamplingParams, SLOTarget, StructuredOutputsParams
@@ -21,16 +22,24 @@ if TYPE_CHECKING:
     from outputs import TokenLogprob
 
 
-class ApiError(Exception):
-    """A request the server refuses: an HTTP status and OpenAI's error JSON."""
+# The error `type` of vLLM's create_error_response for a status (the OpenAI client's exception
+# name); another status is named as vLLM's HTTPException handler names it, by its phrase.
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableEntityError",
+                500: "InternalServerError", 501: "NotImplementedError"}
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+
+class ApiError(Exception):
+    """A request the server refuses: an HTTP status and vLLM's error JSON (its ErrorInfo:
+    message, type, param, and the status as `code`)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, type: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.param, self.type, self.code = status, param, type, code
+        self.status, self.param = status, param
+        phrase = next((s.phrase for s in HTTPStatus if s == status), "Error")
+        self.type = type or _ERROR_TYPES.get(status, phrase)
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
 
 
 # ---- requests in ------------------------------------------------------------------
@@ -312,6 +321,10 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     n = field(body, "n", (int,), 1)
     if not 1 <= n <= MAX_N:  # vLLM has no cap; one keeps a request's samples within a queue's reach
         raise ApiError(f"'n' must be in [1, {MAX_N}], got {n}", param="n")
+    if prompt_len >= max_model_len:  # vLLM's _validate_input: a prompt that leaves no room for one token
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                       f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+                       param="input_tokens")
     max_tokens, limit = field(body, "max_tokens", (int,)), "max_tokens"  # limit: the field it came from
     if chat and field(body, "max_completion_tokens", (int,)) is not None:  # the newer name wins (as vLLM)
         max_tokens, limit = body["max_completion_tokens"], "max_completion_tokens"

@@ -351,8 +351,7 @@ def _error(e: ApiError) -> Response:
 
 
 def _replica_died(e: BaseException) -> ApiError:
-    return ApiError(f"the replica serving this request failed ({type(e).__name__}); retry it", 503,
-                    type="service_unavailable", code="replica_failed")
+    return ApiError(f"the replica serving this request failed ({type(e).__name__}); retry it", 503)
 
 
 @serve.deployment(name="Ingress", num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
@@ -470,7 +469,7 @@ class Ingress:
     async def reset_every_prefix_cache(self, path: str, headers: tuple) -> Response:
         answers = await self._each_replica("POST", path, headers)
         if not answers:
-            return _error(ApiError("no replica is ready", 503, type="service_unavailable"))
+            return _error(ApiError("no replica is ready", 503))
         status, body = max(answers.values(), key=lambda a: a[0])  # any refusal wins over the 200s
         return Response(body, status_code=status, media_type="application/json" if body else None)
 

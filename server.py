@@ -68,7 +68,8 @@ LOG_STATS_INTERVAL = 10.0  # seconds between two stats lines (vLLM's VLLM_LOG_ST
 async def read_body(request: web.Request) -> dict:
     # vLLM's validate_json_request (its 400): a body is JSON, and says so
     if request.content_type != "application/json":  # the media type alone: "; charset=utf-8" is fine
-        raise ApiError("Unsupported Media Type: Only 'application/json' is allowed")
+        # vLLM's validate_json_request: its RequestValidationError handler names the type by the phrase
+        raise ApiError("Unsupported Media Type: Only 'application/json' is allowed", type="Bad Request")
     if (request.content_length or 0) > MAX_BODY_BYTES:  # announced: refused before any of it is awaited
         raise ApiError(f"Maximum request body size {MAX_BODY_BYTES} exceeded, actual body size "
                        f"{request.content_length}", 413)
@@ -80,8 +81,8 @@ async def read_body(request: web.Request) -> dict:
         raise ApiError("request body must be a JSON object")
     model = field(body, "model", (str,))
     if model is not None and model not in request.app["model_names"]:
-        raise ApiError(f"model '{model}' does not exist; this server serves {request.app['model_names']}",
-                       status=404, param="model", type="not_found_error", code="model_not_found")
+        raise ApiError(f"The model `{model}` does not exist. This server serves {request.app['model_names']}.",
+                       status=404, param="model")
     return body
 
 
@@ -188,7 +189,7 @@ async def health(request: web.Request) -> web.Response:
     # The server listens only once the engine has warmed up (AsyncEngine.__init__).
     error = request.app["engine"].error
     if error is not None:
-        raise ApiError(f"the engine loop died: {error!r}", 503, type="service_unavailable")
+        raise ApiError(f"the engine loop died: {error!r}", 503)
     return web.json_response({"status": "ok"})
 
 
@@ -200,10 +201,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     try:
         ok = await request.app["engine"].reset_prefix_cache()
     except RuntimeError as e:  # shutting down, or the engine loop died
-        raise ApiError(str(e), status=503, type="service_unavailable") from e
+        raise ApiError(str(e), status=503) from e
     if not ok:
-        raise ApiError("the prefix cache cannot be reset while requests hold KV blocks; retry when idle", 409,
-                       type="conflict_error")
+        raise ApiError("the prefix cache cannot be reset while requests hold KV blocks; retry when idle", 409)
     return web.Response(status=200)
 
 
@@ -233,12 +233,11 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
     app = request.app
     try:
         if app["stopping"].is_set():
-            raise ApiError("server is shutting down", status=503, type="service_unavailable")
+            raise ApiError("server is shutting down", status=503)
         keys, path = app["api_keys"], route_path(request.path, app["root_path"])
         if keys and (path.startswith("/v1/") or path == "/reset_prefix_cache") and \
                 not any([api_key_matches(request.headers.get("Authorization", ""), k) for k in keys]):  # each compared
-            raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
-                           type="authentication_error", code="invalid_api_key")
+            raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401)
         await redirect_slashes(request, path)
         task = asyncio.current_task()  # admitted: a shutdown lets it finish (--shutdown-timeout)
         app["in_flight"].add(task)
@@ -261,7 +260,7 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         return web.Response(status=499)
     except Exception:
         log.exception("error serving %s %s", request.method, request.path)
-        error = ApiError("internal server error (see the server log)", 500, type="internal_server_error")
+        error = ApiError("internal server error (see the server log)", 500)
     return web.json_response(error.body(), status=error.status)
 
 

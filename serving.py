@@ -521,8 +521,7 @@ async def stream_response(request: web.Request, head: dict, choices: list[Choice
     except ConnectionResetError:
         return response  # the client left; the request is aborted already
     except Exception as e:  # the status line is gone: report the error in the stream
-        err = e if isinstance(e, ApiError) else ApiError("internal server error (see the server log)", 500,
-                                                         type="internal_server_error")
+        err = e if isinstance(e, ApiError) else ApiError("internal server error (see the server log)", 500)
         if err is not e:
             log.exception("error while streaming %s", head["id"])
         await response.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")

@@ -280,7 +280,7 @@ METRIC_ALIASES: dict[str, tuple[str, ...]] = {
     "preemptions": ("taxirank:num_preemptions_total", "vllm:num_preemptions_total"),
     "num_kv_blocks": ("taxirank:num_kv_blocks",),
 }
-WAITING_BY_REASON = "taxirank:num_requests_waiting_by_reason"
+WAITING_BY_REASON = "taxirank:num_requests_waiting_by_wait_reason"
 _LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)')  # a comment line never matches
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 

@@ -547,7 +547,7 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
               "Client-side TTFT, ITL and e2e; tok/s: output tokens from the first request sent to the last token. "
               "`server cores`: the server's CPU seconds over the run's wall time. `-`: not measured. A sharp fall of "
               f"short-request p99 at half max_model_len: >= {SHARP}x; waits from "
-              "`taxirank:num_requests_waiting_by_reason`.",
+              "`taxirank:num_requests_waiting_by_wait_reason`.",
               ""]
     lo_hi = st["prompt_len"].replace(",", "..")
     prompts = (f"{lo_hi} words of generated prose" if st.get("prompt_kind") == "text"

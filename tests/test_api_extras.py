@@ -172,7 +172,7 @@ def test_chat_is_truncated_after_its_template(app) -> None:
 def test_truncate_prompt_tokens_minus_one_keeps_what_the_context_leaves(app) -> None:
     post, _ = app
     status, text, _ = post(C, {"prompt": LONG, "max_tokens": 4})
-    assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens", text  # 136 + 4 > 128
+    assert status == 400 and json.loads(text)["error"]["param"] == "input_tokens", text  # 136 >= 128: vLLM names the prompt
     status, text, _ = post(C, {"prompt": LONG, "max_tokens": 4, "truncate_prompt_tokens": -1})
     assert status == 200 and json.loads(text)["usage"]["prompt_tokens"] == 124, text
     # completions' max_tokens default (16) counts, as vLLM's

@@ -139,8 +139,8 @@ def test_a_body_not_declared_json_is_vllm_s_400(post) -> None:
         for path in (C, CHAT):
             status, text = post(path, raw=raw, headers=headers)
             err = strict_json(text)["error"]
-            assert status == 400 and err["message"] == "Unsupported Media Type: Only 'application/json' is allowed"
-            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+            assert status == 400 and err == {"message": "Unsupported Media Type: Only 'application/json' is allowed",
+                                             "type": "Bad Request", "param": None, "code": 400}  # vLLM's handler
     for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON"):  # what clients send
         status, text = post(C, raw=raw, headers={"Content-Type": ctype})
         assert status == 200, (ctype, text)

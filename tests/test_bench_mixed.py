@@ -28,8 +28,8 @@ def test_parse_metrics_reads_taxirank_and_vllm_names():
         "# HELP taxirank:num_requests_running Requests in the running batch.\n"
         "taxirank:num_requests_running 3.0\ntaxirank:num_requests_waiting 5.0\n"
         "taxirank:kv_cache_usage_perc 0.5\ntaxirank:num_preemptions_total 2.0\ntaxirank:num_kv_blocks 1024.0\n"
-        'taxirank:num_requests_waiting_by_reason{reason="kv_blocks"} 4.0\n'
-        'taxirank:num_requests_waiting_by_reason{reason="max_num_seqs"} 1.0\n'))
+        'taxirank:num_requests_waiting_by_wait_reason{reason="kv_blocks"} 4.0\n'
+        'taxirank:num_requests_waiting_by_wait_reason{reason="max_num_seqs"} 1.0\n'))
     assert taxirank == {"running": 3.0, "waiting": 5.0, "kv_usage": 0.5, "preemptions": 2.0, "num_kv_blocks": 1024.0,
                         "waiting_by_reason": {"kv_blocks": 4.0, "max_num_seqs": 1.0}}
     vllm = mixed.pick(mixed.parse_metrics(

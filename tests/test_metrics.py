@@ -32,7 +32,8 @@ EXPORTED = {
     "taxirank:kv_cache_bytes": ("gauge", "Device bytes of the KV cache, a draft model's included, from the "
                                          "arrays' shards (all local devices)."),
     "taxirank:cache_config_info": ("gauge", "KV cache configuration as labels (value 1)."),
-    "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by what they wait for."),
+    "taxirank:num_requests_waiting_by_reason": ("gauge", "Waiting requests by vLLM's reason: capacity or deferred."),
+    "taxirank:num_requests_waiting_by_wait_reason": ("gauge", "Waiting requests by what they wait for."),
     "taxirank:num_preemptions": ("counter", "Sequences preempted (recompute or swap)."),
     "taxirank:recomputed_tokens": ("counter", "Tokens computed again after a preemption dropped them."),
     "taxirank:swapped_out_blocks": ("counter", "KV blocks copied to the host pool by swap preemption."),
@@ -41,6 +42,9 @@ EXPORTED = {
     "taxirank:swapped_in_bytes": ("counter", "Bytes of KV copied back from the host pool."),
     "taxirank:swap_fallbacks": ("counter", "Swap preemptions that recomputed: the host pool was full."),
     "taxirank:prompt_tokens": ("counter", "Prompt tokens of admitted requests."),
+    "taxirank:prompt_tokens_cached": ("counter", "Prompt tokens of admitted requests the prefix cache served."),
+    "taxirank:prompt_tokens_by_source": ("counter", "Prompt tokens of admitted requests by source: computed, or "
+                                                    "held by the prefix cache."),
     "taxirank:generation_tokens": ("counter", "Generated tokens."),
     "taxirank:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache (first admissions)."),
     "taxirank:prefix_cache_hits": ("counter", "Prompt tokens served from the prefix cache (first admissions)."),
@@ -68,10 +72,13 @@ EXPORTED = {
     "taxirank:inter_token_latency_seconds": ("histogram", "Time between consecutive output tokens."),
     "taxirank:e2e_request_latency_seconds": ("histogram", "Arrival to last token."),
     "taxirank:request_queue_time_seconds": ("histogram", "Arrival to first scheduled."),
-    "taxirank:iteration_tokens_total": ("histogram", "Tokens per engine step: prompts completed and tokens generated."),
+    "taxirank:iteration_tokens_total": ("histogram", "Tokens per engine step: computed tokens of prompts completed, "
+                                                     "and tokens generated."),
     "taxirank:request_prompt_tokens": ("histogram", "Prompt tokens per finished request."),
     "taxirank:request_generation_tokens": ("histogram", "Generated tokens per finished request."),
     "taxirank:request_params_max_tokens": ("histogram", "The max_tokens parameter per finished request."),
+    "taxirank:request_prefill_kv_computed_tokens": ("histogram", "Prompt tokens computed per finished request (its "
+                                                                 "prefix-cache hit excluded)."),
     "taxirank:request_params_n": ("histogram", "The n parameter per finished request."),
     "taxirank:request_max_num_generation_tokens": (
         "histogram", "Per finished request: the most tokens one of its n samples generated."),
@@ -105,6 +112,7 @@ BUCKETS = {
     "taxirank:request_prompt_tokens": TOKENS,
     "taxirank:request_generation_tokens": TOKENS,
     "taxirank:request_params_max_tokens": TOKENS,
+    "taxirank:request_prefill_kv_computed_tokens": TOKENS,
     "taxirank:request_max_num_generation_tokens": TOKENS,
     "taxirank:request_params_n": [1, 2, 5, 10, 20],
     "taxirank:request_time_per_output_token_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -113,10 +121,14 @@ BUCKETS = {
     "taxirank:request_prefill_time_seconds": E2E,
     "taxirank:request_decode_time_seconds": E2E,
 }
-# the scheduler's reasons and the static batching's (policy.Static.wait_reason)
-LABELS = {"taxirank:num_requests_waiting_by_reason": ("reason", {"kv_blocks", "max_num_seqs", "token_budget",
-                                                                 "policy", "static_batch"}),
-          "taxirank:request_success": ("finished_reason", {"stop", "length", "abort", "error"})}
+# vLLM's reasons (its loggers.py WAITING_REASON_*); then the scheduler's and the static
+# batching's (policy.Static.wait_reason)
+LABELS = {"taxirank:num_requests_waiting_by_reason": ("reason", {"capacity", "deferred"}),
+          "taxirank:num_requests_waiting_by_wait_reason": ("reason", {"kv_blocks", "max_num_seqs", "token_budget",
+                                                                      "policy", "static_batch"}),
+          "taxirank:request_success": ("finished_reason", {"stop", "length", "abort", "error"}),
+          # vLLM's PromptTokenStats.ALL_SOURCES
+          "taxirank:prompt_tokens_by_source": ("source", {"local_compute", "local_cache_hit", "external_kv_transfer"})}
 
 
 def render(stats: EngineStats) -> dict:
@@ -144,6 +156,19 @@ def test_every_exported_name_type_help_and_bucket_bound_is_pinned():
     for name, (kind, _) in EXPORTED.items():
         suffixes = {"gauge": {""}, "counter": {"_total"}, "histogram": {"_bucket", "_sum", "_count"}}[kind]
         assert {s.name.removeprefix(name) for s in fams[name].samples} == suffixes, name
+
+
+def test_waiting_by_reason_is_vllms_capacity_and_deferred_summing_to_waiting():
+    """vLLM's num_requests_waiting_by_reason sums to num_requests_waiting over its two reasons;
+    nothing here defers a request as vLLM's do (LoRA, remote KV, a grammar compiling), so every
+    waiting request waits for capacity, whatever the scheduler says it waits for."""
+    stats = EngineStats(max_model_len=2048)
+    stats.num_requests_waiting = 5  # one just arrived: no schedule() has given it a wait reason yet
+    stats.waiting_by_reason = dict.fromkeys(stats.waiting_by_reason, 0) | {"kv_blocks": 3, "policy": 1}
+    got = samples(render(stats))
+    assert {k[1]: v for k, v in got.items() if k[0] == "taxirank:num_requests_waiting_by_reason"} == \
+        {(("reason", "capacity"),): 5, (("reason", "deferred"),): 0}
+    assert got[("taxirank:num_requests_waiting_by_wait_reason", (("reason", "kv_blocks"),))] == 3
 
 
 def test_spec_decode_counters_are_served_only_with_a_speculative_config():
@@ -230,8 +255,9 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
     assert 0 <= sums[0] <= sums[1] <= sums[2]
     steps = val("taxirank:num_steps_total")
     assert val("taxirank:iteration_tokens_total_count") <= steps  # a step that emitted nothing is not observed
-    assert val("taxirank:iteration_tokens_total_sum") == val("taxirank:prompt_tokens_total") + \
-        val("taxirank:generation_tokens_total")
+    computed = val("taxirank:prompt_tokens_by_source_total", source="local_compute")
+    assert val("taxirank:iteration_tokens_total_sum") == computed + val("taxirank:generation_tokens_total")
+    assert computed + val("taxirank:prompt_tokens_cached_total") == val("taxirank:prompt_tokens_total")
     assert val("taxirank:total_slot_steps_total") == 4 * steps
     assert val("taxirank:num_decode_steps_total") < steps
 
@@ -277,22 +303,31 @@ def test_per_request_histograms_sum_the_known_totals_and_the_requests_metrics():
 
 
 
-def test_iteration_tokens_are_vllm_v1s_completed_prompts_plus_generated_tokens():
-    """vLLM V1's iteration_tokens_total: per step that emitted a token, the whole prompts of
-    the requests whose first token came in it plus every token emitted; prompt chunks that
-    emit nothing are not observed. Counts known from the workload: a 20-token prompt in
-    chunks of 8, 8, 4 (the last with its first token), then two decodes -> 21, 1, 1; then
-    prompts of 3 and 4 tokens prefilled together -> 3 + 4 + 2 = 9, then 2, 2."""
+def test_iteration_tokens_are_vllm_v1s_computed_prompts_plus_generated_tokens():
+    """vLLM V1's iteration_tokens_total: per step that emitted a token, the computed prompt
+    tokens (a prefix-cache hit left out) of the requests whose first token came in it plus
+    every token emitted; prompt chunks that emit nothing are not observed. Counts known from
+    the workload: a 20-token prompt in chunks of 8, 8, 4 (the last with its first token),
+    then two decodes -> 21, 1, 1; then prompts of 3 and 4 tokens prefilled together -> 3 + 4
+    + 2 = 9, then 2, 2; then the 20-token prompt again, its first block (16 tokens) cached ->
+    4 + 1 = 5, then 1, 1. vLLM's prompt-token counters and prefill histogram say the same."""
     llm = LLM("tiny", log=lambda *_: None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=8,
-              num_kv_blocks=16, enable_prefix_caching=False, warmup=False)
+              num_kv_blocks=16, warmup=False)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     llm.generate([list(range(3, 23))], params)
     llm.generate([[5, 6, 7], [8, 9, 10, 11]], params)
-    h = llm.stats.snapshot().iteration_tokens
-    observed = [21, 1, 1, 9, 2, 2]
+    llm.generate([list(range(3, 23))], params)
+    s = llm.stats.snapshot()
+    h = s.iteration_tokens
+    observed = [21, 1, 1, 9, 2, 2, 5, 1, 1]
     assert (h.count, h.sum) == (len(observed), sum(observed))
     cum = dict(h.cumulative())
-    assert (cum[1], cum[8], cum[16], cum[32]) == (2, 4, 5, 6)
+    assert (cum[1], cum[8], cum[16], cum[32]) == (4, 7, 8, 9)
+    computed = 20 + 3 + 4 + (20 - 16)
+    assert (s.prompt_tokens, s.prompt_tokens_cached) == (47, 16)
+    assert (s.prompt_tokens_local_compute, s.prompt_tokens_local_cache_hit) == (computed, 16)
+    k = s.request_prefill_kv_computed_tokens
+    assert (k.count, k.sum) == (4, computed)
 
 # Values on and around the bucket bounds (Prometheus' `le`: a value equal to a bound
 # belongs to that bucket), far outside them, and anything in between.
@@ -396,8 +431,9 @@ def test_served_n_cache_config_info_and_their_exported_families():
         "swap_space": "4.0", "num_gpu_blocks_override": "64", "kv_cache_memory_bytes": "None",
         "num_gpu_blocks": "64", "num_cpu_blocks": "0"}
     assert {n: (f.type, f.documentation) for n, f in after.items()} == EXPORTED
-    assert {k for f in after.values() for s in f.samples for k in s.labels} - {"le", "reason", "finished_reason"} \
-        == {"model_name", "engine"} | set(info.labels)
+    own = {"le", "reason", "finished_reason", "source"}  # a family's own label
+    assert {k for f in after.values() for s in f.samples for k in s.labels} - own == {"model_name", "engine"} | \
+        set(info.labels)
     assert all(s.labels.get("model_name", "tiny") == "tiny" and s.labels["engine"] == "0"
                for f in after.values() for s in f.samples)
     assert [n for n, f in after.items() if any("model_name" not in s.labels for s in f.samples)] == \

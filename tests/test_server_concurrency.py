@@ -78,7 +78,7 @@ def test_a_stopping_server_answers_503_to_new_requests():
                 resp = await client.request(method, path, json=body)
                 err = json.loads(await resp.text())
                 assert resp.status == 503, (path, err)
-                assert err["error"]["type"] == "service_unavailable" and "shutting down" in err["error"]["message"]
+                assert err["error"]["type"] == "Service Unavailable" and "shutting down" in err["error"]["message"]
         await engine.shutdown()
 
     asyncio.run(main())
