@@ -310,13 +310,16 @@ def test_a_request_refused_past_the_body_checks_names_its_field(server: Server) 
 
 def test_a_request_http_cannot_parse_is_a_400_and_one_warning_line(server: Server) -> None:
     """Framing aiohttp's parser refuses (a bad chunk size, Content-Length beside chunked, a
-    negative length, a header past its limit) is its 400 before any handler runs; the log gets
-    one warning line for each, never a traceback, which any client could fill it with."""
+    negative length, a header past its limit) is its 400 before any handler runs, and a body
+    its Content-Encoding does not decode is the handler's (as vLLM's for a body that is not
+    JSON); the log gets one warning line for each, never a traceback, which any client could
+    fill it with."""
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
     bad = [b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
            b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
            b"Content-Length: -5\r\n\r\n",
-           b"X-Big: " + b"a" * 10_000 + b"\r\nContent-Length: 0\r\n\r\n"]
+           b"X-Big: " + b"a" * 10_000 + b"\r\nContent-Length: 0\r\n\r\n",
+           b"Content-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}"]
     before = server.log().count("invalid HTTP request")
     for tail in bad:
         with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
