@@ -128,6 +128,9 @@ MAX_REQUEST_ID_CHARS = 256  # vLLM has no cap; one keeps ids, logs and the echoe
 MAX_LOGIT_BIAS_TOKENS = MAX_ALLOWED_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 256  # vLLM has no cap; one keeps the tokenizing and the per-token prefix checks bounded
 MAX_BAD_WORD_CHARS = 256
+# vLLM's API cap on cache_salt and the characters it refuses in one (validate_cache_salt;
+# its cache backends use them as key separators)
+MAX_CACHE_SALT_CHARS, CACHE_SALT_FORBIDDEN = 128, frozenset("@/\\\x00")
 
 
 def integer(value: Any) -> int | None:
@@ -192,6 +195,17 @@ def client_request_id(body: dict, header: str | None) -> str | None:
             raise ApiError(f"'{name}' must be 1 to {MAX_REQUEST_ID_CHARS} printable characters",
                            param="request_id" if name == "request_id" else None)
     return header if header is not None else body.get("request_id")
+
+
+def cache_salt(body: dict) -> Any:
+    """The body's cache_salt, refused as vLLM's API refuses one (validate_cache_salt): over
+    MAX_CACHE_SALT_CHARS characters, or holding one of CACHE_SALT_FORBIDDEN. Whether it is a
+    non-empty string is the engine's check (sampling_params.check_cache_salt, offline too)."""
+    salt = body.get("cache_salt")
+    if isinstance(salt, str) and (len(salt) > MAX_CACHE_SALT_CHARS or not CACHE_SALT_FORBIDDEN.isdisjoint(salt)):
+        raise ApiError(f"Parameter 'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters and must not "
+                       "contain '@', '/', '\\\\', or NUL.", param="cache_salt")
+    return salt
 
 
 def prompt_batch(body: dict) -> list[str | list]:

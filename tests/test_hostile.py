@@ -122,10 +122,16 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, raw("{not json"), 400),
     (C, b"\xff\xfe{}", 400),
     (C, {"prompt": "hi", "store": True}, 400),  # an OpenAI field taxirank does not implement: refused
-    # vLLM's cache_salt: a non-empty string of any length (hashed once, into the first block's name)
+    # vLLM's cache_salt: a non-empty string of at most 128 characters, none of them '@', '/', '\\' or NUL
     (C, {"prompt": "hi", "cache_salt": ""}, 400),
     (CHAT, {"messages": MSG, "cache_salt": {"a": 1}}, 400),
-    (C, {"prompt": "hi", "cache_salt": "s" * 100_000, "max_tokens": 2}, 200),
+    (C, {"prompt": "hi", "cache_salt": "s" * 128, "max_tokens": 2}, 200),
+    (C, {"prompt": "hi", "cache_salt": "s" * 129}, 400),
+    (C, {"prompt": "hi", "cache_salt": "s" * 100_000}, 400),
+    (CHAT, {"messages": MSG, "cache_salt": "tenant@a"}, 400),
+    (C, {"prompt": "hi", "cache_salt": "a/b"}, 400),
+    (C, {"prompt": "hi", "cache_salt": "a\\b"}, 400),
+    (C, {"prompt": "hi", "cache_salt": "a\x00b"}, 400),
     (C, {"prompt": "hi", "cache_salt": "\u00e9\U0001F600", "max_tokens": 2}, 200),
     (CHAT, {"messages": MSG, "cache_salt": None, "max_tokens": 2}, 200),
     (CHAT, {"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}}, 400),
