@@ -120,7 +120,7 @@ MAX_N = 128  # samples of one request (each one engine request)
 # A request's prompts (completions take a batch; vLLM's VLLM_MAX_COMPLETION_PROMPTS is 1024),
 # and its engine requests, prompts times n (vLLM leaves that product uncapped)
 MAX_SAMPLES = 1024
-MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
+MAX_STOP_STRINGS = 4  # vLLM's VLLM_MAX_STOP_STRINGS default (OpenAI's documented limit too)
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_REQUEST_ID_CHARS = 256  # vLLM has no cap; one keeps ids, logs and the echoed header bounded

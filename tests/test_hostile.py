@@ -191,8 +191,10 @@ HOSTILE: list[tuple[str, object, int]] = [
             "echo": True, "max_tokens": 2}, 200),
     (CHAT, {"messages": [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "x"},
                          {"role": "user", "content": "hi"}], "max_tokens": 4}, 200),
-    # stop strings: capped in count and length
+    # stop strings: capped in count (vLLM's VLLM_MAX_STOP_STRINGS, 4) and length
     (C, {"prompt": "hi", "stop": ["s"] * 100}, 400),
+    (C, {"prompt": "hi", "stop": ["a", "b", "c", "d"], "max_tokens": 2}, 200),
+    (CHAT, {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400),
     (C, {"prompt": "hi", "stop": "x" * 10_000}, 400),
     (C, {"prompt": "hi", "stop": [""]}, 400),
     (C, {"prompt": "hi", "stop": ["a", 5]}, 400),
