@@ -126,7 +126,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_REQUEST_ID_CHARS = 256  # vLLM has no cap; one keeps ids, logs and the echoed header bounded
 # vLLM's GPU model runner's limits on the ids of logit_bias and allowed_token_ids
 MAX_LOGIT_BIAS_TOKENS = MAX_ALLOWED_TOKEN_IDS = 1024
-MAX_BAD_WORDS = 256  # vLLM has no cap; one keeps the tokenizing and the per-token prefix checks bounded
+MAX_BAD_WORDS = 256  # before tokenizing (the engine then takes vLLM's 128 token sequences): keeps that bounded
 MAX_BAD_WORD_CHARS = 256
 # vLLM's API cap on cache_salt and the characters it refuses in one (validate_cache_salt;
 # its cache backends use them as key separators)

@@ -101,6 +101,12 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, {"prompt": "hi", "bad_words": "hi"}, 400),
     (C, {"prompt": "hi", "bad_words": [5]}, 400),
     (C, {"prompt": "hi", "bad_words": ["x"] * 257}, 400),
+    # vLLM's caps on the words as token sequences (a byte each here): 128 of them, 1024 tokens in all
+    (C, {"prompt": "hi", "bad_words": [f"w{i}" for i in range(128)], "max_tokens": 2}, 200),
+    (C, {"prompt": "hi", "bad_words": [f"w{i}" for i in range(129)]}, 400),
+    (C, {"prompt": "hi", "bad_words": [c * 256 for c in "abcd"], "max_tokens": 2}, 200),
+    (CHAT, {"messages": MSG, "bad_words": [c * 256 for c in "abcde"]}, 400),
+    (C, {"prompt": "hi", "bad_words": ["x" * 256] * 5, "max_tokens": 2}, 200),  # one word, given 5 times
     (C, {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}, 400),
     (C, {"prompt": "hi", "allowed_token_ids": list(range(1025))}, 400),
     (C, {"prompt": "hi", "bad_words": ["\u00ff" * 100], "stop_token_ids": [2**80], "min_tokens": 2}, 200),
