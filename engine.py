@@ -27,7 +27,7 @@ import numpy as np
 
 from config import EngineConfig
 from hf_config import generation_sampling_defaults
-from logits_controls import controls_for, first_token_conflict
+from logits_controls import bad_words_token_ids, check_bad_words, controls_for, first_token_conflict
 from metrics import ParentRequest, RequestMetrics, StepTrace
 from outputs import RequestOutputDelta, TokenLogprob
 from reasoning_parsers import REASONING_PARSERS
@@ -156,6 +156,8 @@ class LLMEngine:
         if params.bad_words and self.tokenizer is None:
             raise ParamError("this model has no tokenizer, so bad_words cannot be tokenized: use allowed_token_ids "
                              "or logit_bias", "bad_words")
+        if params.bad_words:
+            check_bad_words(bad_words_token_ids(self.tokenizer, params.bad_words))
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
         if params.masks_tokens:

@@ -24,25 +24,41 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sampling_params import SamplingParams
+from sampling_params import ParamError, SamplingParams
 
 MIN_PENALTY_WIDTH = 16  # the narrowest sparse list; wider ones are powers of two
 F32_TINY, F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
+# vLLM's VLLM_MAX_NUM_BAD_WORDS and VLLM_MAX_BAD_WORDS_TOTAL_TOKENS defaults: a request's
+# bad words as token sequences (bad_words_token_ids), and their tokens in all
+MAX_NUM_BAD_WORDS, MAX_BAD_WORDS_TOTAL_TOKENS = 128, 1024
+
+
 def bad_words_token_ids(tokenizer: Any, bad_words: Sequence[str]) -> list[list[int]]:
     """Each bad word as token ids, as vLLM tokenizes it (SamplingParams.update_from_tokenizer):
-    as written (left-stripped), and with a leading space only where that spelling is a word
-    of its own, a new first token and as many tokens (" fox" as one token when "fox" is
-    two is not refused, as in vLLM)."""
+    a word given twice once, as written (left-stripped), and with a leading space only where
+    that spelling is a word of its own, a new first token and as many tokens (" fox" as one
+    token when "fox" is two is not refused, as in vLLM)."""
     out = []
-    for word in bad_words:
+    for word in dict.fromkeys(bad_words):
         plain, spaced = (tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False) for prefix in ("", " "))
         if plain:
             out.append([int(t) for t in plain])
         if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
             out.append([int(t) for t in spaced])
     return out
+
+
+def check_bad_words(token_ids: list[list[int]]) -> None:
+    """vLLM's 400 (its messages) for more bad-word token sequences, or tokens in all, than
+    its defaults take."""
+    if len(token_ids) > MAX_NUM_BAD_WORDS:
+        raise ParamError(f"Too many bad words: {len(token_ids)}. The max number is {MAX_NUM_BAD_WORDS}.", "bad_words")
+    total = sum(map(len, token_ids))
+    if total > MAX_BAD_WORDS_TOTAL_TOKENS:
+        raise ParamError(f"Too many total bad word tokens: {total}. The max is {MAX_BAD_WORDS_TOTAL_TOKENS}.",
+                         "bad_words")
 
 
 def penalty_width(n: int) -> int:

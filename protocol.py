@@ -129,14 +129,17 @@ MAX_N = 128  # samples of one request (each one engine request)
 # A request's prompts (completions take a batch; vLLM's VLLM_MAX_COMPLETION_PROMPTS is 1024),
 # and its engine requests, prompts times n (vLLM leaves that product uncapped)
 MAX_SAMPLES = 1024
-MAX_STOP_STRINGS = 32  # vLLM has no cap; one keeps the per-token stop matching bounded
+MAX_STOP_STRINGS = 4  # vLLM's VLLM_MAX_STOP_STRINGS default (OpenAI's documented limit too)
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_REQUEST_ID_CHARS = 256  # vLLM has no cap; one keeps ids, logs and the echoed header bounded
 # vLLM's GPU model runner's limits on the ids of logit_bias and allowed_token_ids
 MAX_LOGIT_BIAS_TOKENS = MAX_ALLOWED_TOKEN_IDS = 1024
-MAX_BAD_WORDS = 256  # vLLM has no cap; one keeps the tokenizing and the per-token prefix checks bounded
+MAX_BAD_WORDS = 256  # before tokenizing (the engine then takes vLLM's 128 token sequences): keeps that bounded
 MAX_BAD_WORD_CHARS = 256
+# vLLM's API cap on cache_salt and the characters it refuses in one (validate_cache_salt;
+# its cache backends use them as key separators)
+MAX_CACHE_SALT_CHARS, CACHE_SALT_FORBIDDEN = 128, frozenset("@/\\\x00")
 
 
 def integer(value: Any) -> int | None:
@@ -201,6 +204,17 @@ def client_request_id(body: dict, header: str | None) -> str | None:
             raise ApiError(f"'{name}' must be 1 to {MAX_REQUEST_ID_CHARS} printable characters",
                            param="request_id" if name == "request_id" else None)
     return header if header is not None else body.get("request_id")
+
+
+def cache_salt(body: dict) -> Any:
+    """The body's cache_salt, refused as vLLM's API refuses one (validate_cache_salt): over
+    MAX_CACHE_SALT_CHARS characters, or holding one of CACHE_SALT_FORBIDDEN. Whether it is a
+    non-empty string is the engine's check (sampling_params.check_cache_salt, offline too)."""
+    salt = body.get("cache_salt")
+    if isinstance(salt, str) and (len(salt) > MAX_CACHE_SALT_CHARS or not CACHE_SALT_FORBIDDEN.isdisjoint(salt)):
+        raise ApiError(f"Parameter 'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters and must not "
+                       "contain '@', '/', '\\\\', or NUL.", param="cache_salt")
+    return salt
 
 
 def prompt_batch(body: dict) -> list[str | list]:

@@ -50,7 +50,8 @@ class ParamError(ValueError):
 def check_cache_salt(salt: object) -> None:
     """vLLM's cache_salt (None: unsalted): a non-empty string, which keeps the request's
     prefix-cache blocks apart from those of requests without the same salt
-    (Scheduler._block_hashes). Hashed once per request, so no cap but the body's."""
+    (Scheduler._block_hashes). Hashed once per request: no cap here (an API request's is
+    protocol.cache_salt's, vLLM's)."""
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ParamError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
 

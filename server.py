@@ -76,7 +76,11 @@ async def read_body(request: web.Request) -> dict:
     # The bytes as JSON (UTF-8, or UTF-16/32 as RFC 8259's detection finds them), as vLLM
     # reads a body: a Content-Type charset is not read (aiohttp's request.json() would
     # decode by it, and a charset Python does not know would fail as a LookupError).
-    body = loads_checked(await request.read(), "request body")
+    try:
+        data = await request.read()
+    except web.RequestPayloadError as e:  # bytes its Content-Encoding (gzip, deflate) does not decode
+        raise ApiError(f"request body cannot be read: {payload_error(e)}") from e
+    body = loads_checked(data, "request body")
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object")
     model = field(body, "model", (str,))
@@ -84,6 +88,12 @@ async def read_body(request: web.Request) -> dict:
         raise ApiError(f"The model `{model}` does not exist. This server serves {request.app['model_names']}.",
                        status=404, param="model")
     return body
+
+
+def payload_error(e: web.RequestPayloadError) -> str:
+    """What aiohttp found wrong with a body as it read it, in one line."""
+    cause = e.__cause__
+    return (cause.message if isinstance(cause, HttpProcessingError) else str(e)).strip()
 
 
 async def off_loop(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
@@ -575,6 +585,8 @@ def quiet_bad_http(record: logging.LogRecord) -> bool:
     aiohttp answers with a 400 and logs at ERROR with a traceback, so any client could fill
     the log with them. It becomes one warning line, as uvicorn's (vLLM's) "Invalid HTTP request"."""
     exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, web.RequestPayloadError) and isinstance(exc.__cause__, HttpProcessingError):
+        exc = exc.__cause__  # a body read_body refused already, read again to end the request
     if isinstance(exc, HttpProcessingError):
         reason = (exc.message or type(exc).__name__).strip().splitlines()[0].rstrip(":")[:200]
         record.msg, record.args = "%s: invalid HTTP request (%s)", (record.getMessage(), reason)

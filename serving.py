@@ -23,8 +23,8 @@ from aiohttp import web
 
 from chat_format import text_part, thinking_enabled
 from generation import BeamGeneration, BeamSearchRun, Chunk, Generation
-from protocol import (INT64, MAX_SAMPLES, ApiError, chat_logprobs, client_request_id, completion_logprobs, field,
-                      parse_beam_search, parse_sampling, parse_slo, prompt_logprobs_json, request_field,
+from protocol import (INT64, MAX_SAMPLES, ApiError, cache_salt, chat_logprobs, client_request_id, completion_logprobs,
+                      field, parse_beam_search, parse_sampling, parse_slo, prompt_logprobs_json, request_field,
                       structured_field, truncate_prompt, unknown_fields)
 from sampling_params import SamplingParams
 from tool_parsers import ToolCallStream, ToolChoice
@@ -95,7 +95,7 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
         raise ApiError("'include_metrics' is for one prompt and n=1 (each sample is a request of its own)",
                        param="include_metrics")
     slo = parse_slo(body)
-    cache_salt = body.get("cache_salt")  # vLLM's: checked with the rest of the request (LLMEngine.validate)
+    salt = cache_salt(body)  # (its type: checked with the rest of the request, LLMEngine.validate)
     if app["log_requests"]:
         for rid, p, ids in zip(engine_ids, params, prompts):
             log_request(rid, p, ids, app["max_log_len"])
@@ -110,12 +110,12 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
             try:
                 if beam is not None:  # n is the beam width: n sequences of one search
                     run = BeamSearchRun(engine, EngineRequest(rid, ids, p, priority=priority, user=user, slo=slo,
-                                                              cache_salt=cache_salt), beam)
+                                                              cache_salt=salt), beam)
                     gens.extend(BeamGeneration(run, i) for i in range(n))
                 for sample_id, sp, parent in [] if beam else child_requests(rid, dataclasses.replace(p, n=n)):
                     sample = EngineRequest(request_id=sample_id, prompt_token_ids=ids, params=sp, priority=priority,
                                            user=user, slo=slo, grammar=grammar, parent=parent, thinking=thinking,
-                                           cache_salt=cache_salt)
+                                           cache_salt=salt)
                     gens.append(Generation(engine, sample, want_metrics))
             except ApiError as e:  # the engine names SamplingParams' fields: the 400 names the client's
                 e.param = request_field(e.param, body, chat)

@@ -101,6 +101,12 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, {"prompt": "hi", "bad_words": "hi"}, 400),
     (C, {"prompt": "hi", "bad_words": [5]}, 400),
     (C, {"prompt": "hi", "bad_words": ["x"] * 257}, 400),
+    # vLLM's caps on the words as token sequences (a byte each here): 128 of them, 1024 tokens in all
+    (C, {"prompt": "hi", "bad_words": [f"w{i}" for i in range(128)], "max_tokens": 2}, 200),
+    (C, {"prompt": "hi", "bad_words": [f"w{i}" for i in range(129)]}, 400),
+    (C, {"prompt": "hi", "bad_words": [c * 256 for c in "abcd"], "max_tokens": 2}, 200),
+    (CHAT, {"messages": MSG, "bad_words": [c * 256 for c in "abcde"]}, 400),
+    (C, {"prompt": "hi", "bad_words": ["x" * 256] * 5, "max_tokens": 2}, 200),  # one word, given 5 times
     (C, {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}, 400),
     (C, {"prompt": "hi", "allowed_token_ids": list(range(1025))}, 400),
     (C, {"prompt": "hi", "bad_words": ["\u00ff" * 100], "stop_token_ids": [2**80], "min_tokens": 2}, 200),
@@ -122,10 +128,16 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, raw("{not json"), 400),
     (C, b"\xff\xfe{}", 400),
     (C, {"prompt": "hi", "store": True}, 400),  # an OpenAI field taxirank does not implement: refused
-    # vLLM's cache_salt: a non-empty string of any length (hashed once, into the first block's name)
+    # vLLM's cache_salt: a non-empty string of at most 128 characters, none of them '@', '/', '\\' or NUL
     (C, {"prompt": "hi", "cache_salt": ""}, 400),
     (CHAT, {"messages": MSG, "cache_salt": {"a": 1}}, 400),
-    (C, {"prompt": "hi", "cache_salt": "s" * 100_000, "max_tokens": 2}, 200),
+    (C, {"prompt": "hi", "cache_salt": "s" * 128, "max_tokens": 2}, 200),
+    (C, {"prompt": "hi", "cache_salt": "s" * 129}, 400),
+    (C, {"prompt": "hi", "cache_salt": "s" * 100_000}, 400),
+    (CHAT, {"messages": MSG, "cache_salt": "tenant@a"}, 400),
+    (C, {"prompt": "hi", "cache_salt": "a/b"}, 400),
+    (C, {"prompt": "hi", "cache_salt": "a\\b"}, 400),
+    (C, {"prompt": "hi", "cache_salt": "a\x00b"}, 400),
     (C, {"prompt": "hi", "cache_salt": "\u00e9\U0001F600", "max_tokens": 2}, 200),
     (CHAT, {"messages": MSG, "cache_salt": None, "max_tokens": 2}, 200),
     (CHAT, {"messages": MSG, "audio": {"voice": "alloy", "format": "wav"}}, 400),
@@ -185,8 +197,10 @@ HOSTILE: list[tuple[str, object, int]] = [
             "echo": True, "max_tokens": 2}, 200),
     (CHAT, {"messages": [{"role": "system", "content": "be brief"}, {"role": "developer", "content": "x"},
                          {"role": "user", "content": "hi"}], "max_tokens": 4}, 200),
-    # stop strings: capped in count and length
+    # stop strings: capped in count (vLLM's VLLM_MAX_STOP_STRINGS, 4) and length
     (C, {"prompt": "hi", "stop": ["s"] * 100}, 400),
+    (C, {"prompt": "hi", "stop": ["a", "b", "c", "d"], "max_tokens": 2}, 200),
+    (CHAT, {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400),
     (C, {"prompt": "hi", "stop": "x" * 10_000}, 400),
     (C, {"prompt": "hi", "stop": [""]}, 400),
     (C, {"prompt": "hi", "stop": ["a", 5]}, 400),
@@ -310,13 +324,16 @@ def test_a_request_refused_past_the_body_checks_names_its_field(server: Server) 
 
 def test_a_request_http_cannot_parse_is_a_400_and_one_warning_line(server: Server) -> None:
     """Framing aiohttp's parser refuses (a bad chunk size, Content-Length beside chunked, a
-    negative length, a header past its limit) is its 400 before any handler runs; the log gets
-    one warning line for each, never a traceback, which any client could fill it with."""
+    negative length, a header past its limit) is its 400 before any handler runs, and a body
+    its Content-Encoding does not decode is the handler's (as vLLM's for a body that is not
+    JSON); the log gets one warning line for each, never a traceback, which any client could
+    fill it with."""
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
     bad = [b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
            b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
            b"Content-Length: -5\r\n\r\n",
-           b"X-Big: " + b"a" * 10_000 + b"\r\nContent-Length: 0\r\n\r\n"]
+           b"X-Big: " + b"a" * 10_000 + b"\r\nContent-Length: 0\r\n\r\n",
+           b"Content-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}"]
     before = server.log().count("invalid HTTP request")
     for tail in bad:
         with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
