@@ -223,8 +223,8 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)
     # vLLM's PromptTokenStats of the same prompts: the tokens the prefix cache served, and by
     # source those computed and those the cache held (the cached ones, plus the last prompt
-    # token when the cache held all the others: it is computed again for its logits; vLLM
-    # counts so a one-token prompt with no hit too, which here has none)
+    # token when the cache held all the others: it is computed again for its logits). vLLM
+    # also adds that one token to a one-token prompt with no hit, counting it twice; not here.
     prompt_tokens_cached: int = 0
     prompt_tokens_local_compute: int = 0
     prompt_tokens_local_cache_hit: int = 0

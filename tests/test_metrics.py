@@ -328,6 +328,14 @@ def test_iteration_tokens_are_vllm_v1s_computed_prompts_plus_generated_tokens():
     assert (s.prompt_tokens_local_compute, s.prompt_tokens_local_cache_hit) == (computed, 16)
     k = s.request_prefill_kv_computed_tokens
     assert (k.count, k.sum) == (4, computed)
+    # A 17-token prompt, then again with all but its last token cached (one block of 16): the
+    # last is computed again for its logits, and local_cache_hit counts it too, as vLLM's.
+    llm.generate([list(range(30, 47))], params)
+    llm.generate([list(range(30, 47))], params)
+    t = llm.stats.snapshot()
+    assert t.prompt_tokens_cached - s.prompt_tokens_cached == 16
+    assert t.prompt_tokens_local_compute - s.prompt_tokens_local_compute == 17 + 1
+    assert t.prompt_tokens_local_cache_hit - s.prompt_tokens_local_cache_hit == 16 + 1
 
 # Values on and around the bucket bounds (Prometheus' `le`: a value equal to a bound
 # belongs to that bucket), far outside them, and anything in between.
