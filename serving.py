@@ -65,6 +65,9 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
                              engine.sampling_defaults) for ids in prompts]
     beams = [parse_beam_search(body, p, engine.sampling_defaults, chat, tools) for p in params]
     stream, include_usage, continuous_usage = parse_stream_options(body, app["force_include_usage"])
+    # (cache_salt's type: checked with the rest of the request, LLMEngine.validate; its
+    # length and characters here, before a grammar is compiled for a request refused anyway)
+    salt = cache_salt(body)
     grammar = await compile_grammar(engine, params[0], body, tools)  # (every prompt's one constraint)
     request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
     # vLLM's engine ids of a batch's prompts: the request's, each with its index
@@ -95,7 +98,6 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
         raise ApiError("'include_metrics' is for one prompt and n=1 (each sample is a request of its own)",
                        param="include_metrics")
     slo = parse_slo(body)
-    salt = cache_salt(body)  # (its type: checked with the rest of the request, LLMEngine.validate)
     if app["log_requests"]:
         for rid, p, ids in zip(engine_ids, params, prompts):
             log_request(rid, p, ids, app["max_log_len"])
