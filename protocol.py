@@ -333,7 +333,8 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
                 raise ApiError(f"'{name}' is a chat completions field; /v1/completions takes '{instead}'",
                                param=name)
     n = field(body, "n", (int,), 1)
-    if not 1 <= n <= MAX_N:  # vLLM has no cap; one keeps a request's samples within a queue's reach
+    # vLLM's cap (VLLM_MAX_N_SEQUENCES) is 16384: a lower one keeps a request's samples within a queue's reach
+    if not 1 <= n <= MAX_N:
         raise ApiError(f"'n' must be in [1, {MAX_N}], got {n}", param="n")
     if prompt_len >= max_model_len:  # vLLM's _validate_input: a prompt that leaves no room for one token
         raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
@@ -345,7 +346,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     # Chat: whatever room the context leaves; completions: 16, left out or null (vLLM's
     # normalize_null_max_tokens: a client's null must not run to the end of the context).
     if max_tokens is None:
-        max_tokens = max(max_model_len - prompt_len, 1) if chat else 16
+        max_tokens = max_model_len - prompt_len if chat else 16  # (the prompt leaves room: checked above)
     if max_tokens <= 0:
         raise ApiError(f"'{limit}' must be at least 1, got {max_tokens}", param=limit)
     if prompt_len + max_tokens > max_model_len:
