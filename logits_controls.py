@@ -51,8 +51,9 @@ def bad_words_token_ids(tokenizer: Any, bad_words: Sequence[str]) -> list[list[i
 
 
 def check_bad_words(token_ids: list[list[int]]) -> None:
-    """vLLM's 400 (its messages) for more bad-word token sequences, or tokens in all, than
-    its defaults take."""
+    """vLLM's caps on bad words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS),
+    with its GPU worker's messages: here both are a 400 as the request enters, where vLLM
+    refuses the count there and the total only in its worker."""
     if len(token_ids) > MAX_NUM_BAD_WORDS:
         raise ParamError(f"Too many bad words: {len(token_ids)}. The max number is {MAX_NUM_BAD_WORDS}.", "bad_words")
     total = sum(map(len, token_ids))

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.description = "taxirank: OpenAI-compatible server, N replicas under Ray Serve"
     for action in p._actions:  # server.py's words for these would promise what the proxy does not do
         if action.dest in NOT_UNDER_RAY:
-            action.help = "refused under Ray Serve: its proxy serves plain HTTP at --host and --port"
+            action.help = ("refused under Ray Serve unless left at its default: its proxy serves plain HTTP at "
+                           "--host and --port")
     g = p.add_argument_group("Ray Serve")
     g.add_argument("--num-replicas", type=int, help="fixed number of engine replicas, exclusive with "
                    "--min-replicas/--max-replicas; None: 1 (without them)")

@@ -7,8 +7,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
 GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache,
-POST /tokenize, POST /detokenize, GET /version; each also under --root-path, and a path that differs from one by a trailing slash is a 307
-to it (FastAPI's routing, as vLLM's server answers).
+POST /tokenize, POST /detokenize, GET /version; each also under --root-path, and a path
+that differs from one by a trailing slash is a 307 to it (FastAPI's routing, as vLLM's
+server answers).
 
 This module is the HTTP app: the handlers (which tokenize prompts, chat templates included,
 off the event loop), the API key, routing, start-up and shutdown. Beside it, serving.py turns
@@ -239,7 +240,7 @@ def api_key_matches(authorization: str, key: str) -> bool:
 
 @web.middleware
 async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Shutdown, --api-key and every error as OpenAI's error JSON, never a crash."""
+    """Shutdown, --api-key and every error as vLLM's error JSON, never a crash."""
     app = request.app
     try:
         if app["stopping"].is_set():
