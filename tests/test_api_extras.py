@@ -361,6 +361,30 @@ def test_chat_echo_puts_the_last_message_before_the_answer_when_its_role_is_the_
         assert "".join(deltas) == prefix + plain and (not prefix or deltas[1] == prefix), deltas
 
 
+def test_a_chat_echo_scores_the_prompt_in_the_response_s_prompt_logprobs_as_vllm(app) -> None:
+    """vLLM's ChatCompletionRequest.to_sampling_params: echo without prompt_logprobs asks
+    top_logprobs' (0 when left out, whether or not logprobs is set), so a whole answer's
+    top-level prompt_logprobs score each prompt token (the first null) with top_logprobs
+    alternatives; a null top_logprobs asks none. Streamed, the same request is served (its
+    prompt_logprobs have no place there)."""
+    post, _ = app
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ab"}], "echo": True,
+            "max_tokens": 2, "temperature": 0.0, "return_token_ids": True}
+    for extra, top in (({}, 0), ({"logprobs": True, "top_logprobs": 2}, 2)):
+        status, text, _ = post(CHAT, body | extra)
+        out = json.loads(text)
+        assert status == 200 and out["prompt_logprobs"][0] is None, text
+        ids, scored = out["prompt_token_ids"], out["prompt_logprobs"][1:]
+        assert len(scored) == len(ids) - 1 == out["usage"]["prompt_tokens"] - 1
+        for token, entry in zip(ids[1:], scored):
+            assert str(token) in entry and len(entry) in (top, top + 1), entry  # the token, and the top ones
+            assert entry[str(token)]["logprob"] <= 0 and entry[str(token)]["rank"] >= 1
+    status, text, _ = post(CHAT, body | {"top_logprobs": None})
+    assert status == 200 and json.loads(text)["prompt_logprobs"] is None, text
+    status, text, _ = post(CHAT, body | {"stream": True})
+    assert status == 200 and events(text)[-1]["choices"][0]["finish_reason"] == "length", text
+
+
 # ---- return_token_ids, return_tokens_as_token_ids ---------------------------------------------
 
 ASCII = {"structured_outputs": {"regex": "[a-z]{8}"}, "max_tokens": 8, "temperature": 0.0}  # one byte per token
