@@ -474,8 +474,11 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
     """The response as one JSON object, once every choice has ended (details:
     --enable-prompt-tokens-details)."""
     await all_of(c.collect() for c in choices)
+    # vLLM's UsageInfo, dumped whole: completion_tokens_details is null (it counts reasoning
+    # tokens under a --reasoning-parser, which this server does not)
     use = usage(choices, details)
     use.setdefault("prompt_tokens_details", None)
+    use["completion_tokens_details"] = None
     # the rest of vLLM's CompletionResponse or ChatCompletionResponse, null where unused (it dumps its None fields)
     tail = {"service_tier": None, "system_fingerprint": None, "usage": use}
     if form.chat:
@@ -544,8 +547,11 @@ class EventStream:
 
     def usage_so_far(self, choice: Choice) -> dict:
         """vLLM's continuous_usage_stats: every chunk carries the usage so far of the choice it
-        is a chunk of (its own tokens, not its siblings'; the final usage chunk sums them)."""
-        return {"usage": usage([choice])} if self.continuous_usage else {}  # (no prompt_tokens_details)
+        is a chunk of (its own tokens, not its siblings'; the final usage chunk sums them). A
+        chat chunk's has vLLM's completion_tokens_details, null (set, so dumped), a completion's not."""
+        if not self.continuous_usage:
+            return {}
+        return {"usage": usage([choice]) | ({"completion_tokens_details": None} if choice.form.chat else {})}
 
     async def open_messages(self) -> None:
         """A chat answer's first chunks, per choice: its role, with the prompt's ids (null
