@@ -556,15 +556,16 @@ class EventStream:
     async def open_messages(self) -> None:
         """A chat answer's first chunks, per choice: its role, with the prompt's ids (null
         unless asked) and prompt_text (null: return_prompt_text is refused), as vLLM sets
-        them on each choice's first chunk, then the echoed message, a chunk of its own."""
+        them on each choice's first chunk; then, once every choice has its role, the echoed
+        message, a chunk of its own per choice."""
         form = self.choices[0].form
         prompt = {"prompt_token_ids": form.prompt_ids if form.return_ids else None, "prompt_text": None}
         for c in self.choices:
             await self.send([{"index": c.index, "delta": {"role": form.role, "content": ""}, "logprobs": None,
                               "finish_reason": None}], **self.usage_so_far(c), **prompt)
-            if form.echoed:
-                await self.send([{"index": c.index, "delta": {"content": form.echoed}, "logprobs": None,
-                                  "finish_reason": None}], **self.usage_so_far(c))
+        for c in self.choices if form.echoed else ():
+            await self.send([{"index": c.index, "delta": {"content": form.echoed}, "logprobs": None,
+                              "finish_reason": None}], **self.usage_so_far(c))
 
     async def send_choice(self, choice: Choice) -> None:
         """One choice's chunks, sent as they come; without usage, the metrics ride on the
