@@ -674,11 +674,14 @@ def prompt_logprobs_json(tokenizer: Any, lps: list[TokenLogprob | None]) -> list
 def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], as_ids: bool = False) -> dict:
     """Chat's logprobs: per token its own and a top_logprobs list of `top_logprobs`
     entries, vLLM's: the first of the sampled token and then the top ones (the most
-    likely `top_logprobs` when the sampled token is among them, as it is in greedy decoding)."""
-    def entry(token_id: int, logprob: float) -> dict:
+    likely `top_logprobs` when the sampled token is among them, as it is in greedy decoding).
+    as_ids: tokens as "token_id:N"; a sampled token's bytes stay its text's, vLLM's (its
+    decoded_token's), and a top entry's are its token's."""
+    def entry(token_id: int, logprob: float, sampled: bool = False) -> dict:
         text = token_text(tokenizer, token_id, as_ids)
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
-    return {"content": [entry(lp.token_id, lp.logprob) | {
+        raw = token_text(tokenizer, token_id) if sampled else text
+        return {"token": text, "logprob": finite(logprob), "bytes": list(raw.encode())}
+    return {"content": [entry(lp.token_id, lp.logprob, sampled=True) | {
         "top_logprobs": [entry(t, v) for t, v in itertools.islice(_with_sampled(lp).items(), len(lp.top))]}
         for lp in lps]}
 

@@ -471,7 +471,10 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(app) -> None:
     choice = json.loads(post(CHAT, body)[1])["choices"][0]
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
-    assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
+    assert len(content) == len(choice["message"]["content"]) and all(len(c["top_logprobs"]) == 2 for c in content)
+    # vLLM's bytes: a sampled token's are its text's (decoded_token), a top entry's its "token_id:N"'s
+    assert [c["bytes"] for c in content] == [list(ch.encode()) for ch in choice["message"]["content"]]
+    assert all(t["bytes"] == list(t["token"].encode()) for c in content for t in c["top_logprobs"])
     # --return-tokens-as-token-ids: the server's default, which a request's false overrides (vLLM's)
     body = {"prompt": "go", "logprobs": 0, "return_token_ids": True} | ASCII
     choice = json.loads(post(C, body, flagged=True)[1])["choices"][0]
