@@ -548,7 +548,8 @@ class EventStream:
     def usage_so_far(self, choice: Choice) -> dict:
         """vLLM's continuous_usage_stats: every chunk carries the usage so far of the choice it
         is a chunk of (its own tokens, not its siblings'; the final usage chunk sums them). A
-        chat chunk's has vLLM's completion_tokens_details, null (set, so dumped), a completion's not."""
+        chat chunk's has vLLM's completion_tokens_details, null (set, so dumped), a completion's
+        not; neither has prompt_tokens_details."""
         if not self.continuous_usage:
             return {}
         return {"usage": usage([choice]) | ({"completion_tokens_details": None} if choice.form.chat else {})}
