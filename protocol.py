@@ -393,8 +393,12 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     if prompt_logprobs is not None and prompt_logprobs != 0 and field(body, "stream", (bool,), False):
         # vLLM's: a stream has no place for them (an echo's, asked by `logprobs`, go in its first chunk)
         raise ApiError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
-    if field(body, "echo", (bool,), False) and not chat and prompt_logprobs is None:
-        prompt_logprobs = logprobs  # vLLM's: the echoed prompt's tokens get logprobs as the completion's do
+    if field(body, "echo", (bool,), False) and prompt_logprobs is None:
+        # vLLM's: the echoed prompt's tokens get logprobs as the completion's do; a chat echo's
+        # are top_logprobs' whether or not logprobs is asked (0 when left out, none when null),
+        # which fills the response's prompt_logprobs
+        prompt_logprobs = field(body, "top_logprobs", (int,), None if "top_logprobs" in body else 0) if chat \
+            else logprobs
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -670,11 +674,14 @@ def prompt_logprobs_json(tokenizer: Any, lps: list[TokenLogprob | None]) -> list
 def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], as_ids: bool = False) -> dict:
     """Chat's logprobs: per token its own and a top_logprobs list of `top_logprobs`
     entries, vLLM's: the first of the sampled token and then the top ones (the most
-    likely `top_logprobs` when the sampled token is among them, as it is in greedy decoding)."""
-    def entry(token_id: int, logprob: float) -> dict:
+    likely `top_logprobs` when the sampled token is among them, as it is in greedy decoding).
+    as_ids: tokens as "token_id:N"; a sampled token's bytes stay its text's, vLLM's (its
+    decoded_token's), and a top entry's are its token's."""
+    def entry(token_id: int, logprob: float, sampled: bool = False) -> dict:
         text = token_text(tokenizer, token_id, as_ids)
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
-    return {"content": [entry(lp.token_id, lp.logprob) | {
+        raw = token_text(tokenizer, token_id) if sampled else text
+        return {"token": text, "logprob": finite(logprob), "bytes": list(raw.encode())}
+    return {"content": [entry(lp.token_id, lp.logprob, sampled=True) | {
         "top_logprobs": [entry(t, v) for t, v in itertools.islice(_with_sampled(lp).items(), len(lp.top))]}
         for lp in lps]}
 
@@ -710,6 +717,9 @@ def parse_beam_search(body: dict, params: SamplingParams, defaults: dict[str, An
         return None
     if not math.isfinite(length_penalty):
         raise ApiError(f"'length_penalty' must be a finite number, got {length_penalty}", param="length_penalty")
+    for name in ("echo", "include_metrics"):  # (before the fields: echo sets prompt_logprobs)
+        if field(body, name, (bool,), False):
+            raise ApiError(f"'{name}' is not supported with use_beam_search", param=name)
     plain = SamplingParams(**{**defaults, **{f: getattr(params, f) for f in BEAM_SEARCH_FIELDS}})
     for f in dataclasses.fields(SamplingParams):
         if getattr(params, f.name) != getattr(plain, f.name):
@@ -717,9 +727,6 @@ def parse_beam_search(body: dict, params: SamplingParams, defaults: dict[str, An
                 name = structured_field(body, tools) or f.name
             else:
                 name = request_field(f.name, body, chat) or f.name
-            raise ApiError(f"'{name}' is not supported with use_beam_search", param=name)
-    for name in ("echo", "include_metrics"):
-        if field(body, name, (bool,), False):
             raise ApiError(f"'{name}' is not supported with use_beam_search", param=name)
     return dict(beam_width=field(body, "n", (int,), 1), max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                 temperature=params.temperature, length_penalty=float(length_penalty),

@@ -474,8 +474,11 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
     """The response as one JSON object, once every choice has ended (details:
     --enable-prompt-tokens-details)."""
     await all_of(c.collect() for c in choices)
+    # vLLM's UsageInfo, dumped whole: completion_tokens_details is null (it counts reasoning
+    # tokens under a --reasoning-parser, which this server does not)
     use = usage(choices, details)
     use.setdefault("prompt_tokens_details", None)
+    use["completion_tokens_details"] = None
     # the rest of vLLM's CompletionResponse or ChatCompletionResponse, null where unused (it dumps its None fields)
     tail = {"service_tier": None, "system_fingerprint": None, "usage": use}
     if form.chat:
@@ -544,21 +547,26 @@ class EventStream:
 
     def usage_so_far(self, choice: Choice) -> dict:
         """vLLM's continuous_usage_stats: every chunk carries the usage so far of the choice it
-        is a chunk of (its own tokens, not its siblings'; the final usage chunk sums them)."""
-        return {"usage": usage([choice])} if self.continuous_usage else {}  # (no prompt_tokens_details)
+        is a chunk of (its own tokens, not its siblings'; the final usage chunk sums them). A
+        chat chunk's has vLLM's completion_tokens_details, null (set, so dumped), a completion's
+        not; neither has prompt_tokens_details."""
+        if not self.continuous_usage:
+            return {}
+        return {"usage": usage([choice]) | ({"completion_tokens_details": None} if choice.form.chat else {})}
 
     async def open_messages(self) -> None:
         """A chat answer's first chunks, per choice: its role, with the prompt's ids (null
         unless asked) and prompt_text (null: return_prompt_text is refused), as vLLM sets
-        them on each choice's first chunk, then the echoed message, a chunk of its own."""
+        them on each choice's first chunk; then, once every choice has its role, the echoed
+        message, a chunk of its own per choice."""
         form = self.choices[0].form
         prompt = {"prompt_token_ids": form.prompt_ids if form.return_ids else None, "prompt_text": None}
         for c in self.choices:
             await self.send([{"index": c.index, "delta": {"role": form.role, "content": ""}, "logprobs": None,
                               "finish_reason": None}], **self.usage_so_far(c), **prompt)
-            if form.echoed:
-                await self.send([{"index": c.index, "delta": {"content": form.echoed}, "logprobs": None,
-                                  "finish_reason": None}], **self.usage_so_far(c))
+        for c in self.choices if form.echoed else ():
+            await self.send([{"index": c.index, "delta": {"content": form.echoed}, "logprobs": None,
+                              "finish_reason": None}], **self.usage_so_far(c))
 
     async def send_choice(self, choice: Choice) -> None:
         """One choice's chunks, sent as they come; without usage, the metrics ride on the

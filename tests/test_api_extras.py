@@ -359,6 +359,35 @@ def test_chat_echo_puts_the_last_message_before_the_answer_when_its_role_is_the_
         status, text, _ = post(CHAT, body | {"echo": True, "stream": True})
         deltas = [c["choices"][0]["delta"].get("content", "") for c in events(text) if c["choices"]]
         assert "".join(deltas) == prefix + plain and (not prefix or deltas[1] == prefix), deltas
+    # n choices: vLLM's first chunks are every choice's role, then every choice's echo
+    status, text, _ = post(CHAT, {"messages": turn, "echo": True, "stream": True, "n": 2} | greedy)
+    firsts = [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in events(text)[:4]]
+    assert firsts == [(0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""}),
+                      (0, {"content": "Sure, "}), (1, {"content": "Sure, "})], firsts
+
+
+def test_a_chat_echo_scores_the_prompt_in_the_response_s_prompt_logprobs_as_vllm(app) -> None:
+    """vLLM's ChatCompletionRequest.to_sampling_params: echo without prompt_logprobs asks
+    top_logprobs' (0 when left out, whether or not logprobs is set), so a whole answer's
+    top-level prompt_logprobs score each prompt token (the first null) with top_logprobs
+    alternatives; a null top_logprobs asks none. Streamed, the same request is served (its
+    prompt_logprobs have no place there)."""
+    post, _ = app
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ab"}], "echo": True,
+            "max_tokens": 2, "temperature": 0.0, "return_token_ids": True}
+    for extra, top in (({}, 0), ({"logprobs": True, "top_logprobs": 2}, 2)):
+        status, text, _ = post(CHAT, body | extra)
+        out = json.loads(text)
+        assert status == 200 and out["prompt_logprobs"][0] is None, text
+        ids, scored = out["prompt_token_ids"], out["prompt_logprobs"][1:]
+        assert len(scored) == len(ids) - 1 == out["usage"]["prompt_tokens"] - 1
+        for token, entry in zip(ids[1:], scored):
+            assert str(token) in entry and len(entry) in (top, top + 1), entry  # the token, and the top ones
+            assert entry[str(token)]["logprob"] <= 0 and entry[str(token)]["rank"] >= 1
+    status, text, _ = post(CHAT, body | {"top_logprobs": None})
+    assert status == 200 and json.loads(text)["prompt_logprobs"] is None, text
+    status, text, _ = post(CHAT, body | {"stream": True})
+    assert status == 200 and events(text)[-1]["choices"][0]["finish_reason"] == "length", text
 
 
 # ---- return_token_ids, return_tokens_as_token_ids ---------------------------------------------
@@ -442,7 +471,10 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(app) -> None:
     choice = json.loads(post(CHAT, body)[1])["choices"][0]
     content = choice["logprobs"]["content"]
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
-    assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
+    assert len(content) == len(choice["message"]["content"]) and all(len(c["top_logprobs"]) == 2 for c in content)
+    # vLLM's bytes: a sampled token's are its text's (decoded_token), a top entry's its "token_id:N"'s
+    assert [c["bytes"] for c in content] == [list(ch.encode()) for ch in choice["message"]["content"]]
+    assert all(t["bytes"] == list(t["token"].encode()) for c in content for t in c["top_logprobs"])
     # --return-tokens-as-token-ids: the server's default, which a request's false overrides (vLLM's)
     body = {"prompt": "go", "logprobs": 0, "return_token_ids": True} | ASCII
     choice = json.loads(post(C, body, flagged=True)[1])["choices"][0]

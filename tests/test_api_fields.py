@@ -520,7 +520,7 @@ def test_a_batch_of_prompts_is_one_choice_per_sample_in_vllm_s_order(post) -> No
             assert c["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
     assert whole["usage"] | {"prompt_tokens_details": None} == {
         "prompt_tokens": 6, "completion_tokens": 3 * n * len(prompts), "total_tokens": 6 + 3 * n * len(prompts),
-        "prompt_tokens_details": None}
+        "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 def test_a_batch_of_texts_echoes_each_prompt_and_streams_each_choice_s_usage(post) -> None:

@@ -3,7 +3,8 @@ and FastAPI's trailing-slash redirects, over real HTTP (aiohttp's TestServer on 
 
 Claims: prompt_tokens_details is sent only with the flag (then always, 0 included, as vLLM's
 `num_cached_tokens is not None`), null in a whole response and absent from a stream without
-it, never in a continuous_usage_stats chunk; its cached_tokens is what the engine's prefix
+it, never in a continuous_usage_stats chunk (a chat one's has vLLM's completion_tokens_details,
+null, as a whole response's usage); its cached_tokens is what the engine's prefix
 cache counted as hits (an independent counter). Paths under --root-path and paths without
 it are served as FastAPI(root_path=...) serves them, and a path with (or without) a trailing
 slash redirects as FastAPI's router does: both checked against a FastAPI app with the same
@@ -80,16 +81,20 @@ def test_without_the_flag_usage_has_no_prompt_tokens_details_null_whole_absent_s
         ("POST", "/v1/completions", completion | {"stream": True, "stream_options": {
             "include_usage": True, "continuous_usage_stats": True}}),
         ("POST", "/v1/chat/completions", chat),
-        ("POST", "/v1/chat/completions", chat | {"stream": True, "stream_options": {"include_usage": True}}))
+        ("POST", "/v1/chat/completions", chat | {"stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}}))
     ((_, _, forced),) = call(["--enable-force-include-usage"],
                              ("POST", "/v1/completions", completion | {"stream": True}))
-    # vLLM: a whole response is model_dump()ed (the None field is null), a stream's usage without Nones
+    # vLLM: a whole response is model_dump()ed (the None fields are null), a stream's usage without Nones
     for body in (whole, chat_whole):
-        assert "prompt_tokens_details" in body["usage"] and body["usage"]["prompt_tokens_details"] is None
+        assert body["usage"]["prompt_tokens_details"] is None and body["usage"]["completion_tokens_details"] is None
+    counts = {"prompt_tokens", "completion_tokens", "total_tokens"}
     for chunks in (streamed, chat_streamed, forced):
-        assert chunks[-1]["choices"] == [] and set(chunks[-1]["usage"]) == {"prompt_tokens", "completion_tokens",
-                                                                             "total_tokens"}
-    assert all(set(c["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"} for c in streamed)
+        assert chunks[-1]["choices"] == [] and set(chunks[-1]["usage"]) == counts
+    assert all(set(c["usage"]) == counts for c in streamed)
+    # a chat chunk's continuous usage sets vLLM's completion_tokens_details (None, so null) and no prompt details
+    assert all(c["usage"] == {k: c["usage"][k] for k in counts} | {"completion_tokens_details": None}
+               for c in chat_streamed[:-1])
 
 
 def test_with_the_flag_cached_tokens_are_the_prefix_caches_hits_whole_and_streamed(call, engine) -> None:
