@@ -103,24 +103,30 @@ class LLM:
         if use_tqdm or (use_tqdm is None and len(encoded) >= 16):
             from tqdm import tqdm
             bar = tqdm(total=len(encoded), desc="generate", unit="req")
-        while self.engine.has_unfinished():
-            deltas = self.engine.step()
-            for d in deltas:
-                if d.error is not None:  # offline there is no stream to end: abort the rest, raise
-                    for other in seqs:
-                        self.engine.abort(other)
-                    raise RuntimeError(f"request {d.request_id} failed: {d.error!r}") from d.error
-                if d.new_logprobs:
-                    logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
-                if d.prompt_logprobs is not None:
-                    prompt_logprobs[d.request_id] = d.prompt_logprobs
-                if d.finished and d.request_id in parent:
-                    i = parent.pop(d.request_id)
-                    unfinished[i] -= 1
-                    if bar is not None and not unfinished[i]:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while self.engine.has_unfinished():
+                deltas = self.engine.step()
+                for d in deltas:
+                    if d.error is not None:  # offline there is no stream to end: abort the rest, raise
+                        raise RuntimeError(f"request {d.request_id} failed: {d.error!r}") from d.error
+                    if d.new_logprobs:
+                        logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
+                    if d.prompt_logprobs is not None:
+                        prompt_logprobs[d.request_id] = d.prompt_logprobs
+                    if d.finished and d.request_id in parent:
+                        i = parent.pop(d.request_id)
+                        unfinished[i] -= 1
+                        if bar is not None and not unfinished[i]:
+                            bar.update(1)
+        except BaseException:
+            # A failure or an interrupt (Ctrl-C) ends the call: its requests are aborted, so
+            # their slots and KV blocks are free and the next call does not wait on them.
+            for rid in seqs:
+                self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         assert not parent, "every request must finish"
         return [self._output(rid, text, [seqs[c] for c, _, _ in samples], logprobs, prompt_logprobs)
                 for rid, text, samples in zip(request_ids, texts, children)]

@@ -422,6 +422,24 @@ def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(mo
     assert not llm.engine.scheduler.has_unfinished() and llm.engine.scheduler.allocator.num_used == 0
     assert len(llm.generate([[5, 6]], params)[0].outputs[0].token_ids) == 4
 
+    # An interrupt (Ctrl-C) in a step's preparation propagates as it is; the call's requests
+    # are aborted (the next call would otherwise wait forever on their tokens), and the full
+    # blocks that step named were never written: no later prompt may hit them.
+    def interrupted(out):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llm.engine.runner, "execute", interrupted)
+    prompt = list(range(10, 50))  # two full blocks of 16, named when scheduled
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt, [5, 6]], greedy)
+    monkeypatch.setattr(llm.engine.runner, "execute", real)
+    assert llm.engine.scheduler.num_running == llm.engine.scheduler.num_waiting == 0
+    assert llm.engine.scheduler.allocator.num_used == 0
+    again = llm.generate([prompt], greedy)[0]
+    assert again.num_cached_tokens == 0
+    assert llm.reset_prefix_cache()
+    assert again.outputs[0].token_ids == llm.generate([prompt], greedy)[0].outputs[0].token_ids
+
 
 def test_max_waiting_requests_counts_requests_not_yet_scheduled() -> None:
     async def go() -> None:
