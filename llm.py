@@ -70,7 +70,9 @@ class LLM:
                 raise TypeError(f"expected SamplingParams or a list of them, got {type(p).__name__}")
         if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Seq)):
             raise TypeError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
-        priorities = list(priority) if priority is not None else [0] * len(encoded)
+        # (a NumPy integer is its int, as in SamplingParams and the token ids)
+        priorities = [int(p) if isinstance(p, np.integer) else p for p in priority] if priority is not None \
+            else [0] * len(encoded)
         if len(priorities) != len(encoded):
             raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
         # Every prompt is checked before any is added: a bad one leaves nothing queued. Its

@@ -132,6 +132,7 @@ def test_numpy_values_in_sampling_params_and_prompts_are_their_python_values() -
     assert arrays == plain and type(arrays.max_tokens) is int and type(arrays.ignore_eos) is bool
     want = llm.generate([[5, 6]], plain)[0].outputs[0].token_ids
     assert llm.generate(np.array([[5, 6]]), arrays)[0].outputs[0].token_ids == want
+    assert llm.generate([[5, 6]], plain, priority=[np.int64(0)])[0].outputs[0].token_ids == want
     for bad in ({"max_tokens": np.float64(4.0)}, {"stop_token_ids": np.array([[1, 2]])}):
         with pytest.raises(ValueError, match="must be"):  # a float count, a nested list: refused as their lists
             SamplingParams(**bad)
