@@ -94,10 +94,6 @@ class LLM:
                     for rid, p, request in zip(request_ids, plist, checked)]
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
-        for i, (request, samples) in enumerate(zip(checked, children)):
-            for rid, p, par in samples:
-                seqs[rid] = self.engine.enqueue(dataclasses.replace(request, request_id=rid, params=p, parent=par))
-                parent[rid] = i
         unfinished = [len(samples) for samples in children]
         logprobs: dict[str, list[TokenLogprob]] = {}
         prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
@@ -106,6 +102,11 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=len(encoded), desc="generate", unit="req")
         try:
+            for i, (request, samples) in enumerate(zip(checked, children)):
+                for rid, p, par in samples:
+                    seqs[rid] = self.engine.enqueue(dataclasses.replace(request, request_id=rid, params=p,
+                                                                        parent=par))
+                    parent[rid] = i
             while self.engine.has_unfinished():
                 deltas = self.engine.step()
                 for d in deltas:
@@ -121,10 +122,12 @@ class LLM:
                         if bar is not None and not unfinished[i]:
                             bar.update(1)
         except BaseException:
-            # A failure or an interrupt (Ctrl-C) ends the call: its requests are aborted, so
-            # their slots and KV blocks are free and the next call does not wait on them.
-            for rid in seqs:
-                self.engine.abort(rid)
+            # A failure or an interrupt (Ctrl-C), even while its requests are being added, ends
+            # the call: every request it added is aborted, so their slots and KV blocks are free
+            # and the next call does not run or wait on them.
+            for samples in children:
+                for rid, _, _ in samples:
+                    self.engine.abort(rid)
             raise
         finally:
             if bar is not None:

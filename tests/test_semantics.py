@@ -436,6 +436,17 @@ def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(mo
     monkeypatch.setattr(llm.engine.runner, "execute", real)
     assert llm.engine.scheduler.num_running == llm.engine.scheduler.num_waiting == 0
     assert llm.engine.scheduler.allocator.num_used == 0
+    real_enqueue = llm.engine.enqueue
+
+    def enqueue(request):  # an interrupt while the call adds its samples: none stays queued
+        if not request.request_id.startswith("0_"):
+            raise KeyboardInterrupt
+        return real_enqueue(request)
+    monkeypatch.setattr(llm.engine, "enqueue", enqueue)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6]], dataclasses.replace(greedy, n=3))
+    monkeypatch.setattr(llm.engine, "enqueue", real_enqueue)
+    assert not llm.engine.has_unfinished()
     again = llm.generate([prompt], greedy)[0]
     assert again.num_cached_tokens == 0
     assert llm.reset_prefix_cache()
