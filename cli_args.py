@@ -195,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
             kw["choices"] = typing.get_args(kind)
         else:  # int, float, str, or `X | None`; a type that parses its own text gets the text
             arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
-            kw["type"] = config_file.json_text if hasattr(arg, "parse") else arg
+            # (JSON text: a config file may write it as a YAML mapping)
+            json_text = hasattr(arg, "parse") or dict in typing.get_args(kind)
+            kw["type"] = config_file.json_text if json_text else arg
         if f.name == "quantization":  # every registered method, read when the parser is built
             kw["help"] = kw["help"].format(methods="; ".join(f"{name} ({m.summary})" if m.summary else name
                                                              for name, m in QUANTIZATION_METHODS.items()))

@@ -368,6 +368,15 @@ class LLMEngine:
         except Exception as e:
             deltas += self._drain()  # rows run alone may sample under a constraint: see _execute
             return self._isolate_failure(out, e, scheduled_at, deltas)
+        except BaseException:
+            # An interrupt (Ctrl-C): the step ran nowhere. The blocks its rows were to write
+            # lose their prefix-cache names, so no later request reads K/V nobody wrote; its
+            # requests are left to the caller to abort (LLM.generate does).
+            if not self._cache_donated():
+                for sch in out.scheduled:
+                    if not sch.seq.finished:
+                        self.scheduler.ran_nowhere(sch)
+            raise
 
     def _execute(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep:
         """Structured outputs: a constrained row's bitmask needs its previous token, which

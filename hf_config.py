@@ -132,6 +132,8 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
 def check_llama3_rope(p: dict[str, Any], source: str = "config.json") -> None:
     """Llama 3.1's RoPE scaling parameters: positive numbers, the high band above the low."""
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if p.get(key) is None:  # each is needed: null is no value (_positive_number lets it pass)
+            raise ValueError(f"{source}: rope scaling {key} must be a finite number > 0, got None")
         _positive_number(p, key, f"{source}: rope scaling ")
     if not is_int(p["original_max_position_embeddings"]):  # a context length, as transformers checks it
         raise ValueError(f"{source}: rope scaling original_max_position_embeddings must be an integer, "

@@ -70,7 +70,9 @@ class LLM:
                 raise TypeError(f"expected SamplingParams or a list of them, got {type(p).__name__}")
         if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Seq)):
             raise TypeError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
-        priorities = list(priority) if priority is not None else [0] * len(encoded)
+        # (a NumPy integer is its int, as in SamplingParams and the token ids)
+        priorities = [int(p) if isinstance(p, np.integer) else p for p in priority] if priority is not None \
+            else [0] * len(encoded)
         if len(priorities) != len(encoded):
             raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
         # Every prompt is checked before any is added: a bad one leaves nothing queued. Its
@@ -92,10 +94,6 @@ class LLM:
                     for rid, p, request in zip(request_ids, plist, checked)]
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index
-        for i, (request, samples) in enumerate(zip(checked, children)):
-            for rid, p, par in samples:
-                seqs[rid] = self.engine.enqueue(dataclasses.replace(request, request_id=rid, params=p, parent=par))
-                parent[rid] = i
         unfinished = [len(samples) for samples in children]
         logprobs: dict[str, list[TokenLogprob]] = {}
         prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
@@ -103,24 +101,37 @@ class LLM:
         if use_tqdm or (use_tqdm is None and len(encoded) >= 16):
             from tqdm import tqdm
             bar = tqdm(total=len(encoded), desc="generate", unit="req")
-        while self.engine.has_unfinished():
-            deltas = self.engine.step()
-            for d in deltas:
-                if d.error is not None:  # offline there is no stream to end: abort the rest, raise
-                    for other in seqs:
-                        self.engine.abort(other)
-                    raise RuntimeError(f"request {d.request_id} failed: {d.error!r}") from d.error
-                if d.new_logprobs:
-                    logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
-                if d.prompt_logprobs is not None:
-                    prompt_logprobs[d.request_id] = d.prompt_logprobs
-                if d.finished and d.request_id in parent:
-                    i = parent.pop(d.request_id)
-                    unfinished[i] -= 1
-                    if bar is not None and not unfinished[i]:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            for i, (request, samples) in enumerate(zip(checked, children)):
+                for rid, p, par in samples:
+                    seqs[rid] = self.engine.enqueue(dataclasses.replace(request, request_id=rid, params=p,
+                                                                        parent=par))
+                    parent[rid] = i
+            while self.engine.has_unfinished():
+                deltas = self.engine.step()
+                for d in deltas:
+                    if d.error is not None:  # offline there is no stream to end: abort the rest, raise
+                        raise RuntimeError(f"request {d.request_id} failed: {d.error!r}") from d.error
+                    if d.new_logprobs:
+                        logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
+                    if d.prompt_logprobs is not None:
+                        prompt_logprobs[d.request_id] = d.prompt_logprobs
+                    if d.finished and d.request_id in parent:
+                        i = parent.pop(d.request_id)
+                        unfinished[i] -= 1
+                        if bar is not None and not unfinished[i]:
+                            bar.update(1)
+        except BaseException:
+            # A failure or an interrupt (Ctrl-C), even while its requests are being added, ends
+            # the call: every request it added is aborted, so their slots and KV blocks are free
+            # and the next call does not run or wait on them.
+            for samples in children:
+                for rid, _, _ in samples:
+                    self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         assert not parent, "every request must finish"
         return [self._output(rid, text, [seqs[c] for c, _, _ in samples], logprobs, prompt_logprobs)
                 for rid, text, samples in zip(request_ids, texts, children)]

@@ -5,6 +5,7 @@ ValueError (or the parser's exit 2) naming the option, before any model is loade
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from types import SimpleNamespace
@@ -134,6 +135,13 @@ def test_a_config_file_sets_flags_as_typed_and_the_command_line_wins(tmp_path):
     assert cli_args.engine_config(parse(tmp_path, "", "--long-prefill-token-threshold", "256")) \
         .long_prefill_token_threshold == 256
     assert EngineConfig().long_prefill_token_threshold == 0
+
+
+def test_a_config_files_mapping_is_the_json_of_every_json_flag(tmp_path):
+    args = parse(tmp_path, "override-generation-config: {temperature: 0.5}\n"
+                           "speculative-config: {method: ngram, num_speculative_tokens: 2}\n")
+    assert json.loads(args.override_generation_config) == {"temperature": 0.5}
+    assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 2}
 
 
 def test_a_config_files_no_spelling_of_a_switch_takes_false_as_the_switch(tmp_path):

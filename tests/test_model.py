@@ -235,6 +235,9 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
     # named by the key that holds it: "unsupported RoPE type None" alone named neither key nor file
     (dict(rope_parameters=dict(rope_type=None)), "unsupported RoPE type None \\(the rope_type of rope_parameters"),
     (dict(rope_parameters={**_LLAMA3, "factor": "x"}), "rope scaling factor must be a finite number"),
+    # each is needed: else a TypeError from comparing or converting None
+    (dict(rope_parameters={**_LLAMA3, "low_freq_factor": None}), "rope scaling low_freq_factor must be .*got None"),
+    (dict(rope_scaling={**_LLAMA3, "factor": None}), "rope scaling factor must be a finite number > 0, got None"),
     (dict(rope_parameters={**_LLAMA3, "high_freq_factor": 1.0}), "needs high_freq_factor \\(1.0\\) > low_freq"),
     (dict(rope_parameters={**_LLAMA3, "original_max_position_embeddings": 64.5}),
      "original_max_position_embeddings must be an integer, got 64.5"),

@@ -132,6 +132,7 @@ def test_numpy_values_in_sampling_params_and_prompts_are_their_python_values() -
     assert arrays == plain and type(arrays.max_tokens) is int and type(arrays.ignore_eos) is bool
     want = llm.generate([[5, 6]], plain)[0].outputs[0].token_ids
     assert llm.generate(np.array([[5, 6]]), arrays)[0].outputs[0].token_ids == want
+    assert llm.generate([[5, 6]], plain, priority=[np.int64(0)])[0].outputs[0].token_ids == want
     for bad in ({"max_tokens": np.float64(4.0)}, {"stop_token_ids": np.array([[1, 2]])}):
         with pytest.raises(ValueError, match="must be"):  # a float count, a nested list: refused as their lists
             SamplingParams(**bad)
@@ -421,6 +422,35 @@ def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(mo
     # (a step may still be in flight: the next step() collects it, its rows discarded)
     assert not llm.engine.scheduler.has_unfinished() and llm.engine.scheduler.allocator.num_used == 0
     assert len(llm.generate([[5, 6]], params)[0].outputs[0].token_ids) == 4
+
+    # An interrupt (Ctrl-C) in a step's preparation propagates as it is; the call's requests
+    # are aborted (the next call would otherwise wait forever on their tokens), and the full
+    # blocks that step named were never written: no later prompt may hit them.
+    def interrupted(out):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llm.engine.runner, "execute", interrupted)
+    prompt = list(range(10, 50))  # two full blocks of 16, named when scheduled
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt, [5, 6]], greedy)
+    monkeypatch.setattr(llm.engine.runner, "execute", real)
+    assert llm.engine.scheduler.num_running == llm.engine.scheduler.num_waiting == 0
+    assert llm.engine.scheduler.allocator.num_used == 0
+    real_enqueue = llm.engine.enqueue
+
+    def enqueue(request):  # an interrupt while the call adds its samples: none stays queued
+        if not request.request_id.startswith("0_"):
+            raise KeyboardInterrupt
+        return real_enqueue(request)
+    monkeypatch.setattr(llm.engine, "enqueue", enqueue)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6]], dataclasses.replace(greedy, n=3))
+    monkeypatch.setattr(llm.engine, "enqueue", real_enqueue)
+    assert not llm.engine.has_unfinished()
+    again = llm.generate([prompt], greedy)[0]
+    assert again.num_cached_tokens == 0
+    assert llm.reset_prefix_cache()
+    assert again.outputs[0].token_ids == llm.generate([prompt], greedy)[0].outputs[0].token_ids
 
 
 def test_max_waiting_requests_counts_requests_not_yet_scheduled() -> None:
