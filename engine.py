@@ -320,17 +320,22 @@ class LLMEngine:
         """What the scheduler decided that must happen before out's step runs: preemptions
         logged, a preempted row's draft K/V freed (its blocks are gone), drafts proposed for
         the rows given room (by a proposer that runs after scheduling), and KV blocks
-        swapped (the step may write where a swapped-out block was)."""
-        if out.preempted:
-            self._log_preemptions(out)
-        proposer = self.proposer
-        if proposer is not None:
-            for seq in out.preempted:
-                proposer.free(seq)
-            if out.num_spec_tokens and not proposer.drafts_at_scheduling:  # else schedule() took them
-                self._propose(proposer, out)
-        if out.swap_out or out.swap_in:
-            self.runner.swap(out.swap_out, out.swap_in)
+        swapped (the step may write where a swapped-out block was). Interrupted or failed,
+        the step runs nowhere (_unname_unrun)."""
+        try:
+            if out.preempted:
+                self._log_preemptions(out)
+            proposer = self.proposer
+            if proposer is not None:
+                for seq in out.preempted:
+                    proposer.free(seq)
+                if out.num_spec_tokens and not proposer.drafts_at_scheduling:  # else schedule() took them
+                    self._propose(proposer, out)
+            if out.swap_out or out.swap_in:
+                self.runner.swap(out.swap_out, out.swap_in)
+        except BaseException:
+            self._unname_unrun(out)
+            raise
 
     def _overlaps(self, out: SchedulerOutput) -> bool:
         """Async scheduling: out's step stays on the device while the host schedules the
@@ -368,15 +373,22 @@ class LLMEngine:
         except Exception as e:
             deltas += self._drain()  # rows run alone may sample under a constraint: see _execute
             return self._isolate_failure(out, e, scheduled_at, deltas)
-        except BaseException:
-            # An interrupt (Ctrl-C): the step ran nowhere. The blocks its rows were to write
-            # lose their prefix-cache names, so no later request reads K/V nobody wrote; its
-            # requests are left to the caller to abort (LLM.generate does).
-            if not self._cache_donated():
-                for sch in out.scheduled:
-                    if not sch.seq.finished:
-                        self.scheduler.ran_nowhere(sch)
+        except BaseException:  # an interrupt (Ctrl-C)
+            self._unname_unrun(out)
             raise
+
+    def _unname_unrun(self, out: SchedulerOutput) -> None:
+        """out's step will not run (an interrupt, or a failure before its rows were sent): unless
+        the device got it, the blocks its rows were to write lose their prefix-cache names, so no
+        later request reads K/V nobody wrote, and the policy takes back each row's charge. Its
+        requests are left to the caller to abort (LLM.generate does)."""
+        if self._cache_donated():
+            return
+        for sch in out.scheduled:
+            if sch.seq.finished:  # ended by a step collected since this one was scheduled
+                self.scheduler.ran_nowhere_ended(sch)
+            else:
+                self.scheduler.ran_nowhere(sch)
 
     def _execute(self, out: SchedulerOutput, deltas: list[RequestOutputDelta]) -> InFlightStep:
         """Structured outputs: a constrained row's bitmask needs its previous token, which

@@ -133,6 +133,7 @@ def test_numpy_values_in_sampling_params_and_prompts_are_their_python_values() -
     want = llm.generate([[5, 6]], plain)[0].outputs[0].token_ids
     assert llm.generate(np.array([[5, 6]]), arrays)[0].outputs[0].token_ids == want
     assert llm.generate([[5, 6]], plain, priority=[np.int64(0)])[0].outputs[0].token_ids == want
+    assert llm.generate([[5, 6]], plain, priority=np.array([0]))[0].outputs[0].token_ids == want
     for bad in ({"max_tokens": np.float64(4.0)}, {"stop_token_ids": np.array([[1, 2]])}):
         with pytest.raises(ValueError, match="must be"):  # a float count, a nested list: refused as their lists
             SamplingParams(**bad)
@@ -451,6 +452,21 @@ def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(mo
     assert again.num_cached_tokens == 0
     assert llm.reset_prefix_cache()
     assert again.outputs[0].token_ids == llm.generate([prompt], greedy)[0].outputs[0].token_ids
+    # The same for an interrupt while the step is prepared (drafts proposed, blocks swapped).
+    assert llm.reset_prefix_cache()
+    eng = llm.engine
+    eng.add_request("prepared", prompt, greedy)
+    out = eng.scheduler.schedule()
+
+    def swap(*_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(eng.runner, "swap", swap)
+    out.swap_in.append(([], []))  # a copy to make: _prepare calls runner.swap
+    with pytest.raises(KeyboardInterrupt):
+        eng._prepare(out)
+    eng.abort("prepared")
+    assert eng.scheduler.allocator.num_used == 0
+    assert llm.generate([prompt], greedy)[0].num_cached_tokens == 0
 
 
 def test_max_waiting_requests_counts_requests_not_yet_scheduled() -> None:
