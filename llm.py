@@ -68,6 +68,8 @@ class LLM:
         for p in plist:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"expected SamplingParams or a list of them, got {type(p).__name__}")
+        if isinstance(priority, np.ndarray):  # as prompts of NumPy ids are taken
+            priority = priority.tolist()
         if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Seq)):
             raise TypeError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
         # (a NumPy integer is its int, as in SamplingParams and the token ids)
