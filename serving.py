@@ -474,8 +474,8 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
     """The response as one JSON object, once every choice has ended (details:
     --enable-prompt-tokens-details)."""
     await all_of(c.collect() for c in choices)
-    # vLLM's UsageInfo, dumped whole: completion_tokens_details is null (it counts reasoning
-    # tokens under a --reasoning-parser, which this server does not)
+    # vLLM's UsageInfo, dumped whole: completion_tokens_details is null (vLLM's counts
+    # reasoning tokens under a --reasoning-parser; this server counts none, so null there too)
     use = usage(choices, details)
     use.setdefault("prompt_tokens_details", None)
     use["completion_tokens_details"] = None
