@@ -222,11 +222,11 @@ class EngineStats:
     swap_fallbacks: int = 0  # preemptions under swap that recomputed: the host pool was full
     prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)
     # vLLM's PromptTokenStats of the same prompts: the tokens the prefix cache served, and by
-    # source those computed and those the cache held (the cached ones, plus the last prompt
-    # token when the cache held all the others: it is computed again for its logits). vLLM
-    # also adds that one token to a one-token prompt with no hit, counting it twice; not here.
+    # source those computed (prompt_tokens_local_compute) and those the cache held (the cached
+    # ones, plus the last prompt token when the cache held all the others: it is computed
+    # again for its logits). vLLM also adds that one token to a one-token prompt with no hit,
+    # counting it twice; not here.
     prompt_tokens_cached: int = 0
-    prompt_tokens_local_compute: int = 0
     prompt_tokens_local_cache_hit: int = 0
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
@@ -299,6 +299,10 @@ class EngineStats:
         self.request_max_num_generation_tokens = Histogram(token_buckets)
 
     @property
+    def prompt_tokens_local_compute(self) -> int:
+        return self.prompt_tokens - self.prompt_tokens_cached
+
+    @property
     def slot_utilization(self) -> float:
         return self.useful_slot_steps / self.total_slot_steps if self.total_slot_steps else 0.0
 
@@ -360,7 +364,6 @@ class EngineStats:
         n, cached = seq.num_prompt_tokens, seq.num_cached_prompt_tokens
         self.prompt_tokens += n
         self.prompt_tokens_cached += cached
-        self.prompt_tokens_local_compute += n - cached
         self.prompt_tokens_local_cache_hit += cached + (0 < cached == n - 1)
 
     def record_first_scheduled(self, seq: Sequence, scheduled_at: float, config: EngineConfig) -> None:

@@ -50,14 +50,14 @@ class Clock:
 def test_the_line_reports_each_intervals_deltas_and_the_gauges_as_vllms(logger):
     lg, lines = logger
     stats, clock = EngineStats(), Clock()
-    stats.prompt_tokens_local_compute, stats.generation_tokens = 500, 70  # before the logger: not in its interval
+    stats.prompt_tokens, stats.generation_tokens = 500, 70  # before the logger: not in its interval
     stat_logger = LoggingStatLogger(stats, lg, clock)
 
     # 10 s: 1234 prompt tokens computed (vLLM's throughput: the 120 the cache held are not
     # counted), 456 generated, 3 preemptions, 2 requests looked up 300 tokens, 120 hit
     clock.now += 10.0
     stats.prompt_tokens += 1354
-    stats.prompt_tokens_local_compute += 1234
+    stats.prompt_tokens_cached += 120
     stats.generation_tokens += 456
     stats.num_preemptions += 3
     stats.prefix_cache_requests, stats.prefix_cache_queries, stats.prefix_cache_hits = 2, 300, 120
