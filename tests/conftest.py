@@ -46,9 +46,18 @@ os.environ["TAXIRANK_CHECK_INVARIANTS"] = "1"
 # The real-model files, whose steps compute for real, compile with XLA's default emitters
 # (_compile_optimisation): there the old ones cost more than they save (smollm2's decode of
 # one sequence takes 4x the CPU).
+# XLA:CPU also splits each program's LLVM module into up to 32 parts compiled on threads of
+# their own: on 2 cores that two test workers already keep busy, the threads gain no time and
+# the split costs CPU. One part took 9% less CPU cold on the tiny model's files (each file alone,
+# alternating pairs: test_engine.py 39.1 -> 35.6 CPU-s over three and two runs,
+# test_logprobs_mode.py 28.5 -> 26.0, test_kernels.py 23.7 -> 21.5; test_parallel.py's
+# 8-device child 61.7 -> 54.1, the whole machine's), the same on the real model's
+# (test_spec_decode_smollm2.py 77.7 -> 77.5). Set for subprocesses too, as the flag above.
 _FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE_FLAG}".strip()
+_ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
+for _flag in (_FAST_COMPILE_FLAG, _ONE_CODEGEN_PART):
+    if _flag.partition("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 # Small enough to build and run in well under a second; GQA (4 heads over 2 KV heads).
 _BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
