@@ -48,10 +48,10 @@ os.environ["TAXIRANK_CHECK_INVARIANTS"] = "1"
 # one sequence takes 4x the CPU).
 # XLA:CPU also splits each program's LLVM module into up to 32 parts compiled on threads of
 # their own: on 2 cores that two test workers already keep busy, the threads gain no time and
-# the split costs CPU. One part took 9% less CPU cold on the tiny model's files (each file alone,
-# alternating pairs: test_engine.py 39.1 -> 35.6 CPU-s over three and two runs,
+# the split costs CPU. One part took 9-12% less CPU cold on the tiny model's files (each file alone,
+# alternating: test_engine.py 39.9 -> 35.4 CPU-s, the means of four runs and of three,
 # test_logprobs_mode.py 28.5 -> 26.0, test_kernels.py 23.7 -> 21.5; test_parallel.py's
-# 8-device child 61.7 -> 54.1, the whole machine's), the same on the real model's
+# 8-device child 61.7 -> 54.1, the whole machine's), and about the same on the real model's
 # (test_spec_decode_smollm2.py 77.7 -> 77.5). Set for subprocesses too, as the flag above.
 _FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 _ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
