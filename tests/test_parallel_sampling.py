@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from conftest import tiny_async_engine
@@ -90,5 +91,16 @@ def test_bad_n_and_a_full_queue_are_refused_and_leave_nothing_behind(post):
         assert status == 503 and out["error"]["code"] == 503 and "at capacity" in out["error"]["message"], out
     finally:
         engine.release_waiting(3)
+    # The first sample, added before the second was refused, is withdrawn by the engine's
+    # loop, which takes the abort at its next turn: until then it holds its place (a queue
+    # never holds more than its limit), so a retry sent at once can still be refused.
+    def waiting() -> int:
+        with engine._lock:
+            return engine._num_waiting()
+
+    deadline = time.monotonic() + 60
+    while waiting():
+        assert time.monotonic() < deadline, "the refused request's first sample is still waiting"
+        time.sleep(0.01)
     status, out = post("/v1/completions", PROMPT | {"n": 4})  # and the first was withdrawn
     assert status == 200 and len(out["choices"]) == 4
