@@ -28,6 +28,13 @@ _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "Unprocessabl
                 500: "InternalServerError", 501: "NotImplementedError"}
 
 
+def _status_phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # a status http.HTTPStatus does not name
+        return "Error"
+
+
 class ApiError(Exception):
     """A request the server refuses: an HTTP status and vLLM's error JSON (its ErrorInfo:
     message, type, param, and the status as `code`)."""
@@ -35,8 +42,7 @@ class ApiError(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None, type: str | None = None) -> None:
         super().__init__(message)
         self.status, self.param = status, param
-        phrase = next((s.phrase for s in HTTPStatus if s == status), "Error")
-        self.type = type or _ERROR_TYPES.get(status, phrase)
+        self.type = type or _ERROR_TYPES.get(status) or _status_phrase(status)
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
