@@ -482,25 +482,25 @@ def pytest_configure(config: pytest.Config) -> None:
     import startup
 
     startup.load_model = _gguf_loaded_once(startup.load_model)
-    # XLA's flags are read once per process, but a compile's own options can override one:
-    # the real-model files' compiles override _FAST_COMPILE_FLAG back to XLA's default. The
-    # hook is JAX's private API: a JAX without it runs those files, slower, with the flag.
+    # XLA's flags are read once per process, but a compile's own options can override them:
+    # the real-model files' compiles take _REAL_MODEL_OVERRIDES. The hook is JAX's private
+    # API: a JAX without it runs those files, slower, with this process's flags.
     from jax._src import compiler
 
     if hasattr(compiler, "get_compile_options"):
-        compiler.get_compile_options = _with_default_emitters_when_asked(compiler.get_compile_options)
+        compiler.get_compile_options = _with_real_model_overrides(compiler.get_compile_options)
 
 
-# Set by _compile_optimisation while a real-model file runs: its compiles (in this process)
-# use XLA's default fusion emitters, as its subprocesses do (XLA_FLAGS without the flag).
-_DEFAULT_EMITTERS = False
+# Set by _compile_optimisation while a real-model file runs: the XLA options its compiles
+# (in this process) take, as its subprocesses do through XLA_FLAGS.
+_REAL_MODEL_OVERRIDES: list[tuple[str, Any]] = []
 
 
-def _with_default_emitters_when_asked(get_compile_options: Callable[..., Any]) -> Callable[..., Any]:
+def _with_real_model_overrides(get_compile_options: Callable[..., Any]) -> Callable[..., Any]:
     def compile_options(*args: Any, **kw: Any) -> Any:
         options = get_compile_options(*args, **kw)
-        if _DEFAULT_EMITTERS:  # part of the persistent cache's key, as any override
-            options.env_option_overrides = [*options.env_option_overrides, ("xla_cpu_use_fusion_emitters", True)]
+        if _REAL_MODEL_OVERRIDES:  # part of the persistent cache's key, as any override
+            options.env_option_overrides = [*options.env_option_overrides, *_REAL_MODEL_OVERRIDES]
         return options
 
     return compile_options
@@ -560,10 +560,20 @@ def _parsed_once_per_version(reader_cls: type) -> Callable[..., Any]:
 # cache), so the files that run the real model, whose steps compute for real (one 2,048-token
 # prefill: +5% CPU cold with its compiles), compile at full optimisation, and with XLA's
 # default emitters (_FAST_COMPILE_FLAG): in this process and in the subprocesses they start.
+# Full optimisation there is XLA's backend level 1 rather than its default 3 (LLVM's O1
+# rather than O3 over the code XLA generates): it compiles faster and, on the real model's
+# steps, computes about as fast. Measured with an empty cache, /usr/bin/time's CPU-s:
+# the four in-process real-model files in one process (test_perplexity,
+# test_spec_decode_smollm2, test_structured_smollm2, test_real_model) 211 and 190 at
+# level 3, 192 at 2, 182, 174 and 183 at 1; the four that start servers or children
+# (test_serving_path, test_real_model_server, test_stop_strings_smollm2,
+# test_tokenizer_flag_smollm2) 77.7 and 82.4 at 3, 70.1 and 73.9 at 1. Level 0 made
+# test_perplexity's prefills slow (119 CPU-s against 74 at level 3).
 # The settings are per file (a module's fixtures compile before any one test's setup could
 # change them), so a concept tested on both models keeps its tiny tests in one file and its
 # smollm2 tests in a `_smollm2` file of their own.
 _CHEAP_COMPILES = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+_REAL_MODEL_OPT_LEVEL = "--xla_backend_optimization_level=1"
 REAL_MODEL_FILES = {"test_perplexity", "test_real_model", "test_real_model_server", "test_serving_path",
                     "test_spec_decode_smollm2", "test_structured_smollm2", "test_stop_strings_smollm2",
                     "test_tokenizer_flag_smollm2"}
@@ -582,23 +592,30 @@ def _compile_optimisation(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     import jax
 
-    global _DEFAULT_EMITTERS
     # The settings do not key JAX's in-memory executables, which engines in one process
     # share (compilation.step_programs): each side of the switch starts without the other's.
     env, cheap = os.environ[_CHEAP_COMPILES], jax.config.read(_CHEAP_COMPILES.lower())
     xla_flags = os.environ.get("XLA_FLAGS")
     os.environ[_CHEAP_COMPILES] = "0"
     jax.config.update(_CHEAP_COMPILES.lower(), False)
-    if xla_flags is not None:
-        os.environ["XLA_FLAGS"] = " ".join(f for f in xla_flags.split() if f != _FAST_COMPILE_FLAG)
-    _DEFAULT_EMITTERS = _FAST_COMPILE_FLAG in (xla_flags or "").split()  # not where XLA_FLAGS chose already
+    flags = (xla_flags or "").split()
+    # Where XLA_FLAGS chose already, its choice stands.
+    if _FAST_COMPILE_FLAG in flags:
+        _REAL_MODEL_OVERRIDES.append(("xla_cpu_use_fusion_emitters", True))
+    opt_level, _, level = _REAL_MODEL_OPT_LEVEL.partition("=")
+    if not any(f.startswith(opt_level + "=") for f in flags):
+        _REAL_MODEL_OVERRIDES.append(("xla_backend_optimization_level", int(level)))
+        flags.append(_REAL_MODEL_OPT_LEVEL)
+    os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f != _FAST_COMPILE_FLAG)
     fresh_step_programs()
     try:
         yield
     finally:
         os.environ[_CHEAP_COMPILES] = env
         jax.config.update(_CHEAP_COMPILES.lower(), cheap)
-        if xla_flags is not None:
+        if xla_flags is None:
+            del os.environ["XLA_FLAGS"]
+        else:
             os.environ["XLA_FLAGS"] = xla_flags
-        _DEFAULT_EMITTERS = False
+        _REAL_MODEL_OVERRIDES.clear()
         fresh_step_programs()
