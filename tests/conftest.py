@@ -561,8 +561,8 @@ def _parsed_once_per_version(reader_cls: type) -> Callable[..., Any]:
 # prefill: +5% CPU cold with its compiles), compile at full optimisation, and with XLA's
 # default emitters (_FAST_COMPILE_FLAG): in this process and in the subprocesses they start.
 # Full optimisation there is XLA's backend level 1 rather than its default 3 (LLVM's O1
-# rather than O3 over the code XLA generates): it compiles faster and, on the real model's
-# steps, computes about as fast. Measured with an empty cache, /usr/bin/time's CPU-s:
+# rather than O3 over the code XLA generates): those files' compiles and steps together
+# take less CPU. Measured with an empty cache, /usr/bin/time's CPU-s:
 # the four in-process real-model files in one process (test_perplexity,
 # test_spec_decode_smollm2, test_structured_smollm2, test_real_model) 211 and 190 at
 # level 3, 192 at 2, 182, 174 and 183 at 1; the four that start servers or children
