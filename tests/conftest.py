@@ -55,8 +55,15 @@ os.environ["TAXIRANK_CHECK_INVARIANTS"] = "1"
 # (test_spec_decode_smollm2.py 77.7 -> 77.5). Set for subprocesses too, as the flag above.
 _FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 _ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
+
+
+def _names(flags: list[str], flag: str) -> bool:
+    """Whether `flags` (XLA_FLAGS, split) set `flag`'s option already: a choice made there stands."""
+    return any(f.partition("=")[0] == flag.partition("=")[0] for f in flags)
+
+
 for _flag in (_FAST_COMPILE_FLAG, _ONE_CODEGEN_PART):
-    if _flag.partition("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    if not _names(os.environ.get("XLA_FLAGS", "").split(), _flag):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 # Small enough to build and run in well under a second; GQA (4 heads over 2 KV heads).
@@ -602,9 +609,8 @@ def _compile_optimisation(request: pytest.FixtureRequest) -> Iterator[None]:
     # Where XLA_FLAGS chose already, its choice stands.
     if _FAST_COMPILE_FLAG in flags:
         _REAL_MODEL_OVERRIDES.append(("xla_cpu_use_fusion_emitters", True))
-    opt_level, _, level = _REAL_MODEL_OPT_LEVEL.partition("=")
-    if not any(f.startswith(opt_level + "=") for f in flags):
-        _REAL_MODEL_OVERRIDES.append(("xla_backend_optimization_level", int(level)))
+    if not _names(flags, _REAL_MODEL_OPT_LEVEL):
+        _REAL_MODEL_OVERRIDES.append(("xla_backend_optimization_level", int(_REAL_MODEL_OPT_LEVEL.partition("=")[2])))
         flags.append(_REAL_MODEL_OPT_LEVEL)
     os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f != _FAST_COMPILE_FLAG)
     fresh_step_programs()
