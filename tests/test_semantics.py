@@ -469,6 +469,62 @@ def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(mo
     assert llm.generate([prompt], greedy)[0].num_cached_tokens == 0
 
 
+@pytest.mark.parametrize("where", ["dispatch", "result"])
+def test_an_interrupt_while_an_async_step_is_in_flight_leaves_nothing_behind(monkeypatch, where) -> None:
+    """Async scheduling keeps step N on the device while step N+1 is dispatched: Ctrl-C may
+    land while N+1 is dispatched (N in flight) or while the host waits for a step's tokens
+    (where it mostly waits). Either way generate() raises it as it is, its requests end,
+    every KV block comes back, and the next call gets the tokens of a run never interrupted,
+    prefix-cache hits included (its blocks hold what they are named for)."""
+    import runner_output
+
+    llm = LLM(log=quiet, **{k: v for k, v in SMALL.items() if k != "model"}, block_size=16,
+              enable_prefix_caching=True)
+    eng = llm.engine
+    assert eng.config.async_scheduling
+    # 64 tokens a step: the first step runs the 40-token prompt and 24 of the 50-token one, the
+    # second the rest of it, naming two full blocks its forward writes.
+    prompts = [list(range(10, 50)), list(range(60, 110)), [5, 6, 7]]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert llm.reset_prefix_cache()
+    calls = [0]
+    if where == "dispatch":  # the second step's dispatch, the first still in flight
+        real = eng.runner.execute
+
+        def execute(out):
+            calls[0] += 1
+            if calls[0] == 2:
+                assert eng._in_flight, "the first step should be in flight"
+                raise KeyboardInterrupt
+            return real(out)
+        monkeypatch.setattr(eng.runner, "execute", execute)
+    else:  # waiting for the second step's tokens (the step ran; its update never happens)
+        real = runner_output.InFlightStep.result
+
+        def result(self):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise KeyboardInterrupt
+            return real(self)
+        monkeypatch.setattr(runner_output.InFlightStep, "result", result)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy)
+    assert calls[0] == 2
+    monkeypatch.undo()
+    # (a step may still be in flight: the next step() collects it, its rows discarded)
+    while eng.has_unfinished():
+        assert eng.step() == []
+    eng.scheduler.check_invariants()
+    assert eng.scheduler.allocator.num_used == 0
+    got = llm.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert eng.scheduler.allocator.num_used == 0
+    # What the interrupted call's steps wrote is named and read only where it was written.
+    again = llm.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in again] == want and again[0].num_cached_tokens >= 32
+
+
 def test_max_waiting_requests_counts_requests_not_yet_scheduled() -> None:
     async def go() -> None:
         eng = AsyncEngine(EngineConfig(max_waiting_requests=2, **SMALL), log=quiet)
