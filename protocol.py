@@ -70,7 +70,8 @@ _NEUTRAL: dict[str, tuple] = {
     "moderation": (),  # moderation of input and output
     # vLLM's own extras that taxirank does not implement
     "documents": ([],), "return_prompt_text": (False,), "logprob_token_ids": (), "thinking_token_budget": (),
-    "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (), "kv_transfer_params": (),
+    "repetition_detection": (), "watermarking": (False,), "vllm_xargs": (),
+    "kv_transfer_params": (), "ec_transfer_params": (),  # disaggregated serving's KV and encoder-cache hand-offs
     "logits_processors": ([],),  # custom processors by qualified name (vLLM's --logits-processor-pattern)
 }
 # Completions' own: embeddings in place of the prompt's tokens (vLLM's --enable-prompt-embeds)

@@ -177,6 +177,9 @@ REFUSED = [  # (path, field, value): OpenAI's (or vLLM's) and not implemented he
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "reasoning_effort", "extreme"),
     (CHAT, "return_prompt_text", True),
+    (CHAT, "kv_transfer_params", {"do_remote_prefill": True}),  # vLLM's disaggregated serving
+    (C, "ec_transfer_params", {}),
+    (C, "vllm_xargs", {"k": 1}),
     (CHAT, "cache_salt", ""),  # vLLM's: a non-empty string
     (C, "cache_salt", 5),
     (CHAT, "cache_salt", []),
