@@ -147,9 +147,10 @@ class LLMEngine:
             if n is not None and n > cap:
                 raise ParamError(f"Requested {kind} logprobs of {n}, which is greater than max allowed: {cap}", name)
         if params.logit_bias:  # vLLM's messages (its processor's _validate_logit_bias, ...)
-            bad = [t for t in params.logit_bias if not 0 <= t < vocab]
-            if bad:
-                raise ParamError(f"token_id(s) {bad[:8]} in logit_bias contain out-of-vocab token ids. "
+            bad = [str(t) for t in params.logit_bias if not 0 <= t < vocab]
+            if bad:  # a JSON key may be thousands of digits long: not quoted whole
+                shown = ", ".join(t if len(t) <= 20 else f"{t[:8]}...({len(t.lstrip('-'))} digits)" for t in bad[:8])
+                raise ParamError(f"token_id(s) [{shown}] in logit_bias contain out-of-vocab token ids. "
                                  f"Vocabulary size: {vocab}", "logit_bias")
         if params.allowed_token_ids is not None and not all(0 <= t < vocab for t in params.allowed_token_ids):
             raise ParamError("allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids")

@@ -414,6 +414,10 @@ def test_server_takes_the_fields_and_refuses_out_of_vocabulary_ids():
                 status, body = post({"max_tokens": 2, field_: value})
                 assert status == 400 and "out-of-vocab" in body["error"]["message"], body
                 assert body["error"]["param"] == field_, body
+            status, body = post({"max_tokens": 2, "logit_bias": {"512": 1, "9" * 4000: 1}})  # one id, not 4,000 digits
+            assert status == 400 and body["error"]["message"] == (
+                "token_id(s) [512, 99999999...(4000 digits)] in logit_bias contain out-of-vocab token ids. "
+                "Vocabulary size: 512"), body
             assert post({"max_tokens": 2})[0] == 200
         finally:
             loop.run_until_complete(client.close())
