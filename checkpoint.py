@@ -2,7 +2,8 @@
 
     python checkpoint.py convert SRC DST [--dtype bfloat16]
 
-SRC is anything `--model` takes (a built-in model, an HF safetensors directory); DST gets
+SRC is anything `--model` takes (a built-in model, an HF safetensors directory, a GGUF file,
+whose quantized weights are dequantized: a checkpoint holds float weights); DST gets
 the parameters already in taxirank's layout (stacked layers, [in, out] kernels, cast to
 the dtype) as one orbax array per parameter, plus taxirank_checkpoint.json (the
 ModelConfig and dtype), the tokenizer and SRC's generation_config.json. `--model DST`
@@ -151,7 +152,8 @@ def load(path: str, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedMode
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="convert a model to an orbax checkpoint of taxirank's parameters")
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("convert", help="load SRC (a built-in model or an HF directory), save it to DST")
+    c = sub.add_parser("convert", help="load SRC (a built-in model, an HF directory or a .gguf file, "
+                           "dequantized), save it to DST")
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

@@ -106,6 +106,31 @@ def test_a_gguf_file_loads_into_the_network_transformers_runs(hf_checkpoint, tmp
     assert out.outputs[0].token_ids == ref
 
 
+def test_checkpoint_convert_takes_a_gguf_file_and_the_checkpoint_serves_its_weights(hf_checkpoint, tmp_path, capsys):
+    """`python checkpoint.py convert FILE.gguf DST`: an F32 file's checkpoint gives
+    transformers' greedy tokens on the original; a Q8_0 file's holds its dequantized weights
+    bit for bit, as the GGUF loader reads them."""
+    from flax import nnx
+
+    import checkpoint
+
+    path = hf_checkpoint("llama2", eos_token_id=2)
+    prompt = [5, 17, 42, 99, 7, 256, 31, 64, 11]
+    for quant in ("F32", "Q8_0"):
+        src = write_gguf(path, str(tmp_path / f"m.{quant}.gguf"), quant)
+        dst = str(tmp_path / f"ck-{quant}")
+        checkpoint.main(["convert", src, dst])
+        assert f"saved {src}" in capsys.readouterr().out
+        got = dict(nnx.to_flat_state(nnx.state(checkpoint.load(dst).model, nnx.Param)))
+        want = nnx.to_flat_state(nnx.state(load_model(src).model, nnx.Param))
+        assert len(got) == len(want) and all(np.array_equal(np.asarray(v.get_value()), np.asarray(got[k].get_value()))
+                                             for k, v in want)
+    llm = LLM(str(tmp_path / "ck-F32"), log=lambda *_: None, max_num_seqs=2, max_model_len=64,
+              max_num_batched_tokens=64, warmup=False)
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(path, prompt, 16)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_gguf_files_load_into_the_network_transformers_runs(hf_checkpoint, tmp_path, family):
     """llama.cpp's qwen2 / qwen3 layouts (q/k rows as stored, q/k/v biases; Qwen3's per-head
