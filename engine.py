@@ -76,6 +76,9 @@ class EngineRequest:
     # vLLM's (a non-empty string, as the client sent it: LLMEngine.validate checks it): its
     # prefix-cache blocks are shared only with requests of the same salt.
     cache_salt: str | None = None
+    # Its bad_words as token sequences (logits_controls.bad_words_token_ids): LLMEngine.validate
+    # tokenizes them once, for its checks and the request's LogitsControls.
+    bad_words_ids: list[list[int]] | None = None
 
 
 class LLMEngine:
@@ -157,22 +160,25 @@ class LLMEngine:
         if params.bad_words and self.tokenizer is None:
             raise ParamError("this model has no tokenizer, so bad_words cannot be tokenized: use allowed_token_ids "
                              "or logit_bias", "bad_words")
+        bad_words_ids = None
         if params.bad_words:
-            check_bad_words(bad_words_token_ids(self.tokenizer, params.bad_words))
+            bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            check_bad_words(bad_words_ids)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
         if params.masks_tokens:
-            self._check_first_token(prompt_token_ids, params, grammar)
-        return dataclasses.replace(request, params=params, grammar=grammar)
+            self._check_first_token(prompt_token_ids, params, grammar, bad_words_ids)
+        return dataclasses.replace(request, params=params, grammar=grammar, bad_words_ids=bad_words_ids)
 
-    def _check_first_token(self, prompt_token_ids: Seq[int], params: SamplingParams, grammar: Any) -> None:
+    def _check_first_token(self, prompt_token_ids: Seq[int], params: SamplingParams, grammar: Any,
+                           bad_words_ids: list[list[int]] | None) -> None:
         """A ParamError naming the fields when the request's masks leave no token for its
         first output (its grammar's first tokens against allowed_token_ids, bad_words,
         min_tokens' stop tokens, or those against each other): it could output nothing, so
         it is refused here, not admitted to end at once. One whose masks part only later
         ends there, without a token (runner.sample, Scheduler.update)."""
         vocab = self.model_config.vocab_size
-        controls = controls_for(params, prompt_token_ids, vocab, self.model_config.eos_token_ids, self.tokenizer)
+        controls = controls_for(params, prompt_token_ids, vocab, self.model_config.eos_token_ids, bad_words_ids)
         checks: list[tuple[Any, bool]] = [(None, True)]
         if grammar is not None:
             row = next_mask(grammar.deep_copy(), vocab)
@@ -224,8 +230,9 @@ class LLMEngine:
         if params.structured_outputs is not None:
             seq.constraint = new_constraint(request.grammar.deep_copy(),  # its own
                                             self._reasoning_end(seq, request.thinking))
+        assert (request.bad_words_ids is not None) == bool(params.bad_words), "enqueue takes what validate() returned"
         seq.controls = controls_for(params, seq.prompt_token_ids, self.model_config.vocab_size,
-                                    self.model_config.eos_token_ids, self.tokenizer)
+                                    self.model_config.eos_token_ids, request.bad_words_ids)
         if params.stop:
             seq.stop_matcher = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, list(params.stop), params,
                                                       self.model_config.eos_token_ids)

@@ -177,9 +177,9 @@ def pack(allowed: np.ndarray) -> np.ndarray:
 
 
 def controls_for(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, eos_token_ids: Sequence[int],
-                 tokenizer: Any) -> LogitsControls | None:
-    """A request's LogitsControls, or None when it has no processor (the common request)."""
+                 bad_words_ids: list[list[int]] | None) -> LogitsControls | None:
+    """A request's LogitsControls, or None when it has no processor (the common request);
+    bad_words_ids: its bad_words tokenized (bad_words_token_ids)."""
     if not (params.masks_tokens or params.penalized):
         return None
-    bad = bad_words_token_ids(tokenizer, params.bad_words) if params.bad_words else []
-    return LogitsControls(params, prompt_ids, vocab_size, eos_token_ids, bad)
+    return LogitsControls(params, prompt_ids, vocab_size, eos_token_ids, bad_words_ids or [])

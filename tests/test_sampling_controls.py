@@ -103,7 +103,7 @@ def test_greedy_tokens_under_each_processor_are_transformers_with_it_applied_in_
     assert outs[8].token_ids[-1] == EOS and len(outs[8].token_ids) == 7 and outs[8].finish_reason == "stop"
 
 
-def test_bad_words_are_the_token_sequences_vllm_refuses(ckpt):
+def test_bad_words_are_the_token_sequences_vllm_refuses(ckpt, monkeypatch):
     """vLLM (SamplingParams.update_from_tokenizer) refuses a bad word as written, and with a
     leading space only where that is a word of its own: a new first token, as many tokens.
     Here " fox" is one token and "fox" two: vLLM does not refuse " fox", which a logit_bias
@@ -123,6 +123,21 @@ def test_bad_words_are_the_token_sequences_vllm_refuses(ckpt):
     assert o.token_ids == [fox] * 4
     o = llm.generate([PROMPTS[0]], greedy(max_tokens=4, bad_words=["the"], logit_bias={the: 100}))[0].outputs[0]
     assert the not in o.token_ids
+    # Tokenized once per prompt, by validate, whatever n: its checks and each sample's
+    # processors take those ids (three samples, each refusing both spellings).
+    import engine
+    import logits_controls
+
+    calls = []
+
+    def counted(tokenizer, words):
+        calls.append(list(words))
+        return bad_words_token_ids(tokenizer, words)
+    for module in (engine, logits_controls):
+        monkeypatch.setattr(module, "bad_words_token_ids", counted)
+    outs = llm.generate([PROMPTS[0]], SamplingParams(n=3, max_tokens=4, seed=1, bad_words=["the"],
+                                                     logit_bias={the: 100}))[0].outputs
+    assert calls == [["the"]] and len(outs) == 3 and all(the not in o.token_ids for o in outs)
 
 
 def test_min_tokens_holds_off_eos_and_stop_strings_as_vllm(ckpt):
