@@ -291,6 +291,26 @@ def test_what_beam_search_cannot_do_is_a_400(server, body, param, message):
     wait_idle(server)
 
 
+@pytest.mark.parametrize("body, param", [(dict(echo=True), "echo"), (dict(top_p=0.5), "top_p"),
+                                         (dict(include_metrics=True), "include_metrics")])
+def test_what_beam_search_cannot_do_in_a_chat_is_a_400_naming_the_chat_field(server, body, param):
+    """Chat's echo (the last message again, before the answer) and the sampling fields beam
+    search does not read: refused in a chat as on completions; without them the search runs."""
+    from test_server import request, wait_idle
+
+    status, answer = request(server, "POST", "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "n": 2,
+                              "max_completion_tokens": 3} | body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and "not supported with use_beam_search" in answer["error"]["message"], \
+        answer
+    wait_idle(server)
+    status, answer = request(server, "POST", "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "n": 2,
+                              "max_completion_tokens": 3})
+    assert status == 200 and len(answer["choices"]) == 2, answer
+
+
 def test_a_width_the_waiting_queue_cannot_hold_is_a_400():
     """Each step adds one request per live beam: with --max-waiting-requests 2 a search of
     n = 3 would be refused at its second step (a 503 saying "retry later", or an error in a
