@@ -404,6 +404,23 @@ def test_content_parts_that_are_text_and_an_assistants_reasoning_reach_the_templ
         parse_messages({"messages": [{"role": "assistant", "content": "", "reasoning": 5}]}, Template())
 
 
+def test_a_message_without_content_reaches_the_template_empty_as_vllm() -> None:
+    """vLLM's CustomChatCompletionMessageParam leaves 'content' optional for any role and its
+    _parse_chat_message_content reads a missing one as no parts: an empty string. A null
+    content is still refused for a role other than assistant (no message type takes it)."""
+    seen = []
+
+    class Template(ByteTokenizer):
+        def apply_chat_template(self, chat, add_generation_prompt=True, tokenize=False, **variables):
+            seen.append(chat)
+            return super().apply_chat_template(chat, add_generation_prompt, tokenize)
+
+    parse_messages({"messages": [{"role": "system"}, {"role": "user", "content": "x"}]}, Template())
+    assert seen == [[{"role": "system", "content": ""}, {"role": "user", "content": "x"}]]
+    with pytest.raises(ApiError, match=r"messages\[0\]"):
+        parse_messages({"messages": [{"role": "user", "content": None}]}, Template())
+
+
 def test_reasoning_effort_reaches_a_template_that_reads_it_as_vllm() -> None:
     seen = []
 

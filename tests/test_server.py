@@ -413,7 +413,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param)
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": 42}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "8"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
