@@ -148,8 +148,9 @@ def test_cumulative_logprob_is_the_sum_of_the_sampled_tokens_logprobs(hf_checkpo
 
 
 @pytest.mark.parametrize("n, message", [(0, "at least 1, got 0"), (-1, "at least 1, got -1"),
-                                        (True, "an int"), (1.5, "an int"), ("2", "an int")])
-def test_n_below_one_or_not_an_integer_is_refused(n, message) -> None:
+                                        (True, "an int"), (1.5, "an int"), ("2", "an int"),
+                                        (2**14 + 1, "at most 16384, got 16385")])  # vLLM's VLLM_MAX_N_SEQUENCES
+def test_n_out_of_vllm_s_range_or_not_an_integer_is_refused(n, message) -> None:
     with pytest.raises(ValueError, match=f"n must be {message}"):
         SamplingParams(n=n)
 
