@@ -302,6 +302,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's __post_init__: True asks for 1 (False stays refused)
+            if getattr(self, name) is True:
+                object.__setattr__(self, name, 1)
 
         if not is_int(self.n):  # vLLM's messages
             raise ValueError(f"n must be an int, but is of type {type(self.n)}")

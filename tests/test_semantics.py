@@ -42,6 +42,8 @@ def test_sampling_params_defaults_and_normalisation_are_vllms() -> None:
             SamplingParams(**bad)
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
     assert SamplingParams(stop_token_ids=(3,)).stop_token_ids == (3,)
+    # vLLM's __post_init__ reads True as 1 (its bool is an int); a vLLM user writes logprobs=True
+    assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=True).prompt_logprobs) == (1, 1)
 
 
 def test_chunked_prefill_is_on_by_default_and_the_flag_turns_it_off() -> None:
