@@ -186,6 +186,30 @@ def test_generate_takes_vllm_s_keywords(llm: LLM) -> None:
     assert named.outputs[0].token_ids == positional.outputs[0].token_ids and len(named.outputs[0].token_ids) == 3
 
 
+def test_use_tqdm_may_be_the_bar_factory_as_vllm(llm: LLM) -> None:
+    """vLLM's use_tqdm: bool | Callable[..., tqdm]: a callable makes the progress bar, which
+    counts every prompt once and is closed."""
+    made = []
+
+    class Bar:
+        def __init__(self, **kwargs) -> None:
+            self.kwargs, self.n, self.closed = kwargs, 0, False
+            made.append(self)
+
+        def update(self, k: int = 1) -> None:
+            self.n += k
+
+        def close(self) -> None:
+            self.closed = True
+
+    outs = llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=2, n=2), use_tqdm=Bar)
+    assert len(outs) == 2 and len(made) == 1
+    assert made[0].kwargs["total"] == 2 and made[0].n == 2 and made[0].closed
+    from beam_search import BeamSearchParams
+    llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=Bar)
+    assert len(made) == 2 and made[1].kwargs["total"] == 3 and made[1].n == 3 and made[1].closed
+
+
 def test_stop_and_bad_words_none_are_none_as_vllm(llm: LLM) -> None:
     """vLLM's SamplingParams(stop=None, bad_words=None), as a script that passes optional
     settings through writes them: no stop strings, no bad words."""
