@@ -45,7 +45,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] | None = None,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
         """vLLM's (its keyword names too): one RequestOutput per prompt, in order, each with its
         sampling_params.n samples.
         A prompt is a string, a list of token ids, or vLLM's dict form: {"prompt": text} or
@@ -102,7 +103,8 @@ class LLM:
         bar = None
         if use_tqdm or (use_tqdm is None and len(encoded) >= 16):
             from tqdm import tqdm
-            bar = tqdm(total=len(encoded), desc="generate", unit="req")
+            # vLLM's use_tqdm may be a tqdm-like factory (tqdm.notebook's, a quiet one): it makes the bar
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(encoded), desc="generate", unit="req")
         try:
             for i, (request, samples) in enumerate(zip(checked, children)):
                 for rid, p, par in samples:
@@ -139,8 +141,8 @@ class LLM:
                 for rid, text, samples in zip(request_ids, texts, children)]
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool | None = None, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             use_tqdm: bool | Callable[..., Any] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              chat_template_content_format: str = "auto", tools: list[dict] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list
         of them, each rendered by the model's chat template (or `chat_template`), then
@@ -187,7 +189,8 @@ class LLM:
         thinking = chat_format.thinking_enabled(body)
         return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
 
-    def beam_search(self, prompts: Prompt | Seq[Prompt], params: Any, use_tqdm: bool = False) -> list[Any]:
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: Any,
+                    use_tqdm: bool | Callable[..., Any] = False) -> list[Any]:
         """vLLM's LLM.beam_search (beam_search.py): one BeamSearchOutput per prompt (prompts as
         generate() takes them), its params.beam_width best sequences, best first; each
         sequence's tokens start with the prompt's, and so does its text. Each step runs the
@@ -210,7 +213,7 @@ class LLM:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = tqdm(total=params.max_tokens, desc="beam search", unit="token")
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=params.max_tokens, desc="beam search", unit="token")
         while live := [i for i, s in enumerate(searches) if not s.done]:
             beams = [(i, b) for i in live for b in searches[i].beams]
             outs = self._generate([b.tokens for _, b in beams], [None] * len(beams), step, False, None,

@@ -22,6 +22,9 @@ import numpy as np
 # where it enters, so that compiling it stays within llguidance's limits (structured.py).
 MAX_STRUCTURED_CHARS = 64 * 1024
 MAX_CHOICES = 256
+# vLLM's VLLM_MAX_N_SEQUENCES default: the most samples SamplingParams takes (the server's
+# protocol.MAX_N is lower); more would hold LLM.generate for hours instead of refusing
+MAX_N_SEQUENCES = 16384
 
 
 def is_int(x: object) -> bool:
@@ -299,11 +302,16 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's __post_init__: True asks for 1 (False stays refused)
+            if getattr(self, name) is True:
+                object.__setattr__(self, name, 1)
 
         if not is_int(self.n):  # vLLM's messages
             raise ValueError(f"n must be an int, but is of type {type(self.n)}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > MAX_N_SEQUENCES:
+            raise ValueError(f"n must be at most {MAX_N_SEQUENCES}, got {self.n}.")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_finite_number(self.temperature) or self.temperature < 0:

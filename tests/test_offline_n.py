@@ -148,8 +148,9 @@ def test_cumulative_logprob_is_the_sum_of_the_sampled_tokens_logprobs(hf_checkpo
 
 
 @pytest.mark.parametrize("n, message", [(0, "at least 1, got 0"), (-1, "at least 1, got -1"),
-                                        (True, "an int"), (1.5, "an int"), ("2", "an int")])
-def test_n_below_one_or_not_an_integer_is_refused(n, message) -> None:
+                                        (True, "an int"), (1.5, "an int"), ("2", "an int"),
+                                        (2**14 + 1, "at most 16384, got 16385")])  # vLLM's VLLM_MAX_N_SEQUENCES
+def test_n_out_of_vllm_s_range_or_not_an_integer_is_refused(n, message) -> None:
     with pytest.raises(ValueError, match=f"n must be {message}"):
         SamplingParams(n=n)
 
@@ -183,6 +184,30 @@ def test_generate_takes_vllm_s_keywords(llm: LLM) -> None:
     (named,) = llm.generate(prompts=PROMPT, sampling_params=params, use_tqdm=False, priority=[0])
     (positional,) = llm.generate(PROMPT, params)
     assert named.outputs[0].token_ids == positional.outputs[0].token_ids and len(named.outputs[0].token_ids) == 3
+
+
+def test_use_tqdm_may_be_the_bar_factory_as_vllm(llm: LLM) -> None:
+    """vLLM's use_tqdm: bool | Callable[..., tqdm]: a callable makes the progress bar, which
+    counts every prompt once and is closed."""
+    made = []
+
+    class Bar:
+        def __init__(self, **kwargs) -> None:
+            self.kwargs, self.n, self.closed = kwargs, 0, False
+            made.append(self)
+
+        def update(self, k: int = 1) -> None:
+            self.n += k
+
+        def close(self) -> None:
+            self.closed = True
+
+    outs = llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=2, n=2), use_tqdm=Bar)
+    assert len(outs) == 2 and len(made) == 1
+    assert made[0].kwargs["total"] == 2 and made[0].n == 2 and made[0].closed
+    from beam_search import BeamSearchParams
+    llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=Bar)
+    assert len(made) == 2 and made[1].kwargs["total"] == 3 and made[1].n == 3 and made[1].closed
 
 
 def test_stop_and_bad_words_none_are_none_as_vllm(llm: LLM) -> None:

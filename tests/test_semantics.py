@@ -42,6 +42,8 @@ def test_sampling_params_defaults_and_normalisation_are_vllms() -> None:
             SamplingParams(**bad)
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
     assert SamplingParams(stop_token_ids=(3,)).stop_token_ids == (3,)
+    # vLLM's __post_init__ reads True as 1 (its bool is an int); a vLLM user writes logprobs=True
+    assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=True).prompt_logprobs) == (1, 1)
 
 
 def test_chunked_prefill_is_on_by_default_and_the_flag_turns_it_off() -> None:
@@ -101,9 +103,9 @@ def test_generate_refuses_what_is_not_a_prompt_or_sampling_params_before_adding_
             llm.generate(prompts, SamplingParams(max_tokens=2))
     with pytest.raises(TypeError, match="priority must be a list"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=2), priority=5)
-    # A bad prompt fails before its n samples are made: n = 10**9 would take minutes to build.
+    # A bad prompt fails before its n samples (the most SamplingParams takes) are made or queued.
     with pytest.raises(ValueError, match="prompt 0: token id 100000"):
-        llm.generate([[100000]], SamplingParams(max_tokens=2, n=10**9))
+        llm.generate([[100000]], SamplingParams(max_tokens=2, n=2**14))
     assert not llm.engine.has_unfinished()
     # vLLM's: a single string is one prompt (not one prompt per character).
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
