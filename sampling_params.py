@@ -302,6 +302,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
+        if is_int(self.seed) and self.seed == -1:  # vLLM's __post_init__: -1 is no seed (a stream of its own)
+            object.__setattr__(self, "seed", None)
         for name in ("logprobs", "prompt_logprobs"):  # vLLM's __post_init__: True asks for 1 (False stays refused)
             if getattr(self, name) is True:
                 object.__setattr__(self, name, 1)
