@@ -461,8 +461,9 @@ def test_seed_bounds_are_vllm_s_int64() -> None:
         with pytest.raises(ApiError) as e:
             parse_sampling({"seed": seed}, 3, 256, chat=False)
         assert e.value.status == 400 and e.value.param == "seed"
-    for seed in (2**63 - 1, -2**63, 0, -1):
+    for seed in (2**63 - 1, -2**63, 0, -2):
         assert parse_sampling({"seed": seed}, 3, 256, chat=False).seed == seed
+    assert parse_sampling({"seed": -1}, 3, 256, chat=False).seed is None  # vLLM's: -1 is no seed
 
 
 # ---- stream_options and max_tokens null -------------------------------------------------------
