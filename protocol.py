@@ -315,7 +315,8 @@ def loads_checked(data: str | bytes, what: str, param: str | None = None) -> Any
 
 def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
                    tools: ToolChoice | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
-    """SamplingParams (stop strings included) from the OpenAI fields; a 400 for anything off.
+    """SamplingParams (stop strings included, and n: 1 for a beam search, whose n is its width)
+    from the OpenAI fields; a 400 for anything off.
     tools: the ToolChoice of the request's tool_choice() (a forced call constrains the
     output); defaults: the engine's sampling_defaults (the model's generation config) for the
     fields left out."""
@@ -408,6 +409,8 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
             else logprobs
     try:
         params = SamplingParams(
+            # (a beam search's n is its width: it samples with params of its own, parse_beam_search's)
+            n=1 if field(body, "use_beam_search", (bool,), False) else n,
             max_tokens=max_tokens,
             temperature=field(body, "temperature", (int, float), defaults.get("temperature", 1.0)),  # OpenAI's
             top_p=field(body, "top_p", (int, float), defaults.get("top_p", 1.0)),

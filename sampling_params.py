@@ -318,6 +318,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.greedy and self.n > 1:  # vLLM's _verify_greedy_sampling: greedy samples would all be one
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):

@@ -114,7 +114,7 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
                     run = BeamSearchRun(engine, EngineRequest(rid, ids, p, priority=priority, user=user, slo=slo,
                                                               cache_salt=salt), beam)
                     gens.extend(BeamGeneration(run, i) for i in range(n))
-                for sample_id, sp, parent in [] if beam else child_requests(rid, dataclasses.replace(p, n=n)):
+                for sample_id, sp, parent in [] if beam else child_requests(rid, p):
                     sample = EngineRequest(request_id=sample_id, prompt_token_ids=ids, params=sp, priority=priority,
                                            user=user, slo=slo, grammar=grammar, parent=parent, thinking=thinking,
                                            cache_salt=salt)

@@ -91,8 +91,9 @@ def random_prompt(rng: random.Random, shared: list[int]) -> list[int]:
 
 
 def random_params(rng: random.Random, prompt: list[int], llm: LLM) -> SamplingParams:
+    # (greedy: n is 1, as vLLM refuses more; run_seed's seeded requests draw n)
     kw: dict = dict(temperature=0.0, max_tokens=rng.randint(1, min(50, MAX_LEN - len(prompt))),
-                    ignore_eos=rng.random() < 0.5, n=rng.choice([1, 1, 1, 2]))
+                    ignore_eos=rng.random() < 0.5)
     r = rng.random
     if r() < 0.3:
         kw["stop_token_ids"] = rng.sample(prompt, min(len(prompt), rng.randint(1, 3)))
@@ -181,7 +182,8 @@ def run_seed(seed: int) -> list[str]:
     params = [random_params(rng, p, base) for p in prompts]
     if spec["method"] == "ngram":  # its verification draws what plain seeded sampling draws: token for token
         params = [p if rng.random() < 0.6 else dataclasses.replace(p, **{"temperature": rng.choice([0.3, 1.0]),
-                                                                 "top_k": rng.choice([-1, 5]), "seed": rng.randint(0, 9)})
+                                                                 "top_k": rng.choice([-1, 5]), "seed": rng.randint(0, 9),
+                                                                 "n": rng.choice([1, 2])})
                   for p in params]
     tag = f"seed {seed} flags {flags} spec {spec}"
     priority = [rng.randint(0, 2) if flags.get("scheduling_policy") == "priority" else 0 for _ in prompts]

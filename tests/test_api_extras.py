@@ -359,8 +359,10 @@ def test_chat_echo_puts_the_last_message_before_the_answer_when_its_role_is_the_
         status, text, _ = post(CHAT, body | {"echo": True, "stream": True})
         deltas = [c["choices"][0]["delta"].get("content", "") for c in events(text) if c["choices"]]
         assert "".join(deltas) == prefix + plain and (not prefix or deltas[1] == prefix), deltas
-    # n choices: vLLM's first chunks are every choice's role, then every choice's echo
-    status, text, _ = post(CHAT, {"messages": turn, "echo": True, "stream": True, "n": 2} | greedy)
+    # n choices (sampled: greedy n > 1 is refused): vLLM's first chunks are every choice's role,
+    # then every choice's echo
+    status, text, _ = post(CHAT, {"messages": turn, "echo": True, "stream": True, "n": 2, "max_tokens": 4,
+                                  "temperature": 1.0, "seed": 3})
     firsts = [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in events(text)[:4]]
     assert firsts == [(0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""}),
                       (0, {"content": "Sure, "}), (1, {"content": "Sure, "})], firsts

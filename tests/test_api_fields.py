@@ -525,18 +525,17 @@ def test_a_completion_s_max_tokens_null_is_its_default_16_as_vllm(post) -> None:
 
 def test_a_batch_of_prompts_is_one_choice_per_sample_in_vllm_s_order(post) -> None:
     """vLLM's batched completions prompt (a list of token-id lists or of strings): prompt k's
-    n samples are choices k * n .. k * n + n - 1, each what the prompt alone gives; usage
-    counts every prompt once and every sample's tokens."""
+    n samples are choices k * n .. k * n + n - 1, sample i what the prompt alone gives seeded
+    seed + i; usage counts every prompt once and every sample's tokens."""
     prompts, n = [[5, 6, 7], [8, 9], [10]], 2
-    greedy = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True, "logprobs": 1}
-    status, text = post(C, {"prompt": prompts, "n": n} | greedy)
+    sampled = {"max_tokens": 3, "temperature": 1.0, "ignore_eos": True, "logprobs": 1}
+    status, text = post(C, {"prompt": prompts, "n": n, "seed": 11} | sampled)
     assert status == 200, text
     whole = strict_json(text)
     assert [c["index"] for c in whole["choices"]] == list(range(len(prompts) * n))
     for k, prompt in enumerate(prompts):
-        status, alone = post(C, {"prompt": prompt} | greedy)
-        (want,) = strict_json(alone)["choices"]
-        for c in whole["choices"][k * n:(k + 1) * n]:
+        for i, c in enumerate(whole["choices"][k * n:(k + 1) * n]):
+            (want,) = strict_json(post(C, {"prompt": prompt, "seed": 11 + i} | sampled)[1])["choices"]
             assert (c["text"], c["logprobs"]["tokens"]) == (want["text"], want["logprobs"]["tokens"]), (k, c, want)
             assert c["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
     assert whole["usage"] | {"prompt_tokens_details": None} == {

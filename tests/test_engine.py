@@ -254,7 +254,7 @@ def test_features_combined_give_each_request_its_tokens_alone_stream_them_whole_
     stop = plain.tokenizer.decode(ps[2][-2:])
     params = [SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True),  # these two overflow the cache
               SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=30, temperature=0.0, stop=[stop], n=2),
+              SamplingParams(max_tokens=30, temperature=1.0, seed=7, stop=[stop], n=2),
               SamplingParams(max_tokens=25, temperature=1.0, top_k=20, seed=5, logprobs=1, n=2),
               SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(
                   choice=("yes", "no", "maybe"))),

@@ -3,15 +3,16 @@
 tests/test_scheduler_drive.py fuzzes the scheduler alone, with fake tokens and a model of
 the KV pools. This drives a real LLMEngine on the built-in tiny model (a cache small enough
 that requests preempt each other, chunked prefill with a small budget) through operation
-lists hypothesis draws: requests added (shared prompt prefixes, n > 1 as child requests,
-greedy / seeded / unseeded sampling, stop strings and stop token ids picked from the
-request's own output so that they do end it, EOS, min_tokens, logprobs, prompt_logprobs, a
-choice grammar, priorities, an id reused from a request just aborted), requests aborted
-(just added, waiting, preempted or swapped out, mid-prefill, with a step in flight), prefix
-cache resets and steps; then it drains. Over a few configurations (async scheduling on and
-off, prefix caching on and off, preemption by recompute and by swap into a small host pool,
-ngram and draft-model speculation, the priority and fair policies, static batching, chunked
-prefill on and off, long_prefill_token_threshold) it checks, after every step:
+lists hypothesis draws: requests added (shared prompt prefixes, n > 1 as child requests of
+a sampled request, greedy / seeded / unseeded sampling, stop strings and stop token ids
+picked from the request's own output so that they do end it, EOS, min_tokens, logprobs,
+prompt_logprobs, a choice grammar, priorities, an id reused from a request just aborted),
+requests aborted (just added, waiting, preempted or swapped out, mid-prefill, with a step
+in flight), prefix cache resets and steps; then it drains. Over a few configurations (async
+scheduling on and off, prefix caching on and off, preemption by recompute and by swap into
+a small host pool, ngram and draft-model speculation, the priority and fair policies,
+static batching, chunked prefill on and off, long_prefill_token_threshold) it checks, after
+every step:
 
 - the scheduler's own invariants (check_invariants), and, from the running sequences' block
   tables, that every KV block in use is held by a live sequence and every other one is free;
@@ -195,7 +196,7 @@ class Run:
                 text = self.e.tokenizer.decode(list(out[j:j + 2]))
                 if text.strip():
                     params = dataclasses.replace(params, stop=[text])
-        if n > 1:
+        if n > 1 and sampling != "greedy":  # greedy n > 1 is refused (vLLM's _verify_greedy_sampling)
             params = dataclasses.replace(params, n=n)
         rid = f"r{self.counter}"
         self.counter += 1

@@ -3,7 +3,8 @@
 Claims: one RequestOutput per prompt, its `prompt` the text it was given (chat: the
 rendered template), its `outputs` the n samples (CompletionOutput) in index order; the n
 samples of a seeded request are what the server's n gives and what n single requests
-seeded seed + i give; greedy samples are all alike; cumulative_logprob is the sum of the
+seeded seed + i give; greedy n > 1 is refused, offline and over HTTP, as vLLM's
+_verify_greedy_sampling (its samples would all be one); cumulative_logprob is the sum of the
 sampled tokens' log-probabilities (transformers' logits, NumPy's log-softmax) when logprobs
 are asked, else None; n < 1 is refused where SamplingParams is built, and the engine
 itself refuses n != 1 (its callers expand n)."""
@@ -18,6 +19,7 @@ import pytest
 
 from conftest import hf_logits, tiny_async_engine
 from llm import LLM, CompletionOutput, RequestOutput, SamplingParams
+from sampling_params import SAMPLING_EPS
 
 # tiny_async_engine's shapes: the server below and these LLMs share compiled programs.
 SHAPES = dict(max_num_seqs=2, max_model_len=128, warmup=False)
@@ -76,37 +78,56 @@ def test_chat_refuses_what_the_server_refuses_and_still_generates(llm: LLM, mess
     assert len(out.outputs[0].token_ids) == 2
 
 
-def test_n_greedy_samples_are_alike_child_requests_in_index_order(llm: LLM) -> None:
-    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    [alone] = llm.generate([PROMPT], greedy)
-    llm.engine.trace.clear()
-    [out] = llm.generate([PROMPT], SamplingParams(n=3, max_tokens=6, temperature=0.0, ignore_eos=True))
-    assert [c.index for c in out.outputs] == [0, 1, 2]
-    assert [c.token_ids for c in out.outputs] == [alone.outputs[0].token_ids] * 3
-    assert len({c.text for c in out.outputs}) == 1
-    # vLLM's child ids, i_<parent>; the parent's id is the output's
-    scheduled = {rid for t in llm.engine.trace for rid, _ in t.scheduled}
-    assert scheduled == {f"{i}_{out.request_id}" for i in range(3)}
-    assert out.num_preemptions == 0 and not llm.engine.has_unfinished()
-
-
-def _server_choices(body: dict) -> list[list[int]]:
-    """The server's n choices' token ids for `body` on /v1/completions."""
+def _post(body: dict) -> tuple[int, dict]:
+    """The server's status and JSON answer to `body` on /v1/completions."""
     from aiohttp.test_utils import TestClient, TestServer
 
     import cli_args
     import server
 
     with tiny_async_engine() as (loop, engine):
-        async def post() -> dict:
+        async def post() -> tuple[int, dict]:
             app = server.app_from_args(engine, cli_args.build_parser().parse_args([]))
             async with TestClient(TestServer(app)) as client:
                 resp = await client.post("/v1/completions", json=body)
-                assert resp.status == 200, await resp.text()
-                return json.loads(await resp.text())
+                return resp.status, json.loads(await resp.text())
 
-        out = loop.run_until_complete(asyncio.wait_for(post(), 300))
+        return loop.run_until_complete(asyncio.wait_for(post(), 300))
+
+
+def _server_choices(body: dict) -> list[list[int]]:
+    """The server's n choices' token ids for `body` on /v1/completions."""
+    status, out = _post(body)
+    assert status == 200, out
     return [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+
+
+@pytest.mark.parametrize("temperature", [0.0, SAMPLING_EPS / 2])  # below SAMPLING_EPS: greedy
+def test_greedy_n_above_one_is_refused_as_vllm_offline_and_over_http(llm: LLM, temperature: float) -> None:
+    """vLLM's SamplingParams._verify_greedy_sampling, with its message, where SamplingParams
+    is built; over HTTP a 400 naming `n`. Greedy n = 1 still runs."""
+    message = "n must be 1 when using greedy sampling, got 3."
+    with pytest.raises(ValueError) as err:
+        SamplingParams(n=3, max_tokens=6, temperature=temperature, ignore_eos=True)
+    assert str(err.value) == message
+    assert len(llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=temperature))[0].outputs) == 1
+    status, out = _post({"prompt": PROMPT, "n": 3, "max_tokens": 6, "temperature": temperature})
+    assert status == 400 and (out["error"]["message"], out["error"]["param"]) == (message, "n")
+
+
+def test_n_samples_are_child_requests_in_index_order(llm: LLM) -> None:
+    sampled = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
+    alone = [llm.generate([PROMPT], SamplingParams(seed=11 + i, **sampled))[0].outputs[0] for i in range(3)]
+    llm.engine.trace.clear()
+    [out] = llm.generate([PROMPT], SamplingParams(n=3, seed=11, **sampled))
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    # sample i is the prompt alone seeded 11 + i: the outputs come in index order
+    assert [(c.token_ids, c.text) for c in out.outputs] == [(a.token_ids, a.text) for a in alone]
+    assert len({tuple(a.token_ids) for a in alone}) == 3  # three different draws: an order to check
+    # vLLM's child ids, i_<parent>; the parent's id is the output's
+    scheduled = {rid for t in llm.engine.trace for rid, _ in t.scheduled}
+    assert scheduled == {f"{i}_{out.request_id}" for i in range(3)}
+    assert out.num_preemptions == 0 and not llm.engine.has_unfinished()
 
 
 def test_seeded_samples_are_the_server_s_and_single_requests_seeded_seed_plus_i(llm: LLM) -> None:
@@ -165,7 +186,7 @@ def test_the_engine_refuses_n_other_than_one_and_queues_nothing(llm: LLM) -> Non
 def test_max_tokens_none_is_the_room_each_prompt_leaves_as_vllm(llm: LLM) -> None:
     """vLLM's SamplingParams(max_tokens=None): each sample runs until the context is full
     (max_model_len 128 here), per prompt; a prompt that fills the context is still refused."""
-    params = SamplingParams(max_tokens=None, n=2, temperature=0.0, ignore_eos=True, min_tokens=100)
+    params = SamplingParams(max_tokens=None, n=2, seed=0, ignore_eos=True, min_tokens=100)
     outs = llm.generate([PROMPT, list(range(1, 101))], params)
     assert [[len(c.token_ids) for c in o.outputs] for o in outs] == [[128 - 4] * 2, [128 - 100] * 2]
     assert all(c.finish_reason == "length" for o in outs for c in o.outputs)

@@ -496,7 +496,7 @@ def test_offline_cache_salts_hit_only_their_own_salts_blocks_and_change_no_token
     # n samples of one salted prompt share its blocks among themselves
     hits = llm.stats.prefix_cache_hits
     out = llm.generate([{"prompt_token_ids": prompt[::-1], "cache_salt": "tenant-c"}],
-                       dataclasses.replace(params, n=2))[0]
+                       dataclasses.replace(params, n=2, temperature=1.0, seed=0))[0]
     assert llm.stats.prefix_cache_hits - hits == 32 and len(out.outputs) == 2
 
 

@@ -447,7 +447,7 @@ def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(mo
         return real_enqueue(request)
     monkeypatch.setattr(llm.engine, "enqueue", enqueue)
     with pytest.raises(KeyboardInterrupt):
-        llm.generate([[5, 6]], dataclasses.replace(greedy, n=3))
+        llm.generate([[5, 6]], SamplingParams(n=3, max_tokens=4, seed=0, ignore_eos=True))
     monkeypatch.setattr(llm.engine, "enqueue", real_enqueue)
     assert not llm.engine.has_unfinished()
     again = llm.generate([prompt], greedy)[0]
