@@ -254,7 +254,7 @@ def render_chat(body: dict, tokenizer: Any, tools: list[dict] | None = None, cha
                 raise ApiError(f"messages[{i}].tool_calls must be an array of objects", param="messages")
             if m["tool_calls"]:  # none: the template's plain assistant path, as vLLM drops an empty list
                 extra["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
-        if isinstance(m, dict) and (m.get("role") == "assistant" and content is None or "content" not in m):
+        if isinstance(m, dict) and ((m.get("role") == "assistant" and content is None) or "content" not in m):
             # OpenAI's optional assistant content (null beside tool calls, or in an answer
             # that was all reasoning, sent back as history), or any role's left out (vLLM's
             # CustomChatCompletionMessageParam): no parts, as vLLM

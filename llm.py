@@ -142,8 +142,9 @@ class LLM:
 
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] | None = None, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             chat_template_content_format: str = "auto", tools: list[dict] | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list
         of them, each rendered by the model's chat template (or `chat_template`), then
         generated as generate() does; one RequestOutput per conversation.
