@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json as _json  # StructuredOutputsParams has a field named json
+import logging
 import math
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+
+log = logging.getLogger("taxirank.sampling_params")
 
 
 # A constraint's text (schema JSON, regex, grammar, choices together): larger is refused
@@ -245,7 +248,7 @@ class SamplingParams:
     # None: as many as the context leaves beside the prompt (vLLM's), which LLMEngine.validate
     # resolves per prompt; every request the engine runs has a number
     max_tokens: int | None = 16
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy; in (0, MIN_TEMPERATURE): raised to it (vLLM's)
     top_p: float = 1.0
     top_k: int = -1  # 0 or -1: disabled (vLLM); above the vocabulary: clipped by the engine
     min_p: float = 0.0
@@ -318,6 +321,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # vLLM's __post_init__, with its warning
+            log.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors. "
+                        "We have maxed it out to %s.", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if self.greedy and self.n > 1:  # vLLM's _verify_greedy_sampling: greedy samples would all be one
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -411,4 +418,7 @@ class SamplingParams:
         return None
 
 
-SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this samples greedily
+SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this samples greedily (SamplingParams' only 0)
+# vLLM's _MAX_TEMP: SamplingParams raises a temperature in (0, this) to it, as vLLM, since
+# dividing the logits by less can overflow them to inf (and a softmax of infinities is NaN)
+MIN_TEMPERATURE = 1e-2
