@@ -325,8 +325,6 @@ class SamplingParams:
             log.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors. "
                         "We have maxed it out to %s.", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             object.__setattr__(self, "temperature", MIN_TEMPERATURE)
-        if self.greedy and self.n > 1:  # vLLM's _verify_greedy_sampling: greedy samples would all be one
-            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
@@ -366,15 +364,19 @@ class SamplingParams:
         if not is_finite_number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be a finite number greater than zero, "
                              f"got {self.repetition_penalty!r}")
+        if not isinstance(self.bad_words, tuple) or not all(isinstance(w, str) for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}"[:200])
+        if any(not w for w in self.bad_words):
+            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(self.bad_words)}"[:200])
+        # vLLM's _verify_greedy_sampling, after the checks of its _verify_args above (a greedy
+        # request with a bad top_p hears of its top_p): greedy samples would all be one
+        if self.greedy and self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         if self.allowed_token_ids is not None:
             if not all(is_int(t) for t in self.allowed_token_ids):
                 raise ValueError(f"allowed_token_ids must be integers, got {self.allowed_token_ids!r}"[:200])
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids is not None and empty!")
-        if not isinstance(self.bad_words, tuple) or not all(isinstance(w, str) for w in self.bad_words):
-            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}"[:200])
-        if any(not w for w in self.bad_words):
-            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(self.bad_words)}"[:200])
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {self.logit_bias!r}"[:200])

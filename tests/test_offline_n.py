@@ -4,7 +4,8 @@ Claims: one RequestOutput per prompt, its `prompt` the text it was given (chat: 
 rendered template), its `outputs` the n samples (CompletionOutput) in index order; the n
 samples of a seeded request are what the server's n gives and what n single requests
 seeded seed + i give; greedy n > 1 is refused, offline and over HTTP, as vLLM's
-_verify_greedy_sampling (its samples would all be one), greedy being temperature 0 only: a
+_verify_greedy_sampling (its samples would all be one), after the other fields' checks as
+vLLM's, greedy being temperature 0 only: a
 temperature in (0, 0.01) is raised to 0.01, as vLLM's __post_init__; cumulative_logprob is the sum of the
 sampled tokens' log-probabilities (transformers' logits, NumPy's log-softmax) when logprobs
 are asked, else None; n < 1 is refused where SamplingParams is built, and the engine
@@ -113,6 +114,32 @@ def test_greedy_n_above_one_is_refused_as_vllm_offline_and_over_http(llm: LLM, t
     assert len(llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=temperature))[0].outputs) == 1
     status, out = _post({"prompt": PROMPT, "n": 3, "max_tokens": 6, "temperature": temperature})
     assert status == 400 and (out["error"]["message"], out["error"]["param"]) == (message, "n")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(top_p=2.0), "top_p must be in (0, 1], got 2.0"),
+    (dict(top_k=-2), "top_k must be -1 or 0 (disabled) or >= 1, got -2"),
+    (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5"),
+    (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2], got 3.0"),
+    (dict(min_tokens=9), "min_tokens must be less than or equal to max_tokens=6, got 9"),
+])
+def test_greedy_n_is_checked_after_the_other_fields_as_vllm(bad: dict, message: str) -> None:
+    """vLLM's __post_init__ runs _verify_args (n, penalties, temperature, top_p, top_k,
+    min_p, max_tokens, min_tokens, logprobs, stop, bad_words) before _verify_greedy_sampling:
+    a greedy n = 3 request with another bad field hears of that field, offline and over HTTP."""
+    from protocol import ApiError, parse_sampling
+
+    with pytest.raises(ValueError) as err:
+        SamplingParams(n=3, max_tokens=6, temperature=0.0, **bad)
+    assert str(err.value) == message
+    with pytest.raises(ApiError) as api:
+        parse_sampling({"n": 3, "max_tokens": 6, "temperature": 0} | bad, len(PROMPT), 128, chat=False)
+    assert (str(api.value), api.value.param) == (message, next(iter(bad)))
+
+
+def test_a_greedy_n_request_with_a_bad_top_p_is_a_400_naming_top_p() -> None:
+    status, out = _post({"prompt": PROMPT, "n": 3, "max_tokens": 6, "temperature": 0, "top_p": 2})
+    assert status == 400 and out["error"]["param"] == "top_p", out
 
 
 def test_a_temperature_below_0_01_is_raised_to_it_and_samples_n_offline_and_over_http(llm: LLM, caplog) -> None:
