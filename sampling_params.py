@@ -175,11 +175,24 @@ def _object_schema(where: str, schema: dict | bool) -> dict:
 
 def _canonical(key: str, value: Any) -> str:
     try:
-        return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        text = _json.dumps(value, sort_keys=True, separators=(",", ":"))
     except RecursionError:
         raise ValueError(f"structured_outputs.{key} is nested too deeply") from None
     except (ValueError, TypeError) as e:
         raise ValueError(f"structured_outputs.{key} is not valid JSON: {e}") from None
+    if "Infinity" in text or "NaN" in text:  # (cheap: most schemas have neither, even in a string)
+        try:
+            _json.loads(text, parse_constant=lambda constant: _not_finite(key, constant))
+        except RecursionError:
+            raise ValueError(f"structured_outputs.{key} is nested too deeply") from None
+    return text
+
+
+def _not_finite(key: str, constant: str) -> None:
+    """Python's JSON reads a number past a float's range (1e400) as Infinity, and takes the
+    NaN and Infinity literals, none of which JSON has (llguidance refuses them unnamed)."""
+    raise ValueError(f"structured_outputs.{key} has a number out of range ({constant}): JSON numbers must be "
+                     "finite, within a 64-bit float's range (about 1.8e308 either side of 0)")
 
 
 def _check_structural_tag(tag: Any) -> None:
