@@ -198,10 +198,12 @@ def test_a_schema_number_past_a_float_s_range_is_named_out_of_range():
                          (dict(structural_tag=tag), "Infinity")):
         with pytest.raises(ValueError) as e:
             SO(**kw)
-        assert str(e.value) == (f"structured_outputs.{next(iter(kw))} has a number out of range ({constant}): JSON "
-                                "numbers must be finite, within a 64-bit float's range (about 1.8e308 either side of 0)")
+        assert str(e.value) == (f"structured_outputs.{next(iter(kw))} has a number out of range ({constant}): "
+                                "JSON numbers must be finite, within a 64-bit float's range (about 1.8e308 either "
+                                "side of 0)")
     # the words in a string are no numbers; 1e308 is in range
-    assert SO(json={"const": "Infinity or NaN", "maximum": 1e308}).json == '{"const":"Infinity or NaN","maximum":1e+308}'
+    assert SO(json={"const": "Infinity or NaN", "maximum": 1e308}).json == \
+        '{"const":"Infinity or NaN","maximum":1e+308}'
 
 
 def test_a_constraint_that_cannot_start_is_refused_at_compile_not_answered(tiny):
