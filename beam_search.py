@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Collection, Sequence
 
 from engine import EngineRequest
 from outputs import RequestOutputDelta, TokenLogprob
-from sampling_params import SamplingParams, is_finite_number, is_int
+from sampling_params import ParamError, SamplingParams, is_finite_number, is_int
 
 if TYPE_CHECKING:
     from async_engine import AsyncEngine
@@ -59,6 +59,16 @@ class BeamSearchParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    def check_width(self, cap: int, name: str = "beam_width") -> None:
+        """A ParamError naming `name` (the API's n) when the width asks more candidates a step
+        than the engine's `cap` top logprobs (EngineConfig.logprobs_width, max_logprobs): each
+        step ranks every beam's 2 x beam_width most likely next tokens, its logprobs. vLLM's
+        search has the same bound, whose refusal reads as the steps' logprobs request's."""
+        if 2 * self.beam_width > cap:
+            raise ParamError(f"{name} must be at most {cap // 2} for beam search, got {self.beam_width}: each step "
+                             f"ranks the 2 x {name} most likely next tokens of every beam, from the {cap} top "
+                             "logprobs the engine computes (max_logprobs, --max-logprobs)", name)
 
     def step_params(self) -> SamplingParams:
         """Each step's request for one beam: one token, and the logprobs of the

@@ -128,12 +128,8 @@ class BeamSearchRun:
         from beam_search import BeamSearchParams
 
         self.engine, self.request, self.params = engine, request, BeamSearchParams(**beam)
-        cap = engine.config.logprobs_width(engine.model_config.vocab_size)
-        if 2 * self.params.beam_width > cap:
-            raise ApiError(f"use_beam_search with n={self.params.beam_width} ranks 2 x n candidates a step, more "
-                           f"than the {cap} logprobs this server computes (--max-logprobs): n must be at most "
-                           f"{cap // 2}", param="n")
         with refusals_as_api_errors():
+            self.params.check_width(engine.config.logprobs_width(engine.model_config.vocab_size), "n")
             engine.validate(dataclasses.replace(request, params=self.params.search_params()))
             engine.reserve_waiting(self.params.beam_width)  # (last: a refusal above holds nothing)
         self.reserved = True

@@ -202,6 +202,7 @@ class LLM:
 
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        params.check_width(self.engine.config.logprobs_width(self.engine.model_config.vocab_size))
         read = self._read_prompts(prompts)
         step = params.step_params()
         for i, (ids, _, salt) in enumerate(read):  # every step's limits, checked before any runs

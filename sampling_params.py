@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json as _json  # StructuredOutputsParams has a field named json
+import logging
 import math
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+
+log = logging.getLogger("taxirank.sampling_params")
 
 
 # A constraint's text (schema JSON, regex, grammar, choices together): larger is refused
@@ -172,11 +175,24 @@ def _object_schema(where: str, schema: dict | bool) -> dict:
 
 def _canonical(key: str, value: Any) -> str:
     try:
-        return _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        text = _json.dumps(value, sort_keys=True, separators=(",", ":"))
     except RecursionError:
         raise ValueError(f"structured_outputs.{key} is nested too deeply") from None
     except (ValueError, TypeError) as e:
         raise ValueError(f"structured_outputs.{key} is not valid JSON: {e}") from None
+    if "Infinity" in text or "NaN" in text:  # (cheap: most schemas have neither, even in a string)
+        try:
+            _json.loads(text, parse_constant=lambda constant: _not_finite(key, constant))
+        except RecursionError:
+            raise ValueError(f"structured_outputs.{key} is nested too deeply") from None
+    return text
+
+
+def _not_finite(key: str, constant: str) -> None:
+    """Python's JSON reads a number past a float's range (1e400) as Infinity, and takes the
+    NaN and Infinity literals, none of which JSON has (llguidance refuses them unnamed)."""
+    raise ValueError(f"structured_outputs.{key} has a number out of range ({constant}): JSON numbers must be "
+                     "finite, within a 64-bit float's range (about 1.8e308 either side of 0)")
 
 
 def _check_structural_tag(tag: Any) -> None:
@@ -245,7 +261,7 @@ class SamplingParams:
     # None: as many as the context leaves beside the prompt (vLLM's), which LLMEngine.validate
     # resolves per prompt; every request the engine runs has a number
     max_tokens: int | None = 16
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy; in (0, MIN_TEMPERATURE): raised to it (vLLM's)
     top_p: float = 1.0
     top_k: int = -1  # 0 or -1: disabled (vLLM); above the vocabulary: clipped by the engine
     min_p: float = 0.0
@@ -318,8 +334,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.greedy and self.n > 1:  # vLLM's _verify_greedy_sampling: greedy samples would all be one
-            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # vLLM's __post_init__, with its warning
+            log.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors. "
+                        "We have maxed it out to %s.", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
@@ -359,15 +377,19 @@ class SamplingParams:
         if not is_finite_number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be a finite number greater than zero, "
                              f"got {self.repetition_penalty!r}")
+        if not isinstance(self.bad_words, tuple) or not all(isinstance(w, str) for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}"[:200])
+        if any(not w for w in self.bad_words):
+            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(self.bad_words)}"[:200])
+        # vLLM's _verify_greedy_sampling, after the checks of its _verify_args above (a greedy
+        # request with a bad top_p hears of its top_p): greedy samples would all be one
+        if self.greedy and self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         if self.allowed_token_ids is not None:
             if not all(is_int(t) for t in self.allowed_token_ids):
                 raise ValueError(f"allowed_token_ids must be integers, got {self.allowed_token_ids!r}"[:200])
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids is not None and empty!")
-        if not isinstance(self.bad_words, tuple) or not all(isinstance(w, str) for w in self.bad_words):
-            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}"[:200])
-        if any(not w for w in self.bad_words):
-            raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(self.bad_words)}"[:200])
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a mapping of token ids to numbers, got {self.logit_bias!r}"[:200])
@@ -411,4 +433,7 @@ class SamplingParams:
         return None
 
 
-SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this samples greedily
+SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this samples greedily (SamplingParams' only 0)
+# vLLM's _MAX_TEMP: SamplingParams raises a temperature in (0, this) to it, as vLLM, since
+# dividing the logits by less can overflow them to inf (and a softmax of infinities is NaN)
+MIN_TEMPERATURE = 1e-2

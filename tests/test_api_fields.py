@@ -146,6 +146,20 @@ def test_a_body_not_declared_json_is_vllm_s_400(post) -> None:
         assert status == 200, (ctype, text)
 
 
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_a_schema_number_past_a_float_s_range_is_a_400_saying_so(post, path) -> None:
+    """1e400 in a response_format schema: a 400 naming response_format that says a number is
+    out of range (Python's JSON reads it as Infinity, which llguidance would call no value)."""
+    body = '{"max_tokens": 2, %s, "response_format": {"type": "json_schema", "json_schema": ' \
+           '{"name": "n", "schema": {"type": "number", "maximum": 1e400}}}}' % (
+               '"messages": [{"role": "user", "content": "hi"}]' if path == CHAT else '"prompt": [5, 6]')
+    status, text = post(path, raw=body.encode(), headers={"Content-Type": "application/json"})
+    err = strict_json(text)["error"]
+    assert status == 400 and err["param"] == "response_format", text
+    assert "number out of range (Infinity)" in err["message"] and "expected value" not in err["message"], text
+    served(post)
+
+
 # ---- max_completion_tokens ------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", [0, -1, 1000, "5"])

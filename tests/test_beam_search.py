@@ -134,11 +134,16 @@ def test_a_search_the_engine_cannot_run_is_refused_before_any_step():
     llm = LLM("tiny", log=lambda *_: None, **SMALL)
     with pytest.raises(ValueError, match="prompt 1: .*max_model_len"):  # the last step's beams would not fit
         llm.beam_search([[5, 6], list(range(3, 60))], BeamSearchParams(2, 10))
-    with pytest.raises(ValueError, match="logprobs"):  # 2 x 11 candidates > max_logprobs 20 (vLLM's limit too)
+    # 2 x 11 candidates a step, past max_logprobs 20 (vLLM's bound too): the message is the width's
+    assert llm.engine.config.max_logprobs == 20
+    with pytest.raises(ValueError) as e:
         llm.beam_search([[5, 6]], BeamSearchParams(11, 2))
+    assert str(e.value).startswith("beam_width must be at most 10 for beam search, got 11: each step ranks the "
+                                   "2 x beam_width most likely next tokens of every beam, from the 20 top logprobs")
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search([[5, 6]], None)
     assert llm.stats.prompt_tokens == 0  # nothing ran
+    assert len(llm.beam_search([[5, 6]], BeamSearchParams(10, 1, ignore_eos=True))[0].sequences) == 10
 
 
 def test_a_queued_search_takes_exactly_the_waiting_places_it_holds():

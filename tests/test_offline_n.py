@@ -4,7 +4,9 @@ Claims: one RequestOutput per prompt, its `prompt` the text it was given (chat: 
 rendered template), its `outputs` the n samples (CompletionOutput) in index order; the n
 samples of a seeded request are what the server's n gives and what n single requests
 seeded seed + i give; greedy n > 1 is refused, offline and over HTTP, as vLLM's
-_verify_greedy_sampling (its samples would all be one); cumulative_logprob is the sum of the
+_verify_greedy_sampling (its samples would all be one), after the other fields' checks as
+vLLM's, greedy being temperature 0 only: a
+temperature in (0, 0.01) is raised to 0.01, as vLLM's __post_init__; cumulative_logprob is the sum of the
 sampled tokens' log-probabilities (transformers' logits, NumPy's log-softmax) when logprobs
 are asked, else None; n < 1 is refused where SamplingParams is built, and the engine
 itself refuses n != 1 (its callers expand n)."""
@@ -19,7 +21,6 @@ import pytest
 
 from conftest import hf_logits, tiny_async_engine
 from llm import LLM, CompletionOutput, RequestOutput, SamplingParams
-from sampling_params import SAMPLING_EPS
 
 # tiny_async_engine's shapes: the server below and these LLMs share compiled programs.
 SHAPES = dict(max_num_seqs=2, max_model_len=128, warmup=False)
@@ -102,7 +103,7 @@ def _server_choices(body: dict) -> list[list[int]]:
     return [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
 
 
-@pytest.mark.parametrize("temperature", [0.0, SAMPLING_EPS / 2])  # below SAMPLING_EPS: greedy
+@pytest.mark.parametrize("temperature", [0.0, 0])
 def test_greedy_n_above_one_is_refused_as_vllm_offline_and_over_http(llm: LLM, temperature: float) -> None:
     """vLLM's SamplingParams._verify_greedy_sampling, with its message, where SamplingParams
     is built; over HTTP a 400 naming `n`. Greedy n = 1 still runs."""
@@ -113,6 +114,50 @@ def test_greedy_n_above_one_is_refused_as_vllm_offline_and_over_http(llm: LLM, t
     assert len(llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=temperature))[0].outputs) == 1
     status, out = _post({"prompt": PROMPT, "n": 3, "max_tokens": 6, "temperature": temperature})
     assert status == 400 and (out["error"]["message"], out["error"]["param"]) == (message, "n")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(top_p=2.0), "top_p must be in (0, 1], got 2.0"),
+    (dict(top_k=-2), "top_k must be -1 or 0 (disabled) or >= 1, got -2"),
+    (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5"),
+    (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2], got 3.0"),
+    (dict(min_tokens=9), "min_tokens must be less than or equal to max_tokens=6, got 9"),
+])
+def test_greedy_n_is_checked_after_the_other_fields_as_vllm(bad: dict, message: str) -> None:
+    """vLLM's __post_init__ runs _verify_args (n, penalties, temperature, top_p, top_k,
+    min_p, max_tokens, min_tokens, logprobs, stop, bad_words) before _verify_greedy_sampling:
+    a greedy n = 3 request with another bad field hears of that field, offline and over HTTP."""
+    from protocol import ApiError, parse_sampling
+
+    with pytest.raises(ValueError) as err:
+        SamplingParams(n=3, max_tokens=6, temperature=0.0, **bad)
+    assert str(err.value) == message
+    with pytest.raises(ApiError) as api:
+        parse_sampling({"n": 3, "max_tokens": 6, "temperature": 0} | bad, len(PROMPT), 128, chat=False)
+    assert (str(api.value), api.value.param) == (message, next(iter(bad)))
+
+
+def test_a_greedy_n_request_with_a_bad_top_p_is_a_400_naming_top_p() -> None:
+    status, out = _post({"prompt": PROMPT, "n": 3, "max_tokens": 6, "temperature": 0, "top_p": 2})
+    assert status == 400 and out["error"]["param"] == "top_p", out
+
+
+def test_a_temperature_below_0_01_is_raised_to_it_and_samples_n_offline_and_over_http(llm: LLM, caplog) -> None:
+    """vLLM's __post_init__ raises a temperature in (0, _MAX_TEMP = 0.01) to 0.01, with its
+    warning: such a request samples (n > 1 included), greedy being temperature 0 alone."""
+    for t in (5e-6, 1e-300, 0.009):
+        caplog.clear()
+        p = SamplingParams(n=2, temperature=t)
+        assert (p.temperature, p.greedy) == (0.01, False)
+        assert f"temperature {t} is less than 0.01, which may cause numerical errors nan or inf in tensors. " \
+               "We have maxed it out to 0.01." in caplog.text
+    assert SamplingParams(temperature=0.01).temperature == 0.01 and SamplingParams(temperature=0.0).greedy
+    [out] = llm.generate([PROMPT], SamplingParams(n=2, seed=7, max_tokens=3, temperature=5e-6, ignore_eos=True))
+    got = [c.token_ids for c in out.outputs]
+    assert [len(t) for t in got] == [3, 3]
+    # over HTTP too, and the samples are temperature 0.01's
+    body = {"prompt": PROMPT, "n": 2, "seed": 7, "max_tokens": 3, "ignore_eos": True, "return_token_ids": True}
+    assert _server_choices(body | {"temperature": 5e-6}) == got == _server_choices(body | {"temperature": 0.01})
 
 
 def test_n_samples_are_child_requests_in_index_order(llm: LLM) -> None:

@@ -32,7 +32,9 @@ def test_sampling_params_defaults_and_normalisation_are_vllms() -> None:
     p = SamplingParams()
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1.0, 1.0, -1, 0.0, 16)
     assert p.skip_special_tokens and p.spaces_between_special_tokens and not p.greedy
-    assert SamplingParams(top_k=0).top_k == -1 and SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(top_k=0).top_k == -1 and SamplingParams(temperature=0).greedy
+    # vLLM's __post_init__ raises a temperature in (0, 0.01) to 0.01: only 0 is greedy
+    assert not SamplingParams(temperature=1e-6).greedy
     for bad in (dict(seed=1.5), dict(seed=True), dict(max_tokens=True), dict(temperature=float("nan")),
                 dict(top_p=float("inf")), dict(temperature=10**400), dict(top_k=-2), dict(stop_token_ids=[1.0]),
                 dict(stop_token_ids=5), dict(stop_token_ids="12"), dict(ignore_eos="no"), dict(ignore_eos=None),

@@ -187,6 +187,25 @@ def test_a_schema_nested_past_the_json_codec_is_a_value_error():
             SO(json=schema if given is not None else "[" * 100_000 + "]" * 100_000)
 
 
+def test_a_schema_number_past_a_float_s_range_is_named_out_of_range():
+    """Python's JSON reads 1e400 as Infinity, and takes NaN and Infinity literals, which JSON
+    has not: the error says which number is wrong, not llguidance's "expected value"."""
+    tag = {"structures": [{"begin": "<a>", "schema": {"maximum": 1e400}, "end": "</a>"}], "triggers": ["<a"]}
+    for kw, constant in ((dict(json='{"type": "number", "maximum": 1e400}'), "Infinity"),
+                         (dict(json={"type": "number", "minimum": -float("inf")}), "-Infinity"),
+                         (dict(json='{"enum": [1, NaN]}'), "NaN"),
+                         (dict(json={"items": [{"const": [1e400]}]}), "Infinity"),
+                         (dict(structural_tag=tag), "Infinity")):
+        with pytest.raises(ValueError) as e:
+            SO(**kw)
+        assert str(e.value) == (f"structured_outputs.{next(iter(kw))} has a number out of range ({constant}): "
+                                "JSON numbers must be finite, within a 64-bit float's range (about 1.8e308 either "
+                                "side of 0)")
+    # the words in a string are no numbers; 1e308 is in range
+    assert SO(json={"const": "Infinity or NaN", "maximum": 1e308}).json == \
+        '{"const":"Infinity or NaN","maximum":1e+308}'
+
+
 def test_a_constraint_that_cannot_start_is_refused_at_compile_not_answered(tiny):
     """A regex whose language is empty: llguidance fails on its first mask, so admitted it
     would be answered with EOS alone (finish_reason "stop", empty text), a silent wrong answer."""
