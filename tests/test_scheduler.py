@@ -374,7 +374,7 @@ def test_a_decode_preempted_after_admission_found_the_seats_full_leaves_the_queu
     assert s.waiting_by_reason()["max_num_seqs"] == 1
     out = s.schedule()  # a's decode takes the last block; b's finds none and b is preempted
     assert ids(out) == ["a"] and [q.request_id for q in out.preempted] == ["b"] and len(s._free_slots) == 1
-    assert [(q.request_id, q.wait_reason) for q in s.waiting] == [("b", "kv_blocks"), ("c", "kv_blocks")]
+    assert [(q.request_id, s.waiting.reason_of(q)) for q in s.waiting] == [("b", "kv_blocks"), ("c", "kv_blocks")]
 
 
 # ---- abort -------------------------------------------------------------------------------------
