@@ -93,7 +93,7 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from e
         self._counter += len(encoded)
         # (the samples of the params validate checked: a max_tokens of None is its prompt's room there)
-        children = [child_requests(rid, dataclasses.replace(request.params, n=p.n))
+        children = [child_requests(rid, request.params if p.n == 1 else dataclasses.replace(request.params, n=p.n))
                     for rid, p, request in zip(request_ids, plist, checked)]
         seqs: dict[str, Sequence] = {}
         parent: dict[str, int] = {}  # sample's request id -> its prompt's index

@@ -48,7 +48,7 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
             out.append(m * scale)
         scale *= 10
 
-# What a waiting request waits for this step (Sequence.wait_reason, the reason label of
+# What a waiting request waits for this step (WaitingQueue.reason_of, the reason label of
 # num_requests_waiting_by_wait_reason): the scheduler's own reasons, then those a registered
 # batching declares (policy.py, `wait_reason`). policy: the scheduling policy holds its
 # prompt back this step (fair's prefill share is used up).

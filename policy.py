@@ -85,21 +85,34 @@ class Registry(dict, Generic[T]):
 # Each queue counts its requests whose place no caller reserved (num_unreserved; Sequence.
 # place_reserved): what a limit on waiting requests counts besides the places reserved
 # (AsyncEngine). One int, updated after each change, so another thread reads it whole.
+#
+# And it keeps what its requests wait for (a wait reason, metrics.wait_reasons()). A
+# schedule() walks the queue from its head and stops at the first request that cannot
+# board: that one and every request behind it wait for the same reason. So the queue holds
+# that reason once (`_tail_reason`), and a reason of their own only for the requests that
+# differ (`_own`): those the walk held back ("policy"), a preempted one ("kv_blocks"), and
+# those no schedule() has looked at since they joined (None). A step then costs what it
+# walks, not the queue's length: an offline batch of 100,000 prompts waits in one queue.
 
 class WaitingQueue:
     """A waiting queue: its requests in `_seqs`, in the order they are to be admitted. The
-    four changes are each subclass's own, and each keeps num_unreserved; no container method
-    is inherited that would change `_seqs` behind the count."""
+    four changes are each subclass's own, and each tells `_joined` or `_left`, which keep
+    num_unreserved and the wait reasons; no container method is inherited that would
+    change `_seqs` behind them."""
 
     _seqs: deque[Sequence] | list[Sequence]
-    num_unreserved: int
+
+    def __init__(self) -> None:
+        self.num_unreserved = 0
+        self._tail_reason: str | None = None
+        self._own: dict[int, str | None] = {}  # id(seq) -> its own reason, for the waiting ones that have one
 
     def add(self, seq: Sequence) -> None:
         """A new arrival."""
         raise NotImplementedError
 
-    def requeue(self, seq: Sequence) -> None:
-        """A preempted (or rerun) sequence, back in the queue."""
+    def requeue(self, seq: Sequence, reason: str | None = None) -> None:
+        """A preempted (or rerun) sequence, back in the queue, waiting for `reason`."""
         raise NotImplementedError
 
     def pop_head(self) -> Sequence:
@@ -107,6 +120,38 @@ class WaitingQueue:
 
     def remove(self, seq: Sequence) -> None:
         raise NotImplementedError
+
+    def _joined(self, seq: Sequence, reason: str | None) -> None:
+        self.num_unreserved += not seq.place_reserved
+        self._own[id(seq)] = reason
+
+    def _left(self, seq: Sequence) -> None:
+        self.num_unreserved -= not seq.place_reserved
+        self._own.pop(id(seq), None)
+
+    # ---- wait reasons ----
+    def wait_all(self, reason: str | None, held: list[Sequence] = ()) -> None:
+        """After a schedule(): every waiting request waits for `reason`, except those in
+        `held`, which the policy holds back ("policy")."""
+        self._tail_reason = reason
+        self._own = {id(seq): "policy" for seq in held}
+
+    def reason_of(self, seq: Sequence) -> str | None:
+        """What the waiting `seq` waits for (None: no schedule() has looked at it yet)."""
+        return self._own.get(id(seq), self._tail_reason)
+
+    def count_reasons(self, counts: dict[str, int]) -> dict[str, int]:
+        """Adds each reason's number of waiting requests to `counts`; O(own reasons)."""
+        for reason in self._own.values():
+            if reason is not None:
+                counts[reason] += 1
+        if self._tail_reason is not None:
+            counts[self._tail_reason] += len(self._seqs) - len(self._own)
+        return counts
+
+    def check_invariants(self) -> None:
+        assert self.num_unreserved == sum(not s.place_reserved for s in self._seqs), "waiting miscounted"
+        assert self._own.keys() <= {id(s) for s in self._seqs}, "a wait reason kept for a request not waiting"
 
     def peek(self) -> Sequence:
         return self._seqs[0]
@@ -128,25 +173,25 @@ class FCFSQueue(WaitingQueue):
     """Arrival order; a preempted sequence goes back to the front (vLLM's FCFS)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._seqs: deque[Sequence] = deque()
-        self.num_unreserved = 0
 
     def add(self, seq: Sequence) -> None:
         self._seqs.append(seq)
-        self.num_unreserved += not seq.place_reserved
+        self._joined(seq, None)
 
-    def requeue(self, seq: Sequence) -> None:
+    def requeue(self, seq: Sequence, reason: str | None = None) -> None:
         self._seqs.appendleft(seq)
-        self.num_unreserved += not seq.place_reserved
+        self._joined(seq, reason)
 
     def pop_head(self) -> Sequence:
         seq = self._seqs.popleft()
-        self.num_unreserved -= not seq.place_reserved
+        self._left(seq)
         return seq
 
     def remove(self, seq: Sequence) -> None:
         self._seqs.remove(seq)
-        self.num_unreserved -= not seq.place_reserved
+        self._left(seq)
 
 
 class SortedQueue(WaitingQueue):
@@ -155,30 +200,34 @@ class SortedQueue(WaitingQueue):
     (behind later ones). A key must not change while its request waits."""
 
     def __init__(self, key: Callable[[Sequence], Any]) -> None:
+        super().__init__()
         self._key = key
         self._keys: list[Any] = []
         self._seqs: list[Sequence] = []
-        self.num_unreserved = 0
 
     def add(self, seq: Sequence) -> None:
+        self._insert(seq, None)
+
+    def requeue(self, seq: Sequence, reason: str | None = None) -> None:
+        self._insert(seq, reason)
+
+    def _insert(self, seq: Sequence, reason: str | None) -> None:
         k = self._key(seq)
         i = bisect.bisect_right(self._keys, k)
         self._keys.insert(i, k)
         self._seqs.insert(i, seq)
-        self.num_unreserved += not seq.place_reserved
-
-    requeue = add
+        self._joined(seq, reason)
 
     def pop_head(self) -> Sequence:
         self._keys.pop(0)
         seq = self._seqs.pop(0)
-        self.num_unreserved -= not seq.place_reserved
+        self._left(seq)
         return seq
 
     def remove(self, seq: Sequence) -> None:
         i = self._seqs.index(seq)
         del self._keys[i], self._seqs[i]
-        self.num_unreserved -= not seq.place_reserved
+        self._left(seq)
 
 
 class ResortedQueue(SortedQueue):
@@ -195,9 +244,6 @@ class ResortedQueue(SortedQueue):
     def add(self, seq: Sequence) -> None:
         if self._on_arrival is not None:
             self._on_arrival(seq)
-        super().add(seq)
-
-    def requeue(self, seq: Sequence) -> None:
         super().add(seq)
 
     def resort(self) -> None:
@@ -537,8 +583,7 @@ class Continuous:
                 if s.room_preempted:
                     # A decode preempted for blocks after admission found the seats full: a
                     # seat is free now, and KV room is what every waiting request lacks.
-                    for seq in s.waiting:
-                        seq.wait_reason = "kv_blocks"
+                    s.waiting.wait_all("kv_blocks")
 
     def release(self, s: Scheduler, finished: list[Sequence]) -> list[Sequence]:
         """Sequences that finished this step -> those that leave now (slot and blocks freed)."""
@@ -561,8 +606,7 @@ class Static:
         if not s.running:
             s.admit(out, schedule=False)  # (which schedules the boarded prompts the budget takes)
         else:
-            for seq in s.waiting:
-                seq.wait_reason = self.wait_reason
+            s.waiting.wait_all(self.wait_reason)
         # Everyone boards before it leaves: no decode until every prompt is in.
         if out.scheduled or any(not seq.finished and not seq.is_decode for seq in s.running):
             s.schedule_prompts(out)

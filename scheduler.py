@@ -150,7 +150,7 @@ class Scheduler:
             self._drop_swapped(seq)
         else:
             self.retire(seq)
-        seq.status, seq.finish_reason, seq.wait_reason = FINISHED, reason, None
+        seq.status, seq.finish_reason = FINISHED, reason
         seq.num_output_placeholders = 0  # tokens of steps in flight: never delivered
         self._assert_step_invariants()
         return seq
@@ -187,10 +187,10 @@ class Scheduler:
             seq.num_cached_tokens = -1
         self.running.remove(seq)
         self._release(seq)
+        seq.status, seq.num_computed_tokens = WAITING, 0
         # No reason yet: nothing refused it a place (it had one); like a request arriving
         # while a step runs, it waits for the next schedule(), which says why if it still waits.
-        seq.status, seq.wait_reason, seq.num_computed_tokens = WAITING, None, 0
-        self.waiting.requeue(seq)
+        self.waiting.requeue(seq, None)
         self._assert_step_invariants()
         return unwritten
 
@@ -268,7 +268,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self._forget(seq)
                 self._drop_swapped(seq)
-                seq.status, seq.wait_reason = FINISHED, None
+                seq.status = FINISHED
                 released.append(seq)
             else:
                 seq.status = FINISHED
@@ -375,11 +375,7 @@ class Scheduler:
         return self._room_preempted
 
     def waiting_by_reason(self) -> dict[str, int]:
-        counts = dict.fromkeys(wait_reasons(), 0)
-        for seq in self.waiting:
-            if seq.wait_reason is not None:
-                counts[seq.wait_reason] += 1
-        return counts
+        return self.waiting.count_reasons(dict.fromkeys(wait_reasons(), 0))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -567,10 +563,7 @@ class Scheduler:
                     # full blocks it computes are named before the next one is sized, and a
                     # request sharing its prefix shares them rather than waiting for blocks.
                     prompts_fit = self._schedule_prompt(out, seq)
-        for seq in self.waiting:
-            seq.wait_reason = reason
-        for seq in held:
-            seq.wait_reason = "policy"
+        self.waiting.wait_all(reason, held)
 
     def preempt_for_waiting(self, out: SchedulerOutput) -> None:
         """Waiting requests that outrank running ones (a ranked policy) take seats and KV
@@ -677,7 +670,7 @@ class Scheduler:
             self._name_full_blocks(seq, seq.num_computed_tokens)
         if seq.num_cached_tokens < 0:  # as vLLM: the first admission's hit is the request's
             seq.num_cached_tokens = seq.num_computed_tokens
-        seq.status, seq.wait_reason = RUNNING, None
+        seq.status = RUNNING
         seq.admitted_seq_no = next(self._admissions)
         self.running.append(seq)
 
@@ -749,12 +742,12 @@ class Scheduler:
             victim.num_computed_high = max(victim.num_computed_high, computed)
         self.running.remove(victim)
         self._release(victim)
-        victim.status, victim.wait_reason = WAITING, "kv_blocks"
+        victim.status = WAITING
         out.preempted_tokens.append(computed)
         out.preempted_swapped.append(swap)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        self.waiting.requeue(victim)
+        self.waiting.requeue(victim, "kv_blocks")
         out.preempted.append(victim)
         # Never one already in this step: the full blocks a scheduled chunk completes are
         # already named in the prefix cache, and their K/V must then be computed.
@@ -799,7 +792,7 @@ class Scheduler:
         assert len(swapped) + len(self._host_free) == self.num_swap_blocks and len(set(swapped)) == len(swapped) \
             and self._host_free.isdisjoint(swapped) and all(0 <= b < self.num_swap_blocks for b in swapped), \
             "host swap block leaked or shared"
-        assert self.waiting.num_unreserved == sum(not s.place_reserved for s in self.waiting), "waiting miscounted"
+        self.waiting.check_invariants()
         # A block shared by several sequences is one block in use.
         assert len({b for s in self.running for b in s.block_table}) == self.allocator.num_used, "KV block leaked"
         bs = self.config.block_size

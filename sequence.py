@@ -54,9 +54,6 @@ class Sequence:
     num_cached_tokens: int = -1  # prompt tokens the prefix cache served at first admission; -1: not admitted yet
     block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks so far (kvcache.py)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (vLLM's FinishReason)
-    # One of metrics.wait_reasons(), set by each schedule(); None while no schedule() has
-    # looked at it since it joined the queue (it arrived, or reruns, after a step was scheduled).
-    wait_reason: str | None = None
     num_preemptions: int = 0
     # Positions below this were computed once: computing them again is the recompute tax
     # (set at each preemption from num_computed_tokens, read by _add).

@@ -107,7 +107,7 @@ def trace_of(config: str, seed: int, **extra: Any) -> list[str]:
             "pre=" + ",".join(q.request_id for q in out.preempted),
             "rel=" + ",".join(f"{q.request_id}:{q.finish_reason}:{q.num_output_tokens}" for q in released),
             "run=" + ",".join(f"{q.request_id}@{q.slot}/{len(q.block_table)}" for q in s.running),
-            "wait=" + ",".join(f"{q.request_id}:{q.wait_reason}" for q in s.waiting),
+            "wait=" + ",".join(f"{q.request_id}:{s.waiting.reason_of(q)}" for q in s.waiting),
             "waits=" + ",".join(str(waits[k]) for k in sorted(waits)),
         ]))
         step += 1

@@ -186,7 +186,7 @@ def test_fair_admission_walks_past_a_request_the_prefill_share_holds_back():
     s.policy.counters["B"] = s.policy.counter("C") - 5000  # B least served: its request heads the queue
     now[0] += 0.01
     scheduled, preempted = step(s)
-    assert s.waiting.peek().request_id == "B2" and s.waiting.peek().wait_reason == "policy"
+    assert s.waiting.peek().request_id == "B2" and s.waiting.reason_of(s.waiting.peek()) == "policy"
     assert "C0" in scheduled and not preempted
     while s.has_unfinished():
         now[0] += 0.01

@@ -235,7 +235,7 @@ def test_a_victim_is_not_admitted_again_in_the_step_that_preempted_it():
     out = s.schedule()
     assert [q.request_id for q in out.preempted] == ["low"]
     assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("urgent", 12)]
-    assert [q.request_id for q in s.waiting] == ["low"] and low.wait_reason == "kv_blocks"
+    assert [q.request_id for q in s.waiting] == ["low"] and s.waiting.reason_of(low) == "kv_blocks"
     s.update(out, [TOKEN])
     s.check_invariants()
     out = s.schedule()
@@ -293,7 +293,7 @@ def test_no_preemption_for_a_request_the_running_prompt_chunks_leave_no_budget_t
     s.add(seq("urgent", priority=1, prompt_len=5, max_tokens=4, arrival=2))  # a whole budget's worth: 5 + 3 decodes
     out = s.schedule()
     assert out.preempted == [] and [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("low", 1), ("long", 7)]
-    assert [(q.request_id, q.wait_reason) for q in s.waiting] == [("urgent", "max_num_seqs")]
+    assert [(q.request_id, s.waiting.reason_of(q)) for q in s.waiting] == [("urgent", "max_num_seqs")]
 
 
 def test_no_step_preempts_for_waiting_requests_it_then_does_not_admit():
@@ -512,25 +512,37 @@ from hypothesis import given  # noqa: E402
 
 from policy import POLICIES  # noqa: E402
 
-QUEUE_OPS = st.lists(st.tuples(st.sampled_from(["add", "requeue", "pop_head", "remove"]), st.booleans(),
+QUEUE_OPS = st.lists(st.tuples(st.sampled_from(["add", "requeue", "pop_head", "remove", "wait_all"]), st.booleans(),
                                st.integers(0, 3), st.integers(0, 7)), max_size=40)
+REASONS = [None, "kv_blocks", "max_num_seqs", "token_budget"]
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
 @settings(max_examples=60, deadline=None)
 @given(ops=QUEUE_OPS)
 def test_every_policys_waiting_queue_counts_the_places_no_caller_reserved_through_any_change(name, ops):
-    """What a limit on waiting requests reads (num_unreserved), against a plain list of the
-    queue's requests: add, requeue, pop_head and remove keep it, and the queue offers no
-    container method (a deque's append, clear, pop...) that would change it uncounted."""
+    """What a limit on waiting requests reads (num_unreserved) and each request's wait reason,
+    against a plain list of the queue's requests and a dict of their reasons: add, requeue,
+    pop_head, remove and wait_all keep them, and the queue offers no container method (a
+    deque's append, clear, pop...) that would change it uncounted."""
     q = POLICIES[name]().new_queue()
     model: list[Sequence] = []
+    reasons: dict[str, str | None] = {}
     for i, (op, reserved, user, priority) in enumerate(ops):
         if op in ("add", "requeue"):
             s = seq(f"r{i}", priority=priority)
             s.place_reserved, s.user, s.arrival_order = reserved, f"u{user}", i
-            getattr(q, op)(s)
+            if op == "add":
+                q.add(s)
+                reasons[s.request_id] = None  # no schedule() has looked at it
+            else:
+                q.requeue(s, REASONS[user])
+                reasons[s.request_id] = REASONS[user]
             model.append(s)
+        elif op == "wait_all":  # every `priority`-th request is held back, the rest wait for one reason
+            held = model[::priority + 1] if user else []
+            q.wait_all(REASONS[priority % 4], held)
+            reasons = {s.request_id: REASONS[priority % 4] for s in model} | {s.request_id: "policy" for s in held}
         elif model and op == "pop_head":
             model.remove(q.pop_head())
         elif model:
@@ -538,7 +550,12 @@ def test_every_policys_waiting_queue_counts_the_places_no_caller_reserved_throug
             q.remove(victim)
         assert sorted(id(s) for s in q) == sorted(id(s) for s in model) and len(q) == len(model)
         assert q.num_unreserved == sum(not s.place_reserved for s in model)
+        assert {s.request_id: q.reason_of(s) for s in model} == {s.request_id: reasons[s.request_id] for s in model}
+        counted = q.count_reasons(dict.fromkeys([*REASONS[1:], "policy"], 0))
+        assert counted == {r: sum(reasons[s.request_id] == r for s in model) for r in [*REASONS[1:], "policy"]}
+        q.check_invariants()
     mutable = (collections.abc.MutableSequence, collections.abc.MutableSet, collections.deque, list)
     assert not isinstance(q, mutable) and not hasattr(q, "__setitem__") and not hasattr(q, "__delitem__")
     methods = {m for m in dir(q) if not m.startswith("_") and callable(getattr(q, m))}
-    assert methods <= {"add", "requeue", "pop_head", "remove", "peek", "resort"}, methods
+    assert methods <= {"add", "requeue", "pop_head", "remove", "peek", "resort", "wait_all", "reason_of",
+                       "count_reasons", "check_invariants"}, methods

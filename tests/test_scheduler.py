@@ -374,7 +374,43 @@ def test_a_decode_preempted_after_admission_found_the_seats_full_leaves_the_queu
     assert s.waiting_by_reason()["max_num_seqs"] == 1
     out = s.schedule()  # a's decode takes the last block; b's finds none and b is preempted
     assert ids(out) == ["a"] and [q.request_id for q in out.preempted] == ["b"] and len(s._free_slots) == 1
-    assert [(q.request_id, q.wait_reason) for q in s.waiting] == [("b", "kv_blocks"), ("c", "kv_blocks")]
+    assert [(q.request_id, s.waiting.reason_of(q)) for q in s.waiting] == [("b", "kv_blocks"), ("c", "kv_blocks")]
+
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_step_reads_the_waiting_requests_it_walks_not_the_whole_queue(monkeypatch, chunked):
+    """An offline batch queues every prompt at once: a step that read every waiting request
+    (to record why it waits, to count the reasons for the gauges) would cost the queue's
+    length, so the whole batch the square of it. Counted by the queue's reads, with
+    the every-step invariant checks off (they read it all, by design)."""
+    import scheduler as scheduler_mod
+    from policy import FCFSQueue
+
+    monkeypatch.setattr(scheduler_mod, "CHECK_ALL_INVARIANTS", False)
+    reads = [0]
+
+    class CountingQueue(FCFSQueue):
+        def __iter__(self):
+            for q in super().__iter__():
+                reads[0] += 1
+                yield q
+
+        def __getitem__(self, i):
+            reads[0] += 1
+            return super().__getitem__(i)
+
+    s = make(max_num_seqs=4, enable_chunked_prefill=chunked)
+    s.waiting.__class__ = CountingQueue
+    for i in range(2000):
+        s.add(seq(f"r{i}"))
+    for _ in range(30):
+        reads[0] = 0
+        out = s.schedule()
+        by_reason = s.waiting_by_reason()
+        s.update(out, [TOKEN] * len(out.scheduled))
+        assert reads[0] <= 2 * (len(out.scheduled) + 1), reads[0]  # what admission walked
+        assert sum(by_reason.values()) == len(s.waiting) and by_reason["max_num_seqs"] > 1900, by_reason
 
 
 # ---- abort -------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ update() it checks, from the sequences' own block tables and not the scheduler's
 - a swapped-out sequence resumes with exactly the computed tokens it had;
 - a reserving admission's running sequence holds its whole reservation (reserve-max-len:
   max_model_len's blocks), and only a ranked policy's admission preempts it;
-- each waiting request's wait_reason is the true one (check_wait_reasons);
+- each waiting request's wait reason is the true one (check_wait_reasons);
 - admissions follow the policy's queue order; a ranked policy preempts no running
   sequence the step's admissions did not need, and only for a request that outranks it
   (slo: only a lost request, for one that can still make its target);
@@ -367,7 +367,7 @@ class Drive:
         only running sequences a waiting request outranks (slo: lost ones, for one that is not)."""
         s = self.s
         admitted = [q for q in self.queue_at_start if q.status is RUNNING]
-        eligible = [q for q in self.queue_at_start if q.wait_reason != "policy" or q.status is RUNNING]
+        eligible = [q for q in self.queue_at_start if q.status is RUNNING or s.waiting.reason_of(q) != "policy"]
         assert admitted == eligible[:len(admitted)], ([q.request_id for q in admitted],
                                                       [q.request_id for q in eligible])
         if self.policy in ("priority", "slo"):  # the queue is in rank order
@@ -432,7 +432,7 @@ class Drive:
     def check_wait_reasons(self, out: SchedulerOutput, riding: bool) -> None:
         """riding: sequences were seated as the step began."""
         s, cfg = self.s, self.cfg
-        waiting = list(s.waiting)
+        waiting, reason_of = list(s.waiting), s.waiting.reason_of
         if not waiting:
             return
         preempted = {id(q) for q in out.preempted}
@@ -440,18 +440,18 @@ class Drive:
         if static and riding:
             for q in waiting:  # the bus has left; one it put off waits for blocks
                 want = "kv_blocks" if id(q) in preempted else "static_batch"
-                assert q.wait_reason == want, (q.request_id, q.wait_reason, want)
+                assert reason_of(q) == want, (q.request_id, reason_of(q), want)
             return
         # The policy holds back some prompts (chunked prefill): those wait on it; the first
         # request it does not hold stops admission, and it and all behind it wait for one reason.
         i = 0
-        while i < len(waiting) and waiting[i].wait_reason == "policy":
+        while i < len(waiting) and reason_of(waiting[i]) == "policy":
             assert self.chunked and s.policy.prompt_room(waiting[i], out.scheduled) == 0, waiting[i].request_id
             i += 1
         if i == len(waiting):
             return
-        head, reason = waiting[i], waiting[i].wait_reason
-        assert all(q.wait_reason == reason for q in waiting[i:]), [(q.request_id, q.wait_reason) for q in waiting]
+        head, reason = waiting[i], reason_of(waiting[i])
+        assert all(reason_of(q) == reason for q in waiting[i:]), [(q.request_id, reason_of(q)) for q in waiting]
         if self.policy != "fcfs" and out.preempted:
             # A ranked policy preempts for waiting requests too; which preemption was for
             # room is the scheduler's to know.
