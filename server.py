@@ -189,11 +189,24 @@ def package_version() -> str:
 
 
 async def models(request: web.Request) -> web.Response:
-    engine = request.app["engine"]
-    data = [{"id": name, "object": "model", "created": request.app["started"], "owned_by": "taxirank",
-             "root": engine.config.model, "max_model_len": engine.config.max_model_len}
+    """vLLM's ModelList: a card per served name, with vLLM's parent (null: no LoRA adapter
+    here, which would name its base model) and its one permission, the defaults of its
+    ModelPermission."""
+    engine, started = request.app["engine"], request.app["started"]
+    data = [{"id": name, "object": "model", "created": started, "owned_by": "taxirank",
+             "root": engine.config.model, "parent": None, "max_model_len": engine.config.max_model_len,
+             "permission": [model_permission(started)]}
             for name in request.app["model_names"]]
     return web.json_response({"object": "list", "data": data})
+
+
+def model_permission(created: int) -> dict[str, Any]:
+    """vLLM's ModelPermission with its defaults: sampling, logprobs and viewing allowed,
+    nothing else."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 async def health(request: web.Request) -> web.Response:

@@ -230,6 +230,17 @@ def greedy(**kw) -> dict:
 def test_health_and_models_list_the_served_model(server: Server, client: openai.OpenAI) -> None:
     assert request(server, "GET", "/health", key=None) == (200, {"status": "ok"})
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    status, listed = request(server, "GET", "/v1/models")
+    card = listed["data"][0]
+    # vLLM's ModelCard and the ModelPermission its show_available_models gives every card
+    assert status == 200 and set(card) == {"id", "object", "created", "owned_by", "root", "parent",
+                                           "max_model_len", "permission"}
+    assert (card["parent"], card["max_model_len"]) == (None, MAX_MODEL_LEN)
+    [permission] = card["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert {k: v for k, v in permission.items() if k not in ("id", "object", "created")} == {
+        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
+        "allow_view": True, "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
 
 
 def test_completion_carries_text_usage_and_length_finish(client: openai.OpenAI) -> None:
