@@ -259,7 +259,8 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         if app["stopping"].is_set():
             raise ApiError("server is shutting down", status=503)
         keys, path = app["api_keys"], route_path(request.path, app["root_path"])
-        if keys and (path.startswith("/v1/") or path == "/reset_prefix_cache") and \
+        # vLLM's AuthenticationMiddleware asks no key of an OPTIONS request (a CORS preflight or not)
+        if keys and request.method != "OPTIONS" and (path.startswith("/v1/") or path == "/reset_prefix_cache") and \
                 not any([api_key_matches(request.headers.get("Authorization", ""), k) for k in keys]):  # each compared
             raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401)
         await redirect_slashes(request, path)

@@ -509,6 +509,9 @@ def test_api_key_missing_or_wrong_gets_401(server: Server) -> None:
         assert status == 401 and (err["error"]["type"], err["error"]["code"]) == ("Unauthorized", 401)
         assert request(server, "GET", "/v1/models", key=key)[0] == 401
     assert request(server, "GET", "/metrics", key=None)[0] == 200  # only /v1/* is guarded
+    # vLLM asks no key of OPTIONS (a CORS preflight or not): the route answers, here its 405
+    status, err = request(server, "OPTIONS", "/v1/models", key=None)
+    assert status == 405 and err["error"]["code"] == 405
 
 
 def test_full_queue_answers_503_at_once(server: Server, client: openai.OpenAI) -> None:
