@@ -85,7 +85,7 @@ async def read_body(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object")
     model = field(body, "model", (str,))
-    if model is not None and model not in request.app["model_names"]:
+    if model and model not in request.app["model_names"]:  # vLLM's _is_model_supported: "" is the served model
         raise ApiError(f"The model `{model}` does not exist. This server serves {request.app['model_names']}.",
                        status=404, param="model")
     return body

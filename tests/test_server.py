@@ -460,6 +460,18 @@ def test_bad_input_gets_a_clear_error_and_the_next_request_is_served(
     assert client.completions.create(prompt="ok", max_tokens=1, **greedy()).choices[0].finish_reason == "length"
 
 
+def test_an_empty_model_name_is_the_served_model(server: Server) -> None:
+    """vLLM's _is_model_supported: a request whose model is "" (or null, or left out) is
+    the served model's, answered under its name; a name it does not serve is a 404."""
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})):
+        for model in ("", None):
+            status, out = request(server, "POST", path, body | {"model": model})
+            assert (status, out.get("model")) == (200, "tiny"), out
+    assert request(server, "POST", "/tokenize", {"prompt": "hi", "model": ""})[0] == 200
+    assert request(server, "POST", "/tokenize", {"prompt": "hi", "model": "tiny2"})[0] == 404
+
+
 def test_too_long_says_both_numbers(server: Server) -> None:
     _, err = request(server, "POST", "/v1/completions", {"prompt": TOO_LONG, "max_tokens": 3900})
     assert str(MAX_MODEL_LEN) in err["error"]["message"] and "4100" in err["error"]["message"]
