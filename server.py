@@ -85,7 +85,7 @@ async def read_body(request: web.Request) -> dict:
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object")
     model = field(body, "model", (str,))
-    if model is not None and model not in request.app["model_names"]:
+    if model and model not in request.app["model_names"]:  # vLLM's _is_model_supported: "" is the served model
         raise ApiError(f"The model `{model}` does not exist. This server serves {request.app['model_names']}.",
                        status=404, param="model")
     return body
@@ -189,11 +189,24 @@ def package_version() -> str:
 
 
 async def models(request: web.Request) -> web.Response:
-    engine = request.app["engine"]
-    data = [{"id": name, "object": "model", "created": request.app["started"], "owned_by": "taxirank",
-             "root": engine.config.model, "max_model_len": engine.config.max_model_len}
+    """vLLM's ModelList: a card per served name, with vLLM's parent (null: no LoRA adapter
+    here, which would name its base model) and its one permission, the defaults of its
+    ModelPermission."""
+    engine, started = request.app["engine"], request.app["started"]
+    data = [{"id": name, "object": "model", "created": started, "owned_by": "taxirank",
+             "root": engine.config.model, "parent": None, "max_model_len": engine.config.max_model_len,
+             "permission": [model_permission(started)]}
             for name in request.app["model_names"]]
     return web.json_response({"object": "list", "data": data})
+
+
+def model_permission(created: int) -> dict[str, Any]:
+    """vLLM's ModelPermission with its defaults: sampling, logprobs and viewing allowed,
+    nothing else."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -246,7 +259,8 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         if app["stopping"].is_set():
             raise ApiError("server is shutting down", status=503)
         keys, path = app["api_keys"], route_path(request.path, app["root_path"])
-        if keys and (path.startswith("/v1/") or path == "/reset_prefix_cache") and \
+        # vLLM's AuthenticationMiddleware asks no key of an OPTIONS request (a CORS preflight or not)
+        if keys and request.method != "OPTIONS" and (path.startswith("/v1/") or path == "/reset_prefix_cache") and \
                 not any([api_key_matches(request.headers.get("Authorization", ""), k) for k in keys]):  # each compared
             raise ApiError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401)
         await redirect_slashes(request, path)

@@ -230,6 +230,17 @@ def greedy(**kw) -> dict:
 def test_health_and_models_list_the_served_model(server: Server, client: openai.OpenAI) -> None:
     assert request(server, "GET", "/health", key=None) == (200, {"status": "ok"})
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    status, listed = request(server, "GET", "/v1/models")
+    card = listed["data"][0]
+    # vLLM's ModelCard and the ModelPermission its show_available_models gives every card
+    assert status == 200 and set(card) == {"id", "object", "created", "owned_by", "root", "parent",
+                                           "max_model_len", "permission"}
+    assert (card["parent"], card["max_model_len"]) == (None, MAX_MODEL_LEN)
+    [permission] = card["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert {k: v for k, v in permission.items() if k not in ("id", "object", "created")} == {
+        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
+        "allow_view": True, "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
 
 
 def test_completion_carries_text_usage_and_length_finish(client: openai.OpenAI) -> None:
@@ -449,6 +460,18 @@ def test_bad_input_gets_a_clear_error_and_the_next_request_is_served(
     assert client.completions.create(prompt="ok", max_tokens=1, **greedy()).choices[0].finish_reason == "length"
 
 
+def test_an_empty_model_name_is_the_served_model(server: Server) -> None:
+    """vLLM's _is_model_supported: a request whose model is "" (or null, or left out) is
+    the served model's, answered under its name; a name it does not serve is a 404."""
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})):
+        for model in ("", None):
+            status, out = request(server, "POST", path, body | {"model": model})
+            assert (status, out.get("model")) == (200, "tiny"), out
+    assert request(server, "POST", "/tokenize", {"prompt": "hi", "model": ""})[0] == 200
+    assert request(server, "POST", "/tokenize", {"prompt": "hi", "model": "tiny2"})[0] == 404
+
+
 def test_too_long_says_both_numbers(server: Server) -> None:
     _, err = request(server, "POST", "/v1/completions", {"prompt": TOO_LONG, "max_tokens": 3900})
     assert str(MAX_MODEL_LEN) in err["error"]["message"] and "4100" in err["error"]["message"]
@@ -498,6 +521,9 @@ def test_api_key_missing_or_wrong_gets_401(server: Server) -> None:
         assert status == 401 and (err["error"]["type"], err["error"]["code"]) == ("Unauthorized", 401)
         assert request(server, "GET", "/v1/models", key=key)[0] == 401
     assert request(server, "GET", "/metrics", key=None)[0] == 200  # only /v1/* is guarded
+    # vLLM asks no key of OPTIONS (a CORS preflight or not): the route answers, here its 405
+    status, err = request(server, "OPTIONS", "/v1/models", key=None)
+    assert status == 405 and err["error"]["code"] == 405
 
 
 def test_full_queue_answers_503_at_once(server: Server, client: openai.OpenAI) -> None:
