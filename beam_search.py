@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Collection, Sequence
 
 from engine import EngineRequest
 from outputs import RequestOutputDelta, TokenLogprob
-from sampling_params import ParamError, SamplingParams, is_finite_number, is_int
+from sampling_params import MAX_TEMPERATURE, ParamError, SamplingParams, is_finite_number, is_int
 
 if TYPE_CHECKING:
     from async_engine import AsyncEngine
@@ -52,6 +52,8 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature > MAX_TEMPERATURE:  # each step's SamplingParams would refuse it
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}.")
         if not is_finite_number(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):

@@ -334,6 +334,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature > MAX_TEMPERATURE:  # vLLM's (and OpenAI's) range
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}.")
         if 0 < self.temperature < MIN_TEMPERATURE:  # vLLM's __post_init__, with its warning
             log.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors. "
                         "We have maxed it out to %s.", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
@@ -437,3 +439,4 @@ SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this samples greedily (Sampl
 # vLLM's _MAX_TEMP: SamplingParams raises a temperature in (0, this) to it, as vLLM, since
 # dividing the logits by less can overflow them to inf (and a softmax of infinities is NaN)
 MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 2.0  # vLLM's _verify_args: above it a request is refused

@@ -6,6 +6,7 @@ computed in float64 NumPy from the reference model, not from the engine's logpro
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable
 
@@ -121,6 +122,7 @@ def test_a_prompt_of_one_eos_ended_at_once_counts_its_length():
     (dict(beam_width=2.0, max_tokens=4), "beam_width must be an integer >= 1"),
     (dict(beam_width=2, max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(beam_width=2, max_tokens=4, temperature=2.5), re.escape("temperature must be in [0, 2], got 2.5.")),
     (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty must be a finite number"),
     (dict(beam_width=2, max_tokens=4, length_penalty=10**400), "length_penalty must be a finite number"),
     (dict(beam_width=2, max_tokens=4, ignore_eos=1), "ignore_eos must be a boolean"),

@@ -53,7 +53,8 @@ HOSTILE: list[tuple[str, object, int]] = [
     (C, raw('{"prompt": "hi", "top_p": -Infinity}'), 400),
     (C, raw('{"prompt": "hi", "min_p": NaN}'), 400),
     (C, {"prompt": "hi", "temperature": 10**400}, 400),
-    (C, {"prompt": "hi", "temperature": 1e300}, 200),
+    (C, {"prompt": "hi", "temperature": 1e300}, 400),  # vLLM's range: [0, 2]
+    (C, {"prompt": "hi", "temperature": 2}, 200),
     (C, {"prompt": "hi", "slo": {"ttft_ms": 10**400}}, 400),  # an integer no float holds, where a number is due
     (C, {"prompt": "hi", "slo": {"tpot_ms": -(10**400)}}, 400),
     (C, {"prompt": "hi", "min_p": 2}, 400),

@@ -192,12 +192,12 @@ def test_a_forbidden_token_is_never_sampled_at_any_temperature():
 
 
 def test_numbers_past_float32_leave_every_row_finite_so_masks_hold():
-    """The API takes any finite temperature and repetition penalty (vLLM's ranges); as
-    float32 they can be inf or 0, and a logit divided or multiplied by them inf or NaN: a
-    NaN row draws any token, a forbidden one too."""
+    """The API takes any finite repetition penalty and a temperature up to 2 (vLLM's ranges);
+    as float32 a penalty can be inf or 0, and a logit divided or multiplied by it inf or NaN:
+    a NaN row draws any token, a forbidden one too."""
     llm = LLM("tiny", log=lambda *_: None, **TINY)
     allowed = [40, 41, 42, 43]
-    extremes = [dict(temperature=1e300), dict(repetition_penalty=1e300), dict(repetition_penalty=1e-300),
+    extremes = [dict(temperature=2.0), dict(repetition_penalty=1e300), dict(repetition_penalty=1e-300),
                 dict(temperature=0.5, repetition_penalty=1e-38)]
     params = [SamplingParams(max_tokens=12, seed=i, ignore_eos=True, allowed_token_ids=allowed, **kw, **extra)
               for i, kw in enumerate(extremes) for extra in ({}, dict(logit_bias={40: -100, 41: -100}))]

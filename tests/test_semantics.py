@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -35,6 +36,10 @@ def test_sampling_params_defaults_and_normalisation_are_vllms() -> None:
     assert SamplingParams(top_k=0).top_k == -1 and SamplingParams(temperature=0).greedy
     # vLLM's __post_init__ raises a temperature in (0, 0.01) to 0.01: only 0 is greedy
     assert not SamplingParams(temperature=1e-6).greedy
+    # vLLM's _verify_args (and OpenAI's range): at most 2, with vLLM's message
+    assert SamplingParams(temperature=2).temperature == 2
+    with pytest.raises(ValueError, match=re.escape("temperature must be in [0, 2], got 2.0001.")):
+        SamplingParams(temperature=2.0001)
     for bad in (dict(seed=1.5), dict(seed=True), dict(max_tokens=True), dict(temperature=float("nan")),
                 dict(top_p=float("inf")), dict(temperature=10**400), dict(top_k=-2), dict(stop_token_ids=[1.0]),
                 dict(stop_token_ids=5), dict(stop_token_ids="12"), dict(ignore_eos="no"), dict(ignore_eos=None),
