@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import codecs
 import dataclasses
+import decimal
 import errno
 import inspect
+import re
 import socket
 import ssl
 import typing
@@ -41,14 +43,17 @@ _HELP = {  # EngineConfig fields; config.py says more
              "float32 (a float16 one too: no fp16 overflow)",
     "seed": "weights seed of the built-in models, and sampling seed of unseeded requests",
     "max_num_seqs": "slots: most sequences in one step",
-    "max_model_len": "longest prompt + output; None: the model's max_position_embeddings",
+    "max_model_len": "longest prompt + output, as vLLM's an integer or one such as 32k (32,000) or 32K (32,768); None: "
+                     "the model's max_position_embeddings",
     "block_size": "tokens per KV cache block (a power of two)",
     "num_kv_blocks": "KV cache size in blocks, the null block 0 included; None: from the memory budget",
-    "kv_cache_memory": "KV cache budget in bytes; None: --gpu-memory-utilization on an accelerator; on CPU 4 GiB, "
-                       "or less where max_num_seqs sequences of max_model_len need less or the host leaves less",
+    "kv_cache_memory": "KV cache budget in bytes (4G: 4 GiB, 4g: 4e9); None: --gpu-memory-utilization on an "
+                       "accelerator; on CPU 4 GiB, or less where max_num_seqs sequences of max_model_len need less "
+                       "or the host leaves less",
     "gpu_memory_utilization": "fraction of device memory (on CPU: the host's) for weights, activations and the KV "
                               "cache",
-    "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
+    "max_num_batched_tokens": "token budget of one step (8k: 8,000, 8K: 8,192); None: depends on "
+                              "--enable-chunked-prefill",
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
     "enable_prefix_caching": "reuse the cached KV blocks of a shared prompt prefix",
     "long_prefill_token_threshold": "most prompt tokens of one sequence in a step (its chunk), so a long prompt "
@@ -170,6 +175,31 @@ def check_server_flags(args: argparse.Namespace) -> None:
     check_log_flags(args)
 
 
+# vLLM's flags that take a size as 25.6k (x 1000) or 32K (x 1024) beside a plain integer
+HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory")
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's human_readable_int: an integer, or a number with a suffix: k, m, g, t are
+    powers of 1000 (25.6k: 25,600), K, M, G, T of 1024 (a whole number only: 32K)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:  # (past 4,300 digits too)
+            raise argparse.ArgumentTypeError(f"expected an integer, or one such as 32k or 32K, got {value[:100]!r}") \
+                from None
+    number, suffix = match.groups()
+    if suffix in _BINARY_SUFFIXES:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"a decimal does not take a binary suffix ({suffix}), got {value!r}; "
+                                             f"did you mean {number}{suffix.lower()}?")
+        return int(number) * _BINARY_SUFFIXES[suffix]
+    return int(decimal.Decimal(number) * _DECIMAL_SUFFIXES[suffix])  # exact: 1.001k is 1001
+
+
 def non_negative_int(value: str) -> int:
     n = int(value)
     if n < 0:
@@ -197,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
             arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
             # (JSON text: a config file may write it as a YAML mapping)
             json_text = hasattr(arg, "parse") or dict in typing.get_args(kind)
-            kw["type"] = config_file.json_text if json_text else arg
+            kw["type"] = config_file.json_text if json_text else \
+                human_readable_int if f.name in HUMAN_READABLE_INTS else arg
         if f.name == "quantization":  # every registered method, read when the parser is built
             kw["help"] = kw["help"].format(methods="; ".join(f"{name} ({m.summary})" if m.summary else name
                                                              for name, m in QUANTIZATION_METHODS.items()))

@@ -113,6 +113,29 @@ def test_server_exits_on_a_count_past_64_bits_naming_it(capsys, flag):
     assert exit_.value.code == 2 and f"{flag[2:].replace('-', '_')} must be a 64-bit integer, got an integer of " in err
 
 
+@pytest.mark.parametrize("value, want", [("32k", 32_000), ("32K", 32 * 1024), ("25.6k", 25_600), ("1.001k", 1001),
+                                         ("2M", 2 * 2**20), ("3g", 3 * 10**9), ("1T", 2**40), (" 4k ", 4000),
+                                         ("77", 77)])
+@pytest.mark.parametrize("flag, field", [("--max-model-len", "max_model_len"),
+                                         ("--max-num-batched-tokens", "max_num_batched_tokens"),
+                                         ("--kv-cache-memory-bytes", "kv_cache_memory")])
+def test_vllms_size_flags_take_its_human_readable_integers(value, want, flag, field):
+    """vLLM's human_readable_int (vllm/engine/arg_utils.py): k, m, g, t multiply by powers of
+    1000, K, M, G, T by powers of 1024."""
+    assert getattr(cli_args.build_parser().parse_args([flag, value]), field) == want
+
+
+@pytest.mark.parametrize("value, says", [("1.5K", "a decimal does not take a binary suffix (K), got '1.5K'; "
+                                                 "did you mean 1.5k?"),
+                                         ("32kb", "expected an integer, or one such as 32k or 32K, got '32kb'"),
+                                         ("1e3", "expected an integer")])
+def test_a_size_flag_that_is_no_human_readable_integer_exits_naming_it(capsys, value, says):
+    with pytest.raises(SystemExit) as exit_:
+        cli_args.build_parser().parse_args(["--max-model-len", value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument --max-model-len: {says}" in err
+
+
 # ---- --config FILE ------------------------------------------------------------------
 
 def parse(tmp_path, text: str, *argv: str):
