@@ -79,6 +79,7 @@ TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "
 # ours, so a vLLM command line runs as it is
 VLLM_SPELLINGS: dict[str, tuple[str, ...]] = {
     "tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",),
+    "quantization": ("-q",),
     "num_kv_blocks": ("--num-gpu-blocks-override",), "kv_cache_memory": ("--kv-cache-memory-bytes",)}
 
 

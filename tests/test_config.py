@@ -382,6 +382,7 @@ def test_parallelism_flags_take_vllms_spellings_and_the_values_that_run():
     kv = cli_args.engine_config(parser.parse_args(["--num-gpu-blocks-override", "64",
                                                    "--kv-cache-memory-bytes", "4096"]))
     assert (kv.num_kv_blocks, kv.kv_cache_memory) == (64, 4096)
+    assert cli_args.engine_config(parser.parse_args(["-q", "int8"])).quantization == "int8"  # vLLM's -q
     for flags, says in [(["-pp", "2"], "does not support pipeline parallelism"),
                         (["--pipeline-parallel-size", "3"], "does not support pipeline parallelism"),
                         (["-dp", "2"], "does not support data parallelism"),
