@@ -10,6 +10,7 @@ import dataclasses
 import decimal
 import errno
 import inspect
+import os
 import re
 import socket
 import ssl
@@ -129,6 +130,20 @@ def check_chat_template(template: str, tokenizer: Any) -> None:
         raise ValueError(f"--chat-template is not a valid Jinja template: {e} (line {e.lineno})") from None
 
 
+def uds_arg(value: str) -> str:
+    """--uds: a Unix domain socket's path (on Linux also a name after a NUL: the abstract
+    namespace), checked as argparse reads it: the socket is bound once the model has loaded
+    and compiled (minutes), where "" would be a traceback and a missing folder one line."""
+    if not value:
+        raise argparse.ArgumentTypeError("the socket's path is empty")
+    if "\0" in value[1:]:
+        raise argparse.ArgumentTypeError(f"{value!r} holds a NUL character")
+    folder = os.path.dirname(value) or "."
+    if value[0] != "\0" and not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{value!r}: the folder {folder!r} does not exist")
+    return value
+
+
 def root_path_arg(value: str) -> str:
     """--root-path's value, checked (check_root_path) as argparse reads it."""
     try:
@@ -242,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
     p.add_argument("--api-key", nargs="+", help="require 'Authorization: Bearer <key>' on /v1/* and "
                    "/reset_prefix_cache, with one of these keys")
-    p.add_argument("--uds", help="serve on this Unix domain socket instead of --host and --port, as vLLM")
+    p.add_argument("--uds", type=uds_arg,
+                   help="serve on this Unix domain socket instead of --host and --port, as vLLM")
     p.add_argument("--ssl-keyfile", help="HTTPS: the private key's file (PEM), for --ssl-certfile")
     p.add_argument("--ssl-certfile", help="HTTPS: the certificate chain's file (PEM; it may hold the key too)")
     p.add_argument("--ssl-ca-certs", help="HTTPS: the CA certificates that client certificates are checked against")
