@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
             kw["help"] = kw["help"].format(methods="; ".join(f"{name} ({m.summary})" if m.summary else name
                                                              for name, m in QUANTIZATION_METHODS.items()))
         p.add_argument("--" + f.name.replace("_", "-"), *VLLM_SPELLINGS.get(f.name, ()), **kw)
-    p.add_argument("--config", help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
+    p.add_argument("--config", action=config_file.OneFile, help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
                                     "command line win over the file's")
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")
     p.add_argument("--host", default="127.0.0.1",

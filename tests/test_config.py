@@ -249,6 +249,17 @@ def test_a_missing_config_file_exits_naming_it(tmp_path, capsys):
     assert "none.yaml: cannot read it" in capsys.readouterr().err
 
 
+def test_a_second_config_file_exits_naming_the_flag(tmp_path, capsys):
+    """vLLM's parser refuses a second --config (argparse_utils.py): here the last one would
+    stand in for the first, its flags silently dropped."""
+    (tmp_path / "a.yaml").write_text("max-num-seqs: 4\n")
+    (tmp_path / "b.yaml").write_text("max-model-len: 64\n")
+    with pytest.raises(SystemExit) as exit_:
+        config_file.parse_args(cli_args.build_parser(), ["--config", str(tmp_path / "a.yaml"),
+                                                         "--config", str(tmp_path / "b.yaml")])
+    assert exit_.value.code == 2 and "--config is given more than once" in capsys.readouterr().err
+
+
 def _tiny(**kw: object) -> LLM:
     return LLM("tiny", log=lambda *_: None, max_model_len=64, num_kv_blocks=16, warmup=False, **kw)
 
