@@ -179,13 +179,17 @@ def check_server_flags(args: argparse.Namespace) -> None:
     """The server flags' rules (ValueError naming the flag) that server.py and serve_ray.py
     both check before the model loads and compiles (minutes): vLLM's rule that auto tool
     choice needs a parser, --shutdown-timeout, --host, --api-key and the log flags. --port
-    is each one's own (Ray Serve's proxy needs a fixed port)."""
+    is each one's own (Ray Serve's proxy needs a fixed port). Without --api-key, the key of
+    the environment's VLLM_API_KEY (if set and not empty) goes into args.api_key, as vLLM's
+    build_app takes it: a deployment that keeps its key off the command line stays guarded."""
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's rule
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     # also refuses nan; inf too: a stream that never ends would hold the shutdown forever
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     check_host(args.host, args.port)
+    if args.api_key is None and os.environ.get("VLLM_API_KEY"):
+        args.api_key = [os.environ["VLLM_API_KEY"]]
     api_keys(args.api_key)
     check_log_flags(args)
 
