@@ -106,8 +106,10 @@ def load_chat_template(value: str) -> str:
     """--chat-template: a file's text, or (vLLM's rule) the value itself when it holds
     Jinja's characters; a value that names no file and looks like a path is an error."""
     try:
-        with open(value) as f:
+        with open(value, encoding="utf-8") as f:
             return f.read()
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{value!r} is not UTF-8 text ({e})") from None
     except OSError as e:
         if not any(c in value for c in "{}\n"):
             raise argparse.ArgumentTypeError(f"{value!r} looks like a file path, but it cannot be opened "
