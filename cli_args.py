@@ -40,8 +40,8 @@ _HELP = {  # EngineConfig fields; config.py says more
                  "tokenizer.model), or a .gguf file's, used instead of the model's own: encoding, decoding, the chat "
                  "template, its EOS beside the model's stop ids, structured outputs' vocabulary; at most the model's "
                  "vocab_size ids. For a GGUF model, its base model's tokenizer (vLLM's advice). None or '': the model's",
-    "dtype": "weights and KV cache dtype: float32, bfloat16, or auto: bfloat16 for a bfloat16 checkpoint, else "
-             "float32 (a float16 one too: no fp16 overflow)",
+    "dtype": "weights and KV cache dtype: float32 (or vLLM's float), bfloat16, or auto: bfloat16 for a bfloat16 "
+             "checkpoint, else float32 (a float16 one too: no fp16 overflow)",
     "seed": "weights seed of the built-in models, and sampling seed of unseeded requests",
     "max_num_seqs": "slots: most sequences in one step",
     "max_model_len": "longest prompt + output, as vLLM's an integer or one such as 32k (32,000) or 32K (32,768); None: "
@@ -254,8 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
             kw["help"] = kw["help"].format(methods="; ".join(f"{name} ({m.summary})" if m.summary else name
                                                              for name, m in QUANTIZATION_METHODS.items()))
         p.add_argument("--" + f.name.replace("_", "-"), *VLLM_SPELLINGS.get(f.name, ()), **kw)
-    p.add_argument("--config", action=config_file.OneFile, help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
-                                    "command line win over the file's")
+    p.add_argument("--config", action=config_file.OneFile,
+                   help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the command line "
+                        "win over the file's")
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only; vLLM's default is every "

@@ -61,6 +61,15 @@ def test_a_bad_engine_option_is_a_value_error_naming_it(kwargs, says):
         EngineConfig(**kwargs)
 
 
+def test_dtype_takes_vllms_float_for_float32_and_says_why_float16_is_refused():
+    """vLLM's ModelDType (vllm/config/model.py): auto, half, float16, bfloat16, float, float32."""
+    assert EngineConfig(dtype="float").dtype == "float32"
+    assert cli_args.engine_config(cli_args.build_parser().parse_args(["--dtype", "float"])).dtype == "float32"
+    for name in ("half", "float16"):
+        with pytest.raises(ValueError, match=f"got '{name}'; float16 is not run here .*: use bfloat16"):
+            EngineConfig(dtype=name)
+
+
 def test_numpy_integers_and_bools_are_accepted_and_become_plain_python_values():
     c = EngineConfig(max_num_seqs=np.int64(4), block_size=np.int32(8))
     assert (c.max_num_seqs, c.block_size) == (4, 8) and type(c.max_num_seqs) is int and hash(c)
