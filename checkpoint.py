@@ -52,9 +52,12 @@ def save(loaded: LoadedModel, dst: str) -> None:
 
     if loaded.quant is not None:  # the orbax layout holds float parameters; quantize when loading
         raise ValueError("checkpoint convert saves float weights; pass --quantization when serving the result")
+    if not dst:  # (abspath would make it the working folder)
+        raise ValueError("the destination folder's path is empty")
     dst = os.path.abspath(dst)
-    if os.path.exists(dst) and os.listdir(dst):
+    if os.path.isdir(dst) and os.listdir(dst):
         raise FileExistsError(f"{dst} exists and is not empty")
+    os.makedirs(dst, exist_ok=True)  # an OSError here is one line; orbax's own would log its thread's traceback
     params = {_key(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(loaded.model, nnx.Param))}
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(dst, "params"), params)
@@ -149,6 +152,17 @@ def load(path: str, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedMode
     return LoadedModel(model, cfg, tok, path, dt)
 
 
+def seed_arg(value: str) -> int:
+    """--seed: a 64-bit integer, as the server's (a PRNG key holds no more)."""
+    try:
+        seed = int(value)
+    except ValueError:  # (past 4,300 digits too)
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value[:100]!r}") from None
+    if not -2**63 <= seed < 2**63:
+        raise argparse.ArgumentTypeError(f"must be a 64-bit integer, got {value[:100]}")
+    return seed
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="convert a model to an orbax checkpoint of taxirank's parameters")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -157,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    c.add_argument("--seed", type=int, default=0, help="weights seed of a built-in model")
+    c.add_argument("--seed", type=seed_arg, default=0, help="weights seed of a built-in model")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     try:

@@ -7,8 +7,11 @@ from __future__ import annotations
 import argparse
 import codecs
 import dataclasses
+import decimal
 import errno
 import inspect
+import os
+import re
 import socket
 import ssl
 import typing
@@ -37,18 +40,21 @@ _HELP = {  # EngineConfig fields; config.py says more
                  "tokenizer.model), or a .gguf file's, used instead of the model's own: encoding, decoding, the chat "
                  "template, its EOS beside the model's stop ids, structured outputs' vocabulary; at most the model's "
                  "vocab_size ids. For a GGUF model, its base model's tokenizer (vLLM's advice). None or '': the model's",
-    "dtype": "weights and KV cache dtype: float32, bfloat16, or auto: bfloat16 for a bfloat16 checkpoint, else "
-             "float32 (a float16 one too: no fp16 overflow)",
+    "dtype": "weights and KV cache dtype: float32 (or vLLM's float), bfloat16, or auto: bfloat16 for a bfloat16 "
+             "checkpoint, else float32 (a float16 one too: no fp16 overflow)",
     "seed": "weights seed of the built-in models, and sampling seed of unseeded requests",
     "max_num_seqs": "slots: most sequences in one step",
-    "max_model_len": "longest prompt + output; None: the model's max_position_embeddings",
+    "max_model_len": "longest prompt + output, as vLLM's an integer or one such as 32k (32,000) or 32K (32,768); None: "
+                     "the model's max_position_embeddings",
     "block_size": "tokens per KV cache block (a power of two)",
     "num_kv_blocks": "KV cache size in blocks, the null block 0 included; None: from the memory budget",
-    "kv_cache_memory": "KV cache budget in bytes; None: --gpu-memory-utilization on an accelerator; on CPU 4 GiB, "
-                       "or less where max_num_seqs sequences of max_model_len need less or the host leaves less",
+    "kv_cache_memory": "KV cache budget in bytes (4G: 4 GiB, 4g: 4e9); None: --gpu-memory-utilization on an "
+                       "accelerator; on CPU 4 GiB, or less where max_num_seqs sequences of max_model_len need less "
+                       "or the host leaves less",
     "gpu_memory_utilization": "fraction of device memory (on CPU: the host's) for weights, activations and the KV "
                               "cache",
-    "max_num_batched_tokens": "token budget of one step; None: depends on --enable-chunked-prefill",
+    "max_num_batched_tokens": "token budget of one step (8k: 8,000, 8K: 8,192); None: depends on "
+                              "--enable-chunked-prefill",
     "enable_chunked_prefill": "split long prompts across steps, decodes first",
     "enable_prefix_caching": "reuse the cached KV blocks of a shared prompt prefix",
     "long_prefill_token_threshold": "most prompt tokens of one sequence in a step (its chunk), so a long prompt "
@@ -100,8 +106,10 @@ def load_chat_template(value: str) -> str:
     """--chat-template: a file's text, or (vLLM's rule) the value itself when it holds
     Jinja's characters; a value that names no file and looks like a path is an error."""
     try:
-        with open(value) as f:
+        with open(value, encoding="utf-8") as f:
             return f.read()
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{value!r} is not UTF-8 text ({e})") from None
     except OSError as e:
         if not any(c in value for c in "{}\n"):
             raise argparse.ArgumentTypeError(f"{value!r} looks like a file path, but it cannot be opened "
@@ -122,6 +130,20 @@ def check_chat_template(template: str, tokenizer: Any) -> None:
         chat_format.compile_template(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat-template is not a valid Jinja template: {e} (line {e.lineno})") from None
+
+
+def uds_arg(value: str) -> str:
+    """--uds: a Unix domain socket's path (on Linux also a name after a NUL: the abstract
+    namespace), checked as argparse reads it: the socket is bound once the model has loaded
+    and compiled (minutes), where "" would be a traceback and a missing folder one line."""
+    if not value:
+        raise argparse.ArgumentTypeError("the socket's path is empty")
+    if "\0" in value[1:]:
+        raise argparse.ArgumentTypeError(f"{value!r} holds a NUL character")
+    folder = os.path.dirname(value) or "."
+    if value[0] != "\0" and not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{value!r}: the folder {folder!r} does not exist")
+    return value
 
 
 def root_path_arg(value: str) -> str:
@@ -159,15 +181,44 @@ def check_server_flags(args: argparse.Namespace) -> None:
     """The server flags' rules (ValueError naming the flag) that server.py and serve_ray.py
     both check before the model loads and compiles (minutes): vLLM's rule that auto tool
     choice needs a parser, --shutdown-timeout, --host, --api-key and the log flags. --port
-    is each one's own (Ray Serve's proxy needs a fixed port)."""
+    is each one's own (Ray Serve's proxy needs a fixed port). Without --api-key, the key of
+    the environment's VLLM_API_KEY (if set and not empty) goes into args.api_key, as vLLM's
+    build_app takes it: a deployment that keeps its key off the command line stays guarded."""
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # vLLM's rule
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     # also refuses nan; inf too: a stream that never ends would hold the shutdown forever
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     check_host(args.host, args.port)
+    if args.api_key is None and os.environ.get("VLLM_API_KEY"):
+        args.api_key = [os.environ["VLLM_API_KEY"]]
     api_keys(args.api_key)
     check_log_flags(args)
+
+
+# vLLM's flags that take a size as 25.6k (x 1000) or 32K (x 1024) beside a plain integer
+HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory")
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's human_readable_int: an integer, or a number with a suffix: k, m, g, t are
+    powers of 1000 (25.6k: 25,600), K, M, G, T of 1024 (a whole number only: 32K)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:  # (past 4,300 digits too)
+            raise argparse.ArgumentTypeError(f"expected an integer, or one such as 32k or 32K, got {value[:100]!r}") \
+                from None
+    number, suffix = match.groups()
+    if suffix in _BINARY_SUFFIXES:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"a decimal does not take a binary suffix ({suffix}), got {value!r}; "
+                                             f"did you mean {number}{suffix.lower()}?")
+        return int(number) * _BINARY_SUFFIXES[suffix]
+    return int(decimal.Decimal(number) * _DECIMAL_SUFFIXES[suffix])  # exact: 1.001k is 1001
 
 
 def non_negative_int(value: str) -> int:
@@ -197,13 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
             arg = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
             # (JSON text: a config file may write it as a YAML mapping)
             json_text = hasattr(arg, "parse") or dict in typing.get_args(kind)
-            kw["type"] = config_file.json_text if json_text else arg
+            kw["type"] = config_file.json_text if json_text else \
+                human_readable_int if f.name in HUMAN_READABLE_INTS else arg
         if f.name == "quantization":  # every registered method, read when the parser is built
             kw["help"] = kw["help"].format(methods="; ".join(f"{name} ({m.summary})" if m.summary else name
                                                              for name, m in QUANTIZATION_METHODS.items()))
         p.add_argument("--" + f.name.replace("_", "-"), *VLLM_SPELLINGS.get(f.name, ()), **kw)
-    p.add_argument("--config", help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the "
-                                    "command line win over the file's")
+    p.add_argument("--config", action=config_file.OneFile,
+                   help="a YAML file of flags (max-model-len: 1024, ...), as vLLM's; flags given on the command line "
+                        "win over the file's")
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use; default: the model's name")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only; vLLM's default is every "
@@ -211,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="default: %(default)s")
     p.add_argument("--api-key", nargs="+", help="require 'Authorization: Bearer <key>' on /v1/* and "
                    "/reset_prefix_cache, with one of these keys")
-    p.add_argument("--uds", help="serve on this Unix domain socket instead of --host and --port, as vLLM")
+    p.add_argument("--uds", type=uds_arg,
+                   help="serve on this Unix domain socket instead of --host and --port, as vLLM")
     p.add_argument("--ssl-keyfile", help="HTTPS: the private key's file (PEM), for --ssl-certfile")
     p.add_argument("--ssl-certfile", help="HTTPS: the certificate chain's file (PEM; it may hold the key too)")
     p.add_argument("--ssl-ca-certs", help="HTTPS: the CA certificates that client certificates are checked against")

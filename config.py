@@ -79,6 +79,7 @@ TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "
 # ours, so a vLLM command line runs as it is
 VLLM_SPELLINGS: dict[str, tuple[str, ...]] = {
     "tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",),
+    "quantization": ("-q",),
     "num_kv_blocks": ("--num-gpu-blocks-override",), "kv_cache_memory": ("--kv-cache-memory-bytes",)}
 
 
@@ -193,7 +194,11 @@ class EngineConfig:
             sampling_defaults(override, "override_generation_config")
             object.__setattr__(self, "override_generation_config", json.dumps(override, sort_keys=True))
 
-        need(self.dtype in ("float32", "bfloat16", "auto"), f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
+        if self.dtype == "float":  # vLLM's shorthand for float32 (its ModelDType)
+            object.__setattr__(self, "dtype", "float32")
+        fp16 = "; float16 is not run here (it overflows where bfloat16 and float32 do not): use bfloat16"
+        need(self.dtype in ("float32", "bfloat16", "auto"), f"dtype must be float32, bfloat16 or auto, got "
+             f"{self.dtype!r}{fp16 if self.dtype in ('half', 'float16') else ''}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(1 <= self.block_size <= MAX_BLOCK_SIZE and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two up to {MAX_BLOCK_SIZE}, got {self.block_size}")

@@ -34,6 +34,18 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     return parser.parse_args([*words, *(sys.argv[1:] if argv is None else argv)])
 
 
+class OneFile(argparse.Action):
+    """--config's action: one file, as vLLM's parser takes (its "More than one config file
+    specified!"); a second would silently stand in for the first."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} is given more than once: give one file (its flags, then the command "
+                         "line's over them)")
+        setattr(namespace, self.dest, values)
+
+
 class _Loader(yaml.SafeLoader):
     """yaml.safe_load's loader, but an integer past Python's digit limit for int(text) is a
     YAML error with its line, not a ValueError about sys.set_int_max_str_digits."""

@@ -343,7 +343,8 @@ BUILTIN_GGUF = {
 
 
 def cache_dir() -> str:
-    return os.path.expanduser(os.environ.get("TAXIRANK_CACHE", "~/.cache/taxirank"))
+    """$TAXIRANK_CACHE, unset or empty: ~/.cache/taxirank (an empty one would be the working folder)."""
+    return os.path.expanduser(os.environ.get("TAXIRANK_CACHE") or "~/.cache/taxirank")
 
 
 def resolve_builtin(name: str, log: Any = print) -> str:

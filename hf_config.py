@@ -51,6 +51,18 @@ def _rope_base(d: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}rope_theta must be >= 1, got {d['rope_theta']!r}")
 
 
+def _rope_type(p: dict[str, Any], where: str) -> None:
+    """vLLM's patch_rope_scaling_dict: a RoPE dict names its type, by rope_type or the legacy
+    type, and both where given agree; otherwise its scaling parameters would be read as no
+    scaling at all, or the one type as the other. A dict of rope_theta alone scales nothing."""
+    if "rope_type" in p and "type" in p and p["rope_type"] != p["type"]:
+        raise ValueError(f"{where}: rope_type {p['rope_type']!r} and its legacy spelling type {p['type']!r} "
+                         "disagree: give one of them")
+    if "rope_type" not in p and "type" not in p and p.keys() - {"rope_theta"}:
+        raise ValueError(f"{where} gives {', '.join(sorted(map(str, p.keys() - {'rope_theta'})))} but no "
+                         "rope_type (default, llama3, ...)")
+
+
 def token_ids(value: object, field: str) -> tuple[int, ...]:
     """An eos_token_id / bos_token_id value: null, an id, or a list of ids (>= 0)."""
     ids = [] if value is None else [value] if not isinstance(value, list) else value
@@ -95,6 +107,7 @@ def check_hf_config(d: object, source: str = "config.json") -> None:
         if d.get(key) is not None and not isinstance(d[key], dict):
             raise ValueError(f"{where}{key} must be an object or null, got {d[key]!r}")
         _rope_base(d.get(key) or {}, f"{where}{key}.")
+        _rope_type(d.get(key) or {}, f"{where}{key}")
     if d.get("rope_scaling") and d.get("rope_parameters"):
         # transformers 5 reads the legacy rope_scaling first, taxirank rope_parameters: where
         # they disagree the two would run different RoPE

@@ -93,6 +93,16 @@ def test_the_answers_role_is_the_response_role_or_the_continued_messages(post):
     assert out["choices"][0]["message"]["role"] == "assistant" == first["role"]
 
 
+def test_a_template_file_that_is_not_utf8_is_refused_naming_it(tmp_path, capsys):
+    import cli_args
+
+    path = tmp_path / "t.jinja"
+    path.write_bytes(b"\xff\xfe{{ messages }}")  # (a UTF-16 byte-order mark)
+    with pytest.raises(SystemExit):
+        cli_args.build_parser().parse_args(["--chat-template", str(path)])
+    assert f"argument --chat-template: '{path}' is not UTF-8 text (" in capsys.readouterr().err
+
+
 def test_bad_templates_are_refused_at_start_up(post, capsys):
     import cli_args
     import server

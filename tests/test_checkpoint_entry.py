@@ -427,6 +427,27 @@ def test_the_convert_command_exits_with_one_line_naming_what_is_wrong(tmp_path, 
     assert e.value.code == 2 and says in err and err.count("\n") == 1, err
 
 
+def test_the_convert_commands_seed_past_64_bits_exits_naming_it(tmp_path, capsys):
+    import checkpoint
+
+    with pytest.raises(SystemExit) as e:  # (not an OverflowError's traceback from the PRNG key)
+        checkpoint.main(["convert", "tiny", str(tmp_path / "dst"), "--seed", str(2**64)])
+    assert e.value.code == 2 and "argument --seed: must be a 64-bit integer, got 18446744073709551616" in \
+        capsys.readouterr().err
+
+
+def test_the_convert_command_refuses_a_destination_it_cannot_create_in_one_line(tmp_path, capsys):
+    import checkpoint
+
+    (tmp_path / "file").write_text("")
+    for dst, says in [("", "the destination folder's path is empty"),  # not the working folder
+                      (str(tmp_path / "file" / "dst"), "Not a directory")]:
+        with pytest.raises(SystemExit) as e:
+            checkpoint.main(["convert", "tiny", dst])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and err.count("\n") == 1, err
+
+
 def test_a_converted_checkpoint_keeps_its_sources_sampling_defaults(hf_checkpoint, tmp_path):
     """--generation-config auto reads the model folder's generation_config.json: the orbax
     copy carries it, so it serves the default sampling its source does."""

@@ -61,6 +61,15 @@ def test_a_bad_engine_option_is_a_value_error_naming_it(kwargs, says):
         EngineConfig(**kwargs)
 
 
+def test_dtype_takes_vllms_float_for_float32_and_says_why_float16_is_refused():
+    """vLLM's ModelDType (vllm/config/model.py): auto, half, float16, bfloat16, float, float32."""
+    assert EngineConfig(dtype="float").dtype == "float32"
+    assert cli_args.engine_config(cli_args.build_parser().parse_args(["--dtype", "float"])).dtype == "float32"
+    for name in ("half", "float16"):
+        with pytest.raises(ValueError, match=f"got '{name}'; float16 is not run here .*: use bfloat16"):
+            EngineConfig(dtype=name)
+
+
 def test_numpy_integers_and_bools_are_accepted_and_become_plain_python_values():
     c = EngineConfig(max_num_seqs=np.int64(4), block_size=np.int32(8))
     assert (c.max_num_seqs, c.block_size) == (4, 8) and type(c.max_num_seqs) is int and hash(c)
@@ -111,6 +120,29 @@ def test_server_exits_on_a_count_past_64_bits_naming_it(capsys, flag):
         server.main(["--model", "/nowhere", flag, "1" * 400])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and f"{flag[2:].replace('-', '_')} must be a 64-bit integer, got an integer of " in err
+
+
+@pytest.mark.parametrize("value, want", [("32k", 32_000), ("32K", 32 * 1024), ("25.6k", 25_600), ("1.001k", 1001),
+                                         ("2M", 2 * 2**20), ("3g", 3 * 10**9), ("1T", 2**40), (" 4k ", 4000),
+                                         ("77", 77)])
+@pytest.mark.parametrize("flag, field", [("--max-model-len", "max_model_len"),
+                                         ("--max-num-batched-tokens", "max_num_batched_tokens"),
+                                         ("--kv-cache-memory-bytes", "kv_cache_memory")])
+def test_vllms_size_flags_take_its_human_readable_integers(value, want, flag, field):
+    """vLLM's human_readable_int (vllm/engine/arg_utils.py): k, m, g, t multiply by powers of
+    1000, K, M, G, T by powers of 1024."""
+    assert getattr(cli_args.build_parser().parse_args([flag, value]), field) == want
+
+
+@pytest.mark.parametrize("value, says", [("1.5K", "a decimal does not take a binary suffix (K), got '1.5K'; "
+                                                 "did you mean 1.5k?"),
+                                         ("32kb", "expected an integer, or one such as 32k or 32K, got '32kb'"),
+                                         ("1e3", "expected an integer")])
+def test_a_size_flag_that_is_no_human_readable_integer_exits_naming_it(capsys, value, says):
+    with pytest.raises(SystemExit) as exit_:
+        cli_args.build_parser().parse_args(["--max-model-len", value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument --max-model-len: {says}" in err
 
 
 # ---- --config FILE ------------------------------------------------------------------
@@ -224,6 +256,17 @@ def test_a_missing_config_file_exits_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit):
         config_file.parse_args(cli_args.build_parser(), ["--config", str(tmp_path / "none.yaml")])
     assert "none.yaml: cannot read it" in capsys.readouterr().err
+
+
+def test_a_second_config_file_exits_naming_the_flag(tmp_path, capsys):
+    """vLLM's parser refuses a second --config (argparse_utils.py): here the last one would
+    stand in for the first, its flags silently dropped."""
+    (tmp_path / "a.yaml").write_text("max-num-seqs: 4\n")
+    (tmp_path / "b.yaml").write_text("max-model-len: 64\n")
+    with pytest.raises(SystemExit) as exit_:
+        config_file.parse_args(cli_args.build_parser(), ["--config", str(tmp_path / "a.yaml"),
+                                                         "--config", str(tmp_path / "b.yaml")])
+    assert exit_.value.code == 2 and "--config is given more than once" in capsys.readouterr().err
 
 
 def _tiny(**kw: object) -> LLM:
@@ -359,6 +402,7 @@ def test_parallelism_flags_take_vllms_spellings_and_the_values_that_run():
     kv = cli_args.engine_config(parser.parse_args(["--num-gpu-blocks-override", "64",
                                                    "--kv-cache-memory-bytes", "4096"]))
     assert (kv.num_kv_blocks, kv.kv_cache_memory) == (64, 4096)
+    assert cli_args.engine_config(parser.parse_args(["-q", "int8"])).quantization == "int8"  # vLLM's -q
     for flags, says in [(["-pp", "2"], "does not support pipeline parallelism"),
                         (["--pipeline-parallel-size", "3"], "does not support pipeline parallelism"),
                         (["-dp", "2"], "does not support data parallelism"),

@@ -161,6 +161,32 @@ def test_bad_tls_files_and_empty_keys_stop_the_server_before_the_model_loads(cer
         assert exit_.value.code == 2 and says in capsys.readouterr().err, flags
 
 
+@pytest.mark.parametrize("env, argv, keys", [("k1", [], ("k1",)), ("k1", ["--api-key", "a", "b"], ("a", "b")),
+                                             ("", [], ()), (None, [], ())])
+def test_vllm_api_key_in_the_environment_guards_the_api_unless_the_command_line_gives_keys(monkeypatch, env, argv,
+                                                                                           keys):
+    """vLLM's build_app: `args.api_key or [envs.VLLM_API_KEY]`, empty keys dropped. The keys
+    the app is built with are args.api_key once the server flags are checked."""
+    if env is None:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_API_KEY", env)
+    parsed = args(*argv)
+    cli_args.check_server_flags(parsed)
+    assert cli_args.api_keys(parsed.api_key) == keys
+
+
+@pytest.mark.parametrize("path, says", [("", "argument --uds: the socket's path is empty"),
+                                        ("/no/such/folder/x.sock", "the folder '/no/such/folder' does not exist"),
+                                        ("/tmp/a\0b.sock", "holds a NUL character")])
+def test_a_socket_path_that_cannot_be_bound_stops_the_server_before_the_model_loads(capsys, path, says):
+    """Checked as the flag is read: the socket is bound after the model loads and compiles,
+    where "" would be a traceback (asyncio's IndexError)."""
+    with pytest.raises(SystemExit) as exit_:
+        server.main(["--model", "no-such-model-would-load", "--uds", path])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_a_port_another_server_takes_during_the_start_up_is_one_error_line(monkeypatch):
     """bind_address binds without listening (vLLM's setup_server), so a server started on the
     same port while the model loads (SO_REUSEADDR, as asyncio's) can still listen there first:

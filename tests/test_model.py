@@ -232,6 +232,12 @@ _LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fa
      "disagree on factor"),
     (dict(rope_scaling=dict(type="linear", factor=2.0)), "unsupported RoPE type 'linear'"),
     (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "unsupported RoPE type 'dynamic'"),
+    # vLLM's patch_rope_scaling_dict: a scaling with no type, or with two that disagree, would
+    # otherwise run as some other RoPE than the one it describes
+    (dict(rope_scaling=dict(factor=8.0)), "rope_scaling gives factor but no rope_type"),
+    (dict(rope_parameters=dict(rope_theta=1e4, factor=8.0)), "rope_parameters gives factor but no rope_type"),
+    (dict(rope_scaling={**_LLAMA3, "type": "llama3", "rope_type": "default"}),
+     "rope_scaling: rope_type 'default' and its legacy spelling type 'llama3' disagree"),
     # named by the key that holds it: "unsupported RoPE type None" alone named neither key nor file
     (dict(rope_parameters=dict(rope_type=None)), "unsupported RoPE type None \\(the rope_type of rope_parameters"),
     (dict(rope_parameters={**_LLAMA3, "factor": "x"}), "rope scaling factor must be a finite number"),

