@@ -214,7 +214,7 @@ def test_quantization_values_and_combinations_are_checked_at_start_up(capsys):
     assert engine_config(build_parser().parse_args([])).quantization is None
     with pytest.raises(SystemExit) as exit_:  # the flag's choices are the registered methods
         build_parser().parse_args(["--quantization", "int4"])
-    assert exit_.value.code == 2 and "--quantization: invalid choice: 'int4'" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--quantization/-q: invalid choice: 'int4'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="not a .gguf file"):
