@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Iterator, TypeVar
 
 if TYPE_CHECKING:
     from config import EngineConfig
@@ -130,7 +130,7 @@ class WaitingQueue:
         self._own.pop(id(seq), None)
 
     # ---- wait reasons ----
-    def wait_all(self, reason: str | None, held: list[Sequence] = ()) -> None:
+    def wait_all(self, reason: str | None, held: Iterable[Sequence] = ()) -> None:
         """After a schedule(): every waiting request waits for `reason`, except those in
         `held`, which the policy holds back ("policy")."""
         self._tail_reason = reason
