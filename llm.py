@@ -8,8 +8,10 @@ request is done.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable
+import gc
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
@@ -25,6 +27,23 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "Completion
 
 # One prompt of LLM.generate: a text, token ids, or vLLM's TextPrompt / TokensPrompt dict
 Prompt = str | Seq[int] | dict
+
+
+@contextlib.contextmanager
+def _heap_frozen() -> Iterator[None]:
+    """For one call, the objects alive when it starts (the model's Python objects, the
+    tokenizer, JAX's caches) sit in the permanent generation, as vLLM freezes its engine's
+    start-up heap (freeze_gc_heap): the full collections the step loop's objects trigger
+    then skip them. Per call, not once for good: an LLM dropped later must not leave its
+    reference cycles frozen. A caller's own freeze is left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()  # O(1) in CPython, as unfreeze: generation lists are spliced, not walked
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class LLM:
@@ -105,37 +124,38 @@ class LLM:
             from tqdm import tqdm
             # vLLM's use_tqdm may be a tqdm-like factory (tqdm.notebook's, a quiet one): it makes the bar
             bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(encoded), desc="generate", unit="req")
-        try:
-            for i, (request, samples) in enumerate(zip(checked, children)):
-                for rid, p, par in samples:
-                    seqs[rid] = self.engine.enqueue(dataclasses.replace(request, request_id=rid, params=p,
-                                                                        parent=par))
-                    parent[rid] = i
-            while self.engine.has_unfinished():
-                deltas = self.engine.step()
-                for d in deltas:
-                    if d.error is not None:  # offline there is no stream to end: abort the rest, raise
-                        raise RuntimeError(f"request {d.request_id} failed: {d.error!r}") from d.error
-                    if d.new_logprobs:
-                        logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
-                    if d.prompt_logprobs is not None:
-                        prompt_logprobs[d.request_id] = d.prompt_logprobs
-                    if d.finished and d.request_id in parent:
-                        i = parent.pop(d.request_id)
-                        unfinished[i] -= 1
-                        if bar is not None and not unfinished[i]:
-                            bar.update(1)
-        except BaseException:
-            # A failure or an interrupt (Ctrl-C), even while its requests are being added, ends
-            # the call: every request it added is aborted, so their slots and KV blocks are free
-            # and the next call does not run or wait on them.
-            for samples in children:
-                for rid, _, _ in samples:
-                    self.engine.abort(rid)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+        with _heap_frozen():
+            try:
+                for i, (request, samples) in enumerate(zip(checked, children)):
+                    for rid, p, par in samples:
+                        seqs[rid] = self.engine.enqueue(dataclasses.replace(request, request_id=rid, params=p,
+                                                                            parent=par))
+                        parent[rid] = i
+                while self.engine.has_unfinished():
+                    deltas = self.engine.step()
+                    for d in deltas:
+                        if d.error is not None:  # offline there is no stream to end: abort the rest, raise
+                            raise RuntimeError(f"request {d.request_id} failed: {d.error!r}") from d.error
+                        if d.new_logprobs:
+                            logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
+                        if d.prompt_logprobs is not None:
+                            prompt_logprobs[d.request_id] = d.prompt_logprobs
+                        if d.finished and d.request_id in parent:
+                            i = parent.pop(d.request_id)
+                            unfinished[i] -= 1
+                            if bar is not None and not unfinished[i]:
+                                bar.update(1)
+            except BaseException:
+                # A failure or an interrupt (Ctrl-C), even while its requests are being added, ends
+                # the call: every request it added is aborted, so their slots and KV blocks are free
+                # and the next call does not run or wait on them.
+                for samples in children:
+                    for rid, _, _ in samples:
+                        self.engine.abort(rid)
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
         assert not parent, "every request must finish"
         return [self._output(rid, text, [seqs[c] for c, _, _ in samples], logprobs, prompt_logprobs)
                 for rid, text, samples in zip(request_ids, texts, children)]
