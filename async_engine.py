@@ -194,16 +194,22 @@ class AsyncEngine:
             raise RuntimeError(f"the engine loop died: {self.error!r}")
 
     # ---- the loop thread -----------------------------------------------------------
-    def _deliver(self, delta: RequestOutputDelta) -> None:
-        """To its request's stream; a request that failed alone (finish_reason "error") ends
-        its stream with that error instead (the engine goes on)."""
+    def _deliver(self, deltas: list[RequestOutputDelta]) -> None:
+        """Each to its request's stream, all in one hand-over to the event loop (one wake-up
+        of it a step, not one a request: at 64 streams, 64 self-pipe writes a step took 9% of
+        this thread); a request that failed alone (finish_reason "error") ends its stream
+        with that error instead (the engine goes on)."""
+        items = []
         with self._lock:
-            queue = self._queues.get(delta.request_id)
-            if delta.finished:
-                self._queues.pop(delta.request_id, None)
-        if queue is not None:
-            item = delta if delta.error is None else RuntimeError(f"request failed: {delta.error!r}")
-            self._loop.call_soon_threadsafe(queue.put_nowait, item)
+            for delta in deltas:
+                queue = self._queues.get(delta.request_id)
+                if delta.finished:
+                    self._queues.pop(delta.request_id, None)
+                if queue is not None:
+                    items.append((queue, delta if delta.error is None else
+                                  RuntimeError(f"request failed: {delta.error!r}")))
+        if items:
+            self._loop.call_soon_threadsafe(_put_all, items)
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -231,7 +237,7 @@ class AsyncEngine:
                         continue  # that stream's request has ended; the id may name a newer one
                 last = self.engine.abort(rid)
                 if last is not None:
-                    self._deliver(last)
+                    self._deliver([last])
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End one request's stream with an error (the engine goes on)."""
@@ -253,8 +259,7 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                for delta in self.engine.step():
-                    self._deliver(delta)
+                self._deliver(self.engine.step())
         except BaseException as e:  # surface engine failures to every waiting stream and reset
             with self._lock:
                 self.error = e
@@ -270,3 +275,8 @@ class AsyncEngine:
             if self.on_death is not None:  # after the errors above, so they are delivered first
                 self._loop.call_soon_threadsafe(self.on_death, e)
             raise
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
