@@ -171,6 +171,9 @@ class EngineConfig:
     # vLLM's --max-logprobs: the most logprobs or prompt_logprobs a request may ask (-1: the
     # vocabulary). It is also the width of the top-logprob arrays the sampling programs return.
     max_logprobs: int = 20
+    # vLLM's --stream-interval: tokens per streamed chunk of a request that does not set its
+    # own stream_interval (a request's first token and its end go out at once)
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -234,6 +237,7 @@ class EngineConfig:
              f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         need(self.logprobs_mode in LOGPROBS_MODES,
              f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        need(self.stream_interval >= 1, f"stream_interval must be at least 1, got {self.stream_interval}")
         need(self.max_logprobs >= -1, f"max_logprobs must be >= 0, or -1 (the vocabulary), got {self.max_logprobs}")
         need(self.max_waiting_requests is None or self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

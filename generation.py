@@ -44,6 +44,14 @@ class Chunk:
     stop_reason: str | int | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)  # this step's, the ending token included
 
+    def then(self, later: Chunk) -> Chunk:
+        """This chunk and a later one as one (a stream_interval above 1)."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+        return Chunk(self.text + later.text, logprobs, later.finish_reason, later.num_output_tokens, later.metrics,
+                     prompt_logprobs, later.stop_reason, self.token_ids + later.token_ids)
+
 
 class Generation:
     """One engine request, seen as text.
@@ -60,6 +68,8 @@ class Generation:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.params = params = request.params
+        # vLLM's stream_interval: a chunk once this many tokens have come since the last one
+        self.interval = params.stream_interval or engine.config.stream_interval
         self.done = False  # the engine has ended the request, or close() aborted it
         self.detokenizer = None if params.stop else IncrementalDetokenizer(
             self.engine.tokenizer, request.prompt_token_ids, [], params, self.engine.model_config.eos_token_ids)
@@ -67,7 +77,12 @@ class Generation:
             self.stream = self.engine.add_request(request)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
-        """Use under contextlib.aclosing: leaving early (client gone) aborts the request."""
+        """Use under contextlib.aclosing: leaving early (client gone) aborts the request.
+        One chunk a step, or, with a stream_interval above 1, as vLLM's output stage: the
+        steps' chunks held until that many tokens have come since the last one sent, except
+        the first token's and the last chunk, sent at once."""
+        held: Chunk | None = None
+        sent = 0  # output tokens in the chunks sent
         try:
             async for delta in self.stream:
                 self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
@@ -81,8 +96,12 @@ class Generation:
                 self.done = done = delta.finished
                 reason = delta.finish_reason if done else None
                 metrics = delta.metrics if self.want_metrics else None
-                yield Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, metrics,
-                            delta.prompt_logprobs, delta.stop_reason, ids)
+                c = Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, metrics,
+                          delta.prompt_logprobs, delta.stop_reason, ids)
+                held = c if held is None else held.then(c)
+                if done or sent == 0 or c.num_output_tokens - sent >= self.interval:
+                    sent, chunk, held = c.num_output_tokens, held, None
+                    yield chunk
                 if done:
                     return
         except ValueError as e:  # refused by the scheduler after add_request accepted it

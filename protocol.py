@@ -327,14 +327,6 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
             raise ApiError(f"'{name}' is not supported by this server{allowed}", param=name)
     for name, kinds in _ACCEPTED_NOOP.items():
         field(body, name, kinds)
-    # vLLM's stream_interval, tokens per streamed chunk: checked on any request, read only
-    # by a stream's output (a whole response ignores it). Here each chunk is one engine step's.
-    interval = field(body, "stream_interval", (int,))
-    if interval is not None and interval < 1:  # vLLM's words
-        raise ApiError(f"stream_interval must be at least 1, got {interval}.", param="stream_interval")
-    if interval is not None and interval > 1 and body.get("stream") is True:
-        raise ApiError("'stream_interval' above 1 is not supported by this server: each streamed chunk is one "
-                       "engine step's", param="stream_interval")
     if not chat:
         for name, instead in _CHAT_ONLY.items():
             if body.get(name) is not None:
@@ -434,6 +426,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
             presence_penalty=field(body, "presence_penalty", (int, float), 0.0),
             frequency_penalty=field(body, "frequency_penalty", (int, float), 0.0),
             repetition_penalty=field(body, "repetition_penalty", (int, float), defaults.get("repetition_penalty", 1.0)),
+            stream_interval=field(body, "stream_interval", (int,)),  # read by a stream only, checked on any
         )
     except ValueError as e:  # SamplingParams names the field first: "top_p must be in (0, 1]..."
         name, message = str(e).split()[0].rstrip(":"), str(e)

@@ -287,6 +287,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of every output token
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # > 0: a prompt or output token's logit / it if > 0, else * it
+    # vLLM's: tokens per streamed chunk (None: the server's --stream-interval), read by a
+    # server's stream only (LLM.generate's outputs are whole)
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         # numpy scalars (a max_tokens drawn with numpy, a token id read from an array) become
@@ -372,6 +375,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}")
+        if self.stream_interval is not None and (not is_int(self.stream_interval) or self.stream_interval < 1):
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval!r}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_finite_number(value) or not -2.0 <= value <= 2.0:

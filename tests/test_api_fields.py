@@ -242,15 +242,52 @@ def test_fields_that_ask_nothing_are_taken(post, extra) -> None:
     assert status == 200, text
 
 
-@pytest.mark.parametrize("extra,words", [({"stream_interval": 0}, "stream_interval must be at least 1, got 0"),
+@pytest.mark.parametrize("extra,words", [({"stream_interval": 0}, "stream_interval must be at least 1, got 0."),
                                          ({"stream_interval": 0, "stream": True}, "must be at least 1"),
-                                         ({"stream_interval": 4, "stream": True}, "one engine step's")])
-def test_stream_interval_is_at_least_1_as_vllms_and_a_stream_of_more_is_refused(post, extra, words) -> None:
-    """vLLM's SamplingParams refuses a stream_interval under 1 on any request; above 1 its
-    stream sends that many tokens a chunk, which this server does not (a chunk per step)."""
+                                         ({"stream_interval": 2.5, "stream": True}, "must be an integer")])
+def test_stream_interval_is_at_least_1_as_vllms(post, extra, words) -> None:
+    """vLLM's SamplingParams refuses a stream_interval under 1 on any request."""
     status, text = post(CHAT, {"messages": MESSAGES, "max_tokens": 1} | extra)
     err = strict_json(text)["error"]
     assert status == 400 and err["param"] == "stream_interval" and words in err["message"], text
+
+
+def test_a_stream_sends_stream_interval_tokens_a_chunk_as_vllms_output_stage() -> None:
+    """vLLM's --stream-interval (here a server of 3) and a request's own stream_interval: a
+    chunk once that many tokens have come since the last one sent, the first token's and the
+    last chunk at once (vLLM's RequestState.make_request_output). The chunks add up to the
+    whole response: its tokens, text and logprobs."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    import server
+
+    with tiny_async_engine(stream_interval=3) as (loop, engine):
+        client = TestClient(TestServer(server.build_app(engine, ["tiny"])), loop=loop)
+        loop.run_until_complete(client.start_server())
+
+        async def one(body: dict) -> str:
+            resp = await client.post(C, json=body)
+            assert resp.status == 200
+            return await resp.text()
+        try:
+            body = {"prompt": [5, 6], "temperature": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
+            for max_tokens, extra, sizes in ((10, {}, [1, 3, 3, 3]), (9, {}, [1, 3, 3, 2]),
+                                             (10, {"stream_interval": 4}, [1, 4, 4, 1]),
+                                             (4, {"stream_interval": 1}, [1, 1, 1, 1])):
+                whole = strict_json(loop.run_until_complete(one(body | extra | {"max_tokens": max_tokens})))
+                whole = whole["choices"][0]
+                stream = [e["choices"][0] for e in sse(loop.run_until_complete(one(
+                    body | extra | {"max_tokens": max_tokens, "stream": True})))
+                    if e["choices"]]
+                assert [len(c["token_ids"]) for c in stream] == sizes, (extra, stream)
+                assert [len(c["logprobs"]["tokens"]) for c in stream] == sizes
+                assert sum((c["token_ids"] for c in stream), []) == whole["token_ids"]
+                assert "".join(c["text"] for c in stream) == whole["text"]
+                assert sum((c["logprobs"]["token_logprobs"] for c in stream), []) == \
+                    whole["logprobs"]["token_logprobs"]
+                assert [c["finish_reason"] for c in stream] == [None] * (len(sizes) - 1) + ["length"]
+        finally:
+            loop.run_until_complete(client.close())
 
 
 def test_a_whole_chat_response_carries_every_field_of_vllms_null_where_unused(post) -> None:
