@@ -449,6 +449,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
 # vLLM's older names for the fields of structured_outputs
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 def tool_choice(body: dict, chat: bool, auto: bool) -> tuple[ToolChoice | None, list[dict] | None]:
@@ -559,6 +560,10 @@ def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsP
     name, kw = found[0]
     if not isinstance(kw.get("choice", []), list):
         raise ApiError(f"'{name}': choice must be an array of strings", param=name)
+    return _structured(name, kw)
+
+
+def _structured(name: str, kw: dict) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**kw)
     except (ValueError, TypeError) as e:
@@ -597,11 +602,14 @@ def _constraints(body: dict, tools: ToolChoice | None) -> list[tuple[str, dict]]
                            param="response_format")
     so = field(body, "structured_outputs", (dict,))
     if so is not None:
-        unknown = set(so) - set(_STRUCTURED_KEYS)
+        unknown = set(so) - {*_STRUCTURED_KEYS, *_STRUCTURED_OPTIONS}
         if unknown:
             raise ApiError(f"structured_outputs: unsupported key(s) {', '.join(sorted(unknown))[:200]}",
                            param="structured_outputs")
-        found.append(("structured_outputs", {k: so[k] for k in _STRUCTURED_KEYS if so.get(k) is not None}))
+        kw = {k: so[k] for k in (*_STRUCTURED_KEYS, *_STRUCTURED_OPTIONS) if so.get(k) is not None}
+        if not any(k in kw for k in _STRUCTURED_KEYS):  # options alone: vLLM's 400, whatever else is set
+            _structured("structured_outputs", kw)
+        found.append(("structured_outputs", kw))
     for name, key in _GUIDED.items():
         if body.get(name) is not None:
             found.append((name, {key: body[name]}))

@@ -483,3 +483,36 @@ def test_a_constraint_whose_first_token_overflows_the_parser_row_is_refused_at_c
         compiler.compile(props(600))
     m = compiler.compile(props(100)).deep_copy()
     assert m.consume_token(ord("{")) and not m.is_error()
+
+
+def test_vllms_json_options_set_the_whitespace_and_close_the_objects(tiny):
+    """vLLM's StructuredOutputsParams takes disable_any_whitespace, whitespace_pattern and
+    disable_additional_properties beside a JSON constraint (they were a TypeError here, and
+    a 400 over HTTP). Newlines and spaces favoured by logit_bias: under whitespace_pattern
+    "\\n" the JSON holds newlines between its tokens and no space, with
+    disable_any_whitespace none; every object that lists properties takes no others."""
+    import json
+
+    import jsonschema
+
+    from protocol import ApiError, parse_structured
+
+    schema = {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "object", "properties": {"properties": {"type": "boolean"}}}}}
+    closed = {**schema, "additionalProperties": False, "properties": {**schema["properties"], "b": {
+        **schema["properties"]["b"], "additionalProperties": False}}}
+    bias = {ord("\n"): 8.0, ord(" "): 8.0}
+    kinds = [dict(whitespace_pattern="\n"), dict(whitespace_pattern="\n", disable_any_whitespace=True)]
+    params = [SamplingParams(max_tokens=100, temperature=1.0, seed=i, logit_bias=bias, structured_outputs=SO(
+        json=schema, disable_additional_properties=True, **kinds[i % 2])) for i in range(4)]
+    outs = [o.outputs[0] for o in tiny.generate([[1, 2 + i] for i in range(4)], params)]
+    for i, o in enumerate(outs):
+        assert o.finish_reason == "stop", (o.text, o.finish_reason)
+        jsonschema.validate(json.loads(o.text), closed)
+        assert " " not in o.text and ("\n" in o.text) == (i % 2 == 0), o.text
+    assert parse_structured({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, None).regex == "a"
+    with pytest.raises(ApiError, match="got none"):  # options alone, as vLLM, even beside another constraint
+        parse_structured({"structured_outputs": {"disable_any_whitespace": True},
+                          "response_format": {"type": "json_object"}}, None)
+    with pytest.raises(ValueError, match="disable_additional_properties must be a boolean"):
+        SO(json_object=True, disable_additional_properties="yes")
