@@ -539,10 +539,23 @@ def function_schemas(tools: list[dict]) -> list[tuple[str, dict]]:
 
 def required_tools_schema(tools: list[dict]) -> dict:
     """vLLM's schema for tool_choice "required" over rendered_tools' tools: a non-empty
-    array of calls, each {"name": one of the tools, "parameters": that tool's parameters}."""
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-        {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-         "required": ["name", "parameters"]} for name, params in function_schemas(tools)]}}
+    array of calls, each {"name": one of the tools, "parameters": that tool's parameters}.
+    Each tool's `$defs` move to the top of it, where the tool's `#/$defs/...` references
+    resolve now that its parameters sit deeper (vLLM's); a name two tools define
+    differently is vLLM's 400."""
+    defs: dict = {}
+    calls = []
+    for name, params in function_schemas(tools):
+        if isinstance(params.get("$defs"), dict):
+            params = dict(params)  # (a copy: the tools the template renders keep theirs)
+            for key, schema in params.pop("$defs").items():
+                if defs.setdefault(key, schema) != schema:
+                    raise ApiError(f"Tool definition '{key[:80]}' has multiple schemas, which is not supported.",
+                                   param="tools")
+        calls.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                      "required": ["name", "parameters"]})
+    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}} | (
+        {"$defs": defs} if defs else {})
 
 
 def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsParams | None:

@@ -516,3 +516,36 @@ def test_vllms_json_options_set_the_whitespace_and_close_the_objects(tiny):
                           "response_format": {"type": "json_object"}}, None)
     with pytest.raises(ValueError, match="disable_additional_properties must be a boolean"):
         SO(json_object=True, disable_additional_properties="yes")
+
+
+def test_tool_choice_required_resolves_each_tools_defs_as_vllm_moves_them_to_the_top():
+    """Under "required" a tool's parameters sit inside an array of calls, where its own
+    `#/$defs/...` references (pydantic writes them) would point at the root: vLLM moves
+    every tool's $defs there. The grammar takes a call as jsonschema does, on the tool's
+    own schema; one name two tools define differently is vLLM's 400."""
+    import json
+
+    import jsonschema
+
+    from protocol import ApiError, parse_structured, tool_choice
+    from structured import GrammarCompiler
+    from tokenizer import ByteTokenizer
+
+    unit = {"type": "object", "$defs": {"U": {"enum": ["c", "f"]}}, "properties": {"u": {"$ref": "#/$defs/U"}},
+            "required": ["u"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "t", "parameters": unit}},
+             {"type": "function", "function": {"name": "n", "parameters": {"$defs": {}, "type": "object"}}}]
+    body = {"tools": tools, "tool_choice": "required"}
+    spec = parse_structured(body, tool_choice(body, chat=True, auto=False)[0])
+    grammar = GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id]).compile(spec)
+    for u in ("c", "f", "k"):
+        text = json.dumps([{"name": "t", "parameters": {"u": u}}], separators=(",", ":"))
+        m = grammar.deep_copy()
+        took = all(m.consume_token(b) for b in text.encode()) and m.is_accepting()
+        assert took == jsonschema.Draft202012Validator(unit).is_valid({"u": u}), u
+    assert "$defs" in tools[0]["function"]["parameters"]  # the tools as sent (the template's) keep theirs
+    clash = {"type": "function", "function": {"name": "v", "parameters": {"$defs": {"U": {"enum": ["k"]}}}}}
+    body = {"tools": [*tools, clash], "tool_choice": "required"}
+    with pytest.raises(ApiError, match="Tool definition 'U' has multiple schemas") as e:
+        parse_structured(body, tool_choice(body, chat=True, auto=False)[0])
+    assert e.value.param == "tools"
