@@ -193,7 +193,7 @@ def _nested(key: str, f: Any, value: Any) -> Any:
 
 # Where JSON Schema keeps subschemas: maps of them, and single ones or lists of them. Only
 # these are walked, so a property named "properties", or a const value, is never read as a schema.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 _SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
                "unevaluatedItems", "not", "if", "then", "else", "items", "prefixItems", "allOf", "anyOf", "oneOf")
 
