@@ -442,6 +442,7 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
 # vLLM's older names for the fields of structured_outputs
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 def tool_choice(body: dict, chat: bool, auto: bool) -> tuple[ToolChoice | None, list[dict] | None]:
@@ -531,10 +532,23 @@ def function_schemas(tools: list[dict]) -> list[tuple[str, dict]]:
 
 def required_tools_schema(tools: list[dict]) -> dict:
     """vLLM's schema for tool_choice "required" over rendered_tools' tools: a non-empty
-    array of calls, each {"name": one of the tools, "parameters": that tool's parameters}."""
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-        {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-         "required": ["name", "parameters"]} for name, params in function_schemas(tools)]}}
+    array of calls, each {"name": one of the tools, "parameters": that tool's parameters}.
+    Each tool's `$defs` move to the top of it, where the tool's `#/$defs/...` references
+    resolve now that its parameters sit deeper (vLLM's); a name two tools define
+    differently is vLLM's 400."""
+    defs: dict = {}
+    calls = []
+    for name, params in function_schemas(tools):
+        if isinstance(params.get("$defs"), dict):
+            params = dict(params)  # (a copy: the tools the template renders keep theirs)
+            for key, schema in params.pop("$defs").items():
+                if defs.setdefault(key, schema) != schema:
+                    raise ApiError(f"Tool definition '{key[:80]}' has multiple schemas, which is not supported.",
+                                   param="tools")
+        calls.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                      "required": ["name", "parameters"]})
+    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}} | (
+        {"$defs": defs} if defs else {})
 
 
 def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsParams | None:
@@ -552,6 +566,10 @@ def parse_structured(body: dict, tools: ToolChoice | None) -> StructuredOutputsP
     name, kw = found[0]
     if not isinstance(kw.get("choice", []), list):
         raise ApiError(f"'{name}': choice must be an array of strings", param=name)
+    return _structured(name, kw)
+
+
+def _structured(name: str, kw: dict) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**kw)
     except (ValueError, TypeError) as e:
@@ -590,11 +608,14 @@ def _constraints(body: dict, tools: ToolChoice | None) -> list[tuple[str, dict]]
                            param="response_format")
     so = field(body, "structured_outputs", (dict,))
     if so is not None:
-        unknown = set(so) - set(_STRUCTURED_KEYS)
+        unknown = set(so) - {*_STRUCTURED_KEYS, *_STRUCTURED_OPTIONS}
         if unknown:
             raise ApiError(f"structured_outputs: unsupported key(s) {', '.join(sorted(unknown))[:200]}",
                            param="structured_outputs")
-        found.append(("structured_outputs", {k: so[k] for k in _STRUCTURED_KEYS if so.get(k) is not None}))
+        kw = {k: so[k] for k in (*_STRUCTURED_KEYS, *_STRUCTURED_OPTIONS) if so.get(k) is not None}
+        if not any(k in kw for k in _STRUCTURED_KEYS):  # options alone: vLLM's 400, whatever else is set
+            _structured("structured_outputs", kw)
+        found.append(("structured_outputs", kw))
     for name, key in _GUIDED.items():
         if body.get(name) is not None:
             found.append((name, {key: body[name]}))

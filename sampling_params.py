@@ -96,7 +96,14 @@ class StructuredOutputsParams:
     schema (a dict or its JSON text), any JSON object, a regex, a choice of strings, a
     Lark / GBNF grammar, or a structural tag (free text in which each trigger starts a
     structure: its begin, JSON that follows a schema, its end). Hashable: JSON is kept as
-    canonical text, which is also the key of the compiled-grammar cache (structured.py)."""
+    canonical text, which is also the key of the compiled-grammar cache (structured.py).
+
+    vLLM's options for the JSON kinds (json, json_object, a structural tag's schemas; the
+    others ignore them, as vLLM does): disable_any_whitespace, no whitespace between JSON
+    tokens (taxirank's default already); whitespace_pattern, a regex for the whitespace
+    allowed there instead (unless disable_any_whitespace); disable_additional_properties,
+    `additionalProperties: false` in every object schema that lists properties and says
+    nothing of others."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -104,6 +111,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -114,17 +124,24 @@ class StructuredOutputsParams:
         if self.json_object is not None and self.json_object is not True:  # vLLM's check and message
             raise ValueError("structured_outputs.json_object must be True if set; omit structured_outputs to disable "
                              "structured outputs")
+        for k in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, k), bool):
+                raise ValueError(f"structured_outputs.{k} must be a boolean")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError("structured_outputs.whitespace_pattern must be a string (a regex)")
+        closed = _closed_objects if self.disable_additional_properties else lambda schema: schema
         if self.json is not None:
             schema = _json_value("json", self.json)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-            object.__setattr__(self, "json", _canonical("json", _object_schema("structured_outputs.json", schema)))
+            schema = _nested("json", closed, _object_schema("structured_outputs.json", schema))
+            object.__setattr__(self, "json", _canonical("json", schema))
         if self.structural_tag is not None:
             tag = _json_value("structural_tag", self.structural_tag)
             _check_structural_tag(tag)
-            tag = tag | {"structures": [s | {"schema": _object_schema(f"structured_outputs.structural_tag.structures[{i}]"
-                                                                      ".schema", s["schema"])}
-                                        for i, s in enumerate(tag["structures"])]}  # (a copy: the caller's stays)
+            tag = tag | {"structures": [s | {"schema": _nested("structural_tag", closed, _object_schema(
+                f"structured_outputs.structural_tag.structures[{i}].schema", s["schema"]))}
+                for i, s in enumerate(tag["structures"])]}  # (a copy: the caller's stays)
             object.__setattr__(self, "structural_tag", _canonical("structural_tag", tag))
         for k in ("regex", "grammar"):
             v = getattr(self, k)
@@ -139,8 +156,9 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
             if not 0 < len(self.choice) <= MAX_CHOICES:
                 raise ValueError(f"structured_outputs.choice takes 1 to {MAX_CHOICES} strings")
-        if len(self.text) > MAX_STRUCTURED_CHARS:
-            raise ValueError(f"the {self.kind} constraint is {len(self.text)} characters, over the limit of "
+        size = len(self.text) + len(self.whitespace_pattern or "")
+        if size > MAX_STRUCTURED_CHARS:
+            raise ValueError(f"the {self.kind} constraint is {size} characters, over the limit of "
                              f"{MAX_STRUCTURED_CHARS}")
 
     @property
@@ -163,6 +181,40 @@ def _json_value(key: str, value: str | dict) -> Any:
         raise ValueError(f"structured_outputs.{key} is nested too deeply") from None
     except ValueError as e:
         raise ValueError(f"structured_outputs.{key} is not valid JSON: {e}") from None
+
+
+def _nested(key: str, f: Any, value: Any) -> Any:
+    """f(value); a ValueError naming the key for a value nested past Python's stack."""
+    try:
+        return f(value)
+    except RecursionError:
+        raise ValueError(f"structured_outputs.{key} is nested too deeply") from None
+
+
+# Where JSON Schema keeps subschemas: maps of them, and single ones or lists of them. Only
+# these are walked, so a property named "properties", or a const value, is never read as a schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
+               "unevaluatedItems", "not", "if", "then", "else", "items", "prefixItems", "allOf", "anyOf", "oneOf")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """A copy of schema in which each object schema that lists properties (or patterns of
+    them) and says nothing of others allows no others (vLLM's disable_additional_properties)."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: _closed_objects(s) for name, s in out[k].items()}
+    for k in _SUBSCHEMAS:
+        if isinstance(out.get(k), (dict, list)):
+            out[k] = _closed_objects(out[k])
+    if "additionalProperties" not in out and any(isinstance(out.get(k), dict) for k in _SCHEMA_MAPS[:2]):
+        out["additionalProperties"] = False
+    return out
 
 
 def _object_schema(where: str, schema: dict | bool) -> dict:

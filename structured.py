@@ -49,27 +49,35 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     """llguidance's grammar for `spec` (not yet checked: LLMatcher reports errors)."""
     M = llguidance.LLMatcher
     if spec.json is not None:
-        return M.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+        return M.grammar_from_json_schema(spec.json, defaults=json_options(spec))
     if spec.json_object:
-        return M.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
+        return M.grammar_from_json_schema('{"type": "object"}', defaults=json_options(spec))
     if spec.regex is not None:
         return M.grammar_from_regex(spec.regex)
     if spec.choice is not None:
         return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
     if spec.structural_tag is not None:
-        return structural_tag_grammar(json.loads(spec.structural_tag))
+        return structural_tag_grammar(json.loads(spec.structural_tag), json_options(spec))
     assert spec.grammar is not None
     return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
 
 
-def structural_tag_grammar(tag: dict) -> str:
+def json_options(spec: StructuredOutputsParams) -> dict:
+    """llguidance's JSON options for spec: JSON_OPTIONS, or its whitespace_pattern between
+    tokens (unless it disables any whitespace, which JSON_OPTIONS does already)."""
+    if spec.whitespace_pattern is None or spec.disable_any_whitespace:
+        return JSON_OPTIONS
+    return JSON_OPTIONS | {"whitespace_pattern": spec.whitespace_pattern}
+
+
+def structural_tag_grammar(tag: dict, options: dict = JSON_OPTIONS) -> str:
     """A Lark grammar for vLLM's structural tag (checked by StructuredOutputsParams), as
     vLLM's llguidance backend builds it: free text, in which each trigger starts a structure
     (its begin, JSON under its schema, its end) and free text resumes after it. JSON is
-    compact here too, unless the schema sets its own `x-guidance` options."""
+    as `options` say (json_options), unless the schema sets its own `x-guidance` ones."""
     tags = []
     for s in tag["structures"]:
-        schema = {"x-guidance": JSON_OPTIONS} | s["schema"]  # an object (StructuredOutputsParams made it one)
+        schema = {"x-guidance": options} | s["schema"]  # an object (StructuredOutputsParams made it one)
         trigger = next(t for t in tag["triggers"] if s["begin"].startswith(t))
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     return llguidance.StructTag.to_grammar(tags)

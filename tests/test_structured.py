@@ -483,3 +483,69 @@ def test_a_constraint_whose_first_token_overflows_the_parser_row_is_refused_at_c
         compiler.compile(props(600))
     m = compiler.compile(props(100)).deep_copy()
     assert m.consume_token(ord("{")) and not m.is_error()
+
+
+def test_vllms_json_options_set_the_whitespace_and_close_the_objects(tiny):
+    """vLLM's StructuredOutputsParams takes disable_any_whitespace, whitespace_pattern and
+    disable_additional_properties beside a JSON constraint (they were a TypeError here, and
+    a 400 over HTTP). Newlines and spaces favoured by logit_bias: under whitespace_pattern
+    "\\n" the JSON holds newlines between its tokens and no space, with
+    disable_any_whitespace none; every object that lists properties takes no others."""
+    import json
+
+    import jsonschema
+
+    from protocol import ApiError, parse_structured
+
+    schema = {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "object", "properties": {"properties": {"type": "boolean"}}}}}
+    closed = {**schema, "additionalProperties": False, "properties": {**schema["properties"], "b": {
+        **schema["properties"]["b"], "additionalProperties": False}}}
+    bias = {ord("\n"): 8.0, ord(" "): 8.0}
+    kinds = [dict(whitespace_pattern="\n"), dict(whitespace_pattern="\n", disable_any_whitespace=True)]
+    params = [SamplingParams(max_tokens=100, temperature=1.0, seed=i, logit_bias=bias, structured_outputs=SO(
+        json=schema, disable_additional_properties=True, **kinds[i % 2])) for i in range(4)]
+    outs = [o.outputs[0] for o in tiny.generate([[1, 2 + i] for i in range(4)], params)]
+    for i, o in enumerate(outs):
+        assert o.finish_reason == "stop", (o.text, o.finish_reason)
+        jsonschema.validate(json.loads(o.text), closed)
+        assert " " not in o.text and ("\n" in o.text) == (i % 2 == 0), o.text
+    assert parse_structured({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, None).regex == "a"
+    with pytest.raises(ApiError, match="got none"):  # options alone, as vLLM, even beside another constraint
+        parse_structured({"structured_outputs": {"disable_any_whitespace": True},
+                          "response_format": {"type": "json_object"}}, None)
+    with pytest.raises(ValueError, match="disable_additional_properties must be a boolean"):
+        SO(json_object=True, disable_additional_properties="yes")
+
+
+def test_tool_choice_required_resolves_each_tools_defs_as_vllm_moves_them_to_the_top():
+    """Under "required" a tool's parameters sit inside an array of calls, where its own
+    `#/$defs/...` references (pydantic writes them) would point at the root: vLLM moves
+    every tool's $defs there. The grammar takes a call as jsonschema does, on the tool's
+    own schema; one name two tools define differently is vLLM's 400."""
+    import json
+
+    import jsonschema
+
+    from protocol import ApiError, parse_structured, tool_choice
+    from structured import GrammarCompiler
+    from tokenizer import ByteTokenizer
+
+    unit = {"type": "object", "$defs": {"U": {"enum": ["c", "f"]}}, "properties": {"u": {"$ref": "#/$defs/U"}},
+            "required": ["u"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "t", "parameters": unit}},
+             {"type": "function", "function": {"name": "n", "parameters": {"$defs": {}, "type": "object"}}}]
+    body = {"tools": tools, "tool_choice": "required"}
+    spec = parse_structured(body, tool_choice(body, chat=True, auto=False)[0])
+    grammar = GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id]).compile(spec)
+    for u in ("c", "f", "k"):
+        text = json.dumps([{"name": "t", "parameters": {"u": u}}], separators=(",", ":"))
+        m = grammar.deep_copy()
+        took = all(m.consume_token(b) for b in text.encode()) and m.is_accepting()
+        assert took == jsonschema.Draft202012Validator(unit).is_valid({"u": u}), u
+    assert "$defs" in tools[0]["function"]["parameters"]  # the tools as sent (the template's) keep theirs
+    clash = {"type": "function", "function": {"name": "v", "parameters": {"$defs": {"U": {"enum": ["k"]}}}}}
+    body = {"tools": [*tools, clash], "tool_choice": "required"}
+    with pytest.raises(ApiError, match="Tool definition 'U' has multiple schemas") as e:
+        parse_structured(body, tool_choice(body, chat=True, auto=False)[0])
+    assert e.value.param == "tools"
