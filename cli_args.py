@@ -98,7 +98,8 @@ _HELP = {  # EngineConfig fields; config.py says more
                     "quant_methods.QUANTIZATION_METHODS: {methods}. None: the model dtype (a GGUF file dequantized)",
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": ..., "
-                          "\"num_speculative_tokens\": 4}; also disable_by_batch_size, min_acceptance_rate "
+                          "\"num_speculative_tokens\": 4[, \"quantization\": \"int8\"]}; also disable_by_batch_size, "
+                          "min_acceptance_rate "
                           "(spec_decode.SpeculativeConfig)",
 }
 
