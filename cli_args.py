@@ -69,7 +69,8 @@ _HELP = {  # EngineConfig fields; config.py says more
                    "time-to-first-token target when its body sets none",
     "slo_tpot_ms": f"--scheduling-policy {POLICIES.names_where(lambda p: p.uses_slo)}: a request's "
                    "time-per-output-token target when its body sets none",
-    "kv_cache_dtype": "KV cache storage: auto (the model dtype), or 8 bits (fp8 = fp8_e4m3, fp8_e5m2, int8) with an "
+    "kv_cache_dtype": "KV cache storage: auto (the model dtype), or 8 bits (fp8 = fp8_e4m3 = fp8_per_token_head, fp8_e5m2, "
+                      "int8 = int8_per_token_head) with an "
                       "f32 scale per token and KV head: ~4x (from f32) or ~2x (from bf16) the blocks in the same memory",
     "attention_backend": "paged attention: auto (the first registered backend for this platform that passes its "
                          "start-up check, else the jnp reference) or a name in attention_backend.BACKENDS",
@@ -100,7 +101,8 @@ _HELP = {  # EngineConfig fields; config.py says more
                     "quant_methods.QUANTIZATION_METHODS: {methods}. None: the model dtype (a GGUF file dequantized)",
     "speculative_config": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": ..., "
-                          "\"num_speculative_tokens\": 4}; also disable_by_batch_size, min_acceptance_rate "
+                          "\"num_speculative_tokens\": 4[, \"quantization\": \"int8\"]}; also disable_by_batch_size, "
+                          "min_acceptance_rate "
                           "(spec_decode.SpeculativeConfig)",
 }
 

@@ -37,8 +37,11 @@ REGISTRIES: tuple[policy.Registry, ...] = (*policy.REGISTRIES, attention_backend
 # --kv-cache-dtype (vLLM's names; int8 as JetStream's) -> the dtype the cache stores, by name
 # (kernels_pallas.kv_storage_dtype makes it a jnp dtype); None: the model dtype, unquantized.
 # Every other one is 8 bits with an f32 scale per token and KV head; fp8 is e4m3, as vLLM's.
+# That scheme is what vLLM names int8_per_token_head and fp8_per_token_head, so those names
+# are taken too.
 KV_CACHE_DTYPES: dict[str, str | None] = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-                                          "fp8_e5m2": "float8_e5m2", "int8": "int8"}
+                                          "fp8_e5m2": "float8_e5m2", "int8": "int8",
+                                          "int8_per_token_head": "int8", "fp8_per_token_head": "float8_e4m3fn"}
 KVCacheDtype = Literal[tuple(KV_CACHE_DTYPES)]  # the field's type: cli_args.py gives a Literal's values as choices
 # vLLM V0's --preemption-mode: how a preempted sequence gives up its KV blocks (EngineConfig.swaps_kv)
 PreemptionMode = Literal["recompute", "swap"]

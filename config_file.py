@@ -22,8 +22,10 @@ import yaml
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """parser.parse_args(argv), with the flags of `--config FILE` (if given) read first.
-    Exits through parser.error on a bad file, as on any bad flag."""
+    """parser.parse_args(argv), with the flags of `--config FILE` (if given) read first and
+    vLLM's dotted keys of JSON flags (dotted_words) read. Exits through parser.error on a
+    bad file, as on any bad flag."""
+    argv = dotted_words(parser, sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if getattr(args, "config", None) is None:
         return args
@@ -31,7 +33,58 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         words = file_words(parser, args.config)
     except ValueError as e:
         parser.error(str(e))
-    return parser.parse_args([*words, *(sys.argv[1:] if argv is None else argv)])
+    return parser.parse_args([*words, *argv])
+
+
+def dotted_words(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """argv with vLLM's dotted form of a JSON flag read (its FlexibleArgumentParser):
+    `--speculative-config.method ngram` (or `=ngram`) is the key method of the flag's
+    object, `--x.a.b V` nests, `--x.k+ a,b` is a list of strings that later ones extend. A
+    value is JSON where it parses, else the string. A flag's dotted words make one object,
+    given after the other words, so it stands in for a whole JSON value given before them."""
+    json_flags = {s for a in parser._actions if a.type in (json_text, json_object) for s in a.option_strings}
+    words: list[str] = []
+    objects: dict[str, dict[str, Any]] = {}
+    rest = iter(argv)
+    for word in rest:
+        name, eq, value = word.partition("=")
+        flag, _, path = name.partition(".")
+        if not path or flag not in json_flags:
+            words.append(word)
+            continue
+        if not eq:
+            value = next(rest, None)
+            if value is None:
+                parser.error(f"argument {name}: expected one argument")
+        keys = path.removesuffix("+").split(".")
+        if not all(keys):
+            parser.error(f"argument {name}: a dotted key names each level, e.g. {flag}.key value")
+        item: Any = value.split(",") if path.endswith("+") else _json_or_text(value)
+        for key in reversed(keys[1:]):
+            item = {key: item}
+        _merge(objects.setdefault(flag, {}), keys[0], item)
+    for flag, obj in objects.items():
+        words += [flag, json.dumps(obj)]
+    return words
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _merge(obj: dict[str, Any], key: str, value: Any) -> None:
+    """obj[key] = value, but objects merge and lists extend (vLLM's recursive_dict_update)."""
+    old = obj.get(key)
+    if isinstance(value, dict) and isinstance(old, dict):
+        for k, v in value.items():
+            _merge(old, k, v)
+    elif isinstance(value, list) and isinstance(old, list):
+        old += value
+    else:
+        obj[key] = value
 
 
 class OneFile(argparse.Action):

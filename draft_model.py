@@ -63,11 +63,13 @@ from hf_config import read_json
 from kvcache import blocks_needed, create_kv_caches, kv_cache_bytes_per_block
 from metrics import EngineStats
 from model import AttentionInputs, ModelConfig, device_bytes, param_bytes
-from model_loader import LoadedModel, hf_state_dict, load_model
+from model_loader import LoadedModel, hf_state_dict, load_model, quantize_loaded
+from quant import weight_quant_for
+from quant_methods import QUANTIZATION_METHODS
 from sampler import SamplingTensors, empty_sampling_arrays, fill_slot, filtered_probs
 from sampling_params import SAMPLING_EPS
 from sequence import Sequence
-from spec_decode import PROPOSERS, Proposals
+from spec_decode import PROPOSERS, Proposals, check_key
 from tokenizer import ByteTokenizer
 
 # The draft's random stream is fold_in(fold_in(key(seed), output index), DRAFT_STREAM):
@@ -90,10 +92,13 @@ def load_draft(name: str, config: EngineConfig, target: LoadedModel,
     its proposals and q go to the verifier's mesh; KV sizing counts its weights and cache on
     that one device); EngineConfig refuses speculation over more hosts."""
     path = os.path.expanduser(name)
+    spec = config.speculative_config
+    assert spec is not None
+    quantization = spec.options.quantization
     if os.path.isdir(path) and checkpoint.is_checkpoint(path):
-        draft = checkpoint.load(path, config.dtype)
+        draft = quantize_loaded(checkpoint.load(path, config.dtype), weight_quant_for(quantization, None))
     else:
-        draft = load_model(path, config.dtype, config.seed, log=log)
+        draft = load_model(path, config.dtype, config.seed, log=log, quantization=quantization)
     check_vocabulary(target, draft)
     if draft.config.max_model_len < config.max_model_len:
         raise ValueError(f"the draft model {name!r} runs up to {draft.config.max_model_len} positions, "
@@ -280,6 +285,19 @@ def draft_programs(graphdef: Any, backend: AttentionBackend, K: int, BS: int, N:
     return jax.jit(catch_up, donate_argnums=1), jax.jit(draft, donate_argnums=1)
 
 
+@dataclass(frozen=True)
+class DraftOptions:
+    """draft_model's keys (vLLM's): quantization, the --quantization method that stores the
+    draft's linears (None: as the draft's file stores them), whatever the target's is."""
+
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        q = self.quantization
+        check_key(q is None or isinstance(q, str) and q in QUANTIZATION_METHODS, "quantization", q,
+                  f"must be one of {', '.join(map(str, QUANTIZATION_METHODS))} (or null)")
+
+
 @PROPOSERS.register("draft_model")
 class DraftModelProposer:
     """The draft's weights, KV cache and programs (module docstring), behind spec_decode's
@@ -288,7 +306,7 @@ class DraftModelProposer:
 
     aliases: tuple[str, ...] = ()
     needs_model = True  # speculative_config.model: the draft
-    options = None  # no keys of its own
+    options = DraftOptions
     draft_probs = True  # its proposals are sampled: the verifier reads q
     drafts_at_scheduling: Literal[False] = False  # it runs after scheduling, in the blocks reserved for all k
 

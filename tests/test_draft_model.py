@@ -384,3 +384,28 @@ def test_kv_sizing_and_the_reported_memory_count_the_draft_model(target_ckpt, dr
     assert plain.stats.weight_bytes == file_bytes[target_ckpt]
     assert spec.stats.weight_bytes == file_bytes[target_ckpt] + file_bytes[draft_dir]
     assert spec.stats.kv_cache_bytes == (per_block + draft_per_block) * spec.engine.num_kv_blocks
+
+
+def test_the_drafts_quantization_key_quantizes_the_draft_alone(target_ckpt, draft_dir):
+    """vLLM's speculative_config.quantization (vllm/config/speculative.py: the draft model's
+    method, None: its weights as stored) stores the draft's linears as that method does, not
+    the target's; it is a draft_model key, checked where the config is built."""
+    from flax import nnx
+
+    from quant import QuantLinear
+
+    def linears(loaded) -> set[str]:
+        return {m.scheme.name for _, m in nnx.iter_modules(loaded.model) if isinstance(m, QuantLinear)}
+
+    spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": 2}
+    for quantization, schemes in ((None, set()), ("int8", {"int8"}), ("fp8", {"fp8_e4m3"})):
+        config = EngineConfig(model=target_ckpt, max_model_len=64, block_size=BS,
+                              speculative_config={**spec, "quantization": quantization}).resolved(2048)
+        assert config.speculative_config.options.quantization == quantization
+        draft = create_proposer(config, load_model(target_ckpt), EngineStats())
+        assert linears(draft.loaded) == schemes
+    for bad, says in (({"quantization": "awq"}, "speculative_config.quantization must be one of"), ({"quantization": []}, "quantization must be"),
+                      ({"method": "ngram", "quantization": "int8", "model": None},
+                       "quantization is for method draft_model, not ngram")):
+        with pytest.raises(ValueError, match=says):
+            EngineConfig(speculative_config={**spec, **bad})

@@ -26,15 +26,17 @@ def quantized(cache: jnp.ndarray, name: str) -> kp.QuantizedKV:
 
 def test_flag_values_are_one_table_checked_where_they_enter():
     """Each --kv-cache-dtype stores what vLLM's does (fp8: e4m3), in 8 bits, but auto (the
-    model dtype); the flag offers exactly the table's names, and EngineConfig refuses others."""
+    model dtype); vLLM's names of this very scheme (vllm/config/cache.py CacheDType:
+    int8_per_token_head, fp8_per_token_head: one f32 scale per token and head) are taken;
+    the flag offers exactly the table's names, and EngineConfig refuses others."""
     import cli_args
 
     want = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2,
-            "int8": jnp.int8}
+            "int8": jnp.int8, "int8_per_token_head": jnp.int8, "fp8_per_token_head": jnp.float8_e4m3fn}
     assert {name: kp.kv_storage_dtype(name) for name in KV_CACHE_DTYPES} == \
         {name: None if d is None else jnp.dtype(d) for name, d in want.items()}
     assert all(kp.kv_storage_dtype(name).itemsize == 1 for name in KV_CACHE_DTYPES if name != "auto")
-    assert [EngineConfig(kv_cache_dtype=name).kv_cache_quantized for name in want] == [False, True, True, True, True]
+    assert [EngineConfig(kv_cache_dtype=name).kv_cache_quantized for name in want] == [False] + [True] * 6
     action = next(a for a in cli_args.build_parser()._actions if a.dest == "kv_cache_dtype")
     assert list(action.choices) == list(want)
     with pytest.raises(ValueError, match="kv_cache_dtype"):

@@ -741,6 +741,31 @@ def test_the_flag_takes_vllms_json_and_refuses_bad_json_clearly():
             engine_config(parse(["--speculative-config", bad]))
 
 
+def test_the_flag_takes_vllms_dotted_keys():
+    """vLLM's parser (vllm/utils/argparse_utils.py FlexibleArgumentParser) reads
+    `--json-arg.key value` as that key of the flag's JSON object: values JSON where they
+    parse, strings otherwise, `key+ a,b` a list; the dotted words of a flag make one
+    object, given after the rest of the command line (so over a whole JSON value before them)."""
+    from cli_args import build_parser, engine_config
+    from config_file import parse_args
+
+    def spec(*argv: str) -> SpeculativeConfig:
+        return engine_config(parse_args(build_parser(), list(argv))).speculative_config
+
+    c = spec("--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens=3",
+             "--speculative-config.prompt_lookup_max", "2", "--max-model-len", "64")
+    assert (c.method, c.k, c.options.prompt_lookup_min, c.options.prompt_lookup_max) == ("ngram", 3, 2, 2)
+    c = spec("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}',
+             "--speculative-config.method=ngram", "--speculative-config.num_speculative_tokens", "2")
+    assert (c.method, c.k) == ("ngram", 2)
+    args = parse_args(build_parser(), ["--default-chat-template-kwargs.enable_thinking", "false",
+                                       "--default-chat-template-kwargs.a.b", "x", "--default-chat-template-kwargs.l+",
+                                       "1,2", "--default-chat-template-kwargs.l+=3"])
+    assert args.default_chat_template_kwargs == {"enable_thinking": False, "a": {"b": "x"}, "l": ["1", "2", "3"]}
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        spec("--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens", "x")
+
+
 def test_metrics_carry_vllms_spec_decode_names(tiny_pair):
     from prometheus_client import CollectorRegistry, generate_latest
 
