@@ -21,23 +21,24 @@ index, id, type and name (and the arguments written by then, if any); the rest f
 string deltas as the model writes them; text that may be the start of a `<tool_call>` tag
 is held back until it is known not to be. A call that turns out not to be one (its JSON,
 complete, is not a call) gets nothing more, and the calls after it still stream, numbered
-as sent. A stream ends "tool_calls" only if it sent a call; one that sent none sends the
-text it held back as content at the end. A call's arguments are the model's own JSON text
-of them (valid JSON, its spacing kept), the same whole and streamed. A stream's deltas
-are what the whole text so far says (`message`'s parse: `_view`) less what was sent, so
-they add up to the whole response whenever that has calls, but for a call object that
-repeats its "name" key (the stream named the call by the first as soon as it was written;
-the whole response's json.loads, as vLLM's, keeps the last); and what a stream sent cannot
-be taken back, so where one call does not parse it may have sent the others. No stage
-takes the text so far: each is fed the chunk's new text and keeps its state, as
-vLLM's streaming parsers do (the reasoning split, then HermesToolParser.feed under "auto",
-ArrayCallStream under "required"), so a chunk costs its own length, not the text's. What
-a parse needs again is bounded by the open call: its text is decoded again only while
-what it says can still change (OpenCall: its name, its arguments' start and end), a few
-times per call whatever is written after them, but once per digit of a bare number as
-its arguments (never a call). An open call's arguments are a Span of its text, so a
-delta copies only what it sends. A stream keeps its text only while it may still send it
-(Text: about one string per 64 chunks, not one per chunk).
+as sent. A response ends "tool_calls" only if it has (a stream: sent) a call and was not
+cut short, as vLLM's; a stream that sent none sends the text it held back as content at
+the end. A call's arguments are the model's own JSON text of them (valid JSON, its
+spacing kept), the same whole and streamed. A stream's deltas are what the whole text so
+far says (`message`'s parse: `_view`) less what was sent, so they add up to the whole
+response whenever that has calls, but for a call object that repeats its "name" key (the
+stream named the call by the first as soon as it was written; the whole response's
+json.loads, as vLLM's, keeps the last); and what a stream sent cannot be taken back, so
+where one call does not parse it may have sent the others. No stage takes the text so
+far: each is fed the chunk's new text and keeps its state, as vLLM's streaming parsers do
+(the reasoning split, then HermesToolParser.feed under "auto", ArrayCallStream under
+"required"), so a chunk costs its own length, not the text's. What a parse needs again is
+bounded by the open call: its text is decoded again only while what it says can still
+change (OpenCall: its name, its arguments' start and end), a few times per call whatever
+is written after them, but once per digit of a bare number as its arguments (never a
+call). An open call's arguments are a Span of its text, so a delta copies only what it
+sends. A stream keeps its text only while it may still send it (Text: about one string
+per 64 chunks, not one per chunk).
 """
 
 from __future__ import annotations
@@ -543,12 +544,11 @@ class ToolCallStream:
         return self.required.call(i) if self.tools.mode == "required" else self.parser.call(i)
 
     def _reason(self, called: bool, reason: str) -> str:
-        """vLLM's finish_reason, called: the response has tool calls (a stream: it sent one):
-        "tool_calls" for required calls the output ended on its own, or any call found in
-        free text; a named call, or none, keeps the engine's reason."""
-        if not called or self.tools.mode == "named":
-            return reason
-        return "tool_calls" if self.tools.mode == "auto" or reason == "stop" else reason
+        """vLLM's finish_reason (resolve_finish_reason), called: the response has tool calls (a
+        stream: it sent one): "tool_calls" for calls the output ended on its own ("stop"); a
+        named call, none, or an output cut short (so a client can tell a call cut by
+        max_tokens from a whole one) keep the engine's reason."""
+        return "tool_calls" if called and self.tools.mode != "named" and reason == "stop" else reason
 
     def message(self, text: str, reason: str) -> tuple[dict, str]:
         """The whole response's assistant message and finish_reason. Calls count only if
@@ -573,8 +573,9 @@ class ToolCallStream:
         out not to be a call is not sent further, and the calls after it still are, each
         at the next index. What a stream sent cannot be taken back, so unlike `message`
         (all calls or none) a stream may send the calls that parse of a text that has one
-        that does not; it ends "tool_calls" only if it sent a call, and if it sent none,
-        the text held back (from the first <tool_call> on) comes as content at the end."""
+        that does not; it ends "tool_calls" only if it sent a call and stopped on its own,
+        and if it sent none, the text held back (from the first <tool_call> on) comes as
+        content at the end."""
         if self.tools is None and self.reasoning is None:  # nothing parses it: the chunk is content as it is
             return ({"content": text} if text else {}), reason
         final, out = reason is not None, {}

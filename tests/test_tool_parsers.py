@@ -167,12 +167,13 @@ ONE_CHUNK, PER_CHARACTER = "one chunk", "one character a chunk"
                     PER_CHARACTER: ("", [("get_time", '{"zone": "CET"}'), ("get_weather", "{}")], "tool_calls")}),
     # cut short in a call: the calls before it, and it as far as it was written while it
     # could still be one ("required": an array's open call; a block left open is parsed
-    # whole at the end, and is not a call); a "required" output cut short ends "length"
+    # whole at the end, and is not a call); a stream cut short ends "length", as vLLM's
+    # (resolve_finish_reason: "tool_calls" only for an output that ended on "stop")
     (REQUIRED, '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Pa', "length", True,
      {k: ("", [("get_time", "{}"), ("get_weather", '{"city":"Pa')], "length") for k in (ONE_CHUNK, PER_CHARACTER)}),
     (AUTO, f'A. <tool_call>{GOOD}</tool_call><tool_call>{{"name": "get_weather", "arguments": {{"city": "Pa', "length",
-     True, {ONE_CHUNK: ("A. ", [("get_time", '{"zone": "CET"}')], "tool_calls"),
-            PER_CHARACTER: ("A. ", [("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "P')], "tool_calls")}),
+     True, {ONE_CHUNK: ("A. ", [("get_time", '{"zone": "CET"}')], "length"),
+            PER_CHARACTER: ("A. ", [("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "P')], "length")}),
     # no call sent: no "tool_calls", and the text held back comes as content at the end
     (AUTO, 'A. <tool_call>{"name": 7}</tool_call><tool_call>{"arguments": {}, "name": "get_time"', "length", True,
      {k: ('A. <tool_call>{"name": 7}</tool_call><tool_call>{"arguments": {}, "name": "get_time"', [], "length")
@@ -594,7 +595,8 @@ def reference_deltas(make, text: str, bounds: list[int], reason: str) -> list[tu
     call: each call that is one so far (named, and complete only if it parses) at the next
     index (parallel_tool_calls false: one call in all), its arguments as they grow; a call
     that no longer is one gets nothing more. At the end, if no call was sent, the text
-    (after the reasoning) is content; "tool_calls" only if a call was sent."""
+    (after the reasoning) is content; "tool_calls" only if a call was sent and the output
+    stopped on its own (vLLM's: one cut by max_tokens ends "length")."""
     s = make()
     sent: dict[int, list[int]] = {}  # a call's place in the parse -> [its index, characters of its arguments sent]
     content_sent, reasoning_sent, out = 0, 0, []
@@ -623,8 +625,7 @@ def reference_deltas(make, text: str, bounds: list[int], reason: str) -> list[tu
             delta["content"], content_sent = content[content_sent:], len(content)
         finish = None
         if final:
-            finish = reason if not sent or s.tools.mode == "named" else \
-                "tool_calls" if s.tools.mode == "auto" or reason == "stop" else reason
+            finish = "tool_calls" if sent and s.tools.mode != "named" and reason == "stop" else reason
         out.append((delta, finish))
     return out
 
@@ -697,3 +698,18 @@ def test_a_function_defined_twice_is_vllms_last_when_named_and_either_under_requ
         jsonschema.validate([{"name": "f", "parameters": call}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "f", "parameters": {"c": 1}}], schema)
+
+
+def test_a_response_cut_by_max_tokens_ends_length_whatever_calls_it_has_as_vllms():
+    """vLLM says "tool_calls" only for an output that stopped on its own
+    (vllm/entrypoints/serve/utils/tool_calls_utils.py resolve_finish_reason, for whole and
+    streamed responses), so a client can tell a call cut by max_tokens from a whole one."""
+    cut = '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa'
+    done = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> and th'
+    for text, cuts in ((cut, list(range(len(cut)))), (done, []), (done, list(range(len(done))))):
+        deltas, reason = stream(AUTO, text, cuts, reason="length")
+        assert add_up(deltas)[1] and reason == "length", (text, cuts)  # (a call sent, yet "length")
+    message, reason = ToolCallStream(AUTO, HermesToolParser).message(done, "length")
+    assert message["tool_calls"] and reason == "length"
+    assert stream(AUTO, done, [], reason="stop")[1] == "tool_calls"
+    assert ToolCallStream(AUTO, HermesToolParser).message(done, "stop")[1] == "tool_calls"
