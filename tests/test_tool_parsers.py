@@ -239,6 +239,17 @@ def test_tool_choice_auto_needs_the_servers_parser_and_is_parsed_once():
         tool_choice({"tools": [WEATHER]}, chat=False, auto=True)
 
 
+def test_an_explicit_null_tool_choice_is_auto_where_the_server_parses_calls_and_no_400_where_not():
+    """vLLM defaults only a left-out tool_choice to "auto" (ChatCompletionRequest.check_tool_usage);
+    a null one passes its render check ("auto" alone needs the flags) and is parsed as "auto"
+    where the server has a parser (serving.py: tool_choice "auto" or None), else its output is
+    content, the tools still rendered."""
+    body = {"tools": [WEATHER], "tool_choice": None}
+    assert tool_choice(body, chat=True, auto=False) == (None, [WEATHER_DUMP])
+    choice, _ = tool_choice(body, chat=True, auto=True)
+    assert choice.mode == "auto"
+
+
 def test_the_servers_tool_flags_are_checked_where_they_enter(capsys):
     import cli_args
     import server
