@@ -98,7 +98,10 @@ def _call(text: str, key: str, done: bool) -> CallView:
             obj = json.loads(text)
         except (ValueError, RecursionError):  # (nested past the decoder's stack: not a call either, as vLLM)
             obj = None
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(key), dict)):
+        # hermes' arguments may be any JSON value (vLLM json.dumps whatever the model wrote); the
+        # parameters of tool_choice "required" are an object (vLLM's FunctionDefinition)
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and
+                (key in obj if key == "arguments" else isinstance(obj.get(key), dict))):
             return CallView(None, "", True, False)
         whole = CallView(obj["name"], json.dumps(obj[key], ensure_ascii=False), True)
     m, start, end = _arguments(text, key, 0)

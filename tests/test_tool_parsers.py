@@ -724,3 +724,23 @@ def test_a_response_cut_by_max_tokens_ends_length_whatever_calls_it_has_as_vllms
     assert message["tool_calls"] and reason == "length"
     assert stream(AUTO, done, [], reason="stop")[1] == "tool_calls"
     assert ToolCallStream(AUTO, HermesToolParser).message(done, "stop")[1] == "tool_calls"
+
+
+@pytest.mark.parametrize("arguments", ['"{\\"city\\": \\"Paris\\"}"', "null", "12", '["Paris"]'])
+def test_hermes_arguments_that_are_not_an_object_are_still_the_call_whole_and_streamed_as_vllms(arguments):
+    """vLLM's Hermes2ProToolParser takes a block's "arguments" whatever JSON they are
+    (json.dumps of the value, whole; the value's text, streamed), so a model that writes them
+    as a string gets its call either way: the whole response is not content while the
+    stream sends the call."""
+    text = f'Checking. <tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>'
+    message, reason = ToolCallStream(AUTO, HermesToolParser).message(text, "stop")
+    assert message["content"] == "Checking. " and reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", json.loads(arguments))]
+    for cuts in ([], list(range(len(text)))):
+        deltas, reason = stream(AUTO, text, cuts)
+        assert add_up(deltas) == ("Checking. ", [("get_weather", arguments)]) and reason == "tool_calls"
+    # a block without "arguments" is no call (vLLM's KeyError): the whole text is content
+    text = '<tool_call>{"name": "get_weather"}</tool_call>'
+    assert ToolCallStream(AUTO, HermesToolParser).message(text, "stop") == ({"role": "assistant", "content": text},
+                                                                            "stop")
