@@ -115,16 +115,16 @@ def _call(text: str, key: str, done: bool) -> CallView:
 def _arguments(text: str, key: str, pos: int) -> tuple[re.Match | None, int | None, int | None]:
     """Where the arguments are of the call object {"name": ..., key: ...} that text[pos:]
     holds, written so far: (the name's match, the value's start (None: not written yet, or
-    not after the name), the value's end (None: it does not decode (yet), so all that
-    follows is the value))."""
+    not after the name), the value's end (None: it does not decode (yet) and is no closed
+    array, object or string, so all that follows is the value))."""
     m = _NAME.match(text, pos)
     a = _ARGS[key].match(text, m.end()) if m else None
     if a is None:
         return m, None, None
     try:  # a complete value ends where the decoder stops
         return m, a.end(), _DECODER.raw_decode(text, a.end())[1]
-    except (ValueError, RecursionError):
-        return m, a.end(), None
+    except (ValueError, RecursionError):  # else as OpenCall.parse has it
+        return m, a.end(), _close(text, a.end()) if text[a.end():a.end() + 1] in ("[", "{", '"') else None
 
 
 def _name(m: re.Match | None) -> str | None:
@@ -246,15 +246,15 @@ class Span:
         return str(self) == str(other)
 
 
-def _closes(text: str, start: int) -> bool:
-    """Whether the JSON array, object or string that text[start:] begins is closed (brackets
-    counted, as _elements counts them)."""
+def _close(text: str, start: int) -> int | None:
+    """Where the JSON array, object or string that text[start:] begins ends (brackets counted,
+    as _elements counts them, whether or not it decodes); None while it is open."""
     depth, in_str, esc = 0, False, False
-    for ch in itertools.islice(text, start, None):
+    for i, ch in enumerate(itertools.islice(text, start, None), start):
         if in_str:
             esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
             if not in_str and depth == 0:
-                return True
+                return i + 1
         elif ch == '"':
             in_str = True
         elif ch in "[{":
@@ -262,8 +262,8 @@ def _closes(text: str, start: int) -> bool:
         elif ch in "]}":
             depth -= 1
             if depth <= 0:
-                return True
-    return False
+                return i + 1
+    return None
 
 
 class OpenCall:
@@ -305,8 +305,10 @@ class OpenCall:
             end = _DECODER.raw_decode(text, start)[1]
             self.settled = container or len(text) - end >= 3  # ("1" may go on as "1.5" or "1e+5")
         except (ValueError, RecursionError) as e:
-            end = None  # (it does not decode (yet): all that follows is the value)
-            self.settled = _closes(text, start) if container else \
+            # it does not decode (yet): a closed array, object or string ends where its brackets
+            # close (vLLM's brace matching), else all that follows is the value
+            end = _close(text, start) if container else None
+            self.settled = end is not None if container else \
                 isinstance(e, JSONDecodeError) and len(text) - start >= len("-Infinity")
         return self.name, (start, end)
 

@@ -744,3 +744,16 @@ def test_hermes_arguments_that_are_not_an_object_are_still_the_call_whole_and_st
     text = '<tool_call>{"name": "get_weather"}</tool_call>'
     assert ToolCallStream(AUTO, HermesToolParser).message(text, "stop") == ({"role": "assistant", "content": text},
                                                                             "stop")
+
+
+@pytest.mark.parametrize("tools, text, arguments", [
+    (AUTO, '<tool_call>{"name": "get_weather", "arguments": {"a": 1,}}</tool_call>', '{"a": 1,}'),
+    (AUTO, '<tool_call>{"name": "get_weather", "arguments": {"a": "\\x"} }\n</tool_call> Done.', '{"a": "\\x"}'),
+    (REQUIRED, '[{"name": "get_weather", "parameters": {"a": [1,]}}, {"name": "get_time", "parameters": {}}]',
+     '{"a": [1,]}')])
+def test_streamed_arguments_that_do_not_decode_end_where_their_brackets_close_as_vllms(tools, text, arguments):
+    """vLLM's streaming hermes parser cuts a call's arguments where their braces close, decode
+    or not (Hermes2ProToolParser._extract_tool_args), so what follows them (the call
+    object's own brace, the </tool_call> tag as it is written) never goes out as arguments."""
+    deltas, _ = stream(tools, text, list(range(len(text))))
+    assert add_up(deltas)[1][0] == ("get_weather", arguments)
