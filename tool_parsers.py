@@ -127,6 +127,15 @@ def _arguments(text: str, key: str, pos: int) -> tuple[re.Match | None, int | No
         return m, a.end(), _close(text, a.end()) if text[a.end():a.end() + 1] in ("[", "{", '"') else None
 
 
+def _decodes(text: str) -> bool:
+    """Whether text is one JSON value (whitespace around it)."""
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def _name(m: re.Match | None) -> str | None:
     """The call's name as JSON decodes it; None while it does not (e.g. a bad escape)."""
     try:
@@ -425,6 +434,10 @@ class HermesToolParser:
 
     @staticmethod
     def _block(body: str, done: bool) -> list[CallView]:
+        """The calls of a block's body; done: the block is closed, or the output ended on JSON
+        (a block cut short stays open, its call's arguments as far as they were written, as
+        vLLM's stream sends them; the whole response, whose calls must all be complete, has
+        none then)."""
         if body.lstrip().startswith("["):
             return _array_calls(body, "arguments")
         return [_call(body.strip() if done else body, "arguments", done)]
@@ -437,7 +450,8 @@ class HermesToolParser:
         calls: list[CallView] = []
         while i >= 0:
             j = text.find(self.end, i)
-            calls += self._block(text[i + len(self.start):j if j >= 0 else len(text)], j >= 0 or final)
+            body = text[i + len(self.start):j if j >= 0 else len(text)]
+            calls += self._block(body, j >= 0 or (final and _decodes(body)))
             i = text.find(self.start, j) if j >= 0 else -1
         return text[:text.find(self.start)], calls
 
@@ -472,7 +486,7 @@ class HermesToolParser:
                     self.block.append(new)
                     self.open.feed(new)
                     self.held = text[len(text) - partial_tag_len(text, self.end):]
-                    if final:  # a block left open: its body to the end, as the whole text's view
+                    if final and _decodes(self.block.whole()):  # the output ended on a block's JSON: its call
                         self.done += self._block(self.block.whole(), True)
                         self.block = None
                     break

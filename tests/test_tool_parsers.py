@@ -165,15 +165,15 @@ ONE_CHUNK, PER_CHARACTER = "one chunk", "one character a chunk"
     (AUTO, f'<tool_call>{GOOD}</tool_call><tool_call>{{"name": "get_weather", "arguments": {{}} oops}}</tool_call>',
      "stop", True, {ONE_CHUNK: ("", [("get_time", '{"zone": "CET"}')], "tool_calls"),
                     PER_CHARACTER: ("", [("get_time", '{"zone": "CET"}'), ("get_weather", "{}")], "tool_calls")}),
-    # cut short in a call: the calls before it, and it as far as it was written while it
-    # could still be one ("required": an array's open call; a block left open is parsed
-    # whole at the end, and is not a call); a stream cut short ends "length", as vLLM's
-    # (resolve_finish_reason: "tool_calls" only for an output that ended on "stop")
+    # cut short in a call: the calls before it, and it as far as it was written ("required":
+    # an array's open call; "auto": a block left open on text that is no JSON value, as
+    # vLLM's stream); a stream cut short ends "length", as vLLM's (resolve_finish_reason:
+    # "tool_calls" only for an output that ended on "stop")
     (REQUIRED, '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Pa', "length", True,
      {k: ("", [("get_time", "{}"), ("get_weather", '{"city":"Pa')], "length") for k in (ONE_CHUNK, PER_CHARACTER)}),
     (AUTO, f'A. <tool_call>{GOOD}</tool_call><tool_call>{{"name": "get_weather", "arguments": {{"city": "Pa', "length",
-     True, {ONE_CHUNK: ("A. ", [("get_time", '{"zone": "CET"}')], "length"),
-            PER_CHARACTER: ("A. ", [("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "P')], "length")}),
+     True, {k: ("A. ", [("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "Pa')], "length")
+            for k in (ONE_CHUNK, PER_CHARACTER)}),
     # no call sent: no "tool_calls", and the text held back comes as content at the end
     (AUTO, 'A. <tool_call>{"name": 7}</tool_call><tool_call>{"arguments": {}, "name": "get_time"', "length", True,
      {k: ('A. <tool_call>{"name": 7}</tool_call><tool_call>{"arguments": {}, "name": "get_time"', [], "length")
@@ -757,3 +757,21 @@ def test_streamed_arguments_that_do_not_decode_end_where_their_brackets_close_as
     object's own brace, the </tool_call> tag as it is written) never goes out as arguments."""
     deltas, _ = stream(tools, text, list(range(len(text))))
     assert add_up(deltas)[1][0] == ("get_weather", arguments)
+
+
+def test_a_call_cut_by_max_tokens_streams_all_its_arguments_as_vllms():
+    """The last chunk of a call cut short is streamed too (vLLM's stream sends the open
+    region's arguments as written, Hermes2ProToolParser._extract_tool_call_jsons); its whole
+    response, whose calls must parse, is content. Ended on a complete call without its end
+    tag, both have the call."""
+    cut = 'I will look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    for cuts in ([], [30], list(range(len(cut)))):
+        deltas, reason = stream(AUTO, cut, cuts, reason="length")
+        assert add_up(deltas) == ("I will look. ", [("get_weather", '{"city": "Par')]) and reason == "length"
+    assert ToolCallStream(AUTO, HermesToolParser).message(cut, "length") == (
+        {"role": "assistant", "content": cut}, "length")
+    whole = cut + 'is"}}'
+    deltas, reason = stream(AUTO, whole, list(range(len(whole))))
+    message, _ = ToolCallStream(AUTO, HermesToolParser).message(whole, "stop")
+    assert add_up(deltas)[1] == [("get_weather", '{"city": "Paris"}')] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
