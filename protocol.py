@@ -416,7 +416,10 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
             ignore_eos=field(body, "ignore_eos", (bool,), False),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=field(body, "skip_special_tokens", (bool,), True),
+            # the tool parser reads tags some tokenizers mark special: vLLM's hermes parser
+            # (adjust_request) keeps them in the text of a request whose calls it parses
+            skip_special_tokens=field(body, "skip_special_tokens", (bool,), True) and not (
+                tools is not None and tools.mode == "auto"),
             spaces_between_special_tokens=field(body, "spaces_between_special_tokens", (bool,), True),
             structured_outputs=parse_structured(body, tools),
             min_tokens=field(body, "min_tokens", (int,), 0),  # vLLM's extras, from here on

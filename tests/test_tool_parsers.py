@@ -775,3 +775,26 @@ def test_a_call_cut_by_max_tokens_streams_all_its_arguments_as_vllms():
     message, _ = ToolCallStream(AUTO, HermesToolParser).message(whole, "stop")
     assert add_up(deltas)[1] == [("get_weather", '{"city": "Paris"}')] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+
+
+def test_auto_tool_choice_keeps_the_special_tokens_its_parser_reads_as_vllms():
+    """Some tokenizers mark <tool_call> special; vLLM's hermes parser (adjust_request) turns
+    skip_special_tokens off for a request whose calls it parses, else the tags would be gone
+    from the text before the parser saw them. A tokenizer whose tags are special ids:"""
+    from tokenizer import ByteTokenizer, decoder
+
+    class SpecialTags(ByteTokenizer):
+        vocab_size = 261
+        _SPECIAL_TEXT = ByteTokenizer._SPECIAL_TEXT | {259: "<tool_call>", 260: "</tool_call>"}
+
+    ids = [*b"Sure. ", 259, *b'{"name": "get_weather", "arguments": {"city": "Paris"}}', 260]
+    body = {"tools": [WEATHER], "skip_special_tokens": True}
+    auto, _ = tool_choice(body, chat=True, auto=True)
+    text = decoder(SpecialTags(), parse_sampling(body, 3, 64, chat=True, tools=auto))(ids)
+    message, reason = ToolCallStream(auto, HermesToolParser).message(text, "stop")
+    assert message["content"] == "Sure. " and reason == "tool_calls"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris"}')]
+    # no call parsed (tool_choice "none"): the request's own
+    tools, _ = tool_choice(body | {"tool_choice": "none"}, chat=True, auto=True)
+    assert tools is None and parse_sampling(body, 3, 64, chat=True, tools=tools).skip_special_tokens is True
