@@ -416,7 +416,10 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
             ignore_eos=field(body, "ignore_eos", (bool,), False),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=field(body, "skip_special_tokens", (bool,), True),
+            # the tool parser reads tags some tokenizers mark special: vLLM's hermes parser
+            # (adjust_request) keeps them in the text of a request whose calls it parses
+            skip_special_tokens=field(body, "skip_special_tokens", (bool,), True) and not (
+                tools is not None and tools.mode == "auto"),
             spaces_between_special_tokens=field(body, "spaces_between_special_tokens", (bool,), True),
             structured_outputs=parse_structured(body, tools),
             min_tokens=field(body, "min_tokens", (int,), 0),  # vLLM's extras, from here on
@@ -462,11 +465,14 @@ def tool_choice(body: dict, chat: bool, auto: bool) -> tuple[ToolChoice | None, 
         if choice is None or choice == "none":
             return None, None
         raise ApiError("'tool_choice' needs 'tools'", param="tool_choice")
-    if (choice is None or choice == "auto") and not auto:
+    # vLLM defaults only a left-out tool_choice to "auto"; an explicit null's output it parses
+    # as "auto"'s where the server can, and leaves content where it cannot (no 400)
+    unset = choice is None and "tool_choice" in body and not auto
+    if (choice is None or choice == "auto") and not auto and not unset:
         raise ApiError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                        param="tool_choice")
     tools = rendered_tools(body)
-    if choice == "none":  # no call; the tools (checked above) may still reach the template
+    if choice == "none" or unset:  # no call; the tools (checked above) may still reach the template
         return None, tools
     # a name defined twice is vLLM's too: a named choice takes its last definition (vLLM's
     # name -> function dict), "required" admits a call of any (required_tools_schema)

@@ -117,7 +117,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     app = request.app
     choice, tools = tool_choice(body, chat=True, auto=app["tool_parser"] is not None)
-    rendered = chat_format.chat_tools(choice, tools, app["exclude_tools_when_tool_choice_none"])
+    # (only "none" itself: a null tool_choice's tools still reach the template, as vLLM's)
+    rendered = chat_format.chat_tools(choice, tools, app["exclude_tools_when_tool_choice_none"] and
+                                      body.get("tool_choice") == "none")
     prompt_ids = await off_loop(request, chat_format.parse_messages, body, app["engine"].tokenizer, rendered,
                                 app["chat_template"], app["trust_request_chat_template"],
                                 app["chat_template_content_format"], app["default_chat_template_kwargs"])

@@ -21,23 +21,24 @@ index, id, type and name (and the arguments written by then, if any); the rest f
 string deltas as the model writes them; text that may be the start of a `<tool_call>` tag
 is held back until it is known not to be. A call that turns out not to be one (its JSON,
 complete, is not a call) gets nothing more, and the calls after it still stream, numbered
-as sent. A stream ends "tool_calls" only if it sent a call; one that sent none sends the
-text it held back as content at the end. A call's arguments are the model's own JSON text
-of them (valid JSON, its spacing kept), the same whole and streamed. A stream's deltas
-are what the whole text so far says (`message`'s parse: `_view`) less what was sent, so
-they add up to the whole response whenever that has calls, but for a call object that
-repeats its "name" key (the stream named the call by the first as soon as it was written;
-the whole response's json.loads, as vLLM's, keeps the last); and what a stream sent cannot
-be taken back, so where one call does not parse it may have sent the others. No stage
-takes the text so far: each is fed the chunk's new text and keeps its state, as
-vLLM's streaming parsers do (the reasoning split, then HermesToolParser.feed under "auto",
-ArrayCallStream under "required"), so a chunk costs its own length, not the text's. What
-a parse needs again is bounded by the open call: its text is decoded again only while
-what it says can still change (OpenCall: its name, its arguments' start and end), a few
-times per call whatever is written after them, but once per digit of a bare number as
-its arguments (never a call). An open call's arguments are a Span of its text, so a
-delta copies only what it sends. A stream keeps its text only while it may still send it
-(Text: about one string per 64 chunks, not one per chunk).
+as sent. A response ends "tool_calls" only if it has (a stream: sent) a call and was not
+cut short, as vLLM's; a stream that sent none sends the text it held back as content at
+the end. A call's arguments are the model's own JSON text of them (valid JSON, its
+spacing kept), the same whole and streamed. A stream's deltas are what the whole text so
+far says (`message`'s parse: `_view`) less what was sent, so they add up to the whole
+response whenever that has calls, but for a call object that repeats its "name" key (the
+stream named the call by the first as soon as it was written; the whole response's
+json.loads, as vLLM's, keeps the last); and what a stream sent cannot be taken back, so
+where one call does not parse it may have sent the others. No stage takes the text so
+far: each is fed the chunk's new text and keeps its state, as vLLM's streaming parsers do
+(the reasoning split, then HermesToolParser.feed under "auto", ArrayCallStream under
+"required"), so a chunk costs its own length, not the text's. What a parse needs again is
+bounded by the open call: its text is decoded again only while what it says can still
+change (OpenCall: its name, its arguments' start and end), a few times per call whatever
+is written after them, but once per digit of a bare number as its arguments (never a
+call). An open call's arguments are a Span of its text, so a delta copies only what it
+sends. A stream keeps its text only while it may still send it (Text: about one string
+per 64 chunks, not one per chunk).
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def _call(text: str, key: str, done: bool) -> CallView:
             obj = json.loads(text)
         except (ValueError, RecursionError):  # (nested past the decoder's stack: not a call either, as vLLM)
             obj = None
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get(key), dict)):
+        # hermes' arguments may be any JSON value (vLLM json.dumps whatever the model wrote); the
+        # parameters of tool_choice "required" are an object (vLLM's FunctionDefinition)
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and
+                (key in obj if key == "arguments" else isinstance(obj.get(key), dict))):
             return CallView(None, "", True, False)
         whole = CallView(obj["name"], json.dumps(obj[key], ensure_ascii=False), True)
     m, start, end = _arguments(text, key, 0)
@@ -111,16 +115,25 @@ def _call(text: str, key: str, done: bool) -> CallView:
 def _arguments(text: str, key: str, pos: int) -> tuple[re.Match | None, int | None, int | None]:
     """Where the arguments are of the call object {"name": ..., key: ...} that text[pos:]
     holds, written so far: (the name's match, the value's start (None: not written yet, or
-    not after the name), the value's end (None: it does not decode (yet), so all that
-    follows is the value))."""
+    not after the name), the value's end (None: it does not decode (yet) and is no closed
+    array, object or string, so all that follows is the value))."""
     m = _NAME.match(text, pos)
     a = _ARGS[key].match(text, m.end()) if m else None
     if a is None:
         return m, None, None
     try:  # a complete value ends where the decoder stops
         return m, a.end(), _DECODER.raw_decode(text, a.end())[1]
+    except (ValueError, RecursionError):  # else as OpenCall.parse has it
+        return m, a.end(), _close(text, a.end()) if text[a.end():a.end() + 1] in ("[", "{", '"') else None
+
+
+def _decodes(text: str) -> bool:
+    """Whether text is one JSON value (whitespace around it)."""
+    try:
+        json.loads(text)
     except (ValueError, RecursionError):
-        return m, a.end(), None
+        return False
+    return True
 
 
 def _name(m: re.Match | None) -> str | None:
@@ -242,15 +255,15 @@ class Span:
         return str(self) == str(other)
 
 
-def _closes(text: str, start: int) -> bool:
-    """Whether the JSON array, object or string that text[start:] begins is closed (brackets
-    counted, as _elements counts them)."""
+def _close(text: str, start: int) -> int | None:
+    """Where the JSON array, object or string that text[start:] begins ends (brackets counted,
+    as _elements counts them, whether or not it decodes); None while it is open."""
     depth, in_str, esc = 0, False, False
-    for ch in itertools.islice(text, start, None):
+    for i, ch in enumerate(itertools.islice(text, start, None), start):
         if in_str:
             esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
             if not in_str and depth == 0:
-                return True
+                return i + 1
         elif ch == '"':
             in_str = True
         elif ch in "[{":
@@ -258,8 +271,8 @@ def _closes(text: str, start: int) -> bool:
         elif ch in "]}":
             depth -= 1
             if depth <= 0:
-                return True
-    return False
+                return i + 1
+    return None
 
 
 class OpenCall:
@@ -301,8 +314,10 @@ class OpenCall:
             end = _DECODER.raw_decode(text, start)[1]
             self.settled = container or len(text) - end >= 3  # ("1" may go on as "1.5" or "1e+5")
         except (ValueError, RecursionError) as e:
-            end = None  # (it does not decode (yet): all that follows is the value)
-            self.settled = _closes(text, start) if container else \
+            # it does not decode (yet): a closed array, object or string ends where its brackets
+            # close (vLLM's brace matching), else all that follows is the value
+            end = _close(text, start) if container else None
+            self.settled = end is not None if container else \
                 isinstance(e, JSONDecodeError) and len(text) - start >= len("-Infinity")
         return self.name, (start, end)
 
@@ -419,6 +434,10 @@ class HermesToolParser:
 
     @staticmethod
     def _block(body: str, done: bool) -> list[CallView]:
+        """The calls of a block's body; done: the block is closed, or the output ended on JSON
+        (a block cut short stays open, its call's arguments as far as they were written, as
+        vLLM's stream sends them; the whole response, whose calls must all be complete, has
+        none then)."""
         if body.lstrip().startswith("["):
             return _array_calls(body, "arguments")
         return [_call(body.strip() if done else body, "arguments", done)]
@@ -431,7 +450,8 @@ class HermesToolParser:
         calls: list[CallView] = []
         while i >= 0:
             j = text.find(self.end, i)
-            calls += self._block(text[i + len(self.start):j if j >= 0 else len(text)], j >= 0 or final)
+            body = text[i + len(self.start):j if j >= 0 else len(text)]
+            calls += self._block(body, j >= 0 or (final and _decodes(body)))
             i = text.find(self.start, j) if j >= 0 else -1
         return text[:text.find(self.start)], calls
 
@@ -466,7 +486,7 @@ class HermesToolParser:
                     self.block.append(new)
                     self.open.feed(new)
                     self.held = text[len(text) - partial_tag_len(text, self.end):]
-                    if final:  # a block left open: its body to the end, as the whole text's view
+                    if final and _decodes(self.block.whole()):  # the output ended on a block's JSON: its call
                         self.done += self._block(self.block.whole(), True)
                         self.block = None
                     break
@@ -543,12 +563,11 @@ class ToolCallStream:
         return self.required.call(i) if self.tools.mode == "required" else self.parser.call(i)
 
     def _reason(self, called: bool, reason: str) -> str:
-        """vLLM's finish_reason, called: the response has tool calls (a stream: it sent one):
-        "tool_calls" for required calls the output ended on its own, or any call found in
-        free text; a named call, or none, keeps the engine's reason."""
-        if not called or self.tools.mode == "named":
-            return reason
-        return "tool_calls" if self.tools.mode == "auto" or reason == "stop" else reason
+        """vLLM's finish_reason (resolve_finish_reason), called: the response has tool calls (a
+        stream: it sent one): "tool_calls" for calls the output ended on its own ("stop"); a
+        named call, none, or an output cut short (so a client can tell a call cut by
+        max_tokens from a whole one) keep the engine's reason."""
+        return "tool_calls" if called and self.tools.mode != "named" and reason == "stop" else reason
 
     def message(self, text: str, reason: str) -> tuple[dict, str]:
         """The whole response's assistant message and finish_reason. Calls count only if
@@ -573,8 +592,9 @@ class ToolCallStream:
         out not to be a call is not sent further, and the calls after it still are, each
         at the next index. What a stream sent cannot be taken back, so unlike `message`
         (all calls or none) a stream may send the calls that parse of a text that has one
-        that does not; it ends "tool_calls" only if it sent a call, and if it sent none,
-        the text held back (from the first <tool_call> on) comes as content at the end."""
+        that does not; it ends "tool_calls" only if it sent a call and stopped on its own,
+        and if it sent none, the text held back (from the first <tool_call> on) comes as
+        content at the end."""
         if self.tools is None and self.reasoning is None:  # nothing parses it: the chunk is content as it is
             return ({"content": text} if text else {}), reason
         final, out = reason is not None, {}

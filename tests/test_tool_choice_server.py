@@ -99,6 +99,16 @@ def test_exclude_tools_when_tool_choice_none_keeps_them_out_of_the_prompt_only_f
         assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(WITH_TOOLS), (choice, out)
 
 
+@pytest.mark.parametrize("exclude", [False, True])
+def test_a_null_tool_choice_without_auto_tool_choice_renders_the_tools_and_calls_nothing_as_vllm(post, exclude):
+    """vLLM defaults only a left-out tool_choice to "auto" (check_tool_usage) and refuses
+    "auto" alone without its flags (online_renderer.py): a null one passes, its tools
+    rendered (not "none", so not left out), its output content."""
+    status, out = post(["--exclude-tools-when-tool-choice-none"] * exclude, {"tools": [WEATHER], "tool_choice": None})
+    assert status == 200 and out["usage"]["prompt_tokens"] == prompt_tokens(WITH_TOOLS), out
+    assert not out["choices"][0]["message"].get("tool_calls")
+
+
 def test_tool_choice_none_still_checks_the_tools(post):
     status, out = post([], {"tools": [{"type": "function"}], "tool_choice": "none"})
     assert status == 400 and out["error"]["param"] == "tools", out

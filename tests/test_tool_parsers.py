@@ -165,14 +165,15 @@ ONE_CHUNK, PER_CHARACTER = "one chunk", "one character a chunk"
     (AUTO, f'<tool_call>{GOOD}</tool_call><tool_call>{{"name": "get_weather", "arguments": {{}} oops}}</tool_call>',
      "stop", True, {ONE_CHUNK: ("", [("get_time", '{"zone": "CET"}')], "tool_calls"),
                     PER_CHARACTER: ("", [("get_time", '{"zone": "CET"}'), ("get_weather", "{}")], "tool_calls")}),
-    # cut short in a call: the calls before it, and it as far as it was written while it
-    # could still be one ("required": an array's open call; a block left open is parsed
-    # whole at the end, and is not a call); a "required" output cut short ends "length"
+    # cut short in a call: the calls before it, and it as far as it was written ("required":
+    # an array's open call; "auto": a block left open on text that is no JSON value, as
+    # vLLM's stream); a stream cut short ends "length", as vLLM's (resolve_finish_reason:
+    # "tool_calls" only for an output that ended on "stop")
     (REQUIRED, '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"Pa', "length", True,
      {k: ("", [("get_time", "{}"), ("get_weather", '{"city":"Pa')], "length") for k in (ONE_CHUNK, PER_CHARACTER)}),
     (AUTO, f'A. <tool_call>{GOOD}</tool_call><tool_call>{{"name": "get_weather", "arguments": {{"city": "Pa', "length",
-     True, {ONE_CHUNK: ("A. ", [("get_time", '{"zone": "CET"}')], "tool_calls"),
-            PER_CHARACTER: ("A. ", [("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "P')], "tool_calls")}),
+     True, {k: ("A. ", [("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "Pa')], "length")
+            for k in (ONE_CHUNK, PER_CHARACTER)}),
     # no call sent: no "tool_calls", and the text held back comes as content at the end
     (AUTO, 'A. <tool_call>{"name": 7}</tool_call><tool_call>{"arguments": {}, "name": "get_time"', "length", True,
      {k: ('A. <tool_call>{"name": 7}</tool_call><tool_call>{"arguments": {}, "name": "get_time"', [], "length")
@@ -236,6 +237,17 @@ def test_tool_choice_auto_needs_the_servers_parser_and_is_parsed_once():
     assert json.loads(params.structured_outputs.json) == {"type": "object"}
     with pytest.raises(ApiError, match="only for /v1/chat/completions"):
         tool_choice({"tools": [WEATHER]}, chat=False, auto=True)
+
+
+def test_an_explicit_null_tool_choice_is_auto_where_the_server_parses_calls_and_no_400_where_not():
+    """vLLM defaults only a left-out tool_choice to "auto" (ChatCompletionRequest.check_tool_usage);
+    a null one passes its render check ("auto" alone needs the flags) and is parsed as "auto"
+    where the server has a parser (serving.py: tool_choice "auto" or None), else its output is
+    content, the tools still rendered."""
+    body = {"tools": [WEATHER], "tool_choice": None}
+    assert tool_choice(body, chat=True, auto=False) == (None, [WEATHER_DUMP])
+    choice, _ = tool_choice(body, chat=True, auto=True)
+    assert choice.mode == "auto"
 
 
 def test_the_servers_tool_flags_are_checked_where_they_enter(capsys):
@@ -594,7 +606,8 @@ def reference_deltas(make, text: str, bounds: list[int], reason: str) -> list[tu
     call: each call that is one so far (named, and complete only if it parses) at the next
     index (parallel_tool_calls false: one call in all), its arguments as they grow; a call
     that no longer is one gets nothing more. At the end, if no call was sent, the text
-    (after the reasoning) is content; "tool_calls" only if a call was sent."""
+    (after the reasoning) is content; "tool_calls" only if a call was sent and the output
+    stopped on its own (vLLM's: one cut by max_tokens ends "length")."""
     s = make()
     sent: dict[int, list[int]] = {}  # a call's place in the parse -> [its index, characters of its arguments sent]
     content_sent, reasoning_sent, out = 0, 0, []
@@ -623,8 +636,7 @@ def reference_deltas(make, text: str, bounds: list[int], reason: str) -> list[tu
             delta["content"], content_sent = content[content_sent:], len(content)
         finish = None
         if final:
-            finish = reason if not sent or s.tools.mode == "named" else \
-                "tool_calls" if s.tools.mode == "auto" or reason == "stop" else reason
+            finish = "tool_calls" if sent and s.tools.mode != "named" and reason == "stop" else reason
         out.append((delta, finish))
     return out
 
@@ -697,3 +709,92 @@ def test_a_function_defined_twice_is_vllms_last_when_named_and_either_under_requ
         jsonschema.validate([{"name": "f", "parameters": call}], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "f", "parameters": {"c": 1}}], schema)
+
+
+def test_a_response_cut_by_max_tokens_ends_length_whatever_calls_it_has_as_vllms():
+    """vLLM says "tool_calls" only for an output that stopped on its own
+    (vllm/entrypoints/serve/utils/tool_calls_utils.py resolve_finish_reason, for whole and
+    streamed responses), so a client can tell a call cut by max_tokens from a whole one."""
+    cut = '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa'
+    done = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> and th'
+    for text, cuts in ((cut, list(range(len(cut)))), (done, []), (done, list(range(len(done))))):
+        deltas, reason = stream(AUTO, text, cuts, reason="length")
+        assert add_up(deltas)[1] and reason == "length", (text, cuts)  # (a call sent, yet "length")
+    message, reason = ToolCallStream(AUTO, HermesToolParser).message(done, "length")
+    assert message["tool_calls"] and reason == "length"
+    assert stream(AUTO, done, [], reason="stop")[1] == "tool_calls"
+    assert ToolCallStream(AUTO, HermesToolParser).message(done, "stop")[1] == "tool_calls"
+
+
+@pytest.mark.parametrize("arguments", ['"{\\"city\\": \\"Paris\\"}"', "null", "12", '["Paris"]'])
+def test_hermes_arguments_that_are_not_an_object_are_still_the_call_whole_and_streamed_as_vllms(arguments):
+    """vLLM's Hermes2ProToolParser takes a block's "arguments" whatever JSON they are
+    (json.dumps of the value, whole; the value's text, streamed), so a model that writes them
+    as a string gets its call either way: the whole response is not content while the
+    stream sends the call."""
+    text = f'Checking. <tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>'
+    message, reason = ToolCallStream(AUTO, HermesToolParser).message(text, "stop")
+    assert message["content"] == "Checking. " and reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", json.loads(arguments))]
+    for cuts in ([], list(range(len(text)))):
+        deltas, reason = stream(AUTO, text, cuts)
+        assert add_up(deltas) == ("Checking. ", [("get_weather", arguments)]) and reason == "tool_calls"
+    # a block without "arguments" is no call (vLLM's KeyError): the whole text is content
+    text = '<tool_call>{"name": "get_weather"}</tool_call>'
+    assert ToolCallStream(AUTO, HermesToolParser).message(text, "stop") == ({"role": "assistant", "content": text},
+                                                                            "stop")
+
+
+@pytest.mark.parametrize("tools, text, arguments", [
+    (AUTO, '<tool_call>{"name": "get_weather", "arguments": {"a": 1,}}</tool_call>', '{"a": 1,}'),
+    (AUTO, '<tool_call>{"name": "get_weather", "arguments": {"a": "\\x"} }\n</tool_call> Done.', '{"a": "\\x"}'),
+    (REQUIRED, '[{"name": "get_weather", "parameters": {"a": [1,]}}, {"name": "get_time", "parameters": {}}]',
+     '{"a": [1,]}')])
+def test_streamed_arguments_that_do_not_decode_end_where_their_brackets_close_as_vllms(tools, text, arguments):
+    """vLLM's streaming hermes parser cuts a call's arguments where their braces close, decode
+    or not (Hermes2ProToolParser._extract_tool_args), so what follows them (the call
+    object's own brace, the </tool_call> tag as it is written) never goes out as arguments."""
+    deltas, _ = stream(tools, text, list(range(len(text))))
+    assert add_up(deltas)[1][0] == ("get_weather", arguments)
+
+
+def test_a_call_cut_by_max_tokens_streams_all_its_arguments_as_vllms():
+    """The last chunk of a call cut short is streamed too (vLLM's stream sends the open
+    region's arguments as written, Hermes2ProToolParser._extract_tool_call_jsons); its whole
+    response, whose calls must parse, is content. Ended on a complete call without its end
+    tag, both have the call."""
+    cut = 'I will look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    for cuts in ([], [30], list(range(len(cut)))):
+        deltas, reason = stream(AUTO, cut, cuts, reason="length")
+        assert add_up(deltas) == ("I will look. ", [("get_weather", '{"city": "Par')]) and reason == "length"
+    assert ToolCallStream(AUTO, HermesToolParser).message(cut, "length") == (
+        {"role": "assistant", "content": cut}, "length")
+    whole = cut + 'is"}}'
+    deltas, reason = stream(AUTO, whole, list(range(len(whole))))
+    message, _ = ToolCallStream(AUTO, HermesToolParser).message(whole, "stop")
+    assert add_up(deltas)[1] == [("get_weather", '{"city": "Paris"}')] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+
+
+def test_auto_tool_choice_keeps_the_special_tokens_its_parser_reads_as_vllms():
+    """Some tokenizers mark <tool_call> special; vLLM's hermes parser (adjust_request) turns
+    skip_special_tokens off for a request whose calls it parses, else the tags would be gone
+    from the text before the parser saw them. A tokenizer whose tags are special ids:"""
+    from tokenizer import ByteTokenizer, decoder
+
+    class SpecialTags(ByteTokenizer):
+        vocab_size = 261
+        _SPECIAL_TEXT = ByteTokenizer._SPECIAL_TEXT | {259: "<tool_call>", 260: "</tool_call>"}
+
+    ids = [*b"Sure. ", 259, *b'{"name": "get_weather", "arguments": {"city": "Paris"}}', 260]
+    body = {"tools": [WEATHER], "skip_special_tokens": True}
+    auto, _ = tool_choice(body, chat=True, auto=True)
+    text = decoder(SpecialTags(), parse_sampling(body, 3, 64, chat=True, tools=auto))(ids)
+    message, reason = ToolCallStream(auto, HermesToolParser).message(text, "stop")
+    assert message["content"] == "Sure. " and reason == "tool_calls"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris"}')]
+    # no call parsed (tool_choice "none"): the request's own
+    tools, _ = tool_choice(body | {"tool_choice": "none"}, chat=True, auto=True)
+    assert tools is None and parse_sampling(body, 3, 64, chat=True, tools=tools).skip_special_tokens is True
