@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Sequence as Seq
 
@@ -29,21 +30,35 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "Completion
 Prompt = str | Seq[int] | dict
 
 
+_deferring = 0  # calls of LLM.generate, chat or beam_search under way, in any thread (under the lock)
+_deferring_lock = threading.Lock()
+_saved_threshold = gc.get_threshold()
+
+
 @contextlib.contextmanager
-def _heap_frozen() -> Iterator[None]:
-    """For one call, the objects alive when it starts (the model's Python objects, the
-    tokenizer, JAX's caches) sit in the permanent generation, as vLLM freezes its engine's
-    start-up heap (freeze_gc_heap): the full collections the step loop's objects trigger
-    then skip them. Per call, not once for good: an LLM dropped later must not leave its
-    reference cycles frozen. A caller's own freeze is left as it is."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()  # O(1) in CPython, as unfreeze: generation lists are spliced, not walked
+def _full_collections_deferred() -> Iterator[None]:
+    """For one call, Python's collector makes no full collection (its young ones go on).
+    A full collection walks every object the process holds, the model's, the tokenizer's
+    and JAX's too, and a batch's own objects trigger one every few seconds: vLLM freezes
+    its engine's start-up heap (freeze_gc_heap) against the same cost. The offline LLM
+    runs in the caller's process, so it neither freezes (an LLM dropped later would keep
+    its reference cycles for good, and a freeze of the caller's own would be undone) nor
+    collects: it raises the oldest generation's threshold for the call and puts the
+    caller's thresholds back after it. (On Python 3.14's incremental collector that
+    threshold is ignored, and so is this.)"""
+    global _deferring, _saved_threshold
+    with _deferring_lock:
+        if _deferring == 0:
+            _saved_threshold = gc.get_threshold()
+            gc.set_threshold(_saved_threshold[0], _saved_threshold[1], 1_000_000_000)
+        _deferring += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _deferring_lock:
+            _deferring -= 1
+            if _deferring == 0:
+                gc.set_threshold(*_saved_threshold)
 
 
 class LLM:
@@ -62,6 +77,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    @_full_collections_deferred()
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] | None = None,
@@ -124,42 +140,42 @@ class LLM:
             from tqdm import tqdm
             # vLLM's use_tqdm may be a tqdm-like factory (tqdm.notebook's, a quiet one): it makes the bar
             bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(encoded), desc="generate", unit="req")
-        with _heap_frozen():
-            try:
-                for i, (request, samples) in enumerate(zip(checked, children)):
-                    for rid, p, par in samples:
-                        seqs[rid] = self.engine.enqueue(dataclasses.replace(request, request_id=rid, params=p,
-                                                                            parent=par))
-                        parent[rid] = i
-                while self.engine.has_unfinished():
-                    deltas = self.engine.step()
-                    for d in deltas:
-                        if d.error is not None:  # offline there is no stream to end: abort the rest, raise
-                            raise RuntimeError(f"request {d.request_id} failed: {d.error!r}") from d.error
-                        if d.new_logprobs:
-                            logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
-                        if d.prompt_logprobs is not None:
-                            prompt_logprobs[d.request_id] = d.prompt_logprobs
-                        if d.finished and d.request_id in parent:
-                            i = parent.pop(d.request_id)
-                            unfinished[i] -= 1
-                            if bar is not None and not unfinished[i]:
-                                bar.update(1)
-            except BaseException:
-                # A failure or an interrupt (Ctrl-C), even while its requests are being added, ends
-                # the call: every request it added is aborted, so their slots and KV blocks are free
-                # and the next call does not run or wait on them.
-                for samples in children:
-                    for rid, _, _ in samples:
-                        self.engine.abort(rid)
-                raise
-            finally:
-                if bar is not None:
-                    bar.close()
+        try:
+            for i, (request, samples) in enumerate(zip(checked, children)):
+                for rid, p, par in samples:
+                    seqs[rid] = self.engine.enqueue(dataclasses.replace(request, request_id=rid, params=p,
+                                                                        parent=par))
+                    parent[rid] = i
+            while self.engine.has_unfinished():
+                deltas = self.engine.step()
+                for d in deltas:
+                    if d.error is not None:  # offline there is no stream to end: abort the rest, raise
+                        raise RuntimeError(f"request {d.request_id} failed: {d.error!r}") from d.error
+                    if d.new_logprobs:
+                        logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
+                    if d.prompt_logprobs is not None:
+                        prompt_logprobs[d.request_id] = d.prompt_logprobs
+                    if d.finished and d.request_id in parent:
+                        i = parent.pop(d.request_id)
+                        unfinished[i] -= 1
+                        if bar is not None and not unfinished[i]:
+                            bar.update(1)
+        except BaseException:
+            # A failure or an interrupt (Ctrl-C), even while its requests are being added, ends
+            # the call: every request it added is aborted, so their slots and KV blocks are free
+            # and the next call does not run or wait on them.
+            for samples in children:
+                for rid, _, _ in samples:
+                    self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         assert not parent, "every request must finish"
         return [self._output(rid, text, [seqs[c] for c, _, _ in samples], logprobs, prompt_logprobs)
                 for rid, text, samples in zip(request_ids, texts, children)]
 
+    @_full_collections_deferred()
     def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] | None = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -210,6 +226,7 @@ class LLM:
         thinking = chat_format.thinking_enabled(body)
         return self._generate(encoded, texts, sampling_params, use_tqdm, None, thinking)
 
+    @_full_collections_deferred()
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: Any,
                     use_tqdm: bool | Callable[..., Any] = False) -> list[Any]:
         """vLLM's LLM.beam_search (beam_search.py): one BeamSearchOutput per prompt (prompts as

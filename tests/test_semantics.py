@@ -416,28 +416,15 @@ def test_the_n_samples_of_one_bad_request_end_it_alone_and_the_engine_serves_on(
     assert eng.scheduler.allocator.num_used == 0
 
 
-@pytest.fixture
-def unfrozen_heap():
-    """conftest freezes the imports' heap for the whole run, and LLM leaves a caller's freeze
-    as it is: a test of LLM's own freeze thaws it, and freezes again after without the
-    test's objects (their reference cycles collected first)."""
-    had = gc.get_freeze_count()
-    gc.unfreeze()
-    yield
-    if had:
-        gc.collect()
-        gc.freeze()
-
-
-def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(unfrozen_heap, monkeypatch) -> None:
+def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(monkeypatch) -> None:
     """Offline there is no stream to end: LLM.generate aborts the other prompts and raises,
     naming the request and what it failed with; the engine serves the next call."""
     llm = LLM(log=quiet, **{k: v for k, v in SMALL.items() if k != "model"})
     real = llm.engine.runner.execute
-    frozen_in_steps = []
+    thresholds = []
 
     def execute(out):  # a fault in one request's inputs, before the device runs
-        frozen_in_steps.append(gc.get_freeze_count())
+        thresholds.append(gc.get_threshold())
         if any(s.seq.prompt_token_ids == [9, 9] for s in out.scheduled):
             raise OverflowError("bad input")
         return real(out)
@@ -448,16 +435,16 @@ def test_generate_raises_for_a_request_that_failed_and_leaves_nothing_running(un
     # (a step may still be in flight: the next step() collects it, its rows discarded)
     assert not llm.engine.scheduler.has_unfinished() and llm.engine.scheduler.allocator.num_used == 0
     assert len(llm.generate([[5, 6]], params)[0].outputs[0].token_ids) == 4
-    # The call's steps ran with the heap alive at its start frozen (vLLM's freeze_gc_heap), and
-    # every call, the failed one too, unfroze it on the way out; a caller's own freeze stays.
-    assert frozen_in_steps and min(frozen_in_steps) > 0 and gc.get_freeze_count() == 0
-    gc.freeze()
+    # The call's steps ran with no full collection due (the oldest generation's threshold
+    # raised), and every call, the failed one too, put the caller's thresholds back.
+    mine = gc.get_threshold()
+    assert thresholds and all(t[:2] == mine[:2] and t[2] >= 10**9 > mine[2] for t in thresholds)
+    gc.set_threshold(mine[0], mine[1], mine[2] + 1)  # a caller's own change is what comes back
     try:
-        mine = gc.get_freeze_count()
         llm.generate([[5, 6]], params)
-        assert mine > 0 and gc.get_freeze_count() > 0  # (not unfrozen by the call)
+        assert gc.get_threshold() == (mine[0], mine[1], mine[2] + 1)
     finally:
-        gc.unfreeze()
+        gc.set_threshold(*mine)
 
     # An interrupt (Ctrl-C) in a step's preparation propagates as it is; the call's requests
     # are aborted (the next call would otherwise wait forever on their tokens), and the full
