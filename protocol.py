@@ -728,9 +728,10 @@ def route_path(path: str, root_path: str) -> str:
 
 
 # What a beam search reads of SamplingParams (beam_search.BeamSearchParams, the text's
-# decoding); any other field the body set is a 400, where vLLM would silently drop it.
+# decoding), and stream_interval, which asks nothing of a search (its stream sends each
+# sequence whole); any other field the body set is a 400, where vLLM would silently drop it.
 BEAM_SEARCH_FIELDS = ("max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output", "logprobs",
-                      "skip_special_tokens", "spaces_between_special_tokens")
+                      "skip_special_tokens", "spaces_between_special_tokens", "stream_interval")
 
 
 def parse_beam_search(body: dict, params: SamplingParams, defaults: dict[str, Any], chat: bool,

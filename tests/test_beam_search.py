@@ -268,7 +268,8 @@ def test_a_streamed_beam_search_sends_each_sequence_once_it_has_ended(server, ch
     _, path, eos = checkpoints
     events = sse(server, "/v1/completions", {"prompt": PROMPTS[1], "use_beam_search": True, "n": 2,
                                              "max_tokens": 4, "return_token_ids": True,
-                                             "stream_options": {"include_usage": True}})
+                                             "stream_options": {"include_usage": True},
+                                             "stream_interval": 3})  # (asks nothing of a search)
     want, _ = reference(path, PROMPTS[1], 2, 4, {eos})
     chunks = [c for e in events for c in e["choices"]]
     assert sorted((c["index"], c["token_ids"], c["finish_reason"]) for c in chunks) == \
