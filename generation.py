@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Chunk:
-    """What one engine step added to a response."""
+    """What one engine step added to a response (or several steps', under a stream_interval)."""
 
     text: str
     logprobs: list[TokenLogprob] | None
@@ -42,7 +42,7 @@ class Chunk:
     # vLLM's stop_reason, on the last chunk: the engine's (engine.stop_reason), which
     # LLM.generate's CompletionOutput carries too.
     stop_reason: str | int | None = None
-    token_ids: list[int] = dataclasses.field(default_factory=list)  # this step's, the ending token included
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # its steps', the ending token included
 
     def then(self, later: Chunk) -> Chunk:
         """This chunk and a later one as one (a stream_interval above 1)."""
@@ -99,7 +99,8 @@ class Generation:
                 c = Chunk(text, delta.new_logprobs, reason, delta.num_output_tokens, metrics,
                           delta.prompt_logprobs, delta.stop_reason, ids)
                 held = c if held is None else held.then(c)
-                if done or sent == 0 or c.num_output_tokens - sent >= self.interval:
+                # (ended: the request's last tokens, which static batching finishes only later)
+                if done or delta.ended or sent == 0 or c.num_output_tokens - sent >= self.interval:
                     sent, chunk, held = c.num_output_tokens, held, None
                     yield chunk
                 if done:

@@ -427,8 +427,10 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}")
-        if self.stream_interval is not None and (not is_int(self.stream_interval) or self.stream_interval < 1):
-            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval!r}.")
+        if self.stream_interval is not None and not is_int(self.stream_interval):
+            raise ValueError(f"stream_interval must be an integer, got {self.stream_interval!r}")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_finite_number(value) or not -2.0 <= value <= 2.0:

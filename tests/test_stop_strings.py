@@ -167,6 +167,15 @@ def test_a_stop_string_or_token_under_static_batching_ends_its_request_with_the_
             params = SamplingParams(**base, stop_token_ids=[ids[k]], include_stop_str_in_output=include)
             text, got = loop.run_until_complete(asyncio.wait_for(bus(params), 300))
             assert got == ids[:k + 1] and text == engine.tokenizer.decode(ids[:k + 1 if include else k])
+        # under a stream_interval, a member's last tokens go out when they come, not at its release
+
+        async def member(params: SamplingParams) -> list[Any]:
+            gens = [generation.Generation(engine, EngineRequest(f"static-{next(_ids)}", prompt, p))
+                    for p in (params, SamplingParams(**base))]
+            return (await asyncio.gather(*map(collect, gens)))[0][0]
+        chunks = loop.run_until_complete(asyncio.wait_for(member(SamplingParams(**base, stop=stop,
+                                                                                 stream_interval=8)), 300))
+        assert chunks[-1].finish_reason == "stop" and chunks[-1].token_ids == [] and chunks[-2].token_ids
     finally:
         loop.run_until_complete(engine.shutdown())
         loop.close()
