@@ -196,9 +196,8 @@ class AsyncEngine:
     # ---- the loop thread -----------------------------------------------------------
     def _deliver(self, deltas: list[RequestOutputDelta]) -> None:
         """Each to its request's stream, all in one hand-over to the event loop (one wake-up
-        of it a step, not one a request: at 64 streams, 64 self-pipe writes a step took 9% of
-        this thread); a request that failed alone (finish_reason "error") ends its stream
-        with that error instead (the engine goes on)."""
+        of it, one self-pipe write, a step, not one a request); a request that failed alone
+        (finish_reason "error") ends its stream with that error instead (the engine goes on)."""
         items = []
         with self._lock:
             for delta in deltas:
