@@ -77,9 +77,9 @@ _HELP = {  # EngineConfig fields; config.py says more
     "logprobs_mode": "what logprobs hold: raw_logprobs (the model's, before logit_bias, penalties, temperature and "
                      "top-k/top-p/min-p; a grammar's mask applies), raw_logits, processed_logprobs or processed_logits "
                      "(what the token was drawn from), as vLLM's",
-    "stream_interval": "tokens per streamed chunk, as vLLM's (a request's stream_interval overrides it): 1 sends "
-                       "each step's tokens at once; more batches them, fewer chunks to encode and write (a request's "
-                       "first token and its end still go out at once)",
+    "stream_interval": "tokens per streamed chunk, as vLLM's (a request's stream_interval may raise it, not lower "
+                       "it): 1 sends each step's tokens at once; more batches them, fewer chunks to encode and write "
+                       "(a request's first token and its end still go out at once)",
     "max_logprobs": "most logprobs and prompt_logprobs a request may ask for (the width of the top-logprob arrays); "
                     "-1: the vocabulary, which a request then asks with -1 (as vLLM's)",
     "max_waiting_requests": "answer 503 at once while this many requests wait; None: no limit",

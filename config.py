@@ -174,8 +174,8 @@ class EngineConfig:
     # vLLM's --max-logprobs: the most logprobs or prompt_logprobs a request may ask (-1: the
     # vocabulary). It is also the width of the top-logprob arrays the sampling programs return.
     max_logprobs: int = 20
-    # vLLM's --stream-interval: tokens per streamed chunk of a request that does not set its
-    # own stream_interval (a request's first token and its end go out at once)
+    # vLLM's --stream-interval: tokens per streamed chunk, unless a request's stream_interval
+    # is larger (a request's first token and its end go out at once)
     stream_interval: int = 1
 
     def __post_init__(self) -> None:

@@ -68,8 +68,9 @@ class Generation:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.params = params = request.params
-        # vLLM's stream_interval: a chunk once this many tokens have come since the last one
-        self.interval = params.stream_interval or engine.config.stream_interval
+        # vLLM's stream_interval: a chunk once this many tokens have come since the last one; a
+        # request's may raise the server's, never lower it (vLLM's RequestState clamps it so)
+        self.interval = max(params.stream_interval or 1, engine.config.stream_interval)
         self.done = False  # the engine has ended the request, or close() aborted it
         self.detokenizer = None if params.stop else IncrementalDetokenizer(
             self.engine.tokenizer, request.prompt_token_ids, [], params, self.engine.model_config.eos_token_ids)

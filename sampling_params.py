@@ -339,8 +339,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of every output token
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # > 0: a prompt or output token's logit / it if > 0, else * it
-    # vLLM's: tokens per streamed chunk (None: the server's --stream-interval), read by a
-    # server's stream only (LLM.generate's outputs are whole)
+    # vLLM's: tokens per streamed chunk (None, or one below the server's --stream-interval:
+    # the server's), read by a server's stream only (LLM.generate's outputs are whole)
     stream_interval: int | None = None
 
     def __post_init__(self) -> None:
