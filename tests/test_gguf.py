@@ -306,6 +306,9 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
     for name, data, says in [("magic", b"XXXX" + good[4:], "GGUF magic invalid"),
                              ("version", good[:4] + (99).to_bytes(4, "little") + good[8:], "version 99"),
                              ("cut", good[: len(good) // 2], "not a readable GGUF file"),
+                             # inside the metadata: the library reads empty arrays there and fails on an index
+                             ("cut metadata", good[:200], "runs past the end of the file \\(200 bytes\\): it is "
+                                                          "truncated"),
                              ("empty", b"", "not a readable GGUF file"),
                              # otherwise the gguf library's errors, which name no tensor
                              ("last byte", good[:-1], "tensor '[^']+' ends at byte [0-9,]+, past the end of the file"),
@@ -341,6 +344,28 @@ def patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, typ
     if type_id is not None:
         struct.pack_into("<I", out, at + 4 + 8 * n_dims, type_id)
     return bytes(out)
+
+
+@pytest.mark.timeout(60)  # the length read item by item never ends
+def test_a_gguf_array_longer_than_the_file_is_refused_before_it_is_read(hf_checkpoint, tmp_path):
+    """An array's u64 length damaged: the gguf library reads one item a time, past the end
+    of the file as empty arrays, so 2**62 bytes would loop (and grow a list) for ever."""
+    import struct
+
+    import gguf
+
+    data = open(write_gguf(hf_checkpoint("llama2"), str(tmp_path / "t.gguf"), metadata=_tokenizer()), "rb").read()
+    key = "tokenizer.ggml.token_type"
+    # the key, then u32 ARRAY, then the array: u32 item type, u64 length, items
+    at = data.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key) + 4
+    for name, item, n in [("i32", gguf.GGUFValueType.INT32, 2**40), ("str", gguf.GGUFValueType.STRING, 2**62),
+                          ("u8", gguf.GGUFValueType.UINT8, 2**62)]:
+        out = bytearray(data)
+        struct.pack_into("<IQ", out, at, item, n)
+        (tmp_path / f"{name}.gguf").write_bytes(out)
+        with pytest.raises(ValueError, match=f"an array at byte {at:,} has {n:,} entries, more than the rest of the "
+                                             "file \\([0-9,]+ bytes\\) holds"):
+            load_model(str(tmp_path / f"{name}.gguf"), log=lambda *_: None)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # gguf quantizing inf
