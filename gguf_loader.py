@@ -84,8 +84,6 @@ class GGUFCheckpoint:
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape))
             kind = gguf.GGMLQuantizationType(t.tensor_type).name
-            if 0 in shape:  # gguf's and quant.py's reshapes of no blocks fail naming no tensor
-                raise ValueError(f"tensor {t.name!r} is empty (a dimension of 0 in its entry of the tensor table)")
             if native and len(shape) == 2 and kind in GGUF_NATIVE:
                 x: np.ndarray | GGUFBlocks = parse_gguf_blocks(t.data, kind, shape)
                 finite = all(np.isfinite(a).all() for a in (x.d, x.m) if a is not None)
@@ -236,29 +234,42 @@ def _reader_class() -> type:
             return super()._get_field_parts(orig_offs, raw_type)
 
         def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            expected = 0
             for f in fields:  # a tensor entry's parts: name length, name, n_dims, dims, type, offset
                 dims, type_id, offset = f.parts[3], int(f.parts[4][0]), int(f.parts[5][0])
-                _check_tensor_entry(f.name, [int(d) for d in dims], type_id, start_offs + offset, len(self.data))
+                nbytes = _check_tensor_entry(f.name, [int(d) for d in dims], type_id, start_offs + offset,
+                                             len(self.data))
+                # llama.cpp's layout (gguf.cpp): each tensor right after the one before, padded to
+                # the alignment; another offset reads another tensor's bytes, or shifted ones
+                if offset != expected:
+                    raise ValueError(f"tensor {f.name!r} has data offset {offset:,}, expected {expected:,}: GGUF "
+                                     f"tensors follow each other in the tensor table's order, each padded to "
+                                     f"{self.alignment} bytes")
+                expected += -(-nbytes // self.alignment) * self.alignment
             super()._build_tensors(start_offs, fields)
     return Reader
 
 
-def _check_tensor_entry(name: str, dims: list[int], type_id: int, start: int, file_size: int) -> None:
-    """One tensor's entry in the file's tensor table: dims innermost first (GGUF's order)."""
+def _check_tensor_entry(name: str, dims: list[int], type_id: int, start: int, file_size: int) -> int:
+    """One tensor's entry in the file's tensor table (dims innermost first, GGUF's order);
+    its size in bytes."""
     import gguf
 
     try:
         kind = gguf.GGMLQuantizationType(type_id)
     except ValueError:
         raise ValueError(f"tensor {name!r} has GGML type id {type_id}, which no GGUF type has") from None
+    if 0 in dims:  # gguf's and quant.py's reshapes of no blocks fail naming no tensor
+        raise ValueError(f"tensor {name!r} is empty (a dimension of 0 in its entry of the tensor table)")
     block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     if dims and dims[0] % block:
         raise ValueError(f"tensor {name!r} has rows of {dims[0]} values, not a whole number of "
                          f"{kind.name} blocks ({block} values each)")
-    end = start + math.prod(dims) // block * block_bytes
-    if end > file_size:
-        raise ValueError(f"tensor {name!r} ends at byte {end:,}, past the end of the file "
+    nbytes = math.prod(dims) // block * block_bytes
+    if start + nbytes > file_size:
+        raise ValueError(f"tensor {name!r} ends at byte {start + nbytes:,}, past the end of the file "
                          f"({file_size:,} bytes): the file is truncated or its tensor table is damaged")
+    return nbytes
 
 
 def _vocab_size(reader: Any, get: Callable[..., Any], arch: str, path: str) -> int:

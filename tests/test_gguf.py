@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import zipfile
 from typing import Any, Callable
 
@@ -315,6 +316,12 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
                              ("rows", patch_entry(q8, up, dims=(48, 128)),
                               f"tensor '{up}' has rows of 48 values, not a whole number of Q8_0 blocks"),
                              ("type", patch_entry(good, up, type_id=99), f"tensor '{up}' has GGML type id 99"),
+                             # otherwise read silently: another tensor's bytes, or its own shifted by 4
+                             ("shared", patch_entry(good, "blk.1.ffn_up.weight", offset=offset_of(good, up)),
+                              "tensor 'blk.1.ffn_up.weight' has data offset [0-9,]+, expected [0-9,]+: GGUF tensors "
+                              "follow each other"),
+                             ("misaligned", patch_entry(good, up, offset=offset_of(good, up) + 4),
+                              f"tensor '{up}' has data offset [0-9,]+, expected [0-9,]+"),
                              # a quantized tensor of no blocks: the library's reshape error, naming nothing
                              ("no rows", patch_entry(q8, up, dims=(0, 128)), f"tensor '{up}' is empty")]:
         (tmp_path / f"{name}.gguf").write_bytes(data)
@@ -330,7 +337,8 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
         load_model(f, log=lambda *_: None, quantization="gguf")
 
 
-def patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, type_id: int | None = None) -> bytes:
+def patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, type_id: int | None = None,
+                offset: int | None = None) -> bytes:
     """A GGUF file with tensor `name`'s entry in the tensor table changed: {u64 name length,
     name, u32 n_dims, u64 dims[n_dims] (innermost first), u32 type, u64 offset}."""
     import struct
@@ -343,7 +351,19 @@ def patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, typ
         struct.pack_into(f"<{n_dims}Q", out, at + 4, *dims)
     if type_id is not None:
         struct.pack_into("<I", out, at + 4 + 8 * n_dims, type_id)
+    if offset is not None:
+        struct.pack_into("<Q", out, at + 8 + 8 * n_dims, offset)
     return bytes(out)
+
+
+def offset_of(data: bytes, name: str) -> int:
+    """Tensor `name`'s data offset in the file's tensor table."""
+    import gguf
+
+    with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
+        f.write(data)
+        f.flush()
+        return next(int(t.field.parts[5][0]) for t in gguf.GGUFReader(f.name).tensors if t.name == name)
 
 
 @pytest.mark.timeout(60)  # the length read item by item never ends
