@@ -333,11 +333,19 @@ def _tokenizer_metadata(reader: Any, path: str) -> dict[str, Any] | None:
     if tokens is None or tokens.types != [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]:
         raise ValueError(f"{path}: tokenizer.ggml.tokens must be a list of strings (the vocabulary)")
     n = len(tokens.data)
-    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+    T = gguf.GGUFValueType
+    ints = {T.UINT8, T.INT8, T.UINT16, T.INT16, T.UINT32, T.INT32, T.UINT64, T.INT64}
+    # llama.cpp reads scores as float32 and types as int32 whatever the file says: other
+    # items would build a tokenizer other than the model's without a word
+    for key, items, what in (("tokenizer.ggml.scores", ints | {T.FLOAT32, T.FLOAT64}, "numbers"),
+                             ("tokenizer.ggml.token_type", ints, "integers"),
+                             ("tokenizer.ggml.merges", {T.STRING}, "strings")):
         f = reader.fields.get(key)
-        if f is not None and (f.types[0] != gguf.GGUFValueType.ARRAY or len(f.data) != n):
-            got = f"{len(f.data)} entries" if f.types[0] == gguf.GGUFValueType.ARRAY else "not a list"
-            raise ValueError(f"{path}: {key} must have one entry per token ({n}), got {got}")
+        if f is not None and (f.types[0] != T.ARRAY or (len(f.data) and f.types[1] not in items)):
+            got = f"a list of {f.types[1].name}" if f.types[0] == T.ARRAY else f"a {f.types[0].name}"
+            raise ValueError(f"{path}: {key} must be a list of {what}, got {got}")
+        if f is not None and key != "tokenizer.ggml.merges" and len(f.data) != n:
+            raise ValueError(f"{path}: {key} must have one entry per token ({n}), got {len(f.data)} entries")
     for key in reader.fields:
         if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and not 0 <= get(key, int) < n:
             raise ValueError(f"{path}: {key} {get(key, int)} is not a token id (the vocabulary has {n} tokens)")

@@ -240,6 +240,12 @@ def _tokenizer(n: int = 300, **keys: tuple[Any, Any]) -> dict[str, tuple[Any, An
             **{f"tokenizer.ggml.{k}": v for k, v in keys.items()}}
 
 
+def _array(items: list[Any]) -> tuple[list[Any], Any]:
+    import gguf
+
+    return items, gguf.GGUFValueType.ARRAY
+
+
 def _short(n: int) -> tuple[list[int], Any]:
     import gguf
 
@@ -283,6 +289,12 @@ def _short(n: int) -> tuple[list[int], Any]:
     (_tokenizer(padding_token_id=_u32(5000)), "tokenizer.ggml.padding_token_id 5000 is not a token id"),
     (_tokenizer(padding_token_id=_i32(-1)), "tokenizer.ggml.padding_token_id -1 is not a token id"),
     (_tokenizer(model=_str("gpt2")), "a gpt2 \\(BPE\\) tokenizer needs tokenizer.ggml.merges"),
+    # items of another type: otherwise loaded, a tokenizer other than the model's
+    (_tokenizer(scores=_array(["s"] * 300)), "tokenizer.ggml.scores must be a list of numbers, got a list of STRING"),
+    (_tokenizer(token_type=_array([0.5] * 300)),
+     "tokenizer.ggml.token_type must be a list of integers, got a list of FLOAT32"),
+    (_tokenizer(model=_str("gpt2"), merges=_array([1, 2])),
+     "tokenizer.ggml.merges must be a list of strings, got a list of INT32"),
 ])
 def test_gguf_metadata_of_the_wrong_type_missing_or_out_of_range_is_an_error_naming_it(hf_checkpoint, tmp_path,
                                                                                       metadata, says):
