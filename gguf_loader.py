@@ -14,6 +14,7 @@ Named `gguf_loader`, not `gguf`, so that the `gguf` library stays importable.
 from __future__ import annotations
 
 import fcntl
+import functools
 import math
 import os
 import shutil
@@ -83,8 +84,6 @@ class GGUFCheckpoint:
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape))
             kind = gguf.GGMLQuantizationType(t.tensor_type).name
-            if 0 in shape:  # gguf's and quant.py's reshapes of no blocks fail naming no tensor
-                raise ValueError(f"tensor {t.name!r} is empty (a dimension of 0 in its entry of the tensor table)")
             if native and len(shape) == 2 and kind in GGUF_NATIVE:
                 x: np.ndarray | GGUFBlocks = parse_gguf_blocks(t.data, kind, shape)
                 finite = all(np.isfinite(a).all() for a in (x.d, x.m) if a is not None)
@@ -197,58 +196,80 @@ def read_gguf(path: str) -> GGUFCheckpoint:
 
 
 def _open_reader(path: str) -> Any:
-    """gguf.GGUFReader(path); ValueError if the file is not one it reads."""
-    import gguf
-
+    """The file parsed by gguf.GGUFReader, its lengths and counts checked; ValueError if
+    the file is not one it reads."""
     try:
-        return gguf.GGUFReader(path)
+        return _reader_class()(path)
     except Exception as e:  # truncated or not a GGUF file at all
-        raise ValueError(f"{path} is not a readable GGUF file: {_tensor_entry_error(path) or e}") from e
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
 
-class _TensorEntryError(ValueError):
-    pass
-
-
-def _tensor_entry_error(path: str) -> str | None:
-    """Why the gguf library refused the file, when one tensor's entry in its tensor table is
-    at fault, naming that tensor (the library's own errors say what, not where): a type id
-    no GGUF version defines, rows that are not whole blocks of the type, data past the end
-    of the file. None if the fault lies elsewhere."""
+@functools.cache
+def _reader_class() -> type:
+    """GGUFReader with reads past the end of the file refused, and each tensor's entry in
+    the tensor table checked, naming the tensor (the library's own errors say what, not
+    where). The library's reads past the end return empty arrays: an array whose length
+    field is damaged (2**62 entries) would loop that many times, growing a list, where
+    llama.cpp refuses the length."""
+    from gguf import GGUFValueType
     from gguf.gguf_reader import GGUFReader
 
-    class Checked(GGUFReader):
+    class Reader(GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):
+                raise ValueError(f"a read of bytes {int(offset):,}..{end:,} runs past the end of the file "
+                                 f"({len(self.data):,} bytes): it is truncated, or a length in it is wrong")
+            return super()._get(offset, dtype, count, override_order)
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+            if raw_type == GGUFValueType.ARRAY:  # {u32 item type, u64 length, items}: refuse a length
+                item, n = int(self._get(orig_offs, np.uint32)[0]), int(self._get(orig_offs + 4, np.uint64)[0])
+                # the fewest bytes an item takes: a string its u64 length, an array its type and length
+                least = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12,
+                         **{t: np.dtype(d).itemsize for t, d in self.gguf_scalar_to_np.items()}}.get(item, 1)
+                if n * least > len(self.data) - orig_offs - 12:
+                    raise ValueError(f"an array at byte {orig_offs:,} has {n:,} entries, more than the rest of "
+                                     f"the file ({len(self.data) - orig_offs - 12:,} bytes) holds")
+            return super()._get_field_parts(orig_offs, raw_type)
+
         def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            expected = 0
             for f in fields:  # a tensor entry's parts: name length, name, n_dims, dims, type, offset
                 dims, type_id, offset = f.parts[3], int(f.parts[4][0]), int(f.parts[5][0])
-                _check_tensor_entry(f.name, [int(d) for d in dims], type_id, start_offs + offset, len(self.data))
+                nbytes = _check_tensor_entry(f.name, [int(d) for d in dims], type_id, start_offs + offset,
+                                             len(self.data))
+                # llama.cpp's layout (gguf.cpp): each tensor right after the one before, padded to
+                # the alignment; another offset reads another tensor's bytes, or shifted ones
+                if offset != expected:
+                    raise ValueError(f"tensor {f.name!r} has data offset {offset:,}, expected {expected:,}: GGUF "
+                                     f"tensors follow each other in the tensor table's order, each padded to "
+                                     f"{self.alignment} bytes")
+                expected += -(-nbytes // self.alignment) * self.alignment
             super()._build_tensors(start_offs, fields)
-
-    try:
-        Checked(path)
-    except _TensorEntryError as e:
-        return str(e)
-    except Exception:
-        pass
-    return None
+    return Reader
 
 
-def _check_tensor_entry(name: str, dims: list[int], type_id: int, start: int, file_size: int) -> None:
-    """One tensor's entry in the file's tensor table: dims innermost first (GGUF's order)."""
+def _check_tensor_entry(name: str, dims: list[int], type_id: int, start: int, file_size: int) -> int:
+    """One tensor's entry in the file's tensor table (dims innermost first, GGUF's order);
+    its size in bytes."""
     import gguf
 
     try:
         kind = gguf.GGMLQuantizationType(type_id)
     except ValueError:
-        raise _TensorEntryError(f"tensor {name!r} has GGML type id {type_id}, which no GGUF type has") from None
+        raise ValueError(f"tensor {name!r} has GGML type id {type_id}, which no GGUF type has") from None
+    if 0 in dims:  # gguf's and quant.py's reshapes of no blocks fail naming no tensor
+        raise ValueError(f"tensor {name!r} is empty (a dimension of 0 in its entry of the tensor table)")
     block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     if dims and dims[0] % block:
-        raise _TensorEntryError(f"tensor {name!r} has rows of {dims[0]} values, not a whole number of "
-                                f"{kind.name} blocks ({block} values each)")
-    end = start + math.prod(dims) // block * block_bytes
-    if end > file_size:
-        raise _TensorEntryError(f"tensor {name!r} ends at byte {end:,}, past the end of the file "
-                                f"({file_size:,} bytes): the file is truncated or its tensor table is damaged")
+        raise ValueError(f"tensor {name!r} has rows of {dims[0]} values, not a whole number of "
+                         f"{kind.name} blocks ({block} values each)")
+    nbytes = math.prod(dims) // block * block_bytes
+    if start + nbytes > file_size:
+        raise ValueError(f"tensor {name!r} ends at byte {start + nbytes:,}, past the end of the file "
+                         f"({file_size:,} bytes): the file is truncated or its tensor table is damaged")
+    return nbytes
 
 
 def _vocab_size(reader: Any, get: Callable[..., Any], arch: str, path: str) -> int:
@@ -312,11 +333,19 @@ def _tokenizer_metadata(reader: Any, path: str) -> dict[str, Any] | None:
     if tokens is None or tokens.types != [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]:
         raise ValueError(f"{path}: tokenizer.ggml.tokens must be a list of strings (the vocabulary)")
     n = len(tokens.data)
-    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+    T = gguf.GGUFValueType
+    ints = {T.UINT8, T.INT8, T.UINT16, T.INT16, T.UINT32, T.INT32, T.UINT64, T.INT64}
+    # llama.cpp reads scores as float32 and types as int32 whatever the file says: other
+    # items would build a tokenizer other than the model's without a word
+    for key, items, what in (("tokenizer.ggml.scores", ints | {T.FLOAT32, T.FLOAT64}, "numbers"),
+                             ("tokenizer.ggml.token_type", ints, "integers"),
+                             ("tokenizer.ggml.merges", {T.STRING}, "strings")):
         f = reader.fields.get(key)
-        if f is not None and (f.types[0] != gguf.GGUFValueType.ARRAY or len(f.data) != n):
-            got = f"{len(f.data)} entries" if f.types[0] == gguf.GGUFValueType.ARRAY else "not a list"
-            raise ValueError(f"{path}: {key} must have one entry per token ({n}), got {got}")
+        if f is not None and (f.types[0] != T.ARRAY or (len(f.data) and f.types[1] not in items)):
+            got = f"a list of {f.types[1].name}" if f.types[0] == T.ARRAY else f"a {f.types[0].name}"
+            raise ValueError(f"{path}: {key} must be a list of {what}, got {got}")
+        if f is not None and key != "tokenizer.ggml.merges" and len(f.data) != n:
+            raise ValueError(f"{path}: {key} must have one entry per token ({n}), got {len(f.data)} entries")
     for key in reader.fields:
         if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and not 0 <= get(key, int) < n:
             raise ValueError(f"{path}: {key} {get(key, int)} is not a token id (the vocabulary has {n} tokens)")

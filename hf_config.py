@@ -32,6 +32,8 @@ def read_json(path: str) -> dict[str, Any]:
             value = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:  # json's decoder recurses once per level of nesting
+        raise ValueError(f"{path} nests arrays or objects deeper than Python's JSON reader reaches") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
     return value

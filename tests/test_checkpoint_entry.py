@@ -153,6 +153,8 @@ def sharded(tmp_path_factory) -> str:
     ('{"metadata": {}}', "weight_map must map tensor names to shard file names, got None"),
     ('{"weight_map": [1]}', "weight_map must map tensor names to shard file names, got \\[1\\]"),
     ('{"weight_map": {"model.norm.weight": 5}}', "weight_map must map tensor names to shard file names"),
+    # a RecursionError from json's decoder, with a traceback
+    ("[" * 100_000 + "]" * 100_000, "model.safetensors.index.json nests arrays or objects deeper than"),
 ])
 def test_a_shard_index_that_is_not_one_is_refused_naming_it(sharded, tmp_path, index, says):
     path = _edited(sharded, str(tmp_path / "c"), "model.safetensors.index.json", lambda _: index)

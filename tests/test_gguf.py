@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import zipfile
 from typing import Any, Callable
 
@@ -239,6 +240,12 @@ def _tokenizer(n: int = 300, **keys: tuple[Any, Any]) -> dict[str, tuple[Any, An
             **{f"tokenizer.ggml.{k}": v for k, v in keys.items()}}
 
 
+def _array(items: list[Any]) -> tuple[list[Any], Any]:
+    import gguf
+
+    return items, gguf.GGUFValueType.ARRAY
+
+
 def _short(n: int) -> tuple[list[int], Any]:
     import gguf
 
@@ -282,6 +289,12 @@ def _short(n: int) -> tuple[list[int], Any]:
     (_tokenizer(padding_token_id=_u32(5000)), "tokenizer.ggml.padding_token_id 5000 is not a token id"),
     (_tokenizer(padding_token_id=_i32(-1)), "tokenizer.ggml.padding_token_id -1 is not a token id"),
     (_tokenizer(model=_str("gpt2")), "a gpt2 \\(BPE\\) tokenizer needs tokenizer.ggml.merges"),
+    # items of another type: otherwise loaded, a tokenizer other than the model's
+    (_tokenizer(scores=_array(["s"] * 300)), "tokenizer.ggml.scores must be a list of numbers, got a list of STRING"),
+    (_tokenizer(token_type=_array([0.5] * 300)),
+     "tokenizer.ggml.token_type must be a list of integers, got a list of FLOAT32"),
+    (_tokenizer(model=_str("gpt2"), merges=_array([1, 2])),
+     "tokenizer.ggml.merges must be a list of strings, got a list of INT32"),
 ])
 def test_gguf_metadata_of_the_wrong_type_missing_or_out_of_range_is_an_error_naming_it(hf_checkpoint, tmp_path,
                                                                                       metadata, says):
@@ -306,12 +319,21 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
     for name, data, says in [("magic", b"XXXX" + good[4:], "GGUF magic invalid"),
                              ("version", good[:4] + (99).to_bytes(4, "little") + good[8:], "version 99"),
                              ("cut", good[: len(good) // 2], "not a readable GGUF file"),
+                             # inside the metadata: the library reads empty arrays there and fails on an index
+                             ("cut metadata", good[:200], "runs past the end of the file \\(200 bytes\\): it is "
+                                                          "truncated"),
                              ("empty", b"", "not a readable GGUF file"),
                              # otherwise the gguf library's errors, which name no tensor
                              ("last byte", good[:-1], "tensor '[^']+' ends at byte [0-9,]+, past the end of the file"),
                              ("rows", patch_entry(q8, up, dims=(48, 128)),
                               f"tensor '{up}' has rows of 48 values, not a whole number of Q8_0 blocks"),
                              ("type", patch_entry(good, up, type_id=99), f"tensor '{up}' has GGML type id 99"),
+                             # otherwise read silently: another tensor's bytes, or its own shifted by 4
+                             ("shared", patch_entry(good, "blk.1.ffn_up.weight", offset=offset_of(good, up)),
+                              "tensor 'blk.1.ffn_up.weight' has data offset [0-9,]+, expected [0-9,]+: GGUF tensors "
+                              "follow each other"),
+                             ("misaligned", patch_entry(good, up, offset=offset_of(good, up) + 4),
+                              f"tensor '{up}' has data offset [0-9,]+, expected [0-9,]+"),
                              # a quantized tensor of no blocks: the library's reshape error, naming nothing
                              ("no rows", patch_entry(q8, up, dims=(0, 128)), f"tensor '{up}' is empty")]:
         (tmp_path / f"{name}.gguf").write_bytes(data)
@@ -327,7 +349,8 @@ def test_gguf_tensors_and_bytes_that_disagree_with_the_metadata_are_errors_namin
         load_model(f, log=lambda *_: None, quantization="gguf")
 
 
-def patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, type_id: int | None = None) -> bytes:
+def patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, type_id: int | None = None,
+                offset: int | None = None) -> bytes:
     """A GGUF file with tensor `name`'s entry in the tensor table changed: {u64 name length,
     name, u32 n_dims, u64 dims[n_dims] (innermost first), u32 type, u64 offset}."""
     import struct
@@ -340,7 +363,41 @@ def patch_entry(data: bytes, name: str, dims: tuple[int, ...] | None = None, typ
         struct.pack_into(f"<{n_dims}Q", out, at + 4, *dims)
     if type_id is not None:
         struct.pack_into("<I", out, at + 4 + 8 * n_dims, type_id)
+    if offset is not None:
+        struct.pack_into("<Q", out, at + 8 + 8 * n_dims, offset)
     return bytes(out)
+
+
+def offset_of(data: bytes, name: str) -> int:
+    """Tensor `name`'s data offset in the file's tensor table."""
+    import gguf
+
+    with tempfile.NamedTemporaryFile(suffix=".gguf") as f:
+        f.write(data)
+        f.flush()
+        return next(int(t.field.parts[5][0]) for t in gguf.GGUFReader(f.name).tensors if t.name == name)
+
+
+@pytest.mark.timeout(60)  # the length read item by item never ends
+def test_a_gguf_array_longer_than_the_file_is_refused_before_it_is_read(hf_checkpoint, tmp_path):
+    """An array's u64 length damaged: the gguf library reads one item a time, past the end
+    of the file as empty arrays, so 2**62 bytes would loop (and grow a list) for ever."""
+    import struct
+
+    import gguf
+
+    data = open(write_gguf(hf_checkpoint("llama2"), str(tmp_path / "t.gguf"), metadata=_tokenizer()), "rb").read()
+    key = "tokenizer.ggml.token_type"
+    # the key, then u32 ARRAY, then the array: u32 item type, u64 length, items
+    at = data.index(struct.pack("<Q", len(key)) + key.encode()) + 8 + len(key) + 4
+    for name, item, n in [("i32", gguf.GGUFValueType.INT32, 2**40), ("str", gguf.GGUFValueType.STRING, 2**62),
+                          ("u8", gguf.GGUFValueType.UINT8, 2**62)]:
+        out = bytearray(data)
+        struct.pack_into("<IQ", out, at, item, n)
+        (tmp_path / f"{name}.gguf").write_bytes(out)
+        with pytest.raises(ValueError, match=f"an array at byte {at:,} has {n:,} entries, more than the rest of the "
+                                             "file \\([0-9,]+ bytes\\) holds"):
+            load_model(str(tmp_path / f"{name}.gguf"), log=lambda *_: None)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # gguf quantizing inf
