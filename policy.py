@@ -297,6 +297,12 @@ class FCFS:
         (the one asking for blocks among them)."""
         return max(candidates, key=lambda s: s.admitted_seq_no)
 
+    def step_order(self, running: list[Sequence]) -> list[Sequence]:
+        """The order the running sequences get their tokens (and KV blocks) in each step. One
+        short of a block preempts the victim among those not yet in the step, so the order
+        puts the victims last: here admission order, the victim being the latest admitted."""
+        return list(running)
+
     def outranks(self, waiting: Sequence, running: Sequence) -> bool:
         """May `waiting` preempt `running` for its seat or its blocks?"""
         return False
@@ -322,6 +328,11 @@ class Ranked(FCFS):
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         return max(candidates, key=self.key)
+
+    def step_order(self, running: list[Sequence]) -> list[Sequence]:
+        # Rank order, so the lowest ranked running sequence is the victim even when it was
+        # admitted first (vLLM's victim: the max over every running request, in the step or not).
+        return sorted(running, key=self.key)
 
     def outranks(self, waiting: Sequence, running: Sequence) -> bool:
         return self.key(waiting) < self.key(running)

@@ -399,8 +399,8 @@ class Scheduler:
 
     # ---- the mechanics a batching composes a step from (policy.py) ----------------------
     def schedule_decodes(self, out: SchedulerOutput) -> list[Sequence]:
-        """One token for every running decode, admission order. Returns the running
-        sequences with prompt work left (for schedule_prompts).
+        """One token for every running decode, in the policy's step order (FCFS: admission
+        order). Returns the running sequences with prompt work left (for schedule_prompts).
 
         The hot loop of a steady decode step, one pass over every running sequence, so
         is_decode, the length check, _make_room's "room already" case and _add are inlined."""
@@ -416,7 +416,7 @@ class Scheduler:
         spec_k = self.spec.k if self.speculating and not out.preempted else 0
         spare = self._budget - len(self.running)
         speculative: list[ScheduledSeq] = []  # decodes that may get draft room, after the loop
-        for seq in list(self.running):  # preemption edits the list
+        for seq in self.policy.step_order(self.running):  # a copy: preemption edits the list
             if seq.status is not running:
                 continue
             num_out = len(seq.output_token_ids) + seq.num_output_placeholders
@@ -483,10 +483,11 @@ class Scheduler:
         return prompts
 
     def schedule_prompts(self, out: SchedulerOutput, candidates: list[Sequence] | None = None) -> None:
-        """Prompt work of admitted sequences, admission order: the next chunk with chunked
+        """Prompt work of admitted sequences, in candidates' order: the next chunk with chunked
         prefill (as much as the budget allows), else the whole remaining prompt.
         candidates: the running sequences that may have prompt work (default: all not yet
-        in this step: one chunk a sequence a step, also where boarding scheduled some)."""
+        in this step, admission order: one chunk a sequence a step, also where boarding
+        scheduled some)."""
         if candidates is None:
             in_step = {id(x.seq) for x in out.scheduled}
             candidates = [q for q in self.running if id(q) not in in_step]

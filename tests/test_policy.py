@@ -559,3 +559,21 @@ def test_every_policys_waiting_queue_counts_the_places_no_caller_reserved_throug
     methods = {m for m in dir(q) if not m.startswith("_") and callable(getattr(q, m))}
     assert methods <= {"add", "requeue", "pop_head", "remove", "peek", "resort", "wait_all", "reason_of",
                        "count_reasons", "check_invariants"}, methods
+
+
+def test_a_decode_short_of_a_block_preempts_the_lowest_priority_request_even_one_admitted_first():
+    """vLLM V1 (vllm/v1/core/sched/scheduler.py): the victim is the max of every running
+    request by (priority, arrival), already in the step or not. Here the low-priority request
+    was admitted first and takes the last free block for its decode; the high-priority one,
+    short of a block, must take it back from it, not preempt itself."""
+    s = make(max_num_seqs=2, num_blocks=4)  # 3 usable blocks of 4 tokens
+    low, high = seq("low", priority=1, arrival=0), seq("high", priority=0, arrival=1)
+    s.add(low)
+    s.update(out := s.schedule(), [TOKEN] * len(out.scheduled))
+    s.add(high)
+    s.update(out := s.schedule(), [TOKEN] * len(out.scheduled))
+    out = s.schedule()  # both decodes need a second block; one is free
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert [x.seq.request_id for x in out.scheduled] == ["high"]
+    assert low.num_preemptions == 1 and high.num_preemptions == 0
+    s.check_invariants()
