@@ -265,6 +265,9 @@ class FCFS:
     uses_priority = False  # requests may carry a `priority` only under a policy that reads it
     uses_slo = False  # requests may carry an `slo` only under a policy that reads it
     orders_prompts = False  # True: the step's prompt chunks go by `key`, not by admission
+    # True: a sequence short of a block may take it from a decode already in the step (its row
+    # taken back), as vLLM's priority victim is the lowest ranked of every running request.
+    victim_in_step = False
     # The policy's clock, the one arrival times are read on (the simulator sets its own).
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
@@ -328,6 +331,8 @@ class Ranked(FCFS):
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         return max(candidates, key=self.key)
+
+    victim_in_step = True
 
     def step_order(self, running: list[Sequence]) -> list[Sequence]:
         # Rank order, so the lowest ranked running sequence is the victim even when it was

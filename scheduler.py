@@ -714,8 +714,14 @@ class Scheduler:
         need = blocks_needed(seq.num_computed_tokens + n, self.config.block_size) - len(seq.block_table)
         while not self.allocator.can_allocate(need):
             assert self.kv_admission.preempts, "a reserving admission holds every block from admission"
-            in_step = {id(s.seq) for s in out.scheduled}
-            victim = self.policy.victim([s for s in self.running if s.status is RUNNING and id(s) not in in_step])
+            rows = {id(s.seq): s for s in out.scheduled}
+            # A plain decode row can be taken back (no drafts: a proposer may hold its room)
+            takeable = {id(s.seq) for s in out.scheduled if s.is_decode and not s.num_spec_tokens} \
+                if self.policy.victim_in_step else set()
+            victim = self.policy.victim([s for s in self.running if s.status is RUNNING
+                                         and (id(s) not in rows or id(s) in takeable)])
+            if id(victim) in rows:
+                self._unschedule(out, rows[id(victim)])
             self._preempt(out, victim)
             self._room_preempted = True
             if victim is seq:
@@ -723,6 +729,19 @@ class Scheduler:
         if need > 0:
             seq.block_table += self.allocator.allocate(seq.request_id, need)
         return True
+
+    def _unschedule(self, out: SchedulerOutput, s: ScheduledSeq) -> None:
+        """Take back a plain decode row of this step (its sequence is about to be preempted):
+        its token, its budget, and the name of a block it was to complete (nobody shares it
+        yet: only an admission shares, and admissions come after every running row)."""
+        seq = s.seq
+        assert s.is_decode and not s.num_spec_tokens and s.num_new_tokens == 1
+        out.scheduled.remove(s)
+        seq.num_computed_tokens -= 1
+        seq.num_output_placeholders -= 1
+        self._budget += 1
+        out.num_decode_tokens -= 1
+        self.allocator.uncache_from(seq.request_id, seq.num_computed_tokens // self.config.block_size)
 
     def _preempt(self, out: SchedulerOutput, victim: Sequence) -> None:
         """Back to the waiting queue where the policy puts it (FCFS: the front), outputs
