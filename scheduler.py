@@ -709,8 +709,9 @@ class Scheduler:
 
     def _make_room(self, out: SchedulerOutput, seq: Sequence, n: int) -> bool:
         """Blocks for seq's next n tokens. When none are free, preempt the policy's victim
-        among the running sequences not yet in this step (FCFS: the latest admitted) and
-        retry; False if that was seq itself."""
+        among the running sequences not yet in this step, and (victim_in_step) its plain
+        decodes, whose rows are taken back (FCFS: the latest admitted), and retry; False if
+        that was seq itself."""
         need = blocks_needed(seq.num_computed_tokens + n, self.config.block_size) - len(seq.block_table)
         while not self.allocator.can_allocate(need):
             assert self.kv_admission.preempts, "a reserving admission holds every block from admission"
