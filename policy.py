@@ -265,6 +265,11 @@ class FCFS:
     uses_priority = False  # requests may carry a `priority` only under a policy that reads it
     uses_slo = False  # requests may carry an `slo` only under a policy that reads it
     orders_prompts = False  # True: the step's prompt chunks go by `key`, not by admission
+    # True: a prompt chunk short of a block may take it from a decode already in the step (its
+    # row taken back). vLLM steps through its running requests in admission order, decodes and
+    # chunks alike, so its victim (the latest admitted) is never in the step before it; here
+    # decodes go first, and one of them may be that victim.
+    victim_in_step = True
     # The policy's clock, the one arrival times are read on (the simulator sets its own).
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
@@ -297,6 +302,12 @@ class FCFS:
         (the one asking for blocks among them)."""
         return max(candidates, key=lambda s: s.admitted_seq_no)
 
+    def step_order(self, running: list[Sequence]) -> list[Sequence]:
+        """The order the running sequences get their tokens (and KV blocks) in each step. One
+        short of a block preempts the victim among those not yet in the step, so the order
+        puts the victims last: here admission order, the victim being the latest admitted."""
+        return list(running)
+
     def outranks(self, waiting: Sequence, running: Sequence) -> bool:
         """May `waiting` preempt `running` for its seat or its blocks?"""
         return False
@@ -322,6 +333,11 @@ class Ranked(FCFS):
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         return max(candidates, key=self.key)
+
+    def step_order(self, running: list[Sequence]) -> list[Sequence]:
+        # Rank order, so the lowest ranked running sequence is the victim even when it was
+        # admitted first (vLLM's victim: the max over every running request, in the step or not).
+        return sorted(running, key=self.key)
 
     def outranks(self, waiting: Sequence, running: Sequence) -> bool:
         return self.key(waiting) < self.key(running)
@@ -391,6 +407,7 @@ class Fair(FCFS):
     preempt_gap = 1024.0
     max_clients = 1024
     orders_prompts = True
+    victim_in_step = False  # its victim is among the rows not yet in the step
     over_served_prefill = 16  # tokens a step: about the prompt work a flood of long requests needs per step
     active_window_s = 1.0
 
@@ -514,6 +531,7 @@ class SLOAware(FCFS):
 
     uses_slo = True
     orders_prompts = True
+    victim_in_step = False  # its victim is among the rows not yet in the step
 
     def __init__(self) -> None:
         self.now = self.clock()

@@ -399,8 +399,8 @@ class Scheduler:
 
     # ---- the mechanics a batching composes a step from (policy.py) ----------------------
     def schedule_decodes(self, out: SchedulerOutput) -> list[Sequence]:
-        """One token for every running decode, admission order. Returns the running
-        sequences with prompt work left (for schedule_prompts).
+        """One token for every running decode, in the policy's step order (FCFS: admission
+        order). Returns the running sequences with prompt work left (for schedule_prompts).
 
         The hot loop of a steady decode step, one pass over every running sequence, so
         is_decode, the length check, _make_room's "room already" case and _add are inlined."""
@@ -416,7 +416,7 @@ class Scheduler:
         spec_k = self.spec.k if self.speculating and not out.preempted else 0
         spare = self._budget - len(self.running)
         speculative: list[ScheduledSeq] = []  # decodes that may get draft room, after the loop
-        for seq in list(self.running):  # preemption edits the list
+        for seq in self.policy.step_order(self.running):  # a copy: preemption edits the list
             if seq.status is not running:
                 continue
             num_out = len(seq.output_token_ids) + seq.num_output_placeholders
@@ -483,10 +483,11 @@ class Scheduler:
         return prompts
 
     def schedule_prompts(self, out: SchedulerOutput, candidates: list[Sequence] | None = None) -> None:
-        """Prompt work of admitted sequences, admission order: the next chunk with chunked
+        """Prompt work of admitted sequences, in candidates' order: the next chunk with chunked
         prefill (as much as the budget allows), else the whole remaining prompt.
         candidates: the running sequences that may have prompt work (default: all not yet
-        in this step: one chunk a sequence a step, also where boarding scheduled some)."""
+        in this step, admission order: one chunk a sequence a step, also where boarding
+        scheduled some)."""
         if candidates is None:
             in_step = {id(x.seq) for x in out.scheduled}
             candidates = [q for q in self.running if id(q) not in in_step]
@@ -708,13 +709,20 @@ class Scheduler:
 
     def _make_room(self, out: SchedulerOutput, seq: Sequence, n: int) -> bool:
         """Blocks for seq's next n tokens. When none are free, preempt the policy's victim
-        among the running sequences not yet in this step (FCFS: the latest admitted) and
-        retry; False if that was seq itself."""
+        among the running sequences not yet in this step, and (victim_in_step) its plain
+        decodes, whose rows are taken back (FCFS: the latest admitted), and retry; False if
+        that was seq itself."""
         need = blocks_needed(seq.num_computed_tokens + n, self.config.block_size) - len(seq.block_table)
         while not self.allocator.can_allocate(need):
             assert self.kv_admission.preempts, "a reserving admission holds every block from admission"
-            in_step = {id(s.seq) for s in out.scheduled}
-            victim = self.policy.victim([s for s in self.running if s.status is RUNNING and id(s) not in in_step])
+            rows = {id(s.seq): s for s in out.scheduled}
+            # A plain decode row can be taken back (no drafts: a proposer may hold its room)
+            takeable = {id(s.seq) for s in out.scheduled if s.is_decode and not s.num_spec_tokens} \
+                if self.policy.victim_in_step else set()
+            victim = self.policy.victim([s for s in self.running if s.status is RUNNING
+                                         and (id(s) not in rows or id(s) in takeable)])
+            if id(victim) in rows:
+                self._unschedule(out, rows[id(victim)])
             self._preempt(out, victim)
             self._room_preempted = True
             if victim is seq:
@@ -722,6 +730,19 @@ class Scheduler:
         if need > 0:
             seq.block_table += self.allocator.allocate(seq.request_id, need)
         return True
+
+    def _unschedule(self, out: SchedulerOutput, s: ScheduledSeq) -> None:
+        """Take back a plain decode row of this step (its sequence is about to be preempted):
+        its token, its budget, and the name of a block it was to complete (nobody shares it
+        yet: only an admission shares, and admissions come after every running row)."""
+        seq = s.seq
+        assert s.is_decode and not s.num_spec_tokens and s.num_new_tokens == 1
+        out.scheduled.remove(s)
+        seq.num_computed_tokens -= 1
+        seq.num_output_placeholders -= 1
+        self._budget += 1
+        out.num_decode_tokens -= 1
+        self.allocator.uncache_from(seq.request_id, seq.num_computed_tokens // self.config.block_size)
 
     def _preempt(self, out: SchedulerOutput, victim: Sequence) -> None:
         """Back to the waiting queue where the policy puts it (FCFS: the front), outputs

@@ -559,3 +559,52 @@ def test_every_policys_waiting_queue_counts_the_places_no_caller_reserved_throug
     methods = {m for m in dir(q) if not m.startswith("_") and callable(getattr(q, m))}
     assert methods <= {"add", "requeue", "pop_head", "remove", "peek", "resort", "wait_all", "reason_of",
                        "count_reasons", "check_invariants"}, methods
+
+
+def test_a_decode_short_of_a_block_preempts_the_lowest_priority_request_even_one_admitted_first():
+    """vLLM V1 (vllm/v1/core/sched/scheduler.py): the victim is the max of every running
+    request by (priority, arrival), already in the step or not. Here the low-priority request
+    was admitted first and takes the last free block for its decode; the high-priority one,
+    short of a block, must take it back from it, not preempt itself."""
+    s = make(max_num_seqs=2, num_blocks=4)  # 3 usable blocks of 4 tokens
+    low, high = seq("low", priority=1, arrival=0), seq("high", priority=0, arrival=1)
+    s.add(low)
+    s.update(out := s.schedule(), [TOKEN] * len(out.scheduled))
+    s.add(high)
+    s.update(out := s.schedule(), [TOKEN] * len(out.scheduled))
+    out = s.schedule()  # both decodes need a second block; one is free
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert [x.seq.request_id for x in out.scheduled] == ["high"]
+    assert low.num_preemptions == 1 and high.num_preemptions == 0
+    s.check_invariants()
+
+
+def test_a_prompt_chunk_short_of_a_block_preempts_a_lower_priority_decode_already_in_the_step():
+    """Chunked prefill schedules the decodes first; the high-priority prompt's second chunk
+    finds no block. vLLM V1 takes the lowest-priority running request, already scheduled in
+    the step or not (its tokens handed back), so the high one goes on; it must not preempt
+    itself step after step while the low one keeps decoding."""
+    s = make(max_num_seqs=2, num_blocks=6, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    low, high = seq("low", priority=1, max_tokens=16, arrival=0), seq("high", priority=0, prompt_len=16,
+                                                                       max_tokens=4, arrival=1)
+    s.add(low)
+    s.update(out := s.schedule(), [TOKEN] * len(out.scheduled))
+    s.add(high)
+    s.update(out := s.schedule(), [TOKEN] * len(out.scheduled))  # low decodes, high's first chunk
+    computed, placeholders = low.num_computed_tokens, low.num_output_placeholders
+    out = s.schedule()
+    assert [q.request_id for q in out.preempted] == ["low"]
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("high", 7)]
+    assert out.num_decode_tokens == 0 and out.num_prefill_tokens == 7
+    assert out.preempted_tokens == [computed] and placeholders == 0 and low.num_output_placeholders == 0
+    s.update(out, [TOKEN] * len(out.scheduled))
+    s.check_invariants()
+    order = []
+    for _ in range(100):  # each fits alone (5 blocks), so both finish
+        if not s.has_unfinished():
+            break
+        out = s.schedule()
+        order += [q.request_id for q in s.update(out, [TOKEN] * len(out.scheduled)).finished]
+        s.check_invariants()
+    assert order == ["high", "low"] and high.num_preemptions == 0 and low.num_preemptions == 1
+    assert low.num_output_tokens == 16 and high.num_output_tokens == 4

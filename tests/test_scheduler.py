@@ -543,3 +543,28 @@ def test_the_leak_check_is_off_in_a_process_without_the_flag():
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TAXIRANK_CHECK_INVARIANTS"}
     subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": str(root)}, check=True)
+
+
+def test_fcfs_a_prompt_chunk_short_of_a_block_preempts_the_latest_admitted_even_when_its_decode_is_in_the_step():
+    """vLLM V1 (vllm/v1/core/sched/scheduler.py) steps through its running requests in
+    admission order and preempts the last (self.running.pop()): B, admitted after A. Here
+    decodes are scheduled first, so B's decode is in the step when A's chunk finds no block:
+    B's row is taken back and B preempted, not A preempting itself."""
+    cfg = EngineConfig(max_num_seqs=2, block_size=4, max_model_len=32, enable_prefix_caching=False,
+                       enable_chunked_prefill=True, max_num_batched_tokens=8,
+                       long_prefill_token_threshold=4).resolved(32)
+    s = Scheduler(cfg, 6, (0,))  # 5 usable blocks
+    a = Sequence("A", list(range(1, 17)), SamplingParams(max_tokens=4))
+    b = Sequence("B", list(range(21, 25)), SamplingParams(max_tokens=8))
+    s.add(a)
+    s.add(b)
+    for _ in range(3):
+        out = s.schedule()
+        assert not out.preempted
+        s.update(out, [7] * len(out.scheduled))
+    out = s.schedule()  # A's last chunk needs a 5th block, B's decode took the 4th
+    assert [q.request_id for q in out.preempted] == ["B"]
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("A", 4)]
+    assert out.num_decode_tokens == 0 and b.num_output_placeholders == 0 and b.num_preemptions == 1
+    s.update(out, [7] * len(out.scheduled))
+    s.check_invariants()
