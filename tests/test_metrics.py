@@ -41,10 +41,11 @@ EXPORTED = {
     "taxirank:swapped_out_bytes": ("counter", "Bytes of KV copied to the host pool."),
     "taxirank:swapped_in_bytes": ("counter", "Bytes of KV copied back from the host pool."),
     "taxirank:swap_fallbacks": ("counter", "Swap preemptions that recomputed: the host pool was full."),
-    "taxirank:prompt_tokens": ("counter", "Prompt tokens of admitted requests."),
-    "taxirank:prompt_tokens_cached": ("counter", "Prompt tokens of admitted requests the prefix cache served."),
-    "taxirank:prompt_tokens_by_source": ("counter", "Prompt tokens of admitted requests by source: computed, or "
-                                                    "held by the prefix cache."),
+    "taxirank:prompt_tokens": ("counter", "Prompt tokens of requests whose prefill completed (at their first token)."),
+    "taxirank:prompt_tokens_cached": ("counter", "Prompt tokens of requests whose prefill completed that the prefix "
+                                                  "cache served."),
+    "taxirank:prompt_tokens_by_source": ("counter", "Prompt tokens of requests whose prefill completed, by source: "
+                                                    "computed, or held by the prefix cache."),
     "taxirank:generation_tokens": ("counter", "Generated tokens."),
     "taxirank:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache (first admissions)."),
     "taxirank:prefix_cache_hits": ("counter", "Prompt tokens served from the prefix cache (first admissions)."),
