@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Sequence as Seq
 
@@ -117,13 +118,16 @@ class LLM:
         # samples differ in their seeds only, which no check reads, so one sample stands for
         # them all, checked before the n are made (a huge n fails on a bad prompt at once).
         request_ids = [f"offline-{self._counter + i}" for i in range(len(encoded))]
+        # They arrive before their grammars compile: nothing runs until every one has, so, as in
+        # vLLM (whose engine compiles them after the requests arrived), TTFT counts the compiles.
+        arrival = time.monotonic()
         checked = []  # each with its grammar compiled once: the cache may not hold them all until they are added
         salts = cache_salts or [None] * len(encoded)
         for i, (rid, ids, p, prio, salt) in enumerate(zip(request_ids, encoded, plist, priorities, salts)):
             try:
                 checked.append(self.engine.validate(EngineRequest(
-                    rid, ids, p if p.n == 1 else dataclasses.replace(p, n=1), priority=prio, thinking=thinking,
-                    cache_salt=salt)))
+                    rid, ids, p if p.n == 1 else dataclasses.replace(p, n=1), arrival_time=arrival, priority=prio,
+                    thinking=thinking, cache_salt=salt)))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         self._counter += len(encoded)

@@ -220,7 +220,7 @@ class EngineStats:
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
     swap_fallbacks: int = 0  # preemptions under swap that recomputed: the host pool was full
-    prompt_tokens: int = 0  # prompt tokens of admitted requests (recompute after preemption not counted)
+    prompt_tokens: int = 0  # prompt tokens of requests whose prefill completed (recompute after preemption not counted)
     # vLLM's PromptTokenStats of the same prompts: the tokens the prefix cache served, and by
     # source those computed (prompt_tokens_local_compute) and those the cache held (the cached
     # ones, plus the last prompt token when the cache held all the others: it is computed

@@ -32,8 +32,9 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("swapped_out_bytes", "swapped_out_bytes", "Bytes of KV copied to the host pool."),
     ("swapped_in_bytes", "swapped_in_bytes", "Bytes of KV copied back from the host pool."),
     ("swap_fallbacks", "swap_fallbacks", "Swap preemptions that recomputed: the host pool was full."),
-    ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
-    ("prompt_tokens_cached", "prompt_tokens_cached", "Prompt tokens of admitted requests the prefix cache served."),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests whose prefill completed (at their first token)."),
+    ("prompt_tokens_cached", "prompt_tokens_cached",
+     "Prompt tokens of requests whose prefill completed that the prefix cache served."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache (first admissions)."),
@@ -140,8 +141,9 @@ class EngineCollector:
                 per_pos.add_metric([str(pos)], n)
             yield per_pos
         # vLLM's sources; external_kv_transfer stays 0: no KV connector here
-        by_source = CounterMetricFamily(PREFIX + "prompt_tokens_by_source", "Prompt tokens of admitted requests by "
-                                        "source: computed, or held by the prefix cache.", labels=["source"])
+        by_source = CounterMetricFamily(PREFIX + "prompt_tokens_by_source",
+                                        "Prompt tokens of requests whose prefill completed, by source: computed, or "
+                                        "held by the prefix cache.", labels=["source"])
         by_source.add_metric(["local_compute"], s.prompt_tokens_local_compute)
         by_source.add_metric(["local_cache_hit"], s.prompt_tokens_local_cache_hit)
         by_source.add_metric(["external_kv_transfer"], 0)

@@ -68,6 +68,9 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
     # (cache_salt's type: checked with the rest of the request, LLMEngine.validate; its
     # length and characters here, before a grammar is compiled for a request refused anyway)
     salt = cache_salt(body)
+    # Its arrival, as vLLM's: once tokenized, before its grammar compiles (vLLM compiles it in
+    # the engine while the request waits), so its queue time, TTFT and e2e include the compile.
+    arrival = time.monotonic()
     grammar = await compile_grammar(engine, params[0], body, tools)  # (every prompt's one constraint)
     request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
     # vLLM's engine ids of a batch's prompts: the request's, each with its index
@@ -117,7 +120,7 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
                 for sample_id, sp, parent in [] if beam else child_requests(rid, p):
                     sample = EngineRequest(request_id=sample_id, prompt_token_ids=ids, params=sp, priority=priority,
                                            user=user, slo=slo, grammar=grammar, parent=parent, thinking=thinking,
-                                           cache_salt=salt)
+                                           cache_salt=salt, arrival_time=arrival)
                     gens.append(Generation(engine, sample, want_metrics))
             except ApiError as e:  # the engine names SamplingParams' fields: the 400 names the client's
                 e.param = request_field(e.param, body, chat)

@@ -41,10 +41,11 @@ EXPORTED = {
     "taxirank:swapped_out_bytes": ("counter", "Bytes of KV copied to the host pool."),
     "taxirank:swapped_in_bytes": ("counter", "Bytes of KV copied back from the host pool."),
     "taxirank:swap_fallbacks": ("counter", "Swap preemptions that recomputed: the host pool was full."),
-    "taxirank:prompt_tokens": ("counter", "Prompt tokens of admitted requests."),
-    "taxirank:prompt_tokens_cached": ("counter", "Prompt tokens of admitted requests the prefix cache served."),
-    "taxirank:prompt_tokens_by_source": ("counter", "Prompt tokens of admitted requests by source: computed, or "
-                                                    "held by the prefix cache."),
+    "taxirank:prompt_tokens": ("counter", "Prompt tokens of requests whose prefill completed (at their first token)."),
+    "taxirank:prompt_tokens_cached": ("counter", "Prompt tokens of requests whose prefill completed that the prefix "
+                                                  "cache served."),
+    "taxirank:prompt_tokens_by_source": ("counter", "Prompt tokens of requests whose prefill completed, by source: "
+                                                    "computed, or held by the prefix cache."),
     "taxirank:generation_tokens": ("counter", "Generated tokens."),
     "taxirank:prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache (first admissions)."),
     "taxirank:prefix_cache_hits": ("counter", "Prompt tokens served from the prefix cache (first admissions)."),
@@ -446,3 +447,53 @@ def test_served_n_cache_config_info_and_their_exported_families():
                for f in after.values() for s in f.samples)
     assert [n for n, f in after.items() if any("model_name" not in s.labels for s in f.samples)] == \
         ["taxirank:cache_config_info"]
+
+
+def test_a_served_request_arrives_before_its_grammar_compiles_so_its_latencies_count_the_compile():
+    """As vLLM's: a request arrives once tokenized, and its grammar compiles while it waits
+    (vLLM's scheduler holds it WAITING_FOR_FSM), so its queue time, TTFT and e2e include the
+    compile. The server compiles it before handing the request to the engine: the arrival
+    the engine keeps is the one taken before the compile began."""
+    import asyncio
+    import time
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from async_engine import AsyncEngine
+    from server import build_app
+
+    compiles: list[tuple[float, float]] = []
+    arrivals: list[float] = []
+
+    async def main() -> tuple[EngineStats, EngineStats]:
+        engine = AsyncEngine(EngineConfig(model="tiny", max_num_seqs=2, max_model_len=64, num_kv_blocks=16,
+                                          warmup=False), log=lambda *_: None)
+        compile_, enqueue = engine.grammars.compile, engine.engine.enqueue
+
+        def timed_compile(spec):  # (on the server's executor)
+            start = time.monotonic()
+            grammar = compile_(spec)
+            compiles.append((start, time.monotonic()))
+            return grammar
+
+        def kept_enqueue(request, *args, **kwargs):  # (on the engine's thread)
+            seq = enqueue(request, *args, **kwargs)
+            arrivals.append(seq.arrival_time)
+            return seq
+        engine.grammars.compile, engine.engine.enqueue = timed_compile, kept_enqueue
+        await engine.start()
+        try:
+            async with TestClient(TestServer(build_app(engine, ["tiny"]))) as c:
+                body = {"prompt": [5, 6, 7], "max_tokens": 3, "structured_outputs": {"regex": "[ab]{3}"}}
+                before = engine.stats.snapshot()
+                assert (await c.post("/v1/completions", json=body)).status == 200
+                return before, engine.stats.snapshot()
+        finally:
+            await engine.shutdown()
+
+    before, after = asyncio.run(main())
+    [(start, end)], [arrival] = compiles, arrivals
+    assert arrival <= start
+    for h in ("time_to_first_token", "request_queue_time", "e2e_request_latency"):
+        b, a = getattr(before, h), getattr(after, h)
+        assert a.count - b.count == 1 and a.sum - b.sum >= end - start, h

@@ -392,3 +392,37 @@ def test_a_stop_string_completed_by_the_token_that_reaches_max_tokens_is_a_stop_
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_offline_requests_arrive_before_their_grammars_compile_so_their_ttft_counts_the_compiles():
+    """LLM.generate compiles every prompt's grammar before it queues any (a bad one leaves
+    nothing queued), and nothing runs meanwhile: as in vLLM, where the engine compiles them
+    after the requests arrived, each request's TTFT counts the compiles it waited for."""
+    import time
+
+    from sampling_params import StructuredOutputsParams
+
+    llm = LLM("tiny", log=lambda *_: None, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=128,
+              warmup=False)
+    compiles: list[tuple[float, float]] = []
+    arrivals: list[float] = []
+    compile_, enqueue = llm.engine.grammars.compile, llm.engine.enqueue
+
+    def timed_compile(spec):
+        start = time.monotonic()
+        grammar = compile_(spec)
+        compiles.append((start, time.monotonic()))
+        return grammar
+
+    def kept_enqueue(request, *args, **kwargs):
+        seq = enqueue(request, *args, **kwargs)
+        arrivals.append(seq.arrival_time)
+        return seq
+    llm.engine.grammars.compile, llm.engine.enqueue = timed_compile, kept_enqueue
+    params = [SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex=rx))
+              for rx in ("[ab]{3}", "[cd]{3}")]
+    outs = llm.generate([[5, 6, 7], [8, 9]], params)
+    assert len(compiles) == len(arrivals) == 2
+    assert max(arrivals) <= min(start for start, _ in compiles)
+    waited = max(end for _, end in compiles) - min(start for start, _ in compiles)
+    assert all(o.metrics.time_to_first_token_ms >= 1e3 * waited for o in outs)
