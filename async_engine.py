@@ -177,12 +177,12 @@ class AsyncEngine:
             self._inbox.append(("abort", (request_id, queue)))
         self._wake.set()
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """LLMEngine.reset_prefix_cache, run on the loop thread between two steps."""
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._lock:
             self._check_alive()
-            self._inbox.append(("reset_prefix_cache", done))
+            self._inbox.append(("reset_prefix_cache", (done, reset_running_requests)))
         self._wake.set()
         return await done
 
@@ -227,8 +227,16 @@ class AsyncEngine:
             elif kind == "release":
                 self._free_reserved(arg)
             elif kind == "reset_prefix_cache":
-                ok = self.engine.reset_prefix_cache()
-                self._loop.call_soon_threadsafe(lambda f=arg, ok=ok: f.done() or f.set_result(ok))
+                done, reset_running = arg
+                try:
+                    ok = self.engine.reset_prefix_cache(reset_running)
+                except ValueError as e:  # refused (a batching that never preempts)
+                    self._loop.call_soon_threadsafe(_settle, done, e)
+                    continue
+                except BaseException as e:  # a step it collected failed: the loop dies (_run)
+                    self._loop.call_soon_threadsafe(_settle, done, EngineDeadError(f"engine failure: {e!r}"))
+                    raise
+                self._loop.call_soon_threadsafe(_settle, done, ok)
             else:
                 rid, queue = arg
                 with self._lock:
@@ -264,16 +272,25 @@ class AsyncEngine:
                 self.error = e
                 queues = list(self._queues.values())
                 self._queues.clear()
-                resets = [arg for kind, arg in self._inbox if kind == "reset_prefix_cache"]
+                resets = [arg[0] for kind, arg in self._inbox if kind == "reset_prefix_cache"]
                 self._inbox.clear()
             dead = EngineDeadError(f"engine failure: {e!r}")
             for q in queues:
                 self._loop.call_soon_threadsafe(q.put_nowait, dead)
             for f in resets:
-                self._loop.call_soon_threadsafe(lambda f=f: f.done() or f.set_exception(dead))
+                self._loop.call_soon_threadsafe(_settle, f, dead)
             if self.on_death is not None:  # after the errors above, so they are delivered first
                 self._loop.call_soon_threadsafe(self.on_death, e)
             raise
+
+
+def _settle(future: asyncio.Future, result: object) -> None:
+    """A caller's answer, unless it gave up waiting (cancelled): an exception is raised to it."""
+    if not future.done():
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -101,6 +101,9 @@ class LLMEngine:
         # stays on the device while the next is scheduled.
         self._in_flight: deque[tuple[SchedulerOutput, float, InFlightStep | StepResult | None]] = deque()
         self._max_in_flight = 1 if config.async_scheduling else 0
+        # Deltas of steps collected between two calls of step() (a reset that preempts the
+        # running requests collects the steps in flight first): the next step() returns them.
+        self._undelivered: list[RequestOutputDelta] = []
         self._rng = random.Random(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         if self.sampling_defaults:
@@ -266,6 +269,8 @@ class LLMEngine:
         self._prompt_lps.pop(request_id, None)
         if seq is None:
             return None
+        if self._undelivered:  # a delta names no request after its last one
+            self._undelivered = [d for d in self._undelivered if d.request_id != request_id]
         if self.proposer is not None:
             self.proposer.free(seq)
         if seq.first_scheduled_time is None:  # its first step may be in flight: it was scheduled
@@ -284,11 +289,22 @@ class LLMEngine:
         return self.scheduler.num_waiting_unreserved
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._in_flight)
+        return self.scheduler.has_unfinished() or bool(self._in_flight) or bool(self._undelivered)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache). False, and nothing
-        changed, while a request holds KV blocks."""
+        changed, while a request holds KV blocks, unless reset_running_requests: then the
+        steps in flight are collected (the next step() returns their deltas) and every
+        running request is preempted by recompute, its K/V computed again on its next
+        admission, as after a weight update, when all of it is stale. ValueError under a
+        batching that never preempts (static)."""
+        if reset_running_requests:
+            self._undelivered += self._drain()  # the preemptions come after every token in flight
+            out = self.scheduler.preempt_running()
+            if out.preempted:
+                self._prepare(out)
+                self._in_flight.append((out, time.monotonic(), None))
+                self._undelivered += self._collect()
         ok = self.scheduler.reset_prefix_cache()
         if ok:
             with self.stats.lock:
@@ -307,7 +323,7 @@ class LLMEngine:
         Speculative decoding: proposals are made from every token of a sequence, so while
         the scheduler may speculate (below disable_by_batch_size) the loop is synchronous,
         and a step that verifies proposals is collected before step() returns."""
-        deltas = self._collect() if self._in_flight and self._needs_every_token() else []
+        deltas = self._collect_early()
         out = self.scheduler.schedule()
         self._prepare(out)
         if out.scheduled or out.preempted or not self._in_flight:  # a preemption is recorded with its step
@@ -318,6 +334,14 @@ class LLMEngine:
             self._refresh_gauges()  # nothing came back yet, but who runs and waits moved
             return deltas
         return deltas + self._collect()
+
+    def _collect_early(self) -> list[RequestOutputDelta]:
+        """The deltas a step returns before its own: those a reset collected since the last
+        step, and the step in flight when the next step's proposals need its tokens."""
+        deltas, self._undelivered = self._undelivered, []
+        if self._in_flight and self._needs_every_token():
+            deltas += self._collect()
+        return deltas
 
     def _needs_every_token(self) -> bool:
         """Proposals are made from every token of a sequence: while the scheduler may

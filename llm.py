@@ -75,8 +75,8 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.engine.reset_prefix_cache(reset_running_requests)
 
     @_full_collections_deferred()
     def generate(self, prompts: Prompt | Seq[Prompt],

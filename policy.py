@@ -585,6 +585,7 @@ class Continuous:
     # What a request waits for that only this batching makes it wait for (None: nothing):
     # a label of metrics' num_requests_waiting_by_wait_reason beside the scheduler's own reasons.
     wait_reason: str | None = None
+    may_preempt = True  # whether a running request may go back to the queue (Scheduler.preempt_running)
 
     def schedule(self, s: Scheduler, out: SchedulerOutput) -> None:
         s.preempt_for_waiting(out)
@@ -619,6 +620,7 @@ class Static:
 
     name: str
     wait_reason = "static_batch"  # a request waiting while a batch runs waits for the bus
+    may_preempt = False
 
     def schedule(self, s: Scheduler, out: SchedulerOutput) -> None:
         if not s.running:

@@ -385,6 +385,26 @@ class Scheduler:
         changed, while any request holds blocks."""
         return self.allocator.reset_prefix_cache()
 
+    def preempt_running(self) -> SchedulerOutput:
+        """Every running request back to the waiting queue by recompute, and every swapped
+        one's host copy dropped: the K/V of no request survives (vLLM's
+        reset_prefix_cache(reset_running_requests=True), used after a weight update, when
+        all of it is stale). The latest admitted goes first, so a queue that puts a
+        preempted request at its front keeps their order. Only between steps, none in flight:
+        the step it returns has no rows, only these preemptions."""
+        if not self.batching.may_preempt:
+            raise ValueError(f"{self.batching.name} batching never preempts a running request; "
+                             "reset_running_requests needs continuous batching")
+        out = SchedulerOutput()
+        for victim in reversed(list(self.running)):
+            self._preempt(out, victim, may_swap=False)
+        for seq in self.waiting:
+            if seq.swapped:
+                seq.num_computed_high = max(seq.num_computed_high, seq.swapped[1])
+                self._drop_swapped(seq)
+        self._assert_step_invariants()
+        return out
+
     def check_invariants(self) -> None:
         """Everything, O(num_blocks): too slow for every step, so callers (tests, bench/policies.py)
         choose when. update() checks the per-step subset."""
@@ -744,14 +764,14 @@ class Scheduler:
         out.num_decode_tokens -= 1
         self.allocator.uncache_from(seq.request_id, seq.num_computed_tokens // self.config.block_size)
 
-    def _preempt(self, out: SchedulerOutput, victim: Sequence) -> None:
+    def _preempt(self, out: SchedulerOutput, victim: Sequence, may_swap: bool = True) -> None:
         """Back to the waiting queue where the policy puts it (FCFS: the front), outputs
         kept, its device blocks freed. By recompute: its K/V is dropped and computed again
         on re-admission. By swap: its K/V blocks are copied to the host pool and back on
         re-admission; a full pool falls back to recompute (counted)."""
         computed = victim.num_computed_tokens
         blocks = victim.block_table[:blocks_needed(computed, self.config.block_size)]
-        swap = self.config.swaps_kv and 0 < len(blocks)
+        swap = may_swap and self.config.swaps_kv and 0 < len(blocks)
         if swap and len(blocks) > len(self._host_free):
             swap = False
             out.num_swap_fallbacks += 1

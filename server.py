@@ -6,7 +6,8 @@
     python server.py --model /path/to/hf_dir   # a checkpoint, its tokenizer and chat template
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming),
-GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache,
+GET /v1/models, GET /health, GET /metrics (Prometheus text), POST /reset_prefix_cache
+(?reset_running_requests=true preempts what runs first),
 POST /tokenize, POST /detokenize, GET /version; each also under --root-path, and a path
 that differs from one by a trailing slash is a 307 to it (FastAPI's routing, as vLLM's
 server answers).
@@ -219,13 +220,34 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+# FastAPI's reading of a bool query parameter (pydantic's), as vLLM's routes take them
+QUERY_BOOLS = {**dict.fromkeys(("1", "true", "t", "yes", "y", "on"), True),
+               **dict.fromkeys(("0", "false", "f", "no", "n", "off"), False)}
+
+
+def query_bool(request: web.Request, name: str) -> bool:
+    value = request.query.getall(name, ["false"])
+    if len(value) != 1 or value[0].lower() not in QUERY_BOOLS:
+        raise ApiError(f"query parameter {name} must be one boolean (true or false), got {value!r}"[:300])
+    return QUERY_BOOLS[value[0].lower()]
+
+
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     """vLLM's POST /reset_prefix_cache: 200 once every cached prefix is forgotten; 409
-    while requests hold KV blocks (nothing is reset then)."""
-    if request.query:
-        raise ApiError(f"query parameters are not supported here, got {sorted(request.query)}")
+    while requests hold KV blocks (nothing is reset then), unless
+    ?reset_running_requests=true: every running request is preempted first (recompute).
+    ?reset_external=true (a KV connector's cache) is refused: there is no connector."""
+    unknown = sorted(set(request.query) - {"reset_running_requests", "reset_external"})
+    if unknown:
+        raise ApiError(f"unknown query parameters {unknown}; this route takes reset_running_requests "
+                       "and reset_external"[:300])
+    reset_running = query_bool(request, "reset_running_requests")
+    if query_bool(request, "reset_external"):
+        raise ApiError("reset_external=true is not supported: taxirank has no KV connector (external cache)")
     try:
-        ok = await request.app["engine"].reset_prefix_cache()
+        ok = await request.app["engine"].reset_prefix_cache(reset_running)
+    except ValueError as e:  # refused: static batching never preempts
+        raise ApiError(str(e)) from e
     except RuntimeError as e:  # shutting down, or the engine loop died
         raise ApiError(str(e), status=503) from e
     if not ok:

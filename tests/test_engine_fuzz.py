@@ -8,7 +8,7 @@ a sampled request, greedy / seeded / unseeded sampling, stop strings and stop to
 picked from the request's own output so that they do end it, EOS, min_tokens, logprobs,
 prompt_logprobs, a choice grammar, priorities, an id reused from a request just aborted),
 requests aborted (just added, waiting, preempted or swapped out, mid-prefill, with a step
-in flight), prefix cache resets and steps; then it drains. Over a few configurations (async
+in flight), prefix cache resets (some that preempt every running request) and steps; then it drains. Over a few configurations (async
 scheduling on and off, prefix caching on and off, preemption by recompute and by swap into
 a small host pool, ngram and draft-model speculation, the priority and fair policies,
 static batching, chunked prefill on and off, long_prefill_token_threshold) it checks, after
@@ -135,7 +135,8 @@ adds = st.tuples(
 aborts = st.tuples(st.just("abort"), st.sampled_from(["new", "waiting", "preempted", "prefill", "in_flight", "any"]),
                    st.integers(0, 7))
 steps = st.tuples(st.just("step"), st.integers(1, 4))
-resets = st.tuples(st.just("reset"))  # reset_prefix_cache: refused while any block is in use
+# reset_prefix_cache: refused while any block is in use, unless it preempts the running requests
+resets = st.tuples(st.just("reset"), st.booleans())
 operations = st.lists(st.one_of(adds, adds, adds, aborts, steps, resets), min_size=1, max_size=14)
 
 
@@ -158,6 +159,7 @@ class Run:
         self.cfg = self.e.config
         self.priority = config.get("scheduling_policy") == "priority"
         self.draft_model = (config.get("speculative_config") or {}).get("method") == "draft_model"
+        self.static = config.get("scheduling") == "static"
         self.requests: list[Request] = []
         self.live: dict[str, Request] = {}  # by id: added, not yet ended for its client
         self.last_aborted: str | None = None
@@ -233,12 +235,27 @@ class Run:
         self.last_aborted = r.rid
         self.check()
 
-    def reset(self) -> None:
-        alloc = self.e.scheduler.allocator
+    def reset(self, running: bool) -> None:
+        sch, alloc = self.e.scheduler, self.e.scheduler.allocator
         in_use = alloc.num_used
-        assert self.e.reset_prefix_cache() == (in_use == 0)
-        assert in_use or alloc.num_cached == 0
-        self.check()
+        if not running:
+            assert self.e.reset_prefix_cache() == (in_use == 0)
+            assert in_use or alloc.num_cached == 0
+            self.check()
+            return
+        was_running = [s for s in sch.running if not s.finished]
+        if self.static:
+            with pytest.raises(ValueError, match="never preempts"):
+                self.e.reset_prefix_cache(reset_running_requests=True)
+        else:
+            assert self.e.reset_prefix_cache(reset_running_requests=True)
+            # no K/V survives: nothing runs, holds a block or a host copy, or is named
+            assert not self.e._in_flight and not sch.running and alloc.num_used == alloc.num_cached == 0
+            assert all(s.swapped is None for s in sch.waiting)
+            # (the policy's queue puts them back where it puts a preempted request; a step
+            # collected first may have ended one)
+            assert all(s.status is WAITING or s.finished for s in was_running)
+        self.step()  # it returns the deltas of the steps the reset collected
 
     def step(self) -> None:
         deltas = self.e.step()
@@ -309,7 +326,9 @@ class Run:
             assert all(j >= p.min_tokens for j in ends), f"{r.rid}: an end token before min_tokens"
             if r.aborted:
                 assert seq.finish_reason == "abort"
-                assert not ends, f"{r.rid} was aborted after an end token: {out}"
+                # (static batching seats a request after its end token until the batch is
+                # done: aborted meanwhile, it ends as an abort, engine.abort says)
+                assert not ends or self.static, f"{r.rid} was aborted after an end token: {out}"
                 continue
             assert r.finals == 1 and r.streamed == out, r.rid
             assert not ends or ends == [len(out) - 1], f"{r.rid} ran past an end token: {out}"
@@ -372,7 +391,7 @@ def run_ops(config: dict, ops: list[tuple]) -> Run:
         elif op[0] == "abort":
             run.abort(*op[1:])
         elif op[0] == "reset":
-            run.reset()
+            run.reset(*op[1:])
         else:
             for _ in range(op[1]):
                 run.step()
@@ -394,7 +413,7 @@ def run_ops(config: dict, ops: list[tuple]) -> Run:
               ("step", 4), ("abort", "in_flight", 1),
               ("add", "shared", 18, 14, "greedy", None, 2, 1, 0, True, None),
               ("add", "shared", 10, 9, "greedy", "eos", 0, 1, 0, False, "choice"),
-              ("step", 3), ("abort", "preempted", 0), ("step", 2), ("reset",),
+              ("step", 3), ("reset", True), ("abort", "preempted", 0), ("step", 2), ("reset", False),
               ("add", "own", 23, 14, "random", None, 4, 2, 2, False, "min_tokens")])
 def test_adversarial_operations_keep_the_engines_bookkeeping(name, ops):
     run_ops(CONFIGS[name], ops)

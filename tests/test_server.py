@@ -595,8 +595,11 @@ def test_prefix_cache_hits_show_in_cached_tokens_and_metrics_and_reset_forgets_t
         server: Server, client: openai.OpenAI) -> None:
     wait_idle(server)
     assert request(server, "POST", "/reset_prefix_cache", key=None)[0] == 401  # --api-key guards it too
-    assert request(server, "POST", "/reset_prefix_cache?reset_running_requests=true")[0] == 400
-    assert request(server, "POST", "/reset_prefix_cache") == (200, "")
+    for query, word in [("reset_running_requests=maybe", "boolean"), ("reset_external=true", "KV connector"),
+                        ("reset_running_requests=1&reset_running_requests=0", "boolean"), ("bogus=1", "unknown")]:
+        status, body = request(server, "POST", f"/reset_prefix_cache?{query}")
+        assert status == 400 and word in body["error"]["message"], (query, body)
+    assert request(server, "POST", "/reset_prefix_cache?reset_external=false") == (200, "")
     before = scrape(server)
     prompt = list(range(3, 43))  # 40 tokens: 2 full blocks of 16 can be reused, never the last token
 
@@ -613,6 +616,27 @@ def test_prefix_cache_hits_show_in_cached_tokens_and_metrics_and_reset_forgets_t
     wait_idle(server)
     assert request(server, "POST", "/reset_prefix_cache") == (200, "")
     assert cached() == 0
+
+
+def test_a_reset_that_preempts_the_running_requests_lets_them_go_on_with_the_same_tokens(server: Server) -> None:
+    """vLLM's ?reset_running_requests=true: a running request is preempted (counted), its
+    K/V computed again, and its greedy text goes on as if nothing happened."""
+    wait_idle(server)
+    before = scrape(server)
+    body = {"model": "tiny", "prompt": "reset me", "max_tokens": LONG, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    text, tokens = "", 0
+    with open_stream(server, body) as events:
+        for event in events:
+            text, tokens = text + event["choices"][0]["text"], event["usage"]["completion_tokens"]
+            if tokens == 3:
+                assert request(server, "POST", "/reset_prefix_cache?reset_running_requests=true") == (200, "")
+            if tokens >= 40:
+                break
+    assert metric(scrape(server), "num_preemptions_total") - metric(before, "num_preemptions_total") == 1
+    status, whole = request(server, "POST", "/v1/completions",
+                            {k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": tokens})
+    assert status == 200 and text and whole["choices"][0]["text"].startswith(text)
 
 
 def test_a_cache_salt_shares_cached_tokens_only_with_its_own_salt_on_both_endpoints(server: Server) -> None:
