@@ -701,18 +701,21 @@ def prompt_logprobs_json(tokenizer: Any, lps: list[TokenLogprob | None]) -> list
                                           *(entry(t, v, r) for r, (t, v) in enumerate(lp.top, 1))]) for lp in lps]
 
 
-def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], as_ids: bool = False) -> dict:
-    """Chat's logprobs: per token its own and a top_logprobs list of `top_logprobs`
-    entries, vLLM's: the first of the sampled token and then the top ones (the most
-    likely `top_logprobs` when the sampled token is among them, as it is in greedy decoding).
-    as_ids: tokens as "token_id:N"; a sampled token's bytes stay its text's, vLLM's (its
-    decoded_token's), and a top entry's are its token's."""
+def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], top: int, as_ids: bool = False) -> dict:
+    """Chat's logprobs: per token its own and a top_logprobs list of `top` entries (the
+    request's top_logprobs; -1: all there are), vLLM's: the first of the sampled token and
+    then the top ones (the most likely `top` when the sampled token is among them, as it is
+    in greedy decoding). `top`, not each TokenLogprob's list, sets the length: a beam
+    search's lists hold each step's 2 x beam_width candidates. as_ids: tokens as
+    "token_id:N"; a sampled token's bytes stay its text's, vLLM's (its decoded_token's), and
+    a top entry's are its token's."""
+    keep = None if top == -1 else top
     def entry(token_id: int, logprob: float, sampled: bool = False) -> dict:
         text = token_text(tokenizer, token_id, as_ids)
         raw = token_text(tokenizer, token_id) if sampled else text
         return {"token": text, "logprob": finite(logprob), "bytes": list(raw.encode())}
     return {"content": [entry(lp.token_id, lp.logprob, sampled=True) | {
-        "top_logprobs": [entry(t, v) for t, v in itertools.islice(_with_sampled(lp).items(), len(lp.top))]}
+        "top_logprobs": [entry(t, v) for t, v in itertools.islice(_with_sampled(lp).items(), keep)]}
         for lp in lps]}
 
 

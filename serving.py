@@ -268,7 +268,7 @@ class ChoiceFormat:
         text_offset of the first."""
         if lps is None:
             return None
-        return chat_logprobs(self.tokenizer, lps, self.as_ids) if self.chat else \
+        return chat_logprobs(self.tokenizer, lps, self.params.logprobs, self.as_ids) if self.chat else \
             completion_logprobs(self.tokenizer, lps, offset, self.params.logprobs, self.as_ids)
 
     def echoed_logprobs(self, prompt_lps: list[TokenLogprob | None] | None) -> list[TokenLogprob | int]:
