@@ -651,10 +651,38 @@ def parse_slo(body: dict) -> SLOTarget | None:
 # ---- logprobs out -----------------------------------------------------------------
 
 def token_text(tokenizer: Any, token_id: int, as_id: bool = False) -> str:
-    """A token's text in logprobs; as_id (vLLM's return_tokens_as_token_ids), or no
-    tokenizer: "token_id:N", which any JSON carries whatever the token's bytes."""
-    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer and not as_id else \
-        f"token_id:{token_id}"
+    """A token's text in logprobs, vLLM's (convert_ids_list_to_tokens): the token decoded
+    alone, with the leading spaces a SentencePiece decode strips from it put back (a
+    "▁Paris" piece is " Paris", not "Paris", so the tokens join into the text); as_id
+    (vLLM's return_tokens_as_token_ids), or no tokenizer: "token_id:N", which any JSON
+    carries whatever the token's bytes."""
+    if not tokenizer or as_id:
+        return f"token_id:{token_id}"
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    marker = _space_marker(tokenizer)
+    if marker is None:
+        return text
+    piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+    missing = (len(piece) - len(piece.lstrip(marker))) - (len(text) - len(text.lstrip(" ")))
+    return " " * missing + text if missing > 0 else text
+
+
+def _space_marker(tokenizer: Any) -> str | None:
+    """The character a Metaspace pre-tokenizer (SentencePiece's: Llama 2, Mistral) writes
+    for a space, whose leading run a decode strips; None for any other tokenizer (a
+    byte-level BPE's pieces keep their spaces). vLLM's _get_leading_space_marker: read
+    from the tokenizer's own JSON, once per tokenizer (kept on it)."""
+    marker = getattr(tokenizer, "_taxirank_space_marker", False)
+    if marker is not False:
+        return marker
+    try:
+        pre = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    except Exception:  # no backend tokenizer (the byte tokenizer), or one that does not serialize
+        pre = {}
+    found = [p for p in [pre, *(pre.get("pretokenizers") or [])] if p.get("type") == "Metaspace"]
+    marker = found[0].get("replacement", "▁") if found else None
+    tokenizer._taxirank_space_marker = marker
+    return marker
 
 
 def finite(logprob: float) -> float:

@@ -143,3 +143,28 @@ print(errors, "transformers" in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "[] False", out.stdout[-2000:]
+
+
+def test_logprobs_tokens_keep_the_spaces_of_their_sentencepiece_pieces_as_vllm(sp_tok, tok) -> None:
+    """vLLM's logprob tokens (convert_ids_list_to_tokens) put back the leading spaces a
+    SentencePiece decode of one token strips: each token is its vocabulary piece with "▁"
+    a space, so the tokens join into the text with its words' spaces and text_offset points
+    at each token's place in it. A byte-level BPE's tokens are its decode, unchanged."""
+    from outputs import TokenLogprob
+    from protocol import chat_logprobs, completion_logprobs, prompt_logprobs_json
+
+    ids = sp_tok.encode("the capital of France is Paris", add_special_tokens=False)
+    want = [p.replace("▁", " ") for p in sp_tok.convert_ids_to_tokens(ids)]
+    assert "".join(want) == " the capital of France is Paris" and sp_tok.decode(ids[:1]) == want[0][1:]
+    lps = [TokenLogprob(t, -1.0, [(t, -1.0)], 1) for t in ids]
+    completion = completion_logprobs(sp_tok, lps, 0, 1)
+    assert completion["tokens"] == want and [list(top) for top in completion["top_logprobs"]] == [[w] for w in want]
+    assert all(" the capital of France is Paris"[o:].startswith(w) for o, w in zip(completion["text_offset"], want))
+    chat = chat_logprobs(sp_tok, lps, 1)["content"]
+    assert [(c["token"], bytes(c["bytes"])) for c in chat] == [(w, w.encode()) for w in want]
+    assert [c["top_logprobs"][0]["token"] for c in chat] == want
+    assert [next(iter(p.values()))["decoded_token"] for p in prompt_logprobs_json(sp_tok, [None, *lps[1:]])[1:]] \
+        == want[1:]
+    if not isinstance(tok, ByteTokenizer):  # the byte-level BPE
+        ids = tok.encode("the quick brown fox")
+        assert completion_logprobs(tok, ids, 0)["tokens"] == [tok.decode([t]) for t in ids]
