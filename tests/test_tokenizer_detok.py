@@ -168,3 +168,32 @@ def test_logprobs_tokens_keep_the_spaces_of_their_sentencepiece_pieces_as_vllm(s
     if not isinstance(tok, ByteTokenizer):  # the byte-level BPE
         ids = tok.encode("the quick brown fox")
         assert completion_logprobs(tok, ids, 0)["tokens"] == [tok.decode([t]) for t in ids]
+
+
+def test_a_token_ending_part_of_a_character_is_given_its_characters_text_as_vllm(tok) -> None:
+    """vLLM's logprob tokens (LogprobsProcessor._verify_tokens): a token that alone decodes
+    to part of a character is "" until the token that completes the character, whose text
+    is the whole character, so the tokens join into the text; a stream's chunk gets the
+    same from the tokens sampled before it, and prompt_logprobs from the prompt's."""
+    from outputs import TokenLogprob
+    from protocol import chat_logprobs, completion_logprobs, prompt_logprobs_json
+
+    text = "go 中é!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode([t]).endswith("\ufffd") for t in ids)  # "中" and "é" span tokens
+    lps = [TokenLogprob(t, -1.0, [(t, -1.0), (ids[-1], -2.0)], 1) for t in ids]
+    tokens = completion_logprobs(tok, lps, 0, 1)["tokens"]
+    assert "".join(tokens) == text and "\ufffd" not in "".join(tokens)
+    # each token's text is what it adds to the ones before: the decode of the ids through it,
+    # less that of the ids before, where those end on a whole character ("" where it does not)
+    for j, t in enumerate(tokens):
+        through = tok.decode(ids[:j + 1])
+        assert t == ("" if through.endswith("\ufffd") else through[len(tok.decode(ids[:j]).rstrip("\ufffd")):]), j
+    for k in range(len(ids)):  # streamed in two chunks: the second's context is the first's tokens
+        assert completion_logprobs(tok, lps[:k], 0, 1)["tokens"] + \
+            completion_logprobs(tok, lps[k:], 0, 1, before=ids[:k])["tokens"] == tokens
+    chat = chat_logprobs(tok, lps, 2)["content"]
+    assert [c["token"] for c in chat] == tokens and [bytes(c["bytes"]) for c in chat] == [t.encode() for t in tokens]
+    assert [[t["token"] for t in c["top_logprobs"]] for c in chat[:-1]] == [[t, "!"] for t in tokens[:-1]]
+    prompt = prompt_logprobs_json(tok, [None, *lps[1:]])
+    assert [p[str(t)]["decoded_token"] for p, t in zip(prompt[1:], ids[1:])] == tokens[1:]
