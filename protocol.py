@@ -12,6 +12,8 @@ import dataclasses
 import itertools
 import json
 import math
+import os
+from collections.abc import Iterator, Sequence
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -650,11 +652,72 @@ def parse_slo(body: dict) -> SLOTarget | None:
 
 # ---- logprobs out -----------------------------------------------------------------
 
-def token_text(tokenizer: Any, token_id: int, as_id: bool = False) -> str:
-    """A token's text in logprobs; as_id (vLLM's return_tokens_as_token_ids), or no
-    tokenizer: "token_id:N", which any JSON carries whatever the token's bytes."""
-    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer and not as_id else \
-        f"token_id:{token_id}"
+def token_text(tokenizer: Any, token_id: int, as_id: bool = False, context: Sequence[int] = ()) -> str:
+    """A token's text in logprobs, vLLM's (convert_ids_list_to_tokens, then its
+    LogprobsProcessor's _verify_tokens): the token decoded alone, with the leading spaces a
+    SentencePiece decode strips from it put back (a "▁Paris" piece is " Paris", not "Paris",
+    so the tokens join into the text); a token that alone decodes to part of a character
+    (ending in U+FFFD) is the character it completes after `context` (the tokens before it
+    in its sequence, oldest first), or "" (the character is the completing token's). as_id
+    (vLLM's return_tokens_as_token_ids), or no tokenizer: "token_id:N", which any JSON
+    carries whatever the token's bytes."""
+    if not tokenizer or as_id:
+        return f"token_id:{token_id}"
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if text.endswith("\ufffd"):
+        return _completed_character(tokenizer, token_id, context)
+    marker = _space_marker(tokenizer)
+    if marker is None:
+        return text
+    piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+    missing = (len(piece) - len(piece.lstrip(marker))) - (len(text) - len(text.lstrip(" ")))
+    return " " * missing + text if missing > 0 else text
+
+
+def _completed_character(tokenizer: Any, token_id: int, context: Sequence[int]) -> str:
+    """vLLM's _correct_decoded_token: the text token_id adds to the last 1..4 tokens of
+    `context` (a UTF-8 character spans at most 4 bytes) once they decode to whole
+    characters, those of its own character included (the partial tokens before it are "");
+    "" when no such run ends on it."""
+    for n in range(1, min(len(context), 4) + 1):
+        run = list(context[-n:])
+        whole = tokenizer.decode(run + [token_id], skip_special_tokens=False)
+        if whole.endswith("\ufffd"):
+            continue
+        clean = n  # the run before its trailing partial tokens, whose text is not this token's
+        while clean and tokenizer.decode(run[clean - 1:clean], skip_special_tokens=False).endswith("\ufffd"):
+            clean -= 1
+        before = tokenizer.decode(run[:clean], skip_special_tokens=False) if clean else ""
+        return whole[len(os.path.commonprefix([before, whole])):]
+    return ""
+
+
+def _contexts(lps: Sequence[TokenLogprob | int | None], before: Sequence[int] = ()) -> Iterator[list[int]]:
+    """Each position's context for token_text: the last 4 tokens before it that have a
+    logprob (vLLM's _get_sampled_context_ids), starting after `before`."""
+    context = list(before)[-4:]
+    for lp in lps:
+        yield context
+        if lp is not None and not isinstance(lp, int):
+            context = (context + [lp.token_id])[-4:]
+
+
+def _space_marker(tokenizer: Any) -> str | None:
+    """The character a Metaspace pre-tokenizer (SentencePiece's: Llama 2, Mistral) writes
+    for a space, whose leading run a decode strips; None for any other tokenizer (a
+    byte-level BPE's pieces keep their spaces). vLLM's _get_leading_space_marker: read
+    from the tokenizer's own JSON, once per tokenizer (kept on it)."""
+    marker = getattr(tokenizer, "_taxirank_space_marker", False)
+    if marker is not False:
+        return marker
+    try:
+        pre = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    except Exception:  # no backend tokenizer (the byte tokenizer), or one that does not serialize
+        pre = {}
+    found = [p for p in [pre, *(pre.get("pretokenizers") or [])] if p.get("type") == "Metaspace"]
+    marker = found[0].get("replacement", "▁") if found else None
+    tokenizer._taxirank_space_marker = marker
+    return marker
 
 
 def finite(logprob: float) -> float:
@@ -672,21 +735,23 @@ def _with_sampled(lp: TokenLogprob) -> dict[int, float]:
 
 
 def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob | int], offset: int, top: int | None = None,
-                        as_ids: bool = False) -> dict:
+                        as_ids: bool = False, before: Sequence[int] = ()) -> dict:
     """OpenAI's legacy completions logprobs; `offset` is where this text starts. Each
     position's top_logprobs holds the sampled token besides the top `logprobs` (OpenAI's
     "logprobs + 1" entries when the sampled token is not among them), as vLLM; `top`: at
     most top + 1 entries (an echoed prompt position holds prompt_logprobs' top ones). A
     bare token id is a token without a logprob (an echoed prompt's first): null logprob
-    and top_logprobs, as vLLM. as_ids: tokens as "token_id:N" (return_tokens_as_token_ids)."""
-    ids = [lp if isinstance(lp, int) else lp.token_id for lp in lps]
-    tokens = [token_text(tokenizer, t, as_ids) for t in ids]
+    and top_logprobs, as vLLM. as_ids: tokens as "token_id:N" (return_tokens_as_token_ids).
+    before: the tokens sampled before lps (a stream's earlier chunks), token_text's context."""
+    contexts = list(_contexts(lps, before))
+    tokens = [token_text(tokenizer, lp if isinstance(lp, int) else lp.token_id, as_ids, ctx)
+              for lp, ctx in zip(lps, contexts)]
     keep = None if top is None else top + 1
     return {"tokens": tokens,
             "token_logprobs": [None if isinstance(lp, int) else finite(lp.logprob) for lp in lps],
             "top_logprobs": [None if isinstance(lp, int) else
-                             {token_text(tokenizer, t, as_ids): finite(v) for t, v in
-                              itertools.islice(_with_sampled(lp).items(), keep)} for lp in lps],
+                             {token_text(tokenizer, t, as_ids, ctx): finite(v) for t, v in
+                              itertools.islice(_with_sampled(lp).items(), keep)} for lp, ctx in zip(lps, contexts)],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]}
 
 
@@ -694,26 +759,31 @@ def prompt_logprobs_json(tokenizer: Any, lps: list[TokenLogprob | None]) -> list
     """vLLM's prompt_logprobs in a response: per prompt token (the first None) a dict from
     token id (a string, as JSON keys are) to its logprob, rank and text: the prompt token
     and the top N."""
-    def entry(token_id: int, logprob: float, rank: int) -> tuple[str, dict]:
+    def entry(token_id: int, logprob: float, rank: int, context: list[int]) -> tuple[str, dict]:
         return str(token_id), {"logprob": finite(logprob), "rank": rank,
-                               "decoded_token": token_text(tokenizer, token_id)}
-    return [None if lp is None else dict([entry(lp.token_id, lp.logprob, lp.rank),
-                                          *(entry(t, v, r) for r, (t, v) in enumerate(lp.top, 1))]) for lp in lps]
+                               "decoded_token": token_text(tokenizer, token_id, context=context)}
+    return [None if lp is None else dict([entry(lp.token_id, lp.logprob, lp.rank, ctx),
+                                          *(entry(t, v, r, ctx) for r, (t, v) in enumerate(lp.top, 1))])
+            for lp, ctx in zip(lps, _contexts(lps))]
 
 
-def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], as_ids: bool = False) -> dict:
-    """Chat's logprobs: per token its own and a top_logprobs list of `top_logprobs`
-    entries, vLLM's: the first of the sampled token and then the top ones (the most
-    likely `top_logprobs` when the sampled token is among them, as it is in greedy decoding).
-    as_ids: tokens as "token_id:N"; a sampled token's bytes stay its text's, vLLM's (its
-    decoded_token's), and a top entry's are its token's."""
-    def entry(token_id: int, logprob: float, sampled: bool = False) -> dict:
-        text = token_text(tokenizer, token_id, as_ids)
-        raw = token_text(tokenizer, token_id) if sampled else text
+def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], top: int, as_ids: bool = False,
+                  before: Sequence[int] = ()) -> dict:
+    """Chat's logprobs: per token its own and a top_logprobs list of `top` entries (the
+    request's top_logprobs; -1: all there are), vLLM's: the first of the sampled token and
+    then the top ones (the most likely `top` when the sampled token is among them, as it is
+    in greedy decoding). `top`, not each TokenLogprob's list, sets the length: a beam
+    search's lists hold each step's 2 x beam_width candidates. as_ids: tokens as
+    "token_id:N"; a sampled token's bytes stay its text's, vLLM's (its decoded_token's), and
+    a top entry's are its token's. before: as completion_logprobs'."""
+    keep = None if top == -1 else top
+    def entry(token_id: int, logprob: float, context: list[int], sampled: bool = False) -> dict:
+        text = token_text(tokenizer, token_id, as_ids, context)
+        raw = token_text(tokenizer, token_id, context=context) if sampled else text
         return {"token": text, "logprob": finite(logprob), "bytes": list(raw.encode())}
-    return {"content": [entry(lp.token_id, lp.logprob, sampled=True) | {
-        "top_logprobs": [entry(t, v) for t, v in itertools.islice(_with_sampled(lp).items(), len(lp.top))]}
-        for lp in lps]}
+    return {"content": [entry(lp.token_id, lp.logprob, ctx, sampled=True) | {
+        "top_logprobs": [entry(t, v, ctx) for t, v in itertools.islice(_with_sampled(lp).items(), keep)]}
+        for lp, ctx in zip(lps, _contexts(lps, before))]}
 
 
 def route_path(path: str, root_path: str) -> str:

@@ -48,7 +48,7 @@ from cors import CorsPolicy, on_response_prepare as cors_headers
 from metrics import LoggingStatLogger
 from prometheus import ENGINE, EngineCollector
 from protocol import (MAX_BODY_BYTES, ApiError, field, integers, loads_checked, parse_prompts, rendered_tools,
-                      route_path, token_text, tool_choice)
+                      route_path, tool_choice)
 from reasoning_parsers import REASONING_PARSERS
 from serving import respond
 from tool_parsers import TOOL_PARSERS
@@ -155,7 +155,8 @@ async def tokenize(request: web.Request) -> web.Response:
                            "token_strs": None}
     if field(body, "return_token_strs", (bool,), False):
         out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids) if hasattr(
-            engine.tokenizer, "convert_ids_to_tokens") else [token_text(engine.tokenizer, t) for t in ids]
+            engine.tokenizer, "convert_ids_to_tokens") else [engine.tokenizer.decode([t], skip_special_tokens=False)
+                                                             for t in ids]
     return web.json_response(out)
 
 

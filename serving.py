@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -266,13 +266,14 @@ class ChoiceFormat:
         reasoning = self.reasoning_parser() if self.reasoning_parser is not None else None
         return ToolCallStream(self.tools, self.tool_parser, self.parallel, reasoning, self.include_reasoning)
 
-    def logprobs(self, lps: list[TokenLogprob | int] | None, offset: int) -> dict | None:
+    def logprobs(self, lps: list[TokenLogprob | int] | None, offset: int, before: Sequence[int] = ()) -> dict | None:
         """lps as the response's logprobs (chat's or completions'); offset: completions'
-        text_offset of the first."""
+        text_offset of the first; before: the tokens a stream's earlier chunks sampled (the
+        context that gives a token ending part of a character its text)."""
         if lps is None:
             return None
-        return chat_logprobs(self.tokenizer, lps, self.as_ids) if self.chat else \
-            completion_logprobs(self.tokenizer, lps, offset, self.params.logprobs, self.as_ids)
+        return chat_logprobs(self.tokenizer, lps, self.params.logprobs, self.as_ids, before) if self.chat else \
+            completion_logprobs(self.tokenizer, lps, offset, self.params.logprobs, self.as_ids, before)
 
     def echoed_logprobs(self, prompt_lps: list[TokenLogprob | None] | None) -> list[TokenLogprob | int]:
         """The logprobs an echoed completion's start with: the prompt's, the first token a
@@ -300,6 +301,7 @@ class Choice:
         # streamed: a completion's first chunk carries the echo and the prompt's ids; text_offset
         # of the next token; a chat answer's parsers
         self.first, self.offset, self.message = True, 0, form.message_stream() if form.chat else None
+        self.sampled: list[int] = []  # streamed: the last tokens sent with logprobs, the next chunk's context
         self.text = ""  # streamed: the output's text so far, for --enable-log-outputs
         self.collected: tuple | None = None  # whole: what collect() gathered for whole()
 
@@ -415,7 +417,8 @@ class Choice:
         f, echo_now = self.form, self.echo_pending
         lps = c.logprobs if not echo_now or c.logprobs is None else \
             f.echoed_logprobs(c.prompt_logprobs) + ([] if f.prompt_only else c.logprobs)
-        logprobs = None if f.hides_tokens else f.logprobs(lps, self.offset)
+        logprobs = None if f.hides_tokens else f.logprobs(lps, self.offset, self.sampled)
+        self.sampled = (self.sampled + [lp.token_id for lp in lps or () if not isinstance(lp, int)])[-4:]
         token_ids = c.token_ids if f.return_ids and not f.hides_tokens else None
         if f.chat:
             delta, reason = self.message.delta(c.text, c.finish_reason)

@@ -131,6 +131,29 @@ def test_a_ruled_out_token_s_logprob_is_minus_9999_never_minus_infinity(post) ->
     assert all(sorted(x["logprob"] for x in c["top_logprobs"])[:3] == [-9999.0] * 3 for c in content)
 
 
+@pytest.mark.parametrize("path", [C, CHAT])
+def test_a_character_split_across_tokens_and_chunks_is_its_last_tokens_text_as_vllm(post, path) -> None:
+    """vLLM's logprob tokens: a byte token that alone is part of a character is "", and the
+    one that completes it carries the whole character (and its bytes), so the tokens join
+    into the text; streamed a token a chunk, the completing token's chunk gets the same
+    from the bytes the earlier chunks sent. A grammar writes "é" (two bytes) four times."""
+    body = {"structured_outputs": {"regex": "é{4}"}, "max_tokens": 8, "temperature": 0.0} | (
+        {"messages": MESSAGES, "logprobs": True} if path == CHAT else {"prompt": "go", "logprobs": 0})
+
+    def tokens(choice: dict) -> list[str]:
+        lp = choice["logprobs"]
+        if path == C:
+            return lp["tokens"]
+        assert all(bytes(c["bytes"]) == c["token"].encode() for c in lp["content"])
+        return [c["token"] for c in lp["content"]]
+    status, text = post(path, body)
+    assert status == 200, text
+    assert tokens(strict_json(text)["choices"][0]) == ["", "é"] * 4
+    status, text = post(path, body | {"stream": True, "stream_interval": 1})
+    chunks = [c for e in sse(text) for c in e["choices"] if c["logprobs"]]
+    assert len(chunks) == 8 and sum((tokens(c) for c in chunks), []) == ["", "é"] * 4
+
+
 # ---- the body's media type -------------------------------------------------------------------
 
 def test_a_body_not_declared_json_is_vllm_s_400(post) -> None:

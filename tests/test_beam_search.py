@@ -353,6 +353,13 @@ def test_a_chat_answer_by_beam_search(server):
     for c in body["choices"]:
         assert c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str)
         assert c["finish_reason"] in ("stop", "length") and len(c["logprobs"]["content"]) <= 4
+        # vLLM's list: top_logprobs entries, the beam's token first, not the step's 2 x n candidates
+        for x in c["logprobs"]["content"]:
+            assert x["top_logprobs"] == [{k: x[k] for k in ("token", "logprob", "bytes")}], x
+    status, body = request(server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "the quick brown fox"}], "use_beam_search": True, "n": 2,
+        "max_completion_tokens": 4, "logprobs": True})
+    assert status == 200 and all(x["top_logprobs"] == [] for c in body["choices"] for x in c["logprobs"]["content"])
     status, body = request(server, "POST", "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "n": 2, "top_logprobs": 1,
         "logprobs": True, "top_p": 0.9})

@@ -143,3 +143,57 @@ print(errors, "transformers" in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "[] False", out.stdout[-2000:]
+
+
+def test_logprobs_tokens_keep_the_spaces_of_their_sentencepiece_pieces_as_vllm(sp_tok, tok) -> None:
+    """vLLM's logprob tokens (convert_ids_list_to_tokens) put back the leading spaces a
+    SentencePiece decode of one token strips: each token is its vocabulary piece with "▁"
+    a space, so the tokens join into the text with its words' spaces and text_offset points
+    at each token's place in it. A byte-level BPE's tokens are its decode, unchanged."""
+    from outputs import TokenLogprob
+    from protocol import chat_logprobs, completion_logprobs, prompt_logprobs_json
+
+    ids = sp_tok.encode("the capital of France is Paris", add_special_tokens=False)
+    want = [p.replace("▁", " ") for p in sp_tok.convert_ids_to_tokens(ids)]
+    assert "".join(want) == " the capital of France is Paris" and sp_tok.decode(ids[:1]) == want[0][1:]
+    lps = [TokenLogprob(t, -1.0, [(t, -1.0)], 1) for t in ids]
+    completion = completion_logprobs(sp_tok, lps, 0, 1)
+    assert completion["tokens"] == want and [list(top) for top in completion["top_logprobs"]] == [[w] for w in want]
+    assert all(" the capital of France is Paris"[o:].startswith(w) for o, w in zip(completion["text_offset"], want))
+    chat = chat_logprobs(sp_tok, lps, 1)["content"]
+    assert [(c["token"], bytes(c["bytes"])) for c in chat] == [(w, w.encode()) for w in want]
+    assert [c["top_logprobs"][0]["token"] for c in chat] == want
+    assert [next(iter(p.values()))["decoded_token"] for p in prompt_logprobs_json(sp_tok, [None, *lps[1:]])[1:]] \
+        == want[1:]
+    if not isinstance(tok, ByteTokenizer):  # the byte-level BPE
+        ids = tok.encode("the quick brown fox")
+        assert completion_logprobs(tok, ids, 0)["tokens"] == [tok.decode([t]) for t in ids]
+
+
+def test_a_token_ending_part_of_a_character_is_given_its_characters_text_as_vllm(tok) -> None:
+    """vLLM's logprob tokens (LogprobsProcessor._verify_tokens): a token that alone decodes
+    to part of a character is "" until the token that completes the character, whose text
+    is the whole character, so the tokens join into the text; a stream's chunk gets the
+    same from the tokens sampled before it, and prompt_logprobs from the prompt's."""
+    from outputs import TokenLogprob
+    from protocol import chat_logprobs, completion_logprobs, prompt_logprobs_json
+
+    text = "go 中é!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode([t]).endswith("\ufffd") for t in ids)  # "中" and "é" span tokens
+    lps = [TokenLogprob(t, -1.0, [(t, -1.0), (ids[-1], -2.0)], 1) for t in ids]
+    tokens = completion_logprobs(tok, lps, 0, 1)["tokens"]
+    assert "".join(tokens) == text and "\ufffd" not in "".join(tokens)
+    # each token's text is what it adds to the ones before: the decode of the ids through it,
+    # less that of the ids before, where those end on a whole character ("" where it does not)
+    for j, t in enumerate(tokens):
+        through = tok.decode(ids[:j + 1])
+        assert t == ("" if through.endswith("\ufffd") else through[len(tok.decode(ids[:j]).rstrip("\ufffd")):]), j
+    for k in range(len(ids)):  # streamed in two chunks: the second's context is the first's tokens
+        assert completion_logprobs(tok, lps[:k], 0, 1)["tokens"] + \
+            completion_logprobs(tok, lps[k:], 0, 1, before=ids[:k])["tokens"] == tokens
+    chat = chat_logprobs(tok, lps, 2)["content"]
+    assert [c["token"] for c in chat] == tokens and [bytes(c["bytes"]) for c in chat] == [t.encode() for t in tokens]
+    assert [[t["token"] for t in c["top_logprobs"]] for c in chat[:-1]] == [[t, "!"] for t in tokens[:-1]]
+    prompt = prompt_logprobs_json(tok, [None, *lps[1:]])
+    assert [p[str(t)]["decoded_token"] for p, t in zip(prompt[1:], ids[1:])] == tokens[1:]
