@@ -10,7 +10,7 @@ Properties, for every request:
 - the answer is a 200 or a 4xx, never a 5xx, never a dropped connection (except where the
   client hung up itself); a 4xx carries OpenAI's error JSON with a message;
 - a 200 is the endpoint's JSON (strict JSON: no NaN), each choice with its finish_reason,
-  n of them; a stream read to its end is events ending with `data: [DONE]`, none of them
+  n of them per prompt; a stream read to its end is events ending with `data: [DONE]`, none of them
   an error, every choice finished;
 - the server logs no traceback for it;
 and after them all: /health is 200, no request is running or waiting and the KV cache is
@@ -246,6 +246,15 @@ def post(server: Server, path: str, body: object, hang_up: int | None) -> tuple[
         conn.close()
 
 
+def num_choices(path: str, body: dict) -> int:
+    """n per prompt, and a completion's prompt may be a batch: a list of strings or of
+    token-id lists."""
+    prompt = body.get("prompt")
+    batch = len(prompt) if path == C and isinstance(prompt, list) and prompt and \
+        isinstance(prompt[0], (str, list)) else 1
+    return (body.get("n") or 1) * batch
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     with running_server("--api-key", API_KEY, *FLAGS) as s:
@@ -270,12 +279,12 @@ def test_no_request_body_gets_a_5xx_a_dropped_connection_or_leaves_anything_behi
             assert not [e for e in events if "error" in e], events
             if path in (C, CHAT):  # every choice ends, with its reason
                 finished = {c["index"] for e in events for c in e["choices"] if c["finish_reason"]}
-                assert finished == set(range(body.get("n") or 1)), events
+                assert finished == set(range(num_choices(path, body))), events
         elif answer is not None:
             assert isinstance(answer, dict) and "error" not in answer, answer
             if path in (C, CHAT):
                 choices = answer["choices"]
-                assert len(choices) == (body.get("n") or 1) and all(c["finish_reason"] for c in choices), answer
+                assert len(choices) == num_choices(path, body) and all(c["finish_reason"] for c in choices), answer
             else:
                 assert "tokens" in answer or "prompt" in answer, answer
         assert "Traceback" not in server.log()[logged:], server.log()[logged:][-5000:]
