@@ -663,29 +663,46 @@ def token_text(tokenizer: Any, token_id: int, as_id: bool = False, context: Sequ
     carries whatever the token's bytes."""
     if not tokenizer or as_id:
         return f"token_id:{token_id}"
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
-    if text.endswith("\ufffd"):
-        return _completed_character(tokenizer, token_id, context)
-    marker = _space_marker(tokenizer)
-    if marker is None:
-        return text
-    piece = tokenizer.convert_ids_to_tokens(token_id) or ""
-    missing = (len(piece) - len(piece.lstrip(marker))) - (len(text) - len(text.lstrip(" ")))
-    return " " * missing + text if missing > 0 else text
+    text = _alone(tokenizer, token_id)
+    return _completed_character(tokenizer, token_id, context) if text.endswith("\ufffd") else text
+
+
+def _alone(tokenizer: Any, token_id: int) -> str:
+    """token_id decoded alone, the leading spaces a SentencePiece decode strips put back
+    (not on part of a character). Remembered on the tokenizer, at most one entry a
+    vocabulary token: a response's logprobs name the same tokens many times over."""
+    cache = getattr(tokenizer, "_taxirank_alone", None)
+    if cache is None:
+        cache = tokenizer._taxirank_alone = {}
+    text = cache.get(token_id)
+    if text is None:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        marker = _space_marker(tokenizer)
+        if marker is not None and not text.endswith("\ufffd"):
+            piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+            missing = (len(piece) - len(piece.lstrip(marker))) - (len(text) - len(text.lstrip(" ")))
+            text = " " * missing + text if missing > 0 else text
+        cache[token_id] = text
+    return text
 
 
 def _completed_character(tokenizer: Any, token_id: int, context: Sequence[int]) -> str:
     """vLLM's _correct_decoded_token: the text token_id adds to the last 1..4 tokens of
     `context` (a UTF-8 character spans at most 4 bytes) once they decode to whole
     characters, those of its own character included (the partial tokens before it are "");
-    "" when no such run ends on it."""
-    for n in range(1, min(len(context), 4) + 1):
-        run = list(context[-n:])
+    "" when no such run ends on it. A run ends on a whole character only if it reaches back
+    to the character's first byte, which a longer run does too: the longest is tried first,
+    so a token that completes nothing (most top entries of a split character) costs one decode."""
+    longest = list(context[-4:])
+    if not longest or tokenizer.decode(longest + [token_id], skip_special_tokens=False).endswith("\ufffd"):
+        return ""
+    for n in range(1, len(longest) + 1):
+        run = longest[-n:]
         whole = tokenizer.decode(run + [token_id], skip_special_tokens=False)
         if whole.endswith("\ufffd"):
             continue
         clean = n  # the run before its trailing partial tokens, whose text is not this token's
-        while clean and tokenizer.decode(run[clean - 1:clean], skip_special_tokens=False).endswith("\ufffd"):
+        while clean and _alone(tokenizer, run[clean - 1]).endswith("\ufffd"):
             clean -= 1
         before = tokenizer.decode(run[:clean], skip_special_tokens=False) if clean else ""
         return whole[len(os.path.commonprefix([before, whole])):]
@@ -693,13 +710,14 @@ def _completed_character(tokenizer: Any, token_id: int, context: Sequence[int]) 
 
 
 def _contexts(lps: Sequence[TokenLogprob | int | None], before: Sequence[int] = ()) -> Iterator[list[int]]:
-    """Each position's context for token_text: the last 4 tokens before it that have a
-    logprob (vLLM's _get_sampled_context_ids), starting after `before`."""
+    """Each position's context for token_text: the last 4 tokens before it (vLLM's
+    _get_sampled_context_ids), starting after `before`; an echoed prompt's first token,
+    a bare id, counts too (a character split over the first two is the second's)."""
     context = list(before)[-4:]
     for lp in lps:
         yield context
-        if lp is not None and not isinstance(lp, int):
-            context = (context + [lp.token_id])[-4:]
+        if lp is not None:
+            context = (context + [lp if isinstance(lp, int) else lp.token_id])[-4:]
 
 
 def _space_marker(tokenizer: Any) -> str | None:
@@ -779,7 +797,7 @@ def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], top: int, as_ids: boo
     keep = None if top == -1 else top
     def entry(token_id: int, logprob: float, context: list[int], sampled: bool = False) -> dict:
         text = token_text(tokenizer, token_id, as_ids, context)
-        raw = token_text(tokenizer, token_id, context=context) if sampled else text
+        raw = token_text(tokenizer, token_id, context=context) if sampled and as_ids else text
         return {"token": text, "logprob": finite(logprob), "bytes": list(raw.encode())}
     return {"content": [entry(lp.token_id, lp.logprob, ctx, sampled=True) | {
         "top_logprobs": [entry(t, v, ctx) for t, v in itertools.islice(_with_sampled(lp).items(), keep)]}

@@ -154,6 +154,22 @@ def test_a_character_split_across_tokens_and_chunks_is_its_last_tokens_text_as_v
     assert len(chunks) == 8 and sum((tokens(c) for c in chunks), []) == ["", "é"] * 4
 
 
+def test_an_echoed_prompt_whose_first_character_is_split_keeps_it_in_its_logprobs_tokens(post) -> None:
+    """Echo with logprobs: the prompt's first token has no logprob, yet it is the context of
+    the second, which completes the character they split ("é", two bytes), so the tokens
+    join into the echoed text, whole and streamed."""
+    prompt = list("é".encode()) + list(b"hi")  # the byte tokenizer's ids are the bytes
+    body = {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 1, "temperature": 0.0}
+    status, text = post(C, body)
+    assert status == 200, text
+    choice = strict_json(text)["choices"][0]
+    assert choice["logprobs"]["tokens"][:4] == ["", "é", "h", "i"] and choice["text"].startswith("éhi")
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    status, text = post(C, body | {"stream": True})
+    streamed = [t for e in sse(text) for c in e["choices"] if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert streamed == choice["logprobs"]["tokens"]
+
+
 # ---- the body's media type -------------------------------------------------------------------
 
 def test_a_body_not_declared_json_is_vllm_s_400(post) -> None:
