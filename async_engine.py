@@ -16,7 +16,7 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from config import EngineConfig
-from engine import EngineDeadError, EngineRequest, LLMEngine, QueueFullError
+from engine import EngineDeadError, EngineRequest, LLMEngine, PreemptionRefusedError, QueueFullError
 from outputs import RequestOutputDelta
 from sequence import DuplicateRequestError
 
@@ -230,7 +230,7 @@ class AsyncEngine:
                 done, reset_running = arg
                 try:
                     ok = self.engine.reset_prefix_cache(reset_running)
-                except ValueError as e:  # refused (a batching that never preempts)
+                except PreemptionRefusedError as e:  # refused before anything changed
                     self._loop.call_soon_threadsafe(_settle, done, e)
                     continue
                 except BaseException as e:  # a step it collected failed: the loop dies (_run)

@@ -48,6 +48,11 @@ class QueueFullError(RuntimeError):
     """max_waiting_requests requests are already waiting."""
 
 
+class PreemptionRefusedError(ValueError):
+    """reset_prefix_cache(reset_running_requests=True) under a batching that never preempts
+    (static): refused before anything changed."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop died; every open stream gets this, and the server exits."""
 
@@ -296,9 +301,13 @@ class LLMEngine:
         changed, while a request holds KV blocks, unless reset_running_requests: then the
         steps in flight are collected (the next step() returns their deltas) and every
         running request is preempted by recompute, its K/V computed again on its next
-        admission, as after a weight update, when all of it is stale. ValueError under a
-        batching that never preempts (static)."""
+        admission, as after a weight update, when all of it is stale. PreemptionRefusedError
+        under a batching that never preempts (static)."""
         if reset_running_requests:
+            batching = self.scheduler.batching
+            if not batching.may_preempt:
+                raise PreemptionRefusedError(f"{batching.name} batching never preempts a running request; "
+                                             "reset_running_requests needs continuous batching")
             self._undelivered += self._drain()  # the preemptions come after every token in flight
             out = self.scheduler.preempt_running()
             if out.preempted:

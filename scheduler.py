@@ -392,12 +392,11 @@ class Scheduler:
         all of it is stale). The latest admitted goes first, so a queue that puts a
         preempted request at its front keeps their order. Only between steps, none in flight:
         the step it returns has no rows, only these preemptions."""
-        if not self.batching.may_preempt:
-            raise ValueError(f"{self.batching.name} batching never preempts a running request; "
-                             "reset_running_requests needs continuous batching")
+        assert self.batching.may_preempt, f"{self.batching.name} batching never preempts"
         out = SchedulerOutput()
         for victim in reversed(list(self.running)):
-            self._preempt(out, victim, may_swap=False)
+            # No wait reason yet: nothing refused it a place; the next schedule() says why if it still waits.
+            self._preempt(out, victim, may_swap=False, reason=None)
         for seq in self.waiting:
             if seq.swapped:
                 seq.num_computed_high = max(seq.num_computed_high, seq.swapped[1])
@@ -764,7 +763,8 @@ class Scheduler:
         out.num_decode_tokens -= 1
         self.allocator.uncache_from(seq.request_id, seq.num_computed_tokens // self.config.block_size)
 
-    def _preempt(self, out: SchedulerOutput, victim: Sequence, may_swap: bool = True) -> None:
+    def _preempt(self, out: SchedulerOutput, victim: Sequence, may_swap: bool = True,
+                 reason: str | None = "kv_blocks") -> None:
         """Back to the waiting queue where the policy puts it (FCFS: the front), outputs
         kept, its device blocks freed. By recompute: its K/V is dropped and computed again
         on re-admission. By swap: its K/V blocks are copied to the host pool and back on
@@ -788,7 +788,7 @@ class Scheduler:
         out.preempted_swapped.append(swap)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
-        self.waiting.requeue(victim, "kv_blocks")
+        self.waiting.requeue(victim, reason)
         out.preempted.append(victim)
         # Never one already in this step: the full blocks a scheduled chunk completes are
         # already named in the prefix cache, and their K/V must then be computed.

@@ -49,7 +49,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine import LLMEngine, EngineConfig, SamplingParams, child_requests
+from engine import LLMEngine, EngineConfig, PreemptionRefusedError, SamplingParams, child_requests
 from sampling_params import StructuredOutputsParams
 from sequence import RUNNING, WAITING
 
@@ -245,10 +245,15 @@ class Run:
             return
         was_running = [s for s in sch.running if not s.finished]
         if self.static:
-            with pytest.raises(ValueError, match="never preempts"):
+            in_flight = len(self.e._in_flight)
+            with pytest.raises(PreemptionRefusedError, match="never preempts"):
                 self.e.reset_prefix_cache(reset_running_requests=True)
+            assert len(self.e._in_flight) == in_flight and not self.e._undelivered  # refused before anything changed
         else:
+            waiting_for_blocks = sch.waiting_by_reason()["kv_blocks"]
             assert self.e.reset_prefix_cache(reset_running_requests=True)
+            # its victims wait for nothing yet (no step refused them a place); the others keep their reason
+            assert sch.waiting_by_reason()["kv_blocks"] == waiting_for_blocks
             # no K/V survives: nothing runs, holds a block or a host copy, or is named
             assert not self.e._in_flight and not sch.running and alloc.num_used == alloc.num_cached == 0
             assert all(s.swapped is None for s in sch.waiting)
