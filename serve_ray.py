@@ -513,6 +513,10 @@ def plan(args: argparse.Namespace) -> Plan:
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be a fixed port (1..65535) for Ray Serve's proxy, got {args.port}")
     cli_args.check_server_flags(args)  # Ray Serve's proxy binds --host; a replica would fail on the rest
+    if args.default_chat_template_kwargs is not None:  # server.py's check before the model loads
+        import chat_format
+
+        chat_format.check_default_kwargs(args.default_chat_template_kwargs)
     autoscale = args.min_replicas is not None or args.max_replicas is not None
     if autoscale and args.num_replicas is not None:
         raise ValueError("--num-replicas is a fixed count; --min-replicas/--max-replicas autoscale: give one or the other")

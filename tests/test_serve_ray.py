@@ -323,6 +323,9 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
                         (("--max-num-seqs", "0"), "max_num_seqs"),
                         (("--enable-auto-tool-choice",), "requires --tool-call-parser"),
                         (("--enable-log-outputs",), "--enable-log-outputs requires --enable-log-requests"),
+                        # server.py's check before the model loads; else each replica's start fails on it
+                        (("--default-chat-template-kwargs", '{"add_generation_prompt": false}'),
+                         "--default-chat-template-kwargs may not set add_generation_prompt"),
                         (("--uds", "/tmp/x.sock"), "--uds is not supported under Ray Serve"),
                         (("--api-key", "k", ""), "--api-key: a key must be a non-empty string"),
                         (("--ssl-certfile", "c.pem"), "--ssl-certfile is not supported under Ray Serve"),
