@@ -613,6 +613,21 @@ def check_ray_address(address: str | None, timeout_s: float = 10.0) -> None:
                          f"speaks gRPC; {said})")
 
 
+def replica_start_error(e: RuntimeError) -> str:
+    """Why serve.run failed: the error a failed replica's constructor raised (e.g. a model that
+    does not load), from Ray Serve's status, whose message for the deployment ends with that
+    replica's traceback; else serve.run's own words."""
+    try:
+        deployments = serve.status().applications[APP_NAME].deployments.values()
+    except Exception:  # noqa: BLE001 - the controller is gone too: its words are all there is
+        return str(e)
+    for deployment in deployments:
+        lines = [line.strip() for line in deployment.message.splitlines() if line.strip()]
+        if deployment.status == "DEPLOY_FAILED" and lines:
+            return f"a replica failed to start: {lines[-1]}"
+    return str(e)
+
+
 def main(argv: list[str] | None = None) -> None:
     import cli_args
 
@@ -641,7 +656,10 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        url = start(args, the_plan)
+        try:
+            url = start(args, the_plan)
+        except RuntimeError as e:  # the replicas failed to start: server.py's one line, not Ray's traceback
+            parser.exit(2, f"{parser.prog}: error: {replica_start_error(e)}\n")
         log.info("ready: %s  (%s)", url, "autoscaling" if "autoscaling_config" in the_plan.options
                  else f"{the_plan.options['num_replicas']} replicas")
         stop.wait()

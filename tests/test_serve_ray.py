@@ -410,6 +410,19 @@ def test_an_address_where_no_ray_cluster_listens_is_one_error_line_not_a_wait() 
     assert "Traceback" not in out.stderr
 
 
+def test_a_model_the_replicas_cannot_load_is_one_error_line_and_exit_2(tmp_path) -> None:
+    """server.py exits 2 with one line when the engine cannot be built (a model that does not
+    load); under Ray Serve that happens in each replica's constructor, and serve.run says only
+    that the deployment failed: the line must name the replica's error."""
+    model = tmp_path / "nothing"
+    out = subprocess.run([sys.executable, "serve_ray.py", "--model", str(model), "--port", str(free_port())],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900,  # a guard: it answers in ~20 s
+                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert (f"serve_ray.py: error: a replica failed to start: FileNotFoundError: model '{model}' is neither a "
+            "built-in model") in out.stderr, out.stderr[-3000:]
+
+
 def test_a_port_that_speaks_no_grpc_is_no_ray_cluster_and_the_clusters_own_gcs_is(server: Server) -> None:
     """The address check asks in HTTP/2 as Ray's GCS client would: the running cluster's GCS
     passes, and a port where an HTTP/1 server (the dashboard's kind), a silent server, or one
