@@ -297,10 +297,16 @@ class EngineReplica:
             raise RuntimeError(f"the engine loop died: {self.engine.error!r}")
 
     async def __del__(self) -> None:
-        self.announcer.cancel()
-        await self.engine.shutdown()  # every in-flight stream gets its last event
-        await self.runner.cleanup()
-        await self.session.close()
+        # Ray Serve calls this after a constructor that raised too (a model that does not
+        # load): only what was set up is torn down.
+        if hasattr(self, "announcer"):
+            self.announcer.cancel()
+        if hasattr(self, "engine"):
+            await self.engine.shutdown()  # every in-flight stream gets its last event
+        if hasattr(self, "runner"):
+            await self.runner.cleanup()
+        if hasattr(self, "session"):
+            await self.session.close()
 
 
 def relay_session() -> aiohttp.ClientSession:
