@@ -121,6 +121,9 @@ REPLICA_HEADER = "x-taxirank-replica"  # which replica answered: for clients, te
 ANNOUNCE_INTERVAL_S = 5.0  # an Engine replica re-announces its address to the Ingress this often
 # Headers that belong to one HTTP hop, not to the request or response they travel with.
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+# Headers Ray Serve's proxy (uvicorn) puts on every response it sends: a replica's own would
+# go out beside them, two Date fields (a field HTTP allows once) and two Server fields.
+PROXY_HEADERS = {"date", "server"}
 
 
 # ---- the request as it travels from the Ingress to an Engine replica ---------------
@@ -285,7 +288,7 @@ class EngineReplica:
         the app writes them (an SSE stream event by event)."""
         async with self.session.request(request.method, self.url + request.path, headers=list(request.headers),
                                         data=request.body) as resp:
-            headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS]
+            headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS | PROXY_HEADERS]
             yield HttpHead(resp.status, tuple(headers) + ((REPLICA_HEADER, self.replica),))
             async for data in resp.content.iter_any():
                 yield data

@@ -399,6 +399,22 @@ def test_a_response_is_named_by_the_clients_x_request_id_or_else_by_ray_serves(s
             assert answer["id"] == prefix + (header or resp.getheader("x-request-id")), (path, header, answer)
 
 
+def test_a_relayed_answer_carries_one_date_and_one_server_header(server: Server) -> None:
+    """Ray Serve's proxy (uvicorn) sets Date and Server on every response; a replica's app
+    sets its own, which must not go out beside them (Date is a field HTTP allows once)."""
+    for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/completions", b"{bad"),
+                               ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}'), ("GET", "/metrics", None)):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        try:
+            conn.request(method, path, body, {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+            resp = conn.getresponse()
+            resp.read()
+        finally:
+            conn.close()
+        names = [k.lower() for k, _ in resp.getheaders()]
+        assert (names.count("date"), names.count("server")) == (1, 1), (method, path, resp.getheaders())
+
+
 def test_an_address_where_no_ray_cluster_listens_is_one_error_line_not_a_wait() -> None:
     """ray.init retries such an address in its GCS client's reconnect loop for many minutes."""
     port = free_port()  # bound and closed again: nothing listens there
