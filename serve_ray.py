@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-ongoing-requests", type=float,
                    help="autoscaling: requests per replica it aims at; None: --max-num-seqs")
     g.add_argument("--max-ongoing-requests", type=int,
-                   help="requests one replica is sent at most; the rest wait in the router; None: 2 x --max-num-seqs")
+                   help="requests one replica is sent at most; the rest wait in the router; None: 2 x --max-num-seqs, "
+                        "or more than --max-num-seqs + --max-waiting-requests if that is more")
     g.add_argument("--routing", choices=["prefix", "power-of-two"], default="prefix",
                    help="prefix: the replica holding the longest prefix of the prompt unless its queue is more "
                         "than --imbalanced-threshold longer than the shortest, else the least loaded; "
@@ -549,8 +550,13 @@ def plan(args: argparse.Namespace) -> Plan:
         # Ray makes only a replica's own GPUs visible to it: the mesh would not find its devices.
         raise ValueError(f"--replica-gpus {gpus:g} is fewer GPUs than --tensor-parallel-size {tp} shards each "
                          f"replica over: give --replica-gpus >= {tp} (or 0 for CPU replicas)")
+    ongoing = args.max_ongoing_requests or 2 * config.max_num_seqs
+    if args.max_ongoing_requests is None and config.max_waiting_requests is not None:
+        # A replica sent no more than it runs and lets wait would never answer the 503 of
+        # --max-waiting-requests: the rest would wait in Ray Serve's router, unbounded.
+        ongoing = max(ongoing, config.max_num_seqs + config.max_waiting_requests + 1)
     options: dict[str, Any] = {
-        "max_ongoing_requests": args.max_ongoing_requests or 2 * config.max_num_seqs,
+        "max_ongoing_requests": ongoing,
         "ray_actor_options": {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
         # server.py's --shutdown-timeout, kept by Ray Serve: a stopping replica takes no new
         # requests and gives those in flight this long before __del__ aborts the rest.

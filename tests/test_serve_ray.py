@@ -279,6 +279,12 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
     assert fixed.options["request_router_config"].request_router_kwargs == {"imbalanced_threshold": 8}
     assert fixed.options["graceful_shutdown_timeout_s"] == 30.0  # server.py's --shutdown-timeout default
     assert plan("--shutdown-timeout", "2.5").options["graceful_shutdown_timeout_s"] == 2.5
+    # A replica must be sent more than it runs and lets wait, or --max-waiting-requests's 503 never comes
+    for waiting in ("1", "4", "16"):
+        assert plan("--max-num-seqs", "4", "--max-waiting-requests", waiting).options["max_ongoing_requests"] \
+            >= 4 + int(waiting) + 1
+    assert plan("--max-num-seqs", "4", "--max-waiting-requests", "16",
+                "--max-ongoing-requests", "6").options["max_ongoing_requests"] == 6  # as asked
     auto = plan("--min-replicas", "1", "--max-replicas", "4", "--target-ongoing-requests", "6")
     assert "num_replicas" not in auto.options
     scaling = auto.options["autoscaling_config"]
