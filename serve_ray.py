@@ -667,14 +667,20 @@ def main(argv: list[str] | None = None) -> None:
         ray.init(address=args.ray_address, include_dashboard=False)
     except (ValueError, ConnectionError) as e:  # no cluster there ('auto': Ray's ConnectionError)
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    # A signal during start-up (replicas loading, or waiting for resources) stops it as Ctrl-C
+    # does, as under server.py: serve.run waits for the replicas with no timeout.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         try:
             url = start(args, the_plan)
         except RuntimeError as e:  # the replicas failed to start: server.py's one line, not Ray's traceback
             parser.exit(2, f"{parser.prog}: error: {replica_start_error(e)}\n")
+        except KeyboardInterrupt:
+            log.info("stopped during start-up")
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         log.info("ready: %s  (%s)", url, "autoscaling" if "autoscaling_config" in the_plan.options
                  else f"{the_plan.options['num_replicas']} replicas")
         stop.wait()

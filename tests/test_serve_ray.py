@@ -497,6 +497,31 @@ def test_a_port_another_process_holds_is_one_error_line_before_ray_starts(monkey
         "(is another server running there?)")
 
 
+def test_a_signal_while_the_replicas_start_stops_the_driver(monkeypatch) -> None:
+    """serve.run waits for the replicas with no timeout (a model loading, replicas waiting
+    for resources): SIGTERM or Ctrl-C then must stop it, and Serve and Ray be shut down,
+    as server.py stops during start-up."""
+    calls: list[str] = []
+
+    def slow_start(args: Any, the_plan: Any) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)  # a guard only: the signal interrupts it
+        calls.append("started")
+        return "http://unused"
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **_: calls.append("init"))
+    monkeypatch.setattr(serve_ray.ray, "cluster_resources", lambda: {"CPU": 8.0})
+    monkeypatch.setattr(serve_ray, "start", slow_start)
+    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve_ray.main(["--model", "tiny", "--port", str(free_port())])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert calls == ["init", "serve.shutdown", "ray.shutdown"]
+
+
 def test_server_py_never_imports_ray() -> None:
     code = "import sys, server; assert not [m for m in sys.modules if m.split('.')[0] == 'ray'], 'ray imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
