@@ -628,6 +628,26 @@ def check_ray_address(address: str | None, timeout_s: float = 10.0) -> None:
                          f"speaks gRPC; {said})")
 
 
+def check_resources(the_plan: Plan, resources: dict[str, float]) -> None:
+    """A ValueError unless a Ray instance with `resources` (ray.cluster_resources()) can place
+    the replicas the plan starts with (at least one): serve.run would wait for them forever,
+    Ray Serve saying only that they take long to be scheduled. For a local instance, whose
+    resources nothing adds to; a cluster's autoscaler may add the nodes they wait for."""
+    options = the_plan.options
+    n = options.get("num_replicas") or max(options["autoscaling_config"].min_replicas, 1)
+    cpus, gpus = options["ray_actor_options"]["num_cpus"], options["ray_actor_options"]["num_gpus"]
+    have_cpus, have_gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    # a fraction of a GPU shares one GPU with others of its size: floor(1 / fraction) of them fit on one
+    fit = (math.floor(have_gpus) * math.floor(1 / gpus + 1e-9) if gpus < 1 else math.floor(have_gpus / gpus + 1e-9)) \
+        if gpus > 0 else n
+    if fit < n:
+        raise ValueError(f"--replica-gpus {gpus:g}: this machine's Ray instance has {have_gpus:g} GPU(s), room for "
+                         f"{fit} of the {n} replica(s) (give fewer replicas, or --ray-address a cluster that has them)")
+    if n * cpus > have_cpus + 1e-9:
+        raise ValueError(f"--replica-cpus {cpus:g}: {n} replica(s) need {n * cpus:g} CPUs, this machine's Ray instance "
+                         f"has {have_cpus:g} (give fewer replicas or a smaller --replica-cpus)")
+
+
 def replica_start_error(e: RuntimeError) -> str:
     """Why serve.run failed: the error a failed replica's constructor raised (e.g. a model that
     does not load), from Ray Serve's status, whose message for the deployment ends with that
@@ -672,6 +692,11 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     stop = threading.Event()
     try:
+        if args.ray_address is None:
+            try:
+                check_resources(the_plan, ray.cluster_resources())
+            except ValueError as e:
+                parser.exit(2, f"{parser.prog}: error: {e}\n")
         try:
             url = start(args, the_plan)
         except RuntimeError as e:  # the replicas failed to start: server.py's one line, not Ray's traceback

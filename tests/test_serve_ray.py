@@ -522,6 +522,51 @@ def test_a_signal_while_the_replicas_start_stops_the_driver(monkeypatch) -> None
     assert calls == ["init", "serve.shutdown", "ray.shutdown"]
 
 
+def test_replicas_a_local_ray_instance_cannot_place_are_one_error_line_not_a_wait(monkeypatch, capsys) -> None:
+    """A local Ray instance's resources are all it will have: replicas that do not fit would
+    wait to be scheduled forever (serve.run with them)."""
+    def fits(resources: dict[str, float], *flags: str) -> bool:
+        the_plan = serve_ray.plan(serve_ray.build_parser().parse_args(["--model", "tiny", *flags]))
+        try:
+            serve_ray.check_resources(the_plan, resources)
+        except ValueError:
+            return False
+        return True
+
+    two_cpus, one_gpu = {"CPU": 2.0}, {"CPU": 16.0, "GPU": 1.0}
+    assert fits(two_cpus, "--num-replicas", "2") and not fits(two_cpus, "--num-replicas", "3")
+    assert fits(two_cpus, "--num-replicas", "4", "--replica-cpus", "0.5")
+    assert not fits(two_cpus, "--replica-cpus", "3")
+    assert fits(two_cpus, "--min-replicas", "0", "--max-replicas", "8")  # starts one (on the first request)
+    assert not fits(two_cpus, "--min-replicas", "3", "--max-replicas", "8")
+    assert not fits(two_cpus, "--replica-gpus", "1") and fits(one_gpu, "--replica-gpus", "1")
+    assert not fits(one_gpu, "--num-replicas", "2", "--replica-gpus", "1")
+    # fractions of one GPU share it by size: two halves or three thirds fit on one, three 0.4s do not
+    assert fits(one_gpu, "--num-replicas", "2", "--replica-gpus", "0.5")
+    assert fits(one_gpu, "--num-replicas", "3", "--replica-gpus", "0.333333")
+    assert not fits(one_gpu, "--num-replicas", "3", "--replica-gpus", "0.4")
+    assert not fits({"CPU": 16.0, "GPU": 2.0}, "--num-replicas", "3", "--replica-gpus", "0.6")
+    assert fits({"CPU": 16.0, "GPU": 4.0}, "--num-replicas", "2", "--replica-gpus", "2")
+
+    calls: list[str] = []
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **_: calls.append("init"))
+    monkeypatch.setattr(serve_ray.ray, "cluster_resources", lambda: dict(two_cpus))
+    monkeypatch.setattr(serve_ray, "start", lambda *_: calls.append("started"))
+    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as e:
+            serve_ray.main(["--model", "tiny", "--port", str(free_port()), "--replica-gpus", "1"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert e.value.code == 2 and calls == ["init", "serve.shutdown", "ray.shutdown"]
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(  # after the program's name
+        ": error: --replica-gpus 1: this machine's Ray instance has 0 GPU(s), room for 0 of the 1 "
+        "replica(s) (give fewer replicas, or --ray-address a cluster that has them)")
+
+
 def test_server_py_never_imports_ray() -> None:
     code = "import sys, server; assert not [m for m in sys.modules if m.split('.')[0] == 'ray'], 'ray imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
