@@ -439,7 +439,9 @@ def test_a_model_the_replicas_cannot_load_is_one_error_line_and_exit_2(tmp_path)
     model = tmp_path / "nothing"
     out = subprocess.run([sys.executable, "serve_ray.py", "--model", str(model), "--port", str(free_port())],
                          cwd=ROOT, capture_output=True, text=True, timeout=900,  # a guard: it answers in ~20 s
-                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT)})
+                         # one try per replica (Ray Serve's default: 3) is enough to see it fail
+                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+                         | {"PYTHONPATH": str(ROOT), "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
     assert out.returncode == 2, out.stderr[-3000:]
     assert (f"serve_ray.py: error: a replica failed to start: FileNotFoundError: model '{model}' is neither a "
             "built-in model") in out.stderr, out.stderr[-3000:]
