@@ -38,6 +38,7 @@ import signal
 import socket
 import ssl
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -587,9 +588,22 @@ def start(args: argparse.Namespace, the_plan: Plan) -> str:
                                 enable_access_log=args.log_level == "debug")
     serve.start(http_options={"host": args.host, "port": args.port}, logging_config=ray_logging)
     engines = EngineReplica.options(**the_plan.options).bind(args, the_plan.config)
-    serve.run(Ingress.bind(engines, CorsPolicy.from_args(args), args.root_path), name=APP_NAME, route_prefix="/",
+    # The Ingress relays what the Engine replicas answer: it drains as long as they do.
+    ingress = Ingress.options(graceful_shutdown_timeout_s=args.shutdown_timeout)
+    serve.run(ingress.bind(engines, CorsPolicy.from_args(args), args.root_path), name=APP_NAME, route_prefix="/",
               logging_config=ray_logging)
     return f"http://{args.host}:{args.port}"
+
+
+def drain(timeout_s: float) -> None:
+    """Delete the application, letting the requests in flight finish for up to `timeout_s`
+    (--shutdown-timeout, each replica's graceful_shutdown_timeout_s) as server.py drains,
+    and wait for it. serve.shutdown alone stops the proxy first, which drops every open
+    connection at once, and gives the controller 30 s whatever the timeout."""
+    serve.delete(APP_NAME, _blocking=False)
+    deadline = time.monotonic() + timeout_s + 30.0  # the replicas' own stopping beyond their grace
+    while APP_NAME in serve.status().applications and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 # HTTP/2's client preface and an empty SETTINGS frame: a gRPC server (a Ray cluster's GCS,
@@ -709,7 +723,14 @@ def main(argv: list[str] | None = None) -> None:
         log.info("ready: %s  (%s)", url, "autoscaling" if "autoscaling_config" in the_plan.options
                  else f"{the_plan.options['num_replicas']} replicas")
         stop.wait()
-        log.info("shutting down")
+        log.info("shutting down: the requests in flight get up to %g s to finish (--shutdown-timeout)",
+                 args.shutdown_timeout)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: do not wait out the grace period
+            signal.signal(sig, signal.default_int_handler)
+        try:
+            drain(args.shutdown_timeout)
+        except KeyboardInterrupt:
+            log.info("shutting down now: aborting what is still in flight")
     finally:
         serve.shutdown()
         ray.shutdown()

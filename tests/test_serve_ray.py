@@ -449,6 +449,50 @@ def test_a_model_the_replicas_cannot_load_is_one_error_line_and_exit_2(tmp_path)
     assert "object has no attribute" not in out.stderr, out.stderr[-3000:]
 
 
+def test_sigterm_lets_the_requests_in_flight_finish_within_the_shutdown_timeout() -> None:
+    """server.py's drain: on SIGTERM the requests in flight get up to --shutdown-timeout to
+    finish. serve.shutdown alone stops Ray Serve's proxy first, which dropped every open
+    connection at once."""
+    port = free_port()
+    # the fixture's shapes: its replicas' programs are in the compilation cache already
+    proc = subprocess.Popen([sys.executable, "serve_ray.py", *SMALL, "--num-replicas", "1", "--shutdown-timeout", "300",
+                             "--port", str(port), "--no-warmup"],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT)})
+    log: list[str] = []
+    ready = threading.Event()
+
+    def read_log() -> None:
+        for line in proc.stderr:
+            log.append(line)
+            if "taxirank.serve_ray: ready:" in line:
+                ready.set()
+        ready.set()
+    threading.Thread(target=read_log, daemon=True).start()
+    try:
+        assert ready.wait(600) and proc.poll() is None, "".join(log[-50:])
+        body = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+        with contextlib.ExitStack() as stack:
+            streams = [stack.enter_context(streaming(Server(port, None, ""), {"prompt": f"rank {i}"} | body))
+                       for i in range(3)]
+            wait_for(lambda: all(s["events"] or s["done"].is_set() for s in streams), "every stream under way",
+                     at_most=0.2)
+            proc.send_signal(signal.SIGTERM)
+        for s in streams:
+            assert s["status"] == 200 and s["events"][-1]["choices"][0]["finish_reason"] == "length", s["events"][-1:]
+        assert proc.wait(600) == 0, "".join(log[-50:])
+    finally:
+        if proc.poll() is None:  # a second signal stops it at once, Ray included (a kill would leave Ray's processes)
+            for _ in range(2):
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(1)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def test_a_port_that_speaks_no_grpc_is_no_ray_cluster_and_the_clusters_own_gcs_is(server: Server) -> None:
     """The address check asks in HTTP/2 as Ray's GCS client would: the running cluster's GCS
     passes, and a port where an HTTP/1 server (the dashboard's kind), a silent server, or one
