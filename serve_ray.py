@@ -668,7 +668,7 @@ def replica_start_error(e: RuntimeError) -> str:
     replica's traceback; else serve.run's own words."""
     try:
         deployments = serve.status().applications[APP_NAME].deployments.values()
-    except Exception:  # noqa: BLE001 - the controller is gone too: its words are all there is
+    except Exception:  # the controller is gone too: its words are all there is
         return str(e)
     for deployment in deployments:
         lines = [line.strip() for line in deployment.message.splitlines() if line.strip()]
