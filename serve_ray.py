@@ -38,6 +38,7 @@ import signal
 import socket
 import ssl
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-ongoing-requests", type=float,
                    help="autoscaling: requests per replica it aims at; None: --max-num-seqs")
     g.add_argument("--max-ongoing-requests", type=int,
-                   help="requests one replica is sent at most; the rest wait in the router; None: 2 x --max-num-seqs")
+                   help="requests one replica is sent at most; the rest wait in the router; None: 2 x --max-num-seqs, "
+                        "or more than --max-num-seqs + --max-waiting-requests if that is more")
     g.add_argument("--routing", choices=["prefix", "power-of-two"], default="prefix",
                    help="prefix: the replica holding the longest prefix of the prompt unless its queue is more "
                         "than --imbalanced-threshold longer than the shortest, else the least loaded; "
@@ -121,6 +123,9 @@ REPLICA_HEADER = "x-taxirank-replica"  # which replica answered: for clients, te
 ANNOUNCE_INTERVAL_S = 5.0  # an Engine replica re-announces its address to the Ingress this often
 # Headers that belong to one HTTP hop, not to the request or response they travel with.
 HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+# Headers Ray Serve's proxy (uvicorn) puts on every response it sends: a replica's own would
+# go out beside them, two Date fields (a field HTTP allows once) and two Server fields.
+PROXY_HEADERS = {"date", "server"}
 
 
 # ---- the request as it travels from the Ingress to an Engine replica ---------------
@@ -285,7 +290,7 @@ class EngineReplica:
         the app writes them (an SSE stream event by event)."""
         async with self.session.request(request.method, self.url + request.path, headers=list(request.headers),
                                         data=request.body) as resp:
-            headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS]
+            headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS | PROXY_HEADERS]
             yield HttpHead(resp.status, tuple(headers) + ((REPLICA_HEADER, self.replica),))
             async for data in resp.content.iter_any():
                 yield data
@@ -297,10 +302,16 @@ class EngineReplica:
             raise RuntimeError(f"the engine loop died: {self.engine.error!r}")
 
     async def __del__(self) -> None:
-        self.announcer.cancel()
-        await self.engine.shutdown()  # every in-flight stream gets its last event
-        await self.runner.cleanup()
-        await self.session.close()
+        # Ray Serve calls this after a constructor that raised too (a model that does not
+        # load): only what was set up is torn down.
+        if hasattr(self, "announcer"):
+            self.announcer.cancel()
+        if hasattr(self, "engine"):
+            await self.engine.shutdown()  # every in-flight stream gets its last event
+        if hasattr(self, "runner"):
+            await self.runner.cleanup()
+        if hasattr(self, "session"):
+            await self.session.close()
 
 
 def relay_session() -> aiohttp.ClientSession:
@@ -513,6 +524,10 @@ def plan(args: argparse.Namespace) -> Plan:
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be a fixed port (1..65535) for Ray Serve's proxy, got {args.port}")
     cli_args.check_server_flags(args)  # Ray Serve's proxy binds --host; a replica would fail on the rest
+    if args.default_chat_template_kwargs is not None:  # server.py's check before the model loads
+        import chat_format
+
+        chat_format.check_default_kwargs(args.default_chat_template_kwargs)
     autoscale = args.min_replicas is not None or args.max_replicas is not None
     if autoscale and args.num_replicas is not None:
         raise ValueError("--num-replicas is a fixed count; --min-replicas/--max-replicas autoscale: give one or the other")
@@ -536,8 +551,13 @@ def plan(args: argparse.Namespace) -> Plan:
         # Ray makes only a replica's own GPUs visible to it: the mesh would not find its devices.
         raise ValueError(f"--replica-gpus {gpus:g} is fewer GPUs than --tensor-parallel-size {tp} shards each "
                          f"replica over: give --replica-gpus >= {tp} (or 0 for CPU replicas)")
+    ongoing = args.max_ongoing_requests or 2 * config.max_num_seqs
+    if args.max_ongoing_requests is None and config.max_waiting_requests is not None:
+        # A replica sent no more than it runs and lets wait would never answer the 503 of
+        # --max-waiting-requests: the rest would wait in Ray Serve's router, unbounded.
+        ongoing = max(ongoing, config.max_num_seqs + config.max_waiting_requests + 1)
     options: dict[str, Any] = {
-        "max_ongoing_requests": args.max_ongoing_requests or 2 * config.max_num_seqs,
+        "max_ongoing_requests": ongoing,
         "ray_actor_options": {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
         # server.py's --shutdown-timeout, kept by Ray Serve: a stopping replica takes no new
         # requests and gives those in flight this long before __del__ aborts the rest.
@@ -568,9 +588,22 @@ def start(args: argparse.Namespace, the_plan: Plan) -> str:
                                 enable_access_log=args.log_level == "debug")
     serve.start(http_options={"host": args.host, "port": args.port}, logging_config=ray_logging)
     engines = EngineReplica.options(**the_plan.options).bind(args, the_plan.config)
-    serve.run(Ingress.bind(engines, CorsPolicy.from_args(args), args.root_path), name=APP_NAME, route_prefix="/",
+    # The Ingress relays what the Engine replicas answer: it drains as long as they do.
+    ingress = Ingress.options(graceful_shutdown_timeout_s=args.shutdown_timeout)
+    serve.run(ingress.bind(engines, CorsPolicy.from_args(args), args.root_path), name=APP_NAME, route_prefix="/",
               logging_config=ray_logging)
     return f"http://{args.host}:{args.port}"
+
+
+def drain(timeout_s: float) -> None:
+    """Delete the application, letting the requests in flight finish for up to `timeout_s`
+    (--shutdown-timeout, each replica's graceful_shutdown_timeout_s) as server.py drains,
+    and wait for it. serve.shutdown alone stops the proxy first, which drops every open
+    connection at once, and gives the controller 30 s whatever the timeout."""
+    serve.delete(APP_NAME, _blocking=False)
+    deadline = time.monotonic() + timeout_s + 30.0  # the replicas' own stopping beyond their grace
+    while APP_NAME in serve.status().applications and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 # HTTP/2's client preface and an empty SETTINGS frame: a gRPC server (a Ray cluster's GCS,
@@ -609,6 +642,41 @@ def check_ray_address(address: str | None, timeout_s: float = 10.0) -> None:
                          f"speaks gRPC; {said})")
 
 
+def check_resources(the_plan: Plan, resources: dict[str, float]) -> None:
+    """A ValueError unless a Ray instance with `resources` (ray.cluster_resources()) can place
+    the replicas the plan starts with (at least one): serve.run would wait for them forever,
+    Ray Serve saying only that they take long to be scheduled. For a local instance, whose
+    resources nothing adds to; a cluster's autoscaler may add the nodes they wait for."""
+    options = the_plan.options
+    n = options.get("num_replicas") or max(options["autoscaling_config"].min_replicas, 1)
+    cpus, gpus = options["ray_actor_options"]["num_cpus"], options["ray_actor_options"]["num_gpus"]
+    have_cpus, have_gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    # a fraction of a GPU shares one GPU with others of its size: floor(1 / fraction) of them fit on one
+    fit = (math.floor(have_gpus) * math.floor(1 / gpus + 1e-9) if gpus < 1 else math.floor(have_gpus / gpus + 1e-9)) \
+        if gpus > 0 else n
+    if fit < n:
+        raise ValueError(f"--replica-gpus {gpus:g}: this machine's Ray instance has {have_gpus:g} GPU(s), room for "
+                         f"{fit} of the {n} replica(s) (give fewer replicas, or --ray-address a cluster that has them)")
+    if n * cpus > have_cpus + 1e-9:
+        raise ValueError(f"--replica-cpus {cpus:g}: {n} replica(s) need {n * cpus:g} CPUs, this machine's Ray instance "
+                         f"has {have_cpus:g} (give fewer replicas or a smaller --replica-cpus)")
+
+
+def replica_start_error(e: RuntimeError) -> str:
+    """Why serve.run failed: the error a failed replica's constructor raised (e.g. a model that
+    does not load), from Ray Serve's status, whose message for the deployment ends with that
+    replica's traceback; else serve.run's own words."""
+    try:
+        deployments = serve.status().applications[APP_NAME].deployments.values()
+    except Exception:  # the controller is gone too: its words are all there is
+        return str(e)
+    for deployment in deployments:
+        lines = [line.strip() for line in deployment.message.splitlines() if line.strip()]
+        if deployment.status == "DEPLOY_FAILED" and lines:
+            return f"a replica failed to start: {lines[-1]}"
+    return str(e)
+
+
 def main(argv: list[str] | None = None) -> None:
     import cli_args
 
@@ -633,15 +701,36 @@ def main(argv: list[str] | None = None) -> None:
         ray.init(address=args.ray_address, include_dashboard=False)
     except (ValueError, ConnectionError) as e:  # no cluster there ('auto': Ray's ConnectionError)
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    # A signal during start-up (replicas loading, or waiting for resources) stops it as Ctrl-C
+    # does, as under server.py: serve.run waits for the replicas with no timeout.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        url = start(args, the_plan)
+        if args.ray_address is None:
+            try:
+                check_resources(the_plan, ray.cluster_resources())
+            except ValueError as e:
+                parser.exit(2, f"{parser.prog}: error: {e}\n")
+        try:
+            url = start(args, the_plan)
+        except RuntimeError as e:  # the replicas failed to start: server.py's one line, not Ray's traceback
+            parser.exit(2, f"{parser.prog}: error: {replica_start_error(e)}\n")
+        except KeyboardInterrupt:
+            log.info("stopped during start-up")
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         log.info("ready: %s  (%s)", url, "autoscaling" if "autoscaling_config" in the_plan.options
                  else f"{the_plan.options['num_replicas']} replicas")
         stop.wait()
-        log.info("shutting down")
+        log.info("shutting down: the requests in flight get up to %g s to finish (--shutdown-timeout)",
+                 args.shutdown_timeout)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: do not wait out the grace period
+            signal.signal(sig, signal.default_int_handler)
+        try:
+            drain(args.shutdown_timeout)
+        except KeyboardInterrupt:
+            log.info("shutting down now: aborting what is still in flight")
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -279,6 +279,12 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
     assert fixed.options["request_router_config"].request_router_kwargs == {"imbalanced_threshold": 8}
     assert fixed.options["graceful_shutdown_timeout_s"] == 30.0  # server.py's --shutdown-timeout default
     assert plan("--shutdown-timeout", "2.5").options["graceful_shutdown_timeout_s"] == 2.5
+    # A replica must be sent more than it runs and lets wait, or --max-waiting-requests's 503 never comes
+    for waiting in ("1", "4", "16"):
+        assert plan("--max-num-seqs", "4", "--max-waiting-requests", waiting).options["max_ongoing_requests"] \
+            >= 4 + int(waiting) + 1
+    assert plan("--max-num-seqs", "4", "--max-waiting-requests", "16",
+                "--max-ongoing-requests", "6").options["max_ongoing_requests"] == 6  # as asked
     auto = plan("--min-replicas", "1", "--max-replicas", "4", "--target-ongoing-requests", "6")
     assert "num_replicas" not in auto.options
     scaling = auto.options["autoscaling_config"]
@@ -323,6 +329,9 @@ def test_fleet_flags_become_deployment_options_and_bad_combinations_are_refused(
                         (("--max-num-seqs", "0"), "max_num_seqs"),
                         (("--enable-auto-tool-choice",), "requires --tool-call-parser"),
                         (("--enable-log-outputs",), "--enable-log-outputs requires --enable-log-requests"),
+                        # server.py's check before the model loads; else each replica's start fails on it
+                        (("--default-chat-template-kwargs", '{"add_generation_prompt": false}'),
+                         "--default-chat-template-kwargs may not set add_generation_prompt"),
                         (("--uds", "/tmp/x.sock"), "--uds is not supported under Ray Serve"),
                         (("--api-key", "k", ""), "--api-key: a key must be a non-empty string"),
                         (("--ssl-certfile", "c.pem"), "--ssl-certfile is not supported under Ray Serve"),
@@ -396,6 +405,22 @@ def test_a_response_is_named_by_the_clients_x_request_id_or_else_by_ray_serves(s
             assert answer["id"] == prefix + (header or resp.getheader("x-request-id")), (path, header, answer)
 
 
+def test_a_relayed_answer_carries_one_date_and_one_server_header(server: Server) -> None:
+    """Ray Serve's proxy (uvicorn) sets Date and Server on every response; a replica's app
+    sets its own, which must not go out beside them (Date is a field HTTP allows once)."""
+    for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/completions", b"{bad"),
+                               ("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}'), ("GET", "/metrics", None)):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        try:
+            conn.request(method, path, body, {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+            resp = conn.getresponse()
+            resp.read()
+        finally:
+            conn.close()
+        names = [k.lower() for k, _ in resp.getheaders()]
+        assert (names.count("date"), names.count("server")) == (1, 1), (method, path, resp.getheaders())
+
+
 def test_an_address_where_no_ray_cluster_listens_is_one_error_line_not_a_wait() -> None:
     """ray.init retries such an address in its GCS client's reconnect loop for many minutes."""
     port = free_port()  # bound and closed again: nothing listens there
@@ -405,6 +430,67 @@ def test_an_address_where_no_ray_cluster_listens_is_one_error_line_not_a_wait() 
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2 and last.startswith(f"serve_ray.py: error: --ray-address 127.0.0.1:{port}: "), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_model_the_replicas_cannot_load_is_one_error_line_and_exit_2(tmp_path) -> None:
+    """server.py exits 2 with one line when the engine cannot be built (a model that does not
+    load); under Ray Serve that happens in each replica's constructor, and serve.run says only
+    that the deployment failed: the line must name the replica's error."""
+    model = tmp_path / "nothing"
+    out = subprocess.run([sys.executable, "serve_ray.py", "--model", str(model), "--port", str(free_port())],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900,  # a guard: it answers in ~20 s
+                         # one try per replica (Ray Serve's default: 3) is enough to see it fail
+                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+                         | {"PYTHONPATH": str(ROOT), "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert (f"serve_ray.py: error: a replica failed to start: FileNotFoundError: model '{model}' is neither a "
+            "built-in model") in out.stderr, out.stderr[-3000:]
+    # Ray Serve runs a replica's __del__ after its constructor raised too: no traceback of its own
+    assert "object has no attribute" not in out.stderr, out.stderr[-3000:]
+
+
+def test_sigterm_lets_the_requests_in_flight_finish_within_the_shutdown_timeout() -> None:
+    """server.py's drain: on SIGTERM the requests in flight get up to --shutdown-timeout to
+    finish. serve.shutdown alone stops Ray Serve's proxy first, which dropped every open
+    connection at once."""
+    port = free_port()
+    # the fixture's shapes: its replicas' programs are in the compilation cache already
+    proc = subprocess.Popen([sys.executable, "serve_ray.py", *SMALL, "--num-replicas", "1", "--shutdown-timeout", "300",
+                             "--port", str(port), "--no-warmup"],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT)})
+    log: list[str] = []
+    ready = threading.Event()
+
+    def read_log() -> None:
+        for line in proc.stderr:
+            log.append(line)
+            if "taxirank.serve_ray: ready:" in line:
+                ready.set()
+        ready.set()
+    threading.Thread(target=read_log, daemon=True).start()
+    try:
+        assert ready.wait(600) and proc.poll() is None, "".join(log[-50:])
+        body = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+        with contextlib.ExitStack() as stack:
+            streams = [stack.enter_context(streaming(Server(port, None, ""), {"prompt": f"rank {i}"} | body))
+                       for i in range(3)]
+            wait_for(lambda: all(s["events"] or s["done"].is_set() for s in streams), "every stream under way",
+                     at_most=0.2)
+            proc.send_signal(signal.SIGTERM)
+        for s in streams:
+            assert s["status"] == 200 and s["events"][-1]["choices"][0]["finish_reason"] == "length", s["events"][-1:]
+        assert proc.wait(600) == 0, "".join(log[-50:])
+    finally:
+        if proc.poll() is None:  # a second signal stops it at once, Ray included (a kill would leave Ray's processes)
+            for _ in range(2):
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(1)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def test_a_port_that_speaks_no_grpc_is_no_ray_cluster_and_the_clusters_own_gcs_is(server: Server) -> None:
@@ -455,6 +541,76 @@ def test_a_port_another_process_holds_is_one_error_line_before_ray_starts(monkey
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(  # after the program's name
         f": error: --host 127.0.0.1 --port {port}: cannot listen there: Address already in use "
         "(is another server running there?)")
+
+
+def test_a_signal_while_the_replicas_start_stops_the_driver(monkeypatch) -> None:
+    """serve.run waits for the replicas with no timeout (a model loading, replicas waiting
+    for resources): SIGTERM or Ctrl-C then must stop it, and Serve and Ray be shut down,
+    as server.py stops during start-up."""
+    calls: list[str] = []
+
+    def slow_start(args: Any, the_plan: Any) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)  # a guard only: the signal interrupts it
+        calls.append("started")
+        return "http://unused"
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **_: calls.append("init"))
+    monkeypatch.setattr(serve_ray.ray, "cluster_resources", lambda: {"CPU": 8.0})
+    monkeypatch.setattr(serve_ray, "start", slow_start)
+    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        serve_ray.main(["--model", "tiny", "--port", str(free_port())])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert calls == ["init", "serve.shutdown", "ray.shutdown"]
+
+
+def test_replicas_a_local_ray_instance_cannot_place_are_one_error_line_not_a_wait(monkeypatch, capsys) -> None:
+    """A local Ray instance's resources are all it will have: replicas that do not fit would
+    wait to be scheduled forever (serve.run with them)."""
+    def fits(resources: dict[str, float], *flags: str) -> bool:
+        the_plan = serve_ray.plan(serve_ray.build_parser().parse_args(["--model", "tiny", *flags]))
+        try:
+            serve_ray.check_resources(the_plan, resources)
+        except ValueError:
+            return False
+        return True
+
+    two_cpus, one_gpu = {"CPU": 2.0}, {"CPU": 16.0, "GPU": 1.0}
+    assert fits(two_cpus, "--num-replicas", "2") and not fits(two_cpus, "--num-replicas", "3")
+    assert fits(two_cpus, "--num-replicas", "4", "--replica-cpus", "0.5")
+    assert not fits(two_cpus, "--replica-cpus", "3")
+    assert fits(two_cpus, "--min-replicas", "0", "--max-replicas", "8")  # starts one (on the first request)
+    assert not fits(two_cpus, "--min-replicas", "3", "--max-replicas", "8")
+    assert not fits(two_cpus, "--replica-gpus", "1") and fits(one_gpu, "--replica-gpus", "1")
+    assert not fits(one_gpu, "--num-replicas", "2", "--replica-gpus", "1")
+    # fractions of one GPU share it by size: two halves or three thirds fit on one, three 0.4s do not
+    assert fits(one_gpu, "--num-replicas", "2", "--replica-gpus", "0.5")
+    assert fits(one_gpu, "--num-replicas", "3", "--replica-gpus", "0.333333")
+    assert not fits(one_gpu, "--num-replicas", "3", "--replica-gpus", "0.4")
+    assert not fits({"CPU": 16.0, "GPU": 2.0}, "--num-replicas", "3", "--replica-gpus", "0.6")
+    assert fits({"CPU": 16.0, "GPU": 4.0}, "--num-replicas", "2", "--replica-gpus", "2")
+
+    calls: list[str] = []
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **_: calls.append("init"))
+    monkeypatch.setattr(serve_ray.ray, "cluster_resources", lambda: dict(two_cpus))
+    monkeypatch.setattr(serve_ray, "start", lambda *_: calls.append("started"))
+    monkeypatch.setattr(serve_ray.serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as e:
+            serve_ray.main(["--model", "tiny", "--port", str(free_port()), "--replica-gpus", "1"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert e.value.code == 2 and calls == ["init", "serve.shutdown", "ray.shutdown"]
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(  # after the program's name
+        ": error: --replica-gpus 1: this machine's Ray instance has 0 GPU(s), room for 0 of the 1 "
+        "replica(s) (give fewer replicas, or --ray-address a cluster that has them)")
 
 
 def test_server_py_never_imports_ray() -> None:
