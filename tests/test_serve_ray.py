@@ -158,6 +158,10 @@ def test_reset_prefix_cache_reaches_every_replica(server: Server) -> None:
     assert request(server, "POST", "/reset_prefix_cache")[0] == 200
     status, body, _ = post(server, {"prompt": SYSTEM + "Where is the rank?", "max_tokens": 2})
     assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # its query goes to each replica too: vLLM's reset_running_requests, and a refusal
+    assert request(server, "POST", "/reset_prefix_cache?reset_running_requests=true")[0] == 200
+    status, body = request(server, "POST", "/reset_prefix_cache?reset_running_requests=maybe")
+    assert status == 400 and "boolean" in body["error"]["message"], body
 
 
 @contextlib.contextmanager
