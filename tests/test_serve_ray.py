@@ -61,6 +61,11 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {candidates}")
 
 
+# The fleet's drain (the last test of the fixture's) lets its requests in flight finish
+# within it; nothing else waits for it: a replica stops as soon as it has none.
+SHUTDOWN_TIMEOUT = 60.0
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     """The Ray app, as a Server the imported tests can talk to."""
@@ -70,6 +75,8 @@ def server() -> Iterator[Server]:
     # Ray Serve kills its HTTP proxy when it is not ready within 5 s three times running
     # (then every test here errors): on 2 cores shared with the other test worker and its
     # compiles, the proxy's start-up alone took longer (measured in a CI run).
+    # A replica whose constructor fails is tried once, not Ray Serve's 3 times (the last test's model)
+    os.environ.setdefault("RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT", "1")
     for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
         os.environ.setdefault(name, "60")
     # Ray's own metrics (every process exporting its gauges, Serve's per-request counters
@@ -79,6 +86,7 @@ def server() -> Iterator[Server]:
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
     port = free_port()
     args = serve_ray.build_parser().parse_args([*SMALL, "--num-replicas", "2", "--port", str(port),
+                                                "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
                                                 "--api-key", API_KEY, "--no-warmup",
                                                 "--enable-prompt-tokens-details"])
     the_plan = serve_ray.plan(args)
@@ -436,67 +444,6 @@ def test_an_address_where_no_ray_cluster_listens_is_one_error_line_not_a_wait() 
     assert "Traceback" not in out.stderr
 
 
-def test_a_model_the_replicas_cannot_load_is_one_error_line_and_exit_2(tmp_path) -> None:
-    """server.py exits 2 with one line when the engine cannot be built (a model that does not
-    load); under Ray Serve that happens in each replica's constructor, and serve.run says only
-    that the deployment failed: the line must name the replica's error."""
-    model = tmp_path / "nothing"
-    out = subprocess.run([sys.executable, "serve_ray.py", "--model", str(model), "--port", str(free_port())],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900,  # a guard: it answers in ~20 s
-                         # one try per replica (Ray Serve's default: 3) is enough to see it fail
-                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-                         | {"PYTHONPATH": str(ROOT), "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"})
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert (f"serve_ray.py: error: a replica failed to start: FileNotFoundError: model '{model}' is neither a "
-            "built-in model") in out.stderr, out.stderr[-3000:]
-    # Ray Serve runs a replica's __del__ after its constructor raised too: no traceback of its own
-    assert "object has no attribute" not in out.stderr, out.stderr[-3000:]
-
-
-def test_sigterm_lets_the_requests_in_flight_finish_within_the_shutdown_timeout() -> None:
-    """server.py's drain: on SIGTERM the requests in flight get up to --shutdown-timeout to
-    finish. serve.shutdown alone stops Ray Serve's proxy first, which dropped every open
-    connection at once."""
-    port = free_port()
-    # the fixture's shapes: its replicas' programs are in the compilation cache already
-    proc = subprocess.Popen([sys.executable, "serve_ray.py", *SMALL, "--num-replicas", "1", "--shutdown-timeout", "300",
-                             "--port", str(port), "--no-warmup"],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT)})
-    log: list[str] = []
-    ready = threading.Event()
-
-    def read_log() -> None:
-        for line in proc.stderr:
-            log.append(line)
-            if "taxirank.serve_ray: ready:" in line:
-                ready.set()
-        ready.set()
-    threading.Thread(target=read_log, daemon=True).start()
-    try:
-        assert ready.wait(600) and proc.poll() is None, "".join(log[-50:])
-        body = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}
-        with contextlib.ExitStack() as stack:
-            streams = [stack.enter_context(streaming(Server(port, None, ""), {"prompt": f"rank {i}"} | body))
-                       for i in range(3)]
-            wait_for(lambda: all(s["events"] or s["done"].is_set() for s in streams), "every stream under way",
-                     at_most=0.2)
-            proc.send_signal(signal.SIGTERM)
-        for s in streams:
-            assert s["status"] == 200 and s["events"][-1]["choices"][0]["finish_reason"] == "length", s["events"][-1:]
-        assert proc.wait(600) == 0, "".join(log[-50:])
-    finally:
-        if proc.poll() is None:  # a second signal stops it at once, Ray included (a kill would leave Ray's processes)
-            for _ in range(2):
-                proc.send_signal(signal.SIGTERM)
-                time.sleep(1)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 def test_a_port_that_speaks_no_grpc_is_no_ray_cluster_and_the_clusters_own_gcs_is(server: Server) -> None:
     """The address check asks in HTTP/2 as Ray's GCS client would: the running cluster's GCS
     passes, and a port where an HTTP/1 server (the dashboard's kind), a silent server, or one
@@ -529,6 +476,56 @@ def test_a_port_that_speaks_no_grpc_is_no_ray_cluster_and_the_clusters_own_gcs_i
         http1.server_close()
         quiet.close()
         closing.close()
+
+
+def test_the_drain_lets_the_requests_in_flight_finish_within_the_shutdown_timeout(server: Server) -> None:
+    """server.py's drain, as main() runs it on SIGTERM (serve_ray.drain): the requests in
+    flight get up to --shutdown-timeout (the fixture's) to finish. serve.shutdown alone
+    stops Ray Serve's proxy first, which dropped every open connection at once.
+    The fixture's fleet's last test: it deletes its application."""
+    body = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with contextlib.ExitStack() as stack:
+        streams = [stack.enter_context(streaming(server, {"prompt": f"rank {i}"} | body)) for i in range(3)]
+        wait_for(lambda: all(s["events"] or s["done"].is_set() for s in streams), "every stream under way",
+                 at_most=0.2)
+        serve_ray.drain(SHUTDOWN_TIMEOUT)
+    for s in streams:
+        assert s["status"] == 200 and s["events"][-1]["choices"][0]["finish_reason"] == "length", s["events"][-1:]
+    assert serve_ray.APP_NAME not in serve_ray.serve.status().applications
+
+
+def test_a_model_the_replicas_cannot_load_is_one_error_line_naming_the_replicas_error(
+        server: Server, tmp_path, monkeypatch, capsys) -> None:
+    """server.py exits 2 with one line when the engine cannot be built (a model that does not
+    load); under Ray Serve that happens in each replica's constructor, and serve.run says only
+    that the deployment failed: the line must name the replica's error. After the drain: it
+    deploys in the fixture's application's place (one try a replica: the fixture's
+    RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT)."""
+    model = tmp_path / "nothing"
+    argv = ["--model", str(model), "--port", str(free_port())]
+    args = serve_ray.build_parser().parse_args(argv)
+    with pytest.raises(RuntimeError) as failed:
+        serve_ray.start(args, serve_ray.plan(args))
+
+    def start(*_: Any) -> str:  # main() on the same failure, Ray itself already up here
+        raise failed.value
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **_: None)
+    monkeypatch.setattr(serve_ray, "start", start)
+    monkeypatch.setattr(serve_ray.ray, "shutdown", lambda: None)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as e:
+            serve_ray.main(argv)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    # Ray Serve runs a replica's __del__ after its constructor raised too: no traceback of its own
+    assert "object has no attribute" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if ": error: " in line]  # (Ray's logs beside it)
+    assert len(said) == 1 and (f": error: a replica failed to start: FileNotFoundError: model '{model}' is neither "
+                               "a built-in model") in said[0], said
 
 
 def test_a_port_another_process_holds_is_one_error_line_before_ray_starts(monkeypatch, capsys) -> None:
