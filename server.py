@@ -239,15 +239,15 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     ?reset_running_requests=true: every running request is preempted first (recompute).
     ?reset_external=true (a KV connector's cache) is refused: there is no connector."""
     unknown = sorted(set(request.query) - {"reset_running_requests", "reset_external"})
-    if unknown:
-        raise ApiError(f"unknown query parameters {unknown}; this route takes reset_running_requests "
-                       "and reset_external"[:300])
+    if unknown:  # (names a client chose: cut to a readable length)
+        raise ApiError(f"unknown query parameters {', '.join(unknown)[:200]}; this route takes "
+                       "reset_running_requests and reset_external")
     reset_running = query_bool(request, "reset_running_requests")
     if query_bool(request, "reset_external"):
         raise ApiError("reset_external=true is not supported: taxirank has no KV connector (external cache)")
     try:
         ok = await request.app["engine"].reset_prefix_cache(reset_running)
-    except ValueError as e:  # refused: static batching never preempts
+    except ValueError as e:  # engine.PreemptionRefusedError: static batching never preempts
         raise ApiError(str(e)) from e
     except RuntimeError as e:  # shutting down, or the engine loop died
         raise ApiError(str(e), status=503) from e
