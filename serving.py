@@ -418,7 +418,8 @@ class Choice:
         lps = c.logprobs if not echo_now or c.logprobs is None else \
             f.echoed_logprobs(c.prompt_logprobs) + ([] if f.prompt_only else c.logprobs)
         logprobs = None if f.hides_tokens else f.logprobs(lps, self.offset, self.sampled)
-        self.sampled = (self.sampled + [lp if isinstance(lp, int) else lp.token_id for lp in lps or ()])[-4:]
+        if lps:
+            self.sampled = (self.sampled + [lp if isinstance(lp, int) else lp.token_id for lp in lps])[-4:]
         token_ids = c.token_ids if f.return_ids and not f.hides_tokens else None
         if f.chat:
             delta, reason = self.message.delta(c.text, c.finish_reason)
