@@ -303,6 +303,8 @@ class LLMEngine:
         running request is preempted by recompute, its K/V computed again on its next
         admission, as after a weight update, when all of it is stale. PreemptionRefusedError
         under a batching that never preempts (static)."""
+        if not isinstance(reset_running_requests, bool):  # (a string such as "false" would read as true)
+            raise ValueError(f"reset_running_requests must be a boolean, got {reset_running_requests!r}")
         if reset_running_requests:
             batching = self.scheduler.batching
             if not batching.may_preempt:

@@ -239,6 +239,8 @@ class Run:
         sch, alloc = self.e.scheduler, self.e.scheduler.allocator
         in_use = alloc.num_used
         if not running:
+            with pytest.raises(ValueError, match="must be a boolean"):
+                self.e.reset_prefix_cache("false")  # refused before anything changed
             assert self.e.reset_prefix_cache() == (in_use == 0)
             assert in_use or alloc.num_cached == 0
             self.check()
