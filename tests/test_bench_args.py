@@ -23,6 +23,11 @@ REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag di
     ("mixed", ["--variants", ","], "--variants wants a comma-separated list of variant names"),  # unchecked: every one
     ("mixed", ["--variants", "continuous,nope"], "--variants: unknown ['nope']; choose from continuous, static"),
     ("mixed", ["--model", "/nonexistent"], "--model '/nonexistent': not one of tiny"),  # unchecked: every server failed
+    ("mixed", ["--num-requests", "1"], "argument --num-requests: wants an integer >= 2"),  # unchecked: a TypeError
+    # in analyze() (no short request) after every server had run
+    ("mixed", ["--server-args", "'--foo"], "argument --server-args: wants flags a shell can split"),  # unchecked and
+    ("mixed", ["--compare", "x=serve '{port}"], "--compare wants NAME=COMMAND, a command a shell can split"),  # next:
+    # shlex's "No closing quotation" traceback once the run had begun
     ("simulate", ["--num-requests", "0"], "argument --num-requests: wants an integer >= 1"),  # unchecked: the default
     ("simulate", ["--priority-fraction", "-0.5"], "argument --priority-fraction: wants a fraction"),  # unchecked: all
     ("simulate", ["--workload", "/nonexistent.json"], "--workload takes short-long, exp, slo-mix, two-clients or a JSON"),
