@@ -52,6 +52,9 @@ REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag di
     ("step_profile", ["--sections", "roofline", "--baseline", "/nonexistent"], "--baseline wants a checkout"),
     ("attention_kernels", ["--backends", "pallas,foo"], "--backends takes a comma-separated subset of pallas, ref"),
     ("gpu_mix", ["--tiny", "--attention-backend", "flash"], "argument --attention-backend: invalid choice"),
+    ("gpu_mix", ["--tiny", "--max-model-len", "16"], "--max-model-len >= 48 (its longest request), got 8 and 16"),
+    ("gpu_mix", ["--tiny", "--num-requests", "1"], "--num-requests >= 2 (a short and a long half)"),  # unchecked,
+    # these two: llm.generate's ValueError, and an IndexError (no short request: no p99 ratio), after the engine's build
     ("gpu_check_report", ["/nonexistent", "/nonexistent-dest"], "no work folder '/nonexistent'"),
     # unchecked: load_model's FileNotFoundError traceback (ray_routing: the server's, as a RuntimeError)
     *[(name, ["--model", "/nonexistent"], "argument --model: wants one of tiny, bench, smollm2, a checkpoint "
