@@ -36,14 +36,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/mix.json if $OUT is set)")
     ap.add_argument("--require-gpu", action="store_true", help="fail at once when JAX sees no GPU")
     args = size_defaults(ap.parse_args(argv), SIZES)
+    short, long, prompt_len, dtype, name = (4, 24, (8, 24), "float32", "tiny") if args.tiny else (
+        16, 512, (32, 256), "bfloat16", MODEL)
+    if args.num_requests < 2 or args.max_model_len < prompt_len[1] + long:  # else a traceback after the engines' build
+        ap.error(f"the mix wants --num-requests >= 2 (a short and a long half) and --max-model-len >= "
+                 f"{prompt_len[1] + long} (its longest request), got {args.num_requests} and {args.max_model_len}")
     require_gpu(args.require_gpu)
     from model import ModelConfig
     from model_loader import BUILTIN_MODELS
 
-    short, long, prompt_len, dtype, name = 16, 512, (32, 256), "bfloat16", MODEL
-    if args.tiny:
-        short, long, prompt_len, dtype, name = 4, 24, (8, 24), "float32", "tiny"
-    else:  # registered for this process only
+    if not args.tiny:  # registered for this process only
         from attention_kernels import LLAMA3_8B_HF
 
         BUILTIN_MODELS[MODEL] = ModelConfig.from_hf(LLAMA3_8B_HF)

@@ -41,8 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from client import Record, Refused, Server, complete, probe, sample_metrics, server_view  # noqa: E402
-from report import (flags_to_argv, machine_info, mixed_report, positive, positive_float, redraw,  # noqa: E402
-                    summarize, write_json)
+from report import (checked, flags_to_argv, machine_info, mixed_report, positive, positive_float,  # noqa: E402
+                    redraw, summarize, write_json)
 from workload import Request, arrival_times, short_long_mix, vocab_size_of  # noqa: E402
 
 # The engine's modules (JAX: seconds to import) are imported where they are used, after the
@@ -208,6 +208,14 @@ async def bench(args: argparse.Namespace, variants: list[Variant], requests: lis
                 "partial": True, "total_s": round(time.perf_counter() - t_start, 1), "loadavg_end": os.getloadavg()})
 
 
+def shell_words(text: str) -> bool:
+    """Whether a shell splits `text` into words (no quote left open), as a server's argv is split."""
+    try:
+        return shlex.split(text) is not None
+    except ValueError:
+        return False
+
+
 class TargetAction(argparse.Action):
     """--url [NAME=]URL and --compare NAME=COMMAND, into one list in the order given."""
 
@@ -215,9 +223,9 @@ class TargetAction(argparse.Action):
                  option: str | None = None) -> None:
         m = re.match(r"^([A-Za-z0-9_.-]+)=(.+)$", value)
         if option == "--compare":
-            if not m or "{port}" not in m.group(2):
-                parser.error(f"--compare wants NAME=COMMAND with {{port}} in the command (the bench picks a free "
-                             f"port), got {value!r}")
+            if not m or "{port}" not in m.group(2) or not shell_words(m.group(2)):
+                parser.error(f"--compare wants NAME=COMMAND, a command a shell can split with {{port}} in it (the "
+                             f"bench picks a free port), got {value!r}")
             target = Target(m.group(1), command=m.group(2))
         else:
             name, url = (m.group(1), m.group(2)) if m else (None, value)
@@ -231,7 +239,7 @@ FLAGS = [  # (flag, type, default, help) of the plain options
     ("--model", str, "bench", "taxirank model to serve: tiny, bench, smollm2, an HF directory or a .gguf file"),
     ("--vocab-size", positive, None,
      "prompt token ids are drawn below it (default: --model's; 32000 with --url/--compare)"),
-    ("--num-requests", positive, 100, None),
+    ("--num-requests", checked(int, lambda x: x >= 2, "an integer >= 2 (a short and a long half)"), 100, None),
     ("--short", positive, 16, "max_tokens of the short half"),
     ("--long", positive, 512, "max_tokens of the long half"),
     ("--prompt-len", str, "32,256", "prompt lengths: MIN,MAX random token ids, or words of text prompts"),
@@ -242,7 +250,8 @@ FLAGS = [  # (flag, type, default, help) of the plain options
     ("--block-size", positive, 16, None),
     ("--kv-budget-seqs", positive, 8, "the admission variants' KV budget, in sequences of the full max_model_len"),
     ("--variants", str, None, "comma-separated subset, e.g. continuous,static,reserve-max-len/half"),
-    ("--server-args", str, "", "extra flags for every taxirank server, e.g. '--enable-chunked-prefill'"),
+    ("--server-args", checked(str, shell_words, "flags a shell can split"), "",
+     "extra flags for every taxirank server, e.g. '--enable-chunked-prefill'"),
     ("--startup-timeout", positive_float, 900.0, "seconds to wait for a started server's /health (or /v1/models)"),
     ("--request-timeout", positive_float, 900.0, "seconds of silence before a request fails"),
     ("--jax-cache", str, os.path.join(ROOT, "bench", "results", ".jax-cache"),

@@ -457,6 +457,7 @@ def _q(cls: str, metric: str, qs: tuple[str, ...], scale: float = 1.0) -> Any:
 
 COLUMNS = [  # (header, figures of a variant, format)
     ("tok/s", lambda v: (v["output_tokens_per_s"],), "{:.0f}"),
+    ("failed", lambda v: (v["errors"], v["requests"]), "{} of {}"),
     ("short TTFT p50/p99 s", _q("short", "ttft", ("p50", "p99")), "{:.2f}/{:.2f}"),
     ("short ITL mean/p50/p99 ms", _q("short", "itl", ("mean", "p50", "p99"), 1000), "{:.0f}/{:.0f}/{:.0f}"),
     ("short e2e p50/p90/p99 s", _q("short", "e2e", ("p50", "p90", "p99")), "{:.1f}/{:.1f}/{:.1f}"),
@@ -545,9 +546,9 @@ def write_report(results: dict[str, Any], out_dir: str) -> str:
     lines += [f"- {a}" for a in an["answer"]] + [""] + (side_by_side_md(results) if an.get("comparison") else [])
     lines += ["## Results", "", md_table(table_rows(results)), "",
               "Client-side TTFT, ITL and e2e; tok/s: output tokens from the first request sent to the last token. "
-              "`server cores`: the server's CPU seconds over the run's wall time. `-`: not measured. A sharp fall of "
-              f"short-request p99 at half max_model_len: >= {SHARP}x; waits from "
-              "`taxirank:num_requests_waiting_by_wait_reason`.",
+              "`failed`: requests answered with an error, left out of every figure. `server cores`: the server's CPU "
+              "seconds over the run's wall time. `-`: not measured. A sharp fall of short-request p99 at half "
+              f"max_model_len: >= {SHARP}x; waits from `taxirank:num_requests_waiting_by_wait_reason`.",
               ""]
     lo_hi = st["prompt_len"].replace(",", "..")
     prompts = (f"{lo_hi} words of generated prose" if st.get("prompt_kind") == "text"

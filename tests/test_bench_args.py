@@ -23,6 +23,11 @@ REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag di
     ("mixed", ["--variants", ","], "--variants wants a comma-separated list of variant names"),  # unchecked: every one
     ("mixed", ["--variants", "continuous,nope"], "--variants: unknown ['nope']; choose from continuous, static"),
     ("mixed", ["--model", "/nonexistent"], "--model '/nonexistent': not one of tiny"),  # unchecked: every server failed
+    ("mixed", ["--num-requests", "1"], "argument --num-requests: wants an integer >= 2"),  # unchecked: a TypeError
+    # in analyze() (no short request) after every server had run
+    ("mixed", ["--server-args", "'--foo"], "argument --server-args: wants flags a shell can split"),  # unchecked and
+    ("mixed", ["--compare", "x=serve '{port}"], "--compare wants NAME=COMMAND, a command a shell can split"),  # next:
+    # shlex's "No closing quotation" traceback once the run had begun
     ("simulate", ["--num-requests", "0"], "argument --num-requests: wants an integer >= 1"),  # unchecked: the default
     ("simulate", ["--priority-fraction", "-0.5"], "argument --priority-fraction: wants a fraction"),  # unchecked: all
     ("simulate", ["--workload", "/nonexistent.json"], "--workload takes short-long, exp, slo-mix, two-clients or a JSON"),
@@ -47,6 +52,9 @@ REFUSED = [  # (bench, argv, what the error says)  # unchecked: what the flag di
     ("step_profile", ["--sections", "roofline", "--baseline", "/nonexistent"], "--baseline wants a checkout"),
     ("attention_kernels", ["--backends", "pallas,foo"], "--backends takes a comma-separated subset of pallas, ref"),
     ("gpu_mix", ["--tiny", "--attention-backend", "flash"], "argument --attention-backend: invalid choice"),
+    ("gpu_mix", ["--tiny", "--max-model-len", "16"], "--max-model-len >= 48 (its longest request), got 8 and 16"),
+    ("gpu_mix", ["--tiny", "--num-requests", "1"], "--num-requests >= 2 (a short and a long half)"),  # unchecked,
+    # these two: llm.generate's ValueError, and an IndexError (no short request: no p99 ratio), after the engine's build
     ("gpu_check_report", ["/nonexistent", "/nonexistent-dest"], "no work folder '/nonexistent'"),
     # unchecked: load_model's FileNotFoundError traceback (ray_routing: the server's, as a RuntimeError)
     *[(name, ["--model", "/nonexistent"], "argument --model: wants one of tiny, bench, smollm2, a checkpoint "

@@ -39,6 +39,16 @@ def test_parse_metrics_reads_taxirank_and_vllm_names():
                     "waiting_by_reason": {}}
 
 
+def test_the_results_table_counts_the_failed_requests_its_figures_leave_out():
+    """As vLLM's summary does beside its figures (which leave failed requests out too)."""
+    _load()
+    from report import table_rows  # bench/ is on sys.path once mixed.py is loaded
+
+    v = {"output_tokens_per_s": 12.0, "errors": 2, "requests": 6, "short": {}, "long": {}}
+    header, row = table_rows({"variants": {"a": v}})
+    assert dict(zip(header, row))["failed"] == "2 of 6"
+
+
 VARIANTS = ["continuous", "static", "reserve-max-len/full", "reserve-max-len/half"]
 
 
