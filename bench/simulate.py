@@ -13,7 +13,7 @@ rows: the token rows the step program computes (runner.py's padded buckets); con
 sequence attends over; one coefficient set per program (decode, ragged), fitted by non-negative least squares to
 a calibration run of the real engine, the swap terms to timed KV copies (--calibrate, saved as JSON; --cost-model
 reads one back); `GPU_LIKE` is written down. Workloads (--workload): `short-long` (bench/workload.py's
-short/long mix), `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s", "prompt_len" (or "prompt_token_ids"),
+short/long mix), `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s", "prompt_len" (or "prompt_tokens", "prompt_token_ids"),
 "max_tokens", optional "priority", "class", "user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json.
 docs/SIMULATION.md has the figures.
 """
@@ -98,7 +98,9 @@ def load_workload(path: str, vocab_size: int = 32000) -> list[SimRequest]:
             raise ValueError("expected a non-empty list of requests")
         rng, out = random.Random(0), []
         for r in data:
-            ids = r.get("prompt_token_ids") or [rng.randrange(vocab_size) for _ in range(int(r["prompt_len"]))]
+            # usage's prompt_tokens where the server gave them: a text prompt's prompt_len counts words
+            n = r.get("prompt_tokens") or r["prompt_len"]
+            ids = r.get("prompt_token_ids") or [rng.randrange(vocab_size) for _ in range(int(n))]
             slo = [None if r.get(k) is None else float(r[k]) for k in ("slo_ttft_s", "slo_tpot_s")]
             out.append(SimRequest(float(r.get("arrival_s", r.get("start", 0.0))), list(ids), int(r["max_tokens"]),
                                   int(r.get("priority", 0)), str(r.get("class", r.get("cls", "all"))),

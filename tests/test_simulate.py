@@ -105,11 +105,12 @@ def test_the_command_line_replays_a_recorded_log(tmp_path):
 
     log = {"variants": {"continuous": {"per_request": [
         {"class": "short" if i % 2 else "long", "max_tokens": 4 if i % 2 else 40, "prompt_len": 20 + i,
-         "start": 1.5 + 0.01 * i} for i in range(12)]}}}
+         "start": 1.5 + 0.01 * i} | ({"prompt_tokens": 30 + i} if i == 4 else {}) for i in range(12)]}}}
     path = tmp_path / "results.json"
     path.write_text(json.dumps(log))
     work = load_workload(str(path))
     assert [r.arrival_s for r in work][:2] == [0.0, pytest.approx(0.01)] and len(work[3].prompt_token_ids) == 23
+    assert len(work[4].prompt_token_ids) == 34  # usage's count, not a text prompt's words
     out = tmp_path / "sim"
     assert main(["--workload", str(path), "--cost-model", "gpu-like", "--scheduling-policy", "priority",
                  "--priority-fraction", "0.5", "--max-num-seqs", "4", "--out", str(out)]) == 0
