@@ -13,9 +13,9 @@ rows: the token rows the step program computes (runner.py's padded buckets); con
 sequence attends over; one coefficient set per program (decode, ragged), fitted by non-negative least squares to
 a calibration run of the real engine, the swap terms to timed KV copies (--calibrate, saved as JSON; --cost-model
 reads one back); `GPU_LIKE` is written down. Workloads (--workload): `short-long` (bench/workload.py's
-short/long mix), `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s", "prompt_len" (or "prompt_tokens", "prompt_token_ids"),
-"max_tokens", optional "priority", "class", "user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json.
-docs/SIMULATION.md has the figures.
+short/long mix), `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s", "prompt_len" (or
+"prompt_tokens", "prompt_token_ids"), "max_tokens", optional "priority", "class", "user", "slo_ttft_s",
+"slo_tpot_s"}, or bench/mixed.py's results.json. docs/SIMULATION.md has the figures.
 """
 
 from __future__ import annotations
