@@ -267,6 +267,17 @@ def test_thinking_off_constrains_from_the_first_token_when_the_prompt_leaves_the
     assert whole["content"] is None and len(whole["reasoning"].encode()) >= 4, whole
 
 
+class SplitTag(ByteTokenizer):
+    """Bytes, and two ids that spell `</think>` between them as a BPE tokenizer without a
+    token for the tag may: " </" then "think>" (SmolLM2 writes " </" "think" ">" after a
+    space), never the bytes that encode("</think>") gives."""
+
+    PIECES = {300: " </", 301: "think>"}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.PIECES.get(i) or super(SplitTag, self).decode([i], skip_special_tokens) for i in ids)
+
+
 def test_offline_chat_reads_enable_thinking_for_where_the_constraint_starts():
     from llm import LLM, SamplingParams
     from sampling_params import StructuredOutputsParams
@@ -286,17 +297,6 @@ def test_offline_chat_reads_enable_thinking_for_where_the_constraint_starts():
         assert seq.constraint.accept(token) and not seq.constraint.active
     assert seq.constraint.accept(301) and seq.constraint.active
     llm.engine.abort("split-tag")
-
-
-class SplitTag(ByteTokenizer):
-    """Bytes, and two ids that spell `</think>` between them as a BPE tokenizer without a
-    token for the tag may: " </" then "think>" (SmolLM2 writes " </" "think" ">" after a
-    space), never the bytes that encode("</think>") gives."""
-
-    PIECES = {300: " </", 301: "think>"}
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(self.PIECES.get(i) or super(SplitTag, self).decode([i], skip_special_tokens) for i in ids)
 
 
 def test_after_reasoning_frees_the_tokens_until_the_end_tag_then_applies_the_grammar():
