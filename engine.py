@@ -237,7 +237,7 @@ class LLMEngine:
         seq.seed = params.seed % 2**32 if params.seed is not None else self._rng.getrandbits(31)
         if params.structured_outputs is not None:
             seq.constraint = new_constraint(request.grammar.deep_copy(),  # its own
-                                            self._reasoning_end(seq, request.thinking))
+                                            self._reasoning_end(seq, request.thinking), self._token_text)
         assert (request.bad_words_ids is not None) == bool(params.bad_words), "enqueue takes what validate() returned"
         seq.controls = controls_for(params, seq.prompt_token_ids, self.model_config.vocab_size,
                                     self.model_config.eos_token_ids, request.bad_words_ids)
@@ -249,21 +249,25 @@ class LLMEngine:
             self._prompt_lps[seq.request_id] = [None] * len(seq.prompt_token_ids)
         return seq
 
-    def _reasoning_end(self, seq: Sequence, thinking: bool) -> list[int]:
-        """The token ids that end a reasoning model's thinking, when the --reasoning-parser
-        reads seq's output as reasoning until them (`implicit`: the prompt did not close the
+    def _reasoning_end(self, seq: Sequence, thinking: bool) -> str:
+        """The tag that ends a reasoning model's thinking, when the --reasoning-parser
+        reads seq's output as reasoning until it (`implicit`: the prompt did not close the
         think block, and thinking is on or the parser ignores the switch): its constraint
-        waits for them, as vLLM's structured outputs wait for reasoning to end. Otherwise the
-        response text starts with the output, and so does the constraint (under it no think
-        block opens, unless the grammar writes one)."""
+        waits for it, as vLLM's structured outputs wait for reasoning to end. Otherwise ""
+        (the response text starts with the output, and so does the constraint: under it no
+        think block opens, unless the grammar writes one)."""
         name = self.config.reasoning_parser
         if name is None or self.tokenizer is None:
-            return []
+            return ""
         prompt_end = self.tokenizer.decode(seq.prompt_token_ids[-32:], skip_special_tokens=False)
         parser = REASONING_PARSERS[name](prompt_end, thinking)
         if parser.prompt_ended or not parser.implicit:
-            return []
-        return self.tokenizer.encode(parser.end, add_special_tokens=False)
+            return ""
+        return parser.end
+
+    def _token_text(self, token: int) -> str:
+        """One token's text, as the reasoning parser reads it (special tokens included)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def abort(self, request_id: str, error: Exception | None = None) -> RequestOutputDelta | None:
         """Drop a request now (idempotent); its last delta (None: no such request in flight).

@@ -22,7 +22,7 @@ from config import EngineConfig
 from engine import EngineRequest, LLMEngine, child_requests, decode_output
 from metrics import EngineStats, RequestMetrics
 from outputs import CompletionOutput, RequestOutput, TokenLogprob, stop_reason
-from sampling_params import SamplingParams
+from sampling_params import SamplingParams, is_int
 from sequence import Sequence
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
@@ -232,17 +232,20 @@ class LLM:
 
     @_full_collections_deferred()
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: Any,
-                    use_tqdm: bool | Callable[..., Any] = False) -> list[Any]:
+                    use_tqdm: bool | Callable[..., Any] = False, concurrency_limit: int | None = None) -> list[Any]:
         """vLLM's LLM.beam_search (beam_search.py): one BeamSearchOutput per prompt (prompts as
         generate() takes them), its params.beam_width best sequences, best first; each
         sequence's tokens start with the prompt's, and so does its text. Each step runs the
         live beams of every prompt as one batch of one-token requests. A sequence that ended
         on EOS keeps it only with include_stop_str_in_output, as the API's beam search does
-        (vLLM's offline one keeps it whatever the flag says)."""
+        (vLLM's offline one keeps it whatever the flag says). concurrency_limit: vLLM's, the
+        most prompts searched at once (None: all); the others wait for them to end."""
         from beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
         params.check_width(self.engine.config.logprobs_width(self.engine.model_config.vocab_size))
         read = self._read_prompts(prompts)
         step = params.step_params()
@@ -253,18 +256,22 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from e
         searches = [BeamSearch(ids, params, self.engine.model_config.eos_token_ids) for ids, _, _ in read]
         salts = [salt for _, _, salt in read]
+        limit = concurrency_limit or max(1, len(searches))
+        groups = [range(k, min(k + limit, len(searches))) for k in range(0, len(searches), limit)]
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=params.max_tokens, desc="beam search", unit="token")
-        while live := [i for i, s in enumerate(searches) if not s.done]:
-            beams = [(i, b) for i in live for b in searches[i].beams]
-            outs = self._generate([b.tokens for _, b in beams], [None] * len(beams), step, False, None,
-                                  cache_salts=[salts[i] for i, _ in beams])
-            for i in live:
-                searches[i].advance([o.outputs[0].logprobs[0] for (j, _), o in zip(beams, outs) if j == i])
-            if bar is not None:
-                bar.update(1)
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=params.max_tokens * len(groups), desc="beam search",
+                                                             unit="token")
+        for group in groups:
+            while live := [i for i in group if not searches[i].done]:
+                beams = [(i, b) for i in live for b in searches[i].beams]
+                outs = self._generate([b.tokens for _, b in beams], [None] * len(beams), step, False, None,
+                                      cache_salts=[salts[i] for i, _ in beams])
+                for i in live:
+                    searches[i].advance([o.outputs[0].logprobs[0] for (j, _), o in zip(beams, outs) if j == i])
+                if bar is not None:
+                    bar.update(1)
         if bar is not None:
             bar.close()
         results = []

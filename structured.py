@@ -26,7 +26,7 @@ import json
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import llguidance
 import llguidance.numpy as llnp
@@ -132,20 +132,25 @@ class Constraint:
 
 class AfterReasoning(Constraint):
     """A constraint that holds once the model has stopped thinking (vLLM's structured
-    outputs with a --reasoning-parser): free until the output's tokens end with the end
-    tag's (`</think>`), the grammar from the next token on."""
+    outputs with a --reasoning-parser): free until the output's text holds the end tag
+    (`</think>`), the grammar from the next token on. The tag is looked for in the text, as
+    the reasoning parser looks for it, not as the ids the tokenizer encodes it to alone: a
+    tokenizer without a token of its own for the tag spells it in pieces that depend on
+    the text around it (SmolLM2's " </" "think" ">" after a space, not "</" "think" ">"),
+    which an id match would miss, leaving the answer unconstrained."""
 
-    __slots__ = ("end_ids", "tail", "active")
+    __slots__ = ("end", "token_text", "tail", "active")
 
-    def __init__(self, matcher: llguidance.LLMatcher, end_ids: Sequence[int]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, end: str, token_text: Callable[[int], str]) -> None:
         super().__init__(matcher)
-        self.end_ids, self.tail, self.active = tuple(end_ids), (), False
+        self.end, self.token_text, self.tail, self.active = end, token_text, "", False
 
     def accept(self, token: int) -> bool:
         if self.active:
             return super().accept(token)
-        self.tail = (*self.tail, token)[-len(self.end_ids):]
-        self.active = self.tail == self.end_ids
+        text = self.tail + self.token_text(token)
+        self.active = self.end in text
+        self.tail = text[max(0, len(text) - len(self.end) + 1):]  # what may begin a tag the next token ends
         return True
 
     @property
@@ -153,10 +158,15 @@ class AfterReasoning(Constraint):
         return self.active and super().stopped
 
 
-def new_constraint(matcher: llguidance.LLMatcher, after: Sequence[int] = ()) -> Constraint:
-    """A request's constraint over its own matcher; after: token ids that must end the output
-    first (a reasoning model's end-of-thinking tag), () to constrain from the first token."""
-    return AfterReasoning(matcher, after) if after else Constraint(matcher)
+def new_constraint(matcher: llguidance.LLMatcher, after: str = "",
+                   token_text: Callable[[int], str] | None = None) -> Constraint:
+    """A request's constraint over its own matcher; after: text that must end the output's
+    reasoning first (a reasoning model's end-of-thinking tag), with token_text the text of
+    a token id; "" to constrain from the first token."""
+    if not after:
+        return Constraint(matcher)
+    assert token_text is not None, "an end tag is found in the tokens' text"
+    return AfterReasoning(matcher, after, token_text)
 
 
 class GrammarCompiler:

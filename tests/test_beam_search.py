@@ -105,6 +105,12 @@ def test_text_is_the_whole_sequence_decoded():
         assert len(o.sequences) == 2
         for s in o.sequences:
             assert s.text == llm.tokenizer.decode(s.tokens) and s.text.startswith(("hello", "ab"))
+    # vLLM's concurrency_limit: the prompts searched a few at a time, each search the same
+    one_by_one = llm.beam_search(["ab", "hello", "ab"], BeamSearchParams(2, 4), concurrency_limit=2)
+    assert [[s.tokens for s in o.sequences] for o in one_by_one] == \
+        [[s.tokens for s in o.sequences] for o in (out[1], out[0], out[1])]
+    with pytest.raises(ValueError, match="concurrency_limit must be None or an integer >= 1, got 0"):
+        llm.beam_search(["hello"], BeamSearchParams(2, 4), concurrency_limit=0)
 
 
 def test_a_prompt_of_one_eos_ended_at_once_counts_its_length():

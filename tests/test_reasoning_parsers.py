@@ -267,6 +267,17 @@ def test_thinking_off_constrains_from_the_first_token_when_the_prompt_leaves_the
     assert whole["content"] is None and len(whole["reasoning"].encode()) >= 4, whole
 
 
+class SplitTag(ByteTokenizer):
+    """Bytes, and two ids that spell `</think>` between them as a BPE tokenizer without a
+    token for the tag may: " </" then "think>" (SmolLM2 writes " </" "think" ">" after a
+    space), never the bytes that encode("</think>") gives."""
+
+    PIECES = {300: " </", 301: "think>"}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.PIECES.get(i) or super(SplitTag, self).decode([i], skip_special_tokens) for i in ids)
+
+
 def test_offline_chat_reads_enable_thinking_for_where_the_constraint_starts():
     from llm import LLM, SamplingParams
     from sampling_params import StructuredOutputsParams
@@ -278,19 +289,33 @@ def test_offline_chat_reads_enable_thinking_for_where_the_constraint_starts():
     off = llm.chat(chat, params, chat_template_kwargs={"enable_thinking": False})[0].outputs[0].text
     on = llm.chat(chat, params)[0].outputs[0].text
     assert re.fullmatch("[ab]{3}", off) and len(on.encode()) >= 4 and not re.fullmatch("[ab]{3}", on), (off, on)
+    # The grammar starts after the end tag as the parser reads it, in the text: here spelled
+    # in pieces that the tag's own encoding does not have (a tokenizer without a tag token).
+    llm.engine.tokenizer = SplitTag()
+    seq = llm.engine.add_request("split-tag", list(b"hi"), params)
+    for token in [*b"x no", 300]:
+        assert seq.constraint.accept(token) and not seq.constraint.active
+    assert seq.constraint.accept(301) and seq.constraint.active
+    llm.engine.abort("split-tag")
 
 
 def test_after_reasoning_frees_the_tokens_until_the_end_tag_then_applies_the_grammar():
+    """As the reasoning parser reads it: the tag in the output's text, however the tokens
+    spell it (each gate's tokens ending with the tag, the grammar starts at the next)."""
     from sampling_params import StructuredOutputsParams
     from structured import GrammarCompiler, new_constraint
 
     grammars = GrammarCompiler(ByteTokenizer(), 512, [257])
-    gate = new_constraint(grammars.compile(StructuredOutputsParams(regex="[ab]{3}")).deep_copy(), list(b"</think>"))
-    for token in b"x <think> no</think":
-        assert gate.accept(token) and not gate.active and not gate.stopped
-    assert gate.accept(ord(">")) and gate.active
-    assert not gate.accept(ord("x"))  # now the grammar's: "x" is refused
-    gate = new_constraint(grammars.compile(StructuredOutputsParams(regex="[ab]{3}")).deep_copy(), list(b"</think>"))
+    text = SplitTag().decode
+    for thought, tag in ((b"x <think> no</think", [ord(">")]), (b"x no", [300, 301])):
+        gate = new_constraint(grammars.compile(StructuredOutputsParams(regex="[ab]{3}")).deep_copy(), "</think>",
+                              lambda t: text([t]))
+        for token in thought:
+            assert gate.accept(token) and not gate.active and not gate.stopped
+        assert all(gate.accept(t) for t in tag) and gate.active, thought
+        assert not gate.accept(ord("x"))  # now the grammar's: "x" is refused
+    gate = new_constraint(grammars.compile(StructuredOutputsParams(regex="[ab]{3}")).deep_copy(), "</think>",
+                          lambda t: text([t]))
     for token in b"</think>aba":
         assert gate.accept(token)
     assert gate.stopped
