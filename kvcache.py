@@ -366,7 +366,9 @@ def num_kv_blocks_for(config: EngineConfig, cfg: ModelConfig, dtype: Any, weight
     if num - 1 < need:
         raise ValueError(f"the KV cache budget ({source}) gives {max(num - 1, 0)} usable blocks of "
                          f"{config.block_size} tokens ({per_block} bytes each), but one sequence of max_model_len "
-                         f"{config.max_model_len} needs {need}: raise the budget or lower --max-model-len")
+                         f"{config.max_model_len} needs {need}: raise the budget or lower --max-model-len"
+                         + (f" (to at most {(num - 1) * config.block_size}, the longest sequence it holds, as "
+                            "vLLM estimates)" if num > 1 else ""))
     return num
 
 

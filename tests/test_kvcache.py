@@ -129,7 +129,8 @@ def test_gpu_budget_is_utilization_times_the_limit_minus_weights_and_activations
 
 
 def test_a_budget_below_one_max_model_len_sequence_is_a_clear_error(monkeypatch):
-    with pytest.raises(ValueError, match="gives 10 usable blocks .* max_model_len 256 needs 16"):
+    with pytest.raises(ValueError, match="gives 10 usable blocks .* max_model_len 256 needs 16: .* at most 160, "
+                                         "the longest sequence it holds"):
         num_kv_blocks_for(config(num_kv_blocks=11), CFG, jnp.float32, weight_bytes=0)
     device = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 10 * PER_BLOCK_F32})
     monkeypatch.setattr(jax, "devices", lambda: [device])
