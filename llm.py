@@ -62,11 +62,52 @@ def _full_collections_deferred() -> Iterator[None]:
                 gc.set_threshold(*_saved_threshold)
 
 
+# vLLM's LLM keyword arguments (its EngineArgs) that have no EngineConfig field here: each is
+# taken at the values that ask for what taxirank does anyway, and any other value is a
+# ValueError naming it, so that a vLLM script's LLM(...) runs or says what it cannot have.
+_VLLM_ONLY_KWARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    # (no model code but taxirank's own ever runs, so the permission is never used)
+    "trust_remote_code": ((False, True), ""),
+    "enforce_eager": ((False,), "every step runs as a compiled JAX program (there are no CUDA graphs to skip); "
+                                "warmup=False skips compiling them ahead"),
+    "tokenizer_mode": (("auto", "hf"), "the tokenizer is always the model's Hugging Face tokenizer (or tokenizer=)"),
+    "skip_tokenizer_init": ((False,), "a model without a tokenizer already takes token ids and gives empty texts"),
+    "revision": ((None,), "models are local paths or built-in names; there is no hub revision to pick"),
+    "tokenizer_revision": ((None,), "tokenizers are local paths; there is no hub revision to pick"),
+    "code_revision": ((None,), "no remote code runs"),
+    "download_dir": ((None,), "models are local paths or built-in names (TAXIRANK_CACHE moves the built-in's)"),
+    "load_format": (("auto",), "the format is read from the model path (HF folder, GGUF, orbax checkpoint)"),
+    "hf_token": ((None,), "nothing is downloaded from the Hugging Face hub"),
+    "hf_overrides": ((None, {}), "the model's config is read as it is"),
+    "cpu_offload_gb": ((0, 0.0), "weights are not offloaded to host memory"),
+    "compilation_config": ((None, {}), "JAX's compilation has no such options here"),
+    "disable_custom_all_reduce": ((False, True), ""),  # XLA's collectives are the only all-reduce
+    "disable_log_stats": ((True,), "the offline LLM logs no stats; LLM.stats holds its counters"),
+    "task": (("auto", "generate"), "taxirank runs text generation only"),
+    "runner": (("auto", "generate"), "taxirank runs text generation only"),
+    "allowed_local_media_path": (("",), "taxirank takes no multimodal inputs"),
+    "mm_processor_kwargs": ((None,), "taxirank takes no multimodal inputs"),
+    "enable_lora": ((False,), "taxirank has no LoRA"),
+}
+
+
+def _check_vllm_only_kwargs(kwargs: dict[str, Any]) -> None:
+    """Pops the _VLLM_ONLY_KWARGS from kwargs, refusing a value taxirank cannot honour."""
+    for name in [k for k in kwargs if k in _VLLM_ONLY_KWARGS]:
+        value = kwargs.pop(name)
+        accepted, why = _VLLM_ONLY_KWARGS[name]
+        # (== alone would take 0 for False and 1.0 for True: the type must match too)
+        if not any(type(value) is type(a) and value == a for a in accepted):
+            raise ValueError(f"{name}={value!r} is not supported: {why} (taken: "
+                             f"{', '.join(map(repr, accepted))})")
+
+
 class LLM:
     """Offline generation, as vLLM's `LLM`: LLM(model="tiny", max_num_seqs=...).generate(...)."""
 
     def __init__(self, model: str = "tiny", log: Callable[[str], None] = print, record_trace: bool = False,
                  **kwargs):
+        _check_vllm_only_kwargs(kwargs)
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs), log=log, record_trace=record_trace)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0

@@ -440,3 +440,29 @@ def test_server_exits_on_an_unsupported_parallelism_flag_and_an_unknown_backend(
 def test_an_unknown_llm_keyword_is_a_type_error_as_vllms():
     with pytest.raises(TypeError, match="pipeline_parallel"):  # a misspelling of a flag it has
         LLM(model="/nowhere", pipeline_parallel=2)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(enforce_eager=True), "enforce_eager=True is not supported: every step runs as a compiled JAX program"),
+    (dict(enforce_eager=1), "enforce_eager=1 is not supported"),  # a bool, as vLLM's
+    (dict(tokenizer_mode="slow"), "tokenizer_mode='slow' is not supported"),
+    (dict(skip_tokenizer_init=True), "skip_tokenizer_init=True is not supported"),
+    (dict(revision="main"), "revision='main' is not supported"),
+    (dict(hf_overrides={"rope_theta": 1.0}), "hf_overrides=.* is not supported"),
+    (dict(cpu_offload_gb=4), "cpu_offload_gb=4 is not supported"),
+    (dict(compilation_config={"level": 3}), "compilation_config=.* is not supported"),
+    (dict(task="embed"), "task='embed' is not supported: taxirank runs text generation only"),
+    (dict(enable_lora=True), "enable_lora=True is not supported: taxirank has no LoRA"),
+])
+def test_a_vllm_llm_keyword_taxirank_cannot_honour_is_a_value_error_naming_it(kwargs, says):
+    """vLLM's LLM(...) keywords without an engine field here: not a TypeError (a vLLM script's
+    LLM(model, enforce_eager=...) is no misspelling) but a ValueError naming the keyword and
+    its value, before any model loads; the values that ask for what taxirank does anyway pass
+    on to the model's loading (here: a missing model)."""
+    with pytest.raises(ValueError, match=says):
+        LLM(model="/nowhere", **kwargs)
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        LLM(model="/nowhere", enforce_eager=False, trust_remote_code=True, tokenizer_mode="auto",
+            skip_tokenizer_init=False, revision=None, hf_token=None, hf_overrides={}, cpu_offload_gb=0.0,
+            compilation_config=None, disable_log_stats=True, task="generate", load_format="auto",
+            disable_custom_all_reduce=False, download_dir=None, allowed_local_media_path="")
