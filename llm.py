@@ -116,6 +116,19 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's: the tokenizer prompts are encoded and outputs decoded with (a transformers
+        tokenizer); a ValueError for a model without one, as vLLM's with skip_tokenizer_init."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids, and read outputs' token_ids")
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the SamplingParams generate() and chat() use when given none, the model's
+        generation config's sampling defaults (and --override-generation-config's) over
+        vLLM's own."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self.engine.reset_prefix_cache(reset_running_requests)
 
@@ -139,7 +152,7 @@ class LLM:
                   params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool | None,
                   priority: Seq[int] | None, thinking: bool = True,
                   cache_salts: list[str | None] | None = None) -> list[RequestOutput]:
-        params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
+        params = params if params is not None else self.get_default_sampling_params()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(plist) != len(encoded):
             raise ValueError(f"{len(plist)} SamplingParams for {len(encoded)} prompts")

@@ -39,6 +39,7 @@ def test_a_vllm_user_s_first_loop_reads_outputs_0_text(llm: LLM) -> None:
     hello, ids = outs
     assert (hello.prompt, ids.prompt) == ("Hello", None)  # text when given as text
     assert hello.prompt_token_ids == llm.tokenizer.encode("Hello") and ids.prompt_token_ids == PROMPT
+    assert llm.get_tokenizer().encode("Hello") == hello.prompt_token_ids  # vLLM's accessor
     for o in outs:
         assert o.finished and o.prompt_logprobs is None and len(o.outputs) == 1
         (c,) = o.outputs
