@@ -389,10 +389,10 @@ class LLM:
             finished_time=last.finished_time, num_preemptions=sum(s.num_preemptions for s in samples))
 
     def _completion(self, index: int, seq: Sequence, logprobs: list[TokenLogprob] | None) -> CompletionOutput:
-        text = ""  # vLLM's, where nothing detokenizes (a model without a tokenizer)
+        text = ""  # vLLM's, where nothing detokenizes (a model without a tokenizer, detokenize=False)
         if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
             text = seq.stop_matcher.text  # up to the stop string, as the server sends it
-        elif self.tokenizer is not None:
+        elif self.tokenizer is not None and seq.params.detokenize:  # (stop strings need detokenize)
             text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
                                  self.engine.model_config.eos_token_ids, seq.prompt_token_ids)
         asked = seq.params.logprobs is not None

@@ -8,6 +8,7 @@ checks --override-generation-config with sampling_defaults.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json as _json  # StructuredOutputsParams has a field named json
 import logging
@@ -342,6 +343,12 @@ class SamplingParams:
     # vLLM's: tokens per streamed chunk (None, or one below the server's --stream-interval:
     # the server's), read by a server's stream only (LLM.generate's outputs are whole)
     stream_interval: int | None = None
+    # vLLM's: False leaves the outputs' texts empty (their token ids only), skipping the
+    # decode; stop strings need the text, so they are refused with it (vLLM's check)
+    detokenize: bool = True
+    # vLLM's: arbitrary arguments for custom sampling code, which no in-tree sampling reads
+    # there either; kept on the params for the caller's own use
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # numpy scalars (a max_tokens drawn with numpy, a token id read from an array) become
@@ -355,7 +362,7 @@ class SamplingParams:
                 value = value.tolist()
             elif isinstance(value, (list, tuple)):
                 value = type(value)(plain(x) for x in value)
-            elif isinstance(value, dict):  # logit_bias: token id -> bias
+            elif isinstance(value, dict):  # logit_bias (token id -> bias), extra_args
                 value = {plain(k): plain(v) for k, v in value.items()}
             object.__setattr__(self, f.name, plain(value))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
@@ -410,9 +417,13 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         # a truthy non-bool (ignore_eos="no") would silently switch the option on
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}"[:200])
+        if self.stop and not self.detokenize:  # vLLM's check and message
+            raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         # -1: the whole vocabulary, as vLLM's (the most a request may ask is the engine's
         # --max-logprobs: LLMEngine.validate, which resolves -1)
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < -1):
@@ -467,6 +478,11 @@ class SamplingParams:
                     raise ValueError(f"logit_bias: the bias of token_id {token_id} must be a number, got {value!r}"[:200])
                 bias[token_id] = min(100.0, max(-100.0, float(value)))  # OpenAI's range, clamped as vLLM
             object.__setattr__(self, "logit_bias", bias or None)
+
+    def clone(self) -> SamplingParams:
+        """vLLM's: a deep copy (its extra_args and logit_bias too), which the caller may
+        change (dataclasses.replace) without touching this one."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

@@ -34,7 +34,9 @@ def llm() -> LLM:
 
 def test_a_vllm_user_s_first_loop_reads_outputs_0_text(llm: LLM) -> None:
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(["Hello", PROMPT], params)
+    # (the second with vLLM's detokenize=False: its tokens, no text)
+    outs = llm.generate(["Hello", PROMPT], [params, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                                   detokenize=False, extra_args={"tag": 1})])
     assert [type(o) for o in outs] == [RequestOutput] * 2
     hello, ids = outs
     assert (hello.prompt, ids.prompt) == ("Hello", None)  # text when given as text
@@ -44,7 +46,7 @@ def test_a_vllm_user_s_first_loop_reads_outputs_0_text(llm: LLM) -> None:
         assert o.finished and o.prompt_logprobs is None and len(o.outputs) == 1
         (c,) = o.outputs
         assert isinstance(c, CompletionOutput) and c.index == 0 and c.finished()
-        assert len(c.token_ids) == 5 and c.text == llm.tokenizer.decode(c.token_ids)
+        assert len(c.token_ids) == 5 and c.text == (llm.tokenizer.decode(c.token_ids) if o is hello else "")
         assert (c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs) == ("length", None, None, None)
         assert o.metrics.num_preemptions == o.num_preemptions == 0
         assert o.arrival_time <= o.first_token_time <= o.finished_time
@@ -102,6 +104,23 @@ def _server_choices(body: dict) -> list[list[int]]:
     status, out = _post(body)
     assert status == 200, out
     return [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+
+
+def test_sampling_params_take_vllm_s_detokenize_extra_args_and_clone() -> None:
+    """vLLM's SamplingParams fields and method beyond the sampling ones: detokenize (stop
+    strings need it: vLLM's message), extra_args (a dict, kept for the caller: vLLM's
+    in-tree sampling reads none either), clone (a deep copy)."""
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True. Set "
+                                         "detokenize=True to use stop."):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be a bool"):
+        SamplingParams(detokenize="no")
+    with pytest.raises(ValueError, match="extra_args must be a dict"):
+        SamplingParams(extra_args=[1])
+    p = SamplingParams(seed=3, logit_bias={5: 1.0}, extra_args={"k": [1]})
+    q = p.clone()
+    assert q == p and q is not p and q.extra_args is not p.extra_args and q.logit_bias is not p.logit_bias
+    assert SamplingParams().detokenize and SamplingParams().extra_args is None
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0])
