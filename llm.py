@@ -102,6 +102,14 @@ def _check_vllm_only_kwargs(kwargs: dict[str, Any]) -> None:
                              f"{', '.join(map(repr, accepted))})")
 
 
+def _check_no_lora(lora_request: Any) -> None:
+    """vLLM's lora_request of generate, chat and beam_search: None is what every call here
+    runs (the base model); an adapter is refused rather than left unapplied."""
+    if lora_request is not None:
+        raise ValueError(f"lora_request is not supported: taxirank has no LoRA (got {type(lora_request).__name__}); "
+                         "pass None")
+
+
 class LLM:
     """Offline generation, as vLLM's `LLM`: LLM(model="tiny", max_num_seqs=...).generate(...)."""
 
@@ -136,14 +144,16 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] | None = None,
-                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 priority: Seq[int] | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """vLLM's (its keyword names too): one RequestOutput per prompt, in order, each with its
         sampling_params.n samples.
         A prompt is a string, a list of token ids, or vLLM's dict form: {"prompt": text} or
         {"prompt_token_ids": ids} (and the "prompt" they came from, kept as the output's),
         either with a "cache_salt" (its prefix-cache blocks are shared only with prompts of
         the same salt).
-        priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
+        priority: one integer per prompt (vLLM's), read by a policy that uses priorities.
+        lora_request: vLLM's, None only (taxirank has no LoRA)."""
+        _check_no_lora(lora_request)
         read = self._read_prompts(prompts)
         return self._generate([ids for ids, _, _ in read], [text for _, text, _ in read], sampling_params, use_tqdm,
                               priority, cache_salts=[salt for _, _, salt in read])
@@ -238,13 +248,18 @@ class LLM:
              use_tqdm: bool | Callable[..., Any] | None = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request: Any = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list
         of them, each rendered by the model's chat template (or `chat_template`), then
         generated as generate() does; one RequestOutput per conversation.
         chat_template_content_format: "string", "openai" or "auto" (chat_format), as the
         server's --chat-template-content-format. tools: OpenAI's function definitions, for
-        a template that renders them (as vLLM, no call is parsed out of the output)."""
+        a template that renders them (as vLLM, no call is parsed out of the output).
+        lora_request and mm_processor_kwargs: vLLM's, None only (no LoRA, no multimodal inputs)."""
+        _check_no_lora(lora_request)
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs is not supported: taxirank takes no multimodal inputs")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
         import chat_format
@@ -286,16 +301,19 @@ class LLM:
 
     @_full_collections_deferred()
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: Any,
-                    use_tqdm: bool | Callable[..., Any] = False, concurrency_limit: int | None = None) -> list[Any]:
+                    use_tqdm: bool | Callable[..., Any] = False, concurrency_limit: int | None = None,
+                    lora_request: Any = None) -> list[Any]:
         """vLLM's LLM.beam_search (beam_search.py): one BeamSearchOutput per prompt (prompts as
         generate() takes them), its params.beam_width best sequences, best first; each
         sequence's tokens start with the prompt's, and so does its text. Each step runs the
         live beams of every prompt as one batch of one-token requests. A sequence that ended
         on EOS keeps it only with include_stop_str_in_output, as the API's beam search does
         (vLLM's offline one keeps it whatever the flag says). concurrency_limit: vLLM's, the
-        most prompts searched at once (None: all); the others wait for them to end."""
+        most prompts searched at once (None: all); the others wait for them to end.
+        lora_request: vLLM's, None only (taxirank has no LoRA)."""
         from beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 
+        _check_no_lora(lora_request)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):

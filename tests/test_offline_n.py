@@ -36,7 +36,8 @@ def test_a_vllm_user_s_first_loop_reads_outputs_0_text(llm: LLM) -> None:
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     # (the second with vLLM's detokenize=False: its tokens, no text)
     outs = llm.generate(["Hello", PROMPT], [params, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
-                                                                   detokenize=False, extra_args={"tag": 1})])
+                                                                   detokenize=False, extra_args={"tag": 1})],
+                        lora_request=None)  # vLLM's keyword, at the base model
     assert [type(o) for o in outs] == [RequestOutput] * 2
     hello, ids = outs
     assert (hello.prompt, ids.prompt) == ("Hello", None)  # text when given as text
@@ -104,6 +105,22 @@ def _server_choices(body: dict) -> list[list[int]]:
     status, out = _post(body)
     assert status == 200, out
     return [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+
+
+def test_a_lora_request_or_mm_processor_kwargs_is_refused_naming_it(llm: LLM) -> None:
+    """vLLM's lora_request (generate, chat, beam_search) and chat's mm_processor_kwargs: None
+    runs the base model; anything else is a ValueError, not an adapter left unapplied."""
+    from beam_search import BeamSearchParams
+
+    conversation = [{"role": "user", "content": "hi"}]
+    for call in (lambda: llm.generate([PROMPT], lora_request=object()),
+                 lambda: llm.chat(conversation, lora_request=object()),
+                 lambda: llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=object())):
+        with pytest.raises(ValueError, match="lora_request is not supported: taxirank has no LoRA"):
+            call()
+    with pytest.raises(ValueError, match="mm_processor_kwargs is not supported"):
+        llm.chat(conversation, mm_processor_kwargs={"num_crops": 4})
+    assert not llm.engine.has_unfinished()
 
 
 def test_sampling_params_take_vllm_s_detokenize_extra_args_and_clone() -> None:
