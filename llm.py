@@ -397,6 +397,8 @@ class LLM:
                 logprobs: dict[str, list[TokenLogprob]],
                 prompt_logprobs: dict[str, list[TokenLogprob | None]]) -> RequestOutput:
         first, last = samples[0], max(samples, key=lambda s: s.finished_time)
+        if first.params.detokenize:
+            self._decode_logprobs(prompt_logprobs.get(first.request_id) or [])
         first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
         return RequestOutput(
             request_id=request_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
@@ -406,6 +408,18 @@ class LLM:
             arrival_time=min(s.arrival_time for s in samples), first_token_time=min(first_tokens, default=None),
             finished_time=last.finished_time, num_preemptions=sum(s.num_preemptions for s in samples))
 
+    def _decode_logprobs(self, lps: list[TokenLogprob | None]) -> None:
+        """vLLM's decoded_token of each entry of each position, named as the server's logprobs
+        name them (protocol.token_text: a token completing a character split over tokens is
+        that character, after the tokens before it); nothing without a tokenizer."""
+        if self.tokenizer is None:
+            return
+        from protocol import _contexts, token_text
+
+        for lp, context in zip(lps, _contexts(lps)):
+            if lp is not None:
+                lp.decoded = {t: token_text(self.tokenizer, t, context=context) for t in lp}
+
     def _completion(self, index: int, seq: Sequence, logprobs: list[TokenLogprob] | None) -> CompletionOutput:
         text = ""  # vLLM's, where nothing detokenizes (a model without a tokenizer, detokenize=False)
         if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
@@ -414,6 +428,8 @@ class LLM:
             text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
                                  self.engine.model_config.eos_token_ids, seq.prompt_token_ids)
         asked = seq.params.logprobs is not None
+        if seq.params.detokenize:
+            self._decode_logprobs(logprobs or [])
         return CompletionOutput(index, text, list(seq.output_token_ids),
                                 sum(t.logprob for t in logprobs or ()) if asked else None, logprobs, seq.finish_reason,
                                 stop_reason(seq, self.engine.model_config.eos_token_ids))

@@ -107,6 +107,27 @@ def _server_choices(body: dict) -> list[list[int]]:
     return [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
 
 
+def test_logprobs_read_as_vllm_s_dicts_of_token_id_to_logprob(llm: LLM) -> None:
+    """vLLM's CompletionOutput.logprobs: per position a dict token id -> Logprob (logprob,
+    rank, decoded_token), the sampled token first, then the top `logprobs` others; greedy,
+    the sampled token is rank 1, and each text is its token's (the tokenizer's decode of it
+    alone, where that is whole characters); with detokenize=False no text."""
+    tok = llm.get_tokenizer()
+    [out] = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True))
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 3
+    for t, position in zip(c.token_ids, c.logprobs):
+        assert next(iter(position)) == t and t in position and len(position) == 2  # greedy: itself in the top 2
+        assert [e.rank for e in position.values()] == [1, 2]
+        assert position[t].logprob == max(e.logprob for e in position.values())
+        for i, e in position.items():  # (part of a character: vLLM's "" or the character it completes, never U+FFFD)
+            alone = tok.decode([i])
+            assert e.decoded_token == alone if not alone.endswith("\ufffd") else "\ufffd" not in e.decoded_token
+    assert c.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(c.token_ids, c.logprobs)))
+    [raw] = llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, detokenize=False))
+    assert {t: e.decoded_token for t, e in raw.outputs[0].logprobs[0].items()} == {c.token_ids[0]: None}
+
+
 def test_a_lora_request_or_mm_processor_kwargs_is_refused_naming_it(llm: LLM) -> None:
     """vLLM's lora_request (generate, chat, beam_search) and chat's mm_processor_kwargs: None
     runs the base model; anything else is a ValueError, not an adapter left unapplied."""
