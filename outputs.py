@@ -6,7 +6,7 @@ which LLM returns; TokenLogprob is one token's logprob in either."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence as Seq
 
 from metrics import RequestMetrics
@@ -136,6 +136,7 @@ class CompletionOutput:
     # vLLM's: the stop string matched, or the stop_token_ids entry that ended it; None for
     # EOS, a length cut, a grammar's end or an abort.
     stop_reason: str | int | None = None
+    lora_request: None = None  # vLLM's: the adapter that made it; always None here (no LoRA)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -162,3 +163,10 @@ class RequestOutput:
     first_token_time: float | None
     finished_time: float
     num_preemptions: int
+    # vLLM's fields for what taxirank does not run, at the values vLLM gives a text-only,
+    # decoder-only request without LoRA or disaggregated serving
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    multi_modal_placeholders: dict = field(default_factory=dict)
+    kv_transfer_params: None = None

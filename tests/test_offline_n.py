@@ -51,6 +51,9 @@ def test_a_vllm_user_s_first_loop_reads_outputs_0_text(llm: LLM) -> None:
         assert (c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs) == ("length", None, None, None)
         assert o.metrics.num_preemptions == o.num_preemptions == 0
         assert o.arrival_time <= o.first_token_time <= o.finished_time
+        # vLLM's fields for what is not run here, at vLLM's values for a plain text request
+        assert (o.lora_request, o.encoder_prompt, o.encoder_prompt_token_ids, o.multi_modal_placeholders,
+                o.kv_transfer_params, c.lora_request) == (None, None, None, {}, None, None)
 
 
 def test_chat_s_prompt_is_the_rendered_template(llm: LLM) -> None:
