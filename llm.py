@@ -102,6 +102,11 @@ def _check_vllm_only_kwargs(kwargs: dict[str, Any]) -> None:
                              f"{', '.join(map(repr, accepted))})")
 
 
+# vLLM's prompt dict keys for inputs other than text and token ids (its TextPrompt's and
+# TokensPrompt's multimodal fields, its EmbedsPrompt's embeddings)
+_MULTIMODAL_PROMPT_KEYS = {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds"}
+
+
 def _check_no_lora(lora_request: Any) -> None:
     """vLLM's lora_request of generate, chat and beam_search: None is what every call here
     runs (the base model); an adapter is refused rather than left unapplied."""
@@ -371,6 +376,10 @@ class LLM:
         """A prompt's token ids, its text (when given as text) and its cache_salt."""
         if not isinstance(prompt, dict):
             return self._encode(prompt), prompt if isinstance(prompt, str) else None, None
+        unsupported = sorted(set(prompt) & _MULTIMODAL_PROMPT_KEYS)
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} is not supported: taxirank takes text and token ids only (no "
+                             "multimodal inputs, no prompt embeddings)")
         if set(prompt) - {"cache_salt"} not in ({"prompt"}, {"prompt_token_ids"}, {"prompt_token_ids", "prompt"}):
             raise ValueError(f"a prompt dict is vLLM's TextPrompt {{'prompt': text}} or TokensPrompt "
                              f"{{'prompt_token_ids': ids}} (with the text they came from as 'prompt', if any), "

@@ -131,9 +131,10 @@ def test_logprobs_read_as_vllm_s_dicts_of_token_id_to_logprob(llm: LLM) -> None:
     assert {t: e.decoded_token for t, e in raw.outputs[0].logprobs[0].items()} == {c.token_ids[0]: None}
 
 
-def test_a_lora_request_or_mm_processor_kwargs_is_refused_naming_it(llm: LLM) -> None:
+def test_a_lora_request_or_multimodal_input_is_refused_naming_it(llm: LLM) -> None:
     """vLLM's lora_request (generate, chat, beam_search) and chat's mm_processor_kwargs: None
-    runs the base model; anything else is a ValueError, not an adapter left unapplied."""
+    runs the base model; anything else is a ValueError, not an adapter left unapplied. A
+    prompt dict's multimodal data or embeddings: a ValueError naming the key."""
     from beam_search import BeamSearchParams
 
     conversation = [{"role": "user", "content": "hi"}]
@@ -144,6 +145,12 @@ def test_a_lora_request_or_mm_processor_kwargs_is_refused_naming_it(llm: LLM) ->
             call()
     with pytest.raises(ValueError, match="mm_processor_kwargs is not supported"):
         llm.chat(conversation, mm_processor_kwargs={"num_crops": 4})
+    # vLLM's multimodal TextPrompt and its EmbedsPrompt, named, before anything runs
+    for prompt, key in [({"prompt": "hi", "multi_modal_data": {"image": None}}, "multi_modal_data"),
+                        ({"prompt_token_ids": PROMPT, "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
+                        ({"prompt_embeds": np.zeros((2, 8))}, "prompt_embeds")]:
+        with pytest.raises(ValueError, match=f"{key} is not supported: taxirank takes text and token ids only"):
+            llm.generate(["Hello", prompt])
     assert not llm.engine.has_unfinished()
 
 
