@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
 
-from config import EngineConfig
+from config import VLLM_SPELLINGS, EngineConfig
 from engine import EngineRequest, LLMEngine, child_requests, decode_output
 from metrics import EngineStats, RequestMetrics
 from outputs import CompletionOutput, RequestOutput, TokenLogprob, stop_reason
@@ -91,8 +91,19 @@ _VLLM_ONLY_KWARGS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+# vLLM's keyword names of EngineConfig fields named otherwise here (config.VLLM_SPELLINGS' long flags)
+_VLLM_KWARG_NAMES: dict[str, str] = {flag[2:].replace("-", "_"): name for name, flags in VLLM_SPELLINGS.items()
+                                     for flag in flags if flag.startswith("--")}
+
+
 def _check_vllm_only_kwargs(kwargs: dict[str, Any]) -> None:
-    """Pops the _VLLM_ONLY_KWARGS from kwargs, refusing a value taxirank cannot honour."""
+    """Pops the _VLLM_ONLY_KWARGS from kwargs, refusing a value taxirank cannot honour, and
+    renames vLLM's spellings of EngineConfig fields (kv_cache_memory_bytes: kv_cache_memory)."""
+    for vllm_name, name in _VLLM_KWARG_NAMES.items():
+        if vllm_name in kwargs:
+            if name in kwargs:
+                raise TypeError(f"{vllm_name} and {name} are one setting: pass one of them")
+            kwargs[name] = kwargs.pop(vllm_name)
     for name in [k for k in kwargs if k in _VLLM_ONLY_KWARGS]:
         value = kwargs.pop(name)
         accepted, why = _VLLM_ONLY_KWARGS[name]

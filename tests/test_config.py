@@ -269,8 +269,8 @@ def test_a_second_config_file_exits_naming_the_flag(tmp_path, capsys):
     assert exit_.value.code == 2 and "--config is given more than once" in capsys.readouterr().err
 
 
-def _tiny(**kw: object) -> LLM:
-    return LLM("tiny", log=lambda *_: None, max_model_len=64, num_kv_blocks=16, warmup=False, **kw)
+def _tiny(**kw: object) -> LLM:  # (the KV blocks by vLLM's keyword, num_kv_blocks here)
+    return LLM("tiny", log=lambda *_: None, max_model_len=64, num_gpu_blocks_override=16, warmup=False, **kw)
 
 
 @pytest.mark.parametrize("flag, value, at_least", [
@@ -293,6 +293,7 @@ def test_host_buffers_are_bounded_by_their_need_not_a_cap(monkeypatch):
     is refused. The need covers the buffers the runner really keeps."""
     llm = _tiny(max_num_seqs=4)
     r, cfg = llm.engine.runner, llm.engine.config
+    assert cfg.num_kv_blocks == 16  # vLLM's num_gpu_blocks_override
     need = runner.host_buffer_bytes(cfg, llm.engine.model_config, llm.engine.loaded.dtype)
     assert need["max_num_batched_tokens"] >= r._hidden.nbytes
     assert need["max_num_seqs"] >= r._logits.nbytes + sum(a.nbytes for a in r._samp.values())
@@ -461,6 +462,11 @@ def test_a_vllm_llm_keyword_taxirank_cannot_honour_is_a_value_error_naming_it(kw
     on to the model's loading (here: a missing model)."""
     with pytest.raises(ValueError, match=says):
         LLM(model="/nowhere", **kwargs)
+    # vLLM's names of fields named otherwise here are those fields (checked as they are)
+    with pytest.raises(ValueError, match="kv_cache_memory must be > 0 bytes"):
+        LLM(model="/nowhere", kv_cache_memory_bytes=-1)
+    with pytest.raises(TypeError, match="num_gpu_blocks_override and num_kv_blocks are one setting"):
+        LLM(model="/nowhere", num_gpu_blocks_override=8, num_kv_blocks=8)
     with pytest.raises(FileNotFoundError, match="/nowhere"):
         LLM(model="/nowhere", enforce_eager=False, trust_remote_code=True, tokenizer_mode="auto",
             skip_tokenizer_init=False, revision=None, hf_token=None, hf_overrides={}, cpu_offload_gb=0.0,
