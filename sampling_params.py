@@ -349,6 +349,12 @@ class SamplingParams:
     # vLLM's: arbitrary arguments for custom sampling code, which no in-tree sampling reads
     # there either; kept on the params for the caller's own use
     extra_args: dict[str, Any] | None = None
+    # vLLM's fields for what taxirank does not run, taken unset only (_UNSUPPORTED_FIELDS):
+    # a thinking budget (-1: unlimited, vLLM's unset too), the logprobs of chosen token ids,
+    # logprobs in vLLM's flat layout
+    thinking_token_budget: int | None = None
+    logprob_token_ids: tuple[int, ...] | None = None
+    flat_logprobs: bool = False
 
     def __post_init__(self) -> None:
         # numpy scalars (a max_tokens drawn with numpy, a token id read from an array) become
@@ -422,6 +428,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}"[:200])
         if self.stop and not self.detokenize:  # vLLM's check and message
             raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+        if is_int(self.thinking_token_budget) and self.thinking_token_budget == -1:
+            object.__setattr__(self, "thinking_token_budget", None)
+        for name, (unset, why) in _UNSUPPORTED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not unset and not (type(value) is type(unset) and value == unset):
+                raise ValueError(f"{name} is not supported: {why} (got {value!r})"[:300])
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         # -1: the whole vocabulary, as vLLM's (the most a request may ask is the engine's
@@ -509,6 +521,13 @@ class SamplingParams:
             return "stop_token_id"
         return None
 
+
+# SamplingParams' fields of vLLM's that taxirank takes at their defaults only: the default, and why
+_UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "thinking_token_budget": (None, "no thinking budget is enforced here"),
+    "logprob_token_ids": (None, "logprobs are the sampled token's and the top ones (logprobs=N, or -1 for all)"),
+    "flat_logprobs": (False, "logprobs come as TokenLogprob entries (each also vLLM's dict of Logprob)"),
+}
 
 SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this samples greedily (SamplingParams' only 0)
 # vLLM's _MAX_TEMP: SamplingParams raises a temperature in (0, this) to it, as vLLM, since

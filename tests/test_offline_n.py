@@ -157,7 +157,8 @@ def test_a_lora_request_or_multimodal_input_is_refused_naming_it(llm: LLM) -> No
 def test_sampling_params_take_vllm_s_detokenize_extra_args_and_clone() -> None:
     """vLLM's SamplingParams fields and method beyond the sampling ones: detokenize (stop
     strings need it: vLLM's message), extra_args (a dict, kept for the caller: vLLM's
-    in-tree sampling reads none either), clone (a deep copy)."""
+    in-tree sampling reads none either), clone (a deep copy); thinking_token_budget,
+    logprob_token_ids and flat_logprobs unset only, else a ValueError naming them."""
     with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True. Set "
                                          "detokenize=True to use stop."):
         SamplingParams(stop=["x"], detokenize=False)
@@ -165,6 +166,11 @@ def test_sampling_params_take_vllm_s_detokenize_extra_args_and_clone() -> None:
         SamplingParams(detokenize="no")
     with pytest.raises(ValueError, match="extra_args must be a dict"):
         SamplingParams(extra_args=[1])
+    # vLLM's fields for what is not run here: unset only (a thinking budget of -1 is vLLM's unset)
+    assert SamplingParams(thinking_token_budget=-1, logprob_token_ids=None, flat_logprobs=False) == SamplingParams()
+    for field, value in [("thinking_token_budget", 64), ("logprob_token_ids", [5, 6]), ("flat_logprobs", True)]:
+        with pytest.raises(ValueError, match=f"{field} is not supported: "):
+            SamplingParams(**{field: value})
     p = SamplingParams(seed=3, logit_bias={5: 1.0}, extra_args={"k": [1]})
     q = p.clone()
     assert q == p and q is not p and q.extra_args is not p.extra_args and q.logit_bias is not p.logit_bias
