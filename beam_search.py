@@ -75,9 +75,10 @@ class BeamSearchParams:
     def step_params(self) -> SamplingParams:
         """Each step's request for one beam: one token, and the logprobs of the
         2 x beam_width most likely (vLLM's; an EOS among them still leaves beam_width others),
-        or of as many as `logprobs` asks to report if more."""
+        or of as many as `logprobs` asks to report if more. Not detokenized: the search
+        reads the step's logprobs only, and decodes its sequences once they are done."""
         return SamplingParams(max_tokens=1, temperature=self.temperature,
-                              logprobs=max(2 * self.beam_width, self.logprobs or 0))
+                              logprobs=max(2 * self.beam_width, self.logprobs or 0), detokenize=False)
 
     def search_params(self) -> SamplingParams:
         """A step's request grown to the whole search's length: checking it (LLMEngine.validate)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence as Seq
 
 import numpy as np
 
-from config import EngineConfig
+from config import VLLM_SPELLINGS, EngineConfig
 from engine import EngineRequest, LLMEngine, child_requests, decode_output
 from metrics import EngineStats, RequestMetrics
 from outputs import CompletionOutput, RequestOutput, TokenLogprob, stop_reason
@@ -62,11 +62,76 @@ def _full_collections_deferred() -> Iterator[None]:
                 gc.set_threshold(*_saved_threshold)
 
 
+# vLLM's LLM keyword arguments (its EngineArgs) that have no EngineConfig field here: each is
+# taken at the values that ask for what taxirank does anyway, and any other value is a
+# ValueError naming it, so that a vLLM script's LLM(...) runs or says what it cannot have.
+_VLLM_ONLY_KWARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    # (no model code but taxirank's own ever runs, so the permission is never used)
+    "trust_remote_code": ((False, True), ""),
+    "enforce_eager": ((False,), "every step runs as a compiled JAX program (there are no CUDA graphs to skip); "
+                                "warmup=False skips compiling them ahead"),
+    "tokenizer_mode": (("auto", "hf"), "the tokenizer is always the model's Hugging Face tokenizer (or tokenizer=)"),
+    "skip_tokenizer_init": ((False,), "a model without a tokenizer already takes token ids and gives empty texts"),
+    "revision": ((None,), "models are local paths or built-in names; there is no hub revision to pick"),
+    "tokenizer_revision": ((None,), "tokenizers are local paths; there is no hub revision to pick"),
+    "code_revision": ((None,), "no remote code runs"),
+    "download_dir": ((None,), "models are local paths or built-in names (TAXIRANK_CACHE moves the built-in's)"),
+    "load_format": (("auto",), "the format is read from the model path (HF folder, GGUF, orbax checkpoint)"),
+    "hf_token": ((None,), "nothing is downloaded from the Hugging Face hub"),
+    "hf_overrides": ((None, {}), "the model's config is read as it is"),
+    "cpu_offload_gb": ((0, 0.0), "weights are not offloaded to host memory"),
+    "compilation_config": ((None, {}), "JAX's compilation has no such options here"),
+    "disable_custom_all_reduce": ((False, True), ""),  # XLA's collectives are the only all-reduce
+    "disable_log_stats": ((True,), "the offline LLM logs no stats; LLM.stats holds its counters"),
+    "task": (("auto", "generate"), "taxirank runs text generation only"),
+    "runner": (("auto", "generate"), "taxirank runs text generation only"),
+    "allowed_local_media_path": (("",), "taxirank takes no multimodal inputs"),
+    "mm_processor_kwargs": ((None,), "taxirank takes no multimodal inputs"),
+    "enable_lora": ((False,), "taxirank has no LoRA"),
+}
+
+
+# vLLM's keyword names of EngineConfig fields named otherwise here (config.VLLM_SPELLINGS' long flags)
+_VLLM_KWARG_NAMES: dict[str, str] = {flag[2:].replace("-", "_"): name for name, flags in VLLM_SPELLINGS.items()
+                                     for flag in flags if flag.startswith("--")}
+
+
+def _check_vllm_only_kwargs(kwargs: dict[str, Any]) -> None:
+    """Pops the _VLLM_ONLY_KWARGS from kwargs, refusing a value taxirank cannot honour, and
+    renames vLLM's spellings of EngineConfig fields (kv_cache_memory_bytes: kv_cache_memory)."""
+    for vllm_name, name in _VLLM_KWARG_NAMES.items():
+        if vllm_name in kwargs:
+            if name in kwargs:
+                raise TypeError(f"{vllm_name} and {name} are one setting: pass one of them")
+            kwargs[name] = kwargs.pop(vllm_name)
+    for name in [k for k in kwargs if k in _VLLM_ONLY_KWARGS]:
+        value = kwargs.pop(name)
+        accepted, why = _VLLM_ONLY_KWARGS[name]
+        # (== alone would take 0 for False and 1.0 for True: the type must match too)
+        if not any(type(value) is type(a) and value == a for a in accepted):
+            raise ValueError(f"{name}={value!r} is not supported: {why} (taken: "
+                             f"{', '.join(map(repr, accepted))})")
+
+
+# vLLM's prompt dict keys for inputs other than text and token ids (its TextPrompt's and
+# TokensPrompt's multimodal fields, its EmbedsPrompt's embeddings)
+_MULTIMODAL_PROMPT_KEYS = {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds"}
+
+
+def _check_no_lora(lora_request: Any) -> None:
+    """vLLM's lora_request of generate, chat and beam_search: None is what every call here
+    runs (the base model); an adapter is refused rather than left unapplied."""
+    if lora_request is not None:
+        raise ValueError(f"lora_request is not supported: taxirank has no LoRA (got {type(lora_request).__name__}); "
+                         "pass None")
+
+
 class LLM:
     """Offline generation, as vLLM's `LLM`: LLM(model="tiny", max_num_seqs=...).generate(...)."""
 
     def __init__(self, model: str = "tiny", log: Callable[[str], None] = print, record_trace: bool = False,
                  **kwargs):
+        _check_vllm_only_kwargs(kwargs)
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs), log=log, record_trace=record_trace)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
@@ -75,6 +140,19 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's: the tokenizer prompts are encoded and outputs decoded with (a transformers
+        tokenizer); a ValueError for a model without one, as vLLM's with skip_tokenizer_init."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids, and read outputs' token_ids")
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the SamplingParams generate() and chat() use when given none, the model's
+        generation config's sampling defaults (and --override-generation-config's) over
+        vLLM's own."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self.engine.reset_prefix_cache(reset_running_requests)
 
@@ -82,14 +160,16 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] | None = None,
-                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 priority: Seq[int] | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """vLLM's (its keyword names too): one RequestOutput per prompt, in order, each with its
         sampling_params.n samples.
         A prompt is a string, a list of token ids, or vLLM's dict form: {"prompt": text} or
         {"prompt_token_ids": ids} (and the "prompt" they came from, kept as the output's),
         either with a "cache_salt" (its prefix-cache blocks are shared only with prompts of
         the same salt).
-        priority: one integer per prompt (vLLM's), read by a policy that uses priorities."""
+        priority: one integer per prompt (vLLM's), read by a policy that uses priorities.
+        lora_request: vLLM's, None only (taxirank has no LoRA)."""
+        _check_no_lora(lora_request)
         read = self._read_prompts(prompts)
         return self._generate([ids for ids, _, _ in read], [text for _, text, _ in read], sampling_params, use_tqdm,
                               priority, cache_salts=[salt for _, _, salt in read])
@@ -98,7 +178,7 @@ class LLM:
                   params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool | None,
                   priority: Seq[int] | None, thinking: bool = True,
                   cache_salts: list[str | None] | None = None) -> list[RequestOutput]:
-        params = params if params is not None else SamplingParams(**self.engine.sampling_defaults)
+        params = params if params is not None else self.get_default_sampling_params()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(encoded)
         if len(plist) != len(encoded):
             raise ValueError(f"{len(plist)} SamplingParams for {len(encoded)} prompts")
@@ -184,13 +264,18 @@ class LLM:
              use_tqdm: bool | Callable[..., Any] | None = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request: Any = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list
         of them, each rendered by the model's chat template (or `chat_template`), then
         generated as generate() does; one RequestOutput per conversation.
         chat_template_content_format: "string", "openai" or "auto" (chat_format), as the
         server's --chat-template-content-format. tools: OpenAI's function definitions, for
-        a template that renders them (as vLLM, no call is parsed out of the output)."""
+        a template that renders them (as vLLM, no call is parsed out of the output).
+        lora_request and mm_processor_kwargs: vLLM's, None only (no LoRA, no multimodal inputs)."""
+        _check_no_lora(lora_request)
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs is not supported: taxirank takes no multimodal inputs")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
         import chat_format
@@ -232,16 +317,19 @@ class LLM:
 
     @_full_collections_deferred()
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: Any,
-                    use_tqdm: bool | Callable[..., Any] = False, concurrency_limit: int | None = None) -> list[Any]:
+                    use_tqdm: bool | Callable[..., Any] = False, concurrency_limit: int | None = None,
+                    lora_request: Any = None) -> list[Any]:
         """vLLM's LLM.beam_search (beam_search.py): one BeamSearchOutput per prompt (prompts as
         generate() takes them), its params.beam_width best sequences, best first; each
         sequence's tokens start with the prompt's, and so does its text. Each step runs the
         live beams of every prompt as one batch of one-token requests. A sequence that ended
         on EOS keeps it only with include_stop_str_in_output, as the API's beam search does
         (vLLM's offline one keeps it whatever the flag says). concurrency_limit: vLLM's, the
-        most prompts searched at once (None: all); the others wait for them to end."""
+        most prompts searched at once (None: all); the others wait for them to end.
+        lora_request: vLLM's, None only (taxirank has no LoRA)."""
         from beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 
+        _check_no_lora(lora_request)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
@@ -299,6 +387,10 @@ class LLM:
         """A prompt's token ids, its text (when given as text) and its cache_salt."""
         if not isinstance(prompt, dict):
             return self._encode(prompt), prompt if isinstance(prompt, str) else None, None
+        unsupported = sorted(set(prompt) & _MULTIMODAL_PROMPT_KEYS)
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} is not supported: taxirank takes text and token ids only (no "
+                             "multimodal inputs, no prompt embeddings)")
         if set(prompt) - {"cache_salt"} not in ({"prompt"}, {"prompt_token_ids"}, {"prompt_token_ids", "prompt"}):
             raise ValueError(f"a prompt dict is vLLM's TextPrompt {{'prompt': text}} or TokensPrompt "
                              f"{{'prompt_token_ids': ids}} (with the text they came from as 'prompt', if any), "
@@ -325,6 +417,8 @@ class LLM:
                 logprobs: dict[str, list[TokenLogprob]],
                 prompt_logprobs: dict[str, list[TokenLogprob | None]]) -> RequestOutput:
         first, last = samples[0], max(samples, key=lambda s: s.finished_time)
+        if first.params.detokenize:
+            self._decode_logprobs(prompt_logprobs.get(first.request_id) or [])
         first_tokens = [s.first_token_time for s in samples if s.first_token_time is not None]
         return RequestOutput(
             request_id=request_id, prompt=prompt, prompt_token_ids=first.prompt_token_ids,
@@ -334,14 +428,28 @@ class LLM:
             arrival_time=min(s.arrival_time for s in samples), first_token_time=min(first_tokens, default=None),
             finished_time=last.finished_time, num_preemptions=sum(s.num_preemptions for s in samples))
 
+    def _decode_logprobs(self, lps: list[TokenLogprob | None]) -> None:
+        """vLLM's decoded_token of each entry of each position, named as the server's logprobs
+        name them (protocol.token_text: a token completing a character split over tokens is
+        that character, after the tokens before it); nothing without a tokenizer."""
+        if self.tokenizer is None:
+            return
+        from protocol import _contexts, token_text
+
+        for lp, context in zip(lps, _contexts(lps)):
+            if lp is not None:
+                lp.decoded = {t: token_text(self.tokenizer, t, context=context) for t in lp}
+
     def _completion(self, index: int, seq: Sequence, logprobs: list[TokenLogprob] | None) -> CompletionOutput:
-        text = ""  # vLLM's, where nothing detokenizes (a model without a tokenizer)
+        text = ""  # vLLM's, where nothing detokenizes (a model without a tokenizer, detokenize=False)
         if seq.stop_matcher is not None and seq.stop_matcher.stop_reason is not None:
             text = seq.stop_matcher.text  # up to the stop string, as the server sends it
-        elif self.tokenizer is not None:
+        elif self.tokenizer is not None and seq.params.detokenize:  # (stop strings need detokenize)
             text = decode_output(self.tokenizer, seq.output_token_ids, seq.params,
                                  self.engine.model_config.eos_token_ids, seq.prompt_token_ids)
         asked = seq.params.logprobs is not None
+        if seq.params.detokenize:
+            self._decode_logprobs(logprobs or [])
         return CompletionOutput(index, text, list(seq.output_token_ids),
                                 sum(t.logprob for t in logprobs or ()) if asked else None, logprobs, seq.finish_reason,
                                 stop_reason(seq, self.engine.model_config.eos_token_ids))

@@ -5,7 +5,8 @@ which LLM returns; TokenLogprob is one token's logprob in either."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence as Seq
 
 from metrics import RequestMetrics
@@ -14,14 +15,48 @@ if TYPE_CHECKING:
     from sequence import Sequence
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's Logprob: one token's log-probability, its rank (1: the most likely) and its
+    text (None where nothing decoded it: no tokenizer, or detokenize=False)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
-class TokenLogprob:
+class TokenLogprob(Mapping[int, Logprob]):
+    """One position's logprobs: the token there, its logprob and rank, and the top ones.
+    Read as a mapping it is vLLM's per-position dict, token id -> Logprob: the token there
+    first, then the top ones not already in it, ranked 1, 2, ... in their order (so
+    `out.outputs[0].logprobs[i][token_id].logprob` reads as in vLLM)."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
     # the token's rank in the vocabulary (1: the most likely; vLLM's: the tokens at least as
     # likely, itself included), under the distribution its logprob is of (--logprobs-mode)
     rank: int | None = None
+    # token id -> its text (vLLM's decoded_token), filled in by LLM's outputs where it decodes
+    decoded: dict[int, str] | None = None
+
+    def _entries(self) -> dict[int, Logprob]:
+        texts = self.decoded or {}
+        entries = {self.token_id: Logprob(self.logprob, self.rank, texts.get(self.token_id))}
+        for rank, (token_id, logprob) in enumerate(self.top, 1):
+            if token_id not in entries:
+                entries[token_id] = Logprob(logprob, rank, texts.get(token_id))
+        return entries
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries()[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
 
 
 @dataclass(slots=True)  # one per request per step: slots make it cheap to build
@@ -101,6 +136,7 @@ class CompletionOutput:
     # vLLM's: the stop string matched, or the stop_token_ids entry that ended it; None for
     # EOS, a length cut, a grammar's end or an abort.
     stop_reason: str | int | None = None
+    lora_request: None = None  # vLLM's: the adapter that made it; always None here (no LoRA)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -127,3 +163,10 @@ class RequestOutput:
     first_token_time: float | None
     finished_time: float
     num_preemptions: int
+    # vLLM's fields for what taxirank does not run, at the values vLLM gives a text-only,
+    # decoder-only request without LoRA or disaggregated serving
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    multi_modal_placeholders: dict = field(default_factory=dict)
+    kv_transfer_params: None = None

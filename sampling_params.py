@@ -8,6 +8,7 @@ checks --override-generation-config with sampling_defaults.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json as _json  # StructuredOutputsParams has a field named json
 import logging
@@ -342,6 +343,18 @@ class SamplingParams:
     # vLLM's: tokens per streamed chunk (None, or one below the server's --stream-interval:
     # the server's), read by a server's stream only (LLM.generate's outputs are whole)
     stream_interval: int | None = None
+    # vLLM's: False leaves the outputs' texts empty (their token ids only), skipping the
+    # decode; stop strings need the text, so they are refused with it (vLLM's check)
+    detokenize: bool = True
+    # vLLM's: arbitrary arguments for custom sampling code, which no in-tree sampling reads
+    # there either; kept on the params for the caller's own use
+    extra_args: dict[str, Any] | None = None
+    # vLLM's fields for what taxirank does not run, taken unset only (_UNSUPPORTED_FIELDS):
+    # a thinking budget (-1: unlimited, vLLM's unset too), the logprobs of chosen token ids,
+    # logprobs in vLLM's flat layout
+    thinking_token_budget: int | None = None
+    logprob_token_ids: tuple[int, ...] | None = None
+    flat_logprobs: bool = False
 
     def __post_init__(self) -> None:
         # numpy scalars (a max_tokens drawn with numpy, a token id read from an array) become
@@ -355,7 +368,7 @@ class SamplingParams:
                 value = value.tolist()
             elif isinstance(value, (list, tuple)):
                 value = type(value)(plain(x) for x in value)
-            elif isinstance(value, dict):  # logit_bias: token id -> bias
+            elif isinstance(value, dict):  # logit_bias (token id -> bias), extra_args
                 value = {plain(k): plain(v) for k, v in value.items()}
             object.__setattr__(self, f.name, plain(value))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, tuple):
@@ -410,9 +423,19 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         # a truthy non-bool (ignore_eos="no") would silently switch the option on
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}"[:200])
+        if self.stop and not self.detokenize:  # vLLM's check and message
+            raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+        if is_int(self.thinking_token_budget) and self.thinking_token_budget == -1:
+            object.__setattr__(self, "thinking_token_budget", None)
+        for name, (unset, why) in _UNSUPPORTED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not unset and not (type(value) is type(unset) and value == unset):
+                raise ValueError(f"{name} is not supported: {why} (got {value!r})"[:300])
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         # -1: the whole vocabulary, as vLLM's (the most a request may ask is the engine's
         # --max-logprobs: LLMEngine.validate, which resolves -1)
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < -1):
@@ -468,6 +491,11 @@ class SamplingParams:
                 bias[token_id] = min(100.0, max(-100.0, float(value)))  # OpenAI's range, clamped as vLLM
             object.__setattr__(self, "logit_bias", bias or None)
 
+    def clone(self) -> SamplingParams:
+        """vLLM's: a deep copy (its extra_args and logit_bias too), which the caller may
+        change (dataclasses.replace) without touching this one."""
+        return copy.deepcopy(self)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
@@ -493,6 +521,13 @@ class SamplingParams:
             return "stop_token_id"
         return None
 
+
+# SamplingParams' fields of vLLM's that taxirank takes at their defaults only: the default, and why
+_UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "thinking_token_budget": (None, "no thinking budget is enforced here"),
+    "logprob_token_ids": (None, "logprobs are the sampled token's and the top ones (logprobs=N, or -1 for all)"),
+    "flat_logprobs": (False, "logprobs come as TokenLogprob entries (each also vLLM's dict of Logprob)"),
+}
 
 SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this samples greedily (SamplingParams' only 0)
 # vLLM's _MAX_TEMP: SamplingParams raises a temperature in (0, this) to it, as vLLM, since

@@ -269,8 +269,8 @@ def test_a_second_config_file_exits_naming_the_flag(tmp_path, capsys):
     assert exit_.value.code == 2 and "--config is given more than once" in capsys.readouterr().err
 
 
-def _tiny(**kw: object) -> LLM:
-    return LLM("tiny", log=lambda *_: None, max_model_len=64, num_kv_blocks=16, warmup=False, **kw)
+def _tiny(**kw: object) -> LLM:  # (the KV blocks by vLLM's keyword, num_kv_blocks here)
+    return LLM("tiny", log=lambda *_: None, max_model_len=64, num_gpu_blocks_override=16, warmup=False, **kw)
 
 
 @pytest.mark.parametrize("flag, value, at_least", [
@@ -293,6 +293,7 @@ def test_host_buffers_are_bounded_by_their_need_not_a_cap(monkeypatch):
     is refused. The need covers the buffers the runner really keeps."""
     llm = _tiny(max_num_seqs=4)
     r, cfg = llm.engine.runner, llm.engine.config
+    assert cfg.num_kv_blocks == 16  # vLLM's num_gpu_blocks_override
     need = runner.host_buffer_bytes(cfg, llm.engine.model_config, llm.engine.loaded.dtype)
     assert need["max_num_batched_tokens"] >= r._hidden.nbytes
     assert need["max_num_seqs"] >= r._logits.nbytes + sum(a.nbytes for a in r._samp.values())
@@ -440,3 +441,34 @@ def test_server_exits_on_an_unsupported_parallelism_flag_and_an_unknown_backend(
 def test_an_unknown_llm_keyword_is_a_type_error_as_vllms():
     with pytest.raises(TypeError, match="pipeline_parallel"):  # a misspelling of a flag it has
         LLM(model="/nowhere", pipeline_parallel=2)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(enforce_eager=True), "enforce_eager=True is not supported: every step runs as a compiled JAX program"),
+    (dict(enforce_eager=1), "enforce_eager=1 is not supported"),  # a bool, as vLLM's
+    (dict(tokenizer_mode="slow"), "tokenizer_mode='slow' is not supported"),
+    (dict(skip_tokenizer_init=True), "skip_tokenizer_init=True is not supported"),
+    (dict(revision="main"), "revision='main' is not supported"),
+    (dict(hf_overrides={"rope_theta": 1.0}), "hf_overrides=.* is not supported"),
+    (dict(cpu_offload_gb=4), "cpu_offload_gb=4 is not supported"),
+    (dict(compilation_config={"level": 3}), "compilation_config=.* is not supported"),
+    (dict(task="embed"), "task='embed' is not supported: taxirank runs text generation only"),
+    (dict(enable_lora=True), "enable_lora=True is not supported: taxirank has no LoRA"),
+])
+def test_a_vllm_llm_keyword_taxirank_cannot_honour_is_a_value_error_naming_it(kwargs, says):
+    """vLLM's LLM(...) keywords without an engine field here: not a TypeError (a vLLM script's
+    LLM(model, enforce_eager=...) is no misspelling) but a ValueError naming the keyword and
+    its value, before any model loads; the values that ask for what taxirank does anyway pass
+    on to the model's loading (here: a missing model)."""
+    with pytest.raises(ValueError, match=says):
+        LLM(model="/nowhere", **kwargs)
+    # vLLM's names of fields named otherwise here are those fields (checked as they are)
+    with pytest.raises(ValueError, match="kv_cache_memory must be > 0 bytes"):
+        LLM(model="/nowhere", kv_cache_memory_bytes=-1)
+    with pytest.raises(TypeError, match="num_gpu_blocks_override and num_kv_blocks are one setting"):
+        LLM(model="/nowhere", num_gpu_blocks_override=8, num_kv_blocks=8)
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        LLM(model="/nowhere", enforce_eager=False, trust_remote_code=True, tokenizer_mode="auto",
+            skip_tokenizer_init=False, revision=None, hf_token=None, hf_overrides={}, cpu_offload_gb=0.0,
+            compilation_config=None, disable_log_stats=True, task="generate", load_format="auto",
+            disable_custom_all_reduce=False, download_dir=None, allowed_local_media_path="")

@@ -37,9 +37,12 @@ def greedy(n: int) -> SamplingParams:
 def test_greedy_generate_equals_transformers(hf_checkpoint, family):
     path = hf_checkpoint(family)
     prompt = [5, 17, 42, 99, 7, 256, 31, 64, 11]
-    ours = make_llm(path).generate([prompt], greedy(32))[0]
+    llm = make_llm(path)
+    ours = llm.generate([prompt], greedy(32))[0]
     assert ours.outputs[0].token_ids == hf_greedy(path, prompt, 32)
     assert ours.outputs[0].text == ""  # no tokenizer beside the checkpoint: vLLM's empty text, not None
+    with pytest.raises(ValueError, match="this model has no tokenizer"):  # as vLLM's get_tokenizer without one
+        llm.get_tokenizer()
 
 
 def test_finished_request_leaves_in_that_step_and_queued_request_joins_the_next():

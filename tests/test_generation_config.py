@@ -17,7 +17,7 @@ from conftest import hf_greedy, make_hf_checkpoint
 
 from config import EngineConfig
 from hf_config import generation_sampling_defaults
-from llm import LLM
+from llm import LLM, SamplingParams
 from protocol import parse_sampling
 
 SHAPES = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, num_kv_blocks=16, warmup=False)
@@ -40,10 +40,13 @@ def test_offline_defaults_come_from_the_generation_config_and_the_flags_change_t
     greedy = hf_greedy(checkpoint, PROMPT, 5)
     llm = LLM(checkpoint, log=lambda *_: None, **SHAPES)
     assert llm.engine.sampling_defaults == {"top_k": 1, "temperature": 0.7, "max_tokens": 5}
+    # vLLM's LLM.get_default_sampling_params: the file's values over SamplingParams' own
+    assert llm.get_default_sampling_params() == SamplingParams(top_k=1, temperature=0.7, max_tokens=5)
     assert llm.generate([PROMPT])[0].outputs[0].token_ids == greedy
     del llm
     llm = LLM(checkpoint, log=lambda *_: None, generation_config="vllm", **SHAPES)
     assert llm.engine.sampling_defaults == {} and len(llm.generate([PROMPT])[0].outputs[0].token_ids) == 16  # vLLM's 16
+    assert llm.get_default_sampling_params() == SamplingParams()
     del llm
     llm = LLM(checkpoint, log=lambda *_: None, override_generation_config='{"max_new_tokens": 3}', **SHAPES)
     assert llm.generate([PROMPT])[0].outputs[0].token_ids == greedy[:3]

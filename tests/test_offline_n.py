@@ -34,19 +34,26 @@ def llm() -> LLM:
 
 def test_a_vllm_user_s_first_loop_reads_outputs_0_text(llm: LLM) -> None:
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(["Hello", PROMPT], params)
+    # (the second with vLLM's detokenize=False: its tokens, no text)
+    outs = llm.generate(["Hello", PROMPT], [params, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                                   detokenize=False, extra_args={"tag": 1})],
+                        lora_request=None)  # vLLM's keyword, at the base model
     assert [type(o) for o in outs] == [RequestOutput] * 2
     hello, ids = outs
     assert (hello.prompt, ids.prompt) == ("Hello", None)  # text when given as text
     assert hello.prompt_token_ids == llm.tokenizer.encode("Hello") and ids.prompt_token_ids == PROMPT
+    assert llm.get_tokenizer().encode("Hello") == hello.prompt_token_ids  # vLLM's accessor
     for o in outs:
         assert o.finished and o.prompt_logprobs is None and len(o.outputs) == 1
         (c,) = o.outputs
         assert isinstance(c, CompletionOutput) and c.index == 0 and c.finished()
-        assert len(c.token_ids) == 5 and c.text == llm.tokenizer.decode(c.token_ids)
+        assert len(c.token_ids) == 5 and c.text == (llm.tokenizer.decode(c.token_ids) if o is hello else "")
         assert (c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs) == ("length", None, None, None)
         assert o.metrics.num_preemptions == o.num_preemptions == 0
         assert o.arrival_time <= o.first_token_time <= o.finished_time
+        # vLLM's fields for what is not run here, at vLLM's values for a plain text request
+        assert (o.lora_request, o.encoder_prompt, o.encoder_prompt_token_ids, o.multi_modal_placeholders,
+                o.kv_transfer_params, c.lora_request) == (None, None, None, {}, None, None)
 
 
 def test_chat_s_prompt_is_the_rendered_template(llm: LLM) -> None:
@@ -101,6 +108,73 @@ def _server_choices(body: dict) -> list[list[int]]:
     status, out = _post(body)
     assert status == 200, out
     return [c["token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+
+
+def test_logprobs_read_as_vllm_s_dicts_of_token_id_to_logprob(llm: LLM) -> None:
+    """vLLM's CompletionOutput.logprobs: per position a dict token id -> Logprob (logprob,
+    rank, decoded_token), the sampled token first, then the top `logprobs` others; greedy,
+    the sampled token is rank 1, and each text is its token's (the tokenizer's decode of it
+    alone, where that is whole characters); with detokenize=False no text."""
+    tok = llm.get_tokenizer()
+    [out] = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True))
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 3
+    for t, position in zip(c.token_ids, c.logprobs):
+        assert next(iter(position)) == t and t in position and len(position) == 2  # greedy: itself in the top 2
+        assert [e.rank for e in position.values()] == [1, 2]
+        assert position[t].logprob == max(e.logprob for e in position.values())
+        for i, e in position.items():  # (part of a character: vLLM's "" or the character it completes, never U+FFFD)
+            alone = tok.decode([i])
+            assert e.decoded_token == alone if not alone.endswith("\ufffd") else "\ufffd" not in e.decoded_token
+    assert c.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(c.token_ids, c.logprobs)))
+    [raw] = llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, detokenize=False))
+    assert {t: e.decoded_token for t, e in raw.outputs[0].logprobs[0].items()} == {c.token_ids[0]: None}
+
+
+def test_a_lora_request_or_multimodal_input_is_refused_naming_it(llm: LLM) -> None:
+    """vLLM's lora_request (generate, chat, beam_search) and chat's mm_processor_kwargs: None
+    runs the base model; anything else is a ValueError, not an adapter left unapplied. A
+    prompt dict's multimodal data or embeddings: a ValueError naming the key."""
+    from beam_search import BeamSearchParams
+
+    conversation = [{"role": "user", "content": "hi"}]
+    for call in (lambda: llm.generate([PROMPT], lora_request=object()),
+                 lambda: llm.chat(conversation, lora_request=object()),
+                 lambda: llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=object())):
+        with pytest.raises(ValueError, match="lora_request is not supported: taxirank has no LoRA"):
+            call()
+    with pytest.raises(ValueError, match="mm_processor_kwargs is not supported"):
+        llm.chat(conversation, mm_processor_kwargs={"num_crops": 4})
+    # vLLM's multimodal TextPrompt and its EmbedsPrompt, named, before anything runs
+    for prompt, key in [({"prompt": "hi", "multi_modal_data": {"image": None}}, "multi_modal_data"),
+                        ({"prompt_token_ids": PROMPT, "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
+                        ({"prompt_embeds": np.zeros((2, 8))}, "prompt_embeds")]:
+        with pytest.raises(ValueError, match=f"{key} is not supported: taxirank takes text and token ids only"):
+            llm.generate(["Hello", prompt])
+    assert not llm.engine.has_unfinished()
+
+
+def test_sampling_params_take_vllm_s_detokenize_extra_args_and_clone() -> None:
+    """vLLM's SamplingParams fields and method beyond the sampling ones: detokenize (stop
+    strings need it: vLLM's message), extra_args (a dict, kept for the caller: vLLM's
+    in-tree sampling reads none either), clone (a deep copy); thinking_token_budget,
+    logprob_token_ids and flat_logprobs unset only, else a ValueError naming them."""
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True. Set "
+                                         "detokenize=True to use stop."):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be a bool"):
+        SamplingParams(detokenize="no")
+    with pytest.raises(ValueError, match="extra_args must be a dict"):
+        SamplingParams(extra_args=[1])
+    # vLLM's fields for what is not run here: unset only (a thinking budget of -1 is vLLM's unset)
+    assert SamplingParams(thinking_token_budget=-1, logprob_token_ids=None, flat_logprobs=False) == SamplingParams()
+    for field, value in [("thinking_token_budget", 64), ("logprob_token_ids", [5, 6]), ("flat_logprobs", True)]:
+        with pytest.raises(ValueError, match=f"{field} is not supported: "):
+            SamplingParams(**{field: value})
+    p = SamplingParams(seed=3, logit_bias={5: 1.0}, extra_args={"k": [1]})
+    q = p.clone()
+    assert q == p and q is not p and q.extra_args is not p.extra_args and q.logit_bias is not p.logit_bias
+    assert SamplingParams().detokenize and SamplingParams().extra_args is None
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0])
