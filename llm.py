@@ -434,9 +434,9 @@ class LLM:
         that character, after the tokens before it); nothing without a tokenizer."""
         if self.tokenizer is None:
             return
-        from protocol import _contexts, token_text
+        from protocol import logprob_contexts, token_text
 
-        for lp, context in zip(lps, _contexts(lps)):
+        for lp, context in zip(lps, logprob_contexts(lps)):
             if lp is not None:
                 lp.decoded = {t: token_text(self.tokenizer, t, context=context) for t in lp}
 

@@ -709,7 +709,7 @@ def _completed_character(tokenizer: Any, token_id: int, context: Sequence[int]) 
     return ""
 
 
-def _contexts(lps: Sequence[TokenLogprob | int | None], before: Sequence[int] = ()) -> Iterator[list[int]]:
+def logprob_contexts(lps: Sequence[TokenLogprob | int | None], before: Sequence[int] = ()) -> Iterator[list[int]]:
     """Each position's context for token_text: the last 4 tokens before it (vLLM's
     _get_sampled_context_ids), starting after `before`; an echoed prompt's first token,
     a bare id, counts too (a character split over the first two is the second's)."""
@@ -761,7 +761,7 @@ def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob | int], offset: i
     bare token id is a token without a logprob (an echoed prompt's first): null logprob
     and top_logprobs, as vLLM. as_ids: tokens as "token_id:N" (return_tokens_as_token_ids).
     before: the tokens sampled before lps (a stream's earlier chunks), token_text's context."""
-    contexts = list(_contexts(lps, before))
+    contexts = list(logprob_contexts(lps, before))
     tokens = [token_text(tokenizer, lp if isinstance(lp, int) else lp.token_id, as_ids, ctx)
               for lp, ctx in zip(lps, contexts)]
     keep = None if top is None else top + 1
@@ -782,7 +782,7 @@ def prompt_logprobs_json(tokenizer: Any, lps: list[TokenLogprob | None]) -> list
                                "decoded_token": token_text(tokenizer, token_id, context=context)}
     return [None if lp is None else dict([entry(lp.token_id, lp.logprob, lp.rank, ctx),
                                           *(entry(t, v, r, ctx) for r, (t, v) in enumerate(lp.top, 1))])
-            for lp, ctx in zip(lps, _contexts(lps))]
+            for lp, ctx in zip(lps, logprob_contexts(lps))]
 
 
 def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], top: int, as_ids: bool = False,
@@ -801,7 +801,7 @@ def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob], top: int, as_ids: boo
         return {"token": text, "logprob": finite(logprob), "bytes": list(raw.encode())}
     return {"content": [entry(lp.token_id, lp.logprob, ctx, sampled=True) | {
         "top_logprobs": [entry(t, v, ctx) for t, v in itertools.islice(_with_sampled(lp).items(), keep)]}
-        for lp, ctx in zip(lps, _contexts(lps, before))]}
+        for lp, ctx in zip(lps, logprob_contexts(lps, before))]}
 
 
 def route_path(path: str, root_path: str) -> str:
