@@ -343,16 +343,17 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
         max_tokens, limit = body["max_completion_tokens"], "max_completion_tokens"
     # vLLM's renderer (TokenizeParams) checks the lengths in its words, which clients parse
     # (the numbers after "You passed", "requested" and "is only") to fit the prompt or lower
-    # max_tokens and retry. The output it counts: the max_tokens asked, else completions'
-    # default 16, chat's 0.
+    # max_tokens and retry; its VLLMValidationError's str ends "(parameter=..., value=...)".
+    # The output it counts: the max_tokens asked, else completions' default 16, chat's 0.
     if max_tokens is not None and max_tokens > max_model_len:
         raise ApiError(f"{limit}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
-                       "Please request fewer output tokens.", param=limit)
+                       f"Please request fewer output tokens. (parameter={limit}, value={max_tokens})", param=limit)
     asked = max(0, max_tokens if max_tokens is not None else 0 if chat else 16)
     if prompt_len > max_model_len - asked:
         raise ApiError(f"You passed {prompt_len} input tokens and requested {asked} output tokens. However, the "
                        f"model's context length is only {max_model_len} tokens, resulting in a maximum input length "
-                       f"of {max_model_len - asked} tokens. Please reduce the length of the input prompt.",
+                       f"of {max_model_len - asked} tokens. Please reduce the length of the input prompt. "
+                       f"(parameter=input_tokens, value={prompt_len})",
                        param="input_tokens")
     if prompt_len >= max_model_len:  # (chat, no max_tokens) a prompt that leaves no room for one token
         raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
