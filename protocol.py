@@ -338,23 +338,33 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     # vLLM's cap (VLLM_MAX_N_SEQUENCES) is 16384: a lower one keeps a request's samples within a queue's reach
     if not 1 <= n <= MAX_N:
         raise ApiError(f"'n' must be in [1, {MAX_N}], got {n}", param="n")
-    if prompt_len >= max_model_len:  # vLLM's _validate_input: a prompt that leaves no room for one token
-        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-                       f"{prompt_len} input tokens. Please reduce the length of the input messages.",
-                       param="input_tokens")
     max_tokens, limit = field(body, "max_tokens", (int,)), "max_tokens"  # limit: the field it came from
     if chat and field(body, "max_completion_tokens", (int,)) is not None:  # the newer name wins (as vLLM)
         max_tokens, limit = body["max_completion_tokens"], "max_completion_tokens"
+    # vLLM's renderer (TokenizeParams) checks the lengths in its words, which clients parse
+    # (the numbers after "You passed", "requested" and "is only") to fit the prompt or lower
+    # max_tokens and retry; its VLLMValidationError's str ends "(parameter=..., value=...)".
+    # The output it counts: the max_tokens asked, else completions' default 16, chat's 0.
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise ApiError(f"{limit}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+                       f"Please request fewer output tokens. (parameter={limit}, value={max_tokens})", param=limit)
+    asked = max(0, max_tokens if max_tokens is not None else 0 if chat else 16)
+    if prompt_len > max_model_len - asked:
+        raise ApiError(f"You passed {prompt_len} input tokens and requested {asked} output tokens. However, the "
+                       f"model's context length is only {max_model_len} tokens, resulting in a maximum input length "
+                       f"of {max_model_len - asked} tokens. Please reduce the length of the input prompt. "
+                       f"(parameter=input_tokens, value={prompt_len})",
+                       param="input_tokens")
+    if prompt_len >= max_model_len:  # (chat, no max_tokens) a prompt that leaves no room for one token
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                       f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+                       param="input_tokens")
     # Chat: whatever room the context leaves; completions: 16, left out or null (vLLM's
     # normalize_null_max_tokens: a client's null must not run to the end of the context).
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len if chat else 16  # (the prompt leaves room: checked above)
     if max_tokens <= 0:
         raise ApiError(f"'{limit}' must be at least 1, got {max_tokens}", param=limit)
-    if prompt_len + max_tokens > max_model_len:
-        raise ApiError(f"This model's maximum context length is {max_model_len} tokens, but you asked for "
-                       f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} for the completion); "
-                       f"shorten the prompt or lower {limit}", param=limit)
     # vLLM's get_max_tokens: the generation config's max_new_tokens caps an asked max_tokens too
     max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
     seed = field(body, "seed", (int,))  # vLLM's range: any 64-bit integer (the engine maps it to 32 bits)

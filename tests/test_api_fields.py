@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 
 import pytest
 
@@ -610,6 +611,42 @@ def test_a_completion_s_max_tokens_null_is_its_default_16_as_vllm(post) -> None:
         assert status == 200, text
         usage = strict_json(text)["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == want, (extra, text)
+
+
+# what clients match in vLLM's 400 to fit the prompt or lower max_tokens and retry
+TOO_LONG = re.compile(r"You passed (\d+) input tokens and requested (\d+) output tokens\. However, the model's context "
+                      r"length is only (\d+) tokens, resulting in a maximum input length of (\d+) tokens\. Please "
+                      r"reduce the length of the input prompt\. \(parameter=input_tokens, value=(\d+)\)")
+CHAT_PROMPT = len(ByteTokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True))
+
+
+@pytest.mark.parametrize("path,body,want", [
+    (C, {"prompt": [5] * 100, "max_tokens": 29}, (100, 29, 128, 99, 100)),
+    (C, {"prompt": [5] * 120}, (120, 16, 128, 112, 120)),  # completions' default max_tokens counts
+    (C, {"prompt": [5] * 129, "max_tokens": None}, (129, 16, 128, 112, 129)),
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 100, "max_tokens": 3},
+     (CHAT_PROMPT, 100, 128, 28, CHAT_PROMPT)),
+])
+def test_a_prompt_past_the_context_is_vllm_s_400_whose_numbers_clients_read(post, path, body, want) -> None:
+    """vLLM's renderer's words (TokenizeParams) for a prompt plus the output asked over
+    max_model_len (the tiny engine's 128), naming the prompt (input_tokens): clients parse
+    the numbers out of them, so the words are part of the API."""
+    status, text = post(path, body)
+    err = strict_json(text)["error"]
+    assert status == 400 and err["param"] == "input_tokens", text
+    assert tuple(map(int, TOO_LONG.fullmatch(err["message"]).groups())) == want, err
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (C, {"prompt": [5], "max_tokens": 129}, "max_tokens"),
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 500}, "max_completion_tokens"),
+])
+def test_a_max_tokens_past_the_context_is_vllm_s_400_naming_it(post, path, body, param) -> None:
+    status, text = post(path, body)
+    err = strict_json(text)["error"]
+    assert status == 400 and err["param"] == param, text
+    assert err["message"] == (f"{param}={body[param]} cannot be greater than max_model_len=128. Please request fewer "
+                              f"output tokens. (parameter={param}, value={body[param]})")
 
 
 # ---- batched prompts ---------------------------------------------------------------------------
