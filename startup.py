@@ -148,6 +148,36 @@ def use_compilation_cache(path: str | None) -> None:
     if path and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _drop_unreadable_cache_entries()
+
+
+def _drop_unreadable_cache_entries() -> None:
+    """Make an unreadable entry of the persistent compilation cache (one truncated by a
+    process killed while writing it, or a full disk) a miss that replaces it. JAX warns,
+    compiles the program again, and then skips writing it because an entry with its key
+    exists: every later start would compile it again. The entry is removed as its read
+    fails, so the compile that follows writes it anew. The hook is JAX's private API: a JAX
+    without it keeps its own behaviour."""
+    from jax._src import compilation_cache as cc
+
+    read = getattr(cc, "get_executable_and_time", None)
+    if read is None or getattr(read, "drops_unreadable", False):
+        return
+
+    def read_or_drop(cache_key: str, *args: object, **kw: object) -> object:
+        try:
+            return read(cache_key, *args, **kw)
+        except Exception:
+            folder = getattr(cc._cache, "path", None)
+            if folder is not None:
+                try:
+                    (folder / f"{cache_key}-cache").unlink()
+                except OSError:  # gone already (another process dropped it), or read-only
+                    pass
+            raise
+
+    read_or_drop.drops_unreadable = True  # type: ignore[attr-defined]
+    cc.get_executable_and_time = read_or_drop
 
 
 def _needs_activation_profile(config: EngineConfig) -> bool:

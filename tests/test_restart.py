@@ -106,3 +106,38 @@ def test_a_restart_compiles_nothing_and_a_new_shape_compiles_what_it_needs(tmp_p
     assert wider["misses"] == len(new) > 0
     assert wider["hits"] > 0  # the programs of one row (sampling, the token bucket) are read back
     assert wider["tokens"] == first["tokens"]
+
+
+def test_an_unreadable_cache_entry_is_compiled_again_once_and_then_read() -> None:
+    """A cache entry truncated (a process killed while writing it, a full disk) is a miss
+    that replaces it: the next compile of that program is read from the cache again, where
+    JAX alone would keep the broken entry (it never overwrites a key) and compile the program
+    at every start. In this process, on the tests' own cache, with a program of its own."""
+    import warnings
+
+    import jax
+    import numpy as np
+
+    import startup
+    from compilation import persistent_cache_hits
+
+    startup.use_compilation_cache(None)  # the tests' cache stays; the engine's handling of it is installed
+
+    def compile_probe() -> int:
+        """Compile the probe as a new process would (a new jit: nothing in memory); 1 if
+        its executable was read from the persistent cache."""
+        def restart_probe_program(x):
+            return x * 3 + 1
+
+        with persistent_cache_hits() as hits, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # JAX's own warning about the unreadable entry
+            assert int(jax.jit(restart_probe_program)(np.int32(2))) == 7
+        return hits[0]
+
+    compile_probe()  # its entry written (or read: an earlier run wrote it)
+    cache = Path(jax.config.jax_compilation_cache_dir)
+    [entry] = cache.glob("jit_restart_probe_program-*-cache")
+    entry.write_bytes(entry.read_bytes()[:10])  # truncated
+    assert compile_probe() == 0  # unreadable: compiled
+    assert compile_probe() == 1, "the broken entry was kept: every start would compile this program"
+
