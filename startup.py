@@ -142,11 +142,21 @@ def cache_config_info(config: EngineConfig, num_blocks: int, num_swap_blocks: in
 def use_compilation_cache(path: str | None) -> None:
     """Persist compiled step programs across restarts (warm-up then takes seconds, not
     minutes). None: under $TAXIRANK_CACHE (~/.cache/taxirank), beside the built-in models.
-    Leaves a cache directory the process already chose (tests set one)."""
+    Leaves a cache directory the process already chose (tests set one). A local path that
+    cannot be a directory (it, or a folder above it, is a file) is a ValueError: JAX would
+    warn once and cache nothing, and every start would compile every program."""
     if path is None:
         path = os.path.join(gguf_loader.cache_dir(), "jax")
+    path = os.path.expanduser(path)
+    if path and "://" not in path:  # JAX also takes remote paths (gs://...)
+        there = os.path.abspath(path)
+        while not os.path.exists(there):  # the nearest part that exists: JAX creates the rest
+            there = os.path.dirname(there)
+        if not os.path.isdir(there):
+            raise ValueError(f"compilation cache directory {path!r} (--compilation-cache-dir, else "
+                             f"$TAXIRANK_CACHE/jax): {there} is not a directory")
     if path and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     _drop_unreadable_cache_entries()
 

@@ -141,3 +141,18 @@ def test_an_unreadable_cache_entry_is_compiled_again_once_and_then_read() -> Non
     assert compile_probe() == 0  # unreadable: compiled
     assert compile_probe() == 1, "the broken entry was kept: every start would compile this program"
 
+
+def test_a_cache_directory_that_is_a_file_is_refused(tmp_path) -> None:
+    """A file where the cache directory (or a folder above it) would be: one error naming
+    the flag (server.py: exit 2), not JAX's one warning and no cache, every start compiling
+    every program."""
+    import pytest
+
+    import startup
+
+    (tmp_path / "f").write_text("")
+    for path in (tmp_path / "f", tmp_path / "f" / "jax"):
+        with pytest.raises(ValueError, match=rf"^compilation cache directory '{path}' \(--compilation-cache-dir, "
+                                             rf"else \$TAXIRANK_CACHE/jax\): {tmp_path / 'f'} is not a directory$"):
+            startup.use_compilation_cache(str(path))
+    startup.use_compilation_cache(str(tmp_path / "new" / "jax"))  # a folder still to create is fine
