@@ -158,6 +158,12 @@ def use_compilation_cache(path: str | None) -> None:
     if path and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        # JAX also puts XLA's GPU autotuning cache inside the directory, and that path is in
+        # the compile options every entry's key hashes: a cache moved, copied or mounted at
+        # another path would never be read. The executables alone are kept, keyed by what
+        # they compute; JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES still chooses otherwise.
+        if "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES" not in os.environ:
+            jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     _drop_unreadable_cache_entries()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 from conftest import ROOT, env_without_test_cache
@@ -79,14 +80,16 @@ def test_a_restart_compiles_nothing_and_a_new_shape_compiles_what_it_needs(tmp_p
     assert first["misses"] >= PROGRAMS and first["hits"] == 0  # a cold start compiles them all
     assert len(cold) == first["misses"]  # one entry for each
 
-    # The same directory through --compilation-cache-dir, TAXIRANK_CACHE elsewhere (empty):
-    # the flag alone decides where the programs come from.
-    elsewhere = tmp_path / "elsewhere"
-    again = serve_once(env | {"TAXIRANK_CACHE": str(elsewhere)}, "--compilation-cache-dir", str(cache))
+    # A copy of the directory at another path through --compilation-cache-dir, TAXIRANK_CACHE
+    # elsewhere (empty): the flag alone decides where the programs come from, and a cache
+    # moved or copied (another user's home, a volume mounted elsewhere) is still read.
+    elsewhere, moved = tmp_path / "elsewhere", tmp_path / "moved"
+    shutil.copytree(cache, moved)
+    again = serve_once(env | {"TAXIRANK_CACHE": str(elsewhere)}, "--compilation-cache-dir", str(moved))
     assert not (elsewhere / "jax").exists()
     assert again["misses"] == 0, "the restart compiled something"
     assert again["hits"] == first["misses"]  # every program is read back instead
-    assert entries(cache) == cold
+    assert entries(moved) == cold
     assert again["tokens"] == first["tokens"] and again["programs"] == first["programs"]
 
     # the warm-up lines say which: the README's "a restart compiles nothing" is what a user reads
