@@ -184,7 +184,7 @@ def _drop_unreadable_cache_entries() -> None:
         try:
             return read(cache_key, *args, **kw)
         except Exception:
-            folder = getattr(cc._cache, "path", None)
+            folder = getattr(getattr(cc, "_cache", None), "path", None)
             if folder is not None:
                 try:
                     (folder / f"{cache_key}-cache").unlink()
