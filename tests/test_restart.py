@@ -1,7 +1,8 @@
 """Restarting the server from its persistent compilation cache, as the README says: the
 cache is $TAXIRANK_CACHE/jax unless --compilation-cache-dir moves it; a second start on
-the same cache compiles nothing, says so in its warm-up lines and gives the same tokens;
-a start with a changed shape setting compiles the programs it needs and serves correctly.
+the same cache (a copy of it, at another path) compiles nothing, says so in its warm-up
+lines and gives the same tokens; a start with a changed shape setting compiles the
+programs it needs and serves correctly; an unreadable entry is rewritten once.
 
 What JAX compiled is read from JAX itself, not from the engine: its persistent-cache
 events (a sitecustomize module on the servers' path prints one line for each), and its
