@@ -142,12 +142,58 @@ def cache_config_info(config: EngineConfig, num_blocks: int, num_swap_blocks: in
 def use_compilation_cache(path: str | None) -> None:
     """Persist compiled step programs across restarts (warm-up then takes seconds, not
     minutes). None: under $TAXIRANK_CACHE (~/.cache/taxirank), beside the built-in models.
-    Leaves a cache directory the process already chose (tests set one)."""
+    Leaves a cache directory the process already chose (tests set one). A local path that
+    cannot be a directory (it, or a folder above it, is a file) is a ValueError: JAX would
+    warn once and cache nothing, and every start would compile every program."""
     if path is None:
         path = os.path.join(gguf_loader.cache_dir(), "jax")
+    path = os.path.expanduser(path)
+    if path and "://" not in path:  # JAX also takes remote paths (gs://...)
+        there = os.path.abspath(path)
+        while not os.path.exists(there):  # the nearest part that exists: JAX creates the rest
+            there = os.path.dirname(there)
+        if not os.path.isdir(there):
+            raise ValueError(f"compilation cache directory {path!r} (--compilation-cache-dir, else "
+                             f"$TAXIRANK_CACHE/jax): {there} is not a directory")
     if path and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        # JAX also puts XLA's GPU autotuning cache inside the directory, and that path is in
+        # the compile options every entry's key hashes: a cache moved, copied or mounted at
+        # another path would never be read. The executables alone are kept, keyed by what
+        # they compute; JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES still chooses otherwise.
+        if "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES" not in os.environ:
+            jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+    _drop_unreadable_cache_entries()
+
+
+def _drop_unreadable_cache_entries() -> None:
+    """Make an unreadable entry of the persistent compilation cache (one truncated by a
+    process killed while writing it, or a full disk) a miss that replaces it. JAX warns,
+    compiles the program again, and then skips writing it because an entry with its key
+    exists: every later start would compile it again. The entry is removed as its read
+    fails, so the compile that follows writes it anew. The hook is JAX's private API: a JAX
+    without it keeps its own behaviour."""
+    from jax._src import compilation_cache as cc
+
+    read = getattr(cc, "get_executable_and_time", None)
+    if read is None or getattr(read, "drops_unreadable", False):
+        return
+
+    def read_or_drop(cache_key: str, *args: object, **kw: object) -> object:
+        try:
+            return read(cache_key, *args, **kw)
+        except Exception:
+            folder = getattr(getattr(cc, "_cache", None), "path", None)
+            if folder is not None:
+                try:
+                    (folder / f"{cache_key}-cache").unlink()
+                except OSError:  # gone already (another process dropped it), or read-only
+                    pass
+            raise
+
+    read_or_drop.drops_unreadable = True  # type: ignore[attr-defined]
+    cc.get_executable_and_time = read_or_drop
 
 
 def _needs_activation_profile(config: EngineConfig) -> bool:

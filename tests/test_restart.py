@@ -1,7 +1,8 @@
 """Restarting the server from its persistent compilation cache, as the README says: the
 cache is $TAXIRANK_CACHE/jax unless --compilation-cache-dir moves it; a second start on
-the same cache compiles nothing, says so in its warm-up lines and gives the same tokens;
-a start with a changed shape setting compiles the programs it needs and serves correctly.
+the same cache (a copy of it, at another path) compiles nothing, says so in its warm-up
+lines and gives the same tokens; a start with a changed shape setting compiles the
+programs it needs and serves correctly; an unreadable entry is rewritten once.
 
 What JAX compiled is read from JAX itself, not from the engine: its persistent-cache
 events (a sitecustomize module on the servers' path prints one line for each), and its
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 from conftest import ROOT, env_without_test_cache
@@ -79,14 +81,16 @@ def test_a_restart_compiles_nothing_and_a_new_shape_compiles_what_it_needs(tmp_p
     assert first["misses"] >= PROGRAMS and first["hits"] == 0  # a cold start compiles them all
     assert len(cold) == first["misses"]  # one entry for each
 
-    # The same directory through --compilation-cache-dir, TAXIRANK_CACHE elsewhere (empty):
-    # the flag alone decides where the programs come from.
-    elsewhere = tmp_path / "elsewhere"
-    again = serve_once(env | {"TAXIRANK_CACHE": str(elsewhere)}, "--compilation-cache-dir", str(cache))
+    # A copy of the directory at another path through --compilation-cache-dir, TAXIRANK_CACHE
+    # elsewhere (empty): the flag alone decides where the programs come from, and a cache
+    # moved or copied (another user's home, a volume mounted elsewhere) is still read.
+    elsewhere, moved = tmp_path / "elsewhere", tmp_path / "moved"
+    shutil.copytree(cache, moved)
+    again = serve_once(env | {"TAXIRANK_CACHE": str(elsewhere)}, "--compilation-cache-dir", str(moved))
     assert not (elsewhere / "jax").exists()
     assert again["misses"] == 0, "the restart compiled something"
     assert again["hits"] == first["misses"]  # every program is read back instead
-    assert entries(cache) == cold
+    assert entries(moved) == cold
     assert again["tokens"] == first["tokens"] and again["programs"] == first["programs"]
 
     # the warm-up lines say which: the README's "a restart compiles nothing" is what a user reads
@@ -106,3 +110,53 @@ def test_a_restart_compiles_nothing_and_a_new_shape_compiles_what_it_needs(tmp_p
     assert wider["misses"] == len(new) > 0
     assert wider["hits"] > 0  # the programs of one row (sampling, the token bucket) are read back
     assert wider["tokens"] == first["tokens"]
+
+
+def test_an_unreadable_cache_entry_is_compiled_again_once_and_then_read() -> None:
+    """A cache entry truncated (a process killed while writing it, a full disk) is a miss
+    that replaces it: the next compile of that program is read from the cache again, where
+    JAX alone would keep the broken entry (it never overwrites a key) and compile the program
+    at every start. In this process, on the tests' own cache, with a program of its own."""
+    import warnings
+
+    import jax
+    import numpy as np
+
+    import startup
+    from compilation import persistent_cache_hits
+
+    startup.use_compilation_cache(None)  # the tests' cache stays; the engine's handling of it is installed
+
+    def compile_probe() -> int:
+        """Compile the probe as a new process would (a new jit: nothing in memory); 1 if
+        its executable was read from the persistent cache."""
+        def restart_probe_program(x):
+            return x * 3 + 1
+
+        with persistent_cache_hits() as hits, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # JAX's own warning about the unreadable entry
+            assert int(jax.jit(restart_probe_program)(np.int32(2))) == 7
+        return hits[0]
+
+    compile_probe()  # its entry written (or read: an earlier run wrote it)
+    cache = Path(jax.config.jax_compilation_cache_dir)
+    [entry] = cache.glob("jit_restart_probe_program-*-cache")
+    entry.write_bytes(entry.read_bytes()[:10])  # truncated
+    assert compile_probe() == 0  # unreadable: compiled
+    assert compile_probe() == 1, "the broken entry was kept: every start would compile this program"
+
+
+def test_a_cache_directory_that_is_a_file_is_refused(tmp_path) -> None:
+    """A file where the cache directory (or a folder above it) would be: one error naming
+    the flag (server.py: exit 2), not JAX's one warning and no cache, every start compiling
+    every program."""
+    import pytest
+
+    import startup
+
+    (tmp_path / "f").write_text("")
+    for path in (tmp_path / "f", tmp_path / "f" / "jax"):
+        with pytest.raises(ValueError, match=rf"^compilation cache directory '{path}' \(--compilation-cache-dir, "
+                                             rf"else \$TAXIRANK_CACHE/jax\): {tmp_path / 'f'} is not a directory$"):
+            startup.use_compilation_cache(str(path))
+    startup.use_compilation_cache(str(tmp_path / "new" / "jax"))  # a folder still to create is fine
