@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,3 +163,61 @@ def test_step_counts_match_a_hand_count_under_the_unit_cost_model():
         assert (res.steps, res.makespan_s, res.output_tokens, res.preemptions) == (steps, steps, 10, 0)
         assert sorted(r["e2e_s"] for r in res.per_request) == e2e
         assert sorted(r["ttft_s"] for r in res.per_request) == ([1, 4] if seqs == 1 else [1, 1])
+
+
+def run_main_on(tmp_path: Path, doc: Any, *flags: str) -> dict[str, Any]:
+    """The command line on a --workload JSON (doc), GPU-like: its simulate.json."""
+    import json
+
+    from simulate import main
+
+    (tmp_path / "w.json").write_text(json.dumps(doc))
+    assert main(["--workload", str(tmp_path / "w.json"), "--cost-model", "gpu-like", "--out", str(tmp_path / "o"),
+                 *flags]) == 0
+    return json.loads((tmp_path / "o" / "simulate.json").read_text())
+
+
+# A --workload JSON the simulator cannot run as written, and the word its error names.
+BAD_WORKLOADS = {
+    "empty list": ([], "non-empty"),
+    "object without a log": ({}, "per_request"),
+    "no max_tokens": ([{"prompt_len": 10}], "max_tokens"),
+    "no prompt": ([{"max_tokens": 5}], "prompt_len"),
+    "negative prompt_len": ([{"prompt_len": -3, "max_tokens": 5}], "prompt_len"),
+    "zero max_tokens": ([{"prompt_len": 10, "max_tokens": 0}], "max_tokens"),
+    "fractional max_tokens": ([{"prompt_len": 10, "max_tokens": 5.7}], "max_tokens"),
+    "fractional priority": ([{"prompt_len": 10, "max_tokens": 5, "priority": 0.5}], "priority"),
+    "unknown key": ([{"prompt_len": 10, "max_tokens": 5, "best_of": 2}], "best_of"),
+    "negative SLO": ([{"prompt_len": 10, "max_tokens": 5, "slo_ttft_s": -1}], "slo_ttft_s"),
+    "zero n": ([{"prompt_len": 10, "max_tokens": 5, "n": 0}], "n must"),
+    "NaN arrival": ([{"prompt_len": 10, "max_tokens": 5, "arrival_s": math.nan}], "arrival_s"),  # it looped forever
+}
+
+
+@pytest.mark.parametrize("doc,named", BAD_WORKLOADS.values(), ids=BAD_WORKLOADS.keys())
+def test_a_bad_workload_json_is_one_usage_error_naming_the_field(tmp_path, capsys, doc, named):
+    """argparse's exit 2 and one line naming what is wrong, not a traceback, an assertion
+    or a field silently truncated, defaulted or ignored."""
+    with pytest.raises(SystemExit) as e:
+        run_main_on(tmp_path, doc)
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ttft_ms,met", [(1000, 3), (1, 0)])
+def test_n_samples_run_as_n_requests_scored_on_the_default_slo(tmp_path, ttft_ms, met):
+    """A request with n = 3 is three sequences, as the engine runs vLLM's n (15 output tokens,
+    not 5); a prompt given by its ids alone needs no prompt_len. Under the slo policy a request
+    with no targets of its own is scheduled to --slo-ttft-ms/--slo-tpot-ms, so goodput scores
+    it on them: a GPU-like step takes over 4 ms, so every first token meets 1 s and none 1 ms."""
+    summary = run_main_on(tmp_path, [{"prompt_token_ids": list(range(5, 45)), "max_tokens": 5, "n": 3}],
+                          "--scheduling-policy", "slo", "--slo-ttft-ms", str(ttft_ms), "--slo-tpot-ms", "1000")
+    assert summary["output_tokens"] == 15 and summary["goodput"] == met
+
+
+@pytest.mark.parametrize("flags,rate", [((), 32 / 80), (("--no-enable-prefix-caching",), 0.0)])
+def test_a_shared_prompt_hits_the_prefix_cache_unless_it_is_off(tmp_path, flags, rate):
+    """The engine's --[no-]enable-prefix-caching, and vLLM's hit rate (hits over queries, in
+    prompt tokens): two 40-token prompts alike, the second arriving after the first's prefill,
+    find its two full 16-token blocks cached: 32 of 80 tokens; none with the cache off."""
+    work = [{"prompt_token_ids": list(range(5, 45)), "max_tokens": 2, "arrival_s": t} for t in (0, 1)]
+    assert run_main_on(tmp_path, work, *flags)["prefix_cache_hit_rate"] == pytest.approx(rate)
