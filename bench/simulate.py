@@ -263,11 +263,13 @@ class SimResult:
         return sum(bool(r["slo_met"]) for r in self.per_request)
 
     def latency(self, cls: str | None = None, key: str = "e2e_s", by: str = "class") -> dict[str, float]:
-        rs = [r for r in self.per_request if cls is None or r[by] == cls]
+        """key's summary over the requests of cls; TPOT over those with 2 tokens or more (vLLM's
+        (e2e - TTFT) / (tokens - 1), as bench/mixed.py reports it: one token has no TPOT)."""
+        rs = [r for r in self.per_request if (cls is None or r[by] == cls) and (key != "tpot_s" or r["tokens"] > 1)]
         return summarize([x for r in rs for x in r["itl_s"]] if key == "itl_s" else [r[key] for r in rs])
 
     def summary(self) -> dict[str, Any]:
-        keys = ("ttft_s", "itl_s", "e2e_s", "queue_s")
+        keys = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
         return {k: getattr(self, k) for k in ("tok_s", "makespan_s", "output_tokens", "steps", "preemptions",
                                               "slot_utilization", "recomputed_tokens", "swapped_blocks",
                                               "prefix_cache_hit_rate", "goodput", "waiting_mean", "waiting_max")} | {

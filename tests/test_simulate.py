@@ -221,3 +221,16 @@ def test_a_shared_prompt_hits_the_prefix_cache_unless_it_is_off(tmp_path, flags,
     find its two full 16-token blocks cached: 32 of 80 tokens; none with the cache off."""
     work = [{"prompt_token_ids": list(range(5, 45)), "max_tokens": 2, "arrival_s": t} for t in (0, 1)]
     assert run_main_on(tmp_path, work, *flags)["prefix_cache_hit_rate"] == pytest.approx(rate)
+
+
+def test_tpot_is_vllms_over_the_requests_with_a_second_token():
+    """TPOT as bench/mixed.py and vLLM's benchmark report it, (e2e - TTFT) / (tokens - 1) over
+    the requests of 2 tokens or more: by hand, the 4-token request's tokens come at steps 1-4
+    behind the 1-token one's (one seat): (5 - 2) / 3 = 1 step; the 1-token request has none."""
+    from config import EngineConfig
+    from report import summarize
+
+    work = [SimRequest(0.0, [5] * 10, 1), SimRequest(0.0, [6] * 10, 4)]
+    res = simulate(EngineConfig(max_num_seqs=1, max_model_len=64, block_size=16).resolved(64), 9, work, UNIT_STEPS)
+    assert sorted(r["e2e_s"] for r in res.per_request) == [1, 5]
+    assert res.latency(key="tpot_s") == summarize([1.0]) == res.summary()["per_class"]["all"]["tpot_s"]
