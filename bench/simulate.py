@@ -679,6 +679,12 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.num_kv_blocks or cfg.max_num_seqs * cfg.max_blocks_per_seq + 1
     if (blocks - 1) * cfg.block_size < longest:
         p.error(f"--num-kv-blocks {blocks} (one the null block) cannot hold the longest request ({longest} tokens)")
+    admission = Scheduler(cfg, blocks, eos_token_ids=())  # its own check, as the engine refuses a request
+    for i, r in enumerate(work):  # (reserve-max-len: every request holds max_model_len's blocks, however short)
+        try:
+            admission.validate(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), 0, None)
+        except ValueError as e:
+            p.error(f"--num-kv-blocks {blocks} (one the null block), --kv-admission {cfg.kv_admission}: request {i}: {e}")
     t0 = time.process_time()
     res = simulate(cfg, blocks, work, cm, num_swap_blocks=args.num_swap_blocks)
     summary = res.summary()

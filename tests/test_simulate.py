@@ -203,6 +203,16 @@ def test_a_bad_workload_json_is_one_usage_error_naming_the_field(tmp_path, capsy
     assert e.value.code == 2 and named in capsys.readouterr().err
 
 
+def test_a_request_its_kv_admission_cannot_hold_is_a_usage_error(tmp_path, capsys):
+    """The engine's refusal, not the simulator's AssertionError (no progress, nothing to
+    arrive): under reserve-max-len a 48-token request still holds max_model_len's 256 / 16 =
+    16 blocks, and 5 blocks are 4 usable."""
+    with pytest.raises(SystemExit) as e:
+        run_main_on(tmp_path, [{"prompt_len": 40, "max_tokens": 8}], "--kv-admission", "reserve-max-len",
+                    "--max-model-len", "256", "--num-kv-blocks", "5")
+    assert e.value.code == 2 and "needs 16 KV blocks" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("ttft_ms,met", [(1000, 3), (1, 0)])
 def test_n_samples_run_as_n_requests_scored_on_the_default_slo(tmp_path, ttft_ms, met):
     """A request with n = 3 is three sequences, as the engine runs vLLM's n (15 output tokens,
