@@ -121,7 +121,11 @@ def parse_request(r: Any) -> dict[str, Any]:
         raise ValueError("no prompt: give prompt_len, prompt_tokens or prompt_token_ids")
     if "max_tokens" not in r:
         raise ValueError("no max_tokens")
-    return {"ids": ids, "prompt_len": n, "max_tokens": get("max_tokens", integer(1), "an integer >= 1"),
+    max_tokens = get("max_tokens", integer(1), "an integer >= 1")
+    made = r.get("tokens")
+    if r.get("finish_reason") == "stop" and integer(1)(made) and made < max_tokens:
+        max_tokens = made  # a recorded request that stopped early (EOS, a stop string) ran this many steps
+    return {"ids": ids, "prompt_len": n, "max_tokens": max_tokens,
             "n": get("n", integer(1), "an integer >= 1", 1),
             "arrival_s": float(get("arrival_s", number, "a finite number of seconds",
                                    get("start", number, "a finite number of seconds", 0.0))),
@@ -135,7 +139,8 @@ def parse_request(r: Any) -> dict[str, Any]:
 def load_workload(path: str, vocab_size: int = 32000) -> list[SimRequest]:
     """A JSON list of requests, or bench/mixed.py's results.json (its first variant's log
     unless the file is one variant's summary). Prompts given by length get distinct random ids;
-    a request with n > 1 is n requests of the same prompt, as the engine runs vLLM's n samples."""
+    a request with n > 1 is n requests of the same prompt, as the engine runs vLLM's n samples;
+    a recorded one that stopped (finish_reason "stop") before max_tokens makes the tokens it made."""
     def parse(data: Any) -> list[SimRequest]:
         if isinstance(data, dict):
             if "per_request" not in data:

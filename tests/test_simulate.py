@@ -99,15 +99,16 @@ def test_the_cost_model_fit_recovers_known_coefficients_and_round_trips(tmp_path
 
 
 def test_the_command_line_replays_a_recorded_log(tmp_path):
-    """No model: a JSON request log (bench/mixed.py's per-request records) through the
-    priority policy."""
+    """No model: a JSON request log (bench/mixed.py's per-request records, the outcome it
+    recorded included) through the priority policy."""
     import json
 
     from simulate import load_workload, main
 
     log = {"variants": {"continuous": {"per_request": [
         {"class": "short" if i % 2 else "long", "max_tokens": 4 if i % 2 else 40, "prompt_len": 20 + i,
-         "start": 1.5 + 0.01 * i} | ({"prompt_tokens": 30 + i} if i == 4 else {}) for i in range(12)]}}}
+         "start": 1.5 + 0.01 * i} | ({"prompt_tokens": 30 + i} if i == 4 else {})
+        | ({"tokens": 25, "finish_reason": "stop", "ttft": 0.1, "e2e": 2.0} if i == 6 else {}) for i in range(12)]}}}
     path = tmp_path / "results.json"
     path.write_text(json.dumps(log))
     work = load_workload(str(path))
@@ -117,7 +118,8 @@ def test_the_command_line_replays_a_recorded_log(tmp_path):
     assert main(["--workload", str(path), "--cost-model", "gpu-like", "--scheduling-policy", "priority",
                  "--priority-fraction", "0.5", "--max-num-seqs", "4", "--out", str(out)]) == 0
     summary = json.loads((out / "simulate.json").read_text())
-    assert summary["output_tokens"] == 6 * 4 + 6 * 40 and set(summary["per_class"]) == {"short", "long"}
+    # request 6 stopped (EOS) at 25 of its 40 tokens on the server: the engine ran it 25 steps
+    assert summary["output_tokens"] == 6 * 4 + 5 * 40 + 25 and set(summary["per_class"]) == {"short", "long"}
     assert set(summary["per_priority"]) == {"-1", "0"}
 
 
