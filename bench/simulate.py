@@ -639,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{' '.join(ignored)}: not read by {f'--{run}' if run else 'a simulation run (only by --report)'}")
     if args.workload not in SYNTHETIC and not os.path.isfile(args.workload):
         p.error(f"--workload takes {', '.join(SYNTHETIC)} or a JSON file, got {args.workload!r}")
+    if args.workload not in SYNTHETIC and (given := [f for f in ("rate", "num_requests") if getattr(args, f)]):
+        p.error(f"{' '.join('--' + f.replace('_', '-') for f in given)}: not read with a --workload file "
+                "(its requests carry their own arrivals and count; only synthetic workloads take them)")
     sizes = TINY if args.tiny else FULL
     out_dir = args.out or results_dir(time.strftime("simulate-%Y%m%d-%H%M%S"))
     if args.validate:

@@ -205,6 +205,15 @@ def test_a_bad_workload_json_is_one_usage_error_naming_the_field(tmp_path, capsy
     assert e.value.code == 2 and named in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--rate", "--num-requests"])
+def test_a_synthetic_workloads_flag_beside_a_workload_file_is_refused(tmp_path, capsys, flag):
+    """A file's requests carry their own arrivals and count: --rate or --num-requests would do
+    nothing, so it is an error (exit 2) naming the flag, not a no-op."""
+    with pytest.raises(SystemExit) as e:
+        run_main_on(tmp_path, [{"prompt_len": 10, "max_tokens": 5}], flag, "3")
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
 def test_a_request_its_kv_admission_cannot_hold_is_a_usage_error(tmp_path, capsys):
     """The engine's refusal, not the simulator's AssertionError (no progress, nothing to
     arrive): under reserve-max-len a 48-token request still holds max_model_len's 256 / 16 =
