@@ -50,10 +50,6 @@ SYNTHETIC = ("short-long", "exp", "slo-mix", "two-clients")  # the workloads syn
 # The flags each fixed run reads (it builds its own workloads and engines).
 RUN_READS = {"validate": {"tiny", "out"}, "calibrate": {"tiny", "cost_model"}, "report": {"report_seqs", "cost_model", "out"}}
 DEFAULT_COST_MODEL = results_dir("cost_model.json")
-# The engine's flags for what the simulator does not model: refused, not simulated as something else.
-UNMODELLED = {"--async-scheduling": "it replays the synchronous loop (the engine's --no-async-scheduling); async "
-                                    "scheduling's overlap of a step with the next one's scheduling is not modelled",
-              "--speculative-config": "speculative decoding's drafts, verification and acceptance are not modelled"}
 
 
 @dataclass
@@ -632,9 +628,6 @@ def main(argv: list[str] | None = None) -> int:
             ("num-swap-blocks", natural, 1 << 20, "the host pool under --preemption-mode swap, in KV blocks"),
             ("slo-ttft-ms", positive_float, None, None), ("slo-tpot-ms", positive_float, None, None)):
         p.add_argument(f"--{flag}", type=kind, default=default, help=what)
-    for arg in sys.argv[1:] if argv is None else argv:  # the engine's flags it cannot model, refused by name
-        if (flag := arg.split("=", 1)[0]) in UNMODELLED:
-            p.error(f"{flag}: not modelled by the simulator: {UNMODELLED[flag]}")
     args = p.parse_args(argv)
     if args.validate + args.calibrate + args.report > 1:
         p.error("--validate, --calibrate and --report are three runs: give one")

@@ -214,15 +214,6 @@ def test_a_synthetic_workloads_flag_beside_a_workload_file_is_refused(tmp_path, 
     assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--async-scheduling", '--speculative-config={"method": "ngram"}'])
-def test_an_engine_flag_the_simulator_cannot_model_is_refused_by_name(capsys, flag):
-    from simulate import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["--cost-model", "gpu-like", flag])
-    assert e.value.code == 2 and "not modelled by the simulator" in capsys.readouterr().err
-
-
 def test_a_request_its_kv_admission_cannot_hold_is_a_usage_error(tmp_path, capsys):
     """The engine's refusal, not the simulator's AssertionError (no progress, nothing to
     arrive): under reserve-max-len a 48-token request still holds max_model_len's 256 / 16 =
