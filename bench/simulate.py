@@ -15,7 +15,8 @@ a calibration run of the real engine, the swap terms to timed KV copies (--calib
 reads one back); `GPU_LIKE` is written down. Workloads (--workload): `short-long` (bench/workload.py's
 short/long mix), `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s", "prompt_len" (or
 "prompt_tokens", "prompt_token_ids"), "max_tokens", optional "n" (n requests of that prompt, as the engine
-runs n samples), "priority", "class", "user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json. docs/SIMULATION.md has the figures.
+runs n samples), "priority", "class", "user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json.
+docs/SIMULATION.md has the figures.
 """
 
 from __future__ import annotations
