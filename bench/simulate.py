@@ -14,8 +14,9 @@ sequence attends over; one coefficient set per program (decode, ragged), fitted 
 a calibration run of the real engine, the swap terms to timed KV copies (--calibrate, saved as JSON; --cost-model
 reads one back); `GPU_LIKE` is written down. Workloads (--workload): `short-long` (bench/workload.py's
 short/long mix), `exp`, `slo-mix`, `two-clients`, or a JSON list of {"arrival_s", "prompt_len" (or
-"prompt_tokens", "prompt_token_ids"), "max_tokens", optional "priority", "class", "user", "slo_ttft_s",
-"slo_tpot_s"}, or bench/mixed.py's results.json. docs/SIMULATION.md has the figures.
+"prompt_tokens", "prompt_token_ids"), "max_tokens", optional "n" (n requests of that prompt, as the engine
+runs n samples), "priority", "class", "user", "slo_ttft_s", "slo_tpot_s"}, or bench/mixed.py's results.json.
+docs/SIMULATION.md has the figures.
 """
 
 from __future__ import annotations
@@ -85,26 +86,81 @@ def synthetic(kind: str, num_requests: int, vocab_size: int, *, short: int = 16,
             for r, c, t, g in zip(reqs, classes, arrival_times(len(reqs), rate, seed), targets)]
 
 
+# A request's keys in a --workload JSON; RECORDED: what bench/mixed.py's per_request log adds
+# about how the request went on the server (read past: the simulator makes its own outcome).
+REQUEST_KEYS = {"arrival_s", "start", "prompt_len", "prompt_tokens", "prompt_token_ids", "max_tokens", "n",
+                "priority", "class", "cls", "user", "slo_ttft_s", "slo_tpot_s"}
+RECORDED = {"ttft", "e2e", "tokens", "finish_reason", "text", "error"}
+
+
+def parse_request(r: Any) -> dict[str, Any]:
+    """One request of a --workload JSON, its fields checked as the engine's flags are: a
+    ValueError naming the field and what it takes (an unknown key is refused, not ignored)."""
+    if not isinstance(r, dict):
+        raise ValueError(f"a request is a JSON object, got {r!r}"[:120])
+    if unknown := sorted(r.keys() - REQUEST_KEYS - RECORDED):
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}: bench/simulate.py's docstring lists a request's")
+
+    def get(key: str, ok: Callable[[Any], bool], what: str, default: Any = None) -> Any:
+        v = r.get(key, default)
+        if v is not default and not ok(v):
+            raise ValueError(f"{key} must be {what}, got {v!r}"[:160])
+        return v
+
+    def integer(lo: int | None = None) -> Callable[[Any], bool]:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool) and (lo is None or v >= lo)
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    ids = get("prompt_token_ids", lambda v: isinstance(v, list) and v and all(integer(0)(t) for t in v),
+              "a non-empty list of token ids >= 0")
+    # usage's prompt_tokens where the server gave them (mixed.py records null where it did not): a
+    # text prompt's prompt_len counts words
+    n = get("prompt_tokens", integer(1), "an integer >= 1") or get("prompt_len", integer(1), "an integer >= 1")
+    if ids is None and n is None:
+        raise ValueError("no prompt: give prompt_len, prompt_tokens or prompt_token_ids")
+    if "max_tokens" not in r:
+        raise ValueError("no max_tokens")
+    max_tokens = get("max_tokens", integer(1), "an integer >= 1")
+    made = r.get("tokens")
+    if r.get("finish_reason") == "stop" and integer(1)(made) and made < max_tokens:
+        max_tokens = made  # a recorded request that stopped early (EOS, a stop string) ran this many steps
+    return {"ids": ids, "prompt_len": n, "max_tokens": max_tokens,
+            "n": get("n", integer(1), "an integer >= 1", 1),
+            "arrival_s": float(get("arrival_s", number, "a finite number of seconds",
+                                   get("start", number, "a finite number of seconds", 0.0))),
+            "priority": get("priority", integer(), "an integer", 0),
+            "cls": get("class" if "class" in r else "cls", lambda v: isinstance(v, str), "a string", "all"),
+            "user": get("user", lambda v: isinstance(v, str), "a string"),
+            "slo": [None if (v := get(k, lambda x: number(x) and x > 0, "a number of seconds > 0")) is None
+                    else float(v) for k in ("slo_ttft_s", "slo_tpot_s")]}
+
+
 def load_workload(path: str, vocab_size: int = 32000) -> list[SimRequest]:
     """A JSON list of requests, or bench/mixed.py's results.json (its first variant's log
-    unless the file is one variant's summary). Prompts given by length get distinct random ids."""
+    unless the file is one variant's summary). Prompts given by length get distinct random ids;
+    a request with n > 1 is n requests of the same prompt, as the engine runs vLLM's n samples;
+    a recorded one that stopped (finish_reason "stop") before max_tokens makes the tokens it made."""
     def parse(data: Any) -> list[SimRequest]:
         if isinstance(data, dict):
             if "per_request" not in data:
-                data = next(v for v in data.get("variants", data).values()
-                            if isinstance(v, dict) and "per_request" in v)
+                data = next((v for v in data.get("variants", data).values()
+                             if isinstance(v, dict) and "per_request" in v), None)
+                if data is None:
+                    raise ValueError("a JSON object without a variant's per_request log")
             data = data["per_request"]
         if not isinstance(data, list) or not data:
             raise ValueError("expected a non-empty list of requests")
         rng, out = random.Random(0), []
-        for r in data:
-            # usage's prompt_tokens where the server gave them: a text prompt's prompt_len counts words
-            n = r.get("prompt_tokens") or r["prompt_len"]
-            ids = r.get("prompt_token_ids") or [rng.randrange(vocab_size) for _ in range(int(n))]
-            slo = [None if r.get(k) is None else float(r[k]) for k in ("slo_ttft_s", "slo_tpot_s")]
-            out.append(SimRequest(float(r.get("arrival_s", r.get("start", 0.0))), list(ids), int(r["max_tokens"]),
-                                  int(r.get("priority", 0)), str(r.get("class", r.get("cls", "all"))),
-                                  r.get("user"), *slo))
+        for i, r in enumerate(data):
+            try:
+                q = parse_request(r)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+            ids = q["ids"] or [rng.randrange(vocab_size) for _ in range(q["prompt_len"])]
+            out += [SimRequest(q["arrival_s"], list(ids), q["max_tokens"], q["priority"], q["cls"], q["user"], *q["slo"])
+                    for _ in range(q["n"])]
         return out
 
     out = read_json(path, parse, "a JSON list of requests nor bench/mixed.py's results.json")
@@ -201,6 +257,7 @@ class SimResult:
     trace: list[StepTrace] = field(default_factory=list)
     recomputed_tokens: int = 0  # the recompute tax
     swapped_blocks: int = 0  # KV blocks copied out and in (--preemption-mode swap)
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens served from the prefix cache / looked up (vLLM's)
 
     @property
     def tok_s(self) -> float:
@@ -212,14 +269,16 @@ class SimResult:
         return sum(bool(r["slo_met"]) for r in self.per_request)
 
     def latency(self, cls: str | None = None, key: str = "e2e_s", by: str = "class") -> dict[str, float]:
-        rs = [r for r in self.per_request if cls is None or r[by] == cls]
+        """key's summary over the requests of cls; TPOT over those with 2 tokens or more (vLLM's
+        (e2e - TTFT) / (tokens - 1), as bench/mixed.py reports it: one token has no TPOT)."""
+        rs = [r for r in self.per_request if (cls is None or r[by] == cls) and (key != "tpot_s" or r["tokens"] > 1)]
         return summarize([x for r in rs for x in r["itl_s"]] if key == "itl_s" else [r[key] for r in rs])
 
     def summary(self) -> dict[str, Any]:
-        keys = ("ttft_s", "itl_s", "e2e_s", "queue_s")
+        keys = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s")
         return {k: getattr(self, k) for k in ("tok_s", "makespan_s", "output_tokens", "steps", "preemptions",
-                                              "slot_utilization", "recomputed_tokens", "swapped_blocks", "goodput",
-                                              "waiting_mean", "waiting_max")} | {
+                                              "slot_utilization", "recomputed_tokens", "swapped_blocks",
+                                              "prefix_cache_hit_rate", "goodput", "waiting_mean", "waiting_max")} | {
             f"per_{by}": {c: {k: self.latency(c, k, by) for k in keys} for c in sorted({r[by] for r in self.per_request})}
             for by in ("class", "priority")}
 
@@ -270,17 +329,20 @@ def simulate(config: EngineConfig, num_kv_blocks: int, workload: list[SimRequest
     makespan = t - min((r.arrival_s for r in workload), default=0.0)
     return SimResult(makespan, stats.generation_tokens, stats.num_steps, stats.num_preemptions,
                      stats.slot_utilization, {k: v / makespan if makespan else 0.0 for k, v in wait_area.items()},
-                     wait_max, per_request, trace, stats.recomputed_tokens, swapped)
+                     wait_max, per_request, trace, stats.recomputed_tokens, swapped,
+                     stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1))
 
 
 def record(r: SimRequest, seq: Sequence, arrived: float, scheduled: float, tokens: list[float], done: float
            ) -> dict[str, Any]:
     """One request's figures, from the times (on one clock) it arrived, was first scheduled,
-    got each token, finished; slo_met: whether it met its targets (None: it has none)."""
+    got each token, finished; slo_met: whether it met its targets (None: it has none). A target
+    the request leaves unset is the --slo-ttft-ms/--slo-tpot-ms default the scheduler gave
+    its sequence (under the slo policy), the target that policy worked to."""
     ttft, n = tokens[0] - arrived, len(tokens)
     tpot = (tokens[-1] - tokens[0]) / (n - 1) if n > 1 else 0.0
-    met = None if r.slo_ttft_s is None and r.slo_tpot_s is None else \
-        ttft <= (r.slo_ttft_s or math.inf) and tpot <= (r.slo_tpot_s or math.inf)
+    want = [x if x is not None else y for x, y in ((r.slo_ttft_s, seq.slo_ttft), (r.slo_tpot_s, seq.slo_tpot))]
+    met = None if want == [None, None] else ttft <= (want[0] or math.inf) and tpot <= (want[1] or math.inf)
     return {"class": r.cls, "priority": r.priority, "user": r.user, "arrival_s": r.arrival_s, "slo_met": met,
             "queue_s": scheduled - arrived, "ttft_s": ttft, "e2e_s": done - arrived, "tpot_s": tpot,
             "itl_s": [b - a for a, b in zip(tokens, tokens[1:])], "tokens": seq.num_output_tokens,
@@ -355,12 +417,15 @@ def run_engine(engine, workload: list[SimRequest], tag: str,
     for rid, (seq, r) in seqs.items():
         assert seq.num_output_tokens == r.max_tokens, f"{rid} made {seq.num_output_tokens} of {r.max_tokens} tokens"
     d = {k: getattr(after, k) - getattr(before, k) for k in ("generation_tokens", "num_steps", "num_preemptions",
-         "useful_slot_steps", "total_slot_steps", "recomputed_tokens", "swapped_out_blocks", "swapped_in_blocks")}
+         "useful_slot_steps", "total_slot_steps", "recomputed_tokens", "swapped_out_blocks", "swapped_in_blocks",
+         "prefix_cache_hits", "prefix_cache_queries")}
     return {k: SimResult(end[k], d["generation_tokens"], d["num_steps"], d["num_preemptions"],
                          d["useful_slot_steps"] / max(d["total_slot_steps"], 1), waiting_mean={}, waiting_max={},
                          per_request=[record(r, seq, **times[k][rid]) for rid, (seq, r) in seqs.items()],
                          recomputed_tokens=d["recomputed_tokens"],
-                         swapped_blocks=d["swapped_out_blocks"] + d["swapped_in_blocks"]) for k in clocks}
+                         swapped_blocks=d["swapped_out_blocks"] + d["swapped_in_blocks"],
+                         prefix_cache_hit_rate=d["prefix_cache_hits"] / max(d["prefix_cache_queries"], 1))
+            for k in clocks}
 
 
 def request_kw(r: SimRequest, policy: Any) -> dict[str, Any]:
@@ -466,7 +531,8 @@ def validate(s: Sizes, out_dir: str, log: Callable[[str], None] = print) -> dict
             m = measured[clock]
             p = simulate(engine.config, blocks, work, cost_models[clock], num_swap_blocks=engine.runner.num_swap_blocks)
             fig = {f"{w}_{k}": getattr(x, k) for w, x in (("measured", m), ("predicted", p))
-                   for k in ("tok_s", "steps", "preemptions", "recomputed_tokens", "swapped_blocks")}
+                   for k in ("tok_s", "steps", "preemptions", "recomputed_tokens", "swapped_blocks",
+                             "prefix_cache_hit_rate")}
             fig |= {f"{w}_{cls}_p99_s": x.latency(cls)["p99"] for w, x in (("measured", m), ("predicted", p))}
             fig["tok_s_err"] = fig["predicted_tok_s"] / fig["measured_tok_s"] - 1
             fig["p99_err"] = fig[f"predicted_{cls}_p99_s"] / fig[f"measured_{cls}_p99_s"] - 1
@@ -542,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
                        ("report", "continuous vs static batching at max_num_seqs 8..256"),
                        ("enable-chunked-prefill", None)):
         p.add_argument(f"--{flag}", action="store_true", help=what)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's (on by default, vLLM V1's): requests that share a prompt prefix "
+                        "(prompt_token_ids in a --workload JSON, a request's n samples) reuse its KV blocks")
     for flag, kind, default, what in (
             ("report-seqs", positive_ints, list(REPORT_SEQS), None),
             ("cost-model", str, None, f"a cost-model JSON (default {os.path.relpath(DEFAULT_COST_MODEL)}) or gpu-like"),
@@ -571,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{' '.join(ignored)}: not read by {f'--{run}' if run else 'a simulation run (only by --report)'}")
     if args.workload not in SYNTHETIC and not os.path.isfile(args.workload):
         p.error(f"--workload takes {', '.join(SYNTHETIC)} or a JSON file, got {args.workload!r}")
+    if args.workload not in SYNTHETIC and (given := [f for f in ("rate", "num_requests") if getattr(args, f)]):
+        p.error(f"{' '.join('--' + f.replace('_', '-') for f in given)}: not read with a --workload file "
+                "(its requests carry their own arrivals and count; only synthetic workloads take them)")
     sizes = TINY if args.tiny else FULL
     out_dir = args.out or results_dir(time.strftime("simulate-%Y%m%d-%H%M%S"))
     if args.validate:
@@ -605,8 +677,9 @@ def main(argv: list[str] | None = None) -> int:
     if longest > (mml := args.max_model_len or max(sizes.max_model_len, longest)):
         p.error(f"--max-model-len {mml} cannot hold the workload's longest request ({longest} tokens)")
     kw: dict[str, Any] = {f: getattr(args, f) for f in (
-        "max_num_seqs", "block_size", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling",
-        "scheduling_policy", "kv_admission", "preemption_mode", "slo_ttft_ms", "slo_tpot_ms")} | {"max_model_len": mml}
+        "max_num_seqs", "block_size", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
+        "scheduling", "scheduling_policy", "kv_admission", "preemption_mode", "slo_ttft_ms", "slo_tpot_ms")} | {
+        "max_model_len": mml}
     kw["max_num_seqs"] = kw["max_num_seqs"] or sizes.max_num_seqs
     try:
         cfg = EngineConfig(**kw).resolved(mml)  # validates every field, as the engine's flags are
@@ -615,6 +688,12 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.num_kv_blocks or cfg.max_num_seqs * cfg.max_blocks_per_seq + 1
     if (blocks - 1) * cfg.block_size < longest:
         p.error(f"--num-kv-blocks {blocks} (one the null block) cannot hold the longest request ({longest} tokens)")
+    admission = Scheduler(cfg, blocks, eos_token_ids=())  # its own check, as the engine refuses a request
+    for i, r in enumerate(work):  # (reserve-max-len: every request holds max_model_len's blocks, however short)
+        try:
+            admission.validate(r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), 0, None)
+        except ValueError as e:
+            p.error(f"--num-kv-blocks {blocks} (one the null block), --kv-admission {cfg.kv_admission}: request {i}: {e}")
     t0 = time.process_time()
     res = simulate(cfg, blocks, work, cm, num_swap_blocks=args.num_swap_blocks)
     summary = res.summary()

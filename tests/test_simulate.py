@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,15 +99,16 @@ def test_the_cost_model_fit_recovers_known_coefficients_and_round_trips(tmp_path
 
 
 def test_the_command_line_replays_a_recorded_log(tmp_path):
-    """No model: a JSON request log (bench/mixed.py's per-request records) through the
-    priority policy."""
+    """No model: a JSON request log (bench/mixed.py's per-request records, the outcome it
+    recorded included) through the priority policy."""
     import json
 
     from simulate import load_workload, main
 
     log = {"variants": {"continuous": {"per_request": [
         {"class": "short" if i % 2 else "long", "max_tokens": 4 if i % 2 else 40, "prompt_len": 20 + i,
-         "start": 1.5 + 0.01 * i} | ({"prompt_tokens": 30 + i} if i == 4 else {}) for i in range(12)]}}}
+         "start": 1.5 + 0.01 * i} | ({"prompt_tokens": 30 + i} if i == 4 else {})
+        | ({"tokens": 25, "finish_reason": "stop", "ttft": 0.1, "e2e": 2.0} if i == 6 else {}) for i in range(12)]}}}
     path = tmp_path / "results.json"
     path.write_text(json.dumps(log))
     work = load_workload(str(path))
@@ -115,7 +118,8 @@ def test_the_command_line_replays_a_recorded_log(tmp_path):
     assert main(["--workload", str(path), "--cost-model", "gpu-like", "--scheduling-policy", "priority",
                  "--priority-fraction", "0.5", "--max-num-seqs", "4", "--out", str(out)]) == 0
     summary = json.loads((out / "simulate.json").read_text())
-    assert summary["output_tokens"] == 6 * 4 + 6 * 40 and set(summary["per_class"]) == {"short", "long"}
+    # request 6 stopped (EOS) at 25 of its 40 tokens on the server: the engine ran it 25 steps
+    assert summary["output_tokens"] == 6 * 4 + 5 * 40 + 25 and set(summary["per_class"]) == {"short", "long"}
     assert set(summary["per_priority"]) == {"-1", "0"}
 
 
@@ -161,3 +165,93 @@ def test_step_counts_match_a_hand_count_under_the_unit_cost_model():
         assert (res.steps, res.makespan_s, res.output_tokens, res.preemptions) == (steps, steps, 10, 0)
         assert sorted(r["e2e_s"] for r in res.per_request) == e2e
         assert sorted(r["ttft_s"] for r in res.per_request) == ([1, 4] if seqs == 1 else [1, 1])
+
+
+def run_main_on(tmp_path: Path, doc: Any, *flags: str) -> dict[str, Any]:
+    """The command line on a --workload JSON (doc), GPU-like: its simulate.json."""
+    import json
+
+    from simulate import main
+
+    (tmp_path / "w.json").write_text(json.dumps(doc))
+    assert main(["--workload", str(tmp_path / "w.json"), "--cost-model", "gpu-like", "--out", str(tmp_path / "o"),
+                 *flags]) == 0
+    return json.loads((tmp_path / "o" / "simulate.json").read_text())
+
+
+# A --workload JSON the simulator cannot run as written, and the word its error names.
+BAD_WORKLOADS = {
+    "empty list": ([], "non-empty"),
+    "object without a log": ({}, "per_request"),
+    "no max_tokens": ([{"prompt_len": 10}], "max_tokens"),
+    "no prompt": ([{"max_tokens": 5}], "prompt_len"),
+    "negative prompt_len": ([{"prompt_len": -3, "max_tokens": 5}], "prompt_len"),
+    "zero max_tokens": ([{"prompt_len": 10, "max_tokens": 0}], "max_tokens"),
+    "fractional max_tokens": ([{"prompt_len": 10, "max_tokens": 5.7}], "max_tokens"),
+    "fractional priority": ([{"prompt_len": 10, "max_tokens": 5, "priority": 0.5}], "priority"),
+    "unknown key": ([{"prompt_len": 10, "max_tokens": 5, "best_of": 2}], "best_of"),
+    "negative SLO": ([{"prompt_len": 10, "max_tokens": 5, "slo_ttft_s": -1}], "slo_ttft_s"),
+    "zero n": ([{"prompt_len": 10, "max_tokens": 5, "n": 0}], "n must"),
+    "NaN arrival": ([{"prompt_len": 10, "max_tokens": 5, "arrival_s": math.nan}], "arrival_s"),  # it looped forever
+}
+
+
+@pytest.mark.parametrize("doc,named", BAD_WORKLOADS.values(), ids=BAD_WORKLOADS.keys())
+def test_a_bad_workload_json_is_one_usage_error_naming_the_field(tmp_path, capsys, doc, named):
+    """argparse's exit 2 and one line naming what is wrong, not a traceback, an assertion
+    or a field silently truncated, defaulted or ignored."""
+    with pytest.raises(SystemExit) as e:
+        run_main_on(tmp_path, doc)
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--rate", "--num-requests"])
+def test_a_synthetic_workloads_flag_beside_a_workload_file_is_refused(tmp_path, capsys, flag):
+    """A file's requests carry their own arrivals and count: --rate or --num-requests would do
+    nothing, so it is an error (exit 2) naming the flag, not a no-op."""
+    with pytest.raises(SystemExit) as e:
+        run_main_on(tmp_path, [{"prompt_len": 10, "max_tokens": 5}], flag, "3")
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_a_request_its_kv_admission_cannot_hold_is_a_usage_error(tmp_path, capsys):
+    """The engine's refusal, not the simulator's AssertionError (no progress, nothing to
+    arrive): under reserve-max-len a 48-token request still holds max_model_len's 256 / 16 =
+    16 blocks, and 5 blocks are 4 usable."""
+    with pytest.raises(SystemExit) as e:
+        run_main_on(tmp_path, [{"prompt_len": 40, "max_tokens": 8}], "--kv-admission", "reserve-max-len",
+                    "--max-model-len", "256", "--num-kv-blocks", "5")
+    assert e.value.code == 2 and "needs 16 KV blocks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ttft_ms,met", [(1000, 3), (1, 0)])
+def test_n_samples_run_as_n_requests_scored_on_the_default_slo(tmp_path, ttft_ms, met):
+    """A request with n = 3 is three sequences, as the engine runs vLLM's n (15 output tokens,
+    not 5); a prompt given by its ids alone needs no prompt_len. Under the slo policy a request
+    with no targets of its own is scheduled to --slo-ttft-ms/--slo-tpot-ms, so goodput scores
+    it on them: a GPU-like step takes over 4 ms, so every first token meets 1 s and none 1 ms."""
+    summary = run_main_on(tmp_path, [{"prompt_token_ids": list(range(5, 45)), "max_tokens": 5, "n": 3}],
+                          "--scheduling-policy", "slo", "--slo-ttft-ms", str(ttft_ms), "--slo-tpot-ms", "1000")
+    assert summary["output_tokens"] == 15 and summary["goodput"] == met
+
+
+@pytest.mark.parametrize("flags,rate", [((), 32 / 80), (("--no-enable-prefix-caching",), 0.0)])
+def test_a_shared_prompt_hits_the_prefix_cache_unless_it_is_off(tmp_path, flags, rate):
+    """The engine's --[no-]enable-prefix-caching, and vLLM's hit rate (hits over queries, in
+    prompt tokens): two 40-token prompts alike, the second arriving after the first's prefill,
+    find its two full 16-token blocks cached: 32 of 80 tokens; none with the cache off."""
+    work = [{"prompt_token_ids": list(range(5, 45)), "max_tokens": 2, "arrival_s": t} for t in (0, 1)]
+    assert run_main_on(tmp_path, work, *flags)["prefix_cache_hit_rate"] == pytest.approx(rate)
+
+
+def test_tpot_is_vllms_over_the_requests_with_a_second_token():
+    """TPOT as bench/mixed.py and vLLM's benchmark report it, (e2e - TTFT) / (tokens - 1) over
+    the requests of 2 tokens or more: by hand, the 4-token request's tokens come at steps 1-4
+    behind the 1-token one's (one seat): (5 - 2) / 3 = 1 step; the 1-token request has none."""
+    from config import EngineConfig
+    from report import summarize
+
+    work = [SimRequest(0.0, [5] * 10, 1), SimRequest(0.0, [6] * 10, 4)]
+    res = simulate(EngineConfig(max_num_seqs=1, max_model_len=64, block_size=16).resolved(64), 9, work, UNIT_STEPS)
+    assert sorted(r["e2e_s"] for r in res.per_request) == [1, 5]
+    assert res.latency(key="tpot_s") == summarize([1.0]) == res.summary()["per_class"]["all"]["tpot_s"]
