@@ -127,20 +127,23 @@ def test_an_unreadable_cache_entry_is_compiled_again_once_and_then_read() -> Non
 
     startup.use_compilation_cache(None)  # the tests' cache stays; the engine's handling of it is installed
 
+    salt = int.from_bytes(os.urandom(3), "little")  # a program no earlier run left an entry for
+
     def compile_probe() -> int:
         """Compile the probe as a new process would (a new jit: nothing in memory); 1 if
         its executable was read from the persistent cache."""
         def restart_probe_program(x):
-            return x * 3 + 1
+            return x * 3 + salt
 
         with persistent_cache_hits() as hits, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # JAX's own warning about the unreadable entry
-            assert int(jax.jit(restart_probe_program)(np.int32(2))) == 7
+            assert int(jax.jit(restart_probe_program)(np.int32(2))) == 6 + salt
         return hits[0]
 
-    compile_probe()  # its entry written (or read: an earlier run wrote it)
     cache = Path(jax.config.jax_compilation_cache_dir)
-    [entry] = cache.glob("jit_restart_probe_program-*-cache")
+    before = set(cache.glob("jit_restart_probe_program-*-cache"))
+    assert compile_probe() == 0  # its entry written
+    [entry] = set(cache.glob("jit_restart_probe_program-*-cache")) - before
     entry.write_bytes(entry.read_bytes()[:10])  # truncated
     assert compile_probe() == 0  # unreadable: compiled
     assert compile_probe() == 1, "the broken entry was kept: every start would compile this program"
