@@ -224,8 +224,8 @@ class EngineStats:
     # vLLM's PromptTokenStats of the same prompts: the tokens the prefix cache served, and by
     # source those computed (prompt_tokens_local_compute) and those the cache held (the cached
     # ones, plus the last prompt token when the cache held all the others: it is computed
-    # again for its logits). vLLM also adds that one token to a one-token prompt with no hit,
-    # counting it twice; not here.
+    # again for its logits: prompt_tokens_recomputed). vLLM also adds that one token to a
+    # one-token prompt with no hit, counting it twice; not here.
     prompt_tokens_cached: int = 0
     prompt_tokens_local_cache_hit: int = 0
     generation_tokens: int = 0
@@ -301,6 +301,12 @@ class EngineStats:
     @property
     def prompt_tokens_local_compute(self) -> int:
         return self.prompt_tokens - self.prompt_tokens_cached
+
+    @property
+    def prompt_tokens_recomputed(self) -> int:
+        """vLLM's PromptTokenStats.recomputed_tokens: the last prompt token of each prompt the
+        cache held all but, counted in local_cache_hit and computed again for its logits."""
+        return self.prompt_tokens_local_cache_hit - self.prompt_tokens_cached
 
     @property
     def slot_utilization(self) -> float:

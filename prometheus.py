@@ -35,6 +35,8 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests whose prefill completed (at their first token)."),
     ("prompt_tokens_cached", "prompt_tokens_cached",
      "Prompt tokens of requests whose prefill completed that the prefix cache served."),
+    ("prompt_tokens_recomputed", "prompt_tokens_recomputed",
+     "Prompt tokens the prefix cache held that were computed again (the last, for its logits)."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache (first admissions)."),

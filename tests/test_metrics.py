@@ -44,6 +44,8 @@ EXPORTED = {
     "taxirank:prompt_tokens": ("counter", "Prompt tokens of requests whose prefill completed (at their first token)."),
     "taxirank:prompt_tokens_cached": ("counter", "Prompt tokens of requests whose prefill completed that the prefix "
                                                   "cache served."),
+    "taxirank:prompt_tokens_recomputed": ("counter", "Prompt tokens the prefix cache held that were computed again "
+                                                      "(the last, for its logits)."),
     "taxirank:prompt_tokens_by_source": ("counter", "Prompt tokens of requests whose prefill completed, by source: "
                                                     "computed, or held by the prefix cache."),
     "taxirank:generation_tokens": ("counter", "Generated tokens."),
@@ -259,6 +261,7 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
     computed = val("taxirank:prompt_tokens_by_source_total", source="local_compute")
     assert val("taxirank:iteration_tokens_total_sum") == computed + val("taxirank:generation_tokens_total")
     assert computed + val("taxirank:prompt_tokens_cached_total") == val("taxirank:prompt_tokens_total")
+    assert val("taxirank:prompt_tokens_recomputed_total") == 0  # random prompts: no cache hit to compute again
     assert val("taxirank:total_slot_steps_total") == 4 * steps
     assert val("taxirank:num_decode_steps_total") < steps
 
@@ -337,6 +340,11 @@ def test_iteration_tokens_are_vllm_v1s_computed_prompts_plus_generated_tokens():
     assert t.prompt_tokens_cached - s.prompt_tokens_cached == 16
     assert t.prompt_tokens_local_compute - s.prompt_tokens_local_compute == 17 + 1
     assert t.prompt_tokens_local_cache_hit - s.prompt_tokens_local_cache_hit == 16 + 1
+    # vLLM's prompt_tokens_recomputed: that one token, and so its invariant
+    # local_compute + local_cache_hit - recomputed == prompt tokens
+    got = samples(render(t))
+    assert (s.prompt_tokens_recomputed, got[("taxirank:prompt_tokens_recomputed_total", ())]) == (0, 1)
+    assert t.prompt_tokens_local_compute + t.prompt_tokens_local_cache_hit - 1 == t.prompt_tokens == 47 + 2 * 17
 
 # Values on and around the bucket bounds (Prometheus' `le`: a value equal to a bound
 # belongs to that bucket), far outside them, and anything in between.
