@@ -73,7 +73,8 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
     # Its arrival, as vLLM's: once tokenized, before its grammar compiles (vLLM compiles it in
     # the engine while the request waits), so its queue time, TTFT and e2e include the compile.
     arrival = time.monotonic()
-    grammar = await compile_grammar(engine, params[0], body, tools)  # (every prompt's one constraint)
+    # (every prompt's one constraint; its engine requests wait meanwhile)
+    grammar = await compile_grammar(engine, params[0], body, tools, sum(p.n for p in params))
     request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
     # vLLM's engine ids of a batch's prompts: the request's, each with its index
     engine_ids = [engine_request_id] if len(prompts) == 1 else [f"{engine_request_id}-{k}" for k in range(len(prompts))]
@@ -174,16 +175,20 @@ def parse_stream_options(body: dict, force_include_usage: bool = False) -> tuple
     return stream, include_usage, continuous_usage
 
 
-async def compile_grammar(engine: AsyncEngine, params: SamplingParams, body: dict, tools: ToolChoice | None) -> Any:
+async def compile_grammar(engine: AsyncEngine, params: SamplingParams, body: dict, tools: ToolChoice | None,
+                          waiting: int = 1) -> Any:
     """params' structured-output constraint, compiled off the event loop (a large schema takes
     tens of ms) and handed to the engine, which copies it (the cache may have evicted it by
     then); None without one. One that does not compile is a 400 naming the field it came in
-    (protocol.structured_field: tool_choice for a forced call's)."""
+    (protocol.structured_field: tool_choice for a forced call's). waiting: the engine
+    requests that wait for it, counted waiting (deferred) meanwhile, as vLLM's engine counts
+    its requests waiting for their grammar."""
     if params.structured_outputs is None:
         return None
     try:
-        return await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
-                                                                params.structured_outputs)
+        with engine.stats.deferred(waiting):
+            return await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
+                                                                    params.structured_outputs)
     except ValueError as e:
         raise ApiError(str(e), param=structured_field(body, tools)) from e
 

@@ -163,8 +163,8 @@ def test_every_exported_name_type_help_and_bucket_bound_is_pinned():
 
 def test_waiting_by_reason_is_vllms_capacity_and_deferred_summing_to_waiting():
     """vLLM's num_requests_waiting_by_reason sums to num_requests_waiting over its two reasons;
-    nothing here defers a request as vLLM's do (LoRA, remote KV, a grammar compiling), so every
-    waiting request waits for capacity, whatever the scheduler says it waits for."""
+    every request in the scheduler's queue waits for capacity, whatever the scheduler says it
+    waits for (only a grammar compiling defers one: the next test)."""
     stats = EngineStats(max_model_len=2048)
     stats.num_requests_waiting = 5  # one just arrived: no schedule() has given it a wait reason yet
     stats.waiting_by_reason = dict.fromkeys(stats.waiting_by_reason, 0) | {"kv_blocks": 3, "policy": 1}
@@ -172,6 +172,43 @@ def test_waiting_by_reason_is_vllms_capacity_and_deferred_summing_to_waiting():
     assert {k[1]: v for k, v in got.items() if k[0] == "taxirank:num_requests_waiting_by_reason"} == \
         {(("reason", "capacity"),): 5, (("reason", "deferred"),): 0}
     assert got[("taxirank:num_requests_waiting_by_wait_reason", (("reason", "kv_blocks"),))] == 3
+
+
+def test_requests_compiling_their_grammar_wait_deferred_as_vllms():
+    """vLLM's engine keeps a request whose grammar compiles in its waiting queue
+    (WAITING_FOR_FSM): in num_requests_waiting, by reason "deferred". Here the server
+    compiles before the engine sees the request, and counts its engine requests so while it
+    does: during the compile, not after, a grammar refused with a 400 included."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from protocol import ApiError
+    from sampling_params import StructuredOutputsParams
+    from serving import compile_grammar
+
+    stats, during = EngineStats(max_model_len=2048), []
+    stats.num_requests_waiting = 4  # in the scheduler's queue
+
+    def waiting() -> tuple[float, float, float]:
+        got = samples(render(stats))
+        return (got[("taxirank:num_requests_waiting", ())],
+                *(got[("taxirank:num_requests_waiting_by_reason", (("reason", r),))] for r in ("capacity", "deferred")))
+
+    def compile_(spec: StructuredOutputsParams) -> str:
+        during.append(waiting())
+        if spec.regex == "(":
+            raise ValueError("unbalanced")
+        return "compiled"
+    engine = SimpleNamespace(stats=stats, grammars=SimpleNamespace(compile=compile_))
+    for regex in ("a+", "("):
+        body = {"structured_outputs": {"regex": regex}}
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex))
+        try:
+            assert asyncio.run(compile_grammar(engine, params, body, None, 3)) == "compiled"
+        except ApiError:
+            assert regex == "("
+        assert waiting() == (4, 4, 0)
+    assert during == [(7, 4, 3)] * 2
 
 
 def test_spec_decode_counters_are_served_only_with_a_speculative_config():
