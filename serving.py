@@ -498,15 +498,23 @@ def count_reasoning_tokens(parser: ThinkReasoningParser, text: str, token_ids: S
     return count
 
 
-def usage(choices: list[Choice], details: bool | None = None, reasoning: bool = False) -> dict:
+async def reasoning_tokens(choices: list[Choice]) -> int | None:
+    """The choices' reasoning tokens summed (vLLM's usage.completion_tokens_details under a
+    --reasoning-parser: a chat answer's only), None without a parser. Counted off the event
+    loop: it decodes the output again, token by token (about 10 ms per 1,000 tokens of a BPE tokenizer)."""
+    if not choices or not choices[0].form.chat or choices[0].form.reasoning_parser is None:
+        return None
+    return await asyncio.to_thread(lambda: sum(c.reasoning_tokens() for c in choices))
+
+
+def usage(choices: list[Choice], details: bool | None = None, reasoning: int | None = None) -> dict:
     """OpenAI's usage of the choices' tokens so far, each prompt counted once (vLLM's usage
     for n samples of a batch of prompts). details: --enable-prompt-tokens-details, which adds vLLM's
     prompt_tokens_details (the prompt tokens the prefix cache served, 0 included); without
     it a whole response says null and a stream's usage chunk leaves the field out (vLLM
     dumps the one whole and the other without its None fields). None: neither (vLLM's
-    continuous_usage_stats chunks never carry it). reasoning: a response's final usage, which
-    under a --reasoning-parser has vLLM's completion_tokens_details, the choices' reasoning
-    tokens summed (a chat answer's only)."""
+    continuous_usage_stats chunks never carry it). reasoning: a response's final usage's
+    reasoning tokens (reasoning_tokens()), as vLLM's completion_tokens_details; None: none."""
     # a prompt's first sample stands for its prompt: its n samples share one ChoiceFormat
     firsts = list({id(c.form): c.gen for c in reversed(choices)}.values())
     prompt_tokens = sum(g.num_prompt_tokens for g in firsts)
@@ -515,8 +523,8 @@ def usage(choices: list[Choice], details: bool | None = None, reasoning: bool = 
                            "total_tokens": prompt_tokens + completion_tokens}
     if details:
         out["prompt_tokens_details"] = {"cached_tokens": sum(g.num_cached_tokens for g in firsts)}
-    if reasoning and choices and choices[0].form.chat and choices[0].form.reasoning_parser is not None:
-        out["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens() for c in choices)}
+    if reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return out
 
 
@@ -525,7 +533,7 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
     --enable-prompt-tokens-details)."""
     await all_of(c.collect() for c in choices)
     # vLLM's UsageInfo, dumped whole: its details null where unset
-    use = usage(choices, details, reasoning=True)
+    use = usage(choices, details, await reasoning_tokens(choices))
     use.setdefault("prompt_tokens_details", None)
     use.setdefault("completion_tokens_details", None)
     # the rest of vLLM's CompletionResponse or ChatCompletionResponse, null where unused (it dumps its None fields)
@@ -569,7 +577,8 @@ async def stream_response(request: web.Request, head: dict, choices: list[Choice
             await events.open_messages()
         await all_of(events.send_choice(c) for c in choices)
         if include_usage:
-            await events.send([], usage=usage(choices, details, reasoning=True), **choices[0].metrics)
+            await events.send([], usage=usage(choices, details, await reasoning_tokens(choices)),
+                              **choices[0].metrics)
         for c in choices if choices[0].form.log_id is not None else ():  # vLLM's line per choice: its whole text
             log_output(c.form.log_id, c.text, None, "streaming_complete", c.form.log_len, " (streaming complete)")
     except ConnectionResetError:
