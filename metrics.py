@@ -8,11 +8,12 @@ Prometheus text format, so the engine stays usable offline with no client librar
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -205,7 +206,12 @@ class EngineStats:
 
     # gauges (set every step)
     num_requests_running: int = 0
-    num_requests_waiting: int = 0
+    num_requests_waiting: int = 0  # in the scheduler's queue
+    # Requests whose structured-output grammar the server is compiling (deferred): vLLM's
+    # engine holds them in its waiting queue meanwhile (WAITING_FOR_FSM), so its
+    # num_requests_waiting counts them and its waiting-by-reason says "deferred"; here
+    # they reach the engine once compiled, and the server counts them (deferred()).
+    num_requests_deferred: int = 0
     waiting_by_reason: dict[str, int] = field(default_factory=lambda: dict.fromkeys(wait_reasons(), 0))
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use, 0..1
     num_kv_blocks: int = 0  # usable blocks (the null block excluded)
@@ -224,8 +230,8 @@ class EngineStats:
     # vLLM's PromptTokenStats of the same prompts: the tokens the prefix cache served, and by
     # source those computed (prompt_tokens_local_compute) and those the cache held (the cached
     # ones, plus the last prompt token when the cache held all the others: it is computed
-    # again for its logits). vLLM also adds that one token to a one-token prompt with no hit,
-    # counting it twice; not here.
+    # again for its logits: prompt_tokens_recomputed). vLLM also adds that one token to a
+    # one-token prompt with no hit, counting it twice; not here.
     prompt_tokens_cached: int = 0
     prompt_tokens_local_cache_hit: int = 0
     generation_tokens: int = 0
@@ -301,6 +307,28 @@ class EngineStats:
     @property
     def prompt_tokens_local_compute(self) -> int:
         return self.prompt_tokens - self.prompt_tokens_cached
+
+    @property
+    def prompt_tokens_recomputed(self) -> int:
+        """vLLM's PromptTokenStats.recomputed_tokens: the last prompt token of each prompt the
+        cache held all but, counted in local_cache_hit and computed again for its logits."""
+        return self.prompt_tokens_local_cache_hit - self.prompt_tokens_cached
+
+    @property
+    def num_requests_waiting_all(self) -> int:
+        """vLLM's num_requests_waiting: the queue's and those deferred."""
+        return self.num_requests_waiting + self.num_requests_deferred
+
+    @contextlib.contextmanager
+    def deferred(self, n: int) -> Iterator[None]:
+        """n requests deferred for the block's length (their grammar compiling)."""
+        with self.lock:
+            self.num_requests_deferred += n
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.num_requests_deferred -= n
 
     @property
     def slot_utilization(self) -> float:
@@ -499,7 +527,7 @@ class LoggingStatLogger:
                                    s.prefix_cache_hits - last.prefix_cache_hits)
         parts = ["Avg prompt throughput: %.1f tokens/s", "Avg generation throughput: %.1f tokens/s",
                  "Running: %d reqs", "Waiting: %d reqs"]
-        args: list[float] = [prompt, generation, s.num_requests_running, s.num_requests_waiting]
+        args: list[float] = [prompt, generation, s.num_requests_running, s.num_requests_waiting_all]
         if preempted := s.num_preemptions - last.num_preemptions:
             parts.append("Preemptions: %d")
             args.append(preempted)

@@ -15,7 +15,7 @@ PREFIX = "taxirank:"
 ENGINE = "0"  # vLLM's engine label (its data-parallel rank): one engine per server
 _GAUGES = [  # (metric, EngineStats attribute, help)
     ("num_requests_running", "num_requests_running", "Requests in the running batch."),
-    ("num_requests_waiting", "num_requests_waiting", "Requests waiting to be admitted."),
+    ("num_requests_waiting", "num_requests_waiting_all", "Requests waiting to be admitted."),
     ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of usable KV cache blocks in use (0..1)."),
     ("slot_utilization", "slot_utilization", "Useful slot-steps / total slot-steps since start."),
     ("num_kv_blocks", "num_kv_blocks", "Usable KV cache blocks (the null block excluded)."),
@@ -35,6 +35,8 @@ _COUNTERS = [  # vLLM's names first; the rest have no vLLM counterpart
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of requests whose prefill completed (at their first token)."),
     ("prompt_tokens_cached", "prompt_tokens_cached",
      "Prompt tokens of requests whose prefill completed that the prefix cache served."),
+    ("prompt_tokens_recomputed", "prompt_tokens_recomputed",
+     "Prompt tokens the prefix cache held that were computed again (the last, for its logits)."),
     ("generation_tokens", "generation_tokens", "Generated tokens."),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (first admissions)."),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache (first admissions)."),
@@ -123,11 +125,11 @@ class EngineCollector:
         yield info
         # vLLM's breakdown, which sums to num_requests_waiting: "capacity" (waiting for room) and
         # "deferred" (held by a transient constraint: LoRA budget, remote KV, a grammar compiling).
-        # Nothing here defers a request so: its grammar is compiled before it reaches the engine.
+        # Here only a grammar compiling defers a request.
         vllm_reasons = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
                                          "Waiting requests by vLLM's reason: capacity or deferred.", labels=["reason"])
         vllm_reasons.add_metric(["capacity"], s.num_requests_waiting)
-        vllm_reasons.add_metric(["deferred"], 0)
+        vllm_reasons.add_metric(["deferred"], s.num_requests_deferred)
         yield vllm_reasons
         by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_wait_reason",
                                       "Waiting requests by what they wait for.", labels=["reason"])

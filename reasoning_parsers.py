@@ -74,6 +74,21 @@ class ThinkReasoningParser:
             return text[:j], text[j + len(self.end):] or None
         return text[:len(text) - (0 if final else partial_tag_len(text, self.end))], None
 
+    def span(self, text: str) -> tuple[int, int]:
+        """Where split(text, final=True)'s reasoning lies in the whole output text: [begin, end),
+        empty when it has none."""
+        if self.prompt_ended:
+            return 0, 0
+        opened = text.lstrip()
+        if opened.startswith(self.start):
+            begin = len(text) - len(opened) + len(self.start)
+        elif not self.implicit:
+            return 0, 0
+        else:
+            begin = 0
+        j = text.find(self.end, begin)
+        return begin, j if j >= 0 else len(text)
+
     def feed(self, chunk: str, final: bool) -> tuple[str, str]:
         """The (reasoning, content) that the output's next chunk adds to split(output so far,
         final) (None there: ""), as vLLM's extract_reasoning_content_streaming keeps its
@@ -109,3 +124,4 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
     def __init__(self, prompt: str, thinking: bool = True) -> None:
         super().__init__(prompt, thinking)
         self.implicit = thinking
+

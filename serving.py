@@ -27,11 +27,13 @@ from protocol import (INT64, MAX_SAMPLES, ApiError, cache_salt, chat_logprobs, c
                       field, parse_beam_search, parse_sampling, parse_slo, prompt_logprobs_json, request_field,
                       structured_field, truncate_prompt, unknown_fields)
 from sampling_params import SamplingParams
+from tokenizer import IncrementalDetokenizer
 from tool_parsers import ToolCallStream, ToolChoice
 
 if TYPE_CHECKING:
     from async_engine import AsyncEngine
     from outputs import TokenLogprob
+    from reasoning_parsers import ThinkReasoningParser
 
 T = TypeVar("T")
 
@@ -71,7 +73,8 @@ async def respond(request: web.Request, body: dict, prompts: list[list[int]], ch
     # Its arrival, as vLLM's: once tokenized, before its grammar compiles (vLLM compiles it in
     # the engine while the request waits), so its queue time, TTFT and e2e include the compile.
     arrival = time.monotonic()
-    grammar = await compile_grammar(engine, params[0], body, tools)  # (every prompt's one constraint)
+    # (every prompt's one constraint; its engine requests wait meanwhile)
+    grammar = await compile_grammar(engine, params[0], body, tools, sum(p.n for p in params))
     request_id, engine_request_id = request_ids(body, request.headers.get("X-Request-Id"), chat)
     # vLLM's engine ids of a batch's prompts: the request's, each with its index
     engine_ids = [engine_request_id] if len(prompts) == 1 else [f"{engine_request_id}-{k}" for k in range(len(prompts))]
@@ -172,16 +175,20 @@ def parse_stream_options(body: dict, force_include_usage: bool = False) -> tuple
     return stream, include_usage, continuous_usage
 
 
-async def compile_grammar(engine: AsyncEngine, params: SamplingParams, body: dict, tools: ToolChoice | None) -> Any:
+async def compile_grammar(engine: AsyncEngine, params: SamplingParams, body: dict, tools: ToolChoice | None,
+                          waiting: int = 1) -> Any:
     """params' structured-output constraint, compiled off the event loop (a large schema takes
     tens of ms) and handed to the engine, which copies it (the cache may have evicted it by
     then); None without one. One that does not compile is a 400 naming the field it came in
-    (protocol.structured_field: tool_choice for a forced call's)."""
+    (protocol.structured_field: tool_choice for a forced call's). waiting: the engine
+    requests that wait for it, counted waiting (deferred) meanwhile, as vLLM's engine counts
+    its requests waiting for their grammar."""
     if params.structured_outputs is None:
         return None
     try:
-        return await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
-                                                                params.structured_outputs)
+        with engine.stats.deferred(waiting):
+            return await asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
+                                                                    params.structured_outputs)
     except ValueError as e:
         raise ApiError(str(e), param=structured_field(body, tools)) from e
 
@@ -302,7 +309,10 @@ class Choice:
         # of the next token; a chat answer's parsers
         self.first, self.offset, self.message = True, 0, form.message_stream() if form.chat else None
         self.sampled: list[int] = []  # streamed: the last tokens sent with logprobs, the next chunk's context
-        self.text = ""  # streamed: the output's text so far, for --enable-log-outputs
+        # streamed: the output's text so far, for --enable-log-outputs, and with its token ids
+        # under a reasoning parser, for the usage's reasoning tokens
+        self.text = ""
+        self.ids: list[int] | None = [] if form.chat and form.reasoning_parser is not None else None
         self.collected: tuple | None = None  # whole: what collect() gathered for whole()
 
     async def collect(self) -> None:
@@ -350,6 +360,12 @@ class Choice:
                 log_output(f.log_id, logged, ids, reason, f.log_len)
         return choice
 
+    def reasoning_tokens(self) -> int:
+        """Its output tokens in its reasoning (count_reasoning_tokens), whole or streamed so far."""
+        f = self.form
+        text, ids = (self.collected[0], self.collected[1]) if self.collected is not None else (self.text, self.ids)
+        return count_reasoning_tokens(f.reasoning_parser(), text, ids, f.tokenizer, f.prompt_ids, f.params)
+
     def whole_message(self, text: str, reason: str) -> tuple[dict, str]:
         """A whole chat answer's {"message": ...}, its tool calls and reasoning parsed out of
         the text, and its finish_reason (tool_calls when it called one)."""
@@ -370,6 +386,10 @@ class Choice:
                     continue  # no token yet (vLLM's chunked-prefill case); a step whose text is held back still goes
                 choice = self.stream_chunk(c)
                 self.num_output_tokens, self.metrics = c.num_output_tokens, metrics_json(c)
+                if self.ids is not None or self.form.log_id is not None:
+                    self.text += c.text
+                if self.ids is not None:
+                    self.ids += c.token_ids
                 if self.form.log_id is not None:
                     self.log_delta(c, choice)
                 if self.form.chat and not (choice["delta"] or choice["finish_reason"] or choice["token_ids"] is not None
@@ -383,8 +403,7 @@ class Choice:
     def log_delta(self, c: Chunk, choice: dict) -> None:
         """--enable-log-outputs, streamed: vLLM's line per chunk that says something (a chat
         delta's content, [reasoning: ...] and [tool_calls: <arguments>]), and the text so far
-        for the line once the stream is complete (stream_response)."""
-        self.text += c.text
+        for the line once the stream is complete (stream_response: stream() keeps it)."""
         if not self.form.log_deltas:
             return
         if self.form.chat:
@@ -459,13 +478,43 @@ def metrics_json(chunk: Chunk) -> dict:
     return {"metrics": dataclasses.asdict(chunk.metrics)} if chunk.metrics else {}
 
 
-def usage(choices: list[Choice], details: bool | None = None) -> dict:
+def count_reasoning_tokens(parser: ThinkReasoningParser, text: str, token_ids: Sequence[int], tokenizer: Any,
+                           prompt_ids: list[int], params: SamplingParams) -> int:
+    """vLLM's usage.completion_tokens_details.reasoning_tokens of one choice: its output
+    tokens inside the reasoning, the tags' own tokens left out (vLLM counts the ids between
+    the <think> and </think> token ids). The reasoning is where parser.span finds it in the
+    text, so a tag spelled in several tokens and a block the prompt opened count as the
+    message's reasoning reads; a token is in it when the text it adds (decoded as the engine
+    decodes, a character going to the token that completes it) is."""
+    begin, end = parser.span(text)
+    if begin >= end or not token_ids:
+        return 0
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, [], params)
+    count, last = 0, len(token_ids) - 1
+    for i, token in enumerate(token_ids):
+        before = len(detok.text)
+        detok.advance([token], final=i == last)
+        count += begin <= before and len(detok.text) <= end
+    return count
+
+
+async def reasoning_tokens(choices: list[Choice]) -> int | None:
+    """The choices' reasoning tokens summed (vLLM's usage.completion_tokens_details under a
+    --reasoning-parser: a chat answer's only), None without a parser. Counted off the event
+    loop: it decodes the output again, token by token (about 10 ms per 1,000 tokens of a BPE tokenizer)."""
+    if not choices or not choices[0].form.chat or choices[0].form.reasoning_parser is None:
+        return None
+    return await asyncio.to_thread(lambda: sum(c.reasoning_tokens() for c in choices))
+
+
+def usage(choices: list[Choice], details: bool | None = None, reasoning: int | None = None) -> dict:
     """OpenAI's usage of the choices' tokens so far, each prompt counted once (vLLM's usage
     for n samples of a batch of prompts). details: --enable-prompt-tokens-details, which adds vLLM's
     prompt_tokens_details (the prompt tokens the prefix cache served, 0 included); without
     it a whole response says null and a stream's usage chunk leaves the field out (vLLM
     dumps the one whole and the other without its None fields). None: neither (vLLM's
-    continuous_usage_stats chunks never carry it)."""
+    continuous_usage_stats chunks never carry it). reasoning: a response's final usage's
+    reasoning tokens (reasoning_tokens()), as vLLM's completion_tokens_details; None: none."""
     # a prompt's first sample stands for its prompt: its n samples share one ChoiceFormat
     firsts = list({id(c.form): c.gen for c in reversed(choices)}.values())
     prompt_tokens = sum(g.num_prompt_tokens for g in firsts)
@@ -474,6 +523,8 @@ def usage(choices: list[Choice], details: bool | None = None) -> dict:
                            "total_tokens": prompt_tokens + completion_tokens}
     if details:
         out["prompt_tokens_details"] = {"cached_tokens": sum(g.num_cached_tokens for g in firsts)}
+    if reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return out
 
 
@@ -481,11 +532,10 @@ async def whole_response(head: dict, choices: list[Choice], form: ChoiceFormat, 
     """The response as one JSON object, once every choice has ended (details:
     --enable-prompt-tokens-details)."""
     await all_of(c.collect() for c in choices)
-    # vLLM's UsageInfo, dumped whole: completion_tokens_details is null (vLLM's counts
-    # reasoning tokens under a --reasoning-parser; this server counts none, so null there too)
-    use = usage(choices, details)
+    # vLLM's UsageInfo, dumped whole: its details null where unset
+    use = usage(choices, details, await reasoning_tokens(choices))
     use.setdefault("prompt_tokens_details", None)
-    use["completion_tokens_details"] = None
+    use.setdefault("completion_tokens_details", None)
     # the rest of vLLM's CompletionResponse or ChatCompletionResponse, null where unused (it dumps its None fields)
     tail = {"service_tier": None, "system_fingerprint": None, "usage": use}
     if form.chat:
@@ -527,7 +577,8 @@ async def stream_response(request: web.Request, head: dict, choices: list[Choice
             await events.open_messages()
         await all_of(events.send_choice(c) for c in choices)
         if include_usage:
-            await events.send([], usage=usage(choices, details), **choices[0].metrics)
+            await events.send([], usage=usage(choices, details, await reasoning_tokens(choices)),
+                              **choices[0].metrics)
         for c in choices if choices[0].form.log_id is not None else ():  # vLLM's line per choice: its whole text
             log_output(c.form.log_id, c.text, None, "streaming_complete", c.form.log_len, " (streaming complete)")
     except ConnectionResetError:

@@ -44,6 +44,8 @@ EXPORTED = {
     "taxirank:prompt_tokens": ("counter", "Prompt tokens of requests whose prefill completed (at their first token)."),
     "taxirank:prompt_tokens_cached": ("counter", "Prompt tokens of requests whose prefill completed that the prefix "
                                                   "cache served."),
+    "taxirank:prompt_tokens_recomputed": ("counter", "Prompt tokens the prefix cache held that were computed again "
+                                                      "(the last, for its logits)."),
     "taxirank:prompt_tokens_by_source": ("counter", "Prompt tokens of requests whose prefill completed, by source: "
                                                     "computed, or held by the prefix cache."),
     "taxirank:generation_tokens": ("counter", "Generated tokens."),
@@ -161,8 +163,8 @@ def test_every_exported_name_type_help_and_bucket_bound_is_pinned():
 
 def test_waiting_by_reason_is_vllms_capacity_and_deferred_summing_to_waiting():
     """vLLM's num_requests_waiting_by_reason sums to num_requests_waiting over its two reasons;
-    nothing here defers a request as vLLM's do (LoRA, remote KV, a grammar compiling), so every
-    waiting request waits for capacity, whatever the scheduler says it waits for."""
+    every request in the scheduler's queue waits for capacity, whatever the scheduler says it
+    waits for (only a grammar compiling defers one: the next test)."""
     stats = EngineStats(max_model_len=2048)
     stats.num_requests_waiting = 5  # one just arrived: no schedule() has given it a wait reason yet
     stats.waiting_by_reason = dict.fromkeys(stats.waiting_by_reason, 0) | {"kv_blocks": 3, "policy": 1}
@@ -170,6 +172,43 @@ def test_waiting_by_reason_is_vllms_capacity_and_deferred_summing_to_waiting():
     assert {k[1]: v for k, v in got.items() if k[0] == "taxirank:num_requests_waiting_by_reason"} == \
         {(("reason", "capacity"),): 5, (("reason", "deferred"),): 0}
     assert got[("taxirank:num_requests_waiting_by_wait_reason", (("reason", "kv_blocks"),))] == 3
+
+
+def test_requests_compiling_their_grammar_wait_deferred_as_vllms():
+    """vLLM's engine keeps a request whose grammar compiles in its waiting queue
+    (WAITING_FOR_FSM): in num_requests_waiting, by reason "deferred". Here the server
+    compiles before the engine sees the request, and counts its engine requests so while it
+    does: during the compile, not after, a grammar refused with a 400 included."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from protocol import ApiError
+    from sampling_params import StructuredOutputsParams
+    from serving import compile_grammar
+
+    stats, during = EngineStats(max_model_len=2048), []
+    stats.num_requests_waiting = 4  # in the scheduler's queue
+
+    def waiting() -> tuple[float, float, float]:
+        got = samples(render(stats))
+        return (got[("taxirank:num_requests_waiting", ())],
+                *(got[("taxirank:num_requests_waiting_by_reason", (("reason", r),))] for r in ("capacity", "deferred")))
+
+    def compile_(spec: StructuredOutputsParams) -> str:
+        during.append(waiting())
+        if spec.regex == "(":
+            raise ValueError("unbalanced")
+        return "compiled"
+    engine = SimpleNamespace(stats=stats, grammars=SimpleNamespace(compile=compile_))
+    for regex in ("a+", "("):
+        body = {"structured_outputs": {"regex": regex}}
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex))
+        try:
+            assert asyncio.run(compile_grammar(engine, params, body, None, 3)) == "compiled"
+        except ApiError:
+            assert regex == "("
+        assert waiting() == (4, 4, 0)
+    assert during == [(7, 4, 3)] * 2
 
 
 def test_spec_decode_counters_are_served_only_with_a_speculative_config():
@@ -259,6 +298,7 @@ def test_values_after_a_workload_are_sane_and_counters_only_grow():
     computed = val("taxirank:prompt_tokens_by_source_total", source="local_compute")
     assert val("taxirank:iteration_tokens_total_sum") == computed + val("taxirank:generation_tokens_total")
     assert computed + val("taxirank:prompt_tokens_cached_total") == val("taxirank:prompt_tokens_total")
+    assert val("taxirank:prompt_tokens_recomputed_total") == 0  # random prompts: no cache hit to compute again
     assert val("taxirank:total_slot_steps_total") == 4 * steps
     assert val("taxirank:num_decode_steps_total") < steps
 
@@ -337,6 +377,11 @@ def test_iteration_tokens_are_vllm_v1s_computed_prompts_plus_generated_tokens():
     assert t.prompt_tokens_cached - s.prompt_tokens_cached == 16
     assert t.prompt_tokens_local_compute - s.prompt_tokens_local_compute == 17 + 1
     assert t.prompt_tokens_local_cache_hit - s.prompt_tokens_local_cache_hit == 16 + 1
+    # vLLM's prompt_tokens_recomputed: that one token, and so its invariant
+    # local_compute + local_cache_hit - recomputed == prompt tokens
+    got = samples(render(t))
+    assert (s.prompt_tokens_recomputed, got[("taxirank:prompt_tokens_recomputed_total", ())]) == (0, 1)
+    assert t.prompt_tokens_local_compute + t.prompt_tokens_local_cache_hit - 1 == t.prompt_tokens == 47 + 2 * 17
 
 # Values on and around the bucket bounds (Prometheus' `le`: a value equal to a bound
 # belongs to that bucket), far outside them, and anything in between.

@@ -50,6 +50,58 @@ def test_each_parser_splits_vllms_examples_as_vllm(output, reasoning, content):
     assert REASONING_PARSERS["deepseek_r1"](ended).split(output, True) == (None, output)
 
 
+class TagTokens(ByteTokenizer):
+    """Bytes, and `<think>` and `</think>` one id each, as in Qwen3's and DeepSeek-R1's vocabularies."""
+
+    TAGS = {300: "<think>", 301: "</think>"}
+
+    def ids(self, text: str) -> list[int]:
+        ids_of = {v: k for k, v in self.TAGS.items()}
+        return [i for part in re.split("(</?think>)", text) for i in ([ids_of[part]] if part in ids_of
+                                                                      else list(part.encode()))]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.TAGS.get(i) or super(TagTokens, self).decode([i], skip_special_tokens) for i in ids)
+
+
+def vllm_count(ids: list[int]) -> int:
+    """vLLM's BaseThinkingReasoningParser.count_reasoning_tokens: the ids between a start and
+    an end tag id, nested starts counted in depth, the tags themselves not."""
+    count = depth = 0
+    for i in ids:
+        if i == 300:
+            depth += 1
+        elif i == 301:
+            depth = max(depth - 1, 0)
+        else:
+            count += depth > 0
+    return count
+
+
+@pytest.mark.parametrize("output, reasoning, content", CASES)
+def test_reasoning_tokens_are_the_tokens_of_the_reasoning_as_vllms_count(output, reasoning, content):
+    """usage's reasoning_tokens: the output's tokens that spell the message's reasoning (tags
+    one token each, as in the models these parsers are for); for an output that opens its
+    think block, what vLLM's count of the ids between the tags gives. Thinking off, or a
+    prompt that closed the block: none."""
+    from sampling_params import SamplingParams
+    from serving import count_reasoning_tokens
+
+    tok, prompt = TagTokens(), "<|im_start|>assistant\n"
+    ids = tok.ids(output)
+    assert tok.decode(ids) == output
+
+    def count(parser) -> int:
+        return count_reasoning_tokens(parser, output, ids, tok, [], SamplingParams())
+    for name in ("deepseek_r1", "qwen3"):
+        assert count(REASONING_PARSERS[name](prompt)) == len(tok.ids(reasoning or "")), name
+    if output.lstrip().startswith("<think>"):
+        assert count(REASONING_PARSERS["qwen3"](prompt)) == vllm_count(ids)
+    off = QWEN3_THINKING_OFF.get(output, (reasoning, content))[0]
+    assert count(REASONING_PARSERS["qwen3"](prompt, False)) == len(tok.ids(off or ""))
+    assert count(REASONING_PARSERS["deepseek_r1"](prompt + "<think>\n\n</think>\n\n")) == 0
+
+
 def stream(s: ToolCallStream, text: str, cuts: list[int]) -> tuple[list[dict], str | None]:
     bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(text))), len(text)]
     out, last = [], None
@@ -181,7 +233,8 @@ def post():
                 resp = await client.post("/v1/chat/completions", json=body)
                 assert resp.status == 200, await resp.text()
                 whole = json.loads(await resp.text())
-                resp = await client.post("/v1/chat/completions", json=body | {"stream": True})
+                resp = await client.post("/v1/chat/completions",
+                                         json=body | {"stream": True, "stream_options": {"include_usage": True}})
                 lines = (await resp.text()).splitlines()
                 return whole, [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
@@ -236,6 +289,24 @@ def test_include_reasoning_false_sends_no_logprobs_nor_token_ids_that_would_show
     assert all(p["logprobs"] is None and p.get("token_ids") is None and not p["delta"].get("reasoning") for p in parts)
     shown, _ = post("qwen3", body | {"include_reasoning": True}, raw=True)  # (the same answer, shown)
     assert len(shown["choices"][0]["logprobs"]["content"]) == len(shown["choices"][0]["token_ids"]) > 1
+
+
+def test_usage_counts_the_reasoning_tokens_whole_and_streamed_as_vllm(post):
+    """vLLM's usage.completion_tokens_details.reasoning_tokens under a --reasoning-parser,
+    shown or not: the tiny model never writes `</think>`, so with thinking on its every
+    token is reasoning, with it off none; in the whole response and the stream's usage
+    chunk alike (never a continuous_usage_stats chunk's). Without a parser: null whole,
+    absent streamed (vLLM drops its None fields there)."""
+    cases = [("qwen3", {}, "all"), ("qwen3", {"include_reasoning": False}, "all"), ("deepseek_r1", {}, "all"),
+             ("qwen3", {"chat_template_kwargs": {"enable_thinking": False}}, 0), (None, {}, None)]
+    for parser, body, expect in cases:
+        whole, chunks = post(parser, body, raw=True)
+        use, streamed = whole["usage"], chunks[-1]["usage"]
+        assert chunks[-1]["choices"] == [] and streamed["completion_tokens"] == use["completion_tokens"] == 12
+        details = None if expect is None else {"reasoning_tokens": 12 if expect == "all" else expect}
+        assert use["completion_tokens_details"] == details, (parser, body, use)
+        assert streamed.get("completion_tokens_details") == details and \
+            ("completion_tokens_details" in streamed) == (details is not None), (parser, body, streamed)
 
 
 def test_a_constraint_holds_once_thinking_ends(post):

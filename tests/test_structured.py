@@ -453,7 +453,10 @@ def test_a_constraint_that_does_not_compile_names_the_field_it_came_in():
     from tokenizer import ByteTokenizer
     from tool_parsers import ToolChoice
 
-    engine = types.SimpleNamespace(grammars=GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id]))
+    from metrics import EngineStats
+
+    engine = types.SimpleNamespace(grammars=GrammarCompiler(ByteTokenizer(), 512, [ByteTokenizer.eos_token_id]),
+                                   stats=EngineStats())
     params = SamplingParams(structured_outputs=SO(regex="(a"))
     cases = [({"structured_outputs": {"regex": "(a"}}, "auto", "structured_outputs"),
              ({"guided_regex": "(a"}, None, "guided_regex"),
