@@ -124,4 +124,3 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
     def __init__(self, prompt: str, thinking: bool = True) -> None:
         super().__init__(prompt, thinking)
         self.implicit = thinking
-
