@@ -261,7 +261,7 @@ class LLMEngine:
             return ""
         prompt_end = self.tokenizer.decode(seq.prompt_token_ids[-32:], skip_special_tokens=False)
         parser = REASONING_PARSERS[name](prompt_end, thinking)
-        if parser.prompt_ended or not parser.implicit:
+        if not parser.implicit:
             return ""
         return parser.end
 

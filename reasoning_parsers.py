@@ -17,10 +17,14 @@ tool calls are parsed from. Parsers (REASONING_PARSERS), each vLLM's rule:
 
 Either way a `<think>` opening the output is dropped (vLLM drops one anywhere, with what
 precedes it, from a whole response, but streams that text as it comes: here a stream says
-what the whole response says), and a prompt whose
-reasoning already ended (a template that writes an empty `<think>\\n\\n</think>` when
-thinking is off) makes the whole output content. The tags are matched in the text, so a
-model whose tokenizer spells them in several tokens parses the same. While streaming, text
+what the whole response says). A prompt whose reasoning already ended (a template that
+writes an empty `<think>\\n\\n</think>` when thinking is off) makes output that does not
+open with `<think>` content, as thinking off does; output that opens with `<think>` is
+reasoning whatever the prompt says: the prompt's end (its last 32 tokens) may hold an
+earlier turn's `</think>` (Qwen3 renders the assistant turns after the last user message
+with their reasoning, so an agent loop's short tool call and result leave one in reach),
+and the new answer's thinking must not read as content. The tags are matched in the text,
+so a model whose tokenizer spells them in several tokens parses the same. While streaming, text
 that may be the start of a tag is held back until it is known not to be.
 """
 
@@ -42,26 +46,25 @@ class ThinkReasoningParser:
     """`<think>...</think>` reasoning, then content. One per response."""
 
     start, end = "<think>", "</think>"
-    # Output that does not open with <think> is reasoning until </think> (the prompt opened
-    # the block); output that does is reasoning until then whatever this says.
-    implicit = True
 
     def __init__(self, prompt: str, thinking: bool = True) -> None:
         """prompt: the end of the rendered chat prompt; thinking: the request did not switch
         thinking off (its template variable enable_thinking)."""
         self.prompt_ended = prompt.rfind(self.end) > prompt.rfind(self.start)
+        # Output that does not open with <think> is reasoning until </think> (the prompt opened
+        # the block, or may have: no end tag after its last start); output that does is
+        # reasoning until then whatever this says.
+        self.implicit = not self.prompt_ended
         # a stream's state (feed): where the output is (None: before the opening tag is
         # decided, "reasoning", "content"); before that, its leading whitespace (chunks) and
         # the text after it (shorter than the tag); in reasoning, the end that may begin the end tag
-        self.phase: str | None = "content" if self.prompt_ended else None
+        self.phase: str | None = None
         self.blank: list[str] = []
         self.head = self.held = ""
 
     def split(self, text: str, final: bool) -> tuple[str | None, str | None]:
         """(reasoning, content) of the output so far; None: none. Not final: what may still
         turn out to be part of a tag is in neither."""
-        if self.prompt_ended:
-            return None, text
         opened = text.lstrip()
         if opened.startswith(self.start):
             text = opened[len(self.start):]
@@ -77,8 +80,6 @@ class ThinkReasoningParser:
     def span(self, text: str) -> tuple[int, int]:
         """Where split(text, final=True)'s reasoning lies in the whole output text: [begin, end),
         empty when it has none."""
-        if self.prompt_ended:
-            return 0, 0
         opened = text.lstrip()
         if opened.startswith(self.start):
             begin = len(text) - len(opened) + len(self.start)
@@ -123,4 +124,4 @@ class ThinkReasoningParser:
 class Qwen3ReasoningParser(ThinkReasoningParser):
     def __init__(self, prompt: str, thinking: bool = True) -> None:
         super().__init__(prompt, thinking)
-        self.implicit = thinking
+        self.implicit = thinking and not self.prompt_ended
