@@ -345,8 +345,8 @@ def parse_sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool,
     # (the numbers after "You passed", "requested" and "is only") to fit the prompt or lower
     # max_tokens and retry; its VLLMValidationError's str ends "(parameter=..., value=...)".
     # The output it counts: the max_tokens asked, else completions' default 16, chat's 0.
-    if max_tokens is not None and max_tokens > max_model_len:
-        raise ApiError(f"{limit}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+    if max_tokens is not None and max_tokens > max_model_len:  # ("=max_total_tokens=": vLLM's f"{x=}" spelling)
+        raise ApiError(f"{limit}={max_tokens} cannot be greater than max_model_len=max_total_tokens={max_model_len}. "
                        f"Please request fewer output tokens. (parameter={limit}, value={max_tokens})", param=limit)
     asked = max(0, max_tokens if max_tokens is not None else 0 if chat else 16)
     if prompt_len > max_model_len - asked:
