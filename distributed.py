@@ -20,11 +20,13 @@ the coordinator go away as an error, not a hang.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any, Callable
 
 import numpy as np
 
-from config import EngineConfig
+from config import EngineConfig, flag_name
 
 HEARTBEAT_TIMEOUT_S = 10  # jax.distributed's default is 100 s: a dead peer should fail the group sooner
 _POLL_MS = 1000
@@ -36,6 +38,8 @@ _PREFIX = "taxirank/"
 STOP, DECODE, RAGGED, SAMPLE, SAMPLE_MASKED, SAMPLE_PENALIZED = 0, 1, 2, 3, 4, 5
 _HEADER = np.dtype(np.int64).itemsize * 3
 KEEP_POSTS = 8
+# Flags that name something on each host (its rank, its own cache folder): they may differ.
+HOST_LOCAL = frozenset({"process_id", "compilation_cache_dir"})
 
 
 def initialize(config: EngineConfig) -> None:
@@ -56,6 +60,31 @@ def _client() -> Any:
 
     assert global_state.client is not None, "jax.distributed is not initialized"
     return global_state.client
+
+
+def check_same_config(config: EngineConfig, client: Any = None, process_index: int | None = None,
+                      process_count: int | None = None) -> None:
+    """Raises ValueError on every process whose engine flags differ from process 0's (or,
+    on process 0, when any other's do), naming them. A follower runs process 0's steps with
+    programs shaped by its own flags (slots, block size, model length, dtype, the model
+    and its seed), so a difference would otherwise fail or hang inside a collective at
+    the first request, or mix two models' weights into wrong tokens. client, process_index
+    and process_count default to the initialized runtime's."""
+    import jax
+
+    client = _client() if client is None else client
+    me = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    mine = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name not in HOST_LOCAL}
+    client.key_value_set_bytes(f"{_PREFIX}config/{me}", json.dumps(mine).encode())
+    for other in range(1, count) if me == 0 else (0,):
+        theirs = json.loads(_wait(client, me, f"{_PREFIX}config/{other}"))
+        p0, pn = (mine, theirs) if me == 0 else (theirs, mine)
+        diff = [f"{flag_name(k)} {pn.get(k)} (process 0: {p0.get(k)})" for k in mine if p0.get(k) != pn.get(k)]
+        if diff:
+            raise ValueError(f"process {other if me == 0 else me} was started with other engine flags than "
+                             f"process 0: {'; '.join(diff)}. Every process of a multi-host run takes the same "
+                             "engine flags (all but --process-id)")
 
 
 class GroupFailedError(RuntimeError):
@@ -116,11 +145,16 @@ class StepChannel:
         return int(np.frombuffer(self._wait(key), np.int64)[0])
 
     def _wait(self, key: str) -> bytes:
-        while True:
-            try:
-                return self.client.blocking_key_value_get_bytes(key, _POLL_MS)
-            except Exception as e:  # jax raises its runtime error type, matched by status
-                if "DEADLINE_EXCEEDED" in str(e):
-                    continue  # nothing posted yet: poll again
-                raise GroupFailedError(f"process {self.process_index}: lost process 0 (the coordinator) "
-                                       f"while waiting for {key}: {e}") from e
+        return _wait(self.client, self.process_index, key)
+
+
+def _wait(client: Any, process_index: int, key: str) -> bytes:
+    """The value posted at `key`, waited for in short polls."""
+    while True:
+        try:
+            return client.blocking_key_value_get_bytes(key, _POLL_MS)
+        except Exception as e:  # jax raises its runtime error type, matched by status
+            if "DEADLINE_EXCEEDED" in str(e):
+                continue  # nothing posted yet: poll again
+            raise GroupFailedError(f"process {process_index}: the group failed (a process or the coordinator "
+                                   f"is gone) while waiting for {key}: {e}") from e

@@ -245,6 +245,54 @@ def test_parallel_flags_are_checked_where_they_enter():
         make_mesh(64)  # this pytest process has one CPU device
 
 
+class _KeyValueStore:
+    """jax.distributed's key-value store as check_same_config uses it, shared by threads."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.values: dict[str, bytes] = {}
+        self.changed = threading.Condition()
+
+    def key_value_set_bytes(self, key: str, value: bytes) -> None:
+        with self.changed:
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def blocking_key_value_get_bytes(self, key: str, timeout_ms: int) -> bytes:
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout_ms / 1000):
+                raise RuntimeError("DEADLINE_EXCEEDED: not posted yet")
+            return self.values[key]
+
+
+def _check_both(configs: list) -> list:
+    """check_same_config on process 0 and 1 at once: what each raised (None: nothing)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distributed import check_same_config
+
+    store = _KeyValueStore()
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(check_same_config, c, store, i, 2) for i, c in enumerate(configs)]
+        return [f.exception(timeout=10) for f in futures]
+
+
+def test_processes_started_with_other_engine_flags_are_refused_on_both_sides():
+    from config import EngineConfig
+
+    multi = dict(model="tiny", tensor_parallel_size=4, num_processes=2, distributed_coordinator="h:1")
+    first = EngineConfig(**multi, max_num_seqs=4, compilation_cache_dir="/a")
+    # its rank and its own cache folder may differ
+    assert _check_both([first, EngineConfig(**multi, max_num_seqs=4, process_id=1, compilation_cache_dir="/b")]) \
+        == [None, None]
+    says = ("process 1 was started with other engine flags than process 0: --seed 3 (process 0: 0); "
+            "--max-num-seqs 8 (process 0: 4); --block-size 8 (process 0: 16)")
+    errors = _check_both([first, EngineConfig(**multi, max_num_seqs=8, seed=3, block_size=8, process_id=1)])
+    assert [type(e) for e in errors] == [ValueError, ValueError], errors
+    assert all(str(e).startswith(says) for e in errors), errors
+
+
 def test_a_draft_model_beside_a_sharded_target_gives_the_tokens_and_acceptance_of_tp_1(tp_report):
     ref, plain = tp_report["llama-draft-tp1"], tp_report["llama-tp1"]
     for got in (tp_report["llama-draft-tp4"], tp_report["llama-draft-orbax-tp4"]):
