@@ -21,7 +21,9 @@ the coordinator go away as an error, not a hang.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import socket
 from typing import Any, Callable
 
 import numpy as np
@@ -29,6 +31,7 @@ import numpy as np
 from config import EngineConfig, flag_name
 
 HEARTBEAT_TIMEOUT_S = 10  # jax.distributed's default is 100 s: a dead peer should fail the group sooner
+INIT_TIMEOUT_S = 300  # jax.distributed's default: how long the processes wait for each other at start-up
 _POLL_MS = 1000
 _PREFIX = "taxirank/"
 # A step is two posts: its forward (DECODE or RAGGED), then its sample program, whose
@@ -42,17 +45,42 @@ KEEP_POSTS = 8
 HOST_LOCAL = frozenset({"process_id", "compilation_cache_dir"})
 
 
-def initialize(config: EngineConfig) -> None:
+def initialize(config: EngineConfig, log: Callable[[str], None] = print) -> None:
     """jax.distributed.initialize from the config; must run before JAX picks its devices."""
     import jax
 
     if config.distributed_coordinator is None or jax.distributed.is_initialized():
         return
+    if config.process_id == 0:  # jaxlib crashes (SIGSEGV) when the service's port is taken
+        check_port_free(int(config.distributed_coordinator.rpartition(":")[2]))
     # CPU devices of different processes need a collectives transport (GPUs use NCCL).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # jax waits for the whole group silently, then aborts with "another task died": say what it waits for
+    log(f"multi-host: process {config.process_id} of {config.num_processes}, coordinator "
+        f"{config.distributed_coordinator}: waiting up to {INIT_TIMEOUT_S} s for every process to join")
     jax.distributed.initialize(coordinator_address=config.distributed_coordinator,
                                num_processes=config.num_processes, process_id=config.process_id,
-                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+                               initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+
+
+def check_port_free(port: int) -> None:
+    """Raises OSError when a socket listens on `port`, where process 0's coordination service
+    listens (every interface, as jax binds it). SO_REUSEADDR, as gRPC's: a port whose last
+    connections are closing (TIME_WAIT) is free."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 on this host
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+                return
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise OSError(e.errno, f"process 0 cannot start the coordination service: port {port} of "
+                                  "--distributed-coordinator is in use (another server, or another process 0?)") from e
 
 
 def _client() -> Any:

@@ -246,6 +246,21 @@ def test_parallel_flags_are_checked_where_they_enter():
         make_mesh(64)  # this pytest process has one CPU device
 
 
+def test_a_coordinator_port_in_use_is_refused_before_jax_starts_its_service():
+    import socket
+
+    import distributed
+    from config import EngineConfig
+
+    with socket.socket() as taken:  # (jaxlib's service crashes the process on a taken port)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = EngineConfig(distributed_coordinator=f"127.0.0.1:{port}", tensor_parallel_size=2, num_processes=2)
+        with pytest.raises(OSError, match=f"port {port} of --distributed-coordinator is in use"):
+            distributed.initialize(config, log=lambda s: None)
+
+
 class _KeyValueStore:
     """jax.distributed's key-value store as check_same_config uses it, shared by threads."""
 
