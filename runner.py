@@ -696,7 +696,8 @@ class ModelRunner:
 
     # ---- multi-host (distributed.py) ----------------------------------------------
     def follow(self) -> None:
-        """Processes other than 0: run process 0's steps, in order, until it stops."""
+        """Processes other than 0: run process 0's steps, in order, until it stops. Anything
+        that stops it sooner (an error, a signal) ends the process: os._exit(1)."""
         assert self.channel is not None and jax.process_index() > 0
         try:
             while (step := self.channel.take(self._idle_args)) is not None:
