@@ -41,7 +41,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -699,6 +701,10 @@ class ModelRunner:
         """Processes other than 0: run process 0's steps, in order, until it stops. Anything
         that stops it sooner (an error, a signal) ends the process: os._exit(1)."""
         assert self.channel is not None and jax.process_index() > 0
+        if threading.current_thread() is threading.main_thread():
+            # jax.distributed's preemption notifier took SIGTERM over, and only records it: a
+            # follower stops on it as on Ctrl-C (which ends the group: process 0 cannot go on alone)
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             while (step := self.channel.take(self._idle_args)) is not None:
                 jax.block_until_ready(self._call(*step))

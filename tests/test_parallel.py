@@ -444,9 +444,9 @@ def test_two_processes_tp4_same_tokens_and_a_dead_process_ends_the_other(tp_repo
         tokens, prompt_logprobs = json.loads(line)
         assert tokens == tp_report["llama-tp1"]["tokens"]
         assert_same_prompt_logprobs(prompt_logprobs, tp_report["llama-tp1"]["prompt_logprobs"])
-        # Ctrl-C on the follower while process 0 is generating (as any step the follower
-        # cannot run): it leaves at once, and process 0 must fail, not wait for it forever
-        procs[1].send_signal(signal.SIGINT)
+        # SIGTERM to the follower while process 0 is generating (as Ctrl-C, or any step the
+        # follower cannot run): it leaves at once, and process 0 must fail, not wait forever
+        procs[1].send_signal(signal.SIGTERM)
         rc = procs[0].wait(timeout=120)
         err = procs[0].stderr.read()
         assert rc != 0 and "another task died" in err, err[-3000:]
