@@ -24,6 +24,7 @@ import dataclasses
 import errno
 import json
 import socket
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -58,9 +59,28 @@ def initialize(config: EngineConfig, log: Callable[[str], None] = print) -> None
     # jax waits for the whole group silently, then aborts with "another task died": say what it waits for
     log(f"multi-host: process {config.process_id} of {config.num_processes}, coordinator "
         f"{config.distributed_coordinator}: waiting up to {INIT_TIMEOUT_S} s for every process to join")
+    if config.process_id > 0:  # jax's own wait for a missing process 0 ends in an abort saying "another task died"
+        wait_for_coordinator(config.distributed_coordinator, INIT_TIMEOUT_S)
     jax.distributed.initialize(coordinator_address=config.distributed_coordinator,
                                num_processes=config.num_processes, process_id=config.process_id,
                                initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Wait until process 0's coordination service accepts connections at HOST:PORT;
+    raises OSError saying so after timeout_s."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise OSError(f"no coordination service at --distributed-coordinator {address} after {timeout_s:g} s "
+                              f"({e}): start process 0 (--process-id 0) with the same --distributed-coordinator, "
+                              "on the host it names") from e
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def check_port_free(port: int) -> None:

@@ -246,7 +246,7 @@ def test_parallel_flags_are_checked_where_they_enter():
         make_mesh(64)  # this pytest process has one CPU device
 
 
-def test_a_coordinator_port_in_use_is_refused_before_jax_starts_its_service():
+def test_a_coordinator_port_in_use_or_nobody_listening_is_a_clear_start_up_error():
     import socket
 
     import distributed
@@ -259,6 +259,11 @@ def test_a_coordinator_port_in_use_is_refused_before_jax_starts_its_service():
         config = EngineConfig(distributed_coordinator=f"127.0.0.1:{port}", tensor_parallel_size=2, num_processes=2)
         with pytest.raises(OSError, match=f"port {port} of --distributed-coordinator is in use"):
             distributed.initialize(config, log=lambda s: None)
+        distributed.wait_for_coordinator(f"127.0.0.1:{port}", 5)  # a follower finds it listening
+    # and says so when nothing listens there (process 0 not started), not jax's "another task died"
+    with pytest.raises(OSError, match=f"no coordination service at --distributed-coordinator 127.0.0.1:{port} "
+                                      r"after 0.05 s \(.*\): start process 0"):
+        distributed.wait_for_coordinator(f"127.0.0.1:{port}", 0.05)
 
 
 class _KeyValueStore:
