@@ -23,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import signal
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -33,6 +35,11 @@ from config import EngineConfig, flag_name
 
 HEARTBEAT_TIMEOUT_S = 10  # jax.distributed's default is 100 s: a dead peer should fail the group sooner
 INIT_TIMEOUT_S = 300  # jax.distributed's default: how long the processes wait for each other at start-up
+# How long an exiting process waits in jax.distributed's shutdown barrier for the others
+# (default 300 s): a normal stop reaches it on every process within seconds (process 0
+# posts STOP at exit), but one that is stuck (in a step's collectives, in start-up, or waiting
+# for a step a process 0 that failed at start-up never posts) would hold the exit that long.
+SHUTDOWN_TIMEOUT_S = 30
 _POLL_MS = 1000
 _PREFIX = "taxirank/"
 # A step is two posts: its forward (DECODE or RAGGED), then its sample program, whose
@@ -61,9 +68,15 @@ def initialize(config: EngineConfig, log: Callable[[str], None] = print) -> None
         f"{config.distributed_coordinator}: waiting up to {INIT_TIMEOUT_S} s for every process to join")
     if config.process_id > 0:  # jax's own wait for a missing process 0 ends in an abort saying "another task died"
         wait_for_coordinator(config.distributed_coordinator, INIT_TIMEOUT_S)
+    on_sigterm = signal.getsignal(signal.SIGTERM)
     jax.distributed.initialize(coordinator_address=config.distributed_coordinator,
                                num_processes=config.num_processes, process_id=config.process_id,
-                               initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+                               initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                               shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+    if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+        # jax's preemption notifier has taken SIGTERM over, and only records it (for
+        # checkpointing jobs): the process stops on it as it did before (a start-up ends)
+        signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def wait_for_coordinator(address: str, timeout_s: float) -> None:

@@ -702,8 +702,8 @@ class ModelRunner:
         that stops it sooner (an error, a signal) ends the process: os._exit(1)."""
         assert self.channel is not None and jax.process_index() > 0
         if threading.current_thread() is threading.main_thread():
-            # jax.distributed's preemption notifier took SIGTERM over, and only records it: a
-            # follower stops on it as on Ctrl-C (which ends the group: process 0 cannot go on alone)
+            # a follower stops on SIGTERM as on Ctrl-C: it leaves the group (below), which
+            # ends it (process 0 cannot go on alone)
             signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             while (step := self.channel.take(self._idle_args)) is not None:
