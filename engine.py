@@ -125,6 +125,7 @@ class LLMEngine:
             raise RuntimeError("process 0 schedules; only the other processes follow")
         self.log(f"process {self.config.process_id}: following process 0's steps")
         self.runner.follow()
+        self.log(f"process {self.config.process_id}: process 0 stopped")
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, request: EngineRequest) -> EngineRequest:

@@ -40,7 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import signal
+import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -693,10 +698,29 @@ class ModelRunner:
 
     # ---- multi-host (distributed.py) ----------------------------------------------
     def follow(self) -> None:
-        """Processes other than 0: run process 0's steps, in order, until it stops."""
+        """Processes other than 0: run process 0's steps, in order, until it stops. Anything
+        that stops it sooner (an error, a signal) ends the process: os._exit(1)."""
         assert self.channel is not None and jax.process_index() > 0
-        while (step := self.channel.take(self._idle_args)) is not None:
-            jax.block_until_ready(self._call(*step))
+        if threading.current_thread() is threading.main_thread():
+            # a follower stops on SIGTERM as on Ctrl-C: it leaves the group (below), which
+            # ends it (process 0 cannot go on alone)
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            while (step := self.channel.take(self._idle_args)) is not None:
+                jax.block_until_ready(self._call(*step))
+        except BaseException as e:
+            # This process cannot run the group's next step (the step failed, a signal, process
+            # 0 is gone), and process 0 may be waiting for it inside that step's collectives.
+            # A normal exit would run jax.distributed's shutdown, whose barrier waits for
+            # process 0 (minutes); exiting at once stops the heartbeats instead, so the
+            # coordination service fails the group within HEARTBEAT_TIMEOUT_S.
+            if isinstance(e, KeyboardInterrupt):
+                print(f"process {jax.process_index()}: interrupted, leaving the group", file=sys.stderr)
+            else:
+                traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
     def stop_followers(self) -> None:
         if self.channel is not None and jax.process_index() == 0:

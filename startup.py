@@ -47,7 +47,9 @@ class EngineParts:
 
 def build_engine(config: EngineConfig, log: Callable[[str], None] = print) -> EngineParts:
     use_compilation_cache(config.compilation_cache_dir)
-    distributed.initialize(config)  # multi-host: before JAX picks its devices
+    distributed.initialize(config, log)  # multi-host: before JAX picks its devices
+    if config.num_processes > 1:
+        distributed.check_same_config(config)
     # Tensor parallelism: the weights go onto the mesh here, the cache in the runner.
     mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
     if checkpoint.is_checkpoint(config.model):  # orbax: restored straight onto the mesh

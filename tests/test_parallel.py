@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -245,6 +246,74 @@ def test_parallel_flags_are_checked_where_they_enter():
         make_mesh(64)  # this pytest process has one CPU device
 
 
+def test_a_coordinator_port_in_use_or_nobody_listening_is_a_clear_start_up_error():
+    import socket
+
+    import distributed
+    from config import EngineConfig
+
+    with socket.socket() as taken:  # (jaxlib's service crashes the process on a taken port)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = EngineConfig(distributed_coordinator=f"127.0.0.1:{port}", tensor_parallel_size=2, num_processes=2)
+        with pytest.raises(OSError, match=f"port {port} of --distributed-coordinator is in use"):
+            distributed.initialize(config, log=lambda s: None)
+        distributed.wait_for_coordinator(f"127.0.0.1:{port}", 5)  # a follower finds it listening
+    # and says so when nothing listens there (process 0 not started), not jax's "another task died"
+    with pytest.raises(OSError, match=f"no coordination service at --distributed-coordinator 127.0.0.1:{port} "
+                                      r"after 0.05 s \(.*\): start process 0"):
+        distributed.wait_for_coordinator(f"127.0.0.1:{port}", 0.05)
+
+
+class _KeyValueStore:
+    """jax.distributed's key-value store as check_same_config uses it, shared by threads."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.values: dict[str, bytes] = {}
+        self.changed = threading.Condition()
+
+    def key_value_set_bytes(self, key: str, value: bytes) -> None:
+        with self.changed:
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def blocking_key_value_get_bytes(self, key: str, timeout_ms: int) -> bytes:
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout_ms / 1000):
+                raise RuntimeError("DEADLINE_EXCEEDED: not posted yet")
+            return self.values[key]
+
+
+def _check_both(configs: list) -> list:
+    """check_same_config on process 0 and 1 at once: what each raised (None: nothing)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distributed import check_same_config
+
+    store = _KeyValueStore()
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(check_same_config, c, store, i, 2) for i, c in enumerate(configs)]
+        return [f.exception(timeout=10) for f in futures]
+
+
+def test_processes_started_with_other_engine_flags_are_refused_on_both_sides():
+    from config import EngineConfig
+
+    multi = dict(model="tiny", tensor_parallel_size=4, num_processes=2, distributed_coordinator="h:1")
+    first = EngineConfig(**multi, max_num_seqs=4, compilation_cache_dir="/a")
+    # its rank and its own cache folder may differ
+    assert _check_both([first, EngineConfig(**multi, max_num_seqs=4, process_id=1, compilation_cache_dir="/b")]) \
+        == [None, None]
+    says = ("process 1 was started with other engine flags than process 0: --seed 3 (process 0: 0); "
+            "--max-num-seqs 8 (process 0: 4); --block-size 8 (process 0: 16)")
+    errors = _check_both([first, EngineConfig(**multi, max_num_seqs=8, seed=3, block_size=8, process_id=1)])
+    assert [type(e) for e in errors] == [ValueError, ValueError], errors
+    assert all(str(e).startswith(says) for e in errors), errors
+
+
 def test_a_draft_model_beside_a_sharded_target_gives_the_tokens_and_acceptance_of_tp_1(tp_report):
     ref, plain = tp_report["llama-draft-tp1"], tp_report["llama-tp1"]
     for got in (tp_report["llama-draft-tp4"], tp_report["llama-draft-orbax-tp4"]):
@@ -380,7 +449,9 @@ def test_two_processes_tp4_same_tokens_and_a_dead_process_ends_the_other(tp_repo
         tokens, prompt_logprobs = json.loads(line)
         assert tokens == tp_report["llama-tp1"]["tokens"]
         assert_same_prompt_logprobs(prompt_logprobs, tp_report["llama-tp1"]["prompt_logprobs"])
-        procs[1].kill()  # process 0 is generating: it must fail, not wait forever
+        # SIGTERM to the follower while process 0 is generating (as Ctrl-C, or any step the
+        # follower cannot run): it leaves at once, and process 0 must fail, not wait forever
+        procs[1].send_signal(signal.SIGTERM)
         rc = procs[0].wait(timeout=120)
         err = procs[0].stderr.read()
         assert rc != 0 and "another task died" in err, err[-3000:]
