@@ -291,8 +291,9 @@ def truncate_prompt(body: dict, prompt_ids: list[int], max_model_len: int, chat:
     max_output = field(body, limit, (int,), 0 if chat else 16)
     max_input = max_model_len - max_output
     if k > max_input:
-        raise ApiError(f"truncate_prompt_tokens={k} cannot be greater than max_model_len - {limit} = {max_input}: "
-                       "request a smaller truncation size", param="truncate_prompt_tokens")
+        raise ApiError(f"truncate_prompt_tokens={k} cannot be greater than max_model_len - {limit} = {max_input}. "
+                       f"Please request a smaller truncation size. (parameter=truncate_prompt_tokens, value={k})",
+                       param="truncate_prompt_tokens")  # vLLM's TokenizeParams words
     k = max_input if k == -1 else k
     if k < 1:  # max_tokens leaves no room: parse_sampling says so
         return prompt_ids

@@ -198,6 +198,18 @@ def test_bad_truncation_is_a_400_naming_the_field(app, extra, param) -> None:
     assert status == 400 and err["param"] == param and param in err["message"], text
 
 
+@pytest.mark.parametrize("extra,want", [({"truncate_prompt_tokens": 125, "max_tokens": 4}, (125, "max_tokens", 124)),
+                                        ({"truncate_prompt_tokens": 113}, (113, "max_tokens", 112))])
+def test_a_truncation_past_the_context_is_vllm_s_400_in_its_words(app, extra, want) -> None:
+    """vLLM's renderer (TokenizeParams) words, with its VLLMValidationError's tail."""
+    post, _ = app
+    status, text, _ = post(C, {"prompt": LONG} | extra)
+    k, limit, room = want
+    assert status == 400 and json.loads(text)["error"]["message"] == (
+        f"truncate_prompt_tokens={k} cannot be greater than max_model_len - {limit} = {room}. Please request a "
+        f"smaller truncation size. (parameter=truncate_prompt_tokens, value={k})"), text
+
+
 # ---- integers sent as numbers -----------------------------------------------------------------
 def test_an_integer_sent_as_a_number_with_no_fraction_is_that_integer_as_vllms_pydantic(app) -> None:
     """vLLM's request models take `2.0` where an integer is due (pydantic's lax mode): every
