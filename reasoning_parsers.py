@@ -66,27 +66,25 @@ class ThinkReasoningParser:
         """(reasoning, content) of the output so far; None: none. Not final: what may still
         turn out to be part of a tag is in neither."""
         opened = text.lstrip()
-        if opened.startswith(self.start):
-            text = opened[len(self.start):]
-        elif not final and self.start.startswith(opened):
+        if not final and not opened.startswith(self.start) and self.start.startswith(opened):
             return None, None  # may yet open with "<think>"
-        elif not self.implicit:
+        if (where := self.span(text)) is None:
             return None, text
-        j = text.find(self.end)
-        if j >= 0:
-            return text[:j], text[j + len(self.end):] or None
-        return text[:len(text) - (0 if final else partial_tag_len(text, self.end))], None
+        begin, end = where
+        if end < len(text):  # the end tag
+            return text[begin:end], text[end + len(self.end):] or None
+        return text[begin:end - (0 if final else partial_tag_len(text[begin:], self.end))], None
 
-    def span(self, text: str) -> tuple[int, int]:
-        """Where split(text, final=True)'s reasoning lies in the whole output text: [begin, end),
-        empty when it has none."""
+    def span(self, text: str) -> tuple[int, int] | None:
+        """Where the whole output text's reasoning lies, [begin, end) (end: where the end tag
+        starts, else the text's end); None when it has none."""
         opened = text.lstrip()
         if opened.startswith(self.start):
             begin = len(text) - len(opened) + len(self.start)
-        elif not self.implicit:
-            return 0, 0
-        else:
+        elif self.implicit:
             begin = 0
+        else:
+            return None
         j = text.find(self.end, begin)
         return begin, j if j >= 0 else len(text)
 

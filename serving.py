@@ -486,7 +486,7 @@ def count_reasoning_tokens(parser: ThinkReasoningParser, text: str, token_ids: S
     text, so a tag spelled in several tokens and a block the prompt opened count as the
     message's reasoning reads; a token is in it when the text it adds (decoded as the engine
     decodes, a character going to the token that completes it) is."""
-    begin, end = parser.span(text)
+    begin, end = parser.span(text) or (0, 0)
     if begin >= end or not token_ids:
         return 0
     detok = IncrementalDetokenizer(tokenizer, prompt_ids, [], params)
